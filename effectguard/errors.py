@@ -1,0 +1,100 @@
+"""The effectguard exception tree.
+
+::
+
+    EffectguardError
+    ├── ConfigError                 a provider declaration, flag or config file is wrong
+    ├── LedgerError
+    │   ├── LedgerUnavailable       a transaction could not commit (503, nothing sent)
+    │   ├── FencedError             this worker was taken over; the store refused its write
+    │   ├── LedgerCorrupt           the ledger's own checks failed (verify, pragmas)
+    │   └── CallNotFound            no call with that id
+    ├── Refusal                     the guard answers a request without dispatching it
+    │                                (status, type, call_id, stage, next_operation)
+    ├── ReconcileError              a reconcile that the call's stage does not allow
+    └── UpstreamError               the upstream leg failed after dispatch (effect unknown)
+
+Driver and httpx exceptions are translated at the boundary and raised ``from``
+the original. Every error about a call carries its ``call_id``.
+"""
+
+from __future__ import annotations
+
+
+class EffectguardError(Exception):
+    """Root of every error effectguard raises."""
+
+    call_id: str | None = None
+
+
+class ConfigError(EffectguardError):
+    """A provider declaration, command-line flag or config file is invalid."""
+
+
+class LedgerError(EffectguardError):
+    """The ledger store failed or refused an operation."""
+
+
+class LedgerUnavailable(LedgerError):
+    """A ledger transaction could not commit; nothing was dispatched."""
+
+
+class FencedError(LedgerError):
+    """The writing worker was fenced: another worker took over its lease."""
+
+
+class LedgerCorrupt(LedgerError):
+    """The ledger failed one of its own integrity checks."""
+
+
+class CallNotFound(LedgerError):
+    """No call with the given id exists in the ledger."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(f"no call {call_id!r} in the ledger")
+        self.call_id = call_id
+
+
+class Refusal(EffectguardError):
+    """The guard refuses a request before (or instead of) dispatching it.
+
+    ``status`` is the HTTP status on the wire and ``type`` the SPEC §9 error type
+    (``budget_exceeded``, ``effect_unknown``, ``in_progress`` …).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        *,
+        call_id: str | None = None,
+        stage: str | None = None,
+        next_operation: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.message = message
+        self.call_id = call_id
+        self.stage = stage
+        self.next_operation = next_operation
+        self.retryable = retryable
+
+
+class ReconcileError(EffectguardError):
+    """A reconcile that the call's stage does not allow."""
+
+    def __init__(self, message: str, *, call_id: str) -> None:
+        super().__init__(message)
+        self.call_id = call_id
+
+
+class UpstreamError(EffectguardError):
+    """The upstream leg failed after the request may have been sent."""
+
+    def __init__(self, message: str, *, call_id: str, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.call_id = call_id
+        self.timeout = timeout

@@ -1,0 +1,345 @@
+"""Event records: what the ledger stores, append-only, hash-chained.
+
+An ``Event`` is a frozen value (one dataclass per kind). The store wraps it in a
+``StoredEvent`` with a gap-free sequence number, the writer's worker id and
+fencing generation, the time it was written, its predecessor's digest and its
+own. Money is integer nano-dollars; bodies are stored as text (UTF-8, or
+base64 when they are not valid UTF-8).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+GENESIS_DIGEST = "0" * 64
+
+
+def encode_body(raw: bytes) -> tuple[str, str]:
+    """Encode bytes for storage: ``(text, "utf8")`` or ``(base64, "base64")``."""
+    try:
+        return raw.decode("utf-8"), "utf8"
+    except UnicodeDecodeError:
+        return base64.b64encode(raw).decode("ascii"), "base64"
+
+
+def decode_body(text: str, encoding: str) -> bytes:
+    """Invert :func:`encode_body`."""
+    if encoding == "base64":
+        return base64.b64decode(text)
+    return text.encode("utf-8")
+
+
+_KINDS: dict[str, type[Event]] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base of every event kind. ``kind`` is the stable name stored in the ledger."""
+
+    kind: ClassVar[str] = ""
+
+    @property
+    def call_id(self) -> str | None:
+        """The call this event belongs to, if any."""
+        return None
+
+    def to_data(self) -> dict[str, Any]:
+        """The event's fields as a JSON-ready dict (without ``kind``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallEvent(Event):
+    """An event that belongs to one call."""
+
+    call: str
+
+    @property
+    def call_id(self) -> str | None:
+        return self.call
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallManifest(CallEvent):
+    """What was intended: the request as admitted (secrets stripped)."""
+
+    kind: ClassVar[str] = "call.manifest"
+    request_hash: str
+    provider: str
+    endpoint: str
+    method: str
+    model: str | None
+    idempotency_key: str | None
+    budget: str
+    budget_root: str
+    effect_kind: str
+    body: str
+    body_encoding: str = "utf8"
+    headers: dict[str, str] = field(default_factory=dict)
+    stream: bool = False
+    retry_of: str | None = None
+    provider_idempotency_window_s: float | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallRefused(CallEvent):
+    """The guard refused the request before dispatch (no reservation made)."""
+
+    kind: ClassVar[str] = "call.refused"
+    reason: str
+    status: int
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetReserved(CallEvent):
+    """``amount`` reserved on ``budget`` and all its ancestors."""
+
+    kind: ClassVar[str] = "budget.reserved"
+    budget: str
+    amount: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetSettled(CallEvent):
+    """The reservation ``reserved`` is released and ``actual`` is spent."""
+
+    kind: ClassVar[str] = "budget.settled"
+    budget: str
+    reserved: int
+    actual: int
+    flagged: str | None = None
+
+    @property
+    def overshoot(self) -> int:
+        """How far the actual cost went past the reservation (0 if it did not)."""
+        return max(0, self.actual - self.reserved)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetReleased(CallEvent):
+    """The reservation is released with nothing spent (not sent, not processed)."""
+
+    kind: ClassVar[str] = "budget.released"
+    budget: str
+    amount: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetHeld(CallEvent):
+    """The effect is unknown: the reservation moves to ``held``."""
+
+    kind: ClassVar[str] = "budget.held"
+    budget: str
+    amount: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetUnheld(CallEvent):
+    """A reconcile resolves a hold: ``held -= amount``, ``spent += spent``."""
+
+    kind: ClassVar[str] = "budget.unheld"
+    budget: str
+    amount: int
+    spent: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetLimitSet(Event):
+    """An operator set (or cleared, with ``None``) a budget node's limit."""
+
+    kind: ClassVar[str] = "budget.limit_set"
+    path: str
+    limit: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptStarted(CallEvent):
+    """Attempt ``attempt`` is about to be dispatched by ``worker``."""
+
+    kind: ClassVar[str] = "attempt.started"
+    attempt: int
+    worker: str
+    generation: int
+    provider_idempotency_key: str | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptNotSent(CallEvent):
+    """The connection never opened: no byte of the request left."""
+
+    kind: ClassVar[str] = "attempt.not_sent"
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptObserved(CallEvent):
+    """The upstream answered; the response is stored exactly as received."""
+
+    kind: ClassVar[str] = "attempt.observed"
+    attempt: int
+    status: int
+    not_processed: bool
+    usage: dict[str, int] | None
+    usage_problem: str | None
+    headers: dict[str, str]
+    body: str
+    body_encoding: str = "utf8"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptInterrupted(CallEvent):
+    """The request may have been sent but no answer was observed."""
+
+    kind: ClassVar[str] = "attempt.interrupted"
+    attempt: int
+    reason: str
+    by: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallCompleted(CallEvent):
+    """The call is finished with ``outcome`` (completed, failed, not_processed)."""
+
+    kind: ClassVar[str] = "call.completed"
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallReconciled(CallEvent):
+    """A person (or a provider lookup) decided whether an unknown effect happened."""
+
+    kind: ClassVar[str] = "call.reconciled"
+    applied: bool
+    cost: int
+    note: str
+    by: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRegistered(Event):
+    """A process registered as a writer with a new fencing generation."""
+
+    kind: ClassVar[str] = "worker.registered"
+    worker: str
+    generation: int
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerTakenOver(Event):
+    """A dead worker's lease was taken over; its writes are fenced from now on."""
+
+    kind: ClassVar[str] = "worker.taken_over"
+    worker: str
+    generation: int
+    by: str
+    reason: str
+
+
+def _register(cls: type[Event]) -> None:
+    for sub in cls.__subclasses__():
+        if sub.kind:
+            _KINDS[sub.kind] = sub
+        _register(sub)
+
+
+_register(Event)
+
+
+def event_from_data(kind: str, data: dict[str, Any]) -> Event:
+    """Rebuild a typed event from its stored kind and data."""
+    try:
+        cls = _KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown event kind {kind!r}") from None
+    return cls(**data)
+
+
+def event_kinds() -> frozenset[str]:
+    """Every registered event kind."""
+    return frozenset(_KINDS)
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON (sorted keys, no spaces) used for digests and storage."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    """An event as stored: numbered, attributed, timestamped and chained."""
+
+    seq: int
+    kind: str
+    call_id: str | None
+    data: dict[str, Any]
+    worker: str
+    generation: int
+    at: float
+    prev_digest: str
+    digest: str
+
+    @property
+    def event(self) -> Event:
+        """The typed event."""
+        return event_from_data(self.kind, self.data)
+
+
+def event_digest(
+    *,
+    seq: int,
+    kind: str,
+    call_id: str | None,
+    data_json: str,
+    worker: str,
+    generation: int,
+    at: float,
+    prev_digest: str,
+) -> str:
+    """SHA-256 over an event's content and its predecessor's digest."""
+    h = hashlib.sha256()
+    header = f"{seq}\x1f{kind}\x1f{call_id or ''}\x1f{worker}\x1f{generation}\x1f{at!r}\x1f"
+    h.update(prev_digest.encode("ascii"))
+    h.update(header.encode("utf-8"))
+    h.update(data_json.encode("utf-8"))
+    return h.hexdigest()
+
+
+def seal(
+    event: Event, *, seq: int, worker: str, generation: int, at: float, prev_digest: str
+) -> tuple[StoredEvent, str]:
+    """Number and chain ``event``; returns the stored event and its data JSON."""
+    data = event.to_data()
+    data_json = canonical_json(data)
+    digest = event_digest(
+        seq=seq,
+        kind=event.kind,
+        call_id=event.call_id,
+        data_json=data_json,
+        worker=worker,
+        generation=generation,
+        at=at,
+        prev_digest=prev_digest,
+    )
+    stored = StoredEvent(
+        seq=seq,
+        kind=event.kind,
+        call_id=event.call_id,
+        data=data,
+        worker=worker,
+        generation=generation,
+        at=at,
+        prev_digest=prev_digest,
+        digest=digest,
+    )
+    return stored, data_json

@@ -1,0 +1,140 @@
+"""The ledger: a store (memory, SQLite, PostgreSQL) behind one async API.
+
+``Ledger`` is the Python API operators and tests use (list, show, reconcile,
+set limits, verify) and the guard writes through (admit, record, interrupt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from effectguard.budget import BudgetNode
+from effectguard.errors import CallNotFound
+from effectguard.events import Event, StoredEvent
+from effectguard.ledger import operations
+from effectguard.ledger.base import OPERATOR, LedgerStore, Writer
+from effectguard.ledger.operations import AdmitRequest, Admitted
+from effectguard.verify import Verifier, VerifyReport
+from effectguard.workstate import Stage, WorkState
+
+__all__ = ["OPERATOR", "AdmitRequest", "Admitted", "Ledger", "LedgerStore", "Writer", "open_store"]
+
+
+def open_store(url: str) -> LedgerStore:
+    """A store for ``url``: ``memory://``, ``postgresql://…``, or a SQLite path."""
+    if url.startswith("memory://"):
+        from effectguard.ledger.memory import MemoryStore
+
+        return MemoryStore(url)
+    if url.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger.postgres import PostgresStore  # type: ignore[import-not-found]
+
+        store: LedgerStore = PostgresStore(url)
+        return store
+    from effectguard.ledger.sqlite import SqliteStore
+
+    return SqliteStore(url)
+
+
+class Ledger:
+    """The async API over one store."""
+
+    def __init__(self, store: LedgerStore) -> None:
+        self.store = store
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, url: str) -> AsyncIterator[Ledger]:
+        """Open the ledger at ``url`` for the duration of the block."""
+        store = open_store(url)
+        await store.open()
+        try:
+            yield cls(store)
+        finally:
+            await store.close()
+
+    # -- the guard's writes
+    async def admit(self, writer: Writer, request: AdmitRequest) -> Admitted:
+        """Admission (SPEC §3.1) in one durable transaction."""
+        return await self.store.write(writer, lambda tx: operations.admit(tx, writer, request))
+
+    async def record(
+        self, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]
+    ) -> WorkState:
+        """Record an attempt's outcome (refused if the attempt is no longer in flight)."""
+        return await self.store.write(
+            writer, lambda tx: operations.record(tx, writer, call_id, attempt, events)
+        )
+
+    async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> WorkState:
+        """Mark ``attempt`` interrupted: effect unknown, reservation held."""
+
+        def op(tx: operations.Tx) -> WorkState:
+            state = tx.get_call(call_id)
+            if state is None:
+                raise CallNotFound(call_id)
+            if state.stage != "in_flight" or state.attempts != attempt:
+                return state
+            return operations.interrupt(tx, writer, state, reason)
+
+        return await self.store.write(writer, op)
+
+    # -- operator API
+    async def reconcile(
+        self,
+        call_id: str,
+        *,
+        applied: bool,
+        note: str,
+        by: str,
+        cost: int | None = None,
+        writer: Writer = OPERATOR,
+    ) -> WorkState:
+        """Decide an effect-unknown call: applied (with cost) or not applied."""
+        return await self.store.write(
+            writer,
+            lambda tx: operations.reconcile(
+                tx, writer, call_id, applied=applied, cost=cost, note=note, by=by
+            ),
+        )
+
+    async def set_limit(self, path: str, limit: int | None, writer: Writer = OPERATOR) -> None:
+        """Set (``None``: clear) the limit of budget ``path`` in nano-dollars."""
+        await self.store.write(writer, lambda tx: operations.set_limit(tx, writer, path, limit))
+
+    async def call(self, call_id: str) -> WorkState:
+        """One call's state; raises :class:`CallNotFound`."""
+        state = await self.store.get_call(call_id)
+        if state is None:
+            raise CallNotFound(call_id)
+        return state
+
+    async def events(self, call_id: str) -> list[StoredEvent]:
+        """One call's events."""
+        return await self.store.call_events(call_id)
+
+    async def calls(
+        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+    ) -> list[WorkState]:
+        """Calls, newest first, optionally filtered by stage and budget subtree."""
+        return await self.store.list_calls(stage, budget, limit)
+
+    async def budgets(self) -> list[BudgetNode]:
+        """Every budget node."""
+        return await self.store.budget_nodes()
+
+    async def verify(self, page: int = 5000) -> VerifyReport:
+        """Check the hash chain and re-derive every counter and projection."""
+        verifier = Verifier()
+        seq = 0
+        while True:
+            batch = await self.store.events_after(seq, page)
+            if not batch:
+                break
+            for stored in batch:
+                verifier.feed(stored)
+            seq = batch[-1].seq
+        nodes = await self.store.budget_nodes()
+        calls = await self.store.list_calls(limit=1 << 62)
+        return verifier.finish(nodes, calls)

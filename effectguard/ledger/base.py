@@ -1,0 +1,171 @@
+"""The ledger store interface.
+
+A store has two halves:
+
+* **writes** run as *operations*: plain synchronous functions of a :class:`Tx`
+  (one transaction's view of the tables). The store runs many concurrent
+  operations in one database transaction (group commit), each inside its own
+  savepoint, and resolves each caller only after the commit is durable. The
+  rules inside operations (``effectguard.ledger.operations``) are shared by
+  every store; a store supplies only the table access.
+* **reads** are async queries (:class:`LedgerStore`), answered from committed
+  data without queueing behind writes.
+
+Every write is attributed to a :class:`Writer` (worker id + fencing
+generation); the store refuses writes of a fenced writer before running them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from effectguard.budget import BudgetNode
+from effectguard.events import StoredEvent
+from effectguard.workstate import Stage, WorkState
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Writer:
+    """Who writes: a worker id and the fencing generation it was given."""
+
+    worker: str
+    generation: int
+
+
+#: Writer identity for operator tools (CLI reconcile, budget set): never fenced.
+OPERATOR = Writer("operator", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRow:
+    """A registered worker and its lease (times from the ledger's clock)."""
+
+    worker: str
+    generation: int
+    host: str
+    pid: int
+    lease_expires: float
+    fenced: bool = False
+
+
+class Tx(Protocol):
+    """One transaction's access to the ledger tables (synchronous)."""
+
+    def now(self) -> float:
+        """The ledger's clock (seconds since the epoch)."""
+        ...
+
+    def head(self) -> tuple[int, str]:
+        """The last event's sequence number and digest (0 and genesis if none)."""
+        ...
+
+    def insert_event(self, event: StoredEvent, data_json: str) -> None:
+        """Append one sealed event."""
+        ...
+
+    def events_of(self, call_id: str) -> list[StoredEvent]:
+        """A call's events in order."""
+        ...
+
+    def get_call(self, call_id: str) -> WorkState | None:
+        """A call's projected state."""
+        ...
+
+    def put_call(self, state: WorkState) -> None:
+        """Store a call's projected state (insert or replace)."""
+        ...
+
+    def find_keyed(self, root: str, key: str) -> WorkState | None:
+        """The admitted (not refused) call holding ``key`` under budget ``root``."""
+        ...
+
+    def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
+        """The newest in-flight or effect-unknown call with this hash created since ``since``."""
+        ...
+
+    def in_flight_of(self, worker: str) -> list[WorkState]:
+        """Calls in flight whose current attempt ``worker`` started."""
+        ...
+
+    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
+        """The existing budget nodes among ``paths``."""
+        ...
+
+    def put_node(self, node: BudgetNode) -> None:
+        """Store one budget node (insert or replace)."""
+        ...
+
+    def get_worker(self, worker: str) -> WorkerRow | None:
+        """A worker's row."""
+        ...
+
+    def put_worker(self, row: WorkerRow) -> None:
+        """Store a worker's row (insert or replace)."""
+        ...
+
+    def live_workers(self) -> list[WorkerRow]:
+        """Workers not yet fenced."""
+        ...
+
+    def next_generation(self) -> int:
+        """Take the next fencing generation (strictly increasing, never reused)."""
+        ...
+
+
+Operation = Callable[[Tx], T]
+
+
+class LedgerStore(Protocol):
+    """A ledger engine: group-committed write operations and async reads."""
+
+    url: str
+
+    async def open(self) -> None:
+        """Open connections, run migrations, check durability settings."""
+        ...
+
+    async def close(self) -> None:
+        """Finish queued writes and close."""
+        ...
+
+    async def write(self, writer: Writer, op: Operation[T]) -> T:
+        """Run ``op`` in a durable transaction as ``writer``; fenced writers are refused."""
+        ...
+
+    async def get_call(self, call_id: str) -> WorkState | None:
+        """A call's projected state, or None."""
+        ...
+
+    async def call_events(self, call_id: str) -> list[StoredEvent]:
+        """A call's events in ledger order."""
+        ...
+
+    async def list_calls(
+        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+    ) -> list[WorkState]:
+        """Calls (newest first), optionally by stage and budget subtree."""
+        ...
+
+    async def budget_nodes(self) -> list[BudgetNode]:
+        """Every budget node's stored counters."""
+        ...
+
+    async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
+        """Up to ``limit`` events with sequence number greater than ``seq``."""
+        ...
+
+    async def workers(self) -> list[WorkerRow]:
+        """Every registered worker."""
+        ...
+
+    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
+        """``(provider, stage, count, held)`` for unresolved stages, for metrics."""
+        ...
+
+    async def writable(self) -> bool:
+        """Whether a write transaction can commit now."""
+        ...

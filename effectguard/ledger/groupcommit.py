@@ -1,0 +1,208 @@
+"""Group commit: many concurrent write operations, one durable commit.
+
+One writer thread owns the write connection. Callers queue operations; the
+thread takes every operation waiting, runs them in ONE transaction (each inside
+its own savepoint, so one failing operation does not undo the others), commits
+(one fsync for the batch), and only then resolves each caller's future. A
+caller that is cancelled while waiting does not disturb the batch: its
+operation still runs or has run, and the writer never blocks on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from effectguard.errors import LedgerUnavailable
+from effectguard.ledger.base import Operation, Tx, Writer
+
+T = TypeVar("T")
+S = TypeVar("S", bound="Session")
+
+MAX_BATCH = 512
+
+
+class Session(Tx, Protocol):
+    """A write connection's transaction control, on top of table access."""
+
+    def begin(self) -> None:
+        """Start a write transaction (taking the database's write lock)."""
+        ...
+
+    def commit(self) -> None:
+        """Commit durably."""
+        ...
+
+    def rollback(self) -> None:
+        """Abandon the transaction."""
+        ...
+
+    def savepoint(self) -> None:
+        """Open a savepoint for one operation."""
+        ...
+
+    def release(self) -> None:
+        """Keep the operation's writes."""
+        ...
+
+    def rollback_to(self) -> None:
+        """Undo the operation's writes."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection."""
+        ...
+
+
+@dataclass(slots=True)
+class _Job:
+    writer: Writer
+    op: Operation[Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class CommitStats:
+    """Counters a benchmark or metrics collector can read."""
+
+    commits: int = 0
+    operations: int = 0
+    failed_commits: int = 0
+    last_batch: int = 0
+    commit_seconds: float = 0.0
+    observers: list[Callable[[int, float, bool], None]] = field(default_factory=list)
+
+
+class GroupCommitter(Generic[S]):
+    """Runs write operations on one thread, batching them into shared commits."""
+
+    def __init__(
+        self,
+        session_factory: Callable[[], S],
+        check_writer: Callable[[Tx, Writer], None],
+        name: str = "effectguard-writer",
+    ) -> None:
+        self._factory = session_factory
+        self._check_writer = check_writer
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self.stats = CommitStats()
+
+    def start(self) -> None:
+        """Open the session on the writer thread; raise if it cannot open."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    async def submit(self, writer: Writer, op: Operation[T]) -> T:
+        """Queue ``op``; return its result once its transaction is durable."""
+        loop = asyncio.get_running_loop()
+        job = _Job(writer, op, loop, loop.create_future())
+        if not self._thread.is_alive():
+            raise LedgerUnavailable("the ledger writer is not running")
+        self._queue.put(job)
+        result: T = await job.future
+        return result
+
+    def stop(self) -> None:
+        """Finish queued work and close the session."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    # -- the writer thread -------------------------------------------------
+    def _run(self) -> None:
+        try:
+            session = self._factory()
+        except BaseException as exc:
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            stopping = False
+            while not stopping:
+                first = self._queue.get()
+                if first is None:
+                    break
+                batch = [first]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:
+                        stopping = True
+                        break
+                    batch.append(nxt)
+                self._run_batch(session, batch)
+        finally:
+            with contextlib.suppress(Exception):
+                session.close()
+
+    def _run_batch(self, session: S, batch: list[_Job]) -> None:
+        started = time.perf_counter()
+        ok = False
+        try:
+            session.begin()
+            for job in batch:
+                self._run_one(session, job)
+            session.commit()
+            ok = True
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                session.rollback()
+            failure = LedgerUnavailable(f"ledger transaction failed: {exc}")
+            failure.__cause__ = exc
+            for job in batch:
+                job.error = failure
+        elapsed = time.perf_counter() - started
+        stats = self.stats
+        stats.commits += 1
+        stats.operations += len(batch)
+        stats.last_batch = len(batch)
+        stats.commit_seconds += elapsed
+        if not ok:
+            stats.failed_commits += 1
+        for observer in stats.observers:
+            observer(len(batch), elapsed, ok)
+        for job in batch:
+            job.loop.call_soon_threadsafe(_resolve, job)
+
+    def _run_one(self, session: S, job: _Job) -> None:
+        session.savepoint()
+        try:
+            self._check_writer(session, job.writer)
+            job.result = job.op(session)
+        except Exception as exc:
+            # Undo this operation only; the others in the batch still commit.
+            session.rollback_to()
+            session.release()
+            job.error = exc
+            return
+        except BaseException:
+            session.rollback_to()
+            session.release()
+            raise
+        session.release()
+
+
+def _resolve(job: _Job) -> None:
+    if job.future.done():  # the caller was cancelled; its operation ran anyway
+        return
+    if job.error is not None:
+        job.future.set_exception(job.error)
+    else:
+        job.future.set_result(job.result)

@@ -1,0 +1,233 @@
+"""The in-memory ledger: the same rules and group commit, held in dicts.
+
+For tests and for users' own tests (``effectguard.testing``). Savepoints are an
+undo journal; a lock makes each batch atomic with respect to readers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from effectguard import budget as budgets
+from effectguard.budget import BudgetNode
+from effectguard.errors import LedgerUnavailable
+from effectguard.events import GENESIS_DIGEST, StoredEvent
+from effectguard.ledger import operations
+from effectguard.ledger.base import Operation, WorkerRow, Writer
+from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.workstate import UNRESOLVED, Stage, WorkState
+
+T = TypeVar("T")
+
+
+class MemoryTables:
+    """The tables of an in-memory ledger."""
+
+    def __init__(self) -> None:
+        self.events: list[StoredEvent] = []
+        self.calls: dict[str, WorkState] = {}
+        self.nodes: dict[str, BudgetNode] = {}
+        self.workers: dict[str, WorkerRow] = {}
+        self.generation = 0
+        self.lock = threading.RLock()
+
+
+class MemorySession:
+    """A transaction over :class:`MemoryTables` with an undo journal per savepoint."""
+
+    def __init__(self, tables: MemoryTables, clock: Callable[[], float]) -> None:
+        self.t = tables
+        self._clock = clock
+        self._undo: list[Callable[[], None]] = []
+        self._batch_undo: list[Callable[[], None]] = []
+
+    def begin(self) -> None:
+        self.t.lock.acquire()
+        self._batch_undo = []
+
+    def commit(self) -> None:
+        self._batch_undo = []
+        self.t.lock.release()
+
+    def rollback(self) -> None:
+        for undo in reversed(self._batch_undo):
+            undo()
+        self._batch_undo = []
+        self.t.lock.release()
+
+    def savepoint(self) -> None:
+        self._undo = []
+
+    def release(self) -> None:
+        self._batch_undo.extend(self._undo)
+        self._undo = []
+
+    def rollback_to(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+    def close(self) -> None:
+        pass
+
+    def _set(self, table: dict[str, Any], key: str, value: Any) -> None:
+        missing = object()
+        old = table.get(key, missing)
+
+        def undo() -> None:
+            if old is missing:
+                table.pop(key, None)
+            else:
+                table[key] = old
+
+        self._undo.append(undo)
+        table[key] = value
+
+    # -- Tx
+    def now(self) -> float:
+        return self._clock()
+
+    def head(self) -> tuple[int, str]:
+        if not self.t.events:
+            return 0, GENESIS_DIGEST
+        last = self.t.events[-1]
+        return last.seq, last.digest
+
+    def insert_event(self, event: StoredEvent, data_json: str) -> None:
+        self.t.events.append(event)
+        self._undo.append(self.t.events.pop)
+
+    def events_of(self, call_id: str) -> list[StoredEvent]:
+        return [e for e in self.t.events if e.call_id == call_id]
+
+    def get_call(self, call_id: str) -> WorkState | None:
+        return self.t.calls.get(call_id)
+
+    def put_call(self, state: WorkState) -> None:
+        self._set(self.t.calls, state.call_id, state)
+
+    def find_keyed(self, root: str, key: str) -> WorkState | None:
+        for s in self.t.calls.values():
+            if s.budget_root == root and s.idempotency_key == key and s.stage != "refused":
+                return s
+        return None
+
+    def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
+        found = [
+            s
+            for s in self.t.calls.values()
+            if s.budget_root == root
+            and s.request_hash == request_hash
+            and s.stage in UNRESOLVED
+            and s.created_at >= since
+        ]
+        return max(found, key=lambda s: s.created_at, default=None)
+
+    def in_flight_of(self, worker: str) -> list[WorkState]:
+        return [s for s in self.t.calls.values() if s.stage == "in_flight" and s.worker == worker]
+
+    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
+        return {p: self.t.nodes[p] for p in paths if p in self.t.nodes}
+
+    def put_node(self, node: BudgetNode) -> None:
+        self._set(self.t.nodes, node.path, node)
+
+    def get_worker(self, worker: str) -> WorkerRow | None:
+        return self.t.workers.get(worker)
+
+    def put_worker(self, row: WorkerRow) -> None:
+        self._set(self.t.workers, row.worker, row)
+
+    def live_workers(self) -> list[WorkerRow]:
+        return [w for w in self.t.workers.values() if not w.fenced]
+
+    def next_generation(self) -> int:
+        old = self.t.generation
+
+        def undo() -> None:
+            self.t.generation = old
+
+        self._undo.append(undo)
+        self.t.generation = old + 1
+        return self.t.generation
+
+
+class MemoryStore:
+    """A ledger that lives in this process only."""
+
+    def __init__(self, url: str = "memory://", clock: Callable[[], float] = time.time) -> None:
+        self.url = url
+        self.tables = MemoryTables()
+        self._clock = clock
+        self._writer: GroupCommitter[MemorySession] | None = None
+
+    async def open(self) -> None:
+        writer = GroupCommitter(
+            lambda: MemorySession(self.tables, self._clock), operations.check_writer
+        )
+        writer.start()
+        self._writer = writer
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+
+    @property
+    def committer(self) -> GroupCommitter[MemorySession]:
+        """The group committer (for commit statistics)."""
+        if self._writer is None:
+            raise LedgerUnavailable(f"ledger {self.url} is not open")
+        return self._writer
+
+    async def write(self, writer: Writer, op: Operation[T]) -> T:
+        return await self.committer.submit(writer, op)
+
+    async def get_call(self, call_id: str) -> WorkState | None:
+        with self.tables.lock:
+            return self.tables.calls.get(call_id)
+
+    async def call_events(self, call_id: str) -> list[StoredEvent]:
+        with self.tables.lock:
+            return [e for e in self.tables.events if e.call_id == call_id]
+
+    async def list_calls(
+        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+    ) -> list[WorkState]:
+        with self.tables.lock:
+            calls = [
+                s
+                for s in self.tables.calls.values()
+                if (stage is None or s.stage == stage)
+                and (budget is None or budgets.is_under(s.budget, budget))
+            ]
+        calls.sort(key=lambda s: s.created_at, reverse=True)
+        return calls[:limit]
+
+    async def budget_nodes(self) -> list[BudgetNode]:
+        with self.tables.lock:
+            return sorted(self.tables.nodes.values(), key=lambda n: n.path)
+
+    async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
+        with self.tables.lock:
+            return self.tables.events[seq : seq + limit]
+
+    async def workers(self) -> list[WorkerRow]:
+        with self.tables.lock:
+            return list(self.tables.workers.values())
+
+    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
+        counts: dict[tuple[str, str], list[int]] = {}
+        with self.tables.lock:
+            for s in self.tables.calls.values():
+                if s.stage in UNRESOLVED:
+                    c = counts.setdefault((s.provider, s.stage), [0, 0])
+                    c[0] += 1
+                    c[1] += s.held
+        return [(p, st, c[0], c[1]) for (p, st), c in sorted(counts.items())]
+
+    async def writable(self) -> bool:
+        return self._writer is not None

@@ -1,0 +1,340 @@
+"""Write operations shared by every store: the ledger's rules over a :class:`Tx`.
+
+Each public function here is run by a store as one operation inside a durable
+transaction. Appending an event always does three things together: seal it into
+the hash chain, fold it into its call's projected state, and fold it into the
+budget counters — so the stored state is, by construction, a fold of events.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from effectguard import budget as budgets
+from effectguard import workstate
+from effectguard.admission import Decision, decide_keyed, decide_retry
+from effectguard.errors import FencedError, ReconcileError, Refusal
+from effectguard.events import (
+    AttemptInterrupted,
+    AttemptObserved,
+    AttemptStarted,
+    BudgetHeld,
+    BudgetLimitSet,
+    BudgetReserved,
+    BudgetUnheld,
+    CallManifest,
+    CallReconciled,
+    CallRefused,
+    Event,
+    StoredEvent,
+    WorkerRegistered,
+    WorkerTakenOver,
+    seal,
+)
+from effectguard.ledger.base import Tx, WorkerRow, Writer
+from effectguard.money import nanos_to_usd
+from effectguard.workstate import WorkState
+
+
+def append(tx: Tx, writer: Writer, events: Sequence[Event]) -> list[StoredEvent]:
+    """Seal ``events`` into the chain and fold them into calls and budgets."""
+    seq, prev = tx.head()
+    now = tx.now()
+    stored_events: list[StoredEvent] = []
+    calls: dict[str, WorkState] = {}
+    for event in events:
+        seq += 1
+        stored, data_json = seal(
+            event, seq=seq, worker=writer.worker, generation=writer.generation, at=now,
+            prev_digest=prev,
+        )
+        tx.insert_event(stored, data_json)
+        prev = stored.digest
+        stored_events.append(stored)
+        call_id = event.call_id
+        if call_id is not None:
+            state = calls.get(call_id) or tx.get_call(call_id) or WorkState()
+            calls[call_id] = workstate.apply(state, event)
+        _fold_budget(tx, event)
+    for state in calls.values():
+        tx.put_call(state)
+    return stored_events
+
+
+def _fold_budget(tx: Tx, event: Event) -> None:
+    if isinstance(event, BudgetLimitSet):
+        paths = [event.path]
+    else:
+        delta = budgets.deltas(event)
+        if delta is None:
+            return
+        paths = budgets.ancestors(delta.path)
+    nodes = tx.get_nodes(paths)
+    for node in budgets.apply(nodes, event):
+        tx.put_node(node)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """Everything admission needs to know about one request."""
+
+    request_hash: str
+    provider: str
+    endpoint: str
+    method: str
+    model: str | None
+    idempotency_key: str | None
+    budget: str
+    budget_root: str
+    effect_kind: str
+    body: str
+    body_encoding: str
+    stream: bool
+    reserve: int
+    is_retry: bool = False
+    retry_of: str | None = None
+    retry_window_s: float = 600.0
+    provider_idempotency_window_s: float | None = None
+    create_budgets: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What admission decided: dispatch ``attempt``, replay, join or refuse."""
+
+    action: str
+    call_id: str
+    attempt: int = 0
+    state: WorkState | None = None
+    provider_idempotency_key: str | None = None
+    observed: AttemptObserved | None = None
+    refusal: Refusal | None = None
+
+
+def _check_lease(tx: Tx, writer: Writer) -> None:
+    """A worker whose lease has lapsed starts no new dispatch (SPEC §7)."""
+    row = tx.get_worker(writer.worker)
+    if row is None:
+        return
+    if row.lease_expires < tx.now():
+        raise FencedError(f"worker {writer.worker} lease lapsed; it starts no new dispatch")
+
+
+def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
+    """SPEC §3.1 in one transaction: idempotency check, budget reservation, manifest."""
+    now = tx.now()
+    decision: Decision
+    if req.idempotency_key is not None:
+        existing = tx.find_keyed(req.budget_root, req.idempotency_key)
+        decision = decide_keyed(existing, req.request_hash, now)
+    elif req.is_retry:
+        target = None
+        if req.retry_of is not None:
+            target = tx.get_call(req.retry_of)
+            if target is not None and (
+                target.budget_root != req.budget_root or target.request_hash != req.request_hash
+            ):
+                target = None
+        if target is None:
+            target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
+        if target is not None and target.stage not in workstate.UNRESOLVED:
+            target = None
+        decision = decide_retry(target)
+    else:
+        decision = Decision("admit")
+
+    if decision.action == "refuse":
+        assert decision.refusal is not None and decision.existing is not None
+        return Admitted("refuse", decision.existing.call_id, refusal=decision.refusal)
+    if decision.action == "replay":
+        assert decision.existing is not None
+        observed = _last_observed(tx, decision.existing.call_id)
+        return Admitted("replay", decision.existing.call_id, state=decision.existing,
+                        observed=observed)
+    if decision.action == "join":
+        assert decision.existing is not None
+        return Admitted("join", decision.existing.call_id, state=decision.existing)
+
+    _check_lease(tx, writer)
+    existing = decision.existing
+    call_id = existing.call_id if existing is not None else "call_" + uuid.uuid4().hex
+    events: list[Event] = []
+    if existing is None:
+        events.append(
+            CallManifest(
+                call=call_id, request_hash=req.request_hash, provider=req.provider,
+                endpoint=req.endpoint, method=req.method, model=req.model,
+                idempotency_key=req.idempotency_key, budget=req.budget,
+                budget_root=req.budget_root, effect_kind=req.effect_kind, body=req.body,
+                body_encoding=req.body_encoding, stream=req.stream, retry_of=req.retry_of,
+                provider_idempotency_window_s=req.provider_idempotency_window_s, at=now,
+            )
+        )
+    paths = budgets.ancestors(req.budget)
+    nodes = tx.get_nodes(paths)
+    if not req.create_budgets and req.budget not in nodes:
+        refusal = Refusal(403, "unknown_budget", f"budget {req.budget!r} is not configured",
+                          call_id=call_id)
+        return _refused(tx, writer, events, call_id, refusal)
+    exceeded = budgets.check_admission(nodes, req.budget, req.reserve)
+    if exceeded is not None:
+        refusal = Refusal(
+            402, "budget_exceeded",
+            f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room; this "
+            f"call reserves {nanos_to_usd(exceeded.amount)} USD",
+            call_id=call_id,
+        )
+        return _refused(tx, writer, events, call_id, refusal)
+
+    attempt = (existing.attempts if existing is not None else 0) + 1
+    provider_key = req.idempotency_key or call_id if req.provider_idempotency_window_s else None
+    events.append(BudgetReserved(call=call_id, budget=req.budget, amount=req.reserve))
+    events.append(
+        AttemptStarted(
+            call=call_id, attempt=attempt, worker=writer.worker, generation=writer.generation,
+            provider_idempotency_key=provider_key, at=now,
+        )
+    )
+    append(tx, writer, events)
+    return Admitted(decision.action if existing else "admit", call_id, attempt,
+                    state=tx.get_call(call_id), provider_idempotency_key=provider_key)
+
+
+def _refused(
+    tx: Tx, writer: Writer, events: list[Event], call_id: str, refusal: Refusal
+) -> Admitted:
+    if events:  # a new call: record the refused manifest so the refusal is auditable
+        events.append(CallRefused(call=call_id, reason=refusal.type, status=refusal.status,
+                                  message=refusal.message))
+        append(tx, writer, events)
+    return Admitted("refuse", call_id, refusal=refusal)
+
+
+def _last_observed(tx: Tx, call_id: str) -> AttemptObserved | None:
+    for stored in reversed(tx.events_of(call_id)):
+        if stored.kind == AttemptObserved.kind:
+            event = stored.event
+            assert isinstance(event, AttemptObserved)
+            return event
+    return None
+
+
+def last_observed(tx: Tx, call_id: str) -> AttemptObserved | None:
+    """The call's last observed response (for replay), as an operation."""
+    return _last_observed(tx, call_id)
+
+
+def record(tx: Tx, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]) -> WorkState:
+    """Record the outcome of ``attempt``: only while it is the call's current, in-flight one.
+
+    A late result for an attempt that was already interrupted (by a sweeper that
+    took over this worker) is refused, never recorded as success.
+    """
+    state = tx.get_call(call_id)
+    if state is None or state.attempts != attempt or state.stage != "in_flight":
+        stage = state.stage if state else "missing"
+        raise FencedError(
+            f"call {call_id} attempt {attempt} is no longer in flight (stage {stage}); "
+            "its outcome is not recorded"
+        )
+    append(tx, writer, events)
+    result = tx.get_call(call_id)
+    assert result is not None
+    return result
+
+
+def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkState:
+    """Mark the in-flight attempt of ``state`` interrupted: effect unknown, reservation held."""
+    events: list[Event] = [
+        AttemptInterrupted(call=state.call_id, attempt=state.attempts, reason=reason,
+                           by=writer.worker)
+    ]
+    if state.reserved:
+        events.append(BudgetHeld(call=state.call_id, budget=state.budget, amount=state.reserved))
+    append(tx, writer, events)
+    result = tx.get_call(state.call_id)
+    assert result is not None
+    return result
+
+
+def reconcile(
+    tx: Tx, writer: Writer, call_id: str, *, applied: bool, cost: int | None, note: str, by: str
+) -> WorkState:
+    """Record a person's (or lookup's) decision on an effect-unknown call."""
+    state = tx.get_call(call_id)
+    if state is None:
+        raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
+    if state.stage != "effect_unknown":
+        raise ReconcileError(
+            f"call {call_id} is {state.stage}, not effect_unknown; nothing to reconcile",
+            call_id=call_id,
+        )
+    spent = (state.held if cost is None else cost) if applied else 0
+    events: list[Event] = [
+        CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
+        BudgetUnheld(call=call_id, budget=state.budget, amount=state.held, spent=spent),
+    ]
+    append(tx, writer, events)
+    result = tx.get_call(call_id)
+    assert result is not None
+    return result
+
+
+def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
+    """Set (or clear) a budget node's limit."""
+    append(tx, writer, [BudgetLimitSet(path=budgets.validate_path(path), limit=limit)])
+
+
+def register_worker(tx: Tx, *, worker: str, host: str, pid: int, lease_s: float) -> Writer:
+    """Register a new worker with a fresh fencing generation and a lease."""
+    generation = tx.next_generation()
+    writer = Writer(worker, generation)
+    tx.put_worker(WorkerRow(worker, generation, host, pid, tx.now() + lease_s))
+    append(tx, writer, [WorkerRegistered(worker=worker, generation=generation, host=host, pid=pid)])
+    return writer
+
+
+def heartbeat(tx: Tx, writer: Writer, lease_s: float) -> float:
+    """Renew ``writer``'s lease; returns the new expiry (ledger clock)."""
+    row = tx.get_worker(writer.worker)
+    if row is None or row.fenced or row.generation != writer.generation:
+        raise FencedError(f"worker {writer.worker} was fenced")
+    expires = tx.now() + lease_s
+    tx.put_worker(WorkerRow(row.worker, row.generation, row.host, row.pid, expires))
+    return expires
+
+
+def sweep(tx: Tx, writer: Writer, provably_dead: frozenset[str] = frozenset()) -> list[str]:
+    """Take over dead workers and interrupt their in-flight attempts (SPEC §7).
+
+    A worker is dead when its lease has expired (ledger clock) or when it is in
+    ``provably_dead`` (its OS lock was found free on this host). Returns the ids
+    of the calls that were marked ``attempt.interrupted``.
+    """
+    now = tx.now()
+    interrupted: list[str] = []
+    for row in tx.live_workers():
+        if row.worker == writer.worker:
+            continue
+        if row.lease_expires >= now and row.worker not in provably_dead:
+            continue
+        reason = "lease expired" if row.lease_expires < now else "process gone"
+        tx.put_worker(WorkerRow(row.worker, row.generation, row.host, row.pid,
+                                row.lease_expires, fenced=True))
+        append(tx, writer, [WorkerTakenOver(worker=row.worker, generation=row.generation,
+                                            by=writer.worker, reason=reason)])
+        for state in tx.in_flight_of(row.worker):
+            interrupt(tx, writer, state, f"worker {row.worker} {reason}")
+            interrupted.append(state.call_id)
+    return interrupted
+
+
+def check_writer(tx: Tx, writer: Writer) -> None:
+    """Refuse a fenced writer: the store decides, not the worker (SPEC §7)."""
+    if writer.generation == 0:  # operators and single-shot tools are not workers
+        return
+    row = tx.get_worker(writer.worker)
+    if row is not None and (row.fenced or row.generation != writer.generation):
+        raise FencedError(f"worker {writer.worker} (generation {writer.generation}) is fenced")

@@ -1,0 +1,73 @@
+"""Row encodings shared by the SQL stores (events, call states, workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from effectguard.events import StoredEvent, canonical_json
+from effectguard.workstate import WorkState
+
+EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
+CALL_COLUMNS = (
+    "call_id, stage, budget, budget_root, idempotency_key, request_hash, provider, "
+    "created_at, worker, state"
+)
+
+
+def event_params(event: StoredEvent, data_json: str) -> tuple[Any, ...]:
+    """Parameters for inserting one event, in :data:`EVENT_COLUMNS` order."""
+    return (
+        event.seq,
+        event.kind,
+        event.call_id,
+        data_json,
+        event.worker,
+        event.generation,
+        event.at,
+        event.prev_digest,
+        event.digest,
+    )
+
+
+def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
+    """A stored event from a row in :data:`EVENT_COLUMNS` order."""
+    seq, kind, call_id, data, worker, generation, at, prev_digest, digest = row
+    return StoredEvent(
+        seq=int(seq),
+        kind=kind,
+        call_id=call_id,
+        data=json.loads(data),
+        worker=worker,
+        generation=int(generation),
+        at=float(at),
+        prev_digest=prev_digest,
+        digest=digest,
+    )
+
+
+def state_params(state: WorkState) -> tuple[Any, ...]:
+    """Parameters for storing a call state, in :data:`CALL_COLUMNS` order.
+
+    A refused call does not hold its idempotency key: the key stays free for
+    the client's next try.
+    """
+    key = None if state.stage == "refused" else state.idempotency_key
+    return (
+        state.call_id,
+        state.stage,
+        state.budget,
+        state.budget_root,
+        key,
+        state.request_hash,
+        state.provider,
+        state.created_at,
+        state.worker,
+        canonical_json(dataclasses.asdict(state)),
+    )
+
+
+def state_from_json(text: str) -> WorkState:
+    """A call state from its stored JSON."""
+    return WorkState(**json.loads(text))

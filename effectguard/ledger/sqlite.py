@@ -1,0 +1,373 @@
+"""The SQLite ledger: WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE``, group commit.
+
+Writes run on one thread with a stdlib ``sqlite3`` connection
+(:class:`~effectguard.ledger.groupcommit.GroupCommitter`): a whole batch of
+operations must run inside one thread hop and one transaction, which
+aiosqlite's per-statement API cannot do. Reads go through aiosqlite on a second
+connection, so operator queries and metrics scrapes never queue behind writes.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from effectguard.budget import BudgetNode
+from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
+from effectguard.events import GENESIS_DIGEST, StoredEvent
+from effectguard.ledger import operations
+from effectguard.ledger.base import Operation, WorkerRow, Writer
+from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.ledger.rows import (
+    CALL_COLUMNS,
+    EVENT_COLUMNS,
+    event_from_row,
+    event_params,
+    state_from_json,
+    state_params,
+)
+from effectguard.workstate import Stage, WorkState
+
+T = TypeVar("T")
+
+BUSY_TIMEOUT_MS = 5000
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (
+        1,
+        "events, calls, budgets, workers",
+        [
+            """CREATE TABLE events (
+                seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
+                worker TEXT NOT NULL, generation INTEGER NOT NULL, at REAL NOT NULL,
+                prev_digest TEXT NOT NULL, digest TEXT NOT NULL)""",
+            "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
+            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TABLE calls (
+                call_id TEXT PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
+                budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
+                provider TEXT NOT NULL, created_at REAL NOT NULL, worker TEXT NOT NULL,
+                state TEXT NOT NULL)""",
+            """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
+                WHERE idempotency_key IS NOT NULL""",
+            """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
+                WHERE stage IN ('in_flight', 'effect_unknown')""",
+            "CREATE INDEX calls_stage ON calls(stage, worker)",
+            "CREATE INDEX calls_created ON calls(created_at)",
+            """CREATE TABLE budgets (
+                path TEXT PRIMARY KEY, limit_nanos INTEGER, reserved INTEGER NOT NULL,
+                spent INTEGER NOT NULL, held INTEGER NOT NULL)""",
+            """CREATE TABLE workers (
+                worker TEXT PRIMARY KEY, generation INTEGER NOT NULL, host TEXT NOT NULL,
+                pid INTEGER NOT NULL, lease_expires REAL NOT NULL, fenced INTEGER NOT NULL)""",
+            "CREATE INDEX workers_live ON workers(fenced)",
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+            "INSERT INTO meta(key, value) VALUES ('generation', 0)",
+        ],
+    ),
+]
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
+    )
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    sync = conn.execute("PRAGMA synchronous").fetchone()[0]
+    if str(mode).lower() != "wal" or int(sync) != 2:
+        conn.close()
+        raise LedgerCorrupt(
+            f"{path}: refusing to run without WAL and synchronous=FULL "
+            f"(got journal_mode={mode}, synchronous={sync})"
+        )
+    return conn
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply pending migrations, each recorded in the transaction that applies it."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS migrations "
+            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
+        )
+        done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
+        for version, name, statements in MIGRATIONS:
+            if version in done:
+                continue
+            for sql in statements:
+                conn.execute(sql)
+            conn.execute(
+                "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
+                (version, name, time.time()),
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+class SqliteSession:
+    """Table access and transaction control on the writer thread's connection."""
+
+    def __init__(self, path: str) -> None:
+        self.conn = _connect(path)
+        migrate(self.conn)
+
+    # -- transaction control
+    def begin(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+
+    def savepoint(self) -> None:
+        self.conn.execute("SAVEPOINT op")
+
+    def release(self) -> None:
+        self.conn.execute("RELEASE op")
+
+    def rollback_to(self) -> None:
+        self.conn.execute("ROLLBACK TO op")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- Tx
+    def now(self) -> float:
+        return time.time()
+
+    def head(self) -> tuple[int, str]:
+        row = self.conn.execute(
+            "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+        return (0, GENESIS_DIGEST) if row is None else (int(row[0]), str(row[1]))
+
+    def insert_event(self, event: StoredEvent, data_json: str) -> None:
+        self.conn.execute(
+            f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            event_params(event, data_json),
+        )
+
+    def events_of(self, call_id: str) -> list[StoredEvent]:
+        rows = self.conn.execute(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = ? ORDER BY seq", (call_id,)
+        )
+        return [event_from_row(r) for r in rows]
+
+    def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
+        row = self.conn.execute(sql, params).fetchone()
+        return None if row is None else state_from_json(row[0])
+
+    def get_call(self, call_id: str) -> WorkState | None:
+        return self._one_call("SELECT state FROM calls WHERE call_id = ?", (call_id,))
+
+    def put_call(self, state: WorkState) -> None:
+        self.conn.execute(
+            f"INSERT OR REPLACE INTO calls({CALL_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            state_params(state),
+        )
+
+    def find_keyed(self, root: str, key: str) -> WorkState | None:
+        return self._one_call(
+            "SELECT state FROM calls WHERE budget_root = ? AND idempotency_key = ?", (root, key)
+        )
+
+    def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
+        return self._one_call(
+            "SELECT state FROM calls WHERE budget_root = ? AND request_hash = ? "
+            "AND stage IN ('in_flight', 'effect_unknown') AND created_at >= ? "
+            "ORDER BY created_at DESC LIMIT 1",
+            (root, request_hash, since),
+        )
+
+    def in_flight_of(self, worker: str) -> list[WorkState]:
+        rows = self.conn.execute(
+            "SELECT state FROM calls WHERE stage = 'in_flight' AND worker = ?", (worker,)
+        )
+        return [state_from_json(r[0]) for r in rows]
+
+    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
+        marks = ",".join("?" * len(paths))
+        rows = self.conn.execute(
+            f"SELECT path, limit_nanos, reserved, spent, held FROM budgets WHERE path IN ({marks})",
+            tuple(paths),
+        )
+        return {r[0]: BudgetNode(*r) for r in rows}
+
+    def put_node(self, node: BudgetNode) -> None:
+        self.conn.execute(
+            "INSERT OR REPLACE INTO budgets(path, limit_nanos, reserved, spent, held) "
+            "VALUES (?,?,?,?,?)",
+            (node.path, node.limit, node.reserved, node.spent, node.held),
+        )
+
+    def get_worker(self, worker: str) -> WorkerRow | None:
+        row = self.conn.execute(
+            "SELECT worker, generation, host, pid, lease_expires, fenced FROM workers "
+            "WHERE worker = ?",
+            (worker,),
+        ).fetchone()
+        return None if row is None else WorkerRow(*row[:5], fenced=bool(row[5]))
+
+    def put_worker(self, row: WorkerRow) -> None:
+        self.conn.execute(
+            "INSERT OR REPLACE INTO workers(worker, generation, host, pid, lease_expires, fenced)"
+            " VALUES (?,?,?,?,?,?)",
+            (row.worker, row.generation, row.host, row.pid, row.lease_expires, int(row.fenced)),
+        )
+
+    def live_workers(self) -> list[WorkerRow]:
+        rows = self.conn.execute(
+            "SELECT worker, generation, host, pid, lease_expires, fenced FROM workers "
+            "WHERE fenced = 0"
+        )
+        return [WorkerRow(*r[:5], fenced=bool(r[5])) for r in rows]
+
+    def next_generation(self) -> int:
+        row = self.conn.execute(
+            "UPDATE meta SET value = value + 1 WHERE key = 'generation' RETURNING value"
+        ).fetchone()
+        return int(row[0])
+
+
+def sqlite_path(url: str) -> str:
+    """The file path of a ``sqlite:///path`` URL or a plain path."""
+    if url.startswith("sqlite:///"):
+        return url[len("sqlite:///") - 1 :] if url.startswith("sqlite:////") else url[10:]
+    if "://" in url:
+        raise ConfigError(f"not a SQLite ledger: {url!r}")
+    return url
+
+
+class SqliteStore:
+    """A ledger in one SQLite file (the embedded default)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.path = sqlite_path(url)
+        self._writer: GroupCommitter[SqliteSession] | None = None
+        self._reader: aiosqlite.Connection | None = None
+
+    @property
+    def committer(self) -> GroupCommitter[SqliteSession]:
+        """The group committer (for commit statistics)."""
+        if self._writer is None:
+            raise LedgerUnavailable(f"ledger {self.url} is not open")
+        return self._writer
+
+    async def open(self) -> None:
+        parent = Path(self.path).parent
+        if not parent.exists():
+            raise ConfigError(f"ledger directory {parent} does not exist")
+        writer = GroupCommitter(lambda: SqliteSession(self.path), operations.check_writer)
+        try:
+            writer.start()
+        except sqlite3.Error as exc:
+            raise LedgerUnavailable(f"cannot open ledger {self.path}: {exc}") from exc
+        self._writer = writer
+        self._reader = await aiosqlite.connect(self.path, isolation_level=None)
+        await self._reader.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+
+    async def write(self, writer: Writer, op: Operation[T]) -> T:
+        return await self.committer.submit(writer, op)
+
+    @property
+    def _db(self) -> aiosqlite.Connection:
+        if self._reader is None:
+            raise LedgerUnavailable(f"ledger {self.url} is not open")
+        return self._reader
+
+    async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        try:
+            async with self._db.execute(sql, tuple(params)) as cursor:
+                return list(await cursor.fetchall())
+        except sqlite3.Error as exc:
+            raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
+
+    async def get_call(self, call_id: str) -> WorkState | None:
+        rows = await self._fetch("SELECT state FROM calls WHERE call_id = ?", (call_id,))
+        return state_from_json(rows[0][0]) if rows else None
+
+    async def call_events(self, call_id: str) -> list[StoredEvent]:
+        rows = await self._fetch(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = ? ORDER BY seq", (call_id,)
+        )
+        return [event_from_row(r) for r in rows]
+
+    async def list_calls(
+        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+    ) -> list[WorkState]:
+        where, params = [], []
+        if stage is not None:
+            where.append("stage = ?")
+            params.append(stage)
+        if budget is not None:
+            where.append("(budget = ? OR budget LIKE ? ESCAPE '\\')")
+            escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            params += [budget, escaped + "/%"]
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = await self._fetch(
+            f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT ?",
+            [*params, limit],
+        )
+        return [state_from_json(r[0]) for r in rows]
+
+    async def budget_nodes(self) -> list[BudgetNode]:
+        rows = await self._fetch(
+            "SELECT path, limit_nanos, reserved, spent, held FROM budgets ORDER BY path"
+        )
+        return [BudgetNode(*r) for r in rows]
+
+    async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
+        rows = await self._fetch(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+        )
+        return [event_from_row(r) for r in rows]
+
+    async def workers(self) -> list[WorkerRow]:
+        rows = await self._fetch(
+            "SELECT worker, generation, host, pid, lease_expires, fenced FROM workers"
+        )
+        return [WorkerRow(*r[:5], fenced=bool(r[5])) for r in rows]
+
+    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
+        rows = await self._fetch(
+            "SELECT provider, stage, count(*), "
+            "coalesce(sum(json_extract(state, '$.held')), 0) FROM calls "
+            "WHERE stage IN ('in_flight', 'effect_unknown') GROUP BY provider, stage"
+        )
+        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
+
+    async def writable(self) -> bool:
+        if not os.access(self.path, os.W_OK):
+            return False
+        try:
+            await self.committer.submit(Writer("healthz", 0), lambda tx: None)
+        except Exception:
+            return False
+        return True

@@ -1,0 +1,55 @@
+"""Exact money: integer nano-dollars.
+
+Every amount inside effectguard is an ``int`` of nano-dollars (1e-9 USD). Floats
+never touch money: prices come from TOML as strings, tokens are integers, and
+USD appears only at the edges (CLI, JSON, metrics) as a decimal string.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
+
+NANOS_PER_USD = 1_000_000_000
+TOKENS_PER_MILLION = 1_000_000
+
+Nanos = int
+"""An amount of money in nano-dollars."""
+
+
+def usd_to_nanos(value: str | int | Decimal) -> Nanos:
+    """Parse a USD amount (``"0.15"``, ``Decimal``, ``int``) into nano-dollars.
+
+    Rounds up to the next nano-dollar: a price is never understated. Floats are
+    refused, because a float price has already lost its exact value.
+    """
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"money must not be a float or bool: {value!r}")
+    try:
+        amount = Decimal(value) if not isinstance(value, Decimal) else value
+    except InvalidOperation as exc:
+        raise ValueError(f"not a USD amount: {value!r}") from exc
+    if not amount.is_finite():
+        raise ValueError(f"not a finite USD amount: {value!r}")
+    return int((amount * NANOS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
+
+
+def nanos_to_usd(nanos: Nanos) -> str:
+    """Format nano-dollars as an exact decimal USD string (``"0.000150000"``)."""
+    sign = "-" if nanos < 0 else ""
+    whole, frac = divmod(abs(nanos), NANOS_PER_USD)
+    return f"{sign}{whole}.{frac:09d}"
+
+
+def nanos_to_decimal(nanos: Nanos) -> Decimal:
+    """Nano-dollars as an exact ``Decimal`` of USD."""
+    return Decimal(nanos) / NANOS_PER_USD
+
+
+def token_cost(tokens: int, usd_per_million: Nanos) -> Nanos:
+    """Cost of ``tokens`` at a price given in nano-dollars per million tokens.
+
+    Rounds up: a fraction of a nano-dollar is charged as a whole one.
+    """
+    if tokens <= 0 or usd_per_million <= 0:
+        return 0
+    return -(-tokens * usd_per_million // TOKENS_PER_MILLION)

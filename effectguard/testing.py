@@ -1,0 +1,119 @@
+"""Helpers for testing code that uses effectguard, shipped so nobody has to mock it.
+
+The fake provider part: :func:`fake_provider` runs ``effectguard.fakeprovider``
+in a subprocess and hands back a :class:`FakeProvider` whose receipt log
+counts the effects that actually reached the provider::
+
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        client = openai.OpenAI(base_url=provider.url + "/v1", api_key="x")
+        client.chat.completions.create(model="m", messages=[...])
+        assert len(provider.effects()) == 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FakeProvider", "fake_provider"]
+
+_LISTENING = "fake-provider listening on "
+_START_TIMEOUT = 10.0
+_STOP_TIMEOUT = 5.0
+
+
+@dataclass
+class FakeProvider:
+    """A running fake-provider subprocess and its receipt log."""
+
+    url: str
+    receipts_path: Path
+    process: subprocess.Popen[bytes]
+
+    def receipts(self) -> list[dict[str, Any]]:
+        """Every receipt line so far: one per POST the provider received, in order."""
+        try:
+            text = self.receipts_path.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line]
+
+    def effects(self) -> list[dict[str, Any]]:
+        """The receipts that were not answered from the provider's dedup store.
+
+        Error answers (``--error-status``, a reused key's 422) count: the request
+        reached the provider. Filter on the receipt's ``status`` where that matters.
+        """
+        return [receipt for receipt in self.receipts() if not receipt["deduped"]]
+
+    def stop(self) -> None:
+        """Stop the process: SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@contextlib.contextmanager
+def fake_provider(
+    receipts: Path,
+    *,
+    delay: float | None = None,
+    idempotent: bool = False,
+    error_status: int | None = None,
+    break_after: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> Iterator[FakeProvider]:
+    """Run a fake provider on a free port for the duration of the ``with`` block."""
+    args = [sys.executable, "-m", "effectguard.fakeprovider", "--port", "0"]
+    args += ["--receipts", str(receipts)]
+    if delay is not None:
+        args += ["--delay", str(delay)]
+    if idempotent:
+        args.append("--idempotent")
+    if error_status is not None:
+        args += ["--error-status", str(error_status)]
+    if break_after is not None:
+        args += ["--break-after", str(break_after)]
+    args += extra_args
+    # The child must import this very effectguard, installed or not.
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, env=env)
+    provider = FakeProvider(url="", receipts_path=receipts, process=process)
+    try:
+        provider.url = _read_url(process)
+        yield provider
+    finally:
+        provider.stop()
+
+
+def _read_url(process: subprocess.Popen[bytes]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + _START_TIMEOUT
+    while (remaining := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([process.stdout], [], [], remaining)
+        if not ready:
+            break
+        line = process.stdout.readline().decode()
+        if line.startswith(_LISTENING):
+            return line.removeprefix(_LISTENING).strip()
+        if not line:
+            raise RuntimeError(f"fake provider exited with status {process.wait()}")
+    raise RuntimeError(f"fake provider did not start within {_START_TIMEOUT} s")
