@@ -1,0 +1,46 @@
+"""effectguard: a durable ledger between AI agents and the providers they pay for.
+
+Every billable call is admitted (manifest, budget reservation, ``attempt.started``)
+durably before it leaves, observed and settled durably before its response is
+released, and never re-sent on a guess when its effect is unknown.
+"""
+
+from effectguard.errors import (
+    CallNotFound,
+    ConfigError,
+    EffectguardError,
+    FencedError,
+    LedgerCorrupt,
+    LedgerError,
+    LedgerUnavailable,
+    ReconcileError,
+    Refusal,
+    UpstreamError,
+)
+from effectguard.guard import Guard, GuardSettings
+from effectguard.ledger import Ledger
+from effectguard.providers import Provider, load_providers
+from effectguard.transport import AsyncGuardTransport, GuardTransport
+from effectguard.workstate import WorkState, work_state
+
+__all__ = [
+    "AsyncGuardTransport",
+    "CallNotFound",
+    "ConfigError",
+    "EffectguardError",
+    "FencedError",
+    "Guard",
+    "GuardSettings",
+    "GuardTransport",
+    "Ledger",
+    "LedgerCorrupt",
+    "LedgerError",
+    "LedgerUnavailable",
+    "Provider",
+    "ReconcileError",
+    "Refusal",
+    "UpstreamError",
+    "WorkState",
+    "load_providers",
+    "work_state",
+]

@@ -139,12 +139,7 @@ class _Provider:
     async def effect(self, request: web.Request) -> web.StreamResponse:
         """Handle every POST route: receipt, dedup, switches, answer."""
         raw = await request.read()
-        try:
-            body = json.loads(raw) if raw else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
+        body = _parse(raw)
         headers = request.headers
         path = request.path
         digest = hashlib.sha256(raw).hexdigest()
@@ -203,6 +198,15 @@ class _Provider:
         return web.json_response(page | {"first_id": "fake-model", "last_id": "fake-model"})
 
 
+def _parse(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object, or ``{}``: the fake answers, it does not validate."""
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def _int_header(headers: Any, name: str, default: int | None) -> int | None:
     value = headers.get(name)
     return int(value) if value is not None else default
@@ -254,7 +258,10 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _body(obj: Any) -> _Reply:
+def _body(obj: dict[str, Any], usage: dict[str, Any] | None = None) -> _Reply:
+    """A 200 JSON answer; ``usage`` is added unless it is withheld (None)."""
+    if usage is not None:
+        obj = obj | {"usage": usage}
     return _Reply(200, "application/json", (_json(obj),), False)
 
 
@@ -284,58 +291,60 @@ def _counts(body: dict[str, Any], size: int, *fields: str) -> tuple[int, int]:
 
 
 def _openai_usage(tokens_in: int, tokens_out: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": tokens_in,
-        "completion_tokens": tokens_out,
-        "total_tokens": tokens_in + tokens_out,
-    }
+    usage = {"prompt_tokens": tokens_in, "completion_tokens": tokens_out}
+    return usage | {"total_tokens": tokens_in + tokens_out}
 
 
 def _chat(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Reply:
     tokens_in, tokens_out = _counts(body, size, "max_completion_tokens", "max_tokens")
     head = {"id": f"chatcmpl-fake{seq}", "created": int(time.time()), "model": _model(body)}
+    usage_obj = _openai_usage(tokens_in, tokens_out) if usage else None
     if not body.get("stream"):
         message = {"role": "assistant", "content": "ok " * tokens_out, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
-        obj = head | {"object": "chat.completion", "choices": [choice]}
-        return _body(obj | {"usage": _openai_usage(tokens_in, tokens_out)} if usage else obj)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    head |= {"object": "chat.completion.chunk"} | ({"usage": None} if include_usage else {})
-    deltas = [{"role": "assistant", "content": ""}] + [{"content": "ok "}] * tokens_out
-    chunks = [_chat_chunk(head, delta, None) for delta in deltas]
-    chunks.append(_chat_chunk(head, {}, "stop"))
-    if include_usage and usage:
-        chunks.append(head | {"choices": [], "usage": _openai_usage(tokens_in, tokens_out)})
-    return _sse([(None, chunk) for chunk in chunks], done=True)
-
-
-def _chat_chunk(head: dict[str, Any], delta: dict[str, Any], finish: str | None) -> Any:
-    return head | {
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    }
+        return _body(head | {"object": "chat.completion", "choices": [choice]}, usage_obj)
+    deltas = [{"role": "assistant", "content": ""}] + [{"content": "ok "}] * tokens_out + [{}]
+    choices: list[dict[str, Any]] = [
+        {"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas
+    ]
+    choices[-1]["finish_reason"] = "stop"
+    return _openai_stream(head | {"object": "chat.completion.chunk"}, choices, body, usage_obj)
 
 
 def _completion(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Reply:
     tokens_in, tokens_out = _counts(body, size, "max_tokens")
     head = {"id": f"cmpl-fake{seq}", "object": "text_completion", "created": int(time.time())}
     head["model"] = _model(body)
+    usage_obj = _openai_usage(tokens_in, tokens_out) if usage else None
+    stream = bool(body.get("stream"))
+    texts = ["ok "] * tokens_out + [""] if stream else ["ok " * tokens_out]
+    choices: list[dict[str, Any]] = [
+        {"index": 0, "text": t, "logprobs": None, "finish_reason": None} for t in texts
+    ]
+    choices[-1]["finish_reason"] = "stop"
+    if not stream:
+        return _body(head | {"choices": choices}, usage_obj)
+    return _openai_stream(head, choices, body, usage_obj)
 
-    def choice(text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
-    if not body.get("stream"):
-        obj = head | {"choices": [choice("ok " * tokens_out, "stop")]}
-        return _body(obj | {"usage": _openai_usage(tokens_in, tokens_out)} if usage else obj)
-    chunks = [head | {"choices": [choice("ok ", None)]} for _ in range(tokens_out)]
-    chunks.append(head | {"choices": [choice("", "stop")]})
-    if (body.get("stream_options") or {}).get("include_usage") and usage:
-        chunks.append(head | {"choices": [], "usage": _openai_usage(tokens_in, tokens_out)})
+def _openai_stream(
+    head: dict[str, Any], choices: list[Any], body: dict[str, Any], usage: dict[str, Any] | None
+) -> _Reply:
+    """One SSE chunk per choice, the usage chunk only if asked for, then ``[DONE]``."""
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    if include_usage:
+        head = head | {"usage": None}  # as OpenAI does: every chunk carries the key
+    chunks = [head | {"choices": [choice]} for choice in choices]
+    if include_usage and usage is not None:
+        chunks.append(head | {"choices": [], "usage": usage})
     return _sse([(None, chunk) for chunk in chunks], done=True)
 
 
 def _embeddings(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Reply:
     inputs = body.get("input")
-    count = len(inputs) if isinstance(inputs, list) and not _is_tokens(inputs) else 1
+    # A list of strings is a batch; a string or a list of token ids is one input.
+    batch = isinstance(inputs, list) and not all(isinstance(item, int) for item in inputs)
+    count = len(inputs) if batch and isinstance(inputs, list) else 1
     vector = [round(0.1 * (i + 1), 1) for i in range(_EMBEDDING_DIM)]
     encoded: Any = vector
     if body.get("encoding_format") == "base64":
@@ -343,13 +352,7 @@ def _embeddings(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Repl
     data = [{"object": "embedding", "index": i, "embedding": encoded} for i in range(count)]
     obj = {"object": "list", "data": data, "model": _model(body)}
     tokens_in = max(1, size // 4)
-    return _body(
-        obj | {"usage": {"prompt_tokens": tokens_in, "total_tokens": tokens_in}} if usage else obj
-    )
-
-
-def _is_tokens(inputs: list[Any]) -> bool:
-    return bool(inputs) and all(isinstance(item, int) for item in inputs)
+    return _body(obj, {"prompt_tokens": tokens_in, "total_tokens": tokens_in} if usage else None)
 
 
 def _responses(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Reply:
@@ -359,19 +362,10 @@ def _responses(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Reply
     item: dict[str, Any] = {"id": item_id, "type": "message", "status": "completed"}
     item["role"] = "assistant"
     item["content"] = [part]
-    response: dict[str, Any] = {
-        "id": f"resp_fake{seq}",
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": "completed",
-        "model": _model(body),
-        "output": [item],
-        "error": None,
-        "incomplete_details": None,
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
-    }
+    response: dict[str, Any] = {"id": f"resp_fake{seq}", "object": "response"}
+    response |= {"created_at": int(time.time()), "status": "completed", "model": _model(body)}
+    response |= {"output": [item], "error": None, "incomplete_details": None, "tools": []}
+    response |= {"parallel_tool_calls": True, "tool_choice": "auto"}
     if usage:
         response["usage"] = {
             "input_tokens": tokens_in,
@@ -413,7 +407,7 @@ def _messages(seq: int, body: dict[str, Any], size: int, usage: bool) -> _Reply:
     if not body.get("stream"):
         message |= {"content": [{"type": "text", "text": "ok " * tokens_out}]}
         message |= {"stop_reason": "end_turn"}
-        return _body(message | {"usage": full_usage} if usage else message)
+        return _body(message, full_usage if usage else None)
     start = message | {"content": [], "stop_reason": None}
     if usage:
         start["usage"] = full_usage | {"output_tokens": 1}
@@ -497,12 +491,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # No access log (the hot path stays lean); a short grace period for stop.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
         bound = runner.addresses[0][1]
-        print(f"fake-provider listening on http://{host}:{bound}", flush=True)
+        shown = f"[{host}]" if ":" in host else host
+        print(f"fake-provider listening on http://{shown}:{bound}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

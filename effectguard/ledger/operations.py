@@ -189,7 +189,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         return _refused(tx, writer, events, call_id, refusal)
 
     attempt = (existing.attempts if existing is not None else 0) + 1
-    provider_key = req.idempotency_key or call_id if req.provider_idempotency_window_s else None
+    provider_key = (req.idempotency_key or call_id) if req.provider_idempotency_window_s else None
     events.append(BudgetReserved(call=call_id, budget=req.budget, amount=req.reserve))
     events.append(
         AttemptStarted(
@@ -338,3 +338,37 @@ def check_writer(tx: Tx, writer: Writer) -> None:
     row = tx.get_worker(writer.worker)
     if row is not None and (row.fenced or row.generation != writer.generation):
         raise FencedError(f"worker {writer.worker} (generation {writer.generation}) is fenced")
+
+
+def start_attempt(
+    tx: Tx, writer: Writer, call_id: str, reserve: int, provider_key: str | None
+) -> Admitted:
+    """Start the next attempt of a call whose last attempt proved nothing happened.
+
+    Used for automatic retries (SPEC §3.4): only after ``not_sent`` or a declared
+    not-processed status, with a fresh reservation checked against the budget.
+    """
+    state = tx.get_call(call_id)
+    if state is None or state.stage not in ("not_sent", "not_processed"):
+        stage = state.stage if state else "missing"
+        raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
+    _check_lease(tx, writer)
+    exceeded = budgets.check_admission(tx.get_nodes(budgets.ancestors(state.budget)),
+                                       state.budget, reserve)
+    if exceeded is not None:
+        refusal = Refusal(
+            402, "budget_exceeded",
+            f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room for a "
+            f"retry that reserves {nanos_to_usd(exceeded.amount)} USD",
+            call_id=call_id, stage=state.stage, next_operation=state.next_operation,
+        )
+        return Admitted("refuse", call_id, refusal=refusal)
+    attempt = state.attempts + 1
+    append(tx, writer, [
+        BudgetReserved(call=call_id, budget=state.budget, amount=reserve),
+        AttemptStarted(call=call_id, attempt=attempt, worker=writer.worker,
+                       generation=writer.generation, provider_idempotency_key=provider_key,
+                       at=tx.now()),
+    ])
+    return Admitted("attempt", call_id, attempt, state=tx.get_call(call_id),
+                    provider_idempotency_key=provider_key)

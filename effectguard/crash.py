@@ -1,0 +1,49 @@
+"""Crash points (SPEC §11): kill this process, without cleanup, at a named point.
+
+Configured once at the edge from ``EFFECTGUARD_CRASH_AT``; when unset the guard
+holds :data:`NO_CRASH`, whose ``hit`` does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Final
+
+POINTS: Final = frozenset(
+    {
+        "after:admit",
+        "after:dispatch",
+        "after:upstream-response",
+        "after:observe",
+        "mid-stream",
+        "after:reconcile",
+        "before:observe",
+    }
+)
+
+
+class CrashPoints:
+    """Kills the process with SIGKILL when :meth:`hit` names the configured point."""
+
+    def __init__(self, point: str | None) -> None:
+        if point is not None and point not in POINTS:
+            raise ValueError(f"unknown crash point {point!r}; known: {', '.join(sorted(POINTS))}")
+        self.point = point
+
+    def hit(self, point: str) -> None:
+        """SIGKILL this process if ``point`` is the configured crash point."""
+        if point == self.point:
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+NO_CRASH: Final = CrashPoints(None)
+
+
+def from_environment(environ: dict[str, str] | None = None) -> CrashPoints:
+    """The crash point named by ``EFFECTGUARD_CRASH_AT`` (read at the edge only)."""
+    env = os.environ if environ is None else environ
+    point = env.get("EFFECTGUARD_CRASH_AT") or None
+    return CrashPoints(point) if point else NO_CRASH

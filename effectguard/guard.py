@@ -1,0 +1,539 @@
+"""The guard: the one call path both ways in use (SPEC §3–§4).
+
+``Guard.handle`` takes an upstream-bound ``httpx.Request`` and a ``send``
+function (the inner transport) and returns an ``httpx.Response``:
+
+1. *prepare* — parse and price the request (pure; refusals cost nothing);
+2. *admit* — one durable transaction: idempotency, reservation, manifest,
+   ``attempt.started``;
+3. *dispatch* — through ``send``, retried with tenacity only when the attempt
+   provably did nothing (not sent, or a declared not-processed status);
+4. *observe* — one durable transaction before the response is released
+   (streams: at their end, see :mod:`effectguard.guardstream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from effectguard import budget as budgets
+from effectguard import usage as usages
+from effectguard.crash import NO_CRASH, CrashPoints
+from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
+from effectguard.events import (
+    AttemptNotSent,
+    AttemptObserved,
+    BudgetReleased,
+    BudgetSettled,
+    CallCompleted,
+    Event,
+    decode_body,
+    encode_body,
+)
+from effectguard.ledger import AdmitRequest, Admitted, Ledger, Writer
+from effectguard.observer import NullObserver, Observer
+from effectguard.providers import ModelPrice, Provider
+from effectguard.wire import (
+    CALL_ID_HEADER,
+    IDEMPOTENCY_HEADER,
+    REPLAYED_HEADER,
+    RETRY_OF_HEADER,
+    SDK_RETRY_HEADER,
+    classify_transport_error,
+    request_hash,
+    storable_headers,
+    strip_hop_by_hop,
+)
+
+Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+#: Request headers that are effectguard's own and never go upstream.
+OWN_HEADERS = frozenset({"effectguard-budget", RETRY_OF_HEADER, IDEMPOTENCY_HEADER})
+MAX_KEY_LENGTH = 255
+
+
+@dataclass(frozen=True, slots=True)
+class GuardSettings:
+    """How the guard behaves; read once at the edge."""
+
+    retry_window_s: float = 600.0
+    max_retries: int = 2
+    retry_wait_s: float = 0.25
+    retry_wait_max_s: float = 4.0
+    create_budgets: bool = True
+    join_timeout_s: float = 600.0
+    join_poll_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A parsed and priced request, ready for admission."""
+
+    provider: Provider
+    request: httpx.Request
+    path: str
+    model: str | None
+    price: ModelPrice
+    body: bytes
+    stream: bool
+    reserve: int
+    admit: AdmitRequest
+
+
+class _RetryAttempt(Exception):
+    """This attempt provably did nothing; a retry may start (carries the last answer)."""
+
+    def __init__(self, response: httpx.Response | None, refusal: Refusal | None) -> None:
+        super().__init__("retryable attempt")
+        self.response = response
+        self.refusal = refusal
+
+
+def _refuse(status: int, type_: str, message: str, **kw: Any) -> Refusal:
+    return Refusal(status, type_, message, **kw)
+
+
+class Guard:
+    """Admits, dispatches, observes and settles every billable request."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        providers: Mapping[str, Provider],
+        *,
+        writer: Writer,
+        settings: GuardSettings | None = None,
+        crash: CrashPoints = NO_CRASH,
+        observer: Observer | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.providers = dict(providers)
+        self.writer = writer
+        self.settings = settings or GuardSettings()
+        self.crash = crash
+        self.observer: Observer = observer or NullObserver()
+        self._done: dict[str, asyncio.Event] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- routing ------------------------------------------------------------
+    def provider_for_url(self, url: httpx.URL) -> Provider | None:
+        """The provider whose base URL ``url`` targets (longest match), if any."""
+        target = str(url.copy_with(query=None, fragment=None))
+        best: Provider | None = None
+        for provider in self.providers.values():
+            base = provider.base_url.rstrip("/")
+            if (target == base or target.startswith(base + "/")) and (
+                best is None or len(base) > len(best.base_url)
+            ):
+                best = provider
+        return best
+
+    # -- the call path --------------------------------------------------------
+    async def handle(
+        self,
+        provider: Provider,
+        request: httpx.Request,
+        send: Send,
+        *,
+        budget: str = budgets.DEFAULT_BUDGET,
+        budget_root: str | None = None,
+    ) -> httpx.Response:
+        """Run ``request`` through the call path; refusals raise :class:`Refusal`."""
+        started = time.perf_counter()
+        prepared = self.prepare(provider, request, budget=budget, budget_root=budget_root)
+        if prepared is None:  # read-only: nothing to guard
+            return await send(_outgoing(request, request.content, provider, None))
+        admitted = await self._admit(prepared)
+        self.crash.hit("after:admit")
+        if admitted.action == "refuse":
+            assert admitted.refusal is not None
+            self.observer.refused(provider.name, admitted.refusal.type)
+            raise admitted.refusal
+        if admitted.action == "replay":
+            self.observer.request_done(provider.name, prepared.model or "", "replayed")
+            return replay_response(admitted.call_id, admitted.observed, request)
+        if admitted.action == "join":
+            return await self._join(admitted.call_id, prepared)
+        self._done.setdefault(admitted.call_id, asyncio.Event())
+        return await self._dispatch(prepared, admitted, send, started)
+
+    def prepare(
+        self, provider: Provider, request: httpx.Request, *, budget: str, budget_root: str | None
+    ) -> Prepared | None:
+        """Parse, price and hash a request (pure); None for read-only endpoints."""
+        base_path = httpx.URL(provider.base_url).path.rstrip("/")
+        path = request.url.path[len(base_path) :] if base_path else request.url.path
+        endpoint = provider.endpoint_for(request.method, path)
+        if endpoint is not None and endpoint.effect == "read_only":
+            return None
+        try:
+            budgets.validate_path(budget)
+        except ValueError as exc:
+            raise _refuse(400, "invalid_budget", str(exc)) from exc
+        root = budget_root or budgets.root_of(budget)
+        if not budgets.is_under(budget, root):
+            raise _refuse(403, "budget_forbidden", f"budget {budget!r} is not under {root!r}")
+        raw = request.content
+        parsed: dict[str, Any] = {}
+        if raw or provider.dialect != "flat":
+            try:
+                loaded = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise _refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
+            if not isinstance(loaded, dict):
+                raise _refuse(400, "invalid_request", "request body must be a JSON object")
+            parsed = loaded
+        model = parsed.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _refuse(400, "invalid_request", "model must be a string")
+        price = provider.price_for(model)
+        if price is None:
+            raise _refuse(
+                400,
+                "model_not_priced",
+                f"model {model!r} has no declared price for provider {provider.name!r}; "
+                "declare it with --providers DIR",
+            )
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise _refuse(400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters")
+        stream = usages.wants_stream(parsed)
+        sent = raw
+        amended = usages.with_stream_usage(provider.dialect, path, parsed)
+        if amended is not None:
+            sent = json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            reserve = usages.estimate(price, parsed)
+        except (TypeError, ValueError) as exc:
+            raise _refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
+        retry_of = request.headers.get(RETRY_OF_HEADER)
+        sdk_retry = request.headers.get(SDK_RETRY_HEADER, "0")
+        is_retry = retry_of is not None or (sdk_retry.isdigit() and int(sdk_retry) >= 1)
+        target = request.url.raw_path.decode("ascii", "replace")
+        body_text, body_encoding = encode_body(sent)
+        idem = provider.idempotency
+        admit = AdmitRequest(
+            request_hash=request_hash(provider.name, request.method, target, parsed or raw),
+            provider=provider.name,
+            endpoint=path,
+            method=request.method,
+            model=model,
+            idempotency_key=key,
+            budget=budget,
+            budget_root=root,
+            effect_kind=endpoint.effect if endpoint else "billable",
+            body=body_text,
+            body_encoding=body_encoding,
+            stream=stream,
+            reserve=reserve,
+            is_retry=is_retry,
+            retry_of=retry_of,
+            retry_window_s=self.settings.retry_window_s,
+            provider_idempotency_window_s=idem.window_seconds if idem else None,
+            create_budgets=self.settings.create_budgets,
+        )
+        return Prepared(provider, request, path, model, price, sent, stream, reserve, admit)
+
+    async def _admit(self, prepared: Prepared) -> Admitted:
+        try:
+            return await self.ledger.admit(self.writer, prepared.admit)
+        except (LedgerUnavailable, FencedError) as exc:
+            raise _refuse(
+                503,
+                "ledger_unavailable",
+                f"the ledger could not record this request, so it was not sent: {exc}",
+                retryable=True,
+            ) from exc
+
+    async def _dispatch(
+        self, prepared: Prepared, admitted: Admitted, send: Send, started: float
+    ) -> httpx.Response:
+        s = self.settings
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(s.max_retries + 1),
+            wait=wait_exponential(multiplier=s.retry_wait_s, max=s.retry_wait_max_s),
+            retry=retry_if_exception_type(_RetryAttempt),
+            reraise=True,
+        )
+        current = admitted
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        current = await self._next_attempt(prepared, current)
+                    return await self._attempt(prepared, current, send, started)
+        except _RetryAttempt as last:
+            if last.refusal is not None:
+                raise last.refusal from None
+            assert last.response is not None
+            return last.response
+        raise AssertionError("unreachable: tenacity either returns or re-raises")
+
+    async def _next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
+        try:
+            nxt = await self.ledger.store.write(
+                self.writer,
+                lambda tx: _start_attempt(tx, self.writer, previous, prepared.reserve),
+            )
+        except (LedgerError, FencedError) as exc:
+            raise _refuse(503, "ledger_unavailable", str(exc), call_id=previous.call_id,
+                          retryable=False) from exc
+        if nxt.refusal is not None:
+            raise nxt.refusal
+        return nxt
+
+    async def _attempt(
+        self, prepared: Prepared, admitted: Admitted, send: Send, started: float
+    ) -> httpx.Response:
+        provider, call_id = prepared.provider, admitted.call_id
+        outgoing = _outgoing(
+            prepared.request, prepared.body, provider, admitted.provider_idempotency_key
+        )
+        sent_at = time.perf_counter()
+        try:
+            response = await send(outgoing)
+        except httpx.TransportError as exc:
+            return await self._transport_failed(prepared, admitted, exc)
+        except asyncio.CancelledError:
+            # The caller went away while the request may be on the wire.
+            self._spawn(self._interrupt(call_id, admitted.attempt, "cancelled during dispatch"))
+            raise
+        self.crash.hit("after:dispatch")
+        is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+        if is_stream and 200 <= response.status_code < 300:
+            from effectguard.guardstream import GuardedStream
+
+            stream = GuardedStream(self, prepared, admitted, response, sent_at, started)
+            return httpx.Response(
+                response.status_code,
+                headers=_client_headers(response, call_id),
+                stream=stream,
+                request=prepared.request,
+                extensions=response.extensions,
+            )
+        try:
+            body = await response.aread()
+        except httpx.TransportError as exc:
+            return await self._transport_failed(prepared, admitted, exc)
+        finally:
+            await response.aclose()
+        upstream = time.perf_counter() - sent_at
+        self.observer.upstream_seconds(provider.name, upstream)
+        self.crash.hit("after:upstream-response")
+        result = usages.usage_from_body(provider.dialect, prepared.path, body)
+        await self.observe(prepared, admitted, response.status_code, response.headers, body, result)
+        self.crash.hit("after:observe")
+        self.observer.overhead_seconds(max(0.0, time.perf_counter() - started - upstream))
+        answer = httpx.Response(
+            response.status_code,
+            headers=_client_headers(response, call_id),
+            content=body,
+            request=prepared.request,
+            extensions=response.extensions,
+        )
+        if response.status_code in provider.retry_statuses:
+            raise _RetryAttempt(answer, None)
+        return answer
+
+    async def observe(
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        status: int,
+        headers: httpx.Headers,
+        body: bytes,
+        result: usages.UsageResult,
+    ) -> None:
+        """Record the observation and settle the cost, durably (SPEC §3.3)."""
+        provider, call_id = prepared.provider, admitted.call_id
+        not_processed = status in provider.not_processed
+        text, encoding = encode_body(body)
+        usage = result.usage
+        ok = 200 <= status < 300
+        believed = result.believed and ok
+        observed = AttemptObserved(
+            call=call_id,
+            attempt=admitted.attempt,
+            status=status,
+            not_processed=not_processed,
+            usage=usage.to_dict() if usage else None,
+            usage_problem=None if believed else (result.problem or "missing"),
+            headers=storable_headers(headers.multi_items(), [provider.key_header]),
+            body=text,
+            body_encoding=encoding,
+        )
+        events: list[Event] = [observed]
+        if not_processed:
+            events.append(BudgetReleased(call=call_id, budget=prepared.admit.budget,
+                                         amount=prepared.reserve))
+            outcome = "not_processed"
+        else:
+            actual = usages.cost(prepared.price, usage) if believed and usage else prepared.reserve
+            flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
+            events.append(BudgetSettled(call=call_id, budget=prepared.admit.budget,
+                                        reserved=prepared.reserve, actual=actual, flagged=flagged))
+            outcome = "completed" if ok else "failed"
+            if usage is not None and believed:
+                self.observer.settled(provider.name, prepared.model or "", usage.input_tokens,
+                                      usage.output_tokens, actual)
+            else:
+                self.observer.settled(provider.name, prepared.model or "", 0, 0, actual)
+        events.append(CallCompleted(call=call_id, outcome=outcome))
+        try:
+            await self.ledger.record(self.writer, call_id, admitted.attempt, events)
+        except FencedError as exc:
+            self.observer.request_done(provider.name, prepared.model or "", "fenced")
+            raise _refuse(502, "observe_refused", f"this worker was fenced; the result of call "
+                          f"{call_id} was not recorded: {exc}", call_id=call_id) from exc
+        except LedgerError as exc:
+            self.observer.request_done(provider.name, prepared.model or "", "observe_failed")
+            self._spawn(self._interrupt(call_id, admitted.attempt, "observe failed"))
+            raise _refuse(502, "observe_failed", f"the response to call {call_id} could not be "
+                          f"recorded; its effect is unknown: {exc}", call_id=call_id) from exc
+        finally:
+            self._finish(call_id)
+        self.observer.request_done(provider.name, prepared.model or "", outcome)
+
+    async def _transport_failed(
+        self, prepared: Prepared, admitted: Admitted, exc: httpx.TransportError
+    ) -> httpx.Response:
+        call_id = admitted.call_id
+        if classify_transport_error(exc) == "not_sent":
+            events: list[Event] = [
+                AttemptNotSent(call=call_id, attempt=admitted.attempt, reason=_describe(exc)),
+                BudgetReleased(call=call_id, budget=prepared.admit.budget, amount=prepared.reserve),
+            ]
+            try:
+                await self.ledger.record(self.writer, call_id, admitted.attempt, events)
+            finally:
+                self._finish(call_id)
+            self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
+            raise _RetryAttempt(None, _refuse(
+                502, "upstream_unreachable",
+                f"could not connect to {prepared.provider.name}; nothing was sent: {_describe(exc)}",
+                call_id=call_id, stage="not_sent", next_operation="resend", retryable=True,
+            ))
+        await self._interrupt(call_id, admitted.attempt, _describe(exc))
+        self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
+        timeout = isinstance(exc, httpx.TimeoutException)
+        raise _refuse(
+            504 if timeout else 502,
+            "effect_unknown",
+            f"the upstream {'timed out' if timeout else 'failed'} after the request was sent; "
+            f"call {call_id} may have taken effect and will not be re-sent automatically: "
+            f"{_describe(exc)}",
+            call_id=call_id, stage="effect_unknown", next_operation="reconcile",
+        ) from exc
+
+    async def _interrupt(self, call_id: str, attempt: int, reason: str) -> None:
+        try:
+            await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+        except LedgerError:
+            pass  # the sweeper marks it after a restart: the call stays in flight until then
+        finally:
+            self._finish(call_id)
+
+    def _finish(self, call_id: str) -> None:
+        event = self._done.pop(call_id, None)
+        if event is not None:
+            event.set()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for background settlements to finish."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+    async def _join(self, call_id: str, prepared: Prepared) -> httpx.Response:
+        """A declared retry of an in-flight call waits for it and shares its result."""
+        deadline = time.monotonic() + self.settings.join_timeout_s
+        while True:
+            state = await self.ledger.store.get_call(call_id)
+            if state is None or state.stage != "in_flight" or time.monotonic() > deadline:
+                break
+            local = self._done.get(call_id)
+            if local is not None:
+                try:
+                    await asyncio.wait_for(local.wait(), timeout=self.settings.join_poll_s * 20)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(self.settings.join_poll_s)
+        stage = state.stage if state else "missing"
+        if stage in ("completed", "failed", "not_processed"):
+            events = await self.ledger.events(call_id)
+            observed = [e.event for e in events if e.kind == AttemptObserved.kind]
+            last = observed[-1] if observed else None
+            assert last is None or isinstance(last, AttemptObserved)
+            self.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
+            return replay_response(call_id, last, prepared.request)
+        reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
+        self.observer.refused(prepared.provider.name, reason)
+        raise _refuse(
+            409, reason,
+            f"this request retries call {call_id}, which is {stage}",
+            call_id=call_id, stage=stage,
+            next_operation="reconcile" if reason == "effect_unknown" else "resend",
+        )
+
+
+def _start_attempt(tx: Any, writer: Writer, previous: Admitted, reserve: int) -> Admitted:
+    from effectguard.ledger.operations import start_attempt
+
+    return start_attempt(tx, writer, previous.call_id, reserve, previous.provider_idempotency_key)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _outgoing(
+    request: httpx.Request, body: bytes, provider: Provider, provider_key: str | None
+) -> httpx.Request:
+    """The request as it goes upstream: own headers out, declared idempotency header in."""
+    headers = [
+        (k, v) for k, v in strip_hop_by_hop(request.headers.multi_items()) if k.lower() not in OWN_HEADERS
+    ]
+    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+    # Identity encoding: usage is read from the bytes, which are stored exactly as received.
+    headers.append(("accept-encoding", "identity"))
+    if provider_key is not None and provider.idempotency is not None:
+        headers.append((provider.idempotency.header, provider_key))
+    return httpx.Request(
+        request.method, request.url, headers=headers, content=body, extensions=request.extensions
+    )
+
+
+def _client_headers(response: httpx.Response, call_id: str) -> list[tuple[str, str]]:
+    headers = strip_hop_by_hop(response.headers.multi_items())
+    headers.append((CALL_ID_HEADER, call_id))
+    return headers
+
+
+def replay_response(
+    call_id: str, observed: AttemptObserved | None, request: httpx.Request
+) -> httpx.Response:
+    """The stored response of a completed call, marked as a replay."""
+    if observed is None:
+        raise _refuse(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
+    headers = [(k, v) for k, v in observed.headers.items() if k not in ("content-length",)]
+    headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
+    return httpx.Response(
+        observed.status,
+        headers=headers,
+        content=decode_body(observed.body, observed.body_encoding),
+        request=request,
+    )

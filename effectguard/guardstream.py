@@ -1,0 +1,126 @@
+"""A guarded server-sent-event stream: chunks forwarded as they arrive, the call
+observed and settled durably before the stream's terminal event is released.
+
+* The terminal chunk (``[DONE]``, ``message_stop`` …) is held back until the
+  observation is committed, so a client that saw the end knows it is recorded.
+* A stream that breaks mid-way records ``attempt.interrupted`` (effect unknown)
+  and ends the client's stream with an error, never with a clean finish.
+* A client that goes away (``aclose`` before the end) does not cancel the
+  call: the upstream is read to its end in the background, then recorded and
+  settled (SPEC §3.6).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import httpx
+
+from effectguard import usage as usages
+from effectguard.errors import Refusal
+from effectguard.ledger import Admitted
+
+if TYPE_CHECKING:
+    from effectguard.guard import Guard, Prepared
+
+
+class GuardedStream(httpx.AsyncByteStream):
+    """The client's view of an upstream stream, with ledger bookkeeping."""
+
+    def __init__(
+        self,
+        guard: Guard,
+        prepared: Prepared,
+        admitted: Admitted,
+        upstream: httpx.Response,
+        sent_at: float,
+        started: float,
+    ) -> None:
+        self._guard = guard
+        self._prepared = prepared
+        self._admitted = admitted
+        self._upstream = upstream
+        self._chunks: AsyncIterator[bytes] = upstream.aiter_raw()
+        self._parser = usages.StreamUsage(prepared.provider.dialect, prepared.path)
+        self._received: list[bytes] = []
+        self._sent_at = sent_at
+        self._started = started
+        self._forwarded = 0
+        self._settled = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._pull():
+            yield chunk
+            self._forwarded += 1
+            if self._forwarded == 1:
+                self._guard.crash.hit("mid-stream")
+
+    async def _pull(self) -> AsyncIterator[bytes]:
+        while not self._settled:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                await self._observe_or_fail()
+                return
+            except httpx.TransportError as exc:
+                await self._broken(exc)
+                raise httpx.RemoteProtocolError(
+                    f"upstream stream broke; call {self._admitted.call_id} has an unknown "
+                    f"effect and will not be re-sent: {exc}"
+                ) from exc
+            self._take(chunk)
+            if self._parser.finished:
+                # Hold the terminal event back until the observation is durable.
+                await self._observe_or_fail()
+            yield chunk
+
+    def _take(self, chunk: bytes) -> None:
+        self._received.append(chunk)
+        self._parser.feed(chunk)
+
+    async def _observe_or_fail(self) -> None:
+        try:
+            await self._observe()
+        except Refusal as exc:
+            raise httpx.RemoteProtocolError(exc.message) from exc
+
+    async def _observe(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        await self._upstream.aclose()
+        guard = self._guard
+        upstream_s = time.perf_counter() - self._sent_at
+        guard.observer.upstream_seconds(self._prepared.provider.name, upstream_s)
+        guard.crash.hit("after:upstream-response")
+        await guard.observe(
+            self._prepared,
+            self._admitted,
+            self._upstream.status_code,
+            self._upstream.headers,
+            b"".join(self._received),
+            self._parser.result(),
+        )
+        guard.crash.hit("after:observe")
+
+    async def _broken(self, exc: BaseException) -> None:
+        self._settled = True
+        await self._upstream.aclose()
+        await self._guard._interrupt(
+            self._admitted.call_id, self._admitted.attempt, f"stream broke: {exc}"[:300]
+        )
+
+    async def aclose(self) -> None:
+        """Settle the call: now if it ended, else in the background after the upstream ends."""
+        if self._settled:
+            return
+        self._guard._spawn(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            async for _ in self._pull():
+                pass
+        except httpx.RemoteProtocolError:
+            pass  # already recorded: interrupted, or the observation failed

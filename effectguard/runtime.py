@@ -1,0 +1,76 @@
+"""One running guard: the ledger, this process's worker, and the guard on top.
+
+Both ways in (the transports and the proxy) start and stop a :class:`Runtime`
+the same way, so the order is right everywhere: open the ledger, register as a
+worker (and sweep), then serve; on stop, let background settlements finish,
+then stop the worker and close the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from effectguard.crash import NO_CRASH, CrashPoints
+from effectguard.guard import Guard, GuardSettings
+from effectguard.ledger import Ledger, open_store
+from effectguard.observer import Observer
+from effectguard.providers import Provider
+from effectguard.recovery import WorkerRuntime, lock_dir_for
+
+
+@dataclass
+class RuntimeConfig:
+    """What a runtime needs; built once at the edge."""
+
+    ledger_url: str
+    providers: Mapping[str, Provider]
+    guard: GuardSettings = field(default_factory=GuardSettings)
+    crash: CrashPoints = NO_CRASH
+    observer: Observer | None = None
+    lease_s: float = 15.0
+    heartbeat_s: float = 3.0
+    sweep_s: float = 5.0
+
+
+class Runtime:
+    """Opens the ledger, becomes a worker, and builds the guard."""
+
+    def __init__(self, config: RuntimeConfig, ledger: Ledger | None = None) -> None:
+        self.config = config
+        self._own_ledger = ledger is None
+        self.ledger = ledger or Ledger(open_store(config.ledger_url))
+        self.worker: WorkerRuntime | None = None
+        self.guard: Guard | None = None
+
+    async def start(self) -> Guard:
+        """Open everything; returns the guard."""
+        c = self.config
+        if self._own_ledger:
+            await self.ledger.store.open()
+        self.worker = WorkerRuntime(
+            self.ledger,
+            lock_dir=lock_dir_for(c.ledger_url),
+            lease_s=c.lease_s,
+            heartbeat_s=c.heartbeat_s,
+            sweep_s=c.sweep_s,
+        )
+        writer = await self.worker.start()
+        self.guard = Guard(
+            self.ledger,
+            c.providers,
+            writer=writer,
+            settings=c.guard,
+            crash=c.crash,
+            observer=c.observer,
+        )
+        return self.guard
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Finish background settlements, stop the worker, close the ledger."""
+        if self.guard is not None:
+            await self.guard.drain(drain_timeout)
+        if self.worker is not None:
+            await self.worker.stop()
+        if self._own_ledger:
+            await self.ledger.store.close()

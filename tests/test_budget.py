@@ -1,0 +1,427 @@
+"""Budget-tree arithmetic (SPEC §5): paths, ancestors, admission, and the fold invariant."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
+
+from effectguard import budget
+from effectguard.budget import BudgetNode, Delta, Exceeded, ancestors, check_admission
+from effectguard.events import (
+    BudgetHeld,
+    BudgetLimitSet,
+    BudgetReleased,
+    BudgetReserved,
+    BudgetSettled,
+    BudgetUnheld,
+    CallManifest,
+    Event,
+)
+
+# -- paths ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["default", "team-a", "team-a/run-42", "a.b_c-D9", "0", "/".join("abcdefgh"), "x" * 64],
+)
+def test_valid_paths_are_accepted(path: str) -> None:
+    """Paths of 1-8 segments of letters, digits, '.', '_' and '-' are valid."""
+    assert budget.validate_path(path) == path
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "",
+        "/a",
+        "a/",
+        "a//b",
+        "-a",
+        ".a",
+        "_a",
+        "a b",
+        "a/b c",
+        "a\nb",
+        "é",
+        "a%2Fb",
+        "/".join("abcdefghi"),
+        "x" * 65,
+        "../etc",
+    ],
+)
+def test_invalid_paths_are_refused(path: str) -> None:
+    """Empty segments, bad characters, a leading symbol, depth > 8 or a long segment are refused."""
+    with pytest.raises(ValueError, match="invalid budget path"):
+        budget.validate_path(path)
+
+
+def test_ancestors_are_root_first_and_end_with_the_path() -> None:
+    """ancestors lists the root first and the path itself last."""
+    assert ancestors("a/b/c") == ["a", "a/b", "a/b/c"]
+    assert ancestors("a") == ["a"]
+
+
+def test_root_and_is_under() -> None:
+    """root_of takes the first segment; is_under does not confuse a prefix with a parent."""
+    assert budget.root_of("team/run/1") == "team"
+    assert budget.is_under("team/run", "team")
+    assert budget.is_under("team", "team")
+    assert not budget.is_under("team-b/run", "team")
+    assert not budget.is_under("tea", "team")
+
+
+# -- admission -------------------------------------------------------------------
+
+
+def nodes_of(*nodes: BudgetNode) -> dict[str, BudgetNode]:
+    """A node mapping keyed by path."""
+    return {n.path: n for n in nodes}
+
+
+def test_admission_fits_exactly_at_the_limit() -> None:
+    """spent + reserved + held + R == limit is admitted; one nano more is refused."""
+    nodes = nodes_of(BudgetNode("a", limit=100, spent=10, reserved=20, held=30))
+    assert check_admission(nodes, "a", 40) is None
+    assert check_admission(nodes, "a", 41) == Exceeded(path="a", limit=100, room=40, amount=41)
+
+
+def test_admission_checks_every_limited_ancestor() -> None:
+    """A limit on a middle ancestor refuses a charge to a deeper path."""
+    nodes = nodes_of(
+        BudgetNode("a", limit=None, spent=10**12),
+        BudgetNode("a/b", limit=50, held=45),
+        BudgetNode("a/b/c", limit=1000),
+    )
+    refused = check_admission(nodes, "a/b/c", 6)
+    assert refused == Exceeded(path="a/b", limit=50, room=5, amount=6)
+    assert check_admission(nodes, "a/b/c", 5) is None
+
+
+def test_admission_ignores_nodes_outside_the_path() -> None:
+    """A sibling's or a child's limit does not constrain a charge to its parent or sibling."""
+    nodes = nodes_of(BudgetNode("a/x", limit=0), BudgetNode("a/b/c", limit=0))
+    assert check_admission(nodes, "a/b", 10**9) is None
+
+
+def test_missing_nodes_are_unlimited() -> None:
+    """Paths never seen are unlimited."""
+    assert check_admission({}, "new/path", 10**15) is None
+
+
+def test_refusal_names_the_root_most_overflowing_node() -> None:
+    """When several nodes overflow, the root-most one and its room are named."""
+    nodes = nodes_of(
+        BudgetNode("a", limit=100, spent=90),
+        BudgetNode("a/b", limit=5),
+        BudgetNode("a/b/c", limit=1),
+    )
+    assert check_admission(nodes, "a/b/c", 20) == Exceeded(path="a", limit=100, room=10, amount=20)
+
+
+def test_room_is_never_negative_after_overshoot() -> None:
+    """A node already past its limit (settle overshoot) has room 0 and refuses any charge."""
+    node = BudgetNode("a", limit=100, spent=150)
+    assert node.room == 0
+    assert check_admission(nodes_of(node), "a", 1) == Exceeded("a", 100, 0, 1)
+    assert check_admission(nodes_of(node), "a", 0) == Exceeded("a", 100, 0, 0)
+
+
+def test_zero_limit_refuses_everything_but_a_zero_charge() -> None:
+    """A limit of 0 admits only a zero reservation."""
+    nodes = nodes_of(BudgetNode("a", limit=0))
+    assert check_admission(nodes, "a", 0) is None
+    assert check_admission(nodes, "a", 1) is not None
+
+
+def test_unlimited_node_has_no_room_value() -> None:
+    """An unlimited node's room is None (not a number that could be mistaken for zero)."""
+    assert BudgetNode("a").room is None
+
+
+# -- deltas and fold ---------------------------------------------------------------
+
+
+def test_deltas_follow_spec_section_5() -> None:
+    """Each budget event moves the counters exactly as SPEC §5 says."""
+    assert budget.deltas(BudgetReserved(call="c", budget="a", amount=7)) == Delta("a", reserved=7)
+    assert budget.deltas(BudgetSettled(call="c", budget="a", reserved=7, actual=9)) == Delta(
+        "a", reserved=-7, spent=9
+    )
+    assert budget.deltas(BudgetReleased(call="c", budget="a", amount=7)) == Delta("a", reserved=-7)
+    assert budget.deltas(BudgetHeld(call="c", budget="a", amount=7)) == Delta(
+        "a", reserved=-7, held=7
+    )
+    assert budget.deltas(BudgetUnheld(call="c", budget="a", amount=7, spent=3)) == Delta(
+        "a", held=-7, spent=3
+    )
+    assert budget.deltas(BudgetLimitSet(path="a", limit=1)) is None
+
+
+def test_fold_charges_every_ancestor() -> None:
+    """A reservation on a/b/c shows on a, a/b and a/b/c, and not on a sibling."""
+    nodes = budget.fold(
+        [
+            BudgetLimitSet(path="a/x", limit=10),
+            BudgetReserved(call="c", budget="a/b/c", amount=7),
+        ]
+    )
+    assert {p: n.reserved for p, n in nodes.items()} == {"a/x": 0, "a": 7, "a/b": 7, "a/b/c": 7}
+    assert nodes["a/x"].limit == 10
+
+
+def test_settle_overshoot_is_spent_in_full() -> None:
+    """Actual cost above the reservation is spent, and the overshoot is reported."""
+    settled = BudgetSettled(call="c", budget="a", reserved=10, actual=25)
+    nodes = budget.fold([BudgetReserved(call="c", budget="a", amount=10), settled])
+    assert nodes["a"] == BudgetNode("a", reserved=0, spent=25)
+    assert settled.overshoot == 15
+    assert BudgetSettled(call="c", budget="a", reserved=10, actual=4).overshoot == 0
+
+
+def test_limit_set_keeps_counters_and_can_be_cleared() -> None:
+    """budget.limit_set changes only the limit; None clears it."""
+    nodes = budget.fold(
+        [
+            BudgetReserved(call="c", budget="a", amount=7),
+            BudgetLimitSet(path="a", limit=100),
+            BudgetLimitSet(path="a", limit=None),
+        ]
+    )
+    assert nodes["a"] == BudgetNode("a", limit=None, reserved=7)
+
+
+def test_apply_returns_the_changed_nodes_and_ignores_other_events() -> None:
+    """apply reports the nodes it changed; a non-budget event changes nothing."""
+    nodes: dict[str, BudgetNode] = {}
+    changed = budget.apply(nodes, BudgetReserved(call="c", budget="a/b", amount=3))
+    assert [n.path for n in changed] == ["a", "a/b"]
+    other = CallManifest(
+        call="c",
+        request_hash="h",
+        provider="p",
+        endpoint="/",
+        method="POST",
+        model=None,
+        idempotency_key=None,
+        budget="a/b",
+        budget_root="a",
+        effect_kind="billable",
+        body="",
+    )
+    before = dict(nodes)
+    assert budget.apply(nodes, other) == []
+    assert nodes == before
+
+
+def test_counters_saturate_at_zero() -> None:
+    """Releasing more than is reserved never drives a counter negative."""
+    nodes = budget.fold(
+        [
+            BudgetReleased(call="c", budget="a", amount=5),
+            BudgetUnheld(call="c", budget="a", amount=5, spent=0),
+        ]
+    )
+    assert nodes["a"] == BudgetNode("a")
+
+
+# -- a stateful model over random interleavings --------------------------------------
+
+TREE_LIMITS: dict[str, int | None] = {
+    "org": 60_000,
+    "org/a": 30_000,
+    "org/a/x": 12_000,
+    "org/b": None,
+    "org/b/y": 20_000,
+}
+PATHS = sorted(TREE_LIMITS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """One outstanding reservation in the model."""
+
+    n: int
+    path: str
+    amount: int
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """Random reserve/settle/release/hold/reconcile interleavings against an independent model."""
+
+    reservations = Bundle("reservations")
+    holds = Bundle("holds")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: dict[str, BudgetNode] = {}
+        self.events: list[Event] = []
+        self.counter = 0
+        # The independent model: per-path sums of the charges made *to* that path.
+        self.reserved_at: dict[str, int] = defaultdict(int)
+        self.held_at: dict[str, int] = defaultdict(int)
+        self.spent_at: dict[str, int] = defaultdict(int)
+        self.open_reservations: set[int] = set()
+        self.open_holds: set[int] = set()
+
+    def emit(self, event: Event) -> None:
+        """Apply one event to the tree and remember it."""
+        self.events.append(event)
+        budget.apply(self.nodes, event)
+
+    def model(self, path: str, counters: dict[str, int]) -> int:
+        """The model's counter for ``path``: the sum over the path and its descendants."""
+        return sum(v for p, v in counters.items() if budget.is_under(p, path))
+
+    def model_committed(self, path: str) -> int:
+        """spent + reserved + held of ``path`` in the model."""
+        return sum(self.model(path, c) for c in (self.spent_at, self.reserved_at, self.held_at))
+
+    @initialize()
+    def set_limits(self) -> None:
+        """Declare the tree's limits as events, so the fold sees them too."""
+        for path, limit in TREE_LIMITS.items():
+            self.emit(BudgetLimitSet(path=path, limit=limit))
+
+    @rule(
+        target=reservations,
+        path=st.sampled_from(PATHS),
+        amount=st.integers(min_value=0, max_value=15_000),
+    )
+    def reserve(self, path: str, amount: int) -> Reservation | object:
+        """Admit a reservation only when check_admission says it fits; check that it really fits."""
+        fits = all(
+            TREE_LIMITS[p] is None or self.model_committed(p) + amount <= TREE_LIMITS[p]  # type: ignore[operator]
+            for p in ancestors(path)
+        )
+        refused = check_admission(self.nodes, path, amount)
+        assert (refused is None) == fits
+        if refused is not None:
+            overflowing = [
+                p
+                for p in ancestors(path)
+                if TREE_LIMITS[p] is not None
+                and self.model_committed(p) + amount > TREE_LIMITS[p]  # type: ignore[operator]
+            ]
+            assert refused.path == overflowing[0]
+            limit = TREE_LIMITS[refused.path]
+            assert limit is not None
+            assert refused.room == max(0, limit - self.model_committed(refused.path))
+            assert refused.amount == amount
+            return multiple()  # refused: nothing joins the bundle
+        self.counter += 1
+        res = Reservation(self.counter, path, amount)
+        self.emit(BudgetReserved(call=f"c{res.n}", budget=path, amount=amount))
+        self.reserved_at[path] += amount
+        self.open_reservations.add(res.n)
+        return res
+
+    def _close_reservation(self, res: Reservation) -> None:
+        assert res.n in self.open_reservations, "a reservation resolved twice"
+        self.open_reservations.remove(res.n)
+        self.reserved_at[res.path] -= res.amount
+
+    @rule(res=consumes(reservations), extra=st.integers(min_value=-15_000, max_value=15_000))
+    def settle(self, res: Reservation, extra: int) -> None:
+        """Settle at any actual cost, including more than was reserved (overshoot)."""
+        actual = max(0, res.amount + extra)
+        self._close_reservation(res)
+        self.emit(
+            BudgetSettled(call=f"c{res.n}", budget=res.path, reserved=res.amount, actual=actual)
+        )
+        self.spent_at[res.path] += actual
+
+    @rule(res=consumes(reservations))
+    def release(self, res: Reservation) -> None:
+        """Not sent / not processed: the reservation is released."""
+        self._close_reservation(res)
+        self.emit(BudgetReleased(call=f"c{res.n}", budget=res.path, amount=res.amount))
+
+    @rule(target=holds, res=consumes(reservations))
+    def hold(self, res: Reservation) -> Reservation:
+        """Effect unknown: the reservation moves to held."""
+        self._close_reservation(res)
+        self.emit(BudgetHeld(call=f"c{res.n}", budget=res.path, amount=res.amount))
+        self.held_at[res.path] += res.amount
+        self.open_holds.add(res.n)
+        return res
+
+    def _close_hold(self, res: Reservation, spent: int) -> None:
+        assert res.n in self.open_holds, "a hold resolved twice"
+        self.open_holds.remove(res.n)
+        self.emit(BudgetUnheld(call=f"c{res.n}", budget=res.path, amount=res.amount, spent=spent))
+        self.held_at[res.path] -= res.amount
+        self.spent_at[res.path] += spent
+
+    @rule(res=consumes(holds), cost=st.none() | st.integers(min_value=0, max_value=30_000))
+    def reconcile_applied(self, res: Reservation, cost: int | None) -> None:
+        """Reconciled applied with cost C (C defaults to R): held -> spent."""
+        self._close_hold(res, res.amount if cost is None else cost)
+
+    @rule(res=consumes(holds))
+    def reconcile_not_applied(self, res: Reservation) -> None:
+        """Reconciled not applied: the hold is released."""
+        self._close_hold(res, 0)
+
+    @invariant()
+    def counters_match_the_model_and_the_fold(self) -> None:
+        """Every node equals the independent model and the fold of the emitted events."""
+        assert budget.fold(self.events) == self.nodes
+        for path in PATHS:
+            node = self.nodes[path]
+            assert node.limit == TREE_LIMITS[path]
+            assert node.reserved == self.model(path, self.reserved_at)
+            assert node.held == self.model(path, self.held_at)
+            assert node.spent == self.model(path, self.spent_at)
+
+    @invariant()
+    def money_is_non_negative_int(self) -> None:
+        """Counters are never negative and never floats (exact nano-dollars)."""
+        for node in self.nodes.values():
+            for value in (node.reserved, node.spent, node.held):
+                assert type(value) is int
+                assert value >= 0
+            assert node.limit is None or type(node.limit) is int
+        for event in self.events:
+            for value in event.to_data().values():
+                assert not isinstance(value, float)
+
+    def teardown(self) -> None:
+        """Resolving every outstanding reservation and hold leaves nothing reserved or held."""
+        for n in sorted(self.open_reservations):
+            path, amount = self._find(n)
+            self._close_reservation(Reservation(n, path, amount))
+            self.emit(BudgetReleased(call=f"c{n}", budget=path, amount=amount))
+        for n in sorted(self.open_holds):
+            path, amount = self._find(n)
+            self._close_hold(Reservation(n, path, amount), 0)
+        assert not self.open_reservations and not self.open_holds
+        self.counters_match_the_model_and_the_fold()
+        for node in self.nodes.values():
+            assert node.reserved == 0
+            assert node.held == 0
+
+    def _find(self, n: int) -> tuple[str, int]:
+        for event in self.events:
+            if isinstance(event, BudgetReserved) and event.call == f"c{n}":
+                return event.budget, event.amount
+        raise AssertionError(f"no reservation c{n}")
+
+
+BudgetMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+TestBudgetMachine = BudgetMachine.TestCase

@@ -1,0 +1,415 @@
+"""The work-state projection (SPEC §6): stages from plain event lists, rung order, purity."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import reduce
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from effectguard.events import (
+    AttemptInterrupted,
+    AttemptNotSent,
+    AttemptObserved,
+    AttemptStarted,
+    BudgetHeld,
+    BudgetReleased,
+    BudgetReserved,
+    BudgetSettled,
+    BudgetUnheld,
+    CallCompleted,
+    CallManifest,
+    CallReconciled,
+    CallRefused,
+    Event,
+)
+from effectguard.workstate import STAGE_TABLE, STAGES, TERMINAL, WorkState, apply, work_state
+
+CALL = "call_1"
+R = 5_000
+
+
+def manifest(*, at: float = 100.0, key: str | None = "k1", window: float | None = None) -> Event:
+    """A call.manifest for CALL."""
+    return CallManifest(
+        call=CALL,
+        request_hash="h1",
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-x",
+        idempotency_key=key,
+        budget="team/run",
+        budget_root="team",
+        effect_kind="billable",
+        body="{}",
+        provider_idempotency_window_s=window,
+        at=at,
+    )
+
+
+def started(attempt: int = 1, worker: str = "w1", at: float = 100.0) -> Event:
+    """attempt.started for CALL."""
+    return AttemptStarted(call=CALL, attempt=attempt, worker=worker, generation=1, at=at)
+
+
+def observed(status: int, *, attempt: int = 1, not_processed: bool = False) -> Event:
+    """attempt.observed for CALL."""
+    return AttemptObserved(
+        call=CALL,
+        attempt=attempt,
+        status=status,
+        not_processed=not_processed,
+        usage={"input_tokens": 3, "output_tokens": 4},
+        usage_problem=None,
+        headers={"content-type": "application/json"},
+        body="{}",
+    )
+
+
+def interrupted(attempt: int = 1) -> Event:
+    """attempt.interrupted for CALL."""
+    return AttemptInterrupted(call=CALL, attempt=attempt, reason="lease expired", by="w2")
+
+
+def reconciled(applied: bool, cost: int = R) -> Event:
+    """call.reconciled for CALL."""
+    return CallReconciled(call=CALL, applied=applied, cost=cost if applied else 0, note="n", by="op")
+
+
+def admitted() -> list[Event]:
+    """The three events of a successful admission."""
+    return [manifest(), BudgetReserved(call=CALL, budget="team/run", amount=R), started()]
+
+
+def effect_unknown() -> list[Event]:
+    """An admitted call whose attempt was interrupted."""
+    return [*admitted(), interrupted(), BudgetHeld(call=CALL, budget="team/run", amount=R)]
+
+
+ROWS: dict[str, tuple[list[Event], str, str]] = {
+    "refused": (
+        [manifest(), CallRefused(call=CALL, reason="budget_exceeded", status=402)],
+        "none",
+        "none",
+    ),
+    "in_flight": (admitted(), "unknown", "wait"),
+    "not_sent": (
+        [
+            *admitted(),
+            AttemptNotSent(call=CALL, attempt=1, reason="connect error"),
+            BudgetReleased(call=CALL, budget="team/run", amount=R),
+        ],
+        "none",
+        "resend",
+    ),
+    "effect_unknown": (effect_unknown(), "unknown", "reconcile"),
+    "completed": (
+        [
+            *admitted(),
+            observed(200),
+            BudgetSettled(call=CALL, budget="team/run", reserved=R, actual=3_000),
+            CallCompleted(call=CALL, outcome="completed"),
+        ],
+        "applied",
+        "none",
+    ),
+    "not_processed": (
+        [
+            *admitted(),
+            observed(429, not_processed=True),
+            BudgetReleased(call=CALL, budget="team/run", amount=R),
+            CallCompleted(call=CALL, outcome="not_processed"),
+        ],
+        "none",
+        "resend",
+    ),
+    "failed": (
+        [
+            *admitted(),
+            observed(500),
+            BudgetSettled(call=CALL, budget="team/run", reserved=R, actual=R),
+            CallCompleted(call=CALL, outcome="failed"),
+        ],
+        "applied",
+        "none",
+    ),
+    "reconciled_applied": (
+        [
+            *effect_unknown(),
+            reconciled(True),
+            BudgetUnheld(call=CALL, budget="team/run", amount=R, spent=R),
+        ],
+        "applied",
+        "none",
+    ),
+    "reconciled_not_applied": (
+        [
+            *effect_unknown(),
+            reconciled(False),
+            BudgetUnheld(call=CALL, budget="team/run", amount=R, spent=0),
+        ],
+        "none",
+        "resend",
+    ),
+}
+
+
+def test_rows_cover_every_stage_of_the_spec_table() -> None:
+    """The parametrized rows below cover exactly the nine SPEC §6 stages."""
+    assert set(ROWS) == set(STAGES)
+    assert len(STAGES) == 9
+
+
+@pytest.mark.parametrize("stage", list(ROWS))
+def test_spec_table_row(stage: str) -> None:
+    """Each SPEC §6 row: the events give the stage, its effect and its next operation."""
+    events, effect, next_operation = ROWS[stage]
+    state = work_state(events)
+    assert state.stage == stage
+    assert state.effect == effect
+    assert state.next_operation == next_operation
+    assert STAGE_TABLE[state.stage] == (effect, next_operation)
+    assert state.call_id == CALL
+
+
+def test_no_events_is_new() -> None:
+    """A call with no events is ``new`` and has no effect."""
+    state = work_state([])
+    assert state == WorkState()
+    assert state.stage == "new"
+    assert state.effect == "none"
+
+
+def test_manifest_fields_are_projected() -> None:
+    """The manifest's identity fields land in the state; money counters follow budget events."""
+    state = work_state(admitted())
+    assert state.idempotency_key == "k1"
+    assert state.request_hash == "h1"
+    assert state.provider == "openai"
+    assert state.model == "gpt-x"
+    assert state.budget == "team/run"
+    assert state.budget_root == "team"
+    assert state.created_at == 100.0
+    assert state.attempts == 1
+    assert state.worker == "w1"
+    assert state.reserved == R
+    assert state.reserved_at_admission == R
+    assert state.cost is None
+
+
+def test_effect_unknown_moves_reservation_to_held() -> None:
+    """An interrupted call with its hold has nothing reserved and R held."""
+    state = work_state(effect_unknown())
+    assert (state.reserved, state.held) == (0, R)
+
+
+def test_completed_records_status_and_cost() -> None:
+    """A settled call carries the response status and the actual cost."""
+    state = work_state(ROWS["completed"][0])
+    assert state.status == 200
+    assert state.cost == 3_000
+    assert state.reserved == 0
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        [interrupted()],
+        [reconciled(True)],
+        [reconciled(False)],
+        [observed(500)],
+        [observed(429, not_processed=True)],
+        [AttemptNotSent(call=CALL, attempt=1, reason="x")],
+        [started(2), interrupted(2)],
+        [CallRefused(call=CALL, reason="x", status=402)],
+        [manifest(at=999.0)],
+    ],
+    ids=lambda evs: "+".join(e.kind for e in evs),
+)
+def test_completed_stays_completed(later: list[Event]) -> None:
+    """A completed call stays completed whatever events follow."""
+    state = work_state([*ROWS["completed"][0], *later])
+    assert state.stage == "completed"
+    assert state.status == 200
+    assert state.created_at == 100.0
+
+
+@pytest.mark.parametrize("stage", sorted(TERMINAL))
+def test_terminal_stages_ignore_later_attempts(stage: str) -> None:
+    """Terminal stages are not left by a later attempt.started, observed or interrupted."""
+    events = ROWS[stage][0]
+    state = work_state([*events, started(2), observed(200, attempt=2), interrupted(2)])
+    assert state.stage == stage
+
+
+def test_interrupt_of_an_older_attempt_is_ignored() -> None:
+    """An attempt.interrupted for attempt 1 does not touch the in-flight attempt 2."""
+    events = [
+        *admitted(),
+        AttemptNotSent(call=CALL, attempt=1, reason="connect error"),
+        started(2),
+        interrupted(1),
+    ]
+    state = work_state(events)
+    assert state.stage == "in_flight"
+    assert state.attempts == 2
+
+
+def test_observation_of_an_older_attempt_is_ignored() -> None:
+    """A late attempt.observed for attempt 1 does not complete attempt 2."""
+    events = [
+        *admitted(),
+        AttemptNotSent(call=CALL, attempt=1, reason="connect error"),
+        started(2),
+        observed(200, attempt=1),
+    ]
+    assert work_state(events).stage == "in_flight"
+
+
+@pytest.mark.parametrize("stage", ["in_flight", "not_sent", "not_processed", "completed", "failed"])
+@pytest.mark.parametrize("applied", [True, False])
+def test_reconcile_of_a_call_not_effect_unknown_changes_nothing(stage: str, applied: bool) -> None:
+    """call.reconciled only acts on effect_unknown; elsewhere the state is unchanged."""
+    events = ROWS[stage][0]
+    before = work_state(events)
+    assert work_state([*events, reconciled(applied)]) == before
+
+
+def test_only_interrupted_leads_from_in_flight_to_effect_unknown() -> None:
+    """Without attempt.interrupted an in-flight call stays in flight, however old it is."""
+    events = [manifest(at=0.0), started(at=0.0)]
+    assert work_state(events).stage == "in_flight"
+    assert work_state([*events, interrupted()]).stage == "effect_unknown"
+
+
+@pytest.mark.parametrize("stage", ["not_sent", "not_processed", "reconciled_not_applied"])
+def test_resumable_stage_goes_back_in_flight_on_a_new_attempt(stage: str) -> None:
+    """A resend from a resumable stage is a new attempt in flight."""
+    state = work_state([*ROWS[stage][0], started(2)])
+    assert state.stage == "in_flight"
+    assert state.attempts == 2
+
+
+def test_provider_resend_from_effect_unknown_is_a_new_attempt() -> None:
+    """effect_unknown + attempt.started (provider resend inside its window) is in flight."""
+    state = work_state([*effect_unknown(), started(2), observed(200, attempt=2)])
+    assert state.stage == "completed"
+    assert state.attempts == 2
+
+
+def test_refusal_after_an_attempt_is_ignored() -> None:
+    """call.refused only refuses a call that never started an attempt."""
+    state = work_state([*admitted(), CallRefused(call=CALL, reason="x", status=402)])
+    assert state.stage == "in_flight"
+
+
+def test_projection_reads_no_clock() -> None:
+    """work_state runs with every clock patched to fail, and gives the same answer twice."""
+    events = ROWS["reconciled_applied"][0]
+    boom = mock.Mock(side_effect=AssertionError("the projection read a clock"))
+    with (
+        mock.patch.object(time, "time", boom),
+        mock.patch.object(time, "monotonic", boom),
+        mock.patch.object(time, "time_ns", boom),
+    ):
+        first = work_state(events)
+        second = work_state(list(events))
+    assert first == second
+    assert boom.call_count == 0
+
+
+# -- hypothesis --------------------------------------------------------------
+
+attempts = st.integers(min_value=1, max_value=3)
+amounts = st.integers(min_value=0, max_value=10_000)
+
+call_events: st.SearchStrategy[Event] = st.one_of(
+    st.builds(started, attempts),
+    st.builds(
+        observed,
+        st.sampled_from([200, 201, 400, 429, 500, 503]),
+        attempt=attempts,
+        not_processed=st.booleans(),
+    ),
+    st.builds(interrupted, attempts),
+    st.builds(lambda a: AttemptNotSent(call=CALL, attempt=a, reason="x"), attempts),
+    st.builds(reconciled, st.booleans(), amounts),
+    st.builds(lambda o: CallCompleted(call=CALL, outcome=o), st.sampled_from(["completed", "x"])),
+    st.builds(lambda: CallRefused(call=CALL, reason="budget_exceeded", status=402)),
+    st.builds(lambda a: BudgetReserved(call=CALL, budget="team/run", amount=a), amounts),
+    st.builds(lambda a: BudgetReleased(call=CALL, budget="team/run", amount=a), amounts),
+    st.builds(lambda a: BudgetHeld(call=CALL, budget="team/run", amount=a), amounts),
+    st.builds(
+        lambda a, s: BudgetUnheld(call=CALL, budget="team/run", amount=a, spent=s), amounts, amounts
+    ),
+    st.builds(
+        lambda r, a: BudgetSettled(call=CALL, budget="team/run", reserved=r, actual=a),
+        amounts,
+        amounts,
+    ),
+    st.builds(manifest, at=st.floats(min_value=0, max_value=1e9)),
+)
+
+#: A call's events: a manifest first, then anything a store could append for it.
+valid_sequences = st.builds(
+    lambda head, tail: [head, *tail], st.builds(manifest), st.lists(call_events, max_size=25)
+)
+
+
+def _fold(state: WorkState, events: Sequence[Event]) -> WorkState:
+    return reduce(apply, events, state)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(call_events, max_size=25), st.lists(call_events, max_size=25))
+def test_projection_is_a_deterministic_fold(a: list[Event], b: list[Event]) -> None:
+    """work_state is deterministic, and work_state(a + b) is the fold of b continued from a."""
+    assert work_state(a + b) == work_state(list(a + b))
+    assert work_state(a + b) == _fold(work_state(a), b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_sequences)
+def test_stage_is_always_a_spec_stage(events: list[Event]) -> None:
+    """After a manifest, every prefix projects to a SPEC §6 stage with its table row."""
+    state = WorkState()
+    for event in events:
+        state = apply(state, event)
+        assert state.stage in STAGE_TABLE
+        assert state.stage in STAGES
+        assert (state.effect, state.next_operation) == STAGE_TABLE[state.stage]
+        assert state.reserved >= 0
+        assert state.held >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_sequences)
+def test_terminal_rungs_are_never_left(events: list[Event]) -> None:
+    """Once a prefix is terminal, every longer prefix has the same stage."""
+    state = WorkState()
+    terminal_stage = None
+    for event in events:
+        state = apply(state, event)
+        if terminal_stage is not None:
+            assert state.stage == terminal_stage
+        elif state.stage in TERMINAL:
+            terminal_stage = state.stage
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_sequences)
+def test_effect_unknown_only_through_interrupted(events: list[Event]) -> None:
+    """The step into effect_unknown is always an attempt.interrupted for the current attempt."""
+    state = WorkState()
+    for event in events:
+        after = apply(state, event)
+        if after.stage == "effect_unknown" and state.stage != "effect_unknown":
+            assert isinstance(event, AttemptInterrupted)
+            assert event.attempt == state.attempts
+            assert state.stage == "in_flight"
+        state = after
