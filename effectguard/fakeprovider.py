@@ -21,9 +21,15 @@ flag                 header                  effect
 --                   ``x-fake-usage``        ``missing`` omits usage from the answer
 ===================  ======================  ==========================================
 
+A receipt line is ``{"seq", "ts", "method", "path", "idempotency_key",
+"body_sha256", "deduped", "model", "status"}``. With ``--idempotent`` a repeated
+key with the same path and body replays the first answer byte for byte (a
+``deduped`` receipt); with another body it is refused with 422. A non-stream
+answer is one chunk, so ``break-after 0`` sends only its headers.
+
 ``GET /ops/{key}`` is a lookup read path: ``applied`` is true iff a request with
-that ``Idempotency-Key`` was received and not deduplicated. It stands alone: it
-imports nothing from effectguard.
+that ``Idempotency-Key`` was received and not deduplicated (whatever its status).
+``GET /v1/models`` is read-only. This module imports nothing from effectguard.
 """
 
 from __future__ import annotations

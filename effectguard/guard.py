@@ -320,7 +320,8 @@ class Guard:
                 extensions=response.extensions,
             )
         try:
-            body = await response.aread()
+            # Raw bytes: stored and forwarded exactly as received (we ask for identity).
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
         except httpx.TransportError as exc:
             return await self._transport_failed(prepared, admitted, exc)
         finally:
