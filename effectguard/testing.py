@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FakeProvider", "fake_provider"]
+__all__ = ["FakeProvider", "Proxy", "fake_provider", "free_port", "running_proxy", "start_proxy"]
 
 _LISTENING = "fake-provider listening on "
 _START_TIMEOUT = 10.0
@@ -117,3 +117,97 @@ def _read_url(process: subprocess.Popen[bytes]) -> str:
         if not line:
             raise RuntimeError(f"fake provider exited with status {process.wait()}")
     raise RuntimeError(f"fake provider did not start within {_START_TIMEOUT} s")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Proxy:
+    """A running ``effectguard serve`` subprocess."""
+
+    url: str
+    ledger: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        """Everything the proxy printed (stdout and stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL: no cleanup)."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def stop(self, timeout: float = _STOP_TIMEOUT * 3) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_proxy(
+    ledger: str | Path,
+    *,
+    upstreams: dict[str, str] | None = None,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    port: int | None = None,
+    wait: bool = True,
+) -> Proxy:
+    """Start ``effectguard serve`` on a free loopback port; wait until ``/healthz`` answers."""
+    import urllib.request
+
+    port = port or free_port()
+    command = [sys.executable, "-m", "effectguard.cli", "serve", "--ledger", str(ledger),
+               "--host", "127.0.0.1", "--port", str(port)]
+    for name, url in (upstreams or {}).items():
+        command += ["--upstream", f"{name}={url}"]
+    command += list(args)
+    log_path = log_path or Path(str(ledger) + f".proxy-{port}.log")
+    child_env = {**os.environ, **(env or {})}
+    with log_path.open("ab") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=child_env)
+    proxy = Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path)
+    if not wait:
+        return proxy
+    deadline = time.monotonic() + _START_TIMEOUT * 2
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"effectguard serve exited with {process.returncode}:\n{proxy.log()}")
+        try:
+            with urllib.request.urlopen(proxy.url + "/healthz", timeout=1) as response:
+                if response.status == 200:
+                    return proxy
+        except OSError:
+            time.sleep(0.05)
+    proxy.kill()
+    raise RuntimeError(f"effectguard serve did not become healthy:\n{proxy.log()}")
+
+
+@contextlib.contextmanager
+def running_proxy(ledger: str | Path, **kwargs: Any) -> Iterator[Proxy]:
+    """:func:`start_proxy` for the duration of a block (stopped gracefully after)."""
+    proxy = start_proxy(ledger, **kwargs)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
