@@ -97,7 +97,9 @@ def _emit(args: argparse.Namespace, payload: Any, text: str) -> None:
     print(json.dumps(payload, indent=2) if args.json else text)
 
 
-async def _with_ledger(args: argparse.Namespace, job: Callable[[Ledger], Coroutine[Any, Any, int]]) -> int:
+async def _with_ledger(
+    args: argparse.Namespace, job: Callable[[Ledger], Coroutine[Any, Any, int]]
+) -> int:
     ledger_url: str = args.ledger
     if "://" not in ledger_url and not Path(ledger_url).exists():
         print(f"effectguard: no ledger at {ledger_url} (use --ledger)", file=sys.stderr)
@@ -110,8 +112,19 @@ async def _with_ledger(args: argparse.Namespace, job: Callable[[Ledger], Corouti
 async def cmd_calls(args: argparse.Namespace, ledger: Ledger) -> int:
     calls = await ledger.calls(stage=args.state, budget=args.budget, limit=args.limit)
     rows = [call_json(c) for c in calls]
-    columns = ["call_id", "stage", "effect", "next_operation", "budget", "provider", "model",
-               "attempts", "reserved_usd", "cost_usd", "held_usd"]
+    columns = [
+        "call_id",
+        "stage",
+        "effect",
+        "next_operation",
+        "budget",
+        "provider",
+        "model",
+        "attempts",
+        "reserved_usd",
+        "cost_usd",
+        "held_usd",
+    ]
     _emit(args, rows, _table(rows, columns) if rows else "no calls")
     return EXIT_OK
 
@@ -122,8 +135,13 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
     payload = {
         **call_json(state),
         "events": [
-            {"seq": e.seq, "kind": e.kind, "at": e.at, "worker": e.worker,
-             "data": {k: v for k, v in e.data.items() if k not in ("body",)}}
+            {
+                "seq": e.seq,
+                "kind": e.kind,
+                "at": e.at,
+                "worker": e.worker,
+                "data": {k: v for k, v in e.data.items() if k not in ("body",)},
+            }
             for e in events
         ],
     }
@@ -139,12 +157,19 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
         from effectguard.reconcile import reconcile_auto
 
         results = await reconcile_auto(ledger, _providers(args))
-        _emit(args, results, "\n".join(f"{r['call_id']}: {r['result']}" for r in results)
-              or "no effect-unknown calls with a lookup path")
+        _emit(
+            args,
+            results,
+            "\n".join(f"{r['call_id']}: {r['result']}" for r in results)
+            or "no effect-unknown calls with a lookup path",
+        )
         return EXIT_OK
     if not args.call_id or args.applied == args.not_applied:
-        print("effectguard: reconcile needs CALL_ID and exactly one of --applied / "
-              "--not-applied (or --auto)", file=sys.stderr)
+        print(
+            "effectguard: reconcile needs CALL_ID and exactly one of --applied / "
+            "--not-applied (or --auto)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if not args.note:
         print("effectguard: reconcile needs --note TEXT saying how you know", file=sys.stderr)
@@ -179,9 +204,14 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
 
 async def cmd_verify(args: argparse.Namespace, ledger: Ledger) -> int:
     report = await ledger.verify()
-    payload = {"ok": report.ok, "events": report.events, "calls": report.calls,
-               "budgets": report.budgets, "first_broken_seq": report.first_broken_seq,
-               "problems": report.problems}
+    payload = {
+        "ok": report.ok,
+        "events": report.events,
+        "calls": report.calls,
+        "budgets": report.budgets,
+        "first_broken_seq": report.first_broken_seq,
+        "problems": report.problems,
+    }
     if report.ok:
         text = f"ok: {report.events} events, {report.calls} calls, {report.budgets} budgets"
     else:
@@ -235,7 +265,9 @@ def cmd_key_new(args: argparse.Namespace) -> int:
     key = "eg-" + secrets.token_urlsafe(24)
     print(f"key (give it to the tenant; it is not stored): {key}")
     print("config:")
-    print(f'[[keys]]\nname = "{args.root}"\nsha256 = "{hash_key(key)}"\nbudget_root = "{args.root}"')
+    print(
+        f'[[keys]]\nname = "{args.root}"\nsha256 = "{hash_key(key)}"\nbudget_root = "{args.root}"'
+    )
     return EXIT_OK
 
 
@@ -249,8 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def ledger_opts(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
-        p.add_argument("--ledger", default=_default_ledger(),
-                       help="ledger PATH or DSN (default ./effectguard.db or $EFFECTGUARD_LEDGER)")
+        p.add_argument(
+            "--ledger",
+            default=_default_ledger(),
+            help="ledger PATH or DSN (default ./effectguard.db or $EFFECTGUARD_LEDGER)",
+        )
         if json_flag:
             p.add_argument("--json", action="store_true", help="machine-readable JSON output")
 
@@ -258,15 +293,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ledger", default=None, help="ledger PATH or DSN (default ./effectguard.db)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8787)")
-    p.add_argument("--providers", action="append", metavar="DIR",
-                   help="extra provider declarations (repeatable)")
-    p.add_argument("--upstream", action="append", metavar="NAME=URL",
-                   help="override a provider's base URL (repeatable)")
+    p.add_argument(
+        "--providers",
+        action="append",
+        metavar="DIR",
+        help="extra provider declarations (repeatable)",
+    )
+    p.add_argument(
+        "--upstream",
+        action="append",
+        metavar="NAME=URL",
+        help="override a provider's base URL (repeatable)",
+    )
     p.add_argument("--config", metavar="FILE", help="TOML config (budgets, keys, limits)")
     p.set_defaults(run=cmd_serve)
 
-    p = sub.add_parser("fake-provider", help="run the synthetic provider for tests",
-                       description="Run a synthetic OpenAI/Anthropic-compatible provider.")
+    p = sub.add_parser(
+        "fake-provider",
+        help="run the synthetic provider for tests",
+        description="Run a synthetic OpenAI/Anthropic-compatible provider.",
+    )
     from effectguard import fakeprovider
 
     fakeprovider.add_arguments(p)
@@ -284,8 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("call_id", help="the call id (Effectguard-Call-Id)")
     p.set_defaults(run_ledger=cmd_show)
 
-    p = sub.add_parser("reconcile", help="decide an effect-unknown call",
-                       description="Record whether an effect-unknown call took effect.")
+    p = sub.add_parser(
+        "reconcile",
+        help="decide an effect-unknown call",
+        description="Record whether an effect-unknown call took effect.",
+    )
     ledger_opts(p)
     p.add_argument("call_id", nargs="?", help="the call id")
     p.add_argument("--applied", action="store_true", help="the effect happened")
@@ -311,8 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-limit", action="store_true", help="remove the limit")
     q.set_defaults(run_ledger=cmd_budget_set)
 
-    p = sub.add_parser("verify", help="verify the ledger",
-                       description="Check the hash chain, counters and projections.")
+    p = sub.add_parser(
+        "verify",
+        help="verify the ledger",
+        description="Check the hash chain, counters and projections.",
+    )
     ledger_opts(p)
     p.set_defaults(run_ledger=cmd_verify)
 
@@ -331,8 +383,11 @@ def _add_bench(sub: Any) -> None:
         from effectguard import bench
     except ImportError:
         return
-    p = sub.add_parser("bench", help="measure effectguard against a bare proxy",
-                       description="Benchmark the proxy and transport against a baseline.")
+    p = sub.add_parser(
+        "bench",
+        help="measure effectguard against a bare proxy",
+        description="Benchmark the proxy and transport against a baseline.",
+    )
     bench.add_arguments(p)
     p.set_defaults(run=bench.run)
 
@@ -341,9 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``effectguard`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "command", None) == "budget" and args.budget_command == "set":
-        if (args.limit is None) == (not args.no_limit):
-            parser.error("budget set needs exactly one of --limit USD / --no-limit")
+    budget_set = getattr(args, "command", None) == "budget" and args.budget_command == "set"
+    if budget_set and (args.limit is None) == (not args.no_limit):
+        parser.error("budget set needs exactly one of --limit USD / --no-limit")
     try:
         if hasattr(args, "run_ledger"):
             return asyncio.run(_with_ledger(args, lambda ledger: args.run_ledger(args, ledger)))

@@ -15,6 +15,7 @@ function (the inner transport) and returns an ``httpx.Response``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -187,7 +188,9 @@ class Guard:
             try:
                 loaded = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
-                raise _refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
+                raise _refuse(
+                    400, "invalid_request", f"request body is not valid JSON: {exc}"
+                ) from exc
             if not isinstance(loaded, dict):
                 raise _refuse(400, "invalid_request", "request body must be a JSON object")
             parsed = loaded
@@ -204,7 +207,9 @@ class Guard:
             )
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
-            raise _refuse(400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters")
+            raise _refuse(
+                400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
+            )
         stream = usages.wants_stream(parsed)
         sent = raw
         amended = usages.with_stream_usage(provider.dialect, path, parsed)
@@ -284,8 +289,9 @@ class Guard:
                 lambda tx: _start_attempt(tx, self.writer, previous, prepared.reserve),
             )
         except (LedgerError, FencedError) as exc:
-            raise _refuse(503, "ledger_unavailable", str(exc), call_id=previous.call_id,
-                          retryable=False) from exc
+            raise _refuse(
+                503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=False
+            ) from exc
         if nxt.refusal is not None:
             raise nxt.refusal
         return nxt
@@ -373,18 +379,33 @@ class Guard:
         )
         events: list[Event] = [observed]
         if not_processed:
-            events.append(BudgetReleased(call=call_id, budget=prepared.admit.budget,
-                                         amount=prepared.reserve))
+            events.append(
+                BudgetReleased(call=call_id, budget=prepared.admit.budget, amount=prepared.reserve)
+            )
             outcome = "not_processed"
         else:
             actual = usages.cost(prepared.price, usage) if believed and usage else prepared.reserve
-            flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
-            events.append(BudgetSettled(call=call_id, budget=prepared.admit.budget,
-                                        reserved=prepared.reserve, actual=actual, flagged=flagged))
+            flagged = (
+                None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
+            )
+            events.append(
+                BudgetSettled(
+                    call=call_id,
+                    budget=prepared.admit.budget,
+                    reserved=prepared.reserve,
+                    actual=actual,
+                    flagged=flagged,
+                )
+            )
             outcome = "completed" if ok else "failed"
             if usage is not None and believed:
-                self.observer.settled(provider.name, prepared.model or "", usage.input_tokens,
-                                      usage.output_tokens, actual)
+                self.observer.settled(
+                    provider.name,
+                    prepared.model or "",
+                    usage.input_tokens,
+                    usage.output_tokens,
+                    actual,
+                )
             else:
                 self.observer.settled(provider.name, prepared.model or "", 0, 0, actual)
         events.append(CallCompleted(call=call_id, outcome=outcome))
@@ -392,13 +413,22 @@ class Guard:
             await self.ledger.record(self.writer, call_id, admitted.attempt, events)
         except FencedError as exc:
             self.observer.request_done(provider.name, prepared.model or "", "fenced")
-            raise _refuse(502, "observe_refused", f"this worker was fenced; the result of call "
-                          f"{call_id} was not recorded: {exc}", call_id=call_id) from exc
+            raise _refuse(
+                502,
+                "observe_refused",
+                f"this worker was fenced; the result of call {call_id} was not recorded: {exc}",
+                call_id=call_id,
+            ) from exc
         except LedgerError as exc:
             self.observer.request_done(provider.name, prepared.model or "", "observe_failed")
             self._spawn(self._interrupt(call_id, admitted.attempt, "observe failed"))
-            raise _refuse(502, "observe_failed", f"the response to call {call_id} could not be "
-                          f"recorded; its effect is unknown: {exc}", call_id=call_id) from exc
+            raise _refuse(
+                502,
+                "observe_failed",
+                f"the response to call {call_id} could not be "
+                f"recorded; its effect is unknown: {exc}",
+                call_id=call_id,
+            ) from exc
         finally:
             self._finish(call_id)
         self.observer.request_done(provider.name, prepared.model or "", outcome)
@@ -417,11 +447,19 @@ class Guard:
             finally:
                 self._finish(call_id)
             self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
-            raise _RetryAttempt(None, _refuse(
-                502, "upstream_unreachable",
-                f"could not connect to {prepared.provider.name}; nothing was sent: {_describe(exc)}",
-                call_id=call_id, stage="not_sent", next_operation="resend", retryable=True,
-            ))
+            raise _RetryAttempt(
+                None,
+                _refuse(
+                    502,
+                    "upstream_unreachable",
+                    f"could not connect to {prepared.provider.name}; nothing was sent: "
+                    f"{_describe(exc)}",
+                    call_id=call_id,
+                    stage="not_sent",
+                    next_operation="resend",
+                    retryable=True,
+                ),
+            )
         await self._interrupt(call_id, admitted.attempt, _describe(exc))
         self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
         timeout = isinstance(exc, httpx.TimeoutException)
@@ -431,7 +469,9 @@ class Guard:
             f"the upstream {'timed out' if timeout else 'failed'} after the request was sent; "
             f"call {call_id} may have taken effect and will not be re-sent automatically: "
             f"{_describe(exc)}",
-            call_id=call_id, stage="effect_unknown", next_operation="reconcile",
+            call_id=call_id,
+            stage="effect_unknown",
+            next_operation="reconcile",
         ) from exc
 
     async def _interrupt(self, call_id: str, attempt: int, reason: str) -> None:
@@ -466,10 +506,8 @@ class Guard:
                 break
             local = self._done.get(call_id)
             if local is not None:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(local.wait(), timeout=self.settings.join_poll_s * 20)
-                except TimeoutError:
-                    pass
             else:
                 await asyncio.sleep(self.settings.join_poll_s)
         stage = state.stage if state else "missing"
@@ -483,9 +521,11 @@ class Guard:
         reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
         self.observer.refused(prepared.provider.name, reason)
         raise _refuse(
-            409, reason,
+            409,
+            reason,
             f"this request retries call {call_id}, which is {stage}",
-            call_id=call_id, stage=stage,
+            call_id=call_id,
+            stage=stage,
             next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
 
@@ -506,7 +546,9 @@ def _outgoing(
 ) -> httpx.Request:
     """The request as it goes upstream: own headers out, declared idempotency header in."""
     headers = [
-        (k, v) for k, v in strip_hop_by_hop(request.headers.multi_items()) if k.lower() not in OWN_HEADERS
+        (k, v)
+        for k, v in strip_hop_by_hop(request.headers.multi_items())
+        if k.lower() not in OWN_HEADERS
     ]
     headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
     # Identity encoding: usage is read from the bytes, which are stored exactly as received.

@@ -22,7 +22,7 @@ def usd_to_nanos(value: str | int | Decimal) -> Nanos:
     Rounds up to the next nano-dollar: a price is never understated. Floats are
     refused, because a float price has already lost its exact value.
     """
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, bool | float):
         raise TypeError(f"money must not be a float or bool: {value!r}")
     try:
         amount = Decimal(value) if not isinstance(value, Decimal) else value

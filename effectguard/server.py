@@ -165,8 +165,9 @@ class ProxyApp:
             raise Refusal(401, "unknown_key", "missing or unknown effectguard key")
         budget = requested or key.budget_root
         if not budgets.is_under(budget, key.budget_root):
-            raise Refusal(403, "budget_forbidden",
-                          f"this key may only spend under {key.budget_root!r}")
+            raise Refusal(
+                403, "budget_forbidden", f"this key may only spend under {key.budget_root!r}"
+            )
         return budget, key.budget_root
 
     async def _proxy(
@@ -197,7 +198,10 @@ class ProxyApp:
         query = scope.get("query_string", b"")
         url = httpx.URL(provider.base_url + upstream_path, query=query or None)
         request = httpx.Request(
-            scope["method"], url, headers=out_headers, content=body,
+            scope["method"],
+            url,
+            headers=out_headers,
+            content=body,
             extensions={"timeout": self._timeout},
         )
         response = await self.guard.handle(
@@ -213,12 +217,14 @@ class ProxyApp:
         if response.is_stream_consumed:  # a body the guard already read and recorded
             body = response.content
             headers.append((b"content-length", str(len(body)).encode()))
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": headers})
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": headers}
+            )
             await send({"type": "http.response.body", "body": body})
             return
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": headers})
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
         finished = False
         try:
             async for chunk in response.aiter_raw():
@@ -290,8 +296,11 @@ def serve(settings: ServeSettings, metrics: Any = None) -> None:
         loop="uvloop" if _has("uvloop") else "asyncio",
     )
     server = uvicorn.Server(config)
-    print(f"effectguard listening on http://{settings.host}:{settings.port} "
-          f"(ledger {settings.ledger})", flush=True)
+    print(
+        f"effectguard listening on http://{settings.host}:{settings.port} "
+        f"(ledger {settings.ledger})",
+        flush=True,
+    )
     server.run()
 
 

@@ -176,23 +176,36 @@ def start_proxy(
     import urllib.request
 
     port = port or free_port()
-    command = [sys.executable, "-m", "effectguard.cli", "serve", "--ledger", str(ledger),
-               "--host", "127.0.0.1", "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "effectguard.cli",
+        "serve",
+        "--ledger",
+        str(ledger),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     for name, url in (upstreams or {}).items():
         command += ["--upstream", f"{name}={url}"]
     command += list(args)
     log_path = log_path or Path(str(ledger) + f".proxy-{port}.log")
     child_env = {**os.environ, **(env or {})}
     with log_path.open("ab") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env=child_env)
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env
+        )
     proxy = Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path)
     if not wait:
         return proxy
     deadline = time.monotonic() + _START_TIMEOUT * 2
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"effectguard serve exited with {process.returncode}:\n{proxy.log()}")
+            raise RuntimeError(
+                f"effectguard serve exited with {process.returncode}:\n{proxy.log()}"
+            )
         try:
             with urllib.request.urlopen(proxy.url + "/healthz", timeout=1) as response:
                 if response.status == 200:

@@ -100,7 +100,9 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         provider = guard.provider_for_url(request.url)
         if provider is None:
             if self.refuse_unmatched:
-                refusal = Refusal(404, "unknown_provider", f"no provider declared for {request.url}")
+                refusal = Refusal(
+                    404, "unknown_provider", f"no provider declared for {request.url}"
+                )
                 return error_response("openai", refusal, request)
             return await self.inner.handle_async_request(request)
         await request.aread()
@@ -246,9 +248,7 @@ class GuardTransport(httpx.BaseTransport):
             content=request.content,
             extensions=request.extensions,
         )
-        response: httpx.Response = self._portal.run(
-            self._async.handle_async_request(async_request)
-        )
+        response: httpx.Response = self._portal.run(self._async.handle_async_request(async_request))
         return httpx.Response(
             response.status_code,
             headers=response.headers,

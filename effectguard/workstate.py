@@ -126,7 +126,7 @@ def _to(state: WorkState, stage: Stage) -> WorkState:
     return dataclasses.replace(state, stage=stage)
 
 
-def apply(state: WorkState, event: Event) -> WorkState:  # noqa: C901 - one branch per kind
+def apply(state: WorkState, event: Event) -> WorkState:
     """Fold one event into ``state``. Events of other calls must not be passed."""
     replace = dataclasses.replace
     if isinstance(event, CallManifest):
@@ -172,7 +172,7 @@ def apply(state: WorkState, event: Event) -> WorkState:  # noqa: C901 - one bran
             cost=(state.cost or 0) + event.spent,
         )
     if isinstance(event, AttemptStarted):
-        if state.stage in TERMINAL or state.stage == "in_flight" and state.attempts:
+        if state.stage in TERMINAL or (state.stage == "in_flight" and state.attempts):
             return state
         return replace(
             state,

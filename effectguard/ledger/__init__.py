@@ -13,7 +13,7 @@ from effectguard.budget import BudgetNode
 from effectguard.errors import CallNotFound
 from effectguard.events import Event, StoredEvent
 from effectguard.ledger import operations
-from effectguard.ledger.base import OPERATOR, LedgerStore, Writer
+from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import AdmitRequest, Admitted
 from effectguard.verify import Verifier, VerifyReport
 from effectguard.workstate import Stage, WorkState
@@ -70,7 +70,7 @@ class Ledger:
     async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> WorkState:
         """Mark ``attempt`` interrupted: effect unknown, reservation held."""
 
-        def op(tx: operations.Tx) -> WorkState:
+        def op(tx: Tx) -> WorkState:
             state = tx.get_call(call_id)
             if state is None:
                 raise CallNotFound(call_id)
@@ -78,7 +78,8 @@ class Ledger:
                 return state
             return operations.interrupt(tx, writer, state, reason)
 
-        return await self.store.write(writer, op)
+        result: WorkState = await self.store.write(writer, op)
+        return result
 
     # -- operator API
     async def reconcile(

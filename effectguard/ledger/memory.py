@@ -97,8 +97,9 @@ class MemorySession:
         return last.seq, last.digest
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        self.t.events.append(event)
-        self._undo.append(self.t.events.pop)
+        events = self.t.events
+        events.append(event)
+        self._undo.append(lambda: events.remove(event))
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         return [e for e in self.t.events if e.call_id == call_id]

@@ -47,7 +47,11 @@ def append(tx: Tx, writer: Writer, events: Sequence[Event]) -> list[StoredEvent]
     for event in events:
         seq += 1
         stored, data_json = seal(
-            event, seq=seq, worker=writer.worker, generation=writer.generation, at=now,
+            event,
+            seq=seq,
+            worker=writer.worker,
+            generation=writer.generation,
+            at=now,
             prev_digest=prev,
         )
         tx.insert_event(stored, data_json)
@@ -151,8 +155,9 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     if decision.action == "replay":
         assert decision.existing is not None
         observed = _last_observed(tx, decision.existing.call_id)
-        return Admitted("replay", decision.existing.call_id, state=decision.existing,
-                        observed=observed)
+        return Admitted(
+            "replay", decision.existing.call_id, state=decision.existing, observed=observed
+        )
     if decision.action == "join":
         assert decision.existing is not None
         return Admitted("join", decision.existing.call_id, state=decision.existing)
@@ -164,24 +169,36 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     if existing is None:
         events.append(
             CallManifest(
-                call=call_id, request_hash=req.request_hash, provider=req.provider,
-                endpoint=req.endpoint, method=req.method, model=req.model,
-                idempotency_key=req.idempotency_key, budget=req.budget,
-                budget_root=req.budget_root, effect_kind=req.effect_kind, body=req.body,
-                body_encoding=req.body_encoding, stream=req.stream, retry_of=req.retry_of,
-                provider_idempotency_window_s=req.provider_idempotency_window_s, at=now,
+                call=call_id,
+                request_hash=req.request_hash,
+                provider=req.provider,
+                endpoint=req.endpoint,
+                method=req.method,
+                model=req.model,
+                idempotency_key=req.idempotency_key,
+                budget=req.budget,
+                budget_root=req.budget_root,
+                effect_kind=req.effect_kind,
+                body=req.body,
+                body_encoding=req.body_encoding,
+                stream=req.stream,
+                retry_of=req.retry_of,
+                provider_idempotency_window_s=req.provider_idempotency_window_s,
+                at=now,
             )
         )
     paths = budgets.ancestors(req.budget)
     nodes = tx.get_nodes(paths)
     if not req.create_budgets and req.budget not in nodes:
-        refusal = Refusal(403, "unknown_budget", f"budget {req.budget!r} is not configured",
-                          call_id=call_id)
+        refusal = Refusal(
+            403, "unknown_budget", f"budget {req.budget!r} is not configured", call_id=call_id
+        )
         return _refused(tx, writer, events, call_id, refusal)
     exceeded = budgets.check_admission(nodes, req.budget, req.reserve)
     if exceeded is not None:
         refusal = Refusal(
-            402, "budget_exceeded",
+            402,
+            "budget_exceeded",
             f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room; this "
             f"call reserves {nanos_to_usd(exceeded.amount)} USD",
             call_id=call_id,
@@ -193,21 +210,33 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     events.append(BudgetReserved(call=call_id, budget=req.budget, amount=req.reserve))
     events.append(
         AttemptStarted(
-            call=call_id, attempt=attempt, worker=writer.worker, generation=writer.generation,
-            provider_idempotency_key=provider_key, at=now,
+            call=call_id,
+            attempt=attempt,
+            worker=writer.worker,
+            generation=writer.generation,
+            provider_idempotency_key=provider_key,
+            at=now,
         )
     )
     append(tx, writer, events)
-    return Admitted(decision.action if existing else "admit", call_id, attempt,
-                    state=tx.get_call(call_id), provider_idempotency_key=provider_key)
+    return Admitted(
+        decision.action if existing else "admit",
+        call_id,
+        attempt,
+        state=tx.get_call(call_id),
+        provider_idempotency_key=provider_key,
+    )
 
 
 def _refused(
     tx: Tx, writer: Writer, events: list[Event], call_id: str, refusal: Refusal
 ) -> Admitted:
     if events:  # a new call: record the refused manifest so the refusal is auditable
-        events.append(CallRefused(call=call_id, reason=refusal.type, status=refusal.status,
-                                  message=refusal.message))
+        events.append(
+            CallRefused(
+                call=call_id, reason=refusal.type, status=refusal.status, message=refusal.message
+            )
+        )
         append(tx, writer, events)
     return Admitted("refuse", call_id, refusal=refusal)
 
@@ -226,7 +255,9 @@ def last_observed(tx: Tx, call_id: str) -> AttemptObserved | None:
     return _last_observed(tx, call_id)
 
 
-def record(tx: Tx, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]) -> WorkState:
+def record(
+    tx: Tx, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]
+) -> WorkState:
     """Record the outcome of ``attempt``: only while it is the call's current, in-flight one.
 
     A late result for an attempt that was already interrupted (by a sweeper that
@@ -248,8 +279,9 @@ def record(tx: Tx, writer: Writer, call_id: str, attempt: int, events: Sequence[
 def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkState:
     """Mark the in-flight attempt of ``state`` interrupted: effect unknown, reservation held."""
     events: list[Event] = [
-        AttemptInterrupted(call=state.call_id, attempt=state.attempts, reason=reason,
-                           by=writer.worker)
+        AttemptInterrupted(
+            call=state.call_id, attempt=state.attempts, reason=reason, by=writer.worker
+        )
     ]
     if state.reserved:
         events.append(BudgetHeld(call=state.call_id, budget=state.budget, amount=state.reserved))
@@ -321,10 +353,18 @@ def sweep(tx: Tx, writer: Writer, provably_dead: frozenset[str] = frozenset()) -
         if row.lease_expires >= now and row.worker not in provably_dead:
             continue
         reason = "lease expired" if row.lease_expires < now else "process gone"
-        tx.put_worker(WorkerRow(row.worker, row.generation, row.host, row.pid,
-                                row.lease_expires, fenced=True))
-        append(tx, writer, [WorkerTakenOver(worker=row.worker, generation=row.generation,
-                                            by=writer.worker, reason=reason)])
+        tx.put_worker(
+            WorkerRow(row.worker, row.generation, row.host, row.pid, row.lease_expires, fenced=True)
+        )
+        append(
+            tx,
+            writer,
+            [
+                WorkerTakenOver(
+                    worker=row.worker, generation=row.generation, by=writer.worker, reason=reason
+                )
+            ],
+        )
         for state in tx.in_flight_of(row.worker):
             interrupt(tx, writer, state, f"worker {row.worker} {reason}")
             interrupted.append(state.call_id)
@@ -353,22 +393,40 @@ def start_attempt(
         stage = state.stage if state else "missing"
         raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
     _check_lease(tx, writer)
-    exceeded = budgets.check_admission(tx.get_nodes(budgets.ancestors(state.budget)),
-                                       state.budget, reserve)
+    exceeded = budgets.check_admission(
+        tx.get_nodes(budgets.ancestors(state.budget)), state.budget, reserve
+    )
     if exceeded is not None:
         refusal = Refusal(
-            402, "budget_exceeded",
+            402,
+            "budget_exceeded",
             f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room for a "
             f"retry that reserves {nanos_to_usd(exceeded.amount)} USD",
-            call_id=call_id, stage=state.stage, next_operation=state.next_operation,
+            call_id=call_id,
+            stage=state.stage,
+            next_operation=state.next_operation,
         )
         return Admitted("refuse", call_id, refusal=refusal)
     attempt = state.attempts + 1
-    append(tx, writer, [
-        BudgetReserved(call=call_id, budget=state.budget, amount=reserve),
-        AttemptStarted(call=call_id, attempt=attempt, worker=writer.worker,
-                       generation=writer.generation, provider_idempotency_key=provider_key,
-                       at=tx.now()),
-    ])
-    return Admitted("attempt", call_id, attempt, state=tx.get_call(call_id),
-                    provider_idempotency_key=provider_key)
+    append(
+        tx,
+        writer,
+        [
+            BudgetReserved(call=call_id, budget=state.budget, amount=reserve),
+            AttemptStarted(
+                call=call_id,
+                attempt=attempt,
+                worker=writer.worker,
+                generation=writer.generation,
+                provider_idempotency_key=provider_key,
+                at=tx.now(),
+            ),
+        ],
+    )
+    return Admitted(
+        "attempt",
+        call_id,
+        attempt,
+        state=tx.get_call(call_id),
+        provider_idempotency_key=provider_key,
+    )

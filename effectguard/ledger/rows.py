@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from effectguard.events import StoredEvent, canonical_json
+from effectguard.ledger.base import WorkerRow
 from effectguard.workstate import WorkState
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
@@ -71,3 +72,19 @@ def state_params(state: WorkState) -> tuple[Any, ...]:
 def state_from_json(text: str) -> WorkState:
     """A call state from its stored JSON."""
     return WorkState(**json.loads(text))
+
+
+WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
+
+
+def worker_from_row(row: tuple[Any, ...] | Any) -> WorkerRow:
+    """A worker row from a row in :data:`WORKER_COLUMNS` order."""
+    worker, generation, host, pid, lease_expires, fenced = row
+    return WorkerRow(
+        worker=worker,
+        generation=int(generation),
+        host=host,
+        pid=int(pid),
+        lease_expires=float(lease_expires),
+        fenced=bool(fenced),
+    )

@@ -27,10 +27,12 @@ from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
+    WORKER_COLUMNS,
     event_from_row,
     event_params,
     state_from_json,
     state_params,
+    worker_from_row,
 )
 from effectguard.workstate import Stage, WorkState
 
@@ -220,11 +222,9 @@ class SqliteSession:
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         row = self.conn.execute(
-            "SELECT worker, generation, host, pid, lease_expires, fenced FROM workers "
-            "WHERE worker = ?",
-            (worker,),
+            f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = ?", (worker,)
         ).fetchone()
-        return None if row is None else WorkerRow(*row[:5], fenced=bool(row[5]))
+        return None if row is None else worker_from_row(row)
 
     def put_worker(self, row: WorkerRow) -> None:
         self.conn.execute(
@@ -234,11 +234,8 @@ class SqliteSession:
         )
 
     def live_workers(self) -> list[WorkerRow]:
-        rows = self.conn.execute(
-            "SELECT worker, generation, host, pid, lease_expires, fenced FROM workers "
-            "WHERE fenced = 0"
-        )
-        return [WorkerRow(*r[:5], fenced=bool(r[5])) for r in rows]
+        rows = self.conn.execute(f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = 0")
+        return [worker_from_row(r) for r in rows]
 
     def next_generation(self) -> int:
         row = self.conn.execute(
@@ -322,7 +319,8 @@ class SqliteStore:
     async def list_calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
     ) -> list[WorkState]:
-        where, params = [], []
+        where: list[str] = []
+        params: list[Any] = []
         if stage is not None:
             where.append("stage = ?")
             params.append(stage)
@@ -350,10 +348,8 @@ class SqliteStore:
         return [event_from_row(r) for r in rows]
 
     async def workers(self) -> list[WorkerRow]:
-        rows = await self._fetch(
-            "SELECT worker, generation, host, pid, lease_expires, fenced FROM workers"
-        )
-        return [WorkerRow(*r[:5], fenced=bool(r[5])) for r in rows]
+        rows = await self._fetch(f"SELECT {WORKER_COLUMNS} FROM workers")
+        return [worker_from_row(r) for r in rows]
 
     async def stage_counts(self) -> list[tuple[str, str, int, int]]:
         rows = await self._fetch(
