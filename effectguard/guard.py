@@ -122,7 +122,7 @@ class Guard:
         self.crash = crash
         self.observer: Observer = observer or NullObserver()
         self._done: dict[str, asyncio.Event] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
 
     # -- routing ------------------------------------------------------------
     def provider_for_url(self, url: httpx.URL) -> Provider | None:
@@ -164,7 +164,22 @@ class Guard:
         if admitted.action == "join":
             return await self._join(admitted.call_id, prepared)
         self._done.setdefault(admitted.call_id, asyncio.Event())
-        return await self._dispatch(prepared, admitted, send, started)
+        # The dispatch runs in its own task: a caller that goes away does not cancel a
+        # call the provider is already working on (SPEC §3.6); it is read and settled.
+        task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, started))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._background.add(task)
+            task.add_done_callback(self._abandoned)
+            raise
+
+    def _abandoned(self, task: asyncio.Future[httpx.Response]) -> None:
+        """Settle the response of a dispatch whose caller went away."""
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        self._spawn(task.result().aclose())
 
     def prepare(
         self, provider: Provider, request: httpx.Request, *, budget: str, budget_root: str | None

@@ -187,14 +187,16 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
                 at=now,
             )
         )
-    paths = budgets.ancestors(req.budget)
+    # A later attempt of an existing call is charged where the call was admitted.
+    budget = existing.budget if existing is not None else req.budget
+    paths = budgets.ancestors(budget)
     nodes = tx.get_nodes(paths)
-    if not req.create_budgets and req.budget not in nodes:
+    if not req.create_budgets and budget not in nodes:
         refusal = Refusal(
-            403, "unknown_budget", f"budget {req.budget!r} is not configured", call_id=call_id
+            403, "unknown_budget", f"budget {budget!r} is not configured", call_id=call_id
         )
         return _refused(tx, writer, events, call_id, refusal)
-    exceeded = budgets.check_admission(nodes, req.budget, req.reserve)
+    exceeded = budgets.check_admission(nodes, budget, req.reserve)
     if exceeded is not None:
         refusal = Refusal(
             402,
@@ -207,7 +209,11 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
 
     attempt = (existing.attempts if existing is not None else 0) + 1
     provider_key = (req.idempotency_key or call_id) if req.provider_idempotency_window_s else None
-    events.append(BudgetReserved(call=call_id, budget=req.budget, amount=req.reserve))
+    if decision.action == "provider_resend" and existing is not None and existing.held:
+        # The provider dedups the resend: the earlier attempt's effect, if any, is the
+        # same effect. Its hold is released; this attempt's reservation covers it.
+        events.append(BudgetUnheld(call=call_id, budget=budget, amount=existing.held, spent=0))
+    events.append(BudgetReserved(call=call_id, budget=budget, amount=req.reserve))
     events.append(
         AttemptStarted(
             call=call_id,
