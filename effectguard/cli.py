@@ -259,6 +259,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    async def job() -> None:
+        async with Ledger.open(args.ledger):
+            pass  # opening a store applies its pending migrations, each in its own transaction
+
+    asyncio.run(job())
+    print(f"ledger {args.ledger}: migrations applied")
+    return EXIT_OK
+
+
 def cmd_key_new(args: argparse.Namespace) -> int:
     from effectguard.settings import hash_key
 
@@ -367,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ledger_opts(p)
     p.set_defaults(run_ledger=cmd_verify)
+
+    p = sub.add_parser("migrate", help="create or upgrade the ledger's tables",
+                       description="Create or upgrade the ledger's tables (run once per "
+                       "deployment before starting replicas; serve also does it).")
+    ledger_opts(p, json_flag=False)
+    p.set_defaults(run=cmd_migrate)
 
     p = sub.add_parser("key", help="manage proxy keys", description="Manage proxy keys.")
     ksub = p.add_subparsers(dest="key_command", required=True, metavar="ACTION")
