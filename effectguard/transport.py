@@ -249,6 +249,14 @@ class GuardTransport(httpx.BaseTransport):
             extensions=request.extensions,
         )
         response: httpx.Response = self._portal.run(self._async.handle_async_request(async_request))
+        if response.is_stream_consumed:  # the guard already holds the whole body
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers,
+                content=response.content,
+                extensions=response.extensions,
+                request=request,
+            )
         return httpx.Response(
             response.status_code,
             headers=response.headers,

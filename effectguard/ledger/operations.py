@@ -196,7 +196,12 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
             403, "unknown_budget", f"budget {budget!r} is not configured", call_id=call_id
         )
         return _refused(tx, writer, events, call_id, refusal)
-    exceeded = budgets.check_admission(nodes, budget, req.reserve)
+    released = 0
+    if decision.action == "provider_resend" and existing is not None:
+        # The provider dedups the resend: the earlier attempt's effect, if any, is the
+        # same effect. Its hold is released as this attempt's reservation replaces it.
+        released = existing.held
+    exceeded = budgets.check_admission(nodes, budget, req.reserve - released)
     if exceeded is not None:
         refusal = Refusal(
             402,
@@ -209,10 +214,8 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
 
     attempt = (existing.attempts if existing is not None else 0) + 1
     provider_key = (req.idempotency_key or call_id) if req.provider_idempotency_window_s else None
-    if decision.action == "provider_resend" and existing is not None and existing.held:
-        # The provider dedups the resend: the earlier attempt's effect, if any, is the
-        # same effect. Its hold is released; this attempt's reservation covers it.
-        events.append(BudgetUnheld(call=call_id, budget=budget, amount=existing.held, spent=0))
+    if released:
+        events.append(BudgetUnheld(call=call_id, budget=budget, amount=released, spent=0))
     events.append(BudgetReserved(call=call_id, budget=budget, amount=req.reserve))
     events.append(
         AttemptStarted(

@@ -1,0 +1,706 @@
+"""The real openai and anthropic SDKs through AsyncGuardTransport and GuardTransport.
+
+The upstream is respx with realistic JSON bodies and server-sent-event streams.
+Checks that responses arrive intact, that the ledger settles at the exact cost
+from the declared prices, that abandoned and broken streams are settled or
+marked effect-unknown, and that the SDKs' own retries never re-send an effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+import respx
+
+from effectguard import AsyncGuardTransport, GuardSettings, GuardTransport, Ledger
+from effectguard.budget import BudgetNode
+from effectguard.httpx2_adapter import AsyncHttpx2Transport, Httpx2Transport
+from effectguard.providers import load_providers
+from effectguard.usage import Usage, cost
+from effectguard.verify import VerifyReport
+from effectguard.workstate import WorkState
+
+OPENAI = "https://api.openai.com"
+ANTHROPIC = "https://api.anthropic.com"
+GPT = "gpt-4o-mini"
+CLAUDE = "claude-haiku-4-5"
+PROVIDERS = load_providers([])
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+FAST = GuardSettings(retry_wait_s=0, retry_wait_max_s=0)
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+
+
+def price_cost(provider: str, model: str, usage: Usage) -> int:
+    """The expected cost of ``usage`` from the provider's declared prices."""
+    price = PROVIDERS[provider].price_for(model)
+    assert price is not None
+    return cost(price, usage)
+
+
+# -- upstream bodies ----------------------------------------------------------------
+
+CHAT_BODY: dict[str, Any] = {
+    "id": "chatcmpl-abc",
+    "object": "chat.completion",
+    "created": 1_700_000_000,
+    "model": "gpt-4o-mini-2024-07-18",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello there!", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 1200,
+        "completion_tokens": 42,
+        "total_tokens": 1242,
+        "prompt_tokens_details": {"cached_tokens": 1024, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
+    },
+    "system_fingerprint": "fp_1",
+}
+CHAT_USAGE = Usage(input_tokens=1200, output_tokens=42, cached_input_tokens=1024)
+
+
+def _chunk(**fields: Any) -> bytes:
+    doc = {
+        "id": "chatcmpl-s",
+        "object": "chat.completion.chunk",
+        "created": 1_700_000_000,
+        "model": "gpt-4o-mini-2024-07-18",
+        **fields,
+    }
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+CHAT_STREAM = [
+    _chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}]),
+    _chunk(choices=[{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]),
+    _chunk(choices=[{"index": 0, "delta": {"content": "lo!"}, "finish_reason": None}]),
+    _chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+    _chunk(
+        choices=[],
+        usage={"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+    ),
+    b"data: [DONE]\n\n",
+]
+CHAT_STREAM_USAGE = Usage(12, 3)
+
+MESSAGE_BODY: dict[str, Any] = {
+    "id": "msg_01",
+    "type": "message",
+    "role": "assistant",
+    "model": CLAUDE,
+    "content": [{"type": "text", "text": "Hello from Claude"}],
+    "stop_reason": "end_turn",
+    "stop_sequence": None,
+    "usage": {
+        "input_tokens": 20,
+        "cache_read_input_tokens": 100,
+        "cache_creation_input_tokens": 8,
+        "output_tokens": 7,
+    },
+}
+# Anthropic's input_tokens exclude cache reads and writes; the ledger counts all input.
+MESSAGE_USAGE = Usage(128, 7, cached_input_tokens=100, cache_write_tokens=8)
+
+
+def _event(name: str, **doc: Any) -> bytes:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **doc})}\n\n".encode()
+
+
+MESSAGE_STREAM = [
+    _event(
+        "message_start",
+        message={
+            "id": "msg_02",
+            "type": "message",
+            "role": "assistant",
+            "model": CLAUDE,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 25, "output_tokens": 1},
+        },
+    ),
+    _event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+    _event("ping"),
+    _event("content_block_delta", index=0, delta={"type": "text_delta", "text": "Hello"}),
+    _event("content_block_delta", index=0, delta={"type": "text_delta", "text": " world"}),
+    _event("content_block_stop", index=0),
+    _event(
+        "message_delta",
+        delta={"stop_reason": "end_turn", "stop_sequence": None},
+        usage={"output_tokens": 15},
+    ),
+    _event("message_stop"),
+]
+MESSAGE_STREAM_USAGE = Usage(25, 15)
+
+
+class Upstream:
+    """A respx side effect serving one SSE stream per request, optionally breaking mid-way."""
+
+    def __init__(self, events: list[bytes], *, sync: bool, break_at: int | None = None) -> None:
+        self.events = events
+        self.sync = sync
+        self.break_at = break_at
+        self.read_to_end = threading.Event()
+
+    def _check(self, i: int) -> None:
+        if i == self.break_at:
+            raise httpx.ReadError("connection reset mid-stream")
+        if i == len(self.events) - 1:
+            self.read_to_end.set()  # the terminal event is being handed out
+
+    def _sync(self) -> Iterator[bytes]:
+        for i, event in enumerate(self.events):
+            self._check(i)
+            yield event
+
+    async def _async(self) -> AsyncIterator[bytes]:
+        for i, event in enumerate(self.events):
+            self._check(i)
+            yield event
+            await asyncio.sleep(0)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        content = self._sync() if self.sync else self._async()
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=content
+        )
+
+
+class CountingTransport(httpx.AsyncBaseTransport):
+    """Counts the requests an SDK sends to the guard (its own retries included)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.retry_counts: list[str | None] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.retry_counts.append(request.headers.get("x-stainless-retry-count"))
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class CountingSyncTransport(httpx.BaseTransport):
+    """The sync twin of :class:`CountingTransport`."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+        self.retry_counts: list[str | None] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.retry_counts.append(request.headers.get("x-stainless-retry-count"))
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def async_openai(transport: httpx.AsyncBaseTransport, **kw: Any) -> openai.AsyncOpenAI:
+    """An AsyncOpenAI client over ``transport``."""
+    return openai.AsyncOpenAI(
+        api_key="sk-test",
+        base_url=OPENAI + "/v1",
+        http_client=httpx.AsyncClient(transport=transport),
+        **kw,
+    )
+
+
+def sync_openai(transport: httpx.BaseTransport, **kw: Any) -> openai.OpenAI:
+    """An OpenAI client over ``transport``."""
+    return openai.OpenAI(
+        api_key="sk-test",
+        base_url=OPENAI + "/v1",
+        http_client=httpx.Client(transport=transport),
+        **kw,
+    )
+
+
+def async_anthropic(transport: httpx.AsyncBaseTransport, **kw: Any) -> anthropic.AsyncAnthropic:
+    """An AsyncAnthropic client over ``transport`` (through the httpx2 adapter)."""
+    client = httpx2.AsyncClient(transport=AsyncHttpx2Transport(transport))
+    return anthropic.AsyncAnthropic(
+        api_key="test-key", base_url=ANTHROPIC, http_client=client, **kw
+    )
+
+
+def sync_anthropic(transport: httpx.BaseTransport, **kw: Any) -> anthropic.Anthropic:
+    """An Anthropic client over ``transport`` (through the httpx2 adapter)."""
+    client = httpx2.Client(transport=Httpx2Transport(transport))
+    return anthropic.Anthropic(api_key="test-key", base_url=ANTHROPIC, http_client=client, **kw)
+
+
+Snapshot = tuple[list[WorkState], dict[str, BudgetNode], VerifyReport]
+
+
+def snapshot(path: str) -> Snapshot:
+    """Calls, budgets and a verify report, read from a closed ledger file."""
+
+    async def read() -> Snapshot:
+        async with Ledger.open(path) as ledger:
+            calls = await ledger.calls()
+            nodes = {n.path: n for n in await ledger.budgets()}
+            return calls, nodes, await ledger.verify()
+
+    return asyncio.run(read())
+
+
+async def settled(transport: AsyncGuardTransport, timeout: float = 10.0) -> list[WorkState]:
+    """The calls, once none is in flight any more."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        calls = await transport.ledger.calls()
+        if all(c.stage != "in_flight" for c in calls):
+            return calls
+        assert asyncio.get_running_loop().time() < deadline, calls
+        await asyncio.sleep(0.02)
+
+
+def one(calls: list[WorkState]) -> WorkState:
+    """The only call."""
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+# -- non-streaming ------------------------------------------------------------------
+
+
+@respx.mock(base_url=OPENAI)
+async def test_openai_async_completion_is_intact_and_settled_exactly(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """AsyncOpenAI through the guard gets the body intact; the ledger spends the exact price."""
+    route = respx_mock.post("/v1/chat/completions").mock(
+        return_value=httpx.Response(200, json=CHAT_BODY)
+    )
+    t = make_transport()
+    client = async_openai(t)
+    raw = await client.chat.completions.with_raw_response.create(model=GPT, messages=MESSAGES)
+    completion = raw.parse()
+    assert completion.choices[0].message.content == "Hello there!"
+    assert json.loads(raw.http_response.content) == CHAT_BODY
+    assert route.call_count == 1
+    call = one(await t.ledger.calls())
+    assert raw.headers["effectguard-call-id"] == call.call_id
+    assert (call.stage, call.model, call.cost) == (
+        "completed",
+        GPT,
+        price_cost("openai", GPT, CHAT_USAGE),
+    )
+    await finish(t)
+
+
+def test_openai_sync_completion_is_intact_and_settled_exactly(ledger_path: str) -> None:
+    """OpenAI (sync) through GuardTransport gets the body intact; the exact price is spent."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=OPENAI) as mock:
+            mock.post("/v1/chat/completions").mock(return_value=httpx.Response(200, json=CHAT_BODY))
+            completion = sync_openai(t).chat.completions.create(model=GPT, messages=MESSAGES)
+    finally:
+        t.close()
+    assert completion.usage is not None and completion.usage.completion_tokens == 42
+    assert completion.choices[0].message.content == "Hello there!"
+    calls, nodes, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).cost) == (
+        "completed",
+        price_cost("openai", GPT, CHAT_USAGE),
+    )
+    assert nodes["default"].spent == price_cost("openai", GPT, CHAT_USAGE)
+    assert report.ok, report.problems
+
+
+@respx.mock(base_url=ANTHROPIC)
+async def test_anthropic_async_message_is_intact_and_settled_exactly(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """AsyncAnthropic through the guard; cache reads and writes are priced at their own rates."""
+    route = respx_mock.post("/v1/messages").mock(
+        return_value=httpx.Response(200, json=MESSAGE_BODY)
+    )
+    t = make_transport()
+    message = await async_anthropic(t).messages.create(
+        model=CLAUDE, max_tokens=256, messages=MESSAGES
+    )
+    assert message.content[0].type == "text"
+    assert message.content[0].text == "Hello from Claude"
+    assert route.call_count == 1
+    # The client's credential passes through to the provider.
+    assert route.calls.last.request.headers["authorization"] == "Bearer test-key"
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.cost) == ("completed", price_cost("anthropic", CLAUDE, MESSAGE_USAGE))
+    await finish(t)
+
+
+def test_anthropic_sync_message_is_intact_and_settled_exactly(ledger_path: str) -> None:
+    """Anthropic (sync) through GuardTransport gets the message; the exact price is spent."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=ANTHROPIC) as mock:
+            mock.post("/v1/messages").mock(return_value=httpx.Response(200, json=MESSAGE_BODY))
+            message = sync_anthropic(t).messages.create(
+                model=CLAUDE, max_tokens=256, messages=MESSAGES
+            )
+    finally:
+        t.close()
+    assert message.usage.cache_read_input_tokens == 100
+    calls, _, report = snapshot(ledger_path)
+    assert one(calls).cost == price_cost("anthropic", CLAUDE, MESSAGE_USAGE)
+    assert report.ok, report.problems
+
+
+# -- streaming ----------------------------------------------------------------------
+
+
+@respx.mock(base_url=OPENAI)
+async def test_openai_async_stream_gets_usage_chunk_and_is_settled(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """The guard asks OpenAI for the usage chunk; the stream arrives whole and is priced exactly."""
+    route = respx_mock.post("/v1/chat/completions").mock(
+        side_effect=Upstream(CHAT_STREAM, sync=False)
+    )
+    t = make_transport()
+    stream = await async_openai(t).chat.completions.create(
+        model=GPT, messages=MESSAGES, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello!"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    sent = json.loads(route.calls.last.request.content)
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    await finish(t)
+
+
+def test_openai_sync_stream_gets_usage_chunk_and_is_settled(ledger_path: str) -> None:
+    """Through GuardTransport, an OpenAI stream arrives whole and is priced from its usage chunk."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=OPENAI) as mock:
+            route = mock.post("/v1/chat/completions").mock(
+                side_effect=Upstream(CHAT_STREAM, sync=True)
+            )
+            stream = sync_openai(t).chat.completions.create(
+                model=GPT, messages=MESSAGES, stream=True, stream_options={"include_usage": False}
+            )
+            chunks = list(stream)
+    finally:
+        t.close()
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello!"
+    assert json.loads(route.calls.last.request.content)["stream_options"] == {"include_usage": True}
+    calls, _, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).cost) == (
+        "completed",
+        price_cost("openai", GPT, CHAT_STREAM_USAGE),
+    )
+    assert report.ok, report.problems
+
+
+@respx.mock(base_url=ANTHROPIC)
+async def test_anthropic_async_stream_is_intact_and_settled(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """An Anthropic message stream arrives whole; usage from message_start and message_delta."""
+    respx_mock.post("/v1/messages").mock(side_effect=Upstream(MESSAGE_STREAM, sync=False))
+    t = make_transport()
+    async with async_anthropic(t).messages.stream(
+        model=CLAUDE, max_tokens=512, messages=MESSAGES
+    ) as stream:
+        text = "".join([piece async for piece in stream.text_stream])
+        final = await stream.get_final_message()
+    assert text == "Hello world"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (25, 15)
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.cost) == (
+        "completed",
+        price_cost("anthropic", CLAUDE, MESSAGE_STREAM_USAGE),
+    )
+    await finish(t)
+
+
+def test_anthropic_sync_stream_is_intact_and_settled(ledger_path: str) -> None:
+    """Through GuardTransport, an Anthropic stream arrives whole and is priced from its usage."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=ANTHROPIC) as mock:
+            mock.post("/v1/messages").mock(side_effect=Upstream(MESSAGE_STREAM, sync=True))
+            events = list(
+                sync_anthropic(t).messages.create(
+                    model=CLAUDE, max_tokens=512, messages=MESSAGES, stream=True
+                )
+            )
+    finally:
+        t.close()
+    assert events[0].type == "message_start"
+    assert events[-1].type == "message_stop"
+    calls, _, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).cost) == (
+        "completed",
+        price_cost("anthropic", CLAUDE, MESSAGE_STREAM_USAGE),
+    )
+    assert report.ok, report.problems
+
+
+@respx.mock(base_url=OPENAI)
+async def test_abandoned_async_stream_is_read_to_end_and_settled(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A stream left after one chunk is read to its end and settled, not left in flight."""
+    upstream = Upstream(CHAT_STREAM, sync=False)
+    respx_mock.post("/v1/chat/completions").mock(side_effect=upstream)
+    t = make_transport()
+    stream = await async_openai(t).chat.completions.create(
+        model=GPT, messages=MESSAGES, stream=True
+    )
+    async for _ in stream:
+        break
+    await stream.close()
+    call = one(await settled(t))
+    assert upstream.read_to_end.is_set()
+    assert (call.stage, call.cost, call.reserved) == (
+        "completed",
+        price_cost("openai", GPT, CHAT_STREAM_USAGE),
+        0,
+    )
+    await finish(t)
+
+
+def test_abandoned_sync_stream_is_settled(ledger_path: str) -> None:
+    """An Anthropic stream abandoned half-read through GuardTransport ends up settled."""
+    upstream = Upstream(MESSAGE_STREAM, sync=True)
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=ANTHROPIC) as mock:
+            mock.post("/v1/messages").mock(side_effect=upstream)
+            stream = sync_anthropic(t).messages.create(
+                model=CLAUDE, max_tokens=512, messages=MESSAGES, stream=True
+            )
+            for event in stream:
+                assert event.type == "message_start"
+                break
+            stream.close()
+            assert upstream.read_to_end.wait(10)
+    finally:
+        t.close()
+    calls, nodes, report = snapshot(ledger_path)
+    expected = price_cost("anthropic", CLAUDE, MESSAGE_STREAM_USAGE)
+    assert (one(calls).stage, one(calls).cost) == ("completed", expected)
+    assert (nodes["default"].reserved, nodes["default"].spent) == (0, expected)
+    assert report.ok, report.problems
+
+
+@respx.mock(base_url=OPENAI)
+async def test_broken_async_stream_raises_and_is_effect_unknown(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A stream cut mid-way makes the SDK iteration raise; the call is effect_unknown and held."""
+    respx_mock.post("/v1/chat/completions").mock(
+        side_effect=Upstream(CHAT_STREAM, sync=False, break_at=3)
+    )
+    t = make_transport()
+    stream = await async_openai(t).chat.completions.create(
+        model=GPT, messages=MESSAGES, stream=True
+    )
+    seen: list[str] = []
+    with pytest.raises(openai.APIConnectionError):
+        async for chunk in stream:
+            seen.append(chunk.choices[0].delta.content or "")
+    assert "".join(seen) == "Hello!"  # the chunks before the break were forwarded
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.held, call.reserved) == (
+        "effect_unknown",
+        call.reserved_at_admission,
+        0,
+    )
+    assert call.cost is None
+    await finish(t)
+
+
+def test_broken_sync_stream_raises_and_is_effect_unknown(ledger_path: str) -> None:
+    """Through GuardTransport, a cut Anthropic stream raises in the SDK; call effect_unknown."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=ANTHROPIC) as mock:
+            mock.post("/v1/messages").mock(
+                side_effect=Upstream(MESSAGE_STREAM, sync=True, break_at=4)
+            )
+            stream = sync_anthropic(t).messages.create(
+                model=CLAUDE, max_tokens=512, messages=MESSAGES, stream=True
+            )
+            types: list[str] = []
+            with pytest.raises((anthropic.APIConnectionError, httpx2.TransportError)):
+                for event in stream:
+                    types.append(event.type)
+    finally:
+        t.close()
+    assert "message_stop" not in types
+    calls, nodes, report = snapshot(ledger_path)
+    call = one(calls)
+    assert (call.stage, call.held) == ("effect_unknown", call.reserved_at_admission)
+    assert nodes["default"].held == call.reserved_at_admission
+    assert report.ok, report.problems
+
+
+# -- the SDKs' own retries ------------------------------------------------------------
+
+
+@respx.mock(base_url=OPENAI)
+async def test_sdk_retries_never_resend_after_read_timeout(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """With the SDK's default max_retries=2, a read timeout reaches the upstream exactly once."""
+    route = respx_mock.post("/v1/chat/completions").mock(side_effect=httpx.ReadTimeout("slow"))
+    t = make_transport()
+    counting = CountingTransport(t)
+    client = async_openai(counting)
+    assert client.max_retries == 2
+    with pytest.raises(openai.APIStatusError) as raised:
+        await client.chat.completions.create(model=GPT, messages=MESSAGES)
+    assert raised.value.status_code in (504, 409)
+    assert route.call_count == 1
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.held, call.reserved) == (
+        "effect_unknown",
+        call.reserved_at_admission,
+        0,
+    )
+    assert call.cost is None
+    nodes = {n.path: n for n in await t.ledger.budgets()}
+    assert (nodes["default"].held, nodes["default"].spent) == (call.reserved_at_admission, 0)
+    await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_sdk_does_not_retry_a_409_effect_unknown(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """SDK honours x-should-retry: false on 409 effect_unknown: one request reaches the guard."""
+    route = respx_mock.post("/v1/chat/completions").mock(side_effect=httpx.ReadTimeout("slow"))
+    t = make_transport()
+    counting = CountingTransport(t)
+    client = async_openai(counting)
+    key = {"Idempotency-Key": "op-1"}
+    with pytest.raises(openai.APIStatusError):
+        await client.chat.completions.create(model=GPT, messages=MESSAGES, extra_headers=key)
+    before = len(counting.retry_counts)
+    with pytest.raises(openai.ConflictError) as raised:
+        await client.chat.completions.create(model=GPT, messages=MESSAGES, extra_headers=key)
+    assert len(counting.retry_counts) - before == 1
+    assert raised.value.status_code == 409
+    body = raised.value.body
+    assert isinstance(body, dict) and body["type"] == "effect_unknown"
+    assert route.call_count == 1
+    await finish(t)
+
+
+def test_anthropic_sync_sdk_does_not_retry_effect_unknown(ledger_path: str) -> None:
+    """Sync Anthropic sees one 504 then one 409 for a timed-out keyed call; one upstream try."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    counting = CountingSyncTransport(t)
+    try:
+        with respx.mock(base_url=ANTHROPIC) as mock:
+            route = mock.post("/v1/messages").mock(side_effect=httpx.ReadTimeout("slow"))
+            client = sync_anthropic(counting)
+            key = {"Idempotency-Key": "op-2"}
+            with pytest.raises(anthropic.APIStatusError) as first:
+                client.messages.create(
+                    model=CLAUDE, max_tokens=64, messages=MESSAGES, extra_headers=key
+                )
+            with pytest.raises(anthropic.ConflictError) as second:
+                client.messages.create(
+                    model=CLAUDE, max_tokens=64, messages=MESSAGES, extra_headers=key
+                )
+            assert route.call_count == 1
+    finally:
+        t.close()
+    assert first.value.status_code == 504
+    assert second.value.status_code == 409
+    assert counting.retry_counts == ["0", "0"]
+    calls, nodes, report = snapshot(ledger_path)
+    assert one(calls).stage == "effect_unknown"
+    assert nodes["default"].held == one(calls).reserved_at_admission
+    assert report.ok, report.problems
+
+
+# -- the sync transport from many threads ------------------------------------------------
+
+
+def test_sync_transport_serves_eight_threads_at_once(ledger_path: str) -> None:
+    """One GuardTransport streaming for 8 threads at once records and settles every call."""
+    per_thread, threads = 4, 8
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    barrier = threading.Barrier(threads)
+    try:
+        with respx.mock(base_url=OPENAI) as mock:
+            route = mock.post("/v1/chat/completions").mock(
+                side_effect=Upstream(CHAT_STREAM, sync=True)
+            )
+            client = sync_openai(t)
+
+            def work(n: int) -> list[str]:
+                barrier.wait(10)
+                out = []
+                for i in range(per_thread):
+                    messages = [{"role": "user", "content": f"thread {n} call {i}"}]
+                    stream = client.chat.completions.create(
+                        model=GPT, messages=messages, stream=True
+                    )
+                    out.append(
+                        "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                    )
+                return out
+
+            with ThreadPoolExecutor(threads) as pool:
+                results = [text for texts in pool.map(work, range(threads)) for text in texts]
+            assert route.call_count == per_thread * threads
+    finally:
+        t.close()
+    assert results == ["Hello!"] * (per_thread * threads)
+    calls, nodes, report = snapshot(ledger_path)
+    assert len(calls) == per_thread * threads
+    assert {c.stage for c in calls} == {"completed"}
+    each = price_cost("openai", GPT, CHAT_STREAM_USAGE)
+    assert (nodes["default"].spent, nodes["default"].reserved) == (each * len(calls), 0)
+    assert report.ok, report.problems
+
+
+async def test_anthropic_sdk_takes_the_guard_through_the_httpx2_adapter(
+    make_transport: MakeTransport,
+) -> None:
+    """anthropic 2.x refuses httpx clients; effectguard's httpx2 adapter lets it use the guard."""
+    t = make_transport()
+    with pytest.raises(TypeError, match="httpx2"):
+        anthropic.AsyncAnthropic(
+            api_key="k",
+            base_url=ANTHROPIC,
+            http_client=httpx.AsyncClient(transport=t),  # type: ignore[arg-type]
+        )
+    client = anthropic.AsyncAnthropic(
+        api_key="k",
+        base_url=ANTHROPIC,
+        http_client=httpx2.AsyncClient(transport=AsyncHttpx2Transport(t)),
+    )
+    assert client.max_retries == 2
