@@ -149,10 +149,14 @@ class Guard:
     ) -> httpx.Response:
         """Run ``request`` through the call path; refusals raise :class:`Refusal`."""
         started = time.perf_counter()
-        prepared = self.prepare(provider, request, budget=budget, budget_root=budget_root)
-        if prepared is None:  # read-only: nothing to guard
-            return await send(_outgoing(request, request.content, provider, None))
-        admitted = await self._admit(prepared)
+        try:
+            prepared = self.prepare(provider, request, budget=budget, budget_root=budget_root)
+            if prepared is None:  # read-only: nothing to guard
+                return await send(_outgoing(request, request.content, provider, None))
+            admitted = await self._admit(prepared)
+        except Refusal as refusal:
+            self.observer.refused(provider.name, refusal.type)
+            raise
         self.crash.hit("after:admit")
         if admitted.action == "refuse":
             assert admitted.refusal is not None

@@ -136,6 +136,7 @@ class ProxyApp:
             await _json(send, 200 if ok else 503, {"ledger": "writable" if ok else "unavailable"})
             return
         if path == "/metrics" and self.metrics is not None:
+            await self.metrics.refresh()
             body, content_type = self.metrics.render()
             await _raw(send, 200, [(b"content-type", content_type.encode())], body)
             return
@@ -144,12 +145,19 @@ class ProxyApp:
         provider = self.settings.providers.get(name)
         if provider is None:
             refusal = Refusal(404, "unknown_provider", f"no provider named {name!r}")
+            self._count_refusal("", refusal)
             await _refusal(send, "openai", refusal)
             return
         try:
             await self._proxy(scope, receive, send, provider, "/" + upstream_path)
         except Refusal as refusal:
+            if refusal.status in (401, 403, 413):  # the guard counts its own refusals
+                self._count_refusal(provider.name, refusal)
             await _refusal(send, provider.dialect, refusal)
+
+    def _count_refusal(self, provider: str, refusal: Refusal) -> None:
+        if self.metrics is not None:
+            self.metrics.observer.refused(provider, refusal.type)
 
     def _authorize(self, provider: Provider, headers: httpx.Headers) -> tuple[str, str | None]:
         """The budget and budget root this request may spend (SPEC §1)."""

@@ -28,7 +28,7 @@ def open_store(url: str) -> LedgerStore:
 
         return MemoryStore(url)
     if url.startswith(("postgresql://", "postgres://")):
-        from effectguard.ledger.postgres import PostgresStore  # type: ignore[import-not-found]
+        from effectguard.ledger.postgres import PostgresStore
 
         store: LedgerStore = PostgresStore(url)
         return store

@@ -1,0 +1,322 @@
+"""Metrics (SPEC §10): the observer's counters and the ledger gauges, on an injected registry.
+
+Traffic goes through ``AsyncGuardTransport`` on a SQLite ledger with a
+respx-mocked upstream; values are read back from the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import prometheus_client
+import pytest
+import pytest_asyncio
+import respx
+from prometheus_client import CollectorRegistry
+
+from effectguard import AsyncGuardTransport, GuardSettings
+from effectguard.ledger import Ledger
+from effectguard.metrics import Metrics
+from effectguard.money import nanos_to_decimal
+from effectguard.providers import ModelPrice, load_providers
+from effectguard.testing import free_port
+from effectguard.usage import Usage, cost, estimate
+
+OPENAI = "https://api.openai.com"
+CHAT_URL = OPENAI + "/v1/chat/completions"
+MODEL = "gpt-4o-mini"
+_PRICE = load_providers([], {})["openai"].price_for(MODEL)
+assert _PRICE is not None
+PRICE: ModelPrice = _PRICE
+FAST = GuardSettings(retry_wait_s=0, retry_wait_max_s=0)
+#: The gauges read from the ledger at scrape time.
+LEDGER_FAMILIES = (
+    "effectguard_calls_in_flight",
+    "effectguard_effect_unknown_calls",
+    "effectguard_effect_unknown_held_usd",
+    "effectguard_effect_unknown_oldest_timestamp_seconds",
+    "effectguard_budget_limit_usd",
+    "effectguard_budget_reserved_usd",
+    "effectguard_budget_spent_usd",
+    "effectguard_budget_held_usd",
+)
+
+
+def chat(content: str = "hello") -> dict[str, Any]:
+    """A chat completion request body."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 10}
+
+
+def ok() -> httpx.Response:
+    """A 200 chat completion with 10 prompt and 5 completion tokens."""
+    usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    return httpx.Response(
+        200,
+        json={
+            "id": "c",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+            "usage": usage,
+        },
+    )
+
+
+def usd(nanos: int) -> float:
+    """Nano-dollars as the float a ``_usd`` sample carries."""
+    return float(nanos_to_decimal(nanos))
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float | None:
+    """One sample's value from the metrics' registry."""
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def ledger_samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the ledger gauges (name and labels to value)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.registry.collect()
+        if family.name in LEDGER_FAMILIES
+        for s in family.samples
+    }
+
+
+@pytest_asyncio.fixture
+async def ledger(ledger_path: str) -> AsyncIterator[Ledger]:
+    """The test's SQLite ledger, opened."""
+    async with Ledger.open(ledger_path) as opened:
+        yield opened
+
+
+@pytest_asyncio.fixture
+async def guarded(ledger: Ledger) -> AsyncIterator[tuple[Metrics, httpx.AsyncClient]]:
+    """Metrics on a fresh registry, attached to the ledger, and a client guarded with them."""
+    metrics = Metrics(registry=CollectorRegistry())
+    transport = AsyncGuardTransport(ledger=ledger, settings=FAST, observer=metrics.observer)
+    await transport.guard()
+    metrics.attach(ledger)
+    async with httpx.AsyncClient(transport=transport) as client:
+        yield metrics, client
+
+
+async def unknown_effect(client: httpx.AsyncClient, mock: respx.MockRouter, key: str) -> str:
+    """Make one call whose effect is unknown (the upstream times out after the send)."""
+    mock.post("/v1/chat/completions").mock(side_effect=httpx.ReadTimeout("slow"))
+    response = await client.post(CHAT_URL, json=chat(key), headers={"Idempotency-Key": key})
+    assert response.status_code == 504
+    call_id: str = response.headers["effectguard-call-id"]
+    return call_id
+
+
+@respx.mock(base_url=OPENAI)
+async def test_counters_follow_the_traffic(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient], ledger: Ledger
+) -> None:
+    """Completions, a replay and a budget refusal show up as requests, tokens, cost, refusals."""
+    metrics, client = guarded
+    respx_mock.post("/v1/chat/completions").mock(return_value=ok())
+    await ledger.set_limit("team-a", estimate(PRICE, chat()) - 1)
+    for _ in range(2):
+        response = await client.post(CHAT_URL, json=chat(), headers={"Idempotency-Key": "k"})
+        assert response.status_code == 200
+    assert (await client.post(CHAT_URL, json=chat("other"))).status_code == 200
+    refused = await client.post(CHAT_URL, json=chat(), headers={"Effectguard-Budget": "team-a"})
+    assert refused.status_code == 402
+
+    labels = {"provider": "openai", "model": MODEL}
+    assert value(metrics, "effectguard_requests_total", **labels, outcome="completed") == 2
+    assert value(metrics, "effectguard_requests_total", **labels, outcome="replayed") == 1
+    assert value(metrics, "effectguard_replays_total", provider="openai") == 1
+    assert value(metrics, "effectguard_tokens_total", **labels, direction="input") == 20
+    assert value(metrics, "effectguard_tokens_total", **labels, direction="output") == 10
+    spent = usd(2 * cost(PRICE, Usage(10, 5)))
+    assert value(metrics, "effectguard_cost_usd_total", **labels) == pytest.approx(spent)
+    reason = {"provider": "openai", "reason": "budget_exceeded"}
+    assert value(metrics, "effectguard_refusals_total", **reason) == 1
+    assert value(metrics, "effectguard_upstream_duration_seconds_count", provider="openai") == 2
+    assert value(metrics, "effectguard_overhead_duration_seconds_count") == 2
+
+
+@respx.mock(base_url=OPENAI)
+async def test_ledger_commits_are_timed(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient]
+) -> None:
+    """Every group commit is counted by result and observed for time and batch size."""
+    metrics, client = guarded
+    respx_mock.post("/v1/chat/completions").mock(return_value=ok())
+    await asyncio.gather(*(client.post(CHAT_URL, json=chat(str(i))) for i in range(8)))
+    commits = value(metrics, "effectguard_ledger_commits_total", result="ok")
+    assert commits is not None and commits >= 2
+    assert value(metrics, "effectguard_ledger_commits_total", result="failed") == 0
+    assert value(metrics, "effectguard_ledger_commit_duration_seconds_count") == commits
+    assert value(metrics, "effectguard_ledger_commit_batch_size_count") == commits
+    operations = value(metrics, "effectguard_ledger_commit_batch_size_sum")
+    assert operations is not None and operations >= 16  # admit and record per call
+
+
+@respx.mock(base_url=OPENAI)
+async def test_unknown_effect_gauges_come_from_the_ledger(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient], ledger: Ledger
+) -> None:
+    """An effect-unknown call is counted with its held money and its admission time."""
+    metrics, client = guarded
+    call_id = await unknown_effect(client, respx_mock, "k-unknown")
+    await metrics.refresh()
+    call = await ledger.call(call_id)
+    assert call.stage == "effect_unknown" and call.held > 0
+    assert value(metrics, "effectguard_effect_unknown_calls", provider="openai") == 1
+    assert value(metrics, "effectguard_effect_unknown_held_usd", provider="openai") == usd(
+        call.held
+    )
+    oldest = "effectguard_effect_unknown_oldest_timestamp_seconds"
+    assert value(metrics, oldest, provider="openai") == call.created_at
+    assert value(metrics, "effectguard_calls_in_flight", provider="openai") == 0
+    assert value(metrics, "effectguard_budget_held_usd", budget="default") == usd(call.held)
+    outcome = {"provider": "openai", "model": MODEL, "outcome": "effect_unknown"}
+    assert value(metrics, "effectguard_requests_total", **outcome) == 1
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_fresh_metrics_on_the_same_ledger_file_shows_the_same_gauges(
+    respx_mock: respx.MockRouter,
+    guarded: tuple[Metrics, httpx.AsyncClient],
+    ledger: Ledger,
+    ledger_path: str,
+) -> None:
+    """Gauges are read from the ledger: a new process (new Metrics, new store) sees the same."""
+    metrics, client = guarded
+    await unknown_effect(client, respx_mock, "k-1")
+    await ledger.set_limit("team-b", 5_000_000_000)
+    await metrics.refresh()
+    before = ledger_samples(metrics)
+    assert before[("effectguard_effect_unknown_calls", (("provider", "openai"),))] == 1
+    assert before[("effectguard_budget_limit_usd", (("budget", "team-b"),))] == 5.0
+    async with Ledger.open(ledger_path) as reopened:
+        fresh = Metrics(registry=CollectorRegistry())
+        fresh.attach(reopened)
+        await fresh.refresh()
+        assert ledger_samples(fresh) == before
+
+
+@respx.mock(base_url=OPENAI)
+async def test_unknown_effect_gauge_drops_to_zero_when_reconciled(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient], ledger: Ledger
+) -> None:
+    """Reconciling the call takes the unknown-effect gauge to 0 and removes its age."""
+    metrics, client = guarded
+    call_id = await unknown_effect(client, respx_mock, "k-1")
+    await ledger.reconcile(call_id, applied=False, note="checked", by="test")
+    await metrics.refresh()
+    assert value(metrics, "effectguard_effect_unknown_calls", provider="openai") == 0
+    assert value(metrics, "effectguard_effect_unknown_held_usd", provider="openai") == 0
+    oldest = "effectguard_effect_unknown_oldest_timestamp_seconds"
+    assert value(metrics, oldest, provider="openai") is None
+
+
+async def test_budget_gauges_stop_at_the_configured_depth(ledger: Ledger) -> None:
+    """Budget labels are roots only by default; ``budget_depth`` admits deeper paths."""
+    await ledger.set_limit("team-a", 10**9)
+    await ledger.set_limit("team-a/run-1", 10**8)
+    roots, deeper = Metrics(), Metrics(budget_depth=2)
+    for metrics in (roots, deeper):
+        metrics.attach(ledger)
+        await metrics.refresh()
+    assert value(roots, "effectguard_budget_limit_usd", budget="team-a") == 1.0
+    assert value(roots, "effectguard_budget_limit_usd", budget="team-a/run-1") is None
+    assert value(deeper, "effectguard_budget_limit_usd", budget="team-a/run-1") == 0.1
+
+
+@respx.mock(base_url=OPENAI)
+async def test_exposition_names_types_and_labels_follow_prometheus_conventions(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient]
+) -> None:
+    """One prefix, _total counters, base units, and no label carrying a call id or a key."""
+    metrics, client = guarded
+    respx_mock.post("/v1/chat/completions").mock(return_value=ok())
+    response = await client.post(CHAT_URL, json=chat(), headers={"Idempotency-Key": "secret-k"})
+    call_id = response.headers["effectguard-call-id"]
+    await metrics.refresh()
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain; version=")
+    text = body.decode()
+    assert call_id not in text and "secret-k" not in text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    assert all(name.startswith("effectguard_") for name in types)
+    expected = {
+        "effectguard_requests_total": "counter",
+        "effectguard_tokens_total": "counter",
+        "effectguard_cost_usd_total": "counter",
+        "effectguard_refusals_total": "counter",
+        "effectguard_replays_total": "counter",
+        "effectguard_ledger_commits_total": "counter",
+        "effectguard_upstream_duration_seconds": "histogram",
+        "effectguard_overhead_duration_seconds": "histogram",
+        "effectguard_ledger_commit_duration_seconds": "histogram",
+        "effectguard_ledger_commit_batch_size": "histogram",
+        "effectguard_ledger_up": "gauge",
+        "effectguard_ledger_read_duration_seconds": "gauge",
+        **dict.fromkeys(LEDGER_FAMILIES, "gauge"),
+    }
+    # prometheus_client adds a _created gauge per counter and histogram series.
+    declared = {name: kind for name, kind in types.items() if not name.endswith("_created")}
+    assert declared == expected
+    label_names = set(re.findall(r"[{,](\w+)=", text))
+    allowed = {"provider", "model", "outcome", "direction", "reason", "budget", "result", "le"}
+    assert label_names <= allowed
+
+
+def test_label_values_are_capped() -> None:
+    """An unbounded stream of model names cannot grow the series count past the cap."""
+    metrics = Metrics()
+    for i in range(150):
+        metrics.observer.request_done("openai", f"model-{i}", "completed")
+    models = {
+        s.labels["model"]
+        for family in metrics.registry.collect()
+        if family.name == "effectguard_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert len(models) == 101 and "other" in models
+    assert value(metrics, "effectguard_requests_total", provider="openai", model="other",
+                 outcome="completed") == 50  # fmt: skip
+
+
+async def test_an_unreadable_ledger_reports_down_not_stale_gauges(ledger_path: str) -> None:
+    """If the ledger cannot be read, ledger_up is 0 and no ledger gauge shows old values."""
+    metrics = Metrics()
+    async with Ledger.open(ledger_path) as ledger:
+        await ledger.set_limit("team-a", 10**9)
+        metrics.attach(ledger)
+        await metrics.refresh()
+        assert value(metrics, "effectguard_ledger_up") == 1
+    await metrics.refresh()  # the store is closed now
+    assert value(metrics, "effectguard_ledger_up") == 0
+    assert value(metrics, "effectguard_budget_limit_usd", budget="team-a") is None
+
+
+@respx.mock(base_url=OPENAI)
+async def test_start_http_server_exposes_current_ledger_gauges(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient]
+) -> None:
+    """The in-process one-liner (start_http_server on the registry) reads the ledger per scrape."""
+    metrics, client = guarded
+    respx_mock.route(host="127.0.0.1").pass_through()
+    port = free_port()
+    server, thread = prometheus_client.start_http_server(
+        port, addr="127.0.0.1", registry=metrics.registry
+    )
+    try:
+        await unknown_effect(client, respx_mock, "k-1")  # no refresh() awaited by the test
+        async with httpx.AsyncClient() as scraper:
+            text = (await scraper.get(f"http://127.0.0.1:{port}/metrics")).text
+        assert 'effectguard_effect_unknown_calls{provider="openai"} 1.0' in text
+    finally:
+        server.shutdown()
+        thread.join(5)

@@ -1,0 +1,363 @@
+"""The metrics, the Grafana dashboard and the alert rules against a real Prometheus (SPEC §10).
+
+One stack per module: the fake provider; an effectguard that dies (SIGKILL) right
+after dispatching a request, leaving an effect-unknown call; a restarted
+effectguard on the same ledger serving completions, a replay and refusals; and
+Prometheus on loopback scraping it every second. Every query of every dashboard
+panel is then evaluated through Prometheus' HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None or shutil.which("promtool") is None,
+        reason="needs prometheus and promtool (Debian package `prometheus`; .ci/run installs it)",
+    ),
+]
+
+GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "effectguard.json"
+ALERTS = GRAFANA / "prometheus" / "alerts.yml"
+ALERTS_TEST = GRAFANA / "prometheus" / "alerts.test.yml"
+CHAT = "/openai/v1/chat/completions"
+#: What the test substitutes for Grafana's built-in and template variables.
+VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
+TEMPLATE_DEFAULT = ".*"
+
+
+def chat(content: str, model: str = "gpt-4o-mini") -> dict[str, Any]:
+    """A small chat completion request."""
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 5}
+
+
+def effectguard(*args: str) -> str:
+    """Run the effectguard CLI; its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Poll ``check`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+def scrape_value(http: httpx.Client, proxy: Proxy, sample: str) -> float | None:
+    """One sample's value from the proxy's ``/metrics`` (exact series text)."""
+    text = http.get(proxy.url + "/metrics").text
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return None
+
+
+@dataclass
+class Prometheus:
+    """A Prometheus process on loopback and its HTTP API."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    http: httpx.Client
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's result vector (raises on a query error)."""
+        response = self.http.get(self.url + "/api/v1/query", params={"query": expr})
+        body = response.json()
+        assert body["status"] == "success", f"{expr}: {body.get('error')}"
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def value(self, expr: str) -> float | None:
+        """The single value of a one-series query, or None if it has no data."""
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        """Terminate, then kill."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_prometheus(tmp: Path, target: str, http: httpx.Client) -> Prometheus:
+    """Prometheus scraping ``target`` every second, with the shipped alert rules loaded."""
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: [{json.dumps(str(ALERTS))}]\n"
+        "scrape_configs:\n"
+        "  - job_name: effectguard\n"
+        f"    static_configs: [{{targets: [{json.dumps(target)}]}}]\n"
+    )
+    port = free_port()
+    log = (tmp / "prometheus.log").open("ab")
+    process = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    prom = Prometheus(f"http://127.0.0.1:{port}", process, http)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"prometheus exited:\n{(tmp / 'prometheus.log').read_text()}")
+        try:
+            return http.get(prom.url + "/-/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for("prometheus to be ready", ready)
+    except BaseException:
+        prom.stop()
+        raise
+    return prom
+
+
+@dataclass
+class Stack:
+    """The running processes and what the test needs to know about them."""
+
+    tmp: Path
+    ledger: Path
+    provider: FakeProvider
+    proxy: Proxy
+    prometheus: Prometheus
+    port: int
+    started: list[Proxy]
+
+
+def drive_traffic(proxy: Proxy) -> None:
+    """Completions, a replay and refusals (402 budget, 409 effect unknown, 400, 404)."""
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        for i in range(3):
+            assert client.post(CHAT, json=chat(f"hello {i}")).status_code == 200
+        for _ in range(2):  # the second is replayed from the ledger
+            response = client.post(CHAT, json=chat("keyed"), headers={"idempotency-key": "k-1"})
+            assert response.status_code == 200
+        capped = client.post(CHAT, json=chat("pricey"), headers={"effectguard-budget": "capped"})
+        assert capped.status_code == 402, capped.text
+        unknown = client.post(CHAT, json=chat("crash"), headers={"idempotency-key": "crash-1"})
+        assert unknown.status_code == 409, unknown.text
+        assert client.post(CHAT, json=chat("x", model="no-such-model")).status_code == 400
+        assert client.post("/nope/v1/chat/completions", json=chat("x")).status_code == 404
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Crash one effectguard mid-call, restart it, drive traffic, let Prometheus scrape it."""
+    tmp = tmp_path_factory.mktemp("prom")
+    http = httpx.Client(timeout=10)
+    ledger = tmp / "ledger.db"
+    started: list[Proxy] = []
+    prometheus: Prometheus | None = None
+    with fake_provider(tmp / "receipts.jsonl") as provider:
+        upstreams = {"openai": provider.url}
+        try:
+            crashing = start_proxy(
+                ledger, upstreams=upstreams, env={"EFFECTGUARD_CRASH_AT": "after:dispatch"}
+            )
+            started.append(crashing)
+            with pytest.raises(httpx.HTTPError):
+                httpx.post(
+                    crashing.url + CHAT,
+                    json=chat("crash"),
+                    headers={"idempotency-key": "crash-1"},
+                    timeout=10,
+                )
+            crashing.process.wait(10)
+            effectguard("budget", "set", "capped", "--limit", "0.000001", "--ledger", str(ledger))
+            effectguard("budget", "set", "default", "--limit", "100", "--ledger", str(ledger))
+            port = free_port()
+            proxy = start_proxy(ledger, upstreams=upstreams, port=port)
+            started.append(proxy)
+            unknown = 'effectguard_effect_unknown_calls{provider="openai"}'
+            wait_for(
+                "the sweeper to mark the call", lambda: scrape_value(http, proxy, unknown) == 1.0
+            )
+            drive_traffic(proxy)
+            prometheus = start_prometheus(tmp, f"127.0.0.1:{port}", http)
+            prom = prometheus
+            wait_for(  # Prometheus applies new targets only after ~5 s
+                "three scrapes",
+                lambda: (prom.value("count_over_time(effectguard_ledger_up[1m])") or 0) >= 3,
+                timeout=40,
+            )
+            yield Stack(tmp, ledger, provider, proxy, prometheus, port, started)
+        finally:
+            if prometheus is not None:
+                prometheus.stop()
+            for proxy_ in started:
+                proxy_.kill()
+                proxy_.process.wait(10)
+            http.close()
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expr) for every target of every panel, rows included."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    found: list[tuple[str, str]] = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            found.extend((panel["title"], t["expr"]) for t in panel.get("targets", []))
+            walk(panel.get("panels", []))
+
+    walk(dashboard["panels"])
+    return found
+
+
+def concrete(expr: str) -> str:
+    """``expr`` with Grafana's variables replaced by values Prometheus accepts."""
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    expr = re.sub(r"\$\{?(\w+)\}?", TEMPLATE_DEFAULT, expr)
+    assert "$" not in expr, expr
+    return expr
+
+
+def test_every_dashboard_query_returns_data(stack: Stack) -> None:
+    """Every expr of every dashboard panel returns a non-empty result from real Prometheus."""
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    empty = [
+        f"{title}: {concrete(expr)}"
+        for title, expr in queries
+        if not stack.prometheus.query(concrete(expr))
+    ]
+    assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+
+
+def test_template_variables_find_values(stack: Stack) -> None:
+    """The dashboard's provider and budget variables list the values the stack produced."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    expected = {"provider": "openai", "budget": "capped"}
+    for name, value in expected.items():
+        match = re.fullmatch(r"label_values\((\w+), (\w+)\)", variables[name]["definition"])
+        assert match is not None, variables[name]
+        metric, label = match.groups()
+        assert label == name
+        response = stack.prometheus.http.get(
+            f"{stack.prometheus.url}/api/v1/label/{label}/values", params={"match[]": metric}
+        )
+        assert value in response.json()["data"]
+
+
+def test_panel_values_match_the_traffic(stack: Stack) -> None:
+    """The ledger gauges and counters Prometheus scraped agree with the traffic driven."""
+    prom = stack.prometheus
+    assert prom.value('max(effectguard_effect_unknown_calls{provider="openai"})') == 1
+    assert (prom.value('max(effectguard_effect_unknown_held_usd{provider="openai"})') or 0) > 0
+    assert prom.value('max(effectguard_budget_limit_usd{budget="capped"})') == pytest.approx(1e-6)
+    assert (prom.value('max(effectguard_budget_spent_usd{budget="default"})') or 0) > 0
+    outcomes = {
+        r["metric"]["outcome"]: float(r["value"][1])
+        for r in prom.query("sum by (outcome) (effectguard_requests_total)")
+    }
+    assert outcomes == {"completed": 4, "replayed": 1}
+    reasons = {r["metric"]["reason"] for r in prom.query("effectguard_refusals_total")}
+    assert {"budget_exceeded", "effect_unknown"} <= reasons
+    assert prom.value("sum(effectguard_replays_total)") == 1
+
+
+def test_alert_rules_pass_promtool() -> None:
+    """`promtool check rules` accepts the rules and `promtool test rules` passes their tests."""
+    for command in (["check", "rules", str(ALERTS)], ["test", "rules", str(ALERTS_TEST)]):
+        done = subprocess.run(
+            ["promtool", *command], capture_output=True, text=True, timeout=30, check=False
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_rules_evaluate_cleanly_and_unknown_effect_alert_fires(stack: Stack) -> None:
+    """Prometheus evaluates every shipped rule without error; the stale-unknown-effect
+    expression with its age threshold lowered to 0 fires for the crashed call."""
+    prom = stack.prometheus
+
+    def rules() -> list[dict[str, Any]]:
+        groups = prom.http.get(prom.url + "/api/v1/rules").json()["data"]["groups"]
+        found = [rule for group in groups for rule in group["rules"]]
+        return found if found and all("lastEvaluation" in r for r in found) else []
+
+    loaded = wait_for("the rules to be evaluated", rules)
+    assert {r["name"] for r in loaded} >= {
+        "EffectguardUnknownEffectStale",
+        "EffectguardBudgetNearLimit",
+        "EffectguardLedgerCommitsFailing",
+    }
+    assert all(r["health"] == "ok" for r in loaded), loaded
+    stale = next(r for r in loaded if r["name"] == "EffectguardUnknownEffectStale")
+    lowered, replaced = re.subn(r">\s*[0-9.]+\s*$", "> 0", stale["query"].strip())
+    assert replaced == 1, stale["query"]
+    firing = prom.query(lowered)
+    assert [r["metric"]["provider"] for r in firing] == ["openai"]
+
+
+def test_unknown_effect_gauge_survives_restart_until_reconciled(stack: Stack) -> None:
+    """After another restart the unknown-effect gauge still shows the call; once it is
+    reconciled it drops to 0 (in /metrics and in Prometheus)."""
+    stack.proxy.stop()
+    proxy = start_proxy(stack.ledger, upstreams={"openai": stack.provider.url}, port=stack.port)
+    stack.started.append(proxy)
+    stack.proxy = proxy
+    sample = 'effectguard_effect_unknown_calls{provider="openai"}'
+    http = stack.prometheus.http
+    wait_for("the gauge after the restart", lambda: scrape_value(http, proxy, sample) == 1.0)
+    listed = json.loads(
+        effectguard("calls", "--state", "effect_unknown", "--json", "--ledger", str(stack.ledger))
+    )
+    assert len(listed) == 1
+    effectguard(
+        "reconcile", listed[0]["call_id"], "--not-applied", "--note", "x",
+        "--ledger", str(stack.ledger),
+    )  # fmt: skip
+    wait_for("the gauge to drop", lambda: scrape_value(http, proxy, sample) == 0.0)
+    query = 'max(effectguard_effect_unknown_calls{provider="openai"})'
+    wait_for("prometheus to see 0", lambda: stack.prometheus.value(query) == 0.0)
+    oldest = "effectguard_effect_unknown_oldest_timestamp_seconds"
+    assert scrape_value(http, proxy, oldest + '{provider="openai"}') is None
