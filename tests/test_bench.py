@@ -1,0 +1,102 @@
+"""``effectguard bench`` in a tiny mode: it runs end to end and its JSON has every figure.
+
+No timing is asserted anywhere: benchmarks print numbers, tests check shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from effectguard.benchmarks.recoverybench import build_ledger
+from effectguard.cli import main
+from effectguard.ledger import Ledger
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--duration", "0.5", "--concurrency", "1", "--loadgen", "python", "--json"]
+
+
+def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["bench", *args, *TINY]) == 0
+    payload: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return payload
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and value >= 0
+
+
+def test_bench_all_reports_every_part_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny full run prints machine, proxy, transport, ledger, recovery and targets."""
+    payload = _bench(capsys, "all", "--recovery-calls", "50")
+
+    assert payload["machine"]["loadgen"] == "python"
+    assert {"nproc", "python", "proxy_cpus", "load_cpus"} <= payload["machine"].keys()
+
+    rows = payload["proxy"]["rows"]
+    cells = {(r["scenario"], r["concurrency"], r["target"]) for r in rows}
+    assert cells == {
+        (s, 1, t) for s in ("plain", "stream") for t in ("direct", "baseline", "effectguard")
+    }
+    for row in rows:
+        assert row["requests"] > 0 and row["errors"] == 0
+        assert all(_is_number(row[k]) for k in ("p50_ms", "p99_ms", "rps"))
+        if row["target"] != "direct":
+            assert _is_number(row["cpu_ms_per_request"]) and _is_number(row["peak_rss_mb"])
+        if row["target"] == "effectguard":
+            assert {"added_p50_ms", "rps", "cpu_ms_per_request", "peak_rss_mb", "ttfb_ms"} <= row[
+                "ratio"
+            ].keys()
+    assert set(payload["proxy"]["ttfb"]) == {"direct", "baseline", "effectguard"}
+    assert set(payload["proxy"]["start_to_first_served_s"]) == {"baseline", "effectguard"}
+
+    variants = {(r["scenario"], r["variant"]) for r in payload["transport"]}
+    assert variants == {(s, v) for s in ("plain", "stream") for v in ("plain", "effectguard")}
+    assert all("ratio" in r for r in payload["transport"] if r["variant"] == "effectguard")
+
+    ledger = payload["ledger"]["samples"]
+    assert [(s["engine"], s["callers"]) for s in ledger] == [("sqlite", 1), ("sqlite", 64)]
+    assert all(s["pairs"] > 0 and s["commits"] > 0 for s in ledger)
+
+    assert payload["recovery"]["calls"] == 50
+    assert payload["recovery"]["interrupted_by_sweep"] == payload["recovery"]["in_flight"]
+
+    names = [t["name"] for t in payload["targets"]]
+    assert "p50 added at 1 plain (ms)" in names
+    assert "SQLite admit+settle pairs/s at 64 callers" in names
+    assert all(set(t) == {"name", "value", "limit", "at_most", "met"} for t in payload["targets"])
+
+
+def test_bench_ledger_alone_starts_no_proxy(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench ledger`` reports only the ledger part (and the targets it covers)."""
+    payload = _bench(capsys, "ledger", "--no-pin")
+
+    assert "proxy" not in payload and "transport" not in payload
+    assert payload["machine"]["proxy_cpus"] is None
+    assert [t["name"] for t in payload["targets"]] == ["SQLite admit+settle pairs/s at 64 callers"]
+
+
+def test_bench_text_output_is_one_table_per_part(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``--json`` the bench prints tables with the column headers and targets."""
+    assert main(["bench", "ledger", "--duration", "0.2"]) == 0
+    text = capsys.readouterr().out
+
+    assert "PAIRS/S" in text and "OPS/COMMIT" in text
+    assert "Targets" in text
+
+
+async def test_bulk_loaded_recovery_ledger_verifies(tmp_path: Path) -> None:
+    """The recovery bench's bulk loader writes a ledger that ``verify`` accepts."""
+    path = tmp_path / "bulk.db"
+    build_ledger(path, calls=120, in_flight=3)
+
+    async with Ledger.open(str(path)) as ledger:
+        report = await ledger.verify()
+        in_flight = await ledger.calls(stage="in_flight")
+    assert report.ok, report.problems
+    assert report.calls == 123
+    assert len(in_flight) == 3
