@@ -140,6 +140,14 @@ class ProxyApp:
             body, content_type = self.metrics.render()
             await _raw(send, 200, [(b"content-type", content_type.encode())], body)
             return
+        if _ambiguous_framing(scope["headers"]):
+            # RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding is a
+            # smuggling attempt; answer it and close, so no second request hides behind it.
+            refusal = Refusal(400, "invalid_request", "Content-Length with Transfer-Encoding")
+            headers = [(k.encode(), v.encode()) for k, v in error_headers(refusal).items()]
+            headers.append((b"connection", b"close"))
+            await _raw(send, 400, headers, json.dumps(error_body("openai", refusal)).encode())
+            return
         _, _, rest = path.partition("/")
         name, _, upstream_path = rest.partition("/")
         provider = self.settings.providers.get(name)
@@ -187,7 +195,9 @@ class ProxyApp:
         budget, root = self._authorize(provider, headers)
         declared = headers.get("content-length")
         limit = self.settings.max_body_bytes
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and not declared.isdigit():
+            raise Refusal(400, "invalid_request", "Content-Length is not a number")
+        if declared is not None and int(declared) > limit:
             raise Refusal(413, "request_too_large", f"request bodies are limited to {limit} bytes")
         try:
             body = await _read_body(receive, limit)
@@ -247,6 +257,11 @@ class ProxyApp:
                     await asyncio.shield(response.aclose())
             else:
                 await response.aclose()
+
+
+def _ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    names = {k.lower() for k, _ in headers}
+    return b"transfer-encoding" in names and b"content-length" in names
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -1,0 +1,664 @@
+"""The ``effectguard`` command (SPEC §8) on a ledger written by real guarded traffic.
+
+Traffic goes through ``AsyncGuardTransport`` to a respx-mocked OpenAI: completed
+calls, and effect-unknown calls made by an upstream ``ReadTimeout``. Commands run
+in-process through ``effectguard.cli.main`` (the entry point's own code) where
+output is checked, and as subprocesses where the process exit code and ``--help``
+are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from effectguard import AsyncGuardTransport, GuardSettings
+from effectguard.cli import build_parser, main
+from effectguard.money import nanos_to_usd
+from effectguard.providers import load_providers
+from effectguard.usage import Usage, cost, estimate
+
+CHAT_URL = "https://api.openai.com/v1/chat/completions"
+MODEL = "gpt-4o-mini"
+PRICE = load_providers()["openai"].price_for(MODEL)
+assert PRICE is not None
+USAGE = Usage(10, 5)
+README = Path(__file__).resolve().parent.parent / "README.md"
+MONEY = re.compile(r"^\d+\.\d+$")
+CALL_FIELDS = {
+    "call_id",
+    "idempotency_key",
+    "stage",
+    "effect",
+    "next_operation",
+    "budget",
+    "provider",
+    "model",
+    "attempts",
+    "reserved_usd",
+    "cost_usd",
+    "held_usd",
+}
+BUDGET_FIELDS = {"path", "limit_usd", "reserved_usd", "spent_usd", "held_usd"}
+ZERO = "0.000000000"
+
+
+def chat_request(content: str) -> dict[str, Any]:
+    """A chat completion request body."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 10}
+
+
+def reserve_usd(content: str) -> str:
+    """The reservation of ``chat_request(content)``, as the CLI prints it."""
+    assert PRICE is not None
+    return nanos_to_usd(estimate(PRICE, chat_request(content)))
+
+
+COST_USD = nanos_to_usd(cost(PRICE, USAGE))
+
+
+@dataclass
+class Traffic:
+    """A ledger and the calls written to it."""
+
+    ledger: str
+    completed: list[str]  # budgets team-a/run-1, then default
+    unknown: list[str]  # budget team-a/run-2, prompts "timeout 0", "timeout 1", ...
+
+
+def _answer(request: httpx.Request) -> httpx.Response:
+    if b"timeout" in request.content:
+        raise httpx.ReadTimeout("upstream read timed out", request=request)
+    usage = {
+        "prompt_tokens": USAGE.input_tokens,
+        "completion_tokens": USAGE.output_tokens,
+        "total_tokens": USAGE.input_tokens + USAGE.output_tokens,
+    }
+    return httpx.Response(
+        200,
+        json={
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hi"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": usage,
+        },
+    )
+
+
+async def _traffic(ledger: str, unknown: int) -> Traffic:
+    plan = [("team-a/run-1", "done 0", 200), ("default", "done 1", 200)]
+    plan += [("team-a/run-2", f"timeout {i}", 504) for i in range(unknown)]
+    ids: list[str] = []
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post(CHAT_URL).mock(side_effect=_answer)
+        transport = AsyncGuardTransport(
+            ledger=ledger, settings=GuardSettings(retry_wait_s=0, retry_wait_max_s=0)
+        )
+        async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+            for budget, content, status in plan:
+                response = await client.post(
+                    CHAT_URL, json=chat_request(content), headers={"Effectguard-Budget": budget}
+                )
+                assert response.status_code == status, response.text
+                ids.append(response.headers["effectguard-call-id"])
+    return Traffic(ledger, ids[:2], ids[2:])
+
+
+@pytest.fixture
+def traffic(tmp_path: Path) -> Traffic:
+    """A ledger with two completed calls and three effect-unknown calls."""
+    return asyncio.run(asyncio.wait_for(_traffic(str(tmp_path / "l.db"), 3), timeout=30))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``effectguard ARGV`` in-process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    """``effectguard ARGV --json`` in-process; must exit 0."""
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def calls(capsys: pytest.CaptureFixture[str], t: Traffic) -> dict[str, dict[str, Any]]:
+    """``calls --json`` keyed by call id."""
+    return {c["call_id"]: c for c in run_json(capsys, "calls", "--ledger", t.ledger)}
+
+
+def budgets(capsys: pytest.CaptureFixture[str], t: Traffic) -> dict[str, dict[str, Any]]:
+    """``budgets --json`` keyed by path."""
+    return {b["path"]: b for b in run_json(capsys, "budgets", "--ledger", t.ledger)}
+
+
+def subprocess_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``effectguard ARGV`` as a real process (bounded in time)."""
+    return subprocess.run(
+        [sys.executable, "-m", "effectguard.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+# -- help ----------------------------------------------------------------------------------------
+def _commands(
+    parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser, str | None]]:
+    """Every (sub)command path under ``parser``, its parser and its help string."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                path = (*prefix, name)
+                found.append((path, sub, helps.get(name)))
+                found += _commands(sub, path)
+    return found
+
+
+COMMANDS = _commands(build_parser())
+LEAVES = [
+    path
+    for path, sub, _ in COMMANDS
+    if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+]
+
+
+def test_the_parser_has_every_spec_command() -> None:
+    """The SPEC §8/§11 commands exist (so the walks below cannot pass on an empty parser)."""
+    paths = {" ".join(path) for path, _, _ in COMMANDS}
+    assert paths >= {
+        "serve",
+        "fake-provider",
+        "calls",
+        "show",
+        "reconcile",
+        "budgets",
+        "budget",
+        "budget set",
+        "verify",
+        "key",
+        "key new",
+    }
+
+
+def test_every_command_and_option_has_help_text() -> None:
+    """Each command, subcommand and option carries a help string and a description."""
+    for path, sub, help_text in COMMANDS:
+        assert help_text and help_text.strip(), f"{' '.join(path)}: no help"
+        assert sub.description and sub.description.strip(), f"{' '.join(path)}: no description"
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            assert action.help and action.help.strip(), f"{' '.join(path)} {action.dest}: no help"
+
+
+def test_every_command_help_exits_0() -> None:
+    """``effectguard CMD --help`` prints usage and exits 0 for every (sub)command."""
+    argvs = [[], *([*path] for path, _, _ in COMMANDS)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "effectguard.cli", *argv, "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for argv in argvs
+    ]
+    try:
+        for argv, process in zip(argvs, processes, strict=True):
+            out, err = process.communicate(timeout=30)
+            assert process.returncode == 0, (argv, err)
+            assert out.startswith("usage: effectguard"), (argv, out)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_every_command_is_in_the_readme() -> None:
+    """README.md mentions every command as ``effectguard CMD`` (the leaves: ``budget set``)."""
+    assert README.is_file(), f"{README} is missing"
+    text = README.read_text()
+    missing = [" ".join(p) for p in LEAVES if f"effectguard {' '.join(p)}" not in text]
+    assert not missing, f"README.md does not mention: {missing}"
+
+
+# -- calls and show --------------------------------------------------------------------------------
+def test_calls_json_has_spec_fields_and_exact_money(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``calls --json``: SPEC §8 fields, money as decimal strings, values from the traffic."""
+    rows = calls(capsys, traffic)
+    assert set(rows) == {*traffic.completed, *traffic.unknown}
+    for row in rows.values():
+        assert set(row) >= CALL_FIELDS
+        for field in ("reserved_usd", "held_usd"):
+            assert isinstance(row[field], str) and MONEY.match(row[field]), row
+        assert row["provider"] == "openai" and row["model"] == MODEL
+        assert row["attempts"] == 1 and row["idempotency_key"] is None
+    done = rows[traffic.completed[0]]
+    assert (done["stage"], done["effect"], done["next_operation"]) == (
+        "completed",
+        "applied",
+        "none",
+    )
+    assert done["budget"] == "team-a/run-1"
+    assert done["reserved_usd"] == reserve_usd("done 0")
+    assert done["cost_usd"] == COST_USD
+    assert done["held_usd"] == ZERO
+    unknown = rows[traffic.unknown[0]]
+    assert (unknown["stage"], unknown["effect"], unknown["next_operation"]) == (
+        "effect_unknown",
+        "unknown",
+        "reconcile",
+    )
+    assert unknown["cost_usd"] is None
+    assert unknown["held_usd"] == unknown["reserved_usd"] == reserve_usd("timeout 0")
+
+
+def test_calls_filters_by_state_and_budget(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--state`` picks one stage; ``--budget`` picks a subtree."""
+    ledger = ("--ledger", traffic.ledger)
+    unknown = run_json(capsys, "calls", "--state", "effect_unknown", *ledger)
+    assert sorted(c["call_id"] for c in unknown) == sorted(traffic.unknown)
+    completed = run_json(capsys, "calls", "--state", "completed", *ledger)
+    assert sorted(c["call_id"] for c in completed) == sorted(traffic.completed)
+    team = run_json(capsys, "calls", "--budget", "team-a", *ledger)
+    assert sorted(c["call_id"] for c in team) == sorted([traffic.completed[0], *traffic.unknown])
+    assert (
+        run_json(capsys, "calls", "--budget", "team-a/run-1", *ledger)[0]["call_id"]
+        == (traffic.completed[0])
+    )
+    assert run_json(capsys, "calls", "--state", "in_flight", *ledger) == []
+
+
+def test_calls_prints_a_table_by_default(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--json``, ``calls`` prints a human table with a header and one row per call."""
+    code, out, _ = run(capsys, "calls", "--ledger", traffic.ledger)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0].split()[:2] == ["CALL_ID", "STAGE"]
+    assert "RESERVED_USD" in lines[0]
+    assert len(lines) == 1 + 5
+    for call_id in (*traffic.completed, *traffic.unknown):
+        assert sum(call_id in line for line in lines) == 1
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+
+
+def test_show_json_lists_the_events(traffic: Traffic, capsys: pytest.CaptureFixture[str]) -> None:
+    """``show --json``: the call's SPEC fields plus its events in order."""
+    shown = run_json(capsys, "show", traffic.unknown[0], "--ledger", traffic.ledger)
+    assert set(shown) >= CALL_FIELDS | {"events"}
+    assert shown["stage"] == "effect_unknown"
+    kinds = [e["kind"] for e in shown["events"]]
+    assert kinds[:3] == ["call.manifest", "budget.reserved", "attempt.started"]
+    assert set(kinds[3:]) == {"attempt.interrupted", "budget.held"}
+    seqs = [e["seq"] for e in shown["events"]]
+    assert seqs == sorted(seqs)
+    done = run_json(capsys, "show", traffic.completed[0], "--ledger", traffic.ledger)
+    assert [e["kind"] for e in done["events"]][-3:] == [
+        "attempt.observed",
+        "budget.settled",
+        "call.completed",
+    ]
+
+
+def test_show_prints_text_by_default(traffic: Traffic, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``--json``, ``show`` prints the state and one line per event."""
+    code, out, _ = run(capsys, "show", traffic.completed[0], "--ledger", traffic.ledger)
+    assert code == 0
+    assert f"call_id: {traffic.completed[0]}" in out
+    assert "stage: completed" in out
+    assert "call.manifest" in out and "call.completed" in out
+
+
+def test_show_unknown_call_exits_3(traffic: Traffic, capsys: pytest.CaptureFixture[str]) -> None:
+    """``show`` of a call id the ledger does not hold exits 3 with a message."""
+    code, _, err = run(capsys, "show", "call_doesnotexist", "--ledger", traffic.ledger)
+    assert code == 3
+    assert "call_doesnotexist" in err
+
+
+def test_missing_ledger_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``--ledger`` path that does not exist exits 2 and creates nothing."""
+    missing = tmp_path / "nope.db"
+    code, _, err = run(capsys, "calls", "--ledger", str(missing))
+    assert code == 2
+    assert "no ledger" in err
+    assert not missing.exists()
+
+
+# -- budgets ---------------------------------------------------------------------------------------
+def test_budgets_json_charges_every_ancestor(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``budgets --json``: SPEC fields; spent and held roll up to each ancestor."""
+    nodes = budgets(capsys, traffic)
+    assert {"default", "team-a", "team-a/run-1", "team-a/run-2"} <= set(nodes)
+    for node in nodes.values():
+        assert set(node) >= BUDGET_FIELDS
+        for field in ("reserved_usd", "spent_usd", "held_usd"):
+            assert MONEY.match(node[field]), node
+        assert node["limit_usd"] is None
+        assert node["reserved_usd"] == ZERO
+    held = sum(Decimal(reserve_usd(f"timeout {i}")) for i in range(3))
+    assert nodes["team-a/run-1"]["spent_usd"] == COST_USD
+    assert Decimal(nodes["team-a/run-2"]["held_usd"]) == held
+    assert Decimal(nodes["team-a"]["held_usd"]) == held
+    assert nodes["team-a"]["spent_usd"] == COST_USD
+    assert nodes["default"]["spent_usd"] == COST_USD
+
+
+def test_budgets_prints_a_table_by_default(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--json``, ``budgets`` prints a table with one row per node."""
+    code, out, _ = run(capsys, "budgets", "--ledger", traffic.ledger)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["PATH", "LIMIT_USD", "RESERVED_USD", "SPENT_USD", "HELD_USD"]
+    assert any(line.split()[0] == "team-a/run-2" for line in lines[1:])
+
+
+def test_budget_set_sets_and_removes_a_limit(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``budget set PATH --limit USD`` sets an exact limit; ``--no-limit`` removes it."""
+    node = run_json(
+        capsys, "budget", "set", "team-a", "--limit", "12.5", "--ledger", traffic.ledger
+    )
+    assert node["path"] == "team-a" and node["limit_usd"] == "12.500000000"
+    assert budgets(capsys, traffic)["team-a"]["limit_usd"] == "12.500000000"
+    code, out, _ = run(
+        capsys, "budget", "set", "new/node", "--limit", "0.1", "--ledger", traffic.ledger
+    )
+    assert code == 0 and "new/node" in out and "0.100000000" in out
+    run_json(capsys, "budget", "set", "team-a", "--no-limit", "--ledger", traffic.ledger)
+    assert budgets(capsys, traffic)["team-a"]["limit_usd"] is None
+    code, _, _ = run(capsys, "verify", "--ledger", traffic.ledger)
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--limit", "1", "--no-limit"], ["--limit", "-1"], ["--limit", "lots"]],
+    ids=["no-limit-flag", "both", "negative", "not-a-number"],
+)
+def test_budget_set_usage_errors_exit_2(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """``budget set`` without one valid ``--limit``/``--no-limit`` exits 2, changes nothing."""
+    before = budgets(capsys, traffic)
+    code, _, err = run(capsys, "budget", "set", "team-a", *args, "--ledger", traffic.ledger)
+    assert code == 2
+    assert err.strip()
+    assert budgets(capsys, traffic) == before
+
+
+# -- verify ----------------------------------------------------------------------------------------
+def test_verify_passes_on_real_traffic(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify`` exits 0 on a ledger written by the guard."""
+    report = run_json(capsys, "verify", "--ledger", traffic.ledger)
+    assert report["ok"] is True
+    assert report["calls"] == 5
+    code, out, _ = run(capsys, "verify", "--ledger", traffic.ledger)
+    assert code == 0 and out.startswith("ok")
+
+
+def test_verify_fails_on_a_corrupted_counter(traffic: Traffic) -> None:
+    """A budget counter that is not the fold of the events makes ``verify`` exit 1."""
+    with sqlite3.connect(traffic.ledger) as db:
+        db.execute("UPDATE budgets SET spent = spent + 1 WHERE path = 'team-a'")
+    result = subprocess_cli("verify", "--ledger", traffic.ledger)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "BROKEN" in result.stdout
+    assert "team-a" in result.stdout
+    as_json = subprocess_cli("verify", "--json", "--ledger", traffic.ledger)
+    assert as_json.returncode == 1
+    assert json.loads(as_json.stdout)["ok"] is False
+
+
+# -- reconcile -------------------------------------------------------------------------------------
+def test_reconcile_applied_with_cost_moves_held_to_spent(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``reconcile --applied --cost 0.5``: held -= R, spent += 0.5 on the node and ancestors."""
+    call_id = traffic.unknown[0]
+    before = budgets(capsys, traffic)
+    held = Decimal(reserve_usd("timeout 0"))
+    state = run_json(
+        capsys,
+        "reconcile",
+        call_id,
+        "--applied",
+        "--cost",
+        "0.5",
+        "--note",
+        "seen on the provider dashboard",
+        "--ledger",
+        traffic.ledger,
+    )
+    assert state["stage"] == "reconciled_applied"
+    assert state["cost_usd"] == "0.500000000"
+    assert state["held_usd"] == ZERO
+    after = budgets(capsys, traffic)
+    for path in ("team-a", "team-a/run-2"):
+        assert Decimal(after[path]["held_usd"]) == Decimal(before[path]["held_usd"]) - held
+        assert Decimal(after[path]["spent_usd"]) == (
+            Decimal(before[path]["spent_usd"]) + Decimal("0.5")
+        )
+    assert after["default"] == before["default"]
+    row = calls(capsys, traffic)[call_id]
+    assert (row["stage"], row["effect"], row["next_operation"]) == (
+        "reconciled_applied",
+        "applied",
+        "none",
+    )
+    assert run(capsys, "verify", "--ledger", traffic.ledger)[0] == 0
+
+
+def test_reconcile_applied_without_cost_charges_the_reservation(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``reconcile --applied`` without ``--cost`` charges C = R."""
+    before = budgets(capsys, traffic)["team-a/run-2"]
+    run_json(
+        capsys,
+        "reconcile",
+        traffic.unknown[1],
+        "--applied",
+        "--note",
+        "assume the worst",
+        "--ledger",
+        traffic.ledger,
+    )
+    after = budgets(capsys, traffic)["team-a/run-2"]
+    r = Decimal(reserve_usd("timeout 1"))
+    assert Decimal(after["spent_usd"]) == Decimal(before["spent_usd"]) + r
+    assert Decimal(after["held_usd"]) == Decimal(before["held_usd"]) - r
+
+
+def test_reconcile_not_applied_releases_held(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``reconcile --not-applied``: held -= R, spent unchanged, next operation resend."""
+    call_id = traffic.unknown[0]
+    before = budgets(capsys, traffic)
+    state = run_json(
+        capsys,
+        "reconcile",
+        call_id,
+        "--not-applied",
+        "--note",
+        "not in the logs",
+        "--ledger",
+        traffic.ledger,
+    )
+    assert state["stage"] == "reconciled_not_applied"
+    assert (state["effect"], state["next_operation"]) == ("none", "resend")
+    after = budgets(capsys, traffic)
+    held = Decimal(reserve_usd("timeout 0"))
+    for path in ("team-a", "team-a/run-2"):
+        assert Decimal(after[path]["held_usd"]) == Decimal(before[path]["held_usd"]) - held
+        assert after[path]["spent_usd"] == before[path]["spent_usd"]
+    assert run(capsys, "verify", "--ledger", traffic.ledger)[0] == 0
+
+
+def _reconciled_event(capsys: pytest.CaptureFixture[str], t: Traffic, call_id: str) -> Any:
+    shown = run_json(capsys, "show", call_id, "--ledger", t.ledger)
+    events = [e for e in shown["events"] if e["kind"] == "call.reconciled"]
+    assert len(events) == 1, shown["events"]
+    return events[0]["data"]
+
+
+def test_reconcile_by_defaults_to_the_login_name(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``call.reconciled`` records ``--by``, defaulting to the login name, and the note."""
+    run_json(
+        capsys,
+        "reconcile",
+        traffic.unknown[0],
+        "--not-applied",
+        "--note",
+        "n1",
+        "--ledger",
+        traffic.ledger,
+    )
+    data = _reconciled_event(capsys, traffic, traffic.unknown[0])
+    assert data["by"] == getpass.getuser()
+    assert data["note"] == "n1"
+    assert data["applied"] is False
+    run_json(
+        capsys,
+        "reconcile",
+        traffic.unknown[1],
+        "--applied",
+        "--note",
+        "n2",
+        "--by",
+        "alice",
+        "--ledger",
+        traffic.ledger,
+    )
+    data = _reconciled_event(capsys, traffic, traffic.unknown[1])
+    assert (data["by"], data["note"], data["applied"]) == ("alice", "n2", True)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--applied"],
+        ["--not-applied"],
+        ["--note", "x"],
+        ["--applied", "--not-applied", "--note", "x"],
+        ["--not-applied", "--cost", "1", "--note", "x"],
+    ],
+    ids=["applied-no-note", "not-applied-no-note", "no-decision", "both", "cost-not-applied"],
+)
+def test_reconcile_usage_errors_exit_2_and_change_nothing(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """A reconcile missing ``--note`` or a single decision exits 2 and leaves the call unknown."""
+    call_id = traffic.unknown[0]
+    code, _, err = run(capsys, "reconcile", call_id, *args, "--ledger", traffic.ledger)
+    assert code == 2
+    assert err.strip()
+    assert calls(capsys, traffic)[call_id]["stage"] == "effect_unknown"
+
+
+def test_reconcile_without_note_exits_2_as_a_process(traffic: Traffic) -> None:
+    """The installed command's exit status for a reconcile without ``--note`` is 2."""
+    result = subprocess_cli(
+        "reconcile", traffic.unknown[0], "--applied", "--ledger", traffic.ledger
+    )
+    assert result.returncode == 2
+    assert "--note" in result.stderr
+
+
+def test_reconcile_refuses_a_call_that_is_not_effect_unknown(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Reconciling a completed (or already reconciled) call exits 3 and records nothing."""
+    done = traffic.completed[0]
+    code, _, err = run(
+        capsys, "reconcile", done, "--applied", "--note", "x", "--ledger", traffic.ledger
+    )
+    assert code == 3
+    assert err.strip()
+    shown = run_json(capsys, "show", done, "--ledger", traffic.ledger)
+    assert "call.reconciled" not in [e["kind"] for e in shown["events"]]
+    assert shown["stage"] == "completed"
+    run_json(
+        capsys,
+        "reconcile",
+        traffic.unknown[2],
+        "--not-applied",
+        "--note",
+        "x",
+        "--ledger",
+        traffic.ledger,
+    )
+    code, _, _ = run(
+        capsys,
+        "reconcile",
+        traffic.unknown[2],
+        "--applied",
+        "--note",
+        "again",
+        "--ledger",
+        traffic.ledger,
+    )
+    assert code == 3
+    assert calls(capsys, traffic)[traffic.unknown[2]]["stage"] == "reconciled_not_applied"
+
+
+def test_reconcile_unknown_call_id_exits_3(traffic: Traffic) -> None:
+    """Reconciling a call id the ledger does not hold exits 3 (as a real process)."""
+    result = subprocess_cli(
+        "reconcile", "call_nope", "--applied", "--note", "x", "--ledger", traffic.ledger
+    )
+    assert result.returncode == 3
+    assert "call_nope" in result.stderr
