@@ -378,9 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     ledger_opts(p)
     p.set_defaults(run_ledger=cmd_verify)
 
-    p = sub.add_parser("migrate", help="create or upgrade the ledger's tables",
-                       description="Create or upgrade the ledger's tables (run once per "
-                       "deployment before starting replicas; serve also does it).")
+    p = sub.add_parser(
+        "migrate",
+        help="create or upgrade the ledger's tables",
+        description="Create or upgrade the ledger's tables (run once per "
+        "deployment before starting replicas; serve also does it).",
+    )
     ledger_opts(p, json_flag=False)
     p.set_defaults(run=cmd_migrate)
 

@@ -241,11 +241,11 @@ def test_counters_saturate_at_zero() -> None:
 # -- a stateful model over random interleavings --------------------------------------
 
 TREE_LIMITS: dict[str, int | None] = {
-    "org": 60_000,
-    "org/a": 30_000,
-    "org/a/x": 12_000,
+    "org": 6_000,
+    "org/a": 3_000,
+    "org/a/x": 1_200,
     "org/b": None,
-    "org/b/y": 20_000,
+    "org/b/y": 2_000,
 }
 PATHS = sorted(TREE_LIMITS)
 
@@ -299,7 +299,7 @@ class BudgetMachine(RuleBasedStateMachine):
     @rule(
         target=reservations,
         path=st.sampled_from(PATHS),
-        amount=st.integers(min_value=0, max_value=15_000),
+        amount=st.integers(min_value=0, max_value=1_500),
     )
     def reserve(self, path: str, amount: int) -> Reservation | object:
         """Admit a reservation only when check_admission says it fits; check that it really fits."""
@@ -334,7 +334,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.open_reservations.remove(res.n)
         self.reserved_at[res.path] -= res.amount
 
-    @rule(res=consumes(reservations), extra=st.integers(min_value=-15_000, max_value=15_000))
+    @rule(res=consumes(reservations), extra=st.integers(min_value=-1_500, max_value=1_500))
     def settle(self, res: Reservation, extra: int) -> None:
         """Settle at any actual cost, including more than was reserved (overshoot)."""
         actual = max(0, res.amount + extra)
@@ -366,7 +366,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.held_at[res.path] -= res.amount
         self.spent_at[res.path] += spent
 
-    @rule(res=consumes(holds), cost=st.none() | st.integers(min_value=0, max_value=30_000))
+    @rule(res=consumes(holds), cost=st.none() | st.integers(min_value=0, max_value=3_000))
     def reconcile_applied(self, res: Reservation, cost: int | None) -> None:
         """Reconciled applied with cost C (C defaults to R): held -> spent."""
         self._close_hold(res, res.amount if cost is None else cost)
