@@ -178,8 +178,13 @@ class GroupCommitter(Generic[S]):
             stats.failed_commits += 1
         for observer in stats.observers:
             observer(len(batch), elapsed, ok)
+        # One wake-up per event loop per batch, not one per job.
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
         for job in batch:
-            job.loop.call_soon_threadsafe(_resolve, job)
+            by_loop.setdefault(job.loop, []).append(job)
+        for loop, jobs in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve_all, jobs)
 
     def _run_one(self, session: S, job: _Job) -> None:
         session.savepoint()
@@ -197,6 +202,11 @@ class GroupCommitter(Generic[S]):
             session.release()
             raise
         session.release()
+
+
+def _resolve_all(jobs: list[_Job]) -> None:
+    for job in jobs:
+        _resolve(job)
 
 
 def _resolve(job: _Job) -> None:

@@ -28,7 +28,6 @@ from effectguard.events import (
     CallReconciled,
     CallRefused,
     Event,
-    StoredEvent,
     WorkerRegistered,
     WorkerTakenOver,
     seal,
@@ -38,12 +37,23 @@ from effectguard.money import nanos_to_usd
 from effectguard.workstate import WorkState
 
 
-def append(tx: Tx, writer: Writer, events: Sequence[Event]) -> list[StoredEvent]:
-    """Seal ``events`` into the chain and fold them into calls and budgets."""
+def append(
+    tx: Tx,
+    writer: Writer,
+    events: Sequence[Event],
+    known: dict[str, WorkState] | None = None,
+) -> dict[str, WorkState]:
+    """Seal ``events`` into the chain and fold them into calls and budgets.
+
+    ``known`` holds call states the caller already read in this transaction (a new
+    call's is ``WorkState()``), saving a read. Returns the calls' new states.
+    """
     seq, prev = tx.head()
     now = tx.now()
-    stored_events: list[StoredEvent] = []
-    calls: dict[str, WorkState] = {}
+    calls: dict[str, WorkState] = dict(known or {})
+    touched: set[str] = set()
+    nodes: dict[str, budgets.BudgetNode] = {}
+    changed: set[str] = set()
     for event in events:
         seq += 1
         stored, data_json = seal(
@@ -56,28 +66,29 @@ def append(tx: Tx, writer: Writer, events: Sequence[Event]) -> list[StoredEvent]
         )
         tx.insert_event(stored, data_json)
         prev = stored.digest
-        stored_events.append(stored)
         call_id = event.call_id
         if call_id is not None:
             state = calls.get(call_id) or tx.get_call(call_id) or WorkState()
             calls[call_id] = workstate.apply(state, event)
-        _fold_budget(tx, event)
-    for state in calls.values():
-        tx.put_call(state)
-    return stored_events
+            touched.add(call_id)
+        paths = _budget_paths(event)
+        if paths:
+            missing = [p for p in paths if p not in nodes]
+            if missing:
+                nodes.update(tx.get_nodes(missing))
+            changed.update(n.path for n in budgets.apply(nodes, event))
+    for call_id in touched:
+        tx.put_call(calls[call_id])
+    for path in changed:
+        tx.put_node(nodes[path])
+    return {c: calls[c] for c in touched}
 
 
-def _fold_budget(tx: Tx, event: Event) -> None:
+def _budget_paths(event: Event) -> list[str]:
     if isinstance(event, BudgetLimitSet):
-        paths = [event.path]
-    else:
-        delta = budgets.deltas(event)
-        if delta is None:
-            return
-        paths = budgets.ancestors(delta.path)
-    nodes = tx.get_nodes(paths)
-    for node in budgets.apply(nodes, event):
-        tx.put_node(node)
+        return [event.path]
+    delta = budgets.deltas(event)
+    return [] if delta is None else budgets.ancestors(delta.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,12 +238,12 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
             at=now,
         )
     )
-    append(tx, writer, events)
+    states = append(tx, writer, events, {call_id: existing or WorkState()})
     return Admitted(
         decision.action if existing else "admit",
         call_id,
         attempt,
-        state=tx.get_call(call_id),
+        state=states[call_id],
         provider_idempotency_key=provider_key,
     )
 
@@ -246,7 +257,7 @@ def _refused(
                 call=call_id, reason=refusal.type, status=refusal.status, message=refusal.message
             )
         )
-        append(tx, writer, events)
+        append(tx, writer, events, {call_id: WorkState()})
     return Admitted("refuse", call_id, refusal=refusal)
 
 
@@ -279,10 +290,7 @@ def record(
             f"call {call_id} attempt {attempt} is no longer in flight (stage {stage}); "
             "its outcome is not recorded"
         )
-    append(tx, writer, events)
-    result = tx.get_call(call_id)
-    assert result is not None
-    return result
+    return append(tx, writer, events, {call_id: state})[call_id]
 
 
 def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkState:
@@ -294,10 +302,7 @@ def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkStat
     ]
     if state.reserved:
         events.append(BudgetHeld(call=state.call_id, budget=state.budget, amount=state.reserved))
-    append(tx, writer, events)
-    result = tx.get_call(state.call_id)
-    assert result is not None
-    return result
+    return append(tx, writer, events, {state.call_id: state})[state.call_id]
 
 
 def reconcile(
@@ -317,10 +322,7 @@ def reconcile(
         CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
         BudgetUnheld(call=call_id, budget=state.budget, amount=state.held, spent=spent),
     ]
-    append(tx, writer, events)
-    result = tx.get_call(call_id)
-    assert result is not None
-    return result
+    return append(tx, writer, events, {call_id: state})[call_id]
 
 
 def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
@@ -417,7 +419,7 @@ def start_attempt(
         )
         return Admitted("refuse", call_id, refusal=refusal)
     attempt = state.attempts + 1
-    append(
+    states = append(
         tx,
         writer,
         [
@@ -431,11 +433,12 @@ def start_attempt(
                 at=tx.now(),
             ),
         ],
+        {call_id: state},
     )
     return Admitted(
         "attempt",
         call_id,
         attempt,
-        state=tx.get_call(call_id),
+        state=states[call_id],
         provider_idempotency_key=provider_key,
     )

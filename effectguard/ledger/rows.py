@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from effectguard.events import StoredEvent, canonical_json
+from effectguard.events import StoredEvent
 from effectguard.ledger.base import WorkerRow
 from effectguard.workstate import WorkState
 
@@ -48,6 +48,9 @@ def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
     )
 
 
+_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkState))
+
+
 def state_params(state: WorkState) -> tuple[Any, ...]:
     """Parameters for storing a call state, in :data:`CALL_COLUMNS` order.
 
@@ -65,7 +68,7 @@ def state_params(state: WorkState) -> tuple[Any, ...]:
         state.provider,
         state.created_at,
         state.worker,
-        canonical_json(dataclasses.asdict(state)),
+        json.dumps({name: getattr(state, name) for name in _STATE_FIELDS}, separators=(",", ":")),
     )
 
 

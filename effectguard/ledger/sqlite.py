@@ -122,24 +122,55 @@ def migrate(conn: sqlite3.Connection) -> None:
 
 
 class SqliteSession:
-    """Table access and transaction control on the writer thread's connection."""
+    """Table access and transaction control on the writer thread's connection.
+
+    Inside a batch this connection holds SQLite's write lock (``BEGIN IMMEDIATE``),
+    so nobody else can change the chain head, budget rows or worker rows: those are
+    cached for the batch, and budget rows are written once per batch, at commit.
+    Each operation's savepoint snapshots the (small) caches so a rollback restores
+    them with the tables.
+    """
 
     def __init__(self, path: str) -> None:
         self.conn = _connect(path)
         migrate(self.conn)
+        self._head: tuple[int, str] | None = None
+        self._nodes: dict[str, BudgetNode] = {}
+        self._dirty: set[str] = set()
+        self._workers: dict[str, WorkerRow | None] = {}
+        self._snapshot: tuple[Any, ...] = ()
+
+    def _forget(self) -> None:
+        self._head = None
+        self._nodes = {}
+        self._dirty = set()
+        self._workers = {}
 
     # -- transaction control
     def begin(self) -> None:
+        self._forget()
         self.conn.execute("BEGIN IMMEDIATE")
 
     def commit(self) -> None:
+        if self._dirty:
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO budgets(path, limit_nanos, reserved, spent, held) "
+                "VALUES (?,?,?,?,?)",
+                [
+                    (n.path, n.limit, n.reserved, n.spent, n.held)
+                    for n in (self._nodes[p] for p in self._dirty)
+                ],
+            )
         self.conn.execute("COMMIT")
+        self._forget()
 
     def rollback(self) -> None:
+        self._forget()
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
 
     def savepoint(self) -> None:
+        self._snapshot = (self._head, dict(self._nodes), set(self._dirty), dict(self._workers))
         self.conn.execute("SAVEPOINT op")
 
     def release(self) -> None:
@@ -147,6 +178,7 @@ class SqliteSession:
 
     def rollback_to(self) -> None:
         self.conn.execute("ROLLBACK TO op")
+        self._head, self._nodes, self._dirty, self._workers = self._snapshot
 
     def close(self) -> None:
         self.conn.close()
@@ -156,16 +188,19 @@ class SqliteSession:
         return time.time()
 
     def head(self) -> tuple[int, str]:
-        row = self.conn.execute(
-            "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
-        ).fetchone()
-        return (0, GENESIS_DIGEST) if row is None else (int(row[0]), str(row[1]))
+        if self._head is None:
+            row = self.conn.execute(
+                "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
+            ).fetchone()
+            self._head = (0, GENESIS_DIGEST) if row is None else (int(row[0]), str(row[1]))
+        return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
         self.conn.execute(
             f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
             event_params(event, data_json),
         )
+        self._head = (event.seq, event.digest)
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         rows = self.conn.execute(
@@ -206,25 +241,28 @@ class SqliteSession:
         return [state_from_json(r[0]) for r in rows]
 
     def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
-        marks = ",".join("?" * len(paths))
-        rows = self.conn.execute(
-            f"SELECT path, limit_nanos, reserved, spent, held FROM budgets WHERE path IN ({marks})",
-            tuple(paths),
-        )
-        return {r[0]: BudgetNode(*r) for r in rows}
+        missing = [p for p in paths if p not in self._nodes]
+        if missing:
+            marks = ",".join("?" * len(missing))
+            rows = self.conn.execute(
+                "SELECT path, limit_nanos, reserved, spent, held FROM budgets "
+                f"WHERE path IN ({marks})",
+                tuple(missing),
+            )
+            self._nodes.update((r[0], BudgetNode(*r)) for r in rows)
+        return {p: self._nodes[p] for p in paths if p in self._nodes}
 
     def put_node(self, node: BudgetNode) -> None:
-        self.conn.execute(
-            "INSERT OR REPLACE INTO budgets(path, limit_nanos, reserved, spent, held) "
-            "VALUES (?,?,?,?,?)",
-            (node.path, node.limit, node.reserved, node.spent, node.held),
-        )
+        self._nodes[node.path] = node
+        self._dirty.add(node.path)
 
     def get_worker(self, worker: str) -> WorkerRow | None:
-        row = self.conn.execute(
-            f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = ?", (worker,)
-        ).fetchone()
-        return None if row is None else worker_from_row(row)
+        if worker not in self._workers:
+            row = self.conn.execute(
+                f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = ?", (worker,)
+            ).fetchone()
+            self._workers[worker] = None if row is None else worker_from_row(row)
+        return self._workers[worker]
 
     def put_worker(self, row: WorkerRow) -> None:
         self.conn.execute(
@@ -232,6 +270,7 @@ class SqliteSession:
             " VALUES (?,?,?,?,?,?)",
             (row.worker, row.generation, row.host, row.pid, row.lease_expires, int(row.fenced)),
         )
+        self._workers[row.worker] = row
 
     def live_workers(self) -> list[WorkerRow]:
         rows = self.conn.execute(f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = 0")
