@@ -319,9 +319,13 @@ def serve(settings: ServeSettings, metrics: Any = None) -> None:
         loop="uvloop" if _has("uvloop") else "asyncio",
     )
     server = uvicorn.Server(config)
+    ledger = settings.ledger
+    if ledger.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger.postgres import redacted
+
+        ledger = redacted(ledger)  # never print a password
     print(
-        f"effectguard listening on http://{settings.host}:{settings.port} "
-        f"(ledger {settings.ledger})",
+        f"effectguard listening on http://{settings.host}:{settings.port} (ledger {ledger})",
         flush=True,
     )
     server.run()
