@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from effectguard import budget as budgets
 from effectguard import workstate
 from effectguard.budget import BudgetNode
 from effectguard.events import GENESIS_DIGEST, StoredEvent, canonical_json, event_digest
+from effectguard.ledger.rows import INDEX_COLUMNS, state_params
 from effectguard.workstate import WorkState
+
+INDEX_NAMES = tuple(name.strip() for name in INDEX_COLUMNS.split(","))
 
 
 @dataclass
@@ -84,9 +88,31 @@ class Verifier:
             self._calls[event.call_id] = workstate.apply(state, event)
 
     def finish(
-        self, stored_nodes: Iterable[BudgetNode], stored_calls: Iterable[WorkState]
+        self,
+        stored_nodes: Iterable[BudgetNode],
+        stored_calls: Iterable[WorkState],
+        stored_columns: Iterable[tuple[Any, ...]] = (),
     ) -> VerifyReport:
-        """Compare the folds with the stored counters and call states."""
+        """Compare the folds with the stored counters, call states and indexed columns.
+
+        The indexed columns (stage, key, budget, worker …) are what listings, the
+        sweeper and metrics query, so they must agree with the events too.
+        """
+        for row in stored_columns:
+            call_id = row[0]
+            want_state = self._calls.get(call_id)
+            if want_state is None:
+                continue  # reported below as a call without events
+            expected = state_params(want_state)[:-1]
+            if tuple(row) != tuple(expected):
+                diff = [
+                    f"{name}={got!r} (events: {exp!r})"
+                    for name, got, exp in zip(INDEX_NAMES, row, expected, strict=True)
+                    if got != exp
+                ]
+                self._broken(
+                    self.report.events, f"call {call_id}: indexed columns differ: {', '.join(diff)}"
+                )
         nodes = {n.path: n for n in stored_nodes}
         self.report.budgets = len(nodes)
         for path in sorted(set(nodes) | set(self._nodes)):

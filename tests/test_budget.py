@@ -313,8 +313,7 @@ class BudgetMachine(RuleBasedStateMachine):
             overflowing = [
                 p
                 for p in ancestors(path)
-                if TREE_LIMITS[p] is not None
-                and self.model_committed(p) + amount > TREE_LIMITS[p]  # type: ignore[operator]
+                if TREE_LIMITS[p] is not None and self.model_committed(p) + amount > TREE_LIMITS[p]  # type: ignore[operator]
             ]
             assert refused.path == overflowing[0]
             limit = TREE_LIMITS[refused.path]
@@ -421,7 +420,5 @@ class BudgetMachine(RuleBasedStateMachine):
         raise AssertionError(f"no reservation c{n}")
 
 
-BudgetMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
-)
+BudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBudgetMachine = BudgetMachine.TestCase

@@ -78,7 +78,9 @@ def interrupted(attempt: int = 1) -> Event:
 
 def reconciled(applied: bool, cost: int = R) -> Event:
     """call.reconciled for CALL."""
-    return CallReconciled(call=CALL, applied=applied, cost=cost if applied else 0, note="n", by="op")
+    return CallReconciled(
+        call=CALL, applied=applied, cost=cost if applied else 0, note="n", by="op"
+    )
 
 
 def admitted() -> list[Event]:

@@ -126,16 +126,22 @@ class Ledger:
         return await self.store.budget_nodes()
 
     async def verify(self, page: int = 5000) -> VerifyReport:
-        """Check the hash chain and re-derive every counter and projection."""
+        """Check the hash chain and re-derive every counter and projection.
+
+        Every read happens inside one snapshot, so a live ledger being written
+        while it is verified shows no false corruption.
+        """
         verifier = Verifier()
-        seq = 0
-        while True:
-            batch = await self.store.events_after(seq, page)
-            if not batch:
-                break
-            for stored in batch:
-                verifier.feed(stored)
-            seq = batch[-1].seq
-        nodes = await self.store.budget_nodes()
-        calls = await self.store.list_calls(limit=1 << 62)
-        return verifier.finish(nodes, calls)
+        async with self.store.snapshot():
+            seq = 0
+            while True:
+                batch = await self.store.events_after(seq, page)
+                if not batch:
+                    break
+                for stored in batch:
+                    verifier.feed(stored)
+                seq = batch[-1].seq
+            nodes = await self.store.budget_nodes()
+            calls = await self.store.list_calls(limit=1 << 62)
+            columns = await self.store.call_columns()
+        return verifier.finish(nodes, calls, columns)

@@ -18,8 +18,9 @@ generation); the store refuses writes of a fenced writer before running them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from effectguard.budget import BudgetNode
 from effectguard.events import StoredEvent
@@ -168,4 +169,12 @@ class LedgerStore(Protocol):
 
     async def writable(self) -> bool:
         """Whether a write transaction can commit now."""
+        ...
+
+    async def call_columns(self) -> list[tuple[Any, ...]]:
+        """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
+        ...
+
+    def snapshot(self) -> AbstractAsyncContextManager[None]:
+        """Reads inside this block see one consistent state of the ledger."""
         ...

@@ -6,9 +6,10 @@ undo journal; a lock makes each batch atomic with respect to readers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from effectguard import budget as budgets
@@ -18,6 +19,7 @@ from effectguard.events import GENESIS_DIGEST, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.ledger.rows import state_params
 from effectguard.workstate import UNRESOLVED, Stage, WorkState
 
 T = TypeVar("T")
@@ -229,6 +231,15 @@ class MemoryStore:
                     c[0] += 1
                     c[1] += s.held
         return [(p, st, c[0], c[1]) for (p, st), c in sorted(counts.items())]
+
+    async def call_columns(self) -> list[tuple[Any, ...]]:
+        with self.tables.lock:
+            return [state_params(s)[:-1] for s in self.tables.calls.values()]
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[None]:
+        with self.tables.lock:  # the writer thread waits for this block
+            yield
 
     async def writable(self) -> bool:
         return self._writer is not None

@@ -32,9 +32,11 @@ against each other.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -52,6 +54,7 @@ from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
+    INDEX_COLUMNS,
     event_from_row,
     event_params,
     state_from_json,
@@ -548,6 +551,7 @@ class PostgresStore:
         self.target = Target.parse(url)
         self._writer: GroupCommitter[PostgresSession] | None = None
         self._reader: psycopg.AsyncConnection[Any] | None = None
+        self._snapshot_lock = asyncio.Lock()
 
     @property
     def committer(self) -> GroupCommitter[PostgresSession]:
@@ -624,6 +628,27 @@ class PostgresStore:
             [*params, min(limit, (1 << 63) - 1)],
         )
         return [state_from_json(r[0]) for r in rows]
+
+    async def call_columns(self) -> list[tuple[Any, ...]]:
+        return await self._fetch(f"SELECT {INDEX_COLUMNS} FROM calls")
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[None]:
+        async with self._snapshot_lock:
+            await self._execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            try:
+                await self._fetch("SELECT 1")
+                yield
+            finally:
+                await self._execute("COMMIT")
+
+    async def _execute(self, query: str) -> None:
+        if self._reader is None:
+            raise LedgerUnavailable(f"ledger {redacted(self.url)} is not open")
+        try:
+            await self._reader.execute(query)
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
 
     async def budget_nodes(self) -> list[BudgetNode]:
         rows = await self._fetch(

@@ -11,6 +11,10 @@ from effectguard.ledger.base import WorkerRow
 from effectguard.workstate import WorkState
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
+INDEX_COLUMNS = (
+    "call_id, stage, budget, budget_root, idempotency_key, request_hash, provider, "
+    "created_at, worker"
+)
 CALL_COLUMNS = (
     "call_id, stage, budget, budget_root, idempotency_key, request_hash, provider, "
     "created_at, worker, state"

@@ -9,10 +9,12 @@ connection, so operator queries and metrics scrapes never queue behind writes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
+    INDEX_COLUMNS,
     WORKER_COLUMNS,
     event_from_row,
     event_params,
@@ -300,6 +303,7 @@ class SqliteStore:
         self.path = sqlite_path(url)
         self._writer: GroupCommitter[SqliteSession] | None = None
         self._reader: aiosqlite.Connection | None = None
+        self._snapshot_lock = asyncio.Lock()
 
     @property
     def committer(self) -> GroupCommitter[SqliteSession]:
@@ -397,6 +401,21 @@ class SqliteStore:
             "WHERE stage IN ('in_flight', 'effect_unknown') GROUP BY provider, stage"
         )
         return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
+
+    async def call_columns(self) -> list[tuple[Any, ...]]:
+        rows = await self._fetch(f"SELECT {INDEX_COLUMNS} FROM calls")
+        return [tuple(r) for r in rows]
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[None]:
+        # WAL: a read transaction sees one committed state until it ends.
+        async with self._snapshot_lock:
+            await self._fetch("BEGIN")
+            try:
+                await self._fetch("SELECT 1 FROM events LIMIT 1")
+                yield
+            finally:
+                await self._fetch("COMMIT")
 
     async def writable(self) -> bool:
         if not os.access(self.path, os.W_OK):

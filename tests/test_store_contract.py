@@ -1,0 +1,767 @@
+"""The contract every ledger store passes: memory, SQLite and (when configured) PostgreSQL.
+
+Each test gets a fresh namespace (budget root, worker ids) so it also runs against a shared
+PostgreSQL database. Every ledger is verified (hash chain, budget fold, projections) at the
+end of every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import os
+import sqlite3
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from effectguard.budget import BudgetNode
+from effectguard.errors import FencedError, ReconcileError
+from effectguard.events import (
+    GENESIS_DIGEST,
+    AttemptNotSent,
+    AttemptObserved,
+    BudgetReleased,
+    BudgetSettled,
+    CallCompleted,
+    Event,
+    StoredEvent,
+    canonical_json,
+    event_digest,
+)
+from effectguard.ledger import OPERATOR, AdmitRequest, Admitted, Ledger, Writer, operations
+from effectguard.workstate import WorkState
+
+R = 1_000  # nano-dollars reserved per call
+PG_ENV = "EFFECTGUARD_TEST_PG_DSN"
+
+
+def _pg_dsn() -> str:
+    dsn = os.environ.get(PG_ENV)
+    if not dsn:
+        pytest.skip(f"PostgreSQL contract run needs {PG_ENV} set to a DSN")
+    try:
+        importlib.import_module("effectguard.ledger.postgres")
+    except ModuleNotFoundError:
+        pytest.skip("effectguard.ledger.postgres does not exist yet")
+    return dsn
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Which store this run of the contract is for."""
+    return str(request.param)
+
+
+@pytest.fixture
+def ledger_url(store_kind: str, tmp_path: Path, ns: str) -> Iterator[str]:
+    """A fresh, empty ledger location (PostgreSQL: a schema of its own, dropped afterwards)."""
+    if store_kind == "memory":
+        yield "memory://"
+    elif store_kind == "sqlite":
+        yield str(tmp_path / "ledger.db")
+    else:
+        dsn = _pg_dsn()
+        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={ns}"
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {ns} CASCADE")
+
+
+@pytest.fixture
+async def ledger(ledger_url: str) -> AsyncIterator[Ledger]:
+    """An open ledger that must still verify cleanly when the test is done."""
+    async with Ledger.open(ledger_url) as led:
+        yield led
+        report = await led.verify()
+        assert report.ok, report.problems
+
+
+@pytest.fixture
+def ns() -> str:
+    """A fresh budget root / name prefix for this test."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+async def register(ledger: Ledger, worker: str, lease_s: float = 30.0) -> Writer:
+    """Register ``worker`` and return its writer identity."""
+    return await ledger.store.write(
+        Writer("boot", 0),
+        lambda tx: operations.register_worker(tx, worker=worker, host="h", pid=1, lease_s=lease_s),
+    )
+
+
+@pytest.fixture
+async def w1(ledger: Ledger, ns: str) -> Writer:
+    """A live worker with a 30 s lease."""
+    return await register(ledger, f"{ns}-w1")
+
+
+def req(
+    ns: str,
+    *,
+    key: str | None = None,
+    request_hash: str = "hash-1",
+    reserve: int = R,
+    budget: str | None = None,
+    **kw: object,
+) -> AdmitRequest:
+    """An admit request charged to ``{ns}/run`` unless ``budget`` says otherwise."""
+    return AdmitRequest(
+        request_hash=request_hash,
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-x",
+        idempotency_key=key,
+        budget=budget or f"{ns}/run",
+        budget_root=ns,
+        effect_kind="billable",
+        body='{"messages": []}',
+        body_encoding="utf8",
+        stream=False,
+        reserve=reserve,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def observed(call_id: str, attempt: int = 1, status: int = 200) -> AttemptObserved:
+    """A stored upstream answer."""
+    return AttemptObserved(
+        call=call_id,
+        attempt=attempt,
+        status=status,
+        not_processed=False,
+        usage={"input_tokens": 10, "output_tokens": 20},
+        usage_problem=None,
+        headers={"content-type": "application/json"},
+        body='{"id": "resp-1", "choices": []}',
+    )
+
+
+def completion(call_id: str, budget: str, actual: int, attempt: int = 1) -> list[Event]:
+    """observed + settled + completed for one attempt."""
+    return [
+        observed(call_id, attempt),
+        BudgetSettled(call=call_id, budget=budget, reserved=R, actual=actual),
+        CallCompleted(call=call_id, outcome="completed"),
+    ]
+
+
+async def node(ledger: Ledger, path: str) -> tuple[int | None, int, int, int]:
+    """``(limit, reserved, spent, held)`` of one budget node."""
+    for n in await ledger.budgets():
+        if n.path == path:
+            return n.limit, n.reserved, n.spent, n.held
+    raise AssertionError(f"no budget node {path!r}")
+
+
+async def all_events(ledger: Ledger) -> list[StoredEvent]:
+    """Every event in the ledger, in order."""
+    return await ledger.store.events_after(0, 1 << 30)
+
+
+def assert_chained(events: Sequence[StoredEvent]) -> None:
+    """Sequence numbers are gap-free and every digest covers its content and predecessor."""
+    prev = GENESIS_DIGEST if events and events[0].seq == 1 else events[0].prev_digest
+    for i, e in enumerate(events):
+        assert e.seq == events[0].seq + i
+        assert e.prev_digest == prev
+        assert e.digest == event_digest(
+            seq=e.seq,
+            kind=e.kind,
+            call_id=e.call_id,
+            data_json=canonical_json(e.data),
+            worker=e.worker,
+            generation=e.generation,
+            at=e.at,
+            prev_digest=e.prev_digest,
+        )
+        prev = e.digest
+
+
+async def admit_ok(ledger: Ledger, writer: Writer, request: AdmitRequest) -> Admitted:
+    """Admit ``request`` and insist that it was admitted."""
+    admitted = await ledger.admit(writer, request)
+    assert admitted.action == "admit", admitted.refusal
+    return admitted
+
+
+# -- admission and the event chain -------------------------------------------------------
+
+
+async def test_admit_writes_manifest_reservation_and_attempt(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Admission appends call.manifest, budget.reserved, attempt.started, gap-free and chained."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    assert admitted.attempt == 1
+    assert admitted.call_id.startswith("call_")
+    events = await ledger.events(admitted.call_id)
+    assert [e.kind for e in events] == ["call.manifest", "budget.reserved", "attempt.started"]
+    assert [e.seq for e in events] == [events[0].seq, events[0].seq + 1, events[0].seq + 2]
+    assert_chained(events)
+    assert_chained(await all_events(ledger))
+    started = events[2]
+    assert (started.data["worker"], started.data["generation"]) == (w1.worker, w1.generation)
+    assert all((e.worker, e.generation) == (w1.worker, w1.generation) for e in events)
+    state = await ledger.call(admitted.call_id)
+    assert state == admitted.state
+    assert (state.stage, state.attempts, state.reserved, state.idempotency_key) == (
+        "in_flight",
+        1,
+        R,
+        "k1",
+    )
+    assert await node(ledger, ns) == (None, R, 0, 0)
+    assert await node(ledger, f"{ns}/run") == (None, R, 0, 0)
+
+
+async def test_record_settles_and_completes(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """Recording observed + settled + completed completes the call and moves reserved to spent."""
+    admitted = await admit_ok(ledger, w1, req(ns))
+    state = await ledger.record(
+        w1, admitted.call_id, 1, completion(admitted.call_id, f"{ns}/run", actual=1_700)
+    )
+    assert (state.stage, state.status, state.cost, state.reserved) == ("completed", 200, 1_700, 0)
+    assert await ledger.call(admitted.call_id) == state
+    assert await node(ledger, ns) == (None, 0, 1_700, 0)
+    kinds = [e.kind for e in await ledger.events(admitted.call_id)]
+    assert kinds[-3:] == ["attempt.observed", "budget.settled", "call.completed"]
+    assert_chained(await all_events(ledger))
+
+
+async def test_keyed_repeat_of_a_completed_call_is_replayed(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Same key, same hash after completion: replay with the stored response, nothing written."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.record(w1, admitted.call_id, 1, completion(admitted.call_id, f"{ns}/run", 900))
+    before = len(await all_events(ledger))
+    replay = await ledger.admit(w1, req(ns, key="k1"))
+    assert replay.action == "replay"
+    assert replay.call_id == admitted.call_id
+    assert replay.observed == observed(admitted.call_id)
+    assert len(await all_events(ledger)) == before
+    assert await node(ledger, ns) == (None, 0, 900, 0)
+
+
+async def test_key_reuse_with_another_request_is_refused_422(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Same key, different request hash: 422 idempotency_key_reused, nothing written."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    before = len(await all_events(ledger))
+    refused = await ledger.admit(w1, req(ns, key="k1", request_hash="hash-2"))
+    assert refused.action == "refuse"
+    assert refused.refusal is not None
+    assert (refused.refusal.status, refused.refusal.type) == (422, "idempotency_key_reused")
+    assert refused.call_id == admitted.call_id
+    assert len(await all_events(ledger)) == before
+
+
+async def test_same_key_in_another_root_is_independent(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """An idempotency key is scoped to its budget root."""
+    first = await admit_ok(ledger, w1, req(ns, key="k1"))
+    other = ns + "x"
+    second = await admit_ok(ledger, w1, req(other, key="k1", request_hash="hash-2"))
+    assert first.call_id != second.call_id
+
+
+async def test_keyed_repeat_while_in_flight_is_refused_409(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Same key while the call is in flight: 409 in_progress naming the call."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    refused = await ledger.admit(w1, req(ns, key="k1"))
+    assert refused.refusal is not None
+    assert (refused.refusal.status, refused.refusal.type) == (409, "in_progress")
+    assert refused.refusal.call_id == admitted.call_id
+    assert refused.refusal.stage == "in_flight"
+
+
+async def test_concurrent_admissions_with_one_key_admit_exactly_one(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Twenty concurrent admissions under one key: one admitted, the others 409 in_progress."""
+    results = await asyncio.gather(*(ledger.admit(w1, req(ns, key="k1")) for _ in range(20)))
+    admitted = [r for r in results if r.action == "admit"]
+    assert len(admitted) == 1
+    refused = [r for r in results if r.action == "refuse"]
+    assert len(refused) == 19
+    assert all(r.refusal is not None and r.refusal.type == "in_progress" for r in refused)
+    assert await node(ledger, ns) == (None, R, 0, 0)
+
+
+async def test_not_sent_call_is_resumed_under_the_same_key(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """After attempt.not_sent, the same key and hash start attempt 2 of the same call."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    state = await ledger.record(
+        w1,
+        admitted.call_id,
+        1,
+        [
+            AttemptNotSent(call=admitted.call_id, attempt=1, reason="connect error"),
+            BudgetReleased(call=admitted.call_id, budget=f"{ns}/run", amount=R),
+        ],
+    )
+    assert state.stage == "not_sent"
+    assert await node(ledger, ns) == (None, 0, 0, 0)
+    again = await ledger.admit(w1, req(ns, key="k1"))
+    assert (again.action, again.call_id, again.attempt) == ("attempt", admitted.call_id, 2)
+    assert (await ledger.call(admitted.call_id)).stage == "in_flight"
+    assert await node(ledger, ns) == (None, R, 0, 0)
+
+
+async def test_resumed_call_is_charged_where_it_was_admitted(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A new attempt under the same key reserves on the call's budget, not the request's."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1", budget=f"{ns}/a"))
+    await ledger.record(
+        w1,
+        admitted.call_id,
+        1,
+        [
+            AttemptNotSent(call=admitted.call_id, attempt=1, reason="connect error"),
+            BudgetReleased(call=admitted.call_id, budget=f"{ns}/a", amount=R),
+        ],
+    )
+    again = await ledger.admit(w1, req(ns, key="k1", budget=f"{ns}/b"))
+    assert (again.action, again.call_id) == ("attempt", admitted.call_id)
+    assert await node(ledger, f"{ns}/a") == (None, R, 0, 0)
+    assert f"{ns}/b" not in {n.path for n in await ledger.budgets()}
+
+
+async def test_keyless_declared_retry_joins_then_refuses_effect_unknown(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A key-less declared retry joins an in-flight twin; once its effect is unknown, 409."""
+    first = await admit_ok(ledger, w1, req(ns))
+    twin = await admit_ok(ledger, w1, req(ns))  # not a retry: independent parallel work
+    assert twin.call_id != first.call_id
+    joined = await ledger.admit(w1, req(ns, is_retry=True, retry_of=first.call_id))
+    assert (joined.action, joined.call_id) == ("join", first.call_id)
+    await ledger.interrupt(w1, first.call_id, 1, "read timeout")
+    refused = await ledger.admit(w1, req(ns, is_retry=True, retry_of=first.call_id))
+    assert refused.refusal is not None
+    assert (refused.refusal.status, refused.refusal.type) == (409, "effect_unknown")
+
+
+# -- budgets -----------------------------------------------------------------------------
+
+
+async def test_budget_refusal_records_and_frees_the_key(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """402 records call.manifest + call.refused, reserves nothing, and leaves the key usable."""
+    await ledger.set_limit(ns, 500)
+    refused = await ledger.admit(w1, req(ns, key="k1"))
+    assert refused.action == "refuse"
+    assert refused.refusal is not None
+    assert (refused.refusal.status, refused.refusal.type) == (402, "budget_exceeded")
+    assert repr(ns) in refused.refusal.message
+    assert "0.000000500" in refused.refusal.message  # the room, in USD
+    assert [e.kind for e in await ledger.events(refused.call_id)] == [
+        "call.manifest",
+        "call.refused",
+    ]
+    assert (await ledger.call(refused.call_id)).stage == "refused"
+    assert await node(ledger, ns) == (500, 0, 0, 0)
+
+    again = await ledger.admit(w1, req(ns, key="k1"))
+    assert again.refusal is not None and again.refusal.type == "budget_exceeded"
+
+    await ledger.set_limit(ns, 10_000)
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    assert admitted.call_id not in (refused.call_id, again.call_id)
+    assert await node(ledger, ns) == (10_000, R, 0, 0)
+
+
+async def test_limit_on_a_child_refuses_and_names_it(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """A limit on a/b refuses a charge to a/b/c while the root has room."""
+    await ledger.set_limit(ns, 10**9)
+    await ledger.set_limit(f"{ns}/b", R - 1)
+    refused = await ledger.admit(w1, req(ns, budget=f"{ns}/b/c"))
+    assert refused.refusal is not None
+    assert repr(f"{ns}/b") in refused.refusal.message
+
+
+async def test_concurrent_admissions_never_overshoot(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """200 concurrent admissions with room for exactly k admit exactly k, in shared commits."""
+    k = 37
+    await ledger.set_limit(ns, k * R)
+    stats = ledger.store.committer.stats  # type: ignore[attr-defined]
+    commits, operations_before = stats.commits, stats.operations
+    results = await asyncio.gather(*(ledger.admit(w1, req(ns)) for _ in range(200)))
+    admitted = [r for r in results if r.action == "admit"]
+    refused = [r for r in results if r.action == "refuse"]
+    assert len(admitted) == k
+    assert len(refused) == 200 - k
+    assert all(r.refusal is not None and r.refusal.status == 402 for r in refused)
+    assert len({r.call_id for r in results}) == 200
+    assert await node(ledger, ns) == (k * R, k * R, 0, 0)
+    assert stats.operations - operations_before == 200
+    assert stats.commits - commits < 200
+
+
+# -- unknown effects and reconciling ---------------------------------------------------------
+
+
+async def test_interrupt_moves_the_reservation_to_held(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """attempt.interrupted makes the call effect_unknown and its reservation held."""
+    admitted = await admit_ok(ledger, w1, req(ns))
+    state = await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
+    assert (state.stage, state.effect, state.next_operation) == (
+        "effect_unknown",
+        "unknown",
+        "reconcile",
+    )
+    assert (state.reserved, state.held) == (0, R)
+    assert await node(ledger, f"{ns}/run") == (None, 0, 0, R)
+    assert [e.kind for e in await ledger.events(admitted.call_id)][-2:] == [
+        "attempt.interrupted",
+        "budget.held",
+    ]
+
+
+async def test_interrupt_of_a_stale_attempt_changes_nothing(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Interrupting an attempt number that is not the current one writes nothing."""
+    admitted = await admit_ok(ledger, w1, req(ns))
+    before = len(await all_events(ledger))
+    state = await ledger.interrupt(w1, admitted.call_id, 7, "stale")
+    assert state.stage == "in_flight"
+    assert len(await all_events(ledger)) == before
+
+
+async def test_keyed_repeat_of_effect_unknown_is_refused(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Same key after an interrupt, no provider idempotency: 409 effect_unknown."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
+    refused = await ledger.admit(w1, req(ns, key="k1"))
+    assert refused.refusal is not None
+    assert (refused.refusal.status, refused.refusal.type) == (409, "effect_unknown")
+
+
+async def test_effect_unknown_inside_provider_window_is_resent(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """With a declared provider window, an effect-unknown call is resent with the provider key."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1", provider_idempotency_window_s=3600.0))
+    assert admitted.provider_idempotency_key == "k1"
+    await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
+    resent = await ledger.admit(w1, req(ns, key="k1", provider_idempotency_window_s=3600.0))
+    assert (resent.action, resent.call_id, resent.attempt) == (
+        "provider_resend",
+        admitted.call_id,
+        2,
+    )
+    assert resent.provider_idempotency_key == "k1"
+    state = await ledger.call(admitted.call_id)
+    assert (state.stage, state.attempts, state.reserved, state.held) == ("in_flight", 2, R, 0)
+    assert await node(ledger, ns) == (None, R, 0, 0)  # the old hold is replaced, not doubled
+
+
+@pytest.mark.parametrize(("cost", "spent"), [(2_500, 2_500), (None, R), (0, 0)])
+async def test_reconcile_applied_moves_held_to_spent(
+    ledger: Ledger, w1: Writer, ns: str, cost: int | None, spent: int
+) -> None:
+    """Reconciled applied with cost C (default R): held -> 0, spent += C."""
+    admitted = await admit_ok(ledger, w1, req(ns))
+    await ledger.interrupt(w1, admitted.call_id, 1, "reset")
+    state = await ledger.reconcile(admitted.call_id, applied=True, cost=cost, note="n", by="ann")
+    assert (state.stage, state.effect, state.held, state.cost) == (
+        "reconciled_applied",
+        "applied",
+        0,
+        spent,
+    )
+    assert await node(ledger, ns) == (None, 0, spent, 0)
+    reconciled = (await ledger.events(admitted.call_id))[-2]
+    assert reconciled.kind == "call.reconciled"
+    assert (reconciled.data["by"], reconciled.data["cost"]) == ("ann", spent)
+
+
+async def test_reconcile_not_applied_releases_the_hold(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """Reconciled not applied: held -> 0, nothing spent, and the call may be resent."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.interrupt(w1, admitted.call_id, 1, "reset")
+    state = await ledger.reconcile(admitted.call_id, applied=False, note="n", by="ann")
+    assert (state.stage, state.next_operation, state.held) == (
+        "reconciled_not_applied",
+        "resend",
+        0,
+    )
+    assert await node(ledger, ns) == (None, 0, 0, 0)
+    again = await ledger.admit(w1, req(ns, key="k1"))
+    assert (again.action, again.attempt) == ("attempt", 2)
+
+
+async def test_reconcile_refuses_calls_not_effect_unknown(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Reconciling an in-flight, completed, reconciled or missing call raises ReconcileError."""
+    in_flight = await admit_ok(ledger, w1, req(ns))
+    done = await admit_ok(ledger, w1, req(ns))
+    await ledger.record(w1, done.call_id, 1, completion(done.call_id, f"{ns}/run", 10))
+    twice = await admit_ok(ledger, w1, req(ns))
+    await ledger.interrupt(w1, twice.call_id, 1, "reset")
+    await ledger.reconcile(twice.call_id, applied=False, note="n", by="ann")
+    before = len(await all_events(ledger))
+    for call_id in (in_flight.call_id, done.call_id, twice.call_id):
+        with pytest.raises(ReconcileError) as info:
+            await ledger.reconcile(call_id, applied=True, note="n", by="ann")
+        assert info.value.call_id == call_id
+    with pytest.raises(ReconcileError):
+        await ledger.reconcile("call_missing", applied=True, note="n", by="ann")
+    assert len(await all_events(ledger)) == before
+
+
+# -- workers, fencing, sweeping ----------------------------------------------------------------
+
+
+async def test_sweep_by_lease_expiry_fences_and_interrupts(ledger: Ledger, ns: str) -> None:
+    """A worker whose lease ran out is taken over: its calls are interrupted, its writes refused."""
+    dead = await register(ledger, f"{ns}-dead", lease_s=0.3)
+    call = await admit_ok(ledger, dead, req(ns))
+    sweeper = await register(ledger, f"{ns}-sweeper")
+    assert await ledger.store.write(sweeper, lambda tx: operations.sweep(tx, sweeper)) == []
+    await asyncio.sleep(0.4)
+    swept = await ledger.store.write(sweeper, lambda tx: operations.sweep(tx, sweeper))
+    assert swept == [call.call_id]
+    state = await ledger.call(call.call_id)
+    assert (state.stage, state.held) == ("effect_unknown", R)
+    rows = {w.worker: w for w in await ledger.store.workers()}
+    assert rows[dead.worker].fenced
+    assert not rows[sweeper.worker].fenced
+    with pytest.raises(FencedError):
+        await ledger.admit(dead, req(ns))
+    with pytest.raises(FencedError):
+        await ledger.record(dead, call.call_id, 1, completion(call.call_id, f"{ns}/run", 5))
+    assert (await ledger.call(call.call_id)).stage == "effect_unknown"
+
+
+async def test_sweep_of_a_provably_dead_worker_does_not_wait_for_its_lease(
+    ledger: Ledger, ns: str
+) -> None:
+    """A provably dead worker is taken over at once; any write of its generation is refused."""
+    dead = await register(ledger, f"{ns}-dead", lease_s=3600)
+    calls = [await admit_ok(ledger, dead, req(ns)) for _ in range(3)]
+    sweeper = await register(ledger, f"{ns}-sweeper")
+    gone = frozenset({dead.worker})
+    swept = await ledger.store.write(sweeper, lambda tx: operations.sweep(tx, sweeper, gone))
+    assert sorted(swept) == sorted(c.call_id for c in calls)
+    for c in calls:
+        assert (await ledger.call(c.call_id)).stage == "effect_unknown"
+    kinds = [e.kind for e in await all_events(ledger)]
+    assert "worker.taken_over" in kinds
+    before = len(kinds)
+    with pytest.raises(FencedError):
+        await ledger.store.write(dead, lambda tx: operations.heartbeat(tx, dead, 30))
+    with pytest.raises(FencedError):
+        await ledger.set_limit(ns, 1, writer=dead)
+    with pytest.raises(FencedError):
+        await ledger.interrupt(dead, calls[0].call_id, 1, "x")
+    assert len(await all_events(ledger)) == before
+
+
+async def test_sweep_leaves_live_workers_alone(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """A worker with a live lease keeps its in-flight calls through a sweep."""
+    call = await admit_ok(ledger, w1, req(ns))
+    sweeper = await register(ledger, f"{ns}-sweeper")
+    swept = await ledger.store.write(sweeper, lambda tx: operations.sweep(tx, sweeper))
+    assert call.call_id not in swept
+    assert (await ledger.call(call.call_id)).stage == "in_flight"
+    state = await ledger.record(w1, call.call_id, 1, completion(call.call_id, f"{ns}/run", 5))
+    assert state.stage == "completed"
+
+
+async def test_record_of_an_interrupted_attempt_is_refused(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A late outcome for an attempt already interrupted raises FencedError and is not recorded."""
+    call = await admit_ok(ledger, w1, req(ns))
+    await ledger.interrupt(OPERATOR, call.call_id, 1, "operator")
+    before = len(await all_events(ledger))
+    with pytest.raises(FencedError):
+        await ledger.record(w1, call.call_id, 1, completion(call.call_id, f"{ns}/run", 5))
+    assert (await ledger.call(call.call_id)).stage == "effect_unknown"
+    assert len(await all_events(ledger)) == before
+
+
+async def test_reregistered_worker_fences_its_old_generation(ledger: Ledger, ns: str) -> None:
+    """Generations strictly increase, and a re-registration fences the previous generation."""
+    old = await register(ledger, f"{ns}-w")
+    new = await register(ledger, f"{ns}-w")
+    assert new.generation > old.generation
+    with pytest.raises(FencedError):
+        await ledger.admit(old, req(ns))
+    await admit_ok(ledger, new, req(ns))
+
+
+async def test_lapsed_lease_starts_no_new_dispatch(ledger: Ledger, ns: str) -> None:
+    """A worker whose lease lapsed (not yet swept) cannot admit new work."""
+    lapsed = await register(ledger, f"{ns}-lapsed", lease_s=0.05)
+    await asyncio.sleep(0.1)
+    with pytest.raises(FencedError):
+        await ledger.admit(lapsed, req(ns))
+
+
+# -- cancellation and append-only --------------------------------------------------------------
+
+
+async def test_cancelled_admissions_do_not_wedge_the_writer(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """50 admissions cancelled at once and 50 mid-flight leave a working, consistent ledger."""
+    tasks = [asyncio.create_task(ledger.admit(w1, req(ns))) for _ in range(50)]
+    for t in tasks:
+        t.cancel()
+    later = [asyncio.create_task(ledger.admit(w1, req(ns))) for _ in range(50)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    for t in later:
+        t.cancel()
+    results = await asyncio.gather(*tasks, *later, return_exceptions=True)
+    assert all(isinstance(r, (asyncio.CancelledError, Admitted)) for r in results)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results[:50])
+
+    after = await asyncio.wait_for(ledger.admit(w1, req(ns)), timeout=5)
+    assert after.action == "admit"
+    calls = await ledger.calls(budget=ns)
+    assert all(c.stage == "in_flight" and c.reserved == R for c in calls)
+    assert await node(ledger, ns) == (None, R * len(calls), 0, 0)
+    report = await asyncio.wait_for(ledger.verify(), timeout=5)
+    assert report.ok, report.problems
+
+
+async def test_stored_events_are_immutable_values(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """Events handed out by the store are frozen; changing one raises."""
+    await admit_ok(ledger, w1, req(ns))
+    event = (await all_events(ledger))[-1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.seq = 99  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.event.call = "other"  # type: ignore[attr-defined]
+
+
+async def test_events_table_rejects_update_and_delete(
+    ledger: Ledger, w1: Writer, ns: str, store_kind: str, ledger_url: str
+) -> None:
+    """The database itself aborts any UPDATE, DELETE (or TRUNCATE) of an event."""
+    await admit_ok(ledger, w1, req(ns))
+    before = await all_events(ledger)
+    if store_kind == "memory":
+        pytest.skip("the memory store has no SQL table; its events are frozen values")
+    if store_kind == "sqlite":
+        conn = sqlite3.connect(ledger_url, isolation_level=None)
+        try:
+            for sql in (
+                "UPDATE events SET data = '{}' WHERE seq = 1",
+                "DELETE FROM events WHERE seq = 1",
+                "DELETE FROM events",
+            ):
+                with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+                    conn.execute(sql)
+        finally:
+            conn.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(_pg_dsn(), autocommit=True) as pg:
+            pg.execute(f"SET search_path TO {ns}")
+            for sql in (
+                "UPDATE events SET data = '{}' WHERE seq = 1",
+                "DELETE FROM events WHERE seq = 1",
+                "TRUNCATE events",
+            ):
+                with pytest.raises(psycopg.Error, match="append-only"):
+                    pg.execute(sql)
+    assert await all_events(ledger) == before
+
+
+async def test_refused_state_is_not_found_by_key(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """Listing by stage finds refused and admitted calls separately."""
+    await ledger.set_limit(ns, 0)
+    refused = await ledger.admit(w1, req(ns, key="k1"))
+    await ledger.set_limit(ns, None)
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    in_root = {c.call_id: c for c in await ledger.calls(budget=ns)}
+    assert set(in_root) == {refused.call_id, admitted.call_id}
+    assert [c.call_id for c in await ledger.calls(stage="refused", budget=ns)] == [refused.call_id]
+    state: WorkState = in_root[admitted.call_id]
+    assert state.stage == "in_flight"
+
+
+class WriteBetweenReads:
+    """A store wrapper that lets one write commit between verify's event scan and its counter read.
+
+    It stands in for a guard writing while an operator runs ``effectguard verify`` (no patching:
+    ``Ledger`` takes any store).
+    """
+
+    def __init__(self, ledger: Ledger, write: Callable[[], Awaitable[object]]) -> None:
+        self._store = ledger.store
+        self._write = write
+        self.pending: asyncio.Future[object] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def budget_nodes(self) -> list[BudgetNode]:
+        self.pending = asyncio.ensure_future(self._write())
+        # A verify that holds a read snapshot (or lock) may keep this write out: that is fine.
+        await asyncio.wait([self.pending], timeout=2)
+        return await self._store.budget_nodes()
+
+
+async def test_verify_of_a_live_ledger_reports_no_false_corruption(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """verify while the guard keeps writing reports a healthy ledger as healthy."""
+    await admit_ok(ledger, w1, req(ns))
+    store = WriteBetweenReads(ledger, lambda: ledger.admit(w1, req(ns)))
+    report = await Ledger(store).verify()
+    assert store.pending is not None
+    await asyncio.wait_for(store.pending, timeout=5)
+    assert report.ok, report.problems
+
+
+async def test_a_caller_whose_loop_closed_does_not_wedge_the_writer(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A cancelled caller whose event loop is gone does not stop other callers' writes."""
+    gate = threading.Event()
+    blocker = asyncio.create_task(ledger.store.write(w1, lambda tx: gate.wait(5)))
+    await asyncio.sleep(0.05)  # the writer thread is now busy with the blocker's batch
+
+    def caller_on_another_loop() -> None:
+        async def give_up_early() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ledger.admit(w1, req(ns)), timeout=0.05)
+
+        asyncio.run(give_up_early())  # cancels its admission, then closes its loop
+
+    thread = threading.Thread(target=caller_on_another_loop)
+    thread.start()
+    thread.join()
+    mine = asyncio.create_task(ledger.admit(w1, req(ns)))
+    await asyncio.sleep(0.05)  # queued behind the other loop's admission: one batch
+    gate.set()
+    assert await blocker is True
+    assert (await asyncio.wait_for(mine, timeout=3)).action == "admit"
+    after = await asyncio.wait_for(ledger.admit(w1, req(ns)), timeout=3)
+    assert after.action == "admit"
