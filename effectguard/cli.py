@@ -154,9 +154,10 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
 
 async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     if args.auto:
+        from effectguard.crash import from_environment
         from effectguard.reconcile import reconcile_auto
 
-        results = await reconcile_auto(ledger, _providers(args))
+        results = await reconcile_auto(ledger, _providers(args), crash=from_environment())
         _emit(
             args,
             results,

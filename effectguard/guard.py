@@ -123,6 +123,7 @@ class Guard:
         self.observer: Observer = observer or NullObserver()
         self._done: dict[str, asyncio.Event] = {}
         self._background: set[asyncio.Future[Any]] = set()
+        self._orphans: dict[tuple[str, int], str] = {}
 
     # -- routing ------------------------------------------------------------
     def provider_for_url(self, url: httpx.URL) -> Provider | None:
@@ -496,10 +497,24 @@ class Guard:
     async def _interrupt(self, call_id: str, attempt: int, reason: str) -> None:
         try:
             await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+        except FencedError:
+            pass  # another worker took this one over; its sweeper marked the call
         except LedgerError:
-            pass  # the sweeper marks it after a restart: the call stays in flight until then
+            # The ledger refused now (disk full, locked): retried on every sweep.
+            self._orphans[(call_id, attempt)] = reason
         finally:
             self._finish(call_id)
+
+    async def retry_orphans(self) -> None:
+        """Mark interrupted the attempts whose earlier marking failed (run by the sweeper)."""
+        for (call_id, attempt), reason in list(self._orphans.items()):
+            try:
+                await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+            except FencedError:
+                pass
+            except LedgerError:
+                return  # still unavailable; the next sweep tries again
+            del self._orphans[(call_id, attempt)]
 
     def _finish(self, call_id: str) -> None:
         event = self._done.pop(call_id, None)

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from effectguard.crash import NO_CRASH, CrashPoints
 from effectguard.errors import EffectguardError
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider
@@ -31,6 +32,7 @@ async def reconcile_auto(
     ledger: Ledger,
     providers: Mapping[str, Provider],
     transport: httpx.AsyncBaseTransport | None = None,
+    crash: CrashPoints = NO_CRASH,
 ) -> list[dict[str, Any]]:
     """Reconcile every effect-unknown call that has a lookup path; one result per call."""
     results: list[dict[str, Any]] = []
@@ -64,6 +66,7 @@ async def reconcile_auto(
             except EffectguardError as exc:
                 results.append({"call_id": state.call_id, "result": f"not recorded: {exc}"})
                 continue
+            crash.hit("after:reconcile")
             results.append(
                 {"call_id": state.call_id, "result": "applied" if applied else "not_applied"}
             )

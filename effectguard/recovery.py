@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
@@ -29,6 +30,10 @@ log = logging.getLogger("effectguard.recovery")
 
 def lock_dir_for(ledger_url: str) -> Path | None:
     """Where workers of a file ledger keep their liveness locks (None: no such dir)."""
+    if ledger_url.startswith("sqlite:///"):
+        from effectguard.ledger.sqlite import sqlite_path
+
+        return Path(sqlite_path(ledger_url) + ".workers")
     if "://" in ledger_url:
         return None
     return Path(ledger_url + ".workers")
@@ -58,6 +63,8 @@ class WorkerRuntime:
         self.fenced = False
         self._lock_file: IO[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: Run after every periodic sweep (e.g. the guard's retry of failed markings).
+        self.after_sweep: list[Callable[[], Awaitable[None]]] = []
 
     async def start(self) -> Writer:
         """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
@@ -112,6 +119,8 @@ class WorkerRuntime:
             if self.lock_dir is not None:
                 with contextlib.suppress(OSError):
                     (self.lock_dir / f"{worker}.lock").unlink()
+        for hook in self.after_sweep:
+            await hook()
         if interrupted:
             log.warning("marked %d calls of dead workers effect_unknown", len(interrupted))
         return interrupted

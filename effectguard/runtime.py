@@ -64,6 +64,7 @@ class Runtime:
             crash=c.crash,
             observer=c.observer,
         )
+        self.worker.after_sweep.append(self.guard.retry_orphans)
         return self.guard
 
     async def stop(self, drain_timeout: float = 30.0) -> None:

@@ -20,7 +20,7 @@ import httpx
 from effectguard import budget as budgets
 from effectguard.crash import CrashPoints
 from effectguard.crash import from_environment as crash_from_environment
-from effectguard.errors import Refusal
+from effectguard.errors import LedgerError, Refusal
 from effectguard.guard import Guard
 from effectguard.providers import Provider
 from effectguard.runtime import Runtime, RuntimeConfig
@@ -132,7 +132,7 @@ class ProxyApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         if path == "/healthz":
-            ok = await self.runtime.ledger.store.writable()
+            ok = await self.runtime.ledger.store.writable() and await self._not_fenced()
             await _json(send, 200 if ok else 503, {"ledger": "writable" if ok else "unavailable"})
             return
         if path == "/metrics" and self.metrics is not None:
@@ -166,6 +166,16 @@ class ProxyApp:
     def _count_refusal(self, provider: str, refusal: Refusal) -> None:
         if self.metrics is not None:
             self.metrics.observer.refused(provider, refusal.type)
+
+    async def _not_fenced(self) -> bool:
+        """Whether the store still accepts this worker's writes (a fenced worker never will)."""
+        if self.guard is None:
+            return False
+        try:
+            await self.runtime.ledger.store.write(self.guard.writer, lambda tx: None)
+        except LedgerError:
+            return False
+        return True
 
     def _authorize(self, provider: Provider, headers: httpx.Headers) -> tuple[str, str | None]:
         """The budget and budget root this request may spend (SPEC §1)."""

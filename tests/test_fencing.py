@@ -1,0 +1,419 @@
+"""Workers, leases and fencing (SPEC §7), with real processes where it matters.
+
+* Two proxies on one ledger: the one holding a call is SIGSTOPped past its
+  lease, the other takes it over; after SIGCONT the first one's writes are
+  refused by the store and it sends nothing more upstream.
+* A worker whose lease lapsed starts no new dispatch.
+* A sweeper on another host waits for the lease; one on the same host takes
+  over at once when the dead worker's OS lock is free; the dead worker's late
+  result is never recorded as success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import signal
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.cli import main as cli_main
+from effectguard.errors import FencedError, Refusal
+from effectguard.providers import load_providers
+from effectguard.recovery import WorkerRuntime, lock_dir_for
+from effectguard.runtime import Runtime, RuntimeConfig
+from effectguard.testing import fake_provider, start_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+MODEL = "gpt-4o-mini"
+UPSTREAM = "http://upstream.test"
+LEASE = """
+[server]
+lease_s = 2
+heartbeat_s = 0.5
+sweep_s = 0.5
+"""
+
+
+def chat(content: str) -> dict[str, Any]:
+    """A small chat completion request."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+
+
+def ledger_events(ledger: Path) -> list[dict[str, Any]]:
+    """Every event, read through a read-only connection."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT seq, kind, call_id, data, worker FROM events ORDER BY seq")
+        return [
+            {"seq": r[0], "kind": r[1], "call": r[2], "data": json.loads(r[3]), "worker": r[4]}
+            for r in rows
+        ]
+    finally:
+        conn.close()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def cli_ok(*args: str) -> str:
+    """Run an ``effectguard`` command in this process; assert exit 0; its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(list(args))
+    assert code == 0, out.getvalue()
+    return out.getvalue()
+
+
+def test_stopped_proxy_is_taken_over_and_fenced(tmp_path: Path) -> None:
+    """SIGSTOP past the lease: the peer takes over; after SIGCONT every write of the
+    stopped proxy is refused and it sends no new upstream request."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "lease.toml"
+    config.write_text(LEASE)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        kwargs: dict[str, Any] = {
+            "upstreams": {"openai": fake.url},
+            "args": ["--config", str(config)],
+        }
+        first = start_proxy(ledger, **kwargs)
+        second = start_proxy(ledger, **kwargs)
+        try:
+            headers = {"Idempotency-Key": "held", "x-fake-delay": "3"}
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(
+                    httpx.post,
+                    first.url + "/openai" + CHAT,
+                    json=chat("held"),
+                    headers=headers,
+                    timeout=60,
+                )
+                wait_for(lambda: fake.receipts(), 10, "the provider to receive the call")
+                first.kill(signal.SIGSTOP)
+                stopped = time.monotonic()
+                (started,) = [e for e in ledger_events(ledger) if e["kind"] == "attempt.started"]
+                call_id, worker = started["call"], started["data"]["worker"]
+                takeover = wait_for(
+                    lambda: [
+                        e
+                        for e in ledger_events(ledger)
+                        if e["kind"] == "worker.taken_over" and e["data"]["worker"] == worker
+                    ],
+                    15,
+                    "the second proxy to take over the stopped one",
+                )[0]
+                # Not before the lease ran out: the stopped process still holds its lock.
+                assert time.monotonic() - stopped >= 1.0
+                assert takeover["data"]["reason"] == "lease expired"
+                first.kill(signal.SIGCONT)
+                late = pending.result(timeout=30)
+
+            # The late result is refused, not recorded as success.
+            assert late.status_code == 502, late.text
+            assert late.json()["error"]["type"] == "observe_refused"
+            kinds = [e["kind"] for e in ledger_events(ledger) if e["call"] == call_id]
+            assert "attempt.observed" not in kinds and "call.completed" not in kinds
+            assert kinds.index("attempt.interrupted") > kinds.index("attempt.started")
+
+            # The fenced proxy starts nothing new: 503, retryable, nothing sent.
+            fresh = httpx.post(first.url + "/openai" + CHAT, json=chat("after fencing"), timeout=30)
+            assert fresh.status_code == 503, fresh.text
+            assert fresh.headers["x-should-retry"] == "true"
+            assert fresh.json()["error"]["type"] == "ledger_unavailable"
+            time.sleep(1.0)  # a few of its heartbeat and sweep periods
+            assert len(fake.receipts()) == 1
+            after = [e for e in ledger_events(ledger) if e["seq"] > takeover["seq"]]
+            assert all(e["worker"] != worker for e in after), after
+
+            # The peer refuses the resend (effect unknown) and serves new work.
+            resend = httpx.post(
+                second.url + "/openai" + CHAT,
+                json=chat("held"),
+                headers={"Idempotency-Key": "held"},
+                timeout=30,
+            )
+            assert resend.status_code == 409 and resend.json()["error"]["type"] == "effect_unknown"
+            assert (
+                httpx.post(second.url + "/openai" + CHAT, json=chat("new"), timeout=30).status_code
+                == 200
+            )
+            assert len(fake.effects()) == 2
+        finally:
+            first.kill(signal.SIGCONT)
+            first.stop()
+            second.stop()
+    assert (
+        json.loads(cli_ok("calls", "--ledger", str(ledger), "--state", "in_flight", "--json")) == []
+    )
+    (call,) = json.loads(
+        cli_ok("calls", "--ledger", str(ledger), "--state", "effect_unknown", "--json")
+    )
+    assert call["call_id"] == call_id and call["held_usd"] == call["reserved_usd"]
+    cli_ok("verify", "--ledger", str(ledger))
+
+
+# -- in-process: leases and same-host / other-host takeover ---------------------------
+
+
+class Upstream:
+    """An upstream that answers every chat request, or holds it until released."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.sent = 0
+        self.release = asyncio.Event()
+        if not hold:
+            self.release.set()
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        await self.release.wait()
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        body = {
+            "id": "x",
+            "object": "chat.completion",
+            "model": MODEL,
+            "usage": usage,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        # An unread stream, as a real inner transport hands back.
+        return httpx.Response(
+            200,
+            headers={"content-type": "application/json"},
+            stream=httpx.ByteStream(json.dumps(body).encode()),
+            request=request,
+        )
+
+
+def _runtime(ledger: Path | str, *, lease_s: float, heartbeat_s: float, sweep_s: float) -> Runtime:
+    providers = load_providers([], {"openai": UPSTREAM})
+    config = RuntimeConfig(
+        ledger_url=str(ledger),
+        providers=providers,
+        lease_s=lease_s,
+        heartbeat_s=heartbeat_s,
+        sweep_s=sweep_s,
+    )
+    return Runtime(config)
+
+
+def _request(content: str, key: str | None = None) -> httpx.Request:
+    headers = {"Idempotency-Key": key} if key else {}
+    return httpx.Request("POST", UPSTREAM + CHAT, json=chat(content), headers=headers)
+
+
+async def test_lapsed_lease_starts_no_dispatch(tmp_path: Path) -> None:
+    """A worker whose lease ran out (no heartbeat) is refused 503 at admission; nothing is sent."""
+    runtime = _runtime(tmp_path / "l.db", lease_s=0.3, heartbeat_s=3600, sweep_s=3600)
+    guard = await runtime.start()
+    upstream = Upstream()
+    try:
+        ok = await guard.handle(guard.providers["openai"], _request("before"), upstream.send)
+        assert ok.status_code == 200 and upstream.sent == 1
+        await asyncio.sleep(0.5)
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], _request("after"), upstream.send)
+        assert refused.value.status == 503 and refused.value.type == "ledger_unavailable"
+        assert upstream.sent == 1
+        calls = await runtime.ledger.calls()
+        assert [c.stage for c in calls] == ["completed"]
+    finally:
+        await runtime.stop()
+
+
+@dataclass
+class Held:
+    """A call held in flight upstream by a worker that then 'died'."""
+
+    runtime: Runtime
+    upstream: Upstream
+    task: asyncio.Task[httpx.Response]
+    call_id: str
+
+    async def late_result_is_refused(self) -> None:
+        """The dead worker's late result is refused, never recorded as success."""
+        self.upstream.release.set()
+        with pytest.raises(Refusal) as refused:
+            await self.task
+        assert refused.value.type == "observe_refused"
+        ledger = self.runtime.ledger
+        (call,) = await ledger.calls()
+        assert call.stage == "effect_unknown" and call.held == call.reserved_at_admission
+        kinds = [e.kind for e in await ledger.events(call.call_id)]
+        assert "attempt.observed" not in kinds and "call.completed" not in kinds
+        assert (await ledger.verify()).ok
+
+
+@contextlib.asynccontextmanager
+async def dead_worker_call(ledger_url: str) -> AsyncIterator[Held]:
+    """A runtime whose one call is held in flight upstream; its worker then 'dies'
+    (heartbeat stopped, OS lock released) while the call is still on the wire."""
+    runtime = _runtime(ledger_url, lease_s=1.5, heartbeat_s=3600, sweep_s=3600)
+    guard = await runtime.start()
+    upstream = Upstream(hold=True)
+    task = asyncio.ensure_future(
+        guard.handle(guard.providers["openai"], _request("held", "k"), upstream.send)
+    )
+    try:
+        while upstream.sent == 0:
+            await asyncio.sleep(0.01)
+        (call,) = await runtime.ledger.calls()
+        assert call.stage == "in_flight"
+        assert runtime.worker is not None
+        await runtime.worker.stop()
+        yield Held(runtime, upstream, task, call.call_id)
+    finally:
+        upstream.release.set()
+        with contextlib.suppress(Exception):
+            await task
+        await runtime.ledger.store.close()
+
+
+async def test_other_host_waits_for_the_lease(tmp_path: Path) -> None:
+    """A sweeper on another host cannot see the lock: it takes over only after the
+    lease, in one transaction with the interruption; the late result is refused."""
+    url = str(tmp_path / "l.db")
+    async with dead_worker_call(url) as held:
+        ledger = held.runtime.ledger
+        other = WorkerRuntime(
+            ledger,
+            lock_dir=lock_dir_for(url),
+            lease_s=1.5,
+            heartbeat_s=3600,
+            sweep_s=3600,
+            host="another-host",
+        )
+        await other.start()  # its start-up sweep: the lease still runs
+        try:
+            assert (await ledger.call(held.call_id)).stage == "in_flight"
+            await asyncio.sleep(1.7)
+            assert await other.sweep() == [held.call_id]
+            events = await ledger.store.events_after(0, 10_000)
+            kinds = [e.kind for e in events]
+            at = kinds.index("worker.taken_over")
+            # The takeover and the interruption are one operation: adjacent in the chain.
+            assert kinds[at + 1 : at + 3] == ["attempt.interrupted", "budget.held"]
+            assert events[at].data["reason"] == "lease expired"
+            # The store itself now refuses the old worker, whatever it tries to write.
+            assert held.runtime.guard is not None
+            with pytest.raises(FencedError):
+                await ledger.store.write(held.runtime.guard.writer, lambda tx: None)
+        finally:
+            await other.stop()
+        await held.late_result_is_refused()
+
+
+@pytest.mark.parametrize("form", ["path", "sqlite-url"])
+async def test_same_host_takes_over_at_once_when_the_lock_is_free(
+    tmp_path: Path, form: str
+) -> None:
+    """On the same host a free OS lock proves the process gone: no wait for the lease,
+    whichever way the SQLite ledger is named (a path or a ``sqlite:///`` URL)."""
+    path = str(tmp_path / "l.db")
+    url = path if form == "path" else "sqlite:///" + path
+    async with dead_worker_call(url) as held:
+        ledger = held.runtime.ledger
+        heir = WorkerRuntime(
+            ledger, lock_dir=lock_dir_for(url), lease_s=60, heartbeat_s=3600, sweep_s=3600
+        )
+        started = time.monotonic()
+        await heir.start()  # the start-up sweep alone takes it over
+        try:
+            assert time.monotonic() - started < 1.0
+            assert (await ledger.call(held.call_id)).stage == "effect_unknown"
+            events = await ledger.store.events_after(0, 10_000)
+            (takeover,) = [e for e in events if e.kind == "worker.taken_over"]
+            assert takeover.data["reason"] == "process gone"
+        finally:
+            await heir.stop()
+        await held.late_result_is_refused()
+
+
+async def test_live_lock_on_the_same_host_is_not_taken_over(tmp_path: Path) -> None:
+    """A worker that holds its lock and lease is alive: a sweeper leaves its call alone."""
+    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await runtime.start()
+    upstream = Upstream(hold=True)
+    task = asyncio.ensure_future(
+        guard.handle(guard.providers["openai"], _request("live"), upstream.send)
+    )
+    peer = WorkerRuntime(
+        runtime.ledger,
+        lock_dir=lock_dir_for(str(tmp_path / "l.db")),
+        lease_s=60,
+        heartbeat_s=3600,
+        sweep_s=3600,
+    )
+    try:
+        while upstream.sent == 0:
+            await asyncio.sleep(0.01)
+        await peer.start()
+        assert await peer.sweep() == []
+        upstream.release.set()
+        assert (await task).status_code == 200
+        assert [c.stage for c in await runtime.ledger.calls()] == ["completed"]
+    finally:
+        upstream.release.set()
+        with contextlib.suppress(Exception):
+            await task
+        await peer.stop()
+        await runtime.stop()
+
+
+async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
+    """A proxy whose worker was taken over refuses every request for good, so
+    ``/healthz`` must stop answering 200 (a balancer would keep sending it traffic)."""
+    from effectguard.server import create_app
+    from effectguard.settings import load_settings
+
+    ledger = str(tmp_path / "l.db")
+    config = tmp_path / "lease.toml"
+    config.write_text("[server]\nlease_s = 0.3\nheartbeat_s = 3600\nsweep_s = 3600\n")
+    settings = load_settings(config=config, ledger=ledger, upstreams={"openai": UPSTREAM})
+    app = create_app(settings, inner=httpx.MockTransport(lambda r: httpx.Response(500)))
+    await app.startup()
+    peer = WorkerRuntime(
+        app.runtime.ledger,
+        lock_dir=lock_dir_for(ledger),
+        lease_s=60,
+        heartbeat_s=3600,
+        sweep_s=3600,
+    )
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        ) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            await asyncio.sleep(0.5)  # the lease lapses; nothing renews it
+            await peer.start()  # its start-up sweep takes the proxy's worker over
+            refused = await client.post("/openai" + CHAT, json=chat("fenced"))
+            assert refused.status_code == 503
+            assert (await client.get("/healthz")).status_code == 503
+    finally:
+        await peer.stop()
+        await app.shutdown()

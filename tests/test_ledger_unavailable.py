@@ -1,0 +1,278 @@
+"""When the ledger cannot commit (SPEC §3.1, §3.3, §9).
+
+* Admission that cannot commit — the database locked past the busy timeout,
+  the disk full, the files read-only — is refused with 503
+  (``x-should-retry: true``) and nothing reaches the provider.
+* An observation that cannot commit never shows the call as completed: the
+  client gets an error, and after a restart the call is ``effect_unknown``.
+
+Effects are counted only from the fake provider's receipt log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.cli import main as cli_main
+from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+MODEL = "gpt-4o-mini"
+
+
+def chat(content: str) -> dict[str, Any]:
+    """A small chat completion request."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+
+
+def cli_ok(*args: str) -> Any:
+    """Run an ``effectguard`` command with ``--json`` in this process; assert exit 0."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main([*args, "--json"])
+    assert code == 0, out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def assert_refused_unsent(response: httpx.Response, fake: FakeProvider, receipts: int) -> None:
+    """A 503 that tells the SDK to retry, and the provider received nothing new."""
+    assert response.status_code == 503, response.text
+    assert response.headers["x-should-retry"] == "true"
+    assert response.json()["error"]["type"] == "ledger_unavailable"
+    assert len(fake.receipts()) == receipts
+
+
+def assert_settled(ledger: Path) -> None:
+    """Nothing in flight, and ``effectguard verify`` passes."""
+    assert cli_ok("calls", "--ledger", str(ledger), "--state", "in_flight") == []
+    assert cli_ok("verify", "--ledger", str(ledger))["ok"] is True
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[FakeProvider]:
+    """The fake provider, its receipt log outside any filesystem the test breaks."""
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        yield provider
+
+
+@contextlib.contextmanager
+def proxy_on(ledger: Path, fake: FakeProvider) -> Iterator[Proxy]:
+    """A proxy on ``ledger``, stopped (or killed) at the end."""
+    proxy = start_proxy(
+        ledger,
+        upstreams={"openai": fake.url},
+        log_path=ledger.parent.parent / f"proxy-{time.monotonic_ns()}.log",
+    )
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def test_locked_ledger_refuses_with_503_and_sends_nothing(
+    tmp_path: Path, fake: FakeProvider
+) -> None:
+    """A write lock held past the busy timeout: 503, retryable, nothing sent; then it recovers."""
+    ledger = tmp_path / "db" / "ledger.db"
+    ledger.parent.mkdir()
+    with proxy_on(ledger, fake) as proxy:
+        assert httpx.post(proxy.url + CHAT, json=chat("warm"), timeout=30).status_code == 200
+        blocker = sqlite3.connect(ledger, timeout=0, isolation_level=None)
+        try:
+            blocker.execute("BEGIN EXCLUSIVE")
+            started = time.monotonic()
+            refused = httpx.post(
+                proxy.url + CHAT,
+                json=chat("locked"),
+                timeout=30,
+                headers={"Idempotency-Key": "locked"},
+            )
+            assert time.monotonic() - started >= 4.0  # it waited for the busy timeout
+            assert_refused_unsent(refused, fake, 1)
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        # Nothing was recorded, so the same key is simply admitted now.
+        again = httpx.post(
+            proxy.url + CHAT, json=chat("locked"), timeout=30, headers={"Idempotency-Key": "locked"}
+        )
+        assert again.status_code == 200, again.text
+        assert len(fake.effects()) == 2
+    assert [c["stage"] for c in cli_ok("calls", "--ledger", str(ledger))] == ["completed"] * 2
+    assert_settled(ledger)
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tiny tmpfs mounted at ``where`` (skips the test where mounting is not allowed)."""
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until the filesystem is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (1 << 20, 1 << 12, 1):
+            block = b"\0" * size
+            while True:
+                try:
+                    os.write(fd, block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+
+
+def test_disk_full_refuses_admission_and_never_completes_an_unrecorded_call(
+    tmp_path: Path, fake: FakeProvider
+) -> None:
+    """Disk full: admission is refused 503 and sends nothing; an observation that
+    cannot commit leaves the call uncompleted, effect_unknown after a restart."""
+    with small_tmpfs(tmp_path / "tmpfs", "8m") as disk:
+        ledger = disk / "db" / "ledger.db"
+        ledger.parent.mkdir()
+        filler = disk / "filler"
+        proxy = start_proxy(ledger, upstreams={"openai": fake.url}, log_path=tmp_path / "a.log")
+        try:
+            assert httpx.post(proxy.url + CHAT, json=chat("warm"), timeout=30).status_code == 200
+
+            # The observation fails: the disk fills while the provider works on the call.
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(
+                    httpx.post,
+                    proxy.url + CHAT,
+                    json=chat("observe"),
+                    timeout=30,
+                    headers={"Idempotency-Key": "observe", "x-fake-delay": "1"},
+                )
+                wait_for(lambda: len(fake.receipts()) == 2, 10, "the provider to receive the call")
+                fill(filler)
+                answer = pending.result(timeout=30)
+            assert answer.status_code == 502, answer.text
+            assert answer.json()["error"]["type"] == "observe_failed"
+            call_id = answer.headers["effectguard-call-id"]
+
+            # Admission fails while the disk is full.
+            refused = httpx.post(
+                proxy.url + CHAT,
+                json=chat("admit"),
+                timeout=30,
+                headers={"Idempotency-Key": "admit"},
+            )
+            assert_refused_unsent(refused, fake, 2)
+        finally:
+            proxy.kill(signal.SIGKILL)  # a crash, not a drain: the restart must recover
+            proxy.process.wait()
+            filler.unlink(missing_ok=True)
+
+        with proxy_on(ledger, fake) as fresh:
+            resend = httpx.post(
+                fresh.url + CHAT,
+                json=chat("observe"),
+                timeout=30,
+                headers={"Idempotency-Key": "observe"},
+            )
+            assert resend.status_code == 409, resend.text
+            assert resend.json()["error"]["type"] == "effect_unknown"
+            assert resend.json()["error"]["call_id"] == call_id
+            # The refused admission recorded nothing: its key is new work now.
+            admitted = httpx.post(
+                fresh.url + CHAT,
+                json=chat("admit"),
+                timeout=30,
+                headers={"Idempotency-Key": "admit"},
+            )
+            assert admitted.status_code == 200, admitted.text
+        assert len(fake.effects()) == 3
+        shown = cli_ok("show", call_id, "--ledger", str(ledger))
+        kinds = [e["kind"] for e in shown["events"]]
+        assert shown["stage"] == "effect_unknown"
+        assert "call.completed" not in kinds and "attempt.observed" not in kinds
+        assert shown["held_usd"] == shown["reserved_usd"]
+        assert_settled(ledger)
+        shutil.copy(ledger, tmp_path / "kept.db")  # the tmpfs goes away with the test
+
+
+def _chattr(flag: str, *paths: Path) -> subprocess.CompletedProcess[str]:
+    existing = [str(p) for p in paths if p.exists()]
+    return subprocess.run(["chattr", flag, *existing], capture_output=True, text=True)
+
+
+def test_read_only_ledger_refuses_with_503_and_sends_nothing(
+    tmp_path: Path, fake: FakeProvider
+) -> None:
+    """Ledger files made immutable under a running proxy (root ignores chmod): 503,
+    retryable, nothing sent, ``/healthz`` says unavailable; writable again, it recovers.
+
+    The ``-shm`` index stays writable: SQLite maps it into memory, and a write to a
+    mapped immutable file is a SIGBUS, which no program can turn into a 503.
+    """
+    if shutil.which("chattr") is None:
+        pytest.skip("chattr is not available")
+    ledger = tmp_path / "db" / "ledger.db"
+    ledger.parent.mkdir()
+    files = [ledger, Path(f"{ledger}-wal")]
+    with proxy_on(ledger, fake) as proxy:
+        assert httpx.post(proxy.url + CHAT, json=chat("warm"), timeout=30).status_code == 200
+        done = _chattr("+i", *files)
+        if done.returncode != 0:
+            pytest.skip(f"chattr +i failed: {done.stderr.strip()}")
+        try:
+            refused = httpx.post(
+                proxy.url + CHAT,
+                json=chat("read-only"),
+                timeout=30,
+                headers={"Idempotency-Key": "ro"},
+            )
+            assert_refused_unsent(refused, fake, 1)
+            assert httpx.get(proxy.url + "/healthz", timeout=30).status_code == 503
+        finally:
+            _chattr("-i", *files)
+        again = httpx.post(
+            proxy.url + CHAT, json=chat("read-only"), timeout=30, headers={"Idempotency-Key": "ro"}
+        )
+        assert again.status_code == 200, again.text
+        assert httpx.get(proxy.url + "/healthz", timeout=30).status_code == 200
+    assert len(fake.effects()) == 2
+    assert_settled(ledger)
