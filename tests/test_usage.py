@@ -462,7 +462,8 @@ def decimal_cost(price: ModelPrice, usage: Usage) -> int:
     per_token = Decimal(10) ** -15  # nanos per million -> USD per token
 
     def usd(tokens: int, nanos_per_million: int | None) -> Decimal:
-        return Decimal(tokens) * Decimal(nanos_per_million or price.input) * per_token
+        rate = price.input if nanos_per_million is None else nanos_per_million
+        return Decimal(tokens) * Decimal(rate) * per_token
 
     uncached = usage.input_tokens - usage.cached_input_tokens - usage.cache_write_tokens
     total = (
