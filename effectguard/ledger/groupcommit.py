@@ -61,7 +61,7 @@ class Session(Tx, Protocol):
 
 
 @dataclass(slots=True)
-class _Job:
+class Job:
     writer: Writer
     op: Operation[Any]
     loop: asyncio.AbstractEventLoop
@@ -93,7 +93,7 @@ class GroupCommitter(Generic[S]):
     ) -> None:
         self._factory = session_factory
         self._check_writer = check_writer
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -109,7 +109,7 @@ class GroupCommitter(Generic[S]):
     async def submit(self, writer: Writer, op: Operation[T]) -> T:
         """Queue ``op``; return its result once its transaction is durable."""
         loop = asyncio.get_running_loop()
-        job = _Job(writer, op, loop, loop.create_future())
+        job = Job(writer, op, loop, loop.create_future())
         if not self._thread.is_alive():
             raise LedgerUnavailable("the ledger writer is not running")
         self._queue.put(job)
@@ -152,7 +152,7 @@ class GroupCommitter(Generic[S]):
             with contextlib.suppress(Exception):
                 session.close()
 
-    def _run_batch(self, session: S, batch: list[_Job]) -> None:
+    def _run_batch(self, session: S, batch: list[Job]) -> None:
         started = time.perf_counter()
         ok = False
         try:
@@ -168,48 +168,55 @@ class GroupCommitter(Generic[S]):
             failure.__cause__ = exc
             for job in batch:
                 job.error = failure
-        elapsed = time.perf_counter() - started
-        stats = self.stats
-        stats.commits += 1
-        stats.operations += len(batch)
-        stats.last_batch = len(batch)
-        stats.commit_seconds += elapsed
-        if not ok:
-            stats.failed_commits += 1
-        for observer in stats.observers:
-            observer(len(batch), elapsed, ok)
+        record_commit(self.stats, len(batch), time.perf_counter() - started, ok)
         # One wake-up per event loop per batch, not one per job.
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
         for job in batch:
             by_loop.setdefault(job.loop, []).append(job)
         for loop, jobs in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
                 loop.call_soon_threadsafe(_resolve_all, jobs)
 
-    def _run_one(self, session: S, job: _Job) -> None:
-        session.savepoint()
-        try:
-            self._check_writer(session, job.writer)
-            job.result = job.op(session)
-        except Exception as exc:
-            # Undo this operation only; the others in the batch still commit.
-            session.rollback_to()
-            session.release()
-            job.error = exc
-            return
-        except BaseException:
-            session.rollback_to()
-            session.release()
-            raise
+    def _run_one(self, session: S, job: Job) -> None:
+        run_operation(session, job, self._check_writer)
+
+
+def run_operation(session: Session, job: Job, check_writer: Callable[[Tx, Writer], None]) -> None:
+    """Run one job in its own savepoint: a failure undoes only this operation."""
+    session.savepoint()
+    try:
+        check_writer(session, job.writer)
+        job.result = job.op(session)
+    except Exception as exc:
+        session.rollback_to()
         session.release()
+        job.error = exc
+        return
+    except BaseException:
+        session.rollback_to()
+        session.release()
+        raise
+    session.release()
 
 
-def _resolve_all(jobs: list[_Job]) -> None:
+def record_commit(stats: CommitStats, size: int, elapsed: float, ok: bool) -> None:
+    """Count one commit and tell the observers (metrics)."""
+    stats.commits += 1
+    stats.operations += size
+    stats.last_batch = size
+    stats.commit_seconds += elapsed
+    if not ok:
+        stats.failed_commits += 1
+    for observer in stats.observers:
+        observer(size, elapsed, ok)
+
+
+def _resolve_all(jobs: list[Job]) -> None:
     for job in jobs:
         _resolve(job)
 
 
-def _resolve(job: _Job) -> None:
+def _resolve(job: Job) -> None:
     if job.future.done():  # the caller was cancelled; its operation ran anyway
         return
     if job.error is not None:
