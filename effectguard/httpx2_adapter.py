@@ -29,6 +29,20 @@ def _to_httpx(request: httpx2.Request, body: bytes) -> httpx.Request:
     )
 
 
+def _to_httpx2(
+    response: httpx.Response, stream: httpx2.SyncByteStream | httpx2.AsyncByteStream
+) -> httpx2.Response:
+    if response.is_stream_consumed:  # the guard already holds the whole body
+        return httpx2.Response(
+            response.status_code,
+            headers=response.headers.multi_items(),
+            content=response.content,
+        )
+    return httpx2.Response(
+        response.status_code, headers=response.headers.multi_items(), stream=stream
+    )
+
+
 def _translate(exc: httpx.TransportError) -> Exception:
     """The httpx2 exception of the same name (the SDKs catch those)."""
     cls = getattr(httpx2, type(exc).__name__, None)
@@ -49,17 +63,7 @@ class AsyncHttpx2Transport(httpx2.AsyncBaseTransport):
             response = await self.inner.handle_async_request(_to_httpx(request, body))
         except httpx.TransportError as exc:
             raise _translate(exc) from exc
-        if response.is_stream_consumed:  # the guard already holds the whole body
-            return httpx2.Response(
-                response.status_code,
-                headers=response.headers.multi_items(),
-                content=response.content,
-            )
-        return httpx2.Response(
-            response.status_code,
-            headers=response.headers.multi_items(),
-            stream=_AsyncStream(response),
-        )
+        return _to_httpx2(response, _AsyncStream(response))
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -92,17 +96,7 @@ class Httpx2Transport(httpx2.BaseTransport):
             response = self.inner.handle_request(_to_httpx(request, body))
         except httpx.TransportError as exc:
             raise _translate(exc) from exc
-        if response.is_stream_consumed:
-            return httpx2.Response(
-                response.status_code,
-                headers=response.headers.multi_items(),
-                content=response.content,
-            )
-        return httpx2.Response(
-            response.status_code,
-            headers=response.headers.multi_items(),
-            stream=_SyncStream(response),
-        )
+        return _to_httpx2(response, _SyncStream(response))
 
     def close(self) -> None:
         self.inner.close()

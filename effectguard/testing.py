@@ -25,11 +25,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FakeProvider", "Proxy", "fake_provider", "free_port", "running_proxy", "start_proxy"]
+__all__ = [
+    "FakeProvider",
+    "Proxy",
+    "fake_provider",
+    "free_port",
+    "running_proxy",
+    "start_proxy",
+    "stop_process",
+]
 
 _LISTENING = "fake-provider listening on "
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = _STOP_TIMEOUT) -> int | None:
+    """SIGTERM ``process``, then SIGKILL if it has not exited after ``timeout`` seconds."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 @dataclass
@@ -58,13 +78,7 @@ class FakeProvider:
 
     def stop(self) -> None:
         """Stop the process: SIGTERM, then SIGKILL if it does not exit in time."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         if self.process.stdout is not None:
             self.process.stdout.close()
 
@@ -152,14 +166,7 @@ class Proxy:
 
     def stop(self, timeout: float = _STOP_TIMEOUT * 3) -> int | None:
         """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
 
 def start_proxy(

@@ -12,7 +12,6 @@ import http.client
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from effectguard.testing import stop_process
 
 _STOP_TIMEOUT = 5.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -122,13 +123,7 @@ class Child:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it does not exit in time."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, _STOP_TIMEOUT)
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:
                 stream.close()

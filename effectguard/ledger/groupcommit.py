@@ -213,10 +213,11 @@ def record_commit(stats: CommitStats, size: int, elapsed: float, ok: bool) -> No
 
 def _resolve_all(jobs: list[Job]) -> None:
     for job in jobs:
-        _resolve(job)
+        resolve_job(job)
 
 
-def _resolve(job: Job) -> None:
+def resolve_job(job: Job) -> None:
+    """Hand a finished job's result or error to its caller (on the caller's loop)."""
     if job.future.done():  # the caller was cancelled; its operation ran anyway
         return
     if job.error is not None:

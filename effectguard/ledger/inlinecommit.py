@@ -27,6 +27,7 @@ from effectguard.ledger.groupcommit import (
     Job,
     Session,
     record_commit,
+    resolve_job,
     run_operation,
 )
 
@@ -129,15 +130,6 @@ class InlineCommitter(Generic[S]):
 def _resolve(job: Job) -> None:
     if job.loop is not asyncio.get_running_loop():  # submitted from another loop's thread
         with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
-            job.loop.call_soon_threadsafe(_resolve_here, job)
+            job.loop.call_soon_threadsafe(resolve_job, job)
         return
-    _resolve_here(job)
-
-
-def _resolve_here(job: Job) -> None:
-    if job.future.done():  # the caller was cancelled; its operation ran anyway
-        return
-    if job.error is not None:
-        job.future.set_exception(job.error)
-    else:
-        job.future.set_result(job.result)
+    resolve_job(job)

@@ -57,6 +57,7 @@ from effectguard.ledger.rows import (
     INDEX_COLUMNS,
     event_from_row,
     event_params,
+    list_calls_query,
     state_from_json,
     state_params,
 )
@@ -613,20 +614,8 @@ class PostgresStore:
     async def list_calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
     ) -> list[WorkState]:
-        where: list[str] = []
-        params: list[Any] = []
-        if stage is not None:
-            where.append("stage = %s")
-            params.append(stage)
-        if budget is not None:
-            where.append("(budget = %s OR budget LIKE %s ESCAPE '\\')")
-            escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            params += [budget, escaped + "/%"]
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        rows = await self._fetch(
-            f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT %s",
-            [*params, min(limit, (1 << 63) - 1)],
-        )
+        sql, params = list_calls_query(stage, budget, limit, "%s")
+        rows = await self._fetch(sql, params)
         return [state_from_json(r[0]) for r in rows]
 
     async def call_columns(self) -> list[tuple[Any, ...]]:

@@ -95,3 +95,24 @@ def worker_from_row(row: tuple[Any, ...] | Any) -> WorkerRow:
         lease_expires=float(lease_expires),
         fenced=bool(fenced),
     )
+
+
+def list_calls_query(
+    stage: str | None, budget: str | None, limit: int, mark: str
+) -> tuple[str, list[Any]]:
+    """The SQL (with ``mark`` as placeholder: ``?`` or ``%s``) listing calls, newest first.
+
+    ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
+    """
+    where: list[str] = []
+    params: list[Any] = []
+    if stage is not None:
+        where.append(f"stage = {mark}")
+        params.append(stage)
+    if budget is not None:
+        where.append(f"(budget = {mark} OR budget LIKE {mark} ESCAPE '\\')")
+        escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        params += [budget, escaped + "/%"]
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    sql = f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT {mark}"
+    return sql, [*params, min(limit, (1 << 63) - 1)]

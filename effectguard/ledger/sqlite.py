@@ -36,6 +36,7 @@ from effectguard.ledger.rows import (
     WORKER_COLUMNS,
     event_from_row,
     event_params,
+    list_calls_query,
     state_from_json,
     state_params,
     worker_from_row,
@@ -397,20 +398,8 @@ class SqliteStore:
     async def list_calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
     ) -> list[WorkState]:
-        where: list[str] = []
-        params: list[Any] = []
-        if stage is not None:
-            where.append("stage = ?")
-            params.append(stage)
-        if budget is not None:
-            where.append("(budget = ? OR budget LIKE ? ESCAPE '\\')")
-            escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            params += [budget, escaped + "/%"]
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        rows = await self._fetch(
-            f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT ?",
-            [*params, limit],
-        )
+        sql, params = list_calls_query(stage, budget, limit, "?")
+        rows = await self._fetch(sql, params)
         return [state_from_json(r[0]) for r in rows]
 
     async def budget_nodes(self) -> list[BudgetNode]:
