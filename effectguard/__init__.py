@@ -17,8 +17,9 @@ from effectguard.errors import (
     Refusal,
     UpstreamError,
 )
-from effectguard.guard import Guard, GuardSettings
+from effectguard.guard import Guard
 from effectguard.ledger import Ledger
+from effectguard.prepare import GuardSettings
 from effectguard.providers import Provider, load_providers
 from effectguard.transport import AsyncGuardTransport, GuardTransport
 from effectguard.workstate import WorkState, work_state

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -36,57 +34,21 @@ from effectguard.events import (
     BudgetSettled,
     CallCompleted,
     Event,
-    decode_body,
     encode_body,
 )
-from effectguard.ledger import AdmitRequest, Admitted, Ledger, Writer
+from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.observer import NullObserver, Observer
-from effectguard.providers import ModelPrice, Provider
+from effectguard.prepare import GuardSettings, Prepared, prepare, refuse
+from effectguard.providers import Provider
 from effectguard.wire import (
-    CALL_ID_HEADER,
-    IDEMPOTENCY_HEADER,
-    REPLAYED_HEADER,
-    RETRY_OF_HEADER,
-    SDK_RETRY_HEADER,
     classify_transport_error,
-    request_hash,
+    client_headers,
+    replay_response,
     storable_headers,
-    strip_hop_by_hop,
+    upstream_request,
 )
 
 Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
-
-#: Request headers that are effectguard's own and never go upstream.
-OWN_HEADERS = frozenset({"effectguard-budget", RETRY_OF_HEADER, IDEMPOTENCY_HEADER})
-MAX_KEY_LENGTH = 255
-
-
-@dataclass(frozen=True, slots=True)
-class GuardSettings:
-    """How the guard behaves; read once at the edge."""
-
-    retry_window_s: float = 600.0
-    max_retries: int = 2
-    retry_wait_s: float = 0.25
-    retry_wait_max_s: float = 4.0
-    create_budgets: bool = True
-    join_timeout_s: float = 600.0
-    join_poll_s: float = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A parsed and priced request, ready for admission."""
-
-    provider: Provider
-    request: httpx.Request
-    path: str
-    model: str | None
-    price: ModelPrice
-    body: bytes
-    stream: bool
-    reserve: int
-    admit: AdmitRequest
 
 
 class _RetryAttempt(Exception):
@@ -96,10 +58,6 @@ class _RetryAttempt(Exception):
         super().__init__("retryable attempt")
         self.response = response
         self.refusal = refusal
-
-
-def _refuse(status: int, type_: str, message: str, **kw: Any) -> Refusal:
-    return Refusal(status, type_, message, **kw)
 
 
 class Guard:
@@ -151,9 +109,11 @@ class Guard:
         """Run ``request`` through the call path; refusals raise :class:`Refusal`."""
         started = time.perf_counter()
         try:
-            prepared = self.prepare(provider, request, budget=budget, budget_root=budget_root)
+            prepared = prepare(
+                provider, request, self.settings, budget=budget, budget_root=budget_root
+            )
             if prepared is None:  # read-only: nothing to guard
-                return await send(_outgoing(request, request.content, provider, None))
+                return await send(upstream_request(request, request.content, provider, None))
             admitted = await self._admit(prepared)
         except Refusal as refusal:
             self.observer.refused(provider.name, refusal.type)
@@ -186,92 +146,11 @@ class Guard:
             return
         self._spawn(task.result().aclose())
 
-    def prepare(
-        self, provider: Provider, request: httpx.Request, *, budget: str, budget_root: str | None
-    ) -> Prepared | None:
-        """Parse, price and hash a request (pure); None for read-only endpoints."""
-        base_path = httpx.URL(provider.base_url).path.rstrip("/")
-        path = request.url.path[len(base_path) :] if base_path else request.url.path
-        endpoint = provider.endpoint_for(request.method, path)
-        if endpoint is not None and endpoint.effect == "read_only":
-            return None
-        try:
-            budgets.validate_path(budget)
-        except ValueError as exc:
-            raise _refuse(400, "invalid_budget", str(exc)) from exc
-        root = budget_root or budgets.root_of(budget)
-        if not budgets.is_under(budget, root):
-            raise _refuse(403, "budget_forbidden", f"budget {budget!r} is not under {root!r}")
-        raw = request.content
-        parsed: dict[str, Any] = {}
-        if raw or provider.dialect != "flat":
-            try:
-                loaded = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise _refuse(
-                    400, "invalid_request", f"request body is not valid JSON: {exc}"
-                ) from exc
-            if not isinstance(loaded, dict):
-                raise _refuse(400, "invalid_request", "request body must be a JSON object")
-            parsed = loaded
-        model = parsed.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _refuse(400, "invalid_request", "model must be a string")
-        price = provider.price_for(model)
-        if price is None:
-            raise _refuse(
-                400,
-                "model_not_priced",
-                f"model {model!r} has no declared price for provider {provider.name!r}; "
-                "declare it with --providers DIR",
-            )
-        key = request.headers.get(IDEMPOTENCY_HEADER)
-        if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
-            raise _refuse(
-                400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
-            )
-        stream = usages.wants_stream(parsed)
-        sent = raw
-        amended = usages.with_stream_usage(provider.dialect, path, parsed)
-        if amended is not None:
-            sent = json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
-        try:
-            reserve = usages.estimate(price, parsed)
-        except (TypeError, ValueError) as exc:
-            raise _refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
-        retry_of = request.headers.get(RETRY_OF_HEADER)
-        sdk_retry = request.headers.get(SDK_RETRY_HEADER, "0")
-        is_retry = retry_of is not None or (sdk_retry.isdigit() and int(sdk_retry) >= 1)
-        target = request.url.raw_path.decode("ascii", "replace")
-        body_text, body_encoding = encode_body(sent)
-        idem = provider.idempotency
-        admit = AdmitRequest(
-            request_hash=request_hash(provider.name, request.method, target, parsed or raw),
-            provider=provider.name,
-            endpoint=path,
-            method=request.method,
-            model=model,
-            idempotency_key=key,
-            budget=budget,
-            budget_root=root,
-            effect_kind=endpoint.effect if endpoint else "billable",
-            body=body_text,
-            body_encoding=body_encoding,
-            stream=stream,
-            reserve=reserve,
-            is_retry=is_retry,
-            retry_of=retry_of,
-            retry_window_s=self.settings.retry_window_s,
-            provider_idempotency_window_s=idem.window_seconds if idem else None,
-            create_budgets=self.settings.create_budgets,
-        )
-        return Prepared(provider, request, path, model, price, sent, stream, reserve, admit)
-
     async def _admit(self, prepared: Prepared) -> Admitted:
         try:
             return await self.ledger.admit(self.writer, prepared.admit)
         except (LedgerUnavailable, FencedError) as exc:
-            raise _refuse(
+            raise refuse(
                 503,
                 "ledger_unavailable",
                 f"the ledger could not record this request, so it was not sent: {exc}",
@@ -316,7 +195,7 @@ class Guard:
                 lambda tx: _start_attempt(tx, self.writer, previous, prepared.reserve),
             )
         except (LedgerError, FencedError) as exc:
-            raise _refuse(
+            raise refuse(
                 503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=False
             ) from exc
         if nxt.refusal is not None:
@@ -327,7 +206,7 @@ class Guard:
         self, prepared: Prepared, admitted: Admitted, send: Send, started: float
     ) -> httpx.Response:
         provider, call_id = prepared.provider, admitted.call_id
-        outgoing = _outgoing(
+        outgoing = upstream_request(
             prepared.request, prepared.body, provider, admitted.provider_idempotency_key
         )
         sent_at = time.perf_counter()
@@ -347,7 +226,7 @@ class Guard:
             stream = GuardedStream(self, prepared, admitted, response, sent_at, started)
             return httpx.Response(
                 response.status_code,
-                headers=_client_headers(response, call_id),
+                headers=client_headers(response, call_id),
                 stream=stream,
                 request=prepared.request,
                 extensions=response.extensions,
@@ -368,7 +247,7 @@ class Guard:
         self.observer.overhead_seconds(max(0.0, time.perf_counter() - started - upstream))
         answer = httpx.Response(
             response.status_code,
-            headers=_client_headers(response, call_id),
+            headers=client_headers(response, call_id),
             content=body,
             request=prepared.request,
             extensions=response.extensions,
@@ -440,7 +319,7 @@ class Guard:
             await self.ledger.record(self.writer, call_id, admitted.attempt, events)
         except FencedError as exc:
             self.observer.request_done(provider.name, prepared.model or "", "fenced")
-            raise _refuse(
+            raise refuse(
                 502,
                 "observe_refused",
                 f"this worker was fenced; the result of call {call_id} was not recorded: {exc}",
@@ -449,7 +328,7 @@ class Guard:
         except LedgerError as exc:
             self.observer.request_done(provider.name, prepared.model or "", "observe_failed")
             self._spawn(self._interrupt(call_id, admitted.attempt, "observe failed"))
-            raise _refuse(
+            raise refuse(
                 502,
                 "observe_failed",
                 f"the response to call {call_id} could not be "
@@ -476,7 +355,7 @@ class Guard:
             self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
             raise _RetryAttempt(
                 None,
-                _refuse(
+                refuse(
                     502,
                     "upstream_unreachable",
                     f"could not connect to {prepared.provider.name}; nothing was sent: "
@@ -490,7 +369,7 @@ class Guard:
         await self._interrupt(call_id, admitted.attempt, _describe(exc))
         self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
         timeout = isinstance(exc, httpx.TimeoutException)
-        raise _refuse(
+        raise refuse(
             504 if timeout else 502,
             "effect_unknown",
             f"the upstream {'timed out' if timeout else 'failed'} after the request was sent; "
@@ -561,7 +440,7 @@ class Guard:
             return replay_response(call_id, last, prepared.request)
         reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
         self.observer.refused(prepared.provider.name, reason)
-        raise _refuse(
+        raise refuse(
             409,
             reason,
             f"this request retries call {call_id}, which is {stage}",
@@ -580,44 +459,3 @@ def _start_attempt(tx: Any, writer: Writer, previous: Admitted, reserve: int) ->
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]
-
-
-def _outgoing(
-    request: httpx.Request, body: bytes, provider: Provider, provider_key: str | None
-) -> httpx.Request:
-    """The request as it goes upstream: own headers out, declared idempotency header in."""
-    headers = [
-        (k, v)
-        for k, v in strip_hop_by_hop(request.headers.multi_items())
-        if k.lower() not in OWN_HEADERS
-    ]
-    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
-    # Identity encoding: usage is read from the bytes, which are stored exactly as received.
-    headers.append(("accept-encoding", "identity"))
-    if provider_key is not None and provider.idempotency is not None:
-        headers.append((provider.idempotency.header, provider_key))
-    return httpx.Request(
-        request.method, request.url, headers=headers, content=body, extensions=request.extensions
-    )
-
-
-def _client_headers(response: httpx.Response, call_id: str) -> list[tuple[str, str]]:
-    headers = strip_hop_by_hop(response.headers.multi_items())
-    headers.append((CALL_ID_HEADER, call_id))
-    return headers
-
-
-def replay_response(
-    call_id: str, observed: AttemptObserved | None, request: httpx.Request
-) -> httpx.Response:
-    """The stored response of a completed call, marked as a replay."""
-    if observed is None:
-        raise _refuse(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
-    headers = [(k, v) for k, v in observed.headers.items() if k not in ("content-length",)]
-    headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
-    return httpx.Response(
-        observed.status,
-        headers=headers,
-        content=decode_body(observed.body, observed.body_encoding),
-        request=request,
-    )

@@ -23,7 +23,8 @@ from effectguard.errors import Refusal
 from effectguard.ledger import Admitted
 
 if TYPE_CHECKING:
-    from effectguard.guard import Guard, Prepared
+    from effectguard.guard import Guard
+    from effectguard.prepare import Prepared
 
 
 class GuardedStream(httpx.AsyncByteStream):

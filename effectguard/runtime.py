@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from effectguard.crash import NO_CRASH, CrashPoints
-from effectguard.guard import Guard, GuardSettings
+from effectguard.guard import Guard
 from effectguard.ledger import Ledger, open_store
 from effectguard.observer import Observer
+from effectguard.prepare import GuardSettings
 from effectguard.providers import Provider
 from effectguard.recovery import WorkerRuntime, lock_dir_for
 

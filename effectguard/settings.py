@@ -41,8 +41,8 @@ from typing import Any
 
 from effectguard import budget as budgets
 from effectguard.errors import ConfigError
-from effectguard.guard import GuardSettings
 from effectguard.money import usd_to_nanos
+from effectguard.prepare import GuardSettings
 from effectguard.providers import Provider, load_providers
 
 

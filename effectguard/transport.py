@@ -24,9 +24,10 @@ import httpx
 
 from effectguard.crash import NO_CRASH, CrashPoints
 from effectguard.errors import Refusal
-from effectguard.guard import Guard, GuardSettings
+from effectguard.guard import Guard
 from effectguard.ledger import Ledger
 from effectguard.observer import Observer
+from effectguard.prepare import GuardSettings
 from effectguard.providers import Provider, load_providers
 from effectguard.runtime import Runtime, RuntimeConfig
 from effectguard.wire import BUDGET_HEADER, error_response

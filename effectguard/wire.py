@@ -12,6 +12,8 @@ from typing import Any, Final, Literal
 import httpx
 
 from effectguard.errors import Refusal
+from effectguard.events import AttemptObserved, decode_body
+from effectguard.providers import Provider
 
 CALL_ID_HEADER: Final = "effectguard-call-id"
 REPLAYED_HEADER: Final = "effectguard-replayed"
@@ -19,6 +21,11 @@ BUDGET_HEADER: Final = "effectguard-budget"
 RETRY_OF_HEADER: Final = "effectguard-retry-of"
 SDK_RETRY_HEADER: Final = "x-stainless-retry-count"
 IDEMPOTENCY_HEADER: Final = "idempotency-key"
+
+#: Request headers that are effectguard's own and never go upstream.
+OWN_HEADERS: Final = frozenset(
+    {BUDGET_HEADER, RETRY_OF_HEADER, IDEMPOTENCY_HEADER, "effectguard-key"}
+)
 
 #: RFC 9110 §7.6.1 hop-by-hop headers, plus what the proxy recomputes itself.
 HOP_BY_HOP: Final = frozenset(
@@ -142,3 +149,45 @@ def _classify_aiohttp(exc: BaseException) -> SendOutcome:
     if connection_timeout is not None and isinstance(exc, connection_timeout):
         return "not_sent"
     return "unknown"
+
+
+def upstream_request(
+    request: httpx.Request, body: bytes, provider: Provider, provider_key: str | None
+) -> httpx.Request:
+    """The request as it goes upstream: own headers out, declared idempotency header in."""
+    headers = [
+        (k, v)
+        for k, v in strip_hop_by_hop(request.headers.multi_items())
+        if k.lower() not in OWN_HEADERS
+    ]
+    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+    # Identity encoding: usage is read from the bytes, which are stored exactly as received.
+    headers.append(("accept-encoding", "identity"))
+    if provider_key is not None and provider.idempotency is not None:
+        headers.append((provider.idempotency.header, provider_key))
+    return httpx.Request(
+        request.method, request.url, headers=headers, content=body, extensions=request.extensions
+    )
+
+
+def client_headers(response: httpx.Response, call_id: str) -> list[tuple[str, str]]:
+    """An upstream response's headers for the client: hop-by-hop out, call id in."""
+    headers = strip_hop_by_hop(response.headers.multi_items())
+    headers.append((CALL_ID_HEADER, call_id))
+    return headers
+
+
+def replay_response(
+    call_id: str, observed: AttemptObserved | None, request: httpx.Request
+) -> httpx.Response:
+    """The stored response of a completed call, marked as a replay."""
+    if observed is None:
+        raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
+    headers = [(k, v) for k, v in observed.headers.items() if k not in ("content-length",)]
+    headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
+    return httpx.Response(
+        observed.status,
+        headers=headers,
+        content=decode_body(observed.body, observed.body_encoding),
+        request=request,
+    )
