@@ -331,7 +331,7 @@ def serve(settings: ServeSettings, metrics: Any = None) -> None:
     server = uvicorn.Server(config)
     ledger = settings.ledger
     if ledger.startswith(("postgresql://", "postgres://")):
-        from effectguard.ledger.postgres import redacted
+        from effectguard.ledger.pgschema import redacted
 
         ledger = redacted(ledger)  # never print a password
     print(

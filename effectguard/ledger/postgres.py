@@ -34,23 +34,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
-from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from effectguard.budget import BudgetNode
-from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
+from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.events import GENESIS_DIGEST, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.ledger.pgschema import (
+    IDLE_IN_TRANSACTION_MS,
+    Target,
+    lock_key,
+    migrate,
+    migrate_on,
+    redacted,
+)
+
+__all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -64,55 +70,6 @@ from effectguard.ledger.rows import (
 from effectguard.workstate import Stage, WorkState
 
 T = TypeVar("T")
-
-#: A writer connection idle inside a transaction this long is ended by the server, so
-#: a stopped (SIGSTOP) or wedged replica holds the batch lock (and stalls every other
-#: replica's writes, heartbeats included) for at most this long. Keep leases well above it.
-IDLE_IN_TRANSACTION_MS = 5000
-CONNECT_TIMEOUT_S = 10
-
-_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-
-MIGRATIONS: list[tuple[int, str, list[str]]] = [
-    (
-        1,
-        "events, calls, budgets, workers",
-        [
-            """CREATE TABLE events (
-                seq BIGINT PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
-                worker TEXT NOT NULL, generation BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
-                prev_digest TEXT NOT NULL, digest TEXT NOT NULL)""",
-            "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
-            """CREATE FUNCTION events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN RAISE EXCEPTION 'events are append-only'; END $$""",
-            """CREATE TRIGGER events_no_change BEFORE UPDATE OR DELETE ON events
-                FOR EACH ROW EXECUTE FUNCTION events_append_only()""",
-            """CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON events
-                FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
-            """CREATE TABLE calls (
-                call_id TEXT PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
-                budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
-                provider TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
-                worker TEXT NOT NULL, state TEXT NOT NULL)""",
-            """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
-                WHERE idempotency_key IS NOT NULL""",
-            """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
-                WHERE stage IN ('in_flight', 'effect_unknown')""",
-            "CREATE INDEX calls_stage ON calls(stage, worker)",
-            "CREATE INDEX calls_created ON calls(created_at)",
-            """CREATE TABLE budgets (
-                path TEXT PRIMARY KEY, limit_nanos BIGINT, reserved BIGINT NOT NULL,
-                spent BIGINT NOT NULL, held BIGINT NOT NULL)""",
-            """CREATE TABLE workers (
-                worker TEXT PRIMARY KEY, generation BIGINT NOT NULL, host TEXT NOT NULL,
-                pid BIGINT NOT NULL, lease_expires DOUBLE PRECISION NOT NULL,
-                fenced BOOLEAN NOT NULL)""",
-            "CREATE INDEX workers_live ON workers(fenced)",
-            "CREATE TABLE meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL)",
-            "INSERT INTO meta(key, value) VALUES ('generation', 0)",
-        ],
-    ),
-]
 
 _CALL_UPDATE = ", ".join(
     f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS.replace(" ", "").split(",")[1:]
@@ -140,119 +97,6 @@ _HEAD_AND_CLOCK = (
     "SELECT extract(epoch FROM clock_timestamp())::float8, e.seq, e.digest FROM (SELECT 1) one "
     "LEFT JOIN LATERAL (SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where a PostgreSQL ledger lives: a libpq connection string and a schema."""
-
-    conninfo: str
-    schema: str | None
-
-    @classmethod
-    def parse(cls, url: str) -> Target:
-        """Split ``?schema=NAME`` (ours) from the libpq URL."""
-        if not url.startswith(("postgresql://", "postgres://")):
-            raise ConfigError(f"not a PostgreSQL ledger: {url!r}")
-        parts = urlsplit(url)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        schemas = [v for k, v in query if k == "schema"]
-        rest = [(k, v) for k, v in query if k != "schema"]
-        schema = schemas[-1] if schemas else None
-        if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
-            raise ConfigError(f"ledger schema {schema!r}: use lowercase letters, digits and _")
-        return cls(urlunsplit(parts._replace(query=urlencode(rest))), schema)
-
-    def connect(self, **settings: str) -> psycopg.Connection[Any]:
-        """A synchronous autocommit connection with our search_path and ``settings``."""
-        try:
-            conn = psycopg.connect(
-                self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
-            )
-        except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
-        for name, value in self._settings(settings):
-            conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
-        return conn
-
-    async def aconnect(self) -> psycopg.AsyncConnection[Any]:
-        """An async autocommit connection with our search_path."""
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
-            )
-        except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
-        for name, value in self._settings({}):
-            await conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
-        return conn
-
-    def _settings(self, extra: dict[str, str]) -> Iterable[tuple[sql.Literal, sql.Literal]]:
-        pairs = dict(extra)
-        if self.schema is not None:
-            pairs["search_path"] = self.schema
-        return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password (for logs and error messages)."""
-    parts = urlsplit(url)
-    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)]
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
-
-
-def lock_key(conn: psycopg.Connection[Any], purpose: str) -> int:
-    """An advisory-lock key for ``purpose`` in this connection's schema (signed 64-bit)."""
-    row = conn.execute("SELECT current_setting('search_path')").fetchone()
-    digest = hashlib.sha256(f"effectguard:{purpose}:{row[0] if row else ''}".encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
-
-
-def migrate(url: str) -> list[int]:
-    """Apply pending migrations to the ledger at ``url``; returns the versions applied.
-
-    Safe when many replicas start at once: an advisory lock serializes them and
-    each migration is recorded in the transaction that applies it (PostgreSQL
-    DDL is transactional), so a migration is applied exactly once.
-    """
-    target = Target.parse(url)
-    conn = target.connect()
-    try:
-        return _migrate(conn, target)
-    except psycopg.Error as exc:
-        raise LedgerUnavailable(f"ledger migration failed: {exc}") from exc
-    finally:
-        conn.close()
-
-
-def _migrate(conn: psycopg.Connection[Any], target: Target) -> list[int]:
-    applied: list[int] = []
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(conn, "migrate"),))
-        if target.schema is not None:
-            conn.execute(
-                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(target.schema))
-            )
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS migrations (version INTEGER PRIMARY KEY, "
-            "name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-        )
-        done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
-        for version, name, statements in MIGRATIONS:
-            if version in done:
-                continue
-            for statement in statements:
-                conn.execute(statement)
-            conn.execute(
-                "INSERT INTO migrations(version, name, applied_at) "
-                "VALUES (%s, %s, extract(epoch FROM clock_timestamp()))",
-                (version, name),
-            )
-            applied.append(version)
-    return applied
 
 
 def _worker(row: Sequence[Any]) -> WorkerRow:
@@ -355,7 +199,7 @@ class PostgresSession:
             synchronous_commit="on",
         )
         try:
-            _migrate(conn, self._target)
+            migrate_on(conn, self._target)
         except BaseException:
             conn.close()
             raise
