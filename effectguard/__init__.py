@@ -15,7 +15,6 @@ from effectguard.errors import (
     LedgerUnavailable,
     ReconcileError,
     Refusal,
-    UpstreamError,
 )
 from effectguard.guard import Guard
 from effectguard.ledger import Ledger
@@ -40,7 +39,6 @@ __all__ = [
     "Provider",
     "ReconcileError",
     "Refusal",
-    "UpstreamError",
     "WorkState",
     "load_providers",
     "work_state",

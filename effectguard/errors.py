@@ -11,8 +11,10 @@
     │   └── CallNotFound            no call with that id
     ├── Refusal                     the guard answers a request without dispatching it
     │                                (status, type, call_id, stage, next_operation)
-    ├── ReconcileError              a reconcile that the call's stage does not allow
-    └── UpstreamError               the upstream leg failed after dispatch (effect unknown)
+    └── ReconcileError              a reconcile that the call's stage does not allow
+
+An upstream failure after dispatch is a ``Refusal`` too (502/504, type
+``effect_unknown``): the client sees it on the wire like any other answer.
 
 Driver and httpx exceptions are translated at the boundary and raised ``from``
 the original. Every error about a call carries its ``call_id``.
@@ -89,12 +91,3 @@ class ReconcileError(EffectguardError):
     def __init__(self, message: str, *, call_id: str) -> None:
         super().__init__(message)
         self.call_id = call_id
-
-
-class UpstreamError(EffectguardError):
-    """The upstream leg failed after the request may have been sent."""
-
-    def __init__(self, message: str, *, call_id: str, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.call_id = call_id
-        self.timeout = timeout

@@ -36,7 +36,7 @@ from effectguard.events import (
     Event,
     encode_body,
 )
-from effectguard.ledger import Admitted, Ledger, Writer
+from effectguard.ledger import Admitted, Ledger, Writer, operations
 from effectguard.observer import NullObserver, Observer
 from effectguard.prepare import GuardSettings, Prepared, prepare, refuse
 from effectguard.providers import Provider
@@ -192,7 +192,13 @@ class Guard:
         try:
             nxt = await self.ledger.store.write(
                 self.writer,
-                lambda tx: _start_attempt(tx, self.writer, previous, prepared.reserve),
+                lambda tx: operations.start_attempt(
+                    tx,
+                    self.writer,
+                    previous.call_id,
+                    prepared.reserve,
+                    previous.provider_idempotency_key,
+                ),
             )
         except (LedgerError, FencedError) as exc:
             raise refuse(
@@ -448,12 +454,6 @@ class Guard:
             stage=stage,
             next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
-
-
-def _start_attempt(tx: Any, writer: Writer, previous: Admitted, reserve: int) -> Admitted:
-    from effectguard.ledger.operations import start_attempt
-
-    return start_attempt(tx, writer, previous.call_id, reserve, previous.provider_idempotency_key)
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,12 @@ from effectguard.wire import (
 )
 
 MAX_KEY_LENGTH = 255
+
+
+@functools.lru_cache(maxsize=256)
+def _base_path(base_url: str) -> str:
+    """The path part of a provider's base URL (parsed once, not per request)."""
+    return httpx.URL(base_url).path.rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,7 @@ def prepare(
     budget_root: str | None,
 ) -> Prepared | None:
     """Parse, price and hash a request (pure); None for read-only endpoints."""
-    base_path = httpx.URL(provider.base_url).path.rstrip("/")
+    base_path = _base_path(provider.base_url)
     path = request.url.path[len(base_path) :] if base_path else request.url.path
     endpoint = provider.endpoint_for(request.method, path)
     if endpoint is not None and endpoint.effect == "read_only":

@@ -54,6 +54,30 @@ class Load:
     ttfb_p50_ms: float | None = None
     ttfb_p99_ms: float | None = None
 
+    @classmethod
+    def from_samples(
+        cls,
+        tool: str,
+        concurrency: int,
+        latencies: list[float],
+        ttfbs: list[float],
+        errors: int,
+        seconds: float,
+    ) -> Load:
+        """A load from per-request latencies and times to first byte (in seconds)."""
+        latencies, ttfbs = sorted(latencies), sorted(ttfbs)
+        return cls(
+            tool=tool,
+            concurrency=concurrency,
+            requests=len(latencies),
+            errors=errors,
+            seconds=seconds,
+            p50_ms=percentile(latencies, 50) * 1000,
+            p99_ms=percentile(latencies, 99) * 1000,
+            ttfb_p50_ms=percentile(ttfbs, 50) * 1000,
+            ttfb_p99_ms=percentile(ttfbs, 99) * 1000,
+        )
+
     @property
     def rps(self) -> float:
         """Successful requests per second."""
@@ -214,19 +238,7 @@ async def client(url: str, body: bytes, concurrency: int, duration: float) -> Lo
         begin = time.perf_counter()
         await asyncio.gather(*(worker(begin + duration) for _ in range(concurrency)))
         elapsed = time.perf_counter() - begin
-    latencies.sort()
-    ttfbs.sort()
-    return Load(
-        tool="python",
-        concurrency=concurrency,
-        requests=len(latencies),
-        errors=errors,
-        seconds=elapsed,
-        p50_ms=percentile(latencies, 50) * 1000,
-        p99_ms=percentile(latencies, 99) * 1000,
-        ttfb_p50_ms=percentile(ttfbs, 50) * 1000,
-        ttfb_p99_ms=percentile(ttfbs, 99) * 1000,
-    )
+    return Load.from_samples("python", concurrency, latencies, ttfbs, errors, elapsed)
 
 
 def main(argv: list[str] | None = None) -> int:

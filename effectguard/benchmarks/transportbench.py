@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from effectguard.benchmarks.loadgen import Load, percentile, request_body
+from effectguard.benchmarks.loadgen import Load, request_body
 from effectguard.benchmarks.processes import Pinning, this_thread_on
 
 VARIANTS = ("plain", "effectguard")
@@ -73,19 +73,7 @@ async def _drive(
     begin = time.perf_counter()
     await asyncio.gather(*(worker(begin + duration) for _ in range(concurrency)))
     elapsed = time.perf_counter() - begin
-    latencies.sort()
-    ttfbs.sort()
-    return Load(
-        tool="in-process",
-        concurrency=concurrency,
-        requests=len(latencies),
-        errors=errors,
-        seconds=elapsed,
-        p50_ms=percentile(latencies, 50) * 1000,
-        p99_ms=percentile(latencies, 99) * 1000,
-        ttfb_p50_ms=percentile(ttfbs, 50) * 1000,
-        ttfb_p99_ms=percentile(ttfbs, 99) * 1000,
-    )
+    return Load.from_samples("in-process", concurrency, latencies, ttfbs, errors, elapsed)
 
 
 def _inner() -> httpx.AsyncBaseTransport:
