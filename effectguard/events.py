@@ -13,7 +13,9 @@ import base64
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, ClassVar
 
 GENESIS_DIGEST = "0" * 64
@@ -50,7 +52,8 @@ class Event:
 
     def to_data(self) -> dict[str, Any]:
         """The event's fields as a JSON-ready dict (without ``kind``)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        names, values = _field_reader(type(self))
+        return dict(zip(names, values(self), strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,6 +249,23 @@ class WorkerTakenOver(Event):
     reason: str
 
 
+_READERS: dict[type[Event], tuple[tuple[str, ...], Callable[[Event], tuple[Any, ...]]]] = {}
+
+
+def _field_reader(
+    cls: type[Event],
+) -> tuple[tuple[str, ...], Callable[[Event], tuple[Any, ...]]]:
+    # dataclasses.fields() walks the class on every call; sealing an event is on
+    # every request's durable path, so each kind's field names are read once.
+    reader = _READERS.get(cls)
+    if reader is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        get = attrgetter(*names)
+        values = get if len(names) > 1 else (lambda event: (get(event),))
+        reader = _READERS[cls] = (names, values)
+    return reader
+
+
 def _register(cls: type[Event]) -> None:
     for sub in cls.__subclasses__():
         if sub.kind:
@@ -270,9 +290,13 @@ def event_kinds() -> frozenset[str]:
     return frozenset(_KINDS)
 
 
+# One encoder for the process: json.dumps builds a new one per call when given options.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(value: Any) -> str:
     """Deterministic JSON (sorted keys, no spaces) used for digests and storage."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _CANONICAL.encode(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from typing import Any
 
 from effectguard.events import StoredEvent
@@ -53,6 +54,8 @@ def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
 
 
 _STATE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkState))
+_state_values = operator.attrgetter(*_STATE_FIELDS)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 def state_params(state: WorkState) -> tuple[Any, ...]:
@@ -72,7 +75,7 @@ def state_params(state: WorkState) -> tuple[Any, ...]:
         state.provider,
         state.created_at,
         state.worker,
-        json.dumps({name: getattr(state, name) for name in _STATE_FIELDS}, separators=(",", ":")),
+        _COMPACT.encode(dict(zip(_STATE_FIELDS, _state_values(state), strict=True))),
     )
 
 
