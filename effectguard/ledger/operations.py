@@ -8,7 +8,8 @@ budget counters — so the stored state is, by construction, a fold of events.
 
 from __future__ import annotations
 
-import uuid
+import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,16 @@ from effectguard.events import (
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.money import nanos_to_usd
 from effectguard.workstate import WorkState
+
+
+def new_call_id() -> str:
+    """A fresh call id: ``call_`` and 32 hex digits, the first 12 of them the time in ms.
+
+    Ids made one after another sort together, so the ledger's indexes on call ids
+    grow at their right edge instead of touching a random page per call (fewer
+    pages written per commit). The other 80 bits are random.
+    """
+    return f"call_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(10)}"
 
 
 def append(
@@ -175,7 +186,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
 
     _check_lease(tx, writer)
     existing = decision.existing
-    call_id = existing.call_id if existing is not None else "call_" + uuid.uuid4().hex
+    call_id = existing.call_id if existing is not None else new_call_id()
     events: list[Event] = []
     if existing is None:
         events.append(

@@ -128,6 +128,16 @@ def migrate(conn: sqlite3.Connection) -> None:
         raise
 
 
+# A call's budget, hash, provider and creation time come from its manifest and never
+# change: updating only the rest leaves those columns' index pages unwritten.
+_UPSERT_CALL = (
+    f"INSERT INTO calls({CALL_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT(call_id) DO UPDATE SET stage = excluded.stage, "
+    "idempotency_key = excluded.idempotency_key, worker = excluded.worker, "
+    "state = excluded.state"
+)
+
+
 class SqliteSession:
     """Table access and transaction control on the writer thread's connection.
 
@@ -150,31 +160,42 @@ class SqliteSession:
         self._dirty: set[str] = set()
         self._workers: dict[str, WorkerRow | None] = {}
         self._snapshot: tuple[Any, ...] = ()
+        self._version: int | None = None
 
     def _forget(self) -> None:
         self._head = None
         self._nodes = {}
         self._dirty = set()
         self._workers = {}
+        self._version = None
+
+    def _revalidate(self) -> None:
+        # Caches outlive a batch while no other connection commits: data_version changes
+        # exactly when one does, and once we hold the write lock none can until we end.
+        # This saves re-reading the chain head, worker and budget rows in every batch.
+        version = int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+        if version != self._version:
+            self._forget()
+            self._version = version
 
     # -- transaction control
     def begin_nowait(self) -> bool:
-        self._forget()
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
                 return False
             raise
+        self._revalidate()
         return True
 
     def begin(self) -> None:
-        self._forget()
         self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         finally:
             self.conn.execute("PRAGMA busy_timeout = 0")
+        self._revalidate()
 
     def commit(self) -> None:
         if self._dirty:
@@ -187,7 +208,7 @@ class SqliteSession:
                 ],
             )
         self.conn.execute("COMMIT")
-        self._forget()
+        self._dirty = set()  # the caches now hold what is committed
 
     def rollback(self) -> None:
         self._forget()
@@ -241,10 +262,7 @@ class SqliteSession:
         return self._one_call("SELECT state FROM calls WHERE call_id = ?", (call_id,))
 
     def put_call(self, state: WorkState) -> None:
-        self.conn.execute(
-            f"INSERT OR REPLACE INTO calls({CALL_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            state_params(state),
-        )
+        self.conn.execute(_UPSERT_CALL, state_params(state))
 
     def find_keyed(self, root: str, key: str) -> WorkState | None:
         return self._one_call(
