@@ -45,6 +45,14 @@ class InlineSession(Session, Protocol):
         """Start a write transaction if the lock is free now; False if it is not."""
         ...
 
+    def maintenance_due(self) -> bool:
+        """Whether :meth:`maintain` should run before the next batch."""
+        ...
+
+    def maintain(self) -> None:
+        """Housekeeping between transactions (run off the loop, between batches)."""
+        ...
+
 
 S = TypeVar("S", bound=InlineSession)
 
@@ -102,6 +110,10 @@ class InlineCommitter(Generic[S]):
         record_commit(self.stats, len(batch), time.perf_counter() - started, ok)
         for job in batch:
             _resolve(job)
+        if session.maintenance_due():
+            # Housekeeping: if the ledger is really failing, the next batch reports it.
+            with self._lock, contextlib.suppress(Exception):
+                await asyncio.get_running_loop().run_in_executor(self._io, session.maintain)
 
     async def _run_locked(self, session: S, batch: list[Job]) -> bool:
         try:

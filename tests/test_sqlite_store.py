@@ -1,0 +1,94 @@
+"""SQLite-only behaviour of the ledger: WAL housekeeping and caches shared across batches.
+
+The contract suite (test_store_contract.py) covers what every store must do;
+these tests cover how the SQLite store does it, through the ledger API and the
+files it leaves on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from effectguard.errors import FencedError
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqlite
+
+R = 1_000
+
+
+def _req(n: int, root: str = "wal") -> AdmitRequest:
+    return AdmitRequest(
+        request_hash=f"hash-{n}",
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-x",
+        idempotency_key=None,
+        budget=f"{root}/run",
+        budget_root=root,
+        effect_kind="billable",
+        body='{"messages": [{"role": "user", "content": "' + "x" * 400 + '"}]}',
+        body_encoding="utf8",
+        stream=False,
+        reserve=R,
+    )
+
+
+async def _writer(ledger: Ledger, name: str) -> Writer:
+    return await ledger.store.write(
+        Writer("boot", 0),
+        lambda tx: operations.register_worker(tx, worker=name, host="h", pid=1, lease_s=30.0),
+    )
+
+
+async def _wal_after_admissions(path: Path, count: int) -> int:
+    async with Ledger.open(str(path)) as ledger:
+        writer = await _writer(ledger, "w")
+        for n in range(count):
+            admitted = await ledger.admit(writer, _req(n))
+            assert admitted.action == "admit"
+        return os.path.getsize(f"{path}-wal")
+
+
+async def test_the_writers_checkpoint_lets_the_wal_start_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpointing after every batch: each transaction reuses the WAL from its start.
+    monkeypatch.setattr(sqlite, "CHECKPOINT_EVERY_S", 0.0)
+    bounded = await _wal_after_admissions(tmp_path / "on.db", 150)
+    # The control: with no checkpoint, the same writes pile up in the WAL.
+    monkeypatch.setattr(sqlite, "CHECKPOINT_EVERY_S", 1e9)
+    growing = await _wal_after_admissions(tmp_path / "off.db", 150)
+    assert growing > 150 * 4096  # at least a page per admission
+    assert bounded < growing / 10
+
+
+async def test_another_connections_commit_reaches_this_writers_cached_budget(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "shared.db")
+    async with Ledger.open(path) as ours, Ledger.open(path) as theirs:
+        writer = await _writer(ours, "ours")
+        assert (await ours.admit(writer, _req(1))).action == "admit"  # budget rows now cached
+        await theirs.set_limit("wal", 2 * R)  # room for one more call
+        assert (await ours.admit(writer, _req(2))).action == "admit"
+        third = await ours.admit(writer, _req(3))
+        assert third.action == "refuse"
+        assert third.refusal is not None and third.refusal.status == 402
+
+
+async def test_another_connections_fencing_reaches_this_writers_cached_worker_row(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "fenced.db")
+    async with Ledger.open(path) as ours, Ledger.open(path) as theirs:
+        writer = await _writer(ours, "ours")
+        assert (await ours.admit(writer, _req(1))).action == "admit"  # worker row now cached
+        await theirs.store.write(
+            Writer("operator", 0),
+            lambda tx: operations.register_worker(tx, worker="ours", host="h", pid=2, lease_s=30.0),
+        )  # re-registered elsewhere: a new generation fences the old writer
+        with pytest.raises(FencedError):
+            await ours.admit(writer, _req(2))
