@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -104,6 +104,7 @@ class MetricsObserver:
 
     def __init__(self, registry: CollectorRegistry, capped: _Capped) -> None:
         self._cap = capped
+        self._children: dict[tuple[Any, ...], Any] = {}
         self.requests = Counter(
             "effectguard_requests",
             "Requests finished, by outcome.",
@@ -148,6 +149,15 @@ class MetricsObserver:
             registry=registry,
         )
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        # labels() validates and locks on every call; a request makes five of them.
+        # Values are capped before they get here, so this cache is bounded too.
+        key = (metric, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def _provider(self, provider: str) -> str:
         return self._cap("provider", provider)
 
@@ -157,13 +167,13 @@ class MetricsObserver:
     def request_done(self, provider: str, model: str, outcome: str) -> None:
         """Count a finished request; replays also count as replays."""
         p = self._provider(provider)
-        self.requests.labels(p, self._model(p, model), self._cap("outcome", outcome)).inc()
+        self._child(self.requests, p, self._model(p, model), self._cap("outcome", outcome)).inc()
         if outcome in REPLAY_OUTCOMES:
-            self.replays.labels(p).inc()
+            self._child(self.replays, p).inc()
 
     def refused(self, provider: str, reason: str) -> None:
         """Count a refusal by its error type."""
-        self.refusals.labels(self._provider(provider), self._cap("reason", reason)).inc()
+        self._child(self.refusals, self._provider(provider), self._cap("reason", reason)).inc()
 
     def settled(
         self, provider: str, model: str, input_tokens: int, output_tokens: int, cost_nanos: int
@@ -171,13 +181,13 @@ class MetricsObserver:
         """Add a settled call's tokens and cost."""
         p = self._provider(provider)
         m = self._model(p, model)
-        self.tokens.labels(p, m, "input").inc(max(0, input_tokens))
-        self.tokens.labels(p, m, "output").inc(max(0, output_tokens))
-        self.cost.labels(p, m).inc(_usd(max(0, cost_nanos)))
+        self._child(self.tokens, p, m, "input").inc(max(0, input_tokens))
+        self._child(self.tokens, p, m, "output").inc(max(0, output_tokens))
+        self._child(self.cost, p, m).inc(_usd(max(0, cost_nanos)))
 
     def upstream_seconds(self, provider: str, seconds: float) -> None:
         """Observe one attempt's upstream time."""
-        self.upstream.labels(self._provider(provider)).observe(seconds)
+        self._child(self.upstream, self._provider(provider)).observe(seconds)
 
     def overhead_seconds(self, seconds: float) -> None:
         """Observe the guard's own time for one request."""

@@ -35,6 +35,7 @@ Send = Callable[[Message], Awaitable[None]]
 log = logging.getLogger("effectguard.server")
 
 #: Client credentials that must never reach the provider when effectguard holds the key.
+_URL_CACHE_SIZE = 1024
 CLIENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "effectguard-key")
 
 
@@ -85,6 +86,7 @@ class ProxyApp:
             "read": settings.read_timeout_s,
             "write": settings.read_timeout_s,
         }
+        self._urls: dict[tuple[str, bytes], httpx.URL] = {}
 
     # -- lifespan -------------------------------------------------------------
     async def startup(self) -> None:
@@ -223,8 +225,7 @@ class ProxyApp:
                 out_headers.append(
                     (provider.key_header, provider.key_format.format(key=provider_key))
                 )
-        query = scope.get("query_string", b"")
-        url = httpx.URL(provider.base_url + upstream_path, query=query or None)
+        url = self._url(provider.base_url + upstream_path, scope.get("query_string", b""))
         request = httpx.Request(
             scope["method"],
             url,
@@ -236,6 +237,16 @@ class ProxyApp:
             provider, request, self.inner.handle_async_request, budget=budget, budget_root=root
         )
         await self._respond(send, response)
+
+    def _url(self, target: str, query: bytes) -> httpx.URL:
+        # Parsing a URL is a measurable share of a request; clients use few distinct ones.
+        key = (target, query)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()
+            url = self._urls[key] = httpx.URL(target, query=query or None)
+        return url
 
     async def _respond(self, send: Send, response: httpx.Response) -> None:
         headers = [
