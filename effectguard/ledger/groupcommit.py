@@ -199,6 +199,15 @@ def run_operation(session: Session, job: Job, check_writer: Callable[[Tx, Writer
     session.release()
 
 
+def run_alone(session: Session, job: Job, check_writer: Callable[[Tx, Writer], None]) -> None:
+    """Run the only job of a transaction; on failure the caller rolls the transaction back."""
+    try:
+        check_writer(session, job.writer)
+        job.result = job.op(session)
+    except Exception as exc:
+        job.error = exc
+
+
 def record_commit(stats: CommitStats, size: int, elapsed: float, ok: bool) -> None:
     """Count one commit and tell the observers (metrics)."""
     stats.commits += 1

@@ -32,6 +32,7 @@ from effectguard.ledger.groupcommit import (
     Session,
     record_commit,
     resolve_job,
+    run_alone,
     run_operation,
 )
 
@@ -119,15 +120,26 @@ class InlineCommitter(Generic[S]):
         try:
             if not session.begin_nowait():  # another process writes: wait off the loop
                 await asyncio.get_running_loop().run_in_executor(self._io, session.begin)
+            if len(batch) == 1:
+                # Alone in its transaction an operation needs no savepoint: if it fails,
+                # the transaction is rolled back instead of committed.
+                job = batch[0]
+                run_alone(session, job, self._check_writer)
+                if job.error is not None:
+                    session.rollback()
+                else:
+                    session.commit()  # a quiet loop: a thread hop would only add latency
+                return True
             for job in batch:
                 run_operation(session, job, self._check_writer)
-            if len(batch) > 1:
-                # Requests are waiting on the loop: let them run while the fsync does.
-                await asyncio.get_running_loop().run_in_executor(self._io, session.commit)
-            else:
-                session.commit()  # a quiet loop: a thread hop would only add latency
+            # Requests are waiting on the loop: let them run while the fsync does.
+            await asyncio.get_running_loop().run_in_executor(self._io, session.commit)
             return True
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # cancelled: leave no transaction open
+                with contextlib.suppress(Exception):
+                    session.rollback()
+                raise
             with contextlib.suppress(Exception):
                 session.rollback()
             failure = LedgerUnavailable(f"ledger transaction failed: {exc}")

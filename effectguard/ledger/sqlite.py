@@ -48,6 +48,8 @@ T = TypeVar("T")
 BUSY_TIMEOUT_MS = 5000
 #: How often the writer folds the WAL into the database (see SqliteSession.maintain).
 CHECKPOINT_EVERY_S = 1.0
+#: Call states the writer keeps between batches (far more than are ever in flight).
+_CALL_CACHE_SIZE = 4096
 
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (
@@ -164,6 +166,13 @@ class SqliteSession:
         self._workers: dict[str, WorkerRow | None] = {}
         self._snapshot: tuple[Any, ...] = ()
         self._version: int | None = None
+        # Call states as last written or read: observing a call reads the state its
+        # admission wrote. Undone through a journal, since copying it per savepoint
+        # would cost more than the reads it saves.
+        self._calls: dict[str, WorkState] = {}
+        self._undo: list[tuple[str, WorkState | None]] | None = None
+        # An operation's events, inserted together (one statement) when it ends.
+        self._events: list[tuple[Any, ...]] = []
 
     def _forget(self) -> None:
         self._head = None
@@ -171,6 +180,9 @@ class SqliteSession:
         self._dirty = set()
         self._workers = {}
         self._version = None
+        self._calls = {}
+        self._undo = None
+        self._events = []
 
     def _revalidate(self) -> None:
         # Caches outlive a batch while no other connection commits: data_version changes
@@ -200,7 +212,15 @@ class SqliteSession:
             self.conn.execute("PRAGMA busy_timeout = 0")
         self._revalidate()
 
+    def _flush_events(self) -> None:
+        if self._events:
+            self.conn.executemany(
+                f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", self._events
+            )
+            self._events = []
+
     def commit(self) -> None:
+        self._flush_events()
         if self._dirty:
             self.conn.executemany(
                 "INSERT OR REPLACE INTO budgets(path, limit_nanos, reserved, spent, held) "
@@ -220,14 +240,24 @@ class SqliteSession:
 
     def savepoint(self) -> None:
         self._snapshot = (self._head, dict(self._nodes), set(self._dirty), dict(self._workers))
+        self._undo = []
         self.conn.execute("SAVEPOINT op")
 
     def release(self) -> None:
+        self._flush_events()
+        self._undo = None
         self.conn.execute("RELEASE op")
 
     def rollback_to(self) -> None:
+        self._events = []
         self.conn.execute("ROLLBACK TO op")
         self._head, self._nodes, self._dirty, self._workers = self._snapshot
+        for call_id, previous in reversed(self._undo or []):
+            if previous is None:
+                self._calls.pop(call_id, None)
+            else:
+                self._calls[call_id] = previous
+        self._undo = None
 
     def maintenance_due(self) -> bool:
         return time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S
@@ -260,13 +290,11 @@ class SqliteSession:
         return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        self.conn.execute(
-            f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
-            event_params(event, data_json),
-        )
+        self._events.append(event_params(event, data_json))
         self._head = (event.seq, event.digest)
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
+        self._flush_events()
         rows = self.conn.execute(
             f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = ? ORDER BY seq", (call_id,)
         )
@@ -277,10 +305,23 @@ class SqliteSession:
         return None if row is None else state_from_json(row[0])
 
     def get_call(self, call_id: str) -> WorkState | None:
-        return self._one_call("SELECT state FROM calls WHERE call_id = ?", (call_id,))
+        state = self._calls.get(call_id)
+        if state is None:
+            state = self._one_call("SELECT state FROM calls WHERE call_id = ?", (call_id,))
+            if state is not None:
+                self._remember(state)
+        return state
 
     def put_call(self, state: WorkState) -> None:
         self.conn.execute(_UPSERT_CALL, state_params(state))
+        self._remember(state)
+
+    def _remember(self, state: WorkState) -> None:
+        if len(self._calls) >= _CALL_CACHE_SIZE:
+            self._calls.clear()  # undo entries still restore what the tables hold
+        if self._undo is not None:
+            self._undo.append((state.call_id, self._calls.get(state.call_id)))
+        self._calls[state.call_id] = state
 
     def find_keyed(self, root: str, key: str) -> WorkState | None:
         return self._one_call(
