@@ -71,9 +71,17 @@ class GuardedStream(httpx.AsyncByteStream):
                     f"upstream stream broke; call {self._admitted.call_id} has an unknown "
                     f"effect and will not be re-sent: {exc}"
                 ) from exc
+            offset = self._parser.fed
             self._take(chunk)
             if self._parser.finished:
-                # Hold the terminal event back until the observation is durable.
+                # Hold the terminal event back until the observation is durable; what
+                # came before it in the same chunk goes to the client now (a fast
+                # upstream often sends a whole stream in one chunk).
+                terminal = self._parser.terminal_at
+                cut = 0 if terminal is None else terminal - offset
+                if cut > 0:
+                    yield chunk[:cut]
+                    chunk = chunk[cut:]
                 await self._observe_or_fail()
             yield chunk
 

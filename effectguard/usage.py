@@ -208,18 +208,36 @@ class StreamUsage:
         self._problem: str | None = "missing"
         self._start: Mapping[str, Any] | None = None  # anthropic message_start usage
         self._delta: Mapping[str, Any] | None = None  # anthropic last message_delta usage
+        self._fed = 0  # bytes fed so far
+        self._event_at: int | None = None  # stream offset where the current event began
+        self._terminal_at: int | None = None
 
     @property
     def finished(self) -> bool:
         """Whether the stream's terminal marker was seen (it ended cleanly)."""
         return self._finished
 
+    @property
+    def fed(self) -> int:
+        """How many bytes of the stream have been fed."""
+        return self._fed
+
+    @property
+    def terminal_at(self) -> int | None:
+        """The stream offset where the terminal event begins (once :attr:`finished`)."""
+        return self._terminal_at
+
     def feed(self, chunk: bytes) -> None:
         """Consume the next raw chunk of the stream."""
+        at = self._fed - len(self._buffer)  # the stream offset of the buffer's first byte
+        self._fed += len(chunk)
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
+            if self._event_at is None and line.strip():
+                self._event_at = at
             self._line(line.removesuffix(b"\r"))
+            at += len(line) + 1
 
     def result(self) -> UsageResult:
         """The usage reported so far (final once :attr:`finished`); ``missing`` if none."""
@@ -232,8 +250,12 @@ class StreamUsage:
     def _line(self, line: bytes) -> None:
         if not line:
             if self._data:
+                was_finished = self._finished
                 self._event(b"\n".join(self._data))
+                if self._finished and not was_finished:
+                    self._terminal_at = self._event_at
             self._data = []
+            self._event_at = None
         elif line.startswith(b"data:"):
             data = line[5:]
             self._data.append(data[1:] if data.startswith(b" ") else data)

@@ -395,6 +395,34 @@ async def test_openai_async_stream_gets_usage_chunk_and_is_settled(
     await finish(t)
 
 
+@respx.mock(base_url=OPENAI)
+async def test_a_stream_sent_in_one_chunk_is_forwarded_up_to_its_held_terminal_event(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """Only the terminal event waits for the observation; the events before it go at once."""
+    whole = b"".join(CHAT_STREAM)  # a fast upstream: the whole stream in one read
+    respx_mock.post("/v1/chat/completions").mock(
+        return_value=httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=httpx.ByteStream(whole)
+        )
+    )
+    t = make_transport()
+    body = {"model": GPT, "messages": MESSAGES, "stream": True}
+    received: list[bytes] = []
+    client = httpx.AsyncClient(transport=t)  # not closed here: that would close the ledger
+    async with client.stream("POST", OPENAI + "/v1/chat/completions", json=body) as response:
+        async for chunk in response.aiter_raw():
+            if not received:  # the first bytes arrive before the call is observed
+                assert one(await t.ledger.calls()).stage == "in_flight"
+            received.append(chunk)
+    assert received[0] == whole.removesuffix(CHAT_STREAM[-1])
+    assert received[-1] == CHAT_STREAM[-1] == b"data: [DONE]\n\n"
+    assert b"".join(received) == whole
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    await finish(t)
+
+
 def test_openai_sync_stream_gets_usage_chunk_and_is_settled(ledger_path: str) -> None:
     """Through GuardTransport, an OpenAI stream arrives whole and is priced from its usage chunk."""
     t = GuardTransport(ledger=ledger_path, settings=FAST)

@@ -373,6 +373,9 @@ def test_stream_any_chunking(
     parser = feed_all(dialect, path, chunks)
     assert parser.result() == expected
     assert parser.finished
+    # The terminal event (each sample's last) starts after the blank line before it.
+    assert parser.terminal_at == stream.rstrip(b"\n").rfind(b"\n\n") + 2
+    assert parser.fed == len(stream)
 
 
 @pytest.mark.parametrize(("dialect", "path", "stream", "expected"), STREAMS)
