@@ -34,8 +34,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("effectguard.server")
 
-#: Client credentials that must never reach the provider when effectguard holds the key.
 _URL_CACHE_SIZE = 1024
+#: Client credentials that must never reach the provider when effectguard holds the key.
 CLIENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "effectguard-key")
 
 

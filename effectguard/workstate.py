@@ -126,6 +126,11 @@ _INDEX: Final = {name: i for i, name in enumerate(_FIELDS)}
 _values: Final = operator.attrgetter(*_FIELDS)
 
 
+def as_dict(state: WorkState) -> dict[str, Any]:
+    """The state's fields by name (what the SQL stores keep as JSON)."""
+    return dict(zip(_FIELDS, _values(state), strict=True))
+
+
 def replace(state: WorkState, **changes: Any) -> WorkState:
     """``dataclasses.replace`` for :class:`WorkState`, without its per-call introspection.
 

@@ -185,22 +185,18 @@ def run_operation(session: Session, job: Job, check_writer: Callable[[Tx, Writer
     """Run one job in its own savepoint: a failure undoes only this operation."""
     session.savepoint()
     try:
-        check_writer(session, job.writer)
-        job.result = job.op(session)
-    except Exception as exc:
-        session.rollback_to()
-        session.release()
-        job.error = exc
-        return
+        run_alone(session, job, check_writer)
     except BaseException:
         session.rollback_to()
         session.release()
         raise
+    if job.error is not None:
+        session.rollback_to()
     session.release()
 
 
 def run_alone(session: Session, job: Job, check_writer: Callable[[Tx, Writer], None]) -> None:
-    """Run the only job of a transaction; on failure the caller rolls the transaction back."""
+    """Run a job; an exception becomes ``job.error`` and the caller undoes its writes."""
     try:
         check_writer(session, job.writer)
         job.result = job.op(session)

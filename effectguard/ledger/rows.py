@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import operator
 from typing import Any
 
 from effectguard.events import StoredEvent
 from effectguard.ledger.base import WorkerRow
-from effectguard.workstate import WorkState
+from effectguard.workstate import WorkState, as_dict
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
 INDEX_COLUMNS = (
@@ -53,8 +51,6 @@ def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
     )
 
 
-_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkState))
-_state_values = operator.attrgetter(*_STATE_FIELDS)
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
@@ -75,7 +71,7 @@ def state_params(state: WorkState) -> tuple[Any, ...]:
         state.provider,
         state.created_at,
         state.worker,
-        _COMPACT.encode(dict(zip(_STATE_FIELDS, _state_values(state), strict=True))),
+        _COMPACT.encode(as_dict(state)),
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from effectguard.budget import BudgetNode
-from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
+from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.events import GENESIS_DIGEST, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
@@ -41,96 +41,15 @@ from effectguard.ledger.rows import (
     state_params,
     worker_from_row,
 )
+from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
 from effectguard.workstate import Stage, WorkState
 
 T = TypeVar("T")
 
-BUSY_TIMEOUT_MS = 5000
 #: How often the writer folds the WAL into the database (see SqliteSession.maintain).
 CHECKPOINT_EVERY_S = 1.0
 #: Call states the writer keeps between batches (far more than are ever in flight).
 _CALL_CACHE_SIZE = 4096
-
-MIGRATIONS: list[tuple[int, str, list[str]]] = [
-    (
-        1,
-        "events, calls, budgets, workers",
-        [
-            """CREATE TABLE events (
-                seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
-                worker TEXT NOT NULL, generation INTEGER NOT NULL, at REAL NOT NULL,
-                prev_digest TEXT NOT NULL, digest TEXT NOT NULL)""",
-            "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
-            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
-                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
-            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
-                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
-            """CREATE TABLE calls (
-                call_id TEXT PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
-                budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
-                provider TEXT NOT NULL, created_at REAL NOT NULL, worker TEXT NOT NULL,
-                state TEXT NOT NULL)""",
-            """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
-                WHERE idempotency_key IS NOT NULL""",
-            """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
-                WHERE stage IN ('in_flight', 'effect_unknown')""",
-            "CREATE INDEX calls_stage ON calls(stage, worker)",
-            "CREATE INDEX calls_created ON calls(created_at)",
-            """CREATE TABLE budgets (
-                path TEXT PRIMARY KEY, limit_nanos INTEGER, reserved INTEGER NOT NULL,
-                spent INTEGER NOT NULL, held INTEGER NOT NULL)""",
-            """CREATE TABLE workers (
-                worker TEXT PRIMARY KEY, generation INTEGER NOT NULL, host TEXT NOT NULL,
-                pid INTEGER NOT NULL, lease_expires REAL NOT NULL, fenced INTEGER NOT NULL)""",
-            "CREATE INDEX workers_live ON workers(fenced)",
-            "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
-            "INSERT INTO meta(key, value) VALUES ('generation', 0)",
-        ],
-    ),
-]
-
-
-def _connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(
-        path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
-    )
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = FULL")
-    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-    sync = conn.execute("PRAGMA synchronous").fetchone()[0]
-    if str(mode).lower() != "wal" or int(sync) != 2:
-        conn.close()
-        raise LedgerCorrupt(
-            f"{path}: refusing to run without WAL and synchronous=FULL "
-            f"(got journal_mode={mode}, synchronous={sync})"
-        )
-    return conn
-
-
-def migrate(conn: sqlite3.Connection) -> None:
-    """Apply pending migrations, each recorded in the transaction that applies it."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS migrations "
-            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
-        )
-        done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
-        for version, name, statements in MIGRATIONS:
-            if version in done:
-                continue
-            for sql in statements:
-                conn.execute(sql)
-            conn.execute(
-                "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
-                (version, name, time.time()),
-            )
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
 
 # A call's budget, hash, provider and creation time come from its manifest and never
 # change: updating only the rest leaves those columns' index pages unwritten.
@@ -153,7 +72,7 @@ class SqliteSession:
     """
 
     def __init__(self, path: str) -> None:
-        self.conn = _connect(path)
+        self.conn = connect(path)
         migrate(self.conn)
         # Waiting for another process's write lock happens in begin(), off the event loop.
         self.conn.execute("PRAGMA busy_timeout = 0")

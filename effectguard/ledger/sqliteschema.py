@@ -1,0 +1,94 @@
+"""How a SQLite ledger file is opened and how its tables are made (migrations).
+
+``connect`` refuses to run without WAL and ``synchronous=FULL``; ``migrate``
+applies pending migrations, each recorded in the transaction that applies it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from effectguard.errors import LedgerCorrupt
+
+BUSY_TIMEOUT_MS = 5000
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (
+        1,
+        "events, calls, budgets, workers",
+        [
+            """CREATE TABLE events (
+                seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
+                worker TEXT NOT NULL, generation INTEGER NOT NULL, at REAL NOT NULL,
+                prev_digest TEXT NOT NULL, digest TEXT NOT NULL)""",
+            "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
+            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TABLE calls (
+                call_id TEXT PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
+                budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
+                provider TEXT NOT NULL, created_at REAL NOT NULL, worker TEXT NOT NULL,
+                state TEXT NOT NULL)""",
+            """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
+                WHERE idempotency_key IS NOT NULL""",
+            """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
+                WHERE stage IN ('in_flight', 'effect_unknown')""",
+            "CREATE INDEX calls_stage ON calls(stage, worker)",
+            "CREATE INDEX calls_created ON calls(created_at)",
+            """CREATE TABLE budgets (
+                path TEXT PRIMARY KEY, limit_nanos INTEGER, reserved INTEGER NOT NULL,
+                spent INTEGER NOT NULL, held INTEGER NOT NULL)""",
+            """CREATE TABLE workers (
+                worker TEXT PRIMARY KEY, generation INTEGER NOT NULL, host TEXT NOT NULL,
+                pid INTEGER NOT NULL, lease_expires REAL NOT NULL, fenced INTEGER NOT NULL)""",
+            "CREATE INDEX workers_live ON workers(fenced)",
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+            "INSERT INTO meta(key, value) VALUES ('generation', 0)",
+        ],
+    ),
+]
+
+
+def connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
+    )
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    sync = conn.execute("PRAGMA synchronous").fetchone()[0]
+    if str(mode).lower() != "wal" or int(sync) != 2:
+        conn.close()
+        raise LedgerCorrupt(
+            f"{path}: refusing to run without WAL and synchronous=FULL "
+            f"(got journal_mode={mode}, synchronous={sync})"
+        )
+    return conn
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply pending migrations, each recorded in the transaction that applies it."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS migrations "
+            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
+        )
+        done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
+        for version, name, statements in MIGRATIONS:
+            if version in done:
+                continue
+            for sql in statements:
+                conn.execute(sql)
+            conn.execute(
+                "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
+                (version, name, time.time()),
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
