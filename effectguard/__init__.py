@@ -5,6 +5,8 @@ durably before it leaves, observed and settled durably before its response is
 released, and never re-sent on a guess when its effect is unknown.
 """
 
+from effectguard.callpath.guard import Guard
+from effectguard.config.settings import GuardSettings
 from effectguard.errors import (
     CallNotFound,
     ConfigError,
@@ -16,12 +18,10 @@ from effectguard.errors import (
     ReconcileError,
     Refusal,
 )
-from effectguard.guard import Guard
+from effectguard.ingress.transport import AsyncGuardTransport, GuardTransport
 from effectguard.ledger import Ledger
-from effectguard.prepare import GuardSettings
 from effectguard.providers import Provider, load_providers
-from effectguard.transport import AsyncGuardTransport, GuardTransport
-from effectguard.workstate import WorkState, work_state
+from effectguard.rules.workstate import WorkState, work_state
 
 __all__ = [
     "AsyncGuardTransport",

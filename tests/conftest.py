@@ -9,6 +9,7 @@ import pytest
 import pytest_asyncio
 
 from effectguard import AsyncGuardTransport, GuardSettings
+from effectguard.ops.verify import verify_ledger
 
 #: Retries without waiting, so tenacity paths stay fast.
 FAST = GuardSettings(retry_wait_s=0, retry_wait_max_s=0)
@@ -50,7 +51,7 @@ def finish() -> Callable[[AsyncGuardTransport], Awaitable[None]]:
     """Check the ledger verifies (hash chain, counters, projections), then close."""
 
     async def done(transport: AsyncGuardTransport) -> None:
-        report = await transport.ledger.verify()
+        report = await verify_ledger(transport.ledger)
         assert report.ok, report.problems
         await transport.aclose()
 

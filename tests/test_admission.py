@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from effectguard.admission import Decision, decide_keyed, decide_retry
-from effectguard.workstate import STAGES, WorkState
+from effectguard.rules.admission import Decision, decide_keyed, decide_retry
+from effectguard.rules.workstate import STAGES, WorkState
 
 HASH = "h" * 64
 OTHER = "o" * 64

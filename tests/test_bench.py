@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from effectguard.benchmarks.recoverybench import build_ledger
-from effectguard.cli import main
 from effectguard.ledger import Ledger
+from effectguard.ops.cli import main
+from effectguard.ops.verify import verify_ledger
+from effectguard_bench.recoverybench import build_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +96,7 @@ async def test_bulk_loaded_recovery_ledger_verifies(tmp_path: Path) -> None:
     build_ledger(path, calls=120, in_flight=3)
 
     async with Ledger.open(str(path)) as ledger:
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         in_flight = await ledger.calls(stage="in_flight")
     assert report.ok, report.problems
     assert report.calls == 123

@@ -18,9 +18,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from effectguard import budget
-from effectguard.budget import BudgetNode, Delta, Exceeded, ancestors, check_admission
-from effectguard.events import (
+from effectguard.rules import budget
+from effectguard.rules.budget import BudgetNode, Delta, Exceeded, ancestors, check_admission
+from effectguard.rules.events import (
     BudgetHeld,
     BudgetLimitSet,
     BudgetReleased,

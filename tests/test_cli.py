@@ -2,7 +2,7 @@
 
 Traffic goes through ``AsyncGuardTransport`` to a respx-mocked OpenAI: completed
 calls, and effect-unknown calls made by an upstream ``ReadTimeout``. Commands run
-in-process through ``effectguard.cli.main`` (the entry point's own code) where
+in-process through ``effectguard.ops.cli.main`` (the entry point's own code) where
 output is checked, and as subprocesses where the process exit code and ``--help``
 are the point.
 """
@@ -27,10 +27,10 @@ import pytest
 import respx
 
 from effectguard import AsyncGuardTransport, GuardSettings
-from effectguard.cli import build_parser, main
-from effectguard.money import nanos_to_usd
+from effectguard.ops.cli import build_parser, main
 from effectguard.providers import load_providers
-from effectguard.usage import Usage, cost, estimate
+from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.usage import Usage, cost, estimate
 
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 MODEL = "gpt-4o-mini"
@@ -163,7 +163,7 @@ def budgets(capsys: pytest.CaptureFixture[str], t: Traffic) -> dict[str, dict[st
 def subprocess_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     """``effectguard ARGV`` as a real process (bounded in time)."""
     return subprocess.run(
-        [sys.executable, "-m", "effectguard.cli", *argv],
+        [sys.executable, "-m", "effectguard", *argv],
         capture_output=True,
         text=True,
         timeout=30,
@@ -229,7 +229,7 @@ def test_every_command_help_exits_0() -> None:
     argvs = [[], *([*path] for path, _, _ in COMMANDS)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "effectguard.cli", *argv, "--help"],
+            [sys.executable, "-m", "effectguard", *argv, "--help"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -13,8 +13,9 @@ import openai
 import respx
 
 from effectguard import AsyncGuardTransport
+from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
-from effectguard.usage import Usage, cost, estimate
+from effectguard.rules.usage import Usage, cost, estimate
 
 OPENAI = "https://api.openai.com"
 ANTHROPIC = "https://api.anthropic.com"
@@ -259,7 +260,7 @@ async def test_no_secret_reaches_the_ledger(
     # A control: stored response headers are visible to this scan, in the files and in rows.
     assert any(b"req-marker-77" in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
     assert _leaks(tmp_path, db) == []  # while open: the WAL holds the recent writes
-    report = await t.ledger.verify()
+    report = await verify_ledger(t.ledger)
     assert report.ok, report.problems
     await t.aclose()
     assert _leaks(tmp_path, db) == []

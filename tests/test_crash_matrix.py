@@ -44,8 +44,8 @@ from typing import Any
 import httpx
 import pytest
 
-from effectguard.cli import main as cli_main
-from effectguard.events import decode_body
+from effectguard.ops.cli import main as cli_main
+from effectguard.rules.events import decode_body
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -264,7 +264,7 @@ def cli_json(*args: str) -> Any:
 def verify_exit(ledger: Path) -> subprocess.CompletedProcess[str]:
     """``effectguard verify --ledger L`` as its own process."""
     return subprocess.run(
-        [sys.executable, "-m", "effectguard.cli", "verify", "--ledger", str(ledger)],
+        [sys.executable, "-m", "effectguard", "verify", "--ledger", str(ledger)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -497,7 +497,7 @@ def test_crash_after_reconcile_keeps_the_decision(
             [
                 sys.executable,
                 "-m",
-                "effectguard.cli",
+                "effectguard",
                 "reconcile",
                 call["call_id"],
                 *decision,

@@ -27,11 +27,12 @@ from typing import Any
 import httpx
 import pytest
 
-from effectguard.cli import main as cli_main
+from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import FencedError, Refusal
+from effectguard.ops.cli import main as cli_main
+from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
-from effectguard.recovery import WorkerRuntime, lock_dir_for
-from effectguard.runtime import Runtime, RuntimeConfig
 from effectguard.testing import fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -266,7 +267,7 @@ class Held:
         assert call.stage == "effect_unknown" and call.held == call.reserved_at_admission
         kinds = [e.kind for e in await ledger.events(call.call_id)]
         assert "attempt.observed" not in kinds and "call.completed" not in kinds
-        assert (await ledger.verify()).ok
+        assert (await verify_ledger(ledger)).ok
 
 
 @contextlib.asynccontextmanager
@@ -388,8 +389,8 @@ async def test_live_lock_on_the_same_host_is_not_taken_over(tmp_path: Path) -> N
 async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
     """A proxy whose worker was taken over refuses every request for good, so
     ``/healthz`` must stop answering 200 (a balancer would keep sending it traffic)."""
-    from effectguard.server import create_app
-    from effectguard.settings import load_settings
+    from effectguard.config.settings import load_settings
+    from effectguard.ingress.server import create_app
 
     ledger = str(tmp_path / "l.db")
     config = tmp_path / "lease.toml"

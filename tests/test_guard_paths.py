@@ -20,7 +20,7 @@ import respx
 
 from effectguard import AsyncGuardTransport, GuardSettings
 from effectguard.providers import load_providers
-from effectguard.usage import Usage, cost, estimate
+from effectguard.rules.usage import Usage, cost, estimate
 
 OPENAI = "https://api.openai.com"
 CHAT_URL = OPENAI + "/v1/chat/completions"

@@ -20,11 +20,11 @@ from prometheus_client import CollectorRegistry
 
 from effectguard import AsyncGuardTransport, GuardSettings
 from effectguard.ledger import Ledger
-from effectguard.metrics import Metrics
-from effectguard.money import nanos_to_decimal
 from effectguard.providers import ModelPrice, load_providers
+from effectguard.rules.money import nanos_to_decimal
+from effectguard.rules.usage import Usage, cost, estimate
+from effectguard.telemetry.metrics import Metrics
 from effectguard.testing import free_port
-from effectguard.usage import Usage, cost, estimate
 
 OPENAI = "https://api.openai.com"
 CHAT_URL = OPENAI + "/v1/chat/completions"

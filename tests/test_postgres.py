@@ -20,12 +20,18 @@ import httpx
 import pytest
 
 from effectguard.errors import FencedError, LedgerCorrupt
-from effectguard.events import AttemptInterrupted, AttemptObserved, WorkerTakenOver, canonical_json
 from effectguard.ledger import Ledger, operations
 from effectguard.ledger.base import OPERATOR, Writer
+from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
+from effectguard.rules.events import (
+    AttemptInterrupted,
+    AttemptObserved,
+    WorkerTakenOver,
+    canonical_json,
+)
+from effectguard.rules.usage import estimate
 from effectguard.testing import Proxy, fake_provider, start_proxy
-from effectguard.usage import estimate
 
 DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
 
@@ -145,7 +151,7 @@ async def test_two_stores_admit_atomically(pg_url: str) -> None:
         assert {r.refusal.type for r in keyed if r.refusal} == {"in_progress"}
         (node,) = [n for n in await a.budgets() if n.path == "fleet"]
         assert node.reserved == 7 * reserve and node.limit == 7 * reserve
-        report = await b.verify()
+        report = await verify_ledger(b)
         assert report.ok, report.problems
 
 
@@ -229,7 +235,7 @@ async def test_failed_operation_undoes_only_its_own_writes(pg_url: str) -> None:
     async with Ledger.open(pg_url) as ledger:
         assert [(n.path, n.limit) for n in await ledger.budgets()] == [("a", 5), ("d", 1)]
         assert [e.seq for e in await ledger.store.events_after(0, 100)] == [1, 2]
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         assert report.ok, report.problems
 
 
@@ -252,7 +258,7 @@ async def test_a_rejected_write_abandons_the_whole_batch(pg_url: str) -> None:
         session.close()
     async with Ledger.open(pg_url) as ledger:
         assert [n.path for n in await ledger.budgets()] == ["kept"]
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         assert report.ok, report.problems
 
 
@@ -322,7 +328,7 @@ async def test_three_replicas_admit_exactly_the_budget(pg_url: str, tmp_path: Pa
         assert node.limit is not None and node.spent <= node.limit
         completed = await ledger.calls(stage="completed")
         assert len(completed) == k
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         assert report.ok, report.problems
 
 
@@ -361,7 +367,7 @@ async def test_killed_replica_calls_are_marked_by_another(pg_url: str, tmp_path:
         assert interrupted.by == workers[survivor.process.pid].worker
         assert workers[victim.process.pid].fenced
         assert call.held == _reservation()
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         assert report.ok, report.problems
 
 
@@ -403,7 +409,7 @@ async def test_stopped_replica_is_fenced(pg_url: str, tmp_path: Path) -> None:
             and e.by == workers[survivor.process.pid].worker
             for e in taken
         )
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         assert report.ok, report.problems
 
 

@@ -51,7 +51,7 @@ def chat(content: str, model: str = "gpt-4o-mini") -> dict[str, Any]:
 def effectguard(*args: str) -> str:
     """Run the effectguard CLI; its stdout."""
     done = subprocess.run(
-        [sys.executable, "-m", "effectguard.cli", *args],
+        [sys.executable, "-m", "effectguard", *args],
         capture_output=True,
         text=True,
         timeout=30,

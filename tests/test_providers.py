@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from effectguard.errors import ConfigError
-from effectguard.money import usd_to_nanos
 from effectguard.providers import (
     Endpoint,
     IdempotencyGuarantee,
@@ -17,6 +16,7 @@ from effectguard.providers import (
     load_provider,
     load_providers,
 )
+from effectguard.rules.money import usd_to_nanos
 
 MINIMAL = """
 base_url = "https://tool.example.com"
@@ -42,10 +42,11 @@ def write(directory: Path, name: str, text: str) -> Path:
     return path
 
 
-def test_bundled_dir_is_repo_providers() -> None:
-    """The bundled declarations live in the repository's top-level providers/ directory."""
-    assert bundled_dir() == Path(__file__).resolve().parent.parent / "providers"
-    assert {p.stem for p in bundled_dir().glob("*.toml")} >= {"openai", "anthropic", "send_email"}
+def test_bundled_declarations_are_package_data() -> None:
+    """The bundled declarations are package data, so an installed wheel has them too."""
+    names = {p.name for p in bundled_dir().iterdir()}
+    assert names >= {"openai.toml", "anthropic.toml", "send_email.toml"}
+    assert set(load_providers()) >= {"openai", "anthropic", "send_email"}
 
 
 def test_bundled_openai() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from effectguard.cli import main as cli_main
+from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
 MAX_BODY = 1024

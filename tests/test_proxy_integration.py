@@ -28,12 +28,12 @@ import httpx
 import openai
 import pytest
 
-from effectguard.cli import main as cli_main
-from effectguard.money import nanos_to_usd, usd_to_nanos
+from effectguard.config.settings import hash_key
+from effectguard.ops.cli import main as cli_main
 from effectguard.providers import load_providers
-from effectguard.settings import hash_key
+from effectguard.rules.money import nanos_to_usd, usd_to_nanos
+from effectguard.rules.usage import Usage, cost
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
-from effectguard.usage import Usage, cost
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ CLI_TIMEOUT = 30.0
 def cli(ledger: str | Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``effectguard ARGS --ledger LEDGER`` as a subprocess (bounded in time)."""
     return subprocess.run(
-        [sys.executable, "-m", "effectguard.cli", *args, "--ledger", str(ledger)],
+        [sys.executable, "-m", "effectguard", *args, "--ledger", str(ledger)],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT,
@@ -64,7 +64,7 @@ def cli_parallel(
     """Run several ``effectguard`` commands at once (each bounded in time)."""
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "effectguard.cli", *args, "--ledger", str(ledger)],
+            [sys.executable, "-m", "effectguard", *args, "--ledger", str(ledger)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -42,7 +42,7 @@ def email(to: str) -> dict[str, Any]:
 def cli(*args: str) -> Any:
     """Run the real ``effectguard`` command with ``--json``; assert exit 0; parse stdout."""
     done = subprocess.run(
-        [sys.executable, "-m", "effectguard.cli", *args, "--json"],
+        [sys.executable, "-m", "effectguard", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -236,7 +236,7 @@ def test_auto_reconcile_killed_after_a_decision_resumes(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "effectguard.cli",
+                "effectguard",
                 "reconcile",
                 "--auto",
                 "--ledger",

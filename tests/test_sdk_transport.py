@@ -23,12 +23,12 @@ import pytest
 import respx
 
 from effectguard import AsyncGuardTransport, GuardSettings, GuardTransport, Ledger
-from effectguard.budget import BudgetNode
-from effectguard.httpx2_adapter import AsyncHttpx2Transport, Httpx2Transport
+from effectguard.ingress.httpx2 import AsyncHttpx2Transport, Httpx2Transport
+from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.providers import load_providers
-from effectguard.usage import Usage, cost
-from effectguard.verify import VerifyReport
-from effectguard.workstate import WorkState
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.usage import Usage, cost
+from effectguard.rules.workstate import WorkState
 
 OPENAI = "https://api.openai.com"
 ANTHROPIC = "https://api.anthropic.com"
@@ -259,7 +259,7 @@ def snapshot(path: str) -> Snapshot:
         async with Ledger.open(path) as ledger:
             calls = await ledger.calls()
             nodes = {n.path: n for n in await ledger.budgets()}
-            return calls, nodes, await ledger.verify()
+            return calls, nodes, await verify_ledger(ledger)
 
     return asyncio.run(read())
 

@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-from effectguard.budget import BudgetNode
 from effectguard.errors import FencedError, ReconcileError
-from effectguard.events import (
+from effectguard.ledger import OPERATOR, AdmitRequest, Admitted, Ledger, Writer, operations
+from effectguard.ops.verify import verify_ledger
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import (
     GENESIS_DIGEST,
     AttemptNotSent,
     AttemptObserved,
@@ -35,8 +37,7 @@ from effectguard.events import (
     canonical_json,
     event_digest,
 )
-from effectguard.ledger import OPERATOR, AdmitRequest, Admitted, Ledger, Writer, operations
-from effectguard.workstate import WorkState
+from effectguard.rules.workstate import WorkState
 
 R = 1_000  # nano-dollars reserved per call
 PG_ENV = "EFFECTGUARD_TEST_PG_DSN"
@@ -80,7 +81,7 @@ async def ledger(ledger_url: str) -> AsyncIterator[Ledger]:
     """An open ledger that must still verify cleanly when the test is done."""
     async with Ledger.open(ledger_url) as led:
         yield led
-        report = await led.verify()
+        report = await verify_ledger(led)
         assert report.ok, report.problems
 
 
@@ -644,7 +645,7 @@ async def test_cancelled_admissions_do_not_wedge_the_writer(
     calls = await ledger.calls(budget=ns)
     assert all(c.stage == "in_flight" and c.reserved == R for c in calls)
     assert await node(ledger, ns) == (None, R * len(calls), 0, 0)
-    report = await asyncio.wait_for(ledger.verify(), timeout=5)
+    report = await asyncio.wait_for(verify_ledger(ledger), timeout=5)
     assert report.ok, report.problems
 
 
@@ -734,7 +735,7 @@ async def test_verify_of_a_live_ledger_reports_no_false_corruption(
     """verify while the guard keeps writing reports a healthy ledger as healthy."""
     await admit_ok(ledger, w1, req(ns))
     store = WriteBetweenReads(ledger, lambda: ledger.admit(w1, req(ns)))
-    report = await Ledger(store).verify()
+    report = await verify_ledger(Ledger(store))
     assert store.pending is not None
     await asyncio.wait_for(store.pending, timeout=5)
     assert report.ok, report.problems

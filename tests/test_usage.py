@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from effectguard.money import usd_to_nanos
 from effectguard.providers import ModelPrice
-from effectguard.usage import (
+from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.usage import (
     StreamUsage,
     Usage,
     UsageResult,

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from effectguard.events import (
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
+from effectguard.ops.verify import VerifyReport, verify_ledger
+from effectguard.rules.events import (
     AttemptObserved,
     BudgetSettled,
     CallCompleted,
     canonical_json,
     event_digest,
 )
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
-from effectguard.verify import VerifyReport
 
 R = 1_000
 
@@ -88,7 +88,7 @@ async def built(tmp_path: Path) -> Built:
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
         await ledger.reconcile(unknown.call_id, applied=True, cost=400, note="seen", by="ann")
         flying = await ledger.admit(writer, request("c"))
-        report = await ledger.verify()
+        report = await verify_ledger(ledger)
         assert report.ok, report.problems
         return Built(path, done.call_id, unknown.call_id, flying.call_id, report.events)
 
@@ -116,7 +116,7 @@ def seq_of(path: Path, call_id: str, kind: str) -> int:
 async def verify(path: Path) -> VerifyReport:
     """Open the ledger at ``path`` and verify it."""
     async with Ledger.open(str(path)) as ledger:
-        return await ledger.verify()
+        return await verify_ledger(ledger)
 
 
 async def test_clean_ledger_verifies(built: Built) -> None:
@@ -131,7 +131,7 @@ async def test_clean_ledger_verifies(built: Built) -> None:
 async def test_verify_pages_through_the_whole_chain(built: Built) -> None:
     """A tiny page size still walks every event and verifies."""
     async with Ledger.open(str(built.path)) as ledger:
-        report = await ledger.verify(page=2)
+        report = await verify_ledger(ledger, page=2)
     assert report.ok, report.problems
     assert report.events == built.events
 

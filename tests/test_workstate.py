@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from effectguard.events import (
+from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptNotSent,
     AttemptObserved,
@@ -27,7 +27,7 @@ from effectguard.events import (
     CallRefused,
     Event,
 )
-from effectguard.workstate import STAGE_TABLE, STAGES, TERMINAL, WorkState, apply, work_state
+from effectguard.rules.workstate import STAGE_TABLE, STAGES, TERMINAL, WorkState, apply, work_state
 
 CALL = "call_1"
 R = 5_000

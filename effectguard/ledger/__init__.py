@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from effectguard.budget import BudgetNode
 from effectguard.errors import CallNotFound
-from effectguard.events import Event, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
-from effectguard.ledger.operations import AdmitRequest, Admitted
-from effectguard.verify import Verifier, VerifyReport
-from effectguard.workstate import Stage, WorkState
+from effectguard.ledger.operations import Admitted
+from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import Event, StoredEvent
+from effectguard.rules.workstate import Stage, WorkState
 
 __all__ = ["OPERATOR", "AdmitRequest", "Admitted", "Ledger", "LedgerStore", "Writer", "open_store"]
 
@@ -124,24 +124,3 @@ class Ledger:
     async def budgets(self) -> list[BudgetNode]:
         """Every budget node."""
         return await self.store.budget_nodes()
-
-    async def verify(self, page: int = 5000) -> VerifyReport:
-        """Check the hash chain and re-derive every counter and projection.
-
-        Every read happens inside one snapshot, so a live ledger being written
-        while it is verified shows no false corruption.
-        """
-        verifier = Verifier()
-        async with self.store.snapshot():
-            seq = 0
-            while True:
-                batch = await self.store.events_after(seq, page)
-                if not batch:
-                    break
-                for stored in batch:
-                    verifier.feed(stored)
-                seq = batch[-1].seq
-            nodes = await self.store.budget_nodes()
-            calls = await self.store.list_calls(limit=1 << 62)
-            columns = await self.store.call_columns()
-        return verifier.finish(nodes, calls, columns)

@@ -22,9 +22,9 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from effectguard.budget import BudgetNode
-from effectguard.events import StoredEvent
-from effectguard.workstate import Stage, WorkState
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import StoredEvent
+from effectguard.rules.workstate import Stage, WorkState
 
 T = TypeVar("T")
 

@@ -12,15 +12,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-from effectguard import budget as budgets
-from effectguard.budget import BudgetNode
 from effectguard.errors import LedgerUnavailable
-from effectguard.events import GENESIS_DIGEST, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import state_params
-from effectguard.workstate import UNRESOLVED, Stage, WorkState
+from effectguard.rules import budget as budgets
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
+from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
 
 T = TypeVar("T")
 

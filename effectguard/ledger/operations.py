@@ -13,11 +13,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from effectguard import budget as budgets
-from effectguard import workstate
-from effectguard.admission import Decision, decide_keyed, decide_retry
 from effectguard.errors import FencedError, ReconcileError, Refusal
-from effectguard.events import (
+from effectguard.ledger.base import Tx, WorkerRow, Writer
+from effectguard.rules import budget as budgets
+from effectguard.rules import workstate
+from effectguard.rules.admission import AdmitRequest, Decision, decide_keyed, decide_retry
+from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptObserved,
     AttemptStarted,
@@ -33,9 +34,8 @@ from effectguard.events import (
     WorkerTakenOver,
     seal,
 )
-from effectguard.ledger.base import Tx, WorkerRow, Writer
-from effectguard.money import nanos_to_usd
-from effectguard.workstate import WorkState
+from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.workstate import WorkState
 
 
 def new_call_id() -> str:
@@ -100,30 +100,6 @@ def _budget_paths(event: Event) -> list[str]:
         return [event.path]
     delta = budgets.deltas(event)
     return [] if delta is None else budgets.ancestors(delta.path)
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitRequest:
-    """Everything admission needs to know about one request."""
-
-    request_hash: str
-    provider: str
-    endpoint: str
-    method: str
-    model: str | None
-    idempotency_key: str | None
-    budget: str
-    budget_root: str
-    effect_kind: str
-    body: str
-    body_encoding: str
-    stream: bool
-    reserve: int
-    is_retry: bool = False
-    retry_of: str | None = None
-    retry_window_s: float = 600.0
-    provider_idempotency_window_s: float | None = None
-    create_budgets: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,9 +41,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from effectguard.budget import BudgetNode
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
-from effectguard.events import GENESIS_DIGEST, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
@@ -55,6 +53,8 @@ from effectguard.ledger.pgschema import (
     migrate_on,
     redacted,
 )
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 
 __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 from effectguard.ledger.rows import (
@@ -67,7 +67,7 @@ from effectguard.ledger.rows import (
     state_from_json,
     state_params,
 )
-from effectguard.workstate import Stage, WorkState
+from effectguard.rules.workstate import Stage, WorkState
 
 T = TypeVar("T")
 

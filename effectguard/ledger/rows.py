@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from effectguard.events import StoredEvent
 from effectguard.ledger.base import WorkerRow
-from effectguard.workstate import WorkState, as_dict
+from effectguard.rules.events import StoredEvent
+from effectguard.rules.workstate import WorkState, as_dict
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
 INDEX_COLUMNS = (

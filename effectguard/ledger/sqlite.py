@@ -23,9 +23,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from effectguard.budget import BudgetNode
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.events import GENESIS_DIGEST, StoredEvent
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.inlinecommit import InlineCommitter
@@ -42,7 +40,9 @@ from effectguard.ledger.rows import (
     worker_from_row,
 )
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
-from effectguard.workstate import Stage, WorkState
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
+from effectguard.rules.workstate import Stage, WorkState
 
 T = TypeVar("T")
 

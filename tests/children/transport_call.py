@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-import effectguard.crash
+import effectguard.callpath.crash
 from effectguard import AsyncGuardTransport
 
 
@@ -59,7 +59,7 @@ async def main(ledger: str, provider: str, upstream: str, specs: list[dict[str, 
     transport = AsyncGuardTransport(
         ledger=ledger,
         upstreams={provider: upstream},
-        crash=effectguard.crash.from_environment(),
+        crash=effectguard.callpath.crash.from_environment(),
     )
     async with httpx.AsyncClient(transport=transport, timeout=30) as client:
         for i, spec in enumerate(specs):

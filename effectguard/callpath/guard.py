@@ -1,0 +1,338 @@
+"""The guard: the one call path both ways in use (SPEC §3–§4).
+
+``Guard.handle`` takes an upstream-bound ``httpx.Request`` and a ``send``
+function (the inner transport) and returns an ``httpx.Response``:
+
+1. *prepare* — parse and price the request (pure; refusals cost nothing);
+2. *admit* — one durable transaction: idempotency, reservation, manifest,
+   ``attempt.started``;
+3. *dispatch* — through ``send``, retried with tenacity only when the attempt
+   provably did nothing (not sent, or a declared not-processed status);
+4. *observe* — one durable transaction before the response is released
+   (streams: at their end, see :mod:`effectguard.callpath.stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.prepare import Prepared, prepare, refuse
+from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.stream import GuardedStream
+from effectguard.callpath.wire import (
+    classify_transport_error,
+    client_headers,
+    replay_response,
+    upstream_request,
+)
+from effectguard.config.settings import GuardSettings
+from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
+from effectguard.ledger import Admitted, Ledger, Writer, operations
+from effectguard.providers import Provider
+from effectguard.rules import budget as budgets
+from effectguard.rules import usage as usages
+from effectguard.rules.events import (
+    AttemptNotSent,
+    AttemptObserved,
+    BudgetReleased,
+    Event,
+)
+from effectguard.telemetry.observer import Observer
+
+Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+class _RetryAttempt(Exception):
+    """This attempt provably did nothing; a retry may start (carries the last answer)."""
+
+    def __init__(self, response: httpx.Response | None, refusal: Refusal | None) -> None:
+        super().__init__("retryable attempt")
+        self.response = response
+        self.refusal = refusal
+
+
+class Guard:
+    """Admits, dispatches, observes and settles every billable request."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        providers: Mapping[str, Provider],
+        *,
+        writer: Writer,
+        settings: GuardSettings | None = None,
+        crash: CrashPoints = NO_CRASH,
+        observer: Observer | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.providers = dict(providers)
+        self.writer = writer
+        self.settings = settings or GuardSettings()
+        self.recorder = Recorder(ledger, writer, crash=crash, observer=observer)
+        self.crash = crash
+        self.observer = self.recorder.observer
+
+    # -- routing ------------------------------------------------------------
+    def provider_for_url(self, url: httpx.URL) -> Provider | None:
+        """The provider whose base URL ``url`` targets (longest match), if any."""
+        target = str(url.copy_with(query=None, fragment=None))
+        best: Provider | None = None
+        for provider in self.providers.values():
+            base = provider.base_url.rstrip("/")
+            if (target == base or target.startswith(base + "/")) and (
+                best is None or len(base) > len(best.base_url)
+            ):
+                best = provider
+        return best
+
+    # -- the call path --------------------------------------------------------
+    async def handle(
+        self,
+        provider: Provider,
+        request: httpx.Request,
+        send: Send,
+        *,
+        budget: str = budgets.DEFAULT_BUDGET,
+        budget_root: str | None = None,
+    ) -> httpx.Response:
+        """Run ``request`` through the call path; refusals raise :class:`Refusal`."""
+        started = time.perf_counter()
+        try:
+            prepared = prepare(
+                provider, request, self.settings, budget=budget, budget_root=budget_root
+            )
+            if prepared is None:  # read-only: nothing to guard
+                return await send(upstream_request(request, request.content, provider, None))
+            admitted = await self._admit(prepared)
+        except Refusal as refusal:
+            self.observer.refused(provider.name, refusal.type)
+            raise
+        self.crash.hit("after:admit")
+        if admitted.action == "refuse":
+            assert admitted.refusal is not None
+            self.observer.refused(provider.name, admitted.refusal.type)
+            raise admitted.refusal
+        if admitted.action == "replay":
+            self.observer.request_done(provider.name, prepared.model or "", "replayed")
+            return replay_response(admitted.call_id, admitted.observed, request)
+        if admitted.action == "join":
+            return await self._join(admitted.call_id, prepared)
+        self.recorder.started(admitted.call_id)
+        # The dispatch runs in its own task: a caller that goes away does not cancel a
+        # call the provider is already working on (SPEC §3.6); it is read and settled.
+        task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, started))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.recorder.keep(task)
+            task.add_done_callback(self._abandoned)
+            raise
+
+    def _abandoned(self, task: asyncio.Future[httpx.Response]) -> None:
+        """Settle the response of a dispatch whose caller went away."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        self.recorder.spawn(task.result().aclose())
+
+    async def _admit(self, prepared: Prepared) -> Admitted:
+        try:
+            return await self.ledger.admit(self.writer, prepared.admit)
+        except (LedgerUnavailable, FencedError) as exc:
+            raise refuse(
+                503,
+                "ledger_unavailable",
+                f"the ledger could not record this request, so it was not sent: {exc}",
+                retryable=True,
+            ) from exc
+
+    async def _dispatch(
+        self, prepared: Prepared, admitted: Admitted, send: Send, started: float
+    ) -> httpx.Response:
+        s = self.settings
+        current = admitted
+        try:
+            # The first attempt runs outside tenacity: most calls need no retry, and
+            # building the retry machinery costs ~5% of the proxy's CPU per request.
+            try:
+                return await self._attempt(prepared, current, send, started)
+            except _RetryAttempt:
+                if s.max_retries < 1:
+                    raise
+                await asyncio.sleep(s.retry_wait_s)  # tenacity backs off from here on
+            retrying = AsyncRetrying(
+                stop=stop_after_attempt(s.max_retries),
+                wait=wait_exponential(multiplier=s.retry_wait_s, max=s.retry_wait_max_s),
+                retry=retry_if_exception_type(_RetryAttempt),
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    current = await self._next_attempt(prepared, current)
+                    return await self._attempt(prepared, current, send, started)
+        except _RetryAttempt as last:
+            if last.refusal is not None:
+                raise last.refusal from None
+            assert last.response is not None
+            return last.response
+        raise AssertionError("unreachable: tenacity either returns or re-raises")
+
+    async def _next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
+        try:
+            nxt = await self.ledger.store.write(
+                self.writer,
+                lambda tx: operations.start_attempt(
+                    tx,
+                    self.writer,
+                    previous.call_id,
+                    prepared.reserve,
+                    previous.provider_idempotency_key,
+                ),
+            )
+        except (LedgerError, FencedError) as exc:
+            raise refuse(
+                503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=False
+            ) from exc
+        if nxt.refusal is not None:
+            raise nxt.refusal
+        return nxt
+
+    async def _attempt(
+        self, prepared: Prepared, admitted: Admitted, send: Send, started: float
+    ) -> httpx.Response:
+        provider, call_id = prepared.provider, admitted.call_id
+        outgoing = upstream_request(
+            prepared.request, prepared.body, provider, admitted.provider_idempotency_key
+        )
+        sent_at = time.perf_counter()
+        try:
+            response = await send(outgoing)
+        except httpx.TransportError as exc:
+            return await self._transport_failed(prepared, admitted, exc)
+        except asyncio.CancelledError:
+            # The caller went away while the request may be on the wire.
+            self.recorder.spawn(
+                self.recorder.interrupt(call_id, admitted.attempt, "cancelled during dispatch")
+            )
+            raise
+        self.crash.hit("after:dispatch")
+        is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+        if is_stream and 200 <= response.status_code < 300:
+            stream = GuardedStream(self.recorder, prepared, admitted, response, sent_at)
+            return httpx.Response(
+                response.status_code,
+                headers=client_headers(response, call_id),
+                stream=stream,
+                request=prepared.request,
+                extensions=response.extensions,
+            )
+        try:
+            # Raw bytes: stored and forwarded exactly as received (we ask for identity).
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
+        except httpx.TransportError as exc:
+            return await self._transport_failed(prepared, admitted, exc)
+        finally:
+            await response.aclose()
+        upstream = time.perf_counter() - sent_at
+        self.observer.upstream_seconds(provider.name, upstream)
+        self.crash.hit("after:upstream-response")
+        result = usages.usage_from_body(provider.dialect, prepared.path, body)
+        await self.recorder.observe(
+            prepared, admitted, response.status_code, response.headers, body, result
+        )
+        self.crash.hit("after:observe")
+        self.observer.overhead_seconds(max(0.0, time.perf_counter() - started - upstream))
+        answer = httpx.Response(
+            response.status_code,
+            headers=client_headers(response, call_id),
+            content=body,
+            request=prepared.request,
+            extensions=response.extensions,
+        )
+        if response.status_code in provider.retry_statuses:
+            raise _RetryAttempt(answer, None)
+        return answer
+
+    async def _transport_failed(
+        self, prepared: Prepared, admitted: Admitted, exc: httpx.TransportError
+    ) -> httpx.Response:
+        call_id = admitted.call_id
+        if classify_transport_error(exc) == "not_sent":
+            events: list[Event] = [
+                AttemptNotSent(call=call_id, attempt=admitted.attempt, reason=_describe(exc)),
+                BudgetReleased(call=call_id, budget=prepared.admit.budget, amount=prepared.reserve),
+            ]
+            try:
+                await self.ledger.record(self.writer, call_id, admitted.attempt, events)
+            finally:
+                self.recorder.finish(call_id)
+            self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
+            raise _RetryAttempt(
+                None,
+                refuse(
+                    502,
+                    "upstream_unreachable",
+                    f"could not connect to {prepared.provider.name}; nothing was sent: "
+                    f"{_describe(exc)}",
+                    call_id=call_id,
+                    stage="not_sent",
+                    next_operation="resend",
+                    retryable=True,
+                ),
+            )
+        await self.recorder.interrupt(call_id, admitted.attempt, _describe(exc))
+        self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
+        timeout = isinstance(exc, httpx.TimeoutException)
+        raise refuse(
+            504 if timeout else 502,
+            "effect_unknown",
+            f"the upstream {'timed out' if timeout else 'failed'} after the request was sent; "
+            f"call {call_id} may have taken effect and will not be re-sent automatically: "
+            f"{_describe(exc)}",
+            call_id=call_id,
+            stage="effect_unknown",
+            next_operation="reconcile",
+        ) from exc
+
+    async def _join(self, call_id: str, prepared: Prepared) -> httpx.Response:
+        """A declared retry of an in-flight call waits for it and shares its result."""
+        deadline = time.monotonic() + self.settings.join_timeout_s
+        while True:
+            state = await self.ledger.store.get_call(call_id)
+            if state is None or state.stage != "in_flight" or time.monotonic() > deadline:
+                break
+            local = self.recorder.waiter(call_id)
+            if local is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(local.wait(), timeout=self.settings.join_poll_s * 20)
+            else:
+                await asyncio.sleep(self.settings.join_poll_s)
+        stage = state.stage if state else "missing"
+        if stage in ("completed", "failed", "not_processed"):
+            events = await self.ledger.events(call_id)
+            observed = [e.event for e in events if e.kind == AttemptObserved.kind]
+            last = observed[-1] if observed else None
+            assert last is None or isinstance(last, AttemptObserved)
+            self.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
+            return replay_response(call_id, last, prepared.request)
+        reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
+        self.observer.refused(prepared.provider.name, reason)
+        raise refuse(
+            409,
+            reason,
+            f"this request retries call {call_id}, which is {stage}",
+            call_id=call_id,
+            stage=stage,
+            next_operation="reconcile" if reason == "effect_unknown" else "resend",
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:300]

@@ -1,0 +1,143 @@
+"""Preparing a request for admission: parse, price, hash. Pure.
+
+Everything the guard can decide without I/O happens here, so a refusal for
+malformed JSON, an unpriced model or a bad budget path costs nothing and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from effectguard.callpath.wire import (
+    IDEMPOTENCY_HEADER,
+    RETRY_OF_HEADER,
+    SDK_RETRY_HEADER,
+    request_hash,
+)
+from effectguard.config.settings import GuardSettings
+from effectguard.errors import Refusal
+from effectguard.providers import Provider
+from effectguard.rules import budget as budgets
+from effectguard.rules import usage as usages
+from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.events import encode_body
+from effectguard.rules.prices import ModelPrice
+
+MAX_KEY_LENGTH = 255
+
+
+@functools.lru_cache(maxsize=256)
+def _base_path(base_url: str) -> str:
+    """The path part of a provider's base URL (parsed once, not per request)."""
+    return httpx.URL(base_url).path.rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A parsed and priced request, ready for admission."""
+
+    provider: Provider
+    request: httpx.Request
+    path: str
+    model: str | None
+    price: ModelPrice
+    body: bytes
+    stream: bool
+    reserve: int
+    admit: AdmitRequest
+
+
+def refuse(status: int, type_: str, message: str, **kw: Any) -> Refusal:
+    """A :class:`Refusal` (shorthand)."""
+    return Refusal(status, type_, message, **kw)
+
+
+def prepare(
+    provider: Provider,
+    request: httpx.Request,
+    settings: GuardSettings,
+    *,
+    budget: str,
+    budget_root: str | None,
+) -> Prepared | None:
+    """Parse, price and hash a request (pure); None for read-only endpoints."""
+    base_path = _base_path(provider.base_url)
+    path = request.url.path[len(base_path) :] if base_path else request.url.path
+    endpoint = provider.endpoint_for(request.method, path)
+    if endpoint is not None and endpoint.effect == "read_only":
+        return None
+    try:
+        budgets.validate_path(budget)
+    except ValueError as exc:
+        raise refuse(400, "invalid_budget", str(exc)) from exc
+    root = budget_root or budgets.root_of(budget)
+    if not budgets.is_under(budget, root):
+        raise refuse(403, "budget_forbidden", f"budget {budget!r} is not under {root!r}")
+    raw = request.content
+    parsed: dict[str, Any] = {}
+    if raw or provider.dialect != "flat":
+        try:
+            loaded = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise refuse(400, "invalid_request", "request body must be a JSON object")
+        parsed = loaded
+    model = parsed.get("model")
+    if model is not None and not isinstance(model, str):
+        raise refuse(400, "invalid_request", "model must be a string")
+    price = provider.price_for(model)
+    if price is None:
+        raise refuse(
+            400,
+            "model_not_priced",
+            f"model {model!r} has no declared price for provider {provider.name!r}; "
+            "declare it with --providers DIR",
+        )
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
+        raise refuse(
+            400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
+        )
+    stream = usages.wants_stream(parsed)
+    sent = raw
+    amended = usages.with_stream_usage(provider.dialect, path, parsed)
+    if amended is not None:
+        sent = json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        reserve = usages.estimate(price, parsed)
+    except (TypeError, ValueError) as exc:
+        raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
+    retry_of = request.headers.get(RETRY_OF_HEADER)
+    sdk_retry = request.headers.get(SDK_RETRY_HEADER, "0")
+    is_retry = retry_of is not None or (sdk_retry.isdigit() and int(sdk_retry) >= 1)
+    target = request.url.raw_path.decode("ascii", "replace")
+    body_text, body_encoding = encode_body(sent)
+    idem = provider.idempotency
+    admit = AdmitRequest(
+        request_hash=request_hash(provider.name, request.method, target, parsed or raw),
+        provider=provider.name,
+        endpoint=path,
+        method=request.method,
+        model=model,
+        idempotency_key=key,
+        budget=budget,
+        budget_root=root,
+        effect_kind=endpoint.effect if endpoint else "billable",
+        body=body_text,
+        body_encoding=body_encoding,
+        stream=stream,
+        reserve=reserve,
+        is_retry=is_retry,
+        retry_of=retry_of,
+        retry_window_s=settings.retry_window_s,
+        provider_idempotency_window_s=idem.window_seconds if idem else None,
+        create_budgets=settings.create_budgets,
+    )
+    return Prepared(provider, request, path, model, price, sent, stream, reserve, admit)

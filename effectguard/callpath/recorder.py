@@ -1,0 +1,167 @@
+"""The I/O half of settlement: record observations and interruptions durably, and run
+the background work that outlives a caller (SPEC §3.3, §3.6).
+
+Both the guard and its guarded streams write through one :class:`Recorder`, so the
+rules for what a failed write means live in one place:
+
+* a fenced worker's observation is refused (502 ``observe_refused``);
+* an observation the ledger could not commit makes the call ``effect_unknown``
+  (502 ``observe_failed``), marked now or, if the ledger still refuses, on a later sweep;
+* background tasks (abandoned dispatches, drained streams, late markings) are kept
+  until done, so :meth:`drain` can wait for them at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+import httpx
+
+from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.prepare import Prepared, refuse
+from effectguard.callpath.wire import storable_headers
+from effectguard.errors import FencedError, LedgerError
+from effectguard.ledger import Admitted, Ledger, Writer
+from effectguard.rules import usage as usages
+from effectguard.rules.events import encode_body
+from effectguard.rules.settlement import Answer, settle
+from effectguard.telemetry.observer import NullObserver, Observer
+
+
+class Recorder:
+    """Writes a call's outcome to the ledger for this worker, and owns background work."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        writer: Writer,
+        *,
+        crash: CrashPoints = NO_CRASH,
+        observer: Observer | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.writer = writer
+        self.crash = crash
+        self.observer: Observer = observer or NullObserver()
+        self._done: dict[str, asyncio.Event] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+        self._orphans: dict[tuple[str, int], str] = {}
+
+    # -- settlement ------------------------------------------------------------
+    async def observe(
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        status: int,
+        headers: httpx.Headers,
+        body: bytes,
+        result: usages.UsageResult,
+    ) -> None:
+        """Record the observation and settle the cost, durably (SPEC §3.3)."""
+        provider, call_id = prepared.provider, admitted.call_id
+        model = prepared.model or ""
+        text, encoding = encode_body(body)
+        answer = Answer(
+            status=status,
+            not_processed=status in provider.not_processed,
+            headers=storable_headers(headers.multi_items(), [provider.key_header]),
+            body=text,
+            body_encoding=encoding,
+            result=result,
+        )
+        settled = settle(
+            call_id,
+            admitted.attempt,
+            prepared.admit.budget,
+            prepared.reserve,
+            prepared.price,
+            answer,
+        )
+        if settled.actual is not None:
+            usage = settled.usage
+            self.observer.settled(
+                provider.name,
+                model,
+                usage.input_tokens if usage else 0,
+                usage.output_tokens if usage else 0,
+                settled.actual,
+            )
+        try:
+            await self.ledger.record(self.writer, call_id, admitted.attempt, list(settled.events))
+        except FencedError as exc:
+            self.observer.request_done(provider.name, model, "fenced")
+            raise refuse(
+                502,
+                "observe_refused",
+                f"this worker was fenced; the result of call {call_id} was not recorded: {exc}",
+                call_id=call_id,
+            ) from exc
+        except LedgerError as exc:
+            self.observer.request_done(provider.name, model, "observe_failed")
+            self.spawn(self.interrupt(call_id, admitted.attempt, "observe failed"))
+            raise refuse(
+                502,
+                "observe_failed",
+                f"the response to call {call_id} could not be "
+                f"recorded; its effect is unknown: {exc}",
+                call_id=call_id,
+            ) from exc
+        finally:
+            self.finish(call_id)
+        self.observer.request_done(provider.name, model, settled.outcome)
+
+    async def interrupt(self, call_id: str, attempt: int, reason: str) -> None:
+        """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""
+        try:
+            await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+        except FencedError:
+            pass  # another worker took this one over; its sweeper marked the call
+        except LedgerError:
+            # The ledger refused now (disk full, locked): retried on every sweep.
+            self._orphans[(call_id, attempt)] = reason
+        finally:
+            self.finish(call_id)
+
+    async def retry_orphans(self) -> None:
+        """Mark interrupted the attempts whose earlier marking failed (run by the sweeper)."""
+        for (call_id, attempt), reason in list(self._orphans.items()):
+            try:
+                await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+            except FencedError:
+                pass
+            except LedgerError:
+                return  # still unavailable; the next sweep tries again
+            del self._orphans[(call_id, attempt)]
+
+    # -- calls in flight in this process -----------------------------------------
+    def started(self, call_id: str) -> None:
+        """Note that this process dispatches ``call_id`` (joiners wait on it)."""
+        self._done.setdefault(call_id, asyncio.Event())
+
+    def finish(self, call_id: str) -> None:
+        """Wake whoever waits for ``call_id`` in this process."""
+        event = self._done.pop(call_id, None)
+        if event is not None:
+            event.set()
+
+    def waiter(self, call_id: str) -> asyncio.Event | None:
+        """The event set when this process finishes ``call_id`` (None: not ours)."""
+        return self._done.get(call_id)
+
+    # -- background work ------------------------------------------------------------
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run ``coro`` in the background, kept until done so shutdown can wait for it."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self.keep(task)
+
+    def keep(self, task: asyncio.Future[Any]) -> None:
+        """Hold a reference to ``task`` until it is done."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for background settlements to finish."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)

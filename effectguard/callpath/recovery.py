@@ -1,0 +1,166 @@
+"""Workers, leases and the recovery sweeper (SPEC §7).
+
+Every writing process is a :class:`WorkerRuntime`: it registers with the ledger
+(taking a fresh fencing generation), holds an OS file lock that proves it is
+alive on this host, renews its lease with a heartbeat, and sweeps: on start and
+periodically it takes over workers that are dead — lease expired by the
+ledger's clock, or, on this host, their lock is free — and marks their in-flight
+attempts ``attempt.interrupted``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import IO
+
+from effectguard.config import defaults
+from effectguard.errors import FencedError, LedgerError
+from effectguard.ledger import Ledger, Writer, operations
+from effectguard.ledger.base import WorkerRow
+
+log = logging.getLogger("effectguard.callpath.recovery")
+
+
+def lock_dir_for(ledger_url: str) -> Path | None:
+    """Where workers of a file ledger keep their liveness locks (None: no such dir)."""
+    if ledger_url.startswith("sqlite:///"):
+        from effectguard.ledger.sqlite import sqlite_path
+
+        return Path(sqlite_path(ledger_url) + ".workers")
+    if "://" in ledger_url:
+        return None
+    return Path(ledger_url + ".workers")
+
+
+class WorkerRuntime:
+    """This process as a ledger writer: registration, lock, heartbeat, sweeper."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        lock_dir: Path | None,
+        lease_s: float = defaults.LEASE_S,
+        heartbeat_s: float = defaults.HEARTBEAT_S,
+        sweep_s: float = defaults.SWEEP_S,
+        host: str | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.lock_dir = lock_dir
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s
+        self.sweep_s = sweep_s
+        self.host = host or socket.gethostname()
+        self.worker_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.writer: Writer | None = None
+        self.fenced = False
+        self._lock_file: IO[bytes] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Run after every periodic sweep (e.g. the guard's retry of failed markings).
+        self.after_sweep: list[Callable[[], Awaitable[None]]] = []
+
+    async def start(self) -> Writer:
+        """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
+        if self.lock_dir is not None:
+            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            path = self.lock_dir / f"{self.worker_id}.lock"
+            handle = path.open("wb")
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_file = handle
+        boot = Writer(self.worker_id, 0)
+        self.writer = await self.ledger.store.write(
+            boot,
+            lambda tx: operations.register_worker(
+                tx, worker=self.worker_id, host=self.host, pid=os.getpid(), lease_s=self.lease_s
+            ),
+        )
+        await self.sweep()
+        self._tasks = [
+            asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat)),
+            asyncio.create_task(self._every(self.sweep_s, self.sweep)),
+        ]
+        return self.writer
+
+    async def _every(self, seconds: float, job: object) -> None:
+        assert callable(job)
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await job()
+            except FencedError:
+                self.fenced = True
+                log.error("worker %s was fenced; it writes nothing more", self.worker_id)
+                return
+            except LedgerError as exc:
+                log.warning("ledger busy in %s: %s", getattr(job, "__name__", job), exc)
+
+    async def heartbeat(self) -> None:
+        """Renew the lease (the store refuses a fenced worker)."""
+        writer = self._writer()
+        await self.ledger.store.write(
+            writer, lambda tx: operations.heartbeat(tx, writer, self.lease_s)
+        )
+
+    async def sweep(self) -> list[str]:
+        """Take over dead workers; returns the calls marked interrupted."""
+        writer = self._writer()
+        dead = frozenset(self._provably_dead(await self.ledger.store.workers()))
+        interrupted = await self.ledger.store.write(
+            writer, lambda tx: operations.sweep(tx, writer, dead)
+        )
+        for worker in dead:
+            if self.lock_dir is not None:
+                with contextlib.suppress(OSError):
+                    (self.lock_dir / f"{worker}.lock").unlink()
+        for hook in self.after_sweep:
+            await hook()
+        if interrupted:
+            log.warning("marked %d calls of dead workers effect_unknown", len(interrupted))
+        return interrupted
+
+    def _provably_dead(self, rows: list[WorkerRow]) -> set[str]:
+        """Workers on this host whose liveness lock is free: their process is gone."""
+        dead: set[str] = set()
+        if self.lock_dir is None:
+            return dead
+        for row in rows:
+            if row.fenced or row.host != self.host or row.worker == self.worker_id:
+                continue
+            path = self.lock_dir / f"{row.worker}.lock"
+            if not path.exists():
+                continue
+            with path.open("ab") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                dead.add(row.worker)
+        return dead
+
+    def _writer(self) -> Writer:
+        if self.writer is None:
+            raise LedgerError("worker not started")
+        return self.writer
+
+    async def stop(self) -> None:
+        """Stop heartbeats and release the lock (leaving the row for the next sweeper)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._lock_file is not None:
+            # The file stays: the next sweeper finds it free, takes this worker over at
+            # once instead of waiting for the lease, and removes it.
+            self._lock_file.close()
+            self._lock_file = None

@@ -1,0 +1,79 @@
+"""One running guard: the ledger, this process's worker, and the guard on top.
+
+Both ways in (the transports and the proxy) start and stop a :class:`Runtime`
+the same way, so the order is right everywhere: open the ledger, register as a
+worker (and sweep), then serve; on stop, let background settlements finish,
+then stop the worker and close the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.guard import Guard
+from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.config import defaults
+from effectguard.config.settings import GuardSettings
+from effectguard.ledger import Ledger, open_store
+from effectguard.providers import Provider
+from effectguard.telemetry.observer import Observer
+
+
+@dataclass
+class RuntimeConfig:
+    """What a runtime needs; built once at the edge."""
+
+    ledger_url: str
+    providers: Mapping[str, Provider]
+    guard: GuardSettings = field(default_factory=GuardSettings)
+    crash: CrashPoints = NO_CRASH
+    observer: Observer | None = None
+    lease_s: float = defaults.LEASE_S
+    heartbeat_s: float = defaults.HEARTBEAT_S
+    sweep_s: float = defaults.SWEEP_S
+
+
+class Runtime:
+    """Opens the ledger, becomes a worker, and builds the guard."""
+
+    def __init__(self, config: RuntimeConfig, ledger: Ledger | None = None) -> None:
+        self.config = config
+        self._own_ledger = ledger is None
+        self.ledger = ledger or Ledger(open_store(config.ledger_url))
+        self.worker: WorkerRuntime | None = None
+        self.guard: Guard | None = None
+
+    async def start(self) -> Guard:
+        """Open everything; returns the guard."""
+        c = self.config
+        if self._own_ledger:
+            await self.ledger.store.open()
+        self.worker = WorkerRuntime(
+            self.ledger,
+            lock_dir=lock_dir_for(c.ledger_url),
+            lease_s=c.lease_s,
+            heartbeat_s=c.heartbeat_s,
+            sweep_s=c.sweep_s,
+        )
+        writer = await self.worker.start()
+        self.guard = Guard(
+            self.ledger,
+            c.providers,
+            writer=writer,
+            settings=c.guard,
+            crash=c.crash,
+            observer=c.observer,
+        )
+        self.worker.after_sweep.append(self.guard.recorder.retry_orphans)
+        return self.guard
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Finish background settlements, stop the worker, close the ledger."""
+        if self.guard is not None:
+            await self.guard.recorder.drain(drain_timeout)
+        if self.worker is not None:
+            await self.worker.stop()
+        if self._own_ledger:
+            await self.ledger.store.close()

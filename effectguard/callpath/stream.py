@@ -1,0 +1,130 @@
+"""A guarded server-sent-event stream: chunks forwarded as they arrive, the call
+observed and settled durably before the stream's terminal event is released.
+
+* The terminal chunk (``[DONE]``, ``message_stop`` …) is held back until the
+  observation is committed, so a client that saw the end knows it is recorded.
+* A stream that breaks mid-way records ``attempt.interrupted`` (effect unknown)
+  and ends the client's stream with an error, never with a clean finish.
+* A client that goes away (``aclose`` before the end) does not cancel the
+  call: the upstream is read to its end in the background, then recorded and
+  settled (SPEC §3.6).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from effectguard.callpath.prepare import Prepared
+from effectguard.callpath.recorder import Recorder
+from effectguard.errors import Refusal
+from effectguard.ledger import Admitted
+from effectguard.rules import usage as usages
+
+
+class GuardedStream(httpx.AsyncByteStream):
+    """The client's view of an upstream stream, with ledger bookkeeping."""
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        prepared: Prepared,
+        admitted: Admitted,
+        upstream: httpx.Response,
+        sent_at: float,
+    ) -> None:
+        self._recorder = recorder
+        self._prepared = prepared
+        self._admitted = admitted
+        self._upstream = upstream
+        self._chunks: AsyncIterator[bytes] = upstream.aiter_raw()
+        self._parser = usages.StreamUsage(prepared.provider.dialect, prepared.path)
+        self._received: list[bytes] = []
+        self._sent_at = sent_at
+        self._forwarded = 0
+        self._settled = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._pull():
+            yield chunk
+            self._forwarded += 1
+            if self._forwarded == 1:
+                self._recorder.crash.hit("mid-stream")
+
+    async def _pull(self) -> AsyncIterator[bytes]:
+        while not self._settled:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                await self._observe_or_fail()
+                return
+            except httpx.TransportError as exc:
+                await self._broken(exc)
+                raise httpx.RemoteProtocolError(
+                    f"upstream stream broke; call {self._admitted.call_id} has an unknown "
+                    f"effect and will not be re-sent: {exc}"
+                ) from exc
+            offset = self._parser.fed
+            self._take(chunk)
+            if self._parser.finished:
+                # Hold the terminal event back until the observation is durable; what
+                # came before it in the same chunk goes to the client now (a fast
+                # upstream often sends a whole stream in one chunk).
+                terminal = self._parser.terminal_at
+                cut = 0 if terminal is None else terminal - offset
+                if cut > 0:
+                    yield chunk[:cut]
+                    chunk = chunk[cut:]
+                await self._observe_or_fail()
+            yield chunk
+
+    def _take(self, chunk: bytes) -> None:
+        self._received.append(chunk)
+        self._parser.feed(chunk)
+
+    async def _observe_or_fail(self) -> None:
+        try:
+            await self._observe()
+        except Refusal as exc:
+            raise httpx.RemoteProtocolError(exc.message) from exc
+
+    async def _observe(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        await self._upstream.aclose()
+        recorder = self._recorder
+        upstream_s = time.perf_counter() - self._sent_at
+        recorder.observer.upstream_seconds(self._prepared.provider.name, upstream_s)
+        recorder.crash.hit("after:upstream-response")
+        await recorder.observe(
+            self._prepared,
+            self._admitted,
+            self._upstream.status_code,
+            self._upstream.headers,
+            b"".join(self._received),
+            self._parser.result(),
+        )
+        recorder.crash.hit("after:observe")
+
+    async def _broken(self, exc: BaseException) -> None:
+        self._settled = True
+        await self._upstream.aclose()
+        await self._recorder.interrupt(
+            self._admitted.call_id, self._admitted.attempt, f"stream broke: {exc}"[:300]
+        )
+
+    async def aclose(self) -> None:
+        """Settle the call: now if it ended, else in the background after the upstream ends."""
+        if self._settled:
+            return
+        self._recorder.spawn(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            async for _ in self._pull():
+                pass
+        except httpx.RemoteProtocolError:
+            pass  # already recorded: interrupted, or the observation failed

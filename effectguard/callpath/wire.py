@@ -1,0 +1,193 @@
+"""What crosses the wire: error bodies (SPEC §9), header hygiene, request hashes,
+and the classification of transport errors by whether the request could have
+left (SPEC §3.4)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, Literal
+
+import httpx
+
+from effectguard.errors import Refusal
+from effectguard.providers import Provider
+from effectguard.rules.events import AttemptObserved, decode_body
+
+CALL_ID_HEADER: Final = "effectguard-call-id"
+REPLAYED_HEADER: Final = "effectguard-replayed"
+BUDGET_HEADER: Final = "effectguard-budget"
+RETRY_OF_HEADER: Final = "effectguard-retry-of"
+SDK_RETRY_HEADER: Final = "x-stainless-retry-count"
+IDEMPOTENCY_HEADER: Final = "idempotency-key"
+
+#: Request headers that are effectguard's own and never go upstream.
+OWN_HEADERS: Final = frozenset(
+    {BUDGET_HEADER, RETRY_OF_HEADER, IDEMPOTENCY_HEADER, "effectguard-key"}
+)
+
+#: RFC 9110 §7.6.1 hop-by-hop headers, plus what the proxy recomputes itself.
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+#: Headers that carry credentials: never stored, never logged.
+SECRET_HEADERS: Final = frozenset(
+    {"authorization", "x-api-key", "api-key", "proxy-authorization", "cookie", "set-cookie"}
+)
+
+
+def strip_hop_by_hop(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop hop-by-hop headers, including any the ``Connection`` header names."""
+    pairs = list(headers)
+    named = {
+        token.strip().lower()
+        for k, v in pairs
+        if k.lower() == "connection"
+        for token in v.split(",")
+    }
+    drop = HOP_BY_HOP | named
+    return [(k, v) for k, v in pairs if k.lower() not in drop]
+
+
+def storable_headers(
+    headers: Iterable[tuple[str, str]], secret: Iterable[str] = ()
+) -> dict[str, str]:
+    """Response headers safe to store: no hop-by-hop, no credentials."""
+    drop = SECRET_HEADERS | {s.lower() for s in secret}
+    return {k.lower(): v for k, v in strip_hop_by_hop(headers) if k.lower() not in drop}
+
+
+def request_hash(provider: str, method: str, target: str, body: Mapping[str, Any] | bytes) -> str:
+    """A stable hash of what a request asks for (key order and spacing do not matter)."""
+    h = hashlib.sha256(f"{provider}\n{method.upper()}\n{target}\n".encode())
+    if isinstance(body, bytes):
+        h.update(b"raw\n" + body)
+    else:
+        h.update(
+            b"json\n"
+            + json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        )
+    return h.hexdigest()
+
+
+def error_body(dialect: str, refusal: Refusal) -> dict[str, Any]:
+    """A refusal in the provider dialect's error shape, so SDKs surface it."""
+    detail: dict[str, Any] = {"type": refusal.type, "message": refusal.message}
+    if dialect != "anthropic":
+        detail["code"] = refusal.type
+    for name in ("call_id", "stage", "next_operation"):
+        value = getattr(refusal, name)
+        if value is not None:
+            detail[name] = value
+    if dialect == "anthropic":
+        return {"type": "error", "error": detail}
+    return {"error": detail}
+
+
+def error_headers(refusal: Refusal) -> dict[str, str]:
+    """SPEC §9 headers: the call id and whether an SDK may retry by itself."""
+    headers = {
+        "content-type": "application/json",
+        "x-should-retry": "true" if refusal.retryable else "false",
+    }
+    if refusal.call_id:
+        headers[CALL_ID_HEADER] = refusal.call_id
+    return headers
+
+
+def error_response(
+    dialect: str, refusal: Refusal, request: httpx.Request | None = None
+) -> httpx.Response:
+    """A refusal as an ``httpx.Response`` (for the transports)."""
+    return httpx.Response(
+        refusal.status,
+        headers=error_headers(refusal),
+        content=json.dumps(error_body(dialect, refusal)).encode(),
+        request=request,
+    )
+
+
+SendOutcome = Literal["not_sent", "unknown"]
+
+
+def classify_transport_error(exc: BaseException) -> SendOutcome:
+    """Whether a transport error proves the request never left (SPEC §3.4).
+
+    Only a failure to open the connection proves that: connect errors, connect
+    timeouts and pool timeouts. The aiohttp-backed transport maps some errors
+    that happen *after* sending (a server disconnect) to ``ConnectTimeout``, so
+    its original exception is consulted first.
+    """
+    cause = exc.__cause__
+    if cause is not None and type(cause).__module__.startswith("aiohttp"):
+        return _classify_aiohttp(cause)
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return "not_sent"
+    return "unknown"
+
+
+def _classify_aiohttp(exc: BaseException) -> SendOutcome:
+    import aiohttp
+
+    connection_timeout = getattr(aiohttp, "ConnectionTimeoutError", None)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "not_sent"
+    if connection_timeout is not None and isinstance(exc, connection_timeout):
+        return "not_sent"
+    return "unknown"
+
+
+def upstream_request(
+    request: httpx.Request, body: bytes, provider: Provider, provider_key: str | None
+) -> httpx.Request:
+    """The request as it goes upstream: own headers out, declared idempotency header in."""
+    headers = [
+        (k, v)
+        for k, v in strip_hop_by_hop(request.headers.multi_items())
+        if k.lower() not in OWN_HEADERS
+    ]
+    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+    # Identity encoding: usage is read from the bytes, which are stored exactly as received.
+    headers.append(("accept-encoding", "identity"))
+    if provider_key is not None and provider.idempotency is not None:
+        headers.append((provider.idempotency.header, provider_key))
+    return httpx.Request(
+        request.method, request.url, headers=headers, content=body, extensions=request.extensions
+    )
+
+
+def client_headers(response: httpx.Response, call_id: str) -> list[tuple[str, str]]:
+    """An upstream response's headers for the client: hop-by-hop out, call id in."""
+    headers = strip_hop_by_hop(response.headers.multi_items())
+    headers.append((CALL_ID_HEADER, call_id))
+    return headers
+
+
+def replay_response(
+    call_id: str, observed: AttemptObserved | None, request: httpx.Request
+) -> httpx.Response:
+    """The stored response of a completed call, marked as a replay."""
+    if observed is None:
+        raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
+    headers = [(k, v) for k, v in observed.headers.items() if k not in ("content-length",)]
+    headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
+    return httpx.Response(
+        observed.status,
+        headers=headers,
+        content=decode_body(observed.body, observed.body_encoding),
+        request=request,
+    )

@@ -1,0 +1,27 @@
+"""The one set of defaults. Every other place that needs one names it from here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+#: The embedded ledger, relative to the working directory (docs/configuration.md).
+LEDGER = "effectguard.db"
+#: The environment variable that names the ledger when no flag or config file does.
+LEDGER_ENV = "EFFECTGUARD_LEDGER"
+
+HOST = "127.0.0.1"
+PORT = 8787
+MAX_BODY_BYTES = 10 * 1024 * 1024
+DRAIN_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 600.0
+
+# A worker's lease, its heartbeat and the recovery sweep (docs/contract.md §7).
+LEASE_S = 15.0
+HEARTBEAT_S = 3.0
+SWEEP_S = 5.0
+
+
+def ledger_from(environ: Mapping[str, str]) -> str:
+    """The ledger named by the environment, else the default."""
+    return environ.get(LEDGER_ENV) or LEDGER

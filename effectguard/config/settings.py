@@ -1,0 +1,187 @@
+"""Typed settings for ``effectguard serve``, read once at the edge.
+
+Sources, later ones winning: defaults, the ``--config`` TOML file, flags. The
+environment is read here only (provider keys by the names declarations give).
+
+Config file reference (every table optional)::
+
+    [server]
+    host = "127.0.0.1"
+    port = 8787
+    max_body_bytes = 10485760   # larger bodies get 413 before being read
+    drain_timeout_s = 30        # on SIGTERM: how long in-flight calls may finish
+
+    [guard]
+    retry_window_s = 600        # key-less declared retries match calls this recent
+    max_retries = 2             # automatic retries of provably-null attempts
+    create_budgets = true       # false: an unknown budget path is refused (403)
+
+    [upstream]
+    connect_timeout_s = 10
+    read_timeout_s = 600
+
+    [budgets]                   # limits in USD (decimal strings)
+    "team-a" = "50.00"
+
+    [[keys]]                    # proxy keys; with any, every request needs one
+    name = "team-a"
+    sha256 = "<hex digest of the key>"   # `effectguard key new` prints one
+    budget_root = "team-a"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effectguard.config import defaults
+from effectguard.errors import ConfigError
+from effectguard.providers import Provider, load_providers
+from effectguard.rules import budget as budgets
+from effectguard.rules.money import usd_to_nanos
+
+
+@dataclass(frozen=True, slots=True)
+class GuardSettings:
+    """How the guard behaves; read once at the edge."""
+
+    retry_window_s: float = 600.0
+    max_retries: int = 2
+    retry_wait_s: float = 0.25
+    retry_wait_max_s: float = 4.0
+    create_budgets: bool = True
+    join_timeout_s: float = 600.0
+    join_poll_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyKey:
+    """An effectguard key, stored only as its SHA-256, fixing a budget root."""
+
+    name: str
+    sha256: str
+    budget_root: str
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a proxy key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``effectguard serve`` needs."""
+
+    ledger: str = defaults.LEDGER
+    host: str = defaults.HOST
+    port: int = defaults.PORT
+    providers: Mapping[str, Provider] = field(default_factory=dict)
+    provider_keys: Mapping[str, str] = field(default_factory=dict)
+    guard: GuardSettings = field(default_factory=GuardSettings)
+    budget_limits: Mapping[str, int] = field(default_factory=dict)
+    keys: tuple[ProxyKey, ...] = ()
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
+    drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
+    connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
+    read_timeout_s: float = defaults.READ_TIMEOUT_S
+    lease_s: float = defaults.LEASE_S
+    heartbeat_s: float = defaults.HEARTBEAT_S
+    sweep_s: float = defaults.SWEEP_S
+
+    def key_root(self, presented: str) -> ProxyKey | None:
+        """The proxy key matching ``presented``, if any."""
+        digest = hash_key(presented)
+        return next((k for k in self.keys if k.sha256 == digest), None)
+
+
+def _table(raw: Mapping[str, Any], name: str, source: str) -> Mapping[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table")
+    return value
+
+
+def _number(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"{where}.{key}: must be a non-negative number")
+    return float(value)
+
+
+def load_settings(
+    *,
+    config: Path | None = None,
+    ledger: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    provider_dirs: Sequence[Path] = (),
+    upstreams: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeSettings:
+    """Build settings from a config file, flags and the environment."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    source = str(config) if config else "<flags>"
+    if config is not None:
+        try:
+            raw = tomllib.loads(config.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{config}: {exc}") from exc
+    server = _table(raw, "server", source)
+    guard = _table(raw, "guard", source)
+    upstream = _table(raw, "upstream", source)
+    providers = load_providers(list(provider_dirs), upstreams)
+    limits: dict[str, int] = {}
+    for path, value in _table(raw, "budgets", source).items():
+        try:
+            budgets.validate_path(path)
+            limits[path] = usd_to_nanos(str(value) if isinstance(value, int) else value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: budgets.{path}: {exc}") from exc
+    keys = []
+    for i, entry in enumerate(raw.get("keys", [])):
+        where = f"{source}: keys[{i}]"
+        if not isinstance(entry, dict) or not {"sha256", "budget_root"} <= entry.keys():
+            raise ConfigError(f"{where}: needs sha256 and budget_root")
+        digest = str(entry["sha256"]).lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ConfigError(f"{where}.sha256: must be a hex SHA-256 digest")
+        try:
+            root = budgets.validate_path(str(entry["budget_root"]))
+        except ValueError as exc:
+            raise ConfigError(f"{where}.budget_root: {exc}") from exc
+        keys.append(ProxyKey(str(entry.get("name", root)), digest, root))
+    provider_keys = {
+        name: env[p.api_key_env]
+        for name, p in providers.items()
+        if p.api_key_env and env.get(p.api_key_env)
+    }
+    g = GuardSettings()
+    d = defaults
+    return ServeSettings(
+        ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
+        host=host or str(server.get("host", d.HOST)),
+        port=port if port is not None else int(server.get("port", d.PORT)),
+        providers=providers,
+        provider_keys=provider_keys,
+        guard=GuardSettings(
+            retry_window_s=_number(guard, "retry_window_s", g.retry_window_s, "guard"),
+            max_retries=int(_number(guard, "max_retries", g.max_retries, "guard")),
+            retry_wait_s=_number(guard, "retry_wait_s", g.retry_wait_s, "guard"),
+            create_budgets=bool(guard.get("create_budgets", g.create_budgets)),
+        ),
+        budget_limits=limits,
+        keys=tuple(keys),
+        max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
+        drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
+        connect_timeout_s=_number(upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"),
+        read_timeout_s=_number(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
+        lease_s=_number(server, "lease_s", d.LEASE_S, "server"),
+        heartbeat_s=_number(server, "heartbeat_s", d.HEARTBEAT_S, "server"),
+        sweep_s=_number(server, "sweep_s", d.SWEEP_S, "server"),
+    )

@@ -1,0 +1,272 @@
+"""The in-process way in: httpx transports that wrap another transport (SPEC §1).
+
+::
+
+    client = openai.AsyncOpenAI(http_client=httpx.AsyncClient(
+        transport=effectguard.AsyncGuardTransport(budget="team-a")))
+
+A request is matched to the provider whose base URL it targets; anything else
+passes through untouched (or is refused with ``refuse_unmatched=True``).
+:class:`GuardTransport` is the synchronous twin: it runs the same async guard on
+a private event loop thread, so it works from plain code and from many threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.guard import Guard
+from effectguard.callpath.runtime import Runtime, RuntimeConfig
+from effectguard.callpath.wire import BUDGET_HEADER, error_response
+from effectguard.config import defaults
+from effectguard.config.settings import GuardSettings
+from effectguard.errors import Refusal
+from effectguard.ledger import Ledger
+from effectguard.providers import Provider, load_providers
+from effectguard.telemetry.observer import Observer
+
+T = TypeVar("T")
+
+ProvidersArg = Mapping[str, Provider] | Sequence[str | Path] | None
+
+
+def _providers(providers: ProvidersArg, upstreams: Mapping[str, str] | None) -> dict[str, Provider]:
+    if providers is None or isinstance(providers, Sequence):
+        dirs = [Path(p) for p in providers or ()]
+        return load_providers(dirs, upstreams)
+    if upstreams:
+        import dataclasses
+
+        out = dict(providers)
+        for name, url in upstreams.items():
+            out[name] = dataclasses.replace(out[name], base_url=url.rstrip("/"))
+        return out
+    return dict(providers)
+
+
+class AsyncGuardTransport(httpx.AsyncBaseTransport):
+    """An async httpx transport that puts every billable provider call on the ledger."""
+
+    def __init__(
+        self,
+        inner: httpx.AsyncBaseTransport | None = None,
+        *,
+        ledger: str | Ledger = defaults.LEDGER,
+        budget: str | None = None,
+        providers: ProvidersArg = None,
+        upstreams: Mapping[str, str] | None = None,
+        refuse_unmatched: bool = False,
+        settings: GuardSettings | None = None,
+        observer: Observer | None = None,
+        crash: CrashPoints = NO_CRASH,
+    ) -> None:
+        self.inner = inner or httpx.AsyncHTTPTransport()
+        self.budget = budget
+        self.refuse_unmatched = refuse_unmatched
+        config = RuntimeConfig(
+            ledger_url=ledger if isinstance(ledger, str) else ledger.store.url,
+            providers=_providers(providers, upstreams),
+            guard=settings or GuardSettings(),
+            crash=crash,
+            observer=observer,
+        )
+        self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
+        self._guard: Guard | None = None
+        self._opening: asyncio.Lock | None = None
+
+    async def guard(self) -> Guard:
+        """The guard, started on first use (in the caller's event loop)."""
+        if self._guard is None:
+            if self._opening is None:
+                self._opening = asyncio.Lock()
+            async with self._opening:
+                if self._guard is None:
+                    self._guard = await self._runtime.start()
+        return self._guard
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger this transport writes."""
+        return self._runtime.ledger
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        guard = await self.guard()
+        provider = guard.provider_for_url(request.url)
+        if provider is None:
+            if self.refuse_unmatched:
+                refusal = Refusal(
+                    404, "unknown_provider", f"no provider declared for {request.url}"
+                )
+                return error_response("openai", refusal, request)
+            return await self.inner.handle_async_request(request)
+        await request.aread()
+        budget = request.headers.get(BUDGET_HEADER) or self.budget or "default"
+        try:
+            return await guard.handle(
+                provider, request, self.inner.handle_async_request, budget=budget
+            )
+        except Refusal as refusal:
+            return error_response(provider.dialect, refusal, request)
+
+    async def aclose(self) -> None:
+        if self._guard is not None:
+            await self._runtime.stop()
+            self._guard = None
+        await self.inner.aclose()
+
+
+class _Portal:
+    """A private event loop on a daemon thread, for running the async guard from sync code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="effectguard-portal", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Any) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+class _ThreadedStream(httpx.AsyncByteStream):
+    """A sync inner response stream, read from the portal loop via worker threads."""
+
+    def __init__(self, stream: httpx.SyncByteStream) -> None:
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        it = iter(self._stream)
+        while True:
+            chunk = await asyncio.to_thread(next, it, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._stream.close)
+
+
+class _SyncInner(httpx.AsyncBaseTransport):
+    """Adapts a sync inner transport to the async guard."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        sync_request = httpx.Request(
+            request.method,
+            request.url,
+            headers=request.headers,
+            content=request.content,
+            extensions=request.extensions,
+        )
+        response = await asyncio.to_thread(self.inner.handle_request, sync_request)
+        assert isinstance(response.stream, httpx.SyncByteStream)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_ThreadedStream(response.stream),
+            extensions=response.extensions,
+            request=request,
+        )
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.inner.close)
+
+
+class _PortalStream(httpx.SyncByteStream):
+    """The guard's async response stream, read from sync code through the portal."""
+
+    def __init__(self, portal: _Portal, response: httpx.Response) -> None:
+        self._portal = portal
+        self._response = response
+
+    def __iter__(self) -> Iterator[bytes]:
+        chunks = self._response.aiter_raw()
+        while True:
+            try:
+                yield self._portal.run(chunks.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def close(self) -> None:
+        self._portal.run(self._response.aclose())
+
+
+class GuardTransport(httpx.BaseTransport):
+    """The synchronous transport: same guard, same ledger, usable from many threads."""
+
+    def __init__(
+        self,
+        inner: httpx.BaseTransport | None = None,
+        *,
+        ledger: str | Ledger = defaults.LEDGER,
+        budget: str | None = None,
+        providers: ProvidersArg = None,
+        upstreams: Mapping[str, str] | None = None,
+        refuse_unmatched: bool = False,
+        settings: GuardSettings | None = None,
+        observer: Observer | None = None,
+        crash: CrashPoints = NO_CRASH,
+    ) -> None:
+        self._portal = _Portal()
+        self._async = AsyncGuardTransport(
+            _SyncInner(inner or httpx.HTTPTransport()),
+            ledger=ledger,
+            budget=budget,
+            providers=providers,
+            upstreams=upstreams,
+            refuse_unmatched=refuse_unmatched,
+            settings=settings,
+            observer=observer,
+            crash=crash,
+        )
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger this transport writes."""
+        return self._async.ledger
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.read()
+        async_request = httpx.Request(
+            request.method,
+            request.url,
+            headers=request.headers,
+            content=request.content,
+            extensions=request.extensions,
+        )
+        response: httpx.Response = self._portal.run(self._async.handle_async_request(async_request))
+        if response.is_stream_consumed:  # the guard already holds the whole body
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers,
+                content=response.content,
+                extensions=response.extensions,
+                request=request,
+            )
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_PortalStream(self._portal, response),
+            extensions=response.extensions,
+            request=request,
+        )
+
+    def close(self) -> None:
+        self._portal.run(self._async.aclose())
+        self._portal.close()

@@ -1,0 +1,24 @@
+"""Provider declarations: the bundled TOML files (package data) and the loader that
+validates them, with users' overrides, into frozen :class:`Provider` values."""
+
+from effectguard.providers.declaration import (
+    Dialect,
+    Endpoint,
+    IdempotencyGuarantee,
+    Provider,
+    bundled_dir,
+    load_provider,
+    load_providers,
+)
+from effectguard.rules.prices import ModelPrice
+
+__all__ = [
+    "Dialect",
+    "Endpoint",
+    "IdempotencyGuarantee",
+    "ModelPrice",
+    "Provider",
+    "bundled_dir",
+    "load_provider",
+    "load_providers",
+]

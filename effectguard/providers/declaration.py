@@ -1,0 +1,440 @@
+"""Provider declarations: what each upstream charges and which requests have effects.
+
+Providers are declared in TOML files, not coded (SPEC §2). The bundled files are package
+data (``effectguard/providers/bundled/``, read with :mod:`importlib.resources`, so they are
+there from a wheel too); ``openai.toml`` documents the file shape.
+This module reads and validates them into frozen values; it does no other I/O.
+
+Loading order (:func:`load_providers`): the bundled files, then each ``--providers`` directory
+in order. A file whose provider name is already loaded replaces it; a file with
+``extends = "NAME"`` is applied on top of the loaded ``NAME`` instead (its ``models`` merged
+model by model, ``endpoints`` merged by method and path, every other field replaced). Within a
+directory, plain declarations load before extensions. Last, ``upstreams`` override base URLs.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import date
+from decimal import Decimal, InvalidOperation
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, cast
+from urllib.parse import urlsplit
+
+from effectguard.errors import ConfigError
+from effectguard.rules.money import Nanos, usd_to_nanos
+from effectguard.rules.prices import ModelPrice
+
+__all__ = [
+    "Dialect",
+    "Endpoint",
+    "IdempotencyGuarantee",
+    "ModelPrice",
+    "Provider",
+    "bundled_dir",
+    "load_provider",
+    "load_providers",
+]
+
+Dialect = Literal["openai", "anthropic", "flat"]
+Effect = Literal["read_only", "billable"]
+
+_DIALECTS = ("openai", "anthropic", "flat")
+_EFFECTS = ("read_only", "billable")
+_KEY_FORMATS = {"authorization": "Bearer {key}", "x-api-key": "{key}"}
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_METHOD = re.compile(r"[A-Z]+")
+# A dated snapshot suffix: OpenAI "-2024-07-18", Anthropic "-20250929", or the "-latest" alias.
+_SNAPSHOT = re.compile(r"\d{4}-\d{2}-\d{2}|\d{8}|latest")
+
+_TOP_KEYS = frozenset(
+    {
+        "name", "extends", "base_url", "dialect", "api_key_env", "key_header", "key_format",
+        "prices_taken", "not_processed", "retry_statuses", "lookup", "idempotency",
+        "endpoints", "models",
+    }
+)  # fmt: skip
+_MODEL_KEYS = frozenset(
+    {"input", "output", "cached_input", "cache_write", "per_call", "max_output_tokens"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One declared endpoint and the kind of effect a request to it has."""
+
+    path: str
+    effect: Effect
+    method: str = "POST"
+
+    def matches(self, method: str, path: str) -> bool:
+        """Whether a request ``method path`` (no query string) targets this endpoint."""
+        if method.upper() != self.method:
+            return False
+        want, got = self.path.split("/"), path.split("/")
+        if len(want) != len(got):
+            return False
+        return all(
+            (w.startswith("{") and w.endswith("}") and g != "") or w == g
+            for w, g in zip(want, got, strict=True)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyGuarantee:
+    """A provider-documented dedup: requests repeating ``header`` within the window apply once."""
+
+    header: str
+    window_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    """A validated provider declaration."""
+
+    name: str
+    base_url: str
+    dialect: Dialect
+    api_key_env: str | None
+    key_header: str
+    key_format: str
+    models: Mapping[str, ModelPrice]
+    endpoints: tuple[Endpoint, ...]
+    not_processed: frozenset[int]
+    retry_statuses: frozenset[int]
+    idempotency: IdempotencyGuarantee | None
+    lookup: str | None
+    prices_taken: str
+    source: str
+
+    def endpoint_for(self, method: str, path: str) -> Endpoint | None:
+        """The declared endpoint for ``method path`` (path without query), or None if unknown.
+
+        The guard treats an unknown endpoint as billable.
+        """
+        return next((e for e in self.endpoints if e.matches(method, path)), None)
+
+    def price_for(self, model: str | None) -> ModelPrice | None:
+        """The price of ``model``: an exact name, else the base model of a dated snapshot.
+
+        ``gpt-4o-mini-2024-07-18`` is priced as ``gpt-4o-mini`` (the longest declared name
+        followed by ``-`` and a date), never as ``gpt-4o``. A request without a model is
+        priced as ``default`` on flat providers. None means unpriced.
+        """
+        if model is None:
+            return self.models.get("default") if self.dialect == "flat" else None
+        if model in self.models:
+            return self.models[model]
+        snapshots = [
+            name
+            for name in self.models
+            if model.startswith(name + "-") and _SNAPSHOT.fullmatch(model[len(name) + 1 :])
+        ]
+        best = max(snapshots, key=len, default=None)
+        return None if best is None else self.models[best]
+
+
+def bundled_dir() -> Traversable:
+    """The bundled declarations, as package data of :mod:`effectguard.providers`."""
+    return resources.files("effectguard.providers") / "bundled"
+
+
+def load_provider(path: Path) -> Provider:
+    """Read and validate one standalone declaration (``extends`` needs :func:`load_providers`)."""
+    raw = _read(path)
+    if "extends" in raw:
+        raise ConfigError(f"{path}: extends: only allowed in a --providers directory")
+    return _build(raw, str(path), _stem(path))
+
+
+def load_providers(
+    dirs: Sequence[Traversable] = (), upstreams: Mapping[str, str] | None = None
+) -> dict[str, Provider]:
+    """Load the bundled declarations, then each directory's, then the base URL overrides."""
+    loaded: dict[str, Provider] = {}
+    raws: dict[str, dict[str, Any]] = {}  # each loaded provider's declaration, for extends
+    for directory in (bundled_dir(), *dirs):
+        if not directory.is_dir():
+            raise ConfigError(f"{directory}: not a directory of provider declarations")
+        tomls = [p for p in directory.iterdir() if p.name.endswith(".toml")]
+        files = [(p, _read(p)) for p in sorted(tomls, key=lambda p: p.name)]
+        seen: dict[str, Traversable] = {}
+        # Plain declarations first, so an extension may build on a file of the same directory.
+        for path, raw in sorted(files, key=lambda item: "extends" in item[1]):
+            full = _resolve(path, raw, raws)
+            provider = _build(full, str(path), _stem(path))
+            if "extends" not in raw and provider.name in seen:
+                other = seen[provider.name]
+                raise ConfigError(f"{path}: name: {provider.name!r} also declared by {other}")
+            seen[provider.name] = path
+            loaded[provider.name] = provider
+            raws[provider.name] = full
+    for name, url in (upstreams or {}).items():
+        if name not in loaded:
+            known = ", ".join(sorted(loaded))
+            raise ConfigError(f"--upstream {name}: unknown provider (known: {known})")
+        loaded[name] = replace(loaded[name], base_url=_url(url, f"--upstream {name}"))
+    return loaded
+
+
+def _resolve(
+    path: Traversable, raw: dict[str, Any], raws: Mapping[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The full declaration of ``raw``: itself, or merged onto the provider it extends."""
+    if "extends" not in raw:
+        return raw
+    base_name = raw["extends"]
+    if not isinstance(base_name, str) or base_name not in raws:
+        raise ConfigError(f"{path}: extends: {base_name!r} is not a loaded provider")
+    merged = _merge(dict(raws[base_name]), {k: v for k, v in raw.items() if k != "extends"})
+    # Without a name of its own, an extension changes the provider it extends.
+    merged.setdefault("name", base_name)
+    return merged
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in over.items():
+        if key == "models" and isinstance(value, dict) and isinstance(base.get(key), dict):
+            models = dict(base[key])
+            for model, fields in value.items():
+                old = models.get(model)
+                # Field by field, so an override may change one price of a known model.
+                if isinstance(old, dict) and isinstance(fields, dict):
+                    fields = {**old, **fields}
+                models[model] = fields
+            base[key] = models
+        elif key == "endpoints" and isinstance(value, list) and isinstance(base.get(key), list):
+            keyed = {_endpoint_key(e): e for e in base[key]}
+            keyed.update({_endpoint_key(e): e for e in value})
+            base[key] = list(keyed.values())
+        else:
+            base[key] = value
+    return base
+
+
+def _endpoint_key(entry: object) -> tuple[str, str]:
+    if not isinstance(entry, dict):
+        return ("", repr(entry))
+    return (str(entry.get("method", "POST")).upper(), str(entry.get("path")))
+
+
+def _stem(path: Traversable) -> str:
+    return path.name.removesuffix(".toml")
+
+
+def _read(path: Traversable) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
+    """Validate a parsed declaration; every error names ``source`` and the field."""
+
+    def fail(where: str, why: str) -> ConfigError:
+        return ConfigError(f"{source}: {where}: {why}")
+
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        raise fail(unknown[0], "unknown field")
+    name = _str(raw, "name", fail, default=default_name)
+    if not _NAME.fullmatch(name):
+        raise fail("name", "must be lowercase letters, digits, '_', '.' or '-'")
+    dialect = _str(raw, "dialect", fail)
+    if dialect not in _DIALECTS:
+        raise fail("dialect", f"must be one of {', '.join(_DIALECTS)}")
+    api_key_env = _str(raw, "api_key_env", fail, default=None)
+    if api_key_env is not None and not _ENV_NAME.fullmatch(api_key_env):
+        raise fail("api_key_env", "must be an environment variable NAME, never the key")
+    key_header = _str(raw, "key_header", fail, default="authorization").lower()
+    if not _HEADER.fullmatch(key_header):
+        raise fail("key_header", "must be an HTTP header name")
+    key_format = _str(raw, "key_format", fail, default=_KEY_FORMATS.get(key_header, "{key}"))
+    if "{key}" not in key_format:
+        raise fail("key_format", "must contain {key}")
+    not_processed = _statuses(raw, "not_processed", fail)
+    retry = _statuses(raw, "retry_statuses", fail)
+    if not retry <= not_processed:
+        extra = ", ".join(str(s) for s in sorted(retry - not_processed))
+        raise fail("retry_statuses", f"{extra} not in not_processed")
+    lookup = _str(raw, "lookup", fail, default=None)
+    if lookup is not None:
+        try:
+            lookup.format(base_url="", key="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise fail("lookup", "only {base_url} and {key} may be used") from exc
+        if "{key}" not in lookup:
+            raise fail("lookup", "must contain {key}")
+    return Provider(
+        name=name,
+        base_url=_url(_str(raw, "base_url", fail), f"{source}: base_url"),
+        dialect=cast(Dialect, dialect),
+        api_key_env=api_key_env,
+        key_header=key_header,
+        key_format=key_format,
+        models=MappingProxyType(_models(raw, fail)),
+        endpoints=_endpoints(raw, fail),
+        not_processed=not_processed,
+        retry_statuses=retry,
+        idempotency=_idempotency(raw, fail),
+        lookup=lookup,
+        prices_taken=_prices_taken(raw, fail),
+        source=source,
+    )
+
+
+_Fail = Callable[[str, str], ConfigError]
+"""Builds the error for a field: ``fail("models.x.input", "required")``."""
+
+_MISSING: Any = object()
+
+
+def _str(raw: Mapping[str, Any], key: str, fail: _Fail, default: Any = _MISSING) -> Any:
+    value = raw.get(key, default)
+    if value is _MISSING:
+        raise fail(key, "required")
+    if value is not None and not isinstance(value, str):
+        raise fail(key, "must be a string")
+    return value
+
+
+def _url(url: object, where: str) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}: must be a string")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{where}: must be an http(s) URL, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{where}: must not have a query or fragment")
+    return url.rstrip("/")
+
+
+def _statuses(raw: Mapping[str, Any], key: str, fail: _Fail) -> frozenset[int]:
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        raise fail(key, "must be a list of HTTP statuses")
+    for status in value:
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise fail(key, f"{status!r} is not an HTTP status (an integer 100-599)")
+    return frozenset(value)
+
+
+def _prices_taken(raw: Mapping[str, Any], fail: _Fail) -> str:
+    value = raw.get("prices_taken", _MISSING)
+    if value is _MISSING:
+        raise fail("prices_taken", "required (the date the prices were taken, YYYY-MM-DD)")
+    if isinstance(value, date):
+        return value.isoformat()
+    try:
+        return date.fromisoformat(value).isoformat()
+    except (TypeError, ValueError) as exc:
+        raise fail("prices_taken", "must be a date, YYYY-MM-DD") from exc
+
+
+def _usd(value: object, where: str, fail: _Fail) -> Nanos:
+    if isinstance(value, float):
+        raise fail(
+            where, f'must be a decimal USD string such as "{value}" (TOML floats are not exact)'
+        )
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise fail(where, "must be a decimal USD string")
+    try:
+        amount = Decimal(value)
+    except InvalidOperation as exc:
+        raise fail(where, f"must be a decimal USD string, got {value!r}") from exc
+    if not amount.is_finite() or amount < 0:
+        raise fail(where, f"must be a non-negative decimal USD string, got {value!r}")
+    return usd_to_nanos(amount)
+
+
+def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
+    table = raw.get("models", {})
+    if not isinstance(table, dict):
+        raise fail("models", "must be a table of models")
+    models: dict[str, ModelPrice] = {}
+    for model, spec in table.items():
+        where = f"models.{model}"
+        if not isinstance(spec, dict):
+            raise fail(where, "must be a table")
+        unknown = sorted(set(spec) - _MODEL_KEYS)
+        if unknown:
+            raise fail(f"{where}.{unknown[0]}", "unknown field")
+        per_call = spec.get("per_call")
+        # A per-call priced tool may leave the token prices out (they are then zero).
+        token_default = "0" if per_call is not None else _MISSING
+        prices: dict[str, Nanos | None] = {}
+        for key in ("input", "output", "cached_input", "cache_write", "per_call"):
+            value = spec.get(key, token_default if key in ("input", "output") else None)
+            if value is _MISSING:
+                raise fail(f"{where}.{key}", "required")
+            prices[key] = None if value is None else _usd(value, f"{where}.{key}", fail)
+        max_out = spec.get("max_output_tokens", 4096)
+        if isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 0:
+            raise fail(f"{where}.max_output_tokens", "must be a non-negative integer")
+        models[model] = ModelPrice(
+            input=cast(int, prices["input"]),
+            output=cast(int, prices["output"]),
+            cached_input=prices["cached_input"],
+            cache_write=prices["cache_write"],
+            max_output_tokens=max_out,
+            per_call=prices["per_call"],
+        )
+    return models
+
+
+def _endpoints(raw: Mapping[str, Any], fail: _Fail) -> tuple[Endpoint, ...]:
+    entries = raw.get("endpoints", [])
+    if not isinstance(entries, list):
+        raise fail("endpoints", "must be an array of tables ([[endpoints]])")
+    result: list[Endpoint] = []
+    for i, entry in enumerate(entries):
+        where = f"endpoints[{i}]"
+        if not isinstance(entry, dict):
+            raise fail(where, "must be a table")
+        unknown = sorted(set(entry) - {"path", "method", "effect"})
+        if unknown:
+            raise fail(f"{where}.{unknown[0]}", "unknown field")
+        path = entry.get("path")
+        if not isinstance(path, str) or not path.startswith("/") or "?" in path or "#" in path:
+            raise fail(f"{where}.path", "must start with '/' and carry no query")
+        method = entry.get("method", "POST")
+        if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
+            raise fail(f"{where}.method", "must be an HTTP method")
+        effect = entry.get("effect")
+        if effect not in _EFFECTS:
+            raise fail(f"{where}.effect", f"must be one of {', '.join(_EFFECTS)}")
+        endpoint = Endpoint(path=path, effect=effect, method=method.upper())
+        if any(e.method == endpoint.method and e.path == path for e in result):
+            raise fail(f"{where}.path", f"{endpoint.method} {path} declared twice")
+        result.append(endpoint)
+    return tuple(result)
+
+
+def _idempotency(raw: Mapping[str, Any], fail: _Fail) -> IdempotencyGuarantee | None:
+    table = raw.get("idempotency")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise fail("idempotency", "must be a table")
+    unknown = sorted(set(table) - {"header", "window_seconds"})
+    if unknown:
+        raise fail(f"idempotency.{unknown[0]}", "unknown field")
+    header = table.get("header")
+    if not isinstance(header, str) or not _HEADER.fullmatch(header):
+        raise fail("idempotency.header", "must be an HTTP header name")
+    window = table.get("window_seconds")
+    if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
+        raise fail("idempotency.window_seconds", "must be a number of seconds > 0")
+    return IdempotencyGuarantee(header=header, window_seconds=float(window))

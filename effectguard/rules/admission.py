@@ -1,0 +1,118 @@
+"""What to do with an incoming request, given the call it may repeat (SPEC §4). Pure.
+
+The store looks up the call that an ``Idempotency-Key`` (or a declared retry)
+points at, projects it, and asks :func:`decide`. The answer is one of:
+admit new work, start a new attempt of that call, replay its stored response,
+join it while it is in flight, or refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from effectguard.errors import Refusal
+from effectguard.rules.workstate import WorkState
+
+Action = Literal["admit", "attempt", "provider_resend", "replay", "join", "refuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of :func:`decide` (``refusal`` set only for ``refuse``)."""
+
+    action: Action
+    existing: WorkState | None = None
+    refusal: Refusal | None = None
+
+
+def _refuse(status: int, type_: str, message: str, state: WorkState) -> Decision:
+    return Decision(
+        "refuse",
+        state,
+        Refusal(
+            status,
+            type_,
+            message,
+            call_id=state.call_id,
+            stage=state.stage,
+            next_operation=state.next_operation,
+        ),
+    )
+
+
+def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> Decision:
+    """SPEC §4's table for a request carrying an ``Idempotency-Key``."""
+    if existing is None:
+        return Decision("admit")
+    s = existing
+    if s.request_hash != request_hash:
+        return _refuse(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was used for a different request",
+            s,
+        )
+    if s.stage in ("completed", "failed"):
+        return Decision("replay", s)
+    if s.stage == "in_flight":
+        return _refuse(409, "in_progress", "a call with this key is in flight", s)
+    if s.stage == "effect_unknown":
+        window = s.idempotency_window_s
+        if window is not None and now - s.created_at <= window:
+            return Decision("provider_resend", s)
+        return _refuse(
+            409,
+            "effect_unknown",
+            "the effect of this call is unknown; reconcile it before sending again",
+            s,
+        )
+    if s.stage in ("not_sent", "not_processed", "reconciled_not_applied"):
+        return Decision("attempt", s)
+    if s.stage == "reconciled_applied":
+        return _refuse(409, "reconciled_applied", "this call was reconciled as applied", s)
+    return Decision("admit")
+
+
+def decide_retry(existing: WorkState | None) -> Decision:
+    """SPEC §4 for a key-less request that declares itself a retry.
+
+    ``existing`` is the unresolved call with the same request hash in the same
+    budget scope within the retry window, if any.
+    """
+    if existing is None:
+        return Decision("admit")
+    if existing.stage == "in_flight":
+        return Decision("join", existing)
+    if existing.stage == "effect_unknown":
+        return _refuse(
+            409,
+            "effect_unknown",
+            "this request retries a call whose effect is unknown; reconcile it first",
+            existing,
+        )
+    return Decision("admit")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """Everything admission needs to know about one request."""
+
+    request_hash: str
+    provider: str
+    endpoint: str
+    method: str
+    model: str | None
+    idempotency_key: str | None
+    budget: str
+    budget_root: str
+    effect_kind: str
+    body: str
+    body_encoding: str
+    stream: bool
+    reserve: int
+    is_retry: bool = False
+    retry_of: str | None = None
+    retry_window_s: float = 600.0
+    provider_idempotency_window_s: float | None = None
+    create_budgets: bool = True

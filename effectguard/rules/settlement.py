@@ -1,0 +1,88 @@
+"""What an observed answer settles (SPEC §3.3, §3.5). Pure.
+
+Given the attempt, its reservation, the model's prices and what the provider answered,
+:func:`settle` returns the events of the observation transaction and the outcome:
+
+* a status the provider declares "not processed" releases the reservation;
+* any other answer settles: at the cost of believed usage, or at the reservation
+  (flagged) when usage is missing, negative or absurd, or the status is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from effectguard.rules import usage as usages
+from effectguard.rules.events import (
+    AttemptObserved,
+    BudgetReleased,
+    BudgetSettled,
+    CallCompleted,
+    Event,
+)
+from effectguard.rules.money import Nanos
+from effectguard.rules.prices import ModelPrice
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the provider answered to one attempt, in storable form."""
+
+    status: int
+    not_processed: bool
+    headers: dict[str, str]
+    body: str
+    body_encoding: str
+    result: usages.UsageResult
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """The observation's events, the call's outcome and the money it settled.
+
+    ``actual`` is None when the reservation was released (nothing charged);
+    ``usage`` is the usage that was believed, if any.
+    """
+
+    events: tuple[Event, ...]
+    outcome: str
+    actual: Nanos | None
+    usage: usages.Usage | None
+
+
+def settle(
+    call_id: str,
+    attempt: int,
+    budget: str,
+    reserve: Nanos,
+    price: ModelPrice,
+    answer: Answer,
+) -> Settlement:
+    """The events that record ``answer`` and settle (or release) the reservation."""
+    result = answer.result
+    ok = 200 <= answer.status < 300
+    believed = result.believed and ok
+    observed = AttemptObserved(
+        call=call_id,
+        attempt=attempt,
+        status=answer.status,
+        not_processed=answer.not_processed,
+        usage=result.usage.to_dict() if result.usage else None,
+        usage_problem=None if believed else (result.problem or "missing"),
+        headers=answer.headers,
+        body=answer.body,
+        body_encoding=answer.body_encoding,
+    )
+    if answer.not_processed:
+        released = BudgetReleased(call=call_id, budget=budget, amount=reserve)
+        done = CallCompleted(call=call_id, outcome="not_processed")
+        return Settlement((observed, released, done), "not_processed", None, None)
+    usage = result.usage if believed else None
+    actual = usages.cost(price, usage) if usage is not None else reserve
+    flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
+    settled = BudgetSettled(
+        call=call_id, budget=budget, reserved=reserve, actual=actual, flagged=flagged
+    )
+    outcome = "completed" if ok else "failed"
+    done = CallCompleted(call=call_id, outcome=outcome)
+    return Settlement((observed, settled, done), outcome, actual, usage)

@@ -1,0 +1,413 @@
+"""Usage and cost: what a provider says a call consumed, and what that costs.
+
+Pure functions and one incremental parser, no I/O. Usage is read from a response body
+(:func:`usage_from_body`) or a server-sent-event stream (:class:`StreamUsage`), judged by the
+SPEC §3.5 belief rules (:func:`check_usage`), and priced exactly in nano-dollars
+(:func:`cost`). :func:`estimate` is the SPEC §5 reservation made before dispatch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from effectguard.rules.money import TOKENS_PER_MILLION, Nanos
+from effectguard.rules.prices import ModelPrice
+
+__all__ = [
+    "StreamUsage",
+    "Usage",
+    "UsageResult",
+    "check_usage",
+    "cost",
+    "estimate",
+    "usage_from_body",
+    "wants_stream",
+    "with_stream_usage",
+]
+
+ABSURD_TOKENS = 2**53
+"""More tokens than this in one call is not believed (SPEC §3.5)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens one call consumed, as the provider reports them.
+
+    ``input_tokens`` counts every input token, including cached reads and cache writes.
+    """
+
+    input_tokens: int
+    output_tokens: int
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``)."""
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cached_input_tokens": self.cached_input_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class UsageResult:
+    """Usage read from a response, and why it is not believed (``problem``), if it is not.
+
+    ``usage`` is kept whenever it could be read, even when not believed, so the ledger shows
+    what the provider claimed.
+    """
+
+    usage: Usage | None
+    problem: str | None
+
+    @property
+    def believed(self) -> bool:
+        """Whether the usage may be used to settle the call."""
+        return self.usage is not None and self.problem is None
+
+
+class _Unreadable(Exception):
+    """Usage fields are absent ("missing") or not integers ("malformed")."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+def _api(dialect: str, path: str) -> str:
+    """Which response shape ``path`` answers with: chat, embeddings, responses, messages, flat."""
+    path = path.split("?", 1)[0].rstrip("/")
+    if dialect == "flat":
+        return "flat"
+    if dialect == "anthropic":
+        return "messages"
+    if path.endswith("/responses"):
+        return "responses"
+    if path.endswith("/embeddings"):
+        return "embeddings"
+    return "chat"  # chat/completions and legacy completions share the usage shape
+
+
+def check_usage(usage: Usage) -> str | None:
+    """Why ``usage`` is not believed (SPEC §3.5), or None when it is."""
+    counts = (
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cached_input_tokens,
+        usage.cache_write_tokens,
+    )
+    if any(n < 0 for n in counts):
+        return "negative"
+    if any(n > ABSURD_TOKENS for n in counts):
+        return "absurd"
+    if usage.cached_input_tokens + usage.cache_write_tokens > usage.input_tokens:
+        return "cached exceeds input"
+    return None
+
+
+def _int(obj: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = obj.get(key)
+    if value is None:
+        if default is None:
+            raise _Unreadable("missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Unreadable("malformed")
+    return value
+
+
+def _table(obj: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _openai_usage(u: Mapping[str, Any], api: str) -> Usage:
+    if api == "responses" or ("prompt_tokens" not in u and "input_tokens" in u):
+        # The Responses API (and newer endpoints such as images) name it input/output.
+        return Usage(
+            input_tokens=_int(u, "input_tokens"),
+            output_tokens=_int(u, "output_tokens"),
+            cached_input_tokens=_int(_table(u, "input_tokens_details"), "cached_tokens", 0),
+        )
+    return Usage(
+        input_tokens=_int(u, "prompt_tokens"),
+        output_tokens=0 if api == "embeddings" else _int(u, "completion_tokens"),
+        cached_input_tokens=_int(_table(u, "prompt_tokens_details"), "cached_tokens", 0),
+    )
+
+
+def _anthropic_usage(u: Mapping[str, Any], output_tokens: int | None = None) -> Usage:
+    # Anthropic's input_tokens exclude cache reads and writes; Usage counts all input.
+    read = _int(u, "cache_read_input_tokens", 0)
+    write = _int(u, "cache_creation_input_tokens", 0)
+    return Usage(
+        input_tokens=_int(u, "input_tokens") + read + write,
+        output_tokens=_int(u, "output_tokens") if output_tokens is None else output_tokens,
+        cached_input_tokens=read,
+        cache_write_tokens=write,
+    )
+
+
+def _judged(usage: Usage) -> UsageResult:
+    return UsageResult(usage, check_usage(usage))
+
+
+def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
+    """Usage from a non-streaming JSON response body of ``dialect`` at ``path``.
+
+    A flat (per-call priced) provider's JSON body yields zero tokens: its price is per call.
+    """
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return UsageResult(None, "missing")
+    if not isinstance(doc, dict):
+        return UsageResult(None, "missing")
+    api = _api(dialect, path)
+    if api == "flat":
+        return UsageResult(Usage(0, 0), None)
+    u = doc.get("usage")
+    if not isinstance(u, dict):
+        return UsageResult(None, "missing")
+    try:
+        usage = _anthropic_usage(u) if api == "messages" else _openai_usage(u, api)
+    except _Unreadable as exc:
+        return UsageResult(None, exc.problem)
+    return _judged(usage)
+
+
+_TERMINAL = {
+    "chat": frozenset({"[DONE]"}),
+    "embeddings": frozenset({"[DONE]"}),
+    # A Responses stream ends with exactly one of these; each carries the final usage.
+    "responses": frozenset({"response.completed", "response.incomplete", "response.failed"}),
+    "messages": frozenset({"message_stop"}),
+    "flat": frozenset(),
+}
+
+
+class StreamUsage:
+    """Reads usage from a server-sent-event stream, fed raw chunks in arrival order.
+
+    Chunks may split lines, events and UTF-8 characters anywhere; lines end in ``\\n`` or
+    ``\\r\\n``. An event is handled at the blank line that ends it (an unterminated last event is
+    dropped, as the SSE standard says), so a stream cut short never looks finished.
+    """
+
+    def __init__(self, dialect: str, path: str) -> None:
+        self._api = _api(dialect, path)
+        self._buffer = b""
+        self._data: list[bytes] = []
+        self._finished = False
+        self._usage: Usage | None = None
+        self._problem: str | None = "missing"
+        self._start: Mapping[str, Any] | None = None  # anthropic message_start usage
+        self._delta: Mapping[str, Any] | None = None  # anthropic last message_delta usage
+        self._fed = 0  # bytes fed so far
+        self._event_at: int | None = None  # stream offset where the current event began
+        self._terminal_at: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream's terminal marker was seen (it ended cleanly)."""
+        return self._finished
+
+    @property
+    def fed(self) -> int:
+        """How many bytes of the stream have been fed."""
+        return self._fed
+
+    @property
+    def terminal_at(self) -> int | None:
+        """The stream offset where the terminal event begins (once :attr:`finished`)."""
+        return self._terminal_at
+
+    def feed(self, chunk: bytes) -> None:
+        """Consume the next raw chunk of the stream."""
+        at = self._fed - len(self._buffer)  # the stream offset of the buffer's first byte
+        self._fed += len(chunk)
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            if self._event_at is None and line.strip():
+                self._event_at = at
+            self._line(line.removesuffix(b"\r"))
+            at += len(line) + 1
+
+    def result(self) -> UsageResult:
+        """The usage reported so far (final once :attr:`finished`); ``missing`` if none."""
+        if self._api == "flat":
+            return UsageResult(Usage(0, 0), None)
+        if self._api == "messages":
+            return self._anthropic_result()
+        return UsageResult(self._usage, self._problem)
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            if self._data:
+                was_finished = self._finished
+                self._event(b"\n".join(self._data))
+                if self._finished and not was_finished:
+                    self._terminal_at = self._event_at
+            self._data = []
+            self._event_at = None
+        elif line.startswith(b"data:"):
+            data = line[5:]
+            self._data.append(data[1:] if data.startswith(b" ") else data)
+        # "event:", "id:", "retry:" and ":" comments carry nothing we need: the JSON names it.
+
+    def _event(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self._finished = "[DONE]" in _TERMINAL[self._api]
+            return
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if not isinstance(doc, dict):
+            return
+        kind = doc.get("type")
+        if kind in _TERMINAL[self._api]:
+            self._finished = True
+        if self._api == "messages":
+            if kind == "message_start":
+                self._start = _table(_table(doc, "message"), "usage")
+            elif kind == "message_delta" and isinstance(doc.get("usage"), dict):
+                self._delta = doc["usage"]
+        elif self._api == "responses":
+            if kind in _TERMINAL["responses"]:
+                self._read(_table(doc, "response").get("usage"))
+        elif doc.get("usage") is not None:
+            # Chat sends usage in one last chunk when stream_options.include_usage is set;
+            # servers that send it in every chunk report running totals, so the last wins.
+            self._read(doc["usage"])
+
+    def _read(self, u: object) -> None:
+        if not isinstance(u, dict):
+            self._usage, self._problem = None, "missing"
+            return
+        try:
+            self._usage = _openai_usage(u, self._api)
+        except _Unreadable as exc:
+            self._usage, self._problem = None, exc.problem
+            return
+        self._problem = check_usage(self._usage)
+
+    def _anthropic_result(self) -> UsageResult:
+        if self._start is None or self._delta is None:
+            return UsageResult(None, "missing")
+        # message_delta's counts are cumulative; newer API versions repeat the input counts
+        # there too, and where they do they are the later word.
+        merged = {**self._start, **{k: v for k, v in self._delta.items() if v is not None}}
+        try:
+            usage = _anthropic_usage(merged, _int(self._delta, "output_tokens"))
+        except _Unreadable as exc:
+            return UsageResult(None, exc.problem)
+        return _judged(usage)
+
+
+def _ceil_nanos(nano_token_product: int) -> Nanos:
+    """Nano-dollars for a sum of tokens x (nano-dollars per million), rounded up once."""
+    return -(-nano_token_product // TOKENS_PER_MILLION)
+
+
+def cost(price: ModelPrice, usage: Usage) -> Nanos:
+    """The exact cost of ``usage`` at ``price``, in nano-dollars, rounded up to a whole nano.
+
+    Uncached input at the input price, cached reads at ``cached_input`` and cache writes at
+    ``cache_write`` (each falling back to the input price where undeclared), output at the
+    output price, plus the per-call price.
+    """
+    cached_price = price.input if price.cached_input is None else price.cached_input
+    write_price = price.input if price.cache_write is None else price.cache_write
+    uncached = max(0, usage.input_tokens - usage.cached_input_tokens - usage.cache_write_tokens)
+    total = (
+        uncached * price.input
+        + max(0, usage.cached_input_tokens) * cached_price
+        + max(0, usage.cache_write_tokens) * write_price
+        + max(0, usage.output_tokens) * price.output
+    )
+    return _ceil_nanos(total) + (price.per_call or 0)
+
+
+def _json_bytes(value: object) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def _content_bytes(content: object) -> int:
+    """UTF-8 bytes of prompt content: a string, token ids, or a list of parts or items."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content.encode())
+    if isinstance(content, int) and not isinstance(content, bool):
+        return 1  # a token id (completions and embeddings accept token arrays)
+    if isinstance(content, list):
+        return sum(_content_bytes(part) for part in content)
+    if isinstance(content, dict):
+        if isinstance(content.get("text"), str):
+            return len(content["text"].encode())
+        if "content" in content:  # a message, a Responses input item, a tool result
+            extra = content.get("tool_calls")
+            return _content_bytes(content["content"]) + (_json_bytes(extra) if extra else 0)
+        # Images, files, tool calls: their JSON, a generous stand-in for their tokens.
+        return _json_bytes(content)
+    return _json_bytes(content)
+
+
+def _output_bound(price: ModelPrice, request: Mapping[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_output_tokens", "max_tokens"):
+        value = request.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            bound = value
+            break
+    else:
+        bound = price.max_output_tokens
+    # n (and legacy best_of) choices each generate up to the bound, and each is billed.
+    choices = [request.get("n"), request.get("best_of")]
+    return bound * max([1, *(c for c in choices if isinstance(c, int) and c >= 1)])
+
+
+def estimate(price: ModelPrice, request: Mapping[str, Any]) -> Nanos:
+    """The SPEC §5 reservation R for ``request`` at ``price``, in nano-dollars.
+
+    Input bound: the UTF-8 byte length of the prompt content (messages, system, prompt,
+    input, instructions, and the JSON of tool definitions) at the input price. Output bound:
+    the request's max tokens, else the model's declared maximum, at the output price (an
+    embeddings model's output price is zero). Plus the per-call price.
+    """
+    input_bytes = sum(
+        _content_bytes(request.get(key))
+        for key in ("messages", "system", "prompt", "input", "instructions")
+    )
+    input_bytes += sum(
+        _json_bytes(request[key]) for key in ("tools", "functions") if request.get(key)
+    )
+    total = input_bytes * price.input + _output_bound(price, request) * price.output
+    return _ceil_nanos(total) + (price.per_call or 0)
+
+
+def wants_stream(request: Mapping[str, Any]) -> bool:
+    """Whether the request asks for a server-sent-event stream."""
+    return request.get("stream") is True
+
+
+def with_stream_usage(dialect: str, path: str, request: dict[str, Any]) -> dict[str, Any] | None:
+    """A copy of an OpenAI streaming chat request that asks for the final usage chunk.
+
+    Without ``stream_options.include_usage`` the stream carries no usage and the call could
+    only be settled at its reservation. None when no change is needed.
+    """
+    endpoint = path.split("?", 1)[0].rstrip("/")
+    if dialect != "openai" or not endpoint.endswith("/completions") or not wants_stream(request):
+        return None
+    options = request.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    if options.get("include_usage") is True:
+        return None
+    return {**request, "stream_options": {**options, "include_usage": True}}

@@ -1,0 +1,438 @@
+"""Prometheus metrics (SPEC §10): counters in-process, ledger gauges at scrape time.
+
+Two kinds of numbers, on one injected :class:`~prometheus_client.CollectorRegistry`:
+
+* **What this process saw** — requests, tokens, cost, refusals, replays and
+  latencies — are counters and histograms fed by :class:`MetricsObserver`, the
+  :class:`~effectguard.telemetry.observer.Observer` the guard calls. They start at zero
+  with the process, as Prometheus counters do.
+* **What the ledger holds** — calls in flight, unknown effects and the money
+  they hold, each budget root's reserved, spent, held and limit — are gauges
+  read from the ledger by :meth:`Metrics.refresh` (aggregate queries only) and
+  yielded by a custom collector. They are right after a restart and identical
+  from every replica, so dashboards take ``max`` of them, never ``sum``.
+
+The proxy serves them at ``GET /metrics``. In-process::
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = Metrics(registry=registry)
+    transport = AsyncGuardTransport(ledger=ledger, observer=metrics.observer)
+    metrics.attach(ledger)  # in the event loop that uses the ledger
+    prometheus_client.start_http_server(9100, registry=registry)
+
+No label carries a call id, a key or a user: providers and reasons are declared
+names, models are capped per provider, and budget labels stop at
+``budget_depth`` segments (roots only by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from effectguard.errors import EffectguardError
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.money import nanos_to_decimal
+
+if TYPE_CHECKING:
+    from effectguard.ledger import Ledger
+
+__all__ = ["LedgerSnapshot", "Metrics", "MetricsObserver"]
+
+log = logging.getLogger("effectguard.telemetry.metrics")
+
+#: Distinct values one label may take before further ones are counted as ``other``.
+MAX_LABEL_VALUES = 100
+#: Effect-unknown calls read to find the oldest one (they are rare; beyond this the age
+#: is a lower bound until the store answers ``min(created_at)`` itself).
+OLDEST_SCAN_LIMIT = 10_000
+
+UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+OVERHEAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+REPLAY_OUTCOMES = frozenset({"replayed", "joined"})
+
+
+def _usd(nanos: int) -> float:
+    """Nano-dollars as float USD: only here, at the exposition edge."""
+    return float(nanos_to_decimal(nanos))
+
+
+class _Capped:
+    """Admits at most ``limit`` distinct values per scope; later ones become ``other``."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self._limit = limit
+        self._seen: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, scope: str, value: str) -> str:
+        seen = self._seen.get(scope)
+        if seen is not None and value in seen:  # the hot path: no lock
+            return value
+        with self._lock:
+            seen = self._seen.setdefault(scope, set())
+            if value in seen or len(seen) < self._limit:
+                seen.add(value)
+                return value
+        return "other"
+
+    def values(self, scope: str) -> list[str]:
+        with self._lock:
+            return sorted(self._seen.get(scope, ()))
+
+
+class MetricsObserver:
+    """The guard's :class:`~effectguard.telemetry.observer.Observer`, as Prometheus counters."""
+
+    def __init__(self, registry: CollectorRegistry, capped: _Capped) -> None:
+        self._cap = capped
+        self._children: dict[tuple[Any, ...], Any] = {}
+        self.requests = Counter(
+            "effectguard_requests",
+            "Requests finished, by outcome.",
+            ["provider", "model", "outcome"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "effectguard_tokens",
+            "Tokens of settled calls (direction: input or output).",
+            ["provider", "model", "direction"],
+            registry=registry,
+        )
+        self.cost = Counter(
+            "effectguard_cost_usd",
+            "Settled cost in USD.",
+            ["provider", "model"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "effectguard_refusals",
+            "Requests refused, by reason (the SPEC §9 error type).",
+            ["provider", "reason"],
+            registry=registry,
+        )
+        self.replays = Counter(
+            "effectguard_replays",
+            "Requests answered from the ledger (replayed or joined).",
+            ["provider"],
+            registry=registry,
+        )
+        self.upstream = Histogram(
+            "effectguard_upstream_duration_seconds",
+            "Time waiting on the upstream per attempt.",
+            ["provider"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "effectguard_overhead_duration_seconds",
+            "effectguard's own time per request (total minus upstream).",
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        # labels() validates and locks on every call; a request makes five of them.
+        # Values are capped before they get here, so this cache is bounded too.
+        key = (metric, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def _provider(self, provider: str) -> str:
+        return self._cap("provider", provider)
+
+    def _model(self, provider: str, model: str) -> str:
+        return self._cap("model:" + provider, model)
+
+    def request_done(self, provider: str, model: str, outcome: str) -> None:
+        """Count a finished request; replays also count as replays."""
+        p = self._provider(provider)
+        self._child(self.requests, p, self._model(p, model), self._cap("outcome", outcome)).inc()
+        if outcome in REPLAY_OUTCOMES:
+            self._child(self.replays, p).inc()
+
+    def refused(self, provider: str, reason: str) -> None:
+        """Count a refusal by its error type."""
+        self._child(self.refusals, self._provider(provider), self._cap("reason", reason)).inc()
+
+    def settled(
+        self, provider: str, model: str, input_tokens: int, output_tokens: int, cost_nanos: int
+    ) -> None:
+        """Add a settled call's tokens and cost."""
+        p = self._provider(provider)
+        m = self._model(p, model)
+        self._child(self.tokens, p, m, "input").inc(max(0, input_tokens))
+        self._child(self.tokens, p, m, "output").inc(max(0, output_tokens))
+        self._child(self.cost, p, m).inc(_usd(max(0, cost_nanos)))
+
+    def upstream_seconds(self, provider: str, seconds: float) -> None:
+        """Observe one attempt's upstream time."""
+        self._child(self.upstream, self._provider(provider)).observe(seconds)
+
+    def overhead_seconds(self, seconds: float) -> None:
+        """Observe the guard's own time for one request."""
+        self.overhead.observe(seconds)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LedgerSnapshot:
+    """What the ledger held at one refresh (money in nano-dollars)."""
+
+    stages: tuple[tuple[str, str, int, int], ...] = ()  # provider, stage, count, held
+    budgets: tuple[BudgetNode, ...] = ()
+    oldest_unknown: tuple[tuple[str, float], ...] = ()  # provider, created_at
+    ok: bool = True
+    seconds: float = 0.0
+
+
+class _LedgerCollector:
+    """Yields the gauges of the latest :class:`LedgerSnapshot`."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        # Names only, so registering does not read the ledger.
+        return list(_gauges(LedgerSnapshot(), []))
+
+    def collect(self) -> Iterator[Metric]:
+        self._metrics._refresh_from_other_thread()
+        m = self._metrics
+        yield from _gauges(m.snapshot, m._cap.values("provider"))
+
+
+def _gauges(snap: LedgerSnapshot, providers: list[str]) -> Iterator[Metric]:
+    def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=labels)
+
+    in_flight = gauge("effectguard_calls_in_flight", "Calls in flight (ledger).", ["provider"])
+    unknown = gauge(
+        "effectguard_effect_unknown_calls", "Calls whose effect is unknown (ledger).", ["provider"]
+    )
+    unknown_held = gauge(
+        "effectguard_effect_unknown_held_usd",
+        "USD held by effect-unknown calls until they are reconciled (ledger).",
+        ["provider"],
+    )
+    oldest = gauge(
+        "effectguard_effect_unknown_oldest_timestamp_seconds",
+        "When the oldest effect-unknown call was admitted (Unix time; ledger).",
+        ["provider"],
+    )
+    counts: dict[tuple[str, str], tuple[int, int]] = {
+        (p, stage): (n, held) for p, stage, n, held in snap.stages
+    }
+    # Providers this process knows of show 0, so a reconciled call's series drops to 0.
+    known = {p for p in providers if p not in ("", "other")} if snap.ok else set()
+    names = sorted({p for p, _ in counts} | known)
+    for p in names:
+        in_flight.add_metric([p], counts.get((p, "in_flight"), (0, 0))[0])
+        n, held = counts.get((p, "effect_unknown"), (0, 0))
+        unknown.add_metric([p], n)
+        unknown_held.add_metric([p], _usd(held))
+    for p, created_at in snap.oldest_unknown:
+        oldest.add_metric([p], created_at)
+    yield from (in_flight, unknown, unknown_held, oldest)
+
+    families = {
+        field: gauge(f"effectguard_budget_{field}_usd", doc, ["budget"])
+        for field, doc in (
+            ("limit", "A budget's limit in USD (only budgets with a limit; ledger)."),
+            ("reserved", "USD reserved by calls in flight under a budget (ledger)."),
+            ("spent", "USD settled under a budget (ledger)."),
+            ("held", "USD held by effect-unknown calls under a budget (ledger)."),
+        )
+    }
+    for node in snap.budgets:
+        if node.limit is not None:
+            families["limit"].add_metric([node.path], _usd(node.limit))
+        families["reserved"].add_metric([node.path], _usd(node.reserved))
+        families["spent"].add_metric([node.path], _usd(node.spent))
+        families["held"].add_metric([node.path], _usd(node.held))
+    yield from families.values()
+
+    up = gauge("effectguard_ledger_up", "1 if the last ledger read for metrics succeeded.", [])
+    up.add_metric([], 1 if snap.ok else 0)
+    took = gauge(
+        "effectguard_ledger_read_duration_seconds",
+        "Time the last ledger read for metrics took.",
+        [],
+    )
+    took.add_metric([], snap.seconds)
+    yield from (up, took)
+
+
+class Metrics:
+    """effectguard's metrics on one registry: the observer, the ledger gauges, exposition."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        budget_depth: int = 1,
+        refresh_timeout_s: float = 5.0,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.budget_depth = budget_depth
+        self.refresh_timeout_s = refresh_timeout_s
+        self._cap = _Capped()
+        self.observer = MetricsObserver(self.registry, self._cap)
+        self.commit_duration = Histogram(
+            "effectguard_ledger_commit_duration_seconds",
+            "Time of one ledger group commit.",
+            buckets=COMMIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.commit_batch = Histogram(
+            "effectguard_ledger_commit_batch_size",
+            "Write operations in one group commit.",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.commits = Counter(
+            "effectguard_ledger_commits",
+            "Ledger group commits, by result (ok or failed).",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("ok", "failed"):
+            self.commits.labels(result)
+        self.snapshot = LedgerSnapshot()
+        self._ledger: Ledger | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hooked: object = None
+        self._collector: _LedgerCollector | None = None
+        self._fresh = False
+        self._pending: asyncio.Task[None] | None = None
+
+    def attach(self, ledger: Ledger) -> None:
+        """Read gauges from ``ledger`` and time its commits (call in the ledger's loop)."""
+        self._ledger = ledger
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._hook_commits()
+        if self._collector is None:
+            self._collector = _LedgerCollector(self)
+            self.registry.register(self._collector)
+        self._refresh_soon()
+
+    async def refresh(self) -> None:
+        """Read the ledger's gauges into :attr:`snapshot` (aggregate queries only)."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        self._hook_commits()
+        started = time.perf_counter()
+        try:
+            stages = await ledger.store.stage_counts()
+            nodes = [n for n in await ledger.budgets() if self._labelled(n.path)]
+            unknown = sum(n for _, stage, n, _ in stages if stage == "effect_unknown")
+            oldest: dict[str, float] = {}
+            if unknown:
+                scan = min(unknown, OLDEST_SCAN_LIMIT)
+                for call in await ledger.calls(stage="effect_unknown", limit=scan):
+                    at = oldest.get(call.provider)
+                    oldest[call.provider] = (
+                        call.created_at if at is None else min(at, call.created_at)
+                    )
+        except EffectguardError as exc:
+            log.warning("metrics could not read the ledger: %s", exc)
+            self.snapshot = LedgerSnapshot(ok=False, seconds=time.perf_counter() - started)
+            self._fresh = True
+            return
+        for provider, _, _, _ in stages:
+            self._cap("provider", provider)
+        self.snapshot = LedgerSnapshot(
+            stages=tuple(stages),
+            budgets=tuple(nodes),
+            oldest_unknown=tuple(sorted(oldest.items())),
+            seconds=time.perf_counter() - started,
+        )
+        self._fresh = True
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type.
+
+        Await :meth:`refresh` first for gauges as of this scrape; without it they are
+        those of the previous scrape (a refresh is started for next time).
+        """
+        if not self._fresh:
+            self._refresh_soon()
+        self._fresh = False
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # -- internals --------------------------------------------------------------
+    def _labelled(self, path: str) -> bool:
+        return path.count("/") < self.budget_depth
+
+    def _hook_commits(self) -> None:
+        """Observe the store's group committer (again, if the store was reopened)."""
+        if self._ledger is None:
+            return
+        try:
+            committer = getattr(self._ledger.store, "committer", None)
+        except EffectguardError:  # not open yet: hooked on a later refresh
+            return
+        if committer is None or committer is self._hooked:
+            return
+        committer.stats.observers.append(self._on_commit)
+        self._hooked = committer
+
+    def _on_commit(self, batch_size: int, seconds: float, ok: bool) -> None:
+        """Called on the writer thread after every commit (prometheus_client is thread-safe)."""
+        try:
+            self.commit_duration.observe(seconds)
+            self.commit_batch.observe(batch_size)
+            self.commits.labels("ok" if ok else "failed").inc()
+        except Exception:  # a metrics fault must never stop the ledger's writer thread
+            log.exception("metrics could not record a ledger commit")
+
+    def _refresh_soon(self) -> None:
+        """Start a background refresh if we are in the ledger's loop and none is pending."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if loop is not self._loop or (self._pending is not None and not self._pending.done()):
+            return
+        self._pending = loop.create_task(self.refresh())
+
+    def _refresh_from_other_thread(self) -> None:
+        """When scraped off the ledger's loop (``start_http_server``), refresh on that loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            return  # on a loop: the caller awaits refresh() (or render() started one)
+        future = asyncio.run_coroutine_threadsafe(self.refresh(), loop)
+        try:
+            future.result(self.refresh_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            log.warning("metrics: ledger read took over %.1f s", self.refresh_timeout_s)

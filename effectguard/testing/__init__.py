@@ -1,0 +1,233 @@
+"""Helpers for testing code that uses effectguard, shipped so nobody has to mock it.
+
+The fake provider part: :func:`fake_provider` runs ``effectguard.testing.fakeprovider``
+in a subprocess and hands back a :class:`FakeProvider` whose receipt log
+counts the effects that actually reached the provider::
+
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        client = openai.OpenAI(base_url=provider.url + "/v1", api_key="x")
+        client.chat.completions.create(model="m", messages=[...])
+        assert len(provider.effects()) == 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FakeProvider",
+    "Proxy",
+    "fake_provider",
+    "free_port",
+    "running_proxy",
+    "start_proxy",
+    "stop_process",
+]
+
+_LISTENING = "fake-provider listening on "
+_START_TIMEOUT = 10.0
+_STOP_TIMEOUT = 5.0
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = _STOP_TIMEOUT) -> int | None:
+    """SIGTERM ``process``, then SIGKILL if it has not exited after ``timeout`` seconds."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+@dataclass
+class FakeProvider:
+    """A running fake-provider subprocess and its receipt log."""
+
+    url: str
+    receipts_path: Path
+    process: subprocess.Popen[bytes]
+
+    def receipts(self) -> list[dict[str, Any]]:
+        """Every receipt line so far: one per POST the provider received, in order."""
+        try:
+            text = self.receipts_path.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line]
+
+    def effects(self) -> list[dict[str, Any]]:
+        """The receipts that were not answered from the provider's dedup store.
+
+        Error answers (``--error-status``, a reused key's 422) count: the request
+        reached the provider. Filter on the receipt's ``status`` where that matters.
+        """
+        return [receipt for receipt in self.receipts() if not receipt["deduped"]]
+
+    def stop(self) -> None:
+        """Stop the process: SIGTERM, then SIGKILL if it does not exit in time."""
+        stop_process(self.process)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@contextlib.contextmanager
+def fake_provider(
+    receipts: Path,
+    *,
+    delay: float | None = None,
+    idempotent: bool = False,
+    error_status: int | None = None,
+    break_after: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> Iterator[FakeProvider]:
+    """Run a fake provider on a free port for the duration of the ``with`` block."""
+    args = [sys.executable, "-m", "effectguard.testing.fakeprovider", "--port", "0"]
+    args += ["--receipts", str(receipts)]
+    if delay is not None:
+        args += ["--delay", str(delay)]
+    if idempotent:
+        args.append("--idempotent")
+    if error_status is not None:
+        args += ["--error-status", str(error_status)]
+    if break_after is not None:
+        args += ["--break-after", str(break_after)]
+    args += extra_args
+    # The child must import this very effectguard, installed or not.
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, env=env)
+    provider = FakeProvider(url="", receipts_path=receipts, process=process)
+    try:
+        provider.url = _read_url(process)
+        yield provider
+    finally:
+        provider.stop()
+
+
+def _read_url(process: subprocess.Popen[bytes]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + _START_TIMEOUT
+    while (remaining := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([process.stdout], [], [], remaining)
+        if not ready:
+            break
+        line = process.stdout.readline().decode()
+        if line.startswith(_LISTENING):
+            return line.removeprefix(_LISTENING).strip()
+        if not line:
+            raise RuntimeError(f"fake provider exited with status {process.wait()}")
+    raise RuntimeError(f"fake provider did not start within {_START_TIMEOUT} s")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Proxy:
+    """A running ``effectguard serve`` subprocess."""
+
+    url: str
+    ledger: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        """Everything the proxy printed (stdout and stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL: no cleanup)."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def stop(self, timeout: float = _STOP_TIMEOUT * 3) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+        return stop_process(self.process, timeout)
+
+
+def start_proxy(
+    ledger: str | Path,
+    *,
+    upstreams: dict[str, str] | None = None,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    port: int | None = None,
+    wait: bool = True,
+) -> Proxy:
+    """Start ``effectguard serve`` on a free loopback port; wait until ``/healthz`` answers."""
+    import urllib.request
+
+    port = port or free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "effectguard",
+        "serve",
+        "--ledger",
+        str(ledger),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    for name, url in (upstreams or {}).items():
+        command += ["--upstream", f"{name}={url}"]
+    command += list(args)
+    log_path = log_path or Path(str(ledger) + f".proxy-{port}.log")
+    child_env = {**os.environ, **(env or {})}
+    with log_path.open("ab") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env
+        )
+    proxy = Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path)
+    if not wait:
+        return proxy
+    deadline = time.monotonic() + _START_TIMEOUT * 2
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"effectguard serve exited with {process.returncode}:\n{proxy.log()}"
+            )
+        try:
+            with urllib.request.urlopen(proxy.url + "/healthz", timeout=1) as response:
+                if response.status == 200:
+                    return proxy
+        except OSError:
+            time.sleep(0.05)
+    proxy.kill()
+    raise RuntimeError(f"effectguard serve did not become healthy:\n{proxy.log()}")
+
+
+@contextlib.contextmanager
+def running_proxy(ledger: str | Path, **kwargs: Any) -> Iterator[Proxy]:
+    """:func:`start_proxy` for the duration of a block (stopped gracefully after)."""
+    proxy = start_proxy(ledger, **kwargs)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
