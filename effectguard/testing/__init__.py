@@ -85,7 +85,7 @@ class FakeProvider:
 
 @contextlib.contextmanager
 def fake_provider(
-    receipts: Path,
+    receipts: str | Path,
     *,
     delay: float | None = None,
     idempotent: bool = False,
@@ -94,6 +94,7 @@ def fake_provider(
     extra_args: Sequence[str] = (),
 ) -> Iterator[FakeProvider]:
     """Run a fake provider on a free port for the duration of the ``with`` block."""
+    receipts = Path(receipts)
     args = [sys.executable, "-m", "effectguard.testing.fakeprovider", "--port", "0"]
     args += ["--receipts", str(receipts)]
     if delay is not None:
