@@ -74,6 +74,7 @@ class Refusal(EffectguardError):
         stage: str | None = None,
         next_operation: str | None = None,
         retryable: bool = False,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -83,6 +84,8 @@ class Refusal(EffectguardError):
         self.stage = stage
         self.next_operation = next_operation
         self.retryable = retryable
+        #: The request field a 400 is about (OpenAI's ``param``), if one is.
+        self.param = param
 
 
 class ReconcileError(EffectguardError):

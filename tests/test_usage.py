@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from effectguard.providers import ModelPrice
 from effectguard.rules.money import usd_to_nanos
 from effectguard.rules.usage import (
+    OutOfBounds,
     StreamUsage,
     Usage,
     UsageResult,
@@ -558,10 +559,12 @@ def test_estimate_defaults_to_declared_max_output() -> None:
     assert estimate(MINI, request) == -(-(2 * 150_000_000 + 16384 * 600_000_000) // 1_000_000)
 
 
-def test_estimate_request_max_tokens_beyond_declared_is_used() -> None:
-    """A request's max tokens is used as given, even above the declared maximum."""
+def test_estimate_request_max_tokens_beyond_declared_is_refused() -> None:
+    """A request's max tokens above the model's declared maximum is refused, naming it."""
     request = {"messages": [], "max_tokens": 20000}
-    assert estimate(MINI, request) == 20000 * 600
+    with pytest.raises(OutOfBounds) as caught:
+        estimate(MINI, request)
+    assert caught.value.field == "max_tokens"
 
 
 def test_estimate_n_choices_multiply_output() -> None:

@@ -111,7 +111,9 @@ def prepare(
     if amended is not None:
         sent = json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
     try:
-        reserve = usages.estimate(price, parsed)
+        reserve = usages.estimate(price, parsed, dialect=provider.dialect)
+    except usages.OutOfBounds as exc:
+        raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
     except (TypeError, ValueError) as exc:
         raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
     retry_of = request.headers.get(RETRY_OF_HEADER)

@@ -89,7 +89,7 @@ def error_body(dialect: str, refusal: Refusal) -> dict[str, Any]:
     detail: dict[str, Any] = {"type": refusal.type, "message": refusal.message}
     if dialect != "anthropic":
         detail["code"] = refusal.type
-    for name in ("call_id", "stage", "next_operation"):
+    for name in ("param", "call_id", "stage", "next_operation"):
         value = getattr(refusal, name)
         if value is not None:
             detail[name] = value

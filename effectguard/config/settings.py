@@ -43,7 +43,7 @@ from effectguard.config import defaults
 from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers
 from effectguard.rules import budget as budgets
-from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.money import check_amount, usd_to_nanos
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +140,9 @@ def load_settings(
     for path, value in _table(raw, "budgets", source).items():
         try:
             budgets.validate_path(path)
-            limits[path] = usd_to_nanos(str(value) if isinstance(value, int) else value)
+            limits[path] = check_amount(
+                usd_to_nanos(str(value) if isinstance(value, int) else value)
+            )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: budgets.{path}: {exc}") from exc
     keys = []

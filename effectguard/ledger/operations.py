@@ -34,7 +34,7 @@ from effectguard.rules.events import (
     WorkerTakenOver,
     seal,
 )
-from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
 from effectguard.rules.workstate import WorkState
 
 
@@ -304,6 +304,10 @@ def reconcile(
             f"call {call_id} is {state.stage}, not effect_unknown; nothing to reconcile",
             call_id=call_id,
         )
+    if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
+        raise ReconcileError(
+            f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
+        )
     spent = (state.held if cost is None else cost) if applied else 0
     events: list[Event] = [
         CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
@@ -314,7 +318,8 @@ def reconcile(
 
 def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
     """Set (or clear) a budget node's limit."""
-    append(tx, writer, [BudgetLimitSet(path=budgets.validate_path(path), limit=limit)])
+    path, limit = budgets.validate_path(path), budgets.validate_limit(limit)
+    append(tx, writer, [BudgetLimitSet(path=path, limit=limit)])
 
 
 def register_worker(tx: Tx, *, worker: str, host: str, pid: int, lease_s: float) -> Writer:

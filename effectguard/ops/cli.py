@@ -31,7 +31,7 @@ from effectguard.errors import (
 from effectguard.ledger import Ledger
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.budget import BudgetNode
-from effectguard.rules.money import nanos_to_usd, usd_to_nanos
+from effectguard.rules.money import check_amount, nanos_to_usd, usd_to_nanos
 from effectguard.rules.workstate import STAGES, WorkState
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
@@ -48,7 +48,10 @@ def _usd(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not a USD amount: {value!r}") from None
     if amount < 0:
         raise argparse.ArgumentTypeError("amounts cannot be negative")
-    return usd_to_nanos(amount)
+    try:
+        return check_amount(usd_to_nanos(amount))  # a counter must be able to hold it
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _money(nanos: int | None) -> str | None:

@@ -3,8 +3,11 @@
 Budgets are paths (``team-a``, ``team-a/run-42``). A charge to a path is a
 charge to it and every ancestor. Each node carries a limit (or none) and three
 counters in nano-dollars: ``reserved``, ``spent`` and ``held``. Counters are a
-fold of budget events (:func:`deltas`), saturating at zero, so replaying the
-ledger reproduces them exactly.
+fold of budget events (:func:`deltas`), saturating at zero and at
+:data:`~effectguard.rules.money.MAX_NANOS` (what a stored 64-bit counter holds), so
+replaying the ledger reproduces them exactly and no counter can overflow its column.
+Admission refuses a charge that would take any node on its path past that bound, so in
+practice the upper saturation is never reached.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from effectguard.rules.events import (
     BudgetUnheld,
     Event,
 )
+from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS
 
 DEFAULT_BUDGET: Final = "default"
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -96,15 +100,17 @@ class Exceeded:
 def check_admission(nodes: Mapping[str, BudgetNode], path: str, amount: int) -> Exceeded | None:
     """Whether ``amount`` fits under every limited node on ``path`` (SPEC §5).
 
-    Nodes missing from ``nodes`` are unlimited. Returns the first (root-most)
+    Nodes missing from ``nodes`` are unlimited. Every node, limited or not, also
+    has the bound :data:`MAX_NANOS` (its stored counters must not overflow), and one
+    call may reserve at most :data:`MAX_CALL_NANOS`. Returns the first (root-most)
     node that would overflow, or ``None`` when the charge fits everywhere.
     """
     for p in ancestors(path):
-        node = nodes.get(p)
-        if node is None or node.limit is None:
-            continue
-        if node.committed + amount > node.limit:
-            return Exceeded(path=p, limit=node.limit, room=node.room or 0, amount=amount)
+        node = nodes.get(p) or BudgetNode(p)
+        bound = MAX_NANOS if node.limit is None else min(node.limit, MAX_NANOS)
+        if node.committed + amount > bound or amount > MAX_CALL_NANOS:
+            room = max(0, min(bound - node.committed, MAX_CALL_NANOS))
+            return Exceeded(path=p, limit=bound, room=room, amount=amount)
     return None
 
 
@@ -134,19 +140,31 @@ def deltas(event: Event) -> Delta | None:
 
 
 def apply_delta(node: BudgetNode, delta: Delta) -> BudgetNode:
-    """Apply ``delta`` to one node, saturating every counter at zero."""
+    """Apply ``delta`` to one node, saturating every counter at zero and at ``MAX_NANOS``."""
     return replace(
         node,
-        reserved=max(0, node.reserved + delta.reserved),
-        spent=max(0, node.spent + delta.spent),
-        held=max(0, node.held + delta.held),
+        reserved=_saturated(node.reserved + delta.reserved),
+        spent=_saturated(node.spent + delta.spent),
+        held=_saturated(node.held + delta.held),
     )
+
+
+def _saturated(value: int) -> int:
+    return min(MAX_NANOS, max(0, value))
+
+
+def validate_limit(limit: int | None) -> int | None:
+    """Return ``limit`` if a counter can hold it (``0..MAX_NANOS``), else raise ``ValueError``."""
+    if limit is not None and not 0 <= limit <= MAX_NANOS:
+        raise ValueError(f"a budget limit must be between 0 and {MAX_NANOS} nano-dollars")
+    return limit
 
 
 def apply(nodes: dict[str, BudgetNode], event: Event) -> list[BudgetNode]:
     """Fold ``event`` into ``nodes`` in place; return the nodes it changed."""
     if isinstance(event, BudgetLimitSet):
-        node = replace(nodes.get(event.path) or BudgetNode(event.path), limit=event.limit)
+        limit = None if event.limit is None else _saturated(event.limit)
+        node = replace(nodes.get(event.path) or BudgetNode(event.path), limit=limit)
         nodes[event.path] = node
         return [node]
     delta = deltas(event)

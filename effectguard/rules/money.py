@@ -15,6 +15,15 @@ TOKENS_PER_MILLION = 1_000_000
 Nanos = int
 """An amount of money in nano-dollars."""
 
+MAX_NANOS: Nanos = 2**63 - 1
+"""The most a stored counter holds: SQLite's INTEGER and PostgreSQL's bigint are signed
+64-bit (about 9.2 billion USD). Budget counters saturate here instead of overflowing."""
+
+MAX_CALL_NANOS: Nanos = 2**53
+"""The most one call may reserve or be charged (about 9 million USD). Far above any real
+call, and far enough below :data:`MAX_NANOS` that a counter holds a thousand such calls;
+admission refuses a reservation that would take any counter past :data:`MAX_NANOS`."""
+
 
 def usd_to_nanos(value: str | int | Decimal) -> Nanos:
     """Parse a USD amount (``"0.15"``, ``Decimal``, ``int``) into nano-dollars.
@@ -31,6 +40,13 @@ def usd_to_nanos(value: str | int | Decimal) -> Nanos:
     if not amount.is_finite():
         raise ValueError(f"not a finite USD amount: {value!r}")
     return int((amount * NANOS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
+
+
+def check_amount(nanos: Nanos, bound: Nanos = MAX_NANOS, what: str = "amount") -> Nanos:
+    """Return ``nanos`` if it lies in ``0..bound``, else raise ``ValueError`` naming ``what``."""
+    if not 0 <= nanos <= bound:
+        raise ValueError(f"{what} must be between 0 and {nanos_to_usd(bound)} USD")
+    return nanos
 
 
 def nanos_to_usd(nanos: Nanos) -> str:

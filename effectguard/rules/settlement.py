@@ -5,7 +5,8 @@ Given the attempt, its reservation, the model's prices and what the provider ans
 
 * a status the provider declares "not processed" releases the reservation;
 * any other answer settles: at the cost of believed usage, or at the reservation
-  (flagged) when usage is missing, negative or absurd, or the status is an error.
+  (flagged) when usage is missing, negative or absurd (including usage that would cost
+  more than one call may: ``MAX_CALL_NANOS``), or the status is an error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from effectguard.rules.events import (
     CallCompleted,
     Event,
 )
-from effectguard.rules.money import Nanos
+from effectguard.rules.money import MAX_CALL_NANOS, Nanos
 from effectguard.rules.prices import ModelPrice
 
 
@@ -61,6 +62,13 @@ def settle(
     """The events that record ``answer`` and settle (or release) the reservation."""
     result = answer.result
     ok = 200 <= answer.status < 300
+    if (
+        result.believed
+        and result.usage is not None
+        and (usages.cost(price, result.usage) > MAX_CALL_NANOS)
+    ):
+        # Usage whose cost no counter should take from one call is absurd (SPEC §3.5).
+        result = usages.UsageResult(result.usage, "absurd")
     believed = result.believed and ok
     observed = AttemptObserved(
         call=call_id,

@@ -13,10 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from effectguard.rules.money import TOKENS_PER_MILLION, Nanos
+from effectguard.rules.money import MAX_CALL_NANOS, TOKENS_PER_MILLION, Nanos, nanos_to_usd
 from effectguard.rules.prices import ModelPrice
 
 __all__ = [
+    "MAX_CHOICES",
+    "OUTPUT_LIMIT_FIELDS",
+    "OutOfBounds",
     "StreamUsage",
     "Usage",
     "UsageResult",
@@ -30,6 +33,23 @@ __all__ = [
 
 ABSURD_TOKENS = 2**53
 """More tokens than this in one call is not believed (SPEC §3.5)."""
+
+OUTPUT_LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+"""Request fields that cap a call's output tokens (OpenAI chat, Responses, both dialects)."""
+
+MAX_CHOICES = 128
+"""The most choices one request may ask for (``n``, ``best_of``): OpenAI's documented cap."""
+
+
+class OutOfBounds(ValueError):
+    """A request field the reservation depends on is not an integer in its bounds.
+
+    ``field`` names it, so the refusal can say which one (SPEC §12, isolation).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,26 +380,47 @@ def _content_bytes(content: object) -> int:
     return _json_bytes(content)
 
 
+def _bounded_int(request: Mapping[str, Any], key: str, low: int, high: int, why: str) -> int | None:
+    """``request[key]`` if absent or an integer in ``low..high``, else :class:`OutOfBounds`."""
+    value = request.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OutOfBounds(key, f"{key} must be an integer between {low} and {high} ({why})")
+    return value
+
+
 def _output_bound(price: ModelPrice, request: Mapping[str, Any]) -> int:
-    for key in ("max_completion_tokens", "max_output_tokens", "max_tokens"):
-        value = request.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    """Output tokens the request may generate: its cap (or the model's) times its choices.
+
+    Every field read here is checked against its bound: a cap above the model's declared
+    maximum, or more choices than :data:`MAX_CHOICES`, is refused, never multiplied out.
+    """
+    declared = price.max_output_tokens
+    bound = None
+    for key in OUTPUT_LIMIT_FIELDS:
+        value = _bounded_int(request, key, 0, declared, "the model's declared maximum")
+        if bound is None:
             bound = value
-            break
-    else:
-        bound = price.max_output_tokens
     # n (and legacy best_of) choices each generate up to the bound, and each is billed.
-    choices = [request.get("n"), request.get("best_of")]
-    return bound * max([1, *(c for c in choices if isinstance(c, int) and c >= 1)])
+    choices = [
+        _bounded_int(request, key, 1, MAX_CHOICES, "the most choices a request may ask for")
+        for key in ("n", "best_of")
+    ]
+    return (declared if bound is None else bound) * max(1, *(c or 1 for c in choices))
 
 
-def estimate(price: ModelPrice, request: Mapping[str, Any]) -> Nanos:
+def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "openai") -> Nanos:
     """The SPEC §5 reservation R for ``request`` at ``price``, in nano-dollars.
 
     Input bound: the UTF-8 byte length of the prompt content (messages, system, prompt,
     input, instructions, and the JSON of tool definitions) at the input price. Output bound:
     the request's max tokens, else the model's declared maximum, at the output price (an
-    embeddings model's output price is zero). Plus the per-call price.
+    embeddings model's output price is zero). Plus the per-call price. A ``flat`` (per-call
+    priced tool) body is the tool's own: its fields are not token caps or choice counts.
+
+    Raises :class:`OutOfBounds` for a token cap or choice count out of its bounds, and for
+    a reservation beyond :data:`~effectguard.rules.money.MAX_CALL_NANOS`.
     """
     input_bytes = sum(
         _content_bytes(request.get(key))
@@ -388,8 +429,16 @@ def estimate(price: ModelPrice, request: Mapping[str, Any]) -> Nanos:
     input_bytes += sum(
         _json_bytes(request[key]) for key in ("tools", "functions") if request.get(key)
     )
-    total = input_bytes * price.input + _output_bound(price, request) * price.output
-    return _ceil_nanos(total) + (price.per_call or 0)
+    output = 0 if dialect == "flat" else _output_bound(price, request)
+    total = input_bytes * price.input + output * price.output
+    reserve = _ceil_nanos(total) + (price.per_call or 0)
+    if reserve > MAX_CALL_NANOS:
+        raise OutOfBounds(
+            "max_tokens" if input_bytes * price.input < total // 2 else "messages",
+            f"this request would reserve more than {nanos_to_usd(MAX_CALL_NANOS)} USD, "
+            "the most one call may reserve",
+        )
+    return reserve
 
 
 def wants_stream(request: Mapping[str, Any]) -> bool:
