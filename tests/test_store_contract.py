@@ -649,6 +649,44 @@ async def test_cancelled_admissions_do_not_wedge_the_writer(
     assert report.ok, report.problems
 
 
+async def test_an_operation_that_cannot_commit_fails_alone(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Ops that fail only at commit (a counter beyond 64 bits) fail alone; batch-mates commit."""
+    from effectguard.errors import LedgerUnavailable
+    from effectguard.ledger.groupcommit import GroupCommitter
+
+    def poisoned(i: int) -> Callable[[Any], None]:
+        # Bypasses the rules on purpose: a write the store itself cannot hold.
+        return lambda tx: tx.put_node(BudgetNode(f"{ns}-bad{i}", reserved=2**64))
+
+    gate = threading.Event()
+    held = None
+    if isinstance(ledger.store.committer, GroupCommitter):  # type: ignore[attr-defined]
+        # A writer thread batches what is queued while it works: hold it on one operation
+        # so that every submission below lands in one batch.
+        held = asyncio.ensure_future(ledger.store.write(w1, lambda tx: gate.wait(10)))
+        await asyncio.sleep(0.05)
+    good: list[asyncio.Future[Admitted]] = []
+    bad: list[asyncio.Future[None]] = []
+    for i in range(23):  # submitted interleaved: poisoned ones at 3, 11 and 19
+        if i % 8 == 3:
+            bad.append(asyncio.ensure_future(ledger.store.write(w1, poisoned(i))))
+        else:
+            good.append(asyncio.ensure_future(ledger.admit(w1, req(ns))))
+    await asyncio.sleep(0)
+    gate.set()
+    await asyncio.gather(*good, *bad, return_exceptions=True)
+    if held is not None:
+        await held
+    for task in bad:
+        assert isinstance(task.exception(), LedgerUnavailable)
+    for task in good:
+        assert task.result().action == "admit"
+    assert await node(ledger, ns) == (None, 20 * R, 0, 0)
+    assert not [n for n in await ledger.budgets() if n.path.startswith(f"{ns}-bad")]
+
+
 async def test_stored_events_are_immutable_values(ledger: Ledger, w1: Writer, ns: str) -> None:
     """Events handed out by the store are frozen; changing one raises."""
     await admit_ok(ledger, w1, req(ns))

@@ -6,6 +6,16 @@ its own savepoint, so one failing operation does not undo the others), commits
 (one fsync for the batch), and only then resolves each caller's future. A
 caller that is cancelled while waiting does not disturb the batch: its
 operation still runs or has run, and the writer never blocks on it.
+
+Isolation: some failures surface only when the transaction as a whole is sent
+or committed (a value a column cannot hold, a constraint checked at commit, a
+buffered write the server refuses). Such a failure cannot be pinned on one
+operation, so the batch is split in halves and each half retried in a
+transaction of its own, down to single operations: the operation that cannot
+commit fails alone, and every other one commits exactly as if it had been
+alone (:func:`split_retry`). A store whose failed commit may have committed
+after all (a lost connection) says so through :meth:`Session.retryable` and
+is not retried: running an operation twice would be worse than failing it.
 """
 
 from __future__ import annotations
@@ -57,6 +67,10 @@ class Session(Tx, Protocol):
 
     def close(self) -> None:
         """Close the connection."""
+        ...
+
+    def retryable(self) -> bool:
+        """After a failed transaction (rolled back): did it surely not commit, may we retry?"""
         ...
 
 
@@ -154,20 +168,7 @@ class GroupCommitter(Generic[S]):
 
     def _run_batch(self, session: S, batch: list[Job]) -> None:
         started = time.perf_counter()
-        ok = False
-        try:
-            session.begin()
-            for job in batch:
-                self._run_one(session, job)
-            session.commit()
-            ok = True
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                session.rollback()
-            failure = LedgerUnavailable(f"ledger transaction failed: {exc}")
-            failure.__cause__ = exc
-            for job in batch:
-                job.error = failure
+        ok = self._commit_isolated(session, batch)
         record_commit(self.stats, len(batch), time.perf_counter() - started, ok)
         # One wake-up per event loop per batch, not one per job.
         by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
@@ -177,8 +178,55 @@ class GroupCommitter(Generic[S]):
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
                 loop.call_soon_threadsafe(_resolve_all, jobs)
 
+    def _commit_isolated(self, session: S, batch: list[Job]) -> bool:
+        """Commit ``batch``; if it cannot commit, retry its halves (see :func:`split_retry`)."""
+        try:
+            session.begin()
+        except Exception as exc:  # the ledger itself refuses: no operation is to blame
+            fail_all(batch, exc)
+            return False
+        try:
+            reset(batch)
+            for job in batch:
+                self._run_one(session, job)
+            session.commit()
+            return True
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                session.rollback()
+            halves = split_retry(session, batch, exc)
+        # Both halves run (a list, not a short-circuiting generator): each op gets its answer.
+        return bool(halves) and all([self._commit_isolated(session, half) for half in halves])
+
     def _run_one(self, session: S, job: Job) -> None:
         run_operation(session, job, self._check_writer)
+
+
+def reset(batch: list[Job]) -> None:
+    """Forget what an earlier, rolled-back try of these jobs produced."""
+    for job in batch:
+        job.result = job.error = None
+
+
+def fail_all(batch: list[Job], exc: Exception) -> None:
+    """Fail every job of ``batch`` with ``exc`` as a :class:`LedgerUnavailable`."""
+    failure = LedgerUnavailable(f"ledger transaction failed: {exc}")
+    failure.__cause__ = exc
+    for job in batch:
+        job.error = failure
+
+
+def split_retry(session: Session, batch: list[Job], exc: Exception) -> list[list[Job]]:
+    """The halves of a batch whose transaction failed, to retry; [] when none may be retried.
+
+    A single operation's failure is its own (it gets ``exc``); a batch whose store cannot
+    promise its transaction did not commit fails as a whole (the operations are not rerun).
+    """
+    if len(batch) == 1 or not session.retryable():
+        fail_all(batch, exc)
+        return []
+    mid = len(batch) // 2
+    return [batch[:mid], batch[mid:]]
 
 
 def run_operation(session: Session, job: Job, check_writer: Callable[[Tx, Writer], None]) -> None:

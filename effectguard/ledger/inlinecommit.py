@@ -10,7 +10,8 @@ freezes the server), and the ``COMMIT`` of a batch of several operations
 (its fsync releases the GIL, so the loop serves other requests meanwhile;
 measured at 32 concurrent proxy requests: 950 -> 1,330 req/s). A batch of one
 commits inline: the loop has nothing else to do, and the hop would cost
-latency.
+latency. A batch that cannot commit is split and retried, so an operation that
+cannot commit fails alone (see :mod:`effectguard.ledger.groupcommit`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ from effectguard.ledger.groupcommit import (
     CommitStats,
     Job,
     Session,
+    fail_all,
     record_commit,
+    reset,
     resolve_job,
     run_alone,
     run_operation,
+    split_retry,
 )
 
 T = TypeVar("T")
@@ -117,9 +121,15 @@ class InlineCommitter(Generic[S]):
                 await asyncio.get_running_loop().run_in_executor(self._io, session.maintain)
 
     async def _run_locked(self, session: S, batch: list[Job]) -> bool:
+        loop = asyncio.get_running_loop()
         try:
             if not session.begin_nowait():  # another process writes: wait off the loop
-                await asyncio.get_running_loop().run_in_executor(self._io, session.begin)
+                await loop.run_in_executor(self._io, session.begin)
+        except Exception as exc:  # the ledger itself refuses: no operation is to blame
+            fail_all(batch, exc)
+            return False
+        try:
+            reset(batch)
             if len(batch) == 1:
                 # Alone in its transaction an operation needs no savepoint: if it fails,
                 # the transaction is rolled back instead of committed.
@@ -133,18 +143,16 @@ class InlineCommitter(Generic[S]):
             for job in batch:
                 run_operation(session, job, self._check_writer)
             # Requests are waiting on the loop: let them run while the fsync does.
-            await asyncio.get_running_loop().run_in_executor(self._io, session.commit)
+            await loop.run_in_executor(self._io, session.commit)
             return True
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 session.rollback()
             if not isinstance(exc, Exception):  # cancelled: no transaction is left open
                 raise
-            failure = LedgerUnavailable(f"ledger transaction failed: {exc}")
-            failure.__cause__ = exc
-            for job in batch:
-                job.error = failure
-            return False
+            halves = split_retry(session, batch, exc)
+        # Both halves run (a list, not a short-circuiting generator): each op gets its answer.
+        return bool(halves) and all([await self._run_locked(session, half) for half in halves])
 
     async def aclose(self) -> None:
         """Finish queued work, then close."""

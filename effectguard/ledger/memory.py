@@ -51,8 +51,18 @@ class MemorySession:
         self._batch_undo = []
 
     def commit(self) -> None:
+        # A faithful fake: refuse at commit what a 64-bit column of SQLite or
+        # PostgreSQL would refuse there, so batch isolation is tested on every store.
+        # The committer rolls the batch back when this raises.
+        for node in self.t.nodes.values():
+            for value in (node.limit or 0, node.reserved, node.spent, node.held):
+                if not -(2**63) <= value < 2**63:
+                    raise OverflowError(f"budget {node.path!r}: {value} does not fit 64 bits")
         self._batch_undo = []
         self.t.lock.release()
+
+    def retryable(self) -> bool:
+        return True  # a failed batch was undone in full
 
     def rollback(self) -> None:
         for undo in reversed(self._batch_undo):

@@ -234,6 +234,11 @@ class PostgresSession:
         if not self.conn.closed and self.conn.info.transaction_status != TransactionStatus.IDLE:
             self.conn.execute("ROLLBACK")
 
+    def retryable(self) -> bool:
+        # A server that refused a statement aborted the transaction: it did not commit.
+        # A lost connection leaves the COMMIT's fate unknown: never run its operations twice.
+        return not self.conn.closed
+
     def savepoint(self) -> None:
         self._op = _Writes()
         self._savepoint_open = False

@@ -157,6 +157,9 @@ class SqliteSession:
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
 
+    def retryable(self) -> bool:
+        return True  # SQLite's commit is atomic: a COMMIT that failed changed nothing
+
     def savepoint(self) -> None:
         self._snapshot = (self._head, dict(self._nodes), set(self._dirty), dict(self._workers))
         self._undo = []
