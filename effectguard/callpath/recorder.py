@@ -132,7 +132,7 @@ class Recorder:
             except FencedError:
                 pass
             except LedgerError:
-                return  # still unavailable; the next sweep tries again
+                continue  # still refused; the next sweep tries again. Others go on.
             del self._orphans[(call_id, attempt)]
 
     # -- calls in flight in this process -----------------------------------------

@@ -110,12 +110,29 @@ class WorkerRuntime:
         )
 
     async def sweep(self) -> list[str]:
-        """Take over dead workers; returns the calls marked interrupted."""
+        """Take over dead workers; returns the calls marked interrupted.
+
+        Normally one transaction fences the dead workers and marks their calls. If it
+        cannot commit, the workers are fenced alone and each of their calls is marked
+        in a transaction of its own (:meth:`_mark_stranded`, which every sweep runs):
+        a call whose marking cannot commit is retried on every sweep and blocks no
+        other, and a restart never fails because of one call.
+        """
         writer = self._writer()
         dead = frozenset(self._provably_dead(await self.ledger.store.workers()))
-        interrupted = await self.ledger.store.write(
-            writer, lambda tx: operations.sweep(tx, writer, dead)
-        )
+        try:
+            interrupted = await self.ledger.store.write(
+                writer, lambda tx: operations.sweep(tx, writer, dead)
+            )
+        except FencedError:
+            raise
+        except LedgerError as exc:
+            log.warning("sweep could not commit as one transaction (%s); call by call", exc)
+            await self.ledger.store.write(
+                writer, lambda tx: operations.sweep(tx, writer, dead, interrupt_calls=False)
+            )
+            interrupted = []
+        interrupted += await self._mark_stranded(writer)
         for worker in dead:
             if self.lock_dir is not None:
                 with contextlib.suppress(OSError):
@@ -125,6 +142,28 @@ class WorkerRuntime:
         if interrupted:
             log.warning("marked %d calls of dead workers effect_unknown", len(interrupted))
         return interrupted
+
+    async def _mark_stranded(self, writer: Writer) -> list[str]:
+        """Mark interrupted, one transaction each, the in-flight calls of fenced workers."""
+        fenced = {row.worker for row in await self.ledger.store.workers() if row.fenced}
+        stranded = [c for c in await self.ledger.calls(stage="in_flight") if c.worker in fenced]
+        # Submitted together they share commits; a call that cannot commit fails alone.
+        results = await asyncio.gather(
+            *(
+                self.ledger.interrupt(writer, c.call_id, c.attempts, f"worker {c.worker} fenced")
+                for c in stranded
+            ),
+            return_exceptions=True,
+        )
+        marked = []
+        for call, result in zip(stranded, results, strict=True):
+            if isinstance(result, FencedError):
+                raise result
+            if isinstance(result, BaseException):
+                log.warning("call %s could not be marked interrupted: %s", call.call_id, result)
+            elif result.stage == "effect_unknown":
+                marked.append(call.call_id)
+        return marked
 
     def _provably_dead(self, rows: list[WorkerRow]) -> set[str]:
         """Workers on this host whose liveness lock is free: their process is gone."""

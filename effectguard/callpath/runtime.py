@@ -8,6 +8,7 @@ then stop the worker and close the ledger.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -46,7 +47,19 @@ class Runtime:
         self.guard: Guard | None = None
 
     async def start(self) -> Guard:
-        """Open everything; returns the guard."""
+        """Open everything; returns the guard. If any step fails, what was opened is closed.
+
+        A half-started runtime would keep threads (the store's reader and writer) that
+        hold the process open after the failure is reported.
+        """
+        try:
+            return await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.stop(0)
+            raise
+
+    async def _start(self) -> Guard:
         c = self.config
         if self._own_ledger:
             await self.ledger.store.open()

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -24,6 +26,7 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
+from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
 
@@ -35,6 +38,8 @@ Send = Callable[[Message], Awaitable[None]]
 log = logging.getLogger("effectguard.ingress.server")
 
 _URL_CACHE_SIZE = 1024
+#: Exit status of a proxy whose startup failed (uvicorn's own).
+STARTUP_FAILED = 3
 #: Client credentials that must never reach the provider when effectguard holds the key.
 CLIENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "effectguard-key")
 
@@ -122,6 +127,8 @@ class ProxyApp:
                     await self.startup()
                 except Exception as exc:
                     log.exception("startup failed")
+                    with contextlib.suppress(Exception):  # close what did open
+                        await self.shutdown()
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
@@ -174,7 +181,7 @@ class ProxyApp:
         if self.guard is None:
             return False
         try:
-            await self.runtime.ledger.store.write(self.guard.writer, lambda tx: None)
+            await self.runtime.ledger.store.write(self.guard.writer, probe)
         except LedgerError:
             return False
         return True
@@ -349,7 +356,25 @@ def serve(settings: ServeSettings, metrics: Any = None) -> None:
         f"effectguard listening on http://{settings.host}:{settings.port} (ledger {ledger})",
         flush=True,
     )
-    server.run()
+    try:
+        server.run()
+    finally:
+        if not server.started:
+            _exit_startup_failed()
+
+
+def _exit_startup_failed() -> None:
+    """Exit non-zero now: a failed startup must never leave the process waiting.
+
+    uvicorn reports the failure and raises ``SystemExit``, but the interpreter then waits
+    for every non-daemon thread, and one left by the failed startup (a store's thread,
+    an executor) would keep the process alive forever, not listening.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(STARTUP_FAILED)
 
 
 def _has(module: str) -> bool:

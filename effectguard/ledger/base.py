@@ -120,6 +120,14 @@ class Tx(Protocol):
 Operation = Callable[[Tx], T]
 
 
+def probe(tx: Tx) -> None:
+    """An operation that writes nothing: proves a transaction can begin and commit.
+
+    Committers do not count a probe as a real commit: a health check built on one
+    would pass on a full disk, where an empty transaction still commits.
+    """
+
+
 class LedgerStore(Protocol):
     """A ledger engine: group-committed write operations and async reads."""
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
-from effectguard.ledger.base import Operation, Tx, Writer
+from effectguard.ledger.base import Operation, Tx, Writer, probe
 
 T = TypeVar("T")
 S = TypeVar("S", bound="Session")
@@ -93,6 +93,12 @@ class CommitStats:
     failed_commits: int = 0
     last_batch: int = 0
     commit_seconds: float = 0.0
+    #: Transactions that ended as intended: committed, or rolled back because their one
+    #: operation refused itself (a batch that had to be split runs several).
+    transactions: int = 0
+    #: Whether the last batch holding a real operation (not only probes) committed any of
+    #: it. A batch where one operation failed alone still proves the ledger works.
+    last_ok: bool = True
     observers: list[Callable[[int, float, bool], None]] = field(default_factory=list)
 
 
@@ -167,8 +173,9 @@ class GroupCommitter(Generic[S]):
                 session.close()
 
     def _run_batch(self, session: S, batch: list[Job]) -> None:
-        started = time.perf_counter()
+        started, committed = time.perf_counter(), self.stats.transactions
         ok = self._commit_isolated(session, batch)
+        note_outcome(self.stats, batch, self.stats.transactions > committed)
         record_commit(self.stats, len(batch), time.perf_counter() - started, ok)
         # One wake-up per event loop per batch, not one per job.
         by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
@@ -190,6 +197,7 @@ class GroupCommitter(Generic[S]):
             for job in batch:
                 self._run_one(session, job)
             session.commit()
+            self.stats.transactions += 1
             return True
         except Exception as exc:
             with contextlib.suppress(Exception):
@@ -206,6 +214,12 @@ def reset(batch: list[Job]) -> None:
     """Forget what an earlier, rolled-back try of these jobs produced."""
     for job in batch:
         job.result = job.error = None
+
+
+def note_outcome(stats: CommitStats, batch: list[Job], ok: bool) -> None:
+    """Remember whether a batch committed anything, unless it held only probes."""
+    if any(job.op is not probe for job in batch):
+        stats.last_ok = ok
 
 
 def fail_all(batch: list[Job], exc: Exception) -> None:

@@ -32,6 +32,7 @@ from effectguard.ledger.groupcommit import (
     Job,
     Session,
     fail_all,
+    note_outcome,
     record_commit,
     reset,
     resolve_job,
@@ -107,11 +108,12 @@ class InlineCommitter(Generic[S]):
     async def _run_batch(self, batch: list[Job]) -> None:
         session = self._session
         assert session is not None
-        started = time.perf_counter()
+        started, committed = time.perf_counter(), self.stats.transactions
         ok = False
         # Several event loops may share a store (rare): their batches never overlap.
         with self._lock:
             ok = await self._run_locked(session, batch)
+        note_outcome(self.stats, batch, self.stats.transactions > committed)
         record_commit(self.stats, len(batch), time.perf_counter() - started, ok)
         for job in batch:
             _resolve(job)
@@ -136,14 +138,16 @@ class InlineCommitter(Generic[S]):
                 job = batch[0]
                 run_alone(session, job, self._check_writer)
                 if job.error is not None:
-                    session.rollback()
+                    session.rollback()  # the operation's own refusal: the ledger works
                 else:
                     session.commit()  # a quiet loop: a thread hop would only add latency
+                self.stats.transactions += 1
                 return True
             for job in batch:
                 run_operation(session, job, self._check_writer)
             # Requests are waiting on the loop: let them run while the fsync does.
             await loop.run_in_executor(self._io, session.commit)
+            self.stats.transactions += 1
             return True
         except BaseException as exc:
             with contextlib.suppress(Exception):

@@ -252,4 +252,4 @@ class MemoryStore:
             yield
 
     async def writable(self) -> bool:
-        return self._writer is not None
+        return self._writer is not None and self._writer.stats.last_ok

@@ -341,12 +341,21 @@ def heartbeat(tx: Tx, writer: Writer, lease_s: float) -> float:
     return expires
 
 
-def sweep(tx: Tx, writer: Writer, provably_dead: frozenset[str] = frozenset()) -> list[str]:
+def sweep(
+    tx: Tx,
+    writer: Writer,
+    provably_dead: frozenset[str] = frozenset(),
+    *,
+    interrupt_calls: bool = True,
+) -> list[str]:
     """Take over dead workers and interrupt their in-flight attempts (SPEC §7).
 
     A worker is dead when its lease has expired (ledger clock) or when it is in
     ``provably_dead`` (its OS lock was found free on this host). Returns the ids
-    of the calls that were marked ``attempt.interrupted``.
+    of the calls that were marked ``attempt.interrupted``. Without
+    ``interrupt_calls`` the workers are only fenced: their calls are left for the
+    sweeper to mark one transaction each, so one call that cannot commit blocks
+    no other.
     """
     now = tx.now()
     interrupted: list[str] = []
@@ -368,7 +377,7 @@ def sweep(tx: Tx, writer: Writer, provably_dead: frozenset[str] = frozenset()) -
                 )
             ],
         )
-        for state in tx.in_flight_of(row.worker):
+        for state in tx.in_flight_of(row.worker) if interrupt_calls else ():
             interrupt(tx, writer, state, f"worker {row.worker} {reason}")
             interrupted.append(state.call_id)
     return interrupted

@@ -43,7 +43,7 @@ from psycopg.pq import TransactionStatus
 
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import operations
-from effectguard.ledger.base import Operation, WorkerRow, Writer
+from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.pgschema import (
     IDLE_IN_TRANSACTION_MS,
@@ -514,8 +514,10 @@ class PostgresStore:
         return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
 
     async def writable(self) -> bool:
+        if not self.committer.stats.last_ok:  # a probe commits even where real writes fail
+            return False
         try:
-            await self.committer.submit(Writer("healthz", 0), lambda tx: None)
+            await self.committer.submit(Writer("healthz", 0), probe)
         except Exception:
             return False
         return True

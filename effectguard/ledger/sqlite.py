@@ -25,7 +25,7 @@ import aiosqlite
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import operations
-from effectguard.ledger.base import Operation, WorkerRow, Writer
+from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
@@ -72,8 +72,12 @@ class SqliteSession:
     """
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.conn = connect(path)
         migrate(self.conn)
+        # The file this connection writes. If it is deleted or replaced while we run,
+        # our commits would go to a file nobody will ever read again.
+        self._identity = _identity(path)
         # Waiting for another process's write lock happens in begin(), off the event loop.
         self.conn.execute("PRAGMA busy_timeout = 0")
         # Checkpoints run between batches, off the loop (maintain), not inside a COMMIT.
@@ -112,8 +116,24 @@ class SqliteSession:
             self._forget()
             self._version = version
 
+    def intact(self) -> bool:
+        """Whether the ledger file at our path is still the one this connection opened."""
+        try:
+            return _identity(self.path) == self._identity
+        except OSError:
+            return False
+
+    def _check_intact(self) -> None:
+        # One stat per batch (a couple of microseconds) before any work is accepted.
+        if not self.intact():
+            raise LedgerUnavailable(
+                f"ledger file {self.path} was deleted or replaced while in use; "
+                "restart effectguard on the right file"
+            )
+
     # -- transaction control
     def begin_nowait(self) -> bool:
+        self._check_intact()
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
@@ -124,6 +144,7 @@ class SqliteSession:
         return True
 
     def begin(self) -> None:
+        self._check_intact()
         self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         try:
             self.conn.execute("BEGIN IMMEDIATE")
@@ -307,6 +328,11 @@ class SqliteSession:
         return int(row[0])
 
 
+def _identity(path: str) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
+
+
 def sqlite_path(url: str) -> str:
     """The file path of a ``sqlite:///path`` URL or a plain path."""
     if url.startswith("sqlite:///"):
@@ -427,10 +453,13 @@ class SqliteStore:
                 await self._fetch("COMMIT")
 
     async def writable(self) -> bool:
-        if not os.access(self.path, os.W_OK):
+        """The file is still ours and writable, the last real commit succeeded, and a
+        transaction can begin and commit now."""
+        committer = self.committer
+        if not os.access(self.path, os.W_OK) or not committer.stats.last_ok:
             return False
         try:
-            await self.committer.submit(Writer("healthz", 0), lambda tx: None)
+            await committer.submit(Writer("healthz", 0), probe)
         except Exception:
             return False
         return True
