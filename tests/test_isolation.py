@@ -236,3 +236,31 @@ def test_a_deleted_or_replaced_ledger_refuses_new_work(
         health = httpx.get(proxy.url + "/healthz", timeout=30)
         assert health.status_code == 503
         assert health.json() == {"ledger": "unavailable"}
+
+
+def test_healthz_reflects_the_last_real_commit(ledger: Path, fake: FakeProvider) -> None:
+    """Real writes failing while an empty probe still commits (a full disk): /healthz is 503."""
+    with running_proxy(ledger, upstreams={"openai": fake.url}) as proxy:
+        assert httpx.post(proxy.url + CHAT, json=chat("before"), timeout=30).status_code == 200
+        with contextlib.closing(sqlite3.connect(ledger)) as db:
+            for table in ("events", "workers"):  # every real write, heartbeats included
+                db.execute(
+                    f"CREATE TRIGGER refuse_{table} BEFORE INSERT ON {table} "
+                    "BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+                )
+            db.commit()
+        refused = httpx.post(proxy.url + CHAT, json=chat("during"), timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert httpx.get(proxy.url + "/healthz", timeout=30).status_code == 503
+        with contextlib.closing(sqlite3.connect(ledger)) as db:
+            db.execute("DROP TRIGGER refuse_events")
+            db.execute("DROP TRIGGER refuse_workers")
+            db.commit()
+        # The next heartbeat is a real commit again.
+        wait_for(
+            lambda: httpx.get(proxy.url + "/healthz", timeout=30).status_code == 200,
+            30,
+            "healthz to recover",
+        )
+        assert len(fake.receipts()) == 1
+    assert cli_ok("verify", "--ledger", str(ledger))["ok"] is True
