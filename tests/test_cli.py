@@ -37,7 +37,7 @@ MODEL = "gpt-4o-mini"
 PRICE = load_providers()["openai"].price_for(MODEL)
 assert PRICE is not None
 USAGE = Usage(10, 5)
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONTRACT = Path(__file__).resolve().parent.parent / "docs" / "contract.md"
 MONEY = re.compile(r"^\d+\.\d+$")
 CALL_FIELDS = {
     "call_id",
@@ -248,12 +248,12 @@ def test_every_command_help_exits_0() -> None:
                 process.wait()
 
 
-def test_every_command_is_in_the_readme() -> None:
-    """README.md mentions every command as ``effectguard CMD`` (the leaves: ``budget set``)."""
-    assert README.is_file(), f"{README} is missing"
-    text = README.read_text()
+def test_every_command_is_in_the_contract_docs() -> None:
+    """docs/contract.md documents every command as ``effectguard CMD`` (leaves: ``budget set``)."""
+    assert CONTRACT.is_file(), f"{CONTRACT} is missing"
+    text = CONTRACT.read_text()
     missing = [" ".join(p) for p in LEAVES if f"effectguard {' '.join(p)}" not in text]
-    assert not missing, f"README.md does not mention: {missing}"
+    assert not missing, f"docs/contract.md does not mention: {missing}"
 
 
 # -- calls and show --------------------------------------------------------------------------------
