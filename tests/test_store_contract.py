@@ -38,6 +38,7 @@ from effectguard.rules.events import (
     event_digest,
 )
 from effectguard.rules.workstate import WorkState
+from effectguard.testing.clock import ManualClock
 
 R = 1_000  # nano-dollars reserved per call
 PG_ENV = "EFFECTGUARD_TEST_PG_DSN"
@@ -77,9 +78,28 @@ def ledger_url(store_kind: str, tmp_path: Path, ns: str) -> Iterator[str]:
 
 
 @pytest.fixture
-async def ledger(ledger_url: str) -> AsyncIterator[Ledger]:
+def clock(store_kind: str) -> ManualClock | None:
+    """The ledger's clock: a manual one where the store takes one (PostgreSQL: the database's)."""
+    return None if store_kind == "postgres" else ManualClock()
+
+
+@pytest.fixture
+def lapse(clock: ManualClock | None) -> Callable[[float], Awaitable[None]]:
+    """Let ``seconds`` of ledger time pass: advance the manual clock, or wait on PostgreSQL."""
+
+    async def let_pass(seconds: float) -> None:
+        if clock is None:
+            await asyncio.sleep(seconds)
+        else:
+            clock.advance(seconds)
+
+    return let_pass
+
+
+@pytest.fixture
+async def ledger(ledger_url: str, clock: ManualClock | None) -> AsyncIterator[Ledger]:
     """An open ledger that must still verify cleanly when the test is done."""
-    async with Ledger.open(ledger_url) as led:
+    async with Ledger.open(ledger_url, clock=clock) as led:
         yield led
         report = await verify_ledger(led)
         assert report.ok, report.problems
@@ -534,13 +554,15 @@ async def test_reconcile_refuses_calls_not_effect_unknown(
 # -- workers, fencing, sweeping ----------------------------------------------------------------
 
 
-async def test_sweep_by_lease_expiry_fences_and_interrupts(ledger: Ledger, ns: str) -> None:
+async def test_sweep_by_lease_expiry_fences_and_interrupts(
+    ledger: Ledger, ns: str, lapse: Callable[[float], Awaitable[None]]
+) -> None:
     """A worker whose lease ran out is taken over: its calls are interrupted, its writes refused."""
     dead = await register(ledger, f"{ns}-dead", lease_s=0.3)
     call = await admit_ok(ledger, dead, req(ns))
     sweeper = await register(ledger, f"{ns}-sweeper")
     assert await ledger.store.write(sweeper, lambda tx: operations.sweep(tx, sweeper)) == []
-    await asyncio.sleep(0.4)
+    await lapse(0.4)
     swept = await ledger.store.write(sweeper, lambda tx: operations.sweep(tx, sweeper))
     assert swept == [call.call_id]
     state = await ledger.call(call.call_id)
@@ -613,10 +635,25 @@ async def test_reregistered_worker_fences_its_old_generation(ledger: Ledger, ns:
     await admit_ok(ledger, new, req(ns))
 
 
-async def test_lapsed_lease_starts_no_new_dispatch(ledger: Ledger, ns: str) -> None:
+async def test_the_ledger_clock_is_the_one_injected(
+    ledger: Ledger, ns: str, clock: ManualClock | None
+) -> None:
+    """Memory and SQLite time leases and events by the injected clock, not the wall clock."""
+    if clock is None:
+        pytest.skip("a PostgreSQL ledger keeps the database's clock")
+    clock.advance(86_400.0)  # a day ahead of the wall clock
+    worker = await register(ledger, f"{ns}-w", lease_s=30.0)
+    (row,) = [w for w in await ledger.store.workers() if w.worker == worker.worker]
+    assert row.lease_expires == clock() + 30.0
+    assert (await all_events(ledger))[-1].at == clock()
+
+
+async def test_lapsed_lease_starts_no_new_dispatch(
+    ledger: Ledger, ns: str, lapse: Callable[[float], Awaitable[None]]
+) -> None:
     """A worker whose lease lapsed (not yet swept) cannot admit new work."""
     lapsed = await register(ledger, f"{ns}-lapsed", lease_s=0.05)
-    await asyncio.sleep(0.1)
+    await lapse(0.1)
     with pytest.raises(FencedError):
         await ledger.admit(lapsed, req(ns))
 

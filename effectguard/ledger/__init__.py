@@ -7,9 +7,10 @@ set limits, verify) and the guard writes through (admit, record, interrupt).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 
-from effectguard.errors import CallNotFound
+from effectguard.errors import CallNotFound, ConfigError
 from effectguard.ledger import operations
 from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import Admitted
@@ -21,20 +22,27 @@ from effectguard.rules.workstate import Stage, WorkState
 __all__ = ["OPERATOR", "AdmitRequest", "Admitted", "Ledger", "LedgerStore", "Writer", "open_store"]
 
 
-def open_store(url: str) -> LedgerStore:
-    """A store for ``url``: ``memory://``, ``postgresql://…``, or a SQLite path."""
+def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerStore:
+    """A store for ``url``: ``memory://``, ``postgresql://…``, or a SQLite path.
+
+    ``clock`` replaces the wall clock as the ledger's clock (leases, event times),
+    so tests can let a lease lapse without waiting. PostgreSQL always uses the
+    database's clock (one clock for every replica), so it refuses one.
+    """
     if url.startswith("memory://"):
         from effectguard.ledger.memory import MemoryStore
 
-        return MemoryStore(url)
+        return MemoryStore(url, clock or time.time)
     if url.startswith(("postgresql://", "postgres://")):
+        if clock is not None:
+            raise ConfigError("a PostgreSQL ledger uses the database's clock; it takes no clock")
         from effectguard.ledger.postgres import PostgresStore
 
         store: LedgerStore = PostgresStore(url)
         return store
     from effectguard.ledger.sqlite import SqliteStore
 
-    return SqliteStore(url)
+    return SqliteStore(url, clock or time.time)
 
 
 class Ledger:
@@ -45,9 +53,11 @@ class Ledger:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, url: str) -> AsyncIterator[Ledger]:
-        """Open the ledger at ``url`` for the duration of the block."""
-        store = open_store(url)
+    async def open(
+        cls, url: str, *, clock: Callable[[], float] | None = None
+    ) -> AsyncIterator[Ledger]:
+        """Open the ledger at ``url`` for the duration of the block (``clock``: see open_store)."""
+        store = open_store(url, clock=clock)
         await store.open()
         try:
             yield cls(store)

@@ -53,58 +53,33 @@ from effectguard.ledger.pgschema import (
     migrate_on,
     redacted,
 )
-from effectguard.rules.budget import BudgetNode
-from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
-
-__all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
+from effectguard.ledger.queries import HEAD, NEXT_GENERATION, POSTGRES, Upsert
 from effectguard.ledger.rows import (
-    CALL_COLUMNS,
-    EVENT_COLUMNS,
-    INDEX_COLUMNS,
     event_from_row,
     event_params,
-    list_calls_query,
+    node_from_row,
+    node_params,
     state_from_json,
     state_params,
+    worker_from_row,
+    worker_params,
 )
-from effectguard.rules.workstate import Stage, WorkState
+from effectguard.ledger.sqlreads import SqlReads
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
+from effectguard.rules.workstate import WorkState
+
+__all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 
 T = TypeVar("T")
 
-_CALL_UPDATE = ", ".join(
-    f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS.replace(" ", "").split(",")[1:]
-)
-_WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
-_INSERT_EVENTS = (f"INSERT INTO events({EVENT_COLUMNS}) VALUES ", "")
-_UPSERT_CALLS = (
-    f"INSERT INTO calls({CALL_COLUMNS}) VALUES ",
-    f" ON CONFLICT (call_id) DO UPDATE SET {_CALL_UPDATE}",
-)
-_UPSERT_NODES = (
-    "INSERT INTO budgets(path, limit_nanos, reserved, spent, held) VALUES ",
-    " ON CONFLICT (path) DO UPDATE SET limit_nanos = EXCLUDED.limit_nanos, "
-    "reserved = EXCLUDED.reserved, spent = EXCLUDED.spent, held = EXCLUDED.held",
-)
-_UPSERT_WORKERS = (
-    f"INSERT INTO workers({_WORKER_COLUMNS}) VALUES ",
-    " ON CONFLICT (worker) DO UPDATE SET generation = EXCLUDED.generation, "
-    "host = EXCLUDED.host, pid = EXCLUDED.pid, lease_expires = EXCLUDED.lease_expires, "
-    "fenced = EXCLUDED.fenced",
-)
 #: Rows per multi-row statement (PostgreSQL takes at most 65535 parameters).
 _ROWS_PER_STATEMENT = 1000
 _HEAD_AND_CLOCK = (
     "SELECT extract(epoch FROM clock_timestamp())::float8, e.seq, e.digest FROM (SELECT 1) one "
     "LEFT JOIN LATERAL (SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
 )
-
-
-def _worker(row: Sequence[Any]) -> WorkerRow:
-    return WorkerRow(row[0], int(row[1]), row[2], int(row[3]), float(row[4]), bool(row[5]))
-
-
-def _node(row: Sequence[Any]) -> BudgetNode:
-    return BudgetNode(row[0], row[1], int(row[2]), int(row[3]), int(row[4]))
+_CLOCK = "SELECT extract(epoch FROM clock_timestamp())"
 
 
 @dataclass
@@ -128,37 +103,24 @@ class _Writes:
 
     def send(self, conn: psycopg.Connection[Any]) -> None:
         """Queue one multi-row statement per table (inside the caller's pipeline)."""
-        _insert(conn, _INSERT_EVENTS, self.events)
-        _insert(conn, _UPSERT_CALLS, [state_params(c) for c in self.calls.values()])
-        _insert(
-            conn,
-            _UPSERT_NODES,
-            [(n.path, n.limit, n.reserved, n.spent, n.held) for n in self.nodes.values()],
-        )
-        _insert(
-            conn,
-            _UPSERT_WORKERS,
-            [
-                (w.worker, w.generation, w.host, w.pid, w.lease_expires, w.fenced)
-                for w in self.workers.values()
-            ],
-        )
+        _insert(conn, POSTGRES.insert_events, self.events)
+        _insert(conn, POSTGRES.upsert_calls, [state_params(c) for c in self.calls.values()])
+        _insert(conn, POSTGRES.upsert_nodes, [node_params(n) for n in self.nodes.values()])
+        _insert(conn, POSTGRES.upsert_workers, [worker_params(w) for w in self.workers.values()])
         self.events, self.calls, self.nodes, self.workers = [], {}, {}, {}
 
 
 def _insert(
-    conn: psycopg.Connection[Any], statement: tuple[str, str], rows: Sequence[Sequence[Any]]
+    conn: psycopg.Connection[Any], statement: Upsert, rows: Sequence[Sequence[Any]]
 ) -> None:
     """``INSERT … VALUES (…), (…) …`` of ``rows``: one statement per 1000 rows.
 
     Multi-row VALUES measured cheaper than ``unnest`` of arrays or ``executemany``
     for the few rows a typical batch writes (psycopg adapts each array slowly).
     """
-    head, tail = statement
     for start in range(0, len(rows), _ROWS_PER_STATEMENT):
         chunk = rows[start : start + _ROWS_PER_STATEMENT]
-        row = "(" + ",".join(["%s"] * len(chunk[0])) + ")"
-        conn.execute(head + ",".join([row] * len(chunk)) + tail, [v for r in chunk for v in r])
+        conn.execute(statement.rows(len(chunk)), [v for r in chunk for v in r])
 
 
 class PostgresSession:
@@ -307,12 +269,12 @@ class PostgresSession:
     # -- Tx
     def now(self) -> float:
         if self._now is None:
-            self._now = float(self._get("SELECT extract(epoch FROM clock_timestamp())", ())[0][0])
+            self._now = float(self._get(_CLOCK, ())[0][0])
         return self._now
 
     def head(self) -> tuple[int, str]:
         if self._head is None:
-            rows = self._scan("SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1", ())
+            rows = self._scan(HEAD, ())
             self._head = (0, GENESIS_DIGEST) if not rows else (int(rows[0][0]), str(rows[0][1]))
         return self._head
 
@@ -321,14 +283,11 @@ class PostgresSession:
         self._head = (event.seq, event.digest)
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
-        rows = self._scan(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = %s ORDER BY seq", (call_id,)
-        )
-        return [event_from_row(r) for r in rows]
+        return [event_from_row(r) for r in self._scan(POSTGRES.call_events, (call_id,))]
 
     def get_call(self, call_id: str) -> WorkState | None:
         if call_id not in self._calls:
-            rows = self._get("SELECT state FROM calls WHERE call_id = %s", (call_id,))
+            rows = self._get(POSTGRES.call, (call_id,))
             self._calls[call_id] = state_from_json(rows[0][0]) if rows else None
         return self._calls[call_id]
 
@@ -340,33 +299,20 @@ class PostgresSession:
         return state_from_json(rows[0][0]) if rows else None
 
     def find_keyed(self, root: str, key: str) -> WorkState | None:
-        return self._scan_call(
-            "SELECT state FROM calls WHERE budget_root = %s AND idempotency_key = %s", (root, key)
-        )
+        return self._scan_call(POSTGRES.keyed_call, (root, key))
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
-        return self._scan_call(
-            "SELECT state FROM calls WHERE budget_root = %s AND request_hash = %s "
-            "AND stage IN ('in_flight', 'effect_unknown') AND created_at >= %s "
-            "ORDER BY created_at DESC LIMIT 1",
-            (root, request_hash, since),
-        )
+        return self._scan_call(POSTGRES.unresolved_call, (root, request_hash, since))
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
-        rows = self._scan(
-            "SELECT state FROM calls WHERE stage = 'in_flight' AND worker = %s", (worker,)
-        )
-        return [state_from_json(r[0]) for r in rows]
+        return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]
 
     def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
         missing = [p for p in paths if p not in self._nodes]
         if missing:
-            rows = self._get(
-                "SELECT path, limit_nanos, reserved, spent, held FROM budgets WHERE path = ANY(%s)",
-                (missing,),
-            )
+            rows = self._get(f"{POSTGRES.nodes} WHERE path = ANY(%s)", (missing,))
             self._nodes.update(dict.fromkeys(missing))
-            self._nodes.update((r[0], _node(r)) for r in rows)
+            self._nodes.update((r[0], node_from_row(r)) for r in rows)
         return {p: node for p in paths if (node := self._nodes[p]) is not None}
 
     def put_node(self, node: BudgetNode) -> None:
@@ -374,27 +320,25 @@ class PostgresSession:
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         if worker not in self._workers:
-            rows = self._get(f"SELECT {_WORKER_COLUMNS} FROM workers WHERE worker = %s", (worker,))
-            self._workers[worker] = _worker(rows[0]) if rows else None
+            rows = self._get(POSTGRES.worker, (worker,))
+            self._workers[worker] = worker_from_row(rows[0]) if rows else None
         return self._workers[worker]
 
     def put_worker(self, row: WorkerRow) -> None:
         self._op.workers[row.worker] = self._workers[row.worker] = row
 
     def live_workers(self) -> list[WorkerRow]:
-        rows = self._scan(f"SELECT {_WORKER_COLUMNS} FROM workers WHERE NOT fenced", ())
-        return [_worker(r) for r in rows]
+        return [worker_from_row(r) for r in self._scan(POSTGRES.live_workers, ())]
 
     def next_generation(self) -> int:
-        rows = self._send(
-            "UPDATE meta SET value = value + 1 WHERE key = 'generation' RETURNING value",
-            savepoint=True,
-        )
+        rows = self._send(NEXT_GENERATION, savepoint=True)
         return int(rows[0][0])
 
 
-class PostgresStore:
+class PostgresStore(SqlReads):
     """A ledger in a PostgreSQL database, shared by any number of replicas."""
+
+    queries = POSTGRES
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -450,26 +394,6 @@ class PostgresStore:
         except psycopg.Error as exc:
             raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
 
-    async def get_call(self, call_id: str) -> WorkState | None:
-        rows = await self._fetch("SELECT state FROM calls WHERE call_id = %s", (call_id,))
-        return state_from_json(rows[0][0]) if rows else None
-
-    async def call_events(self, call_id: str) -> list[StoredEvent]:
-        rows = await self._fetch(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = %s ORDER BY seq", (call_id,)
-        )
-        return [event_from_row(r) for r in rows]
-
-    async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
-    ) -> list[WorkState]:
-        sql, params = list_calls_query(stage, budget, limit, "%s")
-        rows = await self._fetch(sql, params)
-        return [state_from_json(r[0]) for r in rows]
-
-    async def call_columns(self) -> list[tuple[Any, ...]]:
-        return await self._fetch(f"SELECT {INDEX_COLUMNS} FROM calls")
-
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[None]:
         async with self._snapshot_lock:
@@ -487,31 +411,6 @@ class PostgresStore:
             await self._reader.execute(query)
         except psycopg.Error as exc:
             raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
-
-    async def budget_nodes(self) -> list[BudgetNode]:
-        rows = await self._fetch(
-            "SELECT path, limit_nanos, reserved, spent, held FROM budgets ORDER BY path"
-        )
-        return [_node(r) for r in rows]
-
-    async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
-        rows = await self._fetch(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > %s ORDER BY seq LIMIT %s",
-            (seq, limit),
-        )
-        return [event_from_row(r) for r in rows]
-
-    async def workers(self) -> list[WorkerRow]:
-        rows = await self._fetch(f"SELECT {_WORKER_COLUMNS} FROM workers")
-        return [_worker(r) for r in rows]
-
-    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
-        rows = await self._fetch(
-            "SELECT provider, stage, count(*), "
-            "coalesce(sum((state::jsonb ->> 'held')::numeric), 0) FROM calls "
-            "WHERE stage IN ('in_flight', 'effect_unknown') GROUP BY provider, stage"
-        )
-        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
 
     async def writable(self) -> bool:
         if not self.committer.stats.last_ok:  # a probe commits even where real writes fail

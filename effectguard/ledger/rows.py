@@ -1,4 +1,9 @@
-"""Row encodings shared by the SQL stores (events, call states, workers)."""
+"""Row encodings shared by the SQL stores: column lists, and rows to and from values.
+
+Each ``*_COLUMNS`` string fixes a table's column order; the ``*_params``
+functions produce parameters in that order and the ``*_from_row`` functions
+read a row in that order, on SQLite and PostgreSQL alike.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 from typing import Any
 
 from effectguard.ledger.base import WorkerRow
+from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import WorkState, as_dict
 
@@ -18,6 +24,17 @@ CALL_COLUMNS = (
     "call_id, stage, budget, budget_root, idempotency_key, request_hash, provider, "
     "created_at, worker, state"
 )
+#: The call columns a later write may change. A call's budget, hash, provider and
+#: creation time come from its manifest and never change: leaving them out of an
+#: upsert leaves those columns' index pages unwritten.
+MUTABLE_CALL_COLUMNS = ("stage", "idempotency_key", "worker", "state")
+NODE_COLUMNS = "path, limit_nanos, reserved, spent, held"
+WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
+
+
+def names(columns: str) -> list[str]:
+    """The column names of a ``*_COLUMNS`` string."""
+    return [name.strip() for name in columns.split(",")]
 
 
 def event_params(event: StoredEvent, data_json: str) -> tuple[Any, ...]:
@@ -80,7 +97,20 @@ def state_from_json(text: str) -> WorkState:
     return WorkState(**json.loads(text))
 
 
-WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
+def node_params(node: BudgetNode) -> tuple[Any, ...]:
+    """Parameters for storing a budget node, in :data:`NODE_COLUMNS` order."""
+    return (node.path, node.limit, node.reserved, node.spent, node.held)
+
+
+def node_from_row(row: tuple[Any, ...] | Any) -> BudgetNode:
+    """A budget node from a row in :data:`NODE_COLUMNS` order."""
+    path, limit, reserved, spent, held = row
+    return BudgetNode(path, limit, int(reserved), int(spent), int(held))
+
+
+def worker_params(row: WorkerRow) -> tuple[Any, ...]:
+    """Parameters for storing a worker row, in :data:`WORKER_COLUMNS` order."""
+    return (row.worker, row.generation, row.host, row.pid, row.lease_expires, row.fenced)
 
 
 def worker_from_row(row: tuple[Any, ...] | Any) -> WorkerRow:
@@ -94,24 +124,3 @@ def worker_from_row(row: tuple[Any, ...] | Any) -> WorkerRow:
         lease_expires=float(lease_expires),
         fenced=bool(fenced),
     )
-
-
-def list_calls_query(
-    stage: str | None, budget: str | None, limit: int, mark: str
-) -> tuple[str, list[Any]]:
-    """The SQL (with ``mark`` as placeholder: ``?`` or ``%s``) listing calls, newest first.
-
-    ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
-    """
-    where: list[str] = []
-    params: list[Any] = []
-    if stage is not None:
-        where.append(f"stage = {mark}")
-        params.append(stage)
-    if budget is not None:
-        where.append(f"(budget = {mark} OR budget LIKE {mark} ESCAPE '\\')")
-        escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        params += [budget, escaped + "/%"]
-    clause = f"WHERE {' AND '.join(where)}" if where else ""
-    sql = f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT {mark}"
-    return sql, [*params, min(limit, (1 << 63) - 1)]

@@ -17,7 +17,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,22 +27,22 @@ from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
+from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE
 from effectguard.ledger.rows import (
-    CALL_COLUMNS,
-    EVENT_COLUMNS,
-    INDEX_COLUMNS,
-    WORKER_COLUMNS,
     event_from_row,
     event_params,
-    list_calls_query,
+    node_from_row,
+    node_params,
     state_from_json,
     state_params,
     worker_from_row,
+    worker_params,
 )
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
+from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
-from effectguard.rules.workstate import Stage, WorkState
+from effectguard.rules.workstate import WorkState
 
 T = TypeVar("T")
 
@@ -50,15 +50,11 @@ T = TypeVar("T")
 CHECKPOINT_EVERY_S = 1.0
 #: Call states the writer keeps between batches (far more than are ever in flight).
 _CALL_CACHE_SIZE = 4096
-
-# A call's budget, hash, provider and creation time come from its manifest and never
-# change: updating only the rest leaves those columns' index pages unwritten.
-_UPSERT_CALL = (
-    f"INSERT INTO calls({CALL_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?) "
-    "ON CONFLICT(call_id) DO UPDATE SET stage = excluded.stage, "
-    "idempotency_key = excluded.idempotency_key, worker = excluded.worker, "
-    "state = excluded.state"
-)
+#: Statements that go one row at a time (SQLite: executemany of a one-row statement).
+_INSERT_EVENT = SQLITE.insert_events.rows(1)
+_UPSERT_CALL = SQLITE.upsert_calls.rows(1)
+_UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
+_UPSERT_WORKER = SQLITE.upsert_workers.rows(1)
 
 
 class SqliteSession:
@@ -69,11 +65,15 @@ class SqliteSession:
     cached for the batch, and budget rows are written once per batch, at commit.
     Each operation's savepoint snapshots the (small) caches so a rollback restores
     them with the tables.
+
+    ``clock`` is the ledger's clock (leases, event times): the wall clock unless a
+    test injects one.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.conn = connect(path)
+        self._clock = clock
         migrate(self.conn)
         # The file this connection writes. If it is deleted or replaced while we run,
         # our commits would go to a file nobody will ever read again.
@@ -154,22 +154,13 @@ class SqliteSession:
 
     def _flush_events(self) -> None:
         if self._events:
-            self.conn.executemany(
-                f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", self._events
-            )
+            self.conn.executemany(_INSERT_EVENT, self._events)
             self._events = []
 
     def commit(self) -> None:
         self._flush_events()
         if self._dirty:
-            self.conn.executemany(
-                "INSERT OR REPLACE INTO budgets(path, limit_nanos, reserved, spent, held) "
-                "VALUES (?,?,?,?,?)",
-                [
-                    (n.path, n.limit, n.reserved, n.spent, n.held)
-                    for n in (self._nodes[p] for p in self._dirty)
-                ],
-            )
+            self.conn.executemany(_UPSERT_NODE, [node_params(self._nodes[p]) for p in self._dirty])
         self.conn.execute("COMMIT")
         self._dirty = set()  # the caches now hold what is committed
 
@@ -222,13 +213,11 @@ class SqliteSession:
 
     # -- Tx
     def now(self) -> float:
-        return time.time()
+        return self._clock()
 
     def head(self) -> tuple[int, str]:
         if self._head is None:
-            row = self.conn.execute(
-                "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
-            ).fetchone()
+            row = self.conn.execute(HEAD).fetchone()
             self._head = (0, GENESIS_DIGEST) if row is None else (int(row[0]), str(row[1]))
         return self._head
 
@@ -238,10 +227,7 @@ class SqliteSession:
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         self._flush_events()
-        rows = self.conn.execute(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = ? ORDER BY seq", (call_id,)
-        )
-        return [event_from_row(r) for r in rows]
+        return [event_from_row(r) for r in self.conn.execute(SQLITE.call_events, (call_id,))]
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
         row = self.conn.execute(sql, params).fetchone()
@@ -250,7 +236,7 @@ class SqliteSession:
     def get_call(self, call_id: str) -> WorkState | None:
         state = self._calls.get(call_id)
         if state is None:
-            state = self._one_call("SELECT state FROM calls WHERE call_id = ?", (call_id,))
+            state = self._one_call(SQLITE.call, (call_id,))
             if state is not None:
                 self._remember(state)
         return state
@@ -267,34 +253,20 @@ class SqliteSession:
         self._calls[state.call_id] = state
 
     def find_keyed(self, root: str, key: str) -> WorkState | None:
-        return self._one_call(
-            "SELECT state FROM calls WHERE budget_root = ? AND idempotency_key = ?", (root, key)
-        )
+        return self._one_call(SQLITE.keyed_call, (root, key))
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
-        return self._one_call(
-            "SELECT state FROM calls WHERE budget_root = ? AND request_hash = ? "
-            "AND stage IN ('in_flight', 'effect_unknown') AND created_at >= ? "
-            "ORDER BY created_at DESC LIMIT 1",
-            (root, request_hash, since),
-        )
+        return self._one_call(SQLITE.unresolved_call, (root, request_hash, since))
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
-        rows = self.conn.execute(
-            "SELECT state FROM calls WHERE stage = 'in_flight' AND worker = ?", (worker,)
-        )
-        return [state_from_json(r[0]) for r in rows]
+        return [state_from_json(r[0]) for r in self.conn.execute(SQLITE.in_flight_of, (worker,))]
 
     def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
         missing = [p for p in paths if p not in self._nodes]
         if missing:
             marks = ",".join("?" * len(missing))
-            rows = self.conn.execute(
-                "SELECT path, limit_nanos, reserved, spent, held FROM budgets "
-                f"WHERE path IN ({marks})",
-                tuple(missing),
-            )
-            self._nodes.update((r[0], BudgetNode(*r)) for r in rows)
+            rows = self.conn.execute(f"{SQLITE.nodes} WHERE path IN ({marks})", tuple(missing))
+            self._nodes.update((r[0], node_from_row(r)) for r in rows)
         return {p: self._nodes[p] for p in paths if p in self._nodes}
 
     def put_node(self, node: BudgetNode) -> None:
@@ -303,28 +275,19 @@ class SqliteSession:
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         if worker not in self._workers:
-            row = self.conn.execute(
-                f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = ?", (worker,)
-            ).fetchone()
+            row = self.conn.execute(SQLITE.worker, (worker,)).fetchone()
             self._workers[worker] = None if row is None else worker_from_row(row)
         return self._workers[worker]
 
     def put_worker(self, row: WorkerRow) -> None:
-        self.conn.execute(
-            "INSERT OR REPLACE INTO workers(worker, generation, host, pid, lease_expires, fenced)"
-            " VALUES (?,?,?,?,?,?)",
-            (row.worker, row.generation, row.host, row.pid, row.lease_expires, int(row.fenced)),
-        )
+        self.conn.execute(_UPSERT_WORKER, worker_params(row))
         self._workers[row.worker] = row
 
     def live_workers(self) -> list[WorkerRow]:
-        rows = self.conn.execute(f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = 0")
-        return [worker_from_row(r) for r in rows]
+        return [worker_from_row(r) for r in self.conn.execute(SQLITE.live_workers)]
 
     def next_generation(self) -> int:
-        row = self.conn.execute(
-            "UPDATE meta SET value = value + 1 WHERE key = 'generation' RETURNING value"
-        ).fetchone()
+        row = self.conn.execute(NEXT_GENERATION).fetchone()
         return int(row[0])
 
 
@@ -342,12 +305,18 @@ def sqlite_path(url: str) -> str:
     return url
 
 
-class SqliteStore:
-    """A ledger in one SQLite file (the embedded default)."""
+class SqliteStore(SqlReads):
+    """A ledger in one SQLite file (the embedded default).
 
-    def __init__(self, url: str) -> None:
+    ``clock`` is the ledger's clock (the wall clock unless a test injects one).
+    """
+
+    queries = SQLITE
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.url = url
         self.path = sqlite_path(url)
+        self._clock = clock
         self._writer: InlineCommitter[SqliteSession] | None = None
         self._reader: aiosqlite.Connection | None = None
         self._snapshot_lock = asyncio.Lock()
@@ -363,7 +332,9 @@ class SqliteStore:
         parent = Path(self.path).parent
         if not parent.exists():
             raise ConfigError(f"ledger directory {parent} does not exist")
-        writer = InlineCommitter(lambda: SqliteSession(self.path), operations.check_writer)
+        writer = InlineCommitter(
+            lambda: SqliteSession(self.path, self._clock), operations.check_writer
+        )
         try:
             writer.start()
         except sqlite3.Error as exc:
@@ -395,51 +366,6 @@ class SqliteStore:
                 return list(await cursor.fetchall())
         except sqlite3.Error as exc:
             raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
-
-    async def get_call(self, call_id: str) -> WorkState | None:
-        rows = await self._fetch("SELECT state FROM calls WHERE call_id = ?", (call_id,))
-        return state_from_json(rows[0][0]) if rows else None
-
-    async def call_events(self, call_id: str) -> list[StoredEvent]:
-        rows = await self._fetch(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = ? ORDER BY seq", (call_id,)
-        )
-        return [event_from_row(r) for r in rows]
-
-    async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
-    ) -> list[WorkState]:
-        sql, params = list_calls_query(stage, budget, limit, "?")
-        rows = await self._fetch(sql, params)
-        return [state_from_json(r[0]) for r in rows]
-
-    async def budget_nodes(self) -> list[BudgetNode]:
-        rows = await self._fetch(
-            "SELECT path, limit_nanos, reserved, spent, held FROM budgets ORDER BY path"
-        )
-        return [BudgetNode(*r) for r in rows]
-
-    async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
-        rows = await self._fetch(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
-        )
-        return [event_from_row(r) for r in rows]
-
-    async def workers(self) -> list[WorkerRow]:
-        rows = await self._fetch(f"SELECT {WORKER_COLUMNS} FROM workers")
-        return [worker_from_row(r) for r in rows]
-
-    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
-        rows = await self._fetch(
-            "SELECT provider, stage, count(*), "
-            "coalesce(sum(json_extract(state, '$.held')), 0) FROM calls "
-            "WHERE stage IN ('in_flight', 'effect_unknown') GROUP BY provider, stage"
-        )
-        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
-
-    async def call_columns(self) -> list[tuple[Any, ...]]:
-        rows = await self._fetch(f"SELECT {INDEX_COLUMNS} FROM calls")
-        return [tuple(r) for r in rows]
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[None]:

@@ -1,0 +1,143 @@
+"""The SQL text the SQLite and PostgreSQL stores share, written once.
+
+A :class:`Queries` holds every statement in one dialect: the two differ only in
+their placeholder (``?`` or ``%s``), how ``false`` is spelled and how a JSON
+field of the stored state is read. What else differs (binding a list of budget
+paths, sending rows one statement per row or many) stays in the store.
+
+Stage lists in SQL come from :mod:`effectguard.rules.workstate`, never typed
+out here: :data:`UNRESOLVED_SQL` is built from ``workstate.UNRESOLVED``. The
+migrations keep their own text (a migration is history; a test checks it
+matches :data:`UNRESOLVED_SQL`, so the partial index keeps serving the query).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from effectguard.ledger.rows import (
+    CALL_COLUMNS,
+    EVENT_COLUMNS,
+    INDEX_COLUMNS,
+    MUTABLE_CALL_COLUMNS,
+    NODE_COLUMNS,
+    WORKER_COLUMNS,
+    names,
+)
+from effectguard.rules.workstate import STAGES, UNRESOLVED, Stage
+
+
+def stage_list(stages: Iterable[Stage]) -> str:
+    """``'a', 'b'``: quoted stage names in :data:`~workstate.STAGES` order.
+
+    The order is fixed (not a set's) so the text is the same in every process:
+    SQLite uses a partial index only for a query whose terms match its own.
+    """
+    chosen = set(stages)
+    unknown = chosen.difference(STAGES)
+    if unknown:
+        raise ValueError(f"not stages: {sorted(unknown)}")
+    return ", ".join(f"'{stage}'" for stage in STAGES if stage in chosen)
+
+
+#: Calls that may still have (or be having) an effect: in flight or effect unknown.
+UNRESOLVED_SQL = f"stage IN ({stage_list(UNRESOLVED)})"
+IN_FLIGHT_SQL = f"stage = {stage_list(['in_flight'])}"
+#: The chain head: the last event's number and digest.
+HEAD = "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
+NEXT_GENERATION = "UPDATE meta SET value = value + 1 WHERE key = 'generation' RETURNING value"
+
+
+@dataclass(frozen=True, slots=True)
+class Upsert:
+    """An ``INSERT … VALUES … [ON CONFLICT …]`` statement, for any number of rows."""
+
+    head: str
+    width: int
+    tail: str
+    mark: str
+
+    def rows(self, count: int) -> str:
+        """The statement with placeholders for ``count`` rows."""
+        one = "(" + ",".join([self.mark] * self.width) + ")"
+        return self.head + ",".join([one] * count) + self.tail
+
+
+def _upsert(table: str, columns: str, mark: str, mutable: Iterable[str] | None) -> Upsert:
+    """An insert into ``table`` that, given ``mutable`` columns, updates them on conflict."""
+    cols = names(columns)
+    tail = ""
+    if mutable is not None:
+        sets = ", ".join(f"{c} = excluded.{c}" for c in mutable)
+        tail = f" ON CONFLICT({cols[0]}) DO UPDATE SET {sets}"
+    return Upsert(f"INSERT INTO {table}({columns}) VALUES ", len(cols), tail, mark)
+
+
+class Queries:
+    """Every statement both stores send, in one dialect.
+
+    ``mark`` is the placeholder, ``false`` the literal a boolean column compares
+    with, and ``held`` the expression reading a call's held amount from its JSON.
+    """
+
+    def __init__(self, *, mark: str, false: str, held: str) -> None:
+        m = mark
+        self.mark = mark
+        # -- point reads (the writer's and the readers')
+        self.call = f"SELECT state FROM calls WHERE call_id = {m}"
+        self.keyed_call = (
+            f"SELECT state FROM calls WHERE budget_root = {m} AND idempotency_key = {m}"
+        )
+        self.unresolved_call = (
+            f"SELECT state FROM calls WHERE budget_root = {m} AND request_hash = {m} "
+            f"AND {UNRESOLVED_SQL} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
+        )
+        self.in_flight_of = f"SELECT state FROM calls WHERE {IN_FLIGHT_SQL} AND worker = {m}"
+        self.call_events = f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = {m} ORDER BY seq"
+        self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
+        self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
+        #: Budget nodes; each store adds how it matches a list of paths.
+        self.nodes = f"SELECT {NODE_COLUMNS} FROM budgets"
+        # -- scans (operators, metrics, verify)
+        self.events_after = (
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > {m} ORDER BY seq LIMIT {m}"
+        )
+        self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budgets ORDER BY path"
+        self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
+        self.call_columns = f"SELECT {INDEX_COLUMNS} FROM calls"
+        self.stage_counts = (
+            f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
+            f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
+        )
+        # -- writes
+        self.insert_events = _upsert("events", EVENT_COLUMNS, m, None)
+        self.upsert_calls = _upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
+        self.upsert_nodes = _upsert("budgets", NODE_COLUMNS, m, names(NODE_COLUMNS)[1:])
+        self.upsert_workers = _upsert("workers", WORKER_COLUMNS, m, names(WORKER_COLUMNS)[1:])
+
+    def list_calls(
+        self, stage: str | None, budget: str | None, limit: int
+    ) -> tuple[str, list[Any]]:
+        """The SQL and parameters listing calls, newest first.
+
+        ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
+        """
+        m = self.mark
+        where: list[str] = []
+        params: list[Any] = []
+        if stage is not None:
+            where.append(f"stage = {m}")
+            params.append(stage)
+        if budget is not None:
+            where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
+            escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            params += [budget, escaped + "/%"]
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        sql = f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT {m}"
+        return sql, [*params, min(limit, (1 << 63) - 1)]
+
+
+SQLITE = Queries(mark="?", false="0", held="json_extract(state, '$.held')")
+POSTGRES = Queries(mark="%s", false="false", held="(state::jsonb ->> 'held')::numeric")

@@ -1,0 +1,70 @@
+"""The read half of a SQL store: the same queries and row codecs on every engine.
+
+:class:`SqlReads` answers the :class:`~effectguard.ledger.base.LedgerStore`
+reads from :mod:`effectguard.ledger.queries`; a store supplies its dialect's
+:class:`~effectguard.ledger.queries.Queries` and one ``_fetch`` that runs a
+query on its read connection (translating driver errors at that boundary).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from effectguard.ledger.base import WorkerRow
+from effectguard.ledger.queries import Queries
+from effectguard.ledger.rows import event_from_row, node_from_row, state_from_json, worker_from_row
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import StoredEvent
+from effectguard.rules.workstate import Stage, WorkState
+
+
+class SqlReads(ABC):
+    """Operator, metrics and verify reads over a SQL read connection."""
+
+    queries: Queries
+
+    @abstractmethod
+    async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> Sequence[Sequence[Any]]:
+        """Every row ``sql`` answers (``LedgerUnavailable`` if the read fails)."""
+
+    async def get_call(self, call_id: str) -> WorkState | None:
+        """A call's projected state, or None."""
+        rows = await self._fetch(self.queries.call, (call_id,))
+        return state_from_json(rows[0][0]) if rows else None
+
+    async def call_events(self, call_id: str) -> list[StoredEvent]:
+        """A call's events in ledger order."""
+        rows = await self._fetch(self.queries.call_events, (call_id,))
+        return [event_from_row(r) for r in rows]
+
+    async def list_calls(
+        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+    ) -> list[WorkState]:
+        """Calls (newest first), optionally by stage and budget subtree."""
+        sql, params = self.queries.list_calls(stage, budget, limit)
+        rows = await self._fetch(sql, params)
+        return [state_from_json(r[0]) for r in rows]
+
+    async def budget_nodes(self) -> list[BudgetNode]:
+        """Every budget node's stored counters."""
+        return [node_from_row(r) for r in await self._fetch(self.queries.all_nodes)]
+
+    async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
+        """Up to ``limit`` events with sequence number greater than ``seq``."""
+        rows = await self._fetch(self.queries.events_after, (seq, limit))
+        return [event_from_row(r) for r in rows]
+
+    async def workers(self) -> list[WorkerRow]:
+        """Every registered worker."""
+        return [worker_from_row(r) for r in await self._fetch(self.queries.all_workers)]
+
+    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
+        """``(provider, stage, count, held)`` for unresolved stages, for metrics."""
+        rows = await self._fetch(self.queries.stage_counts)
+        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
+
+    async def call_columns(self) -> list[tuple[Any, ...]]:
+        """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
+        return [tuple(r) for r in await self._fetch(self.queries.call_columns)]

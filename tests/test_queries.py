@@ -1,0 +1,47 @@
+"""The SQL both stores share: stage lists come from workstate and keep their indexes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from effectguard.ledger import pgschema, sqliteschema
+from effectguard.ledger.queries import SQLITE, UNRESOLVED_SQL, stage_list
+from effectguard.rules.workstate import UNRESOLVED
+
+
+def _squeeze(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def test_unresolved_stage_list_is_the_workstate_set() -> None:
+    """The SQL stage list names exactly the stages workstate calls unresolved."""
+    assert set(re.findall(r"'(\w+)'", UNRESOLVED_SQL)) == set(UNRESOLVED)
+
+
+def test_stage_list_refuses_names_that_are_not_stages() -> None:
+    """Only stage names from workstate reach SQL text, never a typo or an input."""
+    with pytest.raises(ValueError, match="not stages"):
+        stage_list(["in_flight", "x'; DROP TABLE calls; --"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("schema", [sqliteschema, pgschema], ids=["sqlite", "postgres"])
+def test_migrations_index_the_stage_list_the_queries_use(schema: object) -> None:
+    """The partial index on unresolved calls has the very predicate the retry lookup uses."""
+    statements = [_squeeze(s) for _, _, batch in schema.MIGRATIONS for s in batch]  # type: ignore[attr-defined]
+    (index,) = [s for s in statements if "calls_unresolved" in s]
+    assert index.endswith(f"WHERE {UNRESOLVED_SQL}")
+
+
+def test_unresolved_lookup_uses_the_partial_index(tmp_path: Path) -> None:
+    """SQLite answers the retry lookup from the small partial index, not by stage scan."""
+    conn = sqliteschema.connect(str(tmp_path / "l.db"))
+    try:
+        sqliteschema.migrate(conn)
+        plan = conn.execute("EXPLAIN QUERY PLAN " + SQLITE.unresolved_call, ("r", "h", 0.0))
+        details = " ".join(str(row[-1]) for row in plan)
+    finally:
+        conn.close()
+    assert "USING INDEX calls_unresolved" in details
