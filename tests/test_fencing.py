@@ -30,10 +30,12 @@ import pytest
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import FencedError, Refusal
+from effectguard.ledger import Ledger, open_store
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
 from effectguard.testing import fake_provider, start_proxy
+from effectguard.testing.clock import ManualClock
 
 pytestmark = pytest.mark.slow
 
@@ -211,7 +213,15 @@ class Upstream:
         )
 
 
-def _runtime(ledger: Path | str, *, lease_s: float, heartbeat_s: float, sweep_s: float) -> Runtime:
+def _runtime(
+    ledger: Path | str,
+    *,
+    lease_s: float,
+    heartbeat_s: float,
+    sweep_s: float,
+    clock: ManualClock | None = None,
+) -> Runtime:
+    """A runtime on ``ledger``; with ``clock``, its ledger's clock is that manual one."""
     providers = load_providers([], {"openai": UPSTREAM})
     config = RuntimeConfig(
         ledger_url=str(ledger),
@@ -220,7 +230,10 @@ def _runtime(ledger: Path | str, *, lease_s: float, heartbeat_s: float, sweep_s:
         heartbeat_s=heartbeat_s,
         sweep_s=sweep_s,
     )
-    return Runtime(config)
+    runtime = Runtime(config)
+    if clock is not None:  # still the runtime's own ledger: it opens and closes it
+        runtime.ledger = Ledger(open_store(str(ledger), clock=clock))
+    return runtime
 
 
 def _request(content: str, key: str | None = None) -> httpx.Request:
@@ -230,13 +243,14 @@ def _request(content: str, key: str | None = None) -> httpx.Request:
 
 async def test_lapsed_lease_starts_no_dispatch(tmp_path: Path) -> None:
     """A worker whose lease ran out (no heartbeat) is refused 503 at admission; nothing is sent."""
-    runtime = _runtime(tmp_path / "l.db", lease_s=0.3, heartbeat_s=3600, sweep_s=3600)
+    clock = ManualClock()
+    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
     guard = await runtime.start()
     upstream = Upstream()
     try:
         ok = await guard.handle(guard.providers["openai"], _request("before"), upstream.send)
         assert ok.status_code == 200 and upstream.sent == 1
-        await asyncio.sleep(0.5)
+        clock.advance(61)
         with pytest.raises(Refusal) as refused:
             await guard.handle(guard.providers["openai"], _request("after"), upstream.send)
         assert refused.value.status == 503 and refused.value.type == "ledger_unavailable"
@@ -271,10 +285,12 @@ class Held:
 
 
 @contextlib.asynccontextmanager
-async def dead_worker_call(ledger_url: str) -> AsyncIterator[Held]:
+async def dead_worker_call(
+    ledger_url: str, clock: ManualClock | None = None
+) -> AsyncIterator[Held]:
     """A runtime whose one call is held in flight upstream; its worker then 'dies'
     (heartbeat stopped, OS lock released) while the call is still on the wire."""
-    runtime = _runtime(ledger_url, lease_s=1.5, heartbeat_s=3600, sweep_s=3600)
+    runtime = _runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
     guard = await runtime.start()
     upstream = Upstream(hold=True)
     task = asyncio.ensure_future(
@@ -299,12 +315,13 @@ async def test_other_host_waits_for_the_lease(tmp_path: Path) -> None:
     """A sweeper on another host cannot see the lock: it takes over only after the
     lease, in one transaction with the interruption; the late result is refused."""
     url = str(tmp_path / "l.db")
-    async with dead_worker_call(url) as held:
+    clock = ManualClock()
+    async with dead_worker_call(url, clock) as held:
         ledger = held.runtime.ledger
         other = WorkerRuntime(
             ledger,
             lock_dir=lock_dir_for(url),
-            lease_s=1.5,
+            lease_s=60,
             heartbeat_s=3600,
             sweep_s=3600,
             host="another-host",
@@ -312,7 +329,7 @@ async def test_other_host_waits_for_the_lease(tmp_path: Path) -> None:
         await other.start()  # its start-up sweep: the lease still runs
         try:
             assert (await ledger.call(held.call_id)).stage == "in_flight"
-            await asyncio.sleep(1.7)
+            clock.advance(61)
             assert await other.sweep() == [held.call_id]
             events = await ledger.store.events_after(0, 10_000)
             kinds = [e.kind for e in events]
