@@ -72,44 +72,13 @@ def prepare(
     endpoint = provider.endpoint_for(request.method, path)
     if endpoint is not None and endpoint.effect == "read_only":
         return None
-    try:
-        budgets.validate_path(budget)
-    except ValueError as exc:
-        raise refuse(400, "invalid_budget", str(exc)) from exc
-    root = budget_root or budgets.root_of(budget)
-    if not budgets.is_under(budget, root):
-        raise refuse(403, "budget_forbidden", f"budget {budget!r} is not under {root!r}")
+    root = _budget_root(budget, budget_root)
     raw = request.content
-    parsed: dict[str, Any] = {}
-    if raw or provider.dialect != "flat":
-        try:
-            loaded = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise refuse(400, "invalid_request", "request body must be a JSON object")
-        parsed = loaded
-    model = parsed.get("model")
-    if model is not None and not isinstance(model, str):
-        raise refuse(400, "invalid_request", "model must be a string")
-    price = provider.price_for(model)
-    if price is None:
-        raise refuse(
-            400,
-            "model_not_priced",
-            f"model {model!r} has no declared price for provider {provider.name!r}; "
-            "declare it with --providers DIR",
-        )
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
-        raise refuse(
-            400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
-        )
+    parsed = _parse_body(provider, raw)
+    model, price = _model_and_price(provider, parsed)
+    key = _idempotency_key(request)
     stream = usages.wants_stream(parsed)
-    sent = raw
-    amended = usages.with_stream_usage(provider.dialect, path, parsed)
-    if amended is not None:
-        sent = json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
+    sent = _body_to_send(provider, path, parsed, raw)
     try:
         reserve = usages.estimate(price, parsed, dialect=provider.dialect)
     except usages.OutOfBounds as exc:
@@ -117,8 +86,6 @@ def prepare(
     except (TypeError, ValueError) as exc:
         raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
     retry_of = request.headers.get(RETRY_OF_HEADER)
-    sdk_retry = request.headers.get(SDK_RETRY_HEADER, "0")
-    is_retry = retry_of is not None or (sdk_retry.isdigit() and int(sdk_retry) >= 1)
     target = request.url.raw_path.decode("ascii", "replace")
     body_text, body_encoding = encode_body(sent)
     idem = provider.idempotency
@@ -136,10 +103,75 @@ def prepare(
         body_encoding=body_encoding,
         stream=stream,
         reserve=reserve,
-        is_retry=is_retry,
+        is_retry=retry_of is not None or _sdk_retry(request),
         retry_of=retry_of,
         retry_window_s=settings.retry_window_s,
         provider_idempotency_window_s=idem.window_seconds if idem else None,
         create_budgets=settings.create_budgets,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit)
+
+
+def _budget_root(budget: str, budget_root: str | None) -> str:
+    """The budget root the call is scoped to; ``budget`` must be a valid path under it."""
+    try:
+        budgets.validate_path(budget)
+    except ValueError as exc:
+        raise refuse(400, "invalid_budget", str(exc)) from exc
+    root = budget_root or budgets.root_of(budget)
+    if not budgets.is_under(budget, root):
+        raise refuse(403, "budget_forbidden", f"budget {budget!r} is not under {root!r}")
+    return root
+
+
+def _parse_body(provider: Provider, raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (a flat tool provider may send none)."""
+    if not raw and provider.dialect == "flat":
+        return {}
+    try:
+        loaded = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise refuse(400, "invalid_request", "request body must be a JSON object")
+    return loaded
+
+
+def _model_and_price(provider: Provider, parsed: dict[str, Any]) -> tuple[str | None, ModelPrice]:
+    """The requested model and its declared price; an unpriced model is refused."""
+    model: str | None = parsed.get("model")
+    if model is not None and not isinstance(model, str):
+        raise refuse(400, "invalid_request", "model must be a string")
+    price = provider.price_for(model)
+    if price is None:
+        raise refuse(
+            400,
+            "model_not_priced",
+            f"model {model!r} has no declared price for provider {provider.name!r}; "
+            "declare it with --providers DIR",
+        )
+    return model, price
+
+
+def _idempotency_key(request: httpx.Request) -> str | None:
+    """The client's ``Idempotency-Key``, if it sent a usable one."""
+    key: str | None = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
+        raise refuse(
+            400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
+        )
+    return key
+
+
+def _body_to_send(provider: Provider, path: str, parsed: dict[str, Any], raw: bytes) -> bytes:
+    """The body sent upstream: as received, unless a stream must ask for its usage."""
+    amended = usages.with_stream_usage(provider.dialect, path, parsed)
+    if amended is None:
+        return raw
+    return json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _sdk_retry(request: httpx.Request) -> bool:
+    """Whether an SDK marked this request as its own retry (``x-stainless-retry-count`` >= 1)."""
+    count = request.headers.get(SDK_RETRY_HEADER, "0")
+    return count.isdigit() and int(count) >= 1

@@ -127,89 +127,23 @@ def _check_lease(tx: Tx, writer: Writer) -> None:
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     """SPEC §3.1 in one transaction: idempotency check, budget reservation, manifest."""
     now = tx.now()
-    decision: Decision
-    if req.idempotency_key is not None:
-        existing = tx.find_keyed(req.budget_root, req.idempotency_key)
-        decision = decide_keyed(existing, req.request_hash, now)
-    elif req.is_retry:
-        target = None
-        if req.retry_of is not None:
-            target = tx.get_call(req.retry_of)
-            if target is not None and (
-                target.budget_root != req.budget_root or target.request_hash != req.request_hash
-            ):
-                target = None
-        if target is None:
-            target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
-        if target is not None and target.stage not in workstate.UNRESOLVED:
-            target = None
-        decision = decide_retry(target)
-    else:
-        decision = Decision("admit")
-
-    if decision.action == "refuse":
-        assert decision.refusal is not None and decision.existing is not None
-        return Admitted("refuse", decision.existing.call_id, refusal=decision.refusal)
-    if decision.action == "replay":
-        assert decision.existing is not None
-        observed = _last_observed(tx, decision.existing.call_id)
-        return Admitted(
-            "replay", decision.existing.call_id, state=decision.existing, observed=observed
-        )
-    if decision.action == "join":
-        assert decision.existing is not None
-        return Admitted("join", decision.existing.call_id, state=decision.existing)
-
+    decision = _decide(tx, req, now)
+    if decision.action in ("refuse", "replay", "join"):
+        return _answer_from_ledger(tx, decision)
     _check_lease(tx, writer)
     existing = decision.existing
     call_id = existing.call_id if existing is not None else new_call_id()
-    events: list[Event] = []
-    if existing is None:
-        events.append(
-            CallManifest(
-                call=call_id,
-                request_hash=req.request_hash,
-                provider=req.provider,
-                endpoint=req.endpoint,
-                method=req.method,
-                model=req.model,
-                idempotency_key=req.idempotency_key,
-                budget=req.budget,
-                budget_root=req.budget_root,
-                effect_kind=req.effect_kind,
-                body=req.body,
-                body_encoding=req.body_encoding,
-                stream=req.stream,
-                retry_of=req.retry_of,
-                provider_idempotency_window_s=req.provider_idempotency_window_s,
-                at=now,
-            )
-        )
+    events: list[Event] = [] if existing is not None else [_manifest(req, call_id, now)]
     # A later attempt of an existing call is charged where the call was admitted.
     budget = existing.budget if existing is not None else req.budget
-    paths = budgets.ancestors(budget)
-    nodes = tx.get_nodes(paths)
-    if not req.create_budgets and budget not in nodes:
-        refusal = Refusal(
-            403, "unknown_budget", f"budget {budget!r} is not configured", call_id=call_id
-        )
-        return _refused(tx, writer, events, call_id, refusal)
     released = 0
     if decision.action == "provider_resend" and existing is not None:
         # The provider dedups the resend: the earlier attempt's effect, if any, is the
         # same effect. Its hold is released as this attempt's reservation replaces it.
         released = existing.held
-    exceeded = budgets.check_admission(nodes, budget, req.reserve - released)
-    if exceeded is not None:
-        refusal = Refusal(
-            402,
-            "budget_exceeded",
-            f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room; this "
-            f"call reserves {nanos_to_usd(exceeded.amount)} USD",
-            call_id=call_id,
-        )
+    refusal = _budget_refusal(tx, req, budget, call_id, req.reserve - released)
+    if refusal is not None:
         return _refused(tx, writer, events, call_id, refusal)
-
     attempt = (existing.attempts if existing is not None else 0) + 1
     provider_key = (req.idempotency_key or call_id) if req.provider_idempotency_window_s else None
     if released:
@@ -232,6 +166,93 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         attempt,
         state=states[call_id],
         provider_idempotency_key=provider_key,
+    )
+
+
+def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
+    """SPEC §4: what a request is, given the call its key or its retry marks name."""
+    if req.idempotency_key is not None:
+        existing = tx.find_keyed(req.budget_root, req.idempotency_key)
+        return decide_keyed(existing, req.request_hash, now)
+    if req.is_retry:
+        return decide_retry(_retried_call(tx, req, now))
+    return Decision("admit")
+
+
+def _retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
+    """The unresolved call a keyless declared retry repeats, if any.
+
+    ``Effectguard-Retry-Of`` names it (only within the same budget root and request
+    hash); otherwise it is the newest unresolved call with this hash inside the
+    retry window.
+    """
+    target = None
+    if req.retry_of is not None:
+        target = tx.get_call(req.retry_of)
+        if target is not None and (
+            target.budget_root != req.budget_root or target.request_hash != req.request_hash
+        ):
+            target = None
+    if target is None:
+        target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
+    if target is not None and target.stage not in workstate.UNRESOLVED:
+        return None
+    return target
+
+
+def _answer_from_ledger(tx: Tx, decision: Decision) -> Admitted:
+    """A request answered without dispatch: refused, replayed or joined to its call."""
+    existing = decision.existing
+    assert existing is not None
+    if decision.action == "refuse":
+        assert decision.refusal is not None
+        return Admitted("refuse", existing.call_id, refusal=decision.refusal)
+    if decision.action == "replay":
+        observed = _last_observed(tx, existing.call_id)
+        return Admitted("replay", existing.call_id, state=existing, observed=observed)
+    return Admitted("join", existing.call_id, state=existing)
+
+
+def _manifest(req: AdmitRequest, call_id: str, now: float) -> CallManifest:
+    """The ``call.manifest`` of a new call: what was intended, as the request said it."""
+    return CallManifest(
+        call=call_id,
+        request_hash=req.request_hash,
+        provider=req.provider,
+        endpoint=req.endpoint,
+        method=req.method,
+        model=req.model,
+        idempotency_key=req.idempotency_key,
+        budget=req.budget,
+        budget_root=req.budget_root,
+        effect_kind=req.effect_kind,
+        body=req.body,
+        body_encoding=req.body_encoding,
+        stream=req.stream,
+        retry_of=req.retry_of,
+        provider_idempotency_window_s=req.provider_idempotency_window_s,
+        at=now,
+    )
+
+
+def _budget_refusal(
+    tx: Tx, req: AdmitRequest, budget: str, call_id: str, amount: int
+) -> Refusal | None:
+    """Why ``budget`` cannot take ``amount`` more (SPEC §5), or None when it can."""
+    nodes = tx.get_nodes(budgets.ancestors(budget))
+    if not req.create_budgets and budget not in nodes:
+        return Refusal(
+            403, "unknown_budget", f"budget {budget!r} is not configured", call_id=call_id
+        )
+    exceeded = budgets.check_admission(nodes, budget, amount)
+    if exceeded is None:
+        return None
+    return Refusal(
+        402,
+        "budget_exceeded",
+        f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room; this "
+        f"call reserves {nanos_to_usd(exceeded.amount)} USD",
+        call_id=call_id,
     )
 
 
