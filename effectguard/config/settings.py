@@ -113,29 +113,18 @@ def _number(table: Mapping[str, Any], key: str, default: float, where: str) -> f
     return float(value)
 
 
-def load_settings(
-    *,
-    config: Path | None = None,
-    ledger: str | None = None,
-    host: str | None = None,
-    port: int | None = None,
-    provider_dirs: Sequence[Path] = (),
-    upstreams: Mapping[str, str] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> ServeSettings:
-    """Build settings from a config file, flags and the environment."""
-    env = os.environ if environ is None else environ
-    raw: dict[str, Any] = {}
-    source = str(config) if config else "<flags>"
-    if config is not None:
-        try:
-            raw = tomllib.loads(config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"{config}: {exc}") from exc
-    server = _table(raw, "server", source)
-    guard = _table(raw, "guard", source)
-    upstream = _table(raw, "upstream", source)
-    providers = load_providers(list(provider_dirs), upstreams)
+def _read_config(config: Path | None) -> dict[str, Any]:
+    """The config file's TOML (empty without one)."""
+    if config is None:
+        return {}
+    try:
+        return tomllib.loads(config.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{config}: {exc}") from exc
+
+
+def _budget_limits(raw: Mapping[str, Any], source: str) -> dict[str, int]:
+    """``[budgets]``: path = limit in USD, as nano-dollars."""
     limits: dict[str, int] = {}
     for path, value in _table(raw, "budgets", source).items():
         try:
@@ -145,6 +134,11 @@ def load_settings(
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: budgets.{path}: {exc}") from exc
+    return limits
+
+
+def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
+    """``[[keys]]``: each a SHA-256 digest of a proxy key and the budget root it fixes."""
     keys = []
     for i, entry in enumerate(raw.get("keys", [])):
         where = f"{source}: keys[{i}]"
@@ -158,6 +152,29 @@ def load_settings(
         except ValueError as exc:
             raise ConfigError(f"{where}.budget_root: {exc}") from exc
         keys.append(ProxyKey(str(entry.get("name", root)), digest, root))
+    return keys
+
+
+def load_settings(
+    *,
+    config: Path | None = None,
+    ledger: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    provider_dirs: Sequence[Path] = (),
+    upstreams: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeSettings:
+    """Build settings from a config file, flags and the environment."""
+    env = os.environ if environ is None else environ
+    raw = _read_config(config)
+    source = str(config) if config else "<flags>"
+    server = _table(raw, "server", source)
+    guard = _table(raw, "guard", source)
+    upstream = _table(raw, "upstream", source)
+    providers = load_providers(list(provider_dirs), upstreams)
+    limits = _budget_limits(raw, source)
+    keys = _proxy_keys(raw, source)
     provider_keys = {
         name: env[p.api_key_env]
         for name, p in providers.items()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -28,7 +28,6 @@ from effectguard.rules.events import (
     BudgetReserved,
     BudgetSettled,
     BudgetUnheld,
-    CallCompleted,
     CallManifest,
     CallReconciled,
     CallRefused,
@@ -151,86 +150,129 @@ def _to(state: WorkState, stage: Stage) -> WorkState:
 
 def apply(state: WorkState, event: Event) -> WorkState:
     """Fold one event into ``state``. Events of other calls must not be passed."""
-    if isinstance(event, CallManifest):
-        if state.stage != "new":
-            return state
-        return replace(
-            state,
-            call_id=event.call,
-            stage="in_flight",
-            idempotency_key=event.idempotency_key,
-            request_hash=event.request_hash,
-            provider=event.provider,
-            model=event.model,
-            budget=event.budget,
-            budget_root=event.budget_root,
-            created_at=event.at,
-            idempotency_window_s=event.provider_idempotency_window_s,
-        )
-    if isinstance(event, CallRefused):
-        if state.attempts:
-            return state
-        return _to(state, "refused")
-    if isinstance(event, BudgetReserved):
-        first = state.reserved_at_admission or event.amount
-        return replace(state, reserved=state.reserved + event.amount, reserved_at_admission=first)
-    if isinstance(event, BudgetReleased):
-        return replace(state, reserved=max(0, state.reserved - event.amount))
-    if isinstance(event, BudgetSettled):
-        return replace(
-            state,
-            reserved=max(0, state.reserved - event.reserved),
-            cost=(state.cost or 0) + event.actual,
-            flagged=event.flagged or state.flagged,
-        )
-    if isinstance(event, BudgetHeld):
-        return replace(
-            state, reserved=max(0, state.reserved - event.amount), held=state.held + event.amount
-        )
-    if isinstance(event, BudgetUnheld):
-        return replace(
-            state,
-            held=max(0, state.held - event.amount),
-            cost=(state.cost or 0) + event.spent,
-        )
-    if isinstance(event, AttemptStarted):
-        if state.stage in TERMINAL or (state.stage == "in_flight" and state.attempts):
-            return state
-        return replace(
-            state,
-            stage="in_flight",
-            attempts=event.attempt,
-            last_attempt_at=event.at,
-            worker=event.worker,
-        )
-    if isinstance(event, AttemptNotSent):
-        if event.attempt != state.attempts or state.stage != "in_flight":
-            return state
-        return replace(state, stage="not_sent")
-    if isinstance(event, AttemptObserved):
-        if event.attempt != state.attempts or state.stage != "in_flight":
-            return state
-        stage: Stage
-        if event.not_processed:
-            stage = "not_processed"
-        elif 200 <= event.status < 300:
-            stage = "completed"
-        else:
-            stage = "failed"
-        return replace(state, stage=stage, status=event.status)
-    if isinstance(event, AttemptInterrupted):
-        if event.attempt != state.attempts or state.stage != "in_flight":
-            return state
-        return replace(state, stage="effect_unknown")
-    if isinstance(event, CallCompleted):
+    fold = _FOLDS.get(type(event))
+    return state if fold is None else fold(state, event)
+
+
+# -- the call's own events
+
+
+def _manifest(state: WorkState, event: CallManifest) -> WorkState:
+    if state.stage != "new":
         return state
-    if isinstance(event, CallReconciled):
-        if state.stage != "effect_unknown":
-            return state
-        return replace(
-            state, stage="reconciled_applied" if event.applied else "reconciled_not_applied"
-        )
-    return state
+    return replace(
+        state,
+        call_id=event.call,
+        stage="in_flight",
+        idempotency_key=event.idempotency_key,
+        request_hash=event.request_hash,
+        provider=event.provider,
+        model=event.model,
+        budget=event.budget,
+        budget_root=event.budget_root,
+        created_at=event.at,
+        idempotency_window_s=event.provider_idempotency_window_s,
+    )
+
+
+def _refused(state: WorkState, event: CallRefused) -> WorkState:
+    return state if state.attempts else _to(state, "refused")
+
+
+def _reconciled(state: WorkState, event: CallReconciled) -> WorkState:
+    if state.stage != "effect_unknown":
+        return state
+    return replace(state, stage="reconciled_applied" if event.applied else "reconciled_not_applied")
+
+
+# -- money: what the call holds against its budget
+
+
+def _reserved(state: WorkState, event: BudgetReserved) -> WorkState:
+    first = state.reserved_at_admission or event.amount
+    return replace(state, reserved=state.reserved + event.amount, reserved_at_admission=first)
+
+
+def _released(state: WorkState, event: BudgetReleased) -> WorkState:
+    return replace(state, reserved=max(0, state.reserved - event.amount))
+
+
+def _settled(state: WorkState, event: BudgetSettled) -> WorkState:
+    return replace(
+        state,
+        reserved=max(0, state.reserved - event.reserved),
+        cost=(state.cost or 0) + event.actual,
+        flagged=event.flagged or state.flagged,
+    )
+
+
+def _held(state: WorkState, event: BudgetHeld) -> WorkState:
+    return replace(
+        state, reserved=max(0, state.reserved - event.amount), held=state.held + event.amount
+    )
+
+
+def _unheld(state: WorkState, event: BudgetUnheld) -> WorkState:
+    return replace(
+        state, held=max(0, state.held - event.amount), cost=(state.cost or 0) + event.spent
+    )
+
+
+# -- attempts: only the current, in-flight attempt's outcome moves the stage
+
+
+def _started(state: WorkState, event: AttemptStarted) -> WorkState:
+    if state.stage in TERMINAL or (state.stage == "in_flight" and state.attempts):
+        return state
+    return replace(
+        state,
+        stage="in_flight",
+        attempts=event.attempt,
+        last_attempt_at=event.at,
+        worker=event.worker,
+    )
+
+
+def _current(state: WorkState, attempt: int) -> bool:
+    return attempt == state.attempts and state.stage == "in_flight"
+
+
+def _not_sent(state: WorkState, event: AttemptNotSent) -> WorkState:
+    return replace(state, stage="not_sent") if _current(state, event.attempt) else state
+
+
+def _observed(state: WorkState, event: AttemptObserved) -> WorkState:
+    if not _current(state, event.attempt):
+        return state
+    stage: Stage
+    if event.not_processed:
+        stage = "not_processed"
+    elif 200 <= event.status < 300:
+        stage = "completed"
+    else:
+        stage = "failed"
+    return replace(state, stage=stage, status=event.status)
+
+
+def _interrupted(state: WorkState, event: AttemptInterrupted) -> WorkState:
+    return replace(state, stage="effect_unknown") if _current(state, event.attempt) else state
+
+
+#: How each kind of event moves a call's state (``call.completed`` and others: not at all).
+_FOLDS: Final[dict[type[Any], Callable[[WorkState, Any], WorkState]]] = {
+    CallManifest: _manifest,
+    CallRefused: _refused,
+    CallReconciled: _reconciled,
+    BudgetReserved: _reserved,
+    BudgetReleased: _released,
+    BudgetSettled: _settled,
+    BudgetHeld: _held,
+    BudgetUnheld: _unheld,
+    AttemptStarted: _started,
+    AttemptNotSent: _not_sent,
+    AttemptObserved: _observed,
+    AttemptInterrupted: _interrupted,
+}
 
 
 def work_state(events: Iterable[Event]) -> WorkState:
