@@ -21,8 +21,16 @@ from typing import Any
 
 import pytest
 
-from effectguard.errors import FencedError, ReconcileError
-from effectguard.ledger import OPERATOR, AdmitRequest, Admitted, Ledger, Writer, operations
+from effectguard.errors import ConfigError, FencedError, ReconcileError
+from effectguard.ledger import (
+    OPERATOR,
+    AdmitRequest,
+    Admitted,
+    Ledger,
+    Writer,
+    open_store,
+    operations,
+)
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import (
@@ -646,6 +654,12 @@ async def test_the_ledger_clock_is_the_one_injected(
     (row,) = [w for w in await ledger.store.workers() if w.worker == worker.worker]
     assert row.lease_expires == clock() + 30.0
     assert (await all_events(ledger))[-1].at == clock()
+
+
+def test_a_postgresql_ledger_refuses_an_injected_clock() -> None:
+    """PostgreSQL leases run on the database's clock, one for every replica: no clock is taken."""
+    with pytest.raises(ConfigError, match="database's clock"):
+        open_store("postgresql://nobody@127.0.0.1:1/none", clock=ManualClock())
 
 
 async def test_lapsed_lease_starts_no_new_dispatch(
