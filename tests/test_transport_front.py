@@ -127,3 +127,12 @@ def test_transport_with_declared_providers_names_the_argument(tmp_path: Path) ->
             providers=load_providers(),
             upstreams={"nope": "http://x"},
         )
+
+
+def test_the_cli_still_names_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same mistake on the command line is reported as ``--upstream NAME`` (exit 2)."""
+    from effectguard.ops.cli import main
+
+    argv = ["serve", "--ledger", str(tmp_path / "l.db"), "--upstream", "nope=http://x"]
+    assert main(argv) == 2
+    assert "effectguard: --upstream nope: unknown provider" in capsys.readouterr().err
