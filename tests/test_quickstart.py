@@ -117,7 +117,7 @@ def test_demo_prints_the_ledger_path_and_the_url(demo: Proxy, tmp_path: Path) ->
     assert f"receipts in {tmp_path.resolve() / 'effectguard-demo-receipts.jsonl'}" in log
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_everything_and_a_second_run_works(tmp_path: Path, sig: int) -> None:
     """Ctrl-C or SIGTERM ends the one process cleanly, the demo upstream with it; the same
     ledger and port serve again."""
