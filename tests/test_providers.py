@@ -271,13 +271,14 @@ def test_upstream_overrides_base_url() -> None:
 @pytest.mark.parametrize(
     ("upstreams", "message"),
     [
-        ({"nope": "http://x"}, "--upstream nope: unknown provider"),
-        ({"openai": "ftp://x"}, "--upstream openai: must be an http(s) URL"),
-        ({"openai": "localhost:8000"}, "--upstream openai: must be an http(s) URL"),
+        ({"nope": "http://x"}, "upstreams={'nope': ...}: unknown provider"),
+        ({"openai": "ftp://x"}, "upstreams={'openai': ...}: must be an http(s) URL"),
+        ({"openai": "localhost:8000"}, "upstreams={'openai': ...}: must be an http(s) URL"),
     ],
 )
 def test_upstream_errors(upstreams: dict[str, str], message: str) -> None:
-    """An unknown provider or a non-http(s) URL in --upstream is refused."""
+    """An unknown provider or a non-http(s) URL in ``upstreams`` is refused, naming the
+    library's argument (the CLI names its own flag)."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_providers(upstreams=upstreams)
 

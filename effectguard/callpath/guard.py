@@ -35,7 +35,7 @@ from effectguard.callpath.wire import (
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer, operations
-from effectguard.providers import Provider
+from effectguard.providers import Provider, provider_for
 from effectguard.rules import budget as budgets
 from effectguard.rules import usage as usages
 from effectguard.rules.events import (
@@ -80,17 +80,10 @@ class Guard:
         self.observer = self.recorder.observer
 
     # -- routing ------------------------------------------------------------
-    def provider_for_url(self, url: httpx.URL) -> Provider | None:
-        """The provider whose base URL ``url`` targets (longest match), if any."""
+    def provider_for_url(self, url: httpx.URL, method: str = "POST") -> Provider | None:
+        """The provider a ``method url`` request is for (see :func:`provider_for`), if any."""
         target = str(url.copy_with(query=None, fragment=None))
-        best: Provider | None = None
-        for provider in self.providers.values():
-            base = provider.base_url.rstrip("/")
-            if (target == base or target.startswith(base + "/")) and (
-                best is None or len(base) > len(best.base_url)
-            ):
-                best = provider
-        return best
+        return provider_for(self.providers.values(), method, target)
 
     # -- the call path --------------------------------------------------------
     async def handle(

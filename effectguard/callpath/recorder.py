@@ -14,7 +14,7 @@ rules for what a failed write means live in one place:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import httpx
@@ -25,7 +25,7 @@ from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
 from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.rules import usage as usages
-from effectguard.rules.events import encode_body
+from effectguard.rules.events import Event, encode_body
 from effectguard.rules.settlement import Answer, settle
 from effectguard.telemetry.observer import NullObserver, Observer
 
@@ -60,8 +60,7 @@ class Recorder:
         result: usages.UsageResult,
     ) -> None:
         """Record the observation and settle the cost, durably (SPEC §3.3)."""
-        provider, call_id = prepared.provider, admitted.call_id
-        model = prepared.model or ""
+        provider = prepared.provider
         text, encoding = encode_body(body)
         answer = Answer(
             status=status,
@@ -72,7 +71,7 @@ class Recorder:
             result=result,
         )
         settled = settle(
-            call_id,
+            admitted.call_id,
             admitted.attempt,
             prepared.admit.budget,
             prepared.reserve,
@@ -83,13 +82,21 @@ class Recorder:
             usage = settled.usage
             self.observer.settled(
                 provider.name,
-                model,
+                prepared.model or "",
                 usage.input_tokens if usage else 0,
                 usage.output_tokens if usage else 0,
                 settled.actual,
             )
+        await self._record_observation(prepared, admitted, settled.events)
+        self.observer.request_done(provider.name, prepared.model or "", settled.outcome)
+
+    async def _record_observation(
+        self, prepared: Prepared, admitted: Admitted, events: Sequence[Event]
+    ) -> None:
+        """Commit the observation; a write that fails becomes a refusal naming the call."""
+        provider, call_id, model = prepared.provider, admitted.call_id, prepared.model or ""
         try:
-            await self.ledger.record(self.writer, call_id, admitted.attempt, list(settled.events))
+            await self.ledger.record(self.writer, call_id, admitted.attempt, list(events))
         except FencedError as exc:
             self.observer.request_done(provider.name, model, "fenced")
             raise refuse(
@@ -110,7 +117,6 @@ class Recorder:
             ) from exc
         finally:
             self.finish(call_id)
-        self.observer.request_done(provider.name, model, settled.outcome)
 
     async def interrupt(self, call_id: str, attempt: int, reason: str) -> None:
         """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""

@@ -34,14 +34,14 @@ from __future__ import annotations
 import hashlib
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
-from effectguard.providers import Provider, load_providers
+from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
 from effectguard.rules.money import check_amount, usd_to_nanos
 
@@ -164,15 +164,19 @@ def load_settings(
     provider_dirs: Sequence[Path] = (),
     upstreams: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
+    name_upstream: Callable[[str], str] = upstream_argument,
 ) -> ServeSettings:
-    """Build settings from a config file, flags and the environment."""
+    """Build settings from a config file, flags and the environment.
+
+    ``name_upstream`` names an ``upstreams`` entry in errors (see :func:`load_providers`).
+    """
     env = os.environ if environ is None else environ
     raw = _read_config(config)
     source = str(config) if config else "<flags>"
     server = _table(raw, "server", source)
     guard = _table(raw, "guard", source)
     upstream = _table(raw, "upstream", source)
-    providers = load_providers(list(provider_dirs), upstreams)
+    providers = load_providers(list(provider_dirs), upstreams, name_upstream=name_upstream)
     limits = _budget_limits(raw, source)
     keys = _proxy_keys(raw, source)
     provider_keys = {

@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -38,8 +36,6 @@ Send = Callable[[Message], Awaitable[None]]
 log = logging.getLogger("effectguard.ingress.server")
 
 _URL_CACHE_SIZE = 1024
-#: Exit status of a proxy whose startup failed (uvicorn's own).
-STARTUP_FAILED = 3
 #: Client credentials that must never reach the provider when effectguard holds the key.
 CLIENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "effectguard-key")
 
@@ -326,58 +322,3 @@ async def _refusal(send: Send, dialect: str, refusal: Refusal) -> None:
 def create_app(settings: ServeSettings, **kwargs: Any) -> ProxyApp:
     """The ASGI app for ``settings`` (see :class:`ProxyApp` for keyword arguments)."""
     return ProxyApp(settings, **kwargs)
-
-
-def serve(settings: ServeSettings, metrics: Any = None) -> None:
-    """Run the proxy with uvicorn until SIGTERM/SIGINT (graceful: in-flight calls drain)."""
-    import uvicorn
-
-    app = create_app(settings, metrics=metrics)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-        server_header=False,
-        date_header=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
-        http="httptools" if _has("httptools") else "h11",
-        loop="uvloop" if _has("uvloop") else "asyncio",
-    )
-    server = uvicorn.Server(config)
-    ledger = settings.ledger
-    if ledger.startswith(("postgresql://", "postgres://")):
-        from effectguard.ledger.pgschema import redacted
-
-        ledger = redacted(ledger)  # never print a password
-    print(
-        f"effectguard listening on http://{settings.host}:{settings.port} (ledger {ledger})",
-        flush=True,
-    )
-    try:
-        server.run()
-    finally:
-        if not server.started:
-            _exit_startup_failed()
-
-
-def _exit_startup_failed() -> None:
-    """Exit non-zero now: a failed startup must never leave the process waiting.
-
-    uvicorn reports the failure and raises ``SystemExit``, but the interpreter then waits
-    for every non-daemon thread, and one left by the failed startup (a store's thread,
-    an executor) would keep the process alive forever, not listening.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(STARTUP_FAILED)
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None

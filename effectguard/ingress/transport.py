@@ -14,6 +14,7 @@ a private event loop thread, so it works from plain code and from many threads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -28,9 +29,9 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings
-from effectguard.errors import Refusal
+from effectguard.errors import ConfigError, Refusal
 from effectguard.ledger import Ledger
-from effectguard.providers import Provider, load_providers
+from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.telemetry.observer import Observer
 
 T = TypeVar("T")
@@ -42,14 +43,13 @@ def _providers(providers: ProvidersArg, upstreams: Mapping[str, str] | None) -> 
     if providers is None or isinstance(providers, Sequence):
         dirs = [Path(p) for p in providers or ()]
         return load_providers(dirs, upstreams)
-    if upstreams:
-        import dataclasses
-
-        out = dict(providers)
-        for name, url in upstreams.items():
-            out[name] = dataclasses.replace(out[name], base_url=url.rstrip("/"))
-        return out
-    return dict(providers)
+    out = dict(providers)
+    for name, url in (upstreams or {}).items():
+        if name not in out:
+            known = ", ".join(sorted(out))
+            raise ConfigError(f"{upstream_argument(name)}: unknown provider (known: {known})")
+        out[name] = dataclasses.replace(out[name], base_url=url.rstrip("/"))
+    return out
 
 
 class AsyncGuardTransport(httpx.AsyncBaseTransport):
@@ -99,7 +99,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         guard = await self.guard()
-        provider = guard.provider_for_url(request.url)
+        provider = guard.provider_for_url(request.url, request.method)
         if provider is None:
             if self.refuse_unmatched:
                 refusal = Refusal(

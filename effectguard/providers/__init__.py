@@ -9,7 +9,9 @@ from effectguard.providers.declaration import (
     bundled_dir,
     load_provider,
     load_providers,
+    upstream_argument,
 )
+from effectguard.providers.routing import provider_for
 from effectguard.rules.prices import ModelPrice
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
     "bundled_dir",
     "load_provider",
     "load_providers",
+    "provider_for",
+    "upstream_argument",
 ]

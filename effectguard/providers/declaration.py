@@ -155,10 +155,22 @@ def load_provider(path: Path) -> Provider:
     return _build(raw, str(path), _stem(path))
 
 
+def upstream_argument(name: str) -> str:
+    """How a library error names one entry of the ``upstreams`` argument."""
+    return f"upstreams={{{name!r}: ...}}"
+
+
 def load_providers(
-    dirs: Sequence[Traversable] = (), upstreams: Mapping[str, str] | None = None
+    dirs: Sequence[Traversable] = (),
+    upstreams: Mapping[str, str] | None = None,
+    *,
+    name_upstream: Callable[[str], str] = upstream_argument,
 ) -> dict[str, Provider]:
-    """Load the bundled declarations, then each directory's, then the base URL overrides."""
+    """Load the bundled declarations, then each directory's, then the base URL overrides.
+
+    An error about an override names it with ``name_upstream`` (the library's own
+    argument by default; the CLI passes one that names its ``--upstream`` flag).
+    """
     loaded: dict[str, Provider] = {}
     raws: dict[str, dict[str, Any]] = {}  # each loaded provider's declaration, for extends
     for directory in (bundled_dir(), *dirs):
@@ -180,8 +192,8 @@ def load_providers(
     for name, url in (upstreams or {}).items():
         if name not in loaded:
             known = ", ".join(sorted(loaded))
-            raise ConfigError(f"--upstream {name}: unknown provider (known: {known})")
-        loaded[name] = replace(loaded[name], base_url=_url(url, f"--upstream {name}"))
+            raise ConfigError(f"{name_upstream(name)}: unknown provider (known: {known})")
+        loaded[name] = replace(loaded[name], base_url=_url(url, name_upstream(name)))
     return loaded
 
 

@@ -1,0 +1,164 @@
+"""Running the proxy app under uvicorn: the listening socket, the start line, signals.
+
+:func:`serve` binds the listening socket itself before anything else happens,
+so a port that is taken is reported plainly (a :class:`ConfigError`, the CLI's
+usage/configuration exit code) before the ledger is opened and before anything
+claims to be listening. It owns SIGINT and SIGTERM: either one drains in-flight
+calls, stops whatever runs ``alongside`` the proxy in the same event loop (the
+demo upstream of ``serve --demo``), and returns normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import uvicorn
+
+from effectguard.config.settings import ServeSettings
+from effectguard.errors import ConfigError
+from effectguard.ingress.server import create_app
+
+Alongside = Callable[[], AbstractAsyncContextManager[object]]
+#: Exit status of a proxy whose startup failed (uvicorn's own).
+STARTUP_FAILED = 3
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``; a taken port is a :class:`ConfigError`."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a restart may bind while the last run's connections sit in
+    # TIME_WAIT; a port another process listens on is still refused.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use") from exc
+        raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror}") from exc
+    return sock
+
+
+def shown_ledger(ledger: str) -> str:
+    """The ledger as the start line shows it: an absolute path, or a DSN without password."""
+    if ledger.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger.pgschema import redacted
+
+        return redacted(ledger)
+    return ledger if "://" in ledger else os.path.abspath(ledger)
+
+
+def serve(
+    settings: ServeSettings, metrics: Any = None, *, alongside: Alongside | None = None
+) -> None:
+    """Run the proxy until SIGINT or SIGTERM (graceful: in-flight calls drain).
+
+    ``alongside`` is entered in the proxy's event loop before it starts and left
+    after it stops. Raises :class:`ConfigError` if the port cannot be bound.
+    """
+    sock = listen_socket(settings.host, settings.port)
+    server = _Server(_config(settings, metrics), _start_line(settings, sock))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.stop)
+        try:
+            async with alongside() if alongside is not None else contextlib.nullcontext():
+                await server.serve(sockets=[sock])
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    loop_factory = None
+    if _has("uvloop"):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    try:
+        with sock, asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main())
+    finally:
+        if not server.started:
+            _exit_startup_failed()
+
+
+def _exit_startup_failed() -> None:
+    """Exit non-zero now: a failed startup must never leave the process waiting.
+
+    uvicorn reports the failure and raises ``SystemExit``, but the interpreter then waits
+    for every non-daemon thread, and one left by the failed startup (a store's thread,
+    an executor) would keep the process alive forever, not listening.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(STARTUP_FAILED)
+
+
+def _config(settings: ServeSettings, metrics: Any) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(settings, metrics=metrics),
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+        http="httptools" if _has("httptools") else "h11",
+    )
+
+
+def _start_line(settings: ServeSettings, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return (
+        f"effectguard listening on http://{shown}:{port} (ledger {shown_ledger(settings.ledger)})"
+    )
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus its own signal handling (:func:`serve` owns the signals)."""
+
+    def __init__(self, config: uvicorn.Config, start_line: str) -> None:
+        super().__init__(config)
+        self._start_line = start_line
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn would re-raise a handled signal after its shutdown, ending the process
+        # before whatever runs alongside the proxy has stopped.
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:  # the ledger is open and the socket accepts: say so now
+            print(self._start_line, flush=True)
+
+    def stop(self) -> None:
+        """A first signal drains and stops; a second one stops without draining."""
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True

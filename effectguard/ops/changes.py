@@ -1,0 +1,157 @@
+"""Commands that change the ledger or its keys: ``reconcile``, ``budget set``,
+``migrate`` and ``key new``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import secrets
+import sys
+from pathlib import Path
+
+from effectguard.ledger import Ledger
+from effectguard.ops.command import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Command,
+    ledger_option,
+    provider_options,
+    upstream_flag,
+    upstreams,
+    usd,
+)
+from effectguard.ops.render import budget_json, call_json, emit, money
+
+
+def _usage(message: str) -> int:
+    print(f"effectguard: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
+    """``effectguard reconcile``: decide one effect-unknown call, or ``--auto`` all that can be."""
+    if args.auto:
+        return await _reconcile_auto(args, ledger)
+    if not args.call_id or args.applied == args.not_applied:
+        return _usage(
+            "reconcile needs CALL_ID and exactly one of --applied / --not-applied (or --auto)"
+        )
+    if not args.note:
+        return _usage("reconcile needs --note TEXT saying how you know")
+    if args.cost is not None and not args.applied:
+        return _usage("--cost goes with --applied")
+    state = await ledger.reconcile(
+        args.call_id, applied=args.applied, cost=args.cost, note=args.note, by=args.by
+    )
+    from effectguard.callpath.crash import from_environment
+
+    from_environment().hit("after:reconcile")
+    emit(args, call_json(state), f"{state.call_id}: {state.stage}")
+    return EXIT_OK
+
+
+async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger) -> int:
+    from effectguard.callpath.crash import from_environment
+    from effectguard.ops.reconcile import reconcile_auto
+    from effectguard.providers import load_providers
+
+    dirs = [Path(p) for p in args.providers or ()]
+    providers = load_providers(dirs, upstreams(args), name_upstream=upstream_flag)
+    results = await reconcile_auto(ledger, providers, crash=from_environment())
+    text = "\n".join(f"{r['call_id']}: {r['result']}" for r in results)
+    emit(args, results, text or "no effect-unknown calls with a lookup path")
+    return EXIT_OK
+
+
+async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
+    """``effectguard budget set PATH``: set or remove a node's limit."""
+    await ledger.set_limit(args.path, None if args.no_limit else args.limit)
+    nodes = {n.path: n for n in await ledger.budgets()}
+    node = nodes[args.path]
+    emit(args, budget_json(node), f"{node.path}: limit {money(node.limit) or 'none'} USD")
+    return EXIT_OK
+
+
+def check_budget_set(args: argparse.Namespace) -> str | None:
+    """The usage problem of a ``budget set`` invocation, if any."""
+    if (args.limit is None) == (not args.no_limit):
+        return "budget set needs exactly one of --limit USD / --no-limit"
+    return None
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """``effectguard migrate``: create or upgrade the ledger's tables."""
+
+    async def job() -> None:
+        async with Ledger.open(args.ledger):
+            pass  # opening a store applies its pending migrations, each in its own transaction
+
+    asyncio.run(job())
+    print(f"ledger {args.ledger}: migrations applied")
+    return EXIT_OK
+
+
+def cmd_key_new(args: argparse.Namespace) -> int:
+    """``effectguard key new``: a proxy key and the config lines that admit it."""
+    from effectguard.config.settings import hash_key
+
+    key = "eg-" + secrets.token_urlsafe(24)
+    print(f"key (give it to the tenant; it is not stored): {key}")
+    print("config:")
+    print(
+        f'[[keys]]\nname = "{args.root}"\nsha256 = "{hash_key(key)}"\nbudget_root = "{args.root}"'
+    )
+    return EXIT_OK
+
+
+def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
+    ledger_option(p)
+    p.add_argument("call_id", nargs="?", help="the call id")
+    p.add_argument("--applied", action="store_true", help="the effect happened")
+    p.add_argument("--not-applied", action="store_true", help="the effect did not happen")
+    p.add_argument("--cost", type=usd, help="actual cost in USD (with --applied)")
+    p.add_argument("--note", help="how you know (required)")
+    p.add_argument("--by", default=getpass.getuser(), help="who decides (default: login name)")
+    p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")
+    provider_options(p, long_help=False)
+    p.set_defaults(run_ledger=cmd_reconcile)
+
+
+def _budget_arguments(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="budget_command", required=True, metavar="ACTION")
+    q = actions.add_parser("set", help="set a budget's limit", description="Set a budget's limit.")
+    ledger_option(q)
+    q.add_argument("path", help="budget path, e.g. team-a/run-42")
+    q.add_argument("--limit", type=usd, help="limit in USD")
+    q.add_argument("--no-limit", action="store_true", help="remove the limit")
+    q.set_defaults(run_ledger=cmd_budget_set, check=check_budget_set)
+
+
+def _migrate_arguments(p: argparse.ArgumentParser) -> None:
+    ledger_option(p, json_flag=False)
+    p.set_defaults(run=cmd_migrate)
+
+
+def _key_arguments(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="key_command", required=True, metavar="ACTION")
+    q = actions.add_parser("new", help="make a proxy key", description="Make a new proxy key.")
+    q.add_argument("--root", required=True, help="the budget root this key may spend")
+    q.set_defaults(run=cmd_key_new)
+
+
+RECONCILE = Command(
+    "reconcile",
+    "decide an effect-unknown call",
+    "Record whether an effect-unknown call took effect.",
+    _reconcile_arguments,
+)
+BUDGET = Command("budget", "change a budget", "Change a budget node.", _budget_arguments)
+MIGRATE = Command(
+    "migrate",
+    "create or upgrade the ledger's tables",
+    "Create or upgrade the ledger's tables (run once per "
+    "deployment before starting replicas; serve also does it).",
+    _migrate_arguments,
+)
+KEY = Command("key", "manage proxy keys", "Manage proxy keys.", _key_arguments)

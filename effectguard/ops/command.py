@@ -1,0 +1,94 @@
+"""What an ``effectguard`` command is made of: its record, exit codes, shared options.
+
+Each command module lists :class:`Command` records; :mod:`effectguard.ops.cli`
+assembles the parser from them. A command's ``arguments`` function adds its
+options and sets ``run`` (``run(args) -> int``) or ``run_ledger`` (``async
+run_ledger(args, ledger) -> int``, given an open ledger) as parser defaults; it
+may import what it needs lazily, and the parser only calls it for the command
+being run, so ``effectguard calls`` never imports the server.
+
+Exit codes (docs/cli.md): 0 success; 1 a check failed (``verify``) or nothing
+matched; 2 bad usage or configuration; 3 the ledger refused (e.g. reconcile of
+a call that is not ``effect_unknown``); 4 the ledger is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from effectguard.config import defaults
+from effectguard.errors import ConfigError
+from effectguard.rules.money import check_amount, usd_to_nanos
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One top-level command: its name, its help, and how to add its options."""
+
+    name: str
+    help: str
+    description: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+
+
+def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    """``--ledger`` (default from the environment) and, unless told not to, ``--json``."""
+    parser.add_argument(
+        "--ledger",
+        default=defaults.ledger_from(os.environ),
+        help="ledger PATH or DSN (default ./effectguard.db or $EFFECTGUARD_LEDGER)",
+    )
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+
+
+def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:
+    """``--providers DIR`` and ``--upstream NAME=URL``, both repeatable."""
+    parser.add_argument(
+        "--providers",
+        action="append",
+        metavar="DIR",
+        help="extra provider declarations (repeatable)" if long_help else "extra declarations",
+    )
+    parser.add_argument(
+        "--upstream",
+        action="append",
+        metavar="NAME=URL",
+        help="override a provider's base URL (repeatable)" if long_help else "base URL override",
+    )
+
+
+def usd(value: str) -> int:
+    """An argparse type: a non-negative USD amount, as nanos."""
+    try:
+        amount = Decimal(value)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a USD amount: {value!r}") from None
+    if amount < 0:
+        raise argparse.ArgumentTypeError("amounts cannot be negative")
+    try:
+        return check_amount(usd_to_nanos(amount))  # a counter must be able to hold it
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def upstreams(args: argparse.Namespace) -> dict[str, str]:
+    """The ``--upstream NAME=URL`` flags as a mapping."""
+    out = {}
+    for item in getattr(args, "upstream", None) or ():
+        name, sep, url = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--upstream takes NAME=URL, got {item!r}")
+        out[name] = url
+    return out
+
+
+def upstream_flag(name: str) -> str:
+    """How the CLI names one ``--upstream`` entry in errors (the library names its argument)."""
+    return f"--upstream {name}"

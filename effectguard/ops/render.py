@@ -1,0 +1,63 @@
+"""How commands print: SPEC §8 JSON objects, plain tables, and ``--json`` switching."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.workstate import WorkState
+
+
+def money(nanos: int | None) -> str | None:
+    """USD as a decimal string, or None."""
+    return None if nanos is None else nanos_to_usd(nanos)
+
+
+def call_json(state: WorkState) -> dict[str, Any]:
+    """A call as the SPEC §8 JSON object."""
+    return {
+        "call_id": state.call_id,
+        "idempotency_key": state.idempotency_key,
+        "stage": state.stage,
+        "effect": state.effect,
+        "next_operation": state.next_operation,
+        "budget": state.budget,
+        "provider": state.provider,
+        "model": state.model,
+        "attempts": state.attempts,
+        "reserved_usd": nanos_to_usd(state.reserved_at_admission),
+        "cost_usd": money(state.cost),
+        "held_usd": nanos_to_usd(state.held),
+        "status": state.status,
+        "flagged": state.flagged,
+        "created_at": state.created_at,
+    }
+
+
+def budget_json(node: BudgetNode) -> dict[str, Any]:
+    """A budget node as the SPEC §8 JSON object."""
+    return {
+        "path": node.path,
+        "limit_usd": money(node.limit),
+        "reserved_usd": nanos_to_usd(node.reserved),
+        "spent_usd": nanos_to_usd(node.spent),
+        "held_usd": nanos_to_usd(node.held),
+    }
+
+
+def table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    """``rows`` as aligned text columns under upper-case headings (``-`` for None)."""
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
+    """Print ``payload`` as JSON with ``--json``, else ``text``."""
+    print(json.dumps(payload, indent=2) if args.json else text)

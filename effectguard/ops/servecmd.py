@@ -1,0 +1,77 @@
+"""Commands that run in the foreground until stopped: ``serve`` and ``fake-provider``."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+from effectguard.ops.command import (
+    EXIT_OK,
+    Command,
+    provider_options,
+    upstream_flag,
+    upstreams,
+)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``effectguard serve``: the proxy (with ``--demo``, and its offline upstream)."""
+    from effectguard.config.settings import load_settings
+    from effectguard.ingress.serving import serve
+    from effectguard.telemetry.metrics import Metrics
+
+    overrides = upstreams(args)
+    demo = None
+    if args.demo:
+        from effectguard.ops.demo import DemoUpstream
+
+        demo = DemoUpstream()
+        overrides = demo.upstreams() | overrides  # an explicit --upstream still wins
+    settings = load_settings(
+        config=Path(args.config) if args.config else None,
+        ledger=args.ledger,
+        host=args.host,
+        port=args.port,
+        provider_dirs=[Path(p) for p in args.providers or ()],
+        upstreams=overrides,
+        name_upstream=upstream_flag,
+    )
+    alongside = None
+    if demo is not None:
+        from effectguard.ops.demo import receipts_path
+
+        alongside = functools.partial(demo.running, receipts_path(settings.ledger))
+    serve(settings, metrics=Metrics(), alongside=alongside)
+    return EXIT_OK
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ledger", default=None, help="ledger PATH or DSN (default ./effectguard.db)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8787)")
+    provider_options(p)
+    p.add_argument("--config", metavar="FILE", help="TOML config (budgets, keys, limits)")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="also run the fake provider in this process and point openai and anthropic at it "
+        "(offline; its receipt log goes beside the ledger)",
+    )
+    p.set_defaults(run=cmd_serve)
+
+
+def _fake_provider_arguments(p: argparse.ArgumentParser) -> None:
+    from effectguard.testing import fakeprovider
+
+    fakeprovider.add_arguments(p)
+    p.set_defaults(run=fakeprovider.run)
+
+
+SERVE = Command("serve", "run the proxy", "Run the HTTP proxy.", _serve_arguments)
+FAKE_PROVIDER = Command(
+    "fake-provider",
+    "run the synthetic provider for tests",
+    "Run a synthetic OpenAI/Anthropic-compatible provider.",
+    _fake_provider_arguments,
+)
