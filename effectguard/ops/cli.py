@@ -253,6 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         provider_dirs=[Path(p) for p in args.providers or ()],
         upstreams=_upstreams(args),
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     metrics = None
     try:
@@ -322,6 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a provider's base URL (repeatable)",
     )
     p.add_argument("--config", metavar="FILE", help="TOML config (budgets, keys, limits)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on its own listener at this port (and not on the proxy's)",
+    )
+    p.add_argument(
+        "--metrics-host", default=None, help="address for --metrics-port (default 127.0.0.1)"
+    )
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser(
