@@ -221,14 +221,14 @@ def test_budget_roots_made_by_clients_do_not_grow_the_series(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
     """60 client-made budget roots export at most 50 budget series plus ``_other``."""
-    with running_proxy(tmp_path / "l.db", upstreams={"openai": provider.url}) as proxy:
-        with httpx.Client(base_url=proxy.url, timeout=PATIENCE_S) as client:
-            for i in range(60):
-                response = client.post(
-                    OPENAI_CHAT, json=chat(), headers={"effectguard-budget": f"r{i}"}
-                )
-                assert response.status_code == 200, response.text
-            text = client.get("/metrics").text
+    with (
+        running_proxy(tmp_path / "l.db", upstreams={"openai": provider.url}) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=PATIENCE_S) as client,
+    ):
+        for i in range(60):
+            response = client.post(OPENAI_CHAT, json=chat(), headers={"effectguard-budget": f"r{i}"})
+            assert response.status_code == 200, response.text
+        text = client.get("/metrics").text
     series = [
         line for line in text.splitlines() if line.startswith("effectguard_budget_spent_usd{")
     ]
