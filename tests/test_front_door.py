@@ -148,7 +148,7 @@ def test_a_body_that_never_finishes_is_cut_off(proxy: Proxy, provider: FakeProvi
     with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
         sock.sendall(
             b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\""
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model"'
         )
         answer = read_until_closed(sock, PATIENCE_S)
         sock.setblocking(False)
@@ -226,7 +226,8 @@ def test_budget_roots_made_by_clients_do_not_grow_the_series(
         httpx.Client(base_url=proxy.url, timeout=PATIENCE_S) as client,
     ):
         for i in range(60):
-            response = client.post(OPENAI_CHAT, json=chat(), headers={"effectguard-budget": f"r{i}"})
+            budget = {"effectguard-budget": f"r{i}"}
+            response = client.post(OPENAI_CHAT, json=chat(), headers=budget)
             assert response.status_code == 200, response.text
         text = client.get("/metrics").text
     series = [
