@@ -23,7 +23,7 @@ from edgekit import address, parse_answer, read_until_closed
 from effectguard.config.settings import hash_key
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.budget import BudgetNode
-from effectguard.telemetry.metrics import OTHER_BUDGETS, top_budgets
+from effectguard.telemetry import metrics
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, running_proxy
 
 OPENAI_CHAT = "/openai/v1/chat/completions"
@@ -208,12 +208,12 @@ def test_budget_series_are_capped_with_the_rest_as_other() -> None:
     """Beyond the cap, the budgets with the least money are summed into ``_other``."""
     nodes = [BudgetNode(f"root-{i:04d}", spent=i) for i in range(2000)]
     nodes.append(BudgetNode("limited", limit=10))
-    kept = top_budgets(nodes, 50)
+    kept = metrics.top_budgets(nodes, 50)
     assert len(kept) == 51
     assert kept[0].path == "limited"  # an operator's limit is always watched
     assert [n.path for n in kept[1:4]] == ["root-1999", "root-1998", "root-1997"]
     other = kept[-1]
-    assert other.path == OTHER_BUDGETS
+    assert other.path == metrics.OTHER_BUDGETS
     assert sum(n.spent for n in kept) == sum(n.spent for n in nodes)
 
 
@@ -234,7 +234,7 @@ def test_budget_roots_made_by_clients_do_not_grow_the_series(
         line for line in text.splitlines() if line.startswith("effectguard_budget_spent_usd{")
     ]
     assert len(series) == 51, series
-    assert any(f'budget="{OTHER_BUDGETS}"' in line for line in series)
+    assert any(f'budget="{metrics.OTHER_BUDGETS}"' in line for line in series)
 
 
 # -- the end of a SIGTERM drain ------------------------------------------------------------------
