@@ -38,6 +38,8 @@ class RequestContext:
 
     dialect: str = "openai"
     ticket: Ticket = field(default_factory=Ticket)
+    #: Whether ``http.response.start`` went out (after it, no other answer can be given).
+    response_started: bool = False
 
 
 def context_of(scope: Scope) -> RequestContext:
@@ -58,11 +60,10 @@ class InternalErrorBoundary:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = scope[CONTEXT_KEY] = RequestContext()
-        started = False
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                context.response_started = True
             await send(message)
 
         try:
@@ -79,7 +80,8 @@ class InternalErrorBoundary:
             )
             log.debug("internal error traceback", exc_info=exc)
             self.on_error()
-            if not started:  # else the client's stream just ends: nothing else can be said
+            # Once a response started, the client's stream just ends: nothing else can be said.
+            if not context.response_started:
                 await send_internal_error(send, context.dialect, call_id)
 
 

@@ -192,7 +192,10 @@ class ProxyApp:
             await _refusal(send, provider.dialect, refusal)
         except asyncio.CancelledError:
             # uvicorn cancels requests still running when the drain timeout ends (SIGTERM).
-            await self._cut_off(send, provider, context_of(scope).ticket)
+            context = context_of(scope)
+            if context.response_started:
+                raise  # a stream under way: it ends with an error, and settles as it can
+            await self._cut_off(send, provider, context.ticket)
 
     async def _cut_off(self, send: Send, provider: Provider, ticket: Ticket) -> None:
         """Answer a request cut off by the end of the drain: 504 ``effect_unknown`` if admitted.
