@@ -254,6 +254,7 @@ async def test_exposition_names_types_and_labels_follow_prometheus_conventions(
         "effectguard_cost_usd_total": "counter",
         "effectguard_refusals_total": "counter",
         "effectguard_replays_total": "counter",
+        "effectguard_internal_errors_total": "counter",
         "effectguard_ledger_commits_total": "counter",
         "effectguard_upstream_duration_seconds": "histogram",
         "effectguard_overhead_duration_seconds": "histogram",

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -58,6 +59,19 @@ class _RetryAttempt(Exception):
         self.refusal = refusal
 
 
+@dataclass
+class Ticket:
+    """What the guard tells the caller of :meth:`Guard.handle` as soon as it knows it.
+
+    ``call_id`` is set once the request is a call (admitted, replayed or joined);
+    ``dispatch`` once this request dispatches it. The proxy names the call id in any
+    answer it must give on its own (an internal error, the end of a shutdown drain).
+    """
+
+    call_id: str | None = None
+    dispatch: asyncio.Future[httpx.Response] | None = field(default=None, repr=False)
+
+
 class Guard:
     """Admits, dispatches, observes and settles every billable request."""
 
@@ -94,19 +108,25 @@ class Guard:
         *,
         budget: str = budgets.DEFAULT_BUDGET,
         budget_root: str | None = None,
+        ticket: Ticket | None = None,
     ) -> httpx.Response:
-        """Run ``request`` through the call path; refusals raise :class:`Refusal`."""
+        """Run ``request`` through the call path; refusals raise :class:`Refusal`.
+
+        ``ticket``, if given, learns the call id as soon as the request becomes a call.
+        """
         started = time.perf_counter()
+        ticket = ticket if ticket is not None else Ticket()
         try:
             prepared = prepare(
                 provider, request, self.settings, budget=budget, budget_root=budget_root
             )
             if prepared is None:  # read-only: nothing to guard
-                return await send(upstream_request(request, request.content, provider, None))
+                return await self._read_only(provider, request, send)
             admitted = await self._admit(prepared)
         except Refusal as refusal:
             self.observer.refused(provider.name, refusal.type)
             raise
+        ticket.call_id = admitted.call_id
         self.crash.hit("after:admit")
         if admitted.action == "refuse":
             assert admitted.refusal is not None
@@ -121,12 +141,95 @@ class Guard:
         # The dispatch runs in its own task: a caller that goes away does not cancel a
         # call the provider is already working on (SPEC §3.6); it is read and settled.
         task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, started))
+        ticket.dispatch = task
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             self.recorder.keep(task)
             task.add_done_callback(self._abandoned)
             raise
+        except (Refusal, LedgerError):
+            raise
+        except Exception as exc:
+            # A fault of ours after admission: the call must not stay in flight for good.
+            self.recorder.spawn(self._mark_unknown(admitted.call_id, f"internal error: {exc!r}"))
+            raise
+
+    def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
+        """End a call whose caller can wait no longer (the drain timeout of a shutdown).
+
+        Its dispatch stops, and, if still in flight, the call is marked effect unknown
+        (``attempt.interrupted``) — durably, in a task the recorder keeps, so a shutdown
+        that drains the recorder waits for the marking. The task answers the refusal to
+        send the caller: 504 ``effect_unknown`` with the call id.
+        """
+        if ticket.dispatch is not None:
+            ticket.dispatch.cancel()
+        assert ticket.call_id is not None
+        owner = ticket.dispatch is not None  # a joiner leaves the call to its owner
+        task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, owner))
+        self.recorder.keep(task)
+        return task
+
+    async def _cut_off(self, call_id: str, reason: str, owner: bool) -> Refusal:
+        if owner:
+            stage = await self._mark_unknown(call_id, reason)
+        else:
+            state = await self.ledger.store.get_call(call_id)
+            stage = state.stage if state is not None else "missing"
+        if stage == "effect_unknown":
+            return refuse(
+                504,
+                "effect_unknown",
+                f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
+                "taken effect and will not be re-sent automatically",
+                call_id=call_id,
+                stage=stage,
+                next_operation="reconcile",
+            )
+        return refuse(
+            503,
+            "shutting_down",
+            f"call {call_id} ended as {stage} while the proxy shut down; "
+            "resend it with the same Idempotency-Key to receive its result",
+            call_id=call_id,
+            stage=stage,
+        )
+
+    async def _mark_unknown(self, call_id: str, reason: str) -> str:
+        """Interrupt ``call_id``'s current attempt if it is still in flight; its stage after."""
+        state = await self.ledger.store.get_call(call_id)
+        if state is not None and state.stage == "in_flight":
+            await self.recorder.interrupt(call_id, state.attempts, reason)
+            state = await self.ledger.store.get_call(call_id)
+        return state.stage if state is not None else "missing"
+
+    async def _read_only(
+        self, provider: Provider, request: httpx.Request, send: Send
+    ) -> httpx.Response:
+        """Forward a read-only request: nothing to record, but errors still get clear answers."""
+        try:
+            response = await send(upstream_request(request, request.content, provider, None))
+        except httpx.TransportError as exc:
+            not_sent = classify_transport_error(exc) == "not_sent"
+            timeout = isinstance(exc, httpx.TimeoutException)
+            kind = "upstream_unreachable" if not_sent else "upstream_failed"
+            self.observer.refused(provider.name, kind)
+            # A read has no effect to lose, so a client may always try again.
+            raise refuse(
+                504 if timeout and not not_sent else 502,
+                kind,
+                f"{provider.name} {'could not be reached' if not_sent else 'failed'}: "
+                f"{_describe(exc)}",
+                retryable=True,
+            ) from exc
+        return httpx.Response(
+            response.status_code,
+            headers=client_headers(response, None),
+            stream=response.stream,
+            request=request,
+            extensions=response.extensions,
+        )
 
     def _abandoned(self, task: asyncio.Future[httpx.Response]) -> None:
         """Settle the response of a dispatch whose caller went away."""

@@ -24,6 +24,7 @@ from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
+from effectguard.rules import nesting, paths
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.events import encode_body
@@ -53,6 +54,42 @@ class Prepared:
     admit: AdmitRequest
 
 
+@functools.lru_cache(maxsize=256)
+def _raw_base_path(base_url: str) -> str:
+    """The still-encoded path part of a provider's base URL."""
+    return httpx.URL(base_url).raw_path.decode("ascii").rstrip("/")
+
+
+def check_below_base(url: httpx.URL, raw_base_path: str) -> None:
+    """Refuse (400) a URL whose path would leave the provider's base path (SPEC §12)."""
+    raw = url.raw_path.partition(b"?")[0].decode("ascii", "replace")
+    below = raw[len(raw_base_path) :] if raw.startswith(raw_base_path) else raw
+    try:
+        paths.check_path(below or "/")
+    except paths.PathRefused as exc:
+        raise refuse(400, "invalid_request", f"refused path: {exc}") from exc
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, refused (400) if it is not one or nests too deep."""
+    try:
+        loaded = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise _too_deep() from None  # deeper than the parser's own stack
+    if not isinstance(loaded, dict):
+        raise refuse(400, "invalid_request", "request body must be a JSON object")
+    if nesting.depth_exceeds(loaded):
+        raise _too_deep()
+    return loaded
+
+
+def _too_deep() -> Refusal:
+    limit = nesting.MAX_JSON_DEPTH
+    return refuse(400, "invalid_request", f"request body nests deeper than {limit} levels")
+
+
 def refuse(status: int, type_: str, message: str, **kw: Any) -> Refusal:
     """A :class:`Refusal` (shorthand)."""
     return Refusal(status, type_, message, **kw)
@@ -68,6 +105,7 @@ def prepare(
 ) -> Prepared | None:
     """Parse, price and hash a request (pure); None for read-only endpoints."""
     base_path = _base_path(provider.base_url)
+    check_below_base(request.url, _raw_base_path(provider.base_url))
     path = request.url.path[len(base_path) :] if base_path else request.url.path
     endpoint = provider.endpoint_for(request.method, path)
     if endpoint is not None and endpoint.effect == "read_only":
@@ -128,13 +166,7 @@ def _parse_body(provider: Provider, raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object (a flat tool provider may send none)."""
     if not raw and provider.dialect == "flat":
         return {}
-    try:
-        loaded = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(loaded, dict):
-        raise refuse(400, "invalid_request", "request body must be a JSON object")
-    return loaded
+    return _parse_json(raw)
 
 
 def _model_and_price(provider: Provider, parsed: dict[str, Any]) -> tuple[str | None, ModelPrice]:

@@ -157,9 +157,9 @@ class Recorder:
         return self._done.get(call_id)
 
     # -- background work ------------------------------------------------------------
-    def spawn(self, coro: Awaitable[None]) -> None:
+    def spawn(self, coro: Awaitable[Any]) -> None:
         """Run ``coro`` in the background, kept until done so shutdown can wait for it."""
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task: asyncio.Future[Any] = asyncio.ensure_future(coro)
         self.keep(task)
 
     def keep(self, task: asyncio.Future[Any]) -> None:

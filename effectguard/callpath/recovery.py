@@ -70,9 +70,10 @@ class WorkerRuntime:
     async def start(self) -> Writer:
         """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
         if self.lock_dir is not None:
-            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            # Owner-only, like the ledger beside it.
+            self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = self.lock_dir / f"{self.worker_id}.lock"
-            handle = path.open("wb")
+            handle = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._lock_file = handle
         boot = Writer(self.worker_id, 0)

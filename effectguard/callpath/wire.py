@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any, Final, Literal
+from typing import Any, AnyStr, Final, Literal
 
 import httpx
 
@@ -22,10 +22,10 @@ RETRY_OF_HEADER: Final = "effectguard-retry-of"
 SDK_RETRY_HEADER: Final = "x-stainless-retry-count"
 IDEMPOTENCY_HEADER: Final = "idempotency-key"
 
-#: Request headers that are effectguard's own and never go upstream.
-OWN_HEADERS: Final = frozenset(
-    {BUDGET_HEADER, RETRY_OF_HEADER, IDEMPOTENCY_HEADER, "effectguard-key"}
-)
+#: effectguard's own headers: never sent upstream, never taken from an upstream answer.
+OWN_PREFIX: Final = "effectguard-"
+#: Further request headers that are effectguard's and never go upstream.
+OWN_HEADERS: Final = frozenset({IDEMPOTENCY_HEADER})
 
 #: RFC 9110 §7.6.1 hop-by-hop headers, plus what the proxy recomputes itself.
 HOP_BY_HOP: Final = frozenset(
@@ -50,17 +50,31 @@ SECRET_HEADERS: Final = frozenset(
 )
 
 
-def strip_hop_by_hop(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Drop hop-by-hop headers, including any the ``Connection`` header names."""
+def _name(key: str | bytes) -> str:
+    """A header name, lower-cased, whether it comes as text or as wire bytes."""
+    return (key.decode("latin-1") if isinstance(key, bytes) else key).lower()
+
+
+def strip_hop_by_hop(headers: Iterable[tuple[AnyStr, AnyStr]]) -> list[tuple[AnyStr, AnyStr]]:
+    """Drop hop-by-hop headers, including any the ``Connection`` header names.
+
+    Works on text pairs and on wire bytes alike; bytes pass through untouched, so a
+    UTF-8 header value (RFC 9110 §5.5 obs-text) reaches the other side as sent.
+    """
     pairs = list(headers)
     named = {
         token.strip().lower()
         for k, v in pairs
-        if k.lower() == "connection"
-        for token in v.split(",")
+        if _name(k) == "connection"
+        for token in _name(v).split(",")
     }
     drop = HOP_BY_HOP | named
-    return [(k, v) for k, v in pairs if k.lower() not in drop]
+    return [(k, v) for k, v in pairs if _name(k) not in drop]
+
+
+def is_own_header(key: str | bytes) -> bool:
+    """Whether a header is effectguard's own (``effectguard-*``), never passed across."""
+    return _name(key).startswith(OWN_PREFIX)
 
 
 def storable_headers(
@@ -68,7 +82,11 @@ def storable_headers(
 ) -> dict[str, str]:
     """Response headers safe to store: no hop-by-hop, no credentials."""
     drop = SECRET_HEADERS | {s.lower() for s in secret}
-    return {k.lower(): v for k, v in strip_hop_by_hop(headers) if k.lower() not in drop}
+    return {
+        k.lower(): v
+        for k, v in strip_hop_by_hop(headers)
+        if k.lower() not in drop and not is_own_header(k)
+    }
 
 
 def request_hash(provider: str, method: str, target: str, body: Mapping[str, Any] | bytes) -> str:
@@ -155,25 +173,27 @@ def upstream_request(
     request: httpx.Request, body: bytes, provider: Provider, provider_key: str | None
 ) -> httpx.Request:
     """The request as it goes upstream: own headers out, declared idempotency header in."""
+    # Wire bytes, not decoded text: a non-ASCII value goes upstream exactly as it came.
     headers = [
         (k, v)
-        for k, v in strip_hop_by_hop(request.headers.multi_items())
-        if k.lower() not in OWN_HEADERS
+        for k, v in strip_hop_by_hop(request.headers.raw)
+        if _name(k) not in OWN_HEADERS and not is_own_header(k) and _name(k) != "accept-encoding"
     ]
-    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
     # Identity encoding: usage is read from the bytes, which are stored exactly as received.
-    headers.append(("accept-encoding", "identity"))
+    headers.append((b"accept-encoding", b"identity"))
     if provider_key is not None and provider.idempotency is not None:
-        headers.append((provider.idempotency.header, provider_key))
+        headers.append((provider.idempotency.header.encode(), provider_key.encode()))
     return httpx.Request(
         request.method, request.url, headers=headers, content=body, extensions=request.extensions
     )
 
 
-def client_headers(response: httpx.Response, call_id: str) -> list[tuple[str, str]]:
-    """An upstream response's headers for the client: hop-by-hop out, call id in."""
-    headers = strip_hop_by_hop(response.headers.multi_items())
-    headers.append((CALL_ID_HEADER, call_id))
+def client_headers(response: httpx.Response, call_id: str | None) -> list[tuple[bytes, bytes]]:
+    """An upstream response's headers for the client: hop-by-hop and ``effectguard-*`` out
+    (only effectguard speaks for itself), the call id in."""
+    headers = [(k, v) for k, v in strip_hop_by_hop(response.headers.raw) if not is_own_header(k)]
+    if call_id is not None:
+        headers.append((CALL_ID_HEADER.encode(), call_id.encode()))
     return headers
 
 

@@ -14,6 +14,19 @@ PORT = 8787
 MAX_BODY_BYTES = 10 * 1024 * 1024
 DRAIN_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
+
+# The front door (docs/configuration.md, [server]): what one client connection may take.
+#: From a connection's first byte (or a kept-alive connection's next request) to its
+#: last header line; a slow sender is cut off with 408 after this.
+HEADER_TIMEOUT_S = 10.0
+#: From the end of the headers to the last byte of the body.
+BODY_TIMEOUT_S = 120.0
+#: Request line plus headers; larger ones get 431.
+MAX_HEADER_BYTES = 64 * 1024
+#: Open connections (and requests) at once; beyond it new requests get 503.
+MAX_CONNECTIONS = 1024
+#: How long an idle kept-alive connection stays open.
+KEEP_ALIVE_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
 
 # A worker's lease, its heartbeat and the recovery sweep (docs/contract.md §7).

@@ -9,7 +9,15 @@ Config file reference (every table optional)::
     host = "127.0.0.1"
     port = 8787
     max_body_bytes = 10485760   # larger bodies get 413 before being read
-    drain_timeout_s = 30        # on SIGTERM: how long in-flight calls may finish
+    drain_timeout_s = 30        # on SIGTERM: how long in-flight calls may finish; then
+                                # each gets 504 effect_unknown and is marked so
+    header_timeout_s = 10       # request line + headers must arrive within this (408)
+    body_timeout_s = 120        # the body must arrive within this after the headers
+    max_header_bytes = 65536    # request line + headers larger than this get 431
+    max_connections = 1024      # connections/requests at once; beyond: 503
+    keep_alive_timeout_s = 5    # an idle kept-alive connection is closed after this
+    metrics_host = "127.0.0.1"  # with metrics_port: /metrics on its own listener only
+    metrics_port = 9464
 
     [guard]
     retry_window_s = 600        # key-less declared retries match calls this recent
@@ -27,6 +35,7 @@ Config file reference (every table optional)::
     name = "team-a"
     sha256 = "<hex digest of the key>"   # `effectguard key new` prints one
     budget_root = "team-a"
+    metrics = false             # true: this key may read /metrics (needed once keys exist)
 """
 
 from __future__ import annotations
@@ -66,11 +75,24 @@ class ProxyKey:
     name: str
     sha256: str
     budget_root: str
+    #: May read ``/metrics`` (which shows every tenant's budgets).
+    metrics: bool = False
 
 
 def hash_key(key: str) -> str:
     """The stored form of a proxy key."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoor:
+    """What one client connection may take (HTTP hygiene at the proxy's socket)."""
+
+    header_timeout_s: float = defaults.HEADER_TIMEOUT_S
+    body_timeout_s: float = defaults.BODY_TIMEOUT_S
+    max_header_bytes: int = defaults.MAX_HEADER_BYTES
+    max_connections: int = defaults.MAX_CONNECTIONS
+    keep_alive_timeout_s: float = defaults.KEEP_ALIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -87,6 +109,9 @@ class ServeSettings:
     keys: tuple[ProxyKey, ...] = ()
     max_body_bytes: int = defaults.MAX_BODY_BYTES
     drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
+    front_door: FrontDoor = field(default_factory=lambda: FrontDoor())
+    metrics_host: str = defaults.HOST
+    metrics_port: int | None = None
     connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
     read_timeout_s: float = defaults.READ_TIMEOUT_S
     lease_s: float = defaults.LEASE_S
@@ -111,6 +136,19 @@ def _number(table: Mapping[str, Any], key: str, default: float, where: str) -> f
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ConfigError(f"{where}.{key}: must be a non-negative number")
     return float(value)
+
+
+def _front_door(server: Mapping[str, Any]) -> FrontDoor:
+    d = defaults
+    return FrontDoor(
+        header_timeout_s=_number(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
+        body_timeout_s=_number(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
+        max_header_bytes=int(_number(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server")),
+        max_connections=int(_number(server, "max_connections", d.MAX_CONNECTIONS, "server")),
+        keep_alive_timeout_s=_number(
+            server, "keep_alive_timeout_s", d.KEEP_ALIVE_TIMEOUT_S, "server"
+        ),
+    )
 
 
 def _read_config(config: Path | None) -> dict[str, Any]:
@@ -151,7 +189,9 @@ def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
             root = budgets.validate_path(str(entry["budget_root"]))
         except ValueError as exc:
             raise ConfigError(f"{where}.budget_root: {exc}") from exc
-        keys.append(ProxyKey(str(entry.get("name", root)), digest, root))
+        keys.append(
+            ProxyKey(str(entry.get("name", root)), digest, root, bool(entry.get("metrics", False)))
+        )
     return keys
 
 
@@ -165,6 +205,8 @@ def load_settings(
     upstreams: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
     name_upstream: Callable[[str], str] = upstream_argument,
+    metrics_host: str | None = None,
+    metrics_port: int | None = None,
 ) -> ServeSettings:
     """Build settings from a config file, flags and the environment.
 
@@ -186,6 +228,8 @@ def load_settings(
     }
     g = GuardSettings()
     d = defaults
+    if metrics_port is None and server.get("metrics_port") is not None:
+        metrics_port = int(server["metrics_port"])
     return ServeSettings(
         ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
         host=host or str(server.get("host", d.HOST)),
@@ -202,6 +246,9 @@ def load_settings(
         keys=tuple(keys),
         max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
         drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
+        front_door=_front_door(server),
+        metrics_host=metrics_host or str(server.get("metrics_host", d.HOST)),
+        metrics_port=metrics_port,
         connect_timeout_s=_number(upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"),
         read_timeout_s=_number(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
         lease_s=_number(server, "lease_s", d.LEASE_S, "server"),

@@ -19,14 +19,16 @@ import httpx
 
 from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
-from effectguard.callpath.guard import Guard
+from effectguard.callpath.guard import Guard, Ticket
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
+from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
+from effectguard.rules import paths
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,7 +39,7 @@ log = logging.getLogger("effectguard.ingress.server")
 
 _URL_CACHE_SIZE = 1024
 #: Client credentials that must never reach the provider when effectguard holds the key.
-CLIENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "effectguard-key")
+CLIENT_CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"effectguard-key")
 
 
 class _TooLarge(Exception):
@@ -88,6 +90,8 @@ class ProxyApp:
             "write": settings.read_timeout_s,
         }
         self._urls: dict[tuple[str, bytes], httpx.URL] = {}
+        self._metrics_server: Any = None
+        self._handle_http = InternalErrorBoundary(self._http, self._count_internal_error)
 
     # -- lifespan -------------------------------------------------------------
     async def startup(self) -> None:
@@ -101,9 +105,23 @@ class ProxyApp:
                     await self.runtime.ledger.set_limit(path, limit, writer=self.guard.writer)
         if self.metrics is not None:
             self.metrics.attach(self.runtime.ledger)
+            if self.settings.metrics_port is not None:
+                self._metrics_server = self._serve_metrics_apart(self.settings.metrics_port)
+
+    def _serve_metrics_apart(self, port: int) -> Any:
+        """``/metrics`` on its own listener (e.g. an internal interface), in a thread."""
+        import prometheus_client
+
+        assert self.metrics is not None
+        server, _ = prometheus_client.start_http_server(
+            port, addr=self.settings.metrics_host, registry=self.metrics.registry
+        )
+        return server
 
     async def shutdown(self) -> None:
         """Let background settlements finish, then close."""
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         await self.runtime.stop(self.settings.drain_timeout_s)
         if self.inner is not None:
             await self.inner.aclose()
@@ -111,7 +129,7 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            await self._handle_http(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -140,10 +158,8 @@ class ProxyApp:
             ok = await self.runtime.ledger.store.writable() and await self._not_fenced()
             await _json(send, 200 if ok else 503, {"ledger": "writable" if ok else "unavailable"})
             return
-        if path == "/metrics" and self.metrics is not None:
-            await self.metrics.refresh()
-            body, content_type = self.metrics.render()
-            await _raw(send, 200, [(b"content-type", content_type.encode())], body)
+        if path == "/metrics" and self.metrics is not None and self.settings.metrics_port is None:
+            await self._metrics(scope, send)
             return
         if _ambiguous_framing(scope["headers"]):
             # RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding is a
@@ -153,20 +169,69 @@ class ProxyApp:
             headers.append((b"connection", b"close"))
             await _raw(send, 400, headers, json.dumps(error_body("openai", refusal)).encode())
             return
-        _, _, rest = path.partition("/")
-        name, _, upstream_path = rest.partition("/")
-        provider = self.settings.providers.get(name)
-        if provider is None:
-            refusal = Refusal(404, "unknown_provider", f"no provider named {name!r}")
-            self._count_refusal("", refusal)
-            await _refusal(send, "openai", refusal)
-            return
         try:
-            await self._proxy(scope, receive, send, provider, "/" + upstream_path)
+            name, upstream_path = _route(scope)
+            provider = self.settings.providers.get(name)
+            if provider is None:
+                raise Refusal(404, "unknown_provider", f"no provider named {name!r}")
+        except Refusal as unrouted:
+            self._count_refusal("", unrouted)
+            await _refusal(send, "openai", unrouted)
+            return
+        context_of(scope).dialect = provider.dialect
+        try:
+            await self._proxy(scope, receive, send, provider, upstream_path)
         except Refusal as refusal:
             if refusal.status in (401, 403, 413):  # the guard counts its own refusals
                 self._count_refusal(provider.name, refusal)
             await _refusal(send, provider.dialect, refusal)
+        except asyncio.CancelledError:
+            # uvicorn cancels requests still running when the drain timeout ends (SIGTERM).
+            context = context_of(scope)
+            if context.response_started:
+                raise  # a stream under way: it ends with an error, and settles as it can
+            await self._cut_off(send, provider, context.ticket)
+
+    async def _cut_off(self, send: Send, provider: Provider, ticket: Ticket) -> None:
+        """Answer a request cut off by the end of the drain: 504 ``effect_unknown`` if admitted.
+
+        The response is complete when this returns, so the cancellation ends here: the
+        client has its answer and the call its ``attempt.interrupted``.
+        """
+        assert self.guard is not None
+        if ticket.call_id is None:
+            refusal = Refusal(
+                503,
+                "shutting_down",
+                "the proxy shut down before this request was sent",
+                retryable=True,
+            )
+        else:
+            refusal = await self.guard.cut_off(ticket, "the proxy's drain timeout ended")
+        await _refusal(send, provider.dialect, refusal)
+
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        """``/metrics``; once proxy keys exist, only for a key allowed to read it."""
+        assert self.metrics is not None
+        if self.settings.keys:
+            headers = httpx.Headers(scope["headers"])
+            presented = headers.get("effectguard-key") or headers.get("authorization", "")
+            key = self.settings.key_root(presented.removeprefix("Bearer ").strip())
+            if key is None or not key.metrics:
+                refusal = (
+                    Refusal(401, "unknown_key", "/metrics needs an effectguard key")
+                    if key is None
+                    else Refusal(403, "metrics_forbidden", "this key may not read /metrics")
+                )
+                await _refusal(send, "openai", refusal)
+                return
+        await self.metrics.refresh()
+        body, content_type = self.metrics.render()
+        await _raw(send, 200, [(b"content-type", content_type.encode())], body)
+
+    def _count_internal_error(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observer.internal_error()
 
     def _count_refusal(self, provider: str, refusal: Refusal) -> None:
         if self.metrics is not None:
@@ -220,14 +285,14 @@ class ProxyApp:
             raise Refusal(
                 413, "request_too_large", f"request bodies are limited to {limit} bytes"
             ) from None
-        out_headers = strip_hop_by_hop(headers.multi_items())
+        # Wire bytes throughout: a UTF-8 header value goes upstream exactly as it came.
+        out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
         if provider_key is not None or self.settings.keys:
             out_headers = [(k, v) for k, v in out_headers if k.lower() not in CLIENT_CREDENTIALS]
             if provider_key is not None:
-                out_headers.append(
-                    (provider.key_header, provider.key_format.format(key=provider_key))
-                )
+                credential = provider.key_format.format(key=provider_key)
+                out_headers.append((provider.key_header.encode(), credential.encode()))
         url = self._url(provider.base_url + upstream_path, scope.get("query_string", b""))
         request = httpx.Request(
             scope["method"],
@@ -237,7 +302,12 @@ class ProxyApp:
             extensions={"timeout": self._timeout},
         )
         response = await self.guard.handle(
-            provider, request, self.inner.handle_async_request, budget=budget, budget_root=root
+            provider,
+            request,
+            self.inner.handle_async_request,
+            budget=budget,
+            budget_root=root,
+            ticket=context_of(scope).ticket,
         )
         await self._respond(send, response)
 
@@ -246,16 +316,17 @@ class ProxyApp:
         key = (target, query)
         url = self._urls.get(key)
         if url is None:
+            try:
+                url = httpx.URL(target, query=query or None)
+            except httpx.InvalidURL as exc:
+                raise Refusal(400, "invalid_request", f"invalid request URL: {exc}") from exc
             if len(self._urls) >= _URL_CACHE_SIZE:
                 self._urls.clear()
-            url = self._urls[key] = httpx.URL(target, query=query or None)
+            self._urls[key] = url
         return url
 
     async def _respond(self, send: Send, response: httpx.Response) -> None:
-        headers = [
-            (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in strip_hop_by_hop(response.headers.multi_items())
-        ]
+        headers = strip_hop_by_hop(response.headers.raw)
         if response.is_stream_consumed:  # a body the guard already read and recorded
             body = response.content
             headers.append((b"content-length", str(len(body)).encode()))
@@ -281,6 +352,22 @@ class ProxyApp:
                     await asyncio.shield(response.aclose())
             else:
                 await response.aclose()
+
+
+def _route(scope: Scope) -> tuple[str, str]:
+    """``/{provider}/{rest}`` as the provider name and the path below its base (SPEC §12).
+
+    The still-encoded path is checked, so ``%2e%2e`` or ``%2f`` cannot hide a way out
+    of the base path behind the decoding the server already did.
+    """
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    text = raw.decode("latin-1")
+    _, _, rest = text.partition("/")
+    name, _, below = rest.partition("/")
+    try:
+        return name, paths.check_path("/" + below)
+    except paths.PathRefused as exc:
+        raise Refusal(400, "invalid_request", f"refused path: {exc}") from exc
 
 
 def _ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:

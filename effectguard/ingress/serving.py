@@ -27,6 +27,7 @@ import uvicorn
 
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import ConfigError
+from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.server import create_app
 
 Alongside = Callable[[], AbstractAsyncContextManager[object]]
@@ -122,8 +123,10 @@ def _config(settings: ServeSettings, metrics: Any) -> uvicorn.Config:
         access_log=False,
         server_header=False,
         date_header=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
-        http="httptools" if _has("httptools") else "h11",
+        # When it ends, requests still running are cancelled and each answers 504
+        # effect_unknown for its call (ProxyApp._cut_off).
+        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
+        **uvicorn_options(settings.front_door),
     )
 
 

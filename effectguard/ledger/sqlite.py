@@ -305,6 +305,18 @@ def sqlite_path(url: str) -> str:
     return url
 
 
+def _create_owner_only(path: str) -> None:
+    """Create the ledger file readable by its owner only (it holds prompts and responses).
+
+    SQLite gives the ``-wal`` and ``-shm`` files the main file's permissions. An existing
+    file is left as its owner set it.
+    """
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 class SqliteStore(SqlReads):
     """A ledger in one SQLite file (the embedded default).
 
@@ -332,6 +344,7 @@ class SqliteStore(SqlReads):
         parent = Path(self.path).parent
         if not parent.exists():
             raise ConfigError(f"ledger directory {parent} does not exist")
+        _create_owner_only(self.path)
         writer = InlineCommitter(
             lambda: SqliteSession(self.path, self._clock), operations.check_writer
         )

@@ -36,6 +36,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         provider_dirs=[Path(p) for p in args.providers or ()],
         upstreams=overrides,
         name_upstream=upstream_flag,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     alongside = None
     if demo is not None:
@@ -57,6 +59,15 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run the fake provider in this process and point openai and anthropic at it "
         "(offline; its receipt log goes beside the ledger)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on its own listener at this port (and not on the proxy's)",
+    )
+    p.add_argument(
+        "--metrics-host", default=None, help="address for --metrics-port (default 127.0.0.1)"
     )
     p.set_defaults(run=cmd_serve)
 

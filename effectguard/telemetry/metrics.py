@@ -59,6 +59,10 @@ log = logging.getLogger("effectguard.telemetry.metrics")
 
 #: Distinct values one label may take before further ones are counted as ``other``.
 MAX_LABEL_VALUES = 100
+#: Budget nodes exported one by one; the rest are summed into one ``other`` series
+#: (without proxy keys any client can create budget roots, one new series each).
+MAX_BUDGET_SERIES = 50
+OTHER_BUDGETS = "_other"
 #: Effect-unknown calls read to find the oldest one (they are rare; beyond this the age
 #: is a lower bound until the store answers ``min(created_at)`` itself).
 OLDEST_SCAN_LIMIT = 10_000
@@ -68,6 +72,25 @@ OVERHEAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 REPLAY_OUTCOMES = frozenset({"replayed", "joined"})
+
+
+def top_budgets(nodes: list[BudgetNode], limit: int = MAX_BUDGET_SERIES) -> list[BudgetNode]:
+    """The ``limit`` nodes with the most money committed, plus the rest summed as ``_other``.
+
+    Budgets with a limit come first: an operator set them, so they are the ones watched.
+    ``_other`` can never be a budget path (paths start with a letter or digit).
+    """
+    if len(nodes) <= limit:
+        return nodes
+    ranked = sorted(nodes, key=lambda n: (n.limit is None, -n.committed, n.path))
+    kept, rest = ranked[:limit], ranked[limit:]
+    other = BudgetNode(
+        OTHER_BUDGETS,
+        reserved=sum(n.reserved for n in rest),
+        spent=sum(n.spent for n in rest),
+        held=sum(n.held for n in rest),
+    )
+    return [*kept, other]
 
 
 def _usd(nanos: int) -> float:
@@ -148,6 +171,11 @@ class MetricsObserver:
             buckets=OVERHEAD_BUCKETS,
             registry=registry,
         )
+        self.internal_errors = Counter(
+            "effectguard_internal_errors",
+            "Unexpected exceptions answered with a 500 internal_error.",
+            registry=registry,
+        )
 
     def _child(self, metric: Any, *values: str) -> Any:
         # labels() validates and locks on every call; a request makes five of them.
@@ -192,6 +220,10 @@ class MetricsObserver:
     def overhead_seconds(self, seconds: float) -> None:
         """Observe the guard's own time for one request."""
         self.overhead.observe(seconds)
+
+    def internal_error(self) -> None:
+        """Count an unexpected exception answered with a 500."""
+        self.internal_errors.inc()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -290,10 +322,12 @@ class Metrics:
         registry: CollectorRegistry | None = None,
         *,
         budget_depth: int = 1,
+        max_budget_series: int = MAX_BUDGET_SERIES,
         refresh_timeout_s: float = 5.0,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.budget_depth = budget_depth
+        self.max_budget_series = max_budget_series
         self.refresh_timeout_s = refresh_timeout_s
         self._cap = _Capped()
         self.observer = MetricsObserver(self.registry, self._cap)
@@ -366,7 +400,7 @@ class Metrics:
             self._cap("provider", provider)
         self.snapshot = LedgerSnapshot(
             stages=tuple(stages),
-            budgets=tuple(nodes),
+            budgets=tuple(top_budgets(nodes, self.max_budget_series)),
             oldest_unknown=tuple(sorted(oldest.items())),
             seconds=time.perf_counter() - started,
         )

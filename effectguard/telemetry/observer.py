@@ -29,6 +29,9 @@ class Observer(Protocol):
     def overhead_seconds(self, seconds: float) -> None:
         """The guard's own time for one request (total minus upstream)."""
 
+    def internal_error(self) -> None:
+        """An unexpected exception was answered with a 500 ``internal_error``."""
+
 
 class NullObserver:
     """An observer that records nothing."""
@@ -48,4 +51,7 @@ class NullObserver:
         pass
 
     def overhead_seconds(self, seconds: float) -> None:
+        pass
+
+    def internal_error(self) -> None:
         pass

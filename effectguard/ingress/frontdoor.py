@@ -1,0 +1,122 @@
+"""HTTP hygiene at the proxy's socket: deadlines and a size cap uvicorn does not have.
+
+uvicorn bounds idle kept-alive connections (``timeout_keep_alive``) and the number
+of connections (``limit_concurrency``), which :func:`uvicorn_options` sets. It has
+no deadline for a request's headers or body and, with httptools, no cap on header
+size: a client trickling one header byte a second (slowloris) holds a connection
+forever, and a 30 MB header is buffered whole. :func:`protocol_for` builds
+uvicorn's httptools protocol with three more limits:
+
+* the request line and headers must arrive within ``header_timeout_s`` of the
+  connection opening (or of the next request starting on a kept-alive one),
+  else ``408`` and the connection closes;
+* the body must arrive within ``body_timeout_s`` after the headers, else the
+  connection closes (the app sees a disconnect; nothing was admitted);
+* request line plus headers larger than ``max_header_bytes`` get ``431``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from effectguard.config.settings import FrontDoor
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
+    """The ``uvicorn.Config`` options for the limits uvicorn enforces itself."""
+    return {
+        "http": protocol_for(door),
+        "limit_concurrency": door.max_connections or None,
+        "timeout_keep_alive": door.keep_alive_timeout_s,
+    }
+
+
+def protocol_for(door: FrontDoor) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol, with ``door``'s deadlines and header cap."""
+    return type("FrontDoorProtocol", (_FrontDoorProtocol,), {"door": door})
+
+
+class _FrontDoorProtocol(HttpToolsProtocol):
+    door: FrontDoor
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._in_headers = False
+        self._header_bytes = 0
+
+    # -- phases ----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_headers()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._start_headers()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._arm(self.door.body_timeout_s, self._body_too_slow)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        # Checked after parsing, so a body that arrives with the headers never counts.
+        if self._in_headers and self._header_bytes > self.door.max_header_bytes:
+            self._refuse(431, f"headers are limited to {self.door.max_header_bytes} bytes")
+
+    # -- deadlines ----------------------------------------------------------------------
+    def _start_headers(self) -> None:
+        if not self._in_headers:
+            self._in_headers = True
+            self._header_bytes = 0
+            self._arm(self.door.header_timeout_s, self._headers_too_slow)
+
+    def _arm(self, seconds: float, callback: Any) -> None:
+        self._disarm()
+        if seconds > 0:
+            self._deadline = self.loop.call_later(seconds, callback)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_too_slow(self) -> None:
+        self._deadline = None
+        if self._in_headers and not self.transport.is_closing():
+            self._refuse(408, f"headers must arrive within {self.door.header_timeout_s:g} s")
+
+    def _body_too_slow(self) -> None:
+        self._deadline = None
+        # The app owns the response now; closing shows it a disconnect (nothing admitted).
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._disarm()
+        self._in_headers = False
+        if self.transport.is_closing():  # the parser refused it already (400)
+            return
+        body = message.encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (status, _REASONS[status], len(body), body)
+        )
+        self.transport.close()

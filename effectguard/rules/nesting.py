@@ -1,0 +1,30 @@
+"""How deeply a request body may nest (SPEC §12, Isolation), pure.
+
+Python's JSON encoder and every walk over a parsed body recurse, so a body nested a
+few hundred levels deep raises ``RecursionError`` somewhere far from where it came
+in. Real requests nest a handful of levels (messages → content parts → fields);
+tool schemas perhaps a dozen or two. Bodies deeper than :data:`MAX_JSON_DEPTH` are
+refused when the request is prepared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+#: The deepest nesting of JSON objects and arrays a request body may have.
+MAX_JSON_DEPTH: Final = 64
+
+
+def depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether objects and arrays in ``value`` nest deeper than ``limit`` levels.
+
+    Iterative, so it never recurses itself.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False

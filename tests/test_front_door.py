@@ -1,0 +1,287 @@
+"""HTTP hygiene at the proxy's socket, /metrics access, and the end of a SIGTERM drain.
+
+Each test runs a real ``effectguard serve`` with a config file of short limits in
+front of the real fake provider, and talks to it over raw sockets where the
+client's own behaviour (slow, huge) is the point.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from edgekit import address, parse_answer, read_until_closed
+
+from effectguard.config.settings import hash_key
+from effectguard.ops.cli import main as cli_main
+from effectguard.rules.budget import BudgetNode
+from effectguard.telemetry import metrics
+from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, running_proxy
+
+OPENAI_CHAT = "/openai/v1/chat/completions"
+CALL_ID = "effectguard-call-id"
+HEADER_TIMEOUT_S = 1
+BODY_TIMEOUT_S = 2
+MAX_HEADER_BYTES = 16 * 1024
+#: How long a test waits for something the proxy must do within a second or two.
+PATIENCE_S = 20.0
+
+
+def chat(content: str = "hello") -> dict[str, Any]:
+    """An OpenAI chat completion request body."""
+    return {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}]}
+
+
+@pytest.fixture(scope="module")
+def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeProvider]:
+    """The fake provider for the module."""
+    with fake_provider(tmp_path_factory.mktemp("door") / "receipts.jsonl") as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory, provider: FakeProvider) -> Iterator[Proxy]:
+    """A proxy with short front-door limits."""
+    tmp = tmp_path_factory.mktemp("door")
+    config = tmp / "config.toml"
+    config.write_text(
+        "[server]\n"
+        f"header_timeout_s = {HEADER_TIMEOUT_S}\n"
+        f"body_timeout_s = {BODY_TIMEOUT_S}\n"
+        f"max_header_bytes = {MAX_HEADER_BYTES}\n"
+    )
+    with running_proxy(
+        tmp / "ledger.db", upstreams={"openai": provider.url}, args=["--config", str(config)]
+    ) as running:
+        yield running
+
+
+def closed_or_answered(sock: socket.socket) -> bytes | None:
+    """What the proxy sent before closing ``sock``; None if it still holds it open."""
+    sock.setblocking(False)
+    try:
+        data = sock.recv(65536)
+    except BlockingIOError:
+        return None
+    except ConnectionResetError:
+        return b""
+    if not data:
+        return b""
+    return data + read_until_closed(sock, PATIENCE_S)
+
+
+def test_slowloris_connections_are_closed(proxy: Proxy, provider: FakeProvider) -> None:
+    """Four connections trickling a request's headers are answered 408 and closed."""
+    receipts = len(provider.receipts())
+    socks = [socket.create_connection(address(proxy.url)) for _ in range(4)]
+    outcome: dict[int, bytes] = {}
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        lines = [b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\n", b"Host: x\r\n"]
+        lines += [b"X-Slow-%d: y\r\n" % i for i in range(100)]
+        for line in lines:
+            if len(outcome) == len(socks) or time.monotonic() > deadline:
+                break
+            for i, sock in enumerate(socks):
+                if i in outcome:
+                    continue
+                try:
+                    sock.sendall(line)
+                except OSError:
+                    outcome[i] = b""
+                    continue
+                answer = closed_or_answered(sock)
+                if answer is not None:
+                    outcome[i] = answer
+            time.sleep(0.3)  # a slow client, well under the header deadline per line
+    finally:
+        for sock in socks:
+            sock.close()
+    assert len(outcome) == 4, f"{4 - len(outcome)} slow connections were still open"
+    for answer in outcome.values():
+        assert answer == b"" or parse_answer(answer).status == 408, answer
+    assert len(provider.receipts()) == receipts
+
+
+def test_a_30mb_header_is_refused(proxy: Proxy, provider: FakeProvider) -> None:
+    """A huge header gets 431 once it passes the cap; the rest is never read."""
+    receipts = len(provider.receipts())
+    piece = b"a" * 65536
+    sent = 0
+    answer = b""
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Huge: ")
+        while sent < 30 * 1024 * 1024:
+            try:
+                sock.sendall(piece)
+            except OSError:
+                break
+            sent += len(piece)
+            answer = closed_or_answered(sock) or b""
+            sock.setblocking(True)
+            if answer:
+                break
+        answer = answer or read_until_closed(sock, PATIENCE_S)
+    assert sent < 30 * 1024 * 1024, "the whole 30 MB header was read"
+    assert parse_answer(answer).status == 431, answer[:200]
+    assert len(provider.receipts()) == receipts
+
+
+def test_a_header_under_the_cap_is_served(proxy: Proxy) -> None:
+    """The positive control: 12 KB of headers, under the cap, make an ordinary request."""
+    headers = {f"x-big-{i}": "b" * 3000 for i in range(4)}  # aiohttp upstream: 8 KB a line
+    response = httpx.post(proxy.url + OPENAI_CHAT, json=chat(), headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def test_a_body_that_never_finishes_is_cut_off(proxy: Proxy, provider: FakeProvider) -> None:
+    """A request whose body stops arriving is closed after the body deadline, not admitted."""
+    receipts = len(provider.receipts())
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(
+            b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model"'
+        )
+        answer = read_until_closed(sock, PATIENCE_S)
+        sock.setblocking(False)
+        try:
+            still_open = sock.recv(1) != b""
+        except BlockingIOError:
+            still_open = True
+        except OSError:
+            still_open = False
+    assert not still_open
+    assert answer == b"" or parse_answer(answer).status in (400, 408), answer
+    assert len(provider.receipts()) == receipts
+
+
+# -- /metrics -------------------------------------------------------------------------------
+def test_metrics_needs_a_metrics_key_once_proxy_keys_exist(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """With proxy keys, /metrics is 401 without a key, 403 for a tenant key, 200 for a key
+    marked ``metrics = true``."""
+    config = tmp_path / "keys.toml"
+    config.write_text(
+        f'[[keys]]\nsha256 = "{hash_key("tenant-key")}"\nbudget_root = "team-a"\n\n'
+        f'[[keys]]\nsha256 = "{hash_key("ops-key")}"\nbudget_root = "ops"\nmetrics = true\n'
+    )
+    with running_proxy(
+        tmp_path / "l.db", upstreams={"openai": provider.url}, args=["--config", str(config)]
+    ) as proxy:
+        anonymous = httpx.get(proxy.url + "/metrics")
+        tenant = httpx.get(proxy.url + "/metrics", headers={"effectguard-key": "tenant-key"})
+        ops = httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer ops-key"})
+    assert anonymous.status_code == 401, anonymous.text
+    assert anonymous.json()["error"]["type"] == "unknown_key"
+    assert tenant.status_code == 403, tenant.text
+    assert "effectguard_budget" not in tenant.text
+    assert ops.status_code == 200, ops.text
+    assert "effectguard_requests_total" in ops.text
+
+
+def test_metrics_on_their_own_port_only(tmp_path: Path, provider: FakeProvider) -> None:
+    """``--metrics-port`` serves /metrics there, and the proxy's port no longer does."""
+    port = free_port()
+    with running_proxy(
+        tmp_path / "l.db",
+        upstreams={"openai": provider.url},
+        args=["--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+    ) as proxy:
+        assert httpx.post(proxy.url + OPENAI_CHAT, json=chat(), timeout=PATIENCE_S).is_success
+        apart = httpx.get(f"http://127.0.0.1:{port}/metrics")
+        main = httpx.get(proxy.url + "/metrics")
+    assert apart.status_code == 200
+    assert "effectguard_spent_usd" in apart.text or "effectguard_budget_spent_usd" in apart.text
+    assert main.status_code == 404
+
+
+def test_budget_series_are_capped_with_the_rest_as_other() -> None:
+    """Beyond the cap, the budgets with the least money are summed into ``_other``."""
+    nodes = [BudgetNode(f"root-{i:04d}", spent=i) for i in range(2000)]
+    nodes.append(BudgetNode("limited", limit=10))
+    kept = metrics.top_budgets(nodes, 50)
+    assert len(kept) == 51
+    assert kept[0].path == "limited"  # an operator's limit is always watched
+    assert [n.path for n in kept[1:4]] == ["root-1999", "root-1998", "root-1997"]
+    other = kept[-1]
+    assert other.path == metrics.OTHER_BUDGETS
+    assert sum(n.spent for n in kept) == sum(n.spent for n in nodes)
+
+
+def test_budget_roots_made_by_clients_do_not_grow_the_series(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """60 client-made budget roots export at most 50 budget series plus ``_other``."""
+    with (
+        running_proxy(tmp_path / "l.db", upstreams={"openai": provider.url}) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=PATIENCE_S) as client,
+    ):
+        for i in range(60):
+            budget = {"effectguard-budget": f"r{i}"}
+            response = client.post(OPENAI_CHAT, json=chat(), headers=budget)
+            assert response.status_code == 200, response.text
+        text = client.get("/metrics").text
+    series = [
+        line for line in text.splitlines() if line.startswith("effectguard_budget_spent_usd{")
+    ]
+    assert len(series) == 51, series
+    assert any(f'budget="{metrics.OTHER_BUDGETS}"' in line for line in series)
+
+
+# -- the end of a SIGTERM drain ------------------------------------------------------------------
+def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
+    tmp_path: Path, provider: FakeProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call still waiting when the drain timeout ends gets a provider-shaped 504
+    ``effect_unknown`` with its call id and ``x-should-retry: false``, and the ledger
+    holds it ``effect_unknown`` before the process exits."""
+    config = tmp_path / "drain.toml"
+    config.write_text("[server]\ndrain_timeout_s = 1\n")
+    ledger = tmp_path / "l.db"
+    result: dict[str, Any] = {}
+    with running_proxy(
+        ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
+    ) as proxy:
+        receipts = len(provider.receipts())
+
+        def call() -> None:
+            try:
+                result["response"] = httpx.post(
+                    proxy.url + OPENAI_CHAT,
+                    json=chat("slow"),
+                    headers={"x-fake-delay": "30"},
+                    timeout=PATIENCE_S * 2,
+                )
+            except Exception as exc:  # reported by the assertion below
+                result["response"] = exc
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        deadline = time.monotonic() + PATIENCE_S
+        while len(provider.receipts()) == receipts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(provider.receipts()) > receipts, "the call never reached the provider"
+        proxy.kill(signal.SIGTERM)
+        worker.join(PATIENCE_S * 2)
+        proxy.process.wait(PATIENCE_S)
+    response = result["response"]
+    assert isinstance(response, httpx.Response), response
+    assert response.status_code == 504, response.text
+    error = response.json()["error"]
+    assert error["type"] == "effect_unknown"
+    call_id = response.headers[CALL_ID]
+    assert error["call_id"] == call_id
+    assert response.headers["x-should-retry"] == "false"
+    capsys.readouterr()
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    stages = {c["call_id"]: c["stage"] for c in json.loads(capsys.readouterr().out)}
+    assert stages == {call_id: "effect_unknown"}

@@ -1,0 +1,284 @@
+"""Outside surprises at the proxy get clear answers, and refused input never goes out.
+
+One real ``effectguard serve`` in front of the real fake provider (``openai``), a
+recording upstream that stands for a tool provider whose base URL has a path
+(``send_email`` at ``{recorder}/tenant1``) and a dead port (``anthropic``, for
+read-only calls whose upstream is down). Every refusal is provider-shaped, and
+the receipt log, the recorder and the ledger prove that nothing was dispatched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from edgekit import UPSTREAM_OWN_HEADERS, Seen, exchange, post, recording_upstream
+
+from effectguard import AsyncGuardTransport
+from effectguard.ops.cli import main as cli_main
+from effectguard.rules.nesting import MAX_JSON_DEPTH
+from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, running_proxy
+
+OPENAI_CHAT = "/openai/v1/chat/completions"
+CALL_ID = "effectguard-call-id"
+
+
+@dataclass
+class Env:
+    """The module's proxy, fake provider and recording upstream."""
+
+    proxy: Proxy
+    provider: FakeProvider
+    seen: list[Seen]
+    client: httpx.Client
+
+    def calls(self, capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+        """``effectguard calls --json`` on the proxy's ledger."""
+        capsys.readouterr()
+        assert cli_main(["calls", "--json", "--ledger", self.proxy.ledger]) == 0
+        rows: list[dict[str, Any]] = json.loads(capsys.readouterr().out)
+        return rows
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One proxy for the module."""
+    tmp = tmp_path_factory.mktemp("edges")
+    with (
+        fake_provider(tmp / "receipts.jsonl") as provider,
+        recording_upstream() as (recorder_url, seen),
+        running_proxy(
+            tmp / "ledger.db",
+            upstreams={
+                "openai": provider.url,
+                "send_email": recorder_url + "/tenant1",
+                "anthropic": f"http://127.0.0.1:{free_port()}",  # nobody listens there
+            },
+        ) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=15) as client,
+    ):
+        yield Env(proxy, provider, seen, client)
+
+
+def chat(content: str = "hello") -> dict[str, Any]:
+    """An OpenAI chat completion request body."""
+    return {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}]}
+
+
+def error_of(status: int, body: Any, type_: str) -> dict[str, Any]:
+    """The error object of a provider-shaped refusal, checked for ``type_``."""
+    error: dict[str, Any] = body["error"]
+    assert error["type"] == type_, (status, body)
+    assert error["message"]
+    return error
+
+
+ESCAPES = [
+    "/send_email/../../admin/delete-all",
+    "/send_email/v1/../../../admin/delete-all",
+    "/send_email/%2e%2e/%2e%2e/admin/delete-all",
+    "/send_email/%2E%2E/admin",
+    "/send_email/./v1/send",
+    "/send_email/v1%2fsend",
+    "/send_email/..%2f..%2fadmin",
+    "/send_email/v1%5csend",
+    "/send_email/v1/send%09",
+    "/send_email/v1/%00send",
+    "/send_email/v1/send%0d%0aX-Injected:%20yes",
+    "/send_email/v1/send%",
+    "/openai/v1/chat/completions/%2e%2e/%2e%2e/v1/embeddings",
+]
+
+
+@pytest.mark.parametrize("path", ESCAPES)
+def test_a_path_that_leaves_the_base_path_is_400_and_never_dispatched(
+    env: Env, capsys: pytest.CaptureFixture[str], path: str
+) -> None:
+    """Dot segments, encoded dots/slashes/backslashes and control characters get 400
+    ``invalid_request`` naming the problem; nothing reaches any upstream or the ledger."""
+    seen, receipts, calls = len(env.seen), len(env.provider.receipts()), env.calls(capsys)
+    answer = exchange(env.proxy.url, post(path, b'{"to": "a@example.com"}'))
+    assert answer.status == 400, answer
+    error = error_of(answer.status, answer.json(), "invalid_request")
+    assert "path" in error["message"]
+    assert answer.headers["x-should-retry"] == "false"
+    assert len(env.seen) == seen
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+
+
+def test_a_clean_path_below_the_base_path_is_dispatched_there(env: Env) -> None:
+    """The positive control: ``/send_email/v1/send`` goes to ``/tenant1/v1/send``."""
+    before = len(env.seen)
+    answer = exchange(env.proxy.url, post("/send_email/v1/send", b'{"to": "a@example.com"}'))
+    assert answer.status == 200, answer
+    assert [(s.method, s.path) for s in env.seen[before:]] == [("POST", "/tenant1/v1/send")]
+
+
+async def test_the_transport_refuses_an_escaping_url_before_its_inner_transport() -> None:
+    """In-process, an encoded dot segment under a provider's base URL is 400, never sent."""
+    sent: list[httpx.Request] = []
+
+    def inner(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json={})
+
+    transport = AsyncGuardTransport(
+        httpx.MockTransport(inner),
+        ledger="memory://",
+        upstreams={"send_email": "http://tools.test/tenant1"},
+    )
+    async with httpx.AsyncClient(transport=transport) as client:
+        response = await client.post(
+            "http://tools.test/tenant1/%2e%2e/admin/delete-all", json={"to": "a@example.com"}
+        )
+    assert response.status_code == 400, response.text
+    assert "path" in error_of(400, response.json(), "invalid_request")["message"]
+    assert sent == []
+
+
+def nested(depth: int) -> bytes:
+    """A chat request whose ``metadata`` nests ``depth`` arrays deep (the body is one more)."""
+    inner = "[" * depth + "]" * depth
+    return ('{"model":"gpt-4o-mini","messages":[],"metadata":' + inner + "}").encode()
+
+
+@pytest.mark.parametrize("depth", [900, 5000, MAX_JSON_DEPTH])
+def test_json_nested_too_deep_is_400(
+    env: Env, capsys: pytest.CaptureFixture[str], depth: int
+) -> None:
+    """A body nested deeper than the documented limit gets 400 naming the limit, no 500."""
+    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
+    response = env.client.post(
+        OPENAI_CHAT, content=nested(depth), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = error_of(400, response.json(), "invalid_request")
+    assert str(MAX_JSON_DEPTH) in error["message"]
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+
+
+def test_json_nested_within_the_limit_is_served(env: Env) -> None:
+    """A body exactly at the depth limit is an ordinary request."""
+    body = nested(MAX_JSON_DEPTH - 2)  # + the metadata's own object level + the body
+    response = env.client.post(
+        OPENAI_CHAT, content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_a_utf8_header_value_is_forwarded_as_sent(env: Env) -> None:
+    """A UTF-8 header value (RFC 9110 obs-text) reaches the provider byte for byte."""
+    value = "Café ✓ 東京".encode()
+    before = len(env.seen)
+    body = b'{"to": "a@example.com"}'
+    request = post("/send_email/v1/send", body).replace(
+        b"\r\n\r\n", b"\r\nX-Title: " + value + b"\r\n\r\n", 1
+    )
+    answer = exchange(env.proxy.url, request)
+    assert answer.status == 200, answer
+    forwarded = dict(env.seen[before].headers)
+    assert forwarded[b"x-title"] == value
+
+
+def test_a_read_only_call_to_a_dead_upstream_is_502_upstream_unreachable(env: Env) -> None:
+    """A read-only endpoint whose upstream is down answers 502 in the provider's shape."""
+    response = env.client.get("/anthropic/v1/models")
+    assert response.status_code == 502, response.text
+    body = response.json()
+    assert body["type"] == "error"  # the anthropic dialect
+    error_of(502, body, "upstream_unreachable")
+    assert response.headers["x-should-retry"] == "true"  # a read may always be retried
+
+
+def test_effectguard_headers_never_cross_the_proxy(env: Env) -> None:
+    """Client ``effectguard-*`` headers never go upstream; upstream ones never reach the
+    client, whose only call id is the proxy's own."""
+    before = len(env.seen)
+    response = env.client.post(
+        "/send_email/v1/send",
+        json={"to": "a@example.com"},
+        headers={
+            "Effectguard-Call-Id": "client-forged",
+            "Effectguard-Replayed": "true",
+            "Effectguard-Budget": "team-x",
+            "Effectguard-Anything": "x",
+        },
+    )
+    assert response.status_code == 200, response.text
+    forwarded = [k for k, _ in env.seen[before].headers]
+    assert not [k for k in forwarded if k.startswith(b"effectguard-")], forwarded
+    assert "effectguard-replayed" not in response.headers
+    call_ids = response.headers.get_list(CALL_ID)
+    assert len(call_ids) == 1 and call_ids[0] not in UPSTREAM_OWN_HEADERS.values()
+
+
+def test_a_replay_carries_no_upstream_effectguard_header(env: Env) -> None:
+    """The stored response of a keyed call is replayed without the upstream's forged headers."""
+    headers = {"Idempotency-Key": "edge-replay-1"}
+    first = env.client.post("/send_email/v1/send", json={"to": "b@example.com"}, headers=headers)
+    again = env.client.post("/send_email/v1/send", json={"to": "b@example.com"}, headers=headers)
+    assert first.status_code == again.status_code == 200, again.text
+    assert again.headers.get_list("effectguard-replayed") == ["true"]
+    assert again.headers.get_list(CALL_ID) == [first.headers[CALL_ID]]
+
+
+def test_ledger_files_are_owner_only(env: Env) -> None:
+    """The ledger, its -wal/-shm files and the worker lock directory are not group/other
+    readable (they hold prompts and responses)."""
+    ledger = Path(env.proxy.ledger)
+    files = [ledger, Path(f"{ledger}-wal"), Path(f"{ledger}-shm")]
+    lock_dir = Path(f"{ledger}.workers")
+    locks = list(lock_dir.iterdir())
+    assert locks
+    for path in [*files, *locks]:
+        assert path.stat().st_mode & 0o077 == 0, f"{path}: {oct(path.stat().st_mode)}"
+    assert lock_dir.stat().st_mode & 0o077 == 0, oct(lock_dir.stat().st_mode)
+
+
+async def test_an_unexpected_exception_is_a_provider_shaped_500_with_the_call_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault inside the call path answers 500 ``internal_error`` with the call id and
+    ``x-should-retry: false``, logs one short line, counts it, and leaves the call
+    ``effect_unknown`` rather than in flight."""
+    from effectguard.config.settings import load_settings
+    from effectguard.ingress.server import create_app
+    from effectguard.telemetry.metrics import Metrics
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug " + "x" * 5000)
+
+    settings = load_settings(ledger=str(tmp_path / "l.db"), upstreams={"openai": "http://up"})
+    metrics = Metrics()
+    app = create_app(settings, inner=httpx.MockTransport(broken), metrics=metrics)
+    await app.startup()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        ) as client:
+            with caplog.at_level(logging.INFO):
+                response = await client.post(OPENAI_CHAT, json=chat("boom"))
+        assert app.guard is not None
+        await app.guard.recorder.drain(10)  # the marking runs in the background
+        stages = {c.call_id: c.stage for c in await app.runtime.ledger.calls()}
+    finally:
+        await app.shutdown()
+    assert response.status_code == 500, response.text
+    error = error_of(500, response.json(), "internal_error")
+    call_id = response.headers[CALL_ID]
+    assert error["call_id"] == call_id
+    assert response.headers["x-should-retry"] == "false"
+    records = [r for r in caplog.records if r.name.startswith("effectguard")]
+    assert len([r for r in records if r.levelno >= logging.ERROR]) == 1
+    assert all(r.exc_info is None for r in records if r.levelno > logging.DEBUG)
+    assert all(len(r.getMessage()) < 1000 for r in records)
+    assert metrics.registry.get_sample_value("effectguard_internal_errors_total") == 1
+    assert stages == {call_id: "effect_unknown"}
