@@ -334,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     fakeprovider.add_arguments(p)
     p.set_defaults(run=fakeprovider.run)
 
+    p = sub.add_parser(
+        "sim", help="run the fault simulator", description="Run seeded load and faults; check."
+    )
+    from effectguard.testing import sim
+
+    sim.add_arguments(p)
+    p.set_defaults(run=sim.main)
+
     p = sub.add_parser("calls", help="list calls", description="List calls, newest first.")
     ledger_opts(p)
     p.add_argument("--state", choices=STAGES, help="only calls in this stage")
