@@ -138,7 +138,20 @@ class Answer:
 async def send_answer(
     request: web.Request, reply: Answer, ending: Ending, after: int
 ) -> web.StreamResponse:
-    """Send ``reply`` and end it as ``ending`` says (after ``after`` chunks)."""
+    """Send ``reply`` and end it as ``ending`` says (after ``after`` chunks).
+
+    A peer that went away first (a killed proxy) is not an error here: aiohttp
+    ignores the connection error it meets on the unsent response returned then.
+    """
+    try:
+        return await _send(request, reply, ending, after)
+    except ConnectionError:
+        return web.StreamResponse()
+
+
+async def _send(
+    request: web.Request, reply: Answer, ending: Ending, after: int
+) -> web.StreamResponse:
     chunks = reply.chunks
     if ending == "drop":
         _hang_up(request, reset=False)
