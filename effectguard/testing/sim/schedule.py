@@ -198,5 +198,5 @@ def _faults(
             faults.append(Fault(at, kind, replica, seconds=round(rng.uniform(0.5, 2.0), 3)))
         else:
             faults.append(Fault(at, kind, replica))
-        at = round(at + rng.uniform(1.5, 5.0), 3)
+        at = round(at + rng.uniform(2.5, 7.0), 3)
     return faults
