@@ -77,11 +77,6 @@ class Behaviour:
             items.append(f"times={self.times}")
         return ";".join(items)
 
-    @property
-    def plain(self) -> bool:
-        """Whether this is the default behaviour (nothing to apply)."""
-        return self == Behaviour()
-
 
 def parse(text: str) -> Behaviour:
     """Parse an ``x-fake-behaviour`` value; raises ``ValueError`` on a bad item."""

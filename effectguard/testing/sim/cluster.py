@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 from effectguard.testing.sim.schedule import Schedule
 
@@ -67,8 +68,6 @@ class Replica:
     port: int
     proxy: Proxy | None = None
     stopped: bool = False
-    #: Set while a fault keeps the replica down on purpose (the supervisor leaves it).
-    down_until: float = 0.0
     armed: str | None = None
 
     @property
@@ -109,7 +108,7 @@ class Cluster:
         """Write :attr:`config` from the schedule."""
         lease = self.schedule.lease_s
         budgets = "\n".join(
-            f'"{path}" = "{limit / 1e9:.9f}"'
+            f'"{path}" = "{nanos_to_usd(limit)}"'
             for path, limit in self.schedule.limits.items()
             if limit is not None
         )

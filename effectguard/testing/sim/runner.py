@@ -14,12 +14,11 @@ import asyncio
 import contextlib
 import signal
 import time
-from pathlib import Path
 
 import httpx
 
 from effectguard.ledger import Ledger
-from effectguard.testing.sim.clients import Answer, run_call, send
+from effectguard.testing.sim.clients import TIMEOUT, Answer, run_call, send
 from effectguard.testing.sim.cluster import Cluster, Replica
 from effectguard.testing.sim.schedule import Call, Fault
 
@@ -33,7 +32,7 @@ async def execute(cluster: Cluster) -> list[Answer]:
     schedule = cluster.schedule
     locks = {r.index: asyncio.Lock() for r in cluster.replicas}
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=_timeout(), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
         start = time.monotonic()
         clients = [
             asyncio.create_task(_call_at(client, cluster, call, start)) for call in schedule.calls
@@ -49,11 +48,6 @@ async def execute(cluster: Cluster) -> list[Answer]:
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor
     return [answer for answers in results for answer in answers]
-
-
-def _timeout() -> httpx.Timeout:
-    # A stopped replica answers after SIGCONT; its lease is short, so this is ample.
-    return httpx.Timeout(30.0, connect=2.0)
 
 
 async def _call_at(
@@ -147,7 +141,7 @@ async def _replay_keyed(cluster: Cluster, answers: list[Answer]) -> list[Answer]
     by_id = {call.id: call for call in cluster.schedule.calls}
     done: set[str] = set()
     replays: list[Answer] = []
-    async with httpx.AsyncClient(timeout=_timeout()) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         for answer in answers:
             call = by_id[answer.call]
             if call.key is None or not answer.clean_ok or call.id in done:
@@ -166,8 +160,3 @@ async def _replay_keyed(cluster: Cluster, answers: list[Answer]) -> list[Answer]
                 )
             )
     return replays
-
-
-def receipts_path(cluster: Cluster) -> Path:
-    """Where the fake provider's receipts are."""
-    return cluster.fake.receipts_path
