@@ -144,8 +144,10 @@ def _evidence(events: list[tuple[float, Event]], **changes: Any) -> Evidence:
             by_call.setdefault(e.call_id, []).append(e)
     calls = [work_state(evs) for evs in by_call.values()]
     receipt = {"seq": 1, "ts": 2.0, "body_sha256": SHA, "deduped": False, "tag": "c1.0"}
+    receipt |= {"path": "/v1/chat/completions", "status": 200}
     answer = _answer()
-    base = Evidence(stored, calls, [receipt], [answer], 0, "")
+    not_processed = {"/v1/chat/completions": frozenset({429})}
+    base = Evidence(stored, calls, [receipt], [answer], 0, "", not_processed)
     return dataclasses.replace(base, **changes)
 
 
@@ -251,9 +253,12 @@ def test_replay_with_other_bytes_or_refused_is_caught() -> None:
 
 
 def test_ledger_unavailable_with_a_receipt_is_caught() -> None:
-    """A request answered 503 ledger_unavailable must not have reached the provider."""
+    """A request answered 503 ledger_unavailable had no effect (a declared 429 is none)."""
     answer = _answer(status=503, error_type="ledger_unavailable", call_id=None)
     assert _fired(_evidence(_call_events(), answers=[answer])) == {"unavailable_with_receipt"}
+    declined = _evidence(_call_events(), answers=[answer])
+    declined.receipts[0]["status"] = 429
+    assert _fired(declined) == set()
 
 
 def test_failed_verify_is_caught() -> None:
