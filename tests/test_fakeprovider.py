@@ -363,3 +363,49 @@ def test_error_status_and_delay_flags(tmp_path: Path) -> None:
         started = time.monotonic()
         answer = post(running, "/v1/send", {}, **{"x-fake-status": "200", "x-fake-delay": "0"})
         assert answer.status_code == 200 and time.monotonic() - started < 0.3
+
+
+# -- per-request behaviour (x-fake-behaviour) --------------------------------
+
+
+def _read_stream(provider: FakeProvider, behaviour: str) -> tuple[bytes, str | None]:
+    """Stream an Anthropic message with ``behaviour``; the bytes seen and any error's type."""
+    body = {"model": "c", "max_tokens": 4, "stream": True}
+    seen = b""
+    headers = {"x-fake-behaviour": behaviour}
+    try:
+        with httpx.stream("POST", provider.url + "/v1/messages", json=body, headers=headers) as r:
+            for chunk in r.iter_bytes():
+                seen += chunk
+    except httpx.HTTPError as exc:
+        return seen, type(exc).__name__
+    return seen, None
+
+
+def test_behaviour_cut_ends_the_stream_cleanly_without_terminal_event(
+    provider: FakeProvider,
+) -> None:
+    """cut=K sends K events and a clean end of body: no error, no message_stop."""
+    seen, error = _read_stream(provider, "cut=2")
+    assert error is None
+    assert seen.count(b"event: ") == 2 and b"message_stop" not in seen
+    assert provider.receipts()[0]["behaviour"] == "cut=2"
+
+
+def test_behaviour_reset_and_drop_break_the_connection(provider: FakeProvider) -> None:
+    """reset=K resets after K events; drop reads the request and hangs up with no answer."""
+    seen, error = _read_stream(provider, "reset=1")
+    assert error is not None and seen.count(b"event: ") == 1
+    with pytest.raises(httpx.RemoteProtocolError):
+        post(provider, CHAT, {"model": "m"}, **{"x-fake-behaviour": "drop", "x-fake-tag": "t1"})
+    receipts = provider.receipts()
+    assert [r["behaviour"] for r in receipts] == ["reset=1", "drop"]
+    assert receipts[1]["tag"] == "t1"
+
+
+def test_behaviour_times_applies_to_the_first_requests_of_an_id(provider: FakeProvider) -> None:
+    """id=X;times=1;status=429 answers 429 once, then plain answers for the same id."""
+    headers = {"x-fake-behaviour": "status=429;id=a;times=1"}
+    statuses = [post(provider, CHAT, {"model": "m"}, **headers).status_code for _ in range(3)]
+    assert statuses == [429, 200, 200]
+    assert [r["behaviour"] for r in provider.receipts()] == ["status=429;id=a;times=1", "", ""]

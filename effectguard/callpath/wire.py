@@ -11,6 +11,7 @@ from typing import Any, AnyStr, Final, Literal
 
 import httpx
 
+from effectguard.callpath import testhooks
 from effectguard.errors import Refusal
 from effectguard.providers import Provider
 from effectguard.rules.events import AttemptObserved, decode_body
@@ -150,6 +151,8 @@ def classify_transport_error(exc: BaseException) -> SendOutcome:
     that happen *after* sending (a server disconnect) to ``ConnectTimeout``, so
     its original exception is consulted first.
     """
+    if testhooks.disconnect_counts_as_not_sent(exc):  # a deliberately broken build only
+        return "not_sent"
     cause = exc.__cause__
     if cause is not None and type(cause).__module__.startswith("aiohttp"):
         return _classify_aiohttp(cause)

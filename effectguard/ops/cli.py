@@ -76,6 +76,7 @@ def commands() -> list[Command]:
     found = [
         servecmd.SERVE,
         servecmd.FAKE_PROVIDER,
+        servecmd.SIM,
         views.CALLS,
         views.SHOW,
         changes.RECONCILE,

@@ -86,3 +86,18 @@ FAKE_PROVIDER = Command(
     "Run a synthetic OpenAI/Anthropic-compatible provider.",
     _fake_provider_arguments,
 )
+
+
+def _sim_arguments(p: argparse.ArgumentParser) -> None:
+    from effectguard.testing import sim
+
+    sim.add_arguments(p)
+    p.set_defaults(run=sim.main)
+
+
+SIM = Command(
+    "sim",
+    "run the fault simulator",
+    "Run a seeded schedule of load and faults against real processes; check the invariants.",
+    _sim_arguments,
+)

@@ -30,8 +30,11 @@ answer is one chunk, so ``break-after 0`` sends only its headers.
 ``GET /ops/{key}`` is a lookup read path: ``applied`` is true iff a request with
 that ``Idempotency-Key`` was received and not deduplicated (whatever its status).
 ``GET /v1/models`` is read-only. The answers themselves are built in
-:mod:`effectguard.testing.fakeanswers`; neither module imports anything else
-from effectguard.
+:mod:`effectguard.testing.fakeanswers`, and sent (whole, cut, reset or not at all)
+by :mod:`effectguard.testing.fakebehaviour`. Per request, ``x-fake-behaviour``
+chooses delay, status and how the answer ends in one header; its receipts add
+``"behaviour"`` (what was applied, ``""`` for a plain answer) and ``"tag"`` (the
+``x-fake-tag`` header). None of these modules imports anything else from effectguard.
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ from typing import Any
 from aiohttp import web
 
 from effectguard.testing.fakeanswers import REUSED, ROUTES, Reply, error_reply
+from effectguard.testing.fakebehaviour import (
+    BEHAVIOUR_HEADER,
+    TAG_HEADER,
+    Behaviour,
+    UseCounter,
+    parse,
+    send_answer,
+)
 
 __all__ = ["FakeSettings", "ReceiptLog", "add_arguments", "create_app", "main", "run"]
 
@@ -114,6 +125,7 @@ class _Provider:
         self._seq = 0
         self._stored: dict[str, tuple[str, Reply]] = {}
         self._applied: set[str] = set()
+        self._uses = UseCounter()
 
     def _next_seq(self) -> int:
         if self.log is not None:
@@ -129,6 +141,9 @@ class _Provider:
         path = request.path
         digest = hashlib.sha256(raw).hexdigest()
         key = headers.get("idempotency-key")
+        behaviour = _behaviour(headers, self.settings)
+        if not self._uses.applies(behaviour):
+            behaviour = Behaviour()
         seq = self._next_seq()
         # From here to the receipt write there is no await: the dedup check and
         # the store of the first answer are atomic with respect to other requests.
@@ -141,7 +156,7 @@ class _Provider:
             else:
                 reply = error_reply(path, 422, "idempotency_key_reused", REUSED)
         else:
-            status = _int_header(headers, "x-fake-status", self.settings.error_status)
+            status = behaviour.status
             if status is not None and status >= 400:
                 reply = error_reply(path, status, "fake_error", f"fake provider answered {status}")
             else:
@@ -161,14 +176,13 @@ class _Provider:
                 "deduped": deduped,
                 "model": body.get("model"),
                 "status": reply.status,
+                "behaviour": behaviour.render(),
+                "tag": headers.get(TAG_HEADER),
             }
             await self.log.append(seq, record)
-        delay = _float_header(headers, "x-fake-delay", self.settings.delay)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        return await _send(
-            request, reply, _int_header(headers, "x-fake-break-after", self.settings.break_after)
-        )
+        if behaviour.delay:
+            await asyncio.sleep(behaviour.delay)
+        return await send_answer(request, reply, behaviour.ending, behaviour.after)
 
     async def lookup(self, request: web.Request) -> web.Response:
         """``GET /ops/{key}``: was an operation with this idempotency key applied?"""
@@ -202,36 +216,20 @@ def _float_header(headers: Any, name: str, default: float) -> float:
     return float(value) if value is not None else default
 
 
-async def _send(request: web.Request, reply: Reply, break_after: int | None) -> web.StreamResponse:
-    chunks = reply.chunks
-    if break_after is None or break_after >= len(chunks):
-        if not reply.stream:
-            return web.Response(
-                status=reply.status, body=chunks[0], content_type=reply.content_type
-            )
-        response = web.StreamResponse(status=reply.status)
-        response.content_type = reply.content_type
-        response.headers["Cache-Control"] = "no-cache"
-        await response.prepare(request)
-        for chunk in chunks:
-            await response.write(chunk)
-        await response.write_eof()
-        return response
-    # A broken answer: headers and the first K chunks, then the connection drops.
-    response = web.StreamResponse(status=reply.status)
-    response.content_type = reply.content_type
-    if not reply.stream:
-        response.content_length = len(chunks[0])
-    await response.prepare(request)
-    for chunk in chunks[:break_after]:
-        await response.write(chunk)
-    transport = request.transport
-    if transport is not None:
-        # abort() drops unsent bytes, so let the K chunks reach the socket first.
-        while transport.get_write_buffer_size() and not transport.is_closing():
-            await asyncio.sleep(0.001)
-        transport.abort()
-    return response  # aiohttp's write_eof then meets a closed transport, and stays quiet
+def _behaviour(headers: Any, settings: FakeSettings) -> Behaviour:
+    """The request's behaviour: ``x-fake-behaviour``, else the older one-switch headers."""
+    spec = headers.get(BEHAVIOUR_HEADER)
+    if spec is not None:
+        return parse(spec)
+    status = _int_header(headers, "x-fake-status", settings.error_status)
+    delay = _float_header(headers, "x-fake-delay", settings.delay)
+    after = _int_header(headers, "x-fake-break-after", settings.break_after)
+    return Behaviour(
+        delay=delay or None,
+        status=status,
+        ending="whole" if after is None else "break",
+        after=after or 0,
+    )
 
 
 # -- the process -----------------------------------------------------------

@@ -1,0 +1,187 @@
+"""What the fake provider does with one request, chosen by the request itself.
+
+A client (the fault simulator, a test) sends ``x-fake-behaviour: SPEC`` where
+SPEC is ``;``-separated ``name=value`` items (a bare name means ``name=1``):
+
+==============  ===============================================================
+``delay=S``     wait S seconds after the receipt is durable
+``status=N``    answer N (a provider-shaped error body when N >= 400)
+``drop``        read the request, write the receipt, then hang up: no response
+``cut=K``       send K chunks (SSE events), then end the body *cleanly*: a
+                valid HTTP message whose stream lacks its terminal event
+``reset=K``     send K chunks, then reset the connection (TCP RST)
+``id=X``        with ``times=N``: the behaviour applies to the first N requests
+``times=N``     carrying ``id=X``; later ones get a plain answer, so a retry
+                after a 429 or a 5xx can succeed
+==============  ===============================================================
+
+The receipt records the behaviour that was applied (``"behaviour"``) and the
+request's ``x-fake-tag`` header (``"tag"``), which lets a checker tie a receipt
+to the client request that caused it. This module imports nothing from
+effectguard, like the fake provider itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+from aiohttp import web
+
+from effectguard.testing.fakeanswers import Reply
+
+__all__ = [
+    "BEHAVIOUR_HEADER",
+    "TAG_HEADER",
+    "Behaviour",
+    "Ending",
+    "UseCounter",
+    "parse",
+    "send_answer",
+]
+
+BEHAVIOUR_HEADER = "x-fake-behaviour"
+TAG_HEADER = "x-fake-tag"
+
+#: How the answer ends: whole; no answer at all; a clean EOF, a FIN or a RST after K chunks.
+Ending = Literal["whole", "drop", "cut", "break", "reset"]
+
+
+@dataclass(frozen=True, slots=True)
+class Behaviour:
+    """One request's behaviour; the default is a plain, immediate, whole answer."""
+
+    delay: float | None = None
+    status: int | None = None
+    ending: Ending = "whole"
+    after: int = 0
+    id: str | None = None
+    times: int | None = None
+
+    def render(self) -> str:
+        """The header value that :func:`parse` turns back into this behaviour."""
+        items: list[str] = []
+        if self.delay is not None:
+            items.append(f"delay={self.delay:g}")
+        if self.status is not None:
+            items.append(f"status={self.status}")
+        if self.ending == "drop":
+            items.append("drop")
+        elif self.ending in ("cut", "reset"):
+            items.append(f"{self.ending}={self.after}")
+        if self.id is not None:
+            items.append(f"id={self.id}")
+        if self.times is not None:
+            items.append(f"times={self.times}")
+        return ";".join(items)
+
+
+def parse(text: str) -> Behaviour:
+    """Parse an ``x-fake-behaviour`` value; raises ``ValueError`` on a bad item."""
+    fields: dict[str, str] = {}
+    for item in text.split(";"):
+        name, _, value = item.strip().partition("=")
+        if name:
+            fields[name] = value or "1"
+    unknown = fields.keys() - {"delay", "status", "drop", "cut", "reset", "id", "times"}
+    if unknown:
+        raise ValueError(f"unknown behaviour items: {sorted(unknown)}")
+    ending: Ending = "whole"
+    after = 0
+    if "drop" in fields:
+        ending = "drop"
+    for name in ("cut", "reset"):
+        if name in fields:
+            ending, after = ("cut" if name == "cut" else "reset"), int(fields[name])
+    return Behaviour(
+        delay=float(fields["delay"]) if "delay" in fields else None,
+        status=int(fields["status"]) if "status" in fields else None,
+        ending=ending,
+        after=after,
+        id=fields.get("id"),
+        times=int(fields["times"]) if "times" in fields else None,
+    )
+
+
+class UseCounter:
+    """Counts requests per behaviour id, to apply a ``times=N`` behaviour N times only."""
+
+    def __init__(self) -> None:
+        self._uses: dict[str, int] = {}
+
+    def applies(self, behaviour: Behaviour) -> bool:
+        """Whether ``behaviour`` applies to this request (and count the use)."""
+        if behaviour.id is None or behaviour.times is None:
+            return True
+        used = self._uses.get(behaviour.id, 0)
+        self._uses[behaviour.id] = used + 1
+        return used < behaviour.times
+
+
+async def send_answer(
+    request: web.Request, reply: Reply, ending: Ending, after: int
+) -> web.StreamResponse:
+    """Send ``reply`` and end it as ``ending`` says (after ``after`` chunks).
+
+    A peer that went away first (a killed proxy) is not an error here: aiohttp
+    ignores the connection error it meets on the unsent response returned then.
+    """
+    try:
+        return await _send(request, reply, ending, after)
+    except ConnectionError:
+        return web.StreamResponse()
+
+
+async def _send(
+    request: web.Request, reply: Reply, ending: Ending, after: int
+) -> web.StreamResponse:
+    chunks = reply.chunks
+    if ending == "drop":
+        _hang_up(request, reset=False)
+        return web.StreamResponse()  # never sent: the transport is closed
+    if ending == "whole" or after >= len(chunks):
+        if not reply.stream:
+            return web.Response(
+                status=reply.status, body=chunks[0], content_type=reply.content_type
+            )
+        response = web.StreamResponse(status=reply.status)
+        response.content_type = reply.content_type
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+    # A broken answer: headers and the first K chunks, then the end.
+    response = web.StreamResponse(status=reply.status)
+    response.content_type = reply.content_type
+    if not reply.stream:
+        response.content_length = len(chunks[0])
+    await response.prepare(request)
+    for chunk in chunks[:after]:
+        await response.write(chunk)
+    if ending == "cut" and reply.stream:
+        await response.write_eof()  # a clean end of a chunked body, without the terminal event
+        return response
+    transport = request.transport
+    if transport is not None:
+        # abort() drops unsent bytes, so let the K chunks reach the socket first.
+        while transport.get_write_buffer_size() and not transport.is_closing():
+            await asyncio.sleep(0.001)
+    _hang_up(request, reset=ending == "reset")
+    return response  # aiohttp's write_eof then meets a closed transport, and stays quiet
+
+
+def _hang_up(request: web.Request, *, reset: bool) -> None:
+    """Close the connection now: a FIN, or with ``reset`` a TCP RST (SO_LINGER 0)."""
+    transport = request.transport
+    if transport is None:
+        return
+    if reset:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()

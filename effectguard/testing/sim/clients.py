@@ -1,0 +1,178 @@
+"""The simulated clients: each scheduled call sent as an SDK would send it.
+
+Every HTTP request is written down as an :class:`Answer`, whatever came back
+(a status and the exact bytes, or the transport error that ended it). Those
+answers are the client half of the evidence the invariants read; effectguard
+wrote none of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER, TAG_HEADER
+from effectguard.testing.sim.schedule import ROUTES, Call
+
+__all__ = ["Answer", "Kind", "body_of", "run_call", "send"]
+
+Kind = Literal["first", "retry", "repeat", "replay"]
+#: Timeouts: a SIGSTOPped replica accepts connections but answers only after SIGCONT.
+TIMEOUT = httpx.Timeout(30.0, connect=2.0)
+
+
+@dataclass
+class Answer:
+    """What one HTTP request of a scheduled call got back."""
+
+    call: str
+    kind: Kind
+    tag: str
+    replica: int
+    stream: bool
+    key: str | None
+    status: int | None = None
+    call_id: str | None = None
+    replayed: bool = False
+    #: The ``x-should-retry`` header, which the SDKs obey before the status.
+    retry_hint: str | None = None
+    error_type: str | None = None
+    body_b64: str = ""
+    transport_error: str | None = None
+
+    @property
+    def body(self) -> bytes:
+        """The exact bytes received."""
+        return base64.b64decode(self.body_b64)
+
+    @property
+    def clean_ok(self) -> bool:
+        """A 200 whose body arrived to its end without a transport error."""
+        return self.status == 200 and self.transport_error is None
+
+
+def body_of(call: Call) -> dict[str, Any]:
+    """The JSON body of ``call``'s requests (the same for every retry)."""
+    model = ROUTES[call.route][2]
+    messages = [{"role": "user", "content": call.prompt}]
+    if call.route == "send":
+        return {"to": f"{call.id}@example.com", "subject": call.prompt}
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": call.max_tokens}
+    if call.stream:
+        body["stream"] = True
+        if call.route == "chat":
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _headers(call: Call, tag: str, retry_count: int) -> dict[str, str]:
+    headers = {
+        "content-type": "application/json",
+        "effectguard-budget": call.budget,
+        "x-stainless-retry-count": str(retry_count),
+        TAG_HEADER: tag,
+    }
+    if call.behaviour:
+        headers[BEHAVIOUR_HEADER] = call.behaviour
+    if call.key is not None:
+        headers["idempotency-key"] = call.key
+    if call.route == "messages":
+        headers["anthropic-version"] = "2023-06-01"
+    return headers
+
+
+async def send(
+    client: httpx.AsyncClient,
+    base_url: str,
+    call: Call,
+    *,
+    kind: Kind,
+    tag: str,
+    replica: int,
+    retry_count: int,
+) -> Answer:
+    """Send one request of ``call`` to ``base_url`` and record what came back."""
+    provider, path, _, _ = ROUTES[call.route]
+    answer = Answer(call.id, kind, tag, replica, call.stream, call.key)
+    received = bytearray()
+    content = json.dumps(body_of(call)).encode()
+    try:
+        async with client.stream(
+            "POST",
+            f"{base_url}/{provider}{path}",
+            content=content,
+            headers=_headers(call, tag, retry_count),
+        ) as response:
+            answer.status = response.status_code
+            answer.call_id = response.headers.get("effectguard-call-id")
+            answer.replayed = response.headers.get("effectguard-replayed") == "true"
+            answer.retry_hint = response.headers.get("x-should-retry")
+            async for chunk in response.aiter_raw():
+                received += chunk
+    except httpx.HTTPError as exc:
+        answer.transport_error = f"{type(exc).__name__}: {exc}"
+    answer.body_b64 = base64.b64encode(bytes(received)).decode()
+    if answer.status is not None and answer.status >= 400:
+        answer.error_type = _error_type(bytes(received))
+    return answer
+
+
+def _error_type(raw: bytes) -> str | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    error = obj.get("error") if isinstance(obj, dict) else None
+    return error.get("type") if isinstance(error, dict) else None
+
+
+def _sdk_would_retry(answer: Answer) -> bool:
+    """The OpenAI/Anthropic SDKs' rule: the server's hint first, then the status."""
+    if answer.retry_hint in ("true", "false"):
+        return answer.retry_hint == "true"
+    if answer.status is None:
+        return True  # connection error or timeout
+    return answer.status in (408, 409, 429) or answer.status >= 500
+
+
+async def run_call(
+    client: httpx.AsyncClient, url_of: Callable[[int], str], call: Call
+) -> list[Answer]:
+    """Send ``call`` with SDK-style retries (and its repeat); every answer, in order."""
+    answers: list[Answer] = []
+    for n in range(call.sdk_retries + 1):
+        replica = call.replicas[n]
+        kind: Kind = "first" if n == 0 else "retry"
+        answer = await send(
+            client,
+            url_of(replica),
+            call,
+            kind=kind,
+            tag=f"{call.id}.{n}",
+            replica=replica,
+            retry_count=n,
+        )
+        answers.append(answer)
+        if not _sdk_would_retry(answer):
+            break
+        await asyncio.sleep(0.1 * 2**n)  # the SDKs back off; short here
+    if call.repeat:
+        replica = call.replicas[-1]
+        answers.append(
+            await send(
+                client,
+                url_of(replica),
+                call,
+                kind="repeat",
+                tag=f"{call.id}.r",
+                replica=replica,
+                retry_count=1,
+            )
+        )
+    return answers

@@ -1,0 +1,231 @@
+"""The real processes of one run: a fake provider and K ``effectguard serve`` replicas.
+
+Each replica keeps its port across restarts, so a client's URL stays valid
+while the process behind it is killed, stopped, crashed and started again.
+Every action taken on a process is appended to :attr:`Cluster.actions` with
+the moment it happened, because the OS decides exactly when: that record,
+not the schedule, is what a failing run's bundle shows as "what was done".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effectguard.rules.money import nanos_to_usd
+from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
+from effectguard.testing.sim.schedule import Schedule
+
+__all__ = ["Cluster", "Replica", "ledger_url", "running_cluster"]
+
+_CONFIG = """\
+[server]
+lease_s = {lease}
+heartbeat_s = {heartbeat}
+sweep_s = {sweep}
+drain_timeout_s = 5
+
+[upstream]
+connect_timeout_s = 2
+read_timeout_s = 20
+
+[budgets]
+{budgets}
+"""
+
+
+def ledger_url(schedule: Schedule, workdir: Path, pg_dsn: str | None) -> str:
+    """The run's ledger: a SQLite file in ``workdir``, or schema ``sim_<seed>`` on PostgreSQL."""
+    if schedule.ledger == "sqlite":
+        return str(workdir / "ledger" / "ledger.db")
+    if not pg_dsn:
+        raise RuntimeError("--ledger postgres needs EFFECTGUARD_TEST_PG_DSN")
+    return f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}schema=sim_{schedule.seed}"
+
+
+def reset_postgres_schema(url: str) -> None:
+    """Drop the run's schema, so a seed always starts from an empty ledger."""
+    import psycopg
+
+    base, _, schema = url.rpartition("schema=")
+    with psycopg.connect(base.rstrip("?&"), autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@dataclass
+class Replica:
+    """One ``effectguard serve`` slot: a fixed port and the process currently behind it."""
+
+    index: int
+    port: int
+    proxy: Proxy | None = None
+    stopped: bool = False
+    armed: str | None = None
+
+    @property
+    def url(self) -> str:
+        """The replica's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        """Whether a process is running (or stopped) behind the port."""
+        return self.proxy is not None and self.proxy.process.poll() is None
+
+
+@dataclass
+class Cluster:
+    """The fake provider and the replicas, with a log of every action taken on them."""
+
+    schedule: Schedule
+    workdir: Path
+    ledger: str
+    fake: FakeProvider
+    env: dict[str, str]
+    replicas: list[Replica] = field(default_factory=list)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+    disk: Path | None = None
+
+    def note(self, action: str, replica: int | None = None, **detail: Any) -> None:
+        """Record that ``action`` happened now."""
+        at = round(time.monotonic() - self.started_at, 3)
+        self.actions.append({"at": at, "action": action, "replica": replica, **detail})
+
+    @property
+    def config(self) -> Path:
+        """The ``serve --config`` file: short leases, the run's budget limits."""
+        return self.workdir / "effectguard.toml"
+
+    def write_config(self) -> None:
+        """Write :attr:`config` from the schedule."""
+        lease = self.schedule.lease_s
+        budgets = "\n".join(
+            f'"{path}" = "{nanos_to_usd(limit)}"'
+            for path, limit in self.schedule.limits.items()
+            if limit is not None
+        )
+        text = _CONFIG.format(lease=lease, heartbeat=lease / 4, sweep=lease / 2, budgets=budgets)
+        self.config.write_text(text)
+
+    def start(self, replica: Replica, crash_at: str | None = None) -> None:
+        """Start a process behind ``replica`` (armed to crash at ``crash_at``)."""
+        env = dict(self.env)
+        if crash_at:
+            env["EFFECTGUARD_CRASH_AT"] = crash_at
+        upstreams = {name: self.fake.url for name in ("openai", "anthropic", "send_email")}
+        log = self.workdir / "logs" / f"replica-{replica.index}.log"
+        with log.open("a") as out:
+            out.write(
+                f"\n==== start at {time.monotonic() - self.started_at:.3f} crash_at={crash_at}\n"
+            )
+        replica.proxy = start_proxy(
+            self.ledger,
+            upstreams=upstreams,
+            args=["--config", str(self.config)],
+            env=env,
+            log_path=log,
+            port=replica.port,
+        )
+        replica.stopped, replica.armed = False, crash_at
+        self.note("start", replica.index, pid=replica.proxy.process.pid, crash_at=crash_at)
+
+    def signal(self, replica: Replica, sig: signal.Signals) -> None:
+        """Send ``sig`` to the replica's process, if it runs."""
+        if replica.proxy is not None and replica.alive():
+            replica.proxy.kill(sig)
+            replica.stopped = sig == signal.SIGSTOP
+            self.note(sig.name, replica.index, pid=replica.proxy.process.pid)
+
+    def kill(self, replica: Replica) -> None:
+        """SIGKILL and reap (a stopped process dies too)."""
+        if replica.proxy is not None and replica.alive():
+            self.signal(replica, signal.SIGKILL)
+            replica.proxy.process.wait()
+        replica.stopped = False
+
+    def stop(self, replica: Replica) -> None:
+        """Graceful stop: SIGCONT if stopped, then SIGTERM and wait (SIGKILL after 15 s)."""
+        if replica.proxy is None or not replica.alive():
+            return
+        if replica.stopped:
+            self.signal(replica, signal.SIGCONT)
+        code = replica.proxy.stop()
+        self.note("stopped", replica.index, code=code)
+
+    def fill_disk(self) -> Path | None:
+        """Fill the ledger's tmpfs to the last byte; returns the filler to remove later."""
+        if self.disk is None:
+            return None
+        filler = self.disk / "filler"
+        with contextlib.suppress(OSError), filler.open("wb") as out:
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+        self.note("disk_full")
+        return filler
+
+    def free_disk(self, filler: Path) -> None:
+        """Remove the filler written by :meth:`fill_disk`."""
+        filler.unlink(missing_ok=True)
+        self.note("disk_freed")
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    """Mount a small tmpfs at ``path`` (needs root); False where the platform refuses."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+@contextlib.contextmanager
+def running_cluster(
+    schedule: Schedule, workdir: Path, *, pg_dsn: str | None, env: dict[str, str], disk: bool
+) -> Iterator[Cluster]:
+    """Start the fake provider and every replica; stop everything on the way out."""
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    ledger_dir = workdir / "ledger"
+    mounted = disk and schedule.ledger == "sqlite" and _mount_tmpfs(ledger_dir, "48m")
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+    url = ledger_url(schedule, workdir, pg_dsn)
+    if schedule.ledger == "postgres":
+        reset_postgres_schema(url)
+    try:
+        with fake_provider(workdir / "receipts.jsonl", idempotent=True) as fake:
+            cluster = Cluster(schedule, workdir, url, fake, env)
+            cluster.disk = ledger_dir if mounted else None
+            cluster.write_config()
+            cluster.replicas = [Replica(i, free_port()) for i in range(schedule.replicas)]
+            try:
+                for replica in cluster.replicas:
+                    cluster.start(replica)
+                yield cluster
+            finally:
+                for replica in cluster.replicas:
+                    with contextlib.suppress(Exception):
+                        cluster.stop(replica)
+                    cluster.kill(replica)
+    finally:
+        if mounted:
+            _unmount(ledger_dir, workdir / "ledger-copy")
+
+
+def _unmount(ledger_dir: Path, keep: Path) -> None:
+    """Keep a copy of the ledger files, then unmount the tmpfs and put the copy in place."""
+    shutil.copytree(ledger_dir, keep, ignore=shutil.ignore_patterns("filler"), dirs_exist_ok=True)
+    subprocess.run(["umount", "-l", str(ledger_dir)], capture_output=True, check=False)
+    shutil.copytree(keep, ledger_dir, dirs_exist_ok=True)
+    shutil.rmtree(keep, ignore_errors=True)

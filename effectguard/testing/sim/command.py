@@ -1,0 +1,146 @@
+"""``effectguard sim``: run one seed (or a saved schedule), check it, report it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from effectguard.testing.sim.bundle import write_bundle
+from effectguard.testing.sim.cluster import running_cluster
+from effectguard.testing.sim.evidence import Evidence, collect
+from effectguard.testing.sim.invariants import INVARIANTS, Violation, check, overshoots
+from effectguard.testing.sim.runner import execute, quiesce
+from effectguard.testing.sim.schedule import Schedule, generate
+
+__all__ = ["PG_DSN_ENV", "SimResult", "render_schedule", "run", "run_schedule"]
+
+PG_DSN_ENV = "EFFECTGUARD_TEST_PG_DSN"
+
+
+@dataclass
+class SimResult:
+    """One run's outcome."""
+
+    schedule: Schedule
+    violations: list[Violation]
+    evidence: Evidence
+    flags: list[str] = field(default_factory=list)
+    actions: list[dict[str, object]] = field(default_factory=list)
+    bundle: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether every invariant held."""
+        return not self.violations
+
+    def summary(self) -> str:
+        """A few lines: what ran, what was injected, what was found."""
+        s = self.schedule
+        stages = Counter(str(c.stage) for c in self.evidence.calls)
+        statuses = Counter(str(a.status or "error") for a in self.evidence.answers)
+        done = Counter(str(a["action"]) for a in self.actions)
+        lines = [
+            f"seed {s.seed}: {s.duration:g} s, {s.ledger}, {s.replicas} replica(s), "
+            f"{len(s.calls)} calls, {len(self.evidence.answers)} requests, "
+            f"{len(self.evidence.receipts)} receipts, {len(self.evidence.events)} events",
+            "  faults scheduled: " + _counts(Counter(f.kind for f in s.faults)),
+            "  process actions: " + _counts(done),
+            "  client statuses: " + _counts(statuses),
+            "  call stages: " + _counts(stages),
+            f"  invariants checked: {len(INVARIANTS)}; overshoots flagged: {len(self.flags)}",
+            f"  result: {'ok' if self.ok else f'{len(self.violations)} VIOLATION(S)'}",
+        ]
+        return "\n".join(lines)
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"
+
+
+def run_schedule(
+    schedule: Schedule,
+    workdir: Path,
+    *,
+    pg_dsn: str | None = None,
+    disk: bool = False,
+    bundle: Path | None = None,
+) -> SimResult:
+    """Run ``schedule`` in ``workdir`` and check it; write a bundle there if it fails."""
+    env = dict(os.environ)
+    env.pop("EFFECTGUARD_CRASH_AT", None)
+    with running_cluster(schedule, workdir, pg_dsn=pg_dsn, env=env, disk=disk) as cluster:
+        answers = asyncio.run(execute(cluster))
+        answers += asyncio.run(quiesce(cluster, answers))
+    evidence = asyncio.run(collect(cluster.ledger, workdir / "receipts.jsonl", answers))
+    violations = check(evidence)
+    result = SimResult(schedule, violations, evidence, overshoots(evidence), cluster.actions)
+    if violations and bundle is not None:
+        result.bundle = write_bundle(bundle, workdir, cluster, evidence, violations)
+    return result
+
+
+def render_schedule(schedule: Schedule) -> str:
+    """The schedule, one line per fault and per call (the bundle holds the JSON)."""
+    lines = [f"limits (nanos): {schedule.limits}"]
+    for f in schedule.faults:
+        extra = f.point or (f"{f.seconds:g} s" if f.seconds else "")
+        lines.append(f"  fault @{f.at:7.3f} {f.kind:9} replica {f.replica} {extra}".rstrip())
+    for c in schedule.calls:
+        lines.append(
+            f"  call  @{c.at:7.3f} {c.id} {c.route}{' stream' if c.stream else ''} "
+            f"key={c.key or '-'} budget={c.budget} retries={c.sdk_retries} "
+            f"repeat={c.repeat} via {list(c.replicas)} behaviour={c.behaviour or 'plain'}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one seed; 0 when every invariant held, 1 when one broke (bundle written)."""
+    if args.schedule is not None:
+        schedule = Schedule.from_json(args.schedule.read_text())
+    else:
+        replicas = args.replicas or (3 if args.ledger == "postgres" else 1)
+        schedule = generate(
+            args.seed,
+            args.duration,
+            replicas=replicas,
+            ledger=args.ledger,
+            lease_s=args.lease,
+            disk_faults=args.disk_faults,
+        )
+    bundle = args.bundle or Path(f"sim-bundle-{schedule.seed}")
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        print(f"effectguard sim: --keep {args.keep} is not empty", file=sys.stderr)
+        return 2
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix=f"effectguard-sim-{schedule.seed}-"))
+    try:
+        result = run_schedule(
+            schedule,
+            workdir,
+            pg_dsn=os.environ.get(PG_DSN_ENV),
+            disk=args.disk_faults,
+            bundle=bundle,
+        )
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(result.summary())
+    for flag in result.flags:
+        print(f"  flagged: {flag}")
+    if result.ok:
+        return 0
+    print(f"FAILED seed {schedule.seed}; schedule:\n{render_schedule(schedule)}")
+    for violation in result.violations:
+        print(f"VIOLATION {violation}")
+    print(
+        f"bundle: {result.bundle}  (replay: effectguard sim --seed {schedule.seed} "
+        f"--schedule {result.bundle}/schedule.json)"
+    )
+    return 1

@@ -1,0 +1,93 @@
+"""What a finished run leaves behind, gathered into one value the invariants read.
+
+Three sources, two of which effectguard did not write: the fake provider's
+fsync'd receipts, the clients' answers, and the ledger itself (read through
+:mod:`effectguard.ledger`), plus the exit code of ``effectguard verify`` run
+as its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effectguard.ledger import Ledger
+from effectguard.providers import load_providers
+from effectguard.rules.events import StoredEvent
+from effectguard.rules.workstate import WorkState
+from effectguard.testing.sim.clients import Answer
+from effectguard.testing.sim.schedule import ROUTES
+
+__all__ = ["Evidence", "collect", "declared_not_processed", "read_receipts", "run_verify"]
+
+_PAGE = 5000
+
+
+@dataclass
+class Evidence:
+    """Everything the invariants look at."""
+
+    events: list[StoredEvent] = field(default_factory=list)
+    calls: list[WorkState] = field(default_factory=list)
+    receipts: list[dict[str, Any]] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+    verify_code: int = 0
+    verify_output: str = ""
+    #: Upstream path -> the statuses its provider declares "not processed" (from the
+    #: bundled declarations, not from the ledger).
+    not_processed: dict[str, frozenset[int]] = field(default_factory=dict)
+
+
+def declared_not_processed() -> dict[str, frozenset[int]]:
+    """Each simulated route's upstream path -> its provider's declared not-processed statuses."""
+    providers = load_providers([])
+    return {path: providers[name].not_processed for name, path, _, _ in ROUTES.values()}
+
+
+def read_receipts(path: Path) -> list[dict[str, Any]]:
+    """The fake provider's receipt lines (a torn last line, from a kill, is skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def run_verify(ledger: str) -> tuple[int, str]:
+    """``python -m effectguard verify --ledger L`` as its own process: exit code, output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", "verify", "--ledger", ledger],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+async def read_ledger(ledger: str) -> tuple[list[StoredEvent], list[WorkState]]:
+    """Every event in order and every call's state."""
+    events: list[StoredEvent] = []
+    async with Ledger.open(ledger) as opened:
+        while page := await opened.store.events_after(events[-1].seq if events else 0, _PAGE):
+            events += page
+        calls = await opened.store.list_calls(None, None, 10**9)
+    return events, calls
+
+
+async def collect(ledger: str, receipts: Path, answers: list[Answer]) -> Evidence:
+    """Gather the evidence of a run whose processes have all stopped."""
+    events, calls = await read_ledger(ledger)
+    code, output = run_verify(ledger)
+    receipts_seen = read_receipts(receipts)
+    return Evidence(events, calls, receipts_seen, answers, code, output, declared_not_processed())

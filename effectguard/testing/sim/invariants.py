@@ -1,0 +1,296 @@
+"""The invariants checked after every run: pure functions of the :class:`Evidence`.
+
+Each check returns the violations it found, each naming its invariant, so a
+test can feed a fabricated evidence set and assert which one fires. The ledger
+is never trusted to judge itself where outside evidence exists: receipts prove
+effects, client answers prove what was promised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from effectguard.rules import budget as budget_rules
+from effectguard.rules.budget import BudgetNode, ancestors
+from effectguard.rules.events import (
+    BudgetSettled,
+    BudgetUnheld,
+    decode_body,
+    event_from_data,
+)
+from effectguard.testing.sim.evidence import Evidence
+
+__all__ = ["CHECKS", "INVARIANTS", "Violation", "check", "overshoots"]
+
+#: Invariant name -> what it says (docs/simulator.md lists the same).
+INVARIANTS: Final = {
+    "receipt_without_attempt": "every provider receipt has an earlier attempt.started",
+    "effects_exceed_attempts": "no operation has more provider effects than authorized attempts",
+    "call_in_flight": "no call is left in_flight",
+    "unobserved_not_held": "a dispatched, unobserved attempt is effect_unknown and holds its "
+    "reservation",
+    "budget_over_limit": "on every prefix of the log, spent+reserved+held <= limit "
+    "(plus settlement overshoot)",
+    "ok_not_completed": "every 200 a client received is a completed call with those bytes",
+    "stream_ok_without_end": "a stream that ended cleanly for the client holds its terminal event",
+    "replay_differs": "a replay returns the bytes of the first 200",
+    "unavailable_with_receipt": "a 503 ledger_unavailable has no receipt (but declared "
+    "not-processed answers)",
+    "verify_failed": "effectguard verify passes",
+}
+_TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant, with enough detail to find the call."""
+
+    invariant: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.detail}"
+
+
+def _sha_by_call(evidence: Evidence) -> dict[str, str]:
+    """Each call's request body as sent upstream (the manifest's) -> its SHA-256."""
+    out = {}
+    for e in evidence.events:
+        if e.kind == "call.manifest" and e.call_id is not None:
+            body = decode_body(e.data["body"], e.data.get("body_encoding", "utf8"))
+            out[e.call_id] = hashlib.sha256(body).hexdigest()
+    return out
+
+
+def receipts_have_attempts(evidence: Evidence) -> list[Violation]:
+    """The n-th receipt of a body needs n attempt.started of calls with that body before it."""
+    sha_of = _sha_by_call(evidence)
+    starts: dict[str, list[float]] = defaultdict(list)
+    for e in evidence.events:
+        if e.kind == "attempt.started" and e.call_id in sha_of:
+            starts[sha_of[e.call_id]].append(e.at)
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for receipt in sorted(evidence.receipts, key=lambda r: r["ts"]):
+        sha = receipt["body_sha256"]
+        seen[sha] += 1
+        earlier = sum(1 for at in starts.get(sha, ()) if at <= receipt["ts"])
+        if earlier < seen[sha]:
+            out.append(
+                Violation(
+                    "receipt_without_attempt",
+                    f"receipt seq {receipt['seq']} (tag {receipt.get('tag')}) is the "
+                    f"{seen[sha]}th of body {sha[:12]} but only {earlier} attempt.started "
+                    "precede it",
+                )
+            )
+    return out
+
+
+def effects_within_attempts(evidence: Evidence) -> list[Violation]:
+    """Effects (after the provider's dedup) <= attempts not booked as not sent, per body."""
+    sha_of = _sha_by_call(evidence)
+    authorized: dict[str, int] = defaultdict(int)
+    calls: dict[str, set[str]] = defaultdict(set)
+    for e in evidence.events:
+        if e.call_id not in sha_of:
+            continue
+        sha = sha_of[e.call_id]
+        calls[sha].add(e.call_id)
+        if e.kind == "attempt.started":
+            authorized[sha] += 1
+        elif e.kind == "attempt.not_sent":
+            authorized[sha] -= 1
+    effects: dict[str, int] = defaultdict(int)
+    for receipt in evidence.receipts:
+        if not receipt.get("deduped"):
+            effects[receipt["body_sha256"]] += 1
+    return [
+        Violation(
+            "effects_exceed_attempts",
+            f"body {sha[:12]} (calls {sorted(calls.get(sha, ()))}) reached the provider "
+            f"{count} times; the ledger authorized {authorized.get(sha, 0)} attempts that "
+            "could have been sent",
+        )
+        for sha, count in sorted(effects.items())
+        if count > authorized.get(sha, 0)
+    ]
+
+
+def nothing_in_flight(evidence: Evidence) -> list[Violation]:
+    """No call is left in flight once everything has restarted and gone quiet."""
+    return [
+        Violation("call_in_flight", f"call {c.call_id} is in_flight (attempt {c.attempts})")
+        for c in evidence.calls
+        if c.stage == "in_flight"
+    ]
+
+
+def unobserved_attempts_held(evidence: Evidence) -> list[Violation]:
+    """A call whose last attempt started and was never observed is effect_unknown, held."""
+    last: dict[str, str] = {}
+    reserved: dict[str, int] = {}
+    for e in evidence.events:
+        if e.call_id is None:
+            continue
+        if e.kind in ("attempt.started", "attempt.observed", "attempt.not_sent"):
+            last[e.call_id] = e.kind
+        if e.kind == "budget.reserved":
+            reserved[e.call_id] = int(e.data["amount"])
+    out = []
+    for c in evidence.calls:
+        if last.get(c.call_id) != "attempt.started" or c.stage == "in_flight":
+            continue  # observed or not sent; in flight has its own invariant
+        if c.stage.startswith("reconciled_"):
+            continue
+        if c.stage != "effect_unknown" or c.held != reserved.get(c.call_id, 0) or c.held <= 0:
+            out.append(
+                Violation(
+                    "unobserved_not_held",
+                    f"call {c.call_id} was dispatched and never observed but is {c.stage} "
+                    f"holding {c.held} of its reservation {reserved.get(c.call_id, 0)}",
+                )
+            )
+    return out
+
+
+def overshoots(evidence: Evidence) -> list[str]:
+    """Settlements above their reservation: allowed by the contract, and flagged."""
+    flags = []
+    for e in evidence.events:
+        if e.kind == "budget.settled" and int(e.data["actual"]) > int(e.data["reserved"]):
+            flags.append(f"call {e.call_id} settled {e.data['actual']} > {e.data['reserved']}")
+    return flags
+
+
+def budgets_within_limits(evidence: Evidence) -> list[Violation]:
+    """Fold the log event by event; no limited node may go over its limit.
+
+    The only allowance is an overshoot at settlement (or a reconcile charging
+    more than was held), which the contract permits: it is added to the node's
+    allowance, so later prefixes are not blamed for it.
+    """
+    nodes: dict[str, BudgetNode] = {}
+    allowance: dict[str, int] = defaultdict(int)
+    out = []
+    for e in evidence.events:
+        if not (e.kind.startswith("budget.")):
+            continue
+        event = event_from_data(e.kind, e.data)
+        extra, path_of = 0, ""
+        if isinstance(event, BudgetSettled):
+            extra, path_of = event.overshoot, event.budget
+        elif isinstance(event, BudgetUnheld):
+            extra, path_of = max(0, event.spent - event.amount), event.budget
+        if extra:
+            for path in ancestors(path_of):
+                allowance[path] += extra
+        for node in budget_rules.apply(nodes, event):
+            if node.limit is not None and node.committed > node.limit + allowance[node.path]:
+                out.append(
+                    Violation(
+                        "budget_over_limit",
+                        f"after event {e.seq} ({e.kind} of {e.call_id}) budget {node.path} "
+                        f"commits {node.committed} > limit {node.limit}",
+                    )
+                )
+    return out
+
+
+def answers_match_ledger(evidence: Evidence) -> list[Violation]:
+    """Every clean 200 is a completed call whose stored response is the bytes received."""
+    calls = {c.call_id: c for c in evidence.calls}
+    stored: dict[str, bytes] = {}
+    for e in evidence.events:
+        if e.kind == "attempt.observed" and e.call_id is not None:
+            stored[e.call_id] = decode_body(e.data["body"], e.data.get("body_encoding", "utf8"))
+    out = []
+    for a in evidence.answers:
+        if not a.clean_ok:
+            continue
+        state = calls.get(a.call_id or "")
+        if state is None or state.stage != "completed":
+            stage = state.stage if state else "missing"
+            out.append(
+                Violation(
+                    "ok_not_completed",
+                    f"request {a.tag} got 200 for call {a.call_id}, which is {stage}",
+                )
+            )
+        elif stored.get(state.call_id) != a.body:
+            out.append(
+                Violation("ok_not_completed", f"request {a.tag} got bytes the ledger did not store")
+            )
+        if a.stream and not any(end in a.body for end in _TERMINAL):
+            out.append(
+                Violation(
+                    "stream_ok_without_end",
+                    f"request {a.tag} (call {a.call_id}) ended cleanly without a terminal event",
+                )
+            )
+    return out
+
+
+def replays_match(evidence: Evidence) -> list[Violation]:
+    """The keyed resend of a 200 is a replay of exactly the bytes of the call's first 200."""
+    first: dict[str, bytes] = {}
+    out = []
+    for a in evidence.answers:
+        if a.kind == "replay" and not (a.clean_ok and a.replayed):
+            shown = a.transport_error or f"{a.status} {a.error_type or ''}".strip()
+            out.append(Violation("replay_differs", f"request {a.tag} was not replayed: {shown}"))
+            continue
+        if not a.clean_ok or a.call_id is None:
+            continue
+        if a.call_id not in first:
+            first[a.call_id] = a.body
+        elif a.replayed and a.body != first[a.call_id]:
+            out.append(Violation("replay_differs", f"request {a.tag} replayed other bytes"))
+    return out
+
+
+def unavailable_sent_nothing(evidence: Evidence) -> list[Violation]:
+    """A request answered 503 ``ledger_unavailable`` had no effect at the provider.
+
+    A receipt the provider answered with a status it declares "not processed"
+    (a 429 before the lease lapsed, say) is not an effect; any other receipt is.
+    """
+    tags = {
+        r.get("tag")
+        for r in evidence.receipts
+        if r.get("status") not in evidence.not_processed.get(r.get("path", ""), frozenset())
+    }
+    return [
+        Violation("unavailable_with_receipt", f"request {a.tag} got 503 but reached the provider")
+        for a in evidence.answers
+        if a.status == 503 and a.error_type == "ledger_unavailable" and a.tag in tags
+    ]
+
+
+def verify_passes(evidence: Evidence) -> list[Violation]:
+    """``effectguard verify`` exited 0."""
+    if evidence.verify_code == 0:
+        return []
+    return [Violation("verify_failed", evidence.verify_output.strip()[-2000:])]
+
+
+CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
+    receipts_have_attempts,
+    effects_within_attempts,
+    nothing_in_flight,
+    unobserved_attempts_held,
+    budgets_within_limits,
+    answers_match_ledger,
+    replays_match,
+    unavailable_sent_nothing,
+    verify_passes,
+)
+
+
+def check(evidence: Evidence) -> list[Violation]:
+    """Every invariant's violations, in the order of :data:`CHECKS`."""
+    return [v for one in CHECKS for v in one(evidence)]

@@ -1,0 +1,162 @@
+"""Run a schedule against real processes, then bring everything back and let it go quiet.
+
+Three concurrent parts: one task per client call (started at its time), one
+task per replica that applies that replica's faults in order, and a supervisor
+that restarts a replica that died on its own (an armed crash point) once no
+fault holds it down. After the schedule: every process is continued and stopped
+gracefully, every replica is started clean, the recovery sweep is given time to
+mark the dead workers' attempts, keyed 200s are replayed, and all is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+
+import httpx
+
+from effectguard.ledger import Ledger
+from effectguard.testing.sim.clients import TIMEOUT, Answer, run_call, send
+from effectguard.testing.sim.cluster import Cluster, Replica
+from effectguard.testing.sim.schedule import Call, Fault
+
+__all__ = ["execute", "quiesce"]
+
+_SUPERVISE_EVERY = 0.2
+
+
+async def execute(cluster: Cluster) -> list[Answer]:
+    """Run the schedule's calls and faults; every client answer, in call order."""
+    schedule = cluster.schedule
+    locks = {r.index: asyncio.Lock() for r in cluster.replicas}
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
+        start = time.monotonic()
+        clients = [
+            asyncio.create_task(_call_at(client, cluster, call, start)) for call in schedule.calls
+        ]
+        faulting = [
+            asyncio.create_task(_faults_of(cluster, replica, locks[replica.index], start))
+            for replica in cluster.replicas
+        ]
+        supervisor = asyncio.create_task(_supervise(cluster, locks))
+        results = await asyncio.gather(*clients)
+        await asyncio.gather(*faulting)
+        supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervisor
+    return [answer for answers in results for answer in answers]
+
+
+async def _call_at(
+    client: httpx.AsyncClient, cluster: Cluster, call: Call, start: float
+) -> list[Answer]:
+    await asyncio.sleep(max(0.0, start + call.at - time.monotonic()))
+    return await run_call(client, lambda i: cluster.replicas[i].url, call)
+
+
+async def _faults_of(cluster: Cluster, replica: Replica, lock: asyncio.Lock, start: float) -> None:
+    """Apply ``replica``'s faults in order (a fault that runs long delays the next)."""
+    for fault in (f for f in cluster.schedule.faults if f.replica == replica.index):
+        await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
+        async with lock:
+            await _apply(cluster, replica, fault)
+
+
+async def _start(cluster: Cluster, replica: Replica, crash_at: str | None = None) -> None:
+    """Start a replica; one that dies while starting (an armed crash point met a request
+    before the health check did) is noted and left to the supervisor."""
+    try:
+        await asyncio.to_thread(cluster.start, replica, crash_at)
+    except RuntimeError as exc:
+        cluster.note("start_failed", replica.index, error=str(exc)[-300:])
+
+
+async def _apply(cluster: Cluster, replica: Replica, fault: Fault) -> None:
+    if fault.kind == "kill":
+        cluster.kill(replica)
+        await asyncio.sleep(fault.seconds)
+        await _start(cluster, replica)
+    elif fault.kind == "crash_at":
+        cluster.kill(replica)
+        await _start(cluster, replica, fault.point)
+    elif fault.kind == "stop":
+        cluster.signal(replica, signal.SIGSTOP)
+        await asyncio.sleep(fault.seconds)
+        cluster.signal(replica, signal.SIGCONT)
+    elif fault.kind == "restart":
+        await asyncio.to_thread(cluster.stop, replica)
+        await _start(cluster, replica)
+    elif fault.kind == "disk_full":
+        filler = await asyncio.to_thread(cluster.fill_disk)
+        await asyncio.sleep(fault.seconds)
+        if filler is not None:
+            cluster.free_disk(filler)
+
+
+async def _supervise(cluster: Cluster, locks: dict[int, asyncio.Lock]) -> None:
+    """Restart, unarmed, a replica that died by itself (its crash point was hit)."""
+    while True:
+        await asyncio.sleep(_SUPERVISE_EVERY)
+        for replica in cluster.replicas:
+            lock = locks[replica.index]
+            if replica.alive() or lock.locked():
+                continue
+            async with lock:
+                if replica.proxy is not None:
+                    cluster.note("died", replica.index, code=replica.proxy.process.returncode)
+                await _start(cluster, replica)
+
+
+async def quiesce(cluster: Cluster, answers: list[Answer]) -> list[Answer]:
+    """Stop everything, start every replica clean, wait for recovery, replay keyed 200s."""
+    for replica in cluster.replicas:
+        await asyncio.to_thread(cluster.stop, replica)
+        cluster.kill(replica)
+    for replica in cluster.replicas:
+        await asyncio.to_thread(cluster.start, replica)
+    await _wait_recovered(cluster)
+    replays = await _replay_keyed(cluster, answers)
+    for replica in cluster.replicas:
+        await asyncio.to_thread(cluster.stop, replica)
+    return replays
+
+
+async def _wait_recovered(cluster: Cluster) -> None:
+    """Until no call is in flight (dead workers' leases must expire first), or a deadline."""
+    deadline = time.monotonic() + cluster.schedule.lease_s * 6 + 10
+    async with Ledger.open(cluster.ledger) as ledger:
+        while time.monotonic() < deadline:
+            if not await ledger.calls(stage="in_flight", limit=1):
+                cluster.note("quiet")
+                return
+            await asyncio.sleep(0.25)
+    cluster.note("still_in_flight_at_deadline")
+
+
+async def _replay_keyed(cluster: Cluster, answers: list[Answer]) -> list[Answer]:
+    """Resend each keyed call that got a clean 200, with its key: a replay is due."""
+    by_id = {call.id: call for call in cluster.schedule.calls}
+    done: set[str] = set()
+    replays: list[Answer] = []
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        for answer in answers:
+            call = by_id[answer.call]
+            if call.key is None or not answer.clean_ok or call.id in done:
+                continue
+            done.add(call.id)
+            replica = cluster.replicas[call.replicas[0]]
+            replays.append(
+                await send(
+                    client,
+                    replica.url,
+                    call,
+                    kind="replay",
+                    tag=f"{call.id}.replay",
+                    replica=replica.index,
+                    retry_count=0,
+                )
+            )
+    return replays

@@ -1,0 +1,202 @@
+"""A schedule: everything one simulator run will do, generated from one seed.
+
+:func:`generate` draws from ``random.Random(seed)`` only (never the global
+generator, never the clock), so the same seed and options always give the same
+schedule, byte for byte in JSON. What the OS then makes of it (which request
+wins a race, where a SIGKILL lands inside a request) is not part of the
+schedule; see docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from effectguard.testing.fakebehaviour import Behaviour
+
+__all__ = ["BUDGETS", "CRASH_POINTS", "Call", "Fault", "Route", "Schedule", "generate"]
+
+#: name -> (provider, path, model, streams possible)
+ROUTES: Final = {
+    "chat": ("openai", "/v1/chat/completions", "gpt-4o-mini", True),
+    "messages": ("anthropic", "/v1/messages", "claude-haiku-4-5", True),
+    "send": ("send_email", "/v1/send", None, False),
+}
+Route = Literal["chat", "messages", "send"]
+
+#: The budget tree the clients spend from; limits are drawn per run (``None``: unlimited).
+BUDGETS: Final = ("default", "team-a", "team-a/run-1", "team-a/run-2", "team-b")
+CRASH_POINTS: Final = (
+    "after:admit",
+    "after:dispatch",
+    "after:upstream-response",
+    "after:observe",
+    "mid-stream",
+)
+FaultKind = Literal["kill", "crash_at", "stop", "restart", "disk_full"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One client's logical call: its first request and how the client retries it."""
+
+    id: str
+    at: float
+    route: Route
+    stream: bool
+    key: str | None
+    budget: str
+    max_tokens: int
+    prompt: str
+    #: The fake provider's behaviour for every request of this call (``""``: plain).
+    behaviour: str
+    #: SDK-style retries on 5xx/429/connection errors (x-stainless-retry-count 1..N).
+    sdk_retries: int
+    #: The replica each request goes to: first request, then each retry in turn.
+    replicas: tuple[int, ...]
+    #: After its answer the client sends the same request again (a replay or a 409).
+    repeat: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A process or ledger fault at ``at`` seconds into the run."""
+
+    at: float
+    kind: FaultKind
+    replica: int
+    #: kill: downtime; stop: how long stopped; disk_full: how long full; crash_at: -.
+    seconds: float = 0.0
+    point: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A whole run: options, budget limits (nanos), calls and faults."""
+
+    seed: int
+    duration: float
+    replicas: int
+    ledger: str
+    lease_s: float
+    limits: dict[str, int | None] = field(default_factory=dict)
+    calls: tuple[Call, ...] = ()
+    faults: tuple[Fault, ...] = ()
+
+    def to_json(self) -> str:
+        """The schedule as stable, indented JSON."""
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        """Rebuild a schedule written by :meth:`to_json`."""
+        raw: dict[str, Any] = json.loads(text)
+        calls = tuple(Call(**(c | {"replicas": tuple(c["replicas"])})) for c in raw["calls"])
+        faults = tuple(Fault(**f) for f in raw["faults"])
+        return cls(**(raw | {"calls": calls, "faults": faults}))
+
+
+_WORDS: Final = ("alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "ünï", "€")
+
+
+def generate(
+    seed: int,
+    duration: float,
+    *,
+    replicas: int = 1,
+    ledger: str = "sqlite",
+    lease_s: float = 2.0,
+    disk_faults: bool = False,
+) -> Schedule:
+    """The schedule for ``seed``: a deterministic function of its arguments."""
+    rng = random.Random(seed)
+    # A typical chat reservation is ~10-30 µUSD; limits of a few dozen of them
+    # make some calls meet a 402 while others land.
+    limits: dict[str, int | None] = {"default": None}
+    for path in BUDGETS[1:]:
+        limits[path] = rng.choice([None, rng.randrange(100_000, 1_000_000)])
+    rate = rng.uniform(4.0, 12.0)  # calls per second
+    calls: list[Call] = []
+    at = 0.0
+    while (at := at + rng.expovariate(rate)) < duration:
+        calls.append(_call(rng, seed, len(calls), at, replicas))
+    return Schedule(
+        seed=seed,
+        duration=duration,
+        replicas=replicas,
+        ledger=ledger,
+        lease_s=lease_s,
+        limits=limits,
+        calls=tuple(calls),
+        faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults)),
+    )
+
+
+def _call(rng: random.Random, seed: int, n: int, at: float, replicas: int) -> Call:
+    route: Route = rng.choice(["chat", "chat", "messages", "send"])
+    streams = ROUTES[route][3]
+    call_id = f"c{n:04d}"
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 30)))
+    retries = rng.choice([0, 0, 1, 2])
+    return Call(
+        id=call_id,
+        at=round(at, 3),
+        route=route,
+        stream=streams and rng.random() < 0.4,
+        key=f"k-{seed}-{call_id}" if rng.random() < 0.5 else None,
+        budget=rng.choice(BUDGETS),
+        max_tokens=rng.randint(1, 16),
+        prompt=f"sim {seed} {call_id}: {words}",
+        behaviour=_behaviour(rng, call_id, streams).render(),
+        sdk_retries=retries,
+        replicas=tuple(rng.randrange(replicas) for _ in range(retries + 2)),
+        repeat=rng.random() < 0.15,
+    )
+
+
+def _behaviour(rng: random.Random, call_id: str, streams: bool) -> Behaviour:
+    """What the fake provider does with this call's requests (most answer plainly)."""
+    delay = rng.choice([None, None, 0.05, 0.2, 0.6])
+    roll = rng.random()
+    times = rng.choice([1, 1, 2, 9])
+    if roll < 0.55:
+        return Behaviour(delay=delay)
+    if roll < 0.65:
+        return Behaviour(delay=delay, status=429, id=call_id, times=times)
+    if roll < 0.72:
+        return Behaviour(delay=delay, status=rng.choice([500, 503, 529]), id=call_id, times=times)
+    if roll < 0.82:
+        return Behaviour(delay=delay, ending="drop", id=call_id, times=times)
+    if roll < 0.91 and streams:
+        return Behaviour(
+            delay=delay, ending="cut", after=rng.randint(0, 4), id=call_id, times=times
+        )
+    return Behaviour(delay=delay, ending="reset", after=rng.randint(0, 4), id=call_id, times=times)
+
+
+def _faults(
+    rng: random.Random, duration: float, replicas: int, lease_s: float, disk: bool
+) -> list[Fault]:
+    kinds: list[FaultKind] = ["kill", "kill", "crash_at", "crash_at", "stop", "restart"]
+    if disk:
+        kinds.append("disk_full")
+    faults: list[Fault] = []
+    at = rng.uniform(0.5, 2.0)
+    while at < duration * 0.85:
+        kind = rng.choice(kinds)
+        replica = rng.randrange(replicas)
+        if kind == "kill":
+            faults.append(Fault(at, kind, replica, seconds=round(rng.uniform(0.0, 1.0), 3)))
+        elif kind == "crash_at":
+            faults.append(Fault(at, kind, replica, point=rng.choice(CRASH_POINTS)))
+        elif kind == "stop":
+            faults.append(Fault(at, kind, replica, seconds=round(lease_s + rng.uniform(1, 2), 3)))
+        elif kind == "disk_full":
+            faults.append(Fault(at, kind, replica, seconds=round(rng.uniform(0.5, 2.0), 3)))
+        else:
+            faults.append(Fault(at, kind, replica))
+        at = round(at + rng.uniform(2.5, 7.0), 3)
+    return faults
