@@ -287,6 +287,12 @@ def cmd_key_new(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _backup(args: argparse.Namespace) -> int:
+    from effectguard.ops.backup import cmd_backup
+
+    return cmd_backup(args)
+
+
 # -- parser --------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (every command has help; a test checks it)."""
@@ -383,6 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ledger_opts(p)
     p.set_defaults(run_ledger=cmd_verify)
+
+    p = sub.add_parser(
+        "backup",
+        help="copy a SQLite ledger while it serves",
+        description="Take a consistent online copy of a SQLite ledger (SQLite backup API).",
+    )
+    ledger_opts(p)
+    p.add_argument("path", help="where to write the copy (must not exist)")
+    p.set_defaults(run=_backup)
 
     p = sub.add_parser(
         "migrate",
