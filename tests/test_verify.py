@@ -4,22 +4,35 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
+from effectguard.ledger.rows import CALL_COLUMNS, EVENT_COLUMNS, event_params, state_params
 from effectguard.ops.verify import VerifyReport, verify_ledger
+from effectguard.rules.budget import fold as budget_fold
 from effectguard.rules.events import (
+    AttemptInterrupted,
     AttemptObserved,
+    AttemptStarted,
+    BudgetHeld,
+    BudgetReserved,
     BudgetSettled,
+    BudgetUnheld,
     CallCompleted,
+    CallManifest,
+    CallReconciled,
+    Event,
+    StoredEvent,
     canonical_json,
     event_digest,
 )
+from effectguard.rules.workstate import work_state
 
 R = 1_000
 
@@ -284,3 +297,294 @@ async def test_stage_column_disagreeing_with_events_is_named(built: Built) -> No
     report = await verify(built.path)
     assert not report.ok
     assert any(built.in_flight in p for p in report.problems)
+
+
+# -- meaning: forgeries an attacker reseals and re-projects with the store's own code ------------
+@dataclass
+class Row:
+    """One event as an attacker edits it before resealing the chain."""
+
+    kind: str
+    call_id: str | None
+    data: dict[str, Any]
+    worker: str
+    generation: int
+    at: float = 1.0
+
+
+def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEvent]:
+    """Rewrite the events table as ``edit`` says, renumber and reseal the whole chain, then
+    rebuild the calls and budgets tables with the store's own fold (rules.workstate and
+    rules.budget): everything the old, fold-sharing verify checked agrees afterwards."""
+    with raw(path) as conn:
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("DROP TRIGGER events_no_delete")
+        rows = [
+            Row(kind, call_id, json.loads(data), worker, generation, at)
+            for kind, call_id, data, worker, generation, at in conn.execute(
+                "SELECT kind, call_id, data, worker, generation, at FROM events ORDER BY seq"
+            )
+        ]
+        conn.execute("DELETE FROM events")
+        prev, chain = "0" * 64, []
+        for seq, row in enumerate(edit(rows), start=1):
+            data_json = canonical_json(row.data)
+            digest = event_digest(
+                seq=seq,
+                kind=row.kind,
+                call_id=row.call_id,
+                data_json=data_json,
+                worker=row.worker,
+                generation=row.generation,
+                at=row.at,
+                prev_digest=prev,
+            )
+            stored = StoredEvent(
+                seq,
+                row.kind,
+                row.call_id,
+                row.data,
+                row.worker,
+                row.generation,
+                row.at,
+                prev,
+                digest,
+            )
+            conn.execute(
+                f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * 9)})",
+                event_params(stored, data_json),
+            )
+            chain.append(stored)
+            prev = digest
+        per_call: dict[str, list[Event]] = {}
+        for stored in chain:
+            if stored.call_id is not None:
+                per_call.setdefault(stored.call_id, []).append(stored.event)
+        conn.execute("DELETE FROM calls")
+        for events in per_call.values():
+            conn.execute(
+                f"INSERT INTO calls ({CALL_COLUMNS}) VALUES ({', '.join('?' * 10)})",
+                state_params(work_state(events)),
+            )
+        conn.execute("DELETE FROM budgets")
+        for node in budget_fold(s.event for s in chain).values():
+            conn.execute(
+                "INSERT INTO budgets (path, limit_nanos, reserved, spent, held) VALUES (?,?,?,?,?)",
+                (node.path, node.limit, node.reserved, node.spent, node.held),
+            )
+    return chain
+
+
+def generation_of(path: Path, worker: str) -> int:
+    """``worker``'s generation as the workers table keeps it."""
+    with raw(path) as conn:
+        row = conn.execute("SELECT generation FROM workers WHERE worker = ?", (worker,)).fetchone()
+    return int(row[0])
+
+
+def call_events(call: str, writer: tuple[str, int], *, started: bool = True) -> list[Row]:
+    """A new call's admission (and, with ``started``, its attempt) as ``writer`` would write it."""
+    worker, generation = writer
+    manifest = CallManifest(
+        call=call,
+        request_hash="forged",
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-x",
+        idempotency_key=None,
+        budget="team/run",
+        budget_root="team",
+        effect_kind="billable",
+        body="{}",
+    )
+    rows = [
+        Row(manifest.kind, call, manifest.to_data(), worker, generation),
+        Row(
+            "budget.reserved",
+            call,
+            BudgetReserved(call=call, budget="team/run", amount=R).to_data(),
+            worker,
+            generation,
+        ),
+    ]
+    if started:
+        start = AttemptStarted(call=call, attempt=1, worker=worker, generation=generation)
+        rows.append(Row(start.kind, call, start.to_data(), worker, generation))
+    return rows
+
+
+def settlement(call: str, writer: tuple[str, int]) -> list[Row]:
+    """Attempt 1's observed 200, settlement and completion, written by ``writer``."""
+    observed = AttemptObserved(
+        call=call,
+        attempt=1,
+        status=200,
+        not_processed=False,
+        usage=None,
+        usage_problem="missing",
+        headers={},
+        body="{}",
+    )
+    settled = BudgetSettled(call=call, budget="team/run", reserved=R, actual=R)
+    done = CallCompleted(call=call, outcome="completed")
+    return [Row(e.kind, call, e.to_data(), *writer) for e in (observed, settled, done)]
+
+
+async def test_resealed_forgery_by_an_unknown_worker_is_named(built: Built) -> None:
+    """A resealed, re-projected interrupt written by a worker never registered is named."""
+    ghost = ("ghost", 99)
+    interrupted = AttemptInterrupted(call=built.in_flight, attempt=1, reason="x", by="ghost")
+    held = BudgetHeld(call=built.in_flight, budget="team/run", amount=R)
+    reseal(
+        built.path,
+        lambda rows: [
+            *rows,
+            *(Row(e.kind, built.in_flight, e.to_data(), *ghost) for e in (interrupted, held)),
+        ],
+    )
+    report = await verify(built.path)
+    forged = built.events + 1
+    assert report.first_broken_seq == forged
+    assert report.problems[0] == (
+        f"event {forged}: written by unknown worker 'ghost' (generation 99): "
+        "no worker.registered for it"
+    )
+
+
+async def test_the_audits_forged_reconcile_is_named(built: Built) -> None:
+    """The audit's case: a resealed call.reconciled on a completed call by worker 99 is named."""
+    reconciled = CallReconciled(call=built.completed, applied=True, cost=0, note="", by="x")
+    reseal(
+        built.path,
+        lambda rows: [
+            *rows,
+            Row(reconciled.kind, built.completed, reconciled.to_data(), "ghost", 99),
+        ],
+    )
+    report = await verify(built.path)
+    forged = built.events + 1
+    assert report.first_broken_seq == forged
+    assert any("unknown worker 'ghost'" in p for p in report.problems)
+    assert any(
+        "illegal transition: call.reconciled cannot follow call.completed" in p
+        for p in report.problems
+    )
+
+
+@pytest.mark.parametrize("fencing", ["taken_over", "re-registered"])
+async def test_event_by_a_fenced_generation_is_named(built: Built, fencing: str) -> None:
+    """A new call written by w1's generation after it was taken over (or superseded) is named."""
+    old = ("w1", generation_of(built.path, "w1"))
+    async with Ledger.open(str(built.path)) as ledger:
+        if fencing == "taken_over":
+            w2 = await ledger.store.write(
+                Writer("boot", 0),
+                lambda tx: operations.register_worker(tx, worker="w2", host="h", pid=2, lease_s=30),
+            )
+            await ledger.store.write(w2, lambda tx: operations.sweep(tx, w2, frozenset({"w1"})))
+            why = "taken over at event"
+        else:
+            await ledger.store.write(
+                Writer("boot", 0),
+                lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=3, lease_s=30),
+            )
+            why = "superseded by generation"
+        assert (await verify_ledger(ledger)).ok
+        events = (await verify_ledger(ledger)).events
+    reseal(built.path, lambda rows: [*rows, *call_events("call_forged", old)])
+    report = await verify(built.path)
+    assert report.first_broken_seq == events + 1
+    assert report.problems[0].startswith(
+        f"event {events + 1}: written by fenced generation {old[1]} of worker 'w1' ({why}"
+    )
+
+
+async def test_illegal_transition_is_named(built: Built) -> None:
+    """An operator's reconcile of a completed call, resealed and re-projected, is illegal."""
+    reconciled = CallReconciled(call=built.completed, applied=True, cost=0, note="", by="op")
+    unheld = BudgetUnheld(call=built.completed, budget="team/run", amount=0, spent=0)
+    reseal(
+        built.path,
+        lambda rows: [
+            *rows,
+            *(
+                Row(e.kind, built.completed, e.to_data(), "operator", 0)
+                for e in (reconciled, unheld)
+            ),
+        ],
+    )
+    report = await verify(built.path)
+    forged = built.events + 1
+    assert report.first_broken_seq == forged
+    assert report.problems[0] == (
+        f"event {forged}: call {built.completed}: illegal transition: call.reconciled cannot "
+        "follow call.completed (phase completed)"
+    )
+
+
+async def test_settlement_without_an_attempt_is_named(built: Built) -> None:
+    """A forged call settled and completed with no attempt.started is named at the observation."""
+    w1 = ("w1", generation_of(built.path, "w1"))
+    forged = [*call_events("call_forged", w1, started=False), *settlement("call_forged", w1)]
+    reseal(built.path, lambda rows: [*rows, *forged])
+    report = await verify(built.path)
+    observed = built.events + 3
+    assert report.first_broken_seq == observed
+    assert report.problems[0] == (
+        f"event {observed}: call call_forged: settlement without an attempt: attempt.observed "
+        "but no attempt.started"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [
+        ("attempt.started", "settlement without an attempt: attempt.observed"),
+        ("budget.settled", "illegal transition: call.completed cannot follow attempt.observed"),
+        ("call.completed", "ends after budget.settled (event {seq}) without the call.completed"),
+    ],
+)
+async def test_deleted_event_with_the_chain_resealed_is_named(
+    built: Built, kind: str, named: str
+) -> None:
+    """An event cut out of a call, the chain renumbered and resealed after it, is still named."""
+
+    def cut(rows: list[Row]) -> list[Row]:
+        return [r for r in rows if not (r.call_id == built.completed and r.kind == kind)]
+
+    chain = reseal(built.path, cut)
+    assert [s.seq for s in chain] == list(range(1, built.events))  # no gap left to see
+    settled = next((s.seq for s in chain if s.kind == "budget.settled"), 0)
+    report = await verify(built.path)
+    assert not report.ok
+    assert any(built.completed in p and named.format(seq=settled) in p for p in report.problems), (
+        report.problems
+    )
+
+
+async def test_worker_row_disagreeing_with_events_is_named(built: Built) -> None:
+    """A workers row marked fenced that no worker.taken_over fenced is reported."""
+    with raw(built.path) as conn:
+        conn.execute("UPDATE workers SET fenced = 1 WHERE worker = 'w1'")
+    report = await verify(built.path)
+    assert not report.ok
+    assert report.problems[0].startswith("worker 'w1': stored (generation, fenced)")
+
+
+async def test_limit_overshoot_is_named(built: Built) -> None:
+    """A reservation that takes a limited node past its limit is named (no overshoot, SPEC §5)."""
+    w1 = ("w1", generation_of(built.path, "w1"))
+
+    def lower(rows: list[Row]) -> list[Row]:
+        limit = next(r for r in rows if r.kind == "budget.limit_set")
+        limit.data["limit"] = R  # call a's reservation fits; the next one does not
+        return rows
+
+    reseal(built.path, lambda rows: [*lower(rows), *call_events("call_forged", w1)])
+    report = await verify(built.path)
+    assert not report.ok
+    assert any(
+        "budget 'team': a reservation of 1000 takes it past its limit 1000" in p
+        for p in report.problems
+    )

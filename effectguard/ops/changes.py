@@ -155,3 +155,23 @@ MIGRATE = Command(
     _migrate_arguments,
 )
 KEY = Command("key", "manage proxy keys", "Manage proxy keys.", _key_arguments)
+
+
+def _backup(args: argparse.Namespace) -> int:
+    from effectguard.ops.backup import cmd_backup
+
+    return cmd_backup(args)
+
+
+def _backup_arguments(p: argparse.ArgumentParser) -> None:
+    ledger_option(p)
+    p.add_argument("path", help="where to write the copy (must not exist)")
+    p.set_defaults(run=_backup)
+
+
+BACKUP = Command(
+    "backup",
+    "copy a SQLite ledger while it serves",
+    "Take a consistent online copy of a SQLite ledger (SQLite backup API).",
+    _backup_arguments,
+)

@@ -83,6 +83,7 @@ def commands() -> list[Command]:
         views.BUDGETS,
         changes.BUDGET,
         views.VERIFY,
+        changes.BACKUP,
         changes.MIGRATE,
         changes.KEY,
     ]

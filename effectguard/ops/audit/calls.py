@@ -1,0 +1,202 @@
+"""One call, folded by the verifier's own rules: its phase, its money, its projection.
+
+:class:`CallFold` walks a call's events through :mod:`.table` and checks what each
+event says against what came before: attempt numbers, who wrote an attempt's outcome,
+and every amount (a settlement settles the reservation its attempt made, a hold
+holds what is still reserved, a reconcile releases what is held). From the same walk
+it derives the projection the store should keep (:meth:`CallFold.projection`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from effectguard.ops.audit import table
+from effectguard.rules.events import StoredEvent
+
+#: Kinds that record what became of an attempt: each needs a started attempt before it.
+OUTCOME_KINDS: Final = frozenset(
+    {"attempt.observed", "attempt.not_sent", "attempt.interrupted", "budget.settled"}
+)
+#: The calls table's indexed columns, in the order the store gives them.
+COLUMN_NAMES: Final = (
+    "call_id",
+    "stage",
+    "budget",
+    "budget_root",
+    "idempotency_key",
+    "request_hash",
+    "provider",
+    "created_at",
+    "worker",
+)
+#: Outcomes only the worker that started the attempt may write.
+OWN_OUTCOMES: Final = frozenset({"attempt.observed", "attempt.not_sent", "budget.settled"})
+
+
+class CallFold:
+    """The verifier's view of one call, built event by event."""
+
+    def __init__(self, call_id: str) -> None:
+        self.call_id = call_id
+        self.phase = table.NEW
+        self.stage = "new"
+        self.last_seq = 0
+        self.last_kind = ""
+        self.manifest: dict[str, Any] = {}
+        self.attempts = 0
+        self.starter: tuple[str, int] = ("", 0)
+        self.last_attempt_at = 0.0
+        self.attempt_reserve = 0
+        self.reserved_at_admission = 0
+        self.reserved = 0
+        self.held = 0
+        self.cost: int | None = None
+        self.status: int | None = None
+        self.flagged: str | None = None
+        self.decided_cost = 0
+
+    def feed(self, stored: StoredEvent) -> list[str]:
+        """Fold one event of this call; returns what is wrong with it."""
+        kind, data = stored.kind, stored.data
+        where = f"event {stored.seq}: call {self.call_id}"
+        problems = self._attempt_problems(stored, where)
+        if not problems:
+            moved = table.step(self.phase, kind, data)
+            if moved is None:
+                problems.append(
+                    f"{where}: illegal transition: {kind} cannot follow "
+                    f"{self.last_kind or 'nothing'} (phase {self.phase})"
+                )
+            else:
+                nxt, refined = moved
+                problems += self._money(refined, data, where)
+                self._move(nxt, stored)
+        if self.phase == "holding" and self.reserved == 0:
+            self._move("effect_unknown", stored)  # nothing reserved, so nothing to hold
+        self.last_seq, self.last_kind = stored.seq, kind
+        return problems
+
+    def _move(self, phase: str, stored: StoredEvent) -> None:
+        self.phase = phase
+        stage = table.STAGE_OF[phase]
+        if stage is not None:
+            self.stage = stage
+        data = stored.data
+        if stored.kind == "call.manifest":
+            self.manifest = dict(data)
+        elif stored.kind == "attempt.started":
+            self.attempts = int(data["attempt"])
+            self.starter = (stored.worker, stored.generation)
+            self.last_attempt_at = float(data.get("at", 0.0))
+        elif stored.kind == "attempt.observed":
+            self.status = int(data["status"])
+
+    def _attempt_problems(self, stored: StoredEvent, where: str) -> list[str]:
+        """Attempt numbering and who may write an attempt's outcome."""
+        kind, data = stored.kind, stored.data
+        if kind in OUTCOME_KINDS and self.attempts == 0:
+            return [f"{where}: settlement without an attempt: {kind} but no attempt.started"]
+        if kind == "attempt.started":
+            if data.get("attempt") != self.attempts + 1:
+                return [
+                    f"{where}: attempt numbering: attempt {data.get('attempt')} started "
+                    f"after attempt {self.attempts} (an attempt is missing)"
+                ]
+            if (data.get("worker"), data.get("generation")) != (stored.worker, stored.generation):
+                return [f"{where}: attempt.started names a worker other than its writer"]
+        elif kind in OUTCOME_KINDS and "attempt" in data and data["attempt"] != self.attempts:
+            return [
+                f"{where}: {kind} for attempt {data['attempt']}, but attempt "
+                f"{self.attempts} is the last one started"
+            ]
+        if kind in OWN_OUTCOMES and (stored.worker, stored.generation) != self.starter:
+            return [
+                f"{where}: {kind} written by {stored.worker} (generation {stored.generation}), "
+                f"not by the worker that started attempt {self.attempts}"
+            ]
+        if kind == "attempt.interrupted" and data.get("by") != stored.worker:
+            return [f"{where}: attempt.interrupted names a marker other than its writer"]
+        return []
+
+    def _money(self, refined: str, data: dict[str, Any], where: str) -> list[str]:
+        """Check an event's amounts against the call's money so far, then apply them."""
+        kind = refined.split(":")[0]
+        problems: list[str] = []
+        if kind.startswith("budget.") and data.get("budget") != self.manifest.get("budget"):
+            problems.append(
+                f"{where}: {kind} charges {data.get('budget')!r}, not the call's budget"
+            )
+
+        def expect(field: str, value: int) -> None:
+            if data.get(field) != value:
+                problems.append(f"{where}: {kind} {field} is {data.get(field)}, expected {value}")
+
+        if kind == "budget.reserved":
+            self.attempt_reserve = int(data["amount"])
+            self.reserved += self.attempt_reserve
+            self.reserved_at_admission = self.reserved_at_admission or self.attempt_reserve
+        elif kind == "budget.settled":
+            expect("reserved", self.attempt_reserve)
+            self.reserved -= int(data["reserved"])
+            self.cost = (self.cost or 0) + int(data["actual"])
+            self.flagged = data.get("flagged") or self.flagged
+        elif kind == "budget.released":
+            expect("amount", self.attempt_reserve)
+            self.reserved -= int(data["amount"])
+        elif kind == "budget.held":
+            expect("amount", self.reserved)
+            self.reserved -= int(data["amount"])
+            self.held += int(data["amount"])
+        elif kind == "call.reconciled":
+            self.decided_cost = int(data["cost"])
+            if data.get("applied") is not True and self.decided_cost != 0:
+                problems.append(f"{where}: not applied, yet costs {self.decided_cost}")
+        elif kind == "budget.unheld":
+            expect("amount", self.held)
+            expect("spent", 0 if refined.endswith(":resend") else self.decided_cost)
+            self.held -= int(data["amount"])
+            self.cost = (self.cost or 0) + int(data["spent"])
+        elif kind == "budget.corrected":
+            expect("settled", self.cost or 0)
+            expect("actual", self.decided_cost)
+            self.cost = (self.cost or 0) - int(data["settled"]) + int(data["actual"])
+        return problems
+
+    @property
+    def unfinished(self) -> str | None:
+        """What the call still needs when the ledger ends (None: it rests in a stage)."""
+        return table.NEEDS.get(self.phase)
+
+    def projection(self) -> dict[str, Any]:
+        """The call's state as the store should keep it (SPEC §6 plus its money)."""
+        m = self.manifest
+        return {
+            "call_id": self.call_id,
+            "stage": self.stage,
+            "attempts": self.attempts,
+            "idempotency_key": m.get("idempotency_key"),
+            "request_hash": m.get("request_hash", ""),
+            "provider": m.get("provider", ""),
+            "model": m.get("model"),
+            "budget": m.get("budget", ""),
+            "budget_root": m.get("budget_root", ""),
+            "created_at": m.get("at", 0.0),
+            "last_attempt_at": self.last_attempt_at,
+            "reserved_at_admission": self.reserved_at_admission,
+            "reserved": self.reserved,
+            "cost": self.cost,
+            "held": self.held,
+            "status": self.status,
+            "worker": self.starter[0],
+            "flagged": self.flagged,
+            "idempotency_window_s": m.get("provider_idempotency_window_s"),
+        }
+
+    def columns(self) -> dict[str, Any]:
+        """The indexed columns the store queries (a refused call frees its key)."""
+        p = self.projection()
+        out = {name: p[name] for name in COLUMN_NAMES}
+        if self.stage == "refused":
+            out["idempotency_key"] = None
+        return out

@@ -1,0 +1,43 @@
+"""The hash chain: gap-free numbers, each event linked to its predecessor's digest."""
+
+from __future__ import annotations
+
+from effectguard.ops.audit.report import VerifyReport
+from effectguard.rules.events import StoredEvent, canonical_json, event_digest
+
+#: The predecessor digest of event 1 (written down here, not imported: it is part of the format).
+GENESIS = "0" * 64
+
+
+class Chain:
+    """Checks each event's number, predecessor link and digest, in order."""
+
+    def __init__(self, report: VerifyReport) -> None:
+        self.report = report
+        self.expected_seq = 1
+        self.prev = GENESIS
+
+    def feed(self, stored: StoredEvent) -> None:
+        """Check one event's place in the chain."""
+        seq = stored.seq
+        if seq != self.expected_seq:
+            self.report.broken(
+                seq,
+                f"event {seq}: expected sequence number {self.expected_seq} (an event is missing)",
+            )
+        if stored.prev_digest != self.prev:
+            self.report.broken(seq, f"event {seq}: predecessor digest does not match")
+        digest = event_digest(
+            seq=seq,
+            kind=stored.kind,
+            call_id=stored.call_id,
+            data_json=canonical_json(stored.data),
+            worker=stored.worker,
+            generation=stored.generation,
+            at=stored.at,
+            prev_digest=stored.prev_digest,
+        )
+        if digest != stored.digest:
+            self.report.broken(seq, f"event {seq}: digest does not match its content")
+        self.expected_seq = seq + 1
+        self.prev = stored.digest

@@ -1,0 +1,190 @@
+"""The verifier: feed stored events in order, then compare the stored projections.
+
+:class:`Verifier` runs each event through the chain check, the writer rules, the call's
+legal sequence and the budget arithmetic; :meth:`Verifier.finish` then checks that every
+call ended in a stage (nothing required is missing) and that what the store keeps for
+speed (call states, their indexed columns, budget rows, worker rows) equals the fold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from effectguard.ops.audit import table
+from effectguard.ops.audit.budgets import Budgets, Node
+from effectguard.ops.audit.calls import COLUMN_NAMES, CallFold
+from effectguard.ops.audit.chain import Chain
+from effectguard.ops.audit.report import VerifyReport
+from effectguard.ops.audit.writers import Writers
+from effectguard.rules.events import StoredEvent
+
+
+class BudgetRow(NamedTuple):
+    """A stored budget row."""
+
+    path: str
+    limit: int | None
+    reserved: int
+    spent: int
+    held: int
+
+
+class WorkerRow(NamedTuple):
+    """A stored worker row (the parts the events decide)."""
+
+    worker: str
+    generation: int
+    fenced: bool
+
+
+#: The calls table's indexed columns, in the order the store gives them.
+CallColumns = tuple[Any, ...]
+
+
+class Verifier:
+    """Incremental verifier: :meth:`feed` events in ledger order, then :meth:`finish`."""
+
+    def __init__(self) -> None:
+        self.report = VerifyReport()
+        self.chain = Chain(self.report)
+        self.writers = Writers()
+        self.budgets = Budgets()
+        self.calls: dict[str, CallFold] = {}
+
+    def feed(self, stored: StoredEvent) -> None:
+        """Check one event: its place in the chain, its writer, its meaning, its money."""
+        self.report.events += 1
+        self.chain.feed(stored)
+        problems = self.writers.feed(stored)
+        problems += self._meaning(stored)
+        for problem in problems:
+            self.report.broken(stored.seq, problem)
+
+    def _meaning(self, stored: StoredEvent) -> list[str]:
+        kind, data, seq = stored.kind, stored.data, stored.seq
+        if not isinstance(data, dict):
+            return [f"event {seq}: unreadable data"]
+        try:
+            if kind in table.LEDGER_KINDS:
+                if stored.call_id is not None:
+                    return [f"event {seq}: {kind} belongs to no call, yet names {stored.call_id}"]
+                return self.budgets.feed(seq, kind, data)
+            if kind not in table.CALL_KINDS:
+                return [f"event {seq}: unknown event kind {kind!r}"]
+            if stored.call_id is None or data.get("call") != stored.call_id:
+                return [f"event {seq}: {kind} does not name its call consistently"]
+            fold = self.calls.get(stored.call_id)
+            if fold is None:
+                fold = self.calls[stored.call_id] = CallFold(stored.call_id)
+            return fold.feed(stored) + self.budgets.feed(seq, kind, data)
+        except (KeyError, TypeError, ValueError) as exc:
+            return [f"event {seq}: unreadable {kind}: {exc!r}"]
+
+    def finish(
+        self,
+        budget_rows: Iterable[BudgetRow],
+        call_states: Iterable[Mapping[str, Any]],
+        call_columns: Iterable[CallColumns] = (),
+        worker_rows: Iterable[WorkerRow] | None = None,
+    ) -> VerifyReport:
+        """Check every call ended in a stage, then compare the stored projections."""
+        last = self.chain.expected_seq - 1
+        for call_id in sorted(self.calls):
+            fold = self.calls[call_id]
+            if fold.unfinished is not None:
+                self.report.broken(
+                    fold.last_seq,
+                    f"call {call_id}: ends after {fold.last_kind} (event {fold.last_seq}) "
+                    f"without the {fold.unfinished} that must follow (an event is missing)",
+                )
+        self._columns(call_columns)
+        self._states(call_states)
+        self._budgets(budget_rows, last)
+        if worker_rows is not None:
+            self._workers(worker_rows, last)
+        return self.report
+
+    def _columns(self, rows: Iterable[CallColumns]) -> None:
+        for row in rows:
+            fold = self.calls.get(row[0])
+            if fold is None:
+                continue  # reported by _states as a call without events
+            want = fold.columns()
+            diff = [
+                f"{name}={got!r} (events: {want[name]!r})"
+                for name, got in zip(COLUMN_NAMES, row, strict=True)
+                if got != want[name]
+            ]
+            if diff:
+                self.report.broken(
+                    fold.last_seq, f"call {row[0]}: indexed columns differ: {', '.join(diff)}"
+                )
+
+    def _states(self, states: Iterable[Mapping[str, Any]]) -> None:
+        stored = {str(s.get("call_id")): s for s in states}
+        self.report.calls = len(stored)
+        for call_id in sorted(set(stored) | set(self.calls)):
+            have, fold = stored.get(call_id), self.calls.get(call_id)
+            if fold is None:
+                self.report.broken(
+                    self.chain.expected_seq - 1,
+                    f"call {call_id}: stored, but no event belongs to it",
+                )
+                continue
+            want = fold.projection()
+            if have is None:
+                self.report.broken(
+                    fold.last_seq,
+                    f"call {call_id}: stored state None differs "
+                    f"from the projection of its events ({want['stage']})",
+                )
+                continue
+            if have.get("stage") != want["stage"]:
+                self.report.broken(
+                    fold.last_seq,
+                    f"call {call_id}: stored state {have.get('stage')} differs from the "
+                    f"projection of its events ({want['stage']})",
+                )
+            # Fields the verifier does not derive are not its to judge (a newer store may
+            # keep more); every field it derives must be there and equal.
+            diff = [
+                f"{name}={have.get(name, '<missing>')!r} (events: {value!r})"
+                for name, value in want.items()
+                if name != "stage" and have.get(name, "<missing>") != value
+            ]
+            if diff:
+                self.report.broken(
+                    fold.last_seq, f"call {call_id}: stored state differs: {', '.join(diff)}"
+                )
+
+    def _budgets(self, rows: Iterable[BudgetRow], last: int) -> None:
+        stored = {row.path: row for row in rows}
+        self.report.budgets = len(stored)
+        for path in sorted(set(stored) | set(self.budgets.nodes)):
+            row = stored.get(path)
+            have = None if row is None else (row.limit, row.reserved, row.spent, row.held)
+            want = self.budgets.nodes.get(path, Node()).row()
+            if have != want:
+                self.report.broken(
+                    last,
+                    f"budget {path!r}: stored {_money(have)} but the events give {_money(want)}",
+                )
+
+    def _workers(self, rows: Iterable[WorkerRow], last: int) -> None:
+        stored = {row.worker: (row.generation, row.fenced) for row in rows}
+        want = self.writers.rows()
+        for worker in sorted(set(stored) | set(want)):
+            if stored.get(worker) != want.get(worker):
+                self.report.broken(
+                    last,
+                    f"worker {worker!r}: stored (generation, fenced) {stored.get(worker)} "
+                    f"but the events give {want.get(worker)}",
+                )
+
+
+def _money(row: tuple[int | None, int, int, int] | None) -> str:
+    if row is None:
+        return "no row"
+    limit, reserved, spent, held = row
+    return f"limit={limit} reserved={reserved} spent={spent} held={held}"

@@ -1,0 +1,126 @@
+"""``effectguard backup PATH``: a consistent copy of a SQLite ledger while it serves.
+
+The copy is taken with SQLite's online backup API from a connection of its own, in a
+single step: that step is one read transaction, so under WAL it sees one committed state
+of the whole file (every event, call and budget row as of one commit) while the proxy
+keeps writing. Writers are never blocked; only the WAL checkpoint waits for the copy.
+
+The copy is written next to ``PATH`` under a temporary name, checked
+(``PRAGMA integrity_check``), checkpointed into one self-contained file, fsync'd, and
+only then renamed to ``PATH``: a crash during a backup never leaves a half copy under
+the name an operator would restore from. PostgreSQL ledgers are backed up with
+PostgreSQL's own tools (``pg_dump`` or point-in-time recovery), see the operations docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from effectguard.errors import ConfigError, LedgerUnavailable
+from effectguard.ledger.sqlite import sqlite_path
+from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
+
+
+@dataclass(frozen=True, slots=True)
+class BackupResult:
+    """What a backup copied: where, how many events, and the chain head it ends at."""
+
+    path: str
+    events: int
+    head_seq: int
+    head_digest: str
+    bytes: int
+
+
+def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
+    """Copy the SQLite ledger at ``ledger`` (path or ``sqlite:///`` URL) to ``target``."""
+    source = Path(sqlite_path(ledger))
+    target = Path(target)
+    if not source.is_file():
+        raise ConfigError(f"no SQLite ledger at {source}")
+    if target.exists():
+        raise ConfigError(f"{target} exists; a backup never overwrites a file")
+    partial = target.with_name(f".{target.name}.partial")
+    partial.unlink(missing_ok=True)
+    try:
+        _copy(source, partial)
+        result = _check(partial, target)
+        _fsync(partial)
+        os.replace(partial, target)
+        _fsync(target.parent)
+    except sqlite3.Error as exc:
+        raise LedgerUnavailable(f"backup of {source} failed: {exc}") from exc
+    finally:
+        for leftover in (partial, Path(f"{partial}-wal"), Path(f"{partial}-shm")):
+            leftover.unlink(missing_ok=True)
+    return result
+
+
+def _copy(source: Path, partial: Path) -> None:
+    src = sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000)
+    dst = sqlite3.connect(partial)
+    try:
+        src.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        # pages=-1: the whole file in one step, i.e. one read transaction and one
+        # consistent state. Stepping page by page would restart on every commit the
+        # proxy makes meanwhile, and could never finish under load.
+        src.backup(dst, pages=-1)
+    finally:
+        dst.close()
+        src.close()
+
+
+def _check(partial: Path, target: Path) -> BackupResult:
+    conn = sqlite3.connect(partial, isolation_level=None)
+    try:
+        problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+        if problems != ["ok"]:
+            raise LedgerUnavailable(f"the copy failed its integrity check: {problems[:5]}")
+        # The copy keeps the ledger's WAL mode; fold any WAL into the file so that the
+        # one file at PATH is the whole backup.
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        events, head_seq = conn.execute(
+            "SELECT count(*), coalesce(max(seq), 0) FROM events"
+        ).fetchone()
+        row = conn.execute("SELECT digest FROM events WHERE seq = ?", (head_seq,)).fetchone()
+    finally:
+        conn.close()
+    return BackupResult(
+        path=str(target),
+        events=int(events),
+        head_seq=int(head_seq),
+        head_digest=row[0] if row else "",
+        bytes=partial.stat().st_size,
+    )
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    """``effectguard backup PATH [--ledger L] [--json]``."""
+    ledger: str = args.ledger
+    if ledger.startswith(("postgresql://", "postgres://", "memory://")):
+        raise ConfigError(
+            "backup copies SQLite ledgers; back up PostgreSQL with pg_dump or "
+            "point-in-time recovery (see the operations docs)"
+        )
+    result = backup_sqlite(ledger, args.path)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print(
+            f"backup {result.path}: {result.events} events up to event {result.head_seq} "
+            f"({result.bytes} bytes)"
+        )
+    return 0

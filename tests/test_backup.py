@@ -1,0 +1,176 @@
+"""``effectguard backup``: a consistent online copy of a SQLite ledger, and its restore.
+
+A real proxy serves a few dozen concurrent calls (some answered, some held upstream, more
+arriving) while the copy is taken. The copy verifies, and a new proxy opened on it changes
+no call's stage, except that calls in flight at the copy become ``effect_unknown`` through
+the sweeper (SPEC §7): nothing is resent and nothing answered is forgotten.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.ops.backup import backup_sqlite
+from effectguard.ops.cli import main
+from effectguard.testing import fake_provider, running_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+#: Short leases so the restored proxy's sweeper takes over the copied worker quickly.
+LEASE = """
+[server]
+lease_s = 1
+heartbeat_s = 0.3
+sweep_s = 0.3
+"""
+HELD = 12  # calls held upstream across the copy
+HOLD_S = 6  # how long the provider holds them (the copy is taken well inside this)
+ANSWERED = 12  # calls answered before the copy
+RUNNING = 24  # calls answered while the copy is taken
+
+
+def chat(n: int) -> dict[str, Any]:
+    """A small chat completion request."""
+    content = f"backup {n}"
+    return {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+    }
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stages(ledger: Path) -> dict[str, str]:
+    """Every call's stage, read through a read-only connection."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
+    finally:
+        conn.close()
+
+
+def head(ledger: Path) -> int:
+    """The last committed event's number, as a new reader sees it (WAL included)."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        return int(conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def verify_ok(ledger: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """``effectguard verify --json`` on ``ledger``; asserts exit 0 and returns the report."""
+    capsys.readouterr()
+    code = main(["verify", "--json", "--ledger", str(ledger)])
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert code == 0, report["problems"]
+    return report
+
+
+def test_backup_under_load_verifies_and_restores_without_changing_a_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A copy taken mid-load verifies; reopened, answered calls stay put, in-flight ones
+    become effect_unknown, and nothing is sent again."""
+    ledger, copy = tmp_path / "ledger.db", tmp_path / "copy.db"
+    config = tmp_path / "lease.toml"
+    config.write_text(LEASE)
+    args = ["--config", str(config)]
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        upstreams = {"openai": fake.url}
+        with (
+            running_proxy(ledger, upstreams=upstreams, args=args) as proxy,
+            ThreadPoolExecutor(HELD + 8) as pool,
+        ):
+
+            def post(n: int, delay: float = 0) -> int:
+                headers = {"x-fake-delay": str(delay)} if delay else {}
+                url = proxy.url + CHAT
+                return httpx.post(url, json=chat(n), headers=headers, timeout=60).status_code
+
+            assert list(pool.map(post, range(ANSWERED))) == [200] * ANSWERED
+            held = [pool.submit(post, 100 + n, HOLD_S) for n in range(HELD)]
+            wait_for(lambda: len(fake.receipts()) >= ANSWERED + HELD, 30, "held calls upstream")
+            copying = threading.Event()
+
+            def keep_calling() -> list[int]:
+                answers, n = [], 200
+                while len(answers) < RUNNING or not copying.is_set():
+                    answers.append(post(n))
+                    n += 1
+                return answers
+
+            running = [pool.submit(keep_calling) for _ in range(4)]
+            wait_for(lambda: len(fake.receipts()) >= ANSWERED + HELD + 8, 30, "calls in progress")
+            floor = head(ledger)  # committed before the copy began: the copy must hold it
+            result = backup_sqlite(str(ledger), copy)  # its own connection, mid-load
+            copying.set()
+            assert all(code == 200 for f in running for code in f.result(timeout=60))
+            # The held calls complete in the ledger; the copy keeps them in flight.
+            assert [f.result(timeout=60) for f in held] == [200] * HELD
+        sent = len(fake.receipts())
+
+        assert result.head_seq >= floor and head(copy) == result.head_seq
+        report = verify_ok(copy, capsys)
+        assert report["events"] == result.events
+        before = stages(copy)
+        assert list(before.values()).count("in_flight") >= HELD
+        assert list(before.values()).count("completed") >= ANSWERED
+
+        with running_proxy(copy, upstreams=upstreams, args=args):
+            wait_for(
+                lambda: "in_flight" not in stages(copy).values(), 30, "the sweeper to take over"
+            )
+        after = stages(copy)
+        assert set(after) == set(before)
+        for call_id, stage in before.items():
+            assert after[call_id] == ("effect_unknown" if stage == "in_flight" else stage), call_id
+        assert len(fake.receipts()) == sent  # the restored ledger resent nothing
+    verify_ok(copy, capsys)
+
+
+def test_backup_command_writes_a_copy_and_refuses_to_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``effectguard backup PATH`` copies a ledger that verifies, and never overwrites PATH."""
+    ledger, copy = tmp_path / "ledger.db", tmp_path / "copy.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    assert main(["budget", "set", "team", "--limit", "5", "--ledger", str(ledger)]) == 0
+    capsys.readouterr()
+    assert main(["backup", str(copy), "--json", "--ledger", str(ledger)]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["path"] == str(copy) and made["events"] == made["head_seq"] == 1
+    assert verify_ok(copy, capsys)["budgets"] == 1
+    assert not list(tmp_path.glob(".copy.db.partial*"))
+    assert main(["backup", str(copy), "--ledger", str(ledger)]) == 2
+    assert "never overwrites" in capsys.readouterr().err
+
+
+def test_backup_of_a_postgres_ledger_points_to_its_own_tools(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A PostgreSQL ledger is not copied file-wise; the command says what to use instead."""
+    code = main(["backup", str(tmp_path / "x.db"), "--ledger", "postgresql://h/db"])
+    assert code == 2
+    assert "pg_dump" in capsys.readouterr().err

@@ -1,0 +1,173 @@
+"""The verifier's table of legal sequences, on plain lists of events: the contract's paths pass.
+
+Each path below is what the store writes for one call (SPEC §3–§6 and §12). The verifier
+must accept every one of them, derive the projection the store would keep, and still refuse
+the same path with one event out of place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from effectguard.ops.audit import BudgetRow, Verifier
+from effectguard.rules.events import GENESIS_DIGEST, StoredEvent, canonical_json, event_digest
+
+W = ("w1", 1)
+OP = ("operator", 0)
+R = 100
+
+
+def seal_all(rows: list[tuple[str, dict[str, Any], tuple[str, int]]]) -> list[StoredEvent]:
+    """Number and chain ``(kind, data, writer)`` rows, after w1's registration."""
+    rows = [
+        ("worker.registered", {"worker": "w1", "generation": 1, "host": "h", "pid": 1}, W),
+        *rows,
+    ]
+    prev, out = GENESIS_DIGEST, []
+    for seq, (kind, data, (worker, generation)) in enumerate(rows, start=1):
+        call = data.get("call")
+        digest = event_digest(
+            seq=seq,
+            kind=kind,
+            call_id=call,
+            data_json=canonical_json(data),
+            worker=worker,
+            generation=generation,
+            at=1.0,
+            prev_digest=prev,
+        )
+        out.append(StoredEvent(seq, kind, call, data, worker, generation, 1.0, prev, digest))
+        prev = digest
+    return out
+
+
+def admit(
+    attempt: int = 1, first: bool = True
+) -> list[tuple[str, dict[str, Any], tuple[str, int]]]:
+    """Admission of call c (manifest only the first time), reserving R."""
+    manifest = {
+        "call": "c",
+        "request_hash": "h",
+        "provider": "p",
+        "endpoint": "/e",
+        "method": "POST",
+        "model": "m",
+        "idempotency_key": "k",
+        "budget": "t/r",
+        "budget_root": "t",
+        "effect_kind": "billable",
+        "body": "{}",
+    }
+    rows = [("call.manifest", manifest, W)] if first else []
+    rows.append(("budget.reserved", {"call": "c", "budget": "t/r", "amount": R}, W))
+    rows.append(
+        (
+            "attempt.started",
+            {"call": "c", "attempt": attempt, "worker": "w1", "generation": 1, "at": 1.0},
+            W,
+        )
+    )
+    return rows
+
+
+def observed(
+    attempt: int, status: int, **flags: bool
+) -> tuple[str, dict[str, Any], tuple[str, int]]:
+    """Attempt ``attempt`` answered with ``status``."""
+    return ("attempt.observed", {"call": "c", "attempt": attempt, "status": status, **flags}, W)
+
+
+def call(
+    kind: str, writer: tuple[str, int] = W, **data: Any
+) -> tuple[str, dict[str, Any], tuple[str, int]]:
+    """A call event of ``kind`` with ``data``."""
+    return (kind, {"call": "c", **data}, writer)
+
+
+PATHS: dict[str, tuple[list[Any], str, tuple[int, int, int]]] = {
+    "completed": (
+        [
+            *admit(),
+            observed(1, 200),
+            call("budget.settled", budget="t/r", reserved=R, actual=70),
+            call("call.completed", outcome="completed"),
+        ],
+        "completed",
+        (0, 70, 0),
+    ),
+    "failed then reconciled not applied (SPEC §12)": (
+        [
+            *admit(),
+            observed(1, 400),
+            call("budget.settled", budget="t/r", reserved=R, actual=R),
+            call("call.completed", outcome="failed"),
+            call("call.reconciled", OP, applied=False, cost=0, note="", by="ann"),
+            call("budget.corrected", OP, budget="t/r", settled=R, actual=0),
+        ],
+        "reconciled_not_applied",
+        (0, 0, 0),
+    ),
+    "not sent, retried, not processed": (
+        [
+            *admit(),
+            call("attempt.not_sent", attempt=1, reason="connect"),
+            call("budget.released", budget="t/r", amount=R),
+            *admit(2, first=False),
+            observed(2, 429, not_processed=True),
+            call("budget.released", budget="t/r", amount=R),
+            call("call.completed", outcome="not_processed"),
+        ],
+        "not_processed",
+        (0, 0, 0),
+    ),
+    "interrupted, reconciled applied": (
+        [
+            *admit(),
+            call("attempt.interrupted", attempt=1, reason="t", by="w1"),
+            call("budget.held", budget="t/r", amount=R),
+            call("call.reconciled", OP, applied=True, cost=40, note="", by="ann"),
+            call("budget.unheld", OP, budget="t/r", amount=R, spent=40),
+        ],
+        "reconciled_applied",
+        (0, 40, 0),
+    ),
+    "unknown answer, provider resend": (
+        [
+            *admit(),
+            observed(1, 500, effect_unknown=True),
+            call("attempt.interrupted", attempt=1, reason="500", by="w1"),
+            call("budget.held", budget="t/r", amount=R),
+            call("budget.unheld", budget="t/r", amount=R, spent=0),
+            *admit(2, first=False),
+        ],
+        "in_flight",
+        (R, 0, 0),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_contract_paths_are_legal_and_project(name: str) -> None:
+    """Each path the store writes verifies, with the stage and money the store would keep."""
+    rows, stage, (reserved, spent, held) = PATHS[name]
+    verifier = Verifier()
+    for stored in seal_all(rows):
+        verifier.feed(stored)
+    fold = verifier.calls["c"]
+    budgets = [BudgetRow(p, None, reserved, spent, held) for p in ("t", "t/r")]
+    report = verifier.finish(budgets, [fold.projection()], [tuple(fold.columns().values())])
+    assert report.ok, report.problems
+    assert fold.projection()["stage"] == stage
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_contract_paths_with_two_events_swapped_are_refused(name: str) -> None:
+    """The same path with its last two events swapped is named as illegal."""
+    rows = list(PATHS[name][0])
+    rows[-1], rows[-2] = rows[-2], rows[-1]
+    verifier = Verifier()
+    for stored in seal_all(rows):
+        verifier.feed(stored)
+    assert any("illegal transition" in p for p in verifier.report.problems)
