@@ -33,6 +33,7 @@ class Outcome:
 
     status: int | None
     error_type: str | None = None
+    error_param: str | None = None
     call_id: str | None = None
     should_retry: str | None = None
     replayed: bool = False
@@ -46,10 +47,11 @@ class Outcome:
 Send = Callable[[str, str], Outcome]
 
 
-def error_type(body: Any) -> str | None:
-    """The ``type`` of an OpenAI- or Anthropic-shaped error body (both nest ``error``)."""
+def error_field(body: Any, name: str) -> str | None:
+    """A field (``type``, ``param``) of an OpenAI- or Anthropic-shaped error body (both
+    nest ``error``)."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        value = body["error"].get("type")
+        value = body["error"].get(name)
         return value if isinstance(value, str) else None
     return None
 
@@ -62,7 +64,8 @@ def from_response(response: httpx.Response, **extra: Any) -> Outcome:
         body = None
     return Outcome(
         status=response.status_code,
-        error_type=error_type(body),
+        error_type=error_field(body, "type"),
+        error_param=error_field(body, "param"),
         call_id=response.headers.get(CALL_ID),
         should_retry=response.headers.get("x-should-retry"),
         replayed=response.headers.get("effectguard-replayed") == "true",
@@ -221,7 +224,8 @@ def raw_outcome(received: bytes, closed: bool) -> Outcome:
         body = None
     return Outcome(
         status=answer.status,
-        error_type=error_type(body),
+        error_type=error_field(body, "type"),
+        error_param=error_field(body, "param"),
         call_id=answer.headers.get(CALL_ID),
         should_retry=answer.headers.get("x-should-retry"),
         closed=closed and answers == 1,

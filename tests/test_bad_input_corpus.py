@@ -108,6 +108,8 @@ class Case:
     status: frozenset[int | None]
     #: The error's ``type``; None for a success or a bare connection-level answer.
     error: str | None = None
+    #: The request field the error must name (``error.param``), where it names one.
+    param: str | None = None
     #: Requests that may reach a provider because of this input: 0 unless it is valid.
     receipts: int = 0
     #: The stage its call must end in (when it gets a call id).
@@ -130,25 +132,66 @@ HUGE = 20000000000000000
 
 CASES = [
     # -- integers no counter can hold, or no integer at all (finding 1) --
-    case("max-tokens-1e17", post_chat(max_tokens=1e17), 400, error="invalid_request"),
-    case("max-tokens-2e16", post_chat(max_tokens=HUGE), 400, error="invalid_request"),
-    case("max-tokens-float", post_chat(max_tokens=8.5), 400, error="invalid_request"),
-    case("max-tokens-negative", post_chat(max_tokens=-1), 400, error="invalid_request"),
-    case("max-tokens-string", post_chat(max_tokens="8"), 400, error="invalid_request"),
-    case("max-tokens-bool", post_chat(max_tokens=True), 400, error="invalid_request"),
     case(
-        "max-completion-2e64", post_chat(max_completion_tokens=2**64), 400, error="invalid_request"
+        "max-tokens-1e17",
+        post_chat(max_tokens=1e17),
+        400,
+        error="invalid_request",
+        param="max_tokens",
     ),
-    case("n-1e17", post_chat(n=1e17), 400, error="invalid_request"),
-    case("n-2e16", post_chat(n=HUGE), 400, error="invalid_request"),
-    case("n-float", post_chat(n=1.5), 400, error="invalid_request"),
-    case("n-negative", post_chat(n=-2), 400, error="invalid_request"),
-    case("n-string", post_chat(n="2"), 400, error="invalid_request"),
+    case(
+        "max-tokens-2e16",
+        post_chat(max_tokens=HUGE),
+        400,
+        error="invalid_request",
+        param="max_tokens",
+    ),
+    case(
+        "max-tokens-float",
+        post_chat(max_tokens=8.5),
+        400,
+        error="invalid_request",
+        param="max_tokens",
+    ),
+    case(
+        "max-tokens-negative",
+        post_chat(max_tokens=-1),
+        400,
+        error="invalid_request",
+        param="max_tokens",
+    ),
+    case(
+        "max-tokens-string",
+        post_chat(max_tokens="8"),
+        400,
+        error="invalid_request",
+        param="max_tokens",
+    ),
+    case(
+        "max-tokens-bool",
+        post_chat(max_tokens=True),
+        400,
+        error="invalid_request",
+        param="max_tokens",
+    ),
+    case(
+        "max-completion-2e64",
+        post_chat(max_completion_tokens=2**64),
+        400,
+        error="invalid_request",
+        param="max_completion_tokens",
+    ),
+    case("n-1e17", post_chat(n=1e17), 400, error="invalid_request", param="n"),
+    case("n-2e16", post_chat(n=HUGE), 400, error="invalid_request", param="n"),
+    case("n-float", post_chat(n=1.5), 400, error="invalid_request", param="n"),
+    case("n-negative", post_chat(n=-2), 400, error="invalid_request", param="n"),
+    case("n-string", post_chat(n="2"), 400, error="invalid_request", param="n"),
     case(
         "anthropic-max-tokens-2e16",
         http("POST", MESSAGES, json_body=message(max_tokens=HUGE)),
         400,
         error="invalid_request",
+        param="max_tokens",
     ),
     # -- paths that would leave the tool provider's /tenant1 (finding 3) --
     case(
@@ -458,6 +501,8 @@ def test_input(env: Env, row: Case) -> None:
     env.told.add(outcome.call_id)
     assert outcome.status in row.status, outcome
     assert outcome.error_type == row.error, outcome
+    if row.param is not None:
+        assert outcome.error_param == row.param, outcome
     if row.error is not None and outcome.status is not None and outcome.status < 500:
         assert outcome.should_retry == "false", outcome
     assert not outcome.replayed, outcome
