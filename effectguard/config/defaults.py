@@ -29,6 +29,14 @@ MAX_CONNECTIONS = 1024
 KEEP_ALIVE_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
 
+# The operator page (docs/operations.md): where it lives and how long a login lasts.
+#: Every page and form of the operator page is under this path; nothing else is.
+ADMIN_PREFIX = "/_effectguard/"
+#: A login session's lifetime; after it the browser must log in with the key again.
+ADMIN_SESSION_S = 8 * 3600.0
+#: Mixed into the page's session signing secret when set (the same on every replica).
+ADMIN_SECRET_ENV = "EFFECTGUARD_ADMIN_SECRET"
+
 # A worker's lease, its heartbeat and the recovery sweep (docs/contract.md §7).
 LEASE_S = 15.0
 HEARTBEAT_S = 3.0

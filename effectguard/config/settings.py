@@ -36,11 +36,21 @@ Config file reference (every table optional)::
     sha256 = "<hex digest of the key>"   # `effectguard key new` prints one
     budget_root = "team-a"
     metrics = false             # true: this key may read /metrics (needed once keys exist)
+
+    [admin]                     # the operator page under /_effectguard/; off without keys
+    session_hours = 8           # a login lasts this long
+    [[admin.keys]]              # `effectguard key new --admin NAME` prints one
+    name = "ana"                # recorded as `by` on every decision made with this key
+    sha256 = "<hex digest of the admin key>"
+
+The environment variable ``EFFECTGUARD_ADMIN_SECRET``, when set, is mixed into the
+operator page's session signing secret (see :class:`AdminSettings`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -79,6 +89,37 @@ class ProxyKey:
     metrics: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class AdminKey:
+    """An operator's key for the operator page, stored only as its SHA-256."""
+
+    name: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """The operator page: on only when ``keys`` is not empty.
+
+    ``secret`` (from ``EFFECTGUARD_ADMIN_SECRET``) is mixed into the session signing
+    secret, so that reading the config file's digests is not enough to forge a login.
+    """
+
+    keys: tuple[AdminKey, ...] = ()
+    session_s: float = defaults.ADMIN_SESSION_S
+    secret: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the operator page is served at all."""
+        return bool(self.keys)
+
+    def key_for(self, presented: str) -> AdminKey | None:
+        """The admin key matching ``presented``, if any."""
+        digest = hash_key(presented)
+        return next((k for k in self.keys if hmac.compare_digest(k.sha256, digest)), None)
+
+
 def hash_key(key: str) -> str:
     """The stored form of a proxy key."""
     return hashlib.sha256(key.encode()).hexdigest()
@@ -107,6 +148,7 @@ class ServeSettings:
     guard: GuardSettings = field(default_factory=GuardSettings)
     budget_limits: Mapping[str, int] = field(default_factory=dict)
     keys: tuple[ProxyKey, ...] = ()
+    admin: AdminSettings = field(default_factory=AdminSettings)
     max_body_bytes: int = defaults.MAX_BODY_BYTES
     drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
     front_door: FrontDoor = field(default_factory=lambda: FrontDoor())
@@ -175,6 +217,34 @@ def _budget_limits(raw: Mapping[str, Any], source: str) -> dict[str, int]:
     return limits
 
 
+def _digest(entry: Mapping[str, Any], where: str) -> str:
+    digest = str(entry["sha256"]).lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ConfigError(f"{where}.sha256: must be a hex SHA-256 digest")
+    return digest
+
+
+def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> AdminSettings:
+    """``[admin]``: the operator page's keys (each named: the name signs decisions)."""
+    table = _table(raw, "admin", source)
+    entries = table.get("keys", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"{source}: admin.keys must be an array of tables")
+    keys: list[AdminKey] = []
+    for i, entry in enumerate(entries):
+        where = f"{source}: admin.keys[{i}]"
+        if not isinstance(entry, dict) or not {"name", "sha256"} <= entry.keys():
+            raise ConfigError(f"{where}: needs name and sha256")
+        name = str(entry["name"]).strip()
+        if not name or any(not c.isprintable() for c in name):
+            raise ConfigError(f"{where}.name: must be a printable, non-empty name")
+        keys.append(AdminKey(name, _digest(entry, where)))
+    hours = _number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")
+    if hours <= 0:
+        raise ConfigError(f"{source}: admin.session_hours must be positive")
+    return AdminSettings(tuple(keys), hours * 3600, env.get(defaults.ADMIN_SECRET_ENV, ""))
+
+
 def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
     """``[[keys]]``: each a SHA-256 digest of a proxy key and the budget root it fixes."""
     keys = []
@@ -182,9 +252,7 @@ def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, dict) or not {"sha256", "budget_root"} <= entry.keys():
             raise ConfigError(f"{where}: needs sha256 and budget_root")
-        digest = str(entry["sha256"]).lower()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ConfigError(f"{where}.sha256: must be a hex SHA-256 digest")
+        digest = _digest(entry, where)
         try:
             root = budgets.validate_path(str(entry["budget_root"]))
         except ValueError as exc:
@@ -244,6 +312,7 @@ def load_settings(
         ),
         budget_limits=limits,
         keys=tuple(keys),
+        admin=_admin(raw, source, env),
         max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
         drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),

@@ -24,6 +24,7 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
+from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
@@ -92,6 +93,10 @@ class ProxyApp:
         self._urls: dict[tuple[str, bytes], httpx.URL] = {}
         self._metrics_server: Any = None
         self._handle_http = InternalErrorBoundary(self._http, self._count_internal_error)
+        # The operator page (ingress/admin); not mounted at all without an admin key.
+        self.admin = (
+            AdminPage(settings.admin, self.runtime.ledger) if settings.admin.enabled else None
+        )
 
     # -- lifespan -------------------------------------------------------------
     async def startup(self) -> None:
@@ -168,6 +173,9 @@ class ProxyApp:
             headers = [(k.encode(), v.encode()) for k, v in error_headers(refusal).items()]
             headers.append((b"connection", b"close"))
             await _raw(send, 400, headers, json.dumps(error_body("openai", refusal)).encode())
+            return
+        if self.admin is not None and self.admin.owns(path):
+            await self.admin(scope, receive, send)
             return
         try:
             name, upstream_path = _route(scope)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import secrets
 import sys
 from pathlib import Path
@@ -97,6 +98,11 @@ def cmd_key_new(args: argparse.Namespace) -> int:
     from effectguard.config.settings import hash_key
 
     key = "eg-" + secrets.token_urlsafe(24)
+    if args.admin is not None:
+        print(f"admin key (give it to the operator; it is not stored): {key}")
+        print("config:")
+        print(f'[[admin.keys]]\nname = {json.dumps(args.admin)}\nsha256 = "{hash_key(key)}"')
+        return EXIT_OK
     print(f"key (give it to the tenant; it is not stored): {key}")
     print("config:")
     print(
@@ -136,7 +142,11 @@ def _migrate_arguments(p: argparse.ArgumentParser) -> None:
 def _key_arguments(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="key_command", required=True, metavar="ACTION")
     q = actions.add_parser("new", help="make a proxy key", description="Make a new proxy key.")
-    q.add_argument("--root", required=True, help="the budget root this key may spend")
+    who = q.add_mutually_exclusive_group(required=True)
+    who.add_argument("--root", help="the budget root this key may spend")
+    who.add_argument(
+        "--admin", metavar="NAME", help="an operator page key instead, for the operator NAME"
+    )
     q.set_defaults(run=cmd_key_new)
 
 

@@ -1,0 +1,237 @@
+"""The operator page as an ASGI app mounted under ``/_effectguard/`` by the proxy.
+
+Every request needs the admin key: a browser logs in once with it (the form POSTs
+it; the answer sets a signed session cookie, never the key), and a script may send
+it as ``Authorization: Bearer KEY`` instead. Without either the answer is 401 and
+the login form. State changes only by POST: a cookie session's POST must also
+come from this server's own page (``Origin``/``Referer``) and carry the session's
+CSRF token, or it is refused with 403 before the ledger is touched.
+
+The page reads and writes only through :class:`~effectguard.ledger.Ledger`, the
+API the CLI uses, and keeps no state of its own: any replica answers any request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import quote
+
+from effectguard.config.settings import AdminSettings
+from effectguard.errors import CallNotFound, LedgerError, ReconcileError
+from effectguard.ingress.admin import views
+from effectguard.ingress.admin.exchange import Exchange, FormTooLarge, Receive, Scope, Send
+from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, page
+from effectguard.ingress.admin.session import Session, Sessions, same_origin
+from effectguard.ingress.admin.spend import DAY_S, spend_by_day
+from effectguard.ledger import Ledger
+from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.workstate import STAGES
+
+log = logging.getLogger("effectguard.admin")
+
+#: Most effect-unknown calls listed (the oldest); most calls read for the spend chart.
+UNKNOWN_SHOWN = 500
+SPEND_CALLS = 50_000
+_SCAN = 100_000
+
+
+class Refused(Exception):
+    """A request the page answers with a status and a message, changing nothing."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class AdminPage:
+    """The operator page: login, unknown calls, a call, budgets, spend, reconcile."""
+
+    def __init__(
+        self,
+        admin: AdminSettings,
+        ledger: Ledger,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._admin = admin
+        self._ledger = ledger
+        self._clock = clock
+        self.sessions = Sessions(admin)
+
+    @staticmethod
+    def owns(path: str) -> bool:
+        """Whether ``path`` belongs to the page (everything under its prefix)."""
+        return path.startswith(PREFIX) or path == PREFIX.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex = Exchange(scope, receive, send)
+        if ex.path == PREFIX.rstrip("/"):
+            await ex.redirect(PREFIX)
+            return
+        try:
+            await self._route(ex, ex.path.removeprefix(PREFIX))
+        except Refused as refused:
+            await self._refused(ex, refused)
+        except FormTooLarge:
+            await self._refused(ex, Refused(413, "that form is too large"))
+        except LedgerError as exc:
+            log.warning("operator page: the ledger failed: %s", exc)
+            await self._refused(ex, Refused(503, "the ledger is unavailable; try again"))
+
+    async def _route(self, ex: Exchange, sub: str) -> None:
+        if sub == "login" and ex.method == "POST":
+            await self._login(ex)
+            return
+        session = self._authenticate(ex)
+        if session is None:
+            await ex.html(401, login_page(None, ex.path), ((b"www-authenticate", b"Bearer"),))
+            return
+        if ex.method == "POST":
+            await self._post(ex, sub, session)
+        elif ex.method in ("GET", "HEAD"):
+            await self._get(ex, sub, session)
+        else:
+            raise Refused(405, f"{ex.method} is not allowed here")
+
+    def _authenticate(self, ex: Exchange) -> Session | None:
+        """The session a request proves: a bearer admin key, else the session cookie."""
+        authorization = ex.header("authorization")
+        if authorization is not None:
+            key = self._admin.key_for(authorization.removeprefix("Bearer ").strip())
+            # A bearer request is no browser's ambient credential: it needs no CSRF token.
+            return None if key is None else Session(key.name, "", 0.0)
+        token = ex.cookie()
+        return self.sessions.check(token, self._clock()) if token else None
+
+    async def _get(self, ex: Exchange, sub: str, session: Session) -> None:
+        csrf = self.sessions.csrf_token(session) if session.token else ""
+        if sub == "":
+            body = await self._unknown_calls()
+        elif sub.startswith("calls/") and sub.count("/") == 1:
+            body = await self._call(sub.removeprefix("calls/"), csrf)
+            done = ex.param("done")
+            notice = flash(f"Recorded: {done}.") if done in STAGES else ""
+            await ex.html(200, page("Call", body, who=session.name, csrf=csrf, notice=notice))
+            return
+        elif sub == "budgets":
+            body = views.budget_tree(await self._ledger.budgets())
+        elif sub == "spend":
+            body = await self._spend(ex.param("days"))
+        elif sub == "login":
+            await ex.redirect(PREFIX)
+            return
+        else:
+            raise Refused(404, "there is no such page")
+        await ex.html(200, page("Operator", body, who=session.name, csrf=csrf))
+
+    async def _unknown_calls(self) -> str:
+        calls = await self._ledger.calls(stage="effect_unknown", limit=_SCAN)
+        oldest = sorted(calls, key=lambda c: c.created_at)
+        return views.unknown_calls(
+            oldest[:UNKNOWN_SHOWN], now=self._clock(), truncated=len(oldest) > UNKNOWN_SHOWN
+        )
+
+    async def _call(self, call_id: str, csrf: str) -> str:
+        ledger = self._ledger
+        try:
+            state = await ledger.call(call_id)
+        except CallNotFound:
+            raise Refused(404, f"there is no call {call_id!r}") from None
+        events = await ledger.events(call_id)
+        return views.call_page(state, events, now=self._clock(), csrf=csrf)
+
+    async def _spend(self, days_text: str | None) -> str:
+        days = int(days_text) if days_text and days_text.isdigit() else 14
+        days = min(max(days, 1), 366)
+        calls = await self._ledger.calls(limit=SPEND_CALLS)
+        now = self._clock()
+        partial = None
+        if len(calls) >= SPEND_CALLS and calls[-1].created_at > now - days * DAY_S:
+            partial = calls[-1].created_at  # the window reaches past the calls read
+        return views.spend(spend_by_day(calls, now=now, days=days), days=days, partial_from=partial)
+
+    # -- state changes ----------------------------------------------------------
+    async def _login(self, ex: Exchange) -> None:
+        """The login form's POST: the admin key in, a session cookie out."""
+        self._check_origin(ex)
+        form = await ex.form()
+        key = self._admin.key_for(form.get("key", ""))
+        target = _local(form.get("next", PREFIX))
+        if key is None:
+            log.warning("operator page: a login with a wrong key was refused")
+            await ex.html(401, login_page("That is not an admin key.", target))
+            return
+        session = self.sessions.issue(key, self._clock())
+        cookie = ex.set_cookie(session.token, int(self.sessions.lifetime_s))
+        await ex.redirect(target, (cookie,))
+
+    async def _post(self, ex: Exchange, sub: str, session: Session) -> None:
+        form = await ex.form()
+        if session.token:  # a cookie: prove the POST comes from this page of this session
+            self._check_origin(ex)
+            if not self.sessions.csrf_ok(session, form.get("csrf", "")):
+                raise Refused(403, "this form is stale or forged (CSRF token); reload the page")
+        if sub == "logout":
+            await ex.redirect(PREFIX, (ex.set_cookie("", 0),))
+        elif sub.startswith("calls/") and sub.endswith("/reconcile") and sub.count("/") == 2:
+            call_id = sub.split("/")[1]
+            await self._reconcile(ex, call_id, form, session)
+        else:
+            raise Refused(404, "there is no such action")
+
+    def _check_origin(self, ex: Exchange) -> None:
+        if not same_origin(ex.header("origin"), ex.header("referer"), ex.header("host")):
+            raise Refused(403, "a state change must come from this page (Origin/Referer)")
+
+    async def _reconcile(
+        self, ex: Exchange, call_id: str, form: dict[str, str], session: Session
+    ) -> None:
+        """Record an operator's decision as ``call.reconciled`` by the admin key's name."""
+        decision = form.get("decision", "")
+        note = form.get("note", "").strip()
+        cost_text = form.get("cost", "").strip()
+        problem = None
+        cost = None
+        if decision not in views.DECISIONS:
+            problem = "choose a decision: applied or not applied"
+        elif not note:
+            problem = "a note is required: say how you know"
+        elif cost_text and decision != "applied":
+            problem = "a cost goes with applied"
+        elif cost_text:
+            try:
+                cost = usd_to_nanos(cost_text)
+            except ValueError:
+                problem = f"not a USD amount: {cost_text!r}"
+        if problem is None:
+            try:
+                state = await self._ledger.reconcile(
+                    call_id, applied=decision == "applied", note=note, by=session.name, cost=cost
+                )
+            except CallNotFound:
+                raise Refused(404, f"there is no call {call_id!r}") from None
+            except ReconcileError as exc:
+                problem, status = str(exc), 409
+            else:
+                log.info("operator %s reconciled %s: %s", session.name, call_id, state.stage)
+                await ex.redirect(f"{PREFIX}calls/{quote(call_id)}?done={state.stage}")
+                return
+        else:
+            status = 400
+        csrf = self.sessions.csrf_token(session) if session.token else ""
+        body = await self._call(call_id, csrf)
+        notice = flash(problem, "error")
+        await ex.html(status, page("Call", body, who=session.name, csrf=csrf, notice=notice))
+
+    async def _refused(self, ex: Exchange, refused: Refused) -> None:
+        body = f"<h1>{refused.status}</h1><p>{esc(str(refused))}</p>"
+        await ex.html(refused.status, page("Refused", body, who=None))
+
+
+def _local(target: str) -> str:
+    """A redirect target only if it is a path of the page (no open redirect)."""
+    if target.startswith(PREFIX) and "//" not in target and "\\" not in target:
+        return target
+    return PREFIX

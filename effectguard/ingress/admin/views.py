@@ -1,0 +1,305 @@
+"""The operator page's pages: unknown calls, one call, the budget tree, spend.
+
+Each function takes values read from the ledger and returns a page body (markup);
+none reads the ledger, a clock or a request itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from effectguard.ingress.admin import charts
+from effectguard.ingress.admin.markup import (
+    PREFIX,
+    age,
+    attr,
+    csrf_field,
+    esc,
+    table,
+    usd,
+    when,
+)
+from effectguard.ingress.admin.spend import SpendTable
+from effectguard.rules.budget import BudgetNode
+from effectguard.rules.events import StoredEvent
+from effectguard.rules.workstate import WorkState
+
+#: Longest request or response body shown on a call's page (the rest is cut, and said so).
+BODY_SHOWN = 20_000
+#: Event kinds that bear on whether the effect happened, beside any kind not listed in
+#: ``_ROUTINE`` (kinds added later show up as evidence rather than being hidden).
+_EVIDENCE = {"attempt.observed", "attempt.interrupted", "attempt.not_sent", "call.reconciled"}
+_ROUTINE = {
+    "call.manifest",
+    "attempt.started",
+    "budget.reserved",
+    "budget.settled",
+    "budget.released",
+    "budget.held",
+    "budget.unheld",
+    "call.completed",
+    "call.refused",
+}
+
+
+def call_link(call_id: str) -> str:
+    """A link to a call's page."""
+    return f'<a href="{PREFIX}calls/{attr(call_id)}"><code>{esc(call_id)}</code></a>'
+
+
+def stage_badge(stage: str) -> str:
+    """A call's stage as a coloured label."""
+    return f'<span class="stage {attr(stage)}">{esc(stage)}</span>'
+
+
+def unknown_calls(calls: Sequence[WorkState], *, now: float, truncated: bool) -> str:
+    """Effect-unknown calls, oldest first, with their age and the money they hold."""
+    held = sum(c.held for c in calls)
+    intro = (
+        f"<p>{len(calls)} call(s) whose effect is unknown, holding {usd(held)}. "
+        "Each waits for a decision: open it, look at the evidence, and reconcile it.</p>"
+    )
+    if not calls:
+        return (
+            '<h1>Unknown-effect calls</h1><p class="empty">No call is waiting for a decision.</p>'
+        )
+    rows = [
+        [
+            call_link(c.call_id),
+            age(now - c.created_at),
+            f'<span title="{attr(when(c.created_at))}">{esc(when(c.created_at))}</span>',
+            usd(c.held),
+            esc(c.budget),
+            esc(c.provider),
+            esc(c.model),
+            esc(c.idempotency_key),
+            str(c.attempts),
+        ]
+        for c in calls
+    ]
+    headings = ["call", "age", "admitted", "held", "budget", "provider", "model", "key", "attempts"]
+    more = '<p class="muted">Only the oldest calls are shown.</p>' if truncated else ""
+    return f"<h1>Unknown-effect calls</h1>{intro}{table(headings, rows, (1, 3, 8))}{more}"
+
+
+def _pretty(text: str, encoding: str) -> str:
+    """A stored body for reading: JSON pretty-printed, cut at :data:`BODY_SHOWN`."""
+    if encoding != "utf8":
+        return f"({len(text)} characters of {encoding}-encoded bytes)"
+    with contextlib.suppress(ValueError):  # not JSON: shown as it is
+        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    if len(text) > BODY_SHOWN:
+        return text[:BODY_SHOWN] + f"\n… ({len(text) - BODY_SHOWN} more characters not shown)"
+    return text
+
+
+def _data(event: StoredEvent) -> str:
+    """An event's data without its stored body, compactly."""
+    data = {k: v for k, v in event.data.items() if k != "body"}
+    return json.dumps(data, ensure_ascii=False, sort_keys=True)
+
+
+def _summary(state: WorkState, manifest: dict[str, Any], now: float) -> str:
+    fields = [
+        ("stage", stage_badge(state.stage)),
+        ("effect", esc(state.effect)),
+        ("next operation", esc(state.next_operation)),
+        ("provider", esc(state.provider)),
+        ("endpoint", esc(f"{manifest.get('method', '')} {manifest.get('endpoint', '')}")),
+        ("model", esc(state.model)),
+        ("budget", esc(state.budget)),
+        ("idempotency key", esc(state.idempotency_key)),
+        ("admitted", f"{esc(when(state.created_at))} ({age(now - state.created_at)} ago)"),
+        ("attempts", str(state.attempts)),
+        ("reserved at admission", usd(state.reserved_at_admission)),
+        ("held", usd(state.held)),
+        ("cost", usd(state.cost)),
+        ("status", esc(state.status)),
+        ("flagged", esc(state.flagged)),
+    ]
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in fields)
+    return f"<table>{rows}</table>"
+
+
+def _attempts(events: Sequence[StoredEvent]) -> str:
+    ends = {
+        (e.data.get("attempt")): e
+        for e in events
+        if e.kind in ("attempt.observed", "attempt.not_sent", "attempt.interrupted")
+    }
+    rows = []
+    for e in events:
+        if e.kind != "attempt.started":
+            continue
+        end = ends.get(e.data.get("attempt"))
+        if end is None:
+            outcome = "still in flight"
+        elif end.kind == "attempt.observed":
+            outcome = f"answered {end.data.get('status')}"
+        else:
+            outcome = f"{end.kind.removeprefix('attempt.')}: {end.data.get('reason', '')}"
+        rows.append(
+            [
+                esc(e.data.get("attempt")),
+                esc(when(e.at)),
+                esc(e.data.get("worker")),
+                esc(e.data.get("provider_idempotency_key")),
+                esc(outcome),
+                esc(when(end.at)) if end is not None else "-",
+            ]
+        )
+    headings = ["#", "started", "worker", "provider key sent", "how it ended", "ended"]
+    return table(headings, rows) if rows else '<p class="empty">No attempt was started.</p>'
+
+
+def _evidence(events: Sequence[StoredEvent]) -> str:
+    items = []
+    for e in events:
+        if e.kind not in _EVIDENCE and e.kind in _ROUTINE:
+            continue
+        body = ""
+        if "body" in e.data:
+            text = _pretty(str(e.data["body"]), str(e.data.get("body_encoding", "utf8")))
+            body = f"<pre>{esc(text)}</pre>"
+        items.append(
+            f"<li><b>{esc(e.kind)}</b> #{e.seq} at {esc(when(e.at))} by {esc(e.worker)}"
+            f"<br><code>{esc(_data(e))}</code>{body}</li>"
+        )
+    if not items:
+        return '<p class="empty">No evidence recorded yet.</p>'
+    return "<ul>" + "".join(items) + "</ul>"
+
+
+def _events(events: Sequence[StoredEvent]) -> str:
+    rows = [
+        [str(e.seq), esc(when(e.at)), esc(e.kind), esc(e.worker), f"<code>{esc(_data(e))}</code>"]
+        for e in events
+    ]
+    return table(["seq", "at", "kind", "worker", "data"], rows, (0,))
+
+
+def _request(manifest: dict[str, Any]) -> str:
+    headers = manifest.get("headers") or {}
+    head = "".join(f"{k}: {v}\n" for k, v in sorted(headers.items()))
+    body = _pretty(str(manifest.get("body", "")), str(manifest.get("body_encoding", "utf8")))
+    line = f"{manifest.get('method', '')} {manifest.get('endpoint', '')}\n"
+    return f"<pre>{esc(line + head)}</pre><pre>{esc(body)}</pre>"
+
+
+#: The decisions an operator can record, as the CLI's ``reconcile`` offers them:
+#: name -> (button text, what it means for the money).
+DECISIONS: dict[str, tuple[str, str]] = {
+    "not_applied": (
+        "Not applied",
+        "The provider did not perform it: the held money is released and the key "
+        "may be sent once more.",
+    ),
+    "applied": (
+        "Applied",
+        "The provider performed it: the cost (default: what is held) is spent.",
+    ),
+}
+
+
+def _decide_forms(state: WorkState, csrf: str) -> str:
+    if state.next_operation != "reconcile":
+        return (
+            f'<p class="muted">Nothing to decide: this call is {esc(state.stage)} '
+            f"(next operation: {esc(state.next_operation)}).</p>"
+        )
+    forms = []
+    for name, (label, meaning) in DECISIONS.items():
+        cost = ""
+        if name == "applied":
+            cost = (
+                "<label>Cost in USD (empty: the held amount, "
+                f'{usd(state.held)}) <input type="text" name="cost" id="cost-{name}" '
+                'inputmode="decimal" placeholder="0.0123"></label>'
+            )
+        forms.append(
+            f'<form class="decide" method="post" id="reconcile-{name}" '
+            f'action="{PREFIX}calls/{attr(state.call_id)}/reconcile">{csrf_field(csrf)}'
+            f'<input type="hidden" name="decision" value="{name}">'
+            f'<b>{esc(label)}</b> <span class="muted">{esc(meaning)}</span>{cost}'
+            f'<label>Note (required: how you know) <textarea name="note" id="note-{name}" '
+            f'rows="2" required></textarea></label>'
+            f'<button class="primary" type="submit" id="submit-{name}">'
+            f"Record: {esc(label.lower())}</button></form>"
+        )
+    return "".join(forms)
+
+
+def call_page(state: WorkState, events: Sequence[StoredEvent], *, now: float, csrf: str) -> str:
+    """One call: its state, request, attempts, evidence, events and the decisions open."""
+    manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+    return (
+        f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
+        f"{_summary(state, manifest, now)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf)}"
+        f"<h2>Evidence</h2>{_evidence(events)}"
+        f"<h2>Attempts</h2>{_attempts(events)}"
+        f"<h2>Request</h2>{_request(manifest)}"
+        f"<h2>Events</h2>{_events(events)}"
+    )
+
+
+def budget_tree(nodes: Sequence[BudgetNode]) -> str:
+    """Every budget node, parents before children, with its use against its limit."""
+    if not nodes:
+        return '<h1>Budgets</h1><p class="empty">No budget has been used yet.</p>'
+    rows = []
+    for node in sorted(nodes, key=lambda n: n.path.split("/")):
+        depth = node.path.count("/")
+        name = node.path.rsplit("/", 1)[-1]
+        rows.append(
+            [
+                f'<span style="padding-left:{depth * 18}px" title="{attr(node.path)}">'
+                f"{esc(name)}</span>",
+                usd(node.limit),
+                usd(node.spent),
+                usd(node.reserved),
+                usd(node.held),
+                usd(node.room),
+                charts.use_bar(node.committed, node.limit),
+            ]
+        )
+    headings = ["budget", "limit", "spent", "reserved", "held", "room", "use (spent+reserved+held)"]
+    note = (
+        '<p class="muted">A call is charged to its budget and every ancestor; use counts '
+        "spent, reserved and held money against the node's limit.</p>"
+    )
+    return f"<h1>Budgets</h1>{note}{table(headings, rows, (1, 2, 3, 4, 5))}"
+
+
+def spend(spending: SpendTable, *, days: int, partial_from: float | None) -> str:
+    """Spend per day by provider and model, as a chart and a table of totals."""
+    names = spending.series()
+    choose = " · ".join(f'<a href="{PREFIX}spend?days={d}">{d} days</a>' for d in (7, 14, 30, 90))
+    head = f"<h1>Spend, last {days} days (UTC)</h1><p>{choose}</p>"
+    if partial_from is not None:
+        head += (
+            '<p class="flash error">Only calls admitted since '
+            f"{esc(partial_from and when(partial_from))} were read; older days may show less.</p>"
+        )
+    if not names:
+        return head + '<p class="empty">No money was spent or held in this window.</p>'
+    labels = [d.strftime("%m-%d") for d in spending.days]
+    chart = charts.stacked_bars(
+        labels,
+        {n: spending.spent.get(n, [0] * len(labels)) for n in names},  # legend order = colours
+        title="spend per day",
+    )
+    rows = [
+        [
+            f'<span style="color:{charts.colour(i)}">■</span> {esc(name)}',
+            str(spending.calls.get(name, 0)),
+            usd(spending.total(name)),
+            usd(spending.held.get(name, 0)),
+        ]
+        for i, name in enumerate(names)
+    ]
+    totals = table(["provider/model", "calls", "spent", "held now"], rows, (1, 2, 3))
+    return f"{head}<figure>{chart}</figure>{totals}"
