@@ -287,8 +287,6 @@ def load_settings(
     guard = _table(raw, "guard", source)
     upstream = _table(raw, "upstream", source)
     providers = load_providers(list(provider_dirs), upstreams, name_upstream=name_upstream)
-    limits = _budget_limits(raw, source)
-    keys = _proxy_keys(raw, source)
     provider_keys = {
         name: env[p.api_key_env]
         for name, p in providers.items()
@@ -310,8 +308,8 @@ def load_settings(
             retry_wait_s=_number(guard, "retry_wait_s", g.retry_wait_s, "guard"),
             create_budgets=bool(guard.get("create_budgets", g.create_budgets)),
         ),
-        budget_limits=limits,
-        keys=tuple(keys),
+        budget_limits=_budget_limits(raw, source),
+        keys=tuple(_proxy_keys(raw, source)),
         admin=_admin(raw, source, env),
         max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
         drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
