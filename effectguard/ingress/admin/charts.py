@@ -7,8 +7,10 @@ page's table (same colours), so the SVG itself stays small and readable.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from decimal import Decimal
 
 from effectguard.ingress.admin.markup import attr, esc, usd
+from effectguard.rules.money import NANOS_PER_USD
 
 #: Distinguishable colours (Okabe-Ito and friends); series beyond them share the last.
 PALETTE = (
@@ -22,7 +24,7 @@ PALETTE = (
     "#b8a300",
 )
 WIDTH, HEIGHT = 960, 260
-_LEFT, _BOTTOM, _TOP = 70, 28, 12
+_LEFT, _BOTTOM, _TOP = 100, 28, 12
 
 
 def colour(i: int) -> str:
@@ -69,13 +71,22 @@ def _axis(top: int, plot_h: float) -> str:
     lines = []
     for fraction in (0.0, 0.5, 1.0):
         y = HEIGHT - _BOTTOM - fraction * plot_h
-        amount = usd(int(top * fraction))
+        amount = axis_usd(int(top * fraction))
         lines.append(
             f'<line x1="{_LEFT}" x2="{WIDTH - 10}" y1="{y:.1f}" y2="{y:.1f}" '
             f'stroke="#d5d9e1"/><text x="{_LEFT - 6}" y="{y + 4:.1f}" '
             f'text-anchor="end">{esc(amount)}</text>'
         )
     return "".join(lines)
+
+
+def axis_usd(nanos: int) -> str:
+    """An axis label: USD to three significant digits (``$0.0000128``, ``$12.5``)."""
+    if nanos <= 0:
+        return "$0"
+    amount = Decimal(nanos) / NANOS_PER_USD
+    places = max(2, 2 - amount.adjusted())
+    return f"${amount:.{places}f}"
 
 
 def use_bar(used: int, limit: int | None) -> str:

@@ -1,0 +1,227 @@
+"""The operator page over HTTP, through a real ``effectguard serve`` with a config file.
+
+It is invisible without an admin key, refuses every page and form without the key
+(401) or with a wrong one (401), and refuses a cross-site POST (403) without
+touching the ledger; a same-site POST with the session's CSRF token records the
+decision as ``call.reconciled`` by the admin key's name.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from operatorkit import (
+    ADMIN_KEY,
+    ADMIN_NAME,
+    PAGE,
+    Stack,
+    ledger_view,
+    operator_stack,
+    reconciliations,
+    send_chat,
+    unknown_call,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One configured proxy for the module (each test makes its own calls)."""
+    with operator_stack(tmp_path_factory.mktemp("operator")) as running:
+        yield running
+
+
+def fresh_key() -> str:
+    """An idempotency key no other test uses."""
+    return "k-" + uuid.uuid4().hex
+
+
+def login(stack: Stack) -> dict[str, str]:
+    """Log in through the form; the ``Cookie`` header that carries the session."""
+    response = httpx.post(
+        stack.url + PAGE + "login",
+        data={"key": ADMIN_KEY, "next": PAGE},
+        headers={"origin": stack.url},
+    )
+    assert response.status_code == 303, response.text
+    token = response.cookies["effectguard_admin"]
+    return {"cookie": f"effectguard_admin={token}"}
+
+
+def csrf_of(page: str) -> str:
+    """The CSRF token in a page's forms."""
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, "no CSRF field on the page"
+    return found.group(1)
+
+
+def reconcile_post(
+    stack: Stack, call_id: str, headers: dict[str, str], **form: str
+) -> httpx.Response:
+    """POST the not-applied form of ``call_id`` with ``headers`` and ``form``."""
+    data = {"decision": "not_applied", "note": "provider dashboard shows nothing"} | form
+    url = f"{stack.url}{PAGE}calls/{call_id}/reconcile"
+    return httpx.post(url, data=data, headers=headers)
+
+
+def test_page_is_invisible_without_admin_keys(tmp_path: Path) -> None:
+    """Without [[admin.keys]] every path under /_effectguard/ is a plain 404, GET or POST."""
+    with operator_stack(tmp_path, admin=False) as bare:
+        for path in ("", "login", "budgets", "calls/x"):
+            assert httpx.get(bare.url + PAGE + path).status_code == 404
+        posted = httpx.post(bare.url + PAGE + "login", data={"key": ADMIN_KEY})
+        assert posted.status_code == 404
+        assert "_effectguard" not in httpx.get(bare.url + PAGE).text.lower().replace(
+            "no provider named '_effectguard'", ""
+        )
+
+
+def test_every_page_and_form_needs_the_key(stack: Stack) -> None:
+    """Without a key every page answers 401 with the login form, and a POST changes nothing."""
+    call_id = unknown_call(stack, fresh_key())
+    for path in ("", "budgets", "spend", f"calls/{call_id}", "nowhere"):
+        response = httpx.get(stack.url + PAGE + path)
+        assert response.status_code == 401, path
+        assert 'name="key"' in response.text
+        assert "gpt-4o" not in response.text and "ops/agents" not in response.text
+    refused = reconcile_post(stack, call_id, {"origin": stack.url})
+    assert refused.status_code == 401
+    assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
+
+
+def test_a_wrong_key_is_refused(stack: Stack) -> None:
+    """A wrong bearer key, a wrong key in the login form and a forged cookie all get 401."""
+    call_id = unknown_call(stack, fresh_key())
+    wrong = httpx.get(stack.url + PAGE, headers={"authorization": "Bearer eg-not-the-key"})
+    assert wrong.status_code == 401
+    form = httpx.post(
+        stack.url + PAGE + "login", data={"key": "eg-not-the-key"}, headers={"origin": stack.url}
+    )
+    assert form.status_code == 401 and "set-cookie" not in form.headers
+    cookie = login(stack)["cookie"]
+    body, _, signature = cookie.partition(".")
+    forged = {"cookie": body + "." + ("0" if signature[0] != "0" else "1") + signature[1:]}
+    assert httpx.get(stack.url + PAGE, headers=forged).status_code == 401
+    decided = reconcile_post(
+        stack, call_id, {"authorization": "Bearer eg-not-the-key", "origin": stack.url}
+    )
+    assert decided.status_code == 401
+    assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
+
+
+def test_login_cookie_is_a_signed_httponly_strict_token(stack: Stack) -> None:
+    """The session cookie is HttpOnly, SameSite=Strict, scoped to the page and not the key."""
+    response = httpx.post(
+        stack.url + PAGE + "login", data={"key": ADMIN_KEY}, headers={"origin": stack.url}
+    )
+    assert response.status_code == 303 and response.headers["location"] == PAGE
+    cookie = response.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and f"Path={PAGE}" in cookie
+    assert ADMIN_KEY not in cookie
+    page = httpx.get(stack.url + PAGE, headers={"cookie": cookie.split(";")[0]})
+    assert page.status_code == 200 and ADMIN_NAME in page.text
+
+
+@pytest.mark.parametrize(
+    ("case", "origin", "csrf"),
+    [
+        ("no CSRF token", "self", None),
+        ("a wrong CSRF token", "self", "0" * 64),
+        ("a foreign Origin", "https://evil.example", "good"),
+        ("neither Origin nor Referer", None, "good"),
+    ],
+)
+def test_cross_site_post_is_refused_and_changes_nothing(
+    stack: Stack, case: str, origin: str | None, csrf: str | None
+) -> None:
+    """A cookie POST without the session's CSRF token or from another origin is 403."""
+    call_id = unknown_call(stack, fresh_key())
+    session = login(stack)
+    token = csrf_of(httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=session).text)
+    headers = dict(session)
+    if origin is not None:
+        headers["origin"] = stack.url if origin == "self" else origin
+    form = {} if csrf is None else {"csrf": token if csrf == "good" else csrf}
+    _, before = ledger_view(stack, call_id)
+    refused = reconcile_post(stack, call_id, headers, **form)
+    assert refused.status_code == 403, case
+    state, after = ledger_view(stack, call_id)
+    assert state.stage == "effect_unknown" and len(after) == len(before)
+    # The same session, from its own page with its token, is accepted: the check was the cause.
+    accepted = reconcile_post(stack, call_id, session | {"origin": stack.url}, csrf=token)
+    assert accepted.status_code == 303
+    assert ledger_view(stack, call_id)[0].stage == "reconciled_not_applied"
+
+
+def test_a_decision_needs_a_note(stack: Stack) -> None:
+    """A reconcile form without a note is refused with 400 and nothing is recorded."""
+    call_id = unknown_call(stack, fresh_key())
+    session = login(stack)
+    token = csrf_of(httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=session).text)
+    refused = reconcile_post(
+        stack, call_id, session | {"origin": stack.url}, csrf=token, note="   "
+    )
+    assert refused.status_code == 400 and "note is required" in refused.text
+    assert reconciliations(stack, call_id) == []
+
+
+def test_applied_with_a_cost_is_recorded_by_the_admin_name(stack: Stack) -> None:
+    """Applied with a cost writes call.reconciled (applied, that cost, by the key's name)."""
+    call_id = unknown_call(stack, fresh_key())
+    session = login(stack)
+    token = csrf_of(httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=session).text)
+    decided = reconcile_post(
+        stack,
+        call_id,
+        session | {"origin": stack.url},
+        csrf=token,
+        decision="applied",
+        cost="0.0125",
+        note="billed on the invoice",
+    )
+    assert decided.status_code == 303
+    assert decided.headers["location"] == f"{PAGE}calls/{call_id}?done=reconciled_applied"
+    [decision] = reconciliations(stack, call_id)
+    assert decision["applied"] is True and decision["cost"] == 12_500_000
+    assert decision["by"] == ADMIN_NAME and decision["note"] == "billed on the invoice"
+    again = reconcile_post(stack, call_id, session | {"origin": stack.url}, csrf=token)
+    assert again.status_code == 409 and len(reconciliations(stack, call_id)) == 1
+
+
+def test_a_script_may_use_the_key_as_a_bearer_token(stack: Stack) -> None:
+    """With Authorization: Bearer KEY a script reads pages and decides without a CSRF token."""
+    call_id = unknown_call(stack, fresh_key())
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    listed = httpx.get(stack.url + PAGE, headers=bearer)
+    assert listed.status_code == 200 and call_id in listed.text
+    decided = reconcile_post(stack, call_id, bearer)
+    assert decided.status_code == 303
+    assert reconciliations(stack, call_id)[0]["by"] == ADMIN_NAME
+
+
+def test_ledger_text_is_escaped(stack: Stack) -> None:
+    """Request text from a client reaches the call's page escaped, never as markup."""
+    call_id = unknown_call(stack, fresh_key(), content="<script>alert('x')</script>")
+    page = httpx.get(
+        f"{stack.url}{PAGE}calls/{call_id}", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert page.status_code == 200
+    assert "<script>" not in page.text and "&lt;script&gt;" in page.text
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+
+
+def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:
+    """The budget page shows each node against its limit; the spend page charts the cost."""
+    answered = send_chat(stack, fresh_key())
+    assert answered.status_code == 200
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    budgets = httpx.get(stack.url + PAGE + "budgets", headers=bearer).text
+    assert "ops" in budgets and "agents" in budgets and "$5.00" in budgets
+    spend = httpx.get(stack.url + PAGE + "spend?days=7", headers=bearer).text
+    assert "openai/gpt-4o-mini" in spend and "<svg" in spend and "<rect" in spend
