@@ -282,7 +282,7 @@ def spend(spending: SpendTable, *, days: int, partial_from: float | None) -> str
     if partial_from is not None:
         head += (
             '<p class="flash error">Only calls admitted since '
-            f"{esc(partial_from and when(partial_from))} were read; older days may show less.</p>"
+            f"{esc(when(partial_from))} were read; older days may show less.</p>"
         )
     if not names:
         return head + '<p class="empty">No money was spent or held in this window.</p>'
