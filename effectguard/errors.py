@@ -8,7 +8,8 @@
     │   ├── LedgerUnavailable       a transaction could not commit (503, nothing sent)
     │   ├── FencedError             this worker was taken over; the store refused its write
     │   ├── LedgerCorrupt           the ledger's own checks failed (verify, pragmas)
-    │   └── CallNotFound            no call with that id
+    │   ├── CallNotFound            no call with that id
+    │   └── KeyChangeRefused        a proxy key change the ledger refuses (name taken, unknown)
     ├── Refusal                     the guard answers a request without dispatching it
     │                                (status, type, call_id, stage, next_operation)
     └── ReconcileError              a reconcile that the call's stage does not allow
@@ -55,6 +56,10 @@ class CallNotFound(LedgerError):
     def __init__(self, call_id: str) -> None:
         super().__init__(f"no call {call_id!r} in the ledger")
         self.call_id = call_id
+
+
+class KeyChangeRefused(LedgerError):
+    """A proxy key change the ledger refuses: a name already in use, an unknown key."""
 
 
 class Refusal(EffectguardError):

@@ -28,6 +28,9 @@ MAX_CONNECTIONS = 1024
 #: How long an idle kept-alive connection stays open.
 KEEP_ALIVE_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
+#: How often each replica re-reads the ledger's proxy keys: a key created or revoked
+#: anywhere is honoured by every replica within about this long.
+KEY_REFRESH_S = 2.0
 
 # The operator page (docs/operations.md): where it lives and how long a login lasts.
 #: Every page and form of the operator page is under this path; nothing else is.

@@ -5,6 +5,8 @@ environment is read here only (provider keys by the names declarations give).
 
 Config file reference (every table optional)::
 
+    ledger = "effectguard.db"   # or postgresql://...; CLI commands find it with --config
+
     [server]
     host = "127.0.0.1"
     port = 8787
@@ -18,6 +20,7 @@ Config file reference (every table optional)::
     keep_alive_timeout_s = 5    # an idle kept-alive connection is closed after this
     metrics_host = "127.0.0.1"  # with metrics_port: /metrics on its own listener only
     metrics_port = 9464
+    key_refresh_s = 2           # each replica re-reads the ledger's keys this often
 
     [guard]
     retry_window_s = 600        # key-less declared retries match calls this recent
@@ -28,12 +31,12 @@ Config file reference (every table optional)::
     connect_timeout_s = 10
     read_timeout_s = 600
 
-    [budgets]                   # limits in USD (decimal strings)
-    "team-a" = "50.00"
+    [budgets]                   # limits in USD (decimal strings); seeds only paths whose
+    "team-a" = "50.00"          # limit no operator has set with `budget set` (that wins)
 
-    [[keys]]                    # proxy keys; with any, every request needs one
-    name = "team-a"
-    sha256 = "<hex digest of the key>"   # `effectguard key new` prints one
+    [[keys]]                    # proxy keys; with any (here or in the ledger), every
+    name = "team-a"             # request needs one. `effectguard key new` keeps keys in
+    sha256 = "<hex digest of the key>"   # the ledger instead: no restart, no file edit
     budget_root = "team-a"
     metrics = false             # true: this key may read /metrics (needed once keys exist)
 
@@ -159,9 +162,10 @@ class ServeSettings:
     lease_s: float = defaults.LEASE_S
     heartbeat_s: float = defaults.HEARTBEAT_S
     sweep_s: float = defaults.SWEEP_S
+    key_refresh_s: float = defaults.KEY_REFRESH_S
 
     def key_root(self, presented: str) -> ProxyKey | None:
-        """The proxy key matching ``presented``, if any."""
+        """The config-file proxy key matching ``presented``, if any."""
         digest = hash_key(presented)
         return next((k for k in self.keys if k.sha256 == digest), None)
 
@@ -321,4 +325,20 @@ def load_settings(
         lease_s=_number(server, "lease_s", d.LEASE_S, "server"),
         heartbeat_s=_number(server, "heartbeat_s", d.HEARTBEAT_S, "server"),
         sweep_s=_number(server, "sweep_s", d.SWEEP_S, "server"),
+        key_refresh_s=_positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
     )
+
+
+def _positive(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    value = _number(table, key, default, where)
+    if value <= 0:
+        raise ConfigError(f"{where}.{key}: must be above zero")
+    return value
+
+
+def config_ledger(config: Path) -> str | None:
+    """The ledger a config file names (``ledger = ...``), so the CLI finds serve's ledger."""
+    value = _read_config(config).get("ledger")
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{config}: ledger must be a string (a path or a DSN)")
+    return value

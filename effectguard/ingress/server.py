@@ -26,6 +26,8 @@ from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
+from effectguard.ingress.keyring import Grant, KeyRing
+from effectguard.ingress.limitseed import seed_limits
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
@@ -83,6 +85,7 @@ class ProxyApp:
             )
         )
         self.guard: Guard | None = None
+        self.keyring = KeyRing(settings.keys, settings.key_refresh_s)
         self.inner: httpx.AsyncBaseTransport | None = None
         self._timeout = {
             "connect": settings.connect_timeout_s,
@@ -104,10 +107,8 @@ class ProxyApp:
         self.guard = await self.runtime.start()
         self.inner = self._inner or default_inner_transport(self.settings)
         if self.settings.budget_limits:
-            current = {n.path: n.limit for n in await self.runtime.ledger.budgets()}
-            for path, limit in self.settings.budget_limits.items():
-                if current.get(path) != limit:
-                    await self.runtime.ledger.set_limit(path, limit, writer=self.guard.writer)
+            await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
+        await self.keyring.start(self.runtime.ledger)
         if self.metrics is not None:
             self.metrics.attach(self.runtime.ledger)
             if self.settings.metrics_port is not None:
@@ -127,6 +128,7 @@ class ProxyApp:
         """Let background settlements finish, then close."""
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        await self.keyring.stop()
         await self.runtime.stop(self.settings.drain_timeout_s)
         if self.inner is not None:
             await self.inner.aclose()
@@ -221,16 +223,14 @@ class ProxyApp:
     async def _metrics(self, scope: Scope, send: Send) -> None:
         """``/metrics``; once proxy keys exist, only for a key allowed to read it."""
         assert self.metrics is not None
-        if self.settings.keys:
+        if self.keyring.required:
             headers = httpx.Headers(scope["headers"])
             presented = headers.get("effectguard-key") or headers.get("authorization", "")
-            key = self.settings.key_root(presented.removeprefix("Bearer ").strip())
-            if key is None or not key.metrics:
-                refusal = (
-                    Refusal(401, "unknown_key", "/metrics needs an effectguard key")
-                    if key is None
-                    else Refusal(403, "metrics_forbidden", "this key may not read /metrics")
-                )
+            try:
+                key = self.keyring.authenticate(presented.removeprefix("Bearer ").strip())
+                if not key.metrics:
+                    raise Refusal(403, "metrics_forbidden", "this key may not read /metrics")
+            except Refusal as refusal:
                 await _refusal(send, "openai", refusal)
                 return
         await self.metrics.refresh()
@@ -255,24 +255,24 @@ class ProxyApp:
             return False
         return True
 
-    def _authorize(self, provider: Provider, headers: httpx.Headers) -> tuple[str, str | None]:
-        """The budget and budget root this request may spend (SPEC §1)."""
+    def _authorize(
+        self, provider: Provider, headers: httpx.Headers
+    ) -> tuple[str, str | None, Grant | None]:
+        """The budget and budget root this request may spend, and its key (SPEC §1)."""
         requested = headers.get(BUDGET_HEADER)
-        if not self.settings.keys:
-            return requested or budgets.DEFAULT_BUDGET, None
+        if not self.keyring.required:
+            return requested or budgets.DEFAULT_BUDGET, None, None
         presented = headers.get("effectguard-key")
         if presented is None:
             credential = headers.get(provider.key_header, "")
             presented = credential.removeprefix("Bearer ").strip() if credential else None
-        key = self.settings.key_root(presented) if presented else None
-        if key is None:
-            raise Refusal(401, "unknown_key", "missing or unknown effectguard key")
+        key = self.keyring.authenticate(presented)
         budget = requested or key.budget_root
         if not budgets.is_under(budget, key.budget_root):
             raise Refusal(
                 403, "budget_forbidden", f"this key may only spend under {key.budget_root!r}"
             )
-        return budget, key.budget_root
+        return budget, key.budget_root, key
 
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, provider: Provider, upstream_path: str
@@ -280,7 +280,7 @@ class ProxyApp:
         assert self.guard is not None and self.inner is not None
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         headers = httpx.Headers(raw_headers)
-        budget, root = self._authorize(provider, headers)
+        budget, root, key = self._authorize(provider, headers)
         declared = headers.get("content-length")
         limit = self.settings.max_body_bytes
         if declared is not None and not declared.isdigit():
@@ -293,10 +293,12 @@ class ProxyApp:
             raise Refusal(
                 413, "request_too_large", f"request bodies are limited to {limit} bytes"
             ) from None
+        if key is not None:
+            key.check(provider.name, body)
         # Wire bytes throughout: a UTF-8 header value goes upstream exactly as it came.
         out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
-        if provider_key is not None or self.settings.keys:
+        if provider_key is not None or self.keyring.required:
             out_headers = [(k, v) for k, v in out_headers if k.lower() not in CLIENT_CREDENTIALS]
             if provider_key is not None:
                 credential = provider.key_format.format(key=provider_key)

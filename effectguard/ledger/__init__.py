@@ -16,7 +16,8 @@ from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode
-from effectguard.rules.events import Event, StoredEvent
+from effectguard.rules.events import Event, KeyCreated, StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
 
 __all__ = ["OPERATOR", "AdmitRequest", "Admitted", "Ledger", "LedgerStore", "Writer", "open_store"]
@@ -113,6 +114,18 @@ class Ledger:
     async def set_limit(self, path: str, limit: int | None, writer: Writer = OPERATOR) -> None:
         """Set (``None``: clear) the limit of budget ``path`` in nano-dollars."""
         await self.store.write(writer, lambda tx: operations.set_limit(tx, writer, path, limit))
+
+    async def create_key(self, event: KeyCreated, writer: Writer = OPERATOR) -> LedgerKey:
+        """Record a new proxy key (``event`` carries its SHA-256, never the key)."""
+        return await self.store.write(writer, lambda tx: operations.create_key(tx, writer, event))
+
+    async def revoke_key(self, name: str, writer: Writer = OPERATOR) -> LedgerKey:
+        """Revoke proxy key ``name``."""
+        return await self.store.write(writer, lambda tx: operations.revoke_key(tx, writer, name))
+
+    async def keys(self) -> list[LedgerKey]:
+        """Every proxy key in the ledger, revoked and expired ones included."""
+        return await self.store.keys()
 
     async def call(self, call_id: str) -> WorkState:
         """One call's state; raises :class:`CallNotFound`."""

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
 
 T = TypeVar("T")
@@ -100,6 +101,14 @@ class Tx(Protocol):
         """Store one budget node (insert or replace)."""
         ...
 
+    def get_key(self, name: str) -> LedgerKey | None:
+        """A proxy key's row, by name."""
+        ...
+
+    def put_key(self, row: LedgerKey) -> None:
+        """Store a proxy key's row (insert or replace)."""
+        ...
+
     def get_worker(self, worker: str) -> WorkerRow | None:
         """A worker's row."""
         ...
@@ -169,6 +178,14 @@ class LedgerStore(Protocol):
 
     async def workers(self) -> list[WorkerRow]:
         """Every registered worker."""
+        ...
+
+    async def keys(self) -> list[LedgerKey]:
+        """Every proxy key row (revoked and expired ones too), by name."""
+        ...
+
+    async def limit_events(self) -> list[StoredEvent]:
+        """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
         ...
 
     async def stage_counts(self) -> list[tuple[str, str, int, int]]:

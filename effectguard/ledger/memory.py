@@ -19,7 +19,8 @@ from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.budget import BudgetNode
-from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
+from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
 
 T = TypeVar("T")
@@ -33,6 +34,7 @@ class MemoryTables:
         self.calls: dict[str, WorkState] = {}
         self.nodes: dict[str, BudgetNode] = {}
         self.workers: dict[str, WorkerRow] = {}
+        self.keys: dict[str, LedgerKey] = {}
         self.generation = 0
         self.lock = threading.RLock()
 
@@ -148,6 +150,12 @@ class MemorySession:
     def put_node(self, node: BudgetNode) -> None:
         self._set(self.t.nodes, node.path, node)
 
+    def get_key(self, name: str) -> LedgerKey | None:
+        return self.t.keys.get(name)
+
+    def put_key(self, row: LedgerKey) -> None:
+        self._set(self.t.keys, row.name, row)
+
     def get_worker(self, worker: str) -> WorkerRow | None:
         return self.t.workers.get(worker)
 
@@ -231,6 +239,14 @@ class MemoryStore:
     async def workers(self) -> list[WorkerRow]:
         with self.tables.lock:
             return list(self.tables.workers.values())
+
+    async def keys(self) -> list[LedgerKey]:
+        with self.tables.lock:
+            return sorted(self.tables.keys.values(), key=lambda k: k.name)
+
+    async def limit_events(self) -> list[StoredEvent]:
+        with self.tables.lock:
+            return [e for e in self.tables.events if e.kind == BudgetLimitSet.kind]
 
     async def stage_counts(self) -> list[tuple[str, str, int, int]]:
         counts: dict[tuple[str, str], list[int]] = {}

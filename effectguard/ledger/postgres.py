@@ -57,6 +57,8 @@ from effectguard.ledger.queries import HEAD, NEXT_GENERATION, POSTGRES, Upsert
 from effectguard.ledger.rows import (
     event_from_row,
     event_params,
+    key_from_row,
+    key_params,
     node_from_row,
     node_params,
     state_from_json,
@@ -67,6 +69,7 @@ from effectguard.ledger.rows import (
 from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import WorkState
 
 __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
@@ -317,6 +320,15 @@ class PostgresSession:
 
     def put_node(self, node: BudgetNode) -> None:
         self._op.nodes[node.path] = self._nodes[node.path] = node
+
+    def get_key(self, name: str) -> LedgerKey | None:
+        rows = self._scan(POSTGRES.key, (name,))
+        return key_from_row(rows[0]) if rows else None
+
+    def put_key(self, row: LedgerKey) -> None:
+        # Key changes are rare operator writes: sent at once (inside the operation's
+        # savepoint) rather than buffered, so a later read in the batch sees them.
+        self._send(POSTGRES.upsert_keys.rows(1), key_params(row), savepoint=True)
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         if worker not in self._workers:

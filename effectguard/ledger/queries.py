@@ -21,6 +21,7 @@ from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
     INDEX_COLUMNS,
+    KEY_COLUMNS,
     MUTABLE_CALL_COLUMNS,
     NODE_COLUMNS,
     WORKER_COLUMNS,
@@ -107,6 +108,12 @@ class Queries:
         self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self.call_columns = f"SELECT {INDEX_COLUMNS} FROM calls"
+        self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
+        self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
+        #: Served by the partial index ``events_limits`` (the literal must match it).
+        self.limit_events = (
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE kind = 'budget.limit_set' ORDER BY seq"
+        )
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
@@ -116,6 +123,7 @@ class Queries:
         self.upsert_calls = _upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
         self.upsert_nodes = _upsert("budgets", NODE_COLUMNS, m, names(NODE_COLUMNS)[1:])
         self.upsert_workers = _upsert("workers", WORKER_COLUMNS, m, names(WORKER_COLUMNS)[1:])
+        self.upsert_keys = _upsert("keys", KEY_COLUMNS, m, names(KEY_COLUMNS)[1:])
 
     def list_calls(
         self, stage: str | None, budget: str | None, limit: int

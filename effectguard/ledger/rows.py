@@ -13,6 +13,7 @@ from typing import Any
 from effectguard.ledger.base import WorkerRow
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import WorkState, as_dict
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
@@ -30,6 +31,7 @@ CALL_COLUMNS = (
 MUTABLE_CALL_COLUMNS = ("stage", "idempotency_key", "worker", "state")
 NODE_COLUMNS = "path, limit_nanos, reserved, spent, held"
 WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
+KEY_COLUMNS = "name, sha256, budget_root, created_at, expires_at, models, providers, revoked_at"
 
 
 def names(columns: str) -> list[str]:
@@ -123,4 +125,41 @@ def worker_from_row(row: tuple[Any, ...] | Any) -> WorkerRow:
         pid=int(pid),
         lease_expires=float(lease_expires),
         fenced=bool(fenced),
+    )
+
+
+def _names_json(values: tuple[str, ...] | None) -> str | None:
+    return None if values is None else _COMPACT.encode(list(values))
+
+
+def _names_from_json(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(json.loads(text))
+
+
+def key_params(row: LedgerKey) -> tuple[Any, ...]:
+    """Parameters for storing a proxy key row, in :data:`KEY_COLUMNS` order."""
+    return (
+        row.name,
+        row.sha256,
+        row.budget_root,
+        row.created_at,
+        row.expires_at,
+        _names_json(row.models),
+        _names_json(row.providers),
+        row.revoked_at,
+    )
+
+
+def key_from_row(row: tuple[Any, ...] | Any) -> LedgerKey:
+    """A proxy key row from a row in :data:`KEY_COLUMNS` order."""
+    name, sha256, root, created_at, expires_at, models, providers, revoked_at = row
+    return LedgerKey(
+        name=name,
+        sha256=sha256,
+        budget_root=root,
+        created_at=float(created_at),
+        expires_at=None if expires_at is None else float(expires_at),
+        models=_names_from_json(models),
+        providers=_names_from_json(providers),
+        revoked_at=None if revoked_at is None else float(revoked_at),
     )

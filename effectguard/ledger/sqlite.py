@@ -30,6 +30,8 @@ from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE
 from effectguard.ledger.rows import (
     event_from_row,
     event_params,
+    key_from_row,
+    key_params,
     node_from_row,
     node_params,
     state_from_json,
@@ -42,6 +44,7 @@ from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
 from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import WorkState
 
 T = TypeVar("T")
@@ -55,6 +58,7 @@ _INSERT_EVENT = SQLITE.insert_events.rows(1)
 _UPSERT_CALL = SQLITE.upsert_calls.rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
 _UPSERT_WORKER = SQLITE.upsert_workers.rows(1)
+_UPSERT_KEY = SQLITE.upsert_keys.rows(1)
 
 
 class SqliteSession:
@@ -272,6 +276,14 @@ class SqliteSession:
     def put_node(self, node: BudgetNode) -> None:
         self._nodes[node.path] = node
         self._dirty.add(node.path)
+
+    def get_key(self, name: str) -> LedgerKey | None:
+        # Key changes are rare operator writes: read and write them straight through.
+        row = self.conn.execute(SQLITE.key, (name,)).fetchone()
+        return None if row is None else key_from_row(row)
+
+    def put_key(self, row: LedgerKey) -> None:
+        self.conn.execute(_UPSERT_KEY, key_params(row))
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         if worker not in self._workers:

@@ -49,6 +49,18 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "INSERT INTO meta(key, value) VALUES ('generation', 0)",
         ],
     ),
+    (
+        2,
+        "proxy keys; an index of limit events",
+        [
+            """CREATE TABLE keys (
+                name TEXT PRIMARY KEY, sha256 TEXT NOT NULL, budget_root TEXT NOT NULL,
+                created_at REAL NOT NULL, expires_at REAL, models TEXT, providers TEXT,
+                revoked_at REAL)""",
+            "CREATE INDEX keys_sha256 ON keys(sha256)",
+            "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
+        ],
+    ),
 ]
 
 

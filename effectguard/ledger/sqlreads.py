@@ -14,9 +14,16 @@ from typing import Any
 
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.queries import Queries
-from effectguard.ledger.rows import event_from_row, node_from_row, state_from_json, worker_from_row
+from effectguard.ledger.rows import (
+    event_from_row,
+    key_from_row,
+    node_from_row,
+    state_from_json,
+    worker_from_row,
+)
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
 
 
@@ -68,3 +75,11 @@ class SqlReads(ABC):
     async def call_columns(self) -> list[tuple[Any, ...]]:
         """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
         return [tuple(r) for r in await self._fetch(self.queries.call_columns)]
+
+    async def keys(self) -> list[LedgerKey]:
+        """Every proxy key row (revoked and expired ones too), by name."""
+        return [key_from_row(r) for r in await self._fetch(self.queries.all_keys)]
+
+    async def limit_events(self) -> list[StoredEvent]:
+        """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
+        return [event_from_row(r) for r in await self._fetch(self.queries.limit_events)]

@@ -1,13 +1,11 @@
-"""Commands that change the ledger or its keys: ``reconcile``, ``budget set``,
-``migrate`` and ``key new``."""
+"""Commands that change the ledger: ``reconcile``, ``budget set``, ``migrate``, ``backup``
+(proxy keys: :mod:`effectguard.ops.keycmd`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import getpass
-import json
-import secrets
 import sys
 from pathlib import Path
 
@@ -93,24 +91,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_key_new(args: argparse.Namespace) -> int:
-    """``effectguard key new``: a proxy key and the config lines that admit it."""
-    from effectguard.config.settings import hash_key
-
-    key = "eg-" + secrets.token_urlsafe(24)
-    if args.admin is not None:
-        print(f"admin key (give it to the operator; it is not stored): {key}")
-        print("config:")
-        print(f'[[admin.keys]]\nname = {json.dumps(args.admin)}\nsha256 = "{hash_key(key)}"')
-        return EXIT_OK
-    print(f"key (give it to the tenant; it is not stored): {key}")
-    print("config:")
-    print(
-        f'[[keys]]\nname = "{args.root}"\nsha256 = "{hash_key(key)}"\nbudget_root = "{args.root}"'
-    )
-    return EXIT_OK
-
-
 def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument("call_id", nargs="?", help="the call id")
@@ -139,17 +119,6 @@ def _migrate_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_migrate)
 
 
-def _key_arguments(p: argparse.ArgumentParser) -> None:
-    actions = p.add_subparsers(dest="key_command", required=True, metavar="ACTION")
-    q = actions.add_parser("new", help="make a proxy key", description="Make a new proxy key.")
-    who = q.add_mutually_exclusive_group(required=True)
-    who.add_argument("--root", help="the budget root this key may spend")
-    who.add_argument(
-        "--admin", metavar="NAME", help="an operator page key instead, for the operator NAME"
-    )
-    q.set_defaults(run=cmd_key_new)
-
-
 RECONCILE = Command(
     "reconcile",
     "decide an effect-unknown call",
@@ -164,7 +133,6 @@ MIGRATE = Command(
     "deployment before starting replicas; serve also does it).",
     _migrate_arguments,
 )
-KEY = Command("key", "manage proxy keys", "Manage proxy keys.", _key_arguments)
 
 
 def _backup(args: argparse.Namespace) -> int:

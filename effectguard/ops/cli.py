@@ -31,7 +31,7 @@ from effectguard.errors import (
     ReconcileError,
 )
 from effectguard.ledger import Ledger
-from effectguard.ops import changes, servecmd, views
+from effectguard.ops import changes, keycmd, servecmd, views
 from effectguard.ops.command import (
     EXIT_FAILED,
     EXIT_OK,
@@ -39,6 +39,7 @@ from effectguard.ops.command import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     Command,
+    resolve_ledger,
 )
 from effectguard.ops.render import budget_json, call_json
 
@@ -85,7 +86,7 @@ def commands() -> list[Command]:
         views.VERIFY,
         changes.BACKUP,
         changes.MIGRATE,
-        changes.KEY,
+        keycmd.KEY,
     ]
     # find_spec on a top-level name looks for it without importing it.
     if importlib.util.find_spec("effectguard_bench") is not None:
@@ -137,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         parser.error(problem)
     try:
+        if getattr(args, "resolve_ledger", False):
+            args.ledger = resolve_ledger(args)
         if hasattr(args, "run_ledger"):
             return asyncio.run(_with_ledger(args, lambda ledger: args.run_ledger(args, ledger)))
         result: int = args.run(args)

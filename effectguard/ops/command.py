@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
@@ -38,14 +39,38 @@ class Command:
 
 
 def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
-    """``--ledger`` (default from the environment) and, unless told not to, ``--json``."""
+    """``--ledger``, ``--config`` and, unless told not to, ``--json``.
+
+    The ledger is found as ``serve`` finds it (:func:`resolve_ledger`), so a command run
+    with serve's config file reads serve's ledger.
+    """
     parser.add_argument(
         "--ledger",
-        default=defaults.ledger_from(os.environ),
-        help="ledger PATH or DSN (default ./effectguard.db or $EFFECTGUARD_LEDGER)",
+        default=None,
+        help="ledger PATH or DSN (default: the --config file's ledger, else "
+        "$EFFECTGUARD_LEDGER, else ./effectguard.db)",
     )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="serve's TOML config: its `ledger = ...` names the ledger (--ledger wins)",
+    )
+    parser.set_defaults(resolve_ledger=True)
     if json_flag:
         parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+
+
+def resolve_ledger(args: argparse.Namespace) -> str:
+    """The ledger a command uses: ``--ledger``, else the config's, else the environment's."""
+    if args.ledger:
+        return str(args.ledger)
+    if args.config:
+        from effectguard.config.settings import config_ledger
+
+        named = config_ledger(Path(args.config))
+        if named:
+            return named
+    return defaults.ledger_from(os.environ)
 
 
 def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:

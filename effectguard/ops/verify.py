@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.ops.audit import BudgetRow, Verifier, VerifyReport, WorkerRow
+from effectguard.ops.audit import BudgetRow, KeyRow, Verifier, VerifyReport, WorkerRow
 
 __all__ = ["VerifyReport", "verify_ledger"]
 
@@ -37,7 +37,21 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         calls = await ledger.store.list_calls(limit=1 << 62)
         columns = await ledger.store.call_columns()
         workers = await ledger.store.workers()
+        keys = await ledger.store.keys()
     budget_rows = [BudgetRow(n.path, n.limit, n.reserved, n.spent, n.held) for n in nodes]
     states: list[dict[str, Any]] = [dataclasses.asdict(state) for state in calls]
     worker_rows = [WorkerRow(w.worker, w.generation, w.fenced) for w in workers]
-    return verifier.finish(budget_rows, states, columns, worker_rows)
+    key_rows = [
+        KeyRow(
+            k.name,
+            k.sha256,
+            k.budget_root,
+            k.created_at,
+            k.expires_at,
+            k.models,
+            k.providers,
+            k.revoked_at,
+        )
+        for k in keys
+    ]
+    return verifier.finish(budget_rows, states, columns, worker_rows, key_rows)

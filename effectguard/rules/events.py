@@ -163,6 +163,31 @@ class BudgetLimitSet(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KeyCreated(Event):
+    """An operator made proxy key ``name``: only its SHA-256 is stored, never the key.
+
+    ``models`` / ``providers`` restrict what the key may call (None: anything);
+    ``expires_at`` (seconds since the epoch) ends it like a revocation.
+    """
+
+    kind: ClassVar[str] = "key.created"
+    name: str
+    sha256: str
+    budget_root: str
+    expires_at: float | None = None
+    models: list[str] | None = None
+    providers: list[str] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyRevoked(Event):
+    """An operator revoked proxy key ``name``: it is refused from now on."""
+
+    kind: ClassVar[str] = "key.revoked"
+    name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptStarted(CallEvent):
     """Attempt ``attempt`` is about to be dispatched by ``worker``."""
 

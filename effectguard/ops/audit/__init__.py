@@ -16,6 +16,7 @@ Modules here are pure: plain values in (stored events and stored rows), a
 
 from __future__ import annotations
 
+from effectguard.ops.audit.keys import KeyRow
 from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.verifier import (
     BudgetRow,
@@ -24,4 +25,4 @@ from effectguard.ops.audit.verifier import (
     WorkerRow,
 )
 
-__all__ = ["BudgetRow", "CallColumns", "Verifier", "VerifyReport", "WorkerRow"]
+__all__ = ["BudgetRow", "CallColumns", "KeyRow", "Verifier", "VerifyReport", "WorkerRow"]

@@ -117,7 +117,9 @@ STAGE_OF: Final[dict[str, str | None]] = {
 #: Every kind that belongs to a call.
 CALL_KINDS: Final = frozenset(key[1].split(":")[0] for key in TABLE)
 #: Kinds that belong to no call.
-LEDGER_KINDS: Final = frozenset({"worker.registered", "worker.taken_over", "budget.limit_set"})
+LEDGER_KINDS: Final = frozenset(
+    {"worker.registered", "worker.taken_over", "budget.limit_set", "key.created", "key.revoked"}
+)
 
 
 def variant(kind: str, data: dict[str, Any], phase: str) -> str:

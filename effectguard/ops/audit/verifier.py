@@ -15,6 +15,8 @@ from effectguard.ops.audit import table
 from effectguard.ops.audit.budgets import Budgets, Node
 from effectguard.ops.audit.calls import COLUMN_NAMES, CallFold
 from effectguard.ops.audit.chain import Chain
+from effectguard.ops.audit.keys import KINDS as KEY_KINDS
+from effectguard.ops.audit.keys import KeyRow, Keys
 from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.writers import Writers
 from effectguard.rules.events import StoredEvent
@@ -50,6 +52,7 @@ class Verifier:
         self.chain = Chain(self.report)
         self.writers = Writers()
         self.budgets = Budgets()
+        self.keys = Keys()
         self.calls: dict[str, CallFold] = {}
 
     def feed(self, stored: StoredEvent) -> None:
@@ -69,6 +72,8 @@ class Verifier:
             if kind in table.LEDGER_KINDS:
                 if stored.call_id is not None:
                     return [f"event {seq}: {kind} belongs to no call, yet names {stored.call_id}"]
+                if kind in KEY_KINDS:
+                    return self.keys.feed(seq, kind, data, stored.at)
                 return self.budgets.feed(seq, kind, data)
             if kind not in table.CALL_KINDS:
                 return [f"event {seq}: unknown event kind {kind!r}"]
@@ -87,6 +92,7 @@ class Verifier:
         call_states: Iterable[Mapping[str, Any]],
         call_columns: Iterable[CallColumns] = (),
         worker_rows: Iterable[WorkerRow] | None = None,
+        key_rows: Iterable[KeyRow] | None = None,
     ) -> VerifyReport:
         """Check every call ended in a stage, then compare the stored projections."""
         last = self.chain.expected_seq - 1
@@ -103,6 +109,8 @@ class Verifier:
         self._budgets(budget_rows, last)
         if worker_rows is not None:
             self._workers(worker_rows, last)
+        if key_rows is not None:
+            self._keys(key_rows, last)
         return self.report
 
     def _columns(self, rows: Iterable[CallColumns]) -> None:
@@ -180,6 +188,25 @@ class Verifier:
                     last,
                     f"worker {worker!r}: stored (generation, fenced) {stored.get(worker)} "
                     f"but the events give {want.get(worker)}",
+                )
+
+    def _keys(self, rows: Iterable[KeyRow], last: int) -> None:
+        stored = {row.name: row for row in rows}
+        want = self.keys.rows
+        for name in sorted(set(stored) | set(want)):
+            have, expected = stored.get(name), want.get(name)
+            if have != expected:
+                # Name the fields that differ, never the digests themselves.
+                fields = KeyRow._fields
+                diff = (
+                    "no row"
+                    if have is None or expected is None
+                    else ", ".join(
+                        f for f, a, b in zip(fields, have, expected, strict=True) if a != b
+                    )
+                )
+                self.report.broken(
+                    last, f"key {name!r}: stored row differs from the events ({diff})"
                 )
 
 

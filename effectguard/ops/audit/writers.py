@@ -16,11 +16,14 @@ from typing import Final
 
 from effectguard.rules.events import StoredEvent
 
-#: What an operator (generation 0) may write: limits, reconcile decisions, and marking an
-#: attempt interrupted (``Ledger.interrupt``): the conservative move, it claims no effect.
+#: What an operator (generation 0) may write: limits, proxy keys, reconcile decisions, and
+#: marking an attempt interrupted (``Ledger.interrupt``): the conservative move, it claims
+#: no effect.
 OPERATOR_KINDS: Final = frozenset(
     {
         "budget.limit_set",
+        "key.created",
+        "key.revoked",
         "call.reconciled",
         "budget.unheld",
         "budget.corrected",

@@ -1,0 +1,71 @@
+"""Which budget limit holds when the config file and the ledger disagree.
+
+The rule: **a limit an operator set in the ledger wins.** ``effectguard budget set``
+is a deliberate act on the running system, recorded in the hash chain; a restart
+must not undo it silently. The config file's ``[budgets]`` seeds (and keeps in step)
+every path no operator has set: such a path follows the file, as it always did, so
+editing the file and restarting still changes it. For a path an operator has set,
+``serve`` keeps the ledger's limit and warns at start when the file says otherwise;
+running ``budget set`` with the file's value (or removing the path from the file)
+ends the warning.
+
+"Set by an operator" means the ledger holds a ``budget.limit_set`` for the path written
+by an operator tool (generation 0, never a worker); the limits ``serve`` seeds from the
+file are written by its worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from effectguard.rules.events import StoredEvent
+from effectguard.rules.money import nanos_to_usd
+
+
+@dataclass(frozen=True, slots=True)
+class LimitPlan:
+    """What ``serve`` does with ``[budgets]`` at start: limits to write, warnings to give."""
+
+    apply: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def operator_limits(events: Iterable[StoredEvent]) -> dict[str, StoredEvent]:
+    """Each path's last ``budget.limit_set`` written by an operator (generation 0)."""
+    found: dict[str, StoredEvent] = {}
+    for stored in events:
+        if stored.kind == "budget.limit_set" and stored.generation == 0:
+            found[str(stored.data["path"])] = stored
+    return found
+
+
+def _usd(limit: int | None) -> str:
+    return "no limit" if limit is None else f"{nanos_to_usd(limit)} USD"
+
+
+def plan_limits(
+    configured: Mapping[str, int],
+    current: Mapping[str, int | None],
+    by_operator: Mapping[str, StoredEvent],
+) -> LimitPlan:
+    """Apply ``configured`` limits to paths no operator set; warn where one did and differs.
+
+    ``current`` is each existing node's limit in the ledger.
+    """
+    plan = LimitPlan()
+    for path, limit in sorted(configured.items()):
+        have = current.get(path)
+        if path not in by_operator:
+            if path not in current or have != limit:
+                plan.apply[path] = limit
+            continue
+        if have != limit:
+            event = by_operator[path]
+            plan.warnings.append(
+                f"budget {path!r}: the config's [budgets] says {_usd(limit)}, but an operator "
+                f"set {_usd(have)} with `effectguard budget set` (ledger event {event.seq}); "
+                f"the ledger's limit stays. To use the config's, run `effectguard budget set "
+                f"{path} --limit {nanos_to_usd(limit)}`; or remove {path!r} from [budgets]."
+            )
+    return plan

@@ -1,0 +1,159 @@
+"""The proxy keys a replica accepts: the config file's, and the ledger's through a cache.
+
+Keys made with ``effectguard key new`` live in the ledger (as SHA-256 digests). Each
+replica keeps a copy of the ledger's key rows and reads them again every
+``key_refresh_s`` seconds (default 2 s), so a key created or revoked on any replica
+(or by the CLI) is honoured by every replica within about that long, with no
+restart. One small read per interval keeps the request path to a dict lookup; a
+failed refresh keeps the last copy (the ledger is then unavailable for admission too).
+
+Keys in the config file (``[[keys]]``) keep working beside them. Once any key exists,
+in the config or ever in the ledger (a revoked one included), every request needs
+one: revoking the last key never opens the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from effectguard.config.settings import ProxyKey, hash_key
+from effectguard.errors import Refusal
+from effectguard.ledger import Ledger
+from effectguard.rules.keys import LedgerKey
+
+log = logging.getLogger("effectguard.ingress.keyring")
+
+_UNKNOWN = "missing or unknown effectguard key"
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What a presented key may do: its budget root and its restrictions."""
+
+    name: str
+    budget_root: str
+    metrics: bool = False
+    models: tuple[str, ...] | None = None
+    providers: tuple[str, ...] | None = None
+
+    def check(self, provider: str, body: bytes) -> None:
+        """Refuse (403) a provider or a body's model outside this key's restrictions."""
+        if self.providers is not None and provider not in self.providers:
+            raise Refusal(
+                403,
+                "provider_forbidden",
+                f"this key may not call provider {provider!r} "
+                f"(allowed: {', '.join(self.providers)})",
+            )
+        if self.models is None or not body:
+            return  # a bodiless request (e.g. a GET) chooses no model
+        model = _model_of(body)
+        if model not in self.models:
+            named = "names no model" if model is None else f"asks for model {model!r}"
+            raise Refusal(
+                403,
+                "model_forbidden",
+                f"this request {named}; this key may only call {', '.join(self.models)}",
+            )
+
+
+def _model_of(body: bytes) -> str | None:
+    """The ``model`` a JSON request body names (None when it names none or is not JSON)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _from_config(key: ProxyKey) -> Grant:
+    return Grant(key.name, key.budget_root, key.metrics)
+
+
+def _from_ledger(row: LedgerKey) -> Grant:
+    return Grant(row.name, row.budget_root, False, row.models, row.providers)
+
+
+class KeyRing:
+    """Answers "which key is this?" from the config's keys and a cached copy of the ledger's."""
+
+    def __init__(
+        self,
+        config_keys: tuple[ProxyKey, ...],
+        refresh_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = {k.sha256: _from_config(k) for k in config_keys}
+        self._ledger: dict[str, LedgerKey] = {}
+        self._ledger_ever = False
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def required(self) -> bool:
+        """Whether requests need a key (some key exists, or ever existed in the ledger)."""
+        return bool(self._config) or self._ledger_ever
+
+    async def refresh(self, ledger: Ledger) -> None:
+        """Read the ledger's key rows again (replacing the copy in one step)."""
+        rows = await ledger.keys()
+        by_digest: dict[str, LedgerKey] = {}
+        now = self._clock()
+        for row in rows:
+            held = by_digest.get(row.sha256)
+            if held is None or (held.ended(now) and not row.ended(now)):
+                by_digest[row.sha256] = row
+        self._ledger = by_digest
+        self._ledger_ever = self._ledger_ever or bool(rows)
+
+    async def start(self, ledger: Ledger) -> None:
+        """Load the keys (before the first request is served), then refresh them periodically."""
+        await self.refresh(ledger)
+        self._task = asyncio.create_task(self._run(ledger), name="effectguard-key-refresh")
+
+    async def stop(self) -> None:
+        """Stop refreshing."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self, ledger: Ledger) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await self.refresh(ledger)
+            except Exception as exc:
+                if not failing:  # once per outage; never names a key
+                    log.warning("proxy keys not refreshed (keeping the last copy): %s", exc)
+                failing = True
+            else:
+                failing = False
+
+    def authenticate(self, presented: str | None) -> Grant:
+        """The grant of ``presented``; 401 ``unknown_key`` if unknown, revoked or expired."""
+        if not presented:
+            raise Refusal(401, "unknown_key", _UNKNOWN)
+        digest = hash_key(presented)
+        grant = self._config.get(digest)
+        if grant is not None:
+            return grant
+        row = self._ledger.get(digest)
+        if row is None:
+            raise Refusal(401, "unknown_key", _UNKNOWN)
+        ended = row.ended(self._clock())
+        if ended == "expired":
+            raise Refusal(401, "unknown_key", "this effectguard key has expired")
+        if ended == "revoked":
+            raise Refusal(401, "unknown_key", "this effectguard key was revoked")
+        return _from_ledger(row)

@@ -1,0 +1,210 @@
+"""``effectguard key new | list | revoke``: proxy keys kept in the ledger.
+
+``key new`` prints the key once and records only its SHA-256 (a ``key.created``
+event in the hash chain); ``key revoke`` records ``key.revoked``. Every running
+replica picks a change up within ``[server] key_refresh_s`` (default 2 s), no
+restart. ``key new --print-config`` writes nothing and prints ``[[keys]]`` lines
+for the config file instead (keys there need a restart to change); ``key new --admin
+NAME`` prints an operator page key's ``[[admin.keys]]`` lines (also not in the ledger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from datetime import UTC, date, datetime
+from typing import Any
+
+from effectguard.ledger import Ledger
+from effectguard.ops.command import EXIT_OK, EXIT_USAGE, Command, ledger_option
+from effectguard.ops.render import emit, table
+from effectguard.rules import budget as budgets
+from effectguard.rules import keys
+from effectguard.rules.events import KeyCreated
+from effectguard.rules.keys import LedgerKey
+
+LIST_COLUMNS = ["name", "budget_root", "status", "created_at", "expires_at", "models", "providers"]
+
+
+def new_key() -> str:
+    """A fresh proxy key: ``eg-`` and 32 random URL-safe characters (192 bits)."""
+    return "eg-" + secrets.token_urlsafe(24)
+
+
+def expiry(value: str) -> float:
+    """An argparse type: an ISO 8601 date or date-time, as seconds since the epoch.
+
+    A date alone means 00:00 UTC of that day (the key works until then); a date-time
+    without a zone is UTC.
+    """
+    try:
+        if len(value) == 10:
+            day = date.fromisoformat(value)
+            moment = datetime(day.year, day.month, day.day, tzinfo=UTC)
+        else:
+            moment = datetime.fromisoformat(value)
+            if moment.tzinfo is None:
+                moment = moment.replace(tzinfo=UTC)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 date or date-time: {value!r} (e.g. 2027-01-31)"
+        ) from None
+    return moment.timestamp()
+
+
+def _names(value: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one name (comma-separated)")
+    return names
+
+
+def _iso(at: float | None) -> str | None:
+    if at is None:
+        return None
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def key_json(row: LedgerKey, now: float) -> dict[str, Any]:
+    """A ledger key as ``key list --json`` shows it (never its digest)."""
+    return {
+        "name": row.name,
+        "budget_root": row.budget_root,
+        "status": row.ended(now) or "active",
+        "created_at": _iso(row.created_at),
+        "expires_at": _iso(row.expires_at),
+        "revoked_at": _iso(row.revoked_at),
+        "models": None if row.models is None else list(row.models),
+        "providers": None if row.providers is None else list(row.providers),
+    }
+
+
+async def cmd_key_new(args: argparse.Namespace, ledger: Ledger) -> int:
+    """``effectguard key new``: record a key's hash in the ledger; print the key once."""
+    from effectguard.config.settings import hash_key
+
+    key = new_key()
+    event = KeyCreated(
+        name=args.name or f"{args.root}-{secrets.token_hex(3)}",
+        sha256=hash_key(key),
+        budget_root=args.root,
+        expires_at=args.expires,
+        models=args.models,
+        providers=args.providers,
+    )
+    row = await ledger.create_key(event)
+    payload = {"key": key, **key_json(row, time.time())}
+    text = (
+        f"key {row.name} for budget root {row.budget_root!r} is in the ledger; every replica "
+        f"accepts it within seconds.\nkey (shown once, not stored; give it to the tenant): {key}"
+    )
+    emit(args, payload, text)
+    return EXIT_OK
+
+
+def print_config(args: argparse.Namespace) -> int:
+    """``key new --print-config`` / ``--admin``: a key and its lines for the config file."""
+    from effectguard.config.settings import hash_key
+
+    if args.admin is not None:
+        key = new_key()
+        print(f"admin key (give it to the operator; it is not stored): {key}")
+        print("config:")
+        print(f'[[admin.keys]]\nname = {json.dumps(args.admin)}\nsha256 = "{hash_key(key)}"')
+        return EXIT_OK
+    if args.expires is not None or args.models or args.providers:
+        print("effectguard: --expires, --models and --providers need a ledger key", file=sys.stderr)
+        return EXIT_USAGE
+    key = new_key()
+    name = args.name or args.root
+    print(f"key (give it to the tenant; it is not stored): {key}")
+    print("config:")
+    print(f'[[keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"\nbudget_root = "{args.root}"')
+    return EXIT_OK
+
+
+async def cmd_key_list(args: argparse.Namespace, ledger: Ledger) -> int:
+    """``effectguard key list``: the ledger's keys, revoked and expired ones included."""
+    now = time.time()
+    rows = [key_json(row, now) for row in await ledger.keys()]
+    shown = [
+        {**r, "models": ",".join(r["models"] or []) or None}
+        | {"providers": ",".join(r["providers"] or []) or None}
+        for r in rows
+    ]
+    emit(args, rows, table(shown, LIST_COLUMNS) if rows else "no keys in the ledger")
+    return EXIT_OK
+
+
+async def cmd_key_revoke(args: argparse.Namespace, ledger: Ledger) -> int:
+    """``effectguard key revoke NAME``."""
+    row = await ledger.revoke_key(args.name)
+    emit(
+        args,
+        key_json(row, time.time()),
+        f"key {row.name} revoked; every replica refuses it within seconds",
+    )
+    return EXIT_OK
+
+
+def _check_new(args: argparse.Namespace) -> str | None:
+    if args.print_config or args.admin is not None:  # writes nothing: needs no ledger
+        del args.run_ledger
+        args.run = print_config
+    if args.admin is not None:
+        return None
+    try:
+        budgets.validate_path(args.root)
+        if args.name is not None:
+            keys.validate_name(args.name)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _key_arguments(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="key_command", required=True, metavar="ACTION")
+    q = actions.add_parser(
+        "new",
+        help="make a proxy key",
+        description="Make a proxy key: its hash goes into the ledger, the key is printed once.",
+    )
+    ledger_option(q)
+    who = q.add_mutually_exclusive_group(required=True)
+    who.add_argument("--root", help="the budget root this key may spend")
+    who.add_argument(
+        "--admin",
+        metavar="NAME",
+        help="an operator page key instead, for the operator NAME (prints config lines)",
+    )
+    q.add_argument("--name", help="a name to list and revoke it by (default ROOT-xxxxxx)")
+    q.add_argument(
+        "--expires", type=expiry, help="ISO date or date-time it stops working (UTC by default)"
+    )
+    q.add_argument("--models", type=_names, help="comma-separated models it may call (default any)")
+    q.add_argument(
+        "--providers", type=_names, help="comma-separated providers it may call (default any)"
+    )
+    q.add_argument(
+        "--print-config",
+        action="store_true",
+        help="write nothing; print [[keys]] lines for the config file instead",
+    )
+    q.set_defaults(run_ledger=cmd_key_new, check=_check_new)
+    q = actions.add_parser(
+        "list", help="list the ledger's keys", description="List the proxy keys in the ledger."
+    )
+    ledger_option(q)
+    q.set_defaults(run_ledger=cmd_key_list)
+    q = actions.add_parser(
+        "revoke", help="revoke a key", description="Revoke a proxy key in the ledger by name."
+    )
+    ledger_option(q)
+    q.add_argument("name", help="the key's name (see key list)")
+    q.set_defaults(run_ledger=cmd_key_revoke)
+
+
+KEY = Command("key", "manage proxy keys", "Manage proxy keys kept in the ledger.", _key_arguments)
