@@ -296,8 +296,7 @@ def load_settings(
         for name, p in providers.items()
         if p.api_key_env and env.get(p.api_key_env)
     }
-    g = GuardSettings()
-    d = defaults
+    g, d = GuardSettings(), defaults
     if metrics_port is None and server.get("metrics_port") is not None:
         metrics_port = int(server["metrics_port"])
     return ServeSettings(

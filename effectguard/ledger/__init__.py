@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from effectguard.errors import CallNotFound, ConfigError
-from effectguard.ledger import operations
+from effectguard.ledger import keyops, operations
 from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
@@ -117,11 +117,11 @@ class Ledger:
 
     async def create_key(self, event: KeyCreated, writer: Writer = OPERATOR) -> LedgerKey:
         """Record a new proxy key (``event`` carries its SHA-256, never the key)."""
-        return await self.store.write(writer, lambda tx: operations.create_key(tx, writer, event))
+        return await self.store.write(writer, lambda tx: keyops.create_key(tx, writer, event))
 
     async def revoke_key(self, name: str, writer: Writer = OPERATOR) -> LedgerKey:
         """Revoke proxy key ``name``."""
-        return await self.store.write(writer, lambda tx: operations.revoke_key(tx, writer, name))
+        return await self.store.write(writer, lambda tx: keyops.revoke_key(tx, writer, name))
 
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key in the ledger, revoked and expired ones included."""

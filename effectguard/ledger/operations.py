@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from effectguard.errors import FencedError, KeyChangeRefused, ReconcileError, Refusal
+from effectguard.errors import FencedError, ReconcileError, Refusal
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, workstate
@@ -30,13 +30,10 @@ from effectguard.rules.events import (
     CallReconciled,
     CallRefused,
     Event,
-    KeyCreated,
-    KeyRevoked,
     WorkerRegistered,
     WorkerTakenOver,
     seal,
 )
-from effectguard.rules.keys import LedgerKey
 from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
 from effectguard.rules.workstate import WorkState
 
@@ -349,41 +346,6 @@ def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
     """Set (or clear) a budget node's limit."""
     path, limit = budgets.validate_path(path), budgets.validate_limit(limit)
     append(tx, writer, [BudgetLimitSet(path=path, limit=limit)])
-
-
-def create_key(tx: Tx, writer: Writer, event: KeyCreated) -> LedgerKey:
-    """Record a new proxy key (its hash only); a name still in use is refused."""
-    try:
-        keys.validate_name(event.name)
-        keys.validate_digest(event.sha256)
-        budgets.validate_path(event.budget_root)
-    except ValueError as exc:
-        raise KeyChangeRefused(str(exc)) from exc
-    now = tx.now()
-    existing = tx.get_key(event.name)
-    if existing is not None and existing.ended(now) is None:
-        raise KeyChangeRefused(
-            f"a key named {event.name!r} is in use; revoke it or choose another name"
-        )
-    if event.expires_at is not None and event.expires_at <= now:
-        raise KeyChangeRefused("the expiry is not in the future")
-    append(tx, writer, [event])
-    row = tx.get_key(event.name)
-    assert row is not None
-    return row
-
-
-def revoke_key(tx: Tx, writer: Writer, name: str) -> LedgerKey:
-    """Revoke proxy key ``name``: every replica refuses it once its key cache refreshes."""
-    row = tx.get_key(name)
-    if row is None:
-        raise KeyChangeRefused(f"no key named {name!r} in the ledger")
-    if row.revoked_at is not None:
-        raise KeyChangeRefused(f"key {name!r} is already revoked")
-    append(tx, writer, [KeyRevoked(name=name)])
-    revoked = tx.get_key(name)
-    assert revoked is not None
-    return revoked
 
 
 def register_worker(tx: Tx, *, worker: str, host: str, pid: int, lease_s: float) -> Writer:

@@ -1,0 +1,188 @@
+"""Keys in the ledger through real processes: two ``effectguard serve`` replicas on one
+ledger (SQLite, and PostgreSQL when EFFECTGUARD_TEST_PG_DSN is set) and the CLI.
+
+A key made or revoked with the CLI reaches every replica within ``key_refresh_s``
+(default 2 s): tests poll with a bounded wait and assert no timing. Restrictions are
+enforced, config-file keys keep working, and no key or key hash reaches a log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.config.settings import hash_key
+from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+#: Far above the documented refresh (2 s): a bound on waiting, not a timing claim.
+PROPAGATION_BOUND_S = 30.0
+
+
+def cli(ledger: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``effectguard ARGS --ledger LEDGER`` as a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--ledger", ledger],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def new_key(ledger: str, *args: str) -> str:
+    """``key new ARGS --json`` through the CLI; returns the printed key."""
+    result = cli(ledger, "key", "new", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    key: str = json.loads(result.stdout)["key"]
+    return key
+
+
+def post(proxy: Proxy, key: str, model: str = "gpt-4o-mini", path: str = CHAT) -> httpx.Response:
+    """A chat completion through ``proxy`` with proxy key ``key``."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    return httpx.post(
+        proxy.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=15
+    )
+
+
+def wait_for(check: Callable[[], bool], what: str) -> None:
+    """Poll ``check`` until it holds; fail after :data:`PROPAGATION_BOUND_S`."""
+    deadline = time.monotonic() + PROPAGATION_BOUND_S
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {PROPAGATION_BOUND_S} s: {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh ledger: a SQLite file, or a PostgreSQL schema of its own (dropped after)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "ledger.db")
+        return
+    dsn = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
+    if not dsn:
+        pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
+    schema = "keys_" + uuid.uuid4().hex[:10]
+    yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    """The fake provider process."""
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+def replica(ledger: str, provider: FakeProvider, tmp_path: Path, name: str, **kw: Any) -> Any:
+    """``running_proxy`` for one replica with its own log file."""
+    return running_proxy(
+        ledger,
+        upstreams={"openai": provider.url, "anthropic": provider.url},
+        log_path=tmp_path / f"{name}.log",
+        **kw,
+    )
+
+
+def test_a_key_revoked_on_one_replica_is_refused_by_the_other(
+    ledger_url: str, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A key made with the CLI works on both replicas; revoked, both refuse it 401, no restart."""
+    cli(ledger_url, "migrate")
+    with (
+        replica(ledger_url, provider, tmp_path, "a") as a,
+        replica(ledger_url, provider, tmp_path, "b") as b,
+    ):
+        key = new_key(ledger_url, "--root", "team-a", "--name", "rotating")
+        wait_for(lambda: post(b, key).status_code == 200, "replica b accepts a new key")
+        assert post(a, key).status_code == 200
+        revoked = cli(ledger_url, "key", "revoke", "rotating")
+        assert revoked.returncode == 0, revoked.stderr
+        wait_for(lambda: post(b, key).status_code == 401, "replica b refuses the revoked key")
+        wait_for(lambda: post(a, key).status_code == 401, "replica a refuses the revoked key")
+        refusal = post(b, key)
+        assert refusal.json()["error"]["type"] == "unknown_key"
+        assert "revoked" in refusal.json()["error"]["message"]
+        sent = len(provider.receipts())
+        assert post(a, key).status_code == 401 and len(provider.receipts()) == sent
+    for log in (a.log(), b.log()):
+        assert key not in log and hash_key(key) not in log
+    assert cli(ledger_url, "verify").returncode == 0
+
+
+def test_key_restrictions_and_expiry_are_enforced(provider: FakeProvider, tmp_path: Path) -> None:
+    """A key limited to models/providers gets 403 outside them; an expired key gets 401."""
+    ledger = str(tmp_path / "ledger.db")
+    cli(ledger, "migrate")
+    models = new_key(ledger, "--root", "team-a", "--models", "gpt-4o-mini")
+    only_anthropic = new_key(ledger, "--root", "team-a", "--providers", "anthropic")
+    soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3))
+    expiring = new_key(ledger, "--root", "team-a", "--expires", soon)
+    with replica(ledger, provider, tmp_path, "r") as proxy:
+        assert post(proxy, models).status_code == 200
+        forbidden = post(proxy, models, model="gpt-4o")
+        assert forbidden.status_code == 403
+        assert forbidden.json()["error"]["type"] == "model_forbidden"
+        assert forbidden.headers["x-should-retry"] == "false"
+        wrong = post(proxy, only_anthropic)
+        assert wrong.status_code == 403
+        assert wrong.json()["error"]["type"] == "provider_forbidden"
+        assert len(provider.receipts()) == 1  # only the allowed call reached the provider
+        wait_for(lambda: post(proxy, expiring).status_code == 401, "the key expires")
+        sent = len(provider.receipts())
+        expired = post(proxy, expiring).json()["error"]
+        assert expired["type"] == "unknown_key" and "expired" in expired["message"]
+        assert len(provider.receipts()) == sent
+        log = proxy.log()
+    for key in (models, only_anthropic, expiring):
+        assert key not in log and hash_key(key) not in log
+
+
+def test_config_keys_keep_working_beside_ledger_keys(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A [[keys]] key from the config file and a ledger key both work; others get 401."""
+    ledger = str(tmp_path / "ledger.db")
+    cli(ledger, "migrate")
+    from_config = "eg-config-" + uuid.uuid4().hex
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[[keys]]\nname = "cfg"\nsha256 = "{hash_key(from_config)}"\nbudget_root = "ops"\n'
+    )
+    with replica(ledger, provider, tmp_path, "r", args=["--config", str(config)]) as proxy:
+        from_ledger = new_key(ledger, "--root", "team-a")
+        wait_for(lambda: post(proxy, from_ledger).status_code == 200, "the ledger key works")
+        assert post(proxy, from_config).status_code == 200
+        assert post(proxy, "eg-nobody").status_code == 401
+
+
+def test_revoking_the_last_key_never_opens_the_proxy(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Once the ledger has held a key, requests without one stay refused after it is revoked."""
+    ledger = str(tmp_path / "ledger.db")
+    cli(ledger, "migrate")
+    with replica(ledger, provider, tmp_path, "r") as proxy:
+        assert post(proxy, "anything").status_code == 200  # no keys anywhere: the local default
+        key = new_key(ledger, "--root", "team-a", "--name", "only")
+        wait_for(lambda: post(proxy, "anything").status_code == 401, "keys become required")
+        assert cli(ledger, "key", "revoke", "only").returncode == 0
+        wait_for(lambda: post(proxy, key).status_code == 401, "the key is revoked")
+        assert post(proxy, "anything").status_code == 401
