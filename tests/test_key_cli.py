@@ -159,3 +159,14 @@ def test_a_config_without_a_ledger_falls_back_like_serve(
     monkeypatch.setenv("EFFECTGUARD_LEDGER", env_ledger)
     assert run(capsys, "migrate", "--config", str(config))[0] == 0
     assert Path(env_ledger).exists()
+
+
+def test_key_new_admin_prints_operator_page_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--admin NAME prints [[admin.keys]] lines for the operator page and writes nothing."""
+    code, out, _ = run(capsys, "key", "new", "--admin", "alice")
+    assert code == 0
+    key = KEY.findall(out)[0]
+    assert '[[admin.keys]]\nname = "alice"' in out and hash_key(key) in out
+    assert not list(tmp_path.iterdir())
