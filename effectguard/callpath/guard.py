@@ -45,7 +45,9 @@ from effectguard.rules.events import (
     BudgetReleased,
     Event,
 )
+from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.observer import Observer
+from effectguard.telemetry.report import TRACE_HEADERS, CallReport
 
 Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -113,20 +115,57 @@ class Guard:
         """Run ``request`` through the call path; refusals raise :class:`Refusal`.
 
         ``ticket``, if given, learns the call id as soon as the request becomes a call.
+        The observer hears of the request when it starts and once when its outcome is
+        known (a guarded stream reports at its end).
         """
-        started = time.perf_counter()
-        ticket = ticket if ticket is not None else Ticket()
+        report = open_report(provider, request, budget)
+        self.observer.call_started(report)
+        try:
+            response = await self._handle(
+                provider, request, send, report, budget, budget_root, ticket or Ticket()
+            )
+        except Refusal as refusal:
+            report.refused(refusal)
+            self.recorder.report(report)
+            raise
+        except asyncio.CancelledError:
+            # The caller went away; a dispatched call still settles in the background.
+            report.status, report.outcome = 499, report.outcome or "cancelled"
+            self.recorder.report(report)
+            raise
+        except Exception as exc:
+            report.status, report.error, report.outcome = 500, "internal_error", "error"
+            report.message = _describe(exc)
+            self.recorder.report(report)
+            raise
+        report.status = response.status_code
+        if not isinstance(response.stream, GuardedStream):
+            self.recorder.report(report)
+        return response
+
+    async def _handle(
+        self,
+        provider: Provider,
+        request: httpx.Request,
+        send: Send,
+        report: CallReport,
+        budget: str,
+        budget_root: str | None,
+        ticket: Ticket,
+    ) -> httpx.Response:
         try:
             prepared = prepare(
                 provider, request, self.settings, budget=budget, budget_root=budget_root
             )
             if prepared is None:  # read-only: nothing to guard
-                return await self._read_only(provider, request, send)
+                report.outcome = report.stage = "read_only"
+                return await self._read_only(provider, request, send, report)
+            report.model, report.budget = prepared.model or "", prepared.admit.budget
             admitted = await self._admit(prepared)
         except Refusal as refusal:
             self.observer.refused(provider.name, refusal.type)
             raise
-        ticket.call_id = admitted.call_id
+        ticket.call_id = report.call_id = admitted.call_id
         self.crash.hit("after:admit")
         if admitted.action == "refuse":
             assert admitted.refusal is not None
@@ -134,13 +173,14 @@ class Guard:
             raise admitted.refusal
         if admitted.action == "replay":
             self.observer.request_done(provider.name, prepared.model or "", "replayed")
+            _from_state(report, admitted.state, "replayed")
             return replay_response(admitted.call_id, admitted.observed, request)
         if admitted.action == "join":
-            return await self._join(admitted.call_id, prepared)
+            return await self._join(admitted.call_id, prepared, report)
         self.recorder.started(admitted.call_id)
         # The dispatch runs in its own task: a caller that goes away does not cancel a
         # call the provider is already working on (SPEC §3.6); it is read and settled.
-        task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, started))
+        task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, report))
         ticket.dispatch = task
         try:
             return await asyncio.shield(task)
@@ -205,11 +245,14 @@ class Guard:
         return state.stage if state is not None else "missing"
 
     async def _read_only(
-        self, provider: Provider, request: httpx.Request, send: Send
+        self, provider: Provider, request: httpx.Request, send: Send, report: CallReport
     ) -> httpx.Response:
         """Forward a read-only request: nothing to record, but errors still get clear answers."""
+        outgoing = upstream_request(request, request.content, provider, None)
+        self.observer.dispatching(report, outgoing)
+        sent_at = time.perf_counter()
         try:
-            response = await send(upstream_request(request, request.content, provider, None))
+            response = await send(outgoing)
         except httpx.TransportError as exc:
             not_sent = classify_transport_error(exc) == "not_sent"
             timeout = isinstance(exc, httpx.TimeoutException)
@@ -223,6 +266,8 @@ class Guard:
                 f"{_describe(exc)}",
                 retryable=True,
             ) from exc
+        finally:
+            report.upstream_s += time.perf_counter() - sent_at
         return httpx.Response(
             response.status_code,
             headers=client_headers(response, None),
@@ -249,7 +294,7 @@ class Guard:
             ) from exc
 
     async def _dispatch(
-        self, prepared: Prepared, admitted: Admitted, send: Send, started: float
+        self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
     ) -> httpx.Response:
         s = self.settings
         current = admitted
@@ -257,7 +302,7 @@ class Guard:
             # The first attempt runs outside tenacity: most calls need no retry, and
             # building the retry machinery costs ~5% of the proxy's CPU per request.
             try:
-                return await self._attempt(prepared, current, send, started)
+                return await self._attempt(prepared, current, send, report)
             except _RetryAttempt:
                 if s.max_retries < 1:
                     raise
@@ -271,7 +316,7 @@ class Guard:
             async for attempt in retrying:
                 with attempt:
                     current = await self._next_attempt(prepared, current)
-                    return await self._attempt(prepared, current, send, started)
+                    return await self._attempt(prepared, current, send, report)
         except _RetryAttempt as last:
             if last.refusal is not None:
                 raise last.refusal from None
@@ -300,16 +345,19 @@ class Guard:
         return nxt
 
     async def _attempt(
-        self, prepared: Prepared, admitted: Admitted, send: Send, started: float
+        self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
     ) -> httpx.Response:
         provider, call_id = prepared.provider, admitted.call_id
         outgoing = upstream_request(
             prepared.request, prepared.body, provider, admitted.provider_idempotency_key
         )
+        report.attempts = admitted.attempt
+        self.observer.dispatching(report, outgoing)
         sent_at = time.perf_counter()
         try:
             response = await send(outgoing)
         except httpx.TransportError as exc:
+            report.upstream_s += time.perf_counter() - sent_at
             return await self._transport_failed(prepared, admitted, exc)
         except asyncio.CancelledError:
             # The caller went away while the request may be on the wire.
@@ -320,7 +368,7 @@ class Guard:
         self.crash.hit("after:dispatch")
         is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
         if is_stream and 200 <= response.status_code < 300:
-            stream = GuardedStream(self.recorder, prepared, admitted, response, sent_at)
+            stream = GuardedStream(self.recorder, prepared, admitted, response, sent_at, report)
             return httpx.Response(
                 response.status_code,
                 headers=client_headers(response, call_id),
@@ -332,18 +380,22 @@ class Guard:
             # Raw bytes: stored and forwarded exactly as received (we ask for identity).
             body = b"".join([chunk async for chunk in response.aiter_raw()])
         except httpx.TransportError as exc:
+            report.upstream_s += time.perf_counter() - sent_at
             return await self._transport_failed(prepared, admitted, exc)
         finally:
             await response.aclose()
         upstream = time.perf_counter() - sent_at
+        report.upstream_s += upstream
         self.observer.upstream_seconds(provider.name, upstream)
         self.crash.hit("after:upstream-response")
         result = usages.usage_from_body(provider.dialect, prepared.path, body)
         await self.recorder.observe(
-            prepared, admitted, response.status_code, response.headers, body, result
+            prepared, admitted, response.status_code, response.headers, body, result, report
         )
         self.crash.hit("after:observe")
-        self.observer.overhead_seconds(max(0.0, time.perf_counter() - started - upstream))
+        self.observer.overhead_seconds(
+            max(0.0, time.perf_counter() - report.started - report.upstream_s)
+        )
         answer = httpx.Response(
             response.status_code,
             headers=client_headers(response, call_id),
@@ -396,7 +448,7 @@ class Guard:
             next_operation="reconcile",
         ) from exc
 
-    async def _join(self, call_id: str, prepared: Prepared) -> httpx.Response:
+    async def _join(self, call_id: str, prepared: Prepared, report: CallReport) -> httpx.Response:
         """A declared retry of an in-flight call waits for it and shares its result."""
         deadline = time.monotonic() + self.settings.join_timeout_s
         while True:
@@ -416,6 +468,7 @@ class Guard:
             last = observed[-1] if observed else None
             assert last is None or isinstance(last, AttemptObserved)
             self.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
+            _from_state(report, state, "joined")
             return replay_response(call_id, last, prepared.request)
         reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
         self.observer.refused(prepared.provider.name, reason)
@@ -427,6 +480,25 @@ class Guard:
             stage=stage,
             next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
+
+
+def open_report(provider: Provider, request: httpx.Request, budget: str) -> CallReport:
+    """A fresh report for ``request`` (keeping only its trace-context headers)."""
+    headers = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
+    return CallReport(
+        provider=provider.name,
+        endpoint=request.url.path,
+        budget=budget,
+        method=request.method,
+        headers=headers,
+    )
+
+
+def _from_state(report: CallReport, state: WorkState | None, outcome: str) -> None:
+    """Fill ``report`` from a call that is answered from the ledger (replayed or joined)."""
+    report.outcome = outcome
+    if state is not None:
+        report.stage, report.attempts, report.cost_nanos = state.stage, state.attempts, state.cost
 
 
 def _describe(exc: BaseException) -> str:

@@ -28,6 +28,7 @@ from effectguard.rules import usage as usages
 from effectguard.rules.events import Event, encode_body
 from effectguard.rules.settlement import Answer, settle
 from effectguard.telemetry.observer import NullObserver, Observer
+from effectguard.telemetry.report import CallReport
 
 
 class Recorder:
@@ -58,8 +59,12 @@ class Recorder:
         headers: httpx.Headers,
         body: bytes,
         result: usages.UsageResult,
+        report: CallReport | None = None,
     ) -> None:
-        """Record the observation and settle the cost, durably (SPEC §3.3)."""
+        """Record the observation and settle the cost, durably (SPEC §3.3).
+
+        ``report``, if given, learns the outcome, usage and cost.
+        """
         provider = prepared.provider
         text, encoding = encode_body(body)
         answer = Answer(
@@ -89,6 +94,12 @@ class Recorder:
             )
         await self._record_observation(prepared, admitted, settled.events)
         self.observer.request_done(provider.name, prepared.model or "", settled.outcome)
+        if report is not None:
+            report.stage = report.outcome = settled.outcome
+            report.cost_nanos = settled.actual
+            if settled.usage is not None:
+                report.input_tokens = settled.usage.input_tokens
+                report.output_tokens = settled.usage.output_tokens
 
     async def _record_observation(
         self, prepared: Prepared, admitted: Admitted, events: Sequence[Event]
@@ -107,6 +118,7 @@ class Recorder:
             ) from exc
         except LedgerError as exc:
             self.observer.request_done(provider.name, model, "observe_failed")
+            self.observer.incident("observe_failed", call_id, _describe(exc))
             self.spawn(self.interrupt(call_id, admitted.attempt, "observe failed"))
             raise refuse(
                 502,
@@ -121,14 +133,25 @@ class Recorder:
     async def interrupt(self, call_id: str, attempt: int, reason: str) -> None:
         """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""
         try:
-            await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+            state = await self.ledger.interrupt(self.writer, call_id, attempt, reason)
         except FencedError:
             pass  # another worker took this one over; its sweeper marked the call
-        except LedgerError:
+        except LedgerError as exc:
             # The ledger refused now (disk full, locked): retried on every sweep.
             self._orphans[(call_id, attempt)] = reason
+            self.observer.incident(
+                "interrupt_failed", call_id, f"{reason}; not recorded yet: {_describe(exc)}"
+            )
+        else:
+            if state.stage == "effect_unknown" and state.attempts == attempt:
+                self.observer.incident("interrupted", call_id, reason)
         finally:
             self.finish(call_id)
+
+    def report(self, report: CallReport) -> None:
+        """Hand a finished request's report to the observer (once, however often called)."""
+        if report.close():
+            self.observer.call_finished(report)
 
     async def retry_orphans(self) -> None:
         """Mark interrupted the attempts whose earlier marking failed (run by the sweeper)."""
@@ -139,6 +162,8 @@ class Recorder:
                 pass
             except LedgerError:
                 continue  # still refused; the next sweep tries again. Others go on.
+            else:
+                self.observer.incident("interrupted", call_id, f"{reason} (marked late)")
             del self._orphans[(call_id, attempt)]
 
     # -- calls in flight in this process -----------------------------------------
@@ -171,3 +196,7 @@ class Recorder:
         """Wait (at most ``timeout``) for background settlements to finish."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]

@@ -98,7 +98,11 @@ class WorkerRuntime:
                 await job()
             except FencedError:
                 self.fenced = True
-                log.error("worker %s was fenced; it writes nothing more", self.worker_id)
+                log.error(
+                    "worker %s was fenced; it writes nothing more",
+                    self.worker_id,
+                    extra={"event": "fenced", "worker": self.worker_id},
+                )
                 return
             except LedgerError as exc:
                 log.warning("ledger busy in %s: %s", getattr(job, "__name__", job), exc)
@@ -140,8 +144,7 @@ class WorkerRuntime:
                     (self.lock_dir / f"{worker}.lock").unlink()
         for hook in self.after_sweep:
             await hook()
-        if interrupted:
-            log.warning("marked %d calls of dead workers effect_unknown", len(interrupted))
+        _log_sweep(dead, interrupted)
         return interrupted
 
     async def _mark_stranded(self, writer: Writer) -> list[str]:
@@ -204,3 +207,17 @@ class WorkerRuntime:
             # once instead of waiting for the lease, and removes it.
             self._lock_file.close()
             self._lock_file = None
+
+
+def _log_sweep(dead: frozenset[str], interrupted: list[str]) -> None:
+    """One line per worker taken over, one per call the sweep marked effect unknown."""
+    for worker in sorted(dead):
+        log.warning(
+            "took over dead worker %s", worker, extra={"event": "takeover", "worker": worker}
+        )
+    for call_id in interrupted:
+        log.warning(
+            "sweep marked call %s effect_unknown (its worker is gone)",
+            call_id,
+            extra={"event": "sweep", "call_id": call_id},
+        )

@@ -22,6 +22,7 @@ from effectguard.callpath.recorder import Recorder
 from effectguard.errors import Refusal
 from effectguard.ledger import Admitted
 from effectguard.rules import usage as usages
+from effectguard.telemetry.report import CallReport
 
 
 class GuardedStream(httpx.AsyncByteStream):
@@ -34,6 +35,7 @@ class GuardedStream(httpx.AsyncByteStream):
         admitted: Admitted,
         upstream: httpx.Response,
         sent_at: float,
+        report: CallReport,
     ) -> None:
         self._recorder = recorder
         self._prepared = prepared
@@ -43,6 +45,8 @@ class GuardedStream(httpx.AsyncByteStream):
         self._parser = usages.StreamUsage(prepared.provider.dialect, prepared.path)
         self._received: list[bytes] = []
         self._sent_at = sent_at
+        #: The request's report, handed to the observer when the stream settles.
+        self._report = report
         self._forwarded = 0
         self._settled = False
 
@@ -88,7 +92,11 @@ class GuardedStream(httpx.AsyncByteStream):
         try:
             await self._observe()
         except Refusal as exc:
+            self._report.refused(exc)
+            self._report.status = self._upstream.status_code  # already on its way
             raise httpx.RemoteProtocolError(exc.message) from exc
+        finally:
+            self._recorder.report(self._report)
 
     async def _observe(self) -> None:
         if self._settled:
@@ -97,6 +105,7 @@ class GuardedStream(httpx.AsyncByteStream):
         await self._upstream.aclose()
         recorder = self._recorder
         upstream_s = time.perf_counter() - self._sent_at
+        self._report.upstream_s += upstream_s
         recorder.observer.upstream_seconds(self._prepared.provider.name, upstream_s)
         recorder.crash.hit("after:upstream-response")
         await recorder.observe(
@@ -106,15 +115,22 @@ class GuardedStream(httpx.AsyncByteStream):
             self._upstream.headers,
             b"".join(self._received),
             self._parser.result(),
+            self._report,
         )
         recorder.crash.hit("after:observe")
 
     async def _broken(self, exc: BaseException) -> None:
         self._settled = True
         await self._upstream.aclose()
-        await self._recorder.interrupt(
-            self._admitted.call_id, self._admitted.attempt, f"stream broke: {exc}"[:300]
-        )
+        self._report.upstream_s += time.perf_counter() - self._sent_at
+        try:
+            await self._recorder.interrupt(
+                self._admitted.call_id, self._admitted.attempt, f"stream broke: {exc}"[:300]
+            )
+        finally:
+            self._report.stage = self._report.outcome = "effect_unknown"
+            self._report.error = "stream_broken"
+            self._recorder.report(self._report)
 
     async def aclose(self) -> None:
         """Settle the call: now if it ended, else in the background after the upstream ends."""

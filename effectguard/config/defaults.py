@@ -40,6 +40,14 @@ ADMIN_SESSION_S = 8 * 3600.0
 #: Mixed into the page's session signing secret when set (the same on every replica).
 ADMIN_SECRET_ENV = "EFFECTGUARD_ADMIN_SECRET"
 
+# Operators' view (docs/configuration.md, [server]): logs and traces.
+#: ``text`` for a terminal, ``json`` for one JSON object per line (log shippers).
+LOG_FORMAT = "text"
+#: effectguard's own loggers; access lines are ``info``, incidents ``warning``.
+LOG_LEVEL = "info"
+#: One OpenTelemetry span per call (needs the ``effectguard[otel]`` extra).
+OTEL = False
+
 # A worker's lease, its heartbeat and the recovery sweep (docs/contract.md §7).
 LEASE_S = 15.0
 HEARTBEAT_S = 3.0

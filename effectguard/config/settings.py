@@ -21,6 +21,9 @@ Config file reference (every table optional)::
     metrics_host = "127.0.0.1"  # with metrics_port: /metrics on its own listener only
     metrics_port = 9464
     key_refresh_s = 2           # each replica re-reads the ledger's keys this often
+    log_format = "text"         # or "json": one JSON object per line (--log-format)
+    log_level = "info"          # effectguard's loggers (--log-level); access lines are info
+    otel = false                # one OpenTelemetry span per call (--otel; effectguard[otel])
 
     [guard]
     retry_window_s = 600        # key-less declared retries match calls this recent
@@ -163,6 +166,9 @@ class ServeSettings:
     heartbeat_s: float = defaults.HEARTBEAT_S
     sweep_s: float = defaults.SWEEP_S
     key_refresh_s: float = defaults.KEY_REFRESH_S
+    log_format: str = defaults.LOG_FORMAT
+    log_level: str = defaults.LOG_LEVEL
+    otel: bool = defaults.OTEL
 
     def key_root(self, presented: str) -> ProxyKey | None:
         """The config-file proxy key matching ``presented``, if any."""
@@ -279,6 +285,9 @@ def load_settings(
     name_upstream: Callable[[str], str] = upstream_argument,
     metrics_host: str | None = None,
     metrics_port: int | None = None,
+    log_format: str | None = None,
+    log_level: str | None = None,
+    otel: bool | None = None,
 ) -> ServeSettings:
     """Build settings from a config file, flags and the environment.
 
@@ -325,7 +334,29 @@ def load_settings(
         heartbeat_s=_number(server, "heartbeat_s", d.HEARTBEAT_S, "server"),
         sweep_s=_number(server, "sweep_s", d.SWEEP_S, "server"),
         key_refresh_s=_positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
+        log_format=_log_format(log_format or server.get("log_format", d.LOG_FORMAT)),
+        log_level=_log_level(log_level or server.get("log_level", d.LOG_LEVEL)),
+        otel=bool(server.get("otel", d.OTEL)) if otel is None else otel,
     )
+
+
+#: The log formats ``[server] log_format`` and ``--log-format`` accept.
+LOG_FORMATS = ("text", "json")
+#: The log levels ``[server] log_level`` and ``--log-level`` accept.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_format(value: object) -> str:
+    if value not in LOG_FORMATS:
+        raise ConfigError(f"server.log_format: must be one of {', '.join(LOG_FORMATS)}")
+    return str(value)
+
+
+def _log_level(value: object) -> str:
+    level = str(value).lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"server.log_level: must be one of {', '.join(LOG_LEVELS)}")
+    return level
 
 
 def _positive(table: Mapping[str, Any], key: str, default: float, where: str) -> float:

@@ -28,6 +28,7 @@ from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.keyring import Grant, KeyRing
 from effectguard.ingress.limitseed import seed_limits
+from effectguard.ingress.observers import proxy_observer
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
@@ -78,7 +79,7 @@ class ProxyApp:
                 providers=settings.providers,
                 guard=settings.guard,
                 crash=crash if crash is not None else crash_from_environment(),
-                observer=metrics.observer if metrics is not None else None,
+                observer=proxy_observer(metrics, settings.otel),
                 lease_s=settings.lease_s,
                 heartbeat_s=settings.heartbeat_s,
                 sweep_s=settings.sweep_s,

@@ -29,6 +29,7 @@ from effectguard.config.settings import ServeSettings
 from effectguard.errors import ConfigError
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.server import create_app
+from effectguard.telemetry.logs import configure_logging
 
 Alongside = Callable[[], AbstractAsyncContextManager[object]]
 #: Exit status of a proxy whose startup failed (uvicorn's own).
@@ -74,6 +75,7 @@ def serve(
     ``alongside`` is entered in the proxy's event loop before it starts and left
     after it stops. Raises :class:`ConfigError` if the port cannot be bound.
     """
+    configure_logging(settings.log_format, settings.log_level)
     sock = listen_socket(settings.host, settings.port)
     server = _Server(_config(settings, metrics), _start_line(settings, sock))
 
@@ -120,6 +122,8 @@ def _config(settings: ServeSettings, metrics: Any) -> uvicorn.Config:
         create_app(settings, metrics=metrics),
         lifespan="on",
         log_level="warning",
+        # Our handler (configure_logging) formats uvicorn's records too: no config of its own.
+        log_config=None,
         access_log=False,
         server_header=False,
         date_header=False,

@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -30,9 +30,13 @@ from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import ConfigError, Refusal
+from effectguard.ingress.observers import tracing
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, upstream_argument
-from effectguard.telemetry.observer import Observer
+from effectguard.telemetry.observer import Observer, combine
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 T = TypeVar("T")
 
@@ -67,7 +71,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         settings: GuardSettings | None = None,
         observer: Observer | None = None,
         crash: CrashPoints = NO_CRASH,
+        otel: bool | TracerProvider = False,
     ) -> None:
+        """``otel``: one OpenTelemetry span per call (True: the global tracer provider;
+        or a ``TracerProvider``), with the ``effectguard[otel]`` extra installed."""
         self.inner = inner or httpx.AsyncHTTPTransport()
         self.budget = budget
         self.refuse_unmatched = refuse_unmatched
@@ -76,7 +83,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             providers=_providers(providers, upstreams),
             guard=settings or GuardSettings(),
             crash=crash,
-            observer=observer,
+            observer=combine(observer, tracing(otel)),
         )
         self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
         self._guard: Guard | None = None
@@ -222,6 +229,7 @@ class GuardTransport(httpx.BaseTransport):
         settings: GuardSettings | None = None,
         observer: Observer | None = None,
         crash: CrashPoints = NO_CRASH,
+        otel: bool | TracerProvider = False,
     ) -> None:
         self._portal = _Portal()
         self._async = AsyncGuardTransport(
@@ -234,6 +242,7 @@ class GuardTransport(httpx.BaseTransport):
             settings=settings,
             observer=observer,
             crash=crash,
+            otel=otel,
         )
 
     @property

@@ -7,6 +7,7 @@ set limits, verify) and the guard writes through (admit, record, interrupt).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -19,6 +20,8 @@ from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
+
+log = logging.getLogger("effectguard.ledger")
 
 __all__ = ["OPERATOR", "AdmitRequest", "Admitted", "Ledger", "LedgerStore", "Writer", "open_store"]
 
@@ -104,12 +107,21 @@ class Ledger:
         writer: Writer = OPERATOR,
     ) -> WorkState:
         """Decide an effect-unknown call: applied (with cost) or not applied."""
-        return await self.store.write(
+        state: WorkState = await self.store.write(
             writer,
             lambda tx: operations.reconcile(
                 tx, writer, call_id, applied=applied, cost=cost, note=note, by=by
             ),
         )
+        # The note is the operator's free text: it stays in the ledger, out of the logs.
+        log.info(
+            "call %s reconciled as %s by %s",
+            call_id,
+            state.stage,
+            by,
+            extra={"event": "reconciled", "call_id": call_id, "stage": state.stage, "by": by},
+        )
+        return state
 
     async def set_limit(self, path: str, limit: int | None, writer: Writer = OPERATOR) -> None:
         """Set (``None``: clear) the limit of budget ``path`` in nano-dollars."""

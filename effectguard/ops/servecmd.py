@@ -38,6 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name_upstream=upstream_flag,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        otel=True if args.otel else None,
     )
     alongside = None
     if demo is not None:
@@ -69,7 +72,33 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-host", default=None, help="address for --metrics-port (default 127.0.0.1)"
     )
+    _operator_arguments(p)
     p.set_defaults(run=cmd_serve)
+
+
+def _operator_arguments(p: argparse.ArgumentParser) -> None:
+    """Logs and traces: what the proxy tells its operator."""
+    from effectguard.config.settings import LOG_FORMATS, LOG_LEVELS
+
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help="text (default) or json: one JSON object per line, for log shippers",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        type=str.lower,
+        default=None,
+        help="effectguard's log level (default info: one access line per call)",
+    )
+    p.add_argument(
+        "--otel",
+        action="store_true",
+        help="one OpenTelemetry span per call (needs effectguard[otel]; exporters are "
+        "configured by the OTEL_* environment variables of the OpenTelemetry SDK)",
+    )
 
 
 def _fake_provider_arguments(p: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ from prometheus_client.metrics_core import Metric
 from effectguard.errors import EffectguardError
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.money import nanos_to_decimal
+from effectguard.telemetry.observer import NullObserver
 
 if TYPE_CHECKING:
     from effectguard.ledger import Ledger
@@ -122,8 +123,11 @@ class _Capped:
             return sorted(self._seen.get(scope, ()))
 
 
-class MetricsObserver:
-    """The guard's :class:`~effectguard.telemetry.observer.Observer`, as Prometheus counters."""
+class MetricsObserver(NullObserver):
+    """The guard's :class:`~effectguard.telemetry.observer.Observer`, as Prometheus counters.
+
+    Per-request reports (call ids) are no metric labels: those hooks stay no-ops.
+    """
 
     def __init__(self, registry: CollectorRegistry, capped: _Capped) -> None:
         self._cap = capped

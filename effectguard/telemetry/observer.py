@@ -1,16 +1,28 @@
-"""What the guard reports as it works (implemented by ``effectguard.telemetry.metrics``).
+"""What the guard reports as it works (implemented by ``effectguard.telemetry.metrics``,
+``effectguard.telemetry.logs`` and ``effectguard.telemetry.tracing``).
 
 The guard calls an :class:`Observer`; the default one does nothing, so the
-call path does not depend on any metrics library.
+call path does not depend on any metrics, logging format or tracing library.
+:class:`Observers` hands every report to several observers in turn.
+
+Two kinds of report: *measurements* (bounded labels: no call ids, no keys — they
+become metric series) and *per-request* reports (:class:`CallReport`, incidents),
+which name the call and become log lines and trace spans.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from effectguard.telemetry.report import CallReport
+
+if TYPE_CHECKING:
+    import httpx
 
 
 class Observer(Protocol):
-    """Receives the guard's measurements. Labels are bounded: no call ids, no keys."""
+    """Receives the guard's measurements and per-request reports."""
 
     def request_done(self, provider: str, model: str, outcome: str) -> None:
         """A request finished with ``outcome`` (completed, failed, refused, replayed …)."""
@@ -31,6 +43,18 @@ class Observer(Protocol):
 
     def internal_error(self) -> None:
         """An unexpected exception was answered with a 500 ``internal_error``."""
+
+    def call_started(self, report: CallReport) -> None:
+        """A request reached the guard (``report`` holds its provider, endpoint, budget)."""
+
+    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+        """An attempt is about to be sent upstream; ``outgoing`` may still gain headers."""
+
+    def call_finished(self, report: CallReport) -> None:
+        """A request's outcome is known (streams: at their end). Called once per request."""
+
+    def incident(self, kind: str, call_id: str | None, detail: str) -> None:
+        """Something an operator must hear about once: ``observe_failed``, ``interrupted`` …"""
 
 
 class NullObserver:
@@ -55,3 +79,72 @@ class NullObserver:
 
     def internal_error(self) -> None:
         pass
+
+    def call_started(self, report: CallReport) -> None:
+        pass
+
+    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+        pass
+
+    def call_finished(self, report: CallReport) -> None:
+        pass
+
+    def incident(self, kind: str, call_id: str | None, detail: str) -> None:
+        pass
+
+
+class Observers:
+    """Several observers as one: each report goes to every one, in order."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = tuple(observers)
+
+    def request_done(self, provider: str, model: str, outcome: str) -> None:
+        for o in self.observers:
+            o.request_done(provider, model, outcome)
+
+    def refused(self, provider: str, reason: str) -> None:
+        for o in self.observers:
+            o.refused(provider, reason)
+
+    def settled(
+        self, provider: str, model: str, input_tokens: int, output_tokens: int, cost_nanos: int
+    ) -> None:
+        for o in self.observers:
+            o.settled(provider, model, input_tokens, output_tokens, cost_nanos)
+
+    def upstream_seconds(self, provider: str, seconds: float) -> None:
+        for o in self.observers:
+            o.upstream_seconds(provider, seconds)
+
+    def overhead_seconds(self, seconds: float) -> None:
+        for o in self.observers:
+            o.overhead_seconds(seconds)
+
+    def internal_error(self) -> None:
+        for o in self.observers:
+            o.internal_error()
+
+    def call_started(self, report: CallReport) -> None:
+        for o in self.observers:
+            o.call_started(report)
+
+    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+        for o in self.observers:
+            o.dispatching(report, outgoing)
+
+    def call_finished(self, report: CallReport) -> None:
+        for o in self.observers:
+            o.call_finished(report)
+
+    def incident(self, kind: str, call_id: str | None, detail: str) -> None:
+        for o in self.observers:
+            o.incident(kind, call_id, detail)
+
+
+def combine(*observers: Observer | None) -> Observer | None:
+    """One observer for the given ones (None left out; None if none is left)."""
+    present = [o for o in observers if o is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else Observers(present)

@@ -1,0 +1,172 @@
+"""Logs that tell an operator what happened: one access line per request, one line per
+incident, as text or as JSON lines (``serve --log-format text|json --log-level LEVEL``).
+
+* :class:`LogObserver` is the guard's :class:`~effectguard.telemetry.observer.Observer`
+  for logs: it writes the access line (logger ``effectguard.access``) when a request's
+  outcome is known, and incidents — failed observations, interrupts — to
+  ``effectguard.events``. Other layers log their incidents (sweeps, takeovers,
+  reconciliations) with the standard :mod:`logging` calls, naming the call in
+  ``extra={"call_id": ...}``; the formatters here render any such field.
+* :func:`configure_logging` installs one handler on the root logger, with
+  :class:`JsonFormatter` or :class:`TextFormatter`.
+
+What a line may hold is chosen field by field from a :class:`CallReport`, which holds no
+body and no credential, so nothing secret can reach a log by accident.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import sys
+from typing import IO, Any
+
+from effectguard.config.settings import LOG_FORMATS
+from effectguard.rules.money import nanos_to_usd
+from effectguard.telemetry.observer import NullObserver
+from effectguard.telemetry.report import CallReport
+
+__all__ = [
+    "JsonFormatter",
+    "LogObserver",
+    "TextFormatter",
+    "access_fields",
+    "configure_logging",
+]
+
+ACCESS = logging.getLogger("effectguard.access")
+EVENTS = logging.getLogger("effectguard.events")
+
+#: Attributes every LogRecord has; anything else on a record came from ``extra``.
+_STANDARD = frozenset(
+    logging.LogRecord("", 0, "", 0, "", None, None).__dict__.keys() | {"message", "asctime"}
+)
+
+
+def _iso(created: float) -> str:
+    """A record's time as ISO 8601 UTC with milliseconds."""
+    moment = dt.datetime.fromtimestamp(created, tz=dt.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and every ``extra`` field."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "time": _iso(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        payload.update(_extras(record))
+        if record.exc_info:
+            payload["exception"] = self.formatException(record.exc_info)
+        return json.dumps(payload, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER: message key=value …`` — for a person reading a terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={_text(v)}" for k, v in _extras(record).items() if v is not None)
+        line = f"{_iso(record.created)} {record.levelname} {record.name}: {record.getMessage()}"
+        if fields:
+            line = f"{line} {fields}"
+        if record.exc_info:
+            line = f"{line}\n{self.formatException(record.exc_info)}"
+        return line
+
+
+def _text(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text) if (" " in text or '"' in text or not text) else text
+
+
+def configure_logging(
+    log_format: str = "text", level: str = "info", stream: IO[str] | None = None
+) -> logging.Handler:
+    """Send every log record to ``stream`` (stderr) in ``log_format``; effectguard's own
+    loggers at ``level``, other libraries' at warning and above.
+
+    Other libraries stay at warning because some log request URLs at info level, and a
+    URL may carry a credential in its query string.
+    """
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}")
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("effectguard").setLevel(numeric)
+    return handler
+
+
+def _seconds(value: float) -> float:
+    return round(value, 6)
+
+
+def access_fields(report: CallReport) -> dict[str, Any]:
+    """The access line's fields (a report's outcome; never a body or a credential)."""
+    fields: dict[str, Any] = {
+        "event": "access",
+        "call_id": report.call_id,
+        "provider": report.provider,
+        "method": report.method,
+        "endpoint": report.endpoint,
+        "model": report.model or None,
+        "budget": report.budget,
+        "status": report.status,
+        "stage": report.stage or None,
+        "outcome": report.outcome or None,
+        "attempts": report.attempts,
+        "cost_usd": None if report.cost_nanos is None else nanos_to_usd(report.cost_nanos),
+        "input_tokens": report.input_tokens,
+        "output_tokens": report.output_tokens,
+        "upstream_s": _seconds(report.upstream_s),
+        "overhead_s": _seconds(report.overhead_s),
+    }
+    if report.error is not None:
+        fields["error"] = report.error
+    return fields
+
+
+class LogObserver(NullObserver):
+    """Writes the access line of every request and one line per incident."""
+
+    def __init__(self, access: logging.Logger = ACCESS, events: logging.Logger = EVENTS) -> None:
+        self.access = access
+        self.events = events
+
+    def call_finished(self, report: CallReport) -> None:
+        # A refusal at 5xx is an operator's business (the ledger, the upstream, a fault of
+        # ours), so its access line is a warning that carries the refusal's message.
+        serious = report.status >= 500
+        level = logging.WARNING if serious else logging.INFO
+        if not self.access.isEnabledFor(level):
+            return
+        fields = access_fields(report)
+        if serious and report.message:
+            fields["detail"] = report.message
+        summary = f"{report.method} {report.provider}{report.endpoint} {report.status}"
+        self.access.log(level, summary, extra=fields)
+
+    def incident(self, kind: str, call_id: str | None, detail: str) -> None:
+        self.events.warning(
+            "%s: call %s: %s",
+            kind,
+            call_id or "-",
+            detail,
+            extra={"event": kind, "call_id": call_id, "detail": detail},
+        )
