@@ -26,6 +26,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.prepare import Prepared, prepare, refuse
 from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.wire import (
     classify_transport_error,
@@ -45,9 +46,9 @@ from effectguard.rules.events import (
     BudgetReleased,
     Event,
 )
-from effectguard.rules.workstate import WorkState
+from effectguard.rules.guidance import decide_unknown
 from effectguard.telemetry.observer import Observer
-from effectguard.telemetry.report import TRACE_HEADERS, CallReport
+from effectguard.telemetry.report import CallReport
 
 Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -173,7 +174,7 @@ class Guard:
             raise admitted.refusal
         if admitted.action == "replay":
             self.observer.request_done(provider.name, prepared.model or "", "replayed")
-            _from_state(report, admitted.state, "replayed")
+            from_state(report, admitted.state, "replayed")
             return replay_response(admitted.call_id, admitted.observed, request)
         if admitted.action == "join":
             return await self._join(admitted.call_id, prepared, report)
@@ -222,7 +223,7 @@ class Guard:
                 504,
                 "effect_unknown",
                 f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
-                "taken effect and will not be re-sent automatically",
+                f"taken effect and will not be re-sent automatically; {decide_unknown(call_id)}",
                 call_id=call_id,
                 stage=stage,
                 next_operation="reconcile",
@@ -357,8 +358,7 @@ class Guard:
         try:
             response = await send(outgoing)
         except httpx.TransportError as exc:
-            report.upstream_s += time.perf_counter() - sent_at
-            return await self._transport_failed(prepared, admitted, exc)
+            return await self._transport_failed(prepared, admitted, exc, report, sent_at)
         except asyncio.CancelledError:
             # The caller went away while the request may be on the wire.
             self.recorder.spawn(
@@ -380,8 +380,7 @@ class Guard:
             # Raw bytes: stored and forwarded exactly as received (we ask for identity).
             body = b"".join([chunk async for chunk in response.aiter_raw()])
         except httpx.TransportError as exc:
-            report.upstream_s += time.perf_counter() - sent_at
-            return await self._transport_failed(prepared, admitted, exc)
+            return await self._transport_failed(prepared, admitted, exc, report, sent_at)
         finally:
             await response.aclose()
         upstream = time.perf_counter() - sent_at
@@ -408,8 +407,14 @@ class Guard:
         return answer
 
     async def _transport_failed(
-        self, prepared: Prepared, admitted: Admitted, exc: httpx.TransportError
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        exc: httpx.TransportError,
+        report: CallReport,
+        sent_at: float,
     ) -> httpx.Response:
+        report.upstream_s += time.perf_counter() - sent_at
         call_id = admitted.call_id
         if classify_transport_error(exc) == "not_sent":
             events: list[Event] = [
@@ -441,8 +446,8 @@ class Guard:
             504 if timeout else 502,
             "effect_unknown",
             f"the upstream {'timed out' if timeout else 'failed'} after the request was sent; "
-            f"call {call_id} may have taken effect and will not be re-sent automatically: "
-            f"{_describe(exc)}",
+            f"call {call_id} may have taken effect and will not be re-sent automatically "
+            f"({_describe(exc)}); {decide_unknown(call_id)}",
             call_id=call_id,
             stage="effect_unknown",
             next_operation="reconcile",
@@ -468,37 +473,19 @@ class Guard:
             last = observed[-1] if observed else None
             assert last is None or isinstance(last, AttemptObserved)
             self.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
-            _from_state(report, state, "joined")
+            from_state(report, state, "joined")
             return replay_response(call_id, last, prepared.request)
         reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
         self.observer.refused(prepared.provider.name, reason)
         raise refuse(
             409,
             reason,
-            f"this request retries call {call_id}, which is {stage}",
+            f"this request retries call {call_id}, which is {stage}"
+            + (f"; {decide_unknown(call_id)}" if reason == "effect_unknown" else ""),
             call_id=call_id,
             stage=stage,
             next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
-
-
-def open_report(provider: Provider, request: httpx.Request, budget: str) -> CallReport:
-    """A fresh report for ``request`` (keeping only its trace-context headers)."""
-    headers = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
-    return CallReport(
-        provider=provider.name,
-        endpoint=request.url.path,
-        budget=budget,
-        method=request.method,
-        headers=headers,
-    )
-
-
-def _from_state(report: CallReport, state: WorkState | None, outcome: str) -> None:
-    """Fill ``report`` from a call that is answered from the ledger (replayed or joined)."""
-    report.outcome = outcome
-    if state is not None:
-        report.stage, report.attempts, report.cost_nanos = state.stage, state.attempts, state.cost
 
 
 def _describe(exc: BaseException) -> str:

@@ -26,6 +26,7 @@ from effectguard.errors import FencedError, LedgerError
 from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.rules import usage as usages
 from effectguard.rules.events import Event, encode_body
+from effectguard.rules.guidance import decide_unknown
 from effectguard.rules.settlement import Answer, settle
 from effectguard.telemetry.observer import NullObserver, Observer
 from effectguard.telemetry.report import CallReport
@@ -123,8 +124,8 @@ class Recorder:
             raise refuse(
                 502,
                 "observe_failed",
-                f"the response to call {call_id} could not be "
-                f"recorded; its effect is unknown: {exc}",
+                f"the response to call {call_id} could not be recorded, so its effect is "
+                f"unknown ({exc}); {decide_unknown(call_id)}",
                 call_id=call_id,
             ) from exc
         finally:

@@ -55,6 +55,7 @@ operator page's session signing secret (see :class:`AdminSettings`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -285,9 +286,6 @@ def load_settings(
     name_upstream: Callable[[str], str] = upstream_argument,
     metrics_host: str | None = None,
     metrics_port: int | None = None,
-    log_format: str | None = None,
-    log_level: str | None = None,
-    otel: bool | None = None,
 ) -> ServeSettings:
     """Build settings from a config file, flags and the environment.
 
@@ -306,8 +304,6 @@ def load_settings(
         if p.api_key_env and env.get(p.api_key_env)
     }
     g, d = GuardSettings(), defaults
-    if metrics_port is None and server.get("metrics_port") is not None:
-        metrics_port = int(server["metrics_port"])
     return ServeSettings(
         ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
         host=host or str(server.get("host", d.HOST)),
@@ -327,16 +323,45 @@ def load_settings(
         drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),
         metrics_host=metrics_host or str(server.get("metrics_host", d.HOST)),
-        metrics_port=metrics_port,
+        metrics_port=metrics_port if metrics_port is not None else _port(server, "metrics_port"),
         connect_timeout_s=_number(upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"),
         read_timeout_s=_number(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
         lease_s=_number(server, "lease_s", d.LEASE_S, "server"),
         heartbeat_s=_number(server, "heartbeat_s", d.HEARTBEAT_S, "server"),
         sweep_s=_number(server, "sweep_s", d.SWEEP_S, "server"),
         key_refresh_s=_positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
-        log_format=_log_format(log_format or server.get("log_format", d.LOG_FORMAT)),
-        log_level=_log_level(log_level or server.get("log_level", d.LOG_LEVEL)),
-        otel=bool(server.get("otel", d.OTEL)) if otel is None else otel,
+        **_operator(server),
+    )
+
+
+def _port(table: Mapping[str, Any], key: str) -> int | None:
+    value = table.get(key)
+    return None if value is None else int(value)
+
+
+def _operator(server: Mapping[str, Any]) -> dict[str, Any]:
+    """``[server]`` log_format, log_level and otel (flags override them: with_flags)."""
+    d = defaults
+    return {
+        "log_format": _log_format(server.get("log_format", d.LOG_FORMAT)),
+        "log_level": _log_level(server.get("log_level", d.LOG_LEVEL)),
+        "otel": bool(server.get("otel", d.OTEL)),
+    }
+
+
+def with_operator_flags(
+    settings: ServeSettings,
+    *,
+    log_format: str | None = None,
+    log_level: str | None = None,
+    otel: bool | None = None,
+) -> ServeSettings:
+    """``settings`` with the ``serve`` flags for logs and traces applied (None: unchanged)."""
+    return dataclasses.replace(
+        settings,
+        log_format=_log_format(log_format or settings.log_format),
+        log_level=_log_level(log_level or settings.log_level),
+        otel=settings.otel if otel is None else otel,
     )
 
 

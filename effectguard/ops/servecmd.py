@@ -17,7 +17,7 @@ from effectguard.ops.command import (
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``effectguard serve``: the proxy (with ``--demo``, and its offline upstream)."""
-    from effectguard.config.settings import load_settings
+    from effectguard.config.settings import load_settings, with_operator_flags
     from effectguard.ingress.serving import serve
     from effectguard.telemetry.metrics import Metrics
 
@@ -38,9 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name_upstream=upstream_flag,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
-        log_format=args.log_format,
-        log_level=args.log_level,
-        otel=True if args.otel else None,
+    )
+    settings = with_operator_flags(
+        settings, log_format=args.log_format, log_level=args.log_level, otel=args.otel or None
     )
     alongside = None
     if demo is not None:

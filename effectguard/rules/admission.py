@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from effectguard.errors import Refusal
+from effectguard.rules.guidance import decide_unknown, show_command, unknown_effect
 from effectguard.rules.workstate import WorkState
 
 Action = Literal["admit", "attempt", "provider_resend", "replay", "join", "refuse"]
@@ -50,13 +51,20 @@ def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> D
         return _refuse(
             422,
             "idempotency_key_reused",
-            "this Idempotency-Key was used for a different request",
+            f"this Idempotency-Key belongs to call {s.call_id}, a different request; "
+            f"send it with a new key (see `{show_command(s.call_id)}`)",
             s,
         )
     if s.stage in ("completed", "failed"):
         return Decision("replay", s)
     if s.stage == "in_flight":
-        return _refuse(409, "in_progress", "a call with this key is in flight", s)
+        return _refuse(
+            409,
+            "in_progress",
+            f"call {s.call_id} with this key is in flight; wait for it and resend the same "
+            f"request to receive its result (see `{show_command(s.call_id)}`)",
+            s,
+        )
     if s.stage == "effect_unknown":
         window = s.idempotency_window_s
         if window is not None and now - s.created_at <= window:
@@ -64,13 +72,19 @@ def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> D
         return _refuse(
             409,
             "effect_unknown",
-            "the effect of this call is unknown; reconcile it before sending again",
+            unknown_effect(s.call_id),
             s,
         )
     if s.stage in ("not_sent", "not_processed", "reconciled_not_applied"):
         return Decision("attempt", s)
     if s.stage == "reconciled_applied":
-        return _refuse(409, "reconciled_applied", "this call was reconciled as applied", s)
+        return _refuse(
+            409,
+            "reconciled_applied",
+            f"call {s.call_id} was reconciled as applied, so it is not sent again; new work "
+            f"needs a new Idempotency-Key (see `{show_command(s.call_id)}`)",
+            s,
+        )
     return Decision("admit")
 
 
@@ -88,7 +102,8 @@ def decide_retry(existing: WorkState | None) -> Decision:
         return _refuse(
             409,
             "effect_unknown",
-            "this request retries a call whose effect is unknown; reconcile it first",
+            f"this request retries call {existing.call_id}, whose effect is unknown; "
+            f"{decide_unknown(existing.call_id)}",
             existing,
         )
     return Decision("admit")

@@ -1,0 +1,47 @@
+"""What an operator runs next for a call, in words the refusals and the CLI share. Pure.
+
+A refusal's message is what an SDK prints (``str(exc)``), so it names the call and the
+command to run; ``effectguard show`` ends with the same command.
+"""
+
+from __future__ import annotations
+
+#: The stages a person decides with ``effectguard reconcile``.
+DECIDED_BY_RECONCILE = frozenset({"effect_unknown", "failed"})
+
+
+def show_command(call_id: str) -> str:
+    """The command that shows a call."""
+    return f"effectguard show {call_id}"
+
+
+def reconcile_command(call_id: str) -> str:
+    """The command that decides an effect-unknown call (both verbs, both need a note)."""
+    return (
+        f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT"
+        f" | effectguard reconcile {call_id} --not-applied --note TEXT"
+    )
+
+
+def decide_unknown(call_id: str) -> str:
+    """The advice a refusal of an effect-unknown call ends with."""
+    return (
+        f"decide with `{show_command(call_id)}` then "
+        f"`effectguard reconcile {call_id} --applied|--not-applied --note ...`"
+    )
+
+
+def unknown_effect(call_id: str) -> str:
+    """The message of a 409 ``effect_unknown``."""
+    return f"call {call_id}: its effect is unknown; {decide_unknown(call_id)}"
+
+
+def next_command(call_id: str, stage: str) -> str | None:
+    """The exact command an operator runs next for a call in ``stage`` (None: nothing)."""
+    if stage in DECIDED_BY_RECONCILE:
+        return reconcile_command(call_id)
+    if stage == "in_flight":
+        return f"{show_command(call_id)}  # in flight: wait; the sweeper marks a dead worker's"
+    if stage in ("not_sent", "not_processed", "reconciled_not_applied"):
+        return "resend the request with the same Idempotency-Key"
+    return None
