@@ -25,5 +25,11 @@ def tracing(otel: bool | TracerProvider | None) -> Observer | None:
 
 
 def proxy_observer(metrics: Any, otel: bool) -> Observer | None:
-    """The proxy's observer: its metrics (if any), its access log, and traces if enabled."""
-    return combine(metrics.observer if metrics is not None else None, LogObserver(), tracing(otel))
+    """The proxy's observer: its metrics (if any), its access log, and traces if enabled
+    (the proxy owns its process, so it installs the SDK's tracer provider itself)."""
+    traces = None
+    if otel:
+        from effectguard.telemetry.tracing import install_provider
+
+        traces = tracing(install_provider())
+    return combine(metrics.observer if metrics is not None else None, LogObserver(), traces)

@@ -159,7 +159,7 @@ class LogObserver(NullObserver):
         fields = access_fields(report)
         if serious and report.message:
             fields["detail"] = report.message
-        summary = f"{report.method} {report.provider}{report.endpoint} {report.status}"
+        summary = f"{report.method} /{report.provider}{report.endpoint} {report.status}"
         self.access.log(level, summary, extra=fields)
 
     def incident(self, kind: str, call_id: str | None, detail: str) -> None:

@@ -17,11 +17,15 @@ This module imports ``opentelemetry``; nothing imports it unless tracing is enab
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from effectguard.errors import ConfigError
 from effectguard.rules.money import nanos_to_usd
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.report import CallReport
@@ -29,7 +33,7 @@ from effectguard.telemetry.report import CallReport
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["TracingObserver", "operation_name"]
+__all__ = ["TracingObserver", "install_provider", "operation_name"]
 
 #: The instrumentation scope's name.
 SCOPE = "effectguard"
@@ -111,3 +115,38 @@ def _attributes(report: CallReport) -> dict[str, Any]:
         "error.type": report.error,
     }
     return {k: v for k, v in values.items() if v is not None}
+
+
+def install_provider(environ: Mapping[str, str] | None = None) -> trace.TracerProvider:
+    """The tracer provider of a process effectguard owns (``serve --otel``).
+
+    If the process already has an SDK provider (e.g. under ``opentelemetry-instrument``),
+    that one. Otherwise an SDK provider with ``service.name`` from ``OTEL_SERVICE_NAME``
+    (default ``effectguard``) exporting in batches to the exporters that
+    ``OTEL_TRACES_EXPORTER`` names (default ``otlp``, which needs
+    ``opentelemetry-exporter-otlp``; ``console`` prints spans), as the SDK's own
+    auto-configuration does. It is installed as the global provider.
+    """
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    current = trace.get_tracer_provider()
+    if isinstance(current, TracerProvider):
+        return current
+    env = os.environ if environ is None else environ
+    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if n.strip()]
+    service = env.get("OTEL_SERVICE_NAME", "effectguard")
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    for name in names:
+        if name == "none":
+            continue
+        found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+        if not found:
+            raise ConfigError(
+                f"OTEL_TRACES_EXPORTER={name}: no such span exporter is installed "
+                "(for otlp: pip install opentelemetry-exporter-otlp)"
+            )
+        provider.add_span_processor(BatchSpanProcessor(found[0].load()()))
+    trace.set_tracer_provider(provider)
+    return provider
