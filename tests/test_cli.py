@@ -314,7 +314,7 @@ def test_calls_prints_a_table_by_default(
     code, out, _ = run(capsys, "calls", "--ledger", traffic.ledger)
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[0].split()[:2] == ["CALL_ID", "STAGE"]
+    assert lines[0].split()[:4] == ["CREATED", "AGE", "CALL_ID", "STAGE"]
     assert "RESERVED_USD" in lines[0]
     assert len(lines) == 1 + 5
     for call_id in (*traffic.completed, *traffic.unknown):
@@ -345,8 +345,8 @@ def test_show_prints_text_by_default(traffic: Traffic, capsys: pytest.CaptureFix
     """Without ``--json``, ``show`` prints the state and one line per event."""
     code, out, _ = run(capsys, "show", traffic.completed[0], "--ledger", traffic.ledger)
     assert code == 0
-    assert f"call_id: {traffic.completed[0]}" in out
-    assert "stage: completed" in out
+    assert f"call {traffic.completed[0]}" in out
+    assert "stage      completed" in out
     assert "call.manifest" in out and "call.completed" in out
 
 

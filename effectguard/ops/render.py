@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,25 @@ from effectguard.rules.workstate import WorkState
 def money(nanos: int | None) -> str | None:
     """USD as a decimal string, or None."""
     return None if nanos is None else nanos_to_usd(nanos)
+
+
+def iso(at: float | None) -> str | None:
+    """Unix seconds as ISO 8601 UTC to the second (``2026-12-01T02:44:09Z``), or None."""
+    if not at:
+        return None
+    moment = dt.datetime.fromtimestamp(at, tz=dt.UTC).replace(microsecond=0)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def age(at: float, now: float) -> str:
+    """How long ago ``at`` was, in the two largest units (``45s``, ``3m12s``, ``2d4h``)."""
+    seconds = max(0, int(now - at))
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts[:2])
 
 
 def call_json(state: WorkState) -> dict[str, Any]:
@@ -35,6 +55,7 @@ def call_json(state: WorkState) -> dict[str, Any]:
         "status": state.status,
         "flagged": state.flagged,
         "created_at": state.created_at,
+        "created_at_iso": iso(state.created_at),
     }
 
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from effectguard.ledger import Ledger
+from effectguard.ops import showcall
 from effectguard.ops.command import EXIT_FAILED, EXIT_OK, Command, ledger_option
-from effectguard.ops.render import budget_json, call_json, emit, table
+from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
+from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.workstate import STAGES
 
 CALL_COLUMNS = [
+    "created",
+    "age",
     "call_id",
     "stage",
     "effect",
@@ -26,16 +31,36 @@ CALL_COLUMNS = [
 BUDGET_COLUMNS = ["path", "limit_usd", "reserved_usd", "spent_usd", "held_usd"]
 
 
+#: Calls read to filter by ``--since`` or ``--provider``, which the stores do not index.
+FILTER_SCAN = 100_000
+
+
 async def cmd_calls(args: argparse.Namespace, ledger: Ledger) -> int:
-    """``effectguard calls``: calls, newest first."""
-    calls = await ledger.calls(stage=args.state, budget=args.budget, limit=args.limit)
+    """``effectguard calls``: calls, newest first (with their time and age)."""
+    now = time.time()
+    filtered = args.since is not None or args.provider is not None
+    scan = max(args.limit, FILTER_SCAN) if filtered else args.limit
+    calls = await ledger.calls(stage=args.state, budget=args.budget, limit=scan)
+    if args.since is not None:
+        start = since(args.since, now)
+        calls = [c for c in calls if c.created_at >= start]
+    if args.provider is not None:
+        calls = [c for c in calls if c.provider == args.provider]
+    calls = calls[: args.limit]
     rows = [call_json(c) for c in calls]
-    emit(args, rows, table(rows, CALL_COLUMNS) if rows else "no calls")
+    if args.json:
+        emit(args, rows, "")
+        return EXIT_OK
+    shown = [
+        {"created": iso(c.created_at), "age": age(c.created_at, now), **row}
+        for c, row in zip(calls, rows, strict=True)
+    ]
+    emit(args, rows, table(shown, CALL_COLUMNS) if rows else "no calls")
     return EXIT_OK
 
 
 async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
-    """``effectguard show CALL_ID``: a call's state and its events (bodies left out)."""
+    """``effectguard show CALL_ID``: the request, attempts, money and the next command."""
     state = await ledger.call(args.call_id)
     events = await ledger.events(args.call_id)
     payload = {
@@ -45,16 +70,20 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
                 "seq": e.seq,
                 "kind": e.kind,
                 "at": e.at,
+                "at_iso": iso(e.at),
                 "worker": e.worker,
                 "data": {k: v for k, v in e.data.items() if k not in ("body",)},
             }
             for e in events
         ],
+        "request": showcall.request_json(events),
+        "attempts_detail": showcall.attempts(events),
+        "next_command": showcall.next_command(state.call_id, state.stage),
     }
-    lines = [f"{k}: {v}" for k, v in call_json(state).items()]
-    lines.append("events:")
-    lines += [f"  #{e.seq} {e.kind} by {e.worker}" for e in events]
-    emit(args, payload, "\n".join(lines))
+    if args.json:
+        emit(args, payload, "")
+    else:
+        emit(args, payload, showcall.render(state, events, full=args.full, now=time.time()))
     return EXIT_OK
 
 
@@ -88,6 +117,14 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument("--state", choices=STAGES, help="only calls in this stage")
     p.add_argument("--budget", help="only calls under this budget path")
+    p.add_argument("--provider", help="only calls to this provider")
+    p.add_argument(
+        "--since",
+        type=since_argument,
+        metavar="WHEN",
+        help="only calls created since WHEN: an ISO date/time (UTC unless it says) "
+        "or a duration back from now (90s, 30m, 2h, 7d)",
+    )
     p.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
     p.set_defaults(run_ledger=cmd_calls)
 
@@ -95,6 +132,12 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
 def _show_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument("call_id", help="the call id (Effectguard-Call-Id)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="print the whole request "
+        f"(else its first {showcall.REQUEST_PREVIEW_CHARS} characters)",
+    )
     p.set_defaults(run_ledger=cmd_show)
 
 
@@ -109,7 +152,13 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 
 
 CALLS = Command("calls", "list calls", "List calls, newest first.", _calls_arguments)
-SHOW = Command("show", "show one call", "Show a call's events and state.", _show_arguments)
+SHOW = Command(
+    "show",
+    "show one call",
+    "Show a call: its request, every attempt and how it ended, the money, and the "
+    "command to run next.",
+    _show_arguments,
+)
 BUDGETS = Command("budgets", "list budgets", "List budget nodes.", _budgets_arguments)
 VERIFY = Command(
     "verify",

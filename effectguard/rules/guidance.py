@@ -41,7 +41,7 @@ def next_command(call_id: str, stage: str) -> str | None:
     if stage in DECIDED_BY_RECONCILE:
         return reconcile_command(call_id)
     if stage == "in_flight":
-        return f"{show_command(call_id)}  # in flight: wait; the sweeper marks a dead worker's"
+        return f"wait (it is in flight), then `{show_command(call_id)}`"
     if stage in ("not_sent", "not_processed", "reconciled_not_applied"):
         return "resend the request with the same Idempotency-Key"
     return None

@@ -1,0 +1,154 @@
+"""``effectguard show CALL_ID`` as a person reads it: the request, every attempt and why
+it ended, the money, and the exact command to run next.
+
+Times are ISO 8601 (UTC); a value that is not there prints as ``-`` or is left out,
+never as Python's ``None``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from effectguard.ops.render import age, iso, money
+from effectguard.rules.events import StoredEvent, decode_body
+from effectguard.rules.guidance import next_command
+
+__all__ = ["REQUEST_PREVIEW_CHARS", "attempts", "next_command", "render", "request_json"]
+from effectguard.rules.workstate import WorkState
+
+#: Characters of the pretty-printed request shown without ``--full``.
+REQUEST_PREVIEW_CHARS = 2000
+
+
+def request_text(events: list[StoredEvent]) -> str | None:
+    """The call's request body as stored in its manifest, pretty-printed if it is JSON."""
+    manifest = next((e for e in events if e.kind == "call.manifest"), None)
+    if manifest is None:
+        return None
+    raw = decode_body(
+        str(manifest.data.get("body", "")), manifest.data.get("body_encoding", "utf8")
+    )
+    try:
+        return json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def request_json(events: list[StoredEvent]) -> Any:
+    """The request body for ``show --json``: parsed JSON, else its text."""
+    text = request_text(events)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def truncated(text: str, full: bool, limit: int = REQUEST_PREVIEW_CHARS) -> str:
+    """``text``, cut at ``limit`` characters (with a note saying how to see it all)."""
+    if full or len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n… {len(text) - limit} more characters (--full shows all)"
+
+
+def attempts(events: list[StoredEvent]) -> list[dict[str, Any]]:
+    """Each attempt: when it started, on which worker, and how (and when) it ended."""
+    found: dict[int, dict[str, Any]] = {}
+    for e in events:
+        number = int(e.data.get("attempt") or 0)
+        if e.kind == "attempt.started":
+            found[number] = {
+                "attempt": number,
+                "started_at": iso(e.at),
+                "worker": e.data.get("worker"),
+                "generation": e.data.get("generation"),
+                "ended": "in flight",
+            }
+        elif number in found and e.kind.startswith("attempt."):
+            found[number].update(ended_at=iso(e.at), ended=_ending(e))
+    return [found[n] for n in sorted(found)]
+
+
+def _ending(e: StoredEvent) -> str:
+    d = e.data
+    if e.kind == "attempt.observed":
+        usage = d.get("usage") or {}
+        text = f"observed {d.get('status')}"
+        if d.get("not_processed"):
+            text += " (a status the provider declares not processed)"
+        if usage:
+            text += (
+                f", usage {usage.get('input_tokens', 0)} in / {usage.get('output_tokens', 0)} out"
+            )
+        if d.get("usage_problem"):
+            text += f", usage {d['usage_problem']}: settled at the reservation"
+        return text
+    if e.kind == "attempt.not_sent":
+        return f"not sent: {d.get('reason')}"
+    if e.kind == "attempt.interrupted":
+        return f"interrupted by {d.get('by')}: {d.get('reason')}"
+    return e.kind
+
+
+def decisions(events: list[StoredEvent]) -> list[str]:
+    """Reconciliations and refusals, one line each."""
+    lines = []
+    for e in events:
+        d = e.data
+        if e.kind == "call.reconciled":
+            verdict = "applied" if d.get("applied") else "not applied"
+            lines.append(
+                f"{iso(e.at)} reconciled {verdict} by {d.get('by')} "
+                f"(cost {money(d.get('cost')) or '-'} USD): {d.get('note')}"
+            )
+        elif e.kind == "call.refused":
+            lines.append(f"{iso(e.at)} refused {d.get('status')} {d.get('reason')}")
+    return lines
+
+
+def render(state: WorkState, events: list[StoredEvent], *, full: bool, now: float) -> str:
+    """The text of ``effectguard show``."""
+    manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+    lines = [
+        f"call {state.call_id}",
+        f"  stage      {state.stage} (effect {state.effect}; next: {state.next_operation})",
+        f"  provider   {state.provider}  {manifest.get('method', '')} "
+        f"{manifest.get('endpoint', '')}".rstrip(),
+        f"  model      {state.model or '-'}",
+        f"  budget     {state.budget}",
+        f"  key        {state.idempotency_key or '-'}",
+        f"  created    {iso(state.created_at)} ({age(state.created_at, now)} ago)",
+    ]
+    if state.status is not None:
+        lines.append(f"  status     {state.status}")
+    if state.flagged:
+        lines.append(f"  flagged    {state.flagged}")
+    lines += ["", "money (USD)"]
+    lines += [
+        f"  reserved at admission  {money(state.reserved_at_admission)}",
+        f"  reserved now           {money(state.reserved)}",
+        f"  held                   {money(state.held)}",
+        f"  spent                  {money(state.cost) or '-'}",
+    ]
+    lines += ["", "attempts"]
+    for a in attempts(events):
+        lines.append(f"  #{a['attempt']} started {a['started_at']} on {a['worker']}")
+        lines.append(
+            f"     {'ended ' + a['ended_at'] + ': ' if 'ended_at' in a else ''}{a['ended']}"
+        )
+    if not attempts(events):
+        lines.append("  -")
+    decided = decisions(events)
+    if decided:
+        lines += ["", "decisions", *(f"  {line}" for line in decided)]
+    lines += ["", "events"]
+    lines += [f"  #{e.seq} {iso(e.at)} {e.kind} by {e.worker}" for e in events]
+    text = request_text(events)
+    lines += ["", "request"]
+    lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
+    command = next_command(state.call_id, state.stage)
+    choices = command.split(" | ") if command else ["nothing to do"]
+    lines += ["", "next", *(f"  {'or ' if i else ''}{c}" for i, c in enumerate(choices))]
+    return "\n".join(lines)

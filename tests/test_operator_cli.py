@@ -1,0 +1,136 @@
+"""``effectguard show`` and ``calls`` as an operator works from them: ISO times, no
+Python ``None``, the request, every attempt and why it ended, the money, and the exact
+next command; ``calls`` with time and age columns and ``--since``/``--provider``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from effectguard import AsyncGuardTransport, GuardSettings
+from effectguard.ops.cli import main as cli_main
+
+OPENAI = "https://api.openai.com"
+CHAT = OPENAI + "/v1/chat/completions"
+FAST = GuardSettings(retry_wait_s=0, retry_wait_max_s=0)
+ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+
+def _chat(content: str) -> dict[str, Any]:
+    return {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}]}
+
+
+def _answer() -> dict[str, Any]:
+    return {
+        "id": "c",
+        "object": "chat.completion",
+        "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
+
+
+def _two_calls(tmp_path: Path, prompt: str) -> tuple[str, str, str]:
+    """A completed call and an effect-unknown one (read timeout); their ids and the ledger."""
+    return asyncio.run(_make_calls(str(tmp_path / "l.db"), prompt))
+
+
+async def _make_calls(ledger: str, prompt: str) -> tuple[str, str, str]:
+    transport = AsyncGuardTransport(ledger=ledger, settings=FAST)
+    with respx.mock() as mock:
+        mock.post(CHAT).mock(
+            side_effect=[httpx.Response(200, json=_answer()), httpx.ReadTimeout("slow")]
+        )
+        async with httpx.AsyncClient(transport=transport) as client:
+            done = await client.post(CHAT, json=_chat("short"))
+            unknown = await client.post(CHAT, json=_chat(prompt))
+    await transport.aclose()
+    return done.headers["effectguard-call-id"], unknown.headers["effectguard-call-id"], ledger
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    capsys.readouterr()
+    assert cli_main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_show_tells_the_story_of_an_unknown_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show`` prints ISO times, the pretty request (cut unless --full), the attempt's
+    interruption reason, the money and the exact reconcile command; never ``None``."""
+    long_prompt = "p" * 5000
+    _, call_id, ledger = _two_calls(tmp_path, long_prompt)
+    text = _run(capsys, "show", call_id, "--ledger", ledger)
+    assert "None" not in text
+    assert ISO.search(text)
+    assert not re.search(r"\b1\d{9}\.\d+", text)  # no raw Unix seconds
+    assert '"model": "gpt-4o-mini"' in text  # pretty-printed request
+    assert long_prompt not in text and "--full shows all" in text
+    assert "interrupted by" in text and "ReadTimeout" in text
+    assert "held" in text and "reserved at admission" in text
+    assert f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT" in text
+    assert f"effectguard reconcile {call_id} --not-applied --note TEXT" in text
+    full = _run(capsys, "show", call_id, "--full", "--ledger", ledger)
+    assert long_prompt in full
+
+
+def test_show_json_keeps_its_fields_and_adds_iso_times(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show --json`` keeps the SPEC fields and events, and adds ISO times, the request,
+    the attempts and the next command."""
+    done, call_id, ledger = _two_calls(tmp_path, "hi")
+    payload = json.loads(_run(capsys, "show", call_id, "--json", "--ledger", ledger))
+    for field in ("call_id", "stage", "effect", "next_operation", "events", "created_at"):
+        assert field in payload
+    assert ISO.fullmatch(payload["created_at_iso"])
+    assert all(ISO.fullmatch(e["at_iso"]) for e in payload["events"])
+    assert payload["request"]["messages"][0]["content"] == "hi"
+    assert payload["attempts_detail"][0]["ended"].startswith("interrupted")
+    assert "effectguard reconcile" in payload["next_command"]
+    completed = json.loads(_run(capsys, "show", done, "--json", "--ledger", ledger))
+    assert completed["next_command"] is None
+    assert completed["attempts_detail"][0]["ended"].startswith("observed 200")
+
+
+def test_calls_has_time_and_age_and_filters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``calls`` shows CREATED (ISO) and AGE; ``--since`` and ``--provider`` filter and
+    ``--json`` keeps its fields plus ``created_at_iso``."""
+    done, unknown, ledger = _two_calls(tmp_path, "hi")
+    text = _run(capsys, "calls", "--ledger", ledger)
+    header = text.splitlines()[0].split()
+    assert header[:3] == ["CREATED", "AGE", "CALL_ID"]
+    assert "None" not in text and len(ISO.findall(text)) == 2
+    rows = json.loads(_run(capsys, "calls", "--json", "--since", "1h", "--ledger", ledger))
+    assert {r["call_id"] for r in rows} == {done, unknown}
+    assert all(ISO.fullmatch(r["created_at_iso"]) and "reserved_usd" in r for r in rows)
+    future = json.loads(
+        _run(capsys, "calls", "--json", "--since", "2999-01-01", "--ledger", ledger)
+    )
+    assert future == []
+    assert (
+        json.loads(_run(capsys, "calls", "--json", "--provider", "anthropic", "--ledger", ledger))
+        == []
+    )
+    one = json.loads(
+        _run(capsys, "calls", "--json", "--provider", "openai", "--limit", "1", "--ledger", ledger)
+    )
+    assert [r["call_id"] for r in one] == [unknown]  # newest first
+
+
+def test_since_refuses_what_it_cannot_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--since yesterday`` is a usage error naming the accepted forms."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["calls", "--since", "yesterday"])
+    assert exit_.value.code == 2
+    assert "duration" in capsys.readouterr().err
