@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -10,12 +11,14 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import respx
 
 from effectguard import AsyncGuardTransport
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
 from effectguard.rules.usage import Usage, cost, estimate
+from effectguard.telemetry.logs import JsonFormatter, LogObserver, TextFormatter
 
 OPENAI = "https://api.openai.com"
 ANTHROPIC = "https://api.anthropic.com"
@@ -172,10 +175,15 @@ def _leaks(root: Path, db: Path) -> list[str]:
 
 
 async def test_no_secret_reaches_the_ledger(
-    tmp_path: Path, ledger_path: str, make_transport: MakeTransport
+    tmp_path: Path,
+    ledger_path: str,
+    make_transport: MakeTransport,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Authorization, x-api-key and the tool's key header appear nowhere in the ledger's files."""
-    t = make_transport(upstreams={"send_email": TOOL})
+    """Authorization, x-api-key and the tool's key header appear nowhere in the ledger's
+    files, nor in any log line (text or JSON) the calls produce."""
+    caplog.set_level(logging.DEBUG)
+    t = make_transport(upstreams={"send_email": TOOL}, observer=LogObserver())
     await t.guard()
     await t.ledger.set_limit("tiny", 1)
     http = httpx.AsyncClient(transport=t)
@@ -264,3 +272,6 @@ async def test_no_secret_reaches_the_ledger(
     assert report.ok, report.problems
     await t.aclose()
     assert _leaks(tmp_path, db) == []
+    lines = [f.format(r) for r in caplog.records for f in (JsonFormatter(), TextFormatter())]
+    assert sum('"event": "access"' in line for line in lines) == 11
+    assert not [line for line in lines if "canary" in line.lower()]

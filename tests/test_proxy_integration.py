@@ -548,6 +548,7 @@ def test_tenant_spending_never_touches_another_tenants_budget(tenants: Tenants) 
 
 # -- secrets --------------------------------------------------------------------------------------
 PROVIDER_CANARIES = ("sk-canary-provider-openai", "sk-canary-provider-anthropic")
+PROMPT_CANARY = "canary-prompt-in-a-body"
 CLIENT_CANARIES = ("sk-canary-client-bearer", "sk-canary-client-xapikey", "eg-canary-unknown-key")
 
 
@@ -588,6 +589,7 @@ budget_root = "canary"
     statuses: dict[str, int] = {}
     call_ids: set[str] = set()
     snapshots: list[bytes] = []
+    args += ["--log-format", "json", "--log-level", "debug"]
     with running_proxy(ledger, upstreams=upstreams(provider), args=args, env=env) as proxy:
         client = httpx.Client(base_url=proxy.url, headers=creds, timeout=10)
 
@@ -598,8 +600,8 @@ budget_root = "canary"
                 call_ids.add(response.headers[CALL_ID])
             return response
 
-        post("openai", OPENAI_CHAT, json=chat())
-        post("anthropic", ANTHROPIC_MESSAGES, json=message())
+        post("openai", OPENAI_CHAT, json=chat(PROMPT_CANARY))
+        post("anthropic", ANTHROPIC_MESSAGES, json=message(PROMPT_CANARY))
         with client.stream("POST", OPENAI_CHAT, json=chat(stream=True)) as streamed:
             assert b"[DONE]" in streamed.read()
             call_ids.add(streamed.headers[CALL_ID])
@@ -661,6 +663,10 @@ budget_root = "canary"
     for where, blob in texts.items():
         for canary in (*PROVIDER_CANARIES, *CLIENT_CANARIES, proxy_key):
             assert canary.encode() not in blob, f"{canary} found in {where}"
+    # The log holds one JSON access line per guarded request, and no prompt or answer.
+    log_lines = [json.loads(x) for x in proxy.log().splitlines() if x.startswith("{")]
+    assert {line["call_id"] for line in log_lines if line.get("event") == "access"} >= call_ids
+    assert PROMPT_CANARY not in proxy.log() and '"content"' not in proxy.log()
 
 
 # -- graceful shutdown -------------------------------------------------------------------------
