@@ -113,6 +113,15 @@ def configure_logging(
     return handler
 
 
+#: Characters of a detail (an exception's text, a refusal's message) a line may carry.
+MAX_DETAIL = 300
+
+
+def _short(text: str) -> str:
+    """``text`` cut to :data:`MAX_DETAIL` characters: one line stays one readable line."""
+    return text if len(text) <= MAX_DETAIL else text[: MAX_DETAIL - 1] + "…"
+
+
 def _seconds(value: float) -> float:
     return round(value, 6)
 
@@ -158,11 +167,12 @@ class LogObserver(NullObserver):
             return
         fields = access_fields(report)
         if serious and report.message:
-            fields["detail"] = report.message
+            fields["detail"] = _short(report.message)
         summary = f"{report.method} /{report.provider}{report.endpoint} {report.status}"
         self.access.log(level, summary, extra=fields)
 
     def incident(self, kind: str, call_id: str | None, detail: str) -> None:
+        detail = _short(detail)
         self.events.warning(
             "%s: call %s: %s",
             kind,
