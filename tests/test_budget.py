@@ -179,15 +179,16 @@ def test_fold_charges_every_ancestor() -> None:
             BudgetReserved(call="c", budget="a/b/c", amount=7),
         ]
     )
-    assert {p: n.reserved for p, n in nodes.items()} == {"a/x": 0, "a": 7, "a/b": 7, "a/b/c": 7}
-    assert nodes["a/x"].limit == 10
+    reserved = {p: n.reserved for (p, _), n in nodes.nodes.items()}
+    assert reserved == {"a": 7, "a/b": 7, "a/b/c": 7}
+    assert nodes.node("a/x") == BudgetNode("a/x", limit=10)
 
 
 def test_settle_overshoot_is_spent_in_full() -> None:
     """Actual cost above the reservation is spent, and the overshoot is reported."""
     settled = BudgetSettled(call="c", budget="a", reserved=10, actual=25)
     nodes = budget.fold([BudgetReserved(call="c", budget="a", amount=10), settled])
-    assert nodes["a"] == BudgetNode("a", reserved=0, spent=25)
+    assert nodes.node("a") == BudgetNode("a", reserved=0, spent=25)
     assert settled.overshoot == 15
     assert BudgetSettled(call="c", budget="a", reserved=10, actual=4).overshoot == 0
 
@@ -201,13 +202,13 @@ def test_limit_set_keeps_counters_and_can_be_cleared() -> None:
             BudgetLimitSet(path="a", limit=None),
         ]
     )
-    assert nodes["a"] == BudgetNode("a", limit=None, reserved=7)
+    assert nodes.node("a") == BudgetNode("a", limit=None, reserved=7)
 
 
 def test_apply_returns_the_changed_nodes_and_ignores_other_events() -> None:
     """apply reports the nodes it changed; a non-budget event changes nothing."""
-    nodes: dict[str, BudgetNode] = {}
-    changed = budget.apply(nodes, BudgetReserved(call="c", budget="a/b", amount=3))
+    tree = budget.Tree()
+    changed = tree.apply(BudgetReserved(call="c", budget="a/b", amount=3))
     assert [n.path for n in changed] == ["a", "a/b"]
     other = CallManifest(
         call="c",
@@ -222,9 +223,9 @@ def test_apply_returns_the_changed_nodes_and_ignores_other_events() -> None:
         effect_kind="billable",
         body="",
     )
-    before = dict(nodes)
-    assert budget.apply(nodes, other) == []
-    assert nodes == before
+    before = dict(tree.nodes)
+    assert tree.apply(other) == []
+    assert tree.nodes == before
 
 
 def test_counters_saturate_at_zero() -> None:
@@ -235,7 +236,7 @@ def test_counters_saturate_at_zero() -> None:
             BudgetUnheld(call="c", budget="a", amount=5, spent=0),
         ]
     )
-    assert nodes["a"] == BudgetNode("a")
+    assert nodes.node("a") == BudgetNode("a")
 
 
 # -- a stateful model over random interleavings --------------------------------------
@@ -267,7 +268,7 @@ class BudgetMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.nodes: dict[str, BudgetNode] = {}
+        self.tree = budget.Tree()
         self.events: list[Event] = []
         self.counter = 0
         # The independent model: per-path sums of the charges made *to* that path.
@@ -280,7 +281,7 @@ class BudgetMachine(RuleBasedStateMachine):
     def emit(self, event: Event) -> None:
         """Apply one event to the tree and remember it."""
         self.events.append(event)
-        budget.apply(self.nodes, event)
+        self.tree.apply(event)
 
     def model(self, path: str, counters: dict[str, int]) -> int:
         """The model's counter for ``path``: the sum over the path and its descendants."""
@@ -307,7 +308,7 @@ class BudgetMachine(RuleBasedStateMachine):
             TREE_LIMITS[p] is None or self.model_committed(p) + amount <= TREE_LIMITS[p]  # type: ignore[operator]
             for p in ancestors(path)
         )
-        refused = check_admission(self.nodes, path, amount)
+        refused = check_admission({p: self.tree.node(p) for p in PATHS}, path, amount)
         assert (refused is None) == fits
         if refused is not None:
             overflowing = [
@@ -378,9 +379,9 @@ class BudgetMachine(RuleBasedStateMachine):
     @invariant()
     def counters_match_the_model_and_the_fold(self) -> None:
         """Every node equals the independent model and the fold of the emitted events."""
-        assert budget.fold(self.events) == self.nodes
+        assert budget.fold(self.events) == self.tree
         for path in PATHS:
-            node = self.nodes[path]
+            node = self.tree.node(path)
             assert node.limit == TREE_LIMITS[path]
             assert node.reserved == self.model(path, self.reserved_at)
             assert node.held == self.model(path, self.held_at)
@@ -389,7 +390,7 @@ class BudgetMachine(RuleBasedStateMachine):
     @invariant()
     def money_is_non_negative_int(self) -> None:
         """Counters are never negative and never floats (exact nano-dollars)."""
-        for node in self.nodes.values():
+        for node in self.tree.nodes.values():
             for value in (node.reserved, node.spent, node.held):
                 assert type(value) is int
                 assert value >= 0
@@ -409,7 +410,7 @@ class BudgetMachine(RuleBasedStateMachine):
             self._close_hold(Reservation(n, path, amount), 0)
         assert not self.open_reservations and not self.open_holds
         self.counters_match_the_model_and_the_fold()
-        for node in self.nodes.values():
+        for node in self.tree.nodes.values():
             assert node.reserved == 0
             assert node.held == 0
 

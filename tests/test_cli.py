@@ -396,7 +396,17 @@ def test_budgets_prints_a_table_by_default(
     code, out, _ = run(capsys, "budgets", "--ledger", traffic.ledger)
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[0].split() == ["PATH", "LIMIT_USD", "RESERVED_USD", "SPENT_USD", "HELD_USD"]
+    assert lines[0].split() == [
+        "PATH",
+        "PERIOD",
+        "LIMIT_USD",
+        "RESERVED_USD",
+        "SPENT_USD",
+        "HELD_USD",
+        "RPM",
+        "TPM",
+        "CONCURRENCY",
+    ]
     assert any(line.split()[0] == "team-a/run-2" for line in lines[1:])
 
 
@@ -450,7 +460,7 @@ def test_verify_passes_on_real_traffic(
 def test_verify_fails_on_a_corrupted_counter(traffic: Traffic) -> None:
     """A budget counter that is not the fold of the events makes ``verify`` exit 1."""
     with sqlite3.connect(traffic.ledger) as db:
-        db.execute("UPDATE budgets SET spent = spent + 1 WHERE path = 'team-a'")
+        db.execute("UPDATE budget_periods SET spent = spent + 1 WHERE path = 'team-a'")
     result = subprocess_cli("verify", "--ledger", traffic.ledger)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "BROKEN" in result.stdout

@@ -116,9 +116,12 @@ _EVENTS = st.lists(
 @given(events=_EVENTS)
 def test_counters_stay_within_a_64_bit_column(events: list[Event]) -> None:
     """Folding any budget events, however huge, leaves every counter in 0..MAX_NANOS."""
-    for node in budget.fold(events).values():
+    tree = budget.fold(events)
+    for node in tree.nodes.values():
         for value in (node.reserved, node.spent, node.held, node.limit or 0):
             assert 0 <= value <= MAX_NANOS
+    for policy in tree.policies.values():
+        assert 0 <= (policy.limit or 0) <= MAX_NANOS
 
 
 @given(

@@ -228,7 +228,7 @@ async def test_failed_operation_undoes_only_its_own_writes(pg_url: str) -> None:
         assert isinstance(_run_op(session, early), RuntimeError)
         # Writes still buffered, then the operation fails.
         assert isinstance(_run_op(session, _raise_after(limit("c", 9))), RuntimeError)
-        assert set(session.get_nodes(["a", "b", "c"])) == {"a"}
+        assert set(session.get_policies(["a", "b", "c"])) == {"a"}
         assert _run_op(session, limit("d", 1)) is None
         session.commit()
     finally:

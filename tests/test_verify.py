@@ -226,27 +226,40 @@ async def test_deleted_last_event_shows_in_the_call_state(built: Built) -> None:
     assert any(built.in_flight in p for p in report.problems)
 
 
-@pytest.mark.parametrize("column", ["spent", "reserved", "held", "limit_nanos"])
+@pytest.mark.parametrize("column", ["spent", "reserved", "held"])
 @pytest.mark.parametrize("path", ["team", "team/run"])
 async def test_budget_counter_disagreeing_with_events_is_named(
     built: Built, column: str, path: str
 ) -> None:
-    """A budget counter that is not the fold of the events is reported by path."""
+    """A budget counter that is not the fold of the events is reported by path and period."""
+    with raw(built.path) as conn:
+        conn.execute(f"UPDATE budget_periods SET {column} = {column} + 1 WHERE path = ?", (path,))
+    report = await verify(built.path)
+    assert not report.ok
+    assert len(report.problems) == 1
+    assert report.problems[0].startswith(f"budget {path!r} period total: stored ")
+    assert report.first_broken_seq is not None
+
+
+@pytest.mark.parametrize("path", ["team", "team/run"])
+async def test_budget_limit_disagreeing_with_events_is_named(built: Built, path: str) -> None:
+    """A stored budget policy that is not the one the events declared is reported by path."""
     with raw(built.path) as conn:
         conn.execute(
-            f"UPDATE budgets SET {column} = coalesce({column}, 0) + 1 WHERE path = ?", (path,)
+            "INSERT INTO budgets(path, limit_nanos) VALUES (?, 1) "
+            "ON CONFLICT(path) DO UPDATE SET limit_nanos = coalesce(limit_nanos, 0) + 1",
+            (path,),
         )
     report = await verify(built.path)
     assert not report.ok
     assert len(report.problems) == 1
-    assert report.problems[0].startswith(f"budget {path!r}: stored ")
-    assert report.first_broken_seq is not None
+    assert report.problems[0].startswith(f"budget {path!r}: stored policy ")
 
 
 async def test_deleted_budget_row_is_named(built: Built) -> None:
     """A budget node missing from the table is reported."""
     with raw(built.path) as conn:
-        conn.execute("DELETE FROM budgets WHERE path = 'team/run'")
+        conn.execute("DELETE FROM budget_periods WHERE path = 'team/run'")
     report = await verify(built.path)
     assert not report.ok
     assert any(p.startswith("budget 'team/run'") for p in report.problems)
@@ -366,11 +379,12 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 f"INSERT INTO calls ({CALL_COLUMNS}) VALUES ({', '.join('?' * 10)})",
                 state_params(work_state(events)),
             )
-        conn.execute("DELETE FROM budgets")
-        for node in budget_fold(s.event for s in chain).values():
+        conn.execute("DELETE FROM budget_periods")
+        for node in budget_fold(s.event for s in chain).nodes.values():
             conn.execute(
-                "INSERT INTO budgets (path, limit_nanos, reserved, spent, held) VALUES (?,?,?,?,?)",
-                (node.path, node.limit, node.reserved, node.spent, node.held),
+                "INSERT INTO budget_periods (path, period, reserved, spent, held) "
+                "VALUES (?,?,?,?,?)",
+                (node.path, node.period, node.reserved, node.spent, node.held),
             )
     return chain
 

@@ -156,7 +156,7 @@ def test_contract_paths_are_legal_and_project(name: str) -> None:
     for stored in seal_all(rows):
         verifier.feed(stored)
     fold = verifier.calls["c"]
-    budgets = [BudgetRow(p, None, reserved, spent, held) for p in ("t", "t/r")]
+    budgets = [BudgetRow(p, "total", reserved, spent, held) for p in ("t", "t/r")]
     report = verifier.finish(budgets, [fold.projection()], [tuple(fold.columns().values())])
     assert report.ok, report.problems
     assert fold.projection()["stage"] == stage

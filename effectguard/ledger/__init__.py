@@ -10,13 +10,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import date
 
 from effectguard.errors import CallNotFound, ConfigError
 from effectguard.ledger import keyops, operations
 from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budgetview import budget_view
 from effectguard.rules.events import Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
@@ -52,8 +54,11 @@ def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerS
 class Ledger:
     """The async API over one store."""
 
-    def __init__(self, store: LedgerStore) -> None:
+    def __init__(self, store: LedgerStore, clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        #: What "now" is for views of the current period (the store's clock decides
+        #: admission; on PostgreSQL that is the database's).
+        self.clock = clock
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -64,7 +69,7 @@ class Ledger:
         store = open_store(url, clock=clock)
         await store.open()
         try:
-            yield cls(store)
+            yield cls(store, clock or time.time)
         finally:
             await store.close()
 
@@ -124,7 +129,8 @@ class Ledger:
         return state
 
     async def set_limit(self, path: str, limit: int | None, writer: Writer = OPERATOR) -> None:
-        """Set (``None``: clear) the limit of budget ``path`` in nano-dollars."""
+        """Set (``None``: clear) the limit of budget ``path`` in nano-dollars, keeping the
+        rest of its policy."""
         await self.store.write(writer, lambda tx: operations.set_limit(tx, writer, path, limit))
 
     async def create_key(self, event: KeyCreated, writer: Writer = OPERATOR) -> LedgerKey:
@@ -138,6 +144,10 @@ class Ledger:
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key in the ledger, revoked and expired ones included."""
         return await self.store.keys()
+
+    async def set_policy(self, policy: BudgetPolicy, writer: Writer = OPERATOR) -> None:
+        """Declare budget ``policy.path``'s limit, period, timezone and rate limits."""
+        await self.store.write(writer, lambda tx: operations.set_policy(tx, writer, policy))
 
     async def call(self, call_id: str) -> WorkState:
         """One call's state; raises :class:`CallNotFound`."""
@@ -156,6 +166,20 @@ class Ledger:
         """Calls, newest first, optionally filtered by stage and budget subtree."""
         return await self.store.list_calls(stage, budget, limit)
 
-    async def budgets(self) -> list[BudgetNode]:
-        """Every budget node."""
-        return await self.store.budget_nodes()
+    async def policies(self) -> dict[str, BudgetPolicy]:
+        """Every declared budget policy, by path."""
+        return {p.path: p for p in await self.store.budget_policies()}
+
+    async def budgets(
+        self, *, at: float | None = None, period: str | None = None, on: date | None = None
+    ) -> list[BudgetNode]:
+        """Every budget node in one period, with its limit.
+
+        By default each node is shown in its period containing now; ``at`` picks another
+        instant, ``on`` a local date (in each node's timezone) and ``period`` a label (only
+        nodes whose period has labels of that form).
+        """
+        policies = await self.policies()
+        counters = await self.store.budget_nodes()
+        when = self.clock() if at is None else at
+        return budget_view(policies, counters, when, period, on)

@@ -22,7 +22,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
@@ -93,12 +93,20 @@ class Tx(Protocol):
         """Calls in flight whose current attempt ``worker`` started."""
         ...
 
-    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
-        """The existing budget nodes among ``paths``."""
+    def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
+        """The declared policies among ``paths`` (a path without one has none)."""
+        ...
+
+    def put_policy(self, policy: BudgetPolicy) -> None:
+        """Store one node's policy (insert or replace)."""
+        ...
+
+    def get_nodes(self, keys: Sequence[Key]) -> dict[Key, BudgetNode]:
+        """The existing per-period counters among ``keys`` (``limit`` left None)."""
         ...
 
     def put_node(self, node: BudgetNode) -> None:
-        """Store one budget node (insert or replace)."""
+        """Store one node's counters for its period (insert or replace; ``limit`` ignored)."""
         ...
 
     def get_key(self, name: str) -> LedgerKey | None:
@@ -169,7 +177,11 @@ class LedgerStore(Protocol):
         ...
 
     async def budget_nodes(self) -> list[BudgetNode]:
-        """Every budget node's stored counters."""
+        """Every stored ``(path, period)`` counter row (``limit`` left None)."""
+        ...
+
+    async def budget_policies(self) -> list[BudgetPolicy]:
+        """Every declared budget policy."""
         ...
 
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:

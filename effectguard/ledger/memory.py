@@ -7,6 +7,7 @@ undo journal; a lock makes each batch atomic with respect to readers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,7 +19,7 @@ from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
@@ -32,7 +33,8 @@ class MemoryTables:
     def __init__(self) -> None:
         self.events: list[StoredEvent] = []
         self.calls: dict[str, WorkState] = {}
-        self.nodes: dict[str, BudgetNode] = {}
+        self.nodes: dict[Key, BudgetNode] = {}
+        self.policies: dict[str, BudgetPolicy] = {}
         self.workers: dict[str, WorkerRow] = {}
         self.keys: dict[str, LedgerKey] = {}
         self.generation = 0
@@ -47,19 +49,22 @@ class MemorySession:
         self._clock = clock
         self._undo: list[Callable[[], None]] = []
         self._batch_undo: list[Callable[[], None]] = []
+        self._now: float | None = None
 
     def begin(self) -> None:
         self.t.lock.acquire()
         self._batch_undo = []
+        self._now = None  # one instant per batch, as on the SQL stores
 
     def commit(self) -> None:
         # A faithful fake: refuse at commit what a 64-bit column of SQLite or
         # PostgreSQL would refuse there, so batch isolation is tested on every store.
         # The committer rolls the batch back when this raises.
-        for node in self.t.nodes.values():
-            for value in (node.limit or 0, node.reserved, node.spent, node.held):
-                if not -(2**63) <= value < 2**63:
-                    raise OverflowError(f"budget {node.path!r}: {value} does not fit 64 bits")
+        values = [(n.path, v) for n in self.t.nodes.values() for v in (n.reserved, n.spent, n.held)]
+        values += [(p.path, p.limit or 0) for p in self.t.policies.values()]
+        for path, value in values:
+            if not -(2**63) <= value < 2**63:
+                raise OverflowError(f"budget {path!r}: {value} does not fit 64 bits")
         self._batch_undo = []
         self.t.lock.release()
 
@@ -87,7 +92,7 @@ class MemorySession:
     def close(self) -> None:
         pass
 
-    def _set(self, table: dict[str, Any], key: str, value: Any) -> None:
+    def _set(self, table: dict[Any, Any], key: Any, value: Any) -> None:
         missing = object()
         old = table.get(key, missing)
 
@@ -102,7 +107,9 @@ class MemorySession:
 
     # -- Tx
     def now(self) -> float:
-        return self._clock()
+        if self._now is None:
+            self._now = self._clock()
+        return self._now
 
     def head(self) -> tuple[int, str]:
         if not self.t.events:
@@ -144,11 +151,17 @@ class MemorySession:
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [s for s in self.t.calls.values() if s.stage == "in_flight" and s.worker == worker]
 
-    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
-        return {p: self.t.nodes[p] for p in paths if p in self.t.nodes}
+    def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
+        return {p: self.t.policies[p] for p in paths if p in self.t.policies}
+
+    def put_policy(self, policy: BudgetPolicy) -> None:
+        self._set(self.t.policies, policy.path, policy)
+
+    def get_nodes(self, keys: Sequence[Key]) -> dict[Key, BudgetNode]:
+        return {k: self.t.nodes[k] for k in keys if k in self.t.nodes}
 
     def put_node(self, node: BudgetNode) -> None:
-        self._set(self.t.nodes, node.path, node)
+        self._set(self.t.nodes, node.key, dataclasses.replace(node, limit=None))
 
     def get_key(self, name: str) -> LedgerKey | None:
         return self.t.keys.get(name)
@@ -230,7 +243,11 @@ class MemoryStore:
 
     async def budget_nodes(self) -> list[BudgetNode]:
         with self.tables.lock:
-            return sorted(self.tables.nodes.values(), key=lambda n: n.path)
+            return sorted(self.tables.nodes.values(), key=lambda n: n.key)
+
+    async def budget_policies(self) -> list[BudgetPolicy]:
+        with self.tables.lock:
+            return sorted(self.tables.policies.values(), key=lambda p: p.path)
 
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
         with self.tables.lock:

@@ -8,23 +8,28 @@ budget counters — so the stored state is, by construction, a fold of events.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from effectguard.errors import FencedError, ReconcileError, Refusal
+from effectguard.ledger import room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, workstate
 from effectguard.rules.admission import AdmitRequest, Decision, decide_keyed, decide_retry
+from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptObserved,
     AttemptStarted,
     BudgetHeld,
     BudgetLimitSet,
+    BudgetReleased,
     BudgetReserved,
+    BudgetSettled,
     BudgetUnheld,
     CallManifest,
     CallReconciled,
@@ -63,9 +68,14 @@ def append(
     now = tx.now()
     calls: dict[str, WorkState] = dict(known or {})
     touched: set[str] = set()
-    nodes: dict[str, budgets.BudgetNode] = {}
-    changed: set[str] = set()
+    tree = budgets.Tree()
+    changed: set[budgets.Key] = set()
     for event in events:
+        call_id = event.call_id
+        state = None
+        if call_id is not None:
+            state = calls.get(call_id) or tx.get_call(call_id) or WorkState()
+            event = _in_admission_periods(event, state)
         seq += 1
         stored, data_json = seal(
             event,
@@ -77,9 +87,7 @@ def append(
         )
         tx.insert_event(stored, data_json)
         prev = stored.digest
-        call_id = event.call_id
-        if call_id is not None:
-            state = calls.get(call_id) or tx.get_call(call_id) or WorkState()
+        if call_id is not None and state is not None:
             calls[call_id] = workstate.apply(state, event)
             touched.add(call_id)
         name = keys.key_name(event)
@@ -87,24 +95,43 @@ def append(
             row = keys.apply(tx.get_key(name), event, now)
             if row is not None:
                 tx.put_key(row)
-        paths = _budget_paths(event)
-        if paths:
-            missing = [p for p in paths if p not in nodes]
-            if missing:
-                nodes.update(tx.get_nodes(missing))
-            changed.update(n.path for n in budgets.apply(nodes, event))
+        _fold_budget(tx, tree, event, changed)
     for call_id in touched:
         tx.put_call(calls[call_id])
-    for path in changed:
-        tx.put_node(nodes[path])
+    for key in changed:
+        tx.put_node(tree.nodes[key])
     return {c: calls[c] for c in touched}
 
 
-def _budget_paths(event: Event) -> list[str]:
+def _in_admission_periods(event: Event, state: WorkState) -> Event:
+    """A call's later budget event, charged to the periods its admission recorded.
+
+    Settlement, release, hold and reconcile are written by parts of the call path that
+    do not know periods; the ledger stamps them here, so they land where the call was
+    admitted even after a period boundary.
+    """
+    if isinstance(event, _LATER_BUDGET_EVENTS) and not event.periods and state.periods:
+        return dataclasses.replace(event, periods=dict(state.periods))
+    return event
+
+
+def _fold_budget(tx: Tx, tree: budgets.Tree, event: Event, changed: set[budgets.Key]) -> None:
+    """Fold one event into the batch's budget counters (and policies)."""
     if isinstance(event, BudgetLimitSet):
-        return [event.path]
+        tree.apply(event)
+        tx.put_policy(tree.policies[event.path])
+        return
     delta = budgets.deltas(event)
-    return [] if delta is None else budgets.ancestors(delta.path)
+    if delta is None:
+        return
+    keys = delta.targets()
+    missing = [k for k in keys if k not in tree.nodes]
+    if missing:
+        tree.nodes.update(tx.get_nodes(missing))
+    changed.update(n.key for n in tree.apply(event))
+
+
+_LATER_BUDGET_EVENTS = (BudgetReserved, BudgetSettled, BudgetReleased, BudgetHeld, BudgetUnheld)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +173,21 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         # The provider dedups the resend: the earlier attempt's effect, if any, is the
         # same effect. Its hold is released as this attempt's reservation replaces it.
         released = existing.held
-    refusal = _budget_refusal(tx, req, budget, call_id, req.reserve - released)
+    policies = tx.get_policies(budgets.ancestors(budget))
+    # A new call is charged to the periods it is admitted in; a later attempt to its own.
+    periods = existing.periods if existing is not None else budgets.labels_at(policies, budget, now)
+    refusal = room.budget_refusal(
+        tx, req, policies, budget, periods, call_id, req.reserve - released
+    )
     if refusal is not None:
         return _refused(tx, writer, events, call_id, refusal)
     attempt = (existing.attempts if existing is not None else 0) + 1
     provider_key = (req.idempotency_key or call_id) if req.provider_idempotency_window_s else None
     if released:
-        events.append(BudgetUnheld(call=call_id, budget=budget, amount=released, spent=0))
-    events.append(BudgetReserved(call=call_id, budget=budget, amount=req.reserve))
+        events.append(
+            BudgetUnheld(call=call_id, budget=budget, amount=released, spent=0, periods=periods)
+        )
+    events.append(BudgetReserved(call=call_id, budget=budget, amount=req.reserve, periods=periods))
     events.append(
         AttemptStarted(
             call=call_id,
@@ -240,27 +274,6 @@ def _manifest(req: AdmitRequest, call_id: str, now: float) -> CallManifest:
     )
 
 
-def _budget_refusal(
-    tx: Tx, req: AdmitRequest, budget: str, call_id: str, amount: int
-) -> Refusal | None:
-    """Why ``budget`` cannot take ``amount`` more (SPEC §5), or None when it can."""
-    nodes = tx.get_nodes(budgets.ancestors(budget))
-    if not req.create_budgets and budget not in nodes:
-        return Refusal(
-            403, "unknown_budget", f"budget {budget!r} is not configured", call_id=call_id
-        )
-    exceeded = budgets.check_admission(nodes, budget, amount)
-    if exceeded is None:
-        return None
-    return Refusal(
-        402,
-        "budget_exceeded",
-        f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room; this "
-        f"call reserves {nanos_to_usd(exceeded.amount)} USD",
-        call_id=call_id,
-    )
-
-
 def _refused(
     tx: Tx, writer: Writer, events: list[Event], call_id: str, refusal: Refusal
 ) -> Admitted:
@@ -343,9 +356,25 @@ def reconcile(
 
 
 def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
-    """Set (or clear) a budget node's limit."""
-    path, limit = budgets.validate_path(path), budgets.validate_limit(limit)
-    append(tx, writer, [BudgetLimitSet(path=path, limit=limit)])
+    """Set (or clear) a budget node's limit, keeping the rest of its policy."""
+    path = budgets.validate_path(path)
+    policy = tx.get_policies([path]).get(path) or BudgetPolicy(path)
+    set_policy(tx, writer, dataclasses.replace(policy, limit=limit))
+
+
+def set_policy(tx: Tx, writer: Writer, policy: BudgetPolicy) -> None:
+    """Declare a budget node's whole policy: limit, period, timezone and rate limits."""
+    budgets.validate_policy(policy)
+    event = BudgetLimitSet(
+        path=policy.path,
+        limit=policy.limit,
+        period=policy.period,
+        tz=policy.tz,
+        rpm=policy.rpm,
+        tpm=policy.tpm,
+        concurrency=policy.concurrency,
+    )
+    append(tx, writer, [event])
 
 
 def register_worker(tx: Tx, *, worker: str, host: str, pid: int, lease_s: float) -> Writer:
@@ -431,26 +460,17 @@ def start_attempt(
         stage = state.stage if state else "missing"
         raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
     _check_lease(tx, writer)
-    exceeded = budgets.check_admission(
-        tx.get_nodes(budgets.ancestors(state.budget)), state.budget, reserve
-    )
-    if exceeded is not None:
-        refusal = Refusal(
-            402,
-            "budget_exceeded",
-            f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room for a "
-            f"retry that reserves {nanos_to_usd(exceeded.amount)} USD",
-            call_id=call_id,
-            stage=state.stage,
-            next_operation=state.next_operation,
-        )
+    refusal = room.retry_refusal(tx, state, reserve)
+    if refusal is not None:
         return Admitted("refuse", call_id, refusal=refusal)
     attempt = state.attempts + 1
     states = append(
         tx,
         writer,
         [
-            BudgetReserved(call=call_id, budget=state.budget, amount=reserve),
+            BudgetReserved(
+                call=call_id, budget=state.budget, amount=reserve, periods=state.periods
+            ),
             AttemptStarted(
                 call=call_id,
                 attempt=attempt,

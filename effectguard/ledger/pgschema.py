@@ -79,6 +79,21 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
         ],
     ),
+    (
+        3,
+        "budget periods: counters per (path, period), policies with period, timezone, rates",
+        [
+            """CREATE TABLE budget_periods (
+                path TEXT NOT NULL, period TEXT NOT NULL, reserved BIGINT NOT NULL,
+                spent BIGINT NOT NULL, held BIGINT NOT NULL, PRIMARY KEY (path, period))""",
+            """INSERT INTO budget_periods(path, period, reserved, spent, held)
+                SELECT path, 'total', reserved, spent, held FROM budgets""",
+            "ALTER TABLE budgets DROP COLUMN reserved, DROP COLUMN spent, DROP COLUMN held",
+            """ALTER TABLE budgets ADD COLUMN period TEXT NOT NULL DEFAULT 'total',
+                ADD COLUMN tz TEXT NOT NULL DEFAULT 'UTC', ADD COLUMN rpm BIGINT,
+                ADD COLUMN tpm BIGINT, ADD COLUMN concurrency BIGINT""",
+        ],
+    ),
 ]
 
 

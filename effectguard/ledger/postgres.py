@@ -61,13 +61,15 @@ from effectguard.ledger.rows import (
     key_params,
     node_from_row,
     node_params,
+    policy_from_row,
+    policy_params,
     state_from_json,
     state_params,
     worker_from_row,
     worker_params,
 )
 from effectguard.ledger.sqlreads import SqlReads
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import WorkState
@@ -91,11 +93,12 @@ class _Writes:
 
     events: list[tuple[Any, ...]] = field(default_factory=list)
     calls: dict[str, WorkState] = field(default_factory=dict)
-    nodes: dict[str, BudgetNode] = field(default_factory=dict)
+    nodes: dict[Key, BudgetNode] = field(default_factory=dict)
     workers: dict[str, WorkerRow] = field(default_factory=dict)
+    policies: dict[str, BudgetPolicy] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.calls or self.nodes or self.workers)
+        return bool(self.events or self.calls or self.nodes or self.workers or self.policies)
 
     def absorb(self, other: _Writes) -> None:
         """Take ``other``'s rows as later writes than ours."""
@@ -103,6 +106,7 @@ class _Writes:
         self.calls.update(other.calls)
         self.nodes.update(other.nodes)
         self.workers.update(other.workers)
+        self.policies.update(other.policies)
 
     def send(self, conn: psycopg.Connection[Any]) -> None:
         """Queue one multi-row statement per table (inside the caller's pipeline)."""
@@ -110,7 +114,9 @@ class _Writes:
         _insert(conn, POSTGRES.upsert_calls, [state_params(c) for c in self.calls.values()])
         _insert(conn, POSTGRES.upsert_nodes, [node_params(n) for n in self.nodes.values()])
         _insert(conn, POSTGRES.upsert_workers, [worker_params(w) for w in self.workers.values()])
+        _insert(conn, POSTGRES.upsert_policies, [policy_params(p) for p in self.policies.values()])
         self.events, self.calls, self.nodes, self.workers = [], {}, {}, {}
+        self.policies = {}
 
 
 def _insert(
@@ -151,7 +157,8 @@ class PostgresSession:
         self._now: float | None = None
         self._head: tuple[int, str] | None = None
         self._calls: dict[str, WorkState | None] = {}
-        self._nodes: dict[str, BudgetNode | None] = {}
+        self._nodes: dict[Key, BudgetNode | None] = {}
+        self._policies: dict[str, BudgetPolicy | None] = {}
         self._workers: dict[str, WorkerRow | None] = {}
         self._batch = _Writes()
         self._op = _Writes()
@@ -173,6 +180,7 @@ class PostgresSession:
     def _reset(self) -> None:
         self._now = self._head = None
         self._calls, self._nodes, self._workers = {}, {}, {}
+        self._policies = {}
         self._batch, self._op = _Writes(), _Writes()
         self._savepoint_open = self._broken = False
 
@@ -226,6 +234,7 @@ class PostgresSession:
         # Forget what the operation wrote; keep what earlier operations buffered.
         self._calls, self._nodes = dict(self._batch.calls), dict(self._batch.nodes)
         self._workers = dict(self._batch.workers)
+        self._policies = dict(self._batch.policies)
         last = self._batch.events[-1] if self._batch.events else None
         self._head = None if last is None else (int(last[0]), str(last[-1]))
 
@@ -310,16 +319,28 @@ class PostgresSession:
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]
 
-    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
-        missing = [p for p in paths if p not in self._nodes]
+    def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
+        missing = [p for p in paths if p not in self._policies]
         if missing:
-            rows = self._get(f"{POSTGRES.nodes} WHERE path = ANY(%s)", (missing,))
+            rows = self._get(f"{POSTGRES.policies} WHERE path = ANY(%s)", (missing,))
+            self._policies.update(dict.fromkeys(missing))
+            self._policies.update((r[0], policy_from_row(r)) for r in rows)
+        return {p: policy for p in paths if (policy := self._policies[p]) is not None}
+
+    def put_policy(self, policy: BudgetPolicy) -> None:
+        self._op.policies[policy.path] = self._policies[policy.path] = policy
+
+    def get_nodes(self, keys: Sequence[Key]) -> dict[Key, BudgetNode]:
+        missing = [k for k in keys if k not in self._nodes]
+        if missing:
+            params = [v for k in missing for v in k]
+            rows = self._get(POSTGRES.node_keys(len(missing)), params)
             self._nodes.update(dict.fromkeys(missing))
-            self._nodes.update((r[0], node_from_row(r)) for r in rows)
-        return {p: node for p in paths if (node := self._nodes[p]) is not None}
+            self._nodes.update(((r[0], r[1]), node_from_row(r)) for r in rows)
+        return {k: node for k in keys if (node := self._nodes[k]) is not None}
 
     def put_node(self, node: BudgetNode) -> None:
-        self._op.nodes[node.path] = self._nodes[node.path] = node
+        self._op.nodes[node.key] = self._nodes[node.key] = node
 
     def get_key(self, name: str) -> LedgerKey | None:
         rows = self._scan(POSTGRES.key, (name,))

@@ -24,6 +24,7 @@ from effectguard.ledger.rows import (
     KEY_COLUMNS,
     MUTABLE_CALL_COLUMNS,
     NODE_COLUMNS,
+    POLICY_COLUMNS,
     WORKER_COLUMNS,
     names,
 )
@@ -66,13 +67,16 @@ class Upsert:
         return self.head + ",".join([one] * count) + self.tail
 
 
-def _upsert(table: str, columns: str, mark: str, mutable: Iterable[str] | None) -> Upsert:
-    """An insert into ``table`` that, given ``mutable`` columns, updates them on conflict."""
+def _upsert(
+    table: str, columns: str, mark: str, mutable: Iterable[str] | None, key: int = 1
+) -> Upsert:
+    """An insert into ``table`` that, given ``mutable`` columns, updates them on conflict
+    with its first ``key`` columns."""
     cols = names(columns)
     tail = ""
     if mutable is not None:
         sets = ", ".join(f"{c} = excluded.{c}" for c in mutable)
-        tail = f" ON CONFLICT({cols[0]}) DO UPDATE SET {sets}"
+        tail = f" ON CONFLICT({', '.join(cols[:key])}) DO UPDATE SET {sets}"
     return Upsert(f"INSERT INTO {table}({columns}) VALUES ", len(cols), tail, mark)
 
 
@@ -99,13 +103,16 @@ class Queries:
         self.call_events = f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = {m} ORDER BY seq"
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
-        #: Budget nodes; each store adds how it matches a list of paths.
-        self.nodes = f"SELECT {NODE_COLUMNS} FROM budgets"
+        #: Per-period counters; each store adds how it matches a list of (path, period).
+        self.nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods"
+        #: Budget policies; each store adds how it matches a list of paths.
+        self.policies = f"SELECT {POLICY_COLUMNS} FROM budgets"
         # -- scans (operators, metrics, verify)
         self.events_after = (
             f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > {m} ORDER BY seq LIMIT {m}"
         )
-        self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budgets ORDER BY path"
+        self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
+        self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self.call_columns = f"SELECT {INDEX_COLUMNS} FROM calls"
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
@@ -121,9 +128,15 @@ class Queries:
         # -- writes
         self.insert_events = _upsert("events", EVENT_COLUMNS, m, None)
         self.upsert_calls = _upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
-        self.upsert_nodes = _upsert("budgets", NODE_COLUMNS, m, names(NODE_COLUMNS)[1:])
+        self.upsert_nodes = _upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
+        self.upsert_policies = _upsert("budgets", POLICY_COLUMNS, m, names(POLICY_COLUMNS)[1:])
         self.upsert_workers = _upsert("workers", WORKER_COLUMNS, m, names(WORKER_COLUMNS)[1:])
         self.upsert_keys = _upsert("keys", KEY_COLUMNS, m, names(KEY_COLUMNS)[1:])
+
+    def node_keys(self, count: int) -> str:
+        """``WHERE`` matching ``count`` (path, period) pairs (parameters: path, period, …)."""
+        pairs = ",".join([f"({self.mark},{self.mark})"] * count)
+        return f"{self.nodes} WHERE (path, period) IN (VALUES {pairs})"
 
     def list_calls(
         self, stage: str | None, budget: str | None, limit: int

@@ -11,9 +11,10 @@ import json
 from typing import Any
 
 from effectguard.ledger.base import WorkerRow
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.periods import validate_kind
 from effectguard.rules.workstate import WorkState, as_dict
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
@@ -29,7 +30,10 @@ CALL_COLUMNS = (
 #: creation time come from its manifest and never change: leaving them out of an
 #: upsert leaves those columns' index pages unwritten.
 MUTABLE_CALL_COLUMNS = ("stage", "idempotency_key", "worker", "state")
-NODE_COLUMNS = "path, limit_nanos, reserved, spent, held"
+#: A node's counters in one period (table ``budget_periods``, keyed by path and period).
+NODE_COLUMNS = "path, period, reserved, spent, held"
+#: A node's declared policy (table ``budgets``, keyed by path).
+POLICY_COLUMNS = "path, limit_nanos, period, tz, rpm, tpm, concurrency"
 WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
 KEY_COLUMNS = "name, sha256, budget_root, created_at, expires_at, models, providers, revoked_at"
 
@@ -100,14 +104,32 @@ def state_from_json(text: str) -> WorkState:
 
 
 def node_params(node: BudgetNode) -> tuple[Any, ...]:
-    """Parameters for storing a budget node, in :data:`NODE_COLUMNS` order."""
-    return (node.path, node.limit, node.reserved, node.spent, node.held)
+    """Parameters for storing a node's counters, in :data:`NODE_COLUMNS` order."""
+    return (node.path, node.period, node.reserved, node.spent, node.held)
 
 
 def node_from_row(row: tuple[Any, ...] | Any) -> BudgetNode:
-    """A budget node from a row in :data:`NODE_COLUMNS` order."""
-    path, limit, reserved, spent, held = row
-    return BudgetNode(path, limit, int(reserved), int(spent), int(held))
+    """A node's counters (``limit`` None) from a row in :data:`NODE_COLUMNS` order."""
+    path, period, reserved, spent, held = row
+    return BudgetNode(path, None, int(reserved), int(spent), int(held), period=period)
+
+
+def policy_params(policy: BudgetPolicy) -> tuple[Any, ...]:
+    """Parameters for storing a policy, in :data:`POLICY_COLUMNS` order."""
+    p = policy
+    return (p.path, p.limit, p.period, p.tz, p.rpm, p.tpm, p.concurrency)
+
+
+def policy_from_row(row: tuple[Any, ...] | Any) -> BudgetPolicy:
+    """A policy from a row in :data:`POLICY_COLUMNS` order."""
+    path, limit, period, tz, rpm, tpm, concurrency = row
+    return BudgetPolicy(
+        path, _int(limit), validate_kind(period), tz, _int(rpm), _int(tpm), _int(concurrency)
+    )
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def worker_params(row: WorkerRow) -> tuple[Any, ...]:

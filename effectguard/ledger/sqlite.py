@@ -34,6 +34,8 @@ from effectguard.ledger.rows import (
     key_params,
     node_from_row,
     node_params,
+    policy_from_row,
+    policy_params,
     state_from_json,
     state_params,
     worker_from_row,
@@ -42,7 +44,7 @@ from effectguard.ledger.rows import (
 from effectguard.ledger.sqlitereader import SqliteReader
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
 from effectguard.ledger.sqlreads import SqlReads
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import WorkState
@@ -57,6 +59,7 @@ _CALL_CACHE_SIZE = 4096
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
 _UPSERT_CALL = SQLITE.upsert_calls.rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
+_UPSERT_POLICY = SQLITE.upsert_policies.rows(1)
 _UPSERT_WORKER = SQLITE.upsert_workers.rows(1)
 _UPSERT_KEY = SQLITE.upsert_keys.rows(1)
 
@@ -88,8 +91,12 @@ class SqliteSession:
         self.conn.execute("PRAGMA wal_autocheckpoint = 0")
         self._checkpointed = time.monotonic()
         self._head: tuple[int, str] | None = None
-        self._nodes: dict[str, BudgetNode] = {}
-        self._dirty: set[str] = set()
+        # One instant per batch, as on PostgreSQL: an admission's period labels and its
+        # events' times are read from the same clock reading.
+        self._now: float | None = None
+        self._nodes: dict[Key, BudgetNode] = {}
+        self._dirty: set[Key] = set()
+        self._policies: dict[str, BudgetPolicy | None] = {}
         self._workers: dict[str, WorkerRow | None] = {}
         self._snapshot: tuple[Any, ...] = ()
         self._version: int | None = None
@@ -105,6 +112,7 @@ class SqliteSession:
         self._head = None
         self._nodes = {}
         self._dirty = set()
+        self._policies = {}
         self._workers = {}
         self._version = None
         self._calls = {}
@@ -145,6 +153,7 @@ class SqliteSession:
                 return False
             raise
         self._revalidate()
+        self._now = None
         return True
 
     def begin(self) -> None:
@@ -155,6 +164,7 @@ class SqliteSession:
         finally:
             self.conn.execute("PRAGMA busy_timeout = 0")
         self._revalidate()
+        self._now = None
 
     def _flush_events(self) -> None:
         if self._events:
@@ -177,7 +187,13 @@ class SqliteSession:
         return True  # SQLite's commit is atomic: a COMMIT that failed changed nothing
 
     def savepoint(self) -> None:
-        self._snapshot = (self._head, dict(self._nodes), set(self._dirty), dict(self._workers))
+        self._snapshot = (
+            self._head,
+            dict(self._nodes),
+            set(self._dirty),
+            dict(self._workers),
+            dict(self._policies),
+        )
         self._undo = []
         self.conn.execute("SAVEPOINT op")
 
@@ -189,7 +205,7 @@ class SqliteSession:
     def rollback_to(self) -> None:
         self._events = []
         self.conn.execute("ROLLBACK TO op")
-        self._head, self._nodes, self._dirty, self._workers = self._snapshot
+        self._head, self._nodes, self._dirty, self._workers, self._policies = self._snapshot
         for call_id, previous in reversed(self._undo or []):
             if previous is None:
                 self._calls.pop(call_id, None)
@@ -217,7 +233,9 @@ class SqliteSession:
 
     # -- Tx
     def now(self) -> float:
-        return self._clock()
+        if self._now is None:
+            self._now = self._clock()
+        return self._now
 
     def head(self) -> tuple[int, str]:
         if self._head is None:
@@ -265,17 +283,30 @@ class SqliteSession:
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [state_from_json(r[0]) for r in self.conn.execute(SQLITE.in_flight_of, (worker,))]
 
-    def get_nodes(self, paths: Sequence[str]) -> dict[str, BudgetNode]:
-        missing = [p for p in paths if p not in self._nodes]
+    def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
+        missing = [p for p in paths if p not in self._policies]
         if missing:
             marks = ",".join("?" * len(missing))
-            rows = self.conn.execute(f"{SQLITE.nodes} WHERE path IN ({marks})", tuple(missing))
-            self._nodes.update((r[0], node_from_row(r)) for r in rows)
-        return {p: self._nodes[p] for p in paths if p in self._nodes}
+            rows = self.conn.execute(f"{SQLITE.policies} WHERE path IN ({marks})", missing)
+            self._policies.update(dict.fromkeys(missing))
+            self._policies.update((r[0], policy_from_row(r)) for r in rows)
+        return {p: policy for p in paths if (policy := self._policies[p]) is not None}
+
+    def put_policy(self, policy: BudgetPolicy) -> None:
+        self.conn.execute(_UPSERT_POLICY, policy_params(policy))
+        self._policies[policy.path] = policy
+
+    def get_nodes(self, keys: Sequence[Key]) -> dict[Key, BudgetNode]:
+        missing = [k for k in keys if k not in self._nodes]
+        if missing:
+            params = [v for k in missing for v in k]
+            rows = self.conn.execute(SQLITE.node_keys(len(missing)), params)
+            self._nodes.update(((r[0], r[1]), node_from_row(r)) for r in rows)
+        return {k: self._nodes[k] for k in keys if k in self._nodes}
 
     def put_node(self, node: BudgetNode) -> None:
-        self._nodes[node.path] = node
-        self._dirty.add(node.path)
+        self._nodes[node.key] = node
+        self._dirty.add(node.key)
 
     def get_key(self, name: str) -> LedgerKey | None:
         # Key changes are rare operator writes: read and write them straight through.

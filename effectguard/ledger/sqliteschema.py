@@ -61,6 +61,25 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
         ],
     ),
+    (
+        3,
+        "budget periods: counters per (path, period), policies with period, timezone, rates",
+        [
+            """CREATE TABLE budget_periods (
+                path TEXT NOT NULL, period TEXT NOT NULL, reserved INTEGER NOT NULL,
+                spent INTEGER NOT NULL, held INTEGER NOT NULL, PRIMARY KEY (path, period))""",
+            """INSERT INTO budget_periods(path, period, reserved, spent, held)
+                SELECT path, 'total', reserved, spent, held FROM budgets""",
+            "ALTER TABLE budgets DROP COLUMN reserved",
+            "ALTER TABLE budgets DROP COLUMN spent",
+            "ALTER TABLE budgets DROP COLUMN held",
+            "ALTER TABLE budgets ADD COLUMN period TEXT NOT NULL DEFAULT 'total'",
+            "ALTER TABLE budgets ADD COLUMN tz TEXT NOT NULL DEFAULT 'UTC'",
+            "ALTER TABLE budgets ADD COLUMN rpm INTEGER",
+            "ALTER TABLE budgets ADD COLUMN tpm INTEGER",
+            "ALTER TABLE budgets ADD COLUMN concurrency INTEGER",
+        ],
+    ),
 ]
 
 

@@ -18,10 +18,11 @@ from effectguard.ledger.rows import (
     event_from_row,
     key_from_row,
     node_from_row,
+    policy_from_row,
     state_from_json,
     worker_from_row,
 )
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
@@ -55,8 +56,12 @@ class SqlReads(ABC):
         return [state_from_json(r[0]) for r in rows]
 
     async def budget_nodes(self) -> list[BudgetNode]:
-        """Every budget node's stored counters."""
+        """Every stored ``(path, period)`` counter row (``limit`` left None)."""
         return [node_from_row(r) for r in await self._fetch(self.queries.all_nodes)]
+
+    async def budget_policies(self) -> list[BudgetPolicy]:
+        """Every declared budget policy."""
+        return [policy_from_row(r) for r in await self._fetch(self.queries.all_policies)]
 
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
         """Up to ``limit`` events with sequence number greater than ``seq``."""

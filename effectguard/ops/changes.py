@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import getpass
 import sys
 from pathlib import Path
+from typing import Any
 
 from effectguard.ledger import Ledger
 from effectguard.ops.command import (
@@ -21,6 +23,24 @@ from effectguard.ops.command import (
     usd,
 )
 from effectguard.ops.render import budget_json, call_json, emit, money
+from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
+from effectguard.rules.periods import PERIOD_KINDS
+
+#: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
+NONE = -1
+
+
+def count_or_none(value: str) -> int:
+    """An argparse type: a count (``0`` and up), or ``none`` (as :data:`NONE`)."""
+    if value.lower() == "none":
+        return NONE
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {value!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError("a count cannot be negative")
+    return count
 
 
 def _usage(message: str) -> int:
@@ -64,18 +84,52 @@ async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
-    """``effectguard budget set PATH``: set or remove a node's limit."""
-    await ledger.set_limit(args.path, None if args.no_limit else args.limit)
-    nodes = {n.path: n for n in await ledger.budgets()}
-    node = nodes[args.path]
-    emit(args, budget_json(node), f"{node.path}: limit {money(node.limit) or 'none'} USD")
+    """``effectguard budget set PATH``: set a node's limit, period and rate limits.
+
+    What is not given keeps its current value. A limit below what the node has already
+    spent in its current period is set all the same, with a warning on stderr.
+    """
+    path = validate_path(args.path)
+    current = (await ledger.policies()).get(path) or BudgetPolicy(path)
+    policy = dataclasses.replace(current, **_policy_changes(args))
+    try:
+        validate_policy(policy)
+    except ValueError as exc:
+        return _usage(str(exc))
+    await ledger.set_policy(policy)
+    node = next(n for n in await ledger.budgets() if n.path == path)
+    if node.limit is not None and node.spent > node.limit:
+        print(
+            f"effectguard: warning: budget {path!r} has already spent {money(node.spent)} USD "
+            f"in period {node.period}, more than its new limit of {money(node.limit)} USD; "
+            "it admits no call until the period ends",
+            file=sys.stderr,
+        )
+    payload = budget_json(node, policy)
+    emit(args, payload, f"{path}: limit {money(node.limit) or 'none'} USD per {policy.period}")
     return EXIT_OK
+
+
+def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    if args.limit is not None or args.no_limit:
+        changes["limit"] = None if args.no_limit else args.limit
+    for name in ("period", "tz", "rpm", "tpm", "concurrency"):
+        value = getattr(args, name)
+        if value is not None:
+            changes[name] = None if value == NONE else value
+    return changes
 
 
 def check_budget_set(args: argparse.Namespace) -> str | None:
     """The usage problem of a ``budget set`` invocation, if any."""
-    if (args.limit is None) == (not args.no_limit):
-        return "budget set needs exactly one of --limit USD / --no-limit"
+    if args.limit is not None and args.no_limit:
+        return "budget set takes one of --limit USD / --no-limit, not both"
+    if not _policy_changes(args):
+        return (
+            "budget set needs --limit USD or --no-limit, or one of --period, --tz, --rpm, "
+            "--tpm, --concurrency"
+        )
     return None
 
 
@@ -111,6 +165,16 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("path", help="budget path, e.g. team-a/run-42")
     q.add_argument("--limit", type=usd, help="limit in USD")
     q.add_argument("--no-limit", action="store_true", help="remove the limit")
+    q.add_argument(
+        "--period", choices=PERIOD_KINDS, help="the limit resets each calendar day, week or month"
+    )
+    q.add_argument("--tz", help="IANA timezone of the period's calendar (default UTC)")
+    for name, what in (
+        ("rpm", "requests per minute"),
+        ("tpm", "tokens per minute (admission estimate, corrected at settlement)"),
+        ("concurrency", "calls in flight"),
+    ):
+        q.add_argument(f"--{name}", type=count_or_none, metavar="N", help=f"{what}; 'none' removes")
     q.set_defaults(run_ledger=cmd_budget_set, check=check_budget_set)
 
 

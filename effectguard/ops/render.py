@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.money import nanos_to_usd
 from effectguard.rules.workstate import WorkState
 
@@ -59,14 +59,21 @@ def call_json(state: WorkState) -> dict[str, Any]:
     }
 
 
-def budget_json(node: BudgetNode) -> dict[str, Any]:
-    """A budget node as the SPEC §8 JSON object."""
+def budget_json(node: BudgetNode, policy: BudgetPolicy | None = None) -> dict[str, Any]:
+    """A budget node in one period as the SPEC §8 JSON object, with its policy."""
+    p = policy or BudgetPolicy(node.path)
     return {
         "path": node.path,
+        "period": node.period,
         "limit_usd": money(node.limit),
         "reserved_usd": nanos_to_usd(node.reserved),
         "spent_usd": nanos_to_usd(node.spent),
         "held_usd": nanos_to_usd(node.held),
+        "resets": p.period,
+        "tz": p.tz,
+        "rpm": p.rpm,
+        "tpm": p.tpm,
+        "concurrency": p.concurrency,
     }
 
 

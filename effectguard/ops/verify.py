@@ -12,7 +12,14 @@ import dataclasses
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.ops.audit import BudgetRow, KeyRow, Verifier, VerifyReport, WorkerRow
+from effectguard.ops.audit import (
+    BudgetRow,
+    KeyRow,
+    PolicyRow,
+    Verifier,
+    VerifyReport,
+    WorkerRow,
+)
 
 __all__ = ["VerifyReport", "verify_ledger"]
 
@@ -34,11 +41,15 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
                 verifier.feed(stored)
             seq = batch[-1].seq
         nodes = await ledger.store.budget_nodes()
+        policies = await ledger.store.budget_policies()
         calls = await ledger.store.list_calls(limit=1 << 62)
         columns = await ledger.store.call_columns()
         workers = await ledger.store.workers()
         keys = await ledger.store.keys()
-    budget_rows = [BudgetRow(n.path, n.limit, n.reserved, n.spent, n.held) for n in nodes]
+    budget_rows = [BudgetRow(n.path, n.period, n.reserved, n.spent, n.held) for n in nodes]
+    policy_rows = [
+        PolicyRow(p.path, p.limit, p.period, p.tz, p.rpm, p.tpm, p.concurrency) for p in policies
+    ]
     states: list[dict[str, Any]] = [dataclasses.asdict(state) for state in calls]
     worker_rows = [WorkerRow(w.worker, w.generation, w.fenced) for w in workers]
     key_rows = [
@@ -54,4 +65,4 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         )
         for k in keys
     ]
-    return verifier.finish(budget_rows, states, columns, worker_rows, key_rows)
+    return verifier.finish(budget_rows, states, columns, worker_rows, key_rows, policy_rows)

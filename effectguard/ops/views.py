@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from datetime import UTC, date, datetime
 
 from effectguard.ledger import Ledger
 from effectguard.ops import showcall
@@ -11,6 +12,7 @@ from effectguard.ops.command import EXIT_FAILED, EXIT_OK, Command, ledger_option
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
+from effectguard.rules import periods
 from effectguard.rules.workstate import STAGES
 
 CALL_COLUMNS = [
@@ -28,7 +30,17 @@ CALL_COLUMNS = [
     "cost_usd",
     "held_usd",
 ]
-BUDGET_COLUMNS = ["path", "limit_usd", "reserved_usd", "spent_usd", "held_usd"]
+BUDGET_COLUMNS = [
+    "path",
+    "period",
+    "limit_usd",
+    "reserved_usd",
+    "spent_usd",
+    "held_usd",
+    "rpm",
+    "tpm",
+    "concurrency",
+]
 
 
 #: Calls read to filter by ``--since`` or ``--provider``, which the stores do not index.
@@ -88,10 +100,45 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 async def cmd_budgets(args: argparse.Namespace, ledger: Ledger) -> int:
-    """``effectguard budgets``: every budget node."""
-    rows = [budget_json(n) for n in await ledger.budgets()]
+    """``effectguard budgets``: every budget node in its current (or a chosen) period."""
+    on, at = _when(args.at)
+    policies = await ledger.policies()
+    nodes = await ledger.budgets(at=at, on=on, period=args.period)
+    rows = [budget_json(n, policies.get(n.path)) for n in nodes]
     emit(args, rows, table(rows, BUDGET_COLUMNS) if rows else "no budgets")
     return EXIT_OK
+
+
+def _when(text: str | None) -> tuple[date | None, float | None]:
+    """``--at``: a local date (each node's own calendar) or an ISO instant (UTC if naive)."""
+    if text is None:
+        return None, None
+    if len(text) == 10:
+        return date.fromisoformat(text), None
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return None, moment.timestamp()
+
+
+def _period(text: str) -> str:
+    """An argparse type: a period label (``YYYY-MM-DD``, ``YYYY-Www``, ``YYYY-MM``, ``total``)."""
+    try:
+        periods.kind_of_label(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _instant(text: str) -> str:
+    """An argparse type: ``--at`` as a date or an ISO date and time."""
+    try:
+        _when(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a date or time: {text!r} (use YYYY-MM-DD or YYYY-MM-DDTHH:MM[+ZONE])"
+        ) from None
+    return text
 
 
 async def cmd_verify(args: argparse.Namespace, ledger: Ledger) -> int:
@@ -143,6 +190,19 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 
 def _budgets_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--period",
+        type=_period,
+        metavar="YYYY-MM[-DD]",
+        help="show this past or current period (nodes whose period has labels of this form)",
+    )
+    when.add_argument(
+        "--at",
+        type=_instant,
+        metavar="DATE",
+        help="show each node's period containing DATE (YYYY-MM-DD, or an ISO date and time)",
+    )
     p.set_defaults(run_ledger=cmd_budgets)
 
 

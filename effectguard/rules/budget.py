@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Final
 
+from effectguard.rules import periods
 from effectguard.rules.events import (
     BudgetHeld,
     BudgetLimitSet,
@@ -27,6 +28,10 @@ from effectguard.rules.events import (
     Event,
 )
 from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS
+from effectguard.rules.periods import DEFAULT_TZ, TOTAL, PeriodKind
+
+#: Where one node's counters for one period are kept: ``(path, period label)``.
+Key = tuple[str, str]
 
 DEFAULT_BUDGET: Final = "default"
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -65,14 +70,46 @@ def is_under(path: str, root: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetPolicy:
+    """What an operator declared for one node: its limit, its period and its rate limits.
+
+    ``limit`` applies to each period on its own; ``rpm`` (requests per minute), ``tpm``
+    (tokens per minute) and ``concurrency`` (calls in flight) are checked at admission.
+    """
+
+    path: str
+    limit: int | None = None
+    period: PeriodKind = "total"
+    tz: str = DEFAULT_TZ
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrency: int | None = None
+
+    def label(self, at: float) -> str:
+        """The label of this node's period containing instant ``at``."""
+        return periods.label(self.period, self.tz, at)
+
+    @property
+    def rate_limited(self) -> bool:
+        """Whether any rate limit is declared."""
+        return self.rpm is not None or self.tpm is not None or self.concurrency is not None
+
+
+@dataclass(frozen=True, slots=True)
 class BudgetNode:
-    """One node of the budget tree."""
+    """One node of the budget tree in one period: its limit and that period's counters."""
 
     path: str
     limit: int | None = None
     reserved: int = 0
     spent: int = 0
     held: int = 0
+    period: str = TOTAL
+
+    @property
+    def key(self) -> Key:
+        """Where the node's counters are kept: ``(path, period label)``."""
+        return (self.path, self.period)
 
     @property
     def committed(self) -> int:
@@ -116,26 +153,37 @@ def check_admission(nodes: Mapping[str, BudgetNode], path: str, amount: int) -> 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """A change to the counters of one path and all its ancestors."""
+    """A change to the counters of one path and all its ancestors, each in its own period.
+
+    ``periods`` names the period of each ancestor that is not ``total`` (as admission
+    recorded it); an ancestor it does not name is charged to ``total``.
+    """
 
     path: str
     reserved: int = 0
     spent: int = 0
     held: int = 0
+    periods: Mapping[str, str] = field(default_factory=dict)
+
+    def targets(self) -> list[Key]:
+        """Every ``(path, period)`` the change lands on, root first."""
+        return [(p, self.periods.get(p, TOTAL)) for p in ancestors(self.path)]
 
 
 def deltas(event: Event) -> Delta | None:
     """The counter change a budget event makes (``None`` for other events)."""
     if isinstance(event, BudgetReserved):
-        return Delta(event.budget, reserved=event.amount)
+        return Delta(event.budget, reserved=event.amount, periods=event.periods)
     if isinstance(event, BudgetSettled):
-        return Delta(event.budget, reserved=-event.reserved, spent=event.actual)
+        return Delta(
+            event.budget, reserved=-event.reserved, spent=event.actual, periods=event.periods
+        )
     if isinstance(event, BudgetReleased):
-        return Delta(event.budget, reserved=-event.amount)
+        return Delta(event.budget, reserved=-event.amount, periods=event.periods)
     if isinstance(event, BudgetHeld):
-        return Delta(event.budget, reserved=-event.amount, held=event.amount)
+        return Delta(event.budget, reserved=-event.amount, held=event.amount, periods=event.periods)
     if isinstance(event, BudgetUnheld):
-        return Delta(event.budget, held=-event.amount, spent=event.spent)
+        return Delta(event.budget, held=-event.amount, spent=event.spent, periods=event.periods)
     return None
 
 
@@ -160,27 +208,102 @@ def validate_limit(limit: int | None) -> int | None:
     return limit
 
 
-def apply(nodes: dict[str, BudgetNode], event: Event) -> list[BudgetNode]:
-    """Fold ``event`` into ``nodes`` in place; return the nodes it changed."""
-    if isinstance(event, BudgetLimitSet):
-        limit = None if event.limit is None else _saturated(event.limit)
-        node = replace(nodes.get(event.path) or BudgetNode(event.path), limit=limit)
-        nodes[event.path] = node
-        return [node]
-    delta = deltas(event)
-    if delta is None:
-        return []
-    changed = []
-    for p in ancestors(delta.path):
-        node = apply_delta(nodes.get(p) or BudgetNode(p), delta)
-        nodes[p] = node
-        changed.append(node)
-    return changed
+def validate_policy(policy: BudgetPolicy) -> BudgetPolicy:
+    """Return ``policy`` if every part of it is valid, else raise ``ValueError``."""
+    validate_path(policy.path)
+    validate_limit(policy.limit)
+    periods.validate_kind(policy.period)
+    periods.zone(policy.tz)
+    for name in ("rpm", "tpm", "concurrency"):
+        value = getattr(policy, name)
+        if value is not None and not 0 <= value <= MAX_NANOS:
+            raise ValueError(f"{name} must be between 0 and {MAX_NANOS}")
+    return policy
 
 
-def fold(events: Iterable[Event]) -> dict[str, BudgetNode]:
+def policy_of(event: BudgetLimitSet) -> BudgetPolicy:
+    """The policy a ``budget.limit_set`` event declares (it always carries all of it)."""
+    limit = None if event.limit is None else _saturated(event.limit)
+    return BudgetPolicy(
+        event.path,
+        limit,
+        periods.validate_kind(event.period),
+        event.tz,
+        event.rpm,
+        event.tpm,
+        event.concurrency,
+    )
+
+
+@dataclass
+class Tree:
+    """The budget tree as a fold of events: each node's policy and its per-period counters.
+
+    A counter node's ``limit`` is its policy's at the time it was last changed (the
+    stores keep limits with the policy, not with the counters).
+    """
+
+    policies: dict[str, BudgetPolicy] = field(default_factory=dict)
+    nodes: dict[Key, BudgetNode] = field(default_factory=dict)
+
+    def apply(self, event: Event) -> list[BudgetNode]:
+        """Fold ``event`` in; return the counter nodes it changed."""
+        if isinstance(event, BudgetLimitSet):
+            self.policies[event.path] = policy_of(event)
+            return []
+        delta = deltas(event)
+        if delta is None:
+            return []
+        changed = []
+        for path, period in delta.targets():
+            policy = self.policies.get(path)
+            old = self.nodes.get((path, period)) or BudgetNode(path, period=period)
+            node = replace(apply_delta(old, delta), limit=policy.limit if policy else None)
+            self.nodes[(path, period)] = node
+            changed.append(node)
+        return changed
+
+    def node(self, path: str, period: str = TOTAL) -> BudgetNode:
+        """``path``'s counters in ``period`` (zero if it has none), with its current limit."""
+        policy = self.policies.get(path)
+        node = self.nodes.get((path, period)) or BudgetNode(path, period=period)
+        return replace(node, limit=policy.limit if policy else None)
+
+
+def fold(events: Iterable[Event]) -> Tree:
     """The budget tree that a sequence of events produces."""
-    nodes: dict[str, BudgetNode] = {}
+    tree = Tree()
     for event in events:
-        apply(nodes, event)
-    return nodes
+        tree.apply(event)
+    return tree
+
+
+def labels_at(policies: Mapping[str, BudgetPolicy], path: str, at: float) -> dict[str, str]:
+    """The period each ancestor of ``path`` is in at instant ``at``, for those not ``total``.
+
+    This is what admission records: later budget events of the call land in the same
+    periods, whenever they happen.
+    """
+    out = {}
+    for p in ancestors(path):
+        policy = policies.get(p)
+        if policy is not None and policy.period != "total":
+            out[p] = policy.label(at)
+    return out
+
+
+def period_nodes(
+    policies: Mapping[str, BudgetPolicy],
+    counters: Mapping[Key, BudgetNode],
+    path: str,
+    labels: Mapping[str, str],
+) -> dict[str, BudgetNode]:
+    """Each ancestor of ``path`` in its period (``labels``), with its limit: what
+    :func:`check_admission` takes."""
+    out = {}
+    for p in ancestors(path):
+        key = (p, labels.get(p, TOTAL))
+        policy = policies.get(p)
+        node = counters.get(key) or BudgetNode(p, period=key[1])
+        out[p] = replace(node, limit=policy.limit if policy else None)
+    return out

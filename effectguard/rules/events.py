@@ -107,6 +107,8 @@ class BudgetReserved(CallEvent):
     kind: ClassVar[str] = "budget.reserved"
     budget: str
     amount: int
+    #: The period of each ancestor budget that is not ``total``, fixed at admission.
+    periods: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +120,8 @@ class BudgetSettled(CallEvent):
     reserved: int
     actual: int
     flagged: str | None = None
+    #: The period of each ancestor budget that is not ``total``, fixed at admission.
+    periods: dict[str, str] = field(default_factory=dict)
 
     @property
     def overshoot(self) -> int:
@@ -132,6 +136,8 @@ class BudgetReleased(CallEvent):
     kind: ClassVar[str] = "budget.released"
     budget: str
     amount: int
+    #: The period of each ancestor budget that is not ``total``, fixed at admission.
+    periods: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +147,8 @@ class BudgetHeld(CallEvent):
     kind: ClassVar[str] = "budget.held"
     budget: str
     amount: int
+    #: The period of each ancestor budget that is not ``total``, fixed at admission.
+    periods: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,15 +159,23 @@ class BudgetUnheld(CallEvent):
     budget: str
     amount: int
     spent: int
+    #: The period of each ancestor budget that is not ``total``, fixed at admission.
+    periods: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BudgetLimitSet(Event):
-    """An operator set (or cleared, with ``None``) a budget node's limit."""
+    """An operator set a budget node's policy: its limit (``None``: none), period and rates."""
 
     kind: ClassVar[str] = "budget.limit_set"
     path: str
     limit: int | None
+    #: The rest of the node's policy (events written before periods existed lack them).
+    period: str = "total"
+    tz: str = "UTC"
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrency: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

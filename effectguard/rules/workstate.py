@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from effectguard.rules.events import (
@@ -108,6 +108,8 @@ class WorkState:
     worker: str = ""
     flagged: str | None = None
     idempotency_window_s: float | None = None
+    #: The period of each ancestor budget not in ``total``, fixed when the call was admitted.
+    periods: dict[str, str] = field(default_factory=dict)
 
     @property
     def effect(self) -> Effect:
@@ -190,7 +192,13 @@ def _reconciled(state: WorkState, event: CallReconciled) -> WorkState:
 
 def _reserved(state: WorkState, event: BudgetReserved) -> WorkState:
     first = state.reserved_at_admission or event.amount
-    return replace(state, reserved=state.reserved + event.amount, reserved_at_admission=first)
+    periods = state.periods or event.periods  # every later reservation repeats them
+    return replace(
+        state,
+        reserved=state.reserved + event.amount,
+        reserved_at_admission=first,
+        periods=periods,
+    )
 
 
 def _released(state: WorkState, event: BudgetReleased) -> WorkState:

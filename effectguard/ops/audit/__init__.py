@@ -21,8 +21,17 @@ from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.verifier import (
     BudgetRow,
     CallColumns,
+    PolicyRow,
     Verifier,
     WorkerRow,
 )
 
-__all__ = ["BudgetRow", "CallColumns", "KeyRow", "Verifier", "VerifyReport", "WorkerRow"]
+__all__ = [
+    "BudgetRow",
+    "CallColumns",
+    "KeyRow",
+    "PolicyRow",
+    "Verifier",
+    "VerifyReport",
+    "WorkerRow",
+]

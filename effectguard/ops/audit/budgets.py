@@ -1,4 +1,4 @@
-"""The budget tree, re-derived by the verifier's own arithmetic (SPEC §5).
+"""The budget tree, re-derived by the verifier's own arithmetic (SPEC §5, periods).
 
 A call's budget event changes its path and every ancestor: ``budget.reserved``
 adds to ``reserved``; ``budget.settled`` moves the reservation to ``spent`` (at the
@@ -6,6 +6,11 @@ actual cost); ``budget.released`` drops it; ``budget.held`` moves it to ``held``
 ``budget.unheld`` drops a hold and spends the decided cost; ``budget.corrected``
 replaces a settled charge. A counter never goes below zero in a sound ledger, and a
 reservation never takes a limited node past its limit: both are checked here.
+
+Counters are kept per ``(path, period)``. A call's first reservation records the period
+of each ancestor whose policy is not ``total``; the verifier recomputes those labels from
+the policies in force and the event's time (:mod:`.calendar`), and every later budget
+event of the call must name the same periods.
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from effectguard.ops.audit.calendar import period_of
+
 Counters = tuple[int, int, int]  # reserved, spent, held
+#: ``(limit, period kind, timezone, rpm, tpm, concurrency)`` as ``budget.limit_set`` says.
+Policy = tuple[int | None, str, str, int | None, int | None, int | None]
+NO_POLICY: Final[Policy] = (None, "total", "UTC", None, None, None)
 
 #: Each budget kind's change to (reserved, spent, held).
 DELTAS: Final[dict[str, Callable[[dict[str, Any]], Counters]]] = {
@@ -30,16 +40,15 @@ _NAMES: Final = ("reserved", "spent", "held")
 
 @dataclass
 class Node:
-    """One budget node's limit and counters (nano-dollars)."""
+    """One budget node's counters in one period (nano-dollars)."""
 
-    limit: int | None = None
     reserved: int = 0
     spent: int = 0
     held: int = 0
 
-    def row(self) -> tuple[int | None, int, int, int]:
-        """``(limit, reserved, spent, held)``."""
-        return (self.limit, self.reserved, self.spent, self.held)
+    def row(self) -> Counters:
+        """``(reserved, spent, held)``."""
+        return (self.reserved, self.spent, self.held)
 
 
 def lineage(path: str) -> list[str]:
@@ -48,30 +57,51 @@ def lineage(path: str) -> list[str]:
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+def policy_from(data: dict[str, Any]) -> Policy:
+    """The policy a ``budget.limit_set`` declares (fields it lacks take their old defaults)."""
+    return (
+        data["limit"],
+        str(data.get("period", "total")),
+        str(data.get("tz", "UTC")),
+        data.get("rpm"),
+        data.get("tpm"),
+        data.get("concurrency"),
+    )
+
+
 class Budgets:
     """Every budget node, folded from the events."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, Node] = {}
+        self.nodes: dict[tuple[str, str], Node] = {}
+        self.policies: dict[str, Policy] = {}
+        self._call_periods: dict[str, dict[str, str]] = {}
 
-    def feed(self, seq: int, kind: str, data: dict[str, Any]) -> list[str]:
+    def feed(
+        self, seq: int, kind: str, data: dict[str, Any], at: float = 0.0, call: str | None = None
+    ) -> list[str]:
         """Apply one event; returns what is wrong with the money it moves."""
         if kind == "budget.limit_set":
-            self.nodes.setdefault(str(data["path"]), Node()).limit = data["limit"]
+            self.policies[str(data["path"])] = policy_from(data)
             return []
         delta = DELTAS.get(kind)
         if delta is None:
             return []
+        budget = str(data["budget"])
+        recorded = {str(k): str(v) for k, v in dict(data.get("periods", {})).items()}
+        problems = self._check_periods(seq, kind, budget, recorded, at, call)
         change = delta(data)
-        problems = []
-        for path in lineage(str(data["budget"])):
-            node = self.nodes.setdefault(path, Node())
-            if kind == "budget.reserved" and node.limit is not None:
+        for path in lineage(budget):
+            period = recorded.get(path, "total")
+            node = self.nodes.setdefault((path, period), Node())
+            limit = self.policies.get(path, NO_POLICY)[0]
+            if kind == "budget.reserved" and limit is not None:
                 committed = node.reserved + node.spent + node.held
-                if committed + change[0] > node.limit:
+                if committed + change[0] > limit:
                     problems.append(
-                        f"event {seq}: budget {path!r}: a reservation of {change[0]} takes it "
-                        f"past its limit {node.limit} (already committed {committed})"
+                        f"event {seq}: budget {path!r}{_in(period)}: a reservation of "
+                        f"{change[0]} takes it past its limit {limit} (already committed "
+                        f"{committed})"
                     )
             for name, amount in zip(_NAMES, change, strict=True):
                 value = getattr(node, name) + amount
@@ -80,3 +110,34 @@ class Budgets:
                     value = 0
                 setattr(node, name, value)
         return problems
+
+    def _check_periods(
+        self,
+        seq: int,
+        kind: str,
+        budget: str,
+        recorded: dict[str, str],
+        at: float,
+        call: str | None,
+    ) -> list[str]:
+        """A call's first reservation names the periods it was admitted in; later budget
+        events of the call name the same ones."""
+        key = call or ""
+        admitted = self._call_periods.get(key)
+        if admitted is None and kind == "budget.reserved":
+            expected = {}
+            for path in lineage(budget):
+                _, period_kind, tz, *_ = self.policies.get(path, NO_POLICY)
+                if period_kind != "total":
+                    expected[path] = period_of(period_kind, tz, at)
+            self._call_periods[key] = admitted = expected
+        if admitted is not None and recorded != admitted:
+            return [
+                f"event {seq}: {kind} names periods {recorded} but the call was admitted in "
+                f"{admitted}"
+            ]
+        return []
+
+
+def _in(period: str) -> str:
+    return "" if period == "total" else f" in period {period}"

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from effectguard.ops.audit import table
-from effectguard.ops.audit.budgets import Budgets, Node
+from effectguard.ops.audit.budgets import NO_POLICY, Budgets, Counters, Node
 from effectguard.ops.audit.calls import COLUMN_NAMES, CallFold
 from effectguard.ops.audit.chain import Chain
 from effectguard.ops.audit.keys import KINDS as KEY_KINDS
@@ -23,13 +23,25 @@ from effectguard.rules.events import StoredEvent
 
 
 class BudgetRow(NamedTuple):
-    """A stored budget row."""
+    """A stored budget counter row: one node in one period."""
 
     path: str
-    limit: int | None
+    period: str
     reserved: int
     spent: int
     held: int
+
+
+class PolicyRow(NamedTuple):
+    """A stored budget policy row."""
+
+    path: str
+    limit: int | None
+    period: str
+    tz: str
+    rpm: int | None
+    tpm: int | None
+    concurrency: int | None
 
 
 class WorkerRow(NamedTuple):
@@ -82,7 +94,8 @@ class Verifier:
             fold = self.calls.get(stored.call_id)
             if fold is None:
                 fold = self.calls[stored.call_id] = CallFold(stored.call_id)
-            return fold.feed(stored) + self.budgets.feed(seq, kind, data)
+            money = self.budgets.feed(seq, kind, data, stored.at, stored.call_id)
+            return fold.feed(stored) + money
         except (KeyError, TypeError, ValueError) as exc:
             return [f"event {seq}: unreadable {kind}: {exc!r}"]
 
@@ -93,6 +106,7 @@ class Verifier:
         call_columns: Iterable[CallColumns] = (),
         worker_rows: Iterable[WorkerRow] | None = None,
         key_rows: Iterable[KeyRow] | None = None,
+        policy_rows: Iterable[PolicyRow] | None = None,
     ) -> VerifyReport:
         """Check every call ended in a stage, then compare the stored projections."""
         last = self.chain.expected_seq - 1
@@ -107,6 +121,8 @@ class Verifier:
         self._columns(call_columns)
         self._states(call_states)
         self._budgets(budget_rows, last)
+        if policy_rows is not None:
+            self._policies(policy_rows, last)
         if worker_rows is not None:
             self._workers(worker_rows, last)
         if key_rows is not None:
@@ -167,16 +183,29 @@ class Verifier:
                 )
 
     def _budgets(self, rows: Iterable[BudgetRow], last: int) -> None:
-        stored = {row.path: row for row in rows}
-        self.report.budgets = len(stored)
-        for path in sorted(set(stored) | set(self.budgets.nodes)):
-            row = stored.get(path)
-            have = None if row is None else (row.limit, row.reserved, row.spent, row.held)
-            want = self.budgets.nodes.get(path, Node()).row()
+        stored = {(row.path, row.period): row for row in rows}
+        self.report.budgets = len({path for path, _ in stored})
+        for key in sorted(set(stored) | set(self.budgets.nodes)):
+            row = stored.get(key)
+            have = None if row is None else (row.reserved, row.spent, row.held)
+            want = self.budgets.nodes.get(key, Node()).row()
             if have != want:
                 self.report.broken(
                     last,
-                    f"budget {path!r}: stored {_money(have)} but the events give {_money(want)}",
+                    f"budget {key[0]!r} period {key[1]}: stored {_money(have)} "
+                    f"but the events give {_money(want)}",
+                )
+
+    def _policies(self, rows: Iterable[PolicyRow], last: int) -> None:
+        # A node whose policy is all defaults (a limit cleared, or a row a store kept from
+        # before policies existed) is the same as a node without one.
+        stored = {row.path: tuple(row[1:]) for row in rows}
+        for path in sorted(set(stored) | set(self.budgets.policies)):
+            have = stored.get(path, NO_POLICY)
+            want = self.budgets.policies.get(path, NO_POLICY)
+            if have != want:
+                self.report.broken(
+                    last, f"budget {path!r}: stored policy {have} but the events give {want}"
                 )
 
     def _workers(self, rows: Iterable[WorkerRow], last: int) -> None:
@@ -210,8 +239,8 @@ class Verifier:
                 )
 
 
-def _money(row: tuple[int | None, int, int, int] | None) -> str:
+def _money(row: Counters | None) -> str:
     if row is None:
         return "no row"
-    limit, reserved, spent, held = row
-    return f"limit={limit} reserved={reserved} spent={spent} held={held}"
+    reserved, spent, held = row
+    return f"reserved={reserved} spent={spent} held={held}"

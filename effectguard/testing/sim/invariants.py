@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from effectguard.rules import budget as budget_rules
-from effectguard.rules.budget import BudgetNode, ancestors
+from effectguard.rules.budget import ancestors
 from effectguard.rules.events import (
     BudgetSettled,
     BudgetUnheld,
@@ -174,7 +174,7 @@ def budgets_within_limits(evidence: Evidence) -> list[Violation]:
     more than was held), which the contract permits: it is added to the node's
     allowance, so later prefixes are not blamed for it.
     """
-    nodes: dict[str, BudgetNode] = {}
+    tree = budget_rules.Tree()
     allowance: dict[str, int] = defaultdict(int)
     out = []
     for e in evidence.events:
@@ -189,7 +189,7 @@ def budgets_within_limits(evidence: Evidence) -> list[Violation]:
         if extra:
             for path in ancestors(path_of):
                 allowance[path] += extra
-        for node in budget_rules.apply(nodes, event):
+        for node in tree.apply(event):
             if node.limit is not None and node.committed > node.limit + allowance[node.path]:
                 out.append(
                     Violation(

@@ -1,0 +1,78 @@
+"""Whether a call has room: each budget on its path, in its own period, read and checked
+inside the admission transaction (so a boundary or a concurrent admission cannot slip
+between the check and the reservation).
+"""
+
+from __future__ import annotations
+
+from effectguard.errors import Refusal
+from effectguard.ledger.base import Tx
+from effectguard.rules import budget as budgets
+from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.periods import TOTAL
+from effectguard.rules.workstate import WorkState
+
+
+def period_nodes(
+    tx: Tx, budget: str, periods: dict[str, str], policies: dict[str, BudgetPolicy] | None = None
+) -> dict[str, BudgetNode]:
+    """Each ancestor of ``budget`` in its period (``periods``), with its limit."""
+    paths = budgets.ancestors(budget)
+    if policies is None:
+        policies = tx.get_policies(paths)
+    counters = tx.get_nodes([(p, periods.get(p, TOTAL)) for p in paths])
+    return budgets.period_nodes(policies, counters, budget, periods)
+
+
+def budget_refusal(
+    tx: Tx,
+    req: AdmitRequest,
+    policies: dict[str, BudgetPolicy],
+    budget: str,
+    periods: dict[str, str],
+    call_id: str,
+    amount: int,
+) -> Refusal | None:
+    """Why ``budget`` cannot take ``amount`` more in its periods (SPEC §5), or None."""
+    nodes = period_nodes(tx, budget, periods, policies)
+    if not req.create_budgets and budget not in policies and nodes[budget].committed == 0:
+        return Refusal(
+            403, "unknown_budget", f"budget {budget!r} is not configured", call_id=call_id
+        )
+    exceeded = budgets.check_admission(nodes, budget, amount)
+    if exceeded is None:
+        return None
+    return Refusal(
+        402,
+        "budget_exceeded",
+        f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room"
+        f"{_in_period(periods, exceeded.path)}; this call reserves "
+        f"{nanos_to_usd(exceeded.amount)} USD",
+        call_id=call_id,
+    )
+
+
+def _in_period(periods: dict[str, str], path: str) -> str:
+    label = periods.get(path)
+    return "" if label is None else f" in period {label}"
+
+
+def retry_refusal(tx: Tx, state: WorkState, reserve: int) -> Refusal | None:
+    """Why an automatic retry of ``state`` cannot reserve ``reserve`` in its admission's
+    periods, or None when it can."""
+    nodes = period_nodes(tx, state.budget, state.periods)
+    exceeded = budgets.check_admission(nodes, state.budget, reserve)
+    if exceeded is None:
+        return None
+    return Refusal(
+        402,
+        "budget_exceeded",
+        f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room"
+        f"{_in_period(state.periods, exceeded.path)} for a retry that reserves "
+        f"{nanos_to_usd(exceeded.amount)} USD",
+        call_id=state.call_id,
+        stage=state.stage,
+        next_operation=state.next_operation,
+    )

@@ -1,0 +1,41 @@
+"""Which period of each budget node an operator asked to see. Pure.
+
+The stores keep counters per ``(path, period)``. A view picks one period per node:
+the one containing an instant (each node in its own timezone), the one containing a
+local date, or a label named outright (only nodes whose period has labels of that form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from datetime import date
+
+from effectguard.rules import periods
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
+
+
+def budget_view(
+    policies: Mapping[str, BudgetPolicy],
+    counters: Iterable[BudgetNode],
+    at: float,
+    label: str | None = None,
+    on: date | None = None,
+) -> list[BudgetNode]:
+    """Every node (by path) in the period ``label`` names, else containing ``on``, else ``at``."""
+    by_key = {n.key: n for n in counters}
+    kind_wanted = None if label is None else periods.kind_of_label(label)
+    out = []
+    for path in sorted(set(policies) | {path for path, _ in by_key}):
+        policy = policies.get(path) or BudgetPolicy(path)
+        if kind_wanted is not None and policy.period != kind_wanted:
+            continue
+        if label is not None:
+            chosen = label
+        elif on is not None:
+            chosen = periods.label_of_date(policy.period, on)
+        else:
+            chosen = policy.label(at)
+        node = by_key.get((path, chosen)) or BudgetNode(path, period=chosen)
+        out.append(replace(node, limit=policy.limit))
+    return out

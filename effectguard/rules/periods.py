@@ -1,0 +1,124 @@
+"""Budget periods: which calendar period an instant falls in, in a declared timezone. Pure.
+
+A budget node's period is ``day``, ``week`` (ISO weeks, Monday first), ``month`` or
+``total`` (never resets). An instant (seconds since the epoch, from the ledger's clock)
+is read as a wall-clock time in the node's IANA timezone, and the period is named by a
+label: ``2026-12-01``, ``2026-W49``, ``2026-12`` or ``total``.
+
+Labels come from the local *date* of the instant, never from adding 86,400 seconds, so
+days of 23 or 25 hours (DST changes) and zones whose midnight is skipped are handled by
+the timezone database, not by arithmetic here. :func:`bounds` gives the first instant
+of a period and the first instant of the next one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import UTC, date, datetime, timedelta
+from functools import lru_cache
+from typing import Final, Literal, get_args
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+PeriodKind = Literal["day", "week", "month", "total"]
+PERIOD_KINDS: Final[tuple[PeriodKind, ...]] = get_args(PeriodKind)
+TOTAL: Final = "total"
+DEFAULT_TZ: Final = "UTC"
+
+_DAY = re.compile(r"^(\d{4})-(\d{2})-(\d{2})$")
+_WEEK = re.compile(r"^(\d{4})-W(\d{2})$")
+_MONTH = re.compile(r"^(\d{4})-(\d{2})$")
+
+
+@lru_cache(maxsize=256)
+def zone(name: str) -> ZoneInfo:
+    """The IANA timezone ``name``; ``ValueError`` if there is none."""
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ValueError(f"unknown timezone {name!r} (use an IANA name like Europe/Paris)") from exc
+
+
+def validate_kind(kind: str) -> PeriodKind:
+    """``kind`` if it is a period kind, else ``ValueError``."""
+    for known in PERIOD_KINDS:
+        if kind == known:
+            return known
+    raise ValueError(f"unknown period {kind!r}: use one of {', '.join(PERIOD_KINDS)}")
+
+
+def label_of_date(kind: PeriodKind, day: date) -> str:
+    """The label of the period of kind ``kind`` that contains the local date ``day``."""
+    if kind == "day":
+        return day.isoformat()
+    if kind == "week":
+        year, week, _ = day.isocalendar()
+        return f"{year:04d}-W{week:02d}"
+    if kind == "month":
+        return f"{day.year:04d}-{day.month:02d}"
+    return TOTAL
+
+
+def label(kind: PeriodKind, tz: str, at: float) -> str:
+    """The label of the period of kind ``kind`` (in timezone ``tz``) containing instant ``at``."""
+    if kind == "total":
+        return TOTAL
+    # Period bounds fall on whole seconds (zone offsets are whole seconds), so the whole
+    # second decides; fromtimestamp would round 23:59:59.9999996 up into the next day.
+    return label_of_date(kind, datetime.fromtimestamp(math.floor(at), zone(tz)).date())
+
+
+def kind_of_label(text: str) -> PeriodKind:
+    """Which kind of period ``text`` names (``ValueError`` if it names none)."""
+    if text == TOTAL:
+        return "total"
+    first_day(text)  # validates the numbers
+    if _DAY.match(text):
+        return "day"
+    return "week" if _WEEK.match(text) else "month"
+
+
+def first_day(text: str) -> date:
+    """The first local date of the period labelled ``text`` (``ValueError`` if not a label)."""
+    try:
+        if m := _DAY.match(text):
+            return date(int(m[1]), int(m[2]), int(m[3]))
+        if m := _WEEK.match(text):
+            return date.fromisocalendar(int(m[1]), int(m[2]), 1)
+        if m := _MONTH.match(text):
+            return date(int(m[1]), int(m[2]), 1)
+    except ValueError as exc:
+        raise ValueError(f"not a period: {text!r} ({exc})") from exc
+    raise ValueError(f"not a period: {text!r} (use YYYY-MM-DD, YYYY-Www, YYYY-MM or total)")
+
+
+def next_first_day(text: str) -> date:
+    """The first local date after the period labelled ``text``."""
+    start = first_day(text)
+    kind = kind_of_label(text)
+    if kind == "day":
+        return start + timedelta(days=1)
+    if kind == "week":
+        return start + timedelta(days=7)
+    return date(start.year + start.month // 12, start.month % 12 + 1, 1)
+
+
+def _midnight(day: date, tz: str) -> float:
+    """The first instant of local date ``day`` in ``tz``.
+
+    A midnight that a DST change skips does not exist; ``fold=0`` reads it with the
+    offset in force before the change, which is exactly the instant of the change —
+    the first instant whose local date is ``day``.
+    """
+    local = datetime(day.year, day.month, day.day, tzinfo=zone(tz), fold=0)
+    return local.astimezone(UTC).timestamp()
+
+
+def bounds(text: str, tz: str) -> tuple[float, float] | None:
+    """``(start, end)``: the first instant of period ``text`` in ``tz`` and of the next one.
+
+    ``None`` for ``total``, which has no bounds.
+    """
+    if text == TOTAL:
+        return None
+    return _midnight(first_day(text), tz), _midnight(next_first_day(text), tz)

@@ -1,0 +1,293 @@
+# ruff: noqa: F811  (the store contract's fixtures are imported by name and used as arguments)
+"""Budget periods on every store (memory, SQLite, PostgreSQL): limits per period, charges
+kept in the admission's period, past periods queryable, and a boundary under concurrency.
+
+Every ledger here is verified by the independent verifier when its test ends (the
+``ledger`` fixture of the store contract), which re-derives each admission's periods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from datetime import datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+from test_store_contract import (  # noqa: F401  (fixtures)
+    R,
+    admit_ok,
+    completion,
+    lapse,
+    ledger,
+    ledger_url,
+    ns,
+    register,
+    req,
+    store_kind,
+)
+
+from effectguard.ledger import Ledger, Writer
+from effectguard.ledger.sqliteschema import MIGRATIONS
+from effectguard.ops.verify import verify_ledger
+from effectguard.rules import periods
+from effectguard.rules.budget import BudgetPolicy
+from effectguard.testing.clock import ManualClock
+
+BERLIN = "Europe/Berlin"
+
+
+def local(text: str, tz: str = BERLIN) -> float:
+    """A wall-clock time in ``tz`` as an instant."""
+    return datetime.fromisoformat(text).replace(tzinfo=ZoneInfo(tz)).timestamp()
+
+
+#: Where the manual clocks here start: before every date the tests move them to.
+CLOCK_START = "2026-01-01T00:00:00"
+
+
+@pytest.fixture
+def clock(store_kind: str) -> ManualClock | None:
+    """A manual ledger clock from the start of 2026 (PostgreSQL: the database's clock)."""
+    return None if store_kind == "postgres" else ManualClock(local(CLOCK_START))
+
+
+@pytest.fixture
+async def w1(ledger: Ledger, ns: str) -> Writer:
+    """A live worker whose lease outlasts every clock jump in these tests."""
+    return await register(ledger, f"{ns}-w1", lease_s=10**9)
+
+
+def manual(clock: ManualClock | None) -> ManualClock:
+    """The test's manual clock (these tests need to put the boundary exactly)."""
+    if clock is None:
+        pytest.skip("PostgreSQL keeps the database's clock; boundary tests run on memory/SQLite")
+    return clock
+
+
+def set_clock(clock: ManualClock, at: float) -> None:
+    """Move the manual clock forward to ``at``."""
+    clock.advance(at - clock())
+
+
+async def in_period(ledger: Ledger, path: str, label: str) -> tuple[int | None, int, int, int]:
+    """``(limit, reserved, spent, held)`` of ``path`` in period ``label``."""
+    for n in await ledger.budgets(period=label):
+        if n.path == path:
+            return n.limit, n.reserved, n.spent, n.held
+    raise AssertionError(f"no budget node {path!r} in {label}")
+
+
+async def test_a_daily_limit_resets_at_local_midnight(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """Room for two calls a day: the third is refused (402 naming the period) until local
+    midnight, which on a 25-hour DST day comes 25 hours after the previous one."""
+    c = manual(clock)
+    set_clock(c, local("2026-10-25T23:59:59"))  # Berlin's 25-hour day
+    await ledger.set_policy(BudgetPolicy(ns, 2 * R, "day", BERLIN))
+    await admit_ok(ledger, w1, req(ns))
+    await admit_ok(ledger, w1, req(ns))
+    refused = await ledger.admit(w1, req(ns))
+    assert refused.refusal is not None and refused.refusal.status == 402
+    assert "2026-10-25" in refused.refusal.message
+    c.advance(0.999)  # still 23:59:59.999
+    assert (await ledger.admit(w1, req(ns))).action == "refuse"
+    c.advance(0.001)  # midnight
+    await admit_ok(ledger, w1, req(ns))
+    await admit_ok(ledger, w1, req(ns))
+    assert (await ledger.admit(w1, req(ns))).action == "refuse"
+    assert await in_period(ledger, ns, "2026-10-25") == (2 * R, 2 * R, 0, 0)
+    assert await in_period(ledger, ns, "2026-10-26") == (2 * R, 2 * R, 0, 0)
+
+
+async def test_a_settlement_after_the_boundary_lands_in_the_admission_period(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """A call admitted at 23:59:59 and settled, interrupted or reconciled after midnight is
+    charged to the day it was admitted; the new day starts empty."""
+    c = manual(clock)
+    set_clock(c, local("2026-03-28T23:59:59"))
+    await ledger.set_policy(BudgetPolicy(ns, 10 * R, "day", BERLIN))
+    settled = await admit_ok(ledger, w1, req(ns))
+    unknown = await admit_ok(ledger, w1, req(ns))
+    c.advance(3600)
+    await ledger.record(w1, settled.call_id, 1, completion(settled.call_id, f"{ns}/run", 700))
+    await ledger.interrupt(w1, unknown.call_id, 1, "reset")
+    assert await in_period(ledger, ns, "2026-03-28") == (10 * R, 0, 700, R)
+    await ledger.reconcile(unknown.call_id, applied=True, cost=300, note="n", by="ann")
+    assert await in_period(ledger, ns, "2026-03-28") == (10 * R, 0, 1000, 0)
+    assert await in_period(ledger, ns, "2026-03-29") == (10 * R, 0, 0, 0)
+    now = {n.path: n for n in await ledger.budgets()}
+    assert (now[ns].period, now[ns].spent) == ("2026-03-29", 0)
+
+
+async def test_each_ancestor_is_checked_in_its_own_period(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """A monthly root in UTC and a daily child in New York: a new day frees the child, but
+    the month's room is shared by both days; the refusal names the node that is full."""
+    c = manual(clock)
+    set_clock(c, local("2026-11-30T23:59:00", "America/New_York"))
+    await ledger.set_policy(BudgetPolicy(ns, 3 * R, "month", "UTC"))
+    await ledger.set_policy(BudgetPolicy(f"{ns}/run", 2 * R, "day", "America/New_York"))
+    first = await admit_ok(ledger, w1, req(ns))
+    await admit_ok(ledger, w1, req(ns))
+    day_full = await ledger.admit(w1, req(ns))
+    assert day_full.refusal is not None and f"'{ns}/run'" in day_full.refusal.message
+    c.advance(60)  # New York's Dec 1 (05:00 UTC)
+    await admit_ok(ledger, w1, req(ns))  # December: a new month in UTC as well
+    events = await ledger.events(first.call_id)
+    reserved = next(e for e in events if e.kind == "budget.reserved")
+    assert reserved.data["periods"] == {ns: "2026-12", f"{ns}/run": "2026-11-30"}
+    assert await in_period(ledger, ns, "2026-12") == (3 * R, 3 * R, 0, 0)
+
+
+async def test_the_root_month_holds_across_days(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """A daily child with room left is still refused when its monthly parent is full."""
+    c = manual(clock)
+    set_clock(c, local("2026-12-10T12:00:00", "UTC"))
+    await ledger.set_policy(BudgetPolicy(ns, 3 * R, "month", "UTC"))
+    await ledger.set_policy(BudgetPolicy(f"{ns}/run", 2 * R, "day", "UTC"))
+    await admit_ok(ledger, w1, req(ns))
+    await admit_ok(ledger, w1, req(ns))
+    c.advance(86400)
+    await admit_ok(ledger, w1, req(ns))
+    month_full = await ledger.admit(w1, req(ns))
+    assert month_full.refusal is not None and f"budget '{ns}' " in month_full.refusal.message
+    assert "2026-12" in month_full.refusal.message
+
+
+async def test_a_resumed_call_is_charged_to_its_admission_period(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """A not-sent call resumed under its key the next day reserves in the day it was
+    admitted (and against that day's room)."""
+    from effectguard.rules.events import AttemptNotSent, BudgetReleased
+
+    c = manual(clock)
+    set_clock(c, local("2026-12-01T23:00:00", "UTC"))
+    await ledger.set_policy(BudgetPolicy(ns, 5 * R, "day", "UTC"))
+    first = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.record(
+        w1,
+        first.call_id,
+        1,
+        [
+            AttemptNotSent(call=first.call_id, attempt=1, reason="connect error"),
+            BudgetReleased(call=first.call_id, budget=f"{ns}/run", amount=R),
+        ],
+    )
+    c.advance(7200)
+    again = await ledger.admit(w1, req(ns, key="k1"))
+    assert (again.action, again.call_id) == ("attempt", first.call_id)
+    assert await in_period(ledger, ns, "2026-12-01") == (5 * R, R, 0, 0)
+    assert await in_period(ledger, ns, "2026-12-02") == (5 * R, 0, 0, 0)
+
+
+async def test_a_period_and_its_limit_apply_on_every_store(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """On every store (PostgreSQL with its own clock) a daily limit is checked against the
+    day the database says it is, and the call is charged there."""
+    await ledger.set_policy(BudgetPolicy(ns, 2 * R, "day", "UTC"))
+    call = await admit_ok(ledger, w1, req(ns))
+    reserved = next(e for e in await ledger.events(call.call_id) if e.kind == "budget.reserved")
+    day = reserved.data["periods"][ns]
+    assert day == periods.label("day", "UTC", reserved.at)
+    await ledger.record(w1, call.call_id, 1, completion(call.call_id, f"{ns}/run", 1500))
+    assert await in_period(ledger, ns, day) == (2 * R, 0, 1500, 0)
+    refused = await ledger.admit(w1, req(ns))
+    if periods.label("day", "UTC", reserved.at + 1) == day:  # not at a boundary by chance
+        assert refused.action == "refuse"
+
+
+async def test_the_limit_keeps_the_rest_of_the_policy(ledger: Ledger, ns: str) -> None:
+    """Setting only a limit (as the config file does) keeps the period, zone and rates."""
+    await ledger.set_policy(BudgetPolicy(ns, R, "week", BERLIN, rpm=5))
+    await ledger.set_limit(ns, 2 * R)
+    assert (await ledger.policies())[ns] == BudgetPolicy(ns, 2 * R, "week", BERLIN, rpm=5)
+
+
+async def test_a_restart_changes_no_counter(ledger_url: str, ns: str, store_kind: str) -> None:
+    """Closing and reopening the ledger gives every (path, period) counter back unchanged."""
+    if store_kind == "memory":
+        pytest.skip("a memory ledger does not outlive its process")
+    clock = None if store_kind == "postgres" else ManualClock(local("2026-12-01T10:00:00"))
+    async with Ledger.open(ledger_url, clock=clock) as led:
+        writer = await register(led, f"{ns}-w", lease_s=10**9)
+        await led.set_policy(BudgetPolicy(ns, 10 * R, "day", BERLIN, rpm=100))
+        a = await admit_ok(led, writer, req(ns))
+        await admit_ok(led, writer, req(ns))
+        await led.record(writer, a.call_id, 1, completion(a.call_id, f"{ns}/run", 400))
+        before = (await led.store.budget_nodes(), await led.policies())
+    async with Ledger.open(ledger_url, clock=clock) as led:
+        assert (await led.store.budget_nodes(), await led.policies()) == before
+        report = await verify_ledger(led)
+        assert report.ok, report.problems
+
+
+async def test_concurrent_clients_across_the_boundary_admit_each_periods_room(
+    tmp_path: Path, ns: str
+) -> None:
+    """Two ledgers on one SQLite file, 160 concurrent admissions, the clock crossing midnight
+    in the middle: each day admits exactly its room, no more, wherever the boundary falls."""
+    url = str(tmp_path / "l.db")
+    c = ManualClock(local("2026-10-25T23:59:59.5"))
+    room = 10
+    async with Ledger.open(url, clock=c) as a, Ledger.open(url, clock=c) as b:
+        await a.set_policy(BudgetPolicy(ns, room * R, "day", BERLIN))
+        wa = await register(a, f"{ns}-a", lease_s=10**9)
+        wb = await register(b, f"{ns}-b", lease_s=10**9)
+        done_before = asyncio.Event()
+        finished = 0
+
+        async def client(led: Ledger, writer: Writer) -> str:
+            nonlocal finished
+            result = await led.admit(writer, req(ns))
+            finished += 1
+            if finished == 40:
+                done_before.set()
+            return result.action
+
+        async def cross_midnight() -> list[str]:
+            await done_before.wait()
+            c.advance(0.5)  # midnight, while the first wave may still be committing
+            return await asyncio.gather(
+                *(client(led, w) for _ in range(40) for led, w in ((a, wa), (b, wb)))
+            )
+
+        first = [client(led, w) for _ in range(40) for led, w in ((a, wa), (b, wb))]
+        results = await asyncio.gather(*first, cross_midnight())
+        assert len(results) == 81
+        assert await in_period(a, ns, "2026-10-25") == (room * R, room * R, 0, 0)
+        assert await in_period(a, ns, "2026-10-26") == (room * R, room * R, 0, 0)
+        report = await verify_ledger(a)
+        assert report.ok, report.problems
+
+
+def test_an_old_ledger_keeps_its_counters_as_total(tmp_path: Path) -> None:
+    """Migrating a ledger made before periods moves each node's counters to period total
+    and keeps its limit as a policy."""
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as conn:
+        for statement in MIGRATIONS[0][2]:
+            conn.execute(statement)
+        conn.execute(
+            "CREATE TABLE migrations (version INTEGER PRIMARY KEY, name TEXT, applied_at REAL)"
+        )
+        conn.execute("INSERT INTO migrations VALUES (1, 'v1', 0)")
+        conn.execute("INSERT INTO budgets VALUES ('a', 100, 0, 7, 2)")
+
+    async def reopen() -> None:
+        async with Ledger.open(str(path)) as led:
+            nodes = await led.store.budget_nodes()
+            assert [(n.path, n.period, n.reserved, n.spent, n.held) for n in nodes] == [
+                ("a", "total", 0, 7, 2)
+            ]
+            assert (await led.policies())["a"] == BudgetPolicy("a", 100)
+
+    asyncio.run(reopen())
