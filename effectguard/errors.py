@@ -80,6 +80,7 @@ class Refusal(EffectguardError):
         next_operation: str | None = None,
         retryable: bool = False,
         param: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -91,6 +92,8 @@ class Refusal(EffectguardError):
         self.retryable = retryable
         #: The request field a 400 is about (OpenAI's ``param``), if one is.
         self.param = param
+        #: Seconds until a retry may succeed (the ``retry-after`` header), if known.
+        self.retry_after = retry_after
 
 
 class ReconcileError(EffectguardError):

@@ -119,6 +119,7 @@ def prepare(
     sent = _body_to_send(provider, path, parsed, raw)
     try:
         reserve = usages.estimate(price, parsed, dialect=provider.dialect)
+        tokens = usages.estimate_tokens(price, parsed, dialect=provider.dialect)
     except usages.OutOfBounds as exc:
         raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
     except (TypeError, ValueError) as exc:
@@ -141,6 +142,7 @@ def prepare(
         body_encoding=body_encoding,
         stream=stream,
         reserve=reserve,
+        tokens=tokens,
         is_retry=retry_of is not None or _sdk_retry(request),
         retry_of=retry_of,
         retry_window_s=settings.retry_window_s,

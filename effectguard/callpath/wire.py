@@ -125,6 +125,8 @@ def error_headers(refusal: Refusal) -> dict[str, str]:
     }
     if refusal.call_id:
         headers[CALL_ID_HEADER] = refusal.call_id
+    if refusal.retry_after is not None:
+        headers["retry-after"] = str(refusal.retry_after)
     return headers
 
 

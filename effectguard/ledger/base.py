@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
 T = TypeVar("T")
@@ -115,6 +116,18 @@ class Tx(Protocol):
 
     def put_key(self, row: LedgerKey) -> None:
         """Store a proxy key's row (insert or replace)."""
+        ...
+
+    def get_windows(self, paths: Sequence[str]) -> dict[str, RateWindow]:
+        """The rate windows kept among ``paths``."""
+        ...
+
+    def put_window(self, window: RateWindow) -> None:
+        """Store one node's rate window (insert or replace)."""
+        ...
+
+    def count_in_flight(self, path: str) -> int:
+        """How many calls under ``path`` (it or a descendant) are in flight."""
         ...
 
     def get_worker(self, worker: str) -> WorkerRow | None:

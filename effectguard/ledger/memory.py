@@ -22,6 +22,7 @@ from effectguard.rules import budget as budgets
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
 
 T = TypeVar("T")
@@ -35,6 +36,7 @@ class MemoryTables:
         self.calls: dict[str, WorkState] = {}
         self.nodes: dict[Key, BudgetNode] = {}
         self.policies: dict[str, BudgetPolicy] = {}
+        self.windows: dict[str, RateWindow] = {}
         self.workers: dict[str, WorkerRow] = {}
         self.keys: dict[str, LedgerKey] = {}
         self.generation = 0
@@ -168,6 +170,19 @@ class MemorySession:
 
     def put_key(self, row: LedgerKey) -> None:
         self._set(self.t.keys, row.name, row)
+
+    def get_windows(self, paths: Sequence[str]) -> dict[str, RateWindow]:
+        return {p: self.t.windows[p] for p in paths if p in self.t.windows}
+
+    def put_window(self, window: RateWindow) -> None:
+        self._set(self.t.windows, window.path, window)
+
+    def count_in_flight(self, path: str) -> int:
+        return sum(
+            1
+            for s in self.t.calls.values()
+            if s.stage == "in_flight" and budgets.is_under(s.budget, path)
+        )
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         return self.t.workers.get(worker)

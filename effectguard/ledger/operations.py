@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from effectguard.errors import FencedError, ReconcileError, Refusal
-from effectguard.ledger import room
+from effectguard.ledger import rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, workstate
@@ -88,6 +88,7 @@ def append(
         tx.insert_event(stored, data_json)
         prev = stored.digest
         if call_id is not None and state is not None:
+            rates.fold_rates(tx, event, state, now)
             calls[call_id] = workstate.apply(state, event)
             touched.add(call_id)
         name = keys.key_name(event)
@@ -176,7 +177,8 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     policies = tx.get_policies(budgets.ancestors(budget))
     # A new call is charged to the periods it is admitted in; a later attempt to its own.
     periods = existing.periods if existing is not None else budgets.labels_at(policies, budget, now)
-    refusal = room.budget_refusal(
+    refusal = rates.rate_refusal(tx, policies, budget, call_id, req.tokens, now)
+    refusal = refusal or room.budget_refusal(
         tx, req, policies, budget, periods, call_id, req.reserve - released
     )
     if refusal is not None:
@@ -187,7 +189,11 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         events.append(
             BudgetUnheld(call=call_id, budget=budget, amount=released, spent=0, periods=periods)
         )
-    events.append(BudgetReserved(call=call_id, budget=budget, amount=req.reserve, periods=periods))
+    events.append(
+        BudgetReserved(
+            call=call_id, budget=budget, amount=req.reserve, periods=periods, tokens=req.tokens
+        )
+    )
     events.append(
         AttemptStarted(
             call=call_id,
@@ -460,7 +466,9 @@ def start_attempt(
         stage = state.stage if state else "missing"
         raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
     _check_lease(tx, writer)
-    refusal = room.retry_refusal(tx, state, reserve)
+    policies = tx.get_policies(budgets.ancestors(state.budget))
+    refusal = rates.rate_refusal(tx, policies, state.budget, call_id, state.tokens, tx.now())
+    refusal = refusal or room.retry_refusal(tx, state, reserve)
     if refusal is not None:
         return Admitted("refuse", call_id, refusal=refusal)
     attempt = state.attempts + 1
@@ -469,7 +477,11 @@ def start_attempt(
         writer,
         [
             BudgetReserved(
-                call=call_id, budget=state.budget, amount=reserve, periods=state.periods
+                call=call_id,
+                budget=state.budget,
+                amount=reserve,
+                periods=state.periods,
+                tokens=state.tokens,
             ),
             AttemptStarted(
                 call=call_id,

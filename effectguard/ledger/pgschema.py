@@ -94,6 +94,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 ADD COLUMN tpm BIGINT, ADD COLUMN concurrency BIGINT""",
         ],
     ),
+    (
+        4,
+        "rate windows: requests and tokens admitted in the current minute, per node",
+        [
+            """CREATE TABLE rate_windows (
+                path TEXT PRIMARY KEY, minute BIGINT NOT NULL, requests BIGINT NOT NULL,
+                tokens BIGINT NOT NULL)""",
+        ],
+    ),
 ]
 
 

@@ -65,6 +65,8 @@ from effectguard.ledger.rows import (
     policy_params,
     state_from_json,
     state_params,
+    window_from_row,
+    window_params,
     worker_from_row,
     worker_params,
 )
@@ -72,6 +74,7 @@ from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState
 
 __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
@@ -96,9 +99,12 @@ class _Writes:
     nodes: dict[Key, BudgetNode] = field(default_factory=dict)
     workers: dict[str, WorkerRow] = field(default_factory=dict)
     policies: dict[str, BudgetPolicy] = field(default_factory=dict)
+    windows: dict[str, RateWindow] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.calls or self.nodes or self.workers or self.policies)
+        return bool(
+            self.events or self.calls or self.nodes or self.workers or self.policies or self.windows
+        )
 
     def absorb(self, other: _Writes) -> None:
         """Take ``other``'s rows as later writes than ours."""
@@ -107,6 +113,7 @@ class _Writes:
         self.nodes.update(other.nodes)
         self.workers.update(other.workers)
         self.policies.update(other.policies)
+        self.windows.update(other.windows)
 
     def send(self, conn: psycopg.Connection[Any]) -> None:
         """Queue one multi-row statement per table (inside the caller's pipeline)."""
@@ -115,8 +122,9 @@ class _Writes:
         _insert(conn, POSTGRES.upsert_nodes, [node_params(n) for n in self.nodes.values()])
         _insert(conn, POSTGRES.upsert_workers, [worker_params(w) for w in self.workers.values()])
         _insert(conn, POSTGRES.upsert_policies, [policy_params(p) for p in self.policies.values()])
+        _insert(conn, POSTGRES.upsert_windows, [window_params(w) for w in self.windows.values()])
         self.events, self.calls, self.nodes, self.workers = [], {}, {}, {}
-        self.policies = {}
+        self.policies, self.windows = {}, {}
 
 
 def _insert(
@@ -159,6 +167,7 @@ class PostgresSession:
         self._calls: dict[str, WorkState | None] = {}
         self._nodes: dict[Key, BudgetNode | None] = {}
         self._policies: dict[str, BudgetPolicy | None] = {}
+        self._windows: dict[str, RateWindow | None] = {}
         self._workers: dict[str, WorkerRow | None] = {}
         self._batch = _Writes()
         self._op = _Writes()
@@ -180,7 +189,7 @@ class PostgresSession:
     def _reset(self) -> None:
         self._now = self._head = None
         self._calls, self._nodes, self._workers = {}, {}, {}
-        self._policies = {}
+        self._policies, self._windows = {}, {}
         self._batch, self._op = _Writes(), _Writes()
         self._savepoint_open = self._broken = False
 
@@ -235,6 +244,7 @@ class PostgresSession:
         self._calls, self._nodes = dict(self._batch.calls), dict(self._batch.nodes)
         self._workers = dict(self._batch.workers)
         self._policies = dict(self._batch.policies)
+        self._windows = dict(self._batch.windows)
         last = self._batch.events[-1] if self._batch.events else None
         self._head = None if last is None else (int(last[0]), str(last[-1]))
 
@@ -350,6 +360,21 @@ class PostgresSession:
         # Key changes are rare operator writes: sent at once (inside the operation's
         # savepoint) rather than buffered, so a later read in the batch sees them.
         self._send(POSTGRES.upsert_keys.rows(1), key_params(row), savepoint=True)
+
+    def get_windows(self, paths: Sequence[str]) -> dict[str, RateWindow]:
+        missing = [p for p in paths if p not in self._windows]
+        if missing:
+            rows = self._get(f"{POSTGRES.windows} WHERE path = ANY(%s)", (missing,))
+            self._windows.update(dict.fromkeys(missing))
+            self._windows.update((r[0], window_from_row(r)) for r in rows)
+        return {p: window for p in paths if (window := self._windows[p]) is not None}
+
+    def put_window(self, window: RateWindow) -> None:
+        self._op.windows[window.path] = self._windows[window.path] = window
+
+    def count_in_flight(self, path: str) -> int:
+        rows = self._scan(POSTGRES.in_flight_under, POSTGRES.subtree(path))
+        return int(rows[0][0])
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         if worker not in self._workers:

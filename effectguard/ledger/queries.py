@@ -25,6 +25,7 @@ from effectguard.ledger.rows import (
     MUTABLE_CALL_COLUMNS,
     NODE_COLUMNS,
     POLICY_COLUMNS,
+    WINDOW_COLUMNS,
     WORKER_COLUMNS,
     names,
 )
@@ -107,6 +108,11 @@ class Queries:
         self.nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods"
         #: Budget policies; each store adds how it matches a list of paths.
         self.policies = f"SELECT {POLICY_COLUMNS} FROM budgets"
+        self.windows = f"SELECT {WINDOW_COLUMNS} FROM rate_windows"
+        self.in_flight_under = (
+            f"SELECT count(*) FROM calls WHERE {IN_FLIGHT_SQL} "
+            f"AND (budget = {m} OR budget LIKE {m} ESCAPE '\\')"
+        )
         # -- scans (operators, metrics, verify)
         self.events_after = (
             f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > {m} ORDER BY seq LIMIT {m}"
@@ -129,6 +135,7 @@ class Queries:
         self.insert_events = _upsert("events", EVENT_COLUMNS, m, None)
         self.upsert_calls = _upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
         self.upsert_nodes = _upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
+        self.upsert_windows = _upsert("rate_windows", WINDOW_COLUMNS, m, names(WINDOW_COLUMNS)[1:])
         self.upsert_policies = _upsert("budgets", POLICY_COLUMNS, m, names(POLICY_COLUMNS)[1:])
         self.upsert_workers = _upsert("workers", WORKER_COLUMNS, m, names(WORKER_COLUMNS)[1:])
         self.upsert_keys = _upsert("keys", KEY_COLUMNS, m, names(KEY_COLUMNS)[1:])
@@ -137,6 +144,12 @@ class Queries:
         """``WHERE`` matching ``count`` (path, period) pairs (parameters: path, period, …)."""
         pairs = ",".join([f"({self.mark},{self.mark})"] * count)
         return f"{self.nodes} WHERE (path, period) IN (VALUES {pairs})"
+
+    @staticmethod
+    def subtree(path: str) -> list[str]:
+        """Parameters matching ``path`` and its descendants (``LIKE`` wildcards escaped)."""
+        escaped = path.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        return [path, escaped + "/%"]
 
     def list_calls(
         self, stage: str | None, budget: str | None, limit: int
@@ -153,8 +166,7 @@ class Queries:
             params.append(stage)
         if budget is not None:
             where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
-            escaped = budget.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            params += [budget, escaped + "/%"]
+            params += self.subtree(budget)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         sql = f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT {m}"
         return sql, [*params, min(limit, (1 << 63) - 1)]

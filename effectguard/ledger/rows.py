@@ -15,6 +15,7 @@ from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.periods import validate_kind
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState, as_dict
 
 EVENT_COLUMNS = "seq, kind, call_id, data, worker, generation, at, prev_digest, digest"
@@ -34,6 +35,8 @@ MUTABLE_CALL_COLUMNS = ("stage", "idempotency_key", "worker", "state")
 NODE_COLUMNS = "path, period, reserved, spent, held"
 #: A node's declared policy (table ``budgets``, keyed by path).
 POLICY_COLUMNS = "path, limit_nanos, period, tz, rpm, tpm, concurrency"
+#: A node's rate window (table ``rate_windows``, keyed by path).
+WINDOW_COLUMNS = "path, minute, requests, tokens"
 WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
 KEY_COLUMNS = "name, sha256, budget_root, created_at, expires_at, models, providers, revoked_at"
 
@@ -126,6 +129,17 @@ def policy_from_row(row: tuple[Any, ...] | Any) -> BudgetPolicy:
     return BudgetPolicy(
         path, _int(limit), validate_kind(period), tz, _int(rpm), _int(tpm), _int(concurrency)
     )
+
+
+def window_params(window: RateWindow) -> tuple[Any, ...]:
+    """Parameters for storing a rate window, in :data:`WINDOW_COLUMNS` order."""
+    return (window.path, window.minute, window.requests, window.tokens)
+
+
+def window_from_row(row: tuple[Any, ...] | Any) -> RateWindow:
+    """A rate window from a row in :data:`WINDOW_COLUMNS` order."""
+    path, minute, requests, tokens = row
+    return RateWindow(path, int(minute), int(requests), int(tokens))
 
 
 def _int(value: Any) -> int | None:

@@ -38,6 +38,8 @@ from effectguard.ledger.rows import (
     policy_params,
     state_from_json,
     state_params,
+    window_from_row,
+    window_params,
     worker_from_row,
     worker_params,
 )
@@ -47,6 +49,7 @@ from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState
 
 T = TypeVar("T")
@@ -60,6 +63,7 @@ _INSERT_EVENT = SQLITE.insert_events.rows(1)
 _UPSERT_CALL = SQLITE.upsert_calls.rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
 _UPSERT_POLICY = SQLITE.upsert_policies.rows(1)
+_UPSERT_WINDOW = SQLITE.upsert_windows.rows(1)
 _UPSERT_WORKER = SQLITE.upsert_workers.rows(1)
 _UPSERT_KEY = SQLITE.upsert_keys.rows(1)
 
@@ -315,6 +319,18 @@ class SqliteSession:
 
     def put_key(self, row: LedgerKey) -> None:
         self.conn.execute(_UPSERT_KEY, key_params(row))
+
+    def get_windows(self, paths: Sequence[str]) -> dict[str, RateWindow]:
+        marks = ",".join("?" * len(paths))
+        rows = self.conn.execute(f"{SQLITE.windows} WHERE path IN ({marks})", list(paths))
+        return {r[0]: window_from_row(r) for r in rows}
+
+    def put_window(self, window: RateWindow) -> None:
+        self.conn.execute(_UPSERT_WINDOW, window_params(window))
+
+    def count_in_flight(self, path: str) -> int:
+        row = self.conn.execute(SQLITE.in_flight_under, SQLITE.subtree(path)).fetchone()
+        return int(row[0])
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         if worker not in self._workers:

@@ -80,6 +80,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "ALTER TABLE budgets ADD COLUMN concurrency INTEGER",
         ],
     ),
+    (
+        4,
+        "rate windows: requests and tokens admitted in the current minute, per node",
+        [
+            """CREATE TABLE rate_windows (
+                path TEXT PRIMARY KEY, minute INTEGER NOT NULL, requests INTEGER NOT NULL,
+                tokens INTEGER NOT NULL)""",
+        ],
+    ),
 ]
 
 

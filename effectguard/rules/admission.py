@@ -127,6 +127,8 @@ class AdmitRequest:
     stream: bool
     reserve: int
     is_retry: bool = False
+    #: Token estimate (prompt bytes + output bound), counted against ``tpm`` limits.
+    tokens: int = 0
     retry_of: str | None = None
     retry_window_s: float = 600.0
     provider_idempotency_window_s: float | None = None

@@ -107,6 +107,8 @@ class BudgetReserved(CallEvent):
     kind: ClassVar[str] = "budget.reserved"
     budget: str
     amount: int
+    #: The attempt's token estimate (prompt bytes + output bound), for ``tpm`` limits.
+    tokens: int = 0
     #: The period of each ancestor budget that is not ``total``, fixed at admission.
     periods: dict[str, str] = field(default_factory=dict)
 
@@ -120,6 +122,8 @@ class BudgetSettled(CallEvent):
     reserved: int
     actual: int
     flagged: str | None = None
+    #: Input + output tokens the provider reported (None: not believed), for ``tpm``.
+    tokens: int | None = None
     #: The period of each ancestor budget that is not ``total``, fixed at admission.
     periods: dict[str, str] = field(default_factory=dict)
 

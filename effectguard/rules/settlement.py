@@ -88,8 +88,14 @@ def settle(
     usage = result.usage if believed else None
     actual = usages.cost(price, usage) if usage is not None else reserve
     flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
+    tokens = None if usage is None else usage.input_tokens + usage.output_tokens
     settled = BudgetSettled(
-        call=call_id, budget=budget, reserved=reserve, actual=actual, flagged=flagged
+        call=call_id,
+        budget=budget,
+        reserved=reserve,
+        actual=actual,
+        flagged=flagged,
+        tokens=tokens,
     )
     outcome = "completed" if ok else "failed"
     done = CallCompleted(call=call_id, outcome=outcome)

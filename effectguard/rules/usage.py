@@ -422,14 +422,7 @@ def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "o
     Raises :class:`OutOfBounds` for a token cap or choice count out of its bounds, and for
     a reservation beyond :data:`~effectguard.rules.money.MAX_CALL_NANOS`.
     """
-    input_bytes = sum(
-        _content_bytes(request.get(key))
-        for key in ("messages", "system", "prompt", "input", "instructions")
-    )
-    input_bytes += sum(
-        _json_bytes(request[key]) for key in ("tools", "functions") if request.get(key)
-    )
-    output = 0 if dialect == "flat" else _output_bound(price, request)
+    input_bytes, output = _bounds(price, request, dialect)
     total = input_bytes * price.input + output * price.output
     reserve = _ceil_nanos(total) + (price.per_call or 0)
     if reserve > MAX_CALL_NANOS:
@@ -439,6 +432,24 @@ def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "o
             "the most one call may reserve",
         )
     return reserve
+
+
+def estimate_tokens(price: ModelPrice, request: Mapping[str, Any], *, dialect: str) -> int:
+    """The tokens a ``tpm`` limit counts at admission: :func:`estimate`'s bounds before
+    prices (prompt bytes as input tokens, plus the output cap)."""
+    return sum(_bounds(price, request, dialect))
+
+
+def _bounds(price: ModelPrice, request: Mapping[str, Any], dialect: str) -> tuple[int, int]:
+    """SPEC §5's upper bounds: input (prompt content bytes) and output tokens."""
+    input_bytes = sum(
+        _content_bytes(request.get(key))
+        for key in ("messages", "system", "prompt", "input", "instructions")
+    )
+    input_bytes += sum(
+        _json_bytes(request[key]) for key in ("tools", "functions") if request.get(key)
+    )
+    return input_bytes, 0 if dialect == "flat" else _output_bound(price, request)
 
 
 def wants_stream(request: Mapping[str, Any]) -> bool:

@@ -110,6 +110,8 @@ class WorkState:
     idempotency_window_s: float | None = None
     #: The period of each ancestor budget not in ``total``, fixed when the call was admitted.
     periods: dict[str, str] = field(default_factory=dict)
+    #: The current attempt's token estimate (what its rate window counted).
+    tokens: int = 0
 
     @property
     def effect(self) -> Effect:
@@ -198,6 +200,7 @@ def _reserved(state: WorkState, event: BudgetReserved) -> WorkState:
         reserved=state.reserved + event.amount,
         reserved_at_admission=first,
         periods=periods,
+        tokens=event.tokens,
     )
 
 

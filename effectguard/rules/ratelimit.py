@@ -1,0 +1,112 @@
+"""Rate limits: requests and tokens per minute, calls in flight. Pure.
+
+The window is the **calendar minute of the ledger's clock** (``floor(at / 60)``; the
+database's clock on PostgreSQL), fixed, not sliding. A node that declares ``rpm`` or
+``tpm`` keeps one :class:`RateWindow`: the minute it counts and, inside that minute, the
+attempts admitted and their tokens. An attempt admitted in minute *m* counts in *m*:
+one request, and the admission's token estimate (prompt bytes + output bound), corrected
+to the tokens the provider reported when it settles — if the window still counts *m*.
+The first admission of a new minute starts the window over. The window is read and
+written in the admission transaction, so the count is exact across replicas.
+
+``concurrency`` counts calls under the node that are in flight, read from the calls
+themselves in the same transaction (so a crashed worker's calls count until the sweeper
+marks them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Final, Literal
+
+from effectguard.rules.budget import BudgetPolicy, ancestors
+
+WINDOW_S: Final = 60
+Limit = Literal["rpm", "tpm", "concurrency"]
+
+
+def minute_of(at: float) -> int:
+    """The calendar minute (of the epoch) containing instant ``at``."""
+    return math.floor(at) // WINDOW_S
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindow:
+    """What one node admitted in one minute: attempts and tokens."""
+
+    path: str
+    minute: int = 0
+    requests: int = 0
+    tokens: int = 0
+
+    def at(self, minute: int) -> RateWindow:
+        """This window as seen in ``minute`` (empty once the minute has passed)."""
+        return self if self.minute == minute else RateWindow(self.path, minute)
+
+
+@dataclass(frozen=True, slots=True)
+class RateExceeded:
+    """Admission refused: ``path``'s ``limit`` has no room; ``retry_after`` seconds until it may."""
+
+    path: str
+    limit: Limit
+    allowed: int
+    retry_after: int
+
+
+def limited(policies: Mapping[str, BudgetPolicy], path: str) -> list[str]:
+    """The ancestors of ``path`` (root first) that declare ``rpm`` or ``tpm``."""
+    out = []
+    for p in ancestors(path):
+        policy = policies.get(p)
+        if policy is not None and (policy.rpm is not None or policy.tpm is not None):
+            out.append(p)
+    return out
+
+
+def check(
+    policies: Mapping[str, BudgetPolicy],
+    windows: Mapping[str, RateWindow],
+    in_flight: Callable[[str], int],
+    path: str,
+    at: float,
+    tokens: int,
+) -> RateExceeded | None:
+    """Whether one more attempt of ``tokens`` fits every rate limit on ``path`` at ``at``.
+
+    Returns the root-most node whose limit has no room, or None. ``in_flight(p)`` counts
+    the calls in flight under ``p`` (asked only of nodes that limit concurrency).
+    """
+    minute = minute_of(at)
+    next_minute = max(1, math.ceil((minute + 1) * WINDOW_S - at))
+    for p in ancestors(path):
+        policy = policies.get(p)
+        if policy is None:
+            continue
+        window = (windows.get(p) or RateWindow(p)).at(minute)
+        if policy.rpm is not None and window.requests + 1 > policy.rpm:
+            return RateExceeded(p, "rpm", policy.rpm, next_minute)
+        if policy.tpm is not None and window.tokens + tokens > policy.tpm:
+            return RateExceeded(p, "tpm", policy.tpm, next_minute)
+        if policy.concurrency is not None and in_flight(p) + 1 > policy.concurrency:
+            return RateExceeded(p, "concurrency", policy.concurrency, 1)
+    return None
+
+
+def admitted(window: RateWindow, at: float, tokens: int) -> RateWindow:
+    """``window`` after an attempt of ``tokens`` was admitted at ``at``."""
+    current = window.at(minute_of(at))
+    return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
+
+
+def corrected(window: RateWindow, admitted_at: float, estimate: int, actual: int) -> RateWindow:
+    """``window`` after an attempt admitted at ``admitted_at`` settled at ``actual`` tokens.
+
+    Only the minute the attempt was counted in is corrected; a window that has moved on
+    no longer counts it.
+    """
+    if window.minute != minute_of(admitted_at):
+        return window
+    return replace(window, tokens=max(0, window.tokens + actual - estimate))
