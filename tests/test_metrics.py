@@ -43,6 +43,7 @@ LEDGER_FAMILIES = (
     "effectguard_budget_reserved_usd",
     "effectguard_budget_spent_usd",
     "effectguard_budget_held_usd",
+    "effectguard_budget_period_end_timestamp_seconds",
 )
 
 
@@ -321,3 +322,39 @@ async def test_start_http_server_exposes_current_ledger_gauges(
     finally:
         server.shutdown()
         thread.join(5)
+
+
+async def test_budget_gauges_show_the_current_period() -> None:
+    """A daily budget's gauges show today's counters (yesterday's charges are not counted)
+    and when today ends."""
+    from datetime import UTC, datetime
+
+    from effectguard.ledger import operations
+    from effectguard.ledger.base import Writer
+    from effectguard.rules.admission import AdmitRequest
+    from effectguard.rules.budget import BudgetPolicy
+    from effectguard.testing.clock import ManualClock
+
+    clock = ManualClock(datetime(2026, 11, 30, 23, 0, tzinfo=UTC).timestamp())
+    async with Ledger.open("memory://", clock=clock) as ledger:
+        await ledger.set_policy(BudgetPolicy("team", 10**9, "day", "UTC"))
+        writer = await ledger.store.write(
+            Writer("boot", 0),
+            lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=1e6),
+        )
+        request = AdmitRequest(
+            request_hash="h", provider="openai", endpoint="/v1/chat/completions",
+            method="POST", model=MODEL, idempotency_key=None, budget="team",
+            budget_root="team", effect_kind="billable", body="{}", body_encoding="utf8",
+            stream=False, reserve=7_000,
+        )  # fmt: skip
+        assert (await ledger.admit(writer, request)).action == "admit"
+        metrics = Metrics()
+        metrics.attach(ledger)
+        await metrics.refresh()
+        assert value(metrics, "effectguard_budget_reserved_usd", budget="team") == usd(7_000)
+        clock.advance(3600)  # Dec 1
+        await metrics.refresh()
+        assert value(metrics, "effectguard_budget_reserved_usd", budget="team") == 0
+        end = value(metrics, "effectguard_budget_period_end_timestamp_seconds", budget="team")
+        assert end == datetime(2026, 12, 2, tzinfo=UTC).timestamp()

@@ -171,7 +171,7 @@ class Stack:
 
 
 def drive_traffic(proxy: Proxy) -> None:
-    """Completions, a replay and refusals (402 budget, 409 effect unknown, 400, 404)."""
+    """Completions, a replay and refusals (402 budget, 429 rate, 409 effect unknown, 400, 404)."""
     with httpx.Client(base_url=proxy.url, timeout=10) as client:
         for i in range(3):
             assert client.post(CHAT, json=chat(f"hello {i}")).status_code == 200
@@ -180,6 +180,11 @@ def drive_traffic(proxy: Proxy) -> None:
             assert response.status_code == 200
         capped = client.post(CHAT, json=chat("pricey"), headers={"effectguard-budget": "capped"})
         assert capped.status_code == 402, capped.text
+        limited = [
+            client.post(CHAT, json=chat(f"rated {i}"), headers={"effectguard-budget": "rated"})
+            for i in range(2)
+        ]
+        assert 429 in [r.status_code for r in limited], [r.text for r in limited]
         unknown = client.post(CHAT, json=chat("crash"), headers={"idempotency-key": "crash-1"})
         assert unknown.status_code == 409, unknown.text
         assert client.post(CHAT, json=chat("x", model="no-such-model")).status_code == 400
@@ -209,7 +214,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     timeout=10,
                 )
             crashing.process.wait(10)
-            effectguard("budget", "set", "capped", "--limit", "0.000001", "--ledger", str(ledger))
+            effectguard(
+                "budget", "set", "capped", "--limit", "0.000001", "--period", "day",
+                "--ledger", str(ledger),
+            )  # fmt: skip
+            effectguard("budget", "set", "rated", "--rpm", "1", "--ledger", str(ledger))
             effectguard("budget", "set", "default", "--limit", "100", "--ledger", str(ledger))
             port = free_port()
             proxy = start_proxy(ledger, upstreams=upstreams, port=port)
@@ -299,9 +308,9 @@ def test_panel_values_match_the_traffic(stack: Stack) -> None:
         r["metric"]["outcome"]: float(r["value"][1])
         for r in prom.query("sum by (outcome) (effectguard_requests_total)")
     }
-    assert outcomes == {"completed": 4, "replayed": 1}
+    assert outcomes == {"completed": 5, "replayed": 1}  # 3 + the keyed call + one rated
     reasons = {r["metric"]["reason"] for r in prom.query("effectguard_refusals_total")}
-    assert {"budget_exceeded", "effect_unknown"} <= reasons
+    assert {"budget_exceeded", "effect_unknown", "rate_limited"} <= reasons
     assert prom.value("sum(effectguard_replays_total)") == 1
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -47,7 +47,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from effectguard.errors import EffectguardError
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules import periods
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.money import nanos_to_decimal
 from effectguard.telemetry.observer import NullObserver
 
@@ -92,6 +93,17 @@ def top_budgets(nodes: list[BudgetNode], limit: int = MAX_BUDGET_SERIES) -> list
         held=sum(n.held for n in rest),
     )
     return [*kept, other]
+
+
+def _period_ends(
+    nodes: list[BudgetNode], policies: Mapping[str, BudgetPolicy]
+) -> Iterator[tuple[str, float]]:
+    """``(path, end)`` of each node's current period, for nodes with a calendar period."""
+    for node in nodes:
+        policy = policies.get(node.path)
+        bounds = None if policy is None else periods.bounds(node.period, policy.tz)
+        if bounds is not None:
+            yield node.path, bounds[1]
 
 
 def _usd(nanos: int) -> float:
@@ -236,6 +248,8 @@ class LedgerSnapshot:
 
     stages: tuple[tuple[str, str, int, int], ...] = ()  # provider, stage, count, held
     budgets: tuple[BudgetNode, ...] = ()
+    #: When each shown budget's current period ends (budgets with a calendar period).
+    period_ends: tuple[tuple[str, float], ...] = ()
     oldest_unknown: tuple[tuple[str, float], ...] = ()  # provider, created_at
     ok: bool = True
     seconds: float = 0.0
@@ -306,6 +320,15 @@ def _gauges(snap: LedgerSnapshot, providers: list[str]) -> Iterator[Metric]:
         families["spent"].add_metric([node.path], _usd(node.spent))
         families["held"].add_metric([node.path], _usd(node.held))
     yield from families.values()
+    ends = gauge(
+        "effectguard_budget_period_end_timestamp_seconds",
+        "When a budget's current period ends and its counters start over (Unix time; "
+        "budgets with a day, week or month period; the budget gauges show this period).",
+        ["budget"],
+    )
+    for path, end in snap.period_ends:
+        ends.add_metric([path], end)
+    yield ends
 
     up = gauge("effectguard_ledger_up", "1 if the last ledger read for metrics succeeded.", [])
     up.add_metric([], 1 if snap.ok else 0)
@@ -386,6 +409,7 @@ class Metrics:
         try:
             stages = await ledger.store.stage_counts()
             nodes = [n for n in await ledger.budgets() if self._labelled(n.path)]
+            policies = await ledger.policies()
             unknown = sum(n for _, stage, n, _ in stages if stage == "effect_unknown")
             oldest: dict[str, float] = {}
             if unknown:
@@ -405,6 +429,7 @@ class Metrics:
         self.snapshot = LedgerSnapshot(
             stages=tuple(stages),
             budgets=tuple(top_budgets(nodes, self.max_budget_series)),
+            period_ends=tuple(_period_ends(nodes, policies)),
             oldest_unknown=tuple(sorted(oldest.items())),
             seconds=time.perf_counter() - started,
         )

@@ -1,0 +1,145 @@
+"""``effectguard budget set`` with periods and rate limits, and ``budgets --period/--at``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from test_cli import run, run_json
+
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
+from effectguard.rules import periods
+from effectguard.rules.budget import BudgetPolicy
+from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
+from effectguard.testing.clock import ManualClock
+
+USD = 1_000_000_000
+
+
+def request(budget: str) -> AdmitRequest:
+    """A request charged to ``budget`` reserving 3 USD."""
+    return AdmitRequest(
+        request_hash="h",
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-4o-mini",
+        idempotency_key=None,
+        budget=budget,
+        budget_root=budget.split("/")[0],
+        effect_kind="billable",
+        body="{}",
+        body_encoding="utf8",
+        stream=False,
+        reserve=3 * USD,
+    )
+
+
+async def spend(path: str, usd: int, at: float | None = None) -> None:
+    """Admit and settle one call of ``usd`` on ``team`` at ``at`` (default: now)."""
+    clock = None if at is None else ManualClock(at)
+    async with Ledger.open(path, clock=clock) as ledger:
+        await ledger.set_policy(BudgetPolicy("team", 10 * USD, "month", "UTC"))
+        writer: Writer = await ledger.store.write(
+            Writer("boot", 0),
+            lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=60),
+        )
+        call = (await ledger.admit(writer, request("team"))).call_id
+        observed = AttemptObserved(
+            call=call,
+            attempt=1,
+            status=200,
+            not_processed=False,
+            usage=None,
+            usage_problem=None,
+            headers={},
+            body="{}",
+        )
+        settled = BudgetSettled(call=call, budget="team", reserved=3 * USD, actual=usd * USD)
+        done = CallCompleted(call=call, outcome="completed")
+        await ledger.record(writer, call, 1, [observed, settled, done])
+
+
+@pytest.fixture
+def past_ledger(tmp_path: Path) -> str:
+    """A ledger whose monthly budget ``team`` spent 2 USD in February 2020."""
+    path = str(tmp_path / "l.db")
+    asyncio.run(spend(path, 2, datetime(2020, 2, 15, tzinfo=UTC).timestamp()))
+    return path
+
+
+def test_budgets_show_the_current_period_by_default(
+    past_ledger: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``budgets --json`` shows each node in its current period, with its policy fields."""
+    (team,) = run_json(capsys, "budgets", "--ledger", past_ledger)
+    assert team["period"] == periods.label("month", "UTC", time.time())
+    assert (team["spent_usd"], team["limit_usd"]) == ("0.000000000", "10.000000000")
+    assert (team["resets"], team["tz"], team["rpm"], team["tpm"]) == ("month", "UTC", None, None)
+
+
+@pytest.mark.parametrize("flag", [["--period", "2020-02"], ["--at", "2020-02-29"]])
+def test_budgets_show_a_past_period(
+    past_ledger: str, capsys: pytest.CaptureFixture[str], flag: list[str]
+) -> None:
+    """``--period YYYY-MM`` and ``--at DATE`` show what February 2020 spent."""
+    (team,) = run_json(capsys, "budgets", *flag, "--ledger", past_ledger)
+    assert (team["period"], team["spent_usd"]) == ("2020-02", "2.000000000")
+
+
+def test_a_period_of_another_form_lists_no_node(
+    past_ledger: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--period 2020-02-15`` (a day) shows only daily budgets: none here."""
+    assert run_json(capsys, "budgets", "--period", "2020-02-15", "--ledger", past_ledger) == []
+
+
+def test_budget_set_changes_period_zone_and_rates_and_keeps_the_rest(
+    past_ledger: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Flags not given keep their value; ``none`` removes a rate limit."""
+    node = run_json(
+        capsys, "budget", "set", "team", "--period", "week", "--tz", "Europe/Paris",
+        "--rpm", "60", "--tpm", "100000", "--concurrency", "4", "--ledger", past_ledger,
+    )  # fmt: skip
+    assert (node["resets"], node["tz"], node["limit_usd"]) == (
+        "week",
+        "Europe/Paris",
+        "10.000000000",
+    )
+    assert (node["rpm"], node["tpm"], node["concurrency"]) == (60, 100000, 4)
+    assert node["period"] == periods.label("week", "Europe/Paris", time.time())
+    node = run_json(capsys, "budget", "set", "team", "--rpm", "none", "--ledger", past_ledger)
+    assert (node["rpm"], node["tpm"]) == (None, 100000)
+    code, _, _ = run(capsys, "verify", "--ledger", past_ledger)
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--tz", "Mars/Olympus"], ["--period", "year"], ["--rpm", "-1"], []],
+    ids=["unknown-zone", "unknown-period", "negative-rpm", "nothing"],
+)
+def test_budget_set_refuses_bad_policy_with_exit_2(
+    past_ledger: str, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """An unknown timezone or period, a negative count, or no change exits 2."""
+    code, _, err = run(capsys, "budget", "set", "team", *args, "--ledger", past_ledger)
+    assert code == 2, err
+
+
+def test_a_limit_below_what_the_period_spent_warns_and_is_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Setting a limit below this period's spending warns on stderr and still exits 0."""
+    path = str(tmp_path / "l.db")
+    asyncio.run(spend(path, 2))
+    code, out, err = run(capsys, "budget", "set", "team", "--limit", "1", "--ledger", path)
+    assert code == 0
+    assert "warning" in err and "2.000000000" in err and "1.000000000" in err
+    assert "team" in out
+    code, _, err = run(capsys, "budget", "set", "team", "--limit", "5", "--ledger", path)
+    assert code == 0 and err == ""
