@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -47,9 +47,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from effectguard.errors import EffectguardError
-from effectguard.rules import periods
-from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budget import BudgetNode
 from effectguard.rules.money import nanos_to_decimal
+from effectguard.telemetry.budgetgauges import budget_gauges, period_ends
 from effectguard.telemetry.observer import NullObserver
 
 if TYPE_CHECKING:
@@ -93,17 +93,6 @@ def top_budgets(nodes: list[BudgetNode], limit: int = MAX_BUDGET_SERIES) -> list
         held=sum(n.held for n in rest),
     )
     return [*kept, other]
-
-
-def _period_ends(
-    nodes: list[BudgetNode], policies: Mapping[str, BudgetPolicy]
-) -> Iterator[tuple[str, float]]:
-    """``(path, end)`` of each node's current period, for nodes with a calendar period."""
-    for node in nodes:
-        policy = policies.get(node.path)
-        bounds = None if policy is None else periods.bounds(node.period, policy.tz)
-        if bounds is not None:
-            yield node.path, bounds[1]
 
 
 def _usd(nanos: int) -> float:
@@ -304,31 +293,7 @@ def _gauges(snap: LedgerSnapshot, providers: list[str]) -> Iterator[Metric]:
         oldest.add_metric([p], created_at)
     yield from (in_flight, unknown, unknown_held, oldest)
 
-    families = {
-        field: gauge(f"effectguard_budget_{field}_usd", doc, ["budget"])
-        for field, doc in (
-            ("limit", "A budget's limit in USD (only budgets with a limit; ledger)."),
-            ("reserved", "USD reserved by calls in flight under a budget (ledger)."),
-            ("spent", "USD settled under a budget (ledger)."),
-            ("held", "USD held by effect-unknown calls under a budget (ledger)."),
-        )
-    }
-    for node in snap.budgets:
-        if node.limit is not None:
-            families["limit"].add_metric([node.path], _usd(node.limit))
-        families["reserved"].add_metric([node.path], _usd(node.reserved))
-        families["spent"].add_metric([node.path], _usd(node.spent))
-        families["held"].add_metric([node.path], _usd(node.held))
-    yield from families.values()
-    ends = gauge(
-        "effectguard_budget_period_end_timestamp_seconds",
-        "When a budget's current period ends and its counters start over (Unix time; "
-        "budgets with a day, week or month period; the budget gauges show this period).",
-        ["budget"],
-    )
-    for path, end in snap.period_ends:
-        ends.add_metric([path], end)
-    yield ends
+    yield from budget_gauges(snap.budgets, snap.period_ends)
 
     up = gauge("effectguard_ledger_up", "1 if the last ledger read for metrics succeeded.", [])
     up.add_metric([], 1 if snap.ok else 0)
@@ -429,7 +394,7 @@ class Metrics:
         self.snapshot = LedgerSnapshot(
             stages=tuple(stages),
             budgets=tuple(top_budgets(nodes, self.max_budget_series)),
-            period_ends=tuple(_period_ends(nodes, policies)),
+            period_ends=tuple(period_ends(nodes, policies)),
             oldest_unknown=tuple(sorted(oldest.items())),
             seconds=time.perf_counter() - started,
         )
