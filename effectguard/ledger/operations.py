@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from effectguard.errors import FencedError, ReconcileError, Refusal
-from effectguard.ledger import rates, room
+from effectguard.ledger import budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, workstate
@@ -27,9 +27,7 @@ from effectguard.rules.events import (
     AttemptStarted,
     BudgetHeld,
     BudgetLimitSet,
-    BudgetReleased,
     BudgetReserved,
-    BudgetSettled,
     BudgetUnheld,
     CallManifest,
     CallReconciled,
@@ -75,7 +73,7 @@ def append(
         state = None
         if call_id is not None:
             state = calls.get(call_id) or tx.get_call(call_id) or WorkState()
-            event = _in_admission_periods(event, state)
+            event = budgetfold.in_admission_periods(event, state)
         seq += 1
         stored, data_json = seal(
             event,
@@ -96,43 +94,12 @@ def append(
             row = keys.apply(tx.get_key(name), event, now)
             if row is not None:
                 tx.put_key(row)
-        _fold_budget(tx, tree, event, changed)
+        budgetfold.fold_budget(tx, tree, event, changed)
     for call_id in touched:
         tx.put_call(calls[call_id])
     for key in changed:
         tx.put_node(tree.nodes[key])
     return {c: calls[c] for c in touched}
-
-
-def _in_admission_periods(event: Event, state: WorkState) -> Event:
-    """A call's later budget event, charged to the periods its admission recorded.
-
-    Settlement, release, hold and reconcile are written by parts of the call path that
-    do not know periods; the ledger stamps them here, so they land where the call was
-    admitted even after a period boundary.
-    """
-    if isinstance(event, _LATER_BUDGET_EVENTS) and not event.periods and state.periods:
-        return dataclasses.replace(event, periods=dict(state.periods))
-    return event
-
-
-def _fold_budget(tx: Tx, tree: budgets.Tree, event: Event, changed: set[budgets.Key]) -> None:
-    """Fold one event into the batch's budget counters (and policies)."""
-    if isinstance(event, BudgetLimitSet):
-        tree.apply(event)
-        tx.put_policy(tree.policies[event.path])
-        return
-    delta = budgets.deltas(event)
-    if delta is None:
-        return
-    keys = delta.targets()
-    missing = [k for k in keys if k not in tree.nodes]
-    if missing:
-        tree.nodes.update(tx.get_nodes(missing))
-    changed.update(n.key for n in tree.apply(event))
-
-
-_LATER_BUDGET_EVENTS = (BudgetReserved, BudgetSettled, BudgetReleased, BudgetHeld, BudgetUnheld)
 
 
 @dataclass(frozen=True, slots=True)

@@ -184,7 +184,7 @@ class Verifier:
 
     def _budgets(self, rows: Iterable[BudgetRow], last: int) -> None:
         stored = {(row.path, row.period): row for row in rows}
-        self.report.budgets = len({path for path, _ in stored})
+        self.report.budgets = len({path for path, _ in stored} | set(self.budgets.policies))
         for key in sorted(set(stored) | set(self.budgets.nodes)):
             row = stored.get(key)
             have = None if row is None else (row.reserved, row.spent, row.held)
