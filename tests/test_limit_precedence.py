@@ -61,6 +61,15 @@ def test_an_operator_clearing_a_limit_also_wins() -> None:
     assert "no limit" in plan.warnings[0]
 
 
+def test_an_operator_setting_only_a_rate_leaves_the_limit_to_the_file() -> None:
+    """budget set --rpm rewrites the policy with the same limit: the file still owns the limit."""
+    by_operator = operator_limits(
+        [limit_event(1, "team", 5, generation=3), limit_event(2, "team", 5, generation=0)]
+    )
+    plan = plan_limits({"team": 6}, {"team": 5}, by_operator)
+    assert plan.apply == {"team": 6} and plan.warnings == []
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``effectguard ARGS`` as a subprocess."""
     return subprocess.run(

@@ -32,11 +32,20 @@ class LimitPlan:
 
 
 def operator_limits(events: Iterable[StoredEvent]) -> dict[str, StoredEvent]:
-    """Each path's last ``budget.limit_set`` written by an operator (generation 0)."""
+    """Each path's last ``budget.limit_set`` by an operator (generation 0) that changed its limit.
+
+    ``budget set PATH --rpm N`` writes the node's whole policy with its limit unchanged;
+    that sets a rate, not the limit, so it does not take the limit away from the file.
+    """
     found: dict[str, StoredEvent] = {}
+    last: dict[str, object] = {}
     for stored in events:
-        if stored.kind == "budget.limit_set" and stored.generation == 0:
-            found[str(stored.data["path"])] = stored
+        if stored.kind != "budget.limit_set":
+            continue
+        path, limit = str(stored.data["path"]), stored.data.get("limit")
+        if stored.generation == 0 and (path not in last or last[path] != limit):
+            found[path] = stored
+        last[path] = limit
     return found
 
 
