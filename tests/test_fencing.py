@@ -1,8 +1,8 @@
 """Workers, leases and fencing (SPEC §7), with real processes where it matters.
 
 * Two proxies on one ledger: the one holding a call is SIGSTOPped past its
-  lease, the other takes it over; after SIGCONT the first one's writes are
-  refused by the store and it sends nothing more upstream.
+  lease, the other takes it over; after SIGCONT the first one's late result
+  is refused by the store, and it registers anew and serves new calls.
 * A worker whose lease lapsed starts no new dispatch.
 * A sweeper on another host waits for the lease; one on the same host takes
   over at once when the dead worker's OS lock is free; the dead worker's late
@@ -30,7 +30,7 @@ import pytest
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import FencedError, Refusal
-from effectguard.ledger import Ledger, open_store
+from effectguard.ledger import Ledger, open_store, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
@@ -88,9 +88,10 @@ def cli_ok(*args: str) -> str:
     return out.getvalue()
 
 
-def test_stopped_proxy_is_taken_over_and_fenced(tmp_path: Path) -> None:
-    """SIGSTOP past the lease: the peer takes over; after SIGCONT every write of the
-    stopped proxy is refused and it sends no new upstream request."""
+def test_stopped_proxy_is_taken_over_fenced_and_recovers(tmp_path: Path) -> None:
+    """SIGSTOP past the lease: the peer takes over; after SIGCONT the stopped proxy's
+    late result is refused, nothing of its old registration is written again, and it
+    registers anew and serves new calls (it does not answer 503 until restarted)."""
     ledger = tmp_path / "ledger.db"
     config = tmp_path / "lease.toml"
     config.write_text(LEASE)
@@ -138,28 +139,40 @@ def test_stopped_proxy_is_taken_over_and_fenced(tmp_path: Path) -> None:
             assert "attempt.observed" not in kinds and "call.completed" not in kinds
             assert kinds.index("attempt.interrupted") > kinds.index("attempt.started")
 
-            # The fenced proxy starts nothing new: 503, retryable, nothing sent.
+            # The stopped proxy registers anew by itself and serves new calls again.
+            wait_for(
+                lambda: httpx.get(first.url + "/healthz", timeout=5).status_code == 200,
+                30,
+                "the fenced proxy to register anew and report healthy",
+            )
             fresh = httpx.post(first.url + "/openai" + CHAT, json=chat("after fencing"), timeout=30)
-            assert fresh.status_code == 503, fresh.text
-            assert fresh.headers["x-should-retry"] == "true"
-            assert fresh.json()["error"]["type"] == "ledger_unavailable"
-            time.sleep(1.0)  # a few of its heartbeat and sweep periods
-            assert len(fake.receipts()) == 1
+            assert fresh.status_code == 200, fresh.text
+            fresh_id = fresh.headers["effectguard-call-id"]
             after = [e for e in ledger_events(ledger) if e["seq"] > takeover["seq"]]
+            # Nothing was written as the fenced registration after its takeover; the
+            # new one has its own worker id and a later fencing generation.
             assert all(e["worker"] != worker for e in after), after
+            (rejoined,) = [
+                e
+                for e in after
+                if e["kind"] == "worker.registered" and e["data"]["pid"] == first.process.pid
+            ]
+            assert rejoined["data"]["generation"] > started["data"]["generation"]
+            (fresh_start,) = [
+                e for e in after if e["kind"] == "attempt.started" and e["call"] == fresh_id
+            ]
+            assert fresh_start["data"]["worker"] == rejoined["data"]["worker"]
 
-            # The peer refuses the resend (effect unknown) and serves new work.
-            resend = httpx.post(
-                second.url + "/openai" + CHAT,
-                json=chat("held"),
-                headers={"Idempotency-Key": "held"},
-                timeout=30,
-            )
-            assert resend.status_code == 409 and resend.json()["error"]["type"] == "effect_unknown"
-            assert (
-                httpx.post(second.url + "/openai" + CHAT, json=chat("new"), timeout=30).status_code
-                == 200
-            )
+            # The held call stays effect unknown: the resend is refused, on either proxy.
+            for proxy in (first, second):
+                resend = httpx.post(
+                    proxy.url + "/openai" + CHAT,
+                    json=chat("held"),
+                    headers={"Idempotency-Key": "held"},
+                    timeout=30,
+                )
+                assert resend.status_code == 409, resend.text
+                assert resend.json()["error"]["type"] == "effect_unknown"
             assert len(fake.effects()) == 2
         finally:
             first.kill(signal.SIGCONT)
@@ -404,8 +417,8 @@ async def test_live_lock_on_the_same_host_is_not_taken_over(tmp_path: Path) -> N
 
 
 async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
-    """A proxy whose worker was taken over refuses every request for good, so
-    ``/healthz`` must stop answering 200 (a balancer would keep sending it traffic)."""
+    """A proxy whose worker was taken over refuses every request until its heartbeat
+    finds out and it registers anew, so meanwhile ``/healthz`` must not answer 200."""
     from effectguard.config.settings import load_settings
     from effectguard.ingress.server import create_app
 
@@ -435,3 +448,61 @@ async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
     finally:
         await peer.stop()
         await app.shutdown()
+
+
+async def test_fenced_worker_registers_anew_and_its_old_calls_stay_refused(tmp_path: Path) -> None:
+    """A worker fenced while a call is on the wire registers anew on its next heartbeat;
+    that call's late result is still written as the old registration and refused, even
+    before the takeover marked the call, and new calls are admitted as the new one."""
+    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=0.05, sweep_s=3600)
+    guard = await runtime.start()
+    openai = guard.providers["openai"]
+    held = Upstream(hold=True)
+    task = asyncio.ensure_future(guard.handle(openai, _request("held", "k"), held.send))
+    peer = WorkerRuntime(
+        runtime.ledger, lock_dir=None, lease_s=60, heartbeat_s=3600, sweep_s=3600, host="peer"
+    )
+    try:
+        while held.sent == 0:
+            await asyncio.sleep(0.01)
+        old = guard.writer
+        # A peer's takeover that has fenced the worker but not yet marked its call (a
+        # sweep that cannot commit as one transaction marks the calls one by one later).
+        taker = await peer.start()
+        await runtime.ledger.store.write(
+            taker,
+            lambda tx: operations.sweep(tx, taker, frozenset({old.worker}), interrupt_calls=False),
+        )
+        deadline = time.monotonic() + 10
+        while guard.writer == old:
+            assert time.monotonic() < deadline, "the fenced worker did not register anew"
+            await asyncio.sleep(0.01)
+        new = guard.writer
+        assert new.worker != old.worker and new.generation > old.generation
+        with pytest.raises(FencedError):
+            await runtime.ledger.store.write(old, lambda tx: None)
+        (call,) = await runtime.ledger.calls()
+        assert call.stage == "in_flight"
+
+        held.release.set()
+        with pytest.raises(Refusal) as refused:
+            await task
+        assert refused.value.status == 502 and refused.value.type == "observe_refused"
+        assert (await runtime.ledger.call(call.call_id)).stage == "in_flight"
+        assert runtime.worker is not None
+        assert await runtime.worker.sweep() == [call.call_id]  # now the call is marked
+
+        fresh = await guard.handle(openai, _request("fresh"), Upstream().send)
+        assert fresh.status_code == 200
+        fresh_id = fresh.headers["effectguard-call-id"]
+        started = [e for e in await runtime.ledger.events(fresh_id) if e.kind == "attempt.started"]
+        assert [(e.worker, e.generation) for e in started] == [(new.worker, new.generation)]
+        stages = {c.call_id: c.stage for c in await runtime.ledger.calls()}
+        assert stages == {call.call_id: "effect_unknown", fresh_id: "completed"}
+        assert (await verify_ledger(runtime.ledger)).ok
+    finally:
+        held.release.set()
+        with contextlib.suppress(Exception):
+            await task
+        await peer.stop()
+        await runtime.stop()

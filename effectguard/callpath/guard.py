@@ -90,11 +90,23 @@ class Guard:
     ) -> None:
         self.ledger = ledger
         self.providers = dict(providers)
-        self.writer = writer
         self.settings = settings or GuardSettings()
         self.recorder = Recorder(ledger, writer, crash=crash, observer=observer)
         self.crash = crash
         self.observer = self.recorder.observer
+
+    @property
+    def writer(self) -> Writer:
+        """The writer new calls are admitted as: this worker's current registration.
+
+        It changes when a fenced worker registers anew; a call keeps the writer that
+        started its attempt (``Admitted.writer``), so the store refuses its late writes.
+        """
+        return self.recorder.writer
+
+    @writer.setter
+    def writer(self, writer: Writer) -> None:
+        self.recorder.writer = writer
 
     # -- routing ------------------------------------------------------------
     def provider_for_url(self, url: httpx.URL, method: str = "POST") -> Provider | None:
@@ -327,11 +339,12 @@ class Guard:
 
     async def _next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
         try:
+            writer = previous.writer
             nxt = await self.ledger.store.write(
-                self.writer,
+                writer,
                 lambda tx: operations.start_attempt(
                     tx,
-                    self.writer,
+                    writer,
                     previous.call_id,
                     prepared.reserve,
                     previous.provider_idempotency_key,
@@ -362,7 +375,9 @@ class Guard:
         except asyncio.CancelledError:
             # The caller went away while the request may be on the wire.
             self.recorder.spawn(
-                self.recorder.interrupt(call_id, admitted.attempt, "cancelled during dispatch")
+                self.recorder.interrupt(
+                    call_id, admitted.attempt, "cancelled during dispatch", admitted.writer
+                )
             )
             raise
         self.crash.hit("after:dispatch")
@@ -422,7 +437,7 @@ class Guard:
                 BudgetReleased(call=call_id, budget=prepared.admit.budget, amount=prepared.reserve),
             ]
             try:
-                await self.ledger.record(self.writer, call_id, admitted.attempt, events)
+                await self.ledger.record(admitted.writer, call_id, admitted.attempt, events)
             finally:
                 self.recorder.finish(call_id)
             self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
@@ -439,7 +454,7 @@ class Guard:
                     retryable=True,
                 ),
             )
-        await self.recorder.interrupt(call_id, admitted.attempt, _describe(exc))
+        await self.recorder.interrupt(call_id, admitted.attempt, _describe(exc), admitted.writer)
         self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
         timeout = isinstance(exc, httpx.TimeoutException)
         raise refuse(

@@ -33,7 +33,12 @@ from effectguard.telemetry.report import CallReport
 
 
 class Recorder:
-    """Writes a call's outcome to the ledger for this worker, and owns background work."""
+    """Writes a call's outcome to the ledger for this worker, and owns background work.
+
+    ``writer`` is the worker's current registration; it changes when a fenced worker
+    registers anew (:class:`~effectguard.callpath.recovery.WorkerRuntime`). An attempt's
+    outcome is always written as the writer that started it, never as a newer one.
+    """
 
     def __init__(
         self,
@@ -49,7 +54,8 @@ class Recorder:
         self.observer: Observer = observer or NullObserver()
         self._done: dict[str, asyncio.Event] = {}
         self._background: set[asyncio.Future[Any]] = set()
-        self._orphans: dict[tuple[str, int], str] = {}
+        #: Markings to retry: (call, attempt) -> (reason, the writer that started it).
+        self._orphans: dict[tuple[str, int], tuple[str, Writer]] = {}
 
     # -- settlement ------------------------------------------------------------
     async def observe(
@@ -107,8 +113,9 @@ class Recorder:
     ) -> None:
         """Commit the observation; a write that fails becomes a refusal naming the call."""
         provider, call_id, model = prepared.provider, admitted.call_id, prepared.model or ""
+        writer = admitted.writer
         try:
-            await self.ledger.record(self.writer, call_id, admitted.attempt, list(events))
+            await self.ledger.record(writer, call_id, admitted.attempt, list(events))
         except FencedError as exc:
             self.observer.request_done(provider.name, model, "fenced")
             raise refuse(
@@ -120,7 +127,7 @@ class Recorder:
         except LedgerError as exc:
             self.observer.request_done(provider.name, model, "observe_failed")
             self.observer.incident("observe_failed", call_id, _describe(exc))
-            self.spawn(self.interrupt(call_id, admitted.attempt, "observe failed"))
+            self.spawn(self.interrupt(call_id, admitted.attempt, "observe failed", writer))
             raise refuse(
                 502,
                 "observe_failed",
@@ -131,15 +138,22 @@ class Recorder:
         finally:
             self.finish(call_id)
 
-    async def interrupt(self, call_id: str, attempt: int, reason: str) -> None:
-        """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""
+    async def interrupt(
+        self, call_id: str, attempt: int, reason: str, writer: Writer | None = None
+    ) -> None:
+        """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused.
+
+        ``writer`` is the one that started the attempt (default: the current one).
+        """
+        writer = writer or self.writer
         try:
-            state = await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+            state = await self.ledger.interrupt(writer, call_id, attempt, reason)
         except FencedError:
             pass  # another worker took this one over; its sweeper marked the call
         except LedgerError as exc:
-            # The ledger refused now (disk full, locked): retried on every sweep.
-            self._orphans[(call_id, attempt)] = reason
+            # The ledger refused now (disk full, locked): retried on every sweep, as the
+            # same writer (if it is fenced meanwhile, its takeover marks the call).
+            self._orphans[(call_id, attempt)] = (reason, writer)
             self.observer.incident(
                 "interrupt_failed", call_id, f"{reason}; not recorded yet: {_describe(exc)}"
             )
@@ -156,9 +170,9 @@ class Recorder:
 
     async def retry_orphans(self) -> None:
         """Mark interrupted the attempts whose earlier marking failed (run by the sweeper)."""
-        for (call_id, attempt), reason in list(self._orphans.items()):
+        for (call_id, attempt), (reason, writer) in list(self._orphans.items()):
             try:
-                await self.ledger.interrupt(self.writer, call_id, attempt, reason)
+                await self.ledger.interrupt(writer, call_id, attempt, reason)
             except FencedError:
                 pass
             except LedgerError:

@@ -6,6 +6,11 @@ alive on this host, renews its lease with a heartbeat, and sweeps: on start and
 periodically it takes over workers that are dead — lease expired by the
 ledger's clock, or, on this host, their lock is free — and marks their in-flight
 attempts ``attempt.interrupted``.
+
+A worker that was itself taken over (paused past its lease, say) learns it when
+the store refuses its heartbeat. It then registers anew: a fresh worker id and
+a new fencing generation. Everything of the old registration stays refused by
+the store; only calls admitted from then on are written as the new one.
 """
 
 from __future__ import annotations
@@ -59,16 +64,30 @@ class WorkerRuntime:
         self.heartbeat_s = heartbeat_s
         self.sweep_s = sweep_s
         self.host = host or socket.gethostname()
-        self.worker_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        #: The current registration's worker id (each registration takes a fresh one).
+        self.worker_id = ""
         self.writer: Writer | None = None
-        self.fenced = False
         self._lock_file: IO[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._rejoining = asyncio.Lock()
         #: Run after every periodic sweep (e.g. the guard's retry of failed markings).
         self.after_sweep: list[Callable[[], Awaitable[None]]] = []
+        #: Run with the new writer when a fenced worker has registered anew.
+        self.after_rejoin: list[Callable[[Writer], None]] = []
 
     async def start(self) -> Writer:
         """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
+        writer = await self._register()
+        await self.sweep()
+        self._tasks = [
+            asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat)),
+            asyncio.create_task(self._every(self.sweep_s, self.sweep)),
+        ]
+        return writer
+
+    async def _register(self) -> Writer:
+        """Take a fresh worker id, its liveness lock, and a new fencing generation."""
+        self.worker_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if self.lock_dir is not None:
             # Owner-only, like the ledger beside it.
             self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -83,29 +102,56 @@ class WorkerRuntime:
                 tx, worker=self.worker_id, host=self.host, pid=os.getpid(), lease_s=self.lease_s
             ),
         )
-        await self.sweep()
-        self._tasks = [
-            asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat)),
-            asyncio.create_task(self._every(self.sweep_s, self.sweep)),
-        ]
         return self.writer
 
-    async def _every(self, seconds: float, job: object) -> None:
-        assert callable(job)
+    async def _every(self, seconds: float, job: Callable[[], Awaitable[object]]) -> None:
         while True:
             await asyncio.sleep(seconds)
+            writer = self.writer
             try:
                 await job()
-            except FencedError:
-                self.fenced = True
-                log.error(
-                    "worker %s was fenced; it writes nothing more",
-                    self.worker_id,
-                    extra={"event": "fenced", "worker": self.worker_id},
-                )
-                return
+            except FencedError as exc:
+                try:
+                    await self._rejoin(writer, exc)
+                except LedgerError as again:
+                    log.warning("worker could not register anew (%s); retrying", again)
             except LedgerError as exc:
                 log.warning("ledger busy in %s: %s", getattr(job, "__name__", job), exc)
+
+    async def _rejoin(self, fenced: Writer | None, exc: FencedError) -> None:
+        """Register anew if ``fenced`` (the writer the store refused) is still ours.
+
+        The old registration stays fenced: the store refuses whatever it would still
+        write (late results of calls it dispatched answer 502 ``observe_refused``).
+        """
+        async with self._rejoining:
+            if fenced is None or fenced != self.writer:
+                return  # the other loop has registered anew already
+            if not await self._is_fenced(fenced):
+                raise LedgerError(f"worker {fenced.worker} refused but not fenced: {exc}")
+            log.error(
+                "worker %s (generation %d) was fenced: %s; registering anew",
+                fenced.worker,
+                fenced.generation,
+                exc,
+                extra={"event": "fenced", "worker": fenced.worker},
+            )
+            self._release_lock(unlink=True)  # the old id is dead for good
+            writer = await self._register()
+            log.warning(
+                "registered anew as worker %s (generation %d)",
+                writer.worker,
+                writer.generation,
+                extra={"event": "registered", "worker": writer.worker},
+            )
+            for hook in self.after_rejoin:
+                hook(writer)
+
+    async def _is_fenced(self, writer: Writer) -> bool:
+        """Whether the ledger refuses ``writer`` for good (taken over, or re-registered)."""
+        rows = {row.worker: row for row in await self.ledger.store.workers()}
+        row = rows.get(writer.worker)
+        return row is None or row.fenced or row.generation != writer.generation
 
     async def heartbeat(self) -> None:
         """Renew the lease (the store refuses a fenced worker)."""
@@ -202,11 +248,18 @@ class WorkerRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self._lock_file is not None:
-            # The file stays: the next sweeper finds it free, takes this worker over at
-            # once instead of waiting for the lease, and removes it.
-            self._lock_file.close()
-            self._lock_file = None
+        # The file stays: the next sweeper finds it free, takes this worker over at
+        # once instead of waiting for the lease, and removes it.
+        self._release_lock(unlink=False)
+
+    def _release_lock(self, *, unlink: bool) -> None:
+        if self._lock_file is None:
+            return
+        if unlink and self.lock_dir is not None:
+            with contextlib.suppress(OSError):
+                (self.lock_dir / f"{self.worker_id}.lock").unlink()
+        self._lock_file.close()
+        self._lock_file = None
 
 
 def _log_sweep(dead: frozenset[str], interrupted: list[str]) -> None:

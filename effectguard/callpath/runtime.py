@@ -17,7 +17,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings
-from effectguard.ledger import Ledger, open_store
+from effectguard.ledger import Ledger, Writer, open_store
 from effectguard.providers import Provider
 from effectguard.telemetry.observer import Observer
 
@@ -80,7 +80,13 @@ class Runtime:
             observer=c.observer,
         )
         self.worker.after_sweep.append(self.guard.recorder.retry_orphans)
+        self.worker.after_rejoin.append(self._rejoined)
         return self.guard
+
+    def _rejoined(self, writer: Writer) -> None:
+        """The worker was fenced and registered anew: admit new calls as the new writer."""
+        assert self.guard is not None
+        self.guard.writer = writer
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Finish background settlements, stop the worker, close the ledger."""

@@ -123,9 +123,10 @@ class GuardedStream(httpx.AsyncByteStream):
         self._settled = True
         await self._upstream.aclose()
         self._report.upstream_s += time.perf_counter() - self._sent_at
+        admitted = self._admitted
         try:
             await self._recorder.interrupt(
-                self._admitted.call_id, self._admitted.attempt, f"stream broke: {exc}"[:300]
+                admitted.call_id, admitted.attempt, f"stream broke: {exc}"[:300], admitted.writer
             )
         finally:
             self._report.stage = self._report.outcome = "effect_unknown"

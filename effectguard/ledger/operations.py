@@ -104,10 +104,16 @@ def append(
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """What admission decided: dispatch ``attempt``, replay, join or refuse."""
+    """What admission decided: dispatch ``attempt``, replay, join or refuse.
+
+    ``writer`` is the writer that decided (and started ``attempt``). The attempt's
+    outcome is written as that writer, so once it is fenced the store refuses
+    everything about the attempt, even after this process has registered anew.
+    """
 
     action: str
     call_id: str
+    writer: Writer
     attempt: int = 0
     state: WorkState | None = None
     provider_idempotency_key: str | None = None
@@ -129,7 +135,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     now = tx.now()
     decision = _decide(tx, req, now)
     if decision.action in ("refuse", "replay", "join"):
-        return _answer_from_ledger(tx, decision)
+        return _answer_from_ledger(tx, writer, decision)
     _check_lease(tx, writer)
     existing = decision.existing
     call_id = existing.call_id if existing is not None else new_call_id()
@@ -175,6 +181,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     return Admitted(
         decision.action if existing else "admit",
         call_id,
+        writer,
         attempt,
         state=states[call_id],
         provider_idempotency_key=provider_key,
@@ -212,17 +219,17 @@ def _retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
     return target
 
 
-def _answer_from_ledger(tx: Tx, decision: Decision) -> Admitted:
+def _answer_from_ledger(tx: Tx, writer: Writer, decision: Decision) -> Admitted:
     """A request answered without dispatch: refused, replayed or joined to its call."""
     existing = decision.existing
     assert existing is not None
     if decision.action == "refuse":
         assert decision.refusal is not None
-        return Admitted("refuse", existing.call_id, refusal=decision.refusal)
+        return Admitted("refuse", existing.call_id, writer, refusal=decision.refusal)
     if decision.action == "replay":
         observed = _last_observed(tx, existing.call_id)
-        return Admitted("replay", existing.call_id, state=existing, observed=observed)
-    return Admitted("join", existing.call_id, state=existing)
+        return Admitted("replay", existing.call_id, writer, state=existing, observed=observed)
+    return Admitted("join", existing.call_id, writer, state=existing)
 
 
 def _manifest(req: AdmitRequest, call_id: str, now: float) -> CallManifest:
@@ -257,7 +264,7 @@ def _refused(
             )
         )
         append(tx, writer, events, {call_id: WorkState()})
-    return Admitted("refuse", call_id, refusal=refusal)
+    return Admitted("refuse", call_id, writer, refusal=refusal)
 
 
 def _last_observed(tx: Tx, call_id: str) -> AttemptObserved | None:
@@ -437,7 +444,7 @@ def start_attempt(
     refusal = rates.rate_refusal(tx, policies, state.budget, call_id, state.tokens, tx.now())
     refusal = refusal or room.retry_refusal(tx, state, reserve)
     if refusal is not None:
-        return Admitted("refuse", call_id, refusal=refusal)
+        return Admitted("refuse", call_id, writer, refusal=refusal)
     attempt = state.attempts + 1
     states = append(
         tx,
@@ -464,6 +471,7 @@ def start_attempt(
     return Admitted(
         "attempt",
         call_id,
+        writer,
         attempt,
         state=states[call_id],
         provider_idempotency_key=provider_key,
