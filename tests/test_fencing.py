@@ -3,7 +3,11 @@
 * Two proxies on one ledger: the one holding a call is SIGSTOPped past its
   lease, the other takes it over; after SIGCONT the first one's late result
   is refused by the store, and it registers anew and serves new calls.
-* A worker whose lease lapsed starts no new dispatch.
+* A worker whose lease lapsed starts no new dispatch; if it lapses during the
+  guard's own retries after a declared 429, the client gets that 429, and a
+  503 ``ledger_unavailable`` only when nothing reached the provider.
+* A worker fenced while a call is on the wire registers anew; the call's late
+  result is still refused.
 * A sweeper on another host waits for the lease; one on the same host takes
   over at once when the dead worker's OS lock is free; the dead worker's late
   result is never recorded as success.
@@ -505,4 +509,64 @@ async def test_fenced_worker_registers_anew_and_its_old_calls_stay_refused(tmp_p
         with contextlib.suppress(Exception):
             await task
         await peer.stop()
+        await runtime.stop()
+
+
+class LapsingUpstream:
+    """Answers each request as told, letting the worker's lease lapse after the first."""
+
+    def __init__(self, clock: ManualClock, first: httpx.Response | Exception) -> None:
+        self.clock = clock
+        self.first = first
+        self.sent = 0
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        self.clock.advance(61)  # past the lease: no later attempt may start
+        if isinstance(self.first, Exception):
+            raise self.first
+        return self.first
+
+
+async def test_lease_lapsing_between_retries_answers_the_providers_429(tmp_path: Path) -> None:
+    """A lease that lapses during the guard's own retries after a declared 429 answers
+    that 429 (the provider was reached), never 503 ledger_unavailable ("nothing sent")."""
+    clock = ManualClock()
+    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
+    guard = await runtime.start()
+    body = {"error": {"type": "rate_limit_exceeded", "message": "slow down"}}
+    limited = httpx.Response(
+        429,
+        headers={"content-type": "application/json"},
+        stream=httpx.ByteStream(json.dumps(body).encode()),
+    )
+    upstream = LapsingUpstream(clock, limited)
+    try:
+        answer = await guard.handle(guard.providers["openai"], _request("limited"), upstream.send)
+        assert answer.status_code == 429 and answer.json() == body
+        assert upstream.sent == 1
+        (call,) = await runtime.ledger.calls()
+        assert answer.headers["effectguard-call-id"] == call.call_id
+        assert (call.stage, call.attempts, call.reserved) == ("not_processed", 1, 0)
+        assert (await verify_ledger(runtime.ledger)).ok
+    finally:
+        await runtime.stop()
+
+
+async def test_lease_lapsing_after_a_not_sent_attempt_stays_503(tmp_path: Path) -> None:
+    """When nothing reached the provider (connect error) and the retry cannot start,
+    the answer is 503 ledger_unavailable: then it is true that nothing was sent."""
+    clock = ManualClock()
+    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
+    guard = await runtime.start()
+    upstream = LapsingUpstream(clock, httpx.ConnectError("refused"))
+    try:
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], _request("unreached"), upstream.send)
+        assert (refused.value.status, refused.value.type) == (503, "ledger_unavailable")
+        assert upstream.sent == 1
+        (call,) = await runtime.ledger.calls()
+        assert (call.stage, call.attempts, call.reserved) == ("not_sent", 1, 0)
+        assert (await verify_ledger(runtime.ledger)).ok
+    finally:
         await runtime.stop()

@@ -316,9 +316,10 @@ class Guard:
             # building the retry machinery costs ~5% of the proxy's CPU per request.
             try:
                 return await self._attempt(prepared, current, send, report)
-            except _RetryAttempt:
+            except _RetryAttempt as first:
                 if s.max_retries < 1:
                     raise
+                previous = first
                 await asyncio.sleep(s.retry_wait_s)  # tenacity backs off from here on
             retrying = AsyncRetrying(
                 stop=stop_after_attempt(s.max_retries),
@@ -328,8 +329,15 @@ class Guard:
             )
             async for attempt in retrying:
                 with attempt:
-                    current = await self._next_attempt(prepared, current)
-                    return await self._attempt(prepared, current, send, report)
+                    nxt = await self._next_attempt(prepared, current, previous)
+                    if isinstance(nxt, httpx.Response):
+                        return nxt
+                    current = nxt
+                    try:
+                        return await self._attempt(prepared, current, send, report)
+                    except _RetryAttempt as again:
+                        previous = again
+                        raise
         except _RetryAttempt as last:
             if last.refusal is not None:
                 raise last.refusal from None
@@ -337,7 +345,15 @@ class Guard:
             return last.response
         raise AssertionError("unreachable: tenacity either returns or re-raises")
 
-    async def _next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
+    async def _next_attempt(
+        self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
+    ) -> Admitted | httpx.Response:
+        """Start the next attempt; if the ledger cannot, the last answer, if there was one.
+
+        A 503 ``ledger_unavailable`` says nothing was sent. When the provider did answer
+        the earlier attempt (with a status it declares not processed), that answer is
+        the truth, and SDKs know how to handle it.
+        """
         try:
             writer = previous.writer
             nxt = await self.ledger.store.write(
@@ -351,6 +367,8 @@ class Guard:
                 ),
             )
         except (LedgerError, FencedError) as exc:
+            if answered.response is not None:
+                return answered.response
             raise refuse(
                 503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=False
             ) from exc
