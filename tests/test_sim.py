@@ -146,8 +146,7 @@ def _evidence(events: list[tuple[float, Event]], **changes: Any) -> Evidence:
     receipt = {"seq": 1, "ts": 2.0, "body_sha256": SHA, "deduped": False, "tag": "c1.0"}
     receipt |= {"path": "/v1/chat/completions", "status": 200}
     answer = _answer()
-    not_processed = {"/v1/chat/completions": frozenset({429})}
-    base = Evidence(stored, calls, [receipt], [answer], 0, "", not_processed)
+    base = Evidence(stored, calls, [receipt], [answer], 0, "")
     return dataclasses.replace(base, **changes)
 
 
@@ -253,12 +252,13 @@ def test_replay_with_other_bytes_or_refused_is_caught() -> None:
 
 
 def test_ledger_unavailable_with_a_receipt_is_caught() -> None:
-    """A request answered 503 ledger_unavailable had no effect (a declared 429 is none)."""
+    """A request answered 503 ledger_unavailable never reached the provider, not even
+    to be answered with a declared not-processed 429 (the client must get that 429)."""
     answer = _answer(status=503, error_type="ledger_unavailable", call_id=None)
     assert _fired(_evidence(_call_events(), answers=[answer])) == {"unavailable_with_receipt"}
     declined = _evidence(_call_events(), answers=[answer])
     declined.receipts[0]["status"] = 429
-    assert _fired(declined) == set()
+    assert _fired(declined) == {"unavailable_with_receipt"}
 
 
 def test_failed_verify_is_caught() -> None:

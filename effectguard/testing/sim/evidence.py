@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.providers import load_providers
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import WorkState
 from effectguard.testing.sim.clients import Answer
-from effectguard.testing.sim.schedule import ROUTES
 
-__all__ = ["Evidence", "collect", "declared_not_processed", "read_receipts", "run_verify"]
+__all__ = ["Evidence", "collect", "read_receipts", "run_verify"]
 
 _PAGE = 5000
 
@@ -37,15 +35,6 @@ class Evidence:
     answers: list[Answer] = field(default_factory=list)
     verify_code: int = 0
     verify_output: str = ""
-    #: Upstream path -> the statuses its provider declares "not processed" (from the
-    #: bundled declarations, not from the ledger).
-    not_processed: dict[str, frozenset[int]] = field(default_factory=dict)
-
-
-def declared_not_processed() -> dict[str, frozenset[int]]:
-    """Each simulated route's upstream path -> its provider's declared not-processed statuses."""
-    providers = load_providers([])
-    return {path: providers[name].not_processed for name, path, _, _ in ROUTES.values()}
 
 
 def read_receipts(path: Path) -> list[dict[str, Any]]:
@@ -89,5 +78,4 @@ async def collect(ledger: str, receipts: Path, answers: list[Answer]) -> Evidenc
     """Gather the evidence of a run whose processes have all stopped."""
     events, calls = await read_ledger(ledger)
     code, output = run_verify(ledger)
-    receipts_seen = read_receipts(receipts)
-    return Evidence(events, calls, receipts_seen, answers, code, output, declared_not_processed())
+    return Evidence(events, calls, read_receipts(receipts), answers, code, output)

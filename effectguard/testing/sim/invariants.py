@@ -38,8 +38,8 @@ INVARIANTS: Final = {
     "ok_not_completed": "every 200 a client received is a completed call with those bytes",
     "stream_ok_without_end": "a stream that ended cleanly for the client holds its terminal event",
     "replay_differs": "a replay returns the bytes of the first 200",
-    "unavailable_with_receipt": "a 503 ledger_unavailable has no receipt (but declared "
-    "not-processed answers)",
+    "unavailable_with_receipt": "a 503 ledger_unavailable has no receipt, not even a "
+    "declared not-processed one",
     "verify_failed": "effectguard verify passes",
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
@@ -254,16 +254,13 @@ def replays_match(evidence: Evidence) -> list[Violation]:
 
 
 def unavailable_sent_nothing(evidence: Evidence) -> list[Violation]:
-    """A request answered 503 ``ledger_unavailable`` had no effect at the provider.
+    """A request answered 503 ``ledger_unavailable`` never reached the provider.
 
-    A receipt the provider answered with a status it declares "not processed"
-    (a 429 before the lease lapsed, say) is not an effect; any other receipt is.
+    SPEC §9: that answer says nothing was sent, so any receipt for the request breaks
+    it — even one the provider answered with a status it declares "not processed"
+    (a 429 before the lease lapsed: the client must get that 429 instead).
     """
-    tags = {
-        r.get("tag")
-        for r in evidence.receipts
-        if r.get("status") not in evidence.not_processed.get(r.get("path", ""), frozenset())
-    }
+    tags = {r.get("tag") for r in evidence.receipts}
     return [
         Violation("unavailable_with_receipt", f"request {a.tag} got 503 but reached the provider")
         for a in evidence.answers
