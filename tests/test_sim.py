@@ -268,6 +268,11 @@ def test_failed_verify_is_caught() -> None:
     assert violation.invariant == "verify_failed" and "event 7" in violation.detail
 
 
+def test_replica_that_never_recovers_is_caught() -> None:
+    """A replica that refused /healthz long after the last fault (fenced for good)."""
+    assert _fired(_evidence(_call_events(), unrecovered=[0])) == {"replica_unrecovered"}
+
+
 def test_every_invariant_has_a_checker_test() -> None:
     """Each named invariant is exercised by a test above (keep the list and tests in step)."""
     source = Path(__file__).read_text()

@@ -78,7 +78,10 @@ def run_schedule(
     with running_cluster(schedule, workdir, pg_dsn=pg_dsn, env=env, disk=disk) as cluster:
         answers = asyncio.run(execute(cluster))
         answers += asyncio.run(quiesce(cluster, answers))
-    evidence = asyncio.run(collect(cluster.ledger, workdir / "receipts.jsonl", answers))
+    unrecovered = [int(a["replica"]) for a in cluster.actions if a["action"] == "unrecovered"]
+    evidence = asyncio.run(
+        collect(cluster.ledger, workdir / "receipts.jsonl", answers, unrecovered)
+    )
     violations = check(evidence)
     result = SimResult(schedule, violations, evidence, overshoots(evidence), cluster.actions)
     if violations and bundle is not None:

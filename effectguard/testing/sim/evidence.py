@@ -35,6 +35,9 @@ class Evidence:
     answers: list[Answer] = field(default_factory=list)
     verify_code: int = 0
     verify_output: str = ""
+    #: Replicas still running after the schedule that never answered ``/healthz`` 200
+    #: by themselves (:func:`effectguard.testing.sim.runner.quiesce`).
+    unrecovered: list[int] = field(default_factory=list)
 
 
 def read_receipts(path: Path) -> list[dict[str, Any]]:
@@ -74,8 +77,10 @@ async def read_ledger(ledger: str) -> tuple[list[StoredEvent], list[WorkState]]:
     return events, calls
 
 
-async def collect(ledger: str, receipts: Path, answers: list[Answer]) -> Evidence:
+async def collect(
+    ledger: str, receipts: Path, answers: list[Answer], unrecovered: list[int]
+) -> Evidence:
     """Gather the evidence of a run whose processes have all stopped."""
     events, calls = await read_ledger(ledger)
     code, output = run_verify(ledger)
-    return Evidence(events, calls, read_receipts(receipts), answers, code, output)
+    return Evidence(events, calls, read_receipts(receipts), answers, code, output, unrecovered)

@@ -41,6 +41,8 @@ INVARIANTS: Final = {
     "unavailable_with_receipt": "a 503 ledger_unavailable has no receipt, not even a "
     "declared not-processed one",
     "verify_failed": "effectguard verify passes",
+    "replica_unrecovered": "every replica still running after the faults serves again by "
+    "itself (/healthz 200) without a restart",
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
 
@@ -275,6 +277,21 @@ def verify_passes(evidence: Evidence) -> list[Violation]:
     return [Violation("verify_failed", evidence.verify_output.strip()[-2000:])]
 
 
+def replicas_recover(evidence: Evidence) -> list[Violation]:
+    """Every replica still running after the schedule answered ``/healthz`` 200 by itself.
+
+    A replica paused past its lease is fenced, as it must be; it must then register
+    anew and serve, not refuse every request with 503 until someone restarts it.
+    """
+    return [
+        Violation(
+            "replica_unrecovered",
+            f"replica {index} still refused /healthz a few leases after the last fault",
+        )
+        for index in evidence.unrecovered
+    ]
+
+
 CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     receipts_have_attempts,
     effects_within_attempts,
@@ -285,6 +302,7 @@ CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     replays_match,
     unavailable_sent_nothing,
     verify_passes,
+    replicas_recover,
 )
 
 

@@ -3,8 +3,9 @@
 Three concurrent parts: one task per client call (started at its time), one
 task per replica that applies that replica's faults in order, and a supervisor
 that restarts a replica that died on its own (an armed crash point) once no
-fault holds it down. After the schedule: every process is continued and stopped
-gracefully, every replica is started clean, the recovery sweep is given time to
+fault holds it down. After the schedule: every replica still running must answer
+``/healthz`` by itself in time; then every process is stopped gracefully, every
+replica is started clean, the recovery sweep is given time to
 mark the dead workers' attempts, keyed 200s are replayed, and all is stopped.
 """
 
@@ -111,7 +112,9 @@ async def _supervise(cluster: Cluster, locks: dict[int, asyncio.Lock]) -> None:
 
 
 async def quiesce(cluster: Cluster, answers: list[Answer]) -> list[Answer]:
-    """Stop everything, start every replica clean, wait for recovery, replay keyed 200s."""
+    """Check each replica recovers by itself; then stop everything, start every replica
+    clean, wait for recovery, replay keyed 200s."""
+    await _note_unrecovered(cluster)
     for replica in cluster.replicas:
         await asyncio.to_thread(cluster.stop, replica)
         cluster.kill(replica)
@@ -122,6 +125,23 @@ async def quiesce(cluster: Cluster, answers: list[Answer]) -> list[Answer]:
     for replica in cluster.replicas:
         await asyncio.to_thread(cluster.stop, replica)
     return replays
+
+
+async def _note_unrecovered(cluster: Cluster) -> None:
+    """Note (``unrecovered``) each running replica that does not answer ``/healthz`` 200
+    by itself within a few leases of the last fault: a paused, fenced or disk-starved
+    replica must serve again without a restart."""
+    deadline = time.monotonic() + cluster.schedule.lease_s * 5 + 10
+    async with httpx.AsyncClient(timeout=5) as client:
+        for replica in cluster.replicas:
+            while replica.alive():
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(replica.url + "/healthz")).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    cluster.note("unrecovered", replica.index)
+                    break
+                await asyncio.sleep(0.25)
 
 
 async def _wait_recovered(cluster: Cluster) -> None:
