@@ -373,8 +373,9 @@ async def test_killed_replica_calls_are_marked_by_another(pg_url: str, tmp_path:
 
 
 @pytest.mark.slow
-async def test_stopped_replica_is_fenced(pg_url: str, tmp_path: Path) -> None:
-    """A replica stopped past its lease is fenced: its late result is refused; it sends no more."""
+async def test_stopped_replica_is_fenced_and_recovers(pg_url: str, tmp_path: Path) -> None:
+    """A replica stopped past its lease is fenced: its late result is refused; then it
+    registers anew (a new worker id and generation) and serves new calls."""
     with fake_provider(tmp_path / "receipts.jsonl", delay=1.0) as provider:
         sleeper, survivor = replicas = _serve(pg_url, tmp_path, provider.url, 2, RECOVERY)
         try:
@@ -391,23 +392,35 @@ async def test_stopped_replica_is_fenced(pg_url: str, tmp_path: Path) -> None:
                 late = await pending
                 assert late.status_code == 502
                 assert late.json()["error"]["type"] == "observe_refused"
+
+                async def healthy() -> bool:
+                    return (await client.get(sleeper.url + "/healthz")).status_code == 200
+
+                await _eventually(healthy, 30, "the fenced replica to register anew")
                 again = await _post(client, sleeper)
-                assert again.status_code == 503
+                assert again.status_code == 200, again.text
         finally:
             _stop_all(replicas)
-        assert len(provider.effects()) == 1
+        assert len(provider.effects()) == 2
     async with Ledger.open(pg_url) as ledger:
-        (call,) = await ledger.calls()
-        assert call.stage == "effect_unknown"
-        kinds = [e.event for e in await ledger.events(call.call_id)]
+        stages = {c.call_id: c.stage for c in await ledger.calls()}
+        late_id = late.headers["effectguard-call-id"]
+        assert stages == {
+            late_id: "effect_unknown",
+            again.headers["effectguard-call-id"]: "completed",
+        }
+        kinds = [e.event for e in await ledger.events(late_id)]
         assert not any(isinstance(e, AttemptObserved) for e in kinds)
-        workers = {w.pid: w for w in await ledger.store.workers()}
-        assert workers[sleeper.process.pid].fenced
+        rows = [w for w in await ledger.store.workers() if w.pid == sleeper.process.pid]
+        (old,) = [w for w in rows if w.fenced]
+        (new,) = [w for w in rows if not w.fenced]
+        assert new.generation > old.generation
+        (survivor_row,) = [w for w in await ledger.store.workers() if w.pid == survivor.process.pid]
         taken = [e.event for e in await ledger.store.events_after(0, 10_000)]
         assert any(
             isinstance(e, WorkerTakenOver)
-            and e.worker == workers[sleeper.process.pid].worker
-            and e.by == workers[survivor.process.pid].worker
+            and e.worker == old.worker
+            and e.by == survivor_row.worker
             for e in taken
         )
         report = await verify_ledger(ledger)
