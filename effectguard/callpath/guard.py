@@ -348,14 +348,15 @@ class Guard:
     async def _next_attempt(
         self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
     ) -> Admitted | httpx.Response:
-        """Start the next attempt; if the ledger cannot, the last answer, if there was one.
+        """Start the next attempt; if the ledger will not, answer as the provider last did.
 
         A 503 ``ledger_unavailable`` says nothing was sent. When the provider did answer
         the earlier attempt (with a status it declares not processed), that answer is
-        the truth, and SDKs know how to handle it.
+        the truth, and SDKs know how to handle it; only after a not-sent attempt is the
+        503 true.
         """
+        writer = previous.writer  # the call's own: refused once that worker is fenced
         try:
-            writer = previous.writer
             nxt = await self.ledger.store.write(
                 writer,
                 lambda tx: operations.start_attempt(
