@@ -36,7 +36,7 @@ from effectguard.callpath.wire import (
 )
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
-from effectguard.ledger import Admitted, Ledger, Writer, operations
+from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.providers import Provider, provider_for
 from effectguard.rules import budget as budgets
 from effectguard.rules import usage as usages
@@ -90,23 +90,12 @@ class Guard:
     ) -> None:
         self.ledger = ledger
         self.providers = dict(providers)
+        #: New calls are admitted as this; a fenced worker registers anew and replaces it.
+        self.writer = writer
         self.settings = settings or GuardSettings()
-        self.recorder = Recorder(ledger, writer, crash=crash, observer=observer)
+        self.recorder = Recorder(ledger, crash=crash, observer=observer)
         self.crash = crash
         self.observer = self.recorder.observer
-
-    @property
-    def writer(self) -> Writer:
-        """The writer new calls are admitted as: this worker's current registration.
-
-        It changes when a fenced worker registers anew; a call keeps the writer that
-        started its attempt (``Admitted.writer``), so the store refuses its late writes.
-        """
-        return self.recorder.writer
-
-    @writer.setter
-    def writer(self, writer: Writer) -> None:
-        self.recorder.writer = writer
 
     # -- routing ------------------------------------------------------------
     def provider_for_url(self, url: httpx.URL, method: str = "POST") -> Provider | None:
@@ -253,7 +242,7 @@ class Guard:
         """Interrupt ``call_id``'s current attempt if it is still in flight; its stage after."""
         state = await self.ledger.store.get_call(call_id)
         if state is not None and state.stage == "in_flight":
-            await self.recorder.interrupt(call_id, state.attempts, reason)
+            await self.recorder.interrupt(self.writer, call_id, state.attempts, reason)
             state = await self.ledger.store.get_call(call_id)
         return state.stage if state is not None else "missing"
 
@@ -348,34 +337,16 @@ class Guard:
     async def _next_attempt(
         self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
     ) -> Admitted | httpx.Response:
-        """Start the next attempt; if the ledger will not, answer as the provider last did.
-
-        A 503 ``ledger_unavailable`` says nothing was sent. When the provider did answer
-        the earlier attempt (with a status it declares not processed), that answer is
-        the truth, and SDKs know how to handle it; only after a not-sent attempt is the
-        503 true.
-        """
-        writer = previous.writer  # the call's own: refused once that worker is fenced
+        """The next attempt; if the ledger will not start it, the provider's last answer,
+        if there was one: a 503 ``ledger_unavailable`` says nothing was sent (SPEC §9)."""
         try:
-            nxt = await self.ledger.store.write(
-                writer,
-                lambda tx: operations.start_attempt(
-                    tx,
-                    writer,
-                    previous.call_id,
-                    prepared.reserve,
-                    previous.provider_idempotency_key,
-                ),
-            )
+            return await self.recorder.next_attempt(prepared, previous)
         except (LedgerError, FencedError) as exc:
             if answered.response is not None:
                 return answered.response
             raise refuse(
                 503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=False
             ) from exc
-        if nxt.refusal is not None:
-            raise nxt.refusal
-        return nxt
 
     async def _attempt(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
@@ -394,9 +365,7 @@ class Guard:
         except asyncio.CancelledError:
             # The caller went away while the request may be on the wire.
             self.recorder.spawn(
-                self.recorder.interrupt(
-                    call_id, admitted.attempt, "cancelled during dispatch", admitted.writer
-                )
+                self.recorder.interrupt_attempt(admitted, "cancelled during dispatch")
             )
             raise
         self.crash.hit("after:dispatch")
@@ -473,7 +442,7 @@ class Guard:
                     retryable=True,
                 ),
             )
-        await self.recorder.interrupt(call_id, admitted.attempt, _describe(exc), admitted.writer)
+        await self.recorder.interrupt_attempt(admitted, _describe(exc))
         self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
         timeout = isinstance(exc, httpx.TimeoutException)
         raise refuse(

@@ -23,7 +23,7 @@ from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.prepare import Prepared, refuse
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
-from effectguard.ledger import Admitted, Ledger, Writer
+from effectguard.ledger import Admitted, Ledger, Writer, operations
 from effectguard.rules import usage as usages
 from effectguard.rules.events import Event, encode_body
 from effectguard.rules.guidance import decide_unknown
@@ -33,23 +33,21 @@ from effectguard.telemetry.report import CallReport
 
 
 class Recorder:
-    """Writes a call's outcome to the ledger for this worker, and owns background work.
+    """Writes a call's outcome to the ledger, and owns background work.
 
-    ``writer`` is the worker's current registration; it changes when a fenced worker
-    registers anew (:class:`~effectguard.callpath.recovery.WorkerRuntime`). An attempt's
-    outcome is always written as the writer that started it, never as a newer one.
+    An attempt's outcome is written as the writer that started it (``Admitted.writer``),
+    never as a newer registration of this process (a fenced worker registers anew, see
+    :class:`~effectguard.callpath.recovery.WorkerRuntime`): so the store refuses it.
     """
 
     def __init__(
         self,
         ledger: Ledger,
-        writer: Writer,
         *,
         crash: CrashPoints = NO_CRASH,
         observer: Observer | None = None,
     ) -> None:
         self.ledger = ledger
-        self.writer = writer
         self.crash = crash
         self.observer: Observer = observer or NullObserver()
         self._done: dict[str, asyncio.Event] = {}
@@ -127,7 +125,7 @@ class Recorder:
         except LedgerError as exc:
             self.observer.request_done(provider.name, model, "observe_failed")
             self.observer.incident("observe_failed", call_id, _describe(exc))
-            self.spawn(self.interrupt(call_id, admitted.attempt, "observe failed", writer))
+            self.spawn(self.interrupt_attempt(admitted, "observe failed"))
             raise refuse(
                 502,
                 "observe_failed",
@@ -138,14 +136,29 @@ class Recorder:
         finally:
             self.finish(call_id)
 
-    async def interrupt(
-        self, call_id: str, attempt: int, reason: str, writer: Writer | None = None
-    ) -> None:
-        """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused.
+    async def next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
+        """Start the automatic retry of ``previous`` (SPEC §3.5), as the call's own writer.
 
-        ``writer`` is the one that started the attempt (default: the current one).
+        So a fenced worker starts no new attempt of its calls, even once it has
+        registered anew. A retry the budget cannot take raises its 402 refusal.
         """
-        writer = writer or self.writer
+        writer = previous.writer
+        admitted = await self.ledger.store.write(
+            writer,
+            lambda tx: operations.start_attempt(
+                tx, writer, previous.call_id, prepared.reserve, previous.provider_idempotency_key
+            ),
+        )
+        if admitted.refusal is not None:
+            raise admitted.refusal
+        return admitted
+
+    async def interrupt_attempt(self, admitted: Admitted, reason: str) -> None:
+        """Mark ``admitted``'s attempt interrupted, as the writer that started it."""
+        await self.interrupt(admitted.writer, admitted.call_id, admitted.attempt, reason)
+
+    async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> None:
+        """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""
         try:
             state = await self.ledger.interrupt(writer, call_id, attempt, reason)
         except FencedError:

@@ -123,11 +123,8 @@ class GuardedStream(httpx.AsyncByteStream):
         self._settled = True
         await self._upstream.aclose()
         self._report.upstream_s += time.perf_counter() - self._sent_at
-        admitted = self._admitted
         try:
-            await self._recorder.interrupt(
-                admitted.call_id, admitted.attempt, f"stream broke: {exc}"[:300], admitted.writer
-            )
+            await self._recorder.interrupt_attempt(self._admitted, f"stream broke: {exc}"[:300])
         finally:
             self._report.stage = self._report.outcome = "effect_unknown"
             self._report.error = "stream_broken"
