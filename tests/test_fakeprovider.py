@@ -321,6 +321,32 @@ def test_break_after_drops_the_stream(provider: FakeProvider) -> None:
     assert len(provider.effects()) == 1
 
 
+def test_cut_clean_ends_a_close_delimited_stream_without_its_terminal_event(
+    shared: FakeProvider,
+) -> None:
+    """close=K sends K events with no length or chunking, then a clean close."""
+    body = {"model": "c", "max_tokens": 8, "stream": True}
+    with httpx.stream(
+        "POST", shared.url + "/v1/messages", json=body, headers={"x-fake-behaviour": "close=3"}
+    ) as response:
+        seen = response.read()  # no error: to HTTP the body simply ended
+    assert "content-length" not in response.headers
+    assert "transfer-encoding" not in response.headers
+    assert seen.count(b"event: ") == 3 and b"message_stop" not in seen
+
+
+def test_cut_stream_clean_flag_leaves_plain_bodies_whole(tmp_path: Path) -> None:
+    """--cut-stream-clean cuts streams only: a non-stream answer is sent in full."""
+    with fake_provider(tmp_path / "r.jsonl", cut_stream_clean=1) as running:
+        answer = post(running, CHAT, {"model": "m", "messages": USER})
+        assert answer.json()["usage"]["completion_tokens"] > 0
+        with httpx.stream(
+            "POST", running.url + CHAT, json={"model": "m", "messages": USER, "stream": True}
+        ) as response:
+            seen = response.read()
+        assert seen.count(b"data: ") == 1 and b"[DONE]" not in seen
+
+
 def test_break_after_zero_truncates_a_plain_body(shared: FakeProvider) -> None:
     """x-fake-break-after: 0 on a non-stream answer sends headers, then drops the body."""
     with pytest.raises(httpx.RemoteProtocolError):

@@ -153,10 +153,21 @@ MESSAGE_STREAM_USAGE = Usage(25, 15)
 
 
 class Upstream:
-    """A respx side effect serving one SSE stream per request, optionally breaking mid-way."""
+    """A respx side effect serving one SSE stream per request, optionally breaking mid-way.
 
-    def __init__(self, events: list[bytes], *, sync: bool, break_at: int | None = None) -> None:
-        self.events = events
+    ``break_at`` raises a read error at that event; ``cut_at`` ends the body cleanly there
+    (an HTTP/1.0-style close-delimited stream whose connection closed early).
+    """
+
+    def __init__(
+        self,
+        events: list[bytes],
+        *,
+        sync: bool,
+        break_at: int | None = None,
+        cut_at: int | None = None,
+    ) -> None:
+        self.events = events[:cut_at]
         self.sync = sync
         self.break_at = break_at
         self.read_to_end = threading.Event()
@@ -590,6 +601,59 @@ def test_broken_sync_stream_raises_and_is_effect_unknown(ledger_path: str) -> No
     assert (call.stage, call.held) == ("effect_unknown", call.reserved_at_admission)
     assert nodes["default"].held == call.reserved_at_admission
     assert report.ok, report.problems
+
+
+@pytest.mark.parametrize(
+    ("url", "events", "cut_at"),
+    [
+        (OPENAI + "/v1/chat/completions", CHAT_STREAM, 3),
+        # Every event but [DONE]: even the usage chunk arrived, yet the stream is not over.
+        (OPENAI + "/v1/chat/completions", CHAT_STREAM, len(CHAT_STREAM) - 1),
+        (ANTHROPIC + "/v1/messages", MESSAGE_STREAM, len(MESSAGE_STREAM) - 1),
+    ],
+)
+async def test_stream_ending_cleanly_before_its_terminal_event_is_effect_unknown(
+    url: str, events: list[bytes], cut_at: int, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """An upstream EOF before [DONE]/message_stop is a broken stream: error, effect_unknown."""
+    body: dict[str, Any] = {"model": GPT, "messages": MESSAGES, "stream": True}
+    if url.startswith(ANTHROPIC):
+        body = {"model": CLAUDE, "max_tokens": 64, "messages": MESSAGES, "stream": True}
+    t = make_transport()
+    client = httpx.AsyncClient(transport=t)
+    seen = b""
+    with respx.mock() as mock:
+        mock.post(url).mock(side_effect=Upstream(events, sync=False, cut_at=cut_at))
+        with pytest.raises(httpx.RemoteProtocolError, match="unknown effect"):
+            async with client.stream("POST", url, json=body) as response:
+                async for chunk in response.aiter_raw():
+                    seen += chunk
+    assert seen == b"".join(events[:cut_at])  # what came before the cut was forwarded
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.effect, call.cost) == ("effect_unknown", "unknown", None)
+    assert (call.held, call.reserved) == (call.reserved_at_admission, 0)
+    kinds = [e.kind for e in await t.ledger.events(call.call_id)]
+    assert "attempt.interrupted" in kinds and "attempt.observed" not in kinds
+    await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_sdk_stream_cut_cleanly_before_done_raises_in_the_sdk(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """The openai SDK iterating a stream cut before [DONE] raises instead of ending cleanly."""
+    respx_mock.post("/v1/chat/completions").mock(
+        side_effect=Upstream(CHAT_STREAM, sync=False, cut_at=len(CHAT_STREAM) - 1)
+    )
+    t = make_transport()
+    stream = await async_openai(t).chat.completions.create(
+        model=GPT, messages=MESSAGES, stream=True
+    )
+    with pytest.raises(openai.APIConnectionError):
+        async for _ in stream:
+            pass
+    assert one(await t.ledger.calls()).stage == "effect_unknown"
+    await finish(t)
 
 
 # -- the SDKs' own retries ------------------------------------------------------------

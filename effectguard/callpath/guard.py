@@ -32,6 +32,7 @@ from effectguard.callpath.wire import (
     classify_transport_error,
     client_headers,
     replay_response,
+    timed_out,
     upstream_request,
 )
 from effectguard.config.settings import GuardSettings
@@ -444,7 +445,7 @@ class Guard:
             )
         await self.recorder.interrupt_attempt(admitted, _describe(exc))
         self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
-        timeout = isinstance(exc, httpx.TimeoutException)
+        timeout = timed_out(exc)
         raise refuse(
             504 if timeout else 502,
             "effect_unknown",

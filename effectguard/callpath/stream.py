@@ -4,7 +4,10 @@ observed and settled durably before the stream's terminal event is released.
 * The terminal chunk (``[DONE]``, ``message_stop`` …) is held back until the
   observation is committed, so a client that saw the end knows it is recorded.
 * A stream that breaks mid-way records ``attempt.interrupted`` (effect unknown)
-  and ends the client's stream with an error, never with a clean finish.
+  and ends the client's stream with an error, never with a clean finish. An end
+  of stream (EOF) before the terminal event is such a break, however cleanly the
+  upstream closed the connection: a close-delimited stream cut short looks clean
+  to HTTP, and only the event stream itself knows it is incomplete (SPEC §12).
 * A client that goes away (``aclose`` before the end) does not cancel the
   call: the upstream is read to its end in the background, then recorded and
   settled (SPEC §3.6).
@@ -62,14 +65,14 @@ class GuardedStream(httpx.AsyncByteStream):
             try:
                 chunk = await self._chunks.__anext__()
             except StopAsyncIteration:
+                if not self._parser.complete:
+                    await self._broken("ended before its terminal event")
+                    raise self._broken_error("ended before its terminal event") from None
                 await self._observe_or_fail()
                 return
             except httpx.TransportError as exc:
-                await self._broken(exc)
-                raise httpx.RemoteProtocolError(
-                    f"upstream stream broke; call {self._admitted.call_id} has an unknown "
-                    f"effect and will not be re-sent: {exc}"
-                ) from exc
+                await self._broken(str(exc))
+                raise self._broken_error(str(exc)) from exc
             offset = self._parser.fed
             self._take(chunk)
             if self._parser.finished:
@@ -119,16 +122,22 @@ class GuardedStream(httpx.AsyncByteStream):
         )
         recorder.crash.hit("after:observe")
 
-    async def _broken(self, exc: BaseException) -> None:
+    async def _broken(self, why: str) -> None:
         self._settled = True
         await self._upstream.aclose()
         self._report.upstream_s += time.perf_counter() - self._sent_at
         try:
-            await self._recorder.interrupt_attempt(self._admitted, f"stream broke: {exc}"[:300])
+            await self._recorder.interrupt_attempt(self._admitted, f"stream broke: {why}"[:300])
         finally:
             self._report.stage = self._report.outcome = "effect_unknown"
             self._report.error = "stream_broken"
             self._recorder.report(self._report)
+
+    def _broken_error(self, why: str) -> httpx.RemoteProtocolError:
+        return httpx.RemoteProtocolError(
+            f"upstream stream broke; call {self._admitted.call_id} has an unknown "
+            f"effect and will not be re-sent: {why}"
+        )
 
     async def aclose(self) -> None:
         """Settle the call: now if it ended, else in the background after the upstream ends."""

@@ -163,6 +163,18 @@ def classify_transport_error(exc: BaseException) -> SendOutcome:
     return "unknown"
 
 
+def timed_out(exc: BaseException) -> bool:
+    """Whether a transport error is a timeout (answered 504) rather than a failure (502).
+
+    The aiohttp-backed transport reports a server disconnect as ``ConnectTimeout``; its
+    original exception says whether time ran out (aiohttp's timeouts are ``TimeoutError``).
+    """
+    cause = exc.__cause__
+    if cause is not None and type(cause).__module__.startswith("aiohttp"):
+        return isinstance(cause, TimeoutError)
+    return isinstance(exc, httpx.TimeoutException)
+
+
 def _classify_aiohttp(exc: BaseException) -> SendOutcome:
     import aiohttp
 

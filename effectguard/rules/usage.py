@@ -238,6 +238,16 @@ class StreamUsage:
         return self._finished
 
     @property
+    def complete(self) -> bool:
+        """Whether the stream may end here: its terminal event was seen, or its API has none.
+
+        An end of stream before the terminal event is a broken stream, however cleanly the
+        connection closed (SPEC §12): a close-delimited response cut short looks complete
+        to HTTP.
+        """
+        return self._finished or not _TERMINAL[self._api]
+
+    @property
     def fed(self) -> int:
         """How many bytes of the stream have been fed."""
         return self._fed

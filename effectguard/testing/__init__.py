@@ -91,6 +91,7 @@ def fake_provider(
     idempotent: bool = False,
     error_status: int | None = None,
     break_after: int | None = None,
+    cut_stream_clean: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> Iterator[FakeProvider]:
     """Run a fake provider on a free port for the duration of the ``with`` block."""
@@ -105,6 +106,8 @@ def fake_provider(
         args += ["--error-status", str(error_status)]
     if break_after is not None:
         args += ["--break-after", str(break_after)]
+    if cut_stream_clean is not None:
+        args += ["--cut-stream-clean", str(cut_stream_clean)]
     args += extra_args
     # The child must import this very effectguard, installed or not.
     env = dict(os.environ)

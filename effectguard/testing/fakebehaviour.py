@@ -9,6 +9,10 @@ SPEC is ``;``-separated ``name=value`` items (a bare name means ``name=1``):
 ``drop``        read the request, write the receipt, then hang up: no response
 ``cut=K``       send K chunks (SSE events), then end the body *cleanly*: a
                 valid HTTP message whose stream lacks its terminal event
+``close=K``     send a stream close-delimited (no length, no chunking, as an
+                HTTP/1.0 server does), K chunks, then close the connection
+                cleanly (a FIN): to HTTP the body simply ended. A non-stream
+                answer is sent whole
 ``reset=K``     send K chunks, then reset the connection (TCP RST)
 ``id=X``        with ``times=N``: the behaviour applies to the first N requests
 ``times=N``     carrying ``id=X``; later ones get a plain answer, so a retry
@@ -46,8 +50,9 @@ __all__ = [
 BEHAVIOUR_HEADER = "x-fake-behaviour"
 TAG_HEADER = "x-fake-tag"
 
-#: How the answer ends: whole; no answer at all; a clean EOF, a FIN or a RST after K chunks.
-Ending = Literal["whole", "drop", "cut", "break", "reset"]
+#: How the answer ends: whole; no answer at all; a clean EOF, a FIN or a RST after K chunks;
+#: or a close-delimited stream closed cleanly after K chunks.
+Ending = Literal["whole", "drop", "cut", "break", "reset", "close"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +75,7 @@ class Behaviour:
             items.append(f"status={self.status}")
         if self.ending == "drop":
             items.append("drop")
-        elif self.ending in ("cut", "reset"):
+        elif self.ending in ("cut", "reset", "close"):
             items.append(f"{self.ending}={self.after}")
         if self.id is not None:
             items.append(f"id={self.id}")
@@ -86,16 +91,17 @@ def parse(text: str) -> Behaviour:
         name, _, value = item.strip().partition("=")
         if name:
             fields[name] = value or "1"
-    unknown = fields.keys() - {"delay", "status", "drop", "cut", "reset", "id", "times"}
+    unknown = fields.keys() - {"delay", "status", "drop", "cut", "reset", "close", "id", "times"}
     if unknown:
         raise ValueError(f"unknown behaviour items: {sorted(unknown)}")
     ending: Ending = "whole"
     after = 0
     if "drop" in fields:
         ending = "drop"
-    for name in ("cut", "reset"):
+    endings: tuple[Ending, ...] = ("cut", "reset", "close")
+    for name in endings:
         if name in fields:
-            ending, after = ("cut" if name == "cut" else "reset"), int(fields[name])
+            ending, after = name, int(fields[name])
     return Behaviour(
         delay=float(fields["delay"]) if "delay" in fields else None,
         status=int(fields["status"]) if "status" in fields else None,
@@ -142,6 +148,8 @@ async def _send(
     if ending == "drop":
         _hang_up(request, reset=False)
         return web.StreamResponse()  # never sent: the transport is closed
+    if ending == "close" and reply.stream:
+        return await _send_close_delimited(request, reply, after)
     if ending == "whole" or after >= len(chunks):
         if not reply.stream:
             return web.Response(
@@ -173,6 +181,33 @@ async def _send(
             await asyncio.sleep(0.001)
     _hang_up(request, reset=ending == "reset")
     return response  # aiohttp's write_eof then meets a closed transport, and stays quiet
+
+
+class _CloseDelimited(web.StreamResponse):
+    """A response whose body ends where the connection does: no length, no chunking.
+
+    aiohttp chunks an HTTP/1.1 body of unknown length; skipping its length check (as its
+    own WebSocketResponse does) leaves the framing to the connection's end, as an
+    HTTP/1.0 server (or a proxy that strips chunking) sends an event stream.
+    """
+
+    _length_check = False
+
+
+async def _send_close_delimited(
+    request: web.Request, reply: Reply, after: int
+) -> web.StreamResponse:
+    """Send the first ``after`` chunks close-delimited, then close the connection cleanly."""
+    response = _CloseDelimited(status=reply.status, headers={"Connection": "close"})
+    response.content_type = reply.content_type
+    await response.prepare(request)
+    for chunk in reply.chunks[:after]:
+        await response.write(chunk)
+    transport = request.transport
+    if transport is not None:
+        # close() (unlike abort()) flushes what was written, then sends a FIN.
+        transport.close()
+    return response
 
 
 def _hang_up(request: web.Request, *, reset: bool) -> None:

@@ -17,6 +17,9 @@ flag                 header                  effect
 ``--error-status N`` ``x-fake-status``       answer N with a provider-shaped error body
 ``--break-after K``  ``x-fake-break-after``  send K body chunks (SSE events), then drop
                                              the connection without the terminal event
+``--cut-stream-clean K``  (``close=K``)      send streams close-delimited (no length, no
+                                             chunking), K events, then close cleanly (a
+                                             FIN) without the terminal event
 ``--idempotent``     --                      Stripe-like dedup on ``Idempotency-Key``
 --                   ``x-fake-usage``        ``missing`` omits usage from the answer
 ===================  ======================  ==========================================
@@ -74,6 +77,7 @@ class FakeSettings:
     idempotent: bool = False
     error_status: int | None = None
     break_after: int | None = None
+    cut_stream_clean: int | None = None
 
 
 class ReceiptLog:
@@ -224,6 +228,10 @@ def _behaviour(headers: Any, settings: FakeSettings) -> Behaviour:
     status = _int_header(headers, "x-fake-status", settings.error_status)
     delay = _float_header(headers, "x-fake-delay", settings.delay)
     after = _int_header(headers, "x-fake-break-after", settings.break_after)
+    if after is None and settings.cut_stream_clean is not None:
+        return Behaviour(
+            delay=delay or None, status=status, ending="close", after=settings.cut_stream_clean
+        )
     return Behaviour(
         delay=delay or None,
         status=status,
@@ -263,6 +271,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--error-status", type=int, help="answer every POST with this status")
     parser.add_argument("--break-after", type=int, help="drop streams after K events")
+    parser.add_argument(
+        "--cut-stream-clean",
+        type=int,
+        metavar="K",
+        help="send streams without length or chunking and close cleanly after K events",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         idempotent=args.idempotent,
         error_status=args.error_status,
         break_after=args.break_after,
+        cut_stream_clean=args.cut_stream_clean,
     )
     asyncio.run(_serve(create_app(settings), args.host, args.port))
     return 0

@@ -1,0 +1,215 @@
+"""Upstream faults through a real ``effectguard serve``: each answer the ledger must not
+get wrong.
+
+* an upstream that reads the whole request and then drops the connection (aiohttp's
+  ``ServerDisconnectedError``): the effect is unknown, sent exactly once, never retried;
+* an event stream that ends cleanly (close-delimited, a FIN) before its terminal event:
+  a broken stream, never a completed call;
+* a provider 5xx on a keyed call: resent or refused as the declaration says, never
+  answered with a stored replay of the error.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import FakeProvider, fake_provider, running_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+MESSAGES = "/anthropic/v1/messages"
+CALL_ID = "effectguard-call-id"
+
+
+def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    """An OpenAI chat completion request body."""
+    return {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        **extra,
+    }
+
+
+def message(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    """An Anthropic Messages request body."""
+    return {
+        "model": "claude-haiku-4-5",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], ledger: Path, *args: str) -> Any:
+    """``effectguard ARGS --json`` run in-process, parsed; the command must succeed."""
+    capsys.readouterr()
+    assert cli_main([*args, "--json", "--ledger", str(ledger)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def call_of(capsys: pytest.CaptureFixture[str], ledger: Path, call_id: str) -> dict[str, Any]:
+    """One row of ``effectguard calls --json``."""
+    rows = {row["call_id"]: row for row in cli_json(capsys, ledger, "calls")}
+    return rows[call_id]
+
+
+def verified(capsys: pytest.CaptureFixture[str], ledger: Path) -> bool:
+    """Whether ``effectguard verify`` passes (hash chain, counters, projections)."""
+    capsys.readouterr()
+    return cli_main(["verify", "--ledger", str(ledger)]) == 0
+
+
+# -- an upstream that hangs up after reading the request ------------------------------------
+
+
+class HangUpUpstream:
+    """A real HTTP upstream that reads each whole request, counts it, then closes the socket.
+
+    No response byte is ever sent: to aiohttp (the proxy's upstream leg) this is
+    ``ServerDisconnectedError``, raised *after* the request went out.
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._lock = threading.Lock()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> HangUpUpstream:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.close()
+        self._thread.join(timeout=5)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed by __exit__
+            with conn:
+                if self._read_request(conn):
+                    with self._lock:
+                        self.received += 1
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            body += chunk
+        return True
+
+
+def test_upstream_hanging_up_after_the_request_is_effect_unknown_and_sent_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A disconnect after the whole request was read: 502 effect_unknown, one receipt, held."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        HangUpUpstream() as upstream,
+        running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy,
+    ):
+        answer = httpx.post(proxy.url + CHAT, json=chat(), timeout=30)
+        received = upstream.received
+    assert received == 1  # never retried: the provider may be working on it
+    assert answer.status_code == 502
+    error = answer.json()["error"]
+    assert (error["type"], error["stage"], error["next_operation"]) == (
+        "effect_unknown",
+        "effect_unknown",
+        "reconcile",
+    )
+    assert answer.headers["x-should-retry"] == "false"
+    call = call_of(capsys, ledger, answer.headers[CALL_ID])
+    assert (call["stage"], call["attempts"]) == ("effect_unknown", 1)
+    assert call["held_usd"] == call["reserved_usd"] != "0"
+    assert verified(capsys, ledger)
+
+
+# -- a stream that ends cleanly before its terminal event ------------------------------------
+
+
+@pytest.fixture
+def cutting(tmp_path: Path) -> Iterator[FakeProvider]:
+    """A fake provider that cuts every stream cleanly after two events."""
+    with fake_provider(tmp_path / "receipts.jsonl", cut_stream_clean=2) as fake:
+        yield fake
+
+
+@pytest.mark.parametrize(("path", "body"), [(CHAT, chat(stream=True)), (MESSAGES, message())])
+def test_stream_closed_cleanly_before_its_terminal_event_is_broken(
+    path: str,
+    body: dict[str, Any],
+    tmp_path: Path,
+    cutting: FakeProvider,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An upstream FIN before [DONE]/message_stop: the client's stream errors, effect_unknown."""
+    body = {**body, "stream": True}
+    ledger = tmp_path / "ledger.db"
+    seen = b""
+    with running_proxy(ledger, upstreams={"openai": cutting.url, "anthropic": cutting.url}) as px:
+        client = httpx.Client(base_url=px.url, timeout=30)
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            client.stream("POST", path, json=body) as response,
+        ):
+            call_id = response.headers[CALL_ID]
+            for chunk in response.iter_raw():
+                seen += chunk
+        client.close()
+    assert seen.count(b"data: ") == 2  # the two events before the cut were forwarded
+    assert b"[DONE]" not in seen and b"message_stop" not in seen
+    assert len(cutting.effects()) == 1
+    call = call_of(capsys, ledger, call_id)
+    assert (call["stage"], call["effect"], call["cost_usd"]) == ("effect_unknown", "unknown", None)
+    assert call["held_usd"] == call["reserved_usd"]
+    assert verified(capsys, ledger)
+
+
+def test_stream_that_ends_with_its_terminal_event_still_completes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A close-delimited stream that carries its terminal event is a completed call."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", cut_stream_clean=100) as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+        httpx.stream("POST", proxy.url + CHAT, json=chat(stream=True), timeout=30) as response,
+    ):
+        seen = response.read()
+        call_id = response.headers[CALL_ID]
+    assert seen.endswith(b"data: [DONE]\n\n")
+    assert call_of(capsys, ledger, call_id)["stage"] == "completed"
+    assert verified(capsys, ledger)
