@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from effectguard.providers import load_providers
 from effectguard.rules.admission import Decision, decide_keyed, decide_retry
-from effectguard.rules.workstate import STAGES, WorkState
+from effectguard.rules.events import AttemptStarted, BudgetReserved, CallManifest
+from effectguard.rules.settlement import Answer, settle
+from effectguard.rules.usage import UsageResult
+from effectguard.rules.workstate import STAGES, WorkState, work_state
 
 HASH = "h" * 64
 OTHER = "o" * 64
@@ -159,3 +163,78 @@ def test_retry_of_effect_unknown_call_is_refused(window: float | None) -> None:
 def test_retry_of_a_resolved_call_is_new_work(stage: str) -> None:
     """A retry matching only a resolved call is independent work (admitted)."""
     assert decide_retry(state(stage)).action == "admit"
+
+
+# -- a provider's error answer, from its declaration to the keyed resend (SPEC §12) ---------
+
+PROVIDERS = load_providers()
+
+
+def _after_answer(provider: str, status: int) -> WorkState:
+    """The call a keyed request left behind when the provider answered ``status``."""
+    declared = PROVIDERS[provider]
+    price = declared.price_for("gpt-4o-mini" if provider == "openai" else "claude-haiku-4-5")
+    assert price is not None
+    effect = declared.answer_effect(status)
+    answer = Answer(
+        status=status,
+        not_processed=effect == "none",
+        headers={},
+        body='{"error": {}}',
+        body_encoding="utf8",
+        result=UsageResult(None, "missing"),
+        effect_unknown=effect == "unknown",
+    )
+    admitted = [
+        CallManifest(
+            call="call_x",
+            request_hash=HASH,
+            provider=provider,
+            endpoint="/v1/x",
+            method="POST",
+            model=None,
+            idempotency_key="key-1",
+            budget="team",
+            budget_root="team",
+            effect_kind="billable",
+            body="{}",
+            at=CREATED,
+        ),
+        BudgetReserved(call="call_x", budget="team", amount=500),
+        AttemptStarted(call="call_x", attempt=1, worker="w", generation=1, at=CREATED),
+    ]
+    settled = settle("call_x", 1, "team", 500, price, answer, by="w")
+    return work_state([*admitted, *settled.events])
+
+
+TRANSIENT = [(p, s) for p in ("openai", "anthropic") for s in sorted(PROVIDERS[p].transient)]
+
+
+@pytest.mark.parametrize(("provider", "status"), TRANSIENT)
+def test_keyed_resend_after_a_declared_transient_status_is_never_a_replay(
+    provider: str, status: int
+) -> None:
+    """After a declared transient status a keyed resend is a new attempt or 409 effect_unknown."""
+    existing = _after_answer(provider, status)
+    decision = decide_keyed(existing, HASH, CREATED + 1)
+    meaning = PROVIDERS[provider].transient[status]
+    if meaning == "none":
+        assert existing.stage == "not_processed"
+        assert (decision.action, existing.reserved, existing.held) == ("attempt", 0, 0)
+    else:
+        assert existing.stage == "effect_unknown"
+        assert (existing.reserved, existing.held, existing.cost) == (0, 500, None)
+        assert_refused(decision, 409, "effect_unknown", existing)
+
+
+def test_bundled_declarations_name_the_documented_transient_statuses() -> None:
+    """OpenAI declares 500 and 503, Anthropic 500 and 529: each with a meaning."""
+    assert TRANSIENT == [("openai", 500), ("openai", 503), ("anthropic", 500), ("anthropic", 529)]
+
+
+@pytest.mark.parametrize(("provider", "status"), [("openai", 502), ("anthropic", 504)])
+def test_undeclared_error_status_is_failed_and_replayed(provider: str, status: int) -> None:
+    """An error status the provider does not declare is failed (applied) and replayed."""
+    existing = _after_answer(provider, status)
+    assert (existing.stage, existing.cost) == ("failed", 500)
+    assert decide_keyed(existing, HASH, CREATED + 1).action == "replay"

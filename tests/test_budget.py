@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 from effectguard.rules import budget
 from effectguard.rules.budget import BudgetNode, Delta, Exceeded, ancestors, check_admission
 from effectguard.rules.events import (
+    BudgetCorrected,
     BudgetHeld,
     BudgetLimitSet,
     BudgetReleased,
@@ -168,7 +169,26 @@ def test_deltas_follow_spec_section_5() -> None:
     assert budget.deltas(BudgetUnheld(call="c", budget="a", amount=7, spent=3)) == Delta(
         "a", held=-7, spent=3
     )
-    assert budget.deltas(BudgetLimitSet(path="a", limit=1)) is None
+    assert budget.deltas(BudgetCorrected(call="c", budget="a", settled=7, actual=2)) == Delta(
+        "a", spent=-5
+    )
+    assert budget.deltas(BudgetLimitSet(path="a", limit=None)) is None
+
+
+@pytest.mark.parametrize(("actual", "spent"), [(0, 0), (4, 4), (10, 10), (25, 25)])
+def test_reconciling_a_failed_call_sets_its_spending_to_the_decided_cost(
+    actual: int, spent: int
+) -> None:
+    """A failed call settled at its reservation R, corrected to C: spent is C on every node."""
+    nodes = budget.fold(
+        [
+            BudgetReserved(call="c", budget="a/b", amount=10),
+            BudgetSettled(call="c", budget="a/b", reserved=10, actual=10),
+            BudgetCorrected(call="c", budget="a/b", settled=10, actual=actual),
+        ]
+    )
+    assert nodes["a"] == BudgetNode("a", spent=spent)
+    assert nodes["a/b"] == BudgetNode("a/b", spent=spent)
 
 
 def test_fold_charges_every_ancestor() -> None:
@@ -265,6 +285,7 @@ class BudgetMachine(RuleBasedStateMachine):
 
     reservations = Bundle("reservations")
     holds = Bundle("holds")
+    failures = Bundle("failures")
 
     def __init__(self) -> None:
         super().__init__()
@@ -343,6 +364,25 @@ class BudgetMachine(RuleBasedStateMachine):
             BudgetSettled(call=f"c{res.n}", budget=res.path, reserved=res.amount, actual=actual)
         )
         self.spent_at[res.path] += actual
+
+    @rule(target=failures, res=consumes(reservations))
+    def fail(self, res: Reservation) -> Reservation:
+        """An error answer booked as applied (stage failed): settled at its reservation."""
+        self._close_reservation(res)
+        self.emit(
+            BudgetSettled(call=f"c{res.n}", budget=res.path, reserved=res.amount, actual=res.amount)
+        )
+        self.spent_at[res.path] += res.amount
+        return res
+
+    @rule(res=consumes(failures), cost=st.none() | st.integers(min_value=0, max_value=3_000))
+    def reconcile_failed(self, res: Reservation, cost: int | None) -> None:
+        """A failed call reconciled: not applied (None here) gives R back; applied sets C."""
+        actual = 0 if cost is None else cost
+        self.emit(
+            BudgetCorrected(call=f"c{res.n}", budget=res.path, settled=res.amount, actual=actual)
+        )
+        self.spent_at[res.path] += actual - res.amount
 
     @rule(res=consumes(reservations))
     def release(self, res: Reservation) -> None:

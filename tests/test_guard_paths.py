@@ -409,20 +409,73 @@ async def test_declared_not_processed_status_is_not_processed_and_released(
 async def test_undeclared_error_status_is_failed_not_retried_and_charged(
     respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """A 500 is stage failed (effect applied), not retried, and charged at the reservation."""
+    """A 502 (undeclared) is stage failed (effect applied), not retried, charged at reservation."""
     route = respx_mock.post("/v1/chat/completions").mock(
-        return_value=httpx.Response(500, json={"error": {"message": "boom"}})
+        return_value=httpx.Response(502, json={"error": {"message": "boom"}})
     )
     t = make_transport()
     client = httpx.AsyncClient(transport=t)
     r = await post(client)
-    assert r.status_code == 500
+    assert r.status_code == 502
     assert r.json() == {"error": {"message": "boom"}}
     assert route.call_count == 1
     call = await only_call(t)
     assert (call.stage, call.effect, call.attempts) == ("failed", "applied", 1)
     assert call.cost == call.reserved_at_admission
     assert (await node(t)).reserved == 0
+    await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_keyed_resend_after_a_transient_500_is_refused_effect_unknown_not_replayed(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """OpenAI declares 500 of unknown effect: held, the resend is 409 effect_unknown, not a 500."""
+    route = respx_mock.post("/v1/chat/completions").mock(
+        return_value=httpx.Response(500, json={"error": {"message": "boom"}})
+    )
+    t = make_transport()
+    client = httpx.AsyncClient(transport=t)
+    first = await post(client, key="k-500")
+    assert (first.status_code, first.json()) == (500, {"error": {"message": "boom"}})
+    call = await only_call(t)
+    assert (call.stage, call.status, call.cost) == ("effect_unknown", 500, None)
+    assert call.held == call.reserved_at_admission
+    budget = await node(t)
+    assert (budget.reserved, budget.spent, budget.held) == (0, 0, call.held)
+    again = await post(client, key="k-500")
+    assert again.status_code == 409
+    assert error_of(again)["type"] == "effect_unknown"
+    assert "effectguard-replayed" not in again.headers
+    assert route.call_count == 1
+    assert (await kinds(t, call.call_id))[-3:] == [
+        "attempt.observed",
+        "attempt.interrupted",
+        "budget.held",
+    ]
+    await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_keyed_resend_after_a_transient_503_is_a_new_attempt(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """OpenAI declares 503 of no effect: released, and the keyed resend is a new attempt."""
+    route = respx_mock.post("/v1/chat/completions").mock(
+        side_effect=[httpx.Response(503, json={"error": {"message": "slow down"}}), ok()]
+    )
+    t = make_transport()
+    client = httpx.AsyncClient(transport=t)
+    first = await post(client, key="k-503")
+    assert first.status_code == 503
+    call = await only_call(t)
+    assert (call.stage, call.reserved, call.held, call.cost) == ("not_processed", 0, 0, None)
+    again = await post(client, key="k-503")
+    assert again.status_code == 200 and "effectguard-replayed" not in again.headers
+    assert again.headers["effectguard-call-id"] == call.call_id
+    assert route.call_count == 2
+    call = await only_call(t)
+    assert (call.stage, call.attempts) == ("completed", 2)
     await finish(t)
 
 

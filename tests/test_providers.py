@@ -81,12 +81,29 @@ def test_bundled_openai() -> None:
     assert openai.models["text-embedding-3-small"].output == 0
 
 
+def test_bundled_transient_statuses_say_what_each_means_for_the_effect() -> None:
+    """OpenAI and Anthropic declare 500 effect-unknown and their overload statuses no-effect."""
+    providers = load_providers()
+    openai, anthropic = providers["openai"], providers["anthropic"]
+    assert dict(openai.transient) == {500: "unknown", 503: "none"}
+    assert [openai.answer_effect(s) for s in (200, 429, 500, 502, 503)] == [
+        "applied",
+        "none",
+        "unknown",
+        "applied",
+        "none",
+    ]
+    assert [anthropic.answer_effect(s) for s in (500, 529)] == ["unknown", "none"]
+
+
 def test_bundled_anthropic() -> None:
     """Anthropic uses x-api-key, retries 429 and 529, and prices cache reads and writes."""
     anthropic = load_providers()["anthropic"]
     assert (anthropic.key_header, anthropic.key_format) == ("x-api-key", "{key}")
     assert anthropic.api_key_env == "ANTHROPIC_API_KEY"
-    assert anthropic.not_processed == {400, 401, 403, 404, 413, 429, 529}
+    assert anthropic.not_processed == {400, 401, 403, 404, 413, 429}
+    assert dict(anthropic.transient) == {500: "unknown", 529: "none"}
+    assert anthropic.answer_effect(529) == "none"
     assert anthropic.retry_statuses == {429, 529}
     assert anthropic.idempotency is None
     for name in ("claude-sonnet-4-5", "claude-haiku-4-5", "claude-opus-4-5"):
@@ -309,6 +326,18 @@ def test_upstream_errors(upstreams: dict[str, str], message: str) -> None:
         ("not_processed = [400, 429]", "not_processed = [400, 700]", "not_processed"),
         ("not_processed = [400, 429]", 'not_processed = ["429"]', "not_processed"),
         ("retry_statuses = [429]", "retry_statuses = [429, 503]", "retry_statuses"),
+        ('dialect = "flat"', 'dialect = "flat"\n[transient]\n500 = "maybe"', "transient.500"),
+        ('dialect = "flat"', 'dialect = "flat"\n[transient]\n700 = "none"', "transient.700"),
+        ('dialect = "flat"', 'dialect = "flat"\n[transient]\nfive = "none"', "transient.five"),
+        ('dialect = "flat"', 'dialect = "flat"\ntransient = [500]', "transient"),
+        # A status has one meaning: not processed, or transient.
+        ('dialect = "flat"', 'dialect = "flat"\n[transient]\n429 = "none"', "transient.429"),
+        # Only an answer that proves nothing happened may be retried automatically.
+        (
+            "retry_statuses = [429]",
+            'retry_statuses = [429, 500]\n[transient]\n500 = "unknown"',
+            "retry_statuses",
+        ),
         ('prices_taken = "2026-11-29"', 'prices_taken = "last week"', "prices_taken"),
         ('prices_taken = "2026-11-29"', "", "prices_taken"),
         ('dialect = "flat"', 'dialect = "flat"\napi_key_env = "sk-abc123"', "api_key_env"),

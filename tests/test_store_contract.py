@@ -539,6 +539,58 @@ async def test_reconcile_not_applied_releases_the_hold(ledger: Ledger, w1: Write
     assert (again.action, again.attempt) == ("attempt", 2)
 
 
+def failure(call_id: str, budget: str, status: int = 502) -> list[Event]:
+    """An error answer the provider does not declare unprocessed: failed, settled at R."""
+    return [
+        dataclasses.replace(observed(call_id, status=status), usage=None, usage_problem="missing"),
+        BudgetSettled(call=call_id, budget=budget, reserved=R, actual=R),
+        CallCompleted(call=call_id, outcome="failed"),
+    ]
+
+
+@pytest.mark.parametrize(("cost", "spent"), [(250, 250), (None, R), (4_000, 4_000)])
+async def test_reconcile_applied_of_a_failed_call_sets_its_cost(
+    ledger: Ledger, w1: Writer, ns: str, cost: int | None, spent: int
+) -> None:
+    """A failed call reconciled applied with cost C (default: its charge): spent becomes C."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.record(w1, admitted.call_id, 1, failure(admitted.call_id, f"{ns}/run"))
+    assert await node(ledger, ns) == (None, 0, R, 0)
+    state = await ledger.reconcile(admitted.call_id, applied=True, cost=cost, note="n", by="ann")
+    assert (state.stage, state.effect, state.cost, state.status) == (
+        "reconciled_applied",
+        "applied",
+        spent,
+        502,
+    )
+    assert await node(ledger, ns) == (None, 0, spent, 0)
+    assert await node(ledger, f"{ns}/run") == (None, 0, spent, 0)
+    refused = await ledger.admit(w1, req(ns, key="k1"))
+    assert refused.refusal is not None and refused.refusal.type == "reconciled_applied"
+
+
+async def test_reconcile_not_applied_of_a_failed_call_refunds_it_and_frees_its_key(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A failed call reconciled not applied: its charge comes back, its key takes a new attempt."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.record(w1, admitted.call_id, 1, failure(admitted.call_id, f"{ns}/run"))
+    state = await ledger.reconcile(admitted.call_id, applied=False, note="n", by="ann")
+    assert (state.stage, state.next_operation, state.cost) == (
+        "reconciled_not_applied",
+        "resend",
+        0,
+    )
+    assert await node(ledger, ns) == (None, 0, 0, 0)
+    kinds = [e.kind for e in await ledger.events(admitted.call_id)]
+    assert kinds[-2:] == ["call.reconciled", "budget.corrected"]
+    again = await ledger.admit(w1, req(ns, key="k1"))
+    assert (again.action, again.call_id, again.attempt) == ("attempt", admitted.call_id, 2)
+    await ledger.record(w1, admitted.call_id, 2, completion(admitted.call_id, f"{ns}/run", 30, 2))
+    assert (await ledger.call(admitted.call_id)).stage == "completed"
+    assert await node(ledger, ns) == (None, 0, 30, 0)
+
+
 async def test_reconcile_refuses_calls_not_effect_unknown(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:

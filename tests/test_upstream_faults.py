@@ -213,3 +213,107 @@ def test_stream_that_ends_with_its_terminal_event_still_completes(
     assert seen.endswith(b"data: [DONE]\n\n")
     assert call_of(capsys, ledger, call_id)["stage"] == "completed"
     assert verified(capsys, ledger)
+
+
+# -- provider 5xx on a keyed call -----------------------------------------------------------
+
+
+def reconcile(
+    capsys: pytest.CaptureFixture[str], ledger: Path, call_id: str, *decision: str
+) -> int:
+    """``effectguard reconcile CALL DECISION --note ...`` in-process; its exit code."""
+    capsys.readouterr()
+    argv = ["reconcile", call_id, *decision, "--note", "checked the provider's logs"]
+    return cli_main([*argv, "--by", "test", "--ledger", str(ledger)])
+
+
+def spent(capsys: pytest.CaptureFixture[str], ledger: Path, path: str = "default") -> str:
+    """A budget node's ``spent_usd``."""
+    return {row["path"]: row for row in cli_json(capsys, ledger, "budgets")}[path]["spent_usd"]
+
+
+def test_keyed_resend_after_a_provider_500_is_refused_until_reconciled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--error-status 500: effect_unknown and held; the keyed resend is 409, never the stored 500.
+
+    Reconciled not applied, the key is free: the resend is a new attempt that completes.
+    """
+    ledger = tmp_path / "ledger.db"
+    key = {"Idempotency-Key": "order-500"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", error_status=500) as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+    ):
+        first = client.post(CHAT, json=chat(), headers=key)
+        assert first.status_code == 500  # the provider's own answer reaches the client
+        call_id = first.headers[CALL_ID]
+        call = call_of(capsys, ledger, call_id)
+        assert (call["stage"], call["cost_usd"]) == ("effect_unknown", None)
+        assert call["held_usd"] == call["reserved_usd"]
+        again = client.post(CHAT, json=chat(), headers=key)
+        assert again.status_code == 409
+        assert again.json()["error"]["type"] == "effect_unknown"
+        assert "effectguard-replayed" not in again.headers
+        assert len(fake.effects()) == 1
+        assert reconcile(capsys, ledger, call_id, "--not-applied") == 0
+        resent = client.post(CHAT, json=chat(), headers={**key, "x-fake-status": "200"})
+        assert resent.status_code == 200 and "effectguard-replayed" not in resent.headers
+        assert resent.headers[CALL_ID] == call_id
+        assert len(fake.effects()) == 2
+    call = call_of(capsys, ledger, call_id)
+    assert (call["stage"], call["attempts"], call["held_usd"]) == ("completed", 2, "0.000000000")
+    assert verified(capsys, ledger)
+
+
+def test_keyed_resend_after_a_provider_503_is_a_new_attempt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--error-status 503 (declared no effect): released; the keyed resend goes out again."""
+    ledger = tmp_path / "ledger.db"
+    key = {"Idempotency-Key": "order-503"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", error_status=503) as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+    ):
+        first = client.post(CHAT, json=chat(), headers=key)
+        assert first.status_code == 503
+        again = client.post(CHAT, json=chat(), headers={**key, "x-fake-status": "200"})
+        assert again.status_code == 200 and "effectguard-replayed" not in again.headers
+        assert again.headers[CALL_ID] == first.headers[CALL_ID]
+        assert len(fake.effects()) == 2
+    assert call_of(capsys, ledger, first.headers[CALL_ID])["stage"] == "completed"
+    assert verified(capsys, ledger)
+
+
+def test_a_failed_call_can_be_reconciled_and_its_key_freed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An undeclared 502 is failed and replayed; reconcile corrects its charge both ways."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", error_status=502) as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+    ):
+        freed = client.post(CHAT, json=chat("a"), headers={"Idempotency-Key": "a"})
+        charged = client.post(CHAT, json=chat("b"), headers={"Idempotency-Key": "b"})
+        assert (freed.status_code, charged.status_code) == (502, 502)
+        replay = client.post(CHAT, json=chat("a"), headers={"Idempotency-Key": "a"})
+        assert replay.headers["effectguard-replayed"] == "true"  # failed: applied, replayed
+        a, b = freed.headers[CALL_ID], charged.headers[CALL_ID]
+        assert [call_of(capsys, ledger, c)["stage"] for c in (a, b)] == ["failed", "failed"]
+        assert reconcile(capsys, ledger, a, "--not-applied") == 0
+        assert reconcile(capsys, ledger, b, "--applied", "--cost", "0.000001") == 0
+        assert spent(capsys, ledger) == "0.000001000"  # a gave its charge back; b costs C
+        resent = client.post(
+            CHAT, json=chat("a"), headers={"Idempotency-Key": "a", "x-fake-status": "200"}
+        )
+        assert resent.status_code == 200 and resent.headers[CALL_ID] == a
+        refused = client.post(CHAT, json=chat("b"), headers={"Idempotency-Key": "b"})
+        assert refused.json()["error"]["type"] == "reconciled_applied"
+        assert len(fake.effects()) == 3
+    assert reconcile(capsys, ledger, a, "--applied") == 3  # completed now: nothing to correct
+    assert verified(capsys, ledger)

@@ -16,6 +16,7 @@ from effectguard.rules.events import (
     AttemptNotSent,
     AttemptObserved,
     AttemptStarted,
+    BudgetCorrected,
     BudgetHeld,
     BudgetReleased,
     BudgetReserved,
@@ -27,7 +28,15 @@ from effectguard.rules.events import (
     CallRefused,
     Event,
 )
-from effectguard.rules.workstate import STAGE_TABLE, STAGES, TERMINAL, WorkState, apply, work_state
+from effectguard.rules.workstate import (
+    RECONCILABLE,
+    STAGE_TABLE,
+    STAGES,
+    TERMINAL,
+    WorkState,
+    apply,
+    work_state,
+)
 
 CALL = "call_1"
 R = 5_000
@@ -57,13 +66,16 @@ def started(attempt: int = 1, worker: str = "w1", at: float = 100.0) -> Event:
     return AttemptStarted(call=CALL, attempt=attempt, worker=worker, generation=1, at=at)
 
 
-def observed(status: int, *, attempt: int = 1, not_processed: bool = False) -> Event:
+def observed(
+    status: int, *, attempt: int = 1, not_processed: bool = False, effect_unknown: bool = False
+) -> Event:
     """attempt.observed for CALL."""
     return AttemptObserved(
         call=CALL,
         attempt=attempt,
         status=status,
         not_processed=not_processed,
+        effect_unknown=effect_unknown,
         usage={"input_tokens": 3, "output_tokens": 4},
         usage_problem=None,
         headers={"content-type": "application/json"},
@@ -273,13 +285,74 @@ def test_observation_of_an_older_attempt_is_ignored() -> None:
     assert work_state(events).stage == "in_flight"
 
 
-@pytest.mark.parametrize("stage", ["in_flight", "not_sent", "not_processed", "completed", "failed"])
+@pytest.mark.parametrize(
+    "stage",
+    ["refused", "in_flight", "not_sent", "not_processed", "completed", "reconciled_applied"],
+)
 @pytest.mark.parametrize("applied", [True, False])
-def test_reconcile_of_a_call_not_effect_unknown_changes_nothing(stage: str, applied: bool) -> None:
-    """call.reconciled only acts on effect_unknown; elsewhere the state is unchanged."""
+def test_reconcile_of_a_call_not_effect_unknown_or_failed_changes_nothing(
+    stage: str, applied: bool
+) -> None:
+    """call.reconciled only acts on effect_unknown and failed; elsewhere nothing changes."""
     events = ROWS[stage][0]
     before = work_state(events)
     assert work_state([*events, reconciled(applied)]) == before
+    assert {"effect_unknown", "failed"} == RECONCILABLE
+
+
+@pytest.mark.parametrize(
+    ("applied", "cost", "stage"),
+    [(False, 0, "reconciled_not_applied"), (True, 1_234, "reconciled_applied")],
+)
+def test_reconciling_a_failed_call_corrects_its_cost(applied: bool, cost: int, stage: str) -> None:
+    """A failed call reconciled: its stage follows the decision, its cost the correction."""
+    events = [
+        *ROWS["failed"][0],
+        reconciled(applied, cost),
+        BudgetCorrected(call=CALL, budget="team/run", settled=R, actual=cost),
+    ]
+    state = work_state(events)
+    assert (state.stage, state.cost, state.status) == (stage, cost, 500)
+    assert (state.reserved, state.held) == (0, 0)
+
+
+def test_failed_reconciled_not_applied_takes_a_new_attempt() -> None:
+    """Reconciled not applied frees the key: a new attempt goes in flight, and can complete."""
+    events = [
+        *ROWS["failed"][0],
+        reconciled(False),
+        BudgetCorrected(call=CALL, budget="team/run", settled=R, actual=0),
+        started(2),
+    ]
+    assert (work_state(events).stage, work_state(events).attempts) == ("in_flight", 2)
+    assert work_state([*events, observed(200, attempt=2)]).stage == "completed"
+
+
+def transient_unknown(attempt: int = 1) -> list[Event]:
+    """What the observation of a declared transient status of unknown effect records."""
+    return [
+        observed(500, attempt=attempt, effect_unknown=True),
+        AttemptInterrupted(call=CALL, attempt=attempt, reason="answered 500", by="w1"),
+        BudgetHeld(call=CALL, budget="team/run", amount=R),
+    ]
+
+
+def test_transient_status_of_unknown_effect_is_effect_unknown_and_held() -> None:
+    """A 500 declared 'unknown': effect_unknown, reserve held, its status kept, no cost."""
+    state = work_state([*admitted(), *transient_unknown()])
+    assert (state.stage, state.effect, state.next_operation) == (
+        "effect_unknown",
+        "unknown",
+        "reconcile",
+    )
+    assert (state.status, state.reserved, state.held, state.cost) == (500, 0, R, None)
+
+
+def test_observed_answer_of_unknown_effect_alone_leaves_the_call_in_flight() -> None:
+    """Only the attempt.interrupted recorded with it leads into effect_unknown (SPEC §6)."""
+    events = [*admitted(), observed(500, effect_unknown=True)]
+    assert work_state(events).stage == "in_flight"
+    assert work_state(events).status == 500
 
 
 def test_only_interrupted_leads_from_in_flight_to_effect_unknown() -> None:
@@ -337,6 +410,7 @@ call_events: st.SearchStrategy[Event] = st.one_of(
         st.sampled_from([200, 201, 400, 429, 500, 503]),
         attempt=attempts,
         not_processed=st.booleans(),
+        effect_unknown=st.booleans(),
     ),
     st.builds(interrupted, attempts),
     st.builds(lambda a: AttemptNotSent(call=CALL, attempt=a, reason="x"), attempts),
@@ -351,6 +425,11 @@ call_events: st.SearchStrategy[Event] = st.one_of(
     ),
     st.builds(
         lambda r, a: BudgetSettled(call=CALL, budget="team/run", reserved=r, actual=a),
+        amounts,
+        amounts,
+    ),
+    st.builds(
+        lambda s, a: BudgetCorrected(call=CALL, budget="team/run", settled=s, actual=a),
         amounts,
         amounts,
     ),
@@ -392,13 +471,22 @@ def test_stage_is_always_a_spec_stage(events: list[Event]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(valid_sequences)
 def test_terminal_rungs_are_never_left(events: list[Event]) -> None:
-    """Once a prefix is terminal, every longer prefix has the same stage."""
+    """Once a prefix is terminal, every longer prefix has the same stage.
+
+    The one way down: a ``failed`` call reconciled by a person (``call.reconciled``).
+    """
     state = WorkState()
     terminal_stage = None
     for event in events:
-        state = apply(state, event)
-        if terminal_stage is not None:
-            assert state.stage == terminal_stage
+        before, state = state, apply(state, event)
+        if terminal_stage == "failed" and state.stage != "failed":
+            assert isinstance(event, CallReconciled)
+            assert state.stage == (
+                "reconciled_applied" if event.applied else "reconciled_not_applied"
+            )
+            terminal_stage = state.stage if state.stage in TERMINAL else None
+        elif terminal_stage is not None:
+            assert state.stage == terminal_stage, (before.stage, event)
         elif state.stage in TERMINAL:
             terminal_stage = state.stage
 

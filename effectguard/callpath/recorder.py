@@ -72,13 +72,15 @@ class Recorder:
         """
         provider = prepared.provider
         text, encoding = encode_body(body)
+        effect = provider.answer_effect(status)
         answer = Answer(
             status=status,
-            not_processed=status in provider.not_processed,
+            not_processed=effect == "none",
             headers=storable_headers(headers.multi_items(), [provider.key_header]),
             body=text,
             body_encoding=encoding,
             result=result,
+            effect_unknown=effect == "unknown",
         )
         settled = settle(
             admitted.call_id,
@@ -87,6 +89,7 @@ class Recorder:
             prepared.reserve,
             prepared.price,
             answer,
+            by=admitted.writer.worker,
         )
         if settled.actual is not None:
             usage = settled.usage

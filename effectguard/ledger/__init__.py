@@ -111,7 +111,7 @@ class Ledger:
         cost: int | None = None,
         writer: Writer = OPERATOR,
     ) -> WorkState:
-        """Decide an effect-unknown call: applied (with cost) or not applied."""
+        """Decide an effect-unknown or failed call: applied (with cost) or not applied."""
         state: WorkState = await self.store.write(
             writer,
             lambda tx: operations.reconcile(

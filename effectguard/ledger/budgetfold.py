@@ -11,6 +11,7 @@ import dataclasses
 from effectguard.ledger.base import Tx
 from effectguard.rules import budget as budgets
 from effectguard.rules.events import (
+    BudgetCorrected,
     BudgetHeld,
     BudgetLimitSet,
     BudgetReleased,
@@ -21,7 +22,14 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.workstate import WorkState
 
-_LATER_BUDGET_EVENTS = (BudgetReserved, BudgetSettled, BudgetReleased, BudgetHeld, BudgetUnheld)
+_LATER_BUDGET_EVENTS = (
+    BudgetReserved,
+    BudgetSettled,
+    BudgetReleased,
+    BudgetHeld,
+    BudgetUnheld,
+    BudgetCorrected,
+)
 
 
 def in_admission_periods(event: Event, state: WorkState) -> Event:
@@ -52,4 +60,11 @@ def fold_budget(tx: Tx, tree: budgets.Tree, event: Event, changed: set[budgets.K
     changed.update(n.key for n in tree.apply(event))
 
 
-_LATER_BUDGET_EVENTS = (BudgetReserved, BudgetSettled, BudgetReleased, BudgetHeld, BudgetUnheld)
+_LATER_BUDGET_EVENTS = (
+    BudgetReserved,
+    BudgetSettled,
+    BudgetReleased,
+    BudgetHeld,
+    BudgetUnheld,
+    BudgetCorrected,
+)

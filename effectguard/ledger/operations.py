@@ -25,6 +25,7 @@ from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptObserved,
     AttemptStarted,
+    BudgetCorrected,
     BudgetHeld,
     BudgetLimitSet,
     BudgetReserved,
@@ -314,23 +315,39 @@ def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkStat
 def reconcile(
     tx: Tx, writer: Writer, call_id: str, *, applied: bool, cost: int | None, note: str, by: str
 ) -> WorkState:
-    """Record a person's (or lookup's) decision on an effect-unknown call."""
+    """Record a person's (or lookup's) decision on an effect-unknown or failed call.
+
+    An effect-unknown call's hold is released and the cost (default: the hold) spent. A
+    failed call was settled at its charge; the charge is corrected to the cost (default:
+    unchanged), or to nothing when not applied, which frees its key for a new attempt.
+    """
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
-    if state.stage != "effect_unknown":
+    if state.stage not in workstate.RECONCILABLE:
         raise ReconcileError(
-            f"call {call_id} is {state.stage}, not effect_unknown; nothing to reconcile",
+            f"call {call_id} is {state.stage}, not effect_unknown or failed; nothing to reconcile",
             call_id=call_id,
         )
     if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
         raise ReconcileError(
             f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
         )
-    spent = (state.held if cost is None else cost) if applied else 0
+    budget_event: Event
+    if state.stage == "failed":
+        settled = state.cost or 0
+        spent = (settled if cost is None else cost) if applied else 0
+        budget_event = BudgetCorrected(
+            call=call_id, budget=state.budget, settled=settled, actual=spent
+        )
+    else:
+        spent = (state.held if cost is None else cost) if applied else 0
+        budget_event = BudgetUnheld(
+            call=call_id, budget=state.budget, amount=state.held, spent=spent
+        )
     events: list[Event] = [
         CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
-        BudgetUnheld(call=call_id, budget=state.budget, amount=state.held, spent=spent),
+        budget_event,
     ]
     return append(tx, writer, events, {call_id: state})[call_id]
 

@@ -185,8 +185,10 @@ def _migrate_arguments(p: argparse.ArgumentParser) -> None:
 
 RECONCILE = Command(
     "reconcile",
-    "decide an effect-unknown call",
-    "Record whether an effect-unknown call took effect.",
+    "decide an effect-unknown or failed call",
+    "Record whether an effect-unknown call took effect, or correct a failed call (an error "
+    "answer booked as applied): --applied [--cost USD] sets what it cost, --not-applied "
+    "gives its charge back and frees its Idempotency-Key.",
     _reconcile_arguments,
 )
 BUDGET = Command("budget", "change a budget", "Change a budget node.", _budget_arguments)

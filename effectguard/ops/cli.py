@@ -9,7 +9,7 @@ the server nor the fake provider nor the benchmarks).
 
 Exit codes: 0 success; 1 a check failed (``verify``) or nothing matched; 2 bad
 usage or configuration; 3 the ledger refused (e.g. reconcile of a call that is
-not ``effect_unknown``); 4 the ledger is unavailable.
+neither ``effect_unknown`` nor ``failed``); 4 the ledger is unavailable.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date
 from decimal import Decimal, InvalidOperation
 from importlib import resources
@@ -32,11 +32,13 @@ from effectguard.rules.money import Nanos, usd_to_nanos
 from effectguard.rules.prices import ModelPrice
 
 __all__ = [
+    "AnswerEffect",
     "Dialect",
     "Endpoint",
     "IdempotencyGuarantee",
     "ModelPrice",
     "Provider",
+    "TransientEffect",
     "bundled_dir",
     "load_provider",
     "load_providers",
@@ -44,9 +46,15 @@ __all__ = [
 
 Dialect = Literal["openai", "anthropic", "flat"]
 Effect = Literal["read_only", "billable"]
+#: What a declared transient status means for the effect: "none" (the request was not
+#: worked on; resend) or "unknown" (it may have been; hold and reconcile).
+TransientEffect = Literal["none", "unknown"]
+#: What an answer's status means for the effect, by the declaration.
+AnswerEffect = Literal["applied", "none", "unknown"]
 
 _DIALECTS = ("openai", "anthropic", "flat")
 _EFFECTS = ("read_only", "billable")
+_TRANSIENT_EFFECTS = ("none", "unknown")
 _KEY_FORMATS = {"authorization": "Bearer {key}", "x-api-key": "{key}"}
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -58,8 +66,8 @@ _SNAPSHOT = re.compile(r"\d{4}-\d{2}-\d{2}|\d{8}|latest")
 _TOP_KEYS = frozenset(
     {
         "name", "extends", "base_url", "dialect", "api_key_env", "key_header", "key_format",
-        "prices_taken", "not_processed", "retry_statuses", "lookup", "idempotency",
-        "endpoints", "models",
+        "prices_taken", "not_processed", "retry_statuses", "transient", "lookup",
+        "idempotency", "endpoints", "models",
     }
 )  # fmt: skip
 _MODEL_KEYS = frozenset(
@@ -114,6 +122,18 @@ class Provider:
     lookup: str | None
     prices_taken: str
     source: str
+    transient: Mapping[int, TransientEffect] = field(default_factory=lambda: MappingProxyType({}))
+
+    def answer_effect(self, status: int) -> AnswerEffect:
+        """What an answer with ``status`` means for the effect, as the provider documents it.
+
+        "none" for a declared not-processed status or a transient one declared "none";
+        "unknown" for a transient status declared "unknown"; else "applied" (a success, or
+        an error the provider does not declare unprocessed: stage ``failed``).
+        """
+        if status in self.not_processed:
+            return "none"
+        return self.transient.get(status, "applied")
 
     def endpoint_for(self, method: str, path: str) -> Endpoint | None:
         """The declared endpoint for ``method path`` (path without query), or None if unknown.
@@ -277,10 +297,16 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
     if "{key}" not in key_format:
         raise fail("key_format", "must contain {key}")
     not_processed = _statuses(raw, "not_processed", fail)
+    transient = _transient(raw, fail)
+    both = sorted(not_processed & set(transient))
+    if both:
+        raise fail(f"transient.{both[0]}", "also in not_processed: a status has one meaning")
     retry = _statuses(raw, "retry_statuses", fail)
-    if not retry <= not_processed:
-        extra = ", ".join(str(s) for s in sorted(retry - not_processed))
-        raise fail("retry_statuses", f"{extra} not in not_processed")
+    # Only an answer that proves nothing happened may be retried automatically (SPEC §3.4).
+    unprocessed = not_processed | {s for s, e in transient.items() if e == "none"}
+    if not retry <= unprocessed:
+        extra = ", ".join(str(s) for s in sorted(retry - unprocessed))
+        raise fail("retry_statuses", f'{extra} not in not_processed (or transient "none")')
     lookup = _str(raw, "lookup", fail, default=None)
     if lookup is not None:
         try:
@@ -304,6 +330,7 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
         lookup=lookup,
         prices_taken=_prices_taken(raw, fail),
         source=source,
+        transient=MappingProxyType(transient),
     )
 
 
@@ -341,6 +368,22 @@ def _statuses(raw: Mapping[str, Any], key: str, fail: _Fail) -> frozenset[int]:
         if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
             raise fail(key, f"{status!r} is not an HTTP status (an integer 100-599)")
     return frozenset(value)
+
+
+def _transient(raw: Mapping[str, Any], fail: _Fail) -> dict[int, TransientEffect]:
+    """``[transient]``: documented transient statuses and what each means for the effect."""
+    table = raw.get("transient", {})
+    if not isinstance(table, dict):
+        raise fail("transient", 'must be a table of statuses: 500 = "unknown"')
+    result: dict[int, TransientEffect] = {}
+    for key, effect in table.items():
+        where = f"transient.{key}"
+        if not str(key).isdigit() or not 100 <= int(key) <= 599:
+            raise fail(where, "is not an HTTP status (an integer 100-599)")
+        if effect not in _TRANSIENT_EFFECTS:
+            raise fail(where, f"must be one of {', '.join(_TRANSIENT_EFFECTS)}")
+        result[int(key)] = cast(TransientEffect, effect)
+    return result
 
 
 def _prices_taken(raw: Mapping[str, Any], fail: _Fail) -> str:

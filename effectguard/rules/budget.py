@@ -19,6 +19,7 @@ from typing import Final
 
 from effectguard.rules import periods
 from effectguard.rules.events import (
+    BudgetCorrected,
     BudgetHeld,
     BudgetLimitSet,
     BudgetReleased,
@@ -184,6 +185,8 @@ def deltas(event: Event) -> Delta | None:
         return Delta(event.budget, reserved=-event.amount, held=event.amount, periods=event.periods)
     if isinstance(event, BudgetUnheld):
         return Delta(event.budget, held=-event.amount, spent=event.spent, periods=event.periods)
+    if isinstance(event, BudgetCorrected):
+        return Delta(event.budget, spent=event.actual - event.settled, periods=event.periods)
     return None
 
 

@@ -168,6 +168,22 @@ class BudgetUnheld(CallEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetCorrected(CallEvent):
+    """A reconcile corrects a settled charge: ``spent -= settled``, ``spent += actual``.
+
+    A ``failed`` call was settled at ``settled`` (its reservation); reconciled not applied,
+    ``actual`` is 0 and the money comes back; applied with cost C, ``actual`` is C.
+    """
+
+    kind: ClassVar[str] = "budget.corrected"
+    budget: str
+    settled: int
+    actual: int
+    #: The period of each ancestor budget that is not ``total``, fixed at admission.
+    periods: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BudgetLimitSet(Event):
     """An operator set a budget node's policy: its limit (``None``: none), period and rates."""
 
@@ -230,7 +246,13 @@ class AttemptNotSent(CallEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptObserved(CallEvent):
-    """The upstream answered; the response is stored exactly as received."""
+    """The upstream answered; the response is stored exactly as received.
+
+    ``not_processed``: the provider declares the status "not processed" (no effect).
+    ``effect_unknown``: the provider declares the status a transient server failure after
+    which the effect is unknown (e.g. a 500): the answer proves nothing either way, and an
+    ``attempt.interrupted`` is recorded with it.
+    """
 
     kind: ClassVar[str] = "attempt.observed"
     attempt: int
@@ -241,6 +263,7 @@ class AttemptObserved(CallEvent):
     headers: dict[str, str]
     body: str
     body_encoding: str = "utf8"
+    effect_unknown: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

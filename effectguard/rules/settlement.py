@@ -4,6 +4,8 @@ Given the attempt, its reservation, the model's prices and what the provider ans
 :func:`settle` returns the events of the observation transaction and the outcome:
 
 * a status the provider declares "not processed" releases the reservation;
+* a status the provider declares a transient failure of unknown effect holds it
+  (the call is ``effect_unknown`` until reconciled, never replayed);
 * any other answer settles: at the cost of believed usage, or at the reservation
   (flagged) when usage is missing, negative or absurd (including usage that would cost
   more than one call may: ``MAX_CALL_NANOS``), or the status is an error.
@@ -15,7 +17,9 @@ from dataclasses import dataclass
 
 from effectguard.rules import usage as usages
 from effectguard.rules.events import (
+    AttemptInterrupted,
     AttemptObserved,
+    BudgetHeld,
     BudgetReleased,
     BudgetSettled,
     CallCompleted,
@@ -35,6 +39,7 @@ class Answer:
     body: str
     body_encoding: str
     result: usages.UsageResult
+    effect_unknown: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +63,12 @@ def settle(
     reserve: Nanos,
     price: ModelPrice,
     answer: Answer,
+    by: str = "",
 ) -> Settlement:
-    """The events that record ``answer`` and settle (or release) the reservation."""
+    """The events that record ``answer`` and settle, release or hold the reservation.
+
+    ``by`` names the worker, for the ``attempt.interrupted`` of an unknown effect.
+    """
     result = answer.result
     ok = 200 <= answer.status < 300
     if (
@@ -80,11 +89,19 @@ def settle(
         headers=answer.headers,
         body=answer.body,
         body_encoding=answer.body_encoding,
+        effect_unknown=answer.effect_unknown and not answer.not_processed,
     )
     if answer.not_processed:
         released = BudgetReleased(call=call_id, budget=budget, amount=reserve)
         done = CallCompleted(call=call_id, outcome="not_processed")
         return Settlement((observed, released, done), "not_processed", None, None)
+    if observed.effect_unknown:
+        # Not completed: the call waits for a reconcile, as after a broken connection, and
+        # only attempt.interrupted leads into effect_unknown (SPEC §6).
+        why = f"the provider answered {answer.status}, declared transient with unknown effect"
+        interrupted = AttemptInterrupted(call=call_id, attempt=attempt, reason=why, by=by)
+        held = BudgetHeld(call=call_id, budget=budget, amount=reserve)
+        return Settlement((observed, interrupted, held), "effect_unknown", None, None)
     usage = result.usage if believed else None
     actual = usages.cost(price, usage) if usage is not None else reserve
     flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"

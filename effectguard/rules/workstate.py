@@ -7,7 +7,8 @@ through a recorded ``attempt.interrupted``.
 
 Terminal stages (``refused``, ``completed``, ``failed``, ``reconciled_applied``)
 are rungs a call never climbs down from: whatever follows, a completed call
-stays completed.
+stays completed. The one way down is ``call.reconciled`` on a ``failed`` call: a
+person decides whether its error answer had an effect (SPEC §12).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from effectguard.rules.events import (
     AttemptNotSent,
     AttemptObserved,
     AttemptStarted,
+    BudgetCorrected,
     BudgetHeld,
     BudgetReleased,
     BudgetReserved,
@@ -83,6 +85,9 @@ RESUMABLE: Final[frozenset[Stage]] = frozenset(
     {"not_sent", "not_processed", "reconciled_not_applied", "effect_unknown"}
 )
 UNRESOLVED: Final[frozenset[Stage]] = frozenset({"in_flight", "effect_unknown"})
+#: Stages a person (or a provider lookup) may correct with ``call.reconciled``: an unknown
+#: effect, and an error answer booked as applied that may have done nothing (SPEC §12).
+RECONCILABLE: Final[frozenset[Stage]] = frozenset({"effect_unknown", "failed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +151,6 @@ def replace(state: WorkState, **changes: Any) -> WorkState:
     return WorkState(*values)
 
 
-def _to(state: WorkState, stage: Stage) -> WorkState:
-    if state.stage in TERMINAL:
-        return state
-    return replace(state, stage=stage)
-
-
 def apply(state: WorkState, event: Event) -> WorkState:
     """Fold one event into ``state``. Events of other calls must not be passed."""
     fold = _FOLDS.get(type(event))
@@ -180,11 +179,15 @@ def _manifest(state: WorkState, event: CallManifest) -> WorkState:
 
 
 def _refused(state: WorkState, event: CallRefused) -> WorkState:
-    return state if state.attempts else _to(state, "refused")
+    # Only a call that never started an attempt is refused. Every terminal stage but
+    # ``refused`` itself has an attempt, so this never leaves a terminal rung (a guard for
+    # that here was dead code: mutation testing showed no test could tell).
+    return state if state.attempts else replace(state, stage="refused")
 
 
 def _reconciled(state: WorkState, event: CallReconciled) -> WorkState:
-    if state.stage != "effect_unknown":
+    # Reconciling climbs down from the terminal ``failed``: only a person does that.
+    if state.stage not in RECONCILABLE:
         return state
     return replace(state, stage="reconciled_applied" if event.applied else "reconciled_not_applied")
 
@@ -229,6 +232,10 @@ def _unheld(state: WorkState, event: BudgetUnheld) -> WorkState:
     )
 
 
+def _corrected(state: WorkState, event: BudgetCorrected) -> WorkState:
+    return replace(state, cost=(state.cost or 0) - event.settled + event.actual)
+
+
 # -- attempts: only the current, in-flight attempt's outcome moves the stage
 
 
@@ -255,6 +262,10 @@ def _not_sent(state: WorkState, event: AttemptNotSent) -> WorkState:
 def _observed(state: WorkState, event: AttemptObserved) -> WorkState:
     if not _current(state, event.attempt):
         return state
+    if event.effect_unknown and not event.not_processed:
+        # An answer that proves nothing (a declared transient status of unknown effect):
+        # the attempt.interrupted recorded with it makes the call effect_unknown.
+        return replace(state, status=event.status)
     stage: Stage
     if event.not_processed:
         stage = "not_processed"
@@ -279,6 +290,7 @@ _FOLDS: Final[dict[type[Any], Callable[[WorkState, Any], WorkState]]] = {
     BudgetSettled: _settled,
     BudgetHeld: _held,
     BudgetUnheld: _unheld,
+    BudgetCorrected: _corrected,
     AttemptStarted: _started,
     AttemptNotSent: _not_sent,
     AttemptObserved: _observed,
