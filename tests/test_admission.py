@@ -39,8 +39,16 @@ def assert_refused(decision: Decision, status: int, type_: str, existing: WorkSt
     assert refusal is not None
     assert (refusal.status, refusal.type) == (status, type_)
     assert refusal.call_id == existing.call_id
+    assert isinstance(refusal.message, str) and refusal.message  # SDKs show it to a person
     assert refusal.stage == existing.stage
     assert refusal.next_operation == existing.next_operation
+
+
+@pytest.mark.parametrize("stage", ["new", "refused"])
+def test_key_of_a_refused_call_admits_new_work(stage: str) -> None:
+    """A key whose call was refused before dispatch (or never written) is free: admit."""
+    decision = decide_keyed(state(stage), HASH, CREATED)
+    assert decision == Decision("admit")
 
 
 def test_new_key_is_admitted() -> None:

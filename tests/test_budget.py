@@ -213,6 +213,11 @@ def test_settle_overshoot_is_spent_in_full() -> None:
     assert BudgetSettled(call="c", budget="a", reserved=10, actual=4).overshoot == 0
 
 
+def test_limit_set_on_a_new_path_creates_that_node() -> None:
+    """budget.limit_set on a path never seen creates the node at that path, counters zero."""
+    assert budget.fold([BudgetLimitSet(path="a/b", limit=5)]) == {"a/b": BudgetNode("a/b", limit=5)}
+
+
 def test_limit_set_keeps_counters_and_can_be_cleared() -> None:
     """budget.limit_set changes only the limit; None clears it."""
     nodes = budget.fold(

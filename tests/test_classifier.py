@@ -85,3 +85,6 @@ def test_a_non_aiohttp_cause_does_not_override_the_httpx_class() -> None:
     assert classify_transport_error(reset) == "unknown"
     slow = _mapped(TimeoutError(), httpx.ReadTimeout)
     assert (classify_transport_error(slow), timed_out(slow)) == ("unknown", True)
+    # The httpx class decides whether time ran out, whatever non-aiohttp cause it carries.
+    assert timed_out(_mapped(ConnectionResetError(104, "reset"), httpx.ReadTimeout)) is True
+    assert timed_out(_mapped(TimeoutError(), httpx.ConnectError)) is False

@@ -211,6 +211,13 @@ def test_unbelievable_usage_is_flagged_but_kept(usage: dict[str, Any], problem: 
     assert result.usage is not None and not result.believed
 
 
+def test_only_read_and_sane_usage_is_believed() -> None:
+    """believed needs both: usage that was read, and no problem with it."""
+    assert UsageResult(Usage(1, 1), None).believed
+    assert not UsageResult(Usage(1, 1), "negative").believed
+    assert not UsageResult(None, None).believed
+
+
 def test_check_usage_rules() -> None:
     """check_usage believes sane usage and names each SPEC §3.5 violation."""
     assert check_usage(Usage(10, 5, 4, 6)) is None
@@ -450,6 +457,108 @@ def test_stream_ignores_comments_and_garbage() -> None:
     assert parser.result() == UsageResult(Usage(19, 10), None)
 
 
+# --- stream terminal detection (each test below kills a mutant; see docs/testing.md) -------
+
+
+@pytest.mark.parametrize(("dialect", "path", "stream", "expected"), STREAMS)
+def test_stream_is_complete_only_at_its_terminal_event(
+    dialect: str, path: str, stream: bytes, expected: UsageResult
+) -> None:
+    """complete is False until the terminal event, then True; terminal_at is None until then."""
+    parser = StreamUsage(dialect, path)
+    assert (parser.finished, parser.complete, parser.terminal_at) == (False, False, None)
+    parser.feed(stream[:-1])
+    assert (parser.finished, parser.complete, parser.terminal_at) == (False, False, None)
+    parser.feed(stream[-1:])
+    assert (parser.finished, parser.complete) == (True, True)
+
+
+def test_a_flat_stream_has_no_terminal_event_and_may_end_anywhere() -> None:
+    """A flat (per-call) provider declares no terminal event: its EOF is its end; zero tokens."""
+    parser = StreamUsage("flat", "/v1/send")
+    assert (parser.finished, parser.complete) == (False, True)
+    parser.feed(b"data: {}\n\n")
+    assert parser.result() == UsageResult(Usage(0, 0), None)
+
+
+def test_terminal_at_marks_the_terminal_event_even_as_the_first_event() -> None:
+    """A stream that is only [DONE] has its terminal event at offset 0."""
+    parser = feed_all("openai", "/v1/chat/completions", [b"data: [DONE]\n\n"])
+    assert (parser.finished, parser.terminal_at) == (True, 0)
+
+
+def test_events_after_the_terminal_event_do_not_move_it() -> None:
+    """terminal_at stays at the first terminal event whatever follows it."""
+    done = b"data: [DONE]\n\n"
+    parser = feed_all("openai", "/v1/chat/completions", [done + sse(chat_chunk("late"))])
+    assert parser.terminal_at == 0
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/responses?stream=true", "/v1/responses/", "/v1/responses?a=?b"]
+)
+def test_the_responses_terminal_event_is_found_whatever_the_query_or_slash(path: str) -> None:
+    """A query string or a trailing slash does not hide the Responses API's terminal events."""
+    parser = feed_all("openai", path, [RESPONSES_STREAM])
+    assert parser.finished
+    assert parser.result() == UsageResult(Usage(1500, 42, 1280), None)
+
+
+def test_data_without_a_space_and_split_over_lines_is_read() -> None:
+    """``data:`` without a space, and one event's data over two lines, are one JSON document."""
+    stream = b'data:{"type":"message_start","message":{"usage":{"input_tokens":3}}}\n\n'
+    stream += b'data: {"type":"message_delta",\ndata: "usage":{"output_tokens":4}}\n\n'
+    stream += b'data:{"type":"message_stop"}\n\n'
+    parser = feed_all("anthropic", "/v1/messages", [stream])
+    assert parser.finished
+    assert parser.result() == UsageResult(Usage(3, 4), None)
+
+
+@pytest.mark.parametrize(
+    ("usage", "problem"),
+    [(5, "missing"), ({"prompt_tokens": "x", "completion_tokens": 1}, "malformed")],
+)
+def test_unreadable_stream_usage_is_not_believed(usage: object, problem: str) -> None:
+    """Chat stream usage that is not an object, or not integers, is missing or malformed."""
+    stream = sse(chat_chunk(None, {"prompt_tokens": 1, "completion_tokens": 1}))
+    stream += sse(chat_chunk(None, usage), "[DONE]")  # type: ignore[arg-type]
+    assert feed_all("openai", "/v1/chat/completions", [stream]).result() == UsageResult(
+        None, problem
+    )
+
+
+def test_responses_usage_is_read_with_the_responses_field_names() -> None:
+    """A Responses terminal event carrying chat field names has no readable usage."""
+    event = {
+        "type": "response.completed",
+        "response": {"usage": {"prompt_tokens": 5, "completion_tokens": 6}},
+    }
+    assert feed_all("openai", "/v1/responses", [sse(event)]).result().problem == "missing"
+
+
+@pytest.mark.parametrize(
+    ("delta", "problem"),
+    [
+        ({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}, "missing"),
+        ({"type": "message_delta", "usage": {"input_tokens": 9}}, "missing"),
+        ({"type": "message_delta", "usage": {"output_tokens": "7"}}, "malformed"),
+    ],
+)
+def test_anthropic_stream_needs_the_output_count_from_message_delta(
+    delta: dict[str, Any], problem: str
+) -> None:
+    """Without a readable output count in message_delta, Anthropic stream usage is not believed."""
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 3, "output_tokens": 1}}}
+    stream = sse(start, delta, {"type": "message_stop"})
+    assert feed_all("anthropic", "/v1/messages", [stream]).result() == UsageResult(None, problem)
+
+
+def test_anthropic_stream_without_message_start_is_missing() -> None:
+    """A message_delta without a message_start (no input counts) is not believed."""
+    stream = sse({"type": "message_delta", "usage": {"output_tokens": 3}}, {"type": "message_stop"})
+    assert feed_all("anthropic", "/v1/messages", [stream]).result() == UsageResult(None, "missing")
+
+
 # --- cost ------------------------------------------------------------------------------------
 
 SONNET = ModelPrice(
@@ -650,3 +759,63 @@ def test_with_stream_usage_adds_include_usage() -> None:
 def test_with_stream_usage_no_change(dialect: str, path: str, request_body: dict[str, Any]) -> None:
     """Requests that already get usage in their stream (or do not stream) are left alone."""
     assert with_stream_usage(dialect, path, request_body) is None
+
+
+# --- reservation inputs the mutation run found untested (see docs/testing.md) -------------
+
+#: One nano-dollar per input byte and per output token: R reads as bytes + tokens.
+UNIT = ModelPrice(input=1_000_000, output=1_000_000, max_output_tokens=100)
+
+
+def test_estimate_counts_a_legacy_prompt_and_legacy_functions() -> None:
+    """A completions ``prompt`` and the legacy ``functions`` list are input, like messages."""
+    functions = [{"name": "f", "parameters": {}}]
+    request = {"prompt": "x" * 40, "functions": functions, "max_tokens": 0}
+    size = len(json.dumps(functions, separators=(",", ":")))
+    assert estimate(UNIT, request) == 40 + size
+
+
+def test_estimate_counts_an_assistant_messages_tool_calls() -> None:
+    """The tool calls an assistant message carries are input (their JSON), beside its text."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    message = {"role": "assistant", "content": "ok", "tool_calls": calls}
+    size = len(json.dumps(calls, separators=(",", ":")))
+    assert estimate(UNIT, {"messages": [message], "max_tokens": 0}) == 2 + size
+
+
+def test_estimate_counts_token_ids_and_odd_values() -> None:
+    """Token ids count one each; a value of no known shape counts as its JSON."""
+    assert estimate(UNIT, {"prompt": [12345, 67890], "max_tokens": 0}) == 2
+    assert estimate(UNIT, {"prompt": False, "max_tokens": 0}) == len("false")
+
+
+def test_estimate_best_of_multiplies_the_output_bound() -> None:
+    """Legacy ``best_of`` candidates are each generated and billed, like ``n`` choices."""
+    assert estimate(UNIT, {"prompt": "", "max_tokens": 10, "best_of": 3}) == 30
+    assert estimate(UNIT, {"prompt": "", "max_tokens": 10, "n": 2, "best_of": 3}) == 30
+
+
+def test_body_usage_shape_follows_its_field_names() -> None:
+    """Chat names (prompt_tokens) win when present; input/output names are read otherwise."""
+    both = {"usage": {"prompt_tokens": 5, "completion_tokens": 6, "input_tokens": 99}}
+    assert usage_from_body("openai", "/v1/chat/completions", json.dumps(both).encode()) == (
+        UsageResult(Usage(5, 6), None)
+    )
+    images = {"usage": {"input_tokens": 7, "output_tokens": 8}}
+    assert usage_from_body("openai", "/v1/images/generations", json.dumps(images).encode()) == (
+        UsageResult(Usage(7, 8), None)
+    )
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/chat/completions?stream=true", "/v1/chat/completions/", "/v1/chat/completions?a=?b"],
+)
+def test_with_stream_usage_sees_the_endpoint_through_query_and_slash(path: str) -> None:
+    """A query string or trailing slash does not stop the include_usage rewrite."""
+    request = {"model": "m", "stream": True, "stream_options": "not an object"}
+    assert with_stream_usage("openai", path, request) == {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }

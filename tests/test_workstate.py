@@ -201,7 +201,10 @@ def test_no_events_is_new() -> None:
 
 def test_manifest_fields_are_projected() -> None:
     """The manifest's identity fields land in the state; money counters follow budget events."""
+    assert work_state([manifest(window=3600.0)]).idempotency_window_s == 3600.0
     state = work_state(admitted())
+    assert state.idempotency_window_s is None
+    assert state.last_attempt_at == 100.0
     assert state.idempotency_key == "k1"
     assert state.request_hash == "h1"
     assert state.provider == "openai"
@@ -220,6 +223,55 @@ def test_effect_unknown_moves_reservation_to_held() -> None:
     """An interrupted call with its hold has nothing reserved and R held."""
     state = work_state(effect_unknown())
     assert (state.reserved, state.held) == (0, R)
+
+
+@pytest.mark.parametrize(
+    ("stage", "cost"), [("reconciled_applied", R), ("reconciled_not_applied", 0)]
+)
+def test_reconciled_call_has_its_decided_cost_and_nothing_held(stage: str, cost: int) -> None:
+    """A reconcile releases the hold to exactly zero and sets the cost it decided."""
+    state = work_state(ROWS[stage][0])
+    assert (state.held, state.cost, state.reserved) == (0, cost, 0)
+
+
+def test_settlement_flag_is_kept() -> None:
+    """A settlement's flag (usage not believed) stays on the call, even after a later one."""
+    flagged = BudgetSettled(call=CALL, budget="team/run", reserved=R, actual=R, flagged="usage")
+    plain = BudgetSettled(call=CALL, budget="team/run", reserved=0, actual=0)
+    assert work_state([*admitted(), flagged]).flagged == "usage"
+    assert work_state([*admitted(), flagged, plain]).flagged == "usage"
+    assert work_state([*admitted(), plain]).flagged is None
+
+
+def test_correcting_a_charge_of_zero() -> None:
+    """A failed call settled at 0 (a free model) and corrected to C costs exactly C."""
+    events = [
+        *admitted(),
+        observed(500),
+        BudgetSettled(call=CALL, budget="team/run", reserved=R, actual=0),
+        reconciled(True, 7),
+        BudgetCorrected(call=CALL, budget="team/run", settled=0, actual=7),
+    ]
+    assert work_state(events).cost == 7
+
+
+def test_a_second_attempt_started_while_one_is_in_flight_is_ignored() -> None:
+    """attempt.started during an in-flight attempt does not replace it (one attempt at a time)."""
+    state = work_state([*admitted(), started(2, worker="w2", at=200.0)])
+    assert (state.stage, state.attempts, state.worker, state.last_attempt_at) == (
+        "in_flight",
+        1,
+        "w1",
+        100.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "stage"), [(200, "completed"), (299, "completed"), (300, "failed")]
+)
+def test_only_2xx_completes(status: int, stage: str) -> None:
+    """A 2xx answer completes the call; a 3xx (redirects are not followed) is failed."""
+    assert work_state([*admitted(), observed(status)]).stage == stage
 
 
 def test_completed_records_status_and_cost() -> None:
