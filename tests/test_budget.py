@@ -31,6 +31,7 @@ from effectguard.rules.events import (
     CallManifest,
     Event,
 )
+from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS
 
 # -- paths ---------------------------------------------------------------------
 
@@ -211,6 +212,26 @@ def test_settle_overshoot_is_spent_in_full() -> None:
     assert nodes.node("a") == BudgetNode("a", reserved=0, spent=25)
     assert settled.overshoot == 15
     assert BudgetSettled(call="c", budget="a", reserved=10, actual=4).overshoot == 0
+
+
+def test_one_call_may_reserve_exactly_the_per_call_bound() -> None:
+    """MAX_CALL_NANOS fits on an empty unlimited tree; one nano more is refused."""
+    assert check_admission({}, "a/b", MAX_CALL_NANOS) is None
+    refused = check_admission({}, "a/b", MAX_CALL_NANOS + 1)
+    assert refused is not None and refused.path == "a"
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, MAX_NANOS])
+def test_a_limit_a_counter_can_hold_is_valid(limit: int | None) -> None:
+    """validate_limit accepts no limit and 0..MAX_NANOS."""
+    assert budget.validate_limit(limit) == limit
+
+
+@pytest.mark.parametrize("limit", [-1, MAX_NANOS + 1])
+def test_a_limit_no_counter_can_hold_is_refused(limit: int) -> None:
+    """validate_limit refuses a negative limit and one past MAX_NANOS."""
+    with pytest.raises(ValueError, match="between 0 and"):
+        budget.validate_limit(limit)
 
 
 def test_limit_set_on_a_new_path_creates_that_node() -> None:

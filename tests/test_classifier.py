@@ -88,3 +88,15 @@ def test_a_non_aiohttp_cause_does_not_override_the_httpx_class() -> None:
     # The httpx class decides whether time ran out, whatever non-aiohttp cause it carries.
     assert timed_out(_mapped(ConnectionResetError(104, "reset"), httpx.ReadTimeout)) is True
     assert timed_out(_mapped(TimeoutError(), httpx.ConnectError)) is False
+
+
+def test_the_deliberately_broken_build_books_a_disconnect_as_not_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EFFECTGUARD_TEST_BREAK (the simulator's known-wrong build) flips exactly this row."""
+    disconnect = _mapped(aiohttp.ServerDisconnectedError(), httpx.ConnectTimeout)
+    monkeypatch.setenv("EFFECTGUARD_TEST_BREAK", "classify_disconnect_as_not_sent")
+    assert classify_transport_error(disconnect) == "not_sent"
+    assert classify_transport_error(httpx.ReadError("reset")) == "unknown"
+    monkeypatch.delenv("EFFECTGUARD_TEST_BREAK")
+    assert classify_transport_error(disconnect) == "unknown"

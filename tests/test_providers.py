@@ -94,6 +94,8 @@ def test_bundled_transient_statuses_say_what_each_means_for_the_effect() -> None
         "none",
     ]
     assert [anthropic.answer_effect(s) for s in (500, 529)] == ["unknown", "none"]
+    assert anthropic.no_effect_statuses == {400, 401, 403, 404, 413, 429, 529}
+    assert openai.no_effect_statuses == {400, 401, 403, 404, 422, 429, 503}
 
 
 def test_bundled_anthropic() -> None:

@@ -124,6 +124,11 @@ class Provider:
     source: str
     transient: Mapping[int, TransientEffect] = field(default_factory=lambda: MappingProxyType({}))
 
+    @property
+    def no_effect_statuses(self) -> frozenset[int]:
+        """Statuses that prove the request did nothing: not processed, or transient "none"."""
+        return self.not_processed | {s for s, e in self.transient.items() if e == "none"}
+
     def answer_effect(self, status: int) -> AnswerEffect:
         """What an answer with ``status`` means for the effect, as the provider documents it.
 
@@ -303,9 +308,9 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
         raise fail(f"transient.{both[0]}", "also in not_processed: a status has one meaning")
     retry = _statuses(raw, "retry_statuses", fail)
     # Only an answer that proves nothing happened may be retried automatically (SPEC §3.4).
-    unprocessed = not_processed | {s for s, e in transient.items() if e == "none"}
-    if not retry <= unprocessed:
-        extra = ", ".join(str(s) for s in sorted(retry - unprocessed))
+    no_effect = not_processed | {s for s, e in transient.items() if e == "none"}
+    if not retry <= no_effect:
+        extra = ", ".join(str(s) for s in sorted(retry - no_effect))
         raise fail("retry_statuses", f'{extra} not in not_processed (or transient "none")')
     lookup = _str(raw, "lookup", fail, default=None)
     if lookup is not None:
