@@ -24,11 +24,7 @@ _COMMITTED = "return self.spent + self.reserved + self.held"
 _ROOM = "return max(0, self.limit - self.committed)"
 _COMPLETE = "return self._finished or not _TERMINAL[self._api]"
 _BELIEVED = "return self.usage is not None and self.problem is None"
-_REFUSED = (
-    "        if state.attempts:\n"
-    "            return state\n"
-    '        return replace(state, stage="refused")'
-)
+_REFUSED = 'return state if state.attempts else replace(state, stage="refused")'
 
 #: (file, original text, mutated text)
 MUTANTS: tuple[tuple[str, str, str], ...] = (
@@ -65,7 +61,7 @@ MUTANTS: tuple[tuple[str, str, str], ...] = (
         "return STAGE_TABLE[self.stage][0]",
     ),
     # The terminal-stage guard once in workstate._to lives on as this attempts check.
-    ("effectguard/rules/workstate.py", _REFUSED, '        return replace(state, stage="refused")'),
+    ("effectguard/rules/workstate.py", _REFUSED, 'return replace(state, stage="refused")'),
 )
 
 
