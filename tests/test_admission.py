@@ -7,6 +7,7 @@ import pytest
 from effectguard.providers import load_providers
 from effectguard.rules.admission import Decision, decide_keyed, decide_retry
 from effectguard.rules.events import AttemptStarted, BudgetReserved, CallManifest
+from effectguard.rules.guidance import show_command
 from effectguard.rules.settlement import Answer, settle
 from effectguard.rules.usage import UsageResult
 from effectguard.rules.workstate import STAGES, WorkState, work_state
@@ -40,6 +41,8 @@ def assert_refused(decision: Decision, status: int, type_: str, existing: WorkSt
     assert (refusal.status, refusal.type) == (status, type_)
     assert refusal.call_id == existing.call_id
     assert isinstance(refusal.message, str) and refusal.message  # SDKs show it to a person
+    # ... and it names the command that shows this very call (so the exception text is enough).
+    assert show_command(existing.call_id) in refusal.message
     assert refusal.stage == existing.stage
     assert refusal.next_operation == existing.next_operation
 
