@@ -188,8 +188,8 @@ def test_reconciling_a_failed_call_sets_its_spending_to_the_decided_cost(
             BudgetCorrected(call="c", budget="a/b", settled=10, actual=actual),
         ]
     )
-    assert nodes["a"] == BudgetNode("a", spent=spent)
-    assert nodes["a/b"] == BudgetNode("a/b", spent=spent)
+    assert nodes.node("a") == BudgetNode("a", spent=spent)
+    assert nodes.node("a/b") == BudgetNode("a/b", spent=spent)
 
 
 def test_fold_charges_every_ancestor() -> None:
@@ -236,7 +236,8 @@ def test_a_limit_no_counter_can_hold_is_refused(limit: int) -> None:
 
 def test_limit_set_on_a_new_path_creates_that_node() -> None:
     """budget.limit_set on a path never seen creates the node at that path, counters zero."""
-    assert budget.fold([BudgetLimitSet(path="a/b", limit=5)]) == {"a/b": BudgetNode("a/b", limit=5)}
+    tree = budget.fold([BudgetLimitSet(path="a/b", limit=5)])
+    assert tree.node("a/b") == BudgetNode("a/b", limit=5)
 
 
 def test_limit_set_keeps_counters_and_can_be_cleared() -> None:
