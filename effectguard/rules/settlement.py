@@ -56,6 +56,16 @@ class Settlement:
     usage: usages.Usage | None
 
 
+def _held(observed: AttemptObserved, budget: str, reserve: Nanos, by: str) -> Settlement:
+    """An answer of unknown effect: not completed; the call waits for a reconcile, as after
+    a broken connection, and only attempt.interrupted leads into effect_unknown (SPEC §6)."""
+    call_id, status = observed.call, observed.status
+    why = f"the provider answered {status}, declared transient with unknown effect"
+    interrupted = AttemptInterrupted(call=call_id, attempt=observed.attempt, reason=why, by=by)
+    held = BudgetHeld(call=call_id, budget=budget, amount=reserve)
+    return Settlement((observed, interrupted, held), "effect_unknown", None, None)
+
+
 def settle(
     call_id: str,
     attempt: int,
@@ -96,12 +106,7 @@ def settle(
         done = CallCompleted(call=call_id, outcome="not_processed")
         return Settlement((observed, released, done), "not_processed", None, None)
     if observed.effect_unknown:
-        # Not completed: the call waits for a reconcile, as after a broken connection, and
-        # only attempt.interrupted leads into effect_unknown (SPEC §6).
-        why = f"the provider answered {answer.status}, declared transient with unknown effect"
-        interrupted = AttemptInterrupted(call=call_id, attempt=attempt, reason=why, by=by)
-        held = BudgetHeld(call=call_id, budget=budget, amount=reserve)
-        return Settlement((observed, interrupted, held), "effect_unknown", None, None)
+        return _held(observed, budget, reserve, by)
     usage = result.usage if believed else None
     actual = usages.cost(price, usage) if usage is not None else reserve
     flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
