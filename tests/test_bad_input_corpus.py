@@ -53,10 +53,6 @@ CHAT = "/openai/v1/chat/completions"
 MESSAGES = "/anthropic/v1/messages"
 SEND = "/send_email/v1/send"
 MAX_BODY = 64 * 1024
-TRUTH = "fixed on branch truth (issue 13, findings 5 and 6), not yet merged into main"
-#: Main answers an upstream hang-up after the request with 504, as if time ran out (aiohttp's
-#: disconnect arrives as ConnectTimeout); SPEC §3.4 keeps 504 for timeouts.
-TRUTH_DROP = "main answers 504 for a hang-up, not a timeout; fixed on branch truth (wire.timed_out)"
 #: Long enough for anything the proxy must do at once, on a loaded machine.
 PATIENCE_S = 20.0
 
@@ -352,7 +348,6 @@ CASES = [
         error="effect_unknown",
         receipts=1,
         stage="effect_unknown",
-        xfail=TRUTH_DROP,
     ),
     case(
         "stream-reset",
@@ -369,7 +364,6 @@ CASES = [
         receipts=1,
         stage="effect_unknown",
         stream_breaks=True,
-        xfail=TRUTH,
     ),
     case(
         "stream-cut-clean-at-once",
@@ -378,7 +372,6 @@ CASES = [
         receipts=1,
         stage="effect_unknown",
         stream_breaks=True,
-        xfail=TRUTH,
     ),
     case(
         "keyed-resend-after-500",
@@ -387,7 +380,6 @@ CASES = [
         error="effect_unknown",
         receipts=1,
         stage="effect_unknown",
-        xfail=TRUTH,
     ),
     case(
         "keyed-resend-after-503",
@@ -395,7 +387,6 @@ CASES = [
         200,
         receipts=2,
         stage="completed",
-        xfail=TRUTH,
     ),
 ]
 
