@@ -65,7 +65,7 @@ class KeyChangeRefused(LedgerError):
 class Refusal(EffectguardError):
     """The guard refuses a request before (or instead of) dispatching it.
 
-    ``status`` is the HTTP status on the wire and ``type`` the SPEC §9 error type
+    ``status`` is the HTTP status on the wire and ``type`` the docs/contract.md §9 error type
     (``budget_exceeded``, ``effect_unknown``, ``in_progress`` …).
     """
 

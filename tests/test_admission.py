@@ -1,4 +1,4 @@
-"""SPEC §4 idempotency decisions, pure: decide_keyed and decide_retry over WorkState values."""
+"""Idempotency decisions (contract.md §4), pure: decide_keyed and decide_retry over WorkStates."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_retry_of_a_resolved_call_is_new_work(stage: str) -> None:
     assert decide_retry(state(stage)).action == "admit"
 
 
-# -- a provider's error answer, from its declaration to the keyed resend (SPEC §12) ---------
+# -- a provider's error answer, from its declaration to the keyed resend (contract.md §12) ---------
 
 PROVIDERS = load_providers()
 

@@ -3,7 +3,7 @@
 A real proxy serves a few dozen concurrent calls (some answered, some held upstream, more
 arriving) while the copy is taken. The copy verifies, and a new proxy opened on it changes
 no call's stage, except that calls in flight at the copy become ``effect_unknown`` through
-the sweeper (SPEC §7): nothing is resent and nothing answered is forgotten.
+the sweeper (docs/contract.md §7): nothing is resent and nothing answered is forgotten.
 """
 
 from __future__ import annotations

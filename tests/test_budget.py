@@ -1,4 +1,4 @@
-"""Budget-tree arithmetic (SPEC §5): paths, ancestors, admission, and the fold invariant."""
+"""Budget-tree arithmetic (contract.md §5): paths, ancestors, admission, and the fold invariant."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_unlimited_node_has_no_room_value() -> None:
 
 
 def test_deltas_follow_spec_section_5() -> None:
-    """Each budget event moves the counters exactly as SPEC §5 says."""
+    """Each budget event moves the counters exactly as docs/contract.md §5 says."""
     assert budget.deltas(BudgetReserved(call="c", budget="a", amount=7)) == Delta("a", reserved=7)
     assert budget.deltas(BudgetSettled(call="c", budget="a", reserved=7, actual=9)) == Delta(
         "a", reserved=-7, spent=9

@@ -1,4 +1,4 @@
-"""Transport-error classification (SPEC §3.4), table-driven and without a network.
+"""Transport-error classification (docs/contract.md §3.4), table-driven and without a network.
 
 Whether an error proves the request never left decides between a safe retry and a held,
 effect-unknown call, so every row here is a duplicate effect prevented (or a needless

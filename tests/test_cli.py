@@ -1,4 +1,4 @@
-"""The ``effectguard`` command (SPEC §8) on a ledger written by real guarded traffic.
+"""The ``effectguard`` command (docs/contract.md §8) on a ledger written by real guarded traffic.
 
 Traffic goes through ``AsyncGuardTransport`` to a respx-mocked OpenAI: completed
 calls, and effect-unknown calls made by an upstream ``ReadTimeout``. Commands run
@@ -196,7 +196,7 @@ LEAVES = [
 
 
 def test_the_parser_has_every_spec_command() -> None:
-    """The SPEC §8/§11 commands exist (so the walks below cannot pass on an empty parser)."""
+    """The contract.md §8/§11 commands exist (so the walks below cannot pass on an empty parser)."""
     paths = {" ".join(path) for path, _, _ in COMMANDS}
     assert paths >= {
         "serve",
@@ -260,7 +260,7 @@ def test_every_command_is_in_the_contract_docs() -> None:
 def test_calls_json_has_spec_fields_and_exact_money(
     traffic: Traffic, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``calls --json``: SPEC §8 fields, money as decimal strings, values from the traffic."""
+    """``calls --json``: contract.md §8 fields, money as decimal strings, values from traffic."""
     rows = calls(capsys, traffic)
     assert set(rows) == {*traffic.completed, *traffic.unknown}
     for row in rows.values():
@@ -324,7 +324,7 @@ def test_calls_prints_a_table_by_default(
 
 
 def test_show_json_lists_the_events(traffic: Traffic, capsys: pytest.CaptureFixture[str]) -> None:
-    """``show --json``: the call's SPEC fields plus its events in order."""
+    """``show --json``: the call's contract fields plus its events in order."""
     shown = run_json(capsys, "show", traffic.unknown[0], "--ledger", traffic.ledger)
     assert set(shown) >= CALL_FIELDS | {"events"}
     assert shown["stage"] == "effect_unknown"
@@ -372,7 +372,7 @@ def test_missing_ledger_is_a_usage_error(
 def test_budgets_json_charges_every_ancestor(
     traffic: Traffic, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``budgets --json``: SPEC fields; spent and held roll up to each ancestor."""
+    """``budgets --json``: contract fields; spent and held roll up to each ancestor."""
     nodes = budgets(capsys, traffic)
     assert {"default", "team-a", "team-a/run-1", "team-a/run-2"} <= set(nodes)
     for node in nodes.values():

@@ -1,4 +1,4 @@
-"""No overshoot under concurrency (SPEC §5) and no secret ever written to the ledger (SPEC §3)."""
+"""No overshoot under concurrency (contract.md §5); no secret ever in the ledger (§3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The crash matrix (SPEC §3, §6, §7, §11): real SIGKILLs at every crash point.
+"""The crash matrix (docs/contract.md §3, §6, §7, §11): real SIGKILLs at every crash point.
 
 For every crash point, for the proxy and for the in-process transport (run in
 a child process), and for several timings: a request (with an idempotency key,
@@ -8,7 +8,7 @@ counted only from the fake provider's receipt log, and every case checks:
 
 * the resend is refused as ``effect_unknown``, or replayed where the
   observation was durably committed (key-less: admitted as new work, which
-  SPEC §4 allows because a completed call is never matched by a key-less retry);
+  docs/contract.md §4 allows because a completed call is never matched by a key-less retry);
 * the provider saw no request that the rules did not approve, and every
   receipt is covered by an earlier, durable ``attempt.started`` of a call whose
   stored body is the body the provider received;
@@ -448,7 +448,7 @@ def test_crash_point_restart_never_duplicates_an_effect(
     _expect_killed(first_keyless, calls[0]["stage"])
     if _observed_first(point, calls[0]["stage"]):
         # The first call completed; a key-less retry only matches unresolved calls
-        # (SPEC §4), so the resend is new work: a second call, a second approved effect.
+        # (docs/contract.md §4), so the resend is new work: a second call, a second approved effect.
         assert resend_keyless.status == 200, resend_keyless
         assert "effectguard-replayed" not in resend_keyless.headers, resend_keyless
         assert [c["stage"] for c in calls] == ["completed", "completed"]

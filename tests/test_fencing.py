@@ -1,4 +1,4 @@
-"""Workers, leases and fencing (SPEC §7), with real processes where it matters.
+"""Workers, leases and fencing (docs/contract.md §7), with real processes where it matters.
 
 * Two proxies on one ledger: the one holding a call is SIGSTOPped past its
   lease, the other takes it over; after SIGCONT the first one's late result

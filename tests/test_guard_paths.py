@@ -1,6 +1,6 @@
 """The call path through AsyncGuardTransport against a respx-mocked upstream.
 
-Every row of SPEC §4 (idempotency), every SPEC §6 stage reached through the
+Every row of docs/contract.md §4 (idempotency), every docs/contract.md §6 stage reached through the
 transport, transport-error classification (§3.4), tenacity's retry scope,
 settlement and usage belief (§3.5, §5), key-less retry detection, the wire
 shape of refusals (§9), pass-through, and a tool provider with a declared
@@ -78,7 +78,7 @@ def ok(**kw: Any) -> httpx.Response:
 
 
 def reserve_of(request: dict[str, Any]) -> int:
-    """The reservation SPEC §5 makes for ``request``: prompt bytes and max tokens, priced."""
+    """The reservation contract.md §5 makes for ``request``: prompt bytes and max tokens, priced."""
     assert PRICE is not None
     return estimate(PRICE, request)
 
@@ -130,7 +130,7 @@ async def kinds(transport: AsyncGuardTransport, call_id: str) -> list[str]:
     return [e.kind for e in await transport.ledger.events(call_id)]
 
 
-# -- SPEC §4: idempotency ---------------------------------------------------------
+# -- docs/contract.md §4: idempotency ---------------------------------------------------------
 
 
 @respx.mock(base_url=OPENAI)
@@ -356,7 +356,7 @@ async def test_key_of_a_refused_call_stays_free(
     await finish(t)
 
 
-# -- SPEC §6 stages through the transport ------------------------------------------
+# -- docs/contract.md §6 stages through the transport ------------------------------------------
 
 
 @respx.mock(base_url=OPENAI, assert_all_called=False)
@@ -629,7 +629,7 @@ async def test_not_processed_status_outside_retry_statuses_is_not_retried(
     await finish(t)
 
 
-# -- settlement and usage belief (SPEC §3.5, §5) -----------------------------------
+# -- settlement and usage belief (docs/contract.md §3.7, §5) -----------------------------------
 
 
 @respx.mock(base_url=OPENAI)
@@ -690,7 +690,7 @@ async def test_unbelievable_usage_is_settled_at_reservation_and_flagged(
     await finish(t)
 
 
-# -- key-less requests and declared retries (SPEC §4) ------------------------------
+# -- key-less requests and declared retries (docs/contract.md §4) ------------------------------
 
 
 @respx.mock(base_url=OPENAI)
@@ -785,7 +785,7 @@ async def test_retry_of_header_names_the_call_it_retries(
     await finish(t)
 
 
-# -- refusals on the wire (SPEC §9) -----------------------------------------------
+# -- refusals on the wire (docs/contract.md §9) -----------------------------------------------
 
 
 async def test_refusals_use_each_dialects_error_shape(

@@ -1,4 +1,4 @@
-"""When the ledger cannot commit (SPEC §3.1, §3.3, §9).
+"""When the ledger cannot commit (docs/contract.md §3.2, §3.3, §9).
 
 * Admission that cannot commit — the database locked past the busy timeout,
   the disk full, the files read-only — is refused with 503

@@ -1,4 +1,4 @@
-"""Metrics (SPEC §10): the observer's counters and the ledger gauges, on an injected registry.
+"""Metrics (contract.md §10): the observer's counters and ledger gauges, on an injected registry.
 
 Traffic goes through ``AsyncGuardTransport`` on a SQLite ledger with a
 respx-mocked upstream; values are read back from the registry.

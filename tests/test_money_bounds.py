@@ -1,6 +1,6 @@
 """Money never overflows a stored counter: request fields are bounded, counters saturate.
 
-Pure-core properties with huge values (SPEC §12, isolation): whatever a request or a
+Pure-core properties with huge values (docs/contract.md §12, isolation): whatever a request or a
 provider says, no amount the rules produce exceeds what a signed 64-bit column holds.
 """
 

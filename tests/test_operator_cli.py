@@ -85,7 +85,7 @@ def test_show_tells_the_story_of_an_unknown_call(
 def test_show_json_keeps_its_fields_and_adds_iso_times(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``show --json`` keeps the SPEC fields and events, and adds ISO times, the request,
+    """``show --json`` keeps the contract fields and events, and adds ISO times, the request,
     the attempts and the next command."""
     done, call_id, ledger = _two_calls(tmp_path, "hi")
     payload = json.loads(_run(capsys, "show", call_id, "--json", "--ledger", ledger))

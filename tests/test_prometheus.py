@@ -1,4 +1,4 @@
-"""The metrics, the Grafana dashboard and the alert rules against a real Prometheus (SPEC §10).
+"""Metrics, the Grafana dashboard and the alert rules against a real Prometheus (contract §10).
 
 One stack per module: the fake provider; an effectguard that dies (SIGKILL) right
 after dispatching a request, leaving an effect-unknown call; a restarted

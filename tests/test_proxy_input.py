@@ -4,7 +4,7 @@ One real ``effectguard serve`` (``max_body_bytes = 1024``) in front of the real
 fake provider (``openai`` and ``anthropic`` routes) and a small header-recording
 upstream (an ``echo`` provider declared with ``--providers``). Every refusal
 leaves ``effectguard budgets --json`` and the provider's receipt log unchanged
-and carries ``x-should-retry: false`` (SPEC §9).
+and carries ``x-should-retry: false`` (docs/contract.md §9).
 """
 
 from __future__ import annotations

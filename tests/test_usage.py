@@ -219,7 +219,7 @@ def test_only_read_and_sane_usage_is_believed() -> None:
 
 
 def test_check_usage_rules() -> None:
-    """check_usage believes sane usage and names each SPEC §3.5 violation."""
+    """check_usage believes sane usage and names each docs/contract.md §3.7 violation."""
     assert check_usage(Usage(10, 5, 4, 6)) is None
     assert check_usage(Usage(2**53, 2**53)) is None
     assert check_usage(Usage(10, 5, 5, 6)) == "cached exceeds input"
@@ -644,7 +644,7 @@ def test_cost_matches_decimal(
     assert cost(price, usage) == decimal_cost(price, usage)
 
 
-# --- estimate (SPEC §5 reservation) ----------------------------------------------------------
+# --- estimate (contract.md §5 reservation) --------------------------------------------------------
 
 MINI = ModelPrice(input=usd_to_nanos("0.15"), output=usd_to_nanos("0.60"), max_output_tokens=16384)
 

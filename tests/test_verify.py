@@ -587,7 +587,7 @@ async def test_worker_row_disagreeing_with_events_is_named(built: Built) -> None
 
 
 async def test_limit_overshoot_is_named(built: Built) -> None:
-    """A reservation that takes a limited node past its limit is named (no overshoot, SPEC §5)."""
+    """A reservation taking a limited node past its limit is named (contract.md §5)."""
     w1 = ("w1", generation_of(built.path, "w1"))
 
     def lower(rows: list[Row]) -> list[Row]:

@@ -1,6 +1,6 @@
 """The verifier's table of legal sequences, on plain lists of events: the contract's paths pass.
 
-Each path below is what the store writes for one call (SPEC §3–§6 and §12). The verifier
+Each path below is what the store writes for one call (docs/contract.md §3–§6 and §12). The verifier
 must accept every one of them, derive the projection the store would keep, and still refuse
 the same path with one event out of place.
 """
@@ -97,7 +97,7 @@ PATHS: dict[str, tuple[list[Any], str, tuple[int, int, int]]] = {
         "completed",
         (0, 70, 0),
     ),
-    "failed then reconciled not applied (SPEC §12)": (
+    "failed then reconciled not applied (docs/contract.md §12)": (
         [
             *admit(),
             observed(1, 400),

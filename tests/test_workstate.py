@@ -1,4 +1,4 @@
-"""The work-state projection (SPEC §6): stages from plain event lists, rung order, purity."""
+"""The work-state projection (contract.md §6): stages from plain event lists, rung order, purity."""
 
 from __future__ import annotations
 
@@ -174,14 +174,14 @@ ROWS: dict[str, tuple[list[Event], str, str]] = {
 
 
 def test_rows_cover_every_stage_of_the_spec_table() -> None:
-    """The parametrized rows below cover exactly the nine SPEC §6 stages."""
+    """The parametrized rows below cover exactly the nine docs/contract.md §6 stages."""
     assert set(ROWS) == set(STAGES)
     assert len(STAGES) == 9
 
 
 @pytest.mark.parametrize("stage", list(ROWS))
 def test_spec_table_row(stage: str) -> None:
-    """Each SPEC §6 row: the events give the stage, its effect and its next operation."""
+    """Each contract.md §6 row: the events give the stage, its effect and its next operation."""
     events, effect, next_operation = ROWS[stage]
     state = work_state(events)
     assert state.stage == stage
@@ -401,7 +401,7 @@ def test_transient_status_of_unknown_effect_is_effect_unknown_and_held() -> None
 
 
 def test_observed_answer_of_unknown_effect_alone_leaves_the_call_in_flight() -> None:
-    """Only the attempt.interrupted recorded with it leads into effect_unknown (SPEC §6)."""
+    """Only the attempt.interrupted recorded with it leads into effect_unknown (contract.md §6)."""
     events = [*admitted(), observed(500, effect_unknown=True)]
     assert work_state(events).stage == "in_flight"
     assert work_state(events).status == 500
@@ -509,7 +509,7 @@ def test_projection_is_a_deterministic_fold(a: list[Event], b: list[Event]) -> N
 @settings(max_examples=300, deadline=None)
 @given(valid_sequences)
 def test_stage_is_always_a_spec_stage(events: list[Event]) -> None:
-    """After a manifest, every prefix projects to a SPEC §6 stage with its table row."""
+    """After a manifest, every prefix projects to a docs/contract.md §6 stage with its table row."""
     state = WorkState()
     for event in events:
         state = apply(state, event)

@@ -1,4 +1,4 @@
-"""Crash points (SPEC §11): kill this process, without cleanup, at a named point.
+"""Crash points (docs/contract.md §11): kill this process, without cleanup, at a named point.
 
 Configured once at the edge from ``EFFECTGUARD_CRASH_AT``; when unset the guard
 holds :data:`NO_CRASH`, whose ``hit`` does nothing.

@@ -1,4 +1,4 @@
-"""The guard: the one call path both ways in use (SPEC §3–§4).
+"""The guard: the one call path both ways in use (docs/contract.md §3–§4).
 
 ``Guard.handle`` takes an upstream-bound ``httpx.Request`` and a ``send``
 function (the inner transport) and returns an ``httpx.Response``:
@@ -182,7 +182,7 @@ class Guard:
             return await self._join(admitted.call_id, prepared, report)
         self.recorder.started(admitted.call_id)
         # The dispatch runs in its own task: a caller that goes away does not cancel a
-        # call the provider is already working on (SPEC §3.6); it is read and settled.
+        # call the provider is already working on (docs/contract.md §3.8); it is read and settled.
         task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, report))
         ticket.dispatch = task
         try:
@@ -339,7 +339,7 @@ class Guard:
         self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
     ) -> Admitted | httpx.Response:
         """The next attempt; if the ledger will not start it, the provider's last answer,
-        if there was one: a 503 ``ledger_unavailable`` says nothing was sent (SPEC §9)."""
+        if there was one: a 503 ``ledger_unavailable`` says nothing was sent (contract.md §9)."""
         try:
             return await self.recorder.next_attempt(prepared, previous)
         except (LedgerError, FencedError) as exc:

@@ -61,7 +61,7 @@ def _raw_base_path(base_url: str) -> str:
 
 
 def check_below_base(url: httpx.URL, raw_base_path: str) -> None:
-    """Refuse (400) a URL whose path would leave the provider's base path (SPEC §12)."""
+    """Refuse (400) a URL whose path would leave the provider's base path (docs/contract.md §12)."""
     raw = url.raw_path.partition(b"?")[0].decode("ascii", "replace")
     below = raw[len(raw_base_path) :] if raw.startswith(raw_base_path) else raw
     try:

@@ -1,5 +1,5 @@
 """The I/O half of settlement: record observations and interruptions durably, and run
-the background work that outlives a caller (SPEC §3.3, §3.6).
+the background work that outlives a caller (docs/contract.md §3.6, §3.6).
 
 Both the guard and its guarded streams write through one :class:`Recorder`, so the
 rules for what a failed write means live in one place:
@@ -66,7 +66,7 @@ class Recorder:
         result: usages.UsageResult,
         report: CallReport | None = None,
     ) -> None:
-        """Record the observation and settle the cost, durably (SPEC §3.3).
+        """Record the observation and settle the cost, durably (docs/contract.md §3.6).
 
         ``report``, if given, learns the outcome, usage and cost.
         """
@@ -140,7 +140,7 @@ class Recorder:
             self.finish(call_id)
 
     async def next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
-        """Start the automatic retry of ``previous`` (SPEC §3.5), as the call's own writer.
+        """Start the automatic retry of ``previous`` (contract.md §3.7), as the call's own writer.
 
         So a fenced worker starts no new attempt of its calls, even once it has
         registered anew. A retry the budget cannot take raises its 402 refusal.

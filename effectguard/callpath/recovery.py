@@ -1,4 +1,4 @@
-"""Workers, leases and the recovery sweeper (SPEC §7).
+"""Workers, leases and the recovery sweeper (docs/contract.md §7).
 
 Every writing process is a :class:`WorkerRuntime`: it registers with the ledger
 (taking a fresh fencing generation), holds an OS file lock that proves it is

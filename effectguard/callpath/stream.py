@@ -7,10 +7,10 @@ observed and settled durably before the stream's terminal event is released.
   and ends the client's stream with an error, never with a clean finish. An end
   of stream (EOF) before the terminal event is such a break, however cleanly the
   upstream closed the connection: a close-delimited stream cut short looks clean
-  to HTTP, and only the event stream itself knows it is incomplete (SPEC §12).
+  to HTTP, and only the event stream itself knows it is incomplete (docs/contract.md §12).
 * A client that goes away (``aclose`` before the end) does not cancel the
   call: the upstream is read to its end in the background, then recorded and
-  settled (SPEC §3.6).
+  settled (docs/contract.md §3.8).
 """
 
 from __future__ import annotations

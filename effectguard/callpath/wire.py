@@ -1,6 +1,6 @@
-"""What crosses the wire: error bodies (SPEC §9), header hygiene, request hashes,
+"""What crosses the wire: error bodies (docs/contract.md §9), header hygiene, request hashes,
 and the classification of transport errors by whether the request could have
-left (SPEC §3.4)."""
+left (docs/contract.md §3.4)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def error_body(dialect: str, refusal: Refusal) -> dict[str, Any]:
 
 
 def error_headers(refusal: Refusal) -> dict[str, str]:
-    """SPEC §9 headers: the call id and whether an SDK may retry by itself."""
+    """docs/contract.md §9 headers: the call id and whether an SDK may retry by itself."""
     headers = {
         "content-type": "application/json",
         "x-should-retry": "true" if refusal.retryable else "false",
@@ -146,7 +146,7 @@ SendOutcome = Literal["not_sent", "unknown"]
 
 
 def classify_transport_error(exc: BaseException) -> SendOutcome:
-    """Whether a transport error proves the request never left (SPEC §3.4).
+    """Whether a transport error proves the request never left (docs/contract.md §3.4).
 
     Only a failure to open the connection proves that: connect errors, connect
     timeouts and pool timeouts. The aiohttp-backed transport maps some errors

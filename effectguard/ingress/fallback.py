@@ -1,4 +1,4 @@
-"""The last answer: an unexpected exception becomes a provider-shaped 500 (SPEC §12).
+"""The last answer: an unexpected exception becomes a provider-shaped 500 (docs/contract.md §12).
 
 :class:`InternalErrorBoundary` wraps the proxy's HTTP handler like an ASGI
 middleware. When the handler raises anything but cancellation, the client gets

@@ -259,7 +259,7 @@ class ProxyApp:
     def _authorize(
         self, provider: Provider, headers: httpx.Headers
     ) -> tuple[str, str | None, Grant | None]:
-        """The budget and budget root this request may spend, and its key (SPEC §1)."""
+        """The budget and budget root this request may spend, and its key (docs/contract.md §1)."""
         requested = headers.get(BUDGET_HEADER)
         if not self.keyring.required:
             return requested or budgets.DEFAULT_BUDGET, None, None
@@ -366,7 +366,7 @@ class ProxyApp:
 
 
 def _route(scope: Scope) -> tuple[str, str]:
-    """``/{provider}/{rest}`` as the provider name and the path below its base (SPEC §12).
+    """``/{provider}/{rest}`` as the provider name and the path below its base (contract.md §12).
 
     The still-encoded path is checked, so ``%2e%2e`` or ``%2f`` cannot hide a way out
     of the base path behind the decoding the server already did.

@@ -1,4 +1,4 @@
-"""The in-process way in: httpx transports that wrap another transport (SPEC §1).
+"""The in-process way in: httpx transports that wrap another transport (docs/contract.md §1).
 
 ::
 

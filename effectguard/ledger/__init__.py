@@ -75,7 +75,7 @@ class Ledger:
 
     # -- the guard's writes
     async def admit(self, writer: Writer, request: AdmitRequest) -> Admitted:
-        """Admission (SPEC §3.1) in one durable transaction."""
+        """Admission (docs/contract.md §3.2) in one durable transaction."""
         return await self.store.write(writer, lambda tx: operations.admit(tx, writer, request))
 
     async def record(

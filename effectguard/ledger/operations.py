@@ -123,7 +123,7 @@ class Admitted:
 
 
 def _check_lease(tx: Tx, writer: Writer) -> None:
-    """A worker whose lease has lapsed starts no new dispatch (SPEC §7)."""
+    """A worker whose lease has lapsed starts no new dispatch (docs/contract.md §7)."""
     row = tx.get_worker(writer.worker)
     if row is None:
         return
@@ -132,7 +132,7 @@ def _check_lease(tx: Tx, writer: Writer) -> None:
 
 
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
-    """SPEC §3.1 in one transaction: idempotency check, budget reservation, manifest."""
+    """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest."""
     now = tx.now()
     decision = _decide(tx, req, now)
     if decision.action in ("refuse", "replay", "join"):
@@ -190,7 +190,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
 
 
 def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
-    """SPEC §4: what a request is, given the call its key or its retry marks name."""
+    """docs/contract.md §4: what a request is, given the call its key or its retry marks name."""
     if req.idempotency_key is not None:
         existing = tx.find_keyed(req.budget_root, req.idempotency_key)
         return decide_keyed(existing, req.request_hash, now)
@@ -400,7 +400,7 @@ def sweep(
     *,
     interrupt_calls: bool = True,
 ) -> list[str]:
-    """Take over dead workers and interrupt their in-flight attempts (SPEC §7).
+    """Take over dead workers and interrupt their in-flight attempts (docs/contract.md §7).
 
     A worker is dead when its lease has expired (ledger clock) or when it is in
     ``provably_dead`` (its OS lock was found free on this host). Returns the ids
@@ -436,7 +436,7 @@ def sweep(
 
 
 def check_writer(tx: Tx, writer: Writer) -> None:
-    """Refuse a fenced writer: the store decides, not the worker (SPEC §7)."""
+    """Refuse a fenced writer: the store decides, not the worker (docs/contract.md §7)."""
     if writer.generation == 0:  # operators and single-shot tools are not workers
         return
     row = tx.get_worker(writer.worker)
@@ -449,7 +449,7 @@ def start_attempt(
 ) -> Admitted:
     """Start the next attempt of a call whose last attempt proved nothing happened.
 
-    Used for automatic retries (SPEC §3.4): only after ``not_sent`` or a declared
+    Used for automatic retries (docs/contract.md §3.4): only after ``not_sent`` or a declared
     not-processed status, with a fresh reservation checked against the budget.
     """
     state = tx.get_call(call_id)

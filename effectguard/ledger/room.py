@@ -35,7 +35,7 @@ def budget_refusal(
     call_id: str,
     amount: int,
 ) -> Refusal | None:
-    """Why ``budget`` cannot take ``amount`` more in its periods (SPEC §5), or None."""
+    """Why ``budget`` cannot take ``amount`` more in its periods (docs/contract.md §5), or None."""
     nodes = period_nodes(tx, budget, periods, policies)
     if not req.create_budgets and budget not in policies and nodes[budget].committed == 0:
         return Refusal(

@@ -1,4 +1,4 @@
-"""The ``effectguard`` command (SPEC §8): the parser, assembled from each command's record.
+"""The ``effectguard`` command (contract.md §8): the parser, assembled from each command's record.
 
 The commands live in :mod:`~effectguard.ops.views` (reading the ledger),
 :mod:`~effectguard.ops.changes` (changing it) and :mod:`~effectguard.ops.servecmd`

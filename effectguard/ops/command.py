@@ -7,7 +7,7 @@ run_ledger(args, ledger) -> int``, given an open ledger) as parser defaults; it
 may import what it needs lazily, and the parser only calls it for the command
 being run, so ``effectguard calls`` never imports the server.
 
-Exit codes (docs/cli.md): 0 success; 1 a check failed (``verify``) or nothing
+Exit codes (docs/contract.md §8): 0 success; 1 a check failed (``verify``) or nothing
 matched; 2 bad usage or configuration; 3 the ledger refused (e.g. reconcile of
 a call that is neither ``effect_unknown`` nor ``failed``); 4 the ledger is unavailable.
 """

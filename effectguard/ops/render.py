@@ -1,4 +1,4 @@
-"""How commands print: SPEC §8 JSON objects, plain tables, and ``--json`` switching."""
+"""How commands print: docs/contract.md §8 JSON objects, plain tables, and ``--json`` switching."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def age(at: float, now: float) -> str:
 
 
 def call_json(state: WorkState) -> dict[str, Any]:
-    """A call as the SPEC §8 JSON object."""
+    """A call as the docs/contract.md §8 JSON object."""
     return {
         "call_id": state.call_id,
         "idempotency_key": state.idempotency_key,
@@ -60,7 +60,7 @@ def call_json(state: WorkState) -> dict[str, Any]:
 
 
 def budget_json(node: BudgetNode, policy: BudgetPolicy | None = None) -> dict[str, Any]:
-    """A budget node in one period as the SPEC §8 JSON object, with its policy."""
+    """A budget node in one period as the docs/contract.md §8 JSON object, with its policy."""
     p = policy or BudgetPolicy(node.path)
     return {
         "path": node.path,

@@ -1,6 +1,6 @@
 """Provider declarations: what each upstream charges and which requests have effects.
 
-Providers are declared in TOML files, not coded (SPEC §2). The bundled files are package
+Providers are declared in TOML files, not coded (docs/contract.md §2). The bundled files are package
 data (``effectguard/providers/bundled/``, read with :mod:`importlib.resources`, so they are
 there from a wheel too); ``openai.toml`` documents the file shape.
 This module reads and validates them into frozen values; it does no other I/O.
@@ -307,7 +307,7 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
     if both:
         raise fail(f"transient.{both[0]}", "also in not_processed: a status has one meaning")
     retry = _statuses(raw, "retry_statuses", fail)
-    # Only an answer that proves nothing happened may be retried automatically (SPEC §3.4).
+    # Only an answer that proves nothing happened may be retried automatically (contract.md §3.4).
     no_effect = not_processed | {s for s, e in transient.items() if e == "none"}
     if not retry <= no_effect:
         extra = ", ".join(str(s) for s in sorted(retry - no_effect))

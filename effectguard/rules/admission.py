@@ -1,4 +1,4 @@
-"""What to do with an incoming request, given the call it may repeat (SPEC §4). Pure.
+"""What to do with an incoming request, given the call it may repeat (docs/contract.md §4). Pure.
 
 The store looks up the call that an ``Idempotency-Key`` (or a declared retry)
 points at, projects it, and asks :func:`decide`. The answer is one of:
@@ -43,7 +43,7 @@ def _refuse(status: int, type_: str, message: str, state: WorkState) -> Decision
 
 
 def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> Decision:
-    """SPEC §4's table for a request carrying an ``Idempotency-Key``."""
+    """docs/contract.md §4's table for a request carrying an ``Idempotency-Key``."""
     if existing is None:
         return Decision("admit")
     s = existing
@@ -89,7 +89,7 @@ def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> D
 
 
 def decide_retry(existing: WorkState | None) -> Decision:
-    """SPEC §4 for a key-less request that declares itself a retry.
+    """docs/contract.md §4 for a key-less request that declares itself a retry.
 
     ``existing`` is the unresolved call with the same request hash in the same
     budget scope within the retry window, if any.

@@ -1,4 +1,4 @@
-"""Budget-tree arithmetic (SPEC §5), pure.
+"""Budget-tree arithmetic (docs/contract.md §5), pure.
 
 Budgets are paths (``team-a``, ``team-a/run-42``). A charge to a path is a
 charge to it and every ancestor. Each node carries a limit (or none) and three
@@ -136,7 +136,7 @@ class Exceeded:
 
 
 def check_admission(nodes: Mapping[str, BudgetNode], path: str, amount: int) -> Exceeded | None:
-    """Whether ``amount`` fits under every limited node on ``path`` (SPEC §5).
+    """Whether ``amount`` fits under every limited node on ``path`` (docs/contract.md §5).
 
     Nodes missing from ``nodes`` are unlimited. Every node, limited or not, also
     has the bound :data:`MAX_NANOS` (its stored counters must not overflow), and one

@@ -1,4 +1,4 @@
-"""How deeply a request body may nest (SPEC §12, Isolation), pure.
+"""How deeply a request body may nest (docs/contract.md §12, Isolation), pure.
 
 Python's JSON encoder and every walk over a parsed body recurse, so a body nested a
 few hundred levels deep raises ``RecursionError`` somewhere far from where it came

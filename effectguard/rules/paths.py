@@ -1,4 +1,4 @@
-"""Request paths under a provider's base path (SPEC §12, Paths), pure.
+"""Request paths under a provider's base path (docs/contract.md §12, Paths), pure.
 
 A proxy route ``/{provider}/{rest}`` and a transport URL both name a path *below*
 a provider's declared base URL. ``rest`` goes upstream appended to that base, so

@@ -1,4 +1,4 @@
-"""What an observed answer settles (SPEC §3.3, §3.5). Pure.
+"""What an observed answer settles (docs/contract.md §3.6, §3.5). Pure.
 
 Given the attempt, its reservation, the model's prices and what the provider answered,
 :func:`settle` returns the events of the observation transaction and the outcome:
@@ -58,7 +58,7 @@ class Settlement:
 
 def _held(observed: AttemptObserved, budget: str, reserve: Nanos, by: str) -> Settlement:
     """An answer of unknown effect: not completed; the call waits for a reconcile, as after
-    a broken connection, and only attempt.interrupted leads into effect_unknown (SPEC §6)."""
+    a broken connection, and only attempt.interrupted leads into effect_unknown (contract.md §6)."""
     call_id, status = observed.call, observed.status
     why = f"the provider answered {status}, declared transient with unknown effect"
     interrupted = AttemptInterrupted(call=call_id, attempt=observed.attempt, reason=why, by=by)
@@ -86,7 +86,7 @@ def settle(
         and result.usage is not None
         and (usages.cost(price, result.usage) > MAX_CALL_NANOS)
     ):
-        # Usage whose cost no counter should take from one call is absurd (SPEC §3.5).
+        # Usage whose cost no counter should take from one call is absurd (docs/contract.md §3.7).
         result = usages.UsageResult(result.usage, "absurd")
     believed = result.believed and ok
     observed = AttemptObserved(

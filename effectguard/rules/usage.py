@@ -2,8 +2,8 @@
 
 Pure functions and one incremental parser, no I/O. Usage is read from a response body
 (:func:`usage_from_body`) or a server-sent-event stream (:class:`StreamUsage`), judged by the
-SPEC §3.5 belief rules (:func:`check_usage`), and priced exactly in nano-dollars
-(:func:`cost`). :func:`estimate` is the SPEC §5 reservation made before dispatch.
+docs/contract.md §3.7 belief rules (:func:`check_usage`), and priced exactly in nano-dollars
+(:func:`cost`). :func:`estimate` is the docs/contract.md §5 reservation made before dispatch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 ABSURD_TOKENS = 2**53
-"""More tokens than this in one call is not believed (SPEC §3.5)."""
+"""More tokens than this in one call is not believed (docs/contract.md §3.7)."""
 
 OUTPUT_LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
 """Request fields that cap a call's output tokens (OpenAI chat, Responses, both dialects)."""
@@ -44,7 +44,7 @@ MAX_CHOICES = 128
 class OutOfBounds(ValueError):
     """A request field the reservation depends on is not an integer in its bounds.
 
-    ``field`` names it, so the refusal can say which one (SPEC §12, isolation).
+    ``field`` names it, so the refusal can say which one (docs/contract.md §12, isolation).
     """
 
     def __init__(self, field: str, message: str) -> None:
@@ -114,7 +114,7 @@ def _api(dialect: str, path: str) -> str:
 
 
 def check_usage(usage: Usage) -> str | None:
-    """Why ``usage`` is not believed (SPEC §3.5), or None when it is."""
+    """Why ``usage`` is not believed (docs/contract.md §3.7), or None when it is."""
     counts = (
         usage.input_tokens,
         usage.output_tokens,
@@ -242,7 +242,7 @@ class StreamUsage:
         """Whether the stream may end here: its terminal event was seen, or its API has none.
 
         An end of stream before the terminal event is a broken stream, however cleanly the
-        connection closed (SPEC §12): a close-delimited response cut short looks complete
+        connection closed (contract.md §12): a close-delimited response cut short looks complete
         to HTTP.
         """
         return self._finished or not _TERMINAL[self._api]
@@ -421,7 +421,7 @@ def _output_bound(price: ModelPrice, request: Mapping[str, Any]) -> int:
 
 
 def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "openai") -> Nanos:
-    """The SPEC §5 reservation R for ``request`` at ``price``, in nano-dollars.
+    """The docs/contract.md §5 reservation R for ``request`` at ``price``, in nano-dollars.
 
     Input bound: the UTF-8 byte length of the prompt content (messages, system, prompt,
     input, instructions, and the JSON of tool definitions) at the input price. Output bound:
@@ -451,7 +451,7 @@ def estimate_tokens(price: ModelPrice, request: Mapping[str, Any], *, dialect: s
 
 
 def _bounds(price: ModelPrice, request: Mapping[str, Any], dialect: str) -> tuple[int, int]:
-    """SPEC §5's upper bounds: input (prompt content bytes) and output tokens."""
+    """docs/contract.md §5's upper bounds: input (prompt content bytes) and output tokens."""
     input_bytes = sum(
         _content_bytes(request.get(key))
         for key in ("messages", "system", "prompt", "input", "instructions")

@@ -1,4 +1,4 @@
-"""The work-state projection (SPEC §6): a pure fold over one call's events.
+"""The work-state projection (docs/contract.md §6): a pure fold over one call's events.
 
 ``work_state(events)`` answers, from events alone, the call's stage, whether a
 provider effect may have happened, and the next safe operation. It reads no
@@ -8,7 +8,7 @@ through a recorded ``attempt.interrupted``.
 Terminal stages (``refused``, ``completed``, ``failed``, ``reconciled_applied``)
 are rungs a call never climbs down from: whatever follows, a completed call
 stays completed. The one way down is ``call.reconciled`` on a ``failed`` call: a
-person decides whether its error answer had an effect (SPEC §12).
+person decides whether its error answer had an effect (docs/contract.md §12).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ STAGES: Final[tuple[Stage, ...]] = (
     "reconciled_not_applied",
 )
 
-#: SPEC §6: what each stage means for the effect and what is safe next.
+#: docs/contract.md §6: what each stage means for the effect and what is safe next.
 STAGE_TABLE: Final[dict[Stage, tuple[Effect, NextOperation]]] = {
     "new": ("none", "none"),
     "refused": ("none", "none"),
@@ -86,7 +86,7 @@ RESUMABLE: Final[frozenset[Stage]] = frozenset(
 )
 UNRESOLVED: Final[frozenset[Stage]] = frozenset({"in_flight", "effect_unknown"})
 #: Stages a person (or a provider lookup) may correct with ``call.reconciled``: an unknown
-#: effect, and an error answer booked as applied that may have done nothing (SPEC §12).
+#: effect, and an error answer booked as applied that may have done nothing (docs/contract.md §12).
 RECONCILABLE: Final[frozenset[Stage]] = frozenset({"effect_unknown", "failed"})
 
 
@@ -120,12 +120,12 @@ class WorkState:
 
     @property
     def effect(self) -> Effect:
-        """Whether a provider effect may have happened (SPEC §6)."""
+        """Whether a provider effect may have happened (docs/contract.md §6)."""
         return STAGE_TABLE[self.stage][0]
 
     @property
     def next_operation(self) -> NextOperation:
-        """The next safe operation (SPEC §6)."""
+        """The next safe operation (docs/contract.md §6)."""
         return STAGE_TABLE[self.stage][1]
 
 

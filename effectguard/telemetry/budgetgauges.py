@@ -1,4 +1,4 @@
-"""The budget gauges: each budget's limit and counters in its current period (SPEC §10).
+"""The budget gauges: each budget's limit and counters in its current period (docs/contract.md §10).
 
 The ledger keeps counters per period; :meth:`effectguard.ledger.Ledger.budgets` picks each
 node's current one, so these gauges start over when a day, week or month does, and

@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §10): counters in-process, ledger gauges at scrape time.
+"""Prometheus metrics (docs/contract.md §10): counters in-process, ledger gauges at scrape time.
 
 Two kinds of numbers, on one injected :class:`~prometheus_client.CollectorRegistry`:
 
@@ -153,7 +153,7 @@ class MetricsObserver(NullObserver):
         )
         self.refusals = Counter(
             "effectguard_refusals",
-            "Requests refused, by reason (the SPEC §9 error type).",
+            "Requests refused, by reason (the docs/contract.md §9 error type).",
             ["provider", "reason"],
             registry=registry,
         )

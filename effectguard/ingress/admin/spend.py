@@ -1,7 +1,7 @@
 """Spend over time by provider and model: a pure fold over calls' projected money.
 
 A call's money is charged to the day (UTC) it was admitted, as budget periods do
-(SPEC §12): its settled cost (or the cost its reconciliation recorded) as ``spent``,
+(docs/contract.md §12): its settled cost (or the cost its reconciliation recorded) as ``spent``,
 and what an unknown effect still holds as ``held``.
 """
 

@@ -1,4 +1,4 @@
-"""The budget tree, re-derived by the verifier's own arithmetic (SPEC §5, periods).
+"""The budget tree, re-derived by the verifier's own arithmetic (docs/contract.md §5, periods).
 
 A call's budget event changes its path and every ancestor: ``budget.reserved``
 adds to ``reserved``; ``budget.settled`` moves the reservation to ``spent`` (at the

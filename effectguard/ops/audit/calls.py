@@ -169,7 +169,7 @@ class CallFold:
         return table.NEEDS.get(self.phase)
 
     def projection(self) -> dict[str, Any]:
-        """The call's state as the store should keep it (SPEC §6 plus its money)."""
+        """The call's state as the store should keep it (docs/contract.md §6 plus its money)."""
         m = self.manifest
         return {
             "call_id": self.call_id,

@@ -1,6 +1,6 @@
 """The legal event sequences of one call, as data.
 
-A call moves through *phases*. The resting phases are the contract's stages (SPEC §6);
+A call moves through *phases*. The resting phases are the contract's stages (docs/contract.md §6);
 the others exist only inside one durable transaction (between ``attempt.observed`` and
 its ``call.completed``, say) and each names the event that must come next. A ledger
 whose call rests in such a phase at its end, or takes an event the table does not
@@ -53,7 +53,7 @@ NEEDS: Final[dict[str, str]] = {
     "correcting_not_applied": "budget.corrected",
 }
 
-#: Where a call may start a new attempt (SPEC §4: resumed, or resent under a provider's
+#: Where a call may start a new attempt (docs/contract.md §4: resumed, or resent under a provider's
 #: idempotency window; §3.4: automatic retries after not sent / not processed).
 _RESUMABLE: Final = ("not_sent", "not_processed", "reconciled_not_applied", "effect_unknown")
 
@@ -86,7 +86,7 @@ TABLE: Final[dict[tuple[str, str], str]] = {
     ("effect_unknown", "call.reconciled:not_applied"): "reconciling_not_applied",
     ("reconciling_applied", "budget.unheld:reconcile"): "reconciled_applied",
     ("reconciling_not_applied", "budget.unheld:reconcile"): "reconciled_not_applied",
-    # SPEC §12: a failed call (an error answer booked as applied) may be reconciled too.
+    # docs/contract.md §12: a failed call (an error answer booked as applied) may be reconciled too.
     ("failed", "call.reconciled:applied"): "correcting_applied",
     ("failed", "call.reconciled:not_applied"): "correcting_not_applied",
     ("correcting_applied", "budget.corrected"): "reconciled_applied",

@@ -1,6 +1,6 @@
 """Who may write: registered workers at their current generation, and operators.
 
-Rules (SPEC §7), checked from the events alone:
+Rules (docs/contract.md §7), checked from the events alone:
 
 * a worker exists from its ``worker.registered`` event on, at the generation that
   event gives it; generations strictly increase across the whole ledger;

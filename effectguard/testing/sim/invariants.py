@@ -258,7 +258,7 @@ def replays_match(evidence: Evidence) -> list[Violation]:
 def unavailable_sent_nothing(evidence: Evidence) -> list[Violation]:
     """A request answered 503 ``ledger_unavailable`` never reached the provider.
 
-    SPEC §9: that answer says nothing was sent, so any receipt for the request breaks
+    docs/contract.md §9: that answer says nothing was sent, so any receipt for the request breaks
     it — even one the provider answered with a status it declares "not processed"
     (a 429 before the lease lapsed: the client must get that 429 instead).
     """
