@@ -672,3 +672,20 @@ def test_reconcile_unknown_call_id_exits_3(traffic: Traffic) -> None:
     )
     assert result.returncode == 3
     assert "call_nope" in result.stderr
+
+
+def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
+    """``effectguard calls --json | head -c 1``: the CLI stops quietly, exit 0, no traceback."""
+    ledger = tmp_path / "l.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    for i in range(300):
+        assert main(["budget", "set", f"team-{i}", "--limit", "1", "--ledger", str(ledger)]) == 0
+    done = subprocess.run(
+        f"{sys.executable} -m effectguard budgets --json --ledger {ledger} | head -c 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        executable="/bin/bash",
+    )
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
