@@ -38,7 +38,8 @@ from effectguard.testing.sim.clients import Answer
 from effectguard.testing.sim.command import run_schedule
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.invariants import INVARIANTS, check, overshoots
-from effectguard.testing.sim.schedule import Call, Schedule, generate
+from effectguard.testing.sim.pgcluster import unavailable_reason
+from effectguard.testing.sim.schedule import Call, Fault, Schedule, generate
 
 SEEDS = Path(__file__).parent / "sim_seeds.txt"
 PG_DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
@@ -73,6 +74,23 @@ def test_schedule_draws_every_kind_of_load_and_fault() -> None:
     assert items >= {"delay", "status", "drop", "cut", "reset", "id", "times"}
     kinds = {f.kind for s in schedules for f in s.faults}
     assert kinds == {"kill", "crash_at", "stop", "restart", "disk_full"}
+
+
+def test_ledger_faults_are_drawn_only_when_asked() -> None:
+    """--ledger-faults adds read_only (SQLite) or pg_outage (PostgreSQL) on replica 0,
+    and leaves every schedule drawn without it unchanged."""
+    for seed in range(5):
+        plain = generate(seed, 30.0, disk_faults=True)
+        assert plain == generate(seed, 30.0, disk_faults=True, ledger_faults=False)
+    sqlite = [generate(seed, 30.0, ledger_faults=True) for seed in range(10)]
+    pg = [generate(s, 30.0, replicas=3, ledger="postgres", ledger_faults=True) for s in range(10)]
+    read_only = [f for s in sqlite for f in s.faults if f.kind == "read_only"]
+    outages = [f for s in pg for f in s.faults if f.kind == "pg_outage"]
+    assert read_only and outages
+    assert {f.kind for s in sqlite for f in s.faults} & {"pg_outage", "disk_full"} == set()
+    assert {f.kind for s in pg for f in s.faults} & {"read_only", "disk_full"} == set()
+    assert {f.replica for f in read_only + outages} == {0}
+    assert {f.point for f in outages} == {"fast", "immediate"}
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -345,3 +363,47 @@ def test_broken_classifier_is_caught_by_the_receipt_count(
     assert "effects_exceed_attempts" in fired, broken.summary()
     assert broken.bundle is not None and (broken.bundle / "schedule.json").exists()
     assert Schedule.from_json((broken.bundle / "schedule.json").read_text()).calls
+
+
+def _ledger_fault_run(tmp_path: Path, ledger: str, fault: Fault) -> Any:
+    """Six seconds of seed 307's load with ``fault`` as the only fault, on a faultable ledger."""
+    replicas = 3 if ledger == "postgres" else 1
+    load = generate(307, 6.0, replicas=replicas, ledger=ledger, ledger_faults=True)
+    schedule = dataclasses.replace(load, faults=(fault,))
+    return run_schedule(schedule, tmp_path / "run", ledger_faults=True, bundle=tmp_path / "b")
+
+
+def _done(result: Any) -> list[str]:
+    return [str(a["action"]) for a in result.actions]
+
+
+@pytest.mark.slow
+def test_read_only_ledger_fault_keeps_every_invariant(tmp_path: Path) -> None:
+    """The SQLite ledger's tmpfs remounted read-only, then read-write: every invariant holds."""
+    if os.geteuid() != 0:
+        pytest.skip("remounting the ledger's tmpfs read-only needs root")
+    result = _ledger_fault_run(tmp_path, "sqlite", Fault(1.5, "read_only", 0, seconds=1.5))
+    done = _done(result)
+    assert "read_only" in done and "read_write" in done, result.actions
+    assert done.index("read_only") < done.index("read_write")
+    # serve refuses to start on a read-only ledger (it cannot open it for writing)
+    assert "start_failed" in done[done.index("read_only") : done.index("read_write")]
+    assert result.ok, result.summary() + "\n" + "\n".join(map(str, result.violations))
+
+
+@pytest.mark.slow
+def test_postgres_outage_keeps_every_invariant(tmp_path: Path) -> None:
+    """The run's own PostgreSQL cluster stopped like a crash for two seconds under three
+    replicas: admissions meet 503 ledger_unavailable, replicas serve again without a
+    restart, every invariant holds."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    fault = Fault(1.5, "pg_outage", 0, seconds=2.0, point="immediate")
+    result = _ledger_fault_run(tmp_path, "postgres", fault)
+    done = _done(result)
+    assert "pg_stopped" in done and "pg_started" in done, result.actions
+    assert "unrecovered" not in done
+    refused = [a for a in result.evidence.answers if a.error_type == "ledger_unavailable"]
+    assert refused, result.summary()
+    assert result.ok, result.summary() + "\n" + "\n".join(map(str, result.violations))

@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="SQLite on a small tmpfs that the run fills up at times (needs root)",
     )
+    parser.add_argument(
+        "--ledger-faults",
+        action="store_true",
+        help="SQLite: remount the ledger's tmpfs read-only at times; PostgreSQL: run on a "
+        "cluster of the run's own and stop it at times (needs root)",
+    )
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
+from effectguard.testing.sim.pgcluster import OwnedPostgres, owned_postgres
 from effectguard.testing.sim.schedule import Schedule
 
 __all__ = ["Cluster", "Replica", "ledger_url", "running_cluster"]
@@ -93,6 +94,8 @@ class Cluster:
     actions: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
     disk: Path | None = None
+    #: The PostgreSQL cluster the run owns and may stop (``--ledger-faults`` on PostgreSQL).
+    owned_pg: OwnedPostgres | None = None
 
     def note(self, action: str, replica: int | None = None, **detail: Any) -> None:
         """Record that ``action`` happened now."""
@@ -177,6 +180,39 @@ class Cluster:
         filler.unlink(missing_ok=True)
         self.note("disk_freed")
 
+    def remount(self, mode: str) -> bool:
+        """Remount the ledger's tmpfs ``ro`` or ``rw``; noted as ``read_only``/``read_write``.
+
+        Linux refuses a read-only remount (EBUSY) while any process holds a file on it
+        open for writing, as every running replica does with the ledger: the caller
+        kills the replicas first. A refusal is noted as ``remount_refused``.
+        """
+        if self.disk is None:
+            return False
+        done = subprocess.run(
+            ["mount", "-o", f"remount,{mode}", str(self.disk)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            self.note("remount_refused", mode=mode, error=done.stderr.strip()[-300:])
+            return False
+        self.note("read_only" if mode == "ro" else "read_write")
+        return True
+
+    def pg_stop(self, mode: str) -> None:
+        """Stop the owned PostgreSQL cluster (``fast`` or ``immediate``)."""
+        if self.owned_pg is not None:
+            self.owned_pg.stop(mode)
+            self.note("pg_stopped", mode=mode)
+
+    def pg_start(self) -> None:
+        """Start the owned PostgreSQL cluster again."""
+        if self.owned_pg is not None:
+            self.owned_pg.start()
+            self.note("pg_started")
+
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     """Mount a small tmpfs at ``path`` (needs root); False where the platform refuses."""
@@ -193,34 +229,58 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
 
 @contextlib.contextmanager
 def running_cluster(
-    schedule: Schedule, workdir: Path, *, pg_dsn: str | None, env: dict[str, str], disk: bool
+    schedule: Schedule,
+    workdir: Path,
+    *,
+    pg_dsn: str | None,
+    env: dict[str, str],
+    disk: bool,
+    ledger_faults: bool = False,
 ) -> Iterator[Cluster]:
-    """Start the fake provider and every replica; stop everything on the way out."""
+    """Start the fake provider and every replica; stop everything on the way out.
+
+    ``ledger_faults`` puts SQLite on the tmpfs (to remount it read-only) and
+    PostgreSQL on a cluster of the run's own (to stop it) instead of ``pg_dsn``.
+    """
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     ledger_dir = workdir / "ledger"
-    mounted = disk and schedule.ledger == "sqlite" and _mount_tmpfs(ledger_dir, "48m")
+    tmpfs = (disk or ledger_faults) and schedule.ledger == "sqlite"
+    mounted = tmpfs and _mount_tmpfs(ledger_dir, "48m")
     ledger_dir.mkdir(parents=True, exist_ok=True)
-    url = ledger_url(schedule, workdir, pg_dsn)
-    if schedule.ledger == "postgres":
-        reset_postgres_schema(url)
-    try:
-        with fake_provider(workdir / "receipts.jsonl", idempotent=True) as fake:
-            cluster = Cluster(schedule, workdir, url, fake, env)
-            cluster.disk = ledger_dir if mounted else None
-            cluster.write_config()
-            cluster.replicas = [Replica(i, free_port()) for i in range(schedule.replicas)]
-            try:
-                for replica in cluster.replicas:
-                    cluster.start(replica)
-                yield cluster
-            finally:
-                for replica in cluster.replicas:
-                    with contextlib.suppress(Exception):
-                        cluster.stop(replica)
-                    cluster.kill(replica)
-    finally:
+    with contextlib.ExitStack() as stack:
+        owned = None
+        if ledger_faults and schedule.ledger == "postgres":
+            owned = stack.enter_context(owned_postgres(schedule.seed))
+            pg_dsn = owned.dsn
+        url = ledger_url(schedule, workdir, pg_dsn)
+        if schedule.ledger == "postgres":
+            reset_postgres_schema(url)
         if mounted:
-            _unmount(ledger_dir, workdir / "ledger-copy")
+            stack.callback(_unmount, ledger_dir, workdir / "ledger-copy")
+        cluster = stack.enter_context(_processes(schedule, workdir, url, env))
+        cluster.disk = ledger_dir if mounted else None
+        cluster.owned_pg = owned
+        for replica in cluster.replicas:
+            cluster.start(replica)
+        yield cluster
+
+
+@contextlib.contextmanager
+def _processes(
+    schedule: Schedule, workdir: Path, url: str, env: dict[str, str]
+) -> Iterator[Cluster]:
+    """The fake provider and the replicas (started once the caller has set up the ledger)."""
+    with fake_provider(workdir / "receipts.jsonl", idempotent=True) as fake:
+        cluster = Cluster(schedule, workdir, url, fake, env)
+        cluster.write_config()
+        cluster.replicas = [Replica(i, free_port()) for i in range(schedule.replicas)]
+        try:
+            yield cluster
+        finally:
+            for replica in cluster.replicas:
+                with contextlib.suppress(Exception):
+                    cluster.stop(replica)
+                cluster.kill(replica)
 
 
 def _unmount(ledger_dir: Path, keep: Path) -> None:

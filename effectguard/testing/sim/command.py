@@ -70,18 +70,22 @@ def run_schedule(
     *,
     pg_dsn: str | None = None,
     disk: bool = False,
+    ledger_faults: bool = False,
     bundle: Path | None = None,
 ) -> SimResult:
     """Run ``schedule`` in ``workdir`` and check it; write a bundle there if it fails."""
     env = dict(os.environ)
     env.pop("EFFECTGUARD_CRASH_AT", None)
-    with running_cluster(schedule, workdir, pg_dsn=pg_dsn, env=env, disk=disk) as cluster:
+    with running_cluster(
+        schedule, workdir, pg_dsn=pg_dsn, env=env, disk=disk, ledger_faults=ledger_faults
+    ) as cluster:
         answers = asyncio.run(execute(cluster))
         answers += asyncio.run(quiesce(cluster, answers))
-    unrecovered = [int(a["replica"]) for a in cluster.actions if a["action"] == "unrecovered"]
-    evidence = asyncio.run(
-        collect(cluster.ledger, workdir / "receipts.jsonl", answers, unrecovered)
-    )
+        # Collected before the cluster goes: an owned PostgreSQL cluster is dropped with it.
+        unrecovered = [int(a["replica"]) for a in cluster.actions if a["action"] == "unrecovered"]
+        evidence = asyncio.run(
+            collect(cluster.ledger, workdir / "receipts.jsonl", answers, unrecovered)
+        )
     violations = check(evidence)
     result = SimResult(schedule, violations, evidence, overshoots(evidence), cluster.actions)
     if violations and bundle is not None:
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             ledger=args.ledger,
             lease_s=args.lease,
             disk_faults=args.disk_faults,
+            ledger_faults=args.ledger_faults,
         )
     bundle = args.bundle or Path(f"sim-bundle-{schedule.seed}")
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             workdir,
             pg_dsn=os.environ.get(PG_DSN_ENV),
             disk=args.disk_faults,
+            ledger_faults=args.ledger_faults,
             bundle=bundle,
         )
     finally:

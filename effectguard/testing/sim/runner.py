@@ -39,7 +39,7 @@ async def execute(cluster: Cluster) -> list[Answer]:
             asyncio.create_task(_call_at(client, cluster, call, start)) for call in schedule.calls
         ]
         faulting = [
-            asyncio.create_task(_faults_of(cluster, replica, locks[replica.index], start))
+            asyncio.create_task(_faults_of(cluster, replica, locks, start))
             for replica in cluster.replicas
         ]
         supervisor = asyncio.create_task(_supervise(cluster, locks))
@@ -58,11 +58,21 @@ async def _call_at(
     return await run_call(client, lambda i: cluster.replicas[i].url, call)
 
 
-async def _faults_of(cluster: Cluster, replica: Replica, lock: asyncio.Lock, start: float) -> None:
-    """Apply ``replica``'s faults in order (a fault that runs long delays the next)."""
+async def _faults_of(
+    cluster: Cluster, replica: Replica, locks: dict[int, asyncio.Lock], start: float
+) -> None:
+    """Apply ``replica``'s faults in order (a fault that runs long delays the next).
+
+    A read-only remount touches every replica, so it holds every lock; it is always
+    replica 0's fault and takes the locks in index order, so two tasks never wait on
+    each other.
+    """
     for fault in (f for f in cluster.schedule.faults if f.replica == replica.index):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
-        async with lock:
+        needed = sorted(locks) if fault.kind == "read_only" else [replica.index]
+        async with contextlib.AsyncExitStack() as held:
+            for index in needed:
+                await held.enter_async_context(locks[index])
             await _apply(cluster, replica, fault)
 
 
@@ -95,6 +105,32 @@ async def _apply(cluster: Cluster, replica: Replica, fault: Fault) -> None:
         await asyncio.sleep(fault.seconds)
         if filler is not None:
             cluster.free_disk(filler)
+    elif fault.kind == "read_only":
+        await _read_only(cluster, fault.seconds)
+    elif fault.kind == "pg_outage":
+        await asyncio.to_thread(cluster.pg_stop, fault.point or "fast")
+        await asyncio.sleep(fault.seconds)
+        await asyncio.to_thread(cluster.pg_start)
+
+
+async def _read_only(cluster: Cluster, seconds: float) -> None:
+    """Make the SQLite ledger read-only for ``seconds``, with every replica down meanwhile.
+
+    Linux refuses to remount a filesystem read-only while a file on it is open for
+    writing, and a running replica always holds the ledger so: every replica is
+    SIGKILLed first. Each is started once on the read-only ledger (``serve`` refuses
+    to start then: noted ``start_failed``), and again once the ledger is writable.
+    """
+    for replica in cluster.replicas:
+        cluster.kill(replica)
+    if await asyncio.to_thread(cluster.remount, "ro"):
+        for replica in cluster.replicas:
+            await _start(cluster, replica)
+        await asyncio.sleep(seconds)
+        await asyncio.to_thread(cluster.remount, "rw")
+    for replica in cluster.replicas:
+        if not replica.alive():
+            await _start(cluster, replica)
 
 
 async def _supervise(cluster: Cluster, locks: dict[int, asyncio.Lock]) -> None:

@@ -17,7 +17,17 @@ from typing import Any, Final, Literal
 
 from effectguard.testing.fakebehaviour import Behaviour
 
-__all__ = ["BUDGETS", "CRASH_POINTS", "Call", "Fault", "Route", "Schedule", "generate"]
+__all__ = [
+    "BUDGETS",
+    "CRASH_POINTS",
+    "LEDGER_WIDE",
+    "PG_STOP_MODES",
+    "Call",
+    "Fault",
+    "Route",
+    "Schedule",
+    "generate",
+]
 
 #: name -> (provider, path, model, streams possible)
 ROUTES: Final = {
@@ -36,7 +46,12 @@ CRASH_POINTS: Final = (
     "after:observe",
     "mid-stream",
 )
-FaultKind = Literal["kill", "crash_at", "stop", "restart", "disk_full"]
+FaultKind = Literal["kill", "crash_at", "stop", "restart", "disk_full", "read_only", "pg_outage"]
+#: Faults of the ledger itself rather than of one replica: always scheduled on replica 0
+#: (a read-only remount takes every replica's lock, in index order, from there).
+LEDGER_WIDE: Final = frozenset({"read_only", "pg_outage"})
+#: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
+PG_STOP_MODES: Final = ("fast", "immediate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +83,10 @@ class Fault:
     at: float
     kind: FaultKind
     replica: int
-    #: kill: downtime; stop: how long stopped; disk_full: how long full; crash_at: -.
+    #: kill: downtime; stop: how long stopped; disk_full, read_only, pg_outage: how long
+    #: the ledger stays full, read-only or down; crash_at: -.
     seconds: float = 0.0
+    #: crash_at: the crash point; pg_outage: the ``pg_ctlcluster stop`` mode.
     point: str | None = None
 
 
@@ -110,6 +127,7 @@ def generate(
     ledger: str = "sqlite",
     lease_s: float = 2.0,
     disk_faults: bool = False,
+    ledger_faults: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -131,7 +149,7 @@ def generate(
         lease_s=lease_s,
         limits=limits,
         calls=tuple(calls),
-        faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults)),
+        faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger)),
     )
 
 
@@ -178,11 +196,19 @@ def _behaviour(rng: random.Random, call_id: str, streams: bool) -> Behaviour:
 
 
 def _faults(
-    rng: random.Random, duration: float, replicas: int, lease_s: float, disk: bool
+    rng: random.Random,
+    duration: float,
+    replicas: int,
+    lease_s: float,
+    disk: bool,
+    ledger_faults: bool = False,
+    ledger: str = "sqlite",
 ) -> list[Fault]:
     kinds: list[FaultKind] = ["kill", "kill", "crash_at", "crash_at", "stop", "restart"]
     if disk:
         kinds.append("disk_full")
+    if ledger_faults:  # appended last, so schedules without the option are unchanged
+        kinds.append("read_only" if ledger == "sqlite" else "pg_outage")
     faults: list[Fault] = []
     at = rng.uniform(0.5, 2.0)
     while at < duration * 0.85:
@@ -196,6 +222,11 @@ def _faults(
             faults.append(Fault(at, kind, replica, seconds=round(lease_s + rng.uniform(1, 2), 3)))
         elif kind == "disk_full":
             faults.append(Fault(at, kind, replica, seconds=round(rng.uniform(0.5, 2.0), 3)))
+        elif kind == "read_only":
+            faults.append(Fault(at, kind, 0, seconds=round(rng.uniform(0.5, 3.0), 3)))
+        elif kind == "pg_outage":
+            seconds = round(rng.uniform(1.0, 5.0), 3)
+            faults.append(Fault(at, kind, 0, seconds=seconds, point=rng.choice(PG_STOP_MODES)))
         else:
             faults.append(Fault(at, kind, replica))
         at = round(at + rng.uniform(2.5, 7.0), 3)
