@@ -16,6 +16,7 @@ from effectguard.testing.sim.bundle import write_bundle
 from effectguard.testing.sim.cluster import running_cluster
 from effectguard.testing.sim.evidence import Evidence, collect
 from effectguard.testing.sim.invariants import INVARIANTS, Violation, check, overshoots
+from effectguard.testing.sim.pgcluster import unavailable_reason
 from effectguard.testing.sim.runner import execute, quiesce
 from effectguard.testing.sim.schedule import Schedule, generate
 
@@ -108,6 +109,15 @@ def render_schedule(schedule: Schedule) -> str:
     return "\n".join(lines)
 
 
+def _ledger_faults_refused(schedule: Schedule) -> str | None:
+    """Why this machine cannot inject the ledger faults (None: it can)."""
+    if schedule.ledger == "postgres":
+        return unavailable_reason()
+    if os.geteuid() != 0:
+        return "remounting the ledger's tmpfs read-only needs root"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one seed; 0 when every invariant held, 1 when one broke (bundle written)."""
     if args.schedule is not None:
@@ -123,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
             disk_faults=args.disk_faults,
             ledger_faults=args.ledger_faults,
         )
+    reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
+    if reason is not None:
+        print(f"effectguard sim: --ledger-faults: {reason}", file=sys.stderr)
+        return 2
     bundle = args.bundle or Path(f"sim-bundle-{schedule.seed}")
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
         print(f"effectguard sim: --keep {args.keep} is not empty", file=sys.stderr)
