@@ -112,7 +112,9 @@ def test_bundled_anthropic() -> None:
         price = anthropic.models[name]
         assert price.cache_write is not None and price.cached_input is not None
         assert price.cache_write * 4 == price.input * 5  # the 5-minute write is 1.25x input
-    assert anthropic.endpoint_for("POST", "/v1/messages") == Endpoint("/v1/messages", "billable")
+    assert anthropic.endpoint_for("POST", "/v1/messages") == Endpoint(
+        "/v1/messages", "at_most_once"
+    )
     count = anthropic.endpoint_for("POST", "/v1/messages/count_tokens")
     assert count is not None and count.effect == "read_only"
 

@@ -251,7 +251,7 @@ class Guard:
         self, provider: Provider, request: httpx.Request, send: Send, report: CallReport
     ) -> httpx.Response:
         """Forward a read-only request: nothing to record, but errors still get clear answers."""
-        outgoing = upstream_request(request, request.content, provider, None)
+        outgoing = upstream_request(request, request.content, None, None)
         self.observer.dispatching(report, outgoing)
         sent_at = time.perf_counter()
         try:
@@ -353,9 +353,7 @@ class Guard:
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
     ) -> httpx.Response:
         provider, call_id = prepared.provider, admitted.call_id
-        outgoing = upstream_request(
-            prepared.request, prepared.body, provider, admitted.provider_idempotency_key
-        )
+        outgoing = _outgoing(prepared, admitted)
         report.attempts = admitted.attempt
         self.observer.dispatching(report, outgoing)
         sent_at = time.perf_counter()
@@ -490,6 +488,13 @@ class Guard:
             stage=stage,
             next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
+
+
+def _outgoing(prepared: Prepared, admitted: Admitted) -> httpx.Request:
+    """The attempt's request as it goes upstream, carrying the call id as its operation id."""
+    key = admitted.provider_idempotency_key
+    body = prepared.body
+    return upstream_request(prepared.request, body, prepared.endpoint, key, admitted.call_id)
 
 
 def _describe(exc: BaseException) -> str:

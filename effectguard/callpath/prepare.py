@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from effectguard.callpath import opfields
 from effectguard.callpath.wire import (
     IDEMPOTENCY_HEADER,
     RETRY_OF_HEADER,
@@ -22,7 +23,7 @@ from effectguard.callpath.wire import (
 )
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
-from effectguard.providers import Provider
+from effectguard.providers import Endpoint, Provider
 from effectguard.rules import budget as budgets
 from effectguard.rules import nesting, paths
 from effectguard.rules import usage as usages
@@ -52,6 +53,8 @@ class Prepared:
     stream: bool
     reserve: int
     admit: AdmitRequest
+    #: The endpoint as declared (or its provider's defaults): what effectguard adds to it.
+    endpoint: Endpoint
 
 
 @functools.lru_cache(maxsize=256)
@@ -107,14 +110,15 @@ def prepare(
     base_path = _base_path(provider.base_url)
     check_below_base(request.url, _raw_base_path(provider.base_url))
     path = request.url.path[len(base_path) :] if base_path else request.url.path
-    endpoint = provider.endpoint_for(request.method, path)
-    if endpoint is not None and endpoint.effect == "read_only":
+    endpoint = provider.effect_for(request.method, path)
+    if endpoint.effect == "read_only":
         return None
     root = _budget_root(budget, budget_root)
     raw = request.content
     parsed = _parse_body(provider, raw)
     model, price = _model_and_price(provider, parsed)
     key = _idempotency_key(request)
+    _check_own_fields(endpoint, parsed)
     stream = usages.wants_stream(parsed)
     sent = _body_to_send(provider, path, parsed, raw)
     try:
@@ -127,7 +131,7 @@ def prepare(
     retry_of = request.headers.get(RETRY_OF_HEADER)
     target = request.url.raw_path.decode("ascii", "replace")
     body_text, body_encoding = encode_body(sent)
-    idem = provider.idempotency
+    idem = endpoint.idempotency
     admit = AdmitRequest(
         request_hash=request_hash(provider.name, request.method, target, parsed or raw),
         provider=provider.name,
@@ -137,7 +141,7 @@ def prepare(
         idempotency_key=key,
         budget=budget,
         budget_root=root,
-        effect_kind=endpoint.effect if endpoint else "billable",
+        effect_kind=endpoint.effect,
         body=body_text,
         body_encoding=body_encoding,
         stream=stream,
@@ -149,7 +153,29 @@ def prepare(
         provider_idempotency_window_s=idem.window_seconds if idem else None,
         create_budgets=settings.create_budgets,
     )
-    return Prepared(provider, request, path, model, price, sent, stream, reserve, admit)
+    return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any]) -> None:
+    """Refuse (400) a body that has no place for a field effectguard must write into it:
+    without the operation id, a lookup would never find the call, and "not found" would
+    wrongly read as "not applied"."""
+    paths_: list[str] = []
+    if endpoint.idempotency is not None and endpoint.idempotency.body_field is not None:
+        paths_.append(endpoint.idempotency.body_field)
+    if endpoint.op_id is not None:
+        if endpoint.op_id.where == "form":
+            raise refuse(
+                400,
+                "invalid_request",
+                f"this endpoint takes effectguard's operation id in the form field "
+                f"{endpoint.op_id.name!r}, and only JSON bodies are guarded",
+            )
+        if endpoint.op_id.where == "json":
+            paths_.append(endpoint.op_id.name)
+    for path in paths_:
+        if not opfields.writable(parsed, path):
+            raise refuse(400, "invalid_request", f"request body has no object for field {path!r}")
 
 
 def _budget_root(budget: str, budget_root: str | None) -> str:

@@ -11,9 +11,9 @@ from typing import Any, AnyStr, Final, Literal
 
 import httpx
 
-from effectguard.callpath import testhooks
+from effectguard.callpath import opfields, testhooks
 from effectguard.errors import Refusal
-from effectguard.providers import Provider
+from effectguard.providers import Endpoint
 from effectguard.rules.events import AttemptObserved, decode_body
 
 CALL_ID_HEADER: Final = "effectguard-call-id"
@@ -187,19 +187,42 @@ def _classify_aiohttp(exc: BaseException) -> SendOutcome:
 
 
 def upstream_request(
-    request: httpx.Request, body: bytes, provider: Provider, provider_key: str | None
+    request: httpx.Request,
+    body: bytes,
+    endpoint: Endpoint | None,
+    provider_key: str | None,
+    op_id: str | None = None,
 ) -> httpx.Request:
-    """The request as it goes upstream: own headers out, declared idempotency header in."""
+    """The request as it goes upstream: own headers out; the endpoint's idempotency key and
+    operation id in, where it declares them (the body the client sent is what was hashed)."""
     # Wire bytes, not decoded text: a non-ASCII value goes upstream exactly as it came.
+    written: dict[str, str] = {}
+    fields: list[tuple[str, str]] = []
+    guarantee = endpoint.idempotency if endpoint is not None else None
+    if provider_key is not None and guarantee is not None:
+        if guarantee.header is not None:
+            written[guarantee.header.lower()] = provider_key
+        elif guarantee.body_field is not None:
+            fields.append((guarantee.body_field, provider_key))
+    placement = endpoint.op_id if endpoint is not None else None
+    if op_id is not None and placement is not None:
+        if placement.where == "header":
+            written[placement.name.lower()] = op_id
+        else:
+            fields.append((placement.name, op_id))
     headers = [
         (k, v)
         for k, v in strip_hop_by_hop(request.headers.raw)
-        if _name(k) not in OWN_HEADERS and not is_own_header(k) and _name(k) != "accept-encoding"
+        if _name(k) not in OWN_HEADERS
+        and not is_own_header(k)
+        and _name(k) != "accept-encoding"
+        and _name(k) not in written  # effectguard's value, never the client's
     ]
     # Identity encoding: usage is read from the bytes, which are stored exactly as received.
     headers.append((b"accept-encoding", b"identity"))
-    if provider_key is not None and provider.idempotency is not None:
-        headers.append((provider.idempotency.header.encode(), provider_key.encode()))
+    headers += [(k.encode(), v.encode()) for k, v in written.items()]
+    if fields:
+        body = opfields.write(body, request.headers.get("content-type", ""), fields)
     return httpx.Request(
         request.method, request.url, headers=headers, content=body, extensions=request.extensions
     )

@@ -11,6 +11,7 @@ from effectguard.providers.declaration import (
     load_providers,
     upstream_argument,
 )
+from effectguard.providers.endpoints import Lookup, OpIdPlacement
 from effectguard.providers.routing import provider_for
 from effectguard.rules.prices import ModelPrice
 
@@ -18,7 +19,9 @@ __all__ = [
     "Dialect",
     "Endpoint",
     "IdempotencyGuarantee",
+    "Lookup",
     "ModelPrice",
+    "OpIdPlacement",
     "Provider",
     "bundled_dir",
     "load_provider",

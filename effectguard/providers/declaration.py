@@ -28,6 +28,15 @@ from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 from effectguard.errors import ConfigError
+from effectguard.providers.endpoints import (
+    Endpoint,
+    IdempotencyGuarantee,
+    Lookup,
+    default_endpoint,
+    legacy_lookup,
+    parse_endpoint,
+    parse_idempotency,
+)
 from effectguard.rules.money import Nanos, usd_to_nanos
 from effectguard.rules.prices import ModelPrice
 
@@ -45,7 +54,6 @@ __all__ = [
 ]
 
 Dialect = Literal["openai", "anthropic", "flat"]
-Effect = Literal["read_only", "billable"]
 #: What a declared transient status means for the effect: "none" (the request was not
 #: worked on; resend) or "unknown" (it may have been; hold and reconcile).
 TransientEffect = Literal["none", "unknown"]
@@ -53,13 +61,11 @@ TransientEffect = Literal["none", "unknown"]
 AnswerEffect = Literal["applied", "none", "unknown"]
 
 _DIALECTS = ("openai", "anthropic", "flat")
-_EFFECTS = ("read_only", "billable")
 _TRANSIENT_EFFECTS = ("none", "unknown")
 _KEY_FORMATS = {"authorization": "Bearer {key}", "x-api-key": "{key}"}
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
-_METHOD = re.compile(r"[A-Z]+")
 # A dated snapshot suffix: OpenAI "-2024-07-18", Anthropic "-20250929", or the "-latest" alias.
 _SNAPSHOT = re.compile(r"\d{4}-\d{2}-\d{2}|\d{8}|latest")
 
@@ -73,35 +79,6 @@ _TOP_KEYS = frozenset(
 _MODEL_KEYS = frozenset(
     {"input", "output", "cached_input", "cache_write", "per_call", "max_output_tokens"}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One declared endpoint and the kind of effect a request to it has."""
-
-    path: str
-    effect: Effect
-    method: str = "POST"
-
-    def matches(self, method: str, path: str) -> bool:
-        """Whether a request ``method path`` (no query string) targets this endpoint."""
-        if method.upper() != self.method:
-            return False
-        want, got = self.path.split("/"), path.split("/")
-        if len(want) != len(got):
-            return False
-        return all(
-            (w.startswith("{") and w.endswith("}") and g != "") or w == g
-            for w, g in zip(want, got, strict=True)
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class IdempotencyGuarantee:
-    """A provider-documented dedup: requests repeating ``header`` within the window apply once."""
-
-    header: str
-    window_seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +123,19 @@ class Provider:
         The guard treats an unknown endpoint as billable.
         """
         return next((e for e in self.endpoints if e.matches(method, path)), None)
+
+    def effect_for(self, method: str, path: str) -> Endpoint:
+        """The endpoint ``method path`` is treated as: its declaration, or, undeclared, a
+        billable one with the provider's default idempotency and lookup."""
+        declared = self.endpoint_for(method, path)
+        if declared is not None:
+            return declared
+        return default_endpoint(path, method, self.idempotency, self.default_lookup)
+
+    @property
+    def default_lookup(self) -> Lookup | None:
+        """The provider-level ``lookup`` (the default of its billable endpoints)."""
+        return None if self.lookup is None else legacy_lookup(self.lookup)
 
     def price_for(self, model: str | None) -> ModelPrice | None:
         """The price of ``model``: an exact name, else the base model of a dated snapshot.
@@ -320,6 +310,7 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
             raise fail("lookup", "only {base_url} and {key} may be used") from exc
         if "{key}" not in lookup:
             raise fail("lookup", "must contain {key}")
+    idempotency = parse_idempotency(raw.get("idempotency"), "idempotency", fail)
     return Provider(
         name=name,
         base_url=_url(_str(raw, "base_url", fail), f"{source}: base_url"),
@@ -328,10 +319,10 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
         key_header=key_header,
         key_format=key_format,
         models=MappingProxyType(_models(raw, fail)),
-        endpoints=_endpoints(raw, fail),
+        endpoints=_endpoints(raw, fail, idempotency, lookup),
         not_processed=not_processed,
         retry_statuses=retry,
-        idempotency=_idempotency(raw, fail),
+        idempotency=idempotency,
         lookup=lookup,
         prices_taken=_prices_taken(raw, fail),
         source=source,
@@ -454,47 +445,21 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
     return models
 
 
-def _endpoints(raw: Mapping[str, Any], fail: _Fail) -> tuple[Endpoint, ...]:
+def _endpoints(
+    raw: Mapping[str, Any],
+    fail: _Fail,
+    idempotency: IdempotencyGuarantee | None,
+    lookup: str | None,
+) -> tuple[Endpoint, ...]:
     entries = raw.get("endpoints", [])
     if not isinstance(entries, list):
         raise fail("endpoints", "must be an array of tables ([[endpoints]])")
+    default_lookup = None if lookup is None else legacy_lookup(lookup)
     result: list[Endpoint] = []
     for i, entry in enumerate(entries):
         where = f"endpoints[{i}]"
-        if not isinstance(entry, dict):
-            raise fail(where, "must be a table")
-        unknown = sorted(set(entry) - {"path", "method", "effect"})
-        if unknown:
-            raise fail(f"{where}.{unknown[0]}", "unknown field")
-        path = entry.get("path")
-        if not isinstance(path, str) or not path.startswith("/") or "?" in path or "#" in path:
-            raise fail(f"{where}.path", "must start with '/' and carry no query")
-        method = entry.get("method", "POST")
-        if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
-            raise fail(f"{where}.method", "must be an HTTP method")
-        effect = entry.get("effect")
-        if effect not in _EFFECTS:
-            raise fail(f"{where}.effect", f"must be one of {', '.join(_EFFECTS)}")
-        endpoint = Endpoint(path=path, effect=effect, method=method.upper())
-        if any(e.method == endpoint.method and e.path == path for e in result):
-            raise fail(f"{where}.path", f"{endpoint.method} {path} declared twice")
+        endpoint = parse_endpoint(entry, where, fail, idempotency, default_lookup)
+        if any(e.method == endpoint.method and e.path == endpoint.path for e in result):
+            raise fail(f"{where}.path", f"{endpoint.method} {endpoint.path} declared twice")
         result.append(endpoint)
     return tuple(result)
-
-
-def _idempotency(raw: Mapping[str, Any], fail: _Fail) -> IdempotencyGuarantee | None:
-    table = raw.get("idempotency")
-    if table is None:
-        return None
-    if not isinstance(table, dict):
-        raise fail("idempotency", "must be a table")
-    unknown = sorted(set(table) - {"header", "window_seconds"})
-    if unknown:
-        raise fail(f"idempotency.{unknown[0]}", "unknown field")
-    header = table.get("header")
-    if not isinstance(header, str) or not _HEADER.fullmatch(header):
-        raise fail("idempotency.header", "must be an HTTP header name")
-    window = table.get("window_seconds")
-    if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
-        raise fail("idempotency.window_seconds", "must be a number of seconds > 0")
-    return IdempotencyGuarantee(header=header, window_seconds=float(window))

@@ -1,0 +1,307 @@
+"""Endpoint declarations: what a request to one endpoint does, and how to find out later.
+
+Each ``[[endpoints]]`` entry of a provider declaration says (SPEC §2, §12):
+
+* its **effect kind**: ``read_only`` (passed through), ``at_most_once`` (the default for
+  anything billable: an unknown effect waits for evidence or a person) or ``idempotent``
+  (the provider deduplicates on a header or a JSON body field, within a window).
+  ``billable`` is accepted as the older name: it means ``idempotent`` where the provider's
+  ``[idempotency]`` table declares a default guarantee, else ``at_most_once``;
+* where effectguard writes the call's **operation id** (``op_id``): a header, a JSON body
+  field (dotted path) or a form field, so that a provider that keeps it can be searched;
+* a **lookup**: the request that asks the provider whether an operation was applied, how
+  its answer reads, and how fresh the provider's search is (:class:`Lookup`).
+
+This module parses and validates those entries into frozen values; it does no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from effectguard.errors import ConfigError
+
+__all__ = [
+    "Effect",
+    "Endpoint",
+    "IdempotencyGuarantee",
+    "Lookup",
+    "OpIdPlacement",
+    "parse_endpoint",
+    "parse_idempotency",
+    "parse_lookup",
+]
+
+Effect = Literal["read_only", "at_most_once", "idempotent"]
+OpSource = Literal["call_id", "idempotency_key"]
+Placement = Literal["header", "json", "form"]
+
+_EFFECTS = ("read_only", "at_most_once", "idempotent", "billable")
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_METHOD = re.compile(r"[A-Z]+")
+_FIELD = re.compile(r"[A-Za-z0-9_\-\[\]]+(\.[A-Za-z0-9_\-\[\]]+)*")
+_ENDPOINT_KEYS = frozenset({"path", "method", "effect", "idempotency", "op_id", "lookup"})
+_LOOKUP_KEYS = frozenset(
+    {"method", "url", "query", "applied", "not_found", "freshness_s", "op", "timeout_s"}
+)
+
+Fail = Callable[[str, str], ConfigError]
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyGuarantee:
+    """A provider-documented dedup: a request repeating the key within the window applies
+    once. The key travels in ``header``, or in the JSON body field ``body_field``."""
+
+    header: str | None
+    window_seconds: float
+    body_field: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpIdPlacement:
+    """Where the call's operation id is written into the outgoing request.
+
+    The operation id is the **call id**: unique across tenants (a client's
+    ``Idempotency-Key`` is scoped to its budget root, so two tenants may both use
+    "order-1", and a provider-wide search for it could find the other's effect), present
+    for key-less calls too, and the same on every attempt of the call.
+    """
+
+    where: Placement
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """A request that asks the provider "was operation ``{op}`` applied?", and its reading.
+
+    ``url`` may use ``{base_url}`` and ``{op}``; ``query`` values may use ``{op}``. An answer
+    in which the JSON path ``applied`` is present (and not null, false or empty) means
+    applied, and its value is the recovered object where it is a JSON object; otherwise a
+    status in ``not_found`` means "not found"; anything else is unknown. "Not found"
+    proves "not applied" only once the call's last attempt is older than ``freshness_s``
+    (search indexes lag); before that it is unknown too.
+    """
+
+    url: str
+    applied: str
+    not_found: frozenset[int]
+    freshness_s: float
+    method: str = "GET"
+    query: tuple[tuple[str, str], ...] = ()
+    op: OpSource = "call_id"
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One declared endpoint: its effect kind, and what effectguard adds to its requests."""
+
+    path: str
+    effect: Effect
+    method: str = "POST"
+    idempotency: IdempotencyGuarantee | None = None
+    op_id: OpIdPlacement | None = None
+    lookup: Lookup | None = None
+
+    def matches(self, method: str, path: str) -> bool:
+        """Whether a request ``method path`` (no query string) targets this endpoint."""
+        if method.upper() != self.method:
+            return False
+        want, got = self.path.split("/"), path.split("/")
+        if len(want) != len(got):
+            return False
+        return all(
+            (w.startswith("{") and w.endswith("}") and g != "") or w == g
+            for w, g in zip(want, got, strict=True)
+        )
+
+
+def default_endpoint(
+    path: str, method: str, idempotency: IdempotencyGuarantee | None, lookup: Lookup | None
+) -> Endpoint:
+    """How an undeclared endpoint is treated: billable, with the provider's defaults."""
+    effect: Effect = "idempotent" if idempotency is not None else "at_most_once"
+    return Endpoint(path, effect, method.upper(), idempotency, None, lookup)
+
+
+def parse_endpoint(
+    entry: object,
+    where: str,
+    fail: Fail,
+    default_idempotency: IdempotencyGuarantee | None,
+    default_lookup: Lookup | None,
+) -> Endpoint:
+    """One ``[[endpoints]]`` entry; the provider's ``[idempotency]`` and ``lookup`` are the
+    defaults of its billable endpoints."""
+    if not isinstance(entry, dict):
+        raise fail(where, "must be a table")
+    unknown = sorted(set(entry) - _ENDPOINT_KEYS)
+    if unknown:
+        raise fail(f"{where}.{unknown[0]}", "unknown field")
+    path = entry.get("path")
+    if not isinstance(path, str) or not path.startswith("/") or "?" in path or "#" in path:
+        raise fail(f"{where}.path", "must start with '/' and carry no query")
+    method = entry.get("method", "POST")
+    if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
+        raise fail(f"{where}.method", "must be an HTTP method")
+    declared = entry.get("effect")
+    if declared not in _EFFECTS:
+        raise fail(f"{where}.effect", f"must be one of {', '.join(_EFFECTS)}")
+    if declared == "read_only":
+        for extra in ("idempotency", "op_id", "lookup"):
+            if extra in entry:
+                raise fail(f"{where}.{extra}", "a read_only endpoint has no effect to guard")
+        return Endpoint(path, "read_only", method.upper())
+    own = parse_idempotency(entry.get("idempotency"), f"{where}.idempotency", fail)
+    effect, idempotency = _effect(declared, own, default_idempotency, where, fail)
+    op_id = _op_id(entry.get("op_id"), f"{where}.op_id", fail)
+    lookup = default_lookup
+    if "lookup" in entry:
+        lookup = parse_lookup(entry["lookup"], f"{where}.lookup", fail, op_id is not None)
+        if lookup.op == "idempotency_key" and idempotency is None:
+            raise fail(f"{where}.lookup.op", "idempotency_key needs an idempotent endpoint")
+    return Endpoint(path, effect, method.upper(), idempotency, op_id, lookup)
+
+
+def _effect(
+    declared: str,
+    own: IdempotencyGuarantee | None,
+    default: IdempotencyGuarantee | None,
+    where: str,
+    fail: Fail,
+) -> tuple[Effect, IdempotencyGuarantee | None]:
+    if declared == "at_most_once":
+        if own is not None:
+            raise fail(f"{where}.idempotency", 'only an "idempotent" endpoint declares one')
+        return "at_most_once", None
+    guarantee = own or default
+    if declared == "idempotent" and guarantee is None:
+        raise fail(f"{where}.idempotency", "an idempotent endpoint needs one (or the provider's)")
+    if declared == "billable" and own is not None:
+        raise fail(f"{where}.effect", 'an endpoint with its own idempotency is "idempotent"')
+    return ("idempotent", guarantee) if guarantee is not None else ("at_most_once", None)
+
+
+def parse_idempotency(table: object, where: str, fail: Fail) -> IdempotencyGuarantee | None:
+    """An ``idempotency`` table: ``header`` or ``body_field``, and ``window_seconds``."""
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise fail(where, "must be a table")
+    unknown = sorted(set(table) - {"header", "body_field", "window_seconds"})
+    if unknown:
+        raise fail(f"{where}.{unknown[0]}", "unknown field")
+    header, body_field = table.get("header"), table.get("body_field")
+    if (header is None) == (body_field is None):
+        raise fail(where, "declare exactly one of header or body_field")
+    if header is not None and (not isinstance(header, str) or not _HEADER.fullmatch(header)):
+        raise fail(f"{where}.header", "must be an HTTP header name")
+    if body_field is not None and (
+        not isinstance(body_field, str) or not _FIELD.fullmatch(body_field)
+    ):
+        raise fail(f"{where}.body_field", "must be a JSON field path such as a.b")
+    window = table.get("window_seconds")
+    if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
+        raise fail(f"{where}.window_seconds", "must be a number of seconds > 0")
+    return IdempotencyGuarantee(header, float(window), body_field)
+
+
+def _op_id(table: object, where: str, fail: Fail) -> OpIdPlacement | None:
+    if table is None:
+        return None
+    if not isinstance(table, dict) or len(table) != 1:
+        raise fail(where, 'must name one place: { header = "..." }, { json = "..." } or '
+                   '{ form = "..." }')  # fmt: skip
+    ((kind, name),) = table.items()
+    if kind not in ("header", "json", "form"):
+        raise fail(f"{where}.{kind}", "must be header, json or form")
+    pattern = _HEADER if kind == "header" else _FIELD
+    if not isinstance(name, str) or not pattern.fullmatch(name):
+        raise fail(f"{where}.{kind}", "must be a header name or a field path")
+    return OpIdPlacement(cast(Placement, kind), name)
+
+
+def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Lookup:
+    """A ``lookup`` table (see :class:`Lookup`)."""
+    if not isinstance(table, dict):
+        raise fail(where, "must be a table")
+    unknown = sorted(set(table) - _LOOKUP_KEYS)
+    if unknown:
+        raise fail(f"{where}.{unknown[0]}", "unknown field")
+    url = table.get("url")
+    if not isinstance(url, str) or not url.startswith(("{base_url}", "http://", "https://")):
+        raise fail(f"{where}.url", "must be a URL template starting with {base_url} or http(s)")
+    query = table.get("query", {})
+    if not isinstance(query, dict) or not all(isinstance(v, str) for v in query.values()):
+        raise fail(f"{where}.query", "must be a table of strings")
+    for text in (url, *query.values()):
+        _check_template(text, f"{where}.url", fail)
+    if "{op}" not in url + "".join(query.values()):
+        raise fail(f"{where}.url", "the url or a query field must contain {op}")
+    op = table.get("op", "call_id" if has_op_id else "idempotency_key")
+    if op not in ("call_id", "idempotency_key"):
+        raise fail(f"{where}.op", "must be call_id or idempotency_key")
+    if op == "call_id" and not has_op_id:
+        raise fail(f"{where}.op", "call_id needs the endpoint's op_id (where the id is written)")
+    applied = table.get("applied")
+    if not isinstance(applied, str) or not _FIELD.fullmatch(applied):
+        raise fail(f"{where}.applied", "must be a JSON path such as data[0]")
+    not_found = table.get("not_found", [404])
+    if not isinstance(not_found, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and 100 <= s <= 599 for s in not_found
+    ):
+        raise fail(f"{where}.not_found", "must be a list of HTTP statuses")
+    method = table.get("method", "GET")
+    if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
+        raise fail(f"{where}.method", "must be an HTTP method")
+    return Lookup(
+        url=url,
+        applied=applied,
+        not_found=frozenset(not_found),
+        freshness_s=_seconds(table, "freshness_s", where, fail, required=True),
+        method=method.upper(),
+        query=tuple((str(k), v) for k, v in query.items()),
+        op=cast(OpSource, op),
+        timeout_s=_seconds(table, "timeout_s", where, fail, default=5.0),
+    )
+
+
+def legacy_lookup(template: str) -> Lookup:
+    """The older provider-level ``lookup = "{base_url}/ops/{key}"``: asks by the provider
+    idempotency key; ``{"applied": true}`` means applied, any other 200 not applied."""
+    return Lookup(
+        url=template.replace("{key}", "{op}"),
+        applied="applied",
+        not_found=frozenset({200}),
+        freshness_s=0.0,
+        op="idempotency_key",
+    )
+
+
+def _check_template(text: str, where: str, fail: Fail) -> None:
+    try:
+        text.format(base_url="", op="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise fail(where, "only {base_url} and {op} may be used") from exc
+
+
+def _seconds(
+    table: Mapping[str, Any],
+    key: str,
+    where: str,
+    fail: Fail,
+    *,
+    required: bool = False,
+    default: float = 0.0,
+) -> float:
+    value = table.get(key)
+    if value is None and not required:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise fail(f"{where}.{key}", "must be a number of seconds >= 0")
+    return float(value)
