@@ -25,6 +25,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.prepare import Prepared, prepare, refuse
+from effectguard.callpath.readonly import describe as _describe
+from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.stream import GuardedStream
@@ -162,7 +164,7 @@ class Guard:
             )
             if prepared is None:  # read-only: nothing to guard
                 report.outcome = report.stage = "read_only"
-                return await self._read_only(provider, request, send, report)
+                return await forward_read_only(provider, request, send, report, self.observer)
             report.model, report.budget = prepared.model or "", prepared.admit.budget
             admitted = await self._admit(prepared)
         except Refusal as refusal:
@@ -246,38 +248,6 @@ class Guard:
             await self.recorder.interrupt(self.writer, call_id, state.attempts, reason)
             state = await self.ledger.store.get_call(call_id)
         return state.stage if state is not None else "missing"
-
-    async def _read_only(
-        self, provider: Provider, request: httpx.Request, send: Send, report: CallReport
-    ) -> httpx.Response:
-        """Forward a read-only request: nothing to record, but errors still get clear answers."""
-        outgoing = upstream_request(request, request.content, None, None)
-        self.observer.dispatching(report, outgoing)
-        sent_at = time.perf_counter()
-        try:
-            response = await send(outgoing)
-        except httpx.TransportError as exc:
-            not_sent = classify_transport_error(exc) == "not_sent"
-            timeout = isinstance(exc, httpx.TimeoutException)
-            kind = "upstream_unreachable" if not_sent else "upstream_failed"
-            self.observer.refused(provider.name, kind)
-            # A read has no effect to lose, so a client may always try again.
-            raise refuse(
-                504 if timeout and not not_sent else 502,
-                kind,
-                f"{provider.name} {'could not be reached' if not_sent else 'failed'}: "
-                f"{_describe(exc)}",
-                retryable=True,
-            ) from exc
-        finally:
-            report.upstream_s += time.perf_counter() - sent_at
-        return httpx.Response(
-            response.status_code,
-            headers=client_headers(response, None),
-            stream=response.stream,
-            request=request,
-            extensions=response.extensions,
-        )
 
     def _abandoned(self, task: asyncio.Future[httpx.Response]) -> None:
         """Settle the response of a dispatch whose caller went away."""
@@ -495,8 +465,3 @@ def _outgoing(prepared: Prepared, admitted: Admitted) -> httpx.Request:
     key = admitted.provider_idempotency_key
     body = prepared.body
     return upstream_request(prepared.request, body, prepared.endpoint, key, admitted.call_id)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]

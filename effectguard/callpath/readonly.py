@@ -1,0 +1,55 @@
+"""Read-only requests: forwarded untouched, with nothing to record, and clear answers
+when the upstream cannot be reached (a read has no effect to lose)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from effectguard.callpath.prepare import refuse
+from effectguard.callpath.wire import classify_transport_error, client_headers, upstream_request
+from effectguard.providers import Provider
+from effectguard.telemetry.observer import Observer
+from effectguard.telemetry.report import CallReport
+
+Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+async def forward_read_only(
+    provider: Provider, request: httpx.Request, send: Send, report: CallReport, observer: Observer
+) -> httpx.Response:
+    """Forward a read-only request: nothing to record, but errors still get clear answers."""
+    outgoing = upstream_request(request, request.content, None, None)
+    observer.dispatching(report, outgoing)
+    sent_at = time.perf_counter()
+    try:
+        response = await send(outgoing)
+    except httpx.TransportError as exc:
+        not_sent = classify_transport_error(exc) == "not_sent"
+        timeout = isinstance(exc, httpx.TimeoutException)
+        kind = "upstream_unreachable" if not_sent else "upstream_failed"
+        observer.refused(provider.name, kind)
+        # A read has no effect to lose, so a client may always try again.
+        raise refuse(
+            504 if timeout and not not_sent else 502,
+            kind,
+            f"{provider.name} {'could not be reached' if not_sent else 'failed'}: {describe(exc)}",
+            retryable=True,
+        ) from exc
+    finally:
+        report.upstream_s += time.perf_counter() - sent_at
+    return httpx.Response(
+        response.status_code,
+        headers=client_headers(response, None),
+        stream=response.stream,
+        request=request,
+        extensions=response.extensions,
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """A transport error in one short line: its type and message."""
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:300]
