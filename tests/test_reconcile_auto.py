@@ -2,7 +2,7 @@
 
 * ``effectguard reconcile --auto`` asks each effect-unknown call's provider
   through its declared lookup path and records ``call.reconciled`` by
-  ``auto:<provider>``; calls of providers without a lookup wait for a person.
+  ``lookup:<provider>``; calls of providers without a lookup wait for a person.
 * A provider that declares an idempotency guarantee gets an effect-unknown call
   resent with the same key inside its window, and the fake provider's dedup
   proves one effect; outside the window the resend is refused.
@@ -95,7 +95,7 @@ def send(
 
 
 def test_auto_reconcile_records_each_providers_answer(tmp_path: Path) -> None:
-    """--auto asks the lookup path: applied and not-applied are recorded by auto:send_email;
+    """--auto asks the lookup path: applied and not-applied are recorded by lookup:send_email;
     a provider without a lookup is left for a person; the decisions then rule resends."""
     ledger = tmp_path / "ledger.db"
     with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
@@ -138,7 +138,7 @@ def test_auto_reconcile_records_each_providers_answer(tmp_path: Path) -> None:
                 assert decided == []
             else:
                 (event,) = decided
-                assert event["data"]["by"] == "auto:send_email"
+                assert event["data"]["by"] == "lookup:send_email"
                 assert "/ops/" in event["data"]["note"]
         applied = cli("show", unknown["sent"]["call_id"], "--ledger", str(ledger))
         assert applied["cost_usd"] == applied["reserved_usd"] and Decimal(applied["held_usd"]) == 0
@@ -203,7 +203,8 @@ def test_idempotent_provider_resend_inside_window_has_one_effect(
 
 
 def test_idempotent_provider_resend_outside_window_is_refused(tmp_path: Path) -> None:
-    """Past the declared window the provider's dedup is no guarantee: 409 effect_unknown."""
+    """Past the declared window the provider's dedup is no guarantee: never resent; the
+    declared lookup decides the call instead."""
     ledger = tmp_path / "ledger.db"
     overrides = tmp_path / "providers"
     overrides.mkdir()
@@ -216,9 +217,15 @@ def test_idempotent_provider_resend_outside_window_is_refused(tmp_path: Path) ->
         crash(ledger, fake, "after:dispatch", SEND, email("b@x"), headers, args)
         time.sleep(1.2)
         (answer,) = send(ledger, fake, [(SEND, email("b@x"), headers)], args)
+        # Not resent: the provider's lookup decides the call instead (it was applied).
         assert answer.status_code == 409, answer.text
-        assert answer.json()["error"]["type"] == "effect_unknown"
+        assert answer.json()["error"]["type"] == "reconciled_applied"
         assert len(fake.receipts()) == 1
+        (call,) = cli("calls", "--ledger", str(ledger))
+        shown = cli("show", call["call_id"], "--ledger", str(ledger))
+        (decided,) = [e for e in shown["events"] if e["kind"] == "call.reconciled"]
+        assert decided["data"]["by"] == "lookup:send_email"
+        assert "evidence sha256:" in decided["data"]["note"]
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
 
 

@@ -29,6 +29,7 @@ from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.reports import from_state, open_report
+from effectguard.callpath.resolve import Resolver, recovered_response
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.wire import (
     classify_transport_error,
@@ -90,6 +91,7 @@ class Guard:
         settings: GuardSettings | None = None,
         crash: CrashPoints = NO_CRASH,
         observer: Observer | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.ledger = ledger
         self.providers = dict(providers)
@@ -99,6 +101,8 @@ class Guard:
         self.recorder = Recorder(ledger, crash=crash, observer=observer)
         self.crash = crash
         self.observer = self.recorder.observer
+        #: Decides unknown effects from evidence (lookups, the application's hook).
+        self.resolver = resolver or Resolver(ledger, self.providers)
 
     # -- routing ------------------------------------------------------------
     def provider_for_url(self, url: httpx.URL, method: str = "POST") -> Provider | None:
@@ -171,6 +175,13 @@ class Guard:
             self.observer.refused(provider.name, refusal.type)
             raise
         ticket.call_id = report.call_id = admitted.call_id
+        if _unknown_resend(prepared, admitted):
+            # A keyed resend met an effect-unknown call: evidence may decide it now.
+            evidence = await self.resolver.at_resend(admitted.call_id, prepared.request, send)
+            if evidence.verdict == "applied" and evidence.result is not None:
+                return recovered_response(admitted.call_id, evidence, prepared.request)
+            if evidence.verdict != "unknown":  # decided: admitted anew (attempt, or 409)
+                admitted = await self._admit(prepared)
         self.crash.hit("after:admit")
         if admitted.action == "refuse":
             assert admitted.refusal is not None
@@ -458,6 +469,13 @@ class Guard:
             stage=stage,
             next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
+
+
+def _unknown_resend(prepared: Prepared, admitted: Admitted) -> bool:
+    """Whether admission refused a keyed resend because its call's effect is unknown."""
+    refusal = admitted.refusal
+    keyed = prepared.admit.idempotency_key is not None
+    return keyed and refusal is not None and refusal.type == "effect_unknown"
 
 
 def _outgoing(prepared: Prepared, admitted: Admitted) -> httpx.Request:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.guard import Guard
+from effectguard.callpath.hooks import ReconcileHook
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.callpath.resolve import Resolver
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings
 from effectguard.ledger import Ledger, Writer, open_store
@@ -34,6 +36,9 @@ class RuntimeConfig:
     lease_s: float = defaults.LEASE_S
     heartbeat_s: float = defaults.HEARTBEAT_S
     sweep_s: float = defaults.SWEEP_S
+    #: Each provider's API key, for lookups that no request carries (the sweeper's).
+    credentials: Mapping[str, str] = field(default_factory=dict)
+    reconcile_hook: ReconcileHook | None = None
 
 
 class Runtime:
@@ -78,10 +83,23 @@ class Runtime:
             settings=c.guard,
             crash=c.crash,
             observer=c.observer,
+            resolver=Resolver(
+                self.ledger,
+                c.providers,
+                credentials=c.credentials,
+                hook=c.reconcile_hook,
+                hook_timeout_s=c.guard.reconcile_hook_timeout_s,
+            ),
         )
         self.worker.after_sweep.append(self.guard.recorder.retry_orphans)
+        self.worker.after_sweep.append(self._decide_unknown)
         self.worker.after_rejoin.append(self._rejoined)
         return self.guard
+
+    async def _decide_unknown(self) -> None:
+        """Each sweep, decide the unknown calls whose evidence is old enough to tell."""
+        assert self.guard is not None
+        await self.guard.resolver.sweep()
 
     def _rejoined(self, writer: Writer) -> None:
         """The worker was fenced and registered anew: admit new calls as the new writer."""

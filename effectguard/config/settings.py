@@ -29,6 +29,8 @@ Config file reference (every table optional)::
     retry_window_s = 600        # key-less declared retries match calls this recent
     max_retries = 2             # automatic retries of provably-null attempts
     create_budgets = true       # false: an unknown budget path is refused (403)
+    reconcile_hook = "app.hooks:did_it_happen"  # optional: the application answers
+    reconcile_hook_timeout_s = 5                # past this, the hook's answer is unknown
 
     [upstream]
     connect_timeout_s = 10
@@ -83,6 +85,10 @@ class GuardSettings:
     create_budgets: bool = True
     join_timeout_s: float = 600.0
     join_poll_s: float = 0.05
+    #: ``module:function`` of the application's reconcile hook (the proxy imports it).
+    reconcile_hook: str | None = None
+    #: How long the hook may take before its answer counts as unknown.
+    reconcile_hook_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +181,17 @@ class ServeSettings:
         """The config-file proxy key matching ``presented``, if any."""
         digest = hash_key(presented)
         return next((k for k in self.keys if k.sha256 == digest), None)
+
+
+def keys_from_environment(
+    providers: Mapping[str, Provider], env: Mapping[str, str]
+) -> dict[str, str]:
+    """Each provider's API key, from the environment variable its declaration names."""
+    return {
+        name: env[p.api_key_env]
+        for name, p in providers.items()
+        if p.api_key_env and env.get(p.api_key_env)
+    }
 
 
 def _table(raw: Mapping[str, Any], name: str, source: str) -> Mapping[str, Any]:
@@ -298,11 +315,7 @@ def load_settings(
     guard = _table(raw, "guard", source)
     upstream = _table(raw, "upstream", source)
     providers = load_providers(list(provider_dirs), upstreams, name_upstream=name_upstream)
-    provider_keys = {
-        name: env[p.api_key_env]
-        for name, p in providers.items()
-        if p.api_key_env and env.get(p.api_key_env)
-    }
+    provider_keys = keys_from_environment(providers, env)
     g, d = GuardSettings(), defaults
     return ServeSettings(
         ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
@@ -315,6 +328,10 @@ def load_settings(
             max_retries=int(_number(guard, "max_retries", g.max_retries, "guard")),
             retry_wait_s=_number(guard, "retry_wait_s", g.retry_wait_s, "guard"),
             create_budgets=bool(guard.get("create_budgets", g.create_budgets)),
+            reconcile_hook=_hook_spec(guard),
+            reconcile_hook_timeout_s=_number(
+                guard, "reconcile_hook_timeout_s", g.reconcile_hook_timeout_s, "guard"
+            ),
         ),
         budget_limits=_budget_limits(raw, source),
         keys=tuple(_proxy_keys(raw, source)),
@@ -332,6 +349,13 @@ def load_settings(
         key_refresh_s=_positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
         **_operator(server),
     )
+
+
+def _hook_spec(guard: Mapping[str, Any]) -> str | None:
+    spec = guard.get("reconcile_hook")
+    if spec is not None and (not isinstance(spec, str) or ":" not in spec):
+        raise ConfigError("guard.reconcile_hook: must be a string module:function")
+    return spec
 
 
 def _port(table: Mapping[str, Any], key: str) -> int | None:

@@ -20,6 +20,7 @@ import httpx
 from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
 from effectguard.callpath.guard import Guard, Ticket
+from effectguard.callpath.hooks import load_hook
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
@@ -73,6 +74,8 @@ class ProxyApp:
         self.settings = settings
         self._inner = inner
         self.metrics = metrics
+        spec = settings.guard.reconcile_hook
+        hook = load_hook(spec) if spec is not None else None
         self.runtime = Runtime(
             RuntimeConfig(
                 ledger_url=settings.ledger,
@@ -83,6 +86,8 @@ class ProxyApp:
                 lease_s=settings.lease_s,
                 heartbeat_s=settings.heartbeat_s,
                 sweep_s=settings.sweep_s,
+                credentials=settings.provider_keys,
+                reconcile_hook=hook,
             )
         )
         self.guard: Guard | None = None
@@ -107,6 +112,7 @@ class ProxyApp:
         """Open the ledger, register as a worker, apply configured budget limits."""
         self.guard = await self.runtime.start()
         self.inner = self._inner or default_inner_transport(self.settings)
+        self.guard.resolver.send = self.inner.handle_async_request
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)

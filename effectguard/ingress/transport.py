@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -25,10 +26,11 @@ import httpx
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.guard import Guard
+from effectguard.callpath.hooks import ReconcileHook
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
-from effectguard.config.settings import GuardSettings
+from effectguard.config.settings import GuardSettings, keys_from_environment
 from effectguard.errors import ConfigError, Refusal
 from effectguard.ingress.observers import tracing
 from effectguard.ledger import Ledger
@@ -72,18 +74,25 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         observer: Observer | None = None,
         crash: CrashPoints = NO_CRASH,
         otel: bool | TracerProvider = False,
+        reconcile_hook: ReconcileHook | None = None,
     ) -> None:
         """``otel``: one OpenTelemetry span per call (True: the global tracer provider;
-        or a ``TracerProvider``), with the ``effectguard[otel]`` extra installed."""
+        or a ``TracerProvider``), with the ``effectguard[otel]`` extra installed.
+        ``reconcile_hook``: the application's answer to "did this unknown call happen?"
+        (see :mod:`effectguard.callpath.hooks`)."""
         self.inner = inner or httpx.AsyncHTTPTransport()
         self.budget = budget
         self.refuse_unmatched = refuse_unmatched
+        declared = _providers(providers, upstreams)
         config = RuntimeConfig(
             ledger_url=ledger if isinstance(ledger, str) else ledger.store.url,
-            providers=_providers(providers, upstreams),
+            providers=declared,
             guard=settings or GuardSettings(),
             crash=crash,
             observer=combine(observer, tracing(otel)),
+            # Read once, here at the edge: the sweeper's lookups carry no client credential.
+            credentials=keys_from_environment(declared, os.environ),
+            reconcile_hook=reconcile_hook,
         )
         self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
         self._guard: Guard | None = None
@@ -97,6 +106,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             async with self._opening:
                 if self._guard is None:
                     self._guard = await self._runtime.start()
+                    self._guard.resolver.send = self.inner.handle_async_request
         return self._guard
 
     @property
@@ -230,6 +240,7 @@ class GuardTransport(httpx.BaseTransport):
         observer: Observer | None = None,
         crash: CrashPoints = NO_CRASH,
         otel: bool | TracerProvider = False,
+        reconcile_hook: ReconcileHook | None = None,
     ) -> None:
         self._portal = _Portal()
         self._async = AsyncGuardTransport(
@@ -243,6 +254,7 @@ class GuardTransport(httpx.BaseTransport):
             observer=observer,
             crash=crash,
             otel=otel,
+            reconcile_hook=reconcile_hook,  # async: it runs on the portal's loop
         )
 
     @property

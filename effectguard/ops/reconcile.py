@@ -1,31 +1,26 @@
-"""``effectguard reconcile --auto``: ask providers' declared lookup paths.
+"""``effectguard reconcile --auto``: ask each unknown call's declared lookup.
 
-For each effect-unknown call whose provider declares a lookup (a URL template
-answering "was operation K applied?"), ask it and record the answer as
-``call.reconciled`` by ``auto:<provider>``. Calls of providers without a lookup
-are left for a person.
+For each effect-unknown call whose endpoint declares a lookup (its own, or its
+provider's ``lookup`` template), the lookup is sent with the provider's own
+credentials (its ``api_key_env``) and its answer read as declared: applied, not
+applied (only past the declared freshness) or unknown. Decisions are recorded as
+``call.reconciled`` by ``lookup:<provider>`` with the evidence's digest; unknown
+calls are left as they are. Calls whose endpoint declares no lookup wait for a person.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
-from effectguard.errors import EffectguardError
+from effectguard.callpath.resolve import Resolver, facts_of
+from effectguard.config.settings import keys_from_environment
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider
-
-
-def lookup_key(ledger_events: list[Any]) -> str | None:
-    """The provider idempotency key the call's last attempt was sent with."""
-    for stored in reversed(ledger_events):
-        if stored.kind == "attempt.started":
-            key = stored.data.get("provider_idempotency_key")
-            return str(key) if key else None
-    return None
 
 
 async def reconcile_auto(
@@ -33,41 +28,26 @@ async def reconcile_auto(
     providers: Mapping[str, Provider],
     transport: httpx.AsyncBaseTransport | None = None,
     crash: CrashPoints = NO_CRASH,
+    environ: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Reconcile every effect-unknown call that has a lookup path; one result per call."""
+    """Ask the lookup of every effect-unknown call that has one; one result per call."""
+    credentials = keys_from_environment(providers, os.environ if environ is None else environ)
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(transport=transport, timeout=10, follow_redirects=False) as client:
+
+        async def send(request: httpx.Request) -> httpx.Response:
+            return await client.send(request, stream=True)
+
+        resolver = Resolver(ledger, providers, credentials=credentials, send=send)
         for state in await ledger.calls(stage="effect_unknown", limit=100_000):
-            provider = providers.get(state.provider)
-            if provider is None or provider.lookup is None:
+            facts = await facts_of(ledger, state.call_id)
+            endpoint = None if facts is None else resolver.endpoint(facts)
+            if facts is None or endpoint is None or endpoint.lookup is None:
                 continue
-            key = lookup_key(await ledger.events(state.call_id))
-            if key is None:
-                results.append({"call_id": state.call_id, "result": "no provider key recorded"})
-                continue
-            url = provider.lookup.format(base_url=provider.base_url, key=key)
-            try:
-                response = await client.get(url)
-                response.raise_for_status()
-                applied = response.json().get("applied")
-            except (httpx.HTTPError, ValueError) as exc:
-                results.append({"call_id": state.call_id, "result": f"lookup failed: {exc}"})
-                continue
-            if not isinstance(applied, bool):
-                results.append({"call_id": state.call_id, "result": "lookup gave no answer"})
-                continue
-            try:
-                await ledger.reconcile(
-                    state.call_id,
-                    applied=applied,
-                    note=f"lookup {url} answered applied={applied}",
-                    by=f"auto:{provider.name}",
-                )
-            except EffectguardError as exc:
-                results.append({"call_id": state.call_id, "result": f"not recorded: {exc}"})
-                continue
-            crash.hit("after:reconcile")
+            evidence = await resolver.decide(facts)
+            if evidence.verdict != "unknown":
+                crash.hit("after:reconcile")
             results.append(
-                {"call_id": state.call_id, "result": "applied" if applied else "not_applied"}
+                {"call_id": state.call_id, "result": evidence.verdict, "note": evidence.note}
             )
     return results

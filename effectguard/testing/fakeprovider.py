@@ -21,6 +21,9 @@ flag                 header                  effect
                                              chunking), K events, then close cleanly (a
                                              FIN) without the terminal event
 ``--idempotent``     --                      Stripe-like dedup on ``Idempotency-Key``
+``--search-lag S``   --                      ``GET /v1/search`` finds an operation only
+                                             S seconds after it was applied
+``--lookup-key K``   --                      ``GET /v1/search`` needs ``Bearer K`` (else 401)
 --                   ``x-fake-usage``        ``missing`` omits usage from the answer
 ===================  ======================  ==========================================
 
@@ -32,7 +35,11 @@ answer is one chunk, so ``break-after 0`` sends only its headers.
 
 ``GET /ops/{key}`` is a lookup read path: ``applied`` is true iff a request with
 that ``Idempotency-Key`` was received and not deduplicated (whatever its status).
-``GET /v1/models`` is read-only. The answers themselves are built in
+``GET /v1/search?op=ID`` is a Stripe-like search by operation id: a request that carried
+``x-effectguard-op: ID`` (or ``metadata.effectguard_op`` in its JSON body) and was answered
+with a success is found, as ``{"data": [<the answer's JSON object>]}``, once it is older
+than the search lag; until then, and for unknown ids, ``{"data": []}``. Receipts add
+``"op"``. ``GET /v1/models`` is read-only. The answers themselves are built in
 :mod:`effectguard.testing.fakeanswers`, and sent (whole, cut, reset or not at all)
 by :mod:`effectguard.testing.fakebehaviour`. Per request, ``x-fake-behaviour``
 chooses delay, status and how the answer ends in one header; its receipts add
@@ -78,6 +85,8 @@ class FakeSettings:
     error_status: int | None = None
     break_after: int | None = None
     cut_stream_clean: int | None = None
+    search_lag: float = 0.0
+    lookup_key: str | None = None
 
 
 class ReceiptLog:
@@ -129,6 +138,8 @@ class _Provider:
         self._seq = 0
         self._stored: dict[str, tuple[str, Reply]] = {}
         self._applied: set[str] = set()
+        #: Operation id -> (when it was applied, monotonic; the answer's JSON object).
+        self._ops: dict[str, tuple[float, Any]] = {}
         self._uses = UseCounter()
 
     def _next_seq(self) -> int:
@@ -165,6 +176,9 @@ class _Provider:
                 reply = error_reply(path, status, "fake_error", f"fake provider answered {status}")
             else:
                 reply = ROUTES[path](seq, body, len(raw), headers.get("x-fake-usage") != "missing")
+            op = _op_id(headers, body)
+            if op is not None and reply.status < 400 and not reply.stream:
+                self._ops[op] = (time.monotonic(), json.loads(b"".join(reply.chunks)))
             if key is not None:
                 self._applied.add(key)
                 if self.settings.idempotent:
@@ -182,6 +196,7 @@ class _Provider:
                 "status": reply.status,
                 "behaviour": behaviour.render(),
                 "tag": headers.get(TAG_HEADER),
+                "op": _op_id(headers, body),
             }
             await self.log.append(seq, record)
         if behaviour.delay:
@@ -192,6 +207,17 @@ class _Provider:
         """``GET /ops/{key}``: was an operation with this idempotency key applied?"""
         key = request.match_info["key"]
         return web.json_response({"key": key, "applied": key in self._applied})
+
+    async def search(self, request: web.Request) -> web.Response:
+        """``GET /v1/search?op=ID``: the operation's object, once the search has caught up."""
+        wanted = self.settings.lookup_key
+        if wanted is not None and request.headers.get("authorization") != f"Bearer {wanted}":
+            error = {"type": "invalid_request_error", "message": "no valid API key"}
+            return web.json_response({"error": error}, status=401)
+        found = self._ops.get(request.query.get("op", ""))
+        if found is None or time.monotonic() - found[0] < self.settings.search_lag:
+            return web.json_response({"object": "search_result", "data": []})
+        return web.json_response({"object": "search_result", "data": [found[1]]})
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: one model, in a shape both SDKs can parse."""
@@ -208,6 +234,15 @@ def _parse(raw: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
+
+
+def _op_id(headers: Any, body: dict[str, Any]) -> str | None:
+    """The effectguard operation id a request carried: its header, or its metadata field."""
+    op = headers.get("x-effectguard-op")
+    metadata = body.get("metadata")
+    if op is None and isinstance(metadata, dict):
+        op = metadata.get("effectguard_op")
+    return op if isinstance(op, str) else None
 
 
 def _int_header(headers: Any, name: str, default: int | None) -> int | None:
@@ -251,6 +286,7 @@ def create_app(settings: FakeSettings) -> web.Application:
         app.router.add_post(path, provider.effect)
     app.router.add_get("/v1/models", provider.models)
     app.router.add_get("/ops/{key}", provider.lookup)
+    app.router.add_get("/v1/search", provider.search)
 
     async def close_log(_: web.Application) -> None:
         if provider.log is not None:
@@ -277,6 +313,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="send streams without length or chunking and close cleanly after K events",
     )
+    parser.add_argument(
+        "--search-lag", type=float, default=0.0, help="seconds before /v1/search finds an op"
+    )
+    parser.add_argument("--lookup-key", help="the API key /v1/search requires (Bearer)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -288,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
         error_status=args.error_status,
         break_after=args.break_after,
         cut_stream_clean=args.cut_stream_clean,
+        search_lag=args.search_lag,
+        lookup_key=args.lookup_key,
     )
     asyncio.run(_serve(create_app(settings), args.host, args.port))
     return 0

@@ -1,0 +1,285 @@
+"""Deciding unknown effects from evidence: provider lookups and the application's hook.
+
+A call whose effect is unknown is decided, without a person, only by evidence:
+
+* the endpoint's declared **lookup** (:mod:`effectguard.rules.lookups` reads its answer),
+  sent with the provider's own credentials, bounded by the lookup's timeout;
+* else, or if the lookup cannot tell, the application's **reconcile hook**
+  (:mod:`effectguard.callpath.hooks`), bounded by its timeout.
+
+Every decision is recorded as ``call.reconciled`` by ``lookup:<provider>`` or ``hook``,
+its note naming the evidence and its digest. "Unknown" records nothing: the call stays
+``effect_unknown``. The :class:`Resolver` runs when a keyed resend meets such a call
+(the guard), on every sweep for calls older than the lookup's freshness, and in
+``effectguard reconcile --auto``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
+from effectguard.errors import EffectguardError, ReconcileError
+from effectguard.ledger import Ledger
+from effectguard.providers import Endpoint, Lookup, Provider
+from effectguard.rules import lookups
+from effectguard.rules.events import CallManifest, decode_body
+from effectguard.rules.money import usd_to_nanos
+
+log = logging.getLogger("effectguard.callpath.resolve")
+
+Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+#: The most of a lookup answer that is read (an answer is one object, or a page of them).
+MAX_ANSWER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the ledger knows about an unknown call that a lookup or hook needs."""
+
+    call_id: str
+    provider: str
+    endpoint: str
+    method: str
+    body: bytes
+    idempotency_key: str | None
+    provider_key: str | None
+    #: When the call's last attempt started (ledger clock, seconds since the epoch).
+    last_attempt_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """A decision (or "unknown"), who gave it, and what it rests on."""
+
+    verdict: lookups.Verdict
+    by: str
+    note: str
+    cost: int | None = None
+    #: What the client gets as a recovered 200, where the evidence returned it.
+    result: bytes | None = None
+
+
+async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
+    """The call's facts from its events (None if it has no manifest)."""
+    events = await ledger.events(call_id)
+    manifest = next((e.event for e in events if e.kind == CallManifest.kind), None)
+    if not isinstance(manifest, CallManifest):
+        return None
+    started = [e for e in events if e.kind == "attempt.started"]
+    key = started[-1].data.get("provider_idempotency_key") if started else None
+    at = float(started[-1].data.get("at") or started[-1].at) if started else manifest.at
+    return Facts(
+        call_id=call_id,
+        provider=manifest.provider,
+        endpoint=manifest.endpoint,
+        method=manifest.method,
+        body=decode_body(manifest.body, manifest.body_encoding),
+        idempotency_key=manifest.idempotency_key,
+        provider_key=str(key) if key else None,
+        last_attempt_at=at,
+    )
+
+
+def lookup_request(
+    provider: Provider, lookup: Lookup, op: str, credential: str | None
+) -> httpx.Request:
+    """The lookup as it goes to the provider, with the provider's credential."""
+    url = lookup.url.format(base_url=provider.base_url, op=op)
+    params = {name: value.format(op=op) for name, value in lookup.query}
+    headers = {"accept": "application/json", "accept-encoding": "identity"}
+    if credential is not None:
+        headers[provider.key_header] = credential
+    return httpx.Request(lookup.method, url, params=params, headers=headers)
+
+
+class Resolver:
+    """Asks lookups and the hook about unknown calls, and records their decisions."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        providers: Mapping[str, Provider],
+        *,
+        credentials: Mapping[str, str] | None = None,
+        hook: ReconcileHook | None = None,
+        hook_timeout_s: float = 5.0,
+        send: Send | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ledger = ledger
+        self.providers = providers
+        #: Each provider's API key (from its ``api_key_env``), for lookups with no request.
+        self.credentials = dict(credentials or {})
+        self.hook = hook
+        self.hook_timeout_s = hook_timeout_s
+        #: How lookups of the sweeper go out (the proxy and transports set their inner one).
+        self.send = send
+        self.clock = clock
+
+    def endpoint(self, facts: Facts) -> Endpoint | None:
+        """The declared endpoint of a call (None: its provider is no longer declared)."""
+        provider = self.providers.get(facts.provider)
+        return None if provider is None else provider.effect_for(facts.method, facts.endpoint)
+
+    def can_decide(self, facts: Facts) -> bool:
+        """Whether any evidence could decide this call: a declared lookup, or the hook."""
+        endpoint = self.endpoint(facts)
+        return self.hook is not None or (endpoint is not None and endpoint.lookup is not None)
+
+    async def at_resend(self, call_id: str, request: httpx.Request, send: Send) -> Evidence:
+        """A keyed resend met effect-unknown ``call_id``: decide it, with the resend's
+        credential (the one its call would go out with) for the lookup."""
+        facts = await facts_of(self.ledger, call_id)
+        if facts is None or not self.can_decide(facts):
+            return Evidence("unknown", "", "nothing can decide this call")
+        provider = self.providers[facts.provider]
+        return await self.decide(facts, send, request.headers.get(provider.key_header))
+
+    async def decide(
+        self, facts: Facts, send: Send | None = None, credential: str | None = None
+    ) -> Evidence:
+        """Ask the lookup, then (if it cannot tell) the hook; record a decision, if any."""
+        evidence = Evidence("unknown", "", "no lookup declared and no hook")
+        endpoint = self.endpoint(facts)
+        send = send or self.send
+        if endpoint is not None and endpoint.lookup is not None and send is not None:
+            provider = self.providers[facts.provider]
+            credential = credential or self._credential(provider)
+            evidence = await self._look_up(provider, endpoint.lookup, facts, send, credential)
+        if evidence.verdict == "unknown" and self.hook is not None:
+            evidence = await self._ask_hook(facts)
+        if evidence.verdict != "unknown":
+            await self._record(facts, evidence)
+        return evidence
+
+    def _credential(self, provider: Provider) -> str | None:
+        key = self.credentials.get(provider.name)
+        return None if key is None else provider.key_format.format(key=key)
+
+    async def _look_up(
+        self, provider: Provider, lookup: Lookup, facts: Facts, send: Send, credential: str | None
+    ) -> Evidence:
+        by = f"lookup:{provider.name}"
+        op = facts.call_id if lookup.op == "call_id" else facts.provider_key
+        if op is None:
+            return Evidence("unknown", by, "no provider idempotency key was recorded")
+        request = lookup_request(provider, lookup, op, credential)
+        shown = f"{request.method} {request.url.copy_with(query=None)}"
+        try:
+            status, body = await asyncio.wait_for(_fetch(send, request), lookup.timeout_s)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            return Evidence("unknown", by, f"lookup {shown} failed: {type(exc).__name__}")
+        reading = lookups.read_answer(
+            status,
+            body,
+            applied=lookup.applied,
+            not_found=lookup.not_found,
+            freshness_s=lookup.freshness_s,
+            age_s=self.clock() - facts.last_attempt_at,
+        )
+        note = f"lookup {shown} answered {status}: {reading.why}; evidence {lookups.digest(body)}"
+        result = None if reading.found is None else json.dumps(reading.found).encode()
+        return Evidence(reading.verdict, by, note, result=result)
+
+    async def _ask_hook(self, facts: Facts) -> Evidence:
+        assert self.hook is not None
+        question = ReconcileQuestion(
+            provider=facts.provider,
+            endpoint=facts.endpoint,
+            method=facts.method,
+            request=facts.body,
+            op_id=facts.call_id,
+            idempotency_key=facts.idempotency_key,
+        )
+        try:
+            answer = await asyncio.wait_for(self.hook(question), self.hook_timeout_s)
+        except Exception as exc:  # a failing hook is no evidence, whatever it raised
+            return Evidence("unknown", "hook", f"hook failed: {type(exc).__name__}: {exc}")
+        if isinstance(answer, NotApplied):
+            return Evidence("not_applied", "hook", "the reconcile hook answered not applied")
+        if not isinstance(answer, Applied):
+            return Evidence("unknown", "hook", f"the reconcile hook answered {answer!r}")
+        result = answer.result
+        if result is not None and not isinstance(result, bytes):
+            result = json.dumps(result).encode()
+        cost = None if answer.cost_usd is None else usd_to_nanos(answer.cost_usd)
+        note = "the reconcile hook answered applied"
+        if result is not None:
+            note += f"; evidence {lookups.digest(result)}"
+        return Evidence("applied", "hook", note, cost=cost, result=result)
+
+    async def _record(self, facts: Facts, evidence: Evidence) -> None:
+        try:
+            await self.ledger.reconcile(
+                facts.call_id,
+                applied=evidence.verdict == "applied",
+                cost=evidence.cost,
+                note=evidence.note,
+                by=evidence.by,
+            )
+        except ReconcileError as exc:
+            # Another replica (or a person) decided it first: their decision stands.
+            log.info("call %s was decided elsewhere: %s", facts.call_id, exc)
+
+    async def sweep(self, limit: int = 20) -> list[str]:
+        """Decide unknown calls old enough for their lookup's freshness; the ones decided."""
+        decided: list[str] = []
+        now = self.clock()
+        for state in await self.ledger.calls(stage="effect_unknown", limit=limit * 5):
+            if len(decided) >= limit:
+                break
+            facts = await facts_of(self.ledger, state.call_id)
+            if facts is None or not self.can_decide(facts):
+                continue
+            endpoint = self.endpoint(facts)
+            lookup = endpoint.lookup if endpoint is not None else None
+            if lookup is not None and now - facts.last_attempt_at < lookup.freshness_s:
+                continue  # its "not found" would prove nothing yet
+            try:
+                evidence = await self.decide(facts)
+            except EffectguardError as exc:
+                log.warning("could not decide call %s: %s", facts.call_id, exc)
+                continue
+            if evidence.verdict != "unknown":
+                decided.append(facts.call_id)
+        return decided
+
+
+async def _fetch(send: Send, request: httpx.Request) -> tuple[int, bytes]:
+    response = await send(request)
+    try:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_raw():
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise httpx.DecodingError("lookup answer too large")
+            chunks.append(chunk)
+        return response.status_code, b"".join(chunks)
+    finally:
+        await response.aclose()
+
+
+def recovered_response(call_id: str, evidence: Evidence, request: httpx.Request) -> httpx.Response:
+    """The result that evidence recovered, as a 200 marked ``Effectguard-Recovered: <by>``."""
+    headers = {
+        "content-type": "application/json",
+        "effectguard-call-id": call_id,
+        "effectguard-recovered": evidence.by,
+    }
+    return httpx.Response(200, headers=headers, content=evidence.result or b"", request=request)
+
+
+def describe(evidence: Evidence) -> dict[str, Any]:
+    """The evidence as a JSON-ready summary (for ``reconcile --auto``)."""
+    return {"result": evidence.verdict, "by": evidence.by, "note": evidence.note}
