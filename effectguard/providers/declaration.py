@@ -302,14 +302,7 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
     if not retry <= no_effect:
         extra = ", ".join(str(s) for s in sorted(retry - no_effect))
         raise fail("retry_statuses", f'{extra} not in not_processed (or transient "none")')
-    lookup = _str(raw, "lookup", fail, default=None)
-    if lookup is not None:
-        try:
-            lookup.format(base_url="", key="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise fail("lookup", "only {base_url} and {key} may be used") from exc
-        if "{key}" not in lookup:
-            raise fail("lookup", "must contain {key}")
+    lookup = _lookup_template(raw, fail)
     idempotency = parse_idempotency(raw.get("idempotency"), "idempotency", fail)
     return Provider(
         name=name,
@@ -331,6 +324,21 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
 
 
 _Fail = Callable[[str, str], ConfigError]
+
+
+def _lookup_template(raw: Mapping[str, Any], fail: _Fail) -> str | None:
+    """The provider-level ``lookup`` URL template (by provider idempotency key), if any."""
+    lookup: str | None = _str(raw, "lookup", fail, default=None)
+    if lookup is not None:
+        try:
+            lookup.format(base_url="", key="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise fail("lookup", "only {base_url} and {key} may be used") from exc
+        if "{key}" not in lookup:
+            raise fail("lookup", "must contain {key}")
+    return lookup
+
+
 """Builds the error for a field: ``fail("models.x.input", "required")``."""
 
 _MISSING: Any = object()
