@@ -1,0 +1,103 @@
+"""A keyed resend of an effect-unknown call, decided by a lagging lookup, in-process.
+
+Through AsyncGuardTransport against the real fake provider, whose ``/v1/search`` lags and
+needs the provider's key: while the call is younger than the declared freshness (or the
+search has not caught up) the resend is refused 409 ``effect_unknown``; afterwards the
+lookup decides it. Applied → the recovered object, no new charge; not applied → exactly
+one new charge. Charges are counted from the provider's own receipts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, charges, declare
+
+from effectguard import AsyncGuardTransport
+from effectguard.testing import fake_provider
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+
+
+async def reconciled_by(t: AsyncGuardTransport, call_id: str) -> list[dict[str, object]]:
+    """The call's ``call.reconciled`` events' data."""
+    return [e.data for e in await t.ledger.events(call_id) if e.kind == "call.reconciled"]
+
+
+async def test_applied_call_is_refused_until_the_search_finds_it_then_recovered(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """Lagging search: 409 while not found; once found, its object comes back as a 200
+    marked recovered, the call is reconciled applied by lookup, and nothing is charged anew."""
+    folder = declare(tmp_path, freshness=600)
+    lag = ["--search-lag", "2", "--lookup-key", KEY]
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=lag) as fake:
+        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-1"})
+        url = fake.url + SEND
+        # The provider takes the charge, then answers too late: effect unknown.
+        first = await client.post(url, json=charge(5), headers={"x-fake-delay": "3"}, timeout=0.5)
+        assert first.status_code == 504, first.text
+        call_id = first.headers["effectguard-call-id"]
+        refused = await client.post(url, json=charge(5))
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["type"] == "effect_unknown"
+        assert await reconciled_by(t, call_id) == []
+        await asyncio.sleep(2.5)  # the provider's search catches up
+        recovered = await client.post(url, json=charge(5))
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:payments"
+        assert recovered.headers["effectguard-call-id"] == call_id
+        (receipt,) = charges(fake)
+        assert recovered.json() == {"id": f"send_fake{receipt['seq']}", "status": "sent"}
+        assert receipt["op"] == call_id  # the call id travelled with the request
+        (decided,) = await reconciled_by(t, call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:payments", True)
+        assert "evidence sha256:" in str(decided["note"])
+        # Decided: a further resend is refused as reconciled_applied, never sent.
+        again = await client.post(url, json=charge(5))
+        assert again.status_code == 409 and again.json()["error"]["type"] == "reconciled_applied"
+        assert len(charges(fake)) == 1
+    await finish(t)
+
+
+async def test_lost_call_is_refused_while_fresh_then_resent_exactly_once(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """Not found proves not applied only past the declared freshness: 409 before, then one
+    new attempt (one charge in the provider's receipts), recorded by lookup:payments."""
+    folder = declare(tmp_path, freshness=60)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        inner = DropFirstSend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-2"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(7))
+        assert first.status_code == 502, first.text
+        assert first.json()["error"]["type"] == "effect_unknown"
+        call_id = first.headers["effectguard-call-id"]
+        young = await client.post(url, json=charge(7))
+        assert young.status_code == 409, young.text
+        assert await reconciled_by(t, call_id) == []
+        # The only patch these tests allow: the clock, past the declared freshness.
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120
+        resent = await client.post(url, json=charge(7))
+        assert resent.status_code == 200, resent.text
+        assert "effectguard-recovered" not in resent.headers
+        assert len(charges(fake)) == 1
+        (decided,) = await reconciled_by(t, call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:payments", False)
+        replay = await client.post(url, json=charge(7))
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert json.loads(replay.content) == resent.json()
+        assert len(charges(fake)) == 1
+        (state,) = await t.ledger.calls()
+        assert (state.stage, state.attempts, state.held) == ("completed", 2, 0)
+    await finish(t)

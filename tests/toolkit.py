@@ -1,0 +1,77 @@
+"""Shared pieces of the tool-effect tests: a Stripe-like ``payments`` declaration whose
+``/v1/send`` endpoint is at-most-once, carries the call id in a header and is looked up
+through the fake provider's lagging, key-checked ``/v1/search``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from effectguard.testing import FakeProvider
+
+KEY = "sk-payments-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SEND = "/v1/send"
+
+DECLARATION = """
+name = "payments"
+base_url = "http://127.0.0.1:9"
+dialect = "flat"
+api_key_env = "PAYMENTS_API_KEY"
+prices_taken = "2026-12-01"
+
+[[endpoints]]
+path = "/v1/send"
+effect = "at_most_once"
+op_id = {{ header = "X-Effectguard-Op" }}
+
+[endpoints.lookup]
+url = "{{base_url}}/v1/search"
+query = {{ op = "{{op}}" }}
+applied = "data[0]"
+not_found = [200]
+freshness_s = {freshness}
+timeout_s = 5
+
+[models.default]
+per_call = "0.01"
+max_output_tokens = 0
+"""
+
+
+def declare(tmp_path: Path, freshness: float) -> Path:
+    """A --providers directory declaring ``payments`` with the given search freshness."""
+    folder = tmp_path / "providers"
+    folder.mkdir(exist_ok=True)
+    (folder / "payments.toml").write_text(DECLARATION.format(freshness=freshness))
+    return folder
+
+
+def charge(amount: int) -> dict[str, Any]:
+    """A payments request body."""
+    return {"amount": amount, "currency": "usd"}
+
+
+def charges(fake: FakeProvider) -> list[dict[str, Any]]:
+    """The provider's own receipts of effects on /v1/send (what was charged)."""
+    return [r for r in fake.effects() if r["path"] == SEND]
+
+
+class DropFirstSend(httpx.AsyncBaseTransport):
+    """A network that loses the first POST /v1/send before it reaches the provider,
+    after the request was written (so effectguard cannot know it never arrived)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.dropped = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path == SEND and not self.dropped:
+            self.dropped = True
+            raise httpx.ReadError("connection reset after the request was written")
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
