@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from effectguard.callpath.guard import Guard
+    from effectguard.callpath.hooks import Applied, NotApplied, ReconcileQuestion, Unknown
     from effectguard.config.settings import GuardSettings
     from effectguard.errors import (
         CallNotFound,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 #: Where each public name lives.
 _HOMES = {
+    "Applied": "effectguard.callpath.hooks",
     "AsyncGuardTransport": "effectguard.ingress.transport",
     "CallNotFound": "effectguard.errors",
     "ConfigError": "effectguard.errors",
@@ -47,15 +49,19 @@ _HOMES = {
     "LedgerCorrupt": "effectguard.errors",
     "LedgerError": "effectguard.errors",
     "LedgerUnavailable": "effectguard.errors",
+    "NotApplied": "effectguard.callpath.hooks",
     "Provider": "effectguard.providers",
     "ReconcileError": "effectguard.errors",
+    "ReconcileQuestion": "effectguard.callpath.hooks",
     "Refusal": "effectguard.errors",
+    "Unknown": "effectguard.callpath.hooks",
     "WorkState": "effectguard.rules.workstate",
     "load_providers": "effectguard.providers",
     "work_state": "effectguard.rules.workstate",
 }
 
 __all__ = [
+    "Applied",
     "AsyncGuardTransport",
     "CallNotFound",
     "ConfigError",
@@ -68,9 +74,12 @@ __all__ = [
     "LedgerCorrupt",
     "LedgerError",
     "LedgerUnavailable",
+    "NotApplied",
     "Provider",
     "ReconcileError",
+    "ReconcileQuestion",
     "Refusal",
+    "Unknown",
     "WorkState",
     "load_providers",
     "work_state",

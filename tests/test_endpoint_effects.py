@@ -222,3 +222,13 @@ op_id = { header = "X-Effectguard-Op" }
         assert bad.status_code == 400 and "metadata.effectguard_op" in bad.text
         assert send.call_count == 1
     await finish(t)
+
+
+def test_form_bodies_get_the_op_id_appended_and_json_bodies_nested() -> None:
+    """The writer appends a form field as the form spells it, and nests a JSON field path."""
+    from effectguard.callpath import opfields
+
+    form = opfields.write(b"amount=5", opfields.FORM, [("metadata[effectguard_op]", "c1")])
+    assert form == b"amount=5&metadata%5Beffectguard_op%5D=c1"
+    nested = opfields.write(b'{"a":{"b":1}}', "application/json", [("a.op", "c1")])
+    assert json.loads(nested) == {"a": {"b": 1, "op": "c1"}}

@@ -41,11 +41,16 @@ max_output_tokens = 0
 """
 
 
-def declare(tmp_path: Path, freshness: float) -> Path:
-    """A --providers directory declaring ``payments`` with the given search freshness."""
+def declare(tmp_path: Path, freshness: float | None) -> Path:
+    """A --providers directory declaring ``payments`` with the given search freshness
+    (None: no lookup at all, as for a tool that cannot be searched)."""
     folder = tmp_path / "providers"
     folder.mkdir(exist_ok=True)
-    (folder / "payments.toml").write_text(DECLARATION.format(freshness=freshness))
+    text = DECLARATION.format(freshness=freshness or 0)
+    if freshness is None:
+        start, end = text.index("[endpoints.lookup]"), text.index("[models.default]")
+        text = text[:start] + text[end:]
+    (folder / "payments.toml").write_text(text)
     return folder
 
 

@@ -1,0 +1,141 @@
+"""The application answers "did it happen?" (the reconcile hook), end to end.
+
+A keyed resend of an effect-unknown call asks the hook (here: no lookup is declared):
+applied → the hook's result as a 200 marked ``Effectguard-Recovered: hook``, charged the
+hook's cost, never resent; not applied → resent once; a failing hook → 409 as before.
+Through the transport (``reconcile_hook=``) and the proxy (``[guard] reconcile_hook``),
+with real crashes and the fake provider's receipts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import hookapp
+import httpx
+import pytest
+from toolkit import SEND, DropFirstSend, charge, charges, declare
+
+from effectguard import AsyncGuardTransport
+from effectguard.rules.money import usd_to_nanos
+from effectguard.testing import FakeProvider, fake_provider, start_proxy
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+
+
+async def test_transport_hook_decides_unknown_calls(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """Transport: applied → recovered result and the hook's cost; not applied → one resend;
+    a hook that fails → 409 effect_unknown, nothing sent."""
+    folder = declare(tmp_path, freshness=None)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        url = fake.url + SEND
+        results: dict[int, httpx.Response] = {}
+        for amount in (1, 2, 3):
+            # Each call is lost on the way: effect unknown, nothing reached the provider.
+            inner = DropFirstSend(httpx.AsyncHTTPTransport())
+            t = make_transport(
+                inner=inner,
+                providers=[folder],
+                upstreams={"payments": fake.url},
+                reconcile_hook=hookapp.answer,
+            )
+            client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": f"k{amount}"})
+            first = await client.post(url, json=charge(amount))
+            assert first.status_code == 502, first.text
+            results[amount] = await client.post(url, json=charge(amount))
+            await t.aclose()
+        applied, resent, failed = results[1], results[2], results[3]
+        assert applied.status_code == 200, applied.text
+        assert applied.headers["effectguard-recovered"] == "hook"
+        call_id = applied.headers["effectguard-call-id"]
+        assert applied.json() == {"id": "from-outbox", "op": call_id}
+        assert resent.status_code == 200 and "effectguard-recovered" not in resent.headers
+        assert failed.status_code == 409 and failed.json()["error"]["type"] == "effect_unknown"
+        assert len(charges(fake)) == 1  # only the not-applied call was sent (again)
+    t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+    await t.guard()
+    states = {s.idempotency_key: s for s in await t.ledger.calls()}
+    assert states["k1"].stage == "reconciled_applied"
+    assert states["k1"].cost == usd_to_nanos(Decimal("0.02"))
+    assert states["k3"].stage == "effect_unknown"
+    events = await t.ledger.events(states["k1"].call_id)
+    (decided,) = [e.data for e in events if e.kind == "call.reconciled"]
+    assert decided["by"] == "hook" and "evidence sha256:" in decided["note"]
+    await finish(t)
+
+
+def cli(*args: str) -> Any:
+    """Run the real ``effectguard`` command with ``--json``; assert exit 0; parse stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def _proxy(ledger: Path, fake: FakeProvider, args: tuple[str, ...], crash_at: str | None) -> Any:
+    here = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    if crash_at:
+        env["EFFECTGUARD_CRASH_AT"] = crash_at
+    return start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=env)
+
+
+@pytest.mark.slow
+def test_proxy_hook_from_config_decides_unknown_calls(tmp_path: Path) -> None:
+    """Proxy: the hook named in [guard] reconcile_hook decides keyed resends, recorded by hook."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "effectguard.toml"
+    config.write_text('[server]\nsweep_s = 3600\n\n[guard]\nreconcile_hook = "hookapp:answer"\n')
+    args = ("--providers", str(declare(tmp_path, freshness=None)), "--config", str(config))
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        for amount, point in ((1, "after:dispatch"), (2, "after:admit"), (3, "after:dispatch")):
+            proxy = _proxy(ledger, fake, args, point)
+            try:
+                with pytest.raises(httpx.TransportError):
+                    httpx.post(
+                        proxy.url + "/payments" + SEND,
+                        json=charge(amount),
+                        headers={"Idempotency-Key": f"k{amount}"},
+                        timeout=30,
+                    )
+                assert proxy.process.wait(15) == -signal.SIGKILL
+            finally:
+                proxy.kill()
+        assert len(charges(fake)) == 2
+        proxy = _proxy(ledger, fake, args, None)
+        try:
+            answers = {
+                amount: httpx.post(
+                    proxy.url + "/payments" + SEND,
+                    json=charge(amount),
+                    headers={"Idempotency-Key": f"k{amount}"},
+                    timeout=30,
+                )
+                for amount in (1, 2, 3)
+            }
+        finally:
+            proxy.stop()
+        assert answers[1].status_code == 200, answers[1].text
+        assert answers[1].headers["effectguard-recovered"] == "hook"
+        assert answers[1].json()["id"] == "from-outbox"
+        assert answers[2].status_code == 200 and "effectguard-recovered" not in answers[2].headers
+        assert answers[3].status_code == 409, answers[3].text
+        assert len(charges(fake)) == 3  # 1 and 3 once each, 2 (lost) sent once by the resend
+        stages = {c["idempotency_key"]: c["stage"] for c in cli("calls", "--ledger", str(ledger))}
+        assert stages == {"k1": "reconciled_applied", "k2": "completed", "k3": "effect_unknown"}
+        assert cli("verify", "--ledger", str(ledger))["ok"] is True
