@@ -249,3 +249,17 @@ def test_undeclared_error_status_is_failed_and_replayed(provider: str, status: i
     existing = _after_answer(provider, status)
     assert (existing.stage, existing.cost) == ("failed", 500)
     assert decide_keyed(existing, HASH, CREATED + 1).action == "replay"
+
+
+def test_an_authorized_resend_of_an_unknown_call_is_one_new_attempt() -> None:
+    """An effect-unknown call with an operator's resend authorization is attempted (keyed or
+    declared retry); without it, it is refused; the attempt spends the authorization."""
+    from effectguard.rules.admission import decide_keyed, decide_retry
+    from effectguard.rules.workstate import WorkState, replace
+
+    unknown = WorkState(call_id="c", stage="effect_unknown", request_hash="h", attempts=1)
+    authorized = replace(unknown, resend_authorized=True)
+    assert decide_keyed(unknown, "h", 0.0).action == "refuse"
+    assert decide_keyed(authorized, "h", 0.0).action == "attempt"
+    assert decide_retry(unknown).action == "refuse"
+    assert decide_retry(authorized).action == "attempt"

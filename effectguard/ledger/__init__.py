@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import date
 
 from effectguard.errors import CallNotFound, ConfigError
-from effectguard.ledger import keyops, operations
+from effectguard.ledger import decisions, keyops, operations
 from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
@@ -114,7 +114,7 @@ class Ledger:
         """Decide an effect-unknown or failed call: applied (with cost) or not applied."""
         state: WorkState = await self.store.write(
             writer,
-            lambda tx: operations.reconcile(
+            lambda tx: decisions.reconcile(
                 tx, writer, call_id, applied=applied, cost=cost, note=note, by=by
             ),
         )
@@ -125,6 +125,23 @@ class Ledger:
             state.stage,
             by,
             extra={"event": "reconciled", "call_id": call_id, "stage": state.stage, "by": by},
+        )
+        return state
+
+    async def authorize_resend(
+        self, call_id: str, *, note: str, by: str, writer: Writer = OPERATOR
+    ) -> WorkState:
+        """Authorize exactly one new attempt of an effect-unknown call (the duplicate risk
+        accepted); its hold stays until that attempt settles."""
+        state: WorkState = await self.store.write(
+            writer,
+            lambda tx: decisions.authorize_resend(tx, writer, call_id, note=note, by=by),
+        )
+        log.info(
+            "call %s: one resend authorized by %s",
+            call_id,
+            by,
+            extra={"event": "resend_authorized", "call_id": call_id, "by": by},
         )
         return state
 

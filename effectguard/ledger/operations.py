@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from effectguard.errors import FencedError, ReconcileError, Refusal
+from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
@@ -25,20 +25,18 @@ from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptObserved,
     AttemptStarted,
-    BudgetCorrected,
     BudgetHeld,
     BudgetLimitSet,
     BudgetReserved,
     BudgetUnheld,
     CallManifest,
-    CallReconciled,
     CallRefused,
     Event,
     WorkerRegistered,
     WorkerTakenOver,
     seal,
 )
-from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
+from effectguard.rules.settlement import settle_hold
 from effectguard.rules.workstate import WorkState
 
 
@@ -297,7 +295,7 @@ def record(
             f"call {call_id} attempt {attempt} is no longer in flight (stage {stage}); "
             "its outcome is not recorded"
         )
-    return append(tx, writer, events, {call_id: state})[call_id]
+    return append(tx, writer, settle_hold(state, events), {call_id: state})[call_id]
 
 
 def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkState:
@@ -310,46 +308,6 @@ def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkStat
     if state.reserved:
         events.append(BudgetHeld(call=state.call_id, budget=state.budget, amount=state.reserved))
     return append(tx, writer, events, {state.call_id: state})[state.call_id]
-
-
-def reconcile(
-    tx: Tx, writer: Writer, call_id: str, *, applied: bool, cost: int | None, note: str, by: str
-) -> WorkState:
-    """Record a person's (or lookup's) decision on an effect-unknown or failed call.
-
-    An effect-unknown call's hold is released and the cost (default: the hold) spent. A
-    failed call was settled at its charge; the charge is corrected to the cost (default:
-    unchanged), or to nothing when not applied, which frees its key for a new attempt.
-    """
-    state = tx.get_call(call_id)
-    if state is None:
-        raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
-    if state.stage not in workstate.RECONCILABLE:
-        raise ReconcileError(
-            f"call {call_id} is {state.stage}, not effect_unknown or failed; nothing to reconcile",
-            call_id=call_id,
-        )
-    if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
-        raise ReconcileError(
-            f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
-        )
-    budget_event: Event
-    if state.stage == "failed":
-        settled = state.cost or 0
-        spent = (settled if cost is None else cost) if applied else 0
-        budget_event = BudgetCorrected(
-            call=call_id, budget=state.budget, settled=settled, actual=spent
-        )
-    else:
-        spent = (state.held if cost is None else cost) if applied else 0
-        budget_event = BudgetUnheld(
-            call=call_id, budget=state.budget, amount=state.held, spent=spent
-        )
-    events: list[Event] = [
-        CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
-        budget_event,
-    ]
-    return append(tx, writer, events, {call_id: state})[call_id]
 
 
 def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:

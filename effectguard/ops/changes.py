@@ -52,6 +52,8 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard reconcile``: decide one effect-unknown call, or ``--auto`` all that can be."""
     if args.auto:
         return await _reconcile_auto(args, ledger)
+    if args.resend:
+        return await _reconcile_resend(args, ledger)
     if not args.call_id or args.applied == args.not_applied:
         return _usage(
             "reconcile needs CALL_ID and exactly one of --applied / --not-applied (or --auto)"
@@ -67,6 +69,16 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
 
     from_environment().hit("after:reconcile")
     emit(args, call_json(state), f"{state.call_id}: {state.stage}")
+    return EXIT_OK
+
+
+async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:
+    if not args.call_id or args.applied or args.not_applied or args.cost is not None:
+        return _usage("reconcile --resend needs CALL_ID, and no --applied/--not-applied/--cost")
+    if not args.note:
+        return _usage("reconcile --resend needs --note TEXT saying why the risk is accepted")
+    state = await ledger.authorize_resend(args.call_id, note=args.note, by=args.by)
+    emit(args, call_json(state), f"{state.call_id}: one resend authorized (held until it settles)")
     return EXIT_OK
 
 
@@ -154,6 +166,11 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--note", help="how you know (required)")
     p.add_argument("--by", default=getpass.getuser(), help="who decides (default: login name)")
     p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")
+    p.add_argument(
+        "--resend",
+        action="store_true",
+        help="authorize one new attempt of an effect_unknown call, accepting a duplicate",
+    )
     provider_options(p, long_help=False)
     p.set_defaults(run_ledger=cmd_reconcile)
 

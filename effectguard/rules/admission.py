@@ -69,6 +69,9 @@ def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> D
         window = s.idempotency_window_s
         if window is not None and now - s.created_at <= window:
             return Decision("provider_resend", s)
+        if s.resend_authorized:
+            # An operator accepted the duplicate risk: one new attempt; the hold stays.
+            return Decision("attempt", s)
         return _refuse(
             409,
             "effect_unknown",
@@ -98,6 +101,8 @@ def decide_retry(existing: WorkState | None) -> Decision:
         return Decision("admit")
     if existing.stage == "in_flight":
         return Decision("join", existing)
+    if existing.stage == "effect_unknown" and existing.resend_authorized:
+        return Decision("attempt", existing)
     if existing.stage == "effect_unknown":
         return _refuse(
             409,

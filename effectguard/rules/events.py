@@ -296,6 +296,16 @@ class CallReconciled(CallEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CallResendAuthorized(CallEvent):
+    """An operator authorized one new attempt of an effect-unknown call, accepting that
+    the effect may then happen twice. The hold stays until that attempt settles."""
+
+    kind: ClassVar[str] = "call.resend_authorized"
+    note: str
+    by: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerRegistered(Event):
     """A process registered as a writer with a new fencing generation."""
 

@@ -13,6 +13,7 @@ Given the attempt, its reservation, the model's prices and what the provider ans
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from effectguard.rules import usage as usages
@@ -22,11 +23,13 @@ from effectguard.rules.events import (
     BudgetHeld,
     BudgetReleased,
     BudgetSettled,
+    BudgetUnheld,
     CallCompleted,
     Event,
 )
 from effectguard.rules.money import MAX_CALL_NANOS, Nanos
 from effectguard.rules.prices import ModelPrice
+from effectguard.rules.workstate import WorkState
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +125,26 @@ def settle(
     outcome = "completed" if ok else "failed"
     done = CallCompleted(call=call_id, outcome=outcome)
     return Settlement((observed, settled, done), outcome, actual, usage)
+
+
+def settle_hold(state: WorkState, events: Sequence[Event]) -> list[Event]:
+    """``events`` of an attempt's outcome, plus the release of an earlier hold once a
+    resend an operator authorized has settled (completed or failed).
+
+    The earlier attempt's effect is still unknown and the operator accepted that it may
+    have happened: its hold is spent, not dropped (the conservative charge stays).
+    """
+    out = list(events)
+    done = [i for i, e in enumerate(out) if isinstance(e, CallCompleted)]
+    completed = out[done[0]] if done else None
+    settled = isinstance(completed, CallCompleted) and completed.outcome in ("completed", "failed")
+    if not state.held or not settled:
+        return out
+    unheld = BudgetUnheld(
+        call=state.call_id,
+        budget=state.budget,
+        amount=state.held,
+        spent=state.held,
+        periods=state.periods,
+    )
+    return [*out[: done[0]], unheld, *out[done[0] :]]

@@ -33,6 +33,7 @@ from effectguard.rules.events import (
     CallManifest,
     CallReconciled,
     CallRefused,
+    CallResendAuthorized,
     Event,
 )
 
@@ -117,6 +118,8 @@ class WorkState:
     periods: dict[str, str] = field(default_factory=dict)
     #: The current attempt's token estimate (what its rate window counted).
     tokens: int = 0
+    #: An operator authorized one new attempt of this effect-unknown call (SPEC §12).
+    resend_authorized: bool = False
 
     @property
     def effect(self) -> Effect:
@@ -192,6 +195,12 @@ def _reconciled(state: WorkState, event: CallReconciled) -> WorkState:
     return replace(state, stage="reconciled_applied" if event.applied else "reconciled_not_applied")
 
 
+def _resend_authorized(state: WorkState, event: CallResendAuthorized) -> WorkState:
+    if state.stage != "effect_unknown":
+        return state
+    return replace(state, resend_authorized=True)
+
+
 # -- money: what the call holds against its budget
 
 
@@ -248,6 +257,7 @@ def _started(state: WorkState, event: AttemptStarted) -> WorkState:
         attempts=event.attempt,
         last_attempt_at=event.at,
         worker=event.worker,
+        resend_authorized=False,  # an authorization is spent by the attempt it allowed
     )
 
 
@@ -285,6 +295,7 @@ _FOLDS: Final[dict[type[Any], Callable[[WorkState, Any], WorkState]]] = {
     CallManifest: _manifest,
     CallRefused: _refused,
     CallReconciled: _reconciled,
+    CallResendAuthorized: _resend_authorized,
     BudgetReserved: _reserved,
     BudgetReleased: _released,
     BudgetSettled: _settled,

@@ -55,6 +55,7 @@ class CallFold:
         self.status: int | None = None
         self.flagged: str | None = None
         self.decided_cost = 0
+        self.resend_authorized = False
 
     def feed(self, stored: StoredEvent) -> list[str]:
         """Fold one event of this call; returns what is wrong with it."""
@@ -85,7 +86,10 @@ class CallFold:
         data = stored.data
         if stored.kind == "call.manifest":
             self.manifest = dict(data)
+        elif stored.kind == "call.resend_authorized":
+            self.resend_authorized = True
         elif stored.kind == "attempt.started":
+            self.resend_authorized = False  # spent by the attempt it allowed
             self.attempts = int(data["attempt"])
             self.starter = (stored.worker, stored.generation)
             self.last_attempt_at = float(data.get("at", 0.0))
@@ -154,7 +158,13 @@ class CallFold:
                 problems.append(f"{where}: not applied, yet costs {self.decided_cost}")
         elif kind == "budget.unheld":
             expect("amount", self.held)
-            expect("spent", 0 if refined.endswith(":resend") else self.decided_cost)
+            if refined.endswith(":resend"):
+                expect("spent", 0)
+            elif self.phase in ("settled_ok", "settled_error"):
+                # An operator-authorized resend settled: the earlier hold is spent whole.
+                expect("spent", self.held)
+            else:
+                expect("spent", self.decided_cost)
             self.held -= int(data["amount"])
             self.cost = (self.cost or 0) + int(data["spent"])
         elif kind == "budget.corrected":
@@ -191,6 +201,7 @@ class CallFold:
             "worker": self.starter[0],
             "flagged": self.flagged,
             "idempotency_window_s": m.get("provider_idempotency_window_s"),
+            "resend_authorized": self.resend_authorized,
         }
 
     def columns(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ OPERATOR_KINDS: Final = frozenset(
         "key.created",
         "key.revoked",
         "call.reconciled",
+        "call.resend_authorized",
         "budget.unheld",
         "budget.corrected",
         "attempt.interrupted",

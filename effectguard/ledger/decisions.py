@@ -1,0 +1,75 @@
+"""Decisions about a call's effect: a reconcile (by a person, a lookup or the hook), and
+an operator's authorization to resend an effect-unknown call (SPEC §8, §12)."""
+
+from __future__ import annotations
+
+from effectguard.errors import ReconcileError
+from effectguard.ledger.base import Tx, Writer
+from effectguard.ledger.operations import append
+from effectguard.rules import workstate
+from effectguard.rules.events import (
+    BudgetCorrected,
+    BudgetUnheld,
+    CallReconciled,
+    CallResendAuthorized,
+    Event,
+)
+from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
+from effectguard.rules.workstate import WorkState
+
+
+def reconcile(
+    tx: Tx, writer: Writer, call_id: str, *, applied: bool, cost: int | None, note: str, by: str
+) -> WorkState:
+    """Record a person's (or lookup's) decision on an effect-unknown or failed call.
+
+    An effect-unknown call's hold is released and the cost (default: the hold) spent. A
+    failed call was settled at its charge; the charge is corrected to the cost (default:
+    unchanged), or to nothing when not applied, which frees its key for a new attempt.
+    """
+    state = tx.get_call(call_id)
+    if state is None:
+        raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
+    if state.stage not in workstate.RECONCILABLE:
+        raise ReconcileError(
+            f"call {call_id} is {state.stage}, not effect_unknown or failed; nothing to reconcile",
+            call_id=call_id,
+        )
+    if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
+        raise ReconcileError(
+            f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
+        )
+    budget_event: Event
+    if state.stage == "failed":
+        settled = state.cost or 0
+        spent = (settled if cost is None else cost) if applied else 0
+        budget_event = BudgetCorrected(
+            call=call_id, budget=state.budget, settled=settled, actual=spent
+        )
+    else:
+        spent = (state.held if cost is None else cost) if applied else 0
+        budget_event = BudgetUnheld(
+            call=call_id, budget=state.budget, amount=state.held, spent=spent
+        )
+    events: list[Event] = [
+        CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
+        budget_event,
+    ]
+    return append(tx, writer, events, {call_id: state})[call_id]
+
+
+def authorize_resend(tx: Tx, writer: Writer, call_id: str, *, note: str, by: str) -> WorkState:
+    """An operator authorizes exactly one new attempt of an effect-unknown call (SPEC §12)."""
+    state = tx.get_call(call_id)
+    if state is None:
+        raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
+    if state.stage != "effect_unknown":
+        raise ReconcileError(
+            f"call {call_id} is {state.stage}, not effect_unknown; only an unknown effect "
+            "is resent on an operator's word",
+            call_id=call_id,
+        )
+    if state.resend_authorized:
+        raise ReconcileError(f"call {call_id} already has a resend authorized", call_id=call_id)
+    event = CallResendAuthorized(call=call_id, note=note, by=by)
+    return append(tx, writer, [event], {call_id: state})[call_id]

@@ -1,0 +1,143 @@
+"""``effectguard reconcile CALL --resend --note TEXT``: one new attempt of an unknown call,
+the duplicate risk accepted by an operator, end to end (transport and proxy).
+
+The hold stays until the authorized attempt settles, and is then spent (the first
+attempt may have had its effect too). Exactly one attempt goes out, even to concurrent
+resends. Effects are counted from the fake provider's receipts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from toolkit import SEND, charge, charges, declare
+
+from effectguard import AsyncGuardTransport, ReconcileError, load_providers
+from effectguard.testing import fake_provider, start_proxy
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+
+
+def per_call(folder: Path) -> int:
+    """The declared per-call price of ``payments``."""
+    price = load_providers([folder])["payments"].models["default"].per_call
+    assert price is not None
+    return price
+
+
+async def test_transport_resend_authorized_once_goes_out_once(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """Refused before the authorization; after it, concurrent resends send exactly one new
+    attempt; the hold stays until that attempt settles, then it is spent."""
+    folder = declare(tmp_path, freshness=None)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "r1"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "2"}, timeout=0.3)
+        assert first.status_code == 504, first.text
+        call_id = first.headers["effectguard-call-id"]
+        refused = await client.post(url, json=charge(1))
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "effect_unknown"
+        state = await t.ledger.authorize_resend(call_id, note="customer asked", by="ops")
+        assert (state.stage, state.held) == ("effect_unknown", per_call(folder))
+        with pytest.raises(ReconcileError):
+            await t.ledger.authorize_resend(call_id, note="twice", by="ops")
+        racing = await asyncio.gather(
+            *(
+                client.post(url, json=charge(1), headers={"x-fake-delay": "0.5"}, timeout=10)
+                for _ in range(2)
+            )
+        )
+        assert sorted(r.status_code for r in racing) == [200, 409], [r.text for r in racing]
+        (loser,) = [r for r in racing if r.status_code == 409]
+        assert loser.json()["error"]["type"] == "in_progress"
+        assert len(charges(fake)) == 2  # the first (maybe applied) and the authorized one
+        replay = await client.post(url, json=charge(1))
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert len(charges(fake)) == 2
+        (state,) = await t.ledger.calls()
+        assert (state.stage, state.attempts, state.held) == ("completed", 2, 0)
+        assert state.cost == 2 * per_call(folder)  # the hold spent, and the new charge
+        with pytest.raises(ReconcileError):
+            await t.ledger.authorize_resend(call_id, note="again", by="ops")
+    await finish(t)
+
+
+def cli(*args: str, ok: bool = True) -> Any:
+    """Run the real ``effectguard`` command with ``--json``; parse stdout if it succeeded."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode == 0) == ok, done.stdout + done.stderr
+    return json.loads(done.stdout) if ok else done.stderr
+
+
+@pytest.mark.slow
+def test_proxy_resend_authorized_by_the_cli(tmp_path: Path) -> None:
+    """After a crash, `reconcile CALL --resend --note` lets one keyed resend through the proxy."""
+    ledger = tmp_path / "ledger.db"
+    folder = declare(tmp_path, freshness=None)
+    args = ("--providers", str(folder))
+    route = "/payments" + SEND
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        upstreams = {"payments": fake.url}
+        proxy = start_proxy(
+            ledger, upstreams=upstreams, args=args, env={"EFFECTGUARD_CRASH_AT": "after:dispatch"}
+        )
+        try:
+            with pytest.raises(httpx.TransportError):
+                httpx.post(proxy.url + route, json=charge(1), headers={"Idempotency-Key": "r"})
+            assert proxy.process.wait(15) == -signal.SIGKILL
+        finally:
+            proxy.kill()
+        proxy = start_proxy(ledger, upstreams=upstreams, args=args)
+        try:
+            post = lambda: httpx.post(  # noqa: E731
+                proxy.url + route, json=charge(1), headers={"Idempotency-Key": "r"}, timeout=30
+            )
+            refused = post()
+            assert refused.status_code == 409, refused.text
+            call_id = refused.headers["effectguard-call-id"]
+            assert "--note" in cli(
+                "reconcile", call_id, "--resend", "--ledger", str(ledger), ok=False
+            )
+            shown = cli(
+                "reconcile",
+                call_id,
+                "--resend",
+                "--note",
+                "accept a duplicate",
+                "--ledger",
+                str(ledger),
+            )
+            assert shown["stage"] == "effect_unknown"
+            resent, replay = post(), post()
+        finally:
+            proxy.stop()
+        assert resent.status_code == 200, resent.text
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert len(charges(fake)) == 2
+        (call,) = cli("calls", "--ledger", str(ledger))
+        assert (call["stage"], call["attempts"]) == ("completed", 2)
+        assert Decimal(call["held_usd"]) == 0
+        assert Decimal(call["cost_usd"]) == 2 * Decimal(call["reserved_usd"])
+        events = cli("show", call_id, "--ledger", str(ledger))["events"]
+        (authorized,) = [e["data"] for e in events if e["kind"] == "call.resend_authorized"]
+        assert authorized["note"] == "accept a duplicate"
+        assert cli("verify", "--ledger", str(ledger))["ok"] is True
