@@ -8,7 +8,9 @@ then stop the worker and close the ledger.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +24,8 @@ from effectguard.config.settings import GuardSettings
 from effectguard.ledger import Ledger, Writer, open_store
 from effectguard.providers import Provider
 from effectguard.telemetry.observer import Observer
+
+log = logging.getLogger("effectguard.callpath.runtime")
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Runtime:
         self.ledger = ledger or Ledger(open_store(config.ledger_url))
         self.worker: WorkerRuntime | None = None
         self.guard: Guard | None = None
+        self._deciding: asyncio.Task[None] | None = None
 
     async def start(self) -> Guard:
         """Open everything; returns the guard. If any step fails, what was opened is closed.
@@ -97,9 +102,21 @@ class Runtime:
         return self.guard
 
     async def _decide_unknown(self) -> None:
-        """Each sweep, decide the unknown calls whose evidence is old enough to tell."""
+        """Each sweep, decide the unknown calls whose evidence is old enough to tell.
+
+        In a task of its own: a slow provider lookup never delays the sweep that marks
+        dead workers' calls; a sweep that finds the previous round still running skips.
+        """
         assert self.guard is not None
-        await self.guard.resolver.sweep()
+        if self._deciding is None or self._deciding.done():
+            self._deciding = asyncio.create_task(self._decide_round(self.guard))
+
+    @staticmethod
+    async def _decide_round(guard: Guard) -> None:
+        try:
+            await guard.resolver.sweep()
+        except Exception as exc:  # the next sweep tries again; the calls stay unknown
+            log.warning("deciding unknown calls by lookup failed: %s", exc)
 
     def _rejoined(self, writer: Writer) -> None:
         """The worker was fenced and registered anew: admit new calls as the new writer."""
@@ -108,6 +125,10 @@ class Runtime:
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Finish background settlements, stop the worker, close the ledger."""
+        if self._deciding is not None:
+            self._deciding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._deciding
         if self.guard is not None:
             await self.guard.recorder.drain(drain_timeout)
         if self.worker is not None:
