@@ -1,4 +1,4 @@
-"""Effect semantics per endpoint, as data (SPEC §2, §12), and the operation id on the wire.
+"""Effect semantics per endpoint, as data (docs/contract.md §2.2), and the operation id on the wire.
 
 Each endpoint declares ``read_only``, ``at_most_once`` or ``idempotent`` (``billable`` is
 the older name); idempotency lives on the endpoint, with the provider's ``[idempotency]``

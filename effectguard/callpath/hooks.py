@@ -1,4 +1,4 @@
-"""The application's answer to "did it happen?": the reconcile hook (SPEC §12).
+"""The application's answer to "did it happen?": the reconcile hook (docs/contract.md §4).
 
 A transport takes ``reconcile_hook=``, the proxy ``[guard] reconcile_hook =
 "module:function"``: an async callable that gets a :class:`ReconcileQuestion` about a

@@ -1,5 +1,5 @@
 """Decisions about a call's effect: a reconcile (by a person, a lookup or the hook), and
-an operator's authorization to resend an effect-unknown call (SPEC §8, §12)."""
+an operator's authorization to resend an effect-unknown call (docs/contract.md §8)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def reconcile(
 
 
 def authorize_resend(tx: Tx, writer: Writer, call_id: str, *, note: str, by: str) -> WorkState:
-    """An operator authorizes exactly one new attempt of an effect-unknown call (SPEC §12)."""
+    """An operator authorizes exactly one new attempt of an effect-unknown call (contract.md §8)."""
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)

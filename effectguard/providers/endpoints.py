@@ -1,6 +1,6 @@
 """Endpoint declarations: what a request to one endpoint does, and how to find out later.
 
-Each ``[[endpoints]]`` entry of a provider declaration says (SPEC §2, §12):
+Each ``[[endpoints]]`` entry of a provider declaration says (docs/contract.md §2.2):
 
 * its **effect kind**: ``read_only`` (passed through), ``at_most_once`` (the default for
   anything billable: an unknown effect waits for evidence or a person) or ``idempotent``

@@ -1,4 +1,4 @@
-"""How a lookup's answer reads (SPEC §12). Pure: no I/O, no clock.
+"""How a lookup's answer reads (docs/contract.md §2.2, §4). Pure: no I/O, no clock.
 
 A provider lookup answers "was operation K applied?". Its declaration names a JSON path
 whose presence means applied, the statuses that mean "not found", and how far the

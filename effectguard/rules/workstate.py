@@ -118,7 +118,7 @@ class WorkState:
     periods: dict[str, str] = field(default_factory=dict)
     #: The current attempt's token estimate (what its rate window counted).
     tokens: int = 0
-    #: An operator authorized one new attempt of this effect-unknown call (SPEC §12).
+    #: An operator authorized one new attempt of this effect-unknown call (contract.md §8).
     resend_authorized: bool = False
 
     @property

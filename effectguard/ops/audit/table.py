@@ -77,8 +77,8 @@ TABLE: Final[dict[tuple[str, str], str]] = {
     ("observed_ok", "budget.settled"): "settled_ok",
     ("observed_error", "budget.settled"): "settled_error",
     ("observed_not_processed", "budget.released"): "released_not_processed",
-    # SPEC §12: an operator authorizes one resend of an unknown call; the call stays unknown
-    # (and its hold stays) until that attempt settles, when the hold is spent.
+    # contract.md §8: an operator authorizes one resend of an unknown call; the call stays
+    # unknown (and its hold stays) until that attempt settles, when the hold is spent.
     ("effect_unknown", "call.resend_authorized"): "effect_unknown",
     ("settled_ok", "budget.unheld:reconcile"): "settled_ok",
     ("settled_error", "budget.unheld:reconcile"): "settled_error",
