@@ -2,7 +2,7 @@
 
 Usage::
 
-    python transport_call.py LEDGER PROVIDER UPSTREAM_URL REQUESTS_JSON
+    python transport_call.py LEDGER PROVIDER UPSTREAM_URL REQUESTS_JSON [PROVIDERS_DIR]
 
 ``REQUESTS_JSON`` is a list of ``{"path": ..., "body": {...}, "headers": {...}}``,
 sent one after the other through one transport (one worker). The crash point
@@ -54,10 +54,14 @@ async def send(client: httpx.AsyncClient, url: str, i: int, spec: dict[str, Any]
         emit({"i": i, "error": f"{type(exc).__name__}: {exc}"})
 
 
-async def main(ledger: str, provider: str, upstream: str, specs: list[dict[str, Any]]) -> None:
-    """Send every request through one guarded client, then close it."""
+async def main(
+    ledger: str, provider: str, upstream: str, specs: list[dict[str, Any]], providers: list[str]
+) -> None:
+    """Send every request through one guarded client (with the bundled declarations and any
+    ``PROVIDERS_DIR`` over them), then close it."""
     transport = AsyncGuardTransport(
         ledger=ledger,
+        providers=providers or None,
         upstreams={provider: upstream},
         crash=effectguard.callpath.crash.from_environment(),
     )
@@ -68,4 +72,4 @@ async def main(ledger: str, provider: str, upstream: str, specs: list[dict[str, 
 
 if __name__ == "__main__":
     ledger_arg, provider_arg, upstream_arg, specs_arg = sys.argv[1:5]
-    asyncio.run(main(ledger_arg, provider_arg, upstream_arg, json.loads(specs_arg)))
+    asyncio.run(main(ledger_arg, provider_arg, upstream_arg, json.loads(specs_arg), sys.argv[5:6]))
