@@ -370,7 +370,7 @@ class Guard:
         report.upstream_s += upstream
         self.observer.upstream_seconds(provider.name, upstream)
         self.crash.hit("after:upstream-response")
-        result = usages.usage_from_body(provider.dialect, prepared.path, body)
+        result = _usage_of(prepared, body)
         await self.recorder.observe(
             prepared, admitted, response.status_code, response.headers, body, result, report
         )
@@ -483,3 +483,10 @@ def _outgoing(prepared: Prepared, admitted: Admitted) -> httpx.Request:
     key = admitted.provider_idempotency_key
     body = prepared.body
     return upstream_request(prepared.request, body, prepared.endpoint, key, admitted.call_id)
+
+
+def _usage_of(prepared: Prepared, body: bytes) -> usages.UsageResult:
+    """The answer's usage; a call priced per call alone costs that, whatever it says."""
+    if usages.per_call_only(prepared.price):
+        return usages.PER_CALL
+    return usages.usage_from_body(prepared.provider.dialect, prepared.path, body)

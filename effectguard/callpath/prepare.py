@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from effectguard.callpath import opfields
+from effectguard.callpath import bodies, opfields
 from effectguard.callpath.wire import (
     IDEMPOTENCY_HEADER,
     RETRY_OF_HEADER,
@@ -115,15 +116,19 @@ def prepare(
         return None
     root = _budget_root(budget, budget_root)
     raw = request.content
-    parsed = _parse_body(provider, raw)
-    model, price = _model_and_price(provider, parsed)
+    kind = bodies.kind_of(request.headers.get("content-type"))
+    parsed, hashed = _parse_body(provider, raw, kind, request.headers.get("content-type", ""))
+    model, price = _model_and_price(provider, endpoint, parsed)
     key = _idempotency_key(request)
-    _check_own_fields(endpoint, parsed)
-    stream = usages.wants_stream(parsed)
-    sent = _body_to_send(provider, path, parsed, raw)
+    _check_own_fields(endpoint, parsed, kind)
+    # A form or multipart body's fields are strings, not token caps: it is priced per call
+    # (plus the model's declared output bound, for a model priced by tokens).
+    bounded = parsed if kind == "json" else {}
+    stream = kind == "json" and usages.wants_stream(parsed)
+    sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
     try:
-        reserve = usages.estimate(price, parsed, dialect=provider.dialect)
-        tokens = usages.estimate_tokens(price, parsed, dialect=provider.dialect)
+        reserve = usages.estimate(price, bounded, dialect=provider.dialect)
+        tokens = usages.estimate_tokens(price, bounded, dialect=provider.dialect)
     except usages.OutOfBounds as exc:
         raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
     except (TypeError, ValueError) as exc:
@@ -133,7 +138,7 @@ def prepare(
     body_text, body_encoding = encode_body(sent)
     idem = endpoint.idempotency
     admit = AdmitRequest(
-        request_hash=request_hash(provider.name, request.method, target, parsed or raw),
+        request_hash=request_hash(provider.name, request.method, target, hashed, kind),
         provider=provider.name,
         endpoint=path,
         method=request.method,
@@ -156,23 +161,28 @@ def prepare(
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
 
 
-def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any]) -> None:
+def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.BodyKind) -> None:
     """Refuse (400) a body that has no place for a field effectguard must write into it:
     without the operation id, a lookup would never find the call, and "not found" would
     wrongly read as "not applied"."""
     paths_: list[str] = []
     if endpoint.idempotency is not None and endpoint.idempotency.body_field is not None:
         paths_.append(endpoint.idempotency.body_field)
-    if endpoint.op_id is not None:
-        if endpoint.op_id.where == "form":
+    if endpoint.op_id is not None and endpoint.op_id.where in ("json", "form"):
+        want: bodies.BodyKind = "form" if endpoint.op_id.where == "form" else "json"
+        if kind != want:
+            # A multipart body is never rewritten: adding a part would re-frame an upload
+            # byte for byte, and no multipart API we know of keeps an extra part anyway.
             raise refuse(
                 400,
                 "invalid_request",
-                f"this endpoint takes effectguard's operation id in the form field "
-                f"{endpoint.op_id.name!r}, and only JSON bodies are guarded",
+                f"this endpoint takes effectguard's operation id in the {want} field "
+                f"{endpoint.op_id.name!r}, so its requests must be {_MEDIA[want]}",
             )
-        if endpoint.op_id.where == "json":
+        if want == "json":
             paths_.append(endpoint.op_id.name)
+    if paths_ and kind != "json":
+        raise refuse(400, "invalid_request", f"this endpoint's body must be {_MEDIA['json']}")
     for path in paths_:
         if not opfields.writable(parsed, path):
             raise refuse(400, "invalid_request", f"request body has no object for field {path!r}")
@@ -190,18 +200,39 @@ def _budget_root(budget: str, budget_root: str | None) -> str:
     return root
 
 
-def _parse_body(provider: Provider, raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (a flat tool provider may send none)."""
+_MEDIA = {"json": "a JSON object", "form": "application/x-www-form-urlencoded"}
+
+
+def _parse_body(
+    provider: Provider, raw: bytes, kind: bodies.BodyKind, content_type: str
+) -> tuple[dict[str, Any], Mapping[str, Any] | bytes]:
+    """The request's fields, and what its hash is over (callpath/bodies); refused (400)
+    if it does not parse as its Content-Type. A flat tool provider may send no body."""
+    try:
+        if kind == "form":
+            fields = bodies.parse_form(raw)
+            return dict(fields), {"fields": bodies.hashed_form(fields)}
+        if kind == "multipart":
+            parts = bodies.parse_multipart(raw, content_type)
+            return bodies.part_fields(parts), {"parts": bodies.hashed_parts(parts)}
+    except bodies.Malformed as exc:
+        raise refuse(400, "invalid_request", str(exc)) from exc
     if not raw and provider.dialect == "flat":
-        return {}
-    return _parse_json(raw)
+        return {}, raw
+    parsed = _parse_json(raw)
+    return parsed, parsed or raw
 
 
-def _model_and_price(provider: Provider, parsed: dict[str, Any]) -> tuple[str | None, ModelPrice]:
-    """The requested model and its declared price; an unpriced model is refused."""
+def _model_and_price(
+    provider: Provider, endpoint: Endpoint, parsed: dict[str, Any]
+) -> tuple[str | None, ModelPrice]:
+    """The requested model and its declared price (an endpoint's ``per_call`` price for a
+    request that names none); an unpriced model is refused."""
     model: str | None = parsed.get("model")
     if model is not None and not isinstance(model, str):
         raise refuse(400, "invalid_request", "model must be a string")
+    if model is None and endpoint.per_call is not None:
+        return None, ModelPrice(input=0, output=0, max_output_tokens=0, per_call=endpoint.per_call)
     price = provider.price_for(model)
     if price is None:
         raise refuse(

@@ -31,6 +31,10 @@ from effectguard.rules.settlement import Answer, settle
 from effectguard.telemetry.observer import NullObserver, Observer
 from effectguard.telemetry.report import CallReport
 
+#: The flag on a call whose provider bills its real cost later (a batch): the ledger holds
+#: only the declared per-call price, and nothing tracks the batch's own cost yet.
+DEFERRED = "cost deferred: billed later by the provider, not tracked by effectguard"
+
 
 class Recorder:
     """Writes a call's outcome to the ledger, and owns background work.
@@ -90,6 +94,7 @@ class Recorder:
             prepared.price,
             answer,
             by=admitted.writer.worker,
+            deferred=DEFERRED if prepared.endpoint.cost_deferred else None,
         )
         if settled.actual is not None:
             usage = settled.usage

@@ -90,14 +90,24 @@ def storable_headers(
     }
 
 
-def request_hash(provider: str, method: str, target: str, body: Mapping[str, Any] | bytes) -> str:
-    """A stable hash of what a request asks for (key order and spacing do not matter)."""
+def request_hash(
+    provider: str,
+    method: str,
+    target: str,
+    body: Mapping[str, Any] | bytes,
+    kind: str = "json",
+) -> str:
+    """A stable hash of what a request asks for (key order and spacing do not matter).
+
+    ``kind`` labels what the mapping was parsed from ("json", or the canonical "form" and
+    "multipart" forms of callpath/bodies), so bodies of different types never collide."""
     h = hashlib.sha256(f"{provider}\n{method.upper()}\n{target}\n".encode())
     if isinstance(body, bytes):
         h.update(b"raw\n" + body)
     else:
         h.update(
-            b"json\n"
+            kind.encode()
+            + b"\n"
             + json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         )
     return h.hexdigest()

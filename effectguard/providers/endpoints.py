@@ -20,9 +20,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, cast
 
 from effectguard.errors import ConfigError
+from effectguard.rules.money import usd_to_nanos
 
 __all__ = [
     "Effect",
@@ -43,7 +45,9 @@ _EFFECTS = ("read_only", "at_most_once", "idempotent", "billable")
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 _METHOD = re.compile(r"[A-Z]+")
 _FIELD = re.compile(r"[A-Za-z0-9_\-\[\]]+(\.[A-Za-z0-9_\-\[\]]+)*")
-_ENDPOINT_KEYS = frozenset({"path", "method", "effect", "idempotency", "op_id", "lookup"})
+_ENDPOINT_KEYS = frozenset(
+    {"path", "method", "effect", "idempotency", "op_id", "lookup", "per_call", "cost_deferred"}
+)
 _LOOKUP_KEYS = frozenset(
     {"method", "url", "query", "applied", "not_found", "freshness_s", "op", "timeout_s"}
 )
@@ -107,6 +111,11 @@ class Endpoint:
     idempotency: IdempotencyGuarantee | None = None
     op_id: OpIdPlacement | None = None
     lookup: Lookup | None = None
+    #: The price, in nanos, of a request that names no model (a file upload, a batch).
+    per_call: int | None = None
+    #: The provider bills this call's real cost later, apart from it (a batch): the ledger
+    #: records only the declared per-call price, and flags the call as such.
+    cost_deferred: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         """Whether a request ``method path`` (no query string) targets this endpoint."""
@@ -153,7 +162,7 @@ def parse_endpoint(
     if declared not in _EFFECTS:
         raise fail(f"{where}.effect", f"must be one of {', '.join(_EFFECTS)}")
     if declared == "read_only":
-        for extra in ("idempotency", "op_id", "lookup"):
+        for extra in ("idempotency", "op_id", "lookup", "per_call", "cost_deferred"):
             if extra in entry:
                 raise fail(f"{where}.{extra}", "a read_only endpoint has no effect to guard")
         return Endpoint(path, "read_only", method.upper())
@@ -165,7 +174,26 @@ def parse_endpoint(
         lookup = parse_lookup(entry["lookup"], f"{where}.lookup", fail, op_id is not None)
         if lookup.op == "idempotency_key" and idempotency is None:
             raise fail(f"{where}.lookup.op", "idempotency_key needs an idempotent endpoint")
-    return Endpoint(path, effect, method.upper(), idempotency, op_id, lookup)
+    per_call = _per_call(entry.get("per_call"), f"{where}.per_call", fail)
+    deferred = entry.get("cost_deferred", False)
+    if not isinstance(deferred, bool):
+        raise fail(f"{where}.cost_deferred", "must be true or false")
+    return Endpoint(path, effect, method.upper(), idempotency, op_id, lookup, per_call, deferred)
+
+
+def _per_call(value: object, where: str, fail: Fail) -> int | None:
+    """A USD decimal string as nanos (a TOML float is not exact, so it is refused)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise fail(where, 'must be a decimal USD string such as "0.01"')
+    try:
+        amount = Decimal(value)
+    except InvalidOperation as exc:
+        raise fail(where, f"must be a decimal USD string, got {value!r}") from exc
+    if not amount.is_finite() or amount < 0:
+        raise fail(where, f"must be a non-negative decimal USD string, got {value!r}")
+    return usd_to_nanos(amount)
 
 
 def _effect(

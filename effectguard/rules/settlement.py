@@ -77,10 +77,12 @@ def settle(
     price: ModelPrice,
     answer: Answer,
     by: str = "",
+    deferred: str | None = None,
 ) -> Settlement:
     """The events that record ``answer`` and settle, release or hold the reservation.
 
     ``by`` names the worker, for the ``attempt.interrupted`` of an unknown effect.
+    ``deferred`` flags a settlement whose real cost the provider bills later (a batch).
     """
     result = answer.result
     ok = 200 <= answer.status < 300
@@ -113,6 +115,7 @@ def settle(
     usage = result.usage if believed else None
     actual = usages.cost(price, usage) if usage is not None else reserve
     flagged = None if believed else f"usage {result.problem or 'missing'}: settled at reservation"
+    flagged = flagged or deferred
     tokens = None if usage is None else usage.input_tokens + usage.output_tokens
     settled = BudgetSettled(
         call=call_id,

@@ -19,6 +19,7 @@ from effectguard.rules.prices import ModelPrice
 __all__ = [
     "MAX_CHOICES",
     "OUTPUT_LIMIT_FIELDS",
+    "PER_CALL",
     "OutOfBounds",
     "StreamUsage",
     "Usage",
@@ -26,6 +27,7 @@ __all__ = [
     "check_usage",
     "cost",
     "estimate",
+    "per_call_only",
     "usage_from_body",
     "wants_stream",
     "with_stream_usage",
@@ -175,6 +177,16 @@ def _anthropic_usage(u: Mapping[str, Any], output_tokens: int | None = None) -> 
 
 def _judged(usage: Usage) -> UsageResult:
     return UsageResult(usage, check_usage(usage))
+
+
+#: The usage of a call priced per call alone: its answer's usage (if any) changes nothing.
+PER_CALL = UsageResult(Usage(0, 0), None)
+
+
+def per_call_only(price: ModelPrice) -> bool:
+    """Whether ``price`` is per call alone (a file upload, a whisper-1 transcription): its
+    cost is the per-call price whatever the answer says, JSON, audio bytes or none."""
+    return price.per_call is not None and price.input == 0 and price.output == 0
 
 
 def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:

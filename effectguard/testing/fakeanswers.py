@@ -221,6 +221,64 @@ def _send_tool(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
     return _body({"id": f"send_fake{seq}", "status": "sent"})
 
 
+def _upload(body: dict[str, Any]) -> dict[str, Any]:
+    """The ``file`` part of a multipart body as the fake provider parsed it."""
+    upload = body.get("file")
+    return upload if isinstance(upload, dict) else {}
+
+
+def _file(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
+    """``POST /v1/files`` (multipart): the FileObject OpenAI answers an upload with."""
+    upload = _upload(body)
+    return _body(
+        {
+            "id": f"file-fake{seq}",
+            "object": "file",
+            "bytes": upload.get("bytes", 0),
+            "created_at": int(time.time()),
+            "filename": upload.get("filename", "upload"),
+            "purpose": body.get("purpose", "batch"),
+            "status": "processed",
+        }
+    )
+
+
+def _transcription(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
+    """``POST /v1/audio/transcriptions`` (multipart): whisper-1's JSON answer has no usage."""
+    upload = _upload(body)
+    return _body({"text": f"fake transcript {seq} of {upload.get('bytes', 0)} bytes"})
+
+
+def _batch(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
+    """``POST /v1/batches``: a batch is created now; its cost is billed when it runs."""
+    return _body(
+        {
+            "id": f"batch_fake{seq}",
+            "object": "batch",
+            "endpoint": body.get("endpoint", "/v1/chat/completions"),
+            "input_file_id": body.get("input_file_id", ""),
+            "completion_window": body.get("completion_window", "24h"),
+            "status": "validating",
+            "created_at": int(time.time()),
+        }
+    )
+
+
+def _charge(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
+    """``POST /v1/charges`` (form-encoded, Stripe's shape): the charge, metadata echoed."""
+    metadata = {k[9:-1]: v for k, v in body.items() if k.startswith("metadata[") and k[-1] == "]"}
+    amount = body.get("amount", "0")
+    return _body(
+        {
+            "id": f"ch_fake{seq}",
+            "object": "charge",
+            "amount": int(amount) if str(amount).isdigit() else 0,
+            "currency": body.get("currency", "usd"),
+            "metadata": metadata,
+        }
+    )
+
+
 def _model(body: dict[str, Any]) -> Any:
     return body.get("model") or "fake-model"
 
@@ -232,4 +290,8 @@ ROUTES: dict[str, Callable[[int, dict[str, Any], int, bool], Reply]] = {
     "/v1/responses": _responses,
     "/v1/messages": _messages,
     "/v1/send": _send_tool,
+    "/v1/files": _file,
+    "/v1/audio/transcriptions": _transcription,
+    "/v1/batches": _batch,
+    "/v1/charges": _charge,
 }

@@ -51,14 +51,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import email.policy
 import hashlib
 import json
 import os
 import signal
 import time
 from dataclasses import dataclass
+from email.parser import BytesParser
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 from aiohttp import web
 
@@ -151,7 +154,7 @@ class _Provider:
     async def effect(self, request: web.Request) -> web.StreamResponse:
         """Handle every POST route: receipt, dedup, switches, answer."""
         raw = await request.read()
-        body = _parse(raw)
+        body = _parse(raw, headers=request.headers)
         headers = request.headers
         path = request.path
         digest = hashlib.sha256(raw).hexdigest()
@@ -227,13 +230,40 @@ class _Provider:
         return web.json_response(page | {"first_id": "fake-model", "last_id": "fake-model"})
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object, or ``{}``: the fake answers, it does not validate."""
+def _parse(raw: bytes, headers: Any) -> dict[str, Any]:
+    """The request's fields (JSON, form or multipart), or ``{}``: the fake answers, it does
+    not validate. Parsed with the stdlib alone, apart from the parser effectguard uses, so
+    the fake stays an independent witness; a multipart file is ``{"filename", "bytes"}``."""
+    content_type = headers.get("content-type", "")
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/x-www-form-urlencoded":
+        return dict(parse_qsl(raw.decode("utf-8", "replace"), keep_blank_values=True))
+    if media == "multipart/form-data":
+        return _multipart(raw, content_type)
     try:
         body = json.loads(raw) if raw else {}
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
+
+
+def _multipart(raw: bytes, content_type: str) -> dict[str, Any]:
+    """A multipart body's fields, read by the ``email`` package's MIME parser."""
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+    message = BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts() if message.is_multipart() else ():
+        name = part.get_param("name", header="content-disposition")
+        payload = part.get_payload(decode=True)
+        content = payload if isinstance(payload, bytes) else b""
+        filename = part.get_filename()
+        if not isinstance(name, str):
+            continue
+        if filename is not None:
+            fields[name] = {"filename": filename, "bytes": len(content)}
+        else:
+            fields[name] = content.decode("utf-8", "replace")
+    return fields
 
 
 def _op_id(headers: Any, body: dict[str, Any]) -> str | None:
@@ -242,6 +272,8 @@ def _op_id(headers: Any, body: dict[str, Any]) -> str | None:
     metadata = body.get("metadata")
     if op is None and isinstance(metadata, dict):
         op = metadata.get("effectguard_op")
+    if op is None:  # a form body spells the field as Stripe does
+        op = body.get("metadata[effectguard_op]")
     return op if isinstance(op, str) else None
 
 
