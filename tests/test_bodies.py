@@ -276,3 +276,32 @@ def test_upload_body_reaches_the_provider_byte_exact(env: Env) -> None:
     assert response.status_code == 200
     assert response.json()["bytes"] == 4096
     assert env.receipts("/v1/files")[-1]["body_sha256"] == hashlib.sha256(sent).hexdigest()
+
+
+# -- the transport ------------------------------------------------------------------
+
+
+async def test_transport_guards_sdk_uploads_and_replays_identical_ones(
+    env: Env, make_transport: Any, finish: Any
+) -> None:
+    """The openai SDK over AsyncGuardTransport: an upload completes once; the same upload
+    under the same key replays, another file under it is 422; a transcription is priced."""
+    transport = make_transport(upstreams={"openai": env.provider.url})
+    async with httpx.AsyncClient(transport=transport) as http:
+        client = openai.AsyncOpenAI(
+            api_key="sk-test", base_url=env.provider.url + "/v1", http_client=http, max_retries=0
+        )
+        keyed = client.with_options(default_headers={"Idempotency-Key": "t-upload"})
+        before = len(env.receipts("/v1/files"))
+        first = await keyed.files.create(file=("t.jsonl", b"{}\n"), purpose="batch")
+        again = await keyed.files.create(file=("t.jsonl", b"{}\n"), purpose="batch")
+        assert again.id == first.id
+        assert len(env.receipts("/v1/files")) == before + 1
+        with pytest.raises(openai.UnprocessableEntityError):
+            await keyed.files.create(file=("t.jsonl", b"[]\n"), purpose="batch")
+        await client.audio.transcriptions.create(model="whisper-1", file=("a.wav", b"RIFF"))
+        calls = {c.model: c for c in await transport.ledger.calls()}
+        assert calls[None].stage == "completed"  # the upload (a refused 422 is no call)
+        assert calls["whisper-1"].cost == 6_000_000
+        assert len(env.receipts("/v1/files")) == before + 1
+        await finish(transport)
