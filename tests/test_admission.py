@@ -263,3 +263,13 @@ def test_an_authorized_resend_of_an_unknown_call_is_one_new_attempt() -> None:
     assert decide_keyed(authorized, "h", 0.0).action == "attempt"
     assert decide_retry(unknown).action == "refuse"
     assert decide_retry(authorized).action == "attempt"
+
+
+def test_an_authorized_resend_is_an_attempt_of_that_very_call() -> None:
+    """The attempt decision for an authorized resend carries the call it resends (the
+    store starts the new attempt on it)."""
+    from effectguard.rules.workstate import replace
+
+    authorized = replace(state("effect_unknown"), resend_authorized=True)
+    assert decide_keyed(authorized, HASH, CREATED + 1) == Decision("attempt", authorized)
+    assert decide_retry(authorized) == Decision("attempt", authorized)

@@ -286,6 +286,125 @@ def test_counters_saturate_at_zero() -> None:
     assert nodes.node("a") == BudgetNode("a")
 
 
+# -- periods and policies (mutation testing: docs/testing.md) ------------------------
+
+MONTH = {"a": "2026-12"}
+
+
+def test_every_budget_event_lands_in_the_periods_admission_recorded() -> None:
+    """Each budget event's delta carries the periods fixed at admission, not ``total``."""
+    events: list[Event] = [
+        BudgetReserved(call="c", budget="a/b", amount=7, periods=MONTH),
+        BudgetSettled(call="c", budget="a/b", reserved=7, actual=9, periods=MONTH),
+        BudgetReleased(call="c", budget="a/b", amount=7, periods=MONTH),
+        BudgetHeld(call="c", budget="a/b", amount=7, periods=MONTH),
+        BudgetUnheld(call="c", budget="a/b", amount=7, spent=3, periods=MONTH),
+        BudgetCorrected(call="c", budget="a/b", settled=7, actual=2, periods=MONTH),
+    ]
+    for event in events:
+        delta = budget.deltas(event)
+        assert delta is not None and delta.periods == MONTH, event.kind
+        assert delta.targets() == [("a", "2026-12"), ("a/b", "total")], event.kind
+
+
+def test_a_charge_in_a_period_changes_that_period_with_the_current_limit() -> None:
+    """apply returns (and keeps) each changed node in its own period, carrying its policy's
+    limit; a node without a policy has none."""
+    tree = budget.Tree()
+    tree.apply(BudgetLimitSet(path="a", limit=100, period="month"))
+    changed = tree.apply(BudgetReserved(call="c", budget="a/b", amount=7, periods=MONTH))
+    assert changed == [
+        BudgetNode("a", limit=100, reserved=7, period="2026-12"),
+        BudgetNode("a/b", limit=None, reserved=7),
+    ]
+    assert tree.nodes[("a", "2026-12")] == changed[0]
+
+
+def test_a_node_with_no_counters_in_a_period_is_zero_in_that_period() -> None:
+    """Tree.node for a period never charged is an empty node keyed by that period."""
+    assert budget.Tree().node("a", "2026-12").key == ("a", "2026-12")
+
+
+def test_a_limit_set_event_declares_the_whole_policy() -> None:
+    """policy_of keeps every part of a budget.limit_set: path, limit, period, zone, rates."""
+    event = BudgetLimitSet(
+        path="a/b", limit=5, period="week", tz="Europe/Paris", rpm=1, tpm=2, concurrency=3
+    )
+    assert budget.policy_of(event) == budget.BudgetPolicy(
+        "a/b", 5, "week", "Europe/Paris", rpm=1, tpm=2, concurrency=3
+    )
+    with pytest.raises(ValueError, match="unknown period"):
+        budget.policy_of(BudgetLimitSet(path="a", limit=5, period="fortnight"))
+
+
+#: 2026-12-01 03:00 UTC: still November 30 in New York.
+DEC_1_3AM = 1_796_094_000.0
+POLICIES = {
+    "a": budget.BudgetPolicy("a", 10, "month", "America/New_York"),
+    "a/b": budget.BudgetPolicy("a/b", None, "total"),
+    "a/b/c": budget.BudgetPolicy("a/b/c", 5, "day"),
+}
+
+
+def test_admission_records_the_period_of_each_ancestor_in_its_own_timezone() -> None:
+    """labels_at names the current period of every ancestor with a period policy (read in
+    that node's timezone) and leaves out total and policy-less ones."""
+    assert budget.labels_at(POLICIES, "a/b/c/d", DEC_1_3AM) == {
+        "a": "2026-11",
+        "a/b/c": "2026-12-01",
+    }
+
+
+def test_admission_sees_each_ancestor_in_its_recorded_period_with_its_limit() -> None:
+    """period_nodes gives every ancestor's counters in its recorded period (empty if none,
+    total if unnamed) with its policy's limit (none without a policy)."""
+    counters = {
+        ("a", "2026-11"): BudgetNode("a", reserved=3, period="2026-11"),
+        ("a", "2026-12"): BudgetNode("a", reserved=99, period="2026-12"),
+        ("a/b", "total"): BudgetNode("a/b", spent=2),
+    }
+    labels = {"a": "2026-11", "a/b/c": "2026-12-01"}
+    assert budget.period_nodes(POLICIES, counters, "a/b/c/d", labels) == {
+        "a": BudgetNode("a", limit=10, reserved=3, period="2026-11"),
+        "a/b": BudgetNode("a/b", spent=2),
+        "a/b/c": BudgetNode("a/b/c", limit=5, period="2026-12-01"),
+        "a/b/c/d": BudgetNode("a/b/c/d"),
+    }
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        budget.BudgetPolicy("a"),
+        budget.BudgetPolicy("a/b", MAX_NANOS, "week", "Europe/Paris", 0, MAX_NANOS, 1),
+    ],
+)
+def test_a_policy_within_every_bound_is_valid(policy: budget.BudgetPolicy) -> None:
+    """validate_policy accepts no rates and rates from 0 to MAX_NANOS."""
+    assert budget.validate_policy(policy) is policy
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"path": "a//b"}, "invalid budget path"),
+        ({"limit": -1}, "budget limit"),
+        ({"period": "fortnight"}, "unknown period"),
+        ({"tz": "Mars/Olympus"}, "unknown timezone"),
+        *(
+            ({name: v}, f"{name} must be between")
+            for name in ("rpm", "tpm", "concurrency")
+            for v in (-1, MAX_NANOS + 1)
+        ),
+    ],
+)
+def test_a_policy_out_of_any_bound_is_refused(change: dict[str, object], message: str) -> None:
+    """validate_policy refuses a bad path, limit, period, timezone or rate, naming it."""
+    policy = dataclasses.replace(budget.BudgetPolicy("a"), **change)
+    with pytest.raises(ValueError, match=message):
+        budget.validate_policy(policy)
+
+
 # -- a stateful model over random interleavings --------------------------------------
 
 TREE_LIMITS: dict[str, int | None] = {

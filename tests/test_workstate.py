@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from functools import reduce
@@ -26,6 +27,7 @@ from effectguard.rules.events import (
     CallManifest,
     CallReconciled,
     CallRefused,
+    CallResendAuthorized,
     Event,
 )
 from effectguard.rules.workstate import (
@@ -35,6 +37,7 @@ from effectguard.rules.workstate import (
     TERMINAL,
     WorkState,
     apply,
+    as_dict,
     work_state,
 )
 
@@ -433,6 +436,32 @@ def test_refusal_after_an_attempt_is_ignored() -> None:
     """call.refused only refuses a call that never started an attempt."""
     state = work_state([*admitted(), CallRefused(call=CALL, reason="x", status=402)])
     assert state.stage == "in_flight"
+
+
+def test_a_call_keeps_the_periods_of_its_first_reservation_and_its_latest_tokens() -> None:
+    """periods are fixed by the first budget.reserved; tokens are the latest attempt's."""
+    first = BudgetReserved(
+        call=CALL, budget="team/run", amount=R, tokens=40, periods={"team": "2026-12"}
+    )
+    later = BudgetReserved(call=CALL, budget="team/run", amount=R, tokens=7, periods={})
+    state = work_state([manifest(), first])
+    assert (state.periods, state.tokens) == ({"team": "2026-12"}, 40)
+    state = work_state([manifest(), first, later])
+    assert (state.periods, state.tokens) == ({"team": "2026-12"}, 7)
+
+
+def test_a_resend_authorization_is_spent_by_the_attempt_it_allowed() -> None:
+    """call.resend_authorized sets resend_authorized; the next attempt.started clears it to
+    False (a bool: the stores keep it as JSON)."""
+    events = [*effect_unknown(), CallResendAuthorized(call=CALL, note="n", by="op")]
+    assert work_state(events).resend_authorized is True
+    assert work_state([*events, started(attempt=2)]).resend_authorized is False
+
+
+def test_as_dict_names_every_field() -> None:
+    """as_dict is the state's fields by name (what the SQL stores keep)."""
+    state = work_state(effect_unknown())
+    assert as_dict(state) == {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
 def test_projection_reads_no_clock() -> None:
