@@ -674,6 +674,7 @@ def test_estimate_request_max_tokens_beyond_declared_is_refused() -> None:
     with pytest.raises(OutOfBounds) as caught:
         estimate(MINI, request)
     assert caught.value.field == "max_tokens"
+    assert "max_tokens" in str(caught.value)  # the 400 shows this text to the client
 
 
 def test_estimate_n_choices_multiply_output() -> None:
