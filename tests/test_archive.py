@@ -87,6 +87,7 @@ def test_archive_then_verify_and_an_archived_key_answers_409_archived(
         moved = archive(ledger, capsys)
         assert moved["calls"] == 4 and moved["keys"] == 4 and moved["first_seq"] == 1
         assert stages(ledger) == {}
+        assert archive(ledger, capsys)["events"] == 0  # no call left: nothing more to move
         code, report = verify(capsys, "--ledger", str(ledger))
         assert code == 0, report["problems"]
         assert main(["budgets", "--json", "--ledger", str(ledger)]) == budgets_before
@@ -159,6 +160,16 @@ def test_unresolved_calls_are_never_archived(
         assert moved["calls"] == 2 and stages(ledger) == {}
         code, report = verify(capsys, "--ledger", str(ledger))
         assert code == 0, report["problems"]
+    # The counters carried across the cut still bind: a budget row that drifts is caught.
+    conn = sqlite3.connect(ledger)
+    try:
+        conn.execute("UPDATE budget_periods SET spent = spent + 1 WHERE path = 'default'")
+        conn.commit()
+    finally:
+        conn.close()
+    code, report = verify(capsys, "--ledger", str(ledger))
+    assert code == 1
+    assert any("budget 'default'" in p for p in report["problems"]), report["problems"]
 
 
 def _rewrite(path: Path, change: Any) -> None:

@@ -113,6 +113,8 @@ def _plan(conn: sqlite3.Connection, before: float, now: float) -> _Plan | None:
     finally:
         conn.execute("COMMIT")
     calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
+    if not calls:
+        return None  # only checkpoints and worker events: not worth a file of its own
     return _Plan(first, last, prev_digest, start_state, events, calls)
 
 
