@@ -124,6 +124,18 @@ def test_archive_then_verify_and_an_archived_key_answers_409_archived(
         code, report = verify(capsys, "--archive", second["path"], "--ledger", str(ledger))
         assert code == 0, report["problems"]
 
+    # The second file starts from the first cut's state, which the first checkpoint (now
+    # inside the second file) vouches for: a header that lowers a counter is caught.
+    def lower_spent(rows: list[str]) -> list[str]:
+        header = json.loads(rows[0])
+        header["start_state"]["budgets"][0][3] -= 1
+        return [json.dumps(header), *rows[1:]]
+
+    _rewrite(Path(second["path"]), lower_spent)
+    code, report = verify(capsys, "--archive", second["path"], "--ledger", str(tmp_path / "no"))
+    assert code == 1
+    assert any("start is not its checkpoint" in p for p in report["problems"]), report
+
 
 def test_unresolved_calls_are_never_archived(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

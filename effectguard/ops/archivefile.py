@@ -85,7 +85,9 @@ def verify_archive(path: Path) -> VerifyReport:
     elif first != 1:
         report.broken(first, f"archive starts at event {first} without a starting state")
     for line in lines:
-        verifier.feed(StoredEvent(**json.loads(line)))
+        stored = StoredEvent(**json.loads(line))
+        verifier.feed(stored)
+        _check_start(report, header, stored)
     mark = tail.data
     _check_tail(report, tail)
     if lines_sha256(lines) != mark.get("archive_sha256"):
@@ -120,6 +122,20 @@ async def check_archive_against(ledger: Ledger, path: Path, report: VerifyReport
         first = await ledger.store.events_after(0, 1)
         if not first or first[0].seq <= tail.seq:
             report.broken(tail.seq, f"event {tail.seq}: the ledger holds no such checkpoint")
+
+
+def _check_start(report: VerifyReport, header: dict[str, Any], stored: StoredEvent) -> None:
+    # The previous cut's checkpoint, once it is archived too, vouches for this file's start.
+    data = stored.data
+    if stored.kind != checkpoint.KIND or data.get("last_seq") != int(header["first_seq"]) - 1:
+        return
+    if (data.get("state"), data.get("last_digest")) != (
+        header.get("start_state"),
+        header["prev_digest"],
+    ):
+        report.broken(
+            stored.seq, f"event {stored.seq}: the archive's start is not its checkpoint's"
+        )
 
 
 def _check_tail(report: VerifyReport, tail: StoredEvent) -> None:
