@@ -14,10 +14,12 @@ idempotency window, and whole), and in one transaction:
 4. deletes the range's events and its calls' rows.
 
 The range is first proved by the independent verifier, seeded with the previous
-checkpoint's state: a range that does not verify is never archived. The file is written
-and fsync'd before the transaction commits and renamed into place after it: a crash in
-between leaves a complete ``.partial`` file. Deleted pages go to SQLite's freelist and
-are reused by new events, so the file stops growing once archives keep pace.
+checkpoint's state: a range that does not verify is never archived. The events are
+written to ``.FILE.partial`` before the write lock is taken; under it, only the
+checkpoint line is appended and fsync'd, then the transaction commits and the file is
+renamed into place: a crash in between leaves a complete ``.partial`` file. Deleted
+pages go to SQLite's freelist and are reused by new events, so the file stops growing
+once archives keep pace.
 """
 
 from __future__ import annotations
@@ -161,8 +163,9 @@ def _commit(conn: sqlite3.Connection, plan: _Plan, target: Path) -> ArchiveResul
         "keys": sorted(list(k) for k in keyed),
     }
     partial = target.with_name(f".{target.name}.partial")
-    conn.execute("BEGIN IMMEDIATE")
     try:
+        archivefile.write_events(partial, header, lines)  # before the write lock
+        conn.execute("BEGIN IMMEDIATE")
         _refuse_if_moved(conn, plan)
         head_seq, head_digest = conn.execute(
             "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
@@ -187,18 +190,26 @@ def _commit(conn: sqlite3.Connection, plan: _Plan, target: Path) -> ArchiveResul
             at=time.time(),
             prev_digest=str(head_digest),
         )
-        archivefile.write_archive(partial, header, lines, stored)
+        archivefile.append_checkpoint(partial, stored)
         _apply(conn, stored, data_json, plan, keyed)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
-        partial.with_name(f".{partial.name}.partial").unlink(missing_ok=True)
         partial.unlink(missing_ok=True)
         raise
     os.replace(partial, target)
+    _fsync_dir(target.parent)
     counts = (len(plan.events), len(plan.calls), len(keyed))
     return _result(conn, str(target), plan.first, plan.last, *counts, stored.seq)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _refuse_if_moved(conn: sqlite3.Connection, plan: _Plan) -> None:

@@ -43,20 +43,27 @@ def lines_sha256(lines: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def write_archive(path: Path, header: dict[str, Any], lines: list[str], tail: StoredEvent) -> None:
-    """Write the archive under a temporary name, fsync it, then rename it into place."""
-    partial = path.with_name(f".{path.name}.partial")
-    with gzip.open(partial, "wt", encoding="utf-8") as out:
+def write_events(path: Path, header: dict[str, Any], lines: list[str]) -> None:
+    """Write the header and the event lines (the first gzip member of the file)."""
+    with gzip.open(path, "wt", encoding="utf-8") as out:
         out.write(canonical_json({"format": FORMAT, **header}) + "\n")
         for line in lines:
             out.write(line + "\n")
+
+
+def append_checkpoint(path: Path, tail: StoredEvent) -> None:
+    """Append the checkpoint line (a second gzip member: readers see one stream), fsync'd.
+
+    Split from :func:`write_events` so that the bulk of the file is written before the
+    archive takes the ledger's write lock, and only this line while holding it.
+    """
+    with gzip.open(path, "at", encoding="utf-8") as out:
         out.write(canonical_json({"checkpoint": asdict(tail)}) + "\n")
-    fd = os.open(partial, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(partial, path)
 
 
 def read_archive(path: Path) -> tuple[dict[str, Any], list[str], StoredEvent]:
