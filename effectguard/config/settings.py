@@ -45,6 +45,9 @@ Config file reference (every table optional)::
     budget_root = "team-a"
     metrics = false             # true: this key may read /metrics (needed once keys exist)
 
+    [retention]                 # `effectguard archive` without --before archives final
+    keep_bodies_days = 30       # calls admitted more than this many days ago
+
     [admin]                     # the operator page under /_effectguard/; off without keys
     session_hours = 8           # a login lasts this long
     [[admin.keys]]              # `effectguard key new --admin NAME` prints one
@@ -72,6 +75,7 @@ from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
 from effectguard.rules.money import check_amount, usd_to_nanos
+from effectguard.rules.retention import RetentionPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,3 +425,11 @@ def config_ledger(config: Path) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{config}: ledger must be a string (a path or a DSN)")
     return value
+
+
+def config_retention(config: Path | None) -> RetentionPolicy:
+    """``[retention]``: how long calls' events (with their bodies) stay in the live ledger."""
+    table = _table(_read_config(config), "retention", str(config))
+    if "keep_bodies_days" not in table:
+        return RetentionPolicy()
+    return RetentionPolicy(_number(table, "keep_bodies_days", 0.0, "retention"))

@@ -86,6 +86,10 @@ class Tx(Protocol):
         """The admitted (not refused) call holding ``key`` under budget ``root``."""
         ...
 
+    def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
+        """``(call_id, request_hash)`` of the archived call that held ``key`` under ``root``."""
+        ...
+
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         """The newest in-flight or effect-unknown call with this hash created since ``since``."""
         ...

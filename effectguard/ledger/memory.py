@@ -139,6 +139,9 @@ class MemorySession:
                 return s
         return None
 
+    def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
+        return None  # nothing is archived from memory
+
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         found = [
             s

@@ -36,6 +36,7 @@ from effectguard.rules.events import (
     WorkerTakenOver,
     seal,
 )
+from effectguard.rules.retention import decide_archived
 from effectguard.rules.settlement import settle_hold
 from effectguard.rules.workstate import WorkState
 
@@ -191,6 +192,10 @@ def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
     """docs/contract.md §4: what a request is, given the call its key or its retry marks name."""
     if req.idempotency_key is not None:
         existing = tx.find_keyed(req.budget_root, req.idempotency_key)
+        if existing is None:
+            archived = tx.find_archived(req.budget_root, req.idempotency_key)
+            if archived is not None:
+                return decide_archived(*archived, req.request_hash)
         return decide_keyed(existing, req.request_hash, now)
     if req.is_retry:
         return decide_retry(_retried_call(tx, req, now))

@@ -323,6 +323,9 @@ class PostgresSession:
     def find_keyed(self, root: str, key: str) -> WorkState | None:
         return self._scan_call(POSTGRES.keyed_call, (root, key))
 
+    def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
+        return None  # `effectguard archive` refuses PostgreSQL ledgers for now
+
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         return self._scan_call(POSTGRES.unresolved_call, (root, request_hash, since))
 

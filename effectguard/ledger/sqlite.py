@@ -59,6 +59,9 @@ CHECKPOINT_EVERY_S = 1.0
 #: Call states the writer keeps between batches (far more than are ever in flight).
 _CALL_CACHE_SIZE = 4096
 #: Statements that go one row at a time (SQLite: executemany of a one-row statement).
+_ARCHIVED_KEY = (
+    "SELECT call_id, request_hash FROM archived_keys WHERE budget_root = ? AND idempotency_key = ?"
+)
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
 _UPSERT_CALL = SQLITE.upsert_calls.rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
@@ -280,6 +283,10 @@ class SqliteSession:
 
     def find_keyed(self, root: str, key: str) -> WorkState | None:
         return self._one_call(SQLITE.keyed_call, (root, key))
+
+    def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
+        row = self.conn.execute(_ARCHIVED_KEY, (root, key)).fetchone()
+        return None if row is None else (str(row[0]), str(row[1]))
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         return self._one_call(SQLITE.unresolved_call, (root, request_hash, since))

@@ -89,6 +89,30 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 tokens INTEGER NOT NULL)""",
         ],
     ),
+    (
+        5,
+        "archive: the one DELETE path for events, tied to a ledger.archived checkpoint; keys kept",
+        [
+            # Events up to meta.archived_through may be deleted, nothing else; that mark
+            # moves only forward, and only to the range the newest event (a checkpoint
+            # written in the same transaction) says it archived.
+            "INSERT INTO meta(key, value) VALUES ('archived_through', 0)",
+            "DROP TRIGGER events_no_delete",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+                WHEN OLD.seq > (SELECT value FROM meta WHERE key = 'archived_through')
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TRIGGER meta_archived_through BEFORE UPDATE ON meta
+                WHEN NEW.key = 'archived_through' AND (
+                    NEW.value < OLD.value OR NOT EXISTS (
+                        SELECT 1 FROM events WHERE seq = (SELECT max(seq) FROM events)
+                        AND kind = 'ledger.archived'
+                        AND json_extract(data, '$.last_seq') = NEW.value))
+                BEGIN SELECT RAISE(ABORT, 'archived_through moves only with a checkpoint'); END""",
+            """CREATE TABLE archived_keys (
+                budget_root TEXT NOT NULL, idempotency_key TEXT NOT NULL, call_id TEXT NOT NULL,
+                request_hash TEXT NOT NULL, PRIMARY KEY (budget_root, idempotency_key))""",
+        ],
+    ),
 ]
 
 

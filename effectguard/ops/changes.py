@@ -230,6 +230,33 @@ def _backup_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=_backup)
 
 
+def _archive(args: argparse.Namespace) -> int:
+    from effectguard.ops.archive import cmd_archive
+
+    return cmd_archive(args)
+
+
+def _archive_arguments(p: argparse.ArgumentParser) -> None:
+    ledger_option(p)
+    p.add_argument(
+        "--before",
+        metavar="DATE",
+        help="archive final calls admitted before this ISO date/time or duration ago "
+        "(30d); default: [retention] keep_bodies_days from --config",
+    )
+    p.add_argument("--out", metavar="FILE", help="the archive file (default: next to the ledger)")
+    p.set_defaults(run=_archive)
+
+
+ARCHIVE = Command(
+    "archive",
+    "move final calls' events to an archive file",
+    "Move the events of final calls admitted before DATE out of a SQLite ledger into a "
+    "gzip'd archive file, leaving a ledger.archived checkpoint that verify follows.",
+    _archive_arguments,
+)
+
+
 BACKUP = Command(
     "backup",
     "copy a SQLite ledger while it serves",

@@ -86,6 +86,7 @@ def commands() -> list[Command]:
         changes.BUDGET,
         views.VERIFY,
         changes.BACKUP,
+        changes.ARCHIVE,
         changes.MIGRATE,
         keycmd.KEY,
     ]

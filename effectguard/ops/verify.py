@@ -19,6 +19,7 @@ from effectguard.ops.audit import (
     Verifier,
     VerifyReport,
     WorkerRow,
+    checkpoint,
 )
 
 __all__ = ["VerifyReport", "verify_ledger"]
@@ -32,6 +33,7 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
     """
     verifier = Verifier()
     async with ledger.store.snapshot():
+        await _resume_at_cut(ledger, verifier, page)
         seq = 0
         while True:
             batch = await ledger.store.events_after(seq, page)
@@ -66,3 +68,28 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         for k in keys
     ]
     return verifier.finish(budget_rows, states, columns, worker_rows, key_rows, policy_rows)
+
+
+async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
+    """Where events were archived, start the verifier from the checkpoint of the cut.
+
+    The live chain then begins after the archived range; the checkpoint that archived
+    events ``..first-1`` holds the digest the first live event must link to and the
+    state the archived events left behind. Without one, the chain check names the gap.
+    """
+    head = await ledger.store.events_after(0, 1)
+    if not head or head[0].seq == 1:
+        return
+    first = head[0].seq
+    found: dict[str, Any] | None = None
+    seq = 0
+    while True:
+        batch = await ledger.store.events_after(seq, page)
+        if not batch:
+            break
+        for stored in batch:
+            if stored.kind == checkpoint.KIND and stored.data.get("last_seq") == first - 1:
+                found = stored.data
+        seq = batch[-1].seq
+    if found is not None:
+        checkpoint.seed(verifier, found["state"], next_seq=first, prev_digest=found["last_digest"])

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 import time
 from datetime import UTC, date, datetime
+from pathlib import Path
 
 from effectguard.ledger import Ledger
 from effectguard.ops import showcall
-from effectguard.ops.command import EXIT_FAILED, EXIT_OK, Command, ledger_option
+from effectguard.ops.archivefile import check_archive_against, verify_archive
+from effectguard.ops.audit import VerifyReport
+from effectguard.ops.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Command, ledger_option
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
@@ -141,9 +146,34 @@ def _instant(text: str) -> str:
     return text
 
 
+def cmd_verify_entry(args: argparse.Namespace) -> int:
+    """``effectguard verify [--archive FILE]``: the ledger, or an archive file on its own."""
+    ledger_url: str = args.ledger
+    has_ledger = "://" in ledger_url or Path(ledger_url).exists()
+    if args.archive is None and not has_ledger:
+        print(f"effectguard: no ledger at {ledger_url} (use --ledger)", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def run() -> int:
+        if not has_ledger:
+            return _report(args, verify_archive(Path(args.archive)))
+        async with Ledger.open(ledger_url) as ledger:
+            return await cmd_verify(args, ledger)
+
+    return asyncio.run(run())
+
+
 async def cmd_verify(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard verify``: exit 1 naming the first broken event."""
-    report = await verify_ledger(ledger)
+    if args.archive is not None:
+        report = verify_archive(Path(args.archive))
+        await check_archive_against(ledger, Path(args.archive), report)
+    else:
+        report = await verify_ledger(ledger)
+    return _report(args, report)
+
+
+def _report(args: argparse.Namespace, report: VerifyReport) -> int:
     payload = {
         "ok": report.ok,
         "events": report.events,
@@ -208,7 +238,13 @@ def _budgets_arguments(p: argparse.ArgumentParser) -> None:
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
-    p.set_defaults(run_ledger=cmd_verify)
+    p.add_argument(
+        "--archive",
+        metavar="FILE",
+        help="verify an archive file on its own (and against the ledger's checkpoint, "
+        "when the ledger exists)",
+    )
+    p.set_defaults(run=cmd_verify_entry)
 
 
 CALLS = Command("calls", "list calls", "List calls, newest first.", _calls_arguments)

@@ -327,6 +327,29 @@ class WorkerTakenOver(Event):
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerArchived(Event):
+    """Events ``first_seq..last_seq`` left the live ledger for an archive file.
+
+    ``last_digest`` is the digest of event ``last_seq``: the first live event after the
+    cut links to it. ``state`` is what the archived events leave behind for a verifier
+    (workers, budget counters per period, policies, keys), so that ``verify`` can
+    start at the cut; ``archive_sha256`` names the archive file's events.
+    """
+
+    kind: ClassVar[str] = "ledger.archived"
+    first_seq: int
+    last_seq: int
+    prev_digest: str
+    last_digest: str
+    events: int
+    calls: int
+    keys: int
+    archive: str
+    archive_sha256: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
 _READERS: dict[type[Event], tuple[tuple[str, ...], Callable[[Event], tuple[Any, ...]]]] = {}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from effectguard.ops.audit import table
+from effectguard.ops.audit import checkpoint, table
 from effectguard.ops.audit.budgets import NO_POLICY, Budgets, Counters, Node
 from effectguard.ops.audit.calls import COLUMN_NAMES, CallFold
 from effectguard.ops.audit.chain import Chain
@@ -81,6 +81,10 @@ class Verifier:
         if not isinstance(data, dict):
             return [f"event {seq}: unreadable data"]
         try:
+            if kind == checkpoint.KIND:
+                if stored.call_id is not None:
+                    return [f"event {seq}: {kind} belongs to no call, yet names {stored.call_id}"]
+                return checkpoint.check(seq, data)
             if kind in table.LEDGER_KINDS:
                 if stored.call_id is not None:
                     return [f"event {seq}: {kind} belongs to no call, yet names {stored.call_id}"]

@@ -18,7 +18,7 @@ from effectguard.rules.events import StoredEvent
 
 #: What an operator (generation 0) may write: limits, proxy keys, reconcile decisions, and
 #: marking an attempt interrupted (``Ledger.interrupt``): the conservative move, it claims
-#: no effect.
+#: no effect; and an archive's checkpoint (``effectguard archive``).
 OPERATOR_KINDS: Final = frozenset(
     {
         "budget.limit_set",
@@ -30,6 +30,7 @@ OPERATOR_KINDS: Final = frozenset(
         "budget.corrected",
         "attempt.interrupted",
         "budget.held",
+        "ledger.archived",
     }
 )
 

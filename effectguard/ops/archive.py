@@ -1,0 +1,315 @@
+"""``effectguard archive``: move final calls' events out of a live SQLite ledger.
+
+An archive takes the longest prefix of the live chain that :mod:`effectguard.rules.retention`
+allows (every call in it final, admitted before the cut-off, past its provider's
+idempotency window, and whole), and in one transaction:
+
+1. appends a ``ledger.archived`` checkpoint (the range, its last digest, counts, the
+   archive file's digest, and the verifier state the range leaves behind);
+2. keeps each archived call's idempotency key in ``archived_keys`` (a resend answers
+   409 ``archived``);
+3. raises ``meta.archived_through`` to the range's end (a trigger lets it move only
+   forward, and only to what the newest event, the checkpoint, names), which is the one
+   condition under which the events trigger allows a DELETE;
+4. deletes the range's events and its calls' rows.
+
+The range is first proved by the independent verifier, seeded with the previous
+checkpoint's state: a range that does not verify is never archived. The events are
+written to ``.FILE.partial`` before the write lock is taken; under it, only the
+checkpoint line is appended and fsync'd, then the transaction commits and the file is
+renamed into place: a crash in between leaves a complete ``.partial`` file. Deleted
+pages go to SQLite's freelist and are reused by new events, so the file stops growing
+once archives keep pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from effectguard.errors import ConfigError, LedgerCorrupt
+from effectguard.ledger.base import OPERATOR
+from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row, state_from_json
+from effectguard.ledger.sqlite import sqlite_path
+from effectguard.ledger.sqliteschema import connect, migrate
+from effectguard.ops import archivefile
+from effectguard.ops.audit import Verifier, checkpoint
+from effectguard.rules.events import GENESIS_DIGEST, LedgerArchived, StoredEvent, seal
+from effectguard.rules.retention import EventRef, cut, stays_live
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveResult:
+    """What an archive moved (``events`` 0: nothing could be archived yet)."""
+
+    path: str | None
+    first_seq: int
+    last_seq: int
+    events: int
+    calls: int
+    keys: int
+    checkpoint_seq: int
+    page_count: int
+    freelist_count: int
+
+
+@dataclass
+class _Plan:
+    first: int
+    last: int
+    prev_digest: str
+    start_state: dict[str, Any] | None
+    events: list[StoredEvent]
+    calls: dict[str, tuple[str | None, str, str]]  # call id -> key, root, request hash
+
+
+def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> ArchiveResult:
+    """Archive what the retention rules allow of the SQLite ledger at ``ledger``."""
+    path = Path(sqlite_path(ledger))
+    if not path.is_file():
+        raise ConfigError(f"no SQLite ledger at {path}")
+    conn = connect(str(path))
+    try:
+        migrate(conn)
+        plan = _plan(conn, before, time.time())
+        if plan is None:
+            return _result(conn, None, 0, 0, 0, 0, 0, 0)
+        target = out or path.with_name(f"{path.stem}-archive-{plan.first}-{plan.last}.jsonl.gz")
+        if target.exists():
+            raise ConfigError(f"{target} exists; an archive never overwrites a file")
+        return _commit(conn, plan, target)
+    finally:
+        conn.close()
+
+
+def _plan(conn: sqlite3.Connection, before: float, now: float) -> _Plan | None:
+    conn.execute("BEGIN")  # one read snapshot; writers go on
+    try:
+        refs = [
+            EventRef(int(s), c, float(a))
+            for s, c, a in conn.execute("SELECT seq, call_id, at FROM events ORDER BY seq")
+        ]
+        if not refs:
+            return None
+        archivable: dict[str, bool] = {}
+        keys: dict[str, tuple[str | None, str, str]] = {}
+        for (text,) in conn.execute("SELECT state FROM calls"):
+            state = state_from_json(text)
+            archivable[state.call_id] = stays_live(state, before=before, now=now) is None
+            keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
+        last = cut(refs, archivable, before=before)
+        first = refs[0].seq
+        if last < first:
+            return None
+        start_state, prev_digest = _previous(conn, first)
+        rows = conn.execute(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq <= ? ORDER BY seq", (last,)
+        )
+        events = [event_from_row(row) for row in rows]
+    finally:
+        conn.execute("COMMIT")
+    calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
+    if not calls:
+        return None  # only checkpoints and worker events: not worth a file of its own
+    return _Plan(first, last, prev_digest, start_state, events, calls)
+
+
+def _previous(conn: sqlite3.Connection, first: int) -> tuple[dict[str, Any] | None, str]:
+    """The state and digest the checkpoint of the previous cut left (none at event 1)."""
+    if first == 1:
+        return None, GENESIS_DIGEST
+    row = conn.execute(
+        "SELECT data FROM events WHERE kind = ? AND json_extract(data, '$.last_seq') = ? "
+        "ORDER BY seq DESC LIMIT 1",
+        (checkpoint.KIND, first - 1),
+    ).fetchone()
+    if row is None:
+        raise LedgerCorrupt(f"events before {first} are gone and no checkpoint covers them")
+    data = json.loads(row[0])
+    return data["state"], str(data["last_digest"])
+
+
+def _prove(plan: _Plan) -> dict[str, Any]:
+    """The range, folded by the independent verifier; refuses a range that does not verify."""
+    verifier = Verifier()
+    if plan.start_state is not None:
+        checkpoint.seed(
+            verifier, plan.start_state, next_seq=plan.first, prev_digest=plan.prev_digest
+        )
+    for stored in plan.events:
+        verifier.feed(stored)
+    unfinished = [c for c, fold in verifier.calls.items() if fold.unfinished is not None]
+    problems = verifier.report.problems + [f"call {c} is not whole" for c in unfinished]
+    if problems:
+        raise LedgerCorrupt(f"refusing to archive events that do not verify: {problems[:3]}")
+    return checkpoint.export_state(verifier)
+
+
+def _commit(conn: sqlite3.Connection, plan: _Plan, target: Path) -> ArchiveResult:
+    state = _prove(plan)
+    lines = [archivefile.event_line(e) for e in plan.events]
+    keyed = [(root, key, c, h) for c, (key, root, h) in plan.calls.items() if key is not None]
+    header = {
+        "first_seq": plan.first,
+        "last_seq": plan.last,
+        "prev_digest": plan.prev_digest,
+        "start_state": plan.start_state,
+        "keys": sorted(list(k) for k in keyed),
+    }
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        archivefile.write_events(partial, header, lines)  # before the write lock
+        conn.execute("BEGIN IMMEDIATE")
+        _refuse_if_moved(conn, plan)
+        head_seq, head_digest = conn.execute(
+            "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+        mark = LedgerArchived(
+            first_seq=plan.first,
+            last_seq=plan.last,
+            prev_digest=plan.prev_digest,
+            last_digest=plan.events[-1].digest,
+            events=len(plan.events),
+            calls=len(plan.calls),
+            keys=len(keyed),
+            archive=target.name,
+            archive_sha256=archivefile.lines_sha256(lines),
+            state=state,
+        )
+        stored, data_json = seal(
+            mark,
+            seq=int(head_seq) + 1,
+            worker=OPERATOR.worker,
+            generation=OPERATOR.generation,
+            at=time.time(),
+            prev_digest=str(head_digest),
+        )
+        archivefile.append_checkpoint(partial, stored)
+        _apply(conn, stored, data_json, plan, keyed)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, target)
+    _fsync_dir(target.parent)
+    counts = (len(plan.events), len(plan.calls), len(keyed))
+    return _result(conn, str(target), plan.first, plan.last, *counts, stored.seq)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _refuse_if_moved(conn: sqlite3.Connection, plan: _Plan) -> None:
+    # Archived calls are final, yet a failed call can still be reconciled: if any event
+    # of an archived call came after the plan, the plan is stale.
+    ids = list(plan.calls)
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        marks = ",".join("?" * len(chunk))
+        moved = conn.execute(
+            f"SELECT call_id FROM events WHERE seq > ? AND call_id IN ({marks}) LIMIT 1",
+            (plan.last, *chunk),
+        ).fetchone()
+        if moved is not None:
+            raise LedgerCorrupt(f"call {moved[0]} changed while archiving; run archive again")
+    first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
+    if first != plan.first:
+        raise LedgerCorrupt("another archive ran meanwhile; run archive again")
+
+
+def _apply(
+    conn: sqlite3.Connection,
+    stored: StoredEvent,
+    data_json: str,
+    plan: _Plan,
+    keyed: list[tuple[str, str, str, str]],
+) -> None:
+    conn.execute(
+        f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            stored.seq,
+            stored.kind,
+            stored.call_id,
+            data_json,
+            stored.worker,
+            stored.generation,
+            stored.at,
+            stored.prev_digest,
+            stored.digest,
+        ),
+    )
+    conn.executemany(
+        "INSERT INTO archived_keys(budget_root, idempotency_key, call_id, request_hash) "
+        "VALUES (?, ?, ?, ?)",
+        keyed,
+    )
+    conn.execute("UPDATE meta SET value = ? WHERE key = 'archived_through'", (plan.last,))
+    conn.execute("DELETE FROM events WHERE seq <= ?", (plan.last,))
+    conn.executemany("DELETE FROM calls WHERE call_id = ?", [(c,) for c in plan.calls])
+
+
+def _result(
+    conn: sqlite3.Connection,
+    path: str | None,
+    first: int,
+    last: int,
+    events: int,
+    calls: int,
+    keys: int,
+    checkpoint_seq: int,
+) -> ArchiveResult:
+    pages = int(conn.execute("PRAGMA page_count").fetchone()[0])
+    free = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+    return ArchiveResult(path, first, last, events, calls, keys, checkpoint_seq, pages, free)
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    """``effectguard archive [--before DATE] [--ledger L] [--out FILE] [--json]``."""
+    ledger: str = args.ledger
+    if ledger.startswith(("postgresql://", "postgres://", "memory://")):
+        raise ConfigError(
+            "archive moves events out of SQLite ledgers only for now; a PostgreSQL ledger "
+            "keeps every event (back it up with pg_dump or point-in-time recovery)"
+        )
+    before = _before(args)
+    result = archive_sqlite(ledger, before=before, out=Path(args.out) if args.out else None)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    elif result.events == 0:
+        print("archive: nothing to archive yet (see the retention rules)")
+    else:
+        print(
+            f"archive {result.path}: events {result.first_seq}..{result.last_seq} "
+            f"({result.events} events, {result.calls} calls, {result.keys} keys kept); "
+            f"checkpoint event {result.checkpoint_seq}"
+        )
+    return 0
+
+
+def _before(args: argparse.Namespace) -> float:
+    from effectguard.config.settings import config_retention
+    from effectguard.ops.timeargs import since
+
+    now = time.time()
+    if args.before:
+        try:
+            return since(args.before, now)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    cutoff = config_retention(Path(args.config) if args.config else None).cutoff(now)
+    if cutoff is None:
+        raise ConfigError("give --before DATE, or [retention] keep_bodies_days in --config")
+    return cutoff

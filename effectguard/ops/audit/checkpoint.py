@@ -1,0 +1,87 @@
+"""Archive checkpoints: what the verifier carries across a cut of the chain.
+
+A ``ledger.archived`` event says events ``first_seq..last_seq`` left the live ledger. For
+``verify`` to start at the cut it needs what those events leave behind: the chain's last
+digest, the registered and fenced workers, the budget counters per (path, period), the
+policies and the keys. :func:`export_state` writes that down from a verifier that folded
+the archived events itself; :func:`seed` starts a verifier from it. The state is plain
+JSON, so the archive file and the checkpoint event carry it as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from effectguard.ops.audit.budgets import Budgets, Node, Policy
+from effectguard.ops.audit.chain import Chain
+from effectguard.ops.audit.keys import KeyRow, Keys
+from effectguard.ops.audit.writers import Writers
+
+KIND = "ledger.archived"
+
+
+class Folded(Protocol):
+    """The parts of a verifier a checkpoint carries."""
+
+    chain: Chain
+    writers: Writers
+    budgets: Budgets
+    keys: Keys
+
+
+def export_state(v: Folded) -> dict[str, Any]:
+    """What the events folded so far leave behind, as JSON-ready values."""
+    w = v.writers
+    return {
+        "workers": sorted([name, gen] for name, gen in w.current.items()),
+        "registered": sorted([n, g, s] for (n, g), s in w.registered_at.items()),
+        "fenced": sorted([n, g, s] for (n, g), s in w.fenced_at.items()),
+        "top_generation": w.top_generation,
+        "budgets": sorted([p, per, *node.row()] for (p, per), node in v.budgets.nodes.items()),
+        "policies": sorted([path, *policy] for path, policy in v.budgets.policies.items()),
+        "keys": sorted(list(row) for row in v.keys.rows.values()),
+    }
+
+
+def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -> None:
+    """Start ``v`` at event ``next_seq`` with what a checkpoint says came before it."""
+    v.chain.expected_seq = next_seq
+    v.chain.prev = prev_digest
+    w = v.writers
+    w.current = {str(n): int(g) for n, g in state["workers"]}
+    w.registered_at = {(str(n), int(g)): int(s) for n, g, s in state["registered"]}
+    w.fenced_at = {(str(n), int(g)): int(s) for n, g, s in state["fenced"]}
+    w.top_generation = int(state["top_generation"])
+    v.budgets.nodes = {(str(p), str(per)): Node(r, s, h) for p, per, r, s, h in state["budgets"]}
+    v.budgets.policies = {str(row[0]): _policy(row[1:]) for row in state["policies"]}
+    v.keys.rows = {str(row[0]): _key(row) for row in state["keys"]}
+
+
+def check(seq: int, data: dict[str, Any]) -> list[str]:
+    """What is wrong with a checkpoint event on its own (its range and counts)."""
+    first, last = int(data["first_seq"]), int(data["last_seq"])
+    problems = []
+    if not 1 <= first <= last < seq:
+        problems.append(f"event {seq}: archives events {first}..{last}, not before it")
+    if int(data["events"]) != last - first + 1:
+        problems.append(f"event {seq}: archives {data['events']} events of {first}..{last}")
+    return problems
+
+
+def _policy(values: list[Any]) -> Policy:
+    limit, period, tz, rpm, tpm, concurrency = values
+    return (limit, str(period), str(tz), rpm, tpm, concurrency)
+
+
+def _key(row: list[Any]) -> KeyRow:
+    name, sha, root, created, expires, models, providers, revoked = row
+    return KeyRow(
+        str(name),
+        str(sha),
+        str(root),
+        float(created),
+        expires,
+        None if models is None else tuple(models),
+        None if providers is None else tuple(providers),
+        revoked,
+    )

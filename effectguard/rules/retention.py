@@ -1,0 +1,114 @@
+"""What may leave the live ledger, and where an archive cuts it (docs/contract.md §12). Pure.
+
+The rules, each a reason a call stays live:
+
+* its stage is not final (``in_flight``, ``effect_unknown``, and the resumable stages
+  ``not_sent``, ``not_processed``, ``reconciled_not_applied``, whose key may still start
+  a new attempt): only ``refused``, ``completed``, ``failed`` and ``reconciled_applied``
+  calls are archived (a ``failed`` call can no longer be reconciled once archived);
+* it was admitted at or after the cut-off date;
+* it is still inside its provider's declared idempotency window (a resend there goes
+  to the provider with its header, so the call must stay).
+
+A completed call's key stays replayable under the contract forever; once the call is
+archived, the ledger keeps its key (root, key, request hash, call id) and a resend
+answers 409 ``archived`` (:func:`decide_archived`), never a silent new call.
+
+An archive is a prefix of the hash chain: events ``first..cut``. The cut stops before
+the first event of a call that stays live (or the first event written at or after the
+cut-off), and never splits a call, so every archived call is whole in the archive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from effectguard.errors import Refusal
+from effectguard.rules.admission import Decision
+from effectguard.rules.guidance import show_command
+from effectguard.rules.workstate import WorkState
+
+#: Stages after which no event of the call can follow (next operation ``none``).
+ARCHIVABLE_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
+DAY_S: Final = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """``[retention] keep_bodies_days``: how long a call's events stay live after admission."""
+
+    keep_bodies_days: float | None = None
+
+    def cutoff(self, now: float) -> float | None:
+        """The ``--before`` instant the policy gives at ``now`` (None: keep forever)."""
+        if self.keep_bodies_days is None:
+            return None
+        return now - self.keep_bodies_days * DAY_S
+
+
+def stays_live(state: WorkState, *, before: float, now: float) -> str | None:
+    """Why ``state``'s call may not be archived yet (None: it may)."""
+    if state.stage not in ARCHIVABLE_STAGES:
+        return f"stage {state.stage} is not final"
+    if state.created_at >= before:
+        return "admitted after the cut-off"
+    window = state.idempotency_window_s
+    if window is not None and now - state.created_at <= window:
+        return "inside its provider's idempotency window"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class EventRef:
+    """What the cut needs of one event: its number, its call, when it was written."""
+
+    seq: int
+    call_id: str | None
+    at: float
+
+
+def cut(events: Iterable[EventRef], archivable: Mapping[str, bool], *, before: float) -> int:
+    """The last event of the longest archivable prefix of ``events`` (0: none).
+
+    ``events`` are in chain order; ``archivable`` says, per call, whether it may leave.
+    A prefix ends at a call boundary: no call has events on both sides of the cut.
+    """
+    last_of: dict[str, int] = {}
+    refs = list(events)
+    for ref in refs:
+        if ref.call_id is not None:
+            last_of[ref.call_id] = ref.seq
+    best, reach = 0, 0
+    for ref in refs:
+        if ref.at >= before:
+            break
+        if ref.call_id is not None:
+            if not archivable.get(ref.call_id, False):
+                break
+            reach = max(reach, last_of[ref.call_id])
+        if reach <= ref.seq:
+            best = ref.seq
+    return best
+
+
+def decide_archived(call_id: str, archived_hash: str, request_hash: str) -> Decision:
+    """A keyed request whose key belongs to an archived call: refused, never resent."""
+    if archived_hash != request_hash:
+        status, type_ = 422, "idempotency_key_reused"
+        message = (
+            f"this Idempotency-Key belongs to archived call {call_id}, a different request; "
+            "send it with a new key"
+        )
+    else:
+        status, type_ = 409, "archived"
+        message = (
+            f"call {call_id} with this key finished and was archived; its response is in "
+            f"the archive, not resent (see `{show_command(call_id)}`); new work needs a "
+            "new Idempotency-Key"
+        )
+    refusal = Refusal(
+        status, type_, message, call_id=call_id, stage="archived", next_operation="none"
+    )
+    return Decision("refuse", WorkState(call_id=call_id, request_hash=archived_hash), refusal)

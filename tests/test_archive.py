@@ -1,0 +1,345 @@
+"""``effectguard archive`` and ``verify`` across the cut, through a real proxy.
+
+Calls go through a real proxy to the fake provider; archives are taken with the CLI while
+the proxy serves. After each, ``verify`` passes on the live ledger (continuity across
+the cut, budgets re-derived from the checkpoint) and on the archive file on its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import json
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.ops.cli import main
+from effectguard.testing import fake_provider, running_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+
+
+def chat(n: int) -> dict[str, Any]:
+    """A small chat completion request."""
+    return {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": f"archive {n}"}],
+        "max_tokens": 8,
+    }
+
+
+def later() -> str:
+    """A cut-off an hour from now: every final call so far is before it."""
+    return (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
+
+
+def archive(ledger: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    """``effectguard archive --json``; asserts exit 0 and returns what it moved."""
+    capsys.readouterr()
+    code = main(["archive", "--json", "--ledger", str(ledger), "--before", later(), *extra])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    result: dict[str, Any] = json.loads(out.out)
+    return result
+
+
+def verify(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    """``effectguard verify --json ARGS``: the exit code and the report."""
+    capsys.readouterr()
+    code = main(["verify", "--json", *args])
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return code, report
+
+
+def stages(ledger: Path) -> dict[str, str]:
+    """Every live call's stage."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
+    finally:
+        conn.close()
+
+
+def test_archive_then_verify_and_an_archived_key_answers_409_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keyed completed calls are archived; verify passes live and on the file; resending a
+    key answers 409 archived (422 for another body) and the provider sees nothing more."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        for n in range(4):
+            headers = {"Idempotency-Key": f"key-{n}", "Effectguard-Budget": "team/a"}
+            r = httpx.post(proxy.url + CHAT, json=chat(n), headers=headers, timeout=30)
+            assert r.status_code == 200
+        budgets_before = main(["budgets", "--json", "--ledger", str(ledger)])
+        spent_before = json.loads(capsys.readouterr().out)
+        moved = archive(ledger, capsys)
+        assert moved["calls"] == 4 and moved["keys"] == 4 and moved["first_seq"] == 1
+        assert stages(ledger) == {}
+        assert archive(ledger, capsys)["events"] == 0  # no call left: nothing more to move
+        code, report = verify(capsys, "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+        assert main(["budgets", "--json", "--ledger", str(ledger)]) == budgets_before
+        assert json.loads(capsys.readouterr().out) == spent_before
+        code, report = verify(capsys, "--archive", moved["path"], "--ledger", str(ledger))
+        assert code == 0 and report["calls"] == 4, report["problems"]
+
+        sent = len(fake.receipts())
+        again = httpx.post(
+            proxy.url + CHAT,
+            json=chat(0),
+            headers={"Idempotency-Key": "key-0", "Effectguard-Budget": "team/a"},
+            timeout=30,
+        )
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["type"] == "archived"
+        assert again.headers["x-should-retry"] == "false"
+        other = httpx.post(
+            proxy.url + CHAT,
+            json=chat(99),
+            headers={"Idempotency-Key": "key-1", "Effectguard-Budget": "team/a"},
+            timeout=30,
+        )
+        assert other.status_code == 422
+        assert len(fake.receipts()) == sent  # never resent
+
+        # A second archive continues the chain from the first checkpoint.
+        for n in range(10, 13):
+            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
+        second = archive(ledger, capsys)
+        assert second["first_seq"] == moved["checkpoint_seq"]
+        code, report = verify(capsys, "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+        code, report = verify(capsys, "--archive", second["path"], "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+
+    # The second file starts from the first cut's state, which the first checkpoint (now
+    # inside the second file) vouches for: a header that lowers a counter is caught.
+    def lower_spent(rows: list[str]) -> list[str]:
+        header = json.loads(rows[0])
+        header["start_state"]["budgets"][0][3] -= 1
+        return [json.dumps(header), *rows[1:]]
+
+    _rewrite(Path(second["path"]), lower_spent)
+    code, report = verify(capsys, "--archive", second["path"], "--ledger", str(tmp_path / "no"))
+    assert code == 1
+    assert any("start is not its checkpoint" in p for p in report["problems"]), report
+
+
+def test_unresolved_calls_are_never_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call in flight during an archive stays live with everything after it; once it
+    completes, the next archive takes it."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        assert httpx.post(proxy.url + CHAT, json=chat(0), timeout=30).status_code == 200
+        held = pool.submit(
+            httpx.post,
+            proxy.url + CHAT,
+            json=chat(1),
+            headers={"x-fake-delay": "4"},
+            timeout=30,
+        )
+        deadline = time.monotonic() + 20
+        while "in_flight" not in stages(ledger).values():
+            assert time.monotonic() < deadline, "the held call never started"
+            time.sleep(0.05)
+        assert httpx.post(proxy.url + CHAT, json=chat(2), timeout=30).status_code == 200
+        moved = archive(ledger, capsys)
+        assert moved["calls"] == 1  # only the call before the held one
+        live = stages(ledger)
+        assert sorted(live.values()) == ["completed", "in_flight"]
+        code, report = verify(capsys, "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+        assert held.result(timeout=30).status_code == 200
+        moved = archive(ledger, capsys)
+        assert moved["calls"] == 2 and stages(ledger) == {}
+        code, report = verify(capsys, "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+    # The counters carried across the cut still bind: a budget row that drifts is caught.
+    conn = sqlite3.connect(ledger)
+    try:
+        conn.execute("UPDATE budget_periods SET spent = spent + 1 WHERE path = 'default'")
+        conn.commit()
+    finally:
+        conn.close()
+    code, report = verify(capsys, "--ledger", str(ledger))
+    assert code == 1
+    assert any("budget 'default'" in p for p in report["problems"]), report["problems"]
+
+
+def _rewrite(path: Path, change: Any) -> None:
+    with gzip.open(path, "rt", encoding="utf-8") as src:
+        rows = src.read().splitlines()
+    rows = change(rows)
+    with gzip.open(path, "wt", encoding="utf-8") as out:
+        out.write("\n".join(rows) + "\n")
+
+
+def test_tampering_with_an_archive_file_is_caught(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An edited body, a dropped event, and a file rewritten with a resealed chain are
+    each caught by ``verify --archive``."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        for n in range(3):
+            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
+        path = Path(archive(ledger, capsys)["path"])
+    original = path.read_bytes()
+
+    def edit_body(rows: list[str]) -> list[str]:
+        event = json.loads(rows[2])
+        event["data"]["body"] = event["data"].get("body", "") + " "
+        rows[2] = json.dumps(event)
+        return rows
+
+    def drop_event(rows: list[str]) -> list[str]:
+        return rows[:3] + rows[4:]
+
+    for change, expect in ((edit_body, "digest"), (drop_event, "expected sequence number")):
+        path.write_bytes(original)
+        _rewrite(path, change)
+        code, report = verify(capsys, "--archive", str(path), "--ledger", str(tmp_path / "no.db"))
+        assert code == 1
+        assert any(expect in p for p in report["problems"]), report["problems"]
+
+    # A forger who reseals everything (a fresh chain, a fresh checkpoint) passes the file's
+    # own checks, but not the ledger's checkpoint.
+    path.write_bytes(original)
+    _reseal_with_one_body_changed(path)
+    code, report = verify(capsys, "--archive", str(path), "--ledger", str(tmp_path / "no.db"))
+    assert code == 0, report["problems"]
+    code, report = verify(capsys, "--archive", str(path), "--ledger", str(ledger))
+    assert code == 1
+    assert any("not this archive's" in p for p in report["problems"]), report["problems"]
+
+
+def _reseal_with_one_body_changed(path: Path) -> None:
+    from effectguard.ops.archivefile import lines_sha256
+    from effectguard.rules.events import canonical_json, event_digest
+
+    def reseal(rows: list[str]) -> list[str]:
+        header, events, tail = rows[0], [json.loads(r) for r in rows[1:-1]], json.loads(rows[-1])
+        events[1]["data"]["body"] = events[1]["data"]["body"].replace("archive", "forged!")
+        prev = json.loads(header)["prev_digest"]
+        for e in events:
+            e["prev_digest"] = prev
+            e["digest"] = prev = event_digest(
+                seq=e["seq"],
+                kind=e["kind"],
+                call_id=e["call_id"],
+                data_json=canonical_json(e["data"]),
+                worker=e["worker"],
+                generation=e["generation"],
+                at=e["at"],
+                prev_digest=e["prev_digest"],
+            )
+        lines = [canonical_json(e) for e in events]
+        mark = tail["checkpoint"]
+        mark["data"]["last_digest"] = prev
+        mark["data"]["archive_sha256"] = lines_sha256(lines)
+        mark["digest"] = event_digest(
+            seq=mark["seq"],
+            kind=mark["kind"],
+            call_id=mark["call_id"],
+            data_json=canonical_json(mark["data"]),
+            worker=mark["worker"],
+            generation=mark["generation"],
+            at=mark["at"],
+            prev_digest=mark["prev_digest"],
+        )
+        return [header, *lines, canonical_json(tail)]
+
+    _rewrite(path, reseal)
+
+
+def test_archive_refuses_postgres_and_needs_a_cutoff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PostgreSQL ledgers are refused with exit 2 and a reason; without --before the
+    config's [retention] keep_bodies_days gives the cut-off."""
+    assert main(["archive", "--before", "1d", "--ledger", "postgresql://h/db"]) == 2
+    assert "PostgreSQL" in capsys.readouterr().err
+    ledger = tmp_path / "ledger.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    assert main(["archive", "--ledger", str(ledger)]) == 2
+    assert "keep_bodies_days" in capsys.readouterr().err
+    config = tmp_path / "c.toml"
+    config.write_text("[retention]\nkeep_bodies_days = 30\n")
+    assert main(["archive", "--ledger", str(ledger), "--config", str(config)]) == 0
+    assert "nothing to archive" in capsys.readouterr().out
+
+
+def test_the_events_table_refuses_a_delete_outside_an_archive(tmp_path: Path) -> None:
+    """Only events up to a checkpoint's range may be deleted, and the mark that allows it
+    moves only with a checkpoint as the newest event."""
+    ledger = tmp_path / "ledger.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    assert main(["budget", "set", "team", "--limit", "5", "--ledger", str(ledger)]) == 0
+    conn = sqlite3.connect(ledger)
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            conn.execute("DELETE FROM events WHERE seq = 1")
+        with pytest.raises(sqlite3.IntegrityError, match="checkpoint"):
+            conn.execute("UPDATE meta SET value = 1 WHERE key = 'archived_through'")
+    finally:
+        conn.close()
+
+
+def test_soak_archival_under_load_keeps_the_ledger_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Archiving every second under steady load keeps page_count flat, verify passes after
+    every archive, and no unresolved call is ever archived."""
+    ledger = tmp_path / "ledger.db"
+    rounds, pages = 12, []
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        counter = iter(range(1_000_000))
+
+        def burst() -> None:
+            def one(n: int) -> int:
+                headers = {"Idempotency-Key": f"soak-{n}"} if n % 2 else {}
+                body = chat(n)
+                body["messages"][0]["content"] += " " + "x" * 4000  # bodies worth archiving
+                r = httpx.post(proxy.url + CHAT, json=body, headers=headers, timeout=30)
+                return r.status_code
+
+            assert set(pool.map(one, [next(counter) for _ in range(40)])) == {200}
+
+        for _ in range(rounds):
+            burst()
+            moved = archive(ledger, capsys, "--out", str(tmp_path / f"a{len(pages)}.jsonl.gz"))
+            pages.append(moved["page_count"])
+            code, report = verify(capsys, "--ledger", str(ledger))
+            assert code == 0, report["problems"]
+            code, report = verify(capsys, "--archive", moved["path"], "--ledger", str(ledger))
+            assert code == 0, report["problems"]
+        assert len(fake.receipts()) == rounds * 40
+    # Each round stores some 40 pages of bodies; once the first archives have freed
+    # pages, new events reuse them, and the file grows only by the small rows that stay
+    # (the archived keys, one checkpoint per round): well under 4 pages a round.
+    assert (pages[-1] - pages[3]) / (rounds - 4) < 4, pages

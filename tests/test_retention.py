@@ -1,0 +1,89 @@
+"""The retention rules as pure functions: what may be archived, and where an archive cuts."""
+
+from __future__ import annotations
+
+import pytest
+
+from effectguard.rules.retention import (
+    ARCHIVABLE_STAGES,
+    EventRef,
+    RetentionPolicy,
+    cut,
+    decide_archived,
+    stays_live,
+)
+from effectguard.rules.workstate import STAGES, WorkState
+
+NOW = 1_000_000.0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_only_final_stages_may_be_archived(stage: str) -> None:
+    """Unresolved and resumable calls stay live; refused, completed, failed and
+    reconciled-applied calls may go."""
+    state = WorkState(call_id="c", stage=stage, created_at=NOW - 100)  # type: ignore[arg-type]
+    reason = stays_live(state, before=NOW, now=NOW)
+    assert (reason is None) == (stage in ARCHIVABLE_STAGES)
+    assert stage not in ("in_flight", "effect_unknown") or reason is not None
+
+
+def test_a_call_admitted_after_the_cutoff_stays() -> None:
+    """The cut-off date is exclusive: a call admitted at or after it stays live."""
+    state = WorkState(call_id="c", stage="completed", created_at=NOW - 10)
+    assert stays_live(state, before=NOW - 10, now=NOW) == "admitted after the cut-off"
+    assert stays_live(state, before=NOW - 9, now=NOW) is None
+
+
+def test_a_call_inside_its_provider_idempotency_window_stays() -> None:
+    """A call whose provider still deduplicates its key stays until the window passes."""
+    state = WorkState(
+        call_id="c", stage="completed", created_at=NOW - 100, idempotency_window_s=3600
+    )
+    assert stays_live(state, before=NOW, now=NOW) == "inside its provider's idempotency window"
+    assert stays_live(state, before=NOW, now=NOW + 3600) is None
+
+
+def test_the_cut_stops_before_the_first_call_that_must_stay() -> None:
+    """Events of a live call and everything after them stay, even archivable calls."""
+    refs = [EventRef(1, None, 1), EventRef(2, "a", 2), EventRef(3, "b", 3), EventRef(4, "c", 4)]
+    assert cut(refs, {"a": True, "b": False, "c": True}, before=NOW) == 2
+
+
+def test_the_cut_never_splits_a_call() -> None:
+    """A call whose events straddle a blocker is not archived in part."""
+    refs = [
+        EventRef(1, "a", 1),
+        EventRef(2, "a", 2),
+        EventRef(3, "b", 3),
+        EventRef(4, "x", 4),
+        EventRef(5, "b", 5),
+    ]
+    # b's last event lies after x, which must stay: only the prefix ending with a may go.
+    assert cut(refs, {"a": True, "b": True, "x": False}, before=NOW) == 2
+    # a call that begins before another ends holds the cut back to before both.
+    tangled = [EventRef(1, "a", 1), EventRef(2, "b", 2), EventRef(3, "a", 3)]
+    tangled += [EventRef(4, "x", 4), EventRef(5, "b", 5)]
+    assert cut(tangled, {"a": True, "b": True, "x": False}, before=NOW) == 0
+
+
+def test_the_cut_stops_at_the_cutoff_and_gives_zero_when_nothing_may_go() -> None:
+    """Nothing written at or after the cut-off leaves; an empty cut is 0."""
+    refs = [EventRef(1, None, 5), EventRef(2, "a", 50)]
+    assert cut(refs, {"a": True}, before=50) == 1
+    assert cut(refs, {"a": True}, before=5) == 0
+
+
+def test_an_archived_key_answers_409_archived_or_422_for_another_request() -> None:
+    """A key of an archived call is refused, never admitted as new work."""
+    same = decide_archived("call_1", "h", "h")
+    assert same.action == "refuse" and same.refusal is not None
+    assert (same.refusal.status, same.refusal.type) == (409, "archived")
+    assert same.refusal.call_id == "call_1"
+    other = decide_archived("call_1", "h", "other")
+    assert other.refusal is not None and other.refusal.status == 422
+
+
+def test_the_policy_gives_a_cutoff_only_when_declared() -> None:
+    """``keep_bodies_days`` turns into a cut-off N days back; undeclared keeps everything."""
+    assert RetentionPolicy().cutoff(NOW) is None
+    assert RetentionPolicy(keep_bodies_days=1).cutoff(NOW) == NOW - 86400
