@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from effectguard.errors import ConfigError
 from effectguard.providers.endpoints import (
+    HEADER_NAME,
     Endpoint,
     IdempotencyGuarantee,
     Lookup,
@@ -65,7 +66,6 @@ _TRANSIENT_EFFECTS = ("none", "unknown")
 _KEY_FORMATS = {"authorization": "Bearer {key}", "x-api-key": "{key}"}
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 # A dated snapshot suffix: OpenAI "-2024-07-18", Anthropic "-20250929", or the "-latest" alias.
 _SNAPSHOT = re.compile(r"\d{4}-\d{2}-\d{2}|\d{8}|latest")
 
@@ -286,7 +286,7 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
     if api_key_env is not None and not _ENV_NAME.fullmatch(api_key_env):
         raise fail("api_key_env", "must be an environment variable NAME, never the key")
     key_header = _str(raw, "key_header", fail, default="authorization").lower()
-    if not _HEADER.fullmatch(key_header):
+    if not HEADER_NAME.fullmatch(key_header):
         raise fail("key_header", "must be an HTTP header name")
     key_format = _str(raw, "key_format", fail, default=_KEY_FORMATS.get(key_header, "{key}"))
     if "{key}" not in key_format:

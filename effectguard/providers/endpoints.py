@@ -42,7 +42,8 @@ OpSource = Literal["call_id", "idempotency_key"]
 Placement = Literal["header", "json", "form"]
 
 _EFFECTS = ("read_only", "at_most_once", "idempotent", "billable")
-_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+#: An HTTP header name (RFC 9110 token); declarations name headers with it.
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 _METHOD = re.compile(r"[A-Z]+")
 _FIELD = re.compile(r"[A-Za-z0-9_\-\[\]]+(\.[A-Za-z0-9_\-\[\]]+)*")
 _ENDPOINT_KEYS = frozenset(
@@ -227,7 +228,7 @@ def parse_idempotency(table: object, where: str, fail: Fail) -> IdempotencyGuara
     header, body_field = table.get("header"), table.get("body_field")
     if (header is None) == (body_field is None):
         raise fail(where, "declare exactly one of header or body_field")
-    if header is not None and (not isinstance(header, str) or not _HEADER.fullmatch(header)):
+    if header is not None and (not isinstance(header, str) or not HEADER_NAME.fullmatch(header)):
         raise fail(f"{where}.header", "must be an HTTP header name")
     if body_field is not None and (
         not isinstance(body_field, str) or not _FIELD.fullmatch(body_field)
@@ -248,7 +249,7 @@ def _op_id(table: object, where: str, fail: Fail) -> OpIdPlacement | None:
     ((kind, name),) = table.items()
     if kind not in ("header", "json", "form"):
         raise fail(f"{where}.{kind}", "must be header, json or form")
-    pattern = _HEADER if kind == "header" else _FIELD
+    pattern = HEADER_NAME if kind == "header" else _FIELD
     if not isinstance(name, str) or not pattern.fullmatch(name):
         raise fail(f"{where}.{kind}", "must be a header name or a field path")
     return OpIdPlacement(cast(Placement, kind), name)
