@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from observing import wait_for
 
 from effectguard.ops.backup import backup_sqlite
 from effectguard.ops.cli import main
@@ -48,17 +47,6 @@ def chat(n: int) -> dict[str, Any]:
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 8,
     }
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def stages(ledger: Path) -> dict[str, str]:

@@ -22,7 +22,7 @@ import json
 import signal
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from observing import wait_for
 
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
@@ -70,17 +71,6 @@ def ledger_events(ledger: Path) -> list[dict[str, Any]]:
         ]
     finally:
         conn.close()
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def cli_ok(*args: str) -> str:

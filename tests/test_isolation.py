@@ -13,13 +13,10 @@ fake provider, effects counted from the provider's receipt log.
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import shutil
 import signal
 import sqlite3
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
+from observing import cli_json, wait_for
 
-from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider, fake_provider, running_proxy, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -45,28 +42,9 @@ def chat(content: str, **extra: Any) -> dict[str, Any]:
     return {**body, **extra}
 
 
-def cli_ok(*args: str) -> Any:
-    """Run an ``effectguard`` command with ``--json`` in this process; assert exit 0."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main([*args, "--json"])
-    assert code == 0, out.getvalue()
-    return json.loads(out.getvalue())
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def stages(ledger: Path) -> list[str]:
     """Every call's stage."""
-    return sorted(c["stage"] for c in cli_ok("calls", "--ledger", str(ledger)))
+    return sorted(c["stage"] for c in cli_json("calls", "--ledger", str(ledger)))
 
 
 @pytest.fixture
@@ -121,8 +99,8 @@ def test_poisoned_requests_are_refused_while_good_ones_complete(
         assert error["param"] in error["message"]
     assert len(fake.effects()) == 60
     assert stages(ledger) == ["completed"] * 60
-    assert all(n["held_usd"] == "0.000000000" for n in cli_ok("budgets", "--ledger", str(ledger)))
-    assert cli_ok("verify", "--ledger", str(ledger))["ok"] is True
+    assert all(n["held_usd"] == "0.000000000" for n in cli_json("budgets", "--ledger", str(ledger)))
+    assert cli_json("verify", "--ledger", str(ledger))["ok"] is True
 
 
 # -- finding 2: startup failures exit, and one call never blocks a sweep -------------------
@@ -177,7 +155,7 @@ def test_a_call_that_cannot_be_marked_blocks_no_other(ledger: Path, fake: FakePr
         proxy.process.wait()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    calls = cli_ok("calls", "--ledger", str(ledger))
+    calls = cli_json("calls", "--ledger", str(ledger))
     assert sorted(c["stage"] for c in calls) == ["in_flight"] * 3
     poisoned = calls[0]["call_id"]
     # Any failure inside one call's write: here the database itself refuses its events.
@@ -189,7 +167,7 @@ def test_a_call_that_cannot_be_marked_blocks_no_other(ledger: Path, fake: FakePr
         db.commit()
     with running_proxy(ledger, upstreams={"openai": fake.url}) as restarted:
         # It started (healthy) although one call cannot be marked, and marked the others.
-        by_id = {c["call_id"]: c["stage"] for c in cli_ok("calls", "--ledger", str(ledger))}
+        by_id = {c["call_id"]: c["stage"] for c in cli_json("calls", "--ledger", str(ledger))}
         assert by_id.pop(poisoned) == "in_flight"
         assert list(by_id.values()) == ["effect_unknown"] * 2
         ok = httpx.post(restarted.url + CHAT, json=chat("after restart"), timeout=30)
@@ -201,7 +179,7 @@ def test_a_call_that_cannot_be_marked_blocks_no_other(ledger: Path, fake: FakePr
         wait_for(
             lambda: stages(ledger).count("effect_unknown") == 3, 60, "the poisoned call marked"
         )
-    assert cli_ok("verify", "--ledger", str(ledger))["ok"] is True
+    assert cli_json("verify", "--ledger", str(ledger))["ok"] is True
 
 
 # -- finding 9: the ledger vanishing under a running proxy ---------------------------------
@@ -263,4 +241,4 @@ def test_healthz_reflects_the_last_real_commit(ledger: Path, fake: FakeProvider)
             "healthz to recover",
         )
         assert len(fake.receipts()) == 1
-    assert cli_ok("verify", "--ledger", str(ledger))["ok"] is True
+    assert cli_json("verify", "--ledger", str(ledger))["ok"] is True

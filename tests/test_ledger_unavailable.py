@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
-import json
 import os
 import shutil
 import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from observing import cli_json, wait_for
 
-from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -43,25 +41,6 @@ def chat(content: str) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
 
 
-def cli_ok(*args: str) -> Any:
-    """Run an ``effectguard`` command with ``--json`` in this process; assert exit 0."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main([*args, "--json"])
-    assert code == 0, out.getvalue()
-    return json.loads(out.getvalue())
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def assert_refused_unsent(response: httpx.Response, fake: FakeProvider, receipts: int) -> None:
     """A 503 that tells the SDK to retry, and the provider received nothing new."""
     assert response.status_code == 503, response.text
@@ -72,8 +51,8 @@ def assert_refused_unsent(response: httpx.Response, fake: FakeProvider, receipts
 
 def assert_settled(ledger: Path) -> None:
     """Nothing in flight, and ``effectguard verify`` passes."""
-    assert cli_ok("calls", "--ledger", str(ledger), "--state", "in_flight") == []
-    assert cli_ok("verify", "--ledger", str(ledger))["ok"] is True
+    assert cli_json("calls", "--ledger", str(ledger), "--state", "in_flight") == []
+    assert cli_json("verify", "--ledger", str(ledger))["ok"] is True
 
 
 @pytest.fixture
@@ -126,7 +105,7 @@ def test_locked_ledger_refuses_with_503_and_sends_nothing(
         )
         assert again.status_code == 200, again.text
         assert len(fake.effects()) == 2
-    assert [c["stage"] for c in cli_ok("calls", "--ledger", str(ledger))] == ["completed"] * 2
+    assert [c["stage"] for c in cli_json("calls", "--ledger", str(ledger))] == ["completed"] * 2
     assert_settled(ledger)
 
 
@@ -225,7 +204,7 @@ def test_disk_full_refuses_admission_and_never_completes_an_unrecorded_call(
             )
             assert admitted.status_code == 200, admitted.text
         assert len(fake.effects()) == 3
-        shown = cli_ok("show", call_id, "--ledger", str(ledger))
+        shown = cli_json("show", call_id, "--ledger", str(ledger))
         kinds = [e["kind"] for e in shown["events"]]
         assert shown["stage"] == "effect_unknown"
         assert "call.completed" not in kinds and "attempt.observed" not in kinds
