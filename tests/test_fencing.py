@@ -554,6 +554,7 @@ async def test_lease_lapsing_after_a_not_sent_attempt_stays_503(tmp_path: Path) 
         with pytest.raises(Refusal) as refused:
             await guard.handle(guard.providers["openai"], _request("unreached"), upstream.send)
         assert (refused.value.status, refused.value.type) == (503, "ledger_unavailable")
+        assert refused.value.retryable  # x-should-retry: true, as every such 503 says
         assert upstream.sent == 1
         (call,) = await runtime.ledger.calls()
         assert (call.stage, call.attempts, call.reserved) == ("not_sent", 1, 0)

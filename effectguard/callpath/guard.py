@@ -326,8 +326,9 @@ class Guard:
         except (LedgerError, FencedError) as exc:
             if answered.response is not None:
                 return answered.response
+            # Nothing reached the provider, and the call is not_sent: a retry is safe.
             raise refuse(
-                503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=False
+                503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=True
             ) from exc
 
     async def _attempt(
