@@ -86,6 +86,26 @@ def call(
     return (kind, {"call": "c", **data}, writer)
 
 
+def late(
+    attempt: int = 1, observer: tuple[str, int] = W
+) -> tuple[str, dict[str, Any], tuple[str, int]]:
+    """A late answer to ``attempt`` kept as evidence, naming ``observer`` as who dispatched it."""
+    data = {
+        "attempt": attempt,
+        "status": 200,
+        "effect": "applied",
+        "body_digest": "sha256:00",
+        "body_bytes": 2,
+        "usage": None,
+        "usage_problem": None,
+        "cost": 40,
+        "observed_by": observer[0],
+        "generation": observer[1],
+        "reason": "fenced",
+    }
+    return call("attempt.late_answer", **data)
+
+
 PATHS: dict[str, tuple[list[Any], str, tuple[int, int, int]]] = {
     "completed": (
         [
@@ -133,6 +153,28 @@ PATHS: dict[str, tuple[list[Any], str, tuple[int, int, int]]] = {
         "reconciled_applied",
         (0, 40, 0),
     ),
+    "interrupted, late answer kept (docs/contract.md §6.1)": (
+        [
+            *admit(),
+            call("attempt.interrupted", attempt=1, reason="t", by="w1"),
+            call("budget.held", budget="t/r", amount=R),
+            late(),
+        ],
+        "effect_unknown",
+        (0, 0, R),
+    ),
+    "interrupted, late answer accepted": (
+        [
+            *admit(),
+            call("attempt.interrupted", attempt=1, reason="t", by="w1"),
+            call("budget.held", budget="t/r", amount=R),
+            late(),
+            call("call.reconciled", OP, applied=True, cost=40, note="", by="ann"),
+            call("budget.unheld", OP, budget="t/r", amount=R, spent=40),
+        ],
+        "reconciled_applied",
+        (0, 40, 0),
+    ),
     "unknown answer, provider resend": (
         [
             *admit(),
@@ -171,3 +213,33 @@ def test_contract_paths_with_two_events_swapped_are_refused(name: str) -> None:
     for stored in seal_all(rows):
         verifier.feed(stored)
     assert any("illegal transition" in p for p in verifier.report.problems)
+
+
+def verify_rows(rows: list[Any]) -> list[str]:
+    """The verifier's problems with ``rows``."""
+    verifier = Verifier()
+    for stored in seal_all(rows):
+        verifier.feed(stored)
+    return verifier.report.problems
+
+
+def test_late_answer_in_flight_changes_nothing() -> None:
+    """A late answer kept while its call is still in flight (fenced, not yet marked) is
+    legal and leaves the call in flight."""
+    verifier = Verifier()
+    for stored in seal_all([*admit(), late()]):
+        verifier.feed(stored)
+    assert verifier.report.problems == []
+    assert verifier.calls["c"].projection()["stage"] == "in_flight"
+
+
+def test_late_answer_naming_another_observer_is_named() -> None:
+    """A late answer must name the worker and generation that started its attempt."""
+    problems = verify_rows([*admit(), late(observer=("w9", 1))])
+    assert any("names w9 (generation 1) as its observer" in p for p in problems), problems
+
+
+def test_late_answer_to_an_attempt_never_started_is_named() -> None:
+    """A late answer to an attempt the call never started is named."""
+    problems = verify_rows([*admit(), late(attempt=2)])
+    assert any("attempt 2, which never started" in p for p in problems), problems

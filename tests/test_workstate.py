@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from effectguard.rules.events import (
     AttemptInterrupted,
+    AttemptLateAnswer,
     AttemptNotSent,
     AttemptObserved,
     AttemptStarted,
@@ -458,6 +459,38 @@ def test_a_resend_authorization_is_spent_by_the_attempt_it_allowed() -> None:
     assert work_state([*events, started(attempt=2)]).resend_authorized is False
 
 
+def late_answer(status: int = 200) -> Event:
+    """attempt.late_answer for CALL's first attempt."""
+    return AttemptLateAnswer(
+        call=CALL,
+        attempt=1,
+        status=status,
+        effect="applied",
+        body_digest="sha256:00",
+        body_bytes=2,
+        usage=None,
+        usage_problem=None,
+        cost=R,
+        observed_by="w1",
+        generation=1,
+        reason="fenced",
+    )
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        admitted(),
+        effect_unknown(),
+        [*effect_unknown(), reconciled(False)],
+    ],
+    ids=["in_flight", "effect_unknown", "reconciled_not_applied"],
+)
+def test_a_late_answer_is_evidence_and_moves_nothing(events: list[Event]) -> None:
+    """attempt.late_answer changes no stage, status or money (contract.md §6.1)."""
+    assert work_state([*events, late_answer()]) == work_state(events)
+
+
 def test_as_dict_names_every_field() -> None:
     """as_dict is the state's fields by name (what the SQL stores keep)."""
     state = work_state(effect_unknown())
@@ -584,3 +617,16 @@ def test_effect_unknown_only_through_interrupted(events: list[Event]) -> None:
             assert event.attempt == state.attempts
             assert state.stage == "in_flight"
         state = after
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_sequences, st.data())
+def test_late_answers_anywhere_change_no_projection(
+    events: list[Event], data: st.DataObject
+) -> None:
+    """Late answers inserted anywhere in a call's events leave every projection as it was."""
+    where = data.draw(st.lists(st.integers(0, len(events)), max_size=3))
+    mixed = list(events)
+    for index in sorted(where, reverse=True):
+        mixed.insert(index, late_answer(data.draw(st.sampled_from([200, 400, 500]))))
+    assert work_state(mixed) == work_state(events)

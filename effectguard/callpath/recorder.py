@@ -14,7 +14,7 @@ rules for what a failed write means live in one place:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -24,10 +24,11 @@ from effectguard.callpath.prepare import Prepared, refuse
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
 from effectguard.ledger import Admitted, Ledger, Writer, operations
+from effectguard.rules import evidence
 from effectguard.rules import usage as usages
-from effectguard.rules.events import Event, encode_body
+from effectguard.rules.events import AttemptObserved, encode_body
 from effectguard.rules.guidance import decide_unknown
-from effectguard.rules.settlement import Answer, settle
+from effectguard.rules.settlement import Answer, Settlement, settle
 from effectguard.telemetry.observer import NullObserver, Observer
 from effectguard.telemetry.report import CallReport
 
@@ -58,6 +59,9 @@ class Recorder:
         self._background: set[asyncio.Future[Any]] = set()
         #: Markings to retry: (call, attempt) -> (reason, the writer that started it).
         self._orphans: dict[tuple[str, int], tuple[str, Writer]] = {}
+        #: Given a writer the store refused, a writer of this process it accepts now, to
+        #: keep a late answer as evidence (the worker runtime registers anew if need be).
+        self.evidence_writer: Callable[[Writer], Awaitable[Writer]] = _same_writer
 
     # -- settlement ------------------------------------------------------------
     async def observe(
@@ -105,7 +109,7 @@ class Recorder:
                 usage.output_tokens if usage else 0,
                 settled.actual,
             )
-        await self._record_observation(prepared, admitted, settled.events)
+        await self._record_observation(prepared, admitted, settled, body)
         self.observer.request_done(provider.name, prepared.model or "", settled.outcome)
         if report is not None:
             report.stage = report.outcome = settled.outcome
@@ -115,19 +119,25 @@ class Recorder:
                 report.output_tokens = settled.usage.output_tokens
 
     async def _record_observation(
-        self, prepared: Prepared, admitted: Admitted, events: Sequence[Event]
+        self, prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes
     ) -> None:
-        """Commit the observation; a write that fails becomes a refusal naming the call."""
+        """Commit the observation; a write that fails becomes a refusal naming the call.
+
+        An observation the store refuses (fenced, or the attempt no longer in flight) is
+        kept as evidence instead (:meth:`_keep_late_answer`).
+        """
         provider, call_id, model = prepared.provider, admitted.call_id, prepared.model or ""
         writer = admitted.writer
         try:
-            await self.ledger.record(writer, call_id, admitted.attempt, list(events))
+            await self.ledger.record(writer, call_id, admitted.attempt, list(settled.events))
         except FencedError as exc:
             self.observer.request_done(provider.name, model, "fenced")
+            kept = await self._keep_late_answer(prepared, admitted, settled, body, str(exc))
             raise refuse(
                 502,
                 "observe_refused",
-                f"this worker was fenced; the result of call {call_id} was not recorded: {exc}",
+                f"this worker was fenced; the result of call {call_id} was not recorded as "
+                f"its outcome: {exc}; {kept}",
                 call_id=call_id,
             ) from exc
         except LedgerError as exc:
@@ -143,6 +153,33 @@ class Recorder:
             ) from exc
         finally:
             self.finish(call_id)
+
+    async def _keep_late_answer(
+        self, prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes, why: str
+    ) -> str:
+        """Keep an answer the store refused as the attempt's outcome, as evidence; says how.
+
+        It is written as a registration of this process the store accepts
+        (:attr:`evidence_writer`), never as the fenced one. If even that fails, the answer
+        is lost as before: the call stays as the takeover left it.
+        """
+        status = next(e.status for e in settled.events if isinstance(e, AttemptObserved))
+        late = evidence.late_answer(
+            settled,
+            body,
+            effect=prepared.provider.answer_effect(status),
+            observed_by=admitted.writer.worker,
+            generation=admitted.writer.generation,
+            reason=why,
+        )
+        try:
+            writer = await self.evidence_writer(admitted.writer)
+            await self.ledger.record_late_answer(writer, late)
+        except LedgerError as exc:
+            self.observer.incident("late_answer_lost", admitted.call_id, _describe(exc))
+            return f"its answer (status {status}) could not be kept as evidence either"
+        self.observer.incident("late_answer", admitted.call_id, evidence.describe(late))
+        return f"its answer (status {status}) is kept as evidence"
 
     async def next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
         """Start the automatic retry of ``previous`` (contract.md §3.7), as the call's own writer.
@@ -232,6 +269,11 @@ class Recorder:
         """Wait (at most ``timeout``) for background settlements to finish."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)
+
+
+async def _same_writer(writer: Writer) -> Writer:
+    """Without a worker runtime, only ``writer`` itself (enough when it was not fenced)."""
+    return writer
 
 
 def _describe(exc: BaseException) -> str:

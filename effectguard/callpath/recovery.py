@@ -147,6 +147,18 @@ class WorkerRuntime:
             for hook in self.after_rejoin:
                 hook(writer)
 
+    async def writer_after_refusal(self, refused: Writer) -> Writer:
+        """A registration of this process the store accepts now, after it refused ``refused``.
+
+        The current registration: ``refused`` itself if it is not fenced (the store refused
+        the write for another reason), else the one that replaced it, registered now if the
+        heartbeat has not noticed the fence yet. Used to keep a fenced registration's late
+        answer as evidence without writing as that registration (docs/contract.md §7).
+        """
+        if refused == self.writer and await self._is_fenced(refused):
+            await self._rejoin(refused, FencedError(f"worker {refused.worker} was fenced"))
+        return self._writer()
+
     async def _is_fenced(self, writer: Writer) -> bool:
         """Whether the ledger refuses ``writer`` for good (taken over, or re-registered)."""
         rows = {row.worker: row for row in await self.ledger.store.workers()}

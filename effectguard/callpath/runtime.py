@@ -99,6 +99,7 @@ class Runtime:
         self.worker.after_sweep.append(self.guard.recorder.retry_orphans)
         self.worker.after_sweep.append(self._decide_unknown)
         self.worker.after_rejoin.append(self._rejoined)
+        self.guard.recorder.evidence_writer = self.worker.writer_after_refusal
         return self.guard
 
     async def _decide_unknown(self) -> None:

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import date
 
 from effectguard.errors import CallNotFound, ConfigError
-from effectguard.ledger import decisions, keyops, operations
+from effectguard.ledger import decisions, evidence, keyops, operations
 from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import budget_view
-from effectguard.rules.events import Event, KeyCreated, StoredEvent
+from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
 
@@ -100,6 +100,14 @@ class Ledger:
         result: WorkState = await self.store.write(writer, op)
         return result
 
+    async def record_late_answer(self, writer: Writer, event: AttemptLateAnswer) -> WorkState:
+        """Keep a late answer as evidence, written as ``writer`` (one the store accepts);
+        the call's stage and money are unchanged."""
+        result: WorkState = await self.store.write(
+            writer, lambda tx: evidence.record_late_answer(tx, writer, event)
+        )
+        return result
+
     # -- operator API
     async def reconcile(
         self,
@@ -121,6 +129,23 @@ class Ledger:
         # The note is the operator's free text: it stays in the ledger, out of the logs.
         log.info(
             "call %s reconciled as %s by %s",
+            call_id,
+            state.stage,
+            by,
+            extra={"event": "reconciled", "call_id": call_id, "stage": state.stage, "by": by},
+        )
+        return state
+
+    async def accept_evidence(
+        self, call_id: str, *, note: str | None, by: str, writer: Writer = OPERATOR
+    ) -> WorkState:
+        """Reconcile an effect-unknown call as its late answer proves (applied at the cost
+        it implies, or not applied); refused without one."""
+        state: WorkState = await self.store.write(
+            writer, lambda tx: evidence.accept_evidence(tx, writer, call_id, note=note, by=by)
+        )
+        log.info(
+            "call %s reconciled as %s by %s on its late answer",
             call_id,
             state.stage,
             by,

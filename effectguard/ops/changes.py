@@ -54,6 +54,8 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
         return await _reconcile_auto(args, ledger)
     if args.resend:
         return await _reconcile_resend(args, ledger)
+    if args.accept_evidence:
+        return await _reconcile_by_evidence(args, ledger)
     if not args.call_id or args.applied == args.not_applied:
         return _usage(
             "reconcile needs CALL_ID and exactly one of --applied / --not-applied (or --auto)"
@@ -73,12 +75,30 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:
-    if not args.call_id or args.applied or args.not_applied or args.cost is not None:
-        return _usage("reconcile --resend needs CALL_ID, and no --applied/--not-applied/--cost")
+    if args.accept_evidence or args.applied or args.not_applied or args.cost is not None:
+        return _usage(
+            "reconcile --resend goes with no --applied/--not-applied/--cost/--accept-evidence"
+        )
+    if not args.call_id:
+        return _usage("reconcile --resend needs CALL_ID")
     if not args.note:
         return _usage("reconcile --resend needs --note TEXT saying why the risk is accepted")
     state = await ledger.authorize_resend(args.call_id, note=args.note, by=args.by)
     emit(args, call_json(state), f"{state.call_id}: one resend authorized (held until it settles)")
+    return EXIT_OK
+
+
+async def _reconcile_by_evidence(args: argparse.Namespace, ledger: Ledger) -> int:
+    if not args.call_id or args.applied or args.not_applied or args.cost is not None:
+        return _usage(
+            "reconcile --accept-evidence needs CALL_ID, and no --applied/--not-applied/--cost "
+            "(the late answer decides them)"
+        )
+    state = await ledger.accept_evidence(args.call_id, note=args.note, by=args.by)
+    from effectguard.callpath.crash import from_environment
+
+    from_environment().hit("after:reconcile")
+    emit(args, call_json(state), f"{state.call_id}: {state.stage} (on its late answer)")
     return EXIT_OK
 
 
@@ -170,6 +190,11 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
         "--resend",
         action="store_true",
         help="authorize one new attempt of an effect_unknown call, accepting a duplicate",
+    )
+    p.add_argument(
+        "--accept-evidence",
+        action="store_true",
+        help="decide an effect_unknown call as its recorded late answer proves (see show)",
     )
     provider_options(p, long_help=False)
     p.set_defaults(run_ledger=cmd_reconcile)

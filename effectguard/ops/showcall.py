@@ -11,12 +11,23 @@ import json
 from typing import Any
 
 from effectguard.ops.render import age, iso, money
-from effectguard.rules.events import StoredEvent, decode_body
+from effectguard.rules import evidence
+from effectguard.rules.events import AttemptLateAnswer, StoredEvent, decode_body
 from effectguard.rules.guidance import next_command
 
-__all__ = ["REQUEST_PREVIEW_CHARS", "attempts", "next_command", "render", "request_json"]
+__all__ = [
+    "REQUEST_PREVIEW_CHARS",
+    "attempts",
+    "late_answers",
+    "next_command",
+    "next_commands",
+    "render",
+    "request_json",
+]
 from effectguard.rules.workstate import WorkState
 
+#: The kind of a late answer kept as evidence (it ends no attempt).
+LATE = AttemptLateAnswer.kind
 #: Characters of the pretty-printed request shown without ``--full``.
 REQUEST_PREVIEW_CHARS = 2000
 
@@ -66,7 +77,7 @@ def attempts(events: list[StoredEvent]) -> list[dict[str, Any]]:
                 "generation": e.data.get("generation"),
                 "ended": "in flight",
             }
-        elif number in found and e.kind.startswith("attempt."):
+        elif number in found and e.kind.startswith("attempt.") and e.kind != LATE:
             found[number].update(ended_at=iso(e.at), ended=_ending(e))
     return [found[n] for n in sorted(found)]
 
@@ -90,6 +101,37 @@ def _ending(e: StoredEvent) -> str:
     if e.kind == "attempt.interrupted":
         return f"interrupted by {d.get('by')}: {d.get('reason')}"
     return e.kind
+
+
+def late_answers(events: list[StoredEvent]) -> list[dict[str, Any]]:
+    """Each late answer kept as evidence (``attempt.late_answer``), for ``show --json``."""
+    return [
+        {"seq": e.seq, "at_iso": iso(e.at), "written_by": e.worker, **e.data}
+        for e in events
+        if e.kind == LATE
+    ]
+
+
+def _evidence_lines(events: list[StoredEvent]) -> list[str]:
+    lines = []
+    for e in events:
+        if e.kind == LATE:
+            late = e.event
+            assert isinstance(late, AttemptLateAnswer)
+            cost = f"; implies {money(late.cost)} USD" if late.cost is not None else ""
+            lines.append(f"  {iso(e.at)} {evidence.describe(late)}{cost}")
+    return lines
+
+
+def next_commands(state: WorkState, events: list[StoredEvent]) -> str | None:
+    """The exact command(s) to run next, ``|``-separated; a late answer that decides an
+    effect-unknown call offers ``--accept-evidence`` first."""
+    command = next_command(state.call_id, state.stage)
+    late = evidence.latest(events, state.attempts)
+    if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
+        accept = f"effectguard reconcile {state.call_id} --accept-evidence [--note TEXT]"
+        return f"{accept} | {command}" if command else accept
+    return command
 
 
 def decisions(events: list[StoredEvent]) -> list[str]:
@@ -140,6 +182,9 @@ def render(state: WorkState, events: list[StoredEvent], *, full: bool, now: floa
         )
     if not attempts(events):
         lines.append("  -")
+    late = _evidence_lines(events)
+    if late:
+        lines += ["", "evidence (kept, not the outcome)", *late]
     decided = decisions(events)
     if decided:
         lines += ["", "decisions", *(f"  {line}" for line in decided)]
@@ -148,7 +193,7 @@ def render(state: WorkState, events: list[StoredEvent], *, full: bool, now: floa
     text = request_text(events)
     lines += ["", "request"]
     lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
-    command = next_command(state.call_id, state.stage)
+    command = next_commands(state, events)
     choices = command.split(" | ") if command else ["nothing to do"]
     lines += ["", "next", *(f"  {'or ' if i else ''}{c}" for i, c in enumerate(choices))]
     return "\n".join(lines)

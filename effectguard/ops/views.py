@@ -95,7 +95,8 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
         ],
         "request": showcall.request_json(events),
         "attempts_detail": showcall.attempts(events),
-        "next_command": showcall.next_command(state.call_id, state.stage),
+        "evidence": showcall.late_answers(events),
+        "next_command": showcall.next_commands(state, events),
     }
     if args.json:
         emit(args, payload, "")

@@ -277,6 +277,34 @@ class AttemptInterrupted(CallEvent):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptLateAnswer(CallEvent):
+    """Evidence: the provider's answer to ``attempt`` reached the worker that sent it after
+    the ledger stopped taking that attempt's outcome (it was fenced, or the attempt was
+    already interrupted). Moves no stage and no money; ``reconcile --accept-evidence`` may
+    decide the call by it (docs/contract.md §6.1, §8).
+
+    ``effect`` is what the provider's declaration says the status means (``applied``,
+    ``none``, ``unknown``); ``cost`` is what the answer would have settled had it come in
+    time (None: it would have charged nothing, or its effect is unknown). ``observed_by`` and
+    ``generation`` name the registration that dispatched the attempt; the event itself is
+    written by a registration the store still accepts.
+    """
+
+    kind: ClassVar[str] = "attempt.late_answer"
+    attempt: int
+    status: int
+    effect: str
+    body_digest: str
+    body_bytes: int
+    usage: dict[str, int] | None
+    usage_problem: str | None
+    cost: int | None
+    observed_by: str
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CallCompleted(CallEvent):
     """The call is finished with ``outcome`` (completed, failed, not_processed)."""
 

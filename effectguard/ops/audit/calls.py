@@ -46,6 +46,8 @@ class CallFold:
         self.manifest: dict[str, Any] = {}
         self.attempts = 0
         self.starter: tuple[str, int] = ("", 0)
+        #: Who started each attempt: a late answer must name the one that dispatched it.
+        self.starters: dict[int, tuple[str, int]] = {}
         self.last_attempt_at = 0.0
         self.attempt_reserve = 0
         self.reserved_at_admission = 0
@@ -91,7 +93,7 @@ class CallFold:
         elif stored.kind == "attempt.started":
             self.resend_authorized = False  # spent by the attempt it allowed
             self.attempts = int(data["attempt"])
-            self.starter = (stored.worker, stored.generation)
+            self.starter = self.starters[self.attempts] = (stored.worker, stored.generation)
             self.last_attempt_at = float(data.get("at", 0.0))
         elif stored.kind == "attempt.observed":
             self.status = int(data["status"])
@@ -121,6 +123,22 @@ class CallFold:
             ]
         if kind == "attempt.interrupted" and data.get("by") != stored.worker:
             return [f"{where}: attempt.interrupted names a marker other than its writer"]
+        if kind == "attempt.late_answer":
+            return self._late_answer_problems(data, where)
+        return []
+
+    def _late_answer_problems(self, data: dict[str, Any], where: str) -> list[str]:
+        """A late answer belongs to an attempt started, and names who dispatched it."""
+        attempt = data.get("attempt")
+        if not isinstance(attempt, int) or attempt not in self.starters:
+            return [f"{where}: attempt.late_answer for attempt {attempt}, which never started"]
+        named = (data.get("observed_by"), data.get("generation"))
+        if named != self.starters[attempt]:
+            worker, generation = self.starters[attempt]
+            return [
+                f"{where}: attempt.late_answer names {named[0]} (generation {named[1]}) as its "
+                f"observer, but attempt {attempt} was started by {worker} (generation {generation})"
+            ]
         return []
 
     def _money(self, refined: str, data: dict[str, Any], where: str) -> list[str]:

@@ -57,6 +57,19 @@ NEEDS: Final[dict[str, str]] = {
 #: idempotency window; §3.4: automatic retries after not sent / not processed).
 _RESUMABLE: Final = ("not_sent", "not_processed", "reconciled_not_applied", "effect_unknown")
 
+#: Where a call rests once it has started an attempt: a late answer to one of its attempts
+#: may be kept there as evidence, and moves nothing (docs/contract.md §6.1).
+_ATTEMPTED: Final = (
+    "in_flight",
+    "not_sent",
+    "effect_unknown",
+    "completed",
+    "not_processed",
+    "failed",
+    "reconciled_applied",
+    "reconciled_not_applied",
+)
+
 #: ``(phase, kind[:variant]) -> next phase``. Anything not listed is illegal.
 TABLE: Final[dict[tuple[str, str], str]] = {
     (NEW, "call.manifest"): "admitted",
@@ -96,6 +109,7 @@ TABLE: Final[dict[tuple[str, str], str]] = {
     ("failed", "call.reconciled:not_applied"): "correcting_not_applied",
     ("correcting_applied", "budget.corrected"): "reconciled_applied",
     ("correcting_not_applied", "budget.corrected"): "reconciled_not_applied",
+    **{(stage, "attempt.late_answer"): stage for stage in _ATTEMPTED},
 }
 
 #: The contract stage a call shows once it reaches a phase (None: unchanged).

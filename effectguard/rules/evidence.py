@@ -1,0 +1,118 @@
+"""A late answer as evidence, and what accepting it decides (docs/contract.md §6.1, §8). Pure.
+
+When an attempt's answer reaches its worker after the ledger stopped taking that attempt's
+outcome (the worker was fenced, or the attempt was already marked interrupted), the answer
+cannot become the call's outcome: the store decided, and §7 keeps it so. It is still
+the best evidence there is of what the provider did, so it is kept as an
+``attempt.late_answer``: its status, what the provider's declaration says that status means,
+a digest and size of the body (not the body), the usage and the cost it implies.
+
+Accepting it (``reconcile --accept-evidence``) is an operator's decision with the same
+meaning the answer would have had in time: an applied answer reconciles the call applied at
+the cost it implies, a status the provider declares unprocessed reconciles it not applied,
+and a status of unknown effect proves nothing, so it decides nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from effectguard.errors import ReconcileError
+from effectguard.rules.events import AttemptLateAnswer, AttemptObserved, StoredEvent
+from effectguard.rules.lookups import digest
+from effectguard.rules.settlement import Settlement
+
+#: Values of ``attempt.late_answer``'s ``effect`` (the provider's declaration of its status).
+EFFECTS = ("applied", "none", "unknown")
+
+
+def late_answer(
+    settlement: Settlement,
+    body: bytes,
+    *,
+    effect: str,
+    observed_by: str,
+    generation: int,
+    reason: str,
+) -> AttemptLateAnswer:
+    """The evidence event for an answer whose settlement the store refused.
+
+    ``settlement`` is what the answer would have settled (:func:`rules.settlement.settle`);
+    its observation gives the attempt, the status and the usage as reported.
+    """
+    observed = next(e for e in settlement.events if isinstance(e, AttemptObserved))
+    return AttemptLateAnswer(
+        call=observed.call,
+        attempt=observed.attempt,
+        status=observed.status,
+        effect=effect,
+        body_digest=digest(body),
+        body_bytes=len(body),
+        usage=observed.usage,
+        usage_problem=observed.usage_problem,
+        cost=settlement.actual if effect == "applied" else None,
+        observed_by=observed_by,
+        generation=generation,
+        reason=reason[:300],
+    )
+
+
+def latest(events: Iterable[StoredEvent], attempt: int) -> AttemptLateAnswer | None:
+    """The last late answer recorded for ``attempt`` among a call's events."""
+    found = None
+    for stored in events:
+        if stored.kind == AttemptLateAnswer.kind and stored.data.get("attempt") == attempt:
+            event = stored.event
+            assert isinstance(event, AttemptLateAnswer)
+            found = event
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """What accepting a late answer decides: applied (at ``cost``; None: the hold) or not."""
+
+    applied: bool
+    cost: int | None
+    note: str
+
+
+def describe(evidence: AttemptLateAnswer) -> str:
+    """One line naming the evidence: attempt, status, meaning, body digest, observer."""
+    usage = evidence.usage or {}
+    text = (
+        f"late answer to attempt {evidence.attempt}: status {evidence.status} "
+        f"(effect {evidence.effect}), body {evidence.body_digest} ({evidence.body_bytes} bytes)"
+    )
+    if usage and evidence.usage_problem is None:
+        text += f", usage {usage.get('input_tokens', 0)} in / {usage.get('output_tokens', 0)} out"
+    elif evidence.usage_problem:
+        text += f", usage {evidence.usage_problem}"
+    return text + f", observed by {evidence.observed_by} (generation {evidence.generation})"
+
+
+def accept(
+    call_id: str, evidence: AttemptLateAnswer | None, attempt: int, note: str | None
+) -> Acceptance:
+    """The decision a late answer to the call's current ``attempt`` proves.
+
+    Refused (:class:`ReconcileError`) when there is no such answer, or when the provider
+    declares its status of unknown effect: then it proves nothing either way.
+    """
+    if evidence is None:
+        raise ReconcileError(
+            f"call {call_id} has no late answer recorded for attempt {attempt}; "
+            "decide it with --applied or --not-applied and a note",
+            call_id=call_id,
+        )
+    said = f"accepted {describe(evidence)}" + (f"; {note}" if note else "")
+    if evidence.effect == "applied":
+        return Acceptance(True, evidence.cost, said)
+    if evidence.effect == "none":
+        return Acceptance(False, None, said)
+    raise ReconcileError(
+        f"call {call_id}: the late answer's status {evidence.status} is one the provider "
+        "declares of unknown effect; it proves nothing, so it decides nothing",
+        call_id=call_id,
+    )

@@ -1,0 +1,374 @@
+"""A fenced worker's late answer is kept as evidence and can decide the call
+(docs/contract.md §6.1, §7, §8).
+
+* In process: a worker is taken over while its call is on the wire; when the provider's
+  answer arrives, the store refuses it as the outcome (502 ``observe_refused``) but keeps
+  it as ``attempt.late_answer``, written by a fresh registration of the same process. The
+  call stays ``effect_unknown``; ``show`` displays the evidence; ``reconcile
+  --accept-evidence`` decides it as the provider's declaration reads the status.
+* With real processes: two proxies on one ledger, the one holding a call SIGSTOPped past
+  its lease; after SIGCONT its late answer is kept, and the CLI accepts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import signal
+import sqlite3
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from observing import cli_json, wait_for
+
+from effectguard.callpath.guard import Guard
+from effectguard.callpath.recovery import WorkerRuntime
+from effectguard.callpath.runtime import Runtime, RuntimeConfig
+from effectguard.errors import Refusal
+from effectguard.ledger import operations
+from effectguard.ops.cli import main as cli_main
+from effectguard.ops.verify import verify_ledger
+from effectguard.providers import load_providers
+from effectguard.testing import fake_provider, start_proxy
+
+CHAT = "/v1/chat/completions"
+MODEL = "gpt-4o-mini"
+UPSTREAM = "http://upstream.test"
+
+
+def chat(content: str) -> dict[str, Any]:
+    """A small chat completion request."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+
+
+def answer_body(status: int) -> bytes:
+    """What the held upstream answers: a completion with usage, or an error."""
+    if status >= 400:
+        return json.dumps({"error": {"type": "invalid_request_error", "message": "no"}}).encode()
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    message = {"role": "assistant", "content": "ok"}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    body = {"id": "x", "object": "chat.completion", "model": MODEL, "usage": usage}
+    return json.dumps({**body, "choices": [choice]}).encode()
+
+
+class HeldUpstream:
+    """Holds the request until released, then answers ``status``."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.sent = 0
+        self.release = asyncio.Event()
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        await self.release.wait()
+        return httpx.Response(
+            self.status,
+            headers={"content-type": "application/json"},
+            stream=httpx.ByteStream(answer_body(self.status)),
+            request=request,
+        )
+
+
+@dataclass
+class Fenced:
+    """A call whose worker was taken over while the provider held it."""
+
+    runtime: Runtime
+    guard: Guard
+    ledger_path: Path
+    upstream: HeldUpstream
+    task: asyncio.Future[httpx.Response]
+    call_id: str
+    old: tuple[str, int]
+
+
+@pytest_asyncio.fixture
+async def fenced_call(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Fenced]:
+    """A worker's call on the wire, its worker fenced and the call marked effect_unknown
+    by a peer's sweep. The heartbeat never runs: the fenced worker has not noticed."""
+    path = tmp_path / "l.db"
+    config = RuntimeConfig(
+        ledger_url=str(path),
+        providers=load_providers([], {"openai": UPSTREAM}),
+        lease_s=60,
+        heartbeat_s=3600,
+        sweep_s=3600,
+    )
+    runtime = Runtime(config)
+    guard = await runtime.start()
+    upstream = HeldUpstream(request.param)
+    openai = guard.providers["openai"]
+    req = httpx.Request(
+        "POST", UPSTREAM + CHAT, json=chat("held"), headers={"Idempotency-Key": "k"}
+    )
+    task = asyncio.ensure_future(guard.handle(openai, req, upstream.send))
+    peer = WorkerRuntime(
+        runtime.ledger, lock_dir=None, lease_s=60, heartbeat_s=3600, sweep_s=3600, host="peer"
+    )
+    try:
+        while upstream.sent == 0:
+            await asyncio.sleep(0.01)
+        old = guard.writer
+        taker = await peer.start()
+        await runtime.ledger.store.write(
+            taker, lambda tx: operations.sweep(tx, taker, frozenset({old.worker}))
+        )
+        (call,) = await runtime.ledger.calls()
+        assert call.stage == "effect_unknown"
+        yield Fenced(
+            runtime, guard, path, upstream, task, call.call_id, (old.worker, old.generation)
+        )
+    finally:
+        upstream.release.set()
+        with contextlib.suppress(Exception):
+            await task
+        await peer.stop()
+        await runtime.stop()
+
+
+async def late_refusal(fenced: Fenced) -> Refusal:
+    """Release the held answer; the client's refusal."""
+    fenced.upstream.release.set()
+    with pytest.raises(Refusal) as refused:
+        await fenced.task
+    return refused.value
+
+
+async def acli(*args: str) -> tuple[int, str]:
+    """:func:`cli` from a test's event loop (the CLI runs its own)."""
+    return await asyncio.to_thread(cli, *args)
+
+
+async def ajson(*args: str) -> Any:
+    """:func:`observing.cli_json` from a test's event loop."""
+    return await asyncio.to_thread(cli_json, *args)
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """Run an ``effectguard`` command in this process: its exit code and stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli_main(list(args))
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_late_answer_is_kept_without_changing_the_stage(fenced_call: Fenced) -> None:
+    """The fenced worker's late 200 is refused as the outcome but kept as evidence, written
+    by a fresh registration of the same process; stage and money stay as they were."""
+    ledger = fenced_call.runtime.ledger
+    before = await ledger.call(fenced_call.call_id)
+    refusal = await late_refusal(fenced_call)
+    assert refusal.status == 502 and refusal.type == "observe_refused"
+    assert "kept as evidence" in refusal.message
+
+    events = await ledger.events(fenced_call.call_id)
+    late = events[-1]
+    assert late.kind == "attempt.late_answer"
+    body = answer_body(200)
+    assert late.data["status"] == 200 and late.data["effect"] == "applied"
+    assert late.data["body_digest"] == "sha256:" + hashlib.sha256(body).hexdigest()
+    assert late.data["body_bytes"] == len(body)
+    assert late.data["usage"]["input_tokens"] == 3 and late.data["usage"]["output_tokens"] == 2
+    assert (late.data["observed_by"], late.data["generation"]) == fenced_call.old
+    # Written by the registration that replaced the fenced one, not by the fenced one.
+    new = fenced_call.guard.writer
+    assert (late.worker, late.generation) == (new.worker, new.generation)
+    assert new.generation > fenced_call.old[1]
+    assert "attempt.observed" not in [e.kind for e in events]
+
+    after = await ledger.call(fenced_call.call_id)
+    assert after == before and after.stage == "effect_unknown"
+    assert (await verify_ledger(ledger)).ok
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_show_displays_and_reconcile_accepts_the_late_answer(fenced_call: Fenced) -> None:
+    """``show`` lists the evidence and offers --accept-evidence; accepting a 2xx answer
+    reconciles the call applied at the cost its usage implies, below the hold."""
+    await late_refusal(fenced_call)
+    await fenced_call.runtime.stop()
+    ledger, call_id = str(fenced_call.ledger_path), fenced_call.call_id
+
+    shown = await ajson("show", call_id, "--ledger", ledger)
+    (late,) = shown["evidence"]
+    assert late["status"] == 200 and late["effect"] == "applied"
+    assert shown["stage"] == "effect_unknown"
+    assert shown["next_command"].startswith(f"effectguard reconcile {call_id} --accept-evidence")
+    (attempt,) = shown["attempts_detail"]
+    assert attempt["ended"].startswith("interrupted by")
+    code, text = await acli("show", call_id, "--ledger", ledger)
+    assert code == 0
+    assert "evidence (kept, not the outcome)" in text
+    assert "late answer to attempt 1: status 200 (effect applied)" in text
+    assert "--accept-evidence" in text
+
+    decided = await ajson(
+        "reconcile",
+        call_id,
+        "--accept-evidence",
+        "--note",
+        "seen",
+        "--by",
+        "ops",
+        "--ledger",
+        ledger,
+    )
+    assert decided["stage"] == "reconciled_applied"
+    implied = Decimal(late["cost"]) / 10**9
+    assert Decimal(decided["cost_usd"]) == implied
+    assert 0 < implied < Decimal(shown["held_usd"])
+    assert Decimal(decided["held_usd"]) == 0
+    events = (await ajson("show", call_id, "--ledger", ledger))["events"]
+    (reconciled,) = [e["data"] for e in events if e["kind"] == "call.reconciled"]
+    assert reconciled["by"] == "ops" and reconciled["applied"] is True
+    assert late["body_digest"] in reconciled["note"] and reconciled["note"].endswith("; seen")
+    assert (await acli("verify", "--ledger", ledger))[0] == 0
+
+
+@pytest.mark.parametrize("fenced_call", [400], indirect=True)
+async def test_an_unprocessed_late_answer_reconciles_not_applied(fenced_call: Fenced) -> None:
+    """A late status the provider declares not processed (400) is accepted as not applied:
+    the hold is given back."""
+    await late_refusal(fenced_call)
+    ledger = fenced_call.runtime.ledger
+    state = await ledger.accept_evidence(fenced_call.call_id, note=None, by="ops")
+    assert state.stage == "reconciled_not_applied"
+    assert state.held == 0 and not state.cost
+    assert (await verify_ledger(ledger)).ok
+
+
+@pytest.mark.parametrize("fenced_call", [500], indirect=True)
+async def test_a_late_answer_of_unknown_effect_decides_nothing(fenced_call: Fenced) -> None:
+    """A late 500 (declared transient with unknown effect) is kept, but accepting it is
+    refused (exit 3): it proves nothing either way."""
+    await late_refusal(fenced_call)
+    await fenced_call.runtime.stop()
+    ledger, call_id = str(fenced_call.ledger_path), fenced_call.call_id
+    (late,) = (await ajson("show", call_id, "--ledger", ledger))["evidence"]
+    assert late["status"] == 500 and late["effect"] == "unknown" and late["cost"] is None
+    assert (await acli("reconcile", call_id, "--accept-evidence", "--ledger", ledger))[0] == 3
+    assert (await ajson("show", call_id, "--ledger", ledger))["stage"] == "effect_unknown"
+
+
+async def test_accept_evidence_without_evidence_is_refused(tmp_path: Path) -> None:
+    """A call with no late answer cannot be decided by one (exit 3); flags that decide by
+    hand do not go with --accept-evidence (exit 2)."""
+    path = tmp_path / "l.db"
+    config = RuntimeConfig(ledger_url=str(path), providers=load_providers([], {"openai": UPSTREAM}))
+    runtime = Runtime(config)
+    guard = await runtime.start()
+    try:
+
+        async def broken(request: httpx.Request) -> httpx.Response:
+            raise httpx.ReadTimeout("no answer", request=request)
+
+        req = httpx.Request("POST", UPSTREAM + CHAT, json=chat("x"))
+        with pytest.raises(Refusal):
+            await guard.handle(guard.providers["openai"], req, broken)
+        (call,) = await runtime.ledger.calls()
+        assert call.stage == "effect_unknown"
+    finally:
+        await runtime.stop()
+    ledger = str(path)
+    assert (await acli("reconcile", call.call_id, "--accept-evidence", "--ledger", ledger))[0] == 3
+    for extra in (["--applied"], ["--not-applied"], ["--cost", "1"], ["--resend", "--note", "n"]):
+        code, _ = await acli(
+            "reconcile", call.call_id, "--accept-evidence", *extra, "--ledger", ledger
+        )
+        assert code == 2, extra
+    assert (await ajson("show", call.call_id, "--ledger", ledger))["stage"] == "effect_unknown"
+
+
+# -- real processes -------------------------------------------------------------------
+
+LEASE = """
+[server]
+lease_s = 2
+heartbeat_s = 0.5
+sweep_s = 0.5
+"""
+
+
+def ledger_events(ledger: Path) -> list[dict[str, Any]]:
+    """Every event, read through a read-only connection."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT seq, kind, call_id, data, worker FROM events ORDER BY seq")
+        return [
+            {"seq": r[0], "kind": r[1], "call": r[2], "data": json.loads(r[3]), "worker": r[4]}
+            for r in rows
+        ]
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_stopped_proxys_late_answer_is_kept_and_accepted(tmp_path: Path) -> None:
+    """SIGSTOP past the lease while the fake provider works on a call: the peer takes it
+    over and marks it effect_unknown; after SIGCONT the late 200 is kept as evidence (the
+    client still gets 502), the stage stays effect_unknown, and the operator accepts it."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "lease.toml"
+    config.write_text(LEASE)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        kwargs: dict[str, Any] = {
+            "upstreams": {"openai": fake.url},
+            "args": ["--config", str(config)],
+        }
+        first = start_proxy(ledger, **kwargs)
+        second = start_proxy(ledger, **kwargs)
+        try:
+            headers = {"Idempotency-Key": "held", "x-fake-behaviour": "delay=3"}
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(
+                    httpx.post,
+                    first.url + "/openai" + CHAT,
+                    json=chat("held"),
+                    headers=headers,
+                    timeout=60,
+                )
+                wait_for(lambda: fake.receipts(), 10, "the provider to receive the call")
+                first.kill(signal.SIGSTOP)
+                (started,) = [e for e in ledger_events(ledger) if e["kind"] == "attempt.started"]
+                call_id, worker = started["call"], started["data"]["worker"]
+                wait_for(
+                    lambda: any(
+                        e["kind"] == "attempt.interrupted" and e["call"] == call_id
+                        for e in ledger_events(ledger)
+                    ),
+                    15,
+                    "the second proxy to take the stopped one over and mark its call",
+                )
+                first.kill(signal.SIGCONT)
+                late = pending.result(timeout=30)
+            assert late.status_code == 502, late.text
+            assert late.json()["error"]["type"] == "observe_refused"
+            assert "kept as evidence" in late.json()["error"]["message"]
+        finally:
+            first.kill(signal.SIGCONT)
+            first.stop()
+            second.stop()
+        assert len(fake.effects()) == 1
+    (kept,) = [e for e in ledger_events(ledger) if e["kind"] == "attempt.late_answer"]
+    assert kept["call"] == call_id and kept["data"]["status"] == 200
+    assert kept["data"]["observed_by"] == worker and kept["worker"] != worker
+
+    shown = cli_json("show", call_id, "--ledger", str(ledger))
+    assert shown["stage"] == "effect_unknown" and shown["evidence"][0]["status"] == 200
+    decided = cli_json("reconcile", call_id, "--accept-evidence", "--ledger", str(ledger))
+    assert decided["stage"] == "reconciled_applied"
+    assert Decimal(decided["cost_usd"]) == Decimal(kept["data"]["cost"]) / 10**9
+    assert cli("verify", "--ledger", str(ledger))[0] == 0
