@@ -17,9 +17,11 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import signal
 import sqlite3
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
@@ -62,21 +64,36 @@ def answer_body(status: int) -> bytes:
     return json.dumps({**body, "choices": [choice]}).encode()
 
 
-class HeldUpstream:
-    """Holds the request until released, then answers ``status``."""
+def stream_body() -> bytes:
+    """A streamed completion whose last chunk before ``[DONE]`` carries the usage."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    head = {"id": "x", "object": "chat.completion.chunk", "model": MODEL}
+    delta = {"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}
+    chunks = [{**head, "choices": [delta]}, {**head, "choices": [], "usage": usage}]
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
+        b"data: [DONE]\n\n"
+    )
 
-    def __init__(self, status: int) -> None:
+
+class HeldUpstream:
+    """Holds the request until released, then answers ``status`` (or a 200 stream)."""
+
+    def __init__(self, status: int, *, stream: bool = False) -> None:
         self.status = status
+        self.stream = stream
         self.sent = 0
         self.release = asyncio.Event()
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         self.sent += 1
         await self.release.wait()
+        kind, body = "application/json", answer_body(self.status)
+        if self.stream:
+            kind, body = "text/event-stream", stream_body()
         return httpx.Response(
             self.status,
-            headers={"content-type": "application/json"},
-            stream=httpx.ByteStream(answer_body(self.status)),
+            headers={"content-type": kind},
+            stream=httpx.ByteStream(body),
             request=request,
         )
 
@@ -87,20 +104,36 @@ class Fenced:
 
     runtime: Runtime
     guard: Guard
-    ledger_path: Path
+    ledger_url: str
     upstream: HeldUpstream
     task: asyncio.Future[httpx.Response]
     call_id: str
     old: tuple[str, int]
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh ledger: a SQLite file, or a PostgreSQL schema of its own (dropped after)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "ledger.db")
+        return
+    dsn = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
+    if not dsn:
+        pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
+    schema = "late_" + uuid.uuid4().hex[:10]
+    yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
 @pytest_asyncio.fixture
-async def fenced_call(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Fenced]:
+async def fenced_call(request: pytest.FixtureRequest, ledger_url: str) -> AsyncIterator[Fenced]:
     """A worker's call on the wire, its worker fenced and the call marked effect_unknown
     by a peer's sweep. The heartbeat never runs: the fenced worker has not noticed."""
-    path = tmp_path / "l.db"
     config = RuntimeConfig(
-        ledger_url=str(path),
+        ledger_url=ledger_url,
         providers=load_providers([], {"openai": UPSTREAM}),
         lease_s=60,
         heartbeat_s=3600,
@@ -108,11 +141,13 @@ async def fenced_call(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIt
     )
     runtime = Runtime(config)
     guard = await runtime.start()
-    upstream = HeldUpstream(request.param)
+    streamed = request.param == "stream"
+    upstream = HeldUpstream(200 if streamed else request.param, stream=streamed)
     openai = guard.providers["openai"]
-    req = httpx.Request(
-        "POST", UPSTREAM + CHAT, json=chat("held"), headers={"Idempotency-Key": "k"}
-    )
+    body = chat("held")
+    if streamed:
+        body.update(stream=True, stream_options={"include_usage": True})
+    req = httpx.Request("POST", UPSTREAM + CHAT, json=body, headers={"Idempotency-Key": "k"})
     task = asyncio.ensure_future(guard.handle(openai, req, upstream.send))
     peer = WorkerRuntime(
         runtime.ledger, lock_dir=None, lease_s=60, heartbeat_s=3600, sweep_s=3600, host="peer"
@@ -128,7 +163,7 @@ async def fenced_call(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIt
         (call,) = await runtime.ledger.calls()
         assert call.stage == "effect_unknown"
         yield Fenced(
-            runtime, guard, path, upstream, task, call.call_id, (old.worker, old.generation)
+            runtime, guard, ledger_url, upstream, task, call.call_id, (old.worker, old.generation)
         )
     finally:
         upstream.release.set()
@@ -200,7 +235,7 @@ async def test_show_displays_and_reconcile_accepts_the_late_answer(fenced_call: 
     reconciles the call applied at the cost its usage implies, below the hold."""
     await late_refusal(fenced_call)
     await fenced_call.runtime.stop()
-    ledger, call_id = str(fenced_call.ledger_path), fenced_call.call_id
+    ledger, call_id = fenced_call.ledger_url, fenced_call.call_id
 
     shown = await ajson("show", call_id, "--ledger", ledger)
     (late,) = shown["evidence"]
@@ -238,6 +273,23 @@ async def test_show_displays_and_reconcile_accepts_the_late_answer(fenced_call: 
     assert (await acli("verify", "--ledger", ledger))[0] == 0
 
 
+@pytest.mark.parametrize("fenced_call", ["stream"], indirect=True)
+async def test_a_streamed_late_answer_is_kept(fenced_call: Fenced) -> None:
+    """A stream whose end arrives after the fence: the client's stream ends in an error,
+    never a clean finish, and the whole stream is kept as evidence with its usage."""
+    fenced_call.upstream.release.set()
+    response = await fenced_call.task
+    with pytest.raises(httpx.RemoteProtocolError, match="kept as evidence"):
+        await response.aread()
+    ledger = fenced_call.runtime.ledger
+    late = (await ledger.events(fenced_call.call_id))[-1]
+    assert late.kind == "attempt.late_answer"
+    assert late.data["status"] == 200 and late.data["body_bytes"] == len(stream_body())
+    assert late.data["usage"]["output_tokens"] == 2 and late.data["usage_problem"] is None
+    assert (await ledger.call(fenced_call.call_id)).stage == "effect_unknown"
+    assert (await verify_ledger(ledger)).ok
+
+
 @pytest.mark.parametrize("fenced_call", [400], indirect=True)
 async def test_an_unprocessed_late_answer_reconciles_not_applied(fenced_call: Fenced) -> None:
     """A late status the provider declares not processed (400) is accepted as not applied:
@@ -256,7 +308,7 @@ async def test_a_late_answer_of_unknown_effect_decides_nothing(fenced_call: Fenc
     refused (exit 3): it proves nothing either way."""
     await late_refusal(fenced_call)
     await fenced_call.runtime.stop()
-    ledger, call_id = str(fenced_call.ledger_path), fenced_call.call_id
+    ledger, call_id = fenced_call.ledger_url, fenced_call.call_id
     (late,) = (await ajson("show", call_id, "--ledger", ledger))["evidence"]
     assert late["status"] == 500 and late["effect"] == "unknown" and late["cost"] is None
     assert (await acli("reconcile", call_id, "--accept-evidence", "--ledger", ledger))[0] == 3
