@@ -1,0 +1,110 @@
+"""Python heap held and peaked by one multipart upload on the proxy's body path, by step.
+
+``python -m effectguard_bench.uploadmemory [--mib 10]`` builds a multipart body with one
+binary file part (random bytes, so the manifest stores it as base64), then measures with
+``tracemalloc``, one step after the other and in this process (no ledger is written):
+
+1. the front door reading it as a server hands it over (64 KiB chunks);
+2. ``prepare``: parsing and hashing its parts, and encoding it for the manifest;
+3. sealing the ``call.manifest`` event (its canonical JSON, which carries the body).
+
+It answers whether spooling the front door's copy to disk would bound an upload's memory
+(docs/contract.md §2.5): only if the later steps stop holding the whole body too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tracemalloc
+from typing import Any
+
+import httpx
+
+from effectguard.callpath.prepare import prepare
+from effectguard.config.settings import GuardSettings
+from effectguard.ingress import server
+from effectguard.providers import load_providers
+from effectguard.rules.events import GENESIS_DIGEST, CallManifest, seal
+
+BOUNDARY = "b0undary"
+CHUNK = 64 * 1024
+
+
+def upload(size: int) -> bytes:
+    """A ``/v1/files``-style multipart body whose file part has ``size`` random bytes."""
+    head = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nassistants\r\n'
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="a.bin"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    )
+    return head.encode() + os.urandom(size) + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _step(name: str) -> None:
+    held, peak = tracemalloc.get_traced_memory()
+    print(f"{name:<56} held {_mib(held):>10}  peak {_mib(peak):>10}")
+    tracemalloc.reset_peak()
+
+
+async def measure(size: int) -> None:
+    """Print what each step holds and peaks at for an upload of about ``size`` bytes."""
+    body = upload(size)
+    pos = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal pos  # a new bytes object per chunk, as a server hands it over
+        chunk = body[pos : pos + CHUNK]
+        pos += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": pos < len(body)}
+
+    openai = load_providers([])["openai"]
+    print(f"upload of {_mib(len(body))} (one binary file part)")
+    tracemalloc.start()
+    raw = await server._read_body(receive, len(body))
+    _step("1. front door read (chunks, then joined)")
+    request = httpx.Request(
+        "POST",
+        openai.base_url + "/v1/files",
+        content=raw,
+        headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"},
+    )
+    prepared = prepare(openai, request, GuardSettings(), budget="default", budget_root=None)
+    assert prepared is not None
+    _step(f"2. prepare (parts hashed, body {prepared.admit.body_encoding} for the manifest)")
+    a = prepared.admit
+    manifest = CallManifest(
+        call="c",
+        request_hash=a.request_hash,
+        provider=a.provider,
+        endpoint=a.endpoint,
+        method=a.method,
+        model=a.model,
+        idempotency_key=None,
+        budget=a.budget,
+        budget_root=a.budget,
+        effect_kind=a.effect_kind,
+        body=a.body,
+        body_encoding=a.body_encoding,
+    )
+    sealed = seal(manifest, seq=1, worker="w", generation=1, at=0.0, prev_digest=GENESIS_DIGEST)
+    _step("3. call.manifest sealed (canonical JSON)")
+    tracemalloc.stop()
+    del sealed
+
+
+def main() -> None:
+    """The command line: ``--mib`` sets the file part's size."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=10.0, help="file part size in MiB")
+    args = parser.parse_args()
+    asyncio.run(measure(int(args.mib * 2**20)))
+
+
+if __name__ == "__main__":
+    main()
