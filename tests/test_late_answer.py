@@ -37,7 +37,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.recovery import WorkerRuntime
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
-from effectguard.ledger import operations
+from effectguard.ledger import Writer, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
@@ -271,6 +271,26 @@ async def test_show_displays_and_reconcile_accepts_the_late_answer(fenced_call: 
     assert reconciled["by"] == "ops" and reconciled["applied"] is True
     assert late["body_digest"] in reconciled["note"] and reconciled["note"].endswith("; seen")
     assert (await acli("verify", "--ledger", ledger))[0] == 0
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_evidence_is_never_written_as_the_fenced_registration(fenced_call: Fenced) -> None:
+    """Where no registration but the fenced one is at hand (a guard without its worker
+    runtime), the store refuses the evidence too: the client still gets its 502 saying
+    so, and nothing is written as the fenced registration."""
+
+    async def only_the_fenced_one(writer: Writer) -> Writer:
+        return writer
+
+    fenced_call.guard.recorder.evidence_writer = only_the_fenced_one
+    refusal = await late_refusal(fenced_call)
+    assert refusal.status == 502 and refusal.type == "observe_refused"
+    assert "could not be kept as evidence either" in refusal.message
+    ledger = fenced_call.runtime.ledger
+    events = await ledger.events(fenced_call.call_id)
+    assert "attempt.late_answer" not in [e.kind for e in events]
+    assert (await ledger.call(fenced_call.call_id)).stage == "effect_unknown"
+    assert (await verify_ledger(ledger)).ok
 
 
 @pytest.mark.parametrize("fenced_call", ["stream"], indirect=True)

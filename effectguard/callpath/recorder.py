@@ -175,7 +175,7 @@ class Recorder:
         try:
             writer = await self.evidence_writer(admitted.writer)
             await self.ledger.record_late_answer(writer, late)
-        except LedgerError as exc:
+        except (LedgerError, OSError) as exc:  # OSError: registering anew takes a lock file
             self.observer.incident("late_answer_lost", admitted.call_id, _describe(exc))
             return f"its answer (status {status}) could not be kept as evidence either"
         self.observer.incident("late_answer", admitted.call_id, evidence.describe(late))
