@@ -9,6 +9,7 @@ once apply each version exactly once.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,11 +21,16 @@ from psycopg import sql
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 
+log = logging.getLogger("effectguard.ledger")
+
 #: A writer connection idle inside a transaction this long is ended by the server, so
 #: a stopped (SIGSTOP) or wedged replica holds the batch lock (and stalls every other
 #: replica's writes, heartbeats included) for at most this long. Keep leases well above it.
 IDLE_IN_TRANSACTION_MS = 5000
 CONNECT_TIMEOUT_S = 10
+
+#: The ledger's clock (seconds since the epoch, float8): every time the store reads.
+CLOCK_FUNCTION = "effectguard_now"
 
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
@@ -101,6 +107,24 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             """CREATE TABLE rate_windows (
                 path TEXT PRIMARY KEY, minute BIGINT NOT NULL, requests BIGINT NOT NULL,
                 tokens BIGINT NOT NULL)""",
+        ],
+    ),
+    (
+        5,
+        "the ledger's clock: effectguard_now(), the database's clock plus a test-only offset",
+        [
+            # One row, 0 unless a test moved it (effectguard.testing.pgclock): a test can
+            # put a period boundary seconds away and still have the database as its clock.
+            """CREATE TABLE clock_offset (
+                only_row BOOLEAN PRIMARY KEY DEFAULT true CHECK (only_row),
+                seconds DOUBLE PRECISION NOT NULL DEFAULT 0)""",
+            "INSERT INTO clock_offset DEFAULT VALUES",
+            # SET search_path binds the function to this ledger's schema: whoever calls
+            # it reads this ledger's offset, never another schema's table of that name.
+            f"""CREATE FUNCTION {CLOCK_FUNCTION}() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE
+                SET search_path FROM CURRENT AS $$
+                SELECT extract(epoch FROM clock_timestamp())::float8 + seconds FROM clock_offset
+                $$""",
         ],
     ),
 ]
@@ -190,6 +214,23 @@ def migrate(url: str) -> list[int]:
         raise LedgerUnavailable(f"ledger migration failed: {exc}") from exc
     finally:
         conn.close()
+
+
+def clock_offset(conn: psycopg.Connection[Any]) -> float:
+    """The seconds ``effectguard_now()`` adds to the database's clock (0 unless a test set it).
+
+    A non-zero offset in a ledger that is not a test's is a mistake, so it is logged.
+    """
+    row = conn.execute("SELECT seconds FROM clock_offset").fetchone()
+    seconds = float(row[0]) if row else 0.0
+    if seconds:
+        log.warning(
+            "the ledger's clock is shifted by %+.3f s (table clock_offset): a seam for tests; "
+            "outside a test set it back to 0",
+            seconds,
+            extra={"event": "ledger_clock_shifted", "seconds": seconds},
+        )
+    return seconds
 
 
 def migrate_on(conn: psycopg.Connection[Any], target: Target) -> list[int]:

@@ -16,9 +16,13 @@ statement per table together with ``COMMIT``, and point reads are answered from
 what the batch already read or wrote — sound because the lock keeps every other
 writer out until ``COMMIT`` (see :class:`PostgresSession`).
 
-The clock is the database's (``clock_timestamp()`` read right after the lock is
-taken, once per batch), so leases compare times from one clock and clock skew
-between replica hosts cannot give a worker's calls two owners.
+The clock is the database's (``effectguard_now()``, that is ``clock_timestamp()``,
+read right after the lock is taken, once per batch), so leases, periods and rate
+windows compare times from one clock and clock skew between replica hosts cannot
+give a worker's calls two owners. ``effectguard_now()`` adds the ledger's
+``clock_offset``, which is 0 except where a test moved it
+(:mod:`effectguard.testing.pgclock`); opening a store with a non-zero offset logs a
+warning.
 
 Reads use a separate :class:`psycopg.AsyncConnection` in autocommit mode, so
 operator queries and metrics scrapes never queue behind writes.
@@ -46,8 +50,10 @@ from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.pgschema import (
+    CLOCK_FUNCTION,
     IDLE_IN_TRANSACTION_MS,
     Target,
+    clock_offset,
     lock_key,
     migrate,
     migrate_on,
@@ -84,10 +90,10 @@ T = TypeVar("T")
 #: Rows per multi-row statement (PostgreSQL takes at most 65535 parameters).
 _ROWS_PER_STATEMENT = 1000
 _HEAD_AND_CLOCK = (
-    "SELECT extract(epoch FROM clock_timestamp())::float8, e.seq, e.digest FROM (SELECT 1) one "
+    f"SELECT {CLOCK_FUNCTION}(), e.seq, e.digest FROM (SELECT 1) one "
     "LEFT JOIN LATERAL (SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
 )
-_CLOCK = "SELECT extract(epoch FROM clock_timestamp())"
+_CLOCK = f"SELECT {CLOCK_FUNCTION}()"
 
 
 @dataclass
@@ -181,6 +187,7 @@ class PostgresSession:
         )
         try:
             migrate_on(conn, self._target)
+            clock_offset(conn)
         except BaseException:
             conn.close()
             raise
