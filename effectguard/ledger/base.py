@@ -217,6 +217,10 @@ class LedgerStore(Protocol):
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
         ...
 
+    async def rate_windows(self) -> list[RateWindow]:
+        """Every stored rate window (one per node that has counted a minute)."""
+        ...
+
     async def stage_counts(self) -> list[tuple[str, str, int, int]]:
         """``(provider, stage, count, held)`` for unresolved stages, for metrics."""
         ...

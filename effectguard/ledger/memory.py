@@ -283,6 +283,10 @@ class MemoryStore:
         with self.tables.lock:
             return [e for e in self.tables.events if e.kind == BudgetLimitSet.kind]
 
+    async def rate_windows(self) -> list[RateWindow]:
+        with self.tables.lock:
+            return sorted(self.tables.windows.values(), key=lambda w: w.path)
+
     async def stage_counts(self) -> list[tuple[str, str, int, int]]:
         counts: dict[tuple[str, str], list[int]] = {}
         with self.tables.lock:

@@ -20,11 +20,13 @@ from effectguard.ledger.rows import (
     node_from_row,
     policy_from_row,
     state_from_json,
+    window_from_row,
     worker_from_row,
 )
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
 
@@ -88,3 +90,7 @@ class SqlReads(ABC):
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
         return [event_from_row(r) for r in await self._fetch(self.queries.limit_events)]
+
+    async def rate_windows(self) -> list[RateWindow]:
+        """Every stored rate window (one per node that has counted a minute)."""
+        return [window_from_row(r) for r in await self._fetch(self.queries.windows)]

@@ -16,6 +16,7 @@ from effectguard.ops.audit import (
     BudgetRow,
     KeyRow,
     PolicyRow,
+    RateRow,
     Verifier,
     VerifyReport,
     WorkerRow,
@@ -48,6 +49,7 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         columns = await ledger.store.call_columns()
         workers = await ledger.store.workers()
         keys = await ledger.store.keys()
+        windows = await ledger.store.rate_windows()
     budget_rows = [BudgetRow(n.path, n.period, n.reserved, n.spent, n.held) for n in nodes]
     policy_rows = [
         PolicyRow(p.path, p.limit, p.period, p.tz, p.rpm, p.tpm, p.concurrency) for p in policies
@@ -67,7 +69,10 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         )
         for k in keys
     ]
-    return verifier.finish(budget_rows, states, columns, worker_rows, key_rows, policy_rows)
+    rate_rows = [RateRow(w.path, w.minute, w.requests, w.tokens) for w in windows]
+    return verifier.finish(
+        budget_rows, states, columns, worker_rows, key_rows, policy_rows, rate_rows
+    )
 
 
 async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:

@@ -3,9 +3,9 @@
 A ``ledger.archived`` event says events ``first_seq..last_seq`` left the live ledger. For
 ``verify`` to start at the cut it needs what those events leave behind: the chain's last
 digest, the registered and fenced workers, the budget counters per (path, period), the
-policies and the keys. :func:`export_state` writes that down from a verifier that folded
-the archived events itself; :func:`seed` starts a verifier from it. The state is plain
-JSON, so the archive file and the checkpoint event carry it as they are.
+policies, the keys and the rate windows. :func:`export_state` writes that down from a
+verifier that folded the archived events itself; :func:`seed` starts a verifier from it.
+The state is plain JSON, so the archive file and the checkpoint event carry it as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from effectguard.ops.audit.budgets import Budgets, Node, Policy
 from effectguard.ops.audit.chain import Chain
 from effectguard.ops.audit.keys import KeyRow, Keys
+from effectguard.ops.audit.rates import RateRow, Rates
 from effectguard.ops.audit.writers import Writers
 
 KIND = "ledger.archived"
@@ -27,6 +28,7 @@ class Folded(Protocol):
     writers: Writers
     budgets: Budgets
     keys: Keys
+    rates: Rates
 
 
 def export_state(v: Folded) -> dict[str, Any]:
@@ -40,6 +42,7 @@ def export_state(v: Folded) -> dict[str, Any]:
         "budgets": sorted([p, per, *node.row()] for (p, per), node in v.budgets.nodes.items()),
         "policies": sorted([path, *policy] for path, policy in v.budgets.policies.items()),
         "keys": sorted(list(row) for row in v.keys.rows.values()),
+        "rates": sorted(list(row) for row in v.rates.windows.values()),
     }
 
 
@@ -55,6 +58,23 @@ def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -
     v.budgets.nodes = {(str(p), str(per)): Node(r, s, h) for p, per, r, s, h in state["budgets"]}
     v.budgets.policies = {str(row[0]): _policy(row[1:]) for row in state["policies"]}
     v.keys.rows = {str(row[0]): _key(row) for row in state["keys"]}
+    if "rates" in state:
+        v.rates.windows = {
+            str(p): RateRow(str(p), int(m), int(r), int(t)) for p, m, r, t in state["rates"]
+        }
+    else:  # a checkpoint written before windows were carried: they are unknown at the cut
+        v.rates.partial = True
+
+
+def same_state(folded: dict[str, Any], recorded: Any) -> bool:
+    """Whether a checkpoint's ``recorded`` state is what folding its events gave.
+
+    A checkpoint written before rate windows were carried has no ``rates``: it is judged
+    on the rest.
+    """
+    if isinstance(recorded, dict) and "rates" not in recorded:
+        folded = {k: v for k, v in folded.items() if k != "rates"}
+    return bool(folded == recorded)
 
 
 def check(seq: int, data: dict[str, Any]) -> list[str]:

@@ -3,7 +3,8 @@
 :class:`Verifier` runs each event through the chain check, the writer rules, the call's
 legal sequence and the budget arithmetic; :meth:`Verifier.finish` then checks that every
 call ended in a stage (nothing required is missing) and that what the store keeps for
-speed (call states, their indexed columns, budget rows, worker rows) equals the fold.
+speed (call states, their indexed columns, budget rows, worker rows, keys, rate
+windows) equals the fold.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from effectguard.ops.audit.calls import COLUMN_NAMES, CallFold
 from effectguard.ops.audit.chain import Chain
 from effectguard.ops.audit.keys import KINDS as KEY_KINDS
 from effectguard.ops.audit.keys import KeyRow, Keys
+from effectguard.ops.audit.rates import RateRow, Rates
 from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.writers import Writers
 from effectguard.rules.events import StoredEvent
@@ -65,6 +67,7 @@ class Verifier:
         self.writers = Writers()
         self.budgets = Budgets()
         self.keys = Keys()
+        self.rates = Rates()
         self.calls: dict[str, CallFold] = {}
 
     def feed(self, stored: StoredEvent) -> None:
@@ -99,7 +102,11 @@ class Verifier:
             if fold is None:
                 fold = self.calls[stored.call_id] = CallFold(stored.call_id)
             money = self.budgets.feed(seq, kind, data, stored.at, stored.call_id)
-            return fold.feed(stored) + money
+            problems = fold.feed(stored) + money
+            self.rates.feed(
+                kind, data, stored.at, stored.call_id, fold.last_attempt_at, self.budgets.policies
+            )
+            return problems
         except (KeyError, TypeError, ValueError) as exc:
             return [f"event {seq}: unreadable {kind}: {exc!r}"]
 
@@ -111,6 +118,7 @@ class Verifier:
         worker_rows: Iterable[WorkerRow] | None = None,
         key_rows: Iterable[KeyRow] | None = None,
         policy_rows: Iterable[PolicyRow] | None = None,
+        rate_rows: Iterable[RateRow] | None = None,
     ) -> VerifyReport:
         """Check every call ended in a stage, then compare the stored projections."""
         last = self.chain.expected_seq - 1
@@ -131,6 +139,9 @@ class Verifier:
             self._workers(worker_rows, last)
         if key_rows is not None:
             self._keys(key_rows, last)
+        if rate_rows is not None:
+            for problem in self.rates.compare(list(rate_rows)):
+                self.report.broken(last, problem)
         return self.report
 
     def _columns(self, rows: Iterable[CallColumns]) -> None:
