@@ -208,7 +208,7 @@ op_id = { header = "X-Effectguard-Op" }
         call_id = first.headers["effectguard-call-id"]
         assert sent == {
             **EMAIL,
-            "idem": "k1",
+            "idem": call_id,  # the provider's key is the call's, not the client's "k1"
             "metadata": {"mine": "kept", "effectguard_op": call_id},
         }
         assert post.calls[0].request.headers.get_list("x-effectguard-op") == [

@@ -946,7 +946,8 @@ def _tool_transport(make_transport: MakeTransport) -> AsyncGuardTransport:
 async def test_tool_provider_sends_declared_idempotency_header_and_charges_per_call(
     respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """send_email gets one Idempotency-Key (the client's) and is charged its per-call price."""
+    """send_email gets one Idempotency-Key (the call's id, never the client's key) and is
+    charged its per-call price."""
     route = respx_mock.post("/v1/send").mock(return_value=httpx.Response(200, json={"id": "m1"}))
     t = _tool_transport(make_transport)
     client = httpx.AsyncClient(transport=t)
@@ -954,8 +955,10 @@ async def test_tool_provider_sends_declared_idempotency_header_and_charges_per_c
     keyless = await client.post(SEND, json=EMAIL)
     assert (r.status_code, keyless.status_code) == (200, 200)
     assert route.call_count == 2
-    assert route.calls[0].request.headers.get_list("idempotency-key") == ["mail-1"]
-    # Without a client key, the provider is still given a stable key for the call.
+    assert route.calls[0].request.headers.get_list("idempotency-key") == [
+        r.headers["effectguard-call-id"]
+    ]
+    # Without a client key, the provider is given the call's id just the same.
     assert route.calls[1].request.headers.get_list("idempotency-key") == [
         keyless.headers["effectguard-call-id"]
     ]
@@ -981,9 +984,10 @@ async def test_tool_provider_effect_unknown_keyed_call_is_resent_with_same_key(
     assert second.status_code == 200
     assert second.headers["effectguard-call-id"] == first.headers["effectguard-call-id"]
     assert route.call_count == 2
+    call_id = first.headers["effectguard-call-id"]
     assert [c.request.headers.get_list("idempotency-key") for c in route.calls] == [
-        ["mail-2"],
-        ["mail-2"],
+        [call_id],
+        [call_id],
     ]
     call = await only_call(t)
     assert (call.stage, call.attempts) == ("completed", 2)

@@ -488,9 +488,10 @@ async def test_keyed_repeat_of_effect_unknown_is_refused(
 async def test_effect_unknown_inside_provider_window_is_resent(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:
-    """With a declared provider window, an effect-unknown call is resent with the provider key."""
+    """With a declared provider window, an effect-unknown call is resent with the provider key
+    (its call id, not the client's key)."""
     admitted = await admit_ok(ledger, w1, req(ns, key="k1", provider_idempotency_window_s=3600.0))
-    assert admitted.provider_idempotency_key == "k1"
+    assert admitted.provider_idempotency_key == admitted.call_id
     await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
     resent = await ledger.admit(w1, req(ns, key="k1", provider_idempotency_window_s=3600.0))
     assert (resent.action, resent.call_id, resent.attempt) == (
@@ -498,7 +499,7 @@ async def test_effect_unknown_inside_provider_window_is_resent(
         admitted.call_id,
         2,
     )
-    assert resent.provider_idempotency_key == "k1"
+    assert resent.provider_idempotency_key == admitted.call_id
     state = await ledger.call(admitted.call_id)
     assert (state.stage, state.attempts, state.reserved, state.held) == ("in_flight", 2, R, 0)
     assert await node(ledger, ns) == (None, R, 0, 0)  # the old hold is replaced, not doubled

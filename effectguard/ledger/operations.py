@@ -157,7 +157,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     if refusal is not None:
         return _refused(tx, writer, events, call_id, refusal)
     attempt = (existing.attempts if existing is not None else 0) + 1
-    provider_key = (req.idempotency_key or call_id) if req.provider_idempotency_window_s else None
+    provider_key = _provider_key(tx, req, existing, call_id)
     if released:
         events.append(
             BudgetUnheld(call=call_id, budget=budget, amount=released, spent=0, periods=periods)
@@ -186,6 +186,27 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         state=states[call_id],
         provider_idempotency_key=provider_key,
     )
+
+
+def _provider_key(
+    tx: Tx, req: AdmitRequest, existing: WorkState | None, call_id: str
+) -> str | None:
+    """The idempotency key the provider sees for this attempt (docs/contract.md §4).
+
+    A new call's is its call id, never the client's ``Idempotency-Key``: clients of
+    different budget roots sharing one provider account may use the same key string, and
+    the provider would fold one's call into the other's effect. A later attempt keeps the
+    key its call's earlier attempt sent, read from the ledger (never recomputed), so the
+    provider dedups the resend, whatever rule chose that key when it was first sent.
+    """
+    if not req.provider_idempotency_window_s:
+        return None
+    if existing is not None:
+        for stored in reversed(tx.events_of(existing.call_id)):
+            event = stored.event
+            if isinstance(event, AttemptStarted) and event.provider_idempotency_key is not None:
+                return event.provider_idempotency_key
+    return call_id
 
 
 def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
