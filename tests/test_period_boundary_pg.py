@@ -149,7 +149,7 @@ def _check_burst(
     assert set(tried) == {before, after}
     # The burst straddled the boundary with more clients than room on each side (else this
     # run cannot show a full day; it says nothing about admission).
-    assert tried[before] > ROOM and tried[after] > ROOM, tried
+    assert tried[before] > ROOM and tried[after] > ROOM, f"did not straddle: {tried}"
     admitted = {r.headers["effectguard-call-id"]: r for r in responses if r.status_code == 200}
     assert Counter(day[cid] for cid in admitted) == {before: ROOM, after: ROOM}
     assert {c["stage"] for cid, c in calls.items() if cid not in admitted} == {"refused"}
