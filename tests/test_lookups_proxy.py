@@ -79,12 +79,14 @@ def test_keyed_resends_are_refused_while_fresh_then_decided_by_lookup(tmp_path: 
     """Applied (reached the provider): 409, then its object recovered, no new charge.
     Lost (crashed before dispatch): 409, then resent exactly once."""
     ledger = tmp_path / "ledger.db"
-    args = proxy_args(tmp_path, freshness=12, sweep_s=3600)
+    args = proxy_args(tmp_path, freshness=15, sweep_s=3600)
     extra = ["--search-lag", "10", "--lookup-key", KEY]
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=extra) as fake:
         crash(ledger, fake, "after:dispatch", "paid", args)
-        lost_at = time.time()
         crash(ledger, fake, "after:admit", "lost", args)
+        # Taken after the crash returns, so it is no earlier than the lost call's
+        # admission: a slow proxy start must not leave that call inside its freshness.
+        lost_at = time.time()
         assert len(charges(fake)) == 1
         proxy = start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=ENV)
         try:
@@ -97,7 +99,7 @@ def test_keyed_resends_are_refused_while_fresh_then_decided_by_lookup(tmp_path: 
                 refused = resend(key)
                 assert refused.status_code == 409, refused.text
                 assert refused.json()["error"]["type"] == "effect_unknown"
-            time.sleep(max(0.0, lost_at + 12.5 - time.time()))  # past the lag and freshness
+            time.sleep(max(0.0, lost_at + 15.5 - time.time()))  # past the lag and freshness
             paid, lost = resend("paid"), resend("lost")
         finally:
             proxy.stop()
