@@ -273,13 +273,18 @@ def _reseal_with_one_body_changed(path: Path) -> None:
     _rewrite(path, reseal)
 
 
-def test_archive_refuses_postgres_and_needs_a_cutoff(
+def test_archive_refuses_memory_and_needs_a_cutoff(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """PostgreSQL ledgers are refused with exit 2 and a reason; without --before the
-    config's [retention] keep_bodies_days gives the cut-off."""
-    assert main(["archive", "--before", "1d", "--ledger", "postgresql://h/db"]) == 2
-    assert "PostgreSQL" in capsys.readouterr().err
+    """A memory ledger, or --out with a PostgreSQL ledger (its archive is a table), is
+    refused with exit 2 and a reason; without --before the config's [retention]
+    keep_bodies_days gives the cut-off."""
+    assert main(["archive", "--before", "1d", "--ledger", "memory://"]) == 2
+    assert "memory" in capsys.readouterr().err
+    assert main(["archive", "--before", "1d", "--ledger", "postgresql://h/db", "--out", "f"]) == 2
+    assert "archived_events" in capsys.readouterr().err
+    assert main(["verify", "--archived", "--ledger", str(tmp_path / "x.db")]) == 2
+    assert "--archive FILE" in capsys.readouterr().err
     ledger = tmp_path / "ledger.db"
     assert main(["migrate", "--ledger", str(ledger)]) == 0
     assert main(["archive", "--ledger", str(ledger)]) == 2

@@ -127,6 +127,69 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 $$""",
         ],
     ),
+    (
+        6,
+        "archive: the one DELETE path for events, tied to a ledger.archived checkpoint; "
+        "archived events, ranges and keys kept in tables of their own",
+        [
+            # As on SQLite: events up to meta.archived_through may be deleted, nothing
+            # else; that mark moves only forward, and only to the range the newest event
+            # (a checkpoint written in the same transaction) says it archived.
+            "INSERT INTO meta(key, value) VALUES ('archived_through', 0)",
+            "DROP TRIGGER events_no_change ON events",
+            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+                FOR EACH ROW EXECUTE FUNCTION events_append_only()""",
+            # coalesce: a deleted meta row must not open the table (NULL compares false).
+            # SET search_path FROM CURRENT: the functions read this ledger's meta and
+            # events whatever the search_path of the session that fires them.
+            """CREATE FUNCTION events_delete_archived() RETURNS trigger LANGUAGE plpgsql
+                SET search_path FROM CURRENT AS $$
+                BEGIN
+                    IF OLD.seq > coalesce(
+                        (SELECT value FROM meta WHERE key = 'archived_through'), 0) THEN
+                        RAISE EXCEPTION 'events are append-only';
+                    END IF;
+                    RETURN OLD;
+                END $$""",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+                FOR EACH ROW EXECUTE FUNCTION events_delete_archived()""",
+            """CREATE FUNCTION meta_archived_through() RETURNS trigger LANGUAGE plpgsql
+                SET search_path FROM CURRENT AS $$
+                BEGIN
+                    IF NEW.key <> OLD.key OR NEW.value < OLD.value OR NOT EXISTS (
+                        SELECT 1 FROM events WHERE seq = (SELECT max(seq) FROM events)
+                        AND kind = 'ledger.archived'
+                        AND (data::jsonb ->> 'last_seq')::bigint = NEW.value) THEN
+                        RAISE EXCEPTION 'archived_through moves only with a checkpoint';
+                    END IF;
+                    RETURN NEW;
+                END $$""",
+            """CREATE TRIGGER meta_archived_through BEFORE UPDATE ON meta
+                FOR EACH ROW WHEN (OLD.key = 'archived_through')
+                EXECUTE FUNCTION meta_archived_through()""",
+            """CREATE TABLE archived_keys (
+                budget_root TEXT NOT NULL, idempotency_key TEXT NOT NULL, call_id TEXT NOT NULL,
+                request_hash TEXT NOT NULL, PRIMARY KEY (budget_root, idempotency_key))""",
+            # The archive: the events exactly as they were, and per range what an archive
+            # file's header and last line hold (the state before it, its checkpoint).
+            """CREATE TABLE archived_events (
+                seq BIGINT PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
+                worker TEXT NOT NULL, generation BIGINT NOT NULL, at DOUBLE PRECISION NOT NULL,
+                prev_digest TEXT NOT NULL, digest TEXT NOT NULL)""",
+            """CREATE TABLE archives (
+                checkpoint_seq BIGINT PRIMARY KEY, first_seq BIGINT NOT NULL,
+                last_seq BIGINT NOT NULL, prev_digest TEXT NOT NULL, start_state TEXT,
+                checkpoint TEXT NOT NULL)""",
+            """CREATE TRIGGER archived_events_no_change BEFORE UPDATE OR DELETE ON archived_events
+                FOR EACH ROW EXECUTE FUNCTION events_append_only()""",
+            """CREATE TRIGGER archived_events_no_truncate BEFORE TRUNCATE ON archived_events
+                FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
+            """CREATE TRIGGER archives_no_change BEFORE UPDATE OR DELETE ON archives
+                FOR EACH ROW EXECUTE FUNCTION events_append_only()""",
+            """CREATE TRIGGER archives_no_truncate BEFORE TRUNCATE ON archives
+                FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
+        ],
+    ),
 ]
 
 

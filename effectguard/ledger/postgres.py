@@ -94,6 +94,10 @@ _HEAD_AND_CLOCK = (
     "LEFT JOIN LATERAL (SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
 )
 _CLOCK = f"SELECT {CLOCK_FUNCTION}()"
+_ARCHIVED_KEY = (
+    "SELECT call_id, request_hash FROM archived_keys "
+    "WHERE budget_root = %s AND idempotency_key = %s"
+)
 
 
 @dataclass
@@ -331,7 +335,8 @@ class PostgresSession:
         return self._scan_call(POSTGRES.keyed_call, (root, key))
 
     def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
-        return None  # `effectguard archive` refuses PostgreSQL ledgers for now
+        rows = self._get(_ARCHIVED_KEY, (root, key))  # written only under the batch lock
+        return (str(rows[0][0]), str(rows[0][1])) if rows else None
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         return self._scan_call(POSTGRES.unresolved_call, (root, request_hash, since))

@@ -1,5 +1,8 @@
 """``effectguard archive``: move final calls' events out of a live SQLite ledger.
 
+(A PostgreSQL ledger archives into its own ``archived_events`` table with the same plan,
+proof and checkpoint: :mod:`effectguard.ops.pgarchive`.)
+
 An archive takes the longest prefix of the live chain that :mod:`effectguard.rules.retention`
 allows (every call in it final, admitted before the cut-off, past its provider's
 idempotency window, and whole), and in one transaction:
@@ -29,44 +32,16 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from effectguard.errors import ConfigError, LedgerCorrupt
-from effectguard.ledger.base import OPERATOR
-from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row, state_from_json
+from effectguard.ledger.rows import EVENT_COLUMNS
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteschema import connect, migrate
 from effectguard.ops import archivefile
-from effectguard.ops.audit import Verifier, checkpoint
-from effectguard.rules.events import GENESIS_DIGEST, LedgerArchived, StoredEvent, seal
-from effectguard.rules.retention import EventRef, cut, stays_live
-
-
-@dataclass(frozen=True, slots=True)
-class ArchiveResult:
-    """What an archive moved (``events`` 0: nothing could be archived yet)."""
-
-    path: str | None
-    first_seq: int
-    last_seq: int
-    events: int
-    calls: int
-    keys: int
-    checkpoint_seq: int
-    page_count: int
-    freelist_count: int
-
-
-@dataclass
-class _Plan:
-    first: int
-    last: int
-    prev_digest: str
-    start_state: dict[str, Any] | None
-    events: list[StoredEvent]
-    calls: dict[str, tuple[str | None, str, str]]  # call id -> key, root, request hash
+from effectguard.ops.archiveplan import ArchiveResult, Plan, plan_archive, prove, seal_checkpoint
+from effectguard.rules.events import StoredEvent
 
 
 def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> ArchiveResult:
@@ -88,73 +63,18 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
         conn.close()
 
 
-def _plan(conn: sqlite3.Connection, before: float, now: float) -> _Plan | None:
+def _plan(conn: sqlite3.Connection, before: float, now: float) -> Plan | None:
     conn.execute("BEGIN")  # one read snapshot; writers go on
     try:
-        refs = [
-            EventRef(int(s), c, float(a))
-            for s, c, a in conn.execute("SELECT seq, call_id, at FROM events ORDER BY seq")
-        ]
-        if not refs:
-            return None
-        archivable: dict[str, bool] = {}
-        keys: dict[str, tuple[str | None, str, str]] = {}
-        for (text,) in conn.execute("SELECT state FROM calls"):
-            state = state_from_json(text)
-            archivable[state.call_id] = stays_live(state, before=before, now=now) is None
-            keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
-        last = cut(refs, archivable, before=before)
-        first = refs[0].seq
-        if last < first:
-            return None
-        start_state, prev_digest = _previous(conn, first)
-        rows = conn.execute(
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq <= ? ORDER BY seq", (last,)
-        )
-        events = [event_from_row(row) for row in rows]
+        return plan_archive(lambda q, p: list(conn.execute(q.replace("%s", "?"), p)), before, now)
     finally:
         conn.execute("COMMIT")
-    calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
-    if not calls:
-        return None  # only checkpoints and worker events: not worth a file of its own
-    return _Plan(first, last, prev_digest, start_state, events, calls)
 
 
-def _previous(conn: sqlite3.Connection, first: int) -> tuple[dict[str, Any] | None, str]:
-    """The state and digest the checkpoint of the previous cut left (none at event 1)."""
-    if first == 1:
-        return None, GENESIS_DIGEST
-    row = conn.execute(
-        "SELECT data FROM events WHERE kind = ? AND json_extract(data, '$.last_seq') = ? "
-        "ORDER BY seq DESC LIMIT 1",
-        (checkpoint.KIND, first - 1),
-    ).fetchone()
-    if row is None:
-        raise LedgerCorrupt(f"events before {first} are gone and no checkpoint covers them")
-    data = json.loads(row[0])
-    return data["state"], str(data["last_digest"])
-
-
-def _prove(plan: _Plan) -> dict[str, Any]:
-    """The range, folded by the independent verifier; refuses a range that does not verify."""
-    verifier = Verifier()
-    if plan.start_state is not None:
-        checkpoint.seed(
-            verifier, plan.start_state, next_seq=plan.first, prev_digest=plan.prev_digest
-        )
-    for stored in plan.events:
-        verifier.feed(stored)
-    unfinished = [c for c, fold in verifier.calls.items() if fold.unfinished is not None]
-    problems = verifier.report.problems + [f"call {c} is not whole" for c in unfinished]
-    if problems:
-        raise LedgerCorrupt(f"refusing to archive events that do not verify: {problems[:3]}")
-    return checkpoint.export_state(verifier)
-
-
-def _commit(conn: sqlite3.Connection, plan: _Plan, target: Path) -> ArchiveResult:
-    state = _prove(plan)
+def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult:
+    state = prove(plan)
     lines = [archivefile.event_line(e) for e in plan.events]
-    keyed = [(root, key, c, h) for c, (key, root, h) in plan.calls.items() if key is not None]
+    keyed = plan.keyed()
     header = {
         "first_seq": plan.first,
         "last_seq": plan.last,
@@ -170,25 +90,8 @@ def _commit(conn: sqlite3.Connection, plan: _Plan, target: Path) -> ArchiveResul
         head_seq, head_digest = conn.execute(
             "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
         ).fetchone()
-        mark = LedgerArchived(
-            first_seq=plan.first,
-            last_seq=plan.last,
-            prev_digest=plan.prev_digest,
-            last_digest=plan.events[-1].digest,
-            events=len(plan.events),
-            calls=len(plan.calls),
-            keys=len(keyed),
-            archive=target.name,
-            archive_sha256=archivefile.lines_sha256(lines),
-            state=state,
-        )
-        stored, data_json = seal(
-            mark,
-            seq=int(head_seq) + 1,
-            worker=OPERATOR.worker,
-            generation=OPERATOR.generation,
-            at=time.time(),
-            prev_digest=str(head_digest),
+        stored, data_json = seal_checkpoint(
+            plan, state, target.name, lines, (int(head_seq), str(head_digest)), time.time()
         )
         archivefile.append_checkpoint(partial, stored)
         _apply(conn, stored, data_json, plan, keyed)
@@ -212,7 +115,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _refuse_if_moved(conn: sqlite3.Connection, plan: _Plan) -> None:
+def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
     # Archived calls are final, yet a failed call can still be reconciled: if any event
     # of an archived call came after the plan, the plan is stale.
     ids = list(plan.calls)
@@ -234,7 +137,7 @@ def _apply(
     conn: sqlite3.Connection,
     stored: StoredEvent,
     data_json: str,
-    plan: _Plan,
+    plan: Plan,
     keyed: list[tuple[str, str, str, str]],
 ) -> None:
     conn.execute(
@@ -279,13 +182,17 @@ def _result(
 def cmd_archive(args: argparse.Namespace) -> int:
     """``effectguard archive [--before DATE] [--ledger L] [--out FILE] [--json]``."""
     ledger: str = args.ledger
-    if ledger.startswith(("postgresql://", "postgres://", "memory://")):
-        raise ConfigError(
-            "archive moves events out of SQLite ledgers only for now; a PostgreSQL ledger "
-            "keeps every event (back it up with pg_dump or point-in-time recovery)"
-        )
+    if ledger.startswith("memory://"):
+        raise ConfigError("a memory ledger has nothing to archive")
     before = _before(args)
-    result = archive_sqlite(ledger, before=before, out=Path(args.out) if args.out else None)
+    if ledger.startswith(("postgresql://", "postgres://")):
+        if args.out:
+            raise ConfigError("a PostgreSQL ledger archives into its archived_events table")
+        from effectguard.ops.pgarchive import archive_postgres
+
+        result = archive_postgres(ledger, before=before)
+    else:
+        result = archive_sqlite(ledger, before=before, out=Path(args.out) if args.out else None)
     if args.json:
         print(json.dumps(asdict(result), indent=2))
     elif result.events == 0:

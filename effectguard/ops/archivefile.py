@@ -81,7 +81,11 @@ def read_archive(path: Path) -> tuple[dict[str, Any], list[str], StoredEvent]:
 
 def verify_archive(path: Path) -> VerifyReport:
     """Prove an archive file on its own (see the module docstring)."""
-    header, lines, tail = read_archive(path)
+    return verify_range(*read_archive(path))
+
+
+def verify_range(header: dict[str, Any], lines: list[str], tail: StoredEvent) -> VerifyReport:
+    """Prove one archived range from its header, event lines and checkpoint alone."""
     verifier = Verifier()
     report = verifier.report
     first = int(header["first_seq"])

@@ -148,9 +148,21 @@ def _instant(text: str) -> str:
 
 
 def cmd_verify_entry(args: argparse.Namespace) -> int:
-    """``effectguard verify [--archive FILE]``: the ledger, or an archive file on its own."""
+    """``effectguard verify [--archive FILE | --archived]``: the ledger, or an archive
+    (a file, or a PostgreSQL ledger's archive table) on its own."""
     ledger_url: str = args.ledger
     has_ledger = "://" in ledger_url or Path(ledger_url).exists()
+    if args.archived:
+        if not ledger_url.startswith(("postgresql://", "postgres://")):
+            print(
+                "effectguard: --archived verifies a PostgreSQL ledger's archive table; "
+                "a SQLite ledger's archives are files (--archive FILE)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        from effectguard.ops.pgarchive import verify_archived
+
+        return _report(args, verify_archived(ledger_url))
     if args.archive is None and not has_ledger:
         print(f"effectguard: no ledger at {ledger_url} (use --ledger)", file=sys.stderr)
         return EXIT_USAGE
@@ -244,6 +256,12 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="verify an archive file on its own (and against the ledger's checkpoint, "
         "when the ledger exists)",
+    )
+    p.add_argument(
+        "--archived",
+        action="store_true",
+        help="verify a PostgreSQL ledger's archive table on its own, range by range, "
+        "and against the checkpoints in its chain",
     )
     p.set_defaults(run=cmd_verify_entry)
 

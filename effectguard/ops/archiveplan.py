@@ -1,0 +1,143 @@
+"""What an archive takes, and the proof and checkpoint it leaves: shared by both ledgers.
+
+:func:`plan_archive` reads, in one snapshot of either ledger, the longest prefix of the
+live chain that :mod:`effectguard.rules.retention` allows; :func:`prove` folds it with
+the independent verifier (a range that does not verify is never archived);
+:func:`seal_checkpoint` makes the ``ledger.archived`` event that records it. Where the
+events go (a file for SQLite, a table for PostgreSQL) is each ledger's module's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from effectguard.errors import LedgerCorrupt
+from effectguard.ledger.base import OPERATOR
+from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row, state_from_json
+from effectguard.ops import archivefile
+from effectguard.ops.audit import Verifier, checkpoint
+from effectguard.rules.events import GENESIS_DIGEST, LedgerArchived, StoredEvent, seal
+from effectguard.rules.retention import EventRef, cut, stays_live
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveResult:
+    """What an archive moved (``events`` 0: nothing could be archived yet)."""
+
+    path: str | None
+    first_seq: int
+    last_seq: int
+    events: int
+    calls: int
+    keys: int
+    checkpoint_seq: int
+    page_count: int
+    freelist_count: int
+
+
+@dataclass
+class Plan:
+    first: int
+    last: int
+    prev_digest: str
+    start_state: dict[str, Any] | None
+    events: list[StoredEvent]
+    calls: dict[str, tuple[str | None, str, str]]  # call id -> key, root, request hash
+
+    def keyed(self) -> list[tuple[str, str, str, str]]:
+        """``archived_keys`` rows: (root, key, call id, request hash) of keyed calls."""
+        return [(r, k, c, h) for c, (k, r, h) in self.calls.items() if k is not None]
+
+
+Fetch = Callable[[str, Sequence[Any]], list[Any]]
+
+
+def plan_archive(fetch: Fetch, before: float, now: float) -> Plan | None:
+    """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot."""
+    refs = [
+        EventRef(int(s), c, float(a))
+        for s, c, a in fetch("SELECT seq, call_id, at FROM events ORDER BY seq", ())
+    ]
+    if not refs:
+        return None
+    archivable: dict[str, bool] = {}
+    keys: dict[str, tuple[str | None, str, str]] = {}
+    for (text,) in fetch("SELECT state FROM calls", ()):
+        state = state_from_json(text)
+        archivable[state.call_id] = stays_live(state, before=before, now=now) is None
+        keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
+    last = cut(refs, archivable, before=before)
+    first = refs[0].seq
+    if last < first:
+        return None
+    start_state, prev_digest = _previous(fetch, first)
+    rows = fetch(f"SELECT {EVENT_COLUMNS} FROM events WHERE seq <= %s ORDER BY seq", (last,))
+    events = [event_from_row(row) for row in rows]
+    calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
+    if not calls:
+        return None  # only checkpoints and worker events: not worth a file of its own
+    return Plan(first, last, prev_digest, start_state, events, calls)
+
+
+def _previous(fetch: Fetch, first: int) -> tuple[dict[str, Any] | None, str]:
+    """The state and digest the checkpoint of the previous cut left (none at event 1)."""
+    if first == 1:
+        return None, GENESIS_DIGEST
+    # The live ledger holds few checkpoints (the last cut's, usually): read them all.
+    for (text,) in fetch(
+        "SELECT data FROM events WHERE kind = %s ORDER BY seq DESC", (checkpoint.KIND,)
+    ):
+        data = json.loads(text)
+        if data.get("last_seq") == first - 1:
+            return data["state"], str(data["last_digest"])
+    raise LedgerCorrupt(f"events before {first} are gone and no checkpoint covers them")
+
+
+def prove(plan: Plan) -> dict[str, Any]:
+    """The range, folded by the independent verifier; refuses a range that does not verify."""
+    verifier = Verifier()
+    if plan.start_state is not None:
+        checkpoint.seed(
+            verifier, plan.start_state, next_seq=plan.first, prev_digest=plan.prev_digest
+        )
+    for stored in plan.events:
+        verifier.feed(stored)
+    unfinished = [c for c, fold in verifier.calls.items() if fold.unfinished is not None]
+    problems = verifier.report.problems + [f"call {c} is not whole" for c in unfinished]
+    if problems:
+        raise LedgerCorrupt(f"refusing to archive events that do not verify: {problems[:3]}")
+    return checkpoint.export_state(verifier)
+
+
+def seal_checkpoint(
+    plan: Plan,
+    state: dict[str, Any],
+    archive: str,
+    lines: list[str],
+    head: tuple[int, str],
+    at: float,
+) -> tuple[StoredEvent, str]:
+    """The ``ledger.archived`` event for ``plan``, sealed as the event after ``head``."""
+    mark = LedgerArchived(
+        first_seq=plan.first,
+        last_seq=plan.last,
+        prev_digest=plan.prev_digest,
+        last_digest=plan.events[-1].digest,
+        events=len(plan.events),
+        calls=len(plan.calls),
+        keys=len(plan.keyed()),
+        archive=archive,
+        archive_sha256=archivefile.lines_sha256(lines),
+        state=state,
+    )
+    return seal(
+        mark,
+        seq=head[0] + 1,
+        worker=OPERATOR.worker,
+        generation=OPERATOR.generation,
+        at=at,
+        prev_digest=head[1],
+    )
