@@ -14,7 +14,9 @@ steady size in the first half of the run, so its size at the end of the second h
 must stay under a bound derived from the first half's largest size. A ledger that kept
 every event would roughly double between the two.
 
-``EFFECTGUARD_SOAK_S`` sets the duration (default 120 s; about 135 s of wall time).
+``EFFECTGUARD_SOAK_S`` sets the duration (default 120 s; about 126 s of wall time). The
+ledger reaches its steady size some 15 s in, so the size is compared only from 60 s on:
+shorter runs are for working on the test itself.
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ def test_soak_archival_every_few_seconds_keeps_the_sqlite_ledger_bounded(
     for path in sorted(shipped.iterdir()):  # every shipped file still proves itself
         code, report = _cli(capsys, "verify", "--archive", str(path), "--ledger", str(ledger))
         assert code == 0, (path, report["problems"])
+    if DURATION_S < 60:
+        return  # a short run (to iterate on the test) is all warm-up: no size to compare
     first = [size for at, size in sizes if at <= DURATION_S / 2]
     end = sizes[-1][1]
     # A ledger keeping every event would about double; a bounded one stays near its
