@@ -269,15 +269,20 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
         help="archive final calls admitted before this ISO date/time or duration ago "
         "(30d); default: [retention] keep_bodies_days from --config",
     )
-    p.add_argument("--out", metavar="FILE", help="the archive file (default: next to the ledger)")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="the archive file of a SQLite ledger (default: next to the ledger)",
+    )
     p.set_defaults(run=_archive)
 
 
 ARCHIVE = Command(
     "archive",
-    "move final calls' events to an archive file",
-    "Move the events of final calls admitted before DATE out of a SQLite ledger into a "
-    "gzip'd archive file, leaving a ledger.archived checkpoint that verify follows.",
+    "move final calls' events to an archive file or table",
+    "Move the events of final calls admitted before DATE out of the live ledger: a SQLite "
+    "ledger's into a gzip'd archive file, a PostgreSQL ledger's into its archived_events "
+    "table; either leaves a ledger.archived checkpoint that verify follows.",
     _archive_arguments,
 )
 
