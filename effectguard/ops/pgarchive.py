@@ -34,7 +34,13 @@ from typing import Any
 import psycopg
 
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
-from effectguard.ledger.pgschema import CLOCK_FUNCTION, Target, lock_key, migrate_on
+from effectguard.ledger.pgschema import (
+    CLOCK_FUNCTION,
+    IDLE_IN_TRANSACTION_MS,
+    Target,
+    lock_key,
+    migrate_on,
+)
 from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row
 from effectguard.ops import archivefile
 from effectguard.ops.archiveplan import ArchiveResult, Plan, plan_archive, prove, seal_checkpoint
@@ -48,7 +54,12 @@ TABLE = "archived_events"
 def archive_postgres(url: str, *, before: float) -> ArchiveResult:
     """Archive what the retention rules allow of the PostgreSQL ledger at ``url``."""
     target = Target.parse(url)
-    conn = target.connect()
+    # As the replicas' writers: an archive stopped while it holds the batch lock is ended
+    # by the server, so it cannot stall every replica's writes for longer than this.
+    conn = target.connect(
+        idle_in_transaction_session_timeout=str(IDLE_IN_TRANSACTION_MS),
+        synchronous_commit="on",
+    )
     try:
         migrate_on(conn, target)
         plan = _plan(conn, before)
