@@ -26,7 +26,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from effectguard_bench import ledgerbench, proxybench, recoverybench, report, transportbench
+from effectguard_bench import (
+    ledgerbench,
+    proxybench,
+    recoverybench,
+    report,
+    storagebench,
+    transportbench,
+)
 from effectguard_bench.loadgen import LoadRunner
 from effectguard_bench.processes import (
     Child,
@@ -196,9 +203,12 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _note("ledger: admit+settle pairs")
             with this_thread_on(pins.proxy):
                 ledger_result = ledgerbench.run(work, args.duration, args.pg)
+                _note("ledger: bytes per call and WAL pages per commit (SQLite)")
+                ledger_result.storage = storagebench.run(work)
             payload["ledger"] = {
                 "samples": [s.to_json() for s in ledger_result.samples],
                 "notes": ledger_result.notes,
+                "storage": ledger_result.storage.to_json(),
             }
         if fake is not None and args.recovery_calls:
             _note(f"recovery: building a ledger of {args.recovery_calls} calls")
@@ -207,6 +217,19 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     found = report.targets(proxy_rows, proxy_result, ledger_result, recovery_result)
     payload["targets"] = [t.to_json() for t in found]
     return payload
+
+
+def _storage_lines(storage: dict[str, Any]) -> list[str]:
+    objects = sorted(storage["objects_bytes_per_call"].items(), key=lambda kv: -kv[1])
+    return [
+        "",
+        f"Ledger storage (SQLite, {storage['calls']} calls, {storage['page_size']} B pages): "
+        f"{storage['bytes_per_call']} B per call, of which bodies "
+        f"{storage['body_bytes_per_call']} B, overhead {storage['overhead_bytes_per_call']} B; "
+        f"WAL pages per single-operation commit: admission {storage['admission_wal_pages']}, "
+        f"observation {storage['observation_wal_pages']}",
+        "  per call by table/index: " + ", ".join(f"{k} {v:g} B" for k, v in objects),
+    ]
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -245,6 +268,7 @@ def render(payload: dict[str, Any]) -> str:
             report.table(payload["ledger"]["samples"], _LEDGER_COLUMNS),
         ]
         lines += [f"  {note}" for note in payload["ledger"]["notes"]]
+        lines += _storage_lines(payload["ledger"]["storage"])
     if "recovery" in payload:
         r = payload["recovery"]
         lines += [

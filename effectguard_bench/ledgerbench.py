@@ -18,16 +18,21 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from effectguard.errors import EffectguardError
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
 from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
 from effectguard_bench.loadgen import MODEL, percentile, request_body
 
+if TYPE_CHECKING:
+    from effectguard_bench.storagebench import StorageCost
+
 CALLERS = (1, 64)
-_RESERVE = 10_000  # nano-dollars
+RESERVE = 10_000  # nano-dollars
 _RESPONSE = json.dumps({"id": "chatcmpl-bench", "choices": [], "usage": {}})
+#: The request and response bodies' own bytes in each benchmark call.
+BODY_BYTES_PER_CALL = len(request_body(False)) + len(_RESPONSE.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +83,11 @@ class LedgerResult:
 
     samples: list[LedgerSample] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Bytes per call and WAL pages per commit on SQLite (None: not measured).
+    storage: StorageCost | None = None
 
 
-def _admit_request(budget: str) -> AdmitRequest:
+def admit_request(budget: str) -> AdmitRequest:
     body = request_body(False).decode()
     return AdmitRequest(
         request_hash=uuid.uuid4().hex,
@@ -95,7 +102,7 @@ def _admit_request(budget: str) -> AdmitRequest:
         body=body,
         body_encoding="utf8",
         stream=False,
-        reserve=_RESERVE,
+        reserve=RESERVE,
     )
 
 
@@ -128,7 +135,7 @@ async def _pairs(
     ledger: Ledger, writer: Writer, engine: str, callers: int, duration: float
 ) -> LedgerSample:
     budget = f"bench/{uuid.uuid4().hex[:8]}"
-    request = _admit_request(budget)
+    request = admit_request(budget)
     latencies: list[float] = []
 
     async def caller(deadline: float) -> None:
@@ -136,7 +143,7 @@ async def _pairs(
             admitted = await ledger.admit(writer, request)
             if admitted.action != "admit":
                 raise RuntimeError(f"admission refused: {admitted.refusal}")
-            events = outcome_events(admitted.call_id, admitted.attempt, budget, _RESERVE)
+            events = outcome_events(admitted.call_id, admitted.attempt, budget, RESERVE)
             await ledger.record(writer, admitted.call_id, admitted.attempt, events)
             latencies.append(time.perf_counter() - started)
 
@@ -161,22 +168,24 @@ async def _pairs(
     )
 
 
+async def register(ledger: Ledger, lease_s: float) -> Writer:
+    """Register this process as a new writer on ``ledger``."""
+    worker = f"bench-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    writer: Writer = await ledger.store.write(
+        Writer(worker, 0),
+        lambda tx: operations.register_worker(
+            tx, worker=worker, host=socket.gethostname(), pid=os.getpid(), lease_s=lease_s
+        ),
+    )
+    return writer
+
+
 async def bench_engine(
     url: str, engine: str, callers: Sequence[int], duration: float
 ) -> list[LedgerSample]:
     """Register a worker on the ledger at ``url`` and measure each caller count."""
     async with Ledger.open(url) as ledger:
-        worker = f"bench-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        writer: Writer = await ledger.store.write(
-            Writer(worker, 0),
-            lambda tx: operations.register_worker(
-                tx,
-                worker=worker,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                lease_s=duration * len(callers) + 60,
-            ),
-        )
+        writer = await register(ledger, lease_s=duration * len(callers) + 60)
         return [await _pairs(ledger, writer, engine, n, duration) for n in callers]
 
 

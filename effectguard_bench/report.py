@@ -160,6 +160,21 @@ def targets(
                 at_most=False,
             )
         )
+        storage = ledger.storage
+        out += [
+            Target(
+                "SQLite WAL pages per single-operation commit (worst of admit, observe)",
+                None
+                if storage is None
+                else max(storage.admission_wal_pages, storage.observation_wal_pages),
+                4.0,
+            ),
+            Target(
+                "SQLite ledger bytes per call beyond the bodies",
+                None if storage is None else storage.overhead_per_call,
+                600.0,
+            ),
+        ]
     return out
 
 

@@ -78,7 +78,18 @@ def test_bench_ledger_alone_starts_no_proxy(capsys: pytest.CaptureFixture[str]) 
 
     assert "proxy" not in payload and "transport" not in payload
     assert payload["machine"]["proxy_cpus"] is None
-    assert [t["name"] for t in payload["targets"]] == ["SQLite admit+settle pairs/s at 64 callers"]
+    assert [t["name"] for t in payload["targets"]] == [
+        "SQLite admit+settle pairs/s at 64 callers",
+        "SQLite WAL pages per single-operation commit (worst of admit, observe)",
+        "SQLite ledger bytes per call beyond the bodies",
+    ]
+    storage = payload["ledger"]["storage"]
+    assert storage["calls"] > 0 and storage["page_size"] > 0
+    for name in ("bytes_per_call", "body_bytes_per_call", "overhead_bytes_per_call"):
+        assert _is_number(storage[name])
+    # Counts, not timings: a single-operation commit writes at least one page.
+    assert storage["admission_wal_pages"] >= 1 and storage["observation_wal_pages"] >= 1
+    assert "events" in storage["objects_bytes_per_call"]
 
 
 def test_bench_text_output_is_one_table_per_part(capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,6 +98,7 @@ def test_bench_text_output_is_one_table_per_part(capsys: pytest.CaptureFixture[s
     text = capsys.readouterr().out
 
     assert "PAIRS/S" in text and "OPS/COMMIT" in text
+    assert "B per call" in text and "WAL pages per single-operation commit" in text
     assert "Targets" in text
 
 
