@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 import pytest
 
+from effectguard.ledger import sqliteevents
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.events import decode_body
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
@@ -275,17 +276,11 @@ def ledger_events(ledger: Path) -> list[dict[str, Any]]:
     """Every event, read through a read-only connection."""
     conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     try:
-        rows = conn.execute("SELECT seq, kind, call_id, data, worker, at FROM events ORDER BY seq")
+        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
         return [
-            {
-                "seq": r[0],
-                "kind": r[1],
-                "call": r[2],
-                "data": json.loads(r[3]),
-                "worker": r[4],
-                "at": r[5],
-            }
-            for r in rows
+            {"seq": e.seq, "kind": e.kind, "call": e.call_id, "data": e.data, "worker": e.worker}
+            | {"at": e.at}
+            for e in rows
         ]
     finally:
         conn.close()

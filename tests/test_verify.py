@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
-from effectguard.ledger.rows import CALL_COLUMNS, EVENT_COLUMNS, event_params, state_params
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
+from effectguard.ledger.rows import CALL_COLUMNS, state_params
 from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
 from effectguard.rules.events import (
@@ -170,35 +169,37 @@ async def test_edited_payload_is_named(built: Built, kind: str, edit: str) -> No
 
 
 async def test_resealed_edit_is_caught_by_the_next_link(built: Built) -> None:
-    """An edit whose digest is recomputed still breaks the successor's predecessor link."""
+    """An edit whose digest is recomputed still breaks its successor, whose digest covers the
+    predecessor's original digest (SQLite derives the link from the row before, so it is
+    the successor's own digest that no longer matches)."""
     seq = seq_of(built.path, built.completed, "call.manifest")
     with raw(built.path) as conn:
         conn.execute("DROP TRIGGER events_no_update")
-        kind, call_id, data, worker, generation, at, prev = conn.execute(
-            "SELECT kind, call_id, data, worker, generation, at, prev_digest FROM events "
-            "WHERE seq = ?",
-            (seq,),
-        ).fetchone()
-        payload = json.loads(data)
-        payload["body"] = "forged"
-        data_json = canonical_json(payload)
+        old = sqliteevents.event_from_row(
+            conn.execute(
+                f"SELECT {sqliteevents.SELECT_COLUMNS} FROM events e WHERE e.seq = ?", (seq,)
+            ).fetchone()
+        )
+        payload = old.data | {"body": "forged"}
         digest = event_digest(
             seq=seq,
-            kind=kind,
-            call_id=call_id,
-            data_json=data_json,
-            worker=worker,
-            generation=generation,
-            at=at,
-            prev_digest=prev,
+            kind=old.kind,
+            call_id=old.call_id,
+            data_json=canonical_json(payload),
+            worker=old.worker,
+            generation=old.generation,
+            at=old.at,
+            prev_digest=old.prev_digest,
         )
+        data_json, body = sqliteevents.split(payload, old.call_id)
         conn.execute(
-            "UPDATE events SET data = ?, digest = ? WHERE seq = ?", (data_json, digest, seq)
+            "UPDATE events SET data = ?, body = ?, digest = ? WHERE seq = ?",
+            (data_json, body, bytes.fromhex(digest), seq),
         )
     report = await verify(built.path)
     assert not report.ok
     assert report.first_broken_seq == seq + 1
-    assert report.problems[0] == f"event {seq + 1}: predecessor digest does not match"
+    assert report.problems[0] == f"event {seq + 1}: digest does not match its content"
 
 
 async def test_deleted_event_is_named(built: Built) -> None:
@@ -333,10 +334,8 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
         conn.execute("DROP TRIGGER events_no_update")
         conn.execute("DROP TRIGGER events_no_delete")
         rows = [
-            Row(kind, call_id, json.loads(data), worker, generation, at)
-            for kind, call_id, data, worker, generation, at in conn.execute(
-                "SELECT kind, call_id, data, worker, generation, at FROM events ORDER BY seq"
-            )
+            Row(e.kind, e.call_id, e.data, e.worker, e.generation, e.at)
+            for e in map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
         ]
         conn.execute("DELETE FROM events")
         prev, chain = "0" * 64, []
@@ -363,9 +362,10 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 prev,
                 digest,
             )
+            marks = ", ".join("?" * 10)
             conn.execute(
-                f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * 9)})",
-                event_params(stored, data_json),
+                f"INSERT INTO events ({sqliteevents.INSERT_COLUMNS}) VALUES ({marks})",
+                sqliteevents.event_params(stored),
             )
             chain.append(stored)
             prev = digest

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from effectguard.ledger import sqliteevents
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -88,9 +89,19 @@ class Queries:
     with, and ``held`` the expression reading a call's held amount from its JSON.
     """
 
-    def __init__(self, *, mark: str, false: str, held: str) -> None:
+    def __init__(
+        self,
+        *,
+        mark: str,
+        false: str,
+        held: str,
+        event_columns: str = EVENT_COLUMNS,
+        event_insert: str = EVENT_COLUMNS,
+    ) -> None:
         m = mark
         self.mark = mark
+        #: Events are read ``SELECT {event_columns} FROM events e`` (a store's row layout).
+        ev = event_columns
         # -- point reads (the writer's and the readers')
         self.call = f"SELECT state FROM calls WHERE call_id = {m}"
         self.keyed_call = (
@@ -101,7 +112,7 @@ class Queries:
             f"AND {UNRESOLVED_SQL} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
         )
         self.in_flight_of = f"SELECT state FROM calls WHERE {IN_FLIGHT_SQL} AND worker = {m}"
-        self.call_events = f"SELECT {EVENT_COLUMNS} FROM events WHERE call_id = {m} ORDER BY seq"
+        self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
         #: Per-period counters; each store adds how it matches a list of (path, period).
@@ -114,9 +125,7 @@ class Queries:
             f"AND (budget = {m} OR budget LIKE {m} ESCAPE '\\')"
         )
         # -- scans (operators, metrics, verify)
-        self.events_after = (
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE seq > {m} ORDER BY seq LIMIT {m}"
-        )
+        self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
         self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
@@ -125,14 +134,14 @@ class Queries:
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         #: Served by the partial index ``events_limits`` (the literal must match it).
         self.limit_events = (
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE kind = 'budget.limit_set' ORDER BY seq"
+            f"SELECT {ev} FROM events e WHERE kind = 'budget.limit_set' ORDER BY e.seq"
         )
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
         )
         # -- writes
-        self.insert_events = _upsert("events", EVENT_COLUMNS, m, None)
+        self.insert_events = _upsert("events", event_insert, m, None)
         self.upsert_calls = _upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
         self.upsert_nodes = _upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
         self.upsert_windows = _upsert("rate_windows", WINDOW_COLUMNS, m, names(WINDOW_COLUMNS)[1:])
@@ -172,5 +181,11 @@ class Queries:
         return sql, [*params, min(limit, (1 << 63) - 1)]
 
 
-SQLITE = Queries(mark="?", false="0", held="json_extract(state, '$.held')")
+SQLITE = Queries(
+    mark="?",
+    false="0",
+    held="json_extract(state, '$.held')",
+    event_columns=sqliteevents.SELECT_COLUMNS,
+    event_insert=sqliteevents.INSERT_COLUMNS,
+)
 POSTGRES = Queries(mark="%s", false="false", held="(state::jsonb ->> 'held')::numeric")

@@ -23,13 +23,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.ledger import operations
+from effectguard.ledger import operations, sqliteevents
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE
 from effectguard.ledger.rows import (
-    event_from_row,
-    event_params,
     key_from_row,
     key_params,
     node_from_row,
@@ -247,16 +245,21 @@ class SqliteSession:
     def head(self) -> tuple[int, str]:
         if self._head is None:
             row = self.conn.execute(HEAD).fetchone()
-            self._head = (0, GENESIS_DIGEST) if row is None else (int(row[0]), str(row[1]))
+            self._head = (
+                (0, GENESIS_DIGEST)
+                if row is None
+                else (int(row[0]), sqliteevents.hex_digest(row[1]))
+            )
         return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        self._events.append(event_params(event, data_json))
+        self._events.append(sqliteevents.event_params(event))
         self._head = (event.seq, event.digest)
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         self._flush_events()
-        return [event_from_row(r) for r in self.conn.execute(SQLITE.call_events, (call_id,))]
+        rows = self.conn.execute(SQLITE.call_events, (call_id,))
+        return [sqliteevents.event_from_row(r) for r in rows]
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
         row = self.conn.execute(sql, params).fetchone()
@@ -390,6 +393,7 @@ class SqliteStore(SqlReads):
     """
 
     queries = SQLITE
+    decode_event = staticmethod(sqliteevents.event_from_row)
 
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.url = url

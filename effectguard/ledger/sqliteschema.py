@@ -8,12 +8,40 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
+from effectguard.ledger import sqliteevents
 
 BUSY_TIMEOUT_MS = 5000
 
-MIGRATIONS: list[tuple[int, str, list[str]]] = [
+#: A migration step: SQL text, or a function of the connection (inside the migration's
+#: transaction) where rows must be rewritten in Python.
+Step = str | Callable[[sqlite3.Connection], None]
+
+#: The archive's guard on ``archived_through`` (migration 5), re-made by migration 6.
+_ARCHIVED_THROUGH_TRIGGER = """CREATE TRIGGER meta_archived_through BEFORE UPDATE ON meta
+                WHEN NEW.key = 'archived_through' AND (
+                    NEW.value < OLD.value OR NOT EXISTS (
+                        SELECT 1 FROM events WHERE seq = (SELECT max(seq) FROM events)
+                        AND kind = 'ledger.archived'
+                        AND json_extract(data, '$.last_seq') = NEW.value))
+                BEGIN SELECT RAISE(ABORT, 'archived_through moves only with a checkpoint'); END"""
+
+
+def _copy_events(conn: sqlite3.Connection) -> None:
+    rows = conn.execute(
+        "SELECT seq, kind, call_id, data, worker, generation, at, prev_digest, digest "
+        "FROM events ORDER BY seq"
+    )
+    marks = ", ".join("?" * 10)
+    conn.executemany(
+        f"INSERT INTO events_v2({sqliteevents.INSERT_COLUMNS}) VALUES ({marks})",
+        sqliteevents.convert_rows(rows),
+    )
+
+
+MIGRATIONS: list[tuple[int, str, list[Step]]] = [
     (
         1,
         "events, calls, budgets, workers",
@@ -101,16 +129,36 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
                 WHEN OLD.seq > (SELECT value FROM meta WHERE key = 'archived_through')
                 BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
-            """CREATE TRIGGER meta_archived_through BEFORE UPDATE ON meta
-                WHEN NEW.key = 'archived_through' AND (
-                    NEW.value < OLD.value OR NOT EXISTS (
-                        SELECT 1 FROM events WHERE seq = (SELECT max(seq) FROM events)
-                        AND kind = 'ledger.archived'
-                        AND json_extract(data, '$.last_seq') = NEW.value))
-                BEGIN SELECT RAISE(ABORT, 'archived_through moves only with a checkpoint'); END""",
+            _ARCHIVED_THROUGH_TRIGGER,
             """CREATE TABLE archived_keys (
                 budget_root TEXT NOT NULL, idempotency_key TEXT NOT NULL, call_id TEXT NOT NULL,
                 request_hash TEXT NOT NULL, PRIMARY KEY (budget_root, idempotency_key))""",
+        ],
+    ),
+    (
+        6,
+        "events format 2: binary digests, derived predecessor links, bodies as BLOBs",
+        [
+            # See sqliteevents: the events themselves and their digests do not change.
+            "DROP TRIGGER meta_archived_through",
+            """CREATE TABLE events_v2 (
+                seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
+                body BLOB, worker TEXT NOT NULL, generation INTEGER NOT NULL, at REAL NOT NULL,
+                prev_digest BLOB, digest BLOB NOT NULL)""",
+            _copy_events,
+            "DROP TABLE events",
+            "ALTER TABLE events_v2 RENAME TO events",
+            "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
+            "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
+            """CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+                WHEN OLD.seq > (SELECT value FROM meta WHERE key = 'archived_through')
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            _ARCHIVED_THROUGH_TRIGGER,
+            # Where an archive deleted event N-1, the link of event N (written by archive).
+            """CREATE TABLE chain_cuts (
+                seq INTEGER PRIMARY KEY, prev_digest BLOB NOT NULL)""",
         ],
     ),
 ]
@@ -146,8 +194,11 @@ def migrate(conn: sqlite3.Connection) -> None:
         for version, name, statements in MIGRATIONS:
             if version in done:
                 continue
-            for sql in statements:
-                conn.execute(sql)
+            for step in statements:
+                if isinstance(step, str):
+                    conn.execute(step)
+                else:
+                    step(conn)
             conn.execute(
                 "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
                 (version, name, time.time()),

@@ -9,7 +9,7 @@ query on its read connection (translating driver errors at that boundary).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from effectguard.ledger.base import WorkerRow
@@ -34,6 +34,8 @@ class SqlReads(ABC):
     """Operator, metrics and verify reads over a SQL read connection."""
 
     queries: Queries
+    #: Reads one event row in the store's layout (``queries``' event columns).
+    decode_event: Callable[[Any], StoredEvent] = staticmethod(event_from_row)
 
     @abstractmethod
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> Sequence[Sequence[Any]]:
@@ -47,7 +49,7 @@ class SqlReads(ABC):
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
         rows = await self._fetch(self.queries.call_events, (call_id,))
-        return [event_from_row(r) for r in rows]
+        return [self.decode_event(r) for r in rows]
 
     async def list_calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
@@ -68,7 +70,7 @@ class SqlReads(ABC):
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
         """Up to ``limit`` events with sequence number greater than ``seq``."""
         rows = await self._fetch(self.queries.events_after, (seq, limit))
-        return [event_from_row(r) for r in rows]
+        return [self.decode_event(r) for r in rows]
 
     async def workers(self) -> list[WorkerRow]:
         """Every registered worker."""
@@ -89,7 +91,7 @@ class SqlReads(ABC):
 
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
-        return [event_from_row(r) for r in await self._fetch(self.queries.limit_events)]
+        return [self.decode_event(r) for r in await self._fetch(self.queries.limit_events)]
 
     async def rate_windows(self) -> list[RateWindow]:
         """Every stored rate window (one per node that has counted a minute)."""

@@ -32,15 +32,24 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from effectguard.errors import ConfigError, LedgerCorrupt
-from effectguard.ledger.rows import EVENT_COLUMNS
+from effectguard.ledger import sqliteevents
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteschema import connect, migrate
 from effectguard.ops import archivefile
-from effectguard.ops.archiveplan import ArchiveResult, Plan, plan_archive, prove, seal_checkpoint
+from effectguard.ops.archiveplan import (
+    ArchiveResult,
+    EventLayout,
+    Plan,
+    plan_archive,
+    prove,
+    seal_checkpoint,
+)
 from effectguard.rules.events import StoredEvent
 
 
@@ -63,10 +72,18 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
         conn.close()
 
 
+#: SQLite's events since migration 6 (ledger/sqliteevents.py).
+_FORMAT_2 = EventLayout(sqliteevents.SELECT_COLUMNS, sqliteevents.event_from_row, lambda c: c)
+
+
 def _plan(conn: sqlite3.Connection, before: float, now: float) -> Plan | None:
     conn.execute("BEGIN")  # one read snapshot; writers go on
     try:
-        return plan_archive(lambda q, p: list(conn.execute(q.replace("%s", "?"), p)), before, now)
+
+        def fetch(sql: str, params: Sequence[Any]) -> list[Any]:
+            return list(conn.execute(sql.replace("%s", "?"), params))
+
+        return plan_archive(fetch, before, now, _FORMAT_2)
     finally:
         conn.execute("COMMIT")
 
@@ -90,11 +107,10 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
         head_seq, head_digest = conn.execute(
             "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
         ).fetchone()
-        stored, data_json = seal_checkpoint(
-            plan, state, target.name, lines, (int(head_seq), str(head_digest)), time.time()
-        )
+        head = (int(head_seq), sqliteevents.hex_digest(head_digest))
+        stored, _ = seal_checkpoint(plan, state, target.name, lines, head, time.time())
         archivefile.append_checkpoint(partial, stored)
-        _apply(conn, stored, data_json, plan, keyed)
+        _apply(conn, stored, plan, keyed)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -136,23 +152,17 @@ def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
 def _apply(
     conn: sqlite3.Connection,
     stored: StoredEvent,
-    data_json: str,
     plan: Plan,
     keyed: list[tuple[str, str, str, str]],
 ) -> None:
     conn.execute(
-        f"INSERT INTO events({EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            stored.seq,
-            stored.kind,
-            stored.call_id,
-            data_json,
-            stored.worker,
-            stored.generation,
-            stored.at,
-            stored.prev_digest,
-            stored.digest,
-        ),
+        f"INSERT INTO events({sqliteevents.INSERT_COLUMNS}) VALUES ({', '.join('?' * 10)})",
+        sqliteevents.event_params(stored),
+    )
+    # The event after the cut links to one this deletes: keep that link where reads find it.
+    conn.execute(
+        "INSERT OR REPLACE INTO chain_cuts(seq, prev_digest) VALUES (?, ?)",
+        (plan.last + 1, sqliteevents.digest_column(plan.events[-1].digest)),
     )
     conn.executemany(
         "INSERT INTO archived_keys(budget_root, idempotency_key, call_id, request_hash) "

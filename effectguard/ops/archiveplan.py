@@ -55,10 +55,26 @@ class Plan:
 Fetch = Callable[[str, Sequence[Any]], list[Any]]
 
 
-def plan_archive(fetch: Fetch, before: float, now: float) -> Plan | None:
+@dataclass(frozen=True, slots=True)
+class EventLayout:
+    """How a ledger's events table holds an event: the columns to select ``FROM events e``,
+    how to read such a row, and how to read the ``call_id`` column alone."""
+
+    columns: str
+    decode: Callable[[Any], StoredEvent]
+    call: Callable[[Any], str | None]
+
+
+#: The layout PostgreSQL keeps (and SQLite kept before its migration 6).
+FORMAT_1 = EventLayout(EVENT_COLUMNS, event_from_row, lambda value: value)
+
+
+def plan_archive(
+    fetch: Fetch, before: float, now: float, layout: EventLayout = FORMAT_1
+) -> Plan | None:
     """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot."""
     refs = [
-        EventRef(int(s), c, float(a))
+        EventRef(int(s), layout.call(c), float(a))
         for s, c, a in fetch("SELECT seq, call_id, at FROM events ORDER BY seq", ())
     ]
     if not refs:
@@ -74,8 +90,8 @@ def plan_archive(fetch: Fetch, before: float, now: float) -> Plan | None:
     if last < first:
         return None
     start_state, prev_digest = _previous(fetch, first)
-    rows = fetch(f"SELECT {EVENT_COLUMNS} FROM events WHERE seq <= %s ORDER BY seq", (last,))
-    events = [event_from_row(row) for row in rows]
+    rows = fetch(f"SELECT {layout.columns} FROM events e WHERE e.seq <= %s ORDER BY e.seq", (last,))
+    events = [layout.decode(row) for row in rows]
     calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
     if not calls:
         return None  # only checkpoints and worker events: not worth a file of its own

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
+from effectguard.ledger.sqliteevents import hex_digest
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 
 
@@ -94,7 +95,7 @@ def _check(partial: Path, target: Path) -> BackupResult:
         path=str(target),
         events=int(events),
         head_seq=int(head_seq),
-        head_digest=row[0] if row else "",
+        head_digest=hex_digest(row[0]) if row else "",
         bytes=partial.stat().st_size,
     )
 

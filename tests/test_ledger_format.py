@@ -1,0 +1,193 @@
+"""The SQLite event row layout (format 2): pinned rows, exact round trips, and the upgrade
+of a format-1 ledger (hex digests, every link stored, bodies inside the JSON)."""
+
+from __future__ import annotations
+
+import base64
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
+from effectguard.ledger.rows import EVENT_COLUMNS, event_params
+from effectguard.ledger.sqliteschema import _ARCHIVED_THROUGH_TRIGGER
+from effectguard.ops.archive import archive_sqlite
+from effectguard.ops.verify import verify_ledger
+from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, StoredEvent
+from effectguard.rules.events import canonical_json as canonical
+
+#: One format-2 row as SELECT_COLUMNS reads it: raw digests, body out of the JSON, no call.
+ROW = (
+    7,
+    "attempt.observed",
+    "call_x",
+    '{"attempt":1,"body_encoding":"utf8","effect_unknown":false,"headers":{},'
+    '"not_processed":false,"status":200,"usage":null,"usage_problem":null}',
+    b'{"ok": "\xc3\xa9"}',
+    "w1",
+    3,
+    2.5,
+    bytes.fromhex("ab" * 32),
+    bytes.fromhex("cd" * 32),
+)
+
+
+def test_format_2_row_decodes_to_the_pinned_event() -> None:
+    """The pinned row reads back as the event that was sealed: body text, call id, hex."""
+    stored = sqliteevents.event_from_row(ROW)
+    assert stored.data == {
+        "attempt": 1,
+        "body": '{"ok": "é"}',
+        "body_encoding": "utf8",
+        "call": "call_x",
+        "effect_unknown": False,
+        "headers": {},
+        "not_processed": False,
+        "status": 200,
+        "usage": None,
+        "usage_problem": None,
+    }
+    assert (stored.prev_digest, stored.digest) == ("ab" * 32, "cd" * 32)
+    assert isinstance(stored.event, AttemptObserved)
+
+
+def test_format_2_row_encodes_from_the_pinned_event() -> None:
+    """Writing the pinned event gives the pinned row, with the head's link left to derive."""
+    stored = sqliteevents.event_from_row(ROW)
+    params = sqliteevents.event_params(stored)
+    assert params == (*ROW[:8], None, ROW[9])
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    rest=st.dictionaries(st.text().filter(lambda k: k not in ("call", "body")), _JSON, max_size=4),
+    body=st.none() | st.text() | st.binary(),
+    call=st.none() | st.just("call_x") | st.text(),
+    column=st.none() | st.just("call_x"),
+)
+def test_split_then_join_gives_back_the_same_data(
+    rest: dict[str, Any], body: str | bytes | None, call: str | None, column: str | None
+) -> None:
+    """Any data (any body text, lone surrogates included, binary bodies as base64, a call
+    that differs from its row's) is stored so that reading it gives back exactly the data
+    the digest covered. (A row with a call id always has a ``call``: only call events,
+    whose ``call`` the column copies, have one.)"""
+    data = dict(rest)
+    if call is not None or column is not None:
+        data["call"] = call if call is not None else column
+    if isinstance(body, bytes):
+        data |= {"body": base64.b64encode(body).decode(), "body_encoding": "base64"}
+    elif body is not None:
+        data |= {"body": body}
+    data_json, blob = sqliteevents.split(data, column)
+    assert sqliteevents.join(data_json, blob, column) == data
+
+
+def _format_1(path: Path, events: list[StoredEvent]) -> None:
+    """Rewrite the ledger's events table as format 1 (migration 5) wrote it."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        for sql in (
+            "DROP TRIGGER meta_archived_through",
+            "DROP TABLE events",
+            "DROP TABLE chain_cuts",
+            """CREATE TABLE events (
+                seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, call_id TEXT, data TEXT NOT NULL,
+                worker TEXT NOT NULL, generation INTEGER NOT NULL, at REAL NOT NULL,
+                prev_digest TEXT NOT NULL, digest TEXT NOT NULL)""",
+            "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
+            "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
+            _ARCHIVED_THROUGH_TRIGGER,
+            "DELETE FROM migrations WHERE version = 6",
+        ):
+            conn.execute(sql)
+        marks = ", ".join("?" * 9)
+        conn.executemany(
+            f"INSERT INTO events({EVENT_COLUMNS}) VALUES ({marks})",
+            [event_params(e, canonical(e.data)) for e in events],
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:
+    for n in numbers:
+        request = AdmitRequest(
+            request_hash=f"h{n}",
+            provider="openai",
+            endpoint="/v1/chat/completions",
+            method="POST",
+            model="gpt-x",
+            idempotency_key=f"k{n}",
+            budget="team/run",
+            budget_root="team",
+            effect_kind="billable",
+            body='{"messages": [{"content": "é \\"quoted\\""}]}',
+            body_encoding="utf8",
+            stream=False,
+            reserve=1000,
+        )
+        admitted = await ledger.admit(writer, request)
+        outcome = [
+            AttemptObserved(
+                call=admitted.call_id,
+                attempt=1,
+                status=200,
+                not_processed=False,
+                usage=None,
+                usage_problem=None,
+                headers={},
+                body=base64.b64encode(b"\xff\x00binary").decode(),
+                body_encoding="base64",
+            ),
+            BudgetSettled(call=admitted.call_id, budget="team/run", reserved=1000, actual=10),
+            CallCompleted(call=admitted.call_id, outcome="completed"),
+        ]
+        await ledger.record(writer, admitted.call_id, 1, outcome)
+
+
+async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
+    tmp_path: Path,
+) -> None:
+    """A format-1 ledger (here: archived once, so its first live event links to a deleted
+    one) is converted on open: the same events read back, verify passes, and only the
+    link that cannot be derived is stored."""
+    path = tmp_path / "ledger.db"
+    async with Ledger.open(str(path)) as ledger:
+        writer = await ledger.store.write(
+            Writer("w1", 0),
+            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=60),
+        )
+        await _calls(ledger, writer, range(3))
+    archive_sqlite(str(path), before=2e9, out=tmp_path / "a.jsonl.gz")
+    async with Ledger.open(str(path)) as ledger:
+        await _calls(ledger, writer, range(3, 5))
+        before = await ledger.store.events_after(0, 1000)
+    _format_1(path, before)
+
+    async with Ledger.open(str(path)) as ledger:
+        after = await ledger.store.events_after(0, 1000)
+        report = await verify_ledger(ledger)
+    assert after == before
+    assert report.ok, report.problems
+    conn = sqlite3.connect(path)
+    try:
+        stored_links = conn.execute(
+            "SELECT seq FROM events WHERE prev_digest IS NOT NULL"
+        ).fetchall()
+        bodies = conn.execute("SELECT count(*) FROM events WHERE body IS NOT NULL").fetchone()
+    finally:
+        conn.close()
+    assert stored_links == [(before[0].seq,)]
+    assert bodies == (4,)  # two manifests, two observations
