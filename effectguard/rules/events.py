@@ -12,11 +12,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, ClassVar
+
+from effectguard.rules.canonical import canonical_json as canonical_json  # re-exported
 
 GENESIS_DIGEST = "0" * 64
 
@@ -417,15 +418,6 @@ def event_from_data(kind: str, data: dict[str, Any]) -> Event:
 def event_kinds() -> frozenset[str]:
     """Every registered event kind."""
     return frozenset(_KINDS)
-
-
-# One encoder for the process: json.dumps builds a new one per call when given options.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def canonical_json(value: Any) -> str:
-    """Deterministic JSON (sorted keys, no spaces) used for digests and storage."""
-    return _CANONICAL.encode(value)
 
 
 @dataclass(frozen=True, slots=True)
