@@ -151,17 +151,20 @@ async def test_verify_pages_through_the_whole_chain(built: Built) -> None:
 @pytest.mark.parametrize(
     ("kind", "edit"),
     [
-        ("budget.reserved", "json_set(data, '$.amount', 999999)"),
-        ("call.manifest", "json_set(data, '$.body', 'something else')"),
-        ("attempt.observed", "json_set(data, '$.status', 500)"),
+        # Positions are sqliteevents.FIELDS': budget.reserved's amount, observed's status.
+        ("budget.reserved", "data = json_set(data, '$[1]', 999999)"),
+        ("call.manifest", "body = CAST('something else' AS BLOB)"),
+        ("attempt.observed", "data = json_set(data, '$[1]', 500)"),
+        ("attempt.observed", "data = '{\"status\": 200}'"),
     ],
 )
 async def test_edited_payload_is_named(built: Built, kind: str, edit: str) -> None:
-    """An edited event payload breaks its digest; that event is the first one named."""
+    """An edited event payload (its data, or its body) breaks its digest; that event is
+    the first one named."""
     seq = seq_of(built.path, built.completed, kind)
     with raw(built.path) as conn:
         conn.execute("DROP TRIGGER events_no_update")
-        conn.execute(f"UPDATE events SET data = {edit} WHERE seq = ?", (seq,))
+        conn.execute(f"UPDATE events SET {edit} WHERE seq = ?", (seq,))
     report = await verify(built.path)
     assert not report.ok
     assert report.first_broken_seq == seq
@@ -191,7 +194,7 @@ async def test_resealed_edit_is_caught_by_the_next_link(built: Built) -> None:
             at=old.at,
             prev_digest=old.prev_digest,
         )
-        data_json, body = sqliteevents.split(payload, old.call_id)
+        data_json, body = sqliteevents.split(old.kind, payload, old.call_id)
         conn.execute(
             "UPDATE events SET data = ?, body = ?, digest = ? WHERE seq = ?",
             (data_json, body, bytes.fromhex(digest), seq),

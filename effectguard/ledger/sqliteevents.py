@@ -12,7 +12,9 @@ bytes sit on disk, because a call's six events were most of what a call cost
   its predecessor's;
 - ``body`` (a manifest's request, an observation's response) is a BLOB of its
   raw bytes, out of the JSON, where it was an escaped string;
-- ``data`` does not repeat the call id the ``call_id`` column holds.
+- ``data`` does not repeat the call id the ``call_id`` column holds, and where it
+  has exactly the fields :data:`FIELDS` lists for its kind it is a JSON array of
+  their values in that order, not an object repeating every field name.
 
 A row whose data cannot be split exactly (a body whose text does not come back
 from its bytes, a ``call`` that is not the row's call id) keeps it in ``data``:
@@ -44,8 +46,63 @@ SELECT_COLUMNS = (
 ALL_EVENTS = f"SELECT {SELECT_COLUMNS} FROM events e ORDER BY e.seq"
 
 
-def split(data: dict[str, Any], call_id: str | None) -> tuple[str, bytes | None]:
-    """``data`` as stored: its JSON without the call id and the body, and the body's bytes."""
+#: Each kind's fields, in the order a positional row lists their values. Part of the
+#: format: a field added to an event later is not appended here (rows with it stay
+#: objects), so an existing row never changes meaning. ``ledger.archived`` stays an
+#: object: the archive's trigger and queries read its fields with ``json_extract``.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "attempt.interrupted": ("attempt", "reason", "by"),
+    "attempt.not_sent": ("attempt", "reason"),
+    "attempt.observed": (
+        "attempt",
+        "status",
+        "not_processed",
+        "usage",
+        "usage_problem",
+        "headers",
+        "body_encoding",
+        "effect_unknown",
+    ),
+    "attempt.started": ("attempt", "worker", "generation", "provider_idempotency_key", "at"),
+    "budget.corrected": ("budget", "settled", "actual", "periods"),
+    "budget.held": ("budget", "amount", "periods"),
+    "budget.limit_set": ("path", "limit", "period", "tz", "rpm", "tpm", "concurrency"),
+    "budget.released": ("budget", "amount", "periods"),
+    "budget.reserved": ("budget", "amount", "tokens", "periods"),
+    "budget.settled": ("budget", "reserved", "actual", "flagged", "tokens", "periods"),
+    "budget.unheld": ("budget", "amount", "spent", "periods"),
+    "call.completed": ("outcome",),
+    "call.manifest": (
+        "request_hash",
+        "provider",
+        "endpoint",
+        "method",
+        "model",
+        "idempotency_key",
+        "budget",
+        "budget_root",
+        "effect_kind",
+        "body_encoding",
+        "headers",
+        "stream",
+        "retry_of",
+        "provider_idempotency_window_s",
+        "at",
+    ),
+    "call.reconciled": ("applied", "cost", "note", "by"),
+    "call.refused": ("reason", "status", "message"),
+    "call.resend_authorized": ("note", "by"),
+    "key.created": ("name", "sha256", "budget_root", "expires_at", "models", "providers"),
+    "key.revoked": ("name",),
+    "worker.registered": ("worker", "generation", "host", "pid"),
+    "worker.taken_over": ("worker", "generation", "by", "reason"),
+}
+_FIELD_SETS = {kind: frozenset(names) for kind, names in FIELDS.items()}
+
+
+def split(kind: str, data: dict[str, Any], call_id: str | None) -> tuple[str, bytes | None]:
+    """``data`` as stored: its JSON without the call id and the body (positional where
+    its fields are its kind's :data:`FIELDS`), and the body's bytes."""
     rest = data
     body = None
     if call_id is not None and data.get("call") == call_id:
@@ -55,6 +112,9 @@ def split(data: dict[str, Any], call_id: str | None) -> tuple[str, bytes | None]
         body = _body_bytes(text, str(rest.get("body_encoding", "utf8")))
         if body is not None:
             rest = {k: v for k, v in rest.items() if k != "body"}
+    names = FIELDS.get(kind)
+    if names is not None and len(rest) == len(names) and rest.keys() == _FIELD_SETS[kind]:
+        return canonical_json([rest[name] for name in names]), body
     return canonical_json(rest), body
 
 
@@ -72,9 +132,12 @@ def _body_bytes(text: str, encoding: str) -> bytes | None:
         return None
 
 
-def join(data_json: str, body: bytes | None, call_id: str | None) -> dict[str, Any]:
+def join(kind: str, data_json: str, body: bytes | None, call_id: str | None) -> dict[str, Any]:
     """Invert :func:`split`."""
-    data: dict[str, Any] = json.loads(data_json)
+    decoded = json.loads(data_json)
+    data: dict[str, Any] = (
+        dict(zip(FIELDS[kind], decoded, strict=True)) if type(decoded) is list else decoded
+    )
     if body is not None and "body" not in data:
         if data.get("body_encoding", "utf8") == "base64":
             data["body"] = base64.b64encode(body).decode("ascii")
@@ -87,7 +150,7 @@ def join(data_json: str, body: bytes | None, call_id: str | None) -> dict[str, A
 
 def event_params(event: StoredEvent) -> tuple[Any, ...]:
     """Parameters for appending ``event`` at the head, in :data:`INSERT_COLUMNS` order."""
-    data_json, body = split(event.data, event.call_id)
+    data_json, body = split(event.kind, event.data, event.call_id)
     return (
         event.seq,
         event.kind,
@@ -120,7 +183,7 @@ def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
         seq=int(seq),
         kind=kind,
         call_id=call_id,
-        data=join(data, body, call_id),
+        data=join(kind, data, body, call_id),
         worker=worker,
         generation=int(generation),
         at=float(at),
@@ -145,7 +208,7 @@ def convert_rows(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         derivable = (seq == 1 and prev_digest == GENESIS_DIGEST) or (
             previous is not None and previous == (seq - 1, prev_digest)
         )
-        data_json, body = split(json.loads(data), call_id)
+        data_json, body = split(kind, json.loads(data), call_id)
         yield (
             seq,
             kind,

@@ -56,7 +56,8 @@ def canonical_json(value: Any) -> str:
     JSON value: otherwise (small or non-finite floats; what orjson refuses: integers
     beyond 64 bits, keys that are not strings, lone surrogates, subclasses) by json.
     """
-    if type(value) is dict and _floats_agree(value.values()):
+    kind = type(value)
+    if (kind is dict and _floats_agree(value.values())) or (kind is list and _floats_agree(value)):
         try:
             return orjson.dumps(value, option=_ORJSON).decode("utf-8")
         except TypeError:  # orjson.JSONEncodeError is a TypeError
