@@ -32,8 +32,33 @@ def test_migrations_index_the_stage_list_the_queries_use(schema: object) -> None
     """The partial index on unresolved calls has the very predicate the retry lookup uses."""
     migrations = schema.MIGRATIONS  # type: ignore[attr-defined]
     statements = [_squeeze(s) for _, _, batch in migrations for s in batch if isinstance(s, str)]
-    (index,) = [s for s in statements if "calls_unresolved" in s]
-    assert index.endswith(f"WHERE {UNRESOLVED_SQL}")
+    indexes = [s for s in statements if "INDEX calls_unresolved" in s]
+    assert indexes and all(index.endswith(f"WHERE {UNRESOLVED_SQL}") for index in indexes)
+
+
+@pytest.mark.parametrize(
+    ("sql", "params"),
+    [
+        (SQLITE.in_flight_of, ("w1",)),
+        (SQLITE.in_flight_under, ("team", "team/%")),
+        (SQLITE.list_calls("effect_unknown", None, 10)[0], ("effect_unknown", 10)),
+        (SQLITE.list_calls("in_flight", "team", 10)[0], ("in_flight", "team", "team/%", 10)),
+        (SQLITE.stage_counts, ()),
+    ],
+)
+def test_lookups_by_stage_read_only_unresolved_calls(
+    tmp_path: Path, sql: str, params: tuple[object, ...]
+) -> None:
+    """Every lookup of calls by stage reads the partial index of unresolved calls, not
+    every call (there is no index of all calls by stage)."""
+    conn = sqliteschema.connect(str(tmp_path / "l.db"))
+    try:
+        sqliteschema.migrate(conn)
+        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, params)
+        details = " ".join(str(row[-1]) for row in plan)
+    finally:
+        conn.close()
+    assert "INDEX calls_unresolved" in details, details
 
 
 def test_unresolved_lookup_uses_the_partial_index(tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ def stage_list(stages: Iterable[Stage]) -> str:
 #: Calls that may still have (or be having) an effect: in flight or effect unknown.
 UNRESOLVED_SQL = f"stage IN ({stage_list(UNRESOLVED)})"
 IN_FLIGHT_SQL = f"stage = {stage_list(['in_flight'])}"
+# A lookup by stage names UNRESOLVED_SQL too: SQLite then reads the small partial index
+# of unresolved calls (calls_unresolved) instead of every call.
+_IN_FLIGHT = f"{UNRESOLVED_SQL} AND {IN_FLIGHT_SQL}"
 #: The chain head: the last event's number and digest.
 HEAD = "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
 NEXT_GENERATION = "UPDATE meta SET value = value + 1 WHERE key = 'generation' RETURNING value"
@@ -111,7 +114,7 @@ class Queries:
             f"SELECT state FROM calls WHERE budget_root = {m} AND request_hash = {m} "
             f"AND {UNRESOLVED_SQL} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
         )
-        self.in_flight_of = f"SELECT state FROM calls WHERE {IN_FLIGHT_SQL} AND worker = {m}"
+        self.in_flight_of = f"SELECT state FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
@@ -121,7 +124,7 @@ class Queries:
         self.policies = f"SELECT {POLICY_COLUMNS} FROM budgets"
         self.windows = f"SELECT {WINDOW_COLUMNS} FROM rate_windows"
         self.in_flight_under = (
-            f"SELECT count(*) FROM calls WHERE {IN_FLIGHT_SQL} "
+            f"SELECT count(*) FROM calls WHERE {_IN_FLIGHT} "
             f"AND (budget = {m} OR budget LIKE {m} ESCAPE '\\')"
         )
         # -- scans (operators, metrics, verify)
@@ -170,14 +173,21 @@ class Queries:
         m = self.mark
         where: list[str] = []
         params: list[Any] = []
+        order = "created_at"
         if stage is not None:
+            if stage in UNRESOLVED:
+                # Few calls are unresolved: find them in their partial index and sort
+                # them, rather than walk every call newest first (``+`` keeps SQLite
+                # from ordering by the calls_created index).
+                where.append(UNRESOLVED_SQL)
+                order = "+created_at"
             where.append(f"stage = {m}")
             params.append(stage)
         if budget is not None:
             where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
             params += self.subtree(budget)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        sql = f"SELECT state FROM calls {clause} ORDER BY created_at DESC LIMIT {m}"
+        sql = f"SELECT state FROM calls {clause} ORDER BY {order} DESC LIMIT {m}"
         return sql, [*params, min(limit, (1 << 63) - 1)]
 
 

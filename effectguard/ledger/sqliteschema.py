@@ -161,6 +161,29 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 seq INTEGER PRIMARY KEY, prev_digest BLOB NOT NULL)""",
         ],
     ),
+    (
+        7,
+        "calls keyed by call id alone (WITHOUT ROWID); no index on every call's stage",
+        [
+            # A rowid table with a TEXT primary key is two b-trees (rows, and the key's
+            # index): one b-tree here, one page less per admission. calls_stage indexed
+            # every call by stage, although only unresolved calls are ever looked up by
+            # stage, and those are in calls_unresolved (queries.UNRESOLVED_SQL).
+            """CREATE TABLE calls_v2 (
+                call_id TEXT PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
+                budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
+                provider TEXT NOT NULL, created_at REAL NOT NULL, worker TEXT NOT NULL,
+                state TEXT NOT NULL) WITHOUT ROWID""",
+            "INSERT INTO calls_v2 SELECT * FROM calls",
+            "DROP TABLE calls",
+            "ALTER TABLE calls_v2 RENAME TO calls",
+            """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
+                WHERE idempotency_key IS NOT NULL""",
+            """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
+                WHERE stage IN ('in_flight', 'effect_unknown')""",
+            "CREATE INDEX calls_created ON calls(created_at)",
+        ],
+    ),
 ]
 
 
