@@ -37,7 +37,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.recovery import WorkerRuntime
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
-from effectguard.ledger import Writer, operations
+from effectguard.ledger import Writer, operations, sqliteevents
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
@@ -378,10 +378,10 @@ def ledger_events(ledger: Path) -> list[dict[str, Any]]:
     """Every event, read through a read-only connection."""
     conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     try:
-        rows = conn.execute("SELECT seq, kind, call_id, data, worker FROM events ORDER BY seq")
+        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
         return [
-            {"seq": r[0], "kind": r[1], "call": r[2], "data": json.loads(r[3]), "worker": r[4]}
-            for r in rows
+            {"seq": e.seq, "kind": e.kind, "call": e.call_id, "data": e.data, "worker": e.worker}
+            for e in rows
         ]
     finally:
         conn.close()

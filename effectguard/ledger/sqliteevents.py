@@ -52,6 +52,19 @@ ALL_EVENTS = f"SELECT {SELECT_COLUMNS} FROM events e ORDER BY e.seq"
 #: object: the archive's trigger and queries read its fields with ``json_extract``.
 FIELDS: dict[str, tuple[str, ...]] = {
     "attempt.interrupted": ("attempt", "reason", "by"),
+    "attempt.late_answer": (
+        "attempt",
+        "status",
+        "effect",
+        "body_digest",
+        "body_bytes",
+        "usage",
+        "usage_problem",
+        "cost",
+        "observed_by",
+        "generation",
+        "reason",
+    ),
     "attempt.not_sent": ("attempt", "reason"),
     "attempt.observed": (
         "attempt",
