@@ -4,6 +4,7 @@ of a format-1 ledger (hex digests, every link stored, bodies inside the JSON).""
 from __future__ import annotations
 
 import base64
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,13 @@ from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, StoredEvent
 from effectguard.rules.events import canonical_json as canonical
 
-#: One format-2 row as SELECT_COLUMNS reads it: raw digests, body out of the JSON, no call,
-#: the fields' values in FIELDS order.
+CALL = "call_01a22fe8e4d874a06ea864a3ee239aa9"
+#: One format-2 row as SELECT_COLUMNS reads it: the call id's 16 bytes, raw digests, the
+#: body out of the JSON, no call in data, the fields' values in FIELDS order.
 ROW = (
     7,
     "attempt.observed",
-    "call_x",
+    bytes.fromhex("01a22fe8e4d874a06ea864a3ee239aa9"),
     '[1,200,false,null,null,{},"utf8",false]',
     b'{"ok": "\xc3\xa9"}',
     "w1",
@@ -42,7 +44,7 @@ def test_format_2_row_decodes_to_the_pinned_event() -> None:
         "attempt": 1,
         "body": '{"ok": "é"}',
         "body_encoding": "utf8",
-        "call": "call_x",
+        "call": CALL,
         "effect_unknown": False,
         "headers": {},
         "not_processed": False,
@@ -51,7 +53,17 @@ def test_format_2_row_decodes_to_the_pinned_event() -> None:
         "usage_problem": None,
     }
     assert (stored.prev_digest, stored.digest) == ("ab" * 32, "cd" * 32)
+    assert stored.call_id == CALL
     assert isinstance(stored.event, AttemptObserved)
+
+
+@given(st.text() | st.from_regex(r"call_[0-9a-f]{32}", fullmatch=True))
+def test_a_call_id_is_stored_so_that_it_reads_back(call_id: str) -> None:
+    """A ``call_`` + 32 hex digits id is stored as its 16 bytes; any other id as itself."""
+    key = sqliteevents.call_key(call_id)
+    assert sqliteevents.call_from_key(key) == call_id
+    canonical = re.fullmatch(r"call_[0-9a-f]{32}", call_id) is not None
+    assert isinstance(key, bytes) == canonical
 
 
 def test_an_object_row_decodes_to_the_same_event() -> None:

@@ -119,7 +119,8 @@ def seq_of(path: Path, call_id: str, kind: str) -> int:
     """The sequence number of ``call_id``'s event of ``kind``."""
     with raw(path) as conn:
         row = conn.execute(
-            "SELECT seq FROM events WHERE call_id = ? AND kind = ?", (call_id, kind)
+            "SELECT seq FROM events WHERE call_id = ? AND kind = ?",
+            (sqliteevents.call_key(call_id), kind),
         ).fetchone()
     assert row is not None
     return int(row[0])

@@ -258,7 +258,7 @@ class SqliteSession:
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         self._flush_events()
-        rows = self.conn.execute(SQLITE.call_events, (call_id,))
+        rows = self.conn.execute(SQLITE.call_events, (sqliteevents.call_key(call_id),))
         return [sqliteevents.event_from_row(r) for r in rows]
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
@@ -394,6 +394,7 @@ class SqliteStore(SqlReads):
 
     queries = SQLITE
     decode_event = staticmethod(sqliteevents.event_from_row)
+    call_key = staticmethod(sqliteevents.call_key)
 
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.url = url

@@ -12,6 +12,8 @@ bytes sit on disk, because a call's six events were most of what a call cost
   its predecessor's;
 - ``body`` (a manifest's request, an observation's response) is a BLOB of its
   raw bytes, out of the JSON, where it was an escaped string;
+- ``call_id`` is the 16 bytes a ``call_`` and 32 hex digits id stands for (any
+  other id stays text), in the row and in the ``events_call`` index;
 - ``data`` does not repeat the call id the ``call_id`` column holds, and where it
   has exactly the fields :data:`FIELDS` lists for its kind it is a JSON array of
   their values in that order, not an object repeating every field name.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -113,6 +116,21 @@ FIELDS: dict[str, tuple[str, ...]] = {
 _FIELD_SETS = {kind: frozenset(names) for kind, names in FIELDS.items()}
 
 
+_CALL_ID = re.compile(r"call_[0-9a-f]{32}")
+
+
+def call_key(call_id: str) -> bytes | str:
+    """How ``call_id`` is stored in (and looked up by) the events' ``call_id`` column."""
+    return bytes.fromhex(call_id[5:]) if _CALL_ID.fullmatch(call_id) else call_id
+
+
+def call_from_key(value: Any) -> str | None:
+    """Invert :func:`call_key` (None stays None: an event of no call)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "call_" + bytes(value).hex()
+    return value if value is None else str(value)
+
+
 def split(kind: str, data: dict[str, Any], call_id: str | None) -> tuple[str, bytes | None]:
     """``data`` as stored: its JSON without the call id and the body (positional where
     its fields are its kind's :data:`FIELDS`), and the body's bytes."""
@@ -167,7 +185,7 @@ def event_params(event: StoredEvent) -> tuple[Any, ...]:
     return (
         event.seq,
         event.kind,
-        event.call_id,
+        None if event.call_id is None else call_key(event.call_id),
         data_json,
         body,
         event.worker,
@@ -191,7 +209,8 @@ def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
     A predecessor that can be derived from nothing (its row deleted outside an
     archive) reads as ``""``, which the verifier reports as a broken link.
     """
-    seq, kind, call_id, data, body, worker, generation, at, prev_digest, digest = row
+    seq, kind, key, data, body, worker, generation, at, prev_digest, digest = row
+    call_id = call_from_key(key)
     return StoredEvent(
         seq=int(seq),
         kind=kind,
@@ -225,7 +244,7 @@ def convert_rows(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         yield (
             seq,
             kind,
-            call_id,
+            None if call_id is None else call_key(call_id),
             data_json,
             body,
             worker,

@@ -36,6 +36,8 @@ class SqlReads(ABC):
     queries: Queries
     #: Reads one event row in the store's layout (``queries``' event columns).
     decode_event: Callable[[Any], StoredEvent] = staticmethod(event_from_row)
+    #: A call id as the store's events hold it (SQLite: 16 bytes; PostgreSQL: the text).
+    call_key: Callable[[str], Any] = staticmethod(str)
 
     @abstractmethod
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> Sequence[Sequence[Any]]:
@@ -48,7 +50,7 @@ class SqlReads(ABC):
 
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
-        rows = await self._fetch(self.queries.call_events, (call_id,))
+        rows = await self._fetch(self.queries.call_events, (self.call_key(call_id),))
         return [self.decode_event(r) for r in rows]
 
     async def list_calls(

@@ -73,7 +73,9 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
 
 
 #: SQLite's events since migration 6 (ledger/sqliteevents.py).
-_FORMAT_2 = EventLayout(sqliteevents.SELECT_COLUMNS, sqliteevents.event_from_row, lambda c: c)
+_FORMAT_2 = EventLayout(
+    sqliteevents.SELECT_COLUMNS, sqliteevents.event_from_row, sqliteevents.call_from_key
+)
 
 
 def _plan(conn: sqlite3.Connection, before: float, now: float) -> Plan | None:
@@ -140,10 +142,11 @@ def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
         marks = ",".join("?" * len(chunk))
         moved = conn.execute(
             f"SELECT call_id FROM events WHERE seq > ? AND call_id IN ({marks}) LIMIT 1",
-            (plan.last, *chunk),
+            (plan.last, *map(sqliteevents.call_key, chunk)),
         ).fetchone()
         if moved is not None:
-            raise LedgerCorrupt(f"call {moved[0]} changed while archiving; run archive again")
+            moved_id = sqliteevents.call_from_key(moved[0])
+            raise LedgerCorrupt(f"call {moved_id} changed while archiving; run archive again")
     first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
     if first != plan.first:
         raise LedgerCorrupt("another archive ran meanwhile; run archive again")
