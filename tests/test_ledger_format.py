@@ -4,6 +4,7 @@ of a format-1 ledger (hex digests, every link stored, bodies inside the JSON).""
 from __future__ import annotations
 
 import base64
+import json
 import re
 import sqlite3
 from pathlib import Path
@@ -13,12 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
-from effectguard.ledger.rows import EVENT_COLUMNS, event_params
+from effectguard.ledger.rows import EVENT_COLUMNS, event_params, state_params
 from effectguard.ledger.sqliteschema import _ARCHIVED_THROUGH_TRIGGER
 from effectguard.ops.archive import archive_sqlite
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, StoredEvent
 from effectguard.rules.events import canonical_json as canonical
+from effectguard.rules.workstate import as_dict
 
 CALL = "call_01a22fe8e4d874a06ea864a3ee239aa9"
 #: One format-2 row as SELECT_COLUMNS reads it: the call id's 16 bytes, raw digests, the
@@ -165,24 +167,27 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
         conn.close()
 
 
+def _request(n: int) -> AdmitRequest:
+    return AdmitRequest(
+        request_hash=f"h{n}",
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-x",
+        idempotency_key=f"k{n}",
+        budget="team/run",
+        budget_root="team",
+        effect_kind="billable",
+        body='{"messages": [{"content": "é \\"quoted\\""}]}',
+        body_encoding="utf8",
+        stream=False,
+        reserve=1000,
+    )
+
+
 async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:
     for n in numbers:
-        request = AdmitRequest(
-            request_hash=f"h{n}",
-            provider="openai",
-            endpoint="/v1/chat/completions",
-            method="POST",
-            model="gpt-x",
-            idempotency_key=f"k{n}",
-            budget="team/run",
-            budget_root="team",
-            effect_kind="billable",
-            body='{"messages": [{"content": "é \\"quoted\\""}]}',
-            body_encoding="utf8",
-            stream=False,
-            reserve=1000,
-        )
-        admitted = await ledger.admit(writer, request)
+        admitted = await ledger.admit(writer, _request(n))
         outcome = [
             AttemptObserved(
                 call=admitted.call_id,
@@ -235,3 +240,40 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
         conn.close()
     assert stored_links == [(before[0].seq,)]
     assert bodies == (4,)  # two manifests, two observations
+
+
+async def test_a_call_state_is_stored_positionally_and_both_forms_read_the_same(
+    tmp_path: Path,
+) -> None:
+    """The SQLite store writes a call's state as the array of rows.STATE_FIELDS; a state
+    stored as an object (as before) reads as the same state and counts the same held."""
+    path = tmp_path / "ledger.db"
+    async with Ledger.open(str(path)) as ledger:
+        writer = await ledger.store.write(
+            Writer("w1", 0),
+            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=60),
+        )
+        await _calls(ledger, writer, range(1))
+        unknown = await ledger.admit(writer, _request(9))
+        await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
+        positional = await ledger.store.get_call(unknown.call_id)
+        counts = await ledger.store.stage_counts()
+    assert positional is not None and positional.held == 1000
+    assert counts == [("openai", "effect_unknown", 1, 1000)]
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        (text,) = conn.execute(
+            "SELECT state FROM calls WHERE call_id = ?", (unknown.call_id,)
+        ).fetchone()
+        assert json.loads(text) == list(as_dict(positional).values())
+        conn.execute(
+            "UPDATE calls SET state = ? WHERE call_id = ?",
+            (state_params(positional)[-1], unknown.call_id),
+        )
+    finally:
+        conn.close()
+    async with Ledger.open(str(path)) as ledger:
+        assert await ledger.store.get_call(unknown.call_id) == positional
+        assert await ledger.store.stage_counts() == counts
+        report = await verify_ledger(ledger)
+    assert report.ok, report.problems

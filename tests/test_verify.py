@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
-from effectguard.ledger.rows import CALL_COLUMNS, state_params
+from effectguard.ledger.rows import CALL_COLUMNS, STATE_FIELDS, state_params
 from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
 from effectguard.rules.events import (
@@ -113,6 +113,11 @@ def raw(path: Path) -> Iterator[sqlite3.Connection]:
         yield conn
     finally:
         conn.close()
+
+
+def state_path(field: str) -> str:
+    """The JSON path of a call state's ``field`` as SQLite stores it (rows.STATE_FIELDS)."""
+    return f"$[{STATE_FIELDS.index(field)}]"
 
 
 def seq_of(path: Path, call_id: str, kind: str) -> int:
@@ -274,9 +279,9 @@ async def test_call_state_disagreeing_with_events_is_named(built: Built) -> None
     """A call row whose stored state is not the projection of its events is reported by id."""
     with raw(built.path) as conn:
         conn.execute(
-            "UPDATE calls SET stage = 'completed', state = json_set(state, '$.stage', 'completed') "
+            "UPDATE calls SET stage = 'completed', state = json_set(state, ?, 'completed') "
             "WHERE call_id = ?",
-            (built.in_flight,),
+            (state_path("stage"), built.in_flight),
         )
     report = await verify(built.path)
     assert not report.ok
@@ -291,8 +296,8 @@ async def test_call_state_money_disagreeing_is_named(built: Built) -> None:
     """A call whose stored cost differs from its events is reported (not only its stage)."""
     with raw(built.path) as conn:
         conn.execute(
-            "UPDATE calls SET state = json_set(state, '$.cost', 1) WHERE call_id = ?",
-            (built.completed,),
+            "UPDATE calls SET state = json_set(state, ?, 1) WHERE call_id = ?",
+            (state_path("cost"), built.completed),
         )
     report = await verify(built.path)
     assert not report.ok

@@ -26,6 +26,7 @@ from effectguard.ledger.rows import (
     MUTABLE_CALL_COLUMNS,
     NODE_COLUMNS,
     POLICY_COLUMNS,
+    STATE_FIELDS,
     WINDOW_COLUMNS,
     WORKER_COLUMNS,
     names,
@@ -194,7 +195,9 @@ class Queries:
 SQLITE = Queries(
     mark="?",
     false="0",
-    held="json_extract(state, '$.held')",
+    # A state is an object or the array of rows.STATE_FIELDS (held is its 15th).
+    held=f"coalesce(json_extract(state, '$[{STATE_FIELDS.index('held')}]'), "
+    "json_extract(state, '$.held'))",
     event_columns=sqliteevents.SELECT_COLUMNS,
     event_insert=sqliteevents.INSERT_COLUMNS,
 )

@@ -80,11 +80,42 @@ def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
-def state_params(state: WorkState) -> tuple[Any, ...]:
+#: A call state's fields, in the order a positional ``state`` lists their values (SQLite).
+#: Part of the stored format: a field added to WorkState later is not appended here
+#: (states with it are stored as objects), so a stored array never changes meaning.
+STATE_FIELDS = (
+    "call_id",
+    "stage",
+    "attempts",
+    "idempotency_key",
+    "request_hash",
+    "provider",
+    "model",
+    "budget",
+    "budget_root",
+    "created_at",
+    "last_attempt_at",
+    "reserved_at_admission",
+    "reserved",
+    "cost",
+    "held",
+    "status",
+    "worker",
+    "flagged",
+    "idempotency_window_s",
+    "periods",
+    "tokens",
+    "resend_authorized",
+)
+
+
+def state_params(state: WorkState, *, positional: bool = False) -> tuple[Any, ...]:
     """Parameters for storing a call state, in :data:`CALL_COLUMNS` order.
 
     A refused call does not hold its idempotency key: the key stays free for
-    the client's next try.
+    the client's next try. ``positional`` stores the state as the array of its
+    :data:`STATE_FIELDS` values (where it has exactly those fields), not an object
+    repeating every field name: about 300 bytes less a call.
     """
     key = None if state.stage == "refused" else state.idempotency_key
     return (
@@ -97,13 +128,22 @@ def state_params(state: WorkState) -> tuple[Any, ...]:
         state.provider,
         state.created_at,
         state.worker,
-        _COMPACT.encode(as_dict(state)),
+        _state_json(as_dict(state), positional),
     )
 
 
+def _state_json(fields: dict[str, Any], positional: bool) -> str:
+    if positional and tuple(fields) == STATE_FIELDS:
+        return _COMPACT.encode(list(fields.values()))
+    return _COMPACT.encode(fields)
+
+
 def state_from_json(text: str) -> WorkState:
-    """A call state from its stored JSON."""
-    return WorkState(**json.loads(text))
+    """A call state from its stored JSON: an object, or the array of its STATE_FIELDS."""
+    stored = json.loads(text)
+    if type(stored) is list:
+        return WorkState(**dict(zip(STATE_FIELDS, stored, strict=True)))
+    return WorkState(**stored)
 
 
 def node_params(node: BudgetNode) -> tuple[Any, ...]:

@@ -274,7 +274,7 @@ class SqliteSession:
         return state
 
     def put_call(self, state: WorkState) -> None:
-        self.conn.execute(_UPSERT_CALL, state_params(state))
+        self.conn.execute(_UPSERT_CALL, state_params(state, positional=True))
         self._remember(state)
 
     def _remember(self, state: WorkState) -> None:
