@@ -57,7 +57,9 @@ def canonical_json(value: Any) -> str:
     beyond 64 bits, keys that are not strings, lone surrogates, subclasses) by json.
     """
     kind = type(value)
-    if (kind is dict and _floats_agree(value.values())) or (kind is list and _floats_agree(value)):
+    if (kind is dict and _floats_agree(value.values())) or (
+        (kind is list or kind is tuple) and _floats_agree(value)
+    ):
         try:
             return orjson.dumps(value, option=_ORJSON).decode("utf-8")
         except TypeError:  # orjson.JSONEncodeError is a TypeError
