@@ -164,12 +164,22 @@ def test_unresolved_calls_are_never_archived(
         moved = archive(ledger, capsys)
         assert moved["calls"] == 1  # only the call before the held one
         live = stages(ledger)
+        (held_id,) = [c for c, stage in live.items() if stage == "in_flight"]
+        assert (moved["held_by"], moved["held_because"]) == (
+            held_id,
+            "stage in_flight is not final",
+        )
+        assert main(["archive", "--ledger", str(ledger), "--before", later()]) == 0
+        said = capsys.readouterr().out
+        assert "nothing to archive yet" in said
+        assert f"the cut stops at call {held_id} (stage in_flight is not final)" in said
         assert sorted(live.values()) == ["completed", "in_flight"]
         code, report = verify(capsys, "--ledger", str(ledger))
         assert code == 0, report["problems"]
         assert held.result(timeout=30).status_code == 200
         moved = archive(ledger, capsys)
         assert moved["calls"] == 2 and stages(ledger) == {}
+        assert moved["held_by"] is None
         code, report = verify(capsys, "--ledger", str(ledger))
         assert code == 0, report["problems"]
     # The counters carried across the cut still bind: a budget row that drifts is caught.

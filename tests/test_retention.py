@@ -10,6 +10,7 @@ from effectguard.rules.retention import (
     RetentionPolicy,
     cut,
     decide_archived,
+    holder,
     stays_live,
 )
 from effectguard.rules.workstate import STAGES, WorkState
@@ -64,6 +65,21 @@ def test_the_cut_never_splits_a_call() -> None:
     tangled = [EventRef(1, "a", 1), EventRef(2, "b", 2), EventRef(3, "a", 3)]
     tangled += [EventRef(4, "x", 4), EventRef(5, "b", 5)]
     assert cut(tangled, {"a": True, "b": True, "x": False}, before=NOW) == 0
+
+
+def test_the_holder_is_the_first_live_call_after_the_cut() -> None:
+    """The operator is told which call holds the cut, and why; nobody, at the cut-off."""
+    refs = [EventRef(1, "a", 1), EventRef(2, None, 2), EventRef(3, "b", 3), EventRef(4, "c", 4)]
+    reasons = {"a": None, "b": "stage effect_unknown is not final", "c": "later"}
+    last = cut(refs, {k: v is None for k, v in reasons.items()}, before=NOW)
+    assert holder(refs, reasons, last=last, before=NOW) == ("b", reasons["b"])
+    # a held call written at or after the cut-off holds nothing back
+    assert holder(refs, reasons, last=last, before=3) is None
+    # an archivable call whose events straddle the holder is not the holder
+    tangled = [EventRef(1, "a", 1), EventRef(2, "x", 2), EventRef(3, "a", 3)]
+    both = {"a": None, "x": "stage in_flight is not final"}
+    assert holder(tangled, both, last=0, before=NOW) == ("x", both["x"])
+    assert holder(refs, {"a": None, "b": None, "c": None}, last=4, before=NOW) is None
 
 
 def test_the_cut_stops_at_the_cutoff_and_gives_zero_when_nothing_may_go() -> None:

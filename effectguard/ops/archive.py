@@ -46,11 +46,14 @@ from effectguard.ops.archiveplan import (
     ArchiveResult,
     EventLayout,
     Plan,
+    Survey,
+    held,
     plan_archive,
     prove,
     seal_checkpoint,
 )
 from effectguard.rules.events import StoredEvent
+from effectguard.rules.guidance import show_command
 
 
 def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> ArchiveResult:
@@ -61,13 +64,14 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
     conn = connect(str(path))
     try:
         migrate(conn)
-        plan = _plan(conn, before, time.time())
+        survey = _plan(conn, before, time.time())
+        plan = survey.plan
         if plan is None:
-            return _result(conn, None, 0, 0, 0, 0, 0, 0)
+            return held(_result(conn, None, 0, 0, 0, 0, 0, 0), survey)
         target = out or path.with_name(f"{path.stem}-archive-{plan.first}-{plan.last}.jsonl.gz")
         if target.exists():
             raise ConfigError(f"{target} exists; an archive never overwrites a file")
-        return _commit(conn, plan, target)
+        return held(_commit(conn, plan, target), survey)
     finally:
         conn.close()
 
@@ -78,7 +82,7 @@ _FORMAT_2 = EventLayout(
 )
 
 
-def _plan(conn: sqlite3.Connection, before: float, now: float) -> Plan | None:
+def _plan(conn: sqlite3.Connection, before: float, now: float) -> Survey:
     conn.execute("BEGIN")  # one read snapshot; writers go on
     try:
 
@@ -215,6 +219,12 @@ def cmd_archive(args: argparse.Namespace) -> int:
             f"archive {result.path}: events {result.first_seq}..{result.last_seq} "
             f"({result.events} events, {result.calls} calls, {result.keys} keys kept); "
             f"checkpoint event {result.checkpoint_seq}"
+        )
+    if result.held_by is not None and not args.json:
+        # The archive is a prefix of the chain: this call holds back every call after it.
+        print(
+            f"archive: the cut stops at call {result.held_by} ({result.held_because}); "
+            f"resolve it to archive the calls after it (`{show_command(result.held_by)}`)"
         )
     return 0
 

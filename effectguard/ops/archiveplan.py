@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from effectguard.errors import LedgerCorrupt
@@ -20,7 +20,7 @@ from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row, state_from_js
 from effectguard.ops import archivefile
 from effectguard.ops.audit import Verifier, checkpoint
 from effectguard.rules.events import GENESIS_DIGEST, LedgerArchived, StoredEvent, seal
-from effectguard.rules.retention import EventRef, cut, stays_live
+from effectguard.rules.retention import EventRef, cut, holder, stays_live
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,9 @@ class ArchiveResult:
     checkpoint_seq: int
     page_count: int
     freelist_count: int
+    #: The call that stops the cut (before the cut-off), and why it stays live.
+    held_by: str | None = None
+    held_because: str | None = None
 
 
 @dataclass
@@ -69,24 +72,42 @@ class EventLayout:
 FORMAT_1 = EventLayout(EVENT_COLUMNS, event_from_row, lambda value: value)
 
 
-def plan_archive(
-    fetch: Fetch, before: float, now: float, layout: EventLayout = FORMAT_1
-) -> Plan | None:
+@dataclass(frozen=True, slots=True)
+class Survey:
+    """What an archive may take now (``plan`` None: nothing), and what holds the cut."""
+
+    plan: Plan | None
+    held: tuple[str, str] | None = None
+
+
+def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = FORMAT_1) -> Survey:
     """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot."""
     refs = [
         EventRef(int(s), layout.call(c), float(a))
         for s, c, a in fetch("SELECT seq, call_id, at FROM events ORDER BY seq", ())
     ]
     if not refs:
-        return None
-    archivable: dict[str, bool] = {}
+        return Survey(None)
+    reasons: dict[str, str | None] = {}
     keys: dict[str, tuple[str | None, str, str]] = {}
     for (text,) in fetch("SELECT state FROM calls", ()):
         state = state_from_json(text)
-        archivable[state.call_id] = stays_live(state, before=before, now=now) is None
+        reasons[state.call_id] = stays_live(state, before=before, now=now)
         keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
+    archivable = {call: reason is None for call, reason in reasons.items()}
     last = cut(refs, archivable, before=before)
-    first = refs[0].seq
+    held = holder(refs, reasons, last=last, before=before)
+    plan = _take(fetch, layout, refs[0].seq, last, keys)
+    return Survey(plan, held)
+
+
+def _take(
+    fetch: Fetch,
+    layout: EventLayout,
+    first: int,
+    last: int,
+    keys: dict[str, tuple[str | None, str, str]],
+) -> Plan | None:
     if last < first:
         return None
     start_state, prev_digest = _previous(fetch, first)
@@ -96,6 +117,13 @@ def plan_archive(
     if not calls:
         return None  # only checkpoints and worker events: not worth a file of its own
     return Plan(first, last, prev_digest, start_state, events, calls)
+
+
+def held(result: ArchiveResult, survey: Survey) -> ArchiveResult:
+    """``result`` naming the call that holds the cut, if one does."""
+    if survey.held is None:
+        return result
+    return replace(result, held_by=survey.held[0], held_because=survey.held[1])
 
 
 def _previous(fetch: Fetch, first: int) -> tuple[dict[str, Any] | None, str]:

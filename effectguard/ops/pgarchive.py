@@ -43,7 +43,15 @@ from effectguard.ledger.pgschema import (
 )
 from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row
 from effectguard.ops import archivefile
-from effectguard.ops.archiveplan import ArchiveResult, Plan, plan_archive, prove, seal_checkpoint
+from effectguard.ops.archiveplan import (
+    ArchiveResult,
+    Plan,
+    Survey,
+    held,
+    plan_archive,
+    prove,
+    seal_checkpoint,
+)
 from effectguard.ops.audit import VerifyReport
 from effectguard.rules.events import StoredEvent, canonical_json
 
@@ -62,10 +70,10 @@ def archive_postgres(url: str, *, before: float) -> ArchiveResult:
     )
     try:
         migrate_on(conn, target)
-        plan = _plan(conn, before)
-        if plan is None:
-            return ArchiveResult(None, 0, 0, 0, 0, 0, 0, 0, 0)
-        return _commit(conn, plan)
+        survey = _plan(conn, before)
+        if survey.plan is None:
+            return held(ArchiveResult(None, 0, 0, 0, 0, 0, 0, 0, 0), survey)
+        return held(_commit(conn, survey.plan), survey)
     except psycopg.errors.UniqueViolation as exc:
         raise LedgerCorrupt("another archive ran meanwhile; run archive again") from exc
     except psycopg.Error as exc:
@@ -74,7 +82,7 @@ def archive_postgres(url: str, *, before: float) -> ArchiveResult:
         conn.close()
 
 
-def _plan(conn: psycopg.Connection[Any], before: float) -> Plan | None:
+def _plan(conn: psycopg.Connection[Any], before: float) -> Survey:
     with conn.transaction():  # one snapshot for every read; writers go on
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
         now = float(conn.execute(f"SELECT {CLOCK_FUNCTION}()").fetchall()[0][0])

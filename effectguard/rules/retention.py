@@ -93,6 +93,26 @@ def cut(events: Iterable[EventRef], archivable: Mapping[str, bool], *, before: f
     return best
 
 
+def holder(
+    events: Iterable[EventRef], reasons: Mapping[str, str | None], *, last: int, before: float
+) -> tuple[str, str] | None:
+    """The call whose event stops the cut after ``last``, and why it stays live.
+
+    None when the cut stops only at the cut-off (nothing older is held back). An
+    operator reads this to learn which call to resolve: one long-unresolved call holds
+    back every call after it (the archive is a prefix of the chain).
+    """
+    for ref in events:
+        if ref.seq <= last or ref.call_id is None:
+            continue
+        if ref.at >= before:
+            return None
+        reason = reasons.get(ref.call_id, "it has no call row")
+        if reason is not None:
+            return ref.call_id, reason
+    return None
+
+
 def decide_archived(call_id: str, archived_hash: str, request_hash: str) -> Decision:
     """A keyed request whose key belongs to an archived call: refused, never resent."""
     if archived_hash != request_hash:
