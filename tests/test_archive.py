@@ -317,5 +317,13 @@ def test_the_events_table_refuses_a_delete_outside_an_archive(tmp_path: Path) ->
             conn.execute("DELETE FROM events WHERE seq = 1")
         with pytest.raises(sqlite3.IntegrityError, match="checkpoint"):
             conn.execute("UPDATE meta SET value = 1 WHERE key = 'archived_through'")
+        # The mark cannot be removed, and a ledger that lost it anyway (an old file
+        # edited by hand) still refuses: a missing mark means 0.
+        with pytest.raises(sqlite3.IntegrityError, match="cannot be deleted"):
+            conn.execute("DELETE FROM meta WHERE key = 'archived_through'")
+        conn.execute("DROP TRIGGER meta_keeps_archived_through")
+        conn.execute("DELETE FROM meta WHERE key = 'archived_through'")
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            conn.execute("DELETE FROM events WHERE seq = 1")
     finally:
         conn.close()

@@ -184,6 +184,23 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
             "CREATE INDEX calls_created ON calls(created_at)",
         ],
     ),
+    (
+        8,
+        "the events' delete guard holds without its meta row",
+        [
+            # With the archived_through row gone, `OLD.seq > (SELECT ...)` was NULL and
+            # every event could be deleted; a missing mark now means 0, and the row
+            # itself cannot be deleted.
+            "DROP TRIGGER events_no_delete",
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+                WHEN OLD.seq > coalesce(
+                    (SELECT value FROM meta WHERE key = 'archived_through'), 0)
+                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+            """CREATE TRIGGER meta_keeps_archived_through BEFORE DELETE ON meta
+                WHEN OLD.key = 'archived_through'
+                BEGIN SELECT RAISE(ABORT, 'archived_through cannot be deleted'); END""",
+        ],
+    ),
 ]
 
 
