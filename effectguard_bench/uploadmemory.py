@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from effectguard.callpath.exchange import Outbound
 from effectguard.callpath.prepare import prepare
 from effectguard.config.settings import GuardSettings
 from effectguard.ingress import server
@@ -68,11 +69,11 @@ async def measure(size: int) -> None:
     tracemalloc.start()
     raw = await server._read_body(receive, len(body))
     _step("1. front door read (chunks, then joined)")
-    request = httpx.Request(
-        "POST",
-        openai.base_url + "/v1/files",
-        content=raw,
-        headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"},
+    url = httpx.URL(openai.base_url + "/v1/files")
+    content_type = f"multipart/form-data; boundary={BOUNDARY}".encode()
+    # As the proxy hands it to the guard: the body joined once, no copy.
+    request = Outbound(
+        "POST", str(url), url.path, url.raw_path.decode(), [(b"content-type", content_type)], raw
     )
     prepared = prepare(openai, request, GuardSettings(), budget="default", budget_root=None)
     assert prepared is not None

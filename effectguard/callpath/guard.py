@@ -1,7 +1,8 @@
 """The guard: the one call path both ways in use (docs/contract.md §3–§4).
 
-``Guard.handle`` takes an upstream-bound ``httpx.Request`` and a ``send``
-function (the inner transport) and returns an ``httpx.Response``:
+``Guard.serve`` takes an upstream-bound :class:`Outbound` and a ``send``
+function (the upstream leg) and returns a :class:`Reply` (``Guard.handle`` is the
+same over httpx objects, for the transports):
 
 1. *prepare* — parse and price the request (pure; refusals cost nothing);
 2. *admit* — one durable transaction: idempotency, reservation, manifest,
@@ -17,13 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.exchange import Outbound, Reply, Send, header_value
+from effectguard.callpath.httpxshape import (
+    HttpxSend,
+    httpx_response,
+    httpx_send,
+    outbound_from_httpx,
+)
 from effectguard.callpath.prepare import Prepared, prepare, refuse
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
@@ -41,7 +49,7 @@ from effectguard.callpath.wire import (
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer
-from effectguard.providers import Provider, provider_for
+from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
 from effectguard.rules import usage as usages
 from effectguard.rules.events import (
@@ -54,13 +62,11 @@ from effectguard.rules.guidance import decide_unknown
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
 
-Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
-
 
 class _RetryAttempt(Exception):
     """This attempt provably did nothing; a retry may start (carries the last answer)."""
 
-    def __init__(self, response: httpx.Response | None, refusal: Refusal | None) -> None:
+    def __init__(self, response: Reply | None, refusal: Refusal | None) -> None:
         super().__init__("retryable attempt")
         self.response = response
         self.refusal = refusal
@@ -76,7 +82,7 @@ class Ticket:
     """
 
     call_id: str | None = None
-    dispatch: asyncio.Future[httpx.Response] | None = field(default=None, repr=False)
+    dispatch: asyncio.Future[Reply] | None = field(default=None, repr=False)
 
 
 class Guard:
@@ -104,23 +110,30 @@ class Guard:
         #: Decides unknown effects from evidence (lookups, the application's hook).
         self.resolver = resolver or Resolver(ledger, self.providers)
 
-    # -- routing ------------------------------------------------------------
-    def provider_for_url(self, url: httpx.URL, method: str = "POST") -> Provider | None:
-        """The provider a ``method url`` request is for (see :func:`provider_for`), if any."""
-        target = str(url.copy_with(query=None, fragment=None))
-        return provider_for(self.providers.values(), method, target)
-
     # -- the call path --------------------------------------------------------
     async def handle(
         self,
         provider: Provider,
         request: httpx.Request,
+        send: HttpxSend,
+        *,
+        budget: str = budgets.DEFAULT_BUDGET,
+    ) -> httpx.Response:
+        """:meth:`serve` over httpx objects (``request`` already read)."""
+        outbound = outbound_from_httpx(request)
+        reply = await self.serve(provider, outbound, httpx_send(send), budget=budget)
+        return httpx_response(reply, request)
+
+    async def serve(
+        self,
+        provider: Provider,
+        request: Outbound,
         send: Send,
         *,
         budget: str = budgets.DEFAULT_BUDGET,
         budget_root: str | None = None,
         ticket: Ticket | None = None,
-    ) -> httpx.Response:
+    ) -> Reply:
         """Run ``request`` through the call path; refusals raise :class:`Refusal`.
 
         ``ticket``, if given, learns the call id as soon as the request becomes a call.
@@ -147,7 +160,7 @@ class Guard:
             report.message = _describe(exc)
             self.recorder.report(report)
             raise
-        report.status = response.status_code
+        report.status = response.status
         if not isinstance(response.stream, GuardedStream):
             self.recorder.report(report)
         return response
@@ -155,13 +168,13 @@ class Guard:
     async def _handle(
         self,
         provider: Provider,
-        request: httpx.Request,
+        request: Outbound,
         send: Send,
         report: CallReport,
         budget: str,
         budget_root: str | None,
         ticket: Ticket,
-    ) -> httpx.Response:
+    ) -> Reply:
         try:
             prepared = prepare(
                 provider, request, self.settings, budget=budget, budget_root=budget_root
@@ -179,7 +192,7 @@ class Guard:
             # A keyed resend met an effect-unknown call: evidence may decide it now.
             evidence = await self.resolver.at_resend(admitted.call_id, prepared.request, send)
             if evidence.verdict == "applied" and evidence.result is not None:
-                return recovered_response(admitted.call_id, evidence, prepared.request)
+                return recovered_response(admitted.call_id, evidence)
             if evidence.verdict != "unknown":  # decided: admitted anew (attempt, or 409)
                 admitted = await self._admit(prepared)
         self.crash.hit("after:admit")
@@ -190,7 +203,7 @@ class Guard:
         if admitted.action == "replay":
             self.observer.request_done(provider.name, prepared.model or "", "replayed")
             from_state(report, admitted.state, "replayed")
-            return replay_response(admitted.call_id, admitted.observed, request)
+            return replay_response(admitted.call_id, admitted.observed)
         if admitted.action == "join":
             return await self._join(admitted.call_id, prepared, report)
         self.recorder.started(admitted.call_id)
@@ -260,7 +273,7 @@ class Guard:
             state = await self.ledger.store.get_call(call_id)
         return state.stage if state is not None else "missing"
 
-    def _abandoned(self, task: asyncio.Future[httpx.Response]) -> None:
+    def _abandoned(self, task: asyncio.Future[Reply]) -> None:
         """Settle the response of a dispatch whose caller went away."""
         if task.cancelled() or task.exception() is not None:
             return
@@ -279,7 +292,7 @@ class Guard:
 
     async def _dispatch(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
-    ) -> httpx.Response:
+    ) -> Reply:
         s = self.settings
         current = admitted
         try:
@@ -301,7 +314,7 @@ class Guard:
             async for attempt in retrying:
                 with attempt:
                     nxt = await self._next_attempt(prepared, current, previous)
-                    if isinstance(nxt, httpx.Response):
+                    if isinstance(nxt, Reply):
                         return nxt
                     current = nxt
                     try:
@@ -318,7 +331,7 @@ class Guard:
 
     async def _next_attempt(
         self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
-    ) -> Admitted | httpx.Response:
+    ) -> Admitted | Reply:
         """The next attempt; if the ledger will not start it, the provider's last answer,
         if there was one: a 503 ``ledger_unavailable`` says nothing was sent (contract.md §9)."""
         try:
@@ -333,7 +346,7 @@ class Guard:
 
     async def _attempt(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
-    ) -> httpx.Response:
+    ) -> Reply:
         provider, call_id = prepared.provider, admitted.call_id
         outgoing = _outgoing(prepared, admitted)
         report.attempts = admitted.attempt
@@ -350,16 +363,11 @@ class Guard:
             )
             raise
         self.crash.hit("after:dispatch")
-        is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
-        if is_stream and 200 <= response.status_code < 300:
+        content_type = header_value(response.headers, "content-type") or ""
+        if content_type.startswith("text/event-stream") and 200 <= response.status < 300:
             stream = GuardedStream(self.recorder, prepared, admitted, response, sent_at, report)
-            return httpx.Response(
-                response.status_code,
-                headers=client_headers(response, call_id),
-                stream=stream,
-                request=prepared.request,
-                extensions=response.extensions,
-            )
+            headers = client_headers(response.headers, call_id)
+            return Reply(response.status, headers, stream=stream, extensions=response.extensions)
         try:
             # Raw bytes: stored and forwarded exactly as received (we ask for identity).
             body = b"".join([chunk async for chunk in response.aiter_raw()])
@@ -373,20 +381,15 @@ class Guard:
         self.crash.hit("after:upstream-response")
         result = _usage_of(prepared, body)
         await self.recorder.observe(
-            prepared, admitted, response.status_code, response.headers, body, result, report
+            prepared, admitted, response.status, response.headers, body, result, report
         )
         self.crash.hit("after:observe")
         self.observer.overhead_seconds(
             max(0.0, time.perf_counter() - report.started - report.upstream_s)
         )
-        answer = httpx.Response(
-            response.status_code,
-            headers=client_headers(response, call_id),
-            content=body,
-            request=prepared.request,
-            extensions=response.extensions,
-        )
-        if response.status_code in provider.retry_statuses:
+        headers = client_headers(response.headers, call_id)
+        answer = Reply(response.status, headers, body=body, extensions=response.extensions)
+        if response.status in provider.retry_statuses:
             raise _RetryAttempt(answer, None)
         return answer
 
@@ -397,7 +400,7 @@ class Guard:
         exc: httpx.TransportError,
         report: CallReport,
         sent_at: float,
-    ) -> httpx.Response:
+    ) -> Reply:
         report.upstream_s += time.perf_counter() - sent_at
         call_id = admitted.call_id
         if classify_transport_error(exc) == "not_sent":
@@ -437,7 +440,7 @@ class Guard:
             next_operation="reconcile",
         ) from exc
 
-    async def _join(self, call_id: str, prepared: Prepared, report: CallReport) -> httpx.Response:
+    async def _join(self, call_id: str, prepared: Prepared, report: CallReport) -> Reply:
         """A declared retry of an in-flight call waits for it and shares its result."""
         deadline = time.monotonic() + self.settings.join_timeout_s
         while True:
@@ -458,7 +461,7 @@ class Guard:
             assert last is None or isinstance(last, AttemptObserved)
             self.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
             from_state(report, state, "joined")
-            return replay_response(call_id, last, prepared.request)
+            return replay_response(call_id, last)
         reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
         self.observer.refused(prepared.provider.name, reason)
         raise refuse(
@@ -479,7 +482,7 @@ def _unknown_resend(prepared: Prepared, admitted: Admitted) -> bool:
     return keyed and refusal is not None and refusal.type == "effect_unknown"
 
 
-def _outgoing(prepared: Prepared, admitted: Admitted) -> httpx.Request:
+def _outgoing(prepared: Prepared, admitted: Admitted) -> Outbound:
     """The attempt's request as it goes upstream, carrying the call id as its operation id."""
     key = admitted.provider_idempotency_key
     body = prepared.body

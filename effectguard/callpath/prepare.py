@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from effectguard.callpath import bodies, opfields
+from effectguard.callpath.exchange import Outbound
 from effectguard.callpath.wire import (
     IDEMPOTENCY_HEADER,
     RETRY_OF_HEADER,
@@ -46,7 +47,7 @@ class Prepared:
     """A parsed and priced request, ready for admission."""
 
     provider: Provider
-    request: httpx.Request
+    request: Outbound
     path: str
     model: str | None
     price: ModelPrice
@@ -64,9 +65,10 @@ def _raw_base_path(base_url: str) -> str:
     return httpx.URL(base_url).raw_path.decode("ascii").rstrip("/")
 
 
-def check_below_base(url: httpx.URL, raw_base_path: str) -> None:
-    """Refuse (400) a URL whose path would leave the provider's base path (docs/contract.md §12)."""
-    raw = url.raw_path.partition(b"?")[0].decode("ascii", "replace")
+def check_below_base(target: str, raw_base_path: str) -> None:
+    """Refuse (400) a target (still-encoded path and query) whose path would leave the
+    provider's base path (docs/contract.md §12)."""
+    raw = target.partition("?")[0]
     below = raw[len(raw_base_path) :] if raw.startswith(raw_base_path) else raw
     try:
         paths.check_path(below or "/")
@@ -101,7 +103,7 @@ def refuse(status: int, type_: str, message: str, **kw: Any) -> Refusal:
 
 def prepare(
     provider: Provider,
-    request: httpx.Request,
+    request: Outbound,
     settings: GuardSettings,
     *,
     budget: str,
@@ -109,15 +111,16 @@ def prepare(
 ) -> Prepared | None:
     """Parse, price and hash a request (pure); None for read-only endpoints."""
     base_path = _base_path(provider.base_url)
-    check_below_base(request.url, _raw_base_path(provider.base_url))
-    path = request.url.path[len(base_path) :] if base_path else request.url.path
+    check_below_base(request.target, _raw_base_path(provider.base_url))
+    path = request.path[len(base_path) :] if base_path else request.path
     endpoint = provider.effect_for(request.method, path)
     if endpoint.effect == "read_only":
         return None
     root = _budget_root(budget, budget_root)
-    raw = request.content
-    kind = bodies.kind_of(request.headers.get("content-type"))
-    parsed, hashed = _parse_body(provider, raw, kind, request.headers.get("content-type", ""))
+    raw = request.body
+    content_type = request.header("content-type")
+    kind = bodies.kind_of(content_type)
+    parsed, hashed = _parse_body(provider, raw, kind, content_type or "")
     model, price = _model_and_price(provider, endpoint, parsed)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
@@ -133,12 +136,11 @@ def prepare(
         raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
     except (TypeError, ValueError) as exc:
         raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
-    retry_of = request.headers.get(RETRY_OF_HEADER)
-    target = request.url.raw_path.decode("ascii", "replace")
+    retry_of = request.header(RETRY_OF_HEADER)
     body_text, body_encoding = encode_body(sent)
     idem = endpoint.idempotency
     admit = AdmitRequest(
-        request_hash=request_hash(provider.name, request.method, target, hashed, kind),
+        request_hash=request_hash(provider.name, request.method, request.target, hashed, kind),
         provider=provider.name,
         endpoint=path,
         method=request.method,
@@ -244,9 +246,9 @@ def _model_and_price(
     return model, price
 
 
-def _idempotency_key(request: httpx.Request) -> str | None:
+def _idempotency_key(request: Outbound) -> str | None:
     """The client's ``Idempotency-Key``, if it sent a usable one."""
-    key: str | None = request.headers.get(IDEMPOTENCY_HEADER)
+    key = request.header(IDEMPOTENCY_HEADER)
     if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
         raise refuse(
             400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
@@ -262,7 +264,7 @@ def _body_to_send(provider: Provider, path: str, parsed: dict[str, Any], raw: by
     return json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _sdk_retry(request: httpx.Request) -> bool:
+def _sdk_retry(request: Outbound) -> bool:
     """Whether an SDK marked this request as its own retry (``x-stainless-retry-count`` >= 1)."""
-    count = request.headers.get(SDK_RETRY_HEADER, "0")
+    count = request.header(SDK_RETRY_HEADER) or "0"
     return count.isdigit() and int(count) >= 1

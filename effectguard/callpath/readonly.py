@@ -4,24 +4,22 @@ when the upstream cannot be reached (a read has no effect to lose)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 import httpx
 
+from effectguard.callpath.exchange import Outbound, Reply, Send, UpstreamBody
 from effectguard.callpath.prepare import refuse
 from effectguard.callpath.wire import classify_transport_error, client_headers, upstream_request
 from effectguard.providers import Provider
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
 
-Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
-
 
 async def forward_read_only(
-    provider: Provider, request: httpx.Request, send: Send, report: CallReport, observer: Observer
-) -> httpx.Response:
+    provider: Provider, request: Outbound, send: Send, report: CallReport, observer: Observer
+) -> Reply:
     """Forward a read-only request: nothing to record, but errors still get clear answers."""
-    outgoing = upstream_request(request, request.content, None, None)
+    outgoing = upstream_request(request, request.body, None, None)
     observer.dispatching(report, outgoing)
     sent_at = time.perf_counter()
     try:
@@ -40,11 +38,10 @@ async def forward_read_only(
         ) from exc
     finally:
         report.upstream_s += time.perf_counter() - sent_at
-    return httpx.Response(
-        response.status_code,
-        headers=client_headers(response, None),
-        stream=response.stream,
-        request=request,
+    return Reply(
+        response.status,
+        client_headers(response.headers, None),
+        stream=UpstreamBody(response),
         extensions=response.extensions,
     )
 

@@ -17,9 +17,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.exchange import Headers, decoded
 from effectguard.callpath.prepare import Prepared, refuse
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
@@ -69,7 +68,7 @@ class Recorder:
         prepared: Prepared,
         admitted: Admitted,
         status: int,
-        headers: httpx.Headers,
+        headers: Headers,
         body: bytes,
         result: usages.UsageResult,
         report: CallReport | None = None,
@@ -84,7 +83,7 @@ class Recorder:
         answer = Answer(
             status=status,
             not_processed=effect == "none",
-            headers=storable_headers(headers.multi_items(), [provider.key_header]),
+            headers=storable_headers(decoded(headers), [provider.key_header]),
             body=text,
             body_encoding=encoding,
             result=result,

@@ -3,19 +3,22 @@ for a request, and filling one from a call answered out of the ledger."""
 
 from __future__ import annotations
 
-import httpx
-
+from effectguard.callpath.exchange import Outbound
 from effectguard.providers import Provider
 from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.report import TRACE_HEADERS, CallReport
 
 
-def open_report(provider: Provider, request: httpx.Request, budget: str) -> CallReport:
+def open_report(provider: Provider, request: Outbound, budget: str) -> CallReport:
     """A fresh report for ``request`` (keeping only its trace-context headers)."""
-    headers = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
+    headers = {}
+    for name in TRACE_HEADERS:
+        value = request.header(name)
+        if value is not None:
+            headers[name] = value
     return CallReport(
         provider=provider.name,
-        endpoint=request.url.path,
+        endpoint=request.path,
         budget=budget,
         method=request.method,
         headers=headers,

@@ -20,12 +20,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from effectguard.callpath.exchange import Outbound, Reply, Send, text_headers
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
 from effectguard.errors import EffectguardError, ReconcileError
 from effectguard.ledger import Ledger
@@ -36,7 +37,6 @@ from effectguard.rules.money import usd_to_nanos
 
 log = logging.getLogger("effectguard.callpath.resolve")
 
-Send = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
 #: The most of a lookup answer that is read (an answer is one object, or a page of them).
 MAX_ANSWER_BYTES = 1 << 20
@@ -90,16 +90,17 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
     )
 
 
-def lookup_request(
-    provider: Provider, lookup: Lookup, op: str, credential: str | None
-) -> httpx.Request:
+def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str | None) -> Outbound:
     """The lookup as it goes to the provider, with the provider's credential."""
-    url = lookup.url.format(base_url=provider.base_url, op=op)
     params = {name: value.format(op=op) for name, value in lookup.query}
-    headers = {"accept": "application/json", "accept-encoding": "identity"}
+    # Merged into any query the declared URL has, as httpx.Request(params=...) does.
+    url = httpx.URL(lookup.url.format(base_url=provider.base_url, op=op))
+    url = url.copy_merge_params(params)
+    headers = [(b"accept", b"application/json"), (b"accept-encoding", b"identity")]
     if credential is not None:
-        headers[provider.key_header] = credential
-    return httpx.Request(lookup.method, url, params=params, headers=headers)
+        headers.append((provider.key_header.lower().encode(), credential.encode()))
+    target = url.raw_path.decode("ascii", "replace")
+    return Outbound(lookup.method, str(url), url.path, target, headers, b"")
 
 
 class Resolver:
@@ -136,14 +137,14 @@ class Resolver:
         endpoint = self.endpoint(facts)
         return self.hook is not None or (endpoint is not None and endpoint.lookup is not None)
 
-    async def at_resend(self, call_id: str, request: httpx.Request, send: Send) -> Evidence:
+    async def at_resend(self, call_id: str, request: Outbound, send: Send) -> Evidence:
         """A keyed resend met effect-unknown ``call_id``: decide it, with the resend's
         credential (the one its call would go out with) for the lookup."""
         facts = await facts_of(self.ledger, call_id)
         if facts is None or not self.can_decide(facts):
             return Evidence("unknown", "", "nothing can decide this call")
         provider = self.providers[facts.provider]
-        return await self.decide(facts, send, request.headers.get(provider.key_header))
+        return await self.decide(facts, send, request.header(provider.key_header))
 
     async def decide(
         self, facts: Facts, send: Send | None = None, credential: str | None = None
@@ -174,7 +175,7 @@ class Resolver:
         if op is None:
             return Evidence("unknown", by, "no provider idempotency key was recorded")
         request = lookup_request(provider, lookup, op, credential)
-        shown = f"{request.method} {request.url.copy_with(query=None)}"
+        shown = f"{request.method} {request.url.partition('?')[0]}"
         try:
             status, body = await asyncio.wait_for(_fetch(send, request), lookup.timeout_s)
         except (httpx.HTTPError, TimeoutError) as exc:
@@ -255,7 +256,7 @@ class Resolver:
         return decided
 
 
-async def _fetch(send: Send, request: httpx.Request) -> tuple[int, bytes]:
+async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
     response = await send(request)
     try:
         chunks: list[bytes] = []
@@ -265,19 +266,19 @@ async def _fetch(send: Send, request: httpx.Request) -> tuple[int, bytes]:
             if size > MAX_ANSWER_BYTES:
                 raise httpx.DecodingError("lookup answer too large")
             chunks.append(chunk)
-        return response.status_code, b"".join(chunks)
+        return response.status, b"".join(chunks)
     finally:
         await response.aclose()
 
 
-def recovered_response(call_id: str, evidence: Evidence, request: httpx.Request) -> httpx.Response:
+def recovered_response(call_id: str, evidence: Evidence) -> Reply:
     """The result that evidence recovered, as a 200 marked ``Effectguard-Recovered: <by>``."""
-    headers = {
-        "content-type": "application/json",
-        "effectguard-call-id": call_id,
-        "effectguard-recovered": evidence.by,
-    }
-    return httpx.Response(200, headers=headers, content=evidence.result or b"", request=request)
+    headers = [
+        ("content-type", "application/json"),
+        ("effectguard-call-id", call_id),
+        ("effectguard-recovered", evidence.by),
+    ]
+    return Reply(200, text_headers(headers), body=evidence.result or b"")
 
 
 def describe(evidence: Evidence) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from effectguard.callpath.exchange import Upstream
 from effectguard.callpath.prepare import Prepared
 from effectguard.callpath.recorder import Recorder
 from effectguard.errors import Refusal
@@ -28,15 +29,20 @@ from effectguard.rules import usage as usages
 from effectguard.telemetry.report import CallReport
 
 
-class GuardedStream(httpx.AsyncByteStream):
-    """The client's view of an upstream stream, with ledger bookkeeping."""
+class GuardedStream:
+    """The client's view of an upstream stream, with ledger bookkeeping.
+
+    Its failures are raised as ``httpx.RemoteProtocolError`` whatever client the
+    upstream leg uses: the transports hand them to SDKs as they are, and the proxy
+    ends the client's response with an error.
+    """
 
     def __init__(
         self,
         recorder: Recorder,
         prepared: Prepared,
         admitted: Admitted,
-        upstream: httpx.Response,
+        upstream: Upstream,
         sent_at: float,
         report: CallReport,
     ) -> None:
@@ -96,7 +102,7 @@ class GuardedStream(httpx.AsyncByteStream):
             await self._observe()
         except Refusal as exc:
             self._report.refused(exc)
-            self._report.status = self._upstream.status_code  # already on its way
+            self._report.status = self._upstream.status  # already on its way
             raise httpx.RemoteProtocolError(exc.message) from exc
         finally:
             self._recorder.report(self._report)
@@ -114,7 +120,7 @@ class GuardedStream(httpx.AsyncByteStream):
         await recorder.observe(
             self._prepared,
             self._admitted,
-            self._upstream.status_code,
+            self._upstream.status,
             self._upstream.headers,
             b"".join(self._received),
             self._parser.result(),

@@ -12,6 +12,7 @@ from typing import Any, AnyStr, Final, Literal
 import httpx
 
 from effectguard.callpath import opfields, testhooks
+from effectguard.callpath.exchange import Headers, Outbound, Reply, text_headers
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint
 from effectguard.rules.events import AttemptObserved, decode_body
@@ -56,6 +57,9 @@ def _name(key: str | bytes) -> str:
     return (key.decode("latin-1") if isinstance(key, bytes) else key).lower()
 
 
+_HOP_BY_HOP_RAW: Final = frozenset(h.encode() for h in HOP_BY_HOP)
+
+
 def strip_hop_by_hop(headers: Iterable[tuple[AnyStr, AnyStr]]) -> list[tuple[AnyStr, AnyStr]]:
     """Drop hop-by-hop headers, including any the ``Connection`` header names.
 
@@ -63,6 +67,8 @@ def strip_hop_by_hop(headers: Iterable[tuple[AnyStr, AnyStr]]) -> list[tuple[Any
     UTF-8 header value (RFC 9110 §5.5 obs-text) reaches the other side as sent.
     """
     pairs = list(headers)
+    if pairs and isinstance(pairs[0][0], bytes):
+        return _strip_raw(pairs)
     named = {
         token.strip().lower()
         for k, v in pairs
@@ -71,6 +77,15 @@ def strip_hop_by_hop(headers: Iterable[tuple[AnyStr, AnyStr]]) -> list[tuple[Any
     }
     drop = HOP_BY_HOP | named
     return [(k, v) for k, v in pairs if _name(k) not in drop]
+
+
+def _strip_raw(pairs: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    # Every request and answer passes here: bytes compared as bytes, no decoding.
+    drop = _HOP_BY_HOP_RAW
+    for k, v in pairs:
+        if k.lower() == b"connection":
+            drop = drop | {t.strip().lower() for t in v.split(b",")}
+    return [(k, v) for k, v in pairs if k.lower() not in drop]
 
 
 def is_own_header(key: str | bytes) -> bool:
@@ -197,67 +212,77 @@ def _classify_aiohttp(exc: BaseException) -> SendOutcome:
 
 
 def upstream_request(
-    request: httpx.Request,
+    request: Outbound,
     body: bytes,
     endpoint: Endpoint | None,
     provider_key: str | None,
     op_id: str | None = None,
-) -> httpx.Request:
+) -> Outbound:
     """The request as it goes upstream: own headers out; the endpoint's idempotency key and
     operation id in, where it declares them (the body the client sent is what was hashed)."""
-    # Wire bytes, not decoded text: a non-ASCII value goes upstream exactly as it came.
-    written: dict[str, str] = {}
+    written: dict[bytes, str] = {}
     fields: list[tuple[str, str]] = []
     guarantee = endpoint.idempotency if endpoint is not None else None
     if provider_key is not None and guarantee is not None:
         if guarantee.header is not None:
-            written[guarantee.header.lower()] = provider_key
+            written[guarantee.header.lower().encode("latin-1")] = provider_key
         elif guarantee.body_field is not None:
             fields.append((guarantee.body_field, provider_key))
     placement = endpoint.op_id if endpoint is not None else None
     if op_id is not None and placement is not None:
         if placement.where == "header":
-            written[placement.name.lower()] = op_id
+            written[placement.name.lower().encode("latin-1")] = op_id
         else:
             fields.append((placement.name, op_id))
+    # Wire bytes, not decoded text: a non-ASCII value goes upstream exactly as it came.
     headers = [
         (k, v)
-        for k, v in strip_hop_by_hop(request.headers.raw)
-        if _name(k) not in OWN_HEADERS
-        and not is_own_header(k)
-        and _name(k) != "accept-encoding"
-        and _name(k) not in written  # effectguard's value, never the client's
+        for k, v in strip_hop_by_hop(request.headers)
+        if (name := k.lower()) not in _OWN_RAW
+        and not name.startswith(_OWN_PREFIX_RAW)
+        and name != b"accept-encoding"
+        and name not in written  # effectguard's value, never the client's
     ]
     # Identity encoding: usage is read from the bytes, which are stored exactly as received.
     headers.append((b"accept-encoding", b"identity"))
-    headers += [(k.encode(), v.encode()) for k, v in written.items()]
+    headers += [(k, v.encode()) for k, v in written.items()]
     if fields:
-        body = opfields.write(body, request.headers.get("content-type", ""), fields)
-    return httpx.Request(
-        request.method, request.url, headers=headers, content=body, extensions=request.extensions
+        body = opfields.write(body, request.header("content-type") or "", fields)
+    return Outbound(
+        request.method,
+        request.url,
+        request.path,
+        request.target,
+        headers,
+        body,
+        request.timeout,
+        request.extensions,
     )
 
 
-def client_headers(response: httpx.Response, call_id: str | None) -> list[tuple[bytes, bytes]]:
-    """An upstream response's headers for the client: hop-by-hop and ``effectguard-*`` out
+_OWN_RAW: Final = frozenset(h.encode() for h in OWN_HEADERS)
+_OWN_PREFIX_RAW: Final = OWN_PREFIX.encode()
+
+
+def client_headers(headers: Headers, call_id: str | None) -> Headers:
+    """An upstream answer's headers for the client: hop-by-hop and ``effectguard-*`` out
     (only effectguard speaks for itself), the call id in."""
-    headers = [(k, v) for k, v in strip_hop_by_hop(response.headers.raw) if not is_own_header(k)]
+    kept = [
+        (k, v) for k, v in strip_hop_by_hop(headers) if not k.lower().startswith(_OWN_PREFIX_RAW)
+    ]
     if call_id is not None:
-        headers.append((CALL_ID_HEADER.encode(), call_id.encode()))
-    return headers
+        kept.append((_CALL_ID_RAW, call_id.encode()))
+    return kept
 
 
-def replay_response(
-    call_id: str, observed: AttemptObserved | None, request: httpx.Request
-) -> httpx.Response:
+_CALL_ID_RAW: Final = CALL_ID_HEADER.encode()
+
+
+def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
     """The stored response of a completed call, marked as a replay."""
     if observed is None:
         raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
     headers = [(k, v) for k, v in observed.headers.items() if k not in ("content-length",)]
     headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
-    return httpx.Response(
-        observed.status,
-        headers=headers,
-        content=decode_body(observed.body, observed.body_encoding),
-        request=request,
-    )
+    body = decode_body(observed.body, observed.body_encoding)
+    return Reply(observed.status, text_headers(headers), body=body)

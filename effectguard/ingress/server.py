@@ -19,13 +19,17 @@ import httpx
 
 from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
+from effectguard.callpath.exchange import Outbound, Reply, header_value
+from effectguard.callpath.exchange import Send as UpstreamSend
 from effectguard.callpath.guard import Guard, Ticket
 from effectguard.callpath.hooks import load_hook
+from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
 from effectguard.ingress.admin import AdminPage
+from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.keyring import Grant, KeyRing
 from effectguard.ingress.limitseed import seed_limits
@@ -49,15 +53,6 @@ CLIENT_CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"effectguard-
 
 class _TooLarge(Exception):
     pass
-
-
-def default_inner_transport(settings: ServeSettings) -> httpx.AsyncBaseTransport:
-    """The upstream leg: httpx's API over aiohttp, measured fastest here (see README)."""
-    from httpx_aiohttp import AiohttpTransport
-
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-    transport: httpx.AsyncBaseTransport = AiohttpTransport(limits=limits, trust_env=False)
-    return transport
 
 
 class ProxyApp:
@@ -92,14 +87,16 @@ class ProxyApp:
         )
         self.guard: Guard | None = None
         self.keyring = KeyRing(settings.keys, settings.key_refresh_s)
-        self.inner: httpx.AsyncBaseTransport | None = None
+        #: The upstream leg: aiohttp directly, or the httpx transport a test passed in.
+        self._leg: AiohttpLeg | None = None
+        self._send: UpstreamSend | None = None
         self._timeout = {
             "connect": settings.connect_timeout_s,
             "pool": settings.connect_timeout_s,
             "read": settings.read_timeout_s,
             "write": settings.read_timeout_s,
         }
-        self._urls: dict[tuple[str, bytes], httpx.URL] = {}
+        self._urls: dict[tuple[str, bytes], tuple[str, str, str]] = {}
         self._metrics_server: Any = None
         self._handle_http = InternalErrorBoundary(self._http, self._count_internal_error)
         # The operator page (ingress/admin); not mounted at all without an admin key.
@@ -111,8 +108,12 @@ class ProxyApp:
     async def startup(self) -> None:
         """Open the ledger, register as a worker, apply configured budget limits."""
         self.guard = await self.runtime.start()
-        self.inner = self._inner or default_inner_transport(self.settings)
-        self.guard.resolver.send = self.inner.handle_async_request
+        if self._inner is not None:
+            self._send = httpx_send(self._inner.handle_async_request)
+        else:
+            self._leg = AiohttpLeg(self.settings.connect_timeout_s, self.settings.read_timeout_s)
+            self._send = self._leg.send
+        self.guard.resolver.send = self._send
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)
@@ -137,8 +138,10 @@ class ProxyApp:
             self._metrics_server.shutdown()
         await self.keyring.stop()
         await self.runtime.stop(self.settings.drain_timeout_s)
-        if self.inner is not None:
-            await self.inner.aclose()
+        if self._inner is not None:
+            await self._inner.aclose()
+        if self._leg is not None:
+            await self._leg.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -263,15 +266,15 @@ class ProxyApp:
         return True
 
     def _authorize(
-        self, provider: Provider, headers: httpx.Headers
+        self, provider: Provider, headers: list[tuple[bytes, bytes]]
     ) -> tuple[str, str | None, Grant | None]:
         """The budget and budget root this request may spend, and its key (docs/contract.md §1)."""
-        requested = headers.get(BUDGET_HEADER)
+        requested = header_value(headers, BUDGET_HEADER)
         if not self.keyring.required:
             return requested or budgets.DEFAULT_BUDGET, None, None
-        presented = headers.get("effectguard-key")
+        presented = header_value(headers, "effectguard-key")
         if presented is None:
-            credential = headers.get(provider.key_header, "")
+            credential = header_value(headers, provider.key_header) or ""
             presented = credential.removeprefix("Bearer ").strip() if credential else None
         key = self.keyring.authenticate(presented)
         budget = requested or key.budget_root
@@ -284,11 +287,10 @@ class ProxyApp:
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, provider: Provider, upstream_path: str
     ) -> None:
-        assert self.guard is not None and self.inner is not None
+        assert self.guard is not None and self._send is not None
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
-        headers = httpx.Headers(raw_headers)
-        budget, root, key = self._authorize(provider, headers)
-        declared = headers.get("content-length")
+        budget, root, key = self._authorize(provider, raw_headers)
+        declared = header_value(raw_headers, "content-length")
         limit = self.settings.max_body_bytes
         if declared is not None and not declared.isdigit():
             raise Refusal(400, "invalid_request", "Content-Length is not a number")
@@ -310,54 +312,48 @@ class ProxyApp:
             if provider_key is not None:
                 credential = provider.key_format.format(key=provider_key)
                 out_headers.append((provider.key_header.encode(), credential.encode()))
-        url = self._url(provider.base_url + upstream_path, scope.get("query_string", b""))
-        request = httpx.Request(
-            scope["method"],
-            url,
-            headers=out_headers,
-            content=body,
-            extensions={"timeout": self._timeout},
+        url, path, target = self._url(
+            provider.base_url + upstream_path, scope.get("query_string", b"")
         )
-        response = await self.guard.handle(
+        request = Outbound(scope["method"], url, path, target, out_headers, body, self._timeout)
+        reply = await self.guard.serve(
             provider,
             request,
-            self.inner.handle_async_request,
+            self._send,
             budget=budget,
             budget_root=root,
             ticket=context_of(scope).ticket,
         )
-        await self._respond(send, response)
+        await self._respond(send, reply)
 
-    def _url(self, target: str, query: bytes) -> httpx.URL:
+    def _url(self, target: str, query: bytes) -> tuple[str, str, str]:
+        """The upstream URL, its decoded path and its still-encoded path and query."""
         # Parsing a URL is a measurable share of a request; clients use few distinct ones.
         key = (target, query)
-        url = self._urls.get(key)
-        if url is None:
+        parts = self._urls.get(key)
+        if parts is None:
             try:
                 url = httpx.URL(target, query=query or None)
             except httpx.InvalidURL as exc:
                 raise Refusal(400, "invalid_request", f"invalid request URL: {exc}") from exc
             if len(self._urls) >= _URL_CACHE_SIZE:
                 self._urls.clear()
-            self._urls[key] = url
-        return url
+            parts = self._urls[key] = (str(url), url.path, url.raw_path.decode("ascii"))
+        return parts
 
-    async def _respond(self, send: Send, response: httpx.Response) -> None:
-        headers = strip_hop_by_hop(response.headers.raw)
-        if response.is_stream_consumed:  # a body the guard already read and recorded
-            body = response.content
+    async def _respond(self, send: Send, reply: Reply) -> None:
+        headers = strip_hop_by_hop(reply.headers)
+        if reply.body is not None:  # a body the guard already read and recorded
+            body = reply.body
             headers.append((b"content-length", str(len(body)).encode()))
-            await send(
-                {"type": "http.response.start", "status": response.status_code, "headers": headers}
-            )
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": headers}
-        )
+        assert reply.stream is not None
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         finished = False
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in reply.stream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             finished = True
@@ -366,9 +362,9 @@ class ProxyApp:
                 # The client went away or the upstream broke: the guard settles the call
                 # (reading the upstream to its end in the background if it can).
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(response.aclose())
+                    await asyncio.shield(reply.aclose())
             else:
-                await response.aclose()
+                await reply.aclose()
 
 
 def _route(scope: Scope) -> tuple[str, str]:

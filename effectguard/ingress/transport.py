@@ -27,6 +27,7 @@ import httpx
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import ReconcileHook
+from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
@@ -34,7 +35,7 @@ from effectguard.config.settings import GuardSettings, keys_from_environment
 from effectguard.errors import ConfigError, Refusal
 from effectguard.ingress.observers import tracing
 from effectguard.ledger import Ledger
-from effectguard.providers import Provider, load_providers, upstream_argument
+from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
 from effectguard.telemetry.observer import Observer, combine
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             async with self._opening:
                 if self._guard is None:
                     self._guard = await self._runtime.start()
-                    self._guard.resolver.send = self.inner.handle_async_request
+                    self._guard.resolver.send = httpx_send(self.inner.handle_async_request)
         return self._guard
 
     @property
@@ -116,7 +117,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         guard = await self.guard()
-        provider = guard.provider_for_url(request.url, request.method)
+        target = str(request.url.copy_with(query=None, fragment=None))
+        provider = provider_for(guard.providers.values(), request.method, target)
         if provider is None:
             if self.refuse_unmatched:
                 refusal = Refusal(

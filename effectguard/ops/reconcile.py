@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.resolve import Resolver, facts_of
 from effectguard.config.settings import keys_from_environment
 from effectguard.ledger import Ledger
@@ -38,7 +39,7 @@ async def reconcile_auto(
         async def send(request: httpx.Request) -> httpx.Response:
             return await client.send(request, stream=True)
 
-        resolver = Resolver(ledger, providers, credentials=credentials, send=send)
+        resolver = Resolver(ledger, providers, credentials=credentials, send=httpx_send(send))
         for state in await ledger.calls(stage="effect_unknown", limit=100_000):
             facts = await facts_of(ledger, state.call_id)
             endpoint = None if facts is None else resolver.endpoint(facts)

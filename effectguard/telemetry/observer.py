@@ -13,12 +13,17 @@ which name the call and become log lines and trace spans.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from effectguard.telemetry.report import CallReport
 
-if TYPE_CHECKING:
-    import httpx
+
+class Outgoing(Protocol):
+    """An attempt's request before it is sent: an observer may still set its headers."""
+
+    def set_header(self, name: str, value: str) -> None:
+        """Set ``name`` to ``value``, replacing any value the request had."""
+        ...
 
 
 class Observer(Protocol):
@@ -47,7 +52,7 @@ class Observer(Protocol):
     def call_started(self, report: CallReport) -> None:
         """A request reached the guard (``report`` holds its provider, endpoint, budget)."""
 
-    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+    def dispatching(self, report: CallReport, outgoing: Outgoing) -> None:
         """An attempt is about to be sent upstream; ``outgoing`` may still gain headers."""
 
     def call_finished(self, report: CallReport) -> None:
@@ -83,7 +88,7 @@ class NullObserver:
     def call_started(self, report: CallReport) -> None:
         pass
 
-    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+    def dispatching(self, report: CallReport, outgoing: Outgoing) -> None:
         pass
 
     def call_finished(self, report: CallReport) -> None:
@@ -129,7 +134,7 @@ class Observers:
         for o in self.observers:
             o.call_started(report)
 
-    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+    def dispatching(self, report: CallReport, outgoing: Outgoing) -> None:
         for o in self.observers:
             o.dispatching(report, outgoing)
 

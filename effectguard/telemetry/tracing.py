@@ -20,18 +20,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from effectguard.errors import ConfigError
 from effectguard.rules.money import nanos_to_usd
-from effectguard.telemetry.observer import NullObserver
+from effectguard.telemetry.observer import NullObserver, Outgoing
 from effectguard.telemetry.report import CallReport
-
-if TYPE_CHECKING:
-    import httpx
 
 __all__ = ["TracingObserver", "install_provider", "operation_name"]
 
@@ -76,14 +73,14 @@ class TracingObserver(NullObserver):
             attributes=attributes,
         )
 
-    def dispatching(self, report: CallReport, outgoing: httpx.Request) -> None:
+    def dispatching(self, report: CallReport, outgoing: Outgoing) -> None:
         span = report.trace
         if span is None:
             return
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         for name, value in carrier.items():
-            outgoing.headers[name] = value  # replaces the client's own trace context
+            outgoing.set_header(name, value)  # replaces the client's own trace context
 
     def call_finished(self, report: CallReport) -> None:
         span = report.trace

@@ -1,0 +1,107 @@
+"""The httpx edge of the guard's shapes (:mod:`effectguard.callpath.exchange`).
+
+The in-process transports, the reconcile command and tests speak httpx: a
+request comes in as an ``httpx.Request``, goes upstream through an httpx
+transport, and the answer leaves as an ``httpx.Response``. These adapters convert
+at that edge only; the guard in between never sees an httpx object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from effectguard.callpath.exchange import Headers, Outbound, Reply, ReplyStream, Send
+
+HttpxSend = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+def outbound_from_httpx(request: httpx.Request) -> Outbound:
+    """``request`` (already read) as the guard's :class:`Outbound`."""
+    url = request.url
+    timeout = request.extensions.get("timeout")
+    return Outbound(
+        method=request.method,
+        url=str(url),
+        path=url.path,
+        target=url.raw_path.decode("ascii", "replace"),
+        headers=list(request.headers.raw),
+        body=request.content,
+        timeout=timeout,
+        extensions=dict(request.extensions),
+    )
+
+
+def httpx_request(outbound: Outbound) -> httpx.Request:
+    """An :class:`Outbound` as an ``httpx.Request`` (its extensions and timeout kept)."""
+    extensions = dict(outbound.extensions)
+    if outbound.timeout is not None:
+        extensions["timeout"] = outbound.timeout
+    return httpx.Request(
+        outbound.method,
+        outbound.url,
+        headers=outbound.headers,
+        content=outbound.body,
+        extensions=extensions,
+    )
+
+
+class HttpxUpstream:
+    """An ``httpx.Response`` whose body is still to be read, as an :class:`Upstream`."""
+
+    __slots__ = ("extensions", "headers", "response", "status")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.status: int = response.status_code
+        self.headers: Headers = list(response.headers.raw)
+        self.extensions: dict[str, Any] = dict(response.extensions)
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self.response.aiter_raw()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+def httpx_send(send: HttpxSend) -> Send:
+    """A :data:`Send` over an httpx transport's ``handle_async_request`` (or a client's)."""
+
+    async def sending(outbound: Outbound) -> HttpxUpstream:
+        return HttpxUpstream(await send(httpx_request(outbound)))
+
+    return sending
+
+
+class _ReplyBody(httpx.AsyncByteStream):
+    def __init__(self, stream: ReplyStream) -> None:
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def httpx_response(reply: Reply, request: httpx.Request | None = None) -> httpx.Response:
+    """The guard's :class:`Reply` as an ``httpx.Response`` to ``request``."""
+    if reply.body is not None:
+        return httpx.Response(
+            reply.status,
+            headers=reply.headers,
+            content=reply.body,
+            request=request,
+            extensions=reply.extensions,
+        )
+    assert reply.stream is not None
+    return httpx.Response(
+        reply.status,
+        headers=reply.headers,
+        stream=_ReplyBody(reply.stream),
+        request=request,
+        extensions=reply.extensions,
+    )

@@ -1,0 +1,104 @@
+"""The proxy's upstream leg: aiohttp, spoken directly.
+
+aiohttp measured the fastest client here (README). The proxy used to reach it
+through httpx's API (httpx-aiohttp): an ``httpx.Request`` built for each attempt,
+then an ``httpx.Response`` wrapped around aiohttp's answer, with their headers
+parsed and re-encoded each time. :class:`AiohttpLeg` sends the guard's
+:class:`~effectguard.callpath.exchange.Outbound` as it is and answers an
+:class:`~effectguard.callpath.exchange.Upstream` over aiohttp's response.
+
+Failures are mapped to the httpx exceptions httpx-aiohttp raised, with aiohttp's
+own exception as their cause, so the guard tells "never sent" from "effect
+unknown" exactly as before (:func:`effectguard.callpath.wire.classify_transport_error`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import httpx
+import yarl
+from httpx_aiohttp.transport import map_aiohttp_exceptions
+
+from effectguard.callpath.exchange import Headers, Outbound, decoded
+
+#: As many connections as the old httpx limits allowed (``max_connections``).
+MAX_CONNECTIONS = 1000
+#: httpx's default keep-alive expiry, kept from the httpx-aiohttp leg.
+KEEPALIVE_S = 5.0
+_URL_CACHE_SIZE = 1024
+
+
+class AiohttpUpstream:
+    """aiohttp's response, its body still unread."""
+
+    __slots__ = ("_response", "extensions", "headers", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status: int = response.status
+        self.headers: Headers = list(response.raw_headers)
+        self.extensions: dict[str, Any] = {}
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        with map_aiohttp_exceptions():
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        # Returns a fully read connection to the pool; closes one read only in part.
+        self._response.release()
+
+
+class AiohttpLeg:
+    """Sends :class:`Outbound` requests with one aiohttp session (opened on first use)."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, yarl.URL] = {}
+        # As the httpx-aiohttp leg mapped httpx's timeouts: pool -> connect.
+        self._timeout = aiohttp.ClientTimeout(
+            sock_connect=connect_timeout_s, sock_read=read_timeout_s, connect=connect_timeout_s
+        )
+
+    def _open(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=MAX_CONNECTIONS,
+            keepalive_timeout=KEEPALIVE_S,
+            ssl=httpx.create_ssl_context(trust_env=False),  # the trust store httpx used
+        )
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        return self._session
+
+    async def send(self, request: Outbound) -> AiohttpUpstream:
+        """Send ``request``; its answer with the body still to read."""
+        session = self._session or self._open()
+        with map_aiohttp_exceptions():
+            response = await session.request(
+                request.method,
+                self._url(request.url),
+                headers=decoded(request.headers),
+                data=request.body or None,
+                allow_redirects=False,
+                auto_decompress=False,
+                compress=False,
+                timeout=self._timeout,
+            )
+        return AiohttpUpstream(response)
+
+    def _url(self, text: str) -> yarl.URL:
+        # Parsed as aiohttp parses a str, once per distinct URL (clients use few).
+        url = self._urls.get(text)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()
+            url = self._urls[text] = yarl.URL(text)
+        return url
+
+    async def aclose(self) -> None:
+        """Close the session and its connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
