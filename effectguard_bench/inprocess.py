@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--stream", action="store_true", help="streamed chat completions")
+    parser.add_argument("--log-level", default="info", help="as serve --log-level (info)")
     parser.add_argument(
         "--baseline", action="store_true", help="drive the bare baseline proxy instead"
     )
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         with (work / "access.log").open("w") as log:
-            configure_logging("text", "info", stream=log)
+            configure_logging("text", args.log_level, stream=log)
             with _fake_provider(work) as upstream:
                 try:
                     import uvloop

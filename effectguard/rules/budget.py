@@ -12,6 +12,7 @@ practice the upper saturation is never reached.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -56,8 +57,15 @@ def validate_path(path: str) -> str:
 
 def ancestors(path: str) -> list[str]:
     """``"a/b/c"`` → ``["a", "a/b", "a/b/c"]`` (root first, the path itself last)."""
+    return list(_ancestors(path))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ancestors(path: str) -> tuple[str, ...]:
+    # A request asks for its budget's ancestors about thirteen times (admission,
+    # settlement, the folds); there are few budgets.
     parts = path.split("/")
-    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return tuple("/".join(parts[: i + 1]) for i in range(len(parts)))
 
 
 def root_of(path: str) -> str:

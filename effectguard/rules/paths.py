@@ -18,6 +18,7 @@ exactly the bytes the client sent.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Final
 
@@ -25,22 +26,27 @@ _ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
 _BAD_ESCAPE: Final = re.compile(r"%(?![0-9A-Fa-f]{2})")
 #: Escapes that decode to a separator: ``/`` and ``\``.
 _SEPARATORS: Final = frozenset({0x2F, 0x5C})
+#: Anything but printable ASCII (space included).
+_UNPRINTABLE: Final = re.compile(r"[^\x21-\x7e]")
 
 
 class PathRefused(ValueError):
     """The path would leave the provider's base path or is not a clean path."""
 
 
+@functools.lru_cache(maxsize=4096)
 def check_path(raw: str) -> str:
     """Return ``raw`` (a percent-encoded path starting with ``/``) if it stays below its base.
 
-    Raises :class:`PathRefused` naming the problem otherwise.
+    Raises :class:`PathRefused` naming the problem otherwise. Every request is checked
+    twice (its route, then its URL below the base), and clients use few distinct paths:
+    a path that passed is remembered (a refused one is not, so it raises every time).
     """
     if not raw.startswith("/"):
         raise PathRefused("the path must start with '/'")
-    for char in raw:
-        if not 0x21 <= ord(char) <= 0x7E:
-            raise PathRefused(f"the path contains the character {char!r}")
+    unprintable = _UNPRINTABLE.search(raw)
+    if unprintable is not None:
+        raise PathRefused(f"the path contains the character {unprintable.group()!r}")
     if "\\" in raw:
         raise PathRefused("the path contains a backslash")
     if _BAD_ESCAPE.search(raw):
