@@ -74,7 +74,14 @@ class TextFormatter(logging.Formatter):
     """``TIME LEVEL LOGGER: message key=value …`` — for a person reading a terminal."""
 
     def format(self, record: logging.LogRecord) -> str:
-        fields = " ".join(f"{k}={_text(v)}" for k, v in _extras(record).items() if v is not None)
+        # One pass over the record (every access line comes here): no dict of extras.
+        fields = " ".join(
+            [
+                f"{k}={_text(v)}"
+                for k, v in record.__dict__.items()
+                if v is not None and k not in _STANDARD
+            ]
+        )
         line = f"{_iso(record.created)} {record.levelname} {record.name}: {record.getMessage()}"
         if fields:
             line = f"{line} {fields}"
@@ -84,7 +91,7 @@ class TextFormatter(logging.Formatter):
 
 
 def _text(value: Any) -> str:
-    text = str(value)
+    text = value if type(value) is str else str(value)
     return json.dumps(text) if (" " in text or '"' in text or not text) else text
 
 
