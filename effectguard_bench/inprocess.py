@@ -18,6 +18,7 @@ import contextlib
 import cProfile
 import logging
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -102,6 +103,7 @@ async def _run(args: argparse.Namespace, upstream: str, work: Path) -> None:
         # CPU time, not wall time: a commit's fdatasync waits without using the CPU.
         profile = cProfile.Profile(time.process_time) if args.profile else None
         times, wall = os.times(), time.perf_counter()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         if profile is not None:
             profile.enable()
         failed = await _drive(app, body, args.requests, args.concurrency)
@@ -109,12 +111,16 @@ async def _run(args: argparse.Namespace, upstream: str, work: Path) -> None:
             profile.disable()
             profile.dump_stats(args.profile)
         after, wall = os.times(), time.perf_counter() - wall
+        end = resource.getrusage(resource.RUSAGE_SELF)
+        # Voluntary switches: the process slept (waited for the upstream, an fsync, a lock).
+        sleeps = (end.ru_nvcsw - usage.ru_nvcsw) / args.requests
         user, system = after.user - times.user, after.system - times.system
         per = 1000 / args.requests
         print(
             f"concurrency={args.concurrency} requests={args.requests} failed={failed} "
             f"cpu_ms_per_request={(user + system) * per:.3f} (user {user * per:.3f}, "
-            f"system {system * per:.3f}) wall_ms_per_request={wall * per:.3f}"
+            f"system {system * per:.3f}) wall_ms_per_request={wall * per:.3f} "
+            f"sleeps_per_request={sleeps:.2f}"
         )
     finally:
         if args.baseline:
