@@ -15,6 +15,7 @@ subclasses by every ``Send``, whatever client it uses: that is the vocabulary
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,14 +25,23 @@ Headers = list[tuple[bytes, bytes]]
 
 def header_value(headers: Iterable[tuple[bytes, bytes]], name: str) -> str | None:
     """The value of header ``name`` (any case), repeated values joined with ``", "``."""
-    wanted = name.lower().encode("latin-1")
+    wanted = _wire_name(name)
     values = [v for k, v in headers if k.lower() == wanted]
-    if not values:
-        return None
-    return ", ".join(_text(v) for v in values)
+    return _joined(values) if values else None
 
 
-def _text(value: bytes) -> str:
+@functools.lru_cache(maxsize=256)
+def _wire_name(name: str) -> bytes:
+    return name.lower().encode("latin-1")
+
+
+def _joined(values: list[bytes]) -> str:
+    # As httpx's Headers.get: repeated values joined with ", ".
+    return header_text(values[0]) if len(values) == 1 else ", ".join(map(header_text, values))
+
+
+def header_text(value: bytes) -> str:
+    """A header value as text: UTF-8 where it is valid (ASCII always is), else Latin-1."""
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:
@@ -56,16 +66,29 @@ class Outbound:
     timeout: Mapping[str, float | None] | None = None
     #: What the way in needs back unchanged (the httpx request's extensions).
     extensions: dict[str, Any] = field(default_factory=dict)
+    #: ``headers`` by lower-cased name, built on the first :meth:`header` (a request is
+    #: asked for six of them); change headers through :meth:`set_header` only.
+    _index: dict[bytes, list[bytes]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def header(self, name: str) -> str | None:
         """The value of header ``name``, if present."""
-        return header_value(self.headers, name)
+        index = self._index
+        if index is None:
+            index = {}
+            for k, v in self.headers:
+                index.setdefault(k.lower(), []).append(v)
+            self._index = index
+        values = index.get(_wire_name(name))
+        return _joined(values) if values else None
 
     def set_header(self, name: str, value: str) -> None:
         """Set header ``name`` to ``value``, replacing any the request had."""
-        wanted = name.lower().encode("latin-1")
+        wanted = _wire_name(name)
         self.headers = [(k, v) for k, v in self.headers if k.lower() != wanted]
         self.headers.append((wanted, value.encode("latin-1")))
+        self._index = None
 
 
 class Upstream(Protocol):
@@ -130,8 +153,8 @@ class UpstreamBody:
 
 
 def decoded(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """Wire header pairs as text (names Latin-1, values UTF-8 where they are valid)."""
-    return [(k.decode("latin-1"), _text(v)) for k, v in headers]
+    """Wire header pairs as text (names Latin-1, values as :func:`header_text`)."""
+    return [(k.decode("latin-1"), header_text(v)) for k, v in headers]
 
 
 def text_headers(pairs: Iterable[tuple[str, str]]) -> Headers:

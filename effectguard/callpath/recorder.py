@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
-from effectguard.callpath.exchange import Headers, decoded
+from effectguard.callpath.exchange import Headers
 from effectguard.callpath.prepare import Prepared, refuse
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
@@ -83,7 +83,7 @@ class Recorder:
         answer = Answer(
             status=status,
             not_processed=effect == "none",
-            headers=storable_headers(decoded(headers), [provider.key_header]),
+            headers=storable_headers(headers, [provider.key_header]),
             body=text,
             body_encoding=encoding,
             result=result,

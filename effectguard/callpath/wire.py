@@ -12,7 +12,7 @@ from typing import Any, AnyStr, Final, Literal
 import httpx
 
 from effectguard.callpath import opfields, testhooks
-from effectguard.callpath.exchange import Headers, Outbound, Reply, text_headers
+from effectguard.callpath.exchange import Headers, Outbound, Reply, header_text, text_headers
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint
 from effectguard.rules.events import AttemptObserved, decode_body
@@ -58,6 +58,7 @@ def _name(key: str | bytes) -> str:
 
 
 _HOP_BY_HOP_RAW: Final = frozenset(h.encode() for h in HOP_BY_HOP)
+_SECRET_RAW: Final = frozenset(h.encode() for h in SECRET_HEADERS)
 
 
 def strip_hop_by_hop(headers: Iterable[tuple[AnyStr, AnyStr]]) -> list[tuple[AnyStr, AnyStr]]:
@@ -93,15 +94,15 @@ def is_own_header(key: str | bytes) -> bool:
     return _name(key).startswith(OWN_PREFIX)
 
 
-def storable_headers(
-    headers: Iterable[tuple[str, str]], secret: Iterable[str] = ()
-) -> dict[str, str]:
-    """Response headers safe to store: no hop-by-hop, no credentials."""
-    drop = SECRET_HEADERS | {s.lower() for s in secret}
+def storable_headers(headers: Headers, secret: Iterable[str] = ()) -> dict[str, str]:
+    """Response headers safe to store: no hop-by-hop, no credentials, none of ours.
+
+    Filtered as wire bytes; only the headers kept are decoded."""
+    drop = _SECRET_RAW | {s.lower().encode("latin-1") for s in secret}
     return {
-        k.lower(): v
-        for k, v in strip_hop_by_hop(headers)
-        if k.lower() not in drop and not is_own_header(k)
+        name.decode("latin-1"): header_text(v)
+        for k, v in _strip_raw(list(headers))
+        if (name := k.lower()) not in drop and not name.startswith(_OWN_PREFIX_RAW)
     }
 
 
