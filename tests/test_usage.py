@@ -21,6 +21,8 @@ from effectguard.rules.usage import (
     check_usage,
     cost,
     estimate,
+    estimate_tokens,
+    reservation,
     usage_from_body,
     wants_stream,
     with_stream_usage,
@@ -820,3 +822,21 @@ def test_with_stream_usage_sees_the_endpoint_through_query_and_slash(path: str) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+@given(
+    st.lists(st.text(max_size=40), max_size=4),
+    st.one_of(st.none(), st.integers(0, 2000)),
+    st.sampled_from(["openai", "anthropic", "flat"]),
+)
+def test_reservation_is_estimate_and_estimate_tokens(
+    contents: list[str], cap: int | None, dialect: str
+) -> None:
+    """Admission reads both from one walk of the body; each equals its own function."""
+    request: dict[str, Any] = {"messages": [{"role": "user", "content": c} for c in contents]}
+    if cap is not None:
+        request["max_tokens"] = cap
+    assert reservation(MINI, request, dialect=dialect) == (
+        estimate(MINI, request, dialect=dialect),
+        estimate_tokens(MINI, request, dialect=dialect),
+    )

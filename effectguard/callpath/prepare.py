@@ -130,8 +130,7 @@ def prepare(
     stream = kind == "json" and usages.wants_stream(parsed)
     sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
     try:
-        reserve = usages.estimate(price, bounded, dialect=provider.dialect)
-        tokens = usages.estimate_tokens(price, bounded, dialect=provider.dialect)
+        reserve, tokens = usages.reservation(price, bounded, dialect=provider.dialect)
     except usages.OutOfBounds as exc:
         raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
     except (TypeError, ValueError) as exc:

@@ -442,8 +442,14 @@ def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "o
     priced tool) body is the tool's own: its fields are not token caps or choice counts.
 
     Raises :class:`OutOfBounds` for a token cap or choice count out of its bounds, and for
-    a reservation beyond :data:`~effectguard.rules.money.MAX_CALL_NANOS`.
-    """
+    a reservation beyond :data:`~effectguard.rules.money.MAX_CALL_NANOS`."""
+    return reservation(price, request, dialect=dialect)[0]
+
+
+def reservation(
+    price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "openai"
+) -> tuple[Nanos, int]:
+    """Both :func:`estimate` and :func:`estimate_tokens`, from one walk of the body."""
     input_bytes, output = _bounds(price, request, dialect)
     total = input_bytes * price.input + output * price.output
     reserve = _ceil_nanos(total) + (price.per_call or 0)
@@ -453,12 +459,11 @@ def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "o
             f"this request would reserve more than {nanos_to_usd(MAX_CALL_NANOS)} USD, "
             "the most one call may reserve",
         )
-    return reserve
+    return reserve, input_bytes + output
 
 
 def estimate_tokens(price: ModelPrice, request: Mapping[str, Any], *, dialect: str) -> int:
-    """The tokens a ``tpm`` limit counts at admission: :func:`estimate`'s bounds before
-    prices (prompt bytes as input tokens, plus the output cap)."""
+    """A ``tpm`` limit's tokens at admission: :func:`estimate`'s bounds before prices."""
     return sum(_bounds(price, request, dialect))
 
 
