@@ -26,6 +26,7 @@ import httpx
 import pytest
 from observing import cli_json, wait_for
 
+from effectguard.ledger import sqliteevents
 from effectguard.testing import FakeProvider, fake_provider, running_proxy, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -160,9 +161,12 @@ def test_a_call_that_cannot_be_marked_blocks_no_other(ledger: Path, fake: FakePr
     poisoned = calls[0]["call_id"]
     # Any failure inside one call's write: here the database itself refuses its events.
     with contextlib.closing(sqlite3.connect(ledger)) as db:
+        # The trigger names the call as the events table stores it (format 2: bytes).
+        stored = sqliteevents.call_key(poisoned)
+        literal = f"X'{stored.hex()}'" if isinstance(stored, bytes) else f"'{stored}'"
         db.execute(
             "CREATE TRIGGER poison BEFORE INSERT ON events "
-            f"WHEN NEW.call_id = '{poisoned}' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+            f"WHEN NEW.call_id = {literal} BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
         )
         db.commit()
     with running_proxy(ledger, upstreams={"openai": fake.url}) as restarted:
