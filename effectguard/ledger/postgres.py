@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
@@ -49,6 +48,7 @@ from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
     IDLE_IN_TRANSACTION_MS,
@@ -59,22 +59,18 @@ from effectguard.ledger.pgschema import (
     migrate_on,
     redacted,
 )
-from effectguard.ledger.queries import HEAD, NEXT_GENERATION, POSTGRES, Upsert
+from effectguard.ledger.pgwrites import Writes
+from effectguard.ledger.queries import HEAD, NEXT_GENERATION, POSTGRES
 from effectguard.ledger.rows import (
     event_from_row,
     event_params,
     key_from_row,
     key_params,
     node_from_row,
-    node_params,
     policy_from_row,
-    policy_params,
     state_from_json,
-    state_params,
     window_from_row,
-    window_params,
     worker_from_row,
-    worker_params,
 )
 from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
@@ -87,8 +83,6 @@ __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 
 T = TypeVar("T")
 
-#: Rows per multi-row statement (PostgreSQL takes at most 65535 parameters).
-_ROWS_PER_STATEMENT = 1000
 _HEAD_AND_CLOCK = (
     f"SELECT {CLOCK_FUNCTION}(), e.seq, e.digest FROM (SELECT 1) one "
     "LEFT JOIN LATERAL (SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
@@ -100,72 +94,25 @@ _ARCHIVED_KEY = (
 )
 
 
-@dataclass
-class _Writes:
-    """Rows written but not yet sent to the server (last write of a key wins)."""
-
-    events: list[tuple[Any, ...]] = field(default_factory=list)
-    calls: dict[str, WorkState] = field(default_factory=dict)
-    nodes: dict[Key, BudgetNode] = field(default_factory=dict)
-    workers: dict[str, WorkerRow] = field(default_factory=dict)
-    policies: dict[str, BudgetPolicy] = field(default_factory=dict)
-    windows: dict[str, RateWindow] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.events or self.calls or self.nodes or self.workers or self.policies or self.windows
-        )
-
-    def absorb(self, other: _Writes) -> None:
-        """Take ``other``'s rows as later writes than ours."""
-        self.events += other.events
-        self.calls.update(other.calls)
-        self.nodes.update(other.nodes)
-        self.workers.update(other.workers)
-        self.policies.update(other.policies)
-        self.windows.update(other.windows)
-
-    def send(self, conn: psycopg.Connection[Any]) -> None:
-        """Queue one multi-row statement per table (inside the caller's pipeline)."""
-        _insert(conn, POSTGRES.insert_events, self.events)
-        _insert(conn, POSTGRES.upsert_calls, [state_params(c) for c in self.calls.values()])
-        _insert(conn, POSTGRES.upsert_nodes, [node_params(n) for n in self.nodes.values()])
-        _insert(conn, POSTGRES.upsert_workers, [worker_params(w) for w in self.workers.values()])
-        _insert(conn, POSTGRES.upsert_policies, [policy_params(p) for p in self.policies.values()])
-        _insert(conn, POSTGRES.upsert_windows, [window_params(w) for w in self.windows.values()])
-        self.events, self.calls, self.nodes, self.workers = [], {}, {}, {}
-        self.policies, self.windows = {}, {}
-
-
-def _insert(
-    conn: psycopg.Connection[Any], statement: Upsert, rows: Sequence[Sequence[Any]]
-) -> None:
-    """``INSERT … VALUES (…), (…) …`` of ``rows``: one statement per 1000 rows.
-
-    Multi-row VALUES measured cheaper than ``unnest`` of arrays or ``executemany``
-    for the few rows a typical batch writes (psycopg adapts each array slowly).
-    """
-    for start in range(0, len(rows), _ROWS_PER_STATEMENT):
-        chunk = rows[start : start + _ROWS_PER_STATEMENT]
-        conn.execute(statement.rows(len(chunk)), [v for r in chunk for v in r])
-
-
 class PostgresSession:
     """Table access and transaction control on the writer thread's connection.
 
     Round trips are the cost on PostgreSQL, so a batch sends as few as it can:
 
-    * ``BEGIN``, the batch lock and the chain head + clock read go in one pipeline;
+    * ``BEGIN``, the batch lock, the chain head + clock read and the reads that bring
+      the rows kept from earlier batches up to date (:mod:`effectguard.ledger.pgkept`)
+      go in one pipeline;
     * writes are buffered and sent as one multi-row statement per table, together
       with ``COMMIT`` (or before a query that scans a table they touch);
-    * point reads (a call, budget nodes, a worker, the head) are answered from what
-      the batch already read or wrote. That is sound because the batch lock keeps
-      every other writer out until ``COMMIT``.
+    * point reads (a call, budget nodes, a policy, a window, a worker, the head) are
+      answered from what this or an earlier batch read or wrote. That is sound because
+      the batch lock keeps every other writer out until ``COMMIT``, and what other
+      replicas changed since our last commit was re-read or dropped under the lock.
 
     An operation's writes sit in their own buffer until :meth:`release` merges them
-    into the batch's; :meth:`rollback_to` drops them (and rolls back to the
-    savepoint, which is only opened if the operation's writes had to be sent
-    early). Any error while sending writes abandons the whole batch.
+    into the batch's; :meth:`rollback_to` drops them and undoes them in the kept rows
+    (and rolls back to the savepoint, which is only opened if the operation's writes
+    had to be sent early). Any error while sending writes abandons the whole batch.
     """
 
     def __init__(self, target: Target) -> None:
@@ -174,13 +121,10 @@ class PostgresSession:
         self._batch_key = lock_key(self.conn, "batch")
         self._now: float | None = None
         self._head: tuple[int, str] | None = None
-        self._calls: dict[str, WorkState | None] = {}
-        self._nodes: dict[Key, BudgetNode | None] = {}
-        self._policies: dict[str, BudgetPolicy | None] = {}
-        self._windows: dict[str, RateWindow | None] = {}
-        self._workers: dict[str, WorkerRow | None] = {}
-        self._batch = _Writes()
-        self._op = _Writes()
+        self._head_mark: tuple[int, str] | None = None
+        self._kept = Kept()
+        self._batch = Writes()
+        self._op = Writes()
         self._savepoint_open = False
         self._broken = False
 
@@ -198,31 +142,39 @@ class PostgresSession:
         return conn
 
     def _reset(self) -> None:
-        self._now = self._head = None
-        self._calls, self._nodes, self._workers = {}, {}, {}
-        self._policies, self._windows = {}, {}
-        self._batch, self._op = _Writes(), _Writes()
+        self._now = self._head = self._head_mark = None
+        self._batch, self._op = Writes(), Writes()
         self._savepoint_open = self._broken = False
 
     # -- transaction control
     def begin(self) -> None:
         if self.conn.closed:  # the server ended the session: reconnect for this batch
+            self._kept.forget()
             self.conn = self._open()
         self._reset()
-        with self.conn.pipeline():
-            self.conn.execute("BEGIN")
-            self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._batch_key,))
-            cursor = self.conn.execute(_HEAD_AND_CLOCK)  # its snapshot is taken after the lock
-        row = cursor.fetchone()
-        assert row is not None
-        self._now = float(row[0])
-        self._head = (0, GENESIS_DIGEST) if row[1] is None else (int(row[1]), str(row[2]))
+        try:
+            with self.conn.pipeline():
+                self.conn.execute("BEGIN")
+                self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._batch_key,))
+                # Their snapshots are taken after the lock: they see every earlier batch.
+                cursor = self.conn.execute(_HEAD_AND_CLOCK)
+                refresh = self._kept.send_refresh(self.conn)
+            row = cursor.fetchone()
+            assert row is not None
+            self._now = float(row[0])
+            self._head = (0, GENESIS_DIGEST) if row[1] is None else (int(row[1]), str(row[2]))
+            self._kept.refreshed(self._head, refresh)
+        except BaseException:
+            self.rollback()
+            raise
 
     def commit(self) -> None:
         self._send("COMMIT")  # the buffered writes and COMMIT: one round trip
+        self._kept.head = self._head  # what is kept is now what is committed
         self._reset()
 
     def rollback(self) -> None:
+        self._kept.forget()  # it may hold what this transaction wrote
         self._reset()
         if not self.conn.closed and self.conn.info.transaction_status != TransactionStatus.IDLE:
             self.conn.execute("ROLLBACK")
@@ -233,12 +185,15 @@ class PostgresSession:
         return not self.conn.closed
 
     def savepoint(self) -> None:
-        self._op = _Writes()
+        self._op = Writes()
         self._savepoint_open = False
+        self._head_mark = self._head
+        self._kept.mark()
 
     def release(self) -> None:
         self._batch.absorb(self._op)
-        self._op = _Writes()
+        self._op = Writes()
+        self._kept.keep_marked()
         if self._savepoint_open:
             self._savepoint_open = False
             self.conn.execute("RELEASE SAVEPOINT op")
@@ -246,18 +201,14 @@ class PostgresSession:
     def rollback_to(self) -> None:
         if self._broken:
             raise LedgerUnavailable("sending buffered ledger writes failed; batch abandoned")
-        self._op = _Writes()
+        self._op = Writes()
         if self._savepoint_open:
             self.conn.execute("ROLLBACK TO SAVEPOINT op")
         elif self.conn.info.transaction_status == TransactionStatus.INERROR:
             raise LedgerUnavailable("a ledger read failed outside a savepoint; batch abandoned")
         # Forget what the operation wrote; keep what earlier operations buffered.
-        self._calls, self._nodes = dict(self._batch.calls), dict(self._batch.nodes)
-        self._workers = dict(self._batch.workers)
-        self._policies = dict(self._batch.policies)
-        self._windows = dict(self._batch.windows)
-        last = self._batch.events[-1] if self._batch.events else None
-        self._head = None if last is None else (int(last[0]), str(last[-1]))
+        self._kept.undo()
+        self._head = self._head_mark
 
     def close(self) -> None:
         self.conn.close()
@@ -319,13 +270,15 @@ class PostgresSession:
         return [event_from_row(r) for r in self._scan(POSTGRES.call_events, (call_id,))]
 
     def get_call(self, call_id: str) -> WorkState | None:
-        if call_id not in self._calls:
+        calls = self._kept.calls
+        if call_id not in calls:
             rows = self._get(POSTGRES.call, (call_id,))
-            self._calls[call_id] = state_from_json(rows[0][0]) if rows else None
-        return self._calls[call_id]
+            calls[call_id] = state_from_json(rows[0][0]) if rows else None
+        return calls[call_id]
 
     def put_call(self, state: WorkState) -> None:
-        self._op.calls[state.call_id] = self._calls[state.call_id] = state
+        self._op.calls[state.call_id] = state
+        self._kept.put(self._kept.calls, state.call_id, state)
 
     def _scan_call(self, query: str, params: Sequence[Any]) -> WorkState | None:
         rows = self._scan(query, params)
@@ -345,27 +298,30 @@ class PostgresSession:
         return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
-        missing = [p for p in paths if p not in self._policies]
+        kept = self._kept.policies
+        missing = [p for p in paths if p not in kept]
         if missing:
-            rows = self._get(f"{POSTGRES.policies} WHERE path = ANY(%s)", (missing,))
-            self._policies.update(dict.fromkeys(missing))
-            self._policies.update((r[0], policy_from_row(r)) for r in rows)
-        return {p: policy for p in paths if (policy := self._policies[p]) is not None}
+            rows = self._get(POLICIES, (missing,))
+            kept.update(dict.fromkeys(missing))
+            kept.update((r[0], policy_from_row(r)) for r in rows)
+        return {p: policy for p in paths if (policy := kept[p]) is not None}
 
     def put_policy(self, policy: BudgetPolicy) -> None:
-        self._op.policies[policy.path] = self._policies[policy.path] = policy
+        self._op.policies[policy.path] = policy
+        self._kept.put(self._kept.policies, policy.path, policy)
 
     def get_nodes(self, keys: Sequence[Key]) -> dict[Key, BudgetNode]:
-        missing = [k for k in keys if k not in self._nodes]
+        kept = self._kept.nodes
+        missing = [k for k in keys if k not in kept]
         if missing:
-            params = [v for k in missing for v in k]
-            rows = self._get(POSTGRES.node_keys(len(missing)), params)
-            self._nodes.update(dict.fromkeys(missing))
-            self._nodes.update(((r[0], r[1]), node_from_row(r)) for r in rows)
-        return {k: node for k in keys if (node := self._nodes[k]) is not None}
+            rows = self._get(NODES, node_keys(missing))
+            kept.update(dict.fromkeys(missing))
+            kept.update(((r[0], r[1]), node_from_row(r)) for r in rows)
+        return {k: node for k in keys if (node := kept[k]) is not None}
 
     def put_node(self, node: BudgetNode) -> None:
-        self._op.nodes[node.key] = self._nodes[node.key] = node
+        self._op.nodes[node.key] = node
+        self._kept.put(self._kept.nodes, node.key, node)
 
     def get_key(self, name: str) -> LedgerKey | None:
         rows = self._scan(POSTGRES.key, (name,))
@@ -377,28 +333,32 @@ class PostgresSession:
         self._send(POSTGRES.upsert_keys.rows(1), key_params(row), savepoint=True)
 
     def get_windows(self, paths: Sequence[str]) -> dict[str, RateWindow]:
-        missing = [p for p in paths if p not in self._windows]
+        kept = self._kept.windows
+        missing = [p for p in paths if p not in kept]
         if missing:
-            rows = self._get(f"{POSTGRES.windows} WHERE path = ANY(%s)", (missing,))
-            self._windows.update(dict.fromkeys(missing))
-            self._windows.update((r[0], window_from_row(r)) for r in rows)
-        return {p: window for p in paths if (window := self._windows[p]) is not None}
+            rows = self._get(WINDOWS, (missing,))
+            kept.update(dict.fromkeys(missing))
+            kept.update((r[0], window_from_row(r)) for r in rows)
+        return {p: window for p in paths if (window := kept[p]) is not None}
 
     def put_window(self, window: RateWindow) -> None:
-        self._op.windows[window.path] = self._windows[window.path] = window
+        self._op.windows[window.path] = window
+        self._kept.put(self._kept.windows, window.path, window)
 
     def count_in_flight(self, path: str) -> int:
         rows = self._scan(POSTGRES.in_flight_under, POSTGRES.subtree(path))
         return int(rows[0][0])
 
     def get_worker(self, worker: str) -> WorkerRow | None:
-        if worker not in self._workers:
+        kept = self._kept.workers
+        if worker not in kept:
             rows = self._get(POSTGRES.worker, (worker,))
-            self._workers[worker] = worker_from_row(rows[0]) if rows else None
-        return self._workers[worker]
+            kept[worker] = worker_from_row(rows[0]) if rows else None
+        return kept[worker]
 
     def put_worker(self, row: WorkerRow) -> None:
-        self._op.workers[row.worker] = self._workers[row.worker] = row
+        self._op.workers[row.worker] = row
+        self._kept.put(self._kept.workers, row.worker, row)
 
     def live_workers(self) -> list[WorkerRow]:
         return [worker_from_row(r) for r in self._scan(POSTGRES.live_workers, ())]
