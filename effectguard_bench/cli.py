@@ -30,6 +30,7 @@ from effectguard_bench import (
     ledgerbench,
     proxybench,
     recoverybench,
+    replicabench,
     report,
     storagebench,
     transportbench,
@@ -88,6 +89,15 @@ _LEDGER_COLUMNS = [
     ("OPS/COMMIT", "operations_per_commit"),
 ]
 
+_FLEET_COLUMNS = [
+    ("REPLICAS", "replicas"),
+    ("CALLERS_EACH", "callers_per_replica"),
+    ("PAIRS/S", "pairs_per_second"),
+    ("PAIR_P50_MS", "pair_p50_ms"),
+    ("PAIR_P99_MS", "pair_p99_ms"),
+    ("OPS/COMMIT", "operations_per_commit"),
+]
+
 
 def _concurrency(value: str) -> tuple[int, ...]:
     try:
@@ -126,6 +136,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print every figure as JSON")
     parser.add_argument("--pg", metavar="DSN", help="also run the ledger part on PostgreSQL")
     parser.add_argument(
+        "--replicas",
+        type=_concurrency,
+        metavar="R,R,...",
+        help="ledger part: only PostgreSQL (--pg), as R replica processes on one ledger",
+    )
+    parser.add_argument(
+        "--replica-callers",
+        type=_concurrency,
+        default=(1, 64),
+        metavar="N,N,...",
+        help="callers in each replica process with --replicas (default 1,64)",
+    )
+    parser.add_argument(
         "--recovery-calls",
         type=int,
         default=0,
@@ -154,7 +177,9 @@ def _estimate(args: argparse.Namespace) -> float:
         seconds += 2 * levels * 3 * args.duration + 3 * min(args.duration, 3.0)
     if args.what in ("all", "transport"):
         seconds += 2 * levels * 2 * args.duration
-    if args.what in ("all", "ledger"):
+    if args.what in ("all", "ledger") and args.replicas:
+        seconds += len(args.replicas) * len(args.replica_callers) * (args.duration + 3)
+    elif args.what in ("all", "ledger"):
         seconds += 2 * args.duration * (2 if args.pg else 1)
     return seconds
 
@@ -199,7 +224,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _note("transport: plain vs AsyncGuardTransport, in process")
             samples = transportbench.run(fake.url, pins, args.concurrency, args.duration, work)
             payload["transport"] = report.transport_rows(samples)
-        if what in ("all", "ledger"):
+        if what in ("all", "ledger") and args.replicas:
+            payload["ledger_replicas"] = _fleet(args)
+        elif what in ("all", "ledger"):
             _note("ledger: admit+settle pairs")
             with this_thread_on(pins.proxy):
                 ledger_result = ledgerbench.run(work, args.duration, args.pg)
@@ -230,6 +257,13 @@ def _storage_lines(storage: dict[str, Any]) -> list[str]:
         f"observation {storage['observation_wal_pages']}",
         "  per call by table/index: " + ", ".join(f"{k} {v:g} B" for k, v in objects),
     ]
+
+
+def _fleet(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if not args.pg:
+        raise RuntimeError("--replicas measures PostgreSQL replicas: give --pg DSN")
+    _note(f"ledger: PostgreSQL replicas {args.replicas} x callers {args.replica_callers}")
+    return replicabench.run(args.pg, args.replicas, args.replica_callers, args.duration)
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -269,6 +303,12 @@ def render(payload: dict[str, Any]) -> str:
         ]
         lines += [f"  {note}" for note in payload["ledger"]["notes"]]
         lines += _storage_lines(payload["ledger"]["storage"])
+    if "ledger_replicas" in payload:
+        lines += [
+            "",
+            "PostgreSQL replicas x callers (admit + settle per pair; replicas not pinned)",
+            report.table(payload["ledger_replicas"], _FLEET_COLUMNS),
+        ]
     if "recovery" in payload:
         r = payload["recovery"]
         lines += [

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,6 +187,16 @@ async def bench_engine(
     async with Ledger.open(url) as ledger:
         writer = await register(ledger, lease_s=duration * len(callers) + 60)
         return [await _pairs(ledger, writer, engine, n, duration) for n in callers]
+
+
+async def measure_pairs(
+    url: str, engine: str, callers: int, duration: float, ready: Callable[[], Awaitable[None]]
+) -> LedgerSample:
+    """Open the ledger at ``url``, register a worker, await ``ready``, then measure."""
+    async with Ledger.open(url) as ledger:
+        writer = await register(ledger, lease_s=duration + 60)
+        await ready()
+        return await _pairs(ledger, writer, engine, callers, duration)
 
 
 def run(work: Path, duration: float, pg_dsn: str | None = None) -> LedgerResult:

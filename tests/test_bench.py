@@ -6,6 +6,8 @@ No timing is asserted anywhere: benchmarks print numbers, tests check shapes.
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from effectguard_bench.recoverybench import build_ledger
 
 pytestmark = pytest.mark.slow
 
+PG_DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
 TINY = ["--duration", "0.5", "--concurrency", "1", "--loadgen", "python", "--json"]
 
 
@@ -113,3 +116,36 @@ async def test_bulk_loaded_recovery_ledger_verifies(tmp_path: Path) -> None:
     assert report.ok, report.problems
     assert report.calls == 123
     assert len(in_flight) == 3
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not PG_DSN, reason="set EFFECTGUARD_TEST_PG_DSN to run the replica bench")
+def test_bench_ledger_replicas_reports_each_fleet(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--replicas 1,2`` runs 1 then 2 replica processes on one PostgreSQL ledger, each
+    point in the JSON with the fleet's pairs per second; SQLite is not run."""
+    import psycopg
+
+    schema = f"eg_bench_{uuid.uuid4().hex[:12]}"
+    url = f"{PG_DSN}{'&' if '?' in PG_DSN else '?'}schema={schema}"
+    try:
+        payload = _bench(
+            capsys, "ledger", "--pg", url, "--replicas", "1,2", "--replica-callers", "2"
+        )
+    finally:
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    fleets = payload["ledger_replicas"]
+    assert [(f["replicas"], f["callers_per_replica"], f["callers"]) for f in fleets] == [
+        (1, 2, 2),
+        (2, 2, 4),
+    ]
+    assert all(f["pairs_per_second"] > 0 for f in fleets)
+    assert "ledger" not in payload
+
+
+def test_bench_replicas_need_a_postgresql_ledger(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--replicas`` without ``--pg`` is refused with a reason, not run on SQLite."""
+    assert main(["bench", "ledger", "--replicas", "2"]) == 1
+    assert "--pg" in capsys.readouterr().err
