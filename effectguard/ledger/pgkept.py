@@ -33,11 +33,17 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import psycopg
-
 from effectguard.ledger.base import WorkerRow
+from effectguard.ledger.pgschema import CLOCK_FUNCTION
 from effectguard.ledger.queries import POSTGRES
-from effectguard.ledger.rows import node_from_row, window_from_row, worker_from_row
+from effectguard.ledger.rows import (
+    NODE_COLUMNS,
+    WINDOW_COLUMNS,
+    WORKER_COLUMNS,
+    node_from_row,
+    window_from_row,
+    worker_from_row,
+)
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState
@@ -52,11 +58,27 @@ CALLS_KEPT = 4096
 #: Worker, node, policy and window rows kept (each read again per batch, so keep few).
 ROWS_KEPT = 1024
 
+#: Reads that come with the clock and the chain head, as columns of one statement (a
+#: statement of its own each would cost the server and psycopg about 30 µs apiece).
 CALLS_SINCE = (
-    "SELECT DISTINCT call_id FROM "
-    f"(SELECT call_id FROM events WHERE seq > %s ORDER BY seq LIMIT {EVENTS_SCANNED}) e"
+    "(SELECT array_agg(DISTINCT call_id) FROM "
+    f"(SELECT call_id FROM events WHERE seq > %s ORDER BY seq LIMIT {EVENTS_SCANNED}) e)"
 )
-WORKERS = f"{POSTGRES.all_workers} WHERE worker = ANY(%s)"
+WORKERS_JSON = (
+    f"(SELECT json_agg(json_build_array({WORKER_COLUMNS})) FROM workers WHERE worker = ANY(%s))"
+)
+NODES_JSON = (
+    f"(SELECT json_agg(json_build_array({NODE_COLUMNS})) FROM budget_periods "
+    "WHERE (path, period) IN (SELECT * FROM unnest(%s::text[], %s::text[])))"
+)
+WINDOWS_JSON = (
+    f"(SELECT json_agg(json_build_array({WINDOW_COLUMNS})) FROM rate_windows WHERE path = ANY(%s))"
+)
+#: The batch's first read: the clock, the chain head, then the refresh columns.
+_BEGIN_READ = (
+    f"SELECT {CLOCK_FUNCTION}(), e.seq, e.digest{{}} FROM (SELECT 1) one LEFT JOIN LATERAL "
+    "(SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
+)
 #: One statement text for any number of keys (a prepared statement, unlike ``IN (VALUES …)``).
 NODES = f"{POSTGRES.nodes} WHERE (path, period) IN (SELECT * FROM unnest(%s::text[], %s::text[]))"
 WINDOWS = f"{POSTGRES.windows} WHERE path = ANY(%s)"
@@ -71,13 +93,31 @@ def node_keys(keys: list[Key]) -> tuple[list[str], list[str]]:
 
 
 @dataclass
-class _Refresh:
-    """The statements a batch's first round trip carries for the kept rows."""
+class Refresh:
+    """What the batch's first read asks about the kept rows (None: not asked)."""
 
-    calls: psycopg.Cursor[Any] | None = None
-    workers: tuple[list[str], psycopg.Cursor[Any]] | None = None
-    nodes: tuple[list[Key], psycopg.Cursor[Any]] | None = None
-    windows: tuple[list[str], psycopg.Cursor[Any]] | None = None
+    calls: bool = False
+    workers: list[str] | None = None
+    nodes: list[Key] | None = None
+    windows: list[str] | None = None
+
+    def statement(self, since: int | None) -> tuple[str, list[Any]]:
+        """The first read's SQL and parameters: clock, head, then what is asked."""
+        columns: list[str] = [""]
+        params: list[Any] = []
+        if self.calls:
+            columns.append(CALLS_SINCE)
+            params.append(since)
+        if self.workers is not None:
+            columns.append(WORKERS_JSON)
+            params.append(self.workers)
+        if self.nodes is not None:
+            columns.append(NODES_JSON)
+            params += node_keys(self.nodes)
+        if self.windows is not None:
+            columns.append(WINDOWS_JSON)
+            params.append(self.windows)
+        return _BEGIN_READ.format(", ".join(columns)), params
 
 
 @dataclass
@@ -126,32 +166,32 @@ class Kept:
         self._journal = None
 
     # -- between batches
-    def send_refresh(self, conn: psycopg.Connection[Any]) -> _Refresh:
-        """Queue (in the caller's pipeline, after the lock) the reads that bring us up to date."""
+    def refresh(self) -> Refresh:
+        """What the batch's first read must ask to bring the kept rows up to date."""
         if self.head is None:
             self.forget()
-            return _Refresh()
+            return Refresh()
         if len(self.calls) > CALLS_KEPT:
             self.calls.clear()
         for rows in (self.nodes, self.policies, self.windows, self.workers):
             if len(rows) > ROWS_KEPT:
                 rows.clear()
-        refresh = _Refresh()
-        if self.calls or self.policies:
-            refresh.calls = conn.execute(CALLS_SINCE, (self.head[0],))
-        if self.workers:
-            names = list(self.workers)
-            refresh.workers = (names, conn.execute(WORKERS, (names,)))
-        if self.nodes:
-            keys = list(self.nodes)
-            refresh.nodes = (keys, conn.execute(NODES, node_keys(keys)))
-        if self.windows:
-            paths = list(self.windows)
-            refresh.windows = (paths, conn.execute(WINDOWS, (paths,)))
-        return refresh
+        return Refresh(
+            calls=bool(self.calls or self.policies),
+            workers=list(self.workers) or None,
+            nodes=list(self.nodes) or None,
+            windows=list(self.windows) or None,
+        )
 
-    def refreshed(self, head: tuple[int, str], refresh: _Refresh) -> None:
-        """Apply what :meth:`send_refresh` read, the chain head being ``head`` now."""
+    def first_read(self) -> tuple[str, list[Any], Refresh]:
+        """The batch's first read (after the lock): its SQL, parameters and what it asks."""
+        refresh = self.refresh()
+        sql, params = refresh.statement(None if self.head is None else self.head[0])
+        return sql, params, refresh
+
+    def refreshed(self, head: tuple[int, str], refresh: Refresh, answers: list[Any]) -> None:
+        """Apply the first read's ``answers`` (its columns after the head), the chain head
+        being ``head`` now."""
         since, self.head = self.head, head
         if since is None:
             return
@@ -160,23 +200,23 @@ class Kept:
             self.forget()  # the chain went back, was rewritten, or moved too far to list
             self.head = head
             return
-        if moved and refresh.calls is not None:
-            named = {row[0] for row in refresh.calls.fetchall()}
-            if None in named:  # an event about no call: a limit, a worker, an archive cut
+        found = iter(answers)
+        if refresh.calls:
+            named = next(found) or []
+            if moved and None in named:  # an event about no call: limit, worker, archive cut
                 self.calls.clear()
                 self.policies.clear()
-            for call_id in named:
+            for call_id in named if moved else ():
                 self.calls.pop(call_id, None)
         if refresh.workers is not None:
-            names, cursor = refresh.workers
-            _replace(self.workers, names, {r[0]: worker_from_row(r) for r in cursor.fetchall()})
+            rows = next(found) or []
+            _replace(self.workers, refresh.workers, {r[0]: worker_from_row(r) for r in rows})
         if refresh.nodes is not None:
-            keys, cursor = refresh.nodes
-            found = {(r[0], r[1]): node_from_row(r) for r in cursor.fetchall()}
-            _replace(self.nodes, keys, found)
+            rows = next(found) or []
+            _replace(self.nodes, refresh.nodes, {(r[0], r[1]): node_from_row(r) for r in rows})
         if refresh.windows is not None:
-            paths, cursor = refresh.windows
-            _replace(self.windows, paths, {r[0]: window_from_row(r) for r in cursor.fetchall()})
+            rows = next(found) or []
+            _replace(self.windows, refresh.windows, {r[0]: window_from_row(r) for r in rows})
 
 
 def _replace(table: dict[K, V | None], keys: list[K], found: dict[K, V]) -> None:

@@ -83,10 +83,6 @@ __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 
 T = TypeVar("T")
 
-_HEAD_AND_CLOCK = (
-    f"SELECT {CLOCK_FUNCTION}(), e.seq, e.digest FROM (SELECT 1) one "
-    "LEFT JOIN LATERAL (SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1) e ON true"
-)
 _CLOCK = f"SELECT {CLOCK_FUNCTION}()"
 _ARCHIVED_KEY = (
     "SELECT call_id, request_hash FROM archived_keys "
@@ -156,14 +152,14 @@ class PostgresSession:
             with self.conn.pipeline():
                 self.conn.execute("BEGIN")
                 self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._batch_key,))
-                # Their snapshots are taken after the lock: they see every earlier batch.
-                cursor = self.conn.execute(_HEAD_AND_CLOCK)
-                refresh = self._kept.send_refresh(self.conn)
+                # Its snapshot is taken after the lock: it sees every earlier batch.
+                sql, params, refresh = self._kept.first_read()
+                cursor = self.conn.execute(sql, params)
             row = cursor.fetchone()
             assert row is not None
             self._now = float(row[0])
             self._head = (0, GENESIS_DIGEST) if row[1] is None else (int(row[1]), str(row[2]))
-            self._kept.refreshed(self._head, refresh)
+            self._kept.refreshed(self._head, refresh, list(row[3:]))
         except BaseException:
             self.rollback()
             raise
