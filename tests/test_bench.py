@@ -149,3 +149,29 @@ def test_bench_replicas_need_a_postgresql_ledger(capsys: pytest.CaptureFixture[s
     """``--replicas`` without ``--pg`` is refused with a reason, not run on SQLite."""
     assert main(["bench", "ledger", "--replicas", "2"]) == 1
     assert "--pg" in capsys.readouterr().err
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not PG_DSN, reason="set EFFECTGUARD_TEST_PG_DSN to run the replica bench")
+def test_pgcost_prints_round_trips_statements_and_cpu_per_caller_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m effectguard_bench.pgcost DSN S`` prints one line per caller count, with
+    no more round trips than statements per batch."""
+    import re
+
+    import psycopg
+
+    from effectguard_bench import pgcost
+
+    schema = f"eg_bench_{uuid.uuid4().hex[:12]}"
+    try:
+        assert pgcost.main([f"{PG_DSN}{'&' if '?' in PG_DSN else '?'}schema={schema}", "0.3"]) == 0
+    finally:
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    lines = capsys.readouterr().out.splitlines()
+    figures = re.compile(r"callers +(\d+): .* ([\d.]+) round trips and +([\d.]+) statements")
+    found = [figures.search(line) for line in lines]
+    assert [int(m.group(1)) for m in found if m] == [1, 64]
+    assert all(m and 0 < float(m.group(2)) <= float(m.group(3)) for m in found)
