@@ -146,3 +146,28 @@ async def test_too_many_foreign_events_to_list_drop_every_kept_call(
         events = outcome_events(admitted.call_id, admitted.attempt, "fleet", 10)
         with pytest.raises(FencedError, match="no longer in flight"):
             await a.record(wa, admitted.call_id, admitted.attempt, events)
+
+
+def test_a_batch_that_could_not_begin_leaves_the_writer_usable(url: str) -> None:
+    """The batch lock cannot be had (another session holds it past ``lock_timeout``): that
+    batch fails, the transaction it opened is rolled back, and the next batch runs."""
+    import psycopg
+
+    from effectguard.ledger.pgschema import lock_key
+
+    session = PostgresSession(Target.parse(url))
+    holder = Target.parse(url).connect()
+    try:
+        session.conn.execute("SET lock_timeout = '50ms'")
+        with holder.transaction():
+            holder.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(holder, "batch"),))
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                session.begin()
+        session.begin()
+        session.savepoint()
+        operations.set_limit(session, OPERATOR, "kept", 5)
+        session.release()
+        session.commit()
+    finally:
+        holder.close()
+        session.close()

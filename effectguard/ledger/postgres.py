@@ -161,7 +161,10 @@ class PostgresSession:
             self._head = (0, GENESIS_DIGEST) if row[1] is None else (int(row[1]), str(row[2]))
             self._kept.refreshed(self._head, refresh, list(row[3:]))
         except BaseException:
-            self.rollback()
+            # Whatever the first round trip did is undone (an aborted transaction left
+            # open would refuse every later batch), and nothing half-refreshed is kept.
+            with contextlib.suppress(psycopg.Error):
+                self.rollback()
             raise
 
     def commit(self) -> None:
