@@ -1,9 +1,9 @@
 """The baseline: a bare pass-through proxy with no ledger, built like the real one.
 
-Same raw-ASGI style as :mod:`effectguard.ingress.server`, same upstream leg (httpx's
-API over httpx-aiohttp's ``AiohttpTransport``), same uvicorn settings, same
-``/{provider}/{path}`` routes; it only forwards. Whatever effectguard costs on
-top of this is the cost of the guard and the ledger.
+Same raw-ASGI style as :mod:`effectguard.ingress.server`, the same upstream leg
+(:class:`effectguard.ingress.aioleg.AiohttpLeg`, aiohttp spoken directly), same
+uvicorn settings, same ``/{provider}/{path}`` routes; it only forwards. Whatever
+effectguard costs on top of this is the cost of the guard and the ledger.
 
 ``python -m effectguard_bench.baseline --port N --upstream URL`` serves on
 127.0.0.1 until SIGTERM (the bench polls it until it answers).
@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-import httpx
-
+from effectguard.callpath.exchange import Outbound
 from effectguard.callpath.wire import strip_hop_by_hop
+from effectguard.config import defaults
+from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.server import Receive, Scope, Send
 
 
@@ -25,7 +26,7 @@ class BareProxy:
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
-        self.inner: httpx.AsyncBaseTransport | None = None
+        self.leg: AiohttpLeg | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -34,22 +35,19 @@ class BareProxy:
             await self._http(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        from httpx_aiohttp import AiohttpTransport
-
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-                self.inner = AiohttpTransport(limits=limits, trust_env=False)
+                self.leg = AiohttpLeg(defaults.CONNECT_TIMEOUT_S, defaults.READ_TIMEOUT_S)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self.inner is not None:
-                    await self.inner.aclose()
+                if self.leg is not None:
+                    await self.leg.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self.inner is not None
+        assert self.leg is not None
         chunks: list[bytes] = []
         while True:
             message = await receive()
@@ -60,24 +58,18 @@ class BareProxy:
                 break
         _, _, rest = scope["path"].partition("/")
         _, _, upstream_path = rest.partition("/")
-        headers = strip_hop_by_hop(httpx.Headers(scope["headers"]).multi_items())
-        query = scope.get("query_string", b"")
-        request = httpx.Request(
-            scope["method"],
-            httpx.URL(f"{self.upstream}/{upstream_path}", query=query or None),
-            headers=headers,
-            content=b"".join(chunks),
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = f"{self.upstream}/{upstream_path}" + (f"?{query}" if query else "")
+        headers = strip_hop_by_hop(scope["headers"])
+        request = Outbound(
+            scope["method"], url, upstream_path, upstream_path, headers, b"".join(chunks)
         )
-        response = await self.inner.handle_async_request(request)
-        out = [
-            (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in strip_hop_by_hop(response.headers.multi_items())
-        ]
-        length = response.headers.get("content-length")
-        if length is not None:
-            out.append((b"content-length", length.encode()))
-        await send({"type": "http.response.start", "status": response.status_code, "headers": out})
+        response = await self.leg.send(request)
         try:
+            out = strip_hop_by_hop(response.headers)
+            # Kept, as the real proxy keeps the length it knows: no chunked framing.
+            out += [(k, v) for k, v in response.headers if k.lower() == b"content-length"]
+            await send({"type": "http.response.start", "status": response.status, "headers": out})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
