@@ -1,15 +1,19 @@
-"""Observing a running effectguard from a test: poll until something holds, and read
-the CLI's JSON in this process (its own entry point, so no subprocess start-up)."""
+"""Observing a running effectguard from a test: poll until something holds, read the
+CLI's JSON in this process (its own entry point, so no subprocess start-up), and read a
+SQLite ledger's events beside the processes that write it."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import sqlite3
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from effectguard.ledger import sqliteevents
 from effectguard.ops.cli import main as cli_main
 
 
@@ -30,3 +34,24 @@ def cli_json(*args: str) -> Any:
         code = cli_main([*args, "--json"])
     assert code == 0, out.getvalue()
     return json.loads(out.getvalue())
+
+
+def ledger_events(ledger: Path) -> list[dict[str, Any]]:
+    """Every event of the SQLite ledger at ``ledger``, as plain dicts, read through a
+    read-only connection (so a test never takes a write lock the proxies need)."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
+        return [
+            {
+                "seq": e.seq,
+                "kind": e.kind,
+                "call": e.call_id,
+                "data": e.data,
+                "worker": e.worker,
+                "at": e.at,
+            }
+            for e in rows
+        ]
+    finally:
+        conn.close()

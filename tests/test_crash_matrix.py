@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -43,8 +42,8 @@ from typing import Any
 
 import httpx
 import pytest
+from observing import ledger_events
 
-from effectguard.ledger import sqliteevents
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.events import decode_body
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
@@ -270,20 +269,6 @@ def verify_exit(ledger: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
-
-
-def ledger_events(ledger: Path) -> list[dict[str, Any]]:
-    """Every event, read through a read-only connection."""
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
-        return [
-            {"seq": e.seq, "kind": e.kind, "call": e.call_id, "data": e.data, "worker": e.worker}
-            | {"at": e.at}
-            for e in rows
-        ]
-    finally:
-        conn.close()
 
 
 def sent_sha_by_call(events: list[dict[str, Any]]) -> dict[str, str]:

@@ -20,57 +20,27 @@ import contextlib
 import io
 import json
 import signal
-import sqlite3
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from observing import wait_for
+from fencekit import CHAT, MODEL, UPSTREAM, chat, stopped_while_held
+from observing import ledger_events, wait_for
 
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import FencedError, Refusal
-from effectguard.ledger import Ledger, open_store, operations, sqliteevents
+from effectguard.ledger import Ledger, open_store, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
-from effectguard.testing import fake_provider, start_proxy
+from effectguard.testing import fake_provider
 from effectguard.testing.clock import ManualClock
 
 pytestmark = pytest.mark.slow
-
-CHAT = "/v1/chat/completions"
-MODEL = "gpt-4o-mini"
-UPSTREAM = "http://upstream.test"
-LEASE = """
-[server]
-lease_s = 2
-heartbeat_s = 0.5
-sweep_s = 0.5
-"""
-
-
-def chat(content: str) -> dict[str, Any]:
-    """A small chat completion request."""
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
-
-
-def ledger_events(ledger: Path) -> list[dict[str, Any]]:
-    """Every event, read through a read-only connection."""
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
-        return [
-            {"seq": e.seq, "kind": e.kind, "call": e.call_id, "data": e.data, "worker": e.worker}
-            for e in rows
-        ]
-    finally:
-        conn.close()
 
 
 def cli_ok(*args: str) -> str:
@@ -86,92 +56,71 @@ def test_stopped_proxy_is_taken_over_fenced_and_recovers(tmp_path: Path) -> None
     """SIGSTOP past the lease: the peer takes over; after SIGCONT the stopped proxy's
     late result is refused, nothing of its old registration is written again, and it
     registers anew and serves new calls (it does not answer 503 until restarted)."""
-    ledger = tmp_path / "ledger.db"
-    config = tmp_path / "lease.toml"
-    config.write_text(LEASE)
-    with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        kwargs: dict[str, Any] = {
-            "upstreams": {"openai": fake.url},
-            "args": ["--config", str(config)],
-        }
-        first = start_proxy(ledger, **kwargs)
-        second = start_proxy(ledger, **kwargs)
-        try:
-            headers = {"Idempotency-Key": "held", "x-fake-delay": "3"}
-            with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(
-                    httpx.post,
-                    first.url + "/openai" + CHAT,
-                    json=chat("held"),
-                    headers=headers,
-                    timeout=60,
-                )
-                wait_for(lambda: fake.receipts(), 10, "the provider to receive the call")
-                first.kill(signal.SIGSTOP)
-                stopped = time.monotonic()
-                (started,) = [e for e in ledger_events(ledger) if e["kind"] == "attempt.started"]
-                call_id, worker = started["call"], started["data"]["worker"]
-                takeover = wait_for(
-                    lambda: [
-                        e
-                        for e in ledger_events(ledger)
-                        if e["kind"] == "worker.taken_over" and e["data"]["worker"] == worker
-                    ],
-                    15,
-                    "the second proxy to take over the stopped one",
-                )[0]
-                # Not before the lease ran out: the stopped process still holds its lock.
-                assert time.monotonic() - stopped >= 1.0
-                assert takeover["data"]["reason"] == "lease expired"
-                first.kill(signal.SIGCONT)
-                late = pending.result(timeout=30)
-
-            # The late result is refused, not recorded as success.
-            assert late.status_code == 502, late.text
-            assert late.json()["error"]["type"] == "observe_refused"
-            kinds = [e["kind"] for e in ledger_events(ledger) if e["call"] == call_id]
-            assert "attempt.observed" not in kinds and "call.completed" not in kinds
-            assert kinds.index("attempt.interrupted") > kinds.index("attempt.started")
-
-            # The stopped proxy registers anew by itself and serves new calls again.
-            wait_for(
-                lambda: httpx.get(first.url + "/healthz", timeout=5).status_code == 200,
-                30,
-                "the fenced proxy to register anew and report healthy",
-            )
-            fresh = httpx.post(first.url + "/openai" + CHAT, json=chat("after fencing"), timeout=30)
-            assert fresh.status_code == 200, fresh.text
-            fresh_id = fresh.headers["effectguard-call-id"]
-            after = [e for e in ledger_events(ledger) if e["seq"] > takeover["seq"]]
-            # Nothing was written as the fenced registration after its takeover; the
-            # new one has its own worker id and a later fencing generation.
-            assert all(e["worker"] != worker for e in after), after
-            (rejoined,) = [
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        stopped_while_held(
+            tmp_path, fake, {"Idempotency-Key": "held", "x-fake-delay": "3"}
+        ) as held,
+    ):
+        ledger, first, second = held.ledger, held.first, held.second
+        call_id, worker = held.started["call"], held.started["data"]["worker"]
+        takeover = wait_for(
+            lambda: [
                 e
-                for e in after
-                if e["kind"] == "worker.registered" and e["data"]["pid"] == first.process.pid
-            ]
-            assert rejoined["data"]["generation"] > started["data"]["generation"]
-            (fresh_start,) = [
-                e for e in after if e["kind"] == "attempt.started" and e["call"] == fresh_id
-            ]
-            assert fresh_start["data"]["worker"] == rejoined["data"]["worker"]
+                for e in ledger_events(ledger)
+                if e["kind"] == "worker.taken_over" and e["data"]["worker"] == worker
+            ],
+            15,
+            "the second proxy to take over the stopped one",
+        )[0]
+        # Not before the lease ran out: the stopped process still holds its lock.
+        assert time.monotonic() - held.stopped_at >= 1.0
+        assert takeover["data"]["reason"] == "lease expired"
+        first.kill(signal.SIGCONT)
+        late = held.pending.result(timeout=30)
 
-            # The held call stays effect unknown: the resend is refused, on either proxy.
-            for proxy in (first, second):
-                resend = httpx.post(
-                    proxy.url + "/openai" + CHAT,
-                    json=chat("held"),
-                    headers={"Idempotency-Key": "held"},
-                    timeout=30,
-                )
-                assert resend.status_code == 409, resend.text
-                assert resend.json()["error"]["type"] == "effect_unknown"
-            assert len(fake.effects()) == 2
-        finally:
-            first.kill(signal.SIGCONT)
-            first.stop()
-            second.stop()
+        # The late result is refused, not recorded as success.
+        assert late.status_code == 502, late.text
+        assert late.json()["error"]["type"] == "observe_refused"
+        kinds = [e["kind"] for e in ledger_events(ledger) if e["call"] == call_id]
+        assert "attempt.observed" not in kinds and "call.completed" not in kinds
+        assert kinds.index("attempt.interrupted") > kinds.index("attempt.started")
+
+        # The stopped proxy registers anew by itself and serves new calls again.
+        wait_for(
+            lambda: httpx.get(first.url + "/healthz", timeout=5).status_code == 200,
+            30,
+            "the fenced proxy to register anew and report healthy",
+        )
+        fresh = httpx.post(first.url + "/openai" + CHAT, json=chat("after fencing"), timeout=30)
+        assert fresh.status_code == 200, fresh.text
+        fresh_id = fresh.headers["effectguard-call-id"]
+        after = [e for e in ledger_events(ledger) if e["seq"] > takeover["seq"]]
+        # Nothing was written as the fenced registration after its takeover; the
+        # new one has its own worker id and a later fencing generation.
+        assert all(e["worker"] != worker for e in after), after
+        (rejoined,) = [
+            e
+            for e in after
+            if e["kind"] == "worker.registered" and e["data"]["pid"] == first.process.pid
+        ]
+        assert rejoined["data"]["generation"] > held.started["data"]["generation"]
+        (fresh_start,) = [
+            e for e in after if e["kind"] == "attempt.started" and e["call"] == fresh_id
+        ]
+        assert fresh_start["data"]["worker"] == rejoined["data"]["worker"]
+
+        # The held call stays effect unknown: the resend is refused, on either proxy.
+        for proxy in (first, second):
+            resend = httpx.post(
+                proxy.url + "/openai" + CHAT,
+                json=chat("held"),
+                headers={"Idempotency-Key": "held"},
+                timeout=30,
+            )
+            assert resend.status_code == 409, resend.text
+            assert resend.json()["error"]["type"] == "effect_unknown"
+        assert len(fake.effects()) == 2
     assert (
         json.loads(cli_ok("calls", "--ledger", str(ledger), "--state", "in_flight", "--json")) == []
     )

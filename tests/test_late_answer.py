@@ -19,10 +19,8 @@ import io
 import json
 import os
 import signal
-import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -31,26 +29,18 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from observing import cli_json, wait_for
+from fencekit import CHAT, MODEL, UPSTREAM, chat, stopped_while_held
+from observing import cli_json, ledger_events, wait_for
 
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.recovery import WorkerRuntime
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
-from effectguard.ledger import Writer, operations, sqliteevents
+from effectguard.ledger import Writer, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
-from effectguard.testing import fake_provider, start_proxy
-
-CHAT = "/v1/chat/completions"
-MODEL = "gpt-4o-mini"
-UPSTREAM = "http://upstream.test"
-
-
-def chat(content: str) -> dict[str, Any]:
-    """A small chat completion request."""
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+from effectguard.testing import fake_provider
 
 
 def answer_body(status: int) -> bytes:
@@ -366,73 +356,30 @@ async def test_accept_evidence_without_evidence_is_refused(tmp_path: Path) -> No
 
 # -- real processes -------------------------------------------------------------------
 
-LEASE = """
-[server]
-lease_s = 2
-heartbeat_s = 0.5
-sweep_s = 0.5
-"""
-
-
-def ledger_events(ledger: Path) -> list[dict[str, Any]]:
-    """Every event, read through a read-only connection."""
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
-        return [
-            {"seq": e.seq, "kind": e.kind, "call": e.call_id, "data": e.data, "worker": e.worker}
-            for e in rows
-        ]
-    finally:
-        conn.close()
-
 
 @pytest.mark.slow
 def test_stopped_proxys_late_answer_is_kept_and_accepted(tmp_path: Path) -> None:
     """SIGSTOP past the lease while the fake provider works on a call: the peer takes it
     over and marks it effect_unknown; after SIGCONT the late 200 is kept as evidence (the
     client still gets 502), the stage stays effect_unknown, and the operator accepts it."""
-    ledger = tmp_path / "ledger.db"
-    config = tmp_path / "lease.toml"
-    config.write_text(LEASE)
+    headers = {"Idempotency-Key": "held", "x-fake-behaviour": "delay=3"}
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        kwargs: dict[str, Any] = {
-            "upstreams": {"openai": fake.url},
-            "args": ["--config", str(config)],
-        }
-        first = start_proxy(ledger, **kwargs)
-        second = start_proxy(ledger, **kwargs)
-        try:
-            headers = {"Idempotency-Key": "held", "x-fake-behaviour": "delay=3"}
-            with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(
-                    httpx.post,
-                    first.url + "/openai" + CHAT,
-                    json=chat("held"),
-                    headers=headers,
-                    timeout=60,
-                )
-                wait_for(lambda: fake.receipts(), 10, "the provider to receive the call")
-                first.kill(signal.SIGSTOP)
-                (started,) = [e for e in ledger_events(ledger) if e["kind"] == "attempt.started"]
-                call_id, worker = started["call"], started["data"]["worker"]
-                wait_for(
-                    lambda: any(
-                        e["kind"] == "attempt.interrupted" and e["call"] == call_id
-                        for e in ledger_events(ledger)
-                    ),
-                    15,
-                    "the second proxy to take the stopped one over and mark its call",
-                )
-                first.kill(signal.SIGCONT)
-                late = pending.result(timeout=30)
+        with stopped_while_held(tmp_path, fake, headers) as held:
+            ledger = held.ledger
+            call_id, worker = held.started["call"], held.started["data"]["worker"]
+            wait_for(
+                lambda: any(
+                    e["kind"] == "attempt.interrupted" and e["call"] == call_id
+                    for e in ledger_events(ledger)
+                ),
+                15,
+                "the second proxy to take the stopped one over and mark its call",
+            )
+            held.first.kill(signal.SIGCONT)
+            late = held.pending.result(timeout=30)
             assert late.status_code == 502, late.text
             assert late.json()["error"]["type"] == "observe_refused"
             assert "kept as evidence" in late.json()["error"]["message"]
-        finally:
-            first.kill(signal.SIGCONT)
-            first.stop()
-            second.stop()
         assert len(fake.effects()) == 1
     (kept,) = [e for e in ledger_events(ledger) if e["kind"] == "attempt.late_answer"]
     assert kept["call"] == call_id and kept["data"]["status"] == 200
