@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pgkit import scratch_schema
 
 from effectguard.ledger import Ledger
 from effectguard.ops.cli import main
@@ -125,17 +125,10 @@ def test_bench_ledger_replicas_reports_each_fleet(
 ) -> None:
     """``--replicas 1,2`` runs 1 then 2 replica processes on one PostgreSQL ledger, each
     point in the JSON with the fleet's pairs per second; SQLite is not run."""
-    import psycopg
-
-    schema = f"eg_bench_{uuid.uuid4().hex[:12]}"
-    url = f"{PG_DSN}{'&' if '?' in PG_DSN else '?'}schema={schema}"
-    try:
+    with scratch_schema("eg_bench_") as url:
         payload = _bench(
             capsys, "ledger", "--pg", url, "--replicas", "1,2", "--replica-callers", "2"
         )
-    finally:
-        with psycopg.connect(PG_DSN, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
     fleets = payload["ledger_replicas"]
     assert [(f["replicas"], f["callers_per_replica"], f["callers"]) for f in fleets] == [
         (1, 2, 2),
@@ -160,16 +153,10 @@ def test_pgcost_prints_round_trips_statements_and_cpu_per_caller_count(
     no more round trips than statements per batch."""
     import re
 
-    import psycopg
-
     from effectguard_bench import pgcost
 
-    schema = f"eg_bench_{uuid.uuid4().hex[:12]}"
-    try:
-        assert pgcost.main([f"{PG_DSN}{'&' if '?' in PG_DSN else '?'}schema={schema}", "0.3"]) == 0
-    finally:
-        with psycopg.connect(PG_DSN, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    with scratch_schema("eg_bench_") as url:
+        assert pgcost.main([url, "0.3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     figures = re.compile(r"callers +(\d+): .* ([\d.]+) round trips and +([\d.]+) statements")
     found = [figures.search(line) for line in lines]

@@ -9,7 +9,6 @@ enforced, config-file keys keep working, and no key or key hash reaches a log.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,9 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+from pgkit import ledger_url
 
 from effectguard.config.settings import hash_key
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
+
+_ = (ledger_url,)  # fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -65,23 +67,6 @@ def wait_for(check: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not within {PROPAGATION_BOUND_S} s: {what}")
         time.sleep(0.1)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh ledger: a SQLite file, or a PostgreSQL schema of its own (dropped after)."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "ledger.db")
-        return
-    dsn = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
-    if not dsn:
-        pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
-    schema = "keys_" + uuid.uuid4().hex[:10]
-    yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest.fixture

@@ -17,10 +17,8 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import signal
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -31,6 +29,7 @@ import pytest
 import pytest_asyncio
 from fencekit import CHAT, MODEL, UPSTREAM, chat, stopped_while_held
 from observing import cli_json, ledger_events, wait_for
+from pgkit import ledger_url
 
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.recovery import WorkerRuntime
@@ -41,6 +40,8 @@ from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
 from effectguard.testing import fake_provider
+
+_ = (ledger_url,)  # fixtures
 
 
 def answer_body(status: int) -> bytes:
@@ -99,23 +100,6 @@ class Fenced:
     task: asyncio.Future[httpx.Response]
     call_id: str
     old: tuple[str, int]
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh ledger: a SQLite file, or a PostgreSQL schema of its own (dropped after)."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "ledger.db")
-        return
-    dsn = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
-    if not dsn:
-        pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
-    schema = "late_" + uuid.uuid4().hex[:10]
-    yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest_asyncio.fixture

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 from observing import cli_json
-from test_postgres import _post, _reservation, _serve, _stop_all, pg_url  # noqa: F401
+from pgkit import pg_url  # noqa: F401
+from test_postgres import _post, _reservation, _serve, _stop_all
 
 from effectguard.ledger import Ledger
 from effectguard.ledger.postgres import PostgresSession, Target

@@ -8,7 +8,7 @@ that was not brought up to date would let A record a fenced attempt, admit past 
 budget or a rate limit, or refuse a renewed lease.
 
 Runs against the real server at ``EFFECTGUARD_TEST_PG_DSN``; each test gets its own
-schema (the ``pg_url`` fixture of ``test_postgres``).
+schema (the ``pg_url`` fixture of ``pgkit``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import math
 import os
 
 import pytest
-from test_postgres import _admit_request, _register, pg_url  # noqa: F401 (fixture)
+from pgkit import pg_url  # noqa: F401 (fixture)
+from test_postgres import _admit_request, _register
 
 from effectguard.errors import FencedError
 from effectguard.ledger import Ledger, operations, pgkept
@@ -39,7 +40,7 @@ pytestmark = [
 
 
 @pytest.fixture
-def url(pg_url: str) -> str:  # noqa: F811 (test_postgres's fixture: a fresh schema)
+def url(pg_url: str) -> str:  # noqa: F811 (pgkit's fixture: a fresh schema)
     """A ledger URL in a fresh schema, dropped after the test."""
     return pg_url
 

@@ -11,13 +11,13 @@ import asyncio
 import os
 import signal
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from pgkit import pg_url
 
 from effectguard.errors import FencedError, LedgerCorrupt
 from effectguard.ledger import Ledger, operations
@@ -33,6 +33,8 @@ from effectguard.rules.events import (
 from effectguard.rules.usage import estimate
 from effectguard.testing import Proxy, fake_provider, start_proxy
 
+_ = (pg_url,)  # fixtures
+
 DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
 
 pytestmark = [
@@ -45,21 +47,6 @@ pytestmark = [
 GPT = "gpt-4o-mini"
 CHAT = {"model": GPT, "max_tokens": 50, "messages": [{"role": "user", "content": "Say hello"}]}
 RECOVERY = "[server]\nlease_s = 2\nheartbeat_s = 0.5\nsweep_s = 0.5\n"
-
-
-def _with_schema(dsn: str, schema: str) -> str:
-    return f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A ledger URL in a fresh schema of the test database, dropped after the test."""
-    import psycopg
-
-    schema = f"eg_test_{uuid.uuid4().hex[:12]}"
-    yield _with_schema(DSN, schema)
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def _reservation() -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_postgres import _post, _serve, _stop_all, _with_schema
+from pgkit import with_schema
+from test_postgres import _post, _serve, _stop_all
 
 from effectguard.ledger import Ledger
 from effectguard.ops.verify import verify_ledger
@@ -48,7 +49,7 @@ def _drop_schema() -> None:
 def pg_url() -> Iterator[str]:
     """The ledger in schema ``periods_test``, fresh for the test and dropped after it."""
     _drop_schema()
-    yield _with_schema(DSN, SCHEMA)
+    yield with_schema(DSN, SCHEMA)
     _drop_schema()
 
 

@@ -1,0 +1,55 @@
+"""A PostgreSQL ledger for a test: a fresh schema of the database at
+``EFFECTGUARD_TEST_PG_DSN``, dropped afterwards, so tests never see each other's rows.
+
+Modules take the fixtures by importing them (``from pgkit import pg_url  # noqa: F401``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
+
+
+def with_schema(dsn: str, schema: str) -> str:
+    """``dsn`` with the ledger's ``schema`` parameter added."""
+    return f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+
+
+@contextmanager
+def scratch_schema(prefix: str = "eg_test_") -> Iterator[str]:
+    """A ledger URL in a schema of its own (named ``prefix`` + random hex), dropped on exit."""
+    import psycopg  # only where PostgreSQL runs: SQLite-only machines need not have it
+
+    schema = f"{prefix}{uuid.uuid4().hex[:12]}"
+    try:
+        yield with_schema(DSN, schema)
+    finally:
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A ledger URL in a fresh schema of the test database, dropped after the test."""
+    with scratch_schema() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh ledger: a SQLite file, or a PostgreSQL schema of its own (dropped after;
+    skipped without ``EFFECTGUARD_TEST_PG_DSN``)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "ledger.db")
+        return
+    if not DSN:
+        pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
+    with scratch_schema() as url:
+        yield url
