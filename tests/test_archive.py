@@ -19,7 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from effectguard.ops.archivefile import lines_sha256
 from effectguard.ops.cli import main
+from effectguard.rules.events import canonical_json, event_digest
 from effectguard.testing import fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
@@ -244,40 +246,37 @@ def test_tampering_with_an_archive_file_is_caught(
     assert any("not this archive's" in p for p in report["problems"]), report["problems"]
 
 
-def _reseal_with_one_body_changed(path: Path) -> None:
-    from effectguard.ops.archivefile import lines_sha256
-    from effectguard.rules.events import canonical_json, event_digest
+def digest_of(e: dict[str, Any]) -> str:
+    """The digest an exported event (or checkpoint mark) ``e`` must carry."""
+    return event_digest(
+        seq=e["seq"],
+        kind=e["kind"],
+        call_id=e["call_id"],
+        data_json=canonical_json(e["data"]),
+        worker=e["worker"],
+        generation=e["generation"],
+        at=e["at"],
+        prev_digest=e["prev_digest"],
+    )
 
+
+def reseal_mark(mark: dict[str, Any], last_digest: str, archive_sha256: str) -> None:
+    """Make the checkpoint ``mark`` vouch for a forged range, as a forger would."""
+    mark["data"]["last_digest"] = last_digest
+    mark["data"]["archive_sha256"] = archive_sha256
+    mark["digest"] = digest_of(mark)
+
+
+def _reseal_with_one_body_changed(path: Path) -> None:
     def reseal(rows: list[str]) -> list[str]:
         header, events, tail = rows[0], [json.loads(r) for r in rows[1:-1]], json.loads(rows[-1])
         events[1]["data"]["body"] = events[1]["data"]["body"].replace("archive", "forged!")
         prev = json.loads(header)["prev_digest"]
         for e in events:
             e["prev_digest"] = prev
-            e["digest"] = prev = event_digest(
-                seq=e["seq"],
-                kind=e["kind"],
-                call_id=e["call_id"],
-                data_json=canonical_json(e["data"]),
-                worker=e["worker"],
-                generation=e["generation"],
-                at=e["at"],
-                prev_digest=e["prev_digest"],
-            )
+            e["digest"] = prev = digest_of(e)
         lines = [canonical_json(e) for e in events]
-        mark = tail["checkpoint"]
-        mark["data"]["last_digest"] = prev
-        mark["data"]["archive_sha256"] = lines_sha256(lines)
-        mark["digest"] = event_digest(
-            seq=mark["seq"],
-            kind=mark["kind"],
-            call_id=mark["call_id"],
-            data_json=canonical_json(mark["data"]),
-            worker=mark["worker"],
-            generation=mark["generation"],
-            at=mark["at"],
-            prev_digest=mark["prev_digest"],
-        )
+        reseal_mark(tail["checkpoint"], prev, lines_sha256(lines))
         return [header, *lines, canonical_json(tail)]
 
     _rewrite(path, reseal)

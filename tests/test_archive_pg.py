@@ -8,12 +8,9 @@ serve the fake provider; archives are taken with the CLI while they serve. After
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import time
-import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,10 +19,14 @@ import httpx
 import psycopg
 import pytest
 from observing import wait_for
+from pgkit import pg_url
+from test_archive import CHAT, chat, later, reseal_mark
 
 from effectguard.ledger.pgschema import Target
 from effectguard.ops.cli import main
 from effectguard.testing import Proxy, fake_provider, running_proxy, start_proxy
+
+_ = (pg_url,)  # fixtures
 
 DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
 
@@ -36,31 +37,6 @@ pytestmark = [
         not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
     ),
 ]
-
-CHAT = "/openai/v1/chat/completions"
-
-
-def chat(n: int) -> dict[str, Any]:
-    """A small chat completion request."""
-    return {
-        "model": "gpt-4o-mini",
-        "messages": [{"role": "user", "content": f"archive {n}"}],
-        "max_tokens": 8,
-    }
-
-
-def later() -> str:
-    """A cut-off an hour from now: every final call so far is before it."""
-    return (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A ledger URL in a fresh schema of the test database, dropped after the test."""
-    schema = f"eg_test_{uuid.uuid4().hex[:12]}"
-    yield f"{DSN}{'&' if '?' in DSN else '?'}schema={schema}"
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
@@ -323,18 +299,7 @@ def _resealed(url: str) -> list[str]:
         )
         prev = digest
     mark = json.loads(line)
-    mark["data"]["last_digest"] = prev
-    mark["data"]["archive_sha256"] = lines_sha256([event_line(e) for e in events])
-    mark["digest"] = event_digest(
-        seq=mark["seq"],
-        kind=mark["kind"],
-        call_id=mark["call_id"],
-        data_json=canonical_json(mark["data"]),
-        worker=mark["worker"],
-        generation=mark["generation"],
-        at=mark["at"],
-        prev_digest=mark["prev_digest"],
-    )
+    reseal_mark(mark, prev, lines_sha256([event_line(e) for e in events]))
     statements.append(f"UPDATE archives SET checkpoint = {_lit(canonical_json(mark))}")
     return statements
 
