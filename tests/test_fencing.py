@@ -27,16 +27,22 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fencekit import CHAT, MODEL, UPSTREAM, chat, stopped_while_held
+from fencekit import (
+    CHAT,
+    UPSTREAM,
+    Upstream,
+    chat,
+    make_runtime,
+    stopped_while_held,
+    taken_over_mid_call,
+)
 from observing import ledger_events, wait_for
 
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
-from effectguard.callpath.runtime import Runtime, RuntimeConfig
+from effectguard.callpath.runtime import Runtime
 from effectguard.errors import FencedError, Refusal
-from effectguard.ledger import Ledger, open_store, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
-from effectguard.providers import load_providers
 from effectguard.testing import fake_provider
 from effectguard.testing.clock import ManualClock
 
@@ -134,64 +140,6 @@ def test_stopped_proxy_is_taken_over_fenced_and_recovers(tmp_path: Path) -> None
 # -- in-process: leases and same-host / other-host takeover ---------------------------
 
 
-class Upstream:
-    """An upstream that answers every chat request, or holds it until released."""
-
-    def __init__(self, hold: bool = False) -> None:
-        self.sent = 0
-        self.release = asyncio.Event()
-        if not hold:
-            self.release.set()
-
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        self.sent += 1
-        await self.release.wait()
-        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-        body = {
-            "id": "x",
-            "object": "chat.completion",
-            "model": MODEL,
-            "usage": usage,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "ok"},
-                    "finish_reason": "stop",
-                }
-            ],
-        }
-        # An unread stream, as a real inner transport hands back.
-        return httpx.Response(
-            200,
-            headers={"content-type": "application/json"},
-            stream=httpx.ByteStream(json.dumps(body).encode()),
-            request=request,
-        )
-
-
-def _runtime(
-    ledger: Path | str,
-    *,
-    lease_s: float,
-    heartbeat_s: float,
-    sweep_s: float,
-    clock: ManualClock | None = None,
-) -> Runtime:
-    """A runtime on ``ledger``; with ``clock``, its ledger's clock is that manual one."""
-    providers = load_providers([], {"openai": UPSTREAM})
-    config = RuntimeConfig(
-        ledger_url=str(ledger),
-        providers=providers,
-        lease_s=lease_s,
-        heartbeat_s=heartbeat_s,
-        sweep_s=sweep_s,
-    )
-    runtime = Runtime(config)
-    if clock is not None:  # still the runtime's own ledger: it opens and closes it
-        runtime.ledger = Ledger(open_store(str(ledger), clock=clock))
-    return runtime
-
-
 def _request(content: str, key: str | None = None) -> httpx.Request:
     headers = {"Idempotency-Key": key} if key else {}
     return httpx.Request("POST", UPSTREAM + CHAT, json=chat(content), headers=headers)
@@ -200,7 +148,9 @@ def _request(content: str, key: str | None = None) -> httpx.Request:
 async def test_lapsed_lease_starts_no_dispatch(tmp_path: Path) -> None:
     """A worker whose lease ran out (no heartbeat) is refused 503 at admission; nothing is sent."""
     clock = ManualClock()
-    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
+    runtime = make_runtime(
+        tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock
+    )
     guard = await runtime.start()
     upstream = Upstream()
     try:
@@ -246,7 +196,7 @@ async def dead_worker_call(
 ) -> AsyncIterator[Held]:
     """A runtime whose one call is held in flight upstream; its worker then 'dies'
     (heartbeat stopped, OS lock released) while the call is still on the wire."""
-    runtime = _runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
+    runtime = make_runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
     guard = await runtime.start()
     upstream = Upstream(hold=True)
     task = asyncio.ensure_future(
@@ -330,7 +280,7 @@ async def test_same_host_takes_over_at_once_when_the_lock_is_free(
 
 async def test_live_lock_on_the_same_host_is_not_taken_over(tmp_path: Path) -> None:
     """A worker that holds its lock and lease is alive: a sweeper leaves its call alone."""
-    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    runtime = make_runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600)
     guard = await runtime.start()
     upstream = Upstream(hold=True)
     task = asyncio.ensure_future(
@@ -397,57 +347,45 @@ async def test_fenced_worker_registers_anew_and_its_old_calls_stay_refused(tmp_p
     """A worker fenced while a call is on the wire registers anew on its next heartbeat;
     that call's late result is still written as the old registration and refused, even
     before the takeover marked the call, and new calls are admitted as the new one."""
-    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=0.05, sweep_s=3600)
+    runtime = make_runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=0.05, sweep_s=3600)
     guard = await runtime.start()
     openai = guard.providers["openai"]
     held = Upstream(hold=True)
-    task = asyncio.ensure_future(guard.handle(openai, _request("held", "k"), held.send))
-    peer = WorkerRuntime(
-        runtime.ledger, lock_dir=None, lease_s=60, heartbeat_s=3600, sweep_s=3600, host="peer"
-    )
     try:
-        while held.sent == 0:
-            await asyncio.sleep(0.01)
-        old = guard.writer
         # A peer's takeover that has fenced the worker but not yet marked its call (a
         # sweep that cannot commit as one transaction marks the calls one by one later).
-        taker = await peer.start()
-        await runtime.ledger.store.write(
-            taker,
-            lambda tx: operations.sweep(tx, taker, frozenset({old.worker}), interrupt_calls=False),
-        )
-        deadline = time.monotonic() + 10
-        while guard.writer == old:
-            assert time.monotonic() < deadline, "the fenced worker did not register anew"
-            await asyncio.sleep(0.01)
-        new = guard.writer
-        assert new.worker != old.worker and new.generation > old.generation
-        with pytest.raises(FencedError):
-            await runtime.ledger.store.write(old, lambda tx: None)
-        (call,) = await runtime.ledger.calls()
-        assert call.stage == "in_flight"
+        async with taken_over_mid_call(
+            runtime, guard, _request("held", "k"), held, interrupt_calls=False
+        ) as (task, old):
+            deadline = time.monotonic() + 10
+            while guard.writer == old:
+                assert time.monotonic() < deadline, "the fenced worker did not register anew"
+                await asyncio.sleep(0.01)
+            new = guard.writer
+            assert new.worker != old.worker and new.generation > old.generation
+            with pytest.raises(FencedError):
+                await runtime.ledger.store.write(old, lambda tx: None)
+            (call,) = await runtime.ledger.calls()
+            assert call.stage == "in_flight"
 
-        held.release.set()
-        with pytest.raises(Refusal) as refused:
-            await task
-        assert refused.value.status == 502 and refused.value.type == "observe_refused"
-        assert (await runtime.ledger.call(call.call_id)).stage == "in_flight"
-        assert runtime.worker is not None
-        assert await runtime.worker.sweep() == [call.call_id]  # now the call is marked
+            held.release.set()
+            with pytest.raises(Refusal) as refused:
+                await task
+            assert refused.value.status == 502 and refused.value.type == "observe_refused"
+            assert (await runtime.ledger.call(call.call_id)).stage == "in_flight"
+            assert runtime.worker is not None
+            assert await runtime.worker.sweep() == [call.call_id]  # now the call is marked
 
-        fresh = await guard.handle(openai, _request("fresh"), Upstream().send)
-        assert fresh.status_code == 200
-        fresh_id = fresh.headers["effectguard-call-id"]
-        started = [e for e in await runtime.ledger.events(fresh_id) if e.kind == "attempt.started"]
-        assert [(e.worker, e.generation) for e in started] == [(new.worker, new.generation)]
-        stages = {c.call_id: c.stage for c in await runtime.ledger.calls()}
-        assert stages == {call.call_id: "effect_unknown", fresh_id: "completed"}
-        assert (await verify_ledger(runtime.ledger)).ok
+            fresh = await guard.handle(openai, _request("fresh"), Upstream().send)
+            assert fresh.status_code == 200
+            fresh_id = fresh.headers["effectguard-call-id"]
+            events = await runtime.ledger.events(fresh_id)
+            started = [e for e in events if e.kind == "attempt.started"]
+            assert [(e.worker, e.generation) for e in started] == [(new.worker, new.generation)]
+            stages = {c.call_id: c.stage for c in await runtime.ledger.calls()}
+            assert stages == {call.call_id: "effect_unknown", fresh_id: "completed"}
+            assert (await verify_ledger(runtime.ledger)).ok
     finally:
-        held.release.set()
-        with contextlib.suppress(Exception):
-            await task
-        await peer.stop()
         await runtime.stop()
 
 
@@ -471,7 +409,9 @@ async def test_lease_lapsing_between_retries_answers_the_providers_429(tmp_path:
     """A lease that lapses during the guard's own retries after a declared 429 answers
     that 429 (the provider was reached), never 503 ledger_unavailable ("nothing sent")."""
     clock = ManualClock()
-    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
+    runtime = make_runtime(
+        tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock
+    )
     guard = await runtime.start()
     body = {"error": {"type": "rate_limit_exceeded", "message": "slow down"}}
     limited = httpx.Response(
@@ -496,7 +436,9 @@ async def test_lease_lapsing_after_a_not_sent_attempt_stays_503(tmp_path: Path) 
     """When nothing reached the provider (connect error) and the retry cannot start,
     the answer is 503 ledger_unavailable: then it is true that nothing was sent."""
     clock = ManualClock()
-    runtime = _runtime(tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock)
+    runtime = make_runtime(
+        tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock
+    )
     guard = await runtime.start()
     upstream = LapsingUpstream(clock, httpx.ConnectError("refused"))
     try:

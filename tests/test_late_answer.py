@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import hashlib
 import io
-import json
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,66 +26,30 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from fencekit import CHAT, MODEL, UPSTREAM, chat, stopped_while_held
+from fencekit import (
+    CHAT,
+    UPSTREAM,
+    Upstream,
+    answer_body,
+    chat,
+    make_runtime,
+    stopped_while_held,
+    stream_body,
+    taken_over_mid_call,
+)
 from observing import cli_json, ledger_events, wait_for
 from pgkit import ledger_url
 
 from effectguard.callpath.guard import Guard
-from effectguard.callpath.recovery import WorkerRuntime
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
-from effectguard.ledger import Writer, operations
+from effectguard.ledger import Writer
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
 from effectguard.testing import fake_provider
 
 _ = (ledger_url,)  # fixtures
-
-
-def answer_body(status: int) -> bytes:
-    """What the held upstream answers: a completion with usage, or an error."""
-    if status >= 400:
-        return json.dumps({"error": {"type": "invalid_request_error", "message": "no"}}).encode()
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    message = {"role": "assistant", "content": "ok"}
-    choice = {"index": 0, "message": message, "finish_reason": "stop"}
-    body = {"id": "x", "object": "chat.completion", "model": MODEL, "usage": usage}
-    return json.dumps({**body, "choices": [choice]}).encode()
-
-
-def stream_body() -> bytes:
-    """A streamed completion whose last chunk before ``[DONE]`` carries the usage."""
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    head = {"id": "x", "object": "chat.completion.chunk", "model": MODEL}
-    delta = {"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}
-    chunks = [{**head, "choices": [delta]}, {**head, "choices": [], "usage": usage}]
-    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
-        b"data: [DONE]\n\n"
-    )
-
-
-class HeldUpstream:
-    """Holds the request until released, then answers ``status`` (or a 200 stream)."""
-
-    def __init__(self, status: int, *, stream: bool = False) -> None:
-        self.status = status
-        self.stream = stream
-        self.sent = 0
-        self.release = asyncio.Event()
-
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        self.sent += 1
-        await self.release.wait()
-        kind, body = "application/json", answer_body(self.status)
-        if self.stream:
-            kind, body = "text/event-stream", stream_body()
-        return httpx.Response(
-            self.status,
-            headers={"content-type": kind},
-            stream=httpx.ByteStream(body),
-            request=request,
-        )
 
 
 @dataclass
@@ -96,7 +59,7 @@ class Fenced:
     runtime: Runtime
     guard: Guard
     ledger_url: str
-    upstream: HeldUpstream
+    upstream: Upstream
     task: asyncio.Future[httpx.Response]
     call_id: str
     old: tuple[str, int]
@@ -106,44 +69,31 @@ class Fenced:
 async def fenced_call(request: pytest.FixtureRequest, ledger_url: str) -> AsyncIterator[Fenced]:
     """A worker's call on the wire, its worker fenced and the call marked effect_unknown
     by a peer's sweep. The heartbeat never runs: the fenced worker has not noticed."""
-    config = RuntimeConfig(
-        ledger_url=ledger_url,
-        providers=load_providers([], {"openai": UPSTREAM}),
-        lease_s=60,
-        heartbeat_s=3600,
-        sweep_s=3600,
-    )
-    runtime = Runtime(config)
+    runtime = make_runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
     guard = await runtime.start()
     streamed = request.param == "stream"
-    upstream = HeldUpstream(200 if streamed else request.param, stream=streamed)
-    openai = guard.providers["openai"]
+    upstream = Upstream(200 if streamed else request.param, stream=streamed, hold=True)
     body = chat("held")
     if streamed:
         body.update(stream=True, stream_options={"include_usage": True})
     req = httpx.Request("POST", UPSTREAM + CHAT, json=body, headers={"Idempotency-Key": "k"})
-    task = asyncio.ensure_future(guard.handle(openai, req, upstream.send))
-    peer = WorkerRuntime(
-        runtime.ledger, lock_dir=None, lease_s=60, heartbeat_s=3600, sweep_s=3600, host="peer"
-    )
     try:
-        while upstream.sent == 0:
-            await asyncio.sleep(0.01)
-        old = guard.writer
-        taker = await peer.start()
-        await runtime.ledger.store.write(
-            taker, lambda tx: operations.sweep(tx, taker, frozenset({old.worker}))
-        )
-        (call,) = await runtime.ledger.calls()
-        assert call.stage == "effect_unknown"
-        yield Fenced(
-            runtime, guard, ledger_url, upstream, task, call.call_id, (old.worker, old.generation)
-        )
+        async with taken_over_mid_call(runtime, guard, req, upstream, interrupt_calls=True) as (
+            task,
+            old,
+        ):
+            (call,) = await runtime.ledger.calls()
+            assert call.stage == "effect_unknown"
+            yield Fenced(
+                runtime,
+                guard,
+                ledger_url,
+                upstream,
+                task,
+                call.call_id,
+                (old.worker, old.generation),
+            )
     finally:
-        upstream.release.set()
-        with contextlib.suppress(Exception):
-            await task
-        await peer.stop()
         await runtime.stop()
 
 
