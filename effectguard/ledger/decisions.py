@@ -60,16 +60,23 @@ def reconcile(
 
 def authorize_resend(tx: Tx, writer: Writer, call_id: str, *, note: str, by: str) -> WorkState:
     """An operator authorizes exactly one new attempt of an effect-unknown call (contract.md §8)."""
+    state = effect_unknown_call(
+        tx, call_id, "only an unknown effect is resent on an operator's word"
+    )
+    if state.resend_authorized:
+        raise ReconcileError(f"call {call_id} already has a resend authorized", call_id=call_id)
+    event = CallResendAuthorized(call=call_id, note=note, by=by)
+    return append(tx, writer, [event], {call_id: state})[call_id]
+
+
+def effect_unknown_call(tx: Tx, call_id: str, why: str) -> WorkState:
+    """The call ``call_id`` if it is effect_unknown; else a :class:`ReconcileError` that
+    says what it is and ``why`` only an unknown effect is decided this way."""
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
     if state.stage != "effect_unknown":
         raise ReconcileError(
-            f"call {call_id} is {state.stage}, not effect_unknown; only an unknown effect "
-            "is resent on an operator's word",
-            call_id=call_id,
+            f"call {call_id} is {state.stage}, not effect_unknown; {why}", call_id=call_id
         )
-    if state.resend_authorized:
-        raise ReconcileError(f"call {call_id} already has a resend authorized", call_id=call_id)
-    event = CallResendAuthorized(call=call_id, note=note, by=by)
-    return append(tx, writer, [event], {call_id: state})[call_id]
+    return state

@@ -9,9 +9,9 @@ the evidence makes (:func:`effectguard.rules.evidence.accept`).
 
 from __future__ import annotations
 
-from effectguard.errors import CallNotFound, LedgerError, ReconcileError
+from effectguard.errors import CallNotFound, LedgerError
 from effectguard.ledger.base import Tx, Writer
-from effectguard.ledger.decisions import reconcile
+from effectguard.ledger.decisions import effect_unknown_call, reconcile
 from effectguard.ledger.operations import append
 from effectguard.rules import evidence
 from effectguard.rules.events import AttemptLateAnswer
@@ -34,15 +34,7 @@ def accept_evidence(
     tx: Tx, writer: Writer, call_id: str, *, note: str | None, by: str
 ) -> WorkState:
     """Reconcile an effect-unknown call as its current attempt's late answer proves."""
-    state = tx.get_call(call_id)
-    if state is None:
-        raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
-    if state.stage != "effect_unknown":
-        raise ReconcileError(
-            f"call {call_id} is {state.stage}, not effect_unknown; evidence decides only an "
-            "unknown effect",
-            call_id=call_id,
-        )
+    state = effect_unknown_call(tx, call_id, "evidence decides only an unknown effect")
     found = evidence.latest(tx.events_of(call_id), state.attempts)
     decided = evidence.accept(call_id, found, state.attempts, note)
     return reconcile(
