@@ -57,18 +57,10 @@ NEEDS: Final[dict[str, str]] = {
 #: idempotency window; §3.4: automatic retries after not sent / not processed).
 _RESUMABLE: Final = ("not_sent", "not_processed", "reconciled_not_applied", "effect_unknown")
 
-#: Where a call rests once it has started an attempt: a late answer to one of its attempts
-#: may be kept there as evidence, and moves nothing (docs/contract.md §6.1).
-_ATTEMPTED: Final = (
-    "in_flight",
-    "not_sent",
-    "effect_unknown",
-    "completed",
-    "not_processed",
-    "failed",
-    "reconciled_applied",
-    "reconciled_not_applied",
-)
+#: Where a call rests once it has started an attempt (every resting stage but refused): a
+#: late answer to one of its attempts may be kept there as evidence, and moves nothing
+#: (docs/contract.md §6.1).
+_ATTEMPTED: Final = RESTING - {"refused"}
 
 #: ``(phase, kind[:variant]) -> next phase``. Anything not listed is illegal.
 TABLE: Final[dict[tuple[str, str], str]] = {
