@@ -12,8 +12,9 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+from test_store_contract import register
 
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
+from effectguard.ledger import AdmitRequest, Ledger, Writer, sqliteevents
 from effectguard.ledger.rows import EVENT_COLUMNS, event_params, state_params
 from effectguard.ledger.sqliteschema import _ARCHIVED_THROUGH_TRIGGER
 from effectguard.ops.archive import archive_sqlite
@@ -214,10 +215,7 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     link that cannot be derived is stored."""
     path = tmp_path / "ledger.db"
     async with Ledger.open(str(path)) as ledger:
-        writer = await ledger.store.write(
-            Writer("w1", 0),
-            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=60),
-        )
+        writer = await register(ledger, "w1", lease_s=60)
         await _calls(ledger, writer, range(3))
     archive_sqlite(str(path), before=2e9, out=tmp_path / "a.jsonl.gz")
     async with Ledger.open(str(path)) as ledger:
@@ -249,10 +247,7 @@ async def test_a_call_state_is_stored_positionally_and_both_forms_read_the_same(
     stored as an object (as before) reads as the same state and counts the same held."""
     path = tmp_path / "ledger.db"
     async with Ledger.open(str(path)) as ledger:
-        writer = await ledger.store.write(
-            Writer("w1", 0),
-            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=60),
-        )
+        writer = await register(ledger, "w1", lease_s=60)
         await _calls(ledger, writer, range(1))
         unknown = await ledger.admit(writer, _request(9))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
