@@ -1,7 +1,8 @@
 """A PostgreSQL ledger for a test: a fresh schema of the database at
 ``EFFECTGUARD_TEST_PG_DSN``, dropped afterwards, so tests never see each other's rows.
 
-Modules take the fixtures by importing them (``from pgkit import pg_url  # noqa: F401``).
+Modules take the fixtures by importing them (``from pgkit import pg_url`` and
+``_ = (pg_url,)  # fixtures``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ from pathlib import Path
 import pytest
 
 DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
+
+#: A PostgreSQL test module's marks (``pytestmark = NEEDS_PG``): skipped without a server.
+NEEDS_PG = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
+    ),
+]
 
 
 def with_schema(dsn: str, schema: str) -> str:

@@ -9,7 +9,6 @@ serve the fake provider; archives are taken with the CLI while they serve. After
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import psycopg
 import pytest
 from observing import wait_for
-from pgkit import pg_url
+from pgkit import NEEDS_PG, pg_url
 from test_archive import CHAT, chat, later, reseal_mark
 
 from effectguard.ledger.pgschema import Target
@@ -28,15 +27,7 @@ from effectguard.testing import Proxy, fake_provider, running_proxy, start_proxy
 
 _ = (pg_url,)  # fixtures
 
-DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
-
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
-    ),
-]
+pytestmark = [*NEEDS_PG, pytest.mark.slow]
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:

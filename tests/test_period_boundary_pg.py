@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter
 from datetime import timedelta
@@ -24,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from observing import cli_json
-from pgkit import pg_url  # noqa: F401
+from pgkit import NEEDS_PG, pg_url  # noqa: F401
 from test_postgres import _post, _reservation, _serve, _stop_all
 
 from effectguard.ledger import Ledger
@@ -34,14 +33,7 @@ from effectguard.rules.budget import BudgetPolicy
 from effectguard.testing import fake_provider
 from effectguard.testing.pgclock import ledger_clock, set_ledger_clock
 
-DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
-
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
-    ),
-]
+pytestmark = NEEDS_PG
 
 #: A half-hour zone: its midnight is nobody's UTC midnight, so the declared zone decides.
 TZ = "Asia/Kolkata"

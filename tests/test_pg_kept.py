@@ -14,10 +14,9 @@ schema (the ``pg_url`` fixture of ``pgkit``).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
-from pgkit import pg_url  # noqa: F401 (fixture)
+from pgkit import NEEDS_PG, pg_url  # noqa: F401 (fixture)
 from test_postgres import _admit_request, _register
 
 from effectguard.errors import FencedError
@@ -29,14 +28,7 @@ from effectguard.rules.budget import BudgetPolicy
 from effectguard.testing.pgclock import ledger_clock, set_ledger_clock
 from effectguard_bench.ledgerbench import outcome_events
 
-DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
-
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
-    ),
-]
+pytestmark = NEEDS_PG
 
 
 @pytest.fixture

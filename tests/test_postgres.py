@@ -8,7 +8,6 @@ own schema (``?schema=…``), dropped afterwards. The replica tests start real
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -17,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pgkit import pg_url
+from pgkit import DSN, NEEDS_PG, pg_url
 
 from effectguard.errors import FencedError, LedgerCorrupt
 from effectguard.ledger import Ledger, operations
@@ -35,14 +34,7 @@ from effectguard.testing import Proxy, fake_provider, start_proxy
 
 _ = (pg_url,)  # fixtures
 
-DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
-
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
-    ),
-]
+pytestmark = NEEDS_PG
 
 GPT = "gpt-4o-mini"
 CHAT = {"model": GPT, "max_tokens": 50, "messages": [{"role": "user", "content": "Say hello"}]}

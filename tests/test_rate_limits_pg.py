@@ -8,7 +8,6 @@ Runs against the real server at ``EFFECTGUARD_TEST_PG_DSN``, in schema ``periods
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pgkit import with_schema
+from pgkit import DSN, NEEDS_PG, with_schema
 from test_postgres import _post, _serve, _stop_all
 
 from effectguard.ledger import Ledger
@@ -25,17 +24,11 @@ from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.ratelimit import minute_of
 from effectguard.testing import fake_provider
 
-DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN", "")
 SCHEMA = "periods_test"
 #: The burst must fit in one minute: it starts in the first seconds of a minute.
 LATEST_START_S = 10
 
-pytestmark = [
-    pytest.mark.postgres,
-    pytest.mark.skipif(
-        not DSN, reason="set EFFECTGUARD_TEST_PG_DSN=postgresql://… to run the PostgreSQL tests"
-    ),
-]
+pytestmark = NEEDS_PG
 
 
 def _drop_schema() -> None:
