@@ -1,6 +1,6 @@
 """Observing a running effectguard from a test: poll until something holds, read the
 CLI's JSON in this process (its own entry point, so no subprocess start-up), and read a
-SQLite ledger's events beside the processes that write it."""
+SQLite ledger's events and call stages beside the processes that write it."""
 
 from __future__ import annotations
 
@@ -53,5 +53,14 @@ def ledger_events(ledger: Path) -> list[dict[str, Any]]:
             }
             for e in rows
         ]
+    finally:
+        conn.close()
+
+
+def call_stages(ledger: Path) -> dict[str, str]:
+    """Every live call's stage in the SQLite ledger at ``ledger``, read-only."""
+    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
     finally:
         conn.close()

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from observing import call_stages
 
 from effectguard.ops.archivefile import lines_sha256
 from effectguard.ops.cli import main
@@ -43,31 +44,24 @@ def later() -> str:
     return (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
 
 
-def archive(ledger: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
-    """``effectguard archive --json``; asserts exit 0 and returns what it moved."""
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    """``effectguard ARGS --json``: the exit code and the JSON it printed (or its stderr)."""
     capsys.readouterr()
-    code = main(["archive", "--json", "--ledger", str(ledger), "--before", later(), *extra])
+    code = main([*args, "--json"])
     out = capsys.readouterr()
-    assert code == 0, out.err
-    result: dict[str, Any] = json.loads(out.out)
-    return result
+    return code, json.loads(out.out) if out.out.strip() else {"err": out.err}
+
+
+def archive(ledger: Path | str, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    """``effectguard archive --json``; asserts exit 0 and returns what it moved."""
+    code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later(), *extra)
+    assert code == 0, moved
+    return moved
 
 
 def verify(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
     """``effectguard verify --json ARGS``: the exit code and the report."""
-    capsys.readouterr()
-    code = main(["verify", "--json", *args])
-    report: dict[str, Any] = json.loads(capsys.readouterr().out)
-    return code, report
-
-
-def stages(ledger: Path) -> dict[str, str]:
-    """Every live call's stage."""
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
-    finally:
-        conn.close()
+    return cli(capsys, "verify", *args)
 
 
 def test_archive_then_verify_and_an_archived_key_answers_409_archived(
@@ -88,7 +82,7 @@ def test_archive_then_verify_and_an_archived_key_answers_409_archived(
         spent_before = json.loads(capsys.readouterr().out)
         moved = archive(ledger, capsys)
         assert moved["calls"] == 4 and moved["keys"] == 4 and moved["first_seq"] == 1
-        assert stages(ledger) == {}
+        assert call_stages(ledger) == {}
         assert archive(ledger, capsys)["events"] == 0  # no call left: nothing more to move
         code, report = verify(capsys, "--ledger", str(ledger))
         assert code == 0, report["problems"]
@@ -159,13 +153,13 @@ def test_unresolved_calls_are_never_archived(
             timeout=30,
         )
         deadline = time.monotonic() + 20
-        while "in_flight" not in stages(ledger).values():
+        while "in_flight" not in call_stages(ledger).values():
             assert time.monotonic() < deadline, "the held call never started"
             time.sleep(0.05)
         assert httpx.post(proxy.url + CHAT, json=chat(2), timeout=30).status_code == 200
         moved = archive(ledger, capsys)
         assert moved["calls"] == 1  # only the call before the held one
-        live = stages(ledger)
+        live = call_stages(ledger)
         (held_id,) = [c for c, stage in live.items() if stage == "in_flight"]
         assert (moved["held_by"], moved["held_because"]) == (
             held_id,
@@ -180,7 +174,7 @@ def test_unresolved_calls_are_never_archived(
         assert code == 0, report["problems"]
         assert held.result(timeout=30).status_code == 200
         moved = archive(ledger, capsys)
-        assert moved["calls"] == 2 and stages(ledger) == {}
+        assert moved["calls"] == 2 and call_stages(ledger) == {}
         assert moved["held_by"] is None
         code, report = verify(capsys, "--ledger", str(ledger))
         assert code == 0, report["problems"]

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from observing import wait_for
 from pgkit import NEEDS_PG, pg_url
-from test_archive import CHAT, chat, later, reseal_mark
+from test_archive import CHAT, archive, chat, cli, later, reseal_mark
 
 from effectguard.ledger.pgschema import Target
 from effectguard.ops.cli import main
@@ -28,20 +28,6 @@ from effectguard.testing import Proxy, fake_provider, running_proxy, start_proxy
 _ = (pg_url,)  # fixtures
 
 pytestmark = [*NEEDS_PG, pytest.mark.slow]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
-    """``effectguard ARGS --json``: the exit code and the JSON it printed."""
-    capsys.readouterr()
-    code = main([*args, "--json"])
-    out = capsys.readouterr()
-    return code, json.loads(out.out) if out.out.strip() else {"err": out.err}
-
-
-def archive(url: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
-    code, moved = cli(capsys, "archive", "--ledger", url, "--before", later())
-    assert code == 0, moved
-    return moved
 
 
 def verified(url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,9 +21,7 @@ shorter runs are for working on the test itself.
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,8 +30,9 @@ from typing import Any
 
 import httpx
 import pytest
+from observing import call_stages
+from test_archive import cli
 
-from effectguard.ops.cli import main
 from effectguard.testing import fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
@@ -96,21 +95,6 @@ def _leave_one_unknown(url: str, traffic: Traffic) -> None:
         traffic.unknown[error["call_id"]] = time.monotonic()
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
-    capsys.readouterr()
-    code = main([*args, "--json"])
-    out = capsys.readouterr()
-    return code, json.loads(out.out) if out.out.strip() else {"err": out.err}
-
-
-def _live_stages(ledger: Path) -> dict[str, str]:
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
-    finally:
-        conn.close()
-
-
 def _size(ledger: Path) -> int:
     wal = ledger.with_name(ledger.name + "-wal")
     return ledger.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
@@ -122,7 +106,7 @@ def _reconcile_due(ledger: Path, traffic: Traffic, capsys: pytest.CaptureFixture
     with traffic.lock:
         due = [c for c, seen in traffic.unknown.items() if now - seen > RECONCILE_AFTER_S]
     for call_id in due:
-        code, out = _cli(
+        code, out = cli(
             capsys,
             "reconcile",
             call_id,
@@ -144,15 +128,15 @@ def _archive_round(
     """One archive, then verify live and the file, then no unresolved call has left."""
     with traffic.lock:
         unresolved = set(traffic.unknown)  # not yet reconciled before this archive
-    code, moved = _cli(capsys, "archive", "--ledger", str(ledger), "--before", RETENTION)
+    code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", RETENTION)
     assert code == 0, moved
-    code, report = _cli(capsys, "verify", "--ledger", str(ledger))
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
     assert code == 0, report["problems"]
     if moved["events"]:
-        code, report = _cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
+        code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
         assert code == 0, report["problems"]
         os.replace(moved["path"], out / Path(moved["path"]).name)  # as an operator would ship it
-    live = _live_stages(ledger)
+    live = call_stages(ledger)
     for call_id in unresolved:
         assert live.get(call_id) == "effect_unknown", (call_id, live.get(call_id))
     return moved
@@ -192,13 +176,13 @@ def test_soak_archival_every_few_seconds_keeps_the_sqlite_ledger_bounded(
                 thread.join(timeout=40)
         assert not traffic.errors, traffic.errors[:3]
         # Nothing left unresolved was archived: every call still unknown is live.
-        live = _live_stages(ledger)
+        live = call_stages(ledger)
         assert all(live.get(c) == "effect_unknown" for c in traffic.unknown), traffic.unknown
         sent = len(fake.receipts())
     assert traffic.statuses.get(200, 0) > 0 and reconciled > 0, (traffic.statuses, reconciled)
     assert moved_calls > sent // 2, (moved_calls, sent)  # archives kept pace
     for path in sorted(shipped.iterdir()):  # every shipped file still proves itself
-        code, report = _cli(capsys, "verify", "--archive", str(path), "--ledger", str(ledger))
+        code, report = cli(capsys, "verify", "--archive", str(path), "--ledger", str(ledger))
         assert code == 0, (path, report["problems"])
     if DURATION_S < 60:
         return  # a short run (to iterate on the test) is all warm-up: no size to compare

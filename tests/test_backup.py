@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from observing import wait_for
+from observing import call_stages, wait_for
 
 from effectguard.ops.backup import backup_sqlite
 from effectguard.ops.cli import main
@@ -47,15 +47,6 @@ def chat(n: int) -> dict[str, Any]:
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 8,
     }
-
-
-def stages(ledger: Path) -> dict[str, str]:
-    """Every call's stage, read through a read-only connection."""
-    conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
-    try:
-        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
-    finally:
-        conn.close()
 
 
 def head(ledger: Path) -> int:
@@ -122,15 +113,17 @@ def test_backup_under_load_verifies_and_restores_without_changing_a_stage(
         assert result.head_seq >= floor and head(copy) == result.head_seq
         report = verify_ok(copy, capsys)
         assert report["events"] == result.events
-        before = stages(copy)
+        before = call_stages(copy)
         assert list(before.values()).count("in_flight") >= HELD
         assert list(before.values()).count("completed") >= ANSWERED
 
         with running_proxy(copy, upstreams=upstreams, args=args):
             wait_for(
-                lambda: "in_flight" not in stages(copy).values(), 30, "the sweeper to take over"
+                lambda: "in_flight" not in call_stages(copy).values(),
+                30,
+                "the sweeper to take over",
             )
-        after = stages(copy)
+        after = call_stages(copy)
         assert set(after) == set(before)
         for call_id, stage in before.items():
             assert after[call_id] == ("effect_unknown" if stage == "in_flight" else stage), call_id
