@@ -71,3 +71,34 @@ def test_unresolved_lookup_uses_the_partial_index(tmp_path: Path) -> None:
     finally:
         conn.close()
     assert "USING INDEX calls_unresolved" in details
+
+
+@pytest.mark.parametrize(
+    ("sql", "params"),
+    [
+        (SQLITE.list_calls(None, None, 10)[0], (10,)),
+        (SQLITE.list_calls(None, "team", 10)[0], ("team", "team/%", 10)),
+    ],
+)
+def test_listing_calls_newest_first_walks_the_calls_key(
+    tmp_path: Path, sql: str, params: tuple[object, ...]
+) -> None:
+    """Calls list newest first by walking the calls table's own key (call ids start with
+    their time) backwards: no sort of every call, and no index of every call to write."""
+    conn = sqliteschema.connect(str(tmp_path / "l.db"))
+    try:
+        sqliteschema.migrate(conn)
+        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, params)
+        details = " ".join(str(row[-1]) for row in plan)
+        indexes = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")]
+    finally:
+        conn.close()
+    assert "SCAN calls" in details and "TEMP B-TREE" not in details, details
+    assert not [
+        i
+        for i in indexes
+        if i.startswith("calls_")
+        and i != "calls_unresolved"
+        and i != "calls_key"
+        and not i.startswith("sqlite_")
+    ], indexes

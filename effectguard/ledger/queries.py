@@ -91,6 +91,8 @@ class Queries:
 
     ``mark`` is the placeholder, ``false`` the literal a boolean column compares
     with, and ``held`` the expression reading a call's held amount from its JSON.
+    ``newest_first`` orders :meth:`list_calls` (SQLite: by call id, which starts with
+    the time in ms, so the table's own key serves it and no index is written).
     """
 
     def __init__(
@@ -101,9 +103,10 @@ class Queries:
         held: str,
         event_columns: str = EVENT_COLUMNS,
         event_insert: str = EVENT_COLUMNS,
+        newest_first: str = "created_at DESC",
     ) -> None:
-        m = mark
-        self.mark = mark
+        m = self.mark = mark
+        self.newest_first = newest_first
         #: Events are read ``SELECT {event_columns} FROM events e`` (a store's row layout).
         ev = event_columns
         # -- point reads (the writer's and the readers')
@@ -174,21 +177,21 @@ class Queries:
         m = self.mark
         where: list[str] = []
         params: list[Any] = []
-        order = "created_at"
+        order = self.newest_first
         if stage is not None:
             if stage in UNRESOLVED:
                 # Few calls are unresolved: find them in their partial index and sort
                 # them, rather than walk every call newest first (``+`` keeps SQLite
-                # from ordering by the calls_created index).
+                # from ordering by an index of every call).
                 where.append(UNRESOLVED_SQL)
-                order = "+created_at"
+                order = "+created_at DESC"
             where.append(f"stage = {m}")
             params.append(stage)
         if budget is not None:
             where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
             params += self.subtree(budget)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        sql = f"SELECT state FROM calls {clause} ORDER BY {order} DESC LIMIT {m}"
+        sql = f"SELECT state FROM calls {clause} ORDER BY {order} LIMIT {m}"
         return sql, [*params, min(limit, (1 << 63) - 1)]
 
 
@@ -200,5 +203,10 @@ SQLITE = Queries(
     "json_extract(state, '$.held'))",
     event_columns=sqliteevents.SELECT_COLUMNS,
     event_insert=sqliteevents.INSERT_COLUMNS,
+    # Call ids made since new_call_id put the time first (ledger/operations.py, since
+    # 2026-11-29) sort by creation to the millisecond. Older ids were random (uuid4):
+    # in a ledger upgraded by migration 9 they list in id order, not by time. Their
+    # index, calls_created, cost a b-tree page in every admission.
+    newest_first="call_id DESC",
 )
 POSTGRES = Queries(mark="%s", false="false", held="(state::jsonb ->> 'held')::numeric")

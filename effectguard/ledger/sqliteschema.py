@@ -201,6 +201,16 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 BEGIN SELECT RAISE(ABORT, 'archived_through cannot be deleted'); END""",
         ],
     ),
+    (
+        9,
+        "no index of every call by creation time: calls list in call-id order",
+        [
+            # Call ids begin with their creation time in ms (operations.new_call_id), so
+            # the table's own key lists calls newest first (queries.SQLITE.newest_first);
+            # the index cost a b-tree page in every admission's commit.
+            "DROP INDEX calls_created",
+        ],
+    ),
 ]
 
 
