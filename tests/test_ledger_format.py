@@ -83,7 +83,7 @@ def test_format_2_row_encodes_from_the_pinned_event() -> None:
     """Writing the pinned event gives the pinned row, with the head's link left to derive."""
     stored = sqliteevents.event_from_row(ROW)
     params = sqliteevents.event_params(stored)
-    assert params == (*ROW[:8], None, ROW[9])
+    assert params == (*ROW[:8], None, ROW[9], None)
 
 
 _JSON = st.recursive(
@@ -155,7 +155,8 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
             "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
             "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
             _ARCHIVED_THROUGH_TRIGGER,
-            "DELETE FROM migrations WHERE version = 6",
+            "DELETE FROM migrations WHERE version IN (6, 10)",
+            "ALTER TABLE calls DROP COLUMN last_seq",
         ):
             conn.execute(sql)
         marks = ", ".join("?" * 9)
@@ -226,7 +227,11 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     async with Ledger.open(str(path)) as ledger:
         after = await ledger.store.events_after(0, 1000)
         report = await verify_ledger(ledger)
+        calls = {e.call_id for e in before if e.call_id is not None}
+        found = {c: await ledger.store.call_events(c) for c in calls}
     assert after == before
+    # Migration 9 linked each call's events: they are found without an index.
+    assert found == {c: [e for e in before if e.call_id == c] for c in calls}
     assert report.ok, report.problems
     conn = sqlite3.connect(path)
     try:

@@ -348,6 +348,7 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
         ]
         conn.execute("DELETE FROM events")
         prev, chain = "0" * 64, []
+        tails: dict[str | None, int] = {}  # each call's last event (the store's links)
         for seq, row in enumerate(edit(rows), start=1):
             data_json = canonical_json(row.data)
             digest = event_digest(
@@ -371,11 +372,13 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 prev,
                 digest,
             )
-            marks = ", ".join("?" * 10)
             conn.execute(
-                f"INSERT INTO events ({sqliteevents.INSERT_COLUMNS}) VALUES ({marks})",
-                sqliteevents.event_params(stored),
+                f"INSERT INTO events ({sqliteevents.INSERT_COLUMNS}) "
+                f"VALUES ({sqliteevents.INSERT_MARKS})",
+                sqliteevents.event_params(stored, tails.get(row.call_id)),
             )
+            if row.call_id is not None:
+                tails[row.call_id] = seq
             chain.append(stored)
             prev = digest
         per_call: dict[str, list[Event]] = {}
@@ -383,10 +386,10 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
             if stored.call_id is not None:
                 per_call.setdefault(stored.call_id, []).append(stored.event)
         conn.execute("DELETE FROM calls")
-        for events in per_call.values():
+        for call_id, events in per_call.items():
             conn.execute(
-                f"INSERT INTO calls ({CALL_COLUMNS}) VALUES ({', '.join('?' * 10)})",
-                state_params(work_state(events)),
+                f"INSERT INTO calls ({CALL_COLUMNS}, last_seq) VALUES ({', '.join('?' * 11)})",
+                (*state_params(work_state(events)), tails[call_id]),
             )
         conn.execute("DELETE FROM budget_periods")
         for node in budget_fold(s.event for s in chain).nodes.values():

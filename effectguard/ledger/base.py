@@ -193,6 +193,11 @@ class LedgerStore(Protocol):
         """Calls (newest first), optionally by stage and budget subtree."""
         ...
 
+    async def lookup_problems(self) -> list[tuple[int, str]]:
+        """``(seq, problem)`` where the store's own way of finding a call's events
+        disagrees with the events (SQLite: its per-call links); for ``verify``."""
+        ...
+
     async def budget_nodes(self) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None)."""
         ...

@@ -246,6 +246,9 @@ class MemoryStore:
         with self.tables.lock:
             return [e for e in self.tables.events if e.call_id == call_id]
 
+    async def lookup_problems(self) -> list[tuple[int, str]]:
+        return []  # a call's events are found by scanning them: nothing to disagree
+
     async def list_calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
     ) -> list[WorkState]:

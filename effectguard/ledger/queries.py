@@ -73,7 +73,7 @@ class Upsert:
         return self.head + ",".join([one] * count) + self.tail
 
 
-def _upsert(
+def upsert(
     table: str, columns: str, mark: str, mutable: Iterable[str] | None, key: int = 1
 ) -> Upsert:
     """An insert into ``table`` that, given ``mutable`` columns, updates them on conflict
@@ -148,13 +148,13 @@ class Queries:
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
         )
         # -- writes
-        self.insert_events = _upsert("events", event_insert, m, None)
-        self.upsert_calls = _upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
-        self.upsert_nodes = _upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
-        self.upsert_windows = _upsert("rate_windows", WINDOW_COLUMNS, m, names(WINDOW_COLUMNS)[1:])
-        self.upsert_policies = _upsert("budgets", POLICY_COLUMNS, m, names(POLICY_COLUMNS)[1:])
-        self.upsert_workers = _upsert("workers", WORKER_COLUMNS, m, names(WORKER_COLUMNS)[1:])
-        self.upsert_keys = _upsert("keys", KEY_COLUMNS, m, names(KEY_COLUMNS)[1:])
+        self.insert_events = upsert("events", event_insert, m, None)
+        self.upsert_calls = upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
+        self.upsert_nodes = upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
+        self.upsert_windows = upsert("rate_windows", WINDOW_COLUMNS, m, names(WINDOW_COLUMNS)[1:])
+        self.upsert_policies = upsert("budgets", POLICY_COLUMNS, m, names(POLICY_COLUMNS)[1:])
+        self.upsert_workers = upsert("workers", WORKER_COLUMNS, m, names(WORKER_COLUMNS)[1:])
+        self.upsert_keys = upsert("keys", KEY_COLUMNS, m, names(KEY_COLUMNS)[1:])
 
     def node_keys(self, count: int) -> str:
         """``WHERE`` matching ``count`` (path, period) pairs (parameters: path, period, …)."""

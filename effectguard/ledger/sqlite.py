@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.ledger import operations, sqliteevents
+from effectguard.ledger import operations, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
-from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE
+from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
 from effectguard.ledger.rows import (
+    CALL_COLUMNS,
+    MUTABLE_CALL_COLUMNS,
     key_from_row,
     key_params,
     node_from_row,
@@ -41,6 +43,8 @@ from effectguard.ledger.rows import (
     worker_from_row,
     worker_params,
 )
+from effectguard.ledger.sqliteevents import CALL_EVENTS
+from effectguard.ledger.sqlitefile import create_owner_only, file_identity, sqlite_path
 from effectguard.ledger.sqlitereader import SqliteReader
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
 from effectguard.ledger.sqlreads import SqlReads
@@ -49,6 +53,8 @@ from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState
+
+__all__ = ["SqliteSession", "SqliteStore", "sqlite_path"]
 
 T = TypeVar("T")
 
@@ -61,7 +67,11 @@ _ARCHIVED_KEY = (
     "SELECT call_id, request_hash FROM archived_keys WHERE budget_root = ? AND idempotency_key = ?"
 )
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
-_UPSERT_CALL = SQLITE.upsert_calls.rows(1)
+#: A call's row with the seq of its last event (sqliteevents: how a call's events are found).
+_UPSERT_CALL = upsert(
+    "calls", f"{CALL_COLUMNS}, last_seq", "?", (*MUTABLE_CALL_COLUMNS, "last_seq")
+).rows(1)
+_LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
 _UPSERT_POLICY = SQLITE.upsert_policies.rows(1)
 _UPSERT_WINDOW = SQLITE.upsert_windows.rows(1)
@@ -89,7 +99,7 @@ class SqliteSession:
         migrate(self.conn)
         # The file this connection writes. If it is deleted or replaced while we run,
         # our commits would go to a file nobody will ever read again.
-        self._identity = _identity(path)
+        self._identity = file_identity(path)
         # Waiting for another process's write lock happens in begin(), off the event loop.
         self.conn.execute("PRAGMA busy_timeout = 0")
         # Checkpoints run between batches, off the loop (maintain), not inside a COMMIT.
@@ -112,6 +122,8 @@ class SqliteSession:
         self._undo: list[tuple[str, WorkState | None]] | None = None
         # An operation's events, inserted together (one statement) when it ends.
         self._events: list[tuple[Any, ...]] = []
+        # Each call's last event seq, as its row holds it or as this batch appended.
+        self._tails: dict[str, int | None] = {}
 
     def _forget(self) -> None:
         self._head = None
@@ -123,6 +135,7 @@ class SqliteSession:
         self._calls = {}
         self._undo = None
         self._events = []
+        self._tails = {}
 
     def _revalidate(self) -> None:
         # Caches outlive a batch while no other connection commits: data_version changes
@@ -136,7 +149,7 @@ class SqliteSession:
     def intact(self) -> bool:
         """Whether the ledger file at our path is still the one this connection opened."""
         try:
-            return _identity(self.path) == self._identity
+            return file_identity(self.path) == self._identity
         except OSError:
             return False
 
@@ -209,6 +222,7 @@ class SqliteSession:
 
     def rollback_to(self) -> None:
         self._events = []
+        self._tails = {}  # read again from the calls rows the rollback restored
         self.conn.execute("ROLLBACK TO op")
         self._head, self._nodes, self._dirty, self._workers, self._policies = self._snapshot
         for call_id, previous in reversed(self._undo or []):
@@ -253,12 +267,30 @@ class SqliteSession:
         return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        self._events.append(sqliteevents.event_params(event))
+        call_prev = None
+        if event.call_id is not None:
+            call_prev = self._tail(event.call_id)
+            self._tails[event.call_id] = event.seq
+        self._events.append(sqliteevents.event_params(event, call_prev))
         self._head = (event.seq, event.digest)
+
+    def _tail(self, call_id: str) -> int | None:
+        """The seq of the call's last event (None: it has none yet)."""
+        if call_id not in self._tails:
+            if len(self._tails) >= _CALL_CACHE_SIZE:
+                self._tails.clear()
+            row = self.conn.execute(_LAST_SEQ, (call_id,)).fetchone()
+            self._tails[call_id] = None if row is None else row[0]
+        return self._tails[call_id]
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         self._flush_events()
-        rows = self.conn.execute(SQLITE.call_events, (sqliteevents.call_key(call_id),))
+        last = self._tail(call_id)
+        if last is None:
+            return []
+        rows = self.conn.execute(
+            sqliteevents.CALL_EVENTS_FROM, (last, sqliteevents.call_key(call_id))
+        )
         return [sqliteevents.event_from_row(r) for r in rows]
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
@@ -274,7 +306,8 @@ class SqliteSession:
         return state
 
     def put_call(self, state: WorkState) -> None:
-        self.conn.execute(_UPSERT_CALL, state_params(state, positional=True))
+        params = state_params(state, positional=True)
+        self.conn.execute(_UPSERT_CALL, (*params, self._tail(state.call_id)))
         self._remember(state)
 
     def _remember(self, state: WorkState) -> None:
@@ -360,32 +393,6 @@ class SqliteSession:
         return int(row[0])
 
 
-def _identity(path: str) -> tuple[int, int]:
-    stat = os.stat(path)
-    return stat.st_dev, stat.st_ino
-
-
-def sqlite_path(url: str) -> str:
-    """The file path of a ``sqlite:///path`` URL or a plain path."""
-    if url.startswith("sqlite:///"):
-        return url[len("sqlite:///") - 1 :] if url.startswith("sqlite:////") else url[10:]
-    if "://" in url:
-        raise ConfigError(f"not a SQLite ledger: {url!r}")
-    return url
-
-
-def _create_owner_only(path: str) -> None:
-    """Create the ledger file readable by its owner only (it holds prompts and responses).
-
-    SQLite gives the ``-wal`` and ``-shm`` files the main file's permissions. An existing
-    file is left as its owner set it.
-    """
-    if path == ":memory:" or path.startswith("file:"):
-        return
-    with contextlib.suppress(FileExistsError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-
-
 class SqliteStore(SqlReads):
     """A ledger in one SQLite file (the embedded default).
 
@@ -415,7 +422,7 @@ class SqliteStore(SqlReads):
         parent = Path(self.path).parent
         if not parent.exists():
             raise ConfigError(f"ledger directory {parent} does not exist")
-        _create_owner_only(self.path)
+        create_owner_only(self.path)
         writer = InlineCommitter(
             lambda: SqliteSession(self.path, self._clock), operations.check_writer
         )
@@ -438,6 +445,17 @@ class SqliteStore(SqlReads):
 
     async def write(self, writer: Writer, op: Operation[T]) -> T:
         return await self.committer.submit(writer, op)
+
+    async def call_events(self, call_id: str) -> list[StoredEvent]:
+        """A call's events in ledger order, walked from its row (no index by call)."""
+        params = (call_id, sqliteevents.call_key(call_id))
+        return [self.decode_event(r) for r in await self._fetch(CALL_EVENTS, params)]
+
+    async def lookup_problems(self) -> list[tuple[int, str]]:
+        links = await self._fetch(sqlitelinks.BROKEN_LINKS)
+        tails = await self._fetch(sqlitelinks.BROKEN_TAILS)
+        head = await self._fetch(HEAD)
+        return sqlitelinks.problems(links, tails, int(head[0][0]) if head else 0)
 
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         if self._reader is None:

@@ -16,7 +16,12 @@ bytes sit on disk, because a call's six events were most of what a call cost
   other id stays text), in the row and in the ``events_call`` index;
 - ``data`` does not repeat the call id the ``call_id`` column holds, and where it
   has exactly the fields :data:`FIELDS` lists for its kind it is a JSON array of
-  their values in that order, not an object repeating every field name.
+  their values in that order, not an object repeating every field name;
+- ``call_prev`` (migration 10) is the seq of the previous event of the same call
+  (NULL for its first), and the call's row holds its last event's seq
+  (``calls.last_seq``): a call's events are found by walking these links
+  (:data:`CALL_EVENTS`), with no index of every event by call. The links are
+  not part of the event; ``verify`` checks them (``SqliteStore.lookup_problems``).
 
 A row whose data cannot be split exactly (a body whose text does not come back
 from its bytes, a ``call`` that is not the row's call id) keeps it in ``data``:
@@ -38,7 +43,11 @@ from typing import Any
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent, canonical_json
 
 #: Insert order of an event row.
-INSERT_COLUMNS = "seq, kind, call_id, data, body, worker, generation, at, prev_digest, digest"
+INSERT_COLUMNS = (
+    "seq, kind, call_id, data, body, worker, generation, at, prev_digest, digest, call_prev"
+)
+#: Its placeholders.
+INSERT_MARKS = ", ".join("?" * len(INSERT_COLUMNS.split(",")))
 #: The read order: :func:`event_from_row` reads rows selected with this list ``FROM events e``.
 SELECT_COLUMNS = (
     "e.seq, e.kind, e.call_id, e.data, e.body, e.worker, e.generation, e.at, "
@@ -48,6 +57,26 @@ SELECT_COLUMNS = (
 )
 #: Every event in order, each row as :func:`event_from_row` reads it.
 ALL_EVENTS = f"SELECT {SELECT_COLUMNS} FROM events e ORDER BY e.seq"
+
+
+def _walk(start: str) -> str:
+    # Each step reads one row by its seq (the events table's own key); a link that
+    # leads to another call's event, or to a row an archive deleted, ends the walk.
+    return (
+        f"WITH RECURSIVE walk(seq) AS ({start} UNION ALL "
+        "SELECT w.call_prev FROM events w JOIN walk ON w.seq = walk.seq "
+        "WHERE w.call_id = ?2) "
+        f"SELECT {SELECT_COLUMNS} FROM events e "
+        "WHERE e.seq IN (SELECT seq FROM walk) AND e.call_id = ?2 ORDER BY e.seq"
+    )
+
+
+#: A call's events in order, from its row's ``last_seq`` (parameters: the call id, and
+#: :func:`call_key` of it).
+CALL_EVENTS = _walk("SELECT last_seq FROM calls WHERE call_id = ?1")
+#: The same from a known last seq (parameters: that seq, and the call's key): the
+#: writer's, whose transaction may have appended to the call since its row was written.
+CALL_EVENTS_FROM = _walk("SELECT ?1")
 
 
 #: Each kind's fields, in the order a positional row lists their values. Part of the
@@ -201,8 +230,9 @@ def join(kind: str, data_json: str, body: bytes | None, call_id: str | None) -> 
     return data
 
 
-def event_params(event: StoredEvent) -> tuple[Any, ...]:
-    """Parameters for appending ``event`` at the head, in :data:`INSERT_COLUMNS` order."""
+def event_params(event: StoredEvent, call_prev: int | None = None) -> tuple[Any, ...]:
+    """Parameters for appending ``event`` at the head, in :data:`INSERT_COLUMNS` order
+    (``call_prev``: the seq of the previous event of its call, if any)."""
     data_json, body = split(event.kind, event.data, event.call_id)
     return (
         event.seq,
@@ -215,6 +245,7 @@ def event_params(event: StoredEvent) -> tuple[Any, ...]:
         event.at,
         None,  # the head's digest: derived on read
         digest_column(event.digest),
+        call_prev,
     )
 
 

@@ -53,6 +53,11 @@ class SqlReads(ABC):
         rows = await self._fetch(self.queries.call_events, (self.call_key(call_id),))
         return [self.decode_event(r) for r in rows]
 
+    async def lookup_problems(self) -> list[tuple[int, str]]:
+        """``(seq, problem)`` for each way the store's own lookup structures disagree
+        with its events (none here: the calls are found by their call id column)."""
+        return []
+
     async def list_calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
     ) -> list[WorkState]:

@@ -144,13 +144,13 @@ def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
         marks = ",".join("?" * len(chunk))
+        # A call's row names its last event (sqliteevents), so no scan of later events.
         moved = conn.execute(
-            f"SELECT call_id FROM events WHERE seq > ? AND call_id IN ({marks}) LIMIT 1",
-            (plan.last, *map(sqliteevents.call_key, chunk)),
+            f"SELECT call_id FROM calls WHERE last_seq > ? AND call_id IN ({marks}) LIMIT 1",
+            (plan.last, *chunk),
         ).fetchone()
         if moved is not None:
-            moved_id = sqliteevents.call_from_key(moved[0])
-            raise LedgerCorrupt(f"call {moved_id} changed while archiving; run archive again")
+            raise LedgerCorrupt(f"call {moved[0]} changed while archiving; run archive again")
     first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
     if first != plan.first:
         raise LedgerCorrupt("another archive ran meanwhile; run archive again")
@@ -163,7 +163,7 @@ def _apply(
     keyed: list[tuple[str, str, str, str]],
 ) -> None:
     conn.execute(
-        f"INSERT INTO events({sqliteevents.INSERT_COLUMNS}) VALUES ({', '.join('?' * 10)})",
+        f"INSERT INTO events({sqliteevents.INSERT_COLUMNS}) VALUES ({sqliteevents.INSERT_MARKS})",
         sqliteevents.event_params(stored),
     )
     # The event after the cut links to one this deletes: keep that link where reads find it.

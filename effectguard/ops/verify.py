@@ -50,6 +50,7 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         workers = await ledger.store.workers()
         keys = await ledger.store.keys()
         windows = await ledger.store.rate_windows()
+        lookups = await ledger.store.lookup_problems()
     budget_rows = [BudgetRow(n.path, n.period, n.reserved, n.spent, n.held) for n in nodes]
     policy_rows = [
         PolicyRow(p.path, p.limit, p.period, p.tz, p.rpm, p.tpm, p.concurrency) for p in policies
@@ -70,9 +71,12 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         for k in keys
     ]
     rate_rows = [RateRow(w.path, w.minute, w.requests, w.tokens) for w in windows]
-    return verifier.finish(
+    report = verifier.finish(
         budget_rows, states, columns, worker_rows, key_rows, policy_rows, rate_rows
     )
+    for seq, problem in lookups:
+        report.broken(seq, problem)
+    return report
 
 
 async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
