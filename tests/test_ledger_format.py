@@ -79,11 +79,51 @@ def test_an_object_row_decodes_to_the_same_event() -> None:
     assert sqliteevents.event_from_row(row) == sqliteevents.event_from_row(ROW)
 
 
-def test_format_2_row_encodes_from_the_pinned_event() -> None:
-    """Writing the pinned event gives the pinned row, with the head's link left to derive."""
+#: The same event as format 3 (migration 11) stores it: its kind as its index in KINDS
+#: (the worker's id is resolved to its name by SELECT_COLUMNS' join).
+ROW_3 = (7, 3, *ROW[2:])
+
+
+def test_format_3_row_decodes_to_the_same_event() -> None:
+    """A kind's code reads back as the kind: the event, and so its digest, is the same."""
+    assert sqliteevents.KINDS[3] == "attempt.observed"
+    assert sqliteevents.event_from_row(ROW_3) == sqliteevents.event_from_row(ROW)
+
+
+def test_format_3_row_encodes_from_the_pinned_event() -> None:
+    """Writing the pinned event gives the pinned row: the kind's code, the worker's id,
+    the head's link left to derive, and the link to the call's previous event."""
     stored = sqliteevents.event_from_row(ROW)
-    params = sqliteevents.event_params(stored)
-    assert params == (*ROW[:8], None, ROW[9], None)
+    assert sqliteevents.event_params(stored, 4, 2) == (*ROW_3[:5], 2, *ROW_3[6:8], None, ROW[9], 4)
+    assert sqliteevents.event_params(stored)[5] == "w1"  # no id given: the name itself
+
+
+def test_kind_codes_are_the_pinned_list() -> None:
+    """KINDS is part of the stored format: a code, once written, names one kind forever
+    (append only), and no kind that SQL text names is coded."""
+    assert sqliteevents.KINDS[:20] == (
+        "call.manifest",
+        "budget.reserved",
+        "attempt.started",
+        "attempt.observed",
+        "budget.settled",
+        "call.completed",
+        "call.refused",
+        "budget.released",
+        "budget.held",
+        "budget.unheld",
+        "budget.corrected",
+        "attempt.not_sent",
+        "attempt.interrupted",
+        "attempt.late_answer",
+        "call.reconciled",
+        "call.resend_authorized",
+        "key.created",
+        "key.revoked",
+        "worker.registered",
+        "worker.taken_over",
+    )
+    assert not {"budget.limit_set", "ledger.archived"} & set(sqliteevents.KINDS)
 
 
 _JSON = st.recursive(
@@ -155,8 +195,9 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
             "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
             "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
             _ARCHIVED_THROUGH_TRIGGER,
-            "DELETE FROM migrations WHERE version IN (6, 10)",
+            "DELETE FROM migrations WHERE version IN (6, 10, 11)",
             "ALTER TABLE calls DROP COLUMN last_seq",
+            "DROP TABLE worker_names",
         ):
             conn.execute(sql)
         marks = ", ".join("?" * 9)

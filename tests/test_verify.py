@@ -125,7 +125,7 @@ def seq_of(path: Path, call_id: str, kind: str) -> int:
     with raw(path) as conn:
         row = conn.execute(
             "SELECT seq FROM events WHERE call_id = ? AND kind = ?",
-            (sqliteevents.call_key(call_id), kind),
+            (sqliteevents.call_key(call_id), sqliteevents.KIND_CODES.get(kind, kind)),
         ).fetchone()
     assert row is not None
     return int(row[0])

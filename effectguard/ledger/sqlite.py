@@ -71,7 +71,6 @@ _INSERT_EVENT = SQLITE.insert_events.rows(1)
 _UPSERT_CALL = upsert(
     "calls", f"{CALL_COLUMNS}, last_seq", "?", (*MUTABLE_CALL_COLUMNS, "last_seq")
 ).rows(1)
-_LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
 _UPSERT_POLICY = SQLITE.upsert_policies.rows(1)
 _UPSERT_WINDOW = SQLITE.upsert_windows.rows(1)
@@ -122,8 +121,8 @@ class SqliteSession:
         self._undo: list[tuple[str, WorkState | None]] | None = None
         # An operation's events, inserted together (one statement) when it ends.
         self._events: list[tuple[Any, ...]] = []
-        # Each call's last event seq, as its row holds it or as this batch appended.
-        self._tails: dict[str, int | None] = {}
+        # Each call's last event and each worker's id, for the rows events are stored as.
+        self._links = sqlitelinks.RowLinks(self.conn, _CALL_CACHE_SIZE)
 
     def _forget(self) -> None:
         self._head = None
@@ -135,7 +134,7 @@ class SqliteSession:
         self._calls = {}
         self._undo = None
         self._events = []
-        self._tails = {}
+        self._links.forget()
 
     def _revalidate(self) -> None:
         # Caches outlive a batch while no other connection commits: data_version changes
@@ -222,7 +221,7 @@ class SqliteSession:
 
     def rollback_to(self) -> None:
         self._events = []
-        self._tails = {}  # read again from the calls rows the rollback restored
+        self._links.forget()  # read again from the rows the rollback restored
         self.conn.execute("ROLLBACK TO op")
         self._head, self._nodes, self._dirty, self._workers, self._policies = self._snapshot
         for call_id, previous in reversed(self._undo or []):
@@ -267,25 +266,12 @@ class SqliteSession:
         return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        call_prev = None
-        if event.call_id is not None:
-            call_prev = self._tail(event.call_id)
-            self._tails[event.call_id] = event.seq
-        self._events.append(sqliteevents.event_params(event, call_prev))
+        self._events.append(self._links.event_params(event))
         self._head = (event.seq, event.digest)
-
-    def _tail(self, call_id: str) -> int | None:
-        """The seq of the call's last event (None: it has none yet)."""
-        if call_id not in self._tails:
-            if len(self._tails) >= _CALL_CACHE_SIZE:
-                self._tails.clear()
-            row = self.conn.execute(_LAST_SEQ, (call_id,)).fetchone()
-            self._tails[call_id] = None if row is None else row[0]
-        return self._tails[call_id]
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
         self._flush_events()
-        last = self._tail(call_id)
+        last = self._links.tail(call_id)
         if last is None:
             return []
         rows = self.conn.execute(
@@ -307,7 +293,7 @@ class SqliteSession:
 
     def put_call(self, state: WorkState) -> None:
         params = state_params(state, positional=True)
-        self.conn.execute(_UPSERT_CALL, (*params, self._tail(state.call_id)))
+        self.conn.execute(_UPSERT_CALL, (*params, self._links.tail(state.call_id)))
         self._remember(state)
 
     def _remember(self, state: WorkState) -> None:

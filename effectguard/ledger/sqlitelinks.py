@@ -1,16 +1,73 @@
-"""Checks of how a SQLite ledger finds a call's events (format 2, migration 10).
+"""What a SQLite event row refers to outside itself, and the checks of it.
 
 A call's events are reached by links, not by an index: the call's row holds its
 last event's seq (``calls.last_seq``), each event the seq of the previous event
 of its call (``events.call_prev``). The links are not part of any event, so the
 hash chain does not cover them; a wrong link would make ``show``, a resend or a
 late answer read the wrong events. ``verify`` therefore re-derives every link
-from the events' own call ids (:func:`problems`).
+from the events' own call ids (:func:`problems`). A row's worker is the id of its
+name in ``worker_names`` (migration 11); a wrong name there changes the event read,
+which its digest check names.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
+
+from effectguard.ledger import sqliteevents
+from effectguard.rules.events import StoredEvent
+
+_LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"
+_WORKER_ID = "SELECT id FROM worker_names WHERE name = ?"
+_NEW_WORKER_ID = "INSERT INTO worker_names(name) VALUES (?) RETURNING id"
+
+
+class RowLinks:
+    """The writer's view of what an event row refers to: each call's last event (its
+    ``call_prev``) and each worker's id in ``worker_names``.
+
+    Cached across batches like the writer's other caches; :meth:`forget` whenever the
+    tables may hold something else (another connection wrote, a rollback).
+    """
+
+    def __init__(self, conn: sqlite3.Connection, size: int) -> None:
+        self.conn = conn
+        self.size = size
+        self.tails: dict[str, int | None] = {}
+        self.workers: dict[str, int] = {}
+
+    def forget(self) -> None:
+        self.tails = {}
+        self.workers = {}
+
+    def tail(self, call_id: str) -> int | None:
+        """The seq of the call's last event (None: it has none yet)."""
+        if call_id not in self.tails:
+            if len(self.tails) >= self.size:
+                self.tails.clear()
+            row = self.conn.execute(_LAST_SEQ, (call_id,)).fetchone()
+            self.tails[call_id] = None if row is None else row[0]
+        return self.tails[call_id]
+
+    def worker_id(self, name: str) -> int:
+        """The worker's id, given one the first time the name is written."""
+        found = self.workers.get(name)
+        if found is None:
+            row = self.conn.execute(_WORKER_ID, (name,)).fetchone()
+            if row is None:
+                row = self.conn.execute(_NEW_WORKER_ID, (name,)).fetchone()
+            found = self.workers[name] = int(row[0])
+        return found
+
+    def event_params(self, event: StoredEvent) -> tuple[Any, ...]:
+        """``event``'s row parameters, and its call's last event is now this one."""
+        call_prev = None
+        if event.call_id is not None:
+            call_prev = self.tail(event.call_id)
+            self.tails[event.call_id] = event.seq
+        return sqliteevents.event_params(event, call_prev, self.worker_id(event.worker))
+
 
 #: Events whose link is not the previous event of their call. Where an archive deleted
 #: that event, the first live event of the call links below the first live seq.
