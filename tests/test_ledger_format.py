@@ -10,12 +10,19 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_store_contract import register
 
 from effectguard.ledger import AdmitRequest, Ledger, Writer, sqliteevents
-from effectguard.ledger.rows import EVENT_COLUMNS, event_params, state_params
+from effectguard.ledger.rows import (
+    EVENT_COLUMNS,
+    SLIM_FIELDS,
+    STATE_FIELDS,
+    event_params,
+    state_params,
+)
 from effectguard.ledger.sqliteschema import _ARCHIVED_THROUGH_TRIGGER
 from effectguard.ops.archive import archive_sqlite
 from effectguard.ops.verify import verify_ledger
@@ -286,11 +293,14 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     assert bodies == (4,)  # two manifests, two observations
 
 
-async def test_a_call_state_is_stored_positionally_and_both_forms_read_the_same(
-    tmp_path: Path,
+@pytest.mark.parametrize("older", ["object", "all fields"])
+async def test_a_call_state_is_stored_positionally_and_older_forms_read_the_same(
+    tmp_path: Path, older: str
 ) -> None:
-    """The SQLite store writes a call's state as the array of rows.STATE_FIELDS; a state
-    stored as an object (as before) reads as the same state and counts the same held."""
+    """The SQLite store writes a call's state as the array of rows.SLIM_FIELDS (the
+    other fields are the row's columns); a state stored as an object, or as the array
+    of all STATE_FIELDS (both as before), reads as the same state and counts the same
+    held, in every read (the reader's and the writer's)."""
     path = tmp_path / "ledger.db"
     async with Ledger.open(str(path)) as ledger:
         writer = await register(ledger, "w1", lease_s=60)
@@ -301,20 +311,29 @@ async def test_a_call_state_is_stored_positionally_and_both_forms_read_the_same(
         counts = await ledger.store.stage_counts()
     assert positional is not None and positional.held == 1000
     assert counts == [("openai", "effect_unknown", 1, 1000)]
+    fields = as_dict(positional)
+    stored = {
+        "object": state_params(positional)[-1],
+        "all fields": json.dumps([fields[f] for f in STATE_FIELDS]),
+    }[older]
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         (text,) = conn.execute(
             "SELECT state FROM calls WHERE call_id = ?", (unknown.call_id,)
         ).fetchone()
-        assert json.loads(text) == list(as_dict(positional).values())
-        conn.execute(
-            "UPDATE calls SET state = ? WHERE call_id = ?",
-            (state_params(positional)[-1], unknown.call_id),
-        )
+        assert json.loads(text) == [fields[f] for f in SLIM_FIELDS]
+        conn.execute("UPDATE calls SET state = ? WHERE call_id = ?", (stored, unknown.call_id))
     finally:
         conn.close()
     async with Ledger.open(str(path)) as ledger:
         assert await ledger.store.get_call(unknown.call_id) == positional
         assert await ledger.store.stage_counts() == counts
+        assert await ledger.calls(stage="effect_unknown") == [positional]
         report = await verify_ledger(ledger)
+        # The writer reads it too: reconciling the call folds onto the stored state.
+        await ledger.reconcile(unknown.call_id, applied=False, cost=0, note="no", by="ann")
+        settled = await ledger.store.get_call(unknown.call_id)
+        after = await verify_ledger(ledger)
     assert report.ok, report.problems
+    assert after.ok, after.problems
+    assert settled is not None and settled.stage != "effect_unknown" and settled.held == 0

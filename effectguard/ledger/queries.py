@@ -26,7 +26,9 @@ from effectguard.ledger.rows import (
     MUTABLE_CALL_COLUMNS,
     NODE_COLUMNS,
     POLICY_COLUMNS,
+    SLIM_FIELDS,
     STATE_FIELDS,
+    STATE_READ,
     WINDOW_COLUMNS,
     WORKER_COLUMNS,
     names,
@@ -92,7 +94,8 @@ class Queries:
     ``mark`` is the placeholder, ``false`` the literal a boolean column compares
     with, and ``held`` the expression reading a call's held amount from its JSON.
     ``newest_first`` orders :meth:`list_calls` (SQLite: by call id, which starts with
-    the time in ms, so the table's own key serves it and no index is written).
+    the time in ms, so the table's own key serves it and no index is written);
+    ``state`` is what a read of a call state selects (SQLite: ``rows.STATE_READ``).
     """
 
     def __init__(
@@ -104,21 +107,21 @@ class Queries:
         event_columns: str = EVENT_COLUMNS,
         event_insert: str = EVENT_COLUMNS,
         newest_first: str = "created_at DESC",
+        state: str = "state",
     ) -> None:
         m = self.mark = mark
-        self.newest_first = newest_first
-        #: Events are read ``SELECT {event_columns} FROM events e`` (a store's row layout).
-        ev = event_columns
+        self.newest_first, self.state = newest_first, state
+        ev = event_columns  # read ``SELECT {ev} FROM events e`` (the store's row layout)
         # -- point reads (the writer's and the readers')
-        self.call = f"SELECT state FROM calls WHERE call_id = {m}"
+        self.call = f"SELECT {state} FROM calls WHERE call_id = {m}"
         self.keyed_call = (
-            f"SELECT state FROM calls WHERE budget_root = {m} AND idempotency_key = {m}"
+            f"SELECT {state} FROM calls WHERE budget_root = {m} AND idempotency_key = {m}"
         )
         self.unresolved_call = (
-            f"SELECT state FROM calls WHERE budget_root = {m} AND request_hash = {m} "
+            f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
             f"AND {UNRESOLVED_SQL} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
         )
-        self.in_flight_of = f"SELECT state FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
+        self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
@@ -191,16 +194,20 @@ class Queries:
             where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
             params += self.subtree(budget)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
-        sql = f"SELECT state FROM calls {clause} ORDER BY {order} LIMIT {m}"
+        sql = f"SELECT {self.state} FROM calls {clause} ORDER BY {order} LIMIT {m}"
         return sql, [*params, min(limit, (1 << 63) - 1)]
 
 
 SQLITE = Queries(
     mark="?",
     false="0",
-    # A state is an object or the array of rows.STATE_FIELDS (held is its 15th).
-    held=f"coalesce(json_extract(state, '$[{STATE_FIELDS.index('held')}]'), "
+    # A state is an object, the array of rows.STATE_FIELDS (as stored before) or of
+    # rows.SLIM_FIELDS; json_array_length is 0 for an object.
+    held=f"coalesce(CASE json_array_length(state) "
+    f"WHEN {len(STATE_FIELDS)} THEN json_extract(state, '$[{STATE_FIELDS.index('held')}]') "
+    f"WHEN {len(SLIM_FIELDS)} THEN json_extract(state, '$[{SLIM_FIELDS.index('held')}]') END, "
     "json_extract(state, '$.held'))",
+    state=STATE_READ,
     event_columns=sqliteevents.SELECT_COLUMNS,
     event_insert=sqliteevents.INSERT_COLUMNS,
     # Call ids made since new_call_id put the time first (ledger/operations.py, since

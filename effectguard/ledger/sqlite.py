@@ -36,7 +36,7 @@ from effectguard.ledger.rows import (
     node_params,
     policy_from_row,
     policy_params,
-    state_from_json,
+    state_from_row,
     state_params,
     window_from_row,
     window_params,
@@ -281,7 +281,7 @@ class SqliteSession:
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
         row = self.conn.execute(sql, params).fetchone()
-        return None if row is None else state_from_json(row[0])
+        return None if row is None else state_from_row(row)
 
     def get_call(self, call_id: str) -> WorkState | None:
         state = self._calls.get(call_id)
@@ -314,7 +314,7 @@ class SqliteSession:
         return self._one_call(SQLITE.unresolved_call, (root, request_hash, since))
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
-        return [state_from_json(r[0]) for r in self.conn.execute(SQLITE.in_flight_of, (worker,))]
+        return [state_from_row(r) for r in self.conn.execute(SQLITE.in_flight_of, (worker,))]
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
         missing = [p for p in paths if p not in self._policies]
@@ -388,6 +388,7 @@ class SqliteStore(SqlReads):
     queries = SQLITE
     decode_event = staticmethod(sqliteevents.event_from_row)
     call_key = staticmethod(sqliteevents.call_key)
+    decode_state = staticmethod(state_from_row)
 
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.url = url

@@ -19,7 +19,7 @@ from effectguard.ledger.rows import (
     key_from_row,
     node_from_row,
     policy_from_row,
-    state_from_json,
+    state_from_first,
     window_from_row,
     worker_from_row,
 )
@@ -36,6 +36,8 @@ class SqlReads(ABC):
     queries: Queries
     #: Reads one event row in the store's layout (``queries``' event columns).
     decode_event: Callable[[Any], StoredEvent] = staticmethod(event_from_row)
+    #: Reads one call state from a row of ``queries.state`` (its columns, then state).
+    decode_state: Callable[[Any], WorkState] = staticmethod(state_from_first)
     #: A call id as the store's events hold it (SQLite: 16 bytes; PostgreSQL: the text).
     call_key: Callable[[str], Any] = staticmethod(str)
 
@@ -46,7 +48,7 @@ class SqlReads(ABC):
     async def get_call(self, call_id: str) -> WorkState | None:
         """A call's projected state, or None."""
         rows = await self._fetch(self.queries.call, (call_id,))
-        return state_from_json(rows[0][0]) if rows else None
+        return self.decode_state(rows[0]) if rows else None
 
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
@@ -64,7 +66,7 @@ class SqlReads(ABC):
         """Calls (newest first), optionally by stage and budget subtree."""
         sql, params = self.queries.list_calls(stage, budget, limit)
         rows = await self._fetch(sql, params)
-        return [state_from_json(r[0]) for r in rows]
+        return [self.decode_state(r) for r in rows]
 
     async def budget_nodes(self) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None)."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from effectguard.errors import ConfigError, LedgerCorrupt
 from effectguard.ledger import sqliteevents
+from effectguard.ledger.rows import STATE_READ, state_from_row
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteschema import connect, migrate
 from effectguard.ops import archivefile
@@ -76,9 +77,13 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
         conn.close()
 
 
-#: SQLite's events since migration 6 (ledger/sqliteevents.py).
+#: SQLite's events since migration 6 (ledger/sqliteevents.py), and its call states.
 _FORMAT_2 = EventLayout(
-    sqliteevents.SELECT_COLUMNS, sqliteevents.event_from_row, sqliteevents.call_from_key
+    sqliteevents.SELECT_COLUMNS,
+    sqliteevents.event_from_row,
+    sqliteevents.call_from_key,
+    STATE_READ,
+    state_from_row,
 )
 
 

@@ -16,11 +16,12 @@ from typing import Any
 
 from effectguard.errors import LedgerCorrupt
 from effectguard.ledger.base import OPERATOR
-from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row, state_from_json
+from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row, state_from_first
 from effectguard.ops import archivefile
 from effectguard.ops.audit import Verifier, checkpoint
 from effectguard.rules.events import GENESIS_DIGEST, LedgerArchived, StoredEvent, seal
 from effectguard.rules.retention import EventRef, cut, holder, stays_live
+from effectguard.rules.workstate import WorkState
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,9 @@ class EventLayout:
     columns: str
     decode: Callable[[Any], StoredEvent]
     call: Callable[[Any], str | None]
+    #: What to select ``FROM calls`` to read a call state, and how to read that row.
+    state_columns: str = "state"
+    state: Callable[[Any], WorkState] = state_from_first
 
 
 #: The layout PostgreSQL keeps (and SQLite kept before its migration 6).
@@ -90,8 +94,8 @@ def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = 
         return Survey(None)
     reasons: dict[str, str | None] = {}
     keys: dict[str, tuple[str | None, str, str]] = {}
-    for (text,) in fetch("SELECT state FROM calls", ()):
-        state = state_from_json(text)
+    for row in fetch(f"SELECT {layout.state_columns} FROM calls", ()):
+        state = layout.state(row)
         reasons[state.call_id] = stays_live(state, before=before, now=now)
         keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
     archivable = {call: reason is None for call, reason in reasons.items()}
