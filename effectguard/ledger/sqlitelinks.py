@@ -82,14 +82,17 @@ BROKEN_LINKS = """
     ORDER BY seq
 """
 #: Calls whose row does not name their last event (the call id as events hold it: the
-#: 16 bytes of a ``call_`` id, see sqliteevents.call_key).
+#: 16 bytes of a ``call_`` id, see sqliteevents.call_key). One grouped scan of the events,
+#: then a lookup of each call's row by its key (a join the other way round took 72 s
+#: on 300,000 events). A row of a call with no events is named by the verifier.
 BROKEN_TAILS = """
-    SELECT c.call_id, c.last_seq, m.last FROM calls c LEFT JOIN (
+    WITH m AS MATERIALIZED (
         SELECT CASE WHEN typeof(call_id) = 'blob' THEN 'call_' || lower(hex(call_id))
             ELSE call_id END AS id, max(seq) AS last
-        FROM events WHERE call_id IS NOT NULL GROUP BY call_id) m ON m.id = c.call_id
+        FROM events WHERE call_id IS NOT NULL GROUP BY call_id)
+    SELECT m.id, c.last_seq, m.last FROM m LEFT JOIN calls c ON c.call_id = m.id
     WHERE c.last_seq IS NOT m.last
-    ORDER BY c.call_id
+    ORDER BY m.id
 """
 
 
