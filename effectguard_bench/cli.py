@@ -254,7 +254,9 @@ def _storage_lines(storage: dict[str, Any]) -> list[str]:
         f"{storage['bytes_per_call']} B per call, of which bodies "
         f"{storage['body_bytes_per_call']} B, overhead {storage['overhead_bytes_per_call']} B; "
         f"WAL pages per single-operation commit: admission {storage['admission_wal_pages']}, "
-        f"observation {storage['observation_wal_pages']}",
+        f"observation {storage['observation_wal_pages']} "
+        f"(means {storage['admission_wal_pages_mean']}, "
+        f"{storage['observation_wal_pages_mean']})",
         "  per call by table/index: " + ", ".join(f"{k} {v:g} B" for k, v in objects),
     ]
 

@@ -102,6 +102,7 @@ def test_bench_ledger_alone_starts_no_proxy(capsys: pytest.CaptureFixture[str]) 
         assert _is_number(storage[name])
     # Counts, not timings: a single-operation commit writes at least one page.
     assert storage["admission_wal_pages"] >= 1 and storage["observation_wal_pages"] >= 1
+    assert storage["admission_wal_pages_mean"] >= 1 and storage["observation_wal_pages_mean"] >= 1
     assert "events" in storage["objects_bytes_per_call"]
 
 
