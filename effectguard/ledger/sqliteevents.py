@@ -13,7 +13,7 @@ bytes sit on disk, because a call's six events were most of what a call cost
 - ``body`` (a manifest's request, an observation's response) is a BLOB of its
   raw bytes, out of the JSON, where it was an escaped string;
 - ``call_id`` is the 16 bytes a ``call_`` and 32 hex digits id stands for (any
-  other id stays text), in the row and in the ``events_call`` index;
+  other id stays text);
 - ``data`` does not repeat the call id the ``call_id`` column holds, and where it
   has exactly the fields :data:`FIELDS` lists for its kind it is a JSON array of
   their values in that order, not an object repeating every field name;
