@@ -79,6 +79,22 @@ def test_the_store_reads_the_moved_database_clock(pg_url: str, caplog: Any) -> N
     assert abs(ledger_clock(pg_url) - time.time()) < 5.0
 
 
+def test_budgets_show_the_period_of_the_database_clock(pg_url: str) -> None:  # noqa: F811
+    """Without --period, `effectguard budgets` shows the period admission would charge now:
+    the database's clock decides it, not the host's."""
+    moved_to = time.time() + 3 * 86_400.0
+    assert cli_json(
+        "budget", "set", "team", "--limit", "5", "--period", "day", "--tz", TZ, "--ledger", pg_url
+    )
+    try:
+        set_ledger_clock(pg_url, moved_to)
+        (node,) = [n for n in cli_json("budgets", "--ledger", pg_url) if n["path"] == "team"]
+    finally:
+        set_ledger_clock(pg_url, None)
+    assert node["period"] == periods.label("day", TZ, moved_to)
+    assert node["period"] != periods.label("day", TZ, time.time())
+
+
 async def _burst(replicas: list[Any], boundary_at: float) -> list[httpx.Response]:
     """CLIENTS concurrent clients, started one after another over SPREAD_S seconds of this
     host's monotonic clock centred on ``boundary_at`` (also monotonic), over the replicas."""

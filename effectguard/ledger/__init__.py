@@ -54,11 +54,8 @@ def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerS
 class Ledger:
     """The async API over one store."""
 
-    def __init__(self, store: LedgerStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: LedgerStore) -> None:
         self.store = store
-        #: What "now" is for views of the current period (the store's clock decides
-        #: admission; on PostgreSQL that is the database's).
-        self.clock = clock
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -69,7 +66,7 @@ class Ledger:
         store = open_store(url, clock=clock)
         await store.open()
         try:
-            yield cls(store, clock or time.time)
+            yield cls(store)
         finally:
             await store.close()
 
@@ -223,5 +220,7 @@ class Ledger:
         """
         policies = await self.policies()
         counters = await self.store.budget_nodes()
-        when = self.clock() if at is None else at
+        # The period admission charges now, by the store's clock (on PostgreSQL the
+        # database's, which every replica shares), not this host's.
+        when = await self.store.clock_now() if at is None else at
         return budget_view(policies, counters, when, period, on)

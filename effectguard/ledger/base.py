@@ -179,6 +179,10 @@ class LedgerStore(Protocol):
         """Run ``op`` in a durable transaction as ``writer``; fenced writers are refused."""
         ...
 
+    async def clock_now(self) -> float:
+        """The ledger's clock now: what admission would read (PostgreSQL: the database's)."""
+        ...
+
     async def get_call(self, call_id: str) -> WorkState | None:
         """A call's projected state, or None."""
         ...

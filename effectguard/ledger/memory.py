@@ -216,6 +216,9 @@ class MemoryStore:
         self._clock = clock
         self._writer: GroupCommitter[MemorySession] | None = None
 
+    async def clock_now(self) -> float:
+        return self._clock()
+
     async def open(self) -> None:
         writer = GroupCommitter(
             lambda: MemorySession(self.tables, self._clock), operations.check_writer

@@ -415,6 +415,9 @@ class PostgresStore(SqlReads):
     async def write(self, writer: Writer, op: Operation[T]) -> T:
         return await self.committer.submit(writer, op)
 
+    async def clock_now(self) -> float:
+        return float((await self._fetch(_CLOCK))[0][0])
+
     async def _fetch(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         if self._reader is None:
             raise LedgerUnavailable(f"ledger {redacted(self.url)} is not open")

@@ -405,6 +405,9 @@ class SqliteStore(SqlReads):
             raise LedgerUnavailable(f"ledger {self.url} is not open")
         return self._writer
 
+    async def clock_now(self) -> float:
+        return self._clock()
+
     async def open(self) -> None:
         parent = Path(self.path).parent
         if not parent.exists():
