@@ -90,3 +90,70 @@ def test_the_proxy_path_builds_no_httpx_objects(
     assert s_status == 200, s_content
     assert s_content.rstrip().endswith(b"data: [DONE]")
     assert s_headers[b"effectguard-call-id"] != headers[b"effectguard-call-id"]
+
+
+async def _drop_second_request(seen: list[bytes]) -> tuple[asyncio.Server, int]:
+    """A server that answers the first request on a connection and, on the second, reads
+    it whole and closes the connection without answering (a keep-alive race)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answered = False
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            body = await reader.readexactly(length)
+            seen.append(head.split(b"\r\n")[0] + b" " + body)
+            if answered:
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            answered = True
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "POST"])
+def test_the_leg_never_resends_a_request_by_itself(method: str) -> None:
+    """A request lost on a reused keep-alive connection reaches the provider once and is
+    reported as a failure whose effect is unknown: aiohttp's own retry of PUT and DELETE
+    would send it a second time, unrecorded."""
+    from effectguard.callpath.exchange import Outbound
+    from effectguard.callpath.wire import classify_transport_error
+    from effectguard.ingress.aioleg import AiohttpLeg
+
+    async def run() -> tuple[list[bytes], BaseException | None]:
+        seen: list[bytes] = []
+        server, port = await _drop_second_request(seen)
+        leg = AiohttpLeg(5.0, 5.0)
+        failure: BaseException | None = None
+        try:
+            for n in range(2):
+                url = f"http://127.0.0.1:{port}/charges/c{n}"
+                request = Outbound(method, url, "/charges", "/charges", [], f"charge-{n}".encode())
+                try:
+                    response = await leg.send(request)
+                    async for _ in response.aiter_raw():
+                        pass
+                    await response.aclose()
+                except httpx.TransportError as exc:
+                    failure = exc
+        finally:
+            await leg.aclose()
+            server.close()
+            await server.wait_closed()
+        return seen, failure
+
+    seen, failure = asyncio.run(run())
+    assert [s.split(b" ")[0].decode() for s in seen] == [method, method], seen
+    assert seen[1].endswith(b"charge-1")
+    assert failure is not None
+    assert classify_transport_error(failure) == "unknown"
