@@ -11,7 +11,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents, sqlitelinks
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
 
@@ -132,3 +132,19 @@ async def test_verify_names_a_call_row_that_misnames_its_last_event(tmp_path: Pa
     assert [p for p in report.problems if p.startswith(f"call {ids[2]}: its row names")], (
         report.problems
     )
+
+
+def test_the_link_cache_never_drops_a_tail_inside_a_transaction() -> None:
+    """A full cache is trimmed between transactions only: inside one, a call's tail may
+    be ahead of its row (its event is buffered, its row not yet written), and reading the
+    row again would link the call's next event to an older one."""
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE calls (call_id TEXT PRIMARY KEY, last_seq INTEGER)")
+    conn.executemany("INSERT INTO calls VALUES (?, ?)", [("x", 3), ("y", 5)])
+    links = sqlitelinks.RowLinks(conn, size=1)
+    assert links.tail("x") == 3
+    links.tails["x"] = 7  # what event_params records for x's new event, before its row
+    assert links.tail("y") == 5  # a miss while the cache is full
+    assert links.tail("x") == 7
+    links.trim()  # between transactions the cache is bounded again
+    assert links.tails == {}

@@ -144,6 +144,7 @@ class SqliteSession:
         if version != self._version:
             self._forget()
             self._version = version
+        self._links.trim()
 
     def intact(self) -> bool:
         """Whether the ledger file at our path is still the one this connection opened."""

@@ -41,11 +41,15 @@ class RowLinks:
         self.tails = {}
         self.workers = {}
 
+    def trim(self) -> None:
+        """Bound the cache, between transactions only: inside one, a call's tail may be
+        ahead of its row until the row is written, so no entry may be dropped there."""
+        if len(self.tails) >= self.size:
+            self.tails = {}
+
     def tail(self, call_id: str) -> int | None:
         """The seq of the call's last event (None: it has none yet)."""
         if call_id not in self.tails:
-            if len(self.tails) >= self.size:
-                self.tails.clear()
             row = self.conn.execute(_LAST_SEQ, (call_id,)).fetchone()
             self.tails[call_id] = None if row is None else row[0]
         return self.tails[call_id]
