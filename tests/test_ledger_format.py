@@ -217,7 +217,8 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
         conn.close()
 
 
-def _request(n: int) -> AdmitRequest:
+def admit_request(n: int) -> AdmitRequest:
+    """A keyed chat admission whose body needs escaping (an accent, quotes)."""
     return AdmitRequest(
         request_hash=f"h{n}",
         provider="openai",
@@ -237,7 +238,7 @@ def _request(n: int) -> AdmitRequest:
 
 async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:
     for n in numbers:
-        admitted = await ledger.admit(writer, _request(n))
+        admitted = await ledger.admit(writer, admit_request(n))
         outcome = [
             AttemptObserved(
                 call=admitted.call_id,
@@ -305,7 +306,7 @@ async def test_a_call_state_is_stored_positionally_and_older_forms_read_the_same
     async with Ledger.open(str(path)) as ledger:
         writer = await register(ledger, "w1", lease_s=60)
         await _calls(ledger, writer, range(1))
-        unknown = await ledger.admit(writer, _request(9))
+        unknown = await ledger.admit(writer, admit_request(9))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
         positional = await ledger.store.get_call(unknown.call_id)
         counts = await ledger.store.stage_counts()

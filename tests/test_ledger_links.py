@@ -11,27 +11,11 @@ import re
 import sqlite3
 from pathlib import Path
 
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents, sqlitelinks
+from test_ledger_format import admit_request
+
+from effectguard.ledger import Ledger, Writer, operations, sqliteevents, sqlitelinks
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
-
-
-def _request(n: int) -> AdmitRequest:
-    return AdmitRequest(
-        request_hash=f"h{n}",
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=f"k{n}",
-        budget="team/run",
-        budget_root="team",
-        effect_kind="billable",
-        body='{"messages": []}',
-        body_encoding="utf8",
-        stream=False,
-        reserve=1000,
-    )
 
 
 def _outcome(call_id: str) -> list[object]:
@@ -62,7 +46,7 @@ async def _interleaved(path: Path) -> list[str]:
         )
         ids = []
         for n in range(4):
-            ids.append((await ledger.admit(writer, _request(n))).call_id)
+            ids.append((await ledger.admit(writer, admit_request(n))).call_id)
         await ledger.interrupt(writer, ids[0], 1, "read timeout")
         for call_id in ids[1:]:
             await ledger.record(writer, call_id, 1, _outcome(call_id))  # type: ignore[arg-type]
