@@ -58,13 +58,3 @@ def fold_budget(tx: Tx, tree: budgets.Tree, event: Event, changed: set[budgets.K
     if missing:
         tree.nodes.update(tx.get_nodes(missing))
     changed.update(n.key for n in tree.apply(event))
-
-
-_LATER_BUDGET_EVENTS = (
-    BudgetReserved,
-    BudgetSettled,
-    BudgetReleased,
-    BudgetHeld,
-    BudgetUnheld,
-    BudgetCorrected,
-)

@@ -44,19 +44,28 @@ def budget_refusal(
     exceeded = budgets.check_admission(nodes, budget, amount)
     if exceeded is None:
         return None
+    return _exceeded(exceeded, periods, "; this call reserves", call_id)
+
+
+def _exceeded(
+    exceeded: budgets.Exceeded,
+    periods: dict[str, str],
+    what: str,
+    call_id: str,
+    state: WorkState | None = None,
+) -> Refusal:
+    """402 ``budget_exceeded``, naming the node, its room (in its period) and the amount."""
+    label = periods.get(exceeded.path)
     return Refusal(
         402,
         "budget_exceeded",
         f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room"
-        f"{_in_period(periods, exceeded.path)}; this call reserves "
+        f"{'' if label is None else f' in period {label}'}{what} "
         f"{nanos_to_usd(exceeded.amount)} USD",
         call_id=call_id,
+        stage=None if state is None else state.stage,
+        next_operation=None if state is None else state.next_operation,
     )
-
-
-def _in_period(periods: dict[str, str], path: str) -> str:
-    label = periods.get(path)
-    return "" if label is None else f" in period {label}"
 
 
 def retry_refusal(tx: Tx, state: WorkState, reserve: int) -> Refusal | None:
@@ -66,13 +75,4 @@ def retry_refusal(tx: Tx, state: WorkState, reserve: int) -> Refusal | None:
     exceeded = budgets.check_admission(nodes, state.budget, reserve)
     if exceeded is None:
         return None
-    return Refusal(
-        402,
-        "budget_exceeded",
-        f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room"
-        f"{_in_period(state.periods, exceeded.path)} for a retry that reserves "
-        f"{nanos_to_usd(exceeded.amount)} USD",
-        call_id=state.call_id,
-        stage=state.stage,
-        next_operation=state.next_operation,
-    )
+    return _exceeded(exceeded, state.periods, " for a retry that reserves", state.call_id, state)

@@ -96,9 +96,18 @@ async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
         batch = await ledger.store.events_after(seq, page)
         if not batch:
             break
-        for stored in batch:
-            if stored.kind == checkpoint.KIND and stored.data.get("last_seq") == first - 1:
-                found = stored.data
+        # The cut's checkpoint was the newest event when it was written: stop at it
+        # rather than read the whole ledger once more before verify reads it.
+        found = next(
+            (
+                s.data
+                for s in batch
+                if s.kind == checkpoint.KIND and s.data.get("last_seq") == first - 1
+            ),
+            None,
+        )
+        if found is not None:
+            break
         seq = batch[-1].seq
     if found is not None:
         checkpoint.seed(verifier, found["state"], next_seq=first, prev_digest=found["last_digest"])
