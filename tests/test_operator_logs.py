@@ -106,7 +106,9 @@ def test_json_access_lines_name_every_call_and_hold_no_secret(
         "effect_unknown",
         "effect_unknown",
     )
-    assert timeout["upstream_s"] >= 0.5
+    # The read timeout (0.5 s) is timed by aiohttp from its own start, a little before the
+    # guard stamps the send; the log must show that wait, not when it began to the microsecond.
+    assert timeout["upstream_s"] >= 0.45
     assert [line["stage"] for line in access if line["endpoint"] == "/v1/models"] == ["read_only"]
     interrupts = [line for line in lines if line.get("event") == "interrupted"]
     assert [line["call_id"] for line in interrupts] == [slow.headers[CALL_ID]]
