@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
+from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
@@ -150,6 +151,11 @@ class Tx(Protocol):
         """Take the next fencing generation (strictly increasing, never reused)."""
         ...
 
+    def put_body(self, call_id: str, body: SpooledBody) -> None:
+        """Store a by-reference request body (rules/bodyref) for ``call_id``: read from
+        its file in chunks, never whole, in this transaction."""
+        ...
+
 
 Operation = Callable[[Tx], T]
 
@@ -240,6 +246,11 @@ class LedgerStore(Protocol):
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
         """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
+        ...
+
+    async def copy_body(self, call_id: str, out: BinaryIO) -> int:
+        """Write ``call_id``'s by-reference request body (rules/bodyref) to ``out``, one
+        chunk at a time; the number of bytes written (0 if none is stored)."""
         ...
 
     def snapshot(self) -> AbstractAsyncContextManager[None]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from effectguard.errors import Refusal
+from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.guidance import decide_unknown, show_command, unknown_effect
 from effectguard.rules.workstate import WorkState
 
@@ -138,3 +139,6 @@ class AdmitRequest:
     retry_window_s: float = 600.0
     provider_idempotency_window_s: float | None = None
     create_budgets: bool = True
+    #: A body stored by reference (``body_encoding`` "sha256", rules/bodyref): the file
+    #: the admission copies into the ledger's body store, in its own transaction.
+    spool: SpooledBody | None = None

@@ -1,0 +1,31 @@
+"""A request body stored beside its manifest, by reference, rather than inside it. Pure.
+
+A small body is stored inside its ``call.manifest`` event (``body_encoding`` ``utf8`` or
+``base64``), so the chain's digest covers it directly. A body larger than the front
+door's spool threshold (a file upload) is never held whole in memory: it is spooled to a
+file, and its manifest carries ``body_encoding`` :data:`REF_ENCODING` with ``body`` set to
+the hex SHA-256 of its bytes. The bytes themselves go into the ledger's body store, in
+chunks of :data:`CHUNK_BYTES`, in the admission's own transaction, so the chain still
+covers them (through the digest in the manifest) and recovery can still resend them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CHUNK_BYTES", "REF_ENCODING", "SpooledBody"]
+
+#: ``body_encoding`` of a manifest whose ``body`` is the SHA-256 of bytes stored apart.
+REF_ENCODING = "sha256"
+#: The size of one stored chunk: large enough that a 10 MiB body is 40 rows, small
+#: enough that writing or reading one never holds more than this in memory.
+CHUNK_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SpooledBody:
+    """A request body in a file: where it is, how long it is and its SHA-256 (hex)."""
+
+    path: str
+    size: int
+    sha256: str
