@@ -8,8 +8,10 @@ binary file part (random bytes, so the manifest stores it as base64), then measu
 2. ``prepare``: parsing and hashing its parts, and encoding it for the manifest;
 3. sealing the ``call.manifest`` event (its canonical JSON, which carries the body).
 
-It answers whether spooling the front door's copy to disk would bound an upload's memory
-(docs/contract.md §2.5): only if the later steps stop holding the whole body too.
+It runs twice: with the front door's spooling off (the body joined in memory, stored
+inside its manifest) and at the default ``spool_body_bytes`` (the body in a file, parsed
+through a memory map and stored by reference, docs/contract.md §2.5). The ledger's copy
+of a spooled body is written in chunks (rules/bodyref) and is not measured here.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import httpx
 
 from effectguard.callpath.exchange import Outbound
 from effectguard.callpath.prepare import prepare
+from effectguard.config.defaults import SPOOL_BODY_BYTES
 from effectguard.config.settings import GuardSettings
-from effectguard.ingress import server
+from effectguard.ingress import spool
 from effectguard.providers import load_providers
+from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.events import GENESIS_DIGEST, CallManifest, seal
 
 BOUNDARY = "b0undary"
@@ -47,14 +51,18 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _step(name: str) -> None:
+Step = tuple[str, int, int]
+
+
+def _step(steps: list[Step], name: str) -> None:
     held, peak = tracemalloc.get_traced_memory()
-    print(f"{name:<56} held {_mib(held):>10}  peak {_mib(peak):>10}")
+    steps.append((name, held, peak))
     tracemalloc.reset_peak()
 
 
-async def measure(size: int) -> None:
-    """Print what each step holds and peaks at for an upload of about ``size`` bytes."""
+async def measure(size: int, *, spool_over: int | None, spool_dir: str | None = None) -> list[Step]:
+    """What each step holds and peaks at for an upload of about ``size`` bytes, the front
+    door spooling past ``spool_over`` bytes (None: never, the body stays in memory)."""
     body = upload(size)
     pos = 0
 
@@ -65,21 +73,43 @@ async def measure(size: int) -> None:
         return {"type": "http.request", "body": chunk, "more_body": pos < len(body)}
 
     openai = load_providers([])["openai"]
-    print(f"upload of {_mib(len(body))} (one binary file part)")
+    steps: list[Step] = []
     tracemalloc.start()
-    raw = await server._read_body(receive, len(body))
-    _step("1. front door read (chunks, then joined)")
-    url = httpx.URL(openai.base_url + "/v1/files")
-    content_type = f"multipart/form-data; boundary={BOUNDARY}".encode()
-    # As the proxy hands it to the guard: the body joined once, no copy.
-    request = Outbound(
-        "POST", str(url), url.path, url.raw_path.decode(), [(b"content-type", content_type)], raw
-    )
-    prepared = prepare(openai, request, GuardSettings(), budget="default", budget_root=None)
-    assert prepared is not None
-    _step(f"2. prepare (parts hashed, body {prepared.admit.body_encoding} for the manifest)")
-    a = prepared.admit
-    manifest = CallManifest(
+    read = await spool.read_body(receive, len(body), spool_over=spool_over, spool_dir=spool_dir)
+    try:
+        _step(steps, "1. front door read" + (" (spooled)" if read.spool else " (joined)"))
+        url = httpx.URL(openai.base_url + "/v1/files")
+        content_type = f"multipart/form-data; boundary={BOUNDARY}".encode()
+        request = Outbound(
+            "POST",
+            str(url),
+            url.path,
+            url.raw_path.decode(),
+            [(b"content-type", content_type)],
+            read.data,
+            spool=read.spool,
+        )
+        prepared = prepare(openai, request, GuardSettings(), budget="default", budget_root=None)
+        assert prepared is not None
+        _step(steps, f"2. prepare (parts hashed, body {prepared.admit.body_encoding})")
+        sealed = seal(
+            _manifest(prepared.admit),
+            seq=1,
+            worker="w",
+            generation=1,
+            at=0.0,
+            prev_digest=GENESIS_DIGEST,
+        )
+        _step(steps, "3. call.manifest sealed (canonical JSON)")
+        del sealed
+    finally:
+        tracemalloc.stop()
+        read.discard()
+    return steps
+
+
+def _manifest(a: AdmitRequest) -> CallManifest:
+    return CallManifest(
         call="c",
         request_hash=a.request_hash,
         provider=a.provider,
@@ -93,10 +123,12 @@ async def measure(size: int) -> None:
         body=a.body,
         body_encoding=a.body_encoding,
     )
-    sealed = seal(manifest, seq=1, worker="w", generation=1, at=0.0, prev_digest=GENESIS_DIGEST)
-    _step("3. call.manifest sealed (canonical JSON)")
-    tracemalloc.stop()
-    del sealed
+
+
+def _print(title: str, steps: list[Step]) -> None:
+    print(title)
+    for name, held, peak in steps:
+        print(f"  {name:<54} held {_mib(held):>10}  peak {_mib(peak):>10}")
 
 
 def main() -> None:
@@ -104,7 +136,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=10.0, help="file part size in MiB")
     args = parser.parse_args()
-    asyncio.run(measure(int(args.mib * 2**20)))
+    size = int(args.mib * 2**20)
+    print(f"upload of {_mib(size)} (one binary file part)")
+    _print("held in memory (spooling off):", asyncio.run(measure(size, spool_over=None)))
+    spooled = asyncio.run(measure(size, spool_over=SPOOL_BODY_BYTES))
+    _print(f"spooled past {_mib(SPOOL_BODY_BYTES)} (the default):", spooled)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ hash the same and two that differ never do:
   boundary and any other part header are framing, not meaning.
 
 The multipart parser is a small, strict boundary parser over the bytes already read
-(bounded by ``max_body_bytes``): the stdlib's ``cgi`` is gone, and ``email``'s MIME parser
+(bounded by ``max_body_bytes``), or over a memory map of the file a large upload was
+spooled to (ingress/spool.py): the stdlib's ``cgi`` is gone, and ``email``'s MIME parser
 copies every part and accepts malformed framing silently. Part headers are read with
 ``email``'s header parser, which knows RFC 2231 parameters.
 """
@@ -18,6 +19,8 @@ copies every part and accepts malformed framing silently. Part headers are read 
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from dataclasses import dataclass
 from email.message import Message
 from email.parser import BytesHeaderParser
@@ -37,10 +40,13 @@ __all__ = [
     "kind_of",
     "parse_form",
     "parse_multipart",
+    "parse_multipart_file",
     "part_fields",
 ]
 
 MULTIPART = "multipart/form-data"
+#: What the multipart parser reads: bytes, or a memory map of a spooled upload.
+Buffer = bytes | mmap.mmap
 BodyKind = Literal["json", "form", "multipart"]
 #: More fields or parts than any real API takes: a bound on the work a body can cause.
 MAX_FIELDS = 1000
@@ -100,37 +106,55 @@ def boundary_of(content_type: str) -> bytes:
         raise Malformed("multipart boundary is not ASCII") from exc
 
 
-def parse_multipart(raw: bytes, content_type: str) -> list[Part]:
-    """A multipart/form-data body's parts, in order; :class:`Malformed` if framing is wrong."""
+def parse_multipart(raw: Buffer, content_type: str) -> list[Part]:
+    """A multipart/form-data body's parts, in order; :class:`Malformed` if framing is wrong.
+
+    ``raw`` is bytes, or a memory map of a spooled upload: only ``find`` and slices are
+    used, and a part's content is hashed through a view, never copied."""
     dash = b"--" + boundary_of(content_type)
     delimiter = _CRLF + dash
-    view = memoryview(raw)
-    if raw.startswith(dash):
-        pos = len(dash)
-    else:  # a preamble is allowed and ignored (RFC 2046)
-        first = raw.find(delimiter)
-        if first < 0:
-            raise Malformed("multipart body has no opening boundary")
-        pos = first + len(delimiter)
-    parts: list[Part] = []
-    while not raw.startswith(b"--", pos):  # "--" after a delimiter closes the body
-        eol = raw.find(_CRLF, pos)
-        if eol < 0 or raw[pos:eol].strip(b" \t"):
-            raise Malformed("multipart boundary line is malformed")
-        start = eol + 2
-        end = raw.find(delimiter, start)
-        if end < 0:
-            raise Malformed("multipart body is not closed by its final boundary")
-        if len(parts) >= MAX_FIELDS:
-            raise Malformed(f"multipart body has more than {MAX_FIELDS} parts")
-        parts.append(_part(raw, view, start, end))
-        pos = end + len(delimiter)
+    with memoryview(raw) as view:
+        if _at(raw, 0, dash):
+            pos = len(dash)
+        else:  # a preamble is allowed and ignored (RFC 2046)
+            first = raw.find(delimiter)
+            if first < 0:
+                raise Malformed("multipart body has no opening boundary")
+            pos = first + len(delimiter)
+        parts: list[Part] = []
+        while not _at(raw, pos, b"--"):  # "--" after a delimiter closes the body
+            eol = raw.find(_CRLF, pos)
+            if eol < 0 or raw[pos:eol].strip(b" \t"):
+                raise Malformed("multipart boundary line is malformed")
+            start = eol + 2
+            end = raw.find(delimiter, start)
+            if end < 0:
+                raise Malformed("multipart body is not closed by its final boundary")
+            if len(parts) >= MAX_FIELDS:
+                raise Malformed(f"multipart body has more than {MAX_FIELDS} parts")
+            parts.append(_part(raw, view, start, end))
+            pos = end + len(delimiter)
     return parts
 
 
-def _part(raw: bytes, view: memoryview, start: int, end: int) -> Part:
+def parse_multipart_file(path: str, content_type: str) -> list[Part]:
+    """:func:`parse_multipart` over a spooled upload, through a read-only memory map: its
+    pages are the kernel's file cache, not this process's heap."""
+    with open(path, "rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:
+            return parse_multipart(b"", content_type)
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return parse_multipart(mapped, content_type)
+
+
+def _at(raw: Buffer, pos: int, token: bytes) -> bool:
+    # bytes.startswith, for a memory map too (which has no startswith).
+    return raw[pos : pos + len(token)] == token
+
+
+def _part(raw: Buffer, view: memoryview, start: int, end: int) -> Part:
     """The part between ``start`` and ``end``: its headers, then its content."""
-    if raw.startswith(_CRLF, start):
+    if _at(raw, start, _CRLF):
         head, body_at = b"", start + 2
     else:
         split = raw.find(_CRLF + _CRLF, start, end + 2)
@@ -147,18 +171,19 @@ def _part(raw: bytes, view: memoryview, start: int, end: int) -> Part:
     if name is None:
         raise Malformed("multipart part has no name")
     filename = _param(headers, "filename")
-    content = view[body_at:end]
-    value = None
-    if filename is None and len(content) <= MAX_FIELD_BYTES:
-        value = bytes(content).decode("utf-8", "replace")
-    return Part(
-        name=name,
-        filename=filename,
-        content_type=headers.get("content-type"),
-        sha256=hashlib.sha256(content).hexdigest(),
-        size=len(content),
-        value=value,
-    )
+    # Released here, not by the collector: a memory map cannot close while a view lives.
+    with view[body_at:end] as content:
+        value = None
+        if filename is None and len(content) <= MAX_FIELD_BYTES:
+            value = bytes(content).decode("utf-8", "replace")
+        return Part(
+            name=name,
+            filename=filename,
+            content_type=headers.get("content-type"),
+            sha256=hashlib.sha256(content).hexdigest(),
+            size=len(content),
+            value=value,
+        )
 
 
 def _param(headers: Message, key: str) -> str | None:

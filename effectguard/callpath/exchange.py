@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from effectguard.rules.bodyref import SpooledBody
+
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -66,6 +68,9 @@ class Outbound:
     timeout: Mapping[str, float | None] | None = None
     #: What the way in needs back unchanged (the httpx request's extensions).
     extensions: dict[str, Any] = field(default_factory=dict)
+    #: A large upload spooled to a file (ingress/spool.py): then ``body`` is empty and
+    #: every send reads the file.
+    spool: SpooledBody | None = None
     #: ``headers`` by lower-cased name, built on the first :meth:`header` (a request is
     #: asked for six of them); change headers through :meth:`set_header` only.
     _index: dict[bytes, list[bytes]] | None = field(

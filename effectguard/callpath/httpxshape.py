@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from effectguard.callpath.exchange import Headers, Outbound, Reply, ReplyStream, Send
+from effectguard.rules.bodyref import CHUNK_BYTES
 
 HttpxSend = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -39,13 +40,30 @@ def httpx_request(outbound: Outbound) -> httpx.Request:
     extensions = dict(outbound.extensions)
     if outbound.timeout is not None:
         extensions["timeout"] = outbound.timeout
+    spool = outbound.spool
+    if spool is None:
+        return httpx.Request(
+            outbound.method,
+            outbound.url,
+            headers=outbound.headers,
+            content=outbound.body,
+            extensions=extensions,
+        )
+    headers = [*outbound.headers, (b"content-length", str(spool.size).encode())]
     return httpx.Request(
         outbound.method,
         outbound.url,
-        headers=outbound.headers,
-        content=outbound.body,
+        headers=headers,
+        content=_file_chunks(spool.path),
         extensions=extensions,
     )
+
+
+async def _file_chunks(path: str) -> AsyncIterator[bytes]:
+    """A spooled upload's bytes, one chunk at a time (a test's httpx upstream leg)."""
+    with open(path, "rb") as file:
+        while chunk := file.read(CHUNK_BYTES):
+            yield chunk
 
 
 class HttpxUpstream:

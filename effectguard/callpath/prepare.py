@@ -30,6 +30,7 @@ from effectguard.rules import budget as budgets
 from effectguard.rules import nesting, paths
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import encode_body
 from effectguard.rules.prices import ModelPrice
 
@@ -120,7 +121,7 @@ def prepare(
     raw = request.body
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
-    parsed, hashed = _parse_body(provider, raw, kind, content_type or "")
+    parsed, hashed = _parse_body(provider, request, kind, content_type or "")
     model, price = _model_and_price(provider, endpoint, parsed)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
@@ -136,7 +137,7 @@ def prepare(
     except (TypeError, ValueError) as exc:
         raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
     retry_of = request.header(RETRY_OF_HEADER)
-    body_text, body_encoding = encode_body(sent)
+    body_text, body_encoding = _stored_body(request, sent)
     idem = endpoint.idempotency
     admit = AdmitRequest(
         request_hash=request_hash(provider.name, request.method, request.target, hashed, kind),
@@ -158,8 +159,17 @@ def prepare(
         retry_window_s=settings.retry_window_s,
         provider_idempotency_window_s=idem.window_seconds if idem else None,
         create_budgets=settings.create_budgets,
+        spool=request.spool,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _stored_body(request: Outbound, sent: bytes) -> tuple[str, str]:
+    """The manifest's ``body`` and ``body_encoding``: a spooled upload is stored by
+    reference (rules/bodyref), never read whole."""
+    if request.spool is not None:
+        return request.spool.sha256, REF_ENCODING
+    return encode_body(sent)
 
 
 def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.BodyKind) -> None:
@@ -205,16 +215,21 @@ _MEDIA = {"json": "a JSON object", "form": "application/x-www-form-urlencoded"}
 
 
 def _parse_body(
-    provider: Provider, raw: bytes, kind: bodies.BodyKind, content_type: str
+    provider: Provider, request: Outbound, kind: bodies.BodyKind, content_type: str
 ) -> tuple[dict[str, Any], Mapping[str, Any] | bytes]:
     """The request's fields, and what its hash is over (callpath/bodies); refused (400)
     if it does not parse as its Content-Type. A flat tool provider may send no body."""
+    raw = request.body
     try:
         if kind == "form":
             fields = bodies.parse_form(raw)
             return dict(fields), {"fields": bodies.hashed_form(fields)}
         if kind == "multipart":
-            parts = bodies.parse_multipart(raw, content_type)
+            spool = request.spool
+            if spool is None:
+                parts = bodies.parse_multipart(raw, content_type)
+            else:
+                parts = bodies.parse_multipart_file(spool.path, content_type)
             return bodies.part_fields(parts), {"parts": bodies.hashed_parts(parts)}
     except bodies.Malformed as exc:
         raise refuse(400, "invalid_request", str(exc)) from exc

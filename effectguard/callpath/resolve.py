@@ -17,6 +17,7 @@ its note naming the evidence and its digest. "Unknown" records nothing: the call
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ from effectguard.errors import EffectguardError, ReconcileError
 from effectguard.ledger import Ledger
 from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
+from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import CallManifest, decode_body
 from effectguard.rules.money import usd_to_nanos
 
@@ -83,11 +85,21 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         provider=manifest.provider,
         endpoint=manifest.endpoint,
         method=manifest.method,
-        body=decode_body(manifest.body, manifest.body_encoding),
+        body=await _request_body(ledger, manifest),
         idempotency_key=manifest.idempotency_key,
         provider_key=str(key) if key else None,
         last_attempt_at=at,
     )
+
+
+async def _request_body(ledger: Ledger, manifest: CallManifest) -> bytes:
+    """The request's bytes as admitted; a body stored by reference (an upload, at most
+    ``max_body_bytes``) is read back from the ledger, for the reconcile hook to see."""
+    if manifest.body_encoding != REF_ENCODING:
+        return decode_body(manifest.body, manifest.body_encoding)
+    out = io.BytesIO()
+    await ledger.copy_body(manifest.call, out)
+    return out.getvalue()
 
 
 def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str | None) -> Outbound:

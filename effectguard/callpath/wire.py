@@ -258,6 +258,7 @@ def upstream_request(
         body,
         request.timeout,
         request.extensions,
+        request.spool,
     )
 
 

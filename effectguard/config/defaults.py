@@ -12,6 +12,8 @@ LEDGER_ENV = "EFFECTGUARD_LEDGER"
 HOST = "127.0.0.1"
 PORT = 8787
 MAX_BODY_BYTES = 10 * 1024 * 1024
+#: A multipart body larger than this is spooled to a file (ingress/spool.py).
+SPOOL_BODY_BYTES = 1024 * 1024
 DRAIN_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 

@@ -11,6 +11,8 @@ Config file reference (every table optional)::
     host = "127.0.0.1"
     port = 8787
     max_body_bytes = 10485760   # larger bodies get 413 before being read
+    spool_body_bytes = 1048576  # a multipart upload larger than this goes to a file
+    spool_dir = "/var/tmp"      # where (default: the system's temporary directory)
     drain_timeout_s = 30        # on SIGTERM: how long in-flight calls may finish; then
                                 # each gets 504 effect_unknown and is marked so
     header_timeout_s = 10       # request line + headers must arrive within this (408)
@@ -167,6 +169,8 @@ class ServeSettings:
     keys: tuple[ProxyKey, ...] = ()
     admin: AdminSettings = field(default_factory=AdminSettings)
     max_body_bytes: int = defaults.MAX_BODY_BYTES
+    spool_body_bytes: int = defaults.SPOOL_BODY_BYTES
+    spool_dir: str | None = None
     drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
     front_door: FrontDoor = field(default_factory=lambda: FrontDoor())
     metrics_host: str = defaults.HOST
@@ -341,6 +345,8 @@ def load_settings(
         keys=tuple(_proxy_keys(raw, source)),
         admin=_admin(raw, source, env),
         max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
+        spool_body_bytes=int(_number(server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server")),
+        spool_dir=_directory(server, "spool_dir", "server"),
         drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),
         metrics_host=metrics_host or str(server.get("metrics_host", d.HOST)),
@@ -410,6 +416,16 @@ def _log_level(value: object) -> str:
     if level not in LOG_LEVELS:
         raise ConfigError(f"server.log_level: must be one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+def _directory(table: Mapping[str, Any], key: str, where: str) -> str | None:
+    """An existing directory's path, or None when the key is absent."""
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not Path(value).is_dir():
+        raise ConfigError(f"{where}.{key}: must name an existing directory")
+    return value
 
 
 def _positive(table: Mapping[str, Any], key: str, default: float, where: str) -> float:

@@ -14,7 +14,8 @@ unknown" exactly as before (:func:`effectguard.callpath.wire.classify_transport_
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -52,6 +53,18 @@ class AiohttpUpstream:
         self._response.release()
 
 
+@contextlib.contextmanager
+def _payload(request: Outbound) -> Iterator[Any]:
+    """What aiohttp sends: the body, or a spooled upload's file, which aiohttp reads in
+    chunks off the loop (and whose length it sends). Each send, a retry too, opens it
+    afresh and closes it when the answer's head has come."""
+    if request.spool is None:
+        yield request.body or None
+        return
+    with open(request.spool.path, "rb") as file:
+        yield file
+
+
 class AiohttpLeg:
     """Sends :class:`Outbound` requests with one aiohttp session (opened on first use)."""
 
@@ -81,12 +94,12 @@ class AiohttpLeg:
     async def send(self, request: Outbound) -> AiohttpUpstream:
         """Send ``request``; its answer with the body still to read."""
         session = self._session or self._open()
-        with map_aiohttp_exceptions():
+        with _payload(request) as data, map_aiohttp_exceptions():
             response = await session.request(
                 request.method,
                 self._url(request.url),
                 headers=decoded(request.headers),
-                data=request.body or None,
+                data=data,
                 allow_redirects=False,
                 auto_decompress=False,
                 compress=False,

@@ -42,8 +42,10 @@ class Grant:
     models: tuple[str, ...] | None = None
     providers: tuple[str, ...] | None = None
 
-    def check(self, provider: str, body: bytes) -> None:
-        """Refuse (403) a provider or a body's model outside this key's restrictions."""
+    def check(self, provider: str, body: bytes, *, spooled: bool = False) -> None:
+        """Refuse (403) a provider or a body's model outside this key's restrictions
+        (``spooled``: the body is a multipart upload in a file, which is no JSON and so
+        names no model, as it would in memory)."""
         if self.providers is not None and provider not in self.providers:
             raise Refusal(
                 403,
@@ -51,9 +53,9 @@ class Grant:
                 f"this key may not call provider {provider!r} "
                 f"(allowed: {', '.join(self.providers)})",
             )
-        if self.models is None or not body:
+        if self.models is None or not (body or spooled):
             return  # a bodiless request (e.g. a GET) chooses no model
-        model = _model_of(body)
+        model = None if spooled else _model_of(body)
         if model not in self.models:
             named = "names no model" if model is None else f"asks for model {model!r}"
             raise Refusal(

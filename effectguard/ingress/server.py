@@ -34,6 +34,7 @@ from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.keyring import Grant, KeyRing
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.observers import proxy_observer
+from effectguard.ingress.spool import Body, TooLarge, read_body, spools
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
@@ -49,10 +50,6 @@ log = logging.getLogger("effectguard.ingress.server")
 _URL_CACHE_SIZE = 1024
 #: Client credentials that must never reach the provider when effectguard holds the key.
 CLIENT_CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"effectguard-key")
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class ProxyApp:
@@ -290,20 +287,53 @@ class ProxyApp:
         assert self.guard is not None and self._send is not None
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         budget, root, key = self._authorize(provider, raw_headers)
+        body = await self._body(receive, raw_headers)
+        try:
+            if key is not None:
+                key.check(provider.name, body.data, spooled=body.spool is not None)
+            request = self._outbound(scope, provider, upstream_path, raw_headers, body)
+            reply = await self.guard.serve(
+                provider,
+                request,
+                self._send,
+                budget=budget,
+                budget_root=root,
+                ticket=context_of(scope).ticket,
+            )
+            await self._respond(send, reply)
+        finally:
+            body.discard()
+
+    async def _body(self, receive: Receive, raw_headers: list[tuple[bytes, bytes]]) -> Body:
+        """The request body, at most ``max_body_bytes`` (else 413); a large upload spooled."""
         declared = header_value(raw_headers, "content-length")
         limit = self.settings.max_body_bytes
         if declared is not None and not declared.isdigit():
             raise Refusal(400, "invalid_request", "Content-Length is not a number")
+        too_large = Refusal(
+            413, "request_too_large", f"request bodies are limited to {limit} bytes"
+        )
         if declared is not None and int(declared) > limit:
-            raise Refusal(413, "request_too_large", f"request bodies are limited to {limit} bytes")
+            raise too_large
+        spool_over = None
+        if spools(header_value(raw_headers, "content-type")):
+            spool_over = self.settings.spool_body_bytes
         try:
-            body = await _read_body(receive, limit)
-        except _TooLarge:
-            raise Refusal(
-                413, "request_too_large", f"request bodies are limited to {limit} bytes"
-            ) from None
-        if key is not None:
-            key.check(provider.name, body)
+            return await read_body(
+                receive, limit, spool_over=spool_over, spool_dir=self.settings.spool_dir
+            )
+        except TooLarge:
+            raise too_large from None
+
+    def _outbound(
+        self,
+        scope: Scope,
+        provider: Provider,
+        upstream_path: str,
+        raw_headers: list[tuple[bytes, bytes]],
+        body: Body,
+    ) -> Outbound:
+        """The client's request as it goes to the guard: credentials swapped, URL resolved."""
         # Wire bytes throughout: a UTF-8 header value goes upstream exactly as it came.
         out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
@@ -315,16 +345,17 @@ class ProxyApp:
         url, path, target = self._url(
             provider.base_url + upstream_path, scope.get("query_string", b"")
         )
-        request = Outbound(scope["method"], url, path, target, out_headers, body, self._timeout)
-        reply = await self.guard.serve(
-            provider,
-            request,
-            self._send,
-            budget=budget,
-            budget_root=root,
-            ticket=context_of(scope).ticket,
+        return Outbound(
+            scope["method"],
+            url,
+            path,
+            target,
+            out_headers,
+            body.data,
+            self._timeout,
+            {},
+            body.spool,
         )
-        await self._respond(send, reply)
 
     def _url(self, target: str, query: bytes) -> tuple[str, str, str]:
         """The upstream URL, its decoded path and its still-encoded path and query."""
@@ -386,22 +417,6 @@ def _route(scope: Scope) -> tuple[str, str]:
 def _ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:
     names = {k.lower() for k, _ in headers}
     return b"transfer-encoding" in names and b"content-length" in names
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise Refusal(400, "client_disconnected", "the client went away")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def _raw(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
