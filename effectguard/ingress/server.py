@@ -34,6 +34,7 @@ from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.keyring import Grant, KeyRing
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.observers import proxy_observer
+from effectguard.ingress import spool
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
@@ -114,6 +115,8 @@ class ProxyApp:
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)
+        if swept := spool.sweep(self.settings.spool_dir):
+            log.warning("removed %d upload spool files left by processes that died", swept)
         if self.metrics is not None:
             self.metrics.attach(self.runtime.ledger)
             if self.settings.metrics_port is not None:

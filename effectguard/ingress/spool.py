@@ -8,8 +8,11 @@ the heap (docs/performance.md, "Large uploads"). So once a multipart body grows 
 from that file, stored in the ledger by reference (rules/bodyref) and sent upstream
 from it. Other bodies stay in memory: a JSON or form body must be parsed whole anyway.
 
-The file is unnamed to everyone else (``mkstemp``, mode 0600) and removed when the
-request is done (:meth:`Body.discard`): the ledger's copy is the durable one.
+The file is private (``mkstemp``, mode 0600) and removed when the request is done
+(:meth:`Body.discard`): the ledger's copy is the durable one. A process killed mid-request
+cannot remove its files, so each name carries its process id and a proxy starting up
+removes the files of processes that no longer run (:func:`sweep`); replicas and tests
+sharing one directory never lose a live upload to each other.
 """
 
 from __future__ import annotations
@@ -25,7 +28,34 @@ from effectguard.callpath.bodies import MULTIPART
 from effectguard.errors import Refusal
 from effectguard.rules.bodyref import SpooledBody
 
-__all__ = ["Body", "TooLarge", "read_body", "spools"]
+__all__ = ["PREFIX", "Body", "TooLarge", "read_body", "spools", "sweep"]
+
+
+#: Spool files are named ``effectguard-body-<pid>-<random>``.
+PREFIX = "effectguard-body-"
+
+
+def sweep(directory: str | None) -> int:
+    """Remove the spool files of processes that no longer run; how many were removed."""
+    removed = 0
+    for entry in os.scandir(directory or tempfile.gettempdir()):
+        owner = entry.name.removeprefix(PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(PREFIX) or not owner.isdigit() or _alive(int(owner)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
 
 
 class TooLarge(Exception):
@@ -93,7 +123,7 @@ class _Sink:
     """A spool file being written, and the SHA-256 of what went into it."""
 
     def __init__(self, directory: str | None) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="effectguard-body-", dir=directory)
+        fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
         self._file = os.fdopen(fd, "wb")
         self._sha = hashlib.sha256()
         self._size = 0
