@@ -28,13 +28,13 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
+from effectguard.ingress import spool
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.keyring import Grant, KeyRing
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.observers import proxy_observer
-from effectguard.ingress import spool
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
