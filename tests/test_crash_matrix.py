@@ -45,6 +45,7 @@ import pytest
 from observing import ledger_events
 
 from effectguard.ops.cli import main as cli_main
+from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import decode_body
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
 
@@ -275,7 +276,9 @@ def sent_sha_by_call(events: list[dict[str, Any]]) -> dict[str, str]:
     """Each call's stored request body (as sent upstream) -> its SHA-256."""
     out = {}
     for e in events:
-        if e["kind"] == "call.manifest":
+        if e["kind"] == "call.manifest" and e["data"]["body_encoding"] == REF_ENCODING:
+            out[e["call"]] = e["data"]["body"]  # a spooled upload, named by its SHA-256
+        elif e["kind"] == "call.manifest":
             body = decode_body(e["data"]["body"], e["data"]["body_encoding"])
             out[e["call"]] = hashlib.sha256(body).hexdigest()
     return out

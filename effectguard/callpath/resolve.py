@@ -52,7 +52,9 @@ class Facts:
     provider: str
     endpoint: str
     method: str
-    body: bytes
+    #: The manifest's request body: bytes, or a by-reference upload's SHA-256 (hex) whose
+    #: bytes :func:`request_body` reads from the ledger only when the hook asks.
+    body: bytes | str
     idempotency_key: str | None
     provider_key: str | None
     #: When the call's last attempt started (ledger clock, seconds since the epoch).
@@ -78,6 +80,7 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
     if not isinstance(manifest, CallManifest):
         return None
     started = [e for e in events if e.kind == "attempt.started"]
+    by_reference = manifest.body_encoding == REF_ENCODING
     key = started[-1].data.get("provider_idempotency_key") if started else None
     at = float(started[-1].data.get("at") or started[-1].at) if started else manifest.at
     return Facts(
@@ -85,20 +88,20 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         provider=manifest.provider,
         endpoint=manifest.endpoint,
         method=manifest.method,
-        body=await _request_body(ledger, manifest),
+        body=manifest.body if by_reference else decode_body(manifest.body, manifest.body_encoding),
         idempotency_key=manifest.idempotency_key,
         provider_key=str(key) if key else None,
         last_attempt_at=at,
     )
 
 
-async def _request_body(ledger: Ledger, manifest: CallManifest) -> bytes:
+async def request_body(ledger: Ledger, facts: Facts) -> bytes:
     """The request's bytes as admitted; a body stored by reference (an upload, at most
     ``max_body_bytes``) is read back from the ledger, for the reconcile hook to see."""
-    if manifest.body_encoding != REF_ENCODING:
-        return decode_body(manifest.body, manifest.body_encoding)
+    if isinstance(facts.body, bytes):
+        return facts.body
     out = io.BytesIO()
-    await ledger.copy_body(manifest.call, out)
+    await ledger.copy_body(facts.call_id, out)
     return out.getvalue()
 
 
@@ -210,7 +213,7 @@ class Resolver:
             provider=facts.provider,
             endpoint=facts.endpoint,
             method=facts.method,
-            request=facts.body,
+            request=await request_body(self.ledger, facts),
             op_id=facts.call_id,
             idempotency_key=facts.idempotency_key,
         )
