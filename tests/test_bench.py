@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from pgkit import scratch_schema
 from effectguard.ledger import Ledger
 from effectguard.ops.cli import main
 from effectguard.ops.verify import verify_ledger
+from effectguard_bench import floorbench
 from effectguard_bench.recoverybench import build_ledger
 
 pytestmark = pytest.mark.slow
@@ -173,3 +175,21 @@ def test_pgcost_prints_round_trips_statements_and_cpu_per_caller_count(
     found = [figures.search(line) for line in lines]
     assert [int(m.group(1)) for m in found if m] == [1, 64]
     assert all(m and 0 < float(m.group(2)) <= float(m.group(3)) for m in found)
+
+
+def test_floorbench_replays_every_row_the_ledger_stored(tmp_path: Path) -> None:
+    """The storage floor writes exactly the rows a real ledger stored for its calls (so
+    its figure is the cost of that work, not of less), and prints positive figures."""
+    floor = floorbench.measure(tmp_path, calls=40, batch=10)
+    assert floor.calls == 40 and floor.storage_us > 0 and floor.sealing_us > 0
+
+    def counts(name: str) -> tuple[int, int]:
+        conn = sqlite3.connect(tmp_path / name)
+        try:
+            events = conn.execute("SELECT count(*) FROM events WHERE call_id IS NOT NULL")
+            calls = conn.execute("SELECT count(*) FROM calls")
+            return events.fetchone()[0], calls.fetchone()[0]
+        finally:
+            conn.close()
+
+    assert counts("floor-target.db") == counts("floor-source.db") == (40 * 6, 40)
