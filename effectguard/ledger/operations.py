@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from effectguard.errors import FencedError, Refusal
-from effectguard.ledger import budgetfold, rates, room
+from effectguard.ledger import bodystore, budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, workstate
@@ -131,7 +131,12 @@ def _check_lease(tx: Tx, writer: Writer) -> None:
 
 
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
-    """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest."""
+    """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest.
+
+    A new, admitted call's by-reference body (``req.spool``) is stored in the same
+    transaction as its manifest; a refused one's is not (it is never sent).
+    """
+    bodystore.check_spool(req.body, req.body_encoding, req.spool)
     now = tx.now()
     decision = _decide(tx, req, now)
     if decision.action in ("refuse", "replay", "join"):
@@ -178,6 +183,8 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         )
     )
     states = append(tx, writer, events, {call_id: existing or WorkState()})
+    if existing is None and req.spool is not None:
+        tx.put_body(call_id, req.spool)
     return Admitted(
         decision.action if existing else "admit",
         call_id,
