@@ -153,7 +153,9 @@ class Queries:
         # -- the body store (ledger/bodystore): one chunk at a time, never a body whole
         self.body_seqs = f"SELECT seq FROM call_bodies WHERE call_id = {m} ORDER BY seq"
         self.body_chunk = f"SELECT chunk FROM call_bodies WHERE call_id = {m} AND seq = {m}"
-        self.body_index = "SELECT call_id, seq, length(chunk) FROM call_bodies ORDER BY call_id, seq"
+        self.body_index = (
+            "SELECT call_id, seq, length(chunk) FROM call_bodies ORDER BY call_id, seq"
+        )
         self.insert_chunk = f"INSERT INTO call_bodies(call_id, seq, chunk) VALUES ({m}, {m}, {m})"
         # -- writes
         self.insert_events = upsert("events", event_insert, m, None)
