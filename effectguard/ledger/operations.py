@@ -131,11 +131,7 @@ def _check_lease(tx: Tx, writer: Writer) -> None:
 
 
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
-    """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest.
-
-    A new, admitted call's by-reference body (``req.spool``) is stored in the same
-    transaction as its manifest; a refused one's is not (it is never sent).
-    """
+    """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest."""
     bodystore.check_spool(req.body, req.body_encoding, req.spool)
     now = tx.now()
     decision = _decide(tx, req, now)
@@ -183,8 +179,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         )
     )
     states = append(tx, writer, events, {call_id: existing or WorkState()})
-    if existing is None and req.spool is not None:
-        tx.put_body(call_id, req.spool)
+    _store_body(tx, req, call_id, existing)
     return Admitted(
         decision.action if existing else "admit",
         call_id,
@@ -193,6 +188,13 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         state=states[call_id],
         provider_idempotency_key=provider_key,
     )
+
+
+def _store_body(tx: Tx, req: AdmitRequest, call_id: str, existing: WorkState | None) -> None:
+    """A new call's by-reference body goes in with its manifest, in this transaction. A
+    refused call's is not stored (it is never sent); a later attempt's is its call's."""
+    if existing is None and req.spool is not None:
+        tx.put_body(call_id, req.spool)
 
 
 def _provider_key(

@@ -372,7 +372,7 @@ class PostgresSession:
         # never buffered with the batch's rows: a buffer would hold the body whole. A
         # failed operation's rollback_to rolls the savepoint back, chunks included.
         for seq, chunk in bodystore.chunks(call_id, body):
-            self._send(POSTGRES.insert_chunk, (call_id, seq, chunk), savepoint=True)
+            self._send(POSTGRES.body.insert, (call_id, seq, chunk), savepoint=True)
 
 
 class PostgresStore(SqlReads):

@@ -88,6 +88,27 @@ def upsert(
     return Upsert(f"INSERT INTO {table}({columns}) VALUES ", len(cols), tail, mark)
 
 
+@dataclass(frozen=True, slots=True)
+class BodyQueries:
+    """The body store's statements (ledger/bodystore): one chunk at a time, never a
+    body whole."""
+
+    seqs: str
+    chunk: str
+    index: str
+    insert: str
+
+    @classmethod
+    def for_mark(cls, m: str) -> BodyQueries:
+        """The statements with placeholder ``m``."""
+        return cls(
+            seqs=f"SELECT seq FROM call_bodies WHERE call_id = {m} ORDER BY seq",
+            chunk=f"SELECT chunk FROM call_bodies WHERE call_id = {m} AND seq = {m}",
+            index="SELECT call_id, seq, length(chunk) FROM call_bodies ORDER BY call_id, seq",
+            insert=f"INSERT INTO call_bodies(call_id, seq, chunk) VALUES ({m}, {m}, {m})",
+        )
+
+
 class Queries:
     """Every statement both stores send, in one dialect.
 
@@ -110,7 +131,7 @@ class Queries:
         state: str = "state",
     ) -> None:
         m = self.mark = mark
-        self.newest_first, self.state = newest_first, state
+        self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
         ev = event_columns  # read ``SELECT {ev} FROM events e`` (the store's row layout)
         # -- point reads (the writer's and the readers')
         self.call = f"SELECT {state} FROM calls WHERE call_id = {m}"
@@ -150,13 +171,6 @@ class Queries:
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
         )
-        # -- the body store (ledger/bodystore): one chunk at a time, never a body whole
-        self.body_seqs = f"SELECT seq FROM call_bodies WHERE call_id = {m} ORDER BY seq"
-        self.body_chunk = f"SELECT chunk FROM call_bodies WHERE call_id = {m} AND seq = {m}"
-        self.body_index = (
-            "SELECT call_id, seq, length(chunk) FROM call_bodies ORDER BY call_id, seq"
-        )
-        self.insert_chunk = f"INSERT INTO call_bodies(call_id, seq, chunk) VALUES ({m}, {m}, {m})"
         # -- writes
         self.insert_events = upsert("events", event_insert, m, None)
         self.upsert_calls = upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)

@@ -385,7 +385,7 @@ class SqliteSession:
         # to be the declared bytes fails the operation, and its rollback takes them back.
         key = sqliteevents.call_key(call_id)
         for seq, chunk in bodystore.chunks(call_id, body):
-            self.conn.execute(SQLITE.insert_chunk, (key, seq, chunk))
+            self.conn.execute(SQLITE.body.insert, (key, seq, chunk))
 
 
 class SqliteStore(SqlReads):

@@ -109,11 +109,11 @@ class SqlReads(ABC):
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:
         """Write ``call_id``'s by-reference body to ``out``, one chunk (one read) at a time."""
         key = self.call_key(call_id)
-        seqs = [int(r[0]) for r in await self._fetch(self.queries.body_seqs, (key,))]
+        seqs = [int(r[0]) for r in await self._fetch(self.queries.body.seqs, (key,))]
         bodystore.contiguous(call_id, seqs)
         written = 0
         for seq in seqs:
-            rows = await self._fetch(self.queries.body_chunk, (key, seq))
+            rows = await self._fetch(self.queries.body.chunk, (key, seq))
             if not rows:  # deleted since its seqs were read: an archive took the call
                 raise BodyMismatch(f"call {call_id}: its body was archived", call_id=call_id)
             chunk = bytes(rows[0][0])
@@ -123,7 +123,7 @@ class SqlReads(ABC):
 
     async def body_chunks(self) -> list[tuple[str, int, int]]:
         """``(call_id, seq, bytes)`` of every stored body chunk, by call and seq."""
-        rows = await self._fetch(self.queries.body_index)
+        rows = await self._fetch(self.queries.body.index)
         return [(str(self.call_from_key(r[0])), int(r[1]), int(r[2])) for r in rows]
 
     async def rate_windows(self) -> list[RateWindow]:
