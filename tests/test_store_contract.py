@@ -927,7 +927,7 @@ def ref_req(ns: str, spooled: SpooledBody | None, **fields: object) -> AdmitRequ
 
 async def read_back(ledger: Ledger, call_id: str) -> tuple[int, bytes]:
     out = io.BytesIO()
-    written = await ledger.store.copy_body(call_id, out)
+    written = await ledger.copy_body(call_id, out)
     return written, out.getvalue()
 
 
@@ -938,6 +938,7 @@ async def test_a_multi_chunk_body_round_trips(
     data = os.urandom(600 * 1024)
     admitted = await admit_ok(ledger, w1, ref_req(ns, spool(tmp_path, data)))
     assert await read_back(ledger, admitted.call_id) == (len(data), data)
+    assert await ledger.body_size(admitted.call_id) == len(data)
     chunks = [c for c in await ledger.store.body_chunks() if c[0] == admitted.call_id]
     assert [(seq, size) for _, seq, size in chunks] == [
         (0, CHUNK_BYTES),
@@ -965,6 +966,7 @@ async def test_the_empty_body_is_stored_as_one_empty_chunk(
     """An empty body round trips, and is found stored (one empty chunk), unlike no body."""
     admitted = await admit_ok(ledger, w1, ref_req(ns, spool(tmp_path, b"")))
     assert await read_back(ledger, admitted.call_id) == (0, b"")
+    assert await ledger.body_size(admitted.call_id) == 0
     assert [c for c in await ledger.store.body_chunks() if c[0] == admitted.call_id] == [
         (admitted.call_id, 0, 0)
     ]
@@ -977,6 +979,7 @@ async def test_a_call_without_a_stored_body_copies_nothing(
     admitted = await admit_ok(ledger, w1, req(ns))
     assert await read_back(ledger, admitted.call_id) == (0, b"")
     assert await read_back(ledger, "call_" + "0" * 32) == (0, b"")
+    assert await ledger.body_size(admitted.call_id) is None
 
 
 @pytest.mark.parametrize("lie", ["sha256", "size"])

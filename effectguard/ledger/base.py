@@ -254,6 +254,11 @@ class LedgerStore(Protocol):
         Raises ``BodyMismatch`` if a chunk is missing (chunk numbers not 0, 1, 2, …)."""
         ...
 
+    async def body_size(self, call_id: str) -> int | None:
+        """The bytes of ``call_id``'s stored body (None: none is stored), read without
+        reading the body."""
+        ...
+
     async def body_chunks(self) -> list[tuple[str, int, int]]:
         """``(call_id, seq, bytes)`` of every stored body chunk, by call and seq (for
         ``verify``: which bodies are stored, whole or not; the bytes are not read)."""

@@ -321,6 +321,11 @@ class MemoryStore:
             written += len(chunk)
         return written
 
+    async def body_size(self, call_id: str) -> int | None:
+        with self.tables.lock:
+            stored = self.tables.bodies.get(call_id)
+            return None if stored is None else sum(len(c) for c in stored)
+
     async def body_chunks(self) -> list[tuple[str, int, int]]:
         with self.tables.lock:
             return [

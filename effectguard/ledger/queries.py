@@ -96,6 +96,7 @@ class BodyQueries:
     seqs: str
     chunk: str
     index: str
+    size: str
     insert: str
 
     @classmethod
@@ -105,6 +106,7 @@ class BodyQueries:
             seqs=f"SELECT seq FROM call_bodies WHERE call_id = {m} ORDER BY seq",
             chunk=f"SELECT chunk FROM call_bodies WHERE call_id = {m} AND seq = {m}",
             index="SELECT call_id, seq, length(chunk) FROM call_bodies ORDER BY call_id, seq",
+            size=f"SELECT sum(length(chunk)) FROM call_bodies WHERE call_id = {m}",
             insert=f"INSERT INTO call_bodies(call_id, seq, chunk) VALUES ({m}, {m}, {m})",
         )
 

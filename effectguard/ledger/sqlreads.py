@@ -121,6 +121,11 @@ class SqlReads(ABC):
             written += len(chunk)
         return written
 
+    async def body_size(self, call_id: str) -> int | None:
+        """The bytes of ``call_id``'s stored body (None: none is stored)."""
+        rows = await self._fetch(self.queries.body.size, (self.call_key(call_id),))
+        return None if not rows or rows[0][0] is None else int(rows[0][0])
+
     async def body_chunks(self) -> list[tuple[str, int, int]]:
         """``(call_id, seq, bytes)`` of every stored body chunk, by call and seq."""
         rows = await self._fetch(self.queries.body.index)
