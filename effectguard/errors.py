@@ -9,6 +9,7 @@
     │   ├── FencedError             this worker was taken over; the store refused its write
     │   ├── LedgerCorrupt           the ledger's own checks failed (verify, pragmas)
     │   ├── CallNotFound            no call with that id
+    │   ├── BodyMismatch            a spooled request body is not the bytes its manifest names
     │   └── KeyChangeRefused        a proxy key change the ledger refuses (name taken, unknown)
     ├── Refusal                     the guard answers a request without dispatching it
     │                                (status, type, call_id, stage, next_operation)
@@ -55,6 +56,19 @@ class CallNotFound(LedgerError):
 
     def __init__(self, call_id: str) -> None:
         super().__init__(f"no call {call_id!r} in the ledger")
+        self.call_id = call_id
+
+
+class BodyMismatch(LedgerError):
+    """A request body stored by reference is not what its manifest commits to.
+
+    Raised while an admission copies the spooled file into the ledger (the file's bytes
+    do not hash to, or are not the size of, the declared SHA-256: nothing is stored), or
+    while reading a stored body back whose chunks are not contiguous.
+    """
+
+    def __init__(self, message: str, *, call_id: str) -> None:
+        super().__init__(message)
         self.call_id = call_id
 
 

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import date
+from typing import BinaryIO
 
 from effectguard.errors import CallNotFound, ConfigError
 from effectguard.ledger import decisions, evidence, keyops, operations
@@ -198,6 +199,15 @@ class Ledger:
     async def events(self, call_id: str) -> list[StoredEvent]:
         """One call's events."""
         return await self.store.call_events(call_id)
+
+    async def copy_body(self, call_id: str, out: BinaryIO) -> int:
+        """Write a call's request body stored by reference (rules/bodyref) to ``out``, one
+        chunk at a time; the bytes written (0 where none is stored)."""
+        return await self.store.copy_body(call_id, out)
+
+    async def body_size(self, call_id: str) -> int | None:
+        """The size of a call's request body stored by reference (None: none is stored)."""
+        return await self.store.body_size(call_id)
 
     async def calls(
         self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000

@@ -250,7 +250,18 @@ class LedgerStore(Protocol):
 
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:
         """Write ``call_id``'s by-reference request body (rules/bodyref) to ``out``, one
-        chunk at a time; the number of bytes written (0 if none is stored)."""
+        chunk at a time; the number of bytes written (0 if none is stored).
+        Raises ``BodyMismatch`` if a chunk is missing (chunk numbers not 0, 1, 2, …)."""
+        ...
+
+    async def body_size(self, call_id: str) -> int | None:
+        """The bytes of ``call_id``'s stored body (None: none is stored), read without
+        reading the body."""
+        ...
+
+    async def body_chunks(self) -> list[tuple[str, int, int]]:
+        """``(call_id, seq, bytes)`` of every stored body chunk, by call and seq (for
+        ``verify``: which bodies are stored, whole or not; the bytes are not read)."""
         ...
 
     def snapshot(self) -> AbstractAsyncContextManager[None]:

@@ -11,14 +11,15 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from effectguard.errors import LedgerUnavailable
-from effectguard.ledger import operations
+from effectguard.ledger import bodystore, operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
+from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
@@ -39,6 +40,8 @@ class MemoryTables:
         self.windows: dict[str, RateWindow] = {}
         self.workers: dict[str, WorkerRow] = {}
         self.keys: dict[str, LedgerKey] = {}
+        #: By-reference request bodies: call id -> its chunks, in order (ledger/bodystore).
+        self.bodies: dict[str, list[bytes]] = {}
         self.generation = 0
         self.lock = threading.RLock()
 
@@ -196,6 +199,12 @@ class MemorySession:
     def live_workers(self) -> list[WorkerRow]:
         return [w for w in self.t.workers.values() if not w.fenced]
 
+    def put_body(self, call_id: str, body: SpooledBody) -> None:
+        # Kept aside until the file has proved to be the declared bytes, so a mismatch
+        # leaves nothing behind (the SQL stores roll their savepoint back instead).
+        stored = [chunk for _, chunk in bodystore.chunks(call_id, body)]
+        self._set(self.t.bodies, call_id, stored)
+
     def next_generation(self) -> int:
         old = self.t.generation
 
@@ -302,6 +311,28 @@ class MemoryStore:
                     c[0] += 1
                     c[1] += s.held
         return [(p, st, c[0], c[1]) for (p, st), c in sorted(counts.items())]
+
+    async def copy_body(self, call_id: str, out: BinaryIO) -> int:
+        with self.tables.lock:
+            stored = list(self.tables.bodies.get(call_id, ()))
+        written = 0
+        for chunk in stored:
+            out.write(chunk)
+            written += len(chunk)
+        return written
+
+    async def body_size(self, call_id: str) -> int | None:
+        with self.tables.lock:
+            stored = self.tables.bodies.get(call_id)
+            return None if stored is None else sum(len(c) for c in stored)
+
+    async def body_chunks(self) -> list[tuple[str, int, int]]:
+        with self.tables.lock:
+            return [
+                (call_id, seq, len(chunk))
+                for call_id, chunks in sorted(self.tables.bodies.items())
+                for seq, chunk in enumerate(chunks)
+            ]
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
         with self.tables.lock:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from effectguard.errors import FencedError, Refusal
-from effectguard.ledger import budgetfold, rates, room
+from effectguard.ledger import bodystore, budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, workstate
@@ -132,6 +132,7 @@ def _check_lease(tx: Tx, writer: Writer) -> None:
 
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest."""
+    bodystore.check_spool(req.body, req.body_encoding, req.spool)
     now = tx.now()
     decision = _decide(tx, req, now)
     if decision.action in ("refuse", "replay", "join"):
@@ -178,6 +179,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         )
     )
     states = append(tx, writer, events, {call_id: existing or WorkState()})
+    _store_body(tx, req, call_id, existing)
     return Admitted(
         decision.action if existing else "admit",
         call_id,
@@ -186,6 +188,13 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         state=states[call_id],
         provider_idempotency_key=provider_key,
     )
+
+
+def _store_body(tx: Tx, req: AdmitRequest, call_id: str, existing: WorkState | None) -> None:
+    """A new call's by-reference body goes in with its manifest, in this transaction. A
+    refused call's is not stored (it is never sent); a later attempt's is its call's."""
+    if existing is None and req.spool is not None:
+        tx.put_body(call_id, req.spool)
 
 
 def _provider_key(

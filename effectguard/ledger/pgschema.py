@@ -190,6 +190,30 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
         ],
     ),
+    (
+        7,
+        "the body store: request bodies stored by reference, in chunks (rules/bodyref); "
+        "archived bodies kept with their archived events",
+        [
+            # Chunks are written once, by the admission, and deleted only by an archive
+            # (which copies them to archived_bodies first). STORAGE EXTERNAL: uploads are
+            # mostly compressed formats already; PostgreSQL need not try again.
+            """CREATE TABLE call_bodies (
+                call_id TEXT NOT NULL, seq INTEGER NOT NULL, chunk BYTEA NOT NULL,
+                PRIMARY KEY (call_id, seq))""",
+            "ALTER TABLE call_bodies ALTER COLUMN chunk SET STORAGE EXTERNAL",
+            """CREATE TRIGGER call_bodies_no_update BEFORE UPDATE ON call_bodies
+                FOR EACH ROW EXECUTE FUNCTION events_append_only()""",
+            """CREATE TABLE archived_bodies (
+                call_id TEXT NOT NULL, seq INTEGER NOT NULL, chunk BYTEA NOT NULL,
+                PRIMARY KEY (call_id, seq))""",
+            "ALTER TABLE archived_bodies ALTER COLUMN chunk SET STORAGE EXTERNAL",
+            """CREATE TRIGGER archived_bodies_no_change BEFORE UPDATE OR DELETE ON archived_bodies
+                FOR EACH ROW EXECUTE FUNCTION events_append_only()""",
+            """CREATE TRIGGER archived_bodies_no_truncate BEFORE TRUNCATE ON archived_bodies
+                FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
+        ],
+    ),
 ]
 
 

@@ -45,7 +45,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
-from effectguard.ledger import operations
+from effectguard.ledger import bodystore, operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
@@ -73,6 +73,7 @@ from effectguard.ledger.rows import (
     worker_from_row,
 )
 from effectguard.ledger.sqlreads import SqlReads
+from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
@@ -365,6 +366,13 @@ class PostgresSession:
     def next_generation(self) -> int:
         rows = self._send(NEXT_GENERATION, savepoint=True)
         return int(rows[0][0])
+
+    def put_body(self, call_id: str, body: SpooledBody) -> None:
+        # Sent chunk by chunk inside the operation's savepoint (opened by the first),
+        # never buffered with the batch's rows: a buffer would hold the body whole. A
+        # failed operation's rollback_to rolls the savepoint back, chunks included.
+        for seq, chunk in bodystore.chunks(call_id, body):
+            self._send(POSTGRES.body.insert, (call_id, seq, chunk), savepoint=True)
 
 
 class PostgresStore(SqlReads):

@@ -88,6 +88,29 @@ def upsert(
     return Upsert(f"INSERT INTO {table}({columns}) VALUES ", len(cols), tail, mark)
 
 
+@dataclass(frozen=True, slots=True)
+class BodyQueries:
+    """The body store's statements (ledger/bodystore): one chunk at a time, never a
+    body whole."""
+
+    seqs: str
+    chunk: str
+    index: str
+    size: str
+    insert: str
+
+    @classmethod
+    def for_mark(cls, m: str) -> BodyQueries:
+        """The statements with placeholder ``m``."""
+        return cls(
+            seqs=f"SELECT seq FROM call_bodies WHERE call_id = {m} ORDER BY seq",
+            chunk=f"SELECT chunk FROM call_bodies WHERE call_id = {m} AND seq = {m}",
+            index="SELECT call_id, seq, length(chunk) FROM call_bodies ORDER BY call_id, seq",
+            size=f"SELECT sum(length(chunk)) FROM call_bodies WHERE call_id = {m}",
+            insert=f"INSERT INTO call_bodies(call_id, seq, chunk) VALUES ({m}, {m}, {m})",
+        )
+
+
 class Queries:
     """Every statement both stores send, in one dialect.
 
@@ -110,7 +133,7 @@ class Queries:
         state: str = "state",
     ) -> None:
         m = self.mark = mark
-        self.newest_first, self.state = newest_first, state
+        self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
         ev = event_columns  # read ``SELECT {ev} FROM events e`` (the store's row layout)
         # -- point reads (the writer's and the readers')
         self.call = f"SELECT {state} FROM calls WHERE call_id = {m}"

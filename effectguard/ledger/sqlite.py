@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.ledger import operations, sqliteevents, sqlitelinks
+from effectguard.ledger import bodystore, operations, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
@@ -48,6 +48,7 @@ from effectguard.ledger.sqlitefile import create_owner_only, file_identity, sqli
 from effectguard.ledger.sqlitereader import SqliteReader
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
 from effectguard.ledger.sqlreads import SqlReads
+from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
 from effectguard.rules.keys import LedgerKey
@@ -379,6 +380,13 @@ class SqliteSession:
         row = self.conn.execute(NEXT_GENERATION).fetchone()
         return int(row[0])
 
+    def put_body(self, call_id: str, body: SpooledBody) -> None:
+        # Inserted as read, inside the operation's savepoint: a file that turns out not
+        # to be the declared bytes fails the operation, and its rollback takes them back.
+        key = sqliteevents.call_key(call_id)
+        for seq, chunk in bodystore.chunks(call_id, body):
+            self.conn.execute(SQLITE.body.insert, (key, seq, chunk))
+
 
 class SqliteStore(SqlReads):
     """A ledger in one SQLite file (the embedded default).
@@ -389,6 +397,7 @@ class SqliteStore(SqlReads):
     queries = SQLITE
     decode_event = staticmethod(sqliteevents.event_from_row)
     call_key = staticmethod(sqliteevents.call_key)
+    call_from_key = staticmethod(sqliteevents.call_from_key)
     decode_state = staticmethod(state_from_row)
 
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:

@@ -289,6 +289,21 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
             *_EVENTS_EXTRAS,
         ],
     ),
+    (
+        12,
+        "the body store: request bodies stored by reference, in chunks (rules/bodyref)",
+        [
+            # call_id as the events table holds it (sqliteevents.call_key: 16 bytes for
+            # a ``call_`` id). A rowid table, not WITHOUT ROWID: its rows are 256 KiB.
+            # Chunks are written once, by the admission; an archive deletes them with
+            # their call's events.
+            """CREATE TABLE call_bodies (
+                call_id NOT NULL, seq INTEGER NOT NULL, chunk BLOB NOT NULL,
+                PRIMARY KEY (call_id, seq))""",
+            """CREATE TRIGGER call_bodies_no_update BEFORE UPDATE ON call_bodies
+                BEGIN SELECT RAISE(ABORT, 'stored bodies do not change'); END""",
+        ],
+    ),
 ]
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
+from effectguard.errors import BodyMismatch
+from effectguard.ledger import bodystore
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.queries import Queries
 from effectguard.ledger.rows import (
@@ -40,6 +42,8 @@ class SqlReads(ABC):
     decode_state: Callable[[Any], WorkState] = staticmethod(state_from_first)
     #: A call id as the store's events hold it (SQLite: 16 bytes; PostgreSQL: the text).
     call_key: Callable[[str], Any] = staticmethod(str)
+    #: Invert ``call_key``.
+    call_from_key: Callable[[Any], str | None] = staticmethod(str)
 
     @abstractmethod
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> Sequence[Sequence[Any]]:
@@ -101,6 +105,31 @@ class SqlReads(ABC):
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
         return [self.decode_event(r) for r in await self._fetch(self.queries.limit_events)]
+
+    async def copy_body(self, call_id: str, out: BinaryIO) -> int:
+        """Write ``call_id``'s by-reference body to ``out``, one chunk (one read) at a time."""
+        key = self.call_key(call_id)
+        seqs = [int(r[0]) for r in await self._fetch(self.queries.body.seqs, (key,))]
+        bodystore.contiguous(call_id, seqs)
+        written = 0
+        for seq in seqs:
+            rows = await self._fetch(self.queries.body.chunk, (key, seq))
+            if not rows:  # deleted since its seqs were read: an archive took the call
+                raise BodyMismatch(f"call {call_id}: its body was archived", call_id=call_id)
+            chunk = bytes(rows[0][0])
+            out.write(chunk)
+            written += len(chunk)
+        return written
+
+    async def body_size(self, call_id: str) -> int | None:
+        """The bytes of ``call_id``'s stored body (None: none is stored)."""
+        rows = await self._fetch(self.queries.body.size, (self.call_key(call_id),))
+        return None if not rows or rows[0][0] is None else int(rows[0][0])
+
+    async def body_chunks(self) -> list[tuple[str, int, int]]:
+        """``(call_id, seq, bytes)`` of every stored body chunk, by call and seq."""
+        rows = await self._fetch(self.queries.body.index)
+        return [(str(self.call_from_key(r[0])), int(r[1]), int(r[2])) for r in rows]
 
     async def rate_windows(self) -> list[RateWindow]:
         """Every stored rate window (one per node that has counted a minute)."""

@@ -14,7 +14,8 @@ idempotency window, and whole), and in one transaction:
 3. raises ``meta.archived_through`` to the range's end (a trigger lets it move only
    forward, and only to what the newest event, the checkpoint, names), which is the one
    condition under which the events trigger allows a DELETE;
-4. deletes the range's events and its calls' rows.
+4. deletes the range's events, its calls' rows and their bodies stored by reference
+   (which the archive file holds, after the events).
 
 The range is first proved by the independent verifier, seeded with the previous
 checkpoint's state: a range that does not verify is never archived. The events are
@@ -32,7 +33,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,8 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
     }
     partial = target.with_name(f".{target.name}.partial")
     try:
-        archivefile.write_events(partial, header, lines)  # before the write lock
+        # Before the write lock; bodies never change once written, so they need none.
+        archivefile.write_events(partial, header, lines, _bodies(conn, plan))
         conn.execute("BEGIN IMMEDIATE")
         _refuse_if_moved(conn, plan)
         head_seq, head_digest = conn.execute(
@@ -132,6 +134,17 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
     _fsync_dir(target.parent)
     counts = (len(plan.events), len(plan.calls), len(keyed))
     return _result(conn, str(target), plan.first, plan.last, *counts, stored.seq)
+
+
+def _bodies(conn: sqlite3.Connection, plan: Plan) -> Iterator[tuple[str, int, bytes]]:
+    """The archived calls' bodies stored by reference, one chunk (one row) at a time."""
+    for call_id in plan.calls:
+        rows = conn.execute(
+            "SELECT seq, chunk FROM call_bodies WHERE call_id = ? ORDER BY seq",
+            (sqliteevents.call_key(call_id),),
+        )
+        for seq, chunk in rows:
+            yield call_id, int(seq), bytes(chunk)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -184,6 +197,11 @@ def _apply(
     conn.execute("UPDATE meta SET value = ? WHERE key = 'archived_through'", (plan.last,))
     conn.execute("DELETE FROM events WHERE seq <= ?", (plan.last,))
     conn.executemany("DELETE FROM calls WHERE call_id = ?", [(c,) for c in plan.calls])
+    # Their bodies are in the archive file now (written before this transaction).
+    conn.executemany(
+        "DELETE FROM call_bodies WHERE call_id = ?",
+        [(sqliteevents.call_key(c),) for c in plan.calls],
+    )
 
 
 def _result(

@@ -2,16 +2,24 @@
 
 Line 1 is a header (``format``, the range, the predecessor digest of its first event,
 the verifier state before it, and the idempotency keys of the archived calls); then one
-line per event, exactly as stored; the last line is the ``ledger.archived`` checkpoint
-event the archive wrote into the ledger. :func:`verify_archive` proves, from the file
-alone, that the events chain from the header's digest to the checkpoint's
-``last_digest``, that their lines hash to the checkpoint's ``archive_sha256``, that each
-archived call is whole and final, and that folding them from the header's state gives
-the checkpoint's state. The checkpoint's own digest ties the file to the ledger.
+line per event, exactly as stored; then (format 2) one line per chunk of each archived
+call's request body stored by reference (``{"body": {"call", "seq", "chunk"}}``, the
+chunk in base64); the last line is the ``ledger.archived`` checkpoint event the archive
+wrote into the ledger. The checkpoint's digest covers the event lines; the body lines
+are covered through their manifests, which name each body by its SHA-256.
+
+:func:`verify_archive` proves, from the file alone, that the events chain from the
+header's digest to the checkpoint's ``last_digest``, that their lines hash to the
+checkpoint's ``archive_sha256``, that each archived call is whole and final, that
+folding them from the header's state gives the checkpoint's state, and that each body a
+manifest names by reference is there, whole, with that digest. The checkpoint's own
+digest ties the file to the ledger. Reading streams the body lines through their
+hashes: they are never held in memory.
 """
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import json
@@ -22,11 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.ops.audit import Verifier, VerifyReport, checkpoint
+from effectguard.ops.audit import BodyRow, Verifier, VerifyReport, checkpoint
 from effectguard.rules.events import StoredEvent, canonical_json, event_digest
 from effectguard.rules.retention import ARCHIVABLE_STAGES
 
-FORMAT = "effectguard-archive/1"
+FORMAT = "effectguard-archive/2"
+#: The formats read: format 1 has no body lines.
+FORMATS = ("effectguard-archive/1", FORMAT)
+#: How a body line, and the checkpoint line, begin (canonical JSON sorts keys; an event
+#: line begins with ``{"at":``).
+_BODY = '{"body":'
+_CHECKPOINT = '{"checkpoint":'
 
 
 def event_line(stored: StoredEvent) -> str:
@@ -43,12 +57,21 @@ def lines_sha256(lines: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def write_events(path: Path, header: dict[str, Any], lines: list[str]) -> None:
-    """Write the header and the event lines (the first gzip member of the file)."""
+def write_events(
+    path: Path,
+    header: dict[str, Any],
+    lines: list[str],
+    bodies: Iterable[tuple[str, int, bytes]] = (),
+) -> None:
+    """Write the header, the event lines and the ``(call_id, seq, chunk)`` body chunks, one
+    line each, as ``bodies`` yields them (the first gzip member of the file)."""
     with gzip.open(path, "wt", encoding="utf-8") as out:
         out.write(canonical_json({"format": FORMAT, **header}) + "\n")
         for line in lines:
             out.write(line + "\n")
+        for call_id, seq, chunk in bodies:
+            body = {"call": call_id, "seq": seq, "chunk": base64.b64encode(chunk).decode()}
+            out.write(canonical_json({"body": body}) + "\n")
 
 
 def append_checkpoint(path: Path, tail: StoredEvent) -> None:
@@ -68,24 +91,69 @@ def append_checkpoint(path: Path, tail: StoredEvent) -> None:
 
 def read_archive(path: Path) -> tuple[dict[str, Any], list[str], StoredEvent]:
     """The header, the event lines and the checkpoint event of an archive file."""
+    header, lines, tail, _ = scan_archive(path)
+    return header, lines, tail
+
+
+def scan_archive(
+    path: Path,
+) -> tuple[dict[str, Any], list[str], StoredEvent, list[BodyRow]]:
+    """:func:`read_archive` and the archived bodies as the verifier compares them (each
+    body's chunk numbers, size and SHA-256), read in one pass, chunk by chunk."""
+    header: dict[str, Any] | None = None
+    lines: list[str] = []
+    tail: StoredEvent | None = None
+    bodies: dict[str, tuple[list[int], list[int], Any]] = {}
     with gzip.open(path, "rt", encoding="utf-8") as src:
-        rows = src.read().splitlines()
-    if len(rows) < 2:
+        for row in src:
+            row = row.rstrip("\n")
+            if header is None:
+                header = json.loads(row)
+                if header.get("format") not in FORMATS:
+                    raise ValueError(
+                        f"{path}: not an effectguard archive ({header.get('format')!r})"
+                    )
+            elif tail is not None:
+                raise ValueError(f"{path}: not an effectguard archive (a line after its end)")
+            elif row.startswith(_CHECKPOINT):
+                tail = StoredEvent(**json.loads(row)["checkpoint"])
+            elif row.startswith(_BODY):
+                _add_chunk(bodies, json.loads(row)["body"])
+            else:
+                lines.append(row)
+    if header is None or tail is None:
         raise ValueError(f"{path}: not an effectguard archive (too short)")
-    header = json.loads(rows[0])
-    if header.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an effectguard archive ({header.get('format')!r})")
-    tail = StoredEvent(**json.loads(rows[-1])["checkpoint"])
-    return header, rows[1:-1], tail
+    rows = [
+        BodyRow(
+            c, tuple(seqs), sum(sizes), h.hexdigest() if seqs == list(range(len(seqs))) else None
+        )
+        for c, (seqs, sizes, h) in bodies.items()
+    ]
+    return header, lines, tail, rows
+
+
+def _add_chunk(bodies: dict[str, tuple[list[int], list[int], Any]], line: dict[str, Any]) -> None:
+    chunk = base64.b64decode(line["chunk"], validate=True)
+    seqs, sizes, digest = bodies.setdefault(str(line["call"]), ([], [], hashlib.sha256()))
+    seqs.append(int(line["seq"]))
+    sizes.append(len(chunk))
+    digest.update(chunk)
 
 
 def verify_archive(path: Path) -> VerifyReport:
     """Prove an archive file on its own (see the module docstring)."""
-    return verify_range(*read_archive(path))
+    header, lines, tail, bodies = scan_archive(path)
+    return verify_range(header, lines, tail, bodies)
 
 
-def verify_range(header: dict[str, Any], lines: list[str], tail: StoredEvent) -> VerifyReport:
-    """Prove one archived range from its header, event lines and checkpoint alone."""
+def verify_range(
+    header: dict[str, Any],
+    lines: list[str],
+    tail: StoredEvent,
+    bodies: list[BodyRow] | None = None,
+) -> VerifyReport:
+    """Prove one archived range from its header, event lines and checkpoint alone (and,
+    given ``bodies``, its archived calls' bodies stored by reference)."""
     verifier = Verifier()
     report = verifier.report
     first = int(header["first_seq"])
@@ -115,6 +183,8 @@ def verify_range(header: dict[str, Any], lines: list[str], tail: StoredEvent) ->
             report.broken(fold.last_seq, f"call {call_id}: archived while {stage}")
     if not checkpoint.same_state(checkpoint.export_state(verifier), mark.get("state")):
         report.broken(tail.seq, "folding the archive does not give its checkpoint's state")
+    if bodies is not None:
+        verifier.check_bodies(bodies)
     report.calls = len(verifier.calls)
     return report
 

@@ -6,6 +6,8 @@ verifier and the ``ledger.archived`` checkpoint are the SQLite archive's
 PostgreSQL keeps the archive in the database, in one transaction with the cut:
 
 * ``archived_events``: the range's rows exactly as they were (append-only, as ``events``);
+* ``archived_bodies``: its calls' request bodies stored by reference, chunk by chunk, as
+  they were in ``call_bodies`` (append-only too);
 * ``archives``: one row per range with what an archive file's header and last line
   hold (the range, the digest before it, the verifier state before it, the checkpoint).
 
@@ -27,6 +29,7 @@ to run again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from typing import Any
@@ -52,7 +55,7 @@ from effectguard.ops.archiveplan import (
     prove,
     seal_checkpoint,
 )
-from effectguard.ops.audit import VerifyReport
+from effectguard.ops.audit import BodyRow, VerifyReport
 from effectguard.rules.events import StoredEvent, canonical_json
 
 #: What the checkpoint names as its archive.
@@ -98,6 +101,12 @@ def _commit(conn: psycopg.Connection[Any], plan: Plan) -> ArchiveResult:
             f"INSERT INTO archived_events({EVENT_COLUMNS}) SELECT {EVENT_COLUMNS} FROM events "
             "WHERE seq BETWEEN %s AND %s",
             (plan.first, plan.last),
+        )
+        # Bodies never change once written: copied, like the events, before the lock.
+        conn.execute(
+            "INSERT INTO archived_bodies(call_id, seq, chunk) SELECT call_id, seq, chunk "
+            "FROM call_bodies WHERE call_id = ANY(%s)",
+            (list(plan.calls),),
         )
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(conn, "batch"),))
         _refuse_if_moved(conn, plan)
@@ -162,6 +171,7 @@ def _apply(
     conn.execute("UPDATE meta SET value = %s WHERE key = 'archived_through'", (plan.last,))
     conn.execute("DELETE FROM events WHERE seq <= %s", (plan.last,))
     conn.execute("DELETE FROM calls WHERE call_id = ANY(%s)", (list(plan.calls),))
+    conn.execute("DELETE FROM call_bodies WHERE call_id = ANY(%s)", (list(plan.calls),))
 
 
 def _line(stored: StoredEvent) -> str:
@@ -193,6 +203,7 @@ def verify_archived(url: str) -> VerifyReport:
 def _verify_ranges(conn: psycopg.Connection[Any]) -> VerifyReport:
     total = VerifyReport()
     expected_first = 1
+    archived: set[str] = set()
     ranges = conn.execute(
         "SELECT checkpoint_seq, first_seq, last_seq, prev_digest, start_state, checkpoint "
         "FROM archives ORDER BY first_seq"
@@ -209,8 +220,11 @@ def _verify_ranges(conn: psycopg.Connection[Any]) -> VerifyReport:
             f"SELECT {EVENT_COLUMNS} FROM archived_events WHERE seq BETWEEN %s AND %s ORDER BY seq",
             (first, last),
         ).fetchall()
-        lines = [archivefile.event_line(event_from_row(r)) for r in rows]
-        report = archivefile.verify_range(header, lines, tail)
+        events = [event_from_row(r) for r in rows]
+        lines = [archivefile.event_line(e) for e in events]
+        calls = sorted({e.call_id for e in events if e.call_id is not None})
+        archived.update(calls)
+        report = archivefile.verify_range(header, lines, tail, _bodies(conn, calls))
         if int(first) != expected_first:
             report.broken(
                 int(first), f"archived range {first}..{last} follows event {expected_first - 1}"
@@ -223,7 +237,39 @@ def _verify_ranges(conn: psycopg.Connection[Any]) -> VerifyReport:
     ).fetchall()[0][0]
     if stray:
         total.broken(expected_first, f"{stray} archived events belong to no archived range")
+    for (call_id,) in conn.execute(
+        "SELECT DISTINCT call_id FROM archived_bodies WHERE NOT call_id = ANY(%s)",
+        (sorted(archived),),
+    ).fetchall():
+        total.broken(expected_first - 1, f"call {call_id}: orphan body: in no archived range")
     return total
+
+
+def _bodies(conn: psycopg.Connection[Any], calls: list[str]) -> list[BodyRow]:
+    """The archived bodies of ``calls`` as the verifier compares them, each streamed
+    through its hash one chunk (one query) at a time."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    for call_id, seq, size in conn.execute(
+        "SELECT call_id, seq, length(chunk) FROM archived_bodies WHERE call_id = ANY(%s) "
+        "ORDER BY call_id, seq",
+        (calls,),
+    ).fetchall():
+        found.setdefault(str(call_id), []).append((int(seq), int(size)))
+    rows = []
+    for call_id, chunks in found.items():
+        seqs = tuple(seq for seq, _ in chunks)
+        digest = None
+        if seqs == tuple(range(len(seqs))):
+            h = hashlib.sha256()
+            for seq in seqs:
+                (chunk,) = conn.execute(
+                    "SELECT chunk FROM archived_bodies WHERE call_id = %s AND seq = %s",
+                    (call_id, seq),
+                ).fetchall()[0]
+                h.update(chunk)
+            digest = h.hexdigest()
+        rows.append(BodyRow(call_id, seqs, sum(size for _, size in chunks), digest))
+    return rows
 
 
 def _check_checkpoint(

@@ -12,6 +12,7 @@ from typing import Any
 
 from effectguard.ops.render import age, iso, money
 from effectguard.rules import evidence
+from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent, decode_body
 from effectguard.rules.guidance import next_command
 
@@ -32,22 +33,36 @@ LATE = AttemptLateAnswer.kind
 REQUEST_PREVIEW_CHARS = 2000
 
 
-def request_text(events: list[StoredEvent]) -> str | None:
-    """The call's request body as stored in its manifest, pretty-printed if it is JSON."""
+def request_text(events: list[StoredEvent], stored_bytes: int | None = None) -> str | None:
+    """The call's request body as stored in its manifest, pretty-printed if it is JSON.
+
+    A body stored by reference (an upload) is named, not printed: its size
+    (``stored_bytes``, read from the body store; None where none is stored) and digest.
+    """
     manifest = next((e for e in events if e.kind == "call.manifest"), None)
     if manifest is None:
         return None
-    raw = decode_body(
-        str(manifest.data.get("body", "")), manifest.data.get("body_encoding", "utf8")
-    )
+    encoding = manifest.data.get("body_encoding", "utf8")
+    if encoding == REF_ENCODING:
+        text = describe_ref(str(manifest.data.get("body")), stored_bytes)
+        return text if stored_bytes is not None else f"{text} (its bytes are not stored)"
+    raw = decode_body(str(manifest.data.get("body", "")), encoding)
     try:
         return json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
     except ValueError:
         return raw.decode("utf-8", "replace")
 
 
-def request_json(events: list[StoredEvent]) -> Any:
-    """The request body for ``show --json``: parsed JSON, else its text."""
+def request_json(events: list[StoredEvent], stored_bytes: int | None = None) -> Any:
+    """The request body for ``show --json``: parsed JSON, else its text; a body stored by
+    reference as ``{"body_encoding": "sha256", "sha256": …, "bytes": …}``."""
+    manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+    if manifest.get("body_encoding") == REF_ENCODING:
+        return {
+            "body_encoding": REF_ENCODING,
+            "sha256": manifest.get("body"),
+            "bytes": stored_bytes,
+        }
     text = request_text(events)
     if text is None:
         return None
@@ -150,8 +165,15 @@ def decisions(events: list[StoredEvent]) -> list[str]:
     return lines
 
 
-def render(state: WorkState, events: list[StoredEvent], *, full: bool, now: float) -> str:
-    """The text of ``effectguard show``."""
+def render(
+    state: WorkState,
+    events: list[StoredEvent],
+    *,
+    full: bool,
+    now: float,
+    stored_bytes: int | None = None,
+) -> str:
+    """The text of ``effectguard show`` (``stored_bytes``: see :func:`request_text`)."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     lines = [
         f"call {state.call_id}",
@@ -190,7 +212,7 @@ def render(state: WorkState, events: list[StoredEvent], *, full: bool, now: floa
         lines += ["", "decisions", *(f"  {line}" for line in decided)]
     lines += ["", "events"]
     lines += [f"  #{e.seq} {iso(e.at)} {e.kind} by {e.worker}" for e in events]
-    text = request_text(events)
+    text = request_text(events, stored_bytes)
     lines += ["", "request"]
     lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
     command = next_commands(state, events)

@@ -9,10 +9,13 @@ own fold (see :mod:`effectguard.ops.audit`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 from effectguard.ledger import Ledger
+from effectguard.ledger.base import LedgerStore
 from effectguard.ops.audit import (
+    BodyRow,
     BudgetRow,
     KeyRow,
     PolicyRow,
@@ -51,6 +54,7 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
         keys = await ledger.store.keys()
         windows = await ledger.store.rate_windows()
         lookups = await ledger.store.lookup_problems()
+        bodies = await read_bodies(ledger.store)
     budget_rows = [BudgetRow(n.path, n.period, n.reserved, n.spent, n.held) for n in nodes]
     policy_rows = [
         PolicyRow(p.path, p.limit, p.period, p.tz, p.rpm, p.tpm, p.concurrency) for p in policies
@@ -72,11 +76,42 @@ async def verify_ledger(ledger: Ledger, page: int = 5000) -> VerifyReport:
     ]
     rate_rows = [RateRow(w.path, w.minute, w.requests, w.tokens) for w in windows]
     report = verifier.finish(
-        budget_rows, states, columns, worker_rows, key_rows, policy_rows, rate_rows
+        budget_rows, states, columns, worker_rows, key_rows, policy_rows, rate_rows, bodies
     )
     for seq, problem in lookups:
         report.broken(seq, problem)
     return report
+
+
+class _Digest:
+    """A sink for ``copy_body`` that keeps only the SHA-256 of what it is given."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+
+    def write(self, chunk: bytes) -> int:
+        self.hash.update(chunk)
+        return len(chunk)
+
+
+async def read_bodies(store: LedgerStore) -> list[BodyRow]:
+    """Every stored body as the verifier compares it: its chunk numbers, and the size and
+    SHA-256 of its chunks read in order (streamed, one chunk at a time; not read where a
+    chunk is missing, which the verifier names from the numbers)."""
+    seqs: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for call_id, seq, size in await store.body_chunks():
+        seqs.setdefault(call_id, []).append(seq)
+        sizes[call_id] = sizes.get(call_id, 0) + size
+    rows = []
+    for call_id, numbers in seqs.items():
+        digest = None
+        if numbers == list(range(len(numbers))):
+            sink = _Digest()
+            await store.copy_body(call_id, sink)  # type: ignore[arg-type]
+            digest = sink.hash.hexdigest()
+        rows.append(BodyRow(call_id, tuple(numbers), sizes[call_id], digest))
+    return rows
 
 
 async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:

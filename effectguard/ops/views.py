@@ -80,6 +80,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard show CALL_ID``: the request, attempts, money and the next command."""
     state = await ledger.call(args.call_id)
     events = await ledger.events(args.call_id)
+    stored = await ledger.body_size(args.call_id)
     payload = {
         **call_json(state),
         "events": [
@@ -93,7 +94,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
             }
             for e in events
         ],
-        "request": showcall.request_json(events),
+        "request": showcall.request_json(events, stored),
         "attempts_detail": showcall.attempts(events),
         "evidence": showcall.late_answers(events),
         "next_command": showcall.next_commands(state, events),
@@ -101,7 +102,8 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
     if args.json:
         emit(args, payload, "")
     else:
-        emit(args, payload, showcall.render(state, events, full=args.full, now=time.time()))
+        text = showcall.render(state, events, full=args.full, now=time.time(), stored_bytes=stored)
+        emit(args, payload, text)
     return EXIT_OK
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CHUNK_BYTES", "REF_ENCODING", "SpooledBody"]
+__all__ = ["CHUNK_BYTES", "REF_ENCODING", "SpooledBody", "describe_ref"]
 
 #: ``body_encoding`` of a manifest whose ``body`` is the SHA-256 of bytes stored apart.
 REF_ENCODING = "sha256"
@@ -29,3 +29,11 @@ class SpooledBody:
     path: str
     size: int
     sha256: str
+
+
+def describe_ref(sha256: str, size: int | None) -> str:
+    """How ``show`` and the operator page name a body stored by reference, instead of
+    printing it: its size where it was read from the body store, and its digest."""
+    if size is None:
+        return f"body stored by reference: sha256 {sha256}"
+    return f"body stored by reference: {size} bytes, sha256 {sha256}"

@@ -23,6 +23,7 @@ from effectguard.ingress.admin.markup import (
     when,
 )
 from effectguard.ingress.admin.spend import SpendTable
+from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import WorkState
@@ -87,6 +88,8 @@ def unknown_calls(calls: Sequence[WorkState], *, now: float, truncated: bool) ->
 
 def _pretty(text: str, encoding: str) -> str:
     """A stored body for reading: JSON pretty-printed, cut at :data:`BODY_SHOWN`."""
+    if encoding == REF_ENCODING:  # an upload kept in the body store: named, not shown
+        return describe_ref(text, None)
     if encoding != "utf8":
         return f"({len(text)} characters of {encoding}-encoded bytes)"
     with contextlib.suppress(ValueError):  # not JSON: shown as it is

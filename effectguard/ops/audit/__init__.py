@@ -5,11 +5,11 @@ shares only what every reader of the ledger must agree on: how a stored event is
 decoded (:class:`~effectguard.rules.events.StoredEvent`) and how its digest is
 made (``canonical_json``, ``event_digest``). Everything else is its own: the table
 of legal event sequences per call (:mod:`.table`), the writer rules (:mod:`.writers`),
-the budget arithmetic (:mod:`.budgets`), the rate windows (:mod:`.rates`), each call's
-projection (:mod:`.calls`) and the comparison with what the store keeps
-(:mod:`.verifier`). A test walks these modules' imports and refuses anything else from
-effectguard, so a bug in the store's fold cannot hide itself by being folded the same
-way twice.
+the budget arithmetic (:mod:`.budgets`), the rate windows (:mod:`.rates`), the bodies
+stored by reference (:mod:`.bodies`), each call's projection (:mod:`.calls`) and the
+comparison with what the store keeps (:mod:`.verifier`). A test walks these modules'
+imports and refuses anything else from effectguard, so a bug in the store's fold cannot
+hide itself by being folded the same way twice.
 
 Modules here are pure: plain values in (stored events and stored rows), a
 :class:`~.report.VerifyReport` out. Reading the ledger is :mod:`effectguard.ops.verify`'s job.
@@ -17,6 +17,7 @@ Modules here are pure: plain values in (stored events and stored rows), a
 
 from __future__ import annotations
 
+from effectguard.ops.audit.bodies import BodyRow
 from effectguard.ops.audit.keys import KeyRow
 from effectguard.ops.audit.rates import RateRow
 from effectguard.ops.audit.report import VerifyReport
@@ -29,6 +30,7 @@ from effectguard.ops.audit.verifier import (
 )
 
 __all__ = [
+    "BodyRow",
     "BudgetRow",
     "CallColumns",
     "KeyRow",

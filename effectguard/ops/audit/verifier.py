@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from effectguard.ops.audit import checkpoint, table
+from effectguard.ops.audit.bodies import Bodies, BodyRow
 from effectguard.ops.audit.budgets import NO_POLICY, Budgets, Counters, Node
 from effectguard.ops.audit.calls import COLUMN_NAMES, CallFold
 from effectguard.ops.audit.chain import Chain
@@ -69,6 +70,7 @@ class Verifier:
         self.keys = Keys()
         self.rates = Rates()
         self.calls: dict[str, CallFold] = {}
+        self.bodies = Bodies()
 
     def feed(self, stored: StoredEvent) -> None:
         """Check one event: its place in the chain, its writer, its meaning, its money."""
@@ -102,6 +104,7 @@ class Verifier:
             if fold is None:
                 fold = self.calls[stored.call_id] = CallFold(stored.call_id)
             money = self.budgets.feed(seq, kind, data, stored.at, stored.call_id)
+            self.bodies.feed(seq, kind, stored.call_id, data)
             problems = fold.feed(stored) + money
             self.rates.feed(
                 kind, data, stored.at, stored.call_id, fold.last_attempt_at, self.budgets.policies
@@ -119,8 +122,10 @@ class Verifier:
         key_rows: Iterable[KeyRow] | None = None,
         policy_rows: Iterable[PolicyRow] | None = None,
         rate_rows: Iterable[RateRow] | None = None,
+        body_rows: Iterable[BodyRow] | None = None,
     ) -> VerifyReport:
-        """Check every call ended in a stage, then compare the stored projections."""
+        """Check every call ended in a stage, then compare the stored projections (and,
+        given ``body_rows``, the bodies stored by reference)."""
         last = self.chain.expected_seq - 1
         for call_id in sorted(self.calls):
             fold = self.calls[call_id]
@@ -142,7 +147,15 @@ class Verifier:
         if rate_rows is not None:
             for problem in self.rates.compare(list(rate_rows)):
                 self.report.broken(last, problem)
+        if body_rows is not None:
+            self.check_bodies(body_rows)
         return self.report
+
+    def check_bodies(self, rows: Iterable[BodyRow]) -> None:
+        """Compare the bodies stored by reference with the manifests fed so far."""
+        refused = {c for c, fold in self.calls.items() if fold.projection()["stage"] == "refused"}
+        for seq, problem in self.bodies.check(rows, refused, self.chain.expected_seq - 1):
+            self.report.broken(seq, problem)
 
     def _columns(self, rows: Iterable[CallColumns]) -> None:
         for row in rows:

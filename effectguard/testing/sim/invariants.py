@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from effectguard.rules import budget as budget_rules
+from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.budget import ancestors
 from effectguard.rules.events import (
     BudgetSettled,
@@ -63,7 +64,11 @@ def _sha_by_call(evidence: Evidence) -> dict[str, str]:
     out = {}
     for e in evidence.events:
         if e.kind == "call.manifest" and e.call_id is not None:
-            body = decode_body(e.data["body"], e.data.get("body_encoding", "utf8"))
+            encoding = e.data.get("body_encoding", "utf8")
+            if encoding == REF_ENCODING:  # stored apart: the manifest holds its digest
+                out[e.call_id] = str(e.data["body"]).lower()
+                continue
+            body = decode_body(e.data["body"], encoding)
             out[e.call_id] = hashlib.sha256(body).hexdigest()
     return out
 
