@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from effectguard.errors import CallNotFound, ConfigError
 from effectguard.ledger import decisions, evidence, keyops, operations
-from effectguard.ledger.base import OPERATOR, LedgerStore, Tx, Writer
+from effectguard.ledger.base import OPERATOR, LedgerStore, Operation, Tx, Writer, bulky
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
@@ -74,7 +74,8 @@ class Ledger:
     # -- the guard's writes
     async def admit(self, writer: Writer, request: AdmitRequest) -> Admitted:
         """Admission (docs/contract.md §3.2) in one durable transaction."""
-        return await self.store.write(writer, lambda tx: operations.admit(tx, writer, request))
+        op: Operation[Admitted] = lambda tx: operations.admit(tx, writer, request)  # noqa: E731
+        return await self.store.write(writer, bulky(op) if request.spool is not None else op)
 
     async def record(
         self, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]
