@@ -11,7 +11,8 @@ binary file part (random bytes, so the manifest stores it as base64), then measu
 It runs twice: with the front door's spooling off (the body joined in memory, stored
 inside its manifest) and at the default ``spool_body_bytes`` (the body in a file, parsed
 through a memory map and stored by reference, docs/contract.md §2.5). The ledger's copy
-of a spooled body is written in chunks (rules/bodyref) and is not measured here.
+of a spooled body is written in chunks (rules/bodyref): step 4 admits the upload into a
+new SQLite ledger, which stores it (inside the manifest, or by reference).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import tempfile
 import tracemalloc
 from typing import Any
 
@@ -29,9 +31,11 @@ from effectguard.callpath.prepare import prepare
 from effectguard.config.defaults import SPOOL_BODY_BYTES
 from effectguard.config.settings import GuardSettings
 from effectguard.ingress import spool
+from effectguard.ledger import Ledger, Writer
 from effectguard.providers import load_providers
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.events import GENESIS_DIGEST, CallManifest, seal
+from effectguard_bench import ledgerbench
 
 BOUNDARY = "b0undary"
 CHUNK = 64 * 1024
@@ -60,9 +64,22 @@ def _step(steps: list[Step], name: str) -> None:
     tracemalloc.reset_peak()
 
 
-async def measure(size: int, *, spool_over: int | None, spool_dir: str | None = None) -> list[Step]:
+async def measure(
+    size: int, *, spool_over: int | None, spool_dir: str | None = None, ledger: str | None = None
+) -> list[Step]:
     """What each step holds and peaks at for an upload of about ``size`` bytes, the front
-    door spooling past ``spool_over`` bytes (None: never, the body stays in memory)."""
+    door spooling past ``spool_over`` bytes (None: never, the body stays in memory); with
+    ``ledger`` (a new SQLite file), a fourth step admits it there."""
+    if ledger is None:
+        return await _measure(size, spool_over, spool_dir, None)
+    async with Ledger.open(ledger) as opened:
+        writer = await ledgerbench.register(opened, lease_s=600)
+        return await _measure(size, spool_over, spool_dir, (opened, writer))
+
+
+async def _measure(
+    size: int, spool_over: int | None, spool_dir: str | None, ledger: tuple[Ledger, Writer] | None
+) -> list[Step]:
     body = upload(size)
     pos = 0
 
@@ -102,6 +119,9 @@ async def measure(size: int, *, spool_over: int | None, spool_dir: str | None = 
         )
         _step(steps, "3. call.manifest sealed (canonical JSON)")
         del sealed
+        if ledger is not None:
+            await ledger[0].admit(ledger[1], prepared.admit)
+            _step(steps, "4. admitted into a SQLite ledger (body stored)")
     finally:
         tracemalloc.stop()
         read.discard()
@@ -138,9 +158,13 @@ def main() -> None:
     args = parser.parse_args()
     size = int(args.mib * 2**20)
     print(f"upload of {_mib(size)} (one binary file part)")
-    _print("held in memory (spooling off):", asyncio.run(measure(size, spool_over=None)))
-    spooled = asyncio.run(measure(size, spool_over=SPOOL_BODY_BYTES))
-    _print(f"spooled past {_mib(SPOOL_BODY_BYTES)} (the default):", spooled)
+    with tempfile.TemporaryDirectory() as tmp:
+        held = asyncio.run(measure(size, spool_over=None, ledger=f"{tmp}/held.db"))
+        _print("held in memory (spooling off):", held)
+        spooled = asyncio.run(
+            measure(size, spool_over=SPOOL_BODY_BYTES, ledger=f"{tmp}/spooled.db")
+        )
+        _print(f"spooled past {_mib(SPOOL_BODY_BYTES)} (the default):", spooled)
 
 
 if __name__ == "__main__":

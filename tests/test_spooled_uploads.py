@@ -226,38 +226,22 @@ def test_client_gone_mid_upload_leaves_no_spool_file_and_no_effect(env: Env) -> 
 async def test_a_spooled_upload_never_holds_its_body_in_the_heap(
     tmp_path: Path, spooled: bool
 ) -> None:
-    """Reading, parsing, hashing and sealing the manifest of a 4 MiB upload spooled past
-    64 KiB peaks under 1 MiB of Python heap at every step; held in memory (the control),
-    the same steps peak above its size."""
+    """Reading, parsing, hashing, sealing the manifest of and storing a 4 MiB upload
+    spooled past 64 KiB peaks under 1 MiB of Python heap at every step; held in memory
+    (the control), the same steps peak above its size."""
     size = 4 * 2**20
+    spool = tmp_path / "spool"
+    spool.mkdir()
     steps = await uploadmemory.measure(
-        size, spool_over=64 * 1024 if spooled else None, spool_dir=str(tmp_path)
+        size,
+        spool_over=64 * 1024 if spooled else None,
+        spool_dir=str(spool),
+        ledger=str(tmp_path / "ledger.db"),
     )
+    assert len(steps) == 4, "the fourth step stores the body in the ledger"
     peak = max(step[2] for step in steps)
     if spooled:
         assert peak < 2**20, steps
     else:
         assert peak > size, steps
-    assert not any(tmp_path.iterdir()), "the spool file is removed"
-
-
-@pytest.mark.slow
-def test_start_up_removes_spool_files_of_dead_processes_only(tmp_path: Path) -> None:
-    """A proxy killed mid-upload leaves its spool file behind; the next one to start
-    removes it, but never a live process's file (replicas may share a directory) nor a
-    file that is not a spool file."""
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    dead = spool / f"effectguard-body-{gone.pid}-abc"
-    live = spool / f"effectguard-body-{os.getpid()}-def"
-    other = spool / "notes.txt"
-    for path in (dead, live, other):
-        path.write_bytes(b"x")
-    config = tmp_path / "config.toml"
-    config.write_text(f'[server]\nspool_dir = "{spool}"\n')
-    with running_proxy(tmp_path / "ledger.db", args=["--config", str(config)]) as proxy:
-        assert httpx.get(proxy.url + "/healthz").status_code == 200
-    assert sorted(p.name for p in spool.iterdir()) == sorted([live.name, other.name])
-    assert "removed 1 upload spool files" in proxy.log()
+    assert not any(spool.iterdir()), "the spool file is removed"
