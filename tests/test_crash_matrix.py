@@ -96,13 +96,19 @@ def request_spec(
     return {"path": CHAT, "body": body, "headers": {"x-fake-delay": str(delay), **headers}}
 
 
+def body_of(spec: dict[str, Any]) -> dict[str, Any]:
+    """The httpx keyword for a request spec's body: ``form`` is sent form-encoded (as
+    Stripe takes it), ``body`` as JSON."""
+    return {"data": spec["form"]} if "form" in spec else {"json": spec["body"]}
+
+
 def _proxy_send(url: str, spec: dict[str, Any]) -> Seen:
     seen = Seen()
     try:
         with (
             httpx.Client(timeout=30) as client,
             client.stream(
-                "POST", url + spec["path"], json=spec["body"], headers=spec["headers"]
+                "POST", url + spec["path"], headers=spec["headers"], **body_of(spec)
             ) as r,
         ):
             seen.status, seen.headers = r.status_code, dict(r.headers)

@@ -4,7 +4,8 @@ Usage::
 
     python transport_call.py LEDGER PROVIDER UPSTREAM_URL REQUESTS_JSON [PROVIDERS_DIR]
 
-``REQUESTS_JSON`` is a list of ``{"path": ..., "body": {...}, "headers": {...}}``,
+``REQUESTS_JSON`` is a list of ``{"path": ..., "body": {...}, "headers": {...}}`` (or
+``"form"`` instead of ``"body"``, sent form-encoded),
 sent one after the other through one transport (one worker). The crash point
 comes from ``EFFECTGUARD_CRASH_AT`` (read here, at the edge). For request ``i``
 the child prints one JSON line per chunk (``{"i", "chunk"}``, flushed at once,
@@ -34,8 +35,10 @@ def emit(obj: dict[str, Any]) -> None:
 async def send(client: httpx.AsyncClient, url: str, i: int, spec: dict[str, Any]) -> None:
     """Send one request and report what the client saw."""
     try:
+        # A spec's ``form`` is sent form-encoded (as Stripe takes it), its ``body`` as JSON.
+        body = {"data": spec["form"]} if "form" in spec else {"json": spec["body"]}
         async with client.stream(
-            "POST", url + spec["path"], json=spec["body"], headers=spec.get("headers") or {}
+            "POST", url + spec["path"], headers=spec.get("headers") or {}, **body
         ) as response:
             chunks = []
             async for chunk in response.aiter_bytes():

@@ -4,7 +4,10 @@ https://docs.github.com/en/rest/issues/comments describes it (read 2026-12-01).
 * No idempotency and nothing to search: every accepted request posts a comment (one
   receipt each), whatever it repeats.
 * ``Authorization: Bearer ...`` is required; errors have GitHub's shape ``{"message",
-  "documentation_url"}`` (401 "Bad credentials", 422 "Validation Failed" with ``errors``).
+  "documentation_url"}``: 401 "Bad credentials"; 400 "Problems parsing JSON" or "Body
+  should be a JSON object"; 422 "Validation Failed" with ``errors`` for a missing ``body``
+  (https://docs.github.com/rest/using-the-rest-api/troubleshooting-the-rest-api, read
+  2026-12-01 from github/docs in the stored index).
 
 Usage: ``python chat_like.py RECEIPTS PORT LAG_S`` (LAG_S is unused: there is no search).
 """
@@ -33,8 +36,14 @@ async def comment(request: web.Request) -> web.Response:
     try:
         fields = json.loads(body)
     except ValueError:
-        fields = None
-    if not isinstance(fields, dict) or not isinstance(fields.get("body"), str):
+        return web.json_response(
+            {"message": "Problems parsing JSON", "documentation_url": DOCS}, status=400
+        )
+    if not isinstance(fields, dict):
+        return web.json_response(
+            {"message": "Body should be a JSON object", "documentation_url": DOCS}, status=400
+        )
+    if not isinstance(fields.get("body"), str):
         return web.json_response(
             {"message": "Validation Failed", "documentation_url": DOCS,
              "errors": [{"resource": "IssueComment", "code": "missing_field", "field": "body"}]},

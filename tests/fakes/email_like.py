@@ -6,7 +6,10 @@ https://postmarkapp.com/developer/api/email-api and the custom metadata FAQ desc
 * ``Metadata`` is kept; ``GET /messages/outbound?count&offset&metadata_KEY=VALUE``
   finds a message only ``LAG_S`` after it was sent (a lagging index).
 * The server token travels in ``X-Postmark-Server-Token``; errors have Postmark's shape
-  ``{"ErrorCode": n, "Message": "..."}`` (401 code 10, 422 code 300).
+  ``{"ErrorCode": n, "Message": "..."}`` (401 code 10; 422 code 402 for invalid JSON and
+  300 for an invalid email request). A body that is not ``application/json`` is 415, as
+  Postmark announced for its email API (status.postmarkapp.com, "Changes to Email API
+  validation", 2023-11-28, read 2026-12-01 via a stored copy on isdown.app).
 
 Usage: ``python email_like.py RECEIPTS PORT LAG_S``.
 """
@@ -32,6 +35,8 @@ async def send(request: web.Request) -> web.Response:
     await delay(request)
     if not request.headers.get("X-Postmark-Server-Token"):
         return error(401, 10, "No Account or Server API tokens were supplied in the HTTP headers.")
+    if request.content_type != "application/json":
+        return web.json_response({"Message": "Unsupported Media Type"}, status=415)
     body = await request.read()
     try:
         message = json.loads(body)

@@ -7,10 +7,15 @@ https://docs.stripe.com/api/payment_intents/search describe them (read 2026-12-0
   (``Idempotent-Replayed: true``); different parameters get 400 ``idempotency_error``; a
   request while the first is still executing gets 409. Keys are never pruned here (Stripe
   prunes after at least 24 hours: longer than any test).
-* Bodies are form-encoded, as Stripe's are; JSON is accepted too, since effectguard's guard
-  on main refuses form bodies (a test-only convenience: real Stripe refuses JSON).
+* Bodies are form-encoded: Stripe documents form-encoded request bodies only
+  (https://docs.stripe.com/api, read 2026-12-01 via the stored documentation index).
+  What it does with another encoding is not documented; this fake refuses it with 400
+  ``invalid_request_error`` before any work.
 * ``x-fake-status: 500`` makes the request do its effect and then answer Stripe's 500
   ``api_error`` (which the key then saves), like a failure after the work.
+  ``x-fake-status: 503`` answers 503 before anything (no effect, nothing saved under the
+  key), like a server error ahead of the API: Stripe lists 502/503/504 as server errors
+  and says only 500s are saved (https://docs.stripe.com/error-low-level, read 2026-12-01).
 * The search (``query=metadata['effectguard_op']:'OP'``) shows an object only ``LAG_S``
   after it was created.
 * Errors have Stripe's shape: ``{"error": {"type", "code"?, "message", "param"?}}``.
@@ -20,7 +25,6 @@ Usage: ``python stripe_like.py RECEIPTS PORT LAG_S``.
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from typing import Any
@@ -40,10 +44,9 @@ def error(status: int, kind: str, message: str, **extra: str) -> web.Response:
 
 
 def params(body: bytes, content_type: str) -> dict[str, Any]:
-    """Form fields (``metadata[k]=v`` folded into ``metadata``), or a JSON object."""
-    if content_type == "application/json":
-        loaded = json.loads(body or b"{}")
-        return loaded if isinstance(loaded, dict) else {}
+    """Form fields (``metadata[k]=v`` folded into ``metadata``); any other body is refused."""
+    if content_type != "application/x-www-form-urlencoded":
+        raise ValueError(content_type)
     out: dict[str, Any] = {}
     for name, value in parse_qsl(body.decode(), keep_blank_values=True):
         nested = re.fullmatch(r"(\w+)\[(\w+)\]", name)
@@ -61,6 +64,8 @@ def authorized(request: web.Request) -> bool:
 async def create(request: web.Request) -> web.Response:
     """Create a PaymentIntent or a Refund, once per idempotency key."""
     await delay(request)
+    if request.headers.get("x-fake-status") == "503":
+        return error(503, "api_error", "The service is temporarily unavailable.")
     if not authorized(request):
         return error(401, "invalid_request_error", "Invalid API Key provided.")
     body = await request.read()

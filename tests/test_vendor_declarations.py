@@ -1,0 +1,131 @@
+"""The bundled tool declarations read each status as the vendor documents it (issue #14,
+deliverable 7; the citations are in effectguard/providers/bundled/{stripe,postmark,github}.toml),
+and the fakes in tests/fakes answer as the vendors document.
+
+The Stripe 5xx test runs a real ``effectguard serve`` in front of the Stripe fake: a 503
+that Stripe turned away proves nothing, so a keyed resend must reach Stripe (which
+deduplicates it), not be answered with the stored 503.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fakes import RunningFake, running_fake
+
+from effectguard.providers import load_providers
+from effectguard.testing import Proxy, running_proxy
+
+#: status -> what it means for the effect ("none": not processed; "unknown": held until
+#: reconciled; "applied": booked as a failed call and replayed to a keyed resend).
+DOCUMENTED = {
+    # docs.stripe.com/api/errors, /error-low-level, /idempotency (read 2026-12-01).
+    "stripe": {
+        **dict.fromkeys((400, 401, 403, 404, 409, 429), "none"),
+        **dict.fromkeys((402, 424), "applied"),
+        **dict.fromkeys((500, 502, 503, 504), "unknown"),
+    },
+    # postmarkapp.com/developer/api/overview (read 2026-12-01).
+    "postmark": {
+        **dict.fromkeys((401, 404, 413, 415, 422, 429, 503), "none"),
+        500: "unknown",
+    },
+    # docs.github.com troubleshooting page and the create-an-issue-comment operation.
+    "github": dict.fromkeys((400, 401, 403, 404, 410, 422, 429), "none"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_bundled_tool_reads_each_documented_status(name: str) -> None:
+    """Each documented status means, for the effect, what the vendor's pages say."""
+    provider = load_providers()[name]
+    assert {s: provider.answer_effect(s) for s in DOCUMENTED[name]} == DOCUMENTED[name]
+    assert provider.retry_statuses <= provider.no_effect_statuses
+
+
+def test_bundled_tool_auth_headers_are_the_vendors() -> None:
+    """Stripe and GitHub take a bearer token; Postmark its own server-token header."""
+    providers = load_providers()
+    assert (providers["stripe"].key_header, providers["stripe"].key_format) == (
+        "authorization",
+        "Bearer {key}",
+    )
+    assert (providers["github"].key_header, providers["github"].key_format) == (
+        "authorization",
+        "Bearer {key}",
+    )
+    assert (providers["postmark"].key_header, providers["postmark"].key_format) == (
+        "x-postmark-server-token",
+        "{key}",
+    )
+
+
+# -- the fakes answer as the vendors document ---------------------------------------------
+
+
+@pytest.fixture
+def stripe(tmp_path: Path) -> Iterator[RunningFake]:
+    with running_fake("stripe_like", tmp_path / "stripe.jsonl") as fake:
+        yield fake
+
+
+@pytest.mark.slow
+def test_stripe_fake_takes_form_bodies_only(stripe: RunningFake) -> None:
+    """Stripe documents form-encoded bodies: a JSON body is refused before any work."""
+    auth = {"Authorization": "Bearer sk_test_x"}
+    refused = httpx.post(stripe.url + "/v1/payment_intents", json={"amount": 1}, headers=auth)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    made = httpx.post(stripe.url + "/v1/payment_intents", data={"amount": "1"}, headers=auth)
+    assert made.status_code == 200 and made.json()["object"] == "payment_intent"
+    assert len(stripe.effects()) == 1
+
+
+@pytest.mark.slow
+def test_email_and_chat_fakes_refuse_bodies_as_their_vendors_do(tmp_path: Path) -> None:
+    """Postmark: a non-JSON body is 415; GitHub: unparsable JSON is 400, a missing field 422."""
+    with running_fake("email_like", tmp_path / "email.jsonl") as email:
+        token = {"X-Postmark-Server-Token": "pm"}
+        answer = httpx.post(email.url + "/email", data={"From": "a@example.com"}, headers=token)
+        assert answer.status_code == 415
+        assert email.effects() == []
+    with running_fake("chat_like", tmp_path / "chat.jsonl") as chat:
+        url, auth = chat.url + "/repos/o/r/issues/1/comments", {"Authorization": "Bearer gh"}
+        bad_json = httpx.post(url, content=b"{", headers=auth)
+        assert (bad_json.status_code, bad_json.json()["message"]) == (400, "Problems parsing JSON")
+        no_body = httpx.post(url, json={"title": "x"}, headers=auth)
+        assert (no_body.status_code, no_body.json()["message"]) == (422, "Validation Failed")
+        assert chat.effects() == []
+
+
+# -- a Stripe 503 through the proxy ---------------------------------------------------------
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, stripe: RunningFake) -> Iterator[Proxy]:
+    env = {"STRIPE_API_KEY": "sk_test_x"}
+    with running_proxy(tmp_path / "ledger.db", upstreams={"stripe": stripe.url}, env=env) as p:
+        yield p
+
+
+@pytest.mark.slow
+def test_stripe_503_is_unknown_and_a_keyed_resend_reaches_stripe(
+    stripe: RunningFake, proxy: Proxy
+) -> None:
+    """A 503 proves nothing, so it is not booked as a failed call: the client's resend under
+    the same Idempotency-Key goes to Stripe, which makes the PaymentIntent once."""
+    url = proxy.url + "/stripe/v1/payment_intents"
+    headers = {"Idempotency-Key": "order-17"}
+    form = {"amount": "500", "currency": "usd"}
+    first = httpx.post(url, data=form, headers={**headers, "x-fake-status": "503"}, timeout=30)
+    assert first.status_code == 503
+    assert stripe.effects() == []
+    resent = httpx.post(url, data=form, headers=headers, timeout=30)
+    assert resent.status_code == 200, resent.text
+    assert resent.headers.get("effectguard-replayed") != "true"
+    assert resent.json()["object"] == "payment_intent"
+    (effect,) = stripe.effects()
+    assert effect["op"] == resent.json()["metadata"]["effectguard_op"]
