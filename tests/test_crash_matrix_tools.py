@@ -56,7 +56,7 @@ LAG_S, FRESH_S = 0.3, 1.0
 #: Stripe needs none: its requests are form-encoded, as Stripe takes them, and the
 #: bundled declaration is tested as it ships.
 OVERRIDES = {
-    # Postmark's declared freshness (an hour) would make the test wait an hour.
+    # Postmark's declared freshness (two hours) would make the test wait that long.
     "postmark": f"""
 extends = "postmark"
 [[endpoints]]

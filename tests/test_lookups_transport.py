@@ -101,3 +101,32 @@ async def test_lost_call_is_refused_while_fresh_then_resent_exactly_once(
         (state,) = await t.ledger.calls()
         assert (state.stage, state.attempts, state.held) == ("completed", 2, 0)
     await finish(t)
+
+
+async def test_not_found_past_the_declared_retention_proves_nothing(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A provider that forgets operations (Postmark: 7 to 365 days) answers "not found"
+    for one it applied long ago: past ``retention_s`` the lookup reads unknown, so the
+    resend stays refused 409 and nothing is sent again."""
+    folder = declare(tmp_path, freshness=60, retention=100)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        inner = DropFirstSend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-3"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(9))
+        assert first.status_code == 502, first.text
+        call_id = first.headers["effectguard-call-id"]
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past freshness and retention
+        old = await client.post(url, json=charge(9))
+        assert old.status_code == 409, old.text
+        assert old.json()["error"]["type"] == "effect_unknown"
+        assert charges(fake) == []
+        assert await reconciled_by(t, call_id) == []
+        guard.resolver.clock = lambda: time.time() + 80  # past freshness only: decided
+        resent = await client.post(url, json=charge(9))
+        assert resent.status_code == 200, resent.text
+        assert len(charges(fake)) == 1
+    await finish(t)

@@ -41,12 +41,15 @@ max_output_tokens = 0
 """
 
 
-def declare(tmp_path: Path, freshness: float | None) -> Path:
+def declare(tmp_path: Path, freshness: float | None, retention: float | None = None) -> Path:
     """A --providers directory declaring ``payments`` with the given search freshness
-    (None: no lookup at all, as for a tool that cannot be searched)."""
+    (None: no lookup at all, as for a tool that cannot be searched) and, if given, the
+    retention past which its search has forgotten an operation."""
     folder = tmp_path / "providers"
     folder.mkdir(exist_ok=True)
     text = DECLARATION.format(freshness=freshness or 0)
+    if retention is not None:
+        text = text.replace("timeout_s = 5\n", f"timeout_s = 5\nretention_s = {retention}\n")
     if freshness is None:
         start, end = text.index("[endpoints.lookup]"), text.index("[models.default]")
         text = text[:start] + text[end:]

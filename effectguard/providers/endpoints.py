@@ -50,7 +50,17 @@ _ENDPOINT_KEYS = frozenset(
     {"path", "method", "effect", "idempotency", "op_id", "lookup", "per_call", "cost_deferred"}
 )
 _LOOKUP_KEYS = frozenset(
-    {"method", "url", "query", "applied", "not_found", "freshness_s", "op", "timeout_s"}
+    {
+        "method",
+        "url",
+        "query",
+        "applied",
+        "not_found",
+        "freshness_s",
+        "retention_s",
+        "op",
+        "timeout_s",
+    }
 )
 
 Fail = Callable[[str, str], ConfigError]
@@ -89,7 +99,8 @@ class Lookup:
     applied, and its value is the recovered object where it is a JSON object; otherwise a
     status in ``not_found`` means "not found"; anything else is unknown. "Not found"
     proves "not applied" only once the call's last attempt is older than ``freshness_s``
-    (search indexes lag); before that it is unknown too.
+    (search indexes lag); before that it is unknown too, and so it is again once the call
+    is older than ``retention_s`` (None: the provider never forgets an operation).
     """
 
     url: str
@@ -100,6 +111,7 @@ class Lookup:
     query: tuple[tuple[str, str], ...] = ()
     op: OpSource = "call_id"
     timeout_s: float = 5.0
+    retention_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +309,9 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         query=tuple((str(k), v) for k, v in query.items()),
         op=cast(OpSource, op),
         timeout_s=_seconds(table, "timeout_s", where, fail, default=5.0),
+        retention_s=(
+            _seconds(table, "retention_s", where, fail) if "retention_s" in table else None
+        ),
     )
 
 

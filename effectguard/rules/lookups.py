@@ -4,7 +4,10 @@ A provider lookup answers "was operation K applied?". Its declaration names a JS
 whose presence means applied, the statuses that mean "not found", and how far the
 provider's search lags (``freshness_s``). Anything else is unknown: effectguard never
 guesses. "Not found" proves "not applied" only for an operation older than the
-freshness, since a search index may not show a recent operation yet.
+freshness, since a search index may not show a recent operation yet, and only for
+one younger than the provider's declared retention (``retention_s``), since a provider
+that forgets old operations (Postmark keeps messages 45 days by default, as little as 7)
+answers "not found" for an operation it did apply long ago.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ def read_answer(
     not_found: Collection[int],
     freshness_s: float,
     age_s: float,
+    retention_s: float | None = None,
 ) -> Reading:
-    """Read one lookup answer for an operation whose last attempt started ``age_s`` ago."""
+    """Read one lookup answer for an operation whose last attempt started ``age_s`` ago
+    (``retention_s``: how long the provider keeps an operation findable, if it forgets)."""
     try:
         parsed: Any = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
@@ -81,5 +86,12 @@ def read_answer(
             "unknown",
             f"not found, but the operation is {age_s:.0f}s old and the provider's search "
             f"may lag {freshness_s:.0f}s",
+        )
+    if retention_s is not None and age_s > retention_s:
+        # The provider no longer keeps what it did then: absence proves nothing.
+        return Reading(
+            "unknown",
+            f"not found, but the operation is {age_s:.0f}s old and the provider keeps "
+            f"operations findable for {retention_s:.0f}s",
         )
     return Reading("not_applied", f"not found (status {status}) past the {freshness_s:.0f}s lag")
