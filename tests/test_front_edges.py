@@ -188,6 +188,20 @@ def test_a_utf8_header_value_is_forwarded_as_sent(env: Env) -> None:
     assert forwarded[b"x-title"] == value
 
 
+def test_a_header_value_that_is_not_utf8_is_400_and_never_sent(env: Env) -> None:
+    """A Latin-1 header byte cannot be forwarded byte for byte (the upstream leg writes
+    header text as UTF-8), so rather than alter it the proxy refuses the request."""
+    before = len(env.seen)
+    body = b'{"to": "a@example.com"}'
+    request = post("/send_email/v1/send", body).replace(
+        b"\r\n\r\n", b"\r\nX-Title: caf\xe9\r\n\r\n", 1
+    )
+    answer = exchange(env.proxy.url, request)
+    assert answer.status == 400, answer
+    assert b"x-title" in answer.body.lower() and b"UTF-8" in answer.body
+    assert len(env.seen) == before
+
+
 def test_a_read_only_call_to_a_dead_upstream_is_502_upstream_unreachable(env: Env) -> None:
     """A read-only endpoint whose upstream is down answers 502 in the provider's shape."""
     response = env.client.get("/anthropic/v1/models")

@@ -338,6 +338,7 @@ class ProxyApp:
     ) -> Outbound:
         """The client's request as it goes to the guard: credentials swapped, URL resolved."""
         # Wire bytes throughout: a UTF-8 header value goes upstream exactly as it came.
+        _check_utf8(raw_headers)
         out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
         if provider_key is not None or self.keyring.required:
@@ -399,6 +400,23 @@ class ProxyApp:
                     await asyncio.shield(reply.aclose())
             else:
                 await reply.aclose()
+
+
+def _check_utf8(headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse (400) a header value that is not UTF-8: aiohttp writes header text as
+    UTF-8, so such a value could only reach the provider altered (contract §12)."""
+    for name, value in headers:
+        if value.isascii():
+            continue
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Refusal(
+                400,
+                "invalid_request",
+                f"header {name.decode('latin-1')!r} is not UTF-8; effectguard forwards "
+                "header values byte for byte and cannot forward this one",
+            ) from None
 
 
 def _route(scope: Scope) -> tuple[str, str]:
