@@ -33,13 +33,15 @@ def _body(stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-async def _call(app: Any, body: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
-    """One POST through the ASGI app: its status, headers and whole body."""
+async def _call(
+    app: Any, body: bytes, method: str = "POST", path: str = CHAT
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request through the ASGI app: its status, headers and whole body."""
     scope = {
         "type": "http",
-        "method": "POST",
-        "path": CHAT,
-        "raw_path": CHAT.encode(),
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
     }
@@ -157,3 +159,27 @@ def test_the_leg_never_resends_a_request_by_itself(method: str) -> None:
     assert seen[1].endswith(b"charge-1")
     assert failure is not None
     assert classify_transport_error(failure) == "unknown"
+
+
+def test_a_read_only_request_lost_on_a_stale_connection_is_sent_again(tmp_path: Path) -> None:
+    """A read has no effect to lose: a GET that a kept-alive connection drops unanswered
+    is sent once more on a fresh one (aiohttp's own resend is off for every request, and
+    the guard resends only what is declared read-only), and the client gets its 200."""
+
+    async def run() -> tuple[list[bytes], list[int]]:
+        seen: list[bytes] = []
+        server, port = await _drop_second_request(seen)
+        upstreams = {"openai": f"http://127.0.0.1:{port}"}
+        app = create_app(load_settings(ledger=str(tmp_path / "ledger.db"), upstreams=upstreams))
+        await app.startup()
+        try:
+            statuses = [(await _call(app, b"", "GET", "/openai/v1/models"))[0] for _ in range(2)]
+        finally:
+            await app.shutdown()
+            server.close()
+            await server.wait_closed()
+        return seen, statuses
+
+    seen, statuses = asyncio.run(run())
+    assert statuses == [200, 200]
+    assert [s.split(b" ")[:2] for s in seen] == [[b"GET", b"/v1/models"]] * 3

@@ -7,9 +7,14 @@ import time
 
 import httpx
 
-from effectguard.callpath.exchange import Outbound, Reply, Send, UpstreamBody
+from effectguard.callpath.exchange import Outbound, Reply, Send, Upstream, UpstreamBody
 from effectguard.callpath.prepare import refuse
-from effectguard.callpath.wire import classify_transport_error, client_headers, upstream_request
+from effectguard.callpath.wire import (
+    classify_transport_error,
+    client_headers,
+    timed_out,
+    upstream_request,
+)
 from effectguard.providers import Provider
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
@@ -23,15 +28,14 @@ async def forward_read_only(
     observer.dispatching(report, outgoing)
     sent_at = time.perf_counter()
     try:
-        response = await send(outgoing)
+        response = await _send_read(send, outgoing)
     except httpx.TransportError as exc:
         not_sent = classify_transport_error(exc) == "not_sent"
-        timeout = isinstance(exc, httpx.TimeoutException)
         kind = "upstream_unreachable" if not_sent else "upstream_failed"
         observer.refused(provider.name, kind)
         # A read has no effect to lose, so a client may always try again.
         raise refuse(
-            504 if timeout and not not_sent else 502,
+            504 if timed_out(exc) and not not_sent else 502,
             kind,
             f"{provider.name} {'could not be reached' if not_sent else 'failed'}: {describe(exc)}",
             retryable=True,
@@ -44,6 +48,18 @@ async def forward_read_only(
         stream=UpstreamBody(response),
         extensions=response.extensions,
     )
+
+
+async def _send_read(send: Send, outgoing: Outbound) -> Upstream:
+    """Send a read, once more if a connection failed under it without running out of
+    time: a kept-alive connection the upstream had closed (the leg never resends on its
+    own, since for an effect that would be a second, unrecorded send; a read has none)."""
+    try:
+        return await send(outgoing)
+    except httpx.TransportError as exc:
+        if timed_out(exc):
+            raise
+    return await send(outgoing)
 
 
 def describe(exc: BaseException) -> str:
