@@ -27,6 +27,7 @@ from typing import Any
 
 from effectguard.config.settings import load_settings
 from effectguard.ingress.server import create_app
+from effectguard.ingress.serving import settle_gc
 from effectguard.telemetry.logs import configure_logging
 from effectguard.telemetry.metrics import Metrics
 from effectguard_bench.baseline import BareProxy
@@ -97,6 +98,7 @@ async def _run(args: argparse.Namespace, upstream: str, work: Path) -> None:
         settings = load_settings(ledger=str(work / "ledger.db"), upstreams={"openai": upstream})
         app = create_app(settings, metrics=Metrics())
         await app.startup()
+        settle_gc()  # as serve does once started
     try:
         body = request_body(args.stream)
         await _drive(app, body, 200, args.concurrency)  # warm-up: caches, pools, pages

@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 import sqlite3
 from pathlib import Path
+from typing import Any
 
+import pytest
 from test_ledger_format import admit_request
 
 from effectguard.ledger import Ledger, Writer, operations, sqliteevents, sqlitelinks
@@ -132,3 +134,33 @@ def test_the_link_cache_never_drops_a_tail_inside_a_transaction() -> None:
     assert links.tail("x") == 7
     links.trim()  # between transactions the cache is bounded again
     assert links.tails == {}
+
+
+async def test_a_new_call_is_linked_without_reading_for_its_last_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admitting a new call reads no row for its last event (its manifest opens it), and
+    its links still verify."""
+    statements: list[str] = []
+    connect = sqlite3.connect
+
+    def traced(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = connect(*args, **kwargs)
+        conn.set_trace_callback(statements.append)
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", traced)
+    async with Ledger.open(str(tmp_path / "l.db")) as ledger:
+        writer = await ledger.store.write(
+            Writer("w1", 0),
+            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=60),
+        )
+        statements.clear()
+        ids = [(await ledger.admit(writer, admit_request(n))).call_id for n in range(3)]
+        admitting = list(statements)
+        for call_id in ids:
+            await ledger.record(writer, call_id, 1, _outcome(call_id))  # type: ignore[arg-type]
+        report = await verify_ledger(ledger)
+    assert report.ok, report.problems
+    assert any(s.startswith("INSERT INTO events") for s in admitting), admitting
+    assert not [s for s in admitting if "last_seq FROM calls" in s], admitting

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import importlib.util
 import logging
 import os
@@ -34,6 +35,26 @@ from effectguard.telemetry.logs import configure_logging
 Alongside = Callable[[], AbstractAsyncContextManager[object]]
 #: Exit status of a proxy whose startup failed (uvicorn's own).
 STARTUP_FAILED = 3
+#: The collector's youngest-generation threshold in a serving proxy (Python's: 700).
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def settle_gc() -> None:
+    """Set the garbage collector up for serving, once the proxy has started.
+
+    A request allocates hundreds of short-lived containers, nearly all freed by
+    reference counting; with 32 requests in flight, Python's default threshold ran a
+    young collection every few requests, which promoted in-flight objects and led to
+    full collections over the ~50,000 objects of the loaded modules and the app. In
+    process at 32 clients that was 23 us of CPU per request (11.7 us with the startup
+    objects frozen, 0 with both changes: at 10,000 no collection ran in 3,000
+    requests). Collecting first keeps startup's garbage out of the frozen set; cyclic
+    garbage is still collected, after 10,000 net allocations.
+    """
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -162,6 +183,7 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:  # the ledger is open and the socket accepts: say so now
+            settle_gc()
             print(self._start_line, flush=True)
 
     def stop(self) -> None:

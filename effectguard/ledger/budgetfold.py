@@ -57,4 +57,4 @@ def fold_budget(tx: Tx, tree: budgets.Tree, event: Event, changed: set[budgets.K
     missing = [k for k in keys if k not in tree.nodes]
     if missing:
         tree.nodes.update(tx.get_nodes(missing))
-    changed.update(n.key for n in tree.apply(event))
+    changed.update(n.key for n in tree.apply_delta(delta))

@@ -188,7 +188,17 @@ _CALL_ID = re.compile(r"call_[0-9a-f]{32}")
 
 def call_key(call_id: str) -> bytes | str:
     """How ``call_id`` is stored in (and looked up by) the events' ``call_id`` column."""
-    return bytes.fromhex(call_id[5:]) if _CALL_ID.fullmatch(call_id) else call_id
+    global _last_key
+    last_id, key = _last_key
+    if last_id != call_id:
+        # An operation appends several events of one call in a row: match each id once.
+        key = bytes.fromhex(call_id[5:]) if _CALL_ID.fullmatch(call_id) else call_id
+        _last_key = (call_id, key)
+    return key
+
+
+#: The last call id :func:`call_key` converted, and its key (one tuple: read atomically).
+_last_key: tuple[str | None, bytes | str] = (None, "")
 
 
 def call_from_key(value: Any) -> str | None:

@@ -68,7 +68,10 @@ class RowLinks:
         """``event``'s row parameters, and its call's last event is now this one."""
         call_prev = None
         if event.call_id is not None:
-            call_prev = self.tail(event.call_id)
+            # A manifest opens its call (admission writes one only for a call id it has
+            # just made): there is no earlier event to look up, and no row to read.
+            if event.kind != "call.manifest":
+                call_prev = self.tail(event.call_id)
             self.tails[event.call_id] = event.seq
         return sqliteevents.event_params(event, call_prev, self.worker_id(event.worker))
 

@@ -198,16 +198,6 @@ def deltas(event: Event) -> Delta | None:
     return None
 
 
-def apply_delta(node: BudgetNode, delta: Delta) -> BudgetNode:
-    """Apply ``delta`` to one node, saturating every counter at zero and at ``MAX_NANOS``."""
-    return replace(
-        node,
-        reserved=_saturated(node.reserved + delta.reserved),
-        spent=_saturated(node.spent + delta.spent),
-        held=_saturated(node.held + delta.held),
-    )
-
-
 def _saturated(value: int) -> int:
     return min(MAX_NANOS, max(0, value))
 
@@ -263,14 +253,25 @@ class Tree:
             self.policies[event.path] = policy_of(event)
             return []
         delta = deltas(event)
-        if delta is None:
-            return []
+        return [] if delta is None else self.apply_delta(delta)
+
+    def apply_delta(self, delta: Delta) -> list[BudgetNode]:
+        """Fold one event's counter change in; return the counter nodes it changed."""
         changed = []
-        for path, period in delta.targets():
-            policy = self.policies.get(path)
-            old = self.nodes.get((path, period)) or BudgetNode(path, period=period)
-            node = replace(apply_delta(old, delta), limit=policy.limit if policy else None)
-            self.nodes[(path, period)] = node
+        for key in delta.targets():
+            policy = self.policies.get(key[0])
+            old = self.nodes.get(key) or BudgetNode(key[0], period=key[1])
+            # Every counter saturates at zero and at MAX_NANOS; the limit is the policy's
+            # now. One construction: two replace() calls cost more than the arithmetic.
+            node = BudgetNode(
+                old.path,
+                policy.limit if policy else None,
+                _saturated(old.reserved + delta.reserved),
+                _saturated(old.spent + delta.spent),
+                _saturated(old.held + delta.held),
+                old.period,
+            )
+            self.nodes[key] = node
             changed.append(node)
         return changed
 

@@ -452,12 +452,22 @@ def event_digest(
     prev_digest: str,
 ) -> str:
     """SHA-256 over an event's content and its predecessor's digest."""
-    h = hashlib.sha256()
-    header = f"{seq}\x1f{kind}\x1f{call_id or ''}\x1f{worker}\x1f{generation}\x1f{at!r}\x1f"
-    h.update(prev_digest.encode("ascii"))
-    h.update(header.encode("utf-8"))
-    h.update(data_json.encode("utf-8"))
-    return h.hexdigest()
+    # One update of the same bytes. An operation's events share their ``at`` object,
+    # whose repr (the costliest part of the header) is then made once.
+    global _at_repr
+    last_at, at_text = _at_repr
+    if last_at is not at:
+        at_text = repr(at)
+        if type(at) is float:  # immutable, and held here, so its id is not reused
+            _at_repr = (at, at_text)
+    text = f"{seq}\x1f{kind}\x1f{call_id or ''}\x1f{worker}\x1f{generation}\x1f{at_text}\x1f"
+    return hashlib.sha256(
+        prev_digest.encode("ascii") + (text + data_json).encode("utf-8")
+    ).hexdigest()
+
+
+#: The last ``at`` digested and its repr (by identity: 0.0 and -0.0 are equal, not alike).
+_at_repr: tuple[object, str] = (object(), "")
 
 
 def seal(

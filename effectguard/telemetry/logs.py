@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import sys
+import time
 from typing import IO, Any
 
 from effectguard.config.settings import LOG_FORMATS
@@ -38,6 +40,8 @@ __all__ = [
 ACCESS = logging.getLogger("effectguard.access")
 EVENTS = logging.getLogger("effectguard.events")
 
+#: The source file a record names when logging does not look its caller up.
+_NO_SOURCE = "(unknown file)"
 #: Attributes every LogRecord has; anything else on a record came from ``extra``.
 _STANDARD = frozenset(
     logging.LogRecord("", 0, "", 0, "", None, None).__dict__.keys() | {"message", "asctime"}
@@ -46,8 +50,27 @@ _STANDARD = frozenset(
 
 def _iso(created: float) -> str:
     """A record's time as ISO 8601 UTC with milliseconds."""
-    moment = dt.datetime.fromtimestamp(created, tz=dt.UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    # Every access line pays for this: the text up to the second is made once per
+    # second. The split into second and microsecond is datetime.fromtimestamp's own
+    # (half-even rounding of the fraction, carried into the second).
+    global _last_second
+    if not 0 <= created < _LAST_SECOND_SHOWN:  # before 1970 or beyond year 9999: datetime's
+        moment = dt.datetime.fromtimestamp(created, tz=dt.UTC)
+        return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    fraction, whole = math.modf(created)
+    micros = round(fraction * 1e6)
+    second = int(whole) + (micros >= 1_000_000)
+    cached, prefix = _last_second
+    if cached != second:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _last_second = (second, prefix)
+    return f"{prefix}.{micros % 1_000_000 // 1000:03d}Z"
+
+
+#: The last second :func:`_iso` wrote, and its text up to the second (read as one tuple).
+_last_second: tuple[int, str] = (-1, "")
+#: 10000-01-01T00:00:00Z: later times are written by datetime (which refuses them).
+_LAST_SECOND_SHOWN = 253402300800
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -176,7 +199,12 @@ class LogObserver(NullObserver):
         if serious and report.message:
             fields["detail"] = _short(report.message)
         summary = f"{report.method} /{report.provider}{report.endpoint} {report.status}"
-        self.access.log(level, summary, extra=fields)
+        # Logger.log less its caller lookup (a walk of the stack per line): the record is
+        # the one logging makes when it does not look callers up (logging._srcfile None).
+        access = self.access
+        access.handle(
+            access.makeRecord(access.name, level, _NO_SOURCE, 0, summary, (), None, None, fields)
+        )
 
     def incident(self, kind: str, call_id: str | None, detail: str) -> None:
         detail = _short(detail)
