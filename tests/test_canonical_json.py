@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import tracemalloc
 import sys
+import tracemalloc
 from typing import Any
 
 import pytest
