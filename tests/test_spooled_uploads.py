@@ -9,12 +9,15 @@ whatever became of it.
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from aiohttp import web
 
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 from effectguard_bench import uploadmemory
@@ -245,3 +249,91 @@ async def test_a_spooled_upload_never_holds_its_body_in_the_heap(
     else:
         assert peak > size, steps
     assert not any(spool.iterdir()), "the spool file is removed"
+
+
+@pytest.mark.slow
+def test_start_up_removes_only_spool_files_nobody_holds(tmp_path: Path) -> None:
+    """A proxy killed mid-upload leaves its spool file behind, unlocked; the next one to
+    start removes it. It never removes a file a live process holds locked (a replica
+    sharing the directory, whatever its pid namespace), a file younger than the grace
+    period, a directory, or anything that is not a spool file, and such odd entries
+    never stop it from starting."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    old = time.time() - 60
+    dead = spool / "effectguard-body-99999999999999999999-abc"  # no such pid, unlocked
+    live = spool / f"effectguard-body-{os.getpid()}-def"
+    young = spool / "effectguard-body-1-young"
+    other = spool / "notes.txt"
+    folder = spool / "effectguard-body-2-dir"
+    for path in (dead, live, young, other):
+        path.write_bytes(b"x")
+    folder.mkdir()
+    for path in (dead, live, other, folder):
+        os.utime(path, (old, old))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nspool_dir = "{spool}"\n')
+    with open(live, "rb") as holder:
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX)  # as a live request holds its file
+        with running_proxy(tmp_path / "ledger.db", args=["--config", str(config)]) as proxy:
+            assert httpx.get(proxy.url + "/healthz").status_code == 200
+    assert sorted(p.name for p in spool.iterdir()) == sorted(
+        [live.name, young.name, other.name, folder.name]
+    )
+    assert "removed 1 upload spool files" in proxy.log()
+
+
+@pytest.mark.slow
+def test_an_upstream_that_answers_before_reading_the_upload_still_gets_all_of_it(
+    tmp_path: Path,
+) -> None:
+    """An upstream may start its answer before it has read the upload (streaming progress,
+    a front end answering early): the proxy keeps sending the spooled file until the end,
+    the upstream receives every byte, and the call completes (before the fix the file was
+    closed under aiohttp's writer when the answer's head came, and the call hung)."""
+    received: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(status=200, headers={"content-type": "application/json"})
+        await answer.prepare(request)  # the answer's head first, then the upload
+        body = await request.read()
+        received.append(hashlib.sha256(body).hexdigest())
+        await answer.write(json.dumps({"id": "file-1", "bytes": len(body)}).encode())
+        await answer.write_eof()
+        return answer
+
+    port = _serve_in_thread(handler)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nspool_body_bytes = {SPOOL_OVER}\nspool_dir = "{spool}"\n')
+    body = multipart(os.urandom(2 * 2**20))
+    upstreams = {"openai": f"http://127.0.0.1:{port}"}
+    args = ["--config", str(config)]
+    with running_proxy(tmp_path / "ledger.db", upstreams=upstreams, args=args) as proxy:
+        headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+        answer = httpx.post(
+            proxy.url + "/openai/v1/files", content=body, headers=headers, timeout=20
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["bytes"] == len(body)
+    assert received == [hashlib.sha256(body).hexdigest()]
+    assert not any(spool.iterdir())
+
+
+def _serve_in_thread(handler: Any) -> int:
+    """An aiohttp server with one POST /v1/files route, on its own loop in a thread."""
+    loop = asyncio.new_event_loop()
+
+    async def start() -> int:
+        app = web.Application(client_max_size=2**30)
+        app.router.add_post("/v1/files", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return int(runner.addresses[0][1])
+
+    port = loop.run_until_complete(start())
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return port

@@ -1080,3 +1080,29 @@ async def test_storing_a_body_never_runs_on_the_event_loop_thread(
     await asyncio.gather(*crowd, together)
     assert len(readers) == 2
     assert threading.get_ident() not in readers
+
+
+async def test_an_upload_alone_in_its_batch_commits_off_the_event_loop_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite commits a lone small operation inline (a thread hop would only add
+    latency), but the commit of a lone upload fsyncs its pages: that leaves the loop."""
+    from effectguard.ledger.sqlite import SqliteSession
+
+    committers: list[int] = []
+    real = SqliteSession.commit
+
+    def commit(self: SqliteSession) -> None:
+        committers.append(threading.get_ident())
+        real(self)
+
+    monkeypatch.setattr(SqliteSession, "commit", commit)
+    async with Ledger.open(str(tmp_path / "ledger.db")) as ledger:
+        writer = await register(ledger, "w-upload")
+        ns = "t" + uuid.uuid4().hex[:12]
+        committers.clear()
+        await admit_ok(ledger, writer, req(ns))
+        await admit_ok(ledger, writer, ref_req(ns, spool(tmp_path, os.urandom(300 * 1024))))
+    loop_thread = threading.get_ident()
+    assert committers[0] == loop_thread, "a lone small admission commits inline"
+    assert committers[1] != loop_thread, "a lone upload's commit leaves the loop"

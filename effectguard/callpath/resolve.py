@@ -17,6 +17,7 @@ its note naming the evidence and its digest. "Unknown" records nothing: the call
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import logging
@@ -29,7 +30,7 @@ import httpx
 
 from effectguard.callpath.exchange import Outbound, Reply, Send, text_headers
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
-from effectguard.errors import EffectguardError, ReconcileError
+from effectguard.errors import BodyMismatch, EffectguardError, ReconcileError
 from effectguard.ledger import Ledger
 from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
@@ -97,12 +98,20 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
 
 async def request_body(ledger: Ledger, facts: Facts) -> bytes:
     """The request's bytes as admitted; a body stored by reference (an upload, at most
-    ``max_body_bytes``) is read back from the ledger, for the reconcile hook to see."""
+    ``max_body_bytes``) is read back whole from the ledger, for the reconcile hook to
+    see, and must hash to its manifest's digest (:class:`BodyMismatch` otherwise)."""
     if isinstance(facts.body, bytes):
         return facts.body
     out = io.BytesIO()
     await ledger.copy_body(facts.call_id, out)
-    return out.getvalue()
+    body = out.getvalue()
+    if hashlib.sha256(body).hexdigest() != facts.body:
+        raise BodyMismatch(
+            f"call {facts.call_id}: its stored body does not hash to its manifest's "
+            f"sha256 {facts.body}",
+            call_id=facts.call_id,
+        )
+    return body
 
 
 def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str | None) -> Outbound:
@@ -210,11 +219,15 @@ class Resolver:
 
     async def _ask_hook(self, facts: Facts) -> Evidence:
         assert self.hook is not None
+        try:
+            request = await request_body(self.ledger, facts)
+        except BodyMismatch as exc:  # nothing true to show the hook: no evidence
+            return Evidence("unknown", "hook", str(exc))
         question = ReconcileQuestion(
             provider=facts.provider,
             endpoint=facts.endpoint,
             method=facts.method,
-            request=await request_body(self.ledger, facts),
+            request=request,
             op_id=facts.call_id,
             idempotency_key=facts.idempotency_key,
         )

@@ -345,7 +345,7 @@ def load_settings(
         keys=tuple(_proxy_keys(raw, source)),
         admin=_admin(raw, source, env),
         max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
-        spool_body_bytes=int(_number(server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server")),
+        spool_body_bytes=int(_positive(server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server")),
         spool_dir=_directory(server, "spool_dir", "server"),
         drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),

@@ -14,8 +14,7 @@ unknown" exactly as before (:func:`effectguard.callpath.wire.classify_transport_
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -24,6 +23,7 @@ import yarl
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from effectguard.callpath.exchange import Headers, Outbound, decoded
+from effectguard.ingress import spool
 
 #: As many connections as the old httpx limits allowed (``max_connections``).
 MAX_CONNECTIONS = 1000
@@ -51,18 +51,6 @@ class AiohttpUpstream:
     async def aclose(self) -> None:
         # Returns a fully read connection to the pool; closes one read only in part.
         self._response.release()
-
-
-@contextlib.contextmanager
-def _payload(request: Outbound) -> Iterator[Any]:
-    """What aiohttp sends: the body, or a spooled upload's file, which aiohttp reads in
-    chunks off the loop (and whose length it sends). Each send, a retry too, opens it
-    afresh and closes it when the answer's head has come."""
-    if request.spool is None:
-        yield request.body or None
-        return
-    with open(request.spool.path, "rb") as file:
-        yield file
 
 
 class AiohttpLeg:
@@ -94,17 +82,29 @@ class AiohttpLeg:
     async def send(self, request: Outbound) -> AiohttpUpstream:
         """Send ``request``; its answer with the body still to read."""
         session = self._session or self._open()
-        with _payload(request) as data, map_aiohttp_exceptions():
-            response = await session.request(
-                request.method,
-                self._url(request.url),
-                headers=decoded(request.headers),
-                data=data,
-                allow_redirects=False,
-                auto_decompress=False,
-                compress=False,
-                timeout=self._timeout,
-            )
+        headers = decoded(request.headers)
+        data: Any = request.body or None
+        if request.spool is not None:
+            # Opened here, so a file gone before the send is "not sent"; from then on
+            # aiohttp's body writer owns it, however early the upstream answers.
+            data = spool.SpoolReader.open(request.spool)
+            headers.append(("content-length", str(request.spool.size)))
+        try:
+            with map_aiohttp_exceptions():
+                response = await session.request(
+                    request.method,
+                    self._url(request.url),
+                    headers=headers,
+                    data=data,
+                    allow_redirects=False,
+                    auto_decompress=False,
+                    compress=False,
+                    timeout=self._timeout,
+                )
+        except BaseException:
+            if isinstance(data, spool.SpoolReader):
+                data.close()
+            raise
         return AiohttpUpstream(response)
 
     def _url(self, text: str) -> yarl.URL:

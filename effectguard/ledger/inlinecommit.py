@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger.base import Operation, Tx, Writer, is_bulky
@@ -80,6 +80,7 @@ class InlineCommitter(Generic[S]):
         self._runner: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="effectguard-lock")
+        self._busy: concurrent.futures.Future[Any] | None = None
         self.stats = CommitStats()
 
     def start(self) -> None:
@@ -137,30 +138,18 @@ class InlineCommitter(Generic[S]):
             # A bulky operation (an upload's chunks) runs off the loop, like an fsync.
             off_loop = any(is_bulky(job.op) for job in batch)
             if len(batch) == 1:
-                # Alone in its transaction an operation needs no savepoint: if it fails,
-                # the transaction is rolled back instead of committed.
-                job = batch[0]
-                if off_loop:
-                    await loop.run_in_executor(
-                        self._io, run_alone, session, job, self._check_writer
-                    )
-                else:
-                    run_alone(session, job, self._check_writer)
-                if job.error is not None:
-                    session.rollback()  # the operation's own refusal: the ledger works
-                else:
-                    session.commit()  # a quiet loop: a thread hop would only add latency
-                self.stats.transactions += 1
+                await self._run_alone(session, batch[0], off_loop)
                 return True
             if off_loop:
-                await loop.run_in_executor(self._io, self._run_all, session, batch)
+                await self._off_loop(self._run_all, session, batch)
             else:
                 self._run_all(session, batch)
             # Requests are waiting on the loop: let them run while the fsync does.
-            await loop.run_in_executor(self._io, session.commit)
+            await self._off_loop(session.commit)
             self.stats.transactions += 1
             return True
         except BaseException as exc:
+            self._wait_for_thread()
             with contextlib.suppress(Exception):
                 session.rollback()
             if not isinstance(exc, Exception):  # cancelled: no transaction is left open
@@ -168,6 +157,33 @@ class InlineCommitter(Generic[S]):
             halves = split_retry(session, batch, exc)
         # Both halves run (a list, not a short-circuiting generator): each op gets its answer.
         return bool(halves) and all([await self._run_locked(session, half) for half in halves])
+
+    async def _run_alone(self, session: S, job: Job, off_loop: bool) -> None:
+        """One operation alone in its transaction: no savepoint; if it fails, the
+        transaction is rolled back instead of committed. Inline on a quiet loop (a thread
+        hop would only add latency), unless it is bulky: then its commit, which fsyncs
+        the upload's pages, leaves the loop too."""
+        if off_loop:
+            await self._off_loop(run_alone, session, job, self._check_writer)
+        else:
+            run_alone(session, job, self._check_writer)
+        end = session.rollback if job.error is not None else session.commit
+        if off_loop:
+            await self._off_loop(end)
+        else:
+            end()
+        self.stats.transactions += 1
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the I/O thread. Remembered: a batch cancelled meanwhile waits
+        for it before rolling back, so two threads never use the connection at once."""
+        self._busy = self._io.submit(fn, *args)
+        return await asyncio.wrap_future(self._busy)
+
+    def _wait_for_thread(self) -> None:
+        busy, self._busy = self._busy, None
+        if busy is not None and not busy.done():
+            concurrent.futures.wait([busy])
 
     def _run_all(self, session: S, batch: list[Job]) -> None:
         for job in batch:
