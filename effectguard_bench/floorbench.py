@@ -34,7 +34,7 @@ from effectguard.ledger import Ledger
 from effectguard.ledger.queries import SQLITE, upsert
 from effectguard.ledger.rows import CALL_COLUMNS, MUTABLE_CALL_COLUMNS, NODE_COLUMNS
 from effectguard.ledger.sqliteevents import ALL_EVENTS, INSERT_COLUMNS, event_from_row
-from effectguard.rules.events import canonical_json, event_digest
+from effectguard.rules.events import stored_digest
 from effectguard_bench import ledgerbench, storagebench
 
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
@@ -148,16 +148,7 @@ def sealing_floor(stored: list[Any]) -> float:
     """CPU seconds to encode and chain-hash every stored event once."""
     started = time.process_time()
     for e in stored:
-        event_digest(
-            seq=e.seq,
-            kind=e.kind,
-            call_id=e.call_id,
-            data_json=canonical_json(e.data),
-            worker=e.worker,
-            generation=e.generation,
-            at=e.at,
-            prev_digest=e.prev_digest,
-        )
+        stored_digest(e)
     return time.process_time() - started
 
 

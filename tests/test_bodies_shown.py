@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
+from bodykit import upload_request
 
 from effectguard.ingress.admin import views
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
+from effectguard.ledger import Ledger, Writer, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.bodyref import REF_ENCODING, SpooledBody
 from effectguard.testing.sim.evidence import Evidence
@@ -21,25 +22,6 @@ from effectguard.testing.sim.invariants import receipts_have_attempts
 
 UPLOAD = os.urandom(300 * 1024)
 DIGEST = hashlib.sha256(UPLOAD).hexdigest()
-
-
-def _request(spool: SpooledBody, budget: str) -> AdmitRequest:
-    return AdmitRequest(
-        request_hash="h",
-        provider="openai",
-        endpoint="/v1/files",
-        method="POST",
-        model=None,
-        idempotency_key=None,
-        budget=budget,
-        budget_root=budget.split("/")[0],
-        effect_kind="billable",
-        body=spool.sha256,
-        body_encoding=REF_ENCODING,
-        stream=False,
-        reserve=1_000,
-        spool=spool,
-    )
 
 
 async def _admit(ledger_path: str, tmp_path: Path) -> tuple[str, str]:
@@ -53,8 +35,8 @@ async def _admit(ledger_path: str, tmp_path: Path) -> tuple[str, str]:
             lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=60),
         )
         await ledger.set_limit("poor", 0)
-        admitted = await ledger.admit(writer, _request(spool, "team/run"))
-        refused = await ledger.admit(writer, _request(spool, "poor/run"))
+        admitted = await ledger.admit(writer, upload_request(spool, "team/run"))
+        refused = await ledger.admit(writer, upload_request(spool, "poor/run"))
     return admitted.call_id, refused.call_id
 
 

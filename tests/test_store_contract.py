@@ -47,8 +47,7 @@ from effectguard.rules.events import (
     CallCompleted,
     Event,
     StoredEvent,
-    canonical_json,
-    event_digest,
+    stored_digest,
 )
 from effectguard.rules.workstate import WorkState
 from effectguard.testing.clock import ManualClock
@@ -208,16 +207,7 @@ def assert_chained(events: Sequence[StoredEvent]) -> None:
     for i, e in enumerate(events):
         assert e.seq == events[0].seq + i
         assert e.prev_digest == prev
-        assert e.digest == event_digest(
-            seq=e.seq,
-            kind=e.kind,
-            call_id=e.call_id,
-            data_json=canonical_json(e.data),
-            worker=e.worker,
-            generation=e.generation,
-            at=e.at,
-            prev_digest=e.prev_digest,
-        )
+        assert e.digest == stored_digest(e)
         prev = e.digest
 
 

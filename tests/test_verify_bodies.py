@@ -4,8 +4,6 @@ Seeded corruptions of a SQLite ledger, each caught and named."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import io
 import os
 import sqlite3
@@ -15,41 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from bodykit import RESERVE, spooled, upload_request
 
 from effectguard.errors import BodyMismatch
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
+from effectguard.ledger import Ledger, Writer, operations, sqliteevents
 from effectguard.ops.verify import VerifyReport, verify_ledger
-from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
+from effectguard.rules.bodyref import CHUNK_BYTES
 
-R = 1_000
-
-
-def spool(path: Path, data: bytes) -> SpooledBody:
-    """``data`` spooled to ``path``, as the front door does with an upload."""
-    path.write_bytes(data)
-    return SpooledBody(str(path), len(data), hashlib.sha256(data).hexdigest())
-
-
-def request(hash_: str, body: SpooledBody | None, budget: str = "team/run") -> AdmitRequest:
-    """An admission request to ``budget``, its body by reference when ``body`` is given."""
-    inline = AdmitRequest(
-        request_hash=hash_,
-        provider="openai",
-        endpoint="/v1/files",
-        method="POST",
-        model=None,
-        idempotency_key=None,
-        budget=budget,
-        budget_root=budget.split("/")[0],
-        effect_kind="billable",
-        body="{}",
-        body_encoding="utf8",
-        stream=False,
-        reserve=R,
-    )
-    if body is None:
-        return inline
-    return dataclasses.replace(inline, body=body.sha256, body_encoding=REF_ENCODING, spool=body)
+R = RESERVE
 
 
 @dataclass(frozen=True)
@@ -71,11 +42,13 @@ async def built(tmp_path: Path) -> Built:
             lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=60),
         )
         await ledger.set_limit("poor", 0)
-        big = spool(tmp_path / "big", os.urandom(600 * 1024))
-        uploaded = await ledger.admit(writer, request("h-big", big))
-        small = await ledger.admit(writer, request("h-small", spool(tmp_path / "s", b"0123456789")))
-        await ledger.admit(writer, request("h-inline", None))
-        refused = await ledger.admit(writer, request("h-ref", big, budget="poor/run"))
+        big = spooled(tmp_path / "big", os.urandom(600 * 1024))
+        uploaded = await ledger.admit(writer, upload_request(big, request_hash="h-big"))
+        tiny = spooled(tmp_path / "s", b"0123456789")
+        small = await ledger.admit(writer, upload_request(tiny, request_hash="h-small"))
+        await ledger.admit(writer, upload_request(None, request_hash="h-inline"))
+        poor = upload_request(big, request_hash="h-ref", budget="poor/run")
+        refused = await ledger.admit(writer, poor)
         assert (uploaded.action, small.action, refused.action) == ("admit", "admit", "refuse")
     return Built(path, uploaded.call_id, small.call_id, refused.call_id)
 

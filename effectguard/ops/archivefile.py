@@ -31,7 +31,7 @@ from typing import Any
 
 from effectguard.ledger import Ledger
 from effectguard.ops.audit import BodyRow, Verifier, VerifyReport, checkpoint
-from effectguard.rules.events import StoredEvent, canonical_json, event_digest
+from effectguard.rules.events import StoredEvent, canonical_json, stored_digest
 from effectguard.rules.retention import ARCHIVABLE_STAGES
 
 FORMAT = "effectguard-archive/2"
@@ -220,16 +220,7 @@ def _check_start(report: VerifyReport, header: dict[str, Any], stored: StoredEve
 
 
 def _check_tail(report: VerifyReport, tail: StoredEvent) -> None:
-    digest = event_digest(
-        seq=tail.seq,
-        kind=tail.kind,
-        call_id=tail.call_id,
-        data_json=canonical_json(tail.data),
-        worker=tail.worker,
-        generation=tail.generation,
-        at=tail.at,
-        prev_digest=tail.prev_digest,
-    )
+    digest = stored_digest(tail)
     if tail.kind != checkpoint.KIND or digest != tail.digest:
         report.broken(tail.seq, f"event {tail.seq}: the archive's checkpoint is not sealed")
     report.problems.extend(checkpoint.check(tail.seq, tail.data))

@@ -440,6 +440,20 @@ class StoredEvent:
         return event_from_data(self.kind, self.data)
 
 
+def stored_digest(e: StoredEvent) -> str:
+    """The digest ``e``'s content and predecessor call for (what its ``digest`` must be)."""
+    return event_digest(
+        seq=e.seq,
+        kind=e.kind,
+        call_id=e.call_id,
+        data_json=canonical_json(e.data),
+        worker=e.worker,
+        generation=e.generation,
+        at=e.at,
+        prev_digest=e.prev_digest,
+    )
+
+
 def event_digest(
     *,
     seq: int,
