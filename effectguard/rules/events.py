@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, ClassVar
 
 from effectguard.rules.canonical import canonical_json as canonical_json  # re-exported
+from effectguard.rules.digest import event_digest as event_digest  # re-exported
 
 GENESIS_DIGEST = "0" * 64
 
@@ -452,36 +452,6 @@ def stored_digest(e: StoredEvent) -> str:
         at=e.at,
         prev_digest=e.prev_digest,
     )
-
-
-def event_digest(
-    *,
-    seq: int,
-    kind: str,
-    call_id: str | None,
-    data_json: str,
-    worker: str,
-    generation: int,
-    at: float,
-    prev_digest: str,
-) -> str:
-    """SHA-256 over an event's content and its predecessor's digest."""
-    # One update of the same bytes. An operation's events share their ``at`` object,
-    # whose repr (the costliest part of the header) is then made once.
-    global _at_repr
-    last_at, at_text = _at_repr
-    if last_at is not at:
-        at_text = repr(at)
-        if type(at) is float:  # immutable, and held here, so its id is not reused
-            _at_repr = (at, at_text)
-    text = f"{seq}\x1f{kind}\x1f{call_id or ''}\x1f{worker}\x1f{generation}\x1f{at_text}\x1f"
-    return hashlib.sha256(
-        prev_digest.encode("ascii") + (text + data_json).encode("utf-8")
-    ).hexdigest()
-
-
-#: The last ``at`` digested and its repr (by identity: 0.0 and -0.0 are equal, not alike).
-_at_repr: tuple[object, str] = (object(), "")
 
 
 def seal(
