@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from effectguard.ops.audit.archived import FINAL_STAGES
 from effectguard.rules.retention import (
-    ARCHIVABLE_STAGES,
     EventRef,
     RetentionPolicy,
     cut,
@@ -18,14 +18,32 @@ from effectguard.rules.workstate import STAGES, WorkState
 NOW = 1_000_000.0
 
 
+#: The stages a call may be archived in, written down here rather than read from the code
+#: under test (docs/operations.md): resolved, with no new attempt possible under its key.
+FINAL = {"refused", "completed", "failed", "reconciled_applied"}
+
+
+def test_every_stage_is_judged() -> None:
+    """The stages this file pins are the contract's (a new stage must be judged here)."""
+    assert set(STAGES) == FINAL | {
+        "in_flight",
+        "effect_unknown",
+        "not_sent",
+        "not_processed",
+        "reconciled_not_applied",
+    }
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_only_final_stages_may_be_archived(stage: str) -> None:
     """Unresolved and resumable calls stay live; refused, completed, failed and
-    reconciled-applied calls may go."""
+    reconciled-applied calls may go, and the verifier judges an archive by the same set."""
     state = WorkState(call_id="c", stage=stage, created_at=NOW - 100)  # type: ignore[arg-type]
     reason = stays_live(state, before=NOW, now=NOW)
-    assert (reason is None) == (stage in ARCHIVABLE_STAGES)
-    assert stage not in ("in_flight", "effect_unknown") or reason is not None
+    assert (reason is None) == (stage in FINAL)
+    if stage not in FINAL:
+        assert reason == f"stage {stage} is not final"
+    assert (stage in FINAL) == (stage in FINAL_STAGES)
 
 
 def test_a_call_admitted_after_the_cutoff_stays() -> None:
