@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 CHAT = "/openai/v1/chat/completions"
 DURATION_S = float(os.environ.get("EFFECTGUARD_SOAK_S", "120"))
 ARCHIVE_EVERY_S = 4.0
-RETENTION = "2s"  # calls admitted more than two seconds ago may leave
+RETENTION = "2s"  # calls resolved more than two seconds ago may leave
 RECONCILE_AFTER_S = 6.0  # how long an effect_unknown call waits for its "operator"
 CLIENTS = 3
 

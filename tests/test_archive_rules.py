@@ -1,0 +1,79 @@
+"""What ``effectguard archive`` keeps live, through the CLI on real ledgers.
+
+The retention rule (docs/operations.md, "Retention and archives"): never an unresolved
+call, never one resolved after the cut-off (retention counts from the resolution), never
+one inside its provider's idempotency window; an archive is a prefix of the chain, so the
+first call that must stay holds back everything after it, and ``archive`` names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from observing import call_stages
+from test_archive import cli
+from test_verify import R, request
+
+from effectguard.ledger import Ledger, Writer, operations
+from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
+from effectguard.testing.clock import ManualClock
+
+DAY_S = 86_400.0
+
+
+def completion(call_id: str) -> list[Event]:
+    """Attempt 1's observed 200, its settlement and the call's completion."""
+    observed = AttemptObserved(
+        call=call_id,
+        attempt=1,
+        status=200,
+        not_processed=False,
+        usage=None,
+        usage_problem=None,
+        headers={},
+        body="{}",
+    )
+    settled = BudgetSettled(call=call_id, budget="team/run", reserved=R, actual=R)
+    return [observed, settled, CallCompleted(call=call_id, outcome="completed")]
+
+
+async def admitted_long_ago(path: Path, at: float) -> tuple[str, str]:
+    """At ``at``: one call completed, then one left ``effect_unknown`` (its attempt
+    interrupted). Returns their ids."""
+    async with Ledger.open(str(path), clock=ManualClock(at)) as ledger:
+        writer = await ledger.store.write(
+            Writer("boot", 0),
+            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
+        )
+        done = await ledger.admit(writer, request("done"))
+        await ledger.record(writer, done.call_id, 1, completion(done.call_id))
+        unknown = await ledger.admit(writer, request("unknown"))
+        await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
+    return done.call_id, unknown.call_id
+
+
+def test_a_call_admitted_long_ago_but_resolved_recently_is_not_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call admitted 60 days ago and reconciled today stays live under a 30-day
+    retention, and ``archive`` names it as what holds the cut; the call admitted and
+    resolved before it leaves."""
+    ledger = tmp_path / "ledger.db"
+    done, unknown = asyncio.run(admitted_long_ago(ledger, time.time() - 60 * DAY_S))
+    code, out = cli(
+        capsys, "reconcile", unknown, "--applied", "--note", "seen", "--ledger", str(ledger)
+    )
+    assert code == 0, out
+    code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", "30d")
+    assert code == 0, moved
+    assert moved["calls"] == 1
+    assert call_stages(ledger) == {unknown: "reconciled_applied"}
+    assert (moved["held_by"], moved["held_because"]) == (unknown, "resolved after the cut-off")
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+    code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
+    assert code == 0 and report["calls"] == 1, report["problems"]
+    assert done not in call_stages(ledger)
