@@ -12,13 +12,15 @@ import asyncio
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from observing import call_stages
-from test_archive import cli
+from test_archive import CHAT, chat, cli, later
 from test_verify import R, request
 
 from effectguard.ledger import Ledger, Writer, operations
 from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
+from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
 DAY_S = 86_400.0
@@ -77,3 +79,34 @@ def test_a_call_admitted_long_ago_but_resolved_recently_is_not_archived(
     code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
     assert code == 0 and report["calls"] == 1, report["problems"]
     assert done not in call_stages(ledger)
+
+
+def test_a_refused_calls_key_stays_free_after_it_is_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two keyed requests refused for budget under one key (a refused call's key is free,
+    so the second is a call of its own) are archived without keeping the key: the archive
+    succeeds, and the key then admits new work instead of answering 409 archived."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"Idempotency-Key": "order-1", "Effectguard-Budget": "team"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        code, out = cli(
+            capsys, "budget", "set", "team", "--limit", "0.000000001", "--ledger", str(ledger)
+        )
+        assert code == 0, out
+        for _ in range(2):
+            r = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+            assert r.status_code == 402, r.text
+        code, out = cli(capsys, "budget", "set", "team", "--no-limit", "--ledger", str(ledger))
+        assert code == 0, out
+        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+        assert code == 0, moved
+        assert (moved["calls"], moved["keys"]) == (2, 0)
+        r = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(fake.receipts()) == 1
+        code, report = cli(capsys, "verify", "--ledger", str(ledger))
+        assert code == 0, report["problems"]

@@ -101,7 +101,11 @@ def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = 
         state = layout.state(row)
         resolved_at = last_at.get(state.call_id, math.inf)  # no event: corrupt, it stays
         reasons[state.call_id] = stays_live(state, resolved_at=resolved_at, before=before, now=now)
-        keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
+        # A refused call's key is free under the contract (docs/contract.md §4): the archive
+        # keeps none for it, or the key would answer 409 archived (and two refused calls
+        # under one key would collide in archived_keys).
+        key = None if state.stage == "refused" else state.idempotency_key
+        keys[state.call_id] = (key, state.budget_root, state.request_hash)
     archivable = {call: reason is None for call, reason in reasons.items()}
     last = cut(refs, archivable, before=before)
     held = holder(refs, reasons, last=last, before=before)
