@@ -9,6 +9,7 @@ first call that must stay holds back everything after it, and ``archive`` names 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
 DAY_S = 86_400.0
+SEND = "/send_email/v1/send"
 
 
 def completion(call_id: str) -> list[Event]:
@@ -110,3 +112,84 @@ def test_a_refused_calls_key_stays_free_after_it_is_archived(
         assert len(fake.receipts()) == 1
         code, report = cli(capsys, "verify", "--ledger", str(ledger))
         assert code == 0, report["problems"]
+
+
+def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A completed call to a provider that deduplicates keys for 24 h (send_email) stays
+    live while inside that window, holding the cut; the call before it leaves."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url, "send_email": fake.url}) as proxy,
+    ):
+        before = httpx.post(proxy.url + CHAT, json=chat(0), timeout=30)
+        email = {"to": "a@example.com", "subject": "hello", "body": "hi"}
+        sent = httpx.post(
+            proxy.url + SEND, json=email, headers={"Idempotency-Key": "mail-1"}, timeout=30
+        )
+        after = httpx.post(proxy.url + CHAT, json=chat(1), timeout=30)
+        assert [r.status_code for r in (before, sent, after)] == [200, 200, 200]
+        call_id = sent.headers["effectguard-call-id"]
+        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+        assert code == 0, moved
+        assert moved["calls"] == 1
+        assert (moved["held_by"], moved["held_because"]) == (
+            call_id,
+            "inside its provider's idempotency window",
+        )
+        live = call_stages(ledger)
+        assert live[call_id] == "completed" and len(live) == 2
+        assert before.headers["effectguard-call-id"] not in live
+        code, report = cli(capsys, "verify", "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+
+
+@pytest.mark.parametrize("tamper", ["edit", "delete"])
+def test_tampering_with_the_live_checkpoint_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tamper: str
+) -> None:
+    """On SQLite, the ledger.archived checkpoint the live chain starts from, edited or
+    deleted (the events table's triggers dropped, as an intruder would), fails verify
+    naming it."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        for n in range(2):
+            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
+        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+        assert code == 0 and moved["calls"] == 2, moved
+        assert httpx.post(proxy.url + CHAT, json=chat(2), timeout=30).status_code == 200
+    mark = moved["checkpoint_seq"]
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+    conn = sqlite3.connect(ledger, isolation_level=None)
+    try:
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("DROP TRIGGER events_no_delete")
+        if tamper == "edit":  # one more archived event than it archived
+            conn.execute(
+                "UPDATE events SET data = json_set(data, '$.events', json_extract(data, "
+                "'$.events') + 1) WHERE seq = ?",
+                (mark,),
+            )
+        else:
+            conn.execute("DELETE FROM events WHERE seq = ?", (mark,))
+        first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
+    finally:
+        conn.close()
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 1
+    if tamper == "edit":
+        assert report["first_broken_seq"] == mark
+        assert report["problems"][0] == f"event {mark}: digest does not match its content"
+    else:
+        assert report["first_broken_seq"] == first
+        assert report["problems"][0] == (
+            f"event {first}: the live chain starts at event {first}, but no ledger.archived "
+            f"checkpoint says the events through {first - 1} were archived: the last "
+            "archive's checkpoint is missing (deleted, or edited to name another range)"
+        )
