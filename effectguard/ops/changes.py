@@ -266,7 +266,7 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--before",
         metavar="DATE",
-        help="archive final calls admitted before this ISO date/time or duration ago "
+        help="archive final calls resolved before this ISO date/time or duration ago "
         "(30d); default: [retention] keep_bodies_days from --config",
     )
     p.add_argument(
@@ -280,7 +280,7 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
 ARCHIVE = Command(
     "archive",
     "move final calls' events to an archive file or table",
-    "Move the events of final calls admitted before DATE out of the live ledger: a SQLite "
+    "Move the events of final calls resolved before DATE out of the live ledger: a SQLite "
     "ledger's into a gzip'd archive file, a PostgreSQL ledger's into its archived_events "
     "table; either leaves a ledger.archived checkpoint that verify follows.",
     _archive_arguments,
