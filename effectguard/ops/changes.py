@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from effectguard.config.precedence import overspent
 from effectguard.ledger import Ledger
 from effectguard.ops.command import (
     EXIT_OK,
@@ -130,13 +131,8 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
         return _usage(str(exc))
     await ledger.set_policy(policy)
     node = next(n for n in await ledger.budgets() if n.path == path)
-    if node.limit is not None and node.spent > node.limit:
-        print(
-            f"effectguard: warning: budget {path!r} has already spent {money(node.spent)} USD "
-            f"in period {node.period}, more than its new limit of {money(node.limit)} USD; "
-            "it admits no call until the period ends",
-            file=sys.stderr,
-        )
+    if (warning := overspent(node)) is not None:
+        print(f"effectguard: warning: {warning}", file=sys.stderr)
     payload = budget_json(node, policy)
     emit(args, payload, f"{path}: limit {money(node.limit) or 'none'} USD per {policy.period}")
     return EXIT_OK
