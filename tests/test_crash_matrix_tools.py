@@ -67,6 +67,7 @@ op_id = {{ json = "Metadata.effectguard_op" }}
 url = "{{base_url}}/messages/outbound"
 query = {{ count = "1", offset = "0", metadata_effectguard_op = "{{op}}" }}
 applied = "Messages[0]"
+results = "Messages"
 not_found = [200]
 freshness_s = {FRESH_S}
 """,

@@ -118,6 +118,13 @@ idempotency = { body_field = "meta.idem", window_seconds = 30 }
             "endpoints[0].lookup.freshness_s",
         ),
         ('effect = "read_only"\nop_id = { header = "X-Op" }', "endpoints[0].op_id"),
+        (
+            # A 200 "not found" with no result collection: any 200 would read not applied.
+            'effect = "at_most_once"\nop_id = { header = "X-Op" }\n'
+            'lookup = { url = "{base_url}/s/{op}", applied = "id", not_found = [200], '
+            "freshness_s = 1 }",
+            "endpoints[0].lookup.results",
+        ),
     ],
 )
 def test_endpoint_declaration_errors_name_the_field(tmp_path: Path, entry: str, field: str) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, charges, declare
 
 from effectguard import AsyncGuardTransport
@@ -129,4 +130,34 @@ async def test_not_found_past_the_declared_retention_proves_nothing(
         resent = await client.post(url, json=charge(9))
         assert resent.status_code == 200, resent.text
         assert len(charges(fake)) == 1
+    await finish(t)
+
+
+@pytest.mark.parametrize("answer", ["html", "no-data"])
+async def test_a_200_that_is_not_a_search_result_proves_nothing(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, answer: str
+) -> None:
+    """A search answering 200 with an HTML error page, or with JSON lacking its ``data``
+    list, is no "not found": past the freshness the call stays effect_unknown, a keyed
+    resend is refused 409 and the sweeper decides nothing; the provider sees no resend."""
+    folder = declare(tmp_path, freshness=60)
+    extra = ["--lookup-key", KEY, "--search-answer", answer]
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=extra) as fake:
+        inner = DropFirstSend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-4"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(4))
+        assert first.status_code == 502, first.text
+        call_id = first.headers["effectguard-call-id"]
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        refused = await client.post(url, json=charge(4))
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["type"] == "effect_unknown"
+        assert await guard.resolver.sweep() == []
+        assert charges(fake) == []
+        assert await reconciled_by(t, call_id) == []
+        (state,) = await t.ledger.calls()
+        assert state.stage == "effect_unknown"
     await finish(t)

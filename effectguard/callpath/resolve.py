@@ -212,6 +212,7 @@ class Resolver:
             freshness_s=lookup.freshness_s,
             age_s=self.clock() - facts.last_attempt_at,
             retention_s=lookup.retention_s,
+            results=lookup.results,
         )
         note = f"lookup {shown} answered {status}: {reading.why}; evidence {lookups.digest(body)}"
         result = None if reading.found is None else json.dumps(reading.found).encode()

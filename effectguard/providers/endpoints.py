@@ -55,6 +55,7 @@ _LOOKUP_KEYS = frozenset(
         "url",
         "query",
         "applied",
+        "results",
         "not_found",
         "freshness_s",
         "retention_s",
@@ -97,7 +98,9 @@ class Lookup:
     ``url`` may use ``{base_url}`` and ``{op}``; ``query`` values may use ``{op}``. An answer
     in which the JSON path ``applied`` is present (and not null, false or empty) means
     applied, and its value is the recovered object where it is a JSON object; otherwise a
-    status in ``not_found`` means "not found"; anything else is unknown. "Not found"
+    status in ``not_found`` means "not found", but a success status only when its body is
+    JSON whose result collection (the path ``results``) is present and empty (an HTML
+    error page answered 200 proves nothing); anything else is unknown. "Not found"
     proves "not applied" only once the call's last attempt is older than ``freshness_s``
     (search indexes lag); before that it is unknown too, and so it is again once the call
     is older than ``retention_s`` (None: the provider never forgets an operation).
@@ -112,6 +115,9 @@ class Lookup:
     op: OpSource = "call_id"
     timeout_s: float = 5.0
     retention_s: float | None = None
+    #: The JSON path of the answer's result collection (``data``): a success reads "not
+    #: found" only when it is there and empty. Required where a success is ``not_found``.
+    results: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +303,13 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         isinstance(s, int) and not isinstance(s, bool) and 100 <= s <= 599 for s in not_found
     ):
         raise fail(f"{where}.not_found", "must be a list of HTTP statuses")
+    results = table.get("results")
+    if results is not None and (not isinstance(results, str) or not _FIELD.fullmatch(results)):
+        raise fail(f"{where}.results", "must be a JSON path such as data")
+    if results is None and any(200 <= s < 300 for s in not_found):
+        # Else any 200 (an HTML error page, JSON of another shape) would read "not found".
+        raise fail(f"{where}.results", "a success status in not_found needs the result "
+                   "collection's JSON path, which must be there and empty")  # fmt: skip
     method = table.get("method", "GET")
     if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
         raise fail(f"{where}.method", "must be an HTTP method")
@@ -312,15 +325,18 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         retention_s=(
             _seconds(table, "retention_s", where, fail) if "retention_s" in table else None
         ),
+        results=results,
     )
 
 
 def legacy_lookup(template: str) -> Lookup:
     """The older provider-level ``lookup = "{base_url}/ops/{key}"``: asks by the provider
-    idempotency key; ``{"applied": true}`` means applied, any other 200 not applied."""
+    idempotency key; ``{"applied": true}`` means applied, ``{"applied": false}`` not
+    applied, and any other answer is unknown."""
     return Lookup(
         url=template.replace("{key}", "{op}"),
         applied="applied",
+        results="applied",
         not_found=frozenset({200}),
         freshness_s=0.0,
         op="idempotency_key",

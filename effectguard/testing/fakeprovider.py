@@ -24,6 +24,10 @@ flag                 header                  effect
 ``--search-lag S``   --                      ``GET /v1/search`` finds an operation only
                                              S seconds after it was applied
 ``--lookup-key K``   --                      ``GET /v1/search`` needs ``Bearer K`` (else 401)
+``--search-answer M`` --                     ``GET /v1/search`` misbehaves: ``html`` answers
+                                             200 with an HTML error page, ``no-data`` 200
+                                             with JSON lacking ``data`` (as a broken search
+                                             or a proxy in the way might)
 --                   ``x-fake-usage``        ``missing`` omits usage from the answer
 ===================  ======================  ==========================================
 
@@ -90,6 +94,8 @@ class FakeSettings:
     cut_stream_clean: int | None = None
     search_lag: float = 0.0
     lookup_key: str | None = None
+    #: ``html`` or ``no-data``: a 200 search answer that is not a well-formed result.
+    search_answer: str | None = None
 
 
 class ReceiptLog:
@@ -217,6 +223,11 @@ class _Provider:
         if wanted is not None and request.headers.get("authorization") != f"Bearer {wanted}":
             error = {"type": "invalid_request_error", "message": "no valid API key"}
             return web.json_response({"error": error}, status=401)
+        if self.settings.search_answer == "html":
+            page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
+            return web.Response(text=page, content_type="text/html")
+        if self.settings.search_answer == "no-data":
+            return web.json_response({"object": "error_page", "message": "try again later"})
         found = self._ops.get(request.query.get("op", ""))
         if found is None or time.monotonic() - found[0] < self.settings.search_lag:
             return web.json_response({"object": "search_result", "data": []})
@@ -349,6 +360,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--search-lag", type=float, default=0.0, help="seconds before /v1/search finds an op"
     )
     parser.add_argument("--lookup-key", help="the API key /v1/search requires (Bearer)")
+    parser.add_argument(
+        "--search-answer",
+        choices=("html", "no-data"),
+        help="/v1/search answers 200 with an HTML page, or JSON without data",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -362,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         cut_stream_clean=args.cut_stream_clean,
         search_lag=args.search_lag,
         lookup_key=args.lookup_key,
+        search_answer=args.search_answer,
     )
     asyncio.run(_serve(create_app(settings), args.host, args.port))
     return 0
