@@ -142,8 +142,9 @@ def test_sweeper_decides_unknown_calls_by_lookup(tmp_path: Path) -> None:
 
 
 def test_reconcile_auto_sends_the_providers_key(tmp_path: Path) -> None:
-    """--auto asks the declared search with the key from PAYMENTS_API_KEY; without it the
-    provider answers 401, which decides nothing."""
+    """--auto asks the declared search with the key from PAYMENTS_API_KEY (without it the
+    provider answers 401, which decides nothing), and keeps the object it found, which a
+    later keyed resend through the proxy replays with no provider call."""
     ledger = tmp_path / "ledger.db"
     args = proxy_args(tmp_path, freshness=0, sweep_s=3600)
     folder = args[1]
@@ -160,4 +161,17 @@ def test_reconcile_auto_sends_the_providers_key(tmp_path: Path) -> None:
         (decided,) = decisions(ledger, authorized["call_id"])
         assert decided["by"] == "lookup:payments"
         assert cli(*auto, env=ENV) == []
+        # --auto kept the object the search returned: the client's resend replays it.
+        proxy = start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=ENV)
+        try:
+            replay = httpx.post(
+                proxy.url + ROUTE, json=charge(1), headers={"Idempotency-Key": "paid"}, timeout=30
+            )
+        finally:
+            proxy.stop()
+        assert replay.status_code == 200, replay.text
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert replay.headers["effectguard-recovered"] == "lookup:payments"
+        (receipt,) = charges(fake)
+        assert replay.json()["id"] == f"send_fake{receipt['seq']}"
         assert cli("verify", "--ledger", str(ledger))["ok"] is True

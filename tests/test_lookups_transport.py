@@ -61,9 +61,12 @@ async def test_applied_call_is_refused_until_the_search_finds_it_then_recovered(
         (decided,) = await reconciled_by(t, call_id)
         assert (decided["by"], decided["applied"]) == ("lookup:payments", True)
         assert "evidence sha256:" in str(decided["note"])
-        # Decided: a further resend is refused as reconciled_applied, never sent.
+        # Decided, with the result kept: a further resend replays it, never sent.
         again = await client.post(url, json=charge(5))
-        assert again.status_code == 409 and again.json()["error"]["type"] == "reconciled_applied"
+        assert again.status_code == 200, again.text
+        assert again.headers["effectguard-replayed"] == "true"
+        assert again.headers["effectguard-recovered"] == "lookup:payments"
+        assert again.content == recovered.content
         assert len(charges(fake)) == 1
     await finish(t)
 
@@ -160,4 +163,38 @@ async def test_a_200_that_is_not_a_search_result_proves_nothing(
         assert await reconciled_by(t, call_id) == []
         (state,) = await t.ledger.calls()
         assert state.stage == "effect_unknown"
+    await finish(t)
+
+
+async def test_a_result_the_sweeper_recovered_is_replayed_to_a_later_keyed_resend(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweeper decides an applied call by lookup and keeps the object the search
+    returned: the client's later keyed resend gets it as a 200 marked replayed and
+    recovered, with no provider call and no new charge."""
+    monkeypatch.setenv("PAYMENTS_API_KEY", KEY)  # the sweeper's lookup carries no request
+    folder = declare(tmp_path, freshness=60)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-5"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(6), headers={"x-fake-delay": "3"}, timeout=0.5)
+        assert first.status_code == 504, first.text
+        call_id = first.headers["effectguard-call-id"]
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        assert await guard.resolver.sweep() == [call_id]
+        (decided,) = await reconciled_by(t, call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:payments", True)
+        (before,) = await t.ledger.calls()
+        assert before.stage == "reconciled_applied"
+        (receipt,) = charges(fake)
+        replay = await client.post(url, json=charge(6))
+        assert replay.status_code == 200, replay.text
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert replay.headers["effectguard-recovered"] == "lookup:payments"
+        assert replay.json() == {"id": f"send_fake{receipt['seq']}", "status": "sent"}
+        assert len(charges(fake)) == 1
+        (after,) = await t.ledger.calls()
+        assert (after.stage, after.attempts, after.cost) == (before.stage, 1, before.cost)
     await finish(t)

@@ -35,8 +35,8 @@ Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
 async def test_transport_hook_decides_unknown_calls(
     tmp_path: Path, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """Transport: applied → recovered result and the hook's cost; not applied → one resend;
-    a hook that fails → 409 effect_unknown, nothing sent."""
+    """Transport: applied → recovered result and the hook's cost, replayed to a later
+    resend; not applied → one resend; a hook that fails → 409 effect_unknown, nothing sent."""
     folder = declare(tmp_path, freshness=None)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
         url = fake.url + SEND
@@ -54,6 +54,13 @@ async def test_transport_hook_decides_unknown_calls(
             first = await client.post(url, json=charge(amount))
             assert first.status_code == 502, first.text
             results[amount] = await client.post(url, json=charge(amount))
+            if amount == 1:
+                # The hook's result was kept with its decision: a later resend replays it.
+                again = await client.post(url, json=charge(amount))
+                assert again.status_code == 200, again.text
+                assert again.headers["effectguard-replayed"] == "true"
+                assert again.headers["effectguard-recovered"] == "hook"
+                assert again.content == results[amount].content
             await t.aclose()
         applied, resent, failed = results[1], results[2], results[3]
         assert applied.status_code == 200, applied.text

@@ -17,6 +17,7 @@ its note naming the evidence and its digest. "Unknown" records nothing: the call
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import io
 import json
@@ -28,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from effectguard.callpath.exchange import Outbound, Reply, Send, text_headers
+from effectguard.callpath.exchange import Outbound, Send
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
 from effectguard.errors import BodyMismatch, EffectguardError, ReconcileError
 from effectguard.ledger import Ledger
@@ -41,7 +42,8 @@ from effectguard.rules.money import usd_to_nanos
 log = logging.getLogger("effectguard.callpath.resolve")
 
 
-#: The most of a lookup answer that is read (an answer is one object, or a page of them).
+#: The most of a lookup answer that is read (an answer is one object, or a page of them),
+#: and of a recovered result that is kept in the ledger with its decision.
 MAX_ANSWER_BYTES = 1 << 20
 
 
@@ -183,6 +185,10 @@ class Resolver:
             evidence = await self._look_up(provider, endpoint.lookup, facts, send, credential)
         if evidence.verdict == "unknown" and self.hook is not None:
             evidence = await self._ask_hook(facts)
+        if evidence.result is not None and len(evidence.result) > MAX_ANSWER_BYTES:
+            # Kept in the ledger, replayed to every later resend: bounded like an answer.
+            note = f"{evidence.note}; its result ({len(evidence.result)} bytes) is not kept"
+            evidence = dataclasses.replace(evidence, note=note, result=None)
         if evidence.verdict != "unknown":
             await self._record(facts, evidence)
         return evidence
@@ -257,6 +263,7 @@ class Resolver:
                 cost=evidence.cost,
                 note=evidence.note,
                 by=evidence.by,
+                result=evidence.result,
             )
         except ReconcileError as exc:
             # Another replica (or a person) decided it first: their decision stands.
@@ -299,16 +306,6 @@ async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
         return response.status, b"".join(chunks)
     finally:
         await response.aclose()
-
-
-def recovered_response(call_id: str, evidence: Evidence) -> Reply:
-    """The result that evidence recovered, as a 200 marked ``Effectguard-Recovered: <by>``."""
-    headers = [
-        ("content-type", "application/json"),
-        ("effectguard-call-id", call_id),
-        ("effectguard-recovered", evidence.by),
-    ]
-    return Reply(200, text_headers(headers), body=evidence.result or b"")
 
 
 def describe(evidence: Evidence) -> dict[str, Any]:
