@@ -198,3 +198,50 @@ async def test_a_result_the_sweeper_recovered_is_replayed_to_a_later_keyed_resen
         (after,) = await t.ledger.calls()
         assert (after.stage, after.attempts, after.cost) == (before.stage, 1, before.cost)
     await finish(t)
+
+
+class DropEverySend(httpx.AsyncBaseTransport):
+    """A network that loses every POST after it was written (the provider never sees it)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            raise httpx.ReadError("connection reset after the request was written")
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_the_sweeper_comes_round_to_every_unknown_call(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hundred newer unknown calls that nothing can decide (an endpoint with no lookup)
+    do not starve an older one the lookup can: each sweep looks at the calls it looked at
+    least recently, so within ceil(101 / 20) sweeps the old call is decided."""
+    monkeypatch.setenv("PAYMENTS_API_KEY", KEY)
+    folder = declare(tmp_path, freshness=60)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        inner = DropEverySend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers=AUTH)
+        old = await client.post(fake.url + SEND, json=charge(1))
+        assert old.status_code == 502, old.text
+        call_id = old.headers["effectguard-call-id"]
+        for n in range(100):  # /v1/other: undeclared, at_most_once, no lookup
+            newer = await client.post(fake.url + "/v1/other", json={"n": n})
+            assert newer.status_code == 502, newer.text
+        guard = await t.guard()
+        # While the old call is young, two sweeps look at it and at 39 of the others.
+        assert [await guard.resolver.sweep(), await guard.resolver.sweep()] == [[], []]
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        decided = [await guard.resolver.sweep() for _ in range(6)]
+        assert [d for d in decided if d] == [[call_id]]
+        state = await t.ledger.call(call_id)
+        assert state.stage == "reconciled_not_applied"
+        stages = {s.stage for s in await t.ledger.calls() if s.call_id != call_id}
+        assert stages == {"effect_unknown"}
+        assert charges(fake) == []
+    await finish(t)

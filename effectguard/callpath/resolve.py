@@ -152,6 +152,9 @@ class Resolver:
         #: How lookups of the sweeper go out (the proxy and transports set their inner one).
         self.send = send
         self.clock = clock
+        #: When (in sweep turns) the sweeper last looked at each unknown call.
+        self._looked: dict[str, int] = {}
+        self._turn = 0
 
     def endpoint(self, facts: Facts) -> Endpoint | None:
         """The declared endpoint of a call (None: its provider is no longer declared)."""
@@ -269,28 +272,54 @@ class Resolver:
             # Another replica (or a person) decided it first: their decision stands.
             log.info("call %s was decided elsewhere: %s", facts.call_id, exc)
 
+    def can_sweep(self) -> bool:
+        """Whether a sweep could decide anything: a hook, or a provider with a lookup."""
+        if self.hook is not None:
+            return True
+        return any(
+            e.lookup is not None or p.lookup is not None
+            for p in self.providers.values()
+            for e in p.endpoints
+        )
+
     async def sweep(self, limit: int = 20) -> list[str]:
-        """Decide unknown calls old enough for their lookup's freshness; the ones decided."""
+        """Decide unknown calls old enough for their lookup's freshness; the ones decided.
+
+        Each sweep looks at ``limit`` of the ``effect_unknown`` calls, the ones this
+        resolver looked at least recently first (never: before any, oldest call first),
+        so calls no evidence decides yet never starve those it can: with N unknown calls,
+        every one is looked at within ceil(N / limit) sweeps.
+        """
+        if not self.can_sweep():
+            return []
+        unknown = await self.ledger.calls(stage="effect_unknown", limit=1 << 62)
+        ids = {state.call_id for state in unknown}
+        self._looked = {c: turn for c, turn in self._looked.items() if c in ids}
+        unknown.sort(key=lambda s: (self._looked.get(s.call_id, -1), s.created_at))
         decided: list[str] = []
         now = self.clock()
-        for state in await self.ledger.calls(stage="effect_unknown", limit=limit * 5):
-            if len(decided) >= limit:
-                break
-            facts = await facts_of(self.ledger, state.call_id)
-            if facts is None or not self.can_decide(facts):
-                continue
-            endpoint = self.endpoint(facts)
-            lookup = endpoint.lookup if endpoint is not None else None
-            if lookup is not None and now - facts.last_attempt_at < lookup.freshness_s:
-                continue  # its "not found" would prove nothing yet
-            try:
-                evidence = await self.decide(facts)
-            except EffectguardError as exc:
-                log.warning("could not decide call %s: %s", facts.call_id, exc)
-                continue
-            if evidence.verdict != "unknown":
-                decided.append(facts.call_id)
+        for state in unknown[:limit]:
+            self._turn += 1
+            self._looked[state.call_id] = self._turn
+            if await self._sweep_one(state.call_id, now):
+                decided.append(state.call_id)
         return decided
+
+    async def _sweep_one(self, call_id: str, now: float) -> bool:
+        """Ask about one unknown call if evidence could decide it now; whether it did."""
+        facts = await facts_of(self.ledger, call_id)
+        if facts is None or not self.can_decide(facts):
+            return False
+        endpoint = self.endpoint(facts)
+        lookup = endpoint.lookup if endpoint is not None else None
+        if lookup is not None and now - facts.last_attempt_at < lookup.freshness_s:
+            return False  # its "not found" would prove nothing yet
+        try:
+            evidence = await self.decide(facts)
+        except EffectguardError as exc:
+            log.warning("could not decide call %s: %s", facts.call_id, exc)
+            return False
+        return evidence.verdict != "unknown"
 
 
 async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
