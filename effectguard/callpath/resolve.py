@@ -37,7 +37,7 @@ from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
 from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import CallManifest, decode_body
-from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.money import MAX_CALL_NANOS, check_amount, usd_to_nanos
 
 log = logging.getLogger("effectguard.callpath.resolve")
 
@@ -245,18 +245,7 @@ class Resolver:
             answer = await asyncio.wait_for(self.hook(question), self.hook_timeout_s)
         except Exception as exc:  # a failing hook is no evidence, whatever it raised
             return Evidence("unknown", "hook", f"hook failed: {type(exc).__name__}: {exc}")
-        if isinstance(answer, NotApplied):
-            return Evidence("not_applied", "hook", "the reconcile hook answered not applied")
-        if not isinstance(answer, Applied):
-            return Evidence("unknown", "hook", f"the reconcile hook answered {answer!r}")
-        result = answer.result
-        if result is not None and not isinstance(result, bytes):
-            result = json.dumps(result).encode()
-        cost = None if answer.cost_usd is None else usd_to_nanos(answer.cost_usd)
-        note = "the reconcile hook answered applied"
-        if result is not None:
-            note += f"; evidence {lookups.digest(result)}"
-        return Evidence("applied", "hook", note, cost=cost, result=result)
+        return hook_evidence(answer)
 
     async def _record(self, facts: Facts, evidence: Evidence) -> None:
         try:
@@ -320,6 +309,31 @@ class Resolver:
             log.warning("could not decide call %s: %s", facts.call_id, exc)
             return False
         return evidence.verdict != "unknown"
+
+
+def hook_evidence(answer: object) -> Evidence:
+    """What the hook's answer proves. An answer that is not one of the three, or an
+    ``Applied`` whose cost is no USD amount in bounds or whose result is neither bytes
+    nor a JSON value, proves nothing: unknown, as a hook that fails."""
+    if isinstance(answer, NotApplied):
+        return Evidence("not_applied", "hook", "the reconcile hook answered not applied")
+    if not isinstance(answer, Applied):
+        return Evidence("unknown", "hook", f"the reconcile hook answered {answer!r:.200}")
+    try:
+        result: Any = answer.result
+        if isinstance(result, Mapping):
+            result = dict(result)
+        if result is not None and not isinstance(result, bytes):
+            result = json.dumps(result, allow_nan=False).encode()
+        cost = None
+        if answer.cost_usd is not None:
+            cost = check_amount(usd_to_nanos(answer.cost_usd), MAX_CALL_NANOS, "a cost")
+    except (TypeError, ValueError) as exc:
+        return Evidence("unknown", "hook", f"the reconcile hook answered applied, but {exc}")
+    note = "the reconcile hook answered applied"
+    if result is not None:
+        note += f"; evidence {lookups.digest(result)}"
+    return Evidence("applied", "hook", note, cost=cost, result=result)
 
 
 async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
