@@ -125,6 +125,13 @@ idempotency = { body_field = "meta.idem", window_seconds = 30 }
             "freshness_s = 1 }",
             "endpoints[0].lookup.results",
         ),
+        (
+            # Form fields are a body: a GET lookup cannot carry them.
+            'effect = "at_most_once"\nop_id = { header = "X-Op" }\n'
+            'lookup = { url = "{base_url}/s", form = { op = "{op}" }, applied = "id", '
+            "freshness_s = 1 }",
+            "endpoints[0].lookup.form",
+        ),
     ],
 )
 def test_endpoint_declaration_errors_name_the_field(tmp_path: Path, entry: str, field: str) -> None:

@@ -245,3 +245,43 @@ async def test_the_sweeper_comes_round_to_every_unknown_call(
         assert stages == {"effect_unknown"}
         assert charges(fake) == []
     await finish(t)
+
+
+async def test_a_post_search_carries_its_declared_form_fields(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A lookup declared as ``POST`` with ``form = { op = "{op}" }`` sends the operation id
+    form-encoded in its body (the fake's POST search refuses a body without it, 400):
+    an applied call is recovered, a lost one is resent exactly once."""
+    folder = declare(tmp_path, freshness=60)
+    path = folder / "payments.toml"
+    text = path.read_text().replace(
+        'query = { op = "{op}" }', 'method = "POST"\nform = { op = "{op}" }'
+    )
+    path.write_text(text)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        inner = DropFirstSend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        url = fake.url + SEND
+        client = httpx.AsyncClient(transport=t, headers=AUTH)
+        lost = await client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
+        assert lost.status_code == 502, lost.text
+        paid = await client.post(
+            url,
+            json=charge(3),
+            headers={"Idempotency-Key": "paid", "x-fake-delay": "3"},
+            timeout=0.5,
+        )
+        assert paid.status_code == 504, paid.text
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        recovered = await client.post(url, json=charge(3), headers={"Idempotency-Key": "paid"})
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:payments"
+        resent = await client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
+        assert resent.status_code == 200, resent.text
+        assert "effectguard-recovered" not in resent.headers
+        assert sorted(r["op"] for r in charges(fake)) == sorted(
+            [lost.headers["effectguard-call-id"], paid.headers["effectguard-call-id"]]
+        )
+    await finish(t)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -117,7 +118,8 @@ async def request_body(ledger: Ledger, facts: Facts) -> bytes:
 
 
 def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str | None) -> Outbound:
-    """The lookup as it goes to the provider, with the provider's credential."""
+    """The lookup as it goes to the provider, with the provider's credential (and its
+    declared form fields, form-encoded, as the body)."""
     params = {name: value.format(op=op) for name, value in lookup.query}
     # Merged into any query the declared URL has, as httpx.Request(params=...) does.
     url = httpx.URL(lookup.url.format(base_url=provider.base_url, op=op))
@@ -125,8 +127,13 @@ def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str 
     headers = [(b"accept", b"application/json"), (b"accept-encoding", b"identity")]
     if credential is not None:
         headers.append((provider.key_header.lower().encode(), credential.encode()))
+    body = b""
+    if lookup.form:
+        fields = [(name, value.format(op=op)) for name, value in lookup.form]
+        body = urlencode(fields).encode("ascii")
+        headers.append((b"content-type", b"application/x-www-form-urlencoded"))
     target = url.raw_path.decode("ascii", "replace")
-    return Outbound(lookup.method, str(url), url.path, target, headers, b"")
+    return Outbound(lookup.method, str(url), url.path, target, headers, body)
 
 
 class Resolver:
