@@ -141,7 +141,9 @@ def test_identical_upload_replays_and_different_content_is_422(env: Env) -> None
 
 
 def test_sdk_transcription_is_priced_by_its_model(env: Env) -> None:
-    """audio.transcriptions.create (whisper-1): completed at whisper-1's per-call price."""
+    """audio.transcriptions.create (whisper-1): completed at whisper-1's per-call price,
+    received exactly once (the module's provider is shared: new receipts are counted)."""
+    before = len(env.receipts("/v1/audio/transcriptions"))
     client = env.sdk("transcribe-1").audio.transcriptions.with_raw_response
     raw = client.create(model="whisper-1", file=("a.wav", b"RIFF" + bytes(256), "audio/wav"))
     assert raw.status_code == 200
@@ -149,7 +151,7 @@ def test_sdk_transcription_is_priced_by_its_model(env: Env) -> None:
     call = show(env, raw.headers["effectguard-call-id"])
     assert call["stage"] == "completed"
     assert Decimal(call["cost_usd"]) == Decimal("0.006")  # one minute of whisper-1
-    assert len(env.receipts("/v1/audio/transcriptions")) >= 1
+    assert len(env.receipts("/v1/audio/transcriptions")) == before + 1
 
 
 def test_sdk_transcription_with_usage_is_priced_from_the_answers_usage(env: Env) -> None:
