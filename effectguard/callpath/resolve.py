@@ -39,6 +39,7 @@ from effectguard.rules import lookups
 from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import CallManifest, decode_body
 from effectguard.rules.money import MAX_CALL_NANOS, check_amount, usd_to_nanos
+from effectguard.rules.workstate import WorkState
 
 log = logging.getLogger("effectguard.callpath.resolve")
 
@@ -297,6 +298,8 @@ class Resolver:
         for state in unknown[:limit]:
             self._turn += 1
             self._looked[state.call_id] = self._turn
+            if _left_to_its_client(state, now):
+                continue
             if await self._sweep_one(state.call_id, now):
                 decided.append(state.call_id)
         return decided
@@ -316,6 +319,19 @@ class Resolver:
             log.warning("could not decide call %s: %s", facts.call_id, exc)
             return False
         return evidence.verdict != "unknown"
+
+
+def _left_to_its_client(state: WorkState, now: float) -> bool:
+    """A keyed call inside its provider's idempotency window: its client's resend goes to
+    the provider, which deduplicates it and answers it as it answered the first time. A
+    decision now would answer that resend 409 instead (a lookup keeps no result for most
+    tools), so the sweeper leaves it until the window closes."""
+    window = state.idempotency_window_s
+    return (
+        state.idempotency_key is not None
+        and window is not None
+        and now - state.created_at <= window
+    )
 
 
 def hook_evidence(answer: object) -> Evidence:
