@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from effectguard.config.precedence import operator_limits, plan_limits
 from effectguard.rules.events import StoredEvent
-from effectguard.testing import running_proxy
+from effectguard.testing import fake_provider, running_proxy
 
 
 def limit_event(seq: int, path: str, limit: int | None, generation: int) -> StoredEvent:
@@ -107,3 +109,51 @@ def test_a_restart_keeps_the_operators_limit_and_warns(tmp_path: Path) -> None:
     assert "budget 'ops'" in log and "80.000000000 USD" in log and "50.000000000 USD" in log
     assert "'team'" not in log  # a config-managed path changes without a warning
     assert "budget 'ops'" not in (tmp_path / "first.log").read_text()
+
+
+@pytest.mark.slow
+def test_serve_warns_when_the_config_sets_a_limit_below_this_periods_spending(
+    tmp_path: Path,
+) -> None:
+    """A [budgets] limit that serve writes below what the node's current period has
+    already spent is written all the same, with a warning naming the period (as
+    `budget set` warns); a limit above the spending gives none."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "effectguard.toml"
+
+    def configure(limit: str) -> None:
+        config.write_text(f'ledger = "{ledger}"\n\n[budgets]\n"team" = "{limit}"\n')
+
+    configure("10")
+    args = ["--config", str(config)]
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        upstreams = {"openai": provider.url}
+        with running_proxy(
+            ledger, upstreams=upstreams, args=args, log_path=tmp_path / "a.log"
+        ) as p:
+            monthly = cli("budget", "set", "team", "--period", "month", "--config", str(config))
+            assert monthly.returncode == 0, monthly.stderr
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+            sent = httpx.post(
+                p.url + "/openai/v1/chat/completions",
+                json={**body, "max_tokens": 8},
+                headers={"effectguard-budget": "team"},
+                timeout=15,
+            )
+            assert sent.status_code == 200, sent.text
+    assert "already spent" not in (tmp_path / "a.log").read_text()
+    (team,) = json.loads(cli("budgets", "--json", "--config", str(config)).stdout)
+    spent = Decimal(team["spent_usd"])
+    assert team["resets"] == "month"
+    below, above = spent - Decimal("0.000000001"), spent + Decimal("0.000000001")
+    assert below >= 0
+    configure(str(below))
+    with running_proxy(ledger, args=args, log_path=tmp_path / "b.log") as proxy:
+        pass
+    log = proxy.log()
+    assert f"budget 'team' has already spent {spent:.9f} USD in period {team['period']}" in log
+    assert limits(config) == {"team": f"{below:.9f}"}
+    configure(str(above))
+    with running_proxy(ledger, args=args, log_path=tmp_path / "c.log") as proxy:
+        pass
+    assert "already spent" not in proxy.log()

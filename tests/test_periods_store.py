@@ -2,8 +2,11 @@
 """Budget periods on every store (memory, SQLite, PostgreSQL): limits per period, charges
 kept in the admission's period, past periods queryable, and a boundary under concurrency.
 
-Every ledger here is verified by the independent verifier when its test ends (the
-``ledger`` fixture of the store contract), which re-derives each admission's periods.
+The tests move the ledger's clock to their boundaries (:class:`clockkit.LedgerTime`): a
+manual clock on memory and SQLite, the database's clock on PostgreSQL, each test in a
+schema of its own. Every ledger here is verified by the independent verifier when its
+test ends (the ``ledger`` fixture of the store contract), which re-derives each
+admission's periods.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from clockkit import LedgerTime, recorded_at
 from test_store_contract import (  # noqa: F401  (fixtures)
     R,
     admit_ok,
@@ -54,21 +58,15 @@ def clock(store_kind: str) -> ManualClock | None:
 
 
 @pytest.fixture
+def moves(clock: ManualClock | None, ledger_url: str) -> LedgerTime:
+    """The test's hand on the ledger's clock: the manual one, or the database's."""
+    return LedgerTime(clock) if clock is not None else LedgerTime(None, ledger_url)
+
+
+@pytest.fixture
 async def w1(ledger: Ledger, ns: str) -> Writer:
     """A live worker whose lease outlasts every clock jump in these tests."""
     return await register(ledger, f"{ns}-w1", lease_s=10**9)
-
-
-def manual(clock: ManualClock | None) -> ManualClock:
-    """The test's manual clock (these tests need to put the boundary exactly)."""
-    if clock is None:
-        pytest.skip("PostgreSQL keeps the database's clock; boundary tests run on memory/SQLite")
-    return clock
-
-
-def set_clock(clock: ManualClock, at: float) -> None:
-    """Move the manual clock forward to ``at``."""
-    clock.advance(at - clock())
 
 
 async def in_period(ledger: Ledger, path: str, label: str) -> tuple[int | None, int, int, int]:
@@ -80,39 +78,49 @@ async def in_period(ledger: Ledger, path: str, label: str) -> tuple[int | None, 
 
 
 async def test_a_daily_limit_resets_at_local_midnight(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime
 ) -> None:
     """Room for two calls a day: the third is refused (402 naming the period) until local
-    midnight, which on a 25-hour DST day comes 25 hours after the previous one."""
-    c = manual(clock)
-    set_clock(c, local("2026-10-25T23:59:59"))  # Berlin's 25-hour day
+    midnight, which on Berlin's last Sunday of October comes 25 hours after the day began:
+    still refused 24 hours in, and a millisecond before the 25th hour ends; admitted at it."""
+    day_start, next_midnight = local("2026-10-25T00:00:00"), local("2026-10-26T00:00:00")
+    moves.set(day_start)
     await ledger.set_policy(BudgetPolicy(ns, 2 * R, "day", BERLIN))
     await admit_ok(ledger, w1, req(ns))
     await admit_ok(ledger, w1, req(ns))
     refused = await ledger.admit(w1, req(ns))
     assert refused.refusal is not None and refused.refusal.status == 402
     assert "2026-10-25" in refused.refusal.message
-    c.advance(0.999)  # still 23:59:59.999
-    assert (await ledger.admit(w1, req(ns))).action == "refuse"
-    c.advance(0.001)  # midnight
-    await admit_ok(ledger, w1, req(ns))
-    await admit_ok(ledger, w1, req(ns))
+    moves.advance(24 * 3600)  # a 24-hour day would have ended here (23:00 local)
+    late = await ledger.admit(w1, req(ns))
+    assert late.refusal is not None and "2026-10-25" in late.refusal.message
+    moves.advance(3600 - 0.001)  # 23:59:59.999 local, 25 hours less a millisecond in
+    last = await ledger.admit(w1, req(ns))
+    decided_at = await recorded_at(ledger, last.call_id)
+    # The database's clock runs on past the target; judge the answer by when it was given.
+    assert (last.action == "admit") == (decided_at >= next_midnight)
+    if moves.exact:  # a clock that stands still is refused exactly here
+        assert last.action == "refuse"
+    moves.advance(0.001)  # local midnight: 25 hours after the day began
+    assert moves.target - day_start == 25 * 3600
+    for _ in range(2 - (last.action == "admit")):
+        await admit_ok(ledger, w1, req(ns))
     assert (await ledger.admit(w1, req(ns))).action == "refuse"
     assert await in_period(ledger, ns, "2026-10-25") == (2 * R, 2 * R, 0, 0)
     assert await in_period(ledger, ns, "2026-10-26") == (2 * R, 2 * R, 0, 0)
 
 
 async def test_a_settlement_after_the_boundary_lands_in_the_admission_period(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime
 ) -> None:
-    """A call admitted at 23:59:59 and settled, interrupted or reconciled after midnight is
-    charged to the day it was admitted; the new day starts empty."""
-    c = manual(clock)
-    set_clock(c, local("2026-03-28T23:59:59"))
+    """Calls admitted in the last minute of a day and settled, interrupted or reconciled
+    after midnight (on the night DST starts) are charged to the day they were admitted;
+    the new day starts empty."""
+    moves.set(local("2026-03-28T23:59:00"))
     await ledger.set_policy(BudgetPolicy(ns, 10 * R, "day", BERLIN))
     settled = await admit_ok(ledger, w1, req(ns))
     unknown = await admit_ok(ledger, w1, req(ns))
-    c.advance(3600)
+    moves.advance(3600)
     await ledger.record(w1, settled.call_id, 1, completion(settled.call_id, f"{ns}/run", 700))
     await ledger.interrupt(w1, unknown.call_id, 1, "reset")
     assert await in_period(ledger, ns, "2026-03-28") == (10 * R, 0, 700, R)
@@ -124,19 +132,18 @@ async def test_a_settlement_after_the_boundary_lands_in_the_admission_period(
 
 
 async def test_each_ancestor_is_checked_in_its_own_period(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime
 ) -> None:
     """A monthly root in UTC and a daily child in New York: a new day frees the child, but
     the month's room is shared by both days; the refusal names the node that is full."""
-    c = manual(clock)
-    set_clock(c, local("2026-11-30T23:59:00", "America/New_York"))
+    moves.set(local("2026-11-30T23:59:00", "America/New_York"))
     await ledger.set_policy(BudgetPolicy(ns, 3 * R, "month", "UTC"))
     await ledger.set_policy(BudgetPolicy(f"{ns}/run", 2 * R, "day", "America/New_York"))
     first = await admit_ok(ledger, w1, req(ns))
     await admit_ok(ledger, w1, req(ns))
     day_full = await ledger.admit(w1, req(ns))
     assert day_full.refusal is not None and f"'{ns}/run'" in day_full.refusal.message
-    c.advance(60)  # New York's Dec 1 (05:00 UTC)
+    moves.advance(60)  # New York's Dec 1 (05:00 UTC)
     await admit_ok(ledger, w1, req(ns))  # December: a new month in UTC as well
     events = await ledger.events(first.call_id)
     reserved = next(e for e in events if e.kind == "budget.reserved")
@@ -145,16 +152,15 @@ async def test_each_ancestor_is_checked_in_its_own_period(
 
 
 async def test_the_root_month_holds_across_days(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime
 ) -> None:
     """A daily child with room left is still refused when its monthly parent is full."""
-    c = manual(clock)
-    set_clock(c, local("2026-12-10T12:00:00", "UTC"))
+    moves.set(local("2026-12-10T12:00:00", "UTC"))
     await ledger.set_policy(BudgetPolicy(ns, 3 * R, "month", "UTC"))
     await ledger.set_policy(BudgetPolicy(f"{ns}/run", 2 * R, "day", "UTC"))
     await admit_ok(ledger, w1, req(ns))
     await admit_ok(ledger, w1, req(ns))
-    c.advance(86400)
+    moves.advance(86400)
     await admit_ok(ledger, w1, req(ns))
     month_full = await ledger.admit(w1, req(ns))
     assert month_full.refusal is not None and f"budget '{ns}' " in month_full.refusal.message
@@ -162,14 +168,13 @@ async def test_the_root_month_holds_across_days(
 
 
 async def test_a_resumed_call_is_charged_to_its_admission_period(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime
 ) -> None:
     """A not-sent call resumed under its key the next day reserves in the day it was
     admitted (and against that day's room)."""
     from effectguard.rules.events import AttemptNotSent, BudgetReleased
 
-    c = manual(clock)
-    set_clock(c, local("2026-12-01T23:00:00", "UTC"))
+    moves.set(local("2026-12-01T23:00:00", "UTC"))
     await ledger.set_policy(BudgetPolicy(ns, 5 * R, "day", "UTC"))
     first = await admit_ok(ledger, w1, req(ns, key="k1"))
     await ledger.record(
@@ -181,9 +186,11 @@ async def test_a_resumed_call_is_charged_to_its_admission_period(
             BudgetReleased(call=first.call_id, budget=f"{ns}/run", amount=R),
         ],
     )
-    c.advance(7200)
+    moves.advance(7200)
     again = await ledger.admit(w1, req(ns, key="k1"))
     assert (again.action, again.call_id) == ("attempt", first.call_id)
+    reserved = [e for e in await ledger.events(first.call_id) if e.kind == "budget.reserved"]
+    assert periods.label("day", "UTC", reserved[-1].at) == "2026-12-02"  # reserved the next day
     assert await in_period(ledger, ns, "2026-12-01") == (5 * R, R, 0, 0)
     assert await in_period(ledger, ns, "2026-12-02") == (5 * R, 0, 0, 0)
 

@@ -17,12 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from effectguard.rules import periods
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 
 pytestmark = [
@@ -168,10 +170,19 @@ class Stack:
     prometheus: Prometheus
     port: int
     started: list[Proxy]
+    #: The statuses of the requests to the rpm-1 budget ``rated``.
+    rated: list[int]
 
 
-def drive_traffic(proxy: Proxy) -> None:
-    """Completions, a replay and refusals (402 budget, 429 rate, 409 effect unknown, 400, 404)."""
+#: Requests sent to the rpm-1 budget: any three span at most two minutes (they take far
+#: less than one), so at most two are admitted and at least one is refused 429, wherever
+#: a minute turns.
+RATED_REQUESTS = 3
+
+
+def drive_traffic(proxy: Proxy) -> list[int]:
+    """Completions, a replay and refusals (402 budget, 429 rate, 409 effect unknown, 400,
+    404); returns the statuses of the requests to the rate-limited budget."""
     with httpx.Client(base_url=proxy.url, timeout=10) as client:
         for i in range(3):
             assert client.post(CHAT, json=chat(f"hello {i}")).status_code == 200
@@ -182,13 +193,16 @@ def drive_traffic(proxy: Proxy) -> None:
         assert capped.status_code == 402, capped.text
         limited = [
             client.post(CHAT, json=chat(f"rated {i}"), headers={"effectguard-budget": "rated"})
-            for i in range(2)
+            for i in range(RATED_REQUESTS)
         ]
-        assert 429 in [r.status_code for r in limited], [r.text for r in limited]
+        statuses = [r.status_code for r in limited]
+        assert set(statuses) <= {200, 429} and 429 in statuses, statuses
+        assert all(r.json()["error"]["type"] == "rate_limited" for r in limited if r.is_error)
         unknown = client.post(CHAT, json=chat("crash"), headers={"idempotency-key": "crash-1"})
         assert unknown.status_code == 409, unknown.text
         assert client.post(CHAT, json=chat("x", model="no-such-model")).status_code == 400
         assert client.post("/nope/v1/chat/completions", json=chat("x")).status_code == 404
+    return statuses
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +233,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--ledger", str(ledger),
             )  # fmt: skip
             effectguard("budget", "set", "rated", "--rpm", "1", "--ledger", str(ledger))
-            effectguard("budget", "set", "default", "--limit", "100", "--ledger", str(ledger))
+            effectguard(
+                "budget", "set", "default", "--limit", "100", "--period", "month",
+                "--ledger", str(ledger),
+            )  # fmt: skip
             port = free_port()
             proxy = start_proxy(ledger, upstreams=upstreams, port=port)
             started.append(proxy)
@@ -227,7 +244,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             wait_for(
                 "the sweeper to mark the call", lambda: scrape_value(http, proxy, unknown) == 1.0
             )
-            drive_traffic(proxy)
+            rated = drive_traffic(proxy)
             prometheus = start_prometheus(tmp, f"127.0.0.1:{port}", http)
             prom = prometheus
             wait_for(  # Prometheus applies new targets only after ~5 s
@@ -235,7 +252,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 lambda: (prom.value("count_over_time(effectguard_ledger_up[1m])") or 0) >= 3,
                 timeout=40,
             )
-            yield Stack(tmp, ledger, provider, proxy, prometheus, port, started)
+            yield Stack(tmp, ledger, provider, proxy, prometheus, port, started, rated)
         finally:
             if prometheus is not None:
                 prometheus.stop()
@@ -308,10 +325,62 @@ def test_panel_values_match_the_traffic(stack: Stack) -> None:
         r["metric"]["outcome"]: float(r["value"][1])
         for r in prom.query("sum by (outcome) (effectguard_requests_total)")
     }
-    assert outcomes == {"completed": 5, "replayed": 1}  # 3 + the keyed call + one rated
+    # 3, the keyed call, and the rated calls admitted (one or two: a minute may turn).
+    assert outcomes == {"completed": 4 + stack.rated.count(200), "replayed": 1}
     reasons = {r["metric"]["reason"] for r in prom.query("effectguard_refusals_total")}
     assert {"budget_exceeded", "effect_unknown", "rate_limited"} <= reasons
     assert prom.value("sum(effectguard_replays_total)") == 1
+
+
+def panel(title: str) -> list[str]:
+    """The exprs of the dashboard panel titled ``title``, in target order."""
+    exprs = [expr for name, expr in dashboard_queries() if name == title]
+    assert exprs, f"no panel {title!r}"
+    return exprs
+
+
+def test_the_rate_limit_panel_counts_the_429s_sent(stack: Stack) -> None:
+    """ "Rate-limit refusals" counts exactly the 429s the rated budget answered: its counter
+    (the panel's selector without the rate) equals them, by provider."""
+    (expr,) = panel("Rate-limit refusals")
+    counter, replaced = re.subn(r"rate\((.*)\[\$__rate_interval\]\)", r"\1", expr)
+    assert replaced == 1, expr
+    counted = {
+        r["metric"]["provider"]: float(r["value"][1])
+        for r in stack.prometheus.query(concrete(counter))
+    }
+    assert counted == {"openai": stack.rated.count(429)}
+    assert stack.rated.count(429) >= 1
+
+
+def test_the_period_panel_shows_each_budgets_use_of_its_current_period(stack: Stack) -> None:
+    """ "Budget use this period" shows, for each root with a calendar period (and only
+    those), (spent + reserved + held) / limit of the period `effectguard budgets` shows,
+    and the period-end gauge behind its "resets in" is the end of that period."""
+    use, resets_in = (concrete(e) for e in panel("Budget use this period"))
+
+    def budgets() -> dict[str, dict[str, Any]]:
+        listed = effectguard("budgets", "--json", "--ledger", str(stack.ledger))
+        return {n["path"]: n for n in json.loads(listed) if n["resets"] != "total"}
+
+    before = budgets()
+    shown = {r["metric"]["budget"]: float(r["value"][1]) for r in stack.prometheus.query(use)}
+    end_expr = resets_in.replace(" - time()", "")
+    assert end_expr != resets_in, resets_in
+    ends = {r["metric"]["budget"]: float(r["value"][1]) for r in stack.prometheus.query(end_expr)}
+    after = budgets()  # a period may end between the reads: either side is right
+    assert set(shown) == set(ends) == set(before) == {"capped", "default"}
+    for path, value in shown.items():
+        expected = set()
+        for node in (before[path], after[path]):
+            used = sum(Decimal(node[f]) for f in ("spent_usd", "reserved_usd", "held_usd"))
+            bounds = periods.bounds(node["period"], node["tz"])
+            assert bounds is not None
+            expected.add((float(used / Decimal(node["limit_usd"])), bounds[1]))
+        assert any(
+            value == pytest.approx(ratio) and ends[path] == end for ratio, end in expected
+        ), (path, value, ends[path], expected)
+    assert shown["default"] > 0  # the traffic's spending is this month's
 
 
 def test_alert_rules_pass_promtool() -> None:

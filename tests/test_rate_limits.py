@@ -1,7 +1,10 @@
 """Rate limits (issue #15): the minute window (pure) and rpm, tpm and concurrency on every
 store (memory, SQLite, PostgreSQL), checked inside the admission transaction.
 
-Every ledger is verified by the independent verifier when its test ends.
+Tests that need a minute to stay put move the ledger's clock to a second into one
+(:class:`clockkit.LedgerTime`: the manual clock, or the database's on PostgreSQL, each
+test in a schema of its own), which leaves them 59 seconds before the next. Every
+ledger is verified by the independent verifier when its test ends.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 from collections import Counter
 
 import pytest
+from clockkit import LedgerTime
 from hypothesis import given
 from hypothesis import strategies as st
 from test_store_contract import (
@@ -38,6 +42,22 @@ _ = (clock, ledger, ledger_url, ns, store_kind)  # fixtures
 async def w1(ledger: Ledger, ns: str) -> Writer:
     """A live worker whose lease outlasts the clock moves in these tests."""
     return await register(ledger, f"{ns}-w1", lease_s=10**6)
+
+
+@pytest.fixture
+def into_a_minute(clock: ManualClock | None, ledger_url: str) -> LedgerTime:
+    """The ledger's clock moved to one second into the next minute (the manual clock, or
+    the database's), so that 59 seconds pass before the test's minute turns."""
+    moves = LedgerTime(clock) if clock is not None else LedgerTime(None, ledger_url)
+    now = clock() if clock is not None else _database_now(ledger_url)
+    moves.set(now - now % 60 + 60 + 1)
+    return moves
+
+
+def _database_now(url: str) -> float:
+    from effectguard.testing.pgclock import ledger_clock
+
+    return ledger_clock(url)
 
 
 # -- the window (pure) -------------------------------------------------------------------
@@ -120,40 +140,29 @@ async def refused_429(ledger: Ledger, writer: Writer, ns: str, **kw: object) -> 
 
 
 async def test_rpm_refuses_without_reserving_and_frees_the_key(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, into_a_minute: LedgerTime
 ) -> None:
     """The fourth request of a minute under rpm 3 is refused 429 with retry-after; nothing is
     reserved; its idempotency key stays free and is admitted in the next minute."""
-    if clock is not None:
-        clock.advance(60 - clock() % 60 + 1)  # one second into a minute
     await ledger.set_policy(BudgetPolicy(ns, rpm=3))
-    firsts = [await admit_ok(ledger, w1, req(ns)) for _ in range(3)]
+    for _ in range(3):
+        await admit_ok(ledger, w1, req(ns))
     fourth = await ledger.admit(w1, req(ns, key="k1"))
-    if fourth.action == "admit":  # only the database's clock may turn a minute meanwhile
-        assert clock is None
-        assert minute_of(await _reserved_at(ledger, fourth.call_id)) != minute_of(
-            await _reserved_at(ledger, firsts[0].call_id)
-        )
-        pytest.skip("the database's minute turned during the test")
     assert fourth.refusal is not None
     assert (fourth.refusal.status, fourth.refusal.type) == (429, "rate_limited")
     assert fourth.refusal.retryable and fourth.refusal.retry_after is not None
     assert 1 <= fourth.refusal.retry_after <= 60
     nodes = {n.path: n for n in await ledger.budgets()}
     assert nodes[ns].reserved == 3 * R
-    if clock is not None:
-        clock.advance(fourth.refusal.retry_after)
-        await admit_ok(ledger, w1, req(ns, key="k1"))
+    into_a_minute.advance(fourth.refusal.retry_after)
+    await admit_ok(ledger, w1, req(ns, key="k1"))
 
 
 async def test_tpm_counts_the_estimate_until_settlement_corrects_it(
-    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+    ledger: Ledger, w1: Writer, ns: str, into_a_minute: LedgerTime
 ) -> None:
     """tpm 1000: a call estimated at 800 tokens leaves no room for 300 more until it
     settles at its reported 30 tokens (the fake usage), in the same minute."""
-    if clock is None:
-        pytest.skip("needs the minute to stay put: a manual clock")
-    clock.advance(60 - clock() % 60 + 1)
     await ledger.set_policy(BudgetPolicy(ns, tpm=1000))
     big = await admit_ok(ledger, w1, req(ns, tokens=800))
     await refused_429(ledger, w1, ns, tokens=300)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from effectguard.ops.audit.archived import FINAL_STAGES
 from effectguard.rules.retention import (
-    ARCHIVABLE_STAGES,
     EventRef,
     RetentionPolicy,
     cut,
@@ -15,24 +15,56 @@ from effectguard.rules.retention import (
 )
 from effectguard.rules.workstate import STAGES, WorkState
 
-NOW = 1_000_000.0
+NOW = 10_000_000.0
+DAY = 86_400.0
+
+
+#: The stages a call may be archived in, written down here rather than read from the code
+#: under test (docs/operations.md): resolved, with no new attempt possible under its key.
+FINAL = {"refused", "completed", "failed", "reconciled_applied"}
+
+
+def test_every_stage_is_judged() -> None:
+    """The stages this file pins are the contract's (a new stage must be judged here)."""
+    assert set(STAGES) == FINAL | {
+        "in_flight",
+        "effect_unknown",
+        "not_sent",
+        "not_processed",
+        "reconciled_not_applied",
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_only_final_stages_may_be_archived(stage: str) -> None:
     """Unresolved and resumable calls stay live; refused, completed, failed and
-    reconciled-applied calls may go."""
+    reconciled-applied calls may go, and the verifier judges an archive by the same set."""
     state = WorkState(call_id="c", stage=stage, created_at=NOW - 100)  # type: ignore[arg-type]
-    reason = stays_live(state, before=NOW, now=NOW)
-    assert (reason is None) == (stage in ARCHIVABLE_STAGES)
-    assert stage not in ("in_flight", "effect_unknown") or reason is not None
+    reason = stays_live(state, resolved_at=NOW - 50, before=NOW, now=NOW)
+    assert (reason is None) == (stage in FINAL)
+    if stage not in FINAL:
+        assert reason == f"stage {stage} is not final"
+    assert (stage in FINAL) == (stage in FINAL_STAGES)
 
 
-def test_a_call_admitted_after_the_cutoff_stays() -> None:
-    """The cut-off date is exclusive: a call admitted at or after it stays live."""
-    state = WorkState(call_id="c", stage="completed", created_at=NOW - 10)
-    assert stays_live(state, before=NOW - 10, now=NOW) == "admitted after the cut-off"
-    assert stays_live(state, before=NOW - 9, now=NOW) is None
+def test_a_call_resolved_after_the_cutoff_stays() -> None:
+    """The cut-off date is exclusive: a call resolved at or after it stays live."""
+    state = WorkState(call_id="c", stage="completed", created_at=NOW - 20)
+    assert stays_live(state, resolved_at=NOW - 10, before=NOW - 10, now=NOW) == (
+        "resolved after the cut-off"
+    )
+    assert stays_live(state, resolved_at=NOW - 10, before=NOW - 9, now=NOW) is None
+
+
+def test_retention_counts_from_the_resolution_not_the_admission() -> None:
+    """A call admitted long before the cut-off but resolved after it (unknown for weeks,
+    reconciled yesterday) keeps its bodies for the full period after it was decided."""
+    state = WorkState(call_id="c", stage="reconciled_applied", created_at=NOW - 60 * DAY)
+    keep_30_days = NOW - 30 * DAY
+    assert stays_live(state, resolved_at=NOW - DAY, before=keep_30_days, now=NOW) == (
+        "resolved after the cut-off"
+    )
+    assert stays_live(state, resolved_at=NOW - 31 * DAY, before=keep_30_days, now=NOW) is None
 
 
 def test_a_call_inside_its_provider_idempotency_window_stays() -> None:
@@ -40,8 +72,10 @@ def test_a_call_inside_its_provider_idempotency_window_stays() -> None:
     state = WorkState(
         call_id="c", stage="completed", created_at=NOW - 100, idempotency_window_s=3600
     )
-    assert stays_live(state, before=NOW, now=NOW) == "inside its provider's idempotency window"
-    assert stays_live(state, before=NOW, now=NOW + 3600) is None
+    assert stays_live(state, resolved_at=NOW - 100, before=NOW, now=NOW) == (
+        "inside its provider's idempotency window"
+    )
+    assert stays_live(state, resolved_at=NOW - 100, before=NOW, now=NOW + 3600) is None
 
 
 def test_the_cut_stops_before_the_first_call_that_must_stay() -> None:

@@ -434,6 +434,30 @@ async def test_a_stream_sent_in_one_chunk_is_forwarded_up_to_its_held_terminal_e
     await finish(t)
 
 
+@respx.mock(base_url=OPENAI)
+async def test_a_stream_event_with_a_hostile_type_is_passed_on_and_settled(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A usage event whose "type" is a list (not a name) is forwarded and read as usage.
+
+    The stream reader once raised on it (an unhashable "type"), failing a call the provider
+    had answered in full.
+    """
+    usage = b'"usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}'
+    hostile = b'data: {"type": [], "choices": [], ' + usage + b"}\n\n"
+    stream = [*CHAT_STREAM[:-2], hostile, CHAT_STREAM[-1]]
+    respx_mock.post("/v1/chat/completions").mock(side_effect=Upstream(stream, sync=False))
+    t = make_transport()
+    body = {"model": GPT, "messages": MESSAGES, "stream": True}
+    client = httpx.AsyncClient(transport=t)  # not closed here: that would close the ledger
+    async with client.stream("POST", OPENAI + "/v1/chat/completions", json=body) as response:
+        received = b"".join([chunk async for chunk in response.aiter_raw()])
+    assert received == b"".join(stream)
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    await finish(t)
+
+
 def test_openai_sync_stream_gets_usage_chunk_and_is_settled(ledger_path: str) -> None:
     """Through GuardTransport, an OpenAI stream arrives whole and is priced from its usage chunk."""
     t = GuardTransport(ledger=ledger_path, settings=FAST)

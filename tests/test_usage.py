@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from effectguard.providers import ModelPrice
 from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.streamusage import StreamUsage
 from effectguard.rules.usage import (
     OutOfBounds,
-    StreamUsage,
     Usage,
     UsageResult,
     check_usage,

@@ -476,6 +476,33 @@ async def test_resealed_forgery_by_an_unknown_worker_is_named(built: Built) -> N
     )
 
 
+async def test_resealed_forgery_at_the_operators_generation_by_another_name_is_named(
+    built: Built,
+) -> None:
+    """A resealed interrupt, hold, not-applied reconcile and unhold of a live call, written
+    by "ghost" at generation 0 (every kind one an operator may write), is named: generation
+    0 belongs to the operator alone."""
+    call = built.in_flight
+    forged = [
+        AttemptInterrupted(call=call, attempt=1, reason="x", by="ghost"),
+        BudgetHeld(call=call, budget="team/run", amount=R),
+        CallReconciled(call=call, applied=False, cost=0, note="", by="ghost"),
+        BudgetUnheld(call=call, budget="team/run", amount=R, spent=0),
+    ]
+    reseal(
+        built.path,
+        lambda rows: [*rows, *(Row(e.kind, call, e.to_data(), "ghost", 0) for e in forged)],
+    )
+    report = await verify(built.path)
+    first = built.events + 1
+    assert report.first_broken_seq == first
+    assert report.problems == [
+        f"event {seq}: {e.kind} written at generation 0 by 'ghost', which is not the "
+        "operator ('operator'): no such writer"
+        for seq, e in enumerate(forged, start=first)
+    ]
+
+
 async def test_the_audits_forged_reconcile_is_named(built: Built) -> None:
     """The audit's case: a resealed call.reconciled on a completed call by worker 99 is named."""
     reconciled = CallReconciled(call=built.completed, applied=True, cost=0, note="", by="x")

@@ -1,23 +1,36 @@
 """The verifier shares only event decoding and the digest with the store, each pinned to vectors.
 
 ``effectguard.ops.audit`` may import from effectguard nothing but its own modules and, from
-``effectguard.rules.events``, ``StoredEvent``, ``canonical_json`` and ``event_digest``. The two
-shared functions are checked here against bytes and digests computed once and pinned, so a
-change to either shows up as a broken vector, not as a verifier that agrees with a broken store.
+``effectguard.rules.events``, ``StoredEvent``, ``canonical_json`` and ``event_digest``. Nor may
+it load anything else indirectly: imported in a fresh interpreter, the verifier's modules
+bring in only themselves, the shared modules (and what those need) and the standard library.
+The two shared functions are checked here against bytes and digests computed once and pinned,
+so a change to either shows up as a broken vector, not as a verifier that agrees with a broken
+store.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from effectguard.ledger.rows import event_from_row
+from effectguard.ops import archivefile, pgarchive
 from effectguard.ops.audit.chain import GENESIS, Chain
 from effectguard.ops.audit.report import VerifyReport
 from effectguard.rules.events import GENESIS_DIGEST, AttemptStarted, canonical_json, event_digest
 
 AUDIT = Path(__file__).resolve().parent.parent / "effectguard" / "ops" / "audit"
 SHARED = {"effectguard.rules.events": {"StoredEvent", "canonical_json", "event_digest"}}
+#: The shared decoding and digest, as modules: what importing them loads is allowed too.
+SHARED_MODULE = "effectguard.rules.events"
+#: Every module of the verifier, by name.
+AUDIT_MODULES = sorted(
+    f"effectguard.ops.audit.{p.stem}" for p in AUDIT.glob("*.py") if p.stem != "__init__"
+)
 
 
 def effectguard_imports(path: Path) -> set[tuple[str, str]]:
@@ -43,6 +56,76 @@ def test_verifier_imports_only_the_shared_decoding_and_digest() -> None:
             if module.startswith("effectguard.ops.audit"):
                 continue
             assert name in SHARED.get(module, set()), f"{path.name} imports {module}.{name}"
+
+
+def loaded_by(*modules: str) -> set[str]:
+    """Every module a fresh interpreter loads to import ``modules`` (the ones it starts
+    with left out)."""
+    script = (
+        "import sys, json\n"
+        "before = set(sys.modules)\n"
+        f"for name in {list(modules)!r}:\n"
+        "    __import__(name)\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    return set(json.loads(done.stdout))
+
+
+def _stdlib(name: str) -> bool:
+    top = name.split(".")[0]
+    # sysconfig's generated data module is the standard library's, under a platform name.
+    return top in sys.stdlib_module_names or top.startswith("_sysconfigdata")
+
+
+def not_allowed(loaded: set[str], shared: set[str]) -> set[str]:
+    """What the verifier loaded beyond itself, the shared modules' own load and the
+    standard library (package ``__init__`` modules above it hold nothing)."""
+    own = {"effectguard", "effectguard.ops", "effectguard.ops.audit"}
+    return {
+        name
+        for name in loaded - shared
+        if name not in own and not name.startswith("effectguard.ops.audit.") and not _stdlib(name)
+    }
+
+
+def test_the_verifier_loads_nothing_of_the_store_even_indirectly() -> None:
+    """Imported in a fresh interpreter, every verifier module loads only the verifier, the
+    shared event decoding and digest (with what they need) and the standard library."""
+    shared = loaded_by(SHARED_MODULE)
+    # The shared modules themselves load nothing of the store or the rest of the rules.
+    assert {m for m in shared if m.startswith("effectguard")} == {
+        "effectguard",
+        "effectguard.rules",
+        "effectguard.rules.canonical",
+        "effectguard.rules.digest",
+        "effectguard.rules.events",
+    }
+    loaded = loaded_by("effectguard.ops.audit", *AUDIT_MODULES)
+    assert set(AUDIT_MODULES) <= loaded
+    assert not_allowed(loaded, shared) == set()
+
+
+def test_the_transitive_check_sees_what_a_module_loads_indirectly() -> None:
+    """The check itself works: the archive file's reader loads the store, and through it the
+    store's projection, which it never imports by name."""
+    shared = loaded_by(SHARED_MODULE)
+    bad = not_allowed(loaded_by("effectguard.ops.archivefile"), shared)
+    assert "effectguard.ledger" in bad
+    assert "effectguard.rules.workstate" in bad
+    direct = {m for m, _ in effectguard_imports(Path(archivefile.__file__))}
+    assert "effectguard.rules.workstate" not in direct  # only the transitive check sees it
+
+
+def test_archives_are_proved_by_the_verifier_not_the_archiver() -> None:
+    """``verify --archive`` (a file, or PostgreSQL's archive table) proves a range with the
+    verifier's own code, so "archived calls are final" is not judged by the archiver's
+    retention constant."""
+    for reader in (archivefile, pgarchive):
+        assert reader.verify_range.__module__ == "effectguard.ops.audit.archived"
+    assert "effectguard.rules.retention" not in loaded_by("effectguard.ops.audit.archived")
 
 
 def test_the_import_check_sees_a_violation(tmp_path: Path) -> None:

@@ -286,8 +286,12 @@ class WorkerRuntime:
 def _log_sweep(dead: frozenset[str], interrupted: list[str]) -> None:
     """One line per worker taken over, one per call the sweep marked effect unknown."""
     for worker in sorted(dead):
-        log.warning(
-            "took over dead worker %s", worker, extra={"event": "takeover", "worker": worker}
+        # Info, not a warning: a worker that stopped cleanly is taken over the same way at
+        # the next start. What a crash costs is the calls below, each its own warning.
+        log.info(
+            "took over worker %s: its process is gone",
+            worker,
+            extra={"event": "takeover", "worker": worker},
         )
     for call_id in interrupted:
         log.warning(

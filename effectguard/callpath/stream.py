@@ -25,7 +25,7 @@ from effectguard.callpath.prepare import Prepared
 from effectguard.callpath.recorder import Recorder
 from effectguard.errors import Refusal
 from effectguard.ledger import Admitted
-from effectguard.rules import usage as usages
+from effectguard.rules.streamusage import StreamUsage
 from effectguard.telemetry.report import CallReport
 
 
@@ -51,7 +51,7 @@ class GuardedStream:
         self._admitted = admitted
         self._upstream = upstream
         self._chunks: AsyncIterator[bytes] = upstream.aiter_raw()
-        self._parser = usages.StreamUsage(prepared.provider.dialect, prepared.path)
+        self._parser = StreamUsage(prepared.provider.dialect, prepared.path)
         self._received: list[bytes] = []
         self._sent_at = sent_at
         #: The request's report, handed to the observer when the stream settles.

@@ -12,6 +12,10 @@ ends the warning.
 "Set by an operator" means the ledger holds a ``budget.limit_set`` for the path written
 by an operator tool (generation 0, never a worker); the limits ``serve`` seeds from the
 file are written by its worker.
+
+Whoever sets a limit, one below what the node has already spent in its current period
+is set all the same, with a warning (:func:`overspent`): ``budget set`` prints it,
+``serve`` logs it for each limit it writes from the file.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.money import nanos_to_usd
 
@@ -78,3 +83,15 @@ def plan_limits(
                 f"{path} --limit {nanos_to_usd(limit)}`; or remove {path!r} from [budgets]."
             )
     return plan
+
+
+def overspent(node: BudgetNode) -> str | None:
+    """The warning for a node (in its current period) whose limit is below what that
+    period has already spent; ``None`` when it has room or no limit."""
+    if node.limit is None or node.spent <= node.limit:
+        return None
+    return (
+        f"budget {node.path!r} has already spent {nanos_to_usd(node.spent)} USD in period "
+        f"{node.period}, more than its new limit of {nanos_to_usd(node.limit)} USD; it "
+        "admits no call until the period ends"
+    )

@@ -48,7 +48,7 @@ Config file reference (every table optional)::
     metrics = false             # true: this key may read /metrics (needed once keys exist)
 
     [retention]                 # `effectguard archive` without --before archives final
-    keep_bodies_days = 30       # calls admitted more than this many days ago
+    keep_bodies_days = 30       # calls resolved more than this many days ago
 
     [admin]                     # the operator page under /_effectguard/; off without keys
     session_hours = 8           # a login lasts this long

@@ -2,7 +2,8 @@
 
 See :mod:`effectguard.config.precedence` for the rule; this module reads the ledger,
 writes the limits the plan says, and warns (on stderr, through logging) where an
-operator's limit and the config file disagree.
+operator's limit and the config file disagree, and where a limit it wrote is below
+what the node has already spent in its current period (as ``budget set`` warns).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from effectguard.config.precedence import operator_limits, plan_limits
+from effectguard.config.precedence import operator_limits, overspent, plan_limits
 from effectguard.ledger import Ledger, Writer
 
 log = logging.getLogger("effectguard.ingress.limitseed")
@@ -23,6 +24,12 @@ async def seed_limits(ledger: Ledger, configured: Mapping[str, int], writer: Wri
     plan = plan_limits(configured, current, by_operator)
     for path, limit in plan.apply.items():
         await ledger.set_limit(path, limit, writer=writer)
-    for warning in plan.warnings:
+    warnings = list(plan.warnings)
+    if plan.apply:
+        now = {n.path: n for n in await ledger.budgets()}  # each node's current period
+        for path in plan.apply:
+            if (warning := overspent(now[path])) is not None:
+                warnings.append(f"{warning} (set from the config's [budgets])")
+    for warning in warnings:
         log.warning("%s", warning)
-    return plan.warnings
+    return warnings

@@ -4,7 +4,7 @@
 proof and checkpoint: :mod:`effectguard.ops.pgarchive`.)
 
 An archive takes the longest prefix of the live chain that :mod:`effectguard.rules.retention`
-allows (every call in it final, admitted before the cut-off, past its provider's
+allows (every call in it final, resolved before the cut-off, past its provider's
 idempotency window, and whole), and in one transaction:
 
 1. appends a ``ledger.archived`` checkpoint (the range, its last digest, counts, the

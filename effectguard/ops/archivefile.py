@@ -8,13 +8,14 @@ chunk in base64); the last line is the ``ledger.archived`` checkpoint event the 
 wrote into the ledger. The checkpoint's digest covers the event lines; the body lines
 are covered through their manifests, which name each body by its SHA-256.
 
-:func:`verify_archive` proves, from the file alone, that the events chain from the
-header's digest to the checkpoint's ``last_digest``, that their lines hash to the
-checkpoint's ``archive_sha256``, that each archived call is whole and final, that
-folding them from the header's state gives the checkpoint's state, and that each body a
-manifest names by reference is there, whole, with that digest. The checkpoint's own
-digest ties the file to the ledger. Reading streams the body lines through their
-hashes: they are never held in memory.
+:func:`verify_archive` reads the file and hands it to the independent verifier
+(:func:`effectguard.ops.audit.archived.verify_range`), which proves, from the file alone,
+that the events chain from the header's digest to the checkpoint's ``last_digest``, that
+their lines hash to the checkpoint's ``archive_sha256``, that each archived call is whole
+and final, that folding them from the header's state gives the checkpoint's state, and
+that each body a manifest names by reference is there, whole, with that digest. The
+checkpoint's own digest ties the file to the ledger. Reading streams the body lines
+through their hashes: they are never held in memory.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.ops.audit import BodyRow, Verifier, VerifyReport, checkpoint
-from effectguard.rules.events import StoredEvent, canonical_json, stored_digest
-from effectguard.rules.retention import ARCHIVABLE_STAGES
+from effectguard.ops.audit import BodyRow, VerifyReport
+from effectguard.ops.audit.archived import verify_range
+from effectguard.rules.events import StoredEvent, canonical_json
 
 FORMAT = "effectguard-archive/2"
 #: The formats read: format 1 has no body lines.
@@ -146,49 +147,6 @@ def verify_archive(path: Path) -> VerifyReport:
     return verify_range(header, lines, tail, bodies)
 
 
-def verify_range(
-    header: dict[str, Any],
-    lines: list[str],
-    tail: StoredEvent,
-    bodies: list[BodyRow] | None = None,
-) -> VerifyReport:
-    """Prove one archived range from its header, event lines and checkpoint alone (and,
-    given ``bodies``, its archived calls' bodies stored by reference)."""
-    verifier = Verifier()
-    report = verifier.report
-    first = int(header["first_seq"])
-    if header.get("start_state") is not None:
-        checkpoint.seed(
-            verifier, header["start_state"], next_seq=first, prev_digest=header["prev_digest"]
-        )
-    elif first != 1:
-        report.broken(first, f"archive starts at event {first} without a starting state")
-    for line in lines:
-        stored = StoredEvent(**json.loads(line))
-        verifier.feed(stored)
-        _check_start(report, header, stored)
-    mark = tail.data
-    _check_tail(report, tail)
-    if lines_sha256(lines) != mark.get("archive_sha256"):
-        report.broken(tail.seq, "the archive's events do not hash to its checkpoint's digest")
-    if verifier.chain.prev != mark.get("last_digest") or verifier.chain.expected_seq - 1 != int(
-        mark.get("last_seq", -1)
-    ):
-        report.broken(tail.seq, "the archive does not end where its checkpoint says")
-    if (int(mark.get("first_seq", -1)), mark.get("prev_digest")) != (first, header["prev_digest"]):
-        report.broken(tail.seq, "the archive does not start where its checkpoint says")
-    for call_id, fold in sorted(verifier.calls.items()):
-        stage = fold.projection()["stage"]
-        if fold.unfinished is not None or stage not in ARCHIVABLE_STAGES:
-            report.broken(fold.last_seq, f"call {call_id}: archived while {stage}")
-    if not checkpoint.same_state(checkpoint.export_state(verifier), mark.get("state")):
-        report.broken(tail.seq, "folding the archive does not give its checkpoint's state")
-    if bodies is not None:
-        verifier.check_bodies(bodies)
-    report.calls = len(verifier.calls)
-    return report
-
-
 async def check_archive_against(ledger: Ledger, path: Path, report: VerifyReport) -> None:
     """Where the ledger still holds the archive's checkpoint, it must be the file's own.
 
@@ -203,24 +161,3 @@ async def check_archive_against(ledger: Ledger, path: Path, report: VerifyReport
         first = await ledger.store.events_after(0, 1)
         if not first or first[0].seq <= tail.seq:
             report.broken(tail.seq, f"event {tail.seq}: the ledger holds no such checkpoint")
-
-
-def _check_start(report: VerifyReport, header: dict[str, Any], stored: StoredEvent) -> None:
-    # The previous cut's checkpoint, once it is archived too, vouches for this file's start.
-    data = stored.data
-    if stored.kind != checkpoint.KIND or data.get("last_seq") != int(header["first_seq"]) - 1:
-        return
-    if (data.get("state"), data.get("last_digest")) != (
-        header.get("start_state"),
-        header["prev_digest"],
-    ):
-        report.broken(
-            stored.seq, f"event {stored.seq}: the archive's start is not its checkpoint's"
-        )
-
-
-def _check_tail(report: VerifyReport, tail: StoredEvent) -> None:
-    digest = stored_digest(tail)
-    if tail.kind != checkpoint.KIND or digest != tail.digest:
-        report.broken(tail.seq, f"event {tail.seq}: the archive's checkpoint is not sealed")
-    report.problems.extend(checkpoint.check(tail.seq, tail.data))

@@ -10,6 +10,7 @@ events go (a file for SQLite, a table for PostgreSQL) is each ledger's module's.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -92,12 +93,19 @@ def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = 
     ]
     if not refs:
         return Survey(None)
+    # Each call's last event: retention counts from the call's resolution, not its admission.
+    last_at = {ref.call_id: ref.at for ref in refs if ref.call_id is not None}
     reasons: dict[str, str | None] = {}
     keys: dict[str, tuple[str | None, str, str]] = {}
     for row in fetch(f"SELECT {layout.state_columns} FROM calls", ()):
         state = layout.state(row)
-        reasons[state.call_id] = stays_live(state, before=before, now=now)
-        keys[state.call_id] = (state.idempotency_key, state.budget_root, state.request_hash)
+        resolved_at = last_at.get(state.call_id, math.inf)  # no event: corrupt, it stays
+        reasons[state.call_id] = stays_live(state, resolved_at=resolved_at, before=before, now=now)
+        # A refused call's key is free under the contract (docs/contract.md §4): the archive
+        # keeps none for it, or the key would answer 409 archived (and two refused calls
+        # under one key would collide in archived_keys).
+        key = None if state.stage == "refused" else state.idempotency_key
+        keys[state.call_id] = (key, state.budget_root, state.request_hash)
     archivable = {call: reason is None for call, reason in reasons.items()}
     last = cut(refs, archivable, before=before)
     held = holder(refs, reasons, last=last, before=before)

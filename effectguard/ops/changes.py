@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from effectguard.config.precedence import overspent
 from effectguard.ledger import Ledger
 from effectguard.ops.command import (
     EXIT_OK,
@@ -130,13 +131,8 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
         return _usage(str(exc))
     await ledger.set_policy(policy)
     node = next(n for n in await ledger.budgets() if n.path == path)
-    if node.limit is not None and node.spent > node.limit:
-        print(
-            f"effectguard: warning: budget {path!r} has already spent {money(node.spent)} USD "
-            f"in period {node.period}, more than its new limit of {money(node.limit)} USD; "
-            "it admits no call until the period ends",
-            file=sys.stderr,
-        )
+    if (warning := overspent(node)) is not None:
+        print(f"effectguard: warning: {warning}", file=sys.stderr)
     payload = budget_json(node, policy)
     emit(args, payload, f"{path}: limit {money(node.limit) or 'none'} USD per {policy.period}")
     return EXIT_OK
@@ -266,7 +262,7 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--before",
         metavar="DATE",
-        help="archive final calls admitted before this ISO date/time or duration ago "
+        help="archive final calls resolved before this ISO date/time or duration ago "
         "(30d); default: [retention] keep_bodies_days from --config",
     )
     p.add_argument(
@@ -280,7 +276,7 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
 ARCHIVE = Command(
     "archive",
     "move final calls' events to an archive file or table",
-    "Move the events of final calls admitted before DATE out of the live ledger: a SQLite "
+    "Move the events of final calls resolved before DATE out of the live ledger: a SQLite "
     "ledger's into a gzip'd archive file, a PostgreSQL ledger's into its archived_events "
     "table; either leaves a ledger.archived checkpoint that verify follows.",
     _archive_arguments,

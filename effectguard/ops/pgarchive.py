@@ -56,6 +56,7 @@ from effectguard.ops.archiveplan import (
     seal_checkpoint,
 )
 from effectguard.ops.audit import BodyRow, VerifyReport
+from effectguard.ops.audit.archived import verify_range
 from effectguard.rules.events import StoredEvent, canonical_json
 
 #: What the checkpoint names as its archive.
@@ -224,7 +225,7 @@ def _verify_ranges(conn: psycopg.Connection[Any]) -> VerifyReport:
         lines = [archivefile.event_line(e) for e in events]
         calls = sorted({e.call_id for e in events if e.call_id is not None})
         archived.update(calls)
-        report = archivefile.verify_range(header, lines, tail, _bodies(conn, calls))
+        report = verify_range(header, lines, tail, _bodies(conn, calls))
         if int(first) != expected_first:
             report.broken(
                 int(first), f"archived range {first}..{last} follows event {expected_first - 1}"

@@ -119,7 +119,8 @@ async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
 
     The live chain then begins after the archived range; the checkpoint that archived
     events ``..first-1`` holds the digest the first live event must link to and the
-    state the archived events left behind. Without one, the chain check names the gap.
+    state the archived events left behind. Without one, the verifier names the missing
+    checkpoint (and the chain check the gap).
     """
     head = await ledger.store.events_after(0, 1)
     if not head or head[0].seq == 1:
@@ -144,5 +145,4 @@ async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
         if found is not None:
             break
         seq = batch[-1].seq
-    if found is not None:
-        checkpoint.seed(verifier, found["state"], next_seq=first, prev_digest=found["last_digest"])
+    checkpoint.resume(verifier, found, first=first)

@@ -1,12 +1,16 @@
-"""What may leave the live ledger, and where an archive cuts it (docs/contract.md §12). Pure.
+"""What may leave the live ledger, and where an archive cuts it. Pure.
 
-The rules, each a reason a call stays live:
+The rules (docs/contract.md §8, ``effectguard archive``; written out in docs/operations.md,
+"Retention and archives"), each a reason a call stays live:
 
 * its stage is not final (``in_flight``, ``effect_unknown``, and the resumable stages
   ``not_sent``, ``not_processed``, ``reconciled_not_applied``, whose key may still start
   a new attempt): only ``refused``, ``completed``, ``failed`` and ``reconciled_applied``
   calls are archived (a ``failed`` call can no longer be reconciled once archived);
-* it was admitted at or after the cut-off date;
+* it was resolved at or after the cut-off date: retention counts from the call's last
+  event (the one that resolved it; only a late answer kept as evidence may follow, and
+  that keeps the call longer, never shorter), not from its admission, so a call that
+  stayed unknown for weeks keeps its bodies for the full period after it was decided;
 * it is still inside its provider's declared idempotency window (a resend there goes
   to the provider with its header, so the call must stay).
 
@@ -37,7 +41,8 @@ DAY_S: Final = 86400.0
 
 @dataclass(frozen=True, slots=True)
 class RetentionPolicy:
-    """``[retention] keep_bodies_days``: how long a call's events stay live after admission."""
+    """``[retention] keep_bodies_days``: how long a call's events (its request and response
+    bodies with them) stay live after the call is resolved."""
 
     keep_bodies_days: float | None = None
 
@@ -48,12 +53,13 @@ class RetentionPolicy:
         return now - self.keep_bodies_days * DAY_S
 
 
-def stays_live(state: WorkState, *, before: float, now: float) -> str | None:
-    """Why ``state``'s call may not be archived yet (None: it may)."""
+def stays_live(state: WorkState, *, resolved_at: float, before: float, now: float) -> str | None:
+    """Why ``state``'s call may not be archived yet (None: it may); ``resolved_at`` is the
+    time of the call's last event."""
     if state.stage not in ARCHIVABLE_STAGES:
         return f"stage {state.stage} is not final"
-    if state.created_at >= before:
-        return "admitted after the cut-off"
+    if resolved_at >= before:
+        return "resolved after the cut-off"
     window = state.idempotency_window_s
     if window is not None and now - state.created_at <= window:
         return "inside its provider's idempotency window"

@@ -1,7 +1,7 @@
 """Usage and cost: what a provider says a call consumed, and what that costs.
 
-Pure functions and one incremental parser, no I/O. Usage is read from a response body
-(:func:`usage_from_body`) or a server-sent-event stream (:class:`StreamUsage`), judged by the
+Pure functions, no I/O. Usage is read from a response body (:func:`usage_from_body`; a
+server-sent-event stream's is read by :mod:`effectguard.rules.streamusage`), judged by the
 docs/contract.md §3.7 belief rules (:func:`check_usage`), and priced exactly in nano-dollars
 (:func:`cost`). :func:`estimate` is the docs/contract.md §5 reservation made before dispatch.
 """
@@ -21,7 +21,6 @@ __all__ = [
     "OUTPUT_LIMIT_FIELDS",
     "PER_CALL",
     "OutOfBounds",
-    "StreamUsage",
     "Usage",
     "UsageResult",
     "check_usage",
@@ -211,146 +210,6 @@ def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
     except _Unreadable as exc:
         return UsageResult(None, exc.problem)
     return _judged(usage)
-
-
-_TERMINAL = {
-    "chat": frozenset({"[DONE]"}),
-    "embeddings": frozenset({"[DONE]"}),
-    # A Responses stream ends with exactly one of these; each carries the final usage.
-    "responses": frozenset({"response.completed", "response.incomplete", "response.failed"}),
-    "messages": frozenset({"message_stop"}),
-    "flat": frozenset(),
-}
-
-
-class StreamUsage:
-    """Reads usage from a server-sent-event stream, fed raw chunks in arrival order.
-
-    Chunks may split lines, events and UTF-8 characters anywhere; lines end in ``\\n`` or
-    ``\\r\\n``. An event is handled at the blank line that ends it (an unterminated last event is
-    dropped, as the SSE standard says), so a stream cut short never looks finished.
-    """
-
-    def __init__(self, dialect: str, path: str) -> None:
-        self._api = _api(dialect, path)
-        self._buffer = b""
-        self._data: list[bytes] = []
-        self._finished = False
-        self._usage: Usage | None = None
-        self._problem: str | None = "missing"
-        self._start: Mapping[str, Any] | None = None  # anthropic message_start usage
-        self._delta: Mapping[str, Any] | None = None  # anthropic last message_delta usage
-        self._fed = 0  # bytes fed so far
-        self._event_at: int | None = None  # stream offset where the current event began
-        self._terminal_at: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        """Whether the stream's terminal marker was seen (it ended cleanly)."""
-        return self._finished
-
-    @property
-    def complete(self) -> bool:
-        """Whether the stream may end here: its terminal event was seen, or its API has none.
-
-        An end of stream before the terminal event is a broken stream, however cleanly the
-        connection closed (contract.md §12): a close-delimited response cut short looks complete
-        to HTTP.
-        """
-        return self._finished or not _TERMINAL[self._api]
-
-    @property
-    def fed(self) -> int:
-        """How many bytes of the stream have been fed."""
-        return self._fed
-
-    @property
-    def terminal_at(self) -> int | None:
-        """The stream offset where the terminal event begins (once :attr:`finished`)."""
-        return self._terminal_at
-
-    def feed(self, chunk: bytes) -> None:
-        """Consume the next raw chunk of the stream."""
-        at = self._fed - len(self._buffer)  # the stream offset of the buffer's first byte
-        self._fed += len(chunk)
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            if self._event_at is None and line.strip():
-                self._event_at = at
-            self._line(line.removesuffix(b"\r"))
-            at += len(line) + 1
-
-    def result(self) -> UsageResult:
-        """The usage reported so far (final once :attr:`finished`); ``missing`` if none."""
-        if self._api == "flat":
-            return UsageResult(Usage(0, 0), None)
-        if self._api == "messages":
-            return self._anthropic_result()
-        return UsageResult(self._usage, self._problem)
-
-    def _line(self, line: bytes) -> None:
-        if not line:
-            if self._data:
-                was_finished = self._finished
-                self._event(b"\n".join(self._data))
-                if self._finished and not was_finished:
-                    self._terminal_at = self._event_at
-            self._data = []
-            self._event_at = None
-        elif line.startswith(b"data:"):
-            data = line[5:]
-            self._data.append(data[1:] if data.startswith(b" ") else data)
-        # "event:", "id:", "retry:" and ":" comments carry nothing we need: the JSON names it.
-
-    def _event(self, data: bytes) -> None:
-        if data == b"[DONE]":
-            self._finished = "[DONE]" in _TERMINAL[self._api]
-            return
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            return
-        if not isinstance(doc, dict):
-            return
-        kind = doc.get("type")
-        if kind in _TERMINAL[self._api]:
-            self._finished = True
-        if self._api == "messages":
-            if kind == "message_start":
-                self._start = _table(_table(doc, "message"), "usage")
-            elif kind == "message_delta" and isinstance(doc.get("usage"), dict):
-                self._delta = doc["usage"]
-        elif self._api == "responses":
-            if kind in _TERMINAL["responses"]:
-                self._read(_table(doc, "response").get("usage"))
-        elif doc.get("usage") is not None:
-            # Chat sends usage in one last chunk when stream_options.include_usage is set;
-            # servers that send it in every chunk report running totals, so the last wins.
-            self._read(doc["usage"])
-
-    def _read(self, u: object) -> None:
-        if not isinstance(u, dict):
-            self._usage, self._problem = None, "missing"
-            return
-        try:
-            self._usage = _openai_usage(u, self._api)
-        except _Unreadable as exc:
-            self._usage, self._problem = None, exc.problem
-            return
-        self._problem = check_usage(self._usage)
-
-    def _anthropic_result(self) -> UsageResult:
-        if self._start is None or self._delta is None:
-            return UsageResult(None, "missing")
-        # message_delta's counts are cumulative; newer API versions repeat the input counts
-        # there too, and where they do they are the later word.
-        merged = {**self._start, **{k: v for k, v in self._delta.items() if v is not None}}
-        try:
-            usage = _anthropic_usage(merged, _int(self._delta, "output_tokens"))
-        except _Unreadable as exc:
-            return UsageResult(None, exc.problem)
-        return _judged(usage)
 
 
 def _ceil_nanos(nano_token_product: int) -> Nanos:

@@ -6,10 +6,11 @@ decoded (:class:`~effectguard.rules.events.StoredEvent`) and how its digest is
 made (``canonical_json``, ``event_digest``). Everything else is its own: the table
 of legal event sequences per call (:mod:`.table`), the writer rules (:mod:`.writers`),
 the budget arithmetic (:mod:`.budgets`), the rate windows (:mod:`.rates`), the bodies
-stored by reference (:mod:`.bodies`), each call's projection (:mod:`.calls`) and the
-comparison with what the store keeps (:mod:`.verifier`). A test walks these modules'
-imports and refuses anything else from effectguard, so a bug in the store's fold cannot
-hide itself by being folded the same way twice.
+stored by reference (:mod:`.bodies`), each call's projection (:mod:`.calls`), the
+comparison with what the store keeps (:mod:`.verifier`), and the proof of an archived
+range with its own notion of a final call (:mod:`.archived`). A test imports these
+modules in a fresh interpreter and refuses any other effectguard module they load, directly
+or not, so a bug in the store's fold cannot hide itself by being folded the same way twice.
 
 Modules here are pure: plain values in (stored events and stored rows), a
 :class:`~.report.VerifyReport` out. Reading the ledger is :mod:`effectguard.ops.verify`'s job.

@@ -16,14 +16,16 @@ from effectguard.ops.audit.budgets import Budgets, Node, Policy
 from effectguard.ops.audit.chain import Chain
 from effectguard.ops.audit.keys import KeyRow, Keys
 from effectguard.ops.audit.rates import RateRow, Rates
+from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.writers import Writers
 
 KIND = "ledger.archived"
 
 
 class Folded(Protocol):
-    """The parts of a verifier a checkpoint carries."""
+    """The parts of a verifier a checkpoint carries (and the report it tells)."""
 
+    report: VerifyReport
     chain: Chain
     writers: Writers
     budgets: Budgets
@@ -64,6 +66,21 @@ def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -
         }
     else:  # a checkpoint written before windows were carried: they are unknown at the cut
         v.rates.partial = True
+
+
+def resume(v: Folded, found: dict[str, Any] | None, *, first: int) -> None:
+    """Start ``v`` at a live chain whose first event is ``first`` (above 1: a cut), from
+    ``found``, the data of the checkpoint that archived events ``..first-1``; without one,
+    name it missing (the chain check then names the gap it leaves)."""
+    if found is None:
+        v.report.broken(
+            first,
+            f"event {first}: the live chain starts at event {first}, but no {KIND} "
+            f"checkpoint says the events through {first - 1} were archived: the last "
+            "archive's checkpoint is missing (deleted, or edited to name another range)",
+        )
+        return
+    seed(v, found["state"], next_seq=first, prev_digest=found["last_digest"])
 
 
 def same_state(folded: dict[str, Any], recorded: Any) -> bool:

@@ -6,8 +6,11 @@ Rules (docs/contract.md §7), checked from the events alone:
   event gives it; generations strictly increase across the whole ledger;
 * registering the same worker id again supersedes its older generation, and a
   ``worker.taken_over`` fences that generation: neither writes again;
-* generation 0 is an operator tool (CLI reconcile, budget set), never a worker: it
-  may write only operator decisions (:data:`OPERATOR_KINDS`).
+* generation 0 is an operator tool (CLI reconcile, budget set, key commands, the
+  operator page, ``effectguard archive``), never a worker: every tool writes there as
+  the one operator identity (:data:`OPERATOR_WORKER`), and only operator decisions
+  (:data:`OPERATOR_KINDS`). A worker registers at a generation the ledger gives it,
+  never 0, so an event at generation 0 by any other name has no writer the ledger knows.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import Final
 
 from effectguard.rules.events import StoredEvent
 
+#: The worker name every operator tool writes under at generation 0 (the store's
+#: ``ledger.base.OPERATOR``; spelled out here because the verifier shares no code with it).
+OPERATOR_WORKER: Final = "operator"
 #: What an operator (generation 0) may write: limits, proxy keys, reconcile decisions, and
 #: marking an attempt interrupted (``Ledger.interrupt``): the conservative move, it claims
 #: no effect; and an archive's checkpoint (``effectguard archive``).
@@ -51,6 +57,11 @@ class Writers:
         if stored.kind == "worker.registered":
             return self._register(stored)
         if generation == 0:
+            if worker != OPERATOR_WORKER:
+                return [
+                    f"{where}: {stored.kind} written at generation 0 by {worker!r}, which is "
+                    f"not the operator ({OPERATOR_WORKER!r}): no such writer"
+                ]
             if stored.kind not in OPERATOR_KINDS:
                 return [f"{where}: {stored.kind} written by operator {worker!r}, not a worker"]
             return []

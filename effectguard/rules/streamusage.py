@@ -1,0 +1,209 @@
+"""Usage from a server-sent-event stream: an incremental parser fed raw chunks.
+
+Pure, no I/O. A stream's events are read for the few that carry usage or end the stream;
+the rest (every content delta, hundreds in a long answer) are passed over without being
+decoded when their bytes show they cannot matter (:func:`_may_matter`). The usage read is
+judged and priced as a body's is (:mod:`effectguard.rules.usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+# The shared readers of usage objects; one module's helpers, split out only for size.
+from effectguard.rules.usage import (
+    Usage,
+    UsageResult,
+    _anthropic_usage,
+    _api,
+    _int,
+    _judged,
+    _openai_usage,
+    _table,
+    _Unreadable,
+    check_usage,
+)
+
+__all__ = ["StreamUsage"]
+
+_TERMINAL = {
+    "chat": frozenset({"[DONE]"}),
+    "embeddings": frozenset({"[DONE]"}),
+    # A Responses stream ends with exactly one of these; each carries the final usage.
+    "responses": frozenset({"response.completed", "response.incomplete", "response.failed"}),
+    "messages": frozenset({"message_stop"}),
+    "flat": frozenset(),
+}
+
+#: Per API, what an event's bytes must contain for decoding it to change what the parser
+#: knows: a "type" naming a terminal or usage-bearing event, or "[DONE]" (a chat stream's
+#: end; in another stream it also ends a finished state), and for chat and embeddings a
+#: "usage" key whose value is not null. A key is a quoted string followed by a colon, and a
+#: quote inside a JSON string is escaped, so the pattern finds every key named usage (at any
+#: depth: a nested one only makes the event decoded, which is always exact; the possessive
+#: ``\\s*+`` keeps ``: null`` from matching by giving back its space). A JSON string can
+#: spell any of these with ``\\u`` escapes, and JSON may come in UTF-16 or UTF-32 (which
+#: ``json.loads`` reads from bytes): an event holding a backslash-u or a NUL byte is always
+#: decoded.
+_MATTERS: dict[str, re.Pattern[bytes]] = {
+    api: re.compile(b"|".join([rb"\\u", rb"\x00", rb"\[DONE\]", *alternatives]))
+    for api, alternatives in {
+        "chat": [rb'"usage"\s*+:\s*+(?!null)'],
+        "embeddings": [rb'"usage"\s*+:\s*+(?!null)'],
+        "responses": [rb"response\.(?:completed|incomplete|failed)"],
+        "messages": [rb"message_(?:start|delta|stop)"],
+    }.items()
+}
+
+
+def _may_matter(api: str, data: bytes) -> bool:
+    """Whether decoding the event ``data`` could change a parser of ``api``.
+
+    False only when decoding provably changes nothing (see :data:`_MATTERS`; a flat
+    provider's stream carries no usage the parser keeps). Skipping such an event is exactly
+    what decoding it would do: ``tests/test_stream_usage.py`` checks that against a parser
+    that decodes every event.
+    """
+    pattern = _MATTERS.get(api)
+    return pattern is not None and pattern.search(data) is not None
+
+
+class StreamUsage:
+    """Reads usage from a server-sent-event stream, fed raw chunks in arrival order.
+
+    Chunks may split lines, events and UTF-8 characters anywhere; lines end in ``\\n`` or
+    ``\\r\\n``. An event is handled at the blank line that ends it (an unterminated last event is
+    dropped, as the SSE standard says), so a stream cut short never looks finished.
+    """
+
+    def __init__(self, dialect: str, path: str) -> None:
+        self._api = _api(dialect, path)
+        self._buffer = b""
+        self._data: list[bytes] = []
+        self._finished = False
+        self._usage: Usage | None = None
+        self._problem: str | None = "missing"
+        self._start: Mapping[str, Any] | None = None  # anthropic message_start usage
+        self._delta: Mapping[str, Any] | None = None  # anthropic last message_delta usage
+        self._fed = 0  # bytes fed so far
+        self._event_at: int | None = None  # stream offset where the current event began
+        self._terminal_at: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream's terminal marker was seen (it ended cleanly)."""
+        return self._finished
+
+    @property
+    def complete(self) -> bool:
+        """Whether the stream may end here: its terminal event was seen, or its API has none.
+
+        An end of stream before the terminal event is a broken stream, however cleanly the
+        connection closed (contract.md §12): a close-delimited response cut short looks complete
+        to HTTP.
+        """
+        return self._finished or not _TERMINAL[self._api]
+
+    @property
+    def fed(self) -> int:
+        """How many bytes of the stream have been fed."""
+        return self._fed
+
+    @property
+    def terminal_at(self) -> int | None:
+        """The stream offset where the terminal event begins (once :attr:`finished`)."""
+        return self._terminal_at
+
+    def feed(self, chunk: bytes) -> None:
+        """Consume the next raw chunk of the stream."""
+        at = self._fed - len(self._buffer)  # the stream offset of the buffer's first byte
+        self._fed += len(chunk)
+        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+        # One pass with the per-line work inline: a long answer is hundreds of events of
+        # two lines each, and a method call per line was most of the reader's cost.
+        for raw in lines:
+            line = raw[:-1] if raw.endswith(b"\r") else raw
+            if not line:
+                if self._data:
+                    self._dispatch(b"\n".join(self._data))
+                    self._data = []
+                self._event_at = None
+            else:
+                if self._event_at is None and raw.strip():
+                    self._event_at = at
+                if line.startswith(b"data:"):
+                    self._data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+                # "event:", "id:", "retry:" and ":" comments carry nothing we need.
+            at += len(raw) + 1
+
+    def result(self) -> UsageResult:
+        """The usage reported so far (final once :attr:`finished`); ``missing`` if none."""
+        if self._api == "flat":
+            return UsageResult(Usage(0, 0), None)
+        if self._api == "messages":
+            return self._anthropic_result()
+        return UsageResult(self._usage, self._problem)
+
+    def _dispatch(self, data: bytes) -> None:
+        was_finished = self._finished
+        self._event(data)
+        if self._finished and not was_finished:
+            self._terminal_at = self._event_at
+
+    def _event(self, data: bytes) -> None:
+        if _may_matter(self._api, data):
+            self._decode(data)
+
+    def _decode(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self._finished = "[DONE]" in _TERMINAL[self._api]
+            return
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if not isinstance(doc, dict):
+            return
+        kind = doc.get("type")
+        if not isinstance(kind, str):
+            kind = None  # a hostile "type" (a list, an object) names no event: not a crash
+        if kind in _TERMINAL[self._api]:
+            self._finished = True
+        if self._api == "messages":
+            if kind == "message_start":
+                self._start = _table(_table(doc, "message"), "usage")
+            elif kind == "message_delta" and isinstance(doc.get("usage"), dict):
+                self._delta = doc["usage"]
+        elif self._api == "responses":
+            if kind in _TERMINAL["responses"]:
+                self._read(_table(doc, "response").get("usage"))
+        elif doc.get("usage") is not None:
+            # Chat sends usage in one last chunk when stream_options.include_usage is set;
+            # servers that send it in every chunk report running totals, so the last wins.
+            self._read(doc["usage"])
+
+    def _read(self, u: object) -> None:
+        if not isinstance(u, dict):
+            self._usage, self._problem = None, "missing"
+            return
+        try:
+            self._usage = _openai_usage(u, self._api)
+        except _Unreadable as exc:
+            self._usage, self._problem = None, exc.problem
+            return
+        self._problem = check_usage(self._usage)
+
+    def _anthropic_result(self) -> UsageResult:
+        if self._start is None or self._delta is None:
+            return UsageResult(None, "missing")
+        # message_delta's counts are cumulative; newer API versions repeat the input counts
+        # there too, and where they do they are the later word.
+        merged = {**self._start, **{k: v for k, v in self._delta.items() if v is not None}}
+        try:
+            usage = _anthropic_usage(merged, _int(self._delta, "output_tokens"))
+        except _Unreadable as exc:
+            return UsageResult(None, exc.problem)
+        return _judged(usage)

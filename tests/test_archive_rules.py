@@ -1,0 +1,195 @@
+"""What ``effectguard archive`` keeps live, through the CLI on real ledgers.
+
+The retention rule (docs/operations.md, "Retention and archives"): never an unresolved
+call, never one resolved after the cut-off (retention counts from the resolution), never
+one inside its provider's idempotency window; an archive is a prefix of the chain, so the
+first call that must stay holds back everything after it, and ``archive`` names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from observing import call_stages
+from test_archive import CHAT, chat, cli, later
+from test_verify import R, request
+
+from effectguard.ledger import Ledger, Writer, operations
+from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
+from effectguard.testing import fake_provider, running_proxy
+from effectguard.testing.clock import ManualClock
+
+DAY_S = 86_400.0
+SEND = "/send_email/v1/send"
+
+
+def completion(call_id: str) -> list[Event]:
+    """Attempt 1's observed 200, its settlement and the call's completion."""
+    observed = AttemptObserved(
+        call=call_id,
+        attempt=1,
+        status=200,
+        not_processed=False,
+        usage=None,
+        usage_problem=None,
+        headers={},
+        body="{}",
+    )
+    settled = BudgetSettled(call=call_id, budget="team/run", reserved=R, actual=R)
+    return [observed, settled, CallCompleted(call=call_id, outcome="completed")]
+
+
+async def admitted_long_ago(path: Path, at: float) -> tuple[str, str]:
+    """At ``at``: one call completed, then one left ``effect_unknown`` (its attempt
+    interrupted). Returns their ids."""
+    async with Ledger.open(str(path), clock=ManualClock(at)) as ledger:
+        writer = await ledger.store.write(
+            Writer("boot", 0),
+            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
+        )
+        done = await ledger.admit(writer, request("done"))
+        await ledger.record(writer, done.call_id, 1, completion(done.call_id))
+        unknown = await ledger.admit(writer, request("unknown"))
+        await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
+    return done.call_id, unknown.call_id
+
+
+def test_a_call_admitted_long_ago_but_resolved_recently_is_not_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call admitted 60 days ago and reconciled today stays live under a 30-day
+    retention, and ``archive`` names it as what holds the cut; the call admitted and
+    resolved before it leaves."""
+    ledger = tmp_path / "ledger.db"
+    done, unknown = asyncio.run(admitted_long_ago(ledger, time.time() - 60 * DAY_S))
+    code, out = cli(
+        capsys, "reconcile", unknown, "--applied", "--note", "seen", "--ledger", str(ledger)
+    )
+    assert code == 0, out
+    code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", "30d")
+    assert code == 0, moved
+    assert moved["calls"] == 1
+    assert call_stages(ledger) == {unknown: "reconciled_applied"}
+    assert (moved["held_by"], moved["held_because"]) == (unknown, "resolved after the cut-off")
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+    code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
+    assert code == 0 and report["calls"] == 1, report["problems"]
+    assert done not in call_stages(ledger)
+
+
+def test_a_refused_calls_key_stays_free_after_it_is_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two keyed requests refused for budget under one key (a refused call's key is free,
+    so the second is a call of its own) are archived without keeping the key: the archive
+    succeeds, and the key then admits new work instead of answering 409 archived."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"Idempotency-Key": "order-1", "Effectguard-Budget": "team"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        code, out = cli(
+            capsys, "budget", "set", "team", "--limit", "0.000000001", "--ledger", str(ledger)
+        )
+        assert code == 0, out
+        for _ in range(2):
+            r = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+            assert r.status_code == 402, r.text
+        code, out = cli(capsys, "budget", "set", "team", "--no-limit", "--ledger", str(ledger))
+        assert code == 0, out
+        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+        assert code == 0, moved
+        assert (moved["calls"], moved["keys"]) == (2, 0)
+        r = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(fake.receipts()) == 1
+        code, report = cli(capsys, "verify", "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+
+
+def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A completed call to a provider that deduplicates keys for 24 h (send_email) stays
+    live while inside that window, holding the cut; the call before it leaves."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url, "send_email": fake.url}) as proxy,
+    ):
+        before = httpx.post(proxy.url + CHAT, json=chat(0), timeout=30)
+        email = {"to": "a@example.com", "subject": "hello", "body": "hi"}
+        sent = httpx.post(
+            proxy.url + SEND, json=email, headers={"Idempotency-Key": "mail-1"}, timeout=30
+        )
+        after = httpx.post(proxy.url + CHAT, json=chat(1), timeout=30)
+        assert [r.status_code for r in (before, sent, after)] == [200, 200, 200]
+        call_id = sent.headers["effectguard-call-id"]
+        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+        assert code == 0, moved
+        assert moved["calls"] == 1
+        assert (moved["held_by"], moved["held_because"]) == (
+            call_id,
+            "inside its provider's idempotency window",
+        )
+        live = call_stages(ledger)
+        assert live[call_id] == "completed" and len(live) == 2
+        assert before.headers["effectguard-call-id"] not in live
+        code, report = cli(capsys, "verify", "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+
+
+@pytest.mark.parametrize("tamper", ["edit", "delete"])
+def test_tampering_with_the_live_checkpoint_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tamper: str
+) -> None:
+    """On SQLite, the ledger.archived checkpoint the live chain starts from, edited or
+    deleted (the events table's triggers dropped, as an intruder would), fails verify
+    naming it."""
+    ledger = tmp_path / "ledger.db"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        for n in range(2):
+            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
+        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+        assert code == 0 and moved["calls"] == 2, moved
+        assert httpx.post(proxy.url + CHAT, json=chat(2), timeout=30).status_code == 200
+    mark = moved["checkpoint_seq"]
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+    conn = sqlite3.connect(ledger, isolation_level=None)
+    try:
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("DROP TRIGGER events_no_delete")
+        if tamper == "edit":  # one more archived event than it archived
+            conn.execute(
+                "UPDATE events SET data = json_set(data, '$.events', json_extract(data, "
+                "'$.events') + 1) WHERE seq = ?",
+                (mark,),
+            )
+        else:
+            conn.execute("DELETE FROM events WHERE seq = ?", (mark,))
+        first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
+    finally:
+        conn.close()
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 1
+    if tamper == "edit":
+        assert report["first_broken_seq"] == mark
+        assert report["problems"][0] == f"event {mark}: digest does not match its content"
+    else:
+        assert report["first_broken_seq"] == first
+        assert report["problems"][0] == (
+            f"event {first}: the live chain starts at event {first}, but no ledger.archived "
+            f"checkpoint says the events through {first - 1} were archived: the last "
+            "archive's checkpoint is missing (deleted, or edited to name another range)"
+        )

@@ -1,0 +1,198 @@
+"""The stream reader passes over events that cannot matter, and that changes nothing.
+
+:class:`StreamUsage` decodes only the events whose bytes could change what it knows
+(``streamusage._may_matter``). These properties feed the same streams to it and to a reader
+that decodes every event, and require the same answers: usage, its problem, whether and
+where the stream finished. The streams mix real chunks of each API with hostile ones:
+"usage" keys at any depth, null or not, repeated, spelt with escapes, terminal names inside
+content, JSON in UTF-16, bytes that are not JSON, and chunk boundaries anywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from effectguard.rules.streamusage import StreamUsage
+
+
+class DecodesEverything(StreamUsage):
+    """The reference: the reader as it was before the filter and the one-pass loop (every
+    line through ``_line``, every event decoded), kept here as the oracle."""
+
+    def feed(self, chunk: bytes) -> None:
+        at = self._fed - len(self._buffer)
+        self._fed += len(chunk)
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            if self._event_at is None and line.strip():
+                self._event_at = at
+            self._line(line.removesuffix(b"\r"))
+            at += len(line) + 1
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            if self._data:
+                was_finished = self._finished
+                self._decode(b"\n".join(self._data))
+                if self._finished and not was_finished:
+                    self._terminal_at = self._event_at
+            self._data = []
+            self._event_at = None
+        elif line.startswith(b"data:"):
+            data = line[5:]
+            self._data.append(data[1:] if data.startswith(b" ") else data)
+
+
+APIS = [
+    ("openai", "/v1/chat/completions"),
+    ("openai", "/v1/embeddings"),
+    ("openai", "/v1/responses"),
+    ("anthropic", "/v1/messages"),
+    ("flat", "/v1/send"),
+]
+
+NAMES = [
+    "usage",
+    "type",
+    "message",
+    "response",
+    "choices",
+    "delta",
+    "content",
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+]
+WORDS = [
+    "[DONE]",
+    "message_start",
+    "message_delta",
+    "message_stop",
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+    "response.output_text.delta",
+    "content_block_delta",
+    '"usage": 5',
+    "usage",
+    "ok",
+]
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-3, max_value=2**60),
+    st.sampled_from(WORDS),
+    st.text(max_size=6),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(NAMES), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+documents = st.dictionaries(st.sampled_from(NAMES), values, max_size=5)
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> bytes:
+    """One event's data: JSON in any spelling, a known chunk, or bytes that are not JSON."""
+    kind = draw(st.sampled_from(["json", "json", "json", "known", "raw"]))
+    if kind == "raw":
+        return draw(st.binary(max_size=24)).replace(b"\n", b" ")
+    if kind == "known":
+        return draw(st.sampled_from(KNOWN))
+    doc: Any = draw(documents)
+    text = json.dumps(
+        doc,
+        ensure_ascii=draw(st.booleans()),
+        separators=draw(st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", " :\r ")])),
+    )
+    if draw(st.integers(0, 9)) == 0:
+        # Any key or word spelt with a \\u escape: the same JSON, other bytes.
+        text = text.replace("u", "\\u0075", 1) if '"' in text else text
+    encoding = draw(st.sampled_from(["utf-8"] * 8 + ["utf-16", "utf-32"]))
+    return text.encode(encoding).replace(b"\n", b" ")
+
+
+KNOWN = [
+    b"[DONE]",
+    b'{"choices":[{"delta":{"content":"hi"}}],"usage":null}',
+    b'{"choices":[],"usage":{"prompt_tokens":19,"completion_tokens":10}}',
+    b'{"usage":null,"usage":{"prompt_tokens":1,"completion_tokens":2}}',
+    b'{"usage" :\tnull, "x": {"usage": {"prompt_tokens": 3}}}',
+    b'{"type":"message_start","message":{"usage":{"input_tokens":5,"output_tokens":1}}}',
+    b'{"type":"content_block_delta","delta":{"text":"message_stop"}}',
+    b'{"type":"message_delta","usage":{"output_tokens":7}}',
+    b'{"type":"message_stop"}',
+    b'{"type":"response.output_text.delta","delta":"x"}',
+    b'{"type":"response.completed","response":{"usage":{"input_tokens":4,"output_tokens":2}}}',
+    b'{"type":"[DONE]"}',
+]
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[bytes]:
+    """An event stream as chunks split anywhere: events of one or more data lines (with or
+    without the space), "event:"/"id:" lines, comments and blank-looking lines, each line
+    ending in LF or CRLF."""
+    lines: list[bytes] = []
+    for data in draw(st.lists(payloads(), max_size=8)):
+        extra = draw(st.sampled_from([b"", b"event: message", b": keep-alive", b"id: 7", b" "]))
+        if extra:
+            lines.append(extra)
+        lines.append(draw(st.sampled_from([b"data: ", b"data:"])) + data)
+        if draw(st.integers(0, 5)) == 0:
+            lines.append(b"data: " + draw(payloads()))  # a second data line in the event
+        lines.append(b"")  # the blank line that ends the event
+    if draw(st.booleans()):
+        lines.append(b"data: " + draw(payloads()))  # an unterminated last event
+    body = b"".join(line + draw(st.sampled_from([b"\n", b"\r\n"])) for line in lines)
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=5)))
+    edges = [0, *cuts, len(body)]
+    return [body[a:b] for a, b in itertools.pairwise(edges)]
+
+
+def answers(parser: StreamUsage) -> tuple[object, ...]:
+    return (parser.result(), parser.finished, parser.complete, parser.terminal_at, parser.fed)
+
+
+@settings(max_examples=600, deadline=None)
+@given(api=st.sampled_from(APIS), chunks=streams())
+def test_skipping_events_gives_the_answers_decoding_every_event_gives(
+    api: tuple[str, str], chunks: list[bytes]
+) -> None:
+    """Whatever the stream, the filtered reader and the decode-everything reader agree."""
+    fast, reference = StreamUsage(*api), DecodesEverything(*api)
+    for chunk in chunks:
+        fast.feed(chunk)
+        reference.feed(chunk)
+        assert answers(fast) == answers(reference)
+
+
+def test_a_long_chat_stream_decodes_only_its_usage_and_done_events() -> None:
+    """The filter is real: content deltas with "usage": null are passed over undecoded."""
+    decoded: list[bytes] = []
+
+    class Counting(StreamUsage):
+        def _decode(self, data: bytes) -> None:
+            decoded.append(data)
+            super()._decode(data)
+
+    parser = Counting("openai", "/v1/chat/completions")
+    delta = b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
+    last = b'data: {"choices":[],"usage":{"prompt_tokens":19,"completion_tokens":10}}\n\n'
+    parser.feed(delta * 300 + last + b"data: [DONE]\n\n")
+    assert len(decoded) == 2
+    assert (parser.finished, parser.result().usage) == (True, parser.result().usage)
+    assert parser.result().usage is not None and parser.result().usage.output_tokens == 10
