@@ -141,7 +141,9 @@ def test_identical_upload_replays_and_different_content_is_422(env: Env) -> None
 
 
 def test_sdk_transcription_is_priced_by_its_model(env: Env) -> None:
-    """audio.transcriptions.create (whisper-1): completed at whisper-1's per-call price."""
+    """audio.transcriptions.create (whisper-1): completed at whisper-1's per-call price,
+    received exactly once (the module's provider is shared: new receipts are counted)."""
+    before = len(env.receipts("/v1/audio/transcriptions"))
     client = env.sdk("transcribe-1").audio.transcriptions.with_raw_response
     raw = client.create(model="whisper-1", file=("a.wav", b"RIFF" + bytes(256), "audio/wav"))
     assert raw.status_code == 200
@@ -149,7 +151,25 @@ def test_sdk_transcription_is_priced_by_its_model(env: Env) -> None:
     call = show(env, raw.headers["effectguard-call-id"])
     assert call["stage"] == "completed"
     assert Decimal(call["cost_usd"]) == Decimal("0.006")  # one minute of whisper-1
-    assert len(env.receipts("/v1/audio/transcriptions")) >= 1
+    assert len(env.receipts("/v1/audio/transcriptions")) == before + 1
+
+
+def test_sdk_transcription_with_usage_is_priced_from_the_answers_usage(env: Env) -> None:
+    """audio.transcriptions.create (gpt-4o-transcribe): the fake answers with token usage,
+    as OpenAI does; the call settles at that usage at the declared prices (audio input 6,
+    output 10 USD per million), not at its reservation, and is received exactly once."""
+    before = len(env.receipts("/v1/audio/transcriptions"))
+    client = env.sdk("transcribe-4o").audio.transcriptions.with_raw_response
+    audio = ("a.wav", b"RIFF" + bytes(16_000), "audio/wav")
+    raw = client.create(model="gpt-4o-transcribe", file=audio)
+    assert raw.status_code == 200
+    usage = json.loads(raw.content)["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (1000, 6)
+    call = show(env, raw.headers["effectguard-call-id"])
+    assert call["stage"] == "completed" and not call.get("flagged"), call
+    expected = (Decimal(1000) * Decimal("6.00") + Decimal(6) * Decimal("10.00")) / 10**6
+    assert Decimal(call["cost_usd"]) == expected  # 0.00606: not the 0.02 reservation
+    assert len(env.receipts("/v1/audio/transcriptions")) == before + 1
 
 
 def test_batch_creation_is_recorded_at_zero_and_flagged_deferred(env: Env) -> None:

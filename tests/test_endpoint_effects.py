@@ -118,6 +118,20 @@ idempotency = { body_field = "meta.idem", window_seconds = 30 }
             "endpoints[0].lookup.freshness_s",
         ),
         ('effect = "read_only"\nop_id = { header = "X-Op" }', "endpoints[0].op_id"),
+        (
+            # A 200 "not found" with no result collection: any 200 would read not applied.
+            'effect = "at_most_once"\nop_id = { header = "X-Op" }\n'
+            'lookup = { url = "{base_url}/s/{op}", applied = "id", not_found = [200], '
+            "freshness_s = 1 }",
+            "endpoints[0].lookup.results",
+        ),
+        (
+            # Form fields are a body: a GET lookup cannot carry them.
+            'effect = "at_most_once"\nop_id = { header = "X-Op" }\n'
+            'lookup = { url = "{base_url}/s", form = { op = "{op}" }, applied = "id", '
+            "freshness_s = 1 }",
+            "endpoints[0].lookup.form",
+        ),
     ],
 )
 def test_endpoint_declaration_errors_name_the_field(tmp_path: Path, entry: str, field: str) -> None:
@@ -173,7 +187,8 @@ effect = "billable"
 async def test_op_id_and_body_field_key_are_written_into_the_request(
     tmp_path: Path, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """The call id goes where op_id says, the key into its body field; the hash is the client's."""
+    """The call id goes where op_id says, the key into its body field; the manifest and the
+    request hash are over the body as the client sent it, not as it went upstream."""
     folder = declare(
         tmp_path,
         """
@@ -196,7 +211,7 @@ op_id = { header = "X-Effectguard-Op" }
         client = httpx.AsyncClient(transport=t)
         body = {**EMAIL, "metadata": {"mine": "kept"}}
         first = await client.post(SEND, json=body, headers={"Idempotency-Key": "k1"})
-        # The same client request again is a replay: the hash ignores what effectguard adds.
+        # The same client request again is answered from the ledger, not sent again.
         replay = await client.post(SEND, json=body, headers={"Idempotency-Key": "k1"})
         posted = await client.post(
             TOOL + "/v1/post", json=EMAIL, headers={"X-Effectguard-Op": "spoofed"}
@@ -214,9 +229,13 @@ op_id = { header = "X-Effectguard-Op" }
         assert post.calls[0].request.headers.get_list("x-effectguard-op") == [
             posted.headers["effectguard-call-id"]
         ]
-        # The manifest keeps the body as the client sent it.
+        # The manifest keeps the body as the client sent it, and the hash is over that: the
+        # body as it went upstream, sent by a client under the same key, is another request.
         events = await t.ledger.events(call_id)
         assert json.loads(events[0].data["body"]) == body
+        echoed = await client.post(SEND, json=sent, headers={"Idempotency-Key": "k1"})
+        assert echoed.status_code == 422, echoed.text
+        assert echoed.json()["error"]["type"] == "idempotency_key_reused"
         # A body with no object where the op id goes is refused before anything is sent.
         bad = await client.post(SEND, json={**EMAIL, "metadata": "text"})
         assert bad.status_code == 400 and "metadata.effectguard_op" in bad.text

@@ -3,7 +3,8 @@ provider's lagging, key-checked search. Charges are counted from its receipts.
 
 * A keyed resend of an unknown call is refused while the search lags or the call is
   younger than the declared freshness, and decided by lookup afterwards.
-* The sweeper decides unknown calls old enough, with no request at all.
+* The sweeper decides unknown calls old enough, with no request at all, from its first
+  sweep at startup on.
 * ``reconcile --auto`` asks the declared lookup with the provider's key from the
   environment; without the key the provider refuses and the call stays unknown.
 """
@@ -141,18 +142,46 @@ def test_sweeper_decides_unknown_calls_by_lookup(tmp_path: Path) -> None:
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
 
 
+def test_the_startup_sweep_decides_what_a_dead_process_left(tmp_path: Path) -> None:
+    """A proxy starting after crashes decides the unknown calls left behind in its first
+    sweep, at startup: no periodic sweep runs (sweep_s = 3600) and no request comes."""
+    ledger = tmp_path / "ledger.db"
+    args = proxy_args(tmp_path, freshness=0, sweep_s=3600)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        crash(ledger, fake, "after:dispatch", "paid", args)
+        crash(ledger, fake, "after:admit", "lost", args)
+        proxy = start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=ENV)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                calls = cli("calls", "--ledger", str(ledger))
+                stages = {c["idempotency_key"]: c["stage"] for c in calls}
+                if "effect_unknown" not in stages.values():
+                    break
+                time.sleep(0.2)
+        finally:
+            proxy.stop()
+        assert stages == {"paid": "reconciled_applied", "lost": "reconciled_not_applied"}
+        assert len(charges(fake)) == 1
+        assert cli("verify", "--ledger", str(ledger))["ok"] is True
+
+
 def test_reconcile_auto_sends_the_providers_key(tmp_path: Path) -> None:
-    """--auto asks the declared search with the key from PAYMENTS_API_KEY; without it the
-    provider answers 401, which decides nothing."""
+    """--auto asks the declared search with the key from PAYMENTS_API_KEY (without it the
+    provider answers 401, which decides nothing), and keeps the object it found, which a
+    later keyed resend through the proxy replays with no provider call."""
     ledger = tmp_path / "ledger.db"
     args = proxy_args(tmp_path, freshness=0, sweep_s=3600)
     folder = args[1]
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
         crash(ledger, fake, "after:dispatch", "paid", args)
-        start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=ENV).stop()
+        # A restart marks the crashed call unknown; without the key its startup sweep's
+        # lookup is refused 401, so the call is left for --auto.
+        keyless = {"PAYMENTS_API_KEY": ""}
+        start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=keyless).stop()
         auto = ("reconcile", "--auto", "--ledger", str(ledger), "--providers", folder)
         auto += ("--upstream", f"payments={fake.url}")
-        (unauthorized,) = cli(*auto, env={"PAYMENTS_API_KEY": ""})
+        (unauthorized,) = cli(*auto, env=keyless)
         assert unauthorized["result"] == "unknown"
         assert "401" in unauthorized["note"]
         (authorized,) = cli(*auto, env=ENV)
@@ -160,4 +189,17 @@ def test_reconcile_auto_sends_the_providers_key(tmp_path: Path) -> None:
         (decided,) = decisions(ledger, authorized["call_id"])
         assert decided["by"] == "lookup:payments"
         assert cli(*auto, env=ENV) == []
+        # --auto kept the object the search returned: the client's resend replays it.
+        proxy = start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=ENV)
+        try:
+            replay = httpx.post(
+                proxy.url + ROUTE, json=charge(1), headers={"Idempotency-Key": "paid"}, timeout=30
+            )
+        finally:
+            proxy.stop()
+        assert replay.status_code == 200, replay.text
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert replay.headers["effectguard-recovered"] == "lookup:payments"
+        (receipt,) = charges(fake)
+        assert replay.json()["id"] == f"send_fake{receipt['seq']}"
         assert cli("verify", "--ledger", str(ledger))["ok"] is True

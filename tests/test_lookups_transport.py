@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, charges, declare
 
 from effectguard import AsyncGuardTransport
@@ -60,9 +61,12 @@ async def test_applied_call_is_refused_until_the_search_finds_it_then_recovered(
         (decided,) = await reconciled_by(t, call_id)
         assert (decided["by"], decided["applied"]) == ("lookup:payments", True)
         assert "evidence sha256:" in str(decided["note"])
-        # Decided: a further resend is refused as reconciled_applied, never sent.
+        # Decided, with the result kept: a further resend replays it, never sent.
         again = await client.post(url, json=charge(5))
-        assert again.status_code == 409 and again.json()["error"]["type"] == "reconciled_applied"
+        assert again.status_code == 200, again.text
+        assert again.headers["effectguard-replayed"] == "true"
+        assert again.headers["effectguard-recovered"] == "lookup:payments"
+        assert again.content == recovered.content
         assert len(charges(fake)) == 1
     await finish(t)
 
@@ -129,4 +133,155 @@ async def test_not_found_past_the_declared_retention_proves_nothing(
         resent = await client.post(url, json=charge(9))
         assert resent.status_code == 200, resent.text
         assert len(charges(fake)) == 1
+    await finish(t)
+
+
+@pytest.mark.parametrize("answer", ["html", "no-data"])
+async def test_a_200_that_is_not_a_search_result_proves_nothing(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, answer: str
+) -> None:
+    """A search answering 200 with an HTML error page, or with JSON lacking its ``data``
+    list, is no "not found": past the freshness the call stays effect_unknown, a keyed
+    resend is refused 409 and the sweeper decides nothing; the provider sees no resend."""
+    folder = declare(tmp_path, freshness=60)
+    extra = ["--lookup-key", KEY, "--search-answer", answer]
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=extra) as fake:
+        inner = DropFirstSend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-4"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(4))
+        assert first.status_code == 502, first.text
+        call_id = first.headers["effectguard-call-id"]
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        refused = await client.post(url, json=charge(4))
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["type"] == "effect_unknown"
+        assert await guard.resolver.sweep() == []
+        assert charges(fake) == []
+        assert await reconciled_by(t, call_id) == []
+        (state,) = await t.ledger.calls()
+        assert state.stage == "effect_unknown"
+    await finish(t)
+
+
+async def test_a_result_the_sweeper_recovered_is_replayed_to_a_later_keyed_resend(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweeper decides an applied call by lookup and keeps the object the search
+    returned: the client's later keyed resend gets it as a 200 marked replayed and
+    recovered, with no provider call and no new charge."""
+    monkeypatch.setenv("PAYMENTS_API_KEY", KEY)  # the sweeper's lookup carries no request
+    folder = declare(tmp_path, freshness=60)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-5"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(6), headers={"x-fake-delay": "3"}, timeout=0.5)
+        assert first.status_code == 504, first.text
+        call_id = first.headers["effectguard-call-id"]
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        assert await guard.resolver.sweep() == [call_id]
+        (decided,) = await reconciled_by(t, call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:payments", True)
+        (before,) = await t.ledger.calls()
+        assert before.stage == "reconciled_applied"
+        (receipt,) = charges(fake)
+        replay = await client.post(url, json=charge(6))
+        assert replay.status_code == 200, replay.text
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert replay.headers["effectguard-recovered"] == "lookup:payments"
+        assert replay.json() == {"id": f"send_fake{receipt['seq']}", "status": "sent"}
+        assert len(charges(fake)) == 1
+        (after,) = await t.ledger.calls()
+        assert (after.stage, after.attempts, after.cost) == (before.stage, 1, before.cost)
+    await finish(t)
+
+
+class DropEverySend(httpx.AsyncBaseTransport):
+    """A network that loses every POST after it was written (the provider never sees it)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            raise httpx.ReadError("connection reset after the request was written")
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_the_sweeper_comes_round_to_every_unknown_call(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hundred newer unknown calls that nothing can decide (an endpoint with no lookup)
+    do not starve an older one the lookup can: each sweep looks at the calls it looked at
+    least recently, so within ceil(101 / 20) sweeps the old call is decided."""
+    monkeypatch.setenv("PAYMENTS_API_KEY", KEY)
+    folder = declare(tmp_path, freshness=60)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        inner = DropEverySend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers=AUTH)
+        old = await client.post(fake.url + SEND, json=charge(1))
+        assert old.status_code == 502, old.text
+        call_id = old.headers["effectguard-call-id"]
+        for n in range(100):  # /v1/other: undeclared, at_most_once, no lookup
+            newer = await client.post(fake.url + "/v1/other", json={"n": n})
+            assert newer.status_code == 502, newer.text
+        guard = await t.guard()
+        # While the old call is young, two sweeps look at it and at 39 of the others.
+        assert [await guard.resolver.sweep(), await guard.resolver.sweep()] == [[], []]
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        decided = [await guard.resolver.sweep() for _ in range(6)]
+        assert [d for d in decided if d] == [[call_id]]
+        state = await t.ledger.call(call_id)
+        assert state.stage == "reconciled_not_applied"
+        stages = {s.stage for s in await t.ledger.calls() if s.call_id != call_id}
+        assert stages == {"effect_unknown"}
+        assert charges(fake) == []
+    await finish(t)
+
+
+async def test_a_post_search_carries_its_declared_form_fields(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A lookup declared as ``POST`` with ``form = { op = "{op}" }`` sends the operation id
+    form-encoded in its body (the fake's POST search refuses a body without it, 400):
+    an applied call is recovered, a lost one is resent exactly once."""
+    folder = declare(tmp_path, freshness=60)
+    path = folder / "payments.toml"
+    text = path.read_text().replace(
+        'query = { op = "{op}" }', 'method = "POST"\nform = { op = "{op}" }'
+    )
+    path.write_text(text)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        inner = DropFirstSend(httpx.AsyncHTTPTransport())
+        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        url = fake.url + SEND
+        client = httpx.AsyncClient(transport=t, headers=AUTH)
+        lost = await client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
+        assert lost.status_code == 502, lost.text
+        paid = await client.post(
+            url,
+            json=charge(3),
+            headers={"Idempotency-Key": "paid", "x-fake-delay": "3"},
+            timeout=0.5,
+        )
+        assert paid.status_code == 504, paid.text
+        guard = await t.guard()
+        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+        recovered = await client.post(url, json=charge(3), headers={"Idempotency-Key": "paid"})
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:payments"
+        resent = await client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
+        assert resent.status_code == 200, resent.text
+        assert "effectguard-recovered" not in resent.headers
+        assert sorted(r["op"] for r in charges(fake)) == sorted(
+            [lost.headers["effectguard-call-id"], paid.headers["effectguard-call-id"]]
+        )
     await finish(t)

@@ -94,22 +94,33 @@ def send(
         proxy.stop()
 
 
+def restart_without_lookups(ledger: Path) -> None:
+    """A proxy started and stopped: its start-up sweep marks the dead workers' calls
+    effect_unknown, and its lookups reach no provider (nothing listens at the upstream it
+    is given), so the calls are left for ``reconcile --auto``."""
+    proxy = start_proxy(ledger, upstreams={"send_email": "http://127.0.0.1:9"})
+    proxy.stop()
+
+
 def test_auto_reconcile_records_each_providers_answer(tmp_path: Path) -> None:
     """--auto asks the lookup path: applied and not-applied are recorded by lookup:send_email;
     a provider without a lookup is left for a person; the decisions then rule resends."""
     ledger = tmp_path / "ledger.db"
     with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
-        # Reached the provider (keyed), never reached it (key-less: looked up by call id),
-        # and a provider that declares no lookup.
+        # Reached the provider (keyed), a provider that declares no lookup, and never
+        # reached it (key-less: looked up by call id). Each crash's successor marks its
+        # predecessor's call unknown; the keyed one is inside its idempotency window, left
+        # to its client's resend, and the key-less one is crashed last, so no start-up
+        # sweep with a provider to ask decides either.
         crash(ledger, fake, "after:dispatch", SEND, email("sent@x"), {"Idempotency-Key": "sent"})
-        crash(ledger, fake, "after:admit", SEND, email("never@x"))
         chat = {
             "model": "gpt-4o-mini",
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4,
         }
         crash(ledger, fake, "after:dispatch", CHAT, chat, {"Idempotency-Key": "chat"})
-        send(ledger, fake, [])  # a fresh worker sweeps the last dead one
+        crash(ledger, fake, "after:admit", SEND, email("never@x"))
+        restart_without_lookups(ledger)  # a fresh worker sweeps the last dead one
         unknown = {
             c["idempotency_key"] or "keyless": c
             for c in cli("calls", "--ledger", str(ledger), "--state", "effect_unknown")
@@ -237,7 +248,7 @@ def test_auto_reconcile_killed_after_a_decision_resumes(tmp_path: Path) -> None:
     with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
         crash(ledger, fake, "after:dispatch", SEND, email("one@x"), {"Idempotency-Key": "one"})
         crash(ledger, fake, "after:dispatch", SEND, email("two@x"), {"Idempotency-Key": "two"})
-        send(ledger, fake, [])  # a fresh worker sweeps the last dead one
+        restart_without_lookups(ledger)  # a fresh worker sweeps the last dead one
         assert len(cli("calls", "--ledger", str(ledger), "--state", "effect_unknown")) == 2
         env = {**os.environ, "EFFECTGUARD_CRASH_AT": "after:reconcile"}
         done = subprocess.run(

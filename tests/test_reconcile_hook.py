@@ -9,6 +9,7 @@ with real crashes and the fake provider's receipts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,9 +23,11 @@ from typing import Any
 import hookapp
 import httpx
 import pytest
-from toolkit import SEND, DropFirstSend, charge, charges, declare
+from conftest import FAST
+from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, charges, declare
 
 from effectguard import AsyncGuardTransport
+from effectguard.callpath.resolve import facts_of
 from effectguard.rules.money import usd_to_nanos
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
 
@@ -35,8 +38,8 @@ Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
 async def test_transport_hook_decides_unknown_calls(
     tmp_path: Path, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """Transport: applied → recovered result and the hook's cost; not applied → one resend;
-    a hook that fails → 409 effect_unknown, nothing sent."""
+    """Transport: applied → recovered result and the hook's cost, replayed to a later
+    resend; not applied → one resend; a hook that fails → 409 effect_unknown, nothing sent."""
     folder = declare(tmp_path, freshness=None)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
         url = fake.url + SEND
@@ -54,6 +57,13 @@ async def test_transport_hook_decides_unknown_calls(
             first = await client.post(url, json=charge(amount))
             assert first.status_code == 502, first.text
             results[amount] = await client.post(url, json=charge(amount))
+            if amount == 1:
+                # The hook's result was kept with its decision: a later resend replays it.
+                again = await client.post(url, json=charge(amount))
+                assert again.status_code == 200, again.text
+                assert again.headers["effectguard-replayed"] == "true"
+                assert again.headers["effectguard-recovered"] == "hook"
+                assert again.content == results[amount].content
             await t.aclose()
         applied, resent, failed = results[1], results[2], results[3]
         assert applied.status_code == 200, applied.text
@@ -139,3 +149,129 @@ def test_proxy_hook_from_config_decides_unknown_calls(tmp_path: Path) -> None:
         stages = {c["idempotency_key"]: c["stage"] for c in cli("calls", "--ledger", str(ledger))}
         assert stages == {"k1": "reconciled_applied", "k2": "completed", "k3": "effect_unknown"}
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("amount", "why"),
+    [
+        (4, "hook failed: TimeoutError"),
+        (5, "the reconcile hook answered 'yes, it was sent'"),
+        (6, "money must not be a float"),
+        (7, "a cost must be between"),
+        (8, "is not JSON serializable"),
+    ],
+)
+async def test_a_hook_that_hangs_or_answers_nonsense_decides_nothing(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, amount: int, why: str
+) -> None:
+    """A hook past its timeout, or one answering no answer (not Applied / NotApplied /
+    Unknown, a float or negative cost, a result that is not JSON), counts as unknown: the
+    resend is refused 409 effect_unknown, nothing is recorded or sent, and the sweeper
+    (which asks the hook too) decides nothing either."""
+    folder = declare(tmp_path, freshness=None)
+    settings = dataclasses.replace(FAST, reconcile_hook_timeout_s=0.2)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        t = make_transport(
+            inner=DropFirstSend(httpx.AsyncHTTPTransport()),
+            providers=[folder],
+            upstreams={"payments": fake.url},
+            reconcile_hook=hookapp.answer,
+            settings=settings,
+        )
+        client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "k"})
+        first = await client.post(fake.url + SEND, json=charge(amount))
+        assert first.status_code == 502, first.text
+        call_id = first.headers["effectguard-call-id"]
+        refused = await client.post(fake.url + SEND, json=charge(amount))
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["type"] == "effect_unknown"
+        guard = await t.guard()
+        assert await guard.resolver.sweep() == []
+        assert charges(fake) == []
+        assert [e.kind for e in await t.ledger.events(call_id) if e.kind == "call.reconciled"] == []
+        facts = await facts_of(t.ledger, call_id)  # and why, as the resolver reads it
+        assert facts is not None
+        evidence = await guard.resolver.decide(facts)
+        assert evidence.verdict == "unknown" and why in evidence.note, evidence
+    await finish(t)
+
+
+async def test_the_sweeper_asks_the_hook_and_keeps_its_result(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """With no lookup declared, the sweeper asks the hook: applied is recorded by hook with
+    its cost and its result, which the client's later keyed resend gets as a replay (no
+    provider call); not applied frees the key for one new attempt."""
+    folder = declare(tmp_path, freshness=None)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        t = make_transport(
+            inner=DropFirstSend(httpx.AsyncHTTPTransport()),
+            providers=[folder],
+            upstreams={"payments": fake.url},
+            reconcile_hook=hookapp.answer,
+        )
+        client = httpx.AsyncClient(transport=t)
+        url = fake.url + SEND
+        ids = {}
+        for amount in (1, 2):
+            t.inner.dropped = False  # type: ignore[attr-defined]
+            lost = await client.post(
+                url, json=charge(amount), headers={"Idempotency-Key": f"s{amount}"}
+            )
+            assert lost.status_code == 502, lost.text
+            ids[amount] = lost.headers["effectguard-call-id"]
+        guard = await t.guard()
+        assert sorted(await guard.resolver.sweep()) == sorted(ids.values())
+        applied, not_applied = (await t.ledger.call(ids[1]), await t.ledger.call(ids[2]))
+        assert (applied.stage, applied.cost) == ("reconciled_applied", usd_to_nanos("0.02"))
+        assert not_applied.stage == "reconciled_not_applied"
+        assert charges(fake) == []
+        replay = await client.post(url, json=charge(1), headers={"Idempotency-Key": "s1"})
+        assert replay.status_code == 200, replay.text
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert replay.headers["effectguard-recovered"] == "hook"
+        assert replay.json() == {"id": "from-outbox", "op": ids[1]}
+        resent = await client.post(url, json=charge(2), headers={"Idempotency-Key": "s2"})
+        assert resent.status_code == 200 and "effectguard-recovered" not in resent.headers
+        assert len(charges(fake)) == 1  # only the not-applied call, sent once
+    await finish(t)
+
+
+async def test_the_hook_decides_when_the_lookup_cannot_tell(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A lookup whose "not found" proves nothing yet (the call is younger than its
+    freshness) hands over to the hook: applied by hook (no resend), not applied by hook
+    (one new attempt); the lookup's own answer is no decision."""
+    folder = declare(tmp_path, freshness=3600)
+    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
+        url = fake.url + SEND
+        answers = {}
+        for amount in (1, 2):
+            t = make_transport(
+                inner=DropFirstSend(httpx.AsyncHTTPTransport()),
+                providers=[folder],
+                upstreams={"payments": fake.url},
+                reconcile_hook=hookapp.answer,
+            )
+            client = httpx.AsyncClient(
+                transport=t, headers={**AUTH, "Idempotency-Key": f"h{amount}"}
+            )
+            first = await client.post(url, json=charge(amount))
+            assert first.status_code == 502, first.text
+            answers[amount] = await client.post(url, json=charge(amount))
+            (decided,) = [
+                e.data
+                for e in await t.ledger.events(first.headers["effectguard-call-id"])
+                if e.kind == "call.reconciled"
+            ]
+            assert (decided["by"], decided["applied"]) == ("hook", amount == 1)
+            await t.aclose()
+        assert (
+            answers[1].status_code == 200 and answers[1].headers["effectguard-recovered"] == "hook"
+        )
+        assert answers[2].status_code == 200 and "effectguard-recovered" not in answers[2].headers
+        assert len(charges(fake)) == 1
+    t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+    await t.guard()
+    await finish(t)

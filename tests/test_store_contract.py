@@ -47,6 +47,7 @@ from effectguard.rules.events import (
     CallCompleted,
     Event,
     StoredEvent,
+    decode_body,
     stored_digest,
 )
 from effectguard.rules.workstate import WorkState
@@ -518,6 +519,31 @@ async def test_reconcile_applied_moves_held_to_spent(
     reconciled = (await ledger.events(admitted.call_id))[-2]
     assert reconciled.kind == "call.reconciled"
     assert (reconciled.data["by"], reconciled.data["cost"]) == ("ann", spent)
+
+
+@pytest.mark.parametrize("result", [b'{"id": "pi_1"}', b"\xff\x00 not utf-8"])
+async def test_a_recovered_result_kept_with_its_decision_is_what_the_key_gets(
+    ledger: Ledger, w1: Writer, ns: str, result: bytes
+) -> None:
+    """Reconciled applied with the result evidence recovered: the key's next admission is
+    ``recover`` with that decision, its bytes intact (text or base64); without a result,
+    or not applied, it cannot be kept (refused 409 / ReconcileError)."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    await ledger.interrupt(w1, admitted.call_id, 1, "reset")
+    with pytest.raises(ReconcileError):
+        await ledger.reconcile(admitted.call_id, applied=False, note="n", by="x", result=result)
+    await ledger.reconcile(admitted.call_id, applied=True, note="n", by="hook", result=result)
+    again = await ledger.admit(w1, req(ns, key="k1"))
+    assert (again.action, again.call_id) == ("recover", admitted.call_id)
+    assert again.recovered is not None and again.recovered.by == "hook"
+    assert decode_body(again.recovered.result or "", again.recovered.result_encoding) == result
+    plain = await admit_ok(ledger, w1, req(ns, key="k2"))
+    await ledger.interrupt(w1, plain.call_id, 1, "reset")
+    await ledger.reconcile(plain.call_id, applied=True, note="n", by="ann")
+    refused = await ledger.admit(w1, req(ns, key="k2"))
+    assert refused.refusal is not None and refused.refusal.type == "reconciled_applied"
+    (data,) = [e.data for e in await ledger.events(plain.call_id) if e.kind == "call.reconciled"]
+    assert "result" not in data and "result_encoding" not in data  # the older shape
 
 
 async def test_reconcile_not_applied_releases_the_hold(ledger: Ledger, w1: Writer, ns: str) -> None:

@@ -523,6 +523,32 @@ async def test_the_audits_forged_reconcile_is_named(built: Built) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        ({"result": "@@", "result_encoding": "base64"}, "its result is not valid base64"),
+        ({"result_encoding": "utf8"}, "result_encoding without a result"),
+        ({"result": "{}", "applied": False, "cost": 0}, "a not-applied decision keeps a result"),
+        ({"result": 7}, "its result is not text in utf8 or base64"),
+    ],
+)
+async def test_a_decisions_kept_result_that_cannot_be_replayed_is_named(
+    built: Built, edit: dict[str, Any], problem: str
+) -> None:
+    """A recovered result kept with a decision is named when it is on a not-applied one,
+    is not text in a body encoding, or an encoding stands without it (resealed chain)."""
+
+    def forge(rows: list[Row]) -> list[Row]:
+        for row in rows:
+            if row.kind == "call.reconciled" and row.call_id == built.reconciled:
+                row.data = {**row.data, **edit}
+        return rows
+
+    reseal(built.path, forge)
+    report = await verify(built.path)
+    assert any(problem in p for p in report.problems), report.problems
+
+
 @pytest.mark.parametrize("fencing", ["taken_over", "re-registered"])
 async def test_event_by_a_fenced_generation_is_named(built: Built, fencing: str) -> None:
     """A new call written by w1's generation after it was taken over (or superseded) is named."""

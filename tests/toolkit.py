@@ -31,6 +31,7 @@ op_id = {{ header = "X-Effectguard-Op" }}
 url = "{{base_url}}/v1/search"
 query = {{ op = "{{op}}" }}
 applied = "data[0]"
+results = "data"
 not_found = [200]
 freshness_s = {freshness}
 timeout_s = 5

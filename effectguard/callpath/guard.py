@@ -37,11 +37,12 @@ from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.reports import from_state, open_report
-from effectguard.callpath.resolve import Resolver, recovered_response
+from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.wire import (
     classify_transport_error,
     client_headers,
+    recovered_response,
     replay_response,
     timed_out,
     upstream_request,
@@ -191,18 +192,19 @@ class Guard:
         if _unknown_resend(prepared, admitted):
             # A keyed resend met an effect-unknown call: evidence may decide it now.
             evidence = await self.resolver.at_resend(admitted.call_id, prepared.request, send)
-            if evidence.verdict == "applied" and evidence.result is not None:
-                return recovered_response(admitted.call_id, evidence)
-            if evidence.verdict != "unknown":  # decided: admitted anew (attempt, or 409)
+            if evidence.verdict != "unknown":
+                # Decided: admitted anew (an attempt, the recovered result, or 409).
                 admitted = await self._admit(prepared)
         self.crash.hit("after:admit")
         if admitted.action == "refuse":
             assert admitted.refusal is not None
             self.observer.refused(provider.name, admitted.refusal.type)
             raise admitted.refusal
-        if admitted.action == "replay":
+        if admitted.action in ("replay", "recover"):
             self.observer.request_done(provider.name, prepared.model or "", "replayed")
             from_state(report, admitted.state, "replayed")
+            if admitted.recovered is not None:
+                return recovered_response(admitted.call_id, admitted.recovered)
             return replay_response(admitted.call_id, admitted.observed)
         if admitted.action == "join":
             return await self._join(admitted.call_id, prepared, report)

@@ -4,7 +4,9 @@ A transport takes ``reconcile_hook=``, the proxy ``[guard] reconcile_hook =
 "module:function"``: an async callable that gets a :class:`ReconcileQuestion` about a
 call whose effect is unknown and returns :class:`Applied` (with the cost and,
 optionally, the result to hand the client), :class:`NotApplied` or :class:`Unknown`.
-A hook that raises, returns anything else or runs past its timeout counts as unknown.
+A hook that raises, returns anything else or runs past its timeout counts as unknown, and
+so does an :class:`Applied` whose cost is no USD amount in bounds (a float is refused) or
+whose result is neither bytes nor a JSON value.
 Its decisions are recorded as ``call.reconciled`` by ``hook``.
 """
 

@@ -77,13 +77,22 @@ class WorkerRuntime:
 
     async def start(self) -> Writer:
         """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
-        writer = await self._register()
+        writer = await self.register()
+        await self.run()
+        return writer
+
+    async def register(self) -> Writer:
+        """Register and lock, nothing more: hooks that need the writer (the guard's
+        ``after_sweep``) can be attached before :meth:`run` sweeps for the first time."""
+        return await self._register()
+
+    async def run(self) -> None:
+        """Sweep once (with every ``after_sweep`` hook), then heartbeat and sweep on."""
         await self.sweep()
         self._tasks = [
             asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat)),
             asyncio.create_task(self._every(self.sweep_s, self.sweep)),
         ]
-        return writer
 
     async def _register(self) -> Writer:
         """Take a fresh worker id, its liveness lock, and a new fencing generation."""

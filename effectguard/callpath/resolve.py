@@ -17,6 +17,7 @@ its note naming the evidence and its digest. "Unknown" records nothing: the call
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import io
 import json
@@ -25,10 +26,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
-from effectguard.callpath.exchange import Outbound, Reply, Send, text_headers
+from effectguard.callpath.exchange import Outbound, Send
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
 from effectguard.errors import BodyMismatch, EffectguardError, ReconcileError
 from effectguard.ledger import Ledger
@@ -36,12 +38,14 @@ from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
 from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import CallManifest, decode_body
-from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.money import MAX_CALL_NANOS, check_amount, usd_to_nanos
+from effectguard.rules.workstate import WorkState
 
 log = logging.getLogger("effectguard.callpath.resolve")
 
 
-#: The most of a lookup answer that is read (an answer is one object, or a page of them).
+#: The most of a lookup answer that is read (an answer is one object, or a page of them),
+#: and of a recovered result that is kept in the ledger with its decision.
 MAX_ANSWER_BYTES = 1 << 20
 
 
@@ -115,7 +119,8 @@ async def request_body(ledger: Ledger, facts: Facts) -> bytes:
 
 
 def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str | None) -> Outbound:
-    """The lookup as it goes to the provider, with the provider's credential."""
+    """The lookup as it goes to the provider, with the provider's credential (and its
+    declared form fields, form-encoded, as the body)."""
     params = {name: value.format(op=op) for name, value in lookup.query}
     # Merged into any query the declared URL has, as httpx.Request(params=...) does.
     url = httpx.URL(lookup.url.format(base_url=provider.base_url, op=op))
@@ -123,8 +128,13 @@ def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str 
     headers = [(b"accept", b"application/json"), (b"accept-encoding", b"identity")]
     if credential is not None:
         headers.append((provider.key_header.lower().encode(), credential.encode()))
+    body = b""
+    if lookup.form:
+        fields = [(name, value.format(op=op)) for name, value in lookup.form]
+        body = urlencode(fields).encode("ascii")
+        headers.append((b"content-type", b"application/x-www-form-urlencoded"))
     target = url.raw_path.decode("ascii", "replace")
-    return Outbound(lookup.method, str(url), url.path, target, headers, b"")
+    return Outbound(lookup.method, str(url), url.path, target, headers, body)
 
 
 class Resolver:
@@ -150,6 +160,9 @@ class Resolver:
         #: How lookups of the sweeper go out (the proxy and transports set their inner one).
         self.send = send
         self.clock = clock
+        #: When (in sweep turns) the sweeper last looked at each unknown call.
+        self._looked: dict[str, int] = {}
+        self._turn = 0
 
     def endpoint(self, facts: Facts) -> Endpoint | None:
         """The declared endpoint of a call (None: its provider is no longer declared)."""
@@ -183,6 +196,10 @@ class Resolver:
             evidence = await self._look_up(provider, endpoint.lookup, facts, send, credential)
         if evidence.verdict == "unknown" and self.hook is not None:
             evidence = await self._ask_hook(facts)
+        if evidence.result is not None and len(evidence.result) > MAX_ANSWER_BYTES:
+            # Kept in the ledger, replayed to every later resend: bounded like an answer.
+            note = f"{evidence.note}; its result ({len(evidence.result)} bytes) is not kept"
+            evidence = dataclasses.replace(evidence, note=note, result=None)
         if evidence.verdict != "unknown":
             await self._record(facts, evidence)
         return evidence
@@ -212,6 +229,7 @@ class Resolver:
             freshness_s=lookup.freshness_s,
             age_s=self.clock() - facts.last_attempt_at,
             retention_s=lookup.retention_s,
+            results=lookup.results,
         )
         note = f"lookup {shown} answered {status}: {reading.why}; evidence {lookups.digest(body)}"
         result = None if reading.found is None else json.dumps(reading.found).encode()
@@ -235,18 +253,7 @@ class Resolver:
             answer = await asyncio.wait_for(self.hook(question), self.hook_timeout_s)
         except Exception as exc:  # a failing hook is no evidence, whatever it raised
             return Evidence("unknown", "hook", f"hook failed: {type(exc).__name__}: {exc}")
-        if isinstance(answer, NotApplied):
-            return Evidence("not_applied", "hook", "the reconcile hook answered not applied")
-        if not isinstance(answer, Applied):
-            return Evidence("unknown", "hook", f"the reconcile hook answered {answer!r}")
-        result = answer.result
-        if result is not None and not isinstance(result, bytes):
-            result = json.dumps(result).encode()
-        cost = None if answer.cost_usd is None else usd_to_nanos(answer.cost_usd)
-        note = "the reconcile hook answered applied"
-        if result is not None:
-            note += f"; evidence {lookups.digest(result)}"
-        return Evidence("applied", "hook", note, cost=cost, result=result)
+        return hook_evidence(answer)
 
     async def _record(self, facts: Facts, evidence: Evidence) -> None:
         try:
@@ -256,33 +263,100 @@ class Resolver:
                 cost=evidence.cost,
                 note=evidence.note,
                 by=evidence.by,
+                result=evidence.result,
             )
         except ReconcileError as exc:
             # Another replica (or a person) decided it first: their decision stands.
             log.info("call %s was decided elsewhere: %s", facts.call_id, exc)
 
+    def can_sweep(self) -> bool:
+        """Whether a sweep could decide anything: a hook, or a provider with a lookup."""
+        if self.hook is not None:
+            return True
+        return any(
+            e.lookup is not None or p.lookup is not None
+            for p in self.providers.values()
+            for e in p.endpoints
+        )
+
     async def sweep(self, limit: int = 20) -> list[str]:
-        """Decide unknown calls old enough for their lookup's freshness; the ones decided."""
+        """Decide unknown calls old enough for their lookup's freshness; the ones decided.
+
+        Each sweep looks at ``limit`` of the ``effect_unknown`` calls, the ones this
+        resolver looked at least recently first (never: before any, oldest call first),
+        so calls no evidence decides yet never starve those it can: with N unknown calls,
+        every one is looked at within ceil(N / limit) sweeps.
+        """
+        if not self.can_sweep():
+            return []
+        unknown = await self.ledger.calls(stage="effect_unknown", limit=1 << 62)
+        ids = {state.call_id for state in unknown}
+        self._looked = {c: turn for c, turn in self._looked.items() if c in ids}
+        unknown.sort(key=lambda s: (self._looked.get(s.call_id, -1), s.created_at))
         decided: list[str] = []
         now = self.clock()
-        for state in await self.ledger.calls(stage="effect_unknown", limit=limit * 5):
-            if len(decided) >= limit:
-                break
-            facts = await facts_of(self.ledger, state.call_id)
-            if facts is None or not self.can_decide(facts):
+        for state in unknown[:limit]:
+            self._turn += 1
+            self._looked[state.call_id] = self._turn
+            if _left_to_its_client(state, now):
                 continue
-            endpoint = self.endpoint(facts)
-            lookup = endpoint.lookup if endpoint is not None else None
-            if lookup is not None and now - facts.last_attempt_at < lookup.freshness_s:
-                continue  # its "not found" would prove nothing yet
-            try:
-                evidence = await self.decide(facts)
-            except EffectguardError as exc:
-                log.warning("could not decide call %s: %s", facts.call_id, exc)
-                continue
-            if evidence.verdict != "unknown":
-                decided.append(facts.call_id)
+            if await self._sweep_one(state.call_id, now):
+                decided.append(state.call_id)
         return decided
+
+    async def _sweep_one(self, call_id: str, now: float) -> bool:
+        """Ask about one unknown call if evidence could decide it now; whether it did."""
+        facts = await facts_of(self.ledger, call_id)
+        if facts is None or not self.can_decide(facts):
+            return False
+        endpoint = self.endpoint(facts)
+        lookup = endpoint.lookup if endpoint is not None else None
+        if lookup is not None and now - facts.last_attempt_at < lookup.freshness_s:
+            return False  # its "not found" would prove nothing yet
+        try:
+            evidence = await self.decide(facts)
+        except EffectguardError as exc:
+            log.warning("could not decide call %s: %s", facts.call_id, exc)
+            return False
+        return evidence.verdict != "unknown"
+
+
+def _left_to_its_client(state: WorkState, now: float) -> bool:
+    """A keyed call inside its provider's idempotency window: its client's resend goes to
+    the provider, which deduplicates it and answers it as it answered the first time. A
+    decision now would answer that resend 409 instead (a lookup keeps no result for most
+    tools), so the sweeper leaves it until the window closes."""
+    window = state.idempotency_window_s
+    return (
+        state.idempotency_key is not None
+        and window is not None
+        and now - state.created_at <= window
+    )
+
+
+def hook_evidence(answer: object) -> Evidence:
+    """What the hook's answer proves. An answer that is not one of the three, or an
+    ``Applied`` whose cost is no USD amount in bounds or whose result is neither bytes
+    nor a JSON value, proves nothing: unknown, as a hook that fails."""
+    if isinstance(answer, NotApplied):
+        return Evidence("not_applied", "hook", "the reconcile hook answered not applied")
+    if not isinstance(answer, Applied):
+        return Evidence("unknown", "hook", f"the reconcile hook answered {answer!r:.200}")
+    try:
+        result: Any = answer.result
+        if isinstance(result, Mapping):
+            result = dict(result)
+        if result is not None and not isinstance(result, bytes):
+            result = json.dumps(result, allow_nan=False).encode()
+        cost = None
+        if answer.cost_usd is not None:
+            cost = check_amount(usd_to_nanos(answer.cost_usd), MAX_CALL_NANOS, "a cost")
+    except (TypeError, ValueError) as exc:
+        return Evidence("unknown", "hook", f"the reconcile hook answered applied, but {exc}")
+    note = "the reconcile hook answered applied"
+    if result is not None:
+        note += f"; evidence {lookups.digest(result)}"
+    return Evidence("applied", "hook", note, cost=cost, result=result)
 
 
 async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
@@ -298,16 +372,6 @@ async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
         return response.status, b"".join(chunks)
     finally:
         await response.aclose()
-
-
-def recovered_response(call_id: str, evidence: Evidence) -> Reply:
-    """The result that evidence recovered, as a 200 marked ``Effectguard-Recovered: <by>``."""
-    headers = [
-        ("content-type", "application/json"),
-        ("effectguard-call-id", call_id),
-        ("effectguard-recovered", evidence.by),
-    ]
-    return Reply(200, text_headers(headers), body=evidence.result or b"")
 
 
 def describe(evidence: Evidence) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Both ways in (the transports and the proxy) start and stop a :class:`Runtime`
 the same way, so the order is right everywhere: open the ledger, register as a
-worker (and sweep), then serve; on stop, let background settlements finish,
-then stop the worker and close the ledger.
+worker, build the guard, sweep (deciding what evidence can decide), then serve;
+on stop, let background settlements finish, then stop the worker and close the ledger.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.exchange import Send
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import ReconcileHook
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
@@ -43,6 +44,8 @@ class RuntimeConfig:
     #: Each provider's API key, for lookups that no request carries (the sweeper's).
     credentials: Mapping[str, str] = field(default_factory=dict)
     reconcile_hook: ReconcileHook | None = None
+    #: How the sweeper's lookups go out (the way in's upstream leg); None: no lookups.
+    send: Send | None = None
 
 
 class Runtime:
@@ -80,7 +83,7 @@ class Runtime:
             heartbeat_s=c.heartbeat_s,
             sweep_s=c.sweep_s,
         )
-        writer = await self.worker.start()
+        writer = await self.worker.register()
         self.guard = Guard(
             self.ledger,
             c.providers,
@@ -94,12 +97,16 @@ class Runtime:
                 credentials=c.credentials,
                 hook=c.reconcile_hook,
                 hook_timeout_s=c.guard.reconcile_hook_timeout_s,
+                send=c.send,
             ),
         )
         self.worker.after_sweep.append(self.guard.recorder.retry_orphans)
         self.worker.after_sweep.append(self._decide_unknown)
         self.worker.after_rejoin.append(self._rejoined)
         self.guard.recorder.evidence_writer = self.worker.writer_after_refusal
+        # Only now the first sweep: with the hooks attached, it decides too (in its own
+        # task), so unknown calls a dead process left are not kept waiting a sweep_s.
+        await self.worker.run()
         return self.guard
 
     async def _decide_unknown(self) -> None:

@@ -15,10 +15,11 @@ from effectguard.callpath import opfields, testhooks
 from effectguard.callpath.exchange import Headers, Outbound, Reply, header_text, text_headers
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint
-from effectguard.rules.events import AttemptObserved, decode_body
+from effectguard.rules.events import AttemptObserved, CallReconciled, decode_body
 
 CALL_ID_HEADER: Final = "effectguard-call-id"
 REPLAYED_HEADER: Final = "effectguard-replayed"
+RECOVERED_HEADER: Final = "effectguard-recovered"
 BUDGET_HEADER: Final = "effectguard-budget"
 RETRY_OF_HEADER: Final = "effectguard-retry-of"
 SDK_RETRY_HEADER: Final = "x-stainless-retry-count"
@@ -288,3 +289,17 @@ def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
     headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
     body = decode_body(observed.body, observed.body_encoding)
     return Reply(observed.status, text_headers(headers), body=body)
+
+
+def recovered_response(call_id: str, decision: CallReconciled) -> Reply:
+    """The result a lookup or the hook recovered for an applied decision, as a 200 marked
+    replayed and ``Effectguard-Recovered: <by>`` (docs/contract.md §4.1)."""
+    assert decision.result is not None
+    headers = [
+        ("content-type", "application/json"),
+        (CALL_ID_HEADER, call_id),
+        (REPLAYED_HEADER, "true"),
+        (RECOVERED_HEADER, decision.by),
+    ]
+    body = decode_body(decision.result, decision.result_encoding)
+    return Reply(200, text_headers(headers), body=body)

@@ -69,6 +69,15 @@ class ProxyApp:
         self.metrics = metrics
         spec = settings.guard.reconcile_hook
         hook = load_hook(spec) if spec is not None else None
+        #: The upstream leg: aiohttp directly (its session opens on first use), or the
+        #: httpx transport a test passed in. Built first: the startup sweep's lookups use it.
+        self._leg: AiohttpLeg | None = None
+        self._send: UpstreamSend
+        if inner is not None:
+            self._send = httpx_send(inner.handle_async_request)
+        else:
+            self._leg = AiohttpLeg(settings.connect_timeout_s, settings.read_timeout_s)
+            self._send = self._leg.send
         self.runtime = Runtime(
             RuntimeConfig(
                 ledger_url=settings.ledger,
@@ -81,13 +90,11 @@ class ProxyApp:
                 sweep_s=settings.sweep_s,
                 credentials=settings.provider_keys,
                 reconcile_hook=hook,
+                send=self._send,
             )
         )
         self.guard: Guard | None = None
         self.keyring = KeyRing(settings.keys, settings.key_refresh_s)
-        #: The upstream leg: aiohttp directly, or the httpx transport a test passed in.
-        self._leg: AiohttpLeg | None = None
-        self._send: UpstreamSend | None = None
         self._timeout = {
             "connect": settings.connect_timeout_s,
             "pool": settings.connect_timeout_s,
@@ -106,12 +113,6 @@ class ProxyApp:
     async def startup(self) -> None:
         """Open the ledger, register as a worker, apply configured budget limits."""
         self.guard = await self.runtime.start()
-        if self._inner is not None:
-            self._send = httpx_send(self._inner.handle_async_request)
-        else:
-            self._leg = AiohttpLeg(self.settings.connect_timeout_s, self.settings.read_timeout_s)
-            self._send = self._leg.send
-        self.guard.resolver.send = self._send
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)
@@ -287,7 +288,7 @@ class ProxyApp:
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, provider: Provider, upstream_path: str
     ) -> None:
-        assert self.guard is not None and self._send is not None
+        assert self.guard is not None
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         budget, root, key = self._authorize(provider, raw_headers)
         body = await self._body(receive, raw_headers)

@@ -94,6 +94,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # Read once, here at the edge: the sweeper's lookups carry no client credential.
             credentials=keys_from_environment(declared, os.environ),
             reconcile_hook=reconcile_hook,
+            send=httpx_send(self.inner.handle_async_request),
         )
         self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
         self._guard: Guard | None = None
@@ -107,7 +108,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             async with self._opening:
                 if self._guard is None:
                     self._guard = await self._runtime.start()
-                    self._guard.resolver.send = httpx_send(self.inner.handle_async_request)
         return self._guard
 
     @property

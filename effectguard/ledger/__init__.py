@@ -117,12 +117,14 @@ class Ledger:
         by: str,
         cost: int | None = None,
         writer: Writer = OPERATOR,
+        result: bytes | None = None,
     ) -> WorkState:
-        """Decide an effect-unknown or failed call: applied (with cost) or not applied."""
+        """Decide an effect-unknown or failed call: applied (with cost and, where evidence
+        recovered it, the ``result`` later keyed resends replay) or not applied."""
         state: WorkState = await self.store.write(
             writer,
             lambda tx: decisions.reconcile(
-                tx, writer, call_id, applied=applied, cost=cost, note=note, by=by
+                tx, writer, call_id, applied=applied, cost=cost, note=note, by=by, result=result
             ),
         )
         # The note is the operator's free text: it stays in the ledger, out of the logs.

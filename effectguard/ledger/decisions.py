@@ -13,20 +13,33 @@ from effectguard.rules.events import (
     CallReconciled,
     CallResendAuthorized,
     Event,
+    encode_body,
 )
 from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
 from effectguard.rules.workstate import WorkState
 
 
 def reconcile(
-    tx: Tx, writer: Writer, call_id: str, *, applied: bool, cost: int | None, note: str, by: str
+    tx: Tx,
+    writer: Writer,
+    call_id: str,
+    *,
+    applied: bool,
+    cost: int | None,
+    note: str,
+    by: str,
+    result: bytes | None = None,
 ) -> WorkState:
     """Record a person's (or lookup's) decision on an effect-unknown or failed call.
 
     An effect-unknown call's hold is released and the cost (default: the hold) spent. A
     failed call was settled at its charge; the charge is corrected to the cost (default:
     unchanged), or to nothing when not applied, which frees its key for a new attempt.
+    ``result`` is what the evidence recovered of an applied effect (docs/contract.md
+    §4.1): kept in the decision, in the chain, and replayed to later keyed resends.
     """
+    if result is not None and not applied:
+        raise ReconcileError("only an applied effect has a result to keep", call_id=call_id)
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
@@ -51,10 +64,17 @@ def reconcile(
         budget_event = BudgetUnheld(
             call=call_id, budget=state.budget, amount=state.held, spent=spent
         )
-    events: list[Event] = [
-        CallReconciled(call=call_id, applied=applied, cost=spent, note=note, by=by),
-        budget_event,
-    ]
+    text, encoding = (None, "utf8") if result is None else encode_body(result)
+    decision = CallReconciled(
+        call=call_id,
+        applied=applied,
+        cost=spent,
+        note=note,
+        by=by,
+        result=text,
+        result_encoding=encoding,
+    )
+    events: list[Event] = [decision, budget_event]
     return append(tx, writer, events, {call_id: state})[call_id]
 
 

@@ -18,7 +18,7 @@ from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import bodystore, budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.rules import budget as budgets
-from effectguard.rules import keys, workstate
+from effectguard.rules import evidence, keys, workstate
 from effectguard.rules.admission import AdmitRequest, Decision, decide_keyed, decide_retry
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.events import (
@@ -30,6 +30,7 @@ from effectguard.rules.events import (
     BudgetReserved,
     BudgetUnheld,
     CallManifest,
+    CallReconciled,
     CallRefused,
     Event,
     WorkerRegistered,
@@ -104,7 +105,7 @@ def append(
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """What admission decided: dispatch ``attempt``, replay, join or refuse.
+    """What admission decided: dispatch ``attempt``, replay, recover, join or refuse.
 
     ``writer`` is the writer that decided (and started ``attempt``). The attempt's
     outcome is written as that writer, so once it is fenced the store refuses
@@ -119,6 +120,8 @@ class Admitted:
     provider_idempotency_key: str | None = None
     observed: AttemptObserved | None = None
     refusal: Refusal | None = None
+    #: For ``recover``: the applied decision whose kept result is replayed.
+    recovered: CallReconciled | None = None
 
 
 def _check_lease(tx: Tx, writer: Writer) -> None:
@@ -259,6 +262,13 @@ def _answer_from_ledger(tx: Tx, writer: Writer, decision: Decision) -> Admitted:
     assert existing is not None
     if decision.action == "refuse":
         assert decision.refusal is not None
+        if decision.refusal.type == "reconciled_applied":
+            # Evidence that recovered the effect's result kept it: replay that instead.
+            found = evidence.recovered(tx.events_of(existing.call_id))
+            if found is not None:
+                return Admitted(
+                    "recover", existing.call_id, writer, state=existing, recovered=found
+                )
         return Admitted("refuse", existing.call_id, writer, refusal=decision.refusal)
     if decision.action == "replay":
         observed = _last_observed(tx, existing.call_id)

@@ -156,9 +156,11 @@ def decisions(events: list[StoredEvent]) -> list[str]:
         d = e.data
         if e.kind == "call.reconciled":
             verdict = "applied" if d.get("applied") else "not applied"
+            kept = isinstance(d.get("result"), str)
             lines.append(
                 f"{iso(e.at)} reconciled {verdict} by {d.get('by')} "
                 f"(cost {money(d.get('cost')) or '-'} USD): {d.get('note')}"
+                + ("; its recovered result is kept and replayed to resends" if kept else "")
             )
         elif e.kind == "call.refused":
             lines.append(f"{iso(e.at)} refused {d.get('status')} {d.get('reason')}")

@@ -54,7 +54,9 @@ _LOOKUP_KEYS = frozenset(
         "method",
         "url",
         "query",
+        "form",
         "applied",
+        "results",
         "not_found",
         "freshness_s",
         "retention_s",
@@ -94,10 +96,13 @@ class OpIdPlacement:
 class Lookup:
     """A request that asks the provider "was operation ``{op}`` applied?", and its reading.
 
-    ``url`` may use ``{base_url}`` and ``{op}``; ``query`` values may use ``{op}``. An answer
+    ``url`` may use ``{base_url}`` and ``{op}``; ``query`` and ``form`` values may use
+    ``{op}`` (``form`` fields go form-encoded in the body of a POST). An answer
     in which the JSON path ``applied`` is present (and not null, false or empty) means
     applied, and its value is the recovered object where it is a JSON object; otherwise a
-    status in ``not_found`` means "not found"; anything else is unknown. "Not found"
+    status in ``not_found`` means "not found", but a success status only when its body is
+    JSON whose result collection (the path ``results``) is present and empty (an HTML
+    error page answered 200 proves nothing); anything else is unknown. "Not found"
     proves "not applied" only once the call's last attempt is older than ``freshness_s``
     (search indexes lag); before that it is unknown too, and so it is again once the call
     is older than ``retention_s`` (None: the provider never forgets an operation).
@@ -112,6 +117,12 @@ class Lookup:
     op: OpSource = "call_id"
     timeout_s: float = 5.0
     retention_s: float | None = None
+    #: The JSON path of the answer's result collection (``data``): a success reads "not
+    #: found" only when it is there and empty. Required where a success is ``not_found``.
+    results: str | None = None
+    #: Form fields sent form-encoded as the request's body (a POST search); values may
+    #: use ``{op}``.
+    form: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,21 +285,63 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
     unknown = sorted(set(table) - _LOOKUP_KEYS)
     if unknown:
         raise fail(f"{where}.{unknown[0]}", "unknown field")
-    url = table.get("url")
-    if not isinstance(url, str) or not url.startswith(("{base_url}", "http://", "https://")):
-        raise fail(f"{where}.url", "must be a URL template starting with {base_url} or http(s)")
-    query = table.get("query", {})
-    if not isinstance(query, dict) or not all(isinstance(v, str) for v in query.values()):
-        raise fail(f"{where}.query", "must be a table of strings")
-    for text in (url, *query.values()):
-        _check_template(text, f"{where}.url", fail)
-    if "{op}" not in url + "".join(query.values()):
-        raise fail(f"{where}.url", "the url or a query field must contain {op}")
+    url, method, query, form = _lookup_request(table, where, fail)
     op = table.get("op", "call_id" if has_op_id else "idempotency_key")
     if op not in ("call_id", "idempotency_key"):
         raise fail(f"{where}.op", "must be call_id or idempotency_key")
     if op == "call_id" and not has_op_id:
         raise fail(f"{where}.op", "call_id needs the endpoint's op_id (where the id is written)")
+    applied, not_found, results = _lookup_reading(table, where, fail)
+    return Lookup(
+        url=url,
+        applied=applied,
+        not_found=not_found,
+        freshness_s=_seconds(table, "freshness_s", where, fail, required=True),
+        method=method,
+        query=query,
+        op=cast(OpSource, op),
+        timeout_s=_seconds(table, "timeout_s", where, fail, default=5.0),
+        retention_s=(
+            _seconds(table, "retention_s", where, fail) if "retention_s" in table else None
+        ),
+        results=results,
+        form=form,
+    )
+
+
+Fields = tuple[tuple[str, str], ...]
+
+
+def _lookup_request(
+    table: Mapping[str, Any], where: str, fail: Fail
+) -> tuple[str, str, Fields, Fields]:
+    """The lookup request's URL template, method, query fields and form fields."""
+    url = table.get("url")
+    if not isinstance(url, str) or not url.startswith(("{base_url}", "http://", "https://")):
+        raise fail(f"{where}.url", "must be a URL template starting with {base_url} or http(s)")
+    method = table.get("method", "GET")
+    if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
+        raise fail(f"{where}.method", "must be an HTTP method")
+    fields: dict[str, Fields] = {}
+    for key in ("query", "form"):
+        given = table.get(key, {})
+        if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+            raise fail(f"{where}.{key}", "must be a table of strings")
+        for text in given.values():
+            _check_template(text, f"{where}.{key}", fail)
+        fields[key] = tuple((str(k), v) for k, v in given.items())
+    _check_template(url, f"{where}.url", fail)
+    if fields["form"] and method.upper() in ("GET", "HEAD"):
+        raise fail(f"{where}.form", 'form fields are a request body: declare method = "POST"')
+    if "{op}" not in url + "".join(v for _, v in fields["query"] + fields["form"]):
+        raise fail(f"{where}.url", "the url, a query field or a form field must contain {op}")
+    return url, method.upper(), fields["query"], fields["form"]
+
+
+def _lookup_reading(
+    table: Mapping[str, Any], where: str, fail: Fail
+) -> tuple[str, frozenset[int], str | None]:
+    """How the answer reads: the applied path, the not-found statuses, the result list."""
     applied = table.get("applied")
     if not isinstance(applied, str) or not _FIELD.fullmatch(applied):
         raise fail(f"{where}.applied", "must be a JSON path such as data[0]")
@@ -297,30 +350,24 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         isinstance(s, int) and not isinstance(s, bool) and 100 <= s <= 599 for s in not_found
     ):
         raise fail(f"{where}.not_found", "must be a list of HTTP statuses")
-    method = table.get("method", "GET")
-    if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
-        raise fail(f"{where}.method", "must be an HTTP method")
-    return Lookup(
-        url=url,
-        applied=applied,
-        not_found=frozenset(not_found),
-        freshness_s=_seconds(table, "freshness_s", where, fail, required=True),
-        method=method.upper(),
-        query=tuple((str(k), v) for k, v in query.items()),
-        op=cast(OpSource, op),
-        timeout_s=_seconds(table, "timeout_s", where, fail, default=5.0),
-        retention_s=(
-            _seconds(table, "retention_s", where, fail) if "retention_s" in table else None
-        ),
-    )
+    results = table.get("results")
+    if results is not None and (not isinstance(results, str) or not _FIELD.fullmatch(results)):
+        raise fail(f"{where}.results", "must be a JSON path such as data")
+    if results is None and any(200 <= s < 300 for s in not_found):
+        # Else any 200 (an HTML error page, JSON of another shape) would read "not found".
+        raise fail(f"{where}.results", "a success status in not_found needs the result "
+                   "collection's JSON path, which must be there and empty")  # fmt: skip
+    return applied, frozenset(not_found), results
 
 
 def legacy_lookup(template: str) -> Lookup:
     """The older provider-level ``lookup = "{base_url}/ops/{key}"``: asks by the provider
-    idempotency key; ``{"applied": true}`` means applied, any other 200 not applied."""
+    idempotency key; ``{"applied": true}`` means applied, ``{"applied": false}`` not
+    applied, and any other answer is unknown."""
     return Lookup(
         url=template.replace("{key}", "{op}"),
         applied="applied",
+        results="applied",
         not_found=frozenset({200}),
         freshness_s=0.0,
         op="idempotency_key",

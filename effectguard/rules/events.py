@@ -315,13 +315,25 @@ class CallCompleted(CallEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CallReconciled(CallEvent):
-    """A person (or a provider lookup) decided whether an unknown effect happened."""
+    """A person, a provider lookup or the hook decided whether an unknown effect happened.
+
+    ``result`` (with ``result_encoding``, as a body's) is what the evidence recovered of an
+    applied effect, replayed to later keyed resends; absent from the data when None.
+    """
 
     kind: ClassVar[str] = "call.reconciled"
     applied: bool
     cost: int
     note: str
     by: str
+    result: str | None = None
+    result_encoding: str = "utf8"
+
+    def to_data(self) -> dict[str, Any]:
+        data = Event.to_data(self)
+        if self.result is None:  # the shape a decision had before results were kept
+            del data["result"], data["result_encoding"]
+        return data
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

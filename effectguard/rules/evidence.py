@@ -19,7 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from effectguard.errors import ReconcileError
-from effectguard.rules.events import AttemptLateAnswer, AttemptObserved, StoredEvent
+from effectguard.rules.events import (
+    AttemptLateAnswer,
+    AttemptObserved,
+    CallReconciled,
+    StoredEvent,
+)
 from effectguard.rules.lookups import digest
 from effectguard.rules.settlement import Settlement
 
@@ -67,6 +72,18 @@ def latest(events: Iterable[StoredEvent], attempt: int) -> AttemptLateAnswer | N
             assert isinstance(event, AttemptLateAnswer)
             found = event
     return found
+
+
+def recovered(events: Iterable[StoredEvent]) -> CallReconciled | None:
+    """The call's last decision, if it is applied and kept a result that evidence (a
+    lookup or the hook) recovered: what later keyed resends replay (docs/contract.md §4.1)."""
+    found = None
+    for stored in events:
+        if stored.kind == CallReconciled.kind:
+            event = stored.event
+            assert isinstance(event, CallReconciled)
+            found = event
+    return found if found is not None and found.applied and found.result is not None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,12 @@
 """How a lookup's answer reads (docs/contract.md §2.2, §4). Pure: no I/O, no clock.
 
 A provider lookup answers "was operation K applied?". Its declaration names a JSON path
-whose presence means applied, the statuses that mean "not found", and how far the
-provider's search lags (``freshness_s``). Anything else is unknown: effectguard never
+whose presence means applied, the statuses that mean "not found", the JSON path of the
+answer's result collection (``results``), and how far the provider's search lags
+(``freshness_s``). "Not found" needs positive evidence: a declared not-found status that
+is an error status (a 404), or a success whose body is well-formed JSON with the declared
+result collection present and empty. A 200 that is an HTML error page, or JSON without the
+collection, proves nothing. Anything else is unknown: effectguard never
 guesses. "Not found" proves "not applied" only for an operation older than the
 freshness, since a search index may not show a recent operation yet, and only for
 one younger than the provider's declared retention (``retention_s``), since a provider
@@ -58,6 +62,12 @@ def present(value: Any) -> bool:
     return value is not _ABSENT and value not in (None, False, "", [], {})
 
 
+def empty(value: Any) -> bool:
+    """Whether a result collection is there and empty: ``[]``, ``{}`` or ``false`` (the
+    older ``{"applied": false}`` answer). Absent, null or anything else is not."""
+    return value is False or (isinstance(value, list | dict) and not value)
+
+
 def read_answer(
     status: int,
     body: bytes,
@@ -67,20 +77,33 @@ def read_answer(
     freshness_s: float,
     age_s: float,
     retention_s: float | None = None,
+    results: str | None = None,
 ) -> Reading:
     """Read one lookup answer for an operation whose last attempt started ``age_s`` ago
-    (``retention_s``: how long the provider keeps an operation findable, if it forgets)."""
+    (``retention_s``: how long the provider keeps an operation findable, if it forgets;
+    ``results``: the JSON path of the result collection a success must show empty to read
+    "not found")."""
+    success = 200 <= status < 300
     try:
-        parsed: Any = json.loads(body) if body else None
+        parsed: Any = json.loads(body) if body else _ABSENT
     except (ValueError, UnicodeDecodeError):
-        parsed = None
-    if 200 <= status < 300 and parsed is not None:
+        parsed = _ABSENT
+    if success and parsed is not _ABSENT:
         value = at_path(parsed, applied)
         if present(value):
             found = value if isinstance(value, dict) else None
             return Reading("applied", f"{applied} is present", found)
     if status not in not_found:
         return Reading("unknown", f"status {status} is neither applied nor not found")
+    if success:
+        # A success proves absence only by saying so: a well-formed answer whose result
+        # collection is there and empty. An HTML page, or JSON of another shape, is not.
+        if parsed is _ABSENT:
+            return Reading("unknown", f"status {status} but the answer is not JSON")
+        if results is None:
+            return Reading("unknown", f"status {status}, and no result collection is declared")
+        if not empty(at_path(parsed, results)):
+            return Reading("unknown", f"status {status} but {results} is not an empty collection")
     if age_s < freshness_s:
         return Reading(
             "unknown",

@@ -244,9 +244,20 @@ def _file(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
 
 
 def _transcription(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:
-    """``POST /v1/audio/transcriptions`` (multipart): whisper-1's JSON answer has no usage."""
+    """``POST /v1/audio/transcriptions`` (multipart): whisper-1's JSON answer has no usage;
+    the gpt-4o(-mini)-transcribe models' answer reports token usage, as OpenAI's does
+    (``{"type": "tokens", "input_tokens", "input_token_details", "output_tokens",
+    "total_tokens"}``): one audio token per 16 bytes of the upload, one output token per
+    word of the transcript."""
     upload = _upload(body)
-    return _body({"text": f"fake transcript {seq} of {upload.get('bytes', 0)} bytes"})
+    text = f"fake transcript {seq} of {upload.get('bytes', 0)} bytes"
+    if not str(body.get("model", "")).endswith("transcribe"):
+        return _body({"text": text})
+    audio, words = max(1, int(upload.get("bytes", 0)) // 16), len(text.split())
+    details = {"audio_tokens": audio, "text_tokens": 0}
+    tokens = {"type": "tokens", "input_tokens": audio, "input_token_details": details}
+    tokens |= {"output_tokens": words, "total_tokens": audio + words}
+    return _body({"text": text}, tokens if usage else None)
 
 
 def _batch(seq: int, body: dict[str, Any], size: int, usage: bool) -> Reply:

@@ -24,6 +24,10 @@ flag                 header                  effect
 ``--search-lag S``   --                      ``GET /v1/search`` finds an operation only
                                              S seconds after it was applied
 ``--lookup-key K``   --                      ``GET /v1/search`` needs ``Bearer K`` (else 401)
+``--search-answer M`` --                     ``GET /v1/search`` misbehaves: ``html`` answers
+                                             200 with an HTML error page, ``no-data`` 200
+                                             with JSON lacking ``data`` (as a broken search
+                                             or a proxy in the way might)
 --                   ``x-fake-usage``        ``missing`` omits usage from the answer
 ===================  ======================  ==========================================
 
@@ -35,7 +39,8 @@ answer is one chunk, so ``break-after 0`` sends only its headers.
 
 ``GET /ops/{key}`` is a lookup read path: ``applied`` is true iff a request with
 that ``Idempotency-Key`` was received and not deduplicated (whatever its status).
-``GET /v1/search?op=ID`` is a Stripe-like search by operation id: a request that carried
+``GET /v1/search?op=ID`` (or ``POST /v1/search`` with the form field ``op=ID``: a
+missing field is 400) is a Stripe-like search by operation id: a request that carried
 ``x-effectguard-op: ID`` (or ``metadata.effectguard_op`` in its JSON body) and was answered
 with a success is found, as ``{"data": [<the answer's JSON object>]}``, once it is older
 than the search lag; until then, and for unknown ids, ``{"data": []}``. Receipts add
@@ -90,6 +95,8 @@ class FakeSettings:
     cut_stream_clean: int | None = None
     search_lag: float = 0.0
     lookup_key: str | None = None
+    #: ``html`` or ``no-data``: a 200 search answer that is not a well-formed result.
+    search_answer: str | None = None
 
 
 class ReceiptLog:
@@ -212,12 +219,26 @@ class _Provider:
         return web.json_response({"key": key, "applied": key in self._applied})
 
     async def search(self, request: web.Request) -> web.Response:
-        """``GET /v1/search?op=ID``: the operation's object, once the search has caught up."""
+        """``GET /v1/search?op=ID`` (or ``POST`` with a form ``op=ID``): the operation's
+        object, once the search has caught up."""
         wanted = self.settings.lookup_key
         if wanted is not None and request.headers.get("authorization") != f"Bearer {wanted}":
             error = {"type": "invalid_request_error", "message": "no valid API key"}
             return web.json_response({"error": error}, status=401)
-        found = self._ops.get(request.query.get("op", ""))
+        if self.settings.search_answer == "html":
+            page = "<html><body><h1>502 Bad Gateway</h1></body></html>"
+            return web.Response(text=page, content_type="text/html")
+        if self.settings.search_answer == "no-data":
+            return web.json_response({"object": "error_page", "message": "try again later"})
+        wanted_op = request.query.get("op", "")
+        if request.method == "POST":
+            form_type = "application/x-www-form-urlencoded"
+            form = await request.post() if request.content_type == form_type else {}
+            if "op" not in form:
+                error = {"type": "invalid_request_error", "message": "missing form field op"}
+                return web.json_response({"error": error}, status=400)
+            wanted_op = str(form["op"])
+        found = self._ops.get(wanted_op)
         if found is None or time.monotonic() - found[0] < self.settings.search_lag:
             return web.json_response({"object": "search_result", "data": []})
         return web.json_response({"object": "search_result", "data": [found[1]]})
@@ -319,6 +340,7 @@ def create_app(settings: FakeSettings) -> web.Application:
     app.router.add_get("/v1/models", provider.models)
     app.router.add_get("/ops/{key}", provider.lookup)
     app.router.add_get("/v1/search", provider.search)
+    app.router.add_post("/v1/search", provider.search)  # a POST search: no effect, no receipt
 
     async def close_log(_: web.Application) -> None:
         if provider.log is not None:
@@ -349,6 +371,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--search-lag", type=float, default=0.0, help="seconds before /v1/search finds an op"
     )
     parser.add_argument("--lookup-key", help="the API key /v1/search requires (Bearer)")
+    parser.add_argument(
+        "--search-answer",
+        choices=("html", "no-data"),
+        help="/v1/search answers 200 with an HTML page, or JSON without data",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -362,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         cut_stream_clean=args.cut_stream_clean,
         search_lag=args.search_lag,
         lookup_key=args.lookup_key,
+        search_answer=args.search_answer,
     )
     asyncio.run(_serve(create_app(settings), args.host, args.port))
     return 0

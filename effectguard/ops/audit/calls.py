@@ -9,6 +9,8 @@ it derives the projection the store should keep (:meth:`CallFold.projection`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Final
 
 from effectguard.ops.audit import table
@@ -174,6 +176,7 @@ class CallFold:
             self.decided_cost = int(data["cost"])
             if data.get("applied") is not True and self.decided_cost != 0:
                 problems.append(f"{where}: not applied, yet costs {self.decided_cost}")
+            problems += _result_problems(data, where)
         elif kind == "budget.unheld":
             expect("amount", self.held)
             if refined.endswith(":resend"):
@@ -229,3 +232,21 @@ class CallFold:
         if self.stage == "refused":
             out["idempotency_key"] = None
         return out
+
+
+def _result_problems(data: dict[str, Any], where: str) -> list[str]:
+    """A decision's kept result (docs/contract.md §4.1): only on an applied decision, as
+    text in a body encoding, and never an encoding without a result."""
+    if "result" not in data:
+        return [f"{where}: result_encoding without a result"] if "result_encoding" in data else []
+    result, encoding = data["result"], data.get("result_encoding")
+    if data.get("applied") is not True:
+        return [f"{where}: a not-applied decision keeps a result"]
+    if not isinstance(result, str) or encoding not in ("utf8", "base64"):
+        return [f"{where}: its result is not text in utf8 or base64 (got {encoding!r})"]
+    if encoding == "base64":
+        try:
+            base64.b64decode(result, validate=True)
+        except (binascii.Error, ValueError):
+            return [f"{where}: its result is not valid base64"]
+    return []

@@ -1,0 +1,185 @@
+"""The bundled ``stripe`` declaration, as it ships, against the Stripe-like fake.
+
+Stripe's ``Idempotency-Key`` saves a request's first result, a 500 included, and keeps
+keys for at least 24 hours; past that window an unknown PaymentIntent is decided by the
+declared metadata search, whose "not found" proves nothing until the call's last attempt
+is an hour old (``freshness_s = 3600``). Through AsyncGuardTransport on a SQLite ledger
+whose clock the test moves (the only patch: clocks); each later day is a new transport,
+as a restarted process would be. Charges are counted from the fake's own receipts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fakes import RunningFake, running_fake
+
+from effectguard import AsyncGuardTransport
+from effectguard.ledger import Ledger, open_store
+from effectguard.testing.clock import ManualClock
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+
+CREATE = "/v1/payment_intents"
+AUTH = {"Authorization": "Bearer sk_test_fake"}
+DAY, HOUR = 86400.0, 3600.0
+#: How long (real seconds) the fake's search takes to show a new PaymentIntent.
+LAG_S = 3.0
+
+
+@pytest.fixture
+async def clocked(tmp_path: Path) -> AsyncIterator[tuple[Ledger, ManualClock]]:
+    """A SQLite ledger on a clock that moves only when the test says so."""
+    clock = ManualClock()
+    ledger = Ledger(open_store(str(tmp_path / "ledger.db"), clock=clock))
+    await ledger.store.open()
+    yield ledger, clock
+    await ledger.store.close()
+
+
+class Stripe:
+    """One process's view: a transport over the clocked ledger, to the fake."""
+
+    def __init__(self, make: MakeTransport, ledger: Ledger, clock: ManualClock, url: str) -> None:
+        self.transport = make(ledger=ledger, upstreams={"stripe": url})
+        self.clock = clock
+        self.url = url
+
+    async def pay(self, key: str, amount: int, **headers: str) -> httpx.Response:
+        """POST a PaymentIntent, form-encoded, under ``key``."""
+        guard = await self.transport.guard()
+        guard.resolver.clock = self.clock  # the lookup's "how old" reads the ledger's clock
+        async with httpx.AsyncClient(transport=self.transport) as client:
+            return await client.post(
+                self.url + CREATE,
+                data={"amount": str(amount), "currency": "usd"},
+                headers={**AUTH, "Idempotency-Key": key, **headers},
+            )
+
+    async def decisions(self, call_id: str) -> list[dict[str, Any]]:
+        """The call's ``call.reconciled`` events' data."""
+        events = await self.transport.ledger.events(call_id)
+        return [e.data for e in events if e.kind == "call.reconciled"]
+
+
+def creates(fake: RunningFake) -> list[dict[str, Any]]:
+    """The PaymentIntents the fake created (its own receipts)."""
+    return [r for r in fake.effects() if r["path"] == CREATE]
+
+
+def error_type(response: httpx.Response) -> str:
+    return str(response.json()["error"]["type"])
+
+
+async def test_a_500_is_replayed_inside_the_window_and_recovered_by_search_after_it(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+) -> None:
+    """Stripe created the PaymentIntent and answered 500, which its key saved: a keyed
+    resend late in the 24 h window goes to Stripe with the same key and meets the saved
+    500 (nothing created twice; still unknown). Just past the window, the search has not
+    caught up and the call's last attempt is younger than its hour of lag: refused 409.
+    Once the search shows the object, it comes back as the recovered result, and nothing
+    is charged anew."""
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        day1 = Stripe(make_transport, ledger, clock, fake.url)
+        first = await day1.pay("order-1", 500, **{"x-fake-status": "500"})
+        # Stripe's own 500 reaches the client; the ledger holds the call as unknown.
+        assert (first.status_code, error_type(first)) == (500, "api_error"), first.text
+        call_id = first.headers["effectguard-call-id"]
+        (created,) = creates(fake)
+        assert created["op"] == call_id  # metadata[effectguard_op] reached Stripe
+        await day1.transport.aclose()
+
+        clock.advance(DAY - 600)  # ten minutes before the key's window closes
+        late = Stripe(make_transport, ledger, clock, fake.url)
+        again = await late.pay("order-1", 500)
+        assert (again.status_code, error_type(again)) == (500, "api_error"), again.text
+        assert again.headers["idempotent-replayed"] == "true"  # Stripe's saved 500
+        assert "effectguard-replayed" not in again.headers  # sent, not answered by us
+        assert len(creates(fake)) == 1
+        (state,) = await ledger.calls()
+        assert (state.stage, state.attempts) == ("effect_unknown", 2)
+        await late.transport.aclose()
+
+        clock.advance(601)  # past the window; the last attempt is ten minutes old
+        young = Stripe(make_transport, ledger, clock, fake.url)
+        refused = await young.pay("order-1", 500)
+        assert refused.status_code == 409, refused.text  # the search lags: not found yet
+        assert error_type(refused) == "effect_unknown"
+        assert await young.decisions(call_id) == []
+        await young.transport.aclose()
+
+        time.sleep(max(0.0, created["ts"] + LAG_S - time.time()))  # the search catches up
+        clock.advance(HOUR)
+        later = Stripe(make_transport, ledger, clock, fake.url)
+        recovered = await later.pay("order-1", 500)
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:stripe"
+        assert recovered.json()["id"] == created["id"]
+        assert recovered.json()["metadata"] == {"effectguard_op": call_id}
+        (decided,) = await later.decisions(call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:stripe", True)
+        assert len(creates(fake)) == 1
+        await finish(later.transport)
+
+
+async def test_not_found_is_unknown_while_young_then_not_applied_and_sent_once(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+) -> None:
+    """A 503 (before any work: nothing saved, nothing created) leaves the call unknown.
+    Resent late in the window, it meets another 503. Just past the window its last
+    attempt is younger than the search's hour of lag: the lookup's "not found" proves
+    nothing and the resend is refused 409. An hour on, it proves "not applied": the
+    resend goes out as a new attempt and creates exactly one PaymentIntent."""
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        day1 = Stripe(make_transport, ledger, clock, fake.url)
+        first = await day1.pay("order-2", 700, **{"x-fake-status": "503"})
+        assert first.status_code == 503, first.text
+        call_id = first.headers["effectguard-call-id"]
+        await day1.transport.aclose()
+
+        clock.advance(DAY - 600)  # ten minutes before the window closes
+        late = Stripe(make_transport, ledger, clock, fake.url)
+        resent = await late.pay("order-2", 700, **{"x-fake-status": "503"})
+        assert resent.status_code == 503, resent.text
+        assert (await ledger.calls())[0].stage == "effect_unknown"
+        await late.transport.aclose()
+
+        clock.advance(601)  # past the window; the last attempt is ten minutes old
+        young = Stripe(make_transport, ledger, clock, fake.url)
+        refused = await young.pay("order-2", 700)
+        assert refused.status_code == 409, refused.text
+        assert error_type(refused) == "effect_unknown"
+        assert await young.decisions(call_id) == []
+        assert creates(fake) == []
+        await young.transport.aclose()
+
+        clock.advance(HOUR)
+        old = Stripe(make_transport, ledger, clock, fake.url)
+        sent = await old.pay("order-2", 700)
+        assert sent.status_code == 200, sent.text
+        assert "effectguard-recovered" not in sent.headers
+        (decided,) = await old.decisions(call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:stripe", False)
+        (created,) = creates(fake)
+        assert created["op"] == call_id and sent.json()["id"] == created["id"]
+        replay = await old.pay("order-2", 700)
+        assert replay.headers["effectguard-replayed"] == "true"
+        assert json.loads(replay.content) == sent.json()
+        assert len(creates(fake)) == 1
+        await finish(old.transport)
