@@ -15,33 +15,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from eventkit import completion
 from observing import call_stages
 from test_archive import CHAT, chat, cli, later
 from test_verify import R, request
 
 from effectguard.ledger import Ledger, Writer, operations
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
 from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
 DAY_S = 86_400.0
 SEND = "/send_email/v1/send"
-
-
-def completion(call_id: str) -> list[Event]:
-    """Attempt 1's observed 200, its settlement and the call's completion."""
-    observed = AttemptObserved(
-        call=call_id,
-        attempt=1,
-        status=200,
-        not_processed=False,
-        usage=None,
-        usage_problem=None,
-        headers={},
-        body="{}",
-    )
-    settled = BudgetSettled(call=call_id, budget="team/run", reserved=R, actual=R)
-    return [observed, settled, CallCompleted(call=call_id, outcome="completed")]
 
 
 async def admitted_long_ago(path: Path, at: float) -> tuple[str, str]:
@@ -53,7 +37,8 @@ async def admitted_long_ago(path: Path, at: float) -> tuple[str, str]:
             lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
         )
         done = await ledger.admit(writer, request("done"))
-        await ledger.record(writer, done.call_id, 1, completion(done.call_id))
+        events = completion(done.call_id, budget="team/run", reserved=R, actual=R)
+        await ledger.record(writer, done.call_id, 1, events)
         unknown = await ledger.admit(writer, request("unknown"))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
     return done.call_id, unknown.call_id

@@ -13,12 +13,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from eventkit import completion
 from test_verify import R, Row, raw, request, reseal, verify
 
 from effectguard.ledger import Ledger, Writer, operations
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.budget import BudgetPolicy
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
 from effectguard.testing.clock import ManualClock
 
 AT = datetime(2024, 3, 31, 23, 30, tzinfo=UTC).timestamp()
@@ -49,20 +49,9 @@ async def periodic(tmp_path: Path) -> Periodic:
             lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
         )
         done = await ledger.admit(writer, request("a"))
-        observed = AttemptObserved(
-            call=done.call_id,
-            attempt=1,
-            status=200,
-            not_processed=False,
-            usage=None,
-            usage_problem=None,
-            headers={},
-            body="{}",
-        )
         # The store names the periods the call was admitted in (operations.append).
-        settled = BudgetSettled(call=done.call_id, budget="team/run", reserved=R, actual=700)
-        completed = CallCompleted(call=done.call_id, outcome="completed")
-        await ledger.record(writer, done.call_id, 1, [observed, settled, completed])
+        events = completion(done.call_id, budget="team/run", reserved=R, actual=700)
+        await ledger.record(writer, done.call_id, 1, events)
         unknown = await ledger.admit(writer, request("b"))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
         await ledger.reconcile(unknown.call_id, applied=True, cost=400, note="seen", by="ann")
