@@ -17,7 +17,7 @@ import httpx
 import pytest
 from eventkit import completion
 from observing import call_stages
-from test_archive import CHAT, chat, cli, later
+from test_archive import CHAT, archive, chat, cli, send_chats
 from test_verify import R, request
 
 from effectguard.ledger import Ledger, Writer, operations
@@ -89,8 +89,7 @@ def test_a_refused_calls_key_stays_free_after_it_is_archived(
             assert r.status_code == 402, r.text
         code, out = cli(capsys, "budget", "set", "team", "--no-limit", "--ledger", str(ledger))
         assert code == 0, out
-        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
-        assert code == 0, moved
+        moved = archive(ledger, capsys)
         assert (moved["calls"], moved["keys"]) == (2, 0)
         r = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
         assert r.status_code == 200, r.text
@@ -117,8 +116,7 @@ def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
         after = httpx.post(proxy.url + CHAT, json=chat(1), timeout=30)
         assert [r.status_code for r in (before, sent, after)] == [200, 200, 200]
         call_id = sent.headers["effectguard-call-id"]
-        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
-        assert code == 0, moved
+        moved = archive(ledger, capsys)
         assert moved["calls"] == 1
         assert (moved["held_by"], moved["held_because"]) == (
             call_id,
@@ -143,11 +141,10 @@ def test_tampering_with_the_live_checkpoint_is_named(
         fake_provider(tmp_path / "receipts.jsonl") as fake,
         running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
     ):
-        for n in range(2):
-            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
-        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
-        assert code == 0 and moved["calls"] == 2, moved
-        assert httpx.post(proxy.url + CHAT, json=chat(2), timeout=30).status_code == 200
+        send_chats(proxy, range(2))
+        moved = archive(ledger, capsys)
+        assert moved["calls"] == 2, moved
+        send_chats(proxy, [2])
     mark = moved["checkpoint_seq"]
     code, report = cli(capsys, "verify", "--ledger", str(ledger))
     assert code == 0, report["problems"]
