@@ -12,6 +12,7 @@ import gzip
 import json
 import sqlite3
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from observing import call_stages
 from effectguard.ops.archivefile import lines_sha256
 from effectguard.ops.cli import main
 from effectguard.rules.events import canonical_json, event_digest
-from effectguard.testing import fake_provider, running_proxy
+from effectguard.testing import Proxy, fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,13 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, 
     code = main([*args, "--json"])
     out = capsys.readouterr()
     return code, json.loads(out.out) if out.out.strip() else {"err": out.err}
+
+
+def send_chats(proxy: Proxy, numbers: Iterable[int]) -> None:
+    """One chat completion per number through ``proxy``, each answered 200."""
+    for n in numbers:
+        r = httpx.post(proxy.url + CHAT, json=chat(n), timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def archive(ledger: Path | str, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
@@ -111,8 +119,7 @@ def test_archive_then_verify_and_an_archived_key_answers_409_archived(
         assert len(fake.receipts()) == sent  # never resent
 
         # A second archive continues the chain from the first checkpoint.
-        for n in range(10, 13):
-            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
+        send_chats(proxy, range(10, 13))
         second = archive(ledger, capsys)
         assert second["first_seq"] == moved["checkpoint_seq"]
         code, report = verify(capsys, "--ledger", str(ledger))
@@ -208,8 +215,7 @@ def test_tampering_with_an_archive_file_is_caught(
         fake_provider(tmp_path / "receipts.jsonl") as fake,
         running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
     ):
-        for n in range(3):
-            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
+        send_chats(proxy, range(3))
         path = Path(archive(ledger, capsys)["path"])
     original = path.read_bytes()
 

@@ -15,33 +15,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from eventkit import completion
 from observing import call_stages
-from test_archive import CHAT, chat, cli, later
+from test_archive import CHAT, archive, chat, cli, send_chats
 from test_verify import R, request
 
 from effectguard.ledger import Ledger, Writer, operations
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
 from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
 DAY_S = 86_400.0
 SEND = "/send_email/v1/send"
-
-
-def completion(call_id: str) -> list[Event]:
-    """Attempt 1's observed 200, its settlement and the call's completion."""
-    observed = AttemptObserved(
-        call=call_id,
-        attempt=1,
-        status=200,
-        not_processed=False,
-        usage=None,
-        usage_problem=None,
-        headers={},
-        body="{}",
-    )
-    settled = BudgetSettled(call=call_id, budget="team/run", reserved=R, actual=R)
-    return [observed, settled, CallCompleted(call=call_id, outcome="completed")]
 
 
 async def admitted_long_ago(path: Path, at: float) -> tuple[str, str]:
@@ -53,7 +37,8 @@ async def admitted_long_ago(path: Path, at: float) -> tuple[str, str]:
             lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
         )
         done = await ledger.admit(writer, request("done"))
-        await ledger.record(writer, done.call_id, 1, completion(done.call_id))
+        events = completion(done.call_id, budget="team/run", reserved=R, actual=R)
+        await ledger.record(writer, done.call_id, 1, events)
         unknown = await ledger.admit(writer, request("unknown"))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
     return done.call_id, unknown.call_id
@@ -104,8 +89,7 @@ def test_a_refused_calls_key_stays_free_after_it_is_archived(
             assert r.status_code == 402, r.text
         code, out = cli(capsys, "budget", "set", "team", "--no-limit", "--ledger", str(ledger))
         assert code == 0, out
-        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
-        assert code == 0, moved
+        moved = archive(ledger, capsys)
         assert (moved["calls"], moved["keys"]) == (2, 0)
         r = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
         assert r.status_code == 200, r.text
@@ -132,8 +116,7 @@ def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
         after = httpx.post(proxy.url + CHAT, json=chat(1), timeout=30)
         assert [r.status_code for r in (before, sent, after)] == [200, 200, 200]
         call_id = sent.headers["effectguard-call-id"]
-        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
-        assert code == 0, moved
+        moved = archive(ledger, capsys)
         assert moved["calls"] == 1
         assert (moved["held_by"], moved["held_because"]) == (
             call_id,
@@ -158,11 +141,10 @@ def test_tampering_with_the_live_checkpoint_is_named(
         fake_provider(tmp_path / "receipts.jsonl") as fake,
         running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
     ):
-        for n in range(2):
-            assert httpx.post(proxy.url + CHAT, json=chat(n), timeout=30).status_code == 200
-        code, moved = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
-        assert code == 0 and moved["calls"] == 2, moved
-        assert httpx.post(proxy.url + CHAT, json=chat(2), timeout=30).status_code == 200
+        send_chats(proxy, range(2))
+        moved = archive(ledger, capsys)
+        assert moved["calls"] == 2, moved
+        send_chats(proxy, [2])
     mark = moved["checkpoint_seq"]
     code, report = cli(capsys, "verify", "--ledger", str(ledger))
     assert code == 0, report["problems"]

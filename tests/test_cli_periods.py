@@ -8,12 +8,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from eventkit import completion
 from test_cli import run, run_json
 
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
 from effectguard.rules import periods
 from effectguard.rules.budget import BudgetPolicy
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
 from effectguard.testing.clock import ManualClock
 
 USD = 1_000_000_000
@@ -48,19 +48,8 @@ async def spend(path: str, usd: int, at: float | None = None) -> None:
             lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=60),
         )
         call = (await ledger.admit(writer, request("team"))).call_id
-        observed = AttemptObserved(
-            call=call,
-            attempt=1,
-            status=200,
-            not_processed=False,
-            usage=None,
-            usage_problem=None,
-            headers={},
-            body="{}",
-        )
-        settled = BudgetSettled(call=call, budget="team", reserved=3 * USD, actual=usd * USD)
-        done = CallCompleted(call=call, outcome="completed")
-        await ledger.record(writer, call, 1, [observed, settled, done])
+        events = completion(call, budget="team", reserved=3 * USD, actual=usd * USD)
+        await ledger.record(writer, call, 1, events)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventkit import completion
 from hypothesis import given
 from hypothesis import strategies as st
 from test_store_contract import register
@@ -26,7 +27,7 @@ from effectguard.ledger.rows import (
 from effectguard.ledger.sqliteschema import _ARCHIVED_THROUGH_TRIGGER
 from effectguard.ops.archive import archive_sqlite
 from effectguard.ops.verify import verify_ledger
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, StoredEvent
+from effectguard.rules.events import AttemptObserved, StoredEvent
 from effectguard.rules.events import canonical_json as canonical
 from effectguard.rules.workstate import as_dict
 
@@ -239,21 +240,14 @@ def admit_request(n: int) -> AdmitRequest:
 async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:
     for n in numbers:
         admitted = await ledger.admit(writer, admit_request(n))
-        outcome = [
-            AttemptObserved(
-                call=admitted.call_id,
-                attempt=1,
-                status=200,
-                not_processed=False,
-                usage=None,
-                usage_problem=None,
-                headers={},
-                body=base64.b64encode(b"\xff\x00binary").decode(),
-                body_encoding="base64",
-            ),
-            BudgetSettled(call=admitted.call_id, budget="team/run", reserved=1000, actual=10),
-            CallCompleted(call=admitted.call_id, outcome="completed"),
-        ]
+        outcome = completion(
+            admitted.call_id,
+            budget="team/run",
+            reserved=1000,
+            actual=10,
+            body=base64.b64encode(b"\xff\x00binary").decode(),
+            body_encoding="base64",
+        )
         await ledger.record(writer, admitted.call_id, 1, outcome)
 
 

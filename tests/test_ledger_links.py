@@ -13,29 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventkit import completion
 from test_ledger_format import admit_request
 
 from effectguard.ledger import Ledger, Writer, operations, sqliteevents, sqlitelinks
 from effectguard.ops.verify import verify_ledger
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
+from effectguard.rules.events import Event
 
 
-def _outcome(call_id: str) -> list[object]:
-    return [
-        AttemptObserved(
-            call=call_id,
-            attempt=1,
-            status=200,
-            not_processed=False,
-            usage=None,
-            usage_problem=None,
-            headers={},
-            body="{}",
-            body_encoding="utf8",
-        ),
-        BudgetSettled(call=call_id, budget="team/run", reserved=1000, actual=10),
-        CallCompleted(call=call_id, outcome="completed"),
-    ]
+def _outcome(call_id: str) -> list[Event]:
+    return completion(call_id, budget="team/run", reserved=1000, actual=10)
 
 
 async def _interleaved(path: Path) -> list[str]:
@@ -51,7 +38,7 @@ async def _interleaved(path: Path) -> list[str]:
             ids.append((await ledger.admit(writer, admit_request(n))).call_id)
         await ledger.interrupt(writer, ids[0], 1, "read timeout")
         for call_id in ids[1:]:
-            await ledger.record(writer, call_id, 1, _outcome(call_id))  # type: ignore[arg-type]
+            await ledger.record(writer, call_id, 1, _outcome(call_id))
         await ledger.reconcile(ids[0], applied=True, cost=400, note="seen", by="ann")
     return ids
 
@@ -159,7 +146,7 @@ async def test_a_new_call_is_linked_without_reading_for_its_last_event(
         ids = [(await ledger.admit(writer, admit_request(n))).call_id for n in range(3)]
         admitting = list(statements)
         for call_id in ids:
-            await ledger.record(writer, call_id, 1, _outcome(call_id))  # type: ignore[arg-type]
+            await ledger.record(writer, call_id, 1, _outcome(call_id))
         report = await verify_ledger(ledger)
     assert report.ok, report.problems
     assert any(s.startswith("INSERT INTO events") for s in admitting), admitting

@@ -118,35 +118,15 @@ def test_keyed_resends_are_refused_while_fresh_then_decided_by_lookup(tmp_path: 
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
 
 
-def test_sweeper_decides_unknown_calls_by_lookup(tmp_path: Path) -> None:
-    """With no request at all, the sweeper asks the lookup of calls past the freshness."""
+@pytest.mark.parametrize("sweep_s", [0.2, 3600], ids=["periodic", "startup-only"])
+def test_the_sweeper_decides_what_a_dead_process_left_by_lookup(
+    tmp_path: Path, sweep_s: float
+) -> None:
+    """With no request at all, the sweeper asks the lookup of the unknown calls crashes
+    left behind: sweeping every 0.2 s, and in its first sweep at startup alone (sweep_s =
+    3600: no periodic sweep runs)."""
     ledger = tmp_path / "ledger.db"
-    args = proxy_args(tmp_path, freshness=0, sweep_s=0.2)
-    with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
-        crash(ledger, fake, "after:dispatch", "paid", args)
-        crash(ledger, fake, "after:admit", "lost", args)
-        proxy = start_proxy(ledger, upstreams={"payments": fake.url}, args=args, env=ENV)
-        try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                stages = {
-                    c["idempotency_key"]: c["stage"] for c in cli("calls", "--ledger", str(ledger))
-                }
-                if "effect_unknown" not in stages.values():
-                    break
-                time.sleep(0.2)
-        finally:
-            proxy.stop()
-        assert stages == {"paid": "reconciled_applied", "lost": "reconciled_not_applied"}
-        assert len(charges(fake)) == 1
-        assert cli("verify", "--ledger", str(ledger))["ok"] is True
-
-
-def test_the_startup_sweep_decides_what_a_dead_process_left(tmp_path: Path) -> None:
-    """A proxy starting after crashes decides the unknown calls left behind in its first
-    sweep, at startup: no periodic sweep runs (sweep_s = 3600) and no request comes."""
-    ledger = tmp_path / "ledger.db"
-    args = proxy_args(tmp_path, freshness=0, sweep_s=3600)
+    args = proxy_args(tmp_path, freshness=0, sweep_s=sweep_s)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
         crash(ledger, fake, "after:dispatch", "paid", args)
         crash(ledger, fake, "after:admit", "lost", args)

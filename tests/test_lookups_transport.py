@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, charges, declare
+from toolkit import AUTH, KEY, SEND, charge, charges, declare, lossy_transport, lost_send
 
 from effectguard import AsyncGuardTransport
 from effectguard.testing import fake_provider
@@ -29,6 +29,13 @@ Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
 async def reconciled_by(t: AsyncGuardTransport, call_id: str) -> list[dict[str, object]]:
     """The call's ``call.reconciled`` events' data."""
     return [e.data for e in await t.ledger.events(call_id) if e.kind == "call.reconciled"]
+
+
+async def assert_refused_unknown(client: httpx.AsyncClient, url: str, body: object) -> None:
+    """A keyed resend of ``body`` is refused 409 ``effect_unknown``."""
+    refused = await client.post(url, json=body)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["type"] == "effect_unknown"
 
 
 async def test_applied_call_is_refused_until_the_search_finds_it_then_recovered(
@@ -46,9 +53,7 @@ async def test_applied_call_is_refused_until_the_search_finds_it_then_recovered(
         first = await client.post(url, json=charge(5), headers={"x-fake-delay": "3"}, timeout=0.5)
         assert first.status_code == 504, first.text
         call_id = first.headers["effectguard-call-id"]
-        refused = await client.post(url, json=charge(5))
-        assert refused.status_code == 409, refused.text
-        assert refused.json()["error"]["type"] == "effect_unknown"
+        await assert_refused_unknown(client, url, charge(5))
         assert await reconciled_by(t, call_id) == []
         await asyncio.sleep(2.5)  # the provider's search catches up
         recovered = await client.post(url, json=charge(5))
@@ -78,16 +83,11 @@ async def test_lost_call_is_refused_while_fresh_then_resent_exactly_once(
     new attempt (one charge in the provider's receipts), recorded by lookup:payments."""
     folder = declare(tmp_path, freshness=60)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
-        inner = DropFirstSend(httpx.AsyncHTTPTransport())
-        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        t = lossy_transport(make_transport, folder, fake)
         client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-2"})
         url = fake.url + SEND
-        first = await client.post(url, json=charge(7))
-        assert first.status_code == 502, first.text
-        assert first.json()["error"]["type"] == "effect_unknown"
-        call_id = first.headers["effectguard-call-id"]
-        young = await client.post(url, json=charge(7))
-        assert young.status_code == 409, young.text
+        call_id = await lost_send(client, url, charge(7))
+        await assert_refused_unknown(client, url, charge(7))  # still young
         assert await reconciled_by(t, call_id) == []
         # The only patch these tests allow: the clock, past the declared freshness.
         guard = await t.guard()
@@ -115,18 +115,13 @@ async def test_not_found_past_the_declared_retention_proves_nothing(
     resend stays refused 409 and nothing is sent again."""
     folder = declare(tmp_path, freshness=60, retention=100)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
-        inner = DropFirstSend(httpx.AsyncHTTPTransport())
-        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        t = lossy_transport(make_transport, folder, fake)
         client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-3"})
         url = fake.url + SEND
-        first = await client.post(url, json=charge(9))
-        assert first.status_code == 502, first.text
-        call_id = first.headers["effectguard-call-id"]
+        call_id = await lost_send(client, url, charge(9))
         guard = await t.guard()
         guard.resolver.clock = lambda: time.time() + 120  # past freshness and retention
-        old = await client.post(url, json=charge(9))
-        assert old.status_code == 409, old.text
-        assert old.json()["error"]["type"] == "effect_unknown"
+        await assert_refused_unknown(client, url, charge(9))
         assert charges(fake) == []
         assert await reconciled_by(t, call_id) == []
         guard.resolver.clock = lambda: time.time() + 80  # past freshness only: decided
@@ -146,18 +141,13 @@ async def test_a_200_that_is_not_a_search_result_proves_nothing(
     folder = declare(tmp_path, freshness=60)
     extra = ["--lookup-key", KEY, "--search-answer", answer]
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=extra) as fake:
-        inner = DropFirstSend(httpx.AsyncHTTPTransport())
-        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        t = lossy_transport(make_transport, folder, fake)
         client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-4"})
         url = fake.url + SEND
-        first = await client.post(url, json=charge(4))
-        assert first.status_code == 502, first.text
-        call_id = first.headers["effectguard-call-id"]
+        call_id = await lost_send(client, url, charge(4))
         guard = await t.guard()
         guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
-        refused = await client.post(url, json=charge(4))
-        assert refused.status_code == 409, refused.text
-        assert refused.json()["error"]["type"] == "effect_unknown"
+        await assert_refused_unknown(client, url, charge(4))
         assert await guard.resolver.sweep() == []
         assert charges(fake) == []
         assert await reconciled_by(t, call_id) == []
@@ -260,12 +250,10 @@ async def test_a_post_search_carries_its_declared_form_fields(
     )
     path.write_text(text)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
-        inner = DropFirstSend(httpx.AsyncHTTPTransport())
-        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
+        t = lossy_transport(make_transport, folder, fake)
         url = fake.url + SEND
         client = httpx.AsyncClient(transport=t, headers=AUTH)
-        lost = await client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
-        assert lost.status_code == 502, lost.text
+        lost = await lost_send(client, url, charge(2), headers={"Idempotency-Key": "lost"})
         paid = await client.post(
             url,
             json=charge(3),
@@ -282,6 +270,6 @@ async def test_a_post_search_carries_its_declared_form_fields(
         assert resent.status_code == 200, resent.text
         assert "effectguard-recovered" not in resent.headers
         assert sorted(r["op"] for r in charges(fake)) == sorted(
-            [lost.headers["effectguard-call-id"], paid.headers["effectguard-call-id"]]
+            [lost, paid.headers["effectguard-call-id"]]
         )
     await finish(t)

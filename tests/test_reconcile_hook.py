@@ -24,7 +24,7 @@ import hookapp
 import httpx
 import pytest
 from conftest import FAST
-from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, charges, declare
+from toolkit import AUTH, KEY, SEND, charge, charges, declare, lossy_transport, lost_send
 
 from effectguard import AsyncGuardTransport
 from effectguard.callpath.resolve import facts_of
@@ -46,16 +46,9 @@ async def test_transport_hook_decides_unknown_calls(
         results: dict[int, httpx.Response] = {}
         for amount in (1, 2, 3):
             # Each call is lost on the way: effect unknown, nothing reached the provider.
-            inner = DropFirstSend(httpx.AsyncHTTPTransport())
-            t = make_transport(
-                inner=inner,
-                providers=[folder],
-                upstreams={"payments": fake.url},
-                reconcile_hook=hookapp.answer,
-            )
+            t = lossy_transport(make_transport, folder, fake, reconcile_hook=hookapp.answer)
             client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": f"k{amount}"})
-            first = await client.post(url, json=charge(amount))
-            assert first.status_code == 502, first.text
+            await lost_send(client, url, charge(amount))
             results[amount] = await client.post(url, json=charge(amount))
             if amount == 1:
                 # The hook's result was kept with its decision: a later resend replays it.
@@ -171,17 +164,11 @@ async def test_a_hook_that_hangs_or_answers_nonsense_decides_nothing(
     folder = declare(tmp_path, freshness=None)
     settings = dataclasses.replace(FAST, reconcile_hook_timeout_s=0.2)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        t = make_transport(
-            inner=DropFirstSend(httpx.AsyncHTTPTransport()),
-            providers=[folder],
-            upstreams={"payments": fake.url},
-            reconcile_hook=hookapp.answer,
-            settings=settings,
+        t = lossy_transport(
+            make_transport, folder, fake, reconcile_hook=hookapp.answer, settings=settings
         )
         client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "k"})
-        first = await client.post(fake.url + SEND, json=charge(amount))
-        assert first.status_code == 502, first.text
-        call_id = first.headers["effectguard-call-id"]
+        call_id = await lost_send(client, fake.url + SEND, charge(amount))
         refused = await client.post(fake.url + SEND, json=charge(amount))
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["type"] == "effect_unknown"
@@ -204,22 +191,14 @@ async def test_the_sweeper_asks_the_hook_and_keeps_its_result(
     provider call); not applied frees the key for one new attempt."""
     folder = declare(tmp_path, freshness=None)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        t = make_transport(
-            inner=DropFirstSend(httpx.AsyncHTTPTransport()),
-            providers=[folder],
-            upstreams={"payments": fake.url},
-            reconcile_hook=hookapp.answer,
-        )
+        t = lossy_transport(make_transport, folder, fake, reconcile_hook=hookapp.answer)
         client = httpx.AsyncClient(transport=t)
         url = fake.url + SEND
         ids = {}
         for amount in (1, 2):
             t.inner.dropped = False  # type: ignore[attr-defined]
-            lost = await client.post(
-                url, json=charge(amount), headers={"Idempotency-Key": f"s{amount}"}
-            )
-            assert lost.status_code == 502, lost.text
-            ids[amount] = lost.headers["effectguard-call-id"]
+            key = {"Idempotency-Key": f"s{amount}"}
+            ids[amount] = await lost_send(client, url, charge(amount), headers=key)
         guard = await t.guard()
         assert sorted(await guard.resolver.sweep()) == sorted(ids.values())
         applied, not_applied = (await t.ledger.call(ids[1]), await t.ledger.call(ids[2]))
@@ -248,22 +227,14 @@ async def test_the_hook_decides_when_the_lookup_cannot_tell(
         url = fake.url + SEND
         answers = {}
         for amount in (1, 2):
-            t = make_transport(
-                inner=DropFirstSend(httpx.AsyncHTTPTransport()),
-                providers=[folder],
-                upstreams={"payments": fake.url},
-                reconcile_hook=hookapp.answer,
-            )
+            t = lossy_transport(make_transport, folder, fake, reconcile_hook=hookapp.answer)
             client = httpx.AsyncClient(
                 transport=t, headers={**AUTH, "Idempotency-Key": f"h{amount}"}
             )
-            first = await client.post(url, json=charge(amount))
-            assert first.status_code == 502, first.text
+            call_id = await lost_send(client, url, charge(amount))
             answers[amount] = await client.post(url, json=charge(amount))
             (decided,) = [
-                e.data
-                for e in await t.ledger.events(first.headers["effectguard-call-id"])
-                if e.kind == "call.reconciled"
+                e.data for e in await t.ledger.events(call_id) if e.kind == "call.reconciled"
             ]
             assert (decided["by"], decided["applied"]) == ("hook", amount == 1)
             await t.aclose()

@@ -20,15 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventkit import completion
 
 from effectguard.rules.events import (
     AttemptNotSent,
-    AttemptObserved,
     AttemptStarted,
     BudgetLimitSet,
     BudgetReserved,
     BudgetSettled,
-    CallCompleted,
     CallManifest,
     Event,
     StoredEvent,
@@ -115,11 +114,8 @@ def _call_events(call: str = "c1", *, observed: bool = True) -> list[tuple[float
         (1.0, AttemptStarted(call=call, attempt=1, worker="w", generation=1)),
     ]
     if observed:
-        events += [
-            (3.0, _observed(call)),
-            (3.0, BudgetSettled(call=call, budget="team", reserved=5, actual=4)),
-            (3.0, CallCompleted(call=call, outcome="completed")),
-        ]
+        outcome = completion(call, budget="team", reserved=5, actual=4, body=ANSWER.decode())
+        events += [(3.0, e) for e in outcome]
     return events
 
 
@@ -136,19 +132,6 @@ def _manifest(call: str) -> CallManifest:
         budget_root="team",
         effect_kind="billable",
         body=BODY.decode(),
-    )
-
-
-def _observed(call: str) -> AttemptObserved:
-    return AttemptObserved(
-        call=call,
-        attempt=1,
-        status=200,
-        not_processed=False,
-        usage=None,
-        usage_problem=None,
-        headers={},
-        body=ANSWER.decode(),
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventkit import completion
 
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
 from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS, state_params
@@ -17,13 +18,10 @@ from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
 from effectguard.rules.events import (
     AttemptInterrupted,
-    AttemptObserved,
     AttemptStarted,
     BudgetHeld,
     BudgetReserved,
-    BudgetSettled,
     BudgetUnheld,
-    CallCompleted,
     CallManifest,
     CallReconciled,
     Event,
@@ -81,20 +79,14 @@ async def built(tmp_path: Path) -> Built:
             writer,
             done.call_id,
             1,
-            [
-                AttemptObserved(
-                    call=done.call_id,
-                    attempt=1,
-                    status=200,
-                    not_processed=False,
-                    usage={"input_tokens": 1, "output_tokens": 2},
-                    usage_problem=None,
-                    headers={},
-                    body='{"ok": true}',
-                ),
-                BudgetSettled(call=done.call_id, budget="team/run", reserved=R, actual=700),
-                CallCompleted(call=done.call_id, outcome="completed"),
-            ],
+            completion(
+                done.call_id,
+                budget="team/run",
+                reserved=R,
+                actual=700,
+                usage={"input_tokens": 1, "output_tokens": 2},
+                body='{"ok": true}',
+            ),
         )
         unknown = await ledger.admit(writer, request("b"))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
@@ -440,19 +432,8 @@ def call_events(call: str, writer: tuple[str, int], *, started: bool = True) -> 
 
 def settlement(call: str, writer: tuple[str, int]) -> list[Row]:
     """Attempt 1's observed 200, settlement and completion, written by ``writer``."""
-    observed = AttemptObserved(
-        call=call,
-        attempt=1,
-        status=200,
-        not_processed=False,
-        usage=None,
-        usage_problem="missing",
-        headers={},
-        body="{}",
-    )
-    settled = BudgetSettled(call=call, budget="team/run", reserved=R, actual=R)
-    done = CallCompleted(call=call, outcome="completed")
-    return [Row(e.kind, call, e.to_data(), *writer) for e in (observed, settled, done)]
+    events = completion(call, budget="team/run", reserved=R, actual=R, usage_problem="missing")
+    return [Row(e.kind, call, e.to_data(), *writer) for e in events]
 
 
 async def test_resealed_forgery_by_an_unknown_worker_is_named(built: Built) -> None:

@@ -13,12 +13,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from eventkit import completion
 from test_verify import R, Row, raw, request, reseal, verify
 
 from effectguard.ledger import Ledger, Writer, operations
-from effectguard.ops.verify import verify_ledger
+from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import BudgetPolicy
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted
+from effectguard.rules.events import StoredEvent
 from effectguard.testing.clock import ManualClock
 
 AT = datetime(2024, 3, 31, 23, 30, tzinfo=UTC).timestamp()
@@ -49,20 +50,9 @@ async def periodic(tmp_path: Path) -> Periodic:
             lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
         )
         done = await ledger.admit(writer, request("a"))
-        observed = AttemptObserved(
-            call=done.call_id,
-            attempt=1,
-            status=200,
-            not_processed=False,
-            usage=None,
-            usage_problem=None,
-            headers={},
-            body="{}",
-        )
         # The store names the periods the call was admitted in (operations.append).
-        settled = BudgetSettled(call=done.call_id, budget="team/run", reserved=R, actual=700)
-        completed = CallCompleted(call=done.call_id, outcome="completed")
-        await ledger.record(writer, done.call_id, 1, [observed, settled, completed])
+        events = completion(done.call_id, budget="team/run", reserved=R, actual=700)
+        await ledger.record(writer, done.call_id, 1, events)
         unknown = await ledger.admit(writer, request("b"))
         await ledger.interrupt(writer, unknown.call_id, 1, "read timeout")
         await ledger.reconcile(unknown.call_id, applied=True, cost=400, note="seen", by="ann")
@@ -107,30 +97,45 @@ async def test_a_period_row_moved_to_another_period_is_named(periodic: Periodic,
     assert any(p.endswith("but the events give reserved=0 spent=0 held=0") for p in report.problems)
 
 
+def relabel(
+    periodic: Periodic, periods: dict[str, str], kind: str | None = None
+) -> list[StoredEvent]:
+    """Reseal the ledger with the completed call's events that name periods (only its
+    ``kind`` event, if given) naming ``periods`` instead. Returns the resealed chain."""
+
+    def edit(rows: list[Row]) -> list[Row]:
+        for row in rows:
+            chosen = "periods" in row.data if kind is None else row.kind == kind
+            if row.call_id == periodic.completed and chosen:
+                row.data["periods"] = periods
+        return rows
+
+    return reseal(periodic.path, edit)
+
+
+async def assert_named_at(
+    periodic: Periodic, chain: list[StoredEvent], kind: str, periods: dict[str, str]
+) -> VerifyReport:
+    """Verify fails first at the completed call's ``kind`` event in ``chain``, naming its
+    ``periods`` against those the call was admitted in. Returns the report."""
+    seq = next(s.seq for s in chain if s.call_id == periodic.completed and s.kind == kind)
+    report = await verify(periodic.path)
+    assert not report.ok
+    assert report.first_broken_seq == seq
+    assert report.problems[0] == (
+        f"event {seq}: {kind} names periods {periods} but the call was admitted in {PERIODS}"
+    )
+    return report
+
+
 @pytest.mark.parametrize("node", sorted(PERIODS))
 async def test_an_event_naming_the_wrong_period_is_named(periodic: Periodic, node: str) -> None:
     """A call whose budget events all name the wrong period for one node, resealed and
     re-projected (so the budget rows agree with the events), is named at its reservation:
     the verifier's own calendar says when it was admitted."""
     wrong = PERIODS | {node: WRONG[node]}
-
-    def relabel(rows: list[Row]) -> list[Row]:
-        for row in rows:
-            if row.call_id == periodic.completed and "periods" in row.data:
-                row.data["periods"] = wrong
-        return rows
-
-    chain = reseal(periodic.path, relabel)
-    reserved = next(
-        s.seq for s in chain if s.call_id == periodic.completed and s.kind == "budget.reserved"
-    )
-    report = await verify(periodic.path)
-    assert not report.ok
-    assert report.first_broken_seq == reserved
-    assert report.problems[0] == (
-        f"event {reserved}: budget.reserved names periods {wrong} but the call was admitted "
-        f"in {PERIODS}"
-    )
+    chain = relabel(periodic, wrong)
+    report = await assert_named_at(periodic, chain, "budget.reserved", wrong)
     assert all("names periods" in p for p in report.problems), report.problems
 
 
@@ -139,21 +144,5 @@ async def test_a_later_event_naming_another_period_than_its_reservation_is_named
 ) -> None:
     """A settlement charged to a period other than the one its call was admitted in is
     named: a call is charged to the period in which it was admitted (§5.5)."""
-
-    def relabel(rows: list[Row]) -> list[Row]:
-        for row in rows:
-            if row.call_id == periodic.completed and row.kind == "budget.settled":
-                row.data["periods"] = WRONG
-        return rows
-
-    chain = reseal(periodic.path, relabel)
-    settled = next(
-        s.seq for s in chain if s.call_id == periodic.completed and s.kind == "budget.settled"
-    )
-    report = await verify(periodic.path)
-    assert not report.ok
-    assert report.first_broken_seq == settled
-    assert report.problems[0] == (
-        f"event {settled}: budget.settled names periods {WRONG} but the call was admitted "
-        f"in {PERIODS}"
-    )
+    chain = relabel(periodic, WRONG, kind="budget.settled")
+    await assert_named_at(periodic, chain, "budget.settled", WRONG)

@@ -1,14 +1,17 @@
 """Shared pieces of the tool-effect tests: a Stripe-like ``payments`` declaration whose
 ``/v1/send`` endpoint is at-most-once, carries the call id in a header and is looked up
-through the fake provider's lagging, key-checked ``/v1/search``."""
+through the fake provider's lagging, key-checked ``/v1/search``; and a guard transport
+whose first send is lost on the way, leaving that call ``effect_unknown``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from effectguard import AsyncGuardTransport
 from effectguard.testing import FakeProvider
 
 KEY = "sk-payments-test"
@@ -84,3 +87,29 @@ class DropFirstSend(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+def lossy_transport(
+    make_transport: Callable[..., AsyncGuardTransport],
+    folder: Path,
+    fake: FakeProvider,
+    **kwargs: Any,
+) -> AsyncGuardTransport:
+    """A guard transport to ``fake`` as the ``payments`` provider declared in ``folder``,
+    over a :class:`DropFirstSend` network; ``kwargs`` go to ``make_transport``."""
+    return make_transport(
+        inner=DropFirstSend(httpx.AsyncHTTPTransport()),
+        providers=[folder],
+        upstreams={"payments": fake.url},
+        **kwargs,
+    )
+
+
+async def lost_send(client: httpx.AsyncClient, url: str, body: Any, **kwargs: Any) -> str:
+    """POST ``body`` where :class:`DropFirstSend` loses it: the guard answers 502
+    ``effect_unknown``. Returns the call's id."""
+    first = await client.post(url, json=body, **kwargs)
+    assert first.status_code == 502, first.text
+    assert first.json()["error"]["type"] == "effect_unknown", first.text
+    call_id: str = first.headers["effectguard-call-id"]
+    return call_id

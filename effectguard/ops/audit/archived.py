@@ -22,10 +22,11 @@ from typing import Any, Final
 
 from effectguard.ops.audit import checkpoint
 from effectguard.ops.audit.bodies import BodyRow
+from effectguard.ops.audit.chain import content_digest
 from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.verifier import Verifier
 from effectguard.ops.audit.writers import OPERATOR_WORKER
-from effectguard.rules.events import StoredEvent, canonical_json, event_digest
+from effectguard.rules.events import StoredEvent
 
 #: The stages a call may be archived in (docs/operations.md, "Retention and archives"):
 #: resolved, with nothing left to do (next operation ``none``), so no request under the
@@ -102,17 +103,7 @@ def _check_start(report: VerifyReport, header: dict[str, Any], stored: StoredEve
 
 
 def _check_tail(report: VerifyReport, tail: StoredEvent) -> None:
-    digest = event_digest(
-        seq=tail.seq,
-        kind=tail.kind,
-        call_id=tail.call_id,
-        data_json=canonical_json(tail.data),
-        worker=tail.worker,
-        generation=tail.generation,
-        at=tail.at,
-        prev_digest=tail.prev_digest,
-    )
-    if tail.kind != checkpoint.KIND or digest != tail.digest:
+    if tail.kind != checkpoint.KIND or content_digest(tail) != tail.digest:
         report.broken(tail.seq, f"event {tail.seq}: the archive's checkpoint is not sealed")
     if (tail.worker, tail.generation) != (OPERATOR_WORKER, 0):
         report.broken(

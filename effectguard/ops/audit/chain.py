@@ -9,6 +9,21 @@ from effectguard.rules.events import StoredEvent, canonical_json, event_digest
 GENESIS = "0" * 64
 
 
+def content_digest(stored: StoredEvent) -> str:
+    """The digest ``stored``'s content and predecessor link call for: what its ``digest``
+    must be. (Computed here from the shared digest, not taken from the store's sealing.)"""
+    return event_digest(
+        seq=stored.seq,
+        kind=stored.kind,
+        call_id=stored.call_id,
+        data_json=canonical_json(stored.data),
+        worker=stored.worker,
+        generation=stored.generation,
+        at=stored.at,
+        prev_digest=stored.prev_digest,
+    )
+
+
 class Chain:
     """Checks each event's number, predecessor link and digest, in order."""
 
@@ -27,17 +42,7 @@ class Chain:
             )
         if stored.prev_digest != self.prev:
             self.report.broken(seq, f"event {seq}: predecessor digest does not match")
-        digest = event_digest(
-            seq=seq,
-            kind=stored.kind,
-            call_id=stored.call_id,
-            data_json=canonical_json(stored.data),
-            worker=stored.worker,
-            generation=stored.generation,
-            at=stored.at,
-            prev_digest=stored.prev_digest,
-        )
-        if digest != stored.digest:
+        if content_digest(stored) != stored.digest:
             self.report.broken(seq, f"event {seq}: digest does not match its content")
         self.expected_seq = seq + 1
         self.prev = stored.digest
