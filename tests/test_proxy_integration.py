@@ -568,7 +568,7 @@ def test_secrets_never_reach_ledger_log_or_cli(
 max_body_bytes = 4096
 
 [upstream]
-read_timeout_s = 0.5
+read_timeout_s = 1.5
 
 [budgets]
 "canary/poor" = "0.000000001"
@@ -614,7 +614,7 @@ budget_root = "canary"
         post("413", OPENAI_CHAT, json=chat("x" * 5000))
         post("401", OPENAI_CHAT, json=chat(), headers={"Effectguard-Key": CLIENT_CANARIES[2]})
         post("403", OPENAI_CHAT, json=chat(), headers={"Effectguard-Budget": "other"})
-        timeout = post("504", OPENAI_CHAT, json=chat("slow"), headers={"x-fake-delay": "1.5"})
+        timeout = post("504", OPENAI_CHAT, json=chat("slow"), headers={"x-fake-delay": "4"})
         assert timeout.json()["error"]["type"] == "effect_unknown"
         with (
             pytest.raises(httpx.TransportError),

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ledger",
         choices=["sqlite", "postgres"],
         default="sqlite",
-        help="ledger engine (postgres: $EFFECTGUARD_TEST_PG_DSN, schema sim_<seed>)",
+        help="ledger engine (postgres: $EFFECTGUARD_TEST_PG_DSN, schema sim_<seed>_<pid>)",
     )
     parser.add_argument("--bundle", type=Path, help="where a failing run writes its bundle")
     parser.add_argument("--schedule", type=Path, help="run this schedule.json instead")

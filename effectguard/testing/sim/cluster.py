@@ -44,12 +44,15 @@ read_timeout_s = 20
 
 
 def ledger_url(schedule: Schedule, workdir: Path, pg_dsn: str | None) -> str:
-    """The run's ledger: a SQLite file in ``workdir``, or schema ``sim_<seed>`` on PostgreSQL."""
+    """The run's ledger: a SQLite file in ``workdir``, or schema ``sim_<seed>_<pid>`` on
+    PostgreSQL (the pid: two runs of one seed on one database, say two test suites, must
+    never write into each other's ledger)."""
     if schedule.ledger == "sqlite":
         return str(workdir / "ledger" / "ledger.db")
     if not pg_dsn:
         raise RuntimeError("--ledger postgres needs EFFECTGUARD_TEST_PG_DSN")
-    return f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}schema=sim_{schedule.seed}"
+    schema = f"sim_{schedule.seed}_{os.getpid()}"
+    return f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}schema={schema}"
 
 
 def reset_postgres_schema(url: str) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from effectguard.testing.sim.bundle import write_bundle
-from effectguard.testing.sim.cluster import running_cluster
+from effectguard.testing.sim.cluster import reset_postgres_schema, running_cluster
 from effectguard.testing.sim.evidence import Evidence, collect
 from effectguard.testing.sim.invariants import INVARIANTS, Violation, check, overshoots
 from effectguard.testing.sim.pgcluster import unavailable_reason
@@ -91,6 +91,8 @@ def run_schedule(
     result = SimResult(schedule, violations, evidence, overshoots(evidence), cluster.actions)
     if violations and bundle is not None:
         result.bundle = write_bundle(bundle, workdir, cluster, evidence, violations)
+    if not violations and schedule.ledger == "postgres" and cluster.owned_pg is None:
+        reset_postgres_schema(cluster.ledger)  # a passing run leaves no schema behind
     return result
 
 
