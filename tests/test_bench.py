@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +195,24 @@ def test_floorbench_replays_every_row_the_ledger_stored(tmp_path: Path) -> None:
             conn.close()
 
     assert counts("floor-target.db") == counts("floor-source.db") == (40 * 6, 40)
+
+
+def test_phases_marks_every_request_and_prints_each_phase(tmp_path: Path) -> None:
+    """The one-client phase split measures every request it drove (each one reached the
+    upstream and sent bytes back) and prints a CPU and a wall figure for each phase."""
+    # A process of its own: it configures logging for the app it drives, as serve does.
+    command = [sys.executable, "-m", "effectguard_bench.phases", "--requests", "20", "--stream"]
+    done = subprocess.run(
+        [*command, "--ledger-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "20 requests;" in out
+    for name in ("before dispatch", "upstream", "to the first byte"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        cpu, wall = (float(line.split(word)[1].split()[0]) for word in ("CPU", "wall"))
+        assert cpu >= 0 and wall > 0
