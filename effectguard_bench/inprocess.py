@@ -21,7 +21,7 @@ import os
 import resource
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,10 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", metavar="OUT", help="write a cProfile of the timed part")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    in_loop(lambda upstream, work: _run(args, upstream, work), args.log_level)
+    return 0
+
+
+def in_loop(
+    run: Callable[[str, Path], Coroutine[Any, Any, None]],
+    log_level: str,
+    ledger_dir: Path | None = None,
+) -> None:
+    """Run ``run(upstream, work)`` on uvloop (as ``serve`` does), with the fake provider in a
+    child process, the access log to a file at ``log_level``, and ``work`` a temporary
+    directory (under ``ledger_dir`` if given) for the ledger."""
+    with tempfile.TemporaryDirectory(dir=ledger_dir) as tmp:
         work = Path(tmp)
         with (work / "access.log").open("w") as log:
-            configure_logging("text", args.log_level, stream=log)
+            configure_logging("text", log_level, stream=log)
             with _fake_provider(work) as upstream:
                 try:
                     import uvloop
@@ -182,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 except ImportError:
                     runner = asyncio.Runner()
                 with runner:
-                    runner.run(_run(args, upstream, work))
+                    runner.run(run(upstream, work))
             logging.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import logging
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +28,8 @@ from typing import Any
 from effectguard.config.settings import load_settings
 from effectguard.ingress.server import create_app
 from effectguard.ingress.serving import settle_gc
-from effectguard.telemetry.logs import configure_logging
 from effectguard.telemetry.metrics import Metrics
-from effectguard_bench.inprocess import _fake_provider, _scope
+from effectguard_bench.inprocess import _scope, in_loop
 from effectguard_bench.loadgen import request_body
 
 Mark = tuple[float, float]  # (thread CPU seconds, perf_counter seconds)
@@ -128,20 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ledger-dir", type=Path, help="where the ledger goes (a temp dir)")
     parser.add_argument("--profile", metavar="OUT", help="cProfile of the pre-dispatch phase")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(dir=args.ledger_dir) as tmp:
-        work = Path(tmp)
-        with (work / "access.log").open("w") as log:
-            configure_logging("text", "info", stream=log)
-            with _fake_provider(work) as upstream:
-                try:
-                    import uvloop
-
-                    runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-                except ImportError:
-                    runner = asyncio.Runner()
-                with runner:
-                    runner.run(_run(args, upstream, work))
-            logging.shutdown()
+    in_loop(lambda upstream, work: _run(args, upstream, work), "info", args.ledger_dir)
     return 0
 
 
