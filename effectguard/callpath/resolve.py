@@ -30,7 +30,7 @@ from urllib.parse import urlencode
 
 import httpx
 
-from effectguard.callpath.exchange import Outbound, Send
+from effectguard.callpath.exchange import Outbound, Send, header_value
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
 from effectguard.errors import BodyMismatch, EffectguardError, ReconcileError
 from effectguard.ledger import Ledger
@@ -218,12 +218,17 @@ class Resolver:
         request = lookup_request(provider, lookup, op, credential)
         shown = f"{request.method} {request.url.partition('?')[0]}"
         try:
-            status, body = await asyncio.wait_for(_fetch(send, request), lookup.timeout_s)
+            status, content_type, body = await asyncio.wait_for(
+                _fetch(send, request), lookup.timeout_s
+            )
         except (httpx.HTTPError, TimeoutError) as exc:
             return Evidence("unknown", by, f"lookup {shown} failed: {type(exc).__name__}")
         reading = lookups.read_answer(
             status,
             body,
+            content_type=content_type,
+            op=op,
+            match=lookup.match,
             applied=lookup.applied,
             not_found=lookup.not_found,
             freshness_s=lookup.freshness_s,
@@ -359,7 +364,8 @@ def hook_evidence(answer: object) -> Evidence:
     return Evidence("applied", "hook", note, cost=cost, result=result)
 
 
-async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
+async def _fetch(send: Send, request: Outbound) -> tuple[int, str | None, bytes]:
+    """The answer's status, ``Content-Type`` and body (at most :data:`MAX_ANSWER_BYTES`)."""
     response = await send(request)
     try:
         chunks: list[bytes] = []
@@ -369,7 +375,7 @@ async def _fetch(send: Send, request: Outbound) -> tuple[int, bytes]:
             if size > MAX_ANSWER_BYTES:
                 raise httpx.DecodingError("lookup answer too large")
             chunks.append(chunk)
-        return response.status, b"".join(chunks)
+        return response.status, header_value(response.headers, "content-type"), b"".join(chunks)
     finally:
         await response.aclose()
 

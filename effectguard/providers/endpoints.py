@@ -57,6 +57,7 @@ _LOOKUP_KEYS = frozenset(
         "form",
         "applied",
         "results",
+        "match",
         "not_found",
         "freshness_s",
         "retention_s",
@@ -105,7 +106,8 @@ class Lookup:
     error page answered 200 proves nothing); anything else is unknown. "Not found"
     proves "not applied" only once the call's last attempt is older than ``freshness_s``
     (search indexes lag); before that it is unknown too, and so it is again once the call
-    is older than ``retention_s`` (None: the provider never forgets an operation).
+    is older than ``retention_s`` (None: the provider never forgets an operation). A
+    success that is not strictly the declared shape reads unknown (rules/lookups).
     """
 
     url: str
@@ -123,6 +125,11 @@ class Lookup:
     #: Form fields sent form-encoded as the request's body (a POST search); values may
     #: use ``{op}``.
     form: tuple[tuple[str, str], ...] = ()
+    #: The JSON path, inside the found object, of the operation id it carries
+    #: (``metadata.effectguard_op``): an object whose value there is not the op looked
+    #: for is another operation's, and proves nothing. None: the search is trusted to
+    #: answer only for the op it was asked about.
+    match: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +299,9 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
     if op == "call_id" and not has_op_id:
         raise fail(f"{where}.op", "call_id needs the endpoint's op_id (where the id is written)")
     applied, not_found, results = _lookup_reading(table, where, fail)
+    match = table.get("match")
+    if match is not None and (not isinstance(match, str) or not _FIELD.fullmatch(match)):
+        raise fail(f"{where}.match", "must be a JSON path such as metadata.effectguard_op")
     return Lookup(
         url=url,
         applied=applied,
@@ -306,6 +316,7 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         ),
         results=results,
         form=form,
+        match=match,
     )
 
 

@@ -1,0 +1,149 @@
+"""A lookup endpoint that misbehaves on purpose, on a raw socket in a thread of its own.
+
+The fake provider's ``/v1/search`` answers like a well-behaved search (or, with
+``--search-answer``, like two broken ones); this one answers whatever bytes a test
+scripts, HTTP framing included: a status line that lies, headers too long for any
+client, a body sent one byte a second, a connection reset halfway through, nothing at
+all. It runs in a thread, so a test can point the in-process transport at it and a proxy
+subprocess alike, and change the script between lookups. Every request it receives is
+counted by its target, so a test can tell that a redirect was never followed.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+Ending = Literal["close", "reset", "hang"]
+
+
+@dataclass(frozen=True)
+class Script:
+    """What the endpoint sends: ``chunks``, ``pause_s`` apart, then how it ends."""
+
+    chunks: tuple[bytes, ...]
+    pause_s: float = 0.0
+    ending: Ending = "close"
+
+
+def answer(
+    status: int,
+    body: bytes,
+    *,
+    content_type: str | None = "application/json",
+    headers: tuple[tuple[str, str], ...] = (),
+    reason: str = "Whatever",
+) -> bytes:
+    """One whole HTTP/1.1 answer, framed by Content-Length."""
+    lines = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}", "Connection: close"]
+    if content_type is not None:
+        lines.append(f"Content-Type: {content_type}")
+    lines += [f"{name}: {value}" for name, value in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def whole(status: int, body: bytes, **kwargs: object) -> Script:
+    """A script that sends one whole answer and closes."""
+    return Script((answer(status, body, **kwargs),))  # type: ignore[arg-type]
+
+
+@dataclass
+class HostileSearch:
+    """The running endpoint: its base URL, the script it follows, the targets it saw."""
+
+    url: str
+    script: Script = field(default_factory=lambda: whole(503, b"{}"))
+    seen: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def follow(self, script: Script) -> None:
+        """Answer every later request with ``script``."""
+        with self._lock:
+            self.script = script
+
+    def hits(self, path: str) -> int:
+        """How many requests reached ``path`` (query string ignored)."""
+        with self._lock:
+            return sum(1 for target in self.seen if target.partition("?")[0] == path)
+
+    def serve_one(self, conn: socket.socket, stop: threading.Event) -> None:
+        """Read one request, record its target, then play the current script."""
+        with conn:
+            target = _read_request(conn)
+            if target is None:
+                return
+            with self._lock:
+                self.seen.append(target)
+                script = self.script
+            try:
+                for n, chunk in enumerate(script.chunks):
+                    if n and script.pause_s:
+                        time.sleep(script.pause_s)
+                    conn.sendall(chunk)
+                if script.ending == "reset":
+                    # SO_LINGER 0: close sends an RST, not a FIN.
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                elif script.ending == "hang":
+                    stop.wait(60)
+            except OSError:
+                return  # the client went away first (its timeout): nothing to do
+
+
+def _read_request(conn: socket.socket) -> str | None:
+    """The request target, once the head and any Content-Length body are read."""
+    conn.settimeout(10)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        while len(rest) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            rest += chunk
+    except OSError:
+        return None
+    return head.split(b"\r\n", 1)[0].split(b" ")[1].decode("latin-1")
+
+
+@contextmanager
+def hostile_search() -> Iterator[HostileSearch]:
+    """Run a :class:`HostileSearch` on a free loopback port until the block ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    endpoint = HostileSearch(url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=endpoint.serve_one, args=(conn, stop), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield endpoint
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()

@@ -1,0 +1,263 @@
+"""The tool-effect machinery under attack from both sides, with good traffic alongside.
+
+A misbehaving provider: the lookup of an effect-unknown call is answered by
+:mod:`hostilekit`'s scripted endpoint (hung, dripped a byte at a time, huge, redirected,
+refused, of the wrong shape, lying about its type, cut off, not HTTP at all). Each answer
+must leave the call ``effect_unknown`` with nothing recorded and nothing sent again,
+unless it is genuine evidence (the two controls). A hostile client: form and multipart
+bodies that are ambiguous, forge effectguard's own operation-id field, or cost more to
+parse than any real request. Every bad request runs beside good keyed calls, which must
+each reach the real fake provider exactly once (counted from its receipts); the ledger
+verifies at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hostilekit import HostileSearch, Script, answer, hostile_search, whole
+from toolkit import AUTH, KEY, SEND, charge, declare, lossy_transport, lost_send
+
+from effectguard import AsyncGuardTransport
+from effectguard.callpath.resolve import MAX_ANSWER_BYTES
+from effectguard.providers.endpoints import legacy_lookup
+from effectguard.rules import lookups
+from effectguard.testing import FakeProvider, fake_provider
+
+pytestmark = pytest.mark.slow
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+#: A script, given the call id its lookup asks about.
+Scripted = Callable[[str], Script]
+#: How many good calls run beside each bad one.
+GOOD = 4
+TIMEOUT_S = 0.5
+EMPTY = b'{"object": "search_result", "data": []}'
+
+
+def found(op: str) -> bytes:
+    """A search answer that finds one object carrying operation id ``op``."""
+    obj = {"id": "send_found", "status": "sent", "metadata": {"effectguard_op": op}}
+    return json.dumps({"object": "search_result", "data": [obj]}).encode()
+
+
+def constant(script: Script) -> Scripted:
+    return lambda _op: script
+
+
+def ok(body: bytes, **kwargs: object) -> Scripted:
+    """A 200 whose body is ``body`` (JSON by its Content-Type unless told otherwise)."""
+    return constant(whole(200, body, **kwargs))
+
+
+DEEP = b'{"data": [], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+HUGE = b'{"data": [' + b'{"x": 1},' * (MAX_ANSWER_BYTES // 9) + b"{}]}"
+
+#: Misbehaving lookup answers: every one must leave the call unknown.
+BAD: dict[str, Scripted] = {
+    "hangs past its timeout": constant(Script((b"",), ending="hang")),
+    "drips a byte at a time": constant(
+        Script(tuple(bytes([b]) for b in answer(200, EMPTY)), pause_s=0.02)
+    ),
+    "is larger than MAX_ANSWER_BYTES": ok(HUGE),
+    "redirects": constant(whole(302, EMPTY, headers=(("Location", "/found"),))),
+    "401": constant(whole(401, EMPTY)),
+    "403": constant(whole(403, EMPTY)),
+    "429": constant(whole(429, EMPTY)),
+    "500": constant(whole(500, EMPTY)),
+    "502": constant(whole(502, EMPTY)),
+    "results is an object": ok(b'{"data": {}}'),
+    "results is a string": ok(b'{"data": ""}'),
+    "results is null": ok(b'{"data": null}'),
+    "results is false": ok(b'{"data": false}'),
+    "results holds a string": ok(b'{"data": ["send_1"]}'),
+    "results holds a number": ok(b'{"data": [1]}'),
+    "applied path is 0": ok(b'{"data": [0]}'),
+    "applied path is empty text": ok(b'{"data": [""]}'),
+    "applied path is false": ok(b'{"data": [false]}'),
+    "applied path is an empty list": ok(b'{"data": [[]]}'),
+    "nests 1000 levels": ok(DEEP),
+    "is not UTF-8": ok(b'{"data": [], "note": "\xff\xfe"}'),
+    "is JSON served as HTML": ok(EMPTY, content_type="text/html"),
+    "has no Content-Type": ok(EMPTY, content_type=None),
+    "is HTML served as JSON": ok(b"<html><body>502 Bad Gateway</body></html>"),
+    "repeats a key, empty last": lambda op: whole(200, found(op)[:-1] + b', "data": []}'),
+    "repeats a key, found last": lambda op: whole(200, b'{"data": [], ' + found(op)[1:]),
+    "holds NaN": ok(b'{"data": [{"id": NaN, "metadata": {"effectguard_op": "x"}}]}'),
+    "finds another operation": lambda op: whole(200, found("call_someone_else")),
+    "finds an object without an op": ok(b'{"data": [{"id": "send_1"}]}'),
+    "is reset mid-answer": constant(Script((answer(200, EMPTY)[:-10],), ending="reset")),
+    "closes short of its length": constant(Script((answer(200, EMPTY)[:-10],))),
+    "is not HTTP": constant(Script((b"NOT HTTP AT ALL\r\n\r\n",))),
+}
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeProvider]:
+    """One fake provider for the module: the receipts of every good call."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    with fake_provider(tmp / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as provider:
+        yield provider
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileSearch]:
+    """The scripted lookup endpoint."""
+    with hostile_search() as endpoint:
+        yield endpoint
+
+
+def declaration(tmp_path: Path, hostile: HostileSearch) -> Path:
+    """``payments`` (toolkit), its lookup sent to ``hostile`` with a short timeout, and
+    checking that a found object carries the call's op id."""
+    folder = declare(tmp_path, freshness=60)
+    path = folder / "payments.toml"
+    text = path.read_text().replace("{base_url}/v1/search", hostile.url + "/v1/search")
+    match = 'match = "metadata.effectguard_op"'
+    text = text.replace("timeout_s = 5", f"timeout_s = {TIMEOUT_S}\n{match}")
+    path.write_text(text)
+    return folder
+
+
+def sent_ops(fake: FakeProvider) -> list[str]:
+    """The operation ids of every effect on /v1/send the provider received."""
+    return [r["op"] for r in fake.effects() if r["path"] == SEND]
+
+
+async def beside_good_calls(
+    client: httpx.AsyncClient, url: str, bad: Awaitable[httpx.Response], tag: str
+) -> tuple[httpx.Response, list[str]]:
+    """``bad`` with GOOD good keyed calls at once: its answer, and the good call ids
+    (each good call is asserted answered 200)."""
+
+    async def good(n: int) -> httpx.Response:
+        return await client.post(url, json=charge(n), headers={"Idempotency-Key": f"{tag}-{n}"})
+
+    answered = await asyncio.gather(bad, *(good(n) for n in range(GOOD)))
+    for response in answered[1:]:
+        assert response.status_code == 200, response.text
+    return answered[0], [r.headers["effectguard-call-id"] for r in answered[1:]]
+
+
+async def a_lost_call(
+    tmp_path: Path, make_transport: MakeTransport, fake: FakeProvider, hostile: HostileSearch
+) -> tuple[AsyncGuardTransport, httpx.AsyncClient, str]:
+    """A transport whose first send was lost (its call effect-unknown), its clock past
+    the lookup's freshness; the client, and the lost call's id."""
+    t = lossy_transport(make_transport, declaration(tmp_path, hostile), fake)
+    client = httpx.AsyncClient(transport=t, headers=AUTH)
+    lost = await lost_send(client, fake.url + SEND, charge(99), headers={"Idempotency-Key": "bad"})
+    guard = await t.guard()
+    guard.resolver.clock = lambda: time.time() + 120
+    return t, client, lost
+
+
+@pytest.mark.parametrize("case", list(BAD))
+async def test_a_misbehaving_lookup_answer_decides_nothing(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+    case: str,
+) -> None:
+    """The keyed resend of a lost call whose lookup answers so is refused 409
+    ``effect_unknown``: nothing is recorded, nothing resent, a sweep decides nothing,
+    a redirect is never followed, and the good calls beside it each land exactly once."""
+    t, client, lost = await a_lost_call(tmp_path, make_transport, fake, hostile)
+    hostile.follow(BAD[case](lost))
+    redirected = hostile.hits("/found")
+    resend = client.post(fake.url + SEND, json=charge(99), headers={"Idempotency-Key": "bad"})
+    refused, good = await beside_good_calls(client, fake.url + SEND, resend, f"good-{lost}")
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["type"] == "effect_unknown"
+    guard = await t.guard()
+    assert await guard.resolver.sweep() == []
+    assert [e for e in await t.ledger.events(lost) if e.kind == "call.reconciled"] == []
+    assert (await t.ledger.call(lost)).stage == "effect_unknown"
+    ops = sent_ops(fake)
+    assert lost not in ops
+    assert all(ops.count(call_id) == 1 for call_id in good)
+    assert hostile.hits("/found") == redirected
+    await finish(t)
+
+
+async def test_a_well_formed_empty_search_resends_exactly_once(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+) -> None:
+    """A control: a search answering a well-formed empty result past its freshness
+    proves the lost call not applied, and it is resent exactly once beside good calls."""
+    t, client, lost = await a_lost_call(tmp_path, make_transport, fake, hostile)
+    hostile.follow(whole(200, EMPTY))
+    resend = client.post(fake.url + SEND, json=charge(99), headers={"Idempotency-Key": "bad"})
+    resent, good = await beside_good_calls(client, fake.url + SEND, resend, f"good-{lost}")
+    assert resent.status_code == 200, resent.text
+    assert "effectguard-recovered" not in resent.headers
+    ops = sent_ops(fake)
+    assert all(ops.count(call_id) == 1 for call_id in [lost, *good])
+    await finish(t)
+
+
+async def test_a_search_that_finds_this_operation_recovers_it(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+) -> None:
+    """A control: an object whose ``metadata.effectguard_op`` is the call's own (the
+    declared ``match``) is the call's result, recovered with nothing sent."""
+    t, client, paid = await a_lost_call(tmp_path, make_transport, fake, hostile)
+    hostile.follow(whole(200, found(paid)))
+    resend = client.post(fake.url + SEND, json=charge(99), headers={"Idempotency-Key": "bad"})
+    recovered, good = await beside_good_calls(client, fake.url + SEND, resend, f"good-{paid}")
+    assert recovered.status_code == 200, recovered.text
+    assert recovered.headers["effectguard-recovered"] == "lookup:payments"
+    assert recovered.json()["metadata"] == {"effectguard_op": paid}
+    ops = sent_ops(fake)
+    assert paid not in ops
+    assert all(ops.count(call_id) == 1 for call_id in good)
+    await finish(t)
+
+
+@pytest.mark.parametrize(
+    ("body", "verdict"),
+    [
+        (b'{"applied": true}', "applied"),
+        (b'{"applied": false}', "not_applied"),
+        (b'{"applied": "false"}', "unknown"),
+        (b'{"applied": "no"}', "unknown"),
+        (b'{"applied": 1}', "unknown"),
+        (b'{"applied": 0}', "unknown"),
+        (b'{"applied": []}', "unknown"),
+        (b'{"applied": {}}', "unknown"),
+        (b'{"applied": null}', "unknown"),
+    ],
+)
+def test_the_older_lookup_reads_only_true_or_false(body: bytes, verdict: str) -> None:
+    """The provider-wide ``{"applied": true|false}`` answer: anything but a boolean there
+    (a string "false", an empty list) proves nothing."""
+    lookup = legacy_lookup("{base_url}/ops/{op}")
+    reading = lookups.read_answer(
+        200,
+        body,
+        content_type="application/json",
+        applied=lookup.applied,
+        not_found=lookup.not_found,
+        freshness_s=lookup.freshness_s,
+        age_s=60,
+        results=lookup.results,
+        op="key-1",
+    )
+    assert reading.verdict == verdict, reading.why
