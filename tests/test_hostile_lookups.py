@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,7 +32,7 @@ from effectguard import AsyncGuardTransport
 from effectguard.callpath.resolve import MAX_ANSWER_BYTES
 from effectguard.providers.endpoints import legacy_lookup
 from effectguard.rules import lookups
-from effectguard.testing import FakeProvider, fake_provider
+from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy, start_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +44,7 @@ Scripted = Callable[[str], Script]
 GOOD = 4
 TIMEOUT_S = 0.5
 EMPTY = b'{"object": "search_result", "data": []}'
+ROUTE = "/payments" + SEND
 
 
 def found(op: str) -> bytes:
@@ -114,10 +119,10 @@ def hostile() -> Iterator[HostileSearch]:
         yield endpoint
 
 
-def declaration(tmp_path: Path, hostile: HostileSearch) -> Path:
+def declaration(tmp_path: Path, hostile: HostileSearch, freshness: float = 60) -> Path:
     """``payments`` (toolkit), its lookup sent to ``hostile`` with a short timeout, and
     checking that a found object carries the call's op id."""
-    folder = declare(tmp_path, freshness=60)
+    folder = declare(tmp_path, freshness=freshness)
     path = folder / "payments.toml"
     text = path.read_text().replace("{base_url}/v1/search", hostile.url + "/v1/search")
     match = 'match = "metadata.effectguard_op"'
@@ -261,3 +266,149 @@ def test_the_older_lookup_reads_only_true_or_false(body: bytes, verdict: str) ->
         op="key-1",
     )
     assert reading.verdict == verdict, reading.why
+
+
+# -- the same through the proxy, whose upstream leg is aiohttp ------------------------
+
+#: What a provider's answer does to aiohttp that httpx takes in its stride, and the
+#: answers the two clients read differently; each the answer to a lookup.
+THROUGH_PROXY: dict[str, Scripted] = {
+    "has a header line too long for the client": constant(
+        Script((answer(200, EMPTY, headers=(("X-Padding", "p" * 100_000),)),))
+    ),
+    **{
+        name: BAD[name]
+        for name in (
+            "is not HTTP",
+            "nests 1000 levels",
+            "is reset mid-answer",
+            "closes short of its length",
+            "redirects",
+            "drips a byte at a time",
+            "repeats a key, empty last",
+            "finds another operation",
+        )
+    },
+}
+BROKEN = """
+name = "broken"
+base_url = "http://127.0.0.1:9"
+dialect = "flat"
+prices_taken = "2026-12-01"
+
+[[endpoints]]
+path = "/v1/send"
+effect = "at_most_once"
+
+[models.default]
+per_call = "0.01"
+max_output_tokens = 0
+"""
+
+
+@dataclass
+class Proxied:
+    """The module's proxy, with one call a crash left effect-unknown (key ``bad``)."""
+
+    proxy: Proxy
+    lost: str
+
+
+@pytest.fixture(scope="module")
+def proxied(
+    tmp_path_factory: pytest.TempPathFactory, fake: FakeProvider, hostile: HostileSearch
+) -> Iterator[Proxied]:
+    """A proxy to the fake provider (``payments``, looked up at ``hostile``) and to
+    ``hostile`` itself (``broken``); its ledger holds a payment the proxy crashed after
+    admitting, which its restart leaves effect-unknown."""
+    tmp = tmp_path_factory.mktemp("proxied")
+    folder = declaration(tmp, hostile, freshness=0)
+    (folder / "broken.toml").write_text(BROKEN)
+    config = tmp / "config.toml"
+    config.write_text("[server]\nsweep_s = 3600\n")
+    ledger = tmp / "ledger.db"
+    args = ("--providers", str(folder), "--config", str(config))
+    upstreams = {"payments": fake.url, "broken": hostile.url}
+    env = {"PAYMENTS_API_KEY": KEY}
+    hostile.follow(whole(503, b"{}"))  # the restart's first sweep learns nothing
+    crashing = start_proxy(
+        ledger, upstreams=upstreams, args=args, env={**env, "EFFECTGUARD_CRASH_AT": "after:admit"}
+    )
+    try:
+        with pytest.raises(httpx.TransportError):
+            bad = {**AUTH, "Idempotency-Key": "bad"}
+            httpx.post(crashing.url + ROUTE, json=charge(99), headers=bad, timeout=30)
+        crashing.process.wait(15)
+    finally:
+        crashing.kill()
+    with running_proxy(ledger, upstreams=upstreams, args=args, env=env) as proxy:
+        (state,) = cli_calls(ledger)
+        assert state["stage"] == "effect_unknown"
+        yield Proxied(proxy, state["call_id"])
+    assert cli("verify", "--ledger", str(ledger))["ok"] is True
+
+
+def cli(*args: str) -> Any:
+    """The real ``effectguard`` command with ``--json``: exit 0, its parsed output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def cli_calls(ledger: Path) -> list[dict[str, Any]]:
+    """``effectguard calls``: every call in the ledger."""
+    calls: list[dict[str, Any]] = cli("calls", "--ledger", str(ledger))
+    return calls
+
+
+@pytest.mark.parametrize("case", list(THROUGH_PROXY))
+async def test_a_misbehaving_lookup_answer_decides_nothing_through_the_proxy(
+    proxied: Proxied, fake: FakeProvider, hostile: HostileSearch, case: str
+) -> None:
+    """Through the proxy's aiohttp leg too: the keyed resend is refused 409
+    ``effect_unknown`` (never a 500), nothing is resent, and the good calls beside it
+    each land exactly once."""
+    hostile.follow(THROUGH_PROXY[case](proxied.lost))
+    redirected = hostile.hits("/found")
+    async with httpx.AsyncClient(base_url=proxied.proxy.url, headers=AUTH, timeout=30) as client:
+        resend = client.post(ROUTE, json=charge(99), headers={"Idempotency-Key": "bad"})
+        refused, good = await beside_good_calls(client, ROUTE, resend, f"proxy-{case}")
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["type"] == "effect_unknown"
+    ops = sent_ops(fake)
+    assert proxied.lost not in ops
+    assert all(ops.count(call_id) == 1 for call_id in good)
+    assert hostile.hits("/found") == redirected
+
+
+async def test_a_provider_answer_that_is_not_http_is_an_unknown_effect(
+    proxied: Proxied, fake: FakeProvider, hostile: HostileSearch
+) -> None:
+    """A call whose provider answers with something aiohttp cannot parse was sent: 502
+    ``effect_unknown`` with its call id (not a 500), beside good calls that land once."""
+    hostile.follow(BAD["is not HTTP"](""))
+    async with httpx.AsyncClient(base_url=proxied.proxy.url, headers=AUTH, timeout=30) as client:
+        broken = client.post("/broken" + SEND, json=charge(1))
+        answered, good = await beside_good_calls(client, ROUTE, broken, "proxy-broken")
+    assert answered.status_code == 502, answered.text
+    assert answered.json()["error"]["type"] == "effect_unknown"
+    ops = sent_ops(fake)
+    assert all(ops.count(call_id) == 1 for call_id in good)
+
+
+async def test_a_genuine_not_found_resends_exactly_once_through_the_proxy(
+    proxied: Proxied, fake: FakeProvider, hostile: HostileSearch
+) -> None:
+    """The control, last: a well-formed empty search resends the crashed call once."""
+    hostile.follow(whole(200, EMPTY))
+    async with httpx.AsyncClient(base_url=proxied.proxy.url, headers=AUTH, timeout=30) as client:
+        resend = client.post(ROUTE, json=charge(99), headers={"Idempotency-Key": "bad"})
+        resent, good = await beside_good_calls(client, ROUTE, resend, "proxy-genuine")
+    assert resent.status_code == 200, resent.text
+    ops = sent_ops(fake)
+    assert all(ops.count(call_id) == 1 for call_id in [proxied.lost, *good])

@@ -10,11 +10,15 @@ parsed and re-encoded each time. :class:`AiohttpLeg` sends the guard's
 Failures are mapped to the httpx exceptions httpx-aiohttp raised, with aiohttp's
 own exception as their cause, so the guard tells "never sent" from "effect
 unknown" exactly as before (:func:`effectguard.callpath.wire.classify_transport_error`).
+An aiohttp error httpx-aiohttp leaves unmapped (an answer aiohttp cannot parse: not
+HTTP, a header line past its limit) is ``httpx.RemoteProtocolError``, as httpx itself
+raises for such an answer: the request was sent, so its effect is unknown.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -32,6 +36,18 @@ KEEPALIVE_S = 5.0
 _URL_CACHE_SIZE = 1024
 
 
+@contextmanager
+def _translated() -> Iterator[None]:
+    """httpx-aiohttp's mapping, and :class:`httpx.RemoteProtocolError` for the aiohttp
+    errors it passes through unmapped (a ``ClientResponseError`` for an answer that does
+    not parse), which reached the guard as an internal error."""
+    try:
+        with map_aiohttp_exceptions():
+            yield
+    except aiohttp.ClientError as exc:
+        raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
+
+
 class AiohttpUpstream:
     """aiohttp's response, its body still unread."""
 
@@ -44,7 +60,7 @@ class AiohttpUpstream:
         self.extensions: dict[str, Any] = {}
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        with map_aiohttp_exceptions():
+        with _translated():
             async for chunk in self._response.content.iter_any():
                 yield chunk
 
@@ -90,7 +106,7 @@ class AiohttpLeg:
             data = spool.SpoolReader.open(request.spool)
             headers.append(("content-length", str(request.spool.size)))
         try:
-            with map_aiohttp_exceptions():
+            with _translated():
                 response = await session.request(
                     request.method,
                     self._url(request.url),
