@@ -306,6 +306,40 @@ max_output_tokens = 0
 """
 
 
+CHARGES = """
+name = "charges"
+base_url = "http://127.0.0.1:9"
+dialect = "flat"
+prices_taken = "2026-12-01"
+
+[[endpoints]]
+path = "/v1/charges"
+effect = "at_most_once"
+op_id = { form = "metadata[effectguard_op]" }
+
+[models.default]
+per_call = "0.01"
+max_output_tokens = 0
+"""
+
+
+MAIL = """
+name = "mail"
+base_url = "http://127.0.0.1:9"
+dialect = "flat"
+prices_taken = "2026-12-01"
+
+[[endpoints]]
+path = "/v1/send"
+effect = "at_most_once"
+op_id = { json = "Metadata.effectguard_op" }
+
+[models.default]
+per_call = "0.01"
+max_output_tokens = 0
+"""
+
+
 @dataclass
 class Proxied:
     """The module's proxy, with one call a crash left effect-unknown (key ``bad``)."""
@@ -324,11 +358,14 @@ def proxied(
     tmp = tmp_path_factory.mktemp("proxied")
     folder = declaration(tmp, hostile, freshness=0)
     (folder / "broken.toml").write_text(BROKEN)
+    (folder / "charges.toml").write_text(CHARGES)
+    (folder / "mail.toml").write_text(MAIL)
     config = tmp / "config.toml"
     config.write_text("[server]\nsweep_s = 3600\n")
     ledger = tmp / "ledger.db"
     args = ("--providers", str(folder), "--config", str(config))
     upstreams = {"payments": fake.url, "broken": hostile.url}
+    upstreams |= {"charges": fake.url, "openai": fake.url, "mail": fake.url}
     env = {"PAYMENTS_API_KEY": KEY}
     hostile.follow(whole(503, b"{}"))  # the restart's first sweep learns nothing
     crashing = start_proxy(
@@ -399,6 +436,129 @@ async def test_a_provider_answer_that_is_not_http_is_an_unknown_effect(
     assert answered.json()["error"]["type"] == "effect_unknown"
     ops = sent_ops(fake)
     assert all(ops.count(call_id) == 1 for call_id in good)
+
+
+# -- a hostile client ------------------------------------------------------------------
+
+FORM = "application/x-www-form-urlencoded"
+CHARGE = "/charges/v1/charges"
+UPLOAD = "/openai/v1/audio/transcriptions"
+MAIL_SEND = "/mail" + SEND
+
+
+def form_case(body: bytes) -> tuple[str, str, bytes]:
+    return CHARGE, FORM, body
+
+
+def mail_case(body: object) -> tuple[str, str, bytes]:
+    return MAIL_SEND, "application/json", json.dumps(body).encode()
+
+
+def parts(*heads: bytes, boundary: bytes = b"B") -> bytes:
+    """A multipart body: one part per head (its header lines), each with content ``v``."""
+    framed = b"".join(b"--" + boundary + b"\r\n" + h + b"\r\n\r\nv\r\n" for h in heads)
+    return framed + b"--" + boundary + b"--\r\n"
+
+
+def field(name: bytes, extra: bytes = b"") -> bytes:
+    return b'Content-Disposition: form-data; name="' + name + b'"' + extra
+
+
+AUDIO = field(b"file", b'; filename="a.wav"') + b"\r\nContent-Type: audio/wav"
+WHISPER = field(b"model")
+
+
+def upload_case(
+    body: bytes, content_type: str = "multipart/form-data; boundary=B"
+) -> tuple[str, str, bytes]:
+    return UPLOAD, content_type, body
+
+
+def whisper(*heads: bytes) -> bytes:
+    """A transcription upload whose model part says ``whisper-1``, and ``heads`` more."""
+    body = parts(AUDIO, *heads, WHISPER)
+    return body.replace(b"\r\n\r\nv\r\n--B--", b"\r\n\r\nwhisper-1\r\n--B--")
+
+
+#: Bodies no real client sends, each refused 400 before anything is sent.
+REFUSED: dict[str, tuple[str, str, bytes]] = {
+    "a form that sets the op-id field itself": form_case(b"amount=1&metadata[effectguard_op]=x"),
+    "the op-id field percent-encoded": form_case(b"amount=1&metadata%5Beffectguard_op%5D=x"),
+    "the op-id field encoded twice": form_case(b"amount=1&metadata%255Beffectguard_op%255D=x"),
+    "the op-id field with an escaped letter": form_case(b"metadata[effectguard%5Fop]=x"),
+    "the op-id field in other case": form_case(b"amount=1&Metadata[EFFECTGUARD_OP]=x"),
+    "the op-id field with a space": form_case(b"amount=1&metadata[effectguard_op]+=x"),
+    "the op-id field nested under": form_case(b"amount=1&metadata[effectguard_op][]=x"),
+    "the op-id field dotted": form_case(b"amount=1&metadata.effectguard_op=x"),
+    "a form with a bad escape": form_case(b"amount=1&note=%ZZ"),
+    "a form escaping bytes that are not UTF-8": form_case(b"amount=1&note=%ff"),
+    "a form naming its model twice": form_case(b"model=other&amount=1&model=default"),
+    "a form of 1001 fields": form_case(b"&".join(b"f%d=v" % n for n in range(1001))),
+    "JSON with the op-id field in other case": mail_case({"Metadata": {"EffectGuard_Op": "x"}}),
+    "JSON with the op-id object in other case": mail_case({"metadata": {"effectguard_op": "x"}}),
+    "multipart with no boundary": upload_case(whisper(), "multipart/form-data"),
+    "multipart with two boundaries": upload_case(
+        whisper(), "multipart/form-data; boundary=B; boundary=C"
+    ),
+    "multipart with two boundaries in other case": upload_case(
+        whisper(), "multipart/form-data; boundary=B; BOUNDARY=C"
+    ),
+    "multipart with 40 KB of part headers": upload_case(
+        whisper(field(b"note") + b"\r\nX-Pad: p" * 4000)
+    ),
+    "multipart with 30000 parts": upload_case(whisper(*[field(b"n%d" % n) for n in range(30000)])),
+    "a part with two dispositions": upload_case(
+        whisper(field(b"note") + b"\r\n" + field(b"model"))
+    ),
+    "a part naming itself twice": upload_case(whisper(field(b"note", b'; name="model"'))),
+    "multipart naming its model twice": upload_case(whisper(WHISPER)),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+async def test_a_hostile_body_is_refused_before_anything_is_sent(
+    proxied: Proxied, fake: FakeProvider, case: str
+) -> None:
+    """Refused 400 ``invalid_request``, nothing reaches the provider, and the good calls
+    beside it each land exactly once."""
+    path, content_type, body = REFUSED[case]
+    tag = f"hostile-{len(fake.receipts())}"
+    headers = {"content-type": content_type, "x-fake-tag": tag}
+    async with httpx.AsyncClient(base_url=proxied.proxy.url, headers=AUTH, timeout=30) as client:
+        bad = client.post(path, content=body, headers=headers)
+        refused, good = await beside_good_calls(client, ROUTE, bad, f"client-{case}")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["type"] == "invalid_request", refused.text
+    assert [r for r in fake.receipts() if r["tag"] == tag] == []
+    ops = sent_ops(fake)
+    assert all(ops.count(call_id) == 1 for call_id in good)
+
+
+async def test_the_well_formed_neighbours_of_hostile_bodies_are_sent_once(
+    proxied: Proxied, fake: FakeProvider
+) -> None:
+    """The controls: a form repeating a field effectguard does not read, a form whose
+    metadata has other keys, and a well-formed upload, each sent exactly once, with the
+    op id appended to the form as the last field."""
+    cases = [
+        form_case(b"amount=1&expand[]=a&expand[]=b"),
+        form_case(b"amount=1&metadata[order]=7&metadata[effectguard]=x"),
+        upload_case(whisper(field(b"language"))),
+        mail_case({"Metadata": {"effectguard_op": "x", "order": "7"}}),  # x is replaced
+    ]
+    async with httpx.AsyncClient(base_url=proxied.proxy.url, headers=AUTH, timeout=30) as client:
+        for n, (path, content_type, body) in enumerate(cases):
+            tag = f"neighbour-{n}-{len(fake.receipts())}"
+            headers = {"content-type": content_type, "x-fake-tag": tag}
+            sent = client.post(path, content=body, headers=headers)
+            answered, good = await beside_good_calls(client, ROUTE, sent, tag)
+            assert answered.status_code == 200, answered.text
+            assert len([r for r in fake.effects() if r["tag"] == tag]) == 1
+            ops = sent_ops(fake)
+            assert all(ops.count(call_id) == 1 for call_id in good)
+            if path == CHARGE:  # the fake reads metadata[effectguard_op] from a form
+                (receipt,) = [r for r in fake.effects() if r["tag"] == tag]
+                assert receipt["op"] == answered.headers["effectguard-call-id"]
 
 
 async def test_a_genuine_not_found_resends_exactly_once_through_the_proxy(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from email.message import Message
 from email.parser import BytesHeaderParser
@@ -52,6 +53,9 @@ BodyKind = Literal["json", "form", "multipart"]
 MAX_FIELDS = 1000
 #: A text part (no filename) up to this size is kept as a field (``model``, ``purpose``).
 MAX_FIELD_BYTES = 64 * 1024
+#: The most a part's header block may take; a real one is a few hundred bytes.
+MAX_PART_HEAD_BYTES = 16 * 1024
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _CRLF = b"\r\n"
 
 
@@ -83,11 +87,22 @@ def kind_of(content_type: str | None) -> BodyKind:
 
 
 def parse_form(raw: bytes) -> list[tuple[str, str]]:
-    """A form-encoded body's fields, decoded, in order."""
+    """A form-encoded body's fields, decoded, in order.
+
+    Strictly: a ``%`` that escapes no byte (``%ZZ``) or escapes that decode to no UTF-8
+    (``%ff``) are refused. Read leniently, ``%ff`` and ``%fe`` both decode to U+FFFD and
+    ``%ZZ`` to itself, as ``%25ZZ`` does: different requests would hash the same, while
+    the provider reads them apart (or refuses them)."""
     try:
         text = raw.decode("utf-8")
+        if _BAD_ESCAPE.search(text):
+            raise ValueError("a % that escapes no byte")
         return parse_qsl(
-            text, keep_blank_values=True, strict_parsing=bool(text), max_num_fields=MAX_FIELDS
+            text,
+            keep_blank_values=True,
+            strict_parsing=bool(text),
+            max_num_fields=MAX_FIELDS,
+            errors="strict",
         )
     except (UnicodeDecodeError, ValueError) as exc:
         raise Malformed(f"request body is not a valid form: {exc}") from exc
@@ -97,6 +112,10 @@ def boundary_of(content_type: str) -> bytes:
     """The boundary a multipart ``Content-Type`` declares (RFC 2046 §5.1.1: 1-70 chars)."""
     message = Message()
     message["content-type"] = content_type
+    if _count(message.get_params() or [], "boundary") > 1:
+        # Parsers disagree on which one frames the body: effectguard would hash (and price)
+        # other parts than the provider reads.
+        raise Malformed("multipart Content-Type names more than one boundary")
     boundary = message.get_param("boundary")
     if not isinstance(boundary, str) or not 0 < len(boundary) <= 70:
         raise Malformed("multipart Content-Type has no valid boundary")
@@ -154,19 +173,7 @@ def _at(raw: Buffer, pos: int, token: bytes) -> bool:
 
 def _part(raw: Buffer, view: memoryview, start: int, end: int) -> Part:
     """The part between ``start`` and ``end``: its headers, then its content."""
-    if _at(raw, start, _CRLF):
-        head, body_at = b"", start + 2
-    else:
-        split = raw.find(_CRLF + _CRLF, start, end + 2)
-        if split < 0:
-            raise Malformed("multipart part has no end of headers")
-        head, body_at = raw[start:split], min(split + 4, end)
-    try:
-        headers = BytesHeaderParser().parsebytes(head + _CRLF * 2)
-    except Exception as exc:  # the parser's own errors are not one tree
-        raise Malformed(f"multipart part headers do not parse: {exc}") from exc
-    if headers.get_content_disposition() != "form-data":
-        raise Malformed("multipart part is not Content-Disposition: form-data")
+    headers, body_at = _part_headers(raw, start, end)
     name = _param(headers, "name")
     if name is None:
         raise Malformed("multipart part has no name")
@@ -184,6 +191,42 @@ def _part(raw: Buffer, view: memoryview, start: int, end: int) -> Part:
             size=len(content),
             value=value,
         )
+
+
+def _part_headers(raw: Buffer, start: int, end: int) -> tuple[Message, int]:
+    """A part's headers, and where its content starts. They are bounded (the email parser
+    takes seconds over megabytes of header lines) and must say what the part is once:
+    one disposition, one content type, one name and filename, which every reader then
+    reads alike."""
+    if _at(raw, start, _CRLF):
+        head, body_at = b"", start + 2
+    else:
+        split = raw.find(_CRLF + _CRLF, start, min(end + 2, start + MAX_PART_HEAD_BYTES + 4))
+        if split < 0:
+            if end - start > MAX_PART_HEAD_BYTES:
+                raise Malformed(f"multipart part headers are over {MAX_PART_HEAD_BYTES} bytes")
+            raise Malformed("multipart part has no end of headers")
+        head, body_at = raw[start:split], min(split + 4, end)
+    try:
+        headers = BytesHeaderParser().parsebytes(head + _CRLF * 2)
+    except Exception as exc:  # the parser's own errors are not one tree
+        raise Malformed(f"multipart part headers do not parse: {exc}") from exc
+    if headers.get_content_disposition() != "form-data":
+        raise Malformed("multipart part is not Content-Disposition: form-data")
+    for header in ("content-disposition", "content-type"):
+        if len(headers.get_all(header) or []) > 1:
+            raise Malformed(f"multipart part has more than one {header} header")
+    params = headers.get_params(header="content-disposition") or []
+    for key in ("name", "filename"):
+        if _count(params, key) > 1:
+            raise Malformed(f"multipart part names its {key} more than once")
+    return headers, body_at
+
+
+def _count(params: list[tuple[str, Any]], key: str) -> int:
+    """How many of a header's parameters are ``key`` (the email parser lowercases keys
+    and folds an RFC 2231 ``key*`` into ``key``, so each spelling counts)."""
+    return sum(1 for k, _ in params if k.lower() == key)
 
 
 def _param(headers: Message, key: str) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import unquote, urlencode
 
 FORM = "application/x-www-form-urlencoded"
 
@@ -27,6 +27,52 @@ def writable(parsed: dict[str, Any], path: str) -> bool:
         if not isinstance(node, dict):
             return False
     return True
+
+
+def supplied(parsed: dict[str, Any], name: str, where: str) -> bool:
+    """Whether the client's own body already names field ``name``, as some reader of it
+    would take it, so that the provider could read the client's value for effectguard's.
+
+    A form field the client sent and the one effectguard appends would both reach the
+    provider, which keeps the first or the last as its parser likes: any field that names
+    the same one, percent-encoded once more, in another case, with white space, dotted
+    (``metadata.effectguard_op``) or nested under it (``metadata[effectguard_op][]``),
+    counts. A JSON body is rewritten whole, so a key at the exact path is simply replaced;
+    only another spelling of it (``metadata`` for ``Metadata``) would reach the provider
+    beside effectguard's, and a reader that ignores case may take either.
+    """
+    if where == "form":
+        wanted = _form_key(name)
+        return any(key == wanted or key.startswith(wanted + ".") for key in map(_form_key, parsed))
+    steps = name.split(".")
+    return _json_spelled(parsed, steps, exact=True)
+
+
+def _form_key(key: str) -> str:
+    """A form key as a lenient reader might take it: decoded until it stops changing,
+    white space and controls dropped, case folded, ``a[b][c]`` spelled ``a.b.c``."""
+    for _ in range(3):
+        decoded = unquote(key)
+        if decoded == key:
+            break
+        key = decoded
+    kept = "".join(ch for ch in key if ch.isprintable() and not ch.isspace()).casefold()
+    return kept.replace("][", ".").replace("[", ".").replace("]", "")
+
+
+def _json_spelled(node: Any, steps: list[str], exact: bool) -> bool:
+    """Whether ``node`` has ``steps`` spelled other than exactly (keys compared without
+    case); ``exact``: the steps so far were spelled exactly."""
+    if not steps:
+        return not exact
+    if not isinstance(node, dict):
+        return False
+    want = steps[0].casefold()
+    return any(
+        _json_spelled(child, steps[1:], exact and key == steps[0])
+        for key, child in node.items()
+        if isinstance(key, str) and key.casefold() == want
+    )
 
 
 def write(body: bytes, content_type: str, fields: Sequence[tuple[str, str]]) -> bytes:

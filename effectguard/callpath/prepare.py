@@ -192,6 +192,13 @@ def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.B
             )
         if want == "json":
             paths_.append(endpoint.op_id.name)
+        if opfields.supplied(parsed, endpoint.op_id.name, want):
+            raise refuse(
+                400,
+                "invalid_request",
+                f"the request sets {endpoint.op_id.name!r} itself: that field is where "
+                "effectguard writes the call's operation id, which only effectguard may set",
+            )
     if paths_ and kind != "json":
         raise refuse(400, "invalid_request", f"this endpoint's body must be {_MEDIA['json']}")
     for path in paths_:
@@ -223,6 +230,7 @@ def _parse_body(
     try:
         if kind == "form":
             fields = bodies.parse_form(raw)
+            _named_once([k for k, _ in fields], "model")
             return dict(fields), {"fields": bodies.hashed_form(fields)}
         if kind == "multipart":
             spool = request.spool
@@ -230,6 +238,7 @@ def _parse_body(
                 parts = bodies.parse_multipart(raw, content_type)
             else:
                 parts = bodies.parse_multipart_file(spool.path, content_type)
+            _named_once([p.name for p in parts], "model")
             return bodies.part_fields(parts), {"parts": bodies.hashed_parts(parts)}
     except bodies.Malformed as exc:
         raise refuse(400, "invalid_request", str(exc)) from exc
@@ -237,6 +246,14 @@ def _parse_body(
         return {}, raw
     parsed = _parse_json(raw)
     return parsed, parsed or raw
+
+
+def _named_once(names: list[str], field: str) -> None:
+    """A field effectguard reads from a form or multipart body (the ``model`` it prices)
+    must be there at most once: effectguard would read the last, a provider perhaps the
+    first, and price one model while the provider runs another."""
+    if names.count(field) > 1:
+        raise bodies.Malformed(f"request body names its {field} more than once")
 
 
 def _model_and_price(
