@@ -214,6 +214,33 @@ async def test_a_well_formed_empty_search_resends_exactly_once(
     await finish(t)
 
 
+async def test_concurrent_keyed_resends_of_one_call_send_it_once(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+) -> None:
+    """A client that fires eight keyed resends of one lost call at once, each asking the
+    lookup: one new attempt goes out; the others are told it is in progress, or, once it
+    has completed, replayed its answer."""
+    t, client, lost = await a_lost_call(tmp_path, make_transport, fake, hostile)
+    hostile.follow(whole(200, EMPTY))
+    headers = {"Idempotency-Key": "bad"}
+    answered = await asyncio.gather(
+        *(client.post(fake.url + SEND, json=charge(99), headers=headers) for _ in range(8))
+    )
+    # The one that went out, and any that came after it completed (a replay), say 200
+    # with its answer; those that met it in flight, 409 in_progress.
+    sent = [r for r in answered if r.status_code == 200]
+    assert len({r.content for r in sent}) == 1
+    assert [r.headers.get("effectguard-replayed") for r in sent].count(None) == 1
+    waiting = [r for r in answered if r.status_code != 200]
+    assert {(r.status_code, r.json()["error"]["type"]) for r in waiting} <= {(409, "in_progress")}
+    assert sent_ops(fake).count(lost) == 1
+    await finish(t)
+
+
 async def test_a_search_that_finds_this_operation_recovers_it(
     tmp_path: Path,
     make_transport: MakeTransport,
