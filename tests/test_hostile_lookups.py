@@ -533,6 +533,9 @@ REFUSED: dict[str, tuple[str, str, bytes]] = {
     "multipart with 40 KB of part headers": upload_case(
         whisper(field(b"note") + b"\r\nX-Pad: p" * 4000)
     ),
+    "multipart with 100 parts of 2600 short header lines": upload_case(
+        whisper(*[field(b"n%d" % n) + b"\r\nX: y" * 2600 for n in range(100)])
+    ),
     "multipart with 30000 parts": upload_case(whisper(*[field(b"n%d" % n) for n in range(30000)])),
     "a part with two dispositions": upload_case(
         whisper(field(b"note") + b"\r\n" + field(b"model"))
