@@ -516,6 +516,9 @@ REFUSED: dict[str, tuple[str, str, bytes]] = {
     "the op-id field in other case": form_case(b"amount=1&Metadata[EFFECTGUARD_OP]=x"),
     "the op-id field with a space": form_case(b"amount=1&metadata[effectguard_op]+=x"),
     "the op-id field nested under": form_case(b"amount=1&metadata[effectguard_op][]=x"),
+    "the op-id field nested under a long key": form_case(
+        b"metadata[effectguard_op][" + b"%2561" * 5000 + b"]=x"
+    ),
     "the op-id field dotted": form_case(b"amount=1&metadata.effectguard_op=x"),
     "a form with a bad escape": form_case(b"amount=1&note=%ZZ"),
     "a form escaping bytes that are not UTF-8": form_case(b"amount=1&note=%ff"),
