@@ -4,7 +4,7 @@ A misbehaving provider: the lookup of an effect-unknown call is answered by
 :mod:`hostilekit`'s scripted endpoint (hung, dripped a byte at a time, huge, redirected,
 refused, of the wrong shape, lying about its type, cut off, not HTTP at all). Each answer
 must leave the call ``effect_unknown`` with nothing recorded and nothing sent again,
-unless it is genuine evidence (the two controls). A hostile client: form and multipart
+unless it is genuine evidence (the controls). A hostile client: form and multipart
 bodies that are ambiguous, forge effectguard's own operation-id field, or cost more to
 parse than any real request. Every bad request runs beside good keyed calls, which must
 each reach the real fake provider exactly once (counted from its receipts); the ledger
