@@ -119,12 +119,15 @@ def hostile() -> Iterator[HostileSearch]:
         yield endpoint
 
 
-def declaration(tmp_path: Path, hostile: HostileSearch, freshness: float = 60) -> Path:
+def declaration(
+    tmp_path: Path, hostile: HostileSearch, freshness: float = 60, not_found: str = "[200]"
+) -> Path:
     """``payments`` (toolkit), its lookup sent to ``hostile`` with a short timeout, and
     checking that a found object carries the call's op id."""
     folder = declare(tmp_path, freshness=freshness)
     path = folder / "payments.toml"
     text = path.read_text().replace("{base_url}/v1/search", hostile.url + "/v1/search")
+    text = text.replace("not_found = [200]", f"not_found = {not_found}")
     match = 'match = "metadata.effectguard_op"'
     text = text.replace("timeout_s = 5", f"timeout_s = {TIMEOUT_S}\n{match}")
     path.write_text(text)
@@ -152,11 +155,16 @@ async def beside_good_calls(
 
 
 async def a_lost_call(
-    tmp_path: Path, make_transport: MakeTransport, fake: FakeProvider, hostile: HostileSearch
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+    not_found: str = "[200]",
 ) -> tuple[AsyncGuardTransport, httpx.AsyncClient, str]:
     """A transport whose first send was lost (its call effect-unknown), its clock past
     the lookup's freshness; the client, and the lost call's id."""
-    t = lossy_transport(make_transport, declaration(tmp_path, hostile), fake)
+    folder = declaration(tmp_path, hostile, not_found=not_found)
+    t = lossy_transport(make_transport, folder, fake)
     client = httpx.AsyncClient(transport=t, headers=AUTH)
     lost = await lost_send(client, fake.url + SEND, charge(99), headers={"Idempotency-Key": "bad"})
     guard = await t.guard()
@@ -211,6 +219,32 @@ async def test_a_well_formed_empty_search_resends_exactly_once(
     assert "effectguard-recovered" not in resent.headers
     ops = sent_ops(fake)
     assert all(ops.count(call_id) == 1 for call_id in [lost, *good])
+    await finish(t)
+
+
+@pytest.mark.parametrize(
+    ("content_type", "resent"),
+    [("text/html", False), (None, False), ("application/json", True)],
+    ids=["HTML 404", "404 without a type", "the provider's JSON 404"],
+)
+async def test_a_not_found_status_counts_only_in_the_providers_json(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+    content_type: str | None,
+    resent: bool,
+) -> None:
+    """With ``not_found = [404]`` declared, a 404 proves "not applied" only in the
+    provider's own JSON: a gateway's HTML 404 (or one with no type) leaves the lost call
+    unknown and unsent; a JSON 404 past the freshness resends it exactly once."""
+    t, client, lost = await a_lost_call(tmp_path, make_transport, fake, hostile, "[200, 404]")
+    body = b'{"error": {"type": "not_found"}}' if resent else b"<html>404 Not Found</html>"
+    hostile.follow(whole(404, body, content_type=content_type))
+    answer = await client.post(fake.url + SEND, json=charge(99), headers={"Idempotency-Key": "bad"})
+    assert answer.status_code == (200 if resent else 409), answer.text
+    assert sent_ops(fake).count(lost) == (1 if resent else 0)
     await finish(t)
 
 

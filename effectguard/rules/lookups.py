@@ -173,6 +173,12 @@ def read_answer(
             return applied_reading(value, applied, match, op)
     if status not in not_found:
         return Reading("unknown", f"status {status} is neither applied nor not found")
+    if not success:
+        # An error status says "not found" only in the provider's own words: a gateway's
+        # or a moved endpoint's HTML 404 would otherwise make every unknown call resend.
+        parsed, why = parse_json(body, content_type)
+        if parsed is _ABSENT:
+            return Reading("unknown", f"status {status} but {why}")
     if success:
         # A success proves absence only by saying so: a well-formed answer whose result
         # collection is there and empty. An HTML page, or JSON of another shape, is not.
