@@ -17,6 +17,7 @@ from effectguard.ops.command import (
     EXIT_OK,
     EXIT_USAGE,
     Command,
+    call_usd,
     ledger_option,
     provider_options,
     upstream_flag,
@@ -178,7 +179,7 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("call_id", nargs="?", help="the call id")
     p.add_argument("--applied", action="store_true", help="the effect happened")
     p.add_argument("--not-applied", action="store_true", help="the effect did not happen")
-    p.add_argument("--cost", type=usd, help="actual cost in USD (with --applied)")
+    p.add_argument("--cost", type=call_usd, help="actual cost in USD (with --applied)")
     p.add_argument("--note", help="how you know (required)")
     p.add_argument("--by", default=getpass.getuser(), help="who decides (default: login name)")
     p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")

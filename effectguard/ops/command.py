@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, localcontext
 from pathlib import Path
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
-from effectguard.rules.money import check_amount, usd_to_nanos
+from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, check_amount, nanos_to_usd
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 
@@ -89,18 +90,43 @@ def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True)
     )
 
 
-def usd(value: str) -> int:
-    """An argparse type: a non-negative USD amount, as nanos."""
-    try:
-        amount = Decimal(value)
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not a USD amount: {value!r}") from None
-    if amount < 0:
+#: A USD amount as an operator writes one: ASCII digits, a point, an exponent; no sign,
+#: no ``_``, no ``NaN`` or ``inf`` (all of which ``Decimal`` would take).
+_USD = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _amount(value: str, bound: int, what: str) -> int:
+    text = value.strip()
+    if text.startswith("-") and _USD.fullmatch(text[1:]):
         raise argparse.ArgumentTypeError("amounts cannot be negative")
+    if not _USD.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a USD amount: {value!r} (e.g. 12.50)")
+    amount = Decimal(text)
+    out_of_range = f"{what} must be between 0 and {nanos_to_usd(bound)} USD"
+    if amount.adjusted() > 20:  # far past any bound: refused before any arithmetic on it
+        raise argparse.ArgumentTypeError(out_of_range)
+    # Exact arithmetic (enough digits for every digit given): a limit is never rounded.
+    with localcontext(prec=len(text) + 40):
+        nanos = amount.scaleb(9)
+        if amount and (amount.adjusted() < -10 or nanos != nanos.to_integral_value()):
+            raise argparse.ArgumentTypeError(
+                f"{value.strip()} USD is finer than a nano-dollar (at most 9 decimal places)"
+            )
     try:
-        return check_amount(usd_to_nanos(amount))  # a counter must be able to hold it
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        return check_amount(int(nanos), bound, what)
+    except ValueError:
+        raise argparse.ArgumentTypeError(out_of_range) from None
+
+
+def usd(value: str) -> int:
+    """An argparse type: a non-negative USD amount that a budget counter can hold, as nanos
+    (exact: an amount finer than a nano-dollar is refused, not rounded)."""
+    return _amount(value, MAX_NANOS, "amount")
+
+
+def call_usd(value: str) -> int:
+    """An argparse type: what one call may cost (:data:`MAX_CALL_NANOS`), as nanos."""
+    return _amount(value, MAX_CALL_NANOS, "a cost")
 
 
 def upstreams(args: argparse.Namespace) -> dict[str, str]:

@@ -1,0 +1,135 @@
+"""A hostile or careless operator at the command line (docs/contract.md §8): bad input gets
+a non-zero exit and one clear line naming what was wrong, never a traceback, and changes
+nothing an operator can see (calls, budgets, keys, verify's report, the files beside the
+ledger). Legitimate extremes do the documented thing.
+
+Each row runs the entry point in this process against one ledger per row group, copied from
+a ledger with a call in every stage (tests/hostilekit.py). ``@stage`` in a row stands for
+that stage's call id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hostilekit import Ran, run, snapshot, staged_ledger
+
+from effectguard.ops.backup import backup_sqlite
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One row group's ledger, the call ids of its stages and what it looked like at first."""
+
+    ledger: Path
+    ids: dict[str, str]
+    baseline: dict[str, Any]
+
+    def argv(self, args: Sequence[str]) -> list[str]:
+        """``args`` with ``@stage`` replaced by call ids, and ``--ledger`` unless given."""
+        out = [self.ids.get(a[1:], a) if a.startswith("@") else a for a in args]
+        return out if "--ledger" in out else [*out, "--ledger", str(self.ledger)]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The staged ledger every group copies (written once: traffic takes a second)."""
+    ledger = tmp_path_factory.mktemp("template") / "ledger.db"
+    return ledger, staged_ledger(ledger)
+
+
+def _group(template: tuple[Path, dict[str, str]], folder: Path) -> Group:
+    ledger = folder / "ledger.db"
+    backup_sqlite(str(template[0]), ledger)
+    return Group(ledger, template[1], snapshot(ledger))
+
+
+@pytest.fixture(scope="module")
+def shared(
+    template: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
+) -> Group:
+    """The refusal rows' ledger: no row may change it."""
+    return _group(template, tmp_path_factory.mktemp("shared"))
+
+
+@pytest.fixture
+def own(template: tuple[Path, dict[str, str]], tmp_path: Path) -> Group:
+    """A ledger of the test's own, for commands that are meant to change it."""
+    return _group(template, tmp_path)
+
+
+def refused(group: Group, args: Sequence[str], code: int, *needles: str) -> Ran:
+    """Run ``args``: exit ``code``, a one-line message saying ``needles``, nothing changed."""
+    done = run(*group.argv(args))
+    assert (done.code, done.out) == (code, ""), done
+    assert "Traceback" not in done.err
+    lines = done.err.rstrip("\n").splitlines()
+    # argparse's own errors print the usage first; the message is always the last line.
+    assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), done.err
+    assert lines[-1].startswith("effectguard"), done.err
+    assert all(needle in lines[-1] for needle in needles), done.err
+    assert snapshot(group.ledger) == group.baseline
+    return done
+
+
+MAX_USD = "9223372036.854775807"
+AMOUNTS = [
+    ("-1", "amounts cannot be negative"),
+    ("=-0.5", "amounts cannot be negative"),
+    ("=-inf", "not a USD amount: '-inf'"),
+    ("NaN", "not a USD amount: 'NaN'"),
+    ("sNaN", "not a USD amount: 'sNaN'"),
+    ("inf", "not a USD amount: 'inf'"),
+    ("0x10", "not a USD amount: '0x10'"),
+    ("1_000", "not a USD amount: '1_000'"),
+    ("\u0661\u0662", "not a USD amount"),  # Arabic-Indic digits
+    ("", "not a USD amount: ''"),
+    ("1e400", f"must be between 0 and {MAX_USD} USD"),
+    ("1e999999", f"must be between 0 and {MAX_USD} USD"),
+    (str(10**30), f"must be between 0 and {MAX_USD} USD"),
+    ("9223372036.8547758071", "finer than a nano-dollar"),
+    ("0.0000000001", "finer than a nano-dollar"),
+    ("1e-999999999", "finer than a nano-dollar"),
+]
+
+
+def _flag(name: str, value: str) -> list[str]:
+    # "--limit=-1" keeps argparse from reading a leading "-" as an option.
+    return [name + value] if value.startswith("=") else [name, value]
+
+
+@pytest.mark.parametrize(("value", "needle"), AMOUNTS, ids=[repr(a) for a, _ in AMOUNTS])
+def test_a_bad_limit_is_refused(shared: Group, value: str, needle: str) -> None:
+    """budget set --limit takes a plain decimal USD amount within a counter, to the nano."""
+    refused(shared, ["budget", "set", "team", *_flag("--limit", value)], 2, "--limit: ", needle)
+
+
+@pytest.mark.parametrize(("value", "needle"), AMOUNTS, ids=[repr(a) for a, _ in AMOUNTS])
+def test_a_bad_cost_is_refused(shared: Group, value: str, needle: str) -> None:
+    """reconcile --cost reads amounts as --limit does (and within one call's maximum)."""
+    needle = needle.replace(MAX_USD, "9007199.254740992")
+    args = ["reconcile", "@unknown", "--applied", "--note", "n", *_flag("--cost", value)]
+    refused(shared, args, 2, "--cost: ", needle)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("0", "0.000000000"),
+        (MAX_USD, MAX_USD),
+        ("1.5000000000", "1.500000000"),
+        ("2e3", "2000.000000000"),
+        (" 7 ", "7.000000000"),
+    ],
+)
+def test_an_extreme_but_exact_limit_is_set(own: Group, value: str, shown: str) -> None:
+    """Zero, the largest a counter holds, and exact amounts written oddly are set as given."""
+    done = run(*own.argv(["budget", "set", "team", "--limit", value, "--json"]))
+    assert done.code == 0, done.err
+    assert snapshot(own.ledger)["budgets"] == [
+        b | {"limit_usd": shown} if b["path"] == "team" else b for b in own.baseline["budgets"]
+    ]
