@@ -133,3 +133,16 @@ def test_an_extreme_but_exact_limit_is_set(own: Group, value: str, shown: str) -
     assert snapshot(own.ledger)["budgets"] == [
         b | {"limit_usd": shown} if b["path"] == "team" else b for b in own.baseline["budgets"]
     ]
+
+
+@pytest.mark.parametrize("value", ["1e999999", "-1e999999", "1e400"])
+def test_an_absurd_limit_in_the_config_file_is_refused(tmp_path: Path, value: str) -> None:
+    """serve --config with an amount past any counter exits 2 naming the budget, before it
+    opens a ledger."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f'[budgets]\n"team" = "{value}"\n')
+    ledger = tmp_path / "ledger.db"
+    done = run("serve", "--config", str(config), "--ledger", str(ledger), "--port", "0")
+    assert done.code == 2, done
+    assert "budgets.team" in done.err.strip().splitlines()[-1], done.err
+    assert not ledger.exists()
