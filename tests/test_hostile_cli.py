@@ -146,3 +146,71 @@ def test_an_absurd_limit_in_the_config_file_is_refused(tmp_path: Path, value: st
     assert done.code == 2, done
     assert "budgets.team" in done.err.strip().splitlines()[-1], done.err
     assert not ledger.exists()
+
+
+SEGMENT = "s" * 64
+BAD_PATHS = ["", "a//b", "/a", "a/", "a=b", "a\nb", "é", "s" * 65, "/".join("abcdefghi"), ".a"]
+
+
+@pytest.mark.parametrize("path", BAD_PATHS, ids=repr)
+def test_a_bad_budget_path_is_refused(shared: Group, path: str) -> None:
+    """budget set PATH takes 1-8 '/'-separated segments of letters, digits, '.', '_', '-'."""
+    refused(
+        shared, ["budget", "set", path, "--limit", "1"], 2, "argument path: invalid budget path"
+    )
+
+
+BAD_COUNTS = [
+    ("-1", "a count cannot be negative"),
+    ("1e30", "not a count: '1e30'"),
+    ("NaN", "not a count: 'NaN'"),
+    ("0x10", "not a count: '0x10'"),
+    ("2.5", "not a count: '2.5'"),
+    ("+3", "not a count: '+3'"),
+    ("1_000", "not a count: '1_000'"),
+    ("\u0661\u0662", "not a count"),
+    ("", "not a count: ''"),
+    (str(2**63), "at most 9223372036854775807"),
+    ("9" * 5000, "at most 9223372036854775807"),
+]
+
+
+@pytest.mark.parametrize("flag", ["--rpm", "--tpm", "--concurrency"])
+@pytest.mark.parametrize(("value", "needle"), BAD_COUNTS, ids=[v[:8] for v, _ in BAD_COUNTS])
+def test_a_bad_rate_limit_is_refused(shared: Group, flag: str, value: str, needle: str) -> None:
+    """--rpm, --tpm and --concurrency take ASCII digits that a counter holds, or none."""
+    refused(shared, ["budget", "set", "team", *_flag(flag, value)], 2, f"{flag}: ", needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["team"], "budget set needs --limit USD or --no-limit"),
+        (["team", "--limit", "1", "--no-limit"], "not both"),
+        (["team", "--period", "year"], "argument --period: invalid choice: 'year'"),
+        (["team", "--period", ""], "argument --period: invalid choice: ''"),
+        (["team", "--period", "Day"], "argument --period: invalid choice: 'Day'"),
+    ],
+)
+def test_a_budget_set_without_a_change_is_refused(
+    shared: Group, args: list[str], needle: str
+) -> None:
+    """budget set needs something to set, one limit, and a period it knows."""
+    refused(shared, ["budget", "set", *args], 2, needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "shown"),
+    [
+        (["--rpm", "0"], "rpm", 0),
+        (["--tpm", " 12 "], "tpm", 12),
+        (["--concurrency", str(2**63 - 1)], "concurrency", 2**63 - 1),
+        (["--rpm", "NONE"], "rpm", None),
+    ],
+)
+def test_an_extreme_rate_limit_is_set(own: Group, args: list[str], field: str, shown: Any) -> None:
+    """Zero (admit nothing), the largest count a counter holds and 'none' are set as given."""
+    path = "/".join([SEGMENT] * 8)  # the longest path there is
+    assert run(*own.argv(["budget", "set", path, *args])).code == 0
+    (node,) = [b for b in snapshot(own.ledger)["budgets"] if b["path"] == path]
+    assert node[field] == shown

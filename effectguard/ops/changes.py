@@ -26,6 +26,7 @@ from effectguard.ops.command import (
 )
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
+from effectguard.rules.money import MAX_NANOS
 from effectguard.rules.periods import PERIOD_KINDS
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
@@ -33,16 +34,27 @@ NONE = -1
 
 
 def count_or_none(value: str) -> int:
-    """An argparse type: a count (``0`` and up), or ``none`` (as :data:`NONE`)."""
-    if value.lower() == "none":
+    """An argparse type: a count (ASCII digits, ``0`` up to what a counter holds), or
+    ``none`` (as :data:`NONE`)."""
+    text = value.strip()
+    if text.lower() == "none":
         return NONE
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a count: {value!r}") from None
-    if count < 0:
+    if text.startswith("-") and text[1:].isdecimal():
         raise argparse.ArgumentTypeError("a count cannot be negative")
-    return count
+    if not text.isascii() or not text.isdecimal():
+        raise argparse.ArgumentTypeError(f"not a count: {value!r} (digits, or none)")
+    # Compared as text first: int() refuses strings of more than 4300 digits.
+    if len(text.lstrip("0")) > len(str(MAX_NANOS)) or int(text) > MAX_NANOS:
+        raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
+    return int(text)
+
+
+def budget_path(value: str) -> str:
+    """An argparse type: a budget path (:func:`~effectguard.rules.budget.validate_path`)."""
+    try:
+        return validate_path(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _usage(message: str) -> int:
@@ -123,7 +135,7 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
     What is not given keeps its current value. A limit below what the node has already
     spent in its current period is set all the same, with a warning on stderr.
     """
-    path = validate_path(args.path)
+    path: str = args.path
     current = (await ledger.policies()).get(path) or BudgetPolicy(path)
     policy = dataclasses.replace(current, **_policy_changes(args))
     try:
@@ -201,7 +213,7 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="budget_command", required=True, metavar="ACTION")
     q = actions.add_parser("set", help="set a budget's limit", description="Set a budget's limit.")
     ledger_option(q)
-    q.add_argument("path", help="budget path, e.g. team-a/run-42")
+    q.add_argument("path", type=budget_path, help="budget path, e.g. team-a/run-42")
     q.add_argument("--limit", type=usd, help="limit in USD")
     q.add_argument("--no-limit", action="store_true", help="remove the limit")
     q.add_argument(
