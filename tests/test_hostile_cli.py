@@ -214,3 +214,33 @@ def test_an_extreme_rate_limit_is_set(own: Group, args: list[str], field: str, s
     assert run(*own.argv(["budget", "set", path, *args])).code == 0
     (node,) = [b for b in snapshot(own.ledger)["budgets"] if b["path"] == path]
     assert node[field] == shown
+
+
+BAD_ZONES = [
+    ("Mars/Base", "unknown timezone 'Mars/Base'"),
+    ("../../etc/passwd", "unknown timezone '../../etc/passwd'"),
+    ("", "unknown timezone ''"),
+    ("/etc/localtime", "unknown timezone '/etc/localtime'"),
+    ("utc", "unknown timezone 'utc'"),
+    ("Europe/Paris ", "unknown timezone 'Europe/Paris '"),
+    ("Europe\x00Paris", "unknown timezone"),
+    ("A" * 5000, "unknown timezone 'AAAA"),
+    ("localtime", "'localtime' is this machine's own zone"),
+    ("posixrules", "'posixrules' is this machine's own zone"),
+]
+
+
+@pytest.mark.parametrize(("zone", "needle"), BAD_ZONES, ids=[z[:12] for z, _ in BAD_ZONES])
+def test_a_bad_timezone_is_refused(shared: Group, zone: str, needle: str) -> None:
+    """--tz takes an IANA zone name that means the same on every machine; the message
+    shows at most the start of a long one."""
+    done = refused(shared, ["budget", "set", "team", "--tz", zone], 2, "--tz: ", needle)
+    assert len(done.err.splitlines()[-1]) < 200
+
+
+@pytest.mark.parametrize("zone", ["Europe/Paris", "Etc/GMT+5", "EST5EDT", "Pacific/Kiritimati"])
+def test_an_iana_timezone_is_set(own: Group, zone: str) -> None:
+    """A zone of the IANA database is set as given."""
+    assert run(*own.argv(["budget", "set", "team", "--tz", zone])).code == 0
+    (node,) = [b for b in snapshot(own.ledger)["budgets"] if b["path"] == "team"]
+    assert node["tz"] == zone

@@ -27,7 +27,7 @@ from effectguard.ops.command import (
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
 from effectguard.rules.money import MAX_NANOS
-from effectguard.rules.periods import PERIOD_KINDS
+from effectguard.rules.periods import PERIOD_KINDS, validate_zone
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
 NONE = -1
@@ -47,6 +47,14 @@ def count_or_none(value: str) -> int:
     if len(text.lstrip("0")) > len(str(MAX_NANOS)) or int(text) > MAX_NANOS:
         raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
     return int(text)
+
+
+def zone_name(value: str) -> str:
+    """An argparse type: an IANA timezone (:func:`~effectguard.rules.periods.validate_zone`)."""
+    try:
+        return validate_zone(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def budget_path(value: str) -> str:
@@ -219,7 +227,9 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--period", choices=PERIOD_KINDS, help="the limit resets each calendar day, week or month"
     )
-    q.add_argument("--tz", help="IANA timezone of the period's calendar (default UTC)")
+    q.add_argument(
+        "--tz", type=zone_name, help="IANA timezone of the period's calendar (default UTC)"
+    )
     for name, what in (
         ("rpm", "requests per minute"),
         ("tpm", "tokens per minute (admission estimate, corrected at settlement)"),

@@ -214,7 +214,7 @@ def validate_policy(policy: BudgetPolicy) -> BudgetPolicy:
     validate_path(policy.path)
     validate_limit(policy.limit)
     periods.validate_kind(policy.period)
-    periods.zone(policy.tz)
+    periods.validate_zone(policy.tz)
     for name in ("rpm", "tpm", "concurrency"):
         value = getattr(policy, name)
         if value is not None and not 0 <= value <= MAX_NANOS:

@@ -30,13 +30,32 @@ _WEEK = re.compile(r"^(\d{4})-W(\d{2})$")
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
 
 
+#: Names the timezone database answers with whatever this machine's clock is set to:
+#: a budget declared in one would reset at different instants on different replicas.
+HOST_ZONES: Final = frozenset({"localtime", "posixrules"})
+
+
 @lru_cache(maxsize=256)
 def zone(name: str) -> ZoneInfo:
     """The IANA timezone ``name``; ``ValueError`` if there is none."""
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
-        raise ValueError(f"unknown timezone {name!r} (use an IANA name like Europe/Paris)") from exc
+    # OSError: a name too long for a file name is no zone either.
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+        shown = repr(name) if len(name) <= 64 else repr(name[:40]) + f"... ({len(name)} chars)"
+        raise ValueError(f"unknown timezone {shown} (use an IANA name like Europe/Paris)") from exc
+
+
+def validate_zone(name: str) -> str:
+    """``name`` if it is an IANA zone that means the same on every machine, else
+    ``ValueError`` (for a new policy; stored policies are read with :func:`zone`)."""
+    if name in HOST_ZONES:
+        raise ValueError(
+            f"{name!r} is this machine's own zone, which other machines read differently; "
+            "name the zone (e.g. Europe/Paris)"
+        )
+    zone(name)
+    return name
 
 
 def validate_kind(kind: str) -> PeriodKind:
