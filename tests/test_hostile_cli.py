@@ -244,3 +244,24 @@ def test_an_iana_timezone_is_set(own: Group, zone: str) -> None:
     assert run(*own.argv(["budget", "set", "team", "--tz", zone])).code == 0
     (node,) = [b for b in snapshot(own.ledger)["budgets"] if b["path"] == "team"]
     assert node["tz"] == zone
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["budget", "set", "team\n", "--limit", "1"], "argument path: invalid budget path"),
+        (["key", "new", "--root", "team\n"], "invalid budget path 'team\\n'"),
+        (["key", "new", "--root", "team", "--name", "ci\n"], "key name 'ci\\n'"),
+        (["budgets", "--period", "2026-01\n"], "argument --period: not a period: '2026-01\\n'"),
+        (["budgets", "--period", "２０２６-01"], "argument --period: not a period"),
+        (["budgets", "--period", "2026-W0\u0665"], "argument --period: not a period"),
+        (["calls", "--since", "\u0667d"], "argument --since"),
+    ],
+    ids=["path", "root", "key-name", "label", "fullwidth-label", "week-label", "since"],
+)
+def test_a_name_is_checked_to_its_last_character(
+    shared: Group, args: list[str], needle: str
+) -> None:
+    """A trailing newline or a non-ASCII digit does not slip past a name's pattern
+    ('$' matches before a final newline; '\\d' matches any script's digits)."""
+    refused(shared, args, 2, needle)

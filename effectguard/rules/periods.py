@@ -25,9 +25,9 @@ PERIOD_KINDS: Final[tuple[PeriodKind, ...]] = get_args(PeriodKind)
 TOTAL: Final = "total"
 DEFAULT_TZ: Final = "UTC"
 
-_DAY = re.compile(r"^(\d{4})-(\d{2})-(\d{2})$")
-_WEEK = re.compile(r"^(\d{4})-W(\d{2})$")
-_MONTH = re.compile(r"^(\d{4})-(\d{2})$")
+_DAY = re.compile(r"(\d{4})-(\d{2})-(\d{2})", re.ASCII)
+_WEEK = re.compile(r"(\d{4})-W(\d{2})", re.ASCII)
+_MONTH = re.compile(r"(\d{4})-(\d{2})", re.ASCII)
 
 
 #: Names the timezone database answers with whatever this machine's clock is set to:
@@ -92,19 +92,19 @@ def kind_of_label(text: str) -> PeriodKind:
     if text == TOTAL:
         return "total"
     first_day(text)  # validates the numbers
-    if _DAY.match(text):
+    if _DAY.fullmatch(text):
         return "day"
-    return "week" if _WEEK.match(text) else "month"
+    return "week" if _WEEK.fullmatch(text) else "month"
 
 
 def first_day(text: str) -> date:
     """The first local date of the period labelled ``text`` (``ValueError`` if not a label)."""
     try:
-        if m := _DAY.match(text):
+        if m := _DAY.fullmatch(text):
             return date(int(m[1]), int(m[2]), int(m[3]))
-        if m := _WEEK.match(text):
+        if m := _WEEK.fullmatch(text):
             return date.fromisocalendar(int(m[1]), int(m[2]), 1)
-        if m := _MONTH.match(text):
+        if m := _MONTH.fullmatch(text):
             return date(int(m[1]), int(m[2]), 1)
     except ValueError as exc:
         raise ValueError(f"not a period: {text!r} ({exc})") from exc
