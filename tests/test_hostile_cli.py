@@ -10,6 +10,7 @@ that stage's call id.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,3 +266,55 @@ def test_a_name_is_checked_to_its_last_character(
     """A trailing newline or a non-ASCII digit does not slip past a name's pattern
     ('$' matches before a final newline; '\\d' matches any script's digits)."""
     refused(shared, args, 2, needle)
+
+
+BAD_LABELS = ["2026-13", "2026-02-30", "2026-02-29", "yesterday", "2026-W54", "2026-W00"]
+BAD_LABELS += ["0000-01", "TOTAL", "", "2026-1", "2026-01-1", "2026-01 "]
+BAD_DATES = ["yesterday", "now", "", "2026-13-01", "2026-02-30", "2026-05-01T25:00", "2026-05"]
+FAR_DATES = ["9999-12-31T23:59:59", "9999-12-31T12:00+00:00", "0001-01-01T00:00"]
+
+
+@pytest.mark.parametrize("label", BAD_LABELS, ids=repr)
+def test_a_bad_period_label_is_refused(shared: Group, label: str) -> None:
+    """budgets --period takes YYYY-MM-DD, YYYY-Www, YYYY-MM (real dates) or total."""
+    refused(shared, ["budgets", "--period", label], 2, "argument --period: not a period")
+
+
+@pytest.mark.parametrize("when", BAD_DATES, ids=repr)
+def test_a_bad_date_is_refused(shared: Group, when: str) -> None:
+    """budgets --at takes a real date, or an ISO date and time."""
+    refused(shared, ["budgets", "--at", when], 2, "argument --at: not a date or time")
+
+
+@pytest.mark.parametrize("when", FAR_DATES, ids=repr)
+def test_an_instant_at_the_end_of_the_calendar_is_refused(shared: Group, when: str) -> None:
+    """An --at instant whose local date some zone cannot hold is refused, not a traceback."""
+    refused(shared, ["budgets", "--at", when], 2, "argument --at: ", "out of range")
+
+
+def test_period_and_at_do_not_go_together(shared: Group) -> None:
+    """budgets takes one of --period and --at."""
+    args = ["budgets", "--period", "2026-05", "--at", "2026-05-01"]
+    refused(shared, args, 2, "argument --at: not allowed with argument --period")
+
+
+@pytest.mark.parametrize(
+    ("args", "path", "label"),
+    [
+        (["--period", "2028-02-29"], "daily", "2028-02-29"),
+        (["--period", "2026-W53"], "weekly", "2026-W53"),
+        (["--period", "9999-12"], "monthly", "9999-12"),
+        (["--period", "0001-W01"], "weekly", "0001-W01"),
+        (["--at", "0001-01-01"], "daily", "0001-01-01"),
+        (["--at", "9999-12-31"], "monthly", "9999-12"),
+        (["--at", "0001-01-02T00:00Z"], "weekly", "0001-W01"),
+        (["--at", "9999-12-30T23:59:59Z"], "daily", "9999-12-31"),  # Kiritimati: UTC+14
+    ],
+)
+def test_a_period_at_the_end_of_the_calendar_is_shown(
+    shared: Group, args: list[str], path: str, label: str
+) -> None:
+    """The first and last periods the calendar holds are shown, in each node's own zone."""
+    done = run(*shared.argv(["budgets", *args, "--json"]))
+    assert done.code == 0, done.err
+    assert {b["path"]: b["period"] for b in json.loads(done.out)}[path] == label

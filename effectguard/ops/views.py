@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from datetime import UTC, date, datetime
@@ -138,14 +139,26 @@ def _period(text: str) -> str:
     return text
 
 
+#: The instants whose local date every zone's calendar holds (UTC offsets stay within a
+#: day): from 0001-01-02 to 9999-12-30 UTC.
+_FIRST_INSTANT = datetime(1, 1, 2, tzinfo=UTC).timestamp()
+_END_INSTANT = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
+
+
 def _instant(text: str) -> str:
     """An argparse type: ``--at`` as a date or an ISO date and time."""
     try:
-        _when(text)
+        _, at = _when(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a date or time: {text!r} (use YYYY-MM-DD or YYYY-MM-DDTHH:MM[+ZONE])"
         ) from None
+    # The whole second decides, as it does for a period's label (periods.label).
+    if at is not None and not _FIRST_INSTANT <= math.floor(at) < _END_INSTANT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: an instant from 0001-01-02 to 9999-12-30 UTC "
+            "(or a date alone, to the calendar's ends)"
+        )
     return text
 
 
