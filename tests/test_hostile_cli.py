@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +318,90 @@ def test_a_period_at_the_end_of_the_calendar_is_shown(
     done = run(*shared.argv(["budgets", *args, "--json"]))
     assert done.code == 0, done.err
     assert {b["path"]: b["period"] for b in json.loads(done.out)}[path] == label
+
+
+BAD_KEYS = [
+    (["--name", ""], 2, "key name ''"),
+    (["--name", "k" * 101], 2, "at most 100 characters"),
+    (["--name", "ké"], 2, "key name 'ké'"),
+    (["--name", "k\x01"], 2, "key name 'k\\x01'"),
+    (["--name", "k=1"], 2, "key name 'k=1'"),
+    (["--name", "a b"], 2, "key name 'a b'"),
+    (["--name", "ci"], 3, "a key named 'ci' is in use"),
+    (["--root", ""], 2, "invalid budget path ''"),
+    (["--root", "a//b"], 2, "invalid budget path 'a//b'"),
+    (["--expires", "yesterday"], 2, "argument --expires: not an ISO 8601 date"),
+    (["--expires", "2026-02-30"], 2, "argument --expires: not an ISO 8601 date"),
+    (["--expires", ""], 2, "argument --expires: not an ISO 8601 date"),
+    (["--expires", "99999-01-01"], 2, "argument --expires: not an ISO 8601 date"),
+    (["--expires", "2099-01-01T00:00+25:00"], 2, "argument --expires: not an ISO 8601 date"),
+    (["--expires", "9999-12-31T23:59:59-12:00"], 2, "argument --expires: ", "out of range"),
+    (["--expires", "0001-01-01T00:00+01:00"], 2, "argument --expires: ", "out of range"),
+    (["--expires", "2020-01-01"], 3, "the expiry is not in the future"),
+    (["--models", ""], 2, "argument --models: give at least one name"),
+    (["--models", ",,"], 2, "argument --models: give at least one name"),
+    (["--models", "gpt-4o,a b"], 2, "argument --models: ", "'a b'"),
+    (["--models", "gpt\x01"], 2, "argument --models: ", "'gpt\\x01'"),
+    (["--providers", "OpenAI"], 2, "argument --providers: ", "'OpenAI'"),
+    (["--providers", "open ai"], 2, "argument --providers: ", "'open ai'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", *["needles"]),
+    [(a, c, n) for a, c, *n in BAD_KEYS],
+    ids=[repr(a[1])[:24] for a, *_ in BAD_KEYS],
+)
+def test_a_bad_key_is_refused(
+    shared: Group, args: list[str], code: int, needles: list[str]
+) -> None:
+    """key new refuses a bad or taken name, a bad root, an expiry that is not a future
+    instant the calendar holds, and model or provider names no call could carry."""
+    argv = ["key", "new", *(["--root", "team"] if "--root" not in args else []), *args]
+    refused(shared, argv, code, *needles)
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [("nothere", "no key named 'nothere'"), ("", "no key named ''"), ("old", "already revoked")],
+)
+def test_revoking_an_unknown_or_revoked_key_is_refused(
+    shared: Group, name: str, needle: str
+) -> None:
+    """key revoke of a name the ledger has no live key for exits 3."""
+    refused(shared, ["key", "revoke", name], 3, needle)
+
+
+def test_the_default_name_of_the_longest_root_is_a_valid_name(own: Group) -> None:
+    """key new without --name on a root of 8 full segments names the key ROOT-xxxxxx cut to
+    100 characters, instead of refusing a name the operator never gave."""
+    root = "/".join([SEGMENT] * 8)
+    done = run(*own.argv(["key", "new", "--root", root, "--json"]))
+    assert done.code == 0, done.err
+    name = json.loads(done.out)["name"]
+    assert len(name) == 100 and name.startswith(SEGMENT) and name[-7] == "-"
+    assert name in {k["name"] for k in snapshot(own.ledger)["keys"]}
+
+
+def test_a_key_may_expire_at_the_calendars_last_second(own: Group) -> None:
+    """--expires 9999-12-31T23:59:59Z is kept, listed and revoked like any other."""
+    args = ["key", "new", "--root", "team", "--name", "far", "--expires", "9999-12-31T23:59:59Z"]
+    assert run(*own.argv(args)).code == 0
+    (far,) = [k for k in snapshot(own.ledger)["keys"] if k["name"] == "far"]
+    assert far["expires_at"] == "9999-12-31T23:59:59Z"
+    assert run(*own.argv(["key", "revoke", "far"])).code == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["key", "new", "--root", "team", "--name", "twice"], "a key named 'twice' is in use"),
+        (["key", "revoke", "ci"], "key 'ci' is already revoked"),
+    ],
+)
+def test_the_same_key_command_twice_changes_the_ledger_once(
+    own: Group, args: list[str], needle: str
+) -> None:
+    """A second key new of a name in use, or a second revoke, exits 3 and changes nothing."""
+    assert run(*own.argv(args)).code == 0
+    refused(replace(own, baseline=snapshot(own.ledger)), args, 3, needle)
