@@ -405,3 +405,75 @@ def test_the_same_key_command_twice_changes_the_ledger_once(
     """A second key new of a name in use, or a second revoke, exits 3 and changes nothing."""
     assert run(*own.argv(args)).code == 0
     refused(replace(own, baseline=snapshot(own.ledger)), args, 3, needle)
+
+
+DECIDED = ["refused", "in_flight", "not_sent", "not_processed", "completed"]
+STAGE_ROWS = [
+    *[([f"@{s}", "--resend", "--note", "n"], "not effect_unknown") for s in [*DECIDED, "failed"]],
+    *[([f"@{s}", "--accept-evidence"], "not effect_unknown") for s in [*DECIDED, "failed"]],
+    *[([f"@{s}", "--applied", "--note", "n"], "nothing to reconcile") for s in DECIDED],
+    *[([f"@{s}", "--not-applied", "--note", "n"], "nothing to reconcile") for s in DECIDED],
+    (["@unknown", "--accept-evidence"], "has no late answer recorded for attempt 1"),
+    (["@unknown_late", "--accept-evidence"], "it proves nothing, so it decides nothing"),
+    (["call_nothere", "--resend", "--note", "n"], "no call 'call_nothere'"),
+    (["call_nothere", "--applied", "--note", "n"], "no call 'call_nothere'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"), STAGE_ROWS, ids=[" ".join(a[:2]) for a, _ in STAGE_ROWS]
+)
+def test_a_reconcile_the_stage_does_not_allow_is_refused(
+    shared: Group, args: list[str], needle: str
+) -> None:
+    """Each verb is refused with exit 3 by every stage it does not apply to (§8)."""
+    refused(shared, ["reconcile", *args], 3, needle)
+
+
+USAGE_ROWS = [
+    (["--resend", "--note", "n"], "reconcile --resend needs CALL_ID"),
+    (["@unknown", "--resend"], "needs --note TEXT"),
+    (["@unknown", "--resend", "--note", ""], "argument --note: "),
+    (["@unknown", "--resend", "--note", "   "], "argument --note: "),
+    (["@unknown", "--resend", "--note", "n", "--applied"], "--resend goes with no --applied"),
+    (["@unknown", "--accept-evidence", "--resend"], "--resend goes with no"),
+    (["@unknown", "--accept-evidence", "--cost", "1"], "--accept-evidence needs CALL_ID, and no"),
+    (["@unknown", "--applied", "--not-applied", "--note", "n"], "exactly one of --applied"),
+    (["@unknown", "--not-applied", "--cost", "1", "--note", "n"], "--cost goes with --applied"),
+    (["@unknown"], "exactly one of --applied / --not-applied"),
+    (["@unknown", "--applied"], "reconcile needs --note TEXT"),
+    (["@unknown", "--applied", "--note", "n", "--by", ""], "argument --by: "),
+    (["@unknown", "--applied", "--note", "n", "--by", " "], "argument --by: "),
+    (["@unknown", "--applied", "--note", "n", "--by", "\x1b[31mx"], "argument --by: "),
+    (["@unknown", "--applied", "--note", "ok\x1b[2J"], "argument --note: "),
+    (["@unknown", "--applied", "--note", "one\ntwo"], "argument --note: "),
+    (["@unknown", "--auto"], "reconcile --auto takes no CALL_ID"),
+    (["--auto", "--applied"], "reconcile --auto takes no CALL_ID"),
+    (["--auto", "--upstream", "openai=http://[::1"], "--upstream openai: must be an http(s) URL"),
+    (["--auto", "--upstream", "openai"], "--upstream takes NAME=URL"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), USAGE_ROWS, ids=[repr(a[1:3]) for a, _ in USAGE_ROWS])
+def test_a_reconcile_that_does_not_say_what_is_refused(
+    shared: Group, args: list[str], needle: str
+) -> None:
+    """A reconcile needs a call, one decision, a note of one printable line and a name for
+    who decides; --auto decides for itself and takes none of them."""
+    refused(shared, ["reconcile", *args], 2, needle)
+
+
+TWICE = [
+    (["@unknown", "--resend", "--note", "n"], "already has a resend authorized"),
+    (["@unknown", "--applied", "--note", "n"], "is reconciled_applied, not effect_unknown"),
+    (["@failed", "--not-applied", "--note", "n"], "is reconciled_not_applied, not effect_"),
+    (["@unknown_evidence", "--accept-evidence"], "is reconciled_applied, not effect_unknown"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), TWICE, ids=[a[1] for a, _ in TWICE])
+def test_the_same_decision_twice_is_recorded_once(own: Group, args: list[str], needle: str) -> None:
+    """The second of two identical reconciles exits 3 and changes nothing."""
+    done = run(*own.argv(["reconcile", *args]))
+    assert done.code == 0, done.err
+    refused(replace(own, baseline=snapshot(own.ledger)), ["reconcile", *args], 3, needle)

@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import getpass
 import sys
+import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,31 @@ def budget_path(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: Characters a note or a name may not hold: control characters (newlines and terminal
+#: escapes among them, which ``show`` would print as they are), line and paragraph
+#: separators, and the bidirectional overrides that make text read other than it is.
+_UNPRINTABLE = frozenset({"Cc", "Zl", "Zp"})
+_BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+
+
+def one_line(what: str) -> Callable[[str], str]:
+    """An argparse type: one line of printable text that is not blank, named ``what``."""
+
+    def check(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"{what} cannot be blank")
+        bad = next(
+            (c for c in value if unicodedata.category(c) in _UNPRINTABLE or c in _BIDI), None
+        )
+        if bad is not None:
+            raise argparse.ArgumentTypeError(
+                f"{what} is one line of printable text; it holds {bad!r}"
+            )
+        return value
+
+    return check
+
+
 def _usage(message: str) -> int:
     print(f"effectguard: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -73,6 +100,12 @@ def _usage(message: str) -> int:
 async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard reconcile``: decide one effect-unknown call, or ``--auto`` all that can be."""
     if args.auto:
+        decided = (args.applied, args.not_applied, args.resend, args.accept_evidence)
+        if args.call_id or any(decided) or args.cost is not None or args.note is not None:
+            return _usage(
+                "reconcile --auto takes no CALL_ID, --note or decision flags: it decides "
+                "each unknown call by its provider's lookup"
+            )
         return await _reconcile_auto(args, ledger)
     if args.resend:
         return await _reconcile_resend(args, ledger)
@@ -200,8 +233,13 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--applied", action="store_true", help="the effect happened")
     p.add_argument("--not-applied", action="store_true", help="the effect did not happen")
     p.add_argument("--cost", type=call_usd, help="actual cost in USD (with --applied)")
-    p.add_argument("--note", help="how you know (required)")
-    p.add_argument("--by", default=getpass.getuser(), help="who decides (default: login name)")
+    p.add_argument("--note", type=one_line("a note"), help="how you know (required)")
+    p.add_argument(
+        "--by",
+        type=one_line("--by"),
+        default=getpass.getuser(),
+        help="who decides (default: login name)",
+    )
     p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")
     p.add_argument(
         "--resend",
