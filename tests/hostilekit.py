@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ def _json(*argv: str) -> Any:
 
 def snapshot(ledger: Path) -> dict[str, Any]:
     """All an operator sees of ``ledger``: its calls, budgets, keys, verify's report, and the
-    files beside it (SQLite's own -wal and -shm come and go, and are left out)."""
+    files beside it."""
     at = ("--ledger", str(ledger))
     report = _json("verify", *at)
     return {
@@ -184,7 +185,20 @@ def snapshot(ledger: Path) -> dict[str, Any]:
         "budgets": _json("budgets", *at),
         "keys": _json("key", "list", *at),
         "verify": (report["ok"], report["events"], report["problems"]),
-        "files": sorted(
-            p.name for p in ledger.parent.iterdir() if not p.name.endswith(("-wal", "-shm"))
-        ),
+        "files": _files(ledger),
     }
+
+
+def _files(ledger: Path) -> dict[str, str]:
+    """The files beside ``ledger``, each with the digest of its bytes (the ledger's own
+    files are left out: the views above are what it holds)."""
+    found = {}
+    for path in sorted(ledger.parent.iterdir()):
+        if path.name.startswith(ledger.name):
+            found[path.name] = "the ledger's" if path.name == ledger.name else ""
+        elif path.is_file():
+            found[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            found[path.name] = "directory"
+    # SQLite's -wal and -shm come and go with its connections.
+    return {k: v for k, v in found.items() if not k.endswith(("-wal", "-shm"))}

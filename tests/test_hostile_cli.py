@@ -10,7 +10,9 @@ that stage's call id.
 
 from __future__ import annotations
 
+import gzip
 import json
+import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,8 +33,10 @@ class Group:
     baseline: dict[str, Any]
 
     def argv(self, args: Sequence[str]) -> list[str]:
-        """``args`` with ``@stage`` replaced by call ids, and ``--ledger`` unless given."""
+        """``args`` with ``@stage`` replaced by call ids, ``%/`` by the ledger's folder, and
+        ``--ledger`` unless given."""
         out = [self.ids.get(a[1:], a) if a.startswith("@") else a for a in args]
+        out = [a.replace("%/", f"{self.ledger.parent}/") for a in out]
         return out if "--ledger" in out else [*out, "--ledger", str(self.ledger)]
 
 
@@ -477,3 +481,94 @@ def test_the_same_decision_twice_is_recorded_once(own: Group, args: list[str], n
     done = run(*own.argv(["reconcile", *args]))
     assert done.code == 0, done.err
     refused(replace(own, baseline=snapshot(own.ledger)), ["reconcile", *args], 3, needle)
+
+
+@pytest.fixture(scope="module")
+def files(template: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> Group:
+    """A ledger beside files that are not ledgers, archives or config files."""
+    folder = tmp_path_factory.mktemp("files")
+    (folder / "exists.txt").write_text("keep me")
+    (folder / "text.txt").write_text("hello\n")
+    (folder / "empty.db").write_bytes(b"")
+    (folder / "adir").mkdir()
+    (folder / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    (folder / "bad.toml").write_text('ledger = "\n')
+    (folder / "hello.gz").write_bytes(gzip.compress(b"hello\n"))
+    foreign = sqlite3.connect(folder / "foreign.sqlite")
+    foreign.execute("CREATE TABLE notes (body TEXT)")
+    foreign.commit()
+    foreign.close()
+    return _group(template, folder)
+
+
+OWN_FILES = ["%/ledger.db-wal", "%/ledger.db-shm", "%/ledger.db-journal"]
+FILE_ROWS = [
+    (["backup", "%/exists.txt"], "exists; a backup never overwrites a file"),
+    (["backup", "%/adir"], "exists; a backup never overwrites a file"),
+    (["backup", "%/ledger.db"], "exists; a backup never overwrites a file"),
+    *[(["backup", own], "is the ledger's own") for own in OWN_FILES],
+    (["backup", "%/nodir/copy.db"], "directory %/nodir does not exist"),
+    (["backup", ""], "backup needs a file name"),
+    (["backup", "%/copy.db", "--ledger", "%/nothere.db"], "no ledger at %/nothere.db"),
+    (["backup", "%/copy.db", "--ledger", "%/text.txt"], "is not a SQLite database"),
+    (["backup", "%/copy.db", "--ledger", "%/foreign.sqlite"], "is not an effectguard ledger"),
+    (["backup", "%/copy.db", "--ledger", "%/empty.db"], "is not an effectguard ledger"),
+    (["backup", "%/copy.db", "--ledger", "%/adir"], "%/adir is not a file"),
+    (["backup", "%/copy.db", "--ledger", "memory://"], "backup copies SQLite ledgers"),
+    *[(["archive", "--before", "0d", "--out", own], "is the ledger's own") for own in OWN_FILES],
+    (["archive", "--before", "0d", "--out", "%/ledger.db"], "an archive never overwrites"),
+    (["archive", "--before", "0d", "--out", "%/adir"], "an archive never overwrites a file"),
+    (["archive", "--before", "0d", "--out", "%/nodir/a.gz"], "directory %/nodir does not exist"),
+    (["archive", "--before", "0d", "--out", ""], "archive needs a file name after --out"),
+    (["archive", "--before", ""], "'' is neither a duration"),
+    (["archive", "--before", "yesterday"], "'yesterday' is neither a duration"),
+    (["archive", "--before", "2026-13-01"], "'2026-13-01' is neither a duration"),
+    (["archive"], "give --before DATE, or [retention] keep_bodies_days in --config"),
+    (["archive", "--before", "0d", "--ledger", "memory://"], "a memory ledger has nothing"),
+    (["archive", "--before", "0d", "--ledger", "%/foreign.sqlite"], "not an effectguard ledger"),
+    (["archive", "--before", "0d", "--ledger", "%/empty.db"], "not an effectguard ledger"),
+    (["verify", "--archive", "%/nothere.gz"], "no archive file at %/nothere.gz"),
+    (["verify", "--archive", "%/adir"], "no archive file at %/adir"),
+    (["verify", "--archive", "%/text.txt"], "not a readable effectguard archive"),
+    (["verify", "--archive", "%/hello.gz"], "not a readable effectguard archive"),
+    (["verify", "--ledger", "%/foreign.sqlite"], "is not an effectguard ledger"),
+    (["budgets", "--ledger", "sqlite:///%/typo.db"], "no ledger at %/typo.db"),
+    (["budgets", "--ledger", "%/text.txt"], "is not a SQLite database"),
+    (["budgets", "--ledger", "%/foreign.sqlite"], "is not an effectguard ledger"),
+    (["key", "list", "--ledger", "%/empty.db"], "is not an effectguard ledger"),
+    (["budget", "set", "x", "--limit", "1", "--ledger", "%/empty.db"], "not an effectguard"),
+    (["calls", "--ledger", "%/adir"], "%/adir is not a file"),
+    (["budgets", "--config", "%/binary.toml"], "binary.toml: not UTF-8"),
+    (["budgets", "--config", "%/bad.toml"], "bad.toml: "),
+    (["budgets", "--config", "%/adir"], "adir: "),
+    (["budgets", "--config", "%/nothere.toml"], "nothere.toml: "),
+    (["calls", "--limit", "-1"], "argument --limit: a count cannot be negative"),
+    (["calls", "--limit", "1e3"], "argument --limit: not a count"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"), FILE_ROWS, ids=[" ".join(a)[:40] for a, _ in FILE_ROWS]
+)
+def test_a_bad_file_is_refused(files: Group, args: list[str], needle: str) -> None:
+    """A command writes only a new file in a directory that exists, never over a file nor
+    onto a file SQLite keeps beside the ledger, and reads only a ledger, an archive or a
+    config file that is one: anything else is exit 2 naming the file, the file untouched."""
+    refused(files, args, 2, needle.replace("%/", f"{files.ledger.parent}/"))
+
+
+def test_a_backup_to_a_new_file_is_a_ledger(own: Group) -> None:
+    """backup PATH in an existing directory writes a copy that verifies."""
+    done = run(*own.argv(["backup", "%/copy.db"]))
+    assert done.code == 0, done.err
+    assert snapshot(own.ledger.parent / "copy.db")["verify"] == own.baseline["verify"]
+
+
+def test_an_archive_before_a_future_date_takes_what_now_allows(own: Group) -> None:
+    """archive --before a date in the future archives what a cut-off of now would: the
+    final calls before the first one that is not (documented in §8)."""
+    done = run(*own.argv(["archive", "--before", "2100-01-01", "--json"]))
+    assert done.code == 0, done.err
+    moved = json.loads(done.out)
+    assert moved["calls"] >= 1 and moved["held_by"] is not None
+    assert snapshot(own.ledger)["verify"][0] is True

@@ -20,6 +20,7 @@ from effectguard.ops.command import (
     EXIT_USAGE,
     Command,
     call_usd,
+    count,
     ledger_option,
     provider_options,
     upstream_flag,
@@ -28,7 +29,6 @@ from effectguard.ops.command import (
 )
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
-from effectguard.rules.money import MAX_NANOS
 from effectguard.rules.periods import PERIOD_KINDS, validate_zone
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
@@ -36,19 +36,9 @@ NONE = -1
 
 
 def count_or_none(value: str) -> int:
-    """An argparse type: a count (ASCII digits, ``0`` up to what a counter holds), or
-    ``none`` (as :data:`NONE`)."""
-    text = value.strip()
-    if text.lower() == "none":
-        return NONE
-    if text.startswith("-") and text[1:].isdecimal():
-        raise argparse.ArgumentTypeError("a count cannot be negative")
-    if not text.isascii() or not text.isdecimal():
-        raise argparse.ArgumentTypeError(f"not a count: {value!r} (digits, or none)")
-    # Compared as text first: int() refuses strings of more than 4300 digits.
-    if len(text.lstrip("0")) > len(str(MAX_NANOS)) or int(text) > MAX_NANOS:
-        raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
-    return int(text)
+    """An argparse type: a :func:`~effectguard.ops.command.count`, or ``none`` (as
+    :data:`NONE`)."""
+    return NONE if value.strip().lower() == "none" else count(value)
 
 
 def zone_name(value: str) -> str:

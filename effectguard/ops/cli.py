@@ -20,7 +20,6 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Collection, Coroutine, Sequence
-from pathlib import Path
 from typing import Any
 
 from effectguard.errors import (
@@ -40,6 +39,7 @@ from effectguard.ops.command import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     Command,
+    check_ledger,
     resolve_ledger,
 )
 from effectguard.ops.render import budget_json, call_json
@@ -123,9 +123,7 @@ async def _with_ledger(
     args: argparse.Namespace, job: Callable[[Ledger], Coroutine[Any, Any, int]]
 ) -> int:
     ledger_url: str = args.ledger
-    if "://" not in ledger_url and not Path(ledger_url).exists():
-        print(f"effectguard: no ledger at {ledger_url} (use --ledger)", file=sys.stderr)
-        return EXIT_USAGE
+    check_ledger(ledger_url)
     async with Ledger.open(ledger_url) as ledger:
         return await job(ledger)
 

@@ -62,16 +62,30 @@ def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> No
 
 
 def resolve_ledger(args: argparse.Namespace) -> str:
-    """The ledger a command uses: ``--ledger``, else the config's, else the environment's."""
-    if args.ledger:
-        return str(args.ledger)
+    """The ledger a command uses: ``--ledger``, else the config's, else the environment's.
+
+    A ``--config`` given is read even when ``--ledger`` wins: a file that cannot be read is
+    an error, not something to pass over in silence.
+    """
+    named = None
     if args.config:
         from effectguard.config.settings import config_ledger
 
         named = config_ledger(Path(args.config))
-        if named:
-            return named
-    return defaults.ledger_from(os.environ)
+    if args.ledger:
+        return str(args.ledger)
+    return named or defaults.ledger_from(os.environ)
+
+
+def check_ledger(url: str) -> None:
+    """Refuse (``ConfigError``) a SQLite ledger URL or path that names no ledger file: a
+    command that is not ``migrate`` or ``serve`` must not create one, nor migrate an empty
+    file or another program's database into one."""
+    if url.startswith(("memory://", "postgresql://", "postgres://")):
+        return
+    from effectguard.ledger.sqlitefile import check_ledger_file, sqlite_path
+
+    check_ledger_file(sqlite_path(url))
 
 
 def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:
@@ -127,6 +141,19 @@ def usd(value: str) -> int:
 def call_usd(value: str) -> int:
     """An argparse type: what one call may cost (:data:`MAX_CALL_NANOS`), as nanos."""
     return _amount(value, MAX_CALL_NANOS, "a cost")
+
+
+def count(value: str) -> int:
+    """An argparse type: a count, ASCII digits from 0 up to what a counter holds."""
+    text = value.strip()
+    if text.startswith("-") and text[1:].isdecimal():
+        raise argparse.ArgumentTypeError("a count cannot be negative")
+    if not text.isascii() or not text.isdecimal():
+        raise argparse.ArgumentTypeError(f"not a count: {value!r}")
+    # Compared as text first: int() refuses strings of more than 4300 digits.
+    if len(text.lstrip("0")) > len(str(MAX_NANOS)) or int(text) > MAX_NANOS:
+        raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
+    return int(text)
 
 
 def upstreams(args: argparse.Namespace) -> dict[str, str]:

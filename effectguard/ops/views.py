@@ -10,11 +10,20 @@ import time
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+from effectguard.errors import ConfigError
 from effectguard.ledger import Ledger
 from effectguard.ops import showcall
 from effectguard.ops.archivefile import check_archive_against, verify_archive
 from effectguard.ops.audit import VerifyReport
-from effectguard.ops.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Command, ledger_option
+from effectguard.ops.command import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Command,
+    check_ledger,
+    count,
+    ledger_option,
+)
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
@@ -167,6 +176,10 @@ def cmd_verify_entry(args: argparse.Namespace) -> int:
     (a file, or a PostgreSQL ledger's archive table) on its own."""
     ledger_url: str = args.ledger
     has_ledger = "://" in ledger_url or Path(ledger_url).exists()
+    if args.archive is not None and not Path(args.archive).is_file():
+        raise ConfigError(f"no archive file at {args.archive}")
+    if has_ledger:
+        check_ledger(ledger_url)
     if args.archived:
         if not ledger_url.startswith(("postgresql://", "postgres://")):
             print(
@@ -230,7 +243,7 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
         help="only calls created since WHEN: an ISO date/time (UTC unless it says) "
         "or a duration back from now (90s, 30m, 2h, 7d)",
     )
-    p.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
+    p.add_argument("--limit", type=count, default=1000, help="at most this many (default 1000)")
     p.set_defaults(run_ledger=cmd_calls)
 
 
