@@ -572,3 +572,35 @@ def test_an_archive_before_a_future_date_takes_what_now_allows(own: Group) -> No
     moved = json.loads(done.out)
     assert moved["calls"] >= 1 and moved["held_by"] is not None
     assert snapshot(own.ledger)["verify"][0] is True
+
+
+LONG = "n" * 300  # longer than any file name a file system takes
+PATH_ROWS = [
+    (["backup", f"%/{LONG}"], "argument path: ", "file name too long"),
+    (["backup", "%/a\x00b"], "argument path: ", "NUL"),
+    (["archive", "--before", "0d", "--out", f"%/{LONG}"], "argument --out: ", "too long"),
+    (["archive", "--before", "0d", "--out", "a\x00b"], "argument --out: ", "NUL"),
+    (["verify", "--archive", f"%/{LONG}"], "argument --archive: ", "too long"),
+    (["budgets", "--ledger", f"%/{LONG}"], "argument --ledger: ", "too long"),
+    (["budgets", "--ledger", "l\x00.db"], "argument --ledger: ", "NUL"),
+    (["budgets", "--config", f"%/{LONG}"], "argument --config: ", "too long"),
+    (["budgets", "--config", "c\x00.toml"], "argument --config: ", "NUL"),
+    (["reconcile", "--auto", "--providers", f"%/{LONG}"], "argument --providers: ", "too long"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "needle"), PATH_ROWS, ids=[a[-1][-8:] for a, *_ in PATH_ROWS]
+)
+def test_a_path_no_file_system_takes_is_refused(
+    files: Group, args: list[str], flag: str, needle: str
+) -> None:
+    """A path with a NUL character or a name too long for the file system is refused by
+    the parser, naming the argument, instead of an OSError or ValueError traceback."""
+    refused(files, args, 2, flag, needle)
+
+
+def test_an_unreachable_ledger_is_one_line(files: Group) -> None:
+    """A PostgreSQL ledger nobody answers for is exit 4 in one line (the driver's own
+    message spans several)."""
+    refused(files, ["budgets", "--ledger", "postgresql://nobody@127.0.0.1:1/x"], 4, "unavailable")

@@ -444,7 +444,7 @@ def _positive(table: Mapping[str, Any], key: str, default: float, where: str) ->
 def config_ledger(config: Path) -> str | None:
     """The ledger a config file names (``ledger = ...``), so the CLI finds serve's ledger."""
     value = _read_config(config).get("ledger")
-    if value is not None and not isinstance(value, str):
+    if value is not None and (not isinstance(value, str) or "\x00" in value):
         raise ConfigError(f"{config}: ledger must be a string (a path or a DSN)")
     return value
 

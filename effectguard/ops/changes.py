@@ -22,6 +22,7 @@ from effectguard.ops.command import (
     call_usd,
     count,
     ledger_option,
+    path_arg,
     provider_options,
     upstream_flag,
     upstreams,
@@ -298,7 +299,7 @@ def _backup(args: argparse.Namespace) -> int:
 
 def _backup_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
-    p.add_argument("path", help="where to write the copy (must not exist)")
+    p.add_argument("path", type=path_arg, help="where to write the copy (must not exist)")
     p.set_defaults(run=_backup)
 
 
@@ -318,6 +319,7 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--out",
+        type=path_arg,
         metavar="FILE",
         help="the archive file of a SQLite ledger (default: next to the ledger)",
     )

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
@@ -128,6 +129,11 @@ async def _with_ledger(
         return await job(ledger)
 
 
+def _say(message: object) -> None:
+    # One line: a driver's message (psycopg's "Is the server running...") spans several.
+    print("effectguard: " + re.sub(r"\s*\n\s*", " ", str(message).strip()), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``effectguard`` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -145,16 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.run(args)
         return result
     except ConfigError as exc:
-        print(f"effectguard: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_USAGE
     except (CallNotFound, ReconcileError) as exc:
-        print(f"effectguard: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_REFUSED
     except LedgerUnavailable as exc:
-        print(f"effectguard: ledger unavailable: {exc}", file=sys.stderr)
+        _say(f"ledger unavailable: {exc}")
         return EXIT_UNAVAILABLE
     except (LedgerError, EffectguardError) as exc:
-        print(f"effectguard: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130

@@ -15,6 +15,7 @@ a call that is neither ``effect_unknown`` nor ``failed``); 4 the ledger is unava
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 from collections.abc import Callable
@@ -39,6 +40,23 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None]
 
 
+def path_arg(value: str) -> str:
+    """An argparse type: a path the file system can look up (it need not exist).
+
+    A NUL character or a name longer than the file system takes would otherwise surface
+    as a ``ValueError`` or ``OSError`` from whatever first touches the path.
+    """
+    try:
+        os.stat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL character: {value!r}") from None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            shown = value if len(value) <= 60 else f"{value[:40]}... ({len(value)} chars)"
+            raise argparse.ArgumentTypeError(f"file name too long: {shown}") from None
+    return value
+
+
 def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
     """``--ledger``, ``--config`` and, unless told not to, ``--json``.
 
@@ -47,12 +65,14 @@ def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> No
     """
     parser.add_argument(
         "--ledger",
+        type=path_arg,
         default=None,
         help="ledger PATH or DSN (default: the --config file's ledger, else "
         "$EFFECTGUARD_LEDGER, else ./effectguard.db)",
     )
     parser.add_argument(
         "--config",
+        type=path_arg,
         metavar="FILE",
         help="serve's TOML config: its `ledger = ...` names the ledger (--ledger wins)",
     )
@@ -93,6 +113,7 @@ def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True)
     parser.add_argument(
         "--providers",
         action="append",
+        type=path_arg,
         metavar="DIR",
         help="extra provider declarations (repeatable)" if long_help else "extra declarations",
     )

@@ -23,6 +23,7 @@ from effectguard.ops.command import (
     check_ledger,
     count,
     ledger_option,
+    path_arg,
 )
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
@@ -281,6 +282,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument(
         "--archive",
+        type=path_arg,
         metavar="FILE",
         help="verify an archive file on its own (and against the ledger's checkpoint, "
         "when the ledger exists)",
