@@ -42,7 +42,7 @@ class Group:
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """The staged ledger every group copies (written once: traffic takes a second)."""
+    """The staged ledger every group copies (written once, by real guarded traffic)."""
     ledger = tmp_path_factory.mktemp("template") / "ledger.db"
     return ledger, staged_ledger(ledger)
 
@@ -604,3 +604,23 @@ def test_an_unreachable_ledger_is_one_line(files: Group) -> None:
     """A PostgreSQL ledger nobody answers for is exit 4 in one line (the driver's own
     message spans several)."""
     refused(files, ["budgets", "--ledger", "postgresql://nobody@127.0.0.1:1/x"], 4, "unavailable")
+
+
+VERBS = [["--resend", "--note", "n"], ["--accept-evidence"], ["--applied", "--note", "n"]]
+VERBS += [["--not-applied", "--note", "n"]]
+
+
+@pytest.mark.parametrize("decision", ["--applied", "--not-applied"])
+@pytest.mark.parametrize("verb", VERBS, ids=[v[0] for v in VERBS])
+def test_a_decided_call_takes_no_other_verb(own: Group, decision: str, verb: list[str]) -> None:
+    """Once reconciled (applied or not), a call takes no resend, evidence or new decision."""
+    assert run(*own.argv(["reconcile", "@unknown", decision, "--note", "n"])).code == 0
+    stage = "reconciled_applied" if decision == "--applied" else "reconciled_not_applied"
+    after = replace(own, baseline=snapshot(own.ledger))
+    refused(after, ["reconcile", "@unknown", *verb], 3, f"is {stage}, not effect_unknown")
+
+
+def test_a_long_dsn_is_no_file_name(files: Group) -> None:
+    """A PostgreSQL DSN longer than a file name is a DSN: it is tried, not refused as a path."""
+    dsn = "postgresql://nobody@127.0.0.1:1/x?application_name=" + "a" * 300
+    refused(files, ["budgets", "--ledger", dsn], 4, "ledger unavailable")

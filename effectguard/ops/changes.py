@@ -227,7 +227,7 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--note", type=one_line("a note"), help="how you know (required)")
     p.add_argument(
         "--by",
-        type=one_line("--by"),
+        type=one_line("a name"),
         default=getpass.getuser(),
         help="who decides (default: login name)",
     )

@@ -44,12 +44,15 @@ def path_arg(value: str) -> str:
     """An argparse type: a path the file system can look up (it need not exist).
 
     A NUL character or a name longer than the file system takes would otherwise surface
-    as a ``ValueError`` or ``OSError`` from whatever first touches the path.
+    as a ``ValueError`` or ``OSError`` from whatever first touches the path. A DSN
+    (``postgresql://...``) is only checked for NUL.
     """
+    if "\x00" in value:
+        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL character: {value!r}")
+    if "://" in value and not value.startswith("sqlite:///"):
+        return value  # a DSN: its parts are no file names
     try:
-        os.stat(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL character: {value!r}") from None
+        os.stat(value.removeprefix("sqlite:///"))
     except OSError as exc:
         if exc.errno == errno.ENAMETOOLONG:
             shown = value if len(value) <= 60 else f"{value[:40]}... ({len(value)} chars)"
