@@ -13,6 +13,8 @@ from __future__ import annotations
 import gzip
 import json
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -624,3 +626,27 @@ def test_a_long_dsn_is_no_file_name(files: Group) -> None:
     """A PostgreSQL DSN longer than a file name is a DSN: it is tried, not refused as a path."""
     dsn = "postgresql://nobody@127.0.0.1:1/x?application_name=" + "a" * 300
     refused(files, ["budgets", "--ledger", dsn], 4, "ledger unavailable")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["budget", "set", "team", "--limit", "NaN"], "argument --limit: not a USD amount"),
+        (["archive", "--before", "0d", "--out", "%/ledger.db-journal"], "the ledger's own"),
+    ],
+    ids=["limit", "archive"],
+)
+def test_the_installed_command_refuses_the_same_way(
+    files: Group, args: list[str], needle: str
+) -> None:
+    """Through a real process (python -m effectguard), a refusal is the same exit and line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *files.argv(args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert needle in done.stderr.splitlines()[-1]
+    assert snapshot(files.ledger) == files.baseline
