@@ -510,7 +510,7 @@ FILE_ROWS = [
     (["backup", "%/ledger.db"], "exists; a backup never overwrites a file"),
     *[(["backup", own], "is the ledger's own") for own in OWN_FILES],
     (["backup", "%/nodir/copy.db"], "directory %/nodir does not exist"),
-    (["backup", ""], "backup needs a file name"),
+    (["backup", ""], "argument path: a path cannot be empty"),
     (["backup", "%/copy.db", "--ledger", "%/nothere.db"], "no ledger at %/nothere.db"),
     (["backup", "%/copy.db", "--ledger", "%/text.txt"], "is not a SQLite database"),
     (["backup", "%/copy.db", "--ledger", "%/foreign.sqlite"], "is not an effectguard ledger"),
@@ -521,7 +521,7 @@ FILE_ROWS = [
     (["archive", "--before", "0d", "--out", "%/ledger.db"], "an archive never overwrites"),
     (["archive", "--before", "0d", "--out", "%/adir"], "an archive never overwrites a file"),
     (["archive", "--before", "0d", "--out", "%/nodir/a.gz"], "directory %/nodir does not exist"),
-    (["archive", "--before", "0d", "--out", ""], "archive needs a file name after --out"),
+    (["archive", "--before", "0d", "--out", ""], "argument --out: a path cannot be empty"),
     (["archive", "--before", ""], "'' is neither a duration"),
     (["archive", "--before", "yesterday"], "'yesterday' is neither a duration"),
     (["archive", "--before", "2026-13-01"], "'2026-13-01' is neither a duration"),
@@ -587,6 +587,8 @@ PATH_ROWS = [
     (["budgets", "--ledger", "l\x00.db"], "argument --ledger: ", "NUL"),
     (["budgets", "--config", f"%/{LONG}"], "argument --config: ", "too long"),
     (["budgets", "--config", "c\x00.toml"], "argument --config: ", "NUL"),
+    (["budgets", "--ledger", ""], "argument --ledger: ", "cannot be empty"),
+    (["budgets", "--config", ""], "argument --config: ", "cannot be empty"),
     (["reconcile", "--auto", "--providers", f"%/{LONG}"], "argument --providers: ", "too long"),
 ]
 

@@ -226,8 +226,6 @@ def cmd_archive(args: argparse.Namespace) -> int:
     ledger: str = args.ledger
     if ledger.startswith("memory://"):
         raise ConfigError("a memory ledger has nothing to archive")
-    if args.out == "":  # Path("") would be the current directory
-        raise ConfigError("archive needs a file name after --out")
     before = _before(args)
     if ledger.startswith(("postgresql://", "postgres://")):
         if args.out:

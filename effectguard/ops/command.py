@@ -47,6 +47,9 @@ def path_arg(value: str) -> str:
     as a ``ValueError`` or ``OSError`` from whatever first touches the path. A DSN
     (``postgresql://...``) is only checked for NUL.
     """
+    if not value:
+        # An unset variable (--ledger "$LEDGR") would otherwise mean the default ledger.
+        raise argparse.ArgumentTypeError("a path cannot be empty")
     if "\x00" in value:
         raise argparse.ArgumentTypeError(f"a path cannot hold a NUL character: {value!r}")
     if "://" in value and not value.startswith("sqlite:///"):
