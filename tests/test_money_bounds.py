@@ -176,3 +176,17 @@ def test_a_limit_beyond_a_counter_is_refused() -> None:
     assert budget.validate_limit(MAX_NANOS) == MAX_NANOS
     with pytest.raises(ValueError):
         budget.validate_limit(MAX_NANOS + 1)
+
+
+@pytest.mark.parametrize("text", ["1e999999", "-1e999999", "1e31"])
+def test_an_amount_past_any_counter_is_a_value_error(text: str) -> None:
+    """usd_to_nanos refuses an amount no counter holds before multiplying it out (Decimal
+    would overflow, or build an integer of a million digits)."""
+    with pytest.raises(ValueError, match="out of range"):
+        usd_to_nanos(text)
+
+
+def test_an_amount_below_a_nano_rounds_up_to_one_however_small() -> None:
+    """Rounding up holds at any exponent: 1e-999999999 USD is one nano, not zero."""
+    assert usd_to_nanos("1e-999999999") == usd_to_nanos("1e-10") == 1
+    assert usd_to_nanos("-1e-999999999") == 0

@@ -234,8 +234,14 @@ def _read_config(config: Path | None) -> dict[str, Any]:
     if config is None:
         return {}
     try:
-        return tomllib.loads(config.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        text = config.read_text(encoding="utf-8")  # TOML is UTF-8, whatever the locale
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{config}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise ConfigError(f"{config}: {exc}") from exc
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{config}: {exc}") from exc
 
 
@@ -438,7 +444,7 @@ def _positive(table: Mapping[str, Any], key: str, default: float, where: str) ->
 def config_ledger(config: Path) -> str | None:
     """The ledger a config file names (``ledger = ...``), so the CLI finds serve's ledger."""
     value = _read_config(config).get("ledger")
-    if value is not None and not isinstance(value, str):
+    if value is not None and (not isinstance(value, str) or "\x00" in value):
         raise ConfigError(f"{config}: ledger must be a string (a path or a DSN)")
     return value
 

@@ -1,11 +1,13 @@
-"""Where a SQLite ledger's file is, and how it is created (owner-only)."""
+"""Where a SQLite ledger's file is, how it is created (owner-only), and whether a file is one."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
+from pathlib import Path
 
-from effectguard.errors import ConfigError
+from effectguard.errors import ConfigError, LedgerUnavailable
 
 
 def file_identity(path: str) -> tuple[int, int]:
@@ -17,7 +19,8 @@ def file_identity(path: str) -> tuple[int, int]:
 def sqlite_path(url: str) -> str:
     """The file path of a ``sqlite:///path`` URL or a plain path."""
     if url.startswith("sqlite:///"):
-        return url[len("sqlite:///") - 1 :] if url.startswith("sqlite:////") else url[10:]
+        # sqlite:///relative/path, sqlite:////absolute/path (as SQLAlchemy reads them).
+        return url[len("sqlite:///") :]
     if "://" in url:
         raise ConfigError(f"not a SQLite ledger: {url!r}")
     return url
@@ -33,3 +36,40 @@ def create_owner_only(path: str) -> None:
         return
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+#: The files SQLite keeps beside a database ``F``: ``F-wal`` and ``F-shm`` in WAL mode,
+#: ``F-journal`` in rollback mode. SQLite overwrites, truncates or deletes them as it sees
+#: fit, so nothing else may be written under those names.
+COMPANIONS = ("-wal", "-shm", "-journal")
+
+
+def check_ledger_file(path: str) -> None:
+    """Refuse (``ConfigError``) a ``path`` that is not an effectguard SQLite ledger.
+
+    The file is only read, through a read-only connection: opening a store on a file
+    would migrate it, and so turn an empty file, or another application's database, into
+    a ledger. A ledger is a SQLite database whose ``migrations`` table
+    (:func:`~effectguard.ledger.sqliteschema.migrate`) exists.
+    """
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(f"no ledger at {path} (use --ledger)")
+    if not file.is_file():
+        raise ConfigError(f"{path} is not a file: no ledger there (use --ledger)")
+    try:
+        conn = sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+        try:
+            found = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'migrations'"
+            ).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError as exc:  # locked, unreadable: it may be a ledger
+        raise LedgerUnavailable(f"cannot read ledger {path}: {exc}") from exc
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(f"{path} is not a SQLite database ({exc}): no ledger there") from exc
+    if found is None:
+        raise ConfigError(
+            f"{path} is not an effectguard ledger (effectguard migrate --ledger PATH makes one)"
+        )

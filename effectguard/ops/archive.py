@@ -42,6 +42,7 @@ from effectguard.errors import ConfigError, LedgerCorrupt
 from effectguard.ledger import sqliteevents
 from effectguard.ledger.rows import STATE_READ, state_from_row
 from effectguard.ledger.sqlite import sqlite_path
+from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import connect, migrate
 from effectguard.ops import archivefile
 from effectguard.ops.archiveplan import (
@@ -54,6 +55,7 @@ from effectguard.ops.archiveplan import (
     prove,
     seal_checkpoint,
 )
+from effectguard.ops.outpath import new_file
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.guidance import show_command
 
@@ -61,8 +63,9 @@ from effectguard.rules.guidance import show_command
 def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> ArchiveResult:
     """Archive what the retention rules allow of the SQLite ledger at ``ledger``."""
     path = Path(sqlite_path(ledger))
-    if not path.is_file():
-        raise ConfigError(f"no SQLite ledger at {path}")
+    check_ledger_file(str(path))  # before connect(), which would make any file a ledger
+    if out is not None:  # checked up front, even when there turns out to be nothing to move
+        new_file(out, ledger=path, command="archive", what="an archive")
     conn = connect(str(path))
     try:
         migrate(conn)
@@ -71,8 +74,7 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
         if plan is None:
             return held(_result(conn, None, 0, 0, 0, 0, 0, 0), survey)
         target = out or path.with_name(f"{path.stem}-archive-{plan.first}-{plan.last}.jsonl.gz")
-        if target.exists():
-            raise ConfigError(f"{target} exists; an archive never overwrites a file")
+        new_file(target, ledger=path, command="archive", what="an archive")
         return held(_commit(conn, plan, target), survey)
     finally:
         conn.close()
@@ -232,7 +234,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
 
         result = archive_postgres(ledger, before=before)
     else:
-        result = archive_sqlite(ledger, before=before, out=Path(args.out) if args.out else None)
+        out = None if args.out is None else Path(args.out)
+        result = archive_sqlite(ledger, before=before, out=out)
     if args.json:
         print(json.dumps(asdict(result), indent=2))
     elif result.events == 0:
@@ -257,7 +260,7 @@ def _before(args: argparse.Namespace) -> float:
     from effectguard.ops.timeargs import since
 
     now = time.time()
-    if args.before:
+    if args.before is not None:
         try:
             return since(args.before, now)
         except ValueError as exc:

@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from effectguard.errors import ConfigError
 from effectguard.ledger import Ledger
 from effectguard.ops.audit import BodyRow, VerifyReport
 from effectguard.ops.audit.archived import verify_range
@@ -100,7 +101,19 @@ def scan_archive(
     path: Path,
 ) -> tuple[dict[str, Any], list[str], StoredEvent, list[BodyRow]]:
     """:func:`read_archive` and the archived bodies as the verifier compares them (each
-    body's chunk numbers, size and SHA-256), read in one pass, chunk by chunk."""
+    body's chunk numbers, size and SHA-256), read in one pass, chunk by chunk.
+
+    A file that is not an archive, or not one any more (not gzip, cut short, lines that
+    are not the archive's JSON), is a ``ConfigError`` naming it.
+    """
+    try:
+        return _scan(path)
+    # OSError includes gzip.BadGzipFile; ValueError, json's and base64's errors.
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a readable effectguard archive ({exc})") from exc
+
+
+def _scan(path: Path) -> tuple[dict[str, Any], list[str], StoredEvent, list[BodyRow]]:
     header: dict[str, Any] | None = None
     lines: list[str] = []
     tail: StoredEvent | None = None
@@ -111,11 +124,9 @@ def scan_archive(
             if header is None:
                 header = json.loads(row)
                 if header.get("format") not in FORMATS:
-                    raise ValueError(
-                        f"{path}: not an effectguard archive ({header.get('format')!r})"
-                    )
+                    raise ValueError(f"its format is {header.get('format')!r}")
             elif tail is not None:
-                raise ValueError(f"{path}: not an effectguard archive (a line after its end)")
+                raise ValueError("a line after its end")
             elif row.startswith(_CHECKPOINT):
                 tail = StoredEvent(**json.loads(row)["checkpoint"])
             elif row.startswith(_BODY):
@@ -123,7 +134,7 @@ def scan_archive(
             else:
                 lines.append(row)
     if header is None or tail is None:
-        raise ValueError(f"{path}: not an effectguard archive (too short)")
+        raise ValueError("too short")
     rows = [
         BodyRow(
             c, tuple(seqs), sum(sizes), h.hexdigest() if seqs == list(range(len(seqs))) else None

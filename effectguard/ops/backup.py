@@ -24,7 +24,9 @@ from pathlib import Path
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import hex_digest
+from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
+from effectguard.ops.outpath import new_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +43,8 @@ class BackupResult:
 def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     """Copy the SQLite ledger at ``ledger`` (path or ``sqlite:///`` URL) to ``target``."""
     source = Path(sqlite_path(ledger))
-    target = Path(target)
-    if not source.is_file():
-        raise ConfigError(f"no SQLite ledger at {source}")
-    if target.exists():
-        raise ConfigError(f"{target} exists; a backup never overwrites a file")
+    check_ledger_file(str(source))
+    target = new_file(target, ledger=source, command="backup", what="a backup")
     partial = target.with_name(f".{target.name}.partial")
     partial.unlink(missing_ok=True)
     try:

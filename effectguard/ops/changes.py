@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import getpass
 import sys
+import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,10 @@ from effectguard.ops.command import (
     EXIT_OK,
     EXIT_USAGE,
     Command,
+    call_usd,
+    count,
     ledger_option,
+    path_arg,
     provider_options,
     upstream_flag,
     upstreams,
@@ -25,23 +30,57 @@ from effectguard.ops.command import (
 )
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
-from effectguard.rules.periods import PERIOD_KINDS
+from effectguard.rules.periods import PERIOD_KINDS, validate_zone
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
 NONE = -1
 
 
 def count_or_none(value: str) -> int:
-    """An argparse type: a count (``0`` and up), or ``none`` (as :data:`NONE`)."""
-    if value.lower() == "none":
-        return NONE
+    """An argparse type: a :func:`~effectguard.ops.command.count`, or ``none`` (as
+    :data:`NONE`)."""
+    return NONE if value.strip().lower() == "none" else count(value)
+
+
+def zone_name(value: str) -> str:
+    """An argparse type: an IANA timezone (:func:`~effectguard.rules.periods.validate_zone`)."""
     try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a count: {value!r}") from None
-    if count < 0:
-        raise argparse.ArgumentTypeError("a count cannot be negative")
-    return count
+        return validate_zone(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def budget_path(value: str) -> str:
+    """An argparse type: a budget path (:func:`~effectguard.rules.budget.validate_path`)."""
+    try:
+        return validate_path(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: Characters a note or a name may not hold: control characters (newlines and terminal
+#: escapes among them, which ``show`` would print as they are), line and paragraph
+#: separators, and the bidirectional overrides that make text read other than it is.
+_UNPRINTABLE = frozenset({"Cc", "Zl", "Zp"})
+_BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+
+
+def one_line(what: str) -> Callable[[str], str]:
+    """An argparse type: one line of printable text that is not blank, named ``what``."""
+
+    def check(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"{what} cannot be blank")
+        bad = next(
+            (c for c in value if unicodedata.category(c) in _UNPRINTABLE or c in _BIDI), None
+        )
+        if bad is not None:
+            raise argparse.ArgumentTypeError(
+                f"{what} is one line of printable text; it holds {bad!r}"
+            )
+        return value
+
+    return check
 
 
 def _usage(message: str) -> int:
@@ -52,6 +91,12 @@ def _usage(message: str) -> int:
 async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard reconcile``: decide one effect-unknown call, or ``--auto`` all that can be."""
     if args.auto:
+        decided = (args.applied, args.not_applied, args.resend, args.accept_evidence)
+        if args.call_id or any(decided) or args.cost is not None or args.note is not None:
+            return _usage(
+                "reconcile --auto takes no CALL_ID, --note or decision flags: it decides "
+                "each unknown call by its provider's lookup"
+            )
         return await _reconcile_auto(args, ledger)
     if args.resend:
         return await _reconcile_resend(args, ledger)
@@ -122,7 +167,7 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
     What is not given keeps its current value. A limit below what the node has already
     spent in its current period is set all the same, with a warning on stderr.
     """
-    path = validate_path(args.path)
+    path: str = args.path
     current = (await ledger.policies()).get(path) or BudgetPolicy(path)
     policy = dataclasses.replace(current, **_policy_changes(args))
     try:
@@ -178,9 +223,14 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("call_id", nargs="?", help="the call id")
     p.add_argument("--applied", action="store_true", help="the effect happened")
     p.add_argument("--not-applied", action="store_true", help="the effect did not happen")
-    p.add_argument("--cost", type=usd, help="actual cost in USD (with --applied)")
-    p.add_argument("--note", help="how you know (required)")
-    p.add_argument("--by", default=getpass.getuser(), help="who decides (default: login name)")
+    p.add_argument("--cost", type=call_usd, help="actual cost in USD (with --applied)")
+    p.add_argument("--note", type=one_line("a note"), help="how you know (required)")
+    p.add_argument(
+        "--by",
+        type=one_line("a name"),
+        default=getpass.getuser(),
+        help="who decides (default: login name)",
+    )
     p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")
     p.add_argument(
         "--resend",
@@ -200,13 +250,15 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="budget_command", required=True, metavar="ACTION")
     q = actions.add_parser("set", help="set a budget's limit", description="Set a budget's limit.")
     ledger_option(q)
-    q.add_argument("path", help="budget path, e.g. team-a/run-42")
+    q.add_argument("path", type=budget_path, help="budget path, e.g. team-a/run-42")
     q.add_argument("--limit", type=usd, help="limit in USD")
     q.add_argument("--no-limit", action="store_true", help="remove the limit")
     q.add_argument(
         "--period", choices=PERIOD_KINDS, help="the limit resets each calendar day, week or month"
     )
-    q.add_argument("--tz", help="IANA timezone of the period's calendar (default UTC)")
+    q.add_argument(
+        "--tz", type=zone_name, help="IANA timezone of the period's calendar (default UTC)"
+    )
     for name, what in (
         ("rpm", "requests per minute"),
         ("tpm", "tokens per minute (admission estimate, corrected at settlement)"),
@@ -247,7 +299,7 @@ def _backup(args: argparse.Namespace) -> int:
 
 def _backup_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
-    p.add_argument("path", help="where to write the copy (must not exist)")
+    p.add_argument("path", type=path_arg, help="where to write the copy (must not exist)")
     p.set_defaults(run=_backup)
 
 
@@ -267,6 +319,7 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--out",
+        type=path_arg,
         metavar="FILE",
         help="the archive file of a SQLite ledger (default: next to the ledger)",
     )

@@ -18,9 +18,9 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable, Collection, Coroutine, Sequence
-from pathlib import Path
 from typing import Any
 
 from effectguard.errors import (
@@ -40,6 +40,7 @@ from effectguard.ops.command import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     Command,
+    check_ledger,
     resolve_ledger,
 )
 from effectguard.ops.render import budget_json, call_json
@@ -123,11 +124,14 @@ async def _with_ledger(
     args: argparse.Namespace, job: Callable[[Ledger], Coroutine[Any, Any, int]]
 ) -> int:
     ledger_url: str = args.ledger
-    if "://" not in ledger_url and not Path(ledger_url).exists():
-        print(f"effectguard: no ledger at {ledger_url} (use --ledger)", file=sys.stderr)
-        return EXIT_USAGE
+    check_ledger(ledger_url)
     async with Ledger.open(ledger_url) as ledger:
         return await job(ledger)
+
+
+def _say(message: object) -> None:
+    # One line: a driver's message (psycopg's "Is the server running...") spans several.
+    print("effectguard: " + re.sub(r"\s*\n\s*", " ", str(message).strip()), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,16 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.run(args)
         return result
     except ConfigError as exc:
-        print(f"effectguard: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_USAGE
     except (CallNotFound, ReconcileError) as exc:
-        print(f"effectguard: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_REFUSED
     except LedgerUnavailable as exc:
-        print(f"effectguard: ledger unavailable: {exc}", file=sys.stderr)
+        _say(f"ledger unavailable: {exc}")
         return EXIT_UNAVAILABLE
     except (LedgerError, EffectguardError) as exc:
-        print(f"effectguard: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130

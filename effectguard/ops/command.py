@@ -15,15 +15,17 @@ a call that is neither ``effect_unknown`` nor ``failed``); 4 the ledger is unava
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, localcontext
 from pathlib import Path
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
-from effectguard.rules.money import check_amount, usd_to_nanos
+from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, check_amount, nanos_to_usd
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 
@@ -38,6 +40,29 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None]
 
 
+def path_arg(value: str) -> str:
+    """An argparse type: a path the file system can look up (it need not exist).
+
+    A NUL character or a name longer than the file system takes would otherwise surface
+    as a ``ValueError`` or ``OSError`` from whatever first touches the path. A DSN
+    (``postgresql://...``) is only checked for NUL.
+    """
+    if not value:
+        # An unset variable (--ledger "$LEDGR") would otherwise mean the default ledger.
+        raise argparse.ArgumentTypeError("a path cannot be empty")
+    if "\x00" in value:
+        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL character: {value!r}")
+    if "://" in value and not value.startswith("sqlite:///"):
+        return value  # a DSN: its parts are no file names
+    try:
+        os.stat(value.removeprefix("sqlite:///"))
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            shown = value if len(value) <= 60 else f"{value[:40]}... ({len(value)} chars)"
+            raise argparse.ArgumentTypeError(f"file name too long: {shown}") from None
+    return value
+
+
 def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
     """``--ledger``, ``--config`` and, unless told not to, ``--json``.
 
@@ -46,12 +71,14 @@ def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> No
     """
     parser.add_argument(
         "--ledger",
+        type=path_arg,
         default=None,
         help="ledger PATH or DSN (default: the --config file's ledger, else "
         "$EFFECTGUARD_LEDGER, else ./effectguard.db)",
     )
     parser.add_argument(
         "--config",
+        type=path_arg,
         metavar="FILE",
         help="serve's TOML config: its `ledger = ...` names the ledger (--ledger wins)",
     )
@@ -61,16 +88,30 @@ def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> No
 
 
 def resolve_ledger(args: argparse.Namespace) -> str:
-    """The ledger a command uses: ``--ledger``, else the config's, else the environment's."""
-    if args.ledger:
-        return str(args.ledger)
+    """The ledger a command uses: ``--ledger``, else the config's, else the environment's.
+
+    A ``--config`` given is read even when ``--ledger`` wins: a file that cannot be read is
+    an error, not something to pass over in silence.
+    """
+    named = None
     if args.config:
         from effectguard.config.settings import config_ledger
 
         named = config_ledger(Path(args.config))
-        if named:
-            return named
-    return defaults.ledger_from(os.environ)
+    if args.ledger:
+        return str(args.ledger)
+    return named or defaults.ledger_from(os.environ)
+
+
+def check_ledger(url: str) -> None:
+    """Refuse (``ConfigError``) a SQLite ledger URL or path that names no ledger file: a
+    command that is not ``migrate`` or ``serve`` must not create one, nor migrate an empty
+    file or another program's database into one."""
+    if url.startswith(("memory://", "postgresql://", "postgres://")):
+        return
+    from effectguard.ledger.sqlitefile import check_ledger_file, sqlite_path
+
+    check_ledger_file(sqlite_path(url))
 
 
 def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:
@@ -78,6 +119,7 @@ def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True)
     parser.add_argument(
         "--providers",
         action="append",
+        type=path_arg,
         metavar="DIR",
         help="extra provider declarations (repeatable)" if long_help else "extra declarations",
     )
@@ -89,18 +131,56 @@ def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True)
     )
 
 
-def usd(value: str) -> int:
-    """An argparse type: a non-negative USD amount, as nanos."""
-    try:
-        amount = Decimal(value)
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not a USD amount: {value!r}") from None
-    if amount < 0:
+#: A USD amount as an operator writes one: ASCII digits, a point, an exponent; no sign,
+#: no ``_``, no ``NaN`` or ``inf`` (all of which ``Decimal`` would take).
+_USD = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _amount(value: str, bound: int, what: str) -> int:
+    text = value.strip()
+    if text.startswith("-") and _USD.fullmatch(text[1:]):
         raise argparse.ArgumentTypeError("amounts cannot be negative")
+    if not _USD.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a USD amount: {value!r} (e.g. 12.50)")
+    amount = Decimal(text)
+    out_of_range = f"{what} must be between 0 and {nanos_to_usd(bound)} USD"
+    if amount.adjusted() > 20:  # far past any bound: refused before any arithmetic on it
+        raise argparse.ArgumentTypeError(out_of_range)
+    # Exact arithmetic (enough digits for every digit given): a limit is never rounded.
+    with localcontext(prec=len(text) + 40):
+        nanos = amount.scaleb(9)
+        if amount and (amount.adjusted() < -10 or nanos != nanos.to_integral_value()):
+            raise argparse.ArgumentTypeError(
+                f"{value.strip()} USD is finer than a nano-dollar (at most 9 decimal places)"
+            )
     try:
-        return check_amount(usd_to_nanos(amount))  # a counter must be able to hold it
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        return check_amount(int(nanos), bound, what)
+    except ValueError:
+        raise argparse.ArgumentTypeError(out_of_range) from None
+
+
+def usd(value: str) -> int:
+    """An argparse type: a non-negative USD amount that a budget counter can hold, as nanos
+    (exact: an amount finer than a nano-dollar is refused, not rounded)."""
+    return _amount(value, MAX_NANOS, "amount")
+
+
+def call_usd(value: str) -> int:
+    """An argparse type: what one call may cost (:data:`MAX_CALL_NANOS`), as nanos."""
+    return _amount(value, MAX_CALL_NANOS, "a cost")
+
+
+def count(value: str) -> int:
+    """An argparse type: a count, ASCII digits from 0 up to what a counter holds."""
+    text = value.strip()
+    if text.startswith("-") and text[1:].isdecimal():
+        raise argparse.ArgumentTypeError("a count cannot be negative")
+    if not text.isascii() or not text.isdecimal():
+        raise argparse.ArgumentTypeError(f"not a count: {value!r}")
+    # Compared as text first: int() refuses strings of more than 4300 digits.
+    if len(text.lstrip("0")) > len(str(MAX_NANOS)) or int(text) > MAX_NANOS:
+        raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
+    return int(text)
 
 
 def upstreams(args: argparse.Namespace) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import secrets
 import sys
 import time
@@ -52,14 +53,42 @@ def expiry(value: str) -> float:
         raise argparse.ArgumentTypeError(
             f"not an ISO 8601 date or date-time: {value!r} (e.g. 2027-01-31)"
         ) from None
+    try:
+        # key list shows expiries in UTC: one past 9999-12-31T23:59:59Z could not be shown.
+        moment.astimezone(UTC)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is out of range: in UTC it falls outside years 1 to 9999"
+        ) from None
     return moment.timestamp()
 
 
-def _names(value: str) -> list[str]:
+#: What a call names its model or provider with: printable ASCII without spaces (model ids
+#: such as ``accounts/x/models/y`` or ``claude@2024``), and a provider's declared name.
+_MODEL = re.compile(r"[!-~]{1,200}")
+_PROVIDER = re.compile(r"[a-z0-9][a-z0-9_.-]{0,99}")
+
+
+def _names(value: str, pattern: re.Pattern[str], rule: str) -> list[str]:
     names = [n.strip() for n in value.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError("give at least one name (comma-separated)")
+    for name in names:
+        if not pattern.fullmatch(name):
+            raise argparse.ArgumentTypeError(f"{name!r}: {rule}; no call could name it")
     return names
+
+
+def _models(value: str) -> list[str]:
+    return _names(value, _MODEL, "a model name is printable ASCII without spaces")
+
+
+def _providers(value: str) -> list[str]:
+    return _names(value, _PROVIDER, "a provider name is lowercase letters, digits, _ . -")
+
+
+#: ``ROOT-xxxxxx`` is cut to a name's 100 characters.
+_ROOT_IN_NAME = 100 - len("-xxxxxx")
 
 
 def _iso(at: float | None) -> str | None:
@@ -88,7 +117,7 @@ async def cmd_key_new(args: argparse.Namespace, ledger: Ledger) -> int:
 
     key = new_key()
     event = KeyCreated(
-        name=args.name or f"{args.root}-{secrets.token_hex(3)}",
+        name=args.name or f"{args.root[:_ROOT_IN_NAME]}-{secrets.token_hex(3)}",
         sha256=hash_key(key),
         budget_root=args.root,
         expires_at=args.expires,
@@ -184,9 +213,11 @@ def _key_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--expires", type=expiry, help="ISO date or date-time it stops working (UTC by default)"
     )
-    q.add_argument("--models", type=_names, help="comma-separated models it may call (default any)")
     q.add_argument(
-        "--providers", type=_names, help="comma-separated providers it may call (default any)"
+        "--models", type=_models, help="comma-separated models it may call (default any)"
+    )
+    q.add_argument(
+        "--providers", type=_providers, help="comma-separated providers it may call (default any)"
     )
     q.add_argument(
         "--print-config",

@@ -7,14 +7,14 @@ import argparse
 import datetime as dt
 import re
 
-_DURATION = re.compile(r"^(\d+)([smhdw])$")
+_DURATION = re.compile(r"(\d+)([smhdw])", re.ASCII)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def since(text: str, now: float) -> float:
     """The Unix time ``text`` names; raises ``ValueError`` saying what it accepts."""
     value = text.strip()
-    match = _DURATION.match(value)
+    match = _DURATION.fullmatch(value)
     if match:
         return now - int(match.group(1)) * _UNIT_S[match.group(2)]
     try:

@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+from effectguard.errors import ConfigError
 from effectguard.ledger import Ledger
 from effectguard.ops import showcall
 from effectguard.ops.archivefile import check_archive_against, verify_archive
 from effectguard.ops.audit import VerifyReport
-from effectguard.ops.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Command, ledger_option
+from effectguard.ops.command import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Command,
+    check_ledger,
+    count,
+    ledger_option,
+    path_arg,
+)
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
@@ -138,14 +149,26 @@ def _period(text: str) -> str:
     return text
 
 
+#: The instants whose local date every zone's calendar holds (UTC offsets stay within a
+#: day): from 0001-01-02 to 9999-12-30 UTC.
+_FIRST_INSTANT = datetime(1, 1, 2, tzinfo=UTC).timestamp()
+_END_INSTANT = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
+
+
 def _instant(text: str) -> str:
     """An argparse type: ``--at`` as a date or an ISO date and time."""
     try:
-        _when(text)
+        _, at = _when(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a date or time: {text!r} (use YYYY-MM-DD or YYYY-MM-DDTHH:MM[+ZONE])"
         ) from None
+    # The whole second decides, as it does for a period's label (periods.label).
+    if at is not None and not _FIRST_INSTANT <= math.floor(at) < _END_INSTANT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: an instant from 0001-01-02 to 9999-12-30 UTC "
+            "(or a date alone, to the calendar's ends)"
+        )
     return text
 
 
@@ -154,6 +177,10 @@ def cmd_verify_entry(args: argparse.Namespace) -> int:
     (a file, or a PostgreSQL ledger's archive table) on its own."""
     ledger_url: str = args.ledger
     has_ledger = "://" in ledger_url or Path(ledger_url).exists()
+    if args.archive is not None and not Path(args.archive).is_file():
+        raise ConfigError(f"no archive file at {args.archive}")
+    if has_ledger:
+        check_ledger(ledger_url)
     if args.archived:
         if not ledger_url.startswith(("postgresql://", "postgres://")):
             print(
@@ -217,7 +244,7 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
         help="only calls created since WHEN: an ISO date/time (UTC unless it says) "
         "or a duration back from now (90s, 30m, 2h, 7d)",
     )
-    p.add_argument("--limit", type=int, default=1000, help="at most this many (default 1000)")
+    p.add_argument("--limit", type=count, default=1000, help="at most this many (default 1000)")
     p.set_defaults(run_ledger=cmd_calls)
 
 
@@ -255,6 +282,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument(
         "--archive",
+        type=path_arg,
         metavar="FILE",
         help="verify an archive file on its own (and against the ledger's checkpoint, "
         "when the ledger exists)",

@@ -356,7 +356,10 @@ def _str(raw: Mapping[str, Any], key: str, fail: _Fail, default: Any = _MISSING)
 def _url(url: object, where: str) -> str:
     if not isinstance(url, str):
         raise ConfigError(f"{where}: must be a string")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        raise ConfigError(f"{where}: must be an http(s) URL, got {url!r} ({exc})") from exc
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"{where}: must be an http(s) URL, got {url!r}")
     if parts.query or parts.fragment:

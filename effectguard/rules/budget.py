@@ -36,7 +36,7 @@ from effectguard.rules.periods import DEFAULT_TZ, TOTAL, PeriodKind
 Key = tuple[str, str]
 
 DEFAULT_BUDGET: Final = "default"
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_DEPTH: Final = 8
 
 
@@ -47,7 +47,7 @@ def validate_path(path: str) -> str:
     ``-`` (each starting with a letter or digit, at most 64 characters).
     """
     segments = path.split("/")
-    if not path or len(segments) > MAX_DEPTH or not all(_SEGMENT.match(s) for s in segments):
+    if not path or len(segments) > MAX_DEPTH or not all(_SEGMENT.fullmatch(s) for s in segments):
         raise ValueError(
             f"invalid budget path {path!r}: use 1-{MAX_DEPTH} '/'-separated segments of "
             "letters, digits, '.', '_' and '-'"
@@ -214,7 +214,7 @@ def validate_policy(policy: BudgetPolicy) -> BudgetPolicy:
     validate_path(policy.path)
     validate_limit(policy.limit)
     periods.validate_kind(policy.period)
-    periods.zone(policy.tz)
+    periods.validate_zone(policy.tz)
     for name in ("rpm", "tpm", "concurrency"):
         value = getattr(policy, name)
         if value is not None and not 0 <= value <= MAX_NANOS:

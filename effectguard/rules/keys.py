@@ -14,8 +14,8 @@ from typing import Final
 
 from effectguard.rules.events import Event, KeyCreated, KeyRevoked
 
-_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/@:-]{0,99}$")
-_DIGEST: Final = re.compile(r"^[0-9a-f]{64}$")
+_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@:-]{0,99}")
+_DIGEST: Final = re.compile(r"[0-9a-f]{64}")
 #: The kinds this fold reads.
 KINDS: Final = frozenset({KeyCreated.kind, KeyRevoked.kind})
 
@@ -53,7 +53,7 @@ class LedgerKey:
 
 def validate_name(name: str) -> str:
     """A key name: letters, digits and ``._/@:-``, up to 100 characters."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ValueError(
             f"key name {name!r}: use letters, digits and . _ / @ : - (at most 100 characters)"
         )
@@ -62,7 +62,7 @@ def validate_name(name: str) -> str:
 
 def validate_digest(digest: str) -> str:
     """A lowercase hex SHA-256 digest."""
-    if not _DIGEST.match(digest):
+    if not _DIGEST.fullmatch(digest):
         raise ValueError("a key is stored as a lowercase hex SHA-256 digest")
     return digest
 

@@ -25,6 +25,11 @@ call, and far enough below :data:`MAX_NANOS` that a counter holds a thousand suc
 admission refuses a reservation that would take any counter past :data:`MAX_NANOS`."""
 
 
+#: Amounts at or above 10**31 USD are beyond every bound (MAX_NANOS is about 9.2e9 USD).
+_MAX_EXPONENT = 30
+_NANO_DIGITS = 10
+
+
 def usd_to_nanos(value: str | int | Decimal) -> Nanos:
     """Parse a USD amount (``"0.15"``, ``Decimal``, ``int``) into nano-dollars.
 
@@ -39,6 +44,13 @@ def usd_to_nanos(value: str | int | Decimal) -> Nanos:
         raise ValueError(f"not a USD amount: {value!r}") from exc
     if not amount.is_finite():
         raise ValueError(f"not a finite USD amount: {value!r}")
+    if amount.adjusted() > _MAX_EXPONENT:
+        # No counter holds it: refused before the arithmetic, which would overflow
+        # Decimal's context or build an integer of a million digits.
+        raise ValueError(f"USD amount out of range: {value!r}")
+    if amount.adjusted() < -_NANO_DIGITS:
+        # Less than a tenth of a nano-dollar; scaling it would underflow to 0.
+        return 1 if amount > 0 else 0
     return int((amount * NANOS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
 
 

@@ -25,9 +25,14 @@ PERIOD_KINDS: Final[tuple[PeriodKind, ...]] = get_args(PeriodKind)
 TOTAL: Final = "total"
 DEFAULT_TZ: Final = "UTC"
 
-_DAY = re.compile(r"^(\d{4})-(\d{2})-(\d{2})$")
-_WEEK = re.compile(r"^(\d{4})-W(\d{2})$")
-_MONTH = re.compile(r"^(\d{4})-(\d{2})$")
+_DAY = re.compile(r"(\d{4})-(\d{2})-(\d{2})", re.ASCII)
+_WEEK = re.compile(r"(\d{4})-W(\d{2})", re.ASCII)
+_MONTH = re.compile(r"(\d{4})-(\d{2})", re.ASCII)
+
+
+#: Names the timezone database answers with whatever this machine's clock is set to:
+#: a budget declared in one would reset at different instants on different replicas.
+HOST_ZONES: Final = frozenset({"localtime", "posixrules"})
 
 
 @lru_cache(maxsize=256)
@@ -35,8 +40,22 @@ def zone(name: str) -> ZoneInfo:
     """The IANA timezone ``name``; ``ValueError`` if there is none."""
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
-        raise ValueError(f"unknown timezone {name!r} (use an IANA name like Europe/Paris)") from exc
+    # OSError: a name too long for a file name is no zone either.
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+        shown = repr(name) if len(name) <= 64 else repr(name[:40]) + f"... ({len(name)} chars)"
+        raise ValueError(f"unknown timezone {shown} (use an IANA name like Europe/Paris)") from exc
+
+
+def validate_zone(name: str) -> str:
+    """``name`` if it is an IANA zone that means the same on every machine, else
+    ``ValueError`` (for a new policy; stored policies are read with :func:`zone`)."""
+    if name in HOST_ZONES:
+        raise ValueError(
+            f"{name!r} is this machine's own zone, which other machines read differently; "
+            "name the zone (e.g. Europe/Paris)"
+        )
+    zone(name)
+    return name
 
 
 def validate_kind(kind: str) -> PeriodKind:
@@ -73,19 +92,19 @@ def kind_of_label(text: str) -> PeriodKind:
     if text == TOTAL:
         return "total"
     first_day(text)  # validates the numbers
-    if _DAY.match(text):
+    if _DAY.fullmatch(text):
         return "day"
-    return "week" if _WEEK.match(text) else "month"
+    return "week" if _WEEK.fullmatch(text) else "month"
 
 
 def first_day(text: str) -> date:
     """The first local date of the period labelled ``text`` (``ValueError`` if not a label)."""
     try:
-        if m := _DAY.match(text):
+        if m := _DAY.fullmatch(text):
             return date(int(m[1]), int(m[2]), int(m[3]))
-        if m := _WEEK.match(text):
+        if m := _WEEK.fullmatch(text):
             return date.fromisocalendar(int(m[1]), int(m[2]), 1)
-        if m := _MONTH.match(text):
+        if m := _MONTH.fullmatch(text):
             return date(int(m[1]), int(m[2]), 1)
     except ValueError as exc:
         raise ValueError(f"not a period: {text!r} ({exc})") from exc

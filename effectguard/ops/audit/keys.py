@@ -12,7 +12,7 @@ import re
 from typing import Any, Final, NamedTuple
 
 KINDS: Final = frozenset({"key.created", "key.revoked"})
-_DIGEST: Final = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST: Final = re.compile(r"[0-9a-f]{64}")
 
 
 class KeyRow(NamedTuple):
@@ -59,7 +59,7 @@ class Keys:
         ):
             problems.append(f"event {seq}: creates key {name!r} while its earlier key is live")
         digest = str(data["sha256"])
-        if not _DIGEST.match(digest):
+        if not _DIGEST.fullmatch(digest):
             problems.append(f"event {seq}: key {name!r} is not stored as a SHA-256 digest")
         expires = data.get("expires_at")
         self.rows[name] = KeyRow(

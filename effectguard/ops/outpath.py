@@ -1,0 +1,36 @@
+"""Where an operator command may write a new file (``backup``, ``archive``).
+
+A new file goes where no file is, in a directory that exists, and never under a name
+SQLite keeps beside the ledger (``LEDGER-wal``, ``-shm``, ``-journal``): SQLite would
+take a backup written there for its own file, and truncate or delete it on the next open.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from effectguard.errors import ConfigError
+from effectguard.ledger.sqlitefile import COMPANIONS
+
+
+def new_file(path: str | Path, *, ledger: Path, command: str, what: str) -> Path:
+    """``path`` as the target of ``command`` (which writes ``what``), or ``ConfigError``."""
+    if not str(path):
+        raise ConfigError(f"{command} needs a file name")
+    target = Path(path)
+    resolved = target.resolve()
+    home = ledger.resolve()
+    for suffix in COMPANIONS:  # whether SQLite has one there right now or not
+        if resolved == home.with_name(home.name + suffix):
+            raise ConfigError(
+                f"{target} is the ledger's own {suffix} file: SQLite would overwrite or "
+                f"delete {what} written there"
+            )
+    if target.exists() or target.is_symlink():
+        raise ConfigError(f"{target} exists; {what} never overwrites a file")
+    if not resolved.parent.is_dir():
+        raise ConfigError(f"{command}: directory {target.parent} does not exist")
+    if not os.access(resolved.parent, os.W_OK):
+        raise ConfigError(f"{command}: cannot write in {target.parent}")
+    return target
