@@ -54,7 +54,10 @@ def check_ledger_file(path: str) -> None:
     """
     file = Path(path)
     if not file.exists():
-        raise ConfigError(f"no ledger at {path} (use --ledger)")
+        raise ConfigError(
+            f"no ledger at {path} (use --ledger; `effectguard serve` or `effectguard migrate` "
+            "creates one)"
+        )
     if not file.is_file():
         raise ConfigError(f"{path} is not a file: no ledger there (use --ledger)")
     try:

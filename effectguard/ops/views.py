@@ -193,7 +193,11 @@ def cmd_verify_entry(args: argparse.Namespace) -> int:
 
         return _report(args, verify_archived(ledger_url))
     if args.archive is None and not has_ledger:
-        print(f"effectguard: no ledger at {ledger_url} (use --ledger)", file=sys.stderr)
+        print(
+            f"effectguard: no ledger at {ledger_url} (use --ledger; `effectguard serve` or "
+            "`effectguard migrate` creates one)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
 
     async def run() -> int:
