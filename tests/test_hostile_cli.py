@@ -10,7 +10,9 @@ that stage's call id.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import hashlib
 import json
 import sqlite3
 import subprocess
@@ -23,7 +25,9 @@ from typing import Any
 import pytest
 from stagedkit import Ran, run, snapshot, staged_ledger
 
+from effectguard.ledger import Ledger
 from effectguard.ops.backup import backup_sqlite
+from effectguard.rules.events import KeyCreated
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +400,29 @@ def test_a_key_may_expire_at_the_calendars_last_second(own: Group) -> None:
     (far,) = [k for k in snapshot(own.ledger)["keys"] if k["name"] == "far"]
     assert far["expires_at"] == "9999-12-31T23:59:59Z"
     assert run(*own.argv(["key", "revoke", "far"])).code == 0
+
+
+def test_a_key_written_with_an_expiry_past_the_calendar_still_lists(own: Group) -> None:
+    """A ledger written before --expires was bounded may hold a key expiring in year ~33658:
+    key list (text and --json) says so instead of failing, and the key can be revoked."""
+
+    async def write() -> None:
+        async with Ledger.open(str(own.ledger)) as book:
+            digest = hashlib.sha256(b"key-of-far-future").hexdigest()
+            await book.create_key(
+                KeyCreated(name="far-future", sha256=digest, budget_root="team", expires_at=1e12)
+            )
+
+    asyncio.run(write())
+    done = run(*own.argv(["key", "list", "--json"]))
+    assert done.code == 0, done.err
+    (far,) = [k for k in json.loads(done.out) if k["name"] == "far-future"]
+    assert (far["status"], far["expires_at"]) == ("active", "after 9999-12-31T23:59:59Z")
+    text = run(*own.argv(["key", "list"]))
+    assert text.code == 0 and "after 9999-12-31T23:59:59Z" in text.out, text
+    assert run(*own.argv(["key", "revoke", "far-future"])).code == 0
+    (far,) = [k for k in snapshot(own.ledger)["keys"] if k["name"] == "far-future"]
+    assert far["status"] == "revoked"
 
 
 @pytest.mark.parametrize(

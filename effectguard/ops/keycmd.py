@@ -21,7 +21,7 @@ from typing import Any
 
 from effectguard.ledger import Ledger
 from effectguard.ops.command import EXIT_OK, EXIT_USAGE, Command, ledger_option
-from effectguard.ops.render import emit, table
+from effectguard.ops.render import emit, iso, table
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys
 from effectguard.rules.events import KeyCreated
@@ -91,21 +91,15 @@ def _providers(value: str) -> list[str]:
 _ROOT_IN_NAME = 100 - len("-xxxxxx")
 
 
-def _iso(at: float | None) -> str | None:
-    if at is None:
-        return None
-    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
 def key_json(row: LedgerKey, now: float) -> dict[str, Any]:
     """A ledger key as ``key list --json`` shows it (never its digest)."""
     return {
         "name": row.name,
         "budget_root": row.budget_root,
         "status": row.ended(now) or "active",
-        "created_at": _iso(row.created_at),
-        "expires_at": _iso(row.expires_at),
-        "revoked_at": _iso(row.revoked_at),
+        "created_at": iso(row.created_at),
+        "expires_at": iso(row.expires_at),
+        "revoked_at": iso(row.revoked_at),
         "models": None if row.models is None else list(row.models),
         "providers": None if row.providers is None else list(row.providers),
     }

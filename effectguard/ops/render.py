@@ -22,8 +22,17 @@ def iso(at: float | None) -> str | None:
     """Unix seconds as ISO 8601 UTC to the second (``2026-12-01T02:44:09Z``), or None."""
     if not at:
         return None
-    moment = dt.datetime.fromtimestamp(at, tz=dt.UTC).replace(microsecond=0)
+    try:
+        moment = dt.datetime.fromtimestamp(at, tz=dt.UTC).replace(microsecond=0)
+    except (ValueError, OverflowError, OSError):
+        # A ledger written before the CLI bounded its dates may hold an instant past the
+        # calendar's end (a key's expiry in year 10000): say so rather than fail the listing.
+        return _PAST_THE_CALENDAR if at > 0 else _BEFORE_THE_CALENDAR
     return moment.isoformat().replace("+00:00", "Z")
+
+
+_PAST_THE_CALENDAR = "after 9999-12-31T23:59:59Z"
+_BEFORE_THE_CALENDAR = "before 0001-01-01T00:00:00Z"
 
 
 def age(at: float, now: float) -> str:
