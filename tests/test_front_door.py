@@ -7,6 +7,7 @@ client's own behaviour (slow, huge) is the point.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -285,3 +286,48 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
     stages = {c["call_id"]: c["stage"] for c in json.loads(capsys.readouterr().out)}
     assert stages == {call_id: "effect_unknown"}
+
+
+def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_it(
+    tmp_path: Path, provider: FakeProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second SIGTERM during the drain (``timeout`` and some supervisors signal twice)
+    exits 0 at once, without a traceback; the call still waiting stays in flight in the
+    ledger and the next start marks it ``effect_unknown``, as after a crash."""
+    ledger = tmp_path / "l.db"
+    upstreams = {"openai": provider.url}
+    with running_proxy(ledger, upstreams=upstreams) as proxy:
+        receipts = len(provider.receipts())
+        worker = threading.Thread(
+            target=lambda: _post_ignoring_errors(proxy.url, {"x-fake-delay": "30"})
+        )
+        worker.start()
+        deadline = time.monotonic() + PATIENCE_S
+        while len(provider.receipts()) == receipts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(provider.receipts()) > receipts, "the call never reached the provider"
+        proxy.kill(signal.SIGTERM)
+        time.sleep(0.2)  # the first signal is being handled: the drain has begun
+        proxy.kill(signal.SIGTERM)
+        # The drain alone would wait up to its 30 s for the 30 s call.
+        assert proxy.process.wait(PATIENCE_S / 2) == 0
+        log = proxy.log()
+    worker.join(PATIENCE_S)
+    assert "Traceback" not in log, log
+    assert "stopped without draining" in log, log
+    with running_proxy(ledger, upstreams=upstreams):
+        deadline = time.monotonic() + PATIENCE_S
+        while time.monotonic() < deadline:
+            capsys.readouterr()
+            assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+            stages = [c["stage"] for c in json.loads(capsys.readouterr().out)]
+            if stages == ["effect_unknown"]:
+                break
+            time.sleep(0.1)
+    assert stages == ["effect_unknown"]
+
+
+def _post_ignoring_errors(url: str, headers: dict[str, str]) -> None:
+    # The proxy goes away under this request: whatever the client sees is not the point.
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url + OPENAI_CHAT, json=chat("slow"), headers=headers, timeout=PATIENCE_S)

@@ -159,6 +159,44 @@ def test_an_absurd_limit_in_the_config_file_is_refused(tmp_path: Path, value: st
     assert not ledger.exists()
 
 
+@pytest.mark.parametrize("value", ["99999", "-1", "65536", '"8787"', "true", "80.5"])
+@pytest.mark.parametrize("key", ["port", "metrics_port"])
+def test_a_port_that_is_no_tcp_port_in_the_config_file_is_refused(
+    tmp_path: Path, key: str, value: str
+) -> None:
+    """serve --config with a port out of 0-65535, a string or a boolean exits 2 naming the
+    key, before it opens a ledger (the socket layer would take 99999 as 34463, true as 1)."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f"[server]\n{key} = {value}\n")
+    ledger = tmp_path / "ledger.db"
+    done = run("serve", "--config", str(config), "--ledger", str(ledger))
+    assert done.code == 2, done
+    assert f"server.{key}: must be a TCP port from 0 to 65535" in done.err, done.err
+    assert not ledger.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--port", "99999"], "argument --port: a TCP port is a number from 0 to 65535"),
+        (["--port", "-1"], "argument --port: a TCP port is a number from 0 to 65535"),
+        (["--metrics-port", "1e3"], "argument --metrics-port: a TCP port is a number"),
+        (["--ledger", ""], "argument --ledger: a path cannot be empty"),
+        (["--config", ""], "argument --config: a path cannot be empty"),
+    ],
+)
+def test_serve_refuses_a_bad_flag_before_it_opens_a_ledger(
+    tmp_path: Path, args: list[str], needle: str
+) -> None:
+    """serve's own flags take the checks every ledger command has: exit 2, one line."""
+    ledger = tmp_path / "ledger.db"
+    argv = ["serve", *args] if "--ledger" in args else ["serve", "--ledger", str(ledger), *args]
+    done = run(*argv)
+    assert done.code == 2, done
+    assert needle in done.err.strip().splitlines()[-1], done.err
+    assert not ledger.exists()
+
+
 SEGMENT = "s" * 64
 BAD_PATHS = ["", "a//b", "/a", "a/", "a=b", "a\nb", "é", "s" * 65, "/".join("abcdefghi"), ".a"]
 

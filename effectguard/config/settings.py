@@ -334,7 +334,7 @@ def load_settings(
     return ServeSettings(
         ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
         host=host or str(server.get("host", d.HOST)),
-        port=port if port is not None else int(server.get("port", d.PORT)),
+        port=port if port is not None else _listen_port(server),
         providers=providers,
         provider_keys=provider_keys,
         guard=GuardSettings(
@@ -374,9 +374,19 @@ def _hook_spec(guard: Mapping[str, Any]) -> str | None:
     return spec
 
 
+def _listen_port(server: Mapping[str, Any]) -> int:
+    port = _port(server, "port")
+    return defaults.PORT if port is None else port
+
+
 def _port(table: Mapping[str, Any], key: str) -> int | None:
     value = table.get(key)
-    return None if value is None else int(value)
+    if value is None:
+        return None
+    # int() would take "80" and True (port 1), and the socket layer wraps 99999 to 34463.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"server.{key}: must be a TCP port from 0 to 65535, not {value!r}")
+    return value
 
 
 def _operator(server: Mapping[str, Any]) -> dict[str, Any]:

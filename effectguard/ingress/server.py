@@ -153,7 +153,14 @@ class ProxyApp:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except asyncio.CancelledError:
+                # A second signal stops without draining: uvicorn then skips the lifespan
+                # shutdown and the event loop's teardown cancels this wait. That is the
+                # documented fast stop, not an error worth a traceback.
+                log.info("stopped without draining (a second signal)")
+                return
             if message["type"] == "lifespan.startup":
                 try:
                     await self.startup()

@@ -63,6 +63,20 @@ def path_arg(value: str) -> str:
     return value
 
 
+def port_arg(value: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535.
+
+    The socket layer would take 99999 as port 34463, and -1 fails with a resolver's error.
+    """
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is a number from 0 to 65535, not {value!r}")
+    return port
+
+
 def ledger_option(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
     """``--ledger``, ``--config`` and, unless told not to, ``--json``.
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from effectguard.ops.command import (
     EXIT_OK,
     Command,
+    path_arg,
+    port_arg,
     provider_options,
     upstream_flag,
     upstreams,
@@ -52,11 +54,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ledger", default=None, help="ledger PATH or DSN (default ./effectguard.db)")
+    p.add_argument(
+        "--ledger",
+        type=path_arg,
+        default=None,
+        help="ledger PATH or DSN (default ./effectguard.db)",
+    )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8787)")
+    p.add_argument("--port", type=port_arg, default=None, help="port (default 8787)")
     provider_options(p)
-    p.add_argument("--config", metavar="FILE", help="TOML config (budgets, keys, limits)")
+    p.add_argument(
+        "--config", type=path_arg, metavar="FILE", help="TOML config (budgets, keys, limits)"
+    )
     p.add_argument(
         "--demo",
         action="store_true",
@@ -65,7 +74,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_arg,
         default=None,
         help="serve /metrics on its own listener at this port (and not on the proxy's)",
     )
