@@ -260,9 +260,17 @@ def test_a_budget_set_without_a_change_is_refused(
 def test_an_extreme_rate_limit_is_set(own: Group, args: list[str], field: str, shown: Any) -> None:
     """Zero (admit nothing), the largest count a counter holds and 'none' are set as given."""
     path = "/".join([SEGMENT] * 8)  # the longest path there is
-    assert run(*own.argv(["budget", "set", path, *args])).code == 0
+    done = run(*own.argv(["budget", "set", path, *args]))
+    assert done.code == 0, done
     (node,) = [b for b in snapshot(own.ledger)["budgets"] if b["path"] == path]
     assert node[field] == shown
+    # The confirmation says what was set, not only the (unchanged) money limit.
+    assert (
+        done.out
+        == f"{path}: limit none USD per total"
+        + ("" if shown is None else f"; {field} {shown}")
+        + "\n"
+    )
 
 
 BAD_ZONES = [

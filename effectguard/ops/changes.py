@@ -179,8 +179,17 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
     if (warning := overspent(node)) is not None:
         print(f"effectguard: warning: {warning}", file=sys.stderr)
     payload = budget_json(node, policy)
-    emit(args, payload, f"{path}: limit {money(node.limit) or 'none'} USD per {policy.period}")
+    emit(args, payload, _policy_line(path, money(node.limit), policy))
     return EXIT_OK
+
+
+def _policy_line(path: str, limit: str | None, policy: BudgetPolicy) -> str:
+    """``team: limit 5.000000000 USD per monthly; rpm 60`` (rate limits only where set, so
+    a ``--rpm`` alone is not confirmed as if nothing had changed)."""
+    names = ("rpm", "tpm", "concurrency")
+    rates = [f"{n} {v}" for n in names if (v := getattr(policy, n)) is not None]
+    shown = f"{path}: limit {limit or 'none'} USD per {policy.period}"
+    return "; ".join([shown, ", ".join(rates)]) if rates else shown
 
 
 def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
