@@ -171,6 +171,33 @@ def test_a_decision_needs_a_note(stack: Stack) -> None:
     assert reconciliations(stack, call_id) == []
 
 
+@pytest.mark.parametrize(
+    ("note", "kept"),
+    [
+        ("checked the\r\n  outbox\tat 09:00\n", "checked the outbox at 09:00"),
+        ("fine\x1b[2J\x1b[31m", None),
+        ("paid \u202eaton\u202c", None),
+        ("a\u2028b", "a b"),
+    ],
+    ids=["line breaks and tabs", "terminal escape", "bidi override", "line separator"],
+)
+def test_a_note_is_kept_on_one_printable_line(stack: Stack, note: str, kept: str | None) -> None:
+    """A textarea's line breaks and tabs are folded into single spaces; a note holding a
+    terminal escape or a bidi override (which ``show`` would print as they are) is refused
+    with 400 and nothing is recorded, as ``reconcile --note`` refuses it."""
+    call_id = unknown_call(stack, fresh_key())
+    session = login(stack)
+    token = csrf_of(httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=session).text)
+    answer = reconcile_post(stack, call_id, session | {"origin": stack.url}, csrf=token, note=note)
+    if kept is None:
+        assert answer.status_code == 400 and "a note is printable text" in answer.text
+        assert reconciliations(stack, call_id) == []
+    else:
+        assert answer.status_code == 303, answer.text
+        [decision] = reconciliations(stack, call_id)
+        assert decision["note"] == kept
+
+
 def test_applied_with_a_cost_is_recorded_by_the_admin_name(stack: Stack) -> None:
     """Applied with a cost writes call.reconciled (applied, that cost, by the key's name)."""
     call_id = unknown_call(stack, fresh_key())

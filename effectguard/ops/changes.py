@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import getpass
 import sys
-import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from effectguard.ops.command import (
     usd,
 )
 from effectguard.ops.render import budget_json, call_json, emit, money
+from effectguard.rules import notes
 from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
 from effectguard.rules.periods import PERIOD_KINDS, validate_zone
 
@@ -58,23 +58,13 @@ def budget_path(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-#: Characters a note or a name may not hold: control characters (newlines and terminal
-#: escapes among them, which ``show`` would print as they are), line and paragraph
-#: separators, and the bidirectional overrides that make text read other than it is.
-_UNPRINTABLE = frozenset({"Cc", "Zl", "Zp"})
-_BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
-
-
 def one_line(what: str) -> Callable[[str], str]:
     """An argparse type: one line of printable text that is not blank, named ``what``."""
 
     def check(value: str) -> str:
         if not value.strip():
             raise argparse.ArgumentTypeError(f"{what} cannot be blank")
-        bad = next(
-            (c for c in value if unicodedata.category(c) in _UNPRINTABLE or c in _BIDI), None
-        )
-        if bad is not None:
+        if (bad := notes.unprintable(value)) is not None:
             raise argparse.ArgumentTypeError(
                 f"{what} is one line of printable text; it holds {bad!r}"
             )

@@ -26,6 +26,7 @@ from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, pag
 from effectguard.ingress.admin.session import Session, Sessions, same_origin
 from effectguard.ingress.admin.spend import DAY_S, spend_by_day
 from effectguard.ledger import Ledger
+from effectguard.rules import notes
 from effectguard.rules.money import usd_to_nanos
 from effectguard.rules.workstate import STAGES
 
@@ -190,7 +191,7 @@ class AdminPage:
     ) -> None:
         """Record an operator's decision as ``call.reconciled`` by the admin key's name."""
         decision = form.get("decision", "")
-        note = form.get("note", "").strip()
+        note = notes.one_line(form.get("note", ""))
         cost_text = form.get("cost", "").strip()
         problem = None
         cost = None
@@ -198,6 +199,8 @@ class AdminPage:
             problem = "choose a decision: applied or not applied"
         elif not note:
             problem = "a note is required: say how you know"
+        elif (bad := notes.unprintable(note)) is not None:
+            problem = f"a note is printable text; it holds {bad!r}"
         elif cost_text and decision != "applied":
             problem = "a cost goes with applied"
         elif cost_text:

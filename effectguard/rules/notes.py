@@ -1,0 +1,23 @@
+"""What an operator's note or a name may hold: printable text that `show`, logs and the
+operator page can print as it is (docs/contract.md §8, "Bad input")."""
+
+from __future__ import annotations
+
+import unicodedata
+
+#: Control characters (newlines and terminal escapes among them, which ``show`` would print
+#: as they are), line and paragraph separators.
+_UNPRINTABLE = frozenset({"Cc", "Zl", "Zp"})
+#: The bidirectional overrides and isolates, which make text read other than it is.
+_BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+
+
+def unprintable(text: str) -> str | None:
+    """The first character of ``text`` that a one-line note may not hold, or None."""
+    return next((c for c in text if unicodedata.category(c) in _UNPRINTABLE or c in _BIDI), None)
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (a textarea's line breaks, tabs) made one space,
+    and trimmed: how a note typed into a multi-line box is kept."""
+    return " ".join(text.split())
