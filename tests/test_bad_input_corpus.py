@@ -225,6 +225,29 @@ CASES = [
         400,
         error="invalid_request",
     ),
+    # A repeated key: we would price the last max_tokens, a provider may act on the first.
+    case(
+        "json-repeated-key",
+        http(
+            "POST",
+            CHAT,
+            content=b'{"model": "gpt-4o-mini", "max_tokens": 100000, "max_tokens": 1,'
+            b' "messages": [{"role": "user", "content": "hi"}]}',
+        ),
+        400,
+        error="invalid_request",
+    ),
+    case(
+        "json-repeated-nested-key",
+        http(
+            "POST",
+            CHAT,
+            content=b'{"model": "gpt-4o-mini", "messages":'
+            b' [{"role": "user", "content": "a", "content": "b"}]}',
+        ),
+        400,
+        error="invalid_request",
+    ),
     case("json-empty", http("POST", CHAT, content=b""), 400, error="invalid_request"),
     case("body-array", http("POST", CHAT, json_body=[chat()]), 400, error="invalid_request"),
     case("body-string", http("POST", CHAT, json_body="hello"), 400, error="invalid_request"),

@@ -165,6 +165,29 @@ def test_json_nested_too_deep_is_400(
     assert env.calls(capsys) == calls
 
 
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        (b'{"model":"gpt-4o-mini","max_tokens":100000,"messages":[],"max_tokens":1}', "max_tokens"),
+        (b'{"model":"gpt-4o-mini","messages":[{"role":"user","role":"system"}]}', "role"),
+    ],
+)
+def test_a_json_object_repeating_a_key_is_400_and_never_sent(
+    env: Env, capsys: pytest.CaptureFixture[str], body: bytes, key: str
+) -> None:
+    """A repeated key is refused naming it: the provider might act on the value we did not
+    price (the first max_tokens), so the body is ambiguous, not merely odd."""
+    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
+    response = env.client.post(
+        OPENAI_CHAT, content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    message = error_of(400, response.json(), "invalid_request")["message"]
+    assert message == f"request body is ambiguous JSON: the key {key!r} appears twice in one object"
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+
+
 def test_json_nested_within_the_limit_is_served(env: Env) -> None:
     """A body exactly at the depth limit is an ordinary request."""
     body = nested(MAX_JSON_DEPTH - 2)  # + the metadata's own object level + the body
