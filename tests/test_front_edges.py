@@ -188,6 +188,40 @@ def test_a_json_object_repeating_a_key_is_400_and_never_sent(
     assert env.calls(capsys) == calls
 
 
+@pytest.mark.parametrize("flag", ['"yes"', '"true"', "1", "{}"])
+def test_a_stream_flag_that_is_not_a_boolean_is_400_and_never_sent(
+    env: Env, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """``stream`` is true, false or absent: a provider that took "yes" as a stream would
+    send events the guard was not reading as one."""
+    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
+    body = '{"model":"gpt-4o-mini","messages":[],"stream":' + flag + "}"
+    response = env.client.post(
+        OPENAI_CHAT, content=body, headers={"content-type": "application/json"}
+    )
+    error = error_of(400, response.json(), "invalid_request")
+    assert (error["message"], error["param"]) == ("stream must be true or false", "stream")
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+
+
+def test_two_idempotency_keys_are_400_and_never_sent(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two Idempotency-Key headers would join into a key ("a, b") neither names: refused."""
+    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
+    headers = [("content-type", "application/json"), ("idempotency-key", "a")]
+    response = env.client.post(
+        OPENAI_CHAT,
+        content=b'{"model":"gpt-4o-mini","messages":[]}',
+        headers=[*headers, ("idempotency-key", "b")],
+    )
+    error = error_of(400, response.json(), "invalid_request")
+    assert error["message"] == "Idempotency-Key is sent more than once"
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+
+
 def test_json_nested_within_the_limit_is_served(env: Env) -> None:
     """A body exactly at the depth limit is an ordinary request."""
     body = nested(MAX_JSON_DEPTH - 2)  # + the metadata's own object level + the body

@@ -78,15 +78,22 @@ class Outbound:
     )
 
     def header(self, name: str) -> str | None:
-        """The value of header ``name``, if present."""
+        """The value of header ``name``, if present (repeated values joined with ``", "``)."""
+        values = self._values(name)
+        return _joined(values) if values else None
+
+    def repeats(self, name: str) -> bool:
+        """Whether header ``name`` is sent more than once."""
+        return len(self._values(name)) > 1
+
+    def _values(self, name: str) -> list[bytes]:
         index = self._index
         if index is None:
             index = {}
             for k, v in self.headers:
                 index.setdefault(k.lower(), []).append(v)
             self._index = index
-        values = index.get(_wire_name(name))
-        return _joined(values) if values else None
+        return index.get(_wire_name(name), [])
 
     def set_header(self, name: str, value: str) -> None:
         """Set header ``name`` to ``value``, replacing any the request had."""

@@ -148,6 +148,8 @@ def prepare(
     # A form or multipart body's fields are strings, not token caps: it is priced per call
     # (plus the model's declared output bound, for a model priced by tokens).
     bounded = parsed if kind == "json" else {}
+    if kind == "json" and provider.dialect != "flat":
+        _check_stream_flag(parsed)
     stream = kind == "json" and usages.wants_stream(parsed)
     sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
     try:
@@ -182,6 +184,15 @@ def prepare(
         spool=request.spool,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _check_stream_flag(parsed: dict[str, Any]) -> None:
+    """A model request's ``stream`` is true, false or absent (400 otherwise): effectguard
+    reads only ``true`` as a stream, and a provider that took ``"yes"`` as one would send
+    events the guard was not reading as such."""
+    flag = parsed.get("stream")
+    if flag is not None and not isinstance(flag, bool):
+        raise refuse(400, "invalid_request", "stream must be true or false", param="stream")
 
 
 def _stored_body(request: Outbound, sent: bytes) -> tuple[str, str]:
@@ -300,6 +311,9 @@ def _model_and_price(
 def _idempotency_key(request: Outbound) -> str | None:
     """The client's ``Idempotency-Key``, if it sent a usable one."""
     key = request.header(IDEMPOTENCY_HEADER)
+    if key is not None and request.repeats(IDEMPOTENCY_HEADER):
+        # Joined they would make a key ("a, b") that neither value names.
+        raise refuse(400, "invalid_request", "Idempotency-Key is sent more than once")
     if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
         raise refuse(
             400, "invalid_request", f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} characters"
