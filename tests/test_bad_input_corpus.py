@@ -299,6 +299,12 @@ CASES = [
         error="invalid_budget",
     ),
     case(
+        "budget-empty",
+        http("POST", CHAT, json_body=chat(), headers={"Effectguard-Budget": ""}),
+        400,
+        error="invalid_budget",
+    ),
+    case(
         "budget-double-slash",
         http("POST", CHAT, json_body=chat(), headers={"Effectguard-Budget": "a//b"}),
         400,

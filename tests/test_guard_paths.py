@@ -867,11 +867,12 @@ async def test_unpriced_model_is_refused_400(
     await finish(t)
 
 
-@pytest.mark.parametrize("budget", ["../etc", "team a", "a//b", "/root", "x" * 65])
+@pytest.mark.parametrize("budget", ["../etc", "team a", "a//b", "/root", "x" * 65, ""])
 async def test_invalid_budget_header_is_refused_400(
     budget: str, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """An Effectguard-Budget header that is not a valid budget path answers 400."""
+    """An Effectguard-Budget header that is not a valid budget path answers 400 (an empty
+    one too: taken as absent, it would quietly spend the transport's own budget)."""
     t = make_transport()
     with respx.mock(base_url=OPENAI, assert_all_called=False) as mock:
         route = mock.post("/v1/chat/completions").mock(return_value=ok())

@@ -277,15 +277,17 @@ class ProxyApp:
         self, provider: Provider, headers: list[tuple[bytes, bytes]]
     ) -> tuple[str, str | None, Grant | None]:
         """The budget and budget root this request may spend, and its key (docs/contract.md §1)."""
+        # An empty header (a client's unset "$BUDGET") is a bad path, refused like any
+        # other: taken as absent it would quietly spend the default budget.
         requested = header_value(headers, BUDGET_HEADER)
         if not self.keyring.required:
-            return requested or budgets.DEFAULT_BUDGET, None, None
+            return budgets.DEFAULT_BUDGET if requested is None else requested, None, None
         presented = header_value(headers, "effectguard-key")
         if presented is None:
             credential = header_value(headers, provider.key_header) or ""
             presented = credential.removeprefix("Bearer ").strip() if credential else None
         key = self.keyring.authenticate(presented)
-        budget = requested or key.budget_root
+        budget = key.budget_root if requested is None else requested
         if not budgets.is_under(budget, key.budget_root):
             raise Refusal(
                 403, "budget_forbidden", f"this key may only spend under {key.budget_root!r}"

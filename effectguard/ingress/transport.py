@@ -127,7 +127,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 return error_response("openai", refusal, request)
             return await self.inner.handle_async_request(request)
         await request.aread()
-        budget = request.headers.get(BUDGET_HEADER) or self.budget or "default"
+        requested = request.headers.get(BUDGET_HEADER)  # empty: refused as a bad path
+        budget = (self.budget or "default") if requested is None else requested
         try:
             return await guard.handle(
                 provider, request, self.inner.handle_async_request, budget=budget
