@@ -205,6 +205,36 @@ def test_a_stream_flag_that_is_not_a_boolean_is_400_and_never_sent(
     assert env.calls(capsys) == calls
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "br", "GZIP", "identity, gzip"])
+def test_a_compressed_body_is_400_and_never_sent(
+    env: Env, capsys: pytest.CaptureFixture[str], encoding: str
+) -> None:
+    """A Content-Encoding other than identity is refused: the guard would price the bytes
+    it was sent while the provider acts on what they decompress to (a lie, as here, made
+    the provider answer 500 and left the call's effect unknown)."""
+    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
+    response = env.client.post(
+        OPENAI_CHAT,
+        content=b'{"model":"gpt-4o-mini","messages":[]}',
+        headers={"content-type": "application/json", "content-encoding": encoding},
+    )
+    error = error_of(400, response.json(), "invalid_request")
+    assert error["message"].startswith("Content-Encoding "), error
+    assert "send the body uncompressed" in error["message"]
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+
+
+def test_an_identity_content_encoding_is_served(env: Env) -> None:
+    """``Content-Encoding: identity`` is no encoding at all."""
+    response = env.client.post(
+        OPENAI_CHAT,
+        content=b'{"model":"gpt-4o-mini","messages":[]}',
+        headers={"content-type": "application/json", "content-encoding": "identity"},
+    )
+    assert response.status_code == 200, response.text
+
+
 def test_two_idempotency_keys_are_400_and_never_sent(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:

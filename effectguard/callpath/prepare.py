@@ -138,6 +138,7 @@ def prepare(
     if endpoint.effect == "read_only":
         return None
     root = _budget_root(budget, budget_root)
+    _check_identity_encoding(request)
     raw = request.body
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
@@ -184,6 +185,18 @@ def prepare(
         spool=request.spool,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _check_identity_encoding(request: Outbound) -> None:
+    """Refuse (400) a compressed body: effectguard would parse, price and hash the
+    compressed bytes while the provider acts on what they decompress to."""
+    encoding = (request.header("content-encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        raise refuse(
+            400,
+            "invalid_request",
+            f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+        )
 
 
 def _check_stream_flag(parsed: dict[str, Any]) -> None:
