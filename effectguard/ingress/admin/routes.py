@@ -144,7 +144,10 @@ class AdminPage:
         return views.call_page(state, events, now=self._clock(), csrf=csrf)
 
     async def _spend(self, days_text: str | None) -> str:
-        days = int(days_text) if days_text and days_text.isdigit() else 14
+        # isdigit() alone takes '²' (which int() refuses) and 5,000 digits (past int()'s
+        # limit): either was a 500. Anything but a short ASCII number shows the default.
+        text = days_text or ""
+        days = int(text) if text.isascii() and text.isdigit() and len(text) <= 6 else 14
         days = min(max(days, 1), 366)
         calls = await self._ledger.calls(limit=SPEND_CALLS)
         now = self._clock()
