@@ -235,6 +235,20 @@ def test_an_identity_content_encoding_is_served(env: Env) -> None:
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(
+    "count", ["\u00b2".encode(), b"9" * 5000], ids=["superscript", "5000 digits"]
+)
+def test_an_odd_sdk_retry_count_is_no_retry_and_no_500(env: Env, count: bytes) -> None:
+    """``x-stainless-retry-count`` that str.isdigit() accepts but int() refuses (a
+    superscript two, 5,000 digits) was a 500; it is read as no retry count at all."""
+    response = env.client.post(
+        OPENAI_CHAT,
+        content=b'{"model":"gpt-4o-mini","messages":[]}',
+        headers=[(b"content-type", b"application/json"), (b"x-stainless-retry-count", count)],
+    )
+    assert response.status_code == 200, response.text
+
+
 def test_two_idempotency_keys_are_400_and_never_sent(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -408,3 +408,13 @@ def test_integer_price_and_native_date_accepted(tmp_path: Path) -> None:
     assert provider.prices_taken == "2026-11-29"
     assert provider.key_format == "Bearer {key}"  # the default for the authorization header
     assert provider.api_key_env is None
+
+
+@pytest.mark.parametrize("key", ["\u00b2\u2075\u2070", "9" * 5000, "99", "abc"])
+def test_a_transient_status_that_is_no_http_status_is_named(tmp_path: Path, key: str) -> None:
+    """A [transient] key that is not a status 100-599 (a superscript, which isdigit() takes
+    and int() refuses; 5,000 digits, past int()'s limit) is an error naming it, never a
+    traceback."""
+    path = write(tmp_path, "x", MINIMAL + f'\n[transient]\n"{key}" = "unknown"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: transient.")):
+        load_providers([tmp_path])

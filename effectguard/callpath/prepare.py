@@ -31,6 +31,7 @@ from effectguard.rules import nesting, paths
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
+from effectguard.rules.counts import parse_count
 from effectguard.rules.events import encode_body
 from effectguard.rules.prices import ModelPrice
 
@@ -138,7 +139,6 @@ def prepare(
     if endpoint.effect == "read_only":
         return None
     root = _budget_root(budget, budget_root)
-    _check_identity_encoding(request)
     raw = request.body
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
@@ -149,9 +149,7 @@ def prepare(
     # A form or multipart body's fields are strings, not token caps: it is priced per call
     # (plus the model's declared output bound, for a model priced by tokens).
     bounded = parsed if kind == "json" else {}
-    if kind == "json" and provider.dialect != "flat":
-        _check_stream_flag(parsed)
-    stream = kind == "json" and usages.wants_stream(parsed)
+    stream = _stream(provider, parsed, kind)
     sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
     try:
         reserve, tokens = usages.reservation(price, bounded, dialect=provider.dialect)
@@ -199,13 +197,16 @@ def _check_identity_encoding(request: Outbound) -> None:
         )
 
 
-def _check_stream_flag(parsed: dict[str, Any]) -> None:
-    """A model request's ``stream`` is true, false or absent (400 otherwise): effectguard
-    reads only ``true`` as a stream, and a provider that took ``"yes"`` as one would send
-    events the guard was not reading as such."""
+def _stream(provider: Provider, parsed: dict[str, Any], kind: bodies.BodyKind) -> bool:
+    """Whether the request asks for a stream. A model request's ``stream`` is true, false
+    or absent (400 otherwise): effectguard reads only ``true`` as a stream, and a provider
+    that took ``"yes"`` as one would send events the guard was not reading as such."""
+    if kind != "json":
+        return False
     flag = parsed.get("stream")
-    if flag is not None and not isinstance(flag, bool):
+    if provider.dialect != "flat" and flag is not None and not isinstance(flag, bool):
         raise refuse(400, "invalid_request", "stream must be true or false", param="stream")
+    return usages.wants_stream(parsed)
 
 
 def _stored_body(request: Outbound, sent: bytes) -> tuple[str, str]:
@@ -270,6 +271,7 @@ def _parse_body(
 ) -> tuple[dict[str, Any], Mapping[str, Any] | bytes]:
     """The request's fields, and what its hash is over (callpath/bodies); refused (400)
     if it does not parse as its Content-Type. A flat tool provider may send no body."""
+    _check_identity_encoding(request)
     raw = request.body
     try:
         if kind == "form":
@@ -344,5 +346,5 @@ def _body_to_send(provider: Provider, path: str, parsed: dict[str, Any], raw: by
 
 def _sdk_retry(request: Outbound) -> bool:
     """Whether an SDK marked this request as its own retry (``x-stainless-retry-count`` >= 1)."""
-    count = request.header(SDK_RETRY_HEADER) or "0"
-    return count.isdigit() and int(count) >= 1
+    count = parse_count(request.header(SDK_RETRY_HEADER) or "0", 1)
+    return count is not None and count >= 1

@@ -40,6 +40,7 @@ from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
 from effectguard.rules import paths
+from effectguard.rules.counts import parse_count
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -321,12 +322,13 @@ class ProxyApp:
         """The request body, at most ``max_body_bytes`` (else 413); a large upload spooled."""
         declared = header_value(raw_headers, "content-length")
         limit = self.settings.max_body_bytes
-        if declared is not None and not declared.isdigit():
+        length = None if declared is None else parse_count(declared, limit)
+        if declared is not None and length is None:
             raise Refusal(400, "invalid_request", "Content-Length is not a number")
         too_large = Refusal(
             413, "request_too_large", f"request bodies are limited to {limit} bytes"
         )
-        if declared is not None and int(declared) > limit:
+        if length is not None and length > limit:
             raise too_large
         spool_over = None
         if spools(header_value(raw_headers, "content-type")):

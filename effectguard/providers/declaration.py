@@ -38,6 +38,7 @@ from effectguard.providers.endpoints import (
     parse_endpoint,
     parse_idempotency,
 )
+from effectguard.rules.counts import parse_count
 from effectguard.rules.money import Nanos, usd_to_nanos
 from effectguard.rules.prices import ModelPrice
 
@@ -385,11 +386,12 @@ def _transient(raw: Mapping[str, Any], fail: _Fail) -> dict[int, TransientEffect
     result: dict[int, TransientEffect] = {}
     for key, effect in table.items():
         where = f"transient.{key}"
-        if not str(key).isdigit() or not 100 <= int(key) <= 599:
+        status = parse_count(str(key), 599)
+        if status is None or not 100 <= status <= 599:
             raise fail(where, "is not an HTTP status (an integer 100-599)")
         if effect not in _TRANSIENT_EFFECTS:
             raise fail(where, f"must be one of {', '.join(_TRANSIENT_EFFECTS)}")
-        result[int(key)] = cast(TransientEffect, effect)
+        result[status] = cast(TransientEffect, effect)
     return result
 
 

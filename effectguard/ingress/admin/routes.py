@@ -27,6 +27,7 @@ from effectguard.ingress.admin.session import Session, Sessions, same_origin
 from effectguard.ingress.admin.spend import DAY_S, spend_by_day
 from effectguard.ledger import Ledger
 from effectguard.rules import notes
+from effectguard.rules.counts import parse_count
 from effectguard.rules.money import usd_to_nanos
 from effectguard.rules.workstate import STAGES
 
@@ -144,11 +145,8 @@ class AdminPage:
         return views.call_page(state, events, now=self._clock(), csrf=csrf)
 
     async def _spend(self, days_text: str | None) -> str:
-        # isdigit() alone takes '²' (which int() refuses) and 5,000 digits (past int()'s
-        # limit): either was a 500. Anything but a short ASCII number shows the default.
-        text = days_text or ""
-        days = int(text) if text.isascii() and text.isdigit() and len(text) <= 6 else 14
-        days = min(max(days, 1), 366)
+        asked = parse_count(days_text or "", 366)
+        days = 14 if asked is None else min(max(asked, 1), 366)
         calls = await self._ledger.calls(limit=SPEND_CALLS)
         now = self._clock()
         partial = None
