@@ -95,6 +95,26 @@ def test_every_page_and_form_needs_the_key(stack: Stack) -> None:
     assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
 
 
+def test_non_ascii_credentials_are_refused_not_a_500(stack: Stack) -> None:
+    """A cookie signature, CSRF token or Origin with non-ASCII characters is refused like
+    any wrong one (hmac.compare_digest raises on such text: that was a 500)."""
+    call_id = unknown_call(stack, fresh_key())
+    forged = [(b"cookie", "effectguard_admin=YWJj.\u00e9t\u00e9".encode())]
+    assert httpx.get(stack.url + PAGE, headers=forged).status_code == 401
+    session = login(stack)
+    page = httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=session)
+    token = csrf_of(page.text)
+    bad_token = reconcile_post(stack, call_id, session | {"origin": stack.url}, csrf="\u00e9" * 64)
+    assert bad_token.status_code == 403, bad_token.text
+    raw_origin = [(b"origin", f"http://{stack.url.removeprefix('http://')}\u00e9".encode())]
+    url = f"{stack.url}{PAGE}calls/{call_id}/reconcile"
+    cookie = [(k.encode(), v.encode()) for k, v in session.items()]
+    form = {"decision": "not_applied", "note": "n", "csrf": token}
+    bad_origin = httpx.post(url, data=form, headers=cookie + raw_origin)
+    assert bad_origin.status_code == 403, bad_origin.text
+    assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
+
+
 def test_a_wrong_key_is_refused(stack: Stack) -> None:
     """A wrong bearer key, a wrong key in the login form and a forged cookie all get 401."""
     call_id = unknown_call(stack, fresh_key())

@@ -60,7 +60,7 @@ class Sessions:
     def check(self, token: str, now: float) -> Session | None:
         """The session ``token`` proves, or None (forged, expired, or its key is gone)."""
         body, dot, signature = token.partition(".")
-        if not dot or not hmac.compare_digest(signature, self._sign(b"session", body)):
+        if not dot or not _same(signature, self._sign(b"session", body)):
             return None
         try:
             payload = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
@@ -78,7 +78,7 @@ class Sessions:
 
     def csrf_ok(self, session: Session, presented: str) -> bool:
         """Whether ``presented`` is ``session``'s CSRF token (compared in constant time)."""
-        return hmac.compare_digest(presented, self.csrf_token(session))
+        return _same(presented, self.csrf_token(session))
 
     def _sign(self, purpose: bytes, text: str) -> str:
         return hmac.new(self._secret, purpose + b"\0" + text.encode(), hashlib.sha256).hexdigest()
@@ -100,4 +100,12 @@ def same_origin(origin: str | None, referer: str | None, host: str | None) -> bo
         netloc = urlsplit(source).netloc
     except ValueError:
         return False
-    return bool(netloc) and hmac.compare_digest(netloc.lower(), host.lower())
+    return bool(netloc) and _same(netloc.lower(), host.lower())
+
+
+def _same(presented: str, expected: str) -> bool:
+    """A constant-time comparison of text a client sent: compare_digest refuses str with
+    non-ASCII characters (TypeError, a 500), so both are compared as UTF-8 bytes."""
+    return hmac.compare_digest(
+        presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    )
