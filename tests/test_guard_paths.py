@@ -690,6 +690,29 @@ async def test_unbelievable_usage_is_settled_at_reservation_and_flagged(
     await finish(t)
 
 
+@pytest.mark.parametrize("where", ["usage", "elsewhere"])
+async def test_an_answer_nested_past_the_parsers_stack_is_passed_on_and_settled_at_reservation(
+    where: str, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A 200 whose JSON nests 5,000 deep (the decoder's RecursionError was a 500 and left
+    the call effect_unknown): the provider answered, so the client gets the answer and the
+    call completes at its reservation, flagged, as with no usage."""
+    deep = b"[" * 5000 + b"]" * 5000
+    body = b'{"id":"chatcmpl-deep","' + where.encode() + b'":' + deep + b"}"
+    t = make_transport()
+    with respx.mock(base_url=OPENAI) as mock:
+        answer = httpx.Response(200, content=body, headers={"content-type": "application/json"})
+        mock.post("/v1/chat/completions").mock(return_value=answer)
+        client = httpx.AsyncClient(transport=t)
+        r = await post(client)
+    assert (r.status_code, r.content) == (200, body)
+    call = await only_call(t)
+    assert call.stage == "completed"
+    assert call.cost == call.reserved_at_admission == reserve_of(chat_request())
+    assert call.flagged
+    await finish(t)
+
+
 # -- key-less requests and declared retries (docs/contract.md §4) ------------------------------
 
 

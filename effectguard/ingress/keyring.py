@@ -69,7 +69,7 @@ def _model_of(body: bytes) -> str | None:
     """The ``model`` a JSON request body names (None when it names none or is not JSON)."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # too deep: prepare refuses it with 400 next
         return None
     model = parsed.get("model") if isinstance(parsed, dict) else None
     return model if isinstance(model, str) else None

@@ -163,7 +163,7 @@ class StreamUsage:
             return
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # an event nested too deep
             return
         if not isinstance(doc, dict):
             return

@@ -195,7 +195,9 @@ def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
     """
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: an answer nested past the parser's stack (the provider answered;
+        # only its usage cannot be read, so the call settles as with no usage at all).
         return UsageResult(None, "missing")
     if not isinstance(doc, dict):
         return UsageResult(None, "missing")

@@ -92,7 +92,7 @@ def _pretty(text: str, encoding: str) -> str:
         return describe_ref(text, None)
     if encoding != "utf8":
         return f"({len(text)} characters of {encoding}-encoded bytes)"
-    with contextlib.suppress(ValueError):  # not JSON: shown as it is
+    with contextlib.suppress(ValueError, RecursionError):  # not JSON (or too deep): as it is
         text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
     if len(text) > BODY_SHOWN:
         return text[:BODY_SHOWN] + f"\n… ({len(text) - BODY_SHOWN} more characters not shown)"
