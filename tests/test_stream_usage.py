@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import tracemalloc
 from typing import Any
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from effectguard.rules import streamusage
 from effectguard.rules.streamusage import StreamUsage
 
 
 class DecodesEverything(StreamUsage):
     """The reference: the reader as it was before the filter and the one-pass loop (every
     line through ``_line``, every event decoded), kept here as the oracle."""
+
+    def __init__(self, dialect: str, path: str) -> None:
+        super().__init__(dialect, path)
+        self._buffer = b""
 
     def feed(self, chunk: bytes) -> None:
         at = self._fed - len(self._buffer)
@@ -196,3 +203,73 @@ def test_a_long_chat_stream_decodes_only_its_usage_and_done_events() -> None:
     assert len(decoded) == 2
     assert (parser.finished, parser.result().usage) == (True, parser.result().usage)
     assert parser.result().usage is not None and parser.result().usage.output_tokens == 10
+
+
+CAP = 48  # a small cap, so that generated events go over it
+
+
+@st.composite
+def events_over_a_cap(draw: st.DrawFn) -> tuple[list[bytes], list[bytes]]:
+    """A stream with events over :data:`CAP` bytes, as chunks split anywhere, and the same
+    stream with each such event's lines made comments of the same length (what the reader
+    must make of it: dropped unread, every offset kept)."""
+    sent: list[bytes] = []
+    seen: list[bytes] = []
+    for data in draw(st.lists(payloads(), max_size=6)):
+        event = [draw(st.sampled_from([b"data: ", b"data:"])) + data]
+        if draw(st.booleans()):
+            event.append(b"data: " + b"x" * draw(st.integers(0, 2 * CAP)))  # maybe over
+        if draw(st.booleans()):
+            event.insert(0, b"event: message")
+        ends = [draw(st.sampled_from([b"\n", b"\r\n"])) for _ in event]
+        lines = [line + end.removesuffix(b"\n") for line, end in zip(event, ends, strict=True)]
+        over = sum(len(line) for line in lines) > CAP
+        for line in lines:
+            sent.append(line + b"\n")
+            seen.append((b":" + b"x" * (len(line) - 1) if over else line) + b"\n")
+        blank = draw(st.sampled_from([b"\n", b"\r\n"]))
+        sent.append(blank)
+        seen.append(blank)
+    body = b"".join(sent)
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
+    edges = [0, *cuts, len(body)]
+    return [body[a:b] for a, b in itertools.pairwise(edges)], seen
+
+
+@settings(max_examples=400, deadline=None)
+@given(api=st.sampled_from(APIS), case=events_over_a_cap())
+def test_an_event_over_the_cap_is_dropped_unread_wherever_the_chunks_split(
+    api: tuple[str, str], case: tuple[list[bytes], list[bytes]]
+) -> None:
+    """An event over MAX_EVENT_BYTES is never read, however the stream is cut into chunks
+    (held line by line or arriving whole), and every later offset stays exact."""
+    chunks, seen = case
+    reference = DecodesEverything(*api)
+    reference.feed(b"".join(seen))
+    with mock.patch.object(streamusage, "MAX_EVENT_BYTES", CAP):
+        capped = StreamUsage(*api)
+        for chunk in chunks:
+            capped.feed(chunk)
+    assert answers(capped) == answers(reference)
+
+
+def test_an_endless_line_is_held_in_bounded_memory_and_dropped() -> None:
+    """64 MiB of one line (a misbehaving upstream) in 64 KiB chunks: the reader holds at most
+    about its cap, drops the line's event, and still reads the events after it."""
+    parser = StreamUsage("openai", "/v1/chat/completions")
+    chunk = b"x" * (64 << 10)
+    tracemalloc.start()
+    try:
+        parser.feed(b'data: {"usage": {"prompt_tokens": 1, "completion_tokens": 1}, "x": "')
+        for _ in range((64 << 20) // len(chunk)):
+            parser.feed(chunk)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < streamusage.MAX_EVENT_BYTES + (4 << 20), peak
+    assert parser.result().usage is None  # that event carried usage: it was not read
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    parser.feed(b'"}\n\n' + usage + b"data: [DONE]\n\n")
+    assert parser.result().usage is not None and parser.result().usage.output_tokens == 4
+    assert parser.finished
+    assert parser.terminal_at == parser.fed - len(b"data: [DONE]\n\n")

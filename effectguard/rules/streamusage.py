@@ -71,6 +71,15 @@ def _may_matter(api: str, data: bytes) -> bool:
     return pattern is not None and pattern.search(data) is not None
 
 
+#: The largest event the reader reads (its lines together, as sent). A larger one is
+#: dropped unread, as if it had not been sent: if it was the terminal event, the stream
+#: counts as broken (its effect unknown), and if it carried the usage, the call is charged
+#: at its reservation. The largest real event, a Responses API ``response.completed``
+#: holding the whole answer, is far smaller; the cap bounds what one stream can make the
+#: proxy hold in memory.
+MAX_EVENT_BYTES = 16 << 20
+
+
 class StreamUsage:
     """Reads usage from a server-sent-event stream, fed raw chunks in arrival order.
 
@@ -81,8 +90,13 @@ class StreamUsage:
 
     def __init__(self, dialect: str, path: str) -> None:
         self._api = _api(dialect, path)
-        self._buffer = b""
+        self._held: list[bytes] = []  # the chunks of the line not yet ended, in order
+        self._held_bytes = 0
+        self._line_at = 0  # the stream offset of that line's first byte
+        self._skipping = False  # that line is over the cap: its bytes are dropped
         self._data: list[bytes] = []
+        self._event_bytes = 0
+        self._spoiled = False  # the current event went over the cap: it is not read
         self._finished = False
         self._usage: Usage | None = None
         self._problem: str | None = "missing"
@@ -119,25 +133,64 @@ class StreamUsage:
 
     def feed(self, chunk: bytes) -> None:
         """Consume the next raw chunk of the stream."""
-        at = self._fed - len(self._buffer)  # the stream offset of the buffer's first byte
+        chunk_at = self._fed
         self._fed += len(chunk)
-        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
-        # One pass with the per-line work inline: a long answer is hundreds of events of
-        # two lines each, and a method call per line was most of the reader's cost.
+        cut = chunk.find(b"\n")
+        if cut < 0:
+            # Held, not joined: joining each chunk to a long line is quadratic, and one
+            # endless line from an upstream would stall the event loop for every client.
+            self._hold(chunk)
+            return
+        if self._skipping:  # the over-long line ends here: drop its tail
+            self._skipping = False
+            text, at = chunk[cut + 1 :], chunk_at + cut + 1
+        elif self._held:
+            text, at = b"".join((*self._held, chunk)), self._line_at
+            self._held, self._held_bytes = [], 0
+        else:
+            text, at = chunk, self._line_at
+        *lines, rest = text.split(b"\n")
+        # One pass with the per-line work inline and the event's state in locals: a long
+        # answer is hundreds of events of two lines each, and a method call or attribute
+        # write per line was most of the reader's cost.
+        data, size, spoiled = self._data, self._event_bytes, self._spoiled
         for raw in lines:
             line = raw[:-1] if raw.endswith(b"\r") else raw
             if not line:
-                if self._data:
-                    self._dispatch(b"\n".join(self._data))
-                    self._data = []
+                if data and not spoiled:
+                    self._dispatch(b"\n".join(data))
+                data, size, spoiled = [], 0, False
                 self._event_at = None
-            else:
+            elif not spoiled:
                 if self._event_at is None and raw.strip():
                     self._event_at = at
-                if line.startswith(b"data:"):
-                    self._data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+                size += len(raw)
+                if size > MAX_EVENT_BYTES:
+                    data, size, spoiled = [], 0, True  # over the cap: never decoded
+                elif line.startswith(b"data:"):
+                    data.append(line[6:] if line.startswith(b"data: ") else line[5:])
                 # "event:", "id:", "retry:" and ":" comments carry nothing we need.
             at += len(raw) + 1
+        self._data, self._event_bytes, self._spoiled = data, size, spoiled
+        self._line_at = self._fed - len(rest)
+        if rest:
+            self._hold(rest)
+
+    def _hold(self, part: bytes) -> None:
+        """Keep ``part`` of a line not yet ended, unless the line (with its event) is over
+        :data:`MAX_EVENT_BYTES`: then it is dropped, and the event with it."""
+        if self._skipping:
+            return
+        self._held.append(part)
+        self._held_bytes += len(part)
+        if self._held_bytes + self._event_bytes > MAX_EVENT_BYTES:
+            self._held, self._held_bytes = [], 0
+            self._skipping = True
+            self._spoil()
+
+    def _spoil(self) -> None:
+        """Drop the current event: it is over the cap, so it is never decoded."""
+        self._data, self._event_bytes, self._spoiled = [], 0, True
 
     def result(self) -> UsageResult:
         """The usage reported so far (final once :attr:`finished`); ``missing`` if none."""
