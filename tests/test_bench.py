@@ -216,3 +216,23 @@ def test_phases_marks_every_request_and_prints_each_phase(tmp_path: Path) -> Non
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         cpu, wall = (float(line.split(word)[1].split()[0]) for word in ("CPU", "wall"))
         assert cpu >= 0 and wall > 0
+
+
+def test_edges_prints_each_hostile_and_ordinary_figure() -> None:
+    """The hostile-input benchmark runs its four cases and prints a figure for each."""
+    command = [sys.executable, "-m", "effectguard_bench.edges", "--objects", "2000"]
+    done = subprocess.run(
+        [*command, "--line-mib", "1", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "body of 2000 tiny objects (0.0 MiB)",
+        "ordinary 10233 B chat body",
+        "one 1 MiB stream line in 16 KiB chunks",
+        "ordinary 300-chunk chat stream",
+    ]
+    assert all(float(line.split(": ")[1].split()[0]) > 0 for line in lines)
