@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import signal
@@ -316,9 +317,10 @@ async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
     from effectguard.ingress.server import create_app
 
     ledger = str(tmp_path / "l.db")
-    config = tmp_path / "lease.toml"
-    config.write_text("[server]\nlease_s = 0.3\nheartbeat_s = 3600\nsweep_s = 3600\n")
-    settings = load_settings(config=config, ledger=ledger, upstreams={"openai": UPSTREAM})
+    settings = load_settings(ledger=ledger, upstreams={"openai": UPSTREAM})
+    # A lease that lapses long before its first renewal: a config file may not set this
+    # (heartbeat_s must be shorter than lease_s), so it is set here directly.
+    settings = dataclasses.replace(settings, lease_s=0.3, heartbeat_s=3600, sweep_s=3600)
     app = create_app(settings, inner=httpx.MockTransport(lambda r: httpx.Response(500)))
     await app.startup()
     peer = WorkerRuntime(

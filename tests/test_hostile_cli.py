@@ -146,6 +146,14 @@ def test_an_extreme_but_exact_limit_is_set(own: Group, value: str, shown: str) -
     ]
 
 
+def serve_refusing(*args: str) -> Ran:
+    """``effectguard serve ARGS`` in a process of its own, which must exit within 30 s: a
+    serve that took what it should refuse would otherwise listen forever, in this process."""
+    command = [sys.executable, "-m", "effectguard", "serve", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    return Ran(done.returncode, done.stdout, done.stderr)
+
+
 @pytest.mark.parametrize("value", ["1e999999", "-1e999999", "1e400"])
 def test_an_absurd_limit_in_the_config_file_is_refused(tmp_path: Path, value: str) -> None:
     """serve --config with an amount past any counter exits 2 naming the budget, before it
@@ -153,7 +161,7 @@ def test_an_absurd_limit_in_the_config_file_is_refused(tmp_path: Path, value: st
     config = tmp_path / "effectguard.toml"
     config.write_text(f'[budgets]\n"team" = "{value}"\n')
     ledger = tmp_path / "ledger.db"
-    done = run("serve", "--config", str(config), "--ledger", str(ledger), "--port", "0")
+    done = serve_refusing("--config", str(config), "--ledger", str(ledger), "--port", "0")
     assert done.code == 2, done
     assert "budgets.team" in done.err.strip().splitlines()[-1], done.err
     assert not ledger.exists()
@@ -169,9 +177,40 @@ def test_a_port_that_is_no_tcp_port_in_the_config_file_is_refused(
     config = tmp_path / "effectguard.toml"
     config.write_text(f"[server]\n{key} = {value}\n")
     ledger = tmp_path / "ledger.db"
-    done = run("serve", "--config", str(config), "--ledger", str(ledger))
+    done = serve_refusing("--config", str(config), "--ledger", str(ledger))
     assert done.code == 2, done
     assert f"server.{key}: must be a TCP port from 0 to 65535" in done.err, done.err
+    assert not ledger.exists()
+
+
+@pytest.mark.parametrize(
+    ("table", "text", "needle"),
+    [
+        ("server", "max_header_bytes = 1e400", "server.max_header_bytes: must be a finite"),
+        ("server", "drain_timeout_s = inf", "server.drain_timeout_s: must be a finite"),
+        ("server", "header_timeout_s = nan", "server.header_timeout_s: must be a non-negative"),
+        ("server", "header_timeout_s = 0", "server.header_timeout_s: must be above zero"),
+        ("server", "sweep_s = 0", "server.sweep_s: must be above zero"),
+        ("server", "lease_s = 0", "server.lease_s: must be above zero"),
+        ("server", "heartbeat_s = 0", "server.heartbeat_s: must be above zero"),
+        ("server", "heartbeat_s = 20", "server.heartbeat_s: must be shorter than server.lease_s"),
+        ("server", "lease_s = 2", "server.heartbeat_s: must be shorter than server.lease_s"),
+        ("upstream", "read_timeout_s = 0", "upstream.read_timeout_s: must be above zero"),
+        ("guard", "retry_wait_s = -inf", "guard.retry_wait_s: must be a non-negative"),
+    ],
+)
+def test_a_number_no_timer_can_take_in_the_config_file_is_refused(
+    tmp_path: Path, table: str, text: str, needle: str
+) -> None:
+    """serve --config with inf, nan, a zero interval or a heartbeat no shorter than the
+    lease (other replicas would take over a live worker) exits 2 naming the key, before it
+    opens a ledger; inf was an OverflowError traceback, the others were accepted."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f"[{table}]\n{text}\n")
+    ledger = tmp_path / "ledger.db"
+    done = serve_refusing("--config", str(config), "--ledger", str(ledger))
+    assert done.code == 2, done
+    assert needle in done.err.strip().splitlines()[-1], done.err
     assert not ledger.exists()
 
 
@@ -190,8 +229,7 @@ def test_serve_refuses_a_bad_flag_before_it_opens_a_ledger(
 ) -> None:
     """serve's own flags take the checks every ledger command has: exit 2, one line."""
     ledger = tmp_path / "ledger.db"
-    argv = ["serve", *args] if "--ledger" in args else ["serve", "--ledger", str(ledger), *args]
-    done = run(*argv)
+    done = serve_refusing(*(args if "--ledger" in args else ["--ledger", str(ledger), *args]))
     assert done.code == 2, done
     assert needle in done.err.strip().splitlines()[-1], done.err
     assert not ledger.exists()

@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -211,16 +212,18 @@ def _table(raw: Mapping[str, Any], name: str, source: str) -> Mapping[str, Any]:
 
 def _number(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
     value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigError(f"{where}.{key}: must be a non-negative number")
+    if not math.isfinite(value):  # TOML's inf (or 1e400), which no timer or int() takes
+        raise ConfigError(f"{where}.{key}: must be a finite number")
     return float(value)
 
 
 def _front_door(server: Mapping[str, Any]) -> FrontDoor:
     d = defaults
     return FrontDoor(
-        header_timeout_s=_number(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
-        body_timeout_s=_number(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
+        header_timeout_s=_positive(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
+        body_timeout_s=_positive(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
         max_header_bytes=int(_number(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server")),
         max_connections=int(_number(server, "max_connections", d.MAX_CONNECTIONS, "server")),
         keep_alive_timeout_s=_number(
@@ -329,14 +332,14 @@ def load_settings(
     guard = _table(raw, "guard", source)
     upstream = _table(raw, "upstream", source)
     providers = load_providers(list(provider_dirs), upstreams, name_upstream=name_upstream)
-    provider_keys = keys_from_environment(providers, env)
     g, d = GuardSettings(), defaults
+    lease, heartbeat = _lease(server)
     return ServeSettings(
         ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
         host=host or str(server.get("host", d.HOST)),
         port=port if port is not None else _listen_port(server),
         providers=providers,
-        provider_keys=provider_keys,
+        provider_keys=keys_from_environment(providers, env),
         guard=GuardSettings(
             retry_window_s=_number(guard, "retry_window_s", g.retry_window_s, "guard"),
             max_retries=int(_number(guard, "max_retries", g.max_retries, "guard")),
@@ -357,14 +360,27 @@ def load_settings(
         front_door=_front_door(server),
         metrics_host=metrics_host or str(server.get("metrics_host", d.HOST)),
         metrics_port=metrics_port if metrics_port is not None else _port(server, "metrics_port"),
-        connect_timeout_s=_number(upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"),
-        read_timeout_s=_number(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
-        lease_s=_number(server, "lease_s", d.LEASE_S, "server"),
-        heartbeat_s=_number(server, "heartbeat_s", d.HEARTBEAT_S, "server"),
-        sweep_s=_number(server, "sweep_s", d.SWEEP_S, "server"),
+        connect_timeout_s=_positive(upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"),
+        read_timeout_s=_positive(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
+        lease_s=lease,
+        heartbeat_s=heartbeat,
+        sweep_s=_positive(server, "sweep_s", d.SWEEP_S, "server"),
         key_refresh_s=_positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
         **_operator(server),
     )
+
+
+def _lease(server: Mapping[str, Any]) -> tuple[float, float]:
+    """``lease_s`` and ``heartbeat_s``: a heartbeat as long as the lease would let the lease
+    lapse between renewals, and other replicas take over a live worker (contract §7)."""
+    lease = _positive(server, "lease_s", defaults.LEASE_S, "server")
+    heartbeat = _positive(server, "heartbeat_s", defaults.HEARTBEAT_S, "server")
+    if heartbeat >= lease:
+        raise ConfigError(
+            f"server.heartbeat_s: must be shorter than server.lease_s ({lease:g} s), or the "
+            "lease lapses between renewals"
+        )
+    return lease, heartbeat
 
 
 def _hook_spec(guard: Mapping[str, Any]) -> str | None:
