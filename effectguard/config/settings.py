@@ -63,22 +63,24 @@ operator page's session signing secret (see :class:`AdminSettings`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import hmac
-import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from effectguard.config import defaults
+from effectguard.config import defaults, readkeys, values
 from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
 from effectguard.rules.money import check_amount, usd_to_nanos
 from effectguard.rules.retention import RetentionPolicy
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,28 +207,21 @@ def keys_from_environment(
 
 def _table(raw: Mapping[str, Any], name: str, source: str) -> Mapping[str, Any]:
     value = raw.get(name, {})
-    if not isinstance(value, dict):
+    if not isinstance(value, Mapping):
         raise ConfigError(f"{source}: [{name}] must be a table")
     return value
-
-
-def _number(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ConfigError(f"{where}.{key}: must be a non-negative number")
-    if not math.isfinite(value):  # TOML's inf (or 1e400), which no timer or int() takes
-        raise ConfigError(f"{where}.{key}: must be a finite number")
-    return float(value)
 
 
 def _front_door(server: Mapping[str, Any]) -> FrontDoor:
     d = defaults
     return FrontDoor(
-        header_timeout_s=_positive(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
-        body_timeout_s=_positive(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
-        max_header_bytes=int(_number(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server")),
-        max_connections=int(_number(server, "max_connections", d.MAX_CONNECTIONS, "server")),
-        keep_alive_timeout_s=_number(
+        header_timeout_s=values.positive(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
+        body_timeout_s=values.positive(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
+        max_header_bytes=int(
+            values.number(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server")
+        ),
+        max_connections=int(values.number(server, "max_connections", d.MAX_CONNECTIONS, "server")),
+        keep_alive_timeout_s=values.number(
             server, "keep_alive_timeout_s", d.KEEP_ALIVE_TIMEOUT_S, "server"
         ),
     )
@@ -278,13 +273,13 @@ def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> Admin
     keys: list[AdminKey] = []
     for i, entry in enumerate(entries):
         where = f"{source}: admin.keys[{i}]"
-        if not isinstance(entry, dict) or not {"name", "sha256"} <= entry.keys():
+        if not isinstance(entry, Mapping) or not {"name", "sha256"} <= entry.keys():
             raise ConfigError(f"{where}: needs name and sha256")
         name = str(entry["name"]).strip()
         if not name or any(not c.isprintable() for c in name):
             raise ConfigError(f"{where}.name: must be a printable, non-empty name")
         keys.append(AdminKey(name, _digest(entry, where)))
-    hours = _number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")
+    hours = values.number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")
     if hours <= 0:
         raise ConfigError(f"{source}: admin.session_hours must be positive")
     return AdminSettings(tuple(keys), hours * 3600, env.get(defaults.ADMIN_SECRET_ENV, ""))
@@ -295,7 +290,7 @@ def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
     keys = []
     for i, entry in enumerate(raw.get("keys", [])):
         where = f"{source}: keys[{i}]"
-        if not isinstance(entry, dict) or not {"sha256", "budget_root"} <= entry.keys():
+        if not isinstance(entry, Mapping) or not {"sha256", "budget_root"} <= entry.keys():
             raise ConfigError(f"{where}: needs sha256 and budget_root")
         digest = _digest(entry, where)
         try:
@@ -326,55 +321,80 @@ def load_settings(
     ``name_upstream`` names an ``upstreams`` entry in errors (see :func:`load_providers`).
     """
     env = os.environ if environ is None else environ
-    raw = _read_config(config)
+    raw = readkeys.tracked(_read_config(config))
     source = str(config) if config else "<flags>"
-    server = _table(raw, "server", source)
-    guard = _table(raw, "guard", source)
-    upstream = _table(raw, "upstream", source)
+    server, guard, upstream = (_table(raw, t, source) for t in ("server", "guard", "upstream"))
+    _retention(_table(raw, "retention", source))  # archive's table: checked here too
     providers = load_providers(list(provider_dirs), upstreams, name_upstream=name_upstream)
-    g, d = GuardSettings(), defaults
+    d = defaults
     lease, heartbeat = _lease(server)
-    return ServeSettings(
-        ledger=ledger or str(raw.get("ledger", d.ledger_from(env))),
-        host=host or str(server.get("host", d.HOST)),
-        port=port if port is not None else _listen_port(server),
+    settings = ServeSettings(
+        ledger=_flag(ledger, _ledger_of(raw, source)) or d.ledger_from(env),
+        host=_flag(host, str(server.get("host", d.HOST))),
+        port=_flag(port, values.listen_port(server)),
         providers=providers,
         provider_keys=keys_from_environment(providers, env),
-        guard=GuardSettings(
-            retry_window_s=_number(guard, "retry_window_s", g.retry_window_s, "guard"),
-            max_retries=int(_number(guard, "max_retries", g.max_retries, "guard")),
-            retry_wait_s=_number(guard, "retry_wait_s", g.retry_wait_s, "guard"),
-            create_budgets=bool(guard.get("create_budgets", g.create_budgets)),
-            reconcile_hook=_hook_spec(guard),
-            reconcile_hook_timeout_s=_number(
-                guard, "reconcile_hook_timeout_s", g.reconcile_hook_timeout_s, "guard"
-            ),
-        ),
+        guard=_guard(guard),
         budget_limits=_budget_limits(raw, source),
         keys=tuple(_proxy_keys(raw, source)),
         admin=_admin(raw, source, env),
-        max_body_bytes=int(_number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
-        spool_body_bytes=int(_positive(server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server")),
-        spool_dir=_directory(server, "spool_dir", "server"),
-        drain_timeout_s=_number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
+        max_body_bytes=int(values.number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
+        spool_body_bytes=int(
+            values.positive(server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server")
+        ),
+        spool_dir=values.directory(server, "spool_dir", "server"),
+        drain_timeout_s=values.number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),
-        metrics_host=metrics_host or str(server.get("metrics_host", d.HOST)),
-        metrics_port=metrics_port if metrics_port is not None else _port(server, "metrics_port"),
-        connect_timeout_s=_positive(upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"),
-        read_timeout_s=_positive(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
+        metrics_host=_flag(metrics_host, str(server.get("metrics_host", d.HOST))),
+        metrics_port=_flag(metrics_port, values.port(server, "metrics_port")),
+        connect_timeout_s=values.positive(
+            upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"
+        ),
+        read_timeout_s=values.positive(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
         lease_s=lease,
         heartbeat_s=heartbeat,
-        sweep_s=_positive(server, "sweep_s", d.SWEEP_S, "server"),
-        key_refresh_s=_positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
+        sweep_s=values.positive(server, "sweep_s", d.SWEEP_S, "server"),
+        key_refresh_s=values.positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
         **_operator(server),
+    )
+    _refuse_unread(raw, source)
+    return settings
+
+
+def _flag(flag: T | None, configured: T) -> T:
+    """A flag given (not None, not empty) wins over the file's value, which is read either
+    way: a key a flag overrides is still known, and still checked."""
+    return configured if flag is None or flag == "" else flag
+
+
+def _refuse_unread(raw: readkeys.Tracked, source: str) -> None:
+    """Refuse a key nothing reads: a misspelt one would leave its setting at its default."""
+    for path, asked in readkeys.unread(raw):
+        near = difflib.get_close_matches(path.rsplit(".", 1)[-1], asked, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"{source}: unknown key {path}{hint}")
+
+
+def _guard(guard: Mapping[str, Any]) -> GuardSettings:
+    """``[guard]``."""
+    g = GuardSettings()
+    return GuardSettings(
+        retry_window_s=values.number(guard, "retry_window_s", g.retry_window_s, "guard"),
+        max_retries=int(values.number(guard, "max_retries", g.max_retries, "guard")),
+        retry_wait_s=values.number(guard, "retry_wait_s", g.retry_wait_s, "guard"),
+        create_budgets=bool(guard.get("create_budgets", g.create_budgets)),
+        reconcile_hook=_hook_spec(guard),
+        reconcile_hook_timeout_s=values.number(
+            guard, "reconcile_hook_timeout_s", g.reconcile_hook_timeout_s, "guard"
+        ),
     )
 
 
 def _lease(server: Mapping[str, Any]) -> tuple[float, float]:
     """``lease_s`` and ``heartbeat_s``: a heartbeat as long as the lease would let the lease
     lapse between renewals, and other replicas take over a live worker (contract §7)."""
-    lease = _positive(server, "lease_s", defaults.LEASE_S, "server")
-    heartbeat = _positive(server, "heartbeat_s", defaults.HEARTBEAT_S, "server")
+    lease = values.positive(server, "lease_s", defaults.LEASE_S, "server")
+    heartbeat = values.positive(server, "heartbeat_s", defaults.HEARTBEAT_S, "server")
     if heartbeat >= lease:
         raise ConfigError(
             f"server.heartbeat_s: must be shorter than server.lease_s ({lease:g} s), or the "
@@ -388,21 +408,6 @@ def _hook_spec(guard: Mapping[str, Any]) -> str | None:
     if spec is not None and (not isinstance(spec, str) or ":" not in spec):
         raise ConfigError("guard.reconcile_hook: must be a string module:function")
     return spec
-
-
-def _listen_port(server: Mapping[str, Any]) -> int:
-    port = _port(server, "port")
-    return defaults.PORT if port is None else port
-
-
-def _port(table: Mapping[str, Any], key: str) -> int | None:
-    value = table.get(key)
-    if value is None:
-        return None
-    # int() would take "80" and True (port 1), and the socket layer wraps 99999 to 34463.
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ConfigError(f"server.{key}: must be a TCP port from 0 to 65535, not {value!r}")
-    return value
 
 
 def _operator(server: Mapping[str, Any]) -> dict[str, Any]:
@@ -450,34 +455,24 @@ def _log_level(value: object) -> str:
     return level
 
 
-def _directory(table: Mapping[str, Any], key: str, where: str) -> str | None:
-    """An existing directory's path, or None when the key is absent."""
-    value = table.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not Path(value).is_dir():
-        raise ConfigError(f"{where}.{key}: must name an existing directory")
-    return value
-
-
-def _positive(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
-    value = _number(table, key, default, where)
-    if value <= 0:
-        raise ConfigError(f"{where}.{key}: must be above zero")
-    return value
-
-
 def config_ledger(config: Path) -> str | None:
     """The ledger a config file names (``ledger = ...``), so the CLI finds serve's ledger."""
-    value = _read_config(config).get("ledger")
-    if value is not None and (not isinstance(value, str) or "\x00" in value):
-        raise ConfigError(f"{config}: ledger must be a string (a path or a DSN)")
+    return _ledger_of(_read_config(config), str(config))
+
+
+def _ledger_of(raw: Mapping[str, Any], source: str) -> str | None:
+    value = raw.get("ledger")
+    if value is not None and (not isinstance(value, str) or not value or "\x00" in value):
+        raise ConfigError(f"{source}: ledger must be a string (a path or a DSN)")
     return value
 
 
 def config_retention(config: Path | None) -> RetentionPolicy:
     """``[retention]``: how long calls' events (with their bodies) stay in the live ledger."""
-    table = _table(_read_config(config), "retention", str(config))
+    return _retention(_table(_read_config(config), "retention", str(config)))
+
+
+def _retention(table: Mapping[str, Any]) -> RetentionPolicy:
     if "keep_bodies_days" not in table:
         return RetentionPolicy()
-    return RetentionPolicy(_number(table, "keep_bodies_days", 0.0, "retention"))
+    return RetentionPolicy(values.number(table, "keep_bodies_days", 0.0, "retention"))
