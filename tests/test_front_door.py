@@ -13,7 +13,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +252,6 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     with running_proxy(
         ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
     ) as proxy:
-        receipts = len(provider.receipts())
 
         def call() -> None:
             try:
@@ -265,12 +264,7 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
             except Exception as exc:  # reported by the assertion below
                 result["response"] = exc
 
-        worker = threading.Thread(target=call)
-        worker.start()
-        deadline = time.monotonic() + PATIENCE_S
-        while len(provider.receipts()) == receipts and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(provider.receipts()) > receipts, "the call never reached the provider"
+        worker = _started_at_the_provider(provider, call)
         proxy.kill(signal.SIGTERM)
         worker.join(PATIENCE_S * 2)
         proxy.process.wait(PATIENCE_S)
@@ -297,15 +291,8 @@ def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_i
     ledger = tmp_path / "l.db"
     upstreams = {"openai": provider.url}
     with running_proxy(ledger, upstreams=upstreams) as proxy:
-        receipts = len(provider.receipts())
-        worker = threading.Thread(
-            target=lambda: _post_ignoring_errors(proxy.url, {"x-fake-delay": "30"})
-        )
-        worker.start()
-        deadline = time.monotonic() + PATIENCE_S
-        while len(provider.receipts()) == receipts and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(provider.receipts()) > receipts, "the call never reached the provider"
+        slow = {"x-fake-delay": "30"}
+        worker = _started_at_the_provider(provider, lambda: _post_ignoring_errors(proxy.url, slow))
         proxy.kill(signal.SIGTERM)
         time.sleep(0.2)  # the first signal is being handled: the drain has begun
         proxy.kill(signal.SIGTERM)
@@ -325,6 +312,18 @@ def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_i
                 break
             time.sleep(0.1)
     assert stages == ["effect_unknown"]
+
+
+def _started_at_the_provider(provider: FakeProvider, call: Callable[[], None]) -> threading.Thread:
+    """``call`` on a thread of its own, once its request has reached the provider."""
+    receipts = len(provider.receipts())
+    worker = threading.Thread(target=call)
+    worker.start()
+    deadline = time.monotonic() + PATIENCE_S
+    while len(provider.receipts()) == receipts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(provider.receipts()) > receipts, "the call never reached the provider"
+    return worker
 
 
 def _post_ignoring_errors(url: str, headers: dict[str, str]) -> None:

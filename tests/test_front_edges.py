@@ -143,6 +143,21 @@ async def test_the_transport_refuses_an_escaping_url_before_its_inner_transport(
     assert sent == []
 
 
+def refused_unsent(
+    env: Env, capsys: pytest.CaptureFixture[str], body: bytes, headers: Any = None
+) -> dict[str, Any]:
+    """POST ``body`` to the chat endpoint: it must be refused with 400 ``invalid_request``
+    before anything reaches the provider or the ledger; the error object."""
+    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
+    sent = headers if headers is not None else {"content-type": "application/json"}
+    response = env.client.post(OPENAI_CHAT, content=body, headers=sent)
+    error = error_of(400, response.json(), "invalid_request")
+    assert response.status_code == 400, response.text
+    assert len(env.provider.receipts()) == receipts
+    assert env.calls(capsys) == calls
+    return error
+
+
 def nested(depth: int) -> bytes:
     """A chat request whose ``metadata`` nests ``depth`` arrays deep (the body is one more)."""
     inner = "[" * depth + "]" * depth
@@ -154,15 +169,8 @@ def test_json_nested_too_deep_is_400(
     env: Env, capsys: pytest.CaptureFixture[str], depth: int
 ) -> None:
     """A body nested deeper than the documented limit gets 400 naming the limit, no 500."""
-    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
-    response = env.client.post(
-        OPENAI_CHAT, content=nested(depth), headers={"content-type": "application/json"}
-    )
-    assert response.status_code == 400, response.text
-    error = error_of(400, response.json(), "invalid_request")
+    error = refused_unsent(env, capsys, nested(depth))
     assert str(MAX_JSON_DEPTH) in error["message"]
-    assert len(env.provider.receipts()) == receipts
-    assert env.calls(capsys) == calls
 
 
 @pytest.mark.parametrize(
@@ -177,15 +185,8 @@ def test_a_json_object_repeating_a_key_is_400_and_never_sent(
 ) -> None:
     """A repeated key is refused naming it: the provider might act on the value we did not
     price (the first max_tokens), so the body is ambiguous, not merely odd."""
-    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
-    response = env.client.post(
-        OPENAI_CHAT, content=body, headers={"content-type": "application/json"}
-    )
-    assert response.status_code == 400, response.text
-    message = error_of(400, response.json(), "invalid_request")["message"]
+    message = refused_unsent(env, capsys, body)["message"]
     assert message == f"request body is ambiguous JSON: the key {key!r} appears twice in one object"
-    assert len(env.provider.receipts()) == receipts
-    assert env.calls(capsys) == calls
 
 
 @pytest.mark.parametrize("flag", ['"yes"', '"true"', "1", "{}"])
@@ -194,15 +195,9 @@ def test_a_stream_flag_that_is_not_a_boolean_is_400_and_never_sent(
 ) -> None:
     """``stream`` is true, false or absent: a provider that took "yes" as a stream would
     send events the guard was not reading as one."""
-    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
     body = '{"model":"gpt-4o-mini","messages":[],"stream":' + flag + "}"
-    response = env.client.post(
-        OPENAI_CHAT, content=body, headers={"content-type": "application/json"}
-    )
-    error = error_of(400, response.json(), "invalid_request")
+    error = refused_unsent(env, capsys, body.encode())
     assert (error["message"], error["param"]) == ("stream must be true or false", "stream")
-    assert len(env.provider.receipts()) == receipts
-    assert env.calls(capsys) == calls
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "br", "GZIP", "identity, gzip"])
@@ -212,17 +207,10 @@ def test_a_compressed_body_is_400_and_never_sent(
     """A Content-Encoding other than identity is refused: the guard would price the bytes
     it was sent while the provider acts on what they decompress to (a lie, as here, made
     the provider answer 500 and left the call's effect unknown)."""
-    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
-    response = env.client.post(
-        OPENAI_CHAT,
-        content=b'{"model":"gpt-4o-mini","messages":[]}',
-        headers={"content-type": "application/json", "content-encoding": encoding},
-    )
-    error = error_of(400, response.json(), "invalid_request")
+    headers = {"content-type": "application/json", "content-encoding": encoding}
+    error = refused_unsent(env, capsys, b'{"model":"gpt-4o-mini","messages":[]}', headers)
     assert error["message"].startswith("Content-Encoding "), error
     assert "send the body uncompressed" in error["message"]
-    assert len(env.provider.receipts()) == receipts
-    assert env.calls(capsys) == calls
 
 
 def test_an_identity_content_encoding_is_served(env: Env) -> None:
@@ -253,17 +241,10 @@ def test_two_idempotency_keys_are_400_and_never_sent(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Two Idempotency-Key headers would join into a key ("a, b") neither names: refused."""
-    receipts, calls = len(env.provider.receipts()), env.calls(capsys)
     headers = [("content-type", "application/json"), ("idempotency-key", "a")]
-    response = env.client.post(
-        OPENAI_CHAT,
-        content=b'{"model":"gpt-4o-mini","messages":[]}',
-        headers=[*headers, ("idempotency-key", "b")],
-    )
-    error = error_of(400, response.json(), "invalid_request")
+    body = b'{"model":"gpt-4o-mini","messages":[]}'
+    error = refused_unsent(env, capsys, body, [*headers, ("idempotency-key", "b")])
     assert error["message"] == "Idempotency-Key is sent more than once"
-    assert len(env.provider.receipts()) == receipts
-    assert env.calls(capsys) == calls
 
 
 def test_json_nested_within_the_limit_is_served(env: Env) -> None:
