@@ -70,3 +70,13 @@ def test_budget_paths_are_data_not_keys(tmp_path: Path) -> None:
     config.write_text('[budgets]\n"team-zz" = "1"\n"team-zz/sub" = "0.5"\n')
     limits = load_settings(config=config, environ={}).budget_limits
     assert set(limits) == {"team-zz", "team-zz/sub"}
+
+
+@pytest.mark.parametrize("value", ["{ sub = 1 }", "true", '["5"]'])
+def test_a_budget_limit_that_is_no_amount_is_refused_naming_it(tmp_path: Path, value: str) -> None:
+    """A table, a boolean or an array where a limit goes says what a limit is."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f"[budgets]\nteam = {value}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(config=config, environ={})
+    assert str(refused.value) == f'{config}: budgets.team: a limit is USD as a string ("5.00")'

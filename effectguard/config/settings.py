@@ -247,6 +247,8 @@ def _budget_limits(raw: Mapping[str, Any], source: str) -> dict[str, int]:
     """``[budgets]``: path = limit in USD, as nano-dollars."""
     limits: dict[str, int] = {}
     for path, value in _table(raw, "budgets", source).items():
+        if isinstance(value, Mapping | list | bool):  # [budgets.team] is no limit
+            raise ConfigError(f'{source}: budgets.{path}: a limit is USD as a string ("5.00")')
         try:
             budgets.validate_path(path)
             limits[path] = check_amount(
