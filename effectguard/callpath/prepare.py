@@ -27,7 +27,7 @@ from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint, Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules import nesting, paths
+from effectguard.rules import jsonkeys, nesting, paths
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
@@ -78,29 +78,14 @@ def check_below_base(target: str, raw_base_path: str) -> None:
         raise refuse(400, "invalid_request", f"refused path: {exc}") from exc
 
 
-class _RepeatedKey(ValueError):
-    """A JSON object in the body names one key twice."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # RFC 8259 §4 leaves a repeated name's meaning to the parser: we would price and hash
-    # the last value while a provider may act on the first ("max_tokens": 100000 then 1).
-    found = dict(pairs)
-    if len(found) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _RepeatedKey(f"the key {key!r} appears twice in one object")
-            seen.add(key)
-    return found
-
-
 def _parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, refused (400) if it is not one, repeats a key in
     an object, or nests too deep."""
     try:
-        loaded = json.loads(raw, object_pairs_hook=_unique_keys)
-    except _RepeatedKey as exc:
+        # A repeated key: we would price and hash the last value while a provider may act
+        # on the first ("max_tokens": 100000 then 1).
+        loaded = json.loads(raw, object_pairs_hook=jsonkeys.unique_keys)
+    except jsonkeys.RepeatedKey as exc:
         raise refuse(400, "invalid_request", f"request body is ambiguous JSON: {exc}") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
+from effectguard.rules.counts import parse_count
 from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, check_amount, nanos_to_usd
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
@@ -68,11 +69,8 @@ def port_arg(value: str) -> int:
 
     The socket layer would take 99999 as port 34463, and -1 fails with a resolver's error.
     """
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
+    port = parse_count(value, 65535)
+    if port is None or port > 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is a number from 0 to 65535, not {value!r}")
     return port
 
@@ -189,12 +187,12 @@ def count(value: str) -> int:
     text = value.strip()
     if text.startswith("-") and text[1:].isdecimal():
         raise argparse.ArgumentTypeError("a count cannot be negative")
-    if not text.isascii() or not text.isdecimal():
+    counted = parse_count(text, MAX_NANOS)
+    if counted is None:
         raise argparse.ArgumentTypeError(f"not a count: {value!r}")
-    # Compared as text first: int() refuses strings of more than 4300 digits.
-    if len(text.lstrip("0")) > len(str(MAX_NANOS)) or int(text) > MAX_NANOS:
+    if counted > MAX_NANOS:
         raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
-    return int(text)
+    return counted
 
 
 def upstreams(args: argparse.Namespace) -> dict[str, str]:

@@ -27,7 +27,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from effectguard.rules import nesting
+from effectguard.rules import jsonkeys, nesting
 
 Verdict = Literal["applied", "not_applied", "unknown"]
 
@@ -88,7 +88,9 @@ def parse_json(body: bytes, content_type: str | None) -> tuple[Any, str]:
         return _ABSENT, f"its Content-Type is {media or 'missing'}, not JSON"
     try:
         parsed = json.loads(
-            body.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant
+            body.decode("utf-8"),
+            object_pairs_hook=jsonkeys.unique_keys,
+            parse_constant=_no_constant,
         )
     except (ValueError, UnicodeDecodeError) as exc:
         return _ABSENT, f"the answer is not JSON ({type(exc).__name__}: {exc!s:.80})"
@@ -97,13 +99,6 @@ def parse_json(body: bytes, content_type: str | None) -> tuple[Any, str]:
     if isinstance(parsed, dict | list) and nesting.depth_exceeds(parsed):
         return _ABSENT, f"the answer nests deeper than {nesting.MAX_JSON_DEPTH} levels"
     return parsed, ""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("an object repeats a key")
-    return out
 
 
 def _no_constant(name: str) -> Any:
