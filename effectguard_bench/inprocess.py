@@ -89,6 +89,13 @@ async def _drive(app: Any, body: bytes, requests: int, concurrency: int) -> int:
     return failed
 
 
+def _commit_stats(app: Any) -> Any:
+    """The ledger committer's counters (how many commits the requests took), if any."""
+    runtime = getattr(app, "runtime", None)
+    committer = getattr(getattr(runtime, "ledger", None), "store", None)
+    return getattr(getattr(committer, "committer", None), "stats", None)
+
+
 async def _run(args: argparse.Namespace, upstream: str, work: Path) -> None:
     if args.baseline:
         app: Any = BareProxy(upstream)
@@ -104,6 +111,8 @@ async def _run(args: argparse.Namespace, upstream: str, work: Path) -> None:
         await _drive(app, body, 200, args.concurrency)  # warm-up: caches, pools, pages
         # CPU time, not wall time: a commit's fdatasync waits without using the CPU.
         profile = cProfile.Profile(time.process_time) if args.profile else None
+        stats = _commit_stats(app)
+        commits = stats.commits if stats is not None else 0
         times, wall = os.times(), time.perf_counter()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         if profile is not None:
@@ -123,6 +132,11 @@ async def _run(args: argparse.Namespace, upstream: str, work: Path) -> None:
             f"cpu_ms_per_request={(user + system) * per:.3f} (user {user * per:.3f}, "
             f"system {system * per:.3f}) wall_ms_per_request={wall * per:.3f} "
             f"sleeps_per_request={sleeps:.2f}"
+            + (
+                ""
+                if stats is None
+                else f" commits_per_request={(stats.commits - commits) / args.requests:.3f}"
+            )
         )
     finally:
         if args.baseline:

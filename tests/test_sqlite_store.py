@@ -7,13 +7,14 @@ files it leaves on disk.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
 from effectguard.errors import FencedError
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqlite
+from effectguard.ledger import AdmitRequest, Ledger, Writer, inlinecommit, operations, sqlite
 
 R = 1_000
 
@@ -92,3 +93,34 @@ async def test_another_connections_fencing_reaches_this_writers_cached_worker_ro
         )  # re-registered elsewhere: a new generation fences the old writer
         with pytest.raises(FencedError):
             await ours.admit(writer, _req(2))
+
+
+async def _quiet_spell(ledger: Ledger, writer: Writer) -> None:
+    """Admissions one at a time, enough for the committer to see a quiet spell."""
+    for n in range(inlinecommit.QUIET + 1):
+        assert (await ledger.admit(writer, _req(n))).action == "admit"
+
+
+async def test_a_lone_caller_commits_in_its_own_step(tmp_path: Path) -> None:
+    """Once callers come one at a time, an admission commits before the loop runs anything else."""
+    async with Ledger.open(str(tmp_path / "lone.db")) as ledger:
+        writer = await _writer(ledger, "w")
+        await _quiet_spell(ledger, writer)
+        ran: list[str] = []
+        asyncio.get_running_loop().call_soon(ran.append, "another task's step")
+        admitted = await ledger.admit(writer, _req(100))
+        assert admitted.action == "admit"
+        assert ran == []  # no loop iteration between the submit and the durable answer
+        assert (await ledger.store.get_call(admitted.call_id)) is not None
+
+
+async def test_concurrent_callers_share_commits_again_after_a_quiet_spell(tmp_path: Path) -> None:
+    """After a quiet spell, 100 concurrent admissions commit in at most RESAMPLE + 1 commits."""
+    async with Ledger.open(str(tmp_path / "burst.db")) as ledger:
+        writer = await _writer(ledger, "w")
+        await _quiet_spell(ledger, writer)
+        stats = ledger.store.committer.stats  # type: ignore[attr-defined]
+        before = stats.commits
+        results = await asyncio.gather(*(ledger.admit(writer, _req(1000 + n)) for n in range(100)))
+        assert all(r.action == "admit" for r in results)
+        assert stats.commits - before <= inlinecommit.RESAMPLE + 1

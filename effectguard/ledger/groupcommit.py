@@ -268,12 +268,22 @@ def run_alone(session: Session, job: Job, check_writer: Callable[[Tx, Writer], N
 
 def record_commit(stats: CommitStats, size: int, elapsed: float, ok: bool) -> None:
     """Count one commit and tell the observers (metrics)."""
+    count_commit(stats, size, elapsed, ok)
+    tell_observers(stats, size, elapsed, ok)
+
+
+def count_commit(stats: CommitStats, size: int, elapsed: float, ok: bool) -> None:
+    """Count one commit in ``stats``."""
     stats.commits += 1
     stats.operations += size
     stats.last_batch = size
     stats.commit_seconds += elapsed
     if not ok:
         stats.failed_commits += 1
+
+
+def tell_observers(stats: CommitStats, size: int, elapsed: float, ok: bool) -> None:
+    """Tell the observers (metrics) of one commit."""
     for observer in stats.observers:
         observer(size, elapsed, ok)
 
