@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard_bench import (
+    commitfloor,
     ledgerbench,
     proxybench,
     recoverybench,
@@ -198,7 +199,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         },
         "settings": {"duration_s": args.duration, "concurrency": list(args.concurrency)},
     }
-    proxy_result = ledger_result = recovery_result = None
+    proxy_result = ledger_result = recovery_result = floor = None
     proxy_rows: list[report.Row] = []
     _note(f"about {_estimate(args):.0f} s of measurements")
     with contextlib.ExitStack() as stack:
@@ -210,7 +211,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             )
             stack.callback(fake.stop)
         if fake is not None and what in ("all", "proxy"):
-            _note("proxy: direct, baseline, effectguard")
+            _note("proxy: this disk's durable commit floor, then direct, baseline, effectguard")
+            with this_thread_on(pins.proxy):
+                floor = commitfloor.measure(work)
+            payload["commit_floor"] = floor.to_json()
             proxy_result = proxybench.run(fake, runner, pins, args.concurrency, args.duration, work)
             proxy_rows = report.proxy_rows(proxy_result, args.concurrency)
             payload["proxy"] = {
@@ -241,7 +245,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             _note(f"recovery: building a ledger of {args.recovery_calls} calls")
             recovery_result = recoverybench.run(fake, pins, args.recovery_calls, work)
             payload["recovery"] = recovery_result.to_json()
-    found = report.targets(proxy_rows, proxy_result, ledger_result, recovery_result)
+    found = report.targets(proxy_rows, proxy_result, ledger_result, recovery_result, floor)
     payload["targets"] = [t.to_json() for t in found]
     return payload
 
@@ -320,12 +324,24 @@ def render(payload: dict[str, Any]) -> str:
             f"first request served {r['start_to_first_served_s']} s after start, "
             f"{r['interrupted_by_sweep']} calls marked effect_unknown",
         ]
+    if "commit_floor" in payload:
+        f = payload["commit_floor"]
+        lines += [
+            "",
+            f"Durable commit floor on this disk (no effectguard code): fdatasync of "
+            f"{commitfloor.PAGES} pages p50 {f['fdatasync_ms']:.3f} ms; a {commitfloor.PAGES}-page "
+            f"SQLite commit (WAL, synchronous=FULL) p50 {f['sqlite_commit_ms']:.3f} ms",
+        ]
     lines += ["", "Targets (from the issue; figures from this run)"]
     for t in payload["targets"]:
         sign = "<=" if t["at_most"] else ">="
         value = "-" if t["value"] is None else f"{t['value']:.3f}"
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        lines.append(f"  {t['name']}: {value} (target {sign} {t['limit']:g}) {verdict}")
+        line = f"  {t['name']}: {value} (target {sign} {t['limit']:g}) {verdict}"
+        if t.get("floor") is not None:
+            below = " (the target is below this floor)" if t["floor"] > t["limit"] else ""
+            line += f"; floor here, {t['floor_note']}: {t['floor']:.3f}{below}"
+        lines.append(line)
     return "\n".join(lines)
 
 

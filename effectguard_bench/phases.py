@@ -10,8 +10,11 @@ the median CPU time of the event-loop thread and the median wall time of each ph
 - *upstream*: the fake provider, and the loop's own work while it waits;
 - *to the first byte*: reading the answer, the stream reader, the response's start.
 
-``--ledger-dir /dev/shm`` puts the ledger on tmpfs, where ``fdatasync`` does not wait: the
-difference from a run on disk is what the durable commit costs. With ``--profile OUT`` a
+Each phase also prints the median wall time of the ledger commits inside it (the
+admission's before dispatch; a plain call's observation before its first byte): what
+the durable points themselves cost, against what the guard's own code costs around
+them. ``--ledger-dir /dev/shm`` puts the ledger on tmpfs, where ``fdatasync`` does not
+wait: the difference from a run on disk is what the durable commit costs. With ``--profile OUT`` a
 cProfile (in thread CPU time) covers only the *before dispatch* phase of every request.
 """
 
@@ -46,6 +49,20 @@ class _Phases:
         self.profile = profile
         self.marks: dict[str, Mark] = {}
         self.rows: list[dict[str, Mark]] = []
+        #: Wall seconds of the commits in the request in progress, by when they ended.
+        self.commits: list[float] = []
+        self.commit_rows: list[list[tuple[float, float]]] = []
+        self._spans: list[tuple[float, float]] = []
+
+    def wrap_commit(self, commit: Any) -> Any:
+        def timed() -> None:
+            started = time.perf_counter()
+            try:
+                commit()
+            finally:
+                self._spans.append((started, time.perf_counter()))
+
+        return timed
 
     def wrap(self, send: Any) -> Any:
         async def marked(request: Any) -> Any:
@@ -72,16 +89,25 @@ class _Phases:
             if message["type"] == "http.response.body" and message.get("body"):
                 self.marks.setdefault("first", _mark())
 
-        self.marks = {"arrived": _mark()}
+        self.marks, self._spans = {"arrived": _mark()}, []
         if self.profile is not None:
             self.profile.enable()
         await app(_scope(body), receive, send)
         if len(self.marks) == 4:
             self.rows.append(self.marks)
+            self.commit_rows.append(self._spans)
 
     def report(self) -> str:
         def median(a: str, b: str, clock: int) -> float:
             return statistics.median(r[b][clock] - r[a][clock] for r in self.rows) * 1000
+
+        def committing(a: str, b: str) -> float:
+            """Median wall time of the commits that ended between marks ``a`` and ``b``."""
+            walls = [
+                sum(end - start for start, end in spans if r[a][1] <= end <= r[b][1])
+                for r, spans in zip(self.rows, self.commit_rows, strict=True)
+            ]
+            return statistics.median(walls) * 1000
 
         lines = [f"{len(self.rows)} requests; medians, ms (CPU of the loop thread, wall):"]
         for name, a, b in (
@@ -89,7 +115,10 @@ class _Phases:
             ("upstream", "send", "answered"),
             ("to the first byte", "answered", "first"),
         ):
-            lines.append(f"  {name:18} CPU {median(a, b, 0):.3f}  wall {median(a, b, 1):.3f}")
+            lines.append(
+                f"  {name:18} CPU {median(a, b, 0):.3f}  wall {median(a, b, 1):.3f}"
+                f"  (of which ledger commits {committing(a, b):.3f})"
+            )
         return "\n".join(lines)
 
 
@@ -102,11 +131,14 @@ async def _run(args: argparse.Namespace, upstream: str, ledger_dir: Path) -> Non
     phases = _Phases(None)
     # The proxy's upstream leg, wrapped to mark its send: a measurement hook, not an API.
     app._send = phases.wrap(app._send)
+    store: Any = app.runtime.ledger.store  # the SQLite store: its writer's session
+    session = store.committer._session
+    session.commit = phases.wrap_commit(session.commit)
     try:
         body = request_body(args.stream)
         for _ in range(100):  # warm-up: caches, pools, pages
             await phases.one(app, body)
-        phases.rows, phases.profile = [], profile
+        phases.rows, phases.commit_rows, phases.profile = [], [], profile
         for _ in range(args.requests):
             await phases.one(app, body)
     finally:

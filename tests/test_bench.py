@@ -86,7 +86,14 @@ def test_bench_all_reports_every_part_as_json(capsys: pytest.CaptureFixture[str]
     p50 = next(t for t in payload["targets"] if t["name"].startswith("p50 added above"))
     assert p50["value"] is not None and p50["limit"] == 0.6
     assert "SQLite admit+settle pairs/s at 64 callers" in names
-    assert all(set(t) == {"name", "value", "limit", "at_most", "met"} for t in payload["targets"])
+    keys = {"name", "value", "limit", "at_most", "met", "floor", "floor_note"}
+    assert all(set(t) == keys for t in payload["targets"])
+    # the one-client targets carry this disk's durable commit floor, measured in the run
+    floor = payload["commit_floor"]
+    assert floor["fdatasync_ms"] > 0 and floor["sqlite_commit_ms"] > 0
+    assert p50["floor"] == pytest.approx(2 * floor["sqlite_commit_ms"], abs=0.002)
+    ttfb = next(t for t in payload["targets"] if t["name"].startswith("stream TTFB"))
+    assert ttfb["floor"] == pytest.approx(floor["sqlite_commit_ms"], abs=0.001)
 
 
 def test_bench_ledger_alone_starts_no_proxy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,6 +223,9 @@ def test_phases_marks_every_request_and_prints_each_phase(tmp_path: Path) -> Non
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         cpu, wall = (float(line.split(word)[1].split()[0]) for word in ("CPU", "wall"))
         assert cpu >= 0 and wall > 0
+        commits = float(line.split("ledger commits")[1].strip(" )"))
+        # the admission commits before dispatch; a stream's observation only at its end
+        assert (commits > 0) == (name == "before dispatch") and commits < wall
 
 
 def test_edges_prints_each_hostile_and_ordinary_figure() -> None:
