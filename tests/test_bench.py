@@ -246,3 +246,34 @@ def test_edges_prints_each_hostile_and_ordinary_figure() -> None:
         "ordinary 300-chunk chat stream",
     ]
     assert all(float(line.split(": ")[1].split()[0]) > 0 for line in lines)
+
+
+def test_instructions_sums_callgrind_lines_by_shared_object() -> None:
+    """The by-object split reads callgrind_annotate's lines, with or without an object
+    named, and leaves out the program total."""
+    from effectguard_bench.instructions import objects_of
+
+    annotated = """
+5,247,059,870 (100.0%)  PROGRAM TOTALS
+723,466,450 (13.79%)  build/Python-3.11.7/Python/ceval.c:_PyEval_Eval [/lib/libpython3.11.so.1.0]
+ 4,071,460 ( 0.88%)  build/Python-3.11.7/Modules/gcmodule.c:visit_reachable
+31,548,840 ( 0.60%)  ???:0x00000000000ff650 [/usr/lib/x86_64-linux-gnu/libsqlite3.so.0.8.6]
+"""
+    assert objects_of(annotated) == {
+        "libpython3.11.so.1.0": 723_466_450,
+        "libpython": 4_071_460,
+        "libsqlite3.so.0.8.6": 31_548_840,
+    }
+
+
+def test_instructions_ledger_harness_writes_pairs(tmp_path: Path) -> None:
+    """The ledger harness the instruction count runs under callgrind admits and records."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard_bench.instructions", "--ledger-pairs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "103 calls completed"  # 100 to warm up, then the 3 asked
