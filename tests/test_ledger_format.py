@@ -102,7 +102,8 @@ def test_format_3_row_encodes_from_the_pinned_event() -> None:
     """Writing the pinned event gives the pinned row: the kind's code, the worker's id,
     the head's link left to derive, and the link to the call's previous event."""
     stored = sqliteevents.event_from_row(ROW)
-    assert sqliteevents.event_params(stored, 4, 2) == (*ROW_3[:5], 2, *ROW_3[6:8], None, ROW[9], 4)
+    row = (*ROW_3[:5], 2, *ROW_3[6:8], None, ROW[9], 4, None)  # no request hash: not a record
+    assert sqliteevents.event_params(stored, 4, 2) == row
     assert sqliteevents.event_params(stored)[5] == "w1"  # no id given: the name itself
 
 
@@ -203,7 +204,7 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
             "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
             "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
             _ARCHIVED_THROUGH_TRIGGER,
-            "DELETE FROM migrations WHERE version IN (6, 10, 11)",
+            "DELETE FROM migrations WHERE version IN (6, 10, 11, 13)",
             "ALTER TABLE calls DROP COLUMN last_seq",
             "DROP TABLE worker_names",
         ):
@@ -332,3 +333,75 @@ async def test_a_call_state_is_stored_positionally_and_older_forms_read_the_same
     assert report.ok, report.problems
     assert after.ok, after.problems
     assert settled is not None and settled.stage != "effect_unknown" and settled.held == 0
+
+
+def _format_3(path: Path, events: list[StoredEvent]) -> None:
+    """Rewrite the ledger's events as format 3 (migration 12) stored them: one row per
+    event, kinds and workers coded, the call's previous event linked, no hash column."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        conn.execute("DROP TRIGGER events_no_delete")
+        conn.execute("DELETE FROM events")
+        conn.execute("ALTER TABLE events DROP COLUMN hash")
+        conn.execute("DELETE FROM migrations WHERE version = 13")
+        workers = dict(conn.execute("SELECT name, id FROM worker_names"))
+        tails: dict[str | None, int] = {}
+        rows = []
+        for e in events:
+            rows.append(
+                sqliteevents.event_params(e, tails.get(e.call_id), workers.get(e.worker))[:11]
+            )
+            if e.call_id is not None:
+                tails[e.call_id] = e.seq
+        columns = sqliteevents.INSERT_COLUMNS.rsplit(",", 1)[0]
+        conn.executemany(f"INSERT INTO events({columns}) VALUES ({', '.join('?' * 11)})", rows)
+        conn.execute(
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+            WHEN OLD.seq > coalesce((SELECT value FROM meta WHERE key = 'archived_through'), 0)
+            BEGIN SELECT RAISE(ABORT, 'events are append-only'); END"""
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+async def test_a_format_3_ledger_upgrades_in_place_and_verifies(tmp_path: Path) -> None:
+    """A format-3 ledger (one row per event; here with an archive cut) is upgraded by
+    adding a column, not by copying: its rows read as the same events, verify passes,
+    new operations are stored as records beside them, and verify still passes."""
+    path = tmp_path / "ledger.db"
+    async with Ledger.open(str(path)) as ledger:
+        writer = await register(ledger, "w1", lease_s=60)
+        await _calls(ledger, writer, range(3))
+    archive_sqlite(str(path), before=2e9, out=tmp_path / "a.jsonl.gz")
+    async with Ledger.open(str(path)) as ledger:
+        await _calls(ledger, writer, range(3, 5))
+        before = await ledger.store.events_after(0, 1000)
+    _format_3(path, before)
+    conn = sqlite3.connect(path)
+    rows_before = conn.execute("SELECT count(*) FROM events").fetchone()[0]
+    conn.close()
+    assert rows_before == len(before)
+
+    async with Ledger.open(str(path)) as ledger:
+        assert await ledger.store.events_after(0, 1000) == before
+        upgraded = await verify_ledger(ledger)
+        await _calls(ledger, writer, range(5, 7))
+        after = await ledger.store.events_after(0, 1000)
+        calls = {e.call_id for e in after if e.call_id is not None}
+        found = {c: await ledger.store.call_events(c) for c in calls}
+        report = await verify_ledger(ledger)
+    assert upgraded.ok, upgraded.problems
+    assert report.ok, report.problems
+    assert after[: len(before)] == before
+    assert found == {c: [e for e in after if e.call_id == c] for c in calls}
+    conn = sqlite3.connect(path)
+    try:
+        kinds = [
+            k for (k,) in conn.execute("SELECT kind FROM events WHERE seq > ?", (before[-1].seq,))
+        ]
+    finally:
+        conn.close()
+    # The two new calls: an admission and an observation each, three events a row.
+    assert kinds == [-3, -3, -3, -3]

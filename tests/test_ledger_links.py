@@ -116,7 +116,7 @@ def test_the_link_cache_never_drops_a_tail_inside_a_transaction() -> None:
     conn.executemany("INSERT INTO calls VALUES (?, ?)", [("x", 3), ("y", 5)])
     links = sqlitelinks.RowLinks(conn, size=1)
     assert links.tail("x") == 3
-    links.tails["x"] = 7  # what event_params records for x's new event, before its row
+    links.tails["x"] = 7  # what add() records for x's new event, before its row
     assert links.tail("y") == 5  # a miss while the cache is full
     assert links.tail("x") == 7
     links.trim()  # between transactions the cache is bounded again

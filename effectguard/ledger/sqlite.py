@@ -46,6 +46,7 @@ from effectguard.ledger.rows import (
 from effectguard.ledger.sqliteevents import CALL_EVENTS
 from effectguard.ledger.sqlitefile import create_owner_only, file_identity, sqlite_path
 from effectguard.ledger.sqlitereader import SqliteReader
+from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
 from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.bodyref import SpooledBody
@@ -120,9 +121,8 @@ class SqliteSession:
         # would cost more than the reads it saves.
         self._calls: dict[str, WorkState] = {}
         self._undo: list[tuple[str, WorkState | None]] | None = None
-        # An operation's events, inserted together (one statement) when it ends.
-        self._events: list[tuple[Any, ...]] = []
-        # Each call's last event and each worker's id, for the rows events are stored as.
+        # Each call's last event and each worker's id, for the rows events are stored as,
+        # and the operation's events, inserted together (one statement) when it ends.
         self._links = sqlitelinks.RowLinks(self.conn, _CALL_CACHE_SIZE)
 
     def _forget(self) -> None:
@@ -134,7 +134,6 @@ class SqliteSession:
         self._version = None
         self._calls = {}
         self._undo = None
-        self._events = []
         self._links.forget()
 
     def _revalidate(self) -> None:
@@ -186,9 +185,9 @@ class SqliteSession:
         self._now = None
 
     def _flush_events(self) -> None:
-        if self._events:
-            self.conn.executemany(_INSERT_EVENT, self._events)
-            self._events = []
+        rows = self._links.take()
+        if rows:
+            self.conn.executemany(_INSERT_EVENT, rows)
 
     def commit(self) -> None:
         self._flush_events()
@@ -222,7 +221,6 @@ class SqliteSession:
         self.conn.execute("RELEASE op")
 
     def rollback_to(self) -> None:
-        self._events = []
         self._links.forget()  # read again from the rows the rollback restored
         self.conn.execute("ROLLBACK TO op")
         self._head, self._nodes, self._dirty, self._workers, self._policies = self._snapshot
@@ -268,7 +266,7 @@ class SqliteSession:
         return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        self._events.append(self._links.event_params(event))
+        self._links.add(event)
         self._head = (event.seq, event.digest)
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
@@ -279,7 +277,7 @@ class SqliteSession:
         rows = self.conn.execute(
             sqliteevents.CALL_EVENTS_FROM, (last, sqliteevents.call_key(call_id))
         )
-        return [sqliteevents.event_from_row(r) for r in rows]
+        return [e for r in rows for e in events_from_row(r)]
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
         row = self.conn.execute(sql, params).fetchone()
@@ -395,7 +393,7 @@ class SqliteStore(SqlReads):
     """
 
     queries = SQLITE
-    decode_event = staticmethod(sqliteevents.event_from_row)
+    decode_events = staticmethod(events_from_row)
     call_key = staticmethod(sqliteevents.call_key)
     call_from_key = staticmethod(sqliteevents.call_from_key)
     decode_state = staticmethod(state_from_row)
@@ -449,7 +447,7 @@ class SqliteStore(SqlReads):
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order, walked from its row (no index by call)."""
         params = (call_id, sqliteevents.call_key(call_id))
-        return [self.decode_event(r) for r in await self._fetch(CALL_EVENTS, params)]
+        return [e for r in await self._fetch(CALL_EVENTS, params) for e in events_from_row(r)]
 
     async def lookup_problems(self) -> list[tuple[int, str]]:
         links = await self._fetch(sqlitelinks.BROKEN_LINKS)

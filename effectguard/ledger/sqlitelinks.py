@@ -15,7 +15,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from effectguard.ledger import sqliteevents
+from effectguard.ledger import sqliterecords
 from effectguard.rules.events import StoredEvent
 
 _LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"
@@ -25,7 +25,8 @@ _NEW_WORKER_ID = "INSERT INTO worker_names(name) VALUES (?) RETURNING id"
 
 class RowLinks:
     """The writer's view of what an event row refers to: each call's last event (its
-    ``call_prev``) and each worker's id in ``worker_names``.
+    ``call_prev``) and each worker's id in ``worker_names``; and the events of the
+    operation under way, grouped into the rows they will be (``sqliterecords``).
 
     Cached across batches like the writer's other caches; :meth:`forget` whenever the
     tables may hold something else (another connection wrote, a rollback).
@@ -36,10 +37,13 @@ class RowLinks:
         self.size = size
         self.tails: dict[str, int | None] = {}
         self.workers: dict[str, int] = {}
+        #: Each queued row's events, and the seq of its call's row before it.
+        self.queued: list[tuple[list[StoredEvent], int | None]] = []
 
     def forget(self) -> None:
         self.tails = {}
         self.workers = {}
+        self.queued = []
 
     def trim(self) -> None:
         """Bound the cache, between transactions only: inside one, a call's tail may be
@@ -64,16 +68,29 @@ class RowLinks:
             found = self.workers[name] = int(row[0])
         return found
 
-    def event_params(self, event: StoredEvent) -> tuple[Any, ...]:
-        """``event``'s row parameters, and its call's last event is now this one."""
-        call_prev = None
-        if event.call_id is not None:
+    def add(self, event: StoredEvent) -> None:
+        """Queue ``event`` (in the row before it, where it joins that row's run); its
+        call's last event is now this one."""
+        if self.queued and sqliterecords.joins(self.queued[-1][0], event):
+            self.queued[-1][0].append(event)
+        else:
+            call_prev = None
             # A manifest opens its call (admission writes one only for a call id it has
             # just made): there is no earlier event to look up, and no row to read.
-            if event.kind != "call.manifest":
+            if event.call_id is not None and event.kind != "call.manifest":
                 call_prev = self.tail(event.call_id)
+            self.queued.append(([event], call_prev))
+        if event.call_id is not None:
             self.tails[event.call_id] = event.seq
-        return sqliteevents.event_params(event, call_prev, self.worker_id(event.worker))
+
+    def take(self) -> list[tuple[Any, ...]]:
+        """The queued rows' parameters (``sqliteevents.INSERT_COLUMNS``); none queued after."""
+        rows = [
+            sqliterecords.record_params(run, call_prev, self.worker_id(run[0].worker))
+            for run, call_prev in self.queued
+        ]
+        self.queued = []
+        return rows
 
 
 #: Events whose link is not the previous event of their call. Where an archive deleted

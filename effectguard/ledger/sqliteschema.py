@@ -304,6 +304,15 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 BEGIN SELECT RAISE(ABORT, 'stored bodies do not change'); END""",
         ],
     ),
+    (
+        13,
+        "events format 4: an operation's events as one record; request hashes as bytes",
+        [
+            # See sqliterecords: rows written before are single events and read as they
+            # are, so nothing is copied. A record's manifest's request hash, raw.
+            "ALTER TABLE events ADD COLUMN hash BLOB",
+        ],
+    ),
 ]
 
 

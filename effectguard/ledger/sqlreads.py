@@ -32,12 +32,18 @@ from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
 
+def _one_event(row: Any) -> list[StoredEvent]:
+    """A row of format 1 (PostgreSQL's events): one event."""
+    return [event_from_row(row)]
+
+
 class SqlReads(ABC):
     """Operator, metrics and verify reads over a SQL read connection."""
 
     queries: Queries
-    #: Reads one event row in the store's layout (``queries``' event columns).
-    decode_event: Callable[[Any], StoredEvent] = staticmethod(event_from_row)
+    #: Reads one event row in the store's layout (``queries``' event columns): its events
+    #: (SQLite: a row may hold an operation's run of events, ``sqliterecords``).
+    decode_events: Callable[[Any], list[StoredEvent]] = staticmethod(_one_event)
     #: Reads one call state from a row of ``queries.state`` (its columns, then state).
     decode_state: Callable[[Any], WorkState] = staticmethod(state_from_first)
     #: A call id as the store's events hold it (SQLite: 16 bytes; PostgreSQL: the text).
@@ -57,7 +63,7 @@ class SqlReads(ABC):
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
         rows = await self._fetch(self.queries.call_events, (self.call_key(call_id),))
-        return [self.decode_event(r) for r in rows]
+        return [e for r in rows for e in self.decode_events(r)]
 
     async def lookup_problems(self) -> list[tuple[int, str]]:
         """``(seq, problem)`` for each way the store's own lookup structures disagree
@@ -82,8 +88,11 @@ class SqlReads(ABC):
 
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
         """Up to ``limit`` events with sequence number greater than ``seq``."""
+        # ``limit`` rows hold at least ``limit`` events; the first may begin at or before
+        # ``seq`` (a record that ends after it).
         rows = await self._fetch(self.queries.events_after, (seq, limit))
-        return [self.decode_event(r) for r in rows]
+        found = [e for r in rows for e in self.decode_events(r) if e.seq > seq]
+        return found[:limit]
 
     async def workers(self) -> list[WorkerRow]:
         """Every registered worker."""
@@ -104,7 +113,8 @@ class SqlReads(ABC):
 
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
-        return [self.decode_event(r) for r in await self._fetch(self.queries.limit_events)]
+        rows = await self._fetch(self.queries.limit_events)
+        return [e for r in rows for e in self.decode_events(r)]
 
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:
         """Write ``call_id``'s by-reference body to ``out``, one chunk (one read) at a time."""

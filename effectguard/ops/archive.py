@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.errors import ConfigError, LedgerCorrupt
-from effectguard.ledger import sqliteevents
+from effectguard.ledger import sqliteevents, sqliterecords
 from effectguard.ledger.rows import STATE_READ, state_from_row
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqlitefile import check_ledger_file
@@ -80,10 +80,11 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
         conn.close()
 
 
-#: SQLite's events since migration 6 (ledger/sqliteevents.py), and its call states.
+#: SQLite's events since migration 6 (ledger/sqliteevents.py, records since format 4:
+#: ledger/sqliterecords.py), and its call states.
 _FORMAT_2 = EventLayout(
     sqliteevents.SELECT_COLUMNS,
-    sqliteevents.event_from_row,
+    sqliterecords.events_from_row,
     sqliteevents.call_from_key,
     STATE_READ,
     state_from_row,
@@ -171,8 +172,10 @@ def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
         ).fetchone()
         if moved is not None:
             raise LedgerCorrupt(f"call {moved[0]} changed while archiving; run archive again")
-    first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
-    if first != plan.first:
+    first = conn.execute(
+        f"SELECT {sqliteevents.first_seq('e')} FROM events e ORDER BY seq LIMIT 1"
+    ).fetchone()
+    if first is None or first[0] != plan.first:
         raise LedgerCorrupt("another archive ran meanwhile; run archive again")
 
 

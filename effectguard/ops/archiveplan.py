@@ -62,19 +62,24 @@ Fetch = Callable[[str, Sequence[Any]], list[Any]]
 
 @dataclass(frozen=True, slots=True)
 class EventLayout:
-    """How a ledger's events table holds an event: the columns to select ``FROM events e``,
-    how to read such a row, and how to read the ``call_id`` column alone."""
+    """How a ledger's events table holds events: the columns to select ``FROM events e``,
+    how to read such a row (its events: a SQLite row may hold an operation's run of
+    them), and how to read the ``call_id`` column alone."""
 
     columns: str
-    decode: Callable[[Any], StoredEvent]
+    decode: Callable[[Any], list[StoredEvent]]
     call: Callable[[Any], str | None]
     #: What to select ``FROM calls`` to read a call state, and how to read that row.
     state_columns: str = "state"
     state: Callable[[Any], WorkState] = state_from_first
 
 
+def _one_event(row: Any) -> list[StoredEvent]:
+    return [event_from_row(row)]
+
+
 #: The layout PostgreSQL keeps (and SQLite kept before its migration 6).
-FORMAT_1 = EventLayout(EVENT_COLUMNS, event_from_row, lambda value: value)
+FORMAT_1 = EventLayout(EVENT_COLUMNS, _one_event, lambda value: value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +91,10 @@ class Survey:
 
 
 def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = FORMAT_1) -> Survey:
-    """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot."""
+    """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot.
+
+    Each row is one reference (a SQLite record's seq is its last event's): a cut, which
+    falls after a reference, never splits a row."""
     refs = [
         EventRef(int(s), layout.call(c), float(a))
         for s, c, a in fetch("SELECT seq, call_id, at FROM events ORDER BY seq", ())
@@ -116,15 +124,16 @@ def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = 
 def _take(
     fetch: Fetch,
     layout: EventLayout,
-    first: int,
+    first_row: int,
     last: int,
     keys: dict[str, tuple[str | None, str, str]],
 ) -> Plan | None:
-    if last < first:
+    if last < first_row:
         return None
-    start_state, prev_digest = _previous(fetch, first)
     rows = fetch(f"SELECT {layout.columns} FROM events e WHERE e.seq <= %s ORDER BY e.seq", (last,))
-    events = [layout.decode(row) for row in rows]
+    events = [e for row in rows for e in layout.decode(row)]
+    first = events[0].seq
+    start_state, prev_digest = _previous(fetch, first)
     calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
     if not calls:
         return None  # only checkpoints and worker events: not worth a file of its own
