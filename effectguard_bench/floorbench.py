@@ -91,7 +91,7 @@ def _source(path: Path, calls: int) -> tuple[list[_Call], tuple[Any, ...], list[
         stored = [e for r in conn.execute(ALL_EVENTS) for e in events_from_row(r)]
     finally:
         conn.close()
-    keyed = {bytes.fromhex(r[0][5:]) if r[0].startswith("call_") else r[0]: r for r in call_rows}
+    keyed = {r[0]: r for r in call_rows}  # keyed as the events key them (sqlitecalls)
     built = [_Call(events, keyed[key]) for key, events in by_call.items() if key in keyed]
     return built, node, stored
 

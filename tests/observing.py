@@ -62,6 +62,7 @@ def call_stages(ledger: Path) -> dict[str, str]:
     """Every live call's stage in the SQLite ledger at ``ledger``, read-only."""
     conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     try:
-        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
+        rows = conn.execute("SELECT call_id, stage FROM calls").fetchall()
+        return {str(sqliteevents.call_from_key(key)): stage for key, stage in rows}
     finally:
         conn.close()

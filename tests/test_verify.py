@@ -13,8 +13,16 @@ import pytest
 from eventkit import completion
 
 from effectguard.errors import LedgerCorrupt
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents, sqliterecords
-from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS, state_params
+from effectguard.ledger import (
+    AdmitRequest,
+    Ledger,
+    Writer,
+    operations,
+    sqlitecalls,
+    sqliteevents,
+    sqliterecords,
+)
+from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS
 from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
@@ -142,6 +150,11 @@ def record_problem(first: int, last: int) -> str:
         "content does not match that digest; one of these events, or the digest, was "
         "changed (the record cannot tell which event)"
     )
+
+
+def key(call_id: str) -> tuple[bytes | str]:
+    """The parameters naming ``call_id``'s row (the calls table keys a call by its bytes)."""
+    return (sqliteevents.call_key(call_id),)
 
 
 async def verify(path: Path) -> VerifyReport:
@@ -366,7 +379,7 @@ async def test_call_state_disagreeing_with_events_is_named(built: Built) -> None
     """A call row whose stored state is not the projection of its events is reported by id."""
     with raw(built.path) as conn:
         # A state's stage is its row's stage column (rows.COLUMN_FIELDS).
-        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", (built.in_flight,))
+        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", key(built.in_flight))
     report = await verify(built.path)
     assert not report.ok
     assert (
@@ -377,30 +390,47 @@ async def test_call_state_disagreeing_with_events_is_named(built: Built) -> None
 
 
 async def test_call_state_money_disagreeing_is_named(built: Built) -> None:
-    """A call whose stored cost differs from its events is reported (not only its stage)."""
+    """A call whose kept state's money differs from its events is reported (not only its
+    stage); so is a state put into the row of a resolved call, which keeps none."""
     with raw(built.path) as conn:
         conn.execute(
             "UPDATE calls SET state = json_set(state, ?, 1) WHERE call_id = ?",
-            (state_path("cost"), built.completed),
+            (state_path("reserved"), *key(built.in_flight)),
         )
+        (kept,) = conn.execute(
+            "SELECT state FROM calls WHERE call_id = ?", key(built.in_flight)
+        ).fetchone()
+        conn.execute("UPDATE calls SET state = ? WHERE call_id = ?", (kept, *key(built.completed)))
     report = await verify(built.path)
     assert not report.ok
-    assert any(built.completed in p for p in report.problems)
+    assert [p for p in report.problems if p.startswith(f"call {built.in_flight}: stored state")]
+    assert [p for p in report.problems if p.startswith(f"call {built.completed}: stored state")]
+
+
+async def test_an_unresolved_call_whose_row_keeps_no_state_is_named(built: Built) -> None:
+    """An in-flight call's row must keep its state (the sweeper, the retry lookup and the
+    metrics read it there): a row without one is named."""
+    with raw(built.path) as conn:
+        conn.execute("UPDATE calls SET state = NULL WHERE call_id = ?", key(built.in_flight))
+    report = await verify(built.path)
+    assert [p for p in report.problems if p.startswith(f"call {built.in_flight}: in_flight, yet")]
 
 
 async def test_deleted_call_row_is_named(built: Built) -> None:
     """A call whose row is gone is reported."""
     with raw(built.path) as conn:
-        conn.execute("DELETE FROM calls WHERE call_id = ?", (built.reconciled,))
+        conn.execute("DELETE FROM calls WHERE call_id = ?", key(built.reconciled))
     report = await verify(built.path)
     assert not report.ok
     assert any(built.reconciled in p for p in report.problems)
 
 
 async def test_stage_column_disagreeing_with_events_is_named(built: Built) -> None:
-    """A calls.stage column that disagrees with the events is reported, since queries use it."""
+    """A calls.stage column that disagrees with the events is reported, since queries use it
+    (a resolved call's too, whose row keeps no state)."""
     with raw(built.path) as conn:
-        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", (built.in_flight,))
+        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", key(built.in_flight))
+        conn.execute("UPDATE calls SET stage = 'failed' WHERE call_id = ?", key(built.completed))
     report = await verify(built.path)
     assert not report.ok
     assert any(built.in_flight in p for p in report.problems)
@@ -472,9 +502,14 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 per_call.setdefault(stored.call_id, []).append(stored.event)
         conn.execute("DELETE FROM calls")
         for call_id, events in per_call.items():
+            state = work_state(events)
+            conn.execute("INSERT OR IGNORE INTO worker_names(name) VALUES (?)", (state.worker,))
+            (worker,) = conn.execute(
+                "SELECT id FROM worker_names WHERE name = ?", (state.worker,)
+            ).fetchone()
             conn.execute(
                 f"INSERT INTO calls ({CALL_COLUMNS}, last_seq) VALUES ({', '.join('?' * 11)})",
-                (*state_params(work_state(events)), tails[call_id]),
+                (*sqlitecalls.call_params(state, worker), tails[call_id]),
             )
         conn.execute("DELETE FROM budget_periods")
         for node in budget_fold(s.event for s in chain).nodes.values():

@@ -218,6 +218,12 @@ class LedgerStore(Protocol):
         """Calls (newest first), optionally by stage and budget subtree."""
         ...
 
+    async def kept_states(self) -> list[WorkState]:
+        """Every call state the store keeps in its calls' rows, for ``verify`` (SQLite
+        keeps a call's state only while it is unresolved and folds it from the events on
+        read after that; the other stores keep every call's)."""
+        ...
+
     async def lookup_problems(self) -> list[tuple[int, str]]:
         """``(seq, problem)`` where the store's own way of finding a call's events
         disagrees with the events (SQLite: its per-call links); for ``verify``."""

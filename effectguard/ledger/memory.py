@@ -258,6 +258,10 @@ class MemoryStore:
         with self.tables.lock:
             return [e for e in self.tables.events if e.call_id == call_id]
 
+    async def kept_states(self) -> list[WorkState]:
+        with self.tables.lock:
+            return list(self.tables.calls.values())
+
     async def lookup_problems(self) -> list[tuple[int, str]]:
         return []  # a call's events are found by scanning them: nothing to disagree
 

@@ -97,12 +97,26 @@ def _walk(start: str) -> str:
     )
 
 
-#: A call's events in order, from its row's ``last_seq`` (parameters: the call id, and
-#: :func:`call_key` of it).
+#: A call's events in order, from its row's ``last_seq`` (parameters: :func:`call_key`
+#: of the call id, twice: the calls and the events hold it alike since migration 14).
 CALL_EVENTS = _walk("SELECT last_seq FROM calls WHERE call_id = ?1")
 #: The same from a known last seq (parameters: that seq, and the call's key): the
 #: writer's, whose transaction may have appended to the call since its row was written.
 CALL_EVENTS_FROM = _walk("SELECT ?1")
+
+
+def calls_events(count: int) -> str:
+    """The events of ``count`` calls (parameters: their :func:`call_key`), in order, each
+    walked from its row as :data:`CALL_EVENTS` walks one."""
+    marks = ", ".join("?" * count)
+    return (
+        "WITH RECURSIVE walk(key, seq) AS ("
+        f"SELECT call_id, last_seq FROM calls WHERE call_id IN ({marks}) UNION ALL "
+        "SELECT walk.key, w.call_prev FROM events w JOIN walk ON w.seq = walk.seq "
+        "WHERE w.call_id = walk.key) "
+        f"SELECT {SELECT_COLUMNS} FROM walk JOIN events e "
+        "ON e.seq = walk.seq AND e.call_id = walk.key ORDER BY e.seq"
+    )
 
 
 #: Each kind's fields, in the order a positional row lists their values. Part of the

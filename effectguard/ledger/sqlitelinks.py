@@ -13,9 +13,11 @@ which its digest check names.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
-from effectguard.ledger import sqliterecords
+from effectguard.ledger import sqliteevents, sqliterecords
+from effectguard.ledger.queries import UNRESOLVED_SQL
 from effectguard.rules.events import StoredEvent
 
 _LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"
@@ -54,17 +56,25 @@ class RowLinks:
     def tail(self, call_id: str) -> int | None:
         """The seq of the call's last event (None: it has none yet)."""
         if call_id not in self.tails:
-            row = self.conn.execute(_LAST_SEQ, (call_id,)).fetchone()
+            row = self.conn.execute(_LAST_SEQ, (sqliteevents.call_key(call_id),)).fetchone()
             self.tails[call_id] = None if row is None else row[0]
         return self.tails[call_id]
 
     def worker_id(self, name: str) -> int:
         """The worker's id, given one the first time the name is written."""
+        found = self.known_worker(name)
+        if found is None:
+            row = self.conn.execute(_NEW_WORKER_ID, (name,)).fetchone()
+            found = self.workers[name] = int(row[0])
+        return found
+
+    def known_worker(self, name: str) -> int | None:
+        """The worker's id (None: its name was never written)."""
         found = self.workers.get(name)
         if found is None:
             row = self.conn.execute(_WORKER_ID, (name,)).fetchone()
             if row is None:
-                row = self.conn.execute(_NEW_WORKER_ID, (name,)).fetchone()
+                return None
             found = self.workers[name] = int(row[0])
         return found
 
@@ -105,24 +115,31 @@ BROKEN_LINKS = """
         AND call_prev < (SELECT min(seq) FROM events))
     ORDER BY seq
 """
-#: Calls whose row does not name their last event (the call id as events hold it: the
+#: Calls whose row does not name their last event (both tables key a call alike: the
 #: 16 bytes of a ``call_`` id, see sqliteevents.call_key). One grouped scan of the events,
 #: then a lookup of each call's row by its key (a join the other way round took 72 s
 #: on 300,000 events). A row of a call with no events is named by the verifier.
 BROKEN_TAILS = """
     WITH m AS MATERIALIZED (
-        SELECT CASE WHEN typeof(call_id) = 'blob' THEN 'call_' || lower(hex(call_id))
-            ELSE call_id END AS id, max(seq) AS last
+        SELECT call_id AS key, max(seq) AS last
         FROM events WHERE call_id IS NOT NULL GROUP BY call_id)
-    SELECT m.id, c.last_seq, m.last FROM m LEFT JOIN calls c ON c.call_id = m.id
+    SELECT m.key, c.last_seq, m.last FROM m LEFT JOIN calls c ON c.call_id = m.key
     WHERE c.last_seq IS NOT m.last
-    ORDER BY m.id
+    ORDER BY m.key
 """
+#: Unresolved calls whose row keeps no state (sqlitecalls.keeps_state): the sweeper, the
+#: retry lookup and the metrics read it from the row.
+UNRESOLVED_WITHOUT_STATE = (
+    f"SELECT call_id, stage, last_seq FROM calls WHERE {UNRESOLVED_SQL} AND state IS NULL"
+)
 
 
-def problems(links: list[Any], tails: list[Any], head: int) -> list[tuple[int, str]]:
-    """``(seq, problem)`` for each row of :data:`BROKEN_LINKS` and :data:`BROKEN_TAILS`
-    (``head``: the last event's seq, named where a call row points nowhere)."""
+def problems(
+    links: Sequence[Any], tails: Sequence[Any], stateless: Sequence[Any], head: int
+) -> list[tuple[int, str]]:
+    """``(seq, problem)`` for each row of :data:`BROKEN_LINKS`, :data:`BROKEN_TAILS` and
+    :data:`UNRESOLVED_WITHOUT_STATE` (``head``: the last event's seq, named where a call
+    row points nowhere)."""
     found = [
         (
             int(seq),
@@ -134,9 +151,17 @@ def problems(links: list[Any], tails: list[Any], head: int) -> list[tuple[int, s
     found += [
         (
             head if want is None else int(want),
-            f"call {call_id}: its row names event {got} as its last "
+            f"call {sqliteevents.call_from_key(key)}: its row names event {got} as its last "
             f"(the events say {want}); its events would be read wrongly",
         )
-        for call_id, got, want in tails
+        for key, got, want in tails
+    ]
+    found += [
+        (
+            head if last is None else int(last),
+            f"call {sqliteevents.call_from_key(key)}: {stage}, yet its row keeps no state "
+            "(the sweeper, the retry lookup and the metrics read it from the row)",
+        )
+        for key, stage, last in stateless
     ]
     return found

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
-from effectguard.errors import BodyMismatch
+from effectguard.errors import BodyMismatch, LedgerCorrupt
 from effectguard.ledger import bodystore
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.queries import Queries
@@ -44,8 +44,12 @@ class SqlReads(ABC):
     #: Reads one event row in the store's layout (``queries``' event columns): its events
     #: (SQLite: a row may hold an operation's run of events, ``sqliterecords``).
     decode_events: Callable[[Any], list[StoredEvent]] = staticmethod(_one_event)
-    #: Reads one call state from a row of ``queries.state`` (its columns, then state).
-    decode_state: Callable[[Any], WorkState] = staticmethod(state_from_first)
+    #: Reads one call state from a row of ``queries.state``; None where the row keeps
+    #: none (SQLite: a resolved call's, folded from its events by :meth:`_fold`; such a
+    #: store's ``queries.state`` selects the call's key first).
+    decode_state: Callable[[Any], WorkState | None] = staticmethod(state_from_first)
+    #: Reads a row of ``queries.call_columns`` (its values as rows.INDEX_COLUMNS has them).
+    decode_index: Callable[[Any], tuple[Any, ...]] = staticmethod(tuple)
     #: A call id as the store's events hold it (SQLite: 16 bytes; PostgreSQL: the text).
     call_key: Callable[[str], Any] = staticmethod(str)
     #: Invert ``call_key``.
@@ -57,8 +61,27 @@ class SqlReads(ABC):
 
     async def get_call(self, call_id: str) -> WorkState | None:
         """A call's projected state, or None."""
-        rows = await self._fetch(self.queries.call, (call_id,))
-        return self.decode_state(rows[0]) if rows else None
+        rows = await self._fetch(self.queries.call, (self.call_key(call_id),))
+        return (await self._states(rows))[0] if rows else None
+
+    async def _states(self, rows: Sequence[Any]) -> list[WorkState]:
+        """The states of rows of ``queries.state``: kept, or folded from the events."""
+        states = [self.decode_state(r) for r in rows]
+        missing = [r[0] for r, s in zip(rows, states, strict=True) if s is None]
+        if not missing:
+            return [s for s in states if s is not None]
+        folded = await self._fold(missing)
+        return [folded[r[0]] if s is None else s for r, s in zip(rows, states, strict=True)]
+
+    async def _fold(self, keys: Sequence[Any]) -> dict[Any, WorkState]:
+        """The states of the calls with these keys (their rows keep none), from their
+        events. A store whose rows always keep their state never needs this."""
+        raise LedgerCorrupt(f"calls {list(keys)[:3]}: their rows keep no state")
+
+    async def kept_states(self) -> list[WorkState]:
+        """Every state the store keeps in its calls' rows (``verify`` compares each with
+        the events; here, every call's)."""
+        return await self.list_calls(limit=1 << 62)
 
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
@@ -75,8 +98,7 @@ class SqlReads(ABC):
     ) -> list[WorkState]:
         """Calls (newest first), optionally by stage and budget subtree."""
         sql, params = self.queries.list_calls(stage, budget, limit)
-        rows = await self._fetch(sql, params)
-        return [self.decode_state(r) for r in rows]
+        return await self._states(await self._fetch(sql, params))
 
     async def budget_nodes(self) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None)."""
@@ -105,7 +127,7 @@ class SqlReads(ABC):
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
         """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
-        return [tuple(r) for r in await self._fetch(self.queries.call_columns)]
+        return [self.decode_index(r) for r in await self._fetch(self.queries.call_columns)]
 
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key row (revoked and expired ones too), by name."""
