@@ -213,9 +213,16 @@ class LedgerStore(Protocol):
         ...
 
     async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
-        """Calls (newest first), optionally by stage and budget subtree."""
+        """Calls (newest first), optionally by stage, budget subtree, provider and
+        creation time (at or after ``since``)."""
         ...
 
     async def kept_states(self) -> list[WorkState]:

@@ -266,7 +266,13 @@ class MemoryStore:
         return []  # a call's events are found by scanning them: nothing to disagree
 
     async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
         with self.tables.lock:
             calls = [
@@ -274,6 +280,8 @@ class MemoryStore:
                 for s in self.tables.calls.values()
                 if (stage is None or s.stage == stage)
                 and (budget is None or budgets.is_under(s.budget, budget))
+                and (provider is None or s.provider == provider)
+                and (since is None or s.created_at >= since)
             ]
         calls.sort(key=lambda s: s.created_at, reverse=True)
         return calls[:limit]

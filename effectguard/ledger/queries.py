@@ -196,15 +196,27 @@ class Queries:
         return [path, escaped + "/%"]
 
     def list_calls(
-        self, stage: str | None, budget: str | None, limit: int
+        self,
+        stage: str | None,
+        budget: str | None,
+        limit: int,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> tuple[str, list[Any]]:
         """The SQL and parameters listing calls, newest first.
 
         ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
+        ``provider`` and ``since`` (a creation time) filter on the rows' columns, so that a
+        store that folds a call's state on read folds only the calls it lists.
         """
         m = self.mark
         where: list[str] = []
         params: list[Any] = []
+        for column, value in (("provider =", provider), ("created_at >=", since)):
+            if value is not None:
+                where.append(f"{column} {m}")
+                params.append(value)
         order = self.newest_first
         if stage is not None:
             if stage in UNRESOLVED:

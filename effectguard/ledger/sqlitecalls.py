@@ -38,7 +38,7 @@ from effectguard.ledger.rows import (
     names,
     state_from_json,
 )
-from effectguard.rules.events import StoredEvent
+from effectguard.rules.events import StoredEvent, event_from_data
 from effectguard.rules.workstate import UNRESOLVED, WorkState, as_dict, work_state
 
 _WORKER_NAME = "coalesce((SELECT n.name FROM worker_names n WHERE n.id = calls.worker), worker)"
@@ -147,3 +147,8 @@ def index_columns(row: tuple[Any, ...] | Any) -> tuple[Any, ...]:
 def fold(events: Iterable[StoredEvent]) -> WorkState:
     """A call's state from its events: what its row kept while it was unresolved."""
     return work_state(e.event for e in events)
+
+
+def fold_data(events: Iterable[tuple[str, dict[str, Any]]]) -> WorkState:
+    """:func:`fold` from each event's kind and data (``sqliterecords.kinds_and_data``)."""
+    return work_state(event_from_data(kind, data) for kind, data in events)

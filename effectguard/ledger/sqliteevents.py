@@ -105,16 +105,24 @@ CALL_EVENTS = _walk("SELECT last_seq FROM calls WHERE call_id = ?1")
 CALL_EVENTS_FROM = _walk("SELECT ?1")
 
 
+#: :data:`SELECT_COLUMNS` without the digests (NULL): what folding a call's state reads.
+FOLD_COLUMNS = (
+    "e.seq, e.kind, e.call_id, e.data, e.body, "
+    "coalesce((SELECT n.name FROM worker_names n WHERE n.id = e.worker), e.worker), "
+    "e.generation, e.at, NULL, NULL, e.hash"
+)
+
+
 def calls_events(count: int) -> str:
     """The events of ``count`` calls (parameters: their :func:`call_key`), in order, each
-    walked from its row as :data:`CALL_EVENTS` walks one."""
+    walked from its row as :data:`CALL_EVENTS` walks one; read as :data:`FOLD_COLUMNS`."""
     marks = ", ".join("?" * count)
     return (
         "WITH RECURSIVE walk(key, seq) AS ("
         f"SELECT call_id, last_seq FROM calls WHERE call_id IN ({marks}) UNION ALL "
         "SELECT walk.key, w.call_prev FROM events w JOIN walk ON w.seq = walk.seq "
         "WHERE w.call_id = walk.key) "
-        f"SELECT {SELECT_COLUMNS} FROM walk JOIN events e "
+        f"SELECT {FOLD_COLUMNS} FROM walk JOIN events e "
         "ON e.seq = walk.seq AND e.call_id = walk.key ORDER BY e.seq"
     )
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from effectguard.ledger import sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.queries import HEAD, SQLITE
-from effectguard.ledger.sqliterecords import events_from_row
+from effectguard.ledger.sqliterecords import events_from_row, kinds_and_data
 from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import WorkState
@@ -39,12 +39,12 @@ class SqliteReads(SqlReads):
         return [e for r in rows for e in events_from_row(r)]
 
     async def _fold(self, keys: Sequence[Any]) -> dict[Any, WorkState]:
-        events: dict[Any, list[StoredEvent]] = {key: [] for key in keys}
+        events: dict[Any, list[tuple[str, dict[str, Any]]]] = {key: [] for key in keys}
         for at in range(0, len(keys), _FOLD_PAGE):
             page = keys[at : at + _FOLD_PAGE]
             for row in await self._fetch(sqliteevents.calls_events(len(page)), page):
-                events[row[2]] += events_from_row(row)
-        return {key: sqlitecalls.fold(found) for key, found in events.items()}
+                events[row[2]] += kinds_and_data(row)  # no digest: a fold needs none
+        return {key: sqlitecalls.fold_data(found) for key, found in events.items()}
 
     async def kept_states(self) -> list[WorkState]:
         """The states rows keep: unresolved calls', and any stored before migration 14."""

@@ -284,14 +284,11 @@ def _read_columns(kind: str, data: dict[str, Any], row: _Row) -> None:
         row.taken += 1
 
 
-def events_from_record(row: tuple[Any, ...] | Any) -> list[StoredEvent]:
-    """The events of a row selected with :data:`~.sqliteevents.SELECT_COLUMNS` whose
-    ``kind`` is negative (a record); each intermediate digest derived on read."""
-    seq, code, key, data, body, worker, generation, at, prev_digest, digest, hash_ = row
+def _read_record(row: tuple[Any, ...] | Any) -> tuple[_Row, list[tuple[str, dict[str, Any]]]]:
+    """A record row's shared columns, and each of its events' kind and data."""
+    seq, code, key, data, body, worker, generation, at, _, _, hash_ = row
     count, last = -int(code), int(seq)
-    call_id = sqliteevents.call_from_key(key)
-    shared = _Row(call_id, float(at), worker, int(generation), body, hash_)
-    first = last - count + 1
+    shared = _Row(sqliteevents.call_from_key(key), float(at), worker, int(generation), body, hash_)
     try:
         items = json.loads(data)
         if type(items) is not list or len(items) != count:
@@ -301,19 +298,29 @@ def events_from_record(row: tuple[Any, ...] | Any) -> list[StoredEvent]:
             raise ValueError("a body or request hash that no event of it takes")
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise LedgerCorrupt(
-            f"events {first}..{last} (one stored record): the record does not read ({exc})"
+            f"events {last - count + 1}..{last} (one stored record): the record does not "
+            f"read ({exc})"
         ) from exc
-    prev = sqliteevents.hex_digest(prev_digest)
+    return shared, read
+
+
+def events_from_record(row: tuple[Any, ...] | Any) -> list[StoredEvent]:
+    """The events of a row selected with :data:`~.sqliteevents.SELECT_COLUMNS` whose
+    ``kind`` is negative (a record); each intermediate digest derived on read."""
+    shared, read = _read_record(row)
+    last = int(row[0])
+    first = last - len(read) + 1
+    prev = sqliteevents.hex_digest(row[8])
     out: list[StoredEvent] = []
     for number, (kind, fields) in enumerate(read, start=first):
-        own = sqliteevents.hex_digest(digest)
+        own = sqliteevents.hex_digest(row[9])
         if number != last:
             own = event_digest(
                 seq=number,
                 kind=kind,
-                call_id=call_id,
+                call_id=shared.call_id,
                 data_json=canonical_json(fields),
-                worker=worker,
+                worker=shared.worker,
                 generation=shared.generation,
                 at=shared.at,
                 prev_digest=prev,
@@ -322,9 +329,9 @@ def events_from_record(row: tuple[Any, ...] | Any) -> list[StoredEvent]:
             StoredEvent(
                 number,
                 kind,
-                call_id,
+                shared.call_id,
                 fields,
-                worker,
+                shared.worker,
                 shared.generation,
                 shared.at,
                 prev,
@@ -343,3 +350,13 @@ def events_from_row(row: tuple[Any, ...] | Any) -> list[StoredEvent]:
     if type(code) is int and code < 0:
         return events_from_record(row)
     return [sqliteevents.event_from_row(row)]
+
+
+def kinds_and_data(row: tuple[Any, ...] | Any) -> list[tuple[str, dict[str, Any]]]:
+    """What :func:`events_from_row` reads of a row but no digest: each event's kind and
+    data, for folding a call's state (about a third of the reading's cost less)."""
+    code = row[1]
+    if type(code) is int and code < 0:
+        return _read_record(row)[1]
+    kind = sqliteevents.kind_from_column(code)
+    return [(kind, sqliteevents.join(kind, row[3], row[4], sqliteevents.call_from_key(row[2])))]

@@ -94,10 +94,17 @@ class SqlReads(ABC):
         return []
 
     async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
-        """Calls (newest first), optionally by stage and budget subtree."""
-        sql, params = self.queries.list_calls(stage, budget, limit)
+        """Calls (newest first), optionally by stage, budget subtree, provider and
+        creation time."""
+        sql, params = self.queries.list_calls(stage, budget, limit, provider=provider, since=since)
         return await self._states(await self._fetch(sql, params))
 
     async def budget_nodes(self) -> list[BudgetNode]:
