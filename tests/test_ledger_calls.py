@@ -4,6 +4,7 @@ resolved call folded from its events."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sqlite3
 from pathlib import Path
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 from eventkit import completion
 from test_store_contract import register
+from test_verify import request as verify_request
 
 from effectguard.ledger import AdmitRequest, Ledger, sqlitecalls, sqliteevents, sqlitereads
 from effectguard.ops.verify import verify_ledger
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
+from effectguard.rules.events import Event
 from effectguard.rules.workstate import work_state
 
 R = 1000
@@ -22,37 +24,19 @@ R = 1000
 
 def request(n: int, key: str | None = None) -> AdmitRequest:
     """A chat admission whose request hash is a SHA-256, as the guard makes it."""
-    return AdmitRequest(
-        request_hash=hashlib.sha256(f"request {n}".encode()).hexdigest(),
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=key,
-        budget="team/run",
-        budget_root="team",
-        effect_kind="at_most_once",
-        body="{}",
-        body_encoding="utf8",
-        stream=False,
-        reserve=R,
-    )
+    sha = hashlib.sha256(f"request {n}".encode()).hexdigest()
+    chat = dataclasses.replace(verify_request(f"n{n}"), body="{}", effect_kind="at_most_once")
+    return dataclasses.replace(chat, request_hash=sha, idempotency_key=key)
 
 
 def failure(call_id: str) -> list[Event]:
     """Attempt 1 answered 500 (an error the provider does not declare unprocessed)."""
-    observed = AttemptObserved(
-        call=call_id,
-        attempt=1,
-        status=500,
-        not_processed=False,
-        usage=None,
-        usage_problem=None,
-        headers={},
-        body="{}",
-    )
-    settled = BudgetSettled(call=call_id, budget="team/run", reserved=R, actual=R)
-    return [observed, settled, CallCompleted(call=call_id, outcome="failed")]
+    observed, settled, completed = completion(call_id, budget="team/run", reserved=R, actual=R)
+    return [
+        dataclasses.replace(observed, status=500),
+        settled,
+        dataclasses.replace(completed, outcome="failed"),
+    ]
 
 
 def rows(path: Path) -> dict[str, tuple[object, ...]]:

@@ -282,6 +282,17 @@ async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:
         await ledger.record(writer, admitted.call_id, 1, outcome)
 
 
+async def _archived_once(path: Path) -> tuple[Writer, list[StoredEvent], list[WorkState]]:
+    """Three calls archived, two more live: the writer, the live events and call states."""
+    async with Ledger.open(str(path)) as ledger:
+        writer = await register(ledger, "w1", lease_s=60)
+        await _calls(ledger, writer, range(3))
+    archive_sqlite(str(path), before=2e9, out=path.with_name("a.jsonl.gz"))
+    async with Ledger.open(str(path)) as ledger:
+        await _calls(ledger, writer, range(3, 5))
+        return writer, await ledger.store.events_after(0, 1000), await ledger.calls(limit=1000)
+
+
 async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     tmp_path: Path,
 ) -> None:
@@ -289,14 +300,7 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     one) is converted on open: the same events read back, verify passes, and only the
     link that cannot be derived is stored."""
     path = tmp_path / "ledger.db"
-    async with Ledger.open(str(path)) as ledger:
-        writer = await register(ledger, "w1", lease_s=60)
-        await _calls(ledger, writer, range(3))
-    archive_sqlite(str(path), before=2e9, out=tmp_path / "a.jsonl.gz")
-    async with Ledger.open(str(path)) as ledger:
-        await _calls(ledger, writer, range(3, 5))
-        before = await ledger.store.events_after(0, 1000)
-        states = await ledger.calls(limit=1000)
+    _, before, states = await _archived_once(path)
     _format_1(path, before, states)
 
     async with Ledger.open(str(path)) as ledger:
@@ -403,14 +407,7 @@ async def test_a_format_3_ledger_upgrades_in_place_and_verifies(tmp_path: Path) 
     adding a column, not by copying: its rows read as the same events, verify passes,
     new operations are stored as records beside them, and verify still passes."""
     path = tmp_path / "ledger.db"
-    async with Ledger.open(str(path)) as ledger:
-        writer = await register(ledger, "w1", lease_s=60)
-        await _calls(ledger, writer, range(3))
-    archive_sqlite(str(path), before=2e9, out=tmp_path / "a.jsonl.gz")
-    async with Ledger.open(str(path)) as ledger:
-        await _calls(ledger, writer, range(3, 5))
-        before = await ledger.store.events_after(0, 1000)
-        states = await ledger.calls(limit=1000)
+    writer, before, states = await _archived_once(path)
     _format_3(path, before, states)
     conn = sqlite3.connect(path)
     rows_before = conn.execute("SELECT count(*) FROM events").fetchone()[0]

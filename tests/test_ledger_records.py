@@ -3,25 +3,25 @@ one row reads back exactly as sealed, its digests derived where they are not sto
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+from eventkit import completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ledger_calls import request
 from test_store_contract import register
 
-from effectguard.ledger import AdmitRequest, Ledger, sqliteevents, sqliterecords
+from effectguard.ledger import Ledger, sqliteevents, sqliterecords
 from effectguard.ledger.sqliteschema import migrate
 from effectguard.rules.events import (
-    AttemptObserved,
-    BudgetSettled,
-    CallCompleted,
+    Event,
     StoredEvent,
     canonical_json,
-    event_digest,
     stored_digest,
 )
 
@@ -32,24 +32,28 @@ AT = 1_700_000_000.25
 CALL_KINDS = sorted(k for k in sqliteevents.FIELDS if k in sqliteevents.KIND_CODES)
 
 
+def _sealed(
+    seq: int,
+    kind: str,
+    call: str,
+    data: dict[str, Any],
+    writer: tuple[str, int],
+    at: float,
+    prev: str,
+) -> StoredEvent:
+    """An event as the store seals it, its digest over its content and ``prev``."""
+    draft = StoredEvent(seq, kind, call, data, *writer, at, prev, "")
+    return dataclasses.replace(draft, digest=stored_digest(draft))
+
+
 def _chain(
     items: list[tuple[str, dict[str, Any]]], first: int, prev: str, at: float = AT
 ) -> list[StoredEvent]:
     """``items`` sealed as events ``first``, ``first + 1``, ... of CALL, written by w1."""
     out = []
     for seq, (kind, data) in enumerate(items, start=first):
-        digest = event_digest(
-            seq=seq,
-            kind=kind,
-            call_id=CALL,
-            data_json=canonical_json(data),
-            worker="w1",
-            generation=3,
-            at=at,
-            prev_digest=prev,
-        )
-        out.append(StoredEvent(seq, kind, CALL, data, "w1", 3, at, prev, digest))
-        prev = digest
+        out.append(_sealed(seq, kind, CALL, data, ("w1", 3), at, prev))
+        prev = out[-1].digest
     return out
 
 
@@ -154,34 +158,6 @@ def test_what_a_row_cannot_imply_stays_in_its_item() -> None:
     assert sqliterecords.events_from_row(row) == events
 
 
-def test_an_event_with_a_body_after_one_with_a_body_starts_a_row() -> None:
-    """A row holds one body: an observation right after its call's manifest (one writer,
-    one time) is not added to the manifest's record, and each keeps its body compact."""
-    manifest = (
-        "call.manifest",
-        {
-            "call": CALL,
-            **dict.fromkeys(sqliteevents.FIELDS["call.manifest"]),
-            "request_hash": HASH,
-            "budget": "team/run",
-            "body": "{}",
-            "body_encoding": "utf8",
-            "headers": {},
-            "stream": False,
-            "at": AT,
-        },
-    )
-    events = _chain([manifest, *((e.kind, e.data) for e in OBSERVATION)], first=4, prev="ab" * 32)
-    runs = _grouped(events)
-    assert [len(run) for run in runs] == [1, 3]
-    rows = [sqliterecords.record_params(run, None, None) for run in runs]
-    assert [(row[1], row[4]) for row in rows] == [(0, b"{}"), (-3, '{"ok": "é"}'.encode())]
-    # Given one run all the same, the codec keeps the second body in its event's item.
-    params = sqliterecords.record_params(events, None, None)
-    row = (*params[:8], bytes.fromhex("ab" * 32), params[9], params[11])
-    assert params[4] == b"{}" and sqliterecords.events_from_row(row) == events
-
-
 #: An admission as the guard records it, at a whole second (so that 5 and 5.0 differ).
 ADMISSION = [
     (
@@ -214,6 +190,21 @@ ADMISSION = [
         },
     ),
 ]
+
+
+def test_an_event_with_a_body_after_one_with_a_body_starts_a_row() -> None:
+    """A row holds one body: an observation right after its call's manifest (one writer,
+    one time) is not added to the manifest's record, and each keeps its body compact."""
+    items = [ADMISSION[0], *((e.kind, e.data) for e in OBSERVATION)]
+    events = _chain(items, first=4, prev="ab" * 32, at=5.0)
+    runs = _grouped(events)
+    assert [len(run) for run in runs] == [1, 3]
+    rows = [sqliterecords.record_params(run, None, None) for run in runs]
+    assert [(row[1], row[4]) for row in rows] == [(0, b"{}"), (-3, '{"ok": "é"}'.encode())]
+    # Given one run all the same, the codec keeps the second body in its event's item.
+    params = sqliterecords.record_params(events, None, None)
+    row = (*params[:8], bytes.fromhex("ab" * 32), params[9], params[11])
+    assert params[4] == b"{}" and sqliterecords.events_from_row(row) == events
 
 
 @pytest.mark.parametrize(
@@ -327,18 +318,8 @@ def _runs(draw: st.DrawFn, first: int) -> tuple[list[StoredEvent], str]:
             generation = draw(st.sampled_from([generation, generation + 1]))
         kind = draw(st.sampled_from(CALL_KINDS))
         data = draw(_data(kind, call, row))
-        digest = event_digest(
-            seq=seq,
-            kind=kind,
-            call_id=call,
-            data_json=canonical_json(data),
-            worker=worker,
-            generation=generation,
-            at=at,
-            prev_digest=prev,
-        )
-        events.append(StoredEvent(seq, kind, call, data, worker, generation, at, prev, digest))
-        prev = digest
+        events.append(_sealed(seq, kind, call, data, (worker, generation), at, prev))
+        prev = events[-1].digest
     return events, prev0
 
 
@@ -409,7 +390,7 @@ async def test_events_after_a_seq_inside_a_record_start_after_it(tmp_path: Path)
     only, and never more than the limit asks, though rows hold several events each."""
     async with Ledger.open(str(tmp_path / "l.db")) as ledger:
         writer = await register(ledger, "w1", lease_s=60)
-        admitted = await ledger.admit(writer, _request())
+        admitted = await ledger.admit(writer, request(0))
         await ledger.record(writer, admitted.call_id, 1, _outcome(admitted.call_id))
         events = await ledger.store.events_after(0, 100)
         assert [e.record for e in events[1:]] == [(2, 4)] * 3 + [(5, 7)] * 3
@@ -419,40 +400,9 @@ async def test_events_after_a_seq_inside_a_record_start_after_it(tmp_path: Path)
         assert await ledger.store.events_after(7, 100) == []
 
 
-def _request() -> AdmitRequest:
-    return AdmitRequest(
-        request_hash=HASH,
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=None,
-        budget="team/run",
-        budget_root="team",
-        effect_kind="at_most_once",
-        body='{"messages": []}',
-        body_encoding="utf8",
-        stream=False,
-        reserve=1000,
-    )
-
-
-def _outcome(call_id: str) -> list[Any]:
+def _outcome(call_id: str) -> list[Event]:
     usage = dict.fromkeys(sqliterecords.USAGE, 3)
-    return [
-        AttemptObserved(
-            call=call_id,
-            attempt=1,
-            status=200,
-            not_processed=False,
-            usage=usage,
-            usage_problem=None,
-            headers={"content-type": "application/json"},
-            body="{}",
-        ),
-        BudgetSettled(call=call_id, budget="team/run", reserved=1000, actual=5),
-        CallCompleted(call=call_id, outcome="completed"),
-    ]
+    return completion(call_id, budget="team/run", reserved=1000, actual=5, usage=usage)
 
 
 async def test_a_guard_shaped_call_is_two_compact_records(tmp_path: Path) -> None:
@@ -461,7 +411,7 @@ async def test_a_guard_shaped_call_is_two_compact_records(tmp_path: Path) -> Non
     path = tmp_path / "l.db"
     async with Ledger.open(str(path)) as ledger:
         writer = await register(ledger, "w1", lease_s=60)
-        admitted = await ledger.admit(writer, _request())
+        admitted = await ledger.admit(writer, request(0))
         await ledger.record(writer, admitted.call_id, 1, _outcome(admitted.call_id))
     conn = sqlite3.connect(path)
     try:
@@ -475,13 +425,12 @@ async def test_a_guard_shaped_call_is_two_compact_records(tmp_path: Path) -> Non
             -3,
             '[[0,"openai","/v1/chat/completions","POST","gpt-x",null,"team/run","team",'
             '"at_most_once"],[1,1000],[2,1]]',
-            16,
-            bytes.fromhex(HASH),
+            2,
+            bytes.fromhex(request(0).request_hash),
         ),
         (
             -3,
-            '[[3,1,200,false,[3,3,3,3],null,{"content-type":"application/json"}],'
-            '[4,"team/run",1000,5],[5,"completed"]]',
+            '[[3,1,200,false,[3,3,3,3],null,{}],[4,"team/run",1000,5],[5,"completed"]]',
             2,
             None,
         ),
