@@ -8,9 +8,9 @@ rows it stored, and then times, in CPU seconds of this process:
 
 1. **storage**: replaying those rows into a fresh ledger file with the same schema,
    triggers and indexes and the store's own statements (per call: an admission and an
-   observation, each one ``executemany`` of its three events, one call upsert and one
-   budget-period upsert), ``--batch`` operations per transaction, WAL with
-   ``synchronous=FULL`` as the store runs it;
+   observation, each one ``executemany`` of its event rows (one record of three events
+   since format 4), one call upsert and one budget-period upsert), ``--batch``
+   operations per transaction, WAL with ``synchronous=FULL`` as the store runs it;
 2. **sealing**: the canonical JSON and SHA-256 chain digest of each of the call's six
    events, with the functions that define them.
 
@@ -33,7 +33,8 @@ from typing import Any
 from effectguard.ledger import Ledger
 from effectguard.ledger.queries import SQLITE, upsert
 from effectguard.ledger.rows import CALL_COLUMNS, MUTABLE_CALL_COLUMNS, NODE_COLUMNS
-from effectguard.ledger.sqliteevents import ALL_EVENTS, INSERT_COLUMNS, event_from_row
+from effectguard.ledger.sqliteevents import ALL_EVENTS, INSERT_COLUMNS
+from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.rules.events import stored_digest
 from effectguard_bench import ledgerbench, storagebench
 
@@ -42,7 +43,7 @@ _UPSERT_CALL = upsert(
     "calls", f"{CALL_COLUMNS}, last_seq", "?", (*MUTABLE_CALL_COLUMNS, "last_seq")
 ).rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
-_EVENTS_PER_OPERATION = 3
+_AT = 7  # the ``at`` column of INSERT_COLUMNS: an operation's rows share it
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +88,10 @@ def _source(path: Path, calls: int) -> tuple[list[_Call], tuple[Any, ...], list[
                 by_call.setdefault(row[2], []).append(row)
         call_rows = conn.execute(f"SELECT {CALL_COLUMNS}, last_seq FROM calls").fetchall()
         node = conn.execute(f"SELECT {NODE_COLUMNS} FROM budget_periods").fetchone()
-        stored = [event_from_row(r) for r in conn.execute(ALL_EVENTS)]
+        stored = [e for r in conn.execute(ALL_EVENTS) for e in events_from_row(r)]
     finally:
         conn.close()
-    keyed = {bytes.fromhex(r[0][5:]) if r[0].startswith("call_") else r[0]: r for r in call_rows}
+    keyed = {r[0]: r for r in call_rows}  # keyed as the events key them (sqlitecalls)
     built = [_Call(events, keyed[key]) for key, events in by_call.items() if key in keyed]
     return built, node, stored
 
@@ -111,7 +112,10 @@ def _operations(calls: list[_Call], node: tuple[Any, ...]) -> list[Callable[[Any
     """Each call's admission and observation, as the statements the store sends."""
     ops: list[Callable[[Any], None]] = []
     for call in calls:
-        for part in (call.events[:_EVENTS_PER_OPERATION], call.events[_EVENTS_PER_OPERATION:]):
+        parts: dict[Any, list[tuple[Any, ...]]] = {}
+        for row in call.events:
+            parts.setdefault(row[_AT], []).append(row)
+        for part in parts.values():
 
             def op(conn: Any, part: list[tuple[Any, ...]] = part, row: Any = call.row) -> None:
                 conn.executemany(_INSERT_EVENT, part)

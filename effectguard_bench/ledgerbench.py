@@ -10,6 +10,7 @@ many, which is where the throughput comes from.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -88,9 +89,11 @@ class LedgerResult:
 
 
 def admit_request(budget: str) -> AdmitRequest:
+    """A chat admission as the guard makes one: its request hash a SHA-256 in hex (each
+    call's its own), its endpoint ``at_most_once`` (what a billable endpoint declares)."""
     body = request_body(False).decode()
     return AdmitRequest(
-        request_hash=uuid.uuid4().hex,
+        request_hash=hashlib.sha256(uuid.uuid4().bytes).hexdigest(),
         provider="openai",
         endpoint="/v1/chat/completions",
         method="POST",
@@ -98,7 +101,7 @@ def admit_request(budget: str) -> AdmitRequest:
         idempotency_key=None,
         budget=budget,
         budget_root=budget.split("/", 1)[0],
-        effect_kind="billable",
+        effect_kind="at_most_once",
         body=body,
         body_encoding="utf8",
         stream=False,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.ledger import sqliteevents
+from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ops.cli import main as cli_main
 
 
@@ -41,7 +42,7 @@ def ledger_events(ledger: Path) -> list[dict[str, Any]]:
     read-only connection (so a test never takes a write lock the proxies need)."""
     conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     try:
-        rows = map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
+        rows = [e for r in conn.execute(sqliteevents.ALL_EVENTS) for e in events_from_row(r)]
         return [
             {
                 "seq": e.seq,
@@ -61,6 +62,7 @@ def call_stages(ledger: Path) -> dict[str, str]:
     """Every live call's stage in the SQLite ledger at ``ledger``, read-only."""
     conn = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     try:
-        return dict(conn.execute("SELECT call_id, stage FROM calls").fetchall())
+        rows = conn.execute("SELECT call_id, stage FROM calls").fetchall()
+        return {str(sqliteevents.call_from_key(key)): stage for key, stage in rows}
     finally:
         conn.close()

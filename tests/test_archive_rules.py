@@ -20,7 +20,7 @@ from observing import call_stages
 from test_archive import CHAT, archive, chat, cli, send_chats
 from test_verify import R, request
 
-from effectguard.ledger import Ledger, Writer, operations
+from effectguard.ledger import Ledger, Writer, operations, sqliteevents
 from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
@@ -160,7 +160,10 @@ def test_tampering_with_the_live_checkpoint_is_named(
             )
         else:
             conn.execute("DELETE FROM events WHERE seq = ?", (mark,))
-        first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
+        # The first event of the first row (which may be a record: ledger/sqliterecords).
+        first = conn.execute(
+            f"SELECT {sqliteevents.first_seq()} FROM events e ORDER BY seq LIMIT 1"
+        ).fetchone()[0]
     finally:
         conn.close()
     code, report = cli(capsys, "verify", "--ledger", str(ledger))

@@ -17,6 +17,7 @@ import pytest
 from pgkit import scratch_schema
 
 from effectguard.ledger import Ledger
+from effectguard.ledger.sqliteevents import ROW_EVENTS
 from effectguard.ops.cli import main
 from effectguard.ops.verify import verify_ledger
 from effectguard_bench import floorbench
@@ -195,7 +196,9 @@ def test_floorbench_replays_every_row_the_ledger_stored(tmp_path: Path) -> None:
     def counts(name: str) -> tuple[int, int]:
         conn = sqlite3.connect(tmp_path / name)
         try:
-            events = conn.execute("SELECT count(*) FROM events WHERE call_id IS NOT NULL")
+            events = conn.execute(  # a row may hold an operation's events (sqliterecords)
+                f"SELECT sum({ROW_EVENTS}) FROM events e WHERE call_id IS NOT NULL"
+            )
             calls = conn.execute("SELECT count(*) FROM calls")
             return events.fetchone()[0], calls.fetchone()[0]
         finally:

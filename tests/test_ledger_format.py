@@ -29,7 +29,7 @@ from effectguard.ops.archive import archive_sqlite
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import AttemptObserved, StoredEvent
 from effectguard.rules.events import canonical_json as canonical
-from effectguard.rules.workstate import as_dict
+from effectguard.rules.workstate import WorkState, as_dict
 
 CALL = "call_01a22fe8e4d874a06ea864a3ee239aa9"
 #: One format-2 row as SELECT_COLUMNS reads it: the call id's 16 bytes, raw digests, the
@@ -102,7 +102,8 @@ def test_format_3_row_encodes_from_the_pinned_event() -> None:
     """Writing the pinned event gives the pinned row: the kind's code, the worker's id,
     the head's link left to derive, and the link to the call's previous event."""
     stored = sqliteevents.event_from_row(ROW)
-    assert sqliteevents.event_params(stored, 4, 2) == (*ROW_3[:5], 2, *ROW_3[6:8], None, ROW[9], 4)
+    row = (*ROW_3[:5], 2, *ROW_3[6:8], None, ROW[9], 4, None)  # no request hash: not a record
+    assert sqliteevents.event_params(stored, 4, 2) == row
     assert sqliteevents.event_params(stored)[5] == "w1"  # no id given: the name itself
 
 
@@ -187,8 +188,9 @@ def test_split_then_join_gives_back_the_same_data(
     assert sqliteevents.join(kind, data_json, blob, column) == data
 
 
-def _format_1(path: Path, events: list[StoredEvent]) -> None:
-    """Rewrite the ledger's events table as format 1 (migration 5) wrote it."""
+def _format_1(path: Path, events: list[StoredEvent], states: list[WorkState]) -> None:
+    """Rewrite the ledger's events table as format 1 (migration 5) wrote it, and its calls
+    table as migration 7 made it."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         conn.execute("BEGIN")
@@ -203,11 +205,11 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
             "CREATE INDEX events_call ON events(call_id, seq) WHERE call_id IS NOT NULL",
             "CREATE INDEX events_limits ON events(seq) WHERE kind = 'budget.limit_set'",
             _ARCHIVED_THROUGH_TRIGGER,
-            "DELETE FROM migrations WHERE version IN (6, 10, 11)",
-            "ALTER TABLE calls DROP COLUMN last_seq",
+            "DELETE FROM migrations WHERE version IN (6, 10, 11, 13)",
             "DROP TABLE worker_names",
         ):
             conn.execute(sql)
+        _calls_before_14(conn, states, {})
         marks = ", ".join("?" * 9)
         conn.executemany(
             f"INSERT INTO events({EVENT_COLUMNS}) VALUES ({marks})",
@@ -216,6 +218,35 @@ def _format_1(path: Path, events: list[StoredEvent]) -> None:
         conn.execute("COMMIT")
     finally:
         conn.close()
+
+
+def _calls_before_14(
+    conn: sqlite3.Connection, states: list[WorkState], last_seq: dict[str, int]
+) -> None:
+    """The calls table as migration 14 found it: text keys, hashes and workers, every
+    state kept (``last_seq``: each call's last event, where migration 10 has run)."""
+    linked = ", last_seq INTEGER" if last_seq else ""
+    conn.execute("DROP TABLE calls")
+    conn.execute(
+        f"""CREATE TABLE calls (
+            call_id TEXT PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
+            budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
+            provider TEXT NOT NULL, created_at REAL NOT NULL, worker TEXT NOT NULL,
+            state TEXT NOT NULL{linked}) WITHOUT ROWID"""
+    )
+    conn.execute(
+        """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
+        WHERE idempotency_key IS NOT NULL"""
+    )
+    conn.execute(
+        """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
+        WHERE stage IN ('in_flight', 'effect_unknown')"""
+    )
+    for state in states:
+        link = (last_seq[state.call_id],) if last_seq else ()
+        marks = ", ".join("?" * (10 + len(link)))
+        conn.execute(f"INSERT INTO calls VALUES ({marks})", (*state_params(state), *link))
+    conn.execute("DELETE FROM migrations WHERE version = 14")
 
 
 def admit_request(n: int) -> AdmitRequest:
@@ -251,6 +282,17 @@ async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:
         await ledger.record(writer, admitted.call_id, 1, outcome)
 
 
+async def _archived_once(path: Path) -> tuple[Writer, list[StoredEvent], list[WorkState]]:
+    """Three calls archived, two more live: the writer, the live events and call states."""
+    async with Ledger.open(str(path)) as ledger:
+        writer = await register(ledger, "w1", lease_s=60)
+        await _calls(ledger, writer, range(3))
+    archive_sqlite(str(path), before=2e9, out=path.with_name("a.jsonl.gz"))
+    async with Ledger.open(str(path)) as ledger:
+        await _calls(ledger, writer, range(3, 5))
+        return writer, await ledger.store.events_after(0, 1000), await ledger.calls(limit=1000)
+
+
 async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     tmp_path: Path,
 ) -> None:
@@ -258,14 +300,8 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
     one) is converted on open: the same events read back, verify passes, and only the
     link that cannot be derived is stored."""
     path = tmp_path / "ledger.db"
-    async with Ledger.open(str(path)) as ledger:
-        writer = await register(ledger, "w1", lease_s=60)
-        await _calls(ledger, writer, range(3))
-    archive_sqlite(str(path), before=2e9, out=tmp_path / "a.jsonl.gz")
-    async with Ledger.open(str(path)) as ledger:
-        await _calls(ledger, writer, range(3, 5))
-        before = await ledger.store.events_after(0, 1000)
-    _format_1(path, before)
+    _, before, states = await _archived_once(path)
+    _format_1(path, before, states)
 
     async with Ledger.open(str(path)) as ledger:
         after = await ledger.store.events_after(0, 1000)
@@ -289,13 +325,13 @@ async def test_a_format_1_ledger_with_an_archive_cut_upgrades_and_verifies(
 
 
 @pytest.mark.parametrize("older", ["object", "all fields"])
-async def test_a_call_state_is_stored_positionally_and_older_forms_read_the_same(
+async def test_an_unresolved_calls_state_is_kept_positionally_and_older_forms_read_the_same(
     tmp_path: Path, older: str
 ) -> None:
-    """The SQLite store writes a call's state as the array of rows.SLIM_FIELDS (the
-    other fields are the row's columns); a state stored as an object, or as the array
-    of all STATE_FIELDS (both as before), reads as the same state and counts the same
-    held, in every read (the reader's and the writer's)."""
+    """The SQLite store keeps an unresolved call's state as the array of rows.SLIM_FIELDS
+    (the other fields are the row's columns); a state stored as an object, or as the
+    array of all STATE_FIELDS (both as before), reads as the same state and counts the
+    same held, in every read (the reader's and the writer's)."""
     path = tmp_path / "ledger.db"
     async with Ledger.open(str(path)) as ledger:
         writer = await register(ledger, "w1", lease_s=60)
@@ -311,13 +347,12 @@ async def test_a_call_state_is_stored_positionally_and_older_forms_read_the_same
         "object": state_params(positional)[-1],
         "all fields": json.dumps([fields[f] for f in STATE_FIELDS]),
     }[older]
+    key = sqliteevents.call_key(unknown.call_id)
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        (text,) = conn.execute(
-            "SELECT state FROM calls WHERE call_id = ?", (unknown.call_id,)
-        ).fetchone()
+        (text,) = conn.execute("SELECT state FROM calls WHERE call_id = ?", (key,)).fetchone()
         assert json.loads(text) == [fields[f] for f in SLIM_FIELDS]
-        conn.execute("UPDATE calls SET state = ? WHERE call_id = ?", (stored, unknown.call_id))
+        conn.execute("UPDATE calls SET state = ? WHERE call_id = ?", (stored, key))
     finally:
         conn.close()
     async with Ledger.open(str(path)) as ledger:
@@ -332,3 +367,82 @@ async def test_a_call_state_is_stored_positionally_and_older_forms_read_the_same
     assert report.ok, report.problems
     assert after.ok, after.problems
     assert settled is not None and settled.stage != "effect_unknown" and settled.held == 0
+
+
+def _format_3(path: Path, events: list[StoredEvent], states: list[WorkState]) -> None:
+    """Rewrite the ledger's events as format 3 (migration 12) stored them: one row per
+    event, kinds and workers coded, the call's previous event linked, no hash column;
+    and its calls as they were before migration 14 (text keys, every state kept)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN")
+        conn.execute("DROP TRIGGER events_no_delete")
+        conn.execute("DELETE FROM events")
+        conn.execute("ALTER TABLE events DROP COLUMN hash")
+        conn.execute("DELETE FROM migrations WHERE version = 13")
+        workers = dict(conn.execute("SELECT name, id FROM worker_names"))
+        tails: dict[str | None, int] = {}
+        rows = []
+        for e in events:
+            rows.append(
+                sqliteevents.event_params(e, tails.get(e.call_id), workers.get(e.worker))[:11]
+            )
+            if e.call_id is not None:
+                tails[e.call_id] = e.seq
+        columns = sqliteevents.INSERT_COLUMNS.rsplit(",", 1)[0]
+        conn.executemany(f"INSERT INTO events({columns}) VALUES ({', '.join('?' * 11)})", rows)
+        _calls_before_14(conn, states, {c: s for c, s in tails.items() if c is not None})
+        conn.execute(
+            """CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+            WHEN OLD.seq > coalesce((SELECT value FROM meta WHERE key = 'archived_through'), 0)
+            BEGIN SELECT RAISE(ABORT, 'events are append-only'); END"""
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+async def test_a_format_3_ledger_upgrades_in_place_and_verifies(tmp_path: Path) -> None:
+    """A format-3 ledger (one row per event; here with an archive cut) is upgraded by
+    adding a column, not by copying: its rows read as the same events, verify passes,
+    new operations are stored as records beside them, and verify still passes."""
+    path = tmp_path / "ledger.db"
+    writer, before, states = await _archived_once(path)
+    _format_3(path, before, states)
+    conn = sqlite3.connect(path)
+    rows_before = conn.execute("SELECT count(*) FROM events").fetchone()[0]
+    conn.close()
+    assert rows_before == len(before)
+
+    async with Ledger.open(str(path)) as ledger:
+        assert await ledger.store.events_after(0, 1000) == before
+        upgraded = await verify_ledger(ledger)
+        await _calls(ledger, writer, range(5, 7))
+        after = await ledger.store.events_after(0, 1000)
+        calls = {e.call_id for e in after if e.call_id is not None}
+        found = {c: await ledger.store.call_events(c) for c in calls}
+        report = await verify_ledger(ledger)
+    assert upgraded.ok, upgraded.problems
+    assert report.ok, report.problems
+    assert after[: len(before)] == before
+    assert found == {c: [e for e in after if e.call_id == c] for c in calls}
+    conn = sqlite3.connect(path)
+    try:
+        kinds = [
+            k for (k,) in conn.execute("SELECT kind FROM events WHERE seq > ?", (before[-1].seq,))
+        ]
+    finally:
+        conn.close()
+    # The two new calls: an admission and an observation each, three events a row.
+    assert kinds == [-3, -3, -3, -3]
+    # Migration 14 copied the call rows (keys as bytes, each old state kept as it was);
+    # the new calls, resolved, keep none.
+    conn = sqlite3.connect(path)
+    try:
+        stored = conn.execute("SELECT call_id, state FROM calls").fetchall()
+    finally:
+        conn.close()
+    kept = {sqliteevents.call_from_key(k): (type(k), text) for k, text in stored}
+    old = {s.call_id: (bytes, state_params(s)[-1]) for s in states}
+    assert {c: kept[c] for c in old} == old
+    assert [text for c, (_, text) in kept.items() if c not in old] == [None, None]

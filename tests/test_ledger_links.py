@@ -99,7 +99,8 @@ async def test_verify_names_an_event_linked_to_the_wrong_previous_event(tmp_path
 async def test_verify_names_a_call_row_that_misnames_its_last_event(tmp_path: Path) -> None:
     path = tmp_path / "l.db"
     ids = await _interleaved(path)
-    _tamper(path, "UPDATE calls SET last_seq = last_seq - 1 WHERE call_id = ?", (ids[2],))
+    key = sqliteevents.call_key(ids[2])
+    _tamper(path, "UPDATE calls SET last_seq = last_seq - 1 WHERE call_id = ?", (key,))
     async with Ledger.open(str(path)) as ledger:
         report = await verify_ledger(ledger)
     assert [p for p in report.problems if p.startswith(f"call {ids[2]}: its row names")], (
@@ -116,7 +117,7 @@ def test_the_link_cache_never_drops_a_tail_inside_a_transaction() -> None:
     conn.executemany("INSERT INTO calls VALUES (?, ?)", [("x", 3), ("y", 5)])
     links = sqlitelinks.RowLinks(conn, size=1)
     assert links.tail("x") == 3
-    links.tails["x"] = 7  # what event_params records for x's new event, before its row
+    links.tails["x"] = 7  # what add() records for x's new event, before its row
     assert links.tail("y") == 5  # a miss while the cache is full
     assert links.tail("x") == 7
     links.trim()  # between transactions the cache is bounded again

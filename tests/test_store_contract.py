@@ -870,6 +870,30 @@ async def test_refused_state_is_not_found_by_key(ledger: Ledger, w1: Writer, ns:
     assert state.stage == "in_flight"
 
 
+async def test_calls_are_listed_by_provider_and_creation_time(
+    ledger: Ledger, w1: Writer, ns: str, lapse: Callable[[float], Awaitable[None]]
+) -> None:
+    """Listing by provider and by creation time (at or after a moment) selects in the
+    store, resolved and unresolved calls alike (SQLite lists calls made in the same
+    millisecond in any order: compared as sets)."""
+    first = await admit_ok(ledger, w1, req(ns))
+    await ledger.record(w1, first.call_id, 1, completion(first.call_id, f"{ns}/run", 5))
+    await lapse(0.05)
+    moment = await ledger.store.clock_now()
+    other = await admit_ok(ledger, w1, dataclasses.replace(req(ns), provider="anthropic"))
+    last = await admit_ok(ledger, w1, req(ns))
+    await ledger.record(w1, last.call_id, 1, completion(last.call_id, f"{ns}/run", 6))
+
+    def ids(calls: list[WorkState]) -> set[str]:
+        return {c.call_id for c in calls}
+
+    assert ids(await ledger.calls(budget=ns, provider="openai")) == {last.call_id, first.call_id}
+    assert ids(await ledger.calls(budget=ns, provider="anthropic")) == {other.call_id}
+    assert ids(await ledger.calls(budget=ns, since=moment)) == {last.call_id, other.call_id}
+    recent = await ledger.calls(budget=ns, provider="openai", since=moment, limit=5)
+    assert ids(recent) == {last.call_id} and recent[0].cost == 6
+
+
 class WriteBetweenReads:
     """A store wrapper that lets one write commit between verify's event scan and its counter read.
 

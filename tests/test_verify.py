@@ -5,15 +5,25 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from eventkit import completion
 
-from effectguard.ledger import AdmitRequest, Ledger, Writer, operations, sqliteevents
-from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS, state_params
+from effectguard.errors import LedgerCorrupt
+from effectguard.ledger import (
+    AdmitRequest,
+    Ledger,
+    Writer,
+    operations,
+    sqlitecalls,
+    sqliteevents,
+    sqliterecords,
+)
+from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS
+from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
 from effectguard.rules.events import (
@@ -113,15 +123,38 @@ def state_path(field: str) -> str:
     return f"$[{SLIM_FIELDS.index(field)}]"
 
 
-def seq_of(path: Path, call_id: str, kind: str) -> int:
-    """The sequence number of ``call_id``'s event of ``kind``."""
+def stored_of(path: Path, call_id: str, kind: str) -> StoredEvent:
+    """``call_id``'s event of ``kind`` as the store reads it (with the record it is in)."""
     with raw(path) as conn:
-        row = conn.execute(
-            "SELECT seq FROM events WHERE call_id = ? AND kind = ?",
-            (sqliteevents.call_key(call_id), sqliteevents.KIND_CODES.get(kind, kind)),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+        rows = conn.execute(
+            f"SELECT {sqliteevents.SELECT_COLUMNS} FROM events e WHERE e.call_id = ? "
+            "ORDER BY e.seq",
+            (sqliteevents.call_key(call_id),),
+        ).fetchall()
+    found = [e for row in rows for e in events_from_row(row) if e.kind == kind]
+    assert found, f"no {kind} of {call_id}"
+    return found[0]
+
+
+def record_of(path: Path, call_id: str, kind: str) -> tuple[int, int]:
+    """The first and last seq of the stored record holding ``call_id``'s ``kind`` event."""
+    record = stored_of(path, call_id, kind).record
+    assert record is not None, f"{kind} of {call_id} is a row of its own"
+    return record
+
+
+def record_problem(first: int, last: int) -> str:
+    """What verify says of a record whose content does not match its digest."""
+    return (
+        f"events {first}..{last} (one stored record, sealed by event {last}'s digest): their "
+        "content does not match that digest; one of these events, or the digest, was "
+        "changed (the record cannot tell which event)"
+    )
+
+
+def key(call_id: str) -> tuple[bytes | str]:
+    """The parameters naming ``call_id``'s row (the calls table keys a call by its bytes)."""
+    return (sqliteevents.call_key(call_id),)
 
 
 async def verify(path: Path) -> VerifyReport:
@@ -147,76 +180,150 @@ async def test_verify_pages_through_the_whole_chain(built: Built) -> None:
     assert report.events == built.events
 
 
+#: Edits of one event's data, each stored back into its record without resealing it.
+EDITS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
+    ("call.manifest", lambda data: data | {"body": "something else"}),
+    ("budget.reserved", lambda data: data | {"amount": 999999}),
+    ("attempt.started", lambda data: data | {"attempt": 2}),
+    ("attempt.observed", lambda data: data | {"status": 500}),
+    ("budget.settled", lambda data: data | {"actual": 1}),
+    ("call.completed", lambda data: data | {"outcome": "failed"}),
+]
+
+
+def edit_in_record(path: Path, call_id: str, kind: str, edit: Callable[..., Any]) -> None:
+    """Store ``call_id``'s ``kind`` event edited by ``edit`` back in its record, the
+    record's other events and its digest as they were."""
+    _, last = record_of(path, call_id, kind)
+    with raw(path) as conn:
+        conn.execute("DROP TRIGGER events_no_update")
+        row = conn.execute(
+            f"SELECT {sqliteevents.SELECT_COLUMNS} FROM events e WHERE e.seq = ?", (last,)
+        ).fetchone()
+        run = [replace(e, data=edit(e.data)) if e.kind == kind else e for e in events_from_row(row)]
+        params = sqliterecords.record_params(run, None, None)
+        conn.execute(
+            "UPDATE events SET data = ?, body = ?, hash = ? WHERE seq = ?",
+            (params[3], params[4], params[11], last),
+        )
+
+
+@pytest.mark.parametrize(("kind", "edit"), EDITS)
+async def test_an_edited_event_inside_a_record_names_the_records_events(
+    built: Built, kind: str, edit: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    """An event edited inside a stored record (any of an admission's or an observation's)
+    no longer reaches the one digest the record keeps: verify names the record's events,
+    first to last, and says it cannot tell which of them was edited."""
+    first, last = record_of(built.path, built.completed, kind)
+    edit_in_record(built.path, built.completed, kind, edit)
+    report = await verify(built.path)
+    assert not report.ok
+    assert record_problem(first, last) in report.problems
+    assert report.first_broken_seq is not None and first <= report.first_broken_seq <= last
+
+
 @pytest.mark.parametrize(
     ("kind", "edit"),
     [
-        # Positions are sqliteevents.FIELDS': budget.reserved's amount, observed's status.
-        ("budget.reserved", "data = json_set(data, '$[1]', 999999)"),
-        ("call.manifest", "body = CAST('something else' AS BLOB)"),
-        ("attempt.observed", "data = json_set(data, '$[1]', 500)"),
-        ("attempt.observed", "data = '{\"status\": 200}'"),
+        ("budget.reserved", "data = json_set(data, '$[1][1]', 999999)"),  # a compact amount
+        ("attempt.observed", "digest = randomblob(32)"),  # the record's one digest
     ],
 )
-async def test_edited_payload_is_named(built: Built, kind: str, edit: str) -> None:
-    """An edited event payload (its data, or its body) breaks its digest; that event is
-    the first one named."""
-    seq = seq_of(built.path, built.completed, kind)
+async def test_an_edit_of_a_records_row_names_the_records_events(
+    built: Built, kind: str, edit: str
+) -> None:
+    """The same for an edit made in SQL (a compact item's value, [code, values...]; the
+    stored digest itself): the record's events are named, at its last."""
+    first, last = record_of(built.path, built.completed, kind)
     with raw(built.path) as conn:
         conn.execute("DROP TRIGGER events_no_update")
-        conn.execute(f"UPDATE events SET {edit} WHERE seq = ?", (seq,))
+        conn.execute(f"UPDATE events SET {edit} WHERE seq = ?", (last,))
     report = await verify(built.path)
-    assert not report.ok
+    assert report.first_broken_seq == last
+    assert report.problems[0] == record_problem(first, last)
+
+
+async def test_a_body_no_event_of_its_record_takes_is_refused(built: Built) -> None:
+    """A body put into a record's row where none of its events takes one (here beside an
+    admission whose manifest keeps its body in its data) is not silently ignored: the
+    record does not read, and verify says which."""
+    first, last = record_of(built.path, built.completed, "call.manifest")
+    with raw(built.path) as conn:
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("UPDATE events SET body = x'00' WHERE seq = ?", (last,))
+    with pytest.raises(LedgerCorrupt, match=f"events {first}..{last}"):
+        await verify(built.path)
+
+
+async def test_an_edited_event_of_its_own_row_is_named(built: Built) -> None:
+    """An event stored in a row of its own (here the limit an operator set) is named alone."""
+    with raw(built.path) as conn:
+        (seq,) = conn.execute("SELECT seq FROM events WHERE kind = 'budget.limit_set'").fetchone()
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("UPDATE events SET data = json_set(data, '$[1]', 5) WHERE seq = ?", (seq,))
+    report = await verify(built.path)
     assert report.first_broken_seq == seq
     assert report.problems[0] == f"event {seq}: digest does not match its content"
 
 
 async def test_resealed_edit_is_caught_by_the_next_link(built: Built) -> None:
-    """An edit whose digest is recomputed still breaks its successor, whose digest covers the
-    predecessor's original digest (SQLite derives the link from the row before, so it is
-    the successor's own digest that no longer matches)."""
-    seq = seq_of(built.path, built.completed, "call.manifest")
+    """An edit whose record is resealed (every digest in it recomputed, the last stored)
+    still breaks the next row, whose digests cover the record's original digest (SQLite
+    derives the link from the row before, so it is the next record's own digest that no
+    longer matches)."""
+    _, last = record_of(built.path, built.completed, "call.manifest")
     with raw(built.path) as conn:
         conn.execute("DROP TRIGGER events_no_update")
-        old = sqliteevents.event_from_row(
-            conn.execute(
-                f"SELECT {sqliteevents.SELECT_COLUMNS} FROM events e WHERE e.seq = ?", (seq,)
-            ).fetchone()
-        )
-        payload = old.data | {"body": "forged"}
-        digest = event_digest(
-            seq=seq,
-            kind=old.kind,
-            call_id=old.call_id,
-            data_json=canonical_json(payload),
-            worker=old.worker,
-            generation=old.generation,
-            at=old.at,
-            prev_digest=old.prev_digest,
-        )
-        data_json, body = sqliteevents.split(old.kind, payload, old.call_id)
+        row = conn.execute(
+            f"SELECT {sqliteevents.SELECT_COLUMNS} FROM events e WHERE e.seq = ?", (last,)
+        ).fetchone()
+        prev, forged = "", []
+        for old in events_from_row(row):
+            data = old.data | {"body": "forged"} if old.kind == "call.manifest" else old.data
+            prev = prev or old.prev_digest
+            forged.append(replace(old, data=data, prev_digest=prev, digest=sealed(old, data, prev)))
+            prev = forged[-1].digest
+        params = sqliterecords.record_params(forged, None, None)
         conn.execute(
             "UPDATE events SET data = ?, body = ?, digest = ? WHERE seq = ?",
-            (data_json, body, bytes.fromhex(digest), seq),
+            (params[3], params[4], params[9], last),
         )
+    after = record_of(built.path, built.completed, "attempt.observed")
     report = await verify(built.path)
     assert not report.ok
-    assert report.first_broken_seq == seq + 1
-    assert report.problems[0] == f"event {seq + 1}: digest does not match its content"
+    assert report.first_broken_seq == after[1] == after[0] + 2 and after[0] == last + 1
+    assert report.problems[0] == record_problem(*after)
+
+
+def sealed(old: StoredEvent, data: dict[str, Any], prev: str) -> str:
+    """``old``'s digest with ``data`` and predecessor ``prev``, as a forger computes it."""
+    return event_digest(
+        seq=old.seq,
+        kind=old.kind,
+        call_id=old.call_id,
+        data_json=canonical_json(data),
+        worker=old.worker,
+        generation=old.generation,
+        at=old.at,
+        prev_digest=prev,
+    )
 
 
 async def test_deleted_event_is_named(built: Built) -> None:
-    """A deleted event leaves a gap; the event after it is named and the missing number given."""
-    seq = seq_of(built.path, built.reconciled, "attempt.started")
+    """A deleted row (here an admission's record) leaves a gap; the event after it is named
+    and the first missing number given."""
+    first, last = record_of(built.path, built.reconciled, "attempt.started")
     with raw(built.path) as conn:
         conn.execute("DROP TRIGGER events_no_delete")
-        conn.execute("DELETE FROM events WHERE seq = ?", (seq,))
+        conn.execute("DELETE FROM events WHERE seq = ?", (last,))
     report = await verify(built.path)
     assert not report.ok
-    assert report.first_broken_seq == seq + 1
+    assert report.first_broken_seq == last + 1
     assert report.problems[0] == (
-        f"event {seq + 1}: expected sequence number {seq} (an event is missing)"
+        f"event {last + 1}: expected sequence number {first} (an event is missing)"
     )
-    assert f"event {seq + 1}: predecessor digest does not match" in report.problems
+    assert f"event {last + 1}: predecessor digest does not match" in report.problems
 
 
 async def test_deleted_last_event_shows_in_the_call_state(built: Built) -> None:
@@ -272,7 +379,7 @@ async def test_call_state_disagreeing_with_events_is_named(built: Built) -> None
     """A call row whose stored state is not the projection of its events is reported by id."""
     with raw(built.path) as conn:
         # A state's stage is its row's stage column (rows.COLUMN_FIELDS).
-        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", (built.in_flight,))
+        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", key(built.in_flight))
     report = await verify(built.path)
     assert not report.ok
     assert (
@@ -283,30 +390,47 @@ async def test_call_state_disagreeing_with_events_is_named(built: Built) -> None
 
 
 async def test_call_state_money_disagreeing_is_named(built: Built) -> None:
-    """A call whose stored cost differs from its events is reported (not only its stage)."""
+    """A call whose kept state's money differs from its events is reported (not only its
+    stage); so is a state put into the row of a resolved call, which keeps none."""
     with raw(built.path) as conn:
         conn.execute(
             "UPDATE calls SET state = json_set(state, ?, 1) WHERE call_id = ?",
-            (state_path("cost"), built.completed),
+            (state_path("reserved"), *key(built.in_flight)),
         )
+        (kept,) = conn.execute(
+            "SELECT state FROM calls WHERE call_id = ?", key(built.in_flight)
+        ).fetchone()
+        conn.execute("UPDATE calls SET state = ? WHERE call_id = ?", (kept, *key(built.completed)))
     report = await verify(built.path)
     assert not report.ok
-    assert any(built.completed in p for p in report.problems)
+    assert [p for p in report.problems if p.startswith(f"call {built.in_flight}: stored state")]
+    assert [p for p in report.problems if p.startswith(f"call {built.completed}: stored state")]
+
+
+async def test_an_unresolved_call_whose_row_keeps_no_state_is_named(built: Built) -> None:
+    """An in-flight call's row must keep its state (the sweeper, the retry lookup and the
+    metrics read it there): a row without one is named."""
+    with raw(built.path) as conn:
+        conn.execute("UPDATE calls SET state = NULL WHERE call_id = ?", key(built.in_flight))
+    report = await verify(built.path)
+    assert [p for p in report.problems if p.startswith(f"call {built.in_flight}: in_flight, yet")]
 
 
 async def test_deleted_call_row_is_named(built: Built) -> None:
     """A call whose row is gone is reported."""
     with raw(built.path) as conn:
-        conn.execute("DELETE FROM calls WHERE call_id = ?", (built.reconciled,))
+        conn.execute("DELETE FROM calls WHERE call_id = ?", key(built.reconciled))
     report = await verify(built.path)
     assert not report.ok
     assert any(built.reconciled in p for p in report.problems)
 
 
 async def test_stage_column_disagreeing_with_events_is_named(built: Built) -> None:
-    """A calls.stage column that disagrees with the events is reported, since queries use it."""
+    """A calls.stage column that disagrees with the events is reported, since queries use it
+    (a resolved call's too, whose row keeps no state)."""
     with raw(built.path) as conn:
-        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", (built.in_flight,))
+        conn.execute("UPDATE calls SET stage = 'completed' WHERE call_id = ?", key(built.in_flight))
+        conn.execute("UPDATE calls SET stage = 'failed' WHERE call_id = ?", key(built.completed))
     report = await verify(built.path)
     assert not report.ok
     assert any(built.in_flight in p for p in report.problems)
@@ -334,7 +458,8 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
         conn.execute("DROP TRIGGER events_no_delete")
         rows = [
             Row(e.kind, e.call_id, e.data, e.worker, e.generation, e.at)
-            for e in map(sqliteevents.event_from_row, conn.execute(sqliteevents.ALL_EVENTS))
+            for row in conn.execute(sqliteevents.ALL_EVENTS)
+            for e in events_from_row(row)
         ]
         conn.execute("DELETE FROM events")
         prev, chain = "0" * 64, []
@@ -377,9 +502,14 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 per_call.setdefault(stored.call_id, []).append(stored.event)
         conn.execute("DELETE FROM calls")
         for call_id, events in per_call.items():
+            state = work_state(events)
+            conn.execute("INSERT OR IGNORE INTO worker_names(name) VALUES (?)", (state.worker,))
+            (worker,) = conn.execute(
+                "SELECT id FROM worker_names WHERE name = ?", (state.worker,)
+            ).fetchone()
             conn.execute(
                 f"INSERT INTO calls ({CALL_COLUMNS}, last_seq) VALUES ({', '.join('?' * 11)})",
-                (*state_params(work_state(events)), tails[call_id]),
+                (*sqlitecalls.call_params(state, worker), tails[call_id]),
             )
         conn.execute("DELETE FROM budget_periods")
         for node in budget_fold(s.event for s in chain).nodes.values():

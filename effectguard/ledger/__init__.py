@@ -213,10 +213,17 @@ class Ledger:
         return await self.store.body_size(call_id)
 
     async def calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
-        """Calls, newest first, optionally filtered by stage and budget subtree."""
-        return await self.store.list_calls(stage, budget, limit)
+        """Calls, newest first, optionally filtered by stage, budget subtree, provider and
+        creation time (at or after ``since``, seconds since the epoch)."""
+        return await self.store.list_calls(stage, budget, limit, provider=provider, since=since)
 
     async def policies(self) -> dict[str, BudgetPolicy]:
         """Every declared budget policy, by path."""

@@ -213,9 +213,22 @@ class LedgerStore(Protocol):
         ...
 
     async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
-        """Calls (newest first), optionally by stage and budget subtree."""
+        """Calls (newest first), optionally by stage, budget subtree, provider and
+        creation time (at or after ``since``)."""
+        ...
+
+    async def kept_states(self) -> list[WorkState]:
+        """Every call state the store keeps in its calls' rows, for ``verify`` (SQLite
+        keeps a call's state only while it is unresolved and folds it from the events on
+        read after that; the other stores keep every call's)."""
         ...
 
     async def lookup_problems(self) -> list[tuple[int, str]]:

@@ -258,11 +258,21 @@ class MemoryStore:
         with self.tables.lock:
             return [e for e in self.tables.events if e.call_id == call_id]
 
+    async def kept_states(self) -> list[WorkState]:
+        with self.tables.lock:
+            return list(self.tables.calls.values())
+
     async def lookup_problems(self) -> list[tuple[int, str]]:
         return []  # a call's events are found by scanning them: nothing to disagree
 
     async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
         with self.tables.lock:
             calls = [
@@ -270,6 +280,8 @@ class MemoryStore:
                 for s in self.tables.calls.values()
                 if (stage is None or s.stage == stage)
                 and (budget is None or budgets.is_under(s.budget, budget))
+                and (provider is None or s.provider == provider)
+                and (since is None or s.created_at >= since)
             ]
         calls.sort(key=lambda s: s.created_at, reverse=True)
         return calls[:limit]

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from effectguard.ledger import sqliteevents
+from effectguard.ledger import sqlitecalls, sqliteevents
 from effectguard.ledger.rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -28,7 +28,6 @@ from effectguard.ledger.rows import (
     POLICY_COLUMNS,
     SLIM_FIELDS,
     STATE_FIELDS,
-    STATE_READ,
     WINDOW_COLUMNS,
     WORKER_COLUMNS,
     names,
@@ -118,7 +117,10 @@ class Queries:
     with, and ``held`` the expression reading a call's held amount from its JSON.
     ``newest_first`` orders :meth:`list_calls` (SQLite: by call id, which starts with
     the time in ms, so the table's own key serves it and no index is written);
-    ``state`` is what a read of a call state selects (SQLite: ``rows.STATE_READ``).
+    ``state`` is what a read of a call state selects (SQLite: ``sqlitecalls.CALL_READ``)
+    and ``index`` what a read of every call's indexed columns selects. Parameters that
+    name a call, a request hash or a worker are the store's own forms of them (SQLite:
+    bytes and ids, ledger/sqlitecalls).
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class Queries:
         event_insert: str = EVENT_COLUMNS,
         newest_first: str = "created_at DESC",
         state: str = "state",
+        index: str = INDEX_COLUMNS,
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -162,7 +165,7 @@ class Queries:
         self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
-        self.call_columns = f"SELECT {INDEX_COLUMNS} FROM calls"
+        self.call_columns = f"SELECT {index} FROM calls"
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         #: Served by the partial index ``events_limits`` (the literal must match it).
@@ -172,8 +175,7 @@ class Queries:
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
-        )
-        # -- writes
+        )  # the writes:
         self.insert_events = upsert("events", event_insert, m, None)
         self.upsert_calls = upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
         self.upsert_nodes = upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
@@ -194,15 +196,27 @@ class Queries:
         return [path, escaped + "/%"]
 
     def list_calls(
-        self, stage: str | None, budget: str | None, limit: int
+        self,
+        stage: str | None,
+        budget: str | None,
+        limit: int,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> tuple[str, list[Any]]:
         """The SQL and parameters listing calls, newest first.
 
         ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
+        ``provider`` and ``since`` (a creation time) filter on the rows' columns, so that a
+        store that folds a call's state on read folds only the calls it lists.
         """
         m = self.mark
         where: list[str] = []
         params: list[Any] = []
+        for column, value in (("provider =", provider), ("created_at >=", since)):
+            if value is not None:
+                where.append(f"{column} {m}")
+                params.append(value)
         order = self.newest_first
         if stage is not None:
             if stage in UNRESOLVED:
@@ -230,7 +244,8 @@ SQLITE = Queries(
     f"WHEN {len(STATE_FIELDS)} THEN json_extract(state, '$[{STATE_FIELDS.index('held')}]') "
     f"WHEN {len(SLIM_FIELDS)} THEN json_extract(state, '$[{SLIM_FIELDS.index('held')}]') END, "
     "json_extract(state, '$.held'))",
-    state=STATE_READ,
+    state=sqlitecalls.CALL_READ,
+    index=sqlitecalls.INDEX_READ,
     event_columns=sqliteevents.SELECT_COLUMNS,
     event_insert=sqliteevents.INSERT_COLUMNS,
     # Call ids made since new_call_id put the time first (ledger/operations.py, since

@@ -8,7 +8,6 @@ read a row in that order, on SQLite and PostgreSQL alike.
 from __future__ import annotations
 
 import json
-from operator import itemgetter
 from typing import Any
 
 from effectguard.ledger.base import WorkerRow
@@ -110,8 +109,9 @@ STATE_FIELDS = (
 )
 
 
-#: The state fields the calls row holds in columns of their own, in :data:`STATE_READ`
-#: order. A positional state (SQLite) leaves them out: about 160 B a call less.
+#: The state fields the calls row holds in columns of their own, in the order SQLite
+#: reads them (ledger/sqlitecalls.CALL_READ). A positional state (SQLite) leaves them
+#: out: about 160 B a call less.
 COLUMN_FIELDS = (
     "call_id",
     "stage",
@@ -125,19 +125,14 @@ COLUMN_FIELDS = (
 #: The fields a positional state lists, in :data:`STATE_FIELDS` order. Part of the
 #: stored format, like STATE_FIELDS (an array of all 22 fields, as stored before, reads).
 SLIM_FIELDS = tuple(f for f in STATE_FIELDS if f not in COLUMN_FIELDS)
-#: What a SQLite store selects to read a call state: :func:`state_from_row` reads it.
-STATE_READ = ", ".join(COLUMN_FIELDS) + ", state"
-_SLIM = itemgetter(*SLIM_FIELDS)
 
 
-def state_params(state: WorkState, *, positional: bool = False) -> tuple[Any, ...]:
-    """Parameters for storing a call state, in :data:`CALL_COLUMNS` order.
+def state_params(state: WorkState) -> tuple[Any, ...]:
+    """Parameters for storing a call state, in :data:`CALL_COLUMNS` order (its state an
+    object; SQLite lays its rows out in ledger/sqlitecalls).
 
     A refused call does not hold its idempotency key: the key stays free for
-    the client's next try. ``positional`` stores the state as the array of its
-    :data:`SLIM_FIELDS` values (where it has exactly the :data:`STATE_FIELDS`), not
-    an object repeating every field name and the columns' values: read it back with
-    :func:`state_from_row`.
+    the client's next try.
     """
     key = None if state.stage == "refused" else state.idempotency_key
     return (
@@ -150,14 +145,8 @@ def state_params(state: WorkState, *, positional: bool = False) -> tuple[Any, ..
         state.provider,
         state.created_at,
         state.worker,
-        _state_json(as_dict(state), positional),
+        _COMPACT.encode(as_dict(state)),
     )
-
-
-def _state_json(fields: dict[str, Any], positional: bool) -> str:
-    if positional and tuple(fields) == STATE_FIELDS:
-        return _COMPACT.encode(_SLIM(fields))
-    return _COMPACT.encode(fields)
 
 
 def state_from_json(text: str) -> WorkState:
@@ -171,18 +160,6 @@ def state_from_json(text: str) -> WorkState:
 def state_from_first(row: tuple[Any, ...] | Any) -> WorkState:
     """A call state from a row whose first column is its stored JSON (``state``)."""
     return state_from_json(row[0])
-
-
-def state_from_row(row: tuple[Any, ...] | Any) -> WorkState:
-    """A call state from a row selected with :data:`STATE_READ`: a positional state
-    of :data:`SLIM_FIELDS` completed by the columns, or any older form."""
-    *columns, text = row
-    stored = json.loads(text)
-    if type(stored) is list and len(stored) == len(SLIM_FIELDS):
-        fields = dict(zip(COLUMN_FIELDS, columns, strict=True))
-        fields.update(zip(SLIM_FIELDS, stored, strict=True))
-        return WorkState(**fields)
-    return state_from_json(text)
 
 
 def node_params(node: BudgetNode) -> tuple[Any, ...]:

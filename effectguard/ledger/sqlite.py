@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.ledger import bodystore, operations, sqliteevents, sqlitelinks
+from effectguard.ledger import bodystore, operations, sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
@@ -36,18 +36,16 @@ from effectguard.ledger.rows import (
     node_params,
     policy_from_row,
     policy_params,
-    state_from_row,
-    state_params,
     window_from_row,
     window_params,
     worker_from_row,
     worker_params,
 )
-from effectguard.ledger.sqliteevents import CALL_EVENTS
 from effectguard.ledger.sqlitefile import create_owner_only, file_identity, sqlite_path
 from effectguard.ledger.sqlitereader import SqliteReader
+from effectguard.ledger.sqlitereads import SqliteReads
+from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
-from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
@@ -120,9 +118,8 @@ class SqliteSession:
         # would cost more than the reads it saves.
         self._calls: dict[str, WorkState] = {}
         self._undo: list[tuple[str, WorkState | None]] | None = None
-        # An operation's events, inserted together (one statement) when it ends.
-        self._events: list[tuple[Any, ...]] = []
-        # Each call's last event and each worker's id, for the rows events are stored as.
+        # Each call's last event and each worker's id, for the rows events are stored as,
+        # and the operation's events, inserted together (one statement) when it ends.
         self._links = sqlitelinks.RowLinks(self.conn, _CALL_CACHE_SIZE)
 
     def _forget(self) -> None:
@@ -134,7 +131,6 @@ class SqliteSession:
         self._version = None
         self._calls = {}
         self._undo = None
-        self._events = []
         self._links.forget()
 
     def _revalidate(self) -> None:
@@ -186,9 +182,9 @@ class SqliteSession:
         self._now = None
 
     def _flush_events(self) -> None:
-        if self._events:
-            self.conn.executemany(_INSERT_EVENT, self._events)
-            self._events = []
+        rows = self._links.take()
+        if rows:
+            self.conn.executemany(_INSERT_EVENT, rows)
 
     def commit(self) -> None:
         self._flush_events()
@@ -222,7 +218,6 @@ class SqliteSession:
         self.conn.execute("RELEASE op")
 
     def rollback_to(self) -> None:
-        self._events = []
         self._links.forget()  # read again from the rows the rollback restored
         self.conn.execute("ROLLBACK TO op")
         self._head, self._nodes, self._dirty, self._workers, self._policies = self._snapshot
@@ -268,7 +263,7 @@ class SqliteSession:
         return self._head
 
     def insert_event(self, event: StoredEvent, data_json: str) -> None:
-        self._events.append(self._links.event_params(event))
+        self._links.add(event)
         self._head = (event.seq, event.digest)
 
     def events_of(self, call_id: str) -> list[StoredEvent]:
@@ -279,22 +274,30 @@ class SqliteSession:
         rows = self.conn.execute(
             sqliteevents.CALL_EVENTS_FROM, (last, sqliteevents.call_key(call_id))
         )
-        return [sqliteevents.event_from_row(r) for r in rows]
+        return [e for r in rows for e in events_from_row(r)]
+
+    def _state(self, row: Any) -> WorkState:
+        # A resolved call's row keeps no state: fold its events (sqlitecalls).
+        state = sqlitecalls.state_from_row(row)
+        if state is None:
+            call_id = sqliteevents.call_from_key(row[0])
+            state = sqlitecalls.fold(self.events_of(str(call_id)))
+        return state
 
     def _one_call(self, sql: str, params: Sequence[Any]) -> WorkState | None:
         row = self.conn.execute(sql, params).fetchone()
-        return None if row is None else state_from_row(row)
+        return None if row is None else self._state(row)
 
     def get_call(self, call_id: str) -> WorkState | None:
         state = self._calls.get(call_id)
         if state is None:
-            state = self._one_call(SQLITE.call, (call_id,))
+            state = self._one_call(SQLITE.call, (sqliteevents.call_key(call_id),))
             if state is not None:
                 self._remember(state)
         return state
 
     def put_call(self, state: WorkState) -> None:
-        params = state_params(state, positional=True)
+        params = sqlitecalls.call_params(state, self._links.worker_id(state.worker))
         self.conn.execute(_UPSERT_CALL, (*params, self._links.tail(state.call_id)))
         self._remember(state)
 
@@ -313,10 +316,14 @@ class SqliteSession:
         return None if row is None else (str(row[0]), str(row[1]))
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
-        return self._one_call(SQLITE.unresolved_call, (root, request_hash, since))
+        params = (root, sqlitecalls.hash_key(request_hash), since)
+        return self._one_call(SQLITE.unresolved_call, params)
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
-        return [state_from_row(r) for r in self.conn.execute(SQLITE.in_flight_of, (worker,))]
+        known = self._links.known_worker(worker)
+        if known is None:
+            return []
+        return [self._state(r) for r in self.conn.execute(SQLITE.in_flight_of, (known,)).fetchall()]
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
         missing = [p for p in paths if p not in self._policies]
@@ -388,17 +395,11 @@ class SqliteSession:
             self.conn.execute(SQLITE.body.insert, (key, seq, chunk))
 
 
-class SqliteStore(SqlReads):
+class SqliteStore(SqliteReads):
     """A ledger in one SQLite file (the embedded default).
 
     ``clock`` is the ledger's clock (the wall clock unless a test injects one).
     """
-
-    queries = SQLITE
-    decode_event = staticmethod(sqliteevents.event_from_row)
-    call_key = staticmethod(sqliteevents.call_key)
-    call_from_key = staticmethod(sqliteevents.call_from_key)
-    decode_state = staticmethod(state_from_row)
 
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.url = url
@@ -445,17 +446,6 @@ class SqliteStore(SqlReads):
 
     async def write(self, writer: Writer, op: Operation[T]) -> T:
         return await self.committer.submit(writer, op)
-
-    async def call_events(self, call_id: str) -> list[StoredEvent]:
-        """A call's events in ledger order, walked from its row (no index by call)."""
-        params = (call_id, sqliteevents.call_key(call_id))
-        return [self.decode_event(r) for r in await self._fetch(CALL_EVENTS, params)]
-
-    async def lookup_problems(self) -> list[tuple[int, str]]:
-        links = await self._fetch(sqlitelinks.BROKEN_LINKS)
-        tails = await self._fetch(sqlitelinks.BROKEN_TAILS)
-        head = await self._fetch(HEAD)
-        return sqlitelinks.problems(links, tails, int(head[0][0]) if head else 0)
 
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         if self._reader is None:

@@ -6,8 +6,9 @@ bytes sit on disk, because a call's six events were most of what a call cost
 
 - ``digest`` is the 32 raw bytes, not 64 hex characters;
 - ``prev_digest`` is NULL when it is the previous row's digest (always, as the
-  writer appends to the head): a read derives it from row ``seq - 1``, from
-  ``chain_cuts`` where an archive deleted that row, or from the genesis digest
+  writer appends to the head): a read derives it from the row before (the one ending at
+  the seq before its first event), from ``chain_cuts`` where an archive deleted that row,
+  or from the genesis digest
   at event 1. The verifier still checks every link, since each digest covers
   its predecessor's;
 - ``body`` (a manifest's request, an observation's response) is a BLOB of its
@@ -28,6 +29,9 @@ bytes sit on disk, because a call's six events were most of what a call cost
   (:data:`CALL_EVENTS`), with no index of every event by call. The links are
   not part of the event; ``verify`` checks them (``SqliteStore.lookup_problems``).
 
+Since format 4 (migration 13) a row may hold an operation's run of events, one call's,
+as one record (:mod:`.sqliterecords`); a row of one event is laid out as described here.
+
 A row whose data cannot be split exactly (a body whose text does not come back
 from its bytes, a ``call`` that is not the row's call id) keeps it in ``data``:
 reading puts back exactly what was sealed, so the digest check holds. (A row
@@ -47,20 +51,35 @@ from typing import Any
 
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent, canonical_json
 
-#: Insert order of an event row.
+#: Insert order of an event row (``hash``: a record's manifest's request hash,
+#: :mod:`.sqliterecords`).
 INSERT_COLUMNS = (
-    "seq, kind, call_id, data, body, worker, generation, at, prev_digest, digest, call_prev"
+    "seq, kind, call_id, data, body, worker, generation, at, prev_digest, digest, call_prev, hash"
 )
 #: Its placeholders.
 INSERT_MARKS = ", ".join("?" * len(INSERT_COLUMNS.split(",")))
-#: The read order: :func:`event_from_row` reads rows selected with this list ``FROM events e``.
+
+
+def first_seq(alias: str = "e") -> str:
+    """SQL: the seq of the first event a row holds (a record, whose ``kind`` is minus
+    its count, ends at its ``seq``; any other row holds one event; a text kind is never
+    below 0)."""
+    return f"({alias}.seq + CASE WHEN {alias}.kind < 0 THEN {alias}.kind + 1 ELSE 0 END)"
+
+
+#: SQL: how many events a row of ``events e`` holds.
+ROW_EVENTS = "(CASE WHEN e.kind < 0 THEN -e.kind ELSE 1 END)"
+_FIRST = first_seq()
+#: The read order: :func:`events_from_row` reads rows selected with this list ``FROM events e``.
+#: The first event's predecessor is the digest of the row before (which ends at the seq
+#: before), or the link an archive kept, or genesis.
 SELECT_COLUMNS = (
     "e.seq, e.kind, e.call_id, e.data, e.body, "
     "coalesce((SELECT n.name FROM worker_names n WHERE n.id = e.worker), e.worker), "
     "e.generation, e.at, "
-    "coalesce(e.prev_digest, (SELECT p.digest FROM events p WHERE p.seq = e.seq - 1), "
-    "(SELECT c.prev_digest FROM chain_cuts c WHERE c.seq = e.seq), "
-    "CASE WHEN e.seq = 1 THEN zeroblob(32) END), e.digest"
+    f"coalesce(e.prev_digest, (SELECT p.digest FROM events p WHERE p.seq = {_FIRST} - 1), "
+    f"(SELECT c.prev_digest FROM chain_cuts c WHERE c.seq = {_FIRST}), "
+    f"CASE WHEN {_FIRST} = 1 THEN zeroblob(32) END), e.digest, e.hash"
 )
 #: Every event in order, each row as :func:`event_from_row` reads it.
 ALL_EVENTS = f"SELECT {SELECT_COLUMNS} FROM events e ORDER BY e.seq"
@@ -78,12 +97,34 @@ def _walk(start: str) -> str:
     )
 
 
-#: A call's events in order, from its row's ``last_seq`` (parameters: the call id, and
-#: :func:`call_key` of it).
+#: A call's events in order, from its row's ``last_seq`` (parameters: :func:`call_key`
+#: of the call id, twice: the calls and the events hold it alike since migration 14).
 CALL_EVENTS = _walk("SELECT last_seq FROM calls WHERE call_id = ?1")
 #: The same from a known last seq (parameters: that seq, and the call's key): the
 #: writer's, whose transaction may have appended to the call since its row was written.
 CALL_EVENTS_FROM = _walk("SELECT ?1")
+
+
+#: :data:`SELECT_COLUMNS` without the digests (NULL): what folding a call's state reads.
+FOLD_COLUMNS = (
+    "e.seq, e.kind, e.call_id, e.data, e.body, "
+    "coalesce((SELECT n.name FROM worker_names n WHERE n.id = e.worker), e.worker), "
+    "e.generation, e.at, NULL, NULL, e.hash"
+)
+
+
+def calls_events(count: int) -> str:
+    """The events of ``count`` calls (parameters: their :func:`call_key`), in order, each
+    walked from its row as :data:`CALL_EVENTS` walks one; read as :data:`FOLD_COLUMNS`."""
+    marks = ", ".join("?" * count)
+    return (
+        "WITH RECURSIVE walk(key, seq) AS ("
+        f"SELECT call_id, last_seq FROM calls WHERE call_id IN ({marks}) UNION ALL "
+        "SELECT walk.key, w.call_prev FROM events w JOIN walk ON w.seq = walk.seq "
+        "WHERE w.call_id = walk.key) "
+        f"SELECT {FOLD_COLUMNS} FROM walk JOIN events e "
+        "ON e.seq = walk.seq AND e.call_id = walk.key ORDER BY e.seq"
+    )
 
 
 #: Each kind's fields, in the order a positional row lists their values. Part of the
@@ -214,7 +255,7 @@ def split(kind: str, data: dict[str, Any], call_id: str | None) -> tuple[str, by
     body = None
     text = data.get("body")
     if isinstance(text, str):
-        body = _body_bytes(text, str(data.get("body_encoding", "utf8")))
+        body = body_bytes(text, data.get("body_encoding", "utf8"))
     drop_call = call_id is not None and data.get("call") == call_id
     # On every event of every call: one comparison of key sets and one itemgetter,
     # both in C, instead of building the trimmed dict first.
@@ -249,8 +290,11 @@ def _layout(
     return _LAYOUTS[key]
 
 
-def _body_bytes(text: str, encoding: str) -> bytes | None:
-    # Only a split that reads back to the same text: the digest covers the text.
+def body_bytes(text: Any, encoding: Any) -> bytes | None:
+    """A body's text as the bytes stored for it, only where :func:`body_text` gives back
+    the same text (the digest covers the text); None: keep the text."""
+    if type(text) is not str:
+        return None
     if encoding == "base64":
         try:
             raw = base64.b64decode(text, validate=True)
@@ -270,13 +314,17 @@ def join(kind: str, data_json: str, body: bytes | None, call_id: str | None) -> 
         dict(zip(FIELDS[kind], decoded, strict=True)) if type(decoded) is list else decoded
     )
     if body is not None and "body" not in data:
-        if data.get("body_encoding", "utf8") == "base64":
-            data["body"] = base64.b64encode(body).decode("ascii")
-        else:
-            data["body"] = bytes(body).decode("utf-8")
+        data["body"] = body_text(body, data.get("body_encoding", "utf8"))
     if call_id is not None and "call" not in data:
         data["call"] = call_id
     return data
+
+
+def body_text(body: bytes, encoding: Any) -> str:
+    """Invert :func:`body_bytes`."""
+    if encoding == "base64":
+        return base64.b64encode(body).decode("ascii")
+    return bytes(body).decode("utf-8")
 
 
 def event_params(
@@ -298,6 +346,7 @@ def event_params(
         None,  # the head's digest: derived on read
         digest_column(event.digest),
         call_prev,
+        None,  # the request hash column: a record's (sqliterecords)
     )
 
 
@@ -309,12 +358,13 @@ def hex_digest(value: Any) -> str:
 
 
 def event_from_row(row: tuple[Any, ...] | Any) -> StoredEvent:
-    """A stored event from a row selected with :data:`SELECT_COLUMNS`.
+    """A stored event from a row of one event selected with :data:`SELECT_COLUMNS`
+    (format 3; a record's events are read by ``sqliterecords.events_from_record``).
 
     A predecessor that can be derived from nothing (its row deleted outside an
     archive) reads as ``""``, which the verifier reports as a broken link.
     """
-    seq, code, key, data, body, worker, generation, at, prev_digest, digest = row
+    seq, code, key, data, body, worker, generation, at, prev_digest, digest = row[:10]
     kind = kind_from_column(code)
     call_id = call_from_key(key)
     return StoredEvent(

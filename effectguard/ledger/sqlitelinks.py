@@ -13,9 +13,11 @@ which its digest check names.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
-from effectguard.ledger import sqliteevents
+from effectguard.ledger import sqliteevents, sqliterecords
+from effectguard.ledger.queries import UNRESOLVED_SQL
 from effectguard.rules.events import StoredEvent
 
 _LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"
@@ -25,7 +27,8 @@ _NEW_WORKER_ID = "INSERT INTO worker_names(name) VALUES (?) RETURNING id"
 
 class RowLinks:
     """The writer's view of what an event row refers to: each call's last event (its
-    ``call_prev``) and each worker's id in ``worker_names``.
+    ``call_prev``) and each worker's id in ``worker_names``; and the events of the
+    operation under way, grouped into the rows they will be (``sqliterecords``).
 
     Cached across batches like the writer's other caches; :meth:`forget` whenever the
     tables may hold something else (another connection wrote, a rollback).
@@ -36,10 +39,13 @@ class RowLinks:
         self.size = size
         self.tails: dict[str, int | None] = {}
         self.workers: dict[str, int] = {}
+        #: Each queued row's events, and the seq of its call's row before it.
+        self.queued: list[tuple[list[StoredEvent], int | None]] = []
 
     def forget(self) -> None:
         self.tails = {}
         self.workers = {}
+        self.queued = []
 
     def trim(self) -> None:
         """Bound the cache, between transactions only: inside one, a call's tail may be
@@ -50,30 +56,51 @@ class RowLinks:
     def tail(self, call_id: str) -> int | None:
         """The seq of the call's last event (None: it has none yet)."""
         if call_id not in self.tails:
-            row = self.conn.execute(_LAST_SEQ, (call_id,)).fetchone()
+            row = self.conn.execute(_LAST_SEQ, (sqliteevents.call_key(call_id),)).fetchone()
             self.tails[call_id] = None if row is None else row[0]
         return self.tails[call_id]
 
     def worker_id(self, name: str) -> int:
         """The worker's id, given one the first time the name is written."""
+        found = self.known_worker(name)
+        if found is None:
+            row = self.conn.execute(_NEW_WORKER_ID, (name,)).fetchone()
+            found = self.workers[name] = int(row[0])
+        return found
+
+    def known_worker(self, name: str) -> int | None:
+        """The worker's id (None: its name was never written)."""
         found = self.workers.get(name)
         if found is None:
             row = self.conn.execute(_WORKER_ID, (name,)).fetchone()
             if row is None:
-                row = self.conn.execute(_NEW_WORKER_ID, (name,)).fetchone()
+                return None
             found = self.workers[name] = int(row[0])
         return found
 
-    def event_params(self, event: StoredEvent) -> tuple[Any, ...]:
-        """``event``'s row parameters, and its call's last event is now this one."""
-        call_prev = None
-        if event.call_id is not None:
+    def add(self, event: StoredEvent) -> None:
+        """Queue ``event`` (in the row before it, where it joins that row's run); its
+        call's last event is now this one."""
+        if self.queued and sqliterecords.joins(self.queued[-1][0], event):
+            self.queued[-1][0].append(event)
+        else:
+            call_prev = None
             # A manifest opens its call (admission writes one only for a call id it has
             # just made): there is no earlier event to look up, and no row to read.
-            if event.kind != "call.manifest":
+            if event.call_id is not None and event.kind != "call.manifest":
                 call_prev = self.tail(event.call_id)
+            self.queued.append(([event], call_prev))
+        if event.call_id is not None:
             self.tails[event.call_id] = event.seq
-        return sqliteevents.event_params(event, call_prev, self.worker_id(event.worker))
+
+    def take(self) -> list[tuple[Any, ...]]:
+        """The queued rows' parameters (``sqliteevents.INSERT_COLUMNS``); none queued after."""
+        rows = [
+            sqliterecords.record_params(run, call_prev, self.worker_id(run[0].worker))
+            for run, call_prev in self.queued
+        ]
+        self.queued = []
+        return rows
 
 
 #: Events whose link is not the previous event of their call. Where an archive deleted
@@ -88,24 +115,31 @@ BROKEN_LINKS = """
         AND call_prev < (SELECT min(seq) FROM events))
     ORDER BY seq
 """
-#: Calls whose row does not name their last event (the call id as events hold it: the
+#: Calls whose row does not name their last event (both tables key a call alike: the
 #: 16 bytes of a ``call_`` id, see sqliteevents.call_key). One grouped scan of the events,
 #: then a lookup of each call's row by its key (a join the other way round took 72 s
 #: on 300,000 events). A row of a call with no events is named by the verifier.
 BROKEN_TAILS = """
     WITH m AS MATERIALIZED (
-        SELECT CASE WHEN typeof(call_id) = 'blob' THEN 'call_' || lower(hex(call_id))
-            ELSE call_id END AS id, max(seq) AS last
+        SELECT call_id AS key, max(seq) AS last
         FROM events WHERE call_id IS NOT NULL GROUP BY call_id)
-    SELECT m.id, c.last_seq, m.last FROM m LEFT JOIN calls c ON c.call_id = m.id
+    SELECT m.key, c.last_seq, m.last FROM m LEFT JOIN calls c ON c.call_id = m.key
     WHERE c.last_seq IS NOT m.last
-    ORDER BY m.id
+    ORDER BY m.key
 """
+#: Unresolved calls whose row keeps no state (sqlitecalls.keeps_state): the sweeper, the
+#: retry lookup and the metrics read it from the row.
+UNRESOLVED_WITHOUT_STATE = (
+    f"SELECT call_id, stage, last_seq FROM calls WHERE {UNRESOLVED_SQL} AND state IS NULL"
+)
 
 
-def problems(links: list[Any], tails: list[Any], head: int) -> list[tuple[int, str]]:
-    """``(seq, problem)`` for each row of :data:`BROKEN_LINKS` and :data:`BROKEN_TAILS`
-    (``head``: the last event's seq, named where a call row points nowhere)."""
+def problems(
+    links: Sequence[Any], tails: Sequence[Any], stateless: Sequence[Any], head: int
+) -> list[tuple[int, str]]:
+    """``(seq, problem)`` for each row of :data:`BROKEN_LINKS`, :data:`BROKEN_TAILS` and
+    :data:`UNRESOLVED_WITHOUT_STATE` (``head``: the last event's seq, named where a call
+    row points nowhere)."""
     found = [
         (
             int(seq),
@@ -117,9 +151,17 @@ def problems(links: list[Any], tails: list[Any], head: int) -> list[tuple[int, s
     found += [
         (
             head if want is None else int(want),
-            f"call {call_id}: its row names event {got} as its last "
+            f"call {sqliteevents.call_from_key(key)}: its row names event {got} as its last "
             f"(the events say {want}); its events would be read wrongly",
         )
-        for call_id, got, want in tails
+        for key, got, want in tails
+    ]
+    found += [
+        (
+            head if last is None else int(last),
+            f"call {sqliteevents.call_from_key(key)}: {stage}, yet its row keeps no state "
+            "(the sweeper, the retry lookup and the metrics read it from the row)",
+        )
+        for key, stage, last in stateless
     ]
     return found

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
-from effectguard.ledger import sqliteevents
+from effectguard.ledger import sqlitecalls, sqliteevents
 
 BUSY_TIMEOUT_MS = 5000
 
@@ -75,6 +75,18 @@ def _fill_last_seq(conn: sqlite3.Connection) -> None:
     conn.executemany(
         "UPDATE calls SET last_seq = ? WHERE call_id = ?",
         [(last, sqliteevents.call_from_key(key)) for key, last in rows],
+    )
+
+
+def _copy_calls(conn: sqlite3.Connection) -> None:
+    """Migration 14's copy of every call row: its key and hash as bytes, its worker by id."""
+    conn.create_function("eg_call_key", 1, sqliteevents.call_key, deterministic=True)
+    conn.create_function("eg_hash_key", 1, sqlitecalls.hash_key, deterministic=True)
+    conn.execute(
+        """INSERT INTO calls_v3 SELECT eg_call_key(call_id), stage, budget, budget_root,
+            idempotency_key, eg_hash_key(request_hash), provider, created_at,
+            (SELECT n.id FROM worker_names n WHERE n.name = calls.worker), state, last_seq
+        FROM calls"""
     )
 
 
@@ -302,6 +314,36 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 PRIMARY KEY (call_id, seq))""",
             """CREATE TRIGGER call_bodies_no_update BEFORE UPDATE ON call_bodies
                 BEGIN SELECT RAISE(ABORT, 'stored bodies do not change'); END""",
+        ],
+    ),
+    (
+        13,
+        "events format 4: an operation's events as one record; request hashes as bytes",
+        [
+            # See sqliterecords: rows written before are single events and read as they
+            # are, so nothing is copied. A record's manifest's request hash, raw.
+            "ALTER TABLE events ADD COLUMN hash BLOB",
+        ],
+    ),
+    (
+        14,
+        "calls keyed by the call id's bytes, hashes as bytes, workers by id; "
+        "a state kept only while the call is unresolved",
+        [
+            # See sqlitecalls: states stored before are copied as they are (and read).
+            "INSERT OR IGNORE INTO worker_names(name) SELECT DISTINCT worker FROM calls",
+            """CREATE TABLE calls_v3 (
+                call_id NOT NULL PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
+                budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash NOT NULL,
+                provider TEXT NOT NULL, created_at REAL NOT NULL, worker NOT NULL, state TEXT,
+                last_seq INTEGER) WITHOUT ROWID""",
+            _copy_calls,
+            "DROP TABLE calls",
+            "ALTER TABLE calls_v3 RENAME TO calls",
+            """CREATE UNIQUE INDEX calls_key ON calls(budget_root, idempotency_key)
+                WHERE idempotency_key IS NOT NULL""",
+            """CREATE INDEX calls_unresolved ON calls(budget_root, request_hash, created_at)
+                WHERE stage IN ('in_flight', 'effect_unknown')""",
         ],
     ),
 ]

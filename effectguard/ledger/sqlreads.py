@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
-from effectguard.errors import BodyMismatch
+from effectguard.errors import BodyMismatch, LedgerCorrupt
 from effectguard.ledger import bodystore
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.queries import Queries
@@ -32,14 +32,24 @@ from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
 
+def _one_event(row: Any) -> list[StoredEvent]:
+    """A row of format 1 (PostgreSQL's events): one event."""
+    return [event_from_row(row)]
+
+
 class SqlReads(ABC):
     """Operator, metrics and verify reads over a SQL read connection."""
 
     queries: Queries
-    #: Reads one event row in the store's layout (``queries``' event columns).
-    decode_event: Callable[[Any], StoredEvent] = staticmethod(event_from_row)
-    #: Reads one call state from a row of ``queries.state`` (its columns, then state).
-    decode_state: Callable[[Any], WorkState] = staticmethod(state_from_first)
+    #: Reads one event row in the store's layout (``queries``' event columns): its events
+    #: (SQLite: a row may hold an operation's run of events, ``sqliterecords``).
+    decode_events: Callable[[Any], list[StoredEvent]] = staticmethod(_one_event)
+    #: Reads one call state from a row of ``queries.state``; None where the row keeps
+    #: none (SQLite: a resolved call's, folded from its events by :meth:`_fold`; such a
+    #: store's ``queries.state`` selects the call's key first).
+    decode_state: Callable[[Any], WorkState | None] = staticmethod(state_from_first)
+    #: Reads a row of ``queries.call_columns`` (its values as rows.INDEX_COLUMNS has them).
+    decode_index: Callable[[Any], tuple[Any, ...]] = staticmethod(tuple)
     #: A call id as the store's events hold it (SQLite: 16 bytes; PostgreSQL: the text).
     call_key: Callable[[str], Any] = staticmethod(str)
     #: Invert ``call_key``.
@@ -51,13 +61,32 @@ class SqlReads(ABC):
 
     async def get_call(self, call_id: str) -> WorkState | None:
         """A call's projected state, or None."""
-        rows = await self._fetch(self.queries.call, (call_id,))
-        return self.decode_state(rows[0]) if rows else None
+        rows = await self._fetch(self.queries.call, (self.call_key(call_id),))
+        return (await self._states(rows))[0] if rows else None
+
+    async def _states(self, rows: Sequence[Any]) -> list[WorkState]:
+        """The states of rows of ``queries.state``: kept, or folded from the events."""
+        states = [self.decode_state(r) for r in rows]
+        missing = [r[0] for r, s in zip(rows, states, strict=True) if s is None]
+        if not missing:
+            return [s for s in states if s is not None]
+        folded = await self._fold(missing)
+        return [folded[r[0]] if s is None else s for r, s in zip(rows, states, strict=True)]
+
+    async def _fold(self, keys: Sequence[Any]) -> dict[Any, WorkState]:
+        """The states of the calls with these keys (their rows keep none), from their
+        events. A store whose rows always keep their state never needs this."""
+        raise LedgerCorrupt(f"calls {list(keys)[:3]}: their rows keep no state")
+
+    async def kept_states(self) -> list[WorkState]:
+        """Every state the store keeps in its calls' rows (``verify`` compares each with
+        the events; here, every call's)."""
+        return await self.list_calls(limit=1 << 62)
 
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
         rows = await self._fetch(self.queries.call_events, (self.call_key(call_id),))
-        return [self.decode_event(r) for r in rows]
+        return [e for r in rows for e in self.decode_events(r)]
 
     async def lookup_problems(self) -> list[tuple[int, str]]:
         """``(seq, problem)`` for each way the store's own lookup structures disagree
@@ -65,12 +94,18 @@ class SqlReads(ABC):
         return []
 
     async def list_calls(
-        self, stage: Stage | None = None, budget: str | None = None, limit: int = 1000
+        self,
+        stage: Stage | None = None,
+        budget: str | None = None,
+        limit: int = 1000,
+        *,
+        provider: str | None = None,
+        since: float | None = None,
     ) -> list[WorkState]:
-        """Calls (newest first), optionally by stage and budget subtree."""
-        sql, params = self.queries.list_calls(stage, budget, limit)
-        rows = await self._fetch(sql, params)
-        return [self.decode_state(r) for r in rows]
+        """Calls (newest first), optionally by stage, budget subtree, provider and
+        creation time."""
+        sql, params = self.queries.list_calls(stage, budget, limit, provider=provider, since=since)
+        return await self._states(await self._fetch(sql, params))
 
     async def budget_nodes(self) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None)."""
@@ -82,8 +117,11 @@ class SqlReads(ABC):
 
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
         """Up to ``limit`` events with sequence number greater than ``seq``."""
+        # ``limit`` rows hold at least ``limit`` events; the first may begin at or before
+        # ``seq`` (a record that ends after it).
         rows = await self._fetch(self.queries.events_after, (seq, limit))
-        return [self.decode_event(r) for r in rows]
+        found = [e for r in rows for e in self.decode_events(r) if e.seq > seq]
+        return found[:limit]
 
     async def workers(self) -> list[WorkerRow]:
         """Every registered worker."""
@@ -96,7 +134,7 @@ class SqlReads(ABC):
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
         """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
-        return [tuple(r) for r in await self._fetch(self.queries.call_columns)]
+        return [self.decode_index(r) for r in await self._fetch(self.queries.call_columns)]
 
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key row (revoked and expired ones too), by name."""
@@ -104,7 +142,8 @@ class SqlReads(ABC):
 
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
-        return [self.decode_event(r) for r in await self._fetch(self.queries.limit_events)]
+        rows = await self._fetch(self.queries.limit_events)
+        return [e for r in rows for e in self.decode_events(r)]
 
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:
         """Write ``call_id``'s by-reference body to ``out``, one chunk (one read) at a time."""

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.errors import ConfigError, LedgerCorrupt
-from effectguard.ledger import sqliteevents
-from effectguard.ledger.rows import STATE_READ, state_from_row
+from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import connect, migrate
@@ -80,13 +79,14 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
         conn.close()
 
 
-#: SQLite's events since migration 6 (ledger/sqliteevents.py), and its call states.
+#: SQLite's events since migration 6 (ledger/sqliteevents.py, records since format 4:
+#: ledger/sqliterecords.py), and its call states.
 _FORMAT_2 = EventLayout(
     sqliteevents.SELECT_COLUMNS,
-    sqliteevents.event_from_row,
+    sqliterecords.events_from_row,
     sqliteevents.call_from_key,
-    STATE_READ,
-    state_from_row,
+    sqlitecalls.CALL_READ,
+    sqlitecalls.row_state,
 )
 
 
@@ -160,7 +160,7 @@ def _fsync_dir(path: Path) -> None:
 def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
     # Archived calls are final, yet a failed call can still be reconciled: if any event
     # of an archived call came after the plan, the plan is stale.
-    ids = list(plan.calls)
+    ids = [sqliteevents.call_key(c) for c in plan.calls]  # as the calls table keys them
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
         marks = ",".join("?" * len(chunk))
@@ -170,9 +170,12 @@ def _refuse_if_moved(conn: sqlite3.Connection, plan: Plan) -> None:
             (plan.last, *chunk),
         ).fetchone()
         if moved is not None:
-            raise LedgerCorrupt(f"call {moved[0]} changed while archiving; run archive again")
-    first = conn.execute("SELECT min(seq) FROM events").fetchone()[0]
-    if first != plan.first:
+            call_id = sqliteevents.call_from_key(moved[0])
+            raise LedgerCorrupt(f"call {call_id} changed while archiving; run archive again")
+    first = conn.execute(
+        f"SELECT {sqliteevents.first_seq('e')} FROM events e ORDER BY seq LIMIT 1"
+    ).fetchone()
+    if first is None or first[0] != plan.first:
         raise LedgerCorrupt("another archive ran meanwhile; run archive again")
 
 
@@ -198,12 +201,10 @@ def _apply(
     )
     conn.execute("UPDATE meta SET value = ? WHERE key = 'archived_through'", (plan.last,))
     conn.execute("DELETE FROM events WHERE seq <= ?", (plan.last,))
-    conn.executemany("DELETE FROM calls WHERE call_id = ?", [(c,) for c in plan.calls])
+    keys = [(sqliteevents.call_key(c),) for c in plan.calls]  # calls and bodies alike
+    conn.executemany("DELETE FROM calls WHERE call_id = ?", keys)
     # Their bodies are in the archive file now (written before this transaction).
-    conn.executemany(
-        "DELETE FROM call_bodies WHERE call_id = ?",
-        [(sqliteevents.call_key(c),) for c in plan.calls],
-    )
+    conn.executemany("DELETE FROM call_bodies WHERE call_id = ?", keys)
 
 
 def _result(

@@ -22,7 +22,7 @@ from effectguard.ops import archivefile
 from effectguard.ops.audit import Verifier, checkpoint
 from effectguard.rules.events import GENESIS_DIGEST, LedgerArchived, StoredEvent, seal
 from effectguard.rules.retention import EventRef, cut, holder, stays_live
-from effectguard.rules.workstate import WorkState
+from effectguard.rules.workstate import WorkState, work_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,21 +60,32 @@ class Plan:
 Fetch = Callable[[str, Sequence[Any]], list[Any]]
 
 
+def _one_event(row: Any) -> list[StoredEvent]:
+    return [event_from_row(row)]
+
+
+def _whole_state(row: Any) -> tuple[WorkState, bool]:
+    return state_from_first(row), True
+
+
 @dataclass(frozen=True, slots=True)
 class EventLayout:
-    """How a ledger's events table holds an event: the columns to select ``FROM events e``,
-    how to read such a row, and how to read the ``call_id`` column alone."""
+    """How a ledger's events table holds events: the columns to select ``FROM events e``,
+    how to read such a row (its events: a SQLite row may hold an operation's run of
+    them), and how to read the ``call_id`` column alone."""
 
     columns: str
-    decode: Callable[[Any], StoredEvent]
+    decode: Callable[[Any], list[StoredEvent]]
     call: Callable[[Any], str | None]
-    #: What to select ``FROM calls`` to read a call state, and how to read that row.
+    #: What to select ``FROM calls`` to read a call state, and how to read that row: its
+    #: state, and whether the row kept it whole (False: a state of the row's columns,
+    #: without the call's money or provider idempotency window).
     state_columns: str = "state"
-    state: Callable[[Any], WorkState] = state_from_first
+    state: Callable[[Any], tuple[WorkState, bool]] = _whole_state
 
 
 #: The layout PostgreSQL keeps (and SQLite kept before its migration 6).
-FORMAT_1 = EventLayout(EVENT_COLUMNS, event_from_row, lambda value: value)
+FORMAT_1 = EventLayout(EVENT_COLUMNS, _one_event, lambda value: value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,48 +97,89 @@ class Survey:
 
 
 def plan_archive(fetch: Fetch, before: float, now: float, layout: EventLayout = FORMAT_1) -> Survey:
-    """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot."""
+    """What may be archived, read through ``fetch`` (SQL with ``%s`` marks) in one snapshot.
+
+    Each row is one reference (a SQLite record's seq is its last event's): a cut, which
+    falls after a reference, never splits a row. A call whose row keeps no state (SQLite:
+    a resolved call) is judged first by its columns, which cannot say whether its
+    provider's idempotency window still holds it; the calls the cut would take are then
+    folded from the events read for the archive, and the cut made again (never longer).
+    """
     refs = [
         EventRef(int(s), layout.call(c), float(a))
         for s, c, a in fetch("SELECT seq, call_id, at FROM events ORDER BY seq", ())
     ]
     if not refs:
         return Survey(None)
+    states: dict[str, WorkState] = {}
+    partial: set[str] = set()
+    for row in fetch(f"SELECT {layout.state_columns} FROM calls", ()):
+        state, whole = layout.state(row)
+        states[state.call_id] = state
+        if not whole:
+            partial.add(state.call_id)
+    last, reasons = _cut(refs, states, before, now)
+    events = _events(fetch, layout, refs[0].seq, last)
+    taken = partial.intersection(e.call_id for e in events)
+    if taken:
+        states.update(_folded(events, taken))
+        last, reasons = _cut(refs, states, before, now)
+        events = [e for e in events if e.seq <= last]
+    plan = _take(fetch, events, last, states)
+    return Survey(plan, holder(refs, reasons, last=last, before=before))
+
+
+def _cut(
+    refs: list[EventRef], states: dict[str, WorkState], before: float, now: float
+) -> tuple[int, dict[str, str | None]]:
+    """The cut the retention rules allow, and why each call stays live (None: it may go)."""
     # Each call's last event: retention counts from the call's resolution, not its admission.
     last_at = {ref.call_id: ref.at for ref in refs if ref.call_id is not None}
-    reasons: dict[str, str | None] = {}
-    keys: dict[str, tuple[str | None, str, str]] = {}
-    for row in fetch(f"SELECT {layout.state_columns} FROM calls", ()):
-        state = layout.state(row)
-        resolved_at = last_at.get(state.call_id, math.inf)  # no event: corrupt, it stays
-        reasons[state.call_id] = stays_live(state, resolved_at=resolved_at, before=before, now=now)
-        # A refused call's key is free under the contract (docs/contract.md §4): the archive
-        # keeps none for it, or the key would answer 409 archived (and two refused calls
-        # under one key would collide in archived_keys).
-        key = None if state.stage == "refused" else state.idempotency_key
-        keys[state.call_id] = (key, state.budget_root, state.request_hash)
+    reasons = {
+        call_id: stays_live(
+            state,
+            resolved_at=last_at.get(call_id, math.inf),  # no event: corrupt, it stays
+            before=before,
+            now=now,
+        )
+        for call_id, state in states.items()
+    }
     archivable = {call: reason is None for call, reason in reasons.items()}
-    last = cut(refs, archivable, before=before)
-    held = holder(refs, reasons, last=last, before=before)
-    plan = _take(fetch, layout, refs[0].seq, last, keys)
-    return Survey(plan, held)
+    return cut(refs, archivable, before=before), reasons
+
+
+def _events(fetch: Fetch, layout: EventLayout, first_row: int, last: int) -> list[StoredEvent]:
+    if last < first_row:
+        return []
+    rows = fetch(f"SELECT {layout.columns} FROM events e WHERE e.seq <= %s ORDER BY e.seq", (last,))
+    return [e for row in rows for e in layout.decode(row)]
+
+
+def _folded(events: list[StoredEvent], calls: set[str]) -> dict[str, WorkState]:
+    """The states of ``calls`` (each whole in ``events``: a cut never splits a call)."""
+    found: dict[str, list[StoredEvent]] = {call: [] for call in calls}
+    for e in events:
+        if e.call_id in found:
+            found[e.call_id].append(e)
+    return {call: work_state(e.event for e in mine) for call, mine in found.items()}
 
 
 def _take(
-    fetch: Fetch,
-    layout: EventLayout,
-    first: int,
-    last: int,
-    keys: dict[str, tuple[str | None, str, str]],
+    fetch: Fetch, events: list[StoredEvent], last: int, states: dict[str, WorkState]
 ) -> Plan | None:
-    if last < first:
-        return None
-    start_state, prev_digest = _previous(fetch, first)
-    rows = fetch(f"SELECT {layout.columns} FROM events e WHERE e.seq <= %s ORDER BY e.seq", (last,))
-    events = [layout.decode(row) for row in rows]
-    calls = {e.call_id: keys[e.call_id] for e in events if e.call_id is not None}
+    calls = {}
+    for e in events:
+        if e.call_id is not None and e.call_id not in calls:
+            state = states[e.call_id]
+            # A refused call's key is free under the contract (docs/contract.md §4): the
+            # archive keeps none for it, or the key would answer 409 archived (and two
+            # refused calls under one key would collide in archived_keys).
+            key = None if state.stage == "refused" else state.idempotency_key
+            calls[e.call_id] = (key, state.budget_root, state.request_hash)
     if not calls:
         return None  # only checkpoints and worker events: not worth a file of its own
+    first = events[0].seq
+    start_state, prev_digest = _previous(fetch, first)
     return Plan(first, last, prev_digest, start_state, events, calls)
 
 

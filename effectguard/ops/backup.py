@@ -23,7 +23,7 @@ from pathlib import Path
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
-from effectguard.ledger.sqliteevents import hex_digest
+from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
 from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ops.outpath import new_file
@@ -84,8 +84,9 @@ def _check(partial: Path, target: Path) -> BackupResult:
         # The copy keeps the ledger's WAL mode; fold any WAL into the file so that the
         # one file at PATH is the whole backup.
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        # A row may hold an operation's run of events (ledger/sqliterecords).
         events, head_seq = conn.execute(
-            "SELECT count(*), coalesce(max(seq), 0) FROM events"
+            f"SELECT coalesce(sum({ROW_EVENTS}), 0), coalesce(max(seq), 0) FROM events e"
         ).fetchone()
         row = conn.execute("SELECT digest FROM events WHERE seq = ?", (head_seq,)).fetchone()
     finally:

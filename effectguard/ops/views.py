@@ -59,22 +59,13 @@ BUDGET_COLUMNS = [
 ]
 
 
-#: Calls read to filter by ``--since`` or ``--provider``, which the stores do not index.
-FILTER_SCAN = 100_000
-
-
 async def cmd_calls(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard calls``: calls, newest first (with their time and age)."""
     now = time.time()
-    filtered = args.since is not None or args.provider is not None
-    scan = max(args.limit, FILTER_SCAN) if filtered else args.limit
-    calls = await ledger.calls(stage=args.state, budget=args.budget, limit=scan)
-    if args.since is not None:
-        start = since(args.since, now)
-        calls = [c for c in calls if c.created_at >= start]
-    if args.provider is not None:
-        calls = [c for c in calls if c.provider == args.provider]
-    calls = calls[: args.limit]
+    start = None if args.since is None else since(args.since, now)
+    calls = await ledger.calls(
+        stage=args.state, budget=args.budget, limit=args.limit, provider=args.provider, since=start
+    )
     rows = [call_json(c) for c in calls]
     if args.json:
         emit(args, rows, "")

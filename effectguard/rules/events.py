@@ -445,6 +445,10 @@ class StoredEvent:
     at: float
     prev_digest: str
     digest: str
+    #: ``(first, last)``: read from a stored record of events ``first..last`` that keeps
+    #: one digest, ``last``'s (the others derived on read); None: its own digest is stored.
+    #: Not part of the event: equal events compare equal whatever their record.
+    record: tuple[int, int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def event(self) -> Event:

@@ -147,8 +147,9 @@ class AdminPage:
     async def _spend(self, days_text: str | None) -> str:
         asked = parse_count(days_text or "", 366)
         days = 14 if asked is None else min(max(asked, 1), 366)
-        calls = await self._ledger.calls(limit=SPEND_CALLS)
         now = self._clock()
+        # Only the calls the window can show: a store may fold each one it lists.
+        calls = await self._ledger.calls(limit=SPEND_CALLS, since=now - days * DAY_S)
         partial = None
         if len(calls) >= SPEND_CALLS and calls[-1].created_at > now - days * DAY_S:
             partial = calls[-1].created_at  # the window reaches past the calls read

@@ -43,6 +43,21 @@ class Chain:
         if stored.prev_digest != self.prev:
             self.report.broken(seq, f"event {seq}: predecessor digest does not match")
         if content_digest(stored) != stored.digest:
-            self.report.broken(seq, f"event {seq}: digest does not match its content")
+            self.report.broken(seq, _mismatch(stored))
         self.expected_seq = seq + 1
         self.prev = stored.digest
+
+
+def _mismatch(stored: StoredEvent) -> str:
+    """What a digest that does not match its event's content says."""
+    seq, record = stored.seq, stored.record
+    if record is None or record[0] == record[1]:
+        return f"event {seq}: digest does not match its content"
+    # Only the record's last digest is stored: the others were derived from the events
+    # read, so an edit anywhere in the record shows here, at its end.
+    first, last = record
+    return (
+        f"events {first}..{last} (one stored record, sealed by event {last}'s digest): "
+        "their content does not match that digest; one of these events, or the digest, "
+        "was changed (the record cannot tell which event)"
+    )

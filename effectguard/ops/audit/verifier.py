@@ -135,8 +135,7 @@ class Verifier:
                     f"call {call_id}: ends after {fold.last_kind} (event {fold.last_seq}) "
                     f"without the {fold.unfinished} that must follow (an event is missing)",
                 )
-        self._columns(call_columns)
-        self._states(call_states)
+        self._states(call_states, self._columns(call_columns))
         self._budgets(budget_rows, last)
         if policy_rows is not None:
             self._policies(policy_rows, last)
@@ -157,11 +156,18 @@ class Verifier:
         for seq, problem in self.bodies.check(rows, refused, self.chain.expected_seq - 1):
             self.report.broken(seq, problem)
 
-    def _columns(self, rows: Iterable[CallColumns]) -> None:
+    def _columns(self, rows: Iterable[CallColumns]) -> set[str]:
+        """Compare each call row's indexed columns with the fold; the calls with a row."""
+        found = set()
         for row in rows:
+            found.add(str(row[0]))
             fold = self.calls.get(row[0])
             if fold is None:
-                continue  # reported by _states as a call without events
+                self.report.broken(
+                    self.chain.expected_seq - 1,
+                    f"call {row[0]}: stored, but no event belongs to it",
+                )
+                continue
             want = fold.columns()
             diff = [
                 f"{name}={got!r} (events: {want[name]!r})"
@@ -172,43 +178,49 @@ class Verifier:
                 self.report.broken(
                     fold.last_seq, f"call {row[0]}: indexed columns differ: {', '.join(diff)}"
                 )
+        return found
 
-    def _states(self, states: Iterable[Mapping[str, Any]]) -> None:
+    def _states(self, states: Iterable[Mapping[str, Any]], rows: set[str]) -> None:
+        """Every call has a row, and every state a store keeps is the fold's. (A store
+        may keep a call's state only while it is unresolved, and fold it on read.)"""
         stored = {str(s.get("call_id")): s for s in states}
-        self.report.calls = len(stored)
-        for call_id in sorted(set(stored) | set(self.calls)):
+        self.report.calls = len(rows | set(stored))
+        for call_id in sorted(rows | set(stored) | set(self.calls)):
             have, fold = stored.get(call_id), self.calls.get(call_id)
             if fold is None:
-                self.report.broken(
-                    self.chain.expected_seq - 1,
-                    f"call {call_id}: stored, but no event belongs to it",
-                )
+                if call_id not in rows:  # a row without events is named by _columns
+                    self.report.broken(
+                        self.chain.expected_seq - 1,
+                        f"call {call_id}: stored, but no event belongs to it",
+                    )
                 continue
             want = fold.projection()
             if have is None:
-                self.report.broken(
-                    fold.last_seq,
-                    f"call {call_id}: stored state None differs "
-                    f"from the projection of its events ({want['stage']})",
-                )
+                if call_id not in rows:
+                    self.report.broken(
+                        fold.last_seq,
+                        f"call {call_id}: stored state None differs "
+                        f"from the projection of its events ({want['stage']})",
+                    )
                 continue
-            if have.get("stage") != want["stage"]:
-                self.report.broken(
-                    fold.last_seq,
-                    f"call {call_id}: stored state {have.get('stage')} differs from the "
-                    f"projection of its events ({want['stage']})",
-                )
-            # Fields the verifier does not derive are not its to judge (a newer store may
-            # keep more); every field it derives must be there and equal.
-            diff = [
-                f"{name}={have.get(name, '<missing>')!r} (events: {value!r})"
-                for name, value in want.items()
-                if name != "stage" and have.get(name, "<missing>") != value
-            ]
-            if diff:
-                self.report.broken(
-                    fold.last_seq, f"call {call_id}: stored state differs: {', '.join(diff)}"
-                )
+            self._state(call_id, have, want, fold.last_seq)
+
+    def _state(self, call_id: str, have: Mapping[str, Any], want: dict[str, Any], seq: int) -> None:
+        if have.get("stage") != want["stage"]:
+            self.report.broken(
+                seq,
+                f"call {call_id}: stored state {have.get('stage')} differs from the "
+                f"projection of its events ({want['stage']})",
+            )
+        # Fields the verifier does not derive are not its to judge (a newer store may
+        # keep more); every field it derives must be there and equal.
+        diff = [
+            f"{name}={have.get(name, '<missing>')!r} (events: {value!r})"
+            for name, value in want.items()
+            if name != "stage" and have.get(name, "<missing>") != value
+        ]
+        if diff:
+            self.report.broken(seq, f"call {call_id}: stored state differs: {', '.join(diff)}")
 
     def _budgets(self, rows: Iterable[BudgetRow], last: int) -> None:
         stored = {(row.path, row.period): row for row in rows}
