@@ -34,6 +34,7 @@ from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.counts import parse_count
 from effectguard.rules.events import encode_body
 from effectguard.rules.prices import ModelPrice
+from effectguard.rules.quickinit import quick_init
 
 MAX_KEY_LENGTH = 255
 
@@ -44,6 +45,7 @@ def _base_path(base_url: str) -> str:
     return httpx.URL(base_url).path.rstrip("/")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A parsed and priced request, ready for admission."""

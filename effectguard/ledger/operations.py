@@ -37,6 +37,7 @@ from effectguard.rules.events import (
     WorkerTakenOver,
     seal,
 )
+from effectguard.rules.quickinit import quick_init
 from effectguard.rules.retention import decide_archived
 from effectguard.rules.settlement import settle_hold
 from effectguard.rules.workstate import WorkState
@@ -103,6 +104,7 @@ def append(
     return {c: calls[c] for c in touched}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """What admission decided: dispatch ``attempt``, replay, recover, join or refuse.

@@ -14,11 +14,13 @@ from typing import Literal
 from effectguard.errors import Refusal
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.guidance import decide_unknown, show_command, unknown_effect
+from effectguard.rules.quickinit import quick_init
 from effectguard.rules.workstate import WorkState
 
 Action = Literal["admit", "attempt", "provider_resend", "replay", "join", "refuse"]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The outcome of :func:`decide` (``refusal`` set only for ``refuse``)."""
@@ -115,6 +117,7 @@ def decide_retry(existing: WorkState | None) -> Decision:
     return Decision("admit")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class AdmitRequest:
     """Everything admission needs to know about one request."""

@@ -31,6 +31,7 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS
 from effectguard.rules.periods import DEFAULT_TZ, TOTAL, PeriodKind
+from effectguard.rules.quickinit import quick_init
 
 #: Where one node's counters for one period are kept: ``(path, period label)``.
 Key = tuple[str, str]
@@ -104,6 +105,7 @@ class BudgetPolicy:
         return self.rpm is not None or self.tpm is not None or self.concurrency is not None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class BudgetNode:
     """One node of the budget tree in one period: its limit and that period's counters."""
@@ -160,6 +162,7 @@ def check_admission(nodes: Mapping[str, BudgetNode], path: str, amount: int) -> 
     return None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Delta:
     """A change to the counters of one path and all its ancestors, each in its own period.

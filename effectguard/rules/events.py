@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from effectguard.rules.canonical import canonical_json as canonical_json  # re-exported
 from effectguard.rules.digest import event_digest as event_digest  # re-exported
+from effectguard.rules.quickinit import quick_init
 
 GENESIS_DIGEST = "0" * 64
 
@@ -408,14 +409,12 @@ def _field_reader(
     return reader
 
 
-def _register(cls: type[Event]) -> None:
-    for sub in cls.__subclasses__():
-        if sub.kind:
-            _KINDS[sub.kind] = sub
-        _register(sub)
-
-
-_register(Event)
+# Every kind defined above; events are built on every request's path, hence quick_init.
+_KINDS.update(
+    (cls.kind, quick_init(cls))
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, Event) and cls.kind
+)
 
 
 def event_from_data(kind: str, data: dict[str, Any]) -> Event:
@@ -432,6 +431,7 @@ def event_kinds() -> frozenset[str]:
     return frozenset(_KINDS)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class StoredEvent:
     """An event as stored: numbered, attributed, timestamped and chained."""

@@ -29,9 +29,11 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.money import MAX_CALL_NANOS, Nanos
 from effectguard.rules.prices import ModelPrice
+from effectguard.rules.quickinit import quick_init
 from effectguard.rules.workstate import WorkState
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What the provider answered to one attempt, in storable form."""
@@ -45,6 +47,7 @@ class Answer:
     effect_unknown: bool = False
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Settlement:
     """The observation's events, the call's outcome and the money it settled.

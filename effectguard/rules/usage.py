@@ -15,6 +15,7 @@ from typing import Any
 
 from effectguard.rules.money import MAX_CALL_NANOS, TOKENS_PER_MILLION, Nanos, nanos_to_usd
 from effectguard.rules.prices import ModelPrice
+from effectguard.rules.quickinit import quick_init
 
 __all__ = [
     "MAX_CHOICES",
@@ -53,6 +54,7 @@ class OutOfBounds(ValueError):
         self.field = field
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Tokens one call consumed, as the provider reports them.
@@ -75,6 +77,7 @@ class Usage:
         }
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class UsageResult:
     """Usage read from a response, and why it is not believed (``problem``), if it is not.

@@ -36,6 +36,7 @@ from effectguard.rules.events import (
     CallResendAuthorized,
     Event,
 )
+from effectguard.rules.quickinit import quick_init
 
 Stage = Literal[
     "new",
@@ -91,6 +92,7 @@ UNRESOLVED: Final[frozenset[Stage]] = frozenset({"in_flight", "effect_unknown"})
 RECONCILABLE: Final[frozenset[Stage]] = frozenset({"effect_unknown", "failed"})
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class WorkState:
     """One call's state, folded from its events."""
