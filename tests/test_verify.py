@@ -22,7 +22,7 @@ from effectguard.ledger import (
     sqliteevents,
     sqliterecords,
 )
-from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS
+from effectguard.ledger.rows import SLIM_FIELDS
 from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
@@ -508,7 +508,7 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 "SELECT id FROM worker_names WHERE name = ?", (state.worker,)
             ).fetchone()
             conn.execute(
-                f"INSERT INTO calls ({CALL_COLUMNS}, last_seq) VALUES ({', '.join('?' * 11)})",
+                f"INSERT INTO calls ({sqlitecalls.ROW_COLUMNS}) VALUES ({', '.join('?' * 14)})",
                 (*sqlitecalls.call_params(state, worker), tails[call_id]),
             )
         conn.execute("DELETE FROM budget_periods")
