@@ -184,7 +184,12 @@ class Queries:
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
-        )  # the writes:
+        )
+        self._writes(event_insert)
+
+    def _writes(self, event_insert: str) -> None:
+        """The inserts and upserts (``event_insert``: the events' columns as written)."""
+        m = self.mark
         self.insert_events = upsert("events", event_insert, m, None)
         self.upsert_calls = upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
         self.upsert_nodes = upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
