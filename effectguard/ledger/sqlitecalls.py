@@ -18,7 +18,7 @@ events (``effectguard bench ledger``). Since migration 14:
 
 The stage, budget, root, key, hash, provider, creation time and worker stay columns:
 every query that finds calls reads them. So do a call's model, cost and held amount
-(rows.SPEND_COLUMNS, about 20 B a call): the operator page's spend chart reads them for
+(rows.SPEND_COLUMNS, about 29 B a call): the operator page's spend chart reads them for
 every call of its window (``SqlReads.call_spend``), where folding each resolved call's
 events took 85 µs a call (4.3 s for 50,000). They are written with the row, at
 admission and whenever its state changes, so they cost no page of their own.
