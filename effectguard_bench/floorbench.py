@@ -30,18 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from effectguard.ledger import Ledger
+from effectguard.ledger import Ledger, sqlitecalls
 from effectguard.ledger.queries import SQLITE, upsert
-from effectguard.ledger.rows import CALL_COLUMNS, MUTABLE_CALL_COLUMNS, NODE_COLUMNS
+from effectguard.ledger.rows import NODE_COLUMNS
 from effectguard.ledger.sqliteevents import ALL_EVENTS, INSERT_COLUMNS
 from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.rules.events import stored_digest
 from effectguard_bench import ledgerbench, storagebench
 
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
-_UPSERT_CALL = upsert(
-    "calls", f"{CALL_COLUMNS}, last_seq", "?", (*MUTABLE_CALL_COLUMNS, "last_seq")
-).rows(1)
+_UPSERT_CALL = upsert("calls", sqlitecalls.ROW_COLUMNS, "?", sqlitecalls.MUTABLE_COLUMNS).rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
 _AT = 7  # the ``at`` column of INSERT_COLUMNS: an operation's rows share it
 
@@ -86,7 +84,7 @@ def _source(path: Path, calls: int) -> tuple[list[_Call], tuple[Any, ...], list[
         for row in rows:
             if row[2] is not None:
                 by_call.setdefault(row[2], []).append(row)
-        call_rows = conn.execute(f"SELECT {CALL_COLUMNS}, last_seq FROM calls").fetchall()
+        call_rows = conn.execute(f"SELECT {sqlitecalls.ROW_COLUMNS} FROM calls").fetchall()
         node = conn.execute(f"SELECT {NODE_COLUMNS} FROM budget_periods").fetchone()
         stored = [e for r in conn.execute(ALL_EVENTS) for e in events_from_row(r)]
     finally:

@@ -20,7 +20,7 @@ from effectguard.ledger import Ledger
 from effectguard.ledger.sqliteevents import ROW_EVENTS
 from effectguard.ops.cli import main
 from effectguard.ops.verify import verify_ledger
-from effectguard_bench import floorbench
+from effectguard_bench import floorbench, spendbench
 from effectguard_bench.recoverybench import build_ledger
 
 pytestmark = pytest.mark.slow
@@ -280,3 +280,15 @@ def test_instructions_ledger_harness_writes_pairs(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "103 calls completed"  # 100 to warm up, then the 3 asked
+
+
+async def test_spendbench_times_the_chart_over_every_call_it_filled(tmp_path: Path) -> None:
+    """The spend bench fills a ledger with completed calls, all in the chart's window, and
+    times each rendering of the chart over them."""
+    url = str(tmp_path / "spend.db")
+    await spendbench.fill(url, 30)
+    async with Ledger.open(url) as ledger:
+        spends = await ledger.call_spend(0.0, 100)
+    assert len(spends) == 30 and all(s.cost for s in spends)
+    times = await spendbench.time_spend(url, 2)
+    assert len(times) == 2 and all(t > 0 for t in times)

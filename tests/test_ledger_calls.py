@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sqlite3
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from test_store_contract import register
 from test_verify import request as verify_request
 
 from effectguard.ledger import AdmitRequest, Ledger, sqlitecalls, sqliteevents, sqlitereads
+from effectguard.ledger.rows import SLIM_FIELDS, STATE_FIELDS
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import Event
-from effectguard.rules.workstate import work_state
+from effectguard.rules.workstate import WorkState, as_dict, work_state
 
 R = 1000
 
@@ -115,3 +117,20 @@ def test_a_request_hash_is_stored_so_that_it_reads_back() -> None:
         key = sqlitecalls.hash_key(text)
         assert sqlitecalls.hash_from_key(key) == text
         assert isinstance(key, bytes) == (text == "ab" * 32)
+
+
+def test_migration_14_reads_a_calls_spend_from_a_state_in_any_stored_form() -> None:
+    """A state stored before migration 14 (an object, the array of every field, or the
+    slim array) gives its model, cost and held to the row's spend columns."""
+    state = WorkState(call_id="c", provider="p", model="m", cost=12, held=3, stage="completed")
+    fields = as_dict(state)
+    forms = [
+        json.dumps(fields),
+        json.dumps([fields[f] for f in STATE_FIELDS]),
+        json.dumps([fields[f] for f in SLIM_FIELDS]),
+    ]
+    for text in forms:
+        spend = [sqlitecalls.stored_field(text, f) for f in ("model", "cost", "held")]
+        assert spend == ["m", 12, 3], text
+    assert sqlitecalls.stored_field(None, "cost") is None
+    assert sqlitecalls.stored_field(json.dumps({"stage": "completed"}), "model") is None

@@ -8,6 +8,7 @@ end of every test.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from effectguard.errors import BodyMismatch, ConfigError, FencedError, ReconcileError
+from effectguard.ingress.admin.spend import spend_by_day
 from effectguard.ledger import (
     OPERATOR,
     AdmitRequest,
@@ -34,7 +36,7 @@ from effectguard.ledger import (
     open_store,
     operations,
 )
-from effectguard.ledger.base import Tx
+from effectguard.ledger.base import CallSpend, Tx
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
 from effectguard.rules.budget import BudgetNode
@@ -892,6 +894,73 @@ async def test_calls_are_listed_by_provider_and_creation_time(
     assert ids(await ledger.calls(budget=ns, since=moment)) == {last.call_id, other.call_id}
     recent = await ledger.calls(budget=ns, provider="openai", since=moment, limit=5)
     assert ids(recent) == {last.call_id} and recent[0].cost == 6
+
+
+async def _spend_ledger(ledger: Ledger, w1: Writer, ns: str) -> dict[str, str]:
+    """Calls of two providers and three models in every stage that carries money or none:
+    completed, failed, effect unknown (held), reconciled applied at a cost and not
+    applied, refused and in flight. Their call ids by name."""
+    made: dict[str, str] = {}
+
+    async def call(name: str, provider: str = "openai", model: str | None = "gpt-x") -> str:
+        request = dataclasses.replace(
+            req(ns, request_hash=f"hash-{name}"), provider=provider, model=model
+        )
+        admitted = await admit_ok(ledger, w1, request)
+        made[name] = admitted.call_id
+        return admitted.call_id
+
+    done = await call("completed")
+    await ledger.record(w1, done, 1, completion(done, f"{ns}/run", 5))
+    other = await call("other provider", provider="anthropic", model="claude")
+    await ledger.record(w1, other, 1, completion(other, f"{ns}/run", 7))
+    failed = await call("failed", model="gpt-y")
+    await ledger.record(w1, failed, 1, failure(failed, f"{ns}/run"))
+    unknown = await call("unknown")
+    await ledger.interrupt(w1, unknown, 1, "read timeout")
+    applied = await call("reconciled applied", model="gpt-y")
+    await ledger.interrupt(w1, applied, 1, "reset")
+    await ledger.reconcile(applied, applied=True, cost=2_500, note="n", by="ann")
+    not_applied = await call("reconciled not applied", provider="anthropic", model=None)
+    await ledger.interrupt(w1, not_applied, 1, "reset")
+    await ledger.reconcile(not_applied, applied=False, note="n", by="ann")
+    await call("in flight", provider="anthropic", model=None)
+    await ledger.set_limit(ns, 0)
+    refused = await ledger.admit(w1, req(ns, request_hash="hash-refused"))
+    assert refused.refusal is not None
+    made["refused"] = refused.call_id
+    await ledger.set_limit(ns, None)
+    return made
+
+
+async def test_call_spend_is_each_calls_money_as_its_state_has_it(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``call_spend`` gives, for the calls ``calls`` lists (by creation time and limit),
+    exactly the creation time, provider, model, cost and hold their states have, newest
+    first, without folding a call: the spend chart's table is the same from either."""
+    await _spend_ledger(ledger, w1, ns)
+    now = await ledger.store.clock_now()
+    since = now - 3600
+    spends = await ledger.call_spend(since, 100)
+    states = await ledger.calls(limit=100, since=since)
+    assert len(spends) == len(states) == 8
+    # Calls made in the same instant may list in either order: compared as multisets.
+    assert collections.Counter(spends) == collections.Counter(map(CallSpend.of, states))
+    assert [s.created_at for s in spends] == sorted((s.created_at for s in spends), reverse=True)
+    table = spend_by_day(spends, now=now, days=3)
+    assert table == spend_by_day(states, now=now, days=3)
+    today = {name: row[-1] for name, row in table.spent.items()}
+    assert today == {
+        "openai/gpt-x": 5,
+        "openai/gpt-y": R + 2_500,
+        "anthropic/claude": 7,
+    }
+    assert table.held == {"openai/gpt-x": R, "openai/gpt-y": 0, "anthropic/claude": 0}
+    assert table.calls == {"openai/gpt-x": 2, "openai/gpt-y": 2, "anthropic/claude": 1}
+    assert await ledger.call_spend(now + 1, 100) == []
+    newest = await ledger.call_spend(since, 3)
+    assert len(newest) == 3 and min(s.created_at for s in newest) >= spends[3].created_at
 
 
 class WriteBetweenReads:

@@ -22,7 +22,7 @@ from effectguard.ledger import (
     sqliteevents,
     sqliterecords,
 )
-from effectguard.ledger.rows import CALL_COLUMNS, SLIM_FIELDS
+from effectguard.ledger.rows import SLIM_FIELDS
 from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ops.verify import VerifyReport, verify_ledger
 from effectguard.rules.budget import fold as budget_fold
@@ -436,6 +436,30 @@ async def test_stage_column_disagreeing_with_events_is_named(built: Built) -> No
     assert any(built.in_flight in p for p in report.problems)
 
 
+@pytest.mark.parametrize(
+    ("call", "column", "value", "named"),
+    [
+        ("completed", "model", "gpt-cheap", "model='gpt-cheap' (events: 'gpt-x')"),
+        ("completed", "model", None, "model=None (events: 'gpt-x')"),
+        ("completed", "cost", 1, "cost=1 (events: 700)"),
+        ("reconciled", "cost", None, "cost=None (events: 400)"),
+        ("completed", "held", 5, "held=5 (events: 0)"),
+        ("in_flight", "cost", 0, "cost=0 (events: None)"),
+    ],
+)
+async def test_spend_column_disagreeing_with_events_is_named(
+    built: Built, call: str, column: str, value: object, named: str
+) -> None:
+    """A call's model, cost or held column (the spend chart reads them, for a resolved
+    call whose row keeps no state too) that is not its events' fold is named, column and
+    all, and nothing else is."""
+    call_id = getattr(built, call)
+    with raw(built.path) as conn:
+        conn.execute(f"UPDATE calls SET {column} = ? WHERE call_id = ?", (value, *key(call_id)))
+    report = await verify(built.path)
+    assert report.problems == [f"call {call_id}: columns differ: {named}"]
+
+
 # -- meaning: forgeries an attacker reseals and re-projects with the store's own code ------------
 @dataclass
 class Row:
@@ -508,7 +532,7 @@ def reseal(path: Path, edit: Callable[[list[Row]], list[Row]]) -> list[StoredEve
                 "SELECT id FROM worker_names WHERE name = ?", (state.worker,)
             ).fetchone()
             conn.execute(
-                f"INSERT INTO calls ({CALL_COLUMNS}, last_seq) VALUES ({', '.join('?' * 11)})",
+                f"INSERT INTO calls ({sqlitecalls.ROW_COLUMNS}) VALUES ({', '.join('?' * 14)})",
                 (*sqlitecalls.call_params(state, worker), tails[call_id]),
             )
         conn.execute("DELETE FROM budget_periods")

@@ -15,7 +15,15 @@ from typing import BinaryIO
 
 from effectguard.errors import CallNotFound, ConfigError
 from effectguard.ledger import decisions, evidence, keyops, operations
-from effectguard.ledger.base import OPERATOR, LedgerStore, Operation, Tx, Writer, bulky
+from effectguard.ledger.base import (
+    OPERATOR,
+    CallSpend,
+    LedgerStore,
+    Operation,
+    Tx,
+    Writer,
+    bulky,
+)
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
@@ -26,7 +34,16 @@ from effectguard.rules.workstate import Stage, WorkState
 
 log = logging.getLogger("effectguard.ledger")
 
-__all__ = ["OPERATOR", "AdmitRequest", "Admitted", "Ledger", "LedgerStore", "Writer", "open_store"]
+__all__ = [
+    "OPERATOR",
+    "AdmitRequest",
+    "Admitted",
+    "CallSpend",
+    "Ledger",
+    "LedgerStore",
+    "Writer",
+    "open_store",
+]
 
 
 def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerStore:
@@ -224,6 +241,12 @@ class Ledger:
         """Calls, newest first, optionally filtered by stage, budget subtree, provider and
         creation time (at or after ``since``, seconds since the epoch)."""
         return await self.store.list_calls(stage, budget, limit, provider=provider, since=since)
+
+    async def call_spend(self, since: float, limit: int = 1000) -> list[CallSpend]:
+        """What the spend chart needs of each call created at or after ``since`` (seconds
+        since the epoch), newest first, at most ``limit``: the calls ``calls(limit=limit,
+        since=since)`` lists, read without folding their events."""
+        return await self.store.call_spend(since, limit)
 
     async def policies(self) -> dict[str, BudgetPolicy]:
         """Every declared budget policy, by path."""

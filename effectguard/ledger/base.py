@@ -40,6 +40,24 @@ class Writer:
     generation: int
 
 
+@dataclass(frozen=True, slots=True)
+class CallSpend:
+    """What the spend chart needs of one call: when it was admitted, its provider and
+    model, its cost (settled, or decided by a reconciliation; nano-dollars, None before
+    any) and what it still holds. A store reads it without folding the call's events."""
+
+    created_at: float
+    provider: str
+    model: str | None
+    cost: int | None
+    held: int
+
+    @classmethod
+    def of(cls, state: WorkState) -> CallSpend:
+        """The spend of a call's state."""
+        return cls(state.created_at, state.provider, state.model, state.cost, state.held)
+
+
 #: Writer identity for operator tools (CLI reconcile, budget set): never fenced.
 OPERATOR = Writer("operator", 0)
 
@@ -225,6 +243,11 @@ class LedgerStore(Protocol):
         creation time (at or after ``since``)."""
         ...
 
+    async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
+        """The spend of up to ``limit`` calls created at or after ``since``, newest first
+        (the calls, in the order, that ``list_calls(limit=limit, since=since)`` lists)."""
+        ...
+
     async def kept_states(self) -> list[WorkState]:
         """Every call state the store keeps in its calls' rows, for ``verify`` (SQLite
         keeps a call's state only while it is unresolved and folds it from the events on
@@ -273,7 +296,8 @@ class LedgerStore(Protocol):
         ...
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
-        """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
+        """Every call's columns ``verify`` compares with its events: the indexed ones
+        (``rows.INDEX_COLUMNS``), then its spend (``rows.SPEND_COLUMNS``)."""
         ...
 
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:

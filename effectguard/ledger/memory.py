@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations
-from effectguard.ledger.base import Operation, WorkerRow, Writer
+from effectguard.ledger.base import CallSpend, Operation, WorkerRow, Writer
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
@@ -286,6 +286,9 @@ class MemoryStore:
         calls.sort(key=lambda s: s.created_at, reverse=True)
         return calls[:limit]
 
+    async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
+        return [CallSpend.of(s) for s in await self.list_calls(limit=limit, since=since)]
+
     async def budget_nodes(self) -> list[BudgetNode]:
         with self.tables.lock:
             return sorted(self.tables.nodes.values(), key=lambda n: n.key)
@@ -348,7 +351,9 @@ class MemoryStore:
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
         with self.tables.lock:
-            return [state_params(s)[:-1] for s in self.tables.calls.values()]
+            return [
+                (*state_params(s)[:-1], s.model, s.cost, s.held) for s in self.tables.calls.values()
+            ]
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[None]:

@@ -27,9 +27,11 @@ from effectguard.ledger.rows import (
     NODE_COLUMNS,
     POLICY_COLUMNS,
     SLIM_FIELDS,
+    SPEND_COLUMNS,
     STATE_FIELDS,
     WINDOW_COLUMNS,
     WORKER_COLUMNS,
+    limit_param,
     names,
 )
 from effectguard.rules.workstate import STAGES, UNRESOLVED, Stage
@@ -118,7 +120,8 @@ class Queries:
     ``newest_first`` orders :meth:`list_calls` (SQLite: by call id, which starts with
     the time in ms, so the table's own key serves it and no index is written);
     ``state`` is what a read of a call state selects (SQLite: ``sqlitecalls.CALL_READ``)
-    and ``index`` what a read of every call's indexed columns selects. Parameters that
+    and ``index`` what a read of every call's indexed columns selects; ``spend`` reads a
+    call's rows.SPEND_COLUMNS (PostgreSQL: from its state's JSON). Parameters that
     name a call, a request hash or a worker are the store's own forms of them (SQLite:
     bytes and ids, ledger/sqlitecalls).
     """
@@ -134,6 +137,7 @@ class Queries:
         newest_first: str = "created_at DESC",
         state: str = "state",
         index: str = INDEX_COLUMNS,
+        spend: str = SPEND_COLUMNS,
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -165,7 +169,12 @@ class Queries:
         self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
-        self.call_columns = f"SELECT {index} FROM calls"
+        self.call_columns = f"SELECT {index}, {spend} FROM calls"
+        #: The spend chart's read (ledger/base.CallSpend): no state, no events.
+        self.call_spend = (
+            f"SELECT created_at, provider, {spend} FROM calls WHERE created_at >= {m} "
+            f"ORDER BY {newest_first} LIMIT {m}"
+        )
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         #: Served by the partial index ``events_limits`` (the literal must match it).
@@ -175,7 +184,12 @@ class Queries:
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
             f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
-        )  # the writes:
+        )
+        self._writes(event_insert)
+
+    def _writes(self, event_insert: str) -> None:
+        """The inserts and upserts (``event_insert``: the events' columns as written)."""
+        m = self.mark
         self.insert_events = upsert("events", event_insert, m, None)
         self.upsert_calls = upsert("calls", CALL_COLUMNS, m, MUTABLE_CALL_COLUMNS)
         self.upsert_nodes = upsert("budget_periods", NODE_COLUMNS, m, names(NODE_COLUMNS)[2:], 2)
@@ -232,7 +246,7 @@ class Queries:
             params += self.subtree(budget)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         sql = f"SELECT {self.state} FROM calls {clause} ORDER BY {order} LIMIT {m}"
-        return sql, [*params, min(limit, (1 << 63) - 1)]
+        return sql, [*params, limit_param(limit)]
 
 
 SQLITE = Queries(
@@ -254,4 +268,11 @@ SQLITE = Queries(
     # index, calls_created, cost a b-tree page in every admission.
     newest_first="call_id DESC",
 )
-POSTGRES = Queries(mark="%s", false="false", held="(state::jsonb ->> 'held')::numeric")
+POSTGRES = Queries(
+    mark="%s",
+    false="false",
+    held="(state::jsonb ->> 'held')::numeric",
+    # Every state PostgreSQL stores is whole (rows.state_params), its money exact integers.
+    spend="state::jsonb ->> 'model', (state::jsonb ->> 'cost')::bigint, "
+    "coalesce((state::jsonb ->> 'held')::bigint, 0)",
+)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from effectguard.ledger.base import WorkerRow
+from effectguard.ledger.base import CallSpend, WorkerRow
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
@@ -27,6 +27,11 @@ CALL_COLUMNS = (
     "call_id, stage, budget, budget_root, idempotency_key, request_hash, provider, "
     "created_at, worker, state"
 )
+#: What the spend chart reads of a call (ledger/base.CallSpend) besides its provider and
+#: creation time, in this order: its model, its cost (settled, or decided by a
+#: reconciliation) and what it holds. SQLite keeps them as columns of the calls row
+#: (ledger/sqlitecalls); PostgreSQL reads them from the stored state.
+SPEND_COLUMNS = "model, cost, held"
 #: The call columns a later write may change. A call's budget, hash, provider and
 #: creation time come from its manifest and never change: leaving them out of an
 #: upsert leaves those columns' index pages unwritten.
@@ -160,6 +165,17 @@ def state_from_json(text: str) -> WorkState:
 def state_from_first(row: tuple[Any, ...] | Any) -> WorkState:
     """A call state from a row whose first column is its stored JSON (``state``)."""
     return state_from_json(row[0])
+
+
+def spend_from_row(row: tuple[Any, ...] | Any) -> CallSpend:
+    """A call's spend from a row of ``created_at, provider`` and :data:`SPEND_COLUMNS`."""
+    created_at, provider, model, cost, held = row
+    return CallSpend(float(created_at), provider, model, _int(cost), int(held))
+
+
+def limit_param(limit: int) -> int:
+    """A ``LIMIT`` parameter: ``limit``, at most the largest 64-bit integer."""
+    return min(limit, (1 << 63) - 1)
 
 
 def node_params(node: BudgetNode) -> tuple[Any, ...]:

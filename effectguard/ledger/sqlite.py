@@ -28,8 +28,6 @@ from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
 from effectguard.ledger.rows import (
-    CALL_COLUMNS,
-    MUTABLE_CALL_COLUMNS,
     key_from_row,
     key_params,
     node_from_row,
@@ -67,9 +65,7 @@ _ARCHIVED_KEY = (
 )
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
 #: A call's row with the seq of its last event (sqliteevents: how a call's events are found).
-_UPSERT_CALL = upsert(
-    "calls", f"{CALL_COLUMNS}, last_seq", "?", (*MUTABLE_CALL_COLUMNS, "last_seq")
-).rows(1)
+_UPSERT_CALL = upsert("calls", sqlitecalls.ROW_COLUMNS, "?", sqlitecalls.MUTABLE_COLUMNS).rows(1)
 _UPSERT_NODE = SQLITE.upsert_nodes.rows(1)
 _UPSERT_POLICY = SQLITE.upsert_policies.rows(1)
 _UPSERT_WINDOW = SQLITE.upsert_windows.rows(1)

@@ -79,13 +79,19 @@ def _fill_last_seq(conn: sqlite3.Connection) -> None:
 
 
 def _copy_calls(conn: sqlite3.Connection) -> None:
-    """Migration 14's copy of every call row: its key and hash as bytes, its worker by id."""
+    """Migration 14's copy of every call row: its key and hash as bytes, its worker by id,
+    its spend (model, cost, held) read from its state."""
     conn.create_function("eg_call_key", 1, sqliteevents.call_key, deterministic=True)
     conn.create_function("eg_hash_key", 1, sqlitecalls.hash_key, deterministic=True)
+    conn.create_function("eg_field", 2, sqlitecalls.stored_field, deterministic=True)
     conn.execute(
-        """INSERT INTO calls_v3 SELECT eg_call_key(call_id), stage, budget, budget_root,
+        """INSERT INTO calls_v3(call_id, stage, budget, budget_root, idempotency_key,
+            request_hash, provider, created_at, worker, state, last_seq, model, cost, held)
+        SELECT eg_call_key(call_id), stage, budget, budget_root,
             idempotency_key, eg_hash_key(request_hash), provider, created_at,
-            (SELECT n.id FROM worker_names n WHERE n.name = calls.worker), state, last_seq
+            (SELECT n.id FROM worker_names n WHERE n.name = calls.worker), state, last_seq,
+            eg_field(state, 'model'), eg_field(state, 'cost'),
+            coalesce(eg_field(state, 'held'), 0)
         FROM calls"""
     )
 
@@ -328,15 +334,17 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
     (
         14,
         "calls keyed by the call id's bytes, hashes as bytes, workers by id; "
-        "a state kept only while the call is unresolved",
+        "a state kept only while the call is unresolved; its spend in columns",
         [
             # See sqlitecalls: states stored before are copied as they are (and read).
+            # A call's model, cost and held amount are columns, for the spend chart.
             "INSERT OR IGNORE INTO worker_names(name) SELECT DISTINCT worker FROM calls",
             """CREATE TABLE calls_v3 (
                 call_id NOT NULL PRIMARY KEY, stage TEXT NOT NULL, budget TEXT NOT NULL,
                 budget_root TEXT NOT NULL, idempotency_key TEXT, request_hash NOT NULL,
                 provider TEXT NOT NULL, created_at REAL NOT NULL, worker NOT NULL, state TEXT,
-                last_seq INTEGER) WITHOUT ROWID""",
+                last_seq INTEGER, model TEXT, cost INTEGER, held INTEGER NOT NULL DEFAULT 0)
+                WITHOUT ROWID""",
             _copy_calls,
             "DROP TABLE calls",
             "ALTER TABLE calls_v3 RENAME TO calls",

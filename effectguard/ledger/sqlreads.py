@@ -14,13 +14,15 @@ from typing import Any, BinaryIO
 
 from effectguard.errors import BodyMismatch, LedgerCorrupt
 from effectguard.ledger import bodystore
-from effectguard.ledger.base import WorkerRow
+from effectguard.ledger.base import CallSpend, WorkerRow
 from effectguard.ledger.queries import Queries
 from effectguard.ledger.rows import (
     event_from_row,
     key_from_row,
+    limit_param,
     node_from_row,
     policy_from_row,
+    spend_from_row,
     state_from_first,
     window_from_row,
     worker_from_row,
@@ -107,6 +109,12 @@ class SqlReads(ABC):
         sql, params = self.queries.list_calls(stage, budget, limit, provider=provider, since=since)
         return await self._states(await self._fetch(sql, params))
 
+    async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
+        """The spend of up to ``limit`` calls created at or after ``since``, newest first,
+        read from the calls' rows (no state decoded, no events folded)."""
+        rows = await self._fetch(self.queries.call_spend, (since, limit_param(limit)))
+        return [spend_from_row(r) for r in rows]
+
     async def budget_nodes(self) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None)."""
         return [node_from_row(r) for r in await self._fetch(self.queries.all_nodes)]
@@ -133,7 +141,8 @@ class SqlReads(ABC):
         return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
-        """Every call's indexed columns (``rows.CALL_COLUMNS`` without ``state``)."""
+        """Every call's indexed columns (rows.INDEX_COLUMNS), then its spend
+        (rows.SPEND_COLUMNS)."""
         return [self.decode_index(r) for r in await self._fetch(self.queries.call_columns)]
 
     async def keys(self) -> list[LedgerKey]:

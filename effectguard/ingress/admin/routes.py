@@ -148,8 +148,8 @@ class AdminPage:
         asked = parse_count(days_text or "", 366)
         days = 14 if asked is None else min(max(asked, 1), 366)
         now = self._clock()
-        # Only the calls the window can show: a store may fold each one it lists.
-        calls = await self._ledger.calls(limit=SPEND_CALLS, since=now - days * DAY_S)
+        # Only the calls the window can show, and only their money: no call is folded.
+        calls = await self._ledger.call_spend(now - days * DAY_S, SPEND_CALLS)
         partial = None
         if len(calls) >= SPEND_CALLS and calls[-1].created_at > now - days * DAY_S:
             partial = calls[-1].created_at  # the window reaches past the calls read

@@ -2,7 +2,9 @@
 
 A call's money is charged to the day (UTC) it was admitted, as budget periods do
 (docs/contract.md §12): its settled cost (or the cost its reconciliation recorded) as ``spent``,
-and what an unknown effect still holds as ``held``.
+and what an unknown effect still holds as ``held``. A call is anything with those
+fields: the ledger's :class:`~effectguard.ledger.CallSpend` (what the page reads) or a
+whole :class:`~effectguard.rules.workstate.WorkState`.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from effectguard.rules.workstate import WorkState
+from typing import Protocol
 
 DAY_S = 86400
 
@@ -36,7 +37,22 @@ class SpendTable:
         return sorted(names, key=lambda s: (-self.total(s), -self.held.get(s, 0), s))
 
 
-def series_name(state: WorkState) -> str:
+class Spending(Protocol):
+    """What the chart reads of a call."""
+
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def cost(self) -> int | None: ...
+    @property
+    def held(self) -> int: ...
+
+
+def series_name(state: Spending) -> str:
     """A call's series: ``provider/model`` (``provider/-`` without a model)."""
     return f"{state.provider}/{state.model or '-'}"
 
@@ -46,7 +62,7 @@ def day_of(at: float) -> dt.date:
     return dt.datetime.fromtimestamp(at, dt.UTC).date()
 
 
-def spend_by_day(calls: Iterable[WorkState], *, now: float, days: int) -> SpendTable:
+def spend_by_day(calls: Iterable[Spending], *, now: float, days: int) -> SpendTable:
     """The last ``days`` days (ending today, UTC) of spend per provider and model."""
     last = day_of(now)
     window = tuple(last - dt.timedelta(days=days - 1 - i) for i in range(days))

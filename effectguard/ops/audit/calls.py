@@ -20,7 +20,9 @@ from effectguard.rules.events import StoredEvent
 OUTCOME_KINDS: Final = frozenset(
     {"attempt.observed", "attempt.not_sent", "attempt.interrupted", "budget.settled"}
 )
-#: The calls table's indexed columns, in the order the store gives them.
+#: The calls table's columns a store gives for each call, in its order: the indexed
+#: ones, then what the spend chart reads (SQLite keeps all of them in the row, also for
+#: a call whose row keeps no state).
 COLUMN_NAMES: Final = (
     "call_id",
     "stage",
@@ -31,6 +33,9 @@ COLUMN_NAMES: Final = (
     "provider",
     "created_at",
     "worker",
+    "model",
+    "cost",
+    "held",
 )
 #: Outcomes only the worker that started the attempt may write.
 OWN_OUTCOMES: Final = frozenset({"attempt.observed", "attempt.not_sent", "budget.settled"})
@@ -226,7 +231,7 @@ class CallFold:
         }
 
     def columns(self) -> dict[str, Any]:
-        """The indexed columns the store queries (a refused call frees its key)."""
+        """The columns the store queries (a refused call frees its key)."""
         p = self.projection()
         out = {name: p[name] for name in COLUMN_NAMES}
         if self.stage == "refused":

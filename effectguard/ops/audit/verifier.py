@@ -3,7 +3,7 @@
 :class:`Verifier` runs each event through the chain check, the writer rules, the call's
 legal sequence and the budget arithmetic; :meth:`Verifier.finish` then checks that every
 call ended in a stage (nothing required is missing) and that what the store keeps for
-speed (call states, their indexed columns, budget rows, worker rows, keys, rate
+speed (call states, their columns, budget rows, worker rows, keys, rate
 windows) equals the fold.
 """
 
@@ -55,7 +55,7 @@ class WorkerRow(NamedTuple):
     fenced: bool
 
 
-#: The calls table's indexed columns, in the order the store gives them.
+#: A call's columns, in the order the store gives them (calls.COLUMN_NAMES).
 CallColumns = tuple[Any, ...]
 
 
@@ -157,7 +157,7 @@ class Verifier:
             self.report.broken(seq, problem)
 
     def _columns(self, rows: Iterable[CallColumns]) -> set[str]:
-        """Compare each call row's indexed columns with the fold; the calls with a row."""
+        """Compare each call row's columns with the fold; the calls with a row."""
         found = set()
         for row in rows:
             found.add(str(row[0]))
@@ -176,7 +176,7 @@ class Verifier:
             ]
             if diff:
                 self.report.broken(
-                    fold.last_seq, f"call {row[0]}: indexed columns differ: {', '.join(diff)}"
+                    fold.last_seq, f"call {row[0]}: columns differ: {', '.join(diff)}"
                 )
         return found
 

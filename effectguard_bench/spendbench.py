@@ -1,0 +1,82 @@
+"""How long the operator page's spend chart takes on a SQLite ledger of N completed calls.
+
+    python -m effectguard_bench.spendbench --calls 50000 [--ledger PATH] [--repeats 5]
+
+Fills a ledger (unless ``--ledger`` names one already filled) with ``--calls`` calls
+admitted and completed now, as the guard records them (``ledgerbench``), then times the
+page's spend query and table (``AdminPage._spend``, the HTML included) over its default
+14-day window: every call is in the window. The fill is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from effectguard.config.settings import AdminSettings
+from effectguard.ingress.admin.routes import AdminPage
+from effectguard.ledger import Ledger
+from effectguard_bench import ledgerbench
+
+#: Concurrent callers while filling (group commit batches their writes).
+_FILLERS = 64
+
+
+async def fill(url: str, calls: int) -> None:
+    """Admit and complete ``calls`` calls on the ledger at ``url``."""
+    async with Ledger.open(url) as ledger:
+        writer = await ledgerbench.register(ledger, lease_s=3600)
+        budget = "bench/spend"
+        left = calls
+
+        async def caller() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                admitted = await ledger.admit(writer, ledgerbench.admit_request(budget))
+                if admitted.action != "admit":
+                    raise RuntimeError(f"admission refused: {admitted.refusal}")
+                events = ledgerbench.outcome_events(
+                    admitted.call_id, admitted.attempt, budget, ledgerbench.RESERVE
+                )
+                await ledger.record(writer, admitted.call_id, admitted.attempt, events)
+
+        await asyncio.gather(*(caller() for _ in range(_FILLERS)))
+
+
+async def time_spend(url: str, repeats: int) -> list[float]:
+    """Seconds each of ``repeats`` renderings of the spend chart took (the first one too)."""
+    async with Ledger.open(url) as ledger:
+        page = AdminPage(AdminSettings(), ledger)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            await page._spend(None)
+            times.append(time.perf_counter() - began)
+        return times
+
+
+def main() -> None:
+    """Fill a ledger (or take one) and print the spend chart's timings."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--calls", type=int, default=50_000)
+    parser.add_argument("--ledger", help="a SQLite ledger to time (kept; filled if new)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(args.ledger or Path(scratch) / "spend.db")
+        if not path.exists():
+            began = time.perf_counter()
+            asyncio.run(fill(str(path), args.calls))
+            print(f"filled {args.calls} calls in {time.perf_counter() - began:.1f} s")
+        times = asyncio.run(time_spend(str(path), args.repeats))
+    shown = ", ".join(f"{t * 1000:.0f}" for t in times)
+    print(f"spend chart: median {statistics.median(times) * 1000:.0f} ms ({shown} ms)")
+
+
+if __name__ == "__main__":
+    main()
