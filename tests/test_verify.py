@@ -38,6 +38,7 @@ from effectguard.rules.events import (
     StoredEvent,
     canonical_json,
     event_digest,
+    stored_digest,
 )
 from effectguard.rules.workstate import work_state
 
@@ -298,16 +299,7 @@ async def test_resealed_edit_is_caught_by_the_next_link(built: Built) -> None:
 
 def sealed(old: StoredEvent, data: dict[str, Any], prev: str) -> str:
     """``old``'s digest with ``data`` and predecessor ``prev``, as a forger computes it."""
-    return event_digest(
-        seq=old.seq,
-        kind=old.kind,
-        call_id=old.call_id,
-        data_json=canonical_json(data),
-        worker=old.worker,
-        generation=old.generation,
-        at=old.at,
-        prev_digest=prev,
-    )
+    return stored_digest(replace(old, data=data, prev_digest=prev))
 
 
 async def test_deleted_event_is_named(built: Built) -> None:
