@@ -1,11 +1,13 @@
-"""How long the operator page's spend chart takes on a SQLite ledger of N completed calls.
+"""How long the operator page's spend chart takes on a ledger of N completed calls.
 
-    python -m effectguard_bench.spendbench --calls 50000 [--ledger PATH] [--repeats 5]
+    python -m effectguard_bench.spendbench --calls 50000 [--ledger PATH | --pg DSN] [--repeats 5]
 
 Fills a ledger (unless ``--ledger`` names one already filled) with ``--calls`` calls
 admitted and completed now, as the guard records them (``ledgerbench``), then times the
 page's spend query and table (``AdminPage._spend``, the HTML included) over its default
-14-day window: every call is in the window. The fill is not timed.
+14-day window: every call is in the window. The fill is not timed. ``--pg`` fills and
+times a PostgreSQL ledger instead (give it a schema of its own: ``?schema=spendbench``;
+a schema that already holds calls is timed as it is).
 """
 
 from __future__ import annotations
@@ -60,20 +62,27 @@ async def time_spend(url: str, repeats: int) -> list[float]:
         return times
 
 
+async def _has_calls(url: str) -> bool:
+    async with Ledger.open(url) as ledger:
+        return bool(await ledger.calls(limit=1))
+
+
 def main() -> None:
     """Fill a ledger (or take one) and print the spend chart's timings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=50_000)
     parser.add_argument("--ledger", help="a SQLite ledger to time (kept; filled if new)")
+    parser.add_argument("--pg", help="a PostgreSQL ledger's DSN to time (filled if empty)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(args.ledger or Path(scratch) / "spend.db")
-        if not path.exists():
+        url = args.pg or str(path)
+        if not (asyncio.run(_has_calls(url)) if args.pg else path.exists()):
             began = time.perf_counter()
-            asyncio.run(fill(str(path), args.calls))
+            asyncio.run(fill(url, args.calls))
             print(f"filled {args.calls} calls in {time.perf_counter() - began:.1f} s")
-        times = asyncio.run(time_spend(str(path), args.repeats))
+        times = asyncio.run(time_spend(url, args.repeats))
     shown = ", ".join(f"{t * 1000:.0f}" for t in times)
     print(f"spend chart: median {statistics.median(times) * 1000:.0f} ms ({shown} ms)")
 
