@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,3 +142,11 @@ def test_workstate_replace_changes_only_what_it_is_given() -> None:
     after = replace(state, stage="completed", cost=5)
     assert after == dataclasses.replace(state, stage="completed", cost=5)
     assert state.stage == "in_flight"
+
+
+@pytest.mark.parametrize("cls", QUICK, ids=lambda c: c.__name__)
+def test_signature_is_the_dataclasses_own(cls: type) -> None:
+    reference = dataclasses.make_dataclass(
+        cls.__name__, [(f.name, f.type, _copy_field(f)) for f in dataclasses.fields(cls)]
+    )
+    assert inspect.signature(cls) == inspect.signature(reference)

@@ -23,6 +23,7 @@ it is applied to against the dataclass's own ``__init__``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -69,6 +70,11 @@ def quick_init(cls: type[T]) -> type[T]:
         # Pickling's default path calls __new__ without the fields.
         return _rebuild, (cls, {f.name: getattr(self, f.name) for f in fields})
 
+    # What inspect (and so hypothesis and help()) reports: the dataclass's own parameters.
+    declared = inspect.signature(cls.__init__)
+    cls.__signature__ = declared.replace(  # type: ignore[attr-defined]
+        parameters=list(declared.parameters.values())[1:]
+    )
     cls.__new__ = __new__  # type: ignore[method-assign,assignment]
     # The builder already ran the __init__; object.__init__ accepts the arguments again
     # because __new__ is overridden.
