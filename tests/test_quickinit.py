@@ -132,9 +132,16 @@ def test_refuses_classes_it_cannot_copy_faithfully() -> None:
     class NoSlots:
         x: int
 
-    for cls in (Mutable, Checked, NoSlots):
+    for cls in (Mutable, Checked, NoSlots, WorkState):  # WorkState: once is enough
         with pytest.raises(TypeError):
             quick_init(cls)
+
+
+def test_a_quick_class_takes_no_subclass() -> None:
+    with pytest.raises(TypeError, match="no subclasses"):
+
+        class Special(WorkState):
+            pass
 
 
 def test_workstate_replace_changes_only_what_it_is_given() -> None:

@@ -121,10 +121,10 @@ class Queries:
     the time in ms, so the table's own key serves it and no index is written);
     ``state`` is what a read of a call state selects (SQLite: ``sqlitecalls.CALL_READ``)
     and ``index`` what a read of every call's indexed columns selects; ``spend`` reads a
-    call's rows.SPEND_COLUMNS from ``spend_from`` (PostgreSQL: from its state's JSON,
-    decoded once a row by a lateral ``json_to_record``). Parameters that
-    name a call, a request hash or a worker are the store's own forms of them (SQLite:
-    bytes and ids, ledger/sqlitecalls).
+    call's rows.SPEND_COLUMNS from ``spend_from``, for the spend chart and verify, with no
+    state decoded (PostgreSQL: from its state's JSON, decoded once a row by a lateral
+    ``json_to_record``). Parameters that name a call, a request hash or a worker are the
+    store's own forms of them (SQLite: bytes and ids, ledger/sqlitecalls).
     """
 
     def __init__(
@@ -172,7 +172,6 @@ class Queries:
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self.call_columns = f"SELECT {index}, {spend} FROM {spend_from}"
-        #: The spend chart's read (ledger/base.CallSpend): no state, no events.
         self.call_spend = (
             f"SELECT created_at, provider, {spend} FROM {spend_from} WHERE created_at >= {m} "
             f"ORDER BY {newest_first} LIMIT {m}"
