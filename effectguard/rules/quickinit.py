@@ -15,7 +15,7 @@ makes an instance of a *builder*, a twin class with the same base and the same s
 no frozen ``__setattr__``, assigns each field directly, and then sets the instance's class
 to the frozen class. Python allows that assignment between classes whose layouts are the
 same, which the twin's is by construction. Building a ``WorkState`` this way takes about a
-sixth of the time the dataclass ``__init__`` takes.
+fifth of the time the dataclass ``__init__`` takes.
 
 tests/test_quickinit.py checks each class it is applied to against the dataclass's own
 ``__init__``.
