@@ -9,8 +9,11 @@ marked effect-unknown, and that the SDKs' own retries never re-send an effect.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import sys
 import threading
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -573,6 +576,33 @@ def test_abandoned_sync_stream_is_settled(ledger_path: str) -> None:
     assert (one(calls).stage, one(calls).cost) == ("completed", expected)
     assert (nodes["default"].reserved, nodes["default"].spent) == (0, expected)
     assert report.ok, report.problems
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 13),
+    reason="Python 3.13 is the first to warn of an async generator's aclose() never awaited",
+)
+def test_closing_the_sync_transport_finishes_abandoned_streams_quietly(ledger_path: str) -> None:
+    """A stream read half-way leaves async generators open on the portal's loop; closing
+    the transport finishes them there, so no "never awaited" warning reaches the user."""
+    upstream = Upstream(MESSAGE_STREAM, sync=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t = GuardTransport(ledger=ledger_path, settings=FAST)
+        with respx.mock(base_url=ANTHROPIC) as mock:
+            mock.post("/v1/messages").mock(side_effect=upstream)
+            stream = sync_anthropic(t).messages.create(
+                model=CLAUDE, max_tokens=512, messages=MESSAGES, stream=True
+            )
+            assert next(iter(stream)).type == "message_start"
+            stream.close()
+            assert upstream.read_to_end.wait(10)
+        t.close()
+        del t, stream
+        gc.collect()
+    unawaited = [str(w.message) for w in seen if "never awaited" in str(w.message)]
+    assert unawaited == []
+    assert one(snapshot(ledger_path)[0]).stage == "completed"
 
 
 @respx.mock(base_url=OPENAI)

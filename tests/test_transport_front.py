@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import anthropic
@@ -19,7 +20,7 @@ import httpx2
 import openai
 import pytest
 
-from effectguard import AsyncGuardTransport, ConfigError
+from effectguard import AsyncGuardTransport, ConfigError, GuardTransport
 from effectguard.ingress.httpx2 import AsyncHttpx2Transport
 from effectguard.providers import load_providers
 from effectguard.testing import FakeProvider, fake_provider
@@ -100,6 +101,29 @@ async def test_two_providers_on_one_url_are_told_apart_by_endpoint(
         ("anthropic", "claude-haiku-4-5", "completed"),
         ("openai", "gpt-4o-mini", "completed"),
     ]
+
+
+def test_two_clients_sharing_the_sync_transport_both_close(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Each client closes the GuardTransport it shares: the second close returns at once
+    (it used to wait forever for the portal loop the first close had stopped)."""
+    transport = GuardTransport(
+        ledger=str(tmp_path / "ledger.db"), upstreams={"openai": provider.url}
+    )
+    clients = [httpx.Client(transport=transport) for _ in range(2)]
+    body = {"model": "gpt-4o-mini", "messages": MESSAGES}
+    assert clients[0].post(provider.url + "/v1/chat/completions", json=body).status_code == 200
+
+    def close_both() -> None:
+        for client in clients:
+            client.close()
+
+    closer = threading.Thread(target=close_both, daemon=True)
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive(), "closing the shared transport a second time hung"
+    assert len(provider.effects()) == 1
 
 
 @pytest.mark.parametrize(

@@ -158,8 +158,19 @@ class _Portal:
         return future.result()
 
     def close(self) -> None:
+        # A stream its reader stopped early leaves async generators open on this loop
+        # (the guard's response body, the inner transport's): their aclose() has to run
+        # here, before the loop stops. Left to the collector, it is scheduled on a loop
+        # that never runs again, and Python 3.13 warns that it was never awaited.
+        self.run(self.loop.shutdown_asyncgens())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.loop.is_closed() or not self._thread.is_alive()
 
 
 class _ThreadedStream(httpx.AsyncByteStream):
@@ -292,5 +303,7 @@ class GuardTransport(httpx.BaseTransport):
         )
 
     def close(self) -> None:
+        if self._portal.closed:  # a second close: the loop that would run it is gone
+            return
         self._portal.run(self._async.aclose())
         self._portal.close()
