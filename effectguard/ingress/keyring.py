@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from effectguard.config.settings import ProxyKey, hash_key
 from effectguard.errors import Refusal
 from effectguard.ledger import Ledger
+from effectguard.rules import nesting
 from effectguard.rules.keys import LedgerKey
 
 log = logging.getLogger("effectguard.ingress.keyring")
@@ -69,7 +70,12 @@ def _model_of(body: bytes) -> str | None:
     """The ``model`` a JSON request body names (None when it names none or is not JSON)."""
     try:
         parsed = json.loads(body)
-    except (ValueError, RecursionError):  # too deep: prepare refuses it with 400 next
+    except (ValueError, RecursionError):  # not JSON, or deeper than the parser's stack
+        return None
+    # A body nested past the limit names no model either, whatever this interpreter's
+    # parser can read (3.13's reads 5,000 levels where 3.11's gives up): the answer to
+    # such a body is one 403, the same on every Python.
+    if nesting.depth_exceeds(parsed):
         return None
     model = parsed.get("model") if isinstance(parsed, dict) else None
     return model if isinstance(model, str) else None
