@@ -136,8 +136,8 @@ def test_endpoint_for_matches_method_path_and_params() -> None:
     assert models is not None and models.effect == "read_only"
     assert openai.endpoint_for("GET", "/v1/models/a/b") is None
     assert openai.endpoint_for("GET", "/v1/models/") is None
-    assert openai.endpoint_for("GET", "/v1/chat/completions") is None
-    assert openai.endpoint_for("POST", "/v1/chat/completions/x") is None
+    assert openai.endpoint_for("PUT", "/v1/chat/completions") is None
+    assert openai.endpoint_for("POST", "/v1/chat/completions/x/y") is None
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ def prepare(
     raw = request.body
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
-    parsed, hashed = _parse_body(provider, request, kind, content_type or "")
+    parsed, hashed = _parse_body(provider, request, path, endpoint, kind, content_type or "")
     model, price = _model_and_price(provider, endpoint, parsed)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
@@ -254,10 +254,17 @@ _MEDIA = {"json": "a JSON object", "form": "application/x-www-form-urlencoded"}
 
 
 def _parse_body(
-    provider: Provider, request: Outbound, kind: bodies.BodyKind, content_type: str
+    provider: Provider,
+    request: Outbound,
+    path: str,
+    endpoint: Endpoint,
+    kind: bodies.BodyKind,
+    content_type: str,
 ) -> tuple[dict[str, Any], Mapping[str, Any] | bytes]:
     """The request's fields, and what its hash is over (callpath/bodies); refused (400)
-    if it does not parse as its Content-Type. A flat tool provider may send no body."""
+    if it does not parse as its Content-Type. A request that needs no model may send no
+    body: a flat tool provider's, or one to an endpoint with a ``per_call`` price (a
+    ``DELETE``, a cancel)."""
     _check_identity_encoding(request)
     raw = request.body
     try:
@@ -275,10 +282,27 @@ def _parse_body(
             return bodies.part_fields(parts), {"parts": bodies.hashed_parts(parts)}
     except bodies.Malformed as exc:
         raise refuse(400, "invalid_request", str(exc)) from exc
-    if not raw and provider.dialect == "flat":
-        return {}, raw
+    if not raw:
+        if provider.dialect == "flat" or endpoint.per_call is not None:
+            return {}, raw
+        raise _no_body(provider, request.method, path)
     parsed = _parse_json(raw)
     return parsed, parsed or raw
+
+
+def _no_body(provider: Provider, method: str, path: str) -> Refusal:
+    """The refusal of a body-less request to an endpoint priced by the model its body
+    names: most often a read the provider's declaration does not list (undeclared
+    endpoints are guarded as billable, docs/contract.md §2.2)."""
+    declared = provider.endpoint_for(method, path) is not None
+    why = "" if declared else f" (provider {provider.name!r} does not declare it, so it is)"
+    return refuse(
+        400,
+        "invalid_request",
+        f"{method} {path} is guarded as billable{why}: its request must be a JSON object "
+        "naming a priced model, and this one has no body. If the endpoint has no effect, "
+        "declare it effect = \"read_only\" in a provider file (--providers DIR)",
+    )
 
 
 def _named_once(names: list[str], field: str) -> None:
