@@ -5,7 +5,8 @@ response, deleting a file, creating or reading an Anthropic message batch: the o
 anthropic SDKs make these calls beside their generations. Each is declared in the bundled
 provider files (docs/contract.md §2.4): a read passes through unrecorded, a change is
 guarded as an ``at_most_once`` call at 0 USD. Before they were declared, every body-less
-one was refused 400 as a billable request that is not JSON.
+one was refused 400 as a billable request that is not JSON. A background response,
+answered before it runs and without usage, is charged its reservation.
 
 The upstream is a recording server that answers every request with 200 and JSON, so the
 SDKs parse an answer; what reached it is counted there, never from the ledger.
@@ -271,6 +272,38 @@ async def test_stored_response_reads_and_deletes_through_the_transport(
     assert (got.call_count, gone.call_count) == (1, 1)
     (state,) = await transport.ledger.calls()
     assert (state.stage, state.cost) == ("completed", 0), state
+    await finish(transport)
+
+
+async def test_a_background_response_is_settled_at_its_reservation(
+    make_transport: Callable[..., AsyncGuardTransport],
+    finish: Callable[[AsyncGuardTransport], Awaitable[None]],
+) -> None:
+    """``background: true`` answers before the model runs, without usage: the call is
+    settled at its reservation and flagged, not at zero (docs/contract.md §2.4)."""
+    queued = {
+        "id": "resp_1",
+        "object": "response",
+        "status": "queued",
+        "background": True,
+        "model": "gpt-4o-mini",
+        "output": [],
+        "usage": None,
+    }
+    transport = make_transport()
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post("https://api.openai.com/v1/responses").respond(json=queued)
+        client = openai.AsyncOpenAI(
+            api_key="sk-x", max_retries=0, http_client=httpx.AsyncClient(transport=transport)
+        )
+        response = await client.responses.create(
+            model="gpt-4o-mini", input="hi", background=True, max_output_tokens=100
+        )
+    assert response.status == "queued"
+    (state,) = await transport.ledger.calls()
+    assert state.stage == "completed" and state.reserved_at_admission > 0
+    assert state.cost == state.reserved_at_admission, state
+    assert state.flagged == "usage missing: settled at reservation"
     await finish(transport)
 
 
