@@ -164,6 +164,20 @@ CASES: list[tuple[str, Call, str, str, bool]] = [
     ("files.delete", lambda e: e.openai.files.delete("file_1"), "DELETE", "/v1/files/file_1", True),
     ("batches.list", lambda e: e.openai.batches.list(), "GET", "/v1/batches", False),
     (
+        "vector_stores.retrieve",
+        lambda e: e.openai.vector_stores.retrieve("vs_1"),
+        "GET",
+        "/v1/vector_stores/vs_1",
+        False,
+    ),
+    (
+        "fine_tuning.jobs.list_events",
+        lambda e: e.openai.fine_tuning.jobs.list_events("ftjob_1"),
+        "GET",
+        "/v1/fine_tuning/jobs/ftjob_1/events",
+        False,
+    ),
+    (
         "anthropic batches.create",
         lambda e: e.anthropic.messages.batches.create(requests=[BATCH_REQUEST]),
         "POST",
@@ -240,10 +254,10 @@ def test_a_bodiless_request_to_an_undeclared_endpoint_says_why_it_is_refused(env
     """A GET the provider file does not list is guarded as billable: without a body it is
     refused 400 with what to do about it, and nothing reaches the provider."""
     seen_before = len(env.seen)
-    r = httpx.get(env.proxy.url + "/openai/v1/vector_stores/vs_1", timeout=10)
+    r = httpx.get(env.proxy.url + "/openai/v1/assistants/asst_1", timeout=10)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
-    assert "GET /v1/vector_stores/vs_1 is guarded as billable" in message
+    assert "GET /v1/assistants/asst_1 is guarded as billable" in message
     assert "does not declare it" in message and "read_only" in message
     assert len(env.seen) == seen_before
 
