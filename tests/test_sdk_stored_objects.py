@@ -178,6 +178,13 @@ CASES: list[tuple[str, Call, str, str, bool]] = [
         False,
     ),
     (
+        "moderations.create",
+        lambda e: e.openai.moderations.create(input="hi", model="omni-moderation-latest"),
+        "POST",
+        "/v1/moderations",
+        False,
+    ),
+    (
         "anthropic batches.create",
         lambda e: e.anthropic.messages.batches.create(requests=[BATCH_REQUEST]),
         "POST",
