@@ -301,7 +301,7 @@ def _no_body(provider: Provider, method: str, path: str) -> Refusal:
         "invalid_request",
         f"{method} {path} is guarded as billable{why}: its request must be a JSON object "
         "naming a priced model, and this one has no body. If the endpoint has no effect, "
-        "declare it effect = \"read_only\" in a provider file (--providers DIR)",
+        'declare it effect = "read_only" in a provider file (--providers DIR)',
     )
 
 
