@@ -259,14 +259,15 @@ def test_a_batch_creation_is_flagged_cost_deferred(env: Env) -> None:
 
 def test_a_bodiless_request_to_an_undeclared_endpoint_says_why_it_is_refused(env: Env) -> None:
     """A GET the provider file does not list is guarded as billable: without a body it is
-    refused 400 with what to do about it, and nothing reaches the provider."""
-    seen_before = len(env.seen)
+    refused 400 with what to do about it; nothing is recorded and nothing is sent."""
+    seen_before, calls_before = len(env.seen), _calls(env)
     r = httpx.get(env.proxy.url + "/openai/v1/assistants/asst_1", timeout=10)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "GET /v1/assistants/asst_1 is guarded as billable" in message
     assert "does not declare it" in message and "read_only" in message
     assert len(env.seen) == seen_before
+    assert _calls(env) == calls_before  # refused before anything was recorded
 
 
 # -- the same through the in-process transport ---------------------------------------------
