@@ -8,8 +8,9 @@ guarded as an ``at_most_once`` call at 0 USD. Before they were declared, every b
 one was refused 400 as a billable request that is not JSON. A background response,
 answered before it runs and without usage, is charged its reservation.
 
-The upstream is a recording server that answers every request with 200 and JSON, so the
-SDKs parse an answer; what reached it is counted there, never from the ledger.
+Through the proxy (slow: it starts processes), the upstream is a recording server that
+answers every request with 200 and JSON, so the SDKs parse an answer; what reached it is
+counted there, never from the ledger. Through the transport, the upstream is respx.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from observing import cli_json
 from effectguard import AsyncGuardTransport
 from effectguard.providers import load_providers
 from effectguard.testing import Proxy, running_proxy
-
-pytestmark = pytest.mark.slow
 
 BATCH_REQUEST = {
     "custom_id": "a",
@@ -226,6 +225,7 @@ def _calls(env: Env) -> dict[str, dict[str, Any]]:
     return {c["call_id"]: c for c in cli_json("calls", "--ledger", env.proxy.ledger)}
 
 
+@pytest.mark.slow  # starts the proxy
 @pytest.mark.parametrize(
     ("call", "method", "path", "effect"),
     [pytest.param(c, m, p, e, id=name) for name, c, m, p, e in CASES],
@@ -248,6 +248,7 @@ def test_sdk_call_reaches_the_provider_once_and_only_effects_are_calls(
     assert Decimal(made["cost_usd"]) == 0 and Decimal(made["held_usd"]) == 0, made
 
 
+@pytest.mark.slow  # starts the proxy
 def test_a_batch_creation_is_flagged_cost_deferred(env: Env) -> None:
     """An Anthropic batch is billed as it runs, apart from its creation: the creation's
     call says so."""
@@ -257,6 +258,7 @@ def test_a_batch_creation_is_flagged_cost_deferred(env: Env) -> None:
     assert made["flagged"].startswith("cost deferred"), made
 
 
+@pytest.mark.slow  # starts the proxy
 def test_a_bodiless_request_to_an_undeclared_endpoint_says_why_it_is_refused(env: Env) -> None:
     """A GET the provider file does not list is guarded as billable: without a body it is
     refused 400 with what to do about it; nothing is recorded and nothing is sent."""
