@@ -122,6 +122,18 @@ class Upstream(Protocol):
 Send = Callable[[Outbound], Awaitable[Upstream]]
 
 
+async def read_body(upstream: Upstream, limit: int) -> bytes | None:
+    """The answer's raw bytes, or None once they grow past ``limit`` (read no further)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in upstream.aiter_raw():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class ReplyStream(Protocol):
     """A body the client receives chunk by chunk."""
 

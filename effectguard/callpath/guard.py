@@ -16,7 +16,6 @@ same over httpx objects, for the transports):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,13 +24,14 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
-from effectguard.callpath.exchange import Outbound, Reply, Send, header_value
+from effectguard.callpath.exchange import Outbound, Reply, Send, header_value, read_body
 from effectguard.callpath.httpxshape import (
     HttpxSend,
     httpx_response,
     httpx_send,
     outbound_from_httpx,
 )
+from effectguard.callpath.join import join_call
 from effectguard.callpath.prepare import Prepared, prepare, refuse
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
@@ -40,6 +40,7 @@ from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.wire import (
+    answer_too_large,
     classify_transport_error,
     client_headers,
     recovered_response,
@@ -55,7 +56,6 @@ from effectguard.rules import budget as budgets
 from effectguard.rules import usage as usages
 from effectguard.rules.events import (
     AttemptNotSent,
-    AttemptObserved,
     BudgetReleased,
     Event,
 )
@@ -207,7 +207,7 @@ class Guard:
                 return recovered_response(admitted.call_id, admitted.recovered)
             return replay_response(admitted.call_id, admitted.observed)
         if admitted.action == "join":
-            return await self._join(admitted.call_id, prepared, report)
+            return await join_call(self.recorder, self.settings, admitted.call_id, prepared, report)
         self.recorder.started(admitted.call_id)
         # The dispatch runs in its own task: a caller that goes away does not cancel a
         # call the provider is already working on (docs/contract.md §3.8); it is read and settled.
@@ -367,16 +367,24 @@ class Guard:
         self.crash.hit("after:dispatch")
         content_type = header_value(response.headers, "content-type") or ""
         if content_type.startswith("text/event-stream") and 200 <= response.status < 300:
-            stream = GuardedStream(self.recorder, prepared, admitted, response, sent_at, report)
+            limit = self.settings.max_answer_bytes
+            stream = GuardedStream(
+                self.recorder, prepared, admitted, response, sent_at, report, limit
+            )
             headers = client_headers(response.headers, call_id)
             return Reply(response.status, headers, stream=stream, extensions=response.extensions)
         try:
             # Raw bytes: stored and forwarded exactly as received (we ask for identity).
-            body = b"".join([chunk async for chunk in response.aiter_raw()])
+            body = await read_body(response, self.settings.max_answer_bytes)
         except httpx.TransportError as exc:
             return await self._transport_failed(prepared, admitted, exc, report, sent_at)
         finally:
             await response.aclose()
+        if body is None:
+            report.upstream_s += time.perf_counter() - sent_at
+            why = "the answer was too large to observe"
+            reason = answer_too_large(response.status, self.settings.max_answer_bytes)
+            raise await self._effect_unknown(prepared, admitted, why, reason, 502)
         upstream = time.perf_counter() - sent_at
         report.upstream_s += upstream
         self.observer.upstream_seconds(provider.name, upstream)
@@ -428,52 +436,33 @@ class Guard:
                     retryable=True,
                 ),
             )
-        await self.recorder.interrupt_attempt(admitted, _describe(exc))
-        self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
         timeout = timed_out(exc)
-        raise refuse(
-            504 if timeout else 502,
+        why = f"the upstream {'timed out' if timeout else 'failed'} after the request was sent"
+        raise await self._effect_unknown(
+            prepared, admitted, why, _describe(exc), 504 if timeout else 502
+        ) from exc
+
+    async def _effect_unknown(
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        why: str,
+        reason: str,
+        status: int,
+    ) -> Refusal:
+        """Interrupt a dispatched attempt whose answer was not observed (``reason`` is
+        recorded as the attempt's), and the refusal that tells the client so."""
+        call_id = admitted.call_id
+        await self.recorder.interrupt_attempt(admitted, reason)
+        self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
+        return refuse(
+            status,
             "effect_unknown",
-            f"the upstream {'timed out' if timeout else 'failed'} after the request was sent; "
-            f"call {call_id} may have taken effect and will not be re-sent automatically "
-            f"({_describe(exc)}); {decide_unknown(call_id)}",
+            f"{why}; call {call_id} may have taken effect and will not be re-sent "
+            f"automatically ({reason}); {decide_unknown(call_id)}",
             call_id=call_id,
             stage="effect_unknown",
             next_operation="reconcile",
-        ) from exc
-
-    async def _join(self, call_id: str, prepared: Prepared, report: CallReport) -> Reply:
-        """A declared retry of an in-flight call waits for it and shares its result."""
-        deadline = time.monotonic() + self.settings.join_timeout_s
-        while True:
-            state = await self.ledger.store.get_call(call_id)
-            if state is None or state.stage != "in_flight" or time.monotonic() > deadline:
-                break
-            local = self.recorder.waiter(call_id)
-            if local is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(local.wait(), timeout=self.settings.join_poll_s * 20)
-            else:
-                await asyncio.sleep(self.settings.join_poll_s)
-        stage = state.stage if state else "missing"
-        if stage in ("completed", "failed", "not_processed"):
-            events = await self.ledger.events(call_id)
-            observed = [e.event for e in events if e.kind == AttemptObserved.kind]
-            last = observed[-1] if observed else None
-            assert last is None or isinstance(last, AttemptObserved)
-            self.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
-            from_state(report, state, "joined")
-            return replay_response(call_id, last)
-        reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
-        self.observer.refused(prepared.provider.name, reason)
-        raise refuse(
-            409,
-            reason,
-            f"this request retries call {call_id}, which is {stage}"
-            + (f"; {decide_unknown(call_id)}" if reason == "effect_unknown" else ""),
-            call_id=call_id,
-            stage=stage,
-            next_operation="reconcile" if reason == "effect_unknown" else "resend",
         )
 
 

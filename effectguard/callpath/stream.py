@@ -8,6 +8,8 @@ observed and settled durably before the stream's terminal event is released.
   of stream (EOF) before the terminal event is such a break, however cleanly the
   upstream closed the connection: a close-delimited stream cut short looks clean
   to HTTP, and only the event stream itself knows it is incomplete (docs/contract.md §12).
+* A stream larger than ``max_answer_bytes`` is broken off there, as above: the whole
+  of it is kept for the ledger, so an endless stream must not be read forever.
 * A client that goes away (``aclose`` before the end) does not cancel the
   call: the upstream is read to its end in the background, then recorded and
   settled (docs/contract.md §3.8).
@@ -23,6 +25,7 @@ import httpx
 from effectguard.callpath.exchange import Upstream
 from effectguard.callpath.prepare import Prepared
 from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.wire import answer_too_large
 from effectguard.errors import Refusal
 from effectguard.ledger import Admitted
 from effectguard.rules.streamusage import StreamUsage
@@ -45,7 +48,10 @@ class GuardedStream:
         upstream: Upstream,
         sent_at: float,
         report: CallReport,
+        limit: int,
     ) -> None:
+        """``limit``: the most bytes of the stream read (``max_answer_bytes``); past it the
+        stream is broken off, since the whole of it is kept for the ledger."""
         self._recorder = recorder
         self._prepared = prepared
         self._admitted = admitted
@@ -53,6 +59,8 @@ class GuardedStream:
         self._chunks: AsyncIterator[bytes] = upstream.aiter_raw()
         self._parser = StreamUsage(prepared.provider.dialect, prepared.path)
         self._received: list[bytes] = []
+        self._size = 0
+        self._limit = limit
         self._sent_at = sent_at
         #: The request's report, handed to the observer when the stream settles.
         self._report = report
@@ -79,6 +87,11 @@ class GuardedStream:
             except httpx.TransportError as exc:
                 await self._broken(str(exc))
                 raise self._broken_error(str(exc)) from exc
+            self._size += len(chunk)
+            if self._size > self._limit:
+                why = answer_too_large(self._upstream.status, self._limit)
+                await self._broken(why)
+                raise self._broken_error(why)
             offset = self._parser.fed
             self._take(chunk)
             if self._parser.finished:

@@ -172,6 +172,14 @@ def error_response(
 SendOutcome = Literal["not_sent", "unknown"]
 
 
+def answer_too_large(status: int, limit: int) -> str:
+    """Why an attempt whose answer outgrew ``max_answer_bytes`` is effect unknown."""
+    return (
+        f"the provider's {status} answer grew past max_answer_bytes ({limit} bytes) "
+        "and was not read further"
+    )
+
+
 def classify_transport_error(exc: BaseException) -> SendOutcome:
     """Whether a transport error proves the request never left (docs/contract.md §3.4).
 

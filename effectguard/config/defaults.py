@@ -12,6 +12,10 @@ LEDGER_ENV = "EFFECTGUARD_LEDGER"
 HOST = "127.0.0.1"
 PORT = 8787
 MAX_BODY_BYTES = 10 * 1024 * 1024
+#: A billable answer larger than this is not read further: the call is effect unknown.
+#: Above the largest real answers of the declared endpoints (ten base64 images, about
+#: 40 MB), and it keeps one misbehaving upstream from exhausting the proxy's memory.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 #: A multipart body larger than this is spooled to a file (ingress/spool.py).
 SPOOL_BODY_BYTES = 1024 * 1024
 DRAIN_TIMEOUT_S = 30.0

@@ -33,6 +33,7 @@ Config file reference (every table optional)::
     create_budgets = true       # false: an unknown budget path is refused (403)
     reconcile_hook = "app.hooks:did_it_happen"  # optional: the application answers
     reconcile_hook_timeout_s = 5                # past this, the hook's answer is unknown
+    max_answer_bytes = 67108864 # a billable answer larger than this: effect unknown, 502
 
     [upstream]
     connect_timeout_s = 10
@@ -98,6 +99,9 @@ class GuardSettings:
     reconcile_hook: str | None = None
     #: How long the hook may take before its answer counts as unknown.
     reconcile_hook_timeout_s: float = 5.0
+    #: A billable answer (body or event stream) is read to at most this many bytes; past
+    #: it the attempt is interrupted (effect unknown), never held whole in memory.
+    max_answer_bytes: int = defaults.MAX_ANSWER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +392,9 @@ def _guard(guard: Mapping[str, Any]) -> GuardSettings:
         reconcile_hook=_hook_spec(guard),
         reconcile_hook_timeout_s=values.number(
             guard, "reconcile_hook_timeout_s", g.reconcile_hook_timeout_s, "guard"
+        ),
+        max_answer_bytes=int(
+            values.positive(guard, "max_answer_bytes", g.max_answer_bytes, "guard")
         ),
     )
 

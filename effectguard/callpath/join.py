@@ -1,0 +1,62 @@
+"""Joining: a declared retry of a call still in flight waits for that call and shares
+its result, instead of sending it again (docs/contract.md §4)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from effectguard.callpath.exchange import Reply
+from effectguard.callpath.prepare import Prepared, refuse
+from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.reports import from_state
+from effectguard.callpath.wire import replay_response
+from effectguard.config.settings import GuardSettings
+from effectguard.rules.events import AttemptObserved
+from effectguard.rules.guidance import decide_unknown
+from effectguard.telemetry.report import CallReport
+
+
+async def join_call(
+    recorder: Recorder,
+    settings: GuardSettings,
+    call_id: str,
+    prepared: Prepared,
+    report: CallReport,
+) -> Reply:
+    """Wait for ``call_id`` to leave ``in_flight`` (at most ``join_timeout_s``); its
+    recorded answer, or 409 if it ended without one."""
+    ledger = recorder.ledger
+    deadline = time.monotonic() + settings.join_timeout_s
+    while True:
+        state = await ledger.store.get_call(call_id)
+        if state is None or state.stage != "in_flight" or time.monotonic() > deadline:
+            break
+        local = recorder.waiter(call_id)
+        if local is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(local.wait(), timeout=settings.join_poll_s * 20)
+        else:
+            await asyncio.sleep(settings.join_poll_s)
+    stage = state.stage if state else "missing"
+    observer = recorder.observer
+    if stage in ("completed", "failed", "not_processed"):
+        events = await ledger.events(call_id)
+        observed = [e.event for e in events if e.kind == AttemptObserved.kind]
+        last = observed[-1] if observed else None
+        assert last is None or isinstance(last, AttemptObserved)
+        observer.request_done(prepared.provider.name, prepared.model or "", "joined")
+        from_state(report, state, "joined")
+        return replay_response(call_id, last)
+    reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
+    observer.refused(prepared.provider.name, reason)
+    raise refuse(
+        409,
+        reason,
+        f"this request retries call {call_id}, which is {stage}"
+        + (f"; {decide_unknown(call_id)}" if reason == "effect_unknown" else ""),
+        call_id=call_id,
+        stage=stage,
+        next_operation="reconcile" if reason == "effect_unknown" else "resend",
+    )
