@@ -7,8 +7,9 @@ endless event stream was read until the process died, with every call in flight.
 the limit the attempt is now interrupted: effect unknown, its reservation held, never
 re-sent (docs/contract.md §3.4).
 
-The in-process tests mock the upstream with respx; the proxy tests run a real upstream
-that answers too much only when asked to, with good traffic alongside.
+The in-process tests mock the upstream with respx; the proxy test runs the fake provider,
+asked to answer without end (``x-fake-behaviour: endless``) by some requests only, with
+good traffic alongside, and counts what was sent with its receipts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,9 @@ from effectguard import AsyncGuardTransport
 from effectguard.config.settings import GuardSettings, load_settings
 from effectguard.errors import ConfigError
 from effectguard.ledger import Ledger
+from effectguard.ops.verify import verify_ledger
 from effectguard.rules.events import AttemptInterrupted
-from effectguard.testing import running_proxy
+from effectguard.testing import fake_provider, running_proxy
 
 URL = "https://api.openai.com/v1/chat/completions"
 CHAT = "/openai/v1/chat/completions"
@@ -193,127 +193,59 @@ def test_the_limit_is_read_from_the_guard_table(tmp_path: Path) -> None:
 
 # -- through a real proxy, with good traffic alongside --------------------------------------
 
-
-class Oversized:
-    """A real upstream: a request whose body holds ``"big"`` gets an endless answer (a
-    JSON body, or an event stream if it asked for one); any other, a small completion."""
-
-    def __init__(self) -> None:
-        self.received = 0
-        self.cut_off = 0  # endless answers the proxy stopped reading (the socket closed)
-        self._lock = threading.Lock()
-        self._server = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-
-    def __enter__(self) -> Oversized:
-        threading.Thread(target=self._accept, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while True:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, data = data.partition(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                while len(data) < length:
-                    data += conn.recv(65536)
-                body, data = data[:length], data[length:]
-                with self._lock:
-                    self.received += 1
-                if b"big" not in body:
-                    answer = completion(300)
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                        b"content-length: %d\r\n\r\n%s" % (len(answer), answer)
-                    )
-                    continue
-                stream = json.loads(body).get("stream", False)
-                kind = b"text/event-stream" if stream else b"application/json"
-                try:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\n\r\n" % kind)
-                    while True:  # close-delimited and endless
-                        conn.sendall(DELTA * 16)
-                except OSError:
-                    with self._lock:
-                        self.cut_off += 1
-                return
-
-
-@pytest.fixture
-def oversized() -> Iterator[Oversized]:
-    with Oversized() as upstream:
-        yield upstream
+ENDLESS = {"x-fake-behaviour": "endless"}
 
 
 @pytest.mark.slow
-def test_endless_answers_are_cut_off_while_good_calls_complete(
-    tmp_path: Path, oversized: Oversized
-) -> None:
+def test_endless_answers_are_cut_off_while_good_calls_complete(tmp_path: Path) -> None:
+    """The fake provider answers some calls without end: those are 502 effect_unknown (or
+    a stream cut off with an error), each sent once; 40 ordinary calls and two answers
+    padded to half the limit, all alongside, complete."""
     config = tmp_path / "c.toml"
     config.write_text(f"[guard]\nmax_answer_bytes = {LIMIT}\n")
     ledger = tmp_path / "ledger.db"
 
-    async def run(url: str) -> tuple[list[httpx.Response], list[tuple[str, str]]]:
+    async def run(url: str) -> tuple[list[httpx.Response], list[str]]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
 
-            async def good(i: int) -> httpx.Response:
-                return await client.post(CHAT, json=chat(f"good {i}"))
-
-            async def big_stream() -> tuple[str, str]:
-                async with client.stream("POST", CHAT, json=chat("big", stream=True)) as r:
+            async def endless_stream() -> str:
+                body = chat("big", stream=True)
+                async with client.stream("POST", CHAT, json=body, headers=ENDLESS) as r:
                     try:
                         async for _ in r.aiter_raw():
                             pass
                     except httpx.RemoteProtocolError as exc:
-                        return r.headers[CALL_ID], str(exc)
-                    return r.headers[CALL_ID], "ended cleanly"
+                        return str(exc)
+                    return "ended cleanly"
 
-            goods = [good(i) for i in range(40)]
-            bigs = [client.post(CHAT, json=chat("big")) for _ in range(3)]
-            results = await asyncio.gather(*goods, *bigs, *(big_stream() for _ in range(3)))
-            answers = [r for r in results if isinstance(r, httpx.Response)]
-            streams = [r for r in results if isinstance(r, tuple)]
-            return answers, streams
+            half = {"x-fake-behaviour": f"pad={LIMIT // 2}"}
+            answers = [client.post(CHAT, json=chat(f"good {i}")) for i in range(40)]
+            answers += [client.post(CHAT, json=chat("half"), headers=half) for _ in range(2)]
+            answers += [client.post(CHAT, json=chat("big"), headers=ENDLESS) for _ in range(3)]
+            streams = [endless_stream() for _ in range(3)]
+            results = await asyncio.gather(asyncio.gather(*answers), asyncio.gather(*streams))
+            return results[0], results[1]
 
-    with running_proxy(
-        ledger, upstreams={"openai": oversized.url}, args=["--config", str(config)]
-    ) as proxy:
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(
+            ledger, upstreams={"openai": fake.url}, args=["--config", str(config)]
+        ) as proxy,
+    ):
         answers, streams = asyncio.run(run(proxy.url))
-    statuses = sorted(a.status_code for a in answers)
-    assert statuses == [200] * 40 + [502] * 3
-    for answer in answers:
-        if answer.status_code == 502:
-            assert answer.json()["error"]["type"] == "effect_unknown"
-    assert [why for _, why in streams] != ["ended cleanly"] * 3
-    assert all("peer closed" in why or "incomplete" in why for _, why in streams), streams
-    assert oversized.received == 46  # each sent once: nothing re-sent on a guess
-    assert oversized.cut_off == 6
+        receipts = fake.receipts()
+    assert [a.status_code for a in answers] == [200] * 42 + [502] * 3
+    assert all(a.json()["error"]["type"] == "effect_unknown" for a in answers[42:])
+    assert "ended cleanly" not in streams
+    assert len(receipts) == 48  # each sent once: nothing re-sent on a guess
+    assert sum(r["behaviour"] == "endless" for r in receipts) == 6
 
     async def stages() -> dict[str, int]:
         async with Ledger.open(str(ledger)) as opened:
             counts: dict[str, int] = {}
             for call in await opened.calls():
                 counts[call.stage] = counts.get(call.stage, 0) + 1
+            assert (await verify_ledger(opened)).ok
             return counts
 
-    assert asyncio.run(stages()) == {"completed": 40, "effect_unknown": 6}
+    assert asyncio.run(stages()) == {"completed": 42, "effect_unknown": 6}

@@ -435,3 +435,40 @@ def test_behaviour_times_applies_to_the_first_requests_of_an_id(provider: FakePr
     statuses = [post(provider, CHAT, {"model": "m"}, **headers).status_code for _ in range(3)]
     assert statuses == [429, 200, 200]
     assert [r["behaviour"] for r in provider.receipts()] == ["status=429;id=a;times=1", "", ""]
+
+
+def test_behaviour_pad_makes_answers_larger_and_still_well_formed(provider: FakeProvider) -> None:
+    """pad=N: a JSON body N bytes longer (trailing whitespace), a stream with its first event
+    repeated; both still parse and still end with their usage."""
+    plain = {"model": "m", "messages": USER}
+    small = post(provider, CHAT, plain)
+    big = post(provider, CHAT, plain, **{"x-fake-behaviour": "pad=100000"})
+    assert len(big.content) == len(small.content) + 100_000
+    assert big.json()["usage"] == small.json()["usage"]
+    with httpx.stream(
+        "POST",
+        provider.url + CHAT,
+        json={**plain, "stream": True, "stream_options": {"include_usage": True}},
+        headers={"x-fake-behaviour": "pad=50000"},
+    ) as response:
+        text = response.read().decode()
+    assert len(text) > 50_000 and text.endswith("data: [DONE]\n\n")
+    assert sse_data(text)[-1]["usage"] is not None
+    assert [r["behaviour"] for r in provider.receipts()] == ["", "pad=100000", "pad=50000"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_behaviour_endless_never_ends_the_answer(provider: FakeProvider, stream: bool) -> None:
+    """endless: the answer goes on (here, past 4 MiB) until the client hangs up; one receipt."""
+    body = {"model": "m", "messages": USER, "stream": stream}
+    seen = 0
+    with httpx.stream(
+        "POST", provider.url + CHAT, json=body, headers={"x-fake-behaviour": "endless"}
+    ) as response:
+        for chunk in response.iter_raw():
+            seen += len(chunk)
+            if seen > 4 << 20:
+                break
+    assert seen > 4 << 20
+    assert [r["behaviour"] for r in provider.receipts()] == ["endless"]
+    assert post(provider, CHAT, body).status_code == 200  # and it still serves others

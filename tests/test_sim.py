@@ -38,7 +38,7 @@ from effectguard.testing.sim.command import run_schedule
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.invariants import INVARIANTS, check, overshoots
 from effectguard.testing.sim.pgcluster import unavailable_reason
-from effectguard.testing.sim.schedule import Call, Fault, Schedule, generate
+from effectguard.testing.sim.schedule import MAX_ANSWER_BYTES, Call, Fault, Schedule, generate
 
 SEEDS = Path(__file__).parent / "sim_seeds.txt"
 PG_DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
@@ -90,6 +90,23 @@ def test_ledger_faults_are_drawn_only_when_asked() -> None:
     assert {f.kind for s in pg for f in s.faults} & {"read_only", "disk_full"} == set()
     assert {f.replica for f in read_only + outages} == {0}
     assert {f.point for f in outages} == {"fast", "immediate"}
+
+
+def test_answer_faults_are_drawn_only_when_asked() -> None:
+    """--answer-faults makes some calls' answers endless and pads others to half the run's
+    max_answer_bytes, changing nothing else; every schedule drawn without it is unchanged."""
+    for seed in range(10):
+        plain = generate(seed, 30.0)
+        assert plain == generate(seed, 30.0, answer_faults=False)
+        faulty = generate(seed, 30.0, answer_faults=True)
+        assert faulty.faults == plain.faults and len(faulty.calls) == len(plain.calls)
+        for was, now in zip(plain.calls, faulty.calls, strict=True):
+            assert dataclasses.replace(now, behaviour=was.behaviour) == was
+            assert now.behaviour in (was.behaviour, "endless", f"pad={MAX_ANSWER_BYTES // 2}")
+    behaviours = [
+        c.behaviour for s in range(10) for c in generate(s, 30.0, answer_faults=True).calls
+    ]
+    assert "endless" in behaviours and f"pad={MAX_ANSWER_BYTES // 2}" in behaviours
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -390,3 +407,17 @@ def test_postgres_outage_keeps_every_invariant(tmp_path: Path) -> None:
     refused = [a for a in result.evidence.answers if a.error_type == "ledger_unavailable"]
     assert refused, result.summary()
     assert result.ok, result.summary() + "\n" + "\n".join(map(str, result.violations))
+
+
+@pytest.mark.slow
+def test_endless_and_padded_answers_keep_every_invariant(tmp_path: Path) -> None:
+    """--answer-faults against a real proxy: endless answers are cut off at the run's
+    max_answer_bytes (their calls effect_unknown and held), padded ones complete, and
+    every invariant holds. No process faults and no budget limits here, so that every
+    call reaches the provider (seeds with both run as `effectguard sim --answer-faults`)."""
+    drawn = generate(5002, 6.0, answer_faults=True)
+    schedule = dataclasses.replace(drawn, faults=(), limits=dict.fromkeys(drawn.limits))
+    result = run_schedule(schedule, tmp_path / "run", bundle=tmp_path / "bundle")
+    assert result.ok, result.summary() + "\n" + "\n".join(map(str, result.violations))
+    applied = {r["behaviour"] for r in result.evidence.receipts}
+    assert {"endless", f"pad={MAX_ANSWER_BYTES // 2}"} <= applied, applied

@@ -14,6 +14,11 @@ SPEC is ``;``-separated ``name=value`` items (a bare name means ``name=1``):
                 cleanly (a FIN): to HTTP the body simply ended. A non-stream
                 answer is sent whole
 ``reset=K``     send K chunks, then reset the connection (TCP RST)
+``endless``     never end the answer: a JSON body is followed by whitespace, a
+                stream's first event is repeated, until the client goes away
+``pad=N``       make the answer about N bytes larger (a JSON body: trailing
+                whitespace; a stream: its first event repeated), then end it
+                as usual
 ``id=X``        with ``times=N``: the behaviour applies to the first N requests
 ``times=N``     carrying ``id=X``; later ones get a plain answer, so a retry
                 after a 429 or a 5xx can succeed
@@ -30,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from aiohttp import web
@@ -43,6 +48,7 @@ __all__ = [
     "Behaviour",
     "Ending",
     "UseCounter",
+    "padded",
     "parse",
     "send_answer",
 ]
@@ -52,7 +58,7 @@ TAG_HEADER = "x-fake-tag"
 
 #: How the answer ends: whole; no answer at all; a clean EOF, a FIN or a RST after K chunks;
 #: or a close-delimited stream closed cleanly after K chunks.
-Ending = Literal["whole", "drop", "cut", "break", "reset", "close"]
+Ending = Literal["whole", "drop", "cut", "break", "reset", "close", "endless"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,7 @@ class Behaviour:
     after: int = 0
     id: str | None = None
     times: int | None = None
+    pad: int = 0
 
     def render(self) -> str:
         """The header value that :func:`parse` turns back into this behaviour."""
@@ -73,14 +80,16 @@ class Behaviour:
             items.append(f"delay={self.delay:g}")
         if self.status is not None:
             items.append(f"status={self.status}")
-        if self.ending == "drop":
-            items.append("drop")
+        if self.ending in ("drop", "endless"):
+            items.append(self.ending)
         elif self.ending in ("cut", "reset", "close"):
             items.append(f"{self.ending}={self.after}")
         if self.id is not None:
             items.append(f"id={self.id}")
         if self.times is not None:
             items.append(f"times={self.times}")
+        if self.pad:
+            items.append(f"pad={self.pad}")
         return ";".join(items)
 
 
@@ -91,13 +100,15 @@ def parse(text: str) -> Behaviour:
         name, _, value = item.strip().partition("=")
         if name:
             fields[name] = value or "1"
-    unknown = fields.keys() - {"delay", "status", "drop", "cut", "reset", "close", "id", "times"}
+    known = {"delay", "status", "drop", "cut", "reset", "close", "id", "times", "endless", "pad"}
+    unknown = fields.keys() - known
     if unknown:
         raise ValueError(f"unknown behaviour items: {sorted(unknown)}")
     ending: Ending = "whole"
     after = 0
-    if "drop" in fields:
-        ending = "drop"
+    for name in ("drop", "endless"):
+        if name in fields:
+            ending = "drop" if name == "drop" else "endless"
     endings: tuple[Ending, ...] = ("cut", "reset", "close")
     for name in endings:
         if name in fields:
@@ -109,6 +120,7 @@ def parse(text: str) -> Behaviour:
         after=after,
         id=fields.get("id"),
         times=int(fields["times"]) if "times" in fields else None,
+        pad=int(fields.get("pad", "0")),
     )
 
 
@@ -125,6 +137,18 @@ class UseCounter:
         used = self._uses.get(behaviour.id, 0)
         self._uses[behaviour.id] = used + 1
         return used < behaviour.times
+
+
+def padded(reply: Reply, pad: int) -> Reply:
+    """``reply`` about ``pad`` bytes larger, still well-formed: a JSON body followed by
+    whitespace, or a stream whose first event is repeated."""
+    if pad <= 0:
+        return reply
+    first = reply.chunks[0]
+    if not reply.stream:
+        return replace(reply, chunks=(first + b" " * pad,))
+    repeats = (first,) * max(1, pad // len(first))
+    return replace(reply, chunks=(first, *repeats, *reply.chunks[1:]))
 
 
 async def send_answer(
@@ -150,6 +174,8 @@ async def _send(
         return web.StreamResponse()  # never sent: the transport is closed
     if ending == "close" and reply.stream:
         return await _send_close_delimited(request, reply, after)
+    if ending == "endless":
+        return await _send_endless(request, reply)
     if ending == "whole" or after >= len(chunks):
         if not reply.stream:
             return web.Response(
@@ -181,6 +207,19 @@ async def _send(
             await asyncio.sleep(0.001)
     _hang_up(request, reset=ending == "reset")
     return response  # aiohttp's write_eof then meets a closed transport, and stays quiet
+
+
+async def _send_endless(request: web.Request, reply: Reply) -> web.StreamResponse:
+    """The answer's first chunk, then more of it until the peer goes away (the write that
+    meets the closed connection raises, and :func:`send_answer` returns)."""
+    response = web.StreamResponse(status=reply.status)
+    response.content_type = reply.content_type
+    await response.prepare(request)
+    first = reply.chunks[0]
+    more = first * max(1, 65536 // len(first)) if reply.stream else b" " * 65536
+    await response.write(first)
+    while True:
+        await response.write(more)  # waits while the peer's window is full
 
 
 class _CloseDelimited(web.StreamResponse):

@@ -76,6 +76,7 @@ from effectguard.testing.fakebehaviour import (
     TAG_HEADER,
     Behaviour,
     UseCounter,
+    padded,
     parse,
     send_answer,
 )
@@ -211,6 +212,7 @@ class _Provider:
             await self.log.append(seq, record)
         if behaviour.delay:
             await asyncio.sleep(behaviour.delay)
+        reply = padded(reply, behaviour.pad)
         return await send_answer(request, reply, behaviour.ending, behaviour.after)
 
     async def lookup(self, request: web.Request) -> web.Response:

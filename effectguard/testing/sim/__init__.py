@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SQLite: remount the ledger's tmpfs read-only at times; PostgreSQL: run on a "
         "cluster of the run's own and stop it at times (needs root)",
     )
+    parser.add_argument(
+        "--answer-faults",
+        action="store_true",
+        help="the provider answers some calls without end (past the run's max_answer_bytes) "
+        "and pads others to half of it",
+    )
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
 

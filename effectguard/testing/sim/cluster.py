@@ -23,7 +23,7 @@ from typing import Any
 from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 from effectguard.testing.sim.pgcluster import OwnedPostgres, owned_postgres
-from effectguard.testing.sim.schedule import Schedule
+from effectguard.testing.sim.schedule import MAX_ANSWER_BYTES, Schedule
 
 __all__ = ["Cluster", "Replica", "ledger_url", "running_cluster"]
 
@@ -33,6 +33,9 @@ lease_s = {lease}
 heartbeat_s = {heartbeat}
 sweep_s = {sweep}
 drain_timeout_s = 5
+
+[guard]
+max_answer_bytes = {max_answer}
 
 [upstream]
 connect_timeout_s = 2
@@ -118,7 +121,13 @@ class Cluster:
             for path, limit in self.schedule.limits.items()
             if limit is not None
         )
-        text = _CONFIG.format(lease=lease, heartbeat=lease / 4, sweep=lease / 2, budgets=budgets)
+        text = _CONFIG.format(
+            lease=lease,
+            heartbeat=lease / 4,
+            sweep=lease / 2,
+            budgets=budgets,
+            max_answer=MAX_ANSWER_BYTES,
+        )
         self.config.write_text(text)
 
     def start(self, replica: Replica, crash_at: str | None = None) -> None:

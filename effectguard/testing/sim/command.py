@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             lease_s=args.lease,
             disk_faults=args.disk_faults,
             ledger_faults=args.ledger_faults,
+            answer_faults=args.answer_faults,
         )
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:

@@ -1,6 +1,7 @@
 """A schedule: everything one simulator run will do, generated from one seed.
 
-:func:`generate` draws from ``random.Random(seed)`` only (never the global
+:func:`generate` draws from ``random.Random(seed)`` only (and, for an option added
+later, a generator seeded from the seed and the option's name; never the global
 generator, never the clock), so the same seed and options always give the same
 schedule, byte for byte in JSON. What the OS then makes of it (which request
 wins a race, where a SIGKILL lands inside a request) is not part of the
@@ -52,6 +53,8 @@ FaultKind = Literal["kill", "crash_at", "stop", "restart", "disk_full", "read_on
 LEDGER_WIDE: Final = frozenset({"read_only", "pg_outage"})
 #: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
 PG_STOP_MODES: Final = ("fast", "immediate")
+#: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
+MAX_ANSWER_BYTES: Final = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ def generate(
     lease_s: float = 2.0,
     disk_faults: bool = False,
     ledger_faults: bool = False,
+    answer_faults: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -141,6 +145,8 @@ def generate(
     at = 0.0
     while (at := at + rng.expovariate(rate)) < duration:
         calls.append(_call(rng, seed, len(calls), at, replicas))
+    if answer_faults:  # drawn apart, so schedules without the option are unchanged
+        calls = _oversized(random.Random(f"answers {seed}"), calls)
     return Schedule(
         seed=seed,
         duration=duration,
@@ -193,6 +199,21 @@ def _behaviour(rng: random.Random, call_id: str, streams: bool) -> Behaviour:
             delay=delay, ending="cut", after=rng.randint(0, 4), id=call_id, times=times
         )
     return Behaviour(delay=delay, ending="reset", after=rng.randint(0, 4), id=call_id, times=times)
+
+
+def _oversized(rng: random.Random, calls: list[Call]) -> list[Call]:
+    """Some calls answered without end, past the run's ``max_answer_bytes`` (one in
+    twelve), and some padded to half of it (one in twenty), which must still complete."""
+    out: list[Call] = []
+    for call in calls:
+        roll = rng.random()
+        if roll < 1 / 12:
+            call = dataclasses.replace(call, behaviour=Behaviour(ending="endless").render())
+        elif roll < 1 / 12 + 1 / 20:
+            pad = Behaviour(pad=MAX_ANSWER_BYTES // 2).render()
+            call = dataclasses.replace(call, behaviour=pad)
+        out.append(call)
+    return out
 
 
 def _faults(
