@@ -106,9 +106,10 @@ def parse(text: str) -> Behaviour:
         raise ValueError(f"unknown behaviour items: {sorted(unknown)}")
     ending: Ending = "whole"
     after = 0
-    for name in ("drop", "endless"):
+    bare: tuple[Ending, ...] = ("drop", "endless")
+    for name in bare:
         if name in fields:
-            ending = "drop" if name == "drop" else "endless"
+            ending = name
     endings: tuple[Ending, ...] = ("cut", "reset", "close")
     for name in endings:
         if name in fields:
