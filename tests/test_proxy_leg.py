@@ -8,6 +8,7 @@ plain and a streamed chat completion, recorded as calls, while building an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,81 @@ def test_a_read_only_request_lost_on_a_stale_connection_is_sent_again(tmp_path: 
     seen, statuses = asyncio.run(run())
     assert statuses == [200, 200]
     assert [s.split(b" ")[:2] for s in seen] == [[b"GET", b"/v1/models"]] * 3
+
+
+async def _speak_unasked(seen: list[bytes]) -> tuple[asyncio.Server, int]:
+    """A chat upstream that echoes each request's body in its answer and, once, writes a
+    second, forged answer on the connection after the first one, while it sits idle."""
+    forged = False
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal forged
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                seen.append(body)
+                writer.write(_chat_answer(json.loads(body)["messages"][0]["content"]))
+                await writer.drain()
+                if not forged:
+                    forged = True
+                    await asyncio.sleep(0.05)
+                    writer.write(_chat_answer("FORGED"))
+                    await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def _chat_answer(content: str) -> bytes:
+    body = json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+    ).encode()
+    head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+    return head.encode() + b"\r\n\r\n" + body
+
+
+def test_an_answer_nobody_asked_for_is_never_taken_for_the_next_calls(tmp_path: Path) -> None:
+    """An upstream that writes a second response on an idle kept-alive connection does not
+    get it taken as the answer to the next call sent there (aiohttp queues it: #13656):
+    that call's own request reaches the provider and its own answer comes back."""
+
+    async def run() -> tuple[list[bytes], list[tuple[int, str]]]:
+        seen: list[bytes] = []
+        server, port = await _speak_unasked(seen)
+        upstreams = {"openai": f"http://127.0.0.1:{port}"}
+        app = create_app(load_settings(ledger=str(tmp_path / "ledger.db"), upstreams=upstreams))
+        await app.startup()
+        answers = []
+        try:
+            for n in range(3):
+                body = json.dumps(
+                    {
+                        "model": "gpt-4o-mini",
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": f"call-{n}"}],
+                    }
+                ).encode()
+                status, _, content = await _call(app, body)
+                answers.append((status, json.loads(content)["choices"][0]["message"]["content"]))
+                await asyncio.sleep(0.2)  # the forged answer arrives while the pool holds it
+        finally:
+            await app.shutdown()
+            server.close()
+            await server.wait_closed()
+        return seen, answers
+
+    seen, answers = asyncio.run(run())
+    assert answers == [(200, "call-0"), (200, "call-1"), (200, "call-2")]
+    assert [json.loads(b)["messages"][0]["content"] for b in seen] == ["call-0", "call-1", "call-2"]

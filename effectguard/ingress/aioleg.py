@@ -28,6 +28,7 @@ from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from effectguard.callpath.exchange import Headers, Outbound, decoded
 from effectguard.ingress import spool
+from effectguard.ingress.aiopool import PoolConnector
 
 #: As many connections as the old httpx limits allowed (``max_connections``).
 MAX_CONNECTIONS = 1000
@@ -81,7 +82,7 @@ class AiohttpLeg:
         )
 
     def _open(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
+        connector = PoolConnector(
             limit=MAX_CONNECTIONS,
             keepalive_timeout=KEEPALIVE_S,
             ssl=httpx.create_ssl_context(trust_env=False),  # the trust store httpx used

@@ -1,0 +1,62 @@
+"""The upstream leg's connection pool: a connection the upstream spoke on unasked is dropped.
+
+aiohttp keeps parsing bytes that arrive on a kept-alive connection while it sits idle
+in the pool, and queues a whole response found there; the next request sent on that
+connection is then answered with it (aio-libs/aiohttp#13656, open in 3.14.5). For the
+guard that is the worst kind of wrong answer: a call whose request never reached the
+provider would be recorded as completed, at a cost and with a body the upstream chose
+for some other call, maybe another tenant's.
+
+HTTP/1.1 has no unsolicited responses: anything that arrives while no request is in
+flight is a fault (a misbehaving upstream, or something between us). So a connection
+is marked when it goes back to the pool and cleared when it is taken out; a byte that
+arrives in between aborts it, and the pool's own check (``is_connected``) then throws it
+away instead of handing it to the next request, which goes out on a fresh connection.
+
+aiohttp names no public hook for either step: the protocol factory (``_factory``), the
+release (``_release``) and the reuse (``_get``) are its private methods.
+``tests/test_proxy_leg.py`` pins the behaviour, so an aiohttp that renames them fails a
+test rather than silently losing the check.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import aiohttp
+from aiohttp.client_proto import ResponseHandler
+
+
+class _Handler(ResponseHandler):
+    """aiohttp's response parser, which refuses bytes that arrive while it is pooled."""
+
+    pooled = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.pooled and data:
+            # Nothing was asked on this connection: no byte here can be an answer.
+            self.abort()
+            return
+        super().data_received(data)
+
+
+class PoolConnector(aiohttp.TCPConnector):
+    """A :class:`aiohttp.TCPConnector` whose pooled connections must stay silent."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._factory = functools.partial(_Handler, loop=self._loop)  # type: ignore[assignment]
+
+    def _release(self, key: Any, protocol: Any, *args: Any, **kwargs: Any) -> None:
+        super()._release(key, protocol, *args, **kwargs)
+        # Closed or pooled, it is idle now: an open one is in the pool.
+        if isinstance(protocol, _Handler):
+            protocol.pooled = True
+
+    async def _get(self, *args: Any) -> Any:
+        connection = await super()._get(*args)
+        protocol = connection.protocol if connection is not None else None
+        if isinstance(protocol, _Handler):
+            protocol.pooled = False
+        return connection
