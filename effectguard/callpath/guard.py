@@ -40,12 +40,13 @@ from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.wire import (
-    answer_too_large,
+    answer_kind,
     classify_transport_error,
     client_headers,
     recovered_response,
     replay_response,
     timed_out,
+    unobservable,
     upstream_request,
 )
 from effectguard.config.settings import GuardSettings
@@ -365,8 +366,9 @@ class Guard:
             )
             raise
         self.crash.hit("after:dispatch")
-        content_type = header_value(response.headers, "content-type") or ""
-        if content_type.startswith("text/event-stream") and 200 <= response.status < 300:
+        content_type = header_value(response.headers, "content-type")
+        kind = answer_kind(response.status, content_type, prepared.stream)
+        if kind == "stream":
             limit = self.settings.max_answer_bytes
             stream = GuardedStream(
                 self.recorder, prepared, admitted, response, sent_at, report, limit
@@ -375,15 +377,15 @@ class Guard:
             return Reply(response.status, headers, stream=stream, extensions=response.extensions)
         try:
             # Raw bytes: stored and forwarded exactly as received (we ask for identity).
-            body = await read_body(response, self.settings.max_answer_bytes)
+            limit = self.settings.max_answer_bytes
+            body = None if kind == "not_http" else await read_body(response, limit)
         except httpx.TransportError as exc:
             return await self._transport_failed(prepared, admitted, exc, report, sent_at)
         finally:
             await response.aclose()
         if body is None:
             report.upstream_s += time.perf_counter() - sent_at
-            why = "the answer was too large to observe"
-            reason = answer_too_large(response.status, self.settings.max_answer_bytes)
+            why, reason = unobservable(response.status, kind, self.settings.max_answer_bytes)
             raise await self._effect_unknown(prepared, admitted, why, reason, 502)
         upstream = time.perf_counter() - sent_at
         report.upstream_s += upstream

@@ -170,6 +170,35 @@ def error_response(
 
 
 SendOutcome = Literal["not_sent", "unknown"]
+AnswerKind = Literal["stream", "body", "not_http"]
+
+
+def answer_kind(status: int, content_type: str | None, asked_stream: bool) -> AnswerKind:
+    """How an upstream's answer is read: forwarded as an event stream, read whole, or not
+    an HTTP answer at all (a final status outside 200-599, such as a 101 to a request that
+    asked for no upgrade, which no client could be given or replayed).
+
+    A media type is case-insensitive (RFC 9110 §8.3.1). A 2xx answer without a content
+    type to a request that asked for a stream is read as the stream it asked for: then a
+    cut before its terminal event is broken, never complete."""
+    if not 200 <= status <= 599:
+        return "not_http"
+    if not 200 <= status < 300:
+        return "body"
+    if content_type is None or not content_type.strip():
+        return "stream" if asked_stream else "body"
+    media = content_type.split(";", 1)[0].strip().lower()
+    return "stream" if media == "text/event-stream" else "body"
+
+
+def unobservable(status: int, kind: AnswerKind, limit: int) -> tuple[str, str]:
+    """What the client is told, and the reason recorded, for an answer the guard cannot
+    observe: not HTTP, or past ``max_answer_bytes`` (``limit``)."""
+    if kind == "not_http":
+        return "the answer was not HTTP", (
+            f"the provider answered with status {status}, which is not a final HTTP answer"
+        )
+    return "the answer was too large to observe", answer_too_large(status, limit)
 
 
 def answer_too_large(status: int, limit: int) -> str:

@@ -404,6 +404,11 @@ class ProxyApp:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             finished = True
+        except httpx.TransportError as exc:
+            # The guard ends a broken or oversized stream this way on purpose, its call
+            # already recorded (contract §3.8): a provider's fault, not effectguard's. The
+            # response is left unfinished, so the client's connection is cut.
+            log.warning("stream cut off: %s", str(exc)[:300])
         finally:
             if not finished:
                 # The client went away or the upstream broke: the guard settles the call

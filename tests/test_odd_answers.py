@@ -1,0 +1,219 @@
+"""Answers an upstream should not give, through a real ``effectguard serve``.
+
+A raw-socket upstream writes, per request, the answer its ``x-answer`` header names and
+closes the connection. Each case checks what the client sees, the call's stage in the
+ledger, that the provider got the request once, that ``verify`` passes, and that a
+provider's fault is not counted as effectguard's own (``effectguard_internal_errors``).
+
+* an event stream whose media type is spelled in capitals (media types are
+  case-insensitive) is a stream: cut before its terminal event it is broken, never a
+  completed call; whole, its usage is read;
+* a 2xx answer without a content type to a stream request is read as that stream;
+* a final status outside 200-599 (999, or 101 to a POST) is not an HTTP answer: the
+  effect is unknown, and a keyed resend is refused, not replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import running_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+CALL_ID = "effectguard-call-id"
+
+_EVENT = (
+    b'data: {"id":"c1","object":"chat.completion.chunk",'
+    b'"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+)
+_USAGE = (
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}\n\n'
+)
+_DONE = b"data: [DONE]\n\n"
+
+#: What the upstream writes for each ``x-answer`` (then it closes the connection).
+ANSWERS: dict[str, bytes] = {
+    "capital-stream-cut": b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
+    b"Connection: close\r\n\r\n" + _EVENT + _EVENT,
+    "capital-stream-whole": b"HTTP/1.1 200 OK\r\nContent-Type: TEXT/EVENT-STREAM\r\n"
+    b"Connection: close\r\n\r\n" + _EVENT + _USAGE + _DONE,
+    "untyped-stream-cut": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + _EVENT,
+    "status-999": b"HTTP/1.1 999 Odd\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+    b"Connection: close\r\n\r\n{}",
+    "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: odd\r\nConnection: upgrade\r\n\r\n"
+    b"{}",
+}
+
+
+class ScriptedUpstream:
+    """Reads each whole request, counts it by its ``x-answer``, writes that answer, closes."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> ScriptedUpstream:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.close()
+        self._thread.join(timeout=5)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed by __exit__
+            with conn:
+                name = _read_request(conn)
+                if name is not None:
+                    self.received.append(name)
+                    conn.sendall(ANSWERS[name])
+
+
+def _read_request(conn: socket.socket) -> str | None:
+    """The ``x-answer`` of one whole request read from ``conn`` (None if it never came)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = dict(
+        (name.strip().lower(), value.strip())
+        for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+    )
+    while len(body) < int(fields.get(b"content-length", b"0")):
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        body += chunk
+    return fields[b"x-answer"].decode()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptedUpstream]:
+    with ScriptedUpstream() as scripted:
+        yield scripted
+
+
+def _chat(stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _cli_json(capsys: pytest.CaptureFixture[str], ledger: Path, *args: str) -> Any:
+    capsys.readouterr()
+    assert cli_main([*args, "--json", "--ledger", str(ledger)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _call(capsys: pytest.CaptureFixture[str], ledger: Path, call_id: str) -> dict[str, Any]:
+    return {row["call_id"]: row for row in _cli_json(capsys, ledger, "calls")}[call_id]
+
+
+def _internal_errors(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    line = next(s for s in text.splitlines() if s.startswith("effectguard_internal_errors_total"))
+    return float(line.split()[-1])
+
+
+def _verified(capsys: pytest.CaptureFixture[str], ledger: Path) -> bool:
+    capsys.readouterr()
+    return cli_main(["verify", "--ledger", str(ledger)]) == 0
+
+
+@pytest.mark.parametrize("answer", ["capital-stream-cut", "untyped-stream-cut"])
+def test_a_stream_cut_before_its_end_is_broken_however_its_type_is_spelled(
+    answer: str, upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        headers = {"x-answer": answer, "idempotency-key": f"k-{answer}"}
+        seen = b""
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            client.stream("POST", CHAT, json=_chat(True), headers=headers) as response,
+        ):
+            call_id = response.headers[CALL_ID]
+            for chunk in response.iter_raw():
+                seen += chunk
+        resend = client.post(CHAT, json=_chat(True), headers=headers)
+        errors = _internal_errors(proxy.url)
+        client.close()
+        log = proxy.log()
+    assert seen == _EVENT * seen.count(b"data: ") and seen  # forwarded as it came
+    assert upstream.received.count(answer) == 1
+    call = _call(capsys, ledger, call_id)
+    assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
+    assert call["held_usd"] == call["reserved_usd"]
+    assert resend.status_code == 409  # never replayed as if it had finished
+    assert resend.headers.get("effectguard-replayed") is None
+    assert errors == 0, log
+    assert "internal error" not in log
+    assert _verified(capsys, ledger)
+
+
+def test_a_whole_stream_with_a_capitalised_type_is_streamed_and_its_usage_read(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": "capital-stream-whole"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        response = httpx.post(proxy.url + CHAT, json=_chat(True), headers=headers, timeout=30)
+    assert response.status_code == 200
+    assert response.content == _EVENT + _USAGE + _DONE
+    call = _call(capsys, ledger, response.headers[CALL_ID])
+    assert call["stage"] == "completed"
+    # Settled from the stream's usage (5 in, 1 out), far below the reservation.
+    assert call["cost_usd"] != call["reserved_usd"]
+    assert _verified(capsys, ledger)
+
+
+@pytest.mark.parametrize("answer", ["status-999", "status-101"])
+def test_a_status_that_is_no_final_http_answer_is_effect_unknown(
+    answer: str, upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": answer, "idempotency-key": f"k-{answer}"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        first = client.post(CHAT, json=_chat(False), headers=headers)
+        resend = client.post(CHAT, json=_chat(False), headers=headers)
+        errors = _internal_errors(proxy.url)
+        client.close()
+        log = proxy.log()
+    assert first.status_code == 502, first.text
+    assert first.json()["error"]["type"] == "effect_unknown"
+    assert "not a final HTTP answer" in first.json()["error"]["message"]
+    assert resend.status_code == 409
+    assert resend.json()["error"]["type"] == "effect_unknown"
+    assert upstream.received.count(answer) == 1
+    call = _call(capsys, ledger, first.headers[CALL_ID])
+    assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
+    assert errors == 0, log
+    assert _verified(capsys, ledger)
