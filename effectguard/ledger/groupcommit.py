@@ -14,20 +14,23 @@ operation, so the batch is split in halves and each half retried in a
 transaction of its own, down to single operations: the operation that cannot
 commit fails alone, and every other one commits exactly as if it had been
 alone (:func:`split_retry`). A store whose failed commit may have committed
-after all (a lost connection) says so through :meth:`Session.retryable` and
-is not retried: running an operation twice would be worse than failing it.
+after all (a lost connection) finds out which it was (:meth:`Session.fate`): a batch
+that committed is answered with what it did; one that did not is run once more, whole,
+on a fresh connection; and one whose fate cannot be learnt is failed, never run twice:
+running an operation twice would be worse than failing it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger.base import Operation, Tx, Writer, probe
@@ -35,7 +38,12 @@ from effectguard.ledger.base import Operation, Tx, Writer, probe
 T = TypeVar("T")
 S = TypeVar("S", bound="Session")
 
+log = logging.getLogger("effectguard.ledger")
+
 MAX_BATCH = 512
+
+#: What became of a transaction that failed (see :meth:`Session.fate`).
+Fate = Literal["refused", "lost", "committed", "unknown"]
 
 
 class Session(Tx, Protocol):
@@ -69,8 +77,16 @@ class Session(Tx, Protocol):
         """Close the connection."""
         ...
 
-    def retryable(self) -> bool:
-        """After a failed transaction (rolled back): did it surely not commit, may we retry?"""
+    def fate(self) -> Fate:
+        """After a failed transaction (rolled back), what became of it:
+
+        * ``refused``: the store refused it and it did not commit (an operation may be
+          to blame: the batch is split to find it);
+        * ``lost``: the connection was lost, and a fresh one proved it did not commit
+          (nobody is to blame: the batch may run again, whole, on the fresh connection);
+        * ``committed``: the connection was lost after its ``COMMIT``, which took effect;
+        * ``unknown``: it may have committed, and nothing could tell.
+        """
         ...
 
 
@@ -185,8 +201,10 @@ class GroupCommitter(Generic[S]):
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
                 loop.call_soon_threadsafe(_resolve_all, jobs)
 
-    def _commit_isolated(self, session: S, batch: list[Job]) -> bool:
-        """Commit ``batch``; if it cannot commit, retry its halves (see :func:`split_retry`)."""
+    def _commit_isolated(self, session: S, batch: list[Job], again: bool = True) -> bool:
+        """Commit ``batch``; if it cannot commit, retry its halves (see :func:`split_retry`),
+        or the whole batch once (``again``) when a lost connection is proved to have
+        committed none of it."""
         try:
             session.begin()
         except Exception as exc:  # the ledger itself refuses: no operation is to blame
@@ -202,7 +220,15 @@ class GroupCommitter(Generic[S]):
         except Exception as exc:
             with contextlib.suppress(Exception):
                 session.rollback()
-            halves = split_retry(session, batch, exc)
+            fate = session.fate()
+            if fate == "committed":  # what each operation did is what was committed
+                log.warning("ledger connection lost after COMMIT; the batch had committed")
+                self.stats.transactions += 1
+                return True
+            if fate == "lost" and again:
+                log.warning("ledger connection lost; the batch had not committed: run again")
+                return self._commit_isolated(session, batch, again=False)
+            halves = split_retry(batch, exc, fate)
         # Both halves run (a list, not a short-circuiting generator): each op gets its answer.
         return bool(halves) and all([self._commit_isolated(session, half) for half in halves])
 
@@ -230,13 +256,14 @@ def fail_all(batch: list[Job], exc: Exception) -> None:
         job.error = failure
 
 
-def split_retry(session: Session, batch: list[Job], exc: Exception) -> list[list[Job]]:
+def split_retry(batch: list[Job], exc: Exception, fate: Fate) -> list[list[Job]]:
     """The halves of a batch whose transaction failed, to retry; [] when none may be retried.
 
-    A single operation's failure is its own (it gets ``exc``); a batch whose store cannot
-    promise its transaction did not commit fails as a whole (the operations are not rerun).
+    A single operation's failure is its own (it gets ``exc``); a batch the store did not
+    refuse (its connection was lost, whatever became of it) fails as a whole: the
+    operations are not rerun, and none of them is to blame.
     """
-    if len(batch) == 1 or not session.retryable():
+    if len(batch) == 1 or fate != "refused":
         fail_all(batch, exc)
         return []
     mid = len(batch) // 2

@@ -169,7 +169,7 @@ class InlineCommitter(Generic[S]):
                 session.rollback()
             if not isinstance(exc, Exception):
                 raise
-            split_retry(session, [job], exc)  # one operation: it fails alone
+            split_retry([job], exc, session.fate())  # one operation: it fails alone
             return False
 
     async def _drain(self) -> None:
@@ -242,7 +242,7 @@ class InlineCommitter(Generic[S]):
                 session.rollback()
             if not isinstance(exc, Exception):  # cancelled: no transaction is left open
                 raise
-            halves = split_retry(session, batch, exc)
+            halves = split_retry(batch, exc, session.fate())
         # Both halves run (a list, not a short-circuiting generator): each op gets its answer.
         return bool(halves) and all([await self._run_locked(session, half) for half in halves])
 

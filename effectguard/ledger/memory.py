@@ -16,7 +16,7 @@ from typing import Any, BinaryIO, TypeVar
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations
 from effectguard.ledger.base import CallSpend, Operation, WorkerRow, Writer
-from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.bodyref import SpooledBody
@@ -73,8 +73,8 @@ class MemorySession:
         self._batch_undo = []
         self.t.lock.release()
 
-    def retryable(self) -> bool:
-        return True  # a failed batch was undone in full
+    def fate(self) -> Fate:
+        return "refused"  # a failed batch was undone in full
 
     def rollback(self) -> None:
         for undo in reversed(self._batch_undo):

@@ -27,6 +27,10 @@ log = logging.getLogger("effectguard.ledger")
 #: a stopped (SIGSTOP) or wedged replica holds the batch lock (and stalls every other
 #: replica's writes, heartbeats included) for at most this long. Keep leases well above it.
 IDLE_IN_TRANSACTION_MS = 5000
+#: How long a statement waits for a lock (the batch lock, or a table another session
+#: locked) before it fails: as long as SQLite waits for its write lock. Without it, one
+#: forgotten ``LOCK TABLE`` or ``VACUUM FULL`` stalls every replica with no answer.
+LOCK_TIMEOUT_MS = 5000
 CONNECT_TIMEOUT_S = 10
 
 #: The ledger's clock (seconds since the epoch, float8): every time the store reads.
@@ -258,7 +262,7 @@ class Target:
             )
         except psycopg.Error as exc:
             raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
-        for name, value in self._settings({}):
+        for name, value in self._settings({"lock_timeout": str(LOCK_TIMEOUT_MS)}):
             await conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
         return conn
 

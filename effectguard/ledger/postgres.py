@@ -47,11 +47,12 @@ from psycopg.pq import TransactionStatus
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import bodystore, operations
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
-from effectguard.ledger.groupcommit import GroupCommitter
+from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
     IDLE_IN_TRANSACTION_MS,
+    LOCK_TIMEOUT_MS,
     Target,
     clock_offset,
     lock_key,
@@ -85,6 +86,11 @@ __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 T = TypeVar("T")
 
 _CLOCK = f"SELECT {CLOCK_FUNCTION}()"
+#: An event's digest, wherever it is now (an archive may have moved it already).
+_DIGEST_AT = (
+    "SELECT digest FROM events WHERE seq = %s "
+    "UNION ALL SELECT digest FROM archived_events WHERE seq = %s"
+)
 _ARCHIVED_KEY = (
     "SELECT call_id, request_hash FROM archived_keys "
     "WHERE budget_root = %s AND idempotency_key = %s"
@@ -124,10 +130,15 @@ class PostgresSession:
         self._op = Writes()
         self._savepoint_open = False
         self._broken = False
+        #: The head a failed transaction would have left (its last event), so that after a
+        #: lost connection :meth:`fate` can tell whether its ``COMMIT`` took effect.
+        self._lost_head: tuple[int, str] | None = None
+        self._begun_at: tuple[int, str] | None = None  # the head this transaction began on
 
     def _open(self) -> psycopg.Connection[Any]:
         conn = self._target.connect(
             idle_in_transaction_session_timeout=str(IDLE_IN_TRANSACTION_MS),
+            lock_timeout=str(LOCK_TIMEOUT_MS),
             synchronous_commit="on",
         )
         try:
@@ -139,15 +150,28 @@ class PostgresSession:
         return conn
 
     def _reset(self) -> None:
-        self._now = self._head = self._head_mark = None
+        self._now = self._head = self._head_mark = self._begun_at = None
         self._batch, self._op = Writes(), Writes()
         self._savepoint_open = self._broken = False
 
     # -- transaction control
     def begin(self) -> None:
+        try:
+            self._begin()
+        except psycopg.OperationalError:
+            if not self.conn.closed:
+                raise
+            # The server ended the session while it sat idle (a restart, a failover, an
+            # idle timeout): nothing of this batch was sent, so begin it once more.
+            self._begin()
+
+    def _reconnect(self) -> None:
+        self._kept.forget()
+        self.conn = self._open()
+
+    def _begin(self) -> None:
         if self.conn.closed:  # the server ended the session: reconnect for this batch
-            self._kept.forget()
-            self.conn = self._open()
+            self._reconnect()
         self._reset()
         try:
             with self.conn.pipeline():
@@ -160,6 +184,7 @@ class PostgresSession:
             assert row is not None
             self._now = float(row[0])
             self._head = (0, GENESIS_DIGEST) if row[1] is None else (int(row[1]), str(row[2]))
+            self._begun_at = self._head
             self._kept.refreshed(self._head, refresh, list(row[3:]))
         except BaseException:
             # Whatever the first round trip did is undone (an aborted transaction left
@@ -174,15 +199,34 @@ class PostgresSession:
         self._reset()
 
     def rollback(self) -> None:
+        wrote = self._head is not None and self._head != self._begun_at
+        self._lost_head = self._head if wrote else None
         self._kept.forget()  # it may hold what this transaction wrote
         self._reset()
         if not self.conn.closed and self.conn.info.transaction_status != TransactionStatus.IDLE:
             self.conn.execute("ROLLBACK")
 
-    def retryable(self) -> bool:
+    def fate(self) -> Fate:
         # A server that refused a statement aborted the transaction: it did not commit.
-        # A lost connection leaves the COMMIT's fate unknown: never run its operations twice.
-        return not self.conn.closed
+        if not self.conn.closed:
+            return "refused"
+        # A lost connection leaves the COMMIT's fate to be found out: never guess.
+        lost, self._lost_head = self._lost_head, None
+        if lost is None:
+            return "unknown"  # it wrote no event to recognise it by
+        try:
+            self._reconnect()
+            return "committed" if self._event_digest(lost[0]) == lost[1] else "lost"
+        except (psycopg.Error, LedgerUnavailable):
+            return "unknown"
+
+    def _event_digest(self, seq: int) -> str | None:
+        """The digest of event ``seq`` once no transaction holds the batch lock: the lost
+        one, if still running, holds it until it commits or rolls back."""
+        with self.conn.transaction():
+            self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._batch_key,))
+            row = self.conn.execute(_DIGEST_AT, (seq, seq)).fetchone()
+        return None if row is None else str(row[0])
 
     def savepoint(self) -> None:
         self._op = Writes()

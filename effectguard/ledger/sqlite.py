@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
+from effectguard.ledger.groupcommit import Fate
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
 from effectguard.ledger.rows import (
@@ -194,8 +195,8 @@ class SqliteSession:
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
 
-    def retryable(self) -> bool:
-        return True  # SQLite's commit is atomic: a COMMIT that failed changed nothing
+    def fate(self) -> Fate:
+        return "refused"  # SQLite's commit is atomic: a COMMIT that failed changed nothing
 
     def savepoint(self) -> None:
         self._snapshot = (

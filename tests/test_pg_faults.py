@@ -1,0 +1,290 @@
+"""PostgreSQL faults under the writer, through a real ``effectguard serve``: a connection
+lost around a batch's ``COMMIT`` (the ledger connection runs through a relay that can
+cut it), an idle connection the server closed, a table another session locked.
+
+When the connection is lost after ``COMMIT`` was sent, the transaction may or may not
+have committed. The writer must find out, not guess: it reconnects and, once the lost
+transaction can no longer be running (it waits for the batch lock), looks for the
+batch's last event. Each case checks the client's answer, the provider's receipts
+(each request sent once), the call's stage and ``verify``:
+
+* the connection cut right after the admission's ``COMMIT`` reached the server (which
+  committed it): the call was admitted, so it is sent and answered 200; before, the
+  client was told 503 "not sent", while the call sat ``in_flight`` for ever and every
+  resend of its key got 409 ``in_progress``;
+* the same after the observation's ``COMMIT``: the answer was recorded, so 200; before,
+  502 ``observe_failed`` for a call the ledger held as completed;
+* the connection cut *instead of* sending the admission's ``COMMIT``: nothing committed,
+  so the batch runs once more on a fresh connection, and the client gets 200;
+* a connection the server closed while it sat idle: the next batch reconnects and runs;
+* a ledger table locked by another session: 503 after the lock timeout, not a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pgkit import DSN, NEEDS_PG, pg_url
+
+from effectguard.testing import FakeProvider, fake_provider, running_proxy
+
+_ = (pg_url,)  # fixtures
+
+pytestmark = [*NEEDS_PG, pytest.mark.slow]
+
+CHAT = "/openai/v1/chat/completions"
+
+
+class Relay:
+    """A TCP relay to PostgreSQL that can cut one connection at a batch's ``COMMIT``.
+
+    :meth:`arm` names a marker (text the batch's writes carry, such as an event kind)
+    and when to cut: ``after`` forwards the writes and their ``COMMIT`` and cuts once the
+    server had time to commit them; ``instead`` cuts without forwarding them.
+    :meth:`cut_idle` closes every connection now, as a server restart would.
+    """
+
+    def __init__(self, port: int) -> None:
+        self._upstream = port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._lock = threading.Lock()
+        self._armed: tuple[bytes, str] | None = None
+        self._sockets: list[socket.socket] = []
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, marker: str, when: str) -> None:
+        with self._lock:
+            self._armed = (marker.encode(), when)
+
+    def cut_idle(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _close(sock)
+
+    def close(self) -> None:
+        self._server.close()
+        self.cut_idle()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._upstream))
+            with self._lock:
+                self._sockets += [client, server]
+            mute = threading.Event()  # set: the server's answers are no longer passed on
+            for args in ((client, server, mute, True), (server, client, mute, False)):
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
+
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, mute: threading.Event, scan: bool
+    ) -> None:
+        frontend, seen = _Frontend(), False
+        try:
+            while data := source.recv(65536):
+                if mute.is_set():
+                    break
+                cut = None
+                for kind, raw in frontend.feed(data) if scan else ():
+                    if kind == "bind":
+                        seen = seen or self._marked(raw)
+                    elif seen:  # the COMMIT of the batch that wrote the marker
+                        cut, seen = self._take(), False
+                if cut is not None:
+                    mute.set()
+                if cut == "instead":
+                    break
+                sink.sendall(data)
+                if cut == "after":
+                    mute.wait(0.3)  # the server commits meanwhile; its answer is lost
+                    break
+        except OSError:
+            pass
+        _close(source)
+        _close(sink)
+
+    def _marked(self, parameters: bytes) -> bool:
+        with self._lock:
+            return self._armed is not None and self._armed[0] in parameters
+
+    def _take(self) -> str | None:
+        """When to cut (the relay is disarmed then)."""
+        with self._lock:
+            if self._armed is None:
+                return None
+            when, self._armed = self._armed[1], None
+            self.cuts += 1
+            return when
+
+
+class _Frontend:
+    """A client's PostgreSQL messages as they pass: each ``Bind`` (with its parameters)
+    and each ``COMMIT``, sent as text or by the name psycopg prepared it under."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._started = False
+        self._commits: set[bytes] = set()
+
+    def feed(self, data: bytes) -> list[tuple[str, bytes]]:
+        self._buffer += data
+        found: list[tuple[str, bytes]] = []
+        while True:
+            if len(self._buffer) < (5 if self._started else 8):
+                return found
+            if not self._started:  # SSLRequest or StartupMessage: no type byte
+                size = int.from_bytes(self._buffer[:4], "big")
+                if len(self._buffer) < size:
+                    return found
+                code = int.from_bytes(self._buffer[4:8], "big")
+                self._started = code not in (80877103, 80877104)  # SSL, GSS requests
+                self._buffer = self._buffer[size:]
+                continue
+            kind, size = self._buffer[:1], int.from_bytes(self._buffer[1:5], "big")
+            if len(self._buffer) < 1 + size:
+                return found
+            body, self._buffer = self._buffer[5 : 1 + size], self._buffer[1 + size :]
+            if kind == b"P":
+                name, query = body.split(b"\0")[:2]
+                if query.strip().upper() == b"COMMIT":
+                    self._commits.add(name)
+                else:  # an unnamed statement is replaced by the next one
+                    self._commits.discard(name)
+            elif kind == b"B":
+                statement = body.split(b"\0")[1]
+                found.append(("commit" if statement in self._commits else "bind", body))
+        return found
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+@pytest.fixture
+def relay() -> Iterator[Relay]:
+    port = int(DSN.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    relayed = Relay(port)
+    yield relayed
+    relayed.close()
+
+
+def _via(url: str, relay: Relay) -> str:
+    host = url.split("@", 1)[1].split("/", 1)[0]
+    return url.replace(host, f"127.0.0.1:{relay.port}", 1)
+
+
+def _chat(key: str) -> tuple[dict[str, Any], dict[str, str]]:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": key}], "max_tokens": 8}
+    return body, {"idempotency-key": key}
+
+
+def _ledger(url: str, *args: str) -> Any:
+    result = subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--ledger", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout) if "--json" in args else result.stdout
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+@pytest.mark.parametrize(
+    ("marker", "when"),
+    [("lost-commit", "after"), ("attempt.observed", "after"), ("lost-commit", "instead")],
+    ids=["admission-committed", "observation-committed", "admission-never-sent"],
+)
+def test_a_commit_whose_answer_is_lost_is_found_out_not_guessed(
+    marker: str, when: str, pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    url = _via(pg_url, relay)
+    log_path = tmp_path / "proxy.log"
+    with running_proxy(url, upstreams={"openai": provider.url}, log_path=log_path) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        warm = client.post(CHAT, json=_chat("warm")[0], headers=_chat("warm")[1])
+        assert warm.status_code == 200, warm.text
+        relay.arm(marker, when)
+        body, headers = _chat("lost-commit")
+        first = client.post(CHAT, json=body, headers=headers)
+        again = client.post(CHAT, json=body, headers=headers)
+        client.close()
+        log = proxy.log()
+    assert relay.cuts == 1, log
+    found = "had committed" if when == "after" else "had not committed"
+    assert found in log, log
+    assert first.status_code == 200, (first.text, log)
+    assert again.status_code == 200 and again.headers["effectguard-replayed"] == "true"
+    assert len(provider.effects()) == 2  # the warm-up and this call, each once
+    calls = {c["call_id"]: c for c in _ledger(pg_url, "calls", "--json")}
+    assert calls[first.headers["effectguard-call-id"]]["stage"] == "completed"
+    budgets = {b["path"]: b for b in _ledger(pg_url, "budgets", "--json")}
+    assert float(budgets["default"]["reserved_usd"]) == 0
+    assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_connection_the_server_closed_while_idle_is_reopened(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    url = _via(pg_url, relay)
+    log_path = tmp_path / "proxy.log"
+    with running_proxy(url, upstreams={"openai": provider.url}, log_path=log_path) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        answers = []
+        for n in range(3):
+            relay.cut_idle()
+            body, headers = _chat(f"idle-{n}")
+            answers.append(client.post(CHAT, json=body, headers=headers).status_code)
+        client.close()
+    assert answers == [200, 200, 200]
+    assert len(provider.effects()) == 3
+    assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_table_locked_by_another_session_is_503_not_a_hang(
+    pg_url: str, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A ``LOCK TABLE`` left held by some other session (a forgotten transaction, a
+    ``VACUUM FULL``): a call waits at most the lock timeout, then gets 503
+    ``ledger_unavailable`` and is not sent; once the lock is gone, calls go through."""
+    import psycopg
+
+    schema = pg_url.rsplit("schema=", 1)[1]
+    log_path = tmp_path / "proxy.log"
+    with running_proxy(pg_url, upstreams={"openai": provider.url}, log_path=log_path) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=60)
+        with psycopg.connect(DSN) as locker:  # one transaction, until the block ends
+            locker.execute(f"LOCK TABLE {schema}.events IN ACCESS EXCLUSIVE MODE")
+            body, headers = _chat("while-locked")
+            locked = client.post(CHAT, json=body, headers=headers)
+        body, headers = _chat("after-the-lock")
+        after = client.post(CHAT, json=body, headers=headers)
+        client.close()
+    assert locked.status_code == 503, locked.text
+    assert locked.json()["error"]["type"] == "ledger_unavailable"
+    assert after.status_code == 200, after.text
+    assert len(provider.effects()) == 1  # only the call after the lock
+    assert "ok" in _ledger(pg_url, "verify")
