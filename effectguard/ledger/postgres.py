@@ -45,7 +45,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
-from effectguard.ledger import bodystore, operations
+from effectguard.ledger import bodystore, operations, pgfate
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
@@ -86,11 +86,6 @@ __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 T = TypeVar("T")
 
 _CLOCK = f"SELECT {CLOCK_FUNCTION}()"
-#: An event's digest, wherever it is now (an archive may have moved it already).
-_DIGEST_AT = (
-    "SELECT digest FROM events WHERE seq = %s "
-    "UNION ALL SELECT digest FROM archived_events WHERE seq = %s"
-)
 _ARCHIVED_KEY = (
     "SELECT call_id, request_hash FROM archived_keys "
     "WHERE budget_root = %s AND idempotency_key = %s"
@@ -216,17 +211,9 @@ class PostgresSession:
             return "unknown"  # it wrote no event to recognise it by
         try:
             self._reconnect()
-            return "committed" if self._event_digest(lost[0]) == lost[1] else "lost"
+            return "committed" if pgfate.committed(self.conn, self._batch_key, lost) else "lost"
         except (psycopg.Error, LedgerUnavailable):
             return "unknown"
-
-    def _event_digest(self, seq: int) -> str | None:
-        """The digest of event ``seq`` once no transaction holds the batch lock: the lost
-        one, if still running, holds it until it commits or rolls back."""
-        with self.conn.transaction():
-            self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._batch_key,))
-            row = self.conn.execute(_DIGEST_AT, (seq, seq)).fetchone()
-        return None if row is None else str(row[0])
 
     def savepoint(self) -> None:
         self._op = Writes()
