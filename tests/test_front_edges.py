@@ -378,3 +378,41 @@ async def test_an_unexpected_exception_is_a_provider_shaped_500_with_the_call_id
     assert all(len(r.getMessage()) < 1000 for r in records)
     assert metrics.registry.get_sample_value("effectguard_internal_errors_total") == 1
     assert stages == {call_id: "effect_unknown"}
+
+
+BROWSER_REQUESTS = {
+    # fetch(url, {method: "POST", mode: "no-cors", body}) from any site: no preflight.
+    "cross-site form": {
+        "origin": "https://evil.example",
+        "sec-fetch-site": "cross-site",
+        "content-type": "text/plain",
+    },
+    # After a DNS rebinding the page is "same-origin" with a Host of its own choosing.
+    "rebound page": {
+        "host": "attacker.example",
+        "origin": "http://attacker.example",
+        "sec-fetch-site": "same-origin",
+    },
+    "an older browser": {"origin": "null"},
+    "a navigation": {"sec-fetch-mode": "navigate"},
+}
+
+
+@pytest.mark.parametrize("headers", BROWSER_REQUESTS.values(), ids=list(BROWSER_REQUESTS))
+def test_a_web_browsers_request_is_refused_while_no_keys_are_configured(
+    env: Env, headers: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without proxy keys the proxy spends freely, with the provider keys it holds: a web
+    page the operator visits must not be able to spend through it, nor read its metrics."""
+    before = (len(env.provider.effects()), len(env.calls(capsys)))
+    content = json.dumps(chat("from a web page")).encode()
+    response = env.client.post(OPENAI_CHAT, content=content, headers=headers)
+    assert response.status_code == 403, response.text
+    error_of(403, response.json(), "browser_forbidden")
+    assert response.headers.get(CALL_ID) is None
+    metrics = env.client.get("/metrics", headers=headers)
+    assert metrics.status_code == 403
+    error_of(403, metrics.json(), "browser_forbidden")
+    assert (len(env.provider.effects()), len(env.calls(capsys))) == before
+    # The same request from an agent, which sends none of those headers, is served.
+    assert env.client.post(OPENAI_CHAT, content=content).status_code == 200

@@ -241,6 +241,41 @@ def test_applied_with_a_cost_is_recorded_by_the_admin_name(stack: Stack) -> None
     assert again.status_code == 409 and len(reconciliations(stack, call_id)) == 1
 
 
+@pytest.mark.parametrize(
+    ("cost", "problem"),
+    [
+        ("1_000", "not a USD amount"),
+        ("+5", "not a USD amount"),
+        ("\uff11\uff12", "not a USD amount"),  # full-width digits
+        ("\u0663", "not a USD amount"),  # an Arabic-Indic digit
+        ("1.0000000001", "finer than a nano-dollar"),
+        ("1e-10", "finer than a nano-dollar"),
+        ("-1", "cannot be negative"),
+        ("9007199.254740993", "must be between 0 and"),
+    ],
+)
+def test_a_cost_is_read_exactly_as_reconcile_reads_it(
+    stack: Stack, cost: str, problem: str
+) -> None:
+    """The page's cost box takes what ``reconcile --cost`` takes, and nothing else: an
+    amount it would have to round, or digits of another script, is refused with 400 and
+    nothing is recorded (a stray ``_`` once read as a thousand dollars)."""
+    call_id = unknown_call(stack, fresh_key())
+    session = login(stack)
+    token = csrf_of(httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=session).text)
+    refused = reconcile_post(
+        stack,
+        call_id,
+        session | {"origin": stack.url},
+        csrf=token,
+        decision="applied",
+        cost=cost,
+        note="billed on the invoice",
+    )
+    assert refused.status_code == 400 and problem in refused.text, refused.text
+    assert reconciliations(stack, call_id) == []
+
+
 def test_a_script_may_use_the_key_as_a_bearer_token(stack: Stack) -> None:
     """With Authorization: Bearer KEY a script reads pages and decides without a CSRF token."""
     call_id = unknown_call(stack, fresh_key())

@@ -165,3 +165,23 @@ class KeyRing:
         if ended == "revoked":
             raise Refusal(401, "unknown_key", "this effectguard key was revoked")
         return _from_ledger(row)
+
+
+#: Headers every current browser adds to a request a web page makes, and that agents,
+#: SDKs and command-line clients do not send.
+_BROWSER_HEADERS = (b"origin", b"sec-fetch-site", b"sec-fetch-mode")
+
+
+def refuse_browsers(headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse (403 ``browser_forbidden``) a request a web browser made, where no key is
+    needed: any web page the operator visits could otherwise spend through the proxy,
+    with the provider keys it holds (a form or ``fetch`` to 127.0.0.1 needs no CORS
+    permission to be sent), and after a DNS rebinding read the answers too."""
+    for name, _ in headers:
+        if name.lower() in _BROWSER_HEADERS:
+            raise Refusal(
+                403,
+                "browser_forbidden",
+                "a request from a web browser (it sent "
+                f"{name.decode('latin-1')!r}) is refused while no proxy keys are configured",
+            )

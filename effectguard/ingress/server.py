@@ -32,7 +32,7 @@ from effectguard.ingress import spool
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
-from effectguard.ingress.keyring import Grant, KeyRing
+from effectguard.ingress.keyring import Grant, KeyRing, refuse_browsers
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.observers import proxy_observer
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
@@ -240,18 +240,21 @@ class ProxyApp:
         await _refusal(send, provider.dialect, refusal)
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
-        """``/metrics``; once proxy keys exist, only for a key allowed to read it."""
+        """``/metrics``; once proxy keys exist, only for a key allowed to read it; before,
+        not for a web browser."""
         assert self.metrics is not None
-        if self.keyring.required:
-            headers = httpx.Headers(scope["headers"])
-            presented = headers.get("effectguard-key") or headers.get("authorization", "")
-            try:
+        try:
+            if self.keyring.required:
+                headers = httpx.Headers(scope["headers"])
+                presented = headers.get("effectguard-key") or headers.get("authorization", "")
                 key = self.keyring.authenticate(presented.removeprefix("Bearer ").strip())
                 if not key.metrics:
                     raise Refusal(403, "metrics_forbidden", "this key may not read /metrics")
-            except Refusal as refusal:
-                await _refusal(send, "openai", refusal)
-                return
+            else:
+                refuse_browsers(scope["headers"])
+        except Refusal as refusal:
+            await _refusal(send, "openai", refusal)
+            return
         await self.metrics.refresh()
         body, content_type = self.metrics.render()
         await _raw(send, 200, [(b"content-type", content_type.encode())], body)
@@ -282,6 +285,7 @@ class ProxyApp:
         # other: taken as absent it would quietly spend the default budget.
         requested = header_value(headers, BUDGET_HEADER)
         if not self.keyring.required:
+            refuse_browsers(headers)
             return budgets.DEFAULT_BUDGET if requested is None else requested, None, None
         presented = header_value(headers, "effectguard-key")
         if presented is None:

@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, localcontext
 from pathlib import Path
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
 from effectguard.rules.counts import parse_count
-from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, check_amount, nanos_to_usd
+from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, typed_usd
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 
@@ -143,32 +141,11 @@ def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True)
     )
 
 
-#: A USD amount as an operator writes one: ASCII digits, a point, an exponent; no sign,
-#: no ``_``, no ``NaN`` or ``inf`` (all of which ``Decimal`` would take).
-_USD = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
-
-
 def _amount(value: str, bound: int, what: str) -> int:
-    text = value.strip()
-    if text.startswith("-") and _USD.fullmatch(text[1:]):
-        raise argparse.ArgumentTypeError("amounts cannot be negative")
-    if not _USD.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"not a USD amount: {value!r} (e.g. 12.50)")
-    amount = Decimal(text)
-    out_of_range = f"{what} must be between 0 and {nanos_to_usd(bound)} USD"
-    if amount.adjusted() > 20:  # far past any bound: refused before any arithmetic on it
-        raise argparse.ArgumentTypeError(out_of_range)
-    # Exact arithmetic (enough digits for every digit given): a limit is never rounded.
-    with localcontext(prec=len(text) + 40):
-        nanos = amount.scaleb(9)
-        if amount and (amount.adjusted() < -10 or nanos != nanos.to_integral_value()):
-            raise argparse.ArgumentTypeError(
-                f"{value.strip()} USD is finer than a nano-dollar (at most 9 decimal places)"
-            )
     try:
-        return check_amount(int(nanos), bound, what)
-    except ValueError:
-        raise argparse.ArgumentTypeError(out_of_range) from None
+        return typed_usd(value, bound, what)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def usd(value: str) -> int:

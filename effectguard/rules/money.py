@@ -7,7 +7,8 @@ USD appears only at the edges (CLI, JSON, metrics) as a decimal string.
 
 from __future__ import annotations
 
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
+import re
+from decimal import ROUND_CEILING, Decimal, InvalidOperation, localcontext
 
 NANOS_PER_USD = 1_000_000_000
 TOKENS_PER_MILLION = 1_000_000
@@ -52,6 +53,35 @@ def usd_to_nanos(value: str | int | Decimal) -> Nanos:
         # Less than a tenth of a nano-dollar; scaling it would underflow to 0.
         return 1 if amount > 0 else 0
     return int((amount * NANOS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
+
+
+#: A USD amount as an operator writes one: ASCII digits, a point, an exponent; no sign,
+#: no ``_``, no ``NaN`` or ``inf``, no other script's digits (``Decimal`` takes them all).
+_TYPED_USD = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def typed_usd(text: str, bound: Nanos = MAX_NANOS, what: str = "amount") -> Nanos:
+    """An amount a person typed (a limit, a call's cost), exactly: ``ValueError`` for
+    anything but ASCII digits with one optional point and exponent (no sign, no ``_``, no
+    other script's digits), for a negative amount, one finer than a nano-dollar (never
+    rounded), or one outside ``0..bound``."""
+    text = text.strip()
+    if text.startswith("-") and _TYPED_USD.fullmatch(text[1:]):
+        raise ValueError("amounts cannot be negative")
+    if not _TYPED_USD.fullmatch(text):
+        raise ValueError(f"not a USD amount: {text!r} (e.g. 12.50)")
+    amount = Decimal(text)
+    out_of_range = f"{what} must be between 0 and {nanos_to_usd(bound)} USD"
+    if amount.adjusted() > 20:  # far past any bound: refused before any arithmetic on it
+        raise ValueError(out_of_range)
+    # Exact arithmetic (enough digits for every digit given): an amount is never rounded.
+    with localcontext(prec=len(text) + 40):
+        nanos = amount.scaleb(9)
+        if amount and (amount.adjusted() < -10 or nanos != nanos.to_integral_value()):
+            raise ValueError(f"{text} USD is finer than a nano-dollar (at most 9 decimal places)")
+    if not 0 <= nanos <= bound:
+        raise ValueError(out_of_range)
+    return int(nanos)
 
 
 def check_amount(nanos: Nanos, bound: Nanos = MAX_NANOS, what: str = "amount") -> Nanos:

@@ -28,7 +28,7 @@ from effectguard.ingress.admin.spend import DAY_S, spend_by_day
 from effectguard.ledger import Ledger
 from effectguard.rules import notes
 from effectguard.rules.counts import parse_count
-from effectguard.rules.money import usd_to_nanos
+from effectguard.rules.money import MAX_CALL_NANOS, typed_usd
 from effectguard.rules.workstate import STAGES
 
 log = logging.getLogger("effectguard.admin")
@@ -206,10 +206,10 @@ class AdminPage:
         elif cost_text and decision != "applied":
             problem = "a cost goes with applied"
         elif cost_text:
-            try:
-                cost = usd_to_nanos(cost_text)
-            except ValueError:
-                problem = f"not a USD amount: {cost_text!r}"
+            try:  # exactly as `effectguard reconcile --cost` reads it
+                cost = typed_usd(cost_text, MAX_CALL_NANOS, "a cost")
+            except ValueError as exc:
+                problem = str(exc)
         if problem is None:
             try:
                 state = await self._ledger.reconcile(
