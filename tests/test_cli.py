@@ -689,3 +689,34 @@ def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
         executable="/bin/bash",
     )
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_show_prints_what_a_client_chose_with_its_controls_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client chooses its Idempotency-Key and its body, and ``show`` prints both: a C1
+    control (U+009B, a terminal's CSI) or a direction override in them reaches the
+    operator's terminal as its escape, never as the character itself."""
+    ledger = str(tmp_path / "l.db")
+    key = "k-\u009b2J-\u202etxt"
+
+    async def call() -> str:
+        with respx.mock() as mock:
+            mock.post(CHAT_URL).mock(side_effect=_answer)
+            transport = AsyncGuardTransport(ledger=ledger)
+            async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+                response = await client.post(
+                    CHAT_URL,
+                    json=chat_request("body \u009d0;title\u0007 \u2066x"),
+                    headers={"Idempotency-Key": key.encode()},
+                )
+        assert response.status_code == 200, response.text
+        return response.headers["effectguard-call-id"]
+
+    call_id = asyncio.run(call())
+    code, out, _ = run(capsys, "show", call_id, "--full", "--ledger", ledger)
+    assert code == 0
+    assert not any(c in out for c in "\u009b\u202e\u009d\u0007\u2066"), repr(out)
+    assert "\\x9b" in out and "\\u202e" in out
+    shown = run_json(capsys, "show", call_id, "--ledger", ledger)  # JSON: the text as stored
+    assert key in json.dumps(shown, ensure_ascii=False)

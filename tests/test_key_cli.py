@@ -170,3 +170,31 @@ def test_key_new_admin_prints_operator_page_config(
     key = KEY.findall(out)[0]
     assert '[[admin.keys]]\nname = "alice"' in out and hash_key(key) in out
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["Ana 😀", 'O"Brien \\ ops', "Zoë"])
+def test_key_new_admin_prints_lines_the_config_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """The printed [[admin.keys]] lines load as they are (an emoji was once written as a
+    surrogate-pair escape, which TOML refuses: ``serve`` exited, the key shown once lost)."""
+    from effectguard.config.settings import load_settings
+
+    code, out, _ = run(capsys, "key", "new", "--admin", name)
+    assert code == 0
+    key = KEY.findall(out)[0]
+    config = tmp_path / "c.toml"
+    config.write_text(out.split("config:\n", 1)[1], encoding="utf-8")
+    admin = load_settings(config=config, environ={}).admin
+    assert admin.key_for(key) is not None and admin.key_for(key).name == name
+
+
+@pytest.mark.parametrize("name", ["", "   ", "tab\there", "line\nbreak"])
+def test_key_new_admin_refuses_a_name_the_config_would_refuse(
+    capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["key", "new", "--admin", name])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and "printable, non-empty name" in err
+    assert "admin key" not in out  # no key was shown, so none was lost

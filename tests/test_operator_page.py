@@ -54,6 +54,19 @@ def login(stack: Stack) -> dict[str, str]:
     return {"cookie": f"effectguard_admin={token}"}
 
 
+def test_a_login_link_with_a_line_break_in_next_lands_on_the_page(stack: Stack) -> None:
+    """A crafted link (``next`` holding CR LF) once made the login fail with an internal
+    error when uvicorn refused the Location header: such a target goes to the page's start."""
+    response = httpx.post(
+        stack.url + PAGE + "login",
+        data={"key": ADMIN_KEY, "next": PAGE + "x\r\nSet-Cookie: a=b"},
+        headers={"origin": stack.url},
+    )
+    assert response.status_code == 303, response.text
+    assert response.headers["location"] == PAGE
+    assert "a" not in response.cookies
+
+
 def csrf_of(page: str) -> str:
     """The CSRF token in a page's forms."""
     found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)

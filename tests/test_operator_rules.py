@@ -108,3 +108,17 @@ def test_admin_keys_are_read_from_the_config(tmp_path: Path) -> None:
         config.write_text(f"[[admin.keys]]\n{bad}\n")
         with pytest.raises(ConfigError, match=r"admin\.keys\[0\]"):
             load_settings(config=config, environ={})
+
+
+@pytest.mark.parametrize("hours", ["0", "0.001", "1e305", "9000"])
+def test_a_session_length_no_cookie_can_carry_is_refused_at_start(
+    tmp_path: Path, hours: str
+) -> None:
+    """``session_hours`` from a minute to a year: shorter, every login's cookie expires at
+    once; longer (1e305), the cookie's Max-Age overflowed and every login answered 500."""
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[admin]\nsession_hours = {hours}\n[[admin.keys]]\nname = "ana"\nsha256 = "{ANA.sha256}"\n'
+    )
+    with pytest.raises(ConfigError, match="session_hours must be between"):
+        load_settings(config=config, environ={})

@@ -55,11 +55,6 @@ from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
 from effectguard.rules import usage as usages
-from effectguard.rules.events import (
-    AttemptNotSent,
-    BudgetReleased,
-    Event,
-)
 from effectguard.rules.guidance import decide_unknown
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
@@ -283,6 +278,18 @@ class Guard:
         self.recorder.spawn(task.result().aclose())
 
     async def _admit(self, prepared: Prepared) -> Admitted:
+        # The admission commits even if its caller goes away meanwhile (group commit runs
+        # it regardless), so it is shielded, and an attempt it started is then recorded
+        # as never sent: left alone, it would sit in flight until a restart marked it
+        # effect_unknown, and its key would answer 409 in_progress meanwhile.
+        task = asyncio.ensure_future(self._admit_now(prepared))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.recorder.unsent_when_admitted(prepared, task)
+            raise
+
+    async def _admit_now(self, prepared: Prepared) -> Admitted:
         try:
             return await self.ledger.admit(self.writer, prepared.admit)
         except (LedgerUnavailable, FencedError) as exc:
@@ -416,14 +423,7 @@ class Guard:
         report.upstream_s += time.perf_counter() - sent_at
         call_id = admitted.call_id
         if classify_transport_error(exc) == "not_sent":
-            events: list[Event] = [
-                AttemptNotSent(call=call_id, attempt=admitted.attempt, reason=_describe(exc)),
-                BudgetReleased(call=call_id, budget=prepared.admit.budget, amount=prepared.reserve),
-            ]
-            try:
-                await self.ledger.record(admitted.writer, call_id, admitted.attempt, events)
-            finally:
-                self.recorder.finish(call_id)
+            await self.recorder.not_sent(prepared, admitted, _describe(exc))
             self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
             raise _RetryAttempt(
                 None,

@@ -14,6 +14,7 @@ rules for what a failed write means live in one place:
 from __future__ import annotations
 
 import asyncio
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,7 +26,13 @@ from effectguard.errors import FencedError, LedgerError
 from effectguard.ledger import Admitted, Ledger, Writer, operations
 from effectguard.rules import evidence
 from effectguard.rules import usage as usages
-from effectguard.rules.events import AttemptObserved, encode_body
+from effectguard.rules.events import (
+    AttemptNotSent,
+    AttemptObserved,
+    BudgetReleased,
+    Event,
+    encode_body,
+)
 from effectguard.rules.guidance import decide_unknown
 from effectguard.rules.settlement import Answer, Settlement, settle
 from effectguard.telemetry.observer import NullObserver, Observer
@@ -56,6 +63,9 @@ class Recorder:
         self.observer: Observer = observer or NullObserver()
         self._done: dict[str, asyncio.Event] = {}
         self._background: set[asyncio.Future[Any]] = set()
+        #: Streams still to settle, held here so that a client that drops one unread
+        #: cannot take its upstream down with it (see :mod:`effectguard.callpath.stream`).
+        self.open_streams: set[Any] = set()
         #: Markings to retry: (call, attempt) -> (reason, the writer that started it).
         self._orphans: dict[tuple[str, int], tuple[str, Writer]] = {}
         #: Given a writer the store refused, a writer of this process it accepts now, to
@@ -220,6 +230,32 @@ class Recorder:
         finally:
             self.finish(call_id)
 
+    async def not_sent(self, prepared: Prepared, admitted: Admitted, reason: str) -> None:
+        """Record that ``admitted``'s attempt never reached the provider, and release it."""
+        call_id = admitted.call_id
+        events: list[Event] = [
+            AttemptNotSent(call=call_id, attempt=admitted.attempt, reason=reason),
+            BudgetReleased(call=call_id, budget=prepared.admit.budget, amount=prepared.reserve),
+        ]
+        try:
+            await self.ledger.record(admitted.writer, call_id, admitted.attempt, events)
+        finally:
+            self.finish(call_id)
+
+    def unsent_when_admitted(self, prepared: Prepared, task: asyncio.Future[Admitted]) -> None:
+        """The caller of admission ``task`` went away: an attempt it starts is never sent."""
+
+        def settle(done: asyncio.Future[Admitted]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            admitted = done.result()
+            if admitted.action not in ("refuse", "replay", "recover", "join"):
+                why = "its caller went away before it was sent"
+                self.spawn(self.not_sent(prepared, admitted, why))
+
+        self.keep(task)
+        task.add_done_callback(settle)
+
     def report(self, report: CallReport) -> None:
         """Hand a finished request's report to the observer (once, however often called)."""
         if report.close():
@@ -265,9 +301,24 @@ class Recorder:
         task.add_done_callback(self._background.discard)
 
     async def drain(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) for background settlements to finish."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=timeout)
+        """Wait (at most ``timeout``) for the calls this process dispatches and for
+        background settlements to finish, reading to its end every stream a client left
+        open (it would otherwise stay in flight)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (left := deadline - loop.time()) > 0:
+            for stream in list(self.open_streams):
+                stream.abandon()
+            # Calls this process is dispatching finish too: closed under them, the
+            # ledger would turn answers on their way into effect_unknown.
+            dispatching = {asyncio.ensure_future(done.wait()) for done in self._done.values()}
+            pending = set(self._background) | dispatching
+            if not pending:
+                return
+            # Woken often: a dispatch may answer with a stream nobody reads until later.
+            await asyncio.wait(pending, timeout=min(left, 0.05), return_when=FIRST_COMPLETED)
+            for waiting in dispatching:
+                waiting.cancel()
 
 
 async def _same_writer(writer: Writer) -> Writer:

@@ -13,6 +13,11 @@ observed and settled durably before the stream's terminal event is released.
 * A client that goes away (``aclose`` before the end) does not cancel the
   call: the upstream is read to its end in the background, then recorded and
   settled (docs/contract.md §3.8).
+* So does a client that drops the stream without closing it (an SDK stream left to
+  the garbage collector). Its iterator is finalized, which starts that background
+  read; and the recorder holds every unsettled stream, so the upstream it reads is
+  never collected in the same sweep (which would look like an end before the terminal
+  event, a broken stream, for an answer the provider sent whole).
 """
 
 from __future__ import annotations
@@ -66,16 +71,38 @@ class GuardedStream:
         self._report = report
         self._forwarded = 0
         self._settled = False
+        self._draining = False
+        #: A read of the upstream is under way (a second reader must not start then).
+        self._pulling = False
+        recorder.open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._pull():
-            yield chunk
-            self._forwarded += 1
-            if self._forwarded == 1:
-                self._recorder.crash.hit("mid-stream")
+        try:
+            async for chunk in self._pull():
+                yield chunk
+                self._forwarded += 1
+                if self._forwarded == 1:
+                    self._recorder.crash.hit("mid-stream")
+        finally:
+            self.abandon()  # stopped early, closed or dropped: settle in the background
 
-    async def _pull(self) -> AsyncIterator[bytes]:
-        while not self._settled:
+    def _settle(self) -> None:
+        self._settled = True
+        self._recorder.open_streams.discard(self)
+
+    async def _pull(self, background: bool = False) -> AsyncIterator[bytes]:
+        while True:
+            if self._draining and not background:
+                # Read in the background now (the transport closed): the rest goes to the
+                # ledger, not here, and a stream that just stopped would look whole.
+                raise httpx.RemoteProtocolError(
+                    "this stream is being read to its end in the background (its transport "
+                    f"closed); call {self._admitted.call_id} will be recorded: resend it with "
+                    "the same Idempotency-Key to receive its answer"
+                )
+            if self._settled:
+                return
+            self._pulling = True
             try:
                 chunk = await self._chunks.__anext__()
             except StopAsyncIteration:
@@ -85,8 +112,11 @@ class GuardedStream:
                 await self._observe_or_fail()
                 return
             except httpx.TransportError as exc:
-                await self._broken(str(exc))
-                raise self._broken_error(str(exc)) from exc
+                why = str(exc) or type(exc).__name__  # some carry no text: say which
+                await self._broken(why)
+                raise self._broken_error(why) from exc
+            finally:
+                self._pulling = False
             self._size += len(chunk)
             if self._size > self._limit:
                 why = answer_too_large(self._upstream.status, self._limit)
@@ -123,7 +153,7 @@ class GuardedStream:
     async def _observe(self) -> None:
         if self._settled:
             return
-        self._settled = True
+        self._settle()
         await self._upstream.aclose()
         recorder = self._recorder
         upstream_s = time.perf_counter() - self._sent_at
@@ -142,7 +172,7 @@ class GuardedStream:
         recorder.crash.hit("after:observe")
 
     async def _broken(self, why: str) -> None:
-        self._settled = True
+        self._settle()
         await self._upstream.aclose()
         self._report.upstream_s += time.perf_counter() - self._sent_at
         try:
@@ -160,13 +190,19 @@ class GuardedStream:
 
     async def aclose(self) -> None:
         """Settle the call: now if it ended, else in the background after the upstream ends."""
-        if self._settled:
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Read the rest of the upstream in the background, once, unless already settled
+        or a reader is waiting for its next chunk right now (it goes on, and settles it)."""
+        if self._settled or self._draining or self._pulling:
             return
+        self._draining = True
         self._recorder.spawn(self._drain())
 
     async def _drain(self) -> None:
         try:
-            async for _ in self._pull():
+            async for _ in self._pull(background=True):
                 pass
         except httpx.RemoteProtocolError:
             pass  # already recorded: interrupted, or the observation failed

@@ -286,8 +286,12 @@ def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> Admin
             raise ConfigError(f"{where}.name: must be a printable, non-empty name")
         keys.append(AdminKey(name, _digest(entry, where)))
     hours = values.number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")
-    if hours <= 0:
-        raise ConfigError(f"{source}: admin.session_hours must be positive")
+    # A minute at least (shorter, a login's cookie is stale before the next page), a year
+    # at most (longer, the cookie's Max-Age overflows and every login fails).
+    if not 1 / 60 <= hours <= 24 * 366:
+        raise ConfigError(
+            f"{source}: admin.session_hours must be between 0.0167 (a minute) and 8784 (a year)"
+        )
     return AdminSettings(tuple(keys), hours * 3600, env.get(defaults.ADMIN_SECRET_ENV, ""))
 
 

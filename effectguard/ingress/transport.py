@@ -99,9 +99,21 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
         self._guard: Guard | None = None
         self._opening: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def guard(self) -> Guard:
         """The guard, started on first use (in the caller's event loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            # Its heartbeat, its background settlements and its connections live on the
+            # loop it started on: on another one a call could be sent and never settled.
+            raise RuntimeError(
+                "an AsyncGuardTransport runs on the event loop it was first used on until "
+                "it is closed: close it (aclose) before using it from another event loop "
+                "(each asyncio.run), make one per loop, or use GuardTransport"
+            )
         if self._guard is None:
             if self._opening is None:
                 self._opening = asyncio.Lock()
@@ -137,6 +149,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             return error_response(provider.dialect, refusal, request)
 
     async def aclose(self) -> None:
+        # Like httpx's own transports it may be used again after this (an
+        # ``async with httpx.AsyncClient(transport=t)`` per request closes it each time):
+        # the guard then starts again, on whichever event loop uses it next.
+        self._loop = None
         if self._guard is not None:
             await self._runtime.stop()
             self._guard = None
@@ -152,10 +168,32 @@ class _Portal:
             target=self.loop.run_forever, name="effectguard-portal", daemon=True
         )
         self._thread.start()
+        self._scheduled: set[asyncio.Task[Any]] = set()
 
     def run(self, coro: Any) -> Any:
+        if self.closed:
+            coro.close()
+            # After close(), or in a child process forked after the first use (the
+            # portal's thread did not come along): waiting would wait for ever.
+            raise RuntimeError(
+                "this GuardTransport is closed, or was opened before this process forked: "
+                "make a new one"
+            )
         future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return future.result()
+
+    def run_or_schedule(self, coro: Any) -> None:
+        """Run ``coro`` and wait for it; on the portal's own thread, schedule it instead.
+
+        The garbage collector may finalize an abandoned stream on any thread, the
+        portal's too, and the stream's close then calls here: waiting on the portal's
+        loop from inside it would wait on itself, and every request would hang."""
+        if threading.current_thread() is not self._thread:
+            self.run(coro)
+            return
+        task = self.loop.create_task(coro)
+        self._scheduled.add(task)  # a task only the loop refers to may be collected
+        task.add_done_callback(self._scheduled.discard)
 
     def close(self) -> None:
         # A stream its reader stopped early leaves async generators open on this loop
@@ -235,7 +273,7 @@ class _PortalStream(httpx.SyncByteStream):
                 return
 
     def close(self) -> None:
-        self._portal.run(self._response.aclose())
+        self._portal.run_or_schedule(self._response.aclose())
 
 
 class GuardTransport(httpx.BaseTransport):

@@ -136,7 +136,10 @@ def print_config(args: argparse.Namespace) -> int:
         key = new_key()
         print(f"admin key (give it to the operator; it is not stored): {key}")
         print("config:")
-        print(f'[[admin.keys]]\nname = {json.dumps(args.admin)}\nsha256 = "{hash_key(key)}"')
+        # A TOML basic string: JSON's escapes are TOML's, and the rest stays as typed
+        # (TOML refuses the surrogate-pair escapes ensure_ascii would write for 😀).
+        name = json.dumps(args.admin.strip(), ensure_ascii=False)
+        print(f'[[admin.keys]]\nname = {name}\nsha256 = "{hash_key(key)}"')
         return EXIT_OK
     if args.expires is not None or args.models or args.providers:
         print("effectguard: --expires, --models and --providers need a ledger key", file=sys.stderr)
@@ -178,6 +181,11 @@ def _check_new(args: argparse.Namespace) -> str | None:
         del args.run_ledger
         args.run = print_config
     if args.admin is not None:
+        # As the config file reads it back: `serve` would refuse any other name, after the
+        # key (shown once) was printed.
+        name = args.admin.strip()
+        if not name or not name.isprintable():
+            return f"admin name {args.admin!r}: must be a printable, non-empty name"
         return None
     try:
         budgets.validate_path(args.root)

@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from effectguard.rules import notes
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.money import nanos_to_usd
 from effectguard.rules.workstate import WorkState
@@ -97,4 +98,4 @@ def table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
     """Print ``payload`` as JSON with ``--json``, else ``text``."""
-    print(json.dumps(payload, indent=2) if args.json else text)
+    print(json.dumps(payload, indent=2) if args.json else notes.terminal_safe(text))

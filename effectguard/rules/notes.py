@@ -10,6 +10,8 @@ import unicodedata
 _UNPRINTABLE = frozenset({"Cc", "Zl", "Zp"})
 #: The bidirectional overrides and isolates, which make text read other than it is.
 _BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+#: What :func:`terminal_safe` escapes: the above, and halves of surrogate pairs.
+_ESCAPED = _UNPRINTABLE | {"Cs"}
 
 
 def unprintable(text: str) -> str | None:
@@ -21,3 +23,18 @@ def one_line(text: str) -> str:
     """``text`` with every run of whitespace (a textarea's line breaks, tabs) made one space,
     and trimmed: how a note typed into a multi-line box is kept."""
     return " ".join(text.split())
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` for a terminal: each character a note may not hold (a control, a
+    separator, a direction override), other than line breaks and tabs, written as its
+    escape (``\\x9b``, ``\\u202e``). Clients choose much of what ``show`` prints (keys,
+    bodies); a terminal acts on some controls, and an override reorders what follows."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c
+        if c in "\n\t" or not (unicodedata.category(c) in _ESCAPED or c in _BIDI)
+        else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )

@@ -237,6 +237,7 @@ class AdminPage:
 
 def _local(target: str) -> str:
     """A redirect target only if it is a path of the page (no open redirect)."""
-    if target.startswith(PREFIX) and "//" not in target and "\\" not in target:
+    clean = target.isprintable()  # a line break would reach the Location header
+    if clean and target.startswith(PREFIX) and "//" not in target and "\\" not in target:
         return target
     return PREFIX

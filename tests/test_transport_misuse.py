@@ -1,0 +1,313 @@
+"""The transports under careless use, with the real openai SDK and the real fake provider
+(its receipt log counts what reached it):
+
+* a sync stream dropped half-read without ``close()``, left to the garbage collector:
+  the collector may finalize it on the transport's own loop thread, where closing it
+  once waited on that loop from inside it and hung every later request; and streams
+  dropped that way were booked ``effect_unknown`` though the provider sent them whole;
+* an async stream dropped the same way is read to its end and settled ``completed``;
+* a caller cancelled while its admission commits: the call it started is recorded as
+  never sent (resendable at once), not left in flight until a restart marks it unknown;
+* using a sync transport after ``close()`` is a clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+import effectguard
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import FakeProvider, fake_provider
+
+pytestmark = pytest.mark.slow
+
+#: A bound on waiting for background settlement, not a timing claim.
+SETTLE_BOUND_S = 30.0
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
+    capsys.readouterr()
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
+
+
+def _verified(capsys: pytest.CaptureFixture[str], ledger: Path) -> bool:
+    capsys.readouterr()
+    return cli_main(["verify", "--ledger", str(ledger)]) == 0
+
+
+def _message(n: int) -> list[Any]:
+    return [{"role": "user", "content": f"hello {n}"}]
+
+
+def test_sync_streams_dropped_unclosed_never_hang_and_settle_completed(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = tmp_path / "ledger.db"
+    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
+    client = openai.OpenAI(
+        base_url=provider.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport),
+    )
+    done: list[int] = []
+
+    def drop_streams() -> None:
+        for n in range(12):
+            stream = client.chat.completions.create(
+                model="gpt-4o-mini", messages=_message(n), stream=True
+            )
+            for _ in stream:
+                break  # dropped half-read: no close()
+            del stream
+            done.append(n)
+
+    worker = threading.Thread(target=drop_streams, daemon=True)
+    worker.start()
+    worker.join(60)  # a bound on a hang, not a timing claim
+    assert not worker.is_alive(), f"hung after {len(done)} dropped streams"
+    gc.collect()
+    transport.close()  # reads to their end the streams a client left open
+    assert len(provider.effects()) == 12
+    assert _stages(capsys, ledger) == Counter(completed=12)
+    assert _verified(capsys, ledger)
+    with pytest.raises(RuntimeError, match="closed"):
+        client.chat.completions.create(model="gpt-4o-mini", messages=_message(99))
+    assert len(provider.effects()) == 12
+
+
+def test_async_streams_dropped_unclosed_settle_completed(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = tmp_path / "ledger.db"
+
+    async def run() -> list[int]:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=provider.url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+
+        async def drop(n: int) -> None:
+            stream = await client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=_message(n),
+                stream=True,
+                extra_headers={"idempotency-key": f"drop-{n}"},
+            )
+            async for _ in stream:
+                break  # dropped half-read: no close()
+
+        await asyncio.gather(*(drop(n) for n in range(10)))
+        gc.collect()
+        deadline = asyncio.get_running_loop().time() + SETTLE_BOUND_S
+        while transport.ledger is not None and asyncio.get_running_loop().time() < deadline:
+            calls = await transport.ledger.calls()
+            if all(c.stage != "in_flight" for c in calls):
+                break
+            await asyncio.sleep(0.05)
+        # A resend of a dropped call's key gets its recorded answer, not a second effect.
+        resends = []
+        for n in range(10):
+            again = await client.chat.completions.with_raw_response.create(
+                model="gpt-4o-mini",
+                messages=_message(n),
+                stream=True,
+                extra_headers={"idempotency-key": f"drop-{n}"},
+            )
+            resends.append(again.status_code)
+            await again.http_response.aclose()
+        await transport.aclose()
+        return resends
+
+    resends = asyncio.run(run())
+    assert resends == [200] * 10
+    assert len(provider.effects()) == 10
+    assert _stages(capsys, ledger) == Counter(completed=10)
+    assert _verified(capsys, ledger)
+
+
+def test_a_caller_cancelled_during_admission_leaves_its_call_not_sent(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = tmp_path / "ledger.db"
+
+    async def run() -> tuple[Counter[str], list[str]]:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=provider.url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+
+        async def call(n: int) -> str:
+            await client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=_message(n),
+                extra_headers={"idempotency-key": f"cancel-{n}"},
+            )
+            return "answered"
+
+        await call(-1)  # warm: the transport has started
+
+        async def cancelled(n: int) -> str:
+            try:
+                return await asyncio.wait_for(call(n), 0.001)
+            except TimeoutError:
+                return "cancelled"
+
+        first = Counter(await asyncio.gather(*(cancelled(n) for n in range(40))))
+        # Each call settles by itself (sent and answered, or recorded as never sent);
+        # none is left in flight while the transport runs.
+        deadline = asyncio.get_running_loop().time() + SETTLE_BOUND_S
+        while asyncio.get_running_loop().time() < deadline:
+            if all(c.stage != "in_flight" for c in await transport.ledger.calls()):
+                break
+            await asyncio.sleep(0.05)
+        stages = Counter(c.stage for c in await transport.ledger.calls())
+        again = [await call(n) for n in range(40)]  # every key resends at once
+        await transport.aclose()
+        assert first["cancelled"] > 0, first
+        return stages, again
+
+    stages, again = asyncio.run(run())
+    assert stages["in_flight"] == 0, stages
+    assert set(stages) <= {"completed", "not_sent"}, stages
+    assert again == ["answered"] * 40
+    assert len(provider.effects()) == 41  # the warm call and each key once
+    assert _verified(capsys, ledger)
+
+
+def test_an_async_transport_refuses_a_second_event_loop(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its heartbeat and background settlements live on the loop it started on: a call
+    from another loop (a second ``asyncio.run``) is refused before anything is recorded
+    or sent, with a message naming the cause. After ``aclose()`` it may be used again."""
+    ledger = tmp_path / "ledger.db"
+    transport = effectguard.AsyncGuardTransport(
+        ledger=str(ledger), upstreams={"openai": provider.url}
+    )
+    client = openai.AsyncOpenAI(
+        base_url=provider.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport),
+    )
+
+    async def call(n: int) -> Any:
+        return await client.chat.completions.create(model="gpt-4o-mini", messages=_message(n))
+
+    asyncio.run(call(0))
+    with pytest.raises(RuntimeError, match="another event loop"):
+        asyncio.run(call(1))
+
+    async def close_then_call() -> None:
+        fresh = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        other = openai.AsyncOpenAI(
+            base_url=provider.url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=fresh),
+        )
+        await other.chat.completions.create(model="gpt-4o-mini", messages=_message(2))
+        await fresh.aclose()
+        # As httpx's own transports: used again after aclose(), it starts again.
+        await other.chat.completions.create(model="gpt-4o-mini", messages=_message(3))
+        await fresh.aclose()
+
+    asyncio.run(close_then_call())
+
+    async def call_then_close(n: int) -> None:  # one event loop per run, closed in it
+        await call(n)
+        await transport.aclose()
+
+    transport_closed_in_each_run = effectguard.AsyncGuardTransport(
+        ledger=str(ledger), upstreams={"openai": provider.url}
+    )
+    client = openai.AsyncOpenAI(
+        base_url=provider.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport_closed_in_each_run),
+    )
+    transport = transport_closed_in_each_run
+    asyncio.run(call_then_close(4))
+    asyncio.run(call_then_close(5))
+    assert len(provider.effects()) == 5
+    assert _stages(capsys, ledger) == Counter(completed=5)
+
+
+def test_closing_an_async_transport_lets_its_calls_in_flight_finish(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``aclose()`` with calls on their way waits for them (up to its drain timeout):
+    answers are recorded, not turned into effect_unknown under a closed ledger. A stream
+    nobody read by then is read to its end in the background, and its reader is told to
+    resend for the answer instead of getting a stream that just stops."""
+    ledger = tmp_path / "ledger.db"
+
+    async def run() -> list[str]:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=provider.url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+
+        async def call(n: int) -> str:
+            answer = await client.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=_message(n),
+                stream=n % 2 == 1,
+                extra_headers={"idempotency-key": f"close-{n}", "x-fake-behaviour": "delay=1"},
+            )
+            if isinstance(answer, openai.AsyncStream):
+                await asyncio.sleep(2)  # read only after the transport closed
+                try:
+                    async for _ in answer:
+                        pass
+                except openai.APIConnectionError as exc:
+                    return "resend" if "resend it" in str(exc.__cause__) else repr(exc)
+                return "stream read after close"
+            return "answered"
+
+        calls = [asyncio.ensure_future(call(n)) for n in range(4)]
+        await asyncio.sleep(0.3)  # all four on their way
+        await transport.aclose()
+        return list(await asyncio.gather(*calls))
+
+    assert asyncio.run(run()) == ["answered", "resend", "answered", "resend"]
+    assert len(provider.effects()) == 4
+    assert _stages(capsys, ledger) == Counter(completed=4)
+    assert _verified(capsys, ledger)
