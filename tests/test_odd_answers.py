@@ -50,6 +50,10 @@ ANSWERS: dict[str, bytes] = {
     "capital-stream-whole": b"HTTP/1.1 200 OK\r\nContent-Type: TEXT/EVENT-STREAM\r\n"
     b"Connection: close\r\n\r\n" + _EVENT + _USAGE + _DONE,
     "untyped-stream-cut": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + _EVENT,
+    "repeated-header": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"X-Dup: one\r\nX-Dup: two\r\nConnection: close\r\n"
+    b"Content-Length: 81\r\n\r\n"
+    b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}',
     "status-999": b"HTTP/1.1 999 Odd\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
     b"Connection: close\r\n\r\n{}",
     "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: odd\r\nConnection: upgrade\r\n\r\n"
@@ -217,3 +221,23 @@ def test_a_status_that_is_no_final_http_answer_is_effect_unknown(
     assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
     assert errors == 0, log
     assert _verified(capsys, ledger)
+
+
+def test_a_header_sent_twice_is_replayed_with_both_values(
+    upstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """The stored answer keeps every value of a repeated header (joined, RFC 9110 §5.3):
+    a replay once carried only the last."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": "repeated-header", "idempotency-key": "k-repeated"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        first = client.post(CHAT, json=_chat(False), headers=headers)
+        replay = client.post(CHAT, json=_chat(False), headers=headers)
+        client.close()
+    assert first.status_code == 200, first.text
+    assert first.headers.get_list("x-dup") == ["one", "two"]
+    assert replay.headers["effectguard-replayed"] == "true"
+    assert replay.headers["x-dup"] == "one, two"
+    assert replay.content == first.content
+    assert upstream.received.count("repeated-header") == 1

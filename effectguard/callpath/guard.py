@@ -278,20 +278,14 @@ class Guard:
         self.recorder.spawn(task.result().aclose())
 
     async def _admit(self, prepared: Prepared) -> Admitted:
-        # The admission commits even if its caller goes away meanwhile (group commit runs
-        # it regardless), so it is shielded, and an attempt it started is then recorded
-        # as never sent: left alone, it would sit in flight until a restart marked it
+        # The admission commits even if its caller goes away meanwhile (a cancelled
+        # caller never stops a commit): an attempt it started is then recorded as never
+        # sent. Left alone, it would sit in flight until a restart marked it
         # effect_unknown, and its key would answer 409 in_progress meanwhile.
-        task = asyncio.ensure_future(self._admit_now(prepared))
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            self.recorder.unsent_when_admitted(prepared, task)
-            raise
-
-    async def _admit_now(self, prepared: Prepared) -> Admitted:
-        try:
-            return await self.ledger.admit(self.writer, prepared.admit)
+            return await self.ledger.admit(
+                self.writer, prepared.admit, lambda a: self.recorder.unsent(prepared, a)
+            )
         except (LedgerUnavailable, FencedError) as exc:
             raise refuse(
                 503,

@@ -242,19 +242,11 @@ class Recorder:
         finally:
             self.finish(call_id)
 
-    def unsent_when_admitted(self, prepared: Prepared, task: asyncio.Future[Admitted]) -> None:
-        """The caller of admission ``task`` went away: an attempt it starts is never sent."""
-
-        def settle(done: asyncio.Future[Admitted]) -> None:
-            if done.cancelled() or done.exception() is not None:
-                return
-            admitted = done.result()
-            if admitted.action not in ("refuse", "replay", "recover", "join"):
-                why = "its caller went away before it was sent"
-                self.spawn(self.not_sent(prepared, admitted, why))
-
-        self.keep(task)
-        task.add_done_callback(settle)
+    def unsent(self, prepared: Prepared, admitted: Admitted) -> None:
+        """The caller of an admission went away while it committed: an attempt it started
+        is never sent, and is recorded so."""
+        if admitted.action not in ("refuse", "replay", "recover", "join"):
+            self.spawn(self.not_sent(prepared, admitted, "its caller went away before it was sent"))
 
     def report(self, report: CallReport) -> None:
         """Hand a finished request's report to the observer (once, however often called)."""

@@ -98,13 +98,17 @@ def is_own_header(key: str | bytes) -> bool:
 def storable_headers(headers: Headers, secret: Iterable[str] = ()) -> dict[str, str]:
     """Response headers safe to store: no hop-by-hop, no credentials, none of ours.
 
-    Filtered as wire bytes; only the headers kept are decoded."""
+    Filtered as wire bytes; only the headers kept are decoded. A header sent more than
+    once is kept as one, its values joined with ``", "`` as RFC 9110 §5.3 allows (a
+    replay then carries them all, not only the last)."""
     drop = _SECRET_RAW | {s.lower().encode("latin-1") for s in secret}
-    return {
-        name.decode("latin-1"): header_text(v)
-        for k, v in _strip_raw(list(headers))
-        if (name := k.lower()) not in drop and not name.startswith(_OWN_PREFIX_RAW)
-    }
+    kept: dict[str, str] = {}
+    for k, v in _strip_raw(list(headers)):
+        if (name := k.lower()) in drop or name.startswith(_OWN_PREFIX_RAW):
+            continue
+        key, value = name.decode("latin-1"), header_text(v)
+        kept[key] = f"{kept[key]}, {value}" if key in kept else value
+    return kept
 
 
 def request_hash(

@@ -2,19 +2,21 @@
 
 aiohttp keeps parsing bytes that arrive on a kept-alive connection while it sits idle
 in the pool, and queues a whole response found there; the next request sent on that
-connection is then answered with it (aio-libs/aiohttp#13656, open in 3.14.5). For the
+connection is then answered with it (aio-libs/aiohttp#13656; 3.14.5, the newest). For the
 guard that is the worst kind of wrong answer: a call whose request never reached the
 provider would be recorded as completed, at a cost and with a body the upstream chose
 for some other call, maybe another tenant's.
 
 HTTP/1.1 has no unsolicited responses: anything that arrives while no request is in
 flight is a fault (a misbehaving upstream, or something between us). So a connection
-is marked when it goes back to the pool and cleared when it is taken out; a byte that
-arrives in between aborts it, and the pool's own check (``is_connected``) then throws it
-away instead of handing it to the next request, which goes out on a fresh connection.
+is marked when it goes back to the pool, and a request sent on it again clears the mark
+(aiohttp gives every request a parser of its own); a byte that arrives in between
+aborts it, and the pool's own check (``is_connected``) then throws it away instead of
+handing it to the next request, which goes out on a fresh connection.
 
 aiohttp names no public hook for either step: the protocol factory (``_factory``), the
-release (``_release``) and the reuse (``_get``) are its private methods.
+release (``_release``) and the protocol's parser (``_parser``) are private. (Overriding
+``set_response_params`` to clear the mark cost more instructions per request.)
 ``tests/test_proxy_leg.py`` pins the behaviour, so an aiohttp that renames them fails a
 test rather than silently losing the check.
 """
@@ -27,14 +29,20 @@ from typing import Any
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 
+#: No parser: what a connection that was never pooled holds as its idle parser.
+_NEVER = object()
+
 
 class _Handler(ResponseHandler):
     """aiohttp's response parser, which refuses bytes that arrive while it is pooled."""
 
-    pooled = False
+    #: The parser of the answer it held when it went back to the pool. Every request
+    #: sent on the connection gets a new parser (``set_response_params``), so while this
+    #: is still the current one, no request is in flight.
+    _idle_parser: object = _NEVER
 
     def data_received(self, data: bytes) -> None:
-        if self.pooled and data:
+        if data and self._parser is self._idle_parser:
             # Nothing was asked on this connection: no byte here can be an answer.
             self.abort()
             return
@@ -52,11 +60,4 @@ class PoolConnector(aiohttp.TCPConnector):
         super()._release(key, protocol, *args, **kwargs)
         # Closed or pooled, it is idle now: an open one is in the pool.
         if isinstance(protocol, _Handler):
-            protocol.pooled = True
-
-    async def _get(self, *args: Any) -> Any:
-        connection = await super()._get(*args)
-        protocol = connection.protocol if connection is not None else None
-        if isinstance(protocol, _Handler):
-            protocol.pooled = False
-        return connection
+            protocol._idle_parser = protocol._parser

@@ -89,10 +89,17 @@ class Ledger:
             await store.close()
 
     # -- the guard's writes
-    async def admit(self, writer: Writer, request: AdmitRequest) -> Admitted:
-        """Admission (docs/contract.md §3.2) in one durable transaction."""
+    async def admit(
+        self,
+        writer: Writer,
+        request: AdmitRequest,
+        orphaned: Callable[[Admitted], None] | None = None,
+    ) -> Admitted:
+        """Admission (docs/contract.md §3.2) in one durable transaction. If the caller is
+        cancelled meanwhile and it commits, ``orphaned`` is told what it decided."""
         op: Operation[Admitted] = lambda tx: operations.admit(tx, writer, request)  # noqa: E731
-        return await self.store.write(writer, bulky(op) if request.spool is not None else op)
+        chosen = bulky(op) if request.spool is not None else op
+        return await self.store.write(writer, chosen, orphaned)
 
     async def record(
         self, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]

@@ -214,8 +214,12 @@ class LedgerStore(Protocol):
         """Finish queued writes and close."""
         ...
 
-    async def write(self, writer: Writer, op: Operation[T]) -> T:
-        """Run ``op`` in a durable transaction as ``writer``; fenced writers are refused."""
+    async def write(
+        self, writer: Writer, op: Operation[T], orphaned: Callable[[Any], None] | None = None
+    ) -> T:
+        """Run ``op`` in a durable transaction as ``writer``; fenced writers are refused.
+        If the caller is cancelled meanwhile and ``op`` commits, ``orphaned`` gets its
+        result (a cancelled caller never stops a commit)."""
         ...
 
     async def clock_now(self) -> float:

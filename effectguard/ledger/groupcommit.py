@@ -42,6 +42,9 @@ log = logging.getLogger("effectguard.ledger")
 
 MAX_BATCH = 512
 
+#: Told the result of an operation whose caller was cancelled while it committed.
+Orphaned = Callable[[Any], None]
+
 #: What became of a transaction that failed (see :meth:`Session.fate`).
 Fate = Literal["refused", "lost", "committed", "unknown"]
 
@@ -98,6 +101,8 @@ class Job:
     future: asyncio.Future[Any]
     result: Any = None
     error: BaseException | None = None
+    #: Told the result if the caller was cancelled and the operation committed anyway.
+    orphaned: Orphaned | None = None
 
 
 @dataclass
@@ -142,14 +147,19 @@ class GroupCommitter(Generic[S]):
         if self._startup_error is not None:
             raise self._startup_error
 
-    async def submit(self, writer: Writer, op: Operation[T]) -> T:
-        """Queue ``op``; return its result once its transaction is durable."""
+    async def submit(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
+        """Queue ``op``; return its result once its transaction is durable. ``orphaned``
+        is told the result if the caller is cancelled meanwhile and ``op`` commits."""
         loop = asyncio.get_running_loop()
         job = Job(writer, op, loop, loop.create_future())
         if not self._thread.is_alive():
             raise LedgerUnavailable("the ledger writer is not running")
         self._queue.put(job)
-        result: T = await job.future
+        try:
+            result: T = await job.future
+        except asyncio.CancelledError:
+            adopt(job, orphaned)
+            raise
         return result
 
     def stop(self) -> None:
@@ -320,9 +330,23 @@ def _resolve_all(jobs: list[Job]) -> None:
         resolve_job(job)
 
 
+def adopt(job: Job, orphaned: Orphaned | None) -> None:
+    """The caller of ``job`` was cancelled: ``orphaned`` gets its result instead (the
+    operation runs or has run anyway: a cancelled caller never stops a batch)."""
+    if orphaned is None:
+        return
+    future = job.future
+    if not future.done() or future.cancelled():
+        job.orphaned = orphaned  # resolve_job hands it over
+    elif future.exception() is None:  # answered, then cancelled before it resumed
+        orphaned(future.result())
+
+
 def resolve_job(job: Job) -> None:
     """Hand a finished job's result or error to its caller (on the caller's loop)."""
     if job.future.done():  # the caller was cancelled; its operation ran anyway
+        if job.orphaned is not None and job.error is None:
+            job.orphaned(job.result)
         return
     if job.error is not None:
         job.future.set_exception(job.error)

@@ -40,7 +40,9 @@ from effectguard.ledger.groupcommit import (
     MAX_BATCH,
     CommitStats,
     Job,
+    Orphaned,
     Session,
+    adopt,
     count_commit,
     fail_all,
     note_outcome,
@@ -107,8 +109,9 @@ class InlineCommitter(Generic[S]):
         """Open the session (migrations run here)."""
         self._session = self._factory()
 
-    async def submit(self, writer: Writer, op: Operation[T]) -> T:
-        """Queue ``op``; return its result once its transaction is durable."""
+    async def submit(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
+        """Queue ``op``; return its result once its transaction is durable. ``orphaned``
+        is told the result if the caller is cancelled meanwhile and ``op`` commits."""
         if self._session is None:
             raise LedgerUnavailable("the ledger writer is not running")
         loop = asyncio.get_running_loop()
@@ -122,7 +125,11 @@ class InlineCommitter(Generic[S]):
         if self._runner is None or self._runner.done():
             # Its own task: a cancelled caller never cancels a batch half-way.
             self._runner = loop.create_task(self._drain())
-        answer: T = await job.future
+        try:
+            answer: T = await job.future
+        except asyncio.CancelledError:
+            adopt(job, orphaned)
+            raise
         return answer
 
     def _idle(self) -> bool:

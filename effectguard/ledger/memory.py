@@ -16,7 +16,7 @@ from typing import Any, BinaryIO, TypeVar
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations
 from effectguard.ledger.base import CallSpend, Operation, WorkerRow, Writer
-from effectguard.ledger.groupcommit import Fate, GroupCommitter
+from effectguard.ledger.groupcommit import Fate, GroupCommitter, Orphaned
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.bodyref import SpooledBody
@@ -247,8 +247,8 @@ class MemoryStore:
             raise LedgerUnavailable(f"ledger {self.url} is not open")
         return self._writer
 
-    async def write(self, writer: Writer, op: Operation[T]) -> T:
-        return await self.committer.submit(writer, op)
+    async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
+        return await self.committer.submit(writer, op, orphaned)
 
     async def get_call(self, call_id: str) -> WorkState | None:
         with self.tables.lock:

@@ -47,7 +47,7 @@ from psycopg.pq import TransactionStatus
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, pgfate
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
-from effectguard.ledger.groupcommit import Fate, GroupCommitter
+from effectguard.ledger.groupcommit import Fate, GroupCommitter, Orphaned
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
@@ -451,8 +451,8 @@ class PostgresStore(SqlReads):
             self._writer.stop()
             self._writer = None
 
-    async def write(self, writer: Writer, op: Operation[T]) -> T:
-        return await self.committer.submit(writer, op)
+    async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
+        return await self.committer.submit(writer, op, orphaned)
 
     async def clock_now(self) -> float:
         return float((await self._fetch(_CLOCK))[0][0])

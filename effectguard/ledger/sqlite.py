@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
-from effectguard.ledger.groupcommit import Fate
+from effectguard.ledger.groupcommit import Fate, Orphaned
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
 from effectguard.ledger.rows import (
@@ -441,8 +441,8 @@ class SqliteStore(SqliteReads):
             await self._writer.aclose()
             self._writer = None
 
-    async def write(self, writer: Writer, op: Operation[T]) -> T:
-        return await self.committer.submit(writer, op)
+    async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
+        return await self.committer.submit(writer, op, orphaned)
 
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         if self._reader is None:
