@@ -142,3 +142,44 @@ def post(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes
     lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@dataclass
+class RawRequest:
+    """One HTTP/1.1 request read off a raw socket by an upstream a test plays."""
+
+    line: bytes
+    fields: dict[bytes, bytes]  # names lower-cased
+    body: bytes
+
+    @property
+    def target(self) -> str:
+        """The request target (path and query)."""
+        return self.line.split(b" ")[1].decode("latin-1")
+
+
+def read_request(conn: socket.socket, timeout: float = 10.0) -> RawRequest | None:
+    """One whole request (head, and a Content-Length body) from ``conn``; None if the
+    client went away or fell silent first."""
+    conn.settimeout(timeout)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        line, *rest = head.split(b"\r\n")
+        fields = {
+            name.strip().lower(): value.strip()
+            for name, _, value in (field.partition(b":") for field in rest)
+        }
+        while len(body) < int(fields.get(b"content-length", b"0")):
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            body += chunk
+    except OSError:
+        return None
+    return RawRequest(line, fields, body)

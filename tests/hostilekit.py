@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+from edgekit import read_request
+
 Ending = Literal["close", "reset", "hang"]
 
 
@@ -75,7 +77,8 @@ class HostileSearch:
     def serve_one(self, conn: socket.socket, stop: threading.Event) -> None:
         """Read one request, record its target, then play the current script."""
         with conn:
-            target = _read_request(conn)
+            request = read_request(conn)
+            target = None if request is None else request.target
             if target is None:
                 return
             with self._lock:
@@ -93,32 +96,6 @@ class HostileSearch:
                     stop.wait(60)
             except OSError:
                 return  # the client went away first (its timeout): nothing to do
-
-
-def _read_request(conn: socket.socket) -> str | None:
-    """The request target, once the head and any Content-Length body are read."""
-    conn.settimeout(10)
-    data = b""
-    try:
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return None
-            data += chunk
-        head, _, rest = data.partition(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value.strip())
-        while len(rest) < length:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return None
-            rest += chunk
-    except OSError:
-        return None
-    return head.split(b"\r\n", 1)[0].split(b" ")[1].decode("latin-1")
 
 
 @contextmanager

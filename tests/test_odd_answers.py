@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from edgekit import read_request
 
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import running_proxy
@@ -85,31 +86,11 @@ class ScriptedUpstream:
             except OSError:
                 return  # closed by __exit__
             with conn:
-                name = _read_request(conn)
-                if name is not None:
+                request = read_request(conn)
+                if request is not None:
+                    name = request.fields[b"x-answer"].decode()
                     self.received.append(name)
                     conn.sendall(ANSWERS[name])
-
-
-def _read_request(conn: socket.socket) -> str | None:
-    """The ``x-answer`` of one whole request read from ``conn`` (None if it never came)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    fields = dict(
-        (name.strip().lower(), value.strip())
-        for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
-    )
-    while len(body) < int(fields.get(b"content-length", b"0")):
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        body += chunk
-    return fields[b"x-answer"].decode()
 
 
 @pytest.fixture(scope="module")

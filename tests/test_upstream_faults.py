@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from edgekit import read_request
 
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
@@ -102,33 +103,9 @@ class HangUpUpstream:
             except OSError:
                 return  # closed by __exit__
             with conn:
-                if self._read_request(conn):
+                if read_request(conn) is not None:
                     with self._lock:
                         self.received += 1
-
-    @staticmethod
-    def _read_request(conn: socket.socket) -> bool:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = next(
-            (
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            ),
-            0,
-        )
-        while len(body) < length:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            body += chunk
-        return True
 
 
 def test_upstream_hanging_up_after_the_request_is_effect_unknown_and_sent_once(
