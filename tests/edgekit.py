@@ -183,3 +183,35 @@ def read_request(conn: socket.socket, timeout: float = 10.0) -> RawRequest | Non
     except OSError:
         return None
     return RawRequest(line, fields, body)
+
+
+class SocketUpstream:
+    """An upstream a test plays on a raw loopback socket: each connection's one request
+    is read whole and handed to :meth:`answer`; the connection is closed after it."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> Any:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.close()
+        self._thread.join(timeout=5)
+
+    def answer(self, conn: socket.socket, request: RawRequest) -> None:
+        """Write what this upstream answers ``request`` with (nothing, by default)."""
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed by __exit__
+            with conn:
+                request = read_request(conn)
+                if request is not None:
+                    self.answer(conn, request)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from edgekit import read_request
+from edgekit import RawRequest, SocketUpstream
 
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import running_proxy
@@ -62,35 +61,17 @@ ANSWERS: dict[str, bytes] = {
 }
 
 
-class ScriptedUpstream:
+class ScriptedUpstream(SocketUpstream):
     """Reads each whole request, counts it by its ``x-answer``, writes that answer, closes."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.received: list[str] = []
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> ScriptedUpstream:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.close()
-        self._thread.join(timeout=5)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed by __exit__
-            with conn:
-                request = read_request(conn)
-                if request is not None:
-                    name = request.fields[b"x-answer"].decode()
-                    self.received.append(name)
-                    conn.sendall(ANSWERS[name])
+    def answer(self, conn: socket.socket, request: RawRequest) -> None:
+        name = request.fields[b"x-answer"].decode()
+        self.received.append(name)
+        conn.sendall(ANSWERS[name])
 
 
 @pytest.fixture(scope="module")

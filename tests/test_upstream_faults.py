@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from edgekit import read_request
+from edgekit import RawRequest, SocketUpstream
 
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
@@ -74,7 +73,7 @@ def verified(capsys: pytest.CaptureFixture[str], ledger: Path) -> bool:
 # -- an upstream that hangs up after reading the request ------------------------------------
 
 
-class HangUpUpstream:
+class HangUpUpstream(SocketUpstream):
     """A real HTTP upstream that reads each whole request, counts it, then closes the socket.
 
     No response byte is ever sent: to aiohttp (the proxy's upstream leg) this is
@@ -82,30 +81,11 @@ class HangUpUpstream:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.received = 0
-        self._lock = threading.Lock()
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> HangUpUpstream:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.close()
-        self._thread.join(timeout=5)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed by __exit__
-            with conn:
-                if read_request(conn) is not None:
-                    with self._lock:
-                        self.received += 1
+    def answer(self, conn: socket.socket, request: RawRequest) -> None:
+        self.received += 1  # one serving thread: no lock needed
 
 
 def test_upstream_hanging_up_after_the_request_is_effect_unknown_and_sent_once(
