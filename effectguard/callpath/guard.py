@@ -369,8 +369,8 @@ class Guard:
         self.crash.hit("after:dispatch")
         content_type = header_value(response.headers, "content-type")
         kind = answer_kind(response.status, content_type, prepared.stream)
+        limit = self.settings.max_answer_bytes
         if kind == "stream":
-            limit = self.settings.max_answer_bytes
             stream = GuardedStream(
                 self.recorder, prepared, admitted, response, sent_at, report, limit
             )
@@ -378,7 +378,6 @@ class Guard:
             return Reply(response.status, headers, stream=stream, extensions=response.extensions)
         try:
             # Raw bytes: stored and forwarded exactly as received (we ask for identity).
-            limit = self.settings.max_answer_bytes
             body = None if kind == "not_http" else await read_body(response, limit)
         except httpx.TransportError as exc:
             return await self._transport_failed(prepared, admitted, exc, report, sent_at)
@@ -386,7 +385,7 @@ class Guard:
             await response.aclose()
         if body is None:
             report.upstream_s += time.perf_counter() - sent_at
-            why, reason = unobservable(response.status, kind, self.settings.max_answer_bytes)
+            why, reason = unobservable(response.status, kind, limit)
             raise await self._effect_unknown(prepared, admitted, why, reason, 502)
         upstream = time.perf_counter() - sent_at
         report.upstream_s += upstream

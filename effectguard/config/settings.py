@@ -78,6 +78,7 @@ from effectguard.config import defaults, readkeys, values
 from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
+from effectguard.rules import notes
 from effectguard.rules.money import check_amount, usd_to_nanos
 from effectguard.rules.retention import RetentionPolicy
 
@@ -281,8 +282,8 @@ def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> Admin
         where = f"{source}: admin.keys[{i}]"
         if not isinstance(entry, Mapping) or not {"name", "sha256"} <= entry.keys():
             raise ConfigError(f"{where}: needs name and sha256")
-        name = str(entry["name"]).strip()
-        if not name or any(not c.isprintable() for c in name):
+        name = notes.name_text(str(entry["name"]))
+        if name is None:
             raise ConfigError(f"{where}.name: must be a printable, non-empty name")
         keys.append(AdminKey(name, _digest(entry, where)))
     hours = values.number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")

@@ -176,6 +176,8 @@ class Tx(Protocol):
 
 
 Operation = Callable[[Tx], T]
+#: Told the result of an operation whose caller was cancelled while it committed.
+Orphaned = Callable[[Any], None]
 
 _BULKY = "effectguard_bulky"
 
@@ -214,9 +216,7 @@ class LedgerStore(Protocol):
         """Finish queued writes and close."""
         ...
 
-    async def write(
-        self, writer: Writer, op: Operation[T], orphaned: Callable[[Any], None] | None = None
-    ) -> T:
+    async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         """Run ``op`` in a durable transaction as ``writer``; fenced writers are refused.
         If the caller is cancelled meanwhile and ``op`` commits, ``orphaned`` gets its
         result (a cancelled caller never stops a commit)."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
-from effectguard.ledger.base import Operation, Tx, Writer, probe
+from effectguard.ledger.base import Operation, Orphaned, Tx, Writer, probe
 
 T = TypeVar("T")
 S = TypeVar("S", bound="Session")
@@ -41,9 +41,6 @@ S = TypeVar("S", bound="Session")
 log = logging.getLogger("effectguard.ledger")
 
 MAX_BATCH = 512
-
-#: Told the result of an operation whose caller was cancelled while it committed.
-Orphaned = Callable[[Any], None]
 
 #: What became of a transaction that failed (see :meth:`Session.fate`).
 Fate = Literal["refused", "lost", "committed", "unknown"]

@@ -35,12 +35,11 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
-from effectguard.ledger.base import Operation, Tx, Writer, is_bulky
+from effectguard.ledger.base import Operation, Orphaned, Tx, Writer, is_bulky
 from effectguard.ledger.groupcommit import (
     MAX_BATCH,
     CommitStats,
     Job,
-    Orphaned,
     Session,
     adopt,
     count_commit,

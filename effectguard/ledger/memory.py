@@ -15,8 +15,8 @@ from typing import Any, BinaryIO, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations
-from effectguard.ledger.base import CallSpend, Operation, WorkerRow, Writer
-from effectguard.ledger.groupcommit import Fate, GroupCommitter, Orphaned
+from effectguard.ledger.base import CallSpend, Operation, Orphaned, WorkerRow, Writer
+from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.bodyref import SpooledBody

@@ -46,8 +46,8 @@ from psycopg.pq import TransactionStatus
 
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, pgfate
-from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
-from effectguard.ledger.groupcommit import Fate, GroupCommitter, Orphaned
+from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
+from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, sqlitecalls, sqliteevents, sqlitelinks
-from effectguard.ledger.base import Operation, WorkerRow, Writer, probe
-from effectguard.ledger.groupcommit import Fate, Orphaned
+from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
+from effectguard.ledger.groupcommit import Fate
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
 from effectguard.ledger.rows import (

@@ -23,7 +23,7 @@ from effectguard.ledger import Ledger
 from effectguard.ops.command import EXIT_OK, EXIT_USAGE, Command, ledger_option
 from effectguard.ops.render import emit, iso, table
 from effectguard.rules import budget as budgets
-from effectguard.rules import keys
+from effectguard.rules import keys, notes
 from effectguard.rules.events import KeyCreated
 from effectguard.rules.keys import LedgerKey
 
@@ -138,7 +138,7 @@ def print_config(args: argparse.Namespace) -> int:
         print("config:")
         # A TOML basic string: JSON's escapes are TOML's, and the rest stays as typed
         # (TOML refuses the surrogate-pair escapes ensure_ascii would write for 😀).
-        name = json.dumps(args.admin.strip(), ensure_ascii=False)
+        name = json.dumps(notes.name_text(args.admin), ensure_ascii=False)
         print(f'[[admin.keys]]\nname = {name}\nsha256 = "{hash_key(key)}"')
         return EXIT_OK
     if args.expires is not None or args.models or args.providers:
@@ -183,8 +183,7 @@ def _check_new(args: argparse.Namespace) -> str | None:
     if args.admin is not None:
         # As the config file reads it back: `serve` would refuse any other name, after the
         # key (shown once) was printed.
-        name = args.admin.strip()
-        if not name or not name.isprintable():
+        if notes.name_text(args.admin) is None:
             return f"admin name {args.admin!r}: must be a printable, non-empty name"
         return None
     try:

@@ -79,9 +79,7 @@ def typed_usd(text: str, bound: Nanos = MAX_NANOS, what: str = "amount") -> Nano
         nanos = amount.scaleb(9)
         if amount and (amount.adjusted() < -10 or nanos != nanos.to_integral_value()):
             raise ValueError(f"{text} USD is finer than a nano-dollar (at most 9 decimal places)")
-    if not 0 <= nanos <= bound:
-        raise ValueError(out_of_range)
-    return int(nanos)
+    return check_amount(int(nanos), bound, what)
 
 
 def check_amount(nanos: Nanos, bound: Nanos = MAX_NANOS, what: str = "amount") -> Nanos:

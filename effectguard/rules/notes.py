@@ -19,6 +19,13 @@ def unprintable(text: str) -> str | None:
     return next((c for c in text if unicodedata.category(c) in _UNPRINTABLE or c in _BIDI), None)
 
 
+def name_text(raw: str) -> str | None:
+    """A name (an operator page key's) as it is kept: trimmed; None if that leaves it
+    empty or with a character that is not printable."""
+    name = raw.strip()
+    return name if name and name.isprintable() else None
+
+
 def one_line(text: str) -> str:
     """``text`` with every run of whitespace (a textarea's line breaks, tabs) made one space,
     and trimmed: how a note typed into a multi-line box is kept."""
