@@ -9,12 +9,15 @@ provider's fault is not counted as effectguard's own (``effectguard_internal_err
   case-insensitive) is a stream: cut before its terminal event it is broken, never a
   completed call; whole, its usage is read;
 * a 2xx answer without a content type to a stream request is read as that stream;
-* a final status outside 200-599 (999, or 101 to a POST) is not an HTTP answer: the
-  effect is unknown, and a keyed resend is refused, not replayed.
+* a final status outside 200-599 (999, or 101 to a POST) is not an HTTP answer, nor is
+  one coded with a transfer coding nobody asked for (``gzip, chunked``: its body
+  arrives still coded): the effect is unknown, and a keyed resend is refused, not
+  replayed.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 from collections.abc import Iterator
@@ -42,6 +45,9 @@ _USAGE = (
     b'"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}\n\n'
 )
 _DONE = b"data: [DONE]\n\n"
+_GZIPPED = gzip.compress(
+    b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}'
+)
 
 #: What the upstream writes for each ``x-answer`` (then it closes the connection).
 ANSWERS: dict[str, bytes] = {
@@ -58,6 +64,11 @@ ANSWERS: dict[str, bytes] = {
     b"Connection: close\r\n\r\n{}",
     "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: odd\r\nConnection: upgrade\r\n\r\n"
     b"{}",
+    "gzip-transfer-coded": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n"
+    + f"{len(_GZIPPED):x}\r\n".encode()
+    + _GZIPPED
+    + b"\r\n0\r\n\r\n",
 }
 
 
@@ -160,9 +171,20 @@ def test_a_whole_stream_with_a_capitalised_type_is_streamed_and_its_usage_read(
     assert _verified(capsys, ledger)
 
 
-@pytest.mark.parametrize("answer", ["status-999", "status-101"])
-def test_a_status_that_is_no_final_http_answer_is_effect_unknown(
-    answer: str, upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("answer", "told"),
+    [
+        ("status-999", "not a final HTTP answer"),
+        ("status-101", "not a final HTTP answer"),
+        ("gzip-transfer-coded", "Transfer-Encoding 'gzip', which was not asked for"),
+    ],
+)
+def test_an_answer_that_cannot_be_read_as_http_is_effect_unknown(
+    answer: str,
+    told: str,
+    upstream: ScriptedUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     ledger = tmp_path / "ledger.db"
     headers = {"x-answer": answer, "idempotency-key": f"k-{answer}"}
@@ -175,7 +197,7 @@ def test_a_status_that_is_no_final_http_answer_is_effect_unknown(
         log = proxy.log()
     assert first.status_code == 502, first.text
     assert first.json()["error"]["type"] == "effect_unknown"
-    assert "not a final HTTP answer" in first.json()["error"]["message"]
+    assert told in first.json()["error"]["message"]
     assert resend.status_code == 409
     assert resend.json()["error"]["type"] == "effect_unknown"
     assert upstream.received.count(answer) == 1

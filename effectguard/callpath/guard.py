@@ -368,7 +368,8 @@ class Guard:
             raise
         self.crash.hit("after:dispatch")
         content_type = header_value(response.headers, "content-type")
-        kind = answer_kind(response.status, content_type, prepared.stream)
+        coding = header_value(response.headers, "transfer-encoding")
+        kind = answer_kind(response.status, content_type, prepared.stream, coding)
         limit = self.settings.max_answer_bytes
         if kind == "stream":
             stream = GuardedStream(
@@ -385,7 +386,7 @@ class Guard:
             await response.aclose()
         if body is None:
             report.upstream_s += time.perf_counter() - sent_at
-            why, reason = unobservable(response.status, kind, limit)
+            why, reason = unobservable(response.status, kind, limit, coding)
             raise await self._effect_unknown(prepared, admitted, why, reason, 502)
         upstream = time.perf_counter() - sent_at
         report.upstream_s += upstream

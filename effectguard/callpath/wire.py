@@ -177,15 +177,23 @@ SendOutcome = Literal["not_sent", "unknown"]
 AnswerKind = Literal["stream", "body", "not_http"]
 
 
-def answer_kind(status: int, content_type: str | None, asked_stream: bool) -> AnswerKind:
+def answer_kind(
+    status: int, content_type: str | None, asked_stream: bool, coding: str | None = None
+) -> AnswerKind:
     """How an upstream's answer is read: forwarded as an event stream, read whole, or not
     an HTTP answer at all (a final status outside 200-599, such as a 101 to a request that
     asked for no upgrade, which no client could be given or replayed).
 
+    ``coding`` is the answer's ``Transfer-Encoding``. The guard never offers a transfer
+    coding (``TE`` is hop-by-hop and dropped), so an answer coded with anything but
+    ``chunked`` is one the provider was not asked for: its body arrives still coded, and
+    neither its usage nor what a client would be given can be read from it (RFC 9112
+    §6.1). That too is not an answer the guard can observe.
+
     A media type is case-insensitive (RFC 9110 §8.3.1). A 2xx answer without a content
     type to a request that asked for a stream is read as the stream it asked for: then a
     cut before its terminal event is broken, never complete."""
-    if not 200 <= status <= 599:
+    if not 200 <= status <= 599 or unasked_coding(coding):
         return "not_http"
     if not 200 <= status < 300:
         return "body"
@@ -195,9 +203,23 @@ def answer_kind(status: int, content_type: str | None, asked_stream: bool) -> An
     return "stream" if media == "text/event-stream" else "body"
 
 
-def unobservable(status: int, kind: AnswerKind, limit: int) -> tuple[str, str]:
+def unasked_coding(coding: str | None) -> str | None:
+    """The transfer codings of ``coding`` other than ``chunked``, if there are any."""
+    if coding is None:
+        return None
+    others = [c.strip() for c in coding.split(",") if c.strip().lower() not in ("chunked", "")]
+    return ", ".join(others) or None
+
+
+def unobservable(status: int, kind: AnswerKind, limit: int, coding: str | None) -> tuple[str, str]:
     """What the client is told, and the reason recorded, for an answer the guard cannot
-    observe: not HTTP, or past ``max_answer_bytes`` (``limit``)."""
+    observe: not HTTP, coded in a way nobody asked for, or past ``max_answer_bytes``
+    (``limit``)."""
+    if kind == "not_http" and (unasked := unasked_coding(coding)) is not None:
+        return "the answer was not readable", (
+            f"the provider answered {status} with Transfer-Encoding {unasked!r}, "
+            "which was not asked for, so its body could not be read"
+        )
     if kind == "not_http":
         return "the answer was not HTTP", (
             f"the provider answered with status {status}, which is not a final HTTP answer"
