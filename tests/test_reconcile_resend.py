@@ -76,6 +76,51 @@ async def test_transport_resend_authorized_once_goes_out_once(
     await finish(t)
 
 
+async def test_an_authorized_resend_that_did_nothing_leaves_the_call_unknown_and_held(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """The authorized attempt is answered 429 (declared not processed), then finds the
+    provider down (not sent): neither says anything of the first attempt, so the call is
+    effect_unknown again, with its hold and the authorization still standing, and a
+    person can still decide it. It once read ``not_processed``, effect "none", with the
+    first attempt's hold stuck and every ``reconcile`` refused."""
+    folder = declare(tmp_path, freshness=None)
+    text = (folder / "payments.toml").read_text()
+    taken = 'prices_taken = "2026-12-01"\n'
+    (folder / "payments.toml").write_text(text.replace(taken, taken + "not_processed = [429]\n"))
+    price = per_call(folder)
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "r2"})
+        url = fake.url + SEND
+        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "2"}, timeout=0.3)
+        assert first.status_code == 504, first.text
+        call_id = first.headers["effectguard-call-id"]
+        await t.ledger.authorize_resend(call_id, note="customer asked", by="ops")
+        busy = await client.post(url, json=charge(1), headers={"x-fake-status": "429"})
+        assert busy.status_code == 429, busy.text
+        (state,) = await t.ledger.calls()
+        assert (state.stage, state.effect, state.held) == ("effect_unknown", "unknown", price)
+        assert state.resend_authorized and state.reserved == 0
+        # The authorization stands: the next resend goes out, and now finds nobody there.
+        fake.stop()
+        down = await client.post(url, json=charge(1), timeout=5)
+        assert down.status_code == 502, down.text
+        (state,) = await t.ledger.calls()
+        # Not sent, so retried automatically (contract.md §3.5), still under the authorization.
+        assert (state.stage, state.held) == ("effect_unknown", price) and state.attempts >= 3
+        with pytest.raises(ReconcileError):
+            await t.ledger.authorize_resend(call_id, note="twice", by="ops")
+        decided = await t.ledger.reconcile(call_id, applied=False, note="no charge", by="ops")
+        assert (decided.stage, decided.held, decided.resend_authorized) == (
+            "reconciled_not_applied",
+            0,
+            False,
+        )
+    assert len(charges(fake)) == 2  # the first (delayed) and the 429 one: nothing more
+    await finish(t)
+
+
 def cli(*args: str, ok: bool = True) -> Any:
     """Run the real ``effectguard`` command with ``--json``; parse stdout if it succeeded."""
     done = subprocess.run(

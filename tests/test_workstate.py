@@ -451,12 +451,73 @@ def test_a_call_keeps_the_periods_of_its_first_reservation_and_its_latest_tokens
     assert (state.periods, state.tokens) == ({"team": "2026-12"}, 7)
 
 
-def test_a_resend_authorization_is_spent_by_the_attempt_it_allowed() -> None:
-    """call.resend_authorized sets resend_authorized; the next attempt.started clears it to
-    False (a bool: the stores keep it as JSON)."""
+def authorized() -> list[Event]:
+    """An effect-unknown call whose resend an operator authorized, its new attempt started."""
+    return [
+        *effect_unknown(),
+        CallResendAuthorized(call=CALL, note="n", by="op"),
+        BudgetReserved(call=CALL, budget="team/run", amount=R),
+        started(attempt=2),
+    ]
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        [observed(200, attempt=2)],
+        [observed(500, attempt=2)],
+        [interrupted(attempt=2)],
+    ],
+    ids=["completed", "failed", "interrupted"],
+)
+def test_a_resend_authorization_is_spent_by_an_attempt_that_may_have_had_its_effect(
+    outcome: list[Event],
+) -> None:
+    """call.resend_authorized sets resend_authorized (a bool: the stores keep it as JSON);
+    it stands while its attempt is in flight, and an outcome that may be an effect (or a
+    person's decision) spends it."""
     events = [*effect_unknown(), CallResendAuthorized(call=CALL, note="n", by="op")]
     assert work_state(events).resend_authorized is True
-    assert work_state([*events, started(attempt=2)]).resend_authorized is False
+    assert work_state(authorized()).stage == "in_flight"
+    assert work_state([*authorized(), *outcome]).resend_authorized is False
+    # A person's decision before the attempt replaces the authorization.
+    decided = work_state([*events, reconciled(applied=False)])
+    assert (decided.stage, decided.resend_authorized) == ("reconciled_not_applied", False)
+
+
+@pytest.mark.parametrize(
+    "nothing",
+    [
+        [AttemptNotSent(call=CALL, attempt=2, reason="refused to connect")],
+        [observed(429, attempt=2, not_processed=True)],
+    ],
+    ids=["not_sent", "not_processed"],
+)
+def test_an_authorized_resend_that_did_nothing_leaves_the_earlier_effect_unknown(
+    nothing: list[Event],
+) -> None:
+    """The authorized attempt proved nothing about the first one: the call is effect_unknown
+    again, with its hold and its authorization (it once read not_sent / not_processed,
+    effect "none", with the first attempt's hold stuck and reconcile refused)."""
+    release = BudgetReleased(call=CALL, budget="team/run", amount=R)
+    state = work_state([*authorized(), *nothing, release])
+    assert (state.stage, state.effect, state.next_operation) == (
+        "effect_unknown",
+        "unknown",
+        "reconcile",
+    )
+    assert (state.held, state.reserved, state.resend_authorized) == (R, 0, True)
+    # A person can still decide it; the decision spends the authorization.
+    decided = work_state([*authorized(), *nothing, release, reconciled(applied=True)])
+    assert (decided.stage, decided.resend_authorized) == ("reconciled_applied", False)
+
+
+def test_without_an_authorization_not_sent_and_not_processed_are_their_own_stages() -> None:
+    """Only an operator's authorized resend returns to effect_unknown: a provider resend
+    (its hold released, contract.md §4) that is not processed is not_processed."""
+    events = [*effect_unknown(), BudgetReserved(call=CALL, budget="team/run", amount=R)]
+    state = work_state([*events, started(2), observed(429, attempt=2, not_processed=True)])
+    assert state.stage == "not_processed"
 
 
 def late_answer(status: int = 200) -> Event:

@@ -191,10 +191,12 @@ def _refused(state: WorkState, event: CallRefused) -> WorkState:
 
 
 def _reconciled(state: WorkState, event: CallReconciled) -> WorkState:
-    # Reconciling climbs down from the terminal ``failed``: only a person does that.
+    # Reconciling climbs down from the terminal ``failed``: only a person does that. A
+    # decision replaces any resend still authorized.
     if state.stage not in RECONCILABLE:
         return state
-    return replace(state, stage="reconciled_applied" if event.applied else "reconciled_not_applied")
+    stage: Stage = "reconciled_applied" if event.applied else "reconciled_not_applied"
+    return replace(state, stage=stage, resend_authorized=False)
 
 
 def _resend_authorized(state: WorkState, event: CallResendAuthorized) -> WorkState:
@@ -259,7 +261,6 @@ def _started(state: WorkState, event: AttemptStarted) -> WorkState:
         attempts=event.attempt,
         last_attempt_at=event.at,
         worker=event.worker,
-        resend_authorized=False,  # an authorization is spent by the attempt it allowed
     )
 
 
@@ -268,7 +269,19 @@ def _current(state: WorkState, attempt: int) -> bool:
 
 
 def _not_sent(state: WorkState, event: AttemptNotSent) -> WorkState:
-    return replace(state, stage="not_sent") if _current(state, event.attempt) else state
+    if not _current(state, event.attempt):
+        return state
+    return replace(state, stage=_no_effect("not_sent", state))
+
+
+def _no_effect(stage: Stage, state: WorkState) -> Stage:
+    """The stage after an attempt that provably did nothing (``not_sent``, ``not_processed``).
+
+    An attempt an operator authorized for an effect-unknown call (contract.md §8) proves
+    nothing about the earlier attempt: the call is effect_unknown again, keeps its hold,
+    and the authorization stands for the next resend, since no effect was spent on it.
+    """
+    return "effect_unknown" if state.resend_authorized else stage
 
 
 def _observed(state: WorkState, event: AttemptObserved) -> WorkState:
@@ -278,18 +291,17 @@ def _observed(state: WorkState, event: AttemptObserved) -> WorkState:
         # An answer that proves nothing (a declared transient status of unknown effect):
         # the attempt.interrupted recorded with it makes the call effect_unknown.
         return replace(state, status=event.status)
-    stage: Stage
     if event.not_processed:
-        stage = "not_processed"
-    elif 200 <= event.status < 300:
-        stage = "completed"
-    else:
-        stage = "failed"
-    return replace(state, stage=stage, status=event.status)
+        return replace(state, stage=_no_effect("not_processed", state), status=event.status)
+    stage: Stage = "completed" if 200 <= event.status < 300 else "failed"
+    # An authorization is spent by an attempt that may have had its effect.
+    return replace(state, stage=stage, status=event.status, resend_authorized=False)
 
 
 def _interrupted(state: WorkState, event: AttemptInterrupted) -> WorkState:
-    return replace(state, stage="effect_unknown") if _current(state, event.attempt) else state
+    if not _current(state, event.attempt):
+        return state
+    return replace(state, stage="effect_unknown", resend_authorized=False)
 
 
 #: How each kind of event moves a call's state (``call.completed`` and others: not at all).

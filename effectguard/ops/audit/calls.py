@@ -84,6 +84,10 @@ class CallFold:
                 self._move(nxt, stored)
         if self.phase == "holding" and self.reserved == 0:
             self._move("effect_unknown", stored)  # nothing reserved, so nothing to hold
+        if self.phase in ("not_sent", "not_processed") and self.resend_authorized:
+            # An operator's resend that did nothing leaves the earlier unknown effect
+            # unknown; the authorization stands (contract.md §8).
+            self._move("effect_unknown", stored)
         self.last_seq, self.last_kind = stored.seq, kind
         return problems
 
@@ -97,8 +101,11 @@ class CallFold:
             self.manifest = dict(data)
         elif stored.kind == "call.resend_authorized":
             self.resend_authorized = True
+        elif stored.kind in ("attempt.interrupted", "call.reconciled") or (
+            stored.kind == "call.completed" and data.get("outcome") in ("completed", "failed")
+        ):
+            self.resend_authorized = False  # spent by an attempt that may have had its effect
         elif stored.kind == "attempt.started":
-            self.resend_authorized = False  # spent by the attempt it allowed
             self.attempts = int(data["attempt"])
             self.starter = self.starters[self.attempts] = (stored.worker, stored.generation)
             self.last_attempt_at = float(data.get("at", 0.0))
