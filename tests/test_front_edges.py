@@ -93,6 +93,11 @@ ESCAPES = [
     "/send_email/v1/send%0d%0aX-Injected:%20yes",
     "/send_email/v1/send%",
     "/openai/v1/chat/completions/%2e%2e/%2e%2e/v1/embeddings",
+    "/send_email/..;/admin",
+    "/send_email/v1/..;x=1/..;/admin",
+    "/send_email/..%3b/admin",
+    "/send_email/x/..%3B/..%3B/admin",
+    "/send_email/.;/v1/send",
 ]
 
 
@@ -121,6 +126,16 @@ def test_a_clean_path_below_the_base_path_is_dispatched_there(env: Env) -> None:
     assert [(s.method, s.path) for s in env.seen[before:]] == [("POST", "/tenant1/v1/send")]
 
 
+def test_a_clean_path_goes_upstream_as_the_bytes_the_client_sent(env: Env) -> None:
+    """Escapes a server might read as a path parameter, an address or a port are not
+    decoded on the way (they once were: ``%3b`` reached the upstream as ``;``)."""
+    before = len(env.seen)
+    path = "/send_email/v1/a%3bb%3dc%40d%3ae%7ef%2Bg?q=%3b"
+    answer = exchange(env.proxy.url, post(path, b'{"to": "a@example.com"}'))
+    assert answer.status == 200, answer
+    assert [s.path for s in env.seen[before:]] == ["/tenant1/v1/a%3bb%3dc%40d%3ae%7ef%2Bg?q=%3b"]
+
+
 async def test_the_transport_refuses_an_escaping_url_before_its_inner_transport() -> None:
     """In-process, an encoded dot segment under a provider's base URL is 400, never sent."""
     sent: list[httpx.Request] = []
@@ -141,6 +156,40 @@ async def test_the_transport_refuses_an_escaping_url_before_its_inner_transport(
     assert response.status_code == 400, response.text
     assert "path" in error_of(400, response.json(), "invalid_request")["message"]
     assert sent == []
+
+
+async def test_the_transport_judges_the_url_httpx_will_send() -> None:
+    """httpx resolves literal ``..`` segments when it builds the URL (RFC 3986 §5.2.4),
+    before any transport sees it: ``/tenant1/../admin`` is ``/admin``, a request for no
+    provider, passed on untouched (as every such request is) or refused 404 with
+    ``refuse_unmatched``. A backslash right after the base, which httpx keeps and some
+    servers read as ``/``, is the provider's and is refused 400; it once went out
+    unguarded as a request for nobody."""
+    sent: list[str] = []
+
+    def inner(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.raw_path.decode())
+        return httpx.Response(200, json={})
+
+    def transport(refuse: bool) -> AsyncGuardTransport:
+        return AsyncGuardTransport(
+            httpx.MockTransport(inner),
+            ledger="memory://",
+            upstreams={"send_email": "http://tools.test/tenant1"},
+            refuse_unmatched=refuse,
+        )
+
+    body = {"to": "a@example.com"}
+    async with httpx.AsyncClient(transport=transport(refuse=False)) as client:
+        backslash = await client.post("http://tools.test/tenant1\\..\\admin", json=body)
+        resolved = await client.post("http://tools.test/tenant1/../admin", json=body)
+    assert backslash.status_code == 400, backslash.text
+    assert "backslash" in error_of(400, backslash.json(), "invalid_request")["message"]
+    assert resolved.status_code == 200 and sent == ["/admin"]
+    async with httpx.AsyncClient(transport=transport(refuse=True)) as client:
+        refused = await client.post("http://tools.test/tenant1/../admin", json=body)
+    assert refused.status_code == 404, refused.text
+    assert sent == ["/admin"]
 
 
 def refused_unsent(
@@ -314,6 +363,29 @@ def test_effectguard_headers_never_cross_the_proxy(env: Env) -> None:
     assert "effectguard-replayed" not in response.headers
     call_ids = response.headers.get_list(CALL_ID)
     assert len(call_ids) == 1 and call_ids[0] not in UPSTREAM_OWN_HEADERS.values()
+
+
+def test_headers_that_reroute_a_request_never_go_upstream(env: Env) -> None:
+    """``X-Original-URL`` and its kin make some servers serve another path or method than
+    the request line's, the one the guard checked and recorded: they are dropped, the
+    rest of the client's headers are not."""
+    before = len(env.seen)
+    response = env.client.post(
+        "/send_email/v1/send",
+        json={"to": "a@example.com"},
+        headers={
+            "X-Original-URL": "/admin/delete-all",
+            "X-Rewrite-URL": "/admin/delete-all",
+            "X-HTTP-Method-Override": "DELETE",
+            "X-HTTP-Method": "DELETE",
+            "X-Method-Override": "DELETE",
+            "X-Client-Tag": "kept",
+        },
+    )
+    assert response.status_code == 200, response.text
+    forwarded = {k: v for k, v in env.seen[before].headers}
+    assert forwarded.get(b"x-client-tag") == b"kept", forwarded
+    assert not {k for k in forwarded if b"original" in k or b"rewrite" in k or b"method" in k}
 
 
 def test_a_replay_carries_no_upstream_effectguard_header(env: Env) -> None:

@@ -29,6 +29,18 @@ IDEMPOTENCY_HEADER: Final = "idempotency-key"
 OWN_PREFIX: Final = "effectguard-"
 #: Further request headers that are effectguard's and never go upstream.
 OWN_HEADERS: Final = frozenset({IDEMPOTENCY_HEADER})
+#: Request headers some servers (IIS, Symfony, frameworks behind them) obey to route a
+#: request to another path or method than its request line's: the guard checked,
+#: priced and recorded the request line, so they never go upstream (contract.md §12).
+REROUTING_HEADERS: Final = frozenset(
+    {
+        "x-original-url",
+        "x-rewrite-url",
+        "x-http-method-override",
+        "x-http-method",
+        "x-method-override",
+    }
+)
 
 #: RFC 9110 §7.6.1 hop-by-hop headers, plus what the proxy recomputes itself.
 HOP_BY_HOP: Final = frozenset(
@@ -326,7 +338,7 @@ def upstream_request(
     )
 
 
-_OWN_RAW: Final = frozenset(h.encode() for h in OWN_HEADERS)
+_OWN_RAW: Final = frozenset(h.encode() for h in OWN_HEADERS | REROUTING_HEADERS)
 _OWN_PREFIX_RAW: Final = OWN_PREFIX.encode()
 
 

@@ -125,12 +125,14 @@ class AiohttpLeg:
         return AiohttpUpstream(response)
 
     def _url(self, text: str) -> yarl.URL:
-        # Parsed as aiohttp parses a str, once per distinct URL (clients use few).
+        # Parsed once per distinct URL (clients use few). ``encoded``: the path was checked
+        # as the client sent it (rules/paths) and goes upstream as those bytes; parsed
+        # plainly, yarl would re-quote it (``%3b`` to ``;``, ``%7e`` to ``~``).
         url = self._urls.get(text)
         if url is None:
             if len(self._urls) >= _URL_CACHE_SIZE:
                 self._urls.clear()
-            url = self._urls[text] = yarl.URL(text)
+            url = self._urls[text] = yarl.URL(text, encoded=True)
         return url
 
     async def aclose(self) -> None:

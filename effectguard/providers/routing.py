@@ -22,7 +22,10 @@ def provider_for(providers: Iterable[Provider], method: str, url: str) -> Provid
     under: list[tuple[str, Provider]] = []
     for provider in providers:
         base = provider.base_url.rstrip("/")
-        if url == base or url.startswith(base + "/"):
+        # A backslash after the base is under it too: servers that read ``\`` as ``/``
+        # would resolve ``base\..\x`` outside it, so the path check must see it and
+        # refuse it, not let it pass as a request for nobody.
+        if url == base or url.startswith((base + "/", base + "\\")):
             under.append((base, provider))
     if not under:
         return None

@@ -5,7 +5,8 @@ a provider's declared base URL. ``rest`` goes upstream appended to that base, so
 anything that could make the upstream resolve it elsewhere is refused here,
 before routing, hashing or recording:
 
-* dot segments (``.``, ``..``), also percent-encoded (``%2e%2e``);
+* dot segments (``.``, ``..``), also percent-encoded (``%2e%2e``) or with path
+  parameters (``..;x``);
 * encoded separators (``%2f``, ``%5c``) and backslashes, which some servers
   decode or treat as ``/`` after we have checked the segments;
 * control characters, raw or encoded (``%09``, ``%00``), and anything that is
@@ -42,13 +43,13 @@ def check_path(raw: str) -> str:
     twice (its route, then its URL below the base), and clients use few distinct paths:
     a path that passed is remembered (a refused one is not, so it raises every time).
     """
+    if "\\" in raw:
+        raise PathRefused("the path contains a backslash")
     if not raw.startswith("/"):
         raise PathRefused("the path must start with '/'")
     unprintable = _UNPRINTABLE.search(raw)
     if unprintable is not None:
         raise PathRefused(f"the path contains the character {unprintable.group()!r}")
-    if "\\" in raw:
-        raise PathRefused("the path contains a backslash")
     if _BAD_ESCAPE.search(raw):
         raise PathRefused("the path contains a malformed percent escape")
     for segment in raw[1:].split("/"):
@@ -63,5 +64,8 @@ def _check_segment(segment: str) -> None:
             raise PathRefused("the path contains an encoded slash or backslash")
         if byte < 0x20 or byte == 0x7F:
             raise PathRefused(f"the path contains an encoded control character (%{byte:02X})")
-    if _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), segment) in (".", ".."):
+    # A dot segment with parameters (``..;x``, ``..%3b``) is one too: servers that
+    # strip path parameters (Tomcat, Jetty, Spring) resolve it as ``..``.
+    decoded = _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), segment)
+    if decoded.split(";", 1)[0] in (".", ".."):
         raise PathRefused(f"the path contains a dot segment ({segment!r})")
