@@ -762,6 +762,65 @@ async def test_sdk_does_not_retry_a_409_effect_unknown(
     await finish(t)
 
 
+@pytest.mark.parametrize(
+    ("status", "stage", "error"),
+    [
+        (502, "failed", openai.InternalServerError),  # an undeclared error: booked as applied
+        (500, "effect_unknown", openai.InternalServerError),  # declared transient "unknown"
+        (409, "failed", openai.ConflictError),  # an SDK retries 409s too
+    ],
+)
+@respx.mock(base_url=OPENAI)
+async def test_sdk_does_not_retry_an_error_booked_applied_or_unknown(
+    respx_mock: respx.MockRouter,
+    make_transport: MakeTransport,
+    finish: Finish,
+    status: int,
+    stage: str,
+    error: type[openai.APIStatusError],
+) -> None:
+    """An error answer the guard books as applied (``failed``) or as an unknown effect
+    goes to the client with ``x-should-retry: false``, whatever the provider said: the
+    SDK's own retry would be new work, repeating the effect and its charge (three
+    provider calls and three charges per SDK call, before), or a 409 hiding the error."""
+    route = respx_mock.post("/v1/chat/completions").mock(
+        return_value=httpx.Response(
+            status, json={"error": {"message": "boom"}}, headers={"x-should-retry": "true"}
+        )
+    )
+    t = make_transport()
+    counting = CountingTransport(t)
+    client = async_openai(counting)
+    assert client.max_retries == 2
+    with pytest.raises(error) as raised:
+        await client.chat.completions.create(model=GPT, messages=MESSAGES)
+    assert raised.value.status_code == status
+    assert raised.value.response.headers.get_list("x-should-retry") == ["false"]
+    assert (route.call_count, counting.retry_counts) == (1, ["0"])
+    assert one(await t.ledger.calls()).stage == stage
+    await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_replayed_error_answer_is_final_too(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A keyed resend of a failed call replays its error marked ``x-should-retry: false``."""
+    respx_mock.post("/v1/chat/completions").mock(
+        return_value=httpx.Response(502, json={"error": {"message": "boom"}})
+    )
+    t = make_transport()
+    client = httpx.AsyncClient(transport=t)
+    body = {"model": GPT, "messages": MESSAGES}
+    key = {"Idempotency-Key": "failed-1"}
+    first = await client.post(OPENAI + "/v1/chat/completions", json=body, headers=key)
+    replay = await client.post(OPENAI + "/v1/chat/completions", json=body, headers=key)
+    assert (first.status_code, replay.status_code) == (502, 502)
+    assert replay.headers["effectguard-replayed"] == "true"
+    assert replay.headers.get_list("x-should-retry") == ["false"]
+    await finish(t)
+
+
 def test_anthropic_sync_sdk_does_not_retry_effect_unknown(ledger_path: str) -> None:
     """Sync Anthropic sees one 504 then one 409 for a timed-out keyed call; one upstream try."""
     t = GuardTransport(ledger=ledger_path, settings=FAST)

@@ -43,6 +43,7 @@ from effectguard.callpath.wire import (
     answer_kind,
     classify_transport_error,
     client_headers,
+    final_answer,
     recovered_response,
     replay_response,
     timed_out,
@@ -401,6 +402,8 @@ class Guard:
             max(0.0, time.perf_counter() - report.started - report.upstream_s)
         )
         headers = client_headers(response.headers, call_id)
+        if response.status >= 400 and provider.answer_effect(response.status) != "none":
+            headers = final_answer(headers)
         answer = Reply(response.status, headers, body=body, extensions=response.extensions)
         if response.status in provider.retry_statuses:
             raise _RetryAttempt(answer, None)

@@ -354,14 +354,31 @@ def client_headers(headers: Headers, call_id: str | None) -> Headers:
 
 
 _CALL_ID_RAW: Final = CALL_ID_HEADER.encode()
+SHOULD_RETRY_HEADER: Final = "x-should-retry"
+_SHOULD_RETRY_RAW: Final = SHOULD_RETRY_HEADER.encode()
+
+
+def final_answer(headers: Headers) -> Headers:
+    """``headers`` of an error answer the guard booked as applied (``failed``) or as an
+    unknown effect, marked ``x-should-retry: false`` in place of whatever the provider
+    said. The SDKs obey that header before the status: their automatic retry of such an
+    answer would be new work repeating the effect and its charge, or a 409."""
+    kept = [(k, v) for k, v in headers if k.lower() != _SHOULD_RETRY_RAW]
+    kept.append((_SHOULD_RETRY_RAW, b"false"))
+    return kept
 
 
 def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
     """The stored response of a completed call, marked as a replay."""
     if observed is None:
         raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
-    headers = [(k, v) for k, v in observed.headers.items() if k not in ("content-length",)]
+    # Only a failed call's error answer is replayed: final, as when it was first given.
+    final = observed.status >= 400
+    dropped = ("content-length", SHOULD_RETRY_HEADER) if final else ("content-length",)
+    headers = [(k, v) for k, v in observed.headers.items() if k not in dropped]
     headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
+    if final:
+        headers.append((SHOULD_RETRY_HEADER, "false"))
     body = decode_body(observed.body, observed.body_encoding)
     return Reply(observed.status, text_headers(headers), body=body)
 
