@@ -475,6 +475,39 @@ def test_unknown_or_missing_proxy_key_is_401(tenants: Tenants) -> None:
     assert tenants.sent() == before
 
 
+def test_a_proxy_key_works_as_each_sdks_api_key(tenants: Tenants) -> None:
+    """The openai SDK sends ``api_key`` as a bearer token; the anthropic SDK as
+    ``x-api-key`` or, in its 2.x releases, as a bearer token too: both are a proxy key
+    (it was refused 401 from the anthropic SDK, its budget check 401 instead of 403)."""
+    key_a = tenants.a["Authorization"].removeprefix("Bearer ")
+    url = tenants.proxy.url
+    oa = openai.OpenAI(base_url=url + "/openai/v1", api_key=key_a, max_retries=0)
+    an = anthropic.Anthropic(base_url=url + "/anthropic", api_key=key_a, max_retries=0)
+    before = tenants.sent()
+    oa.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "k"}])
+    message = an.messages.create(
+        model="claude-haiku-4-5", max_tokens=8, messages=[{"role": "user", "content": "k"}]
+    )
+    assert message.content
+    assert tenants.sent() == before + 2
+    with pytest.raises(anthropic.PermissionDeniedError) as forbidden:
+        an.messages.create(
+            model="claude-haiku-4-5",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "k"}],
+            extra_headers={"Effectguard-Budget": "tenant-b"},
+        )
+    assert forbidden.value.status_code == 403
+    bearer = httpx.post(
+        url + "/anthropic/v1/messages",
+        json={"model": "claude-haiku-4-5", "max_tokens": 8, "messages": []},
+        headers={"Authorization": "Bearer eg-not-a-key"},
+        timeout=15,
+    )
+    assert bearer.status_code == 401, bearer.text
+    assert tenants.sent() == before + 2
+
+
 def test_same_idempotency_key_in_two_tenants_is_two_calls(tenants: Tenants) -> None:
     """B's Idempotency-Key used by A is a new call for A, never B's replay."""
     key = {"Idempotency-Key": "shared-key-1"}

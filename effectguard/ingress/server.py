@@ -289,7 +289,13 @@ class ProxyApp:
             return budgets.DEFAULT_BUDGET if requested is None else requested, None, None
         presented = header_value(headers, "effectguard-key")
         if presented is None:
-            credential = header_value(headers, provider.key_header) or ""
+            # The provider's credential header, else ``Authorization``: the anthropic SDK
+            # sends its ``api_key`` as ``x-api-key`` or as a bearer token, by version.
+            credential = (
+                header_value(headers, provider.key_header)
+                or header_value(headers, "authorization")
+                or ""
+            )
             presented = credential.removeprefix("Bearer ").strip() if credential else None
         key = self.keyring.authenticate(presented)
         budget = key.budget_root if requested is None else requested
