@@ -136,6 +136,36 @@ def test_a_30mb_header_is_refused(proxy: Proxy, provider: FakeProvider) -> None:
     assert len(provider.receipts()) == receipts
 
 
+def test_headers_over_the_cap_in_one_read_are_refused_and_never_admitted(
+    proxy: Proxy, provider: FakeProvider
+) -> None:
+    """Headers a little over the cap, sent with their body in one write (so one read
+    parses them whole), get 431 and reach neither the ledger nor the provider: they were
+    once admitted and dispatched, because the cap was only checked while headers were
+    still arriving."""
+    receipts = len(provider.receipts())
+    body = json.dumps(chat()).encode()
+    filler = b"".join(
+        b"X-Fill-%d: %s\r\n" % (i, b"f" * 1000) for i in range(MAX_HEADER_BYTES // 1000 + 2)
+    )
+    request = (
+        b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+        % len(body)
+        + filler
+        + b"\r\n"
+        + body
+    )
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(request)
+        answer = read_until_closed(sock, PATIENCE_S)
+    assert parse_answer(answer).status == 431, answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:400]
+    assert len(provider.receipts()) == receipts
+    served = httpx.post(proxy.url + OPENAI_CHAT, json=chat(), timeout=30)
+    assert served.status_code == 200, served.text
+
+
 def test_a_header_under_the_cap_is_served(proxy: Proxy) -> None:
     """The positive control: 12 KB of headers, under the cap, make an ordinary request."""
     headers = {f"x-big-{i}": "b" * 3000 for i in range(4)}  # aiohttp upstream: 8 KB a line

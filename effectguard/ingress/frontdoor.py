@@ -49,6 +49,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._in_headers = False
         self._header_bytes = 0
+        self._parsed_bytes = 0
+        self._refused = False
 
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -59,12 +61,32 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._start_headers()
 
+    def on_url(self, url: bytes) -> None:
+        self._parsed_bytes += len(url) + 16  # the method, the version, spaces and CRLF
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._parsed_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._in_headers = False
+        # Headers that came in one read end here, before data_received can count them:
+        # what the parser saw is measured instead, and the app never sees the request.
+        if self._parsed_bytes > self.door.max_header_bytes:
+            self._refuse(431, f"headers are limited to {self.door.max_header_bytes} bytes")
+            self._refused = True  # the rest of this read (a body) has no request to go to
+            return
         self._arm(self.door.body_timeout_s, self._body_too_slow)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         self._disarm()
         super().on_message_complete()
 
@@ -73,6 +95,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
@@ -84,7 +108,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     def _start_headers(self) -> None:
         if not self._in_headers:
             self._in_headers = True
-            self._header_bytes = 0
+            self._header_bytes = self._parsed_bytes = 0
             self._arm(self.door.header_timeout_s, self._headers_too_slow)
 
     def _arm(self, seconds: float, callback: Any) -> None:
