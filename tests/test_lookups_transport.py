@@ -17,7 +17,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from toolkit import AUTH, KEY, SEND, charge, charges, declare, lossy_transport, lost_send
+from toolkit import (
+    AUTH,
+    KEY,
+    SEND,
+    SLOW_ANSWER_TIMES_OUT,
+    charge,
+    charges,
+    declare,
+    lossy_transport,
+    lost_send,
+)
 
 from effectguard import AsyncGuardTransport
 from effectguard.testing import fake_provider
@@ -46,11 +56,13 @@ async def test_applied_call_is_refused_until_the_search_finds_it_then_recovered(
     folder = declare(tmp_path, freshness=600)
     lag = ["--search-lag", "2", "--lookup-key", KEY]
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=lag) as fake:
-        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        t = make_transport(
+            providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
+        )
         client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-1"})
         url = fake.url + SEND
         # The provider takes the charge, then answers too late: effect unknown.
-        first = await client.post(url, json=charge(5), headers={"x-fake-delay": "3"}, timeout=0.5)
+        first = await client.post(url, json=charge(5), headers={"x-fake-delay": "3"})
         assert first.status_code == 504, first.text
         call_id = first.headers["effectguard-call-id"]
         await assert_refused_unknown(client, url, charge(5))
@@ -165,10 +177,12 @@ async def test_a_result_the_sweeper_recovered_is_replayed_to_a_later_keyed_resen
     monkeypatch.setenv("PAYMENTS_API_KEY", KEY)  # the sweeper's lookup carries no request
     folder = declare(tmp_path, freshness=60)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
-        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        t = make_transport(
+            providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
+        )
         client = httpx.AsyncClient(transport=t, headers={**AUTH, "Idempotency-Key": "pay-5"})
         url = fake.url + SEND
-        first = await client.post(url, json=charge(6), headers={"x-fake-delay": "3"}, timeout=0.5)
+        first = await client.post(url, json=charge(6), headers={"x-fake-delay": "3"})
         assert first.status_code == 504, first.text
         call_id = first.headers["effectguard-call-id"]
         guard = await t.guard()
@@ -250,7 +264,7 @@ async def test_a_post_search_carries_its_declared_form_fields(
     )
     path.write_text(text)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
-        t = lossy_transport(make_transport, folder, fake)
+        t = lossy_transport(make_transport, folder, fake, settings=SLOW_ANSWER_TIMES_OUT)
         url = fake.url + SEND
         client = httpx.AsyncClient(transport=t, headers=AUTH)
         lost = await lost_send(client, url, charge(2), headers={"Idempotency-Key": "lost"})
@@ -258,7 +272,6 @@ async def test_a_post_search_carries_its_declared_form_fields(
             url,
             json=charge(3),
             headers={"Idempotency-Key": "paid", "x-fake-delay": "3"},
-            timeout=0.5,
         )
         assert paid.status_code == 504, paid.text
         guard = await t.guard()

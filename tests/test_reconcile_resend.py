@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from toolkit import SEND, charge, charges, declare
+from toolkit import SEND, SLOW_ANSWER_TIMES_OUT, charge, charges, declare
 
 from effectguard import AsyncGuardTransport, ReconcileError, load_providers
 from effectguard.testing import fake_provider, start_proxy
@@ -43,10 +43,12 @@ async def test_transport_resend_authorized_once_goes_out_once(
     attempt; the hold stays until that attempt settles, then it is spent."""
     folder = declare(tmp_path, freshness=None)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        t = make_transport(
+            providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
+        )
         client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "r1"})
         url = fake.url + SEND
-        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "2"}, timeout=0.3)
+        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "3"})
         assert first.status_code == 504, first.text
         call_id = first.headers["effectguard-call-id"]
         refused = await client.post(url, json=charge(1))
@@ -57,7 +59,7 @@ async def test_transport_resend_authorized_once_goes_out_once(
             await t.ledger.authorize_resend(call_id, note="twice", by="ops")
         racing = await asyncio.gather(
             *(
-                client.post(url, json=charge(1), headers={"x-fake-delay": "0.5"}, timeout=10)
+                client.post(url, json=charge(1), headers={"x-fake-delay": "0.2"}, timeout=10)
                 for _ in range(2)
             )
         )
@@ -90,10 +92,12 @@ async def test_an_authorized_resend_that_did_nothing_leaves_the_call_unknown_and
     (folder / "payments.toml").write_text(text.replace(taken, taken + "not_processed = [429]\n"))
     price = per_call(folder)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        t = make_transport(providers=[folder], upstreams={"payments": fake.url})
+        t = make_transport(
+            providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
+        )
         client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "r2"})
         url = fake.url + SEND
-        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "2"}, timeout=0.3)
+        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "3"})
         assert first.status_code == 504, first.text
         call_id = first.headers["effectguard-call-id"]
         await t.ledger.authorize_resend(call_id, note="customer asked", by="ops")

@@ -13,9 +13,11 @@ import gc
 import json
 import sys
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -32,6 +34,7 @@ from effectguard.providers import load_providers
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.usage import Usage, cost
 from effectguard.rules.workstate import WorkState
+from effectguard.testing import fake_provider
 
 OPENAI = "https://api.openai.com"
 ANTHROPIC = "https://api.anthropic.com"
@@ -819,6 +822,64 @@ async def test_a_replayed_error_answer_is_final_too(
     assert replay.headers["effectguard-replayed"] == "true"
     assert replay.headers.get_list("x-should-retry") == ["false"]
     await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_client_timeout_ends_the_wait_not_the_call(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """The SDK's timeout (0.3 s) is shorter than the answer (0.8 s): the SDK gets its
+    timeout error, the call goes on and is settled from the provider's answer, and a
+    resend with the same key gets that answer. The client's timeout used to be passed to
+    the upstream read, so the call ended effect_unknown, its money held, for a person to
+    reconcile, although the provider answered 200."""
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.8)
+        return httpx.Response(200, json=CHAT_BODY)
+
+    route = respx_mock.post("/v1/chat/completions").mock(side_effect=slow)
+    t = make_transport()
+    client = async_openai(t, max_retries=0, timeout=0.3)
+    key = {"Idempotency-Key": "slow-1"}
+    with pytest.raises(openai.APITimeoutError):
+        await client.chat.completions.create(model=GPT, messages=MESSAGES, extra_headers=key)
+    call = one(await settled(t))
+    assert (call.stage, call.held, call.reserved) == ("completed", 0, 0)
+    again = await client.chat.completions.with_raw_response.create(
+        model=GPT, messages=MESSAGES, extra_headers=key
+    )
+    assert again.headers["effectguard-replayed"] == "true"
+    assert again.parse().id == CHAT_BODY["id"]
+    assert route.call_count == 1
+    await finish(t)
+
+
+def test_a_sync_client_timeout_ends_the_wait_not_the_call(ledger_path: str, tmp_path: Path) -> None:
+    """The same through GuardTransport and real sockets: the fake provider answers after
+    0.8 s; its receipt log shows one request, and the call is settled, not held."""
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        t = GuardTransport(ledger=ledger_path, settings=FAST, upstreams={"openai": fake.url})
+        try:
+            client = openai.OpenAI(
+                api_key="sk-test",
+                base_url=fake.url + "/v1",
+                http_client=httpx.Client(transport=t),
+                max_retries=0,
+                timeout=0.3,
+            )
+            with pytest.raises(openai.APITimeoutError):
+                client.chat.completions.create(
+                    model=GPT, messages=MESSAGES, extra_headers={"x-fake-delay": "0.8"}
+                )
+            time.sleep(1.5)  # the answer arrives at 0.8 s and is settled
+        finally:
+            t.close()
+        assert len(fake.effects()) == 1
+    calls, nodes, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).held) == ("completed", 0)
+    assert nodes["default"].held == 0 and nodes["default"].spent == one(calls).cost
+    assert report.ok, report.problems
 
 
 def test_anthropic_sync_sdk_does_not_retry_effect_unknown(ledger_path: str) -> None:

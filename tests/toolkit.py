@@ -11,10 +11,15 @@ from typing import Any
 
 import httpx
 
-from effectguard import AsyncGuardTransport
+from effectguard import AsyncGuardTransport, GuardSettings
 from effectguard.testing import FakeProvider
 
 KEY = "sk-payments-test"
+#: Settings under which an answer that takes 3 s times out upstream after 0.5 s (so the
+#: call is effect_unknown): a client's own httpx timeout ends only its wait (contract §3.8).
+SLOW_ANSWER_TIMES_OUT = GuardSettings(
+    retry_wait_s=0, retry_wait_max_s=0, upstream_read_timeout_s=0.5
+)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEND = "/v1/send"
 

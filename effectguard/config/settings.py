@@ -103,6 +103,9 @@ class GuardSettings:
     #: A billable answer (body or event stream) is read to at most this many bytes; past
     #: it the attempt is interrupted (effect unknown), never held whole in memory.
     max_answer_bytes: int = defaults.MAX_ANSWER_BYTES
+    #: The transports' upstream read and write timeout (the proxy's is ``[upstream]
+    #: read_timeout_s``); a caller's own httpx timeout bounds only its own wait.
+    upstream_read_timeout_s: float = defaults.READ_TIMEOUT_S
 
 
 @dataclass(frozen=True, slots=True)

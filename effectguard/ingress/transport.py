@@ -33,6 +33,7 @@ from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings, keys_from_environment
 from effectguard.errors import ConfigError, Refusal
+from effectguard.ingress.clienttimeout import caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
@@ -141,12 +142,24 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         await request.aread()
         requested = request.headers.get(BUDGET_HEADER)  # empty: refused as a bad path
         budget = (self.budget or "default") if requested is None else requested
+        given = request.extensions.get("timeout")
+        wait = caller_wait(given)
+        read_s = guard.settings.upstream_read_timeout_s
+        request.extensions = {**request.extensions, "timeout": upstream_timeout(given, read_s)}
         try:
-            return await guard.handle(
-                provider, request, self.inner.handle_async_request, budget=budget
-            )
+            async with asyncio.timeout(wait):
+                return await guard.handle(
+                    provider, request, self.inner.handle_async_request, budget=budget
+                )
         except Refusal as refusal:
             return error_response(provider.dialect, refusal, request)
+        except TimeoutError:
+            # Only the caller's wait ended: the call goes on and is settled (contract.md §3.8).
+            raise httpx.ReadTimeout(
+                f"no answer began within this request's timeout ({wait:g} s); the call "
+                "goes on and is settled: resend with the same Idempotency-Key for its answer",
+                request=request,
+            ) from None
 
     async def aclose(self) -> None:
         # Like httpx's own transports it may be used again after this (an

@@ -449,14 +449,6 @@ def check_writer(tx: Tx, writer: Writer) -> None:
         raise FencedError(f"worker {writer.worker} (generation {writer.generation}) is fenced")
 
 
-def _retryable(state: WorkState) -> bool:
-    """Whether the last attempt proved nothing happened: ``not_sent``, not processed, or
-    an operator's authorized resend that did neither (still authorized, contract.md §8)."""
-    return state.stage in ("not_sent", "not_processed") or (
-        state.stage == "effect_unknown" and state.resend_authorized
-    )
-
-
 def start_attempt(
     tx: Tx, writer: Writer, call_id: str, reserve: int, provider_key: str | None
 ) -> Admitted:
@@ -466,7 +458,7 @@ def start_attempt(
     not-processed status, with a fresh reservation checked against the budget.
     """
     state = tx.get_call(call_id)
-    if state is None or not _retryable(state):
+    if state is None or not workstate.may_retry(state):
         stage = state.stage if state else "missing"
         raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
     _check_lease(tx, writer)

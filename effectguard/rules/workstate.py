@@ -274,6 +274,15 @@ def _not_sent(state: WorkState, event: AttemptNotSent) -> WorkState:
     return replace(state, stage=_no_effect("not_sent", state))
 
 
+def may_retry(state: WorkState) -> bool:
+    """Whether an automatic retry may follow the last attempt, which proved nothing
+    happened: ``not_sent``, not processed, or an operator's authorized resend that did
+    neither (the call is effect_unknown and still authorized, contract.md §8)."""
+    return state.stage in ("not_sent", "not_processed") or (
+        state.stage == "effect_unknown" and state.resend_authorized
+    )
+
+
 def _no_effect(stage: Stage, state: WorkState) -> Stage:
     """The stage after an attempt that provably did nothing (``not_sent``, ``not_processed``).
 
