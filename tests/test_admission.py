@@ -170,10 +170,23 @@ def test_retry_of_effect_unknown_call_is_refused(window: float | None) -> None:
     assert_refused(decide_retry(existing), 409, "effect_unknown", existing)
 
 
-@pytest.mark.parametrize("stage", [s for s in STAGES if s not in ("in_flight", "effect_unknown")])
+SETTLED = ("completed", "failed")
+
+
+@pytest.mark.parametrize(
+    "stage", [s for s in STAGES if s not in ("in_flight", "effect_unknown", *SETTLED)]
+)
 def test_retry_of_a_resolved_call_is_new_work(stage: str) -> None:
     """A retry matching only a resolved call is independent work (admitted)."""
     assert decide_retry(state(stage)).action == "admit"
+
+
+@pytest.mark.parametrize("stage", SETTLED)
+def test_retry_of_a_settled_call_its_caller_left_is_its_replay(stage: str) -> None:
+    """A settled call reaches decide_retry only as the one the retry's own caller left
+    (ledger/retries, callpath/orphans): the retry gets its answer, not a second effect."""
+    existing = state(stage)
+    assert decide_retry(existing) == Decision("replay", existing)
 
 
 # -- a provider's error answer, from its declaration to the keyed resend (contract.md §12) ---------

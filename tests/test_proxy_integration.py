@@ -342,6 +342,35 @@ def settled_at_reservation_body() -> bytes:
     raise AssertionError("no body size makes input tokens equal prompt bytes")
 
 
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_an_sdk_timeout_shorter_than_the_answer_is_one_effect(
+    tmp_path: Path, provider: FakeProvider, sdk: str
+) -> None:
+    """No key, the SDK's default retries and a 1 s timeout, the provider answering after
+    2.5 s: the first try times out and the proxy reads the call to its end; the SDK's
+    retries join it or, once settled, get its answer. One receipt, one charged call (the
+    retry that came after the call settled was sent again: two effects, two charges)."""
+    ledger = tmp_path / "ledger.db"
+    delay = {"x-fake-delay": "2.5"}
+    with running_proxy(ledger, upstreams=upstreams(provider)) as proxy:
+        if sdk == "openai":
+            oa = openai.OpenAI(base_url=proxy.url + "/openai/v1", api_key="k", timeout=1.0)
+            reply = oa.chat.completions.create(**chat("slow"), extra_headers=delay)
+            assert reply.choices[0].message.content
+        else:
+            an = anthropic.Anthropic(base_url=proxy.url + "/anthropic", api_key="k", timeout=1.0)
+            message = an.messages.create(
+                model="claude-haiku-4-5",
+                max_tokens=16,
+                messages=[{"role": "user", "content": "slow"}],
+                extra_headers=delay,
+            )
+            assert message.content
+    assert len(provider.receipts()) == 1
+    (call,) = calls_by_id(ledger).values()
+    assert (call["stage"], call["attempts"]) == ("completed", 1)
+
+
 def test_300_concurrent_clients_admit_exactly_the_room(
     tmp_path: Path, provider: FakeProvider
 ) -> None:

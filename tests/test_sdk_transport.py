@@ -855,6 +855,34 @@ async def test_a_client_timeout_ends_the_wait_not_the_call(
     await finish(t)
 
 
+@respx.mock(base_url=OPENAI)
+async def test_the_sdks_retry_after_its_timeout_gets_the_answer_not_a_second_call(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """No key, the SDK's default retries, a 0.3 s timeout and a 1.2 s answer: the first
+    try times out, and its retries join the call or, once it has settled, replay it. One
+    provider call, one charge, and the SDK gets the answer. The retry that came after the
+    call settled used to be new work, sent again: two effects for one SDK call."""
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(1.2)
+        return httpx.Response(200, json=CHAT_BODY)
+
+    route = respx_mock.post("/v1/chat/completions").mock(side_effect=slow)
+    t = make_transport()
+    counting = CountingTransport(t)
+    client = async_openai(counting, timeout=0.3)
+    reply = await client.chat.completions.create(model=GPT, messages=MESSAGES)
+    assert reply.id == CHAT_BODY["id"]
+    assert route.call_count == 1
+    assert counting.retry_counts[0] == "0" and len(counting.retry_counts) >= 2
+    call = one(await settled(t))
+    assert (call.stage, call.attempts) == ("completed", 1)
+    again = await async_openai(t).chat.completions.create(model=GPT, messages=MESSAGES)
+    assert again.id == CHAT_BODY["id"] and route.call_count == 2  # new work is new work
+    await finish(t)
+
+
 def test_a_sync_client_timeout_ends_the_wait_not_the_call(ledger_path: str, tmp_path: Path) -> None:
     """The same through GuardTransport and real sockets: the fake provider answers after
     0.8 s; its receipt log shows one request, and the call is settled, not held."""

@@ -16,9 +16,9 @@ same over httpx objects, for the transports):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -32,6 +32,7 @@ from effectguard.callpath.httpxshape import (
     outbound_from_httpx,
 )
 from effectguard.callpath.join import join_call
+from effectguard.callpath.orphans import Orphans
 from effectguard.callpath.prepare import Prepared, prepare, refuse
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
@@ -39,6 +40,7 @@ from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
+from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import (
     answer_kind,
     classify_transport_error,
@@ -70,19 +72,6 @@ class _RetryAttempt(Exception):
         self.refusal = refusal
 
 
-@dataclass
-class Ticket:
-    """What the guard tells the caller of :meth:`Guard.handle` as soon as it knows it.
-
-    ``call_id`` is set once the request is a call (admitted, replayed or joined);
-    ``dispatch`` once this request dispatches it. The proxy names the call id in any
-    answer it must give on its own (an internal error, the end of a shutdown drain).
-    """
-
-    call_id: str | None = None
-    dispatch: asyncio.Future[Reply] | None = field(default=None, repr=False)
-
-
 class Guard:
     """Admits, dispatches, observes and settles every billable request."""
 
@@ -107,6 +96,8 @@ class Guard:
         self.observer = self.recorder.observer
         #: Decides unknown effects from evidence (lookups, the application's hook).
         self.resolver = resolver or Resolver(ledger, self.providers)
+        #: Key-less calls whose caller left before their answer, for its own retry.
+        self.orphans = Orphans()
 
     # -- the call path --------------------------------------------------------
     async def handle(
@@ -181,6 +172,7 @@ class Guard:
                 report.outcome = report.stage = "read_only"
                 return await forward_read_only(provider, request, send, report, self.observer)
             report.model, report.budget = prepared.model or "", prepared.admit.budget
+            prepared = self._adopting(prepared, ticket)
             admitted = await self._admit(prepared)
         except Refusal as refusal:
             self.observer.refused(provider.name, refusal.type)
@@ -203,8 +195,18 @@ class Guard:
             if admitted.recovered is not None:
                 return recovered_response(admitted.call_id, admitted.recovered)
             return replay_response(admitted.call_id, admitted.observed)
-        if admitted.action == "join":
-            return await join_call(self.recorder, self.settings, admitted.call_id, prepared, report)
+        try:
+            if admitted.action == "join":
+                call_id = admitted.call_id
+                return await join_call(self.recorder, self.settings, call_id, prepared, report)
+            return await self._dispatched(prepared, admitted, send, report, ticket)
+        except asyncio.CancelledError:  # the caller left: its retry gets the answer
+            self.orphans.left(ticket.retry_key, admitted.call_id)
+            raise
+
+    async def _dispatched(
+        self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport, ticket: Ticket
+    ) -> Reply:
         self.recorder.started(admitted.call_id)
         # The dispatch runs in its own task: a caller that goes away does not cancel a
         # call the provider is already working on (docs/contract.md §3.8); it is read and settled.
@@ -277,6 +279,17 @@ class Guard:
         if task.cancelled() or task.exception() is not None:
             return
         self.recorder.spawn(task.result().aclose())
+
+    def _adopting(self, prepared: Prepared, ticket: Ticket) -> Prepared:
+        """``prepared``, naming the call it repeats if its caller left (callpath/orphans)."""
+        admit = prepared.admit
+        if admit.idempotency_key is not None:
+            return prepared
+        ticket.retry_key = key = (admit.budget_root, admit.request_hash)
+        orphan = self.orphans.take(key, admit.retry_window_s) if admit.is_retry else None
+        if orphan is None:
+            return prepared
+        return dataclasses.replace(prepared, admit=dataclasses.replace(admit, orphan_of=orphan))
 
     async def _admit(self, prepared: Prepared) -> Admitted:
         # The admission commits even if its caller goes away meanwhile (a cancelled

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from effectguard.callpath.guard import Ticket
+from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import error_body, error_headers
 from effectguard.errors import Refusal
 

@@ -25,6 +25,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from effectguard.config.settings import FrontDoor
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+#: The scope extension, a callable, that tells the app whether its client has gone:
+#: its connection was lost before the answer could be sent (callpath/orphans).
+CLIENT_GONE = "effectguard.client_gone"
+
+
+def client_gone(scope: Any) -> bool:
+    """Whether the client of ``scope``'s request has gone (False if the server cannot tell)."""
+    gone = scope.get("extensions", {}).get(CLIENT_GONE)
+    return bool(gone is not None and gone())
 
 
 def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
@@ -51,6 +60,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._parsed_bytes = 0
         self._refused = False
+        self._lost = False
 
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -59,6 +69,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        extensions: dict[str, Any] = {CLIENT_GONE: self._client_gone}
+        self.scope["extensions"] = extensions
         self._start_headers()
 
     def on_url(self, url: bytes) -> None:
@@ -91,6 +103,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._disarm()
         super().connection_lost(exc)
 
@@ -103,6 +116,9 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         # Checked after parsing, so a body that arrives with the headers never counts.
         if self._in_headers and self._header_bytes > self.door.max_header_bytes:
             self._refuse(431, f"headers are limited to {self.door.max_header_bytes} bytes")
+
+    def _client_gone(self) -> bool:
+        return self._lost
 
     # -- deadlines ----------------------------------------------------------------------
     def _start_headers(self) -> None:

@@ -21,10 +21,11 @@ from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
 from effectguard.callpath.exchange import Outbound, Reply, header_value
 from effectguard.callpath.exchange import Send as UpstreamSend
-from effectguard.callpath.guard import Guard, Ticket
+from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import load_hook
 from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
+from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import LedgerError, Refusal
@@ -32,6 +33,7 @@ from effectguard.ingress import spool
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
+from effectguard.ingress.frontdoor import client_gone
 from effectguard.ingress.keyring import Grant, KeyRing, refuse_browsers
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.observers import proxy_observer
@@ -322,9 +324,9 @@ class ProxyApp:
                 self._send,
                 budget=budget,
                 budget_root=root,
-                ticket=context_of(scope).ticket,
+                ticket=(ticket := context_of(scope).ticket),
             )
-            await self._respond(send, reply)
+            await self._respond(send, reply, lambda: self._orphaned(scope, ticket))
         finally:
             body.discard()
 
@@ -398,9 +400,15 @@ class ProxyApp:
             parts = self._urls[key] = (str(url), url.path, url.raw_path.decode("ascii"))
         return parts
 
-    async def _respond(self, send: Send, reply: Reply) -> None:
+    def _orphaned(self, scope: Scope, ticket: Ticket) -> None:
+        """Before the end of an answer: if its client has gone, its own retry gets it."""
+        if self.guard is not None and ticket.call_id is not None and client_gone(scope):
+            self.guard.orphans.left(ticket.retry_key, ticket.call_id)
+
+    async def _respond(self, send: Send, reply: Reply, ending: Callable[[], None]) -> None:
         headers = strip_hop_by_hop(reply.headers)
         if reply.body is not None:  # a body the guard already read and recorded
+            ending()
             body = reply.body
             headers.append((b"content-length", str(len(body)).encode()))
             await send({"type": "http.response.start", "status": reply.status, "headers": headers})
@@ -412,6 +420,7 @@ class ProxyApp:
         try:
             async for chunk in reply.stream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            ending()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             finished = True
         except httpx.TransportError as exc:

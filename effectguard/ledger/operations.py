@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import bodystore, budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
+from effectguard.ledger.retries import retried_call
 from effectguard.rules import budget as budgets
 from effectguard.rules import evidence, keys, workstate
 from effectguard.rules.admission import AdmitRequest, Decision, decide_keyed, decide_retry
@@ -233,29 +234,8 @@ def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
                 return decide_archived(*archived, req.request_hash)
         return decide_keyed(existing, req.request_hash, now)
     if req.is_retry:
-        return decide_retry(_retried_call(tx, req, now))
+        return decide_retry(retried_call(tx, req, now))
     return Decision("admit")
-
-
-def _retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
-    """The unresolved call a keyless declared retry repeats, if any.
-
-    ``Effectguard-Retry-Of`` names it (only within the same budget root and request
-    hash); otherwise it is the newest unresolved call with this hash inside the
-    retry window.
-    """
-    target = None
-    if req.retry_of is not None:
-        target = tx.get_call(req.retry_of)
-        if target is not None and (
-            target.budget_root != req.budget_root or target.request_hash != req.request_hash
-        ):
-            target = None
-    if target is None:
-        target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
-    if target is not None and target.stage not in workstate.UNRESOLVED:
-        return None
-    return target
 
 
 def _answer_from_ledger(tx: Tx, writer: Writer, decision: Decision) -> Admitted:

@@ -102,6 +102,9 @@ def decide_retry(existing: WorkState | None) -> Decision:
     """
     if existing is None:
         return Decision("admit")
+    if existing.stage in ("completed", "failed"):
+        # Only a call whose caller left is matched settled (callpath/orphans): its answer.
+        return Decision("replay", existing)
     if existing.stage == "in_flight":
         return Decision("join", existing)
     if existing.stage == "effect_unknown" and existing.resend_authorized:
@@ -139,6 +142,9 @@ class AdmitRequest:
     #: Token estimate (prompt bytes + output bound), counted against ``tpm`` limits.
     tokens: int = 0
     retry_of: str | None = None
+    #: The call this key-less retry repeats whose caller left before its answer
+    #: (callpath/orphans): matched even once it has settled, to replay its answer.
+    orphan_of: str | None = None
     retry_window_s: float = 600.0
     provider_idempotency_window_s: float | None = None
     create_budgets: bool = True

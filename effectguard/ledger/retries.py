@@ -1,0 +1,37 @@
+"""Which call a key-less declared retry repeats (docs/contract.md §4), read in the
+admission's transaction."""
+
+from __future__ import annotations
+
+from effectguard.ledger.base import Tx
+from effectguard.rules import workstate
+from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.workstate import WorkState
+
+
+def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
+    """The unresolved call a keyless declared retry repeats, if any (or the settled one
+    its caller left, ``orphan_of``).
+
+    ``Effectguard-Retry-Of`` names it (only within the same budget root and request
+    hash); otherwise it is the newest unresolved call with this hash inside the
+    retry window.
+    """
+    if req.orphan_of is not None:
+        left = tx.get_call(req.orphan_of)
+        if left is not None and _same_work(left, req) and left.stage in ("completed", "failed"):
+            return left
+    target = None
+    if req.retry_of is not None:
+        target = tx.get_call(req.retry_of)
+        if target is not None and not _same_work(target, req):
+            target = None
+    if target is None:
+        target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
+    if target is not None and target.stage not in workstate.UNRESOLVED:
+        return None
+    return target
+
+
+def _same_work(call: WorkState, req: AdmitRequest) -> bool:
+    return call.budget_root == req.budget_root and call.request_hash == req.request_hash
