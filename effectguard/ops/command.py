@@ -114,10 +114,15 @@ def resolve_ledger(args: argparse.Namespace) -> str:
 
 
 def check_ledger(url: str) -> None:
-    """Refuse (``ConfigError``) a SQLite ledger URL or path that names no ledger file: a
-    command that is not ``migrate`` or ``serve`` must not create one, nor migrate an empty
-    file or another program's database into one."""
-    if url.startswith(("memory://", "postgresql://", "postgres://")):
+    """Refuse (``ConfigError``) a ledger URL or path that names no ledger (a SQLite file,
+    a PostgreSQL schema): a command that is not ``migrate`` or ``serve`` must not create
+    one, nor migrate an empty file, an empty schema or another program's database into one."""
+    if url.startswith("memory://"):
+        return
+    if url.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger.pgschema import check_ledger_schema
+
+        check_ledger_schema(url)
         return
     from effectguard.ledger.sqlitefile import check_ledger_file, sqlite_path
 
