@@ -19,6 +19,7 @@ from effectguard.ops.command import (
     EXIT_USAGE,
     Command,
     call_usd,
+    check_ledger_place,
     count,
     ledger_option,
     path_arg,
@@ -207,6 +208,7 @@ def check_budget_set(args: argparse.Namespace) -> str | None:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     """``effectguard migrate``: create or upgrade the ledger's tables."""
+    check_ledger_place(args.ledger)  # a directory or a foreign file: exit 2, not a migration
 
     async def job() -> None:
         async with Ledger.open(args.ledger):

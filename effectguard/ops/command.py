@@ -129,6 +129,18 @@ def check_ledger(url: str) -> None:
     check_ledger_file(sqlite_path(url))
 
 
+def check_ledger_place(url: str) -> None:
+    """Refuse (``ConfigError``) a SQLite ledger path where ``serve`` or ``migrate`` could
+    not make or open a ledger (a directory, a missing directory, a file that is not a
+    SQLite database, another program's database), before either starts anything. A
+    PostgreSQL schema is created if missing; a server that does not answer is exit 4."""
+    if url.startswith(("memory://", "postgresql://", "postgres://")):
+        return
+    from effectguard.ledger import sqlitefile
+
+    sqlitefile.check_ledger_place(sqlitefile.sqlite_path(url))
+
+
 def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:
     """``--providers DIR`` and ``--upstream NAME=URL``, both repeatable."""
     parser.add_argument(
