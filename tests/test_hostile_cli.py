@@ -297,7 +297,7 @@ def test_an_extreme_rate_limit_is_set(own: Group, args: list[str], field: str, s
     # The confirmation says what was set, not only the (unchanged) money limit.
     assert (
         done.out
-        == f"{path}: limit none USD per total"
+        == f"{path}: no limit (period total)"
         + ("" if shown is None else f"; {field} {shown}")
         + "\n"
     )

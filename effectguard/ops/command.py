@@ -39,6 +39,15 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None]
 
 
+def set_check(
+    parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], str | None]
+) -> None:
+    """Give ``parser``'s command a ``check(args)`` that returns a usage problem (or None),
+    reported (exit 2) with that command's usage line, as argparse's own errors are, not
+    the top-level ``effectguard COMMAND ...`` one."""
+    parser.set_defaults(check=check, check_parser=parser)
+
+
 def path_arg(value: str) -> str:
     """An argparse type: a path the file system can look up (it need not exist).
 
