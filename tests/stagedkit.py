@@ -15,6 +15,8 @@ import contextlib
 import hashlib
 import io
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,14 @@ def run(*argv: str) -> Ran:
         except SystemExit as exc:  # argparse's usage errors
             code = exc.code if isinstance(exc.code, int) else 2
     return Ran(code, out.getvalue(), err.getvalue())
+
+
+def serve_refusing(*args: str, cwd: Path | None = None) -> Ran:
+    """``effectguard serve ARGS`` in a process of its own, which must exit within 30 s: a
+    serve that took what it should refuse would otherwise listen forever, in this process."""
+    command = [sys.executable, "-m", "effectguard", "serve", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=cwd)
+    return Ran(done.returncode, done.stdout, done.stderr)
 
 
 def _json(*argv: str) -> Any:

@@ -224,6 +224,45 @@ def test_every_command_and_option_has_help_text() -> None:
             assert action.help and action.help.strip(), f"{' '.join(path)} {action.dest}: no help"
 
 
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["key", "new", "--root", "a b"], "effectguard key new"),
+        (["key", "new", "--admin", "\x1b"], "effectguard key new"),
+        (["budget", "set", "a", "--limit", "1", "--no-limit"], "effectguard budget set"),
+    ],
+)
+def test_a_problem_found_after_parsing_shows_the_commands_own_usage(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str
+) -> None:
+    """A usage problem a command checks after argparse (a bad budget root, two exclusive
+    flags) is exit 2 under that command's usage line, as argparse's own errors are."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith(f"usage: {usage} ") and f"\n{usage}: error: " in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["sim"], ["default 1 on SQLite, 3 on PostgreSQL"]),
+        (["budgets"], ["YYYY-MM-DD", "YYYY-Www", "YYYY-MM", "total"]),
+    ],
+)
+def test_help_states_the_defaults_and_forms_the_code_takes(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    needles: list[str],
+) -> None:
+    """sim's replica default and budgets --period's label forms are the ones the code uses."""
+    monkeypatch.setenv("COLUMNS", "400")  # argparse would break YYYY-Www at its hyphen
+    code, out, _ = run(capsys, *argv, "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert all(needle in flat for needle in needles), flat
+
+
 def test_every_command_help_exits_0() -> None:
     """``effectguard CMD --help`` prints usage and exits 0 for every (sub)command."""
     argvs = [[], *([*path] for path, _, _ in COMMANDS)]

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from edgekit import address, parse_answer, read_until_closed
+from stagedkit import serve_refusing
 
 from effectguard.config.settings import hash_key
 from effectguard.ops.cli import main as cli_main
@@ -233,6 +234,38 @@ def test_metrics_on_their_own_port_only(tmp_path: Path, provider: FakeProvider) 
     assert apart.status_code == 200
     assert "effectguard_spent_usd" in apart.text or "effectguard_budget_spent_usd" in apart.text
     assert main.status_code == 404
+
+
+def test_a_metrics_port_that_is_taken_is_refused_before_the_ledger(tmp_path: Path) -> None:
+    """A metrics listener that cannot bind is exit 2 in one line, as for the proxy's port,
+    and no ledger (nor its .workers directory) is left behind."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = serve_refusing(
+            "--ledger", "l.db", "--port", "0", "--metrics-port", str(port), cwd=tmp_path
+        )
+    assert done.code == 2, done
+    assert done.err == f"effectguard: port {port} on 127.0.0.1 is already in use\n", done.err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [[], ["--host", "0.0.0.0"], ["--host", "localhost", "--metrics-host", "127.0.0.1"]],
+    ids=["same", "wildcard", "same-address"],
+)
+def test_a_metrics_port_that_is_the_proxys_own_is_refused(tmp_path: Path, hosts: list[str]) -> None:
+    """--metrics-port equal to --port on the same address (or overlapping a wildcard) is
+    exit 2 before the ledger: the metrics server would take the proxy's connections."""
+    port = str(free_port())
+    args = ["--ledger", "l.db", "--port", port, "--metrics-port", port, *hosts]
+    done = serve_refusing(*args, cwd=tmp_path)
+    assert done.code == 2, done
+    assert f"metrics_port {port} is the proxy's own port" in done.err, done.err
+    assert done.err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_budget_series_are_capped_with_the_rest_as_other() -> None:

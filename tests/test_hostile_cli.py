@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stagedkit import Ran, run, snapshot, staged_ledger
+from stagedkit import Ran, run, serve_refusing, snapshot, staged_ledger
 
 from effectguard.ledger import Ledger
 from effectguard.ops.backup import backup_sqlite
@@ -144,14 +144,6 @@ def test_an_extreme_but_exact_limit_is_set(own: Group, value: str, shown: str) -
     assert snapshot(own.ledger)["budgets"] == [
         b | {"limit_usd": shown} if b["path"] == "team" else b for b in own.baseline["budgets"]
     ]
-
-
-def serve_refusing(*args: str) -> Ran:
-    """``effectguard serve ARGS`` in a process of its own, which must exit within 30 s: a
-    serve that took what it should refuse would otherwise listen forever, in this process."""
-    command = [sys.executable, "-m", "effectguard", "serve", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    return Ran(done.returncode, done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("value", ["1e999999", "-1e999999", "1e400"])
@@ -305,7 +297,7 @@ def test_an_extreme_rate_limit_is_set(own: Group, args: list[str], field: str, s
     # The confirmation says what was set, not only the (unchanged) money limit.
     assert (
         done.out
-        == f"{path}: limit none USD per total"
+        == f"{path}: no limit (period total)"
         + ("" if shown is None else f"; {field} {shown}")
         + "\n"
     )

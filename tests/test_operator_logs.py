@@ -22,7 +22,6 @@ CALL_ID = "effectguard-call-id"
 ACCESS_FIELDS = {
     "time",
     "level",
-    "call_id",
     "provider",
     "endpoint",
     "model",
@@ -30,7 +29,6 @@ ACCESS_FIELDS = {
     "status",
     "stage",
     "attempts",
-    "cost_usd",
     "upstream_s",
     "overhead_s",
 }
@@ -69,8 +67,9 @@ def _config(tmp_path: Path, extra: str = "") -> list[str]:
 def test_json_access_lines_name_every_call_and_hold_no_secret(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
-    """Each request gets one valid JSON access line with every field; a 504 is a warning
-    that names the call, its interrupt is logged once, and no key or prompt is logged."""
+    """Each request gets one valid JSON access line with every field (call_id and cost_usd
+    absent, not null, where there is none); a 504 is a warning that names the call, its
+    interrupt is logged once, and no key or prompt is logged."""
     args = [*_config(tmp_path), "--log-format", "json"]
     ledger = tmp_path / "ledger.db"
     upstreams = {"openai": provider.url}
@@ -110,6 +109,11 @@ def test_json_access_lines_name_every_call_and_hold_no_secret(
     # guard stamps the send; the log must show that wait, not when it began to the microsecond.
     assert timeout["upstream_s"] >= 0.45
     assert [line["stage"] for line in access if line["endpoint"] == "/v1/models"] == ["read_only"]
+    # Nothing settled, no call made: the field is absent, never null (logs-and-traces.md).
+    assert "cost_usd" not in by_status[402] and "cost_usd" not in by_status[504]
+    assert not [
+        line for line in access if None in (line.get("call_id", 0), line.get("cost_usd", 0))
+    ]
     interrupts = [line for line in lines if line.get("event") == "interrupted"]
     assert [line["call_id"] for line in interrupts] == [slow.headers[CALL_ID]]
     assert KEY_CANARY not in proxy.log() and PROMPT_CANARY not in proxy.log()

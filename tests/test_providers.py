@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from stagedkit import serve_refusing
 
 from effectguard.errors import ConfigError
 from effectguard.providers import (
@@ -387,6 +388,19 @@ def test_invalid_toml_names_file(tmp_path: Path) -> None:
     path = write(tmp_path, "bad", "name = \n")
     with pytest.raises(ConfigError, match=re.escape(f"{path}: not valid TOML")):
         load_provider(path)
+
+
+def test_a_declaration_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    """serve --providers DIR holding a file that is not UTF-8 exits 2 with one line naming
+    the file (it was a UnicodeDecodeError traceback), before any ledger is made."""
+    declarations = tmp_path / "providers"
+    declarations.mkdir()
+    (declarations / "latin.toml").write_bytes(b'name = "caf\xe9"\n')
+    done = serve_refusing("--providers", str(declarations), "--ledger", "l.db", cwd=tmp_path)
+    assert done.code == 2, done
+    assert done.err.startswith(f"effectguard: {declarations / 'latin.toml'}: not UTF-8"), done
+    assert done.err.count("\n") == 1
+    assert not (tmp_path / "l.db").exists()
 
 
 def test_duplicate_endpoint(tmp_path: Path) -> None:

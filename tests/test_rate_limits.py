@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from pathlib import Path
 
+import httpx
 import pytest
 from clockkit import LedgerTime
 from hypothesis import given
@@ -29,7 +31,9 @@ from test_store_contract import (
     store_kind,
 )
 
+from effectguard import AsyncGuardTransport
 from effectguard.ledger import Ledger, Writer
+from effectguard.ops.cli import main as cli_main
 from effectguard.rules import ratelimit
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.ratelimit import RateWindow, check, minute_of
@@ -210,3 +214,55 @@ def _with_tokens(event: object, tokens: int) -> object:
     import dataclasses
 
     return dataclasses.replace(event, tokens=tokens)  # type: ignore[type-var]
+
+
+CHAT_URL = "https://api.openai.com/v1/chat/completions"
+
+
+def _responses(tmp_path: Path, limits: list[str], calls: int) -> list[httpx.Response]:
+    """``calls`` requests through the in-process transport to budget ``team`` after
+    ``budget set team LIMITS`` (the upstream answers 200; nothing past a refusal matters)."""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", *limits, "--ledger", ledger]) == 0
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    answer = b'{"id": "c", "object": "chat.completion", "model": "gpt-4o-mini", "choices": []}'
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        # A stream, as a network answer is (a Response built from bytes reads as consumed).
+        return httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(answer)
+        )
+
+    async def send() -> list[httpx.Response]:
+        upstream = httpx.MockTransport(reply)
+        transport = AsyncGuardTransport(upstream, ledger=ledger)
+        async with httpx.AsyncClient(transport=transport) as client:
+            return [
+                await client.post(CHAT_URL, json=body, headers={"Effectguard-Budget": "team"})
+                for _ in range(calls)
+            ]
+
+    return asyncio.run(send())
+
+
+@pytest.mark.parametrize(
+    "limits", [["--rpm", "0"], ["--tpm", "0"], ["--tpm", "5"], ["--concurrency", "0"]]
+)
+def test_a_limit_no_wait_can_meet_is_not_worth_retrying(tmp_path: Path, limits: list[str]) -> None:
+    """rpm or concurrency 0, or a tpm below the request's own tokens, can never admit it:
+    429 with x-should-retry false and no retry-after, so an SDK does not retry forever."""
+    (refused,) = _responses(tmp_path, limits, 1)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["x-should-retry"] == "false"
+    assert "retry-after" not in refused.headers
+    assert "never fits" in refused.json()["error"]["message"]
+
+
+def test_a_full_minute_is_worth_retrying(tmp_path: Path) -> None:
+    """rpm 1, second request: 429 with x-should-retry true and retry-after (the window
+    turns)."""
+    _, refused = _responses(tmp_path, ["--rpm", "1"], 2)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["x-should-retry"] == "true"
+    assert 1 <= int(refused.headers["retry-after"]) <= 60

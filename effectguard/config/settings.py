@@ -225,10 +225,8 @@ def _front_door(server: Mapping[str, Any]) -> FrontDoor:
     return FrontDoor(
         header_timeout_s=values.positive(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
         body_timeout_s=values.positive(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
-        max_header_bytes=int(
-            values.number(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server")
-        ),
-        max_connections=int(values.number(server, "max_connections", d.MAX_CONNECTIONS, "server")),
+        max_header_bytes=values.whole(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server"),
+        max_connections=values.whole(server, "max_connections", d.MAX_CONNECTIONS, "server"),
         keep_alive_timeout_s=values.number(
             server, "keep_alive_timeout_s", d.KEEP_ALIVE_TIMEOUT_S, "server"
         ),
@@ -268,7 +266,7 @@ def _budget_limits(raw: Mapping[str, Any], source: str) -> dict[str, int]:
 
 
 def _digest(entry: Mapping[str, Any], where: str) -> str:
-    digest = str(entry["sha256"]).lower()
+    digest = values.text(entry, "sha256", where).lower()
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise ConfigError(f"{where}.sha256: must be a hex SHA-256 digest")
     return digest
@@ -285,7 +283,7 @@ def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> Admin
         where = f"{source}: admin.keys[{i}]"
         if not isinstance(entry, Mapping) or not {"name", "sha256"} <= entry.keys():
             raise ConfigError(f"{where}: needs name and sha256")
-        name = notes.name_text(str(entry["name"]))
+        name = notes.name_text(values.text(entry, "name", where))
         if name is None:
             raise ConfigError(f"{where}.name: must be a printable, non-empty name")
         keys.append(AdminKey(name, _digest(entry, where)))
@@ -301,19 +299,21 @@ def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> Admin
 
 def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
     """``[[keys]]``: each a SHA-256 digest of a proxy key and the budget root it fixes."""
+    entries = raw.get("keys", [])
+    if not isinstance(entries, list):  # keys = 5, or [keys] where [[keys]] was meant
+        raise ConfigError(f"{source}: keys must be an array of tables ([[keys]])")
     keys = []
-    for i, entry in enumerate(raw.get("keys", [])):
+    for i, entry in enumerate(entries):
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, Mapping) or not {"sha256", "budget_root"} <= entry.keys():
             raise ConfigError(f"{where}: needs sha256 and budget_root")
         digest = _digest(entry, where)
         try:
-            root = budgets.validate_path(str(entry["budget_root"]))
+            root = budgets.validate_path(values.text(entry, "budget_root", where))
         except ValueError as exc:
             raise ConfigError(f"{where}.budget_root: {exc}") from exc
-        keys.append(
-            ProxyKey(str(entry.get("name", root)), digest, root, bool(entry.get("metrics", False)))
-        )
+        name = values.text(entry, "name", where) if "name" in entry else root
+        keys.append(ProxyKey(name, digest, root, values.boolean(entry, "metrics", False, where)))
     return keys
 
 
@@ -344,7 +344,7 @@ def load_settings(
     lease, heartbeat = _lease(server)
     settings = ServeSettings(
         ledger=_flag(ledger, _ledger_of(raw, source)) or d.ledger_from(env),
-        host=_flag(host, str(server.get("host", d.HOST))),
+        host=_flag(host, values.host(server, "host", d.HOST, "server")),
         port=_flag(port, values.listen_port(server)),
         providers=providers,
         provider_keys=keys_from_environment(providers, env),
@@ -352,14 +352,14 @@ def load_settings(
         budget_limits=_budget_limits(raw, source),
         keys=tuple(_proxy_keys(raw, source)),
         admin=_admin(raw, source, env),
-        max_body_bytes=int(values.number(server, "max_body_bytes", d.MAX_BODY_BYTES, "server")),
-        spool_body_bytes=int(
-            values.positive(server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server")
+        max_body_bytes=values.whole(server, "max_body_bytes", d.MAX_BODY_BYTES, "server"),
+        spool_body_bytes=values.whole(
+            server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server", above_zero=True
         ),
         spool_dir=values.directory(server, "spool_dir", "server"),
         drain_timeout_s=values.number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),
-        metrics_host=_flag(metrics_host, str(server.get("metrics_host", d.HOST))),
+        metrics_host=_flag(metrics_host, values.host(server, "metrics_host", d.HOST, "server")),
         metrics_port=_flag(metrics_port, values.port(server, "metrics_port")),
         connect_timeout_s=values.positive(
             upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"
@@ -394,15 +394,15 @@ def _guard(guard: Mapping[str, Any]) -> GuardSettings:
     g = GuardSettings()
     return GuardSettings(
         retry_window_s=values.number(guard, "retry_window_s", g.retry_window_s, "guard"),
-        max_retries=int(values.number(guard, "max_retries", g.max_retries, "guard")),
+        max_retries=values.whole(guard, "max_retries", g.max_retries, "guard"),
         retry_wait_s=values.number(guard, "retry_wait_s", g.retry_wait_s, "guard"),
-        create_budgets=bool(guard.get("create_budgets", g.create_budgets)),
+        create_budgets=values.boolean(guard, "create_budgets", g.create_budgets, "guard"),
         reconcile_hook=_hook_spec(guard),
         reconcile_hook_timeout_s=values.number(
             guard, "reconcile_hook_timeout_s", g.reconcile_hook_timeout_s, "guard"
         ),
-        max_answer_bytes=int(
-            values.positive(guard, "max_answer_bytes", g.max_answer_bytes, "guard")
+        max_answer_bytes=values.whole(
+            guard, "max_answer_bytes", g.max_answer_bytes, "guard", above_zero=True
         ),
     )
 
@@ -433,7 +433,7 @@ def _operator(server: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "log_format": _log_format(server.get("log_format", d.LOG_FORMAT)),
         "log_level": _log_level(server.get("log_level", d.LOG_LEVEL)),
-        "otel": bool(server.get("otel", d.OTEL)),
+        "otel": values.boolean(server, "otel", d.OTEL, "server"),
     }
 
 

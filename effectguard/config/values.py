@@ -1,5 +1,11 @@
-"""How one value of the config file is checked: numbers, ports, directories. Each refusal
-is a ``ConfigError`` naming the key (``server.lease_s: must be above zero``)."""
+"""How one value of the config file is checked: numbers, whole numbers, booleans, hosts,
+ports, directories. Each refusal is a ``ConfigError`` naming the key (``server.lease_s:
+must be above zero``).
+
+A value is taken only in its own TOML type, never converted: ``bool("false")`` is true
+and ``int(2.5)`` is 2, so a quoted boolean or a fractional count would silently mean
+something else than what the file says.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +33,47 @@ def positive(table: Mapping[str, Any], key: str, default: float, where: str) -> 
     value = number(table, key, default, where)
     if value <= 0:
         raise ConfigError(f"{where}.{key}: must be above zero")
+    return value
+
+
+def whole(
+    table: Mapping[str, Any], key: str, default: int, where: str, *, above_zero: bool = False
+) -> int:
+    """A non-negative TOML integer (above zero if asked); ``2.5``, ``2.0`` and ``1e6`` are
+    refused, not cut to a whole number."""
+    # number() first: a negative, infinite or non-numeric value keeps its own message.
+    (positive if above_zero else number)(table, key, default, where)
+    value = table.get(key, default)
+    if not isinstance(value, int):
+        raise ConfigError(f"{where}.{key}: must be a whole number (no point or exponent)")
+    return value
+
+
+def boolean(table: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """A TOML boolean, ``true`` or ``false`` unquoted: the string ``"false"`` is refused."""
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{key}: must be true or false (unquoted), not {value!r}")
+    return value
+
+
+def text(table: Mapping[str, Any], key: str, where: str) -> str:
+    """A string the table must hold (``str()`` would make a name of ``5`` or ``true``)."""
+    value = table[key]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}.{key}: must be a string, not {value!r}")
+    return value
+
+
+def host(table: Mapping[str, Any], key: str, default: str, where: str) -> str:
+    """A host name or address to listen on: a non-empty string without spaces."""
+    value = table.get(key, default)
+    if (
+        not isinstance(value, str)
+        or not value
+        or any(c.isspace() or not c.isprintable() for c in value)
+    ):
+        raise ConfigError(f"{where}.{key}: must be a host name or address as a string")
     return value
 
 

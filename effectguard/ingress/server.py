@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.frontdoor import client_gone
 from effectguard.ingress.keyring import Grant, KeyRing, refuse_browsers
 from effectguard.ingress.limitseed import seed_limits
+from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
 from effectguard.ledger.base import probe
@@ -66,8 +68,10 @@ class ProxyApp:
         inner: httpx.AsyncBaseTransport | None = None,
         crash: CrashPoints | None = None,
         metrics: Any = None,
+        metrics_socket: socket.socket | None = None,
     ) -> None:
         self.settings = settings
+        self._metrics_socket = metrics_socket  # bound by serve(); else bound at startup
         self._inner = inner
         self.metrics = metrics
         spec = settings.guard.reconcile_hook
@@ -123,23 +127,16 @@ class ProxyApp:
             log.warning("removed %d upload spool files left by processes that died", swept)
         if self.metrics is not None:
             self.metrics.attach(self.runtime.ledger)
-            if self.settings.metrics_port is not None:
-                self._metrics_server = self._serve_metrics_apart(self.settings.metrics_port)
-
-    def _serve_metrics_apart(self, port: int) -> Any:
-        """``/metrics`` on its own listener (e.g. an internal interface), in a thread."""
-        import prometheus_client
-
-        assert self.metrics is not None
-        server, _ = prometheus_client.start_http_server(
-            port, addr=self.settings.metrics_host, registry=self.metrics.registry
-        )
-        return server
+            if (port := self.settings.metrics_port) is not None:
+                # /metrics on its own listener (e.g. an internal interface), in a thread.
+                sock = self._metrics_socket or listen_socket(self.settings.metrics_host, port)
+                self._metrics_server = MetricsListener(sock, self.metrics.registry)
+                self._metrics_server.start()
 
     async def shutdown(self) -> None:
         """Let background settlements finish, then close."""
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            self._metrics_server.stop()
         await self.keyring.stop()
         await self.runtime.stop(self.settings.drain_timeout_s)
         if self._inner is not None:

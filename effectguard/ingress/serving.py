@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import importlib.util
 import logging
@@ -27,8 +26,8 @@ from typing import Any
 import uvicorn
 
 from effectguard.config.settings import ServeSettings
-from effectguard.errors import ConfigError
 from effectguard.ingress.frontdoor import uvicorn_options
+from effectguard.ingress.listeners import check_apart, listen_socket
 from effectguard.ingress.server import create_app
 from effectguard.telemetry.logs import configure_logging
 
@@ -57,28 +56,6 @@ def settle_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port``; a taken port is a :class:`ConfigError`."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as exc:
-        raise ConfigError(f"cannot listen on {host}: {exc.strerror}") from exc
-    sock = socket.socket(family, kind, proto)
-    # As uvicorn does: a restart may bind while the last run's connections sit in
-    # TIME_WAIT; a port another process listens on is still refused.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port {port} on {host} is already in use") from exc
-        raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror}") from exc
-    return sock
-
-
 def shown_ledger(ledger: str) -> str:
     """The ledger as the start line shows it: an absolute path, or a DSN without password."""
     if ledger.startswith(("postgresql://", "postgres://")):
@@ -94,11 +71,17 @@ def serve(
     """Run the proxy until SIGINT or SIGTERM (graceful: in-flight calls drain).
 
     ``alongside`` is entered in the proxy's event loop before it starts and left
-    after it stops. Raises :class:`ConfigError` if the port cannot be bound.
+    after it stops. Raises :class:`ConfigError` if the port (or ``metrics_port``) cannot
+    be bound, or ``metrics_port`` is the proxy's own.
     """
     configure_logging(settings.log_format, settings.log_level)
     sock = listen_socket(settings.host, settings.port)
-    server = _Server(_config(settings, metrics), _start_line(settings, sock))
+    try:
+        metrics_sock = _metrics_socket(settings, sock) if metrics is not None else None
+    except BaseException:
+        sock.close()
+        raise
+    server = _Server(_config(settings, metrics, metrics_sock), _start_line(settings, sock))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -138,9 +121,24 @@ def _exit_startup_failed() -> None:
     os._exit(STARTUP_FAILED)
 
 
-def _config(settings: ServeSettings, metrics: Any) -> uvicorn.Config:
+def _metrics_socket(settings: ServeSettings, proxy: socket.socket) -> socket.socket | None:
+    """The ``metrics_port`` listener's socket, bound now: before the ledger is opened."""
+    if settings.metrics_port is None:
+        return None
+    sock = listen_socket(settings.metrics_host, settings.metrics_port)
+    try:
+        check_apart(proxy, sock)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _config(
+    settings: ServeSettings, metrics: Any, metrics_sock: socket.socket | None
+) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(settings, metrics=metrics),
+        create_app(settings, metrics=metrics, metrics_socket=metrics_sock),
         lifespan="on",
         log_level="warning",
         # Our handler (configure_logging) formats uvicorn's records too: no config of its own.

@@ -307,6 +307,43 @@ def migrate(url: str) -> list[int]:
         conn.close()
 
 
+def check_ledger_schema(url: str) -> None:
+    """Refuse (``ConfigError``) a PostgreSQL ``url`` that names no effectguard ledger.
+
+    The PostgreSQL twin of :func:`~effectguard.ledger.sqlitefile.check_ledger_file`: it
+    only reads, because opening a store migrates, and so would create a mistyped
+    ``?schema=`` (or fill an empty one) instead of refusing it. A ledger is a schema (the
+    connection's ``search_path`` without one) holding our ``migrations`` table.
+    """
+    target = Target.parse(url)
+    conn = target.connect()  # an unreachable server: LedgerUnavailable (exit 4)
+    try:
+        # With ?schema=, the search_path is that schema alone, so a table of that name
+        # elsewhere (public) is not taken for it; to_regclass reads a missing schema as NULL.
+        found = conn.execute("SELECT to_regclass('migrations') IS NOT NULL").fetchone()
+        schema_missing = (
+            target.schema is not None
+            and not conn.execute(
+                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (target.schema,)
+            ).fetchone()
+        )
+    except psycopg.Error as exc:
+        raise LedgerUnavailable(f"cannot read ledger {redacted(url)}: {exc}") from exc
+    finally:
+        conn.close()
+    if schema_missing:
+        raise ConfigError(
+            f"no ledger at {redacted(url)}: schema {target.schema} does not exist (use "
+            "--ledger; `effectguard serve` or `effectguard migrate` creates one)"
+        )
+    if not (found and found[0]):
+        raise ConfigError(
+            f"{redacted(url)} is not an effectguard ledger: no migrations table in "
+            f"{'schema ' + target.schema if target.schema else 'the search_path'} "
+            "(effectguard migrate --ledger DSN makes one)"
+        )
+
+
 def clock_offset(conn: psycopg.Connection[Any]) -> float:
     """The seconds ``effectguard_now()`` adds to the database's clock (0 unless a test set it).
 

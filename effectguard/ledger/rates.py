@@ -36,13 +36,14 @@ def rate_refusal(
     exceeded = ratelimit.check(policies, windows, tx.count_in_flight, budget, now, tokens)
     if exceeded is None:
         return None
+    never = exceeded.retry_after is None  # no wait helps: an SDK must not retry forever
     return Refusal(
         429,
         "rate_limited",
         f"budget {exceeded.path!r} allows {exceeded.allowed} {_WHAT[exceeded.limit]}; "
-        f"retry in {exceeded.retry_after} s",
+        + ("this request never fits" if never else f"retry in {exceeded.retry_after} s"),
         call_id=call_id,
-        retryable=True,
+        retryable=not never,
         retry_after=exceeded.retry_after,
     )
 

@@ -44,6 +44,54 @@ def create_owner_only(path: str) -> None:
 COMPANIONS = ("-wal", "-shm", "-journal")
 
 
+def check_ledger_place(path: str) -> None:
+    """Refuse (``ConfigError``) a ``path`` where ``serve`` or ``migrate`` cannot make or open
+    a ledger, before either starts anything.
+
+    Unlike :func:`check_ledger_file`, a missing file is fine (it is created) and so is an
+    empty database; but its directory must exist, and an existing file must be a SQLite
+    database that is a ledger or holds no tables yet. Another program's database (tables,
+    none of them ours) is refused rather than given a ledger's tables beside its own.
+    Read only, through a read-only connection.
+    """
+    file = Path(path)
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    if not file.exists():
+        parent = file.parent
+        if not parent.is_dir():
+            raise ConfigError(f"no directory {parent} for the ledger {path}")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"cannot create the ledger {path}: directory {parent} is not writable"
+            )
+        return
+    if not file.is_file():
+        raise ConfigError(f"ledger {path} is not a file (name the ledger's file, not a directory)")
+    tables = _tables(path)
+    if tables and "migrations" not in tables:
+        shown = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
+        raise ConfigError(
+            f"{path} is another program's SQLite database (tables {shown}), not a ledger: "
+            "name a new file"
+        )
+
+
+def _tables(path: str) -> set[str]:
+    """The tables of the SQLite database at ``path`` (refused if it is none)."""
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+        try:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError as exc:  # locked, unreadable: it may be a ledger
+        raise LedgerUnavailable(f"cannot read ledger {path}: {exc}") from exc
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(f"{path} is not a SQLite database ({exc}): no ledger there") from exc
+    return {row[0] for row in rows}
+
+
 def check_ledger_file(path: str) -> None:
     """Refuse (``ConfigError``) a ``path`` that is not an effectguard SQLite ledger.
 
@@ -60,19 +108,7 @@ def check_ledger_file(path: str) -> None:
         )
     if not file.is_file():
         raise ConfigError(f"{path} is not a file: no ledger there (use --ledger)")
-    try:
-        conn = sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
-        try:
-            found = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'migrations'"
-            ).fetchone()
-        finally:
-            conn.close()
-    except sqlite3.OperationalError as exc:  # locked, unreadable: it may be a ledger
-        raise LedgerUnavailable(f"cannot read ledger {path}: {exc}") from exc
-    except sqlite3.DatabaseError as exc:
-        raise ConfigError(f"{path} is not a SQLite database ({exc}): no ledger there") from exc
-    if found is None:
+    if "migrations" not in _tables(path):
         raise ConfigError(
             f"{path} is not an effectguard ledger (effectguard migrate --ledger PATH makes one)"
         )

@@ -19,10 +19,12 @@ from effectguard.ops.command import (
     EXIT_USAGE,
     Command,
     call_usd,
+    check_ledger_place,
     count,
     ledger_option,
     path_arg,
     provider_options,
+    set_check,
     upstream_flag,
     upstreams,
     usd,
@@ -174,11 +176,15 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 def _policy_line(path: str, limit: str | None, policy: BudgetPolicy) -> str:
-    """``team: limit 5.000000000 USD per monthly; rpm 60`` (rate limits only where set, so
-    a ``--rpm`` alone is not confirmed as if nothing had changed)."""
+    """``team: limit 5.000000000 USD per month; rpm 60``, or ``team: no limit (period
+    month)`` (rate limits only where set, so a ``--rpm`` alone is not confirmed as if
+    nothing had changed)."""
     names = ("rpm", "tpm", "concurrency")
     rates = [f"{n} {v}" for n in names if (v := getattr(policy, n)) is not None]
-    shown = f"{path}: limit {limit or 'none'} USD per {policy.period}"
+    if limit is None:
+        shown = f"{path}: no limit (period {policy.period})"
+    else:
+        shown = f"{path}: limit {limit} USD per {policy.period}"
     return "; ".join([shown, ", ".join(rates)]) if rates else shown
 
 
@@ -207,6 +213,7 @@ def check_budget_set(args: argparse.Namespace) -> str | None:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     """``effectguard migrate``: create or upgrade the ledger's tables."""
+    check_ledger_place(args.ledger)  # a directory or a foreign file: exit 2, not a migration
 
     async def job() -> None:
         async with Ledger.open(args.ledger):
@@ -264,7 +271,8 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
         ("concurrency", "calls in flight"),
     ):
         q.add_argument(f"--{name}", type=count_or_none, metavar="N", help=f"{what}; 'none' removes")
-    q.set_defaults(run_ledger=cmd_budget_set, check=check_budget_set)
+    q.set_defaults(run_ledger=cmd_budget_set)
+    set_check(q, check_budget_set)
 
 
 def _migrate_arguments(p: argparse.ArgumentParser) -> None:

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = args.check(args) if hasattr(args, "check") else None
     if problem:
-        parser.error(problem)
+        getattr(args, "check_parser", parser).error(problem)
     try:
         if getattr(args, "resolve_ledger", False):
             args.ledger = resolve_ledger(args)

@@ -39,6 +39,15 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None]
 
 
+def set_check(
+    parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], str | None]
+) -> None:
+    """Give ``parser``'s command a ``check(args)`` that returns a usage problem (or None),
+    reported (exit 2) with that command's usage line, as argparse's own errors are, not
+    the top-level ``effectguard COMMAND ...`` one."""
+    parser.set_defaults(check=check, check_parser=parser)
+
+
 def path_arg(value: str) -> str:
     """An argparse type: a path the file system can look up (it need not exist).
 
@@ -114,14 +123,31 @@ def resolve_ledger(args: argparse.Namespace) -> str:
 
 
 def check_ledger(url: str) -> None:
-    """Refuse (``ConfigError``) a SQLite ledger URL or path that names no ledger file: a
-    command that is not ``migrate`` or ``serve`` must not create one, nor migrate an empty
-    file or another program's database into one."""
-    if url.startswith(("memory://", "postgresql://", "postgres://")):
+    """Refuse (``ConfigError``) a ledger URL or path that names no ledger (a SQLite file,
+    a PostgreSQL schema): a command that is not ``migrate`` or ``serve`` must not create
+    one, nor migrate an empty file, an empty schema or another program's database into one."""
+    if url.startswith("memory://"):
+        return
+    if url.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger.pgschema import check_ledger_schema
+
+        check_ledger_schema(url)
         return
     from effectguard.ledger.sqlitefile import check_ledger_file, sqlite_path
 
     check_ledger_file(sqlite_path(url))
+
+
+def check_ledger_place(url: str) -> None:
+    """Refuse (``ConfigError``) a SQLite ledger path where ``serve`` or ``migrate`` could
+    not make or open a ledger (a directory, a missing directory, a file that is not a
+    SQLite database, another program's database), before either starts anything. A
+    PostgreSQL schema is created if missing; a server that does not answer is exit 4."""
+    if url.startswith(("memory://", "postgresql://", "postgres://")):
+        return
+    from effectguard.ledger import sqlitefile
+
+    sqlitefile.check_ledger_place(sqlitefile.sqlite_path(url))
 
 
 def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from effectguard.ingress.serving import listen_socket
+from effectguard.ingress.listeners import listen_socket
 from effectguard.ledger.sqlite import sqlite_path
 
 #: The providers the demo answers for.

@@ -20,7 +20,7 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.ops.command import EXIT_OK, EXIT_USAGE, Command, ledger_option
+from effectguard.ops.command import EXIT_OK, EXIT_USAGE, Command, ledger_option, set_check
 from effectguard.ops.render import emit, iso, table
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, notes
@@ -225,7 +225,8 @@ def _key_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write nothing; print [[keys]] lines for the config file instead",
     )
-    q.set_defaults(run_ledger=cmd_key_new, check=_check_new)
+    q.set_defaults(run_ledger=cmd_key_new)
+    set_check(q, _check_new)
     q = actions.add_parser(
         "list", help="list the ledger's keys", description="List the proxy keys in the ledger."
     )

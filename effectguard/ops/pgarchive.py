@@ -41,6 +41,7 @@ from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
     IDLE_IN_TRANSACTION_MS,
     Target,
+    check_ledger_schema,
     lock_key,
     migrate_on,
 )
@@ -65,6 +66,7 @@ TABLE = "archived_events"
 
 def archive_postgres(url: str, *, before: float) -> ArchiveResult:
     """Archive what the retention rules allow of the PostgreSQL ledger at ``url``."""
+    check_ledger_schema(url)  # before migrate_on(), which would make a mistyped schema one
     target = Target.parse(url)
     # As the replicas' writers: an archive stopped while it holds the batch lock is ended
     # by the server, so it cannot stall every replica's writes for longer than this.

@@ -9,6 +9,7 @@ from pathlib import Path
 from effectguard.ops.command import (
     EXIT_OK,
     Command,
+    check_ledger_place,
     path_arg,
     port_arg,
     provider_options,
@@ -44,6 +45,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = with_operator_flags(
         settings, log_format=args.log_format, log_level=args.log_level, otel=args.otel or None
     )
+    # Before anything is started or written (the demo's receipt log goes beside the
+    # ledger): a bad path is one line and exit 2, not a traceback from the lifespan.
+    check_ledger_place(settings.ledger)
     alongside = None
     if demo is not None:
         from effectguard.ops.demo import receipts_path

@@ -261,8 +261,9 @@ def _budgets_arguments(p: argparse.ArgumentParser) -> None:
     when.add_argument(
         "--period",
         type=_period,
-        metavar="YYYY-MM[-DD]",
-        help="show this past or current period (nodes whose period has labels of this form)",
+        metavar="LABEL",
+        help="show this past or current period: YYYY-MM-DD (day), YYYY-Www (week), YYYY-MM "
+        "(month) or total (the nodes whose period has labels of that form)",
     )
     when.add_argument(
         "--at",

@@ -264,6 +264,8 @@ def _read(path: Traversable) -> dict[str, Any]:
             return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib.load decodes it unchecked
+        raise ConfigError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
 

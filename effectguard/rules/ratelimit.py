@@ -48,12 +48,14 @@ class RateWindow:
 
 @dataclass(frozen=True, slots=True)
 class RateExceeded:
-    """Admission refused: ``path``'s ``limit`` has no room; ``retry_after`` seconds until it may."""
+    """Admission refused: ``path``'s ``limit`` has no room; ``retry_after`` seconds until it
+    may, or None where no wait helps (a limit of 0, or a ``tpm`` below this attempt's own
+    tokens): a client told to retry would retry forever."""
 
     path: str
     limit: Limit
     allowed: int
-    retry_after: int
+    retry_after: int | None
 
 
 def limited(policies: Mapping[str, BudgetPolicy], path: str) -> list[str]:
@@ -87,11 +89,13 @@ def check(
             continue
         window = (windows.get(p) or RateWindow(p)).at(minute)
         if policy.rpm is not None and window.requests + 1 > policy.rpm:
-            return RateExceeded(p, "rpm", policy.rpm, next_minute)
+            return RateExceeded(p, "rpm", policy.rpm, next_minute if policy.rpm else None)
         if policy.tpm is not None and window.tokens + tokens > policy.tpm:
-            return RateExceeded(p, "tpm", policy.tpm, next_minute)
+            return RateExceeded(p, "tpm", policy.tpm, next_minute if tokens <= policy.tpm else None)
         if policy.concurrency is not None and in_flight(p) + 1 > policy.concurrency:
-            return RateExceeded(p, "concurrency", policy.concurrency, 1)
+            return RateExceeded(
+                p, "concurrency", policy.concurrency, 1 if policy.concurrency else None
+            )
     return None
 
 

@@ -158,9 +158,12 @@ def _seconds(value: float) -> float:
 
 def access_fields(report: CallReport) -> dict[str, Any]:
     """The access line's fields (a report's outcome; never a body or a credential)."""
-    fields: dict[str, Any] = {
-        "event": "access",
-        "call_id": report.call_id,
+    # call_id and cost_usd are absent, not null, where there is none (logs-and-traces.md):
+    # a request that never became a call, a call nothing was settled for.
+    fields: dict[str, Any] = {"event": "access"}
+    if report.call_id is not None:
+        fields["call_id"] = report.call_id  # first: what a reader of the line looks for
+    fields |= {
         "provider": report.provider,
         "method": report.method,
         "endpoint": report.endpoint,
@@ -170,12 +173,13 @@ def access_fields(report: CallReport) -> dict[str, Any]:
         "stage": report.stage or None,
         "outcome": report.outcome or None,
         "attempts": report.attempts,
-        "cost_usd": None if report.cost_nanos is None else nanos_to_usd(report.cost_nanos),
         "input_tokens": report.input_tokens,
         "output_tokens": report.output_tokens,
         "upstream_s": _seconds(report.upstream_s),
         "overhead_s": _seconds(report.overhead_s),
     }
+    if report.cost_nanos is not None:
+        fields["cost_usd"] = nanos_to_usd(report.cost_nanos)
     if report.error is not None:
         fields["error"] = report.error
     return fields

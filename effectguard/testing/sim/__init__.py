@@ -24,7 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``effectguard sim`` options."""
     parser.add_argument("--seed", type=int, required=True, help="the schedule's seed")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")
-    parser.add_argument("--replicas", type=int, default=None, help="serve processes (default 1)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve processes (default 1 on SQLite, 3 on PostgreSQL)",
+    )
     parser.add_argument(
         "--ledger",
         choices=["sqlite", "postgres"],
