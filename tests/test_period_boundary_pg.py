@@ -28,6 +28,7 @@ from test_postgres import _post, _reservation, _serve, _stop_all
 
 from effectguard.ledger import Ledger
 from effectguard.ledger.postgres import PostgresSession, Target
+from effectguard.ops.cli import main as cli_main
 from effectguard.rules import periods
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.testing import fake_provider
@@ -83,6 +84,7 @@ def test_budgets_show_the_period_of_the_database_clock(pg_url: str) -> None:  # 
     """Without --period, `effectguard budgets` shows the period admission would charge now:
     the database's clock decides it, not the host's."""
     moved_to = time.time() + 3 * 86_400.0
+    assert cli_main(["migrate", "--ledger", pg_url]) == 0  # the CLI makes no ledger but so
     assert cli_json(
         "budget", "set", "team", "--limit", "5", "--period", "day", "--tz", TZ, "--ledger", pg_url
     )
