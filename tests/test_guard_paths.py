@@ -890,6 +890,25 @@ async def test_unpriced_model_is_refused_400(
     await finish(t)
 
 
+@respx.mock(base_url=OPENAI, assert_all_called=False)
+async def test_a_request_naming_no_model_is_told_so(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A billable request without a model, to an endpoint with no per-call price, is
+    refused saying it names no model (it said "model None has no declared price")."""
+    route = respx_mock.post("/v1/chat/completions").mock(return_value=ok())
+    t = make_transport()
+    client = httpx.AsyncClient(transport=t)
+    body = {k: v for k, v in chat_request().items() if k != "model"}
+    r = await post(client, body)
+    assert r.status_code == 400
+    assert error_of(r)["type"] == "model_not_priced"
+    assert "names no model" in error_of(r)["message"] and "None" not in error_of(r)["message"]
+    assert route.call_count == 0
+    await _assert_nothing_recorded(t)
+    await finish(t)
+
+
 @pytest.mark.parametrize("budget", ["../etc", "team a", "a//b", "/root", "x" * 65, ""])
 async def test_invalid_budget_header_is_refused_400(
     budget: str, make_transport: MakeTransport, finish: Finish

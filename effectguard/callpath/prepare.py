@@ -324,6 +324,13 @@ def _model_and_price(
     if model is None and endpoint.per_call is not None:
         return None, ModelPrice(input=0, output=0, max_output_tokens=0, per_call=endpoint.per_call)
     price = provider.price_for(model)
+    if price is None and model is None:
+        raise refuse(
+            400,
+            "model_not_priced",
+            f"this request to {provider.name!r} {endpoint.path} names no model, and the "
+            "endpoint declares no per_call price; declare one with --providers DIR",
+        )
     if price is None:
         raise refuse(
             400,
