@@ -43,6 +43,14 @@ def reconcile(
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
+    if state.stage == "in_flight":
+        raise ReconcileError(
+            f"call {call_id} is in_flight: its attempt is still running, or the process "
+            "that sent it has stopped. Once that worker's lease has passed, the sweeper of "
+            "any running `effectguard serve` (or guard transport) on this ledger marks it "
+            "effect_unknown: start one if nothing serves this ledger, then reconcile it",
+            call_id=call_id,
+        )
     if state.stage not in workstate.RECONCILABLE:
         raise ReconcileError(
             f"call {call_id} is {state.stage}, not effect_unknown or failed; nothing to reconcile",
