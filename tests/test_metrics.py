@@ -24,6 +24,8 @@ from effectguard.providers import ModelPrice, load_providers
 from effectguard.rules.money import nanos_to_decimal
 from effectguard.rules.usage import Usage, cost, estimate
 from effectguard.telemetry.metrics import Metrics
+from effectguard.telemetry.observer import NullObserver
+from effectguard.telemetry.report import CallReport
 from effectguard.testing import free_port
 
 OPENAI = "https://api.openai.com"
@@ -142,6 +144,80 @@ async def test_counters_follow_the_traffic(
     assert value(metrics, "effectguard_refusals_total", **reason) == 1
     assert value(metrics, "effectguard_upstream_duration_seconds_count", provider="openai") == 2
     assert value(metrics, "effectguard_overhead_duration_seconds_count") == 2
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_request_is_counted_once_by_its_final_outcome(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient]
+) -> None:
+    """A 429 retried twice (three attempts) is one not_processed request; an upstream
+    nobody listens on is one not_sent request; a stream broken part-way is one
+    effect_unknown request (each retried attempt was once counted, and a broken stream
+    never was)."""
+    metrics, client = guarded
+    route = respx_mock.post("/v1/chat/completions")
+    labels = {"provider": "openai", "model": MODEL}
+    route.mock(return_value=httpx.Response(429, json={"error": {"message": "slow down"}}))
+    assert (await client.post(CHAT_URL, json=chat("busy"))).status_code == 429
+    assert route.call_count == 3
+    assert value(metrics, "effectguard_requests_total", **labels, outcome="not_processed") == 1
+    route.mock(side_effect=httpx.ConnectError("nobody there"))
+    assert (await client.post(CHAT_URL, json=chat("down"))).status_code == 502
+    assert route.call_count == 6
+    assert value(metrics, "effectguard_requests_total", **labels, outcome="not_sent") == 1
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    async def cut() -> AsyncIterator[bytes]:
+        yield first
+        raise httpx.ReadError("connection reset")
+
+    route.mock(
+        return_value=httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_Stream(cut())
+        )
+    )
+    async with client.stream("POST", CHAT_URL, json={**chat("cut"), "stream": True}) as r:
+        with pytest.raises(httpx.HTTPError):
+            async for _ in r.aiter_raw():
+                pass
+    assert value(metrics, "effectguard_requests_total", **labels, outcome="effect_unknown") == 1
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_call_sent_and_lost_is_reported_effect_unknown_not_refused(
+    respx_mock: respx.MockRouter, ledger: Ledger
+) -> None:
+    """The report an access line and a span are written from says ``effect_unknown`` for
+    a request that was sent and not observed (502/504), ``refused`` for the keyed
+    resend then refused 409, and ``not_sent`` when no connection opened (a request that
+    reached the provider was once logged ``refused``)."""
+    reports: list[CallReport] = []
+
+    class Recording(NullObserver):
+        def call_finished(self, report: CallReport) -> None:
+            reports.append(report)
+
+    transport = AsyncGuardTransport(ledger=ledger, settings=FAST, observer=Recording())
+    async with httpx.AsyncClient(transport=transport) as client:
+        await unknown_effect(client, respx_mock, "lost")
+        resend = await client.post(CHAT_URL, json=chat("lost"), headers={"Idempotency-Key": "lost"})
+        assert resend.status_code == 409
+        respx_mock.post("/v1/chat/completions").mock(side_effect=httpx.ConnectError("down"))
+        assert (await client.post(CHAT_URL, json=chat("down"))).status_code == 502
+    assert [(r.status, r.outcome) for r in reports] == [
+        (504, "effect_unknown"),
+        (409, "refused"),
+        (502, "not_sent"),
+    ]
+
+
+class _Stream(httpx.AsyncByteStream):
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._chunks:
+            yield chunk
 
 
 @respx.mock(base_url=OPENAI)

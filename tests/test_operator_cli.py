@@ -82,6 +82,29 @@ def test_show_tells_the_story_of_an_unknown_call(
     assert long_prompt in full
 
 
+def test_show_says_a_not_processed_attempt_released_its_reservation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 429 (declared not processed, with no usage) released its reservation and was
+    charged nothing: ``show`` says so (it said "settled at the reservation")."""
+    ledger = str(tmp_path / "l.db")
+
+    async def busy() -> str:
+        transport = AsyncGuardTransport(ledger=ledger, settings=GuardSettings(max_retries=0))
+        with respx.mock() as mock:
+            mock.post(CHAT).mock(return_value=httpx.Response(429, json={"error": {}}))
+            async with httpx.AsyncClient(transport=transport) as client:
+                answer = await client.post(CHAT, json=_chat("busy"))
+        await transport.aclose()
+        assert answer.status_code == 429
+        return answer.headers["effectguard-call-id"]
+
+    call_id = asyncio.run(busy())
+    text = _run(capsys, "show", call_id, "--ledger", ledger)
+    assert "observed 429 (a status the provider declares not processed)" in text
+    assert "its reservation released" in text and "settled at the reservation" not in text
+
+
 def test_show_json_keeps_its_fields_and_adds_iso_times(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

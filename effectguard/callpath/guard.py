@@ -33,7 +33,7 @@ from effectguard.callpath.httpxshape import (
 )
 from effectguard.callpath.join import join_call
 from effectguard.callpath.orphans import Orphans
-from effectguard.callpath.prepare import Prepared, prepare, refuse
+from effectguard.callpath.prepare import Prepared, prepare, refuse, usage_of
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
@@ -57,7 +57,6 @@ from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refu
 from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules import usage as usages
 from effectguard.rules.guidance import decide_unknown
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
@@ -332,7 +331,8 @@ class Guard:
             async for attempt in retrying:
                 with attempt:
                     nxt = await self._next_attempt(prepared, current, previous)
-                    if isinstance(nxt, Reply):
+                    if isinstance(nxt, Reply):  # the last answer stands: its outcome counts
+                        self._count(prepared, report.outcome)
                         return nxt
                     current = nxt
                     try:
@@ -341,6 +341,8 @@ class Guard:
                         previous = again
                         raise
         except _RetryAttempt as last:
+            # Counted here, once: the attempts retried before it were not the outcome.
+            self._count(prepared, "not_sent" if last.refusal is not None else report.outcome)
             if last.refusal is not None:
                 raise last.refusal from None
             assert last.response is not None
@@ -406,9 +408,10 @@ class Guard:
         report.upstream_s += upstream
         self.observer.upstream_seconds(provider.name, upstream)
         self.crash.hit("after:upstream-response")
-        result = _usage_of(prepared, body)
+        result = usage_of(prepared, body)
+        retried = response.status in provider.retry_statuses
         await self.recorder.observe(
-            prepared, admitted, response.status, response.headers, body, result, report
+            prepared, admitted, response.status, response.headers, body, result, report, retried
         )
         self.crash.hit("after:observe")
         self.observer.overhead_seconds(
@@ -418,7 +421,7 @@ class Guard:
         if response.status >= 400 and provider.answer_effect(response.status) != "none":
             headers = final_answer(headers)
         answer = Reply(response.status, headers, body=body, extensions=response.extensions)
-        if response.status in provider.retry_statuses:
+        if retried:
             raise _RetryAttempt(answer, None)
         return answer
 
@@ -434,7 +437,6 @@ class Guard:
         call_id = admitted.call_id
         if classify_transport_error(exc) == "not_sent":
             await self.recorder.not_sent(prepared, admitted, _describe(exc))
-            self.observer.request_done(prepared.provider.name, prepared.model or "", "not_sent")
             raise _RetryAttempt(
                 None,
                 refuse(
@@ -454,6 +456,9 @@ class Guard:
             prepared, admitted, why, _describe(exc), 504 if timeout else 502
         ) from exc
 
+    def _count(self, prepared: Prepared, outcome: str) -> None:
+        self.observer.request_done(prepared.provider.name, prepared.model or "", outcome)
+
     async def _effect_unknown(
         self,
         prepared: Prepared,
@@ -466,7 +471,7 @@ class Guard:
         recorded as the attempt's), and the refusal that tells the client so."""
         call_id = admitted.call_id
         await self.recorder.interrupt_attempt(admitted, reason)
-        self.observer.request_done(prepared.provider.name, prepared.model or "", "effect_unknown")
+        self._count(prepared, "effect_unknown")
         return refuse(
             status,
             "effect_unknown",
@@ -490,10 +495,3 @@ def _outgoing(prepared: Prepared, admitted: Admitted) -> Outbound:
     key = admitted.provider_idempotency_key
     body = prepared.body
     return upstream_request(prepared.request, body, prepared.endpoint, key, admitted.call_id)
-
-
-def _usage_of(prepared: Prepared, body: bytes) -> usages.UsageResult:
-    """The answer's usage; a call priced per call alone costs that, whatever it says."""
-    if usages.per_call_only(prepared.price):
-        return usages.PER_CALL
-    return usages.usage_from_body(prepared.provider.dialect, prepared.path, body)

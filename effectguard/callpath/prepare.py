@@ -366,3 +366,10 @@ def _sdk_retry(request: Outbound) -> bool:
     """Whether an SDK marked this request as its own retry (``x-stainless-retry-count`` >= 1)."""
     count = parse_count(request.header(SDK_RETRY_HEADER) or "0", 1)
     return count is not None and count >= 1
+
+
+def usage_of(prepared: Prepared, body: bytes) -> usages.UsageResult:
+    """The answer's usage; a call priced per call alone costs that, whatever it says."""
+    if usages.per_call_only(prepared.price):
+        return usages.PER_CALL
+    return usages.usage_from_body(prepared.provider.dialect, prepared.path, body)

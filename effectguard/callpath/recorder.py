@@ -82,10 +82,13 @@ class Recorder:
         body: bytes,
         result: usages.UsageResult,
         report: CallReport | None = None,
+        retried: bool = False,
     ) -> None:
         """Record the observation and settle the cost, durably (docs/contract.md §3.6).
 
-        ``report``, if given, learns the outcome, usage and cost.
+        ``report``, if given, learns the outcome, usage and cost. ``retried``: an
+        automatic retry follows, so this attempt is not the request's outcome (the guard
+        counts the request once, when its last attempt is known).
         """
         provider = prepared.provider
         text, encoding = encode_body(body)
@@ -119,7 +122,8 @@ class Recorder:
                 settled.actual,
             )
         await self._record_observation(prepared, admitted, settled, body)
-        self.observer.request_done(provider.name, prepared.model or "", settled.outcome)
+        if not retried:
+            self.observer.request_done(provider.name, prepared.model or "", settled.outcome)
         if report is not None:
             report.stage = report.outcome = settled.outcome
             report.cost_nanos = settled.actual

@@ -178,6 +178,9 @@ class GuardedStream:
         try:
             await self._recorder.interrupt_attempt(self._admitted, f"stream broke: {why}"[:300])
         finally:
+            prepared = self._prepared
+            model = prepared.model or ""
+            self._recorder.observer.request_done(prepared.provider.name, model, "effect_unknown")
             self._report.stage = self._report.outcome = "effect_unknown"
             self._report.error = "stream_broken"
             self._recorder.report(self._report)

@@ -43,19 +43,7 @@ def reconcile(
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
-    if state.stage == "in_flight":
-        raise ReconcileError(
-            f"call {call_id} is in_flight: its attempt is still running, or the process "
-            "that sent it has stopped. Once that worker's lease has passed, the sweeper of "
-            "any running `effectguard serve` (or guard transport) on this ledger marks it "
-            "effect_unknown: start one if nothing serves this ledger, then reconcile it",
-            call_id=call_id,
-        )
-    if state.stage not in workstate.RECONCILABLE:
-        raise ReconcileError(
-            f"call {call_id} is {state.stage}, not effect_unknown or failed; nothing to reconcile",
-            call_id=call_id,
-        )
+    _check_reconcilable(state)
     if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
         raise ReconcileError(
             f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
@@ -84,6 +72,24 @@ def reconcile(
     )
     events: list[Event] = [decision, budget_event]
     return append(tx, writer, events, {call_id: state})[call_id]
+
+
+def _check_reconcilable(state: WorkState) -> None:
+    """A :class:`ReconcileError` unless ``state`` is a stage a decision applies to."""
+    call_id = state.call_id
+    if state.stage == "in_flight":
+        raise ReconcileError(
+            f"call {call_id} is in_flight: its attempt is still running, or the process "
+            "that sent it has stopped. Once that worker's lease has passed, the sweeper of "
+            "any running `effectguard serve` (or guard transport) on this ledger marks it "
+            "effect_unknown: start one if nothing serves this ledger, then reconcile it",
+            call_id=call_id,
+        )
+    if state.stage not in workstate.RECONCILABLE:
+        raise ReconcileError(
+            f"call {call_id} is {state.stage}, not effect_unknown or failed; nothing to reconcile",
+            call_id=call_id,
+        )
 
 
 def authorize_resend(tx: Tx, writer: Writer, call_id: str, *, note: str, by: str) -> WorkState:

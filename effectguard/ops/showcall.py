@@ -108,7 +108,9 @@ def _ending(e: StoredEvent) -> str:
             text += (
                 f", usage {usage.get('input_tokens', 0)} in / {usage.get('output_tokens', 0)} out"
             )
-        if d.get("usage_problem"):
+        if d.get("not_processed"):
+            text += ", its reservation released"  # nothing was charged, usage or not
+        elif d.get("usage_problem"):
             text += f", usage {d['usage_problem']}: settled at the reservation"
         return text
     if e.kind == "attempt.not_sent":

@@ -52,7 +52,7 @@ class CallReport:
         self.status = refusal.status
         self.error = refusal.type
         self.message = refusal.message
-        self.outcome = "refused"
+        self.outcome = outcome_of(refusal)
         self.stage = refusal.stage or self.stage or "refused"
         self.call_id = refusal.call_id or self.call_id
 
@@ -63,6 +63,23 @@ class CallReport:
         self.finished = True
         self.overhead_s = max(0.0, time.perf_counter() - self.started - self.upstream_s)
         return True
+
+
+#: Error answers the guard gives about a call it sent (or tried to): the request's
+#: outcome, not a refusal of it. Everything else it answers on its own is ``refused``.
+_SENT_OUTCOMES = {
+    "upstream_unreachable": "not_sent",
+    "observe_failed": "observe_failed",
+    "observe_refused": "fenced",
+}
+
+
+def outcome_of(refusal: Refusal) -> str:
+    """The ``outcome`` of a request the guard answered with ``refusal``: a 502 or 504
+    ``effect_unknown`` was sent and not observed (a 409 one refuses a resend)."""
+    if refusal.type == "effect_unknown" and refusal.status != 409:
+        return "effect_unknown"
+    return _SENT_OUTCOMES.get(refusal.type, "refused")
 
 
 #: The incoming headers a report keeps: W3C trace context, nothing else.
