@@ -118,9 +118,16 @@ def _corrupt_ledger(ledger: Path) -> None:
     ledger.write_bytes(b"this is not a SQLite database" * 300)
 
 
-@pytest.mark.parametrize("break_it", [_workers_dir_is_a_file, _corrupt_ledger])
+@pytest.mark.parametrize(
+    ("break_it", "said"),
+    [
+        (_workers_dir_is_a_file, "startup failed"),
+        # Refused before anything starts, in one line (a corrupt file is no ledger).
+        (_corrupt_ledger, "is not a sqlite database"),
+    ],
+)
 def test_a_failed_startup_exits_non_zero_promptly(
-    ledger: Path, break_it: Callable[[Path], None]
+    ledger: Path, break_it: Callable[[Path], None], said: str
 ) -> None:
     """Whatever makes startup fail, the process exits non-zero instead of hanging."""
     with running_proxy(ledger):
@@ -134,7 +141,7 @@ def test_a_failed_startup_exits_non_zero_promptly(
         proxy.process.wait()
         pytest.fail(f"effectguard serve hung after a failed startup:\n{proxy.log()}")
     assert code != 0
-    assert "startup failed" in proxy.log().lower()
+    assert said in proxy.log().lower()
 
 
 def test_a_call_that_cannot_be_marked_blocks_no_other(ledger: Path, fake: FakeProvider) -> None:

@@ -727,7 +727,7 @@ budget_root = "canary"
             assert canary.encode() not in blob, f"{canary} found in {where}"
     # The log holds one JSON access line per guarded request, and no prompt or answer.
     log_lines = [json.loads(x) for x in proxy.log().splitlines() if x.startswith("{")]
-    assert {line["call_id"] for line in log_lines if line.get("event") == "access"} >= call_ids
+    assert {line.get("call_id") for line in log_lines if line.get("event") == "access"} >= call_ids
     assert PROMPT_CANARY not in proxy.log() and '"content"' not in proxy.log()
 
 
