@@ -137,28 +137,52 @@ def test_a_30mb_header_is_refused(proxy: Proxy, provider: FakeProvider) -> None:
     assert len(provider.receipts()) == receipts
 
 
-def test_headers_over_the_cap_in_one_read_are_refused_and_never_admitted(
-    proxy: Proxy, provider: FakeProvider
-) -> None:
-    """Headers a little over the cap, sent with their body in one write (so one read
-    parses them whole), get 431 and reach neither the ledger nor the provider: they were
-    once admitted and dispatched, because the cap was only checked while headers were
-    still arriving."""
-    receipts = len(provider.receipts())
+def _chat_request(extra_headers: bytes = b"") -> bytes:
     body = json.dumps(chat()).encode()
-    filler = b"".join(
-        b"X-Fill-%d: %s\r\n" % (i, b"f" * 1000) for i in range(MAX_HEADER_BYTES // 1000 + 2)
-    )
-    request = (
+    return (
         b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n"
         % len(body)
-        + filler
+        + extra_headers
         + b"\r\n"
         + body
     )
+
+
+def _read_one_answer(sock: socket.socket) -> bytes:
+    """One whole answer with a Content-Length, leaving the connection open."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < _answer_size(data):
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def _answer_size(data: bytes) -> int:
+    head, _, _ = data.partition(b"\r\n\r\n")
+    length = parse_answer(data).headers.get("content-length", "0")
+    return len(head) + 4 + int(length)
+
+
+@pytest.mark.parametrize("kept_alive", [False, True], ids=["first", "after-another"])
+def test_headers_over_the_cap_in_one_read_are_refused_and_never_admitted(
+    proxy: Proxy, provider: FakeProvider, kept_alive: bool
+) -> None:
+    """Headers a little over the cap, sent with their body in one write (so one read
+    parses them whole), get 431 and reach neither the ledger nor the provider, as the
+    first request of a connection or after another on it: they were once admitted and
+    dispatched, because the cap was only checked while headers were still arriving."""
+    receipts = len(provider.receipts())
+    filler = b"".join(
+        b"X-Fill-%d: %s\r\n" % (i, b"f" * 1000) for i in range(MAX_HEADER_BYTES // 1000 + 2)
+    )
     with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
-        sock.sendall(request)
+        if kept_alive:
+            sock.sendall(_chat_request())
+            assert parse_answer(_read_one_answer(sock)).status == 200
+            receipts += 1
+        sock.sendall(_chat_request(filler))
         answer = read_until_closed(sock, PATIENCE_S)
     assert parse_answer(answer).status == 431, answer[:200]
     assert answer.count(b"HTTP/1.1 ") == 1, answer[:400]
