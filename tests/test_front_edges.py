@@ -343,22 +343,28 @@ def test_a_read_only_call_to_a_dead_upstream_is_502_upstream_unreachable(env: En
     assert response.headers["x-should-retry"] == "true"  # a read may always be retried
 
 
+def send_email(env: Env, headers: dict[str, str]) -> tuple[httpx.Response, dict[bytes, bytes]]:
+    """POST a send_email request with ``headers``; its answer (a 200) and the headers the
+    recording upstream received."""
+    before = len(env.seen)
+    response = env.client.post("/send_email/v1/send", json={"to": "a@example.com"}, headers=headers)
+    assert response.status_code == 200, response.text
+    return response, dict(env.seen[before].headers)
+
+
 def test_effectguard_headers_never_cross_the_proxy(env: Env) -> None:
     """Client ``effectguard-*`` headers never go upstream; upstream ones never reach the
     client, whose only call id is the proxy's own."""
-    before = len(env.seen)
-    response = env.client.post(
-        "/send_email/v1/send",
-        json={"to": "a@example.com"},
-        headers={
+    response, sent = send_email(
+        env,
+        {
             "Effectguard-Call-Id": "client-forged",
             "Effectguard-Replayed": "true",
             "Effectguard-Budget": "team-x",
             "Effectguard-Anything": "x",
         },
     )
-    assert response.status_code == 200, response.text
-    forwarded = [k for k, _ in env.seen[before].headers]
+    forwarded = list(sent)
     assert not [k for k in forwarded if k.startswith(b"effectguard-")], forwarded
     assert "effectguard-replayed" not in response.headers
     call_ids = response.headers.get_list(CALL_ID)
@@ -369,11 +375,9 @@ def test_headers_that_reroute_a_request_never_go_upstream(env: Env) -> None:
     """``X-Original-URL`` and its kin make some servers serve another path or method than
     the request line's, the one the guard checked and recorded: they are dropped, the
     rest of the client's headers are not."""
-    before = len(env.seen)
-    response = env.client.post(
-        "/send_email/v1/send",
-        json={"to": "a@example.com"},
-        headers={
+    _, forwarded = send_email(
+        env,
+        {
             "X-Original-URL": "/admin/delete-all",
             "X-Rewrite-URL": "/admin/delete-all",
             "X-HTTP-Method-Override": "DELETE",
@@ -382,8 +386,6 @@ def test_headers_that_reroute_a_request_never_go_upstream(env: Env) -> None:
             "X-Client-Tag": "kept",
         },
     )
-    assert response.status_code == 200, response.text
-    forwarded = {k: v for k, v in env.seen[before].headers}
     assert forwarded.get(b"x-client-tag") == b"kept", forwarded
     assert not {k for k in forwarded if b"original" in k or b"rewrite" in k or b"method" in k}
 

@@ -23,7 +23,7 @@ import pytest
 from toolkit import SEND, SLOW_ANSWER_TIMES_OUT, charge, charges, declare
 
 from effectguard import AsyncGuardTransport, ReconcileError, load_providers
-from effectguard.testing import fake_provider, start_proxy
+from effectguard.testing import FakeProvider, fake_provider, start_proxy
 
 MakeTransport = Callable[..., AsyncGuardTransport]
 Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
@@ -36,6 +36,20 @@ def per_call(folder: Path) -> int:
     return price
 
 
+async def unknown_payment(
+    make_transport: MakeTransport, folder: Path, fake: FakeProvider, key: str
+) -> tuple[AsyncGuardTransport, httpx.AsyncClient, str]:
+    """A transport to ``fake`` as ``payments``, its keyed client, and the id of a payment
+    whose answer came too late (effect unknown: the provider took it)."""
+    t = make_transport(
+        providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
+    )
+    client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": key})
+    first = await client.post(fake.url + SEND, json=charge(1), headers={"x-fake-delay": "3"})
+    assert first.status_code == 504, first.text
+    return t, client, first.headers["effectguard-call-id"]
+
+
 async def test_transport_resend_authorized_once_goes_out_once(
     tmp_path: Path, make_transport: MakeTransport, finish: Finish
 ) -> None:
@@ -43,14 +57,8 @@ async def test_transport_resend_authorized_once_goes_out_once(
     attempt; the hold stays until that attempt settles, then it is spent."""
     folder = declare(tmp_path, freshness=None)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        t = make_transport(
-            providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
-        )
-        client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "r1"})
+        t, client, call_id = await unknown_payment(make_transport, folder, fake, "r1")
         url = fake.url + SEND
-        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "3"})
-        assert first.status_code == 504, first.text
-        call_id = first.headers["effectguard-call-id"]
         refused = await client.post(url, json=charge(1))
         assert refused.status_code == 409 and refused.json()["error"]["type"] == "effect_unknown"
         state = await t.ledger.authorize_resend(call_id, note="customer asked", by="ops")
@@ -92,14 +100,8 @@ async def test_an_authorized_resend_that_did_nothing_leaves_the_call_unknown_and
     (folder / "payments.toml").write_text(text.replace(taken, taken + "not_processed = [429]\n"))
     price = per_call(folder)
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        t = make_transport(
-            providers=[folder], upstreams={"payments": fake.url}, settings=SLOW_ANSWER_TIMES_OUT
-        )
-        client = httpx.AsyncClient(transport=t, headers={"Idempotency-Key": "r2"})
+        t, client, call_id = await unknown_payment(make_transport, folder, fake, "r2")
         url = fake.url + SEND
-        first = await client.post(url, json=charge(1), headers={"x-fake-delay": "3"})
-        assert first.status_code == 504, first.text
-        call_id = first.headers["effectguard-call-id"]
         await t.ledger.authorize_resend(call_id, note="customer asked", by="ops")
         busy = await client.post(url, json=charge(1), headers={"x-fake-status": "429"})
         assert busy.status_code == 429, busy.text
