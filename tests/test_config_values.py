@@ -32,6 +32,8 @@ CASES = [
     ('[[keys]]\nsha256 = "x"\nbudget_root = 5', "keys[0].sha256: must be a hex"),
     (f'[[keys]]\nsha256 = "{DIGEST}"\nbudget_root = 5', "keys[0].budget_root: must be a string"),
     (f"{KEY}name = 5", "keys[0].name: must be a string"),
+    (f'{KEY}name = "tab\\there"', "keys[0].name: must be a printable, non-empty name"),
+    (f'{KEY}name = "  "', "keys[0].name: must be a printable, non-empty name"),
     (f"[[keys]]\nsha256 = {'1' * 64}\nbudget_root = 'a'", "keys[0].sha256: must be a string"),
     ('[[admin.keys]]\nname = true\nsha256 = "00"', "admin.keys[0].name: must be a string"),
     ("keys = 5", "keys must be an array of tables ([[keys]])"),

@@ -312,7 +312,9 @@ def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
             root = budgets.validate_path(values.text(entry, "budget_root", where))
         except ValueError as exc:
             raise ConfigError(f"{where}.budget_root: {exc}") from exc
-        name = values.text(entry, "name", where) if "name" in entry else root
+        name = notes.name_text(values.text(entry, "name", where)) if "name" in entry else root
+        if name is None:  # it names the key in access lines and the operator page
+            raise ConfigError(f"{where}.name: must be a printable, non-empty name")
         keys.append(ProxyKey(name, digest, root, values.boolean(entry, "metrics", False, where)))
     return keys
 
