@@ -38,6 +38,7 @@ CASES = [
     ('[[admin.keys]]\nname = true\nsha256 = "00"', "admin.keys[0].name: must be a string"),
     ("keys = 5", "keys must be an array of tables ([[keys]])"),
     ('[keys]\nsha256 = "00"', "keys must be an array of tables ([[keys]])"),
+    ('[retention]\nkeep_bodies_days = "x"', "retention.keep_bodies_days: must be"),
 ]
 
 
@@ -46,11 +47,13 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_key(
     tmp_path: Path, text: str, needle: str
 ) -> None:
     """serve --config with a value that is not of its key's TOML type exits 2 with one line
-    naming the key, before it creates a ledger."""
+    naming the file and the key, before it creates a ledger (a [server], [guard] or
+    [upstream] key's line once named no file)."""
     config = tmp_path / "effectguard.toml"
     config.write_text(text + "\n")
     ledger = tmp_path / "ledger.db"
     done = serve_refusing("--config", str(config), "--ledger", str(ledger), "--port", "0")
     assert done.code == 2, done
     assert done.err.count("\n") == 1 and needle in done.err, done.err
+    assert done.err.startswith(f"effectguard: {config}: "), done.err
     assert not ledger.exists()

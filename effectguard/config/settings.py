@@ -340,14 +340,43 @@ def load_settings(
     raw = readkeys.tracked(_read_config(config))
     source = str(config) if config else "<flags>"
     server, guard, upstream = (_table(raw, t, source) for t in ("server", "guard", "upstream"))
-    _retention(_table(raw, "retention", source))  # archive's table: checked here too
     providers = load_providers(list(provider_dirs), upstreams, name_upstream=name_upstream)
+    try:
+        _retention(_table(raw, "retention", source))  # archive's table: checked here too
+        settings = _serve_settings(raw, source, env, server, guard, upstream, providers)
+    except ConfigError as exc:
+        # values.* name the key ("guard.max_retries"); the file is named here, once.
+        if config is None or str(exc).startswith(source):
+            raise
+        raise ConfigError(f"{source}: {exc}") from None
+    settings = dataclasses.replace(
+        settings,
+        ledger=_flag(ledger, settings.ledger),
+        host=_flag(host, settings.host),
+        port=_flag(port, settings.port),
+        metrics_host=_flag(metrics_host, settings.metrics_host),
+        metrics_port=_flag(metrics_port, settings.metrics_port),
+    )
+    _refuse_unread(raw, source)
+    return settings
+
+
+def _serve_settings(
+    raw: Mapping[str, Any],
+    source: str,
+    env: Mapping[str, str],
+    server: Mapping[str, Any],
+    guard: Mapping[str, Any],
+    upstream: Mapping[str, Any],
+    providers: Mapping[str, Provider],
+) -> ServeSettings:
+    """The settings the file (and environment) give, before flags override them."""
     d = defaults
     lease, heartbeat = _lease(server)
-    settings = ServeSettings(
-        ledger=_flag(ledger, _ledger_of(raw, source)) or d.ledger_from(env),
-        host=_flag(host, values.host(server, "host", d.HOST, "server")),
-        port=_flag(port, values.listen_port(server)),
+    return ServeSettings(
+        ledger=_ledger_of(raw, source) or d.ledger_from(env),
+        host=values.host(server, "host", d.HOST, "server"),
+        port=values.listen_port(server),
         providers=providers,
         provider_keys=keys_from_environment(providers, env),
         guard=_guard(guard),
@@ -361,8 +390,8 @@ def load_settings(
         spool_dir=values.directory(server, "spool_dir", "server"),
         drain_timeout_s=values.number(server, "drain_timeout_s", d.DRAIN_TIMEOUT_S, "server"),
         front_door=_front_door(server),
-        metrics_host=_flag(metrics_host, values.host(server, "metrics_host", d.HOST, "server")),
-        metrics_port=_flag(metrics_port, values.port(server, "metrics_port")),
+        metrics_host=values.host(server, "metrics_host", d.HOST, "server"),
+        metrics_port=values.port(server, "metrics_port"),
         connect_timeout_s=values.positive(
             upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"
         ),
@@ -373,8 +402,6 @@ def load_settings(
         key_refresh_s=values.positive(server, "key_refresh_s", d.KEY_REFRESH_S, "server"),
         **_operator(server),
     )
-    _refuse_unread(raw, source)
-    return settings
 
 
 def _flag(flag: T | None, configured: T) -> T:
