@@ -65,8 +65,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import hmac
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -75,10 +73,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from effectguard.config import defaults, readkeys, values
+from effectguard.config.keysettings import AdminKey as AdminKey
+from effectguard.config.keysettings import AdminSettings as AdminSettings
+from effectguard.config.keysettings import ProxyKey as ProxyKey
+from effectguard.config.keysettings import admin_settings, proxy_keys
+from effectguard.config.keysettings import hash_key as hash_key
 from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
-from effectguard.rules import notes
 from effectguard.rules.money import check_amount, usd_to_nanos
 from effectguard.rules.retention import RetentionPolicy
 
@@ -106,53 +108,6 @@ class GuardSettings:
     #: The transports' upstream read and write timeout (the proxy's is ``[upstream]
     #: read_timeout_s``); a caller's own httpx timeout bounds only its own wait.
     upstream_read_timeout_s: float = defaults.READ_TIMEOUT_S
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyKey:
-    """An effectguard key, stored only as its SHA-256, fixing a budget root."""
-
-    name: str
-    sha256: str
-    budget_root: str
-    #: May read ``/metrics`` (which shows every tenant's budgets).
-    metrics: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class AdminKey:
-    """An operator's key for the operator page, stored only as its SHA-256."""
-
-    name: str
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
-class AdminSettings:
-    """The operator page: on only when ``keys`` is not empty.
-
-    ``secret`` (from ``EFFECTGUARD_ADMIN_SECRET``) is mixed into the session signing
-    secret, so that reading the config file's digests is not enough to forge a login.
-    """
-
-    keys: tuple[AdminKey, ...] = ()
-    session_s: float = defaults.ADMIN_SESSION_S
-    secret: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the operator page is served at all."""
-        return bool(self.keys)
-
-    def key_for(self, presented: str) -> AdminKey | None:
-        """The admin key matching ``presented``, if any."""
-        digest = hash_key(presented)
-        return next((k for k in self.keys if hmac.compare_digest(k.sha256, digest)), None)
-
-
-def hash_key(key: str) -> str:
-    """The stored form of a proxy key."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,60 +220,6 @@ def _budget_limits(raw: Mapping[str, Any], source: str) -> dict[str, int]:
     return limits
 
 
-def _digest(entry: Mapping[str, Any], where: str) -> str:
-    digest = values.text(entry, "sha256", where).lower()
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise ConfigError(f"{where}.sha256: must be a hex SHA-256 digest")
-    return digest
-
-
-def _admin(raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> AdminSettings:
-    """``[admin]``: the operator page's keys (each named: the name signs decisions)."""
-    table = _table(raw, "admin", source)
-    entries = table.get("keys", [])
-    if not isinstance(entries, list):
-        raise ConfigError(f"{source}: admin.keys must be an array of tables")
-    keys: list[AdminKey] = []
-    for i, entry in enumerate(entries):
-        where = f"{source}: admin.keys[{i}]"
-        if not isinstance(entry, Mapping) or not {"name", "sha256"} <= entry.keys():
-            raise ConfigError(f"{where}: needs name and sha256")
-        name = notes.name_text(values.text(entry, "name", where))
-        if name is None:
-            raise ConfigError(f"{where}.name: must be a printable, non-empty name")
-        keys.append(AdminKey(name, _digest(entry, where)))
-    hours = values.number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")
-    # A minute at least (shorter, a login's cookie is stale before the next page), a year
-    # at most (longer, the cookie's Max-Age overflows and every login fails).
-    if not 1 / 60 <= hours <= 24 * 366:
-        raise ConfigError(
-            f"{source}: admin.session_hours must be between 0.0167 (a minute) and 8784 (a year)"
-        )
-    return AdminSettings(tuple(keys), hours * 3600, env.get(defaults.ADMIN_SECRET_ENV, ""))
-
-
-def _proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
-    """``[[keys]]``: each a SHA-256 digest of a proxy key and the budget root it fixes."""
-    entries = raw.get("keys", [])
-    if not isinstance(entries, list):  # keys = 5, or [keys] where [[keys]] was meant
-        raise ConfigError(f"{source}: keys must be an array of tables ([[keys]])")
-    keys = []
-    for i, entry in enumerate(entries):
-        where = f"{source}: keys[{i}]"
-        if not isinstance(entry, Mapping) or not {"sha256", "budget_root"} <= entry.keys():
-            raise ConfigError(f"{where}: needs sha256 and budget_root")
-        digest = _digest(entry, where)
-        try:
-            root = budgets.validate_path(values.text(entry, "budget_root", where))
-        except ValueError as exc:
-            raise ConfigError(f"{where}.budget_root: {exc}") from exc
-        name = notes.name_text(values.text(entry, "name", where)) if "name" in entry else root
-        if name is None:  # it names the key in access lines and the operator page
-            raise ConfigError(f"{where}.name: must be a printable, non-empty name")
-        keys.append(ProxyKey(name, digest, root, values.boolean(entry, "metrics", False, where)))
-    return keys
-
-
 def load_settings(
     *,
     config: Path | None = None,
@@ -381,8 +282,8 @@ def _serve_settings(
         provider_keys=keys_from_environment(providers, env),
         guard=_guard(guard),
         budget_limits=_budget_limits(raw, source),
-        keys=tuple(_proxy_keys(raw, source)),
-        admin=_admin(raw, source, env),
+        keys=tuple(proxy_keys(raw, source)),
+        admin=admin_settings(_table(raw, "admin", source), source, env),
         max_body_bytes=values.whole(server, "max_body_bytes", d.MAX_BODY_BYTES, "server"),
         spool_body_bytes=values.whole(
             server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server", above_zero=True
