@@ -142,6 +142,7 @@ def test_a_failed_startup_exits_non_zero_promptly(
         pytest.fail(f"effectguard serve hung after a failed startup:\n{proxy.log()}")
     assert code != 0
     assert said in proxy.log().lower()
+    assert "Traceback" not in proxy.log()  # a known cause is one line, not a stack
 
 
 def test_a_call_that_cannot_be_marked_blocks_no_other(ledger: Path, fake: FakeProvider) -> None:

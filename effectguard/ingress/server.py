@@ -29,7 +29,7 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
-from effectguard.errors import LedgerError, Refusal
+from effectguard.errors import EffectguardError, LedgerError, Refusal
 from effectguard.ingress import spool
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
@@ -165,7 +165,11 @@ class ProxyApp:
                 try:
                     await self.startup()
                 except Exception as exc:
-                    log.exception("startup failed")
+                    if isinstance(exc, (EffectguardError, OSError)):
+                        # A known cause (the ledger unreachable, a lock file): one line.
+                        log.error("startup failed: %s", exc)
+                    else:
+                        log.exception("startup failed")
                     with contextlib.suppress(Exception):  # close what did open
                         await self.shutdown()
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
