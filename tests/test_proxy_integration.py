@@ -27,6 +27,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from observing import wait_for
 
 from effectguard.config.settings import hash_key
 from effectguard.ops.cli import main as cli_main
@@ -369,6 +370,35 @@ def test_an_sdk_timeout_shorter_than_the_answer_is_one_effect(
     assert len(provider.receipts()) == 1
     (call,) = calls_by_id(ledger).values()
     assert (call["stage"], call["attempts"]) == ("completed", 1)
+
+
+def test_a_joined_retry_waits_out_the_owners_automatic_retries(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """The call's first attempt is answered 429 (the provider's not-processed status that
+    effectguard retries on its own), the second 200. A declared retry that joined it gets
+    the 200, not the passing 429 (which it once got, marked final, while the call went on
+    to succeed and be charged)."""
+    ledger = tmp_path / "ledger.db"
+    body = chat("join through a retry")
+    answers: dict[str, httpx.Response] = {}
+    with running_proxy(ledger, upstreams=upstreams(provider)) as proxy:
+        url = proxy.url + OPENAI_CHAT
+        behaviour = {"x-fake-behaviour": "id=j1;times=1;status=429;delay=1.5"}
+
+        def owner() -> None:
+            answers["owner"] = httpx.post(url, json=body, headers=behaviour, timeout=30)
+
+        thread = threading.Thread(target=owner)
+        thread.start()
+        wait_for(lambda: len(provider.receipts()) == 1, 10, what="the first attempt")
+        joined = httpx.post(url, json=body, headers={"x-stainless-retry-count": "1"}, timeout=30)
+        thread.join()
+    assert answers["owner"].status_code == 200, answers["owner"].text
+    assert joined.status_code == 200, joined.text
+    assert joined.headers["effectguard-replayed"] == "true"
+    assert joined.headers[CALL_ID] == answers["owner"].headers[CALL_ID]
+    assert [r["status"] for r in provider.effects()] == [429, 200]
 
 
 def test_300_concurrent_clients_admit_exactly_the_room(

@@ -29,10 +29,22 @@ async def join_call(
     recorded answer, or 409 if it ended without one."""
     ledger = recorder.ledger
     deadline = time.monotonic() + settings.join_timeout_s
+    resting_since: float | None = None
     while True:
         state = await ledger.store.get_call(call_id)
-        if state is None or state.stage != "in_flight" or time.monotonic() > deadline:
+        now = time.monotonic()
+        if state is None or now > deadline:
             break
+        if state.stage != "in_flight":
+            # not_sent or not_processed may be a pause between the owner's automatic
+            # retries (contract.md §3.5), not the call's result: wait out one back-off.
+            if not _may_be_retried(state.stage, state.attempts, settings):
+                break
+            resting_since = resting_since or now
+            if now - resting_since > settings.retry_wait_max_s + 1.0:
+                break
+        else:
+            resting_since = None
         local = recorder.waiter(call_id)
         if local is not None:
             with contextlib.suppress(TimeoutError):
@@ -60,3 +72,9 @@ async def join_call(
         stage=stage,
         next_operation="reconcile" if reason == "effect_unknown" else "resend",
     )
+
+
+def _may_be_retried(stage: str, attempts: int, settings: GuardSettings) -> bool:
+    """Whether a call resting in ``stage`` after ``attempts`` may yet be retried by its
+    owner on its own (as this process's settings would)."""
+    return stage in ("not_sent", "not_processed") and attempts <= settings.max_retries

@@ -372,8 +372,9 @@ def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
     """The stored response of a completed call, marked as a replay."""
     if observed is None:
         raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
-    # Only a failed call's error answer is replayed: final, as when it was first given.
-    final = observed.status >= 400
+    # A failed call's error answer is final, as when it was first given; a not-processed
+    # one (a joined retry may be given it) is not: a retry is safe.
+    final = observed.status >= 400 and not observed.not_processed
     dropped = ("content-length", SHOULD_RETRY_HEADER) if final else ("content-length",)
     headers = [(k, v) for k, v in observed.headers.items() if k not in dropped]
     headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
