@@ -565,6 +565,9 @@ def test_a_proxy_key_works_as_each_sdks_api_key(tenants: Tenants) -> None:
     )
     assert bearer.status_code == 401, bearer.text
     assert tenants.sent() == before + 2
+    # An auth scheme is case-insensitive (RFC 9110 §11.1): "bearer" was refused 401.
+    lower = tenants.post({"Authorization": f"bearer {key_a}"}, chat("lower-case scheme"))
+    assert lower.status_code == 200, lower.text
 
 
 def test_same_idempotency_key_in_two_tenants_is_two_calls(tenants: Tenants) -> None:

@@ -172,6 +172,14 @@ class KeyRing:
 _BROWSER_HEADERS = (b"origin", b"sec-fetch-site", b"sec-fetch-mode")
 
 
+def bearer_token(value: str) -> str:
+    """The credential in an ``Authorization`` value: after a ``Bearer`` scheme, in any case
+    (auth schemes are case-insensitive, RFC 9110 §11.1), or the value itself."""
+    value = value.strip()
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else value
+
+
 def refuse_browsers(headers: list[tuple[bytes, bytes]]) -> None:
     """Refuse (403 ``browser_forbidden``) a request a web browser made, where no key is
     needed: any web page the operator visits could otherwise spend through the proxy,

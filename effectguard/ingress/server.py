@@ -35,7 +35,7 @@ from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.frontdoor import client_gone
-from effectguard.ingress.keyring import Grant, KeyRing, refuse_browsers
+from effectguard.ingress.keyring import Grant, KeyRing, bearer_token, refuse_browsers
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
@@ -250,7 +250,7 @@ class ProxyApp:
             if self.keyring.required:
                 headers = httpx.Headers(scope["headers"])
                 presented = headers.get("effectguard-key") or headers.get("authorization", "")
-                key = self.keyring.authenticate(presented.removeprefix("Bearer ").strip())
+                key = self.keyring.authenticate(bearer_token(presented))
                 if not key.metrics:
                     raise Refusal(403, "metrics_forbidden", "this key may not read /metrics")
             else:
@@ -299,7 +299,7 @@ class ProxyApp:
                 or header_value(headers, "authorization")
                 or ""
             )
-            presented = credential.removeprefix("Bearer ").strip() if credential else None
+            presented = bearer_token(credential) if credential else None
         key = self.keyring.authenticate(presented)
         budget = key.budget_root if requested is None else requested
         if not budgets.is_under(budget, key.budget_root):

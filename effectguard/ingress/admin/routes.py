@@ -25,6 +25,7 @@ from effectguard.ingress.admin.exchange import Exchange, FormTooLarge, Receive, 
 from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, page
 from effectguard.ingress.admin.session import Session, Sessions, same_origin
 from effectguard.ingress.admin.spend import DAY_S, spend_by_day
+from effectguard.ingress.keyring import bearer_token
 from effectguard.ledger import Ledger
 from effectguard.rules import notes
 from effectguard.rules.counts import parse_count
@@ -101,7 +102,7 @@ class AdminPage:
         """The session a request proves: a bearer admin key, else the session cookie."""
         authorization = ex.header("authorization")
         if authorization is not None:
-            key = self._admin.key_for(authorization.removeprefix("Bearer ").strip())
+            key = self._admin.key_for(bearer_token(authorization))
             # A bearer request is no browser's ambient credential: it needs no CSRF token.
             return None if key is None else Session(key.name, "", 0.0)
         token = ex.cookie()
