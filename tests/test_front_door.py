@@ -191,6 +191,30 @@ def test_headers_over_the_cap_in_one_read_are_refused_and_never_admitted(
     assert served.status_code == 200, served.text
 
 
+@pytest.mark.parametrize("second", ["too-large", "too-slow"])
+def test_a_pipelined_requests_refusal_never_takes_an_earlier_answers_place(
+    proxy: Proxy, provider: FakeProvider, second: str
+) -> None:
+    """A paid request answered after 1.5 s, then on the same connection a second whose
+    headers are over the cap, or never finish: the client reads the first request's 200,
+    then the connection closes (answers go in request order, RFC 9112 §9.3.2). The 431 or
+    408 for the second was once written at once, read by the client as the answer to its
+    paid first request, whose answer was then lost."""
+    receipts = len(provider.receipts())
+    slow = b"X-Fake-Delay: 1.5\r\n"
+    if second == "too-large":
+        filler = b"X-Big: " + b"a" * (MAX_HEADER_BYTES + 1000) + b"\r\n"
+        follower = _chat_request(filler)
+    else:
+        follower = b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(_chat_request(slow) + follower)
+        answer = read_until_closed(sock, PATIENCE_S)
+    assert parse_answer(answer).status == 200, answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:600]
+    assert len(provider.receipts()) == receipts + 1
+
+
 def test_a_header_under_the_cap_is_served(proxy: Proxy) -> None:
     """The positive control: 12 KB of headers, under the cap, make an ordinary request."""
     headers = {f"x-big-{i}": "b" * 3000 for i in range(4)}  # aiohttp upstream: 8 KB a line

@@ -152,6 +152,14 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._in_headers = False
         if self.transport.is_closing():  # the parser refused it already (400)
             return
+        earlier = self.cycle
+        if earlier is not None and not earlier.response_complete:
+            # A pipelined request's refusal while an earlier answer is still to come: answers
+            # go in request order (RFC 9112 §9.3.2), so that one is sent whole and the
+            # connection then closed, with no answer to this one (and nothing more read).
+            earlier.keep_alive = False
+            self._refused = True
+            return
         body = message.encode()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
