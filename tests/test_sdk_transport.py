@@ -824,9 +824,15 @@ async def test_a_replayed_error_answer_is_final_too(
     await finish(t)
 
 
+@pytest.mark.parametrize(
+    "timeout", [0.3, httpx.Timeout(None, read=0.3)], ids=["one-number", "read-only"]
+)
 @respx.mock(base_url=OPENAI)
 async def test_a_client_timeout_ends_the_wait_not_the_call(
-    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+    respx_mock: respx.MockRouter,
+    make_transport: MakeTransport,
+    finish: Finish,
+    timeout: float | httpx.Timeout,
 ) -> None:
     """The SDK's timeout (0.3 s) is shorter than the answer (0.8 s): the SDK gets its
     timeout error, the call goes on and is settled from the provider's answer, and a
@@ -840,7 +846,7 @@ async def test_a_client_timeout_ends_the_wait_not_the_call(
 
     route = respx_mock.post("/v1/chat/completions").mock(side_effect=slow)
     t = make_transport()
-    client = async_openai(t, max_retries=0, timeout=0.3)
+    client = async_openai(t, max_retries=0, timeout=timeout)
     key = {"Idempotency-Key": "slow-1"}
     with pytest.raises(openai.APITimeoutError):
         await client.chat.completions.create(model=GPT, messages=MESSAGES, extra_headers=key)
@@ -907,6 +913,36 @@ def test_a_sync_client_timeout_ends_the_wait_not_the_call(ledger_path: str, tmp_
     calls, nodes, report = snapshot(ledger_path)
     assert (one(calls).stage, one(calls).held) == ("completed", 0)
     assert nodes["default"].held == 0 and nodes["default"].spent == one(calls).cost
+    assert report.ok, report.problems
+
+
+def test_slow_upstreams_whose_callers_left_hold_up_no_other_call(
+    ledger_path: str, tmp_path: Path
+) -> None:
+    """Eight calls to an upstream answering after 3 s, each caller timing out at 0.3 s,
+    then a call to an instant one: it is answered at once. The sync transport's blocking
+    upstream calls ran on asyncio's default pool (6 threads here), so the slow calls,
+    still read to their end, held up every later call until they ended."""
+    body = {"model": GPT, "messages": MESSAGES}
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        t = GuardTransport(ledger=ledger_path, settings=FAST, upstreams={"openai": fake.url})
+        url = fake.url + "/v1/chat/completions"
+        try:
+            with httpx.Client(transport=t) as client:
+
+                def slow(_: int) -> None:
+                    with pytest.raises(httpx.ReadTimeout):
+                        client.post(url, json=body, headers={"x-fake-delay": "3"}, timeout=0.3)
+
+                with ThreadPoolExecutor(8) as pool:
+                    list(pool.map(slow, range(8)))
+                quick = client.post(url, json=body, timeout=2.0)
+                assert quick.status_code == 200, quick.text
+        finally:
+            t.close()
+        assert len(fake.effects()) == 9
+    calls, _, report = snapshot(ledger_path)
+    assert sorted(c.stage for c in calls) == ["completed"] * 9
     assert report.ok, report.problems
 
 

@@ -9,8 +9,8 @@ So the guard's transports split it:
 * the upstream leg keeps the client's ``connect`` and ``pool`` (a timeout there proves
   nothing was sent) and reads and writes with effectguard's own timeout;
 * the caller waits for the answer to begin at most the longest of its ``connect``,
-  ``write`` and ``read`` timeouts (one number, as the SDKs' ``timeout=`` sets, is
-  that number), then gets ``httpx.ReadTimeout`` while the call goes on in the
+  ``write`` and ``read`` timeouts that are set (one number, as the SDKs' ``timeout=``
+  sets, is that number; all unset is no limit), then gets ``httpx.ReadTimeout`` while the call goes on in the
   background and is settled (contract.md §3.8): a resend with the same key gets its
   answer.
 """
@@ -28,10 +28,10 @@ def caller_wait(timeout: Mapping[str, Any] | None) -> float | None:
     """How long the caller waits for an answer to begin; None: as long as it takes."""
     if not timeout:
         return None
-    parts = [timeout.get(part) for part in _WAIT_PARTS]
-    if any(p is None for p in parts):
-        return None
-    return max(float(p) for p in parts if p is not None)
+    # A part left unset (None) bounds nothing, but does not unbound the others:
+    # httpx.Timeout(None, read=0.3) is a 0.3 s wait.
+    parts = [float(p) for part in _WAIT_PARTS if (p := timeout.get(part)) is not None]
+    return max(parts) if parts else None
 
 
 def upstream_timeout(timeout: Mapping[str, Any] | None, read_s: float) -> dict[str, Any]:

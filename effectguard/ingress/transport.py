@@ -18,7 +18,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -224,22 +224,31 @@ class _Portal:
         return self.loop.is_closed() or not self._thread.is_alive()
 
 
+#: Threads for a sync inner transport's blocking calls: one per connection its pool may
+#: hold (httpx's default ``max_connections``). A call waits on its thread for as long as
+#: the upstream takes (up to ``upstream_read_timeout_s``), so asyncio's small default
+#: pool (cores + 4) would let a few slow upstreams hold up every other call.
+SYNC_INNER_THREADS = 100
+
+
 class _ThreadedStream(httpx.AsyncByteStream):
     """A sync inner response stream, read from the portal loop via worker threads."""
 
-    def __init__(self, stream: httpx.SyncByteStream) -> None:
+    def __init__(self, stream: httpx.SyncByteStream, threads: ThreadPoolExecutor) -> None:
         self._stream = stream
+        self._threads = threads
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         it = iter(self._stream)
+        loop = asyncio.get_running_loop()
         while True:
-            chunk = await asyncio.to_thread(next, it, None)
+            chunk = await loop.run_in_executor(self._threads, next, it, None)
             if chunk is None:
                 return
             yield chunk
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self._stream.close)
+        await asyncio.get_running_loop().run_in_executor(self._threads, self._stream.close)
 
 
 class _SyncInner(httpx.AsyncBaseTransport):
@@ -247,6 +256,7 @@ class _SyncInner(httpx.AsyncBaseTransport):
 
     def __init__(self, inner: httpx.BaseTransport) -> None:
         self.inner = inner
+        self._threads = ThreadPoolExecutor(SYNC_INNER_THREADS, "effectguard-upstream")
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         sync_request = httpx.Request(
@@ -256,18 +266,23 @@ class _SyncInner(httpx.AsyncBaseTransport):
             content=request.content,
             extensions=request.extensions,
         )
-        response = await asyncio.to_thread(self.inner.handle_request, sync_request)
+        loop = asyncio.get_running_loop()
+        response = await loop.run_in_executor(
+            self._threads, self.inner.handle_request, sync_request
+        )
         assert isinstance(response.stream, httpx.SyncByteStream)
         return httpx.Response(
             response.status_code,
             headers=response.headers,
-            stream=_ThreadedStream(response.stream),
+            stream=_ThreadedStream(response.stream, self._threads),
             extensions=response.extensions,
             request=request,
         )
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.inner.close)
+        # Threads still reading (abandoned streams) end with their upstream; not waited for.
+        self._threads.shutdown(wait=False)
 
 
 class _PortalStream(httpx.SyncByteStream):
