@@ -10,9 +10,9 @@ So the guard's transports split it:
   nothing was sent) and reads and writes with effectguard's own timeout;
 * the caller waits for the answer to begin at most the longest of its ``connect``,
   ``write`` and ``read`` timeouts that are set (one number, as the SDKs' ``timeout=``
-  sets, is that number; all unset is no limit), then gets ``httpx.ReadTimeout`` while the call goes on in the
-  background and is settled (contract.md §3.8): a resend with the same key gets its
-  answer.
+  sets, is that number; all unset is no limit), then gets ``httpx.ReadTimeout`` while
+  the call goes on in the background and is settled (contract.md §3.8): a resend with
+  the same key gets its answer.
 """
 
 from __future__ import annotations
