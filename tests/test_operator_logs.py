@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from observing import wait_for
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
@@ -117,6 +118,36 @@ def test_json_access_lines_name_every_call_and_hold_no_secret(
     interrupts = [line for line in lines if line.get("event") == "interrupted"]
     assert [line["call_id"] for line in interrupts] == [slow.headers[CALL_ID]]
     assert KEY_CANARY not in proxy.log() and PROMPT_CANARY not in proxy.log()
+
+
+def test_a_client_that_left_before_its_answer_is_logged_499(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """A client that gives up after 0.3 s on an answer that takes 1 s: its access line says
+    499 (the call is completed, and logged so), once the answer would have been written.
+    A client that stayed gets 200 in its line. The line used to be written before the
+    answer was, and said 200 for a client that had left."""
+    path = tmp_path / "config.toml"
+    path.write_text("[upstream]\nread_timeout_s = 30\n")
+    args = ["--config", str(path), "--log-format", "json"]
+    upstreams = {"openai": provider.url}
+    with running_proxy(tmp_path / "ledger.db", upstreams=upstreams, args=args) as proxy:
+        slow = {"x-fake-delay": "1"}
+        url = proxy.url + OPENAI_CHAT
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=chat("left"), headers=slow, timeout=0.3)
+        stayed = httpx.post(url, json=chat("stayed"), headers=slow, timeout=10)
+        assert stayed.status_code == 200
+
+        def both() -> list[dict[str, Any]]:
+            lines = [x for x in json_lines(proxy.log()) if x.get("event") == "access"]
+            return lines if len(lines) == 2 else []
+
+        access = wait_for(both, 10, "two access lines")
+    by_call = {line["call_id"]: line for line in access}
+    assert by_call[stayed.headers[CALL_ID]]["status"] == 200
+    (left,) = [line for call, line in by_call.items() if call != stayed.headers[CALL_ID]]
+    assert (left["status"], left["stage"], left["outcome"]) == (499, "completed", "completed")
 
 
 def test_text_format_from_config_and_level_warning_keeps_only_incidents(

@@ -149,7 +149,9 @@ class Guard:
             self.recorder.report(report)
             raise
         report.status = response.status
-        if not isinstance(response.stream, GuardedStream):
+        if ticket is not None and ticket.report_later:
+            ticket.report = report  # a stream's is still reported at its end
+        elif not isinstance(response.stream, GuardedStream):
             self.recorder.report(report)
         return response
 

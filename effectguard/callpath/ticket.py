@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from effectguard.callpath.exchange import Reply
 from effectguard.callpath.orphans import RetryKey
+from effectguard.telemetry.report import CallReport
 
 
 @dataclass
@@ -22,3 +23,9 @@ class Ticket:
     dispatch: asyncio.Future[Reply] | None = field(default=None, repr=False)
     #: How a key-less request's retry would match it (callpath/orphans); None if keyed.
     retry_key: RetryKey | None = None
+    #: Set (by a caller that asked for it) to a whole answer's report, for the caller to
+    #: hand on once the answer is written: the proxy, which then knows if the client left.
+    report: CallReport | None = None
+    report_later: bool = False
+    #: The proxy found the client gone when it came to write the answer.
+    client_left: bool = False

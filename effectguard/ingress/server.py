@@ -39,11 +39,11 @@ from effectguard.ingress.keyring import Grant, KeyRing, bearer_token, refuse_bro
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
+from effectguard.ingress.requestchecks import ambiguous_framing, check_utf8, route_of
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules import paths
 from effectguard.rules.counts import parse_count
 
 Scope = MutableMapping[str, Any]
@@ -190,7 +190,7 @@ class ProxyApp:
         if path == "/metrics" and self.metrics is not None and self.settings.metrics_port is None:
             await self._metrics(scope, send)
             return
-        if _ambiguous_framing(scope["headers"]):
+        if ambiguous_framing(scope["headers"]):
             # RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding is a
             # smuggling attempt; answer it and close, so no second request hides behind it.
             refusal = Refusal(400, "invalid_request", "Content-Length with Transfer-Encoding")
@@ -202,7 +202,7 @@ class ProxyApp:
             await self.admin(scope, receive, send)
             return
         try:
-            name, upstream_path = _route(scope)
+            name, upstream_path = route_of(scope)
             provider = self.settings.providers.get(name)
             if provider is None:
                 raise Refusal(404, "unknown_provider", f"no provider named {name!r}")
@@ -319,17 +319,27 @@ class ProxyApp:
             if key is not None:
                 key.check(provider.name, body.data, spooled=body.spool is not None)
             request = self._outbound(scope, provider, upstream_path, raw_headers, body)
+            ticket = context_of(scope).ticket
+            ticket.report_later = True  # its access line waits until the answer is written
             reply = await self.guard.serve(
-                provider,
-                request,
-                self._send,
-                budget=budget,
-                budget_root=root,
-                ticket=(ticket := context_of(scope).ticket),
+                provider, request, self._send, budget=budget, budget_root=root, ticket=ticket
             )
-            await self._respond(send, reply, lambda: self._orphaned(scope, ticket))
+            try:
+                await self._respond(send, reply, lambda: self._orphaned(scope, ticket))
+            finally:
+                self._report(ticket, reply)
         finally:
             body.discard()
+
+    def _report(self, ticket: Ticket, reply: Reply) -> None:
+        """Hand on a whole answer's report once it is written: 499 if its client had left
+        (a stream's report was made at its end)."""
+        report = ticket.report
+        if report is None or self.guard is None:
+            return
+        if ticket.client_left and reply.body is not None:
+            report.status = 499
+        self.guard.recorder.report(report)
 
     async def _body(self, receive: Receive, raw_headers: list[tuple[bytes, bytes]]) -> Body:
         """The request body, at most ``max_body_bytes`` (else 413); a large upload spooled."""
@@ -363,7 +373,7 @@ class ProxyApp:
     ) -> Outbound:
         """The client's request as it goes to the guard: credentials swapped, URL resolved."""
         # Wire bytes throughout: a UTF-8 header value goes upstream exactly as it came.
-        _check_utf8(raw_headers)
+        check_utf8(raw_headers)
         out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
         if provider_key is not None or self.keyring.required:
@@ -403,7 +413,8 @@ class ProxyApp:
 
     def _orphaned(self, scope: Scope, ticket: Ticket) -> None:
         """Before the end of an answer: if its client has gone, its own retry gets it."""
-        if self.guard is not None and ticket.call_id is not None and client_gone(scope):
+        ticket.client_left = client_gone(scope)
+        if self.guard is not None and ticket.call_id is not None and ticket.client_left:
             self.guard.orphans.left(ticket.retry_key, ticket.call_id)
 
     async def _respond(self, send: Send, reply: Reply, ending: Callable[[], None]) -> None:
@@ -437,44 +448,6 @@ class ProxyApp:
                     await asyncio.shield(reply.aclose())
             else:
                 await reply.aclose()
-
-
-def _check_utf8(headers: list[tuple[bytes, bytes]]) -> None:
-    """Refuse (400) a header value that is not UTF-8: aiohttp writes header text as
-    UTF-8, so such a value could only reach the provider altered (contract §12)."""
-    for name, value in headers:
-        if value.isascii():
-            continue
-        try:
-            value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise Refusal(
-                400,
-                "invalid_request",
-                f"header {name.decode('latin-1')!r} is not UTF-8; effectguard forwards "
-                "header values byte for byte and cannot forward this one",
-            ) from None
-
-
-def _route(scope: Scope) -> tuple[str, str]:
-    """``/{provider}/{rest}`` as the provider name and the path below its base (contract.md §12).
-
-    The still-encoded path is checked, so ``%2e%2e`` or ``%2f`` cannot hide a way out
-    of the base path behind the decoding the server already did.
-    """
-    raw: bytes = scope.get("raw_path") or scope["path"].encode()
-    text = raw.decode("latin-1")
-    _, _, rest = text.partition("/")
-    name, _, below = rest.partition("/")
-    try:
-        return name, paths.check_path("/" + below)
-    except paths.PathRefused as exc:
-        raise Refusal(400, "invalid_request", f"refused path: {exc}") from exc
-
-
-def _ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:
-    names = {k.lower() for k, _ in headers}
-    return b"transfer-encoding" in names and b"content-length" in names
 
 
 async def _raw(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
