@@ -13,6 +13,7 @@ from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.reports import from_state
 from effectguard.callpath.wire import replay_response
 from effectguard.config.settings import GuardSettings
+from effectguard.rules import workstate
 from effectguard.rules.events import AttemptObserved
 from effectguard.rules.guidance import decide_unknown
 from effectguard.telemetry.report import CallReport
@@ -36,9 +37,10 @@ async def join_call(
         if state is None or now > deadline:
             break
         if state.stage != "in_flight":
-            # not_sent or not_processed may be a pause between the owner's automatic
-            # retries (contract.md §3.5), not the call's result: wait out one back-off.
-            if not _may_be_retried(state.stage, state.attempts, settings):
+            # A resting stage an automatic retry may follow (not_sent, not_processed) may
+            # be a pause between the owner's retries (contract.md §3.5), not the call's
+            # result: wait out one back-off.
+            if not (workstate.may_retry(state) and state.attempts <= settings.max_retries):
                 break
             resting_since = resting_since or now
             if now - resting_since > settings.retry_wait_max_s + 1.0:
@@ -72,9 +74,3 @@ async def join_call(
         stage=stage,
         next_operation="reconcile" if reason == "effect_unknown" else "resend",
     )
-
-
-def _may_be_retried(stage: str, attempts: int, settings: GuardSettings) -> bool:
-    """Whether a call resting in ``stage`` after ``attempts`` may yet be retried by its
-    owner on its own (as this process's settings would)."""
-    return stage in ("not_sent", "not_processed") and attempts <= settings.max_retries

@@ -217,7 +217,7 @@ def answer_kind(
 
 def unasked_coding(coding: str | None) -> str | None:
     """The transfer codings of ``coding`` other than ``chunked``, if there are any."""
-    if coding is None:
+    if coding is None or coding == "chunked":  # nearly every coded answer: no work
         return None
     others = [c.strip() for c in coding.split(",") if c.strip().lower() not in ("chunked", "")]
     return ", ".join(others) or None
@@ -372,16 +372,15 @@ def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
     """The stored response of a completed call, marked as a replay."""
     if observed is None:
         raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
+    headers = [(k, v) for k, v in observed.headers.items() if k != "content-length"]
+    headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
+    replayed = text_headers(headers)
     # A failed call's error answer is final, as when it was first given; a not-processed
     # one (a joined retry may be given it) is not: a retry is safe.
-    final = observed.status >= 400 and not observed.not_processed
-    dropped = ("content-length", SHOULD_RETRY_HEADER) if final else ("content-length",)
-    headers = [(k, v) for k, v in observed.headers.items() if k not in dropped]
-    headers += [(CALL_ID_HEADER, call_id), (REPLAYED_HEADER, "true")]
-    if final:
-        headers.append((SHOULD_RETRY_HEADER, "false"))
+    if observed.status >= 400 and not observed.not_processed:
+        replayed = final_answer(replayed)
     body = decode_body(observed.body, observed.body_encoding)
-    return Reply(observed.status, text_headers(headers), body=body)
+    return Reply(observed.status, replayed, body=body)
 
 
 def recovered_response(call_id: str, decision: CallReconciled) -> Reply:

@@ -61,6 +61,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._refused = False
         self._lost = False
+        #: Each request's scope extensions (one dict for the connection: they describe it).
+        self._extensions: dict[str, Any] = {CLIENT_GONE: self._client_gone}
 
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -69,8 +71,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        extensions: dict[str, Any] = {CLIENT_GONE: self._client_gone}
-        self.scope["extensions"] = extensions
+        self.scope["extensions"] = self._extensions
         self._start_headers()
 
     def on_headers_complete(self) -> None:
@@ -80,7 +81,6 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         # the parser saw is measured, and the app never sees a request over the cap.
         if self._parsed() > self.door.max_header_bytes:
             self._refuse(431, f"headers are limited to {self.door.max_header_bytes} bytes")
-            self._refused = True  # the rest of this read (a body) has no request to go to
             return
         self._arm(self.door.body_timeout_s, self._body_too_slow)
         super().on_headers_complete()
@@ -150,6 +150,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()
         self._in_headers = False
+        self._refused = True  # nothing more this connection sends is read (a body, say)
         if self.transport.is_closing():  # the parser refused it already (400)
             return
         earlier = self.cycle
@@ -158,7 +159,6 @@ class _FrontDoorProtocol(HttpToolsProtocol):
             # go in request order (RFC 9112 §9.3.2), so that one is sent whole and the
             # connection then closed, with no answer to this one (and nothing more read).
             earlier.keep_alive = False
-            self._refused = True
             return
         body = message.encode()
         self.transport.write(
