@@ -88,7 +88,7 @@ def test_json_access_lines_name_every_call_and_hold_no_secret(
     assert models.status_code == 200
     lines = json_lines(proxy.log())
     access = [line for line in lines if line.get("event") == "access"]
-    assert len(access) == 5
+    assert len(access) == 5, [(a["status"], a["endpoint"]) for a in access]
     for line in access:
         assert line.keys() >= ACCESS_FIELDS, line
     by_status = {line["status"]: line for line in access}
@@ -148,6 +148,34 @@ def test_a_client_that_left_before_its_answer_is_logged_499(
     assert by_call[stayed.headers[CALL_ID]]["status"] == 200
     (left,) = [line for call, line in by_call.items() if call != stayed.headers[CALL_ID]]
     assert (left["status"], left["stage"], left["outcome"]) == (499, "completed", "completed")
+
+
+def test_a_stream_whose_client_left_is_logged_499_when_it_settles(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """A streaming client that gives up before the stream's first byte: the proxy stops
+    forwarding, reads the stream to its end itself, and the access line (written when
+    the call settles) says 499 and completed. It used to say 200."""
+    path = tmp_path / "config.toml"
+    path.write_text("[upstream]\nread_timeout_s = 30\n")
+    args = ["--config", str(path), "--log-format", "json"]
+    upstreams = {"openai": provider.url}
+    with running_proxy(tmp_path / "ledger.db", upstreams=upstreams, args=args) as proxy:
+        url = proxy.url + OPENAI_CHAT
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            httpx.stream(
+                "POST", url, json=chat(stream=True), headers={"x-fake-delay": "1"}, timeout=0.3
+            ) as left,
+        ):
+            left.read()
+
+        def settled() -> list[dict[str, Any]]:
+            return [x for x in json_lines(proxy.log()) if x.get("event") == "access"]
+
+        (line,) = wait_for(settled, 10, "the stream's access line")
+    assert (line["status"], line["stage"], line["outcome"]) == (499, "completed", "completed")
+    assert line["output_tokens"] == 8 and line["cost_usd"]
 
 
 def test_text_format_from_config_and_level_warning_keeps_only_incidents(

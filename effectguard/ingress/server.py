@@ -26,6 +26,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import load_hook
 from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
+from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
 from effectguard.config.settings import ServeSettings
@@ -327,17 +328,17 @@ class ProxyApp:
             try:
                 await self._respond(send, reply, lambda: self._orphaned(scope, ticket))
             finally:
-                self._report(ticket, reply)
+                if not isinstance(reply.stream, GuardedStream):  # that reports at its end
+                    self._report(ticket)
         finally:
             body.discard()
 
-    def _report(self, ticket: Ticket, reply: Reply) -> None:
-        """Hand on a whole answer's report once it is written: 499 if its client had left
-        (a stream's report was made at its end)."""
+    def _report(self, ticket: Ticket) -> None:
+        """Hand on a report once its answer is written: 499 if its client had left."""
         report = ticket.report
         if report is None or self.guard is None:
             return
-        if ticket.client_left and reply.body is not None:
+        if ticket.client_left:
             report.status = 499
         self.guard.recorder.report(report)
 
@@ -411,16 +412,24 @@ class ProxyApp:
             parts = self._urls[key] = (str(url), url.path, url.raw_path.decode("ascii"))
         return parts
 
-    def _orphaned(self, scope: Scope, ticket: Ticket) -> None:
-        """Before the end of an answer: if its client has gone, its own retry gets it."""
+    def _orphaned(self, scope: Scope, ticket: Ticket) -> bool:
+        """Before the end of an answer or a stream's next chunk: whether its client has
+        gone. If so its own retry gets the answer, and its access line says 499 (a
+        stream's report is made at its end, by whoever reads the stream to it)."""
         ticket.client_left = client_gone(scope)
-        if self.guard is not None and ticket.call_id is not None and ticket.client_left:
-            self.guard.orphans.left(ticket.retry_key, ticket.call_id)
+        if ticket.client_left:
+            if ticket.report is not None:
+                ticket.report.status = 499
+            if self.guard is not None and ticket.call_id is not None:
+                self.guard.orphans.left(ticket.retry_key, ticket.call_id)
+        return ticket.client_left
 
-    async def _respond(self, send: Send, reply: Reply, ending: Callable[[], None]) -> None:
+    async def _respond(self, send: Send, reply: Reply, gone: Callable[[], bool]) -> None:
+        """Write ``reply``; ``gone`` says whether the client has left (it is asked before
+        a whole answer and before each chunk of a stream)."""
         headers = strip_hop_by_hop(reply.headers)
         if reply.body is not None:  # a body the guard already read and recorded
-            ending()
+            gone()
             body = reply.body
             headers.append((b"content-length", str(len(body)).encode()))
             await send({"type": "http.response.start", "status": reply.status, "headers": headers})
@@ -431,10 +440,13 @@ class ProxyApp:
         finished = False
         try:
             async for chunk in reply.stream:
+                if gone():
+                    break  # the server would drop the rest: the guard reads it instead
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            ending()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finished = True
+            else:
+                gone()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finished = True
         except httpx.TransportError as exc:
             # The guard ends a broken or oversized stream this way on purpose, its call
             # already recorded (contract §3.8): a provider's fault, not effectguard's. The
