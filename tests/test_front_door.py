@@ -191,12 +191,13 @@ def test_headers_over_the_cap_in_one_read_are_refused_and_never_admitted(
     assert served.status_code == 200, served.text
 
 
-@pytest.mark.parametrize("second", ["too-large", "too-slow"])
+@pytest.mark.parametrize("second", ["too-large", "too-slow", "body-too-slow"])
 def test_a_pipelined_requests_refusal_never_takes_an_earlier_answers_place(
     proxy: Proxy, provider: FakeProvider, second: str
 ) -> None:
-    """A paid request answered after 1.5 s, then on the same connection a second whose
-    headers are over the cap, or never finish: the client reads the first request's 200,
+    """A paid request answered after 1.5 s (3 s), then on the same connection a second
+    whose headers are over the cap, or never finish (whose body never finishes): the
+    client reads the first request's 200,
     then the connection closes (answers go in request order, RFC 9112 §9.3.2). The 431 or
     408 for the second was once written at once, read by the client as the answer to its
     paid first request, whose answer was then lost."""
@@ -205,8 +206,11 @@ def test_a_pipelined_requests_refusal_never_takes_an_earlier_answers_place(
     if second == "too-large":
         filler = b"X-Big: " + b"a" * (MAX_HEADER_BYTES + 1000) + b"\r\n"
         follower = _chat_request(filler)
-    else:
+    elif second == "too-slow":
         follower = b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+    else:  # its body stops: its deadline passes while the first is still being answered
+        slow = b"X-Fake-Delay: %d\r\n" % (BODY_TIMEOUT_S + 1)
+        follower = _chat_request()[:-10]
     with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
         sock.sendall(_chat_request(slow) + follower)
         answer = read_until_closed(sock, PATIENCE_S)

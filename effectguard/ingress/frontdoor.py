@@ -11,7 +11,8 @@ uvicorn's httptools protocol with three more limits:
   connection opening (or of the next request starting on a kept-alive one),
   else ``408`` and the connection closes;
 * the body must arrive within ``body_timeout_s`` after the headers, else the
-  connection closes (the app sees a disconnect; nothing was admitted);
+  connection closes (the app sees a disconnect; nothing was admitted), after any
+  earlier answer on it is sent whole;
 * request line plus headers larger than ``max_header_bytes`` get ``431``.
 """
 
@@ -61,6 +62,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._refused = False
         self._lost = False
+        #: A pipelined request was refused: close once the answer before it is sent.
+        self._close_when_answered = False
         #: Each request's scope extensions (one dict for the connection: they describe it).
         self._extensions: dict[str, Any] = {CLIENT_GONE: self._client_gone}
 
@@ -143,9 +146,23 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def _body_too_slow(self) -> None:
         self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.pipeline:
+            # This request waits behind an earlier answer still to come: that one is sent
+            # whole (RFC 9112 §9.3.2), then the connection closes, this one never served.
+            self.pipeline.clear()
+            self._refused = True
+            self._close_when_answered = True
+            return
         # The app owns the response now; closing shows it a disconnect (nothing admitted).
-        if not self.transport.is_closing():
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        if self._close_when_answered:
             self.transport.close()
+            return
+        super().on_response_complete()
 
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()
