@@ -19,7 +19,9 @@ from typing import Final
 #: A request as a key-less retry is matched: (budget root, request hash).
 RetryKey = tuple[str, str]
 
-#: How many orphans are kept at most: the oldest go first (a retry comes within seconds).
+#: How many orphans are kept at most (a retry comes within seconds). Past it the oldest
+#: of the budget root holding the most goes first, so one tenant whose clients leave in
+#: bulk cannot push out another's and turn its SDK's retry into a second effect.
 LIMIT: Final = 4096
 
 
@@ -28,22 +30,41 @@ class Orphans:
 
     def __init__(self, limit: int = LIMIT) -> None:
         self._limit = limit
-        self._left: OrderedDict[RetryKey, tuple[str, float]] = OrderedDict()
+        self._count = 0
+        #: By budget root, then request hash, oldest first.
+        self._left: dict[str, OrderedDict[str, tuple[str, float]]] = {}
 
     def left(self, key: RetryKey | None, call_id: str) -> None:
         """The caller of ``call_id`` (a key-less request matched by ``key``) went away."""
         if key is None:
             return
-        self._left.pop(key, None)
-        self._left[key] = (call_id, time.monotonic())
-        while len(self._left) > self._limit:
-            self._left.popitem(last=False)
+        root, request_hash = key
+        calls = self._left.setdefault(root, OrderedDict())
+        if calls.pop(request_hash, None) is None:
+            self._count += 1
+        calls[request_hash] = (call_id, time.monotonic())
+        if self._count > self._limit:
+            self._evict()
+
+    def _evict(self) -> None:
+        # Roots are few (one per proxy key's root), so a scan is cheap; it runs only past
+        # the limit.
+        root, calls = max(self._left.items(), key=lambda item: len(item[1]))
+        calls.popitem(last=False)
+        self._count -= 1
+        if not calls:
+            del self._left[root]
 
     def take(self, key: RetryKey, window_s: float) -> str | None:
         """The call a retry matched by ``key`` repeats, if its caller left within
         ``window_s``; it is given to one retry only."""
-        found = self._left.pop(key, None)
+        root, request_hash = key
+        calls = self._left.get(root)
+        found = None if calls is None else calls.pop(request_hash, None)
         if found is None:
             return None
+        self._count -= 1
+        if not calls:
+            del self._left[root]
         call_id, when = found
         return call_id if time.monotonic() - when <= window_s else None
