@@ -158,11 +158,16 @@ MESSAGE_STREAM = [
 MESSAGE_STREAM_USAGE = Usage(25, 15)
 
 
+#: How long an upstream's stream stalls at ``pause_at``.
+PAUSE_S = 1.0
+
+
 class Upstream:
     """A respx side effect serving one SSE stream per request, optionally breaking mid-way.
 
     ``break_at`` raises a read error at that event; ``cut_at`` ends the body cleanly there
-    (an HTTP/1.0-style close-delimited stream whose connection closed early).
+    (an HTTP/1.0-style close-delimited stream whose connection closed early);
+    ``pause_at`` stalls :data:`PAUSE_S` before that event.
     """
 
     def __init__(
@@ -172,10 +177,12 @@ class Upstream:
         sync: bool,
         break_at: int | None = None,
         cut_at: int | None = None,
+        pause_at: int | None = None,
     ) -> None:
         self.events = events[:cut_at]
         self.sync = sync
         self.break_at = break_at
+        self.pause_at = pause_at
         self.read_to_end = threading.Event()
 
     def _check(self, i: int) -> None:
@@ -187,11 +194,15 @@ class Upstream:
     def _sync(self) -> Iterator[bytes]:
         for i, event in enumerate(self.events):
             self._check(i)
+            if i == self.pause_at:
+                time.sleep(PAUSE_S)
             yield event
 
     async def _async(self) -> AsyncIterator[bytes]:
         for i, event in enumerate(self.events):
             self._check(i)
+            if i == self.pause_at:
+                await asyncio.sleep(PAUSE_S)
             yield event
             await asyncio.sleep(0)
 
@@ -887,6 +898,56 @@ async def test_the_sdks_retry_after_its_timeout_gets_the_answer_not_a_second_cal
     again = await async_openai(t).chat.completions.create(model=GPT, messages=MESSAGES)
     assert again.id == CHAT_BODY["id"] and route.call_count == 2  # new work is new work
     await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_stream_that_stalls_ends_the_callers_wait_not_the_call(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """The SDK's read timeout (0.3 s) bounds each wait for a stream's next chunk, as with
+    a plain transport: the upstream stalls 1 s mid-stream, the SDK's iteration gets its
+    timeout error, and the call is read to its end and settled, not left unknown. The
+    caller used to wait for as long as effectguard's own upstream timeout (600 s)."""
+    route = respx_mock.post("/v1/chat/completions").mock(
+        side_effect=Upstream(CHAT_STREAM, sync=False, pause_at=3)
+    )
+    t = make_transport()
+    client = async_openai(t, max_retries=0, timeout=httpx.Timeout(5, read=0.3))
+    stream = await client.chat.completions.create(model=GPT, messages=MESSAGES, stream=True)
+    received = []
+    with pytest.raises((httpx.ReadTimeout, openai.APITimeoutError)):
+        async for chunk in stream:
+            received.append(chunk)
+    assert 0 < len(received) < len(CHAT_STREAM) - 1
+    await stream.close()
+    call = one(await settled(t))
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    assert (call.held, call.reserved, route.call_count) == (0, 0, 1)
+    await finish(t)
+
+
+def test_a_sync_stream_that_stalls_ends_the_callers_wait_not_the_call(ledger_path: str) -> None:
+    """The same through GuardTransport: the sync SDK's iteration gets its timeout error
+    and the call, read to its end in the background, is completed and priced."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    try:
+        with respx.mock(base_url=OPENAI) as mock:
+            route = mock.post("/v1/chat/completions").mock(
+                side_effect=Upstream(CHAT_STREAM, sync=True, pause_at=3)
+            )
+            client = sync_openai(t, max_retries=0, timeout=httpx.Timeout(5, read=0.3))
+            stream = client.chat.completions.create(model=GPT, messages=MESSAGES, stream=True)
+            with pytest.raises((httpx.ReadTimeout, openai.APITimeoutError)):
+                list(stream)
+            stream.close()
+    finally:
+        t.close()  # waits for the stalled read to end and the rest to be read and settled
+    calls, _, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).cost) == (
+        "completed",
+        price_cost("openai", GPT, CHAT_STREAM_USAGE),
+    )
+    assert route.call_count == 1 and report.ok, report.problems
 
 
 def test_a_sync_client_timeout_ends_the_wait_not_the_call(ledger_path: str, tmp_path: Path) -> None:

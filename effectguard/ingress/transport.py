@@ -33,7 +33,12 @@ from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings, keys_from_environment
 from effectguard.errors import ConfigError, Refusal
-from effectguard.ingress.clienttimeout import caller_wait, upstream_timeout
+from effectguard.ingress.clienttimeout import (
+    CallerPacedStream,
+    caller_read,
+    caller_wait,
+    upstream_timeout,
+)
 from effectguard.ingress.observers import tracing
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
@@ -148,7 +153,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         request.extensions = {**request.extensions, "timeout": upstream_timeout(given, read_s)}
         try:
             async with asyncio.timeout(wait):
-                return await guard.handle(
+                response = await guard.handle(
                     provider, request, self.inner.handle_async_request, budget=budget
                 )
         except Refusal as refusal:
@@ -160,6 +165,13 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "goes on and is settled: resend with the same Idempotency-Key for its answer",
                 request=request,
             ) from None
+        paced = caller_read(given)
+        if paced is not None and paced < read_s and not response.is_stream_consumed:
+            # Past read_s the upstream leg's own timeout ends the stream first.
+            stream = response.stream
+            assert isinstance(stream, httpx.AsyncByteStream)
+            response.stream = CallerPacedStream(stream, paced, request, guard.recorder.keep)
+        return response
 
     async def aclose(self) -> None:
         # Like httpx's own transports it may be used again after this (an
