@@ -8,6 +8,7 @@ client's own behaviour (slow, huge) is the point.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import signal
 import socket
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from edgekit import address, parse_answer, read_until_closed
+from observing import wait_for
 from stagedkit import serve_refusing
 
 from effectguard.config.settings import hash_key
@@ -32,6 +34,7 @@ OPENAI_CHAT = "/openai/v1/chat/completions"
 CALL_ID = "effectguard-call-id"
 HEADER_TIMEOUT_S = 1
 BODY_TIMEOUT_S = 2
+SEND_TIMEOUT_S = 1
 MAX_HEADER_BYTES = 16 * 1024
 #: How long a test waits for something the proxy must do within a second or two.
 PATIENCE_S = 20.0
@@ -58,6 +61,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory, provider: FakeProvider) -> I
         "[server]\n"
         f"header_timeout_s = {HEADER_TIMEOUT_S}\n"
         f"body_timeout_s = {BODY_TIMEOUT_S}\n"
+        f"send_timeout_s = {SEND_TIMEOUT_S}\n"
         f"max_header_bytes = {MAX_HEADER_BYTES}\n"
     )
     with running_proxy(
@@ -217,6 +221,43 @@ def test_a_pipelined_requests_refusal_never_takes_an_earlier_answers_place(
     assert parse_answer(answer).status == 200, answer[:300]
     assert answer.count(b"HTTP/1.1 ") == 1, answer[:600]
     assert len(provider.receipts()) == receipts + 1
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off_and_the_call_settled(
+    proxy: Proxy, provider: FakeProvider
+) -> None:
+    """A client reads a 30 MB stream's first bytes, then stops reading but keeps the
+    connection open. After ``send_timeout_s`` the proxy cuts it off and reads the stream
+    to its end itself: the call is completed while the client still holds its socket.
+    It used to stay in flight for as long as the client held the connection, and an
+    upstream giving up on the stalled read would have left it effect_unknown."""
+    body = json.dumps({**chat(), "stream": True}).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(PATIENCE_S)
+        sock.connect(address(proxy.url))
+        sock.sendall(
+            b"POST " + OPENAI_CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nx-fake-behaviour: pad=30000000\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        call_id = parse_answer(head).headers[CALL_ID]
+
+        def settled() -> str | None:
+            stage = _stage(proxy, call_id)
+            return stage if stage != "in_flight" else None
+
+        assert wait_for(settled, PATIENCE_S, "the call settled") == "completed"
+
+
+def _stage(proxy: Proxy, call_id: str) -> str:
+    """The call's stage, as ``effectguard show --json`` prints it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["show", call_id, "--ledger", proxy.ledger, "--json"]) == 0
+    return str(json.loads(out.getvalue())["stage"])
 
 
 def test_a_header_under_the_cap_is_served(proxy: Proxy) -> None:

@@ -27,6 +27,9 @@ CONNECT_TIMEOUT_S = 10.0
 HEADER_TIMEOUT_S = 10.0
 #: From the end of the headers to the last byte of the body.
 BODY_TIMEOUT_S = 120.0
+#: How long a client may stop reading an answer (its socket's buffers full) before it
+#: is cut off; the call is then read to its end and settled without it.
+SEND_TIMEOUT_S = 60.0
 #: Request line plus headers; larger ones get 431.
 MAX_HEADER_BYTES = 64 * 1024
 #: Open connections (and requests) at once; beyond it new requests get 503.

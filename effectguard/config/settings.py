@@ -17,6 +17,7 @@ Config file reference (every table optional)::
                                 # each gets 504 effect_unknown and is marked so
     header_timeout_s = 10       # request line + headers must arrive within this (408)
     body_timeout_s = 120        # the body must arrive within this after the headers
+    send_timeout_s = 60         # a client that stops reading its answer is cut off after this
     max_header_bytes = 65536    # request line + headers larger than this get 431
     max_connections = 1024      # connections/requests at once; beyond: 503
     keep_alive_timeout_s = 5    # an idle kept-alive connection is closed after this
@@ -116,6 +117,7 @@ class FrontDoor:
 
     header_timeout_s: float = defaults.HEADER_TIMEOUT_S
     body_timeout_s: float = defaults.BODY_TIMEOUT_S
+    send_timeout_s: float = defaults.SEND_TIMEOUT_S
     max_header_bytes: int = defaults.MAX_HEADER_BYTES
     max_connections: int = defaults.MAX_CONNECTIONS
     keep_alive_timeout_s: float = defaults.KEEP_ALIVE_TIMEOUT_S
@@ -180,6 +182,7 @@ def _front_door(server: Mapping[str, Any]) -> FrontDoor:
     return FrontDoor(
         header_timeout_s=values.positive(server, "header_timeout_s", d.HEADER_TIMEOUT_S, "server"),
         body_timeout_s=values.positive(server, "body_timeout_s", d.BODY_TIMEOUT_S, "server"),
+        send_timeout_s=values.positive(server, "send_timeout_s", d.SEND_TIMEOUT_S, "server"),
         max_header_bytes=values.whole(server, "max_header_bytes", d.MAX_HEADER_BYTES, "server"),
         max_connections=values.whole(server, "max_connections", d.MAX_CONNECTIONS, "server"),
         keep_alive_timeout_s=values.number(

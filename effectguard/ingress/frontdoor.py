@@ -13,7 +13,11 @@ uvicorn's httptools protocol with three more limits:
 * the body must arrive within ``body_timeout_s`` after the headers, else the
   connection closes (the app sees a disconnect; nothing was admitted), after any
   earlier answer on it is sent whole;
-* request line plus headers larger than ``max_header_bytes`` get ``431``.
+* request line plus headers larger than ``max_header_bytes`` get ``431``;
+* a client that stops reading its answer (the socket's buffers full, writing paused)
+  for ``send_timeout_s`` is cut off: to the app it has gone, and a stream it was sent
+  is read to its end and settled without it, rather than held in flight for as long
+  as the client holds the connection open.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._lost = False
         #: A pipelined request was refused: close once the answer before it is sent.
         self._close_when_answered = False
+        #: Set while writing is paused: when the client is cut off for not reading.
+        self._stalled: asyncio.TimerHandle | None = None
         #: Each request's scope extensions (one dict for the connection: they describe it).
         self._extensions: dict[str, Any] = {CLIENT_GONE: self._client_gone}
 
@@ -101,7 +107,28 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._disarm()
+        self._reading_again()
         super().connection_lost(exc)
+
+    # -- a client that stops reading ---------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.door.send_timeout_s, self._not_reading)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._reading_again()
+
+    def _reading_again(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _not_reading(self) -> None:
+        self._stalled = None
+        # Unsent bytes would never drain to a client that does not read: drop them.
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
