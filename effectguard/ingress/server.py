@@ -377,7 +377,10 @@ class ProxyApp:
         out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
         if provider_key is not None or self.keyring.required:
-            out_headers = [(k, v) for k, v in out_headers if k.lower() not in CLIENT_CREDENTIALS]
+            # The provider's own credential header too (postmark's x-postmark-server-token):
+            # a tenant's SDK sends its proxy key there, and _authorize reads it from there.
+            drop = (*CLIENT_CREDENTIALS, provider.key_header.lower().encode())
+            out_headers = [(k, v) for k, v in out_headers if k.lower() not in drop]
             if provider_key is not None:
                 credential = provider.key_format.format(key=provider_key)
                 out_headers.append((provider.key_header.encode(), credential.encode()))
