@@ -22,6 +22,7 @@ import pytest
 from test_proxy_input import recording_upstream
 
 from effectguard.config.keysettings import hash_key
+from effectguard.ops.cli import main as cli_main
 from effectguard.testing import Proxy, running_proxy
 
 pytestmark = pytest.mark.slow
@@ -150,3 +151,28 @@ def test_a_proxy_key_in_the_providers_own_key_header_never_goes_upstream(edge: E
         assert [v for k, v in forwarded if k == "x-echo-token"] == [PROVIDER_KEY]
         sent = repr(forwarded)
         assert edge.key not in sent and "sk-canary-client-own-token" not in sent
+
+
+def test_a_query_string_in_an_upstream_error_reaches_no_log_ledger_or_answer(
+    edge: Edge, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upstream error whose text quotes the request URL (a bad status line) is recorded
+    and answered without the URL's query, where a credential may ride (``?key=``)."""
+    canary = "canary-query-" + secrets.token_hex(6)
+    answer = edge.client.post(
+        f"/badline/v1/chat/completions?key={canary}",
+        json=CHAT,
+        headers={"Effectguard-Key": edge.key},
+    )
+    assert answer.status_code == 502, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "effect_unknown" and "Bad status line" in error["message"]
+    call_id = answer.headers["effectguard-call-id"]
+    capsys.readouterr()
+    assert cli_main(["show", call_id, "--ledger", edge.proxy.ledger]) == 0
+    shown = capsys.readouterr().out
+    for where in (answer.text, shown, edge.proxy.log()):
+        assert canary not in where
+    assert canary.encode() not in _ledger_bytes(edge.proxy)
+    # The error is still told, its URL too: only the query is left out.
+    assert "interrupted" in shown and "/v1/chat/completions?…" in shown
