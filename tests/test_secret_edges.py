@@ -11,6 +11,7 @@ values never make a log line into more than one line, or a long one.
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import socket
 import threading
@@ -176,3 +177,46 @@ def test_a_query_string_in_an_upstream_error_reaches_no_log_ledger_or_answer(
     assert canary.encode() not in _ledger_bytes(edge.proxy)
     # The error is still told, its URL too: only the query is left out.
     assert "interrupted" in shown and "/v1/chat/completions?…" in shown
+
+
+def test_text_log_lines_stay_one_short_printable_line(edge: Edge) -> None:
+    """A path with a C1 control (a terminal's CSI) and a direction override, and a long
+    budget holding a line separator, are logged escaped and cut: every line of the log is
+    printable (str.splitlines splits at U+2028 and U+0085 too) and none is long."""
+    key = {"Effectguard-Key": edge.key}
+    hostile = "/tokenecho/v1/chat/x%C2%9B31m%E2%80%AEevil%C2%85"
+    assert edge.client.post(hostile, json=CHAT, headers=key).status_code == 200
+    budget = ("edge/" + "x" * 2000 + "\u2028").encode()
+    refused = edge.client.post(
+        "/tokenecho/v1/chat/completions", json=CHAT, headers={**key, "Effectguard-Budget": budget}
+    )
+    assert refused.status_code == 400, refused.text
+    log = edge.proxy.log()
+    lines = log.splitlines()
+    assert all(line.isprintable() for line in lines), [ln for ln in lines if not ln.isprintable()]
+    access = [line for line in lines if "event=access" in line]
+    assert any("\\x9b31m\\u202eevil\\x85" in line for line in access), access
+    assert max(len(line) for line in lines) < 1500
+    assert any("error=invalid_budget" in line for line in access), access
+
+
+def test_json_log_lines_stay_one_object_per_line_for_any_splitter(tmp_path: Path) -> None:
+    """With JSON logs, a client's C1 control, line separator or direction override is written
+    as a JSON escape: each line of the log, however split, is one JSON object."""
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    args = ["--providers", str(_declarations(tmp_path)), "--log-format", "json"]
+    with (
+        recording_upstream() as (echo_url, _),
+        running_proxy(
+            tmp_path / "ledger.db",
+            upstreams={"tokenecho": echo_url},
+            args=args,
+            env={"EFFECTGUARD_TEST_TOKEN_KEY": PROVIDER_KEY},
+        ) as proxy,
+    ):
+        path = "/tokenecho/v1/chat/x%C2%9B31m%E2%80%A8%E2%80%AEz%C3%A9"
+        assert httpx.post(proxy.url + path, json=CHAT, timeout=10).status_code == 200
+    objects = [json.loads(line) for line in proxy.log().splitlines() if line.startswith("{")]
+    access = [o for o in objects if o.get("event") == "access"]
+    assert [o["endpoint"] for o in access] == ["/v1/chat/x\u009b31m\u2028\u202ez\u00e9"]
