@@ -28,6 +28,7 @@ from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
+from effectguard.config.defaults import ADMIN_SECRET_ENV
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import EffectguardError, LedgerError, Refusal
 from effectguard.ingress import spool
@@ -123,6 +124,14 @@ class ProxyApp:
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)
+        if self.admin is not None and not self.settings.admin.secret:
+            # The sessions' signing secret then comes from the config file alone: anyone
+            # who can read its [admin] digests can sign an operator's login.
+            log.warning(
+                "operator page: %s is not set, so whoever can read the config file can "
+                "forge a login; set it (the same on every replica)",
+                ADMIN_SECRET_ENV,
+            )
         if swept := spool.sweep(self.settings.spool_dir):
             log.warning("removed %d upload spool files left by processes that died", swept)
         if self.metrics is not None:
