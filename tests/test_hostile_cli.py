@@ -253,6 +253,21 @@ def test_a_ledger_url_that_cannot_be_read_is_refused_without_its_password(
         assert "canary" not in served.err + served.out, served.err
 
 
+def test_a_provider_key_with_a_line_break_stops_serve_naming_the_variable_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A provider key read from a file with its trailing line break can go in no header:
+    serve stops at start (exit 2) naming the variable, not the key, and opens no ledger,
+    instead of admitting every call and failing it after, held as unknown."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-canary-provider-key\n")
+    ledger = tmp_path / "ledger.db"
+    done = serve_refusing("--ledger", str(ledger), "--port", "0")
+    assert done.code == 2, done
+    assert "$OPENAI_API_KEY" in done.err.strip().splitlines()[-1], done.err
+    assert "canary" not in done.err + done.out and "Traceback" not in done.err
+    assert not ledger.exists()
+
+
 SEGMENT = "s" * 64
 BAD_PATHS = ["", "a//b", "/a", "a/", "a=b", "a\nb", "é", "s" * 65, "/".join("abcdefghi"), ".a"]
 
