@@ -227,6 +227,47 @@ def test_serve_refuses_a_bad_flag_before_it_opens_a_ledger(
     assert not ledger.exists()
 
 
+#: PostgreSQL ledger URLs libpq or urlsplit cannot read, each with a password holding
+#: "canary": the refusal names the problem, never the password (libpq quotes the piece of
+#: a connection string it cannot read), and is no traceback.
+BAD_DSNS = [
+    ("postgresql://eg:pass word-canary@127.0.0.1:1/db", 4, "unexpected spaces"),
+    ("postgresql://eg:canary%zz@127.0.0.1:1/db", 4, "percent-encoded"),
+    ("postgresql://eg:canary@[::1/db", 2, "is not a URL"),
+]
+
+
+@pytest.mark.parametrize(("url", "code", "needle"), BAD_DSNS, ids=lambda v: str(v)[:30])
+def test_a_ledger_url_that_cannot_be_read_is_refused_without_its_password(
+    url: str, code: int, needle: str
+) -> None:
+    """A ledger command and serve refuse a PostgreSQL URL they cannot read with one line
+    naming the problem; the password is in neither that line nor serve's log."""
+    done = run("calls", "--ledger", url)
+    assert done.code == code, done
+    assert "Traceback" not in done.err and needle in done.err, done.err
+    assert "canary" not in done.err + done.out, done.err
+    if code == 4:  # serve: its startup line goes to log shippers
+        served = serve_refusing("--ledger", url, "--port", "0")
+        assert served.code == 3 and needle in served.err, served
+        assert "canary" not in served.err + served.out, served.err
+
+
+def test_a_provider_key_with_a_line_break_stops_serve_naming_the_variable_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A provider key read from a file with its trailing line break can go in no header:
+    serve stops at start (exit 2) naming the variable, not the key, and opens no ledger,
+    instead of admitting every call and failing it after, held as unknown."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-canary-provider-key\n")
+    ledger = tmp_path / "ledger.db"
+    done = serve_refusing("--ledger", str(ledger), "--port", "0")
+    assert done.code == 2, done
+    assert "$OPENAI_API_KEY" in done.err.strip().splitlines()[-1], done.err
+    assert "canary" not in done.err + done.out and "Traceback" not in done.err
+    assert not ledger.exists()
+
+
 SEGMENT = "s" * 64
 BAD_PATHS = ["", "a//b", "/a", "a/", "a=b", "a\nb", "é", "s" * 65, "/".join("abcdefghi"), ".a"]
 

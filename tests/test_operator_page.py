@@ -9,6 +9,7 @@ decision as ``call.reconciled`` by the admin key's name.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +21,17 @@ from operatorkit import (
     ADMIN_NAME,
     PAGE,
     Stack,
+    config_text,
     ledger_view,
     operator_stack,
     reconciliations,
     send_chat,
     unknown_call,
 )
+
+from effectguard.config.keysettings import AdminKey, AdminSettings, hash_key
+from effectguard.ingress.admin.session import Sessions
+from effectguard.testing import running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +165,41 @@ def test_login_cookie_is_a_signed_httponly_strict_token(stack: Stack) -> None:
     assert ADMIN_KEY not in cookie
     page = httpx.get(stack.url + PAGE, headers={"cookie": cookie.split(";")[0]})
     assert page.status_code == 200 and ADMIN_NAME in page.text
+
+
+def _forged_from_the_config_file() -> str:
+    """A session cookie signed with what the config file holds (names and digests) and no
+    secret: what anyone who can read the file can make."""
+    key = AdminKey(ADMIN_NAME, hash_key(ADMIN_KEY))
+    sessions = Sessions(AdminSettings((key,), 3600.0, ""))
+    return f"effectguard_admin={sessions.issue(key, time.time()).token}"
+
+
+def test_without_the_admin_secret_serve_warns_that_a_login_can_be_forged(
+    stack: Stack,
+) -> None:
+    """Without EFFECTGUARD_ADMIN_SECRET the config file is all a forger needs, so serve says
+    so at start, naming the variable."""
+    forged = httpx.get(stack.url + PAGE, headers={"cookie": _forged_from_the_config_file()})
+    assert forged.status_code == 200  # the documented trade-off the warning is about
+    warnings = [line for line in stack.proxy.log().splitlines() if "can forge a login" in line]
+    assert len(warnings) == 1 and "EFFECTGUARD_ADMIN_SECRET" in warnings[0], warnings
+
+
+def test_with_the_admin_secret_a_login_forged_from_the_config_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    """With EFFECTGUARD_ADMIN_SECRET set, a cookie signed from the config file alone is 401,
+    the admin key still logs in, and serve gives no warning."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(config_text())
+    env = {"EFFECTGUARD_ADMIN_SECRET": "s-" + uuid.uuid4().hex}
+    with running_proxy(tmp_path / "ledger.db", args=["--config", str(config)], env=env) as proxy:
+        forged = httpx.get(proxy.url + PAGE, headers={"cookie": _forged_from_the_config_file()})
+        assert forged.status_code == 401
+        bearer = httpx.get(proxy.url + PAGE, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        assert bearer.status_code == 200
+    assert "can forge a login" not in proxy.log()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ when the upstream cannot be reached (a read has no effect to lose)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -62,7 +63,16 @@ async def _send_read(send: Send, outgoing: Outbound) -> Upstream:
     return await send(outgoing)
 
 
+#: A URL's query string, in an error's text (aiohttp names the URL in some, e.g. a bad
+#: status line): up to the end of the URL as a message quotes it.
+_QUERY = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>?#]*)\?[^\s'\"<>#]*")
+
+
 def describe(exc: BaseException) -> str:
-    """A transport error in one short line: its type and message."""
-    text = str(exc) or type(exc).__name__
+    """A transport error in one short line: its type and message, any URL's query left out.
+
+    The line goes to the log, the ledger (an interrupt's reason, shown by ``show`` and the
+    operator page) and the client's error answer; a query string may carry a credential
+    (``?key=...``), which none of them may hold."""
+    text = _QUERY.sub(r"\1?…", str(exc) or type(exc).__name__)
     return f"{type(exc).__name__}: {text}"[:300]

@@ -162,12 +162,23 @@ class ServeSettings:
 def keys_from_environment(
     providers: Mapping[str, Provider], env: Mapping[str, str]
 ) -> dict[str, str]:
-    """Each provider's API key, from the environment variable its declaration names."""
-    return {
+    """Each provider's API key, from the environment variable its declaration names.
+
+    A key holding a character no header value may carry (a line break, as a secret read
+    from a file often ends) is refused here, naming the variable and never the key:
+    sent, it would fail every call after it was admitted, each one held as unknown."""
+    keys = {
         name: env[p.api_key_env]
         for name, p in providers.items()
         if p.api_key_env and env.get(p.api_key_env)
     }
+    for name, key in keys.items():
+        if not key.isprintable():
+            raise ConfigError(
+                f"${providers[name].api_key_env} (the {name} API key) holds a control "
+                "character, e.g. a trailing line break: no header can carry it"
+            )
+    return keys
 
 
 def _table(raw: Mapping[str, Any], name: str, source: str) -> Mapping[str, Any]:

@@ -29,6 +29,7 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
+from effectguard.config.defaults import ADMIN_SECRET_ENV
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import EffectguardError, LedgerError, Refusal
 from effectguard.ingress import spool
@@ -124,6 +125,14 @@ class ProxyApp:
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)
+        if self.admin is not None and not self.settings.admin.secret:
+            # The sessions' signing secret then comes from the config file alone: anyone
+            # who can read its [admin] digests can sign an operator's login.
+            log.warning(
+                "operator page: %s is not set, so whoever can read the config file can "
+                "forge a login; set it (the same on every replica)",
+                ADMIN_SECRET_ENV,
+            )
         if swept := spool.sweep(self.settings.spool_dir):
             log.warning("removed %d upload spool files left by processes that died", swept)
         if self.metrics is not None:
@@ -378,7 +387,10 @@ class ProxyApp:
         out_headers = strip_hop_by_hop(raw_headers)
         provider_key = self.settings.provider_keys.get(provider.name)
         if provider_key is not None or self.keyring.required:
-            out_headers = [(k, v) for k, v in out_headers if k.lower() not in CLIENT_CREDENTIALS]
+            # The provider's own credential header too (postmark's x-postmark-server-token):
+            # a tenant's SDK sends its proxy key there, and _authorize reads it from there.
+            drop = (*CLIENT_CREDENTIALS, provider.key_header.lower().encode())
+            out_headers = [(k, v) for k, v in out_headers if k.lower() not in drop]
             if provider_key is not None:
                 credential = provider.key_format.format(key=provider_key)
                 out_headers.append((provider.key_header.encode(), credential.encode()))

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
@@ -233,7 +233,10 @@ class Target:
         """Split ``?schema=NAME`` (ours) from the libpq URL."""
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigError(f"not a PostgreSQL ledger: {url!r}")
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError as exc:  # an unclosed IPv6 bracket; the URL may hold a password
+            raise ConfigError(f"the PostgreSQL ledger URL is not a URL: {exc}") from exc
         query = parse_qsl(parts.query, keep_blank_values=True)
         schemas = [v for k, v in query if k == "schema"]
         rest = [(k, v) for k, v in query if k != "schema"]
@@ -249,7 +252,7 @@ class Target:
                 self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
             )
         except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+            raise _unreachable(exc, self.conninfo) from exc
         for name, value in self._settings(settings):
             conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
         return conn
@@ -261,7 +264,7 @@ class Target:
                 self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
             )
         except psycopg.Error as exc:
-            raise LedgerUnavailable(f"cannot connect to the ledger database: {exc}") from exc
+            raise _unreachable(exc, self.conninfo) from exc
         for name, value in self._settings({"lock_timeout": str(LOCK_TIMEOUT_MS)}):
             await conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
         return conn
@@ -271,6 +274,20 @@ class Target:
         if self.schema is not None:
             pairs["search_path"] = self.schema
         return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
+
+
+def _unreachable(exc: psycopg.Error, conninfo: str) -> LedgerUnavailable:
+    """The error of a failed connection, without the password: libpq quotes the piece of
+    a connection string it cannot read (``unexpected spaces found in "..."``), and that
+    piece may be the password. The message goes to stderr and to serve's log."""
+    message = str(exc)
+    parts = urlsplit(conninfo)
+    hidden = [v for k, v in parse_qsl(parts.query) if k == "password"]
+    if parts.password:
+        hidden += [parts.password, unquote(parts.password)]
+    for secret in sorted(filter(None, hidden), key=len, reverse=True):
+        message = message.replace(secret, "***")
+    return LedgerUnavailable(f"cannot connect to the ledger database: {message}")
 
 
 def redacted(url: str) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 from effectguard.errors import ConfigError, LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
-from effectguard.ledger.sqlitefile import check_ledger_file
+from effectguard.ledger.sqlitefile import check_ledger_file, create_owner_only
 from effectguard.ledger.sqliteschema import connect, migrate
 from effectguard.ops import archivefile
 from effectguard.ops.archiveplan import (
@@ -114,6 +114,9 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
         "keys": sorted(list(k) for k in keyed),
     }
     partial = target.with_name(f".{target.name}.partial")
+    # Owner-only like the ledger whose events and bodies it holds: gzip.open would
+    # create it with the umask's permissions, readable by anyone.
+    create_owner_only(str(partial))
     try:
         # Before the write lock; bodies never change once written, so they need none.
         archivefile.write_events(partial, header, lines, _bodies(conn, plan))

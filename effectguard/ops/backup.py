@@ -24,7 +24,7 @@ from pathlib import Path
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
-from effectguard.ledger.sqlitefile import check_ledger_file
+from effectguard.ledger.sqlitefile import check_ledger_file, create_owner_only
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ops.outpath import new_file
 
@@ -47,6 +47,9 @@ def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     target = new_file(target, ledger=source, command="backup", what="a backup")
     partial = target.with_name(f".{target.name}.partial")
     partial.unlink(missing_ok=True)
+    # Owner-only like the ledger itself (it holds prompts, responses and key digests);
+    # SQLite would create it with the umask's permissions, readable by anyone.
+    create_owner_only(str(partial))
     try:
         _copy(source, partial)
         result = _check(partial, target)

@@ -32,16 +32,17 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def terminal_safe(text: str) -> str:
+def terminal_safe(text: str, keep: str = "\n\t") -> str:
     """``text`` for a terminal: each character a note may not hold (a control, a
-    separator, a direction override), other than line breaks and tabs, written as its
+    separator, a direction override), other than those in ``keep``, written as its
     escape (``\\x9b``, ``\\u202e``). Clients choose much of what ``show`` prints (keys,
-    bodies); a terminal acts on some controls, and an override reorders what follows."""
+    bodies); a terminal acts on some controls, and an override reorders what follows.
+    A log line keeps nothing (``keep=""``): one record stays one line."""
     if text.isprintable():
         return text
     return "".join(
         c
-        if c in "\n\t" or not (unicodedata.category(c) in _ESCAPED or c in _BIDI)
+        if c in keep or not (unicodedata.category(c) in _ESCAPED or c in _BIDI)
         else c.encode("unicode_escape").decode("ascii")
         for c in text
     )

@@ -25,6 +25,7 @@ import time
 from typing import IO, Any
 
 from effectguard.config.settings import LOG_FORMATS
+from effectguard.rules import notes
 from effectguard.rules.money import nanos_to_usd
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.report import CallReport
@@ -90,7 +91,11 @@ class JsonFormatter(logging.Formatter):
         payload.update(_extras(record))
         if record.exc_info:
             payload["exception"] = self.formatException(record.exc_info)
-        return json.dumps(payload, default=str, ensure_ascii=False)
+        line = json.dumps(payload, default=str, ensure_ascii=False)
+        # json escapes only C0 controls; a client's C1 control (U+009B, a terminal's CSI),
+        # line separator or direction override would reach `tail -f` and line splitters
+        # raw. Such a line is written all in ASCII escapes instead, still the same JSON.
+        return line if line.isprintable() else json.dumps(payload, default=str)
 
 
 class TextFormatter(logging.Formatter):
@@ -105,7 +110,10 @@ class TextFormatter(logging.Formatter):
                 if v is not None and k not in _STANDARD
             ]
         )
-        line = f"{_iso(record.created)} {record.levelname} {record.name}: {record.getMessage()}"
+        # A message may quote what a client or an upstream sent (a path, an error's text):
+        # escaped, a line break or a terminal escape in it cannot forge or hide a line.
+        message = notes.terminal_safe(record.getMessage(), keep="")
+        line = f"{_iso(record.created)} {record.levelname} {record.name}: {message}"
         if fields:
             line = f"{line} {fields}"
         if record.exc_info:
@@ -115,7 +123,10 @@ class TextFormatter(logging.Formatter):
 
 def _text(value: Any) -> str:
     text = value if type(value) is str else str(value)
-    return json.dumps(text) if (" " in text or '"' in text or not text) else text
+    # Quoted as JSON (ASCII escapes) when it would not read as one bare word: a space, a
+    # quote, or a character that is not printable (a line break, a terminal escape).
+    quoted = " " in text or '"' in text or not text or not text.isprintable()
+    return json.dumps(text) if quoted else text
 
 
 def configure_logging(
@@ -166,9 +177,10 @@ def access_fields(report: CallReport) -> dict[str, Any]:
     fields |= {
         "provider": report.provider,
         "method": report.method,
-        "endpoint": report.endpoint,
+        # The client chose these (a refused budget is logged as sent): a line stays short.
+        "endpoint": _short(report.endpoint),
         "model": report.model or None,
-        "budget": report.budget,
+        "budget": _short(report.budget),
         "status": report.status,
         "stage": report.stage or None,
         "outcome": report.outcome or None,
@@ -202,7 +214,7 @@ class LogObserver(NullObserver):
         fields = access_fields(report)
         if serious and report.message:
             fields["detail"] = _short(report.message)
-        summary = f"{report.method} /{report.provider}{report.endpoint} {report.status}"
+        summary = f"{report.method} /{report.provider}{fields['endpoint']} {report.status}"
         # Logger.log less its caller lookup (a walk of the stack per line): the record is
         # the one logging makes when it does not look callers up (logging._srcfile None).
         access = self.access

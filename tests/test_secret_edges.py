@@ -1,0 +1,222 @@
+"""Secrets and hostile text at the proxy's edges, through a real ``effectguard serve``.
+
+A provider whose credential header is its own (``x-echo-token``, as Postmark's
+``x-postmark-server-token``), an upstream that answers with a broken status line, proxy
+keys, and text or JSON logs. No proxy key or client credential goes upstream where
+effectguard holds the provider key; a URL's query string (where a credential may ride)
+reaches no log line, ledger row or answer; and a client's control characters or long
+values never make a log line into more than one line, or a long one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_proxy_input import recording_upstream
+
+from effectguard.config.keysettings import hash_key
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import Proxy, running_proxy
+
+pytestmark = pytest.mark.slow
+
+PROVIDER_KEY = "sk-canary-token-provider"
+DECLARATION = """
+name = "NAME"
+base_url = "http://127.0.0.1:9"
+dialect = "openai"
+api_key_env = "EFFECTGUARD_TEST_TOKEN_KEY"
+key_header = "x-echo-token"
+key_format = "{key}"
+prices_taken = "2026-01-01"
+not_processed = [400]
+
+[[endpoints]]
+path = "/v1/chat/completions"
+effect = "billable"
+
+[models."echo-model"]
+input = "1.00"
+output = "2.00"
+max_output_tokens = 100
+"""
+CHAT = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+@contextlib.contextmanager
+def broken_status_line() -> Iterator[str]:
+    """An upstream that reads a request and answers with a status line no client can parse
+    (aiohttp's error then quotes the request's whole URL, query included)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                seen = b""
+                while b"\r\n\r\n" not in seen:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    seen += chunk
+                conn.sendall(b"HTTP/1.1 2x0 WHAT\r\n\r\n")
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+class Edge:
+    """The module's proxy (text logs, one proxy key) and what its echo upstream saw."""
+
+    def __init__(self, proxy: Proxy, seen: list[list[tuple[str, str]]], key: str) -> None:
+        self.proxy = proxy
+        self.seen = seen
+        self.key = key
+        self.client = httpx.Client(base_url=proxy.url, timeout=10)
+
+
+def _declarations(tmp: Path) -> Path:
+    folder = tmp / "providers"
+    folder.mkdir()
+    for name in ("tokenecho", "badline"):
+        (folder / f"{name}.toml").write_text(DECLARATION.replace("NAME", name))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    """A proxy with a proxy key for root ``edge``, text logs at debug."""
+    tmp = tmp_path_factory.mktemp("edge")
+    key = "eg-canary-" + secrets.token_urlsafe(16)
+    config = tmp / "config.toml"
+    config.write_text(
+        f'[[keys]]\nname = "edge"\nsha256 = "{hash_key(key)}"\nbudget_root = "edge"\n'
+    )
+    args = ["--config", str(config), "--providers", str(_declarations(tmp))]
+    args += ["--log-format", "text", "--log-level", "debug"]
+    with (
+        recording_upstream() as (echo_url, seen),
+        broken_status_line() as broken_url,
+        running_proxy(
+            tmp / "ledger.db",
+            upstreams={"tokenecho": echo_url, "badline": broken_url},
+            args=args,
+            env={"EFFECTGUARD_TEST_TOKEN_KEY": PROVIDER_KEY},
+        ) as proxy,
+    ):
+        environment = Edge(proxy, seen, key)
+        try:
+            yield environment
+        finally:
+            environment.client.close()
+
+
+def _ledger_bytes(proxy: Proxy) -> bytes:
+    ledger = Path(proxy.ledger)
+    return b"".join(p.read_bytes() for p in (ledger, Path(f"{ledger}-wal")) if p.exists())
+
+
+def test_a_proxy_key_in_the_providers_own_key_header_never_goes_upstream(edge: Edge) -> None:
+    """A tenant's SDK sends its proxy key in the provider's credential header: it admits the
+    call, and upstream gets that header once, with the provider key effectguard holds. A
+    client's own credential there is replaced the same way."""
+    for headers in (
+        {"x-echo-token": edge.key},
+        {"Effectguard-Key": edge.key, "x-echo-token": "sk-canary-client-own-token"},
+    ):
+        before = len(edge.seen)
+        answer = edge.client.post("/tokenecho/v1/chat/completions", json=CHAT, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert len(edge.seen) == before + 1
+        forwarded = [(k.lower(), v) for k, v in edge.seen[-1]]
+        assert [v for k, v in forwarded if k == "x-echo-token"] == [PROVIDER_KEY]
+        sent = repr(forwarded)
+        assert edge.key not in sent and "sk-canary-client-own-token" not in sent
+
+
+def test_a_query_string_in_an_upstream_error_reaches_no_log_ledger_or_answer(
+    edge: Edge, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upstream error whose text quotes the request URL (a bad status line) is recorded
+    and answered without the URL's query, where a credential may ride (``?key=``)."""
+    canary = "canary-query-" + secrets.token_hex(6)
+    answer = edge.client.post(
+        f"/badline/v1/chat/completions?key={canary}",
+        json=CHAT,
+        headers={"Effectguard-Key": edge.key},
+    )
+    assert answer.status_code == 502, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "effect_unknown" and "Bad status line" in error["message"]
+    call_id = answer.headers["effectguard-call-id"]
+    capsys.readouterr()
+    assert cli_main(["show", call_id, "--ledger", edge.proxy.ledger]) == 0
+    shown = capsys.readouterr().out
+    for where in (answer.text, shown, edge.proxy.log()):
+        assert canary not in where
+    assert canary.encode() not in _ledger_bytes(edge.proxy)
+    # The error is still told, its URL too: only the query is left out.
+    assert "interrupted" in shown and "/v1/chat/completions?…" in shown
+
+
+def test_text_log_lines_stay_one_short_printable_line(edge: Edge) -> None:
+    """A path with a C1 control (a terminal's CSI) and a direction override, and a long
+    budget holding a line separator, are logged escaped and cut: every line of the log is
+    printable (str.splitlines splits at U+2028 and U+0085 too) and none is long."""
+    key = {"Effectguard-Key": edge.key}
+    hostile = "/tokenecho/v1/chat/x%C2%9B31m%E2%80%AEevil%C2%85"
+    assert edge.client.post(hostile, json=CHAT, headers=key).status_code == 200
+    budget = ("edge/" + "x" * 2000 + "\u2028").encode()
+    refused = edge.client.post(
+        "/tokenecho/v1/chat/completions", json=CHAT, headers={**key, "Effectguard-Budget": budget}
+    )
+    assert refused.status_code == 400, refused.text
+    log = edge.proxy.log()
+    lines = log.splitlines()
+    assert all(line.isprintable() for line in lines), [ln for ln in lines if not ln.isprintable()]
+    access = [line for line in lines if "event=access" in line]
+    assert any("\\x9b31m\\u202eevil\\x85" in line for line in access), access
+    assert max(len(line) for line in lines) < 1500
+    assert any("error=invalid_budget" in line for line in access), access
+
+
+def test_json_log_lines_stay_one_object_per_line_for_any_splitter(tmp_path: Path) -> None:
+    """With JSON logs, a client's C1 control, line separator or direction override is written
+    as a JSON escape: each line of the log, however split, is one JSON object."""
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    args = ["--providers", str(_declarations(tmp_path)), "--log-format", "json"]
+    with (
+        recording_upstream() as (echo_url, _),
+        running_proxy(
+            tmp_path / "ledger.db",
+            upstreams={"tokenecho": echo_url},
+            args=args,
+            env={"EFFECTGUARD_TEST_TOKEN_KEY": PROVIDER_KEY},
+        ) as proxy,
+    ):
+        path = "/tokenecho/v1/chat/x%C2%9B31m%E2%80%A8%E2%80%AEz%C3%A9"
+        assert httpx.post(proxy.url + path, json=CHAT, timeout=10).status_code == 200
+    objects = [json.loads(line) for line in proxy.log().splitlines() if line.startswith("{")]
+    access = [o for o in objects if o.get("event") == "access"]
+    assert [o["endpoint"] for o in access] == ["/v1/chat/x\u009b31m\u2028\u202ez\u00e9"]
