@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the store contract's fixtures are imported by name and used as arguments)
 """``effectguard budget set`` changes only the fields it is given, even when another
 operator changes the same node while it runs (docs/contract.md §8).
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_store_contract import clock, ledger, ledger_url, ns, store_kind  # noqa: F401  (fixtures)
 
 from effectguard.ledger import Ledger, LedgerStore, Writer
 from effectguard.ops.changes import cmd_budget_set
@@ -66,3 +68,12 @@ async def test_a_rate_set_meanwhile_survives_a_limit_change(tmp_path: Path) -> N
     meanwhile = BudgetPolicy("team", 100 * USD, "month", "Asia/Kathmandu", concurrency=3)
     after = await budget_set_racing(str(tmp_path / "l.db"), ["team", "--limit", "5"], meanwhile)
     assert after == BudgetPolicy("team", 5 * USD, "month", "Asia/Kathmandu", concurrency=3)
+
+
+async def test_change_policy_keeps_the_fields_it_is_not_given(ledger: Ledger, ns: str) -> None:
+    """On every store, ``change_policy`` writes the named fields onto the stored policy."""
+    path = f"{ns}/team"
+    await ledger.set_policy(BudgetPolicy(path, 100 * USD, "week", "Pacific/Chatham", rpm=60))
+    after = await ledger.change_policy(path, {"limit": 5 * USD, "tpm": 1000})
+    assert after == BudgetPolicy(path, 5 * USD, "week", "Pacific/Chatham", rpm=60, tpm=1000)
+    assert (await ledger.policies())[path] == after
