@@ -148,3 +148,19 @@ def test_the_warning_for_a_total_budget_says_only_a_higher_limit_helps(
     assert code == 0
     assert "in period total" in err and "until its limit is raised" in err
     assert "period ends" not in err
+
+
+def test_a_past_day_stays_visible_after_the_node_moves_to_months(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``budgets --period DAY`` still shows what a node spent that day after ``budget set
+    --period month``: changing a period moves no charge, and hides none."""
+    path = str(tmp_path / "l.db")
+    asyncio.run(spend(path, 2, datetime(2020, 2, 15, 12, tzinfo=UTC).timestamp(), "day"))
+    assert run(capsys, "budget", "set", "team", "--period", "month", "--ledger", path)[0] == 0
+    (team,) = run_json(capsys, "budgets", "--period", "2020-02-15", "--ledger", path)
+    assert (team["period"], team["spent_usd"], team["resets"]) == (
+        "2020-02-15",
+        "2.000000000",
+        "month",
+    )
