@@ -38,11 +38,14 @@ def request(budget: str) -> AdmitRequest:
     )
 
 
-async def spend(path: str, usd: int, at: float | None = None) -> None:
-    """Admit and settle one call of ``usd`` on ``team`` at ``at`` (default: now)."""
+async def spend(
+    path: str, usd: int, at: float | None = None, period: periods.PeriodKind = "month"
+) -> None:
+    """Admit and settle one call of ``usd`` on ``team`` (resetting every ``period``) at
+    ``at`` (default: now)."""
     clock = None if at is None else ManualClock(at)
     async with Ledger.open(path, clock=clock) as ledger:
-        await ledger.set_policy(BudgetPolicy("team", 10 * USD, "month", "UTC"))
+        await ledger.set_policy(BudgetPolicy("team", 10 * USD, period, "UTC"))
         writer: Writer = await ledger.store.write(
             Writer("boot", 0),
             lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=60),
@@ -132,3 +135,32 @@ def test_a_limit_below_what_the_period_spent_warns_and_is_set(
     assert "team" in out
     code, _, err = run(capsys, "budget", "set", "team", "--limit", "5", "--ledger", path)
     assert code == 0 and err == ""
+
+
+def test_the_warning_for_a_total_budget_says_only_a_higher_limit_helps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``total`` period never ends: the warning says the node admits nothing until its
+    limit is raised, never that waiting for its period to end would help."""
+    path = str(tmp_path / "l.db")
+    asyncio.run(spend(path, 2, period="total"))
+    code, _, err = run(capsys, "budget", "set", "team", "--limit", "1", "--ledger", path)
+    assert code == 0
+    assert "in period total" in err and "until its limit is raised" in err
+    assert "period ends" not in err
+
+
+def test_a_past_day_stays_visible_after_the_node_moves_to_months(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``budgets --period DAY`` still shows what a node spent that day after ``budget set
+    --period month``: changing a period moves no charge, and hides none."""
+    path = str(tmp_path / "l.db")
+    asyncio.run(spend(path, 2, datetime(2020, 2, 15, 12, tzinfo=UTC).timestamp(), "day"))
+    assert run(capsys, "budget", "set", "team", "--period", "month", "--ledger", path)[0] == 0
+    (team,) = run_json(capsys, "budgets", "--period", "2020-02-15", "--ledger", path)
+    assert (team["period"], team["spent_usd"], team["resets"]) == (
+        "2020-02-15",
+        "2.000000000",
+        "month",
+    )

@@ -249,3 +249,19 @@ def test_a_view_shows_each_node_in_its_own_period() -> None:
         ("org", "2026-11", 7),
         ("org/team", "2026-11-30", 7),
     ]
+
+
+def test_a_named_period_shows_a_node_charged_in_it_under_an_earlier_policy() -> None:
+    """A node moved from ``day`` to ``month`` still shows its past day's charges when that
+    day is named; a node never charged in it and resetting monthly is not listed."""
+    tree = budget.fold(
+        [
+            BudgetLimitSet(path="team", limit=10, period="day", tz="Asia/Kathmandu"),
+            BudgetReserved(call="c", budget="team", amount=7, periods={"team": "2026-12-03"}),
+            BudgetLimitSet(path="team", limit=300, period="month", tz="Asia/Kathmandu"),
+            BudgetLimitSet(path="other", limit=5, period="month", tz="UTC"),
+        ]
+    )
+    now = datetime(2026, 12, 5, tzinfo=UTC).timestamp()
+    past = budget_view(tree.policies, tree.nodes.values(), now, label="2026-12-03")
+    assert [(n.path, n.period, n.reserved) for n in past] == [("team", "2026-12-03", 7)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.periods import TOTAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +91,10 @@ def overspent(node: BudgetNode) -> str | None:
     period has already spent; ``None`` when it has room or no limit."""
     if node.limit is None or node.spent <= node.limit:
         return None
+    # A total period never ends: telling the operator to wait would be wrong.
+    until = "its limit is raised" if node.period == TOTAL else "the period ends"
     return (
         f"budget {node.path!r} has already spent {nanos_to_usd(node.spent)} USD in period "
         f"{node.period}, more than its new limit of {nanos_to_usd(node.limit)} USD; it "
-        "admits no call until the period ends"
+        f"admits no call until {until}"
     )

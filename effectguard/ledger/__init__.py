@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import date
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from effectguard.errors import CallNotFound, ConfigError
 from effectguard.ledger import decisions, evidence, keyops, operations
@@ -215,6 +215,18 @@ class Ledger:
     async def set_policy(self, policy: BudgetPolicy, writer: Writer = OPERATOR) -> None:
         """Declare budget ``policy.path``'s limit, period, timezone and rate limits."""
         await self.store.write(writer, lambda tx: operations.set_policy(tx, writer, policy))
+
+    async def change_policy(
+        self, path: str, changes: Mapping[str, Any], writer: Writer = OPERATOR
+    ) -> BudgetPolicy:
+        """Change only the named fields of budget ``path``'s policy (``limit``, ``period``,
+        ``tz``, ``rpm``, ``tpm``, ``concurrency``), reading the rest in the same
+        transaction, so a concurrent change to another field is kept. Returns the policy
+        now declared."""
+        policy: BudgetPolicy = await self.store.write(
+            writer, lambda tx: operations.change_policy(tx, writer, path, changes)
+        )
+        return policy
 
     async def call(self, call_id: str) -> WorkState:
         """One call's state; raises :class:`CallNotFound`."""

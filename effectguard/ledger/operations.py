@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import bodystore, budgetfold, rates, room
@@ -339,9 +340,22 @@ def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkStat
 
 def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
     """Set (or clear) a budget node's limit, keeping the rest of its policy."""
+    change_policy(tx, writer, path, {"limit": limit})
+
+
+def change_policy(tx: Tx, writer: Writer, path: str, changes: Mapping[str, Any]) -> BudgetPolicy:
+    """Change the named fields of a node's policy; the others keep the value this
+    transaction reads. Returns the policy declared.
+
+    The read is in the write's transaction on purpose: a policy read before it and
+    written back whole would undo whatever another operator changed in between (a
+    ``budget set --rpm`` racing a ``budget set --limit`` put the old limit back).
+    """
     path = budgets.validate_path(path)
     policy = tx.get_policies([path]).get(path) or BudgetPolicy(path)
-    set_policy(tx, writer, dataclasses.replace(policy, limit=limit))
+    policy = dataclasses.replace(policy, **changes)
+    set_policy(tx, writer, policy)
+    return policy
 
 
 def set_policy(tx: Tx, writer: Writer, policy: BudgetPolicy) -> None:

@@ -160,13 +160,14 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
     spent in its current period is set all the same, with a warning on stderr.
     """
     path: str = args.path
-    current = (await ledger.policies()).get(path) or BudgetPolicy(path)
-    policy = dataclasses.replace(current, **_policy_changes(args))
+    changes = _policy_changes(args)
     try:
-        validate_policy(policy)
+        validate_policy(dataclasses.replace(BudgetPolicy(path), **changes))
     except ValueError as exc:
         return _usage(str(exc))
-    await ledger.set_policy(policy)
+    # Only the fields given are written, onto the policy as the write's own transaction
+    # reads it: another operator's change to another field, made since, is kept.
+    policy = await ledger.change_policy(path, changes)
     node = next(n for n in await ledger.budgets() if n.path == path)
     if (warning := overspent(node)) is not None:
         print(f"effectguard: warning: {warning}", file=sys.stderr)

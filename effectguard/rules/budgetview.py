@@ -2,7 +2,8 @@
 
 The stores keep counters per ``(path, period)``. A view picks one period per node:
 the one containing an instant (each node in its own timezone), the one containing a
-local date, or a label named outright (only nodes whose period has labels of that form).
+local date, or a label named outright (the nodes whose period has labels of that form,
+and those charged in that period under an earlier policy).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def budget_view(
     out = []
     for path in sorted(set(policies) | {path for path, _ in by_key}):
         policy = policies.get(path) or BudgetPolicy(path)
-        if kind_wanted is not None and policy.period != kind_wanted:
+        # A node shows a named period when it resets on that kind of period now, or when it
+        # was charged in that period under an earlier policy: a node moved from day to
+        # month keeps its past days' charges, and they must stay visible.
+        if kind_wanted is not None and policy.period != kind_wanted and (path, label) not in by_key:
             continue
         if label is not None:
             chosen = label

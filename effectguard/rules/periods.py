@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import zoneinfo
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from typing import Final, Literal, get_args
@@ -46,6 +47,15 @@ def zone(name: str) -> ZoneInfo:
         raise ValueError(f"unknown timezone {shown} (use an IANA name like Europe/Paris)") from exc
 
 
+@lru_cache(maxsize=1)
+def _iana_names() -> frozenset[str]:
+    # The names of the IANA database that this machine holds (its own copy and the tzdata
+    # package's). It leaves out the directories some systems add beside them (Debian's
+    # posix/ and right/ copies): ZoneInfo loads those here, but a replica that has only
+    # the tzdata package (a slim container) has no such file.
+    return frozenset(zoneinfo.available_timezones())
+
+
 def validate_zone(name: str) -> str:
     """``name`` if it is an IANA zone that means the same on every machine, else
     ``ValueError`` (for a new policy; stored policies are read with :func:`zone`)."""
@@ -55,6 +65,11 @@ def validate_zone(name: str) -> str:
             "name the zone (e.g. Europe/Paris)"
         )
     zone(name)
+    if name not in _iana_names():
+        raise ValueError(
+            f"{name!r} is not an IANA zone name (only this machine's copy has it); "
+            "name the zone (e.g. Europe/Paris)"
+        )
     return name
 
 

@@ -1,0 +1,79 @@
+# ruff: noqa: F811  (the store contract's fixtures are imported by name and used as arguments)
+"""``effectguard budget set`` changes only the fields it is given, even when another
+operator changes the same node while it runs (docs/contract.md §8).
+
+The command used to read the node's policy, then write it back whole with its own
+change: a ``budget set --limit`` committed in between was silently undone. Here the
+other operator's change commits just before the command's write, the moment the race
+leaves open, through a store that runs it there (a fake, not a patch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_store_contract import clock, ledger, ledger_url, ns, store_kind  # noqa: F401  (fixtures)
+
+from effectguard.ledger import Ledger, LedgerStore, Writer
+from effectguard.ops.changes import cmd_budget_set
+from effectguard.ops.cli import build_parser
+from effectguard.rules.budget import BudgetPolicy
+
+USD = 1_000_000_000
+
+
+class ChangedBeforeWrite:
+    """A store on which ``other`` (another operator's change) commits just before the
+    next write, then behaves as the store it wraps."""
+
+    def __init__(self, inner: LedgerStore, other: Callable[[], Awaitable[None]]) -> None:
+        self._inner = inner
+        self._other: Callable[[], Awaitable[None]] | None = other
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def write(self, writer: Writer, op: Any, *args: Any) -> Any:
+        if self._other is not None:
+            other, self._other = self._other, None
+            await other()
+        return await self._inner.write(writer, op, *args)
+
+
+async def budget_set_racing(path: str, argv: list[str], other: BudgetPolicy) -> BudgetPolicy:
+    """Run ``budget set`` while ``other`` is declared by another operator; the policy after."""
+    args = build_parser().parse_args(["budget", "set", *argv, "--ledger", path])
+    async with Ledger.open(path) as ledger:
+        await ledger.set_policy(BudgetPolicy("team", 100 * USD, "month", "UTC"))
+        racing = Ledger(ChangedBeforeWrite(ledger.store, lambda: ledger.set_policy(other)))
+        assert await cmd_budget_set(args, racing) == 0
+        return (await ledger.policies())["team"]
+
+
+async def test_a_limit_lowered_meanwhile_survives_a_rate_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An emergency ``--limit 5`` committed while ``budget set --rpm 7`` runs stays 5 USD."""
+    lowered = BudgetPolicy("team", 5 * USD, "month", "UTC")
+    after = await budget_set_racing(str(tmp_path / "l.db"), ["team", "--rpm", "7"], lowered)
+    assert (after.limit, after.rpm) == (5 * USD, 7)
+    assert "team: limit 5.000000000 USD per month; rpm 7" in capsys.readouterr().out
+
+
+async def test_a_rate_set_meanwhile_survives_a_limit_change(tmp_path: Path) -> None:
+    """A ``--concurrency 3`` and ``--tz`` committed while ``budget set --limit 5`` runs are kept."""
+    meanwhile = BudgetPolicy("team", 100 * USD, "month", "Asia/Kathmandu", concurrency=3)
+    after = await budget_set_racing(str(tmp_path / "l.db"), ["team", "--limit", "5"], meanwhile)
+    assert after == BudgetPolicy("team", 5 * USD, "month", "Asia/Kathmandu", concurrency=3)
+
+
+async def test_change_policy_keeps_the_fields_it_is_not_given(ledger: Ledger, ns: str) -> None:
+    """On every store, ``change_policy`` writes the named fields onto the stored policy."""
+    path = f"{ns}/team"
+    await ledger.set_policy(BudgetPolicy(path, 100 * USD, "week", "Pacific/Chatham", rpm=60))
+    after = await ledger.change_policy(path, {"limit": 5 * USD, "tpm": 1000})
+    assert after == BudgetPolicy(path, 5 * USD, "week", "Pacific/Chatham", rpm=60, tpm=1000)
+    assert (await ledger.policies())[path] == after
