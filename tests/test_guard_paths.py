@@ -10,7 +10,11 @@ idempotency guarantee.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import hashlib
+import io
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +23,7 @@ import pytest
 import respx
 
 from effectguard import AsyncGuardTransport, GuardSettings
+from effectguard.ops.cli import main as cli_main
 from effectguard.providers import load_providers
 from effectguard.rules.usage import Usage, cost, estimate
 
@@ -382,6 +387,42 @@ async def test_budget_refusal_is_402_and_recorded_refused(
     budget = await node(t, "team-a")
     assert (budget.reserved, budget.spent, budget.held) == (0, 0, 0)
     await finish(t)
+
+
+@respx.mock(base_url=OPENAI, assert_all_called=False)
+async def test_a_refused_calls_large_body_is_kept_as_its_digest(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish, ledger_path: str
+) -> None:
+    """A refusal is recorded for audit, but a large body it never sent keeps only its
+    SHA-256 (``show`` names it by reference): a client retrying a 40 KB prompt against a
+    full budget used to write it to the ledger whole each time. A short body is kept."""
+    respx_mock.post("/v1/chat/completions").mock(return_value=ok())
+    t = make_transport()
+    await t.guard()
+    await t.ledger.set_limit("tiny", 1)
+    client = httpx.AsyncClient(transport=t)
+    large = json.dumps(chat_request("x" * 40_000)).encode()
+    headers = {"Effectguard-Budget": "tiny", "content-type": "application/json"}
+    refused = await client.post(CHAT_URL, content=large, headers=headers)
+    short = await client.post(CHAT_URL, json=chat_request("short"), headers=headers)
+    assert (refused.status_code, short.status_code) == (402, 402)
+    await finish(t)
+    shown = await asyncio.to_thread(_show_json, ledger_path, refused.headers["effectguard-call-id"])
+    assert shown["stage"] == "refused"
+    assert shown["request"]["body_encoding"] == "sha256"
+    assert shown["request"]["sha256"] == hashlib.sha256(large).hexdigest()
+    kept = (await asyncio.to_thread(_show_json, ledger_path, short.headers["effectguard-call-id"]))[
+        "request"
+    ]
+    assert kept["messages"][0]["content"] == "short"
+
+
+def _show_json(ledger: str, call_id: str) -> dict[str, Any]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["show", call_id, "--ledger", ledger, "--json"]) == 0
+    shown: dict[str, Any] = json.loads(out.getvalue())
+    return shown
 
 
 @respx.mock(base_url=OPENAI)

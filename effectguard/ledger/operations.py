@@ -22,6 +22,7 @@ from effectguard.ledger.retries import retried_call
 from effectguard.rules import budget as budgets
 from effectguard.rules import evidence, keys, workstate
 from effectguard.rules.admission import AdmitRequest, Decision, decide_keyed, decide_retry
+from effectguard.rules.bodyref import refused_manifest
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.events import (
     AttemptInterrupted,
@@ -285,6 +286,8 @@ def _refused(
     tx: Tx, writer: Writer, events: list[Event], call_id: str, refusal: Refusal
 ) -> Admitted:
     if events:  # a new call: record the refused manifest so the refusal is auditable
+        assert isinstance(events[0], CallManifest)
+        events[0] = refused_manifest(events[0])
         events.append(
             CallRefused(
                 call=call_id, reason=refusal.type, status=refusal.status, message=refusal.message

@@ -11,15 +11,29 @@ covers them (through the digest in the manifest) and recovery can still resend t
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from dataclasses import dataclass
 
-__all__ = ["CHUNK_BYTES", "REF_ENCODING", "SpooledBody", "describe_ref"]
+from effectguard.rules.events import CallManifest, decode_body
+
+__all__ = [
+    "CHUNK_BYTES",
+    "REFUSED_BODY_KEPT",
+    "REF_ENCODING",
+    "SpooledBody",
+    "describe_ref",
+    "refused_manifest",
+]
 
 #: ``body_encoding`` of a manifest whose ``body`` is the SHA-256 of bytes stored apart.
 REF_ENCODING = "sha256"
 #: The size of one stored chunk: large enough that a 10 MiB body is 40 rows, small
 #: enough that writing or reading one never holds more than this in memory.
 CHUNK_BYTES = 256 * 1024
+#: The longest body (as the manifest holds it) a refused call keeps; a longer one keeps
+#: only its digest.
+REFUSED_BODY_KEPT = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +51,17 @@ def describe_ref(sha256: str, size: int | None) -> str:
     if size is None:
         return f"body stored by reference: sha256 {sha256}"
     return f"body stored by reference: {size} bytes, sha256 {sha256}"
+
+
+def refused_manifest(manifest: CallManifest) -> CallManifest:
+    """The manifest a refused call keeps: as it came when its body is short, else with
+    its body named by digest (:data:`REF_ENCODING`) and not stored.
+
+    A refusal is recorded so it can be audited, but its body is never sent: kept whole,
+    a client retrying a large request against a full budget or a rate limit (an agent's
+    500 KB context, in a loop) would write the ledger's disk full for every tenant.
+    """
+    if manifest.body_encoding == REF_ENCODING or len(manifest.body) <= REFUSED_BODY_KEPT:
+        return manifest
+    digest = hashlib.sha256(decode_body(manifest.body, manifest.body_encoding)).hexdigest()
+    return dataclasses.replace(manifest, body=digest, body_encoding=REF_ENCODING)
