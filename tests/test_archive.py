@@ -282,6 +282,32 @@ def _reseal_with_one_body_changed(path: Path) -> None:
     _rewrite(path, reseal)
 
 
+def test_a_partial_file_an_earlier_archive_left_is_never_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An archive that crashed after its commit, before its rename, leaves the only copy
+    of the events it moved in ``.FILE.partial``. Archiving to FILE again is refused, the
+    file untouched and nothing moved, with what to do; it used to be overwritten."""
+    ledger = tmp_path / "ledger.db"
+    target = tmp_path / "arch.jsonl.gz"
+    partial = tmp_path / ".arch.jsonl.gz.partial"
+    partial.write_bytes(b"the only copy of an earlier range")
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        send_chats(proxy, range(3))
+    code, out = cli(
+        capsys, "archive", "--ledger", str(ledger), "--before", later(), "--out", str(target)
+    )
+    assert code == 2
+    assert str(partial) in out["err"] and "verify" in out["err"]
+    assert partial.read_bytes() == b"the only copy of an earlier range"
+    assert len(call_stages(ledger)) == 3 and not target.exists()
+    partial.unlink()
+    assert archive(ledger, capsys, "--out", str(target))["calls"] == 3
+
+
 def test_archive_refuses_memory_and_needs_a_cutoff(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

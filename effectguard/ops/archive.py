@@ -74,6 +74,7 @@ def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> Ar
             return held(_result(conn, None, 0, 0, 0, 0, 0, 0), survey)
         target = out or path.with_name(f"{path.stem}-archive-{plan.first}-{plan.last}.jsonl.gz")
         new_file(target, ledger=path, command="archive", what="an archive")
+        _refuse_stale_partial(target, path)
         return held(_commit(conn, plan, target), survey)
     finally:
         conn.close()
@@ -139,6 +140,19 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
     _fsync_dir(target.parent)
     counts = (len(plan.events), len(plan.calls), len(keyed))
     return _result(conn, str(target), plan.first, plan.last, *counts, stored.seq)
+
+
+def _refuse_stale_partial(target: Path, ledger: Path) -> None:
+    """An archive that stopped after its commit and before its rename left the only copy
+    of the events it moved in ``.FILE.partial``: it must never be overwritten or removed."""
+    partial = target.with_name(f".{target.name}.partial")
+    if partial.exists():
+        raise ConfigError(
+            f"{partial} exists: an earlier archive to {target.name} stopped before renaming "
+            f"it into place. Run `effectguard verify --archive {partial} --ledger {ledger}`: "
+            f"if it passes, the file holds archived events: rename it to {target}; if not, "
+            "delete it. Then run archive again"
+        )
 
 
 def _bodies(conn: sqlite3.Connection, plan: Plan) -> Iterator[tuple[str, int, bytes]]:
