@@ -282,16 +282,23 @@ def _reseal_with_one_body_changed(path: Path) -> None:
     _rewrite(path, reseal)
 
 
+@pytest.mark.parametrize("left", ["file", "dangling-link"])
 def test_a_partial_file_an_earlier_archive_left_is_never_overwritten(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], left: str
 ) -> None:
     """An archive that crashed after its commit, before its rename, leaves the only copy
     of the events it moved in ``.FILE.partial``. Archiving to FILE again is refused, the
-    file untouched and nothing moved, with what to do; it used to be overwritten."""
+    file untouched and nothing moved, with what to do; it used to be overwritten. A
+    symbolic link planted there (a shared directory) is refused too, never written
+    through."""
     ledger = tmp_path / "ledger.db"
     target = tmp_path / "arch.jsonl.gz"
     partial = tmp_path / ".arch.jsonl.gz.partial"
-    partial.write_bytes(b"the only copy of an earlier range")
+    elsewhere = tmp_path / "elsewhere"
+    if left == "file":
+        partial.write_bytes(b"the only copy of an earlier range")
+    else:
+        partial.symlink_to(elsewhere)
     with (
         fake_provider(tmp_path / "receipts.jsonl") as fake,
         running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
@@ -302,7 +309,9 @@ def test_a_partial_file_an_earlier_archive_left_is_never_overwritten(
     )
     assert code == 2
     assert str(partial) in out["err"] and "verify" in out["err"]
-    assert partial.read_bytes() == b"the only copy of an earlier range"
+    if left == "file":
+        assert partial.read_bytes() == b"the only copy of an earlier range"
+    assert not elsewhere.exists()
     assert len(call_stages(ledger)) == 3 and not target.exists()
     partial.unlink()
     assert archive(ledger, capsys, "--out", str(target))["calls"] == 3

@@ -41,7 +41,7 @@ from typing import Any
 from effectguard.errors import ConfigError, LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
-from effectguard.ledger.sqlitefile import check_ledger_file, create_owner_only
+from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import connect, migrate
 from effectguard.ops import archivefile
 from effectguard.ops.archiveplan import (
@@ -54,7 +54,7 @@ from effectguard.ops.archiveplan import (
     prove,
     seal_checkpoint,
 )
-from effectguard.ops.outpath import new_file
+from effectguard.ops.outpath import create_private, new_file
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.guidance import show_command
 
@@ -117,7 +117,7 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
     partial = target.with_name(f".{target.name}.partial")
     # Owner-only like the ledger whose events and bodies it holds: gzip.open would
     # create it with the umask's permissions, readable by anyone.
-    create_owner_only(str(partial))
+    create_private(partial)
     try:
         # Before the write lock; bodies never change once written, so they need none.
         archivefile.write_events(partial, header, lines, _bodies(conn, plan))
@@ -146,7 +146,7 @@ def _refuse_stale_partial(target: Path, ledger: Path) -> None:
     """An archive that stopped after its commit and before its rename left the only copy
     of the events it moved in ``.FILE.partial``: it must never be overwritten or removed."""
     partial = target.with_name(f".{target.name}.partial")
-    if partial.exists():
+    if os.path.lexists(partial):
         raise ConfigError(
             f"{partial} exists: an earlier archive to {target.name} stopped before renaming "
             f"it into place. Run `effectguard verify --archive {partial} --ledger {ledger}`: "

@@ -24,9 +24,9 @@ from pathlib import Path
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
-from effectguard.ledger.sqlitefile import check_ledger_file, create_owner_only
+from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
-from effectguard.ops.outpath import new_file
+from effectguard.ops.outpath import create_private, new_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     partial.unlink(missing_ok=True)
     # Owner-only like the ledger itself (it holds prompts, responses and key digests);
     # SQLite would create it with the umask's permissions, readable by anyone.
-    create_owner_only(str(partial))
+    create_private(partial)
     try:
         _copy(source, partial)
         result = _check(partial, target)

@@ -34,3 +34,15 @@ def new_file(path: str | Path, *, ledger: Path, command: str, what: str) -> Path
     if not os.access(resolved.parent, os.W_OK):
         raise ConfigError(f"{command}: cannot write in {target.parent}")
     return target
+
+
+def create_private(path: Path) -> None:
+    """Create ``path`` empty and owner-only (0600) for a command to write: ``backup``'s
+    and ``archive``'s files hold what the ledger holds (prompts, answers, key digests),
+    which the ledger keeps owner-only too. Nothing may be there already, a symbolic link
+    included: in a shared directory one planted there would have the copy written
+    wherever it points."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        raise ConfigError(f"{path} exists; it is not overwritten") from None
