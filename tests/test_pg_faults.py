@@ -17,7 +17,9 @@ batch's last event. Each case checks the client's answer, the provider's receipt
 * the connection cut *instead of* sending the admission's ``COMMIT``: nothing committed,
   so the batch runs once more on a fresh connection, and the client gets 200;
 * a connection the server closed while it sat idle: the next batch reconnects and runs;
-* a ledger table locked by another session: 503 after the lock timeout, not a hang.
+* a ledger table locked by another session: 503 after the lock timeout, not a hang;
+* every connection lost before a keyed resend of an ``effect_unknown`` call: the reader
+  reads once more on a new connection, and the resend gets its 409, not a 500.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import pytest
 from pgkit import DSN, NEEDS_PG, pg_url
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER
 
 _ = (pg_url,)  # fixtures
 
@@ -287,4 +290,29 @@ def test_a_table_locked_by_another_session_is_503_not_a_hang(
     assert locked.json()["error"]["type"] == "ledger_unavailable"
     assert after.status_code == 200, after.text
     assert len(provider.effects()) == 1  # only the call after the lock
+    assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_resend_after_the_connections_were_lost_is_judged_not_a_500(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Every ledger connection lost (``pg_terminate_backend``, a failover) between a call
+    that ended ``effect_unknown`` and a keyed resend of it: the resend is answered 409
+    ``effect_unknown`` as always, and not sent. Before, the read that looks for evidence
+    met the dead connection and the client got 500 ``internal_error`` with
+    ``x-should-retry: false``."""
+    url = _via(pg_url, relay)
+    with running_proxy(
+        url, upstreams={"openai": provider.url}, log_path=tmp_path / "p.log"
+    ) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        body, headers = _chat("lost-then-resent")
+        first = client.post(CHAT, json=body, headers={**headers, BEHAVIOUR_HEADER: "drop"})
+        relay.cut_idle()
+        again = client.post(CHAT, json=body, headers=headers)
+        client.close()
+    assert first.status_code == 502, first.text
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["type"] == "effect_unknown"
+    assert len(provider.effects()) == 1
     assert "ok" in _ledger(pg_url, "verify")
