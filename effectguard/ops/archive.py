@@ -54,7 +54,7 @@ from effectguard.ops.archiveplan import (
     prove,
     seal_checkpoint,
 )
-from effectguard.ops.outpath import new_file
+from effectguard.ops.outpath import create_owner_only, new_file
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.guidance import show_command
 
@@ -115,6 +115,7 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
     }
     partial = target.with_name(f".{target.name}.partial")
     try:
+        create_owner_only(partial)  # it holds the calls' requests and answers
         # Before the write lock; bodies never change once written, so they need none.
         archivefile.write_events(partial, header, lines, _bodies(conn, plan))
         conn.execute("BEGIN IMMEDIATE")

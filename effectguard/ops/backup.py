@@ -26,7 +26,7 @@ from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
 from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
-from effectguard.ops.outpath import new_file
+from effectguard.ops.outpath import create_owner_only, new_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,7 @@ def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     target = new_file(target, ledger=source, command="backup", what="a backup")
     partial = target.with_name(f".{target.name}.partial")
     partial.unlink(missing_ok=True)
+    create_owner_only(partial)
     try:
         _copy(source, partial)
         result = _check(partial, target)
