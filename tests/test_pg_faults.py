@@ -17,7 +17,9 @@ batch's last event. Each case checks the client's answer, the provider's receipt
 * the connection cut *instead of* sending the admission's ``COMMIT``: nothing committed,
   so the batch runs once more on a fresh connection, and the client gets 200;
 * a connection the server closed while it sat idle: the next batch reconnects and runs;
-* a ledger table locked by another session: 503 after the lock timeout, not a hang.
+* a ledger table locked by another session: 503 after the lock timeout, not a hang;
+* every connection lost before a keyed resend of an ``effect_unknown`` call: the reader
+  reads once more on a new connection, and the resend gets its 409, not a 500.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import pytest
 from pgkit import DSN, NEEDS_PG, pg_url
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER
 
 _ = (pg_url,)  # fixtures
 
@@ -61,12 +64,18 @@ class Relay:
         self._lock = threading.Lock()
         self._armed: tuple[bytes, str] | None = None
         self._sockets: list[socket.socket] = []
+        self._admits: int | None = None  # new connections still let through (None: all)
         self.cuts = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def arm(self, marker: str, when: str) -> None:
         with self._lock:
             self._armed = (marker.encode(), when)
+
+    def admit_only(self, count: int | None) -> None:
+        """Let only ``count`` more connections through (``None``: every one again)."""
+        with self._lock:
+            self._admits = count
 
     def cut_idle(self) -> None:
         with self._lock:
@@ -84,6 +93,13 @@ class Relay:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            with self._lock:
+                refused = self._admits == 0
+                if self._admits:
+                    self._admits -= 1
+            if refused:  # as a server that is down would
+                _close(client)
+                continue
             server = socket.create_connection(("127.0.0.1", self._upstream))
             with self._lock:
                 self._sockets += [client, server]
@@ -287,4 +303,56 @@ def test_a_table_locked_by_another_session_is_503_not_a_hang(
     assert locked.json()["error"]["type"] == "ledger_unavailable"
     assert after.status_code == 200, after.text
     assert len(provider.effects()) == 1  # only the call after the lock
+    assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_resend_after_the_connections_were_lost_is_judged_not_a_500(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Every ledger connection lost (``pg_terminate_backend``, a failover) between a call
+    that ended ``effect_unknown`` and a keyed resend of it: the resend is answered 409
+    ``effect_unknown`` as always, and not sent. Before, the read that looks for evidence
+    met the dead connection and the client got 500 ``internal_error`` with
+    ``x-should-retry: false``."""
+    url = _via(pg_url, relay)
+    with running_proxy(
+        url, upstreams={"openai": provider.url}, log_path=tmp_path / "p.log"
+    ) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        body, headers = _chat("lost-then-resent")
+        first = client.post(CHAT, json=body, headers={**headers, BEHAVIOUR_HEADER: "drop"})
+        relay.cut_idle()
+        again = client.post(CHAT, json=body, headers=headers)
+        client.close()
+    assert first.status_code == 502, first.text
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["type"] == "effect_unknown"
+    assert len(provider.effects()) == 1
+    assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_resend_whose_evidence_cannot_be_read_is_503_not_sent(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The ledger reachable for the resend's admission but not for the read that looks
+    for the earlier call's outcome (the database went away in between): 503
+    ``ledger_unavailable`` with ``x-should-retry: true``, nothing sent. Before, 500
+    ``internal_error`` with ``x-should-retry: false``, though nothing had been sent."""
+    url = _via(pg_url, relay)
+    with running_proxy(
+        url, upstreams={"openai": provider.url}, log_path=tmp_path / "p.log"
+    ) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        body, headers = _chat("unreadable-evidence")
+        first = client.post(CHAT, json=body, headers={**headers, BEHAVIOUR_HEADER: "drop"})
+        relay.admit_only(1)  # the writer's new connection, and then none
+        relay.cut_idle()
+        again = client.post(CHAT, json=body, headers=headers)
+        relay.admit_only(None)
+        client.close()
+    assert first.status_code == 502, first.text
+    assert again.status_code == 503, again.text
+    assert again.json()["error"]["type"] == "ledger_unavailable"
+    assert again.headers["x-should-retry"] == "true"
+    assert len(provider.effects()) == 1
     assert "ok" in _ledger(pg_url, "verify")

@@ -33,7 +33,7 @@ from effectguard.callpath.httpxshape import (
 )
 from effectguard.callpath.join import join_call
 from effectguard.callpath.orphans import Orphans
-from effectguard.callpath.prepare import Prepared, prepare, refuse, usage_of
+from effectguard.callpath.prepare import Prepared, ledger_unavailable, prepare, refuse, usage_of
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
@@ -302,12 +302,7 @@ class Guard:
                 self.writer, prepared.admit, lambda a: self.recorder.unsent(prepared, a)
             )
         except (LedgerUnavailable, FencedError) as exc:
-            raise refuse(
-                503,
-                "ledger_unavailable",
-                f"the ledger could not record this request, so it was not sent: {exc}",
-                retryable=True,
-            ) from exc
+            raise ledger_unavailable(exc) from exc
 
     async def _dispatch(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport

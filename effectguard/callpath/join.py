@@ -8,11 +8,12 @@ import contextlib
 import time
 
 from effectguard.callpath.exchange import Reply
-from effectguard.callpath.prepare import Prepared, refuse
+from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse
 from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.reports import from_state
 from effectguard.callpath.wire import replay_response
 from effectguard.config.settings import GuardSettings
+from effectguard.errors import FencedError, LedgerUnavailable
 from effectguard.rules import workstate
 from effectguard.rules.events import AttemptObserved
 from effectguard.rules.guidance import decide_unknown
@@ -27,7 +28,23 @@ async def join_call(
     report: CallReport,
 ) -> Reply:
     """Wait for ``call_id`` to leave ``in_flight`` (at most ``join_timeout_s``); its
-    recorded answer, or 409 if it ended without one."""
+    recorded answer, or 409 if it ended without one. A ledger that cannot be read
+    meanwhile is 503 ``ledger_unavailable``: the retry itself sent nothing, and the SDK's
+    next retry joins the call again."""
+    try:
+        return await _join(recorder, settings, call_id, prepared, report)
+    except (LedgerUnavailable, FencedError) as exc:
+        what = f"the ledger failed while this retry waited for call {call_id}"
+        raise ledger_unavailable(exc, call_id, f"{what}; it sent nothing") from exc
+
+
+async def _join(
+    recorder: Recorder,
+    settings: GuardSettings,
+    call_id: str,
+    prepared: Prepared,
+    report: CallReport,
+) -> Reply:
     ledger = recorder.ledger
     deadline = time.monotonic() + settings.join_timeout_s
     resting_since: float | None = None

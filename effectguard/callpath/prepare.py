@@ -110,6 +110,13 @@ def refuse(status: int, type_: str, message: str, **kw: Any) -> Refusal:
     return Refusal(status, type_, message, **kw)
 
 
+def ledger_unavailable(exc: Exception, call_id: str | None = None, what: str = "") -> Refusal:
+    """503 ``ledger_unavailable`` for a request that sent nothing because the ledger
+    failed (docs/contract.md §9): ``x-should-retry: true``, a retry is safe."""
+    what = what or "the ledger could not record this request, so it was not sent"
+    return refuse(503, "ledger_unavailable", f"{what}: {exc}", call_id=call_id, retryable=True)
+
+
 def prepare(
     provider: Provider,
     request: Outbound,

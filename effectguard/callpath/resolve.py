@@ -32,7 +32,14 @@ import httpx
 
 from effectguard.callpath.exchange import Outbound, Send, header_value
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileHook, ReconcileQuestion
-from effectguard.errors import BodyMismatch, EffectguardError, ReconcileError
+from effectguard.callpath.prepare import ledger_unavailable
+from effectguard.errors import (
+    BodyMismatch,
+    EffectguardError,
+    FencedError,
+    LedgerUnavailable,
+    ReconcileError,
+)
 from effectguard.ledger import Ledger
 from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
@@ -176,12 +183,17 @@ class Resolver:
 
     async def at_resend(self, call_id: str, request: Outbound, send: Send) -> Evidence:
         """A keyed resend met effect-unknown ``call_id``: decide it, with the resend's
-        credential (the one its call would go out with) for the lookup."""
-        facts = await facts_of(self.ledger, call_id)
-        if facts is None or not self.can_decide(facts):
-            return Evidence("unknown", "", "nothing can decide this call")
-        provider = self.providers[facts.provider]
-        return await self.decide(facts, send, request.header(provider.key_header))
+        credential (the one its call would go out with) for the lookup. A ledger that
+        fails meanwhile is 503 ``ledger_unavailable``: the resend sent nothing."""
+        try:
+            facts = await facts_of(self.ledger, call_id)
+            if facts is None or not self.can_decide(facts):
+                return Evidence("unknown", "", "nothing can decide this call")
+            provider = self.providers[facts.provider]
+            return await self.decide(facts, send, request.header(provider.key_header))
+        except (LedgerUnavailable, FencedError) as exc:
+            what = f"the ledger failed while this resend looked for call {call_id}'s outcome"
+            raise ledger_unavailable(exc, call_id, f"{what}; nothing was sent") from exc
 
     async def decide(
         self, facts: Facts, send: Send | None = None, credential: str | None = None

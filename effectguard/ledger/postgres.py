@@ -36,7 +36,6 @@ against each other.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
@@ -49,6 +48,7 @@ from effectguard.ledger import bodystore, operations, pgfate
 from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
+from effectguard.ledger.pgreader import PgReader
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
     IDLE_IN_TRANSACTION_MS,
@@ -415,8 +415,7 @@ class PostgresStore(SqlReads):
         self.url = url
         self.target = Target.parse(url)
         self._writer: GroupCommitter[PostgresSession] | None = None
-        self._reader: psycopg.AsyncConnection[Any] | None = None
-        self._snapshot_lock = asyncio.Lock()
+        self._reader: PgReader | None = None
 
     @property
     def committer(self) -> GroupCommitter[PostgresSession]:
@@ -437,7 +436,7 @@ class PostgresStore(SqlReads):
             raise LedgerUnavailable(f"cannot open ledger {redacted(self.url)}: {exc}") from exc
         self._writer = writer
         try:
-            self._reader = await self.target.aconnect()
+            self._reader = await PgReader.open(self.target)
         except BaseException:
             writer.stop()
             self._writer = None
@@ -458,33 +457,17 @@ class PostgresStore(SqlReads):
         return float((await self._fetch(_CLOCK))[0][0])
 
     async def _fetch(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        if self._reader is None:
-            raise LedgerUnavailable(f"ledger {redacted(self.url)} is not open")
-        if self._reader.closed:  # the server ended the session: reconnect once
-            self._reader = await self.target.aconnect()
-        try:
-            cursor = await self._reader.execute(query, params)
-            return await cursor.fetchall()
-        except psycopg.Error as exc:
-            raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
+        return await self._opened_reader().fetch(query, params)
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[None]:
-        async with self._snapshot_lock:
-            await self._execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            try:
-                await self._fetch("SELECT 1")
-                yield
-            finally:
-                await self._execute("COMMIT")
+        async with self._opened_reader().snapshot():
+            yield
 
-    async def _execute(self, query: str) -> None:
+    def _opened_reader(self) -> PgReader:
         if self._reader is None:
             raise LedgerUnavailable(f"ledger {redacted(self.url)} is not open")
-        try:
-            await self._reader.execute(query)
-        except psycopg.Error as exc:
-            raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
+        return self._reader
 
     async def writable(self) -> bool:
         if not self.committer.stats.last_ok:  # a probe commits even where real writes fail
