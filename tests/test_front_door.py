@@ -400,14 +400,14 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
 ) -> None:
     """A call still waiting when the drain timeout ends gets a provider-shaped 504
     ``effect_unknown`` with its call id and ``x-should-retry: false``, and the ledger
-    holds it ``effect_unknown`` before the process exits."""
+    holds it ``effect_unknown`` before the process exits. Its access line says 504, as
+    the client got (it used to say 499, as if the client had left)."""
     config = tmp_path / "drain.toml"
     config.write_text("[server]\ndrain_timeout_s = 1\n")
     ledger = tmp_path / "l.db"
     result: dict[str, Any] = {}
-    with running_proxy(
-        ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
-    ) as proxy:
+    args = ["--config", str(config), "--log-format", "json"]
+    with running_proxy(ledger, upstreams={"openai": provider.url}, args=args) as proxy:
 
         def call() -> None:
             try:
@@ -436,6 +436,11 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
     stages = {c["call_id"]: c["stage"] for c in json.loads(capsys.readouterr().out)}
     assert stages == {call_id: "effect_unknown"}
+    lines = [json.loads(x) for x in proxy.log().splitlines() if x.startswith("{")]
+    access = [x for x in lines if x.get("event") == "access"]
+    assert [(x["call_id"], x["status"], x["stage"]) for x in access] == [
+        (call_id, 504, "effect_unknown")
+    ]
 
 
 def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_it(

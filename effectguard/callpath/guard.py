@@ -141,7 +141,10 @@ class Guard:
         except asyncio.CancelledError:
             # The caller went away; a dispatched call still settles in the background.
             report.status, report.outcome = 499, report.outcome or "cancelled"
-            self.recorder.report(report)
+            if ticket is not None and ticket.report_later:
+                ticket.report = report  # the proxy's drain answers it (504), then reports
+            else:
+                self.recorder.report(report)
             raise
         except Exception as exc:
             report.status, report.error, report.outcome = 500, "internal_error", "error"

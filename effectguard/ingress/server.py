@@ -250,7 +250,12 @@ class ProxyApp:
             )
         else:
             refusal = await self.guard.cut_off(ticket, "the proxy's drain timeout ended")
-        await _refusal(send, provider.dialect, refusal)
+        try:
+            await _refusal(send, provider.dialect, refusal)
+        finally:
+            if ticket.report is not None:
+                ticket.report.refused(refusal)  # what the client got, not "it left"
+            self._report(ticket)
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
         """``/metrics``; once proxy keys exist, only for a key allowed to read it; before,
