@@ -441,6 +441,8 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     assert [(x["call_id"], x["status"], x["stage"]) for x in access] == [
         (call_id, 504, "effect_unknown")
     ]
+    # One interruption, logged once (the cut-off and the dispatch it cancels both mark it).
+    assert [x["call_id"] for x in lines if x.get("event") == "interrupted"] == [call_id]
 
 
 def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_it(
