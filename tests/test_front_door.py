@@ -445,6 +445,52 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     assert [x["call_id"] for x in lines if x.get("event") == "interrupted"] == [call_id]
 
 
+def test_a_stream_under_way_at_the_end_of_the_drain_is_cut_off_without_an_error_log(
+    tmp_path: Path, provider: FakeProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stream that never ends is still being read when the drain timeout ends: its
+    client's connection is cut (an error, never a clean end), the call is settled as the
+    stream's end allows, and the log holds no "Exception in ASGI application" traceback,
+    which every deploy used to print at ERROR for each stream under way (nor uvicorn's
+    "returned without completing response", once printed for every stream the guard
+    broke off on purpose)."""
+    config = tmp_path / "drain.toml"
+    config.write_text("[server]\ndrain_timeout_s = 1\n[guard]\nmax_answer_bytes = 8000000\n")
+    ledger = tmp_path / "l.db"
+    result: dict[str, Any] = {}
+    with running_proxy(
+        ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
+    ) as proxy:
+
+        def call() -> None:
+            body = {**chat("endless"), "stream": True}
+            headers = {"x-fake-behaviour": "endless"}
+            try:
+                with httpx.stream(
+                    "POST", proxy.url + OPENAI_CHAT, json=body, headers=headers, timeout=PATIENCE_S
+                ) as streamed:
+                    result["call_id"] = streamed.headers[CALL_ID]
+                    for n, _ in enumerate(streamed.iter_raw()):
+                        if n == 0:
+                            time.sleep(3)  # past the drain's end: the stream is under way
+                result["ended"] = "cleanly"
+            except httpx.HTTPError as exc:
+                result["ended"] = type(exc).__name__
+
+        worker = _started_at_the_provider(provider, call)
+        proxy.kill(signal.SIGTERM)
+        worker.join(PATIENCE_S * 2)
+        proxy.process.wait(PATIENCE_S)
+        log = proxy.log()
+    assert result["ended"] != "cleanly", result
+    assert "Exception in ASGI application" not in log, log
+    assert "without completing response" not in log and "Traceback" not in log, log
+    capsys.readouterr()
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    stages = {c["call_id"]: c["stage"] for c in json.loads(capsys.readouterr().out)}
+    assert stages == {result["call_id"]: "effect_unknown"}
+
+
 def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_it(
     tmp_path: Path, provider: FakeProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:

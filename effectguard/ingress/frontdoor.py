@@ -36,10 +36,24 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 CLIENT_GONE = "effectguard.client_gone"
 
 
+#: The scope extension, a callable, that cuts the client's connection off (a response
+#: under way that cannot be finished), so the server does not take it for an app's fault.
+CUT_OFF = "effectguard.cut_off"
+
+
 def client_gone(scope: Any) -> bool:
     """Whether the client of ``scope``'s request has gone (False if the server cannot tell)."""
     gone = scope.get("extensions", {}).get(CLIENT_GONE)
     return bool(gone is not None and gone())
+
+
+def cut_off(scope: Any) -> bool:
+    """Cut the connection of ``scope``'s request off; False if the server cannot."""
+    cut = scope.get("extensions", {}).get(CUT_OFF)
+    if cut is None:
+        return False
+    cut()
+    return True
 
 
 def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
@@ -71,7 +85,10 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         #: Set while writing is paused: when the client is cut off for not reading.
         self._stalled: asyncio.TimerHandle | None = None
         #: Each request's scope extensions (one dict for the connection: they describe it).
-        self._extensions: dict[str, Any] = {CLIENT_GONE: self._client_gone}
+        self._extensions: dict[str, Any] = {
+            CLIENT_GONE: self._client_gone,
+            CUT_OFF: self._cut_off,
+        }
 
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -148,6 +165,14 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def _client_gone(self) -> bool:
         return self._lost
+
+    def _cut_off(self) -> None:
+        # Marked disconnected now (abort's connection_lost comes a loop turn later): then
+        # uvicorn logs no "returned without completing response" error for an answer
+        # cut off on purpose.
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+        self.transport.abort()
 
     # -- deadlines ----------------------------------------------------------------------
     def _start_headers(self) -> None:

@@ -20,7 +20,7 @@ import httpx
 
 from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
-from effectguard.callpath.exchange import Outbound, Reply, header_value
+from effectguard.callpath.exchange import Outbound, header_value
 from effectguard.callpath.exchange import Send as UpstreamSend
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import load_hook
@@ -36,11 +36,12 @@ from effectguard.ingress import spool
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
-from effectguard.ingress.frontdoor import client_gone
+from effectguard.ingress.frontdoor import client_gone, cut_off
 from effectguard.ingress.keyring import Grant, KeyRing, bearer_token, refuse_browsers
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
+from effectguard.ingress.replywriter import write_reply
 from effectguard.ingress.requestchecks import ambiguous_framing, check_utf8, route_of
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
 from effectguard.ledger.base import probe
@@ -230,8 +231,10 @@ class ProxyApp:
         except asyncio.CancelledError:
             # uvicorn cancels requests still running when the drain timeout ends (SIGTERM).
             context = context_of(scope)
-            if context.response_started:
-                raise  # a stream under way: it ends with an error, and settles as it can
+            if context.response_started:  # a stream under way: cut (never a clean end);
+                if cut_off(scope):  # its call settles in the background as it can
+                    return
+                raise
             await self._cut_off(send, provider, context.ticket)
 
     async def _cut_off(self, send: Send, provider: Provider, ticket: Ticket) -> None:
@@ -242,12 +245,8 @@ class ProxyApp:
         """
         assert self.guard is not None
         if ticket.call_id is None:
-            refusal = Refusal(
-                503,
-                "shutting_down",
-                "the proxy shut down before this request was sent",
-                retryable=True,
-            )
+            why = "the proxy shut down before this request was sent"
+            refusal = Refusal(503, "shutting_down", why, retryable=True)
         else:
             refusal = await self.guard.cut_off(ticket, "the proxy's drain timeout ended")
         try:
@@ -340,7 +339,9 @@ class ProxyApp:
                 provider, request, self._send, budget=budget, budget_root=root, ticket=ticket
             )
             try:
-                await self._respond(send, reply, lambda: self._orphaned(scope, ticket))
+                await write_reply(
+                    send, reply, lambda: self._orphaned(scope, ticket), lambda: cut_off(scope)
+                )
             finally:
                 if not isinstance(reply.stream, GuardedStream):  # that reports at its end
                     self._report(ticket)
@@ -440,43 +441,6 @@ class ProxyApp:
             if self.guard is not None and ticket.call_id is not None:
                 self.guard.orphans.left(ticket.retry_key, ticket.call_id)
         return ticket.client_left
-
-    async def _respond(self, send: Send, reply: Reply, gone: Callable[[], bool]) -> None:
-        """Write ``reply``; ``gone`` says whether the client has left (it is asked before
-        a whole answer and before each chunk of a stream)."""
-        headers = strip_hop_by_hop(reply.headers)
-        if reply.body is not None:  # a body the guard already read and recorded
-            gone()
-            body = reply.body
-            headers.append((b"content-length", str(len(body)).encode()))
-            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        assert reply.stream is not None
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-        finished = False
-        try:
-            async for chunk in reply.stream:
-                if gone():
-                    break  # the server would drop the rest: the guard reads it instead
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            else:
-                gone()
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                finished = True
-        except httpx.TransportError as exc:
-            # The guard ends a broken or oversized stream this way on purpose, its call
-            # already recorded (contract §3.8): a provider's fault, not effectguard's. The
-            # response is left unfinished, so the client's connection is cut.
-            log.warning("stream cut off: %s", str(exc)[:300])
-        finally:
-            if not finished:
-                # The client went away or the upstream broke: the guard settles the call
-                # (reading the upstream to its end in the background if it can).
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(reply.aclose())
-            else:
-                await reply.aclose()
 
 
 async def _raw(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
