@@ -78,7 +78,15 @@ _TOP_KEYS = frozenset(
     }
 )  # fmt: skip
 _MODEL_KEYS = frozenset(
-    {"input", "output", "cached_input", "cache_write", "per_call", "max_output_tokens"}
+    {
+        "input",
+        "output",
+        "cached_input",
+        "cache_write",
+        "per_call",
+        "max_output_tokens",
+        "web_search",
+    }
 )
 
 
@@ -441,7 +449,7 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
         # A per-call priced tool may leave the token prices out (they are then zero).
         token_default = "0" if per_call is not None else _MISSING
         prices: dict[str, Nanos | None] = {}
-        for key in ("input", "output", "cached_input", "cache_write", "per_call"):
+        for key in ("input", "output", "cached_input", "cache_write", "per_call", "web_search"):
             value = spec.get(key, token_default if key in ("input", "output") else None)
             if value is _MISSING:
                 raise fail(f"{where}.{key}", "required")
@@ -456,6 +464,7 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
             cache_write=prices["cache_write"],
             max_output_tokens=max_out,
             per_call=prices["per_call"],
+            web_search=prices["web_search"],
         )
     return models
 

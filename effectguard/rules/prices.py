@@ -9,7 +9,11 @@ from effectguard.rules.money import Nanos
 
 @dataclass(frozen=True, slots=True)
 class ModelPrice:
-    """List prices of one model, in nano-dollars (per million tokens, or per call)."""
+    """List prices of one model, in nano-dollars (per million tokens, or per call).
+
+    ``web_search`` is per search request a server tool makes in the call (Anthropic's
+    ``usage.server_tool_use.web_search_requests``): billed apart from the tokens.
+    """
 
     input: Nanos
     output: Nanos
@@ -17,3 +21,4 @@ class ModelPrice:
     cache_write: Nanos | None = None
     max_output_tokens: int = 4096
     per_call: Nanos | None = None
+    web_search: Nanos | None = None

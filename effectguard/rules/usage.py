@@ -60,21 +60,30 @@ class Usage:
     """Tokens one call consumed, as the provider reports them.
 
     ``input_tokens`` counts every input token, including cached reads and cache writes.
+    ``web_search_requests`` counts the searches a server tool made (Anthropic's web
+    search): each is billed apart from the tokens.
     """
 
     input_tokens: int
     output_tokens: int
     cached_input_tokens: int = 0
     cache_write_tokens: int = 0
+    web_search_requests: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``)."""
-        return {
+        """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``).
+
+        ``web_search_requests`` is there only when not zero, so the usage of every other
+        call keeps the four counts the ledger's compact form stores as an array."""
+        counts = {
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "cached_input_tokens": self.cached_input_tokens,
             "cache_write_tokens": self.cache_write_tokens,
         }
+        if self.web_search_requests:
+            counts["web_search_requests"] = self.web_search_requests
+        return counts
 
 
 @quick_init
@@ -124,6 +133,7 @@ def check_usage(usage: Usage) -> str | None:
         usage.output_tokens,
         usage.cached_input_tokens,
         usage.cache_write_tokens,
+        usage.web_search_requests,
     )
     if any(n < 0 for n in counts):
         return "negative"
@@ -174,6 +184,9 @@ def _anthropic_usage(u: Mapping[str, Any], output_tokens: int | None = None) -> 
         output_tokens=_int(u, "output_tokens") if output_tokens is None else output_tokens,
         cached_input_tokens=read,
         cache_write_tokens=write,
+        # Server tools bill per use, apart from tokens: web search is 10 USD per thousand,
+        # often far more than the call's tokens, and only this count says how many ran.
+        web_search_requests=_int(_table(u, "server_tool_use"), "web_search_requests", 0),
     )
 
 
@@ -227,7 +240,7 @@ def cost(price: ModelPrice, usage: Usage) -> Nanos:
 
     Uncached input at the input price, cached reads at ``cached_input`` and cache writes at
     ``cache_write`` (each falling back to the input price where undeclared), output at the
-    output price, plus the per-call price.
+    output price, plus the per-call price and each server web search at ``web_search``.
     """
     cached_price = price.input if price.cached_input is None else price.cached_input
     write_price = price.input if price.cache_write is None else price.cache_write
@@ -238,7 +251,8 @@ def cost(price: ModelPrice, usage: Usage) -> Nanos:
         + max(0, usage.cache_write_tokens) * write_price
         + max(0, usage.output_tokens) * price.output
     )
-    return _ceil_nanos(total) + (price.per_call or 0)
+    searches = max(0, usage.web_search_requests) * (price.web_search or 0)
+    return _ceil_nanos(total) + (price.per_call or 0) + searches
 
 
 def _json_bytes(value: object) -> int:
@@ -316,14 +330,37 @@ def reservation(
     """Both :func:`estimate` and :func:`estimate_tokens`, from one walk of the body."""
     input_bytes, output = _bounds(price, request, dialect)
     total = input_bytes * price.input + output * price.output
-    reserve = _ceil_nanos(total) + (price.per_call or 0)
+    searches = _search_bound(request) * (price.web_search or 0)
+    reserve = _ceil_nanos(total) + (price.per_call or 0) + searches
     if reserve > MAX_CALL_NANOS:
         raise OutOfBounds(
-            "max_tokens" if input_bytes * price.input < total // 2 else "messages",
+            "tools"
+            if searches * 2 > reserve
+            else "max_tokens"
+            if input_bytes * price.input < total // 2
+            else "messages",
             f"this request would reserve more than {nanos_to_usd(MAX_CALL_NANOS)} USD, "
             "the most one call may reserve",
         )
     return reserve, input_bytes + output
+
+
+def _search_bound(request: Mapping[str, Any]) -> int:
+    """The searches a request's server web search tools may make: their ``max_uses``.
+
+    A tool without ``max_uses`` has no bound the request states, so it adds nothing here:
+    the settlement still charges every search the answer reports (an overshoot, §5.3)."""
+    tools = request.get("tools")
+    if not isinstance(tools, list):
+        return 0
+    bound = 0
+    for tool in tools:
+        if not isinstance(tool, dict) or not str(tool.get("type", "")).startswith("web_search"):
+            continue
+        uses = tool.get("max_uses")
+        if isinstance(uses, int) and not isinstance(uses, bool) and uses > 0:
+            bound += uses
+    return bound
 
 
 def estimate_tokens(price: ModelPrice, request: Mapping[str, Any], *, dialect: str) -> int:
