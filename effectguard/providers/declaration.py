@@ -86,6 +86,7 @@ _MODEL_KEYS = frozenset(
         "per_call",
         "max_output_tokens",
         "web_search",
+        "cache_write_1h",
     }
 )
 
@@ -449,7 +450,8 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
         # A per-call priced tool may leave the token prices out (they are then zero).
         token_default = "0" if per_call is not None else _MISSING
         prices: dict[str, Nanos | None] = {}
-        for key in ("input", "output", "cached_input", "cache_write", "per_call", "web_search"):
+        keys = ("cached_input", "cache_write", "cache_write_1h", "per_call", "web_search")
+        for key in ("input", "output", *keys):
             value = spec.get(key, token_default if key in ("input", "output") else None)
             if value is _MISSING:
                 raise fail(f"{where}.{key}", "required")
@@ -462,6 +464,7 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
             output=cast(int, prices["output"]),
             cached_input=prices["cached_input"],
             cache_write=prices["cache_write"],
+            cache_write_1h=prices["cache_write_1h"],
             max_output_tokens=max_out,
             per_call=prices["per_call"],
             web_search=prices["web_search"],

@@ -60,8 +60,9 @@ class Usage:
     """Tokens one call consumed, as the provider reports them.
 
     ``input_tokens`` counts every input token, including cached reads and cache writes.
-    ``web_search_requests`` counts the searches a server tool made (Anthropic's web
-    search): each is billed apart from the tokens.
+    ``cache_write_1h_tokens`` is the part of ``cache_write_tokens`` kept for an hour, which
+    Anthropic bills higher than a 5-minute write. ``web_search_requests`` counts the
+    searches a server tool made (Anthropic's web search): each is billed apart from tokens.
     """
 
     input_tokens: int
@@ -69,11 +70,13 @@ class Usage:
     cached_input_tokens: int = 0
     cache_write_tokens: int = 0
     web_search_requests: int = 0
+    cache_write_1h_tokens: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``).
 
-        ``web_search_requests`` is there only when not zero, so the usage of every other
+        ``web_search_requests`` and ``cache_write_1h_tokens`` are there only when not zero,
+        so the usage of every other
         call keeps the four counts the ledger's compact form stores as an array."""
         counts = {
             "input_tokens": self.input_tokens,
@@ -83,6 +86,8 @@ class Usage:
         }
         if self.web_search_requests:
             counts["web_search_requests"] = self.web_search_requests
+        if self.cache_write_1h_tokens:
+            counts["cache_write_1h_tokens"] = self.cache_write_1h_tokens
         return counts
 
 
@@ -134,12 +139,15 @@ def check_usage(usage: Usage) -> str | None:
         usage.cached_input_tokens,
         usage.cache_write_tokens,
         usage.web_search_requests,
+        usage.cache_write_1h_tokens,
     )
     if any(n < 0 for n in counts):
         return "negative"
     if any(n > ABSURD_TOKENS for n in counts):
         return "absurd"
     if usage.cached_input_tokens + usage.cache_write_tokens > usage.input_tokens:
+        return "cached exceeds input"
+    if usage.cache_write_1h_tokens > usage.cache_write_tokens:
         return "cached exceeds input"
     return None
 
@@ -187,6 +195,9 @@ def _anthropic_usage(u: Mapping[str, Any], output_tokens: int | None = None) -> 
         # Server tools bill per use, apart from tokens: web search is 10 USD per thousand,
         # often far more than the call's tokens, and only this count says how many ran.
         web_search_requests=_int(_table(u, "server_tool_use"), "web_search_requests", 0),
+        # A 1-hour cache write costs 2x input, not the 5-minute 1.25x: only this split says
+        # which writes were which (cache_creation_input_tokens is their sum).
+        cache_write_1h_tokens=_int(_table(u, "cache_creation"), "ephemeral_1h_input_tokens", 0),
     )
 
 
@@ -239,16 +250,20 @@ def cost(price: ModelPrice, usage: Usage) -> Nanos:
     """The exact cost of ``usage`` at ``price``, in nano-dollars, rounded up to a whole nano.
 
     Uncached input at the input price, cached reads at ``cached_input`` and cache writes at
-    ``cache_write`` (each falling back to the input price where undeclared), output at the
+    ``cache_write`` (each falling back to the input price where undeclared; 1-hour writes at
+    ``cache_write_1h``, falling back to ``cache_write``), output at the
     output price, plus the per-call price and each server web search at ``web_search``.
     """
     cached_price = price.input if price.cached_input is None else price.cached_input
     write_price = price.input if price.cache_write is None else price.cache_write
+    hour_price = write_price if price.cache_write_1h is None else price.cache_write_1h
     uncached = max(0, usage.input_tokens - usage.cached_input_tokens - usage.cache_write_tokens)
+    hour_writes = max(0, min(usage.cache_write_1h_tokens, usage.cache_write_tokens))
     total = (
         uncached * price.input
         + max(0, usage.cached_input_tokens) * cached_price
-        + max(0, usage.cache_write_tokens) * write_price
+        + max(0, usage.cache_write_tokens - hour_writes) * write_price
+        + hour_writes * hour_price
         + max(0, usage.output_tokens) * price.output
     )
     searches = max(0, usage.web_search_requests) * (price.web_search or 0)
