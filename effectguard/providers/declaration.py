@@ -77,18 +77,11 @@ _TOP_KEYS = frozenset(
         "idempotency", "endpoints", "models",
     }
 )  # fmt: skip
-_MODEL_KEYS = frozenset(
-    {
-        "input",
-        "output",
-        "cached_input",
-        "cache_write",
-        "per_call",
-        "max_output_tokens",
-        "web_search",
-        "cache_write_1h",
-    }
-)
+#: A model's optional prices (USD strings), beside the required input and output.
+_EXTRA_PRICES = (
+    "cached_input", "cache_write", "cache_write_1h", "per_call", "web_search", "audio_minute"
+)  # fmt: skip
+_MODEL_KEYS = frozenset({"input", "output", "max_output_tokens", *_EXTRA_PRICES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,8 +443,7 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
         # A per-call priced tool may leave the token prices out (they are then zero).
         token_default = "0" if per_call is not None else _MISSING
         prices: dict[str, Nanos | None] = {}
-        keys = ("cached_input", "cache_write", "cache_write_1h", "per_call", "web_search")
-        for key in ("input", "output", *keys):
+        for key in ("input", "output", *_EXTRA_PRICES):
             value = spec.get(key, token_default if key in ("input", "output") else None)
             if value is _MISSING:
                 raise fail(f"{where}.{key}", "required")
@@ -468,6 +460,7 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
             max_output_tokens=max_out,
             per_call=prices["per_call"],
             web_search=prices["web_search"],
+            audio_minute=prices["audio_minute"],
         )
     return models
 

@@ -9,8 +9,10 @@ docs/contract.md §3.7 belief rules (:func:`check_usage`), and priced exactly in
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from effectguard.rules.money import MAX_CALL_NANOS, TOKENS_PER_MILLION, Nanos, nanos_to_usd
@@ -24,6 +26,7 @@ __all__ = [
     "OutOfBounds",
     "Usage",
     "UsageResult",
+    "audio_usage",
     "check_usage",
     "cost",
     "estimate",
@@ -63,6 +66,7 @@ class Usage:
     ``cache_write_1h_tokens`` is the part of ``cache_write_tokens`` kept for an hour, which
     Anthropic bills higher than a 5-minute write. ``web_search_requests`` counts the
     searches a server tool made (Anthropic's web search): each is billed apart from tokens.
+    ``audio_ms`` is the audio an answer says it transcribed (whisper-1), in milliseconds.
     """
 
     input_tokens: int
@@ -71,6 +75,7 @@ class Usage:
     cache_write_tokens: int = 0
     web_search_requests: int = 0
     cache_write_1h_tokens: int = 0
+    audio_ms: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``).
@@ -88,6 +93,8 @@ class Usage:
             counts["web_search_requests"] = self.web_search_requests
         if self.cache_write_1h_tokens:
             counts["cache_write_1h_tokens"] = self.cache_write_1h_tokens
+        if self.audio_ms:
+            counts["audio_ms"] = self.audio_ms
         return counts
 
 
@@ -140,6 +147,7 @@ def check_usage(usage: Usage) -> str | None:
         usage.cache_write_tokens,
         usage.web_search_requests,
         usage.cache_write_1h_tokens,
+        usage.audio_ms,
     )
     if any(n < 0 for n in counts):
         return "negative"
@@ -215,6 +223,26 @@ def per_call_only(price: ModelPrice) -> bool:
     return price.per_call is not None and price.input == 0 and price.output == 0
 
 
+def audio_usage(body: bytes) -> UsageResult | None:
+    """The audio duration a transcription answer reports (``usage: {"type": "duration",
+    "seconds": S}``, whisper-1's JSON formats), or None where it reports none (its text,
+    srt and vtt formats): such a call is priced per call, as one minute."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    u = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(u, dict) or u.get("type") != "duration":
+        return None
+    seconds = u.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return UsageResult(None, "malformed")
+    if not math.isfinite(seconds) or seconds > ABSURD_TOKENS:
+        return UsageResult(None, "absurd")
+    # Rounded up to a whole millisecond: the price is never below what the answer says.
+    return _judged(Usage(0, 0, audio_ms=math.ceil(Fraction(seconds) * 1000)))
+
+
 def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
     """Usage from a non-streaming JSON response body of ``dialect`` at ``path``.
 
@@ -267,7 +295,11 @@ def cost(price: ModelPrice, usage: Usage) -> Nanos:
         + max(0, usage.output_tokens) * price.output
     )
     searches = max(0, usage.web_search_requests) * (price.web_search or 0)
-    return _ceil_nanos(total) + (price.per_call or 0) + searches
+    per_call = price.per_call or 0
+    if usage.audio_ms > 0 and price.audio_minute is not None:
+        # The audio's own length replaces per_call, its one-minute stand-in.
+        per_call = -(-usage.audio_ms * price.audio_minute // 60_000)
+    return _ceil_nanos(total) + per_call + searches
 
 
 def _json_bytes(value: object) -> int:
