@@ -378,5 +378,8 @@ def _sdk_retry(request: Outbound) -> bool:
 def usage_of(prepared: Prepared, body: bytes) -> usages.UsageResult:
     """The answer's usage; a call priced per call alone costs that, whatever it says."""
     if usages.per_call_only(prepared.price):
-        return usages.PER_CALL
+        audio = None
+        if prepared.price.audio_minute is not None:
+            audio = usages.audio_usage(body)  # whisper-1 bills the audio's minutes
+        return usages.PER_CALL if audio is None else audio
     return usages.usage_from_body(prepared.provider.dialect, prepared.path, body)

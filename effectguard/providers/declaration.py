@@ -77,9 +77,11 @@ _TOP_KEYS = frozenset(
         "idempotency", "endpoints", "models",
     }
 )  # fmt: skip
-_MODEL_KEYS = frozenset(
-    {"input", "output", "cached_input", "cache_write", "per_call", "max_output_tokens"}
-)
+#: A model's optional prices (USD strings), beside the required input and output.
+_EXTRA_PRICES = (
+    "cached_input", "cache_write", "cache_write_1h", "per_call", "web_search", "audio_minute"
+)  # fmt: skip
+_MODEL_KEYS = frozenset({"input", "output", "max_output_tokens", *_EXTRA_PRICES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,7 +443,7 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
         # A per-call priced tool may leave the token prices out (they are then zero).
         token_default = "0" if per_call is not None else _MISSING
         prices: dict[str, Nanos | None] = {}
-        for key in ("input", "output", "cached_input", "cache_write", "per_call"):
+        for key in ("input", "output", *_EXTRA_PRICES):
             value = spec.get(key, token_default if key in ("input", "output") else None)
             if value is _MISSING:
                 raise fail(f"{where}.{key}", "required")
@@ -454,8 +456,11 @@ def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
             output=cast(int, prices["output"]),
             cached_input=prices["cached_input"],
             cache_write=prices["cache_write"],
+            cache_write_1h=prices["cache_write_1h"],
             max_output_tokens=max_out,
             per_call=prices["per_call"],
+            web_search=prices["web_search"],
+            audio_minute=prices["audio_minute"],
         )
     return models
 

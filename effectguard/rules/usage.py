@@ -9,8 +9,10 @@ docs/contract.md §3.7 belief rules (:func:`check_usage`), and priced exactly in
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from effectguard.rules.money import MAX_CALL_NANOS, TOKENS_PER_MILLION, Nanos, nanos_to_usd
@@ -24,6 +26,7 @@ __all__ = [
     "OutOfBounds",
     "Usage",
     "UsageResult",
+    "audio_usage",
     "check_usage",
     "cost",
     "estimate",
@@ -60,21 +63,39 @@ class Usage:
     """Tokens one call consumed, as the provider reports them.
 
     ``input_tokens`` counts every input token, including cached reads and cache writes.
+    ``cache_write_1h_tokens`` is the part of ``cache_write_tokens`` kept for an hour, which
+    Anthropic bills higher than a 5-minute write. ``web_search_requests`` counts the
+    searches a server tool made (Anthropic's web search): each is billed apart from tokens.
+    ``audio_ms`` is the audio an answer says it transcribed (whisper-1), in milliseconds.
     """
 
     input_tokens: int
     output_tokens: int
     cached_input_tokens: int = 0
     cache_write_tokens: int = 0
+    web_search_requests: int = 0
+    cache_write_1h_tokens: int = 0
+    audio_ms: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``)."""
-        return {
+        """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``).
+
+        ``web_search_requests`` and ``cache_write_1h_tokens`` are there only when not zero,
+        so the usage of every other
+        call keeps the four counts the ledger's compact form stores as an array."""
+        counts = {
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "cached_input_tokens": self.cached_input_tokens,
             "cache_write_tokens": self.cache_write_tokens,
         }
+        if self.web_search_requests:
+            counts["web_search_requests"] = self.web_search_requests
+        if self.cache_write_1h_tokens:
+            counts["cache_write_1h_tokens"] = self.cache_write_1h_tokens
+        if self.audio_ms:
+            counts["audio_ms"] = self.audio_ms
+        return counts
 
 
 @quick_init
@@ -124,12 +145,17 @@ def check_usage(usage: Usage) -> str | None:
         usage.output_tokens,
         usage.cached_input_tokens,
         usage.cache_write_tokens,
+        usage.web_search_requests,
+        usage.cache_write_1h_tokens,
+        usage.audio_ms,
     )
     if any(n < 0 for n in counts):
         return "negative"
     if any(n > ABSURD_TOKENS for n in counts):
         return "absurd"
     if usage.cached_input_tokens + usage.cache_write_tokens > usage.input_tokens:
+        return "cached exceeds input"
+    if usage.cache_write_1h_tokens > usage.cache_write_tokens:
         return "cached exceeds input"
     return None
 
@@ -174,6 +200,12 @@ def _anthropic_usage(u: Mapping[str, Any], output_tokens: int | None = None) -> 
         output_tokens=_int(u, "output_tokens") if output_tokens is None else output_tokens,
         cached_input_tokens=read,
         cache_write_tokens=write,
+        # Server tools bill per use, apart from tokens: web search is 10 USD per thousand,
+        # often far more than the call's tokens, and only this count says how many ran.
+        web_search_requests=_int(_table(u, "server_tool_use"), "web_search_requests", 0),
+        # A 1-hour cache write costs 2x input, not the 5-minute 1.25x: only this split says
+        # which writes were which (cache_creation_input_tokens is their sum).
+        cache_write_1h_tokens=_int(_table(u, "cache_creation"), "ephemeral_1h_input_tokens", 0),
     )
 
 
@@ -189,6 +221,26 @@ def per_call_only(price: ModelPrice) -> bool:
     """Whether ``price`` is per call alone (a file upload, a whisper-1 transcription): its
     cost is the per-call price whatever the answer says, JSON, audio bytes or none."""
     return price.per_call is not None and price.input == 0 and price.output == 0
+
+
+def audio_usage(body: bytes) -> UsageResult | None:
+    """The audio duration a transcription answer reports (``usage: {"type": "duration",
+    "seconds": S}``, whisper-1's JSON formats), or None where it reports none (its text,
+    srt and vtt formats): such a call is priced per call, as one minute."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    u = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(u, dict) or u.get("type") != "duration":
+        return None
+    seconds = u.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return UsageResult(None, "malformed")
+    if not math.isfinite(seconds) or seconds > ABSURD_TOKENS:
+        return UsageResult(None, "absurd")
+    # Rounded up to a whole millisecond: the price is never below what the answer says.
+    return _judged(Usage(0, 0, audio_ms=math.ceil(Fraction(seconds) * 1000)))
 
 
 def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
@@ -226,19 +278,28 @@ def cost(price: ModelPrice, usage: Usage) -> Nanos:
     """The exact cost of ``usage`` at ``price``, in nano-dollars, rounded up to a whole nano.
 
     Uncached input at the input price, cached reads at ``cached_input`` and cache writes at
-    ``cache_write`` (each falling back to the input price where undeclared), output at the
-    output price, plus the per-call price.
+    ``cache_write`` (each falling back to the input price where undeclared; 1-hour writes at
+    ``cache_write_1h``, falling back to ``cache_write``), output at the
+    output price, plus the per-call price and each server web search at ``web_search``.
     """
     cached_price = price.input if price.cached_input is None else price.cached_input
     write_price = price.input if price.cache_write is None else price.cache_write
+    hour_price = write_price if price.cache_write_1h is None else price.cache_write_1h
     uncached = max(0, usage.input_tokens - usage.cached_input_tokens - usage.cache_write_tokens)
+    hour_writes = max(0, min(usage.cache_write_1h_tokens, usage.cache_write_tokens))
     total = (
         uncached * price.input
         + max(0, usage.cached_input_tokens) * cached_price
-        + max(0, usage.cache_write_tokens) * write_price
+        + max(0, usage.cache_write_tokens - hour_writes) * write_price
+        + hour_writes * hour_price
         + max(0, usage.output_tokens) * price.output
     )
-    return _ceil_nanos(total) + (price.per_call or 0)
+    searches = max(0, usage.web_search_requests) * (price.web_search or 0)
+    per_call = price.per_call or 0
+    if usage.audio_ms > 0 and price.audio_minute is not None:
+        # The audio's own length replaces per_call, its one-minute stand-in.
+        per_call = -(-usage.audio_ms * price.audio_minute // 60_000)
+    return _ceil_nanos(total) + per_call + searches
 
 
 def _json_bytes(value: object) -> int:
@@ -316,14 +377,37 @@ def reservation(
     """Both :func:`estimate` and :func:`estimate_tokens`, from one walk of the body."""
     input_bytes, output = _bounds(price, request, dialect)
     total = input_bytes * price.input + output * price.output
-    reserve = _ceil_nanos(total) + (price.per_call or 0)
+    searches = _search_bound(request) * (price.web_search or 0)
+    reserve = _ceil_nanos(total) + (price.per_call or 0) + searches
     if reserve > MAX_CALL_NANOS:
         raise OutOfBounds(
-            "max_tokens" if input_bytes * price.input < total // 2 else "messages",
+            "tools"
+            if searches * 2 > reserve
+            else "max_tokens"
+            if input_bytes * price.input < total // 2
+            else "messages",
             f"this request would reserve more than {nanos_to_usd(MAX_CALL_NANOS)} USD, "
             "the most one call may reserve",
         )
     return reserve, input_bytes + output
+
+
+def _search_bound(request: Mapping[str, Any]) -> int:
+    """The searches a request's server web search tools may make: their ``max_uses``.
+
+    A tool without ``max_uses`` has no bound the request states, so it adds nothing here:
+    the settlement still charges every search the answer reports (an overshoot, §5.3)."""
+    tools = request.get("tools")
+    if not isinstance(tools, list):
+        return 0
+    bound = 0
+    for tool in tools:
+        if not isinstance(tool, dict) or not str(tool.get("type", "")).startswith("web_search"):
+            continue
+        uses = tool.get("max_uses")
+        if isinstance(uses, int) and not isinstance(uses, bool) and uses > 0:
+            bound += uses
+    return bound
 
 
 def estimate_tokens(price: ModelPrice, request: Mapping[str, Any], *, dialect: str) -> int:
