@@ -118,3 +118,17 @@ def test_every_ledger_flag_says_where_the_ledger_comes_from_without_it() -> None
         for action in parser._actions:
             if "--ledger" in action.option_strings and action.choices is None:
                 assert "$EFFECTGUARD_LEDGER" in (action.help or ""), verb
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_table() -> None:
+    """docs/configuration.md's environment table names every ``EFFECTGUARD_*`` variable
+    the package's code mentions (an operator cannot set what they cannot find)."""
+    package = Path(__file__).resolve().parent.parent / "effectguard"
+    used = {
+        name
+        for source in package.rglob("*.py")
+        for name in re.findall(r"\bEFFECTGUARD_[A-Z_]+\b", source.read_text())
+    }
+    table = _section((DOCS / "configuration.md").read_text(), "## Environment variables")
+    listed = set(re.findall(r"^\| `(EFFECTGUARD_[A-Z_]+)` \|", table, re.M))
+    assert used <= listed, used - listed
