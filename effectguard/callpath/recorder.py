@@ -218,7 +218,7 @@ class Recorder:
     async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> None:
         """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""
         try:
-            state = await self.ledger.interrupt(writer, call_id, attempt, reason)
+            state, wrote = await self.ledger.interrupt_once(writer, call_id, attempt, reason)
         except FencedError:
             pass  # another worker took this one over; its sweeper marked the call
         except LedgerError as exc:
@@ -229,7 +229,9 @@ class Recorder:
                 "interrupt_failed", call_id, f"{reason}; not recorded yet: {_describe(exc)}"
             )
         else:
-            if state.stage == "effect_unknown" and state.attempts == attempt:
+            # Once, by the path that wrote it: a drain's cut-off and the dispatch it
+            # cancels both try, and only the first reason is the ledger's.
+            if wrote and state.stage == "effect_unknown" and state.attempts == attempt:
                 self.observer.incident("interrupted", call_id, reason)
         finally:
             self.finish(call_id)
