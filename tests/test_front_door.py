@@ -441,8 +441,14 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     assert [(x["call_id"], x["status"], x["stage"]) for x in access] == [
         (call_id, 504, "effect_unknown")
     ]
-    # One interruption, logged once (the cut-off and the dispatch it cancels both mark it).
-    assert [x["call_id"] for x in lines if x.get("event") == "interrupted"] == [call_id]
+    # One incident line, with the reason the ledger holds (logs-and-traces.md: each is
+    # written once); the cut-off and the dispatch it cancels both try to mark the call.
+    interrupted = [x for x in lines if x.get("event") == "interrupted"]
+    assert len(interrupted) == 1, interrupted
+    assert cli_main(["show", call_id, "--json", "--ledger", str(ledger)]) == 0
+    events = json.loads(capsys.readouterr().out)["events"]
+    reasons = [e["data"]["reason"] for e in events if e["kind"] == "attempt.interrupted"]
+    assert len(reasons) == 1 and reasons[0] in interrupted[0]["message"], (reasons, interrupted)
 
 
 def test_a_stream_under_way_at_the_end_of_the_drain_is_cut_off_without_an_error_log(

@@ -108,6 +108,10 @@ def test_upstream_hanging_up_after_the_request_is_effect_unknown_and_sent_once(
         "reconcile",
     )
     assert answer.headers["x-should-retry"] == "false"
+    # The message names the real failure: a "ConnectTimeout" would tell the operator who
+    # reconciles it that nothing was sent, the opposite of what it means.
+    assert "ServerDisconnectedError: " in error["message"], error["message"]
+    assert "Connect" not in error["message"], error["message"]
     call = call_of(capsys, ledger, answer.headers[CALL_ID])
     assert (call["stage"], call["attempts"]) == ("effect_unknown", 1)
     assert call["held_usd"] == call["reserved_usd"] != "0"

@@ -11,6 +11,8 @@ import signal
 import sys
 from typing import Final
 
+from effectguard.errors import ConfigError
+
 POINTS: Final = frozenset(
     {
         "after:admit",
@@ -25,11 +27,17 @@ POINTS: Final = frozenset(
 
 
 class CrashPoints:
-    """Kills the process with SIGKILL when :meth:`hit` names the configured point."""
+    """Kills the process with SIGKILL when :meth:`hit` names the configured point.
+
+    An unknown point is a :class:`ConfigError`: the command stops at start with exit 2.
+    """
 
     def __init__(self, point: str | None) -> None:
         if point is not None and point not in POINTS:
-            raise ValueError(f"unknown crash point {point!r}; known: {', '.join(sorted(POINTS))}")
+            known = ", ".join(sorted(POINTS))
+            raise ConfigError(
+                f"EFFECTGUARD_CRASH_AT: unknown crash point {point!r}; known: {known}"
+            )
         self.point = point
 
     def hit(self, point: str) -> None:

@@ -74,5 +74,10 @@ def describe(exc: BaseException) -> str:
     The line goes to the log, the ledger (an interrupt's reason, shown by ``show`` and the
     operator page) and the client's error answer; a query string may carry a credential
     (``?key=...``), which none of them may hold."""
+    cause = exc.__cause__
+    if cause is not None and type(cause).__module__.startswith("aiohttp"):
+        # The proxy's aiohttp leg reraises as httpx's classes, some misnamed (a server
+        # that hangs up after the request is ``ConnectTimeout``): name what happened.
+        exc = cause
     text = _QUERY.sub(r"\1?…", str(exc) or type(exc).__name__)
     return f"{type(exc).__name__}: {text}"[:300]

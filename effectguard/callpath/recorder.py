@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import FIRST_COMPLETED
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -69,9 +68,6 @@ class Recorder:
         self.open_streams: set[Any] = set()
         #: Markings to retry: (call, attempt) -> (reason, the writer that started it).
         self._orphans: dict[tuple[str, int], tuple[str, Writer]] = {}
-        #: Attempts whose interruption this process has logged (the newest few): a drain's
-        #: cut-off and the dispatch it cancels both mark the attempt, which is one event.
-        self._logged: OrderedDict[tuple[str, int], None] = OrderedDict()
         #: Given a writer the store refused, a writer of this process it accepts now, to
         #: keep a late answer as evidence (the worker runtime registers anew if need be).
         self.evidence_writer: Callable[[Writer], Awaitable[Writer]] = _same_writer
@@ -222,7 +218,7 @@ class Recorder:
     async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> None:
         """Mark an attempt interrupted (effect unknown); retried by the sweeper if refused."""
         try:
-            state = await self.ledger.interrupt(writer, call_id, attempt, reason)
+            state, wrote = await self.ledger.interrupt_once(writer, call_id, attempt, reason)
         except FencedError:
             pass  # another worker took this one over; its sweeper marked the call
         except LedgerError as exc:
@@ -233,18 +229,12 @@ class Recorder:
                 "interrupt_failed", call_id, f"{reason}; not recorded yet: {_describe(exc)}"
             )
         else:
-            if state.stage == "effect_unknown" and state.attempts == attempt:
-                self._log_interrupted(call_id, attempt, reason)
+            # Once, by the path that wrote it: a drain's cut-off and the dispatch it
+            # cancels both try, and only the first reason is the ledger's.
+            if wrote and state.stage == "effect_unknown" and state.attempts == attempt:
+                self.observer.incident("interrupted", call_id, reason)
         finally:
             self.finish(call_id)
-
-    def _log_interrupted(self, call_id: str, attempt: int, reason: str) -> None:
-        if (call_id, attempt) in self._logged:
-            return
-        self._logged[(call_id, attempt)] = None
-        if len(self._logged) > 1024:
-            self._logged.popitem(last=False)
-        self.observer.incident("interrupted", call_id, reason)
 
     async def not_sent(self, prepared: Prepared, admitted: Admitted, reason: str) -> None:
         """Record that ``admitted``'s attempt never reached the provider, and release it."""

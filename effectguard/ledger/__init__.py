@@ -111,16 +111,23 @@ class Ledger:
 
     async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> WorkState:
         """Mark ``attempt`` interrupted: effect unknown, reservation held."""
+        return (await self.interrupt_once(writer, call_id, attempt, reason))[0]
 
-        def op(tx: Tx) -> WorkState:
+    async def interrupt_once(
+        self, writer: Writer, call_id: str, attempt: int, reason: str
+    ) -> tuple[WorkState, bool]:
+        """:meth:`interrupt`, and whether this call wrote the ``attempt.interrupted`` (false
+        when the attempt was no longer in flight: another path marked or settled it)."""
+
+        def op(tx: Tx) -> tuple[WorkState, bool]:
             state = tx.get_call(call_id)
             if state is None:
                 raise CallNotFound(call_id)
             if state.stage != "in_flight" or state.attempts != attempt:
-                return state
-            return operations.interrupt(tx, writer, state, reason)
+                return state, False
+            return operations.interrupt(tx, writer, state, reason), True
 
-        result: WorkState = await self.store.write(writer, op)
+        result: tuple[WorkState, bool] = await self.store.write(writer, op)
         return result
 
     async def record_late_answer(self, writer: Writer, event: AttemptLateAnswer) -> WorkState:

@@ -62,7 +62,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         "--ledger",
         type=path_arg,
         default=None,
-        help="ledger PATH or DSN (default ./effectguard.db)",
+        help=(
+            "ledger PATH or DSN (default: the --config file's ledger, else "
+            "$EFFECTGUARD_LEDGER, else ./effectguard.db)"
+        ),
     )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=port_arg, default=None, help="port (default 8787)")

@@ -1,0 +1,134 @@
+"""The reference tables of docs/ against the code they describe: every metric, every
+event field, every config key and every ``--ledger`` default the docs name is one the
+software has, and the other way round. Each table is where a user looks things up, so a
+name missing from it is a thing they cannot find, and a name only in it is a promise the
+software does not keep."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from effectguard.config import readkeys
+from effectguard.config.settings import load_settings
+from effectguard.ledger.sqliteevents import FIELDS
+from effectguard.ops.cli import build_parser
+from effectguard.telemetry.metrics import LedgerSnapshot, Metrics, _gauges
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+DIGEST = "ab" * 32
+
+
+def _section(text: str, heading: str) -> str:
+    """The text of the section under ``heading``, up to the next heading of any level."""
+    start = text.index(heading) + len(heading)
+    following = re.search(r"^#", text[start:], re.M)
+    return text[start : start + following.start()] if following else text[start:]
+
+
+def test_the_metrics_table_lists_every_metric_and_only_those() -> None:
+    """docs/metrics.md's table has one row per metric family the proxy exposes."""
+    metrics = Metrics()
+    exposed = {
+        line.split()[2]: line.split()[3]
+        for line in generate_latest(metrics.registry).decode().splitlines()
+        if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")
+    }
+    exposed |= {family.name: family.type for family in _gauges(LedgerSnapshot(), [])}
+    table = _section((DOCS / "metrics.md").read_text(), "## The metrics")
+    documented = {
+        name: kind.split()[0]
+        for name, kind in re.findall(r"^\| `(effectguard_\w+)` \| ([a-z ()]+) \|", table, re.M)
+    }
+    assert documented == exposed
+
+
+def test_the_event_table_names_every_stored_field() -> None:
+    """docs/contract.md §6.1 names, for each event kind, every field the ledger stores."""
+    table = _section((DOCS / "contract.md").read_text(), "### §6.1 Event kinds")
+    rows = dict(re.findall(r"^\| `([a-z]+\.[a-z_]+)` \| ([^|]*) \|", table, re.M))
+    assert set(rows) >= set(FIELDS), set(FIELDS) - set(rows)
+    missing = {
+        kind: [f for f in fields if f"`{f}`" not in rows[kind]] for kind, fields in FIELDS.items()
+    }
+    assert not {kind: fields for kind, fields in missing.items() if fields}
+
+
+def _asked_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, set[str]]:
+    """The keys ``load_settings`` reads, per table, from a file with every table present."""
+    seen: list[readkeys.Tracked] = []
+    tracked = readkeys.tracked
+
+    def recording(document: dict[str, Any]) -> readkeys.Tracked:
+        seen.append(tracked(document))
+        return seen[-1]
+
+    monkeypatch.setattr(readkeys, "tracked", recording)
+    config = tmp_path / "c.toml"
+    key = f'sha256 = "{DIGEST}"\nbudget_root = "a"\n'
+    config.write_text(f"[server]\n[guard]\n[upstream]\n[retention]\n[budgets]\n[[keys]]\n{key}")
+    load_settings(config=config, environ={})
+    top = seen[0]
+    asked = {"": top.asked - {"server", "guard", "upstream", "retention", "keys", "admin"}}
+    for table in ("server", "guard", "upstream", "retention"):
+        asked[table] = set(top[table].asked)
+    asked["keys"] = set(top["keys"][0].asked)
+    return {table: keys - {"budgets"} for table, keys in asked.items()}
+
+
+def test_the_config_tables_list_every_key_serve_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/configuration.md has a row for each key of its tables that serve reads, and
+    none that it does not ([admin] is documented in operations.md)."""
+    text = (DOCS / "configuration.md").read_text()
+    documented: dict[str, set[str]] = {}
+    for heading, table in (
+        ("### Top level", ""),
+        ("### `[server]`", "server"),
+        ("### `[guard]`", "guard"),
+        ("### `[upstream]`", "upstream"),
+        ("### `[retention]`", "retention"),
+        ("### `[[keys]]`", "keys"),
+    ):
+        rows = _section(text, heading)
+        documented[table] = set(re.findall(r"^\| `([a-z_0-9]+)` \|", rows, re.M))
+    assert documented == _asked_keys(tmp_path, monkeypatch)
+
+
+def _verbs(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> dict[str, Any]:
+    found: dict[str, Any] = {" ".join(words): parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= _verbs(sub, (*words, name))
+    return found
+
+
+def test_every_ledger_flag_says_where_the_ledger_comes_from_without_it() -> None:
+    """Every command finds its ledger by --ledger, the config file, $EFFECTGUARD_LEDGER and
+    ./effectguard.db (contract §8): each --help says so, serve's included. (sim's --ledger
+    names an engine, not a ledger.)"""
+    for verb, parser in _verbs(build_parser()).items():
+        for action in parser._actions:
+            if "--ledger" in action.option_strings and action.choices is None:
+                assert "$EFFECTGUARD_LEDGER" in (action.help or ""), verb
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_table() -> None:
+    """docs/configuration.md's environment table names every ``EFFECTGUARD_*`` variable
+    the package's code mentions (an operator cannot set what they cannot find)."""
+    package = Path(__file__).resolve().parent.parent / "effectguard"
+    used = {
+        name
+        for source in package.rglob("*.py")
+        for name in re.findall(r"\bEFFECTGUARD_[A-Z_]+\b", source.read_text())
+    }
+    table = _section((DOCS / "configuration.md").read_text(), "## Environment variables")
+    listed = set(re.findall(r"^\| `(EFFECTGUARD_[A-Z_]+)` \|", table, re.M))
+    assert used <= listed, used - listed
