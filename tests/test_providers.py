@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from stagedkit import serve_refusing
 
+import effectguard
 from effectguard.errors import ConfigError
 from effectguard.providers import (
     Endpoint,
@@ -432,3 +433,12 @@ def test_a_transient_status_that_is_no_http_status_is_named(tmp_path: Path, key:
     path = write(tmp_path, "x", MINIMAL + f'\n[transient]\n"{key}" = "unknown"\n')
     with pytest.raises(ConfigError, match=re.escape(f"{path}: transient.")):
         load_providers([tmp_path])
+
+
+@pytest.mark.parametrize("kind", ["str", "Path"])
+def test_load_providers_takes_a_plain_path(kind: str) -> None:
+    """``effectguard.load_providers(["providers/examples"])`` as a user writes it: a str
+    (or Path) directory. A str used to fail with AttributeError ('str' has no is_dir)."""
+    where = Path(__file__).parent.parent / "providers" / "examples"
+    loaded = effectguard.load_providers([str(where) if kind == "str" else where])
+    assert loaded["openai"].price_for("llama-3.1-8b-instruct") is not None

@@ -14,6 +14,7 @@ directory, plain declarations load before extensions. Last, ``upstreams`` overri
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -179,7 +180,7 @@ def upstream_argument(name: str) -> str:
 
 
 def load_providers(
-    dirs: Sequence[Traversable] = (),
+    dirs: Sequence[Traversable | str | os.PathLike[str]] = (),
     upstreams: Mapping[str, str] | None = None,
     *,
     name_upstream: Callable[[str], str] = upstream_argument,
@@ -191,7 +192,10 @@ def load_providers(
     """
     loaded: dict[str, Provider] = {}
     raws: dict[str, dict[str, Any]] = {}  # each loaded provider's declaration, for extends
-    for directory in (bundled_dir(), *dirs):
+    # A plain path (str, PathLike) is a directory on disk; a Traversable (package data,
+    # a zip) is taken as it is.
+    wanted = [Path(d) if isinstance(d, str | os.PathLike) else d for d in dirs]
+    for directory in (bundled_dir(), *wanted):
         if not directory.is_dir():
             raise ConfigError(f"{directory}: not a directory of provider declarations")
         tomls = [p for p in directory.iterdir() if p.name.endswith(".toml")]
