@@ -144,10 +144,11 @@ def test_the_warning_for_a_total_budget_says_only_a_higher_limit_helps(
     limit is raised, never that waiting for its period to end would help."""
     path = str(tmp_path / "l.db")
     asyncio.run(spend(path, 2, period="total"))
-    code, _, err = run(capsys, "budget", "set", "team", "--limit", "1", "--ledger", path)
+    code, out, err = run(capsys, "budget", "set", "team", "--limit", "1", "--ledger", path)
     assert code == 0
     assert "in period total" in err and "until its limit is raised" in err
     assert "period ends" not in err
+    assert "USD in total" in out and "per total" not in out  # it read as a period
 
 
 def test_a_past_day_stays_visible_after_the_node_moves_to_months(

@@ -32,7 +32,7 @@ from effectguard.ops.command import (
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules import notes
 from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
-from effectguard.rules.periods import PERIOD_KINDS, validate_zone
+from effectguard.rules.periods import PERIOD_KINDS, TOTAL, validate_zone
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
 NONE = -1
@@ -185,7 +185,9 @@ def _policy_line(path: str, limit: str | None, policy: BudgetPolicy) -> str:
     if limit is None:
         shown = f"{path}: no limit (period {policy.period})"
     else:
-        shown = f"{path}: limit {limit} USD per {policy.period}"
+        # A total period never resets: "per total" would read as a period that does.
+        per = "in total" if policy.period == TOTAL else f"per {policy.period}"
+        shown = f"{path}: limit {limit} USD {per}"
     return "; ".join([shown, ", ".join(rates)]) if rates else shown
 
 
