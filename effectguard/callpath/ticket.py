@@ -23,9 +23,8 @@ class Ticket:
     dispatch: asyncio.Future[Reply] | None = field(default=None, repr=False)
     #: How a key-less request's retry would match it (callpath/orphans); None if keyed.
     retry_key: RetryKey | None = None
-    #: Set (by a caller that asked for it) to a whole answer's report, for the caller to
-    #: hand on once the answer is written: the proxy, which then knows if the client left.
+    #: With ``report_later`` (the proxy asks for it), the request's report, left for the
+    #: caller to hand on once it has written the answer and knows whether the client left
+    #: (a guarded stream still reports itself at its end).
     report: CallReport | None = None
     report_later: bool = False
-    #: The proxy found the client gone when it came to write the answer.
-    client_left: bool = False

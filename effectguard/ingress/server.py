@@ -349,13 +349,9 @@ class ProxyApp:
             body.discard()
 
     def _report(self, ticket: Ticket) -> None:
-        """Hand on a report once its answer is written: 499 if its client had left."""
-        report = ticket.report
-        if report is None or self.guard is None:
-            return
-        if ticket.client_left:
-            report.status = 499
-        self.guard.recorder.report(report)
+        """Hand on a report once its answer is written (499 already, if its client left)."""
+        if ticket.report is not None and self.guard is not None:
+            self.guard.recorder.report(ticket.report)
 
     async def _body(self, receive: Receive, raw_headers: list[tuple[bytes, bytes]]) -> Body:
         """The request body, at most ``max_body_bytes`` (else 413); a large upload spooled."""
@@ -434,13 +430,13 @@ class ProxyApp:
         """Before the end of an answer or a stream's next chunk: whether its client has
         gone. If so its own retry gets the answer, and its access line says 499 (a
         stream's report is made at its end, by whoever reads the stream to it)."""
-        ticket.client_left = client_gone(scope)
-        if ticket.client_left:
-            if ticket.report is not None:
-                ticket.report.status = 499
-            if self.guard is not None and ticket.call_id is not None:
-                self.guard.orphans.left(ticket.retry_key, ticket.call_id)
-        return ticket.client_left
+        if not client_gone(scope):
+            return False
+        if ticket.report is not None:
+            ticket.report.status = 499
+        if self.guard is not None and ticket.call_id is not None:
+            self.guard.orphans.left(ticket.retry_key, ticket.call_id)
+        return True
 
 
 async def _raw(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:

@@ -54,7 +54,7 @@ from effectguard.ops.archiveplan import (
     prove,
     seal_checkpoint,
 )
-from effectguard.ops.outpath import create_private, new_file
+from effectguard.ops.outpath import create_private, new_file, partial_of
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.guidance import show_command
 
@@ -114,7 +114,7 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
         "start_state": plan.start_state,
         "keys": sorted(list(k) for k in keyed),
     }
-    partial = target.with_name(f".{target.name}.partial")
+    partial = partial_of(target)
     # Owner-only like the ledger whose events and bodies it holds: gzip.open would
     # create it with the umask's permissions, readable by anyone.
     create_private(partial)
@@ -145,7 +145,7 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
 def _refuse_stale_partial(target: Path, ledger: Path) -> None:
     """An archive that stopped after its commit and before its rename left the only copy
     of the events it moved in ``.FILE.partial``: it must never be overwritten or removed."""
-    partial = target.with_name(f".{target.name}.partial")
+    partial = partial_of(target)
     if os.path.lexists(partial):
         raise ConfigError(
             f"{partial} exists: an earlier archive to {target.name} stopped before renaming "

@@ -26,7 +26,7 @@ from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
 from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
-from effectguard.ops.outpath import create_private, new_file
+from effectguard.ops.outpath import create_private, new_file, partial_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     source = Path(sqlite_path(ledger))
     check_ledger_file(str(source))
     target = new_file(target, ledger=source, command="backup", what="a backup")
-    partial = target.with_name(f".{target.name}.partial")
+    partial = partial_of(target)
     partial.unlink(missing_ok=True)
     # Owner-only like the ledger itself (it holds prompts, responses and key digests);
     # SQLite would create it with the umask's permissions, readable by anyone.

@@ -36,6 +36,11 @@ def new_file(path: str | Path, *, ledger: Path, command: str, what: str) -> Path
     return target
 
 
+def partial_of(target: Path) -> Path:
+    """Where ``backup`` and ``archive`` write ``target`` before renaming it into place."""
+    return target.with_name(f".{target.name}.partial")
+
+
 def create_private(path: Path) -> None:
     """Create ``path`` empty and owner-only (0600) for a command to write: ``backup``'s
     and ``archive``'s files hold what the ledger holds (prompts, answers, key digests),
