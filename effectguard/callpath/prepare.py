@@ -27,7 +27,7 @@ from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint, Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules import jsonkeys, nesting, paths
+from effectguard.rules import jsonkeys, nesting, paths, percall
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
@@ -140,9 +140,9 @@ def prepare(
     model, price = _model_and_price(provider, endpoint, parsed)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
-    # A form or multipart body's fields are strings, not token caps: it is priced per call
-    # (plus the model's declared output bound, for a model priced by tokens).
-    bounded = parsed if kind == "json" else {}
+    # A form or multipart body's fields are text, not token caps: it is priced per call, or
+    # by the model's declared output bound, times the results it asks for (``n``).
+    bounded = parsed if kind == "json" else percall.form_counts(parsed)
     stream = _stream(provider, parsed, kind)
     sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
     try:
@@ -377,9 +377,6 @@ def _sdk_retry(request: Outbound) -> bool:
 
 def usage_of(prepared: Prepared, body: bytes) -> usages.UsageResult:
     """The answer's usage; a call priced per call alone costs that, whatever it says."""
-    if usages.per_call_only(prepared.price):
-        audio = None
-        if prepared.price.audio_minute is not None:
-            audio = usages.audio_usage(body)  # whisper-1 bills the audio's minutes
-        return usages.PER_CALL if audio is None else audio
+    if percall.per_call_only(prepared.price):
+        return percall.answer_usage(prepared.price, prepared.provider.dialect, body)
     return usages.usage_from_body(prepared.provider.dialect, prepared.path, body)

@@ -9,10 +9,8 @@ docs/contract.md §3.7 belief rules (:func:`check_usage`), and priced exactly in
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from effectguard.rules.money import MAX_CALL_NANOS, TOKENS_PER_MILLION, Nanos, nanos_to_usd
@@ -22,15 +20,13 @@ from effectguard.rules.quickinit import quick_init
 __all__ = [
     "MAX_CHOICES",
     "OUTPUT_LIMIT_FIELDS",
-    "PER_CALL",
     "OutOfBounds",
     "Usage",
     "UsageResult",
-    "audio_usage",
     "check_usage",
+    "choices",
     "cost",
     "estimate",
-    "per_call_only",
     "usage_from_body",
     "wants_stream",
     "with_stream_usage",
@@ -67,6 +63,8 @@ class Usage:
     Anthropic bills higher than a 5-minute write. ``web_search_requests`` counts the
     searches a server tool made (Anthropic's web search): each is billed apart from tokens.
     ``audio_ms`` is the audio an answer says it transcribed (whisper-1), in milliseconds.
+    ``items`` is how many results an answer priced per result lists (dall-e-2's images);
+    0 where it lists none, which is priced as one.
     """
 
     input_tokens: int
@@ -76,6 +74,7 @@ class Usage:
     web_search_requests: int = 0
     cache_write_1h_tokens: int = 0
     audio_ms: int = 0
+    items: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """The usage as a JSON-ready dict (for the ledger's ``attempt.observed``).
@@ -95,6 +94,8 @@ class Usage:
             counts["cache_write_1h_tokens"] = self.cache_write_1h_tokens
         if self.audio_ms:
             counts["audio_ms"] = self.audio_ms
+        if self.items:
+            counts["items"] = self.items
         return counts
 
 
@@ -148,6 +149,7 @@ def check_usage(usage: Usage) -> str | None:
         usage.web_search_requests,
         usage.cache_write_1h_tokens,
         usage.audio_ms,
+        usage.items,
     )
     if any(n < 0 for n in counts):
         return "negative"
@@ -157,6 +159,8 @@ def check_usage(usage: Usage) -> str | None:
         return "cached exceeds input"
     if usage.cache_write_1h_tokens > usage.cache_write_tokens:
         return "cached exceeds input"
+    if usage.items > MAX_CHOICES:
+        return "absurd"  # more results than any request may ask for
     return None
 
 
@@ -213,36 +217,6 @@ def _judged(usage: Usage) -> UsageResult:
     return UsageResult(usage, check_usage(usage))
 
 
-#: The usage of a call priced per call alone: its answer's usage (if any) changes nothing.
-PER_CALL = UsageResult(Usage(0, 0), None)
-
-
-def per_call_only(price: ModelPrice) -> bool:
-    """Whether ``price`` is per call alone (a file upload, a whisper-1 transcription): its
-    cost is the per-call price whatever the answer says, JSON, audio bytes or none."""
-    return price.per_call is not None and price.input == 0 and price.output == 0
-
-
-def audio_usage(body: bytes) -> UsageResult | None:
-    """The audio duration a transcription answer reports (``usage: {"type": "duration",
-    "seconds": S}``, whisper-1's JSON formats), or None where it reports none (its text,
-    srt and vtt formats): such a call is priced per call, as one minute."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    u = doc.get("usage") if isinstance(doc, dict) else None
-    if not isinstance(u, dict) or u.get("type") != "duration":
-        return None
-    seconds = u.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        return UsageResult(None, "malformed")
-    if not math.isfinite(seconds) or seconds > ABSURD_TOKENS:
-        return UsageResult(None, "absurd")
-    # Rounded up to a whole millisecond: the price is never below what the answer says.
-    return _judged(Usage(0, 0, audio_ms=math.ceil(Fraction(seconds) * 1000)))
-
-
 def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
     """Usage from a non-streaming JSON response body of ``dialect`` at ``path``.
 
@@ -295,7 +269,8 @@ def cost(price: ModelPrice, usage: Usage) -> Nanos:
         + max(0, usage.output_tokens) * price.output
     )
     searches = max(0, usage.web_search_requests) * (price.web_search or 0)
-    per_call = price.per_call or 0
+    # Each result an answer lists (an image) is billed at the per-call price.
+    per_call = (price.per_call or 0) * max(1, usage.items)
     if usage.audio_ms > 0 and price.audio_minute is not None:
         # The audio's own length replaces per_call, its one-minute stand-in.
         per_call = -(-usage.audio_ms * price.audio_minute // 60_000)
@@ -349,12 +324,19 @@ def _output_bound(price: ModelPrice, request: Mapping[str, Any]) -> int:
         value = _bounded_int(request, key, 0, declared, "the model's declared maximum")
         if bound is None:
             bound = value
-    # n (and legacy best_of) choices each generate up to the bound, and each is billed.
-    choices = [
+    return (declared if bound is None else bound) * choices(request)
+
+
+def choices(request: Mapping[str, Any]) -> int:
+    """How many results the request asks for: ``n`` (or legacy ``best_of``), at least 1.
+
+    Each choice generates up to the output bound, and each image is billed at the model's
+    per-call price; a count out of 1..:data:`MAX_CHOICES` is :class:`OutOfBounds`."""
+    counts = [
         _bounded_int(request, key, 1, MAX_CHOICES, "the most choices a request may ask for")
         for key in ("n", "best_of")
     ]
-    return (declared if bound is None else bound) * max(1, *(c or 1 for c in choices))
+    return max(1, *(c or 1 for c in counts))
 
 
 def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "openai") -> Nanos:
@@ -363,7 +345,8 @@ def estimate(price: ModelPrice, request: Mapping[str, Any], *, dialect: str = "o
     Input bound: the UTF-8 byte length of the prompt content (messages, system, prompt,
     input, instructions, and the JSON of tool definitions) at the input price. Output bound:
     the request's max tokens, else the model's declared maximum, at the output price (an
-    embeddings model's output price is zero). Plus the per-call price. A ``flat`` (per-call
+    embeddings model's output price is zero). Plus the per-call price, once per result the
+    request asks for (``n``). A ``flat`` (per-call
     priced tool) body is the tool's own: its fields are not token caps or choice counts.
 
     Raises :class:`OutOfBounds` for a token cap or choice count out of its bounds, and for
@@ -378,7 +361,9 @@ def reservation(
     input_bytes, output = _bounds(price, request, dialect)
     total = input_bytes * price.input + output * price.output
     searches = _search_bound(request) * (price.web_search or 0)
-    reserve = _ceil_nanos(total) + (price.per_call or 0) + searches
+    # A tool's (flat) body is its own: its fields are no result counts.
+    per_call = (price.per_call or 0) * (1 if dialect == "flat" else choices(request))
+    reserve = _ceil_nanos(total) + per_call + searches
     if reserve > MAX_CALL_NANOS:
         raise OutOfBounds(
             "tools"
