@@ -232,18 +232,19 @@ class StreamUsage:
                 self._delta = doc["usage"]
         elif self._api == "responses":
             if kind in _TERMINAL["responses"]:
-                self._read(_table(doc, "response").get("usage"))
+                response = _table(doc, "response")
+                self._read(response.get("usage"), response.get("output"))
         elif doc.get("usage") is not None:
             # Chat sends usage in one last chunk when stream_options.include_usage is set;
             # servers that send it in every chunk report running totals, so the last wins.
             self._read(doc["usage"])
 
-    def _read(self, u: object) -> None:
+    def _read(self, u: object, output: object = None) -> None:
         if not isinstance(u, dict):
             self._usage, self._problem = None, "missing"
             return
         try:
-            self._usage = _openai_usage(u, self._api)
+            self._usage = _openai_usage(u, self._api, output)
         except _Unreadable as exc:
             self._usage, self._problem = None, exc.problem
             return

@@ -180,19 +180,32 @@ def _table(obj: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _openai_usage(u: Mapping[str, Any], api: str) -> Usage:
+def _openai_usage(u: Mapping[str, Any], api: str, output: object = None) -> Usage:
     if api == "responses" or ("prompt_tokens" not in u and "input_tokens" in u):
         # The Responses API (and newer endpoints such as images) name it input/output.
         return Usage(
             input_tokens=_int(u, "input_tokens"),
             output_tokens=_int(u, "output_tokens"),
             cached_input_tokens=_int(_table(u, "input_tokens_details"), "cached_tokens", 0),
+            web_search_requests=web_search_calls(output),
         )
     return Usage(
         input_tokens=_int(u, "prompt_tokens"),
         output_tokens=0 if api == "embeddings" else _int(u, "completion_tokens"),
         cached_input_tokens=_int(_table(u, "prompt_tokens_details"), "cached_tokens", 0),
     )
+
+
+def web_search_calls(output: object) -> int:
+    """The searches a Responses answer's built-in web search tool made: its ``output``
+    items of type ``web_search_call``. They are billed per call, apart from the tokens,
+    and the usage does not count them."""
+    if not isinstance(output, list):
+        return 0
+    return sum(1 for item in output if isinstance(item, dict) and item.get("type") == _SEARCH)
+
+
+_SEARCH = "web_search_call"
 
 
 def _anthropic_usage(u: Mapping[str, Any], output_tokens: int | None = None) -> Usage:
@@ -237,7 +250,10 @@ def usage_from_body(dialect: str, path: str, body: bytes) -> UsageResult:
     if not isinstance(u, dict):
         return UsageResult(None, "missing")
     try:
-        usage = _anthropic_usage(u) if api == "messages" else _openai_usage(u, api)
+        if api == "messages":
+            usage = _anthropic_usage(u)
+        else:
+            usage = _openai_usage(u, api, doc.get("output") if api == "responses" else None)
     except _Unreadable as exc:
         return UsageResult(None, exc.problem)
     return _judged(usage)
