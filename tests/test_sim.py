@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from eventkit import completion
 
+from effectguard.ops.cli import main
 from effectguard.rules.events import (
     AttemptNotSent,
     AttemptStarted,
@@ -421,3 +422,15 @@ def test_endless_and_padded_answers_keep_every_invariant(tmp_path: Path) -> None
     assert result.ok, result.summary() + "\n" + "\n".join(map(str, result.violations))
     applied = {r["behaviour"] for r in result.evidence.receipts}
     assert {"endless", f"pad={MAX_ANSWER_BYTES // 2}"} <= applied, applied
+
+
+def test_a_postgres_run_without_a_dsn_is_refused_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.delenv("EFFECTGUARD_TEST_PG_DSN", raising=False)
+    keep = tmp_path / "work"
+    code = main(
+        ["sim", "--seed", "3", "--duration", "5", "--ledger", "postgres", "--keep", str(keep)]
+    )
+    assert code == 2 and not keep.exists()
+    assert "--ledger postgres needs EFFECTGUARD_TEST_PG_DSN" in capsys.readouterr().err

@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"effectguard sim: --ledger-faults: {reason}", file=sys.stderr)
         return 2
+    if schedule.ledger == "postgres" and not os.environ.get(PG_DSN_ENV):
+        # Checked before anything starts: a traceback from deep in the run said less.
+        print(f"effectguard sim: --ledger postgres needs {PG_DSN_ENV} (a DSN)", file=sys.stderr)
+        return 2
     bundle = args.bundle or Path(f"sim-bundle-{schedule.seed}")
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
         print(f"effectguard sim: --keep {args.keep} is not empty", file=sys.stderr)
