@@ -183,3 +183,45 @@ async def test_not_found_is_unknown_while_young_then_not_applied_and_sent_once(
         assert json.loads(replay.content) == sent.json()
         assert len(creates(fake)) == 1
         await finish(old.transport)
+
+
+async def test_a_resend_that_stripe_turns_away_leaves_the_first_charge_unknown(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+) -> None:
+    """Stripe created the PaymentIntent and answered 500. The keyed resend inside the window
+    meets Stripe's rate limiter (429, which runs before its idempotency layer): that proves
+    nothing about the first request, so the call stays effect_unknown and holds its charge.
+    Past the window (when Stripe may have pruned the key) the resend is not sent again: the
+    search answers it, and nothing is created twice. (Booked ``not_processed``, the call
+    had held nothing and would have gone to Stripe as a new request.)"""
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        day1 = Stripe(make_transport, ledger, clock, fake.url)
+        first = await day1.pay("order-3", 900, **{"x-fake-status": "500"})
+        assert first.status_code == 500, first.text
+        call_id = first.headers["effectguard-call-id"]
+        (state,) = await ledger.calls()
+        held = state.held
+        turned_away = await day1.pay("order-3", 900, **{"x-fake-status": "429"})
+        assert turned_away.status_code == 429, turned_away.text  # Stripe's own answer
+        (state,) = await ledger.calls()
+        assert (state.stage, state.effect, state.held) == ("effect_unknown", "unknown", held)
+        assert state.attempts == 4  # the resend and its two automatic retries, all 429
+        assert len(creates(fake)) == 1
+        await day1.transport.aclose()
+
+        (created,) = creates(fake)
+        time.sleep(max(0.0, created["ts"] + LAG_S - time.time()))  # the search catches up
+        clock.advance(DAY + HOUR)
+        later = Stripe(make_transport, ledger, clock, fake.url)
+        recovered = await later.pay("order-3", 900)
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:stripe"
+        assert recovered.json()["id"] == created["id"]
+        (decided,) = await later.decisions(call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:stripe", True)
+        assert len(creates(fake)) == 1
+        await finish(later.transport)

@@ -16,6 +16,8 @@ https://docs.stripe.com/api/payment_intents/search describe them (read 2026-12-0
   ``x-fake-status: 503`` answers 503 before anything (no effect, nothing saved under the
   key), like a server error ahead of the API: Stripe lists 502/503/504 as server errors
   and says only 500s are saved (https://docs.stripe.com/error-low-level, read 2026-12-01).
+  ``x-fake-status: 429`` answers 429 ``rate_limit`` before anything, as Stripe's rate
+  limiters run ahead of its idempotency layer (same page): no effect, nothing saved.
 * The search (``query=metadata['effectguard_op']:'OP'``) shows an object only ``LAG_S``
   after it was created.
 * Errors have Stripe's shape: ``{"error": {"type", "code"?, "message", "param"?}}``.
@@ -66,6 +68,8 @@ async def create(request: web.Request) -> web.Response:
     await delay(request)
     if request.headers.get("x-fake-status") == "503":
         return error(503, "api_error", "The service is temporarily unavailable.")
+    if request.headers.get("x-fake-status") == "429":
+        return error(429, "invalid_request_error", "Too many requests.", code="rate_limit")
     if not authorized(request):
         return error(401, "invalid_request_error", "Invalid API Key provided.")
     body = await request.read()
