@@ -27,7 +27,7 @@ from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint, Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules import jsonkeys, nesting, paths
+from effectguard.rules import jsonkeys, nesting, paths, strictjson
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
@@ -86,8 +86,8 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
         # A repeated key: we would price and hash the last value while a provider may act
         # on the first ("max_tokens": 100000 then 1).
-        loaded = json.loads(raw, object_pairs_hook=jsonkeys.unique_keys)
-    except jsonkeys.RepeatedKey as exc:
+        loaded = strictjson.loads(raw)
+    except (jsonkeys.RepeatedKey, strictjson.NotStrict) as exc:
         raise refuse(400, "invalid_request", f"request body is ambiguous JSON: {exc}") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
