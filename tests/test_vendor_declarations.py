@@ -129,3 +129,26 @@ def test_stripe_503_is_unknown_and_a_keyed_resend_reaches_stripe(
     assert resent.json()["object"] == "payment_intent"
     (effect,) = stripe.effects()
     assert effect["op"] == resent.json()["metadata"]["effectguard_op"]
+
+
+# -- a Postmark batch through the proxy -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_postmark_batch_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    """POST /email/batch takes a JSON array of up to 500 messages: effectguard guards only
+    JSON objects, so the batch is refused 400 before anything is recorded or sent (never
+    passed on as one call priced as one email, as the declaration's comment once said)."""
+    with (
+        running_fake("email_like", tmp_path / "email.jsonl") as email,
+        running_proxy(tmp_path / "ledger.db", upstreams={"postmark": email.url}) as p,
+    ):
+        batch = [{"From": "a@example.com", "To": f"u{i}@example.com"} for i in range(500)]
+        token = {"X-Postmark-Server-Token": "pm"}
+        refused = httpx.post(p.url + "/postmark/email/batch", json=batch, headers=token)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["type"] == "invalid_request"
+        assert email.effects() == []
+        one = httpx.post(p.url + "/postmark/email", json=batch[0], headers=token)
+        assert one.status_code == 200, one.text
+        assert len(email.effects()) == 1
