@@ -7,6 +7,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from effectguard.callpath.wire import (
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint, Provider
+from effectguard.providers.endpoints import Units
 from effectguard.rules import budget as budgets
 from effectguard.rules import jsonkeys, nesting, paths, strictjson
 from effectguard.rules import usage as usages
@@ -137,7 +139,7 @@ def prepare(
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
     parsed, hashed = _parse_body(provider, request, path, endpoint, kind, content_type or "")
-    model, price = _model_and_price(provider, endpoint, parsed)
+    model, price = _priced(provider, endpoint, parsed, kind)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
     # A form or multipart body's fields are strings, not token caps: it is priced per call
@@ -320,6 +322,17 @@ def _named_once(names: list[str], field: str) -> None:
         raise bodies.Malformed(f"request body names its {field} more than once")
 
 
+def _priced(
+    provider: Provider, endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.BodyKind
+) -> tuple[str | None, ModelPrice]:
+    """The request's model and its price, for as many units as it names where the
+    endpoint is billed per unit."""
+    model, price = _model_and_price(provider, endpoint, parsed)
+    if endpoint.units is not None:
+        price = _per_unit(price, endpoint.units, parsed, kind)
+    return model, price
+
+
 def _model_and_price(
     provider: Provider, endpoint: Endpoint, parsed: dict[str, Any]
 ) -> tuple[str | None, ModelPrice]:
@@ -346,6 +359,26 @@ def _model_and_price(
             "declare it with --providers DIR",
         )
     return model, price
+
+
+def _per_unit(price: ModelPrice, units: Units, parsed: dict[str, Any], kind: str) -> ModelPrice:
+    """``price`` for as many units as the request names (an email's recipients): the
+    provider bills each, so one call is charged and reserved for all of them. An entry is
+    counted wherever the separator splits, so a display name holding one ("Doe, Jo"
+    <jo@example.com>) counts twice: too much, never too little."""
+    if kind != "json":
+        raise refuse(400, "invalid_request", "this endpoint's body must be a JSON object")
+    if price.per_call is None:
+        return price  # priced by tokens: there is no per-call price to multiply
+    count = 0
+    for name in units.fields:
+        value = parsed.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise refuse(400, "invalid_request", f"{name} must be a string", param=name)
+        count += sum(1 for entry in value.split(units.separator) if entry.strip())
+    return dataclasses.replace(price, per_call=price.per_call * max(1, count))
 
 
 def _idempotency_key(request: Outbound) -> str | None:

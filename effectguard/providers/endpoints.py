@@ -32,6 +32,7 @@ __all__ = [
     "IdempotencyGuarantee",
     "Lookup",
     "OpIdPlacement",
+    "Units",
     "parse_endpoint",
     "parse_idempotency",
     "parse_lookup",
@@ -47,7 +48,17 @@ HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 _METHOD = re.compile(r"[A-Z]+")
 _FIELD = re.compile(r"[A-Za-z0-9_\-\[\]]+(\.[A-Za-z0-9_\-\[\]]+)*")
 _ENDPOINT_KEYS = frozenset(
-    {"path", "method", "effect", "idempotency", "op_id", "lookup", "per_call", "cost_deferred"}
+    {
+        "path",
+        "method",
+        "effect",
+        "idempotency",
+        "op_id",
+        "lookup",
+        "per_call",
+        "cost_deferred",
+        "units",
+    }
 )
 _LOOKUP_KEYS = frozenset(
     {
@@ -133,6 +144,16 @@ class Lookup:
 
 
 @dataclass(frozen=True, slots=True)
+class Units:
+    """How many billed units one request is (an email's recipients): the entries, split on
+    ``separator``, of the request's top-level JSON string ``fields``. The call is priced at
+    its per-call price times that count (at least one)."""
+
+    fields: tuple[str, ...]
+    separator: str = ","
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One declared endpoint: its effect kind, and what effectguard adds to its requests."""
 
@@ -147,6 +168,8 @@ class Endpoint:
     #: The provider bills this call's real cost later, apart from it (a batch): the ledger
     #: records only the declared per-call price, and flags the call as such.
     cost_deferred: bool = False
+    #: The provider bills per unit the request names, not per request.
+    units: Units | None = None
 
     def matches(self, method: str, path: str) -> bool:
         """Whether a request ``method path`` (no query string) targets this endpoint."""
@@ -193,7 +216,7 @@ def parse_endpoint(
     if declared not in _EFFECTS:
         raise fail(f"{where}.effect", f"must be one of {', '.join(_EFFECTS)}")
     if declared == "read_only":
-        for extra in ("idempotency", "op_id", "lookup", "per_call", "cost_deferred"):
+        for extra in ("idempotency", "op_id", "lookup", "per_call", "cost_deferred", "units"):
             if extra in entry:
                 raise fail(f"{where}.{extra}", "a read_only endpoint has no effect to guard")
         return Endpoint(path, "read_only", method.upper())
@@ -209,7 +232,29 @@ def parse_endpoint(
     deferred = entry.get("cost_deferred", False)
     if not isinstance(deferred, bool):
         raise fail(f"{where}.cost_deferred", "must be true or false")
-    return Endpoint(path, effect, method.upper(), idempotency, op_id, lookup, per_call, deferred)
+    units = _units(entry.get("units"), f"{where}.units", fail)
+    return Endpoint(
+        path, effect, method.upper(), idempotency, op_id, lookup, per_call, deferred, units
+    )
+
+
+def _units(value: object, where: str, fail: Fail) -> Units | None:
+    """``units = { fields = ["To", "Cc"], separator = "," }``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"fields", "separator"}:
+        raise fail(where, "must be a table of fields (and separator)")
+    fields = value.get("fields")
+    if (
+        not isinstance(fields, list)
+        or not fields
+        or not all(isinstance(f, str) and f for f in fields)
+    ):
+        raise fail(f"{where}.fields", "must be a non-empty list of JSON field names")
+    separator = value.get("separator", ",")
+    if not isinstance(separator, str) or not separator:
+        raise fail(f"{where}.separator", "must be a non-empty string")
+    return Units(tuple(fields), separator)
 
 
 def _per_call(value: object, where: str, fail: Fail) -> int | None:
