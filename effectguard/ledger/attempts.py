@@ -50,9 +50,11 @@ def record(
             "its outcome is not recorded"
         )
     out = settle_hold(state, events)
-    # Only an outcome that proved nothing releases a reservation: read the call's history
-    # (a read of its events) on that path alone.
-    if any(isinstance(e, BudgetReleased) for e in out) and resends_unknown(_history(tx, call_id)):
+    # Only a later attempt can be a resend, and only an outcome that proved nothing
+    # releases a reservation: the call's history is read on that path alone (a first
+    # attempt's 429 reads nothing more).
+    proved_nothing = any(isinstance(e, BudgetReleased) for e in out)
+    if proved_nothing and state.attempts > 1 and resends_unknown(_history(tx, call_id)):
         out = hold_if_nothing(out)
     return append(tx, writer, out, {call_id: state})[call_id]
 
