@@ -147,17 +147,15 @@ def prepare(
     bounded = parsed if kind == "json" else {}
     stream = _stream(provider, parsed, kind)
     sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
-    try:
-        reserve, tokens = usages.reservation(price, bounded, dialect=provider.dialect)
-    except usages.OutOfBounds as exc:
-        raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
-    except (TypeError, ValueError) as exc:
-        raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
+    reserve, tokens = _reservation(price, bounded, provider.dialect)
     retry_of = request.header(RETRY_OF_HEADER)
+    scope = _scope_headers(request, endpoint)
     body_text, body_encoding = _stored_body(request, sent)
     idem = endpoint.idempotency
     admit = AdmitRequest(
-        request_hash=request_hash(provider.name, request.method, request.target, hashed, kind),
+        request_hash=request_hash(
+            provider.name, request.method, request.target, hashed, kind, scope
+        ),
         provider=provider.name,
         endpoint=path,
         method=request.method,
@@ -177,8 +175,19 @@ def prepare(
         provider_idempotency_window_s=idem.window_seconds if idem else None,
         create_budgets=settings.create_budgets,
         spool=request.spool,
+        headers=scope,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _reservation(price: ModelPrice, bounded: dict[str, Any], dialect: str) -> tuple[int, int]:
+    """R and the token estimate (docs/contract.md §5.2); a bound out of range is 400."""
+    try:
+        return usages.reservation(price, bounded, dialect=dialect)
+    except usages.OutOfBounds as exc:
+        raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
+    except (TypeError, ValueError) as exc:
+        raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
 
 
 def _check_identity_encoding(request: Outbound) -> None:
@@ -379,6 +388,20 @@ def _per_unit(price: ModelPrice, units: Units, parsed: dict[str, Any], kind: str
             raise refuse(400, "invalid_request", f"{name} must be a string", param=name)
         count += sum(1 for entry in value.split(units.separator) if entry.strip())
     return dataclasses.replace(price, per_call=price.per_call * max(1, count))
+
+
+def _scope_headers(request: Outbound, endpoint: Endpoint) -> dict[str, str]:
+    """The headers naming the account the call acts in, for its lookup to send again; one
+    sent twice is refused (400), as either value could be the account acted in."""
+    names = endpoint.lookup.scope_headers if endpoint.lookup is not None else ()
+    found: dict[str, str] = {}
+    for name in names:
+        if request.repeats(name):
+            raise refuse(400, "invalid_request", f"{name} is sent more than once")
+        value = request.header(name)
+        if value is not None:
+            found[name] = value
+    return found
 
 
 def _idempotency_key(request: Outbound) -> str | None:

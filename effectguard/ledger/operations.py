@@ -274,6 +274,7 @@ def _manifest(req: AdmitRequest, call_id: str, now: float) -> CallManifest:
         effect_kind=req.effect_kind,
         body=req.body,
         body_encoding=req.body_encoding,
+        headers=dict(req.headers),
         stream=req.stream,
         retry_of=req.retry_of,
         provider_idempotency_window_s=req.provider_idempotency_window_s,

@@ -74,6 +74,7 @@ _LOOKUP_KEYS = frozenset(
         "retention_s",
         "op",
         "timeout_s",
+        "scope_headers",
     }
 )
 
@@ -141,6 +142,10 @@ class Lookup:
     #: for is another operation's, and proves nothing. None: the search is trusted to
     #: answer only for the op it was asked about.
     match: str | None = None
+    #: Request headers (lowercase) that name the account an operation acts in (Stripe's
+    #: ``Stripe-Account``): recorded with the call and sent with its lookup, which would
+    #: otherwise search another account and find nothing.
+    scope_headers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +367,18 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         results=results,
         form=form,
         match=match,
+        scope_headers=_scope_headers(
+            table.get("scope_headers", []), f"{where}.scope_headers", fail
+        ),
     )
+
+
+def _scope_headers(value: object, where: str, fail: Fail) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(h, str) and HEADER_NAME.fullmatch(h) for h in value
+    ):
+        raise fail(where, "must be a list of header names")
+    return tuple(h.lower() for h in value)
 
 
 Fields = tuple[tuple[str, str], ...]
