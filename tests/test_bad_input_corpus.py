@@ -248,6 +248,35 @@ CASES = [
         400,
         error="invalid_request",
     ),
+    # Not strict JSON (contract.md §12): a lone surrogate escape is no character (it
+    # failed with a 500 while the request was hashed), and 1e400 reads as infinity (one
+    # hash with 2e400, and a JSON body effectguard rewrites went out as "Infinity").
+    case(
+        "json-lone-surrogate-tool",
+        http("POST", SEND, content=b'{"to": "a@example.com", "subject": "\\ud800"}'),
+        400,
+        error="invalid_request",
+    ),
+    case(
+        "json-lone-surrogate-chat",
+        post_chat(user="\udc00"),
+        400,
+        error="invalid_request",
+    ),
+    case(
+        "json-number-overflow",
+        http("POST", SEND, content=b'{"to": "a@example.com", "n": 1e400}'),
+        400,
+        error="invalid_request",
+    ),
+    case("json-nan", post_chat(temperature=float("nan")), 400, error="invalid_request"),
+    case(
+        "json-surrogate-pair",
+        http("POST", SEND, content=b'{"to": "a@example.com", "subject": "\\ud83d\\ude00"}'),
+        200,
+        receipts=1,
+        stage="completed",
+    ),
     case("json-empty", http("POST", CHAT, content=b""), 400, error="invalid_request"),
     case("body-array", http("POST", CHAT, json_body=[chat()]), 400, error="invalid_request"),
     case("body-string", http("POST", CHAT, json_body="hello"), 400, error="invalid_request"),

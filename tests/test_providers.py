@@ -68,6 +68,7 @@ def test_bundled_openai() -> None:
         output=usd_to_nanos("0.60"),
         cached_input=usd_to_nanos("0.075"),
         max_output_tokens=16384,
+        web_search=usd_to_nanos("0.025"),  # the Responses API's web search, per call
     )
     for model in (
         "gpt-4o",
@@ -328,6 +329,22 @@ def test_upstream_errors(upstreams: dict[str, str], message: str) -> None:
         ('base_url = "https://tool.example.com"', 'base_url = "tool.example.com"', "base_url"),
         ('base_url = "https://tool.example.com"', 'base_url = "https://x?a=1"', "base_url"),
         ('effect = "billable"', 'effect = "maybe"', "endpoints[0].effect"),
+        ('effect = "billable"', 'effect = "billable"\nunits = []', "endpoints[0].units"),
+        (
+            'effect = "billable"',
+            'effect = "billable"\nunits = { fields = [] }',
+            "endpoints[0].units.fields",
+        ),
+        (
+            'effect = "billable"',
+            'effect = "billable"\nunits = { fields = ["To"], separator = "" }',
+            "endpoints[0].units.separator",
+        ),
+        (
+            'effect = "billable"',
+            'effect = "read_only"\nunits = { fields = ["To"] }',
+            "endpoints[0].units",
+        ),
         ('path = "/v1/run"', 'path = "v1/run"', "endpoints[0].path"),
         ("not_processed = [400, 429]", "not_processed = [400, 700]", "not_processed"),
         ("not_processed = [400, 429]", 'not_processed = ["429"]', "not_processed"),

@@ -183,3 +183,103 @@ async def test_not_found_is_unknown_while_young_then_not_applied_and_sent_once(
         assert json.loads(replay.content) == sent.json()
         assert len(creates(fake)) == 1
         await finish(old.transport)
+
+
+async def test_a_resend_that_stripe_turns_away_leaves_the_first_charge_unknown(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+) -> None:
+    """Stripe created the PaymentIntent and answered 500. The keyed resend inside the window
+    meets Stripe's rate limiter (429, which runs before its idempotency layer): that proves
+    nothing about the first request, so the call stays effect_unknown and holds its charge.
+    Past the window (when Stripe may have pruned the key) the resend is not sent again: the
+    search answers it, and nothing is created twice. (Booked ``not_processed``, the call
+    had held nothing and would have gone to Stripe as a new request.)"""
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        day1 = Stripe(make_transport, ledger, clock, fake.url)
+        first = await day1.pay("order-3", 900, **{"x-fake-status": "500"})
+        assert first.status_code == 500, first.text
+        call_id = first.headers["effectguard-call-id"]
+        (state,) = await ledger.calls()
+        held = state.held
+        turned_away = await day1.pay("order-3", 900, **{"x-fake-status": "429"})
+        assert turned_away.status_code == 429, turned_away.text  # Stripe's own answer
+        (state,) = await ledger.calls()
+        assert (state.stage, state.effect, state.held) == ("effect_unknown", "unknown", held)
+        assert state.attempts == 4  # the resend and its two automatic retries, all 429
+        assert len(creates(fake)) == 1
+        await day1.transport.aclose()
+
+        (created,) = creates(fake)
+        time.sleep(max(0.0, created["ts"] + LAG_S - time.time()))  # the search catches up
+        clock.advance(DAY + HOUR)
+        later = Stripe(make_transport, ledger, clock, fake.url)
+        recovered = await later.pay("order-3", 900)
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:stripe"
+        assert recovered.json()["id"] == created["id"]
+        (decided,) = await later.decisions(call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:stripe", True)
+        assert len(creates(fake)) == 1
+        await finish(later.transport)
+
+
+async def test_a_connect_payment_is_searched_for_in_its_connected_account(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+) -> None:
+    """A platform creates a PaymentIntent in a connected account (``Stripe-Account``) and
+    meets a 500: created there, its result unknown. Past the window and the search's
+    hour, the keyed resend asks the search in that account, finds the PaymentIntent and
+    answers with it; nothing is created twice. (Searched in the platform's own account,
+    it read "not found", then "not applied", and the call went out again.)"""
+    ledger, clock = clocked
+    connected = {"Stripe-Account": "acct_connected1"}
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        day1 = Stripe(make_transport, ledger, clock, fake.url)
+        first = await day1.pay("order-4", 1200, **connected, **{"x-fake-status": "500"})
+        assert first.status_code == 500, first.text
+        call_id = first.headers["effectguard-call-id"]
+        await day1.transport.aclose()
+
+        (created,) = creates(fake)
+        time.sleep(max(0.0, created["ts"] + LAG_S - time.time()))  # the search catches up
+        clock.advance(DAY + 2 * HOUR)
+        later = Stripe(make_transport, ledger, clock, fake.url)
+        recovered = await later.pay("order-4", 1200, **connected)
+        assert recovered.status_code == 200, recovered.text
+        assert recovered.headers["effectguard-recovered"] == "lookup:stripe"
+        assert recovered.json()["id"] == created["id"]
+        (decided,) = await later.decisions(call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:stripe", True)
+        assert len(creates(fake)) == 1
+        await finish(later.transport)
+
+
+async def test_one_key_in_two_connected_accounts_is_not_answered_with_the_others_payment(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+) -> None:
+    """The same body under the same key, sent to another connected account, is another
+    request (Stripe keeps each account's keys apart): refused 422, never answered with the
+    first account's PaymentIntent as if the second had been charged. (The account was not
+    part of the request's hash, and the second request was replayed the first's answer.)"""
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        stripe = Stripe(make_transport, ledger, clock, fake.url)
+        first = await stripe.pay("order-5", 300, **{"Stripe-Account": "acct_a"})
+        assert first.status_code == 200, first.text
+        other = await stripe.pay("order-5", 300, **{"Stripe-Account": "acct_b"})
+        assert other.status_code == 422, other.text
+        assert error_type(other) == "idempotency_key_reused"
+        again = await stripe.pay("order-5", 300, **{"Stripe-Account": "acct_a"})
+        assert again.headers["effectguard-replayed"] == "true"
+        assert len(creates(fake)) == 1
+        await finish(stripe.transport)

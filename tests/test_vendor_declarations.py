@@ -9,8 +9,12 @@ deduplicates it), not be answered with the stored 503.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -129,3 +133,71 @@ def test_stripe_503_is_unknown_and_a_keyed_resend_reaches_stripe(
     assert resent.json()["object"] == "payment_intent"
     (effect,) = stripe.effects()
     assert effect["op"] == resent.json()["metadata"]["effectguard_op"]
+
+
+# -- a Postmark batch through the proxy -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_postmark_batch_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    """POST /email/batch takes a JSON array of up to 500 messages: effectguard guards only
+    JSON objects, so the batch is refused 400 before anything is recorded or sent (never
+    passed on as one call priced as one email, as the declaration's comment once said)."""
+    with (
+        running_fake("email_like", tmp_path / "email.jsonl") as email,
+        running_proxy(tmp_path / "ledger.db", upstreams={"postmark": email.url}) as p,
+    ):
+        batch = [{"From": "a@example.com", "To": f"u{i}@example.com"} for i in range(500)]
+        token = {"X-Postmark-Server-Token": "pm"}
+        refused = httpx.post(p.url + "/postmark/email/batch", json=batch, headers=token)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["type"] == "invalid_request"
+        assert email.effects() == []
+        one = httpx.post(p.url + "/postmark/email", json=batch[0], headers=token)
+        assert one.status_code == 200, one.text
+        assert len(email.effects()) == 1
+
+
+def _cli(*args: str) -> Any:
+    """The real ``effectguard`` command with ``--json``: exit 0, its parsed output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_a_postmark_email_is_charged_per_recipient(tmp_path: Path) -> None:
+    """Postmark counts each recipient (To, Cc and Bcc) as one email: an email to five is
+    reserved and settled at five times the per-email price, and a budget with room for
+    three refuses it before anything is sent. (Priced as one email, it was admitted.)"""
+    ledger = tmp_path / "ledger.db"
+    subprocess.run([sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    _cli("budget", "set", "mail", "--limit", "0.0054", "--ledger", str(ledger))  # three emails
+    with (
+        running_fake("email_like", tmp_path / "email.jsonl") as email,
+        running_proxy(ledger, upstreams={"postmark": email.url}) as p,
+    ):
+        headers = {"X-Postmark-Server-Token": "pm", "Effectguard-Budget": "mail"}
+        five = {
+            "From": "a@example.com",
+            "To": "b@example.com, c@example.com",
+            "Cc": "d@example.com",
+            "Bcc": "e@example.com,f@example.com",
+        }
+        refused = httpx.post(p.url + "/postmark/email", json=five, headers=headers)
+        assert refused.status_code == 402, refused.text
+        assert email.effects() == []
+        two = {"From": "a@example.com", "To": "b@example.com", "Cc": "c@example.com"}
+        sent = httpx.post(p.url + "/postmark/email", json=two, headers=headers)
+        assert sent.status_code == 200, sent.text
+        assert len(email.effects()) == 1
+    (call,) = [c for c in _cli("calls", "--ledger", str(ledger)) if c["stage"] == "completed"]
+    assert (call["reserved_usd"], call["cost_usd"]) == ("0.003600000", "0.003600000")
+    (node,) = [b for b in _cli("budgets", "--ledger", str(ledger)) if b["path"] == "mail"]
+    assert node["spent_usd"] == "0.003600000"

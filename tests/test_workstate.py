@@ -31,6 +31,7 @@ from effectguard.rules.events import (
     CallResendAuthorized,
     Event,
 )
+from effectguard.rules.settlement import hold_if_nothing, resend_proved_nothing, resends_unknown
 from effectguard.rules.workstate import (
     RECONCILABLE,
     STAGE_TABLE,
@@ -512,12 +513,54 @@ def test_an_authorized_resend_that_did_nothing_leaves_the_earlier_effect_unknown
     assert (decided.stage, decided.resend_authorized) == ("reconciled_applied", False)
 
 
-def test_without_an_authorization_not_sent_and_not_processed_are_their_own_stages() -> None:
-    """Only an operator's authorized resend returns to effect_unknown: a provider resend
-    (its hold released, contract.md §4) that is not processed is not_processed."""
-    events = [*effect_unknown(), BudgetReserved(call=CALL, budget="team/run", amount=R)]
-    state = work_state([*events, started(2), observed(429, attempt=2, not_processed=True)])
-    assert state.stage == "not_processed"
+def provider_resend() -> list[Event]:
+    """An effect-unknown call resent on the provider's dedup key: its hold released for the
+    new attempt's reservation (contract.md §4), the attempt started."""
+    return [
+        *effect_unknown(),
+        BudgetUnheld(call=CALL, budget="team/run", amount=R, spent=0),
+        BudgetReserved(call=CALL, budget="team/run", amount=R),
+        started(attempt=2),
+    ]
+
+
+@pytest.mark.parametrize(
+    "nothing",
+    [
+        [AttemptNotSent(call=CALL, attempt=2, reason="refused to connect")],
+        [observed(429, attempt=2, not_processed=True)],
+    ],
+    ids=["not_sent", "not_processed"],
+)
+def test_a_provider_resend_that_did_nothing_is_held_and_leaves_the_call_unknown(
+    nothing: list[Event],
+) -> None:
+    """A resend on the provider key that proved nothing says nothing about the first
+    attempt: the ledger holds its reservation (settlement.hold_if_nothing), and the call is
+    effect_unknown again with that hold (it once read not_processed, effect "none", holding
+    nothing). A call that was never unknown releases as before."""
+    assert resends_unknown(provider_resend())
+    released = [*nothing, BudgetReleased(call=CALL, budget="team/run", amount=R)]
+    state = work_state([*provider_resend(), *hold_if_nothing(released)])
+    assert (state.stage, state.effect, state.held, state.reserved) == (
+        "effect_unknown",
+        "unknown",
+        R,
+        0,
+    )
+    assert resend_proved_nothing(state, [*provider_resend(), *hold_if_nothing(released)])
+    plain = [manifest(), BudgetReserved(call=CALL, budget="team/run", amount=R), started()]
+    assert not resends_unknown(plain)
+    assert not resends_unknown(authorized())  # the operator's resend keeps its own hold
+
+
+def test_a_provider_resend_that_was_interrupted_is_not_retried_automatically() -> None:
+    """Interrupted, the resend may itself have acted: no automatic retry follows it."""
+    events = [*provider_resend(), interrupted(attempt=2)]
+    events.append(BudgetHeld(call=CALL, budget="team/run", amount=R))
+    state = work_state(events)
+    assert state.stage == "effect_unknown"
+    assert not resend_proved_nothing(state, events)
 
 
 def late_answer(status: int = 200) -> Event:
@@ -669,14 +712,19 @@ def test_terminal_rungs_are_never_left(events: list[Event]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(valid_sequences)
 def test_effect_unknown_only_through_interrupted(events: list[Event]) -> None:
-    """The step into effect_unknown is always an attempt.interrupted for the current attempt."""
+    """The step into effect_unknown is an attempt.interrupted for the current attempt, or
+    the hold the ledger writes after an attempt that proved nothing while it resent an
+    unknown call (contract.md §4.1; verify names such a hold on any other call)."""
     state = WorkState()
     for event in events:
         after = apply(state, event)
         if after.stage == "effect_unknown" and state.stage != "effect_unknown":
-            assert isinstance(event, AttemptInterrupted)
-            assert event.attempt == state.attempts
-            assert state.stage == "in_flight"
+            if isinstance(event, BudgetHeld):
+                assert state.stage in ("not_sent", "not_processed")
+            else:
+                assert isinstance(event, AttemptInterrupted)
+                assert event.attempt == state.attempts
+                assert state.stage == "in_flight"
         state = after
 
 

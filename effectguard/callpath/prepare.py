@@ -7,6 +7,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping
@@ -26,8 +27,9 @@ from effectguard.callpath.wire import (
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint, Provider
+from effectguard.providers.endpoints import Units
 from effectguard.rules import budget as budgets
-from effectguard.rules import jsonkeys, nesting, paths, percall
+from effectguard.rules import jsonkeys, nesting, paths, percall, strictjson
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
@@ -86,8 +88,8 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
         # A repeated key: we would price and hash the last value while a provider may act
         # on the first ("max_tokens": 100000 then 1).
-        loaded = json.loads(raw, object_pairs_hook=jsonkeys.unique_keys)
-    except jsonkeys.RepeatedKey as exc:
+        loaded = strictjson.loads(raw)
+    except (jsonkeys.RepeatedKey, strictjson.NotStrict) as exc:
         raise refuse(400, "invalid_request", f"request body is ambiguous JSON: {exc}") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise refuse(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
@@ -137,7 +139,7 @@ def prepare(
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
     parsed, hashed = _parse_body(provider, request, path, endpoint, kind, content_type or "")
-    model, price = _model_and_price(provider, endpoint, parsed)
+    model, price = _priced(provider, endpoint, parsed, kind)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
     # A form or multipart body's fields are text, not token caps: it is priced per call, or
@@ -145,17 +147,15 @@ def prepare(
     bounded = parsed if kind == "json" else percall.form_counts(parsed)
     stream = _stream(provider, parsed, kind)
     sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
-    try:
-        reserve, tokens = usages.reservation(price, bounded, dialect=provider.dialect)
-    except usages.OutOfBounds as exc:
-        raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
-    except (TypeError, ValueError) as exc:
-        raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
+    reserve, tokens = _reservation(price, bounded, provider.dialect)
     retry_of = request.header(RETRY_OF_HEADER)
+    scope = _scope_headers(request, endpoint)
     body_text, body_encoding = _stored_body(request, sent)
     idem = endpoint.idempotency
     admit = AdmitRequest(
-        request_hash=request_hash(provider.name, request.method, request.target, hashed, kind),
+        request_hash=request_hash(
+            provider.name, request.method, request.target, hashed, kind, scope
+        ),
         provider=provider.name,
         endpoint=path,
         method=request.method,
@@ -175,8 +175,19 @@ def prepare(
         provider_idempotency_window_s=idem.window_seconds if idem else None,
         create_budgets=settings.create_budgets,
         spool=request.spool,
+        headers=scope,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _reservation(price: ModelPrice, bounded: dict[str, Any], dialect: str) -> tuple[int, int]:
+    """R and the token estimate (docs/contract.md §5.2); a bound out of range is 400."""
+    try:
+        return usages.reservation(price, bounded, dialect=dialect)
+    except usages.OutOfBounds as exc:
+        raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
+    except (TypeError, ValueError) as exc:
+        raise refuse(400, "invalid_request", f"cannot estimate this request: {exc}") from exc
 
 
 def _check_identity_encoding(request: Outbound) -> None:
@@ -320,6 +331,17 @@ def _named_once(names: list[str], field: str) -> None:
         raise bodies.Malformed(f"request body names its {field} more than once")
 
 
+def _priced(
+    provider: Provider, endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.BodyKind
+) -> tuple[str | None, ModelPrice]:
+    """The request's model and its price, for as many units as it names where the
+    endpoint is billed per unit."""
+    model, price = _model_and_price(provider, endpoint, parsed)
+    if endpoint.units is not None:
+        price = _per_unit(price, endpoint.units, parsed, kind)
+    return model, price
+
+
 def _model_and_price(
     provider: Provider, endpoint: Endpoint, parsed: dict[str, Any]
 ) -> tuple[str | None, ModelPrice]:
@@ -346,6 +368,40 @@ def _model_and_price(
             "declare it with --providers DIR",
         )
     return model, price
+
+
+def _per_unit(price: ModelPrice, units: Units, parsed: dict[str, Any], kind: str) -> ModelPrice:
+    """``price`` for as many units as the request names (an email's recipients): the
+    provider bills each, so one call is charged and reserved for all of them. An entry is
+    counted wherever the separator splits, so a display name holding one ("Doe, Jo"
+    <jo@example.com>) counts twice: too much, never too little."""
+    if kind != "json":
+        raise refuse(400, "invalid_request", "this endpoint's body must be a JSON object")
+    if price.per_call is None:
+        return price  # priced by tokens: there is no per-call price to multiply
+    count = 0
+    for name in units.fields:
+        value = parsed.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise refuse(400, "invalid_request", f"{name} must be a string", param=name)
+        count += sum(1 for entry in value.split(units.separator) if entry.strip())
+    return dataclasses.replace(price, per_call=price.per_call * max(1, count))
+
+
+def _scope_headers(request: Outbound, endpoint: Endpoint) -> dict[str, str]:
+    """The headers naming the account the call acts in, for its lookup to send again; one
+    sent twice is refused (400), as either value could be the account acted in."""
+    names = endpoint.lookup.scope_headers if endpoint.lookup is not None else ()
+    found: dict[str, str] = {}
+    for name in names:
+        if request.repeats(name):
+            raise refuse(400, "invalid_request", f"{name} is sent more than once")
+        value = request.header(name)
+        if value is not None:
+            found[name] = value
+    return found
 
 
 def _idempotency_key(request: Outbound) -> str | None:

@@ -23,7 +23,7 @@ from effectguard.callpath.exchange import Headers
 from effectguard.callpath.prepare import Prepared, refuse
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
-from effectguard.ledger import Admitted, Ledger, Writer, operations
+from effectguard.ledger import Admitted, Ledger, Writer, attempts
 from effectguard.rules import evidence
 from effectguard.rules import usage as usages
 from effectguard.rules.events import (
@@ -203,7 +203,7 @@ class Recorder:
         writer = previous.writer
         admitted = await self.ledger.store.write(
             writer,
-            lambda tx: operations.start_attempt(
+            lambda tx: attempts.start_attempt(
                 tx, writer, previous.call_id, prepared.reserve, previous.provider_idempotency_key
             ),
         )

@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
@@ -71,6 +71,8 @@ class Facts:
     provider_key: str | None
     #: When the call's last attempt started (ledger clock, seconds since the epoch).
     last_attempt_at: float
+    #: The request's headers that scope it to an account (the lookup's scope_headers).
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         idempotency_key=manifest.idempotency_key,
         provider_key=str(key) if key else None,
         last_attempt_at=at,
+        headers=dict(manifest.headers),
     )
 
 
@@ -125,9 +128,16 @@ async def request_body(ledger: Ledger, facts: Facts) -> bytes:
     return body
 
 
-def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str | None) -> Outbound:
+def lookup_request(
+    provider: Provider,
+    lookup: Lookup,
+    op: str,
+    credential: str | None,
+    scope: Mapping[str, str] | None = None,
+) -> Outbound:
     """The lookup as it goes to the provider, with the provider's credential (and its
-    declared form fields, form-encoded, as the body)."""
+    declared form fields, form-encoded, as the body), in the account the call acted in:
+    ``scope``, the call's recorded ``scope_headers`` (Stripe's ``Stripe-Account``)."""
     params = {name: value.format(op=op) for name, value in lookup.query}
     # Merged into any query the declared URL has, as httpx.Request(params=...) does.
     url = httpx.URL(lookup.url.format(base_url=provider.base_url, op=op))
@@ -135,6 +145,11 @@ def lookup_request(provider: Provider, lookup: Lookup, op: str, credential: str 
     headers = [(b"accept", b"application/json"), (b"accept-encoding", b"identity")]
     if credential is not None:
         headers.append((provider.key_header.lower().encode(), credential.encode()))
+    # Searched in another account, an object the call made there is never found: "not
+    # found" would read as "not applied", and the call be sent a second time.
+    for name in lookup.scope_headers:
+        if scope and name in scope:
+            headers.append((name.encode("latin-1"), scope[name].encode("utf-8")))
     body = b""
     if lookup.form:
         fields = [(name, value.format(op=op)) for name, value in lookup.form]
@@ -227,7 +242,7 @@ class Resolver:
         op = facts.call_id if lookup.op == "call_id" else facts.provider_key
         if op is None:
             return Evidence("unknown", by, "no provider idempotency key was recorded")
-        request = lookup_request(provider, lookup, op, credential)
+        request = lookup_request(provider, lookup, op, credential, facts.headers)
         shown = f"{request.method} {request.url.partition('?')[0]}"
         try:
             status, content_type, body = await asyncio.wait_for(

@@ -129,12 +129,18 @@ def request_hash(
     target: str,
     body: Mapping[str, Any] | bytes,
     kind: str = "json",
+    scope: Mapping[str, str] | None = None,
 ) -> str:
     """A stable hash of what a request asks for (key order and spacing do not matter).
 
     ``kind`` labels what the mapping was parsed from ("json", or the canonical "form" and
-    "multipart" forms of callpath/bodies), so bodies of different types never collide."""
+    "multipart" forms of callpath/bodies), so bodies of different types never collide.
+    ``scope``: the headers naming the account the request acts in (Stripe's
+    ``Stripe-Account``), where it sends any: the same body in two accounts is two
+    requests. Without them the hash is what it always was."""
     h = hashlib.sha256(f"{provider}\n{method.upper()}\n{target}\n".encode())
+    if scope:
+        h.update(b"scope\n" + json.dumps(scope, sort_keys=True).encode() + b"\n")
     if isinstance(body, bytes):
         h.update(b"raw\n" + body)
     else:

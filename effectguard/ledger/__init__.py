@@ -14,7 +14,7 @@ from datetime import date
 from typing import Any, BinaryIO
 
 from effectguard.errors import CallNotFound, ConfigError
-from effectguard.ledger import decisions, evidence, keyops, operations
+from effectguard.ledger import attempts, decisions, evidence, keyops, operations
 from effectguard.ledger.base import (
     OPERATOR,
     CallSpend,
@@ -106,7 +106,7 @@ class Ledger:
     ) -> WorkState:
         """Record an attempt's outcome (refused if the attempt is no longer in flight)."""
         return await self.store.write(
-            writer, lambda tx: operations.record(tx, writer, call_id, attempt, events)
+            writer, lambda tx: attempts.record(tx, writer, call_id, attempt, events)
         )
 
     async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> WorkState:

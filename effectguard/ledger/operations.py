@@ -42,7 +42,6 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.quickinit import quick_init
 from effectguard.rules.retention import decide_archived
-from effectguard.rules.settlement import settle_hold
 from effectguard.rules.workstate import WorkState
 
 
@@ -129,7 +128,7 @@ class Admitted:
     recovered: CallReconciled | None = None
 
 
-def _check_lease(tx: Tx, writer: Writer) -> None:
+def check_lease(tx: Tx, writer: Writer) -> None:
     """A worker whose lease has lapsed starts no new dispatch (docs/contract.md §7)."""
     row = tx.get_worker(writer.worker)
     if row is None:
@@ -145,7 +144,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     decision = _decide(tx, req, now)
     if decision.action in ("refuse", "replay", "join"):
         return _answer_from_ledger(tx, writer, decision)
-    _check_lease(tx, writer)
+    check_lease(tx, writer)
     existing = decision.existing
     call_id = existing.call_id if existing is not None else new_call_id()
     events: list[Event] = [] if existing is not None else [_manifest(req, call_id, now)]
@@ -275,6 +274,7 @@ def _manifest(req: AdmitRequest, call_id: str, now: float) -> CallManifest:
         effect_kind=req.effect_kind,
         body=req.body,
         body_encoding=req.body_encoding,
+        headers=dict(req.headers),
         stream=req.stream,
         retry_of=req.retry_of,
         provider_idempotency_window_s=req.provider_idempotency_window_s,
@@ -309,24 +309,6 @@ def _last_observed(tx: Tx, call_id: str) -> AttemptObserved | None:
 def last_observed(tx: Tx, call_id: str) -> AttemptObserved | None:
     """The call's last observed response (for replay), as an operation."""
     return _last_observed(tx, call_id)
-
-
-def record(
-    tx: Tx, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]
-) -> WorkState:
-    """Record the outcome of ``attempt``: only while it is the call's current, in-flight one.
-
-    A late result for an attempt that was already interrupted (by a sweeper that
-    took over this worker) is refused, never recorded as success.
-    """
-    state = tx.get_call(call_id)
-    if state is None or state.attempts != attempt or state.stage != "in_flight":
-        stage = state.stage if state else "missing"
-        raise FencedError(
-            f"call {call_id} attempt {attempt} is no longer in flight (stage {stage}); "
-            "its outcome is not recorded"
-        )
-    return append(tx, writer, settle_hold(state, events), {call_id: state})[call_id]
 
 
 def interrupt(tx: Tx, writer: Writer, state: WorkState, reason: str) -> WorkState:
@@ -444,54 +426,3 @@ def check_writer(tx: Tx, writer: Writer) -> None:
     row = tx.get_worker(writer.worker)
     if row is not None and (row.fenced or row.generation != writer.generation):
         raise FencedError(f"worker {writer.worker} (generation {writer.generation}) is fenced")
-
-
-def start_attempt(
-    tx: Tx, writer: Writer, call_id: str, reserve: int, provider_key: str | None
-) -> Admitted:
-    """Start the next attempt of a call whose last attempt proved nothing happened.
-
-    Used for automatic retries (docs/contract.md §3.4): only after ``not_sent`` or a declared
-    not-processed status, with a fresh reservation checked against the budget.
-    """
-    state = tx.get_call(call_id)
-    if state is None or not workstate.may_retry(state):
-        stage = state.stage if state else "missing"
-        raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
-    _check_lease(tx, writer)
-    policies = tx.get_policies(budgets.ancestors(state.budget))
-    refusal = rates.rate_refusal(tx, policies, state.budget, call_id, state.tokens, tx.now())
-    refusal = refusal or room.retry_refusal(tx, state, reserve)
-    if refusal is not None:
-        return Admitted("refuse", call_id, writer, refusal=refusal)
-    attempt = state.attempts + 1
-    states = append(
-        tx,
-        writer,
-        [
-            BudgetReserved(
-                call=call_id,
-                budget=state.budget,
-                amount=reserve,
-                periods=state.periods,
-                tokens=state.tokens,
-            ),
-            AttemptStarted(
-                call=call_id,
-                attempt=attempt,
-                worker=writer.worker,
-                generation=writer.generation,
-                provider_idempotency_key=provider_key,
-                at=tx.now(),
-            ),
-        ],
-        {call_id: state},
-    )
-    return Admitted(
-        "attempt",
-        call_id,
-        writer,
-        attempt,
-        state=states[call_id],
-        provider_idempotency_key=provider_key,
-    )

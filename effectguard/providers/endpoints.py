@@ -32,6 +32,7 @@ __all__ = [
     "IdempotencyGuarantee",
     "Lookup",
     "OpIdPlacement",
+    "Units",
     "parse_endpoint",
     "parse_idempotency",
     "parse_lookup",
@@ -47,7 +48,17 @@ HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 _METHOD = re.compile(r"[A-Z]+")
 _FIELD = re.compile(r"[A-Za-z0-9_\-\[\]]+(\.[A-Za-z0-9_\-\[\]]+)*")
 _ENDPOINT_KEYS = frozenset(
-    {"path", "method", "effect", "idempotency", "op_id", "lookup", "per_call", "cost_deferred"}
+    {
+        "path",
+        "method",
+        "effect",
+        "idempotency",
+        "op_id",
+        "lookup",
+        "per_call",
+        "cost_deferred",
+        "units",
+    }
 )
 _LOOKUP_KEYS = frozenset(
     {
@@ -63,6 +74,7 @@ _LOOKUP_KEYS = frozenset(
         "retention_s",
         "op",
         "timeout_s",
+        "scope_headers",
     }
 )
 
@@ -130,6 +142,20 @@ class Lookup:
     #: for is another operation's, and proves nothing. None: the search is trusted to
     #: answer only for the op it was asked about.
     match: str | None = None
+    #: Request headers (lowercase) that name the account an operation acts in (Stripe's
+    #: ``Stripe-Account``): recorded with the call and sent with its lookup, which would
+    #: otherwise search another account and find nothing.
+    scope_headers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Units:
+    """How many billed units one request is (an email's recipients): the entries, split on
+    ``separator``, of the request's top-level JSON string ``fields``. The call is priced at
+    its per-call price times that count (at least one)."""
+
+    fields: tuple[str, ...]
+    separator: str = ","
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +173,8 @@ class Endpoint:
     #: The provider bills this call's real cost later, apart from it (a batch): the ledger
     #: records only the declared per-call price, and flags the call as such.
     cost_deferred: bool = False
+    #: The provider bills per unit the request names, not per request.
+    units: Units | None = None
 
     def matches(self, method: str, path: str) -> bool:
         """Whether a request ``method path`` (no query string) targets this endpoint."""
@@ -193,7 +221,7 @@ def parse_endpoint(
     if declared not in _EFFECTS:
         raise fail(f"{where}.effect", f"must be one of {', '.join(_EFFECTS)}")
     if declared == "read_only":
-        for extra in ("idempotency", "op_id", "lookup", "per_call", "cost_deferred"):
+        for extra in ("idempotency", "op_id", "lookup", "per_call", "cost_deferred", "units"):
             if extra in entry:
                 raise fail(f"{where}.{extra}", "a read_only endpoint has no effect to guard")
         return Endpoint(path, "read_only", method.upper())
@@ -209,7 +237,29 @@ def parse_endpoint(
     deferred = entry.get("cost_deferred", False)
     if not isinstance(deferred, bool):
         raise fail(f"{where}.cost_deferred", "must be true or false")
-    return Endpoint(path, effect, method.upper(), idempotency, op_id, lookup, per_call, deferred)
+    units = _units(entry.get("units"), f"{where}.units", fail)
+    return Endpoint(
+        path, effect, method.upper(), idempotency, op_id, lookup, per_call, deferred, units
+    )
+
+
+def _units(value: object, where: str, fail: Fail) -> Units | None:
+    """``units = { fields = ["To", "Cc"], separator = "," }``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"fields", "separator"}:
+        raise fail(where, "must be a table of fields (and separator)")
+    fields = value.get("fields")
+    if (
+        not isinstance(fields, list)
+        or not fields
+        or not all(isinstance(f, str) and f for f in fields)
+    ):
+        raise fail(f"{where}.fields", "must be a non-empty list of JSON field names")
+    separator = value.get("separator", ",")
+    if not isinstance(separator, str) or not separator:
+        raise fail(f"{where}.separator", "must be a non-empty string")
+    return Units(tuple(fields), separator)
 
 
 def _per_call(value: object, where: str, fail: Fail) -> int | None:
@@ -317,7 +367,18 @@ def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Look
         results=results,
         form=form,
         match=match,
+        scope_headers=_scope_headers(
+            table.get("scope_headers", []), f"{where}.scope_headers", fail
+        ),
     )
+
+
+def _scope_headers(value: object, where: str, fail: Fail) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(h, str) and HEADER_NAME.fullmatch(h) for h in value
+    ):
+        raise fail(where, "must be a list of header names")
+    return tuple(h.lower() for h in value)
 
 
 Fields = tuple[tuple[str, str], ...]

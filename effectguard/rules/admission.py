@@ -8,7 +8,7 @@ join it while it is in flight, or refuse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from effectguard.errors import Refusal
@@ -151,3 +151,6 @@ class AdmitRequest:
     #: A body stored by reference (``body_encoding`` "sha256", rules/bodyref): the file
     #: the admission copies into the ledger's body store, in its own transaction.
     spool: SpooledBody | None = None
+    #: The request's headers that scope its operation to an account (the lookup's
+    #: ``scope_headers``), recorded in the manifest for the lookup to send again.
+    headers: dict[str, str] = field(default_factory=dict)

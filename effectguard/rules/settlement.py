@@ -20,6 +20,7 @@ from effectguard.rules import usage as usages
 from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptObserved,
+    AttemptStarted,
     BudgetHeld,
     BudgetReleased,
     BudgetSettled,
@@ -30,7 +31,7 @@ from effectguard.rules.events import (
 from effectguard.rules.money import MAX_CALL_NANOS, Nanos
 from effectguard.rules.prices import ModelPrice
 from effectguard.rules.quickinit import quick_init
-from effectguard.rules.workstate import WorkState
+from effectguard.rules.workstate import WorkState, work_state
 
 
 @quick_init
@@ -154,3 +155,43 @@ def settle_hold(state: WorkState, events: Sequence[Event]) -> list[Event]:
         periods=state.periods,
     )
     return [*out[: done[0]], unheld, *out[done[0] :]]
+
+
+def resends_unknown(events: Sequence[Event]) -> bool:
+    """Whether the call's current attempt resends an effect-unknown call on the
+    provider's dedup key (docs/contract.md §4: inside the window, without an operator's
+    authorization), read from the call's events up to and including that attempt's start.
+
+    Such an attempt covers the earlier one's effect only by an answer: the provider's
+    result under the key (a replay, or the one execution). Not sent, or refused before any
+    work (a rate limit, a request still executing under the key), it proves nothing about
+    the earlier attempt, whose effect stays unknown."""
+    starts = [i for i, e in enumerate(events) if isinstance(e, AttemptStarted)]
+    if not starts:
+        return False
+    before = work_state(events[: starts[-1]])
+    return before.stage == "effect_unknown" and not before.resend_authorized
+
+
+def hold_if_nothing(events: Sequence[Event]) -> list[Event]:
+    """An outcome's ``events`` with the reservation **held** instead of released, for an
+    attempt that proved nothing (``attempt.not_sent``, a not-processed status) while it
+    resent an effect-unknown call (:func:`resends_unknown`): the call is effect_unknown
+    again, and holds what the earlier attempt may have cost."""
+    return [
+        BudgetHeld(call=e.call, budget=e.budget, amount=e.amount)
+        if isinstance(e, BudgetReleased)
+        else e
+        for e in events
+    ]
+
+
+def resend_proved_nothing(state: WorkState, events: Sequence[Event]) -> bool:
+    """Whether ``state`` is effect_unknown only because an attempt that resent it on the
+    provider's dedup key proved nothing (its reservation held by :func:`hold_if_nothing`):
+    an automatic retry of that attempt is as safe as the resend was (docs/contract.md §3.5)."""
+    if state.stage != "effect_unknown" or not resends_unknown(events):
+        return False
+    start = max(i for i, e in enumerate(events) if isinstance(e, AttemptStarted))
+    # An interrupted attempt may have acted: only one that proved nothing is retried.
+    return not any(isinstance(e, AttemptInterrupted) for e in events[start:])

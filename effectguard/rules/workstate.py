@@ -234,9 +234,18 @@ def _settled(state: WorkState, event: BudgetSettled) -> WorkState:
 
 
 def _held(state: WorkState, event: BudgetHeld) -> WorkState:
+    # Held after an attempt that proved nothing: it resent an effect-unknown call, whose
+    # earlier effect is still unknown (rules/settlement.hold_if_nothing).
+    stage: Stage = "effect_unknown" if state.stage in _NOTHING else state.stage
     return replace(
-        state, reserved=max(0, state.reserved - event.amount), held=state.held + event.amount
+        state,
+        stage=stage,
+        reserved=max(0, state.reserved - event.amount),
+        held=state.held + event.amount,
     )
+
+
+_NOTHING: Final = frozenset({"not_sent", "not_processed"})
 
 
 def _unheld(state: WorkState, event: BudgetUnheld) -> WorkState:

@@ -16,9 +16,14 @@ https://docs.stripe.com/api/payment_intents/search describe them (read 2026-12-0
   ``x-fake-status: 503`` answers 503 before anything (no effect, nothing saved under the
   key), like a server error ahead of the API: Stripe lists 502/503/504 as server errors
   and says only 500s are saved (https://docs.stripe.com/error-low-level, read 2026-12-01).
+  ``x-fake-status: 429`` answers 429 ``rate_limit`` before anything, as Stripe's rate
+  limiters run ahead of its idempotency layer (same page): no effect, nothing saved.
 * The search (``query=metadata['effectguard_op']:'OP'``) shows an object only ``LAG_S``
   after it was created.
 * Errors have Stripe's shape: ``{"error": {"type", "code"?, "message", "param"?}}``.
+* ``Stripe-Account`` (or ``Stripe-Context``) acts in that account
+  (https://docs.stripe.com/connect/authentication): its keys and its objects are its own,
+  and a search finds only the account's objects.
 
 Usage: ``python stripe_like.py RECEIPTS PORT LAG_S``.
 """
@@ -57,6 +62,13 @@ def params(body: bytes, content_type: str) -> dict[str, Any]:
     return out
 
 
+def account(request: web.Request) -> str:
+    """The account a request acts in: a connected or related one, else the platform's."""
+    return (
+        request.headers.get("Stripe-Context") or request.headers.get("Stripe-Account") or "platform"
+    )
+
+
 def authorized(request: web.Request) -> bool:
     return request.headers.get("Authorization", "").startswith("Bearer sk_")
 
@@ -66,6 +78,8 @@ async def create(request: web.Request) -> web.Response:
     await delay(request)
     if request.headers.get("x-fake-status") == "503":
         return error(503, "api_error", "The service is temporarily unavailable.")
+    if request.headers.get("x-fake-status") == "429":
+        return error(429, "invalid_request_error", "Too many requests.", code="rate_limit")
     if not authorized(request):
         return error(401, "invalid_request_error", "Invalid API Key provided.")
     body = await request.read()
@@ -74,6 +88,8 @@ async def create(request: web.Request) -> web.Response:
     except ValueError:
         return error(400, "invalid_request_error", "Invalid request body.")
     key = request.headers.get("Idempotency-Key")
+    if key is not None:
+        key = f"{account(request)}/{key}"  # each account has its own keys
     if key is not None and key in SAVED:
         first, saved = SAVED[key]
         if first != fields:
@@ -113,8 +129,8 @@ async def _apply(request: web.Request, body: bytes, fields: dict[str, Any]) -> t
         "status": "requires_payment_method" if kind == "payment_intent" else "succeeded",
     }
     await TOOL.effect(request.path, op, body, obj["id"])
-    if kind == "payment_intent":
-        TOOL.index.add(op, obj)
+    if kind == "payment_intent" and op is not None:
+        TOOL.index.add(f"{account(request)}/{op}", obj)
     if request.headers.get("x-fake-status") == "500":
         return 500, {"error": {"type": "api_error", "message": "An unknown error occurred."}}
     return 200, obj
@@ -127,7 +143,7 @@ async def search(request: web.Request) -> web.Response:
     match = QUERY.match(request.query.get("query", ""))
     if match is None:
         return error(400, "invalid_request_error", "This fake understands one query shape.")
-    found = TOOL.index.find(match[1])
+    found = TOOL.index.find(f"{account(request)}/{match[1]}")
     return web.json_response(
         {"object": "search_result", "url": request.path, "has_more": False, "data": found}
     )

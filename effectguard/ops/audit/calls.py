@@ -65,6 +65,8 @@ class CallFold:
         self.flagged: str | None = None
         self.decided_cost = 0
         self.resend_authorized = False
+        #: The current attempt resent an effect-unknown call (its hold released for it).
+        self.resent_unknown = False
 
     def feed(self, stored: StoredEvent) -> list[str]:
         """Fold one event of this call; returns what is wrong with it."""
@@ -105,6 +107,7 @@ class CallFold:
             stored.kind == "call.completed" and data.get("outcome") in ("completed", "failed")
         ):
             self.resend_authorized = False  # spent by an attempt that may have had its effect
+            self.resent_unknown = False
         elif stored.kind == "attempt.started":
             self.attempts = int(data["attempt"])
             self.starter = self.starters[self.attempts] = (stored.worker, stored.generation)
@@ -179,9 +182,14 @@ class CallFold:
             self.flagged = data.get("flagged") or self.flagged
         elif kind == "budget.released":
             expect("amount", self.attempt_reserve)
+            self.resent_unknown = False
             self.reserved -= int(data["amount"])
         elif kind == "budget.held":
             expect("amount", self.reserved)
+            if self.phase in ("observed_not_processed", "sent_nothing") and not self.resent_unknown:
+                problems.append(f"{where}: holds an attempt that proved nothing, of a call "
+                                "whose effect was not unknown before it")  # fmt: skip
+            self.resent_unknown = False
             self.reserved -= int(data["amount"])
             self.held += int(data["amount"])
         elif kind == "call.reconciled":
@@ -193,6 +201,7 @@ class CallFold:
             expect("amount", self.held)
             if refined.endswith(":resend"):
                 expect("spent", 0)
+                self.resent_unknown = True
             elif self.phase in ("settled_ok", "settled_error"):
                 # An operator-authorized resend settled: the earlier hold is spent whole.
                 expect("spent", self.held)

@@ -1,0 +1,119 @@
+"""An attempt's outcome and the automatic retry after it, as operations over a :class:`Tx`
+(docs/contract.md §3.5, §3.6), beside the admission in ledger/operations.
+
+One rule joins them: an attempt that resent an effect-unknown call on the provider's
+dedup key, and proved nothing (not sent, or a not-processed status), leaves the earlier
+attempt's effect unknown. Its reservation is held, not released, and the call is
+effect_unknown again (rules/settlement.resends_unknown); its automatic retry first
+releases that hold, as the resend itself did (docs/contract.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from effectguard.errors import FencedError
+from effectguard.ledger import rates, room
+from effectguard.ledger.base import Tx, Writer
+from effectguard.ledger.operations import Admitted, append, check_lease
+from effectguard.rules import budget as budgets
+from effectguard.rules import workstate
+from effectguard.rules.events import (
+    AttemptStarted,
+    BudgetReleased,
+    BudgetReserved,
+    BudgetUnheld,
+    Event,
+)
+from effectguard.rules.settlement import (
+    hold_if_nothing,
+    resend_proved_nothing,
+    resends_unknown,
+    settle_hold,
+)
+from effectguard.rules.workstate import WorkState
+
+
+def record(
+    tx: Tx, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]
+) -> WorkState:
+    """Record the outcome of ``attempt``: only while it is the call's current, in-flight one.
+
+    A late result for an attempt that was already interrupted (by a sweeper that
+    took over this worker) is refused, never recorded as success.
+    """
+    state = tx.get_call(call_id)
+    if state is None or state.attempts != attempt or state.stage != "in_flight":
+        stage = state.stage if state else "missing"
+        raise FencedError(
+            f"call {call_id} attempt {attempt} is no longer in flight (stage {stage}); "
+            "its outcome is not recorded"
+        )
+    out = settle_hold(state, events)
+    # Only a later attempt can be a resend, and only an outcome that proved nothing
+    # releases a reservation: the call's history is read on that path alone (a first
+    # attempt's 429 reads nothing more).
+    proved_nothing = any(isinstance(e, BudgetReleased) for e in out)
+    if proved_nothing and state.attempts > 1 and resends_unknown(_history(tx, call_id)):
+        out = hold_if_nothing(out)
+    return append(tx, writer, out, {call_id: state})[call_id]
+
+
+def _history(tx: Tx, call_id: str) -> list[Event]:
+    return [stored.event for stored in tx.events_of(call_id)]
+
+
+def start_attempt(
+    tx: Tx, writer: Writer, call_id: str, reserve: int, provider_key: str | None
+) -> Admitted:
+    """Start the next attempt of a call whose last attempt proved nothing happened.
+
+    Used for automatic retries (docs/contract.md §3.4): only after ``not_sent`` or a declared
+    not-processed status, with a fresh reservation checked against the budget.
+    """
+    state = tx.get_call(call_id)
+    resumes = state is not None and resend_proved_nothing(state, _history(tx, call_id))
+    if state is None or not (workstate.may_retry(state) or resumes):
+        stage = state.stage if state else "missing"
+        raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
+    check_lease(tx, writer)
+    # A retry of a resend that proved nothing takes over its hold, as the resend did.
+    released = state.held if resumes else 0
+    policies = tx.get_policies(budgets.ancestors(state.budget))
+    refusal = rates.rate_refusal(tx, policies, state.budget, call_id, state.tokens, tx.now())
+    refusal = refusal or room.retry_refusal(tx, state, reserve - released)
+    if refusal is not None:
+        return Admitted("refuse", call_id, writer, refusal=refusal)
+    attempt = state.attempts + 1
+    events: list[Event] = []
+    if released:
+        unheld = BudgetUnheld(
+            call=call_id, budget=state.budget, amount=released, spent=0, periods=state.periods
+        )
+        events.append(unheld)
+    events += [
+        BudgetReserved(
+            call=call_id,
+            budget=state.budget,
+            amount=reserve,
+            periods=state.periods,
+            tokens=state.tokens,
+        ),
+        AttemptStarted(
+            call=call_id,
+            attempt=attempt,
+            worker=writer.worker,
+            generation=writer.generation,
+            provider_idempotency_key=provider_key,
+            at=tx.now(),
+        ),
+    ]
+    states = append(tx, writer, events, {call_id: state})
+    return Admitted(
+        "attempt",
+        call_id,
+        writer,
+        attempt,
+        state=states[call_id],
+        provider_idempotency_key=provider_key,
+    )
