@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from pathlib import Path
 
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from effectguard import AsyncGuardTransport
 from effectguard.ledger import Ledger
 from effectguard.ops.cli import main as cli_main
+from effectguard.rules import ratelimit
 from effectguard.rules.budget import BudgetPolicy
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.testing.clock import ManualClock
 
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
@@ -40,6 +48,45 @@ class SteppedClock:
             self._at = at
 
 
+def test_a_clock_stepped_back_reopens_no_minute(tmp_path: Path) -> None:
+    """rpm 2: two calls in minute m, then the clock steps back 45 s into minute m-1 and
+    later returns to m. No request after the step reaches the provider until the window's
+    minute is over, the 429 says how long that is by the stepped clock, and verify agrees."""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", "--rpm", "2", "--ledger", ledger]) == 0
+    clock = SteppedClock(T0)
+    sent: list[float] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        sent.append(clock())
+        return httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(ANSWER)
+        )
+
+    async def run() -> list[httpx.Response]:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        async with Ledger.open(ledger, clock=clock) as led:
+            transport = AsyncGuardTransport(httpx.MockTransport(reply), ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+                out = []
+                for at in (T0, T0, T0 - 45, T0 - 45, T0 + 5):
+                    clock.set(at)
+                    out.append(
+                        await client.post(
+                            CHAT_URL, json=body, headers={"Effectguard-Budget": "team"}
+                        )
+                    )
+                return out
+
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200, 200, 429, 429, 429]
+    assert Counter(int(at) // 60 for at in sent) == {int(T0) // 60: 2}
+    # Stepped back to 45 s into minute m-1, the window (minute m) ends 75 s later.
+    assert answers[2].headers["retry-after"] == "75"
+    assert cli_main(["verify", "--ledger", ledger]) == 0
+
+
 def test_a_clock_answering_whole_numbers_keeps_the_ledger_verifiable(tmp_path: Path) -> None:
     """A ManualClock started at a whole number of seconds (an int) times events that verify
     reads back and accepts."""
@@ -51,3 +98,24 @@ def test_a_clock_answering_whole_numbers_keeps_the_ledger_verifiable(tmp_path: P
 
     asyncio.run(run())
     assert cli_main(["verify", "--ledger", ledger]) == 0
+
+
+@given(
+    times=st.lists(st.floats(0, 600, allow_nan=False), min_size=1, max_size=80),
+    rpm=st.integers(0, 10),
+)
+def test_no_window_admits_more_than_rpm_whichever_way_the_clock_moves(
+    times: list[float], rpm: int
+) -> None:
+    """Admissions at times in any order (a clock stepped back and forth): the window's
+    minute never goes back and no window admits more than rpm."""
+    policies = {"a": BudgetPolicy("a", rpm=rpm)}
+    window = RateWindow("a")
+    admitted: Counter[int] = Counter()
+    for now in times:
+        if ratelimit.check(policies, {"a": window}, lambda _: 0, "a", now, 0) is None:
+            moved = ratelimit.admitted(window, now, 0)
+            assert moved.minute >= window.minute
+            window = moved
+            admitted[window.minute] += 1
+    assert all(n <= rpm for n in admitted.values())
