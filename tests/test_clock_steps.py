@@ -48,14 +48,13 @@ class SteppedClock:
             self._at = at
 
 
-def test_a_clock_stepped_back_reopens_no_minute(tmp_path: Path) -> None:
-    """rpm 2: two calls in minute m, then the clock steps back 45 s into minute m-1 and
-    later returns to m. No request after the step reaches the provider until the window's
-    minute is over, the 429 says how long that is by the stepped clock, and verify agrees."""
+def _calls(tmp_path: Path, times: list[float]) -> tuple[list[httpx.Response], list[float]]:
+    """One chat call to budget ``team`` (rpm 2) at each ledger time in ``times``, through
+    the transport; the answers, and the ledger times at which the provider was called."""
     ledger = str(tmp_path / "l.db")
     assert cli_main(["migrate", "--ledger", ledger]) == 0
     assert cli_main(["budget", "set", "team", "--rpm", "2", "--ledger", ledger]) == 0
-    clock = SteppedClock(T0)
+    clock = SteppedClock(times[0])
     sent: list[float] = []
 
     def reply(request: httpx.Request) -> httpx.Response:
@@ -70,21 +69,35 @@ def test_a_clock_stepped_back_reopens_no_minute(tmp_path: Path) -> None:
             transport = AsyncGuardTransport(httpx.MockTransport(reply), ledger=led)
             async with httpx.AsyncClient(transport=transport) as client:
                 out = []
-                for at in (T0, T0, T0 - 45, T0 - 45, T0 + 5):
+                for at in times:
                     clock.set(at)
-                    out.append(
-                        await client.post(
-                            CHAT_URL, json=body, headers={"Effectguard-Budget": "team"}
-                        )
-                    )
+                    headers = {"Effectguard-Budget": "team"}
+                    out.append(await client.post(CHAT_URL, json=body, headers=headers))
                 return out
 
-    answers = asyncio.run(run())
+    return asyncio.run(run()), sent
+
+
+def test_a_clock_stepped_back_reopens_no_minute(tmp_path: Path) -> None:
+    """rpm 2: two calls in minute m, then the clock steps back 45 s into minute m-1 and
+    later returns to m. No request after the step reaches the provider until the window's
+    minute is over, the 429 says how long that is by the stepped clock, and verify agrees."""
+    answers, sent = _calls(tmp_path, [T0, T0, T0 - 45, T0 - 45, T0 + 5])
     assert [a.status_code for a in answers] == [200, 200, 429, 429, 429]
     assert Counter(int(at) // 60 for at in sent) == {int(T0) // 60: 2}
     # Stepped back to 45 s into minute m-1, the window (minute m) ends 75 s later.
     assert answers[2].headers["retry-after"] == "75"
-    assert cli_main(["verify", "--ledger", ledger]) == 0
+    assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
+
+
+def test_a_clock_corrected_from_far_ahead_does_not_hold_the_window(tmp_path: Path) -> None:
+    """rpm 2: the clock runs three hours ahead for two calls, then NTP corrects it. The
+    window starts over at the corrected time instead of refusing the node until the clock
+    reaches the wrong time again; a step back of ten minutes starts it over too."""
+    answers, sent = _calls(tmp_path, [T0 + 3 * 3600] * 3 + [T0] * 3 + [T0 - 600] * 3)
+    assert [a.status_code for a in answers] == [200, 200, 429] * 3
+    assert len(sent) == 6
+    assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
 
 
 def test_a_clock_answering_whole_numbers_keeps_the_ledger_verifiable(tmp_path: Path) -> None:
@@ -107,15 +120,20 @@ def test_a_clock_answering_whole_numbers_keeps_the_ledger_verifiable(tmp_path: P
 def test_no_window_admits_more_than_rpm_whichever_way_the_clock_moves(
     times: list[float], rpm: int
 ) -> None:
-    """Admissions at times in any order (a clock stepped back and forth): the window's
-    minute never goes back and no window admits more than rpm."""
+    """Admissions at times in any order (a clock stepped back and forth): no window admits
+    more than rpm, and a window goes back to an earlier minute only for a step back of
+    more than a minute."""
     policies = {"a": BudgetPolicy("a", rpm=rpm)}
     window = RateWindow("a")
+    windows = 0
     admitted: Counter[int] = Counter()
     for now in times:
         if ratelimit.check(policies, {"a": window}, lambda _: 0, "a", now, 0) is None:
             moved = ratelimit.admitted(window, now, 0)
-            assert moved.minute >= window.minute
+            if moved.minute < window.minute:
+                assert window.minute - moved.minute > ratelimit.KEPT_BACK
+            if moved.requests == 1:
+                windows += 1
             window = moved
-            admitted[window.minute] += 1
+            admitted[windows] += 1
     assert all(n <= rpm for n in admitted.values())

@@ -6,11 +6,12 @@ database's clock on PostgreSQL), fixed, not sliding. A node that declares ``rpm`
 attempts admitted and their tokens. An attempt admitted in minute *m* counts in *m*:
 one request, and the admission's token estimate (prompt bytes + output bound), corrected
 to the tokens the provider reported when it settles — if the window still counts *m*.
-The first admission of a later minute starts the window over. The window never goes
-back: an admission whose clock reads an earlier minute (the clock was stepped back)
-counts in the window's minute, so a step back cannot open a minute's count a second
-time. The window is read and written in the admission transaction, so the count is
-exact across replicas.
+The first admission of a later minute starts the window over. A step back of the clock
+(NTP, a resumed VM) into the minute before the window's counts in the window's minute, so
+a small step back cannot open a minute's count a second time; a clock further back (one
+corrected from far ahead) starts the window over, as keeping it would refuse the node
+until the clock caught up with the wrong time. The window is read and written in the
+admission transaction, so the count is exact across replicas.
 
 ``concurrency`` counts calls under the node that are in flight, read from the calls
 themselves in the same transaction (so a crashed worker's calls count until the sweeper
@@ -27,6 +28,8 @@ from typing import Final, Literal
 from effectguard.rules.budget import BudgetPolicy, ancestors
 
 WINDOW_S: Final = 60
+#: How many minutes back a window keeps counting a clock that was stepped back.
+KEPT_BACK: Final = 1
 Limit = Literal["rpm", "tpm", "concurrency"]
 
 
@@ -45,9 +48,11 @@ class RateWindow:
     tokens: int = 0
 
     def at(self, minute: int) -> RateWindow:
-        """This window as seen in ``minute``: empty once a later minute has begun, and
-        itself for an earlier one (a clock stepped back reopens no minute)."""
-        return self if minute <= self.minute else RateWindow(self.path, minute)
+        """This window as seen in ``minute``: itself in its minute and in the one before
+        (a clock stepped back reopens no minute), else empty."""
+        if self.minute - KEPT_BACK <= minute <= self.minute:
+            return self
+        return RateWindow(self.path, minute)
 
 
 @dataclass(frozen=True, slots=True)
