@@ -100,6 +100,46 @@ def test_a_clock_corrected_from_far_ahead_does_not_hold_the_window(tmp_path: Pat
     assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
 
 
+def test_a_clock_stepped_back_past_midnight_does_not_reopen_the_day(tmp_path: Path) -> None:
+    """A daily budget with room for one call: spent at 00:00:10, then the clock steps back
+    20 s into the day before. The next call is charged to the day that had started (402),
+    not to the day before's untouched room; a step back of an hour is charged to the day
+    before, as the contract says. verify agrees."""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    midnight = 1_800_057_600.0  # 2027-01-16T00:00:00Z
+    clock = SteppedClock(midnight + 10)
+    upstream = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(ANSWER)
+        )
+    )
+
+    async def run() -> list[int]:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        async with Ledger.open(ledger, clock=clock) as led:
+            await led.set_policy(BudgetPolicy("team", period="day"))
+            transport = AsyncGuardTransport(upstream, ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+
+                async def status(at: float) -> int:
+                    clock.set(at)
+                    headers = {"Effectguard-Budget": "team"}
+                    return (await client.post(CHAT_URL, json=body, headers=headers)).status_code
+
+                first = await status(midnight + 10)
+                (call,) = await led.calls()
+                # Room for exactly one reservation: the day's first call used it.
+                await led.set_policy(
+                    BudgetPolicy("team", limit=call.reserved_at_admission, period="day")
+                )
+                later = [await status(at) for at in (midnight + 10, midnight - 20)]
+                return [first, *later, await status(midnight - 3600)]
+
+    assert asyncio.run(run()) == [200, 402, 402, 200]
+    assert cli_main(["verify", "--ledger", ledger]) == 0
+
+
 def test_a_clock_answering_whole_numbers_keeps_the_ledger_verifiable(tmp_path: Path) -> None:
     """A ManualClock started at a whole number of seconds (an int) times events that verify
     reads back and accepts."""

@@ -158,7 +158,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         released = existing.held
     policies = tx.get_policies(budgets.ancestors(budget))
     # A new call is charged to the periods it is admitted in; a later attempt to its own.
-    periods = existing.periods if existing is not None else budgets.labels_at(policies, budget, now)
+    periods = room.admission_periods(tx, policies, budget, now, existing)
     refusal = rates.rate_refusal(tx, policies, budget, call_id, req.tokens, now)
     refusal = refusal or room.budget_refusal(
         tx, req, policies, budget, periods, call_id, req.reserve - released
