@@ -60,7 +60,7 @@ async def test_a_limit_lowered_meanwhile_survives_a_rate_change(
     lowered = BudgetPolicy("team", 5 * USD, "month", "UTC")
     after = await budget_set_racing(str(tmp_path / "l.db"), ["team", "--rpm", "7"], lowered)
     assert (after.limit, after.rpm) == (5 * USD, 7)
-    assert "team: limit 5.000000000 USD per month; rpm 7" in capsys.readouterr().out
+    assert "team: limit 5.000000000 USD per month (UTC); rpm 7" in capsys.readouterr().out
 
 
 async def test_a_rate_set_meanwhile_survives_a_limit_change(tmp_path: Path) -> None:

@@ -438,6 +438,7 @@ def test_budgets_prints_a_table_by_default(
     assert lines[0].split() == [
         "PATH",
         "PERIOD",
+        "TZ",
         "LIMIT_USD",
         "RESERVED_USD",
         "SPENT_USD",

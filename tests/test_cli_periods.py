@@ -110,6 +110,18 @@ def test_budget_set_changes_period_zone_and_rates_and_keeps_the_rest(
     assert code == 0
 
 
+def test_budget_set_confirms_the_zone_of_the_period(
+    past_ledger: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The confirmation line names the zone whose calendar the period follows (the
+    default UTC included), so a forgotten or mistyped --tz shows at once."""
+    code, out, _ = run(capsys, "budget", "set", "team", "--period", "day", "--tz",
+                       "Asia/Kathmandu", "--ledger", past_ledger)  # fmt: skip
+    assert (code, out.strip()) == (0, "team: limit 10.000000000 USD per day (Asia/Kathmandu)")
+    code, out, _ = run(capsys, "budget", "set", "new", "--period", "week", "--ledger", past_ledger)
+    assert (code, out.strip()) == (0, "new: no limit (period week, UTC)")
+
+
 @pytest.mark.parametrize(
     "args",
     [["--tz", "Mars/Olympus"], ["--period", "year"], ["--rpm", "-1"], []],

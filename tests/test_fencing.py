@@ -310,6 +310,45 @@ async def test_live_lock_on_the_same_host_is_not_taken_over(tmp_path: Path) -> N
         await runtime.stop()
 
 
+async def test_a_clock_stepped_past_every_lease_takes_no_live_worker_over(
+    tmp_path: Path,
+) -> None:
+    """The ledger's clock jumps ten minutes forward (NTP, a resumed VM) while a call is on
+    the wire. A sweeper on another host then finds the live worker's lease lapsed, but the
+    worker has heartbeated since its previous sweep: it is alive, and its call completes.
+    (Before, every replica's in-flight calls became effect_unknown at such a step.)"""
+    clock = ManualClock()
+    runtime = make_runtime(
+        tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock
+    )
+    guard = await runtime.start()
+    assert runtime.worker is not None
+    upstream = Upstream(hold=True)
+    task = asyncio.ensure_future(
+        guard.handle(guard.providers["openai"], _request("live"), upstream.send)
+    )
+    peer = WorkerRuntime(
+        runtime.ledger, lock_dir=None, lease_s=60, heartbeat_s=3600, sweep_s=3600, host="peer"
+    )
+    try:
+        while upstream.sent == 0:
+            await asyncio.sleep(0.01)
+        await peer.start()  # its start-up sweep sees the worker's lease
+        clock.advance(3)
+        await runtime.worker.heartbeat()  # the live worker renews it, as every few seconds
+        clock.advance(600)  # and the clock steps past that lease
+        assert await peer.sweep() == []
+        upstream.release.set()
+        assert (await task).status_code == 200
+        assert [c.stage for c in await runtime.ledger.calls()] == ["completed"]
+    finally:
+        upstream.release.set()
+        with contextlib.suppress(Exception):
+            await task
+        await peer.stop()
+        await runtime.stop()
+
+
 async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
     """A proxy whose worker was taken over refuses every request until its heartbeat
     finds out and it registers anew, so meanwhile ``/healthz`` must not answer 200."""
@@ -336,7 +375,8 @@ async def test_fenced_proxy_reports_unhealthy(tmp_path: Path) -> None:
         ) as client:
             assert (await client.get("/healthz")).status_code == 200
             await asyncio.sleep(0.5)  # the lease lapses; nothing renews it
-            await peer.start()  # its start-up sweep takes the proxy's worker over
+            await peer.start()  # its start-up sweep sees the lapsed lease
+            await peer.sweep()  # and, seeing it unrenewed a sweep later, takes it over
             refused = await client.post("/openai" + CHAT, json=chat("fenced"))
             assert refused.status_code == 503
             assert (await client.get("/healthz")).status_code == 503

@@ -417,6 +417,16 @@ def test_a_bad_date_is_refused(shared: Group, when: str) -> None:
     refused(shared, ["budgets", "--at", when], 2, "argument --at: not a date or time")
 
 
+@pytest.mark.parametrize("command", [["calls", "--since"], ["archive", "--before"]])
+@pytest.mark.parametrize("length", ["1" * 400 + "d", "99999999999999w"], ids=["400-digits", "14"])
+def test_a_duration_past_the_calendar_is_refused(
+    shared: Group, command: list[str], length: str
+) -> None:
+    """A duration back from now that reaches before year 1 is exit 2 naming it, never a
+    traceback (400 digits of days overflowed a float)."""
+    refused(shared, [*command, length], 2, "reaches back past year 1")
+
+
 @pytest.mark.parametrize("when", FAR_DATES, ids=repr)
 def test_an_instant_at_the_end_of_the_calendar_is_refused(shared: Group, when: str) -> None:
     """An --at instant whose local date some zone cannot hold is refused, not a traceback."""

@@ -366,3 +366,20 @@ def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:
         page = httpx.get(stack.url + PAGE + "spend", params={"days": days}, headers=bearer)
         assert page.status_code == 200, (days, page.text)
         assert f"Spend, last {shown} days" in page.text
+
+
+def test_the_budget_page_says_whose_day_a_period_is(stack: Stack) -> None:
+    """A daily node in Asia/Kathmandu (UTC+05:45) shows its current day's label with its
+    zone, so an operator in another zone can tell which day the money counts in."""
+    from effectguard.ops.cli import main as cli_main
+    from effectguard.rules import periods
+
+    zone = "Asia/Kathmandu"
+    assert cli_main(["budget", "set", "ops/nepal", "--limit", "1", "--period", "day", "--tz", zone,
+                     "--ledger", stack.proxy.ledger]) == 0  # fmt: skip
+    before = periods.label("day", zone, time.time())
+    page = httpx.get(
+        stack.url + PAGE + "budgets", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    ).text
+    after = periods.label("day", zone, time.time())
+    assert f"{before} ({zone})" in page or f"{after} ({zone})" in page

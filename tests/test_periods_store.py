@@ -298,3 +298,21 @@ def test_an_old_ledger_keeps_its_counters_as_total(tmp_path: Path) -> None:
             assert (await led.policies())["a"] == BudgetPolicy("a", 100)
 
     asyncio.run(reopen())
+
+
+async def test_a_clock_stepped_back_across_midnight_keeps_charging_the_new_day(
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime, store_kind: str
+) -> None:
+    """On PostgreSQL (the one clock a test can step back here): a day with room for one
+    call spends it just after Berlin midnight; the database's clock then steps back 20 s.
+    The next call is refused in the new day, not charged to the old day's room."""
+    if store_kind != "postgres":
+        pytest.skip("a manual clock only moves forward; test_clock_steps steps SQLite's")
+    midnight = local("2026-03-10T00:00:00")
+    moves.set(midnight + 5)
+    await ledger.set_policy(BudgetPolicy(ns, R, "day", BERLIN))
+    await admit_ok(ledger, w1, req(ns))
+    moves.set(midnight - 20)
+    refused = await ledger.admit(w1, req(ns))
+    assert refused.refusal is not None and "2026-03-10" in refused.refusal.message
+    assert await in_period(ledger, ns, "2026-03-09") == (R, 0, 0, 0)

@@ -74,6 +74,8 @@ class WorkerRuntime:
         self.after_sweep: list[Callable[[], Awaitable[None]]] = []
         #: Run with the new writer when a fenced worker has registered anew.
         self.after_rejoin: list[Callable[[Writer], None]] = []
+        #: Each live worker's lease expiry as the previous sweep saw it (see sweep()).
+        self._leases_seen: dict[str, float] = {}
 
     async def start(self) -> Writer:
         """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
@@ -191,17 +193,25 @@ class WorkerRuntime:
         other, and a restart never fails because of one call.
         """
         writer = self._writer()
-        dead = frozenset(self._provably_dead(await self.ledger.store.workers()))
+        rows = await self.ledger.store.workers()
+        dead = frozenset(self._provably_dead(rows))
+        # A lease lapses by the ledger's clock, which NTP or a resumed VM may step forward
+        # past every live worker's lease at once. Only a worker whose lease this sweeper saw
+        # unchanged a sweep ago (no heartbeat in between) is taken over for its lease.
+        still, self._leases_seen = self._leases_seen, {r.worker: r.lease_expires for r in rows}
         try:
             interrupted = await self.ledger.store.write(
-                writer, lambda tx: operations.sweep(tx, writer, dead)
+                writer, lambda tx: operations.sweep(tx, writer, dead, held_still=still)
             )
         except FencedError:
             raise
         except LedgerError as exc:
             log.warning("sweep could not commit as one transaction (%s); call by call", exc)
             await self.ledger.store.write(
-                writer, lambda tx: operations.sweep(tx, writer, dead, interrupt_calls=False)
+                writer,
+                lambda tx: operations.sweep(
+                    tx, writer, dead, interrupt_calls=False, held_still=still
+                ),
             )
             interrupted = []
         interrupted += await self._mark_stranded(writer)

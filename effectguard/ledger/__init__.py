@@ -53,10 +53,14 @@ def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerS
     so tests can let a lease lapse without waiting. PostgreSQL always uses the
     database's clock (one clock for every replica), so it refuses one.
     """
+    # Event times are sealed into the digests as floats and read back as floats: a clock
+    # answering ints (``ManualClock(start=1_800_000_000)``) sealed ``1800000000`` and
+    # every event it timed then failed verify.
+    tick = time.time if clock is None else _seconds(clock)
     if url.startswith("memory://"):
         from effectguard.ledger.memory import MemoryStore
 
-        return MemoryStore(url, clock or time.time)
+        return MemoryStore(url, tick)
     if url.startswith(("postgresql://", "postgres://")):
         if clock is not None:
             raise ConfigError("a PostgreSQL ledger uses the database's clock; it takes no clock")
@@ -66,7 +70,12 @@ def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerS
         return store
     from effectguard.ledger.sqlite import SqliteStore
 
-    return SqliteStore(url, clock or time.time)
+    return SqliteStore(url, tick)
+
+
+def _seconds(clock: Callable[[], float]) -> Callable[[], float]:
+    """``clock`` answering floats, whatever number type it answers with."""
+    return lambda: float(clock())
 
 
 class Ledger:

@@ -157,7 +157,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         released = existing.held
     policies = tx.get_policies(budgets.ancestors(budget))
     # A new call is charged to the periods it is admitted in; a later attempt to its own.
-    periods = existing.periods if existing is not None else budgets.labels_at(policies, budget, now)
+    periods = room.admission_periods(tx, policies, budget, now, existing)
     refusal = rates.rate_refusal(tx, policies, budget, call_id, req.tokens, now)
     refusal = refusal or room.budget_refusal(
         tx, req, policies, budget, periods, call_id, req.reserve - released
@@ -383,24 +383,26 @@ def sweep(
     provably_dead: frozenset[str] = frozenset(),
     *,
     interrupt_calls: bool = True,
+    held_still: Mapping[str, float] | None = None,
 ) -> list[str]:
     """Take over dead workers and interrupt their in-flight attempts (docs/contract.md §7).
 
     A worker is dead when its lease has expired (ledger clock) or when it is in
-    ``provably_dead`` (its OS lock was found free on this host). Returns the ids
-    of the calls that were marked ``attempt.interrupted``. Without
-    ``interrupt_calls`` the workers are only fenced: their calls are left for the
-    sweeper to mark one transaction each, so one call that cannot commit blocks
-    no other.
-    """
+    ``provably_dead`` (its OS lock was found free on this host). With ``held_still``
+    (worker -> the lease expiry the sweeper saw at its previous sweep), a lapsed lease
+    counts only if it is still that one: a worker that heartbeated since is alive and
+    the clock jumped. Returns the calls marked ``attempt.interrupted``. Without
+    ``interrupt_calls`` the workers are only fenced: each call is then marked in a
+    transaction of its own, so one call that cannot commit blocks no other."""
     now = tx.now()
     interrupted: list[str] = []
     for row in tx.live_workers():
-        if row.worker == writer.worker:
+        lapsed = row.lease_expires < now
+        if held_still is not None and held_still.get(row.worker) != row.lease_expires:
+            lapsed = False
+        if row.worker == writer.worker or not (lapsed or row.worker in provably_dead):
             continue
-        if row.lease_expires >= now and row.worker not in provably_dead:
-            continue
-        reason = "lease expired" if row.lease_expires < now else "process gone"
+        reason = "lease expired" if lapsed else "process gone"
         tx.put_worker(
             WorkerRow(row.worker, row.generation, row.host, row.pid, row.lease_expires, fenced=True)
         )

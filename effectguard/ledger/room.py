@@ -15,6 +15,29 @@ from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
 
 
+def admission_periods(
+    tx: Tx,
+    policies: dict[str, BudgetPolicy],
+    budget: str,
+    now: float,
+    existing: WorkState | None = None,
+) -> dict[str, str]:
+    """The period of each ancestor of ``budget`` that an attempt admitted at ``now`` is
+    charged to. A later attempt of ``existing`` goes where the call was admitted. A new
+    call goes to the period containing ``now``, unless the next one starts within a
+    minute and has already charged the node: the clock was then stepped back across the
+    boundary, and charging the earlier period would open its room a second time
+    (docs/contract.md §5.5). Only in a period's last minute does this read anything."""
+    if existing is not None:
+        return existing.periods
+    labels = budgets.labels_at(policies, budget, now)
+    ahead = budgets.labels_ahead(policies, budget, now)
+    if ahead:
+        started = tx.get_nodes(list(ahead.items()))
+        labels.update({p: label for p, label in ahead.items() if (p, label) in started})
+    return labels
+
+
 def period_nodes(
     tx: Tx, budget: str, periods: dict[str, str], policies: dict[str, BudgetPolicy] | None = None
 ) -> dict[str, BudgetNode]:

@@ -177,16 +177,19 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 def _policy_line(path: str, limit: str | None, policy: BudgetPolicy) -> str:
-    """``team: limit 5.000000000 USD per month; rpm 60``, or ``team: no limit (period
-    month)`` (rate limits only where set, so a ``--rpm`` alone is not confirmed as if
-    nothing had changed)."""
+    """``team: limit 5.000000000 USD per month (UTC); rpm 60``, or ``team: no limit
+    (period month, UTC)`` (rate limits only where set, so a ``--rpm`` alone is not
+    confirmed as if nothing had changed)."""
     names = ("rpm", "tpm", "concurrency")
     rates = [f"{n} {v}" for n in names if (v := getattr(policy, n)) is not None]
+    # A day, week or month is one of a zone's calendar: the line names the zone, so an
+    # operator who forgot --tz (UTC) sees it. A total period has no calendar.
+    zone = "" if policy.period == TOTAL else f", {policy.tz}"
     if limit is None:
-        shown = f"{path}: no limit (period {policy.period})"
+        shown = f"{path}: no limit (period {policy.period}{zone})"
     else:
         # A total period never resets: "per total" would read as a period that does.
-        per = "in total" if policy.period == TOTAL else f"per {policy.period}"
+        per = "in total" if policy.period == TOTAL else f"per {policy.period} ({policy.tz})"
         shown = f"{path}: limit {limit} USD {per}"
     return "; ".join([shown, ", ".join(rates)]) if rates else shown
 

@@ -9,6 +9,9 @@ import re
 
 _DURATION = re.compile(r"(\d+)([smhdw])", re.ASCII)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+#: From 0001-01-01 to 9999-12-31: no duration back from now reaches further than that, and
+#: a longer one (``111…1d``, 400 digits) overflowed a float with a traceback.
+_LONGEST_S = (dt.date.max - dt.date.min).days * 86400
 
 
 def since(text: str, now: float) -> float:
@@ -16,7 +19,10 @@ def since(text: str, now: float) -> float:
     value = text.strip()
     match = _DURATION.fullmatch(value)
     if match:
-        return now - int(match.group(1)) * _UNIT_S[match.group(2)]
+        seconds = int(match.group(1)) * _UNIT_S[match.group(2)]
+        if seconds > _LONGEST_S:
+            raise ValueError(f"{text!r} reaches back past year 1, where the calendar starts")
+        return now - seconds
     try:
         moment = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:

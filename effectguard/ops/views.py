@@ -49,6 +49,8 @@ CALL_COLUMNS = [
 BUDGET_COLUMNS = [
     "path",
     "period",
+    # Whose calendar the period label is in: "2026-12-04" is not the same day everywhere.
+    "tz",
     "limit_usd",
     "reserved_usd",
     "spent_usd",

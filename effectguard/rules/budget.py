@@ -307,6 +307,15 @@ def labels_at(policies: Mapping[str, BudgetPolicy], path: str, at: float) -> dic
     return out
 
 
+def labels_ahead(policies: Mapping[str, BudgetPolicy], path: str, at: float) -> dict[str, str]:
+    """The ancestors of ``path`` whose next period starts within ``KEPT_BACK_S`` after ``at``,
+    with that period's label: where an admission at ``at`` goes if the next period has
+    already charged the node (the clock was stepped back across its start)."""
+    now = labels_at(policies, path, at)
+    ahead = labels_at(policies, path, at + periods.KEPT_BACK_S)
+    return {p: label for p, label in ahead.items() if now[p] != label}
+
+
 def period_nodes(
     policies: Mapping[str, BudgetPolicy],
     counters: Mapping[Key, BudgetNode],

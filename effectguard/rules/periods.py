@@ -31,6 +31,11 @@ _WEEK = re.compile(r"(\d{4})-W(\d{2})", re.ASCII)
 _MONTH = re.compile(r"(\d{4})-(\d{2})", re.ASCII)
 
 
+#: How far back a clock may be stepped (NTP) across a period's start and still charge the
+#: period that had started: an admission this close before a boundary, on a node the next
+#: period has already charged, is charged to the next period (docs/contract.md §5.5).
+KEPT_BACK_S: Final = 60
+
 #: Names the timezone database answers with whatever this machine's clock is set to:
 #: a budget declared in one would reset at different instants on different replicas.
 HOST_ZONES: Final = frozenset({"localtime", "posixrules"})

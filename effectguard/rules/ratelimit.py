@@ -6,8 +6,12 @@ database's clock on PostgreSQL), fixed, not sliding. A node that declares ``rpm`
 attempts admitted and their tokens. An attempt admitted in minute *m* counts in *m*:
 one request, and the admission's token estimate (prompt bytes + output bound), corrected
 to the tokens the provider reported when it settles — if the window still counts *m*.
-The first admission of a new minute starts the window over. The window is read and
-written in the admission transaction, so the count is exact across replicas.
+The first admission of a later minute starts the window over. A step back of the clock
+(NTP, a resumed VM) into the minute before the window's counts in the window's minute, so
+a small step back cannot open a minute's count a second time; a clock further back (one
+corrected from far ahead) starts the window over, as keeping it would refuse the node
+until the clock caught up with the wrong time. The window is read and written in the
+admission transaction, so the count is exact across replicas.
 
 ``concurrency`` counts calls under the node that are in flight, read from the calls
 themselves in the same transaction (so a crashed worker's calls count until the sweeper
@@ -24,6 +28,8 @@ from typing import Final, Literal
 from effectguard.rules.budget import BudgetPolicy, ancestors
 
 WINDOW_S: Final = 60
+#: How many minutes back a window keeps counting a clock that was stepped back.
+KEPT_BACK: Final = 1
 Limit = Literal["rpm", "tpm", "concurrency"]
 
 
@@ -42,8 +48,11 @@ class RateWindow:
     tokens: int = 0
 
     def at(self, minute: int) -> RateWindow:
-        """This window as seen in ``minute`` (empty once the minute has passed)."""
-        return self if self.minute == minute else RateWindow(self.path, minute)
+        """This window as seen in ``minute``: itself in its minute and in the one before
+        (a clock stepped back reopens no minute), else empty."""
+        if self.minute - KEPT_BACK <= minute <= self.minute:
+            return self
+        return RateWindow(self.path, minute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +91,13 @@ def check(
     the calls in flight under ``p`` (asked only of nodes that limit concurrency).
     """
     minute = minute_of(at)
-    next_minute = max(1, math.ceil((minute + 1) * WINDOW_S - at))
     for p in ancestors(path):
         policy = policies.get(p)
         if policy is None:
             continue
         window = (windows.get(p) or RateWindow(p)).at(minute)
+        # Until the window's minute ends: after a step back, later than this clock's minute.
+        next_minute = max(1, math.ceil((window.minute + 1) * WINDOW_S - at))
         if policy.rpm is not None and window.requests + 1 > policy.rpm:
             return RateExceeded(p, "rpm", policy.rpm, next_minute if policy.rpm else None)
         if policy.tpm is not None and window.tokens + tokens > policy.tpm:

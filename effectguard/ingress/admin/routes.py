@@ -119,7 +119,8 @@ class AdminPage:
             await ex.html(200, page("Call", body, who=session.name, csrf=csrf, notice=notice))
             return
         elif sub == "budgets":
-            body = views.budget_tree(await self._ledger.budgets())
+            policies = await self._ledger.policies()
+            body = views.budget_tree(await self._ledger.budgets(), policies)
         elif sub == "spend":
             body = await self._spend(ex.param("days"))
         elif sub == "login":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from effectguard.ingress.admin import charts
@@ -24,8 +24,9 @@ from effectguard.ingress.admin.markup import (
 )
 from effectguard.ingress.admin.spend import SpendTable
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
+from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
 
 #: Longest request or response body shown on a call's page (the rest is cut, and said so).
@@ -249,8 +250,9 @@ def call_page(state: WorkState, events: Sequence[StoredEvent], *, now: float, cs
     )
 
 
-def budget_tree(nodes: Sequence[BudgetNode]) -> str:
-    """Every budget node, parents before children, with its use against its limit."""
+def budget_tree(nodes: Sequence[BudgetNode], policies: Mapping[str, BudgetPolicy]) -> str:
+    """Every budget node, parents before children, in its current period, with its use
+    against its limit."""
     if not nodes:
         return '<h1>Budgets</h1><p class="empty">No budget has been used yet.</p>'
     rows = []
@@ -261,6 +263,7 @@ def budget_tree(nodes: Sequence[BudgetNode]) -> str:
             [
                 f'<span style="padding-left:{depth * 18}px" title="{attr(node.path)}">'
                 f"{esc(name)}</span>",
+                esc(_period(node, policies.get(node.path))),
                 usd(node.limit),
                 usd(node.spent),
                 usd(node.reserved),
@@ -269,12 +272,22 @@ def budget_tree(nodes: Sequence[BudgetNode]) -> str:
                 charts.use_bar(node.committed, node.limit),
             ]
         )
-    headings = ["budget", "limit", "spent", "reserved", "held", "room", "use (spent+reserved+held)"]
+    headings = ["budget", "period", "limit", "spent", "reserved", "held", "room"]
+    headings.append("use (spent+reserved+held)")
     note = (
         '<p class="muted">A call is charged to its budget and every ancestor; use counts '
-        "spent, reserved and held money against the node's limit.</p>"
+        "spent, reserved and held money against the node's limit, in the node's current "
+        "period (a day, week or month of its own time zone).</p>"
     )
-    return f"<h1>Budgets</h1>{note}{table(headings, rows, (1, 2, 3, 4, 5))}"
+    return f"<h1>Budgets</h1>{note}{table(headings, rows, (2, 3, 4, 5, 6))}"
+
+
+def _period(node: BudgetNode, policy: BudgetPolicy | None) -> str:
+    # A label alone ("2026-12-04") does not say whose day it is: a node in
+    # Australia/Lord_Howe is a day ahead of one in UTC for half of every day.
+    if node.period == TOTAL or policy is None:
+        return node.period
+    return f"{node.period} ({policy.tz})"
 
 
 def spend(spending: SpendTable, *, days: int, partial_from: float | None) -> str:

@@ -21,6 +21,9 @@ from typing import Any, Final
 
 from effectguard.ops.audit.calendar import period_of
 
+#: A clock stepped back this many seconds across a period's start still charges that period.
+_KEPT_BACK_S = 60
+
 Counters = tuple[int, int, int]  # reserved, spent, held
 #: ``(limit, period kind, timezone, rpm, tpm, concurrency)`` as ``budget.limit_set`` says.
 Policy = tuple[int | None, str, str, int | None, int | None, int | None]
@@ -129,7 +132,7 @@ class Budgets:
             for path in lineage(budget):
                 _, period_kind, tz, *_ = self.policies.get(path, NO_POLICY)
                 if period_kind != "total":
-                    expected[path] = period_of(period_kind, tz, at)
+                    expected[path] = self._admitted_in(path, period_kind, tz, at)
             self._call_periods[key] = admitted = expected
         if admitted is not None and recorded != admitted:
             return [
@@ -137,6 +140,13 @@ class Budgets:
                 f"{admitted}"
             ]
         return []
+
+    def _admitted_in(self, path: str, kind: str, tz: str, at: float) -> str:
+        """The period a reservation at ``at`` belongs to: the one containing ``at``, or the
+        next one if it starts within a minute and already holds money events of ``path``
+        (a clock stepped back across its start)."""
+        here, ahead = period_of(kind, tz, at), period_of(kind, tz, at + _KEPT_BACK_S)
+        return ahead if ahead != here and (path, ahead) in self.nodes else here
 
 
 def _in(period: str) -> str:

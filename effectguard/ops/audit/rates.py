@@ -5,8 +5,10 @@ one window: the calendar minute of the ledger's clock it counts (``floor(at) // 
 and the attempts admitted in that minute with their token estimates. Each
 ``budget.reserved`` counts one attempt and its estimate (``tokens``) in every such
 ancestor, in the minute of the event; a reservation in a later minute starts the window
-over. A ``budget.settled`` that reports ``tokens`` replaces its attempt's estimate (the
-call's last reservation) with them, never below 0, in each window that still counts the
+over; one in the minute before the window's (a clock stepped back) counts in the
+window's, and one further back starts the window over too. A
+``budget.settled`` that reports ``tokens`` replaces its attempt's estimate (the call's
+last reservation) with them, never below 0, in each window that still counts the
 minute its attempt started in (the call's last ``attempt.started``); a window that has
 moved on is left alone.
 """
@@ -20,6 +22,8 @@ from typing import Any, NamedTuple
 from effectguard.ops.audit.budgets import NO_POLICY, Policy, lineage
 
 _SECONDS = 60
+#: A reservation this many minutes before its window's minute still counts in it.
+_KEPT_BACK = 1
 
 
 class RateRow(NamedTuple):
@@ -64,7 +68,7 @@ class Rates:
             minute = minute_of(at)
             for path in _limited(policies, str(data["budget"])):
                 window = self.windows.get(path)
-                if window is None or window.minute != minute:
+                if window is None or not window.minute - _KEPT_BACK <= minute <= window.minute:
                     window = RateRow(path, minute, 0, 0)
                     self.restarted.add(path)
                 self.windows[path] = window._replace(

@@ -1,0 +1,179 @@
+"""The ledger's clock as it really behaves: stepped back by NTP or a resumed VM, or given
+by a test as whole numbers. Each test drives the in-process transport (or the ledger a
+user opens) on a SQLite ledger whose clock the test moves, and ends with ``effectguard
+verify``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from pathlib import Path
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from effectguard import AsyncGuardTransport
+from effectguard.ledger import Ledger
+from effectguard.ops.cli import main as cli_main
+from effectguard.rules import ratelimit
+from effectguard.rules.budget import BudgetPolicy
+from effectguard.rules.ratelimit import RateWindow
+from effectguard.testing.clock import ManualClock
+
+CHAT_URL = "https://api.openai.com/v1/chat/completions"
+ANSWER = (
+    b'{"id": "c", "object": "chat.completion", "model": "gpt-4o-mini", "choices": [],'
+    b' "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}'
+)
+#: 30 seconds into a minute.
+T0 = 1_800_000_030.0
+
+
+class SteppedClock:
+    """A wall clock that an operator's NTP may set anywhere, backwards too."""
+
+    def __init__(self, at: float) -> None:
+        self._at = at
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._at
+
+    def set(self, at: float) -> None:
+        with self._lock:
+            self._at = at
+
+
+def _calls(tmp_path: Path, times: list[float]) -> tuple[list[httpx.Response], list[float]]:
+    """One chat call to budget ``team`` (rpm 2) at each ledger time in ``times``, through
+    the transport; the answers, and the ledger times at which the provider was called."""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", "--rpm", "2", "--ledger", ledger]) == 0
+    clock = SteppedClock(times[0])
+    sent: list[float] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        sent.append(clock())
+        return httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(ANSWER)
+        )
+
+    async def run() -> list[httpx.Response]:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        async with Ledger.open(ledger, clock=clock) as led:
+            transport = AsyncGuardTransport(httpx.MockTransport(reply), ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+                out = []
+                for at in times:
+                    clock.set(at)
+                    headers = {"Effectguard-Budget": "team"}
+                    out.append(await client.post(CHAT_URL, json=body, headers=headers))
+                return out
+
+    return asyncio.run(run()), sent
+
+
+def test_a_clock_stepped_back_reopens_no_minute(tmp_path: Path) -> None:
+    """rpm 2: two calls in minute m, then the clock steps back 45 s into minute m-1 and
+    later returns to m. No request after the step reaches the provider until the window's
+    minute is over, the 429 says how long that is by the stepped clock, and verify agrees."""
+    answers, sent = _calls(tmp_path, [T0, T0, T0 - 45, T0 - 45, T0 + 5])
+    assert [a.status_code for a in answers] == [200, 200, 429, 429, 429]
+    assert Counter(int(at) // 60 for at in sent) == {int(T0) // 60: 2}
+    # Stepped back to 45 s into minute m-1, the window (minute m) ends 75 s later.
+    assert answers[2].headers["retry-after"] == "75"
+    assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
+
+
+def test_a_clock_corrected_from_far_ahead_does_not_hold_the_window(tmp_path: Path) -> None:
+    """rpm 2: the clock runs three hours ahead for two calls, then NTP corrects it. The
+    window starts over at the corrected time instead of refusing the node until the clock
+    reaches the wrong time again; a step back of ten minutes starts it over too."""
+    answers, sent = _calls(tmp_path, [T0 + 3 * 3600] * 3 + [T0] * 3 + [T0 - 600] * 3)
+    assert [a.status_code for a in answers] == [200, 200, 429] * 3
+    assert len(sent) == 6
+    assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
+
+
+def test_a_clock_stepped_back_past_midnight_does_not_reopen_the_day(tmp_path: Path) -> None:
+    """A daily budget with room for one call: spent at 00:00:10, then the clock steps back
+    20 s into the day before. The next call is charged to the day that had started (402),
+    not to the day before's untouched room; a step back of an hour is charged to the day
+    before, as the contract says. verify agrees."""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    midnight = 1_800_057_600.0  # 2027-01-16T00:00:00Z
+    clock = SteppedClock(midnight + 10)
+    upstream = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(ANSWER)
+        )
+    )
+
+    async def run() -> list[int]:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        async with Ledger.open(ledger, clock=clock) as led:
+            await led.set_policy(BudgetPolicy("team", period="day"))
+            transport = AsyncGuardTransport(upstream, ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+
+                async def status(at: float) -> int:
+                    clock.set(at)
+                    headers = {"Effectguard-Budget": "team"}
+                    return (await client.post(CHAT_URL, json=body, headers=headers)).status_code
+
+                first = await status(midnight + 10)
+                (call,) = await led.calls()
+                # Room for exactly one reservation: the day's first call used it.
+                await led.set_policy(
+                    BudgetPolicy("team", limit=call.reserved_at_admission, period="day")
+                )
+                later = [await status(at) for at in (midnight + 10, midnight - 20)]
+                return [first, *later, await status(midnight - 3600)]
+
+    assert asyncio.run(run()) == [200, 402, 402, 200]
+    assert cli_main(["verify", "--ledger", ledger]) == 0
+
+
+def test_a_clock_answering_whole_numbers_keeps_the_ledger_verifiable(tmp_path: Path) -> None:
+    """A ManualClock started at a whole number of seconds (an int) times events that verify
+    reads back and accepts."""
+    ledger = str(tmp_path / "l.db")
+
+    async def run() -> None:
+        async with Ledger.open(ledger, clock=ManualClock(start=1_800_000_000)) as led:
+            await led.set_policy(BudgetPolicy("team", rpm=3))
+
+    asyncio.run(run())
+    assert cli_main(["verify", "--ledger", ledger]) == 0
+
+
+@given(
+    times=st.lists(st.floats(0, 600, allow_nan=False), min_size=1, max_size=80),
+    rpm=st.integers(0, 10),
+)
+def test_no_window_admits_more_than_rpm_whichever_way_the_clock_moves(
+    times: list[float], rpm: int
+) -> None:
+    """Admissions at times in any order (a clock stepped back and forth): no window admits
+    more than rpm, and a window goes back to an earlier minute only for a step back of
+    more than a minute."""
+    policies = {"a": BudgetPolicy("a", rpm=rpm)}
+    window = RateWindow("a")
+    windows = 0
+    admitted: Counter[int] = Counter()
+    for now in times:
+        if ratelimit.check(policies, {"a": window}, lambda _: 0, "a", now, 0) is None:
+            moved = ratelimit.admitted(window, now, 0)
+            if moved.minute < window.minute:
+                assert window.minute - moved.minute > ratelimit.KEPT_BACK
+            if moved.requests == 1:
+                windows += 1
+            window = moved
+            admitted[windows] += 1
+    assert all(n <= rpm for n in admitted.values())
