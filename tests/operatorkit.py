@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,15 @@ from typing import Any
 import httpx
 
 from effectguard.config.settings import hash_key
-from effectguard.ledger import Ledger
-from effectguard.rules.events import StoredEvent
+from effectguard.ledger import Ledger, Writer, operations
+from effectguard.ledger.sqlite import SqliteSession
+from effectguard.rules.events import (
+    AttemptStarted,
+    BudgetReserved,
+    CallManifest,
+    Event,
+    StoredEvent,
+)
 from effectguard.rules.workstate import WorkState
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
@@ -103,3 +111,53 @@ def reconciliations(stack: Stack, call_id: str) -> list[dict[str, Any]]:
     """The data of the call's ``call.reconciled`` events."""
     _, events = ledger_view(stack, call_id)
     return [e.data for e in events if e.kind == "call.reconciled"]
+
+
+def write_unknown_calls(path: Path, count: int, *, first_at: float, rest_at: float) -> list[str]:
+    """Write ``count`` ``effect_unknown`` calls of budget ``ops`` straight to a SQLite
+    ledger, as a crashed proxy's sweep leaves them, and return their ids: the first
+    admitted at ``first_at``, the others at ``rest_at`` (each holding 10,000 nano-dollars)."""
+    now = [first_at]
+    ids = []
+    session = SqliteSession(str(path), clock=lambda: now[0])
+    try:
+        session.begin()
+        writer = operations.register_worker(
+            session, worker="gone", host="gone-host", pid=0, lease_s=0
+        )
+        for n in range(count):
+            now[0] = first_at if n == 0 else rest_at
+            call_id = operations.new_call_id()
+            ids.append(call_id)
+            operations.append(session, writer, _admitted(call_id, writer, now[0], n))
+            state = session.get_call(call_id)
+            assert state is not None
+            operations.interrupt(session, writer, state, "the test's worker is gone")
+        session.commit()
+    finally:
+        session.close()
+    return ids
+
+
+def _admitted(call_id: str, writer: Writer, at: float, n: int) -> list[Event]:
+    """A call's admission events: manifest, reservation, attempt 1 started."""
+    return [
+        CallManifest(
+            call=call_id,
+            request_hash=f"{n:064x}",
+            provider="openai",
+            endpoint="/v1/chat/completions",
+            method="POST",
+            model=MODEL,
+            idempotency_key=f"unknown-{n}",
+            budget="ops",
+            budget_root="ops",
+            effect_kind="billable",
+            body=json.dumps(chat_body(f"call {n}")),
+            at=at,
+        ),
+        BudgetReserved(call=call_id, budget="ops", amount=10_000),
+        AttemptStarted(
+            call=call_id, attempt=1, worker=writer.worker, generation=writer.generation, at=at
+        ),
+    ]

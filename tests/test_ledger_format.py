@@ -341,7 +341,7 @@ async def test_an_unresolved_calls_state_is_kept_positionally_and_older_forms_re
         positional = await ledger.store.get_call(unknown.call_id)
         counts = await ledger.store.stage_counts()
     assert positional is not None and positional.held == 1000
-    assert counts == [("openai", "effect_unknown", 1, 1000)]
+    assert counts == [("openai", "effect_unknown", 1, 1000, positional.created_at)]
     fields = as_dict(positional)
     stored = {
         "object": state_params(positional)[-1],

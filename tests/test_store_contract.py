@@ -461,6 +461,26 @@ async def test_interrupt_moves_the_reservation_to_held(ledger: Ledger, w1: Write
     ]
 
 
+async def test_unknown_calls_list_oldest_first_when_asked(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """``oldest_first`` lists unknown calls in admission order, and its limit keeps the
+    oldest; the default is newest first."""
+    ids = []
+    for n in range(3):
+        if clock is not None:
+            clock.advance(1)  # PostgreSQL's own clock moves between transactions
+        admitted = await admit_ok(ledger, w1, req(ns, request_hash=f"hash-{n}"))
+        await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
+        ids.append(admitted.call_id)
+    budget = f"{ns}/run"
+    oldest = await ledger.calls(stage="effect_unknown", budget=budget, oldest_first=True)
+    newest = await ledger.calls(stage="effect_unknown", budget=budget)
+    assert [c.call_id for c in oldest] == ids == [c.call_id for c in reversed(newest)]
+    first = await ledger.calls(stage="effect_unknown", budget=budget, limit=1, oldest_first=True)
+    assert [c.call_id for c in first] == ids[:1]
+
+
 async def test_interrupt_of_a_stale_attempt_changes_nothing(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -792,3 +794,32 @@ async def test_limit_overshoot_is_named(built: Built) -> None:
         "budget 'team': a reservation of 1000 takes it past its limit 1000" in p
         for p in report.problems
     )
+
+
+async def test_verify_does_not_keep_the_ledgers_request_bodies(tmp_path: Path) -> None:
+    """Verify reads the ledger a page at a time and keeps no call's request body once its
+    page is done: its peak memory stays far below the bodies' total (a months-old ledger
+    holds gigabytes of prompts)."""
+    calls, size = 40, 256 * 1024
+    path = tmp_path / "ledger.db"
+    async with Ledger.open(str(path)) as ledger:
+        writer = await ledger.store.write(
+            Writer("boot", 0),
+            lambda tx: operations.register_worker(tx, worker="w1", host="h", pid=1, lease_s=30),
+        )
+        for n in range(calls):
+            prompt = f"{n:08d}" * (size // 8)  # each body its own string, none shared
+            body = json.dumps({"messages": [{"role": "user", "content": prompt}]})
+            admitted = await ledger.admit(writer, replace(request(f"k{n}"), body=body))
+            events = completion(admitted.call_id, budget="team/run", reserved=R, actual=R)
+            await ledger.record(writer, admitted.call_id, 1, events)
+    async with Ledger.open(str(path)) as ledger:
+        tracemalloc.start()
+        try:
+            report = await verify_ledger(ledger, page=6)  # a page holds about one call
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert report.ok, report.problems
+    assert report.calls == calls
+    assert peak < calls * size / 2  # all the bodies kept: about 1.2 times their total

@@ -272,10 +272,19 @@ class Ledger:
         *,
         provider: str | None = None,
         since: float | None = None,
+        oldest_first: bool = False,
     ) -> list[WorkState]:
-        """Calls, newest first, optionally filtered by stage, budget subtree, provider and
-        creation time (at or after ``since``, seconds since the epoch)."""
-        return await self.store.list_calls(stage, budget, limit, provider=provider, since=since)
+        """Calls, newest first (``oldest_first``: oldest first), optionally filtered by
+        stage, budget subtree, provider and creation time (at or after ``since``, seconds
+        since the epoch)."""
+        return await self.store.list_calls(
+            stage, budget, limit, provider=provider, since=since, oldest_first=oldest_first
+        )
+
+    async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
+        """``(provider, stage, count, held, oldest)`` of the unresolved calls: aggregates
+        the store answers without reading any call, however many there are."""
+        return await self.store.stage_counts()
 
     async def call_spend(self, since: float, limit: int = 1000) -> list[CallSpend]:
         """What the spend chart needs of each call created at or after ``since`` (seconds

@@ -242,9 +242,10 @@ class LedgerStore(Protocol):
         *,
         provider: str | None = None,
         since: float | None = None,
+        oldest_first: bool = False,
     ) -> list[WorkState]:
-        """Calls (newest first), optionally by stage, budget subtree, provider and
-        creation time (at or after ``since``)."""
+        """Calls (newest first; ``oldest_first``: oldest first), optionally by stage,
+        budget subtree, provider and creation time (at or after ``since``)."""
         ...
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
@@ -291,8 +292,9 @@ class LedgerStore(Protocol):
         """Every stored rate window (one per node that has counted a minute)."""
         ...
 
-    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
-        """``(provider, stage, count, held)`` for unresolved stages, for metrics."""
+    async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
+        """``(provider, stage, count, held, oldest)`` for unresolved stages, for metrics
+        and the operator page (``oldest``: the earliest ``created_at`` of them)."""
         ...
 
     async def writable(self) -> bool:

@@ -273,6 +273,7 @@ class MemoryStore:
         *,
         provider: str | None = None,
         since: float | None = None,
+        oldest_first: bool = False,
     ) -> list[WorkState]:
         with self.tables.lock:
             calls = [
@@ -283,7 +284,7 @@ class MemoryStore:
                 and (provider is None or s.provider == provider)
                 and (since is None or s.created_at >= since)
             ]
-        calls.sort(key=lambda s: s.created_at, reverse=True)
+        calls.sort(key=lambda s: s.created_at, reverse=not oldest_first)
         return calls[:limit]
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
@@ -317,15 +318,14 @@ class MemoryStore:
         with self.tables.lock:
             return sorted(self.tables.windows.values(), key=lambda w: w.path)
 
-    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
-        counts: dict[tuple[str, str], list[int]] = {}
+    async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
+        counts: dict[tuple[str, str], tuple[int, int, float]] = {}
         with self.tables.lock:
             for s in self.tables.calls.values():
                 if s.stage in UNRESOLVED:
-                    c = counts.setdefault((s.provider, s.stage), [0, 0])
-                    c[0] += 1
-                    c[1] += s.held
-        return [(p, st, c[0], c[1]) for (p, st), c in sorted(counts.items())]
+                    n, held, oldest = counts.get((s.provider, s.stage), (0, 0, s.created_at))
+                    counts[s.provider, s.stage] = (n + 1, held + s.held, min(oldest, s.created_at))
+        return [(p, st, *c) for (p, st), c in sorted(counts.items())]
 
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:
         with self.tables.lock:

@@ -117,6 +117,8 @@ class Queries:
 
     ``mark`` is the placeholder, ``false`` the literal a boolean column compares
     with, and ``held`` the expression reading a call's held amount from its JSON.
+    ``stage_counts`` gives each unresolved stage's oldest call too (``min(created_at)``),
+    so metrics and the operator page read no call to count them.
     ``newest_first`` orders :meth:`list_calls` (SQLite: by call id, which starts with
     the time in ms, so the table's own key serves it and no index is written);
     ``state`` is what a read of a call state selects (SQLite: ``sqlitecalls.CALL_READ``)
@@ -183,8 +185,8 @@ class Queries:
             f"SELECT {ev} FROM events e WHERE kind = 'budget.limit_set' ORDER BY e.seq"
         )
         self.stage_counts = (
-            f"SELECT provider, stage, count(*), coalesce(sum({held}), 0) FROM calls "
-            f"WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
+            f"SELECT provider, stage, count(*), coalesce(sum({held}), 0), min(created_at) "
+            f"FROM calls WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
         )
         self._writes(event_insert)
 
@@ -218,8 +220,10 @@ class Queries:
         *,
         provider: str | None = None,
         since: float | None = None,
+        oldest_first: bool = False,
     ) -> tuple[str, list[Any]]:
-        """The SQL and parameters listing calls, newest first.
+        """The SQL and parameters listing calls, newest first (``oldest_first``: the
+        other way round).
 
         ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
         ``provider`` and ``since`` (a creation time) filter on the rows' columns, so that a
@@ -245,6 +249,8 @@ class Queries:
         if budget is not None:
             where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
             params += self.subtree(budget)
+        if oldest_first:
+            order = order.replace(" DESC", " ASC")
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         sql = f"SELECT {self.state} FROM calls {clause} ORDER BY {order} LIMIT {m}"
         return sql, [*params, limit_param(limit)]

@@ -103,10 +103,13 @@ class SqlReads(ABC):
         *,
         provider: str | None = None,
         since: float | None = None,
+        oldest_first: bool = False,
     ) -> list[WorkState]:
-        """Calls (newest first), optionally by stage, budget subtree, provider and
-        creation time."""
-        sql, params = self.queries.list_calls(stage, budget, limit, provider=provider, since=since)
+        """Calls (newest first; ``oldest_first``: oldest first), optionally by stage,
+        budget subtree, provider and creation time."""
+        sql, params = self.queries.list_calls(
+            stage, budget, limit, provider=provider, since=since, oldest_first=oldest_first
+        )
         return await self._states(await self._fetch(sql, params))
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
@@ -135,10 +138,11 @@ class SqlReads(ABC):
         """Every registered worker."""
         return [worker_from_row(r) for r in await self._fetch(self.queries.all_workers)]
 
-    async def stage_counts(self) -> list[tuple[str, str, int, int]]:
-        """``(provider, stage, count, held)`` for unresolved stages, for metrics."""
+    async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
+        """``(provider, stage, count, held, oldest)`` for unresolved stages, for metrics
+        and the operator page."""
         rows = await self._fetch(self.queries.stage_counts)
-        return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
+        return [(r[0], r[1], int(r[2]), int(r[3]), float(r[4])) for r in rows]
 
     async def call_columns(self) -> list[tuple[Any, ...]]:
         """Every call's indexed columns (rows.INDEX_COLUMNS), then its spend

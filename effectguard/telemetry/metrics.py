@@ -65,9 +65,6 @@ MAX_LABEL_VALUES = 100
 #: (without proxy keys any client can create budget roots, one new series each).
 MAX_BUDGET_SERIES = 50
 OTHER_BUDGETS = "_other"
-#: Effect-unknown calls read to find the oldest one (they are rare; beyond this the age
-#: is a lower bound until the store answers ``min(created_at)`` itself).
-OLDEST_SCAN_LIMIT = 10_000
 
 UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OVERHEAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -235,7 +232,8 @@ class MetricsObserver(NullObserver):
 class LedgerSnapshot:
     """What the ledger held at one refresh (money in nano-dollars)."""
 
-    stages: tuple[tuple[str, str, int, int], ...] = ()  # provider, stage, count, held
+    #: provider, stage, count, held, oldest created_at
+    stages: tuple[tuple[str, str, int, int, float], ...] = ()
     budgets: tuple[BudgetNode, ...] = ()
     #: When each shown budget's current period ends (budgets with a calendar period).
     period_ends: tuple[tuple[str, float], ...] = ()
@@ -279,7 +277,7 @@ def _gauges(snap: LedgerSnapshot, providers: list[str]) -> Iterator[Metric]:
         ["provider"],
     )
     counts: dict[tuple[str, str], tuple[int, int]] = {
-        (p, stage): (n, held) for p, stage, n, held in snap.stages
+        (p, stage): (n, held) for p, stage, n, held, _ in snap.stages
     }
     # Providers this process knows of show 0, so a reconciled call's series drops to 0.
     known = {p for p in providers if p not in ("", "other")} if snap.ok else set()
@@ -373,24 +371,17 @@ class Metrics:
         self._hook_commits()
         started = time.perf_counter()
         try:
-            stages = await ledger.store.stage_counts()
+            # Aggregates only: a scrape reads no call, however many are unknown.
+            stages = await ledger.stage_counts()
             nodes = [n for n in await ledger.budgets() if self._labelled(n.path)]
             policies = await ledger.policies()
-            unknown = sum(n for _, stage, n, _ in stages if stage == "effect_unknown")
-            oldest: dict[str, float] = {}
-            if unknown:
-                scan = min(unknown, OLDEST_SCAN_LIMIT)
-                for call in await ledger.calls(stage="effect_unknown", limit=scan):
-                    at = oldest.get(call.provider)
-                    oldest[call.provider] = (
-                        call.created_at if at is None else min(at, call.created_at)
-                    )
         except EffectguardError as exc:
             log.warning("metrics could not read the ledger: %s", exc)
             self.snapshot = LedgerSnapshot(ok=False, seconds=time.perf_counter() - started)
             self._fresh = True
             return
-        for provider, _, _, _ in stages:
+        oldest = {p: at for p, stage, _, _, at in stages if stage == "effect_unknown"}
+        for provider, *_ in stages:
             self._cap("provider", provider)
         self.snapshot = LedgerSnapshot(
             stages=tuple(stages),

@@ -57,11 +57,11 @@ def stage_badge(stage: str) -> str:
     return f'<span class="stage {attr(stage)}">{esc(stage)}</span>'
 
 
-def unknown_calls(calls: Sequence[WorkState], *, now: float, truncated: bool) -> str:
-    """Effect-unknown calls, oldest first, with their age and the money they hold."""
-    held = sum(c.held for c in calls)
+def unknown_calls(calls: Sequence[WorkState], *, now: float, total: int, held: int) -> str:
+    """Effect-unknown calls, oldest first, with their age and the money they hold;
+    ``total`` and ``held`` count every unknown call, ``calls`` may be only the oldest."""
     intro = (
-        f"<p>{len(calls)} call(s) whose effect is unknown, holding {usd(held)}. "
+        f"<p>{total} call(s) whose effect is unknown, holding {usd(held)}. "
         "Each waits for a decision: open it, look at the evidence, and reconcile it.</p>"
     )
     if not calls:
@@ -83,7 +83,12 @@ def unknown_calls(calls: Sequence[WorkState], *, now: float, truncated: bool) ->
         for c in calls
     ]
     headings = ["call", "age", "admitted", "held", "budget", "provider", "model", "key", "attempts"]
-    more = '<p class="muted">Only the oldest calls are shown.</p>' if truncated else ""
+    more = (
+        f'<p class="muted">Only the oldest {len(calls)} are shown; '
+        "<code>effectguard calls --state effect_unknown</code> lists more.</p>"
+        if total > len(calls)
+        else ""
+    )
     return f"<h1>Unknown-effect calls</h1>{intro}{table(headings, rows, (1, 3, 8))}{more}"
 
 

@@ -37,6 +37,19 @@ COLUMN_NAMES: Final = (
     "cost",
     "held",
 )
+#: The manifest fields a fold reads (its projection and the budget its money moves on).
+#: Only these are kept: a verify holds every call's fold at once, and keeping the whole
+#: manifest kept every request body of the ledger in memory until the end.
+MANIFEST_KEPT: Final = (
+    "idempotency_key",
+    "request_hash",
+    "provider",
+    "model",
+    "budget",
+    "budget_root",
+    "at",
+    "provider_idempotency_window_s",
+)
 #: Outcomes only the worker that started the attempt may write.
 OWN_OUTCOMES: Final = frozenset({"attempt.observed", "attempt.not_sent", "budget.settled"})
 
@@ -100,7 +113,7 @@ class CallFold:
             self.stage = stage
         data = stored.data
         if stored.kind == "call.manifest":
-            self.manifest = dict(data)
+            self.manifest = {k: data[k] for k in MANIFEST_KEPT if k in data}
         elif stored.kind == "call.resend_authorized":
             self.resend_authorized = True
         elif stored.kind in ("attempt.interrupted", "call.reconciled") or (
