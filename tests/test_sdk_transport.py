@@ -950,6 +950,42 @@ def test_a_sync_stream_that_stalls_ends_the_callers_wait_not_the_call(ledger_pat
     assert route.call_count == 1 and report.ok, report.problems
 
 
+@respx.mock(base_url=OPENAI)
+async def test_a_reader_cancelled_mid_stream_leaves_its_call_to_settle(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A task cancelled while it waits for a stream's next chunk (``asyncio.timeout``
+    around the loop, a web framework cancelling the handler whose own client left) ends
+    its wait, not the upstream read: the call is read to its end and settled at its exact
+    cost, sent once. With the SDK's default timeout the cancellation used to land in the
+    upstream read itself, and a stream the provider sent whole was booked effect_unknown,
+    its reservation held."""
+    upstream = Upstream(CHAT_STREAM, sync=False, pause_at=3)
+    route = respx_mock.post("/v1/chat/completions").mock(side_effect=upstream)
+    t = make_transport()
+    client = async_openai(t, max_retries=0)
+    three = asyncio.Event()
+
+    async def read() -> None:
+        stream = await client.chat.completions.create(model=GPT, messages=MESSAGES, stream=True)
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received == 3:
+                three.set()  # the next chunk stalls upstream
+
+    reader = asyncio.ensure_future(read())
+    await three.wait()
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    call = one(await settled(t))
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    assert (call.held, call.reserved, route.call_count) == (0, 0, 1)
+    assert upstream.read_to_end.is_set()
+    await finish(t)
+
+
 def test_a_sync_client_timeout_ends_the_wait_not_the_call(ledger_path: str, tmp_path: Path) -> None:
     """The same through GuardTransport and real sockets: the fake provider answers after
     0.8 s; its receipt log shows one request, and the call is settled, not held."""

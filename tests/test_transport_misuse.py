@@ -8,7 +8,8 @@
 * an async stream dropped the same way is read to its end and settled ``completed``;
 * a caller cancelled while its admission commits: the call it started is recorded as
   never sent (resendable at once), not left in flight until a restart marks it unknown;
-* using a sync transport after ``close()`` is a clear error, never a hang.
+* using a sync transport after ``close()`` is a clear error, never a hang;
+* a stream dropped before it was read at all is settled by the collector too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import gc
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,4 +273,60 @@ def test_closing_an_async_transport_lets_its_calls_in_flight_finish(
     assert asyncio.run(run()) == ["answered", "resend", "answered", "resend"]
     assert len(provider.effects()) == 4
     assert _stages(capsys, ledger) == Counter(completed=4)
+    assert _verified(capsys, ledger)
+
+
+def _sync_client(ledger: Path, provider: FakeProvider) -> openai.OpenAI:
+    """An OpenAI client over a GuardTransport on ``ledger`` to the fake provider."""
+    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
+    return openai.OpenAI(
+        base_url=provider.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport),
+    )
+
+
+def _settled_stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
+    """The calls' stages, read from another connection, once none is in flight (or after
+    :data:`SETTLE_BOUND_S`), while the transport that writes them still runs."""
+    deadline = time.monotonic() + SETTLE_BOUND_S
+    while (stages := _stages(capsys, ledger))["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stages
+
+
+def test_streams_dropped_unread_settle_while_their_transport_runs(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stream the caller never iterates (an exception between ``create`` and the loop, a
+    handler that returns early) and then drops is settled once the collector finalizes
+    it, sync and async, without closing the transport. Nothing was ever finalized for it:
+    the call stayed in flight, its upstream connection held, until the transport closed
+    (or, in a program that exited first, was booked effect_unknown by the next start)."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    for n in range(3):
+        stream = client.chat.completions.create(
+            model="gpt-4o-mini", messages=_message(n), stream=True
+        )
+        del stream  # never read, never closed
+    gc.collect()
+    assert _settled_stages(capsys, ledger) == Counter(completed=3)
+
+    async def run() -> Counter[str]:
+        transport, aclient = _async_client(ledger, provider)
+        for n in range(3, 6):
+            stream = await aclient.chat.completions.create(
+                model="gpt-4o-mini", messages=_message(n), stream=True
+            )
+            del stream
+        gc.collect()
+        stages = await _settled(transport)
+        await transport.aclose()
+        return stages
+
+    assert asyncio.run(run()) == Counter(completed=6)
+    client.close()
+    assert len(provider.effects()) == 6
     assert _verified(capsys, ledger)

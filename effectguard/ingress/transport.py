@@ -33,12 +33,8 @@ from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings, keys_from_environment
 from effectguard.errors import ConfigError, Refusal
-from effectguard.ingress.clienttimeout import (
-    CallerPacedStream,
-    caller_read,
-    caller_wait,
-    upstream_timeout,
-)
+from effectguard.ingress.callerstream import CallerStream
+from effectguard.ingress.clienttimeout import caller_read, caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
@@ -165,12 +161,15 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "goes on and is settled: resend with the same Idempotency-Key for its answer",
                 request=request,
             ) from None
-        paced = caller_read(given)
-        if paced is not None and paced < read_s and not response.is_stream_consumed:
-            # Past read_s the upstream leg's own timeout ends the stream first.
+        if not response.is_stream_consumed:
+            # A caller that stops waiting, closes or drops the stream must not end its
+            # upstream read (callerstream). Past read_s the upstream leg's own timeout
+            # ends the stream first: no need to pace the caller beyond it.
+            paced = caller_read(given)
             stream = response.stream
             assert isinstance(stream, httpx.AsyncByteStream)
-            response.stream = CallerPacedStream(stream, paced, request, guard.recorder.keep)
+            read_limit = paced if paced is not None and paced < read_s else None
+            response.stream = CallerStream(stream, read_limit, request, guard.recorder.keep)
         return response
 
     async def aclose(self) -> None:
