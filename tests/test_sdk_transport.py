@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import signal
 import sys
 import threading
 import time
@@ -984,6 +985,38 @@ async def test_a_reader_cancelled_mid_stream_leaves_its_call_to_settle(
     assert (call.held, call.reserved, route.call_count) == (0, 0, 1)
     assert upstream.read_to_end.is_set()
     await finish(t)
+
+
+def test_a_sync_reader_interrupted_mid_stream_leaves_its_call_to_settle(ledger_path: str) -> None:
+    """The same through GuardTransport: Ctrl-C (KeyboardInterrupt) while the sync SDK waits
+    for a chunk ends the caller's wait; once the stream is closed the rest is read and the
+    call settled completed, never cut short."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    try:
+        with respx.mock(base_url=OPENAI) as mock:
+            upstream = Upstream(CHAT_STREAM, sync=True, pause_at=3)
+            route = mock.post("/v1/chat/completions").mock(side_effect=upstream)
+            stream = sync_openai(t, max_retries=0).chat.completions.create(
+                model=GPT, messages=MESSAGES, stream=True
+            )
+            received = 0
+            with pytest.raises(KeyboardInterrupt):
+                for _ in stream:
+                    received += 1
+                    if received == 3:  # the next chunk stalls upstream: interrupt the wait
+                        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+            stream.close()
+            assert upstream.read_to_end.wait(10)
+    finally:
+        t.close()
+    calls, _, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).cost) == (
+        "completed",
+        price_cost("openai", GPT, CHAT_STREAM_USAGE),
+    )
+    assert route.call_count == 1 and report.ok, report.problems
 
 
 def test_a_sync_client_timeout_ends_the_wait_not_the_call(ledger_path: str, tmp_path: Path) -> None:

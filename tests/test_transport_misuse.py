@@ -9,7 +9,9 @@
 * a caller cancelled while its admission commits: the call it started is recorded as
   never sent (resendable at once), not left in flight until a restart marks it unknown;
 * using a sync transport after ``close()`` is a clear error, never a hang;
-* a stream dropped before it was read at all is settled by the collector too.
+* a stream dropped before it was read at all is settled by the collector too;
+* Ctrl-C in the sync client cancels a call not yet sent, as an async cancellation does;
+* a sync transport made before a fork, unused until then, works in the child.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
+import signal
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -329,4 +334,65 @@ def test_streams_dropped_unread_settle_while_their_transport_runs(
     assert asyncio.run(run()) == Counter(completed=6)
     client.close()
     assert len(provider.effects()) == 6
+    assert _verified(capsys, ledger)
+
+
+def test_an_interrupt_before_the_call_is_sent_sends_nothing(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C (KeyboardInterrupt) while the sync transport waits to admit a call cancels
+    it, as a cancelled async caller is: its attempt is recorded as never sent, and nothing
+    reaches the provider. The portal's coroutine used to run on, and the call the user had
+    stopped went out once the ledger let it in."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    client.chat.completions.create(model="gpt-4o-mini", messages=_message(0))  # started
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    blocker = sqlite3.connect(ledger, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # the admission waits for the write lock
+    interrupt = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    interrupt.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.chat.completions.create(model="gpt-4o-mini", messages=_message(1))
+    finally:
+        interrupt.join()
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    stages = _settled_stages(capsys, ledger)
+    client.close()
+    assert len(provider.effects()) == 1  # the first call only
+    assert stages["completed"] == 1 and set(stages) <= {"completed", "not_sent"}, stages
+    assert _verified(capsys, ledger)
+
+
+def test_a_sync_transport_made_before_a_fork_serves_the_child(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client built at import, then forked into workers before its first call (gunicorn
+    ``--preload``, a prefork pool): each child's calls work and are recorded. The
+    transport's loop thread started when it was made, did not come along, and every call
+    in a child was refused as if the transport had been used before the fork."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        status = 1
+        try:
+            answer = client.chat.completions.create(model="gpt-4o-mini", messages=_message(1))
+            client.close()
+            os.write(write_end, answer.choices[0].message.content.encode()[:20] or b"?")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as child:
+        assert os.waitstatus_to_exitcode(status) == 0 and child.read()
+    client.chat.completions.create(model="gpt-4o-mini", messages=_message(2))  # the parent's
+    client.close()
+    assert len(provider.effects()) == 2
+    assert _stages(capsys, ledger) == Counter(completed=2)
     assert _verified(capsys, ledger)

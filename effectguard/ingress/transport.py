@@ -16,11 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 
@@ -36,6 +35,7 @@ from effectguard.errors import ConfigError, Refusal
 from effectguard.ingress.callerstream import CallerStream
 from effectguard.ingress.clienttimeout import caller_read, caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
+from effectguard.ingress.portal import Portal
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
 from effectguard.telemetry.observer import Observer, combine
@@ -183,58 +183,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-class _Portal:
-    """A private event loop on a daemon thread, for running the async guard from sync code."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="effectguard-portal", daemon=True
-        )
-        self._thread.start()
-        self._scheduled: set[asyncio.Task[Any]] = set()
-
-    def run(self, coro: Any) -> Any:
-        if self.closed:
-            coro.close()
-            # After close(), or in a child process forked after the first use (the
-            # portal's thread did not come along): waiting would wait for ever.
-            raise RuntimeError(
-                "this GuardTransport is closed, or was opened before this process forked: "
-                "make a new one"
-            )
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result()
-
-    def run_or_schedule(self, coro: Any) -> None:
-        """Run ``coro`` and wait for it; on the portal's own thread, schedule it instead.
-
-        The garbage collector may finalize an abandoned stream on any thread, the
-        portal's too, and the stream's close then calls here: waiting on the portal's
-        loop from inside it would wait on itself, and every request would hang."""
-        if threading.current_thread() is not self._thread:
-            self.run(coro)
-            return
-        task = self.loop.create_task(coro)
-        self._scheduled.add(task)  # a task only the loop refers to may be collected
-        task.add_done_callback(self._scheduled.discard)
-
-    def close(self) -> None:
-        # A stream its reader stopped early leaves async generators open on this loop
-        # (the guard's response body, the inner transport's): their aclose() has to run
-        # here, before the loop stops. Left to the collector, it is scheduled on a loop
-        # that never runs again, and Python 3.13 warns that it was never awaited.
-        self.run(self.loop.shutdown_asyncgens())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.loop.is_closed() or not self._thread.is_alive()
-
-
 #: Threads for a sync inner transport's blocking calls: one per connection its pool may
 #: hold (httpx's default ``max_connections``). A call waits on its thread for as long as
 #: the upstream takes (up to ``upstream_read_timeout_s``), so asyncio's small default
@@ -299,7 +247,7 @@ class _SyncInner(httpx.AsyncBaseTransport):
 class _PortalStream(httpx.SyncByteStream):
     """The guard's async response stream, read from sync code through the portal."""
 
-    def __init__(self, portal: _Portal, response: httpx.Response) -> None:
+    def __init__(self, portal: Portal, response: httpx.Response) -> None:
         self._portal = portal
         self._response = response
 
@@ -333,7 +281,7 @@ class GuardTransport(httpx.BaseTransport):
         otel: bool | TracerProvider = False,
         reconcile_hook: ReconcileHook | None = None,
     ) -> None:
-        self._portal = _Portal()
+        self._portal = Portal()
         self._async = AsyncGuardTransport(
             _SyncInner(inner or httpx.HTTPTransport()),
             ledger=ledger,
