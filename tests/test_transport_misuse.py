@@ -11,7 +11,8 @@
 * using a sync transport after ``close()`` is a clear error, never a hang;
 * a stream dropped before it was read at all is settled by the collector too;
 * Ctrl-C in the sync client cancels a call not yet sent, as an async cancellation does;
-* a sync transport made before a fork, unused until then, works in the child.
+* a sync transport made before a fork, unused until then, works in the child;
+* a stream finalized after its client closed the transport closes quietly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import sqlite3
+import sys
 import threading
 import time
 from collections import Counter
@@ -396,3 +398,28 @@ def test_a_sync_transport_made_before_a_fork_serves_the_child(
     assert len(provider.effects()) == 2
     assert _stages(capsys, ledger) == Counter(completed=2)
     assert _verified(capsys, ledger)
+
+
+def test_a_stream_finalized_after_its_client_closed_is_quiet(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """``for chunk in stream: break`` inside ``with OpenAI(...)``: the client closes its
+    transport first (which settles the stream), and the SDK's generator is finalized
+    afterwards. Its close used to raise "this GuardTransport is closed" from the
+    collector, one "Exception ignored" traceback on stderr per stream."""
+    unraisable: list[Any] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with _sync_client(tmp_path / "ledger.db", provider) as client:
+            stream = client.chat.completions.create(
+                model="gpt-4o-mini", messages=_message(0), stream=True
+            )
+            for _ in stream:
+                break
+        del stream
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [repr(u.exc_value) for u in unraisable] == []
+    assert len(provider.effects()) == 1

@@ -260,6 +260,11 @@ class _PortalStream(httpx.SyncByteStream):
                 return
 
     def close(self) -> None:
+        if self._portal.closed:
+            # Its transport was closed first (leaving ``with OpenAI(...)`` before the
+            # stream's generator is collected), and that close settled every stream it
+            # had: there is nothing left to close, and no loop to close it on.
+            return
         self._portal.run_or_schedule(self._response.aclose())
 
 
