@@ -105,7 +105,15 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 
     async def guard(self) -> Guard:
         """The guard, started on first use (in the caller's event loop)."""
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            # Under trio (or anyio on trio) asyncio says only "no running event loop".
+            raise RuntimeError(
+                "an AsyncGuardTransport needs a running asyncio event loop (asyncio.run, "
+                "uvloop) and none runs here (trio?): use GuardTransport, which runs its own "
+                "loop thread, from a worker thread (trio.to_thread.run_sync)"
+            ) from None
         if self._loop is None:
             self._loop = loop
         elif loop is not self._loop:
