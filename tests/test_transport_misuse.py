@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -423,3 +424,48 @@ def test_a_stream_finalized_after_its_client_closed_is_quiet(
         sys.unraisablehook = hook
     assert [repr(u.exc_value) for u in unraisable] == []
     assert len(provider.effects()) == 1
+
+
+def _registered(ledger: Path) -> int:
+    """How many workers ``ledger`` has registered, read beside the transport writing it."""
+    if not ledger.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+        try:
+            return int(db.execute("SELECT count(*) FROM workers").fetchone()[0])
+        except sqlite3.OperationalError:  # not created yet
+            return 0
+
+
+def test_callers_cancelled_while_the_transport_starts_leave_one_start(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """First callers that go away while the transport starts (short timeouts at program
+    start) stop only their own wait: the start goes on, once, and serves the next call
+    under one worker registration. Each cancelled caller used to cancel the start the
+    others waited on, so each started it again, registering a worker every time, and a
+    crowd of short timeouts could keep the transport from ever starting."""
+    ledger = tmp_path / "ledger.db"
+
+    async def run() -> int:
+        transport, client = _async_client(ledger, provider)
+        callers = [
+            asyncio.ensure_future(
+                client.chat.completions.create(model="gpt-4o-mini", messages=_message(n))
+            )
+            for n in range(5)
+        ]
+        while not _registered(ledger):  # the start is under way: it registered a worker
+            await asyncio.sleep(0.001)
+        for caller in callers:
+            caller.cancel()
+        await asyncio.gather(*callers, return_exceptions=True)
+        await client.chat.completions.create(model="gpt-4o-mini", messages=_message(9))
+        workers = len(await transport.ledger.store.workers())
+        await transport.aclose()
+        return workers
+
+    assert asyncio.run(run()) == 1
+    assert len(provider.effects()) == 1
+    assert _stages(capsys, ledger) == Counter(completed=1)
+    assert _verified(capsys, ledger)

@@ -100,7 +100,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         )
         self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
         self._guard: Guard | None = None
-        self._opening: asyncio.Lock | None = None
+        #: The start every first caller waits for (see :meth:`guard`).
+        self._starting: asyncio.Task[Guard] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def guard(self) -> Guard:
@@ -124,13 +125,20 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "it is closed: close it (aclose) before using it from another event loop "
                 "(each asyncio.run), make one per loop, or use GuardTransport"
             )
-        if self._guard is None:
-            if self._opening is None:
-                self._opening = asyncio.Lock()
-            async with self._opening:
-                if self._guard is None:
-                    self._guard = await self._runtime.start()
-        return self._guard
+        if self._guard is not None:
+            return self._guard
+        if self._starting is None or self._starting.done():  # done here: it failed, again
+            self._starting = asyncio.ensure_future(self._runtime.start())
+            self._starting.add_done_callback(self._started)
+        # Shielded: a caller that goes away (a timeout, a cancelled task) stops only its
+        # own wait. Cancelling the start itself would make every caller waiting with it
+        # start again, registering a worker each time, and callers with short timeouts
+        # could keep the transport from ever starting.
+        return await asyncio.shield(self._starting)
+
+    def _started(self, starting: asyncio.Task[Guard]) -> None:
+        if not starting.cancelled() and starting.exception() is None:
+            self._guard = starting.result()
 
     @property
     def ledger(self) -> Ledger:
@@ -185,6 +193,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         # ``async with httpx.AsyncClient(transport=t)`` per request closes it each time):
         # the guard then starts again, on whichever event loop uses it next.
         self._loop = None
+        if self._starting is not None:
+            if not self._starting.done():
+                await asyncio.wait({self._starting})  # then stopped below, if it started
+            self._starting = None
         if self._guard is not None:
             await self._runtime.stop()
             self._guard = None
