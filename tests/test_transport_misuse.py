@@ -469,3 +469,47 @@ def test_callers_cancelled_while_the_transport_starts_leave_one_start(
     assert len(provider.effects()) == 1
     assert _stages(capsys, ledger) == Counter(completed=1)
     assert _verified(capsys, ledger)
+
+
+def test_a_sync_client_shared_by_more_threads_than_connections_never_stalls(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """200 threads share one sync client, twice the inner transport's 100 pooled
+    connections, three calls each: every call is answered. Sends and body reads shared one
+    pool of 100 threads; the second hundred sends took every thread waiting for a connection,
+    while
+    the answers holding the connections needed a thread to be read to their end and give
+    them back, so every call waited for its pool timeout (the SDK's: 10 minutes)."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    threads = 200
+    start = threading.Barrier(threads)
+    answered: list[int] = []
+
+    def call(n: int) -> None:
+        start.wait()
+        for k in range(3):  # streamed and not: a stream holds its connection while read
+            with contextlib.suppress(openai.APIError):  # an answer, if an error one (below)
+                answer = client.chat.completions.create(
+                    model="gpt-4o-mini", messages=_message(3 * n + k), stream=k == 1
+                )
+                if isinstance(answer, openai.Stream):
+                    for _ in answer:
+                        pass
+        answered.append(n)
+
+    callers = [threading.Thread(target=call, args=(n,), daemon=True) for n in range(threads)]
+    for caller in callers:
+        caller.start()
+    deadline = time.monotonic() + 90  # a bound on a stall, not a timing claim
+    for caller in callers:
+        caller.join(max(0.0, deadline - time.monotonic()))
+    assert len(answered) == threads, f"{threads - len(answered)} calls still waiting"
+    client.close()
+    assert len(provider.effects()) == 3 * threads
+    stages = _stages(capsys, ledger)
+    # httpcore's sync pool may close a connection it had just handed to a waiting request
+    # (encode/httpcore#1110): that call ends effect_unknown, as any read that fails after
+    # the request went out. None is left in flight.
+    assert stages["completed"] + stages["effect_unknown"] == 3 * threads, stages
+    assert _verified(capsys, ledger)

@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -36,6 +35,7 @@ from effectguard.ingress.callerstream import CallerStream
 from effectguard.ingress.clienttimeout import caller_read, caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
 from effectguard.ingress.portal import Portal
+from effectguard.ingress.syncinner import SyncInner
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
 from effectguard.telemetry.observer import Observer, combine
@@ -203,67 +203,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-#: Threads for a sync inner transport's blocking calls: one per connection its pool may
-#: hold (httpx's default ``max_connections``). A call waits on its thread for as long as
-#: the upstream takes (up to ``upstream_read_timeout_s``), so asyncio's small default
-#: pool (cores + 4) would let a few slow upstreams hold up every other call.
-SYNC_INNER_THREADS = 100
-
-
-class _ThreadedStream(httpx.AsyncByteStream):
-    """A sync inner response stream, read from the portal loop via worker threads."""
-
-    def __init__(self, stream: httpx.SyncByteStream, threads: ThreadPoolExecutor) -> None:
-        self._stream = stream
-        self._threads = threads
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        it = iter(self._stream)
-        loop = asyncio.get_running_loop()
-        while True:
-            chunk = await loop.run_in_executor(self._threads, next, it, None)
-            if chunk is None:
-                return
-            yield chunk
-
-    async def aclose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._threads, self._stream.close)
-
-
-class _SyncInner(httpx.AsyncBaseTransport):
-    """Adapts a sync inner transport to the async guard."""
-
-    def __init__(self, inner: httpx.BaseTransport) -> None:
-        self.inner = inner
-        self._threads = ThreadPoolExecutor(SYNC_INNER_THREADS, "effectguard-upstream")
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        sync_request = httpx.Request(
-            request.method,
-            request.url,
-            headers=request.headers,
-            content=request.content,
-            extensions=request.extensions,
-        )
-        loop = asyncio.get_running_loop()
-        response = await loop.run_in_executor(
-            self._threads, self.inner.handle_request, sync_request
-        )
-        assert isinstance(response.stream, httpx.SyncByteStream)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=_ThreadedStream(response.stream, self._threads),
-            extensions=response.extensions,
-            request=request,
-        )
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.inner.close)
-        # Threads still reading (abandoned streams) end with their upstream; not waited for.
-        self._threads.shutdown(wait=False)
-
-
 class _PortalStream(httpx.SyncByteStream):
     """The guard's async response stream, read from sync code through the portal."""
 
@@ -308,7 +247,7 @@ class GuardTransport(httpx.BaseTransport):
     ) -> None:
         self._portal = Portal()
         self._async = AsyncGuardTransport(
-            _SyncInner(inner or httpx.HTTPTransport()),
+            SyncInner(inner or httpx.HTTPTransport()),
             ledger=ledger,
             budget=budget,
             providers=providers,
