@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import signal
 import sys
 import threading
 import time
@@ -942,6 +943,74 @@ def test_a_sync_stream_that_stalls_ends_the_callers_wait_not_the_call(ledger_pat
             stream.close()
     finally:
         t.close()  # waits for the stalled read to end and the rest to be read and settled
+    calls, _, report = snapshot(ledger_path)
+    assert (one(calls).stage, one(calls).cost) == (
+        "completed",
+        price_cost("openai", GPT, CHAT_STREAM_USAGE),
+    )
+    assert route.call_count == 1 and report.ok, report.problems
+
+
+@respx.mock(base_url=OPENAI)
+async def test_a_reader_cancelled_mid_stream_leaves_its_call_to_settle(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A task cancelled while it waits for a stream's next chunk (``asyncio.timeout``
+    around the loop, a web framework cancelling the handler whose own client left) ends
+    its wait, not the upstream read: the call is read to its end and settled at its exact
+    cost, sent once. With the SDK's default timeout the cancellation used to land in the
+    upstream read itself, and a stream the provider sent whole was booked effect_unknown,
+    its reservation held."""
+    upstream = Upstream(CHAT_STREAM, sync=False, pause_at=3)
+    route = respx_mock.post("/v1/chat/completions").mock(side_effect=upstream)
+    t = make_transport()
+    client = async_openai(t, max_retries=0)
+    three = asyncio.Event()
+
+    async def read() -> None:
+        stream = await client.chat.completions.create(model=GPT, messages=MESSAGES, stream=True)
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received == 3:
+                three.set()  # the next chunk stalls upstream
+
+    reader = asyncio.ensure_future(read())
+    await three.wait()
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    call = one(await settled(t))
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    assert (call.held, call.reserved, route.call_count) == (0, 0, 1)
+    assert upstream.read_to_end.is_set()
+    await finish(t)
+
+
+def test_a_sync_reader_interrupted_mid_stream_leaves_its_call_to_settle(ledger_path: str) -> None:
+    """The same through GuardTransport: Ctrl-C (KeyboardInterrupt) while the sync SDK waits
+    for a chunk ends the caller's wait; once the stream is closed the rest is read and the
+    call settled completed, never cut short."""
+    t = GuardTransport(ledger=ledger_path, settings=FAST)
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    try:
+        with respx.mock(base_url=OPENAI) as mock:
+            upstream = Upstream(CHAT_STREAM, sync=True, pause_at=3)
+            route = mock.post("/v1/chat/completions").mock(side_effect=upstream)
+            stream = sync_openai(t, max_retries=0).chat.completions.create(
+                model=GPT, messages=MESSAGES, stream=True
+            )
+            received = 0
+            with pytest.raises(KeyboardInterrupt):
+                for _ in stream:
+                    received += 1
+                    if received == 3:  # the next chunk stalls upstream: interrupt the wait
+                        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+            stream.close()
+            assert upstream.read_to_end.wait(10)
+    finally:
+        t.close()
     calls, _, report = snapshot(ledger_path)
     assert (one(calls).stage, one(calls).cost) == (
         "completed",

@@ -796,6 +796,27 @@ async def test_cancelled_admissions_do_not_wedge_the_writer(
     assert report.ok, report.problems
 
 
+async def test_an_admission_cancelled_as_its_batch_resolves_is_handed_over(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A caller cancelled in the loop step just before the batch holding its admission
+    resolves: the admission commits, and the cancelled caller's ``orphaned`` is told it
+    (the guard then records the attempt as never sent). It was told nothing: the batch
+    found the caller's future cancelled and nobody to tell yet, and the caller adopted the
+    job after that, so the call sat in flight, never sent, until a restart marked it
+    effect_unknown (seen through the transport with callers under ``asyncio.timeout``)."""
+    told: list[Admitted] = []
+    task = asyncio.ensure_future(ledger.admit(w1, req(ns), told.append))
+    await asyncio.sleep(0)  # the caller queues its admission; the batch's runner is due
+    await asyncio.sleep(0)  # the runner yields once to gather more: its batch is due next
+    task.cancel()  # the caller's future is cancelled now, its own step runs after the batch
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await ledger.store.write(w1, lambda tx: None)  # queued behind it: that batch resolved
+    calls = await ledger.calls(budget=ns)
+    assert [a.call_id for a in told] == [c.call_id for c in calls]
+
+
 async def test_an_operation_that_cannot_commit_fails_alone(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:

@@ -160,3 +160,30 @@ def test_the_cli_still_names_its_flag(tmp_path: Path, capsys: pytest.CaptureFixt
     argv = ["serve", "--ledger", str(tmp_path / "l.db"), "--upstream", "nope=http://x"]
     assert main(argv) == 2
     assert "effectguard: --upstream nope: unknown provider" in capsys.readouterr().err
+
+
+def test_an_async_transport_under_trio_says_it_needs_asyncio(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """AsyncGuardTransport runs on asyncio only: called from a trio program it refuses with
+    a message naming asyncio and the way out (GuardTransport from a worker thread), before
+    anything is recorded or sent. It used to fail with asyncio's bare "no running event
+    loop", which names neither."""
+    trio = pytest.importorskip("trio")
+    transport = AsyncGuardTransport(
+        ledger=str(tmp_path / "ledger.db"), upstreams={"openai": provider.url}
+    )
+    client = openai.AsyncOpenAI(
+        base_url=provider.url + "/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport),
+    )
+
+    async def call() -> None:
+        await client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)  # type: ignore[arg-type]
+
+    with pytest.raises(RuntimeError, match=r"needs a running asyncio event loop.*GuardTransport"):
+        trio.run(call)
+    assert provider.effects() == []
+    assert not (tmp_path / "ledger.db").exists()

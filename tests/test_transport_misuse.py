@@ -8,15 +8,25 @@
 * an async stream dropped the same way is read to its end and settled ``completed``;
 * a caller cancelled while its admission commits: the call it started is recorded as
   never sent (resendable at once), not left in flight until a restart marks it unknown;
-* using a sync transport after ``close()`` is a clear error, never a hang.
+* using a sync transport after ``close()`` is a clear error, never a hang;
+* a stream dropped before it was read at all is settled by the collector too;
+* Ctrl-C in the sync client cancels a call not yet sent, as an async cancellation does;
+* a sync transport made before a fork, unused until then, works in the child;
+* a stream finalized after its client closed the transport closes quietly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import os
+import signal
+import sqlite3
+import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,4 +281,235 @@ def test_closing_an_async_transport_lets_its_calls_in_flight_finish(
     assert asyncio.run(run()) == ["answered", "resend", "answered", "resend"]
     assert len(provider.effects()) == 4
     assert _stages(capsys, ledger) == Counter(completed=4)
+    assert _verified(capsys, ledger)
+
+
+def _sync_client(ledger: Path, provider: FakeProvider) -> openai.OpenAI:
+    """An OpenAI client over a GuardTransport on ``ledger`` to the fake provider."""
+    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
+    return openai.OpenAI(
+        base_url=provider.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport),
+    )
+
+
+def _settled_stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
+    """The calls' stages, read from another connection, once none is in flight (or after
+    :data:`SETTLE_BOUND_S`), while the transport that writes them still runs."""
+    deadline = time.monotonic() + SETTLE_BOUND_S
+    while (stages := _stages(capsys, ledger))["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stages
+
+
+def test_streams_dropped_unread_settle_while_their_transport_runs(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stream the caller never iterates (an exception between ``create`` and the loop, a
+    handler that returns early) and then drops is settled once the collector finalizes
+    it, sync and async, without closing the transport. Nothing was ever finalized for it:
+    the call stayed in flight, its upstream connection held, until the transport closed
+    (or, in a program that exited first, was booked effect_unknown by the next start)."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    for n in range(3):
+        stream = client.chat.completions.create(
+            model="gpt-4o-mini", messages=_message(n), stream=True
+        )
+        del stream  # never read, never closed
+    gc.collect()
+    assert _settled_stages(capsys, ledger) == Counter(completed=3)
+
+    async def run() -> Counter[str]:
+        transport, aclient = _async_client(ledger, provider)
+        for n in range(3, 6):
+            stream = await aclient.chat.completions.create(
+                model="gpt-4o-mini", messages=_message(n), stream=True
+            )
+            del stream
+        gc.collect()
+        stages = await _settled(transport)
+        await transport.aclose()
+        return stages
+
+    assert asyncio.run(run()) == Counter(completed=6)
+    client.close()
+    assert len(provider.effects()) == 6
+    assert _verified(capsys, ledger)
+
+
+def test_an_interrupt_before_the_call_is_sent_sends_nothing(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C (KeyboardInterrupt) while the sync transport waits to admit a call cancels
+    it, as a cancelled async caller is: its attempt is recorded as never sent, and nothing
+    reaches the provider. The portal's coroutine used to run on, and the call the user had
+    stopped went out once the ledger let it in."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    client.chat.completions.create(model="gpt-4o-mini", messages=_message(0))  # started
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    blocker = sqlite3.connect(ledger, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # the admission waits for the write lock
+    interrupt = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    interrupt.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.chat.completions.create(model="gpt-4o-mini", messages=_message(1))
+    finally:
+        interrupt.join()
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    stages = _settled_stages(capsys, ledger)
+    client.close()
+    assert len(provider.effects()) == 1  # the first call only
+    assert stages["completed"] == 1 and set(stages) <= {"completed", "not_sent"}, stages
+    assert _verified(capsys, ledger)
+
+
+def test_a_sync_transport_made_before_a_fork_serves_the_child(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client built at import, then forked into workers before its first call (gunicorn
+    ``--preload``, a prefork pool): each child's calls work and are recorded. The
+    transport's loop thread started when it was made, did not come along, and every call
+    in a child was refused as if the transport had been used before the fork."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        status = 1
+        try:
+            answer = client.chat.completions.create(model="gpt-4o-mini", messages=_message(1))
+            client.close()
+            os.write(write_end, answer.choices[0].message.content.encode()[:20] or b"?")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as child:
+        assert os.waitstatus_to_exitcode(status) == 0 and child.read()
+    client.chat.completions.create(model="gpt-4o-mini", messages=_message(2))  # the parent's
+    client.close()
+    assert len(provider.effects()) == 2
+    assert _stages(capsys, ledger) == Counter(completed=2)
+    assert _verified(capsys, ledger)
+
+
+def test_a_stream_finalized_after_its_client_closed_is_quiet(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """``for chunk in stream: break`` inside ``with OpenAI(...)``: the client closes its
+    transport first (which settles the stream), and the SDK's generator is finalized
+    afterwards. Its close used to raise "this GuardTransport is closed" from the
+    collector, one "Exception ignored" traceback on stderr per stream."""
+    unraisable: list[Any] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with _sync_client(tmp_path / "ledger.db", provider) as client:
+            stream = client.chat.completions.create(
+                model="gpt-4o-mini", messages=_message(0), stream=True
+            )
+            for _ in stream:
+                break
+        del stream
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [repr(u.exc_value) for u in unraisable] == []
+    assert len(provider.effects()) == 1
+
+
+def _registered(ledger: Path) -> int:
+    """How many workers ``ledger`` has registered, read beside the transport writing it."""
+    if not ledger.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+        try:
+            return int(db.execute("SELECT count(*) FROM workers").fetchone()[0])
+        except sqlite3.OperationalError:  # not created yet
+            return 0
+
+
+def test_callers_cancelled_while_the_transport_starts_leave_one_start(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """First callers that go away while the transport starts (short timeouts at program
+    start) stop only their own wait: the start goes on, once, and serves the next call
+    under one worker registration. Each cancelled caller used to cancel the start the
+    others waited on, so each started it again, registering a worker every time, and a
+    crowd of short timeouts could keep the transport from ever starting."""
+    ledger = tmp_path / "ledger.db"
+
+    async def run() -> int:
+        transport, client = _async_client(ledger, provider)
+        callers = [
+            asyncio.ensure_future(
+                client.chat.completions.create(model="gpt-4o-mini", messages=_message(n))
+            )
+            for n in range(5)
+        ]
+        while not _registered(ledger):  # the start is under way: it registered a worker
+            await asyncio.sleep(0.001)
+        for caller in callers:
+            caller.cancel()
+        await asyncio.gather(*callers, return_exceptions=True)
+        await client.chat.completions.create(model="gpt-4o-mini", messages=_message(9))
+        workers = len(await transport.ledger.store.workers())
+        await transport.aclose()
+        return workers
+
+    assert asyncio.run(run()) == 1
+    assert len(provider.effects()) == 1
+    assert _stages(capsys, ledger) == Counter(completed=1)
+    assert _verified(capsys, ledger)
+
+
+def test_a_sync_client_shared_by_more_threads_than_connections_never_stalls(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """200 threads share one sync client, twice the inner transport's 100 pooled
+    connections, three calls each: every call is answered. Sends and body reads shared one
+    pool of 100 threads; the second hundred sends took every thread waiting for a connection,
+    while
+    the answers holding the connections needed a thread to be read to their end and give
+    them back, so every call waited for its pool timeout (the SDK's: 10 minutes)."""
+    ledger = tmp_path / "ledger.db"
+    client = _sync_client(ledger, provider)
+    threads = 200
+    start = threading.Barrier(threads)
+    answered: list[int] = []
+
+    def call(n: int) -> None:
+        start.wait()
+        for k in range(3):  # streamed and not: a stream holds its connection while read
+            with contextlib.suppress(openai.APIError):  # an answer, if an error one (below)
+                answer = client.chat.completions.create(
+                    model="gpt-4o-mini", messages=_message(3 * n + k), stream=k == 1
+                )
+                if isinstance(answer, openai.Stream):
+                    for _ in answer:
+                        pass
+        answered.append(n)
+
+    callers = [threading.Thread(target=call, args=(n,), daemon=True) for n in range(threads)]
+    for caller in callers:
+        caller.start()
+    deadline = time.monotonic() + 90  # a bound on a stall, not a timing claim
+    for caller in callers:
+        caller.join(max(0.0, deadline - time.monotonic()))
+    assert len(answered) == threads, f"{threads - len(answered)} calls still waiting"
+    client.close()
+    assert len(provider.effects()) == 3 * threads
+    stages = _stages(capsys, ledger)
+    # httpcore's sync pool may close a connection it had just handed to a waiting request
+    # (encode/httpcore#1110): that call ends effect_unknown, as any read that fails after
+    # the request went out. None is left in flight.
+    assert stages["completed"] + stages["effect_unknown"] == 3 * threads, stages
     assert _verified(capsys, ledger)

@@ -14,18 +14,14 @@ So the guard's transports split it:
   the call goes on in the background and is settled (contract.md §3.8): a resend with
   the same key gets its answer;
 * a streamed answer's caller waits for each next chunk at most its ``read`` timeout,
-  as with a plain transport (:class:`CallerPacedStream`): a stream that stalls
-  mid-way ends the caller's wait, not the call.
+  as with a plain transport (:class:`~effectguard.ingress.callerstream.CallerStream`):
+  a stream that stalls mid-way ends the caller's wait, not the call.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import httpx
 
 #: The parts of httpx's timeout that bound waiting for an answer to begin.
 _WAIT_PARTS = ("connect", "write", "read")
@@ -57,60 +53,3 @@ def caller_read(timeout: Mapping[str, Any] | None) -> float | None:
     """How long the caller waits for each next chunk of a stream; None: no limit."""
     read = (timeout or {}).get("read")
     return None if read is None else float(read)
-
-
-class CallerPacedStream(httpx.AsyncByteStream):
-    """A streamed answer as its caller reads it: each chunk within ``read_s``, else
-    ``httpx.ReadTimeout``, as from a plain transport.
-
-    The read the caller gave up on is not cancelled: that would break the upstream
-    stream, and the call would end ``effect_unknown``. It finishes on its own, and the
-    stream is closed after it, which has the guard read the rest into the ledger
-    (contract.md §3.8).
-    """
-
-    def __init__(
-        self,
-        stream: httpx.AsyncByteStream,
-        read_s: float,
-        request: httpx.Request,
-        keep: Callable[[asyncio.Future[Any]], None],
-    ) -> None:
-        """``keep`` holds a background task until it is done (the guard's recorder, so a
-        shutdown waits for it)."""
-        self._stream = stream
-        self._read_s = read_s
-        self._request = request
-        self._keep = keep
-        self._late: asyncio.Future[bytes] | None = None
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        chunks = self._stream.__aiter__()
-        while True:
-            step = asyncio.ensure_future(chunks.__anext__())
-            done, _ = await asyncio.wait((step,), timeout=self._read_s)
-            if not done:
-                self._late = step
-                raise httpx.ReadTimeout(
-                    f"no more of this stream came within its read timeout ({self._read_s:g} "
-                    "s); the call goes on and is settled: resend with the same "
-                    "Idempotency-Key for its answer",
-                    request=self._request,
-                )
-            try:
-                chunk = step.result()
-            except StopAsyncIteration:
-                return
-            yield chunk
-
-    async def aclose(self) -> None:
-        late = self._late
-        if late is None or late.done():
-            await self._stream.aclose()
-        else:
-            self._keep(asyncio.ensure_future(self._close_after(late)))
-
-    async def _close_after(self, late: asyncio.Future[bytes]) -> None:
-        with contextlib.suppress(Exception):  # the guard has recorded how the stream ended
-            await late
-        await self._stream.aclose()

@@ -16,11 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 
@@ -33,13 +31,11 @@ from effectguard.callpath.wire import BUDGET_HEADER, error_response
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings, keys_from_environment
 from effectguard.errors import ConfigError, Refusal
-from effectguard.ingress.clienttimeout import (
-    CallerPacedStream,
-    caller_read,
-    caller_wait,
-    upstream_timeout,
-)
+from effectguard.ingress.callerstream import CallerStream
+from effectguard.ingress.clienttimeout import caller_read, caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
+from effectguard.ingress.portal import Portal
+from effectguard.ingress.syncinner import SyncInner
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
 from effectguard.telemetry.observer import Observer, combine
@@ -104,12 +100,21 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         )
         self._runtime = Runtime(config, None if isinstance(ledger, str) else ledger)
         self._guard: Guard | None = None
-        self._opening: asyncio.Lock | None = None
+        #: The start every first caller waits for (see :meth:`guard`).
+        self._starting: asyncio.Task[Guard] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def guard(self) -> Guard:
         """The guard, started on first use (in the caller's event loop)."""
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            # Under trio (or anyio on trio) asyncio says only "no running event loop".
+            raise RuntimeError(
+                "an AsyncGuardTransport needs a running asyncio event loop (asyncio.run, "
+                "uvloop) and none runs here (trio?): use GuardTransport, which runs its own "
+                "loop thread, from a worker thread (trio.to_thread.run_sync)"
+            ) from None
         if self._loop is None:
             self._loop = loop
         elif loop is not self._loop:
@@ -120,13 +125,20 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "it is closed: close it (aclose) before using it from another event loop "
                 "(each asyncio.run), make one per loop, or use GuardTransport"
             )
-        if self._guard is None:
-            if self._opening is None:
-                self._opening = asyncio.Lock()
-            async with self._opening:
-                if self._guard is None:
-                    self._guard = await self._runtime.start()
-        return self._guard
+        if self._guard is not None:
+            return self._guard
+        if self._starting is None or self._starting.done():  # done here: it failed, again
+            self._starting = asyncio.ensure_future(self._runtime.start())
+            self._starting.add_done_callback(self._started)
+        # Shielded: a caller that goes away (a timeout, a cancelled task) stops only its
+        # own wait. Cancelling the start itself would make every caller waiting with it
+        # start again, registering a worker each time, and callers with short timeouts
+        # could keep the transport from ever starting.
+        return await asyncio.shield(self._starting)
+
+    def _started(self, starting: asyncio.Task[Guard]) -> None:
+        if not starting.cancelled() and starting.exception() is None:
+            self._guard = starting.result()
 
     @property
     def ledger(self) -> Ledger:
@@ -165,12 +177,15 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "goes on and is settled: resend with the same Idempotency-Key for its answer",
                 request=request,
             ) from None
-        paced = caller_read(given)
-        if paced is not None and paced < read_s and not response.is_stream_consumed:
-            # Past read_s the upstream leg's own timeout ends the stream first.
+        if not response.is_stream_consumed:
+            # A caller that stops waiting, closes or drops the stream must not end its
+            # upstream read (callerstream). Past read_s the upstream leg's own timeout
+            # ends the stream first: no need to pace the caller beyond it.
+            paced = caller_read(given)
             stream = response.stream
             assert isinstance(stream, httpx.AsyncByteStream)
-            response.stream = CallerPacedStream(stream, paced, request, guard.recorder.keep)
+            read_limit = paced if paced is not None and paced < read_s else None
+            response.stream = CallerStream(stream, read_limit, request, guard.recorder.keep)
         return response
 
     async def aclose(self) -> None:
@@ -178,129 +193,20 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         # ``async with httpx.AsyncClient(transport=t)`` per request closes it each time):
         # the guard then starts again, on whichever event loop uses it next.
         self._loop = None
+        if self._starting is not None:
+            if not self._starting.done():
+                await asyncio.wait({self._starting})  # then stopped below, if it started
+            self._starting = None
         if self._guard is not None:
             await self._runtime.stop()
             self._guard = None
         await self.inner.aclose()
 
 
-class _Portal:
-    """A private event loop on a daemon thread, for running the async guard from sync code."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="effectguard-portal", daemon=True
-        )
-        self._thread.start()
-        self._scheduled: set[asyncio.Task[Any]] = set()
-
-    def run(self, coro: Any) -> Any:
-        if self.closed:
-            coro.close()
-            # After close(), or in a child process forked after the first use (the
-            # portal's thread did not come along): waiting would wait for ever.
-            raise RuntimeError(
-                "this GuardTransport is closed, or was opened before this process forked: "
-                "make a new one"
-            )
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result()
-
-    def run_or_schedule(self, coro: Any) -> None:
-        """Run ``coro`` and wait for it; on the portal's own thread, schedule it instead.
-
-        The garbage collector may finalize an abandoned stream on any thread, the
-        portal's too, and the stream's close then calls here: waiting on the portal's
-        loop from inside it would wait on itself, and every request would hang."""
-        if threading.current_thread() is not self._thread:
-            self.run(coro)
-            return
-        task = self.loop.create_task(coro)
-        self._scheduled.add(task)  # a task only the loop refers to may be collected
-        task.add_done_callback(self._scheduled.discard)
-
-    def close(self) -> None:
-        # A stream its reader stopped early leaves async generators open on this loop
-        # (the guard's response body, the inner transport's): their aclose() has to run
-        # here, before the loop stops. Left to the collector, it is scheduled on a loop
-        # that never runs again, and Python 3.13 warns that it was never awaited.
-        self.run(self.loop.shutdown_asyncgens())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.loop.is_closed() or not self._thread.is_alive()
-
-
-#: Threads for a sync inner transport's blocking calls: one per connection its pool may
-#: hold (httpx's default ``max_connections``). A call waits on its thread for as long as
-#: the upstream takes (up to ``upstream_read_timeout_s``), so asyncio's small default
-#: pool (cores + 4) would let a few slow upstreams hold up every other call.
-SYNC_INNER_THREADS = 100
-
-
-class _ThreadedStream(httpx.AsyncByteStream):
-    """A sync inner response stream, read from the portal loop via worker threads."""
-
-    def __init__(self, stream: httpx.SyncByteStream, threads: ThreadPoolExecutor) -> None:
-        self._stream = stream
-        self._threads = threads
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        it = iter(self._stream)
-        loop = asyncio.get_running_loop()
-        while True:
-            chunk = await loop.run_in_executor(self._threads, next, it, None)
-            if chunk is None:
-                return
-            yield chunk
-
-    async def aclose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._threads, self._stream.close)
-
-
-class _SyncInner(httpx.AsyncBaseTransport):
-    """Adapts a sync inner transport to the async guard."""
-
-    def __init__(self, inner: httpx.BaseTransport) -> None:
-        self.inner = inner
-        self._threads = ThreadPoolExecutor(SYNC_INNER_THREADS, "effectguard-upstream")
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        sync_request = httpx.Request(
-            request.method,
-            request.url,
-            headers=request.headers,
-            content=request.content,
-            extensions=request.extensions,
-        )
-        loop = asyncio.get_running_loop()
-        response = await loop.run_in_executor(
-            self._threads, self.inner.handle_request, sync_request
-        )
-        assert isinstance(response.stream, httpx.SyncByteStream)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=_ThreadedStream(response.stream, self._threads),
-            extensions=response.extensions,
-            request=request,
-        )
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.inner.close)
-        # Threads still reading (abandoned streams) end with their upstream; not waited for.
-        self._threads.shutdown(wait=False)
-
-
 class _PortalStream(httpx.SyncByteStream):
     """The guard's async response stream, read from sync code through the portal."""
 
-    def __init__(self, portal: _Portal, response: httpx.Response) -> None:
+    def __init__(self, portal: Portal, response: httpx.Response) -> None:
         self._portal = portal
         self._response = response
 
@@ -313,6 +219,11 @@ class _PortalStream(httpx.SyncByteStream):
                 return
 
     def close(self) -> None:
+        if self._portal.closed:
+            # Its transport was closed first (leaving ``with OpenAI(...)`` before the
+            # stream's generator is collected), and that close settled every stream it
+            # had: there is nothing left to close, and no loop to close it on.
+            return
         self._portal.run_or_schedule(self._response.aclose())
 
 
@@ -334,9 +245,9 @@ class GuardTransport(httpx.BaseTransport):
         otel: bool | TracerProvider = False,
         reconcile_hook: ReconcileHook | None = None,
     ) -> None:
-        self._portal = _Portal()
+        self._portal = Portal()
         self._async = AsyncGuardTransport(
-            _SyncInner(inner or httpx.HTTPTransport()),
+            SyncInner(inner or httpx.HTTPTransport()),
             ledger=ledger,
             budget=budget,
             providers=providers,

@@ -100,6 +100,9 @@ class Job:
     error: BaseException | None = None
     #: Told the result if the caller was cancelled and the operation committed anyway.
     orphaned: Orphaned | None = None
+    #: Its outcome was handed over (:func:`resolve_job`): whoever adopts it later is told
+    #: now, since nothing will hand it over again.
+    resolved: bool = False
 
 
 @dataclass
@@ -332,15 +335,18 @@ def adopt(job: Job, orphaned: Orphaned | None) -> None:
     operation runs or has run anyway: a cancelled caller never stops a batch)."""
     if orphaned is None:
         return
-    future = job.future
-    if not future.done() or future.cancelled():
+    if not job.resolved:
         job.orphaned = orphaned  # resolve_job hands it over
-    elif future.exception() is None:  # answered, then cancelled before it resumed
-        orphaned(future.result())
+    elif job.error is None:
+        # Resolved before this caller's step ran: answered, then cancelled before it
+        # resumed; or cancelled (its future with it) just before the batch that ran it
+        # resolved, which found no one to tell yet. Either way it committed.
+        orphaned(job.result)
 
 
 def resolve_job(job: Job) -> None:
     """Hand a finished job's result or error to its caller (on the caller's loop)."""
+    job.resolved = True
     if job.future.done():  # the caller was cancelled; its operation ran anyway
         if job.orphaned is not None and job.error is None:
             job.orphaned(job.result)
