@@ -151,7 +151,7 @@ def test_a_postmark_batch_is_refused_before_anything_is_sent(tmp_path: Path) -> 
         token = {"X-Postmark-Server-Token": "pm"}
         refused = httpx.post(p.url + "/postmark/email/batch", json=batch, headers=token)
         assert refused.status_code == 400, refused.text
-        assert refused.json()["error"]["type"] == "invalid_request"
+        assert refused.json()["effectguard"]["type"] == "invalid_request"  # Postmark's shape
         assert email.effects() == []
         one = httpx.post(p.url + "/postmark/email", json=batch[0], headers=token)
         assert one.status_code == 200, one.text
