@@ -48,11 +48,13 @@ Send = Callable[[str, str], Outcome]
 
 
 def error_field(body: Any, name: str) -> str | None:
-    """A field (``type``, ``param``) of an OpenAI- or Anthropic-shaped error body (both
-    nest ``error``)."""
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        value = body["error"].get(name)
-        return value if isinstance(value, str) else None
+    """A field (``type``, ``param``) of effectguard's own account of a refusal: nested in
+    ``error`` (the OpenAI, Anthropic and Stripe shapes) or in ``effectguard`` (Postmark's
+    and GitHub's; docs/contract.md §9)."""
+    for key in ("effectguard", "error"):
+        if isinstance(body, dict) and isinstance(body.get(key), dict):
+            value = body[key].get(name)
+            return value if isinstance(value, str) else None
     return None
 
 

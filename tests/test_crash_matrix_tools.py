@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import pytest
+from corpuskit import error_field
 from fakes import RunningFake, running_fake
 from test_crash_matrix import KILL_TIMEOUT, Seen, _proxy_send, cli_json, ledger_events
 
@@ -214,7 +215,7 @@ def assert_accounted(ledger: Path) -> None:
 
 def error_type(seen: Seen) -> str | None:
     """The effectguard error type of a 409, if any."""
-    return json.loads(seen.body)["error"]["type"] if seen.status == 409 else None
+    return error_field(json.loads(seen.body), "type") if seen.status == 409 else None
 
 
 #: The searchable tool's crash points at which the email was sent before the kill.

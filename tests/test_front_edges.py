@@ -454,6 +454,40 @@ async def test_an_unexpected_exception_is_a_provider_shaped_500_with_the_call_id
     assert stages == {call_id: "effect_unknown"}
 
 
+async def test_an_unexpected_exception_on_a_tool_route_is_in_the_tools_shape(
+    tmp_path: Path,
+) -> None:
+    """The 500 ``internal_error`` on Postmark's and Stripe's routes comes in their shapes
+    (docs/contract.md §9): postmarker raises its ClientError, not a KeyError, and
+    stripe-python is told not to retry by the header it reads."""
+    from effectguard.config.settings import load_settings
+    from effectguard.ingress.server import create_app
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug")
+
+    upstreams = {"postmark": "http://pm", "stripe": "http://st"}
+    settings = load_settings(ledger=str(tmp_path / "l.db"), upstreams=upstreams)
+    app = create_app(settings, inner=httpx.MockTransport(broken))
+    await app.startup()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        ) as client:
+            email = {"From": "a@example.com", "To": "b@example.com", "TextBody": "t"}
+            postmark = await client.post("/postmark/email", json=email,
+                                         headers={"X-Postmark-Server-Token": "pm"})  # fmt: skip
+            stripe = await client.post("/stripe/v1/customers", data={"email": "b@example.com"})
+    finally:
+        await app.shutdown()
+    assert (postmark.status_code, postmark.json()["ErrorCode"]) == (500, 9500)
+    assert postmark.json()["effectguard"]["call_id"] == postmark.headers[CALL_ID]
+    assert postmark.json()["Message"].startswith("internal_error: ")
+    assert stripe.status_code == 500
+    assert error_of(500, stripe.json(), "internal_error")["call_id"] == stripe.headers[CALL_ID]
+    assert stripe.headers["stripe-should-retry"] == stripe.headers["x-should-retry"] == "false"
+
+
 BROWSER_REQUESTS = {
     # fetch(url, {method: "POST", mode: "no-cors", body}) from any site: no preflight.
     "cross-site form": {

@@ -459,3 +459,25 @@ def test_load_providers_takes_a_plain_path(kind: str) -> None:
     where = Path(__file__).parent.parent / "providers" / "examples"
     loaded = effectguard.load_providers([str(where) if kind == "str" else where])
     assert loaded["openai"].price_for("llama-3.1-8b-instruct") is not None
+
+
+def test_error_shape_defaults_to_the_dialect_and_is_checked(tmp_path: Path) -> None:
+    """A declaration may name the shape of effectguard's refusals (docs/contract.md §9);
+    without one, an anthropic provider answers in Anthropic's and any other in OpenAI's,
+    and the bundled tools name their vendors'."""
+    providers = load_providers()
+    shapes = {name: providers[name].error_shape for name in ("openai", "anthropic", "stripe")}
+    assert shapes == {"openai": "openai", "anthropic": "anthropic", "stripe": "stripe"}
+    assert (providers["postmark"].error_shape, providers["github"].error_shape) == (
+        "postmark",
+        "github",
+    )
+    assert load_provider(write(tmp_path, "p", MINIMAL)).error_shape == "openai"
+    named = load_provider(write(tmp_path, "q", _shaped("postmark")))
+    assert named.error_shape == "postmark"
+    with pytest.raises(ConfigError, match="error_shape: must be one of openai, anthropic"):
+        load_provider(write(tmp_path, "r", _shaped("soap")))
+
+
+def _shaped(shape: str) -> str:
+    return MINIMAL.replace('dialect = "flat"\n', f'dialect = "flat"\nerror_shape = "{shape}"\n')

@@ -135,6 +135,50 @@ def test_stripe_503_is_unknown_and_a_keyed_resend_reaches_stripe(
     assert effect["op"] == resent.json()["metadata"]["effectguard_op"]
 
 
+#: POSTs an agent makes besides the two creates: Stripe deduplicates every POST on its key.
+STRIPE_ACTIONS = (
+    "/v1/payment_intents/pi_1/confirm",
+    "/v1/payment_intents/pi_1/capture",
+    "/v1/payment_intents/pi_1/cancel",
+    "/v1/customers",
+    "/v1/charges",
+    "/v1/checkout/sessions",
+    "/v1/invoices/in_1/pay",
+    "/v1/transfers",
+    "/v1/payouts",
+)
+
+
+def test_stripe_posts_are_idempotent_and_its_reads_free() -> None:
+    """Every declared Stripe POST is idempotent under Stripe's key for its 24 h; their GETs
+    are reads; a DELETE stays at_most_once (a resent delete that did happen answers 404)."""
+    stripe = load_providers()["stripe"]
+    for path in STRIPE_ACTIONS:
+        endpoint = stripe.effect_for("POST", path)
+        assert endpoint.effect == "idempotent", path
+        assert endpoint.idempotency is not None and endpoint.idempotency.window_seconds == 86400
+    for path in ("/v1/customers/cus_1", "/v1/charges", "/v1/invoices/search", "/v1/payouts/po_1"):
+        assert stripe.effect_for("GET", path).effect == "read_only", path
+    assert stripe.effect_for("DELETE", "/v1/customers/cus_1").effect == "at_most_once"
+
+
+@pytest.mark.slow
+def test_an_unknown_stripe_action_is_resent_under_stripes_key(
+    stripe: RunningFake, proxy: Proxy
+) -> None:
+    """stripe-python's way: a 503 on a confirm, a capture, a payout ... proves nothing; the
+    keyed resend goes to Stripe (which deduplicates it) instead of waiting for a person
+    (409 effect_unknown, as every undeclared Stripe POST did)."""
+    for n, path in enumerate(STRIPE_ACTIONS):
+        headers = {"Idempotency-Key": f"action-{n}"}
+        url = proxy.url + "/stripe" + path
+        first = httpx.post(url, data={"n": str(n)}, headers={**headers, "x-fake-status": "503"})
+        assert first.status_code == 503, (path, first.text)
+        resent = httpx.post(url, data={"n": str(n)}, headers=headers, timeout=30)
+        assert resent.status_code == 200, (path, resent.text)
+    assert [e["path"] for e in stripe.effects()] == [p for p in STRIPE_ACTIONS]
+
+
 # -- a Postmark batch through the proxy -----------------------------------------------------
 
 
@@ -151,7 +195,7 @@ def test_a_postmark_batch_is_refused_before_anything_is_sent(tmp_path: Path) -> 
         token = {"X-Postmark-Server-Token": "pm"}
         refused = httpx.post(p.url + "/postmark/email/batch", json=batch, headers=token)
         assert refused.status_code == 400, refused.text
-        assert refused.json()["error"]["type"] == "invalid_request"
+        assert refused.json()["effectguard"]["type"] == "invalid_request"  # Postmark's shape
         assert email.effects() == []
         one = httpx.post(p.url + "/postmark/email", json=batch[0], headers=token)
         assert one.status_code == 200, one.text

@@ -198,7 +198,7 @@ class Guard:
             from_state(report, admitted.state, "replayed")
             if admitted.recovered is not None:
                 return recovered_response(admitted.call_id, admitted.recovered)
-            return replay_response(admitted.call_id, admitted.observed)
+            return replay_response(admitted.call_id, admitted.observed, provider.error_shape)
         try:
             if admitted.action == "join":
                 call_id = admitted.call_id
@@ -419,7 +419,7 @@ class Guard:
         )
         headers = client_headers(response.headers, call_id)
         if response.status >= 400 and provider.answer_effect(response.status) != "none":
-            headers = final_answer(headers)
+            headers = final_answer(headers, provider.error_shape)
         answer = Reply(response.status, headers, body=body, extensions=response.extensions)
         if retried:
             raise _RetryAttempt(answer, None)

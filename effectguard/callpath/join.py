@@ -79,7 +79,7 @@ async def _join(
         assert last is None or isinstance(last, AttemptObserved)
         observer.request_done(prepared.provider.name, prepared.model or "", "joined")
         from_state(report, state, "joined")
-        return replay_response(call_id, last)
+        return replay_response(call_id, last, prepared.provider.error_shape)
     reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
     observer.refused(prepared.provider.name, reason)
     raise refuse(

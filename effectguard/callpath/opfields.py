@@ -20,13 +20,20 @@ class Unwritable(ValueError):
 
 
 def writable(parsed: dict[str, Any], path: str) -> bool:
-    """Whether a JSON object has room for ``path`` (every step above it is an object)."""
+    """Whether a JSON object has room for ``path`` (every step above it is an object,
+    absent, or ``null``: JSON's "no value", which SDKs send for an unset field)."""
     node: Any = parsed
     for step in path.split(".")[:-1]:
-        node = node.get(step, {}) if isinstance(node, dict) else None
+        node = _child(node, step) if isinstance(node, dict) else None
         if not isinstance(node, dict):
             return False
     return True
+
+
+def _child(node: dict[str, Any], step: str) -> Any:
+    """``node[step]``, or a new empty object where it is absent or ``null``."""
+    child = node.get(step)
+    return {} if child is None else child
 
 
 def supplied(parsed: dict[str, Any], name: str, where: str) -> bool:
@@ -92,7 +99,9 @@ def write(body: bytes, content_type: str, fields: Sequence[tuple[str, str]]) -> 
         *parents, last = path.split(".")
         node = parsed
         for step in parents:
-            node = node.setdefault(step, {})
+            # postmarker sends "Metadata": null for an email without metadata: a null
+            # parent has no value to keep, so it becomes the object the field goes in.
+            node[step] = node = _child(node, step)
             if not isinstance(node, dict):
                 raise Unwritable(f"{path}: {step} is not an object")
         node[last] = value

@@ -15,6 +15,7 @@ from effectguard.callpath import opfields, testhooks
 from effectguard.callpath.exchange import Headers, Outbound, Reply, header_text, text_headers
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint
+from effectguard.rules.errorshape import error_body, retry_headers, shape_retry_header
 from effectguard.rules.events import AttemptObserved, CallReconciled, decode_body
 
 CALL_ID_HEADER: Final = "effectguard-call-id"
@@ -152,26 +153,10 @@ def request_hash(
     return h.hexdigest()
 
 
-def error_body(dialect: str, refusal: Refusal) -> dict[str, Any]:
-    """A refusal in the provider dialect's error shape, so SDKs surface it."""
-    detail: dict[str, Any] = {"type": refusal.type, "message": refusal.message}
-    if dialect != "anthropic":
-        detail["code"] = refusal.type
-    for name in ("param", "call_id", "stage", "next_operation"):
-        value = getattr(refusal, name)
-        if value is not None:
-            detail[name] = value
-    if dialect == "anthropic":
-        return {"type": "error", "error": detail}
-    return {"error": detail}
-
-
-def error_headers(refusal: Refusal) -> dict[str, str]:
-    """docs/contract.md §9 headers: the call id and whether an SDK may retry by itself."""
-    headers = {
-        "content-type": "application/json",
-        "x-should-retry": "true" if refusal.retryable else "false",
-    }
+def error_headers(refusal: Refusal, shape: str = "openai") -> dict[str, str]:
+    """docs/contract.md §9 headers: the call id and whether an SDK may retry by itself
+    (``x-should-retry``, and the retry header of the provider's own SDK, by ``shape``)."""
+    headers = {"content-type": "application/json", **retry_headers(shape, refusal.retryable)}
     if refusal.call_id:
         headers[CALL_ID_HEADER] = refusal.call_id
     if refusal.retry_after is not None:
@@ -180,13 +165,14 @@ def error_headers(refusal: Refusal) -> dict[str, str]:
 
 
 def error_response(
-    dialect: str, refusal: Refusal, request: httpx.Request | None = None
+    shape: str, refusal: Refusal, request: httpx.Request | None = None
 ) -> httpx.Response:
-    """A refusal as an ``httpx.Response`` (for the transports)."""
+    """A refusal in the provider's error ``shape`` as an ``httpx.Response`` (for the
+    transports)."""
     return httpx.Response(
         refusal.status,
-        headers=error_headers(refusal),
-        content=json.dumps(error_body(dialect, refusal)).encode(),
+        headers=error_headers(refusal, shape),
+        content=json.dumps(error_body(shape, refusal)).encode(),
         request=request,
     )
 
@@ -364,18 +350,23 @@ SHOULD_RETRY_HEADER: Final = "x-should-retry"
 _SHOULD_RETRY_RAW: Final = SHOULD_RETRY_HEADER.encode()
 
 
-def final_answer(headers: Headers) -> Headers:
+def final_answer(headers: Headers, shape: str = "openai") -> Headers:
     """``headers`` of an error answer the guard booked as applied (``failed``) or as an
-    unknown effect, marked ``x-should-retry: false`` in place of whatever the provider
-    said. The SDKs obey that header before the status: their automatic retry of such an
-    answer would be new work repeating the effect and its charge, or a 409."""
-    kept = [(k, v) for k, v in headers if k.lower() != _SHOULD_RETRY_RAW]
-    kept.append((_SHOULD_RETRY_RAW, b"false"))
+    unknown effect, marked ``x-should-retry: false`` (and ``false`` in the retry header of
+    the provider's own SDK, by ``shape``) in place of whatever the provider said. The SDKs
+    obey that header before the status: their automatic retry of such an answer would be
+    new work repeating the effect and its charge, or a 409."""
+    marks = {_SHOULD_RETRY_RAW}
+    if (own := shape_retry_header(shape)) is not None:
+        marks.add(own.encode())
+    kept = [(k, v) for k, v in headers if k.lower() not in marks]
+    kept += [(mark, b"false") for mark in sorted(marks)]
     return kept
 
 
-def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
-    """The stored response of a completed call, marked as a replay."""
+def replay_response(call_id: str, observed: AttemptObserved | None, shape: str = "openai") -> Reply:
+    """The stored response of a completed call, marked as a replay (``shape``: the
+    provider's error shape, whose retry header a final error answer carries too)."""
     if observed is None:
         raise Refusal(409, "in_progress", f"call {call_id} has no stored response", call_id=call_id)
     headers = [(k, v) for k, v in observed.headers.items() if k != "content-length"]
@@ -384,7 +375,7 @@ def replay_response(call_id: str, observed: AttemptObserved | None) -> Reply:
     # A failed call's error answer is final, as when it was first given; a not-processed
     # one (a joined retry may be given it) is not: a retry is safe.
     if observed.status >= 400 and not observed.not_processed:
-        replayed = final_answer(replayed)
+        replayed = final_answer(replayed, shape)
     body = decode_body(observed.body, observed.body_encoding)
     return Reply(observed.status, replayed, body=body)
 

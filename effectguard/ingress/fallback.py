@@ -2,7 +2,7 @@
 
 :class:`InternalErrorBoundary` wraps the proxy's HTTP handler like an ASGI
 middleware. When the handler raises anything but cancellation, the client gets
-``500`` with type ``internal_error`` in the route's dialect, ``x-should-retry:
+``500`` with type ``internal_error`` in the route's error shape, ``x-should-retry:
 false`` (the request may have been admitted; the call id, when there is one,
 says which call to look at), and the call id. The exception is logged once, in
 one line; its traceback only at DEBUG, so a hostile input cannot flood the log.
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from effectguard.callpath.ticket import Ticket
-from effectguard.callpath.wire import error_body, error_headers
+from effectguard.callpath.wire import error_headers
 from effectguard.errors import Refusal
+from effectguard.rules.errorshape import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,7 +37,7 @@ log = logging.getLogger("effectguard.ingress.fallback")
 class RequestContext:
     """What the handler learns about a request that an error answer needs."""
 
-    dialect: str = "openai"
+    error_shape: str = "openai"
     ticket: Ticket = field(default_factory=Ticket)
     #: Whether ``http.response.start`` went out (after it, no other answer can be given).
     response_started: bool = False
@@ -82,10 +83,10 @@ class InternalErrorBoundary:
             self.on_error()
             # Once a response started, the client's stream just ends: nothing else can be said.
             if not context.response_started:
-                await send_internal_error(send, context.dialect, call_id)
+                await send_internal_error(send, context.error_shape, call_id)
 
 
-async def send_internal_error(send: Send, dialect: str, call_id: str | None) -> None:
+async def send_internal_error(send: Send, shape: str, call_id: str | None) -> None:
     """The 500 ``internal_error`` answer."""
     refusal = Refusal(
         500,
@@ -94,8 +95,8 @@ async def send_internal_error(send: Send, dialect: str, call_id: str | None) -> 
         + (f"; see call {call_id} (effectguard show {call_id})" if call_id else ""),
         call_id=call_id,
     )
-    body = json.dumps(error_body(dialect, refusal)).encode()
-    headers = [(k.encode(), v.encode()) for k, v in error_headers(refusal).items()]
+    body = json.dumps(error_body(shape, refusal)).encode()
+    headers = [(k.encode(), v.encode()) for k, v in error_headers(refusal, shape).items()]
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": 500, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

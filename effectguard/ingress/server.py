@@ -28,7 +28,7 @@ from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
-from effectguard.callpath.wire import BUDGET_HEADER, error_body, error_headers, strip_hop_by_hop
+from effectguard.callpath.wire import BUDGET_HEADER, error_headers, strip_hop_by_hop
 from effectguard.config.defaults import ADMIN_SECRET_ENV
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import EffectguardError, LedgerError, Refusal
@@ -48,6 +48,7 @@ from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
 from effectguard.rules.counts import parse_count
+from effectguard.rules.errorshape import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -221,13 +222,13 @@ class ProxyApp:
             self._count_refusal("", unrouted)
             await _refusal(send, "openai", unrouted)
             return
-        context_of(scope).dialect = provider.dialect
+        context_of(scope).error_shape = provider.error_shape
         try:
             await self._proxy(scope, receive, send, provider, upstream_path)
         except Refusal as refusal:
             if refusal.status in (401, 403, 413):  # the guard counts its own refusals
                 self._count_refusal(provider.name, refusal)
-            await _refusal(send, provider.dialect, refusal)
+            await _refusal(send, provider.error_shape, refusal)
         except asyncio.CancelledError:
             # uvicorn cancels requests still running when the drain timeout ends (SIGTERM).
             context = context_of(scope)
@@ -250,7 +251,7 @@ class ProxyApp:
         else:
             refusal = await self.guard.cut_off(ticket, "the proxy's drain timeout ended")
         try:
-            await _refusal(send, provider.dialect, refusal)
+            await _refusal(send, provider.error_shape, refusal)
         finally:
             if ticket.report is not None:
                 ticket.report.refused(refusal)  # what the client got, not "it left"
@@ -449,9 +450,9 @@ async def _json(send: Send, status: int, payload: Any) -> None:
     await _raw(send, status, [(b"content-type", b"application/json")], json.dumps(payload).encode())
 
 
-async def _refusal(send: Send, dialect: str, refusal: Refusal) -> None:
-    headers = [(k.encode(), v.encode()) for k, v in error_headers(refusal).items()]
-    await _raw(send, refusal.status, headers, json.dumps(error_body(dialect, refusal)).encode())
+async def _refusal(send: Send, shape: str, refusal: Refusal) -> None:
+    headers = [(k.encode(), v.encode()) for k, v in error_headers(refusal, shape).items()]
+    await _raw(send, refusal.status, headers, json.dumps(error_body(shape, refusal)).encode())
 
 
 def create_app(settings: ServeSettings, **kwargs: Any) -> ProxyApp:

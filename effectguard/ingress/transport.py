@@ -169,7 +169,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                     provider, request, self.inner.handle_async_request, budget=budget
                 )
         except Refusal as refusal:
-            return error_response(provider.dialect, refusal, request)
+            return error_response(provider.error_shape, refusal, request)
         except TimeoutError:
             # Only the caller's wait ended: the call goes on and is settled (contract.md §3.8).
             raise httpx.ReadTimeout(

@@ -40,6 +40,7 @@ from effectguard.providers.endpoints import (
     parse_idempotency,
 )
 from effectguard.rules.counts import parse_count
+from effectguard.rules.errorshape import ERROR_SHAPES, ErrorShape, shape_of_dialect
 from effectguard.rules.money import Nanos, usd_to_nanos
 from effectguard.rules.prices import ModelPrice
 
@@ -75,7 +76,7 @@ _TOP_KEYS = frozenset(
     {
         "name", "extends", "base_url", "dialect", "api_key_env", "key_header", "key_format",
         "prices_taken", "not_processed", "retry_statuses", "transient", "lookup",
-        "idempotency", "endpoints", "models",
+        "idempotency", "endpoints", "models", "error_shape",
     }
 )  # fmt: skip
 #: A model's optional prices (USD strings), beside the required input and output.
@@ -104,6 +105,8 @@ class Provider:
     prices_taken: str
     source: str
     transient: Mapping[int, TransientEffect] = field(default_factory=lambda: MappingProxyType({}))
+    #: How refusals on this provider's routes are shaped (default: its dialect's; contract §9).
+    error_shape: ErrorShape = "openai"
 
     @property
     def no_effect_statuses(self) -> frozenset[int]:
@@ -329,7 +332,15 @@ def _build(raw: Mapping[str, Any], source: str, default_name: str) -> Provider:
         prices_taken=_prices_taken(raw, fail),
         source=source,
         transient=MappingProxyType(transient),
+        error_shape=_error_shape(raw, fail, dialect),
     )
+
+
+def _error_shape(raw: Mapping[str, Any], fail: _Fail, dialect: str) -> ErrorShape:
+    shape = _str(raw, "error_shape", fail, default=shape_of_dialect(dialect))
+    if shape not in ERROR_SHAPES:
+        raise fail("error_shape", f"must be one of {', '.join(ERROR_SHAPES)}")
+    return cast(ErrorShape, shape)
 
 
 _Fail = Callable[[str, str], ConfigError]

@@ -1,6 +1,7 @@
-"""A Stripe-like fake: ``POST /v1/payment_intents`` and ``/v1/refunds`` and the
-PaymentIntents metadata search, as https://docs.stripe.com/idempotency and
-https://docs.stripe.com/api/payment_intents/search describe them (read 2026-12-01).
+"""A Stripe-like fake: ``POST /v1/payment_intents``, ``/v1/refunds`` (and any other
+``POST /v1/...``, which makes a generic object) and the PaymentIntents metadata search,
+as https://docs.stripe.com/idempotency and https://docs.stripe.com/api/payment_intents/search
+describe them (read 2026-12-01).
 
 * ``Idempotency-Key``: the first result under a key is saved, whatever it is (a 500
   included), and replayed to every later request with that key and the same parameters
@@ -41,6 +42,9 @@ from common import delay, serve, tool_from_argv
 TOOL = tool_from_argv()
 #: Idempotency key -> (the parameters, the saved status and body), or None while executing.
 SAVED: dict[str, tuple[dict[str, Any], tuple[int, dict[str, Any]] | None]] = {}
+#: What a create path makes; any other POST (a confirm, a capture, a customer, a payout
+#: ...) makes an "object", deduplicated on its key like every Stripe POST.
+KINDS = {"/v1/payment_intents": "payment_intent", "/v1/refunds": "refund"}
 QUERY = re.compile(r"^metadata\['effectguard_op'\]:'([^']*)'$")
 
 
@@ -117,11 +121,11 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def _apply(request: web.Request, body: bytes, fields: dict[str, Any]) -> tuple[int, Any]:
-    kind = "payment_intent" if request.path == "/v1/payment_intents" else "refund"
+    kind = KINDS.get(request.path, "object")
     metadata = fields.get("metadata") or {}
     op = metadata.get("effectguard_op") if isinstance(metadata, dict) else None
     obj = {
-        "id": ("pi_" if kind == "payment_intent" else "re_") + uuid.uuid4().hex[:24],
+        "id": {"payment_intent": "pi_", "refund": "re_"}.get(kind, "obj_") + uuid.uuid4().hex[:24],
         "object": kind,
         "amount": int(fields.get("amount") or 0),
         "currency": fields.get("currency", "usd"),
@@ -154,6 +158,7 @@ def main() -> None:
     app.router.add_get("/v1/payment_intents/search", search)
     app.router.add_post("/v1/payment_intents", create)
     app.router.add_post("/v1/refunds", create)
+    app.router.add_post("/v1/{tail:.+}", create)
     serve(app)
 
 
