@@ -74,8 +74,9 @@ class WorkerRuntime:
         self.after_sweep: list[Callable[[], Awaitable[None]]] = []
         #: Run with the new writer when a fenced worker has registered anew.
         self.after_rejoin: list[Callable[[Writer], None]] = []
-        #: Each live worker's lease expiry as the previous sweep saw it (see sweep()).
-        self._leases_seen: dict[str, float] = {}
+        #: Each live worker's lease expiry as the previous sweep saw it (see sweep());
+        #: None before the first sweep, which has nothing to compare with.
+        self._leases_seen: dict[str, float] | None = None
 
     async def start(self) -> Writer:
         """Register, lock, sweep once, and start the heartbeat and sweeper tasks."""
@@ -197,7 +198,10 @@ class WorkerRuntime:
         dead = frozenset(self._provably_dead(rows))
         # A lease lapses by the ledger's clock, which NTP or a resumed VM may step forward
         # past every live worker's lease at once. Only a worker whose lease this sweeper saw
-        # unchanged a sweep ago (no heartbeat in between) is taken over for its lease.
+        # unchanged a sweep ago (no heartbeat in between) is taken over for its lease. The
+        # start-up sweep has seen nothing: it takes a lapsed lease at its word, so a replica
+        # restarted after a crash recovers its predecessor's calls at once, not a sweep later
+        # (a start within one heartbeat of a forward step is the window that remains).
         still, self._leases_seen = self._leases_seen, {r.worker: r.lease_expires for r in rows}
         try:
             interrupted = await self.ledger.store.write(
