@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 
 from effectguard.errors import ConfigError, LedgerUnavailable
+from effectguard.ledger import writerformat
 
 log = logging.getLogger("effectguard.ledger")
 
@@ -218,6 +219,12 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
         ],
     ),
+    (
+        8,
+        "writer format 1: releases before it (which fold a resend's budget.held as "
+        "not_processed) may no longer write this ledger",
+        writerformat.pg_require(1),
+    ),
 ]
 
 
@@ -270,7 +277,8 @@ class Target:
         return conn
 
     def _settings(self, extra: dict[str, str]) -> Iterable[tuple[sql.Literal, sql.Literal]]:
-        pairs = dict(extra)
+        # Declared on every connection: the ledger refuses writes from older releases.
+        pairs = {writerformat.SETTING: str(writerformat.WRITER_FORMAT), **extra}
         if self.schema is not None:
             pairs["search_path"] = self.schema
         return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
