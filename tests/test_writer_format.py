@@ -21,7 +21,7 @@ import pytest
 from pgkit import DSN, pg_url
 from test_store_contract import register
 
-from effectguard.ledger import Ledger, open_store
+from effectguard.ledger import Ledger, open_store, writerformat
 from effectguard.ledger.pgschema import Target
 
 _ = (pg_url,)  # fixtures
@@ -97,3 +97,81 @@ async def test_an_older_release_cannot_write_a_migrated_postgres_ledger(pg_url: 
             with pytest.raises(psycopg.errors.RaiseException, match=TOLD):
                 old.execute(statement.format(false="false"))
     cli("verify", pg_url)
+
+
+def _as_before_format_1(path: str) -> None:
+    """Make a migrated SQLite ledger what the previous release left: no migration 15."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for trigger in writerformat.sqlite_require(1)[::2]:  # the DROP TRIGGER statements
+            conn.execute(trigger)
+        conn.execute("DELETE FROM migrations WHERE version = 15")
+    finally:
+        conn.close()
+
+
+def _versions(path: str) -> set[int]:
+    conn = sqlite3.connect(path)
+    try:
+        return {row[0] for row in conn.execute("SELECT version FROM migrations")}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("command", [["calls"], ["verify"], ["budgets"], ["show", "call_x"]])
+def test_a_command_does_not_migrate_a_ledger_on_the_side(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """An operator tries this release's CLI on the ledger an older fleet still serves. It
+    used to migrate it (every command opens a store, and opening one migrates), which now
+    locks every older replica out at once. It is refused, exit 2, naming `migrate`, and the
+    ledger is left as it was; after `effectguard migrate` the command runs."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    _as_before_format_1(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *command, "--ledger", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "migration 15 pending" in done.stderr and "effectguard migrate" in done.stderr
+    assert 15 not in _versions(path)
+    cli("migrate", path)
+    cli("verify", path)
+
+
+def test_a_ledger_a_newer_release_migrated_is_refused_by_commands(tmp_path: Path) -> None:
+    """This release would misread what a newer one writes: its commands say so, exit 2."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("INSERT INTO migrations VALUES (99, 'a later release', 0)")
+    finally:
+        conn.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", "calls", "--ledger", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "newer effectguard" in done.stderr, done.stderr
+
+
+def test_the_backup_before_an_upgrade_copies_the_older_ledger(tmp_path: Path) -> None:
+    """Step 1 of an upgrade, with the new release installed: `backup` copies the older
+    ledger as it is (it migrates nothing, so it is not refused as the others are)."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    _as_before_format_1(path)
+    copy = tmp_path / "copy.db"
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", "backup", "--ledger", path, str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 15 not in _versions(str(copy)) and 15 not in _versions(path)

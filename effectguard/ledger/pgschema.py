@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.ledger import writerformat
+from effectguard.ledger import versions, writerformat
 
 log = logging.getLogger("effectguard.ledger")
 
@@ -352,6 +352,11 @@ def check_ledger_schema(url: str) -> None:
                 "SELECT 1 FROM pg_namespace WHERE nspname = %s", (target.schema,)
             ).fetchone()
         )
+        applied = (
+            [int(r[0]) for r in conn.execute("SELECT version FROM migrations")]
+            if found and found[0]
+            else []
+        )
     except psycopg.Error as exc:
         raise LedgerUnavailable(f"cannot read ledger {redacted(url)}: {exc}") from exc
     finally:
@@ -367,6 +372,7 @@ def check_ledger_schema(url: str) -> None:
             f"{'schema ' + target.schema if target.schema else 'the search_path'} "
             "(effectguard migrate --ledger DSN makes one)"
         )
+    versions.check_current(redacted(url), applied, (m[0] for m in MIGRATIONS))
 
 
 def clock_offset(conn: psycopg.Connection[Any]) -> float:
