@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from effectguard.ledger import Ledger, sqlitecalls
+from effectguard.ledger import Ledger, sqlitecalls, writerformat
 from effectguard.ledger.queries import SQLITE, upsert
 from effectguard.ledger.rows import NODE_COLUMNS
 from effectguard.ledger.sqliteevents import ALL_EVENTS, INSERT_COLUMNS
@@ -130,6 +130,7 @@ def storage_floor(
     """CPU seconds to write ``calls``' rows into a fresh ledger, ``batch`` ops a commit,
     and the wall seconds per commit."""
     conn = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+    writerformat.declare_sqlite(conn)  # as the store does: the schema's triggers call it
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     for sql in _schema(source):

@@ -12,11 +12,13 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from effectguard import AsyncGuardTransport
-from effectguard.ledger import Ledger
+from effectguard.ledger import Ledger, room
+from effectguard.ops.audit import rates as audit_rates
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules import ratelimit
 from effectguard.rules.budget import BudgetPolicy
@@ -177,3 +179,52 @@ def test_no_window_admits_more_than_rpm_whichever_way_the_clock_moves(
             window = moved
             admitted[windows] += 1
     assert all(n <= rpm for n in admitted.values())
+
+
+def test_a_step_back_booked_as_releases_before_writer_format_1_did_still_verifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger the previous release wrote, upgraded in place: it charged a call made 20 s
+    before midnight, after a clock step back, to the day before, and started its rate
+    window over in the minute before (it had neither kept-back rule). That ledger is
+    honest, and verify by this release says so (it reported it BROKEN: "names periods
+    {...2027-01-15} but the call was admitted in {...2027-01-16}", and a rate window the
+    events did not give). The previous release's admission is this one's without the two
+    rules, which the test takes out while the calls are made."""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    midnight = 1_800_057_600.0  # 2027-01-16T00:00:00Z
+    clock = SteppedClock(midnight + 10)
+    upstream = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(ANSWER)
+        )
+    )
+    monkeypatch.setattr(room.budgets, "labels_ahead", lambda *args: {})
+    monkeypatch.setattr(ratelimit, "KEPT_BACK", 0)
+
+    async def run() -> list[int]:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        async with Ledger.open(ledger, clock=clock) as led:
+            await led.set_policy(BudgetPolicy("team", limit=10**9, period="day", rpm=10))
+            transport = AsyncGuardTransport(upstream, ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+                out = []
+                for at in (midnight + 10, midnight - 20):
+                    clock.set(at)
+                    headers = {"Effectguard-Budget": "team"}
+                    out.append(
+                        (await client.post(CHAT_URL, json=body, headers=headers)).status_code
+                    )
+                return out
+
+    assert asyncio.run(run()) == [200, 200]
+    # Its archive's checkpoint carries the rate window as that release counted it.
+    monkeypatch.setattr(audit_rates, "_KEPT_BACK", 0)
+    archive = str(tmp_path / "archive.jsonl")
+    assert (
+        cli_main(["archive", "--ledger", ledger, "--before", "2027-02-01", "--out", archive]) == 0
+    )
+    monkeypatch.undo()
+    assert cli_main(["verify", "--ledger", ledger]) == 0
+    assert cli_main(["verify", "--ledger", ledger, "--archive", archive]) == 0

@@ -376,6 +376,14 @@ def _format_3(path: Path, events: list[StoredEvent], states: list[WorkState]) ->
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         conn.execute("BEGIN")
+        # Before migration 15 no writer format was required (a release then declared none).
+        for trigger in (
+            "events_writer_format",
+            "workers_writer_format_insert",
+            "workers_writer_format_update",
+        ):
+            conn.execute(f"DROP TRIGGER {trigger}")
+        conn.execute("DELETE FROM migrations WHERE version = 15")
         conn.execute("DROP TRIGGER events_no_delete")
         conn.execute("DELETE FROM events")
         conn.execute("ALTER TABLE events DROP COLUMN hash")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_ledger_calls import request
 from test_store_contract import register
 
-from effectguard.ledger import Ledger, sqliteevents, sqliterecords
+from effectguard.ledger import Ledger, sqliteevents, sqliterecords, writerformat
 from effectguard.ledger.sqliteschema import migrate
 from effectguard.rules.events import (
     Event,
@@ -367,6 +367,7 @@ def test_any_run_reads_back_as_sealed_from_a_sqlite_table(
     of each row, the first from an archive's kept link)."""
     events, prev = case
     conn = sqlite3.connect(":memory:")
+    writerformat.declare_sqlite(conn)  # as the store's connections do
     try:
         migrate(conn)
         conn.execute("INSERT INTO chain_cuts VALUES (3, ?)", (bytes.fromhex(prev),))

@@ -23,6 +23,7 @@ from effectguard.ledger import (
     sqlitecalls,
     sqliteevents,
     sqliterecords,
+    writerformat,
 )
 from effectguard.ledger.rows import SLIM_FIELDS
 from effectguard.ledger.sqliterecords import events_from_row
@@ -114,6 +115,8 @@ async def built(tmp_path: Path) -> Built:
 def raw(path: Path) -> Iterator[sqlite3.Connection]:
     """A raw connection to the ledger file, the way an intruder (or a bad tool) would edit it."""
     conn = sqlite3.connect(path, isolation_level=None)
+    # Anyone may declare a writer format: it keeps older releases out, not intruders.
+    writerformat.declare_sqlite(conn)
     try:
         yield conn
     finally:

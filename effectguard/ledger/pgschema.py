@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 
 from effectguard.errors import ConfigError, LedgerUnavailable
+from effectguard.ledger import versions, writerformat
 
 log = logging.getLogger("effectguard.ledger")
 
@@ -218,6 +219,12 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 FOR EACH STATEMENT EXECUTE FUNCTION events_append_only()""",
         ],
     ),
+    (
+        8,
+        "writer format 1: releases before it (which fold a resend's budget.held as "
+        "not_processed) may no longer write this ledger",
+        writerformat.pg_require(1),
+    ),
 ]
 
 
@@ -270,7 +277,8 @@ class Target:
         return conn
 
     def _settings(self, extra: dict[str, str]) -> Iterable[tuple[sql.Literal, sql.Literal]]:
-        pairs = dict(extra)
+        # Declared on every connection: the ledger refuses writes from older releases.
+        pairs = {writerformat.SETTING: str(writerformat.WRITER_FORMAT), **extra}
         if self.schema is not None:
             pairs["search_path"] = self.schema
         return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
@@ -344,6 +352,11 @@ def check_ledger_schema(url: str) -> None:
                 "SELECT 1 FROM pg_namespace WHERE nspname = %s", (target.schema,)
             ).fetchone()
         )
+        applied = (
+            [int(r[0]) for r in conn.execute("SELECT version FROM migrations")]
+            if found and found[0]
+            else []
+        )
     except psycopg.Error as exc:
         raise LedgerUnavailable(f"cannot read ledger {redacted(url)}: {exc}") from exc
     finally:
@@ -359,6 +372,7 @@ def check_ledger_schema(url: str) -> None:
             f"{'schema ' + target.schema if target.schema else 'the search_path'} "
             "(effectguard migrate --ledger DSN makes one)"
         )
+    versions.check_current(redacted(url), applied, (m[0] for m in MIGRATIONS))
 
 
 def clock_offset(conn: psycopg.Connection[Any]) -> float:

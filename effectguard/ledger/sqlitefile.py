@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from effectguard.errors import ConfigError, LedgerUnavailable
+from effectguard.ledger import versions
 
 
 def file_identity(path: str) -> tuple[int, int]:
@@ -92,13 +93,15 @@ def _tables(path: str) -> set[str]:
     return {row[0] for row in rows}
 
 
-def check_ledger_file(path: str) -> None:
+def check_ledger_file(path: str, *, current: bool = True) -> None:
     """Refuse (``ConfigError``) a ``path`` that is not an effectguard SQLite ledger.
 
     The file is only read, through a read-only connection: opening a store on a file
     would migrate it, and so turn an empty file, or another application's database, into
     a ledger. A ledger is a SQLite database whose ``migrations`` table
-    (:func:`~effectguard.ledger.sqliteschema.migrate`) exists.
+    (:func:`~effectguard.ledger.sqliteschema.migrate`) exists. With ``current``, its
+    migrations must be this release's (:func:`~effectguard.ledger.versions.check_current`);
+    ``backup`` copies an older ledger too (the first step of an upgrade).
     """
     file = Path(path)
     if not file.exists():
@@ -112,3 +115,20 @@ def check_ledger_file(path: str) -> None:
         raise ConfigError(
             f"{path} is not an effectguard ledger (effectguard migrate --ledger PATH makes one)"
         )
+    if not current:
+        return
+    from effectguard.ledger.sqliteschema import MIGRATIONS
+
+    versions.check_current(path, _applied(path), (m[0] for m in MIGRATIONS))
+
+
+def _applied(path: str) -> list[int]:
+    """The migrations applied to the ledger at ``path``, read through a read-only connection."""
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+        try:
+            return [int(row[0]) for row in conn.execute("SELECT version FROM migrations")]
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:  # locked, unreadable: it may be a ledger
+        raise LedgerUnavailable(f"cannot read ledger {path}: {exc}") from exc

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
-from effectguard.ledger import sqlitecalls, sqliteevents
+from effectguard.ledger import sqlitecalls, sqliteevents, writerformat
 
 BUSY_TIMEOUT_MS = 5000
 
@@ -354,6 +354,12 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 WHERE stage IN ('in_flight', 'effect_unknown')""",
         ],
     ),
+    (
+        15,
+        "writer format 1: releases before it (which fold a resend's budget.held as "
+        "not_processed) may no longer write this ledger",
+        list(writerformat.sqlite_require(1)),
+    ),
 ]
 
 
@@ -362,6 +368,7 @@ def connect(path: str) -> sqlite3.Connection:
         path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
     )
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    writerformat.declare_sqlite(conn)  # the ledger refuses writes from older releases
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = FULL")
     mode = conn.execute("PRAGMA journal_mode").fetchone()[0]

@@ -43,7 +43,7 @@ class BackupResult:
 def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     """Copy the SQLite ledger at ``ledger`` (path or ``sqlite:///`` URL) to ``target``."""
     source = Path(sqlite_path(ledger))
-    check_ledger_file(str(source))
+    check_ledger_file(str(source), current=False)  # the backup before an upgrade
     target = new_file(target, ledger=source, command="backup", what="a backup")
     partial = partial_of(target)
     partial.unlink(missing_ok=True)

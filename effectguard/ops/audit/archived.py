@@ -80,7 +80,7 @@ def verify_range(
         stage = fold.projection()["stage"]
         if fold.unfinished is not None or stage not in FINAL_STAGES:
             report.broken(fold.last_seq, f"call {call_id}: archived while {stage}")
-    if not checkpoint.same_state(checkpoint.export_state(verifier), mark.get("state")):
+    if not checkpoint.same_state(verifier, mark.get("state")):
         report.broken(tail.seq, "folding the archive does not give its checkpoint's state")
     if bodies is not None:
         verifier.check_bodies(bodies)

@@ -15,7 +15,7 @@ event of the call must name the same periods.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -132,7 +132,7 @@ class Budgets:
             for path in lineage(budget):
                 _, period_kind, tz, *_ = self.policies.get(path, NO_POLICY)
                 if period_kind != "total":
-                    expected[path] = self._admitted_in(path, period_kind, tz, at)
+                    expected[path] = self._admitted_in(path, period_kind, tz, at, recorded)
             self._call_periods[key] = admitted = expected
         if admitted is not None and recorded != admitted:
             return [
@@ -141,12 +141,18 @@ class Budgets:
             ]
         return []
 
-    def _admitted_in(self, path: str, kind: str, tz: str, at: float) -> str:
+    def _admitted_in(
+        self, path: str, kind: str, tz: str, at: float, recorded: Mapping[str, str]
+    ) -> str:
         """The period a reservation at ``at`` belongs to: the one containing ``at``, or the
         next one if it starts within a minute and already holds money events of ``path``
-        (a clock stepped back across its start)."""
+        (a clock stepped back across its start). In that case the one containing ``at``
+        is accepted too, when the reservation names it: releases before writer format 1
+        charged it (docs/operations.md, "Mixed versions"), and their ledgers are honest."""
         here, ahead = period_of(kind, tz, at), period_of(kind, tz, at + _KEPT_BACK_S)
-        return ahead if ahead != here and (path, ahead) in self.nodes else here
+        if ahead == here or (path, ahead) not in self.nodes:
+            return here
+        return here if recorded.get(path) == here else ahead
 
 
 def _in(period: str) -> str:

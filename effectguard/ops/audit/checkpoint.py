@@ -61,9 +61,9 @@ def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -
     v.budgets.policies = {str(row[0]): _policy(row[1:]) for row in state["policies"]}
     v.keys.rows = {str(row[0]): _key(row) for row in state["keys"]}
     if "rates" in state:
-        v.rates.windows = {
-            str(p): RateRow(str(p), int(m), int(r), int(t)) for p, m, r, t in state["rates"]
-        }
+        v.rates.seed(
+            {str(p): RateRow(str(p), int(m), int(r), int(t)) for p, m, r, t in state["rates"]}
+        )
     else:  # a checkpoint written before windows were carried: they are unknown at the cut
         v.rates.partial = True
 
@@ -83,14 +83,20 @@ def resume(v: Folded, found: dict[str, Any] | None, *, first: int) -> None:
     seed(v, found["state"], next_seq=first, prev_digest=found["last_digest"])
 
 
-def same_state(folded: dict[str, Any], recorded: Any) -> bool:
+def same_state(v: Folded, recorded: Any) -> bool:
     """Whether a checkpoint's ``recorded`` state is what folding its events gave.
 
     A checkpoint written before rate windows were carried has no ``rates``: it is judged
-    on the rest.
+    on the rest. One written by a release before writer format 1 may carry the windows as
+    that release counted them (:attr:`Rates.before`).
     """
+    folded = export_state(v)
     if isinstance(recorded, dict) and "rates" not in recorded:
-        folded = {k: v for k, v in folded.items() if k != "rates"}
+        folded = {k: value for k, value in folded.items() if k != "rates"}
+    elif isinstance(recorded, dict):
+        before = sorted(list(row) for row in v.rates.before.values())
+        if folded == {**recorded, "rates": folded["rates"]} and recorded["rates"] == before:
+            return True
     return bool(folded == recorded)
 
 

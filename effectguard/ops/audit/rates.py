@@ -51,6 +51,11 @@ class Rates:
         #: once a reservation after the cut has started a new minute on it.
         self.partial = False
         self.restarted: set[str] = set()
+        #: The same windows as releases before writer format 1 counted them: a
+        #: reservation in the minute before its window's (a clock stepped back) started
+        #: the window over. A stored window may be either (docs/operations.md, "Mixed
+        #: versions"): until this release counts in it, it is the older release's.
+        self.before: dict[str, RateRow] = {}
 
     def feed(
         self,
@@ -67,20 +72,21 @@ class Rates:
             self.estimates[call] = tokens
             minute = minute_of(at)
             for path in _limited(policies, str(data["budget"])):
-                window = self.windows.get(path)
-                if window is None or not window.minute - _KEPT_BACK <= minute <= window.minute:
-                    window = RateRow(path, minute, 0, 0)
+                if _count(self.windows, path, minute, tokens, _KEPT_BACK):
                     self.restarted.add(path)
-                self.windows[path] = window._replace(
-                    requests=window.requests + 1, tokens=window.tokens + tokens
-                )
+                _count(self.before, path, minute, tokens, 0)
         elif kind == "budget.settled" and data.get("tokens") is not None:
             minute = minute_of(started_at)
             change = int(data["tokens"]) - self.estimates.get(call, 0)
             for path in _limited(policies, str(data["budget"])):
-                window = self.windows.get(path)
-                if window is not None and window.minute == minute:
-                    self.windows[path] = window._replace(tokens=max(0, window.tokens + change))
+                for windows in (self.windows, self.before):
+                    window = windows.get(path)
+                    if window is not None and window.minute == minute:
+                        windows[path] = window._replace(tokens=max(0, window.tokens + change))
+
+    def seed(self, windows: dict[str, RateRow]) -> None:
+        """Start from the windows a checkpoint carried."""
+        self.windows, self.before = windows, dict(windows)
 
     def compare(self, rows: list[RateRow]) -> list[str]:
         """What differs between the stored windows and the events' (nothing when equal)."""
@@ -90,12 +96,23 @@ class Rates:
             if self.partial and path not in self.restarted:
                 continue  # its window was counted before the cut, in events no longer here
             have, want = stored.get(path), self.windows.get(path)
-            if have != want:
+            if have != want and have != self.before.get(path):
                 problems.append(
                     f"rate window {path!r}: stored {_counts(have)} but the events give "
                     f"{_counts(want)}"
                 )
         return problems
+
+
+def _count(windows: dict[str, RateRow], path: str, minute: int, tokens: int, back: int) -> bool:
+    """Count a reservation in ``minute`` in ``path``'s window, which keeps counting one
+    up to ``back`` minutes before its own; returns whether the window started over."""
+    window = windows.get(path)
+    restarted = window is None or not window.minute - back <= minute <= window.minute
+    if window is None or restarted:
+        window = RateRow(path, minute, 0, 0)
+    windows[path] = window._replace(requests=window.requests + 1, tokens=window.tokens + tokens)
+    return restarted
 
 
 def _limited(policies: Mapping[str, Policy], budget: str) -> list[str]:

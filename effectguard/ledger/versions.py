@@ -1,0 +1,36 @@
+"""Whether a ledger's migrations are this release's: the rule every command but
+``migrate`` and ``serve`` applies before it opens a ledger (docs/operations.md,
+"Upgrades and migrations").
+
+Opening a store applies its pending migrations. A command that only reads (``calls``,
+``verify``) or decides one call (``reconcile``) must not do that on the side: since
+writer format 1 a migration can lock every replica of an older release out of the ledger
+(:mod:`.writerformat`), so an operator trying the new release's CLI against a live fleet
+would stop it. Such a command is refused instead, and so is one on a ledger that a newer
+release migrated (it could misread what that release writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from effectguard.errors import ConfigError
+
+
+def check_current(shown: str, applied: Iterable[int], known: Iterable[int]) -> None:
+    """Refuse (``ConfigError``) the ledger ``shown`` unless its ``applied`` migrations are
+    exactly the ``known`` ones of this release."""
+    done, ours = set(applied), set(known)
+    newer = sorted(done - ours)
+    if newer:
+        raise ConfigError(
+            f"ledger {shown} was migrated by a newer effectguard (migration "
+            f"{', '.join(map(str, newer))} is not this release's): use that release or a later one"
+        )
+    pending = sorted(ours - done)
+    if pending:
+        raise ConfigError(
+            f"ledger {shown} is behind this release (migration {', '.join(map(str, pending))} "
+            f"pending): stop its older replicas, then run `effectguard migrate --ledger "
+            f"{shown}` (docs/operations.md, Upgrades and migrations)"
+        )

@@ -1,0 +1,83 @@
+"""Which releases may write a ledger: the writer format (docs/operations.md, "Mixed versions").
+
+A release that writes an event sequence an older release would fold differently (the
+``budget.held`` that makes a call effect_unknown again, which a release before it folds
+as ``not_processed`` and so sends again) must keep older releases from writing beside it:
+their admissions, retries and sweeps would act on that wrong fold. Ignoring migrations it
+does not know, an older release would otherwise open a migrated ledger and serve.
+
+So every writer declares the format it writes, on each connection, and the ledger refuses
+a write (an event, a worker's registration or heartbeat) from a connection that declares
+less than the ledger requires. The requirement is raised by a migration, in the same
+transaction as the rest of the upgrade. On PostgreSQL the declaration is the session
+setting :data:`SETTING`; a connection that never set it (a release before this one)
+declares 0. On SQLite it is the SQL function :data:`FUNCTION`, which a release before this
+one does not define: its writes fail with "no such function".
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Final
+
+#: The format this release writes. Raise it (with a migration calling :func:`pg_require` /
+#: :func:`sqlite_require` with it) when events change so that an older release misreads them.
+WRITER_FORMAT: Final = 1
+#: The PostgreSQL session setting a connection declares its format in.
+SETTING: Final = "effectguard.writer_format"
+#: The SQLite function a connection declares its format with.
+FUNCTION: Final = "effectguard_writer_format"
+
+_ADVICE = (
+    "an older effectguard would misread the events this ledger holds: upgrade this "
+    "process (docs/operations.md, Upgrades and migrations)"
+)
+
+
+def refusal(required: int) -> str:
+    """What a writer of an older format is told."""
+    return f"this ledger requires effectguard writer format {required} or later; {_ADVICE}"
+
+
+def pg_require(required: int) -> list[str]:
+    """PostgreSQL statements making the ledger refuse writers below ``required``."""
+    declared = f"coalesce(nullif(current_setting('{SETTING}', true), ''), '0')"
+    return [
+        f"""CREATE OR REPLACE FUNCTION effectguard_writer_check() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                IF {declared}::int < {required} THEN
+                    RAISE EXCEPTION '{refusal(required)} (this connection declares %)',
+                        {declared};
+                END IF;
+                RETURN NULL;
+            END $$""",
+        "DROP TRIGGER IF EXISTS events_writer_format ON events",
+        """CREATE TRIGGER events_writer_format BEFORE INSERT ON events
+            FOR EACH STATEMENT EXECUTE FUNCTION effectguard_writer_check()""",
+        "DROP TRIGGER IF EXISTS workers_writer_format ON workers",
+        """CREATE TRIGGER workers_writer_format BEFORE INSERT OR UPDATE ON workers
+            FOR EACH STATEMENT EXECUTE FUNCTION effectguard_writer_check()""",
+    ]
+
+
+def sqlite_require(required: int) -> list[str]:
+    """SQLite statements making the ledger refuse writers below ``required`` (a connection
+    without :data:`FUNCTION`, a release before this one, fails with "no such function")."""
+    out: list[str] = []
+    for name, when in (
+        ("events_writer_format", "BEFORE INSERT ON events"),
+        ("workers_writer_format_insert", "BEFORE INSERT ON workers"),
+        ("workers_writer_format_update", "BEFORE UPDATE ON workers"),
+    ):
+        out += [
+            f"DROP TRIGGER IF EXISTS {name}",
+            f"""CREATE TRIGGER {name} {when} WHEN {FUNCTION}() < {required}
+                BEGIN SELECT RAISE(ABORT, '{refusal(required)}'); END""",
+        ]
+    return out
+
+
+def declare_sqlite(conn: sqlite3.Connection) -> None:
+    """Declare this release's format on a SQLite connection that may write the ledger."""
+    conn.create_function(FUNCTION, 0, lambda: WRITER_FORMAT, deterministic=True)

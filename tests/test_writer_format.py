@@ -1,0 +1,177 @@
+"""A ledger refuses writes from a release older than the events it holds (writer format).
+
+The release that made a resend's ``budget.held`` turn a call effect_unknown again also
+made older releases unsafe beside it: they fold that call as ``not_processed`` and would
+send it again, and their ``verify`` reports an honest ledger as BROKEN. An older release
+ignores migrations it does not know, so nothing but the ledger itself can stop it. These
+tests write as such a release does (a connection that declares no writer format: the
+statements its registration, heartbeat and admissions run) and check that the migrated
+ledger refuses each with a message that says to upgrade, while this release writes and
+verifies as before (docs/operations.md, "Upgrades and migrations").
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pgkit import DSN, pg_url
+from test_store_contract import register
+
+from effectguard.ledger import Ledger, open_store, writerformat
+from effectguard.ledger.pgschema import Target
+
+_ = (pg_url,)  # fixtures
+
+#: What an older release is told (part of the message, as its logs show it).
+TOLD = "requires effectguard writer format 1 or later"
+
+
+def cli(command: str, ledger: str) -> None:
+    """``effectguard COMMAND --ledger LEDGER``, as an operator runs it; it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", command, "--ledger", ledger],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def new_release_writes(ledger_url: str) -> None:
+    """This release registers a worker (an event and a worker row) and verifies."""
+    ledger = Ledger(open_store(ledger_url))
+    await ledger.store.open()
+    try:
+        await register(ledger, "new-replica")
+    finally:
+        await ledger.store.close()
+    cli("verify", ledger_url)
+
+
+OLD_WRITES = [
+    # An older replica starting: its worker row (and the event beside it).
+    "INSERT INTO workers(worker, generation, host, pid, lease_expires, fenced) "
+    "VALUES ('old-replica', 99, 'h', 1, 0, {false})",
+    # An older replica already running: its heartbeat renews its lease.
+    "UPDATE workers SET lease_expires = lease_expires + 30 WHERE worker = 'new-replica'",
+]
+
+
+async def test_an_older_release_cannot_write_a_migrated_sqlite_ledger(tmp_path: Path) -> None:
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    await new_release_writes(path)
+    old = sqlite3.connect(path, isolation_level=None)  # as a release before format 1 connects
+    try:
+        for statement in OLD_WRITES:
+            with pytest.raises(sqlite3.OperationalError, match="effectguard_writer_format"):
+                old.execute(statement.format(false=0))
+        with pytest.raises(sqlite3.OperationalError, match="effectguard_writer_format"):
+            old.execute("INSERT INTO events(seq, kind) SELECT max(seq) + 1, 0 FROM events")
+    finally:
+        old.close()
+    cli("verify", path)  # nothing the refused writer tried got in
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not DSN, reason="set EFFECTGUARD_TEST_PG_DSN to run the PostgreSQL tests")
+async def test_an_older_release_cannot_write_a_migrated_postgres_ledger(pg_url: str) -> None:
+    import psycopg
+
+    cli("migrate", pg_url)
+    await new_release_writes(pg_url)
+    target = Target.parse(pg_url)
+    # As a release before format 1 connects: its schema, no writer format declared.
+    with psycopg.connect(target.conninfo, autocommit=True) as old:
+        old.execute(f"SET search_path = {target.schema}")
+        for statement in [
+            *OLD_WRITES,
+            "INSERT INTO events(seq, kind, call_id, data, worker, generation, at, "
+            "prev_digest, digest) VALUES (999999, 'worker.registered', NULL, '{}', "
+            "'old-replica', 99, 0, '', '')".replace("{}", "{{}}"),
+        ]:
+            with pytest.raises(psycopg.errors.RaiseException, match=TOLD):
+                old.execute(statement.format(false="false"))
+    cli("verify", pg_url)
+
+
+def _as_before_format_1(path: str) -> None:
+    """Make a migrated SQLite ledger what the previous release left: no migration 15."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for trigger in writerformat.sqlite_require(1)[::2]:  # the DROP TRIGGER statements
+            conn.execute(trigger)
+        conn.execute("DELETE FROM migrations WHERE version = 15")
+    finally:
+        conn.close()
+
+
+def _versions(path: str) -> set[int]:
+    conn = sqlite3.connect(path)
+    try:
+        return {row[0] for row in conn.execute("SELECT version FROM migrations")}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("command", [["calls"], ["verify"], ["budgets"], ["show", "call_x"]])
+def test_a_command_does_not_migrate_a_ledger_on_the_side(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """An operator tries this release's CLI on the ledger an older fleet still serves. It
+    used to migrate it (every command opens a store, and opening one migrates), which now
+    locks every older replica out at once. It is refused, exit 2, naming `migrate`, and the
+    ledger is left as it was; after `effectguard migrate` the command runs."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    _as_before_format_1(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *command, "--ledger", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "migration 15 pending" in done.stderr and "effectguard migrate" in done.stderr
+    assert 15 not in _versions(path)
+    cli("migrate", path)
+    cli("verify", path)
+
+
+def test_a_ledger_a_newer_release_migrated_is_refused_by_commands(tmp_path: Path) -> None:
+    """This release would misread what a newer one writes: its commands say so, exit 2."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("INSERT INTO migrations VALUES (99, 'a later release', 0)")
+    finally:
+        conn.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", "calls", "--ledger", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "newer effectguard" in done.stderr, done.stderr
+
+
+def test_the_backup_before_an_upgrade_copies_the_older_ledger(tmp_path: Path) -> None:
+    """Step 1 of an upgrade, with the new release installed: `backup` copies the older
+    ledger as it is (it migrates nothing, so it is not refused as the others are)."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    _as_before_format_1(path)
+    copy = tmp_path / "copy.db"
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", "backup", "--ledger", path, str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 15 not in _versions(str(copy)) and 15 not in _versions(path)
