@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from effectguard.errors import BodyMismatch, ConfigError, FencedError, ReconcileError
-from effectguard.ingress.admin.spend import spend_by_day
+from effectguard.ingress.admin.spend import spend_by_day, spend_table
 from effectguard.ledger import (
     OPERATOR,
     AdmitRequest,
@@ -36,7 +36,7 @@ from effectguard.ledger import (
     open_store,
     operations,
 )
-from effectguard.ledger.base import CallSpend, Tx
+from effectguard.ledger.base import CallSpend, SpendSums, Tx, sum_spend
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
 from effectguard.rules.budget import BudgetNode
@@ -981,6 +981,26 @@ async def test_call_spend_is_each_calls_money_as_its_state_has_it(
     assert await ledger.call_spend(now + 1, 100) == []
     newest = await ledger.call_spend(since, 3)
     assert len(newest) == 3 and min(s.created_at for s in newest) >= spends[3].created_at
+
+
+async def test_spend_sums_are_the_call_spend_window_summed_by_day_provider_and_model(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``spend_sums`` is the database's sum of exactly the window ``call_spend`` reads (per
+    UTC day, provider and model, with that window's call count and oldest call), so the
+    spend page folds no call yet shows the same table as folding each one."""
+    await _spend_ledger(ledger, w1, ns)
+    now = await ledger.store.clock_now()
+    since = now - 3600
+    sums = await ledger.spend_sums(since, 100)
+    spends = await ledger.call_spend(since, 100)
+    assert sums == sum_spend(spends)
+    assert sums.calls == 8 and sums.oldest == min(s.created_at for s in spends)
+    states = await ledger.calls(limit=100, since=since)
+    assert spend_table(sums.days, now=now, days=3) == spend_by_day(states, now=now, days=3)
+    assert await ledger.spend_sums(now + 1, 100) == SpendSums()
+    newest = await ledger.call_spend(since, 3)
+    assert await ledger.spend_sums(since, 3) == sum_spend(newest)
 
 
 class WriteBetweenReads:

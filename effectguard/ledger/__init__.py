@@ -20,6 +20,7 @@ from effectguard.ledger.base import (
     CallSpend,
     LedgerStore,
     Operation,
+    SpendSums,
     Tx,
     Writer,
     bulky,
@@ -41,6 +42,7 @@ __all__ = [
     "CallSpend",
     "Ledger",
     "LedgerStore",
+    "SpendSums",
     "Writer",
     "open_store",
 ]
@@ -291,6 +293,12 @@ class Ledger:
         since the epoch), newest first, at most ``limit``: the calls ``calls(limit=limit,
         since=since)`` lists, read without folding their events."""
         return await self.store.call_spend(since, limit)
+
+    async def spend_sums(self, since: float, limit: int = 1000) -> SpendSums:
+        """The money of the calls ``call_spend(since, limit)`` reads, summed per UTC day,
+        provider and model by the store (no call read into Python), with how many calls
+        that window holds and when its oldest was created."""
+        return await self.store.spend_sums(since, limit)
 
     async def policies(self) -> dict[str, BudgetPolicy]:
         """Every declared budget policy, by path."""

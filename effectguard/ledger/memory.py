@@ -15,7 +15,15 @@ from typing import Any, BinaryIO, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations
-from effectguard.ledger.base import CallSpend, Operation, Orphaned, WorkerRow, Writer
+from effectguard.ledger.base import (
+    CallSpend,
+    Operation,
+    Orphaned,
+    SpendSums,
+    WorkerRow,
+    Writer,
+    sum_spend,
+)
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
@@ -289,6 +297,9 @@ class MemoryStore:
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         return [CallSpend.of(s) for s in await self.list_calls(limit=limit, since=since)]
+
+    async def spend_sums(self, since: float, limit: int) -> SpendSums:
+        return sum_spend(await self.call_spend(since, limit))
 
     async def budget_nodes(self) -> list[BudgetNode]:
         with self.tables.lock:

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from effectguard.errors import BodyMismatch, LedgerCorrupt
 from effectguard.ledger import bodystore
-from effectguard.ledger.base import CallSpend, WorkerRow
+from effectguard.ledger.base import CallSpend, DaySpend, SpendSums, WorkerRow
 from effectguard.ledger.queries import Queries
 from effectguard.ledger.rows import (
     event_from_row,
@@ -117,6 +117,17 @@ class SqlReads(ABC):
         read from the calls' rows (no state decoded, no events folded)."""
         rows = await self._fetch(self.queries.call_spend, (since, limit_param(limit)))
         return [spend_from_row(r) for r in rows]
+
+    async def spend_sums(self, since: float, limit: int) -> SpendSums:
+        """The window's money summed by the database: one row per day, provider and model."""
+        rows = await self._fetch(self.queries.spend_sums, (since, limit_param(limit)))
+        days = sorted(
+            (DaySpend(int(d), p, m, int(s), int(h), int(c)) for d, p, m, s, h, c, _, _ in rows),
+            key=lambda g: (g.day, g.provider, g.model or ""),
+        )
+        count = sum(int(r[6]) for r in rows)
+        oldest = min((float(r[7]) for r in rows), default=None)
+        return SpendSums(tuple(days), count, oldest)
 
     async def budget_nodes(self) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None)."""
