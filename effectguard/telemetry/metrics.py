@@ -51,6 +51,7 @@ from effectguard.rules.budget import BudgetNode
 from effectguard.rules.money import nanos_to_decimal
 from effectguard.telemetry.budgetgauges import budget_gauges, period_ends
 from effectguard.telemetry.observer import NullObserver
+from effectguard.telemetry.sharedread import SharedRead
 
 if TYPE_CHECKING:
     from effectguard.ledger import Ledger
@@ -349,6 +350,7 @@ class Metrics:
         self._collector: _LedgerCollector | None = None
         self._fresh = False
         self._pending: asyncio.Task[None] | None = None
+        self._shared = SharedRead(self._read)
 
     def attach(self, ledger: Ledger) -> None:
         """Read gauges from ``ledger`` and time its commits (call in the ledger's loop)."""
@@ -364,7 +366,15 @@ class Metrics:
         self._refresh_soon()
 
     async def refresh(self) -> None:
-        """Read the ledger's gauges into :attr:`snapshot` (aggregate queries only)."""
+        """Read the ledger's gauges into :attr:`snapshot` (aggregate queries only).
+
+        Concurrent calls share one read, one that begins after each of them was called
+        (:class:`~effectguard.telemetry.sharedread.SharedRead`): the gauges are never
+        older than the call, and many scrapers cost the ledger one read at a time.
+        """
+        await self._shared()
+
+    async def _read(self) -> None:
         ledger = self._ledger
         if ledger is None:
             return
