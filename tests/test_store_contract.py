@@ -1003,6 +1003,31 @@ async def test_spend_sums_are_the_call_spend_window_summed_by_day_provider_and_m
     assert await ledger.spend_sums(since, 3) == sum_spend(newest)
 
 
+async def test_unknown_after_pages_through_the_unknown_calls_oldest_first(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``unknown_after`` lists only ``effect_unknown`` calls, by creation time then call
+    id, and paging with the last call of each page as the cursor reads each exactly once,
+    calls admitted in one batch (one instant) included."""
+    admitted = await asyncio.gather(
+        *(admit_ok(ledger, w1, req(ns, request_hash=f"hash-u{n}")) for n in range(7))
+    )
+    for a in admitted:
+        await ledger.interrupt(w1, a.call_id, a.attempt, "reset")
+    await admit_ok(ledger, w1, req(ns, request_hash="hash-in-flight"))  # not unknown
+    every = await ledger.unknown_after(None, 100)
+    assert sorted(s.call_id for s in every) == sorted(a.call_id for a in admitted)
+    assert {s.stage for s in every} == {"effect_unknown"}
+    assert [s.created_at for s in every] == sorted(s.created_at for s in every)
+    paged: list[WorkState] = []
+    cursor = None
+    while page := await ledger.unknown_after(cursor, 3):
+        assert len(page) <= 3
+        paged += page
+        cursor = (page[-1].created_at, page[-1].call_id)
+    assert [s.call_id for s in paged] == [s.call_id for s in every]
+
+
 class WriteBetweenReads:
     """A store wrapper that lets one write commit between verify's event scan and its counter read.
 

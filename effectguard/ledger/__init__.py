@@ -288,6 +288,14 @@ class Ledger:
         the store answers without reading any call, however many there are."""
         return await self.store.stage_counts()
 
+    async def unknown_after(
+        self, after: tuple[float, str] | None, limit: int = 20
+    ) -> list[WorkState]:
+        """Up to ``limit`` ``effect_unknown`` calls, oldest first (ties in the store's
+        order of call ids), after the call ``after`` names by ``(created_at, call_id)``
+        (None: from the oldest): a page, however many calls are unknown."""
+        return await self.store.unknown_after(after, limit)
+
     async def call_spend(self, since: float, limit: int = 1000) -> list[CallSpend]:
         """What the spend chart needs of each call created at or after ``since`` (seconds
         since the epoch), newest first, at most ``limit``: the calls ``calls(limit=limit,

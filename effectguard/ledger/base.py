@@ -295,6 +295,13 @@ class LedgerStore(Protocol):
         budget subtree, provider and creation time (at or after ``since``)."""
         ...
 
+    async def unknown_after(self, after: tuple[float, str] | None, limit: int) -> list[WorkState]:
+        """Up to ``limit`` ``effect_unknown`` calls ordered by creation time, then call id
+        (in the store's order of ids), those after ``after`` (a call's ``(created_at,
+        call_id)``; None: from the oldest). A sweep pages through the unknown calls with
+        it, never reading more than a page however many there are."""
+        ...
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         """The spend of up to ``limit`` calls created at or after ``since``, newest first
         (the calls, in the order, that ``list_calls(limit=limit, since=since)`` lists)."""

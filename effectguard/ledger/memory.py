@@ -295,6 +295,17 @@ class MemoryStore:
         calls.sort(key=lambda s: s.created_at, reverse=not oldest_first)
         return calls[:limit]
 
+    async def unknown_after(self, after: tuple[float, str] | None, limit: int) -> list[WorkState]:
+        with self.tables.lock:
+            calls = [
+                s
+                for s in self.tables.calls.values()
+                if s.stage == "effect_unknown"
+                and (after is None or (s.created_at, s.call_id) > after)
+            ]
+        calls.sort(key=lambda s: (s.created_at, s.call_id))
+        return calls[:limit]
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         return [CallSpend.of(s) for s in await self.list_calls(limit=limit, since=since)]
 

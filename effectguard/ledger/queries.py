@@ -176,6 +176,7 @@ class Queries:
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self._spends(index, spend, spend_from, day, newest_first)
+        self._sweep_page(state)
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         #: Served by the partial index ``events_limits`` (the literal must match it).
@@ -202,6 +203,17 @@ class Queries:
             f"SELECT {day} AS day, provider, model, sum(coalesce(cost, 0)), sum(held), "
             "sum(CASE WHEN coalesce(cost, 0) <> 0 OR held <> 0 THEN 1 ELSE 0 END), "
             f"count(*), min(created_at) FROM ({self.call_spend}) AS w GROUP BY 1, 2, 3"
+        )
+
+    def _sweep_page(self, state: str) -> None:
+        """The resolver's page of unknown calls: after a (created_at, call id) cursor, in
+        that order, so each sweep reads its page and no more (``UNRESOLVED_SQL`` first:
+        SQLite then reads the small partial index of unresolved calls)."""
+        m = self.mark
+        self.unknown_after = (
+            f"SELECT {state} FROM calls WHERE {UNRESOLVED_SQL} AND stage = 'effect_unknown' "
+            f"AND (created_at > {m} OR (created_at = {m} AND call_id > {m})) "
+            f"ORDER BY created_at, call_id LIMIT {m}"
         )
 
     def _writes(self, event_insert: str) -> None:

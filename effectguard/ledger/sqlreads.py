@@ -112,6 +112,13 @@ class SqlReads(ABC):
         )
         return await self._states(await self._fetch(sql, params))
 
+    async def unknown_after(self, after: tuple[float, str] | None, limit: int) -> list[WorkState]:
+        """Up to ``limit`` effect-unknown calls after the cursor, oldest first."""
+        at, call_id = after if after is not None else (-1.0, "")
+        key = self.call_key(call_id) if call_id else ""
+        params = (at, at, key, limit_param(limit))
+        return await self._states(await self._fetch(self.queries.unknown_after, params))
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         """The spend of up to ``limit`` calls created at or after ``since``, newest first,
         read from the calls' rows (no state decoded, no events folded)."""
