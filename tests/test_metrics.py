@@ -27,6 +27,7 @@ from effectguard.telemetry.metrics import Metrics
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.report import CallReport
 from effectguard.testing import free_port
+from effectguard_bench import ledgerbench
 
 OPENAI = "https://api.openai.com"
 CHAT_URL = OPENAI + "/v1/chat/completions"
@@ -502,3 +503,33 @@ async def test_a_scrape_never_gets_figures_read_before_it_was_asked(
     store.hold.set()
     await asyncio.gather(stale, after)
     assert value(metrics, "effectguard_effect_unknown_calls", provider="openai") == 1
+
+
+class NodesRead:
+    """A store that notes the paths of the budget nodes each read returned."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.paths: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def budget_nodes(self, *args: Any) -> list[Any]:
+        nodes: list[Any] = await self._store.budget_nodes(*args)
+        self.paths |= {n.path for n in nodes}
+        return nodes
+
+
+async def test_a_scrape_reads_only_the_budget_nodes_it_labels(ledger: Ledger) -> None:
+    """Per-user budget nodes below the labelled depth are not read at all by a scrape
+    (100,000 of them took each scrape 1.3 s of the event loop); the roots are shown."""
+    writer = await ledgerbench.register(ledger, lease_s=60)
+    for user in ("u1", "u2", "u3"):
+        await ledger.admit(writer, ledgerbench.admit_request(f"team/{user}"))
+    store = NodesRead(ledger.store)
+    metrics = Metrics(registry=CollectorRegistry())
+    metrics.attach(Ledger(store))
+    await metrics.refresh()
+    assert store.paths == {"team"}
+    assert value(metrics, "effectguard_budget_reserved_usd", budget="team") is not None

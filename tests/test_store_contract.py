@@ -1028,6 +1028,23 @@ async def test_unknown_after_pages_through_the_unknown_calls_oldest_first(
     assert [s.call_id for s in paged] == [s.call_id for s in every]
 
 
+async def test_budget_nodes_of_a_depth_are_the_shallow_ones_read_alone(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``budget_nodes(depth)`` gives exactly the nodes whose paths have fewer than
+    ``depth`` ``/``: a reader of the roots (metrics) never reads per-user nodes."""
+    for user in ("u1", "u2"):
+        await admit_ok(ledger, w1, req(ns, request_hash=f"hash-{user}", budget=f"{ns}/{user}/run"))
+    every = await ledger.store.budget_nodes()
+    assert {n.path.count("/") for n in every} >= {0, 1, 2}
+    for depth in (1, 2, 3):
+        shallow = await ledger.store.budget_nodes(depth)
+        assert shallow == [n for n in every if n.path.count("/") < depth]
+    roots = await ledger.budgets(depth=1)
+    assert roots and all("/" not in n.path for n in roots)
+    assert roots == [n for n in await ledger.budgets() if "/" not in n.path]
+
+
 class WriteBetweenReads:
     """A store wrapper that lets one write commit between verify's event scan and its counter read.
 

@@ -313,16 +313,24 @@ class Ledger:
         return {p.path: p for p in await self.store.budget_policies()}
 
     async def budgets(
-        self, *, at: float | None = None, period: str | None = None, on: date | None = None
+        self,
+        *,
+        at: float | None = None,
+        period: str | None = None,
+        on: date | None = None,
+        depth: int | None = None,
     ) -> list[BudgetNode]:
         """Every budget node in one period, with its limit.
 
         By default each node is shown in its period containing now; ``at`` picks another
         instant, ``on`` a local date (in each node's timezone) and ``period`` a label (only
-        nodes whose period has labels of that form).
+        nodes whose period has labels of that form). ``depth`` keeps the nodes of paths
+        with fewer than ``depth`` ``/`` (1: the roots), read as such from the store.
         """
         policies = await self.policies()
-        counters = await self.store.budget_nodes()
+        if depth is not None:
+            policies = {p: v for p, v in policies.items() if p.count("/") < depth}
+        counters = await self.store.budget_nodes(depth)
         # The period admission charges now, by the store's clock (on PostgreSQL the
         # database's, which every replica shares), not this host's.
         when = await self.store.clock_now() if at is None else at

@@ -323,8 +323,10 @@ class LedgerStore(Protocol):
         disagrees with the events (SQLite: its per-call links); for ``verify``."""
         ...
 
-    async def budget_nodes(self) -> list[BudgetNode]:
-        """Every stored ``(path, period)`` counter row (``limit`` left None)."""
+    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
+        """Every stored ``(path, period)`` counter row (``limit`` left None); given a
+        ``depth``, only those of paths with fewer than ``depth`` ``/`` (1: the roots), so
+        a reader of the top of the tree reads no per-user node."""
         ...
 
     async def budget_policies(self) -> list[BudgetPolicy]:

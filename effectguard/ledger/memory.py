@@ -312,9 +312,12 @@ class MemoryStore:
     async def spend_sums(self, since: float, limit: int) -> SpendSums:
         return sum_spend(await self.call_spend(since, limit))
 
-    async def budget_nodes(self) -> list[BudgetNode]:
+    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
         with self.tables.lock:
-            return sorted(self.tables.nodes.values(), key=lambda n: n.key)
+            nodes = [
+                n for n in self.tables.nodes.values() if depth is None or n.path.count("/") < depth
+            ]
+        return sorted(nodes, key=lambda n: n.key)
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         with self.tables.lock:

@@ -177,6 +177,7 @@ class Queries:
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self._spends(index, spend, spend_from, day, newest_first)
         self._sweep_page(state)
+        self._shallow_nodes()
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         #: Served by the partial index ``events_limits`` (the literal must match it).
@@ -203,6 +204,14 @@ class Queries:
             f"SELECT {day} AS day, provider, model, sum(coalesce(cost, 0)), sum(held), "
             "sum(CASE WHEN coalesce(cost, 0) <> 0 OR held <> 0 THEN 1 ELSE 0 END), "
             f"count(*), min(created_at) FROM ({self.call_spend}) AS w GROUP BY 1, 2, 3"
+        )
+
+    def _shallow_nodes(self) -> None:
+        """Nodes of paths with fewer ``/`` than the parameter (a root has none): what the
+        metrics label, read without the per-user nodes below them."""
+        self.shallow_nodes = (
+            f"SELECT {NODE_COLUMNS} FROM budget_periods WHERE "
+            f"length(path) - length(replace(path, '/', '')) < {self.mark} ORDER BY path, period"
         )
 
     def _sweep_page(self, state: str) -> None:

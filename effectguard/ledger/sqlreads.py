@@ -136,9 +136,14 @@ class SqlReads(ABC):
         oldest = min((float(r[7]) for r in rows), default=None)
         return SpendSums(tuple(days), count, oldest)
 
-    async def budget_nodes(self) -> list[BudgetNode]:
-        """Every stored ``(path, period)`` counter row (``limit`` left None)."""
-        return [node_from_row(r) for r in await self._fetch(self.queries.all_nodes)]
+    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
+        """Every stored ``(path, period)`` counter row (``limit`` left None), of paths
+        with fewer than ``depth`` ``/`` when given."""
+        if depth is None:
+            rows = await self._fetch(self.queries.all_nodes)
+        else:
+            rows = await self._fetch(self.queries.shallow_nodes, (depth,))
+        return [node_from_row(r) for r in rows]
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         """Every declared budget policy."""
