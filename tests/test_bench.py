@@ -290,5 +290,5 @@ async def test_spendbench_times_the_chart_over_every_call_it_filled(tmp_path: Pa
     async with Ledger.open(url) as ledger:
         spends = await ledger.call_spend(0.0, 100)
     assert len(spends) == 30 and all(s.cost for s in spends)
-    times = await spendbench.time_spend(url, 2)
-    assert len(times) == 2 and all(t > 0 for t in times)
+    times, loop_cpu = await spendbench.time_spend(url, 2)
+    assert len(times) == len(loop_cpu) == 2 and all(t > 0 for t in times)

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +31,8 @@ from toolkit import (
 )
 
 from effectguard import AsyncGuardTransport
+from effectguard.ledger import Ledger
+from effectguard.rules.workstate import WorkState
 from effectguard.testing import fake_provider
 
 MakeTransport = Callable[..., AsyncGuardTransport]
@@ -219,36 +222,68 @@ class DropEverySend(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
+class ListedStates:
+    """A store that notes how many call states each listing read returned (no patching:
+    ``Ledger`` takes any store)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.listed: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def list_calls(self, *args: Any, **kwargs: Any) -> list[WorkState]:
+        states: list[WorkState] = await self._store.list_calls(*args, **kwargs)
+        self.listed.append(len(states))
+        return states
+
+    async def unknown_after(self, *args: Any) -> list[WorkState]:
+        states: list[WorkState] = await self._store.unknown_after(*args)
+        self.listed.append(len(states))
+        return states
+
+
 async def test_the_sweeper_comes_round_to_every_unknown_call(
     tmp_path: Path, make_transport: MakeTransport, finish: Finish, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A hundred newer unknown calls that nothing can decide (an endpoint with no lookup)
-    do not starve an older one the lookup can: each sweep looks at the calls it looked at
-    least recently, so within ceil(101 / 20) sweeps the old call is decided."""
+    do not starve an older one the lookup can: the sweeps go round the unknown calls in
+    order, a page of 20 each, so within ceil(101 / 20) sweeps the old call is decided,
+    and no sweep reads more than its page of calls from the ledger."""
     monkeypatch.setenv("PAYMENTS_API_KEY", KEY)
     folder = declare(tmp_path, freshness=60)
     with fake_provider(tmp_path / "receipts.jsonl", extra_args=["--lookup-key", KEY]) as fake:
         inner = DropEverySend(httpx.AsyncHTTPTransport())
-        t = make_transport(inner=inner, providers=[folder], upstreams={"payments": fake.url})
-        client = httpx.AsyncClient(transport=t, headers=AUTH)
-        old = await client.post(fake.url + SEND, json=charge(1))
-        assert old.status_code == 502, old.text
-        call_id = old.headers["effectguard-call-id"]
-        for n in range(100):  # /v1/other: undeclared, at_most_once, no lookup
-            newer = await client.post(fake.url + "/v1/other", json={"n": n})
-            assert newer.status_code == 502, newer.text
-        guard = await t.guard()
-        # While the old call is young, two sweeps look at it and at 39 of the others.
-        assert [await guard.resolver.sweep(), await guard.resolver.sweep()] == [[], []]
-        guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
-        decided = [await guard.resolver.sweep() for _ in range(6)]
-        assert [d for d in decided if d] == [[call_id]]
-        state = await t.ledger.call(call_id)
-        assert state.stage == "reconciled_not_applied"
-        stages = {s.stage for s in await t.ledger.calls() if s.call_id != call_id}
-        assert stages == {"effect_unknown"}
-        assert charges(fake) == []
-    await finish(t)
+        async with Ledger.open(str(tmp_path / "ledger.db")) as opened:
+            store = ListedStates(opened.store)
+            t = make_transport(
+                inner=inner,
+                ledger=Ledger(store),
+                providers=[folder],
+                upstreams={"payments": fake.url},
+            )
+            client = httpx.AsyncClient(transport=t, headers=AUTH)
+            old = await client.post(fake.url + SEND, json=charge(1))
+            assert old.status_code == 502, old.text
+            call_id = old.headers["effectguard-call-id"]
+            for n in range(100):  # /v1/other: undeclared, at_most_once, no lookup
+                newer = await client.post(fake.url + "/v1/other", json={"n": n})
+                assert newer.status_code == 502, newer.text
+            guard = await t.guard()
+            store.listed.clear()
+            # While the old call is young, two sweeps look at it and at 39 of the others.
+            assert [await guard.resolver.sweep(), await guard.resolver.sweep()] == [[], []]
+            guard.resolver.clock = lambda: time.time() + 120  # past the declared freshness
+            decided = [await guard.resolver.sweep() for _ in range(6)]
+            assert [d for d in decided if d] == [[call_id]]
+            assert store.listed and max(store.listed) <= 20
+            state = await t.ledger.call(call_id)
+            assert state.stage == "reconciled_not_applied"
+            stages = {s.stage for s in await t.ledger.calls() if s.call_id != call_id}
+            assert stages == {"effect_unknown"}
+            assert charges(fake) == []
+            await finish(t)
 
 
 async def test_a_post_search_carries_its_declared_form_fields(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,31 @@ async def test_the_writers_checkpoint_lets_the_wal_start_over(
     growing = await _wal_after_admissions(tmp_path / "off.db", 150)
     assert growing > 150 * 4096  # at least a page per admission
     assert bounded < growing / 10
+
+
+async def test_the_wal_shrinks_back_once_a_long_reader_lets_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A WAL grown while a long reader (verify, a backup) held checkpoints back shrinks
+    to the journal size limit once the reader ends and the writer starts it over, rather
+    than staying at its largest until the process stops."""
+    monkeypatch.setattr(sqlite, "CHECKPOINT_EVERY_S", 0.0)
+    monkeypatch.setattr(sqlite, "JOURNAL_SIZE_LIMIT", 64 << 10)
+    path = tmp_path / "reader.db"
+    async with Ledger.open(str(path)) as ledger:
+        writer = await _writer(ledger, "w")
+        await ledger.admit(writer, _req(0))
+        reader = sqlite3.connect(path)
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM events").fetchone()  # a snapshot, held
+        for n in range(1, 300):
+            await ledger.admit(writer, _req(n))
+        grown = os.path.getsize(f"{path}-wal")
+        reader.close()
+        for n in range(300, 303):  # checkpoint past the reader, then a write starts over
+            await ledger.admit(writer, _req(n))
+        assert grown > 1 << 20
+        assert os.path.getsize(f"{path}-wal") <= 64 << 10
 
 
 async def test_another_connections_commit_reaches_this_writers_cached_budget(

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from effectguard.errors import BodyMismatch, ConfigError, FencedError, ReconcileError
-from effectguard.ingress.admin.spend import spend_by_day
+from effectguard.ingress.admin.spend import spend_by_day, spend_table
 from effectguard.ledger import (
     OPERATOR,
     AdmitRequest,
@@ -36,7 +36,7 @@ from effectguard.ledger import (
     open_store,
     operations,
 )
-from effectguard.ledger.base import CallSpend, Tx
+from effectguard.ledger.base import CallSpend, SpendSums, Tx, sum_spend
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
 from effectguard.rules.budget import BudgetNode
@@ -1002,6 +1002,68 @@ async def test_call_spend_is_each_calls_money_as_its_state_has_it(
     assert await ledger.call_spend(now + 1, 100) == []
     newest = await ledger.call_spend(since, 3)
     assert len(newest) == 3 and min(s.created_at for s in newest) >= spends[3].created_at
+
+
+async def test_spend_sums_are_the_call_spend_window_summed_by_day_provider_and_model(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``spend_sums`` is the database's sum of exactly the window ``call_spend`` reads (per
+    UTC day, provider and model, with that window's call count and oldest call), so the
+    spend page folds no call yet shows the same table as folding each one."""
+    await _spend_ledger(ledger, w1, ns)
+    now = await ledger.store.clock_now()
+    since = now - 3600
+    sums = await ledger.spend_sums(since, 100)
+    spends = await ledger.call_spend(since, 100)
+    assert sums == sum_spend(spends)
+    assert sums.calls == 8 and sums.oldest == min(s.created_at for s in spends)
+    states = await ledger.calls(limit=100, since=since)
+    assert spend_table(sums.days, now=now, days=3) == spend_by_day(states, now=now, days=3)
+    assert await ledger.spend_sums(now + 1, 100) == SpendSums()
+    newest = await ledger.call_spend(since, 3)
+    assert await ledger.spend_sums(since, 3) == sum_spend(newest)
+
+
+async def test_unknown_after_pages_through_the_unknown_calls_oldest_first(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``unknown_after`` lists only ``effect_unknown`` calls, by creation time then call
+    id, and paging with the last call of each page as the cursor reads each exactly once,
+    calls admitted in one batch (one instant) included."""
+    admitted = await asyncio.gather(
+        *(admit_ok(ledger, w1, req(ns, request_hash=f"hash-u{n}")) for n in range(7))
+    )
+    for a in admitted:
+        await ledger.interrupt(w1, a.call_id, a.attempt, "reset")
+    await admit_ok(ledger, w1, req(ns, request_hash="hash-in-flight"))  # not unknown
+    every = await ledger.unknown_after(None, 100)
+    assert sorted(s.call_id for s in every) == sorted(a.call_id for a in admitted)
+    assert {s.stage for s in every} == {"effect_unknown"}
+    assert [s.created_at for s in every] == sorted(s.created_at for s in every)
+    paged: list[WorkState] = []
+    cursor = None
+    while page := await ledger.unknown_after(cursor, 3):
+        assert len(page) <= 3
+        paged += page
+        cursor = (page[-1].created_at, page[-1].call_id)
+    assert [s.call_id for s in paged] == [s.call_id for s in every]
+
+
+async def test_budget_nodes_of_a_depth_are_the_shallow_ones_read_alone(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``budget_nodes(depth)`` gives exactly the nodes whose paths have fewer than
+    ``depth`` ``/``: a reader of the roots (metrics) never reads per-user nodes."""
+    for user in ("u1", "u2"):
+        await admit_ok(ledger, w1, req(ns, request_hash=f"hash-{user}", budget=f"{ns}/{user}/run"))
+    every = await ledger.store.budget_nodes()
+    assert {n.path.count("/") for n in every} >= {0, 1, 2}
+    for depth in (1, 2, 3):
+        shallow = await ledger.store.budget_nodes(depth)
+        assert shallow == [n for n in every if n.path.count("/") < depth]
+    roots = await ledger.budgets(depth=1)
+    assert roots and all("/" not in n.path for n in roots)
+    assert roots == [n for n in await ledger.budgets() if "/" not in n.path]
 
 
 class WriteBetweenReads:

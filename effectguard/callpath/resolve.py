@@ -182,9 +182,9 @@ class Resolver:
         #: How lookups of the sweeper go out (the proxy and transports set their inner one).
         self.send = send
         self.clock = clock
-        #: When (in sweep turns) the sweeper last looked at each unknown call.
-        self._looked: dict[str, int] = {}
-        self._turn = 0
+        #: The last unknown call the sweeper looked at, as ``(created_at, call_id)``: the
+        #: next sweep reads the page after it (None: start from the oldest).
+        self._cursor: tuple[float, str] | None = None
 
     def endpoint(self, facts: Facts) -> Endpoint | None:
         """The declared endpoint of a call (None: its provider is no longer declared)."""
@@ -314,27 +314,32 @@ class Resolver:
     async def sweep(self, limit: int = 20) -> list[str]:
         """Decide unknown calls old enough for their lookup's freshness; the ones decided.
 
-        Each sweep looks at ``limit`` of the ``effect_unknown`` calls, the ones this
-        resolver looked at least recently first (never: before any, oldest call first),
-        so calls no evidence decides yet never starve those it can: with N unknown calls,
-        every one is looked at within ceil(N / limit) sweeps.
+        Each sweep looks at the next ``limit`` ``effect_unknown`` calls in order of
+        creation, after the last one the previous sweep looked at, starting over at the
+        oldest once past the newest: a round robin, so calls no evidence decides yet never
+        starve those it can (with N unknown calls, every one is looked at within
+        ceil(N / limit) sweeps), and a sweep reads one page of calls, never all of them.
         """
         if not self.can_sweep():
             return []
-        unknown = await self.ledger.calls(stage="effect_unknown", limit=1 << 62)
-        ids = {state.call_id for state in unknown}
-        self._looked = {c: turn for c, turn in self._looked.items() if c in ids}
-        unknown.sort(key=lambda s: (self._looked.get(s.call_id, -1), s.created_at))
         decided: list[str] = []
         now = self.clock()
-        for state in unknown[:limit]:
-            self._turn += 1
-            self._looked[state.call_id] = self._turn
+        for state in await self._next_page(limit):
+            self._cursor = (state.created_at, state.call_id)
             if _left_to_its_client(state, now):
                 continue
             if await self._sweep_one(state.call_id, now):
                 decided.append(state.call_id)
         return decided
+
+    async def _next_page(self, limit: int) -> list[WorkState]:
+        """The ``limit`` unknown calls after the cursor, wrapping round to the oldest."""
+        page = await self.ledger.unknown_after(self._cursor, limit)
+        if len(page) < limit and self._cursor is not None:
+            seen = {state.call_id for state in page}
+            wrapped = await self.ledger.unknown_after(None, limit - len(page))
+            page += [state for state in wrapped if state.call_id not in seen]
+        return page
 
     async def _sweep_one(self, call_id: str, now: float) -> bool:
         """Ask about one unknown call if evidence could decide it now; whether it did."""

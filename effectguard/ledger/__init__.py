@@ -20,6 +20,7 @@ from effectguard.ledger.base import (
     CallSpend,
     LedgerStore,
     Operation,
+    SpendSums,
     Tx,
     Writer,
     bulky,
@@ -41,6 +42,7 @@ __all__ = [
     "CallSpend",
     "Ledger",
     "LedgerStore",
+    "SpendSums",
     "Writer",
     "open_store",
 ]
@@ -286,27 +288,49 @@ class Ledger:
         the store answers without reading any call, however many there are."""
         return await self.store.stage_counts()
 
+    async def unknown_after(
+        self, after: tuple[float, str] | None, limit: int = 20
+    ) -> list[WorkState]:
+        """Up to ``limit`` ``effect_unknown`` calls, oldest first (ties in the store's
+        order of call ids), after the call ``after`` names by ``(created_at, call_id)``
+        (None: from the oldest): a page, however many calls are unknown."""
+        return await self.store.unknown_after(after, limit)
+
     async def call_spend(self, since: float, limit: int = 1000) -> list[CallSpend]:
         """What the spend chart needs of each call created at or after ``since`` (seconds
         since the epoch), newest first, at most ``limit``: the calls ``calls(limit=limit,
         since=since)`` lists, read without folding their events."""
         return await self.store.call_spend(since, limit)
 
+    async def spend_sums(self, since: float, limit: int = 1000) -> SpendSums:
+        """The money of the calls ``call_spend(since, limit)`` reads, summed per UTC day,
+        provider and model by the store (no call read into Python), with how many calls
+        that window holds and when its oldest was created."""
+        return await self.store.spend_sums(since, limit)
+
     async def policies(self) -> dict[str, BudgetPolicy]:
         """Every declared budget policy, by path."""
         return {p.path: p for p in await self.store.budget_policies()}
 
     async def budgets(
-        self, *, at: float | None = None, period: str | None = None, on: date | None = None
+        self,
+        *,
+        at: float | None = None,
+        period: str | None = None,
+        on: date | None = None,
+        depth: int | None = None,
     ) -> list[BudgetNode]:
         """Every budget node in one period, with its limit.
 
         By default each node is shown in its period containing now; ``at`` picks another
         instant, ``on`` a local date (in each node's timezone) and ``period`` a label (only
-        nodes whose period has labels of that form).
+        nodes whose period has labels of that form). ``depth`` keeps the nodes of paths
+        with fewer than ``depth`` ``/`` (1: the roots), read as such from the store.
         """
         policies = await self.policies()
-        counters = await self.store.budget_nodes()
+        if depth is not None:
+            policies = {p: v for p, v in policies.items() if p.count("/") < depth}
+        counters = await self.store.budget_nodes(depth)
         # The period admission charges now, by the store's clock (on PostgreSQL the
         # database's, which every replica shares), not this host's.
         when = await self.store.clock_now() if at is None else at

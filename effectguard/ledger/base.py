@@ -17,7 +17,7 @@ generation); the store refuses writes of a fenced writer before running them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, TypeVar
@@ -56,6 +56,53 @@ class CallSpend:
     def of(cls, state: WorkState) -> CallSpend:
         """The spend of a call's state."""
         return cls(state.created_at, state.provider, state.model, state.cost, state.held)
+
+
+#: A day as the ledger groups money by it: whole UTC days since 1970-01-01.
+DAY_S = 86400
+
+
+@dataclass(frozen=True, slots=True)
+class DaySpend:
+    """The money of one provider and model on one UTC day (``day``: days since the
+    epoch): what its calls spent and still hold, and how many of them carry any money."""
+
+    day: int
+    provider: str
+    model: str | None
+    spent: int
+    held: int
+    calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpendSums:
+    """The spend of a window of calls summed by day, provider and model, with how many
+    calls the window read (those without money too) and when the oldest was created."""
+
+    days: tuple[DaySpend, ...] = ()
+    calls: int = 0
+    oldest: float | None = None
+
+
+def sum_spend(spends: Iterable[CallSpend]) -> SpendSums:
+    """The sums a store answers for a window of calls (the rule its SQL follows)."""
+    groups: dict[tuple[int, str, str | None], tuple[int, int, int]] = {}
+    count, oldest = 0, None
+    for one in spends:
+        count += 1
+        oldest = one.created_at if oldest is None else min(oldest, one.created_at)
+        key = (int(one.created_at // DAY_S), one.provider, one.model)
+        spent, held, calls = groups.get(key, (0, 0, 0))
+        money = 1 if (one.cost or one.held) else 0
+        groups[key] = (spent + (one.cost or 0), held + one.held, calls + money)
+    days = tuple(DaySpend(*key, *sums) for key, sums in sorted(groups.items(), key=_by_day))
+    return SpendSums(days, count, oldest)
+
+
+def _by_day(item: tuple[tuple[int, str, str | None], Any]) -> tuple[int, str, str]:
+    (day, provider, model), _ = item
+    return day, provider, model or ""
 
 
 #: Writer identity for operator tools (CLI reconcile, budget set): never fenced.
@@ -248,9 +295,21 @@ class LedgerStore(Protocol):
         budget subtree, provider and creation time (at or after ``since``)."""
         ...
 
+    async def unknown_after(self, after: tuple[float, str] | None, limit: int) -> list[WorkState]:
+        """Up to ``limit`` ``effect_unknown`` calls ordered by creation time, then call id
+        (in the store's order of ids), those after ``after`` (a call's ``(created_at,
+        call_id)``; None: from the oldest). A sweep pages through the unknown calls with
+        it, never reading more than a page however many there are."""
+        ...
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         """The spend of up to ``limit`` calls created at or after ``since``, newest first
         (the calls, in the order, that ``list_calls(limit=limit, since=since)`` lists)."""
+        ...
+
+    async def spend_sums(self, since: float, limit: int) -> SpendSums:
+        """:func:`sum_spend` of ``call_spend(since, limit)``, summed by the database:
+        the spend page reads a few hundred sums, not tens of thousands of calls."""
         ...
 
     async def kept_states(self) -> list[WorkState]:
@@ -264,8 +323,10 @@ class LedgerStore(Protocol):
         disagrees with the events (SQLite: its per-call links); for ``verify``."""
         ...
 
-    async def budget_nodes(self) -> list[BudgetNode]:
-        """Every stored ``(path, period)`` counter row (``limit`` left None)."""
+    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
+        """Every stored ``(path, period)`` counter row (``limit`` left None); given a
+        ``depth``, only those of paths with fewer than ``depth`` ``/`` (1: the roots), so
+        a reader of the top of the tree reads no per-user node."""
         ...
 
     async def budget_policies(self) -> list[BudgetPolicy]:

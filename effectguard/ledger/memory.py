@@ -15,7 +15,15 @@ from typing import Any, BinaryIO, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations
-from effectguard.ledger.base import CallSpend, Operation, Orphaned, WorkerRow, Writer
+from effectguard.ledger.base import (
+    CallSpend,
+    Operation,
+    Orphaned,
+    SpendSums,
+    WorkerRow,
+    Writer,
+    sum_spend,
+)
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
@@ -287,12 +295,29 @@ class MemoryStore:
         calls.sort(key=lambda s: s.created_at, reverse=not oldest_first)
         return calls[:limit]
 
+    async def unknown_after(self, after: tuple[float, str] | None, limit: int) -> list[WorkState]:
+        with self.tables.lock:
+            calls = [
+                s
+                for s in self.tables.calls.values()
+                if s.stage == "effect_unknown"
+                and (after is None or (s.created_at, s.call_id) > after)
+            ]
+        calls.sort(key=lambda s: (s.created_at, s.call_id))
+        return calls[:limit]
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         return [CallSpend.of(s) for s in await self.list_calls(limit=limit, since=since)]
 
-    async def budget_nodes(self) -> list[BudgetNode]:
+    async def spend_sums(self, since: float, limit: int) -> SpendSums:
+        return sum_spend(await self.call_spend(since, limit))
+
+    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
         with self.tables.lock:
-            return sorted(self.tables.nodes.values(), key=lambda n: n.key)
+            nodes = [
+                n for n in self.tables.nodes.values() if depth is None or n.path.count("/") < depth
+            ]
+        return sorted(nodes, key=lambda n: n.key)
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         with self.tables.lock:

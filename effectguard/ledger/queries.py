@@ -125,8 +125,9 @@ class Queries:
     and ``index`` what a read of every call's indexed columns selects; ``spend`` reads a
     call's rows.SPEND_COLUMNS from ``spend_from``, for the spend chart and verify, with no
     state decoded (PostgreSQL: from its state's JSON, decoded once a row by a lateral
-    ``json_to_record``). Parameters that name a call, a request hash or a worker are the
-    store's own forms of them (SQLite: bytes and ids, ledger/sqlitecalls).
+    ``json_to_record``); ``day`` is a call's UTC day as whole days since the epoch (the
+    dialect's floor of ``created_at / 86400``). Parameters that name a call, a request
+    hash or a worker are the store's own forms of them (SQLite: bytes and ids, ledger/sqlitecalls).
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class Queries:
         index: str = INDEX_COLUMNS,
         spend: str = SPEND_COLUMNS,
         spend_from: str = "calls",
+        day: str = "CAST(created_at / 86400 AS INTEGER)",
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -173,11 +175,9 @@ class Queries:
         self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
-        self.call_columns = f"SELECT {index}, {spend} FROM {spend_from}"
-        self.call_spend = (
-            f"SELECT created_at, provider, {spend} FROM {spend_from} WHERE created_at >= {m} "
-            f"ORDER BY {newest_first} LIMIT {m}"
-        )
+        self._spends(index, spend, spend_from, day, newest_first)
+        self._sweep_page(state)
+        self._shallow_nodes()
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         #: Served by the partial index ``events_limits`` (the literal must match it).
@@ -189,6 +189,41 @@ class Queries:
             f"FROM calls WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
         )
         self._writes(event_insert)
+
+    def _spends(self, index: str, spend: str, spend_from: str, day: str, newest_first: str) -> None:
+        """The reads of calls' money (rows.SPEND_COLUMNS): verify's, and the spend page's."""
+        m = self.mark
+        self.call_columns = f"SELECT {index}, {spend} FROM {spend_from}"
+        self.call_spend = (
+            f"SELECT created_at, provider, {spend} FROM {spend_from} WHERE created_at >= {m} "
+            f"ORDER BY {newest_first} LIMIT {m}"
+        )
+        # The window call_spend reads, summed: a row per UTC day, provider and model, with
+        # the calls that carry money, every call read and the oldest (the page's notice).
+        self.spend_sums = (
+            f"SELECT {day} AS day, provider, model, sum(coalesce(cost, 0)), sum(held), "
+            "sum(CASE WHEN coalesce(cost, 0) <> 0 OR held <> 0 THEN 1 ELSE 0 END), "
+            f"count(*), min(created_at) FROM ({self.call_spend}) AS w GROUP BY 1, 2, 3"
+        )
+
+    def _shallow_nodes(self) -> None:
+        """Nodes of paths with fewer ``/`` than the parameter (a root has none): what the
+        metrics label, read without the per-user nodes below them."""
+        self.shallow_nodes = (
+            f"SELECT {NODE_COLUMNS} FROM budget_periods WHERE "
+            f"length(path) - length(replace(path, '/', '')) < {self.mark} ORDER BY path, period"
+        )
+
+    def _sweep_page(self, state: str) -> None:
+        """The resolver's page of unknown calls: after a (created_at, call id) cursor, in
+        that order, so each sweep reads its page and no more (``UNRESOLVED_SQL`` first:
+        SQLite then reads the small partial index of unresolved calls)."""
+        m = self.mark
+        self.unknown_after = (
+            f"SELECT {state} FROM calls WHERE {UNRESOLVED_SQL} AND stage = 'effect_unknown' "
+            f"AND (created_at > {m} OR (created_at = {m} AND call_id > {m})) "
+            f"ORDER BY created_at, call_id LIMIT {m}"
+        )
 
     def _writes(self, event_insert: str) -> None:
         """The inserts and upserts (``event_insert``: the events' columns as written)."""
@@ -282,7 +317,8 @@ POSTGRES = Queries(
     # Every state PostgreSQL stores is whole (rows.state_params), its money exact integers.
     # One decoding of the state a row: ``state::jsonb ->> …`` three times parsed it three
     # times (50,000 calls: 425 ms of the query's 430, against 144 ms this way).
-    spend="s.model, s.cost, coalesce(s.held, 0)",
+    spend="s.model, s.cost, coalesce(s.held, 0) AS held",
     spend_from="calls CROSS JOIN LATERAL "
     "json_to_record(calls.state::json) AS s(model text, cost bigint, held bigint)",
+    day="floor(created_at / 86400)::bigint",
 )

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from effectguard.errors import BodyMismatch, LedgerCorrupt
 from effectguard.ledger import bodystore
-from effectguard.ledger.base import CallSpend, WorkerRow
+from effectguard.ledger.base import CallSpend, DaySpend, SpendSums, WorkerRow
 from effectguard.ledger.queries import Queries
 from effectguard.ledger.rows import (
     event_from_row,
@@ -112,15 +112,38 @@ class SqlReads(ABC):
         )
         return await self._states(await self._fetch(sql, params))
 
+    async def unknown_after(self, after: tuple[float, str] | None, limit: int) -> list[WorkState]:
+        """Up to ``limit`` effect-unknown calls after the cursor, oldest first."""
+        at, call_id = after if after is not None else (-1.0, "")
+        key = self.call_key(call_id) if call_id else ""
+        params = (at, at, key, limit_param(limit))
+        return await self._states(await self._fetch(self.queries.unknown_after, params))
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         """The spend of up to ``limit`` calls created at or after ``since``, newest first,
         read from the calls' rows (no state decoded, no events folded)."""
         rows = await self._fetch(self.queries.call_spend, (since, limit_param(limit)))
         return [spend_from_row(r) for r in rows]
 
-    async def budget_nodes(self) -> list[BudgetNode]:
-        """Every stored ``(path, period)`` counter row (``limit`` left None)."""
-        return [node_from_row(r) for r in await self._fetch(self.queries.all_nodes)]
+    async def spend_sums(self, since: float, limit: int) -> SpendSums:
+        """The window's money summed by the database: one row per day, provider and model."""
+        rows = await self._fetch(self.queries.spend_sums, (since, limit_param(limit)))
+        days = sorted(
+            (DaySpend(int(d), p, m, int(s), int(h), int(c)) for d, p, m, s, h, c, _, _ in rows),
+            key=lambda g: (g.day, g.provider, g.model or ""),
+        )
+        count = sum(int(r[6]) for r in rows)
+        oldest = min((float(r[7]) for r in rows), default=None)
+        return SpendSums(tuple(days), count, oldest)
+
+    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
+        """Every stored ``(path, period)`` counter row (``limit`` left None), of paths
+        with fewer than ``depth`` ``/`` when given."""
+        if depth is None:
+            rows = await self._fetch(self.queries.all_nodes)
+        else:
+            rows = await self._fetch(self.queries.shallow_nodes, (depth,))
+        return [node_from_row(r) for r in rows]
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         """Every declared budget policy."""

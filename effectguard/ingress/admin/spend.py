@@ -2,9 +2,11 @@
 
 A call's money is charged to the day (UTC) it was admitted, as budget periods do
 (docs/contract.md §12): its settled cost (or the cost its reconciliation recorded) as ``spent``,
-and what an unknown effect still holds as ``held``. A call is anything with those
-fields: the ledger's :class:`~effectguard.ledger.CallSpend` (what the page reads) or a
-whole :class:`~effectguard.rules.workstate.WorkState`.
+and what an unknown effect still holds as ``held``. The page reads the ledger's sums per
+day, provider and model (:class:`~effectguard.ledger.SpendSums`, summed by the database)
+and lays them out with :func:`spend_table`; :func:`spend_by_day` does the same for any
+calls with those fields (a :class:`~effectguard.ledger.CallSpend` or a whole
+:class:`~effectguard.rules.workstate.WorkState`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-DAY_S = 86400
+from effectguard.ledger.base import DAY_S, CallSpend, DaySpend, sum_spend
+
+__all__ = ["DAY_S", "SpendTable", "day_of", "series_name", "spend_by_day", "spend_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +56,9 @@ class Spending(Protocol):
     def held(self) -> int: ...
 
 
-def series_name(state: Spending) -> str:
-    """A call's series: ``provider/model`` (``provider/-`` without a model)."""
-    return f"{state.provider}/{state.model or '-'}"
+def series_name(group: DaySpend) -> str:
+    """A group's series: ``provider/model`` (``provider/-`` without a model)."""
+    return f"{group.provider}/{group.model or '-'}"
 
 
 def day_of(at: float) -> dt.date:
@@ -64,17 +68,25 @@ def day_of(at: float) -> dt.date:
 
 def spend_by_day(calls: Iterable[Spending], *, now: float, days: int) -> SpendTable:
     """The last ``days`` days (ending today, UTC) of spend per provider and model."""
+    spends = (CallSpend(c.created_at, c.provider, c.model, c.cost, c.held) for c in calls)
+    return spend_table(sum_spend(spends).days, now=now, days=days)
+
+
+def spend_table(sums: Iterable[DaySpend], *, now: float, days: int) -> SpendTable:
+    """The last ``days`` days (ending today, UTC) of the ledger's sums per day, provider
+    and model; series without money in the window are left out."""
     last = day_of(now)
     window = tuple(last - dt.timedelta(days=days - 1 - i) for i in range(days))
-    index = {day: i for i, day in enumerate(window)}
+    epoch = dt.date(1970, 1, 1)
+    index = {(day - epoch).days: i for i, day in enumerate(window)}
     table = SpendTable(window)
-    for state in calls:
-        slot = index.get(day_of(state.created_at))
-        if slot is None or not (state.cost or state.held):
+    for group in sums:
+        slot = index.get(group.day)
+        if slot is None or not group.calls:
             continue
-        name = series_name(state)
+        name = series_name(group)
         row = table.spent.setdefault(name, [0] * days)
-        row[slot] += state.cost or 0
-        table.held[name] = table.held.get(name, 0) + state.held
-        table.calls[name] = table.calls.get(name, 0) + 1
+        row[slot] += group.spent
+        table.held[name] = table.held.get(name, 0) + group.held
+        table.calls[name] = table.calls.get(name, 0) + group.calls
     return table
