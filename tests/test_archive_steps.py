@@ -257,3 +257,41 @@ def test_a_crash_after_a_step_commits_and_before_its_rename_is_refused_until_res
     assert rest["calls"] == len(live) and call_stages(ledger) == {}
     code, report = verify(capsys, "--ledger", str(ledger))
     assert code == 0, report["problems"]
+
+
+def test_an_archive_stopped_at_a_step_keeps_the_steps_before_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step that cannot be written (its file's name is taken) stops the archive with
+    exit 2 and nothing of that step moved; the step before it stays archived, verified,
+    and the error names its range, so an operator reading a cron log knows what moved."""
+    first, second = tmp_path / "a" / "l.db", tmp_path / "b" / "l.db"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    build_ledger(first, 300, in_flight=0)
+    assert main(["backup", str(second), "--ledger", str(first)]) == 0
+    out = "--out", "jan.jsonl.gz"
+    learned = archive(first, capsys, "--step-events", "500", out[0], str(first.parent / out[1]))
+    taken = second.parent / Path(learned["files"][1]).name
+    taken.write_text("not an archive")
+
+    code, said = cli(
+        capsys,
+        "archive",
+        "--ledger",
+        str(second),
+        "--before",
+        later(),
+        "--step-events",
+        "500",
+        out[0],
+        str(second.parent / out[1]),
+    )
+    assert code == 2, said
+    step = json.loads(_last_line(second.parent / out[1]))["checkpoint"]["data"]
+    assert f"(the step before it is archived: events 1..{step['last_seq']})" in said["err"]
+    assert taken.read_text() == "not an archive"
+    code, report = verify(capsys, "--ledger", str(second))
+    assert code == 0, report["problems"]
+    code, report = verify(capsys, "--archive", str(second.parent / out[1]), "--ledger", str(second))
+    assert code == 0, report["problems"]
