@@ -9,6 +9,9 @@ serve the fake provider; archives are taken with the CLI while they serve. After
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,6 +174,50 @@ def test_pg_archive_under_two_replicas_serving(
         finally:
             for proxy in replicas:
                 proxy.stop()
+
+
+def test_pg_archive_in_steps_copies_the_chain_range_by_range_and_survives_a_crash(
+    tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Calls that overlap, archived in steps of 5 events: each step is its own
+    transaction, ``archives`` row and checkpoint, ``archived_events`` holds the live
+    chain's rows exactly, and ``verify --archived`` passes. SIGKILL between two steps
+    leaves a ledger that verifies, and the next archive goes on from that cut."""
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(
+            pg_url, upstreams={"openai": fake.url}, log_path=tmp_path / "proxy.log"
+        ) as proxy,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        keyed = [pool.submit(post, proxy, n, **{"Idempotency-Key": f"s-{n}"}) for n in range(12)]
+        assert {f.result().status_code for f in keyed} == {200}
+        rows = "SELECT seq, kind, call_id, data, digest FROM {} WHERE seq <= %s ORDER BY seq"
+        head = sql(pg_url, "SELECT max(seq) FROM events")[0][0]
+        before = sql(pg_url, rows.format("events"), (head,))
+
+        env = {**os.environ, "EFFECTGUARD_CRASH_AT": "after:archive-step"}
+        command = [sys.executable, "-m", "effectguard", "archive", "--ledger", pg_url]
+        killed = subprocess.run(
+            [*command, "--before", later(), "--step-events", "5"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert killed.returncode == -9, killed.stderr
+        assert sql(pg_url, "SELECT count(*) FROM archives") == [(1,)]
+        verified(pg_url, capsys)
+
+        rest = archive(pg_url, capsys, "--step-events", "5")
+        assert rest["steps"] > 2 and rest["files"] == [], rest
+        assert sql(pg_url, "SELECT count(*) FROM calls") == [(0,)]
+        assert sql(pg_url, "SELECT count(*) FROM archives") == [(rest["steps"] + 1,)]
+        assert sql(pg_url, rows.format("archived_events"), (head,)) == before
+        verified(pg_url, capsys)
+        sent = len(fake.receipts())
+        assert post(proxy, 3, **{"Idempotency-Key": "s-3"}).status_code == 409
+        assert len(fake.receipts()) == sent == 12
 
 
 def test_pg_tampering_with_the_archive_table_is_caught(

@@ -8,6 +8,7 @@ from effectguard.ops.audit.archived import FINAL_STAGES
 from effectguard.rules.retention import (
     EventRef,
     RetentionPolicy,
+    closes,
     cut,
     decide_archived,
     holder,
@@ -137,3 +138,17 @@ def test_the_policy_gives_a_cutoff_only_when_declared() -> None:
     """``keep_bodies_days`` turns into a cut-off N days back; undeclared keeps everything."""
     assert RetentionPolicy().cutoff(NOW) is None
     assert RetentionPolicy(keep_bodies_days=1).cutoff(NOW) == NOW - 86400
+
+
+def test_a_window_of_the_chain_is_never_cut_inside_a_call_that_goes_on_past_it() -> None:
+    """An archive step reads only a window of the chain: a call whose last event lies
+    past the window's end (``ends``) keeps the cut before its first event, and a window
+    with no call boundary in it must grow before anything is cut."""
+    window = [EventRef(1, "a", 1), EventRef(2, "b", 2), EventRef(3, "a", 3), EventRef(4, "c", 4)]
+    every = {"a": True, "b": True, "c": True}
+    assert cut(window, every, before=NOW) == 4  # read alone, b ends at 2
+    assert cut(window, every, before=NOW, ends={"b": 9}) == 0  # b goes on to event 9
+    assert cut(window[:1] + window[2:], every, before=NOW, ends={"c": 9}) == 3
+    assert closes(window, {"b": 9}) is False
+    assert closes(window, {"b": 3}) is True
+    assert closes([EventRef(1, None, 1), *window], {"b": 9}) is True  # a worker event first

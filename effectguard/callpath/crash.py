@@ -22,6 +22,8 @@ POINTS: Final = frozenset(
         "mid-stream",
         "after:reconcile",
         "before:observe",
+        "after:archive-commit",
+        "after:archive-step",
     }
 )
 

@@ -5,7 +5,9 @@ proof and checkpoint: :mod:`effectguard.ops.pgarchive`.)
 
 An archive takes the longest prefix of the live chain that :mod:`effectguard.rules.retention`
 allows (every call in it final, resolved before the cut-off, past its provider's
-idempotency window, and whole), and in one transaction:
+idempotency window, and whole), in steps of at most ``size`` events
+(:mod:`effectguard.ops.archiveplan`); each step writes its own file and, in one
+transaction of its own:
 
 1. appends a ``ledger.archived`` checkpoint (the range, its last digest, counts, the
    archive file's digest, and the verifier state the range leaves behind);
@@ -19,93 +21,126 @@ idempotency window, and whole), and in one transaction:
 
 The range is first proved by the independent verifier, seeded with the previous
 checkpoint's state: a range that does not verify is never archived. The events are
-written to ``.FILE.partial`` before the write lock is taken; under it, only the
+streamed to ``.FILE.partial`` before the write lock is taken; under it, only the
 checkpoint line is appended and fsync'd, then the transaction commits and the file is
-renamed into place: a crash in between leaves a complete ``.partial`` file. Deleted
-pages go to SQLite's freelist and are reused by new events, so the file stops growing
-once archives keep pace.
+renamed into place: a crash in between leaves a complete ``.partial`` file, which the
+next archive finds (:mod:`effectguard.ops.archivenames`) and refuses to run past. A
+crash between steps leaves the steps done archived and verified, and the next archive
+goes on from their cut. Deleted pages go to SQLite's freelist and are reused by new
+events, so the file stops growing once archives keep pace.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.errors import ConfigError, LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqlitefile import check_ledger_file
 from effectguard.ledger.sqliteschema import connect, migrate
-from effectguard.ops import archivefile
+from effectguard.ops import archivefile, archivenames
 from effectguard.ops.archiveplan import (
     ArchiveResult,
+    Bounds,
+    Cut,
     EventLayout,
     Plan,
+    Step,
     Survey,
-    held,
+    bounds_of,
     plan_archive,
     prove,
+    run_steps,
     seal_checkpoint,
+    summed,
 )
 from effectguard.ops.outpath import create_private, new_file, partial_of
 from effectguard.rules.events import StoredEvent
-from effectguard.rules.guidance import show_command
+from effectguard.rules.retention import STEP_EVENTS
 
 
-def archive_sqlite(ledger: str, *, before: float, out: Path | None = None) -> ArchiveResult:
-    """Archive what the retention rules allow of the SQLite ledger at ``ledger``."""
+def archive_sqlite(
+    ledger: str,
+    *,
+    before: float,
+    out: Path | None = None,
+    size: int = STEP_EVENTS,
+    say: Callable[[Step], None] | None = None,
+    crash: CrashPoints = NO_CRASH,
+) -> ArchiveResult:
+    """Archive what the retention rules allow of the SQLite ledger at ``ledger``, in steps
+    of at most ``size`` events, each its own file and transaction (``say`` hears of each
+    as it commits)."""
     path = Path(sqlite_path(ledger))
     check_ledger_file(str(path))  # before connect(), which would make any file a ledger
     if out is not None:  # checked up front, even when there turns out to be nothing to move
         new_file(out, ledger=path, command="archive", what="an archive")
+    names = archivenames.Names(path, out)
+    names.refuse_stale_partials()
     conn = connect(str(path))
     try:
         migrate(conn)
-        survey = _plan(conn, before, time.time())
-        plan = survey.plan
-        if plan is None:
-            return held(_result(conn, None, 0, 0, 0, 0, 0, 0), survey)
-        target = out or path.with_name(f"{path.stem}-archive-{plan.first}-{plan.last}.jsonl.gz")
-        new_file(target, ledger=path, command="archive", what="an archive")
-        _refuse_stale_partial(target, path)
-        return held(_commit(conn, plan, target), survey)
+        steps: list[Step] = []
+        bounds: list[Bounds] = []
+        planned = functools.partial(_plan, conn, bounds, before, size)
+
+        def commit(plan: Plan) -> Step:
+            target = names.target(plan.first, plan.last, len(steps))
+            new_file(target, ledger=path, command="archive", what="an archive")
+            _refuse_stale_partial(target, path)
+            return _commit(conn, plan, target, crash)
+
+        survey = run_steps(steps, planned, commit, say, crash)
+        return _result(conn, steps, survey)
     finally:
         conn.close()
 
 
 #: SQLite's events since migration 6 (ledger/sqliteevents.py, records since format 4:
-#: ledger/sqliterecords.py), and its call states.
+#: ledger/sqliterecords.py), and its call states; a call's row names its last event.
 _FORMAT_2 = EventLayout(
     sqliteevents.SELECT_COLUMNS,
     sqliterecords.events_from_row,
     sqliteevents.call_from_key,
     sqlitecalls.CALL_READ,
     sqlitecalls.row_state,
+    "last_seq",
 )
 
 
-def _plan(conn: sqlite3.Connection, before: float, now: float) -> Survey:
-    conn.execute("BEGIN")  # one read snapshot; writers go on
+def _plan(
+    conn: sqlite3.Connection, bounds: list[Bounds], before: float, size: int, previous: Cut | None
+) -> Survey:
+    """One step's plan, in one read snapshot (writers go on); the first step also fixes
+    the bounds every step keeps to (``bounds``: empty until then)."""
+    conn.execute("BEGIN")
     try:
 
         def fetch(sql: str, params: Sequence[Any]) -> list[Any]:
             return list(conn.execute(sql.replace("%s", "?"), params))
 
-        return plan_archive(fetch, before, now, _FORMAT_2)
+        now = time.time()
+        if not bounds:
+            bounds.append(bounds_of(fetch, before=before, now=now, size=size))
+        step = bounds[0]
+        if previous is not None:
+            step = replace(step, after=previous.seq, now=now)
+        return plan_archive(fetch, step, _FORMAT_2, previous)
     finally:
         conn.execute("COMMIT")
 
 
-def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult:
+def _commit(conn: sqlite3.Connection, plan: Plan, target: Path, crash: CrashPoints) -> Step:
     state = prove(plan)
-    lines = [archivefile.event_line(e) for e in plan.events]
     keyed = plan.keyed()
     header = {
         "first_seq": plan.first,
@@ -120,14 +155,15 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
     create_private(partial)
     try:
         # Before the write lock; bodies never change once written, so they need none.
-        archivefile.write_events(partial, header, lines, _bodies(conn, plan))
+        lines = (archivefile.event_line(e) for e in plan.events)
+        digest = archivefile.write_events(partial, header, lines, _bodies(conn, plan))
         conn.execute("BEGIN IMMEDIATE")
         _refuse_if_moved(conn, plan)
         head_seq, head_digest = conn.execute(
             "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
         ).fetchone()
         head = (int(head_seq), sqliteevents.hex_digest(head_digest))
-        stored, _ = seal_checkpoint(plan, state, target.name, lines, head, time.time())
+        stored, _ = seal_checkpoint(plan, state, target.name, digest, head, time.time())
         archivefile.append_checkpoint(partial, stored)
         _apply(conn, stored, plan, keyed)
         conn.execute("COMMIT")
@@ -136,10 +172,12 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path) -> ArchiveResult
             conn.execute("ROLLBACK")
         partial.unlink(missing_ok=True)
         raise
+    crash.hit("after:archive-commit")
     os.replace(partial, target)
     _fsync_dir(target.parent)
+    cut = Cut(plan.last, plan.events[-1].digest, state)
     counts = (len(plan.events), len(plan.calls), len(keyed))
-    return _result(conn, str(target), plan.first, plan.last, *counts, stored.seq)
+    return Step(str(target), plan.first, plan.last, *counts, stored.seq, cut)
 
 
 def _refuse_stale_partial(target: Path, ledger: Path) -> None:
@@ -147,12 +185,7 @@ def _refuse_stale_partial(target: Path, ledger: Path) -> None:
     of the events it moved in ``.FILE.partial``: it must never be overwritten or removed."""
     partial = partial_of(target)
     if os.path.lexists(partial):
-        raise ConfigError(
-            f"{partial} exists: an earlier archive to {target.name} stopped before renaming "
-            f"it into place. Run `effectguard verify --archive {partial} --ledger {ledger}`: "
-            f"if it passes, the file holds archived events: rename it to {target}; if not, "
-            "delete it. Then run archive again"
-        )
+        raise ConfigError(archivenames.stale(partial, target, ledger))
 
 
 def _bodies(conn: sqlite3.Connection, plan: Plan) -> Iterator[tuple[str, int, bytes]]:
@@ -224,66 +257,8 @@ def _apply(
     conn.executemany("DELETE FROM call_bodies WHERE call_id = ?", keys)
 
 
-def _result(
-    conn: sqlite3.Connection,
-    path: str | None,
-    first: int,
-    last: int,
-    events: int,
-    calls: int,
-    keys: int,
-    checkpoint_seq: int,
-) -> ArchiveResult:
+def _result(conn: sqlite3.Connection, steps: list[Step], survey: Survey) -> ArchiveResult:
     pages = int(conn.execute("PRAGMA page_count").fetchone()[0])
     free = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
-    return ArchiveResult(path, first, last, events, calls, keys, checkpoint_seq, pages, free)
-
-
-def cmd_archive(args: argparse.Namespace) -> int:
-    """``effectguard archive [--before DATE] [--ledger L] [--out FILE] [--json]``."""
-    ledger: str = args.ledger
-    if ledger.startswith("memory://"):
-        raise ConfigError("a memory ledger has nothing to archive")
-    before = _before(args)
-    if ledger.startswith(("postgresql://", "postgres://")):
-        if args.out:
-            raise ConfigError("a PostgreSQL ledger archives into its archived_events table")
-        from effectguard.ops.pgarchive import archive_postgres
-
-        result = archive_postgres(ledger, before=before)
-    else:
-        out = None if args.out is None else Path(args.out)
-        result = archive_sqlite(ledger, before=before, out=out)
-    if args.json:
-        print(json.dumps(asdict(result), indent=2))
-    elif result.events == 0:
-        print("archive: nothing to archive yet (see the retention rules)")
-    else:
-        print(
-            f"archive {result.path}: events {result.first_seq}..{result.last_seq} "
-            f"({result.events} events, {result.calls} calls, {result.keys} keys kept); "
-            f"checkpoint event {result.checkpoint_seq}"
-        )
-    if result.held_by is not None and not args.json:
-        # The archive is a prefix of the chain: this call holds back every call after it.
-        print(
-            f"archive: the cut stops at call {result.held_by} ({result.held_because}); "
-            f"resolve it to archive the calls after it (`{show_command(result.held_by)}`)"
-        )
-    return 0
-
-
-def _before(args: argparse.Namespace) -> float:
-    from effectguard.config.settings import config_retention
-    from effectguard.ops.timeargs import since
-
-    now = time.time()
-    if args.before is not None:
-        try:
-            return since(args.before, now)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-    cutoff = config_retention(Path(args.config) if args.config else None).cutoff(now)
-    if cutoff is None:
-        raise ConfigError("give --before DATE, or [retention] keep_bodies_days in --config")
-    return cutoff
+    result = summed(steps, survey, pages, free)
+    return replace(result, files=[s.path for s in steps])

@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,19 @@ _BODY = '{"body":'
 _CHECKPOINT = '{"checkpoint":'
 
 
+#: Every field of a stored event, in declaration order (``record`` included: the lines
+#: archives have always held).
+_FIELDS = tuple(f.name for f in fields(StoredEvent))
+
+
 def event_line(stored: StoredEvent) -> str:
-    """One event as a line of the archive (canonical JSON of every stored field)."""
-    return canonical_json(asdict(stored))
+    """One event as a line of the archive (canonical JSON of every stored field).
+
+    The text of ``canonical_json(asdict(stored))``, without ``asdict``'s deep copy of
+    every nested value, which took most of an archive's time (half of a 360,000-event
+    run on a 2-core machine): the line only reads them.
+    """
+    return canonical_json({name: getattr(stored, name) for name in _FIELDS})
 
 
 def lines_sha256(lines: Iterable[str]) -> str:
@@ -62,18 +72,23 @@ def lines_sha256(lines: Iterable[str]) -> str:
 def write_events(
     path: Path,
     header: dict[str, Any],
-    lines: list[str],
+    lines: Iterable[str],
     bodies: Iterable[tuple[str, int, bytes]] = (),
-) -> None:
+) -> str:
     """Write the header, the event lines and the ``(call_id, seq, chunk)`` body chunks, one
-    line each, as ``bodies`` yields them (the first gzip member of the file)."""
+    line each, as ``lines`` and ``bodies`` yield them (the first gzip member of the file),
+    and return :func:`lines_sha256` of the event lines: they are streamed, never held."""
+    h = hashlib.sha256()
     with gzip.open(path, "wt", encoding="utf-8") as out:
         out.write(canonical_json({"format": FORMAT, **header}) + "\n")
         for line in lines:
+            h.update(line.encode("utf-8"))
+            h.update(b"\n")
             out.write(line + "\n")
         for call_id, seq, chunk in bodies:
             body = {"call": call_id, "seq": seq, "chunk": base64.b64encode(chunk).decode()}
             out.write(canonical_json({"body": body}) + "\n")
+    return h.hexdigest()
 
 
 def append_checkpoint(path: Path, tail: StoredEvent) -> None:

@@ -317,7 +317,7 @@ def _backup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _archive(args: argparse.Namespace) -> int:
-    from effectguard.ops.archive import cmd_archive
+    from effectguard.ops.archivecmd import cmd_archive
 
     return cmd_archive(args)
 
@@ -334,7 +334,19 @@ def _archive_arguments(p: argparse.ArgumentParser) -> None:
         "--out",
         type=path_arg,
         metavar="FILE",
-        help="the archive file of a SQLite ledger (default: next to the ledger)",
+        help="the archive file of a SQLite ledger (default: next to the ledger); further "
+        "steps' files go beside it, their range before the extension",
+    )
+    from effectguard.ops.archivecmd import step_events_arg
+    from effectguard.rules.retention import STEP_EVENTS
+
+    p.add_argument(
+        "--step-events",
+        type=step_events_arg,
+        default=STEP_EVENTS,
+        metavar="N",
+        help="archive in steps of at most N events, each its own transaction, "
+        f"checkpoint and file (default {STEP_EVENTS})",
     )
     p.set_defaults(run=_archive)
 

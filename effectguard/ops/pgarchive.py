@@ -3,13 +3,15 @@
 The plan, the rules (:mod:`effectguard.rules.retention`), the proof by the independent
 verifier and the ``ledger.archived`` checkpoint are the SQLite archive's
 (:mod:`effectguard.ops.archiveplan`). Where SQLite writes a gzip'd file next to the ledger,
-PostgreSQL keeps the archive in the database, in one transaction with the cut:
+PostgreSQL keeps the archive in the database, each step
+(:func:`effectguard.ops.archiveplan.run_steps`) in one transaction with its cut:
 
 * ``archived_events``: the range's rows exactly as they were (append-only, as ``events``);
 * ``archived_bodies``: its calls' request bodies stored by reference, chunk by chunk, as
   they were in ``call_bodies`` (append-only too);
-* ``archives``: one row per range with what an archive file's header and last line
-  hold (the range, the digest before it, the verifier state before it, the checkpoint).
+* ``archives``: one row per step's range with what an archive file's header and last
+  line hold (the range, the digest before it, the verifier state before it, the
+  checkpoint).
 
 Why a table and not a file: replicas run on many hosts and ``effectguard archive`` on
 any of them, so a file would live on whichever host ran it, outside the database's
@@ -19,7 +21,7 @@ in the same transaction as the cut (no ``.partial`` file to clean up after a cra
 ``verify --archived`` proves it from any host. The live ``events`` table (what replicas
 and ``verify`` scan) stays small; the archive table can go to a cheaper tablespace.
 
-Concurrency: the copy into ``archived_events`` runs first (events never change, so no
+Concurrency: in each step, the copy into ``archived_events`` runs first (events never change, so no
 lock is needed to copy them), then the transaction takes the batch lock every replica's
 writer takes (:mod:`effectguard.ledger.postgres`): while it holds it no replica writes,
 so the checkpoint is the chain's next event and no archived call changes under it. A
@@ -29,13 +31,16 @@ to run again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 
+from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
@@ -49,23 +54,38 @@ from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row
 from effectguard.ops import archivefile
 from effectguard.ops.archiveplan import (
     ArchiveResult,
+    Bounds,
+    Cut,
     Plan,
+    Step,
     Survey,
-    held,
+    bounds_of,
+    done_before,
     plan_archive,
     prove,
+    run_steps,
     seal_checkpoint,
+    summed,
 )
 from effectguard.ops.audit import BodyRow, VerifyReport
 from effectguard.ops.audit.archived import verify_range
 from effectguard.rules.events import StoredEvent, canonical_json
+from effectguard.rules.retention import STEP_EVENTS
 
 #: What the checkpoint names as its archive.
 TABLE = "archived_events"
 
 
-def archive_postgres(url: str, *, before: float) -> ArchiveResult:
-    """Archive what the retention rules allow of the PostgreSQL ledger at ``url``."""
+def archive_postgres(
+    url: str,
+    *,
+    before: float,
+    size: int = STEP_EVENTS,
+    say: Callable[[Step], None] | None = None,
+    crash: CrashPoints = NO_CRASH,
+) -> ArchiveResult:
+    """Archive what the retention rules allow of the PostgreSQL ledger at ``url``, in
+    steps of at most ``size`` events, each its own transaction (``say`` hears of each)."""
     check_ledger_schema(url)  # before migrate_on(), which would make a mistyped schema one
     target = Target.parse(url)
     # As the replicas' writers: an archive stopped while it holds the batch lock is ended
@@ -74,30 +94,48 @@ def archive_postgres(url: str, *, before: float) -> ArchiveResult:
         idle_in_transaction_session_timeout=str(IDLE_IN_TRANSACTION_MS),
         synchronous_commit="on",
     )
+    steps: list[Step] = []
     try:
         migrate_on(conn, target)
-        survey = _plan(conn, before)
-        if survey.plan is None:
-            return held(ArchiveResult(None, 0, 0, 0, 0, 0, 0, 0, 0), survey)
-        return held(_commit(conn, survey.plan), survey)
+        planned = functools.partial(_plan, conn, [], before, size)
+        commit = functools.partial(_commit, conn, crash)
+        survey = run_steps(steps, planned, commit, say, crash)
+        return summed(steps, survey)
     except psycopg.errors.UniqueViolation as exc:
-        raise LedgerCorrupt("another archive ran meanwhile; run archive again") from exc
+        message = "another archive ran meanwhile; run archive again"
+        raise LedgerCorrupt(message + done_before(steps)) from exc
     except psycopg.Error as exc:
-        raise LedgerUnavailable(f"archive failed: {exc}") from exc
+        raise LedgerUnavailable(f"archive failed: {exc}{done_before(steps)}") from exc
     finally:
         conn.close()
 
 
-def _plan(conn: psycopg.Connection[Any], before: float) -> Survey:
-    with conn.transaction():  # one snapshot for every read; writers go on
+def _plan(
+    conn: psycopg.Connection[Any],
+    bounds: list[Bounds],
+    before: float,
+    size: int,
+    previous: Cut | None,
+) -> Survey:
+    """One step's plan in one snapshot (writers go on); the first fixes the bounds."""
+    with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
         now = float(conn.execute(f"SELECT {CLOCK_FUNCTION}()").fetchall()[0][0])
-        return plan_archive(lambda q, p: conn.execute(q, p).fetchall(), before, now)
+
+        def fetch(sql: str, params: Sequence[Any]) -> list[Any]:
+            return conn.execute(sql, params).fetchall()
+
+        if not bounds:
+            bounds.append(bounds_of(fetch, before=before, now=now, size=size))
+        step = bounds[0]
+        if previous is not None:
+            step = replace(step, after=previous.seq, now=now)
+        return plan_archive(fetch, step, previous=previous)
 
 
-def _commit(conn: psycopg.Connection[Any], plan: Plan) -> ArchiveResult:
+def _commit(conn: psycopg.Connection[Any], crash: CrashPoints, plan: Plan) -> Step:
     state = prove(plan)
-    lines = [archivefile.event_line(e) for e in plan.events]
+    digest = archivefile.lines_sha256(archivefile.event_line(e) for e in plan.events)
     keyed = plan.keyed()
     with conn.transaction():
         conn.execute(
@@ -117,11 +155,13 @@ def _commit(conn: psycopg.Connection[Any], plan: Plan) -> ArchiveResult:
             f"SELECT seq, digest, {CLOCK_FUNCTION}() FROM events ORDER BY seq DESC LIMIT 1"
         ).fetchall()[0]
         stored, data_json = seal_checkpoint(
-            plan, state, TABLE, lines, (int(row[0]), str(row[1])), float(row[2])
+            plan, state, TABLE, digest, (int(row[0]), str(row[1])), float(row[2])
         )
         _apply(conn, stored, data_json, plan, keyed)
+    crash.hit("after:archive-commit")
     counts = (len(plan.events), len(plan.calls), len(keyed))
-    return ArchiveResult(TABLE, plan.first, plan.last, *counts, stored.seq, 0, 0)
+    cut = Cut(plan.last, plan.events[-1].digest, state)
+    return Step(TABLE, plan.first, plan.last, *counts, stored.seq, cut)
 
 
 def _refuse_if_moved(conn: psycopg.Connection[Any], plan: Plan) -> None:
@@ -178,7 +218,7 @@ def _apply(
 
 
 def _line(stored: StoredEvent) -> str:
-    return canonical_json(asdict(stored))
+    return archivefile.event_line(stored)
 
 
 def verify_archived(url: str) -> VerifyReport:

@@ -37,6 +37,12 @@ from effectguard.rules.workstate import WorkState
 #: Stages after which no event of the call can follow (next operation ``none``).
 ARCHIVABLE_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
 DAY_S: Final = 86400.0
+#: The events one step of an archive takes at most (``archive --step-events``). Each
+#: step deletes its range in one transaction under the ledger's write lock, which live
+#: commits wait for (5 s at most on SQLite before they answer 503): measured on a
+#: shared 2-core machine, a step of this size kept live commits waiting about 1 s at
+#: most (docs/operations.md, "What an archive costs").
+STEP_EVENTS: Final = 50_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +81,22 @@ class EventRef:
     at: float
 
 
-def cut(events: Iterable[EventRef], archivable: Mapping[str, bool], *, before: float) -> int:
+def cut(
+    events: Iterable[EventRef],
+    archivable: Mapping[str, bool],
+    *,
+    before: float,
+    ends: Mapping[str, int] | None = None,
+) -> int:
     """The last event of the longest archivable prefix of ``events`` (0: none).
 
     ``events`` are in chain order; ``archivable`` says, per call, whether it may leave.
     A prefix ends at a call boundary: no call has events on both sides of the cut.
+    ``ends`` gives a call's last event where ``events`` are only a window of the chain
+    (a call that goes on past the window is never cut inside it).
     """
-    last_of: dict[str, int] = {}
     refs = list(events)
-    for ref in refs:
-        if ref.call_id is not None:
-            last_of[ref.call_id] = ref.seq
+    last_of = _last_of(refs, ends)
     best, reach = 0, 0
     for ref in refs:
         if ref.at >= before:
@@ -97,6 +108,32 @@ def cut(events: Iterable[EventRef], archivable: Mapping[str, bool], *, before: f
         if reach <= ref.seq:
             best = ref.seq
     return best
+
+
+def _last_of(refs: list[EventRef], ends: Mapping[str, int] | None) -> dict[str, int]:
+    last_of: dict[str, int] = {}
+    for ref in refs:
+        if ref.call_id is not None:
+            last_of[ref.call_id] = ref.seq
+    for call_id, end in (ends or {}).items():
+        if call_id in last_of:
+            last_of[call_id] = max(last_of[call_id], end)
+    return last_of
+
+
+def closes(events: Iterable[EventRef], ends: Mapping[str, int]) -> bool:
+    """Whether a prefix of the window ``events`` ends at a call boundary, each call
+    ending at its event in ``ends`` (or its last in the window): else the window must
+    grow before a cut can fall in it."""
+    refs = list(events)
+    last_of = _last_of(refs, ends)
+    reach = 0
+    for ref in refs:
+        if ref.call_id is not None:
+            reach = max(reach, last_of[ref.call_id])
+        if reach <= ref.seq:
+            return True
+    return False
 
 
 def holder(
