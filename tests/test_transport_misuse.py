@@ -506,10 +506,12 @@ def test_a_sync_client_shared_by_more_threads_than_connections_never_stalls(
         caller.join(max(0.0, deadline - time.monotonic()))
     assert len(answered) == threads, f"{threads - len(answered)} calls still waiting"
     client.close()
-    assert len(provider.effects()) == 3 * threads
+    effects = len(provider.effects())
     stages = _stages(capsys, ledger)
     # httpcore's sync pool may close a connection it had just handed to a waiting request
-    # (encode/httpcore#1110): that call ends effect_unknown, as any read that fails after
-    # the request went out. None is left in flight.
-    assert stages["completed"] + stages["effect_unknown"] == 3 * threads, stages
+    # (encode/httpcore#1110): a call whose request then failed before it went out reached
+    # no provider and is booked so; one that failed after it went out ends effect_unknown.
+    # Every call is booked, none is left in flight, and none reached the provider twice.
+    assert sum(stages.values()) == 3 * threads and not stages["in_flight"], stages
+    assert stages["completed"] <= effects <= stages["completed"] + stages["effect_unknown"]
     assert _verified(capsys, ledger)
