@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ import httpx
 import pytest
 from hostilekit import HostileSearch, Script, answer, hostile_search, whole
 from toolkit import AUTH, KEY, SEND, charge, declare, lossy_transport, lost_send
+from toolkit import cli_json as cli
 
 from effectguard import AsyncGuardTransport
 from effectguard.callpath.resolve import MAX_ANSWER_BYTES
@@ -444,18 +443,6 @@ def proxied(
         assert state["stage"] == "effect_unknown"
         yield Proxied(proxy, state["call_id"])
     assert cli("verify", "--ledger", str(ledger))["ok"] is True
-
-
-def cli(*args: str) -> Any:
-    """The real ``effectguard`` command with ``--json``: exit 0, its parsed output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout)
 
 
 def cli_calls(ledger: Path) -> list[dict[str, Any]]:

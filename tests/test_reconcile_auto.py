@@ -13,7 +13,6 @@ Effects are counted only from the fake provider's receipt log.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from toolkit import cli_json as cli
 
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
 
@@ -37,18 +37,6 @@ CHAT = "/openai/v1/chat/completions"
 def email(to: str) -> dict[str, Any]:
     """A request to the flat ``send_email`` tool."""
     return {"to": to, "subject": "hello", "body": "hi"}
-
-
-def cli(*args: str) -> Any:
-    """Run the real ``effectguard`` command with ``--json``; assert exit 0; parse stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout)
 
 
 def upstreams(fake: FakeProvider) -> dict[str, str]:

@@ -10,11 +10,8 @@ with real crashes and the fake provider's receipts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
@@ -25,6 +22,7 @@ import httpx
 import pytest
 from conftest import FAST
 from toolkit import AUTH, KEY, SEND, charge, charges, declare, lossy_transport, lost_send
+from toolkit import cli_json as cli
 
 from effectguard import AsyncGuardTransport
 from effectguard.callpath.resolve import facts_of
@@ -76,18 +74,6 @@ async def test_transport_hook_decides_unknown_calls(
     (decided,) = [e.data for e in events if e.kind == "call.reconciled"]
     assert decided["by"] == "hook" and "evidence sha256:" in decided["note"]
     await finish(t)
-
-
-def cli(*args: str) -> Any:
-    """Run the real ``effectguard`` command with ``--json``; assert exit 0; parse stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout)
 
 
 def _proxy(ledger: Path, fake: FakeProvider, args: tuple[str, ...], crash_at: str | None) -> Any:

@@ -9,16 +9,15 @@ deduplicates it), not be answered with the stored 503.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from fakes import RunningFake, running_fake
+from toolkit import cli_json as _cli
 
 from effectguard.providers import load_providers
 from effectguard.testing import Proxy, running_proxy
@@ -200,18 +199,6 @@ def test_a_postmark_batch_is_refused_before_anything_is_sent(tmp_path: Path) -> 
         one = httpx.post(p.url + "/postmark/email", json=batch[0], headers=token)
         assert one.status_code == 200, one.text
         assert len(email.effects()) == 1
-
-
-def _cli(*args: str) -> Any:
-    """The real ``effectguard`` command with ``--json``: exit 0, its parsed output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout)
 
 
 @pytest.mark.slow

@@ -5,6 +5,9 @@ whose first send is lost on the way, leaving that call ``effect_unknown``."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -118,3 +121,15 @@ async def lost_send(client: httpx.AsyncClient, url: str, body: Any, **kwargs: An
     assert first.json()["error"]["type"] == "effect_unknown", first.text
     call_id: str = first.headers["effectguard-call-id"]
     return call_id
+
+
+def cli_json(*args: str) -> Any:
+    """The real ``effectguard`` command with ``--json``: assert exit 0, parse its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
