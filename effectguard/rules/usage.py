@@ -378,7 +378,9 @@ def reservation(
     total = input_bytes * price.input + output * price.output
     searches = _search_bound(request) * (price.web_search or 0)
     # A tool's (flat) body is its own: its fields are no result counts.
-    per_call = (price.per_call or 0) * (1 if dialect == "flat" else choices(request))
+    per_call = price.per_call or 0
+    if per_call and dialect != "flat":  # read only where a per-call price is multiplied
+        per_call *= choices(request)
     reserve = _ceil_nanos(total) + per_call + searches
     if reserve > MAX_CALL_NANOS:
         raise OutOfBounds(
