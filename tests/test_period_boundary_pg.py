@@ -43,7 +43,7 @@ ROOM = 20
 CLIENTS = 300
 #: Seconds of the ledger's clock before the boundary when the replicas start: enough for
 #: three processes to start, after which the test waits for the burst's start.
-LEAD_S = 25.0
+LEAD_S = 12.0
 #: The clients start one after another over this many seconds, centred on the boundary.
 SPREAD_S = 3.0
 #: The provider holds each admitted call this long, so every reservation of the burst is
