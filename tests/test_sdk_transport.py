@@ -987,7 +987,9 @@ async def test_a_reader_cancelled_mid_stream_leaves_its_call_to_settle(
     await finish(t)
 
 
-def test_a_sync_reader_interrupted_mid_stream_leaves_its_call_to_settle(ledger_path: str) -> None:
+def test_a_sync_reader_interrupted_mid_stream_leaves_its_call_to_settle(
+    ledger_path: str, default_sigint: None
+) -> None:
     """The same through GuardTransport: Ctrl-C (KeyboardInterrupt) while the sync SDK waits
     for a chunk ends the caller's wait; once the stream is closed the rest is read and the
     call settled completed, never cut short."""

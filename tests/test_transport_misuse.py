@@ -341,7 +341,10 @@ def test_streams_dropped_unread_settle_while_their_transport_runs(
 
 
 def test_an_interrupt_before_the_call_is_sent_sends_nothing(
-    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    provider: FakeProvider,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    default_sigint: None,
 ) -> None:
     """Ctrl-C (KeyboardInterrupt) while the sync transport waits to admit a call cancels
     it, as a cancelled async caller is: its attempt is recorded as never sent, and nothing
