@@ -23,7 +23,7 @@ bound is loose, since the WAL keeps the largest size it reached while a verify h
 snapshot.
 
 ``EFFECTGUARD_SOAK_S`` sets the duration (default 60 s, the shortest run that compares
-sizes; about 66 s of wall time, which keeps CI well inside its half hour). The ledger
+sizes; about 66 s of wall time, half of what it took of CI's time before). The ledger
 reaches its steady size some 15 s in, so the size is compared only from 60 s on: shorter
 runs are for working on the test itself; a longer soak is ``EFFECTGUARD_SOAK_S=600``.
 """
