@@ -562,6 +562,35 @@ async def test_error_after_send_is_effect_unknown_never_retried_and_held(
     await finish(t)
 
 
+class ProcessExit(BaseException):
+    """Not an error: what SystemExit or KeyboardInterrupt is to a dispatch."""
+
+
+async def test_a_dispatch_ended_by_a_process_exit_stays_in_flight_and_close_does_not_wait_for_it(
+    make_transport: MakeTransport,
+) -> None:
+    """An exception that is not an error, raised while the request is out, reaches the
+    caller; the ledger keeps the call in flight (nothing is known of it: recovery marks it),
+    and closing the transport does not wait its 30 s drain for a dispatch that is over."""
+    sent: list[httpx.Request] = []
+
+    def exits(request: httpx.Request) -> httpx.Response:
+        sent.append(request)  # respx counts no call that raised a BaseException
+        raise ProcessExit
+
+    t = make_transport()
+    with respx.mock(base_url=OPENAI, assert_all_called=False) as mock:
+        mock.post("/v1/chat/completions").mock(side_effect=exits)
+        client = httpx.AsyncClient(transport=t)
+        with pytest.raises(ProcessExit):
+            await post(client, key="k-exit")
+    assert len(sent) == 1
+    call = await only_call(t)
+    assert (call.stage, call.attempts, call.idempotency_key) == ("in_flight", 1, "k-exit")
+    # A bound on a hang (the drain waits 30 s), not a timing claim.
+    await asyncio.wait_for(t.aclose(), timeout=10)
+
+
 @pytest.mark.parametrize("error", [httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout])
 async def test_error_before_send_is_not_sent_retried_and_released(
     error: type[httpx.TransportError], make_transport: MakeTransport, finish: Finish

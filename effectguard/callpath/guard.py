@@ -228,6 +228,13 @@ class Guard:
             # A fault of ours after admission: the call must not stay in flight for good.
             self.recorder.spawn(self._mark_unknown(admitted.call_id, f"internal error: {exc!r}"))
             raise
+        except BaseException:
+            # KeyboardInterrupt, SystemExit: the process is going down mid-call. Nothing
+            # is known of the call, so the ledger keeps it in flight for recovery to mark
+            # (contract.md §3.9); only this process's mark goes, or closing the transport
+            # would wait its whole drain for a dispatch that is over, and joiners with it.
+            self.recorder.finish(admitted.call_id)
+            raise
 
     def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
         """End a call whose caller can wait no longer (the drain timeout of a shutdown).
