@@ -228,12 +228,8 @@ class Guard:
             # A fault of ours after admission: the call must not stay in flight for good.
             self.recorder.spawn(self._mark_unknown(admitted.call_id, f"internal error: {exc!r}"))
             raise
-        except BaseException:
-            # KeyboardInterrupt, SystemExit: the process is going down mid-call. Nothing
-            # is known of the call, so the ledger keeps it in flight for recovery to mark
-            # (contract.md §3.9); only this process's mark goes, or closing the transport
-            # would wait its whole drain for a dispatch that is over, and joiners with it.
-            self.recorder.finish(admitted.call_id)
+        except BaseException:  # SystemExit, Ctrl-C: left in flight for recovery (§3.8),
+            self.recorder.finish(admitted.call_id)  # but no drain or joiner waits for it
             raise
 
     def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
