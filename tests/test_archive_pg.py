@@ -190,8 +190,13 @@ def test_pg_archive_in_steps_copies_the_chain_range_by_range_and_survives_a_cras
         ) as proxy,
         ThreadPoolExecutor(4) as pool,
     ):
-        keyed = [pool.submit(post, proxy, n, **{"Idempotency-Key": f"s-{n}"}) for n in range(12)]
-        assert {f.result().status_code for f in keyed} == {200}
+        # Three waves of four: calls of a wave overlap, and a cut falls between waves
+        # however loaded the machine, so what the killed step leaves takes 2 steps or more
+        # (12 calls sent at once overlapped end to end on a busy CI and left one cut).
+        for wave in range(3):
+            ns = range(4 * wave, 4 * wave + 4)
+            keyed = [pool.submit(post, proxy, n, **{"Idempotency-Key": f"s-{n}"}) for n in ns]
+            assert {f.result().status_code for f in keyed} == {200}
         rows = "SELECT seq, kind, call_id, data, digest FROM {} WHERE seq <= %s ORDER BY seq"
         head = sql(pg_url, "SELECT max(seq) FROM events")[0][0]
         before = sql(pg_url, rows.format("events"), (head,))
@@ -210,7 +215,7 @@ def test_pg_archive_in_steps_copies_the_chain_range_by_range_and_survives_a_cras
         verified(pg_url, capsys)
 
         rest = archive(pg_url, capsys, "--step-events", "5")
-        assert rest["steps"] > 2 and rest["files"] == [], rest
+        assert rest["steps"] >= 2 and rest["files"] == [], rest
         assert sql(pg_url, "SELECT count(*) FROM calls") == [(0,)]
         assert sql(pg_url, "SELECT count(*) FROM archives") == [(rest["steps"] + 1,)]
         assert sql(pg_url, rows.format("archived_events"), (head,)) == before
