@@ -382,13 +382,15 @@ def test_error_status_header_shapes(provider: FakeProvider) -> None:
 
 def test_error_status_and_delay_flags(tmp_path: Path) -> None:
     """--error-status and --delay are defaults that a request header can override."""
-    with fake_provider(tmp_path / "r.jsonl", error_status=503, delay=0.3) as running:
+    # A delay far above any loaded machine's answer time: the override is told apart
+    # from the default by a margin of seconds, not a tenth.
+    with fake_provider(tmp_path / "r.jsonl", error_status=503, delay=2.0) as running:
         started = time.monotonic()
         assert post(running, "/v1/send", {}).status_code == 503
-        assert time.monotonic() - started >= 0.3
+        assert time.monotonic() - started >= 2.0
         started = time.monotonic()
         answer = post(running, "/v1/send", {}, **{"x-fake-status": "200", "x-fake-delay": "0"})
-        assert answer.status_code == 200 and time.monotonic() - started < 0.3
+        assert answer.status_code == 200 and time.monotonic() - started < 2.0
 
 
 # -- per-request behaviour (x-fake-behaviour) --------------------------------
