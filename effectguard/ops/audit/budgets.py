@@ -39,6 +39,8 @@ DELTAS: Final[dict[str, Callable[[dict[str, Any]], Counters]]] = {
     "budget.corrected": lambda d: (0, d["actual"] - d["settled"], 0),
 }
 _NAMES: Final = ("reserved", "spent", "held")
+#: The periods of a call admitted in none (never written to: only compared).
+_NO_PERIODS: Final[Mapping[str, str]] = {}
 
 
 @dataclass
@@ -78,7 +80,7 @@ class Budgets:
     def __init__(self) -> None:
         self.nodes: dict[tuple[str, str], Node] = {}
         self.policies: dict[str, Policy] = {}
-        self._call_periods: dict[str, dict[str, str]] = {}
+        self._call_periods: dict[str, Mapping[str, str]] = {}
 
     def feed(
         self, seq: int, kind: str, data: dict[str, Any], at: float = 0.0, call: str | None = None
@@ -133,7 +135,9 @@ class Budgets:
                 _, period_kind, tz, *_ = self.policies.get(path, NO_POLICY)
                 if period_kind != "total":
                     expected[path] = self._admitted_in(path, period_kind, tz, at, recorded)
-            self._call_periods[key] = admitted = expected
+            # Most calls are admitted in no period: they share one empty mapping (a
+            # verify keeps every call's until its last event).
+            self._call_periods[key] = admitted = expected or _NO_PERIODS
         if admitted is not None and recorded != admitted:
             return [
                 f"event {seq}: {kind} names periods {recorded} but the call was admitted in "

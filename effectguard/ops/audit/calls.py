@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import sys
 from typing import Any, Final
 
 from effectguard.ops.audit import table
@@ -50,12 +51,44 @@ MANIFEST_KEPT: Final = (
     "at",
     "provider_idempotency_window_s",
 )
+#: Kept manifest fields whose values repeat across calls: kept once, not once per call.
+_SHARED: Final = frozenset({"provider", "model", "budget", "budget_root"})
+#: A manifest field the call's manifest does not have (None is a value it may have).
+_ABSENT: Final = object()
+_KEPT_AT: Final = {name: i for i, name in enumerate(MANIFEST_KEPT)}
 #: Outcomes only the worker that started the attempt may write.
 OWN_OUTCOMES: Final = frozenset({"attempt.observed", "attempt.not_sent", "budget.settled"})
 
 
 class CallFold:
-    """The verifier's view of one call, built event by event."""
+    """The verifier's view of one call, built event by event.
+
+    A verify holds every call's fold until the ledger's last event, so a fold keeps
+    little: slots, the manifest's kept fields as a tuple, and the strings that repeat
+    across calls (worker, provider, model, budgets) interned rather than once per call.
+    """
+
+    __slots__ = (
+        "attempt_reserve",
+        "attempts",
+        "call_id",
+        "cost",
+        "decided_cost",
+        "flagged",
+        "held",
+        "last_attempt_at",
+        "last_kind",
+        "last_seq",
+        "manifest",
+        "phase",
+        "resend_authorized",
+        "resent_unknown",
+        "reserved",
+        "reserved_at_admission",
+        "stage",
+        "starters",
+        "status",
+    )
 
     def __init__(self, call_id: str) -> None:
         self.call_id = call_id
@@ -63,11 +96,12 @@ class CallFold:
         self.stage = "new"
         self.last_seq = 0
         self.last_kind = ""
-        self.manifest: dict[str, Any] = {}
+        #: MANIFEST_KEPT's values, in its order (``_ABSENT`` where the manifest has none).
+        self.manifest: tuple[Any, ...] = ()
         self.attempts = 0
-        self.starter: tuple[str, int] = ("", 0)
-        #: Who started each attempt: a late answer must name the one that dispatched it.
-        self.starters: dict[int, tuple[str, int]] = {}
+        #: Who started each attempt, in order (attempt n at n - 1): a late answer must
+        #: name the one that dispatched it.
+        self.starters: tuple[tuple[str, int], ...] = ()
         self.last_attempt_at = 0.0
         self.attempt_reserve = 0
         self.reserved_at_admission = 0
@@ -113,7 +147,7 @@ class CallFold:
             self.stage = stage
         data = stored.data
         if stored.kind == "call.manifest":
-            self.manifest = {k: data[k] for k in MANIFEST_KEPT if k in data}
+            self.manifest = tuple(_kept(name, data) for name in MANIFEST_KEPT)
         elif stored.kind == "call.resend_authorized":
             self.resend_authorized = True
         elif stored.kind in ("attempt.interrupted", "call.reconciled") or (
@@ -122,8 +156,8 @@ class CallFold:
             self.resend_authorized = False  # spent by an attempt that may have had its effect
             self.resent_unknown = False
         elif stored.kind == "attempt.started":
-            self.attempts = int(data["attempt"])
-            self.starter = self.starters[self.attempts] = (stored.worker, stored.generation)
+            self.attempts = int(data["attempt"])  # one more than before: _attempt_problems
+            self.starters += ((sys.intern(stored.worker), stored.generation),)
             self.last_attempt_at = float(data.get("at", 0.0))
         elif stored.kind == "attempt.observed":
             self.status = int(data["status"])
@@ -157,14 +191,24 @@ class CallFold:
             return self._late_answer_problems(data, where)
         return []
 
+    @property
+    def starter(self) -> tuple[str, int]:
+        """The worker and generation that started the last attempt (none: empty)."""
+        return self.starters[-1] if self.starters else ("", 0)
+
+    def kept(self, name: str, default: Any = None) -> Any:
+        """The manifest's ``name`` (one of MANIFEST_KEPT), or ``default`` if it has none."""
+        value = self.manifest[_KEPT_AT[name]] if self.manifest else _ABSENT
+        return default if value is _ABSENT else value
+
     def _late_answer_problems(self, data: dict[str, Any], where: str) -> list[str]:
         """A late answer belongs to an attempt started, and names who dispatched it."""
         attempt = data.get("attempt")
-        if not isinstance(attempt, int) or attempt not in self.starters:
+        if not isinstance(attempt, int) or not 0 < attempt <= len(self.starters):
             return [f"{where}: attempt.late_answer for attempt {attempt}, which never started"]
         named = (data.get("observed_by"), data.get("generation"))
-        if named != self.starters[attempt]:
-            worker, generation = self.starters[attempt]
+        if named != self.starters[attempt - 1]:
+            worker, generation = self.starters[attempt - 1]
             return [
                 f"{where}: attempt.late_answer names {named[0]} (generation {named[1]}) as its "
                 f"observer, but attempt {attempt} was started by {worker} (generation {generation})"
@@ -175,7 +219,7 @@ class CallFold:
         """Check an event's amounts against the call's money so far, then apply them."""
         kind = refined.split(":")[0]
         problems: list[str] = []
-        if kind.startswith("budget.") and data.get("budget") != self.manifest.get("budget"):
+        if kind.startswith("budget.") and data.get("budget") != self.kept("budget"):
             problems.append(
                 f"{where}: {kind} charges {data.get('budget')!r}, not the call's budget"
             )
@@ -235,18 +279,18 @@ class CallFold:
 
     def projection(self) -> dict[str, Any]:
         """The call's state as the store should keep it (docs/contract.md §6 plus its money)."""
-        m = self.manifest
+        m = self.kept
         return {
             "call_id": self.call_id,
             "stage": self.stage,
             "attempts": self.attempts,
-            "idempotency_key": m.get("idempotency_key"),
-            "request_hash": m.get("request_hash", ""),
-            "provider": m.get("provider", ""),
-            "model": m.get("model"),
-            "budget": m.get("budget", ""),
-            "budget_root": m.get("budget_root", ""),
-            "created_at": m.get("at", 0.0),
+            "idempotency_key": m("idempotency_key"),
+            "request_hash": m("request_hash", ""),
+            "provider": m("provider", ""),
+            "model": m("model"),
+            "budget": m("budget", ""),
+            "budget_root": m("budget_root", ""),
+            "created_at": m("at", 0.0),
             "last_attempt_at": self.last_attempt_at,
             "reserved_at_admission": self.reserved_at_admission,
             "reserved": self.reserved,
@@ -255,7 +299,7 @@ class CallFold:
             "status": self.status,
             "worker": self.starter[0],
             "flagged": self.flagged,
-            "idempotency_window_s": m.get("provider_idempotency_window_s"),
+            "idempotency_window_s": m("provider_idempotency_window_s"),
             "resend_authorized": self.resend_authorized,
         }
 
@@ -266,6 +310,11 @@ class CallFold:
         if self.stage == "refused":
             out["idempotency_key"] = None
         return out
+
+
+def _kept(name: str, data: dict[str, Any]) -> Any:
+    value = data.get(name, _ABSENT)
+    return sys.intern(value) if name in _SHARED and type(value) is str else value
 
 
 def _result_problems(data: dict[str, Any], where: str) -> list[str]:
