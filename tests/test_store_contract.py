@@ -1100,6 +1100,29 @@ async def test_verify_of_a_live_ledger_reports_no_false_corruption(
     assert report.ok, report.problems
 
 
+async def test_verify_pages_through_the_calls_rows_and_kept_states(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """verify reads the calls' rows and kept states a page at a time, in the store's order
+    of call ids: pages of one and of two give every call once, and verify with one call a
+    page checks and counts them all."""
+    ids = [(await admit_ok(ledger, w1, req(ns, key=f"k{n}"))).call_id for n in range(5)]
+    for limit in (1, 2):
+        rows: list[str] = []
+        while page := await ledger.store.call_columns(rows[-1] if rows else None, limit):
+            assert 0 < len(page) <= limit
+            rows += [str(row[0]) for row in page]
+        kept: list[str] = []
+        while states := await ledger.store.kept_states(kept[-1] if kept else None, limit):
+            assert 0 < len(states) <= limit
+            kept += [state.call_id for state in states]
+        # In flight, so every store keeps each one's state in its row.
+        assert sorted(rows) == sorted(kept) == sorted(ids), (rows, kept)
+    report = await verify_ledger(ledger, page=1)
+    assert report.ok, report.problems
+    assert report.calls == len(ids)
+
+
 async def test_a_caller_whose_loop_closed_does_not_wedge_the_writer(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:

@@ -186,6 +186,26 @@ async def test_verify_pages_through_the_whole_chain(built: Built) -> None:
     assert report.events == built.events
 
 
+async def test_rows_read_a_call_a_page_are_each_compared(built: Built) -> None:
+    """verify reads the calls' rows and kept states in pages: with one call a page, a
+    wrong column of each of the three calls (three pages) is named, and a call whose
+    row is gone is named on no page and still found."""
+    calls = (built.completed, built.reconciled, built.in_flight)
+    with raw(built.path) as conn:
+        for call_id in calls:
+            conn.execute("UPDATE calls SET provider = 'elsewhere' WHERE call_id = ?", key(call_id))
+    async with Ledger.open(str(built.path)) as ledger:
+        report = await verify_ledger(ledger, page=1)
+    for call_id in calls:
+        assert [p for p in report.problems if p.startswith(f"call {call_id}: columns differ")]
+    with raw(built.path) as conn:
+        conn.execute("DELETE FROM calls WHERE call_id = ?", key(built.reconciled))
+    async with Ledger.open(str(built.path)) as ledger:
+        report = await verify_ledger(ledger, page=1)
+    gone = f"call {built.reconciled}: stored state None differs from the projection"
+    assert [p for p in report.problems if p.startswith(gone)], report.problems
+
+
 #: Edits of one event's data, each stored back into its record without resealing it.
 EDITS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
     ("call.manifest", lambda data: data | {"body": "something else"}),

@@ -312,10 +312,12 @@ class LedgerStore(Protocol):
         the spend page reads a few hundred sums, not tens of thousands of calls."""
         ...
 
-    async def kept_states(self) -> list[WorkState]:
-        """Every call state the store keeps in its calls' rows, for ``verify`` (SQLite
-        keeps a call's state only while it is unresolved and folds it from the events on
-        read after that; the other stores keep every call's)."""
+    async def kept_states(self, after: str | None, limit: int) -> list[WorkState]:
+        """Up to ``limit`` of the call states the store keeps in its calls' rows, of the
+        calls after ``after`` in the store's own order of call ids (None: from the first),
+        in that order: ``verify`` pages through them (SQLite keeps a call's state only
+        while it is unresolved and folds it from the events on read after that; the
+        other stores keep every call's)."""
         ...
 
     async def lookup_problems(self) -> list[tuple[int, str]]:
@@ -362,9 +364,10 @@ class LedgerStore(Protocol):
         """Whether a write transaction can commit now."""
         ...
 
-    async def call_columns(self) -> list[tuple[Any, ...]]:
-        """Every call's columns ``verify`` compares with its events: the indexed ones
-        (``rows.INDEX_COLUMNS``), then its spend (``rows.SPEND_COLUMNS``)."""
+    async def call_columns(self, after: str | None, limit: int) -> list[tuple[Any, ...]]:
+        """The columns ``verify`` compares with a call's events, of up to ``limit`` calls
+        after ``after`` (as :meth:`kept_states` pages): the indexed ones
+        (``rows.INDEX_COLUMNS``, the call id first), then its spend (``rows.SPEND_COLUMNS``)."""
         ...
 
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:

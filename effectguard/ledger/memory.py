@@ -266,9 +266,13 @@ class MemoryStore:
         with self.tables.lock:
             return [e for e in self.tables.events if e.call_id == call_id]
 
-    async def kept_states(self) -> list[WorkState]:
+    async def kept_states(self, after: str | None, limit: int) -> list[WorkState]:
         with self.tables.lock:
-            return list(self.tables.calls.values())
+            return [self.tables.calls[c] for c in self._ids_after(after, limit)]
+
+    def _ids_after(self, after: str | None, limit: int) -> list[str]:
+        """Up to ``limit`` call ids after ``after``, in order (the caller holds the lock)."""
+        return sorted(c for c in self.tables.calls if after is None or c > after)[:limit]
 
     async def lookup_problems(self) -> list[tuple[int, str]]:
         return []  # a call's events are found by scanning them: nothing to disagree
@@ -374,11 +378,10 @@ class MemoryStore:
                 for seq, chunk in enumerate(chunks)
             ]
 
-    async def call_columns(self) -> list[tuple[Any, ...]]:
+    async def call_columns(self, after: str | None, limit: int) -> list[tuple[Any, ...]]:
         with self.tables.lock:
-            return [
-                (*state_params(s)[:-1], s.model, s.cost, s.held) for s in self.tables.calls.values()
-            ]
+            states = [self.tables.calls[c] for c in self._ids_after(after, limit)]
+        return [(*state_params(s)[:-1], s.model, s.cost, s.held) for s in states]
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[None]:

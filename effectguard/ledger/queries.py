@@ -193,7 +193,11 @@ class Queries:
     def _spends(self, index: str, spend: str, spend_from: str, day: str, newest_first: str) -> None:
         """The reads of calls' money (rows.SPEND_COLUMNS): verify's, and the spend page's."""
         m = self.mark
-        self.call_columns = f"SELECT {index}, {spend} FROM {spend_from}"
+        # verify's pages, in the order of the table's own key (the call id).
+        self.call_columns = (
+            f"SELECT {index}, {spend} FROM {spend_from} "
+            f"WHERE calls.call_id > {m} ORDER BY calls.call_id LIMIT {m}"
+        )
         self.call_spend = (
             f"SELECT created_at, provider, {spend} FROM {spend_from} WHERE created_at >= {m} "
             f"ORDER BY {newest_first} LIMIT {m}"
@@ -217,8 +221,12 @@ class Queries:
     def _sweep_page(self, state: str) -> None:
         """The resolver's page of unknown calls: after a (created_at, call id) cursor, in
         that order, so each sweep reads its page and no more (``UNRESOLVED_SQL`` first:
-        SQLite then reads the small partial index of unresolved calls)."""
+        SQLite then reads the small partial index of unresolved calls); and verify's page
+        of every call's state, in the order of the table's key."""
         m = self.mark
+        self.states_after = (
+            f"SELECT {state} FROM calls WHERE call_id > {m} ORDER BY call_id LIMIT {m}"
+        )
         self.unknown_after = (
             f"SELECT {state} FROM calls WHERE {UNRESOLVED_SQL} AND stage = 'effect_unknown' "
             f"AND (created_at > {m} OR (created_at = {m} AND call_id > {m})) "

@@ -62,7 +62,10 @@ CALL_READ = ", ".join(COLUMN_FIELDS).replace("worker", _WORKER_NAME) + ", idempo
 #: :func:`index_columns` reads a row of it.
 INDEX_READ = INDEX_COLUMNS.replace("worker", _WORKER_NAME)
 #: Rows that keep a state (``verify`` compares each with the events).
-KEPT_READ = f"SELECT {CALL_READ} FROM calls WHERE state IS NOT NULL"
+KEPT_READ = (
+    f"SELECT {CALL_READ} FROM calls WHERE state IS NOT NULL AND calls.call_id > ? "
+    "ORDER BY calls.call_id LIMIT ?"
+)
 _KEY = names(INDEX_COLUMNS).index("request_hash")
 _SLIM = itemgetter(*SLIM_FIELDS)
 _COMPACT = json.JSONEncoder(separators=(",", ":"))

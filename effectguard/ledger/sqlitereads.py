@@ -46,9 +46,9 @@ class SqliteReads(SqlReads):
                 events[row[2]] += kinds_and_data(row)  # no digest: a fold needs none
         return {key: sqlitecalls.fold_data(found) for key, found in events.items()}
 
-    async def kept_states(self) -> list[WorkState]:
+    async def kept_states(self, after: str | None, limit: int) -> list[WorkState]:
         """The states rows keep: unresolved calls', and any stored before migration 14."""
-        rows = await self._fetch(sqlitecalls.KEPT_READ)
+        rows = await self._fetch(sqlitecalls.KEPT_READ, (self._key_after(after), limit))
         return [s for s in map(sqlitecalls.state_from_row, rows) if s is not None]
 
     async def lookup_problems(self) -> list[tuple[int, str]]:

@@ -80,10 +80,16 @@ class SqlReads(ABC):
         events. A store whose rows always keep their state never needs this."""
         raise LedgerCorrupt(f"calls {list(keys)[:3]}: their rows keep no state")
 
-    async def kept_states(self) -> list[WorkState]:
-        """Every state the store keeps in its calls' rows (``verify`` compares each with
-        the events; here, every call's)."""
-        return await self.list_calls(limit=1 << 62)
+    async def kept_states(self, after: str | None, limit: int) -> list[WorkState]:
+        """A page of the states the store keeps in its calls' rows (``verify`` compares
+        each with the events; here, every call's)."""
+        rows = await self._fetch(self.queries.states_after, (self._key_after(after), limit))
+        return await self._states(rows)
+
+    def _key_after(self, after: str | None) -> Any:
+        """``after`` as the calls' key column compares it; None: below every key (the
+        empty text: every stored key is a non-empty text, or SQLite's bytes, above all text)."""
+        return "" if after is None else self.call_key(after)
 
     async def call_events(self, call_id: str) -> list[StoredEvent]:
         """A call's events in ledger order."""
@@ -167,10 +173,11 @@ class SqlReads(ABC):
         rows = await self._fetch(self.queries.stage_counts)
         return [(r[0], r[1], int(r[2]), int(r[3]), float(r[4])) for r in rows]
 
-    async def call_columns(self) -> list[tuple[Any, ...]]:
-        """Every call's indexed columns (rows.INDEX_COLUMNS), then its spend
+    async def call_columns(self, after: str | None, limit: int) -> list[tuple[Any, ...]]:
+        """A page of calls' indexed columns (rows.INDEX_COLUMNS), then their spend
         (rows.SPEND_COLUMNS)."""
-        return [self.decode_index(r) for r in await self._fetch(self.queries.call_columns)]
+        rows = await self._fetch(self.queries.call_columns, (self._key_after(after), limit))
+        return [self.decode_index(r) for r in rows]
 
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key row (revoked and expired ones too), by name."""

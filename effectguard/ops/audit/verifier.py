@@ -71,6 +71,10 @@ class Verifier:
         self.rates = Rates()
         self.calls: dict[str, CallFold] = {}
         self.bodies = Bodies()
+        #: Calls with a stored row or state and events (their folds' own id strings).
+        self._stored: set[str] = set()
+        #: Calls with a stored row or state but no event (each named once).
+        self._eventless: set[str] = set()
 
     def feed(self, stored: StoredEvent) -> None:
         """Check one event: its place in the chain, its writer, its meaning, its money."""
@@ -135,7 +139,9 @@ class Verifier:
                     f"call {call_id}: ends after {fold.last_kind} (event {fold.last_seq}) "
                     f"without the {fold.unfinished} that must follow (an event is missing)",
                 )
-        self._states(call_states, self._columns(call_columns))
+        self.check_columns(call_columns)
+        self.check_states(call_states)
+        self._stateless()
         self._budgets(budget_rows, last)
         if policy_rows is not None:
             self._policies(policy_rows, last)
@@ -156,18 +162,15 @@ class Verifier:
         for seq, problem in self.bodies.check(rows, refused, self.chain.expected_seq - 1):
             self.report.broken(seq, problem)
 
-    def _columns(self, rows: Iterable[CallColumns]) -> set[str]:
-        """Compare each call row's columns with the fold; the calls with a row."""
-        found = set()
+    def check_columns(self, rows: Iterable[CallColumns]) -> None:
+        """Compare stored call rows' columns with the folds: a page at a time, once every
+        event is fed and before :meth:`finish` (which checks what no page held)."""
         for row in rows:
-            found.add(str(row[0]))
             fold = self.calls.get(row[0])
             if fold is None:
-                self.report.broken(
-                    self.chain.expected_seq - 1,
-                    f"call {row[0]}: stored, but no event belongs to it",
-                )
+                self._no_events(str(row[0]))
                 continue
+            self._stored.add(fold.call_id)
             want = fold.columns()
             diff = [
                 f"{name}={got!r} (events: {want[name]!r})"
@@ -178,32 +181,36 @@ class Verifier:
                 self.report.broken(
                     fold.last_seq, f"call {row[0]}: columns differ: {', '.join(diff)}"
                 )
-        return found
 
-    def _states(self, states: Iterable[Mapping[str, Any]], rows: set[str]) -> None:
-        """Every call has a row, and every state a store keeps is the fold's. (A store
-        may keep a call's state only while it is unresolved, and fold it on read.)"""
-        stored = {str(s.get("call_id")): s for s in states}
-        self.report.calls = len(rows | set(stored))
-        for call_id in sorted(rows | set(stored) | set(self.calls)):
-            have, fold = stored.get(call_id), self.calls.get(call_id)
+    def check_states(self, states: Iterable[Mapping[str, Any]]) -> None:
+        """Compare kept call states with the folds, a page at a time (as :meth:`check_columns`).
+        A store may keep a call's state only while it is unresolved, and fold it on read."""
+        for have in states:
+            call_id = str(have.get("call_id"))
+            fold = self.calls.get(call_id)
             if fold is None:
-                if call_id not in rows:  # a row without events is named by _columns
-                    self.report.broken(
-                        self.chain.expected_seq - 1,
-                        f"call {call_id}: stored, but no event belongs to it",
-                    )
+                self._no_events(call_id)
                 continue
-            want = fold.projection()
-            if have is None:
-                if call_id not in rows:
-                    self.report.broken(
-                        fold.last_seq,
-                        f"call {call_id}: stored state None differs "
-                        f"from the projection of its events ({want['stage']})",
-                    )
-                continue
-            self._state(call_id, have, want, fold.last_seq)
+            self._stored.add(fold.call_id)
+            self._state(call_id, have, fold.projection(), fold.last_seq)
+
+    def _no_events(self, call_id: str) -> None:
+        if call_id not in self._eventless:
+            self._eventless.add(call_id)
+            self.report.broken(
+                self.chain.expected_seq - 1, f"call {call_id}: stored, but no event belongs to it"
+            )
+
+    def _stateless(self) -> None:
+        """Every call with events has a row or a kept state."""
+        self.report.calls = len(self._stored) + len(self._eventless)
+        for call_id in sorted(set(self.calls) - self._stored):
+            fold = self.calls[call_id]
+            self.report.broken(
+                fold.last_seq,
+                f"call {call_id}: stored state None differs "
+                f"from the projection of its events ({fold.projection()['stage']})",
+            )
 
     def _state(self, call_id: str, have: Mapping[str, Any], want: dict[str, Any], seq: int) -> None:
         if have.get("stage") != want["stage"]:
