@@ -160,7 +160,13 @@ class SqlReads(ABC):
         # ``limit`` rows hold at least ``limit`` events; the first may begin at or before
         # ``seq`` (a record that ends after it).
         rows = await self._fetch(self.queries.events_after, (seq, limit))
-        found = [e for r in rows for e in self.decode_events(r) if e.seq > seq]
+        found: list[StoredEvent] = []
+        for row in rows:
+            # Decoded only as far as the page goes: the rows past it are read again by
+            # the next page (decoding all of them read every event about three times).
+            found += [e for e in self.decode_events(row) if e.seq > seq]
+            if len(found) >= limit:
+                break
         return found[:limit]
 
     async def workers(self) -> list[WorkerRow]:
