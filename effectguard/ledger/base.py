@@ -351,6 +351,11 @@ class LedgerStore(Protocol):
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
         ...
 
+    async def checkpoint_events(self) -> list[StoredEvent]:
+        """Every ``ledger.archived`` event (an archive's checkpoint), in ledger order, read
+        without decoding the other events."""
+        ...
+
     async def rate_windows(self) -> list[RateWindow]:
         """Every stored rate window (one per node that has counted a minute)."""
         ...

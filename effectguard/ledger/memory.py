@@ -343,6 +343,10 @@ class MemoryStore:
         with self.tables.lock:
             return [e for e in self.tables.events if e.kind == BudgetLimitSet.kind]
 
+    async def checkpoint_events(self) -> list[StoredEvent]:
+        with self.tables.lock:
+            return [e for e in self.tables.events if e.kind == "ledger.archived"]
+
     async def rate_windows(self) -> list[RateWindow]:
         with self.tables.lock:
             return sorted(self.tables.windows.values(), key=lambda w: w.path)

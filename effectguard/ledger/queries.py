@@ -180,10 +180,7 @@ class Queries:
         self._shallow_nodes()
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
-        #: Served by the partial index ``events_limits`` (the literal must match it).
-        self.limit_events = (
-            f"SELECT {ev} FROM events e WHERE kind = 'budget.limit_set' ORDER BY e.seq"
-        )
+        self._kinds(ev)
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0), min(created_at) "
             f"FROM calls WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
@@ -208,6 +205,18 @@ class Queries:
             f"SELECT {day} AS day, provider, model, sum(coalesce(cost, 0)), sum(held), "
             "sum(CASE WHEN coalesce(cost, 0) <> 0 OR held <> 0 THEN 1 ELSE 0 END), "
             f"count(*), min(created_at) FROM ({self.call_spend}) AS w GROUP BY 1, 2, 3"
+        )
+
+    def _kinds(self, ev: str) -> None:
+        """Events of one kind, read without decoding the others (both kinds are stored as
+        text in every format, each in a row of its own)."""
+        #: Served by the partial index ``events_limits`` (the literal must match it).
+        self.limit_events = (
+            f"SELECT {ev} FROM events e WHERE kind = 'budget.limit_set' ORDER BY e.seq"
+        )
+        #: The archive's checkpoints: few, so a scan of the kind column, with no index.
+        self.checkpoint_events = (
+            f"SELECT {ev} FROM events e WHERE kind = 'ledger.archived' ORDER BY e.seq"
         )
 
     def _shallow_nodes(self) -> None:

@@ -194,6 +194,11 @@ class SqlReads(ABC):
         rows = await self._fetch(self.queries.limit_events)
         return [e for r in rows for e in self.decode_events(r)]
 
+    async def checkpoint_events(self) -> list[StoredEvent]:
+        """Every ``ledger.archived`` event (an archive's checkpoint), in ledger order."""
+        rows = await self._fetch(self.queries.checkpoint_events)
+        return [e for r in rows for e in self.decode_events(r)]
+
     async def copy_body(self, call_id: str, out: BinaryIO) -> int:
         """Write ``call_id``'s by-reference body to ``out``, one chunk (one read) at a time."""
         key = self.call_key(call_id)

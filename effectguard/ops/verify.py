@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
 
 from effectguard.ledger import Ledger
 from effectguard.ledger.base import LedgerStore
@@ -37,7 +36,7 @@ async def verify_ledger(ledger: Ledger, page: int = 1000) -> VerifyReport:
     """
     verifier = Verifier()
     async with ledger.store.snapshot():
-        await _resume_at_cut(ledger, verifier, page)
+        await _resume_at_cut(ledger, verifier)
         seq = 0
         while True:
             batch = await ledger.store.events_after(seq, page)
@@ -125,7 +124,7 @@ async def read_bodies(store: LedgerStore) -> list[BodyRow]:
     return rows
 
 
-async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
+async def _resume_at_cut(ledger: Ledger, verifier: Verifier) -> None:
     """Where events were archived, start the verifier from the checkpoint of the cut.
 
     The live chain then begins after the archived range; the checkpoint that archived
@@ -137,23 +136,14 @@ async def _resume_at_cut(ledger: Ledger, verifier: Verifier, page: int) -> None:
     if not head or head[0].seq == 1:
         return
     first = head[0].seq
-    found: dict[str, Any] | None = None
-    seq = 0
-    while True:
-        batch = await ledger.store.events_after(seq, page)
-        if not batch:
-            break
-        # The cut's checkpoint was the newest event when it was written: stop at it
-        # rather than read the whole ledger once more before verify reads it.
-        found = next(
-            (
-                s.data
-                for s in batch
-                if s.kind == checkpoint.KIND and s.data.get("last_seq") == first - 1
-            ),
-            None,
-        )
-        if found is not None:
-            break
-        seq = batch[-1].seq
+    # Read by its kind, not found by decoding every live event before it (which read
+    # the live ledger twice: once here, once to verify it).
+    found = next(
+        (
+            s.data
+            for s in await ledger.store.checkpoint_events()
+            if s.kind == checkpoint.KIND and s.data.get("last_seq") == first - 1
+        ),
+        None,
+    )
     checkpoint.resume(verifier, found, first=first)
