@@ -215,6 +215,22 @@ def test_contract_paths_with_two_events_swapped_are_refused(name: str) -> None:
     assert any("illegal transition" in p for p in verifier.report.problems)
 
 
+def test_rows_compared_in_pages_are_named_after_what_the_events_lack() -> None:
+    """verify compares the stored rows a page at a time after the events: a call that
+    ends without an event it needs is still named before any row's problem, as the
+    report promises (the chain, the events' meaning, then the stored projections)."""
+    verifier = Verifier()
+    for stored in seal_all([*admit(), observed(1, 200)]):  # no settlement follows
+        verifier.feed(stored)
+    verifier.end_of_events()
+    columns = verifier.calls["c"].columns() | {"provider": "elsewhere"}
+    verifier.check_columns([tuple(columns.values())])
+    problems = verifier.finish([], [], worker_rows=None).problems
+    ends = [i for i, p in enumerate(problems) if "without the" in p]
+    rows = [i for i, p in enumerate(problems) if "columns differ" in p]
+    assert ends and rows and max(ends) < min(rows), problems
+
+
 def verify_rows(rows: list[Any]) -> list[str]:
     """The verifier's problems with ``rows``."""
     verifier = Verifier()

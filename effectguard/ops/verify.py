@@ -83,6 +83,7 @@ async def verify_ledger(ledger: Ledger, page: int = 1000) -> VerifyReport:
 async def _compare_calls(store: LedgerStore, verifier: Verifier, page: int) -> None:
     """Hand the calls' stored rows, then their kept states, to the verifier a page at a
     time: it holds every call's fold already, and need not hold every row beside them."""
+    verifier.end_of_events()  # its problems come before the rows', as the report says
     after: str | None = None
     while columns := await store.call_columns(after, page):
         verifier.check_columns(columns)

@@ -75,6 +75,7 @@ class Verifier:
         self._stored: set[str] = set()
         #: Calls with a stored row or state but no event (each named once).
         self._eventless: set[str] = set()
+        self._ended = False
 
     def feed(self, stored: StoredEvent) -> None:
         """Check one event: its place in the chain, its writer, its meaning, its money."""
@@ -131,14 +132,7 @@ class Verifier:
         """Check every call ended in a stage, then compare the stored projections (and,
         given ``body_rows``, the bodies stored by reference)."""
         last = self.chain.expected_seq - 1
-        for call_id in sorted(self.calls):
-            fold = self.calls[call_id]
-            if fold.unfinished is not None:
-                self.report.broken(
-                    fold.last_seq,
-                    f"call {call_id}: ends after {fold.last_kind} (event {fold.last_seq}) "
-                    f"without the {fold.unfinished} that must follow (an event is missing)",
-                )
+        self.end_of_events()
         self.check_columns(call_columns)
         self.check_states(call_states)
         self._stateless()
@@ -162,9 +156,24 @@ class Verifier:
         for seq, problem in self.bodies.check(rows, refused, self.chain.expected_seq - 1):
             self.report.broken(seq, problem)
 
+    def end_of_events(self) -> None:
+        """Every event is fed: name each call that ends without an event it needs. (Once;
+        :meth:`finish` calls it if the caller did not, before any page of rows.)"""
+        if self._ended:
+            return
+        self._ended = True
+        for call_id in sorted(self.calls):
+            fold = self.calls[call_id]
+            if fold.unfinished is not None:
+                self.report.broken(
+                    fold.last_seq,
+                    f"call {call_id}: ends after {fold.last_kind} (event {fold.last_seq}) "
+                    f"without the {fold.unfinished} that must follow (an event is missing)",
+                )
+
     def check_columns(self, rows: Iterable[CallColumns]) -> None:
-        """Compare stored call rows' columns with the folds: a page at a time, once every
-        event is fed and before :meth:`finish` (which checks what no page held)."""
+        """Compare stored call rows' columns with the folds: a page at a time, after
+        :meth:`end_of_events` and before :meth:`finish` (which checks what no page held)."""
         for row in rows:
             fold = self.calls.get(row[0])
             if fold is None:
