@@ -139,12 +139,6 @@ async def _resume_at_cut(ledger: Ledger, verifier: Verifier) -> None:
     first = head[0].seq
     # Read by its kind, not found by decoding every live event before it (which read
     # the live ledger twice: once here, once to verify it).
-    found = next(
-        (
-            s.data
-            for s in await ledger.store.checkpoint_events()
-            if s.kind == checkpoint.KIND and s.data.get("last_seq") == first - 1
-        ),
-        None,
-    )
+    checkpoints = await ledger.store.checkpoint_events()
+    found = next((c.data for c in checkpoints if c.data.get("last_seq") == first - 1), None)
     checkpoint.resume(verifier, found, first=first)
