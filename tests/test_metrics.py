@@ -515,8 +515,8 @@ class NodesRead:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    async def budget_nodes(self, *args: Any) -> list[Any]:
-        nodes: list[Any] = await self._store.budget_nodes(*args)
+    async def budget_nodes(self, *args: Any, **kwargs: Any) -> list[Any]:
+        nodes: list[Any] = await self._store.budget_nodes(*args, **kwargs)
         self.paths |= {n.path for n in nodes}
         return nodes
 

@@ -37,6 +37,7 @@ from effectguard.ledger.sqliteschema import MIGRATIONS
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules import periods
 from effectguard.rules.budget import BudgetPolicy
+from effectguard.rules.budgetview import budget_view, view_periods
 from effectguard.testing.clock import ManualClock
 
 BERLIN = "Europe/Berlin"
@@ -316,3 +317,49 @@ async def test_a_clock_stepped_back_across_midnight_keeps_charging_the_new_day(
     refused = await ledger.admit(w1, req(ns))
     assert refused.refusal is not None and "2026-03-10" in refused.refusal.message
     assert await in_period(ledger, ns, "2026-03-09") == (R, 0, 0, 0)
+
+
+async def test_a_view_reads_only_its_periods_and_shows_what_every_row_would(
+    ledger: Ledger, w1: Writer, ns: str, moves: LedgerTime
+) -> None:
+    """A view of one period reads, of a node with a policy, only that period's counters (a
+    daily node gains a row a day; a page of today read every past day), and shows exactly
+    what the view of every stored row shows: for today, a past instant, a local date, a
+    day's, a month's and the total's label, at every depth. A node moved from daily to
+    monthly keeps its past days visible by label; a node with no policy keeps its rows."""
+    moves.set(local("2026-11-29T22:30:00", "UTC"))
+    await ledger.set_policy(BudgetPolicy(ns, 100 * R, "month", BERLIN))
+    await ledger.set_policy(BudgetPolicy(f"{ns}/a", 10 * R, "day", "UTC"))
+    await ledger.set_policy(BudgetPolicy(f"{ns}/k", 10 * R, "day", "Asia/Kathmandu"))
+    await ledger.set_policy(BudgetPolicy(f"{ns}/moved", 10 * R, "day", "UTC"))
+    for _ in range(3):  # three days, charged on each node and one without a policy
+        for budget in ("a", "k", "moved", "a/run"):
+            await admit_ok(ledger, w1, req(ns, budget=f"{ns}/{budget}"))
+        moves.advance(86400)
+    await ledger.set_policy(BudgetPolicy(f"{ns}/moved", 10 * R, "month", "UTC"))
+    policies = await ledger.policies()
+    every_row = await ledger.store.budget_nodes()
+    at = await ledger.store.clock_now()
+    views: list[dict[str, object]] = [
+        {"at": at},
+        {"at": local("2026-11-30T12:00:00", "UTC")},
+        {"on": datetime(2026, 11, 30).date()},
+        {"period": "2026-11-30"},
+        {"period": "2026-12"},
+        {"period": "total"},
+    ]
+    for view in views:
+        for depth in (None, 1, 2):
+            shown = await ledger.budgets(depth=depth, **view)  # type: ignore[arg-type]
+            kept = {p: v for p, v in policies.items() if depth is None or p.count("/") < depth}
+            rows = [n for n in every_row if depth is None or n.path.count("/") < depth]
+            when = view.get("at", at)
+            expected = budget_view(kept, rows, when, view.get("period"), view.get("on"))  # type: ignore[arg-type]
+            assert shown == expected, (view, depth)
+    today = await ledger.store.budget_nodes(None, view_periods(policies, at))
+    assert {n.key for n in today} < {n.key for n in every_row}
+    assert {n.key for n in every_row if n.path == f"{ns}/a/run"} <= {n.key for n in today}
+    past_days = {n.period for n in every_row if n.path == f"{ns}/a"} - {n.period for n in today}
+    assert len(past_days) == 3  # its three past days' rows were not read (today has none)
+    moved = {n.path: n for n in await ledger.budgets(period="2026-11-30")}
+    assert moved[f"{ns}/moved"].reserved == R  # a past day of a node now monthly

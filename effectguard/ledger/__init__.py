@@ -28,7 +28,7 @@ from effectguard.ledger.base import (
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
-from effectguard.rules.budgetview import budget_view
+from effectguard.rules.budgetview import budget_view, view_periods
 from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
@@ -330,8 +330,10 @@ class Ledger:
         policies = await self.policies()
         if depth is not None:
             policies = {p: v for p, v in policies.items() if p.count("/") < depth}
-        counters = await self.store.budget_nodes(depth)
         # The period admission charges now, by the store's clock (on PostgreSQL the
         # database's, which every replica shares), not this host's.
         when = await self.store.clock_now() if at is None else at
+        # Only the periods the view shows: a node with a daily period gains a row a day.
+        wanted = view_periods(policies, when, period, on)
+        counters = await self.store.budget_nodes(depth, wanted)
         return budget_view(policies, counters, when, period, on)

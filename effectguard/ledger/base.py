@@ -17,7 +17,7 @@ generation); the store refuses writes of a fenced writer before running them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, TypeVar
@@ -325,10 +325,14 @@ class LedgerStore(Protocol):
         disagrees with the events (SQLite: its per-call links); for ``verify``."""
         ...
 
-    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
-        """Every stored ``(path, period)`` counter row (``limit`` left None); given a
-        ``depth``, only those of paths with fewer than ``depth`` ``/`` (1: the roots), so
-        a reader of the top of the tree reads no per-user node."""
+    async def budget_nodes(
+        self, depth: int | None = None, periods: Collection[str] | None = None
+    ) -> list[BudgetNode]:
+        """Every stored ``(path, period)`` counter row (``limit`` left None), ordered by
+        path and period. Given a ``depth``, only those of paths with fewer than ``depth``
+        ``/`` (1: the roots), so a reader of the top of the tree reads no per-user node.
+        Given ``periods``, a path that has a policy keeps only its rows of those labels
+        (a view of today reads no past day); a path with no policy keeps every row."""
         ...
 
     async def budget_policies(self) -> list[BudgetPolicy]:

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 from effectguard.errors import LedgerUnavailable
@@ -316,10 +316,16 @@ class MemoryStore:
     async def spend_sums(self, since: float, limit: int) -> SpendSums:
         return sum_spend(await self.call_spend(since, limit))
 
-    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
+    async def budget_nodes(
+        self, depth: int | None = None, periods: Collection[str] | None = None
+    ) -> list[BudgetNode]:
         with self.tables.lock:
+            policies = self.tables.policies
             nodes = [
-                n for n in self.tables.nodes.values() if depth is None or n.path.count("/") < depth
+                n
+                for n in self.tables.nodes.values()
+                if (depth is None or n.path.count("/") < depth)
+                and (periods is None or n.period in periods or n.path not in policies)
             ]
         return sorted(nodes, key=lambda n: n.key)
 

@@ -172,12 +172,10 @@ class Queries:
         )
         # -- scans (operators, metrics, verify)
         self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
-        self.all_nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods ORDER BY path, period"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self._spends(index, spend, spend_from, day, newest_first)
         self._sweep_page(state)
-        self._shallow_nodes()
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
         self._kinds(ev)
@@ -219,13 +217,21 @@ class Queries:
             f"SELECT {ev} FROM events e WHERE kind = 'ledger.archived' ORDER BY e.seq"
         )
 
-    def _shallow_nodes(self) -> None:
-        """Nodes of paths with fewer ``/`` than the parameter (a root has none): what the
-        metrics label, read without the per-user nodes below them."""
-        self.shallow_nodes = (
-            f"SELECT {NODE_COLUMNS} FROM budget_periods WHERE "
-            f"length(path) - length(replace(path, '/', '')) < {self.mark} ORDER BY path, period"
-        )
+    def budget_nodes(self, depth: bool, periods: int | None) -> str:
+        """Counter rows, by path and period. ``depth``: of paths with fewer ``/`` than a
+        parameter (a root has none), what the metrics label, read without the per-user
+        nodes below them; ``periods``: of a path that has a policy, only the rows of that
+        many period labels (parameters), so a view of one period does not read every past
+        day of every node (a path with no policy keeps every row: see
+        ``LedgerStore.budget_nodes``). The depth's parameter comes first."""
+        where = []
+        if depth:
+            where.append(f"length(path) - length(replace(path, '/', '')) < {self.mark}")
+        if periods is not None:
+            labels = ",".join([self.mark] * periods) or "NULL"
+            where.append(f"(period IN ({labels}) OR path NOT IN (SELECT path FROM budgets))")
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        return f"SELECT {NODE_COLUMNS} FROM budget_periods{clause} ORDER BY path, period"
 
     def _sweep_page(self, state: str) -> None:
         """The resolver's page of unknown calls: after a (created_at, call id) cursor, in

@@ -9,7 +9,7 @@ query on its read connection (translating driver errors at that boundary).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, BinaryIO
 
 from effectguard.errors import BodyMismatch, LedgerCorrupt
@@ -142,14 +142,15 @@ class SqlReads(ABC):
         oldest = min((float(r[7]) for r in rows), default=None)
         return SpendSums(tuple(days), count, oldest)
 
-    async def budget_nodes(self, depth: int | None = None) -> list[BudgetNode]:
-        """Every stored ``(path, period)`` counter row (``limit`` left None), of paths
-        with fewer than ``depth`` ``/`` when given."""
-        if depth is None:
-            rows = await self._fetch(self.queries.all_nodes)
-        else:
-            rows = await self._fetch(self.queries.shallow_nodes, (depth,))
-        return [node_from_row(r) for r in rows]
+    async def budget_nodes(
+        self, depth: int | None = None, periods: Collection[str] | None = None
+    ) -> list[BudgetNode]:
+        """Stored ``(path, period)`` counter rows (``limit`` left None), as
+        ``LedgerStore.budget_nodes`` says."""
+        labels = None if periods is None else sorted(periods)
+        sql = self.queries.budget_nodes(depth is not None, None if labels is None else len(labels))
+        params = ([] if depth is None else [depth]) + (labels or [])
+        return [node_from_row(r) for r in await self._fetch(sql, params)]
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         """Every declared budget policy."""

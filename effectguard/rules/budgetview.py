@@ -16,6 +16,27 @@ from effectguard.rules import periods
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 
 
+def view_periods(
+    policies: Mapping[str, BudgetPolicy],
+    at: float,
+    label: str | None = None,
+    on: date | None = None,
+) -> frozenset[str]:
+    """The period labels :func:`budget_view` can read of a node that has a policy, given
+    the same arguments: of such a node, a store need return no other counter row.
+
+    A node with no policy has only the default policy's counters (admission charges a
+    node in its policy's period), and the view reads every row it has: stores return
+    those whatever their label (see ``LedgerStore.budget_nodes``).
+    """
+    if label is not None:
+        return frozenset((label,))
+    calendars = {(p.period, p.tz) for p in policies.values()}  # few, however many nodes
+    if on is not None:
+        return frozenset(periods.label_of_date(kind, on) for kind, _ in calendars)
+    return frozenset(periods.label(kind, tz, at) for kind, tz in calendars)
+
+
 def budget_view(
     policies: Mapping[str, BudgetPolicy],
     counters: Iterable[BudgetNode],
