@@ -383,3 +383,39 @@ def test_the_budget_page_says_whose_day_a_period_is(stack: Stack) -> None:
     ).text
     after = periods.label("day", zone, time.time())
     assert f"{before} ({zone})" in page or f"{after} ({zone})" in page
+
+
+def test_the_budget_page_opens_the_tree_a_few_levels_at_a_time(stack: Stack) -> None:
+    """Per-run nodes add a node with every run: the page shows two levels, each name opens
+    the tree below it, and past 500 nodes it lists 500 and counts the rest. A path given
+    is a path, never a pattern, and is shown escaped."""
+    import asyncio
+
+    from effectguard.ledger import Ledger
+    from effectguard.rules.budget import BudgetPolicy
+
+    async def declare() -> None:
+        async with Ledger.open(stack.proxy.ledger) as ledger:
+            for path in ["wide/team/u1/run-1", *(f"wide/many/u{i:03d}" for i in range(501))]:
+                await ledger.set_policy(BudgetPolicy(path, 10**9))
+
+    asyncio.run(declare())
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+    def shown(under: str | None) -> str:
+        params = {} if under is None else {"under": under}
+        got = httpx.get(stack.url + PAGE + "budgets", params=params, headers=bearer)
+        assert got.status_code == 200, got.text
+        return got.text
+
+    top = shown(None)
+    assert 'title="wide/team"' in top and 'title="wide/team/u1"' not in top
+    assert 'href="/_effectguard/budgets?under=wide/team"' in top
+    team = shown("wide/team")
+    assert 'title="wide/team/u1/run-1"' in team and 'title="wide/many"' not in team
+    many = shown("wide/many")
+    assert many.count('title="wide/many/u') == 499  # the node itself and 499 below it
+    assert "2 more nodes at these levels are not listed" in many
+    assert "No budget node here." in shown("w%")
+    hostile = shown("<script>alert(1)</script>")
+    assert "<script>alert" not in hostile and "&lt;script&gt;" in hostile

@@ -361,5 +361,8 @@ async def test_a_view_reads_only_its_periods_and_shows_what_every_row_would(
     assert {n.key for n in every_row if n.path == f"{ns}/a/run"} <= {n.key for n in today}
     past_days = {n.period for n in every_row if n.path == f"{ns}/a"} - {n.period for n in today}
     assert len(past_days) == 3  # its three past days' rows were not read (today has none)
+    subtree = await ledger.budgets(under=f"{ns}/a")
+    assert [n.path for n in subtree] == [f"{ns}/a", f"{ns}/a/run"]
+    assert await ledger.budgets(under=f"{ns}/_") == await ledger.budgets(under=f"{ns}/%") == []
     moved = {n.path: n for n in await ledger.budgets(period="2026-11-30")}
     assert moved[f"{ns}/moved"].reserved == R  # a past day of a node now monthly

@@ -27,7 +27,7 @@ from effectguard.ledger.base import (
 )
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
-from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
 from effectguard.rules.budgetview import budget_view, view_periods
 from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
@@ -319,21 +319,25 @@ class Ledger:
         period: str | None = None,
         on: date | None = None,
         depth: int | None = None,
+        under: str | None = None,
     ) -> list[BudgetNode]:
         """Every budget node in one period, with its limit.
 
         By default each node is shown in its period containing now; ``at`` picks another
         instant, ``on`` a local date (in each node's timezone) and ``period`` a label (only
         nodes whose period has labels of that form). ``depth`` keeps the nodes of paths
-        with fewer than ``depth`` ``/`` (1: the roots), read as such from the store.
+        with fewer than ``depth`` ``/`` (1: the roots), ``under`` the node at that path and
+        its descendants, each read as such from the store.
         """
-        policies = await self.policies()
-        if depth is not None:
-            policies = {p: v for p, v in policies.items() if p.count("/") < depth}
+        policies = {
+            p: v
+            for p, v in (await self.policies()).items()
+            if (depth is None or p.count("/") < depth) and (under is None or is_under(p, under))
+        }
         # The period admission charges now, by the store's clock (on PostgreSQL the
         # database's, which every replica shares), not this host's.
         when = await self.store.clock_now() if at is None else at
         # Only the periods the view shows: a node with a daily period gains a row a day.
         wanted = view_periods(policies, when, period, on)
-        counters = await self.store.budget_nodes(depth, wanted)
+        counters = await self.store.budget_nodes(depth, wanted, under)
         return budget_view(policies, counters, when, period, on)

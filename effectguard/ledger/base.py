@@ -326,13 +326,17 @@ class LedgerStore(Protocol):
         ...
 
     async def budget_nodes(
-        self, depth: int | None = None, periods: Collection[str] | None = None
+        self,
+        depth: int | None = None,
+        periods: Collection[str] | None = None,
+        under: str | None = None,
     ) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None), ordered by
         path and period. Given a ``depth``, only those of paths with fewer than ``depth``
         ``/`` (1: the roots), so a reader of the top of the tree reads no per-user node.
         Given ``periods``, a path that has a policy keeps only its rows of those labels
-        (a view of today reads no past day); a path with no policy keeps every row."""
+        (a view of today reads no past day); a path with no policy keeps every row. Given
+        ``under``, only that path's rows and its descendants'."""
         ...
 
     async def budget_policies(self) -> list[BudgetPolicy]:

@@ -28,7 +28,7 @@ from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.bodyref import SpooledBody
-from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key, is_under
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
@@ -317,7 +317,10 @@ class MemoryStore:
         return sum_spend(await self.call_spend(since, limit))
 
     async def budget_nodes(
-        self, depth: int | None = None, periods: Collection[str] | None = None
+        self,
+        depth: int | None = None,
+        periods: Collection[str] | None = None,
+        under: str | None = None,
     ) -> list[BudgetNode]:
         with self.tables.lock:
             policies = self.tables.policies
@@ -326,6 +329,7 @@ class MemoryStore:
                 for n in self.tables.nodes.values()
                 if (depth is None or n.path.count("/") < depth)
                 and (periods is None or n.period in periods or n.path not in policies)
+                and (under is None or is_under(n.path, under))
             ]
         return sorted(nodes, key=lambda n: n.key)
 

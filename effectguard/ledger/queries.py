@@ -217,19 +217,23 @@ class Queries:
             f"SELECT {ev} FROM events e WHERE kind = 'ledger.archived' ORDER BY e.seq"
         )
 
-    def budget_nodes(self, depth: bool, periods: int | None) -> str:
-        """Counter rows, by path and period. ``depth``: of paths with fewer ``/`` than a
-        parameter (a root has none), what the metrics label, read without the per-user
-        nodes below them; ``periods``: of a path that has a policy, only the rows of that
-        many period labels (parameters), so a view of one period does not read every past
-        day of every node (a path with no policy keeps every row: see
-        ``LedgerStore.budget_nodes``). The depth's parameter comes first."""
+    def budget_nodes(self, depth: bool, periods: int | None, under: bool) -> str:
+        """Counter rows, by path and period, with a parameter for each filter asked for,
+        in this order. ``depth``: of paths with fewer ``/`` than a parameter (a root has
+        none), what the metrics label, read without the per-user nodes below them;
+        ``periods``: of a path that has a policy, only the rows of that many period labels,
+        so a view of one period does not read every past day of every node (a path with no
+        policy keeps every row: see ``LedgerStore.budget_nodes``); ``under``: of a path and
+        its descendants (two parameters, :meth:`subtree`'s)."""
+        m = self.mark
         where = []
         if depth:
-            where.append(f"length(path) - length(replace(path, '/', '')) < {self.mark}")
+            where.append(f"length(path) - length(replace(path, '/', '')) < {m}")
         if periods is not None:
-            labels = ",".join([self.mark] * periods) or "NULL"
+            labels = ",".join([m] * periods) or "NULL"
             where.append(f"(period IN ({labels}) OR path NOT IN (SELECT path FROM budgets))")
+        if under:
+            where.append(f"(path = {m} OR path LIKE {m} ESCAPE '\\')")
         clause = f" WHERE {' AND '.join(where)}" if where else ""
         return f"SELECT {NODE_COLUMNS} FROM budget_periods{clause} ORDER BY path, period"
 

@@ -143,13 +143,20 @@ class SqlReads(ABC):
         return SpendSums(tuple(days), count, oldest)
 
     async def budget_nodes(
-        self, depth: int | None = None, periods: Collection[str] | None = None
+        self,
+        depth: int | None = None,
+        periods: Collection[str] | None = None,
+        under: str | None = None,
     ) -> list[BudgetNode]:
         """Stored ``(path, period)`` counter rows (``limit`` left None), as
         ``LedgerStore.budget_nodes`` says."""
         labels = None if periods is None else sorted(periods)
-        sql = self.queries.budget_nodes(depth is not None, None if labels is None else len(labels))
-        params = ([] if depth is None else [depth]) + (labels or [])
+        sql = self.queries.budget_nodes(
+            depth is not None, None if labels is None else len(labels), under is not None
+        )
+        params: list[Any] = [] if depth is None else [depth]
+        params += labels or []
+        params += [] if under is None else self.queries.subtree(under)
         return [node_from_row(r) for r in await self._fetch(sql, params)]
 
     async def budget_policies(self) -> list[BudgetPolicy]:

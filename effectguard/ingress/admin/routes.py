@@ -118,8 +118,7 @@ class AdminPage:
             await ex.html(200, page("Call", body, who=session.name, csrf=csrf, notice=notice))
             return
         elif sub == "budgets":
-            policies = await self._ledger.policies()
-            body = views.budget_tree(await self._ledger.budgets(), policies)
+            body = await self._budgets(ex.param("under") or None)
         elif sub == "spend":
             body = await self._spend(ex.param("days"))
         elif sub == "login":
@@ -128,6 +127,13 @@ class AdminPage:
         else:
             raise Refused(404, "there is no such page")
         await ex.html(200, page("Operator", body, who=session.name, csrf=csrf))
+
+    async def _budgets(self, under: str | None) -> str:
+        # A few levels below the node opened, not the whole tree: per-run nodes
+        # (team/alice/run-42) add a node with every run, and a page must not read them all.
+        depth = views.BUDGET_LEVELS + (0 if under is None else under.count("/") + 1)
+        nodes = await self._ledger.budgets(depth=depth, under=under)
+        return views.budget_tree(nodes, await self._ledger.policies(), under=under, depth=depth)
 
     async def _unknown_calls(self) -> str:
         # The totals are one aggregate and the list the oldest few, read in that order by

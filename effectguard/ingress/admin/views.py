@@ -10,6 +10,7 @@ import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from effectguard.ingress.admin import charts
 from effectguard.ingress.admin.markup import (
@@ -24,7 +25,7 @@ from effectguard.ingress.admin.markup import (
 )
 from effectguard.ingress.admin.spend import SpendTable
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
-from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
@@ -255,36 +256,101 @@ def call_page(state: WorkState, events: Sequence[StoredEvent], *, now: float, cs
     )
 
 
-def budget_tree(nodes: Sequence[BudgetNode], policies: Mapping[str, BudgetPolicy]) -> str:
-    """Every budget node, parents before children, in its current period, with its use
-    against its limit."""
-    if not nodes:
-        return '<h1>Budgets</h1><p class="empty">No budget has been used yet.</p>'
-    rows = []
-    for node in sorted(nodes, key=lambda n: n.path.split("/")):
-        depth = node.path.count("/")
-        name = node.path.rsplit("/", 1)[-1]
-        rows.append(
-            [
-                f'<span style="padding-left:{depth * 18}px" title="{attr(node.path)}">'
-                f"{esc(name)}</span>",
-                esc(_period(node, policies.get(node.path))),
-                usd(node.limit),
-                usd(node.spent),
-                usd(node.reserved),
-                usd(node.held),
-                usd(node.room),
-                charts.use_bar(node.committed, node.limit),
-            ]
-        )
-    headings = ["budget", "period", "limit", "spent", "reserved", "held", "room"]
-    headings.append("use (spent+reserved+held)")
+#: Levels of the budget tree a page shows below the node it opens (the roots at the top).
+BUDGET_LEVELS = 2
+#: Most nodes a budget page lists; the rest are counted, and reached by opening a node.
+BUDGET_ROWS = 500
+
+
+def budget_tree(
+    nodes: Sequence[BudgetNode],
+    policies: Mapping[str, BudgetPolicy],
+    *,
+    under: str | None = None,
+    depth: int = BUDGET_LEVELS,
+) -> str:
+    """The nodes at ``under`` and below it (the whole tree's top without it), down to
+    paths of ``depth`` - 1 ``/``, parents before children, each in its current period with
+    its use against its limit; each name opens the tree below that node."""
+    head = f"<h1>Budgets</h1>{_trail(under)}"
+    if not nodes and not any(under is None or is_under(p, under) for p in policies):
+        empty = "No budget has been used yet." if under is None else "No budget node here."
+        return f'{head}<p class="empty">{esc(empty)}</p>'
+    base = 0 if under is None else under.count("/")
+    ordered = sorted(
+        _with_ancestors(nodes, policies, under, depth), key=lambda n: n.path.split("/")
+    )
+    rows = [_budget_row(n, policies.get(n.path), base, n.path != under) for n in ordered]
     note = (
         '<p class="muted">A call is charged to its budget and every ancestor; use counts '
         "spent, reserved and held money against the node's limit, in the node's current "
-        "period (a day, week or month of its own time zone).</p>"
+        f"period (a day, week or month of its own time zone). {BUDGET_LEVELS} levels are "
+        "shown: open a node to see the nodes below it.</p>"
     )
-    return f"<h1>Budgets</h1>{note}{table(headings, rows, (2, 3, 4, 5, 6))}"
+    more = ""
+    if len(rows) > BUDGET_ROWS:
+        more = (
+            f'<p class="flash error">{len(rows) - BUDGET_ROWS} more nodes at these levels '
+            "are not listed: open a node to see its part of the tree.</p>"
+        )
+        rows = rows[:BUDGET_ROWS]
+    headings = ["budget", "period", "limit", "spent", "reserved", "held", "room"]
+    headings.append("use (spent+reserved+held)")
+    return f"{head}{note}{more}{table(headings, rows, (2, 3, 4, 5, 6))}"
+
+
+def _with_ancestors(
+    nodes: Sequence[BudgetNode],
+    policies: Mapping[str, BudgetPolicy],
+    under: str | None,
+    depth: int,
+) -> list[BudgetNode]:
+    """``nodes`` and, as empty nodes, the shown ancestors of deeper nodes that have a
+    policy but were never charged (a charge reaches every ancestor; a policy does not):
+    without them such a node could not be reached from the top of the tree."""
+    shown = {n.path for n in nodes}
+    out = list(nodes)
+    for path in policies:
+        if under is not None and not is_under(path, under):
+            continue
+        parts = path.split("/")
+        for i in range(min(len(parts), depth)):
+            ancestor = "/".join(parts[: i + 1])
+            if ancestor not in shown and (under is None or is_under(ancestor, under)):
+                shown.add(ancestor)
+                out.append(BudgetNode(ancestor))
+    return out
+
+
+def _budget_link(path: str, text: str) -> str:
+    return f'<a href="{PREFIX}budgets?under={attr(quote(path, safe="/"))}">{esc(text)}</a>'
+
+
+def _trail(under: str | None) -> str:
+    """Where the page stands in the tree: the top, then each ancestor of ``under``."""
+    if under is None:
+        return ""
+    parts = under.split("/")
+    steps = [f'<a href="{PREFIX}budgets">all budgets</a>']
+    steps += [_budget_link("/".join(parts[: i + 1]), p) for i, p in enumerate(parts[:-1])]
+    steps.append(esc(parts[-1]))
+    return f"<p>{' / '.join(steps)}</p>"
+
+
+def _budget_row(node: BudgetNode, policy: BudgetPolicy | None, base: int, link: bool) -> list[str]:
+    name = node.path.rsplit("/", 1)[-1]
+    shown = _budget_link(node.path, name) if link else esc(name)
+    indent = (node.path.count("/") - base) * 18
+    return [
+        f'<span style="padding-left:{indent}px" title="{attr(node.path)}">{shown}</span>',
+        esc(_period(node, policy)),
+        usd(node.limit),
+        usd(node.spent),
+        usd(node.reserved),
+        usd(node.held),
+        usd(node.room),
+        charts.use_bar(node.committed, node.limit),
+    ]
 
 
 def _period(node: BudgetNode, policy: BudgetPolicy | None) -> str:
