@@ -78,10 +78,43 @@ class HttpxUpstream:
         self.extensions: dict[str, Any] = dict(response.extensions)
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
-        return self.response.aiter_raw()
+        # The stream itself, not ``response.aiter_raw()``: that closes the response at its
+        # end, which pools the connection before :meth:`aclose` can look at what is left.
+        stream = self.response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        return stream.__aiter__()
 
     async def aclose(self) -> None:
+        _refuse_pooling_after_leftovers(self.response.stream)
         await self.response.aclose()
+
+
+#: How an httpx response stream reaches its HTTP/1.1 connection: httpx's own stream over
+#: httpcore's pool stream, over the connection's stream (and a sync transport's wrapper).
+_INNER = ("_stream", "_httpcore_stream", "_connection")
+
+
+def _refuse_pooling_after_leftovers(stream: object) -> None:
+    """Keep the connection of an answer read to its end out of the pool if the upstream
+    sent bytes after it (contract §12, "An answer belongs to the request it follows").
+
+    httpcore starts the connection's next exchange on whatever h11 received past the
+    answer, so an upstream that writes a second answer behind the first one (or a body
+    on a 204) would answer the next call on that connection, perhaps another client's,
+    with its own usage. A connection whose state is marked failed is closed, not pooled,
+    when the answer closes. httpcore keeps the h11 state in private attributes; if they
+    move, nothing is found and tests/test_transport_wire.py fails.
+    """
+    node = stream
+    for _ in range(6):
+        h11_state = getattr(node, "_h11_state", None)
+        if h11_state is not None:
+            if h11_state.trailing_data[0]:
+                h11_state.send_failed()
+            return
+        node = next((n for a in _INNER if (n := getattr(node, a, None)) is not None), None)
+        if node is None:
+            return
 
 
 def httpx_send(send: HttpxSend) -> Send:
@@ -108,10 +141,13 @@ class _ReplyBody(httpx.AsyncByteStream):
 def httpx_response(reply: Reply, request: httpx.Request | None = None) -> httpx.Response:
     """The guard's :class:`Reply` as an ``httpx.Response`` to ``request``."""
     if reply.body is not None:
+        # A stream of the body as the upstream sent it, not ``content=``: httpx would read
+        # (and decode) that at once, and the caller's client, reading it again, would find
+        # gzip'd headers on decoded bytes, or a consumed stream where it asks for the raw one.
         return httpx.Response(
             reply.status,
             headers=reply.headers,
-            content=reply.body,
+            stream=httpx.ByteStream(reply.body),
             request=request,
             extensions=reply.extensions,
         )

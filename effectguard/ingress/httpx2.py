@@ -32,7 +32,7 @@ def _to_httpx(request: httpx2.Request, body: bytes) -> httpx.Request:
 def _to_httpx2(
     response: httpx.Response, stream: httpx2.SyncByteStream | httpx2.AsyncByteStream
 ) -> httpx2.Response:
-    if response.is_stream_consumed:  # the guard already holds the whole body
+    if response.is_stream_consumed:  # effectguard's own answer (a refusal), built whole
         return httpx2.Response(
             response.status_code,
             headers=response.headers.multi_items(),

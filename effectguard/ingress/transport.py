@@ -177,7 +177,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "goes on and is settled: resend with the same Idempotency-Key for its answer",
                 request=request,
             ) from None
-        if not response.is_stream_consumed:
+        if not isinstance(response.stream, httpx.ByteStream):  # else the body is held whole
             # A caller that stops waiting, closes or drops the stream must not end its
             # upstream read (callerstream). Past read_s the upstream leg's own timeout
             # ends the stream first: no need to pace the caller beyond it.
@@ -275,18 +275,13 @@ class GuardTransport(httpx.BaseTransport):
             extensions=request.extensions,
         )
         response: httpx.Response = self._portal.run(self._async.handle_async_request(async_request))
-        if response.is_stream_consumed:  # the guard already holds the whole body
-            return httpx.Response(
-                response.status_code,
-                headers=response.headers,
-                content=response.content,
-                extensions=response.extensions,
-                request=request,
-            )
+        stream = response.stream
+        if not isinstance(stream, httpx.ByteStream):  # else the guard holds the whole body
+            stream = _PortalStream(self._portal, response)
         return httpx.Response(
             response.status_code,
             headers=response.headers,
-            stream=_PortalStream(self._portal, response),
+            stream=stream,
             extensions=response.extensions,
             request=request,
         )

@@ -1,0 +1,153 @@
+"""The in-process transports against an upstream that plays HTTP/1.1 on a raw socket.
+
+* A gzip-coded answer reaches the caller's client as it was sent: decoded once, raw
+  bytes readable, on the sync and the async transport (the sync one decoded it twice
+  and raised ``DecodingError``, which the OpenAI SDK retried: three paid calls).
+* Bytes an upstream writes behind a complete answer (a second, forged answer in the
+  same write) never answer the next call on that connection: the connection is
+  dropped, and the next call gets its own answer and its own cost.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from edgekit import read_request
+
+from effectguard import AsyncGuardTransport, GuardTransport
+from effectguard.ledger import Ledger
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _answer(call: str, prompt_tokens: int) -> bytes:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 1, "total_tokens": 0}
+    return json.dumps(
+        {"id": call, "object": "chat.completion", "choices": [], "usage": usage}
+    ).encode()
+
+
+def _http(body: bytes, *fields: str) -> bytes:
+    head = "".join(f"{f}\r\n" for f in fields)
+    return (
+        f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{head}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+class KeepAliveUpstream:
+    """Answers each request on a connection kept open, by its ``x-answer``: ``gzip``
+    (a gzip-coded answer), ``smuggle`` (an answer and a forged one behind it, in one
+    write) or anything else (a plain answer naming the request's ``x-call``)."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.received: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while (request := read_request(conn)) is not None:
+                kind = request.fields.get(b"x-answer", b"").decode()
+                call = request.fields.get(b"x-call", b"").decode()
+                self.received.append(call)
+                if kind == "gzip":
+                    conn.sendall(_http(gzip.compress(_answer(call, 5)), "Content-Encoding: gzip"))
+                elif kind == "smuggle":
+                    conn.sendall(_http(_answer(call, 5)) + _http(_answer("FORGED", 900_000)))
+                else:
+                    conn.sendall(_http(_answer(call, 5)))
+
+
+@pytest.fixture
+def upstream() -> Iterator[KeepAliveUpstream]:
+    running = KeepAliveUpstream()
+    yield running
+    running.close()
+
+
+def _headers(call: str, answer: str = "plain") -> dict[str, str]:
+    return {"authorization": "Bearer sk-test", "x-call": call, "x-answer": answer}
+
+
+async def _costs(ledger: Path) -> dict[str, int | None]:
+    async with Ledger.open(str(ledger)) as opened:
+        return {c.call_id: c.cost for c in await opened.calls(limit=10)}
+
+
+def test_a_gzip_answer_is_decoded_once_on_the_sync_transport(
+    upstream: KeepAliveUpstream, tmp_path: Path
+) -> None:
+    transport = GuardTransport(ledger=str(tmp_path / "l.db"), upstreams={"openai": upstream.url})
+    with httpx.Client(transport=transport, base_url=upstream.url) as client:
+        answer = client.post(CHAT, json=BODY, headers=_headers("c1", "gzip"))
+        assert answer.json()["id"] == "c1"
+        with client.stream("POST", CHAT, json=BODY, headers=_headers("c2", "gzip")) as raw:
+            assert gzip.decompress(b"".join(raw.iter_raw()))  # the bytes as sent
+        sdk = openai.OpenAI(base_url=upstream.url + "/v1", api_key="x", http_client=client)
+        made = sdk.chat.completions.create(extra_headers=_headers("c3", "gzip"), **BODY)  # type: ignore[call-overload]
+        assert made.id == "c3"
+    assert upstream.received == ["c1", "c2", "c3"]  # no retry of a paid call
+
+
+async def test_a_gzip_answer_is_decoded_once_on_the_async_transport(
+    upstream: KeepAliveUpstream, tmp_path: Path
+) -> None:
+    transport = AsyncGuardTransport(
+        ledger=str(tmp_path / "l.db"), upstreams={"openai": upstream.url}
+    )
+    async with httpx.AsyncClient(transport=transport, base_url=upstream.url) as client:
+        answer = await client.post(CHAT, json=BODY, headers=_headers("c1", "gzip"))
+        assert answer.json()["id"] == "c1"
+        async with client.stream("POST", CHAT, json=BODY, headers=_headers("c2", "gzip")) as raw:
+            assert gzip.decompress(b"".join([c async for c in raw.aiter_raw()]))
+    assert upstream.received == ["c1", "c2"]
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+async def test_bytes_behind_an_answer_never_answer_the_next_call(
+    upstream: KeepAliveUpstream, tmp_path: Path, sync: bool
+) -> None:
+    """The forged answer (900,000 prompt tokens) sits behind the first one on its pooled
+    connection; the next call must get its own answer, and be charged its own cost."""
+    ledger = tmp_path / "l.db"
+    if sync:
+        with httpx.Client(
+            transport=GuardTransport(ledger=str(ledger), upstreams={"openai": upstream.url}),
+            base_url=upstream.url,
+        ) as client:
+            first = client.post(CHAT, json=BODY, headers=_headers("c1", "smuggle"))
+            second = client.post(CHAT, json=BODY, headers=_headers("c2"))
+    else:
+        async with httpx.AsyncClient(
+            transport=AsyncGuardTransport(ledger=str(ledger), upstreams={"openai": upstream.url}),
+            base_url=upstream.url,
+        ) as client:
+            first = await client.post(CHAT, json=BODY, headers=_headers("c1", "smuggle"))
+            second = await client.post(CHAT, json=BODY, headers=_headers("c2"))
+    assert first.json()["id"] == "c1"
+    assert second.json()["id"] == "c2"
+    assert upstream.received == ["c1", "c2"]
+    costs = await _costs(ledger)
+    assert len(costs) == 2 and len(set(costs.values())) == 1  # both the same 5-token cost
