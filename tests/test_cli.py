@@ -428,6 +428,18 @@ def test_budgets_json_charges_every_ancestor(
     assert nodes["default"]["spent_usd"] == COST_USD
 
 
+def test_budgets_under_a_path_lists_its_subtree_only(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``budgets --under team-a``: that node and its descendants, nothing else; a pattern
+    character is a character, not a wildcard."""
+    code, out, _ = run(capsys, "budgets", "--ledger", traffic.ledger, "--under", "team-a", "--json")
+    assert code == 0
+    assert {n["path"] for n in json.loads(out)} == {"team-a", "team-a/run-1", "team-a/run-2"}
+    code, out, _ = run(capsys, "budgets", "--ledger", traffic.ledger, "--under", "team-_", "--json")
+    assert (code, json.loads(out)) == (0, [])
+
+
 def test_budgets_prints_a_table_by_default(
     traffic: Traffic, capsys: pytest.CaptureFixture[str]
 ) -> None:

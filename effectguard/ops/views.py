@@ -112,10 +112,11 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 async def cmd_budgets(args: argparse.Namespace, ledger: Ledger) -> int:
-    """``effectguard budgets``: every budget node in its current (or a chosen) period."""
+    """``effectguard budgets``: every budget node (or a subtree's) in its current (or a
+    chosen) period."""
     on, at = _when(args.at)
     policies = await ledger.policies()
-    nodes = await ledger.budgets(at=at, on=on, period=args.period)
+    nodes = await ledger.budgets(at=at, on=on, period=args.period, under=args.under)
     rows = [budget_json(n, policies.get(n.path)) for n in nodes]
     emit(args, rows, table(rows, BUDGET_COLUMNS) if rows else "no budgets")
     return EXIT_OK
@@ -272,6 +273,11 @@ def _budgets_arguments(p: argparse.ArgumentParser) -> None:
         type=_instant,
         metavar="DATE",
         help="show each node's period containing DATE (YYYY-MM-DD, or an ISO date and time)",
+    )
+    p.add_argument(
+        "--under",
+        metavar="PATH",
+        help="only the node at PATH and the nodes below it (a path, not a pattern)",
     )
     p.set_defaults(run_ledger=cmd_budgets)
 
