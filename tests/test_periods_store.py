@@ -366,3 +366,18 @@ async def test_a_view_reads_only_its_periods_and_shows_what_every_row_would(
     assert await ledger.budgets(under=f"{ns}/_") == await ledger.budgets(under=f"{ns}/%") == []
     moved = {n.path: n for n in await ledger.budgets(period="2026-11-30")}
     assert moved[f"{ns}/moved"].reserved == R  # a past day of a node now monthly
+
+
+async def test_a_subtree_is_a_path_compared_whole_with_its_case(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``team`` is not ``TEAM``: SQLite's ``LIKE`` ignores ASCII case, so a concurrency
+    limit on one node counted the other's calls in flight, and listings mixed them."""
+    await ledger.set_policy(BudgetPolicy(f"{ns}/a", concurrency=1))
+    upper = await admit_ok(ledger, w1, req(ns, budget=f"{ns}/A/run"))  # stays in flight
+    lower = await admit_ok(ledger, w1, req(ns, budget=f"{ns}/a/run", request_hash="h2"))
+    assert [c.call_id for c in await ledger.calls(budget=f"{ns}/a")] == [lower.call_id]
+    assert [c.call_id for c in await ledger.calls(budget=f"{ns}/A")] == [upper.call_id]
+    assert [n.path for n in await ledger.budgets(under=f"{ns}/a")] == [f"{ns}/a", f"{ns}/a/run"]
+    full = await ledger.admit(w1, req(ns, budget=f"{ns}/a/run", request_hash="h3"))
+    assert full.refusal is not None and full.refusal.status == 429  # its own call counts

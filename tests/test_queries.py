@@ -40,9 +40,9 @@ def test_migrations_index_the_stage_list_the_queries_use(schema: object) -> None
     ("sql", "params"),
     [
         (SQLITE.in_flight_of, ("w1",)),
-        (SQLITE.in_flight_under, ("team", "team/%")),
+        (SQLITE.in_flight_under, SQLITE.subtree("team")),
         (SQLITE.list_calls("effect_unknown", None, 10)[0], ("effect_unknown", 10)),
-        (SQLITE.list_calls("in_flight", "team", 10)[0], ("in_flight", "team", "team/%", 10)),
+        (SQLITE.list_calls("in_flight", "team", 10)[0], ("in_flight", *SQLITE.subtree("team"), 10)),
         (SQLITE.stage_counts, ()),
     ],
 )
@@ -77,7 +77,7 @@ def test_unresolved_lookup_uses_the_partial_index(tmp_path: Path) -> None:
     ("sql", "params"),
     [
         (SQLITE.list_calls(None, None, 10)[0], (10,)),
-        (SQLITE.list_calls(None, "team", 10)[0], ("team", "team/%", 10)),
+        (SQLITE.list_calls(None, "team", 10)[0], (*SQLITE.subtree("team"), 10)),
     ],
 )
 def test_listing_calls_newest_first_walks_the_calls_key(

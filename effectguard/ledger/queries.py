@@ -167,8 +167,7 @@ class Queries:
         self.policies = f"SELECT {POLICY_COLUMNS} FROM budgets"
         self.windows = f"SELECT {WINDOW_COLUMNS} FROM rate_windows"
         self.in_flight_under = (
-            f"SELECT count(*) FROM calls WHERE {_IN_FLIGHT} "
-            f"AND (budget = {m} OR budget LIKE {m} ESCAPE '\\')"
+            f"SELECT count(*) FROM calls WHERE {_IN_FLIGHT} AND {self.in_subtree('budget')}"
         )
         # -- scans (operators, metrics, verify)
         self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
@@ -224,7 +223,7 @@ class Queries:
         ``periods``: of a path that has a policy, only the rows of that many period labels,
         so a view of one period does not read every past day of every node (a path with no
         policy keeps every row: see ``LedgerStore.budget_nodes``); ``under``: of a path and
-        its descendants (two parameters, :meth:`subtree`'s)."""
+        its descendants (:meth:`subtree`'s parameters)."""
         m = self.mark
         where = []
         if depth:
@@ -233,7 +232,7 @@ class Queries:
             labels = ",".join([m] * periods) or "NULL"
             where.append(f"(period IN ({labels}) OR path NOT IN (SELECT path FROM budgets))")
         if under:
-            where.append(f"(path = {m} OR path LIKE {m} ESCAPE '\\')")
+            where.append(self.in_subtree("path"))
         clause = f" WHERE {' AND '.join(where)}" if where else ""
         return f"SELECT {NODE_COLUMNS} FROM budget_periods{clause} ORDER BY path, period"
 
@@ -268,11 +267,20 @@ class Queries:
         pairs = ",".join([f"({self.mark},{self.mark})"] * count)
         return f"{self.nodes} WHERE (path, period) IN (VALUES {pairs})"
 
+    def in_subtree(self, column: str) -> str:
+        """``column`` is a path or one of its descendants (parameters: :meth:`subtree`).
+
+        A prefix compared whole, not ``LIKE``: SQLite's ``LIKE`` ignores ASCII case, so
+        ``team`` matched ``TEAM/x`` (a concurrency limit on one counted the other's
+        calls), and a path's ``%`` and ``_`` would need escaping."""
+        m = self.mark
+        return f"({column} = {m} OR substr({column}, 1, {m}) = {m})"
+
     @staticmethod
-    def subtree(path: str) -> list[str]:
-        """Parameters matching ``path`` and its descendants (``LIKE`` wildcards escaped)."""
-        escaped = path.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        return [path, escaped + "/%"]
+    def subtree(path: str) -> list[Any]:
+        """Parameters of :meth:`in_subtree` for ``path`` and its descendants."""
+        prefix = path + "/"
+        return [path, len(prefix), prefix]
 
     def list_calls(
         self,
@@ -287,7 +295,7 @@ class Queries:
         """The SQL and parameters listing calls, newest first (``oldest_first``: the
         other way round).
 
-        ``budget`` selects the path and its subtree; ``LIKE`` wildcards in it are escaped.
+        ``budget`` selects the path and its subtree (:meth:`in_subtree`).
         ``provider`` and ``since`` (a creation time) filter on the rows' columns, so that a
         store that folds a call's state on read folds only the calls it lists.
         """
@@ -309,7 +317,7 @@ class Queries:
             where.append(f"stage = {m}")
             params.append(stage)
         if budget is not None:
-            where.append(f"(budget = {m} OR budget LIKE {m} ESCAPE '\\')")
+            where.append(self.in_subtree("budget"))
             params += self.subtree(budget)
         if oldest_first:
             order = order.replace(" DESC", " ASC")
