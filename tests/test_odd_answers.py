@@ -49,8 +49,23 @@ _GZIPPED = gzip.compress(
     b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}'
 )
 
+_BODY = b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}'
+
+
+def _whole(fields: bytes, body: bytes = _BODY, media: bytes = b"application/json") -> bytes:
+    """A 200 answer of ``body`` with the extra header ``fields`` (CRLF-ended lines)."""
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: " + media + b"\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n" % len(body) + fields + b"\r\n" + body
+    )
+
+
 #: What the upstream writes for each ``x-answer`` (then it closes the connection).
 ANSWERS: dict[str, bytes] = {
+    "control-byte-header": _whole(b"X-Odd: a\x01b\r\nX-Del: a\x7fb\r\nX-Fine: ok\r\n"),
+    "control-byte-header-stream": _whole(
+        b"X-Odd: a\x01b\r\n", _EVENT + _USAGE + _DONE, b"text/event-stream"
+    ),
     "capital-stream-cut": b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
     b"Connection: close\r\n\r\n" + _EVENT + _EVENT,
     "capital-stream-whole": b"HTTP/1.1 200 OK\r\nContent-Type: TEXT/EVENT-STREAM\r\n"
@@ -225,3 +240,56 @@ def test_a_header_sent_twice_is_replayed_with_both_values(
     assert replay.headers["x-dup"] == "one, two"
     assert replay.content == first.content
     assert upstream.received.count("repeated-header") == 1
+
+
+def _observed_headers(
+    capsys: pytest.CaptureFixture[str], ledger: Path, call_id: str
+) -> dict[str, str]:
+    """The answer headers the ledger stored for ``call_id`` (its ``attempt.observed``)."""
+    events = _cli_json(capsys, ledger, "show", call_id)["events"]
+    observed = [e["data"] for e in events if e["kind"] == "attempt.observed"]
+    assert len(observed) == 1, events
+    headers: dict[str, str] = observed[0]["headers"]
+    return headers
+
+
+@pytest.mark.parametrize(
+    ("answer", "stream"), [("control-byte-header", False), ("control-byte-header-stream", True)]
+)
+def test_a_header_the_server_cannot_write_is_left_out_and_the_answer_arrives(
+    answer: str,
+    stream: bool,
+    upstream: ScriptedUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An upstream header value with a control byte (``a\\x01b``, ``a\\x7fb``) is dropped
+    from what the client is sent, fresh and replayed, so the answer and its call id arrive;
+    the ledger keeps it as sent. The server once raised on it after the response had
+    started: the client got nothing for a charged call, and a keyed resend failed the same
+    way."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": answer, "idempotency-key": f"k-{answer}"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        first = client.post(CHAT, json=_chat(stream), headers=headers)
+        replay = client.post(CHAT, json=_chat(stream), headers=headers)
+        errors = _internal_errors(proxy.url)
+        client.close()
+        log = proxy.log()
+    assert first.status_code == 200, first.text
+    call_id = first.headers[CALL_ID]
+    assert first.headers.get("x-odd") is None and first.headers.get("x-del") is None
+    assert replay.status_code == 200, replay.text
+    assert replay.headers["effectguard-replayed"] == "true"
+    assert replay.headers[CALL_ID] == call_id
+    assert replay.headers.get("x-odd") is None
+    assert replay.content == first.content
+    assert upstream.received.count(answer) == 1
+    assert _call(capsys, ledger, call_id)["stage"] == "completed"
+    stored = _observed_headers(capsys, ledger, call_id)
+    assert stored["x-odd"] == "a\x01b"
+    if not stream:
+        assert (stored["x-del"], first.headers["x-fine"]) == ("a\x7fb", "ok")
+    assert errors == 0, log
+    assert _verified(capsys, ledger)
