@@ -63,6 +63,7 @@ def _whole(fields: bytes, body: bytes = _BODY, media: bytes = b"application/json
 #: What the upstream writes for each ``x-answer`` (then it closes the connection).
 ANSWERS: dict[str, bytes] = {
     "control-byte-header": _whole(b"X-Odd: a\x01b\r\nX-Del: a\x7fb\r\nX-Fine: ok\r\n"),
+    "cookies": _whole(b"Set-Cookie: s=SECRET-COOKIE; Path=/\r\nSet-Cookie2: a=SECRET-COOKIE2\r\n"),
     "control-byte-header-stream": _whole(
         b"X-Odd: a\x01b\r\n", _EVENT + _USAGE + _DONE, b"text/event-stream"
     ),
@@ -293,3 +294,21 @@ def test_a_header_the_server_cannot_write_is_left_out_and_the_answer_arrives(
         assert (stored["x-del"], first.headers["x-fine"]) == ("a\x7fb", "ok")
     assert errors == 0, log
     assert _verified(capsys, ledger)
+
+
+def test_no_cookie_an_upstream_sets_is_stored_in_either_spelling(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Set-Cookie`` and RFC 2965's ``Set-Cookie2`` are credentials (contract §3.9): the
+    client gets them, the ledger never stores them (``Set-Cookie2`` once was)."""
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        answer = httpx.post(
+            proxy.url + CHAT, json=_chat(False), headers={"x-answer": "cookies"}, timeout=30
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["set-cookie2"] == "a=SECRET-COOKIE2"
+    call_id = answer.headers[CALL_ID]
+    stored = _observed_headers(capsys, ledger, call_id)
+    assert "set-cookie" not in stored and "set-cookie2" not in stored
+    assert "SECRET-COOKIE" not in json.dumps(_cli_json(capsys, ledger, "show", call_id))
