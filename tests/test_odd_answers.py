@@ -63,6 +63,7 @@ def _whole(fields: bytes, body: bytes = _BODY, media: bytes = b"application/json
 #: What the upstream writes for each ``x-answer`` (then it closes the connection).
 ANSWERS: dict[str, bytes] = {
     "control-byte-header": _whole(b"X-Odd: a\x01b\r\nX-Del: a\x7fb\r\nX-Fine: ok\r\n"),
+    "cr-stream": _whole(b"", (_EVENT + _USAGE + _DONE).replace(b"\n", b"\r"), b"text/event-stream"),
     "cookies": _whole(b"Set-Cookie: s=SECRET-COOKIE; Path=/\r\nSet-Cookie2: a=SECRET-COOKIE2\r\n"),
     "control-byte-header-stream": _whole(
         b"X-Odd: a\x01b\r\n", _EVENT + _USAGE + _DONE, b"text/event-stream"
@@ -312,3 +313,21 @@ def test_no_cookie_an_upstream_sets_is_stored_in_either_spelling(
     stored = _observed_headers(capsys, ledger, call_id)
     assert "set-cookie" not in stored and "set-cookie2" not in stored
     assert "SECRET-COOKIE" not in json.dumps(_cli_json(capsys, ledger, "show", call_id))
+
+
+def test_a_stream_whose_lines_end_in_a_lone_cr_is_whole_and_its_usage_read(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An event stream with lone-CR line ends (the SSE standard allows CRLF, LF or CR) is
+    forwarded whole and settled from its usage; it was once booked as a broken stream
+    (effect unknown) and the client's stream cut off."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": "cr-stream"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        response = httpx.post(proxy.url + CHAT, json=_chat(True), headers=headers, timeout=30)
+    assert response.status_code == 200
+    assert response.content == (_EVENT + _USAGE + _DONE).replace(b"\n", b"\r")
+    call = _call(capsys, ledger, response.headers[CALL_ID])
+    assert call["stage"] == "completed"
+    assert call["cost_usd"] != call["reserved_usd"]  # from the stream's usage
+    assert _verified(capsys, ledger)
