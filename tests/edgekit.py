@@ -187,7 +187,12 @@ def read_request(conn: socket.socket, timeout: float = 10.0) -> RawRequest | Non
 
 class SocketUpstream:
     """An upstream a test plays on a raw loopback socket: each connection's one request
-    is read whole and handed to :meth:`answer`; the connection is closed after it."""
+    is read whole and handed to :meth:`answer`; the connection is closed after it.
+    Connections are served one after another, or each in a thread of its own when
+    ``concurrent`` (so one answer that takes long holds up no other)."""
+
+    #: Whether each connection is served in a thread of its own.
+    concurrent = False
 
     def __init__(self) -> None:
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -211,7 +216,13 @@ class SocketUpstream:
                 conn, _ = self._server.accept()
             except OSError:
                 return  # closed by __exit__
-            with conn:
-                request = read_request(conn)
-                if request is not None:
-                    self.answer(conn, request)
+            if self.concurrent:
+                threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+            else:
+                self._serve_one(conn)
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn:
+            request = read_request(conn)
+            if request is not None:
+                self.answer(conn, request)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import gzip
 import json
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,8 +51,31 @@ _GZIPPED = gzip.compress(
     b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}'
 )
 
+_BODY = b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}'
+
+
+def _whole(fields: bytes, body: bytes = _BODY, media: bytes = b"application/json") -> bytes:
+    """A 200 answer of ``body`` with the extra header ``fields`` (CRLF-ended lines)."""
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: " + media + b"\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n" % len(body) + fields + b"\r\n" + body
+    )
+
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n"
+
 #: What the upstream writes for each ``x-answer`` (then it closes the connection).
 ANSWERS: dict[str, bytes] = {
+    "good": _whole(b""),
+    "16-interim": _CONTINUE * 8 + _HINTS * 8 + _whole(b""),
+    "17-interim": _CONTINUE * 8 + _HINTS * 9 + _whole(b""),
+    "control-byte-header": _whole(b"X-Odd: a\x01b\r\nX-Del: a\x7fb\r\nX-Fine: ok\r\n"),
+    "cr-stream": _whole(b"", (_EVENT + _USAGE + _DONE).replace(b"\n", b"\r"), b"text/event-stream"),
+    "cookies": _whole(b"Set-Cookie: s=SECRET-COOKIE; Path=/\r\nSet-Cookie2: a=SECRET-COOKIE2\r\n"),
+    "control-byte-header-stream": _whole(
+        b"X-Odd: a\x01b\r\n", _EVENT + _USAGE + _DONE, b"text/event-stream"
+    ),
     "capital-stream-cut": b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
     b"Connection: close\r\n\r\n" + _EVENT + _EVENT,
     "capital-stream-whole": b"HTTP/1.1 200 OK\r\nContent-Type: TEXT/EVENT-STREAM\r\n"
@@ -83,6 +108,34 @@ class ScriptedUpstream(SocketUpstream):
         name = request.fields[b"x-answer"].decode()
         self.received.append(name)
         conn.sendall(ANSWERS[name])
+
+
+class InterimUpstream(ScriptedUpstream):
+    """A :class:`ScriptedUpstream` serving each connection in its own thread, which also
+    floods interim answers (``interim-flood``: 20,000 ``103``, as fast as they go, then
+    the answer) or drips them (``interim-drip``: a ``100 Continue`` every 0.25 s, twelve
+    of them, then the answer), until the answer or until the proxy hangs up."""
+
+    concurrent = True
+
+    def answer(self, conn: socket.socket, request: RawRequest) -> None:
+        name = request.fields[b"x-answer"].decode()
+        try:
+            if name == "interim-flood":
+                self.received.append(name)
+                for _ in range(100):
+                    conn.sendall(_HINTS * 200)
+                conn.sendall(_whole(b""))
+            elif name == "interim-drip":
+                self.received.append(name)
+                for _ in range(12):
+                    conn.sendall(_CONTINUE)
+                    time.sleep(0.25)
+                conn.sendall(_whole(b""))
+            else:
+                super().answer(conn, request)
+        except OSError:
+            pass  # the proxy hung up on it: what the bounds are for
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +278,179 @@ def test_a_header_sent_twice_is_replayed_with_both_values(
     assert replay.headers["x-dup"] == "one, two"
     assert replay.content == first.content
     assert upstream.received.count("repeated-header") == 1
+
+
+def _observed_headers(
+    capsys: pytest.CaptureFixture[str], ledger: Path, call_id: str
+) -> dict[str, str]:
+    """The answer headers the ledger stored for ``call_id`` (its ``attempt.observed``)."""
+    events = _cli_json(capsys, ledger, "show", call_id)["events"]
+    observed = [e["data"] for e in events if e["kind"] == "attempt.observed"]
+    assert len(observed) == 1, events
+    headers: dict[str, str] = observed[0]["headers"]
+    return headers
+
+
+@pytest.mark.parametrize(
+    ("answer", "stream"), [("control-byte-header", False), ("control-byte-header-stream", True)]
+)
+def test_a_header_the_server_cannot_write_is_left_out_and_the_answer_arrives(
+    answer: str,
+    stream: bool,
+    upstream: ScriptedUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An upstream header value with a control byte (``a\\x01b``, ``a\\x7fb``) is dropped
+    from what the client is sent, fresh and replayed, so the answer and its call id arrive;
+    the ledger keeps it as sent. The server once raised on it after the response had
+    started: the client got nothing for a charged call, and a keyed resend failed the same
+    way."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": answer, "idempotency-key": f"k-{answer}"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        first = client.post(CHAT, json=_chat(stream), headers=headers)
+        replay = client.post(CHAT, json=_chat(stream), headers=headers)
+        errors = _internal_errors(proxy.url)
+        client.close()
+        log = proxy.log()
+    assert first.status_code == 200, first.text
+    call_id = first.headers[CALL_ID]
+    assert first.headers.get("x-odd") is None and first.headers.get("x-del") is None
+    assert replay.status_code == 200, replay.text
+    assert replay.headers["effectguard-replayed"] == "true"
+    assert replay.headers[CALL_ID] == call_id
+    assert replay.headers.get("x-odd") is None
+    assert replay.content == first.content
+    assert upstream.received.count(answer) == 1
+    assert _call(capsys, ledger, call_id)["stage"] == "completed"
+    stored = _observed_headers(capsys, ledger, call_id)
+    assert stored["x-odd"] == "a\x01b"
+    if not stream:
+        assert (stored["x-del"], first.headers["x-fine"]) == ("a\x7fb", "ok")
+    assert errors == 0, log
+    assert _verified(capsys, ledger)
+
+
+def test_no_cookie_an_upstream_sets_is_stored_in_either_spelling(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Set-Cookie`` and RFC 2965's ``Set-Cookie2`` are credentials (contract §3.9): the
+    client gets them, the ledger never stores them (``Set-Cookie2`` once was)."""
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        answer = httpx.post(
+            proxy.url + CHAT, json=_chat(False), headers={"x-answer": "cookies"}, timeout=30
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["set-cookie2"] == "a=SECRET-COOKIE2"
+    call_id = answer.headers[CALL_ID]
+    stored = _observed_headers(capsys, ledger, call_id)
+    assert "set-cookie" not in stored and "set-cookie2" not in stored
+    assert "SECRET-COOKIE" not in json.dumps(_cli_json(capsys, ledger, "show", call_id))
+
+
+def test_a_stream_whose_lines_end_in_a_lone_cr_is_whole_and_its_usage_read(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An event stream with lone-CR line ends (the SSE standard allows CRLF, LF or CR) is
+    forwarded whole and settled from its usage; it was once booked as a broken stream
+    (effect unknown) and the client's stream cut off."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": "cr-stream"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        response = httpx.post(proxy.url + CHAT, json=_chat(True), headers=headers, timeout=30)
+    assert response.status_code == 200
+    assert response.content == (_EVENT + _USAGE + _DONE).replace(b"\n", b"\r")
+    call = _call(capsys, ledger, response.headers[CALL_ID])
+    assert call["stage"] == "completed"
+    assert call["cost_usd"] != call["reserved_usd"]  # from the stream's usage
+    assert _verified(capsys, ledger)
+
+
+@pytest.fixture(scope="module")
+def interim_upstream() -> Iterator[InterimUpstream]:
+    with InterimUpstream() as scripted:
+        yield scripted
+
+
+def test_a_flood_of_interim_answers_is_cut_off_and_other_calls_go_on(
+    interim_upstream: InterimUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upstream that floods ``103 Early Hints`` gets its call cut off at the bound (16
+    interim answers): 502 ``effect_unknown``, reservation held, while every call beside it
+    is answered, including one with a few interim answers. The flood once went on to its
+    final answer (recorded completed) while it held the proxy's event loop from the rest."""
+    ledger = tmp_path / "ledger.db"
+    flooded: dict[str, httpx.Response] = {}
+    with running_proxy(ledger, upstreams={"openai": interim_upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=60)
+
+        def flood() -> None:
+            headers = {"x-answer": "interim-flood", "idempotency-key": "k-flood"}
+            flooded["answer"] = client.post(CHAT, json=_chat(False), headers=headers)
+
+        thread = threading.Thread(target=flood)
+        thread.start()
+        names = ["good", "16-interim"] * 4
+        beside = [client.post(CHAT, json=_chat(False), headers={"x-answer": n}) for n in names]
+        thread.join(60)
+        errors = _internal_errors(proxy.url)
+        client.close()
+        log = proxy.log()
+    answer = flooded["answer"]
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["error"]["type"] == "effect_unknown"
+    assert "interim (1xx) answers" in answer.json()["error"]["message"]
+    call = _call(capsys, ledger, answer.headers[CALL_ID])
+    assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
+    assert call["held_usd"] == call["reserved_usd"]
+    assert [r.status_code for r in beside] == [200] * len(names)
+    stages = {_call(capsys, ledger, r.headers[CALL_ID])["stage"] for r in beside}
+    assert stages == {"completed"}
+    assert errors == 0, log
+    assert _verified(capsys, ledger)
+
+
+def test_at_most_16_interim_answers_come_before_an_answer(
+    interim_upstream: InterimUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sixteen interim answers, then the answer: a completed call. Seventeen: the answer
+    is refused as one that is not HTTP, and the call's effect is unknown."""
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": interim_upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        within, past = (
+            client.post(CHAT, json=_chat(False), headers={"x-answer": name})
+            for name in ("16-interim", "17-interim")
+        )
+        client.close()
+    assert within.status_code == 200, within.text
+    assert _call(capsys, ledger, within.headers[CALL_ID])["stage"] == "completed"
+    assert past.status_code == 502, past.text
+    assert past.json()["error"]["type"] == "effect_unknown"
+    assert _call(capsys, ledger, past.headers[CALL_ID])["stage"] == "effect_unknown"
+    assert _verified(capsys, ledger)
+
+
+def test_interim_answers_do_not_restart_the_read_timeout(
+    interim_upstream: InterimUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``100 Continue`` every 0.25 s, under a 1 s read timeout: the call times out (504
+    ``effect_unknown``) instead of each interim answer starting the timeout again, which
+    once kept such a call in flight for as long as the upstream kept dripping."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "config.toml"
+    config.write_text("[upstream]\nread_timeout_s = 1\n")
+    with running_proxy(
+        ledger, upstreams={"openai": interim_upstream.url}, args=["--config", str(config)]
+    ) as proxy:
+        answer = httpx.post(
+            proxy.url + CHAT, json=_chat(False), headers={"x-answer": "interim-drip"}, timeout=30
+        )
+    assert answer.status_code == 504, answer.text
+    assert answer.json()["error"]["type"] == "effect_unknown"
+    call = _call(capsys, ledger, answer.headers[CALL_ID])
+    assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
+    assert _verified(capsys, ledger)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import tracemalloc
 from typing import Any
 from unittest import mock
@@ -22,25 +23,38 @@ from hypothesis import strategies as st
 from effectguard.rules import streamusage
 from effectguard.rules.streamusage import StreamUsage
 
+#: An SSE line end: CRLF, LF or a lone CR.
+LINE_END = re.compile(rb"\r\n|\r|\n")
+
 
 class DecodesEverything(StreamUsage):
     """The reference: the reader as it was before the filter and the one-pass loop (every
-    line through ``_line``, every event decoded), kept here as the oracle."""
+    line through ``_line``, every event decoded), kept here as the oracle. Its lines are
+    split by one regular expression; a CR that ends what it was fed ends its line, and an
+    LF fed next is the rest of that line end."""
 
     def __init__(self, dialect: str, path: str) -> None:
         super().__init__(dialect, path)
         self._buffer = b""
+        self._cr_ended = False
 
     def feed(self, chunk: bytes) -> None:
         at = self._fed - len(self._buffer)
         self._fed += len(chunk)
+        if self._cr_ended and chunk:
+            self._cr_ended = False
+            if chunk.startswith(b"\n"):
+                chunk, at = chunk[1:], at + 1
         self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
+        start = 0
+        for end in LINE_END.finditer(self._buffer):
+            line = self._buffer[start : end.start()]
             if self._event_at is None and line.strip():
-                self._event_at = at
-            self._line(line.removesuffix(b"\r"))
-            at += len(line) + 1
+                self._event_at = at + start
+            self._line(line)
+            start = end.end()
+        self._cr_ended = self._cr_ended or self._buffer.endswith(b"\r")
+        self._buffer = self._buffer[start:]
 
     def _line(self, line: bytes) -> None:
         if not line:
@@ -115,21 +129,22 @@ documents = st.dictionaries(st.sampled_from(NAMES), values, max_size=5)
 def payloads(draw: st.DrawFn) -> bytes:
     """One event's data: JSON in any spelling, a known chunk, or bytes that are not JSON."""
     kind = draw(st.sampled_from(["json", "json", "json", "known", "raw"]))
+    # No CR or LF inside: either would end the data line (an SSE line ends at any of them).
     if kind == "raw":
-        return draw(st.binary(max_size=24)).replace(b"\n", b" ")
+        return draw(st.binary(max_size=24)).replace(b"\n", b" ").replace(b"\r", b" ")
     if kind == "known":
         return draw(st.sampled_from(KNOWN))
     doc: Any = draw(documents)
     text = json.dumps(
         doc,
         ensure_ascii=draw(st.booleans()),
-        separators=draw(st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", " :\r ")])),
+        separators=draw(st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", " :\t ")])),
     )
     if draw(st.integers(0, 9)) == 0:
         # Any key or word spelt with a \\u escape: the same JSON, other bytes.
         text = text.replace("u", "\\u0075", 1) if '"' in text else text
     encoding = draw(st.sampled_from(["utf-8"] * 8 + ["utf-16", "utf-32"]))
-    return text.encode(encoding).replace(b"\n", b" ")
+    return text.encode(encoding).replace(b"\n", b" ").replace(b"\r", b" ")
 
 
 KNOWN = [
@@ -148,11 +163,14 @@ KNOWN = [
 ]
 
 
+#: The line ends of the SSE standard.
+ENDINGS = [b"\n", b"\r\n", b"\r"]
+
+
 @st.composite
-def streams(draw: st.DrawFn) -> list[bytes]:
-    """An event stream as chunks split anywhere: events of one or more data lines (with or
-    without the space), "event:"/"id:" lines, comments and blank-looking lines, each line
-    ending in LF or CRLF."""
+def event_lines(draw: st.DrawFn) -> list[bytes]:
+    """An event stream's lines, without their ends: events of one or more data lines (with
+    or without the space), "event:"/"id:" lines, comments and blank-looking lines."""
     lines: list[bytes] = []
     for data in draw(st.lists(payloads(), max_size=8)):
         extra = draw(st.sampled_from([b"", b"event: message", b": keep-alive", b"id: 7", b" "]))
@@ -164,10 +182,20 @@ def streams(draw: st.DrawFn) -> list[bytes]:
         lines.append(b"")  # the blank line that ends the event
     if draw(st.booleans()):
         lines.append(b"data: " + draw(payloads()))  # an unterminated last event
-    body = b"".join(line + draw(st.sampled_from([b"\n", b"\r\n"])) for line in lines)
-    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=5)))
-    edges = [0, *cuts, len(body)]
+    return lines
+
+
+def cut(body: bytes, cuts: list[int]) -> list[bytes]:
+    """``body`` in chunks, split at each of ``cuts``."""
+    edges = [0, *sorted(cuts), len(body)]
     return [body[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[bytes]:
+    """An event stream as chunks split anywhere, each line ending in LF, CRLF or CR."""
+    body = b"".join(line + draw(st.sampled_from(ENDINGS)) for line in draw(event_lines()))
+    return cut(body, draw(st.lists(st.integers(0, len(body)), max_size=5)))
 
 
 def answers(parser: StreamUsage) -> tuple[object, ...]:
@@ -185,6 +213,77 @@ def test_skipping_events_gives_the_answers_decoding_every_event_gives(
         fast.feed(chunk)
         reference.feed(chunk)
         assert answers(fast) == answers(reference)
+
+
+@st.composite
+def endings_and_cuts(draw: st.DrawFn) -> tuple[list[bytes], list[bytes], list[int]]:
+    """An event stream's lines, an SSE line end for each (a mix, or one kind throughout),
+    and where to cut the stream so ended into chunks: often inside a CRLF."""
+    lines = draw(event_lines())
+    if draw(st.booleans()):
+        ends = [draw(st.sampled_from(ENDINGS))] * len(lines)
+    else:
+        ends = [draw(st.sampled_from(ENDINGS)) for _ in lines]
+    for n in range(len(lines) - 1):
+        # A CR, then an empty line ended in LF, is one CRLF: one line end, not two.
+        if ends[n] == b"\r" and not lines[n + 1] and ends[n + 1] == b"\n":
+            ends[n + 1] = b"\r"
+    size = sum(map(len, lines)) + sum(map(len, ends))
+    crlfs = list(itertools.accumulate(len(x) + len(e) for x, e in zip(lines, ends, strict=True)))
+    inside = [at - 1 for at, e in zip(crlfs, ends, strict=True) if e == b"\r\n"]
+    cuts = draw(st.lists(st.integers(0, size), max_size=5))
+    if inside:
+        cuts += draw(st.lists(st.sampled_from(inside), max_size=3))
+    return lines, ends, cuts
+
+
+@settings(max_examples=600, deadline=None)
+@given(api=st.sampled_from(APIS), case=endings_and_cuts())
+def test_any_sse_line_end_and_any_cut_read_as_the_same_lines_ended_in_lf(
+    api: tuple[str, str], case: tuple[list[bytes], list[bytes], list[int]]
+) -> None:
+    """Lines ended in LF, CRLF or a lone CR, in any mix, fed in chunks cut anywhere (a CRLF
+    in two included), give the usage, the end and the terminal event that the same lines
+    ended in LF, fed whole, give: a CR-ended stream was once read as never finishing."""
+    lines, ends, cuts = case
+    body = b"".join(line + end for line, end in zip(lines, ends, strict=True))
+    parser = StreamUsage(*api)
+    for chunk in cut(body, cuts):
+        parser.feed(chunk)
+    reference = DecodesEverything(*api)
+    reference.feed(b"".join(line + b"\n" for line in lines))
+    # Where each line begins, in the LF stream and in this one: the terminal event's offset.
+    lf_starts = itertools.accumulate((len(line) + 1 for line in lines), initial=0)
+    starts = itertools.accumulate(
+        (len(line) + len(end) for line, end in zip(lines, ends, strict=True)), initial=0
+    )
+    offset = dict(zip(lf_starts, starts, strict=True))
+    assert (parser.result(), parser.finished, parser.complete, parser.fed) == (
+        reference.result(),
+        reference.finished,
+        reference.complete,
+        len(body),
+    )
+    expected = reference.terminal_at
+    assert parser.terminal_at == (None if expected is None else offset[expected])
+
+
+def test_a_stream_of_lone_cr_line_ends_finishes_and_its_usage_is_read() -> None:
+    """A chat stream whose lines end in a lone CR (as the SSE standard allows) finishes at
+    its [DONE] and its usage is read, fed whole or one byte at a time."""
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":19,"completion_tokens":10}}\r\r'
+    stream = b'data: {"choices":[{"delta":{"content":"x"}}]}\r\r' + usage + b"data: [DONE]\r\r"
+    whole, bytewise = (
+        StreamUsage("openai", "/v1/chat/completions"),
+        StreamUsage("openai", "/v1/chat/completions"),
+    )
+    whole.feed(stream)
+    for n in range(len(stream)):
+        bytewise.feed(stream[n : n + 1])
+    for parser in (whole, bytewise):
+        assert parser.finished
+        assert parser.terminal_at == len(stream) - len(b"data: [DONE]\r\r")
+        assert parser.result().usage is not None and parser.result().usage.output_tokens == 10
 
 
 def test_a_long_chat_stream_decodes_only_its_usage_and_done_events() -> None:

@@ -60,9 +60,19 @@ HOP_BY_HOP: Final = frozenset(
         "content-length",
     }
 )
-#: Headers that carry credentials: never stored, never logged.
+#: Headers that carry credentials: never stored, never logged. Cookies in both spellings:
+#: RFC 2965's ``Cookie2``/``Set-Cookie2`` are obsolete, but a server may still send them.
 SECRET_HEADERS: Final = frozenset(
-    {"authorization", "x-api-key", "api-key", "proxy-authorization", "cookie", "set-cookie"}
+    {
+        "authorization",
+        "x-api-key",
+        "api-key",
+        "proxy-authorization",
+        "cookie",
+        "set-cookie",
+        "cookie2",
+        "set-cookie2",
+    }
 )
 
 

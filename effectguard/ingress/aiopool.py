@@ -27,14 +27,16 @@ import functools
 from typing import Any
 
 import aiohttp
-from aiohttp.client_proto import ResponseHandler
+
+from effectguard.ingress.interim import InterimBound
 
 #: No parser: what a connection that was never pooled holds as its idle parser.
 _NEVER = object()
 
 
-class _Handler(ResponseHandler):
-    """aiohttp's response parser, which refuses bytes that arrive while it is pooled."""
+class _Handler(InterimBound):
+    """aiohttp's response parser, which refuses bytes that arrive while it is pooled (and
+    bounds each answer's interim answers: :mod:`effectguard.ingress.interim`)."""
 
     #: The parser of the answer it held when it went back to the pool. Every request
     #: sent on the connection gets a new parser (``set_response_params``), so while this

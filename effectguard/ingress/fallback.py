@@ -63,9 +63,10 @@ class InternalErrorBoundary:
         context = scope[CONTEXT_KEY] = RequestContext()
 
         async def tracking_send(message: Message) -> None:
+            await send(message)
+            # Only once it went out: a head the server refused leaves room for the 500.
             if message["type"] == "http.response.start":
                 context.response_started = True
-            await send(message)
 
         try:
             await self.app(scope, receive, tracking_send)

@@ -79,13 +79,21 @@ def _may_matter(api: str, data: bytes) -> bool:
 #: proxy hold in memory.
 MAX_EVENT_BYTES = 16 << 20
 
+#: A carriage return that ends a line by itself: the SSE standard ends lines with CRLF, LF
+#: or a lone CR. Made an LF, one byte for one, so every stream offset stays exact.
+_LONE_CR = re.compile(rb"\r(?!\n)")
+
 
 class StreamUsage:
     """Reads usage from a server-sent-event stream, fed raw chunks in arrival order.
 
-    Chunks may split lines, events and UTF-8 characters anywhere; lines end in ``\\n`` or
-    ``\\r\\n``. An event is handled at the blank line that ends it (an unterminated last event is
-    dropped, as the SSE standard says), so a stream cut short never looks finished.
+    Chunks may split lines, events and UTF-8 characters anywhere; lines end in ``\\n``,
+    ``\\r\\n`` or a lone ``\\r``, as the SSE standard allows. A ``\\r`` that ends a chunk
+    ends its line at once (a terminal event whose last byte it is must be seen now, not at a
+    next chunk that may never come); a ``\\n`` that then begins the next chunk is the rest
+    of that line end, and is passed over. An event is handled at the blank line that ends
+    it (an unterminated last event is dropped, as the SSE standard says), so a stream cut
+    short never looks finished.
     """
 
     def __init__(self, dialect: str, path: str) -> None:
@@ -94,6 +102,7 @@ class StreamUsage:
         self._held_bytes = 0
         self._line_at = 0  # the stream offset of that line's first byte
         self._skipping = False  # that line is over the cap: its bytes are dropped
+        self._after_cr = False  # the last chunk ended in "\r": a "\n" next ends no line
         self._data: list[bytes] = []
         self._event_bytes = 0
         self._spoiled = False  # the current event went over the cap: it is not read
@@ -135,6 +144,16 @@ class StreamUsage:
         """Consume the next raw chunk of the stream."""
         chunk_at = self._fed
         self._fed += len(chunk)
+        if self._after_cr and chunk:
+            self._after_cr = False
+            if chunk[0] == 0x0A:  # the "\n" of a "\r\n" cut in two: its line has ended
+                chunk, chunk_at = chunk[1:], chunk_at + 1
+                self._line_at += 1
+                if not chunk:
+                    return
+        if b"\r" in chunk:  # LF-only streams, nearly all, pay for this one scan
+            self._after_cr = chunk.endswith(b"\r")
+            chunk = _LONE_CR.sub(b"\n", chunk)
         cut = chunk.find(b"\n")
         if cut < 0:
             # Held, not joined: joining each chunk to a long line is quadratic, and one
