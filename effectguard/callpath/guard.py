@@ -181,7 +181,7 @@ class Guard:
         except Refusal as refusal:
             self.observer.refused(provider.name, refusal.type)
             raise
-        ticket.call_id = report.call_id = admitted.call_id
+        report.call_id = ticket.admitted(admitted.call_id, self.orphans)
         if _unknown_resend(prepared, admitted):
             # A keyed resend met an effect-unknown call: evidence may decide it now.
             evidence = await self.resolver.at_resend(admitted.call_id, prepared.request, send)
@@ -289,6 +289,7 @@ class Guard:
 
     def _adopting(self, prepared: Prepared, ticket: Ticket) -> Prepared:
         """``prepared``, naming the call it repeats if its caller left (callpath/orphans)."""
+        ticket.check_client()
         admit = prepared.admit
         if admit.idempotency_key is not None:
             return prepared
@@ -299,10 +300,9 @@ class Guard:
         return dataclasses.replace(prepared, admit=dataclasses.replace(admit, orphan_of=orphan))
 
     async def _admit(self, prepared: Prepared) -> Admitted:
-        # The admission commits even if its caller goes away meanwhile (a cancelled
-        # caller never stops a commit): an attempt it started is then recorded as never
-        # sent. Left alone, it would sit in flight until a restart marked it
-        # effect_unknown, and its key would answer 409 in_progress meanwhile.
+        # The admission commits even if its caller goes away meanwhile (a cancelled caller
+        # never stops a commit): an attempt it started is then recorded as never sent. Left
+        # alone, it would sit in flight until a restart marked it effect_unknown.
         try:
             return await self.ledger.admit(
                 self.writer, prepared.admit, lambda a: self.recorder.unsent(prepared, a)

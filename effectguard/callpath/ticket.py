@@ -6,7 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from effectguard.callpath.exchange import Reply
-from effectguard.callpath.orphans import RetryKey
+from effectguard.callpath.orphans import Orphans, RetryKey
+from effectguard.errors import Refusal
 from effectguard.telemetry.report import CallReport
 
 
@@ -28,3 +29,32 @@ class Ticket:
     #: (a guarded stream still reports itself at its end).
     report: CallReport | None = None
     report_later: bool = False
+    #: The caller's client has gone (the proxy learns it when the connection is lost):
+    #: the call's retry is to get its answer, however soon it comes (callpath/orphans).
+    left: bool = False
+
+    def admitted(self, call_id: str, orphans: Orphans) -> str:
+        """The request is call ``call_id`` (admitted, replayed or joined); if its client
+        has left already, the call's retry is to get its answer."""
+        self.call_id = call_id
+        if self.left:
+            orphans.left(self.retry_key, call_id)
+        return call_id
+
+    def leave(self, orphans: Orphans) -> None:
+        """The client has gone before its answer was written: once the request is a
+        call, the call's retry gets its answer, however soon the retry comes."""
+        self.left = True
+        if self.call_id is not None:
+            orphans.left(self.retry_key, self.call_id)
+
+    def check_client(self) -> None:
+        """Refuse a request whose client has gone before it was admitted: nobody would
+        read its answer, and its retry may be under way already, admitted as new work
+        (the proxy can read requests in another order than their clients sent them)."""
+        if self.left:
+            raise Refusal(
+                400,
+                "client_disconnected",
+                "the client went away before the call was admitted; nothing was sent",
+            )

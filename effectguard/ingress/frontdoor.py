@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -39,6 +40,10 @@ CLIENT_GONE = "effectguard.client_gone"
 #: The scope extension, a callable, that cuts the client's connection off (a response
 #: under way that cannot be finished), so the server does not take it for an app's fault.
 CUT_OFF = "effectguard.cut_off"
+#: The scope extension, a callable, that sets what to call once the client's connection
+#: is lost (at once if it is lost already; None: nothing). A key-less call's client that
+#: timed out must be known as gone before its retry comes, not when its answer is written.
+ON_CLIENT_LOST = "effectguard.on_client_lost"
 
 
 def client_gone(scope: Any) -> bool:
@@ -54,6 +59,17 @@ def cut_off(scope: Any) -> bool:
         return False
     cut()
     return True
+
+
+def on_client_lost(scope: Any) -> Callable[[Callable[[], None] | None], None]:
+    """How to be told that the client of ``scope``'s request has gone (a no-op setter
+    under a server that cannot tell)."""
+    watch = scope.get("extensions", {}).get(ON_CLIENT_LOST)
+    return _never if watch is None else watch
+
+
+def _never(callback: Callable[[], None] | None) -> None:
+    """Under a server that cannot tell: the answer's write finds out instead."""
 
 
 def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
@@ -88,7 +104,10 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._extensions: dict[str, Any] = {
             CLIENT_GONE: self._client_gone,
             CUT_OFF: self._cut_off,
+            ON_CLIENT_LOST: self._on_lost,
         }
+        #: What to call when the connection is lost (its current request's watcher).
+        self._lost_callback: Callable[[], None] | None = None
 
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -123,6 +142,9 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        callback, self._lost_callback = self._lost_callback, None
+        if callback is not None:
+            callback()
         self._disarm()
         self._reading_again()
         super().connection_lost(exc)
@@ -165,6 +187,12 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def _client_gone(self) -> bool:
         return self._lost
+
+    def _on_lost(self, callback: Callable[[], None] | None) -> None:
+        if callback is not None and self._lost:
+            callback()
+        else:
+            self._lost_callback = callback
 
     def _cut_off(self) -> None:
         # Marked disconnected now (abort's connection_lost comes a loop turn later): then

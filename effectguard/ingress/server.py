@@ -36,7 +36,7 @@ from effectguard.ingress import spool
 from effectguard.ingress.admin import AdminPage
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
-from effectguard.ingress.frontdoor import client_gone, cut_off
+from effectguard.ingress.frontdoor import client_gone, cut_off, on_client_lost
 from effectguard.ingress.keyring import Grant, KeyRing, bearer_token, refuse_browsers
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
@@ -330,23 +330,33 @@ class ProxyApp:
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         budget, root, key = self._authorize(provider, raw_headers)
         body = await self._body(receive, raw_headers)
+        watch = on_client_lost(scope)
         try:
             if key is not None:
                 key.check(provider.name, body.data, spooled=body.spool is not None)
             request = self._outbound(scope, provider, upstream_path, raw_headers, body)
             ticket = context_of(scope).ticket
             ticket.report_later = True  # its access line waits until the answer is written
+            orphans = self.guard.orphans
+            watch(lambda: ticket.leave(orphans))
             reply = await self.guard.serve(
                 provider, request, self._send, budget=budget, budget_root=root, ticket=ticket
             )
+
+            def gone() -> bool:
+                if self._orphaned(scope, ticket):
+                    return True
+                if reply.body is not None:
+                    watch(None)  # its answer goes out now: a close after it is no leaving
+                return False
+
             try:
-                await write_reply(
-                    send, reply, lambda: self._orphaned(scope, ticket), lambda: cut_off(scope)
-                )
+                await write_reply(send, reply, gone, lambda: cut_off(scope))
             finally:
                 if not isinstance(reply.stream, GuardedStream):  # that reports at its end
                     self._report(ticket)
         finally:
+            watch(None)  # answered (or refused): a later close is no leaving
             body.discard()
 
     def _report(self, ticket: Ticket) -> None:

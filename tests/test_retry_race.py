@@ -1,0 +1,94 @@
+"""A key-less SDK retry that comes the moment its call settles is not sent again.
+
+The client times out (0.2 s) before the provider answers (0.3 s) and sends its declared
+retry (``x-stainless-retry-count: 1``, no key) around the time the answer comes. The
+proxy used to learn that the first client had gone only when it wrote that client's
+answer, a few milliseconds after recording it: a retry admitted in between was new work,
+and the provider was paid twice (found by the fault simulator with short client
+timeouts: 4 of 52 such calls). The proxy now knows it when the connection is lost.
+
+Timing decides whether a retry lands in that window, so each run sends 80 such calls,
+their retries spread over the 50 ms around the answer; every one must reach the provider
+once. Counted with the provider's receipt log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from effectguard.testing import fake_provider, running_proxy
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/openai/v1/chat/completions"
+CALLS_PER_WAVE = 40
+WAVES = 2
+
+
+async def _timed_out_then_retried(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], url: str, body: bytes, offset_s: float
+) -> None:
+    """One SDK call: the first try gives up at 0.2 s, the retry comes at 0.3 s + offset."""
+    headers = {"content-type": "application/json", "x-fake-behaviour": "delay=0.3"}
+    started = time.monotonic()
+    with contextlib.suppress(httpx.TimeoutException):  # as the SDK's timeout ends it
+        await clients[0].post(
+            url, content=body, headers={**headers, "x-stainless-retry-count": "0"}
+        )
+    await asyncio.sleep(max(0.0, started + 0.3 + offset_s - time.monotonic()))
+    retry = await clients[1].post(
+        url, content=body, headers={**headers, "x-stainless-retry-count": "1"}
+    )
+    assert retry.status_code == 200, retry.text
+
+
+def _bodies(wave: int) -> list[bytes]:
+    return [
+        json.dumps(
+            {
+                "model": "gpt-4o-mini",
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": f"wave {wave} call {n}"}],
+            }
+        ).encode()
+        for n in range(CALLS_PER_WAVE)
+    ]
+
+
+async def _wave(url: str, bodies: list[bytes], offsets: list[float]) -> None:
+    # Both clients made before the calls start: making one takes the event loop for tens
+    # of milliseconds (its TLS context), and a client whose loop was held past its timeout
+    # gives up on an answer already delivered, which no server can tell from a delivery.
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with (
+        httpx.AsyncClient(timeout=httpx.Timeout(0.2, connect=5), limits=limits) as first,
+        httpx.AsyncClient(timeout=15, limits=limits) as again,
+    ):
+        calls = [
+            _timed_out_then_retried((first, again), url, b, o)
+            for b, o in zip(bodies, offsets, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*calls), timeout=60)
+
+
+def test_a_retry_that_comes_as_its_call_settles_is_not_sent_again(tmp_path: Path) -> None:
+    bodies: list[bytes] = []
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        with running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy:
+            for wave in range(WAVES):
+                wave_bodies = _bodies(wave)
+                bodies += wave_bodies
+                offsets = [-0.01 + 0.05 * n / CALLS_PER_WAVE for n in range(CALLS_PER_WAVE)]
+                asyncio.run(_wave(proxy.url + CHAT, wave_bodies, offsets))
+        receipts = Counter(r["body_sha256"] for r in provider.receipts())
+    sent_twice = [b for b in bodies if receipts[hashlib.sha256(b).hexdigest()] != 1]
+    assert not sent_twice, f"{len(sent_twice)} of {len(bodies)} calls reached the provider twice"
