@@ -465,6 +465,7 @@ async def test_lease_lapsing_between_retries_answers_the_providers_429(tmp_path:
     upstream = LapsingUpstream(clock, limited)
     try:
         answer = await guard.handle(guard.providers["openai"], _request("limited"), upstream.send)
+        await answer.aread()  # a transport's answer: its client reads it
         assert answer.status_code == 429 and answer.json() == body
         assert upstream.sent == 1
         (call,) = await runtime.ledger.calls()
