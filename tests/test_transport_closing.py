@@ -198,3 +198,25 @@ def test_calls_made_while_an_async_transport_closes_are_refused_not_restarted(
     assert _stages(capsys, ledger) == Counter(completed=outcomes["200"])
     assert len(provider.effects()) == outcomes["200"]
     assert _registered(ledger) == 1
+
+
+class _Recording(httpx.HTTPTransport):
+    """An inner transport that notes its close."""
+
+    closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+        super().close()
+
+
+def test_closing_an_unused_sync_transport_closes_its_inner_once(tmp_path: Path) -> None:
+    """A GuardTransport closed before its first call (twice, as two clients sharing it
+    would) still closes the transport it wraps, once, and refuses calls afterwards."""
+    inner = _Recording()
+    transport = effectguard.GuardTransport(inner, ledger=str(tmp_path / "ledger.db"))
+    transport.close()
+    transport.close()
+    assert inner.closes == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        transport.handle_request(httpx.Request("GET", "http://127.0.0.1:9/"))

@@ -102,7 +102,9 @@ class Portal:
         this; one made meanwhile waits for it (bounded) and returns."""
         with self._lock:
             first, self._closing = not self._closing, True
-            running = self._loop is not None and not self._thread_gone()
+            # Never used, it still runs ``last`` (which closes the inner transport);
+            # in a child forked after the first use there is no loop left to run it on.
+            running = not self._thread_gone()
         if not first or not running:
             if last is not None:
                 last.close()
@@ -120,7 +122,9 @@ class Portal:
     def _finish(self) -> None:
         """Finish the async generators, stop the loop, fail what it left undone."""
         loop, thread = self._loop, self._thread
-        assert loop is not None and thread is not None
+        if loop is None or thread is None:  # never started: nothing to stop
+            self._closed.set()
+            return
         try:
             # A stream its reader stopped early leaves async generators open on this loop
             # (the guard's response body, the inner transport's): their aclose() has to
