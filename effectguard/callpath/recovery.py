@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
@@ -43,6 +44,24 @@ def lock_dir_for(ledger_url: str) -> Path | None:
     if "://" in ledger_url:
         return None
     return Path(ledger_url + ".workers")
+
+
+#: The workers of this process holding a liveness lock, for :func:`_drop_inherited_locks`.
+_LOCK_HOLDERS: weakref.WeakSet[WorkerRuntime] = weakref.WeakSet()
+_AT_FORK: list[bool] = []  # registered once, at the first lock (no work at import)
+
+
+def _drop_inherited_locks() -> None:
+    """In a child just forked: close its copies of the parent's lock files.
+
+    A flock belongs to the open file, shared by every descriptor of it in every process,
+    so a long-lived child (a ``multiprocessing`` helper) that kept its copy kept the
+    lock: a restart after the parent crashed found it held and waited for the whole
+    lease instead of taking over at once (docs/contract.md §7). Closing the copy here
+    leaves the parent's lock held by the parent; unlocking would release it for both.
+    """
+    for worker in list(_LOCK_HOLDERS):
+        worker.forget_lock()
 
 
 class WorkerRuntime:
@@ -104,9 +123,15 @@ class WorkerRuntime:
             # Owner-only, like the ledger beside it.
             self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = self.lock_dir / f"{self.worker_id}.lock"
-            handle = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+            # Close-on-exec (also Python's default), so no program it runs holds it either.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            handle = os.fdopen(os.open(path, flags, 0o600), "wb")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._lock_file = handle
+            _LOCK_HOLDERS.add(self)
+            if not _AT_FORK:
+                os.register_at_fork(after_in_child=_drop_inherited_locks)
+                _AT_FORK.append(True)
         boot = Writer(self.worker_id, 0)
         self.writer = await self.ledger.store.write(
             boot,
@@ -286,6 +311,13 @@ class WorkerRuntime:
         # The file stays: the next sweeper finds it free, takes this worker over at
         # once instead of waiting for the lease, and removes it.
         self._release_lock(unlink=False)
+
+    def forget_lock(self) -> None:
+        """Close this process's handle on the lock without unlocking it: in a forked
+        child, the lock is still the parent's, held through the parent's handle."""
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
 
     def _release_lock(self, *, unlink: bool) -> None:
         if self._lock_file is None:

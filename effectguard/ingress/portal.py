@@ -13,14 +13,27 @@ many threads at once; the guard is async. Each call is run on this loop and wait
   (docs/contract.md §3.8): not yet admitted, nothing is sent; admitted, its attempt is
   recorded as never sent; dispatched, it is read and settled in the background. Left
   running, a call interrupted before it was sent would go out after the user stopped it.
+* **Closed once, refusing from the moment the close begins** (docs/contract.md §1.2,
+  §3.8). Work handed in while the close drains the loop would either race the ledger's
+  close or, handed in after the loop stopped, wait for ever: it is refused instead, with
+  the same error as after the close. A second close waits for the first and returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from concurrent.futures import Future
+from collections.abc import Coroutine
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
+
+#: How long a second close waits for the first (which drains calls for up to 30 s).
+SECOND_CLOSE_WAIT_S = 60.0
+
+CLOSED = (
+    "this GuardTransport is closed, or was first used before this process forked: make a new one"
+)
 
 
 class Portal:
@@ -30,40 +43,45 @@ class Portal:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stopped = False
+        #: Set when the first close begins: from then on nothing new is taken.
+        self._closing = False
+        self._closed = threading.Event()
+        #: Work handed to the loop and not done: failed if the loop stops under it.
+        self._pending: set[Future[Any]] = set()
         self._scheduled: set[asyncio.Task[Any]] = set()
 
-    def _started(self) -> asyncio.AbstractEventLoop:
+    def _submit(self, coro: Any, *, closing: bool = False) -> Future[Any]:
+        """Hand ``coro`` to the loop (starting it); refused once closed, or while closing
+        unless it is the close's own work (``closing``)."""
         with self._lock:
-            if self.closed:
-                # After close(), or in a child process forked after the first use (the
-                # portal's thread did not come along): waiting would wait for ever.
-                raise RuntimeError(
-                    "this GuardTransport is closed, or was first used before this process "
-                    "forked: make a new one"
-                )
+            if self._thread_gone() or (self._closing and not closing):
+                # After close() began, or in a child process forked after the first use
+                # (the portal's thread did not come along): waiting would wait for ever.
+                coro.close()
+                raise RuntimeError(CLOSED)
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
                     target=self._loop.run_forever, name="effectguard-portal", daemon=True
                 )
                 self._thread.start()
-            return self._loop
+            future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
-    def run(self, coro: Any) -> Any:
-        """Run ``coro`` on the loop and wait for its result; an interrupt of the waiting
-        thread cancels it."""
-        try:
-            loop = self._started()
-        except RuntimeError:
-            coro.close()
-            raise
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, loop)
+    @staticmethod
+    def _wait(future: Future[Any]) -> Any:
         try:
             return future.result()
         except BaseException:
             future.cancel()  # done already (its own exception): nothing happens
             raise
+
+    def run(self, coro: Any) -> Any:
+        """Run ``coro`` on the loop and wait for its result; an interrupt of the waiting
+        thread cancels it."""
+        return self._wait(self._submit(coro))
 
     def run_or_schedule(self, coro: Any) -> None:
         """Run ``coro`` and wait for it; on the portal's own thread, schedule it instead.
@@ -78,26 +96,59 @@ class Portal:
         self._scheduled.add(task)  # a task only the loop refers to may be collected
         task.add_done_callback(self._scheduled.discard)
 
-    def close(self) -> None:
-        """Finish the loop's async generators, then stop the loop and its thread."""
-        if self._loop is None:
-            self._stopped = True
+    def close(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
+        """Refuse new work, run ``last`` (the transport's own close) and finish the loop's
+        async generators, then stop the loop and its thread. Only the first close does
+        this; one made meanwhile waits for it (bounded) and returns."""
+        with self._lock:
+            first, self._closing = not self._closing, True
+            # Never used, it still runs ``last`` (which closes the inner transport);
+            # in a child forked after the first use there is no loop left to run it on.
+            running = not self._thread_gone()
+        if not first or not running:
+            if last is not None:
+                last.close()
+            if not first:
+                self._closed.wait(SECOND_CLOSE_WAIT_S)
+            else:
+                self._closed.set()
             return
-        # A stream its reader stopped early leaves async generators open on this loop
-        # (the guard's response body, the inner transport's): their aclose() has to run
-        # here, before the loop stops. Left to the collector, it is scheduled on a loop
-        # that never runs again, and Python 3.13 warns that it was never awaited.
-        self.run(self._loop.shutdown_asyncgens())
-        self._stopped = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        assert self._thread is not None
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
+        try:
+            if last is not None:
+                self._wait(self._submit(last, closing=True))
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Finish the async generators, stop the loop, fail what it left undone."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:  # never started: nothing to stop
+            self._closed.set()
+            return
+        try:
+            # A stream its reader stopped early leaves async generators open on this loop
+            # (the guard's response body, the inner transport's): their aclose() has to
+            # run here, before the loop stops. Left to the collector, it is scheduled on a
+            # loop that never runs again, and Python 3.13 warns it was never awaited.
+            self._wait(self._submit(loop.shutdown_asyncgens(), closing=True))
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            if not thread.is_alive():
+                loop.close()
+            # Handed in before the close began but never run (or cut off by the stop):
+            # their threads would wait for ever on a loop that is gone.
+            for future in list(self._pending):
+                # Done meanwhile, or cancelled by its waiter: nothing to fail.
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(RuntimeError(CLOSED))
+            self._closed.set()
+
+    def _thread_gone(self) -> bool:
+        """Its thread ended (closed, or this process was forked after its first use)."""
+        return self._thread is not None and not self._thread.is_alive()
 
     @property
     def closed(self) -> bool:
-        """Closed, or its thread is gone (this process was forked after its first use)."""
-        if self._stopped:
-            return True
-        return self._thread is not None and not self._thread.is_alive()
+        """Closing or closed, or its thread is gone (forked after its first use)."""
+        return self._closing or self._thread_gone()

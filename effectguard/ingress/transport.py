@@ -47,6 +47,19 @@ T = TypeVar("T")
 
 ProvidersArg = Mapping[str, Provider] | Sequence[str | Path] | None
 
+CLOSING = (
+    "this AsyncGuardTransport is closing: calls made while aclose() runs are refused, "
+    "nothing was sent; use it again once aclose() has returned"
+)
+FORKED = (
+    "this AsyncGuardTransport was first used before this process forked: its threads, "
+    "ledger connections and worker registration are the parent's; nothing was sent. "
+    "Make a new one in this process"
+)
+#: Runtimes a forked child inherited and closed: kept, never collected here, since
+#: collecting them would close the parent's ledger connections from this process.
+_INHERITED: list[Runtime] = []
+
 
 def _providers(providers: ProvidersArg, upstreams: Mapping[str, str] | None) -> dict[str, Provider]:
     if providers is None or isinstance(providers, Sequence):
@@ -103,9 +116,40 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         #: The start every first caller waits for (see :meth:`guard`).
         self._starting: asyncio.Task[Guard] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: The process it started in: a forked child has none of its threads or locks.
+        self._pid: int | None = None
+        #: Done when the close under way ends (None: no close under way).
+        self._closing: asyncio.Future[None] | None = None
+        #: One future per call inside :meth:`handle_async_request`, done when it returns.
+        self._calls: set[asyncio.Future[None]] = set()
 
     async def guard(self) -> Guard:
         """The guard, started on first use (in the caller's event loop)."""
+        self._bind()
+        if self._guard is not None:
+            return self._guard
+        if self._starting is None or self._starting.done():  # done here: it failed, again
+            self._starting = asyncio.ensure_future(self._runtime.start())
+            self._starting.add_done_callback(self._started)
+        # Shielded: a caller that goes away (a timeout, a cancelled task) stops only its
+        # own wait. Cancelling the start itself would make every caller waiting with it
+        # start again, registering a worker each time, and callers with short timeouts
+        # could keep the transport from ever starting.
+        guard = await asyncio.shield(self._starting)
+        if self._closing is not None:  # closed while it started: the close stops it
+            raise RuntimeError(CLOSING)
+        return guard
+
+    def _bind(self) -> None:
+        """Tie the transport to the caller's loop and process, or refuse the call."""
+        if self._pid is not None and self._pid != os.getpid():
+            # Its threads did not come along, and its ledger connections, worker id and
+            # lock are the parent's: a call would be sent and recorded as the parent's.
+            raise RuntimeError(FORKED)
+        if self._closing is not None:
+            # Taken now, it would start the guard again under the close (keeping the
+            # worker registration the close just released), or meet a closed ledger.
+            raise RuntimeError(CLOSING)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -116,7 +160,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "loop thread, from a worker thread (trio.to_thread.run_sync)"
             ) from None
         if self._loop is None:
-            self._loop = loop
+            self._loop, self._pid = loop, os.getpid()
         elif loop is not self._loop:
             # Its heartbeat, its background settlements and its connections live on the
             # loop it started on: on another one a call could be sent and never settled.
@@ -125,16 +169,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "it is closed: close it (aclose) before using it from another event loop "
                 "(each asyncio.run), make one per loop, or use GuardTransport"
             )
-        if self._guard is not None:
-            return self._guard
-        if self._starting is None or self._starting.done():  # done here: it failed, again
-            self._starting = asyncio.ensure_future(self._runtime.start())
-            self._starting.add_done_callback(self._started)
-        # Shielded: a caller that goes away (a timeout, a cancelled task) stops only its
-        # own wait. Cancelling the start itself would make every caller waiting with it
-        # start again, registering a worker each time, and callers with short timeouts
-        # could keep the transport from ever starting.
-        return await asyncio.shield(self._starting)
 
     def _started(self, starting: asyncio.Task[Guard]) -> None:
         if not starting.cancelled() and starting.exception() is None:
@@ -147,6 +181,16 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         guard = await self.guard()
+        # Counted from here (no await since the check in guard()): a close waits for it.
+        done = asyncio.get_running_loop().create_future()
+        self._calls.add(done)
+        try:
+            return await self._handle(guard, request)
+        finally:
+            self._calls.discard(done)
+            done.set_result(None)
+
+    async def _handle(self, guard: Guard, request: httpx.Request) -> httpx.Response:
         target = str(request.url.copy_with(query=None, fragment=None))
         provider = provider_for(guard.providers.values(), request.method, target)
         if provider is None:
@@ -189,16 +233,44 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         return response
 
     async def aclose(self) -> None:
-        # Like httpx's own transports it may be used again after this (an
-        # ``async with httpx.AsyncClient(transport=t)`` per request closes it each time):
-        # the guard then starts again, on whichever event loop uses it next.
-        self._loop = None
+        """Refuse new calls, let the calls under way finish (up to 30 s in all, with the
+        background settlements), then stop the guard and close ``inner``.
+
+        Like httpx's own transports it may be used again once this has returned (an
+        ``async with httpx.AsyncClient(transport=t)`` per request closes it each time):
+        the guard then starts again, on whichever event loop uses it next.
+        """
+        if self._pid is not None and self._pid != os.getpid():
+            # A child forked after the first use: the runtime is the parent's. Stopping it
+            # would wait on threads that did not come along and write through the parent's
+            # connections; it is left alone, and the transport stays refused here.
+            if self._runtime not in _INHERITED:
+                _INHERITED.append(self._runtime)
+            return
+        if self._closing is not None:  # a second close: the first one does the work
+            await asyncio.shield(self._closing)
+            return
+        self._closing = asyncio.get_running_loop().create_future()
+        try:
+            await self._stop()
+        finally:
+            closing, self._closing = self._closing, None
+            self._loop = self._pid = None
+            closing.set_result(None)
+
+    async def _stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + defaults.DRAIN_TIMEOUT_S
         if self._starting is not None:
             if not self._starting.done():
                 await asyncio.wait({self._starting})  # then stopped below, if it started
             self._starting = None
+        if self._calls:
+            # Calls taken before the close began finish first, so their answers are
+            # recorded: the runtime's drain knows only calls already dispatched.
+            await asyncio.wait(set(self._calls), timeout=deadline - loop.time())
         if self._guard is not None:
-            await self._runtime.stop()
+            await self._runtime.stop(max(0.0, deadline - loop.time()))
             self._guard = None
         await self.inner.aclose()
 
@@ -224,7 +296,12 @@ class _PortalStream(httpx.SyncByteStream):
             # stream's generator is collected), and that close settled every stream it
             # had: there is nothing left to close, and no loop to close it on.
             return
-        self._portal.run_or_schedule(self._response.aclose())
+        try:
+            self._portal.run_or_schedule(self._response.aclose())
+        except RuntimeError:
+            if not self._portal.closed:
+                raise
+            # Its transport began closing meanwhile: that close reads it to its end.
 
 
 class GuardTransport(httpx.BaseTransport):
@@ -287,7 +364,9 @@ class GuardTransport(httpx.BaseTransport):
         )
 
     def close(self) -> None:
-        if self._portal.closed:  # a second close: the loop that would run it is gone
-            return
-        self._portal.run(self._async.aclose())
-        self._portal.close()
+        """Refuse new calls at once, let those under way finish (up to 30 s), then stop.
+
+        Only the first close does this (a transport shared by several clients closes
+        with the first of them); a close made meanwhile, from another thread, waits for
+        it and returns, and a later one returns at once."""
+        self._portal.close(self._async.aclose())

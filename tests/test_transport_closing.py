@@ -1,0 +1,222 @@
+"""Closing a transport while it is in use, with the real fake provider (its receipt log
+counts what reached it) and real threads and tasks (docs/contract.md §1.2, §3.8):
+
+* calls made while a sync transport closes get the closed-transport ``RuntimeError``,
+  nothing sent, or are let finish and recorded; none hangs;
+* two threads closing one shared sync transport at once both return;
+* calls made while an async transport closes are refused, the calls under way finish
+  and are recorded, and the close does not start the transport again under itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import effectguard
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import FakeProvider, fake_provider
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+#: A bound on a hang, not a timing claim: a close drains its calls for at most 30 s.
+HANG_BOUND_S = 60.0
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
+    capsys.readouterr()
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
+
+
+def _registered(ledger: Path) -> int:
+    """How many worker registrations ``ledger`` holds."""
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+        return int(db.execute("SELECT count(*) FROM workers").fetchone()[0])
+
+
+def _request(provider: FakeProvider) -> httpx.Request:
+    return httpx.Request("POST", provider.url + "/v1/chat/completions", json=CHAT)
+
+
+def _outcome(call: object) -> str:
+    """A call's result as a short label: its status, or its exception's type and cause."""
+    if isinstance(call, httpx.Response):
+        return str(call.status_code)
+    assert isinstance(call, BaseException)
+    return "closed" if isinstance(call, RuntimeError) and "closed" in str(call) else repr(call)
+
+
+def _close_while_calling(
+    transport: effectguard.GuardTransport, provider: FakeProvider
+) -> Counter[str]:
+    """Eight threads call until refused; a ninth closes once they are under way."""
+    outcomes: Counter[str] = Counter()
+
+    def call() -> None:
+        while True:
+            try:
+                label = _outcome(transport.handle_request(_request(provider)))
+            except Exception as exc:
+                label = _outcome(exc)
+            outcomes[label] += 1
+            if label != "200":  # refused: the close has begun
+                return
+
+    callers = [threading.Thread(target=call, daemon=True) for _ in range(8)]
+    for caller in callers:
+        caller.start()
+    while outcomes["200"] < 20:  # the callers are under way
+        threading.Event().wait(0.01)
+    closer = threading.Thread(target=transport.close, daemon=True)
+    closer.start()
+    for thread in [closer, *callers]:
+        thread.join(HANG_BOUND_S)
+    assert not any(t.is_alive() for t in [closer, *callers]), "a call or the close hung"
+    return outcomes
+
+
+def test_calls_made_while_a_sync_transport_closes_never_hang(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Eight threads keep calling while a ninth closes the transport: every call is
+    answered and recorded completed, or refused with the closed-transport error and
+    never sent. Calls kept arriving until the loop stopped: some waited for ever on a
+    loop that no longer ran, others met an executor or a ledger already closed (502 for
+    an answer the provider sent, then ``effect_unknown``)."""
+    ledger = tmp_path / "ledger.db"
+    outcomes: Counter[str] = Counter()
+    for _ in range(3):
+        transport = effectguard.GuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        outcomes += _close_while_calling(transport, provider)
+    assert set(outcomes) == {"200", "closed"}, outcomes
+    assert _stages(capsys, ledger) == Counter(completed=outcomes["200"])
+    assert len(provider.effects()) == outcomes["200"]
+
+
+def _close_together(clients: list[httpx.Client]) -> list[Exception]:
+    """Close ``clients`` from a thread each at the same moment; what the closes raised."""
+    together = threading.Barrier(len(clients))
+    errors: list[Exception] = []
+
+    def close(client: httpx.Client) -> None:
+        together.wait()
+        try:
+            client.close()
+        except Exception as exc:
+            errors.append(exc)
+
+    closers = [threading.Thread(target=close, args=(c,), daemon=True) for c in clients]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(HANG_BOUND_S)
+    assert not any(c.is_alive() for c in closers), "a close hung"
+    return errors
+
+
+def test_two_threads_closing_one_shared_sync_transport_both_return(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two clients share a GuardTransport and close it at the same moment from two
+    threads: both closes return without an error and the transport is closed. The second
+    close used to run the close again on a loop the first was stopping: it hung, or raised
+    "Event loop is closed", an AttributeError or a ValueError."""
+    ledger = tmp_path / "ledger.db"
+    for _ in range(4):
+        transport = effectguard.GuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        clients = [httpx.Client(transport=transport, base_url=provider.url) for _ in range(2)]
+        assert clients[0].post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert _close_together(clients) == []
+        transport.close()  # a later close returns at once
+        with pytest.raises(RuntimeError, match="closed"):
+            transport.handle_request(_request(provider))
+    assert _stages(capsys, ledger) == Counter(completed=4)
+    assert len(provider.effects()) == 4
+
+
+def test_calls_made_while_an_async_transport_closes_are_refused_not_restarted(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Eight tasks keep calling while a ninth runs ``aclose()``: a call made during the
+    close is refused (``RuntimeError``, nothing sent), the calls under way finish and are
+    recorded completed, and the close leaves one worker registration behind. Calls during
+    the close used to start the guard again under it (a second registration, running
+    after ``aclose()`` returned), or meet the closed ledger: 502 for an answer the
+    provider sent, then ``effect_unknown``."""
+    ledger = tmp_path / "ledger.db"
+
+    async def run() -> Counter[str]:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        outcomes: Counter[str] = Counter()
+
+        async def call() -> None:
+            while True:
+                try:
+                    answer = await asyncio.wait_for(
+                        transport.handle_async_request(_request(provider)), HANG_BOUND_S
+                    )
+                    label = _outcome(answer)
+                except Exception as exc:
+                    label = "closing" if "closing" in str(exc) else repr(exc)
+                outcomes[label] += 1
+                if label != "200":
+                    return
+
+        callers = [asyncio.ensure_future(call()) for _ in range(8)]
+        while outcomes["200"] < 20:  # the callers are under way
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(transport.aclose(), HANG_BOUND_S)
+        await asyncio.wait_for(asyncio.gather(*callers), HANG_BOUND_S)
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert set(outcomes) == {"200", "closing"}, outcomes
+    assert _stages(capsys, ledger) == Counter(completed=outcomes["200"])
+    assert len(provider.effects()) == outcomes["200"]
+    assert _registered(ledger) == 1
+
+
+class _Recording(httpx.HTTPTransport):
+    """An inner transport that notes its close."""
+
+    closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+        super().close()
+
+
+def test_closing_an_unused_sync_transport_closes_its_inner_once(tmp_path: Path) -> None:
+    """A GuardTransport closed before its first call (twice, as two clients sharing it
+    would) still closes the transport it wraps, once, and refuses calls afterwards."""
+    inner = _Recording()
+    transport = effectguard.GuardTransport(inner, ledger=str(tmp_path / "ledger.db"))
+    transport.close()
+    transport.close()
+    assert inner.closes == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        transport.handle_request(httpx.Request("GET", "http://127.0.0.1:9/"))

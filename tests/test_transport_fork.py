@@ -1,0 +1,168 @@
+"""Transports and forked processes, with the real fake provider (its receipt log counts
+what reached it) and real processes (docs/contract.md §3.8, §7):
+
+* an AsyncGuardTransport used before a fork refuses every call in the child with an
+  error naming the fork, nothing sent, and its ``aclose()`` there returns at once;
+* a long-lived child forked from a program using a transport does not keep the
+  program's worker lock: after the program is killed, a restart takes its calls over
+  at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import effectguard
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import FakeProvider, fake_provider
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+#: A bound on a hang, not a timing claim.
+HANG_BOUND_S = 60.0
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
+    capsys.readouterr()
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
+
+
+async def _child_uses(transport: effectguard.AsyncGuardTransport, url: str) -> list[str]:
+    """What a forked child meets: a call, the ``aclose()`` the error advises, a call."""
+    client = httpx.AsyncClient(transport=transport, base_url=url)
+    seen = []
+    for step in ("call", "aclose", "call"):
+        try:
+            if step == "aclose":
+                await asyncio.wait_for(transport.aclose(), 10)
+            else:
+                await client.post("/v1/chat/completions", json=CHAT)
+            seen.append(f"{step}: done")
+        except RuntimeError as exc:
+            seen.append(f"{step}: " + ("forked" if "forked" in str(exc) else str(exc)))
+        except TimeoutError:
+            seen.append(f"{step}: hung")
+    return seen
+
+
+def test_an_async_transport_used_before_a_fork_refuses_the_child(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The parent's loop uses an AsyncGuardTransport, then the program forks: in the child
+    a call is refused with an error naming the fork and nothing is sent; ``aclose()``
+    returns at once and leaves the parent's runtime alone; the transport stays refused
+    there. The child used to be told of "another event loop"; its ``aclose()`` then waited
+    for ever on the parent's threads, and its next call went out recorded as the parent's
+    worker, through the parent's ledger connections."""
+    ledger = tmp_path / "ledger.db"
+    transport = effectguard.AsyncGuardTransport(
+        ledger=str(ledger), upstreams={"openai": provider.url}
+    )
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def on_parent_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(HANG_BOUND_S)
+
+    client = httpx.AsyncClient(transport=transport, base_url=provider.url)
+    assert on_parent_loop(client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            signal.alarm(int(HANG_BOUND_S))  # a bound on a hang
+            seen = asyncio.run(_child_uses(transport, provider.url))
+            os.write(write_end, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as child:
+        seen = json.loads(child.read() or b"null")
+    os.waitpid(pid, 0)
+    assert seen == ["call: forked", "aclose: done", "call: forked"]
+    assert on_parent_loop(client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    on_parent_loop(transport.aclose())
+    loop.call_soon_threadsafe(loop.stop)
+    assert len(provider.effects()) == 2
+    assert _stages(capsys, ledger) == Counter(completed=2)
+
+
+FORKS_A_HELPER = """
+import os, sys, time
+import httpx, effectguard
+
+url, ledger = sys.argv[1], sys.argv[2]
+transport = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": url})
+client = httpx.Client(transport=transport, base_url=url, timeout=100)
+chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+client.post("/v1/chat/completions", json=chat)
+helper = os.fork()  # a long-lived helper, as a multiprocessing pool's worker
+if helper == 0:
+    time.sleep(300)
+    os._exit(0)
+print(helper, flush=True)
+client.post("/v1/chat/completions", json=chat, headers={"x-fake-behaviour": "delay=60"})
+"""
+
+
+def _in_flight(capsys: pytest.CaptureFixture[str], ledger: Path) -> int:
+    """How many calls ``ledger`` holds in flight, once there is one (bounded)."""
+    deadline = time.monotonic() + HANG_BOUND_S
+    while not (count := _stages(capsys, ledger)["in_flight"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count
+
+
+def test_a_forked_helper_does_not_keep_a_killed_programs_worker_lock(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A program using a GuardTransport forks a long-lived helper, then is SIGKILLed with
+    a call on its way. The helper outlives it; a restart on the same host finds the
+    program's worker lock free and marks the stranded call ``effect_unknown`` in its
+    start-up sweep. The helper kept its copy of the lock's open file, so the lock stayed
+    held and the restart left the call in flight until the program's lease ran out."""
+    ledger = tmp_path / "ledger.db"
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(FORKS_A_HELPER))
+    program = subprocess.Popen(
+        [sys.executable, str(script), provider.url, str(ledger)], stdout=subprocess.PIPE
+    )
+    assert program.stdout is not None
+    helper = int(program.stdout.readline())
+    try:
+        assert _in_flight(capsys, ledger) == 1
+        program.kill()
+        program.wait()
+        restart = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
+        with httpx.Client(transport=restart, base_url=provider.url) as client:
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            stages = _stages(capsys, ledger)  # right after the start-up sweep
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper, signal.SIGKILL)
+    assert stages == Counter(completed=2, effect_unknown=1)
