@@ -7,15 +7,20 @@ transport's pooled connections) took every thread, while the answers holding tho
 connections needed a thread to be read to their end and give them back: every call
 waited for its pool timeout (the SDKs' default is 10 minutes). A read never waits for a
 connection, so the read pool always makes progress, and each answer read frees one.
+
+Both pools are daemon threads (:mod:`effectguard.ledger.daemonthreads`): a program that
+ends without closing its transport is not held until its provider answers, and a thread
+still calling after the main thread returned is served, as by plain httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
+from effectguard.ledger.daemonthreads import DaemonThreads
 
 #: Threads for a sync inner transport's blocking calls: one per connection its pool may
 #: hold (httpx's default ``max_connections``). A call waits on its thread for as long as
@@ -27,7 +32,7 @@ SYNC_INNER_THREADS = 100
 class _ThreadedStream(httpx.AsyncByteStream):
     """A sync inner response stream, read from the portal loop via worker threads."""
 
-    def __init__(self, stream: httpx.SyncByteStream, threads: ThreadPoolExecutor) -> None:
+    def __init__(self, stream: httpx.SyncByteStream, threads: DaemonThreads) -> None:
         self._stream = stream
         self._threads = threads
 
@@ -49,8 +54,8 @@ class SyncInner(httpx.AsyncBaseTransport):
 
     def __init__(self, inner: httpx.BaseTransport) -> None:
         self.inner = inner
-        self._sends = ThreadPoolExecutor(SYNC_INNER_THREADS, "effectguard-upstream")
-        self._reads = ThreadPoolExecutor(SYNC_INNER_THREADS, "effectguard-upstream-read")
+        self._sends = DaemonThreads(SYNC_INNER_THREADS, "effectguard-upstream")
+        self._reads = DaemonThreads(SYNC_INNER_THREADS, "effectguard-upstream-read")
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         sync_request = httpx.Request(
@@ -72,7 +77,13 @@ class SyncInner(httpx.AsyncBaseTransport):
         )
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.inner.close)
+        # A thread of its own: both pools may be full of calls still waiting on their
+        # upstream, and asyncio.to_thread's pool is one that interpreter exit refuses.
+        closer = DaemonThreads(1, "effectguard-upstream-close")
+        try:
+            await asyncio.get_running_loop().run_in_executor(closer, self.inner.close)
+        finally:
+            closer.shutdown(wait=False)
         # Threads still reading (abandoned streams) end with their upstream; not waited for.
         self._sends.shutdown(wait=False)
         self._reads.shutdown(wait=False)

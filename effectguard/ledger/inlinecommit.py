@@ -36,6 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger.base import Operation, Orphaned, Tx, Writer, is_bulky
+from effectguard.ledger.daemonthreads import DaemonThreads
 from effectguard.ledger.groupcommit import (
     MAX_BATCH,
     CommitStats,
@@ -96,7 +97,9 @@ class InlineCommitter(Generic[S]):
         self._pending: list[Job] = []
         self._runner: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="effectguard-lock")
+        # A daemon: a program that ends unclosed mid-commit ends as a crash would (the
+        # commit is atomic either way), not held up by this thread.
+        self._io = DaemonThreads(1, "effectguard-lock")
         self._busy: concurrent.futures.Future[Any] | None = None
         #: Lone commits allowed before the batching path samples concurrency again, and
         #: how many batches in a row held one operation.

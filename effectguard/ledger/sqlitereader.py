@@ -2,10 +2,9 @@
 
 Reads use a second connection (WAL lets them run beside the writer), so operator
 queries and metrics scrapes never queue behind writes. The connection lives on
-the one worker of a ``ThreadPoolExecutor`` rather than a plain thread: the
-standard library stops idle executor workers before the interpreter waits for
-its threads, so a program that never closes its ledger (or its transport) still
-exits (docs/configuration.md, in-process transport).
+one daemon thread (:mod:`effectguard.ledger.daemonthreads`), so a program that never
+closes its ledger (or its transport) still exits, even while a read is under way, and
+a thread still reading after the main thread returned is served.
 """
 
 from __future__ import annotations
@@ -13,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from effectguard.ledger.daemonthreads import DaemonThreads
 
 T = TypeVar("T")
 
@@ -25,17 +25,17 @@ class SqliteReader:
     def __init__(self, path: str, busy_timeout_ms: int) -> None:
         self.path = path
         self._busy_timeout_ms = busy_timeout_ms
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonThreads | None = None
         self._conn: sqlite3.Connection | None = None
 
     async def open(self) -> None:
         """Open the connection on the worker thread."""
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="effectguard-reader")
+        self._pool = DaemonThreads(1, "effectguard-reader")
         self._conn = await self._run(self._connect)
 
     def _connect(self) -> sqlite3.Connection:
         # One worker means one thread; check_same_thread would only guard against a
-        # second worker that the executor never starts.
+        # second worker that the pool never starts.
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
         return conn

@@ -1,0 +1,184 @@
+"""A program using the transports as it ends without closing them, and threads that go
+on calling once its main thread has returned (docs/contract.md §3.8).
+
+Each program runs as a subprocess against the real fake provider, whose receipt log
+shows when a call reached it. The transports' worker threads once followed
+``concurrent.futures``' exit rules: a sync program that returned (or took Ctrl-C)
+mid-call waited for the provider's answer, up to ``upstream_read_timeout_s``, and still
+did not record it; and a thread calling after the main thread returned got
+``RuntimeError`` from the sync transport, and from the async one already at import.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import effectguard
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import FakeProvider, fake_provider
+
+pytestmark = pytest.mark.slow
+
+#: The provider answers this long after the call reaches it...
+ANSWER_DELAY_S = 30
+#: ...and a program must have exited well before: a bound only a hang exceeds.
+EXIT_BOUND_S = 20
+
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+ENDS_MID_CALL = """
+import sys, threading
+import httpx, effectguard
+
+url, ledger, ending, delay = sys.argv[1:5]
+transport = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": url})
+client = httpx.Client(transport=transport, base_url=url, timeout=100)  # never closed
+
+def call():
+    client.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-fake-behaviour": f"delay={delay}", "Idempotency-Key": "k"},
+    )
+
+if ending == "returns":  # a daemon thread mid-call when the main thread returns
+    threading.Thread(target=call, daemon=True).start()
+    sys.stdin.readline()
+else:  # Ctrl-C while the main thread waits for the call
+    call()
+"""
+
+CALLS_LATE = """
+import asyncio, sys, threading, time
+import httpx, effectguard
+
+url, ledger, kind = sys.argv[1:4]
+body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+def sync_calls():
+    transport = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": url})
+    with httpx.Client(transport=transport, base_url=url) as client:
+        for _ in range(2):
+            print(client.post("/v1/chat/completions", json=body).status_code, flush=True)
+
+async def async_calls():
+    transport = effectguard.AsyncGuardTransport(ledger=ledger, upstreams={"openai": url})
+    async with httpx.AsyncClient(transport=transport, base_url=url) as client:
+        for _ in range(2):
+            print((await client.post("/v1/chat/completions", json=body)).status_code, flush=True)
+
+def late():
+    time.sleep(0.5)  # the main thread has returned: the interpreter has begun to exit
+    sync_calls() if kind == "sync" else asyncio.run(async_calls())
+
+threading.Thread(target=late).start()
+"""
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    """A fake provider process for one test."""
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
+    capsys.readouterr()
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
+
+
+def _wait_for_effects(provider: FakeProvider, count: int) -> None:
+    """Until ``count`` calls have reached the provider (a bound, not a timing claim)."""
+    deadline = time.monotonic() + EXIT_BOUND_S
+    while len(provider.effects()) < count:
+        assert time.monotonic() < deadline, "the call never reached the provider"
+        time.sleep(0.05)
+
+
+def _ended_within_bound(program: subprocess.Popen[str]) -> None:
+    """Wait for ``program`` to exit; fail (and kill it) if it outlives the bound."""
+    try:
+        program.wait(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        program.kill()
+        program.wait()
+        raise AssertionError(
+            f"the program waited for the provider's answer ({ANSWER_DELAY_S} s) to exit"
+        ) from None
+
+
+@pytest.mark.parametrize("ending", ["returns", "sigint"])
+def test_a_sync_program_ending_mid_call_unclosed_exits_at_once_and_keeps_the_call(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str], ending: str
+) -> None:
+    """A sync-transport program whose main thread returns, or takes Ctrl-C, while a call
+    waits for a slow provider, without close(), exits without waiting for the answer, and
+    the call stays in flight, as after a crash: the next start marks it effect_unknown."""
+    ledger = tmp_path / "ledger.db"
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(ENDS_MID_CALL))
+    program = subprocess.Popen(
+        [sys.executable, str(script), provider.url, str(ledger), ending, str(ANSWER_DELAY_S)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_effects(provider, 1)
+        if ending == "returns":
+            assert program.stdin is not None
+            program.stdin.write("return\n")
+            program.stdin.flush()
+        else:
+            program.send_signal(signal.SIGINT)
+        _ended_within_bound(program)
+    finally:
+        if program.poll() is None:
+            program.kill()
+        program.communicate()
+    assert _stages(capsys, ledger) == Counter(in_flight=1)
+    _next_start(ledger, provider)
+    assert _stages(capsys, ledger) == Counter(effect_unknown=1, completed=1)
+
+
+def _next_start(ledger: Path, provider: FakeProvider) -> None:
+    """A later program on the same ledger: its start takes the ended one's calls over."""
+    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
+    with httpx.Client(transport=transport, base_url=provider.url) as client:
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_thread_calling_after_the_main_thread_returned_is_served(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A non-daemon thread that makes and uses a transport after the main thread returned
+    (the interpreter waits for it) gets its answers, as with plain httpx."""
+    ledger = tmp_path / "ledger.db"
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(CALLS_LATE))
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), provider.url, str(ledger), kind],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the program did not exit: {exc.stdout!r} {exc.stderr!r}") from exc
+    assert (done.returncode, done.stdout, done.stderr) == (0, "200\n200\n", "")
+    assert _stages(capsys, ledger) == Counter(completed=2)
+    assert len(provider.effects()) == 2
