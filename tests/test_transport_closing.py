@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the provider fixture is imported by name and used as an argument)
 """Closing a transport while it is in use, with the real fake provider (its receipt log
 counts what reached it) and real threads and tasks (docs/contract.md §1.2, §3.8):
 
@@ -12,19 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
-from effectguard.ops.cli import main as cli_main
-from effectguard.testing import FakeProvider, fake_provider
+from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +31,6 @@ CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
 #: A bound on a hang, not a timing claim: a close drains its calls for at most 30 s.
 HANG_BOUND_S = 60.0
-
-
-@pytest.fixture
-def provider(tmp_path: Path) -> Iterator[FakeProvider]:
-    with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        yield fake
-
-
-def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
-    capsys.readouterr()
-    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
-    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
 
 
 def _registered(ledger: Path) -> int:
@@ -109,7 +96,7 @@ def test_calls_made_while_a_sync_transport_closes_never_hang(
         )
         outcomes += _close_while_calling(transport, provider)
     assert set(outcomes) == {"200", "closed"}, outcomes
-    assert _stages(capsys, ledger) == Counter(completed=outcomes["200"])
+    assert stages_of(capsys, ledger) == Counter(completed=outcomes["200"])
     assert len(provider.effects()) == outcomes["200"]
 
 
@@ -152,7 +139,7 @@ def test_two_threads_closing_one_shared_sync_transport_both_return(
         transport.close()  # a later close returns at once
         with pytest.raises(RuntimeError, match="closed"):
             transport.handle_request(_request(provider))
-    assert _stages(capsys, ledger) == Counter(completed=4)
+    assert stages_of(capsys, ledger) == Counter(completed=4)
     assert len(provider.effects()) == 4
 
 
@@ -195,7 +182,7 @@ def test_calls_made_while_an_async_transport_closes_are_refused_not_restarted(
 
     outcomes = asyncio.run(run())
     assert set(outcomes) == {"200", "closing"}, outcomes
-    assert _stages(capsys, ledger) == Counter(completed=outcomes["200"])
+    assert stages_of(capsys, ledger) == Counter(completed=outcomes["200"])
     assert len(provider.effects()) == outcomes["200"]
     assert _registered(ledger) == 1
 

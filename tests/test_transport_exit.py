@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the provider fixture is imported by name and used as an argument)
 """A program using the transports as it ends without closing them, and threads that go
 on calling once its main thread has returned (docs/contract.md §3.8).
 
@@ -11,22 +12,20 @@ did not record it; and a thread calling after the main thread returned got
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
-from effectguard.ops.cli import main as cli_main
-from effectguard.testing import FakeProvider, fake_provider
+from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
 
@@ -86,19 +85,6 @@ threading.Thread(target=late).start()
 """
 
 
-@pytest.fixture
-def provider(tmp_path: Path) -> Iterator[FakeProvider]:
-    """A fake provider process for one test."""
-    with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        yield fake
-
-
-def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
-    capsys.readouterr()
-    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
-    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
-
-
 def _wait_for_effects(provider: FakeProvider, count: int) -> None:
     """Until ``count`` calls have reached the provider (a bound, not a timing claim)."""
     deadline = time.monotonic() + EXIT_BOUND_S
@@ -149,9 +135,9 @@ def test_a_sync_program_ending_mid_call_unclosed_exits_at_once_and_keeps_the_cal
         if program.poll() is None:
             program.kill()
         program.communicate()
-    assert _stages(capsys, ledger) == Counter(in_flight=1)
+    assert stages_of(capsys, ledger) == Counter(in_flight=1)
     _next_start(ledger, provider)
-    assert _stages(capsys, ledger) == Counter(effect_unknown=1, completed=1)
+    assert stages_of(capsys, ledger) == Counter(effect_unknown=1, completed=1)
 
 
 def _next_start(ledger: Path, provider: FakeProvider) -> None:
@@ -180,5 +166,5 @@ def test_a_thread_calling_after_the_main_thread_returned_is_served(
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the program did not exit: {exc.stdout!r} {exc.stderr!r}") from exc
     assert (done.returncode, done.stdout, done.stderr) == (0, "200\n200\n", "")
-    assert _stages(capsys, ledger) == Counter(completed=2)
+    assert stages_of(capsys, ledger) == Counter(completed=2)
     assert len(provider.effects()) == 2

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the provider fixture is imported by name and used as an argument)
 """Transports and forked processes, with the real fake provider (its receipt log counts
 what reached it) and real processes (docs/contract.md §3.8, §7):
 
@@ -21,16 +22,16 @@ import textwrap
 import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
-from effectguard.ops.cli import main as cli_main
-from effectguard.testing import FakeProvider, fake_provider
+from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +39,6 @@ CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
 #: A bound on a hang, not a timing claim.
 HANG_BOUND_S = 60.0
-
-
-@pytest.fixture
-def provider(tmp_path: Path) -> Iterator[FakeProvider]:
-    with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        yield fake
-
-
-def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
-    capsys.readouterr()
-    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
-    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
 
 
 async def _child_uses(transport: effectguard.AsyncGuardTransport, url: str) -> list[str]:
@@ -109,7 +98,7 @@ def test_an_async_transport_used_before_a_fork_refuses_the_child(
     on_parent_loop(transport.aclose())
     loop.call_soon_threadsafe(loop.stop)
     assert len(provider.effects()) == 2
-    assert _stages(capsys, ledger) == Counter(completed=2)
+    assert stages_of(capsys, ledger) == Counter(completed=2)
 
 
 FORKS_A_HELPER = """
@@ -133,7 +122,7 @@ client.post("/v1/chat/completions", json=chat, headers={"x-fake-behaviour": "del
 def _in_flight(capsys: pytest.CaptureFixture[str], ledger: Path) -> int:
     """How many calls ``ledger`` holds in flight, once there is one (bounded)."""
     deadline = time.monotonic() + HANG_BOUND_S
-    while not (count := _stages(capsys, ledger)["in_flight"]) and time.monotonic() < deadline:
+    while not (count := stages_of(capsys, ledger)["in_flight"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return count
 
@@ -161,7 +150,7 @@ def test_a_forked_helper_does_not_keep_a_killed_programs_worker_lock(
         restart = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
         with httpx.Client(transport=restart, base_url=provider.url) as client:
             assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-            stages = _stages(capsys, ledger)  # right after the start-up sweep
+            stages = stages_of(capsys, ledger)  # right after the start-up sweep
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(helper, signal.SIGKILL)

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the provider fixture is imported by name and used as an argument)
 """The transports under careless use, with the real openai SDK and the real fake provider
 (its receipt log counts what reached it):
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import os
 import signal
 import sqlite3
@@ -28,34 +28,22 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
 from effectguard.ops.cli import main as cli_main
-from effectguard.testing import FakeProvider, fake_provider
+from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
 
 #: A bound on waiting for background settlement, not a timing claim.
 SETTLE_BOUND_S = 30.0
-
-
-@pytest.fixture
-def provider(tmp_path: Path) -> Iterator[FakeProvider]:
-    with fake_provider(tmp_path / "receipts.jsonl") as fake:
-        yield fake
-
-
-def _stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter[str]:
-    capsys.readouterr()
-    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
-    return Counter(row["stage"] for row in json.loads(capsys.readouterr().out))
 
 
 def _verified(capsys: pytest.CaptureFixture[str], ledger: Path) -> bool:
@@ -124,7 +112,7 @@ def test_sync_streams_dropped_unclosed_never_hang_and_settle_completed(
     gc.collect()
     transport.close()  # reads to their end the streams a client left open
     assert len(provider.effects()) == 12
-    assert _stages(capsys, ledger) == Counter(completed=12)
+    assert stages_of(capsys, ledger) == Counter(completed=12)
     assert _verified(capsys, ledger)
     with pytest.raises(RuntimeError, match="closed"):
         client.chat.completions.create(model="gpt-4o-mini", messages=_message(99))
@@ -169,7 +157,7 @@ def test_async_streams_dropped_unclosed_settle_completed(
     resends = asyncio.run(run())
     assert resends == [200] * 10
     assert len(provider.effects()) == 10
-    assert _stages(capsys, ledger) == Counter(completed=10)
+    assert stages_of(capsys, ledger) == Counter(completed=10)
     assert _verified(capsys, ledger)
 
 
@@ -241,7 +229,7 @@ def test_an_async_transport_refuses_a_second_event_loop(
     asyncio.run(call_then_close(3))
     asyncio.run(call_then_close(4))
     assert len(provider.effects()) == 4
-    assert _stages(capsys, ledger) == Counter(completed=4)
+    assert stages_of(capsys, ledger) == Counter(completed=4)
 
 
 def test_closing_an_async_transport_lets_its_calls_in_flight_finish(
@@ -280,7 +268,7 @@ def test_closing_an_async_transport_lets_its_calls_in_flight_finish(
 
     assert asyncio.run(run()) == ["answered", "resend", "answered", "resend"]
     assert len(provider.effects()) == 4
-    assert _stages(capsys, ledger) == Counter(completed=4)
+    assert stages_of(capsys, ledger) == Counter(completed=4)
     assert _verified(capsys, ledger)
 
 
@@ -299,7 +287,7 @@ def _settled_stages(capsys: pytest.CaptureFixture[str], ledger: Path) -> Counter
     """The calls' stages, read from another connection, once none is in flight (or after
     :data:`SETTLE_BOUND_S`), while the transport that writes them still runs."""
     deadline = time.monotonic() + SETTLE_BOUND_S
-    while (stages := _stages(capsys, ledger))["in_flight"] and time.monotonic() < deadline:
+    while (stages := stages_of(capsys, ledger))["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     return stages
 
@@ -400,7 +388,7 @@ def test_a_sync_transport_made_before_a_fork_serves_the_child(
     client.chat.completions.create(model="gpt-4o-mini", messages=_message(2))  # the parent's
     client.close()
     assert len(provider.effects()) == 2
-    assert _stages(capsys, ledger) == Counter(completed=2)
+    assert stages_of(capsys, ledger) == Counter(completed=2)
     assert _verified(capsys, ledger)
 
 
@@ -470,7 +458,7 @@ def test_callers_cancelled_while_the_transport_starts_leave_one_start(
 
     assert asyncio.run(run()) == 1
     assert len(provider.effects()) == 1
-    assert _stages(capsys, ledger) == Counter(completed=1)
+    assert stages_of(capsys, ledger) == Counter(completed=1)
     assert _verified(capsys, ledger)
 
 
@@ -510,7 +498,7 @@ def test_a_sync_client_shared_by_more_threads_than_connections_never_stalls(
     assert len(answered) == threads, f"{threads - len(answered)} calls still waiting"
     client.close()
     effects = len(provider.effects())
-    stages = _stages(capsys, ledger)
+    stages = stages_of(capsys, ledger)
     # httpcore's sync pool may close a connection it had just handed to a waiting request
     # (encode/httpcore#1110): a call whose request then failed before it went out reached
     # no provider and is booked so; one that failed after it went out ends effect_unknown.
