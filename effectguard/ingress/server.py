@@ -439,14 +439,13 @@ class ProxyApp:
 
     def _orphaned(self, scope: Scope, ticket: Ticket) -> bool:
         """Before the end of an answer or a stream's next chunk: whether its client has
-        gone. If so its own retry gets the answer, and its access line says 499 (a
-        stream's report is made at its end, by whoever reads the stream to it)."""
+        gone. If so its access line says 499 (a stream's report is made at its end, by
+        whoever reads the stream to it). Its retry was handed the call when the connection
+        was lost (``ticket.leave``, watched in :meth:`_proxy`): the same signal."""
         if not client_gone(scope):
             return False
         if ticket.report is not None:
             ticket.report.status = 499
-        if self.guard is not None and ticket.call_id is not None:
-            self.guard.orphans.left(ticket.retry_key, ticket.call_id)
         return True
 
 

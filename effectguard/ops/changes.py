@@ -168,7 +168,8 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
     # Only the fields given are written, onto the policy as the write's own transaction
     # reads it: another operator's change to another field, made since, is kept.
     policy = await ledger.change_policy(path, changes)
-    node = next(n for n in await ledger.budgets() if n.path == path)
+    # The node alone: its subtree down to its own depth.
+    (node,) = await ledger.budgets(under=path, depth=path.count("/") + 1)
     if (warning := overspent(node)) is not None:
         print(f"effectguard: warning: {warning}", file=sys.stderr)
     payload = budget_json(node, policy)
