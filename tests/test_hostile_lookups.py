@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from hostilekit import HostileSearch, Script, answer, hostile_search, whole
-from toolkit import AUTH, KEY, SEND, charge, declare, lossy_transport, lost_send
+from toolkit import AUTH, KEY, SEND, DropFirstSend, charge, declare, lossy_transport, lost_send
 from toolkit import cli_json as cli
 
 from effectguard import AsyncGuardTransport
@@ -119,7 +119,11 @@ def hostile() -> Iterator[HostileSearch]:
 
 
 def declaration(
-    tmp_path: Path, hostile: HostileSearch, freshness: float = 60, not_found: str = "[200]"
+    tmp_path: Path,
+    hostile: HostileSearch,
+    freshness: float = 60,
+    not_found: str = "[200]",
+    timeout_s: float = TIMEOUT_S,
 ) -> Path:
     """``payments`` (toolkit), its lookup sent to ``hostile`` with a short timeout, and
     checking that a found object carries the call's op id."""
@@ -128,7 +132,7 @@ def declaration(
     text = path.read_text().replace("{base_url}/v1/search", hostile.url + "/v1/search")
     text = text.replace("not_found = [200]", f"not_found = {not_found}")
     match = 'match = "metadata.effectguard_op"'
-    text = text.replace("timeout_s = 5", f"timeout_s = {TIMEOUT_S}\n{match}")
+    text = text.replace("timeout_s = 5", f"timeout_s = {timeout_s}\n{match}")
     path.write_text(text)
     return folder
 
@@ -271,6 +275,101 @@ async def test_concurrent_keyed_resends_of_one_call_send_it_once(
     waiting = [r for r in answered if r.status_code != 200]
     assert {(r.status_code, r.json()["error"]["type"]) for r in waiting} <= {(409, "in_progress")}
     assert sent_ops(fake).count(lost) == 1
+    await finish(t)
+
+
+class LoseAnswers(httpx.AsyncBaseTransport):
+    """A network that, while ``armed``, delivers each request and loses its answer: the
+    provider applies the effect, and effectguard cannot know it did."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.armed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not self.armed or request.url.path != SEND:
+            return response
+        await response.aread()
+        raise httpx.ReadError("connection reset after the provider answered")
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def search_arrives(hostile: HostileSearch, seen: int) -> None:
+    """Wait until the lookup endpoint has seen more than ``seen`` searches."""
+    for _ in range(500):
+        if hostile.hits("/v1/search") > seen:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the resend's lookup never reached the search endpoint")
+
+
+async def test_a_resend_whose_lookup_fails_after_another_decided_the_call_replays_it(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+) -> None:
+    """Two keyed resends of one lost call: the first one's lookup hangs; meanwhile the
+    second's proves the call not applied and sends it. The first, its lookup timed out,
+    answers from the call as it now stands (the replay), not 409 ``effect_unknown``."""
+    t, client, lost = await a_lost_call(tmp_path, make_transport, fake, hostile)
+    headers = {"Idempotency-Key": "bad"}
+    hostile.follow(Script((b"",), ending="hang"))
+    seen = hostile.hits("/v1/search")
+    first = asyncio.ensure_future(client.post(fake.url + SEND, json=charge(99), headers=headers))
+    await search_arrives(hostile, seen)
+    hostile.follow(whole(200, EMPTY))
+    second = await client.post(fake.url + SEND, json=charge(99), headers=headers)
+    assert second.status_code == 200, second.text
+    answered = await first
+    assert answered.status_code == 200, answered.text
+    assert answered.headers["effectguard-replayed"] == "true"
+    assert answered.content == second.content
+    assert sent_ops(fake).count(lost) == 1
+    await finish(t)
+
+
+async def test_evidence_from_before_an_attempt_does_not_decide_that_attempt(
+    tmp_path: Path,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+    hostile: HostileSearch,
+) -> None:
+    """A resend's lookup answers "not found" late: by then another resend has sent the
+    call again, and that attempt reached the provider and lost its answer. The late
+    "not found" says nothing of that attempt: it is not recorded, the call stays
+    unknown, and the provider is not paid a third time."""
+    folder = declaration(tmp_path, hostile, timeout_s=5)
+    network = LoseAnswers(httpx.AsyncHTTPTransport())
+    t = make_transport(
+        inner=DropFirstSend(network), providers=[folder], upstreams={"payments": fake.url}
+    )
+    client = httpx.AsyncClient(transport=t, headers=AUTH)
+    headers = {"Idempotency-Key": "bad"}
+    lost = await lost_send(client, fake.url + SEND, charge(99), headers=headers)
+    guard = await t.guard()
+    guard.resolver.clock = lambda: time.time() + 120
+    late = Script(tuple(answer(200, EMPTY).partition(b"\r\n\r\n")), pause_s=1.0)
+    hostile.follow(late)
+    seen = hostile.hits("/v1/search")
+    first = asyncio.ensure_future(client.post(fake.url + SEND, json=charge(99), headers=headers))
+    await search_arrives(hostile, seen)
+    hostile.follow(whole(200, EMPTY))
+    network.armed = True
+    second = await client.post(fake.url + SEND, json=charge(99), headers=headers)
+    assert second.status_code == 502, second.text
+    assert sent_ops(fake).count(lost) == 1  # the second attempt's effect
+    network.armed = False
+    answered = await first
+    assert answered.status_code == 409, answered.text
+    assert answered.json()["error"]["type"] == "effect_unknown"
+    assert sent_ops(fake).count(lost) == 1
+    assert (await t.ledger.call(lost)).stage == "effect_unknown"
     await finish(t)
 
 

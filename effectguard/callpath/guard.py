@@ -183,11 +183,11 @@ class Guard:
             raise
         report.call_id = ticket.admitted(admitted.call_id, self.orphans)
         if _unknown_resend(prepared, admitted):
-            # A keyed resend met an effect-unknown call: evidence may decide it now.
-            evidence = await self.resolver.at_resend(admitted.call_id, prepared.request, send)
-            if evidence.verdict != "unknown":
-                # Decided: admitted anew (an attempt, the recovered result, or 409).
-                admitted = await self._admit(prepared)
+            # A keyed resend met an effect-unknown call: evidence may decide it now. Then it
+            # is admitted anew, from the call as it stands: decided by this evidence, or by
+            # a concurrent resend's (an attempt, the recovered result, in progress, or 409).
+            await self.resolver.at_resend(admitted.call_id, prepared.request, send)
+            admitted = await self._admit(prepared)
         self.crash.hit("after:admit")
         if admitted.action == "refuse":
             assert admitted.refusal is not None

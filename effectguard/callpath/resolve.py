@@ -71,6 +71,8 @@ class Facts:
     provider_key: str | None
     #: When the call's last attempt started (ledger clock, seconds since the epoch).
     last_attempt_at: float
+    #: That attempt's number: evidence gathered now speaks of it, and of no later one.
+    attempt: int = 0
     #: The request's headers that scope it to an account (the lookup's scope_headers).
     headers: Mapping[str, str] = field(default_factory=dict)
 
@@ -106,6 +108,7 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         idempotency_key=manifest.idempotency_key,
         provider_key=str(key) if key else None,
         last_attempt_at=at,
+        attempt=int(started[-1].data.get("attempt") or len(started)) if started else 0,
         headers=dict(manifest.headers),
     )
 
@@ -296,9 +299,11 @@ class Resolver:
                 note=evidence.note,
                 by=evidence.by,
                 result=evidence.result,
+                attempt=facts.attempt,
             )
         except ReconcileError as exc:
-            # Another replica (or a person) decided it first: their decision stands.
+            # Another replica (or a person) decided it first: their decision stands. Or
+            # another resend sent it again meanwhile: this evidence predates that attempt.
             log.info("call %s was decided elsewhere: %s", facts.call_id, exc)
 
     def can_sweep(self) -> bool:

@@ -160,13 +160,23 @@ class Ledger:
         cost: int | None = None,
         writer: Writer = OPERATOR,
         result: bytes | None = None,
+        attempt: int | None = None,
     ) -> WorkState:
         """Decide an effect-unknown or failed call: applied (with cost and, where evidence
-        recovered it, the ``result`` later keyed resends replay) or not applied."""
+        recovered it, the ``result`` later keyed resends replay) or not applied. Evidence
+        gathered about ``attempt`` is refused once a later attempt has started."""
         state: WorkState = await self.store.write(
             writer,
             lambda tx: decisions.reconcile(
-                tx, writer, call_id, applied=applied, cost=cost, note=note, by=by, result=result
+                tx,
+                writer,
+                call_id,
+                applied=applied,
+                cost=cost,
+                note=note,
+                by=by,
+                result=result,
+                attempt=attempt,
             ),
         )
         # The note is the operator's free text: it stays in the ledger, out of the logs.

@@ -29,6 +29,7 @@ def reconcile(
     note: str,
     by: str,
     result: bytes | None = None,
+    attempt: int | None = None,
 ) -> WorkState:
     """Record a person's (or lookup's) decision on an effect-unknown or failed call.
 
@@ -37,6 +38,8 @@ def reconcile(
     unchanged), or to nothing when not applied, which frees its key for a new attempt.
     ``result`` is what the evidence recovered of an applied effect (docs/contract.md
     §4.1): kept in the decision, in the chain, and replayed to later keyed resends.
+    Evidence is about one ``attempt``: a lookup that asked before a later attempt was
+    sent cannot tell whether that one took effect, so it decides nothing.
     """
     if result is not None and not applied:
         raise ReconcileError("only an applied effect has a result to keep", call_id=call_id)
@@ -44,6 +47,12 @@ def reconcile(
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
     _check_reconcilable(state)
+    if attempt is not None and state.attempts != attempt:
+        raise ReconcileError(
+            f"this evidence is about attempt {attempt} of call {call_id}; attempt "
+            f"{state.attempts} has been sent since",
+            call_id=call_id,
+        )
     if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
         raise ReconcileError(
             f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
