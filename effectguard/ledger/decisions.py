@@ -46,13 +46,7 @@ def reconcile(
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
-    _check_reconcilable(state)
-    if attempt is not None and state.attempts != attempt:
-        raise ReconcileError(
-            f"this evidence is about attempt {attempt} of call {call_id}; attempt "
-            f"{state.attempts} has been sent since",
-            call_id=call_id,
-        )
+    _check_reconcilable(state, attempt)
     if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
         raise ReconcileError(
             f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
@@ -83,9 +77,16 @@ def reconcile(
     return append(tx, writer, events, {call_id: state})[call_id]
 
 
-def _check_reconcilable(state: WorkState) -> None:
-    """A :class:`ReconcileError` unless ``state`` is a stage a decision applies to."""
+def _check_reconcilable(state: WorkState, attempt: int | None = None) -> None:
+    """A :class:`ReconcileError` unless ``state`` is a stage a decision applies to, and
+    (given the ``attempt`` the evidence is about) no later attempt has started."""
     call_id = state.call_id
+    if attempt is not None and state.attempts != attempt:
+        raise ReconcileError(
+            f"this evidence is about attempt {attempt} of call {call_id}; attempt "
+            f"{state.attempts} has been sent since",
+            call_id=call_id,
+        )
     if state.stage == "in_flight":
         raise ReconcileError(
             f"call {call_id} is in_flight: its attempt is still running, or the process "
