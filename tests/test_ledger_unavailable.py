@@ -16,6 +16,7 @@ import errno
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import time
@@ -255,3 +256,77 @@ def test_read_only_ledger_refuses_with_503_and_sends_nothing(
         assert httpx.get(proxy.url + "/healthz", timeout=30).status_code == 200
     assert len(fake.effects()) == 2
     assert_settled(ledger)
+
+
+@contextlib.contextmanager
+def unanswered_connects() -> Iterator[str]:
+    """A loopback URL whose connects hang until they time out: its one-slot accept
+    queue is already full, so the kernel drops every new SYN. Nothing is ever sent."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    filler = socket.create_connection(listener.getsockname())
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        filler.close()
+        listener.close()
+
+
+def test_a_not_sent_attempt_the_full_disk_kept_from_recording_is_recorded_once_it_can_be(
+    tmp_path: Path,
+) -> None:
+    """The upstream cannot be reached, and the disk fills while the connect waits: the
+    attempt's ``attempt.not_sent`` cannot commit. Once the disk has room, a sweep records
+    it, so the call does not stay in flight until a restart (and its key is free again)."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(
+        "[server]\nsweep_s = 0.5\n[guard]\nmax_retries = 0\n[upstream]\nconnect_timeout_s = 2\n"
+    )
+    with small_tmpfs(tmp_path / "tmpfs", "8m") as disk, unanswered_connects() as upstream:
+        ledger = disk / "db" / "ledger.db"
+        ledger.parent.mkdir()
+        filler = disk / "filler"
+        proxy = start_proxy(
+            ledger,
+            upstreams={"openai": upstream},
+            args=["--config", str(config)],
+            log_path=tmp_path / "proxy.log",
+        )
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(
+                    httpx.post,
+                    proxy.url + CHAT,
+                    json=chat("unreachable"),
+                    timeout=30,
+                    headers={"Idempotency-Key": "unreachable"},
+                )
+                in_flight = "in_flight"
+                wait_for(
+                    lambda: cli_json("calls", "--ledger", str(ledger), "--state", in_flight),
+                    10,
+                    "the call to be admitted",
+                )
+                fill(filler)
+                answer = pending.result(timeout=30)
+            assert answer.status_code == 503, answer.text
+            call_id = answer.headers["effectguard-call-id"]
+            filler.unlink()
+
+            def stage() -> str:
+                return str(cli_json("show", call_id, "--ledger", str(ledger))["stage"])
+
+            wait_for(lambda: stage() == "not_sent", 15, "a sweep to record the unsent attempt")
+            again = httpx.post(
+                proxy.url + CHAT,
+                json=chat("unreachable"),
+                timeout=30,
+                headers={"Idempotency-Key": "unreachable"},
+            )
+            assert again.status_code == 502, again.text
+            assert again.json()["error"]["type"] == "upstream_unreachable"
+            assert again.headers["effectguard-call-id"] == call_id
+        finally:
+            proxy.stop()
+            filler.unlink(missing_ok=True)
+        assert_settled(ledger)
+        shutil.copy(ledger, tmp_path / "kept.db")  # the tmpfs goes away with the test

@@ -20,7 +20,7 @@ from typing import Any
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.exchange import Headers
-from effectguard.callpath.prepare import Prepared, refuse
+from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError
 from effectguard.ledger import Admitted, Ledger, Writer, attempts
@@ -68,6 +68,8 @@ class Recorder:
         self.open_streams: set[Any] = set()
         #: Markings to retry: (call, attempt) -> (reason, the writer that started it).
         self._orphans: dict[tuple[str, int], tuple[str, Writer]] = {}
+        #: ``attempt.not_sent`` records to retry: (call, attempt) -> (events, writer).
+        self._unsent: dict[tuple[str, int], tuple[list[Event], Writer]] = {}
         #: Given a writer the store refused, a writer of this process it accepts now, to
         #: keep a late answer as evidence (the worker runtime registers anew if need be).
         self.evidence_writer: Callable[[Writer], Awaitable[Writer]] = _same_writer
@@ -237,7 +239,30 @@ class Recorder:
             self.finish(call_id)
 
     async def not_sent(self, prepared: Prepared, admitted: Admitted, reason: str) -> None:
-        """Record that ``admitted``'s attempt never reached the provider, and release it."""
+        """Record that ``admitted``'s attempt never reached the provider, and release it.
+
+        A ledger that refuses the record now raises 503 ``ledger_unavailable``: nothing
+        was sent, and a later sweep records it (the call stays in flight until then).
+        """
+        failed = await self._record_not_sent(prepared, admitted, reason)
+        if failed is not None:
+            what = (
+                f"{prepared.provider.name} could not be reached and nothing was sent, but "
+                f"the ledger could not record that yet ({reason})"
+            )
+            raise ledger_unavailable(failed, admitted.call_id, what) from failed
+
+    def unsent(self, prepared: Prepared, admitted: Admitted) -> None:
+        """The caller of an admission went away while it committed: an attempt it started
+        is never sent, and is recorded so."""
+        if admitted.action not in ("refuse", "replay", "recover", "join"):
+            why = "its caller went away before it was sent"
+            self.spawn(self._record_not_sent(prepared, admitted, why))
+
+    async def _record_not_sent(
+        self, prepared: Prepared, admitted: Admitted, reason: str
+    ) -> LedgerError | None:
+        """Write ``attempt.not_sent``; the ledger's error if it refused (kept to retry)."""
         call_id = admitted.call_id
         events: list[Event] = [
             AttemptNotSent(call=call_id, attempt=admitted.attempt, reason=reason),
@@ -245,14 +270,19 @@ class Recorder:
         ]
         try:
             await self.ledger.record(admitted.writer, call_id, admitted.attempt, events)
+        except FencedError as exc:
+            return exc  # taken over: the sweeper that fenced this worker marked the call
+        except LedgerError as exc:
+            # Refused now (disk full, locked): retried on every sweep, as the same writer,
+            # so the call does not stay in flight, its key held, until a restart.
+            self._unsent[(call_id, admitted.attempt)] = (events, admitted.writer)
+            self.observer.incident(
+                "not_sent_failed", call_id, f"{reason}; not recorded yet: {_describe(exc)}"
+            )
+            return exc
         finally:
             self.finish(call_id)
-
-    def unsent(self, prepared: Prepared, admitted: Admitted) -> None:
-        """The caller of an admission went away while it committed: an attempt it started
-        is never sent, and is recorded so."""
-        if admitted.action not in ("refuse", "replay", "recover", "join"):
-            self.spawn(self.not_sent(prepared, admitted, "its caller went away before it was sent"))
+        return None
 
     def report(self, report: CallReport) -> None:
         """Hand a finished request's report to the observer (once, however often called)."""
@@ -260,7 +290,8 @@ class Recorder:
             self.observer.call_finished(report)
 
     async def retry_orphans(self) -> None:
-        """Mark interrupted the attempts whose earlier marking failed (run by the sweeper)."""
+        """Write the markings and ``attempt.not_sent`` records the ledger refused earlier
+        (run by the sweeper)."""
         for (call_id, attempt), (reason, writer) in list(self._orphans.items()):
             try:
                 await self.ledger.interrupt(writer, call_id, attempt, reason)
@@ -271,6 +302,14 @@ class Recorder:
             else:
                 self.observer.incident("interrupted", call_id, f"{reason} (marked late)")
             del self._orphans[(call_id, attempt)]
+        for (call_id, attempt), (events, writer) in list(self._unsent.items()):
+            try:
+                await self.ledger.record(writer, call_id, attempt, events)
+            except FencedError:
+                pass  # taken over, or no longer in flight: nothing left to record
+            except LedgerError:
+                continue
+            del self._unsent[(call_id, attempt)]
 
     # -- calls in flight in this process -----------------------------------------
     def started(self, call_id: str) -> None:
