@@ -30,6 +30,7 @@ from effectguard.rules.events import (
     BudgetReserved,
     BudgetSettled,
     CallManifest,
+    CallReconciled,
     Event,
     StoredEvent,
 )
@@ -108,6 +109,25 @@ def test_answer_faults_are_drawn_only_when_asked() -> None:
         c.behaviour for s in range(10) for c in generate(s, 30.0, answer_faults=True).calls
     ]
     assert "endless" in behaviours and f"pad={MAX_ANSWER_BYTES // 2}" in behaviours
+
+
+def test_lookups_are_drawn_only_when_asked() -> None:
+    """``--lookups`` adds keyed ``pay`` calls that resend in storms, lost or refused at
+    times; without it the schedule is the one drawn before the option existed."""
+    for seed in range(5):
+        assert generate(seed, 30.0) == generate(seed, 30.0, lookups=False)
+        assert not any(c.route == "pay" for c in generate(seed, 30.0).calls)
+    drawn = [c for s in range(5) for c in generate(s, 30.0, lookups=True).calls]
+    paid = [c for c in drawn if c.route == "pay"]
+    assert paid and all(c.key is not None and c.resends >= 1 for c in paid)
+    assert {c.resends for c in paid} == {1, 2, 3, 4}
+    kinds = " ".join(c.behaviour for c in paid)
+    assert "drop" in kinds and "reset=0" in kinds and "status=500" in kinds
+    assert generate(3, 30.0) == dataclasses.replace(
+        generate(3, 30.0, lookups=True),
+        calls=tuple(c for c in generate(3, 30.0, lookups=True).calls if c.route != "pay"),
+        lookups=False,
+    )
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -291,6 +311,66 @@ def test_replica_that_never_recovers_is_caught() -> None:
     assert _fired(_evidence(_call_events(), unrecovered=[0])) == {"replica_unrecovered"}
 
 
+def _paid(seq: int, ts: float, status: int = 200, *, op: str = "c1") -> dict[str, Any]:
+    """A receipt of operation ``op`` (the call id the ``payments`` tool carries)."""
+    return {"seq": seq, "ts": ts, "body_sha256": SHA, "deduped": False, "op": op} | {
+        "tag": f"{op}.{seq}",
+        "path": "/v1/send",
+        "status": status,
+    }
+
+
+def test_an_operation_applied_twice_is_caught() -> None:
+    """Two applied receipts of one operation id; a refused (500) or deduplicated one, or
+    another operation's, is no second effect."""
+    twice = _evidence(_call_events(), receipts=[_paid(1, 2.0), _paid(2, 2.6)])
+    assert "operation_applied_twice" in _fired(twice)
+    for receipts in [
+        [_paid(1, 2.0, 500), _paid(2, 2.6)],
+        [_paid(1, 2.0), _paid(2, 2.6) | {"deduped": True}],
+        [_paid(1, 2.0), _paid(2, 2.6, op="c2")],
+    ]:
+        assert "operation_applied_twice" not in _fired(_evidence(_call_events(), receipts=receipts))
+
+
+def _decided(applied: bool, at: float) -> list[tuple[float, Event]]:
+    """c1 lost after it was sent (effect unknown), then decided at ``at``."""
+    events = _call_events(observed=False)
+    decision = CallReconciled(call="c1", applied=applied, cost=5, note="n", by="lookup:payments")
+    return [*events, (at, decision)]
+
+
+def test_a_decision_the_receipts_contradict_is_caught() -> None:
+    """ "Not applied" after the provider applied the operation, or "applied" before it
+    did, contradicts its books; agreeing decisions are quiet."""
+    for applied, receipts, fired in [
+        (False, [_paid(1, 2.0)], {"decision_contradicts_receipts"}),
+        (True, [_paid(1, 2.0, 500)], {"decision_contradicts_receipts"}),
+        (True, [_paid(1, 5.0)], {"decision_contradicts_receipts"}),
+        (True, [_paid(1, 2.0)], set()),
+        (False, [_paid(1, 2.0, 500)], set()),
+    ]:
+        evidence = _evidence(_decided(applied, 4.0), receipts=receipts, answers=[])
+        (state,) = evidence.calls
+        stage = "reconciled_applied" if applied else "reconciled_not_applied"
+        evidence.calls = [replace(state, stage=stage, held=0)]
+        assert _fired(evidence) == fired, (applied, receipts)
+
+
+def test_a_recovered_result_is_checked_against_the_decision() -> None:
+    """A 200 marked recovered matches the result the applied decision kept."""
+    events = _call_events(observed=False)
+    result = CallReconciled(call="c1", applied=True, cost=5, note="n", by="lookup:p", result="{}")
+    events.append((4.0, result))
+    recovered = _answer(recovered="lookup:p", replayed=True, body_b64="e30=")
+    evidence = _evidence(events, answers=[recovered])
+    (state,) = evidence.calls
+    evidence.calls = [replace(state, stage="reconciled_applied", held=0)]
+    assert _fired(evidence) == set()
+    evidence.answers = [_answer(recovered="lookup:p", replayed=True)]
+    assert _fired(evidence) == {"ok_not_completed"}
+
+
 def test_every_invariant_has_a_checker_test() -> None:
     """Each named invariant is exercised by a test above (keep the list and tests in step)."""
     source = Path(__file__).read_text()
@@ -300,26 +380,26 @@ def test_every_invariant_has_a_checker_test() -> None:
 # -- real runs -----------------------------------------------------------------------
 
 
-def _seeds() -> list[tuple[int, str, float]]:
-    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION`` per line, ``#`` comments."""
+def _seeds() -> list[tuple[int, str, float, bool]]:
+    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups]`` per line, ``#`` comments."""
     out = []
     for line in SEEDS.read_text().splitlines():
         fields = line.split("#")[0].split()
         if fields:
-            out.append((int(fields[0]), fields[1], float(fields[2])))
+            out.append((int(fields[0]), fields[1], float(fields[2]), "lookups" in fields[3:]))
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("seed", "ledger", "duration"), _seeds())
+@pytest.mark.parametrize(("seed", "ledger", "duration", "lookups"), _seeds())
 def test_seed_from_the_list_keeps_every_invariant(
-    tmp_path: Path, seed: int, ledger: str, duration: float
+    tmp_path: Path, seed: int, ledger: str, duration: float, lookups: bool
 ) -> None:
     """A listed seed runs against real processes and every invariant holds."""
     if ledger == "postgres" and not PG_DSN:
         pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
     replicas = 3 if ledger == "postgres" else 1
-    schedule = generate(seed, duration, replicas=replicas, ledger=ledger)
+    schedule = generate(seed, duration, replicas=replicas, ledger=ledger, lookups=lookups)
     result = run_schedule(schedule, tmp_path / "run", pg_dsn=PG_DSN, bundle=tmp_path / "bundle")
     unexpected = [v for v in result.violations if v.invariant not in KNOWN]
     assert not unexpected, f"{result.summary()}\n" + "\n".join(map(str, unexpected))

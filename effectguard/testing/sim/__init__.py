@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the provider answers some calls without end (past the run's max_answer_bytes) "
         "and pads others to half of it",
     )
+    parser.add_argument(
+        "--lookups",
+        action="store_true",
+        help="add a payments tool whose lost calls a lookup decides, resent by several "
+        "copies at once",
+    )
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
 

@@ -18,11 +18,13 @@ from typing import Any, Literal
 import httpx
 
 from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER, TAG_HEADER
-from effectguard.testing.sim.schedule import ROUTES, Call
+from effectguard.testing.sim.schedule import FRESHNESS_S, ROUTES, Call
 
 __all__ = ["Answer", "Kind", "body_of", "run_call", "send"]
 
-Kind = Literal["first", "retry", "repeat", "replay"]
+Kind = Literal["first", "retry", "repeat", "replay", "resend"]
+#: At most this many rounds of keyed resends of a ``pay`` call short of a 200.
+RESEND_ROUNDS = 3
 #: Timeouts: a SIGSTOPped replica accepts connections but answers only after SIGCONT.
 TIMEOUT = httpx.Timeout(30.0, connect=2.0)
 
@@ -40,6 +42,8 @@ class Answer:
     status: int | None = None
     call_id: str | None = None
     replayed: bool = False
+    #: ``Effectguard-Recovered``: the result a lookup or hook recovered (who did).
+    recovered: str | None = None
     #: The ``x-should-retry`` header, which the SDKs obey before the status.
     retry_hint: str | None = None
     error_type: str | None = None
@@ -63,6 +67,8 @@ def body_of(call: Call) -> dict[str, Any]:
     messages = [{"role": "user", "content": call.prompt}]
     if call.route == "send":
         return {"to": f"{call.id}@example.com", "subject": call.prompt}
+    if call.route == "pay":
+        return {"amount": 100 + int(call.id[1:]), "currency": "usd", "description": call.prompt}
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": call.max_tokens}
     if call.stream:
         body["stream"] = True
@@ -112,6 +118,7 @@ async def send(
             answer.status = response.status_code
             answer.call_id = response.headers.get("effectguard-call-id")
             answer.replayed = response.headers.get("effectguard-replayed") == "true"
+            answer.recovered = response.headers.get("effectguard-recovered")
             answer.retry_hint = response.headers.get("x-should-retry")
             async for chunk in response.aiter_raw():
                 received += chunk
@@ -175,4 +182,37 @@ async def run_call(
                 retry_count=1,
             )
         )
+    if call.resends:
+        answers += await _resend_rounds(client, url_of, call, answers[-1].clean_ok)
+    return answers
+
+
+async def _resend_rounds(
+    client: httpx.AsyncClient, url_of: Callable[[int], str], call: Call, done: bool
+) -> list[Answer]:
+    """Short of a 200, ``call.resends`` keyed resends at once, each round once the
+    lookup's freshness has passed: they race one another's lookups, the sweeper's, and
+    the attempt one of them starts."""
+    answers: list[Answer] = []
+    for round_ in range(RESEND_ROUNDS):
+        if done:
+            break
+        await asyncio.sleep(FRESHNESS_S + 0.5)
+        replicas = [call.replicas[(round_ + n) % len(call.replicas)] for n in range(call.resends)]
+        sent = await asyncio.gather(
+            *(
+                send(
+                    client,
+                    url_of(replica),
+                    call,
+                    kind="resend",
+                    tag=f"{call.id}.s{round_}.{n}",
+                    replica=replica,
+                    retry_count=0,
+                )
+                for n, replica in enumerate(replicas)
+            )
+        )
+        answers += sent
+        done = any(a.clean_ok for a in sent)
     return answers

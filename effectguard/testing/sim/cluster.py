@@ -23,7 +23,12 @@ from typing import Any
 from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 from effectguard.testing.sim.pgcluster import OwnedPostgres, owned_postgres
-from effectguard.testing.sim.schedule import MAX_ANSWER_BYTES, Schedule
+from effectguard.testing.sim.schedule import (
+    FRESHNESS_S,
+    MAX_ANSWER_BYTES,
+    SEARCH_LAG_S,
+    Schedule,
+)
 
 __all__ = ["Cluster", "Replica", "ledger_url", "running_cluster"]
 
@@ -44,6 +49,40 @@ read_timeout_s = 20
 [budgets]
 {budgets}
 """
+
+
+#: ``--lookups``: the ``payments`` tool, at most once, its lost calls looked up by the
+#: operation id it carries in a header. A 500 is "unknown": the search decides it.
+_PAYMENTS = """\
+name = "payments"
+base_url = "http://127.0.0.1:9"
+dialect = "flat"
+api_key_env = "PAYMENTS_API_KEY"
+prices_taken = "2026-12-04"
+
+[transient]
+500 = "unknown"
+
+[[endpoints]]
+path = "/v1/send"
+effect = "at_most_once"
+op_id = {{ header = "X-Effectguard-Op" }}
+
+[endpoints.lookup]
+url = "{{base_url}}/v1/search"
+query = {{ op = "{{op}}" }}
+applied = "data[0]"
+results = "data"
+not_found = [200]
+freshness_s = {freshness}
+timeout_s = 5
+
+[models.default]
+per_call = "0.00001"
+max_output_tokens = 0
+"""
+#: The key the fake provider's search asks for, and the replicas' sweepers send.
+PAYMENTS_KEY = "sk-sim-payments"
 
 
 def ledger_url(schedule: Schedule, workdir: Path, pg_dsn: str | None) -> str:
@@ -129,13 +168,22 @@ class Cluster:
             max_answer=MAX_ANSWER_BYTES,
         )
         self.config.write_text(text)
+        if self.schedule.lookups:
+            (self.workdir / "providers").mkdir(exist_ok=True)
+            payments = _PAYMENTS.format(freshness=FRESHNESS_S)
+            (self.workdir / "providers" / "payments.toml").write_text(payments)
 
     def start(self, replica: Replica, crash_at: str | None = None) -> None:
         """Start a process behind ``replica`` (armed to crash at ``crash_at``)."""
         env = dict(self.env)
         if crash_at:
             env["EFFECTGUARD_CRASH_AT"] = crash_at
-        upstreams = {name: self.fake.url for name in ("openai", "anthropic", "send_email")}
+        names = ("openai", "anthropic", "send_email", "payments")
+        upstreams = {name: self.fake.url for name in names[: 4 if self.schedule.lookups else 3]}
+        args = ["--config", str(self.config)]
+        if self.schedule.lookups:
+            args += ["--providers", str(self.workdir / "providers")]
+            env["PAYMENTS_API_KEY"] = PAYMENTS_KEY
         log = self.workdir / "logs" / f"replica-{replica.index}.log"
         with log.open("a") as out:
             out.write(
@@ -144,7 +192,7 @@ class Cluster:
         replica.proxy = start_proxy(
             self.ledger,
             upstreams=upstreams,
-            args=["--config", str(self.config)],
+            args=args,
             env=env,
             log_path=log,
             port=replica.port,
@@ -282,7 +330,9 @@ def _processes(
     schedule: Schedule, workdir: Path, url: str, env: dict[str, str]
 ) -> Iterator[Cluster]:
     """The fake provider and the replicas (started once the caller has set up the ledger)."""
-    with fake_provider(workdir / "receipts.jsonl", idempotent=True) as fake:
+    lookups = ["--search-lag", str(SEARCH_LAG_S), "--lookup-key", PAYMENTS_KEY]
+    extra = lookups if schedule.lookups else []
+    with fake_provider(workdir / "receipts.jsonl", idempotent=True, extra_args=extra) as fake:
         cluster = Cluster(schedule, workdir, url, fake, env)
         cluster.write_config()
         cluster.replicas = [Replica(i, free_port()) for i in range(schedule.replicas)]

@@ -107,6 +107,7 @@ def render_schedule(schedule: Schedule) -> str:
             f"  call  @{c.at:7.3f} {c.id} {c.route}{' stream' if c.stream else ''} "
             f"key={c.key or '-'} budget={c.budget} retries={c.sdk_retries} "
             f"repeat={c.repeat} via {list(c.replicas)} behaviour={c.behaviour or 'plain'}"
+            + (f" resends={c.resends}" if c.resends else "")
         )
     return "\n".join(lines)
 
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             disk_faults=args.disk_faults,
             ledger_faults=args.ledger_faults,
             answer_faults=args.answer_faults,
+            lookups=args.lookups,
         )
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:

@@ -12,7 +12,7 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from effectguard.rules import budget as budget_rules
 from effectguard.rules.bodyref import REF_ENCODING
@@ -44,6 +44,10 @@ INVARIANTS: Final = {
     "verify_failed": "effectguard verify passes",
     "replica_unrecovered": "every replica still running after the faults serves again by "
     "itself (/healthz 200) without a restart",
+    "operation_applied_twice": "an at-most-once operation (a receipt carrying an operation "
+    "id) is applied by the provider at most once",
+    "decision_contradicts_receipts": "a call decided applied was applied before the "
+    "decision, and a call decided not applied was not",
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
 
@@ -215,11 +219,20 @@ def answers_match_ledger(evidence: Evidence) -> list[Violation]:
     for e in evidence.events:
         if e.kind == "attempt.observed" and e.call_id is not None:
             stored[e.call_id] = decode_body(e.data["body"], e.data.get("body_encoding", "utf8"))
+    recovered: dict[str, bytes] = {}
+    for e in evidence.events:
+        if e.kind == "call.reconciled" and e.call_id is not None and e.data.get("result"):
+            encoding = e.data.get("result_encoding", "utf8")
+            recovered[e.call_id] = decode_body(e.data["result"], encoding)
     out = []
     for a in evidence.answers:
         if not a.clean_ok:
             continue
         state = calls.get(a.call_id or "")
+        if a.recovered and state is not None and state.stage == "reconciled_applied":
+            if recovered.get(state.call_id) != a.body:  # the result the decision kept
+                out.append(Violation("ok_not_completed", f"request {a.tag} got another result"))
+            continue
         if state is None or state.stage != "completed":
             stage = state.stage if state else "missing"
             out.append(
@@ -297,6 +310,54 @@ def replicas_recover(evidence: Evidence) -> list[Violation]:
     ]
 
 
+def _applied_ops(evidence: Evidence) -> dict[str, list[dict[str, Any]]]:
+    """The receipts the provider applied, by the operation id they carried: answered
+    below 400 (a refusal applies nothing) and not replayed from its dedup store."""
+    applied: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for receipt in evidence.receipts:
+        status = receipt.get("status")
+        op = receipt.get("op")
+        if op and not receipt.get("deduped") and isinstance(status, int) and status < 400:
+            applied[op].append(receipt)
+    return applied
+
+
+def operations_applied_once(evidence: Evidence) -> list[Violation]:
+    """No operation id reaches the provider's books twice (the sim authorizes no resend)."""
+    return [
+        Violation(
+            "operation_applied_twice",
+            f"operation {op} was applied {len(receipts)} times "
+            f"(receipts {[r['seq'] for r in receipts]}, tags {[r.get('tag') for r in receipts]})",
+        )
+        for op, receipts in sorted(_applied_ops(evidence).items())
+        if len(receipts) > 1
+    ]
+
+
+def decisions_match_receipts(evidence: Evidence) -> list[Violation]:
+    """A decision on a call that carried an operation id agrees with the provider's books
+    as they stood when it was made: "applied" needs an applied receipt before it, "not
+    applied" none (the id is the call id)."""
+    applied = _applied_ops(evidence)
+    ops = {r.get("op") for r in evidence.receipts}
+    out = []
+    for e in evidence.events:
+        if e.kind != "call.reconciled" or e.call_id is None or e.call_id not in ops:
+            continue
+        before = [r for r in applied.get(e.call_id, ()) if r["ts"] <= e.at]
+        if bool(e.data.get("applied")) != bool(before):
+            said = "applied" if e.data.get("applied") else "not applied"
+            out.append(
+                Violation(
+                    "decision_contradicts_receipts",
+                    f"call {e.call_id} was decided {said} by {e.data.get('by')} at {e.at:.3f}; "
+                    f"the provider had applied it {len(before)} times by then",
+                )
+            )
+    return out
+
+
 CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     receipts_have_attempts,
     effects_within_attempts,
@@ -308,6 +369,8 @@ CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     unavailable_sent_nothing,
     verify_passes,
     replicas_recover,
+    operations_applied_once,
+    decisions_match_receipts,
 )
 
 

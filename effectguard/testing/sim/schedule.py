@@ -35,8 +35,9 @@ ROUTES: Final = {
     "chat": ("openai", "/v1/chat/completions", "gpt-4o-mini", True),
     "messages": ("anthropic", "/v1/messages", "claude-haiku-4-5", True),
     "send": ("send_email", "/v1/send", None, False),
+    "pay": ("payments", "/v1/send", None, False),
 }
-Route = Literal["chat", "messages", "send"]
+Route = Literal["chat", "messages", "send", "pay"]
 
 #: The budget tree the clients spend from; limits are drawn per run (``None``: unlimited).
 BUDGETS: Final = ("default", "team-a", "team-a/run-1", "team-a/run-2", "team-b")
@@ -55,6 +56,11 @@ LEDGER_WIDE: Final = frozenset({"read_only", "pg_outage"})
 PG_STOP_MODES: Final = ("fast", "immediate")
 #: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
 MAX_ANSWER_BYTES: Final = 256 * 1024
+#: ``--lookups``: how far the provider's search lags behind an effect, and the freshness
+#: the ``payments`` declaration gives its lookup (well past the lag plus a request's
+#: trip to the provider, so a "not found" that old is true).
+SEARCH_LAG_S: Final = 0.5
+FRESHNESS_S: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,9 @@ class Call:
     replicas: tuple[int, ...]
     #: After its answer the client sends the same request again (a replay or a 409).
     repeat: bool
+    #: ``pay`` calls (``--lookups``): short of a 200, the client sends this many keyed
+    #: resends at once, a round after each lookup freshness, until one is answered 200.
+    resends: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,8 @@ class Schedule:
     limits: dict[str, int | None] = field(default_factory=dict)
     calls: tuple[Call, ...] = ()
     faults: tuple[Fault, ...] = ()
+    #: ``--lookups``: a ``payments`` tool whose lost calls a lookup decides.
+    lookups: bool = False
 
     def to_json(self) -> str:
         """The schedule as stable, indented JSON."""
@@ -132,6 +143,7 @@ def generate(
     disk_faults: bool = False,
     ledger_faults: bool = False,
     answer_faults: bool = False,
+    lookups: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -147,6 +159,8 @@ def generate(
         calls.append(_call(rng, seed, len(calls), at, replicas))
     if answer_faults:  # drawn apart, so schedules without the option are unchanged
         calls = _oversized(random.Random(f"answers {seed}"), calls)
+    if lookups:
+        calls += _payments(random.Random(f"lookups {seed}"), seed, duration, replicas)
     return Schedule(
         seed=seed,
         duration=duration,
@@ -156,6 +170,7 @@ def generate(
         limits=limits,
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger)),
+        lookups=lookups,
     )
 
 
@@ -199,6 +214,49 @@ def _behaviour(rng: random.Random, call_id: str, streams: bool) -> Behaviour:
             delay=delay, ending="cut", after=rng.randint(0, 4), id=call_id, times=times
         )
     return Behaviour(delay=delay, ending="reset", after=rng.randint(0, 4), id=call_id, times=times)
+
+
+def _payments(rng: random.Random, seed: int, duration: float, replicas: int) -> list[Call]:
+    """``pay`` calls: keyed, at most once, often lost after the provider applied them (or
+    refused before it did), then resent by several copies at once, through any replica."""
+    calls: list[Call] = []
+    at = 0.0
+    while (at := at + rng.expovariate(rng.uniform(1.0, 3.0))) < duration:
+        call_id = f"p{len(calls):04d}"
+        retries = rng.choice([0, 1, 2])
+        calls.append(
+            Call(
+                id=call_id,
+                at=round(at, 3),
+                route="pay",
+                stream=False,
+                key=f"k-{seed}-{call_id}",
+                budget=rng.choice(BUDGETS),
+                max_tokens=0,
+                prompt=f"sim {seed} {call_id}",
+                behaviour=_pay_behaviour(rng, call_id).render(),
+                sdk_retries=retries,
+                replicas=tuple(rng.randrange(replicas) for _ in range(retries + 2)),
+                repeat=rng.random() < 0.15,
+                resends=rng.choice([1, 2, 3, 4]),
+            )
+        )
+    return calls
+
+
+def _pay_behaviour(rng: random.Random, call_id: str) -> Behaviour:
+    """Applied and answered; applied and the answer lost (``drop``, ``reset``); refused
+    before it was applied (a 500, which the search never finds)."""
+    delay = rng.choice([None, None, 0.05, 0.3])
+    roll = rng.random()
+    times = rng.choice([1, 1, 2])
+    if roll < 0.35:
+        return Behaviour(delay=delay)
+    if roll < 0.6:
+        return Behaviour(delay=delay, ending="drop", id=call_id, times=times)
+    if roll < 0.75:
+        return Behaviour(delay=delay, ending="reset", after=0, id=call_id, times=times)
+    return Behaviour(delay=delay, status=500, id=call_id, times=times)
 
 
 def _oversized(rng: random.Random, calls: list[Call]) -> list[Call]:
