@@ -33,6 +33,7 @@ from effectguard.callpath.httpxshape import (
 )
 from effectguard.callpath.join import join_call
 from effectguard.callpath.orphans import Orphans
+from effectguard.callpath.outgoing import outgoing_request, past_lease
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, prepare, refuse, usage_of
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
@@ -50,7 +51,6 @@ from effectguard.callpath.wire import (
     replay_response,
     timed_out,
     unobservable,
-    upstream_request,
 )
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
@@ -367,13 +367,21 @@ class Guard:
                 503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=True
             ) from exc
 
+    async def _ready(self, prepared: Prepared, admitted: Admitted, report: CallReport) -> Outbound:
+        """The attempt's request, announced; never sent past the lease it was admitted
+        under (contract.md §7): a worker that stood still since may have been taken over."""
+        if past_lease(admitted):
+            raise await self.recorder.lease_lapsed(prepared, admitted)
+        outgoing = outgoing_request(prepared, admitted)
+        report.attempts = admitted.attempt
+        self.observer.dispatching(report, outgoing)
+        return outgoing
+
     async def _attempt(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
     ) -> Reply:
         provider, call_id = prepared.provider, admitted.call_id
-        outgoing = _outgoing(prepared, admitted)
-        report.attempts = admitted.attempt
-        self.observer.dispatching(report, outgoing)
+        outgoing = await self._ready(prepared, admitted, report)
         sent_at = time.perf_counter()
         try:
             response = await send(outgoing)
@@ -488,13 +496,5 @@ class Guard:
 
 def _unknown_resend(prepared: Prepared, admitted: Admitted) -> bool:
     """Whether admission refused a keyed resend because its call's effect is unknown."""
-    refusal = admitted.refusal
-    keyed = prepared.admit.idempotency_key is not None
+    refusal, keyed = admitted.refusal, prepared.admit.idempotency_key is not None
     return keyed and refusal is not None and refusal.type == "effect_unknown"
-
-
-def _outgoing(prepared: Prepared, admitted: Admitted) -> Outbound:
-    """The attempt's request as it goes upstream, carrying the call id as its operation id."""
-    key = admitted.provider_idempotency_key
-    body = prepared.body
-    return upstream_request(prepared.request, body, prepared.endpoint, key, admitted.call_id)

@@ -22,7 +22,7 @@ from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.exchange import Headers
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse
 from effectguard.callpath.wire import storable_headers
-from effectguard.errors import FencedError, LedgerError
+from effectguard.errors import FencedError, LedgerError, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer, attempts
 from effectguard.rules import evidence
 from effectguard.rules import usage as usages
@@ -247,10 +247,28 @@ class Recorder:
         failed = await self._record_not_sent(prepared, admitted, reason)
         if failed is not None:
             what = (
-                f"{prepared.provider.name} could not be reached and nothing was sent, but "
-                f"the ledger could not record that yet ({reason})"
+                f"nothing was sent to {prepared.provider.name} ({reason}), but the ledger "
+                "could not record that"
             )
             raise ledger_unavailable(failed, admitted.call_id, what) from failed
+
+    async def lease_lapsed(self, prepared: Prepared, admitted: Admitted) -> Refusal:
+        """Record not sent an attempt whose writer's lease lapsed before it went out; the
+        refusal for its client (503, nothing sent, retryable).
+
+        The process stood still between recording the attempt and sending it (a pause,
+        a suspended machine). Another worker may have taken the call over meanwhile and a
+        lookup proven it not applied and sent it again: sent now, it could apply twice.
+        """
+        why = "the worker's lease lapsed before the attempt was sent (was the process paused?)"
+        await self.not_sent(prepared, admitted, why)  # 503 as well if it cannot be recorded
+        return refuse(
+            503,
+            "ledger_unavailable",
+            f"call {admitted.call_id} was not sent: {why}; a retry is safe",
+            call_id=admitted.call_id,
+            retryable=True,
+        )
 
     def unsent(self, prepared: Prepared, admitted: Admitted) -> None:
         """The caller of an admission went away while it committed: an attempt it started

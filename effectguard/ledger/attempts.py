@@ -76,7 +76,7 @@ def start_attempt(
     if state is None or not (workstate.may_retry(state) or resumes):
         stage = state.stage if state else "missing"
         raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
-    check_lease(tx, writer)
+    send_by = check_lease(tx, writer)
     # A retry of a resend that proved nothing takes over its hold, as the resend did.
     released = state.held if resumes else 0
     policies = tx.get_policies(budgets.ancestors(state.budget))
@@ -116,4 +116,5 @@ def start_attempt(
         attempt,
         state=states[call_id],
         provider_idempotency_key=provider_key,
+        send_by=send_by,
     )

@@ -126,15 +126,25 @@ class Admitted:
     refusal: Refusal | None = None
     #: For ``recover``: the applied decision whose kept result is replayed.
     recovered: CallReconciled | None = None
+    #: When (this process's wall clock) the writer's lease lapses, as admission saw it:
+    #: an attempt not yet sent by then is never sent (docs/contract.md §7).
+    send_by: float | None = None
 
 
-def check_lease(tx: Tx, writer: Writer) -> None:
-    """A worker whose lease has lapsed starts no new dispatch (docs/contract.md §7)."""
+def check_lease(tx: Tx, writer: Writer) -> float | None:
+    """A worker whose lease has lapsed starts no new dispatch (docs/contract.md §7).
+
+    Returns the moment, on this process's wall clock, the lease lapses unless renewed
+    (None for a writer with no lease): an attempt started now is not sent past it.
+    """
     row = tx.get_worker(writer.worker)
     if row is None:
-        return
-    if row.lease_expires < tx.now():
+        return None
+    now = tx.now()
+    if row.lease_expires < now:
         raise FencedError(f"worker {writer.worker} lease lapsed; it starts no new dispatch")
+    # The wall clock, not a monotonic one: a suspended machine's sleep must count.
+    return time.time() + (row.lease_expires - now)
 
 
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
@@ -144,7 +154,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     decision = _decide(tx, req, now)
     if decision.action in ("refuse", "replay", "join"):
         return _answer_from_ledger(tx, writer, decision)
-    check_lease(tx, writer)
+    send_by = check_lease(tx, writer)
     existing = decision.existing
     call_id = existing.call_id if existing is not None else new_call_id()
     events: list[Event] = [] if existing is not None else [_manifest(req, call_id, now)]
@@ -194,6 +204,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
         attempt,
         state=states[call_id],
         provider_idempotency_key=provider_key,
+        send_by=send_by,
     )
 
 
