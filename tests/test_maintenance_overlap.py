@@ -169,3 +169,22 @@ def _first_seq(ledger: Path) -> int:
         return int(conn.execute("SELECT min(seq) FROM events").fetchone()[0])
     finally:
         conn.close()
+
+
+def test_an_archive_the_ledger_lock_stops_says_so_without_a_traceback(
+    ledger: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An archive that cannot take the ledger's write lock (another program holds it
+    past the busy wait) exits 4, ledger unavailable, and moves nothing; it used to end
+    in the driver's traceback."""
+    stages = call_stages(ledger)
+    holder = sqlite3.connect(ledger, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        code, out = cli(capsys, "archive", "--ledger", str(ledger), "--before", later())
+    finally:
+        holder.close()
+    assert code == 4 and "database is locked" in out["err"], out
+    assert call_stages(ledger) == stages
+    code, report = verify(capsys, "--ledger", str(ledger))
+    assert code == 0, report["problems"]

@@ -32,7 +32,7 @@ events, so the file stops growing once archives keep pace.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import sqlite3
 import time
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
-from effectguard.errors import ConfigError, LedgerCorrupt
+from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqlitefile import check_ledger_file
@@ -86,23 +86,44 @@ def archive_sqlite(
         new_file(out, ledger=path, command="archive", what="an archive")
     names = archivenames.Names(path, out)
     names.refuse_stale_partials()
-    conn = connect(str(path))
+    with _translated(path):
+        conn = connect(str(path))
     try:
-        migrate(conn)
+        with _translated(path):
+            migrate(conn)
         steps: list[Step] = []
         bounds: list[Bounds] = []
-        planned = functools.partial(_plan, conn, bounds, before, size)
+
+        def planned(previous: Cut | None) -> Survey:
+            with _translated(path):
+                return _plan(conn, bounds, before, size, previous)
 
         def commit(plan: Plan) -> Step:
             target = names.target(plan.first, plan.last, len(steps))
             new_file(target, ledger=path, command="archive", what="an archive")
             _refuse_stale_partial(target, path)
-            return _commit(conn, plan, target, crash)
+            with _translated(path, target):
+                return _commit(conn, plan, target, crash)
 
         survey = run_steps(steps, planned, commit, say, crash)
-        return _result(conn, steps, survey)
+        with _translated(path):
+            return _result(conn, steps, survey)
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def _translated(ledger: Path, target: Path | None = None) -> Iterator[None]:
+    """The driver's and the file system's errors as effectguard's (a busy or full ledger,
+    a full disk under the archive file), so that an archive stopped by one says which
+    steps it archived before (``run_steps``) instead of ending in a traceback."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise LedgerUnavailable(f"archive of {ledger} failed: {exc}") from exc
+    except OSError as exc:
+        where = f" writing {target}" if target is not None else ""
+        raise ConfigError(f"archive of {ledger} failed{where}: {exc}") from exc
 
 
 #: SQLite's events since migration 6 (ledger/sqliteevents.py, records since format 4:
