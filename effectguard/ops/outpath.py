@@ -54,16 +54,12 @@ class Held:
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
-        #: The file, open for writing at its start (unbuffered: writes reach the file).
-        self.file: BinaryIO = os.fdopen(fd, "r+b", buffering=0)
+        #: The file, open for writing at its start (buffered: flush it before an fsync).
+        self.file: BinaryIO = os.fdopen(fd, "r+b")
 
     def in_place(self) -> bool:
         """Whether ``path`` still names this file (nobody removed or replaced it)."""
         return _same_file(self.path, self.file.fileno())
-
-    def sync(self) -> None:
-        """fsync what was written."""
-        os.fsync(self.file.fileno())
 
     def close(self) -> None:
         """Close the file, which drops the lock."""
