@@ -32,7 +32,7 @@ events, so the file stops growing once archives keep pace.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import sqlite3
 import time
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
-from effectguard.errors import ConfigError, LedgerCorrupt
+from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqlitefile import check_ledger_file
@@ -63,7 +63,7 @@ from effectguard.ops.archiveplan import (
     seal_checkpoint,
     summed,
 )
-from effectguard.ops.outpath import create_private, new_file, partial_of
+from effectguard.ops.outpath import Held, hold_new, new_file, partial_of
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.retention import STEP_EVENTS
 
@@ -86,23 +86,44 @@ def archive_sqlite(
         new_file(out, ledger=path, command="archive", what="an archive")
     names = archivenames.Names(path, out)
     names.refuse_stale_partials()
-    conn = connect(str(path))
+    with _translated(path):
+        conn = connect(str(path))
     try:
-        migrate(conn)
+        with _translated(path):
+            migrate(conn)
         steps: list[Step] = []
         bounds: list[Bounds] = []
-        planned = functools.partial(_plan, conn, bounds, before, size)
+
+        def planned(previous: Cut | None) -> Survey:
+            with _translated(path):
+                return _plan(conn, bounds, before, size, previous)
 
         def commit(plan: Plan) -> Step:
             target = names.target(plan.first, plan.last, len(steps))
             new_file(target, ledger=path, command="archive", what="an archive")
             _refuse_stale_partial(target, path)
-            return _commit(conn, plan, target, crash)
+            with _translated(path, target):
+                return _commit(conn, plan, target, crash)
 
         survey = run_steps(steps, planned, commit, say, crash)
-        return _result(conn, steps, survey)
+        with _translated(path):
+            return _result(conn, steps, survey)
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def _translated(ledger: Path, target: Path | None = None) -> Iterator[None]:
+    """The driver's and the file system's errors as effectguard's (a busy or full ledger,
+    a full disk under the archive file), so that an archive stopped by one says which
+    steps it archived before (``run_steps``) instead of ending in a traceback."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise LedgerUnavailable(f"archive of {ledger} failed: {exc}") from exc
+    except OSError as exc:
+        where = f" writing {target}" if target is not None else ""
+        raise ConfigError(f"archive of {ledger} failed{where}: {exc}") from exc
 
 
 #: SQLite's events since migration 6 (ledger/sqliteevents.py, records since format 4:
@@ -150,13 +171,13 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path, crash: CrashPoin
         "keys": sorted(list(k) for k in keyed),
     }
     partial = partial_of(target)
-    # Owner-only like the ledger whose events and bodies it holds: gzip.open would
-    # create it with the umask's permissions, readable by anyone.
-    create_private(partial)
+    # Owner-only like the ledger whose events and bodies it holds, and held (a lock) while
+    # this step writes it: a second archive sees it is not left over (archivenames).
+    held = hold_new(partial, busy=archivenames.running(partial))
     try:
         # Before the write lock; bodies never change once written, so they need none.
         lines = (archivefile.event_line(e) for e in plan.events)
-        digest = archivefile.write_events(partial, header, lines, _bodies(conn, plan))
+        digest = archivefile.write_events(held.file, header, lines, _bodies(conn, plan))
         conn.execute("BEGIN IMMEDIATE")
         _refuse_if_moved(conn, plan)
         head_seq, head_digest = conn.execute(
@@ -164,16 +185,22 @@ def _commit(conn: sqlite3.Connection, plan: Plan, target: Path, crash: CrashPoin
         ).fetchone()
         head = (int(head_seq), sqliteevents.hex_digest(head_digest))
         stored, _ = seal_checkpoint(plan, state, target.name, digest, head, time.time())
-        archivefile.append_checkpoint(partial, stored)
+        archivefile.append_checkpoint(held.file, stored)
+        _refuse_if_gone(held)
         _apply(conn, stored, plan, keyed)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
-        partial.unlink(missing_ok=True)
+        if held.in_place():  # never a file that someone else put under that name
+            partial.unlink(missing_ok=True)
+        held.close()
         raise
-    crash.hit("after:archive-commit")
-    os.replace(partial, target)
+    try:
+        crash.hit("after:archive-commit")
+        os.replace(partial, target)
+    finally:
+        held.close()
     _fsync_dir(target.parent)
     cut = Cut(plan.last, plan.events[-1].digest, state)
     counts = (len(plan.events), len(plan.calls), len(keyed))
@@ -185,7 +212,17 @@ def _refuse_stale_partial(target: Path, ledger: Path) -> None:
     of the events it moved in ``.FILE.partial``: it must never be overwritten or removed."""
     partial = partial_of(target)
     if os.path.lexists(partial):
-        raise ConfigError(archivenames.stale(partial, target, ledger))
+        raise ConfigError(archivenames.left_or_running(partial, target, ledger))
+
+
+def _refuse_if_gone(held: Held) -> None:
+    """The events are in the file this step wrote and holds open; the ledger may let them
+    go only while that file is still where the rename after the commit expects it."""
+    if not held.in_place():
+        raise ConfigError(
+            f"{held.path} was removed or replaced while this archive wrote it: this step "
+            "archived nothing (its events stay in the ledger); run archive again"
+        )
 
 
 def _bodies(conn: sqlite3.Connection, plan: Plan) -> Iterator[tuple[str, int, bytes]]:

@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from effectguard.errors import ConfigError
 from effectguard.ledger import Ledger
@@ -70,16 +70,17 @@ def lines_sha256(lines: Iterable[str]) -> str:
 
 
 def write_events(
-    path: Path,
+    out_file: BinaryIO,
     header: dict[str, Any],
     lines: Iterable[str],
     bodies: Iterable[tuple[str, int, bytes]] = (),
 ) -> str:
     """Write the header, the event lines and the ``(call_id, seq, chunk)`` body chunks, one
-    line each, as ``lines`` and ``bodies`` yield them (the first gzip member of the file),
-    and return :func:`lines_sha256` of the event lines: they are streamed, never held."""
+    line each, as ``lines`` and ``bodies`` yield them (the first gzip member of
+    ``out_file``), and return :func:`lines_sha256` of the event lines: they are streamed,
+    never held. ``out_file`` stays open (the archive holds its partial file by it)."""
     h = hashlib.sha256()
-    with gzip.open(path, "wt", encoding="utf-8") as out:
+    with gzip.open(out_file, "wt", encoding="utf-8") as out:
         out.write(canonical_json({"format": FORMAT, **header}) + "\n")
         for line in lines:
             h.update(line.encode("utf-8"))
@@ -91,19 +92,20 @@ def write_events(
     return h.hexdigest()
 
 
-def append_checkpoint(path: Path, tail: StoredEvent) -> None:
-    """Append the checkpoint line (a second gzip member: readers see one stream), fsync'd.
+def append_checkpoint(out_file: BinaryIO, tail: StoredEvent) -> None:
+    """Append the checkpoint line (a second gzip member: readers see one stream) to the
+    file :func:`write_events` wrote, through the same open file, and fsync it.
 
     Split from :func:`write_events` so that the bulk of the file is written before the
-    archive takes the ledger's write lock, and only this line while holding it.
+    archive takes the ledger's write lock, and only this line while holding it. Written
+    through the open file, never reopened by name: a name reopened after the file was
+    removed would make a new file holding the checkpoint and none of the events.
     """
-    with gzip.open(path, "at", encoding="utf-8") as out:
+    out_file.seek(0, os.SEEK_END)
+    with gzip.open(out_file, "at", encoding="utf-8") as out:
         out.write(canonical_json({"checkpoint": asdict(tail)}) + "\n")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    out_file.flush()
+    os.fsync(out_file.fileno())
 
 
 def read_archive(path: Path) -> tuple[dict[str, Any], list[str], StoredEvent]:

@@ -9,7 +9,10 @@ A step writes ``.FILE.partial`` and renames it once its transaction committed: a
 in between leaves the only copy of the events it moved in that file. The next archive
 names its range anew, so it looks for any partial file under the names this ledger's
 (or this ``--out``'s) archives take, not only its own next name, and refuses to run
-while one is there.
+while one is there. A partial file that an archive running now holds
+(:class:`~effectguard.ops.outpath.Held`) is refused as that archive's: the instructions
+for a left-over file (verify it, then rename or delete it) would have an operator delete
+the events of a step about to commit.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 from pathlib import Path
 
 from effectguard.errors import ConfigError
-from effectguard.ops.outpath import partial_of
+from effectguard.ops.outpath import in_use, partial_of
 
 #: What an archive file's name ends with, where the operator's ``--out`` has it.
 _SUFFIXES = (".jsonl.gz", ".gz")
@@ -61,16 +64,27 @@ class Names:
             if found:
                 partial = pattern.with_name(found[0])
                 target = partial.with_name(partial.name[1 : -len(".partial")])
-                raise ConfigError(stale(partial, target, self.ledger))
+                raise ConfigError(left_or_running(partial, target, self.ledger))
 
 
-def stale(partial: Path, target: Path, ledger: Path) -> str:
-    """What to do about ``partial``, left by an archive to ``target`` that stopped."""
+def left_or_running(partial: Path, target: Path, ledger: Path) -> str:
+    """What to do about ``partial``: wait for the archive writing it, or, where an
+    archive to ``target`` stopped and left it, prove it and rename or delete it."""
+    if in_use(partial):
+        return running(partial)
     return (
         f"{partial} exists: an earlier archive to {target.name} stopped before renaming it "
-        f"into place (or another archive is running now). Run `effectguard verify --archive "
-        f"{partial} --ledger {ledger}`: if it passes, the file holds archived events: rename "
-        f"it to {target}; if not, delete it. Then run archive again"
+        f"into place. Run `effectguard verify --archive {partial} --ledger {ledger}`: if it "
+        f"passes, the file holds archived events: rename it to {target}; if not, delete it. "
+        "Then run archive again"
+    )
+
+
+def running(partial: Path) -> str:
+    """The refusal while another archive is writing ``partial``."""
+    return (
+        f"another archive is running now: it is writing {partial} (leave that file alone); "
+        "run archive again once it has finished"
     )
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
-from effectguard.ledger.sqlitefile import check_ledger_file
+from effectguard.ledger.sqlitefile import COMPANIONS, check_ledger_file
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
-from effectguard.ops.outpath import create_private, new_file, partial_of
+from effectguard.ops.outpath import Held, hold_new, new_file, partial_of, remove_left_over
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,22 +46,55 @@ def backup_sqlite(ledger: str, target: str | Path) -> BackupResult:
     check_ledger_file(str(source), current=False)  # the backup before an upgrade
     target = new_file(target, ledger=source, command="backup", what="a backup")
     partial = partial_of(target)
-    partial.unlink(missing_ok=True)
+    busy = (
+        f"another backup to {target} is running now (it is writing {partial}); let it "
+        "finish, or back up to another name"
+    )
+    # A backup that was killed left its partial copy (and SQLite's files beside it): that
+    # is removed, but never the one a backup running now holds.
+    remove_left_over(partial, busy=busy)
+    for leftover in _companions(partial):
+        leftover.unlink(missing_ok=True)
     # Owner-only like the ledger itself (it holds prompts, responses and key digests);
     # SQLite would create it with the umask's permissions, readable by anyone.
-    create_private(partial)
+    held = hold_new(partial, busy=busy)
     try:
         _copy(source, partial)
         result = _check(partial, target)
+        for leftover in _companions(partial):  # SQLite's, of the copy this backup holds
+            leftover.unlink(missing_ok=True)
         _fsync(partial)
-        os.replace(partial, target)
+        _put_in_place(held, target, busy)
         _fsync(target.parent)
     except sqlite3.Error as exc:
         raise LedgerUnavailable(f"backup of {source} failed: {exc}") from exc
     finally:
-        for leftover in (partial, Path(f"{partial}-wal"), Path(f"{partial}-shm")):
-            leftover.unlink(missing_ok=True)
+        if held.in_place():  # only ever the copy this backup holds (not yet in place)
+            for leftover in (partial, *_companions(partial)):
+                leftover.unlink(missing_ok=True)
+        held.close()
     return result
+
+
+def _companions(partial: Path) -> list[Path]:
+    return [Path(f"{partial}{suffix}") for suffix in COMPANIONS]
+
+
+def _put_in_place(held: Held, target: Path, busy: str) -> None:
+    """Give the copy its name, never over a file there (another backup's, finished while
+    this one ran), and only while the partial name is still this copy's."""
+    if not held.in_place():
+        raise ConfigError(busy)
+    try:
+        os.link(held.path, target)  # fails where a file is: no overwrite, unlike rename
+    except FileExistsError:
+        raise ConfigError(f"{target} exists; a backup never overwrites a file") from None
+    except OSError:  # a file system without hard links: rename, as the last resort
+        if os.path.lexists(target):
+            raise ConfigError(f"{target} exists; a backup never overwrites a file") from None
+        os.replace(held.path, target)
+        return
+    held.path.unlink()
 
 
 def _copy(source: Path, partial: Path) -> None:
