@@ -280,6 +280,16 @@ def test_a_bad_budget_path_is_refused(shared: Group, path: str) -> None:
     )
 
 
+@pytest.mark.parametrize("path", ["team/", "/team", "a//b", "a/..", "é"], ids=repr)
+@pytest.mark.parametrize("filter_", [["budgets", "--under"], ["calls", "--budget"]], ids=str)
+def test_a_filter_by_a_path_no_node_can_have_is_refused(
+    shared: Group, filter_: list[str], path: str
+) -> None:
+    """budgets --under and calls --budget refuse a path that is no budget path (exit 2),
+    rather than list nothing: "team/" (a trailing slash) read as an empty team."""
+    refused(shared, [*filter_, path], 2, "invalid budget path")
+
+
 BAD_COUNTS = [
     ("-1", "a count cannot be negative"),
     ("1e30", "not a count: '1e30'"),

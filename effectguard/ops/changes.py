@@ -18,6 +18,7 @@ from effectguard.ops.command import (
     EXIT_OK,
     EXIT_USAGE,
     Command,
+    budget_path,
     call_usd,
     check_ledger_place,
     count,
@@ -31,7 +32,7 @@ from effectguard.ops.command import (
 )
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules import notes
-from effectguard.rules.budget import BudgetPolicy, validate_path, validate_policy
+from effectguard.rules.budget import BudgetPolicy, validate_policy
 from effectguard.rules.periods import PERIOD_KINDS, TOTAL, validate_zone
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
@@ -48,14 +49,6 @@ def zone_name(value: str) -> str:
     """An argparse type: an IANA timezone (:func:`~effectguard.rules.periods.validate_zone`)."""
     try:
         return validate_zone(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def budget_path(value: str) -> str:
-    """An argparse type: a budget path (:func:`~effectguard.rules.budget.validate_path`)."""
-    try:
-        return validate_path(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

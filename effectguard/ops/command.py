@@ -23,6 +23,7 @@ from pathlib import Path
 
 from effectguard.config import defaults
 from effectguard.errors import ConfigError
+from effectguard.rules.budget import validate_path
 from effectguard.rules.counts import parse_count
 from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, typed_usd
 
@@ -196,6 +197,18 @@ def count(value: str) -> int:
     if counted > MAX_NANOS:
         raise argparse.ArgumentTypeError(f"a count is at most {MAX_NANOS}")
     return counted
+
+
+def budget_path(value: str) -> str:
+    """An argparse type: a budget path (:func:`~effectguard.rules.budget.validate_path`).
+
+    Also for the filters (``budgets --under``, ``calls --budget``): a path no node can
+    have (``team/``, with a trailing slash) would list nothing, as if the node were empty.
+    """
+    try:
+        return validate_path(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def upstreams(args: argparse.Namespace) -> dict[str, str]:

@@ -20,6 +20,7 @@ from effectguard.ops.command import (
     EXIT_OK,
     EXIT_USAGE,
     Command,
+    budget_path,
     check_ledger,
     count,
     ledger_option,
@@ -233,7 +234,7 @@ def _report(args: argparse.Namespace, report: VerifyReport) -> int:
 def _calls_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument("--state", choices=STAGES, help="only calls in this stage")
-    p.add_argument("--budget", help="only calls under this budget path")
+    p.add_argument("--budget", type=budget_path, help="only calls under this budget path")
     p.add_argument("--provider", help="only calls to this provider")
     p.add_argument(
         "--since",
@@ -276,6 +277,7 @@ def _budgets_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--under",
+        type=budget_path,
         metavar="PATH",
         help="only the node at PATH and the nodes below it (a path, not a pattern)",
     )
