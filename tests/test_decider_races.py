@@ -1,0 +1,148 @@
+"""Races between the deciders of an effect-unknown call (docs/contract.md §2.2, §8).
+
+Evidence (a lookup, the application's hook, a person reading the operator page) speaks
+of the call as it was when it was gathered. Each test here lets one decider gather its
+evidence, moves the call on meanwhile through another (a keyed resend, the sweeper, a
+second operator), and then lets the first one decide. The provider's own receipts count
+the effects: a decision the evidence did not support shows as a payment made twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from toolkit import SEND, charge, charges, declare, lost_send
+
+from effectguard import AsyncGuardTransport, NotApplied, ReconcileQuestion, Unknown
+from effectguard.callpath.hooks import HookAnswer
+from effectguard.testing import FakeProvider, fake_provider
+
+MakeTransport = Callable[..., AsyncGuardTransport]
+Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+
+
+class ScriptedNetwork(httpx.AsyncBaseTransport):
+    """A network whose n-th ``POST /v1/send`` meets the n-th fate of ``plan``:
+    ``lost`` (lost on the way: the provider never sees it), ``unanswered`` (delivered,
+    its answer lost: the provider applied it and effectguard cannot know), ``held``
+    (held until the test releases it, then unanswered) or ``through``. Everything else
+    goes through."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, plan: list[str]) -> None:
+        self.inner = inner
+        self.plan = plan
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or request.url.path != SEND:
+            return await self.inner.handle_async_request(request)
+        fate = self.plan.pop(0) if self.plan else "through"
+        if fate == "lost":
+            raise httpx.ReadError("connection reset after the request was written")
+        if fate in ("held", "unanswered"):
+            if fate == "held":
+                self.holding.set()
+                await self.release.wait()
+            response = await self.inner.handle_async_request(request)
+            await response.aread()
+            raise httpx.ReadError("connection reset after the provider answered")
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class Outbox:
+    """The application's reconcile hook, each question answered by the test in turn."""
+
+    def __init__(self) -> None:
+        self.questions: asyncio.Queue[tuple[str, asyncio.Future[HookAnswer]]] = asyncio.Queue()
+
+    async def __call__(self, question: ReconcileQuestion) -> HookAnswer:
+        answer: asyncio.Future[HookAnswer] = asyncio.get_running_loop().create_future()
+        await self.questions.put((question.op_id, answer))
+        return await answer
+
+    async def asked(self) -> tuple[str, asyncio.Future[HookAnswer]]:
+        """The next question (bounded: a missing one fails the test, never hangs it)."""
+        return await asyncio.wait_for(self.questions.get(), 30)
+
+    async def answer_rest(self, answer: HookAnswer) -> None:
+        """Answer every later question ``answer`` (run as a task; cancel it at the end)."""
+        while True:
+            _, future = await self.questions.get()
+            future.set_result(answer)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeProvider:
+    """The real fake provider: its receipts are the effects."""
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        yield provider
+
+
+def sent(fake: FakeProvider, call_id: str) -> int:
+    """How many times the provider received (and applied) ``call_id``."""
+    return sum(1 for receipt in charges(fake) if receipt["op"] == call_id)
+
+
+async def test_the_sweeper_gathers_no_evidence_about_an_attempt_still_on_the_wire(
+    tmp_path: Path, make_transport: MakeTransport, finish: Finish, fake: FakeProvider
+) -> None:
+    """The sweeper's page holds two lost calls; while the hook is slow about the first,
+    the second's keyed resend is proven not applied and sent again, and that attempt is
+    on the wire when the sweeper reaches it. Asked then, the hook truthfully answers
+    "not applied"; the attempt then reaches the provider and its answer is lost. That
+    answer was about no finished attempt: nothing is recorded, the call stays unknown,
+    and its next resend is refused, not sent a third time."""
+    network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["lost", "lost", "held"])
+    outbox = Outbox()
+    t = make_transport(
+        inner=network,
+        providers=[declare(tmp_path, freshness=None)],
+        upstreams={"payments": fake.url},
+        reconcile_hook=outbox,
+    )
+    client = httpx.AsyncClient(transport=t)
+    url = fake.url + SEND
+    first = await lost_send(client, url, charge(1), headers={"Idempotency-Key": "first"})
+    lost = await lost_send(client, url, charge(2), headers={"Idempotency-Key": "lost"})
+    sweep = asyncio.ensure_future((await t.guard()).resolver.sweep())
+    asked, slow = await outbox.asked()
+    assert asked == first  # the sweeper asks about the oldest first, and waits
+    resend = asyncio.ensure_future(
+        client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
+    )
+    asked, proof = await outbox.asked()
+    assert asked == lost
+    proof.set_result(NotApplied())  # true: attempt 1 never reached the provider
+    await network.holding.wait()  # attempt 2 is on the wire
+    slow.set_result(Unknown())  # the sweeper moves on, to the call being resent
+    question = asyncio.ensure_future(outbox.asked())
+    await asyncio.wait({question, sweep}, return_when=asyncio.FIRST_COMPLETED)
+    network.release.set()  # attempt 2 reaches the provider; its answer is lost
+    assert (await resend).status_code == 502
+    if question.done():  # the sweeper asked about attempt 2 while it was on the wire
+        asked, meanwhile = question.result()
+        assert asked == lost
+        meanwhile.set_result(NotApplied())  # true when the application looked
+    else:
+        question.cancel()
+    await sweep
+    rest = asyncio.ensure_future(outbox.answer_rest(Unknown()))
+    again = await client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
+    rest.cancel()
+    assert sent(fake, lost) == 1  # attempt 2's effect, and no third send
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["type"] == "effect_unknown"
+    assert (await t.ledger.call(lost)).stage == "effect_unknown"
+    with contextlib.suppress(asyncio.CancelledError):
+        await rest
+    await finish(t)
+
