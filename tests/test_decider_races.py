@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from toolkit import SEND, charge, charges, declare, lost_send
+from operatorkit import ADMIN_KEY, PAGE, config_text
+from pgkit import ledger_url
+from toolkit import SEND, charge, charges, cli_json, declare, lost_send
 
 from effectguard import AsyncGuardTransport, NotApplied, ReconcileQuestion, Unknown
 from effectguard.callpath.hooks import HookAnswer
-from effectguard.testing import FakeProvider, fake_provider
+from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
 MakeTransport = Callable[..., AsyncGuardTransport]
 Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
+_ = (ledger_url,)  # fixtures: each test runs on SQLite and on PostgreSQL
 
 
 class ScriptedNetwork(httpx.AsyncBaseTransport):
@@ -93,7 +97,11 @@ def sent(fake: FakeProvider, call_id: str) -> int:
 
 
 async def test_the_sweeper_gathers_no_evidence_about_an_attempt_still_on_the_wire(
-    tmp_path: Path, make_transport: MakeTransport, finish: Finish, fake: FakeProvider
+    tmp_path: Path,
+    ledger_url: str,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
 ) -> None:
     """The sweeper's page holds two lost calls; while the hook is slow about the first,
     the second's keyed resend is proven not applied and sent again, and that attempt is
@@ -104,6 +112,7 @@ async def test_the_sweeper_gathers_no_evidence_about_an_attempt_still_on_the_wir
     network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["lost", "lost", "held"])
     outbox = Outbox()
     t = make_transport(
+        ledger=ledger_url,
         inner=network,
         providers=[declare(tmp_path, freshness=None)],
         upstreams={"payments": fake.url},
@@ -146,3 +155,50 @@ async def test_the_sweeper_gathers_no_evidence_about_an_attempt_still_on_the_wir
         await rest
     await finish(t)
 
+
+async def test_a_page_read_before_the_call_was_sent_again_decides_nothing(
+    tmp_path: Path,
+    ledger_url: str,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+) -> None:
+    """An operator opens a lost call's page. Meanwhile a second operator proves it not
+    applied, its keyed resend reaches the provider and loses its answer: unknown again.
+    The first operator's "not applied", true of what the page showed, is refused (409),
+    and the call is not sent a third time."""
+    network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["lost", "unanswered"])
+    folder = declare(tmp_path, freshness=None)
+    t = make_transport(
+        ledger=ledger_url, inner=network, providers=[folder], upstreams={"payments": fake.url}
+    )
+    client = httpx.AsyncClient(transport=t)
+    url, key = fake.url + SEND, {"Idempotency-Key": "lost"}
+    lost = await lost_send(client, url, charge(2), headers=key)
+    config = tmp_path / "effectguard.toml"
+    config.write_text("[server]\nsweep_s = 3600\n" + config_text())
+    log = tmp_path / "proxy.log"
+    with running_proxy(ledger_url, args=["--config", str(config)], log_path=log) as proxy:
+        page = f"{proxy.url}{PAGE}calls/{lost}"
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        shown = httpx.get(page, headers=admin, timeout=30)
+        assert shown.status_code == 200 and "reconcile-not_applied" in shown.text
+        form = dict(re.findall(r'name="(\w+)" value="([^"]*)"', form_of(shown.text)))
+        args = ("reconcile", lost, "--not-applied", "--note", "not on the dashboard")
+        cli_json(*args, "--by", "bob", "--ledger", ledger_url)
+        resent = await client.post(url, json=charge(2), headers=key)
+        assert resent.status_code == 502, resent.text  # attempt 2: applied, answer lost
+        form |= {"note": "not on the dashboard when I looked"}
+        decided = httpx.post(page + "/reconcile", data=form, headers=admin, timeout=30)
+    again = await client.post(url, json=charge(2), headers=key)
+    assert sent(fake, lost) == 1  # attempt 2's effect, and no third send
+    assert decided.status_code == 409, decided.text
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["type"] == "effect_unknown"
+    await finish(t)
+
+
+def form_of(page: str) -> str:
+    """The page's "not applied" form."""
+    start = page.index('id="reconcile-not_applied"')
+    return page[start : page.index("</form>", start)]
