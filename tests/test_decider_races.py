@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import re
 from collections.abc import Awaitable, Callable
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,7 @@ from operatorkit import ADMIN_KEY, PAGE, config_text
 from pgkit import ledger_url
 from toolkit import SEND, charge, charges, cli_json, declare, lost_send
 
-from effectguard import AsyncGuardTransport, NotApplied, ReconcileQuestion, Unknown
+from effectguard import Applied, AsyncGuardTransport, NotApplied, ReconcileQuestion, Unknown
 from effectguard.callpath.hooks import HookAnswer
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
@@ -202,3 +203,86 @@ def form_of(page: str) -> str:
     """The page's "not applied" form."""
     start = page.index('id="reconcile-not_applied"')
     return page[start : page.index("</form>", start)]
+
+
+async def until_stage(t: AsyncGuardTransport, call_id: str, stage: str) -> None:
+    """Wait until ``call_id`` is in ``stage`` (settled in the background, its caller gone)."""
+    for _ in range(1000):
+        if (await t.ledger.call(call_id)).stage == stage:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"call {call_id} never became {stage}")
+
+
+async def test_a_retry_after_its_caller_left_is_not_sent_once_evidence_decided_it_applied(
+    tmp_path: Path,
+    ledger_url: str,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+) -> None:
+    """A key-less call's caller gives up while it is on the wire; the call reaches the
+    provider and loses its answer. The sweeper's hook proves it applied before the SDK's
+    retry comes: that retry gets the result the hook recovered, as it would have got 409
+    ``effect_unknown`` a moment earlier, and is not sent as new work."""
+    network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["held"])
+    outbox = Outbox()
+    t = make_transport(
+        ledger=ledger_url,
+        inner=network,
+        providers=[declare(tmp_path, freshness=None)],
+        upstreams={"payments": fake.url},
+        reconcile_hook=outbox,
+    )
+    client = httpx.AsyncClient(transport=t)
+    url = fake.url + SEND
+    gone = asyncio.ensure_future(client.post(url, json=charge(5), timeout=30))
+    await network.holding.wait()
+    (call,) = await t.ledger.calls()
+    gone.cancel()  # the caller leaves; the call goes on
+    with contextlib.suppress(asyncio.CancelledError):
+        await gone
+    network.release.set()  # it reaches the provider; its answer is lost
+    await until_stage(t, call.call_id, "effect_unknown")
+    sweep = asyncio.ensure_future((await t.guard()).resolver.sweep())
+    asked, answer = await outbox.asked()
+    assert asked == call.call_id
+    answer.set_result(Applied(Decimal("0.01"), {"id": "from-outbox", "op": asked}))
+    assert await sweep == [call.call_id]
+    retry = await client.post(url, json=charge(5), headers={"x-stainless-retry-count": "1"})
+    assert len(charges(fake)) == 1  # the one effect, not a second one
+    assert retry.status_code == 200, retry.text
+    assert retry.headers["effectguard-recovered"] == "hook"
+    assert retry.headers["effectguard-call-id"] == call.call_id
+    await finish(t)
+
+
+async def test_a_retry_naming_its_call_is_not_sent_once_a_person_decided_it_applied(
+    tmp_path: Path,
+    ledger_url: str,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+) -> None:
+    """A key-less call loses its answer; an operator records it applied, and then the
+    agent retries it with ``Effectguard-Retry-Of``: refused 409 ``reconciled_applied``
+    (as it was refused 409 ``effect_unknown`` before the decision), never sent again."""
+    network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["unanswered"])
+    folder = declare(tmp_path, freshness=None)
+    t = make_transport(
+        ledger=ledger_url, inner=network, providers=[folder], upstreams={"payments": fake.url}
+    )
+    client = httpx.AsyncClient(transport=t)
+    url = fake.url + SEND
+    lost = await lost_send(client, url, charge(6))
+    retry_of = {"Effectguard-Retry-Of": lost}
+    early = await client.post(url, json=charge(6), headers=retry_of)
+    assert early.status_code == 409, early.text
+    assert early.json()["error"]["type"] == "effect_unknown"
+    args = ("reconcile", lost, "--applied", "--note", "on the provider's dashboard")
+    await asyncio.to_thread(cli_json, *args, "--ledger", ledger_url)
+    retry = await client.post(url, json=charge(6), headers=retry_of)
+    assert len(charges(fake)) == 1  # the one effect, not a second one
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["error"]["type"] == "reconciled_applied"
+    await finish(t)
