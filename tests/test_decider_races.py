@@ -11,21 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import sys
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from hostilekit import HostileSearch, Script, answer, hostile_search
 from operatorkit import ADMIN_KEY, PAGE, config_text
 from pgkit import ledger_url
-from toolkit import SEND, charge, charges, cli_json, declare, lost_send
+from toolkit import KEY, SEND, charge, charges, cli_json, declare, lost_send
 
 from effectguard import Applied, AsyncGuardTransport, NotApplied, ReconcileQuestion, Unknown
 from effectguard.callpath.hooks import HookAnswer
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
+#: A search that finds nothing.
+EMPTY = b'{"object": "search_result", "data": []}'
 MakeTransport = Callable[..., AsyncGuardTransport]
 Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
 _ = (ledger_url,)  # fixtures: each test runs on SQLite and on PostgreSQL
@@ -286,3 +292,90 @@ async def test_a_retry_naming_its_call_is_not_sent_once_a_person_decided_it_appl
     assert retry.status_code == 409, retry.text
     assert retry.json()["error"]["type"] == "reconciled_applied"
     await finish(t)
+
+
+def searched_at(hostile: HostileSearch, folder: Path, timeout_s: float) -> Path:
+    """``folder``'s ``payments`` declaration with its lookup sent to ``hostile``, answering
+    within ``timeout_s``, a found object checked to carry the call's op id."""
+    path = folder / "payments.toml"
+    text = path.read_text().replace("{base_url}/v1/search", hostile.url + "/v1/search")
+    match = 'match = "metadata.effectguard_op"'
+    path.write_text(text.replace("timeout_s = 5", f"timeout_s = {timeout_s}\n{match}"))
+    return folder
+
+
+async def searches(hostile: HostileSearch, seen: int, also: asyncio.Future[Any]) -> bool:
+    """Wait until the lookup endpoint has seen more than ``seen`` searches (True), or
+    ``also`` is done first (False)."""
+    for _ in range(3000):
+        if hostile.hits("/v1/search") > seen:
+            return True
+        if also.done():
+            return False
+        await asyncio.sleep(0.01)
+    raise AssertionError("no search came, and the command did not end")
+
+
+@pytest.mark.slow
+async def test_reconcile_auto_asks_nothing_about_a_call_resent_since_it_listed_it(
+    tmp_path: Path,
+    ledger_url: str,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+) -> None:
+    """``reconcile --auto`` lists two lost calls and hangs on the newer one's lookup;
+    meanwhile an operator decides the other not applied and its keyed resend through a
+    running transport sends it again: that attempt is on the wire when the command
+    reaches the call. Its search then truthfully finds nothing; the attempt reaches the
+    provider and loses its answer. Nothing is recorded of that search, and the call is
+    not sent a third time. (Only the command searches: the transport declares no
+    lookup, so its own sweeps ask nothing.)"""
+    (tmp_path / "auto").mkdir()
+    (tmp_path / "transport").mkdir()
+    with hostile_search() as hostile:
+        folder = searched_at(hostile, declare(tmp_path / "auto", freshness=0), timeout_s=4)
+        network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["lost", "lost", "held"])
+        t = make_transport(
+            ledger=ledger_url,
+            inner=network,
+            providers=[declare(tmp_path / "transport", freshness=None)],
+            upstreams={"payments": fake.url},
+        )
+        client = httpx.AsyncClient(transport=t)
+        url, key = fake.url + SEND, {"Idempotency-Key": "lost"}
+        lost = await lost_send(client, url, charge(2), headers=key)
+        # Newer, so listed first (the command lists the newest first).
+        await lost_send(client, url, charge(1), headers={"Idempotency-Key": "newer"})
+        hostile.follow(Script((b"",), ending="hang"))
+        seen = hostile.hits("/v1/search")
+        auto = asyncio.ensure_future(reconcile_auto(ledger_url, folder, fake.url))
+        assert await searches(hostile, seen, auto)  # the newer call's lookup hangs
+        hostile.follow(Script(tuple(answer(200, EMPTY).partition(b"\r\n\r\n")), pause_s=1.0))
+        args = ("reconcile", lost, "--not-applied", "--note", "not on the dashboard")
+        await asyncio.to_thread(cli_json, *args, "--ledger", ledger_url)
+        resend = asyncio.ensure_future(client.post(url, json=charge(2), headers=key))
+        await network.holding.wait()  # attempt 2 is on the wire
+        await searches(hostile, hostile.hits("/v1/search"), auto)
+        network.release.set()  # attempt 2 reaches the provider; its answer is lost
+        assert (await resend).status_code == 502
+        await auto
+        again = await client.post(url, json=charge(2), headers=key)
+    assert sent(fake, lost) == 1  # attempt 2's effect, and no third send
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["type"] == "effect_unknown"
+    await finish(t)
+
+
+async def reconcile_auto(ledger: str, folder: Path, upstream: str) -> None:
+    """``effectguard reconcile --auto`` in a process of its own, as an operator runs it."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-m", "effectguard", "reconcile", "--auto", "--ledger", ledger),
+        *("--providers", str(folder), "--upstream", f"payments={upstream}"),
+        env={**os.environ, "PAYMENTS_API_KEY": KEY},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, errors = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, errors.decode()
