@@ -80,9 +80,16 @@ class Outbox:
         await self.questions.put((question.op_id, answer))
         return await answer
 
-    async def asked(self) -> tuple[str, asyncio.Future[HookAnswer]]:
-        """The next question (bounded: a missing one fails the test, never hangs it)."""
-        return await asyncio.wait_for(self.questions.get(), 30)
+    async def asked(self, op: str) -> asyncio.Future[HookAnswer]:
+        """The next question about call ``op``, to answer; one about another call (the
+        transport's own periodic sweep) is answered unknown. Bounded: a missing question
+        fails the test, never hangs it."""
+        async with asyncio.timeout(30):
+            while True:
+                asked, answer = await self.questions.get()
+                if asked == op:
+                    return answer
+                answer.set_result(Unknown())
 
     async def answer_rest(self, answer: HookAnswer) -> None:
         """Answer every later question ``answer`` (run as a task; cancel it at the end)."""
@@ -130,24 +137,20 @@ async def test_the_sweeper_gathers_no_evidence_about_an_attempt_still_on_the_wir
     first = await lost_send(client, url, charge(1), headers={"Idempotency-Key": "first"})
     lost = await lost_send(client, url, charge(2), headers={"Idempotency-Key": "lost"})
     sweep = asyncio.ensure_future((await t.guard()).resolver.sweep())
-    asked, slow = await outbox.asked()
-    assert asked == first  # the sweeper asks about the oldest first, and waits
+    slow = await outbox.asked(first)  # the sweeper asks about the oldest first, and waits
     resend = asyncio.ensure_future(
         client.post(url, json=charge(2), headers={"Idempotency-Key": "lost"})
     )
-    asked, proof = await outbox.asked()
-    assert asked == lost
+    proof = await outbox.asked(lost)
     proof.set_result(NotApplied())  # true: attempt 1 never reached the provider
     await network.holding.wait()  # attempt 2 is on the wire
     slow.set_result(Unknown())  # the sweeper moves on, to the call being resent
-    question = asyncio.ensure_future(outbox.asked())
+    question = asyncio.ensure_future(outbox.asked(lost))
     await asyncio.wait({question, sweep}, return_when=asyncio.FIRST_COMPLETED)
     network.release.set()  # attempt 2 reaches the provider; its answer is lost
     assert (await resend).status_code == 502
     if question.done():  # the sweeper asked about attempt 2 while it was on the wire
-        asked, meanwhile = question.result()
-        assert asked == lost
-        meanwhile.set_result(NotApplied())  # true when the application looked
+        question.result().set_result(NotApplied())  # true when the application looked
     else:
         question.cancel()
     await sweep
@@ -251,9 +254,8 @@ async def test_a_retry_after_its_caller_left_is_not_sent_once_evidence_decided_i
     network.release.set()  # it reaches the provider; its answer is lost
     await until_stage(t, call.call_id, "effect_unknown")
     sweep = asyncio.ensure_future((await t.guard()).resolver.sweep())
-    asked, answer = await outbox.asked()
-    assert asked == call.call_id
-    answer.set_result(Applied(Decimal("0.01"), {"id": "from-outbox", "op": asked}))
+    answer = await outbox.asked(call.call_id)
+    answer.set_result(Applied(Decimal("0.01"), {"id": "from-outbox", "op": call.call_id}))
     assert await sweep == [call.call_id]
     retry = await client.post(url, json=charge(5), headers={"x-stainless-retry-count": "1"})
     assert len(charges(fake)) == 1  # the one effect, not a second one
