@@ -174,11 +174,19 @@ SETTLED = ("completed", "failed")
 
 
 @pytest.mark.parametrize(
-    "stage", [s for s in STAGES if s not in ("in_flight", "effect_unknown", *SETTLED)]
+    "stage",
+    [s for s in STAGES if s not in ("in_flight", "effect_unknown", "reconciled_applied", *SETTLED)],
 )
 def test_retry_of_a_resolved_call_is_new_work(stage: str) -> None:
     """A retry matching only a resolved call is independent work (admitted)."""
     assert decide_retry(state(stage)).action == "admit"
+
+
+def test_retry_of_a_call_decided_applied_is_refused() -> None:
+    """A call decided applied reaches decide_retry only as the one the retry names or
+    its caller left (ledger/retries): 409 reconciled_applied, never a second effect."""
+    existing = state("reconciled_applied")
+    assert_refused(decide_retry(existing), 409, "reconciled_applied", existing)
 
 
 @pytest.mark.parametrize("stage", SETTLED)

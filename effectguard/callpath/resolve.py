@@ -46,7 +46,7 @@ from effectguard.rules import lookups
 from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.events import CallManifest, decode_body
 from effectguard.rules.money import MAX_CALL_NANOS, check_amount, usd_to_nanos
-from effectguard.rules.workstate import WorkState
+from effectguard.rules.workstate import Stage, WorkState, work_state
 
 log = logging.getLogger("effectguard.callpath.resolve")
 
@@ -73,6 +73,9 @@ class Facts:
     last_attempt_at: float
     #: That attempt's number: evidence gathered now speaks of it, and of no later one.
     attempt: int = 0
+    #: The call's stage when these facts were read: evidence speaks only of an attempt
+    #: that has ended (``effect_unknown``), never of one still on the wire.
+    stage: Stage = "effect_unknown"
     #: The request's headers that scope it to an account (the lookup's scope_headers).
     headers: Mapping[str, str] = field(default_factory=dict)
 
@@ -109,6 +112,7 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         provider_key=str(key) if key else None,
         last_attempt_at=at,
         attempt=int(started[-1].data.get("attempt") or len(started)) if started else 0,
+        stage=work_state(e.event for e in events).stage,
         headers=dict(manifest.headers),
     )
 
@@ -216,7 +220,14 @@ class Resolver:
     async def decide(
         self, facts: Facts, send: Send | None = None, credential: str | None = None
     ) -> Evidence:
-        """Ask the lookup, then (if it cannot tell) the hook; record a decision, if any."""
+        """Ask the lookup, then (if it cannot tell) the hook; record a decision, if any.
+
+        Only about a call whose effect is unknown now: a call read from a page or a list
+        a while ago may have been resent meanwhile, and "not applied" said while that
+        attempt is on the wire would be recorded once it is lost, whatever it then did.
+        """
+        if facts.stage != "effect_unknown":
+            return Evidence("unknown", "", f"call {facts.call_id} is {facts.stage} now")
         evidence = Evidence("unknown", "", "no lookup declared and no hook")
         endpoint = self.endpoint(facts)
         send = send or self.send

@@ -3,6 +3,8 @@ admission's transaction."""
 
 from __future__ import annotations
 
+from typing import Final
+
 from effectguard.ledger.base import Tx
 from effectguard.rules import workstate
 from effectguard.rules.admission import AdmitRequest
@@ -19,7 +21,7 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
     """
     if req.orphan_of is not None:
         left = tx.get_call(req.orphan_of)
-        if left is not None and _same_work(left, req) and left.stage in ("completed", "failed"):
+        if left is not None and _same_work(left, req) and left.stage in _SETTLED:
             return left
     target = None
     if req.retry_of is not None:
@@ -28,9 +30,18 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
             target = None
     if target is None:
         target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
-    if target is not None and target.stage not in workstate.UNRESOLVED:
+    if target is not None and target.stage not in _MATCHED:
         return None
     return target
+
+
+#: What an orphan's retry is answered from: its outcome, or the decision that it was
+#: applied (evidence, or a person, decided it while its caller was away).
+_SETTLED: Final = frozenset({"completed", "failed", "reconciled_applied"})
+#: The stages of a call a retry repeats. A call decided applied (found by its id: an
+#: unresolved call's search never finds one) is matched too: it was refused 409 until
+#: the decision, and the decision must not turn its retry into new work, sent again.
+_MATCHED: Final = workstate.UNRESOLVED | {"reconciled_applied"}
 
 
 def _same_work(call: WorkState, req: AdmitRequest) -> bool:

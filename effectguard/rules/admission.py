@@ -107,6 +107,15 @@ def decide_retry(existing: WorkState | None) -> Decision:
         return Decision("replay", existing)
     if existing.stage == "in_flight":
         return Decision("join", existing)
+    if existing.stage == "reconciled_applied":
+        # Decided while its caller was away: a retry is not new work, but the same effect.
+        return _refuse(
+            409,
+            "reconciled_applied",
+            f"this request retries call {existing.call_id}, which was reconciled as applied, "
+            f"so it is not sent again (see `{show_command(existing.call_id)}`)",
+            existing,
+        )
     if existing.stage == "effect_unknown" and existing.resend_authorized:
         return Decision("attempt", existing)
     if existing.stage == "effect_unknown":

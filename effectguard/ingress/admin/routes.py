@@ -210,26 +210,18 @@ class AdminPage:
         """Record an operator's decision as ``call.reconciled`` by the admin key's name."""
         decision = form.get("decision", "")
         note = notes.one_line(form.get("note", ""))
-        cost_text = form.get("cost", "").strip()
-        problem = None
-        cost = None
-        if decision not in views.DECISIONS:
-            problem = "choose a decision: applied or not applied"
-        elif not note:
-            problem = "a note is required: say how you know"
-        elif (bad := notes.unprintable(note)) is not None:
-            problem = f"a note is printable text; it holds {bad!r}"
-        elif cost_text and decision != "applied":
-            problem = "a cost goes with applied"
-        elif cost_text:
-            try:  # exactly as `effectguard reconcile --cost` reads it
-                cost = typed_usd(cost_text, MAX_CALL_NANOS, "a cost")
-            except ValueError as exc:
-                problem = str(exc)
+        problem, cost, attempt = _read_decision(decision, note, form)
         if problem is None:
             try:
+                # The attempt the page showed (none from a script that sends no such field):
+                # a decision about it is refused once another attempt has been sent.
                 state = await self._ledger.reconcile(
-                    call_id, applied=decision == "applied", note=note, by=session.name, cost=cost
+                    call_id,
+                    applied=decision == "applied",
+                    note=note,
+                    by=session.name,
+                    cost=cost,
+                    attempt=attempt,
                 )
             except CallNotFound:
                 raise Refused(404, f"there is no call {call_id!r}") from None
@@ -249,6 +241,33 @@ class AdminPage:
     async def _refused(self, ex: Exchange, refused: Refused) -> None:
         body = f"<h1>{refused.status}</h1><p>{esc(str(refused))}</p>"
         await ex.html(refused.status, page("Refused", body, who=None))
+
+
+def _read_decision(
+    decision: str, note: str, form: dict[str, str]
+) -> tuple[str | None, int | None, int | None]:
+    """What is wrong with a decision form (None: nothing), its cost, and the attempt the
+    page showed (None from a script that sends no ``attempt``)."""
+    cost_text = form.get("cost", "").strip()
+    attempt_text = form.get("attempt", "")
+    if decision not in views.DECISIONS:
+        return "choose a decision: applied or not applied", None, None
+    if not note:
+        return "a note is required: say how you know", None, None
+    if (bad := notes.unprintable(note)) is not None:
+        return f"a note is printable text; it holds {bad!r}", None, None
+    number = attempt_text.isascii() and attempt_text.isdigit() and len(attempt_text) <= 9
+    if attempt_text and not number:
+        return "this form is damaged (its attempt is no number); reload the page", None, None
+    attempt = int(attempt_text) if attempt_text else None
+    if cost_text and decision != "applied":
+        return "a cost goes with applied", None, None
+    if not cost_text:
+        return None, None, attempt
+    try:  # exactly as `effectguard reconcile --cost` reads it
+        return None, typed_usd(cost_text, MAX_CALL_NANOS, "a cost"), attempt
+    except ValueError as exc:
+        return str(exc), None, None
 
 
 def _local(target: str) -> str:

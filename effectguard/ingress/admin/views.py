@@ -233,6 +233,9 @@ def _decide_forms(state: WorkState, csrf: str) -> str:
             f'<form class="decide" method="post" id="reconcile-{name}" '
             f'action="{PREFIX}calls/{attr(state.call_id)}/reconcile">{csrf_field(csrf)}'
             f'<input type="hidden" name="decision" value="{name}">'
+            # What the operator saw: a decision about this attempt, refused once another
+            # has been sent (the call may have been decided and resent meanwhile).
+            f'<input type="hidden" name="attempt" value="{state.attempts}">'
             f'<b>{esc(label)}</b> <span class="muted">{esc(meaning)}</span>{cost}'
             f'<label>Note (required: how you know) <textarea name="note" id="note-{name}" '
             f'rows="2" required></textarea></label>'
