@@ -41,6 +41,7 @@ from observing import cli_json, ledger_events, wait_for
 from pgkit import ledger_url
 
 from effectguard.callpath.guard import Guard
+from effectguard.callpath.hooks import Applied, NotApplied, ReconcileQuestion
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
 from effectguard.ledger import Writer
@@ -257,6 +258,32 @@ async def test_a_late_answer_of_unknown_effect_decides_nothing(fenced_call: Fenc
     assert late["status"] == 500 and late["effect"] == "unknown" and late["cost"] is None
     assert (await acli("reconcile", call_id, "--accept-evidence", "--ledger", ledger))[0] == 3
     assert (await ajson("show", call_id, "--ledger", ledger))["stage"] == "effect_unknown"
+
+
+@pytest.mark.parametrize(
+    ("fenced_call", "says", "decided"),
+    [(200, NotApplied(), False), (400, Applied(), False), (200, Applied(), True)],
+    indirect=["fenced_call"],
+    ids=["late 200, hook not applied", "late 400, hook applied", "late 200, hook applied"],
+)
+async def test_the_hook_never_overrules_a_late_answer(
+    fenced_call: Fenced, says: Applied | NotApplied, decided: bool
+) -> None:
+    """Once a late answer is kept, the sweeper's hook cannot decide the call against it (a
+    "not applied" after the provider answered 200 would let a resend pay twice): the call
+    stays unknown for a person. A hook that agrees decides it as before."""
+    await late_refusal(fenced_call)
+    resolver = fenced_call.guard.resolver
+
+    async def hook(question: ReconcileQuestion) -> Applied | NotApplied:
+        return says
+
+    resolver.hook = hook
+    ledger = fenced_call.runtime.ledger
+    assert await resolver.sweep() == ([fenced_call.call_id] if decided else [])
+    stage = (await ledger.call(fenced_call.call_id)).stage
+    assert stage == ("reconciled_applied" if decided else "effect_unknown")
+    assert (await verify_ledger(ledger)).ok
 
 
 async def test_accept_evidence_without_evidence_is_refused(tmp_path: Path) -> None:

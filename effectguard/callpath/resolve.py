@@ -242,7 +242,7 @@ class Resolver:
             note = f"{evidence.note}; its result ({len(evidence.result)} bytes) is not kept"
             evidence = dataclasses.replace(evidence, note=note, result=None)
         if evidence.verdict != "unknown":
-            await self._record(facts, evidence)
+            evidence = await self._record(facts, evidence)
         return evidence
 
     def _credential(self, provider: Provider) -> str | None:
@@ -301,7 +301,8 @@ class Resolver:
             return Evidence("unknown", "hook", f"hook failed: {type(exc).__name__}: {exc}")
         return hook_evidence(answer)
 
-    async def _record(self, facts: Facts, evidence: Evidence) -> None:
+    async def _record(self, facts: Facts, evidence: Evidence) -> Evidence:
+        """Record ``evidence``'s decision; what stands (unknown where the ledger refused)."""
         try:
             await self.ledger.reconcile(
                 facts.call_id,
@@ -311,11 +312,15 @@ class Resolver:
                 by=evidence.by,
                 result=evidence.result,
                 attempt=facts.attempt,
+                automated=True,
             )
         except ReconcileError as exc:
             # Another replica (or a person) decided it first: their decision stands. Or
             # another resend sent it again meanwhile: this evidence predates that attempt.
-            log.info("call %s was decided elsewhere: %s", facts.call_id, exc)
+            # Or the late answer kept for the attempt says otherwise: a person decides.
+            log.info("call %s: evidence not recorded: %s", facts.call_id, exc)
+            return Evidence("unknown", evidence.by, f"{evidence.note}; not recorded: {exc}")
+        return evidence
 
     def can_sweep(self) -> bool:
         """Whether a sweep could decide anything: a hook, or a provider with a lookup."""

@@ -161,10 +161,13 @@ class Ledger:
         writer: Writer = OPERATOR,
         result: bytes | None = None,
         attempt: int | None = None,
+        automated: bool = False,
     ) -> WorkState:
         """Decide an effect-unknown or failed call: applied (with cost and, where evidence
         recovered it, the ``result`` later keyed resends replay) or not applied. Evidence
-        gathered about ``attempt`` is refused once a later attempt has started."""
+        gathered about ``attempt`` is refused once a later attempt has started, and an
+        ``automated`` decision (a lookup's, the hook's) against the late answer kept for
+        the attempt is refused too."""
         state: WorkState = await self.store.write(
             writer,
             lambda tx: decisions.reconcile(
@@ -177,6 +180,7 @@ class Ledger:
                 by=by,
                 result=result,
                 attempt=attempt,
+                automated=automated,
             ),
         )
         # The note is the operator's free text: it stays in the ledger, out of the logs.

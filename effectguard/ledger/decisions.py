@@ -6,7 +6,7 @@ from __future__ import annotations
 from effectguard.errors import ReconcileError
 from effectguard.ledger.base import Tx, Writer
 from effectguard.ledger.operations import append
-from effectguard.rules import workstate
+from effectguard.rules import evidence, workstate
 from effectguard.rules.events import (
     BudgetCorrected,
     BudgetUnheld,
@@ -30,6 +30,7 @@ def reconcile(
     by: str,
     result: bytes | None = None,
     attempt: int | None = None,
+    automated: bool = False,
 ) -> WorkState:
     """Record a person's (or lookup's) decision on an effect-unknown or failed call.
 
@@ -39,14 +40,17 @@ def reconcile(
     ``result`` is what the evidence recovered of an applied effect (docs/contract.md
     §4.1): kept in the decision, in the chain, and replayed to later keyed resends.
     Evidence is about one ``attempt``: a lookup that asked before a later attempt was
-    sent cannot tell whether that one took effect, so it decides nothing.
+    sent cannot tell whether that one took effect, so it decides nothing. An ``automated``
+    decision (a lookup's, the hook's) that a late answer kept for the attempt contradicts
+    is refused: the provider's own answer outweighs it, and a person decides.
     """
     if result is not None and not applied:
         raise ReconcileError("only an applied effect has a result to keep", call_id=call_id)
     state = tx.get_call(call_id)
     if state is None:
         raise ReconcileError(f"no call {call_id!r}", call_id=call_id)
-    _check_reconcilable(state, attempt)
+    _check_reconcilable(state)
+    _check_evidence(tx, state, attempt, applied if automated else None)
     if cost is not None and not 0 <= cost <= MAX_CALL_NANOS:
         raise ReconcileError(
             f"a cost must be between 0 and {nanos_to_usd(MAX_CALL_NANOS)} USD", call_id=call_id
@@ -77,16 +81,35 @@ def reconcile(
     return append(tx, writer, events, {call_id: state})[call_id]
 
 
-def _check_reconcilable(state: WorkState, attempt: int | None = None) -> None:
-    """A :class:`ReconcileError` unless ``state`` is a stage a decision applies to, and
-    (given the ``attempt`` the evidence is about) no later attempt has started."""
-    call_id = state.call_id
-    if attempt is not None and state.attempts != attempt:
+_CONTRADICTED = (
+    "call {call}: the late answer kept for attempt {attempt} says otherwise; a person "
+    "decides it (`effectguard reconcile {call} --accept-evidence`, or by hand)"
+)
+
+
+def _check_evidence(
+    tx: Tx, state: WorkState, attempt: int | None, automated_verdict: bool | None
+) -> None:
+    """A :class:`ReconcileError` for evidence gathered about ``attempt`` once a later one
+    has started, and for an automated verdict (applied or not) that the late answer kept
+    for the current attempt contradicts."""
+    call_id, current = state.call_id, state.attempts
+    if attempt is not None and current != attempt:
         raise ReconcileError(
             f"this evidence is about attempt {attempt} of call {call_id}; attempt "
-            f"{state.attempts} has been sent since",
+            f"{current} has been sent since",
             call_id=call_id,
         )
+    if automated_verdict is None:
+        return
+    late = evidence.latest(tx.events_of(call_id), current)
+    if evidence.contradicts(late, automated_verdict):
+        raise ReconcileError(_CONTRADICTED.format(call=call_id, attempt=current), call_id=call_id)
+
+
+def _check_reconcilable(state: WorkState) -> None:
+    """A :class:`ReconcileError` unless ``state`` is a stage a decision applies to."""
+    call_id = state.call_id
     if state.stage == "in_flight":
         raise ReconcileError(
             f"call {call_id} is in_flight: its attempt is still running, or the process "

@@ -86,6 +86,16 @@ def recovered(events: Iterable[StoredEvent]) -> CallReconciled | None:
     return found if found is not None and found.applied and found.result is not None else None
 
 
+def contradicts(late: AttemptLateAnswer | None, applied: bool) -> bool:
+    """Whether deciding ``applied`` goes against ``late``, the late answer kept for the
+    attempt being decided: one the provider declares applied says the effect happened,
+    one it declares unprocessed says it did not. A lookup or the hook never records such
+    a decision; a person may (docs/contract.md §4.1)."""
+    if late is None:
+        return False
+    return late.effect == ("none" if applied else "applied")
+
+
 @dataclass(frozen=True, slots=True)
 class Acceptance:
     """What accepting a late answer decides: applied (at ``cost``; None: the hold) or not."""
