@@ -77,15 +77,16 @@ def body_of(call: Call) -> dict[str, Any]:
     return body
 
 
-def _headers(call: Call, tag: str, retry_count: int) -> dict[str, str]:
+def _headers(call: Call, tag: str, retry_count: int, kind: Kind) -> dict[str, str]:
     headers = {
         "content-type": "application/json",
         "effectguard-budget": call.budget,
         "x-stainless-retry-count": str(retry_count),
         TAG_HEADER: tag,
     }
-    if call.behaviour:
-        headers[BEHAVIOUR_HEADER] = call.behaviour
+    behaviour = call.resend_behaviour if kind == "resend" else ""
+    if behaviour or call.behaviour:
+        headers[BEHAVIOUR_HEADER] = behaviour or call.behaviour
     if call.key is not None:
         headers["idempotency-key"] = call.key
     if call.route == "messages":
@@ -113,7 +114,7 @@ async def send(
             "POST",
             f"{base_url}/{provider}{path}",
             content=content,
-            headers=_headers(call, tag, retry_count),
+            headers=_headers(call, tag, retry_count, kind),
         ) as response:
             answer.status = response.status_code
             answer.call_id = response.headers.get("effectguard-call-id")

@@ -107,7 +107,7 @@ def render_schedule(schedule: Schedule) -> str:
             f"  call  @{c.at:7.3f} {c.id} {c.route}{' stream' if c.stream else ''} "
             f"key={c.key or '-'} budget={c.budget} retries={c.sdk_retries} "
             f"repeat={c.repeat} via {list(c.replicas)} behaviour={c.behaviour or 'plain'}"
-            + (f" resends={c.resends}" if c.resends else "")
+            + (f" resends={c.resends} {c.resend_behaviour or ''}".rstrip() if c.resends else "")
         )
     return "\n".join(lines)
 

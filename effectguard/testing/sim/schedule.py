@@ -86,6 +86,10 @@ class Call:
     #: ``pay`` calls (``--lookups``): short of a 200, the client sends this many keyed
     #: resends at once, a round after each lookup freshness, until one is answered 200.
     resends: int = 0
+    #: The fake provider's behaviour for the resends (``""``: ``behaviour``, as every
+    #: other request): a resend's attempt applied and its answer lost, after the first
+    #: attempt was refused, is what the copies' lookups must not decide against.
+    resend_behaviour: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +243,7 @@ def _payments(rng: random.Random, seed: int, duration: float, replicas: int) -> 
                 replicas=tuple(rng.randrange(replicas) for _ in range(retries + 2)),
                 repeat=rng.random() < 0.15,
                 resends=rng.choice([1, 2, 3, 4]),
+                resend_behaviour=rng.choice(["", f"drop;id={call_id}-r;times=1"]),
             )
         )
     return calls
@@ -250,11 +255,11 @@ def _pay_behaviour(rng: random.Random, call_id: str) -> Behaviour:
     delay = rng.choice([None, None, 0.05, 0.3])
     roll = rng.random()
     times = rng.choice([1, 1, 2])
-    if roll < 0.35:
+    if roll < 0.25:
         return Behaviour(delay=delay)
-    if roll < 0.6:
+    if roll < 0.5:
         return Behaviour(delay=delay, ending="drop", id=call_id, times=times)
-    if roll < 0.75:
+    if roll < 0.6:
         return Behaviour(delay=delay, ending="reset", after=0, id=call_id, times=times)
     return Behaviour(delay=delay, status=500, id=call_id, times=times)
 
