@@ -24,6 +24,8 @@ flag                 header                  effect
 ``--search-lag S``   --                      ``GET /v1/search`` finds an operation only
                                              S seconds after it was applied
 ``--lookup-key K``   --                      ``GET /v1/search`` needs ``Bearer K`` (else 401)
+``--search-jitter S`` --                     ``GET /v1/search`` waits a random 0..S seconds
+                                             before it looks (some searches are slow)
 ``--search-answer M`` --                     ``GET /v1/search`` misbehaves: ``html`` answers
                                              200 with an HTML error page, ``no-data`` 200
                                              with JSON lacking ``data`` (as a broken search
@@ -60,6 +62,7 @@ import email.policy
 import hashlib
 import json
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass
@@ -95,6 +98,8 @@ class FakeSettings:
     break_after: int | None = None
     cut_stream_clean: int | None = None
     search_lag: float = 0.0
+    #: Each search waits a random 0..search_jitter seconds before it looks.
+    search_jitter: float = 0.0
     lookup_key: str | None = None
     #: ``html`` or ``no-data``: a 200 search answer that is not a well-formed result.
     search_answer: str | None = None
@@ -240,6 +245,8 @@ class _Provider:
                 error = {"type": "invalid_request_error", "message": "missing form field op"}
                 return web.json_response({"error": error}, status=400)
             wanted_op = str(form["op"])
+        if self.settings.search_jitter:
+            await asyncio.sleep(random.uniform(0, self.settings.search_jitter))
         found = self._ops.get(wanted_op)
         if found is None or time.monotonic() - found[0] < self.settings.search_lag:
             return web.json_response({"object": "search_result", "data": []})
@@ -372,6 +379,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--search-lag", type=float, default=0.0, help="seconds before /v1/search finds an op"
     )
+    parser.add_argument(
+        "--search-jitter",
+        type=float,
+        default=0.0,
+        help="each /v1/search waits a random 0..S seconds first",
+    )
     parser.add_argument("--lookup-key", help="the API key /v1/search requires (Bearer)")
     parser.add_argument(
         "--search-answer",
@@ -390,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
         break_after=args.break_after,
         cut_stream_clean=args.cut_stream_clean,
         search_lag=args.search_lag,
+        search_jitter=args.search_jitter,
         lookup_key=args.lookup_key,
         search_answer=args.search_answer,
     )

@@ -330,7 +330,8 @@ def _processes(
     schedule: Schedule, workdir: Path, url: str, env: dict[str, str]
 ) -> Iterator[Cluster]:
     """The fake provider and the replicas (started once the caller has set up the ledger)."""
-    lookups = ["--search-lag", str(SEARCH_LAG_S), "--lookup-key", PAYMENTS_KEY]
+    lookups = ["--search-lag", str(SEARCH_LAG_S), "--search-jitter", "0.3"]
+    lookups += ["--lookup-key", PAYMENTS_KEY]
     extra = lookups if schedule.lookups else []
     with fake_provider(workdir / "receipts.jsonl", idempotent=True, extra_args=extra) as fake:
         cluster = Cluster(schedule, workdir, url, fake, env)
