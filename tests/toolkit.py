@@ -16,6 +16,7 @@ import httpx
 
 from effectguard import AsyncGuardTransport, GuardSettings
 from effectguard.testing import FakeProvider
+from effectguard.testing.payments import declaration
 
 KEY = "sk-payments-test"
 #: Settings under which an answer that takes 3 s times out upstream after 0.5 s (so the
@@ -26,32 +27,6 @@ SLOW_ANSWER_TIMES_OUT = GuardSettings(
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEND = "/v1/send"
 
-DECLARATION = """
-name = "payments"
-base_url = "http://127.0.0.1:9"
-dialect = "flat"
-api_key_env = "PAYMENTS_API_KEY"
-prices_taken = "2026-12-01"
-
-[[endpoints]]
-path = "/v1/send"
-effect = "at_most_once"
-op_id = {{ header = "X-Effectguard-Op" }}
-
-[endpoints.lookup]
-url = "{{base_url}}/v1/search"
-query = {{ op = "{{op}}" }}
-applied = "data[0]"
-results = "data"
-not_found = [200]
-freshness_s = {freshness}
-timeout_s = 5
-
-[models.default]
-per_call = "0.01"
-max_output_tokens = 0
-"""
-
 
 def declare(tmp_path: Path, freshness: float | None, retention: float | None = None) -> Path:
     """A --providers directory declaring ``payments`` with the given search freshness
@@ -59,7 +34,7 @@ def declare(tmp_path: Path, freshness: float | None, retention: float | None = N
     retention past which its search has forgotten an operation."""
     folder = tmp_path / "providers"
     folder.mkdir(exist_ok=True)
-    text = DECLARATION.format(freshness=freshness or 0)
+    text = declaration(freshness or 0)
     if retention is not None:
         text = text.replace("timeout_s = 5\n", f"timeout_s = 5\nretention_s = {retention}\n")
     if freshness is None:

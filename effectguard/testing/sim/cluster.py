@@ -22,6 +22,7 @@ from typing import Any
 
 from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
+from effectguard.testing.payments import declaration
 from effectguard.testing.sim.pgcluster import OwnedPostgres, owned_postgres
 from effectguard.testing.sim.schedule import (
     FRESHNESS_S,
@@ -51,36 +52,6 @@ read_timeout_s = 20
 """
 
 
-#: ``--lookups``: the ``payments`` tool, at most once, its lost calls looked up by the
-#: operation id it carries in a header. A 500 is "unknown": the search decides it.
-_PAYMENTS = """\
-name = "payments"
-base_url = "http://127.0.0.1:9"
-dialect = "flat"
-api_key_env = "PAYMENTS_API_KEY"
-prices_taken = "2026-12-04"
-
-[transient]
-500 = "unknown"
-
-[[endpoints]]
-path = "/v1/send"
-effect = "at_most_once"
-op_id = {{ header = "X-Effectguard-Op" }}
-
-[endpoints.lookup]
-url = "{{base_url}}/v1/search"
-query = {{ op = "{{op}}" }}
-applied = "data[0]"
-results = "data"
-not_found = [200]
-freshness_s = {freshness}
-timeout_s = 5
-
-[models.default]
-per_call = "0.00001"
-max_output_tokens = 0
-"""
 #: The key the fake provider's search asks for, and the replicas' sweepers send.
 PAYMENTS_KEY = "sk-sim-payments"
 
@@ -170,7 +141,8 @@ class Cluster:
         self.config.write_text(text)
         if self.schedule.lookups:
             (self.workdir / "providers").mkdir(exist_ok=True)
-            payments = _PAYMENTS.format(freshness=FRESHNESS_S)
+            # Priced low: its calls spend from the same small budgets as the model calls.
+            payments = declaration(FRESHNESS_S, per_call="0.00001", unknown_500=True)
             (self.workdir / "providers" / "payments.toml").write_text(payments)
 
     def start(self, replica: Replica, crash_at: str | None = None) -> None:
