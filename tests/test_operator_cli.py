@@ -157,3 +157,26 @@ def test_since_refuses_what_it_cannot_read(capsys: pytest.CaptureFixture[str]) -
         cli_main(["calls", "--since", "yesterday"])
     assert exit_.value.code == 2
     assert "duration" in capsys.readouterr().err
+
+
+def test_reconcile_with_attempt_decides_only_the_attempt_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``reconcile --attempt N`` records the decision only while N is the call's last
+    attempt (what ``show`` printed): another number is refused (exit 3, nothing written);
+    a number that is no attempt is a usage error (exit 2)."""
+    _, unknown, ledger = _two_calls(tmp_path, "which attempt")
+    shown = json.loads(_run(capsys, "show", unknown, "--ledger", ledger, "--json"))
+    assert shown["attempts"] == 1
+    decide = ["reconcile", unknown, "--not-applied", "--note", "checked", "--ledger", ledger]
+    capsys.readouterr()
+    assert cli_main([*decide, "--attempt", "2"]) == 3
+    assert "attempt 2" in capsys.readouterr().err
+    stage = json.loads(_run(capsys, "show", unknown, "--ledger", ledger, "--json"))["stage"]
+    assert stage == "effect_unknown"
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main([*decide, "--attempt", bad])
+        assert exit_.value.code == 2
+    decided = json.loads(_run(capsys, *decide, "--attempt", "1", "--json"))
+    assert decided["stage"] == "reconciled_not_applied"

@@ -45,6 +45,14 @@ def count_or_none(value: str) -> int:
     return NONE if value.strip().lower() == "none" else count(value)
 
 
+def attempt_number(value: str) -> int:
+    """An argparse type: an attempt's number, a :func:`~effectguard.ops.command.count` from 1."""
+    number = count(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("attempts are numbered from 1")
+    return number
+
+
 def zone_name(value: str) -> str:
     """An argparse type: an IANA timezone (:func:`~effectguard.rules.periods.validate_zone`)."""
     try:
@@ -96,7 +104,12 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     if args.cost is not None and not args.applied:
         return _usage("--cost goes with --applied")
     state = await ledger.reconcile(
-        args.call_id, applied=args.applied, cost=args.cost, note=args.note, by=args.by
+        args.call_id,
+        applied=args.applied,
+        cost=args.cost,
+        note=args.note,
+        by=args.by,
+        attempt=args.attempt,
     )
     from effectguard.callpath.crash import from_environment
 
@@ -231,6 +244,11 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--not-applied", action="store_true", help="the effect did not happen")
     p.add_argument("--cost", type=call_usd, help="actual cost in USD (with --applied)")
     p.add_argument("--note", type=one_line("a note"), help="how you know (required)")
+    p.add_argument(
+        "--attempt",
+        type=attempt_number,
+        help="decide only if the call's last attempt is still N (as show printed it)",
+    )
     p.add_argument(
         "--by",
         type=one_line("a name"),
