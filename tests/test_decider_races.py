@@ -296,6 +296,39 @@ async def test_a_retry_naming_its_call_is_not_sent_once_a_person_decided_it_appl
     await finish(t)
 
 
+async def test_an_sdk_retry_is_not_sent_once_a_person_decided_the_call_it_repeats_applied(
+    tmp_path: Path,
+    ledger_url: str,
+    make_transport: MakeTransport,
+    finish: Finish,
+    fake: FakeProvider,
+) -> None:
+    """A key-less call loses its answer; the SDK's retry, matched by its request's hash,
+    is refused 409 ``effect_unknown``. An operator records the call applied, and the
+    SDK's next retry is refused 409 ``reconciled_applied``: the decision does not turn
+    it into new work, a second payment."""
+    network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["unanswered"])
+    folder = declare(tmp_path, freshness=None)
+    t = make_transport(
+        ledger=ledger_url, inner=network, providers=[folder], upstreams={"payments": fake.url}
+    )
+    client = httpx.AsyncClient(transport=t)
+    url = fake.url + SEND
+    lost = await lost_send(client, url, charge(7))
+    sdk_retry = {"x-stainless-retry-count": "1"}
+    early = await client.post(url, json=charge(7), headers=sdk_retry)
+    assert early.status_code == 409, early.text
+    assert early.json()["error"]["type"] == "effect_unknown"
+    args = ("reconcile", lost, "--applied", "--note", "on the provider's dashboard")
+    await asyncio.to_thread(cli_json, *args, "--ledger", ledger_url)
+    retry = await client.post(url, json=charge(7), headers={"x-stainless-retry-count": "2"})
+    assert len(charges(fake)) == 1  # the one effect, not a second one
+    assert retry.status_code == 409, retry.text
+    assert retry.json()["error"]["type"] == "reconciled_applied"
+    assert retry.headers["effectguard-call-id"] == lost
+    await finish(t)
+
+
 def searched_at(hostile: HostileSearch, folder: Path, timeout_s: float) -> Path:
     """``folder``'s ``payments`` declaration with its lookup sent to ``hostile``, answering
     within ``timeout_s``, a found object checked to carry the call's op id."""

@@ -61,16 +61,21 @@ def test_lookups_by_stage_read_only_unresolved_calls(
     assert "INDEX calls_unresolved" in details, details
 
 
-def test_unresolved_lookup_uses_the_partial_index(tmp_path: Path) -> None:
-    """SQLite answers the retry lookup from the small partial index, not by stage scan."""
+@pytest.mark.parametrize(
+    ("sql", "index"),
+    [(SQLITE.unresolved_call, "calls_unresolved"), (SQLITE.decided_call, "calls_decided")],
+)
+def test_retry_lookups_use_their_partial_index(tmp_path: Path, sql: str, index: str) -> None:
+    """SQLite answers a retry's lookups by hash (an unresolved call, a call decided
+    applied) from small partial indexes, not by a scan of every call."""
     conn = sqliteschema.connect(str(tmp_path / "l.db"))
     try:
         sqliteschema.migrate(conn)
-        plan = conn.execute("EXPLAIN QUERY PLAN " + SQLITE.unresolved_call, ("r", "h", 0.0))
+        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, ("r", "h", 0.0))
         details = " ".join(str(row[-1]) for row in plan)
     finally:
         conn.close()
-    assert "USING INDEX calls_unresolved" in details
+    assert f"USING INDEX {index}" in details, details
 
 
 @pytest.mark.parametrize(
@@ -98,7 +103,7 @@ def test_listing_calls_newest_first_walks_the_calls_key(
         i
         for i in indexes
         if i.startswith("calls_")
-        and i != "calls_unresolved"
-        and i != "calls_key"
+        # partial: unresolved calls, keyed calls, calls decided applied; not every call
+        and i not in ("calls_unresolved", "calls_key", "calls_decided")
         and not i.startswith("sqlite_")
     ], indexes

@@ -384,6 +384,29 @@ async def test_keyless_declared_retry_joins_then_refuses_effect_unknown(
     assert (refused.refusal.status, refused.refusal.type) == (409, "effect_unknown")
 
 
+
+async def test_keyless_declared_retry_by_hash_meets_the_call_decided_applied(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A key-less declared retry matched by hash (no call named) repeats an unknown call
+    as long as it is unknown, and still once a person decided it applied: 409
+    ``reconciled_applied``, not a new call. Once it is decided not applied, it is new work."""
+    first = await admit_ok(ledger, w1, req(ns))
+    await ledger.interrupt(w1, first.call_id, 1, "read timeout")
+    unknown = await ledger.admit(w1, req(ns, is_retry=True))
+    assert unknown.refusal is not None and unknown.refusal.type == "effect_unknown"
+    await ledger.reconcile(first.call_id, applied=True, note="n", by="ann")
+    decided = await ledger.admit(w1, req(ns, is_retry=True))
+    assert decided.refusal is not None
+    assert (decided.refusal.status, decided.refusal.type) == (409, "reconciled_applied")
+    assert decided.call_id == first.call_id
+    other = await admit_ok(ledger, w1, req(ns, request_hash="hash-2"))
+    await ledger.interrupt(w1, other.call_id, 1, "read timeout")
+    await ledger.reconcile(other.call_id, applied=False, note="n", by="ann")
+    new = await ledger.admit(w1, req(ns, request_hash="hash-2", is_retry=True))
+    assert new.action == "admit" and new.call_id not in (first.call_id, other.call_id)
+
+
 # -- budgets -----------------------------------------------------------------------------
 
 

@@ -154,12 +154,20 @@ class MemorySession:
         return None  # nothing is archived from memory
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
+        return self._newest(root, request_hash, since, UNRESOLVED)
+
+    def find_decided(self, root: str, request_hash: str, since: float) -> WorkState | None:
+        return self._newest(root, request_hash, since, {"reconciled_applied"})
+
+    def _newest(
+        self, root: str, request_hash: str, since: float, stages: Collection[str]
+    ) -> WorkState | None:
         found = [
             s
             for s in self.t.calls.values()
             if s.budget_root == root
             and s.request_hash == request_hash
-            and s.stage in UNRESOLVED
+            and s.stage in stages
             and s.created_at >= since
         ]
         return max(found, key=lambda s: s.created_at, default=None)

@@ -225,6 +225,16 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "not_processed) may no longer write this ledger",
         writerformat.pg_require(1),
     ),
+    (
+        9,
+        "an index of the calls decided applied, by request hash",
+        [
+            # As SQLite's migration 16: a key-less declared retry matched by hash repeats
+            # a call decided applied too (ledger/retries).
+            """CREATE INDEX calls_decided ON calls(budget_root, request_hash, created_at)
+                WHERE stage = 'reconciled_applied'""",
+        ],
+    ),
 ]
 
 

@@ -157,6 +157,13 @@ class Queries:
             f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
             f"AND {UNRESOLVED_SQL} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
         )
+        #: Reads the partial index calls_decided (SQLite migration 16, PostgreSQL 9): the
+        #: predicate must name its stage as the index does.
+        self.decided_call = (
+            f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
+            f"AND stage = 'reconciled_applied' AND created_at >= {m} "
+            "ORDER BY created_at DESC LIMIT 1"
+        )
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"

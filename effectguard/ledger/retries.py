@@ -16,8 +16,8 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
     its caller left, ``orphan_of``).
 
     ``Effectguard-Retry-Of`` names it (only within the same budget root and request
-    hash); otherwise it is the newest unresolved call with this hash inside the
-    retry window.
+    hash); otherwise it is the newest call with this hash inside the retry window that
+    is unresolved or was decided applied.
     """
     if req.orphan_of is not None:
         left = tx.get_call(req.orphan_of)
@@ -29,7 +29,7 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
         if target is not None and not _same_work(target, req):
             target = None
     if target is None:
-        target = tx.find_unresolved(req.budget_root, req.request_hash, now - req.retry_window_s)
+        target = _newest_by_hash(tx, req, now - req.retry_window_s)
     if target is not None and target.stage not in _MATCHED:
         return None
     return target
@@ -38,10 +38,22 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
 #: What an orphan's retry is answered from: its outcome, or the decision that it was
 #: applied (evidence, or a person, decided it while its caller was away).
 _SETTLED: Final = frozenset({"completed", "failed", "reconciled_applied"})
-#: The stages of a call a retry repeats. A call decided applied (found by its id: an
-#: unresolved call's search never finds one) is matched too: it was refused 409 until
-#: the decision, and the decision must not turn its retry into new work, sent again.
+#: The stages of a call a retry repeats. A call decided applied is matched too: it was
+#: refused 409 until the decision, and the decision must not turn its retry into new
+#: work, sent again.
 _MATCHED: Final = workstate.UNRESOLVED | {"reconciled_applied"}
+
+
+def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> WorkState | None:
+    """The newest call inside the window that a retry by hash repeats: unresolved, or
+    decided applied since. Before the decision such a retry was refused 409
+    ``effect_unknown``; the decision must not make it new work, a second effect."""
+    root, request_hash = req.budget_root, req.request_hash
+    found = [
+        tx.find_unresolved(root, request_hash, since),
+        tx.find_decided(root, request_hash, since),
+    ]
+    return max((s for s in found if s is not None), key=lambda s: s.created_at, default=None)
 
 
 def _same_work(call: WorkState, req: AdmitRequest) -> bool:

@@ -325,6 +325,10 @@ class SqliteSession:
         params = (root, sqlitecalls.hash_key(request_hash), since)
         return self._one_call(SQLITE.unresolved_call, params)
 
+    def find_decided(self, root: str, request_hash: str, since: float) -> WorkState | None:
+        params = (root, sqlitecalls.hash_key(request_hash), since)
+        return self._one_call(SQLITE.decided_call, params)
+
     def in_flight_of(self, worker: str) -> list[WorkState]:
         known = self._links.known_worker(worker)
         if known is None:

@@ -360,6 +360,17 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
         "not_processed) may no longer write this ledger",
         list(writerformat.sqlite_require(1)),
     ),
+    (
+        16,
+        "an index of the calls decided applied, by request hash",
+        [
+            # A key-less declared retry matched by hash repeats a call decided applied
+            # too (ledger/retries). Only such calls enter the index: none of the hot
+            # path's commits writes a page of it.
+            """CREATE INDEX calls_decided ON calls(budget_root, request_hash, created_at)
+                WHERE stage = 'reconciled_applied'""",
+        ],
+    ),
 ]
 
 
