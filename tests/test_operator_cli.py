@@ -76,8 +76,9 @@ def test_show_tells_the_story_of_an_unknown_call(
     assert long_prompt not in text and "--full shows all" in text
     assert "interrupted by" in text and "ReadTimeout" in text
     assert "held" in text and "reserved at admission" in text
-    assert f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT" in text
-    assert f"effectguard reconcile {call_id} --not-applied --note TEXT" in text
+    # the attempt shown: copied after another attempt began, the command is refused
+    assert f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT --attempt 1" in text
+    assert f"effectguard reconcile {call_id} --not-applied --note TEXT --attempt 1" in text
     full = _run(capsys, "show", call_id, "--full", "--ledger", ledger)
     assert long_prompt in full
 
@@ -168,6 +169,7 @@ def test_reconcile_with_attempt_decides_only_the_attempt_shown(
     _, unknown, ledger = _two_calls(tmp_path, "which attempt")
     shown = json.loads(_run(capsys, "show", unknown, "--ledger", ledger, "--json"))
     assert shown["attempts"] == 1
+    assert shown["next_command"].count("--attempt 1") == 2  # what an operator copies
     decide = ["reconcile", unknown, "--not-applied", "--note", "checked", "--ledger", ledger]
     capsys.readouterr()
     assert cli_main([*decide, "--attempt", "2"]) == 3

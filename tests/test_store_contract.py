@@ -384,7 +384,6 @@ async def test_keyless_declared_retry_joins_then_refuses_effect_unknown(
     assert (refused.refusal.status, refused.refusal.type) == (409, "effect_unknown")
 
 
-
 async def test_keyless_declared_retry_by_hash_meets_the_call_decided_applied(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:

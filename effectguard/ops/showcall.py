@@ -143,7 +143,7 @@ def _evidence_lines(events: list[StoredEvent]) -> list[str]:
 def next_commands(state: WorkState, events: list[StoredEvent]) -> str | None:
     """The exact command(s) to run next, ``|``-separated; a late answer that decides an
     effect-unknown call offers ``--accept-evidence`` first."""
-    command = next_command(state.call_id, state.stage)
+    command = next_command(state.call_id, state.stage, state.attempts or None)
     late = evidence.latest(events, state.attempts)
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = f"effectguard reconcile {state.call_id} --accept-evidence [--note TEXT]"

@@ -15,11 +15,16 @@ def show_command(call_id: str) -> str:
     return f"effectguard show {call_id}"
 
 
-def reconcile_command(call_id: str) -> str:
-    """The command that decides an effect-unknown call (both verbs, both need a note)."""
+def reconcile_command(call_id: str, attempt: int | None = None) -> str:
+    """The command that decides an effect-unknown call (both verbs, both need a note).
+
+    With the ``attempt`` the operator is looking at, the command decides only that one:
+    copied after a resend began another, it is refused instead of deciding an attempt
+    nobody examined."""
+    only = "" if attempt is None else f" --attempt {attempt}"
     return (
-        f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT"
-        f" | effectguard reconcile {call_id} --not-applied --note TEXT"
+        f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT{only}"
+        f" | effectguard reconcile {call_id} --not-applied --note TEXT{only}"
     )
 
 
@@ -36,10 +41,11 @@ def unknown_effect(call_id: str) -> str:
     return f"call {call_id}: its effect is unknown; {decide_unknown(call_id)}"
 
 
-def next_command(call_id: str, stage: str) -> str | None:
-    """The exact command an operator runs next for a call in ``stage`` (None: nothing)."""
+def next_command(call_id: str, stage: str, attempt: int | None = None) -> str | None:
+    """The exact command an operator runs next for a call in ``stage``, its last attempt
+    being ``attempt`` (None: nothing)."""
     if stage in DECIDED_BY_RECONCILE:
-        return reconcile_command(call_id)
+        return reconcile_command(call_id, attempt)
     if stage == "in_flight":
         return f"wait (it is in flight), then `{show_command(call_id)}`"
     if stage in ("not_sent", "not_processed", "reconciled_not_applied"):
