@@ -24,6 +24,7 @@ from eventkit import completion
 
 from effectguard.ops.cli import main
 from effectguard.rules.events import (
+    AttemptInterrupted,
     AttemptNotSent,
     AttemptStarted,
     BudgetLimitSet,
@@ -128,6 +129,22 @@ def test_lookups_are_drawn_only_when_asked() -> None:
         calls=tuple(c for c in generate(3, 30.0, lookups=True).calls if c.route != "pay"),
         lookups=False,
     )
+
+
+def test_keyless_payments_are_drawn_only_when_asked() -> None:
+    """``--keyless`` adds ``q`` pay calls without a key, which never repeat after their
+    200 (that would be new work); the keyed calls of the schedule stay as they were."""
+    for seed in range(5):
+        keyed = generate(seed, 30.0, lookups=True)
+        both = generate(seed, 30.0, lookups=True, keyless=True)
+        assert keyed == generate(seed, 30.0, lookups=True, keyless=False)
+        assert not keyed.keyless and both.keyless
+        assert [c for c in both.calls if not c.id.startswith("q")] == list(keyed.calls)
+        assert not generate(seed, 30.0, keyless=True).keyless  # only with --lookups
+    added = [c for s in range(5) for c in generate(s, 30.0, lookups=True, keyless=True).calls]
+    keyless = [c for c in added if c.id.startswith("q")]
+    assert keyless and all(c.route == "pay" and c.key is None for c in keyless)
+    assert not any(c.repeat for c in keyless) and all(c.resends >= 1 for c in keyless)
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -357,6 +374,39 @@ def test_a_decision_the_receipts_contradict_is_caught() -> None:
         assert _fired(evidence) == fired, (applied, receipts)
 
 
+def _later(call: str, after: float) -> list[tuple[float, Event]]:
+    """``call``'s events (admitted, answered, settled) ``after`` seconds later than c1's."""
+    return [(at + after, e) for at, e in _call_events(call)]
+
+
+def _unknown(decided: bool | None = None, at: float = 0.0) -> list[tuple[float, Event]]:
+    """c1 sent, its answer lost at t=2.5 (effect unknown), then ``decided`` at ``at``."""
+    lost = AttemptInterrupted(call="c1", attempt=1, reason="read timeout", by="w")
+    events = [*_call_events(observed=False), (2.5, lost)]
+    if decided is not None:
+        events.append((at, CallReconciled(call="c1", applied=decided, cost=5, note="n", by="p")))
+    return events
+
+
+def test_a_keyless_retry_applied_again_is_caught() -> None:
+    """Two calls of one logical request (tags ``q1.*``), both applied: the second was
+    admitted while the first was in flight, unknown or decided applied (fires), or after
+    it had completed or was decided not applied (quiet: a retry is new work then)."""
+    first, again = _paid(1, 2.0) | {"tag": "q1.0"}, _paid(2, 6.0, op="c2") | {"tag": "q1.s0.0"}
+    for events, fired in [
+        (_call_events(observed=False), True),  # in flight when c2 came
+        (_unknown(), True),
+        (_unknown(True, 4.0), True),
+        (_unknown(True, 5.5), True),  # decided only after c2 was admitted: unknown then
+        (_call_events(), False),  # completed at 3, before c2 came at 5
+        (_unknown(False, 4.0), False),
+    ]:
+        evidence = _evidence(events + _later("c2", 4.0), receipts=[first, again], answers=[])
+        assert ("retry_applied_again" in _fired(evidence)) == fired, events[-1]
+    alone = _evidence(_unknown(True, 4.0) + _later("c2", 4.0), receipts=[first], answers=[])
+    assert "retry_applied_again" not in _fired(alone)  # c2 never reached the provider
+
+
 def test_a_recovered_result_is_checked_against_the_decision() -> None:
     """A 200 marked recovered matches the result the applied decision kept."""
     events = _call_events(observed=False)
@@ -380,26 +430,30 @@ def test_every_invariant_has_a_checker_test() -> None:
 # -- real runs -----------------------------------------------------------------------
 
 
-def _seeds() -> list[tuple[int, str, float, bool]]:
-    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups]`` per line, ``#`` comments."""
+def _seeds() -> list[tuple[int, str, float, frozenset[str]]]:
+    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups] [keyless]`` per line,
+    ``#`` comments."""
     out = []
     for line in SEEDS.read_text().splitlines():
         fields = line.split("#")[0].split()
         if fields:
-            out.append((int(fields[0]), fields[1], float(fields[2]), "lookups" in fields[3:]))
+            out.append((int(fields[0]), fields[1], float(fields[2]), frozenset(fields[3:])))
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("seed", "ledger", "duration", "lookups"), _seeds())
+@pytest.mark.parametrize(("seed", "ledger", "duration", "options"), _seeds())
 def test_seed_from_the_list_keeps_every_invariant(
-    tmp_path: Path, seed: int, ledger: str, duration: float, lookups: bool
+    tmp_path: Path, seed: int, ledger: str, duration: float, options: frozenset[str]
 ) -> None:
     """A listed seed runs against real processes and every invariant holds."""
     if ledger == "postgres" and not PG_DSN:
         pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
     replicas = 3 if ledger == "postgres" else 1
-    schedule = generate(seed, duration, replicas=replicas, ledger=ledger, lookups=lookups)
+    lookups, keyless = "lookups" in options, "keyless" in options
+    schedule = generate(
+        seed, duration, replicas=replicas, ledger=ledger, lookups=lookups, keyless=keyless
+    )
     result = run_schedule(schedule, tmp_path / "run", pg_dsn=PG_DSN, bundle=tmp_path / "bundle")
     unexpected = [v for v in result.violations if v.invariant not in KNOWN]
     assert not unexpected, f"{result.summary()}\n" + "\n".join(map(str, unexpected))

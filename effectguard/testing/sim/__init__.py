@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add a payments tool whose lost calls a lookup decides, resent by several "
         "copies at once",
     )
+    parser.add_argument(
+        "--keyless",
+        action="store_true",
+        help="with --lookups: pay calls without a key too, whose copies are SDK retries "
+        "matched by the request's hash",
+    )
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
 

@@ -193,7 +193,8 @@ async def _resend_rounds(
 ) -> list[Answer]:
     """Short of a 200, ``call.resends`` keyed resends at once, each round once the
     lookup's freshness has passed: they race one another's lookups, the sweeper's, and
-    the attempt one of them starts."""
+    the attempt one of them starts. A key-less call's copies declare themselves SDK
+    retries (a key-less request that does not is new work, contract §4)."""
     answers: list[Answer] = []
     for round_ in range(RESEND_ROUNDS):
         if done:
@@ -209,7 +210,7 @@ async def _resend_rounds(
                     kind="resend",
                     tag=f"{call.id}.s{round_}.{n}",
                     replica=replica,
-                    retry_count=0,
+                    retry_count=0 if call.key else 1,
                 )
                 for n, replica in enumerate(replicas)
             )

@@ -123,6 +123,9 @@ def _ledger_faults_refused(schedule: Schedule) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one seed; 0 when every invariant held, 1 when one broke (bundle written)."""
+    if args.keyless and not args.lookups:
+        print("effectguard sim: --keyless goes with --lookups", file=sys.stderr)
+        return 2
     if args.schedule is not None:
         schedule = Schedule.from_json(args.schedule.read_text())
     else:
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             ledger_faults=args.ledger_faults,
             answer_faults=args.answer_faults,
             lookups=args.lookups,
+            keyless=args.keyless,
         )
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:

@@ -9,6 +9,7 @@ effects, client answers prove what was promised.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from effectguard.rules.budget import ancestors
 from effectguard.rules.events import (
     BudgetSettled,
     BudgetUnheld,
+    StoredEvent,
     decode_body,
     event_from_data,
 )
+from effectguard.rules.workstate import UNRESOLVED, work_state
 from effectguard.testing.sim.evidence import Evidence
 
 __all__ = ["CHECKS", "INVARIANTS", "Violation", "check", "overshoots"]
@@ -48,6 +51,8 @@ INVARIANTS: Final = {
     "id) is applied by the provider at most once",
     "decision_contradicts_receipts": "a call decided applied was applied before the "
     "decision, and a call decided not applied was not",
+    "retry_applied_again": "a key-less SDK retry is not applied as new work while the call "
+    "it repeats is unresolved or decided applied",
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
 
@@ -358,6 +363,37 @@ def decisions_match_receipts(evidence: Evidence) -> list[Violation]:
     return out
 
 
+def retries_not_applied_again(evidence: Evidence) -> list[Violation]:
+    """Two calls of one client's logical request (the tag's first part) that the provider
+    both applied: the later one was admitted as new work, which is right only once the
+    earlier one had ended (completed, failed, or decided not applied). While it was in
+    flight or unknown, or after it was decided applied, its retry repeats it (contract §4).
+    Keyed calls keep one call id, so this sees the key-less ones."""
+    applied = _applied_ops(evidence)
+    by_request: dict[str, set[str]] = defaultdict(set)
+    for op, receipts in applied.items():
+        for r in receipts:
+            by_request[str(r.get("tag", "")).split(".")[0]].add(op)
+    events: dict[str, list[StoredEvent]] = defaultdict(list)
+    for e in evidence.events:
+        if e.call_id is not None:
+            events[e.call_id].append(e)
+    out = []
+    for request, ops in sorted(by_request.items()):
+        admitted = sorted((events[op][0].at, op) for op in ops if events.get(op))
+        for (_, earlier), (at, later) in itertools.combinations(admitted, 2):
+            stage = work_state(e.event for e in events[earlier] if e.at <= at).stage
+            if stage in UNRESOLVED or stage == "reconciled_applied":
+                out.append(
+                    Violation(
+                        "retry_applied_again",
+                        f"request {request}: call {later} was admitted and applied at "
+                        f"{at:.3f} while call {earlier}, also applied, was {stage}",
+                    )
+                )
+    return out
+
+
 CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     receipts_have_attempts,
     effects_within_attempts,
@@ -371,6 +407,7 @@ CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     replicas_recover,
     operations_applied_once,
     decisions_match_receipts,
+    retries_not_applied_again,
 )
 
 

@@ -120,6 +120,9 @@ class Schedule:
     faults: tuple[Fault, ...] = ()
     #: ``--lookups``: a ``payments`` tool whose lost calls a lookup decides.
     lookups: bool = False
+    #: ``--keyless`` (with ``--lookups``): ``pay`` calls without a key too, whose copies
+    #: are SDK retries matched by the request's hash.
+    keyless: bool = False
 
     def to_json(self) -> str:
         """The schedule as stable, indented JSON."""
@@ -148,6 +151,7 @@ def generate(
     ledger_faults: bool = False,
     answer_faults: bool = False,
     lookups: bool = False,
+    keyless: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -165,6 +169,9 @@ def generate(
         calls = _oversized(random.Random(f"answers {seed}"), calls)
     if lookups:
         calls += _payments(random.Random(f"lookups {seed}"), seed, duration, replicas)
+    if lookups and keyless:  # drawn apart too: the keyed calls stay as they were
+        rng_keyless = random.Random(f"keyless {seed}")
+        calls += _payments(rng_keyless, seed, duration, replicas, keyless=True)
     return Schedule(
         seed=seed,
         duration=duration,
@@ -175,6 +182,7 @@ def generate(
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger)),
         lookups=lookups,
+        keyless=lookups and keyless,
     )
 
 
@@ -220,13 +228,18 @@ def _behaviour(rng: random.Random, call_id: str, streams: bool) -> Behaviour:
     return Behaviour(delay=delay, ending="reset", after=rng.randint(0, 4), id=call_id, times=times)
 
 
-def _payments(rng: random.Random, seed: int, duration: float, replicas: int) -> list[Call]:
+def _payments(
+    rng: random.Random, seed: int, duration: float, replicas: int, *, keyless: bool = False
+) -> list[Call]:
     """``pay`` calls: keyed, at most once, often lost after the provider applied them (or
-    refused before it did), then resent by several copies at once, through any replica."""
+    refused before it did), then resent by several copies at once, through any replica.
+
+    ``keyless``: ``q`` calls without a key, whose copies are SDK retries of the same
+    request (matched by its hash); none repeats after its 200, which would be new work."""
     calls: list[Call] = []
     at = 0.0
     while (at := at + rng.expovariate(rng.uniform(1.0, 3.0))) < duration:
-        call_id = f"p{len(calls):04d}"
+        call_id = f"{'q' if keyless else 'p'}{len(calls):04d}"
         retries = rng.choice([0, 1, 2])
         calls.append(
             Call(
@@ -234,14 +247,14 @@ def _payments(rng: random.Random, seed: int, duration: float, replicas: int) -> 
                 at=round(at, 3),
                 route="pay",
                 stream=False,
-                key=f"k-{seed}-{call_id}",
+                key=None if keyless else f"k-{seed}-{call_id}",
                 budget=rng.choice(BUDGETS),
                 max_tokens=0,
                 prompt=f"sim {seed} {call_id}",
                 behaviour=_pay_behaviour(rng, call_id).render(),
                 sdk_retries=retries,
                 replicas=tuple(rng.randrange(replicas) for _ in range(retries + 2)),
-                repeat=rng.random() < 0.15,
+                repeat=rng.random() < 0.15 and not keyless,
                 resends=rng.choice([1, 2, 3, 4]),
                 resend_behaviour=rng.choice(["", f"drop;id={call_id}-r;times=1"]),
             )
