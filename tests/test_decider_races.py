@@ -265,16 +265,20 @@ async def test_a_retry_after_its_caller_left_is_not_sent_once_evidence_decided_i
     await finish(t)
 
 
-async def test_a_retry_naming_its_call_is_not_sent_once_a_person_decided_it_applied(
+@pytest.mark.parametrize("matched_by", ["retry-of", "hash"])
+async def test_a_retry_is_not_sent_once_a_person_decided_the_call_it_repeats_applied(
     tmp_path: Path,
     ledger_url: str,
     make_transport: MakeTransport,
     finish: Finish,
     fake: FakeProvider,
+    matched_by: str,
 ) -> None:
-    """A key-less call loses its answer; an operator records it applied, and then the
-    agent retries it with ``Effectguard-Retry-Of``: refused 409 ``reconciled_applied``
-    (as it was refused 409 ``effect_unknown`` before the decision), never sent again."""
+    """A key-less call loses its answer; the agent's retry, naming the call with
+    ``Effectguard-Retry-Of`` or an SDK's retry matched by the request's hash alone, is
+    refused 409 ``effect_unknown``. An operator records the call applied, and the next
+    retry is refused 409 ``reconciled_applied``: the decision does not turn it into new
+    work, a second payment. (Matched by hash, it was sent again until 2026-12-04.)"""
     network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["unanswered"])
     folder = declare(tmp_path, freshness=None)
     t = make_transport(
@@ -283,49 +287,18 @@ async def test_a_retry_naming_its_call_is_not_sent_once_a_person_decided_it_appl
     client = httpx.AsyncClient(transport=t)
     url = fake.url + SEND
     lost = await lost_send(client, url, charge(6))
-    retry_of = {"Effectguard-Retry-Of": lost}
-    early = await client.post(url, json=charge(6), headers=retry_of)
+    by_hash = {"x-stainless-retry-count": "1"}
+    retry = {"Effectguard-Retry-Of": lost} if matched_by == "retry-of" else by_hash
+    early = await client.post(url, json=charge(6), headers=retry)
     assert early.status_code == 409, early.text
     assert early.json()["error"]["type"] == "effect_unknown"
     args = ("reconcile", lost, "--applied", "--note", "on the provider's dashboard")
     await asyncio.to_thread(cli_json, *args, "--ledger", ledger_url)
-    retry = await client.post(url, json=charge(6), headers=retry_of)
+    again = await client.post(url, json=charge(6), headers=retry)
     assert len(charges(fake)) == 1  # the one effect, not a second one
-    assert retry.status_code == 409, retry.text
-    assert retry.json()["error"]["type"] == "reconciled_applied"
-    await finish(t)
-
-
-async def test_an_sdk_retry_is_not_sent_once_a_person_decided_the_call_it_repeats_applied(
-    tmp_path: Path,
-    ledger_url: str,
-    make_transport: MakeTransport,
-    finish: Finish,
-    fake: FakeProvider,
-) -> None:
-    """A key-less call loses its answer; the SDK's retry, matched by its request's hash,
-    is refused 409 ``effect_unknown``. An operator records the call applied, and the
-    SDK's next retry is refused 409 ``reconciled_applied``: the decision does not turn
-    it into new work, a second payment."""
-    network = ScriptedNetwork(httpx.AsyncHTTPTransport(), ["unanswered"])
-    folder = declare(tmp_path, freshness=None)
-    t = make_transport(
-        ledger=ledger_url, inner=network, providers=[folder], upstreams={"payments": fake.url}
-    )
-    client = httpx.AsyncClient(transport=t)
-    url = fake.url + SEND
-    lost = await lost_send(client, url, charge(7))
-    sdk_retry = {"x-stainless-retry-count": "1"}
-    early = await client.post(url, json=charge(7), headers=sdk_retry)
-    assert early.status_code == 409, early.text
-    assert early.json()["error"]["type"] == "effect_unknown"
-    args = ("reconcile", lost, "--applied", "--note", "on the provider's dashboard")
-    await asyncio.to_thread(cli_json, *args, "--ledger", ledger_url)
-    retry = await client.post(url, json=charge(7), headers={"x-stainless-retry-count": "2"})
-    assert len(charges(fake)) == 1  # the one effect, not a second one
-    assert retry.status_code == 409, retry.text
-    assert retry.json()["error"]["type"] == "reconciled_applied"
-    assert retry.headers["effectguard-call-id"] == lost
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["type"] == "reconciled_applied"
+    assert again.headers["effectguard-call-id"] == lost
     await finish(t)
 
 
