@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import shlex
 import socket
 import threading
 from collections.abc import Iterator
@@ -195,9 +196,26 @@ def test_text_log_lines_stay_one_short_printable_line(edge: Edge) -> None:
     lines = log.splitlines()
     assert all(line.isprintable() for line in lines), [ln for ln in lines if not ln.isprintable()]
     access = [line for line in lines if "event=access" in line]
-    assert any("\\x9b31m\\u202eevil\\x85" in line for line in access), access
+    assert any("\\u009b31m\\u202eevil\\u0085" in line for line in access), access
     assert max(len(line) for line in lines) < 1500
     assert any("error=invalid_budget" in line for line in access), access
+
+
+def test_a_path_cannot_add_fields_to_a_text_access_line(edge: Edge) -> None:
+    """A path with encoded spaces that spell ``key=value`` pairs (a forged call id and
+    status) is one quoted word in the text access line: read as ``key=value`` words, the
+    line holds only the fields effectguard wrote, the real call id among them."""
+    forged = "/tokenecho/v1/chat/x%20200%20event=access%20call_id=call_forged%20status=200"
+    answer = edge.client.post(forged, json=CHAT, headers={"Effectguard-Key": edge.key})
+    assert answer.status_code == 200, answer.text
+    lines = [ln for ln in edge.proxy.log().splitlines() if "call_forged" in ln]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0])
+    assert [w for w in words if w.startswith("call_id=")] == [
+        f"call_id={answer.headers['effectguard-call-id']}"
+    ]
+    assert [w for w in words if w.startswith("status=")] == ["status=200"]
+    assert "/tokenecho/v1/chat/x 200 event=access call_id=call_forged status=200" in words
 
 
 def test_json_log_lines_stay_one_object_per_line_for_any_splitter(tmp_path: Path) -> None:
