@@ -8,6 +8,7 @@ decision as ``call.reconciled`` by the admin key's name.
 
 from __future__ import annotations
 
+import html
 import re
 import time
 import uuid
@@ -132,6 +133,29 @@ def test_non_ascii_credentials_are_refused_not_a_500(stack: Stack) -> None:
     bad_origin = httpx.post(url, data=form, headers=cookie + raw_origin)
     assert bad_origin.status_code == 403, bad_origin.text
     assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
+
+
+def test_logging_in_again_returns_to_the_page_the_operator_was_on(stack: Stack) -> None:
+    """A decision posted after the session ended gets 401 and the login form, and nothing is
+    written; logging in from that form leads back to the call's page (not to a 404 for the
+    form's action), and a page with a query string is returned to with its query."""
+    call_id = unknown_call(stack, fresh_key())
+    ended = {"cookie": "effectguard_admin=ZW5kZWQ.00", "origin": stack.url}
+    refused = reconcile_post(stack, call_id, ended)
+    assert refused.status_code == 401 and 'name="key"' in refused.text
+    assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
+    asked = httpx.get(stack.url + PAGE + "budgets", params={"under": "ops"})
+    for form, back_to in ((refused, f"{PAGE}calls/{call_id}"), (asked, f"{PAGE}budgets?under=ops")):
+        found = re.search(r'name="next" value="([^"]*)"', form.text)
+        assert found, form.text
+        again = httpx.post(
+            stack.url + PAGE + "login",
+            data={"key": ADMIN_KEY, "next": html.unescape(found.group(1))},
+            headers={"origin": stack.url},
+        )
+        assert again.status_code == 303 and again.headers["location"] == back_to
+        cookie = {"cookie": f"effectguard_admin={again.cookies['effectguard_admin']}"}
+        assert httpx.get(stack.url + back_to, headers=cookie).status_code == 200
 
 
 def test_a_wrong_key_is_refused(stack: Stack) -> None:
