@@ -20,8 +20,10 @@ import pytest
 from operatorkit import (
     ADMIN_KEY,
     ADMIN_NAME,
+    CHAT,
     PAGE,
     Stack,
+    chat_body,
     config_text,
     ledger_view,
     operator_stack,
@@ -390,6 +392,29 @@ def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:
         page = httpx.get(stack.url + PAGE + "spend", params={"days": days}, headers=bearer)
         assert page.status_code == 200, (days, page.text)
         assert f"Spend, last {shown} days" in page.text
+
+
+def test_the_spend_page_shows_a_bounded_number_of_series(tmp_path: Path) -> None:
+    """Every dated snapshot a client names (``gpt-4o-mini-20240101`` ...) is priced as its
+    base model but kept as sent, one series each: past ``SPEND_SERIES`` the page sums the
+    smallest into one ``other`` series that says how many it holds, so a client cannot
+    grow the chart and its table without bound. Every call is still counted."""
+    from effectguard.ingress.admin.spend import SPEND_SERIES
+
+    made = SPEND_SERIES + 5
+    with operator_stack(tmp_path) as own, httpx.Client(timeout=30) as client:
+        for n in range(made):
+            body = {**chat_body(), "model": f"gpt-4o-mini-202401{n + 1:02d}"}
+            assert client.post(own.url + CHAT, json=body).status_code == 200
+        bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+        page = client.get(own.url + PAGE + "spend", headers=bearer).text
+    rows = re.findall(r"<tr><td><span[^>]*>■</span> ([^<]*)</td><td class=\"num\">(\d+)<", page)
+    names = [name for name, _ in rows]
+    assert len(names) == SPEND_SERIES + 1, names
+    assert sum(name.startswith("openai/gpt-4o-mini-2024") for name in names) == SPEND_SERIES
+    assert "other (5 series)" in names
+    assert sum(int(calls) for _, calls in rows) == made
+    assert page.count("<rect") == SPEND_SERIES + 1  # one day: one bar segment per series
 
 
 def test_the_budget_page_says_whose_day_a_period_is(stack: Stack) -> None:

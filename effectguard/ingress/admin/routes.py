@@ -24,7 +24,7 @@ from effectguard.ingress.admin import views
 from effectguard.ingress.admin.exchange import Exchange, FormTooLarge, Receive, Scope, Send
 from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, page
 from effectguard.ingress.admin.session import Session, Sessions, same_origin
-from effectguard.ingress.admin.spend import DAY_S, spend_table
+from effectguard.ingress.admin.spend import DAY_S, spend_table, top_series
 from effectguard.ingress.keyring import bearer_token
 from effectguard.ledger import Ledger
 from effectguard.rules import notes
@@ -169,7 +169,7 @@ class AdminPage:
         partial = None
         if sums.calls >= SPEND_CALLS and sums.oldest is not None and sums.oldest > since:
             partial = sums.oldest  # the window reaches past the calls read
-        table = spend_table(sums.days, now=now, days=days)
+        table = top_series(spend_table(sums.days, now=now, days=days))
         return views.spend(table, days=days, partial_from=partial)
 
     # -- state changes ----------------------------------------------------------
