@@ -8,6 +8,7 @@ decision as ``call.reconciled`` by the admin key's name.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import re
 import time
@@ -34,7 +35,7 @@ from operatorkit import (
 
 from effectguard.config.keysettings import AdminKey, AdminSettings, hash_key
 from effectguard.ingress.admin.session import Sessions
-from effectguard.testing import running_proxy
+from effectguard.testing import Proxy, running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -199,6 +200,34 @@ def _forged_from_the_config_file() -> str:
     key = AdminKey(ADMIN_NAME, hash_key(ADMIN_KEY))
     sessions = Sessions(AdminSettings((key,), 3600.0, ""))
     return f"effectguard_admin={sessions.issue(key, time.time()).token}"
+
+
+def test_a_shorter_session_hours_shortens_the_logins_already_made(tmp_path: Path) -> None:
+    """``session_hours`` is how long a login lasts: after it is lowered (a year to one
+    hour) and the proxy restarted, a cookie from a login made under the old setting,
+    which still claims most of a year, is refused; a new login works."""
+    config = tmp_path / "effectguard.toml"
+    ledger = tmp_path / "ledger.db"
+
+    def serve(hours: str) -> contextlib.AbstractContextManager[Proxy]:
+        config.write_text(config_text(extra=f"[admin]\nsession_hours = {hours}\n"))
+        return running_proxy(ledger, args=["--config", str(config)])
+
+    with serve("8784") as proxy:
+        answer = httpx.post(
+            proxy.url + PAGE + "login", data={"key": ADMIN_KEY}, headers={"origin": proxy.url}
+        )
+        assert answer.status_code == 303, answer.text
+        old = {"cookie": f"effectguard_admin={answer.cookies['effectguard_admin']}"}
+        assert httpx.get(proxy.url + PAGE, headers=old).status_code == 200
+    with serve("1") as proxy:
+        assert httpx.get(proxy.url + PAGE, headers=old).status_code == 401
+        again = httpx.post(
+            proxy.url + PAGE + "login", data={"key": ADMIN_KEY}, headers={"origin": proxy.url}
+        )
+        assert "Max-Age=3600;" in again.headers["set-cookie"]
+        new = {"cookie": f"effectguard_admin={again.cookies['effectguard_admin']}"}
+        assert httpx.get(proxy.url + PAGE, headers=new).status_code == 200
 
 
 def test_without_the_admin_secret_serve_warns_that_a_login_can_be_forged(
