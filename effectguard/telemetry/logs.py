@@ -227,10 +227,12 @@ class LogObserver(NullObserver):
 
     def incident(self, kind: str, call_id: str | None, detail: str) -> None:
         detail = _short(detail)
+        # The detail may quote an upstream (a broken status line, an error's text): in the
+        # message it is one quoted word, as in its field, or its words could read as fields.
         self.events.warning(
             "%s: call %s: %s",
             kind,
             call_id or "-",
-            detail,
+            _text(detail),
             extra={"event": kind, "call_id": call_id, "detail": detail},
         )
