@@ -407,6 +407,35 @@ def test_ledger_text_is_escaped(stack: Stack) -> None:
     assert "default-src 'none'" in page.headers["content-security-policy"]
 
 
+def test_a_direction_override_from_a_client_is_shown_as_its_escape(stack: Stack) -> None:
+    """A client's idempotency key and prompt holding a right-to-left override (U+202E makes
+    what follows read backwards: "deliaf" after it reads as "failed") and a C1 control reach
+    the call's page as their escapes, as ``effectguard show`` prints them, never raw."""
+    key = "k-" + uuid.uuid4().hex + "-\u202edeilppa"
+    headers = {
+        "idempotency-key": key.encode(),
+        "effectguard-budget": "ops/agents",
+        "x-fake-behaviour": "drop",
+    }
+    body = {**chat_body(), "messages": [{"role": "user", "content": "status: \u202edeliaf\x9b"}]}
+    answer = httpx.post(stack.url + CHAT, json=body, headers=headers, timeout=30)
+    assert answer.status_code in (502, 504), answer.text
+    call_id = answer.headers["effectguard-call-id"]
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    for path in (f"calls/{call_id}", ""):
+        page = httpx.get(stack.url + PAGE + path, headers=bearer)
+        assert page.status_code == 200
+        assert "\u202e" not in page.text and "\x9b" not in page.text
+        assert "\\u202edeilppa" in page.text
+    assert "status: \\u202edeliaf\\x9b" in page_of(stack, call_id)
+
+
+def page_of(stack: Stack, call_id: str) -> str:
+    """A call's page, as the admin."""
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    return httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=bearer).text
+
+
 def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:
     """The budget page shows each node against its limit; the spend page charts the cost."""
     answered = send_chat(stack, fresh_key())
