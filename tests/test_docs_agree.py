@@ -18,7 +18,14 @@ from effectguard.config import readkeys
 from effectguard.config.settings import load_settings
 from effectguard.ledger.sqliteevents import FIELDS
 from effectguard.ops.cli import build_parser
-from effectguard.telemetry.metrics import LedgerSnapshot, Metrics, _gauges
+from effectguard.telemetry.metrics import (
+    MAX_BUDGET_SERIES,
+    MAX_LABEL_VALUES,
+    OTHER_BUDGETS,
+    LedgerSnapshot,
+    Metrics,
+    _gauges,
+)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DIGEST = "ab" * 32
@@ -46,6 +53,18 @@ def test_the_metrics_table_lists_every_metric_and_only_those() -> None:
         for name, kind in re.findall(r"^\| `(effectguard_\w+)` \| ([a-z ()]+) \|", table, re.M)
     }
     assert documented == exposed
+
+
+def test_the_metrics_page_states_every_label_cap() -> None:
+    """docs/metrics.md gives the bounds that keep a client from adding series without end
+    (models and providers per label, budget series), with the series the rest go to: a
+    dashboard author meets ``budget="_other"`` and must be able to look it up."""
+    labels = (DOCS / "metrics.md").read_text()
+    text = " ".join(labels.split())
+    assert f"capped at {MAX_LABEL_VALUES} per provider" in text
+    assert f"at most {MAX_LABEL_VALUES} providers" in text
+    assert f"{MAX_BUDGET_SERIES} budget series" in text
+    assert f'`budget="{OTHER_BUDGETS}"`' in text
 
 
 def test_the_event_table_names_every_stored_field() -> None:

@@ -8,6 +8,8 @@ decision as ``call.reconciled`` by the admin key's name.
 
 from __future__ import annotations
 
+import contextlib
+import html
 import re
 import time
 import uuid
@@ -19,8 +21,10 @@ import pytest
 from operatorkit import (
     ADMIN_KEY,
     ADMIN_NAME,
+    CHAT,
     PAGE,
     Stack,
+    chat_body,
     config_text,
     ledger_view,
     operator_stack,
@@ -31,7 +35,7 @@ from operatorkit import (
 
 from effectguard.config.keysettings import AdminKey, AdminSettings, hash_key
 from effectguard.ingress.admin.session import Sessions
-from effectguard.testing import running_proxy
+from effectguard.testing import Proxy, running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +138,29 @@ def test_non_ascii_credentials_are_refused_not_a_500(stack: Stack) -> None:
     assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
 
 
+def test_logging_in_again_returns_to_the_page_the_operator_was_on(stack: Stack) -> None:
+    """A decision posted after the session ended gets 401 and the login form, and nothing is
+    written; logging in from that form leads back to the call's page (not to a 404 for the
+    form's action), and a page with a query string is returned to with its query."""
+    call_id = unknown_call(stack, fresh_key())
+    ended = {"cookie": "effectguard_admin=ZW5kZWQ.00", "origin": stack.url}
+    refused = reconcile_post(stack, call_id, ended)
+    assert refused.status_code == 401 and 'name="key"' in refused.text
+    assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
+    asked = httpx.get(stack.url + PAGE + "budgets", params={"under": "ops"})
+    for form, back_to in ((refused, f"{PAGE}calls/{call_id}"), (asked, f"{PAGE}budgets?under=ops")):
+        found = re.search(r'name="next" value="([^"]*)"', form.text)
+        assert found, form.text
+        again = httpx.post(
+            stack.url + PAGE + "login",
+            data={"key": ADMIN_KEY, "next": html.unescape(found.group(1))},
+            headers={"origin": stack.url},
+        )
+        assert again.status_code == 303 and again.headers["location"] == back_to
+        cookie = {"cookie": f"effectguard_admin={again.cookies['effectguard_admin']}"}
+        assert httpx.get(stack.url + back_to, headers=cookie).status_code == 200
+
+
 def test_a_wrong_key_is_refused(stack: Stack) -> None:
     """A wrong bearer key, a wrong key in the login form and a forged cookie all get 401."""
     call_id = unknown_call(stack, fresh_key())
@@ -173,6 +200,34 @@ def _forged_from_the_config_file() -> str:
     key = AdminKey(ADMIN_NAME, hash_key(ADMIN_KEY))
     sessions = Sessions(AdminSettings((key,), 3600.0, ""))
     return f"effectguard_admin={sessions.issue(key, time.time()).token}"
+
+
+def test_a_shorter_session_hours_shortens_the_logins_already_made(tmp_path: Path) -> None:
+    """``session_hours`` is how long a login lasts: after it is lowered (a year to one
+    hour) and the proxy restarted, a cookie from a login made under the old setting,
+    which still claims most of a year, is refused; a new login works."""
+    config = tmp_path / "effectguard.toml"
+    ledger = tmp_path / "ledger.db"
+
+    def serve(hours: str) -> contextlib.AbstractContextManager[Proxy]:
+        config.write_text(config_text(extra=f"[admin]\nsession_hours = {hours}\n"))
+        return running_proxy(ledger, args=["--config", str(config)])
+
+    with serve("8784") as proxy:
+        answer = httpx.post(
+            proxy.url + PAGE + "login", data={"key": ADMIN_KEY}, headers={"origin": proxy.url}
+        )
+        assert answer.status_code == 303, answer.text
+        old = {"cookie": f"effectguard_admin={answer.cookies['effectguard_admin']}"}
+        assert httpx.get(proxy.url + PAGE, headers=old).status_code == 200
+    with serve("1") as proxy:
+        assert httpx.get(proxy.url + PAGE, headers=old).status_code == 401
+        again = httpx.post(
+            proxy.url + PAGE + "login", data={"key": ADMIN_KEY}, headers={"origin": proxy.url}
+        )
+        assert "Max-Age=3600;" in again.headers["set-cookie"]
+        new = {"cookie": f"effectguard_admin={again.cookies['effectguard_admin']}"}
+        assert httpx.get(proxy.url + PAGE, headers=new).status_code == 200
 
 
 def test_without_the_admin_secret_serve_warns_that_a_login_can_be_forged(
@@ -352,6 +407,35 @@ def test_ledger_text_is_escaped(stack: Stack) -> None:
     assert "default-src 'none'" in page.headers["content-security-policy"]
 
 
+def test_a_direction_override_from_a_client_is_shown_as_its_escape(stack: Stack) -> None:
+    """A client's idempotency key and prompt holding a right-to-left override (U+202E makes
+    what follows read backwards: "deliaf" after it reads as "failed") and a C1 control reach
+    the call's page as their escapes, as ``effectguard show`` prints them, never raw."""
+    key = "k-" + uuid.uuid4().hex + "-\u202edeilppa"
+    headers = {
+        "idempotency-key": key.encode(),
+        "effectguard-budget": "ops/agents",
+        "x-fake-behaviour": "drop",
+    }
+    body = {**chat_body(), "messages": [{"role": "user", "content": "status: \u202edeliaf\x9b"}]}
+    answer = httpx.post(stack.url + CHAT, json=body, headers=headers, timeout=30)
+    assert answer.status_code in (502, 504), answer.text
+    call_id = answer.headers["effectguard-call-id"]
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    for path in (f"calls/{call_id}", ""):
+        page = httpx.get(stack.url + PAGE + path, headers=bearer)
+        assert page.status_code == 200
+        assert "\u202e" not in page.text and "\x9b" not in page.text
+        assert "\\u202edeilppa" in page.text
+    assert "status: \\u202edeliaf\\x9b" in page_of(stack, call_id)
+
+
+def page_of(stack: Stack, call_id: str) -> str:
+    """A call's page, as the admin."""
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    return httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=bearer).text
+
+
 def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:
     """The budget page shows each node against its limit; the spend page charts the cost."""
     answered = send_chat(stack, fresh_key())
@@ -366,6 +450,30 @@ def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:
         page = httpx.get(stack.url + PAGE + "spend", params={"days": days}, headers=bearer)
         assert page.status_code == 200, (days, page.text)
         assert f"Spend, last {shown} days" in page.text
+
+
+def test_the_spend_page_shows_a_bounded_number_of_series(tmp_path: Path) -> None:
+    """Every dated snapshot a client names (``gpt-4o-mini-20240101`` ...) is priced as its
+    base model but kept as sent, one series each: past ``SPEND_SERIES`` the page sums the
+    smallest into one ``other`` series that says how many it holds, so a client cannot
+    grow the chart and its table without bound. Every call is still counted."""
+    from effectguard.ingress.admin.spend import SPEND_SERIES
+
+    made = SPEND_SERIES + 5
+    with operator_stack(tmp_path) as own, httpx.Client(timeout=30) as client:
+        for n in range(made):
+            body = {**chat_body(), "model": f"gpt-4o-mini-202401{n + 1:02d}"}
+            assert client.post(own.url + CHAT, json=body).status_code == 200
+        bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+        page = client.get(own.url + PAGE + "spend", headers=bearer).text
+    rows = re.findall(r"<tr><td><span[^>]*>■</span> ([^<]*)</td><td class=\"num\">(\d+)<", page)
+    names = [name for name, _ in rows]
+    assert len(names) == SPEND_SERIES + 1, names
+    assert sum(name.startswith("openai/gpt-4o-mini-2024") for name in names) == SPEND_SERIES
+    assert "other (5 series)" in names
+    assert sum(int(calls) for _, calls in rows) == made
+    # One bar segment per series and day (two days if the calls straddle UTC midnight).
+    assert page.count("<rect") <= 2 * (SPEND_SERIES + 1)
 
 
 def test_the_budget_page_says_whose_day_a_period_is(stack: Stack) -> None:

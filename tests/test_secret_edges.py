@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import secrets
+import shlex
 import socket
 import threading
 from collections.abc import Iterator
@@ -48,13 +50,14 @@ input = "1.00"
 output = "2.00"
 max_output_tokens = 100
 """
+OPENAI = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 CHAT = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 
 
 @contextlib.contextmanager
-def broken_status_line() -> Iterator[str]:
+def broken_status_line(line: bytes = b"HTTP/1.1 2x0 WHAT") -> Iterator[str]:
     """An upstream that reads a request and answers with a status line no client can parse
-    (aiohttp's error then quotes the request's whole URL, query included)."""
+    (aiohttp's error then quotes the request's whole URL, query included, and the line)."""
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(0.2)
     stop = threading.Event()
@@ -73,7 +76,7 @@ def broken_status_line() -> Iterator[str]:
                     if not chunk:
                         break
                     seen += chunk
-                conn.sendall(b"HTTP/1.1 2x0 WHAT\r\n\r\n")
+                conn.sendall(line + b"\r\n\r\n")
 
     thread = threading.Thread(target=serve)
     thread.start()
@@ -195,9 +198,53 @@ def test_text_log_lines_stay_one_short_printable_line(edge: Edge) -> None:
     lines = log.splitlines()
     assert all(line.isprintable() for line in lines), [ln for ln in lines if not ln.isprintable()]
     access = [line for line in lines if "event=access" in line]
-    assert any("\\x9b31m\\u202eevil\\x85" in line for line in access), access
+    assert any("\\u009b31m\\u202eevil\\u0085" in line for line in access), access
     assert max(len(line) for line in lines) < 1500
     assert any("error=invalid_budget" in line for line in access), access
+
+
+def test_a_path_cannot_add_fields_to_a_text_access_line(edge: Edge) -> None:
+    """A path with encoded spaces that spell ``key=value`` pairs (a forged call id and
+    status) is one quoted word in the text access line: read as ``key=value`` words, the
+    line holds only the fields effectguard wrote, the real call id among them."""
+    forged = "/tokenecho/v1/chat/x%20200%20event=access%20call_id=call_forged%20status=200"
+    answer = edge.client.post(forged, json=CHAT, headers={"Effectguard-Key": edge.key})
+    assert answer.status_code == 200, answer.text
+    lines = [ln for ln in edge.proxy.log().splitlines() if "call_forged" in ln]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0])
+    assert [w for w in words if w.startswith("call_id=")] == [
+        f"call_id={answer.headers['effectguard-call-id']}"
+    ]
+    assert [w for w in words if w.startswith("status=")] == ["status=200"]
+    assert "/tokenecho/v1/chat/x 200 event=access call_id=call_forged status=200" in words
+
+
+#: A text line's words, as a logfmt reader takes them: ``key="..."`` and ``"..."`` (JSON
+#: strings, escapes and all) are one word each, anything else runs to the next space.
+_WORD = re.compile(r'\w+="(?:[^"\\]|\\.)*"|"(?:[^"\\]|\\.)*"|\S+')
+
+
+def test_an_upstreams_text_cannot_add_fields_to_a_text_incident_line(tmp_path: Path) -> None:
+    """An upstream's broken status line, quoted in the error an interrupt records, carries
+    a ``"`` and ``key=value`` words: in the text incident line it stays inside one quoted
+    word, so the only ``call_id`` a logfmt reader finds is the call's own."""
+    line = b'HTTP/1.1 2x0 x" call_id=call_forged status="200'
+    with (
+        broken_status_line(line) as url,
+        running_proxy(
+            tmp_path / "ledger.db", upstreams={"openai": url}, args=["--log-format", "text"]
+        ) as proxy,
+    ):
+        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=OPENAI, timeout=10)
+    assert answer.status_code == 502, answer.text
+    call_id = answer.headers["effectguard-call-id"]
+    incidents = [ln for ln in proxy.log().splitlines() if "event=interrupted" in ln]
+    assert len(incidents) == 1 and "call_forged" in incidents[0], incidents
+    for text in proxy.log().splitlines():
+        fields = [w for w in _WORD.findall(text) if w.startswith(("call_id=", "status="))]
+        assert "call_id=call_forged" not in fields, text
+        assert all(f == f"call_id={call_id}" for f in fields if f.startswith("call_id=")), text
 
 
 def test_json_log_lines_stay_one_object_per_line_for_any_splitter(tmp_path: Path) -> None:

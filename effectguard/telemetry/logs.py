@@ -214,7 +214,10 @@ class LogObserver(NullObserver):
         fields = access_fields(report)
         if serious and report.message:
             fields["detail"] = _short(report.message)
-        summary = f"{report.method} /{report.provider}{fields['endpoint']} {report.status}"
+        # The path is written as a field's value is: a client's path with (encoded) spaces
+        # would otherwise add words like ``call_id=...`` to a text line, read as fields.
+        path = _text(f"/{report.provider}{fields['endpoint']}")
+        summary = f"{report.method} {path} {report.status}"
         # Logger.log less its caller lookup (a walk of the stack per line): the record is
         # the one logging makes when it does not look callers up (logging._srcfile None).
         access = self.access
@@ -224,10 +227,12 @@ class LogObserver(NullObserver):
 
     def incident(self, kind: str, call_id: str | None, detail: str) -> None:
         detail = _short(detail)
+        # The detail may quote an upstream (a broken status line, an error's text): in the
+        # message it is one quoted word, as in its field, or its words could read as fields.
         self.events.warning(
             "%s: call %s: %s",
             kind,
             call_id or "-",
-            detail,
+            _text(detail),
             extra={"event": kind, "call_id": call_id, "detail": detail},
         )

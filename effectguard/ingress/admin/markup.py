@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from string import Template
 
 from effectguard.config import defaults
+from effectguard.rules import notes
 from effectguard.rules.money import nanos_to_usd
 
 PREFIX = defaults.ADMIN_PREFIX
@@ -89,8 +90,15 @@ _HEADER = Template(
 
 
 def esc(value: object) -> str:
-    """Text for an element's content or a quoted attribute (``None`` shows as ``-``)."""
-    return "-" if value is None else html.escape(str(value), quote=True)
+    """Text for an element's content or a quoted attribute (``None`` shows as ``-``).
+
+    A direction override or isolate, a control character (line breaks and tabs kept) or a
+    line separator is shown as its escape (``\\u202e``), as ``effectguard show`` prints it:
+    clients and upstreams choose much of what the page shows, and an override would make
+    the evidence an operator decides on read other than it is."""
+    if value is None:
+        return "-"
+    return html.escape(notes.terminal_safe(str(value)), quote=True)
 
 
 def attr(value: object) -> str:

@@ -24,7 +24,7 @@ from effectguard.ingress.admin import views
 from effectguard.ingress.admin.exchange import Exchange, FormTooLarge, Receive, Scope, Send
 from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, page
 from effectguard.ingress.admin.session import Session, Sessions, same_origin
-from effectguard.ingress.admin.spend import DAY_S, spend_table
+from effectguard.ingress.admin.spend import DAY_S, spend_table, top_series
 from effectguard.ingress.keyring import bearer_token
 from effectguard.ledger import Ledger
 from effectguard.rules import notes
@@ -88,7 +88,8 @@ class AdminPage:
             return
         session = self._authenticate(ex)
         if session is None:
-            await ex.html(401, login_page(None, ex.path), ((b"www-authenticate", b"Bearer"),))
+            login = login_page(None, _back_to(ex, sub))
+            await ex.html(401, login, ((b"www-authenticate", b"Bearer"),))
             return
         if ex.method == "POST":
             await self._post(ex, sub, session)
@@ -168,7 +169,7 @@ class AdminPage:
         partial = None
         if sums.calls >= SPEND_CALLS and sums.oldest is not None and sums.oldest > since:
             partial = sums.oldest  # the window reaches past the calls read
-        table = spend_table(sums.days, now=now, days=days)
+        table = top_series(spend_table(sums.days, now=now, days=days))
         return views.spend(table, days=days, partial_from=partial)
 
     # -- state changes ----------------------------------------------------------
@@ -268,6 +269,19 @@ def _read_decision(
         return None, typed_usd(cost_text, MAX_CALL_NANOS, "a cost"), attempt
     except ValueError as exc:
         return str(exc), None, None
+
+
+def _back_to(ex: Exchange, sub: str) -> str:
+    """Where logging in from a 401's form leads: the page asked for, with its query; for a
+    form's POST (its session ended while the operator was deciding), the page that showed
+    the form, since the POST's own path is no page."""
+    if ex.method in ("GET", "HEAD"):
+        query = ex.scope.get("query_string", b"").decode("latin-1")
+        return f"{ex.path}?{query}" if query else ex.path
+    parts = sub.split("/")
+    if len(parts) == 3 and parts[0] == "calls" and parts[2] == "reconcile":
+        return f"{PREFIX}calls/{quote(parts[1])}"
+    return PREFIX
 
 
 def _local(target: str) -> str:

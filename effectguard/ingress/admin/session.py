@@ -1,7 +1,9 @@
 """Login sessions and CSRF tokens for the operator page, with no state but a secret.
 
 A session is a signed token (``payload.signature``) naming the admin key's name and
-an expiry; the browser holds it in an HttpOnly, SameSite=Strict cookie. The signing
+an expiry; the browser holds it in an HttpOnly, SameSite=Strict cookie. A token whose
+expiry lies further ahead than a login made now would last is refused: lowering
+``session_hours`` shortens the logins already made. The signing
 secret is derived from the configured admin keys (their names and digests) and the
 optional ``EFFECTGUARD_ADMIN_SECRET``, so every replica with the same configuration
 accepts the same cookie and none keeps a session table. Changing the admin keys
@@ -23,6 +25,8 @@ from urllib.parse import urlsplit
 from effectguard.config.settings import AdminKey, AdminSettings
 
 _VERSION = b"effectguard-admin-session-v1"
+#: How far apart the clocks of two replicas may be for a session one made to pass the other.
+CLOCK_SLACK_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,11 @@ class Sessions:
             expires = float(int(expires_text))
         except (ValueError, UnicodeDecodeError):
             return None
-        if expires <= now or name not in self._names:
+        # A token that outlives a login made now was made under a longer session_hours:
+        # the setting is how long a login lasts, so lowering it shortens those too (the
+        # slack is for replicas' clocks, a token being checked by one it was not made by).
+        outlives = expires > now + self.lifetime_s + CLOCK_SLACK_S
+        if expires <= now or outlives or name not in self._names:
             return None
         return Session(name, token, expires)
 

@@ -18,7 +18,22 @@ from typing import Protocol
 
 from effectguard.ledger.base import DAY_S, CallSpend, DaySpend, sum_spend
 
-__all__ = ["DAY_S", "SpendTable", "day_of", "series_name", "spend_by_day", "spend_table"]
+__all__ = [
+    "DAY_S",
+    "SPEND_SERIES",
+    "SpendTable",
+    "day_of",
+    "series_name",
+    "spend_by_day",
+    "spend_table",
+    "top_series",
+]
+
+#: Most series the page shows apart (picked as the largest spenders); the rest are summed
+#: into one ``other`` series. A client names the model, and every dated snapshot
+#: (``gpt-4o-mini-20240101``) is priced as its base but kept as sent: without a bound each
+#: name it invents would add a series, a table row and a bar segment per day.
+SPEND_SERIES = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +105,25 @@ def spend_table(sums: Iterable[DaySpend], *, now: float, days: int) -> SpendTabl
         table.held[name] = table.held.get(name, 0) + group.held
         table.calls[name] = table.calls.get(name, 0) + group.calls
     return table
+
+
+def top_series(table: SpendTable, limit: int = SPEND_SERIES) -> SpendTable:
+    """``table`` with at most ``limit`` series of its own: the largest spenders, and the
+    others summed into one series, ``other (N series)`` (no ``provider/model`` has that
+    name: it holds no ``/``)."""
+    names = table.series()
+    if len(names) <= limit:
+        return table
+    kept, rest = names[:limit], names[limit:]
+    other = f"other ({len(rest)} series)"
+    capped = SpendTable(table.days)
+    for name in kept:
+        capped.spent[name] = table.spent.get(name, [0] * len(table.days))
+        capped.held[name] = table.held.get(name, 0)
+        capped.calls[name] = table.calls.get(name, 0)
+    zero = [0] * len(table.days)
+    rows = [table.spent.get(n, zero) for n in rest]
+    capped.spent[other] = [sum(row[i] for row in rows) for i in range(len(table.days))]
+    capped.held[other] = sum(table.held.get(n, 0) for n in rest)
+    capped.calls[other] = sum(table.calls.get(n, 0) for n in rest)
+    return capped
