@@ -30,7 +30,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,9 @@ class Relay:
     and when to cut: ``after`` forwards the writes and their ``COMMIT`` and cuts once the
     server had time to commit them; ``instead`` cuts without forwarding them.
     :meth:`cut_idle` closes every connection now, as a server restart would.
+    :meth:`stall` freezes the next connection that runs a given statement: from then on
+    nothing passes it either way and it stays open, as a connection to a server that
+    went silent (no reset, no answer) does.
     """
 
     def __init__(self, port: int) -> None:
@@ -65,12 +69,19 @@ class Relay:
         self._armed: tuple[bytes, str] | None = None
         self._sockets: list[socket.socket] = []
         self._admits: int | None = None  # new connections still let through (None: all)
+        self._stall: bytes | None = None
         self.cuts = 0
+        self.stalls = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def arm(self, marker: str, when: str) -> None:
         with self._lock:
             self._armed = (marker.encode(), when)
+
+    def stall(self, marker: str) -> None:
+        """Freeze the next connection that runs a statement whose text holds ``marker``."""
+        with self._lock:
+            self._stall = marker.encode()
 
     def admit_only(self, count: int | None) -> None:
         """Let only ``count`` more connections through (``None``: every one again)."""
@@ -104,11 +115,20 @@ class Relay:
             with self._lock:
                 self._sockets += [client, server]
             mute = threading.Event()  # set: the server's answers are no longer passed on
-            for args in ((client, server, mute, True), (server, client, mute, False)):
+            frozen = threading.Event()  # set: nothing passes either way, nothing is closed
+            for args in (
+                (client, server, mute, frozen, True),
+                (server, client, mute, frozen, False),
+            ):
                 threading.Thread(target=self._pump, args=args, daemon=True).start()
 
     def _pump(
-        self, source: socket.socket, sink: socket.socket, mute: threading.Event, scan: bool
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        mute: threading.Event,
+        frozen: threading.Event,
+        scan: bool,
     ) -> None:
         frontend, seen = _Frontend(), False
         try:
@@ -117,10 +137,15 @@ class Relay:
                     break
                 cut = None
                 for kind, raw in frontend.feed(data) if scan else ():
-                    if kind == "bind":
+                    if kind == "query":
+                        if self._stalled(raw):
+                            frozen.set()
+                    elif kind == "bind":
                         seen = seen or self._marked(raw)
                     elif seen:  # the COMMIT of the batch that wrote the marker
                         cut, seen = self._take(), False
+                if frozen.is_set():
+                    continue  # read and dropped: the other side waits for ever
                 if cut is not None:
                     mute.set()
                 if cut == "instead":
@@ -138,6 +163,14 @@ class Relay:
         with self._lock:
             return self._armed is not None and self._armed[0] in parameters
 
+    def _stalled(self, query: bytes) -> bool:
+        with self._lock:
+            if self._stall is None or self._stall not in query:
+                return False
+            self._stall = None
+            self.stalls += 1
+            return True
+
     def _take(self) -> str | None:
         """When to cut (the relay is disarmed then)."""
         with self._lock:
@@ -150,12 +183,14 @@ class Relay:
 
 class _Frontend:
     """A client's PostgreSQL messages as they pass: each ``Bind`` (with its parameters)
-    and each ``COMMIT``, sent as text or by the name psycopg prepared it under."""
+    and each ``COMMIT``, sent as text or by the name psycopg prepared it under, and the
+    text of each statement bound (``query``), prepared by name or not."""
 
     def __init__(self) -> None:
         self._buffer = b""
         self._started = False
         self._commits: set[bytes] = set()
+        self._queries: dict[bytes, bytes] = {}
 
     def feed(self, data: bytes) -> list[tuple[str, bytes]]:
         self._buffer += data
@@ -177,12 +212,14 @@ class _Frontend:
             body, self._buffer = self._buffer[5 : 1 + size], self._buffer[1 + size :]
             if kind == b"P":
                 name, query = body.split(b"\0")[:2]
+                self._queries[name] = query
                 if query.strip().upper() == b"COMMIT":
                     self._commits.add(name)
                 else:  # an unnamed statement is replaced by the next one
                     self._commits.discard(name)
             elif kind == b"B":
                 statement = body.split(b"\0")[1]
+                found.append(("query", self._queries.get(statement, b"")))
                 found.append(("commit" if statement in self._commits else "bind", body))
         return found
 
@@ -356,3 +393,56 @@ def test_a_resend_whose_evidence_cannot_be_read_is_503_not_sent(
     assert again.headers["x-should-retry"] == "true"
     assert len(provider.effects()) == 1
     assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_key_revoked_while_the_key_read_hangs_is_not_accepted_for_ever(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The replica's read of the proxy keys hangs (its ledger connection went silent: no
+    reset, no answer) while its writes go on. A key revoked meanwhile must stop spending:
+    503 ``ledger_unavailable`` (x-should-retry: true, nothing sent) while the keys cannot
+    be read, then 401 once a read on a new connection sees the revocation. Before, the
+    refresh waited on the silent connection for ever and the replica kept admitting and
+    sending the revoked key's calls."""
+    _ledger(pg_url, "migrate")
+    made = _ledger(pg_url, "key", "new", "--root", "team", "--json")
+    auth = {"Authorization": f"Bearer {made['key']}"}
+    log_path = tmp_path / "proxy.log"
+    with running_proxy(
+        _via(pg_url, relay), upstreams={"openai": provider.url}, log_path=log_path
+    ) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        body, _ = _chat("before")
+        assert client.post(CHAT, json=body, headers=auth).status_code == 200
+        relay.stall("FROM keys")
+        _wait(lambda: relay.stalls == 1, "the key refresh to reach the stalled connection")
+        _ledger(pg_url, "key", "revoke", made["name"])
+        answers: list[httpx.Response] = []
+
+        def refused() -> bool:
+            answers.append(client.post(CHAT, json=_chat("after")[0], headers=auth))
+            return answers[-1].status_code == 401
+
+        _wait(refused, "the revoked key to be refused 401")
+        client.close()
+        log = proxy.log()
+    statuses = [a.status_code for a in answers]
+    # A refresh under way when the revoke committed may still admit a call or two.
+    assert set(statuses) <= {200, 503, 401}, statuses
+    assert 503 in statuses, (statuses, log)
+    unavailable = next(a for a in answers if a.status_code == 503)
+    assert unavailable.json()["error"]["type"] == "ledger_unavailable"
+    assert unavailable.headers["x-should-retry"] == "true"
+    first_refusal = next(i for i, s in enumerate(statuses) if s != 200)
+    assert 200 not in statuses[first_refusal:], statuses
+    assert len(provider.effects()) == 1 + statuses.count(200)  # nothing refused was sent
+    assert "proxy keys not refreshed" in log, log
+
+
+def _wait(check: Callable[[], bool], what: str, bound_s: float = 60.0) -> None:
+    """Poll ``check`` until it holds; fail after ``bound_s`` (a bound, not a timing)."""
+    deadline = time.monotonic() + bound_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {bound_s} s: {what}")
+        time.sleep(0.2)
