@@ -58,7 +58,7 @@ class Relay:
     :meth:`cut_idle` closes every connection now, as a server restart would.
     :meth:`stall` freezes the next connection that runs a given statement: from then on
     nothing passes it either way and it stays open, as a connection to a server that
-    went silent (no reset, no answer) does.
+    went silent (no reset, no answer) does; :meth:`release` lets what it held through.
     """
 
     def __init__(self, port: int) -> None:
@@ -70,6 +70,7 @@ class Relay:
         self._sockets: list[socket.socket] = []
         self._admits: int | None = None  # new connections still let through (None: all)
         self._stall: bytes | None = None
+        self._frozen: list[_Freeze] = []
         self.cuts = 0
         self.stalls = 0
         threading.Thread(target=self._accept, daemon=True).start()
@@ -79,9 +80,17 @@ class Relay:
             self._armed = (marker.encode(), when)
 
     def stall(self, marker: str) -> None:
-        """Freeze the next connection that runs a statement whose text holds ``marker``."""
+        """Freeze the next connection that runs a statement whose text holds ``marker``,
+        once the statement has reached the server (which runs it; its answer waits)."""
         with self._lock:
             self._stall = marker.encode()
+
+    def release(self) -> None:
+        """Pass on what the stalled connections held, and let them run again."""
+        with self._lock:
+            frozen, self._frozen = self._frozen, []
+        for freeze in frozen:
+            freeze.thaw()
 
     def admit_only(self, count: int | None) -> None:
         """Let only ``count`` more connections through (``None``: every one again)."""
@@ -115,7 +124,7 @@ class Relay:
             with self._lock:
                 self._sockets += [client, server]
             mute = threading.Event()  # set: the server's answers are no longer passed on
-            frozen = threading.Event()  # set: nothing passes either way, nothing is closed
+            frozen = _Freeze()  # while frozen nothing passes either way, nothing is closed
             for args in (
                 (client, server, mute, frozen, True),
                 (server, client, mute, frozen, False),
@@ -127,7 +136,7 @@ class Relay:
         source: socket.socket,
         sink: socket.socket,
         mute: threading.Event,
-        frozen: threading.Event,
+        frozen: _Freeze,
         scan: bool,
     ) -> None:
         frontend, seen = _Frontend(), False
@@ -135,17 +144,20 @@ class Relay:
             while data := source.recv(65536):
                 if mute.is_set():
                     break
-                cut = None
+                cut, stall = None, False
                 for kind, raw in frontend.feed(data) if scan else ():
                     if kind == "query":
-                        if self._stalled(raw):
-                            frozen.set()
+                        stall = stall or self._stalled(raw, frozen)
                     elif kind == "bind":
                         seen = seen or self._marked(raw)
                     elif seen:  # the COMMIT of the batch that wrote the marker
                         cut, seen = self._take(), False
-                if frozen.is_set():
-                    continue  # read and dropped: the other side waits for ever
+                if frozen.hold(sink, data):
+                    continue  # kept until released: the other side waits meanwhile
+                if stall:  # the statement reaches the server; its answer is held
+                    sink.sendall(data)
+                    frozen.freeze()
+                    continue
                 if cut is not None:
                     mute.set()
                 if cut == "instead":
@@ -163,12 +175,13 @@ class Relay:
         with self._lock:
             return self._armed is not None and self._armed[0] in parameters
 
-    def _stalled(self, query: bytes) -> bool:
+    def _stalled(self, query: bytes, freeze: _Freeze) -> bool:
         with self._lock:
             if self._stall is None or self._stall not in query:
                 return False
             self._stall = None
             self.stalls += 1
+            self._frozen.append(freeze)
             return True
 
     def _take(self) -> str | None:
@@ -181,10 +194,38 @@ class Relay:
             return when
 
 
+class _Freeze:
+    """One relayed connection's stall: while frozen, what either side sends is kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._frozen = False
+        self._held: list[tuple[socket.socket, bytes]] = []
+
+    def freeze(self) -> None:
+        with self._lock:
+            self._frozen = True
+
+    def hold(self, sink: socket.socket, data: bytes) -> bool:
+        """Keep ``data`` for ``sink`` if frozen (True), else leave it to the caller."""
+        with self._lock:
+            if self._frozen:
+                self._held.append((sink, data))
+            return self._frozen
+
+    def thaw(self) -> None:
+        with self._lock:
+            self._frozen = False
+            for sink, data in self._held:
+                with contextlib.suppress(OSError):
+                    sink.sendall(data)
+            self._held = []
+
+
 class _Frontend:
     """A client's PostgreSQL messages as they pass: each ``Bind`` (with its parameters)
     and each ``COMMIT``, sent as text or by the name psycopg prepared it under, and the
-    text of each statement bound (``query``), prepared by name or not."""
+    text of each statement run (``query``): bound, prepared by name or not, or simple."""
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -217,6 +258,8 @@ class _Frontend:
                     self._commits.add(name)
                 else:  # an unnamed statement is replaced by the next one
                     self._commits.discard(name)
+            elif kind == b"Q":  # the simple protocol: a query's text, run at once
+                found.append(("query", body))
             elif kind == b"B":
                 statement = body.split(b"\0")[1]
                 found.append(("query", self._queries.get(statement, b"")))
@@ -446,3 +489,40 @@ def _wait(check: Callable[[], bool], what: str, bound_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not within {bound_s} s: {what}")
         time.sleep(0.2)
+
+
+def test_an_operators_limit_set_while_serve_seeds_the_config_is_kept(
+    pg_url: str, relay: Relay, tmp_path: Path
+) -> None:
+    """``budget set`` commits while a starting ``serve`` is between reading who set which
+    limit and writing the config's ``[budgets]``: the operator's limit wins (contract
+    §5.4), now and at the next start. Before, ``serve`` wrote the file's limit over it
+    from what it had read, and the next start took the path for the file's."""
+    _ledger(pg_url, "migrate")
+    config = tmp_path / "effectguard.toml"
+    config.write_text('[budgets]\n"team" = "5"\n')
+    args = ["--config", str(config)]
+    relay.stall("'budget.limit_set'")  # serve's read of the limits already set
+    with running_proxy(
+        _via(pg_url, relay), args=args, log_path=tmp_path / "first.log", wait=False
+    ) as proxy:
+        _wait(lambda: relay.stalls == 1, "serve to read the limits set")
+        _ledger(pg_url, "budget", "set", "team", "--limit", "1")
+        relay.release()
+        _wait(lambda: _healthy(proxy.url), "serve to start")
+    assert _limits(pg_url) == {"team": "1.000000000"}, proxy.log()
+    with running_proxy(pg_url, args=args, log_path=tmp_path / "second.log") as again:
+        pass
+    assert _limits(pg_url) == {"team": "1.000000000"}, again.log()
+    assert "budget 'team'" in again.log()  # the file and the operator disagree: warned
+
+
+def _limits(url: str) -> dict[str, str]:
+    return {n["path"]: n["limit_usd"] for n in _ledger(url, "budgets", "--json")}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
