@@ -70,6 +70,7 @@ class Relay:
         self._sockets: list[socket.socket] = []
         self._admits: int | None = None  # new connections still let through (None: all)
         self._stall: bytes | None = None
+        self._stall_whole = False
         self._frozen: list[_Freeze] = []
         self.cuts = 0
         self.stalls = 0
@@ -79,11 +80,13 @@ class Relay:
         with self._lock:
             self._armed = (marker.encode(), when)
 
-    def stall(self, marker: str) -> None:
-        """Freeze the next connection that runs a statement whose text holds ``marker``,
-        once the statement has reached the server (which runs it; its answer waits)."""
+    def stall(self, marker: str, *, whole: bool = False) -> None:
+        """Freeze the next connection that runs a statement whose text holds ``marker``
+        (``whole``: is ``marker``), once the statement has reached the server (which runs
+        it; its answer waits)."""
         with self._lock:
             self._stall = marker.encode()
+            self._stall_whole = whole
 
     def release(self) -> None:
         """Pass on what the stalled connections held, and let them run again."""
@@ -177,7 +180,10 @@ class Relay:
 
     def _stalled(self, query: bytes, freeze: _Freeze) -> bool:
         with self._lock:
-            if self._stall is None or self._stall not in query:
+            text = query.rstrip(b"\0")  # a simple query's text ends with a NUL
+            if self._stall is None or self._stall not in text:
+                return False
+            if self._stall_whole and text.strip() != self._stall:
                 return False
             self._stall = None
             self.stalls += 1
@@ -526,3 +532,58 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/healthz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Two replicas, ``concurrency 2``: replica A holds both slots and is SIGKILLed while
+    replica B's sweeper is waiting on a ledger read whose connection went silent. B gives
+    that read up, reads again on a new connection, takes A over and frees the slots
+    (contract §5.6). Before, B's sweeper waited for ever: every later request to the node
+    was refused 429 ``concurrency`` for as long as the silence lasted."""
+    from effectguard.ledger.rows import WORKER_COLUMNS
+    from effectguard.testing import start_proxy
+
+    _ledger(pg_url, "migrate")
+    _ledger(pg_url, "budget", "set", "team", "--concurrency", "2")
+    body, _ = _chat("slot")
+    team = {"Effectguard-Budget": "team"}
+    upstreams = {"openai": provider.url}
+    a = start_proxy(pg_url, upstreams=upstreams, log_path=tmp_path / "a.log")
+    try:
+        with running_proxy(
+            _via(pg_url, relay), upstreams=upstreams, log_path=tmp_path / "b.log"
+        ) as b:
+            held = [
+                threading.Thread(
+                    target=_post_quietly, args=(a.url, body, {**team, "x-fake-delay": "300"})
+                )
+                for _ in range(2)
+            ]
+            for thread in held:
+                thread.start()
+            _wait(lambda: len(provider.effects()) == 2, "replica A to hold both slots")
+            relay.stall(f"SELECT {WORKER_COLUMNS} FROM workers", whole=True)  # B's sweeper
+            _wait(lambda: relay.stalls == 1, "B's sweeper to wait on the silent connection")
+            a.kill()
+            answers: list[httpx.Response] = []
+
+            def freed() -> bool:
+                answers.append(httpx.post(b.url + CHAT, json=body, headers=team, timeout=30))
+                return answers[-1].status_code == 200
+
+            _wait(freed, "B to free the dead replica's slots", bound_s=240.0)
+            log = b.log()
+    finally:
+        a.stop()
+    refused = [r for r in answers if r.status_code != 200]
+    assert all(r.status_code == 429 for r in refused), [r.text for r in refused]
+    assert "ledger read got no answer" in log, log
+    assert len(provider.effects()) == 3  # A's two calls, then B's one; nothing refused sent
+
+
+def _post_quietly(url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """POST and ignore the outcome (the replica it went to is killed under it)."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url + CHAT, json=body, headers=headers, timeout=600)
