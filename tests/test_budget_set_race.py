@@ -15,8 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store_contract import clock, ledger, ledger_url, ns, store_kind  # noqa: F401  (fixtures)
+from test_store_contract import (  # noqa: F401  (fixtures)
+    clock,
+    ledger,
+    ledger_url,
+    ns,
+    store_kind,
+    w1,
+)
 
+from effectguard.ingress.limitseed import seed_limits
 from effectguard.ledger import Ledger, LedgerStore, Writer
 from effectguard.ops.changes import cmd_budget_set
 from effectguard.ops.cli import build_parser
@@ -77,3 +85,32 @@ async def test_change_policy_keeps_the_fields_it_is_not_given(ledger: Ledger, ns
     after = await ledger.change_policy(path, {"limit": 5 * USD, "tpm": 1000})
     assert after == BudgetPolicy(path, 5 * USD, "week", "Pacific/Chatham", rpm=60, tpm=1000)
     assert (await ledger.policies())[path] == after
+
+
+async def test_an_operators_limit_set_while_serve_seeds_wins(
+    ledger: Ledger, ns: str, w1: Writer
+) -> None:
+    """On every store: ``budget set --limit 1`` committed between ``serve``'s read of the
+    ledger and its write of the config's ``[budgets]`` keeps 1 USD (contract §5.4), and
+    the config's 5 USD is only warned about. Before, the seed wrote 5 over it."""
+    path = f"{ns}/team"
+    operator = BudgetPolicy(path, 1 * USD)
+    racing = Ledger(ChangedBeforeWrite(ledger.store, lambda: ledger.set_policy(operator)))
+    warnings = await seed_limits(racing, {path: 5 * USD}, w1)
+    assert (await ledger.policies())[path] == operator
+    assert any("an operator set 1.000000000 USD" in w for w in warnings), warnings
+
+
+async def test_a_rate_set_while_serve_seeds_leaves_the_limit_to_the_file(
+    ledger: Ledger, ns: str, w1: Writer
+) -> None:
+    """On every store: an operator's ``budget set --rpm 7`` committed while ``serve``
+    seeds a path the file manages keeps the rate and still gets the file's limit (a rate
+    is not a limit, §8 ``budget set``)."""
+    path = f"{ns}/team"
+    await ledger.set_policy(BudgetPolicy(path, 2 * USD), writer=w1)  # seeded before
+    await ledger.change_policy(path, {"rpm": 3})  # the operator's first rate
+    rate = BudgetPolicy(path, 2 * USD, rpm=7)
+    racing = Ledger(ChangedBeforeWrite(ledger.store, lambda: ledger.set_policy(rate)))
+    assert await seed_limits(racing, {path: 5 * USD}, w1) == []
+    assert (await ledger.policies())[path] == BudgetPolicy(path, 5 * USD, rpm=7)

@@ -30,7 +30,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,9 @@ class Relay:
     and when to cut: ``after`` forwards the writes and their ``COMMIT`` and cuts once the
     server had time to commit them; ``instead`` cuts without forwarding them.
     :meth:`cut_idle` closes every connection now, as a server restart would.
+    :meth:`stall` freezes the next connection that runs a given statement: from then on
+    nothing passes it either way and it stays open, as a connection to a server that
+    went silent (no reset, no answer) does; :meth:`release` lets what it held through.
     """
 
     def __init__(self, port: int) -> None:
@@ -65,12 +69,31 @@ class Relay:
         self._armed: tuple[bytes, str] | None = None
         self._sockets: list[socket.socket] = []
         self._admits: int | None = None  # new connections still let through (None: all)
+        self._stall: bytes | None = None
+        self._stall_whole = False
+        self._frozen: list[_Freeze] = []
         self.cuts = 0
+        self.stalls = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def arm(self, marker: str, when: str) -> None:
         with self._lock:
             self._armed = (marker.encode(), when)
+
+    def stall(self, marker: str, *, whole: bool = False) -> None:
+        """Freeze the next connection that runs a statement whose text holds ``marker``
+        (``whole``: is ``marker``), once the statement has reached the server (which runs
+        it; its answer waits)."""
+        with self._lock:
+            self._stall = marker.encode()
+            self._stall_whole = whole
+
+    def release(self) -> None:
+        """Pass on what the stalled connections held, and let them run again."""
+        with self._lock:
+            frozen, self._frozen = self._frozen, []
+        for freeze in frozen:
+            freeze.thaw()
 
     def admit_only(self, count: int | None) -> None:
         """Let only ``count`` more connections through (``None``: every one again)."""
@@ -104,23 +127,40 @@ class Relay:
             with self._lock:
                 self._sockets += [client, server]
             mute = threading.Event()  # set: the server's answers are no longer passed on
-            for args in ((client, server, mute, True), (server, client, mute, False)):
+            frozen = _Freeze()  # while frozen nothing passes either way, nothing is closed
+            for args in (
+                (client, server, mute, frozen, True),
+                (server, client, mute, frozen, False),
+            ):
                 threading.Thread(target=self._pump, args=args, daemon=True).start()
 
     def _pump(
-        self, source: socket.socket, sink: socket.socket, mute: threading.Event, scan: bool
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        mute: threading.Event,
+        frozen: _Freeze,
+        scan: bool,
     ) -> None:
         frontend, seen = _Frontend(), False
         try:
             while data := source.recv(65536):
                 if mute.is_set():
                     break
-                cut = None
+                cut, stall = None, False
                 for kind, raw in frontend.feed(data) if scan else ():
-                    if kind == "bind":
+                    if kind == "query":
+                        stall = stall or self._stalled(raw, frozen)
+                    elif kind == "bind":
                         seen = seen or self._marked(raw)
                     elif seen:  # the COMMIT of the batch that wrote the marker
                         cut, seen = self._take(), False
+                if frozen.hold(sink, data):
+                    continue  # kept until released: the other side waits meanwhile
+                if stall:  # the statement reaches the server; its answer is held
+                    sink.sendall(data)
+                    frozen.freeze()
+                    continue
                 if cut is not None:
                     mute.set()
                 if cut == "instead":
@@ -138,6 +178,18 @@ class Relay:
         with self._lock:
             return self._armed is not None and self._armed[0] in parameters
 
+    def _stalled(self, query: bytes, freeze: _Freeze) -> bool:
+        with self._lock:
+            text = query.rstrip(b"\0")  # a simple query's text ends with a NUL
+            if self._stall is None or self._stall not in text:
+                return False
+            if self._stall_whole and text.strip() != self._stall:
+                return False
+            self._stall = None
+            self.stalls += 1
+            self._frozen.append(freeze)
+            return True
+
     def _take(self) -> str | None:
         """When to cut (the relay is disarmed then)."""
         with self._lock:
@@ -148,14 +200,44 @@ class Relay:
             return when
 
 
+class _Freeze:
+    """One relayed connection's stall: while frozen, what either side sends is kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._frozen = False
+        self._held: list[tuple[socket.socket, bytes]] = []
+
+    def freeze(self) -> None:
+        with self._lock:
+            self._frozen = True
+
+    def hold(self, sink: socket.socket, data: bytes) -> bool:
+        """Keep ``data`` for ``sink`` if frozen (True), else leave it to the caller."""
+        with self._lock:
+            if self._frozen:
+                self._held.append((sink, data))
+            return self._frozen
+
+    def thaw(self) -> None:
+        with self._lock:
+            self._frozen = False
+            for sink, data in self._held:
+                with contextlib.suppress(OSError):
+                    sink.sendall(data)
+            self._held = []
+
+
 class _Frontend:
     """A client's PostgreSQL messages as they pass: each ``Bind`` (with its parameters)
-    and each ``COMMIT``, sent as text or by the name psycopg prepared it under."""
+    and each ``COMMIT``, sent as text or by the name psycopg prepared it under, and the
+    text of each statement run (``query``): bound, prepared by name or not, or simple."""
 
     def __init__(self) -> None:
         self._buffer = b""
         self._started = False
         self._commits: set[bytes] = set()
+        self._queries: dict[bytes, bytes] = {}
 
     def feed(self, data: bytes) -> list[tuple[str, bytes]]:
         self._buffer += data
@@ -177,12 +259,16 @@ class _Frontend:
             body, self._buffer = self._buffer[5 : 1 + size], self._buffer[1 + size :]
             if kind == b"P":
                 name, query = body.split(b"\0")[:2]
+                self._queries[name] = query
                 if query.strip().upper() == b"COMMIT":
                     self._commits.add(name)
                 else:  # an unnamed statement is replaced by the next one
                     self._commits.discard(name)
+            elif kind == b"Q":  # the simple protocol: a query's text, run at once
+                found.append(("query", body))
             elif kind == b"B":
                 statement = body.split(b"\0")[1]
+                found.append(("query", self._queries.get(statement, b"")))
                 found.append(("commit" if statement in self._commits else "bind", body))
         return found
 
@@ -356,3 +442,148 @@ def test_a_resend_whose_evidence_cannot_be_read_is_503_not_sent(
     assert again.headers["x-should-retry"] == "true"
     assert len(provider.effects()) == 1
     assert "ok" in _ledger(pg_url, "verify")
+
+
+def test_a_key_revoked_while_the_key_read_hangs_is_not_accepted_for_ever(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The replica's read of the proxy keys hangs (its ledger connection went silent: no
+    reset, no answer) while its writes go on. A key revoked meanwhile must stop spending:
+    503 ``ledger_unavailable`` (x-should-retry: true, nothing sent) while the keys cannot
+    be read, then 401 once a read on a new connection sees the revocation. Before, the
+    refresh waited on the silent connection for ever and the replica kept admitting and
+    sending the revoked key's calls."""
+    _ledger(pg_url, "migrate")
+    made = _ledger(pg_url, "key", "new", "--root", "team", "--json")
+    auth = {"Authorization": f"Bearer {made['key']}"}
+    log_path = tmp_path / "proxy.log"
+    with running_proxy(
+        _via(pg_url, relay), upstreams={"openai": provider.url}, log_path=log_path
+    ) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        body, _ = _chat("before")
+        assert client.post(CHAT, json=body, headers=auth).status_code == 200
+        relay.stall("FROM keys")
+        _wait(lambda: relay.stalls == 1, "the key refresh to reach the stalled connection")
+        _ledger(pg_url, "key", "revoke", made["name"])
+        answers: list[httpx.Response] = []
+
+        def refused() -> bool:
+            answers.append(client.post(CHAT, json=_chat("after")[0], headers=auth))
+            return answers[-1].status_code == 401
+
+        _wait(refused, "the revoked key to be refused 401")
+        client.close()
+        log = proxy.log()
+    statuses = [a.status_code for a in answers]
+    # A refresh under way when the revoke committed may still admit a call or two.
+    assert set(statuses) <= {200, 503, 401}, statuses
+    assert 503 in statuses, (statuses, log)
+    unavailable = next(a for a in answers if a.status_code == 503)
+    assert unavailable.json()["error"]["type"] == "ledger_unavailable"
+    assert unavailable.headers["x-should-retry"] == "true"
+    first_refusal = next(i for i, s in enumerate(statuses) if s != 200)
+    assert 200 not in statuses[first_refusal:], statuses
+    assert len(provider.effects()) == 1 + statuses.count(200)  # nothing refused was sent
+    assert "proxy keys not refreshed" in log, log
+
+
+def _wait(check: Callable[[], bool], what: str, bound_s: float = 60.0) -> None:
+    """Poll ``check`` until it holds; fail after ``bound_s`` (a bound, not a timing)."""
+    deadline = time.monotonic() + bound_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {bound_s} s: {what}")
+        time.sleep(0.2)
+
+
+def test_an_operators_limit_set_while_serve_seeds_the_config_is_kept(
+    pg_url: str, relay: Relay, tmp_path: Path
+) -> None:
+    """``budget set`` commits while a starting ``serve`` is between reading who set which
+    limit and writing the config's ``[budgets]``: the operator's limit wins (contract
+    §5.4), now and at the next start. Before, ``serve`` wrote the file's limit over it
+    from what it had read, and the next start took the path for the file's."""
+    _ledger(pg_url, "migrate")
+    config = tmp_path / "effectguard.toml"
+    config.write_text('[budgets]\n"team" = "5"\n')
+    args = ["--config", str(config)]
+    relay.stall("'budget.limit_set'")  # serve's read of the limits already set
+    with running_proxy(
+        _via(pg_url, relay), args=args, log_path=tmp_path / "first.log", wait=False
+    ) as proxy:
+        _wait(lambda: relay.stalls == 1, "serve to read the limits set")
+        _ledger(pg_url, "budget", "set", "team", "--limit", "1")
+        relay.release()
+        _wait(lambda: _healthy(proxy.url), "serve to start")
+    assert _limits(pg_url) == {"team": "1.000000000"}, proxy.log()
+    with running_proxy(pg_url, args=args, log_path=tmp_path / "second.log") as again:
+        pass
+    assert _limits(pg_url) == {"team": "1.000000000"}, again.log()
+    assert "budget 'team'" in again.log()  # the file and the operator disagree: warned
+
+
+def _limits(url: str) -> dict[str, str]:
+    return {n["path"]: n["limit_usd"] for n in _ledger(url, "budgets", "--json")}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Two replicas, ``concurrency 2``: replica A holds both slots and is SIGKILLed while
+    replica B's sweeper is waiting on a ledger read whose connection went silent. B gives
+    that read up, reads again on a new connection, takes A over and frees the slots
+    (contract §5.6). Before, B's sweeper waited for ever: every later request to the node
+    was refused 429 ``concurrency`` for as long as the silence lasted."""
+    from effectguard.ledger.rows import WORKER_COLUMNS
+    from effectguard.testing import start_proxy
+
+    _ledger(pg_url, "migrate")
+    _ledger(pg_url, "budget", "set", "team", "--concurrency", "2")
+    body, _ = _chat("slot")
+    team = {"Effectguard-Budget": "team"}
+    upstreams = {"openai": provider.url}
+    a = start_proxy(pg_url, upstreams=upstreams, log_path=tmp_path / "a.log")
+    try:
+        with running_proxy(
+            _via(pg_url, relay), upstreams=upstreams, log_path=tmp_path / "b.log"
+        ) as b:
+            held = [
+                threading.Thread(
+                    target=_post_quietly, args=(a.url, body, {**team, "x-fake-delay": "300"})
+                )
+                for _ in range(2)
+            ]
+            for thread in held:
+                thread.start()
+            _wait(lambda: len(provider.effects()) == 2, "replica A to hold both slots")
+            relay.stall(f"SELECT {WORKER_COLUMNS} FROM workers", whole=True)  # B's sweeper
+            _wait(lambda: relay.stalls == 1, "B's sweeper to wait on the silent connection")
+            a.kill()
+            answers: list[httpx.Response] = []
+
+            def freed() -> bool:
+                answers.append(httpx.post(b.url + CHAT, json=body, headers=team, timeout=30))
+                return answers[-1].status_code == 200
+
+            _wait(freed, "B to free the dead replica's slots", bound_s=240.0)
+            log = b.log()
+    finally:
+        a.stop()
+    refused = [r for r in answers if r.status_code != 200]
+    assert all(r.status_code == 429 for r in refused), [r.text for r in refused]
+    assert "ledger read got no answer" in log, log
+    assert len(provider.effects()) == 3  # A's two calls, then B's one; nothing refused sent
+
+
+def _post_quietly(url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """POST and ignore the outcome (the replica it went to is killed under it)."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url + CHAT, json=body, headers=headers, timeout=600)

@@ -10,6 +10,7 @@ ledger is verified by the independent verifier when its test ends.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -266,3 +267,34 @@ def test_a_full_minute_is_worth_retrying(tmp_path: Path) -> None:
     assert refused.status_code == 429, refused.text
     assert refused.headers["x-should-retry"] == "true"
     assert 1 <= int(refused.headers["retry-after"]) <= 60
+
+
+@pytest.mark.slow
+def test_an_automatic_retry_past_rpm_is_refused_rate_limited(tmp_path: Path) -> None:
+    """rpm 2 and a provider answering 429 (a retry status): two attempts reach it, the
+    third automatic attempt is refused 429 ``rate_limited`` with the call id and
+    ``retry-after``; the call is ``not_processed``, so a resend of its key is sent once the
+    limit allows (contract §3.5, §9)."""
+    from effectguard.testing import fake_provider, running_proxy
+
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", "--rpm", "2", "--ledger", ledger]) == 0
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Effectguard-Budget": "team", "Idempotency-Key": "retried"}
+    with fake_provider(tmp_path / "receipts.jsonl") as provider:
+        with running_proxy(ledger, upstreams={"openai": provider.url}) as proxy:
+            url = proxy.url + "/openai/v1/chat/completions"
+            while time.time() % 60 > 50:  # the attempts must fall in one minute
+                time.sleep(0.5)
+            refused = httpx.post(url, json=body, headers={**headers, "x-fake-status": "429"})
+            assert cli_main(["budget", "set", "team", "--rpm", "none", "--ledger", ledger]) == 0
+            resent = httpx.post(url, json=body, headers=headers)
+        statuses = [r["status"] for r in provider.receipts()]
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["type"] == "rate_limited"
+    assert refused.headers["x-should-retry"] == "true"
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    assert resent.status_code == 200, resent.text
+    assert resent.headers["effectguard-call-id"] == refused.headers["effectguard-call-id"]
+    assert statuses == [429, 429, 200]

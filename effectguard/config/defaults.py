@@ -40,6 +40,10 @@ READ_TIMEOUT_S = 600.0
 #: How often each replica re-reads the ledger's proxy keys: a key created or revoked
 #: anywhere is honoured by every replica within about this long.
 KEY_REFRESH_S = 2.0
+#: How long one read of the proxy keys may take before the replica gives it up (a hung
+#: ledger connection); a copy older than ``key_refresh_s`` plus this no longer vouches
+#: for a ledger key, which is then refused 503 until a read succeeds.
+KEY_READ_WAIT_S = 5.0
 
 # The operator page (docs/operations.md): where it lives and how long a login lasts.
 #: Every page and form of the operator page is under this path; nothing else is.

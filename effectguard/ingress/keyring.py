@@ -4,8 +4,14 @@ Keys made with ``effectguard key new`` live in the ledger (as SHA-256 digests). 
 replica keeps a copy of the ledger's key rows and reads them again every
 ``key_refresh_s`` seconds (default 2 s), so a key created or revoked on any replica
 (or by the CLI) is honoured by every replica within about that long, with no
-restart. One small read per interval keeps the request path to a dict lookup; a
-failed refresh keeps the last copy (the ledger is then unavailable for admission too).
+restart. One small read per interval keeps the request path to a dict lookup.
+
+A copy that could not be read again is not trusted for long: the ledger's writes may
+go on while its reads fail or hang (the reader is a connection of its own on
+PostgreSQL), and a replica serving an old copy would accept a revoked key for as long
+as that lasts. So a read is given up after ``KEY_READ_WAIT_S``, and once the copy is
+older than ``key_refresh_s + KEY_READ_WAIT_S`` a ledger key is refused 503
+``ledger_unavailable`` (nothing is sent; the client may retry) until a read succeeds.
 
 Keys in the config file (``[[keys]]``) keep working beside them. Once any key exists,
 in the config or ever in the ledger (a revoked one included), every request needs
@@ -22,8 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from effectguard.config.defaults import KEY_READ_WAIT_S
 from effectguard.config.settings import ProxyKey, hash_key
-from effectguard.errors import Refusal
+from effectguard.errors import LedgerUnavailable, Refusal
 from effectguard.ledger import Ledger
 from effectguard.rules import nesting
 from effectguard.rules.keys import LedgerKey
@@ -103,6 +110,7 @@ class KeyRing:
         self._ledger_ever = False
         self._refresh_s = refresh_s
         self._clock = clock
+        self._read_at = time.monotonic()  # of the copy held: set again by each refresh
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -111,8 +119,19 @@ class KeyRing:
         return bool(self._config) or self._ledger_ever
 
     async def refresh(self, ledger: Ledger) -> None:
-        """Read the ledger's key rows again (replacing the copy in one step)."""
-        rows = await ledger.keys()
+        """Read the ledger's key rows again (replacing the copy in one step).
+
+        Raises :class:`LedgerUnavailable` when the read fails or takes longer than
+        ``KEY_READ_WAIT_S``: giving it up cancels it, and a PostgreSQL connection whose
+        read is cancelled unanswered is closed, so the next read gets a new one.
+        """
+        started = time.monotonic()
+        try:
+            rows = await asyncio.wait_for(ledger.keys(), KEY_READ_WAIT_S)
+        except TimeoutError as exc:
+            raise LedgerUnavailable(
+                f"reading the proxy keys took longer than {KEY_READ_WAIT_S:g} s"
+            ) from exc
         by_digest: dict[str, LedgerKey] = {}
         now = self._clock()
         for row in rows:
@@ -121,6 +140,7 @@ class KeyRing:
                 by_digest[row.sha256] = row
         self._ledger = by_digest
         self._ledger_ever = self._ledger_ever or bool(rows)
+        self._read_at = started  # the copy holds what the ledger held when the read began
 
     async def start(self, ledger: Ledger) -> None:
         """Load the keys (before the first request is served), then refresh them periodically."""
@@ -143,9 +163,16 @@ class KeyRing:
                 await self.refresh(ledger)
             except Exception as exc:
                 if not failing:  # once per outage; never names a key
-                    log.warning("proxy keys not refreshed (keeping the last copy): %s", exc)
+                    log.warning(
+                        "proxy keys not refreshed (ledger keys are refused 503 from %g s "
+                        "after the last read until one succeeds): %s",
+                        self._refresh_s + KEY_READ_WAIT_S,
+                        exc,
+                    )
                 failing = True
             else:
+                if failing:
+                    log.warning("proxy keys read again; ledger keys are accepted again")
                 failing = False
 
     def authenticate(self, presented: str | None) -> Grant:
@@ -156,6 +183,7 @@ class KeyRing:
         grant = self._config.get(digest)
         if grant is not None:
             return grant
+        self._check_fresh()
         row = self._ledger.get(digest)
         if row is None:
             raise Refusal(401, "unknown_key", _UNKNOWN)
@@ -165,6 +193,20 @@ class KeyRing:
         if ended == "revoked":
             raise Refusal(401, "unknown_key", "this effectguard key was revoked")
         return _from_ledger(row)
+
+    def _check_fresh(self) -> None:
+        """Refuse (503) to judge a ledger key by a copy too old to show a revocation in
+        time: the key may have been revoked (or made) since, and nothing says which."""
+        age = time.monotonic() - self._read_at
+        if age > self._refresh_s + KEY_READ_WAIT_S:
+            raise Refusal(
+                503,
+                "ledger_unavailable",
+                f"this replica has not been able to read the proxy keys from the ledger "
+                f"for {age:.0f} s, so it cannot tell whether this key is still valid; "
+                "nothing was sent, retry later",
+                retryable=True,
+            )
 
 
 #: Headers every current browser adds to a request a web page makes, and that agents,

@@ -4,6 +4,12 @@ See :mod:`effectguard.config.precedence` for the rule; this module reads the led
 writes the limits the plan says, and warns (on stderr, through logging) where an
 operator's limit and the config file disagree, and where a limit it wrote is below
 what the node has already spent in its current period (as ``budget set`` warns).
+
+The plan is made from reads that come before the writes, and an operator may run
+``budget set`` in between (replicas start while operators work). So each limit is
+written only while the node's policy is still the one the plan read, in the write's
+transaction; a node changed meanwhile makes the plan be made again from a fresh read,
+where an operator's new limit wins as it would have had it come first.
 """
 
 from __future__ import annotations
@@ -11,23 +17,42 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from effectguard.config.precedence import operator_limits, overspent, plan_limits
+from effectguard.config.precedence import LimitPlan, operator_limits, overspent, plan_limits
 from effectguard.ledger import Ledger, Writer
 
 log = logging.getLogger("effectguard.ingress.limitseed")
 
+#: Plans made before giving up on a node that keeps changing under them (its ledger
+#: limit then stays, and a warning says so): one more than operators racing a start need.
+PLANS = 3
+
 
 async def seed_limits(ledger: Ledger, configured: Mapping[str, int], writer: Writer) -> list[str]:
     """Write the config's limits the ledger should follow; returns the warnings given."""
-    current = {n.path: n.limit for n in await ledger.budgets()}
-    by_operator = operator_limits(await ledger.store.limit_events())
-    plan = plan_limits(configured, current, by_operator)
-    for path, limit in plan.apply.items():
-        await ledger.set_limit(path, limit, writer=writer)
+    written: list[str] = []
+    plan = LimitPlan()
+    for _ in range(PLANS):
+        policies = await ledger.policies()
+        by_operator = operator_limits(await ledger.store.limit_events())
+        current = {path: policy.limit for path, policy in policies.items()}
+        plan = plan_limits(configured, current, by_operator)
+        changed = [
+            path
+            for path, limit in plan.apply.items()
+            if not await ledger.set_limit_if(path, limit, policies.get(path), writer)
+        ]
+        written += [path for path in plan.apply if path not in changed]
+        if not changed:
+            break
+    else:
+        plan.warnings.append(
+            f"budgets {', '.join(map(repr, changed))} changed while serve applied the "
+            f"config's [budgets] {PLANS} times; their ledger limits stay"
+        )
     warnings = list(plan.warnings)
-    if plan.apply:
+    if written:
         now = {n.path: n for n in await ledger.budgets()}  # each node's current period
-        for path in plan.apply:
+        for path in dict.fromkeys(written):
             if (warning := overspent(now[path])) is not None:
                 warnings.append(f"{warning} (set from the config's [budgets])")
     for warning in warnings:

@@ -232,6 +232,16 @@ class Ledger:
         rest of its policy."""
         await self.store.write(writer, lambda tx: operations.set_limit(tx, writer, path, limit))
 
+    async def set_limit_if(
+        self, path: str, limit: int | None, expected: BudgetPolicy | None, writer: Writer
+    ) -> bool:
+        """Set the limit of budget ``path`` only if its policy is still ``expected`` (None:
+        none declared), in the write's transaction; whether it was set."""
+        done: bool = await self.store.write(
+            writer, lambda tx: operations.set_limit_if(tx, writer, path, limit, expected)
+        )
+        return done
+
     async def create_key(self, event: KeyCreated, writer: Writer = OPERATOR) -> LedgerKey:
         """Record a new proxy key (``event`` carries its SHA-256, never the key)."""
         return await self.store.write(writer, lambda tx: keyops.create_key(tx, writer, event))

@@ -339,6 +339,22 @@ def set_limit(tx: Tx, writer: Writer, path: str, limit: int | None) -> None:
     change_policy(tx, writer, path, {"limit": limit})
 
 
+def set_limit_if(
+    tx: Tx, writer: Writer, path: str, limit: int | None, expected: BudgetPolicy | None
+) -> bool:
+    """Set a node's limit as :func:`set_limit` does, but only while its policy is still
+    ``expected`` (None: it has none); whether it was set.
+
+    For a decision made from an earlier read (``serve`` seeding the config's limits): a
+    policy changed since, an operator's ``budget set`` above all, must not be overwritten
+    by a choice that did not know of it.
+    """
+    if tx.get_policies([path]).get(path) != expected:
+        return False
+    set_limit(tx, writer, path, limit)
+    return True
+
+
 def change_policy(tx: Tx, writer: Writer, path: str, changes: Mapping[str, Any]) -> BudgetPolicy:
     """Change the named fields of a node's policy; the others keep the value this
     transaction reads. Returns the policy declared.

@@ -8,6 +8,13 @@ ended when the client next uses it, so without that second try the first read af
 every lost connection failed: a keyed resend or a joining retry was answered 500. Inside
 a :meth:`PgReader.snapshot` a read is never retried: its transaction died with the
 connection, and a new one would not see the same state.
+
+A read that gets no answer within :data:`READ_WAIT_S` is given up and its connection
+closed (the next read opens a new one). A connection can go silent with no reset (a
+middlebox that stopped forwarding, a server host that vanished: the kernel then waits
+hours before it calls the connection dead), and every read of the replica queues
+behind the one waiting on it: the sweeper would never take a dead worker over, so its
+calls would hold their ``concurrency`` slots for as long as the silence lasted.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ import psycopg
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger.pgschema import Target
+
+#: How long one read may wait for its answer: far above any read effectguard makes (the
+#: largest are operators' pages and scans), far below the hours a silent connection takes.
+READ_WAIT_S = 60.0
 
 
 class PgReader:
@@ -67,13 +78,27 @@ class PgReader:
             return self._conn
 
     async def _rows(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        conn = self._conn
         try:
-            cursor = await self._conn.execute(query, params)
-            return await cursor.fetchall()
+            return await asyncio.wait_for(self._answer(conn, query, params), READ_WAIT_S)
+        except TimeoutError as exc:
+            # Given up: the connection may be silent for good. Closed, it is replaced by
+            # the next read, and the reads queued behind this one fail over to that.
+            await conn.close()
+            raise LedgerUnavailable(
+                f"ledger read got no answer within {READ_WAIT_S:g} s; connection closed"
+            ) from exc
         except psycopg.OperationalError:
             raise
         except psycopg.Error as exc:
             raise LedgerUnavailable(f"ledger read failed: {exc}") from exc
+
+    @staticmethod
+    async def _answer(
+        conn: psycopg.AsyncConnection[Any], query: str, params: Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        cursor = await conn.execute(query, params)
+        return await cursor.fetchall()
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[None]:
