@@ -129,6 +129,45 @@ def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
         assert code == 0, report["problems"]
 
 
+def test_a_keyless_call_the_provider_refused_does_not_hold_the_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key-less request the provider answered 400 (``not_processed``) can never be
+    resumed: no key names it, and a key-less retry repeats only unresolved calls
+    (contract §4). So it is final and is archived with the calls around it, instead of
+    holding every later call live for ever (an SDK's 400s and 429s are routine). The
+    same refusal under a key stays live, since its key may start a new attempt."""
+    ledger = tmp_path / "ledger.db"
+    keyed = {"Idempotency-Key": "order-1"}
+    with (
+        fake_provider(tmp_path / "refusing.jsonl", error_status=400) as refusing,
+        running_proxy(ledger, upstreams={"openai": refusing.url}) as proxy,
+    ):
+        keyless = httpx.post(proxy.url + CHAT, json=chat(0), timeout=30)
+        assert keyless.status_code == 400, keyless.text
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        send_chats(proxy, [1])
+    with (
+        fake_provider(tmp_path / "refusing.jsonl", error_status=400) as refusing,
+        running_proxy(ledger, upstreams={"openai": refusing.url}) as proxy,
+    ):
+        refused = httpx.post(proxy.url + CHAT, json=chat(2), headers=keyed, timeout=30)
+        assert refused.status_code == 400, refused.text
+    held = refused.headers["effectguard-call-id"]
+    assert call_stages(ledger)[keyless.headers["effectguard-call-id"]] == "not_processed"
+    moved = archive(ledger, capsys)
+    assert (moved["calls"], moved["keys"]) == (2, 0), moved
+    assert (moved["held_by"], moved["held_because"]) == (held, "stage not_processed is not final")
+    assert call_stages(ledger) == {held: "not_processed"}
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+    code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
+    assert code == 0 and report["calls"] == 2, report["problems"]
+
+
 @pytest.mark.parametrize("tamper", ["edit", "delete"])
 def test_tampering_with_the_live_checkpoint_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tamper: str

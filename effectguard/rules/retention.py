@@ -6,7 +6,8 @@ The rules (docs/contract.md §8, ``effectguard archive``; written out in docs/op
 * its stage is not final (``in_flight``, ``effect_unknown``, and the resumable stages
   ``not_sent``, ``not_processed``, ``reconciled_not_applied``, whose key may still start
   a new attempt): only ``refused``, ``completed``, ``failed`` and ``reconciled_applied``
-  calls are archived (a ``failed`` call can no longer be reconciled once archived);
+  calls are archived (a ``failed`` call can no longer be reconciled once archived), and
+  a call in a resumable stage that has no idempotency key, which nothing can resume;
 * it was resolved at or after the cut-off date: retention counts from the call's last
   event (the one that resolved it; only a late answer kept as evidence may follow, and
   that keeps the call longer, never shorter), not from its admission, so a call that
@@ -36,6 +37,11 @@ from effectguard.rules.workstate import WorkState
 
 #: Stages after which no event of the call can follow (next operation ``none``).
 ARCHIVABLE_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
+#: Stages only a request under the call's idempotency key can resume (contract §4): a
+#: key-less declared retry repeats only an unresolved call, so a key-less call that ended
+#: in one of them is as final as a completed one. Were it kept live, one routine 400 or
+#: 429 would hold every later call in the live ledger for ever.
+RESUMABLE_BY_KEY: Final = frozenset({"not_sent", "not_processed", "reconciled_not_applied"})
 DAY_S: Final = 86400.0
 #: The events one step of an archive takes at most (``archive --step-events``). Each
 #: step deletes its range in one transaction under the ledger's write lock, which live
@@ -62,7 +68,8 @@ class RetentionPolicy:
 def stays_live(state: WorkState, *, resolved_at: float, before: float, now: float) -> str | None:
     """Why ``state``'s call may not be archived yet (None: it may); ``resolved_at`` is the
     time of the call's last event."""
-    if state.stage not in ARCHIVABLE_STAGES:
+    keyless_end = state.idempotency_key is None and state.stage in RESUMABLE_BY_KEY
+    if state.stage not in ARCHIVABLE_STAGES and not keyless_end:
         return f"stage {state.stage} is not final"
     if resolved_at >= before:
         return "resolved after the cut-off"
