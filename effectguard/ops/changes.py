@@ -93,12 +93,16 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     crash = from_environment()
     if args.auto:
         decided = (args.applied, args.not_applied, args.resend, args.accept_evidence)
-        if args.call_id or any(decided) or args.cost is not None or args.note is not None:
+        # A person's words (--attempt, --by) would be dropped: each decision is about the
+        # attempt its lookup asked after, and is recorded by lookup:<provider>.
+        personal = (args.cost, args.note, args.attempt, args.by)
+        if args.call_id or any(decided) or any(v is not None for v in personal):
             return _usage(
-                "reconcile --auto takes no CALL_ID, --note or decision flags: it decides "
-                "each unknown call by its provider's lookup"
+                "reconcile --auto takes no CALL_ID, --note, --attempt, --by or decision "
+                "flags: it decides each unknown call by its provider's lookup"
             )
         return await _reconcile_auto(args, ledger, crash)
+    args.by = args.by or getpass.getuser()
     if args.resend:
         return await _reconcile_resend(args, ledger)
     if args.accept_evidence:
@@ -133,7 +137,9 @@ async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:
         return _usage("reconcile --resend needs CALL_ID")
     if not args.note:
         return _usage("reconcile --resend needs --note TEXT saying why the risk is accepted")
-    state = await ledger.authorize_resend(args.call_id, note=args.note, by=args.by)
+    state = await ledger.authorize_resend(
+        args.call_id, note=args.note, by=args.by, attempt=args.attempt
+    )
     emit(args, call_json(state), f"{state.call_id}: one resend authorized (held until it settles)")
     return EXIT_OK
 
@@ -146,7 +152,9 @@ async def _reconcile_by_evidence(
             "reconcile --accept-evidence needs CALL_ID, and no --applied/--not-applied/--cost "
             "(the late answer decides them)"
         )
-    state = await ledger.accept_evidence(args.call_id, note=args.note, by=args.by)
+    state = await ledger.accept_evidence(
+        args.call_id, note=args.note, by=args.by, attempt=args.attempt
+    )
     crash.hit("after:reconcile")
     emit(args, call_json(state), f"{state.call_id}: {state.stage} (on its late answer)")
     return EXIT_OK
@@ -252,12 +260,12 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attempt",
         type=attempt_number,
-        help="decide only if the call's last attempt is still N (as show printed it)",
+        help="decide (or authorize a resend) only if the call's last attempt is still N "
+        "(as show printed it)",
     )
     p.add_argument(
         "--by",
         type=one_line("a name"),
-        default=getpass.getuser(),
         help="who decides (default: login name)",
     )
     p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")
