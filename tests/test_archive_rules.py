@@ -17,10 +17,11 @@ import httpx
 import pytest
 from eventkit import completion
 from observing import call_stages
-from test_archive import CHAT, archive, chat, cli, send_chats
+from test_archive import CHAT, archive, chat, cli, later, send_chats
 from test_verify import R, request
 
 from effectguard.ledger import Ledger, Writer, operations, sqliteevents
+from effectguard.ops.cli import main
 from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
@@ -124,6 +125,8 @@ def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
         )
         live = call_stages(ledger)
         assert live[call_id] == "completed" and len(live) == 2
+        said = archive_text(ledger, capsys)
+        assert "resolve it" not in said and "once that window has passed" in said, said
         assert before.headers["effectguard-call-id"] not in live
         code, report = cli(capsys, "verify", "--ledger", str(ledger))
         assert code == 0, report["problems"]
@@ -166,6 +169,18 @@ def test_a_keyless_call_the_provider_refused_does_not_hold_the_cut(
     assert code == 0, report["problems"]
     code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
     assert code == 0 and report["calls"] == 2, report["problems"]
+    said = archive_text(ledger, capsys)
+    assert f"the cut stops at call {held} (stage not_processed is not final)" in said, said
+    assert "resolve it" not in said and "until that key is sent again" in said, said
+
+
+def archive_text(ledger: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``effectguard archive`` prints without ``--json``: what holds the cut, and
+    what an operator can do about it (nothing to resolve for a call that is not
+    unresolved: ``archive`` once told them to resolve it all the same)."""
+    capsys.readouterr()
+    assert main(["archive", "--ledger", str(ledger), "--before", later()]) == 0
+    return capsys.readouterr().out
 
 
 @pytest.mark.parametrize("tamper", ["edit", "delete"])

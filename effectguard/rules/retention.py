@@ -65,18 +65,50 @@ class RetentionPolicy:
         return now - self.keep_bodies_days * DAY_S
 
 
+RESOLVED_LATE: Final = "resolved after the cut-off"
+IN_WINDOW: Final = "inside its provider's idempotency window"
+
+
+def not_final(stage: str) -> str:
+    """The reason a call in ``stage`` (not final) stays live."""
+    return f"stage {stage} is not final"
+
+
 def stays_live(state: WorkState, *, resolved_at: float, before: float, now: float) -> str | None:
     """Why ``state``'s call may not be archived yet (None: it may); ``resolved_at`` is the
     time of the call's last event."""
     keyless_end = state.idempotency_key is None and state.stage in RESUMABLE_BY_KEY
     if state.stage not in ARCHIVABLE_STAGES and not keyless_end:
-        return f"stage {state.stage} is not final"
+        return not_final(state.stage)
     if resolved_at >= before:
-        return "resolved after the cut-off"
+        return RESOLVED_LATE
     window = state.idempotency_window_s
     if window is not None and now - state.created_at <= window:
-        return "inside its provider's idempotency window"
+        return IN_WINDOW
     return None
+
+
+def remedy(reason: str) -> str:
+    """What an operator can do about a call that holds the cut for ``reason``: only an
+    unresolved call has anything to resolve; the others leave by themselves, or (a keyed
+    resumable call) once their key is sent again."""
+    if reason == not_final("effect_unknown"):
+        return "reconcile it to archive the calls after it"
+    if reason == not_final("in_flight"):
+        return (
+            "it leaves once it settles (if the process that sent it is gone, a running "
+            "serve's sweeper marks it effect_unknown: then reconcile it)"
+        )
+    if reason in {not_final(stage) for stage in RESUMABLE_BY_KEY}:
+        return (
+            "its Idempotency-Key may still start a new attempt, so it stays live until "
+            "that key is sent again; no command resolves it"
+        )
+    if reason == RESOLVED_LATE:
+        return "it leaves with a later cut-off; nothing to resolve"
+    if reason == IN_WINDOW:
+        return "it leaves once that window has passed; nothing to resolve"
+    return "run archive again later"
 
 
 @dataclass(frozen=True, slots=True)
