@@ -295,6 +295,31 @@ def test_every_command_is_in_the_contract_docs() -> None:
     assert not missing, f"docs/contract.md does not mention: {missing}"
 
 
+def _docs_section(name: str, start: str, end: str) -> str:
+    text = (CONTRACT.parent / name).read_text()
+    return text[text.index(start) : text.index(end) if end else len(text)]
+
+
+def test_every_option_is_in_its_commands_docs() -> None:
+    """Each flag of each command is named where that command is documented: contract §8
+    (serve: §1.1; fake-provider: §11.2; bench: performance.md). A flag missing there is
+    one an operator reading the reference cannot know of (``sim --lookups`` was)."""
+    sections = {
+        "serve": _docs_section("contract.md", "### §1.1 The proxy", "### §1.2"),
+        "fake-provider": _docs_section("contract.md", "### §11.2 The fake provider", "### §11.3"),
+        "bench": _docs_section("performance.md", "", ""),
+    }
+    rest = _docs_section("contract.md", "## §8 The command line", "## §9 Errors")
+    missing = {
+        " ".join(path): [o for o in options if o not in sections.get(path[0], rest)]
+        for path, sub, _ in COMMANDS
+        for options in [
+            [o for a in sub._actions for o in a.option_strings if o not in ("-h", "--help")]
+        ]
+    }
+    assert not {cmd: opts for cmd, opts in missing.items() if opts}
+
+
 # -- calls and show --------------------------------------------------------------------------------
 def test_calls_json_has_spec_fields_and_exact_money(
     traffic: Traffic, capsys: pytest.CaptureFixture[str]
