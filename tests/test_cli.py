@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import json
 import re
@@ -797,3 +798,38 @@ def test_show_prints_what_a_client_chose_with_its_controls_escaped(
     assert "\\x9b" in out and "\\u202e" in out
     shown = run_json(capsys, "show", call_id, "--ledger", ledger)  # JSON: the text as stored
     assert key in json.dumps(shown, ensure_ascii=False)
+
+
+def test_ctrl_c_while_the_ledger_is_locked_exits_130_and_changes_nothing(tmp_path: Path) -> None:
+    """Ctrl-C during a command that waits for SQLite's write lock (a backup tool holding
+    it) is exit 130, as contract §8 lists: it was reported as 'ledger unavailable:
+    database is locked', exit 4, sending the operator after a lock they had just
+    chosen to stop waiting for."""
+    import signal
+    import time
+
+    ledger = tmp_path / "l.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    holder = sqlite3.connect(ledger, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        command = [sys.executable, "-m", "effectguard", "budget", "set", "team", "--limit", "5"]
+        process = subprocess.Popen(
+            [*command, "--ledger", str(ledger)], stderr=subprocess.PIPE, text=True
+        )
+        fds = Path(f"/proc/{process.pid}/fd")
+        deadline = time.monotonic() + 60  # a bound on a hang, not a timing assertion
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # the descriptors move while we read them
+                if any(f.resolve() == ledger.resolve() for f in fds.iterdir()):
+                    break  # it has the ledger open: it waits for the lock now
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert process.returncode == 130, err
+    assert "ledger unavailable" not in err, err
+    budgets = sqlite3.connect(ledger).execute("SELECT count(*) FROM budgets").fetchone()
+    assert budgets == (0,)
