@@ -183,6 +183,32 @@ def archive_text(ledger: Path, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().out
 
 
+def test_what_409_archived_tells_an_operator_to_run_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 409 ``archived`` answer told the operator to ``effectguard show`` the call,
+    which then said only "no call ... in the ledger": an archived call is not there. The
+    answer now points at the archive, and ``show`` says where an archived call went."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"Idempotency-Key": "order-1"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        first = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+        assert first.status_code == 200, first.text
+        assert archive(ledger, capsys)["calls"] == 1
+        again = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+    assert again.status_code == 409 and again.json()["error"]["type"] == "archived"
+    message = again.json()["error"]["message"]
+    assert "effectguard show" not in message and "archive" in message, message
+    call_id = first.headers["effectguard-call-id"]
+    capsys.readouterr()
+    assert main(["show", call_id, "--ledger", str(ledger)]) == 3
+    err = capsys.readouterr().err
+    assert f"no call '{call_id}' in the ledger" in err and "archive" in err, err
+
+
 @pytest.mark.parametrize("tamper", ["edit", "delete"])
 def test_tampering_with_the_live_checkpoint_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tamper: str

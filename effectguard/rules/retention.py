@@ -32,7 +32,6 @@ from typing import Final
 
 from effectguard.errors import Refusal
 from effectguard.rules.admission import Decision
-from effectguard.rules.guidance import show_command
 from effectguard.rules.workstate import WorkState
 
 #: Stages after which no event of the call can follow (next operation ``none``).
@@ -207,8 +206,8 @@ def decide_archived(call_id: str, archived_hash: str, request_hash: str) -> Deci
         status, type_ = 409, "archived"
         message = (
             f"call {call_id} with this key finished and was archived; its response is in "
-            f"the archive, not resent (see `{show_command(call_id)}`); new work needs a "
-            "new Idempotency-Key"
+            "the archive (the file `effectguard archive` wrote, or the archived_events "
+            "table on PostgreSQL), not resent; new work needs a new Idempotency-Key"
         )
     refusal = Refusal(
         status, type_, message, call_id=call_id, stage="archived", next_operation="none"
