@@ -248,6 +248,8 @@ def test_a_problem_found_after_parsing_shows_the_commands_own_usage(
     [
         (["sim"], ["default 1 on SQLite, 3 on PostgreSQL"]),
         (["budgets"], ["YYYY-MM-DD", "YYYY-Www", "YYYY-MM", "total"]),
+        (["calls"], ["90s, 30m, 2h, 7d, 2w"]),
+        (["budget", "set"], ["total: never; the default"]),
     ],
 )
 def test_help_states_the_defaults_and_forms_the_code_takes(
@@ -256,7 +258,8 @@ def test_help_states_the_defaults_and_forms_the_code_takes(
     argv: list[str],
     needles: list[str],
 ) -> None:
-    """sim's replica default and budgets --period's label forms are the ones the code uses."""
+    """sim's replica default, budgets --period's label forms, the durations --since takes
+    and budget set --period's default are the ones the code uses."""
     monkeypatch.setenv("COLUMNS", "400")  # argparse would break YYYY-Www at its hyphen
     code, out, _ = run(capsys, *argv, "--help")
     assert code == 0

@@ -291,7 +291,9 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--limit", type=usd, help="limit in USD")
     q.add_argument("--no-limit", action="store_true", help="remove the limit")
     q.add_argument(
-        "--period", choices=PERIOD_KINDS, help="the limit resets each calendar day, week or month"
+        "--period",
+        choices=PERIOD_KINDS,
+        help="the limit resets each calendar day, week or month (total: never; the default)",
     )
     q.add_argument(
         "--tz", type=zone_name, help="IANA timezone of the period's calendar (default UTC)"
