@@ -55,7 +55,12 @@ class CallNotFound(LedgerError):
     """No call with the given id exists in the ledger."""
 
     def __init__(self, call_id: str) -> None:
-        super().__init__(f"no call {call_id!r} in the ledger")
+        # An archived call is a real call no longer here: say where such calls go, since
+        # a 409 `archived` answer names its id.
+        super().__init__(
+            f"no call {call_id!r} in the ledger (a call `effectguard archive` moved out is "
+            "in its archive, not here)"
+        )
         self.call_id = call_id
 
 

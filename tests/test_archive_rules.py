@@ -17,10 +17,11 @@ import httpx
 import pytest
 from eventkit import completion
 from observing import call_stages
-from test_archive import CHAT, archive, chat, cli, send_chats
+from test_archive import CHAT, archive, chat, cli, later, send_chats
 from test_verify import R, request
 
 from effectguard.ledger import Ledger, Writer, operations, sqliteevents
+from effectguard.ops.cli import main
 from effectguard.testing import fake_provider, running_proxy
 from effectguard.testing.clock import ManualClock
 
@@ -124,9 +125,88 @@ def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
         )
         live = call_stages(ledger)
         assert live[call_id] == "completed" and len(live) == 2
+        said = archive_text(ledger, capsys)
+        assert "resolve it" not in said and "once that window has passed" in said, said
         assert before.headers["effectguard-call-id"] not in live
         code, report = cli(capsys, "verify", "--ledger", str(ledger))
         assert code == 0, report["problems"]
+
+
+def test_a_keyless_call_the_provider_refused_does_not_hold_the_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key-less request the provider answered 400 (``not_processed``) can never be
+    resumed: no key names it, and a key-less retry repeats only unresolved calls
+    (contract §4). So it is final and is archived with the calls around it, instead of
+    holding every later call live for ever (an SDK's 400s and 429s are routine). The
+    same refusal under a key stays live, since its key may start a new attempt."""
+    ledger = tmp_path / "ledger.db"
+    keyed = {"Idempotency-Key": "order-1"}
+    with (
+        fake_provider(tmp_path / "refusing.jsonl", error_status=400) as refusing,
+        running_proxy(ledger, upstreams={"openai": refusing.url}) as proxy,
+    ):
+        keyless = httpx.post(proxy.url + CHAT, json=chat(0), timeout=30)
+        assert keyless.status_code == 400, keyless.text
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        send_chats(proxy, [1])
+    with (
+        fake_provider(tmp_path / "refusing.jsonl", error_status=400) as refusing,
+        running_proxy(ledger, upstreams={"openai": refusing.url}) as proxy,
+    ):
+        refused = httpx.post(proxy.url + CHAT, json=chat(2), headers=keyed, timeout=30)
+        assert refused.status_code == 400, refused.text
+    held = refused.headers["effectguard-call-id"]
+    assert call_stages(ledger)[keyless.headers["effectguard-call-id"]] == "not_processed"
+    moved = archive(ledger, capsys)
+    assert (moved["calls"], moved["keys"]) == (2, 0), moved
+    assert (moved["held_by"], moved["held_because"]) == (held, "stage not_processed is not final")
+    assert call_stages(ledger) == {held: "not_processed"}
+    code, report = cli(capsys, "verify", "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+    code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
+    assert code == 0 and report["calls"] == 2, report["problems"]
+    said = archive_text(ledger, capsys)
+    assert f"the cut stops at call {held} (stage not_processed is not final)" in said, said
+    assert "resolve it" not in said and "until that key is sent again" in said, said
+
+
+def archive_text(ledger: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``effectguard archive`` prints without ``--json``: what holds the cut, and
+    what an operator can do about it (nothing to resolve for a call that is not
+    unresolved: ``archive`` once told them to resolve it all the same)."""
+    capsys.readouterr()
+    assert main(["archive", "--ledger", str(ledger), "--before", later()]) == 0
+    return capsys.readouterr().out
+
+
+def test_what_409_archived_tells_an_operator_to_run_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 409 ``archived`` answer told the operator to ``effectguard show`` the call,
+    which then said only "no call ... in the ledger": an archived call is not there. The
+    answer now points at the archive, and ``show`` says where an archived call went."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"Idempotency-Key": "order-1"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        first = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+        assert first.status_code == 200, first.text
+        assert archive(ledger, capsys)["calls"] == 1
+        again = httpx.post(proxy.url + CHAT, json=chat(1), headers=headers, timeout=30)
+    assert again.status_code == 409 and again.json()["error"]["type"] == "archived"
+    message = again.json()["error"]["message"]
+    assert "effectguard show" not in message and "archive" in message, message
+    call_id = first.headers["effectguard-call-id"]
+    capsys.readouterr()
+    assert main(["show", call_id, "--ledger", str(ledger)]) == 3
+    err = capsys.readouterr().err
+    assert f"no call '{call_id}' in the ledger" in err and "archive" in err, err
 
 
 @pytest.mark.parametrize("tamper", ["edit", "delete"])

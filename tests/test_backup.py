@@ -155,3 +155,23 @@ def test_backup_of_a_postgres_ledger_points_to_its_own_tools(
     code = main(["backup", str(tmp_path / "x.db"), "--ledger", "postgresql://h/db"])
     assert code == 2
     assert "pg_dump" in capsys.readouterr().err
+
+
+def test_backup_prints_what_the_contract_lists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Contract §8: the output is the path, the number of events, the last event's
+    number and digest, and the size. The text left out the digest, the one value that
+    ties a copy to the chain it was taken from (``show`` and ``verify`` name events by
+    it); it now says it, as ``--json``'s ``head_digest`` does."""
+    ledger, copy, again = tmp_path / "ledger.db", tmp_path / "copy.db", tmp_path / "again.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    assert main(["budget", "set", "team", "--limit", "5", "--ledger", str(ledger)]) == 0
+    capsys.readouterr()
+    assert main(["backup", str(copy), "--json", "--ledger", str(ledger)]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert main(["backup", str(again), "--ledger", str(ledger)]) == 0
+    said = capsys.readouterr().out
+    assert str(again) in said and f"{made['events']} events" in said, said
+    assert f"event {made['head_seq']}" in said and made["head_digest"] in said, said
+    assert f"{made['bytes']} bytes" in said, said

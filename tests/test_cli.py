@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import json
 import re
@@ -247,6 +248,8 @@ def test_a_problem_found_after_parsing_shows_the_commands_own_usage(
     [
         (["sim"], ["default 1 on SQLite, 3 on PostgreSQL"]),
         (["budgets"], ["YYYY-MM-DD", "YYYY-Www", "YYYY-MM", "total"]),
+        (["calls"], ["90s, 30m, 2h, 7d, 2w"]),
+        (["budget", "set"], ["total: never; the default"]),
     ],
 )
 def test_help_states_the_defaults_and_forms_the_code_takes(
@@ -255,7 +258,8 @@ def test_help_states_the_defaults_and_forms_the_code_takes(
     argv: list[str],
     needles: list[str],
 ) -> None:
-    """sim's replica default and budgets --period's label forms are the ones the code uses."""
+    """sim's replica default, budgets --period's label forms, the durations --since takes
+    and budget set --period's default are the ones the code uses."""
     monkeypatch.setenv("COLUMNS", "400")  # argparse would break YYYY-Www at its hyphen
     code, out, _ = run(capsys, *argv, "--help")
     assert code == 0
@@ -293,6 +297,31 @@ def test_every_command_is_in_the_contract_docs() -> None:
     text = CONTRACT.read_text()
     missing = [" ".join(p) for p in LEAVES if f"effectguard {' '.join(p)}" not in text]
     assert not missing, f"docs/contract.md does not mention: {missing}"
+
+
+def _docs_section(name: str, start: str, end: str) -> str:
+    text = (CONTRACT.parent / name).read_text()
+    return text[text.index(start) : text.index(end) if end else len(text)]
+
+
+def test_every_option_is_in_its_commands_docs() -> None:
+    """Each flag of each command is named where that command is documented: contract §8
+    (serve: §1.1; fake-provider: §11.2; bench: performance.md). A flag missing there is
+    one an operator reading the reference cannot know of (``sim --lookups`` was)."""
+    sections = {
+        "serve": _docs_section("contract.md", "### §1.1 The proxy", "### §1.2"),
+        "fake-provider": _docs_section("contract.md", "### §11.2 The fake provider", "### §11.3"),
+        "bench": _docs_section("performance.md", "", ""),
+    }
+    rest = _docs_section("contract.md", "## §8 The command line", "## §9 Errors")
+    missing = {
+        " ".join(path): [o for o in options if o not in sections.get(path[0], rest)]
+        for path, sub, _ in COMMANDS
+        for options in [
+            [o for a in sub._actions for o in a.option_strings if o not in ("-h", "--help")]
+        ]
+    }
+    assert not {cmd: opts for cmd, opts in missing.items() if opts}
 
 
 # -- calls and show --------------------------------------------------------------------------------
@@ -772,3 +801,38 @@ def test_show_prints_what_a_client_chose_with_its_controls_escaped(
     assert "\\x9b" in out and "\\u202e" in out
     shown = run_json(capsys, "show", call_id, "--ledger", ledger)  # JSON: the text as stored
     assert key in json.dumps(shown, ensure_ascii=False)
+
+
+def test_ctrl_c_while_the_ledger_is_locked_exits_130_and_changes_nothing(tmp_path: Path) -> None:
+    """Ctrl-C during a command that waits for SQLite's write lock (a backup tool holding
+    it) is exit 130, as contract §8 lists: it was reported as 'ledger unavailable:
+    database is locked', exit 4, sending the operator after a lock they had just
+    chosen to stop waiting for."""
+    import signal
+    import time
+
+    ledger = tmp_path / "l.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    holder = sqlite3.connect(ledger, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        command = [sys.executable, "-m", "effectguard", "budget", "set", "team", "--limit", "5"]
+        process = subprocess.Popen(
+            [*command, "--ledger", str(ledger)], stderr=subprocess.PIPE, text=True
+        )
+        fds = Path(f"/proc/{process.pid}/fd")
+        deadline = time.monotonic() + 60  # a bound on a hang, not a timing assertion
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # the descriptors move while we read them
+                if any(f.resolve() == ledger.resolve() for f in fds.iterdir()):
+                    break  # it has the ledger open: it waits for the lock now
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert process.returncode == 130, err
+    assert "ledger unavailable" not in err, err
+    budgets = sqlite3.connect(ledger).execute("SELECT count(*) FROM budgets").fetchone()
+    assert budgets == (0,)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -474,3 +475,18 @@ def test_behaviour_endless_never_ends_the_answer(provider: FakeProvider, stream:
     assert seen > 4 << 20
     assert [r["behaviour"] for r in provider.receipts()] == ["endless"]
     assert post(provider, CHAT, body).status_code == 200  # and it still serves others
+
+
+def test_the_contract_names_every_receipt_field(shared: FakeProvider) -> None:
+    """Contract §11.2's "A receipt line has ..." names each field a receipt line holds:
+    the receipt log is the ground truth tests read, so a field it leaves out is one a
+    reader cannot know of (``behaviour``, ``tag`` and ``op`` were)."""
+    contract = (Path(__file__).resolve().parent.parent / "docs" / "contract.md").read_text()
+    sentence = contract[contract.index("A receipt line has") :].split(". ", 1)[0]
+    named = set(re.findall(r"`([a-z_0-9]+)`", sentence))
+    before = len(shared.receipts())
+    assert post(
+        shared, "/v1/chat/completions", {"model": "gpt-4o-mini", "messages": USER}
+    ).is_success
+    (receipt,) = shared.receipts()[before:]
+    assert set(receipt) == named, set(receipt) ^ named

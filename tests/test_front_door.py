@@ -529,6 +529,34 @@ def test_a_second_sigterm_stops_at_once_and_the_call_is_left_as_a_crash_leaves_i
     assert stages == ["effect_unknown"]
 
 
+def test_a_call_cut_off_by_a_second_signal_does_not_blame_the_drain_timeout(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """A second SIGTERM cuts the call still waiting off at once: its client gets 504
+    ``effect_unknown`` naming the call. The answer (and the ledger's interrupt reason)
+    said "the proxy's drain timeout ended", which never happened (the drain had 30 s
+    left); it says a second signal stopped the proxy."""
+    ledger = tmp_path / "l.db"
+    answers: list[httpx.Response] = []
+    with running_proxy(ledger, upstreams={"openai": provider.url}) as proxy:
+        slow = {"x-fake-delay": "30"}
+
+        def post() -> None:
+            url = proxy.url + OPENAI_CHAT
+            answers.append(httpx.post(url, json=chat("cut"), headers=slow, timeout=PATIENCE_S))
+
+        worker = _started_at_the_provider(provider, post)
+        proxy.kill(signal.SIGTERM)
+        time.sleep(0.2)  # the first signal is being handled: the drain has begun
+        proxy.kill(signal.SIGTERM)
+        assert proxy.process.wait(PATIENCE_S / 2) == 0
+        worker.join(PATIENCE_S)
+    (answer,) = answers
+    assert answer.status_code == 504, answer.text
+    message = answer.json()["error"]["message"]
+    assert "drain timeout" not in message and "a second signal" in message, message
+
+
 def _started_at_the_provider(provider: FakeProvider, call: Callable[[], None]) -> threading.Thread:
     """``call`` on a thread of its own, once its request has reached the provider."""
     receipts = len(provider.receipts())

@@ -198,3 +198,51 @@ def test_key_new_admin_refuses_a_name_the_config_would_refuse(
     out, err = capsys.readouterr()
     assert exited.value.code == 2 and "printable, non-empty name" in err
     assert "admin key" not in out  # no key was shown, so none was lost
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--expires", "2027-01-01"],
+        ["--models", "gpt-4o-mini"],
+        ["--providers", "openai"],
+        ["--name", "bob"],
+    ],
+)
+def test_key_new_admin_refuses_what_an_admin_key_cannot_hold(
+    capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    """An operator page key has no expiry, restriction or name besides --admin's: asked for
+    one, ``key new --admin`` once printed a key without it (a key meant to expire never
+    did) and exited 0. It is a usage error, and no key is shown."""
+    with pytest.raises(SystemExit) as exited:
+        main(["key", "new", "--admin", "ana", *extra])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and extra[0] in err, err
+    assert "admin key" not in out and not KEY.findall(out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "table"),
+    [(["--root", "team-a", "--print-config"], "keys"), (["--admin", "ana"], "admin")],
+)
+def test_key_new_config_lines_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], table: str
+) -> None:
+    """With --json, ``key new --print-config`` and ``--admin`` print JSON (they printed
+    their text, which a script reading JSON cannot parse): the key, its name, its
+    digest and the config lines, which load back as they are."""
+    from effectguard.config.settings import load_settings
+
+    code, out, _ = run(capsys, "key", "new", *argv, "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["sha256"] == hash_key(shown["key"])
+    config = tmp_path / "c.toml"
+    config.write_text(shown["config"], encoding="utf-8")
+    settings = load_settings(config=config, environ={})
+    if table == "admin":
+        assert shown["name"] == "ana" and settings.admin.key_for(shown["key"]) is not None
+    else:
+        assert (shown["name"], shown["budget_root"]) == ("team-a", "team-a")
+        assert [k.budget_root for k in settings.keys] == ["team-a"]

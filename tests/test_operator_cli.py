@@ -182,3 +182,35 @@ def test_reconcile_with_attempt_decides_only_the_attempt_shown(
         assert exit_.value.code == 2
     decided = json.loads(_run(capsys, *decide, "--attempt", "1", "--json"))
     assert decided["stage"] == "reconciled_not_applied"
+
+
+@pytest.mark.parametrize(
+    "verb", [["--resend", "--note", "accept a duplicate"], ["--accept-evidence"]]
+)
+def test_attempt_guards_a_resend_and_an_evidence_decision_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], verb: list[str]
+) -> None:
+    """``--attempt N`` with ``--resend`` or ``--accept-evidence`` was dropped without a
+    word: a resend was authorized for whatever attempt the call had reached. Both are
+    about the attempt a person examined, so another number is refused (exit 3, naming
+    the attempt) and nothing is written."""
+    _, unknown, ledger = _two_calls(tmp_path, "which attempt again")
+    capsys.readouterr()
+    assert cli_main(["reconcile", unknown, *verb, "--attempt", "2", "--ledger", ledger]) == 3
+    assert "attempt 2" in capsys.readouterr().err
+    shown = json.loads(_run(capsys, "show", unknown, "--ledger", ledger, "--json"))
+    assert shown["stage"] == "effect_unknown"
+    assert "call.resend_authorized" not in [e["kind"] for e in shown["events"]]
+
+
+@pytest.mark.parametrize("extra", [["--attempt", "1"], ["--by", "bob"]])
+def test_auto_refuses_what_only_a_person_decision_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    """``reconcile --auto`` decides every call by its lookup and records ``by`` as
+    ``lookup:<provider>``: an ``--attempt`` or ``--by`` given with it was ignored. It is a
+    usage error (exit 2), as ``--note`` is."""
+    _, _, ledger = _two_calls(tmp_path, "auto")
+    capsys.readouterr()
+    assert cli_main(["reconcile", "--auto", *extra, "--ledger", ledger]) == 2
+    assert extra[0] in capsys.readouterr().err

@@ -158,3 +158,16 @@ def test_a_taken_port_is_a_plain_usage_error(tmp_path: Path, demo_flag: list[str
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
     assert "listening" not in done.stdout
     assert not ledger.exists()
+
+
+def test_demo_names_only_the_providers_it_answers_for(tmp_path: Path) -> None:
+    """An explicit ``--upstream`` wins over the demo's: the start line used to say the
+    fake provider answers for openai all the same, while openai calls went elsewhere.
+    It names only the providers the demo really answers for."""
+    elsewhere = f"http://127.0.0.1:{free_port()}"
+    args = ["--demo", "--upstream", f"openai={elsewhere}"]
+    with running_proxy(tmp_path / "ledger.db", args=args) as proxy:
+        log = proxy.log()
+        post(proxy.url + "/anthropic/v1/messages", MESSAGES)
+    assert "the fake provider answers for anthropic at http://127.0.0.1:" in log, log
+    assert "answers for openai" not in log, log

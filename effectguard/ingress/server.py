@@ -105,6 +105,10 @@ class ProxyApp:
             )
         )
         self.guard: Guard | None = None
+        #: Why a request still running when the server stops is cut off (its 504 and the
+        #: call's interrupt reason say it): the drain's end, unless serve() is told that
+        #: a second signal stopped it at once (:meth:`stopping_at_once`).
+        self.cut_off_reason = "the proxy's drain timeout ended"
         self.keyring = KeyRing(settings.keys, settings.key_refresh_s)
         self._timeout = {
             "connect": settings.connect_timeout_s,
@@ -155,6 +159,11 @@ class ProxyApp:
             await self._inner.aclose()
         if self._leg is not None:
             await self._leg.aclose()
+
+    def stopping_at_once(self) -> None:
+        """A second signal stops the server without draining: requests it cuts off
+        must not blame a drain timeout that never ended."""
+        self.cut_off_reason = "a second signal stopped the proxy without draining"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -249,7 +258,7 @@ class ProxyApp:
             why = "the proxy shut down before this request was sent"
             refusal = Refusal(503, "shutting_down", why, retryable=True)
         else:
-            refusal = await self.guard.cut_off(ticket, "the proxy's drain timeout ended")
+            refusal = await self.guard.cut_off(ticket, self.cut_off_reason)
         try:
             await _refusal(send, provider.error_shape, refusal)
         finally:

@@ -28,7 +28,7 @@ import uvicorn
 from effectguard.config.settings import ServeSettings
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.listeners import check_apart, listen_socket
-from effectguard.ingress.server import create_app
+from effectguard.ingress.server import ProxyApp, create_app
 from effectguard.telemetry.logs import configure_logging
 
 Alongside = Callable[[], AbstractAsyncContextManager[object]]
@@ -81,12 +81,18 @@ def serve(
     except BaseException:
         sock.close()
         raise
-    server = _Server(_config(settings, metrics, metrics_sock), _start_line(settings, sock))
+    app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock)
+    server = _Server(_config(settings, app), _start_line(settings, sock))
+
+    def on_signal() -> None:
+        server.stop()
+        if server.force_exit:
+            app.stopping_at_once()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stop)
+            loop.add_signal_handler(sig, on_signal)
         try:
             async with alongside() if alongside is not None else contextlib.nullcontext():
                 await server.serve(sockets=[sock])
@@ -134,11 +140,9 @@ def _metrics_socket(settings: ServeSettings, proxy: socket.socket) -> socket.soc
     return sock
 
 
-def _config(
-    settings: ServeSettings, metrics: Any, metrics_sock: socket.socket | None
-) -> uvicorn.Config:
+def _config(settings: ServeSettings, app: ProxyApp) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(settings, metrics=metrics, metrics_socket=metrics_sock),
+        app,
         lifespan="on",
         log_level="warning",
         # Our handler (configure_logging) formats uvicorn's records too: no config of its own.

@@ -194,12 +194,22 @@ class Ledger:
         return state
 
     async def accept_evidence(
-        self, call_id: str, *, note: str | None, by: str, writer: Writer = OPERATOR
+        self,
+        call_id: str,
+        *,
+        note: str | None,
+        by: str,
+        writer: Writer = OPERATOR,
+        attempt: int | None = None,
     ) -> WorkState:
         """Reconcile an effect-unknown call as its late answer proves (applied at the cost
-        it implies, or not applied); refused without one."""
+        it implies, or not applied); refused without one, and once a later attempt than
+        ``attempt`` (the one a person examined) has started."""
         state: WorkState = await self.store.write(
-            writer, lambda tx: evidence.accept_evidence(tx, writer, call_id, note=note, by=by)
+            writer,
+            lambda tx: evidence.accept_evidence(
+                tx, writer, call_id, note=note, by=by, attempt=attempt
+            ),
         )
         log.info(
             "call %s reconciled as %s by %s on its late answer",
@@ -211,13 +221,22 @@ class Ledger:
         return state
 
     async def authorize_resend(
-        self, call_id: str, *, note: str, by: str, writer: Writer = OPERATOR
+        self,
+        call_id: str,
+        *,
+        note: str,
+        by: str,
+        writer: Writer = OPERATOR,
+        attempt: int | None = None,
     ) -> WorkState:
         """Authorize exactly one new attempt of an effect-unknown call (the duplicate risk
-        accepted); its hold stays until that attempt settles."""
+        accepted); its hold stays until that attempt settles. Refused once a later
+        attempt than ``attempt`` (the one a person examined) has started."""
         state: WorkState = await self.store.write(
             writer,
-            lambda tx: decisions.authorize_resend(tx, writer, call_id, note=note, by=by),
+            lambda tx: decisions.authorize_resend(
+                tx, writer, call_id, note=note, by=by, attempt=attempt
+            ),
         )
         log.info(
             "call %s: one resend authorized by %s",

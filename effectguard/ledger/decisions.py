@@ -93,18 +93,26 @@ def _check_evidence(
     """A :class:`ReconcileError` for evidence gathered about ``attempt`` once a later one
     has started, and for an automated verdict (applied or not) that the late answer kept
     for the current attempt contradicts."""
+    check_attempt(state, attempt)
     call_id, current = state.call_id, state.attempts
-    if attempt is not None and current != attempt:
-        raise ReconcileError(
-            f"this evidence is about attempt {attempt} of call {call_id}; attempt "
-            f"{current} has been sent since",
-            call_id=call_id,
-        )
     if automated_verdict is None:
         return
     late = evidence.latest(tx.events_of(call_id), current)
     if evidence.contradicts(late, automated_verdict):
         raise ReconcileError(_CONTRADICTED.format(call=call_id, attempt=current), call_id=call_id)
+
+
+def check_attempt(state: WorkState, attempt: int | None) -> None:
+    """A :class:`ReconcileError` when ``attempt`` (what a person examined, or what a
+    lookup asked about) is no longer the call's last: what was checked says nothing
+    about the newer one."""
+    call_id, current = state.call_id, state.attempts
+    if attempt is not None and current != attempt:
+        raise ReconcileError(
+            f"this evidence is about attempt {attempt} of call {call_id}; the call's last "
+            f"attempt is {current}",
+            call_id=call_id,
+        )
 
 
 def _check_reconcilable(state: WorkState) -> None:
@@ -125,11 +133,15 @@ def _check_reconcilable(state: WorkState) -> None:
         )
 
 
-def authorize_resend(tx: Tx, writer: Writer, call_id: str, *, note: str, by: str) -> WorkState:
-    """An operator authorizes exactly one new attempt of an effect-unknown call (contract.md §8)."""
+def authorize_resend(
+    tx: Tx, writer: Writer, call_id: str, *, note: str, by: str, attempt: int | None = None
+) -> WorkState:
+    """An operator authorizes exactly one new attempt of an effect-unknown call
+    (contract.md §8), only while ``attempt`` (if given) is still its last."""
     state = effect_unknown_call(
         tx, call_id, "only an unknown effect is resent on an operator's word"
     )
+    check_attempt(state, attempt)
     if state.resend_authorized:
         raise ReconcileError(f"call {call_id} already has a resend authorized", call_id=call_id)
     event = CallResendAuthorized(call=call_id, note=note, by=by)

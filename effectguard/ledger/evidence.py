@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from effectguard.errors import CallNotFound, LedgerError
 from effectguard.ledger.base import Tx, Writer
-from effectguard.ledger.decisions import effect_unknown_call, reconcile
+from effectguard.ledger.decisions import check_attempt, effect_unknown_call, reconcile
 from effectguard.ledger.operations import append
 from effectguard.rules import evidence
 from effectguard.rules.events import AttemptLateAnswer
@@ -31,10 +31,12 @@ def record_late_answer(tx: Tx, writer: Writer, event: AttemptLateAnswer) -> Work
 
 
 def accept_evidence(
-    tx: Tx, writer: Writer, call_id: str, *, note: str | None, by: str
+    tx: Tx, writer: Writer, call_id: str, *, note: str | None, by: str, attempt: int | None = None
 ) -> WorkState:
-    """Reconcile an effect-unknown call as its current attempt's late answer proves."""
+    """Reconcile an effect-unknown call as its current attempt's late answer proves, only
+    while ``attempt`` (if given: the one a person examined) is still its last."""
     state = effect_unknown_call(tx, call_id, "evidence decides only an unknown effect")
+    check_attempt(state, attempt)
     found = evidence.latest(tx.events_of(call_id), state.attempts)
     decided = evidence.accept(call_id, found, state.attempts, note)
     return reconcile(

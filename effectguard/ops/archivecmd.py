@@ -15,6 +15,7 @@ from effectguard.callpath.crash import from_environment
 from effectguard.errors import ConfigError
 from effectguard.rules.counts import parse_count
 from effectguard.rules.guidance import show_command
+from effectguard.rules.retention import remedy
 
 if TYPE_CHECKING:
     from effectguard.ops.archiveplan import ArchiveResult, Step
@@ -84,7 +85,7 @@ def _summary(result: ArchiveResult) -> None:
         # The archive is a prefix of the chain: this call holds back every call after it.
         print(
             f"archive: the cut stops at call {result.held_by} ({result.held_because}); "
-            f"resolve it to archive the calls after it (`{show_command(result.held_by)}`)"
+            f"{remedy(result.held_because or '')} (`{show_command(result.held_by)}`)"
         )
 
 

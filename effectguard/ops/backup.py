@@ -158,6 +158,6 @@ def cmd_backup(args: argparse.Namespace) -> int:
     else:
         print(
             f"backup {result.path}: {result.events} events up to event {result.head_seq} "
-            f"({result.bytes} bytes)"
+            f"(digest {result.head_digest}), {result.bytes} bytes"
         )
     return 0

@@ -10,7 +10,7 @@ import getpass
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from effectguard.config.precedence import overspent
 from effectguard.ledger import Ledger
@@ -34,6 +34,9 @@ from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules import notes
 from effectguard.rules.budget import BudgetPolicy, validate_policy
 from effectguard.rules.periods import PERIOD_KINDS, TOTAL, validate_zone
+
+if TYPE_CHECKING:
+    from effectguard.callpath.crash import CrashPoints
 
 #: What ``--rpm``, ``--tpm`` and ``--concurrency`` take to remove a rate limit.
 NONE = -1
@@ -83,18 +86,27 @@ def _usage(message: str) -> int:
 
 async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard reconcile``: decide one effect-unknown call, or ``--auto`` all that can be."""
+    from effectguard.callpath.crash import from_environment
+
+    # Read before any decision: a misspelt point must stop the command with nothing
+    # written (contract §11.1), not answer exit 2 for a decision it has just committed.
+    crash = from_environment()
     if args.auto:
         decided = (args.applied, args.not_applied, args.resend, args.accept_evidence)
-        if args.call_id or any(decided) or args.cost is not None or args.note is not None:
+        # A person's words (--attempt, --by) would be dropped: each decision is about the
+        # attempt its lookup asked after, and is recorded by lookup:<provider>.
+        personal = (args.cost, args.note, args.attempt, args.by)
+        if args.call_id or any(decided) or any(v is not None for v in personal):
             return _usage(
-                "reconcile --auto takes no CALL_ID, --note or decision flags: it decides "
-                "each unknown call by its provider's lookup"
+                "reconcile --auto takes no CALL_ID, --note, --attempt, --by or decision "
+                "flags: it decides each unknown call by its provider's lookup"
             )
-        return await _reconcile_auto(args, ledger)
+        return await _reconcile_auto(args, ledger, crash)
+    args.by = args.by or getpass.getuser()
     if args.resend:
         return await _reconcile_resend(args, ledger)
     if args.accept_evidence:
-        return await _reconcile_by_evidence(args, ledger)
+        return await _reconcile_by_evidence(args, ledger, crash)
     if not args.call_id or args.applied == args.not_applied:
         return _usage(
             "reconcile needs CALL_ID and exactly one of --applied / --not-applied (or --auto)"
@@ -111,9 +123,7 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
         by=args.by,
         attempt=args.attempt,
     )
-    from effectguard.callpath.crash import from_environment
-
-    from_environment().hit("after:reconcile")
+    crash.hit("after:reconcile")
     emit(args, call_json(state), f"{state.call_id}: {state.stage}")
     return EXIT_OK
 
@@ -127,33 +137,36 @@ async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:
         return _usage("reconcile --resend needs CALL_ID")
     if not args.note:
         return _usage("reconcile --resend needs --note TEXT saying why the risk is accepted")
-    state = await ledger.authorize_resend(args.call_id, note=args.note, by=args.by)
+    state = await ledger.authorize_resend(
+        args.call_id, note=args.note, by=args.by, attempt=args.attempt
+    )
     emit(args, call_json(state), f"{state.call_id}: one resend authorized (held until it settles)")
     return EXIT_OK
 
 
-async def _reconcile_by_evidence(args: argparse.Namespace, ledger: Ledger) -> int:
+async def _reconcile_by_evidence(
+    args: argparse.Namespace, ledger: Ledger, crash: CrashPoints
+) -> int:
     if not args.call_id or args.applied or args.not_applied or args.cost is not None:
         return _usage(
             "reconcile --accept-evidence needs CALL_ID, and no --applied/--not-applied/--cost "
             "(the late answer decides them)"
         )
-    state = await ledger.accept_evidence(args.call_id, note=args.note, by=args.by)
-    from effectguard.callpath.crash import from_environment
-
-    from_environment().hit("after:reconcile")
+    state = await ledger.accept_evidence(
+        args.call_id, note=args.note, by=args.by, attempt=args.attempt
+    )
+    crash.hit("after:reconcile")
     emit(args, call_json(state), f"{state.call_id}: {state.stage} (on its late answer)")
     return EXIT_OK
 
 
-async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger) -> int:
-    from effectguard.callpath.crash import from_environment
+async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger, crash: CrashPoints) -> int:
     from effectguard.ops.reconcile import reconcile_auto
     from effectguard.providers import load_providers
 
     dirs = [Path(p) for p in args.providers or ()]
     providers = load_providers(dirs, upstreams(args), name_upstream=upstream_flag)
-    results = await reconcile_auto(ledger, providers, crash=from_environment())
+    results = await reconcile_auto(ledger, providers, crash=crash)
     text = "\n".join(f"{r['call_id']}: {r['result']}" for r in results)
     emit(args, results, text or "no effect-unknown calls with a lookup path")
     return EXIT_OK
@@ -247,12 +260,12 @@ def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attempt",
         type=attempt_number,
-        help="decide only if the call's last attempt is still N (as show printed it)",
+        help="decide (or authorize a resend) only if the call's last attempt is still N "
+        "(as show printed it)",
     )
     p.add_argument(
         "--by",
         type=one_line("a name"),
-        default=getpass.getuser(),
         help="who decides (default: login name)",
     )
     p.add_argument("--auto", action="store_true", help="ask providers' declared lookup paths")
@@ -278,7 +291,9 @@ def _budget_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--limit", type=usd, help="limit in USD")
     q.add_argument("--no-limit", action="store_true", help="remove the limit")
     q.add_argument(
-        "--period", choices=PERIOD_KINDS, help="the limit resets each calendar day, week or month"
+        "--period",
+        choices=PERIOD_KINDS,
+        help="the limit resets each calendar day, week or month (total: never; the default)",
     )
     q.add_argument(
         "--tz", type=zone_name, help="IANA timezone of the period's calendar (default UTC)"

@@ -125,8 +125,17 @@ async def _with_ledger(
 ) -> int:
     ledger_url: str = args.ledger
     check_ledger(ledger_url)
-    async with Ledger.open(ledger_url) as ledger:
-        return await job(ledger)
+    try:
+        async with Ledger.open(ledger_url) as ledger:
+            return await job(ledger)
+    except LedgerUnavailable:
+        # SQLite waits for a held write lock inside one C call, where Ctrl-C cannot reach
+        # Python: asyncio's handler runs (and cancels this task) only once the wait gave
+        # up. The person stopped the command; that is exit 130, not "ledger unavailable".
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError from None
+        raise
 
 
 def _say(message: object) -> None:

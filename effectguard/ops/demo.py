@@ -36,10 +36,14 @@ class DemoUpstream:
         # Bound now, so the URL is known before the proxy's settings are built.
         self._sock = listen_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.answers_for: tuple[str, ...] = PROVIDERS
 
-    def upstreams(self) -> dict[str, str]:
-        """``--upstream`` overrides that point the demo providers here."""
-        return {name: self.url for name in PROVIDERS}
+    def upstreams(self, explicit: dict[str, str]) -> dict[str, str]:
+        """The ``--upstream`` overrides with the demo providers pointed here, except those
+        ``explicit`` (the operator's own ``--upstream``) sends elsewhere: theirs wins, and
+        the start line names only the providers the demo really answers for."""
+        self.answers_for = tuple(name for name in PROVIDERS if name not in explicit)
+        return {name: self.url for name in self.answers_for} | explicit
 
     @contextlib.asynccontextmanager
     async def running(self, receipts: Path) -> AsyncIterator[None]:
@@ -53,8 +57,9 @@ class DemoUpstream:
         await runner.setup()
         try:
             await web.SockSite(runner, self._sock).start()
+            served = ", ".join(self.answers_for) or "no provider (each --upstream sends elsewhere)"
             print(
-                f"effectguard demo: the fake provider answers for {', '.join(PROVIDERS)} at "
+                f"effectguard demo: the fake provider answers for {served} at "
                 f"{self.url} (offline; receipts in {receipts})",
                 flush=True,
             )

@@ -129,26 +129,35 @@ async def cmd_key_new(args: argparse.Namespace, ledger: Ledger) -> int:
 
 
 def print_config(args: argparse.Namespace) -> int:
-    """``key new --print-config`` / ``--admin``: a key and its lines for the config file."""
+    """``key new --print-config`` / ``--admin``: a key and its lines for the config file
+    (with ``--json``, the same as one object: ``key``, ``name``, ``sha256``, ``config``,
+    and a proxy key's ``budget_root``)."""
     from effectguard.config.settings import hash_key
 
-    if args.admin is not None:
-        key = new_key()
-        print(f"admin key (give it to the operator; it is not stored): {key}")
-        print("config:")
-        # A TOML basic string: JSON's escapes are TOML's, and the rest stays as typed
-        # (TOML refuses the surrogate-pair escapes ensure_ascii would write for 😀).
-        name = json.dumps(notes.name_text(args.admin), ensure_ascii=False)
-        print(f'[[admin.keys]]\nname = {name}\nsha256 = "{hash_key(key)}"')
-        return EXIT_OK
-    if args.expires is not None or args.models or args.providers:
+    if args.admin is None and (args.expires is not None or args.models or args.providers):
         print("effectguard: --expires, --models and --providers need a ledger key", file=sys.stderr)
         return EXIT_USAGE
     key = new_key()
-    name = args.name or args.root
-    print(f"key (give it to the tenant; it is not stored): {key}")
-    print("config:")
-    print(f'[[keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"\nbudget_root = "{args.root}"')
+    digest = hash_key(key)
+    if args.admin is not None:
+        # A TOML basic string: JSON's escapes are TOML's, and the rest stays as typed
+        # (TOML refuses the surrogate-pair escapes ensure_ascii would write for 😀).
+        name = notes.name_text(args.admin)
+        shown = {"key": key, "name": name, "sha256": digest}
+        lines = (
+            f'[[admin.keys]]\nname = {json.dumps(name, ensure_ascii=False)}\nsha256 = "{digest}"'
+        )
+        who = "operator"
+    else:
+        name = args.name or args.root
+        shown = {"key": key, "name": name, "budget_root": args.root, "sha256": digest}
+        lines = f'[[keys]]\nname = "{name}"\nsha256 = "{digest}"\nbudget_root = "{args.root}"'
+        who = "tenant"
+    kind = "admin key" if args.admin is not None else "key"
+    text = f"{kind} (give it to the {who}; it is not stored): {key}\nconfig:\n{lines}"
+    # Printed whole, not through emit's terminal filter: the name is a TOML string the
+    # config file must read back exactly (checked printable when parsed).
+    print(json.dumps({**shown, "config": lines + "\n"}, indent=2) if args.json else text)
     return EXIT_OK
 
 
@@ -176,6 +185,10 @@ async def cmd_key_revoke(args: argparse.Namespace, ledger: Ledger) -> int:
     return EXIT_OK
 
 
+#: What only a proxy key (--root) has.
+_PROXY_KEY_ONLY = ("--name", "--expires", "--models", "--providers")
+
+
 def _check_new(args: argparse.Namespace) -> str | None:
     if args.print_config or args.admin is not None:  # writes nothing: needs no ledger
         del args.run_ledger
@@ -185,6 +198,11 @@ def _check_new(args: argparse.Namespace) -> str | None:
         # key (shown once) was printed.
         if notes.name_text(args.admin) is None:
             return f"admin name {args.admin!r}: must be a printable, non-empty name"
+        # An admin key is named by --admin and has no expiry or restriction: a flag asking
+        # for one would otherwise be dropped, and a key meant to expire never would.
+        given = [flag for flag in _PROXY_KEY_ONLY if getattr(args, flag[2:]) is not None]
+        if given:
+            return f"{', '.join(given)}: not for an operator page key (--admin)"
         return None
     try:
         budgets.validate_path(args.root)

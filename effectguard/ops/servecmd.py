@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from effectguard.ops.demo import DemoUpstream
 
         demo = DemoUpstream()
-        overrides = demo.upstreams() | overrides  # an explicit --upstream still wins
+        overrides = demo.upstreams(overrides)  # an explicit --upstream still wins
     settings = load_settings(
         config=Path(args.config) if args.config else None,
         ledger=args.ledger,

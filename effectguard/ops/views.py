@@ -241,7 +241,7 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
         type=since_argument,
         metavar="WHEN",
         help="only calls created since WHEN: an ISO date/time (UTC unless it says) "
-        "or a duration back from now (90s, 30m, 2h, 7d)",
+        "or a duration back from now (90s, 30m, 2h, 7d, 2w)",
     )
     p.add_argument("--limit", type=count, default=1000, help="at most this many (default 1000)")
     p.set_defaults(run_ledger=cmd_calls)

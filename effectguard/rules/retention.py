@@ -6,7 +6,8 @@ The rules (docs/contract.md §8, ``effectguard archive``; written out in docs/op
 * its stage is not final (``in_flight``, ``effect_unknown``, and the resumable stages
   ``not_sent``, ``not_processed``, ``reconciled_not_applied``, whose key may still start
   a new attempt): only ``refused``, ``completed``, ``failed`` and ``reconciled_applied``
-  calls are archived (a ``failed`` call can no longer be reconciled once archived);
+  calls are archived (a ``failed`` call can no longer be reconciled once archived), and
+  a call in a resumable stage that has no idempotency key, which nothing can resume;
 * it was resolved at or after the cut-off date: retention counts from the call's last
   event (the one that resolved it; only a late answer kept as evidence may follow, and
   that keeps the call longer, never shorter), not from its admission, so a call that
@@ -31,11 +32,15 @@ from typing import Final
 
 from effectguard.errors import Refusal
 from effectguard.rules.admission import Decision
-from effectguard.rules.guidance import show_command
 from effectguard.rules.workstate import WorkState
 
 #: Stages after which no event of the call can follow (next operation ``none``).
 ARCHIVABLE_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
+#: Stages only a request under the call's idempotency key can resume (contract §4): a
+#: key-less declared retry repeats only an unresolved call, so a key-less call that ended
+#: in one of them is as final as a completed one. Were it kept live, one routine 400 or
+#: 429 would hold every later call in the live ledger for ever.
+RESUMABLE_BY_KEY: Final = frozenset({"not_sent", "not_processed", "reconciled_not_applied"})
 DAY_S: Final = 86400.0
 #: The events one step of an archive takes at most (``archive --step-events``). Each
 #: step deletes its range in one transaction under the ledger's write lock, which live
@@ -59,17 +64,50 @@ class RetentionPolicy:
         return now - self.keep_bodies_days * DAY_S
 
 
+RESOLVED_LATE: Final = "resolved after the cut-off"
+IN_WINDOW: Final = "inside its provider's idempotency window"
+
+
+def not_final(stage: str) -> str:
+    """The reason a call in ``stage`` (not final) stays live."""
+    return f"stage {stage} is not final"
+
+
 def stays_live(state: WorkState, *, resolved_at: float, before: float, now: float) -> str | None:
     """Why ``state``'s call may not be archived yet (None: it may); ``resolved_at`` is the
     time of the call's last event."""
-    if state.stage not in ARCHIVABLE_STAGES:
-        return f"stage {state.stage} is not final"
+    keyless_end = state.idempotency_key is None and state.stage in RESUMABLE_BY_KEY
+    if state.stage not in ARCHIVABLE_STAGES and not keyless_end:
+        return not_final(state.stage)
     if resolved_at >= before:
-        return "resolved after the cut-off"
+        return RESOLVED_LATE
     window = state.idempotency_window_s
     if window is not None and now - state.created_at <= window:
-        return "inside its provider's idempotency window"
+        return IN_WINDOW
     return None
+
+
+def remedy(reason: str) -> str:
+    """What an operator can do about a call that holds the cut for ``reason``: only an
+    unresolved call has anything to resolve; the others leave by themselves, or (a keyed
+    resumable call) once their key is sent again."""
+    if reason == not_final("effect_unknown"):
+        return "reconcile it to archive the calls after it"
+    if reason == not_final("in_flight"):
+        return (
+            "it leaves once it settles (if the process that sent it is gone, a running "
+            "serve's sweeper marks it effect_unknown: then reconcile it)"
+        )
+    if reason in {not_final(stage) for stage in RESUMABLE_BY_KEY}:
+        return (
+            "its Idempotency-Key may still start a new attempt, so it stays live until "
+            "that key is sent again; no command resolves it"
+        )
+    if reason == RESOLVED_LATE:
+        return "it leaves with a later cut-off; nothing to resolve"
+    if reason == IN_WINDOW:
+        return "it leaves once that window has passed; nothing to resolve"
+    return "run archive again later"
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +206,8 @@ def decide_archived(call_id: str, archived_hash: str, request_hash: str) -> Deci
         status, type_ = 409, "archived"
         message = (
             f"call {call_id} with this key finished and was archived; its response is in "
-            f"the archive, not resent (see `{show_command(call_id)}`); new work needs a "
-            "new Idempotency-Key"
+            "the archive (the file `effectguard archive` wrote, or the archived_events "
+            "table on PostgreSQL), not resent; new work needs a new Idempotency-Key"
         )
     refusal = Refusal(
         status, type_, message, call_id=call_id, stage="archived", next_operation="none"

@@ -32,8 +32,10 @@ from effectguard.rules.events import StoredEvent
 #: resolved, with nothing left to do (next operation ``none``), so no request under the
 #: call's key may start a new attempt. Not ``in_flight`` or ``effect_unknown`` (unresolved),
 #: nor ``not_sent``, ``not_processed`` or ``reconciled_not_applied`` (a resend under the
-#: key resumes the call).
+#: key resumes the call), unless the call has no key: then nothing can resume it (a
+#: key-less declared retry repeats only an ``in_flight`` or ``effect_unknown`` call).
 FINAL_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
+KEYLESS_FINAL_STAGES: Final = FINAL_STAGES | {"not_sent", "not_processed", "reconciled_not_applied"}
 
 
 def lines_sha256(lines: Iterable[str]) -> str:
@@ -77,8 +79,10 @@ def verify_range(
     if (int(mark.get("first_seq", -1)), mark.get("prev_digest")) != (first, header["prev_digest"]):
         report.broken(tail.seq, "the archive does not start where its checkpoint says")
     for call_id, fold in sorted(verifier.calls.items()):
-        stage = fold.projection()["stage"]
-        if fold.unfinished is not None or stage not in FINAL_STAGES:
+        projection = fold.projection()
+        stage = projection["stage"]
+        final = KEYLESS_FINAL_STAGES if projection["idempotency_key"] is None else FINAL_STAGES
+        if fold.unfinished is not None or stage not in final:
             report.broken(fold.last_seq, f"call {call_id}: archived while {stage}")
     if not checkpoint.same_state(verifier, mark.get("state")):
         report.broken(tail.seq, "folding the archive does not give its checkpoint's state")
