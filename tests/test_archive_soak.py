@@ -179,7 +179,7 @@ def _round(ledger: Path, at: float, moved: dict[str, Any], traffic: Traffic) -> 
 def _assert_bounded(rounds: list[Round]) -> None:
     """Archival kept pace: the pages in use at the end of the run are back near their
     first-half floor, by far less than the second half's calls brought in, and the files
-    did not grow much past their first-half peak."""
+    did not stay much past their first-half peak."""
     half = DURATION_S / 2
     first = [r for r in rounds if WARM_S <= r.at <= half]
     last = [r for r in rounds if r.at > 3 * DURATION_S / 4]
@@ -187,8 +187,11 @@ def _assert_bounded(rounds: list[Round]) -> None:
     grew = min(r.used for r in last) - min(r.used for r in first)
     brought = (rounds[-1].answered - first[-1].answered) * BODY_BYTES
     assert grew <= brought / 5, (grew, brought, rounds)
+    # The size counts the WAL, which a checkpoint held back by a reader (a busy machine)
+    # leaves long for a round: judged on the last quarter's smallest, one such round
+    # does not fail the run, and a file that kept growing still does.
     peak = max(r.size for r in first)
-    assert rounds[-1].size <= 1.5 * peak, (peak, rounds)
+    assert min(r.size for r in last) <= 1.5 * peak, (peak, rounds)
 
 
 def test_soak_archival_every_few_seconds_keeps_the_sqlite_ledger_bounded(
