@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from observing import wait_for
 from test_proxy_input import recording_upstream
 
 from effectguard.config.keysettings import hash_key
@@ -182,6 +183,12 @@ def test_a_query_string_in_an_upstream_error_reaches_no_log_ledger_or_answer(
     assert "interrupted" in shown and "/v1/chat/completions?…" in shown
 
 
+def _logged(edge: Edge, needle: str) -> str:
+    """The proxy's log once it holds ``needle``, else the empty string."""
+    log = edge.proxy.log()
+    return log if needle in log else ""
+
+
 def test_text_log_lines_stay_one_short_printable_line(edge: Edge) -> None:
     """A path with a C1 control (a terminal's CSI) and a direction override, and a long
     budget holding a line separator, are logged escaped and cut: every line of the log is
@@ -194,7 +201,8 @@ def test_text_log_lines_stay_one_short_printable_line(edge: Edge) -> None:
         "/tokenecho/v1/chat/completions", json=CHAT, headers={**key, "Effectguard-Budget": budget}
     )
     assert refused.status_code == 400, refused.text
-    log = edge.proxy.log()
+    # The access line is written once the answer is sent: the client can read first.
+    log = wait_for(lambda: _logged(edge, "error=invalid_budget"), 10, "the refusal's line")
     lines = log.splitlines()
     assert all(line.isprintable() for line in lines), [ln for ln in lines if not ln.isprintable()]
     access = [line for line in lines if "event=access" in line]
@@ -210,7 +218,8 @@ def test_a_path_cannot_add_fields_to_a_text_access_line(edge: Edge) -> None:
     forged = "/tokenecho/v1/chat/x%20200%20event=access%20call_id=call_forged%20status=200"
     answer = edge.client.post(forged, json=CHAT, headers={"Effectguard-Key": edge.key})
     assert answer.status_code == 200, answer.text
-    lines = [ln for ln in edge.proxy.log().splitlines() if "call_forged" in ln]
+    log = wait_for(lambda: _logged(edge, "call_forged"), 10, "the forged path's access line")
+    lines = [ln for ln in log.splitlines() if "call_forged" in ln]
     assert len(lines) == 1, lines
     words = shlex.split(lines[0])
     assert [w for w in words if w.startswith("call_id=")] == [
