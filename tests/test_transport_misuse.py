@@ -119,6 +119,54 @@ def test_sync_streams_dropped_unclosed_never_hang_and_settle_completed(
     assert len(provider.effects()) == 12
 
 
+def test_a_stream_collected_while_its_thread_hands_in_a_call_never_hangs(
+    provider: FakeProvider,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The collector runs at any allocation, in the middle of the transport's own code
+    too: here, while the thread that dropped a stream hands its next call to the loop.
+    The stream's close, run by the collector on that thread, once waited for the lock
+    that thread held, and the thread hung for ever."""
+    ledger = tmp_path / "ledger.db"
+    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
+    client = openai.OpenAI(
+        base_url=provider.url + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport),
+    )
+    handing_in = asyncio.run_coroutine_threadsafe
+
+    def collect_then_hand_in(coro: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        gc.collect()  # where an allocation could have started it
+        return handing_in(coro, loop)
+
+    def drop_then_call() -> None:
+        stream = client.chat.completions.create(
+            model="gpt-4o-mini", messages=_message(0), stream=True
+        )
+        for _ in stream:
+            break  # dropped half-read: no close(); the SDK's stream is a cycle
+        del stream
+        monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", collect_then_hand_in)
+        client.chat.completions.create(model="gpt-4o-mini", messages=_message(1))
+
+    gc.disable()  # the collector runs where this test says, not before
+    try:
+        worker = threading.Thread(target=drop_then_call, daemon=True)
+        worker.start()
+        worker.join(30)  # a bound on a hang, not a timing claim
+    finally:
+        gc.enable()
+        monkeypatch.undo()
+    assert not worker.is_alive(), "the thread hung on its own lock"
+    transport.close()
+    assert len(provider.effects()) == 2
+    assert stages_of(capsys, ledger) == Counter(completed=2)
+
+
 def test_async_streams_dropped_unclosed_settle_completed(
     provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -40,7 +40,10 @@ class Portal:
     """Runs coroutines on its own loop thread for synchronous callers."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: the garbage collector runs at any allocation, inside ``_submit`` too,
+        # and an abandoned stream it finalizes there closes through ``_submit`` on the
+        # same thread. A plain lock waited on itself there, and the thread hung for ever.
+        self._lock = threading.RLock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         #: Set when the first close begins: from then on nothing new is taken.
