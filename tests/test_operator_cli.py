@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import respx
+from pgkit import DSN, scratch_schema
 
 from effectguard import AsyncGuardTransport, GuardSettings
 from effectguard.ops.cli import main as cli_main
@@ -77,8 +79,9 @@ def test_show_tells_the_story_of_an_unknown_call(
     assert "interrupted by" in text and "ReadTimeout" in text
     assert "held" in text and "reserved at admission" in text
     # the attempt shown: copied after another attempt began, the command is refused
-    assert f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT --attempt 1" in text
-    assert f"effectguard reconcile {call_id} --not-applied --note TEXT --attempt 1" in text
+    decide = f"effectguard reconcile {call_id} --ledger {ledger}"
+    assert f"{decide} --applied [--cost USD] --note TEXT --attempt 1" in text
+    assert f"{decide} --not-applied --note TEXT --attempt 1" in text
     full = _run(capsys, "show", call_id, "--full", "--ledger", ledger)
     assert long_prompt in full
 
@@ -182,6 +185,48 @@ def test_reconcile_with_attempt_decides_only_the_attempt_shown(
         assert exit_.value.code == 2
     decided = json.loads(_run(capsys, *decide, "--attempt", "1", "--json"))
     assert decided["stage"] == "reconciled_not_applied"
+
+
+def _next_commands(text: str) -> list[str]:
+    """The commands under ``show``'s ``next`` heading, as an operator copies them."""
+    lines = text.split("\nnext\n", 1)[1].splitlines()
+    return [line.strip().removeprefix("or ") for line in lines]
+
+
+def test_the_printed_command_decides_the_call_in_the_ledger_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``show --ledger PATH`` printed its reconcile command without the ledger: copied as
+    printed, it went to ``./effectguard.db`` (refused, or another ledger). The command now
+    names the ledger, quoted for a shell, and decides the call it shows."""
+    folder = tmp_path / "a ledger's folder"
+    folder.mkdir()
+    _, unknown, ledger = asyncio.run(_make_calls(str(folder / "l.db"), "which ledger"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("EFFECTGUARD_LEDGER", raising=False)
+    printed = _next_commands(_run(capsys, "show", unknown, "--ledger", ledger))
+    argv = shlex.split(next(c for c in printed if "--not-applied" in c).replace("TEXT", "ok"))
+    assert argv[:3] == ["effectguard", "reconcile", unknown]
+    assert json.loads(_run(capsys, *argv[1:], "--json"))["stage"] == "reconciled_not_applied"
+    assert not (elsewhere / "effectguard.db").exists()
+
+
+@pytest.mark.skipif(not DSN or "://postgres@" not in DSN, reason="needs a password-less DSN")
+def test_the_printed_command_names_a_postgres_ledger_without_its_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A DSN's password is never printed: the command shows ``***`` in its place."""
+    with scratch_schema() as url:
+        secret = url.replace("://postgres@", "://postgres:s3cret-pw@", 1)  # trust auth
+        _, unknown, _ = asyncio.run(_make_calls(secret, "which ledger"))
+        text = _run(capsys, "show", unknown, "--ledger", secret)
+        shown = json.loads(_run(capsys, "show", unknown, "--ledger", secret, "--json"))
+    assert "s3cret-pw" not in text + json.dumps(shown)
+    masked = shlex.quote(secret.replace("s3cret-pw", "***"))
+    assert all(f"{unknown} --ledger {masked}" in c for c in _next_commands(text))
+    assert shown["next_command"].count(f"--ledger {masked}") == 2
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,22 @@ def resolve_ledger(args: argparse.Namespace) -> str:
     if args.ledger:
         return str(args.ledger)
     return named or defaults.ledger_from(os.environ)
+
+
+def ledger_flags(args: argparse.Namespace) -> str:
+    """The flags that named this command's ledger, for a command it prints to run next:
+    ``--ledger`` as given (a password in it shown as ``***``), else ``--config``; nothing
+    when the environment or the default named it (the next command finds it the same way)."""
+    if args.ledger:
+        value = str(args.ledger)
+        if value.startswith(("postgresql://", "postgres://")):
+            from effectguard.ledger.pgschema import redacted
+
+            value = redacted(value)
+        return f" --ledger {shlex.quote(value)}"
+    if args.config:
+        return f" --config {shlex.quote(str(args.config))}"
+    return ""
 
 
 def check_ledger(url: str) -> None:

@@ -8,6 +8,7 @@ never as Python's ``None``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from effectguard.ops.render import age, iso, money
@@ -140,15 +141,19 @@ def _evidence_lines(events: list[StoredEvent]) -> list[str]:
     return lines
 
 
-def next_commands(state: WorkState, events: list[StoredEvent]) -> str | None:
+def next_commands(state: WorkState, events: list[StoredEvent], where: str = "") -> str | None:
     """The exact command(s) to run next, ``|``-separated; a late answer that decides an
-    effect-unknown call offers ``--accept-evidence`` first."""
+    effect-unknown call offers ``--accept-evidence`` first. ``where`` (`` --ledger X``)
+    follows the call id of each: copied as printed, a command reads the ledger shown."""
     command = next_command(state.call_id, state.stage, state.attempts or None)
     late = evidence.latest(events, state.attempts)
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = f"effectguard reconcile {state.call_id} --accept-evidence [--note TEXT]"
-        return f"{accept} | {command}" if command else accept
-    return command
+        command = f"{accept} | {command}" if command else accept
+    if command is None or not where:
+        return command
+    verb = re.compile(rf"effectguard \w+ {re.escape(state.call_id)}")
+    return verb.sub(lambda m: m.group(0) + where, command)
 
 
 def decisions(events: list[StoredEvent]) -> list[str]:
@@ -176,8 +181,10 @@ def render(
     full: bool,
     now: float,
     stored_bytes: int | None = None,
+    where: str = "",
 ) -> str:
-    """The text of ``effectguard show`` (``stored_bytes``: see :func:`request_text`)."""
+    """The text of ``effectguard show`` (``stored_bytes``: see :func:`request_text`;
+    ``where``: see :func:`next_commands`)."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     lines = [
         f"call {state.call_id}",
@@ -219,7 +226,7 @@ def render(
     text = request_text(events, stored_bytes)
     lines += ["", "request"]
     lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
-    command = next_commands(state, events)
+    command = next_commands(state, events, where)
     choices = command.split(" | ") if command else ["nothing to do"]
     lines += ["", "next", *(f"  {'or ' if i else ''}{c}" for i, c in enumerate(choices))]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from effectguard.ops.command import (
     budget_path,
     check_ledger,
     count,
+    ledger_flags,
     ledger_option,
     path_arg,
 )
@@ -102,12 +103,19 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
         "request": showcall.request_json(events, stored),
         "attempts_detail": showcall.attempts(events),
         "evidence": showcall.late_answers(events),
-        "next_command": showcall.next_commands(state, events),
+        "next_command": showcall.next_commands(state, events, ledger_flags(args)),
     }
     if args.json:
         emit(args, payload, "")
     else:
-        text = showcall.render(state, events, full=args.full, now=time.time(), stored_bytes=stored)
+        text = showcall.render(
+            state,
+            events,
+            full=args.full,
+            now=time.time(),
+            stored_bytes=stored,
+            where=ledger_flags(args),
+        )
         emit(args, payload, text)
     return EXIT_OK
 
