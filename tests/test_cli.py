@@ -755,6 +755,24 @@ def test_reconcile_unknown_call_id_exits_3(traffic: Traffic) -> None:
     assert "call_nope" in result.stderr
 
 
+def test_migrate_says_what_it_applied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``migrate`` said "migrations applied" whatever it did: it now says whether it made
+    the ledger, which migrations it applied to an older one, or that none was pending."""
+    ledger = str(tmp_path / "l.db")
+    code, made, _ = run(capsys, "migrate", "--ledger", ledger)
+    assert code == 0 and "created:" in made, made
+    last = int(made.rsplit("migration ", 1)[1])
+    with sqlite3.connect(ledger) as conn:  # the ledger as the release before wrote it
+        conn.execute("DELETE FROM migrations WHERE version = ?", (last,))
+        conn.execute("DROP INDEX calls_decided")
+    code, upgraded, _ = run(capsys, "migrate", "--ledger", ledger)
+    assert code == 0
+    assert upgraded.strip() == f"ledger {ledger}: migration {last} applied, now at migration {last}"
+    code, again, _ = run(capsys, "migrate", "--ledger", ledger)
+    assert code == 0
+    assert again.strip() == f"ledger {ledger}: up to date at migration {last}; nothing applied"
+
+
 def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
     """``effectguard calls --json | head -c 1``: the CLI stops quietly, exit 0, no traceback."""
     ledger = tmp_path / "l.db"

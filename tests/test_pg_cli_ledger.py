@@ -88,8 +88,12 @@ def test_an_empty_schema_is_not_made_a_ledger(schema: str, argv: list[str]) -> N
 
 
 def test_migrate_makes_the_ledger_the_others_then_use(schema: str) -> None:
-    """migrate creates the schema; afterwards the commands read it."""
+    """migrate creates the schema, and says so without printing a password in the URL;
+    afterwards the commands read it."""
     url = with_schema(DSN, schema)
-    assert run("migrate", "--ledger", url).code == 0
+    secret = url.replace("://postgres@", "://postgres:s3cret-pw@", 1)  # trust auth
+    made = run("migrate", "--ledger", secret)
+    assert made.code == 0 and "created:" in made.out, made
+    assert "s3cret-pw" not in made.out + made.err
     done = run("budgets", "--ledger", url)
     assert done.code == 0, done.err

@@ -353,19 +353,12 @@ def check_ledger_schema(url: str) -> None:
     target = Target.parse(url)
     conn = target.connect()  # an unreachable server: LedgerUnavailable (exit 4)
     try:
-        # With ?schema=, the search_path is that schema alone, so a table of that name
-        # elsewhere (public) is not taken for it; to_regclass reads a missing schema as NULL.
-        found = conn.execute("SELECT to_regclass('migrations') IS NOT NULL").fetchone()
+        found = _applied_on(conn)
         schema_missing = (
             target.schema is not None
             and not conn.execute(
                 "SELECT 1 FROM pg_namespace WHERE nspname = %s", (target.schema,)
             ).fetchone()
-        )
-        applied = (
-            [int(r[0]) for r in conn.execute("SELECT version FROM migrations")]
-            if found and found[0]
-            else []
         )
     except psycopg.Error as exc:
         raise LedgerUnavailable(f"cannot read ledger {redacted(url)}: {exc}") from exc
@@ -376,13 +369,36 @@ def check_ledger_schema(url: str) -> None:
             f"no ledger at {redacted(url)}: schema {target.schema} does not exist (use "
             "--ledger; `effectguard serve` or `effectguard migrate` creates one)"
         )
-    if not (found and found[0]):
+    if found is None:
         raise ConfigError(
             f"{redacted(url)} is not an effectguard ledger: no migrations table in "
             f"{'schema ' + target.schema if target.schema else 'the search_path'} "
             "(effectguard migrate --ledger DSN makes one)"
         )
-    versions.check_current(redacted(url), applied, (m[0] for m in MIGRATIONS))
+    versions.check_current(redacted(url), found, (m[0] for m in MIGRATIONS))
+
+
+def applied_versions(url: str) -> list[int]:
+    """The migrations applied to the ledger at ``url``, read only; none where there is no
+    ledger yet (no schema, no ``migrations`` table)."""
+    conn = Target.parse(url).connect()  # an unreachable server: LedgerUnavailable (exit 4)
+    try:
+        return _applied_on(conn) or []
+    except psycopg.Error as exc:
+        raise LedgerUnavailable(f"cannot read ledger {redacted(url)}: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def _applied_on(conn: psycopg.Connection[Any]) -> list[int] | None:
+    """The versions in the ``migrations`` table on ``conn``'s search_path (None: no table).
+
+    With ?schema=, the search_path is that schema alone, so a table of that name elsewhere
+    (public) is not taken for it; to_regclass reads a missing schema as NULL."""
+    found = conn.execute("SELECT to_regclass('migrations') IS NOT NULL").fetchone()
+    if not (found and found[0]):
+        return None
+    return [int(r[0]) for r in conn.execute("SELECT version FROM migrations")]
 
 
 def clock_offset(conn: psycopg.Connection[Any]) -> float:

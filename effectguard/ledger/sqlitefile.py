@@ -122,6 +122,14 @@ def check_ledger_file(path: str, *, current: bool = True) -> None:
     versions.check_current(path, _applied(path), (m[0] for m in MIGRATIONS))
 
 
+def applied_versions(path: str) -> list[int]:
+    """The migrations applied to the ledger at ``path``, read only; none where there is no
+    ledger yet (no file, or one without a ``migrations`` table)."""
+    if not Path(path).is_file() or "migrations" not in _tables(path):
+        return []
+    return _applied(path)
+
+
 def _applied(path: str) -> list[int]:
     """The migrations applied to the ledger at ``path``, read through a read-only connection."""
     try:

@@ -34,3 +34,15 @@ def check_current(shown: str, applied: Iterable[int], known: Iterable[int]) -> N
             f"pending): stop its older replicas, then run `effectguard migrate --ledger "
             f"{shown}` (docs/operations.md, Upgrades and migrations)"
         )
+
+
+def migrated(before: Iterable[int], after: Iterable[int]) -> str:
+    """What ``effectguard migrate`` did, from the migrations applied ``before`` and ``after``."""
+    was, now = set(before), sorted(set(after))
+    done = [v for v in now if v not in was]
+    at = f"migration {now[-1]}" if now else "no migration"
+    if not done:
+        return f"up to date at {at}; nothing applied"
+    if not was:
+        return f"created: {len(done)} migrations applied, now at {at}"
+    return f"migration {', '.join(map(str, done))} applied, now at {at}"

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from effectguard.config.precedence import overspent
 from effectguard.ledger import Ledger
+from effectguard.ledger.versions import migrated
 from effectguard.ops.command import (
     EXIT_OK,
     EXIT_USAGE,
     Command,
+    applied_versions,
     budget_path,
     call_usd,
     check_ledger_place,
@@ -26,6 +28,7 @@ from effectguard.ops.command import (
     path_arg,
     provider_options,
     set_check,
+    shown_ledger,
     upstream_flag,
     upstreams,
     usd,
@@ -241,12 +244,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     """``effectguard migrate``: create or upgrade the ledger's tables."""
     check_ledger_place(args.ledger)  # a directory or a foreign file: exit 2, not a migration
 
+    before = applied_versions(args.ledger)
+
     async def job() -> None:
         async with Ledger.open(args.ledger):
             pass  # opening a store applies its pending migrations, each in its own transaction
 
     asyncio.run(job())
-    print(f"ledger {args.ledger}: migrations applied")
+    after = applied_versions(args.ledger)
+    print(f"ledger {shown_ledger(args.ledger)}: {migrated(before, after)}")
     return EXIT_OK
 
 

@@ -129,15 +129,33 @@ def ledger_flags(args: argparse.Namespace) -> str:
     ``--ledger`` as given (a password in it shown as ``***``), else ``--config``; nothing
     when the environment or the default named it (the next command finds it the same way)."""
     if args.ledger:
-        value = str(args.ledger)
-        if value.startswith(("postgresql://", "postgres://")):
-            from effectguard.ledger.pgschema import redacted
-
-            value = redacted(value)
-        return f" --ledger {shlex.quote(value)}"
+        return f" --ledger {shlex.quote(shown_ledger(str(args.ledger)))}"
     if args.config:
         return f" --config {shlex.quote(str(args.config))}"
     return ""
+
+
+def shown_ledger(url: str) -> str:
+    """``url`` as a command prints it: a PostgreSQL URL's password as ``***``."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    from effectguard.ledger.pgschema import redacted
+
+    return redacted(url)
+
+
+def applied_versions(url: str) -> list[int]:
+    """The migrations applied to the ledger at ``url``, read without migrating it; none
+    where there is no ledger yet."""
+    if url.startswith("memory://"):
+        return []
+    if url.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger import pgschema
+
+        return pgschema.applied_versions(url)
+    from effectguard.ledger import sqlitefile
+
+    return sqlitefile.applied_versions(sqlitefile.sqlite_path(url))
 
 
 def check_ledger(url: str) -> None:
