@@ -193,20 +193,30 @@ def _next_commands(text: str) -> list[str]:
     return [line.strip().removeprefix("or ") for line in lines]
 
 
+@pytest.mark.parametrize("found_by", ["--ledger", "--config", "environment"])
 def test_the_printed_command_decides_the_call_in_the_ledger_shown(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    found_by: str,
 ) -> None:
     """``show --ledger PATH`` printed its reconcile command without the ledger: copied as
     printed, it went to ``./effectguard.db`` (refused, or another ledger). The command now
-    names the ledger, quoted for a shell, and decides the call it shows."""
+    names the ledger ``show`` read, however it was found, quoted for a shell, and run in
+    another folder with another environment it decides the call it shows."""
     folder = tmp_path / "a ledger's folder"
     folder.mkdir()
     _, unknown, ledger = asyncio.run(_make_calls(str(folder / "l.db"), "which ledger"))
+    config = folder / "serve.toml"
+    config.write_text(f"ledger = {json.dumps(ledger)}\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    monkeypatch.delenv("EFFECTGUARD_LEDGER", raising=False)
-    printed = _next_commands(_run(capsys, "show", unknown, "--ledger", ledger))
+    monkeypatch.setenv("EFFECTGUARD_LEDGER", ledger)
+    where = {"--ledger": ["--ledger", ledger], "--config": ["--config", str(config)]}
+    text = _run(capsys, "show", unknown, *where.get(found_by, []))
+    monkeypatch.delenv("EFFECTGUARD_LEDGER")
+    printed = _next_commands(text)
     argv = shlex.split(next(c for c in printed if "--not-applied" in c).replace("TEXT", "ok"))
     assert argv[:3] == ["effectguard", "reconcile", unknown]
     assert json.loads(_run(capsys, *argv[1:], "--json"))["stage"] == "reconciled_not_applied"

@@ -125,14 +125,9 @@ def resolve_ledger(args: argparse.Namespace) -> str:
 
 
 def ledger_flags(args: argparse.Namespace) -> str:
-    """The flags that named this command's ledger, for a command it prints to run next:
-    ``--ledger`` as given (a password in it shown as ``***``), else ``--config``; nothing
-    when the environment or the default named it (the next command finds it the same way)."""
-    if args.ledger:
-        return f" --ledger {shlex.quote(shown_ledger(str(args.ledger)))}"
-    if args.config:
-        return f" --config {shlex.quote(str(args.config))}"
-    return ""
+    """``--ledger`` naming this command's ledger (resolved: from ``--ledger``, the config or
+    the environment), for a command it prints to run next; a password in it as ``***``."""
+    return f" --ledger {shlex.quote(shown_ledger(str(args.ledger)))}" if args.ledger else ""
 
 
 def shown_ledger(url: str) -> str:
