@@ -132,46 +132,52 @@ def test_a_call_inside_its_providers_idempotency_window_is_not_archived(
         assert code == 0, report["problems"]
 
 
-def test_a_keyless_call_the_provider_refused_does_not_hold_the_cut(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_call_the_provider_refused_does_not_hold_the_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keyed: bool
 ) -> None:
-    """A key-less request the provider answered 400 (``not_processed``) can never be
-    resumed: no key names it, and a key-less retry repeats only unresolved calls
-    (contract §4). So it is final and is archived with the calls around it, instead of
-    holding every later call live for ever (an SDK's 400s and 429s are routine). The
-    same refusal under a key stays live, since its key may start a new attempt."""
+    """A request the provider answered 400 (``not_processed``) had no effect, so it is
+    archived with the calls around it instead of holding every later call live for ever
+    (an SDK's 400s and 429s are routine). Under a key, a resend once resumed it; the
+    call's key is kept, and a resend after the archive answers 409 ``archived``, nothing
+    sent, while the same request under a new key is new work. Kept live until its key
+    came again, one such call held the cut for ever, and no command could release it."""
     ledger = tmp_path / "ledger.db"
-    keyed = {"Idempotency-Key": "order-1"}
+    key = {"Idempotency-Key": "order-1"} if keyed else {}
     with (
         fake_provider(tmp_path / "refusing.jsonl", error_status=400) as refusing,
         running_proxy(ledger, upstreams={"openai": refusing.url}) as proxy,
     ):
-        keyless = httpx.post(proxy.url + CHAT, json=chat(0), timeout=30)
-        assert keyless.status_code == 400, keyless.text
+        refused = httpx.post(proxy.url + CHAT, json=chat(0), headers=key, timeout=30)
+        assert refused.status_code == 400, refused.text
     with (
         fake_provider(tmp_path / "receipts.jsonl") as fake,
         running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
     ):
         send_chats(proxy, [1])
-    with (
-        fake_provider(tmp_path / "refusing.jsonl", error_status=400) as refusing,
-        running_proxy(ledger, upstreams={"openai": refusing.url}) as proxy,
-    ):
-        refused = httpx.post(proxy.url + CHAT, json=chat(2), headers=keyed, timeout=30)
-        assert refused.status_code == 400, refused.text
-    held = refused.headers["effectguard-call-id"]
-    assert call_stages(ledger)[keyless.headers["effectguard-call-id"]] == "not_processed"
+    assert call_stages(ledger)[refused.headers["effectguard-call-id"]] == "not_processed"
     moved = archive(ledger, capsys)
-    assert (moved["calls"], moved["keys"]) == (2, 0), moved
-    assert (moved["held_by"], moved["held_because"]) == (held, "stage not_processed is not final")
-    assert call_stages(ledger) == {held: "not_processed"}
+    assert (moved["calls"], moved["keys"], moved["held_by"]) == (2, int(keyed), None), moved
+    assert call_stages(ledger) == {}
     code, report = cli(capsys, "verify", "--ledger", str(ledger))
     assert code == 0, report["problems"]
     code, report = cli(capsys, "verify", "--archive", moved["path"], "--ledger", str(ledger))
     assert code == 0 and report["calls"] == 2, report["problems"]
-    said = archive_text(ledger, capsys)
-    assert f"the cut stops at call {held} (stage not_processed is not final)" in said, said
-    assert "resolve it" not in said and "until that key is sent again" in said, said
+    if not keyed:
+        return
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        again = httpx.post(proxy.url + CHAT, json=chat(0), headers=key, timeout=30)
+        fresh = httpx.post(
+            proxy.url + CHAT, json=chat(0), headers={"Idempotency-Key": "order-2"}, timeout=30
+        )
+        effects = len(fake.effects())
+    assert again.status_code == 409 and again.json()["error"]["type"] == "archived", again.text
+    assert again.headers["effectguard-call-id"] == refused.headers["effectguard-call-id"]
+    assert fresh.status_code == 200, fresh.text
+    assert effects == 2  # the chat before the archive, and the new key's
 
 
 def archive_text(ledger: Path, capsys: pytest.CaptureFixture[str]) -> str:

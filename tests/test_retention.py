@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from effectguard.ops.audit.archived import FINAL_STAGES, KEYLESS_FINAL_STAGES
+from effectguard.ops.audit.archived import SETTLED_STAGES
 from effectguard.rules.retention import (
     EventRef,
     RetentionPolicy,
@@ -21,45 +21,36 @@ DAY = 86_400.0
 
 
 #: The stages a call may be archived in, written down here rather than read from the code
-#: under test (docs/operations.md): resolved, with no new attempt possible under its key.
-FINAL = {"refused", "completed", "failed", "reconciled_applied"}
-#: Without a key, the stages only a keyed resend could resume are final too (contract §4:
-#: a key-less declared retry repeats only an unresolved call).
-KEYLESS_FINAL = FINAL | {"not_sent", "not_processed", "reconciled_not_applied"}
+#: under test (docs/operations.md): every stage but the unresolved ones. The resumable
+#: stages (no effect) leave too, keyed or not; an archived key answers 409 archived.
+SETTLED = {
+    "refused",
+    "completed",
+    "failed",
+    "reconciled_applied",
+    "not_sent",
+    "not_processed",
+    "reconciled_not_applied",
+}
 
 
 def test_every_stage_is_judged() -> None:
     """The stages this file pins are the contract's (a new stage must be judged here)."""
-    assert set(STAGES) == FINAL | {
-        "in_flight",
-        "effect_unknown",
-        "not_sent",
-        "not_processed",
-        "reconciled_not_applied",
-    }
+    assert set(STAGES) == SETTLED | {"in_flight", "effect_unknown"}
 
 
+@pytest.mark.parametrize("key", ["k", None])
 @pytest.mark.parametrize("stage", STAGES)
-def test_only_final_stages_may_be_archived(stage: str) -> None:
-    """Unresolved and resumable calls stay live; refused, completed, failed and
-    reconciled-applied calls may go, and the verifier judges an archive by the same set."""
-    state = WorkState(call_id="c", stage=stage, created_at=NOW - 100, idempotency_key="k")  # type: ignore[arg-type]
+def test_only_unresolved_calls_stay_live(stage: str, key: str | None) -> None:
+    """Unresolved calls stay live, with a key or without; every settled call may go
+    (a resumable one too: its key answers 409 archived), and the verifier judges an
+    archive by the same set."""
+    state = WorkState(call_id="c", stage=stage, created_at=NOW - 100, idempotency_key=key)  # type: ignore[arg-type]
     reason = stays_live(state, resolved_at=NOW - 50, before=NOW, now=NOW)
-    assert (reason is None) == (stage in FINAL)
-    if stage not in FINAL:
+    assert (reason is None) == (stage in SETTLED)
+    if stage not in SETTLED:
         assert reason == f"stage {stage} is not final"
-    assert (stage in FINAL) == (stage in FINAL_STAGES)
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_keyless_call_nothing_can_resume_may_be_archived(stage: str) -> None:
-    """Without an idempotency key, a call that ended not sent, not processed or
-    reconciled not applied can start no new attempt, so it may go; unresolved calls
-    stay, and the verifier judges a key-less archived call by the same set."""
-    state = WorkState(call_id="c", stage=stage, created_at=NOW - 100)  # type: ignore[arg-type]
-    reason = stays_live(state, resolved_at=NOW - 50, before=NOW, now=NOW)
-    assert (reason is None) == (stage in KEYLESS_FINAL)
-    assert (stage in KEYLESS_FINAL) == (stage in KEYLESS_FINAL_STAGES)
+    assert (stage in SETTLED) == (stage in SETTLED_STAGES)
 
 
 def test_a_call_resolved_after_the_cutoff_stays() -> None:

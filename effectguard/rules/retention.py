@@ -3,11 +3,15 @@
 The rules (docs/contract.md §8, ``effectguard archive``; written out in docs/operations.md,
 "Retention and archives"), each a reason a call stays live:
 
-* its stage is not final (``in_flight``, ``effect_unknown``, and the resumable stages
-  ``not_sent``, ``not_processed``, ``reconciled_not_applied``, whose key may still start
-  a new attempt): only ``refused``, ``completed``, ``failed`` and ``reconciled_applied``
-  calls are archived (a ``failed`` call can no longer be reconciled once archived), and
-  a call in a resumable stage that has no idempotency key, which nothing can resume;
+* it is unresolved (``in_flight``, ``effect_unknown``): every other stage may leave.
+  ``refused``, ``completed``, ``failed`` and ``reconciled_applied`` are final (a
+  ``failed`` call can no longer be reconciled once archived); the resumable stages
+  ``not_sent``, ``not_processed`` and ``reconciled_not_applied`` had no effect, so
+  archiving one loses no money or effect, only the resumption: its key, kept like any
+  archived call's, answers 409 ``archived`` from then on and new work takes a new key.
+  Kept live until its key came again, as it once was, one routine 429 under a key its
+  client then dropped held every later call in the live ledger for ever, and no
+  command could release it;
 * it was resolved at or after the cut-off date: retention counts from the call's last
   event (the one that resolved it; only a late answer kept as evidence may follow, and
   that keeps the call longer, never shorter), not from its admission, so a call that
@@ -15,9 +19,10 @@ The rules (docs/contract.md §8, ``effectguard archive``; written out in docs/op
 * it is still inside its provider's declared idempotency window (a resend there goes
   to the provider with its header, so the call must stay).
 
-A completed call's key stays replayable under the contract forever; once the call is
-archived, the ledger keeps its key (root, key, request hash, call id) and a resend
-answers 409 ``archived`` (:func:`decide_archived`), never a silent new call.
+A completed call's key stays replayable under the contract forever, and a resumable
+call's key resumes it, while the call is live; once the call is archived, the ledger
+keeps its key (root, key, request hash, call id) and a resend answers 409 ``archived``
+(:func:`decide_archived`), never a silent new call or attempt.
 
 An archive is a prefix of the hash chain: events ``first..cut``. The cut stops before
 the first event of a call that stays live (or the first event written at or after the
@@ -35,12 +40,12 @@ from effectguard.rules.admission import Decision
 from effectguard.rules.workstate import WorkState
 
 #: Stages after which no event of the call can follow (next operation ``none``).
-ARCHIVABLE_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
-#: Stages only a request under the call's idempotency key can resume (contract §4): a
-#: key-less declared retry repeats only an unresolved call, so a key-less call that ended
-#: in one of them is as final as a completed one. Were it kept live, one routine 400 or
-#: 429 would hold every later call in the live ledger for ever.
+FINAL_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
+#: Stages only a request under the call's idempotency key can resume (contract §4), and
+#: only while the call is live. None of them had an effect.
 RESUMABLE_BY_KEY: Final = frozenset({"not_sent", "not_processed", "reconciled_not_applied"})
+#: The stages a call may be archived in: all but the unresolved ones.
+ARCHIVABLE_STAGES: Final = FINAL_STAGES | RESUMABLE_BY_KEY
 DAY_S: Final = 86400.0
 #: The events one step of an archive takes at most (``archive --step-events``). Each
 #: step deletes its range in one transaction under the ledger's write lock, which live
@@ -76,8 +81,7 @@ def not_final(stage: str) -> str:
 def stays_live(state: WorkState, *, resolved_at: float, before: float, now: float) -> str | None:
     """Why ``state``'s call may not be archived yet (None: it may); ``resolved_at`` is the
     time of the call's last event."""
-    keyless_end = state.idempotency_key is None and state.stage in RESUMABLE_BY_KEY
-    if state.stage not in ARCHIVABLE_STAGES and not keyless_end:
+    if state.stage not in ARCHIVABLE_STAGES:
         return not_final(state.stage)
     if resolved_at >= before:
         return RESOLVED_LATE
@@ -89,19 +93,13 @@ def stays_live(state: WorkState, *, resolved_at: float, before: float, now: floa
 
 def remedy(reason: str) -> str:
     """What an operator can do about a call that holds the cut for ``reason``: only an
-    unresolved call has anything to resolve; the others leave by themselves, or (a keyed
-    resumable call) once their key is sent again."""
+    unresolved call has anything to resolve; the others leave by themselves."""
     if reason == not_final("effect_unknown"):
         return "reconcile it to archive the calls after it"
     if reason == not_final("in_flight"):
         return (
             "it leaves once it settles (if the process that sent it is gone, a running "
             "serve's sweeper marks it effect_unknown: then reconcile it)"
-        )
-    if reason in {not_final(stage) for stage in RESUMABLE_BY_KEY}:
-        return (
-            "its Idempotency-Key may still start a new attempt, so it stays live until "
-            "that key is sent again; no command resolves it"
         )
     if reason == RESOLVED_LATE:
         return "it leaves with a later cut-off; nothing to resolve"
@@ -205,9 +203,10 @@ def decide_archived(call_id: str, archived_hash: str, request_hash: str) -> Deci
     else:
         status, type_ = 409, "archived"
         message = (
-            f"call {call_id} with this key finished and was archived; its response is in "
-            "the archive (the file `effectguard archive` wrote, or the archived_events "
-            "table on PostgreSQL), not resent; new work needs a new Idempotency-Key"
+            f"call {call_id} with this key ended and was archived; its record (and its "
+            "response, if it had one) is in the archive (the file `effectguard archive` "
+            "wrote, or the archived_events table on PostgreSQL), not resent; new work "
+            "needs a new Idempotency-Key"
         )
     refusal = Refusal(
         status, type_, message, call_id=call_id, stage="archived", next_operation="none"

@@ -29,13 +29,22 @@ from effectguard.ops.audit.writers import OPERATOR_WORKER
 from effectguard.rules.events import StoredEvent
 
 #: The stages a call may be archived in (docs/operations.md, "Retention and archives"):
-#: resolved, with nothing left to do (next operation ``none``), so no request under the
-#: call's key may start a new attempt. Not ``in_flight`` or ``effect_unknown`` (unresolved),
-#: nor ``not_sent``, ``not_processed`` or ``reconciled_not_applied`` (a resend under the
-#: key resumes the call), unless the call has no key: then nothing can resume it (a
-#: key-less declared retry repeats only an ``in_flight`` or ``effect_unknown`` call).
-FINAL_STAGES: Final = frozenset({"refused", "completed", "failed", "reconciled_applied"})
-KEYLESS_FINAL_STAGES: Final = FINAL_STAGES | {"not_sent", "not_processed", "reconciled_not_applied"}
+#: resolved, so its effect is settled: ``refused``, ``completed``, ``failed`` and
+#: ``reconciled_applied``, and the stages that had no effect, ``not_sent``,
+#: ``not_processed`` and ``reconciled_not_applied`` (a resend under the key of one
+#: resumes it while it is live; archived, its key answers 409 ``archived``). Never
+#: ``in_flight`` or ``effect_unknown``: unresolved, an effect may be unaccounted for.
+SETTLED_STAGES: Final = frozenset(
+    {
+        "refused",
+        "completed",
+        "failed",
+        "reconciled_applied",
+        "not_sent",
+        "not_processed",
+        "reconciled_not_applied",
+    }
+)
 
 
 def lines_sha256(lines: Iterable[str]) -> str:
@@ -81,8 +90,7 @@ def verify_range(
     for call_id, fold in sorted(verifier.calls.items()):
         projection = fold.projection()
         stage = projection["stage"]
-        final = KEYLESS_FINAL_STAGES if projection["idempotency_key"] is None else FINAL_STAGES
-        if fold.unfinished is not None or stage not in final:
+        if fold.unfinished is not None or stage not in SETTLED_STAGES:
             report.broken(fold.last_seq, f"call {call_id}: archived while {stage}")
     if not checkpoint.same_state(verifier, mark.get("state")):
         report.broken(tail.seq, "folding the archive does not give its checkpoint's state")
