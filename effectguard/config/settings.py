@@ -23,6 +23,8 @@ Config file reference (every table optional)::
     keep_alive_timeout_s = 5    # an idle kept-alive connection is closed after this
     metrics_host = "127.0.0.1"  # with metrics_port: /metrics on its own listener only
     metrics_port = 9464
+    provider_ports = { postmark = 8788 }  # a listener of its own for a provider: every
+                                # path on it goes to that provider, no /postmark/ prefix
     key_refresh_s = 2           # each replica re-reads the ledger's keys this often
     log_format = "text"         # or "json": one JSON object per line (--log-format)
     log_level = "info"          # effectguard's loggers (--log-level); access lines are info
@@ -143,6 +145,8 @@ class ServeSettings:
     front_door: FrontDoor = field(default_factory=lambda: FrontDoor())
     metrics_host: str = defaults.HOST
     metrics_port: int | None = None
+    #: Provider name -> the port of a listener that routes every path to that provider.
+    provider_ports: Mapping[str, int] = field(default_factory=dict)
     connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
     read_timeout_s: float = defaults.READ_TIMEOUT_S
     lease_s: float = defaults.LEASE_S
@@ -246,6 +250,7 @@ def load_settings(
     name_upstream: Callable[[str], str] = upstream_argument,
     metrics_host: str | None = None,
     metrics_port: int | None = None,
+    provider_ports: Mapping[str, int] | None = None,
 ) -> ServeSettings:
     """Build settings from a config file, flags and the environment.
 
@@ -271,7 +276,9 @@ def load_settings(
         port=_flag(port, settings.port),
         metrics_host=_flag(metrics_host, settings.metrics_host),
         metrics_port=_flag(metrics_port, settings.metrics_port),
+        provider_ports={**settings.provider_ports, **(provider_ports or {})},
     )
+    check_provider_ports(settings)
     _refuse_unread(raw, source)
     return settings
 
@@ -307,6 +314,7 @@ def _serve_settings(
         front_door=_front_door(server),
         metrics_host=values.host(server, "metrics_host", d.HOST, "server"),
         metrics_port=values.port(server, "metrics_port"),
+        provider_ports=values.ports(server, "provider_ports"),
         connect_timeout_s=values.positive(
             upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"
         ),
@@ -323,6 +331,18 @@ def _flag(flag: T | None, configured: T) -> T:
     """A flag given (not None, not empty) wins over the file's value, which is read either
     way: a key a flag overrides is still known, and still checked."""
     return configured if flag is None or flag == "" else flag
+
+
+def check_provider_ports(settings: ServeSettings) -> None:
+    """Refuse (``ConfigError``) a provider port for no declared provider, or one that is
+    the proxy's, /metrics' or another provider's port (0, any free port, is never taken)."""
+    taken = {settings.port: "the proxy's port", settings.metrics_port: "metrics_port"}
+    for name, port in settings.provider_ports.items():
+        if name not in settings.providers:
+            raise ConfigError(f"provider_ports: no provider named {name!r} is declared")
+        if port and port in taken:
+            raise ConfigError(f"provider_ports: {name}'s port {port} is {taken[port]}")
+        taken[port] = f"{name}'s port"
 
 
 def _refuse_unread(raw: readkeys.Tracked, source: str) -> None:

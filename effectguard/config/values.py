@@ -88,6 +88,21 @@ def port(table: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
+def ports(table: Mapping[str, Any], key: str) -> dict[str, int]:
+    """A table of names to TCP ports (``provider_ports = { postmark = 8788 }``)."""
+    value = table.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"server.{key}: must be a table of NAME = PORT")
+    return {str(name): _one_port(f"{key}.{name}", v) for name, v in value.items()}
+
+
+def _one_port(key: str, value: Any) -> int:
+    chosen = port({key: value}, key)
+    if chosen is None:
+        raise ConfigError(f"server.{key}: must be a TCP port from 0 to 65535")
+    return chosen
+
+
 def listen_port(server: Mapping[str, Any]) -> int:
     """``[server] port``, or the default."""
     chosen = port(server, "port")

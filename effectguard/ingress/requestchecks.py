@@ -30,8 +30,9 @@ def check_utf8(headers: list[tuple[bytes, bytes]]) -> None:
             ) from None
 
 
-def route_of(scope: Scope) -> tuple[str, str]:
-    """``/{provider}/{rest}`` as the provider name and the path below its base (contract.md §12).
+def route_of(scope: Scope, fixed: str | None = None) -> tuple[str, str]:
+    """``/{provider}/{rest}`` as the provider name and the path below its base (contract.md §12);
+    on a provider's own listener (``fixed``), that provider and the whole path.
 
     The still-encoded path is checked, so ``%2e%2e`` or ``%2f`` cannot hide a way out
     of the base path behind the decoding the server already did.
@@ -39,7 +40,10 @@ def route_of(scope: Scope) -> tuple[str, str]:
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
     text = raw.decode("latin-1")
     _, _, rest = text.partition("/")
-    name, _, below = rest.partition("/")
+    if fixed is not None:
+        name, below = fixed, rest
+    else:
+        name, _, below = rest.partition("/")
     try:
         return name, paths.check_path("/" + below)
     except paths.PathRefused as exc:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import httpx
@@ -73,8 +73,10 @@ class ProxyApp:
         crash: CrashPoints | None = None,
         metrics: Any = None,
         metrics_socket: socket.socket | None = None,
+        routes: Mapping[int, str] | None = None,
     ) -> None:
         self.settings = settings
+        self._routes = dict(routes or {})  # local port -> provider (provider_ports)
         self._metrics_socket = metrics_socket  # bound by serve(); else bound at startup
         self._inner = inner
         self.metrics = metrics
@@ -203,13 +205,9 @@ class ProxyApp:
 
     # -- requests ---------------------------------------------------------------
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope["path"]
-        if path == "/healthz":
-            ok = await self.runtime.ledger.store.writable() and await self._not_fenced()
-            await _json(send, 200 if ok else 503, {"ledger": "writable" if ok else "unavailable"})
-            return
-        if path == "/metrics" and self.metrics is not None and self.settings.metrics_port is None:
-            await self._metrics(scope, send)
+        # A provider's own listener (provider_ports) sends every path to that provider.
+        fixed = self._routes.get((scope.get("server") or ("", 0))[1]) if self._routes else None
+        if fixed is None and await self._own(scope, receive, send):
             return
         if ambiguous_framing(scope["headers"]):
             # RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding is a
@@ -219,17 +217,16 @@ class ProxyApp:
             headers.append((b"connection", b"close"))
             await _raw(send, 400, headers, json.dumps(error_body("openai", refusal)).encode())
             return
-        if self.admin is not None and self.admin.owns(path):
-            await self.admin(scope, receive, send)
-            return
         try:
-            name, upstream_path = route_of(scope)
+            name, upstream_path = route_of(scope, fixed)
             provider = self.settings.providers.get(name)
             if provider is None:
                 raise Refusal(404, "unknown_provider", f"no provider named {name!r}")
         except Refusal as unrouted:
-            self._count_refusal("", unrouted)
-            await _refusal(send, "openai", unrouted)
+            # On a provider's own listener the provider is known, and so is its shape.
+            known = self.settings.providers.get(fixed) if fixed is not None else None
+            self._count_refusal(known.name if known else "", unrouted)
+            await _refusal(send, known.error_shape if known else "openai", unrouted)
             return
         context_of(scope).error_shape = provider.error_shape
         try:
@@ -246,6 +243,23 @@ class ProxyApp:
                     return
                 raise
             await self._cut_off(send, provider, context.ticket)
+
+    async def _own(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Answer the proxy's own routes (/healthz, /metrics, the operator page); whether
+        ``scope`` was one. The operator page's own checks come first on its requests."""
+        path: str = scope["path"]
+        if path == "/healthz":
+            ok = await self.runtime.ledger.store.writable() and await self._not_fenced()
+            await _json(send, 200 if ok else 503, {"ledger": "writable" if ok else "unavailable"})
+        elif path == "/metrics" and self.metrics is not None and self.settings.metrics_port is None:
+            await self._metrics(scope, send)
+        elif self.admin is not None and self.admin.owns(path):
+            if ambiguous_framing(scope["headers"]):
+                return False  # refused as any request is, below
+            await self.admin(scope, receive, send)
+        else:
+            return False
+        return True
 
     async def _cut_off(self, send: Send, provider: Provider, ticket: Ticket) -> None:
         """Answer a request cut off by the end of the drain: 504 ``effect_unknown`` if admitted.

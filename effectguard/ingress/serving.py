@@ -75,14 +75,20 @@ def serve(
     be bound, or ``metrics_port`` is the proxy's own.
     """
     configure_logging(settings.log_format, settings.log_level)
-    sock = listen_socket(settings.host, settings.port)
+    sockets = contextlib.ExitStack()
+    sock = sockets.enter_context(listen_socket(settings.host, settings.port))
     try:
         metrics_sock = _metrics_socket(settings, sock) if metrics is not None else None
+        routed = {
+            name: sockets.enter_context(listen_socket(settings.host, port))
+            for name, port in settings.provider_ports.items()
+        }
     except BaseException:
-        sock.close()
+        sockets.close()
         raise
-    app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock)
-    server = _Server(_config(settings, app), _start_line(settings, sock))
+    routes = {s.getsockname()[1]: name for name, s in routed.items()}
+    app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock, routes=routes)
+    server = _Server(_config(settings, app), _start_line(settings, sock, routed))
 
     def on_signal() -> None:
         server.stop()
@@ -95,7 +101,7 @@ def serve(
             loop.add_signal_handler(sig, on_signal)
         try:
             async with alongside() if alongside is not None else contextlib.nullcontext():
-                await server.serve(sockets=[sock])
+                await server.serve(sockets=[sock, *routed.values()])
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -106,7 +112,7 @@ def serve(
 
         loop_factory = uvloop.new_event_loop
     try:
-        with sock, asyncio.Runner(loop_factory=loop_factory) as runner:
+        with sockets, asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(main())
     finally:
         if not server.started:
@@ -157,12 +163,17 @@ def _config(settings: ServeSettings, app: ProxyApp) -> uvicorn.Config:
     )
 
 
-def _start_line(settings: ServeSettings, sock: socket.socket) -> str:
+def _start_line(
+    settings: ServeSettings, sock: socket.socket, routed: dict[str, socket.socket]
+) -> str:
+    line = f"effectguard listening on {_url(sock)} (ledger {shown_ledger(settings.ledger)})"
+    # After the ledger: tools read the proxy's URL as the first URL of this line.
+    return line + "".join(f"; {name} at {_url(s)}" for name, s in routed.items())
+
+
+def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    return (
-        f"effectguard listening on http://{shown}:{port} (ledger {shown_ledger(settings.ledger)})"
-    )
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _has(module: str) -> bool:

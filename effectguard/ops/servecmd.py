@@ -6,6 +6,7 @@ import argparse
 import functools
 from pathlib import Path
 
+from effectguard.errors import ConfigError
 from effectguard.ops.command import (
     EXIT_OK,
     Command,
@@ -41,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name_upstream=upstream_flag,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        provider_ports=provider_ports(args),
     )
     settings = with_operator_flags(
         settings, log_format=args.log_format, log_level=args.log_level, otel=args.otel or None
@@ -88,8 +90,31 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-host", default=None, help="address for --metrics-port (default 127.0.0.1)"
     )
+    p.add_argument(
+        "--provider-port",
+        action="append",
+        metavar="NAME=PORT",
+        help="also listen on PORT, routing every path there to provider NAME, no /NAME/ "
+        "prefix: for an SDK that drops a base URL's path (repeatable)",
+    )
     _operator_arguments(p)
     p.set_defaults(run=cmd_serve)
+
+
+def provider_ports(args: argparse.Namespace) -> dict[str, int]:
+    """The ``--provider-port NAME=PORT`` flags as a mapping."""
+    out = {}
+    for item in args.provider_port or ():
+        name, sep, port = item.partition("=")
+        try:
+            if not sep:
+                raise argparse.ArgumentTypeError("")
+            out[name] = port_arg(port)
+        except argparse.ArgumentTypeError:
+            raise ConfigError(
+                f"--provider-port takes NAME=PORT (0 to 65535), got {item!r}"
+            ) from None
+    return out
 
 
 def _operator_arguments(p: argparse.ArgumentParser) -> None:
