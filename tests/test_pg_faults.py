@@ -583,6 +583,45 @@ def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
     assert len(provider.effects()) == 3  # A's two calls, then B's one; nothing refused sent
 
 
+def test_a_commit_whose_answer_never_comes_is_given_up_and_found_out(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The writer's connection goes silent (no reset, no answer) once a batch's events
+    and ``COMMIT`` are sent: the writer gives the round trip up after ``WRITE_WAIT_S``,
+    shuts the connection down and, on a new one, finds out whether the batch committed,
+    so the call is answered 200 and sent once. Before, the writer waited for ever and
+    every request of the replica with it."""
+    from effectguard.ledger.pgdeadline import WRITE_WAIT_S
+
+    # A lease that outlasts the silence: with the default (15 s) it lapses meanwhile, and
+    # the rerun batch is refused 503 (a lapsed worker starts no new dispatch).
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f"[server]\nlease_s = {WRITE_WAIT_S * 4:g}\n")
+    log_path = tmp_path / "proxy.log"
+    with running_proxy(
+        _via(pg_url, relay),
+        upstreams={"openai": provider.url},
+        args=["--config", str(config)],
+        log_path=log_path,
+    ) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=WRITE_WAIT_S + 60)
+        warm = client.post(CHAT, json=_chat("warm")[0], headers=_chat("warm")[1])
+        assert warm.status_code == 200, warm.text
+        relay.stall("INSERT INTO events")  # the next batch that writes events
+        body, headers = _chat("silent-commit")
+        first = client.post(CHAT, json=body, headers=headers)
+        again = client.post(CHAT, json=body, headers=headers)
+        client.close()
+        log = proxy.log()
+    assert relay.stalls == 1, log
+    assert "ledger writer got no answer" in log, log
+    assert "had committed" in log or "had not committed" in log, log  # found out, not guessed
+    assert first.status_code == 200, (first.text, log)
+    assert again.status_code == 200 and again.headers["effectguard-replayed"] == "true"
+    assert len(provider.effects()) == 2  # the warm-up and this call, each once
+    assert "ok" in _ledger(pg_url, "verify")
+
+
 def _post_quietly(url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
     """POST and ignore the outcome (the replica it went to is killed under it)."""
     with contextlib.suppress(httpx.HTTPError):

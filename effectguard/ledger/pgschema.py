@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -262,16 +262,25 @@ class Target:
             raise ConfigError(f"ledger schema {schema!r}: use lowercase letters, digits and _")
         return cls(urlunsplit(parts._replace(query=urlencode(rest))), schema)
 
-    def connect(self, **settings: str) -> psycopg.Connection[Any]:
-        """A synchronous autocommit connection with our search_path and ``settings``."""
+    def connect(
+        self, opened: Callable[[psycopg.Connection[Any]], None] | None = None, **settings: str
+    ) -> psycopg.Connection[Any]:
+        """A synchronous autocommit connection with our search_path and ``settings``;
+        ``opened`` is handed it before its first statement (the writer's deadline)."""
         try:
             conn = psycopg.connect(
                 self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
             )
         except psycopg.Error as exc:
             raise _unreachable(exc, self.conninfo) from exc
-        for name, value in self._settings(settings):
-            conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
+        try:
+            if opened is not None:
+                opened(conn)
+            for name, value in self._settings(settings):
+                conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(name, value))
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     async def aconnect(self) -> psycopg.AsyncConnection[Any]:

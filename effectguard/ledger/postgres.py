@@ -47,6 +47,7 @@ from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, pgfate
 from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
+from effectguard.ledger.pgdeadline import WriteDeadline
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
 from effectguard.ledger.pgreader import PgReader
 from effectguard.ledger.pgschema import (
@@ -115,7 +116,12 @@ class PostgresSession:
 
     def __init__(self, target: Target) -> None:
         self._target = target
-        self.conn = self._open()
+        self._deadline = WriteDeadline()  # unarmed here: migrations may take minutes
+        try:
+            self.conn = self._open()
+        except BaseException:
+            self._deadline.close()
+            raise
         self._batch_key = lock_key(self.conn, "batch")
         self._now: float | None = None
         self._head: tuple[int, str] | None = None
@@ -132,6 +138,7 @@ class PostgresSession:
 
     def _open(self) -> psycopg.Connection[Any]:
         conn = self._target.connect(
+            self._deadline.watch,
             idle_in_transaction_session_timeout=str(IDLE_IN_TRANSACTION_MS),
             lock_timeout=str(LOCK_TIMEOUT_MS),
             synchronous_commit="on",
@@ -165,10 +172,11 @@ class PostgresSession:
         self.conn = self._open()
 
     def _begin(self) -> None:
-        if self.conn.closed:  # the server ended the session: reconnect for this batch
-            self._reconnect()
-        self._reset()
+        self._deadline.arm()  # disarmed by commit or rollback (below, if this fails)
         try:
+            if self.conn.closed:  # the server ended the session: reconnect for this batch
+                self._reconnect()
+            self._reset()
             with self.conn.pipeline():
                 self.conn.execute("BEGIN")
                 self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._batch_key,))
@@ -190,6 +198,7 @@ class PostgresSession:
 
     def commit(self) -> None:
         self._send("COMMIT")  # the buffered writes and COMMIT: one round trip
+        self._deadline.disarm()
         self._kept.head = self._head  # what is kept is now what is committed
         self._reset()
 
@@ -198,8 +207,11 @@ class PostgresSession:
         self._lost_head = self._head if wrote else None
         self._kept.forget()  # it may hold what this transaction wrote
         self._reset()
-        if not self.conn.closed and self.conn.info.transaction_status != TransactionStatus.IDLE:
-            self.conn.execute("ROLLBACK")
+        try:
+            if not self.conn.closed and self.conn.info.transaction_status != TransactionStatus.IDLE:
+                self.conn.execute("ROLLBACK")
+        finally:
+            self._deadline.disarm()
 
     def fate(self) -> Fate:
         # A server that refused a statement aborted the transaction: it did not commit.
@@ -209,11 +221,14 @@ class PostgresSession:
         lost, self._lost_head = self._lost_head, None
         if lost is None:
             return "unknown"  # it wrote no event to recognise it by
+        self._deadline.arm()  # a path that went silent may be silent still
         try:
             self._reconnect()
             return "committed" if pgfate.committed(self.conn, self._batch_key, lost) else "lost"
         except (psycopg.Error, LedgerUnavailable):
             return "unknown"
+        finally:
+            self._deadline.disarm()
 
     def savepoint(self) -> None:
         self._op = Writes()
@@ -243,6 +258,7 @@ class PostgresSession:
 
     def close(self) -> None:
         self.conn.close()
+        self._deadline.close()
 
     # -- statements
     def _send(
@@ -253,6 +269,7 @@ class PostgresSession:
         With ``savepoint`` (``query`` writes), the operation's savepoint is opened
         first even when it has no buffered writes.
         """
+        self._deadline.arm()
         try:
             with self.conn.pipeline():
                 self._batch.send(self.conn)
@@ -270,6 +287,7 @@ class PostgresSession:
 
     def _get(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         """A point read: nothing buffered can change its answer (the caches hold it)."""
+        self._deadline.arm()
         try:
             return self.conn.execute(query, params).fetchall()
         except psycopg.Error as exc:
