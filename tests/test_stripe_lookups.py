@@ -165,6 +165,7 @@ async def test_a_500_is_replayed_inside_the_window_and_recovered_by_search_after
         await finish(later.transport)
 
 
+@pytest.mark.parametrize("create", ["/v1/payment_intents"])
 async def test_not_found_is_unknown_while_young_then_not_applied_and_sent_once(
     tmp_path: Path,
     clocked: tuple[Ledger, ManualClock],
@@ -396,6 +397,7 @@ async def test_the_sweeper_recovers_a_create_whose_answer_was_lost(
         await finish(later.transport)
 
 
+@pytest.mark.parametrize("create", ["/v1/payment_intents"])
 async def test_the_sweeper_decides_a_lost_create_not_applied_only_past_the_freshness(
     tmp_path: Path,
     clocked: tuple[Ledger, ManualClock],
@@ -426,6 +428,39 @@ async def test_the_sweeper_decides_a_lost_create_not_applied_only_past_the_fresh
         assert (await ledger.call(call_id)).stage == "reconciled_not_applied"
         assert creates(fake, create) == []
         await finish(stripe.transport)
+
+
+@pytest.mark.parametrize("create", ["/v1/customers", "/v1/charges", "/v1/invoices"])
+async def test_not_found_never_decides_a_create_that_gained_its_lookup_late(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+    create: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Customers, Charges and Invoices carry the operation id only since their lookups
+    were declared, and a call an older release left unknown carries none: "not found"
+    cannot tell it from a create that never happened. Their lookups are found-only: a
+    create that never reached Stripe stays unknown a day and an hour past the window,
+    through the sweeper and a keyed resend alike (409), and nothing is created."""
+    monkeypatch.setenv("STRIPE_API_KEY", "sk_test_fake")
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        stripe = Stripe(make_transport, ledger, clock, fake.url, create,
+                        inner=LoseAnswers(reached=False))  # fmt: skip
+        call_id = await lose(stripe, "lost-3", 500)
+        clock.advance(2 * DAY + HOUR)
+        assert await stripe.sweep() == []
+        assert await stripe.decisions(call_id) == []
+        assert (await ledger.call(call_id)).stage == "effect_unknown"
+        await finish(stripe.transport)
+        resend = Stripe(make_transport, ledger, clock, fake.url, create)
+        refused = await resend.pay("lost-3", 500)
+        assert refused.status_code == 409, refused.text
+        assert error_type(refused) == "effect_unknown"
+        assert creates(fake, create) == []
+        await finish(resend.transport)
 
 
 @pytest.mark.parametrize(
@@ -465,11 +500,15 @@ async def test_a_search_answer_that_proves_nothing_leaves_the_create_unknown(
         assert (await ledger.call(call_id)).stage == "effect_unknown"
         assert creates(fake, create) == made
 
-        # The control: the same call, searched as Stripe answers, is decided.
+        # The control: the same call, searched as Stripe answers, is decided (a found-only
+        # lookup decides only what it finds: test_not_found_never_decides_...).
         search_answers(fake, "stripe")
         if made:
             time.sleep(max(0.0, made[0]["ts"] + LAG_S - time.time()))
-        assert await stripe.sweep() == [call_id]
-        (decided,) = await stripe.decisions(call_id)
-        assert (decided["by"], decided["applied"]) == ("lookup:stripe", reached)
+        if not made and create != "/v1/payment_intents":
+            assert await stripe.sweep() == []
+        else:
+            assert await stripe.sweep() == [call_id]
+            (decided,) = await stripe.decisions(call_id)
+            assert (decided["by"], decided["applied"]) == ("lookup:stripe", reached)
         await finish(stripe.transport)
