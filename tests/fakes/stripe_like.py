@@ -1,7 +1,10 @@
-"""A Stripe-like fake: ``POST /v1/payment_intents``, ``/v1/refunds`` (and any other
-``POST /v1/...``, which makes a generic object) and the PaymentIntents metadata search,
-as https://docs.stripe.com/idempotency and https://docs.stripe.com/api/payment_intents/search
-describe them (read 2026-12-01).
+"""A Stripe-like fake: ``POST /v1/payment_intents``, ``/v1/refunds``, ``/v1/customers``,
+``/v1/charges``, ``/v1/invoices`` (and any other ``POST /v1/...``, which makes a generic
+object) and the metadata search of PaymentIntents, Customers, Charges and Invoices, as
+https://docs.stripe.com/idempotency and https://docs.stripe.com/api/payment_intents/search
+describe them (read 2026-12-01), and /api/customers/search, /api/charges/search and
+/api/invoices/search (read 2026-12-04): each search answers a ``search_result`` whose
+``data`` holds only that resource's objects, empty when nothing matches.
 
 * ``Idempotency-Key``: the first result under a key is saved, whatever it is (a 500
   included), and replayed to every later request with that key and the same parameters
@@ -20,7 +23,12 @@ describe them (read 2026-12-01).
   ``x-fake-status: 429`` answers 429 ``rate_limit`` before anything, as Stripe's rate
   limiters run ahead of its idempotency layer (same page): no effect, nothing saved.
 * The search (``query=metadata['effectguard_op']:'OP'``) shows an object only ``LAG_S``
-  after it was created.
+  after it was created, with the metadata it was created with.
+* ``POST /_fake/search-answer`` (form field ``answer``) makes every later search answer
+  otherwise, for tests of answers that prove nothing: ``503`` (Stripe's error shape),
+  ``html`` (a 200 HTML page from something in the way), ``no-data`` (a 200 JSON object
+  without ``data``), ``other-op`` (a 200 search result whose one object carries another
+  operation's id); ``stripe`` puts it back.
 * Errors have Stripe's shape: ``{"error": {"type", "code"?, "message", "param"?}}``.
 * ``Stripe-Account`` (or ``Stripe-Context``) acts in that account
   (https://docs.stripe.com/connect/authentication): its keys and its objects are its own,
@@ -42,9 +50,24 @@ from common import delay, serve, tool_from_argv
 TOOL = tool_from_argv()
 #: Idempotency key -> (the parameters, the saved status and body), or None while executing.
 SAVED: dict[str, tuple[dict[str, Any], tuple[int, dict[str, Any]] | None]] = {}
-#: What a create path makes; any other POST (a confirm, a capture, a customer, a payout
-#: ...) makes an "object", deduplicated on its key like every Stripe POST.
-KINDS = {"/v1/payment_intents": "payment_intent", "/v1/refunds": "refund"}
+#: What a create path makes, and its id prefix; any other POST (a confirm, a capture, a
+#: payout ...) makes an "object", deduplicated on its key like every Stripe POST.
+KINDS = {
+    "/v1/payment_intents": ("payment_intent", "pi_"),
+    "/v1/refunds": ("refund", "re_"),
+    "/v1/customers": ("customer", "cus_"),
+    "/v1/charges": ("charge", "ch_"),
+    "/v1/invoices": ("invoice", "in_"),
+}
+#: The searchable resources (https://docs.stripe.com/search): search path -> object kind.
+SEARCHABLE = {
+    "/v1/payment_intents/search": "payment_intent",
+    "/v1/customers/search": "customer",
+    "/v1/charges/search": "charge",
+    "/v1/invoices/search": "invoice",
+}
+#: How every search answers: as Stripe does, or one of the answers that prove nothing.
+ANSWER = {"mode": "stripe"}
 QUERY = re.compile(r"^metadata\['effectguard_op'\]:'([^']*)'$")
 
 
@@ -121,41 +144,65 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def _apply(request: web.Request, body: bytes, fields: dict[str, Any]) -> tuple[int, Any]:
-    kind = KINDS.get(request.path, "object")
+    kind, prefix = KINDS.get(request.path, ("object", "obj_"))
     metadata = fields.get("metadata") or {}
     op = metadata.get("effectguard_op") if isinstance(metadata, dict) else None
-    obj = {
-        "id": {"payment_intent": "pi_", "refund": "re_"}.get(kind, "obj_") + uuid.uuid4().hex[:24],
-        "object": kind,
-        "amount": int(fields.get("amount") or 0),
-        "currency": fields.get("currency", "usd"),
-        "metadata": metadata,
-        "status": "requires_payment_method" if kind == "payment_intent" else "succeeded",
-    }
+    obj = {"id": prefix + uuid.uuid4().hex[:24], "object": kind, **_shape(kind, fields)}
+    obj["metadata"] = metadata
     await TOOL.effect(request.path, op, body, obj["id"])
-    if kind == "payment_intent" and op is not None:
-        TOOL.index.add(f"{account(request)}/{op}", obj)
+    if kind in SEARCHABLE.values() and op is not None:
+        TOOL.index.add(f"{kind}/{account(request)}/{op}", obj)
     if request.headers.get("x-fake-status") == "500":
         return 500, {"error": {"type": "api_error", "message": "An unknown error occurred."}}
     return 200, obj
 
 
+def _shape(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """A few of the fields Stripe's object of ``kind`` has (its reference's example)."""
+    if kind == "customer":
+        return {"email": fields.get("email"), "name": fields.get("name")}
+    if kind == "invoice":
+        return {"customer": fields.get("customer"), "status": "draft"}
+    status = "requires_payment_method" if kind == "payment_intent" else "succeeded"
+    amount = int(fields.get("amount") or 0)
+    return {"amount": amount, "currency": fields.get("currency", "usd"), "status": status}
+
+
 async def search(request: web.Request) -> web.Response:
-    """``GET /v1/payment_intents/search?query=metadata['effectguard_op']:'OP'``."""
+    """``GET /v1/{resource}/search?query=metadata['effectguard_op']:'OP'``: the objects of
+    that resource, in the request's account, that carry OP."""
     if not authorized(request):
         return error(401, "invalid_request_error", "Invalid API Key provided.")
     match = QUERY.match(request.query.get("query", ""))
     if match is None:
         return error(400, "invalid_request_error", "This fake understands one query shape.")
-    found = TOOL.index.find(f"{account(request)}/{match[1]}")
+    kind = SEARCHABLE[request.path]
+    found = TOOL.index.find(f"{kind}/{account(request)}/{match[1]}")
+    mode = ANSWER["mode"]
+    if mode == "503":
+        return error(503, "api_error", "The service is temporarily unavailable.")
+    if mode == "html":
+        return web.Response(text="<html><body>OK</body></html>", content_type="text/html")
+    if mode == "no-data":
+        return web.json_response({"object": "search_result", "url": request.path})
+    if mode == "other-op":
+        found = [{"id": "obj_other", "object": kind, "metadata": {"effectguard_op": "other"}}]
     return web.json_response(
         {"object": "search_result", "url": request.path, "has_more": False, "data": found}
     )
 
 
+async def search_answer(request: web.Request) -> web.Response:
+    """Set how every later search answers (a test's knob, not Stripe's)."""
+    ANSWER["mode"] = str((await request.post())["answer"])
+    return web.json_response(ANSWER)
+
+
 def main() -> None:
     app = web.Application()
-    app.router.add_get("/v1/payment_intents/search", search)
+    for path in SEARCHABLE:
+        app.router.add_get(path, search)
+    app.router.add_post("/_fake/search-answer", search_answer)
     app.router.add_post("/v1/payment_intents", create)
     app.router.add_post("/v1/refunds", create)
     app.router.add_post("/v1/{tail:.+}", create)
