@@ -78,11 +78,11 @@ def serve(
     sockets = contextlib.ExitStack()
     sock = sockets.enter_context(listen_socket(settings.host, settings.port))
     try:
-        metrics_sock = _metrics_socket(settings, sock) if metrics is not None else None
         routed = {
             name: sockets.enter_context(listen_socket(settings.host, port))
             for name, port in settings.provider_ports.items()
         }
+        metrics_sock = _metrics_socket(settings, sock) if metrics is not None else None
     except BaseException:
         sockets.close()
         raise
