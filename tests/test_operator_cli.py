@@ -193,7 +193,7 @@ def _next_commands(text: str) -> list[str]:
     return [line.strip().removeprefix("or ") for line in lines]
 
 
-@pytest.mark.parametrize("found_by", ["--ledger", "--config", "environment"])
+@pytest.mark.parametrize("found_by", ["--ledger", "relative", "--config", "environment"])
 def test_the_printed_command_decides_the_call_in_the_ledger_shown(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -211,11 +211,16 @@ def test_the_printed_command_decides_the_call_in_the_ledger_shown(
     config.write_text(f"ledger = {json.dumps(ledger)}\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
+    monkeypatch.chdir(folder if found_by == "relative" else elsewhere)
     monkeypatch.setenv("EFFECTGUARD_LEDGER", ledger)
-    where = {"--ledger": ["--ledger", ledger], "--config": ["--config", str(config)]}
+    where = {
+        "--ledger": ["--ledger", ledger],
+        "relative": ["--ledger", "l.db"],
+        "--config": ["--config", str(config)],
+    }
     text = _run(capsys, "show", unknown, *where.get(found_by, []))
     monkeypatch.delenv("EFFECTGUARD_LEDGER")
+    monkeypatch.chdir(elsewhere)
     printed = _next_commands(text)
     argv = shlex.split(next(c for c in printed if "--not-applied" in c).replace("TEXT", "ok"))
     assert argv[:3] == ["effectguard", "reconcile", unknown]

@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 
+from effectguard.config.defaults import shown_ledger
 from effectguard.config.settings import ServeSettings
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.listeners import check_apart, listen_socket
@@ -54,15 +55,6 @@ def settle_gc() -> None:
     gc.freeze()
     _, middle, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
-
-
-def shown_ledger(ledger: str) -> str:
-    """The ledger as the start line shows it: an absolute path, or a DSN without password."""
-    if ledger.startswith(("postgresql://", "postgres://")):
-        from effectguard.ledger.pgschema import redacted
-
-        return redacted(ledger)
-    return ledger if "://" in ledger else os.path.abspath(ledger)
 
 
 def serve(

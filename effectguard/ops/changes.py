@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from effectguard.config.defaults import shown_ledger
 from effectguard.config.precedence import overspent
 from effectguard.ledger import Ledger
 from effectguard.ledger.versions import migrated
@@ -28,7 +29,6 @@ from effectguard.ops.command import (
     path_arg,
     provider_options,
     set_check,
-    shown_ledger,
     upstream_flag,
     upstreams,
     usd,

@@ -127,16 +127,9 @@ def resolve_ledger(args: argparse.Namespace) -> str:
 def ledger_flags(args: argparse.Namespace) -> str:
     """``--ledger`` naming this command's ledger (resolved: from ``--ledger``, the config or
     the environment), for a command it prints to run next; a password in it as ``***``."""
-    return f" --ledger {shlex.quote(shown_ledger(str(args.ledger)))}" if args.ledger else ""
-
-
-def shown_ledger(url: str) -> str:
-    """``url`` as a command prints it: a PostgreSQL URL's password as ``***``."""
-    if not url.startswith(("postgresql://", "postgres://")):
-        return url
-    from effectguard.ledger.pgschema import redacted
-
-    return redacted(url)
+    if not args.ledger:
+        return ""
+    return f" --ledger {shlex.quote(defaults.shown_ledger(str(args.ledger)))}"
 
 
 def applied_versions(url: str) -> list[int]:
