@@ -86,13 +86,7 @@ def test_sync_streams_dropped_unclosed_never_hang_and_settle_completed(
     provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ledger = tmp_path / "ledger.db"
-    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
-    client = openai.OpenAI(
-        base_url=provider.url + "/v1",
-        api_key="sk-test",
-        max_retries=0,
-        http_client=httpx.Client(transport=transport),
-    )
+    client = _sync_client(ledger, provider)
     done: list[int] = []
 
     def drop_streams() -> None:
@@ -110,7 +104,7 @@ def test_sync_streams_dropped_unclosed_never_hang_and_settle_completed(
     worker.join(60)  # a bound on a hang, not a timing claim
     assert not worker.is_alive(), f"hung after {len(done)} dropped streams"
     gc.collect()
-    transport.close()  # reads to their end the streams a client left open
+    client.close()  # closes the transport, which reads to their end the streams left open
     assert len(provider.effects()) == 12
     assert stages_of(capsys, ledger) == Counter(completed=12)
     assert _verified(capsys, ledger)
@@ -130,13 +124,7 @@ def test_a_stream_collected_while_its_thread_hands_in_a_call_never_hangs(
     The stream's close, run by the collector on that thread, once waited for the lock
     that thread held, and the thread hung for ever."""
     ledger = tmp_path / "ledger.db"
-    transport = effectguard.GuardTransport(ledger=str(ledger), upstreams={"openai": provider.url})
-    client = openai.OpenAI(
-        base_url=provider.url + "/v1",
-        api_key="sk-test",
-        max_retries=0,
-        http_client=httpx.Client(transport=transport),
-    )
+    client = _sync_client(ledger, provider)
     handing_in = asyncio.run_coroutine_threadsafe
 
     def collect_then_hand_in(coro: Any, loop: asyncio.AbstractEventLoop) -> Any:
@@ -162,7 +150,7 @@ def test_a_stream_collected_while_its_thread_hands_in_a_call_never_hangs(
         gc.enable()
         monkeypatch.undo()
     assert not worker.is_alive(), "the thread hung on its own lock"
-    transport.close()
+    client.close()
     assert len(provider.effects()) == 2
     assert stages_of(capsys, ledger) == Counter(completed=2)
 
