@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import shlex
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileQuestion
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
-from effectguard.ledger import Writer
+from effectguard.ledger import Writer, shown_ledger
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
 from effectguard.providers import load_providers
@@ -166,7 +167,8 @@ async def test_show_displays_and_reconcile_accepts_the_late_answer(fenced_call: 
     (late,) = shown["evidence"]
     assert late["status"] == 200 and late["effect"] == "applied"
     assert shown["stage"] == "effect_unknown"
-    assert shown["next_command"].startswith(f"effectguard reconcile {call_id} --accept-evidence")
+    accept = f"effectguard reconcile {call_id} --ledger {shlex.quote(shown_ledger(ledger))} "
+    assert shown["next_command"].startswith(accept + "--accept-evidence")
     (attempt,) = shown["attempts_detail"]
     assert attempt["ended"].startswith("interrupted by")
     code, text = await acli("show", call_id, "--ledger", ledger)

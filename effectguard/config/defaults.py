@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 #: The embedded ledger, relative to the working directory (docs/configuration.md).
@@ -71,14 +70,3 @@ SWEEP_S = 5.0
 def ledger_from(environ: Mapping[str, str]) -> str:
     """The ledger named by the environment, else the default."""
     return environ.get(LEDGER_ENV) or LEDGER
-
-
-def shown_ledger(ledger: str) -> str:
-    """The ledger as effectguard prints it (start line, commands it suggests, ``migrate``):
-    an absolute path, so a printed command works from any directory, or a URL without
-    its password."""
-    if ledger.startswith(("postgresql://", "postgres://")):
-        from effectguard.ledger.pgschema import redacted
-
-        return redacted(ledger)
-    return ledger if "://" in ledger else os.path.abspath(ledger)

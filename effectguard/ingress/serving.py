@@ -25,11 +25,11 @@ from typing import Any
 
 import uvicorn
 
-from effectguard.config.defaults import shown_ledger
 from effectguard.config.settings import ServeSettings
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.listeners import check_apart, listen_socket
 from effectguard.ingress.server import ProxyApp, create_app
+from effectguard.ledger import shown_ledger
 from effectguard.telemetry.logs import configure_logging
 
 Alongside = Callable[[], AbstractAsyncContextManager[object]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import date
@@ -45,6 +46,7 @@ __all__ = [
     "SpendSums",
     "Writer",
     "open_store",
+    "shown_ledger",
 ]
 
 
@@ -73,6 +75,17 @@ def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerS
     from effectguard.ledger.sqlite import SqliteStore
 
     return SqliteStore(url, tick)
+
+
+def shown_ledger(url: str) -> str:
+    """The ledger as effectguard prints it (start line, commands it suggests, ``migrate``):
+    an absolute path, so a printed command works from any directory, or a URL without
+    its password."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger.pgschema import redacted
+
+        return redacted(url)
+    return url if "://" in url else os.path.abspath(url)
 
 
 def _seconds(clock: Callable[[], float]) -> Callable[[], float]:

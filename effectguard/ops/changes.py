@@ -12,9 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from effectguard.config.defaults import shown_ledger
 from effectguard.config.precedence import overspent
-from effectguard.ledger import Ledger
+from effectguard.ledger import Ledger, shown_ledger
 from effectguard.ledger.versions import migrated
 from effectguard.ops.command import (
     EXIT_OK,

@@ -129,7 +129,9 @@ def ledger_flags(args: argparse.Namespace) -> str:
     the environment), for a command it prints to run next; a password in it as ``***``."""
     if not args.ledger:
         return ""
-    return f" --ledger {shlex.quote(defaults.shown_ledger(str(args.ledger)))}"
+    from effectguard.ledger import shown_ledger
+
+    return f" --ledger {shlex.quote(shown_ledger(str(args.ledger)))}"
 
 
 def applied_versions(url: str) -> list[int]:
