@@ -165,6 +165,11 @@ class Queries:
             "ORDER BY created_at DESC LIMIT 1"
         )
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
+        #: A key an archive moved out with its call: the call id and request hash it named.
+        self.archived_key = (
+            "SELECT call_id, request_hash FROM archived_keys "
+            f"WHERE budget_root = {m} AND idempotency_key = {m}"
+        )
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
