@@ -33,6 +33,7 @@ from effectguard.ledger import (
     Ledger,
     Writer,
     bodystore,
+    endedsessions,
     open_store,
     operations,
 )
@@ -1363,3 +1364,64 @@ async def test_an_upload_alone_in_its_batch_commits_off_the_event_loop_thread(
     loop_thread = threading.get_ident()
     assert committers[0] == loop_thread, "a lone small admission commits inline"
     assert committers[1] != loop_thread, "a lone upload's commit leaves the loop"
+
+
+def _token_digest(text: str) -> str:
+    """The SHA-256 of a made-up session token, as the operator page stores it."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+async def test_an_ended_session_reads_as_ended_and_writes_no_event(ledger: Ledger, ns: str) -> None:
+    """A logout's record: its digest reads as ended (another digest does not), ending it
+    twice is harmless, and nothing enters the hash chain."""
+    ended, other = _token_digest(f"{ns}-ended"), _token_digest(f"{ns}-other")
+    before = await ledger.store.events_after(0, 1000)
+    now = await ledger.store.clock_now()
+    assert not await ledger.session_ended(ended)
+    await ledger.end_session(ended, now + 3600)
+    await ledger.end_session(ended, now + 3600)
+    assert await ledger.session_ended(ended)
+    assert not await ledger.session_ended(other)
+    assert await ledger.store.events_after(0, 1000) == before
+
+
+async def test_ending_a_session_forgets_the_ones_long_expired(ledger: Ledger, ns: str) -> None:
+    """Each logout deletes the ended sessions whose token expired more than
+    KEPT_PAST_EXPIRY_S ago (by the ledger's clock); one that expired lately is kept, and
+    the session being ended is never deleted by its own logout."""
+    old, late = _token_digest(f"{ns}-old"), _token_digest(f"{ns}-late")
+    now = await ledger.store.clock_now()
+    await ledger.end_session(old, now - endedsessions.KEPT_PAST_EXPIRY_S - 600)
+    assert await ledger.session_ended(old)
+    await ledger.end_session(late, now - 60)
+    assert not await ledger.session_ended(old)
+    assert await ledger.session_ended(late)
+
+
+async def test_a_failed_operation_ends_no_session_and_deletes_none(ledger: Ledger, ns: str) -> None:
+    """An operation that ends a session and then fails leaves the table as it was: the new
+    row is not kept and the expired row its logout deleted is back."""
+    old, new = _token_digest(f"{ns}-old"), _token_digest(f"{ns}-new")
+    now = await ledger.store.clock_now()
+    await ledger.end_session(old, now - endedsessions.KEPT_PAST_EXPIRY_S - 600)
+
+    def end_then_fail(tx: Tx) -> None:
+        endedsessions.end_session(tx, new, now + 3600)
+        raise RuntimeError("the operation fails after ending the session")
+
+    with pytest.raises(RuntimeError):
+        await ledger.store.write(OPERATOR, end_then_fail)
+    assert not await ledger.session_ended(new)
+    assert await ledger.session_ended(old)
+
+
+@pytest.mark.parametrize(
+    "digest",
+    ["", "session-token", "A" * 64, "0" * 63, "g" * 64],
+    ids=["empty", "a-token", "upper-case", "short", "not-hex"],
+)
+async def test_only_a_token_digest_is_stored(ledger: Ledger, digest: str) -> None:
+    """end_session refuses anything but a SHA-256 in lowercase hex, so no token (or other
+    text) reaches the ledger by mistake."""
+    with pytest.raises(ValueError, match="SHA-256"):
+        await ledger.end_session(digest, 0.0)

@@ -15,7 +15,7 @@ from datetime import date
 from typing import Any, BinaryIO
 
 from effectguard.errors import CallNotFound, ConfigError
-from effectguard.ledger import attempts, decisions, evidence, keyops, operations
+from effectguard.ledger import attempts, decisions, endedsessions, evidence, keyops, operations
 from effectguard.ledger.base import (
     OPERATOR,
     CallSpend,
@@ -301,6 +301,21 @@ class Ledger:
             writer, lambda tx: operations.change_policy(tx, writer, path, changes)
         )
         return policy
+
+    async def end_session(
+        self, token_sha256: str, expires_at: float, writer: Writer = OPERATOR
+    ) -> None:
+        """Record the operator-page session whose token has SHA-256 ``token_sha256`` (hex;
+        never the token) as ended until ``expires_at``, for every replica: outside the
+        hash chain (ledger/endedsessions). Ended sessions long expired are deleted."""
+        endedsessions.validate_digest(token_sha256)
+        await self.store.write(
+            writer, lambda tx: endedsessions.end_session(tx, token_sha256, expires_at)
+        )
+
+    async def session_ended(self, token_sha256: str) -> bool:
+        """Whether the operator-page session with this token digest was ended by a logout."""
+        return await self.store.session_ended(token_sha256)
 
     async def call(self, call_id: str) -> WorkState:
         """One call's state; raises :class:`CallNotFound`."""

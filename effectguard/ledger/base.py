@@ -226,6 +226,11 @@ class Tx(Protocol):
         its file in chunks, never whole, in this transaction."""
         ...
 
+    def put_ended_session(self, token_sha256: str, expires_at: float, purge_before: float) -> None:
+        """Record an operator-page session as ended (ledger/endedsessions: outside the
+        hash chain) and delete the ended sessions that expired before ``purge_before``."""
+        ...
+
 
 Operation = Callable[[Tx], T]
 #: Told the result of an operation whose caller was cancelled while it committed.
@@ -376,6 +381,11 @@ class LedgerStore(Protocol):
     async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
         """``(provider, stage, count, held, oldest)`` for unresolved stages, for metrics
         and the operator page (``oldest``: the earliest ``created_at`` of them)."""
+        ...
+
+    async def session_ended(self, token_sha256: str) -> bool:
+        """Whether the operator-page session whose token has this SHA-256 was ended by a
+        logout (ledger/endedsessions), read from committed data."""
         ...
 
     async def writable(self) -> bool:

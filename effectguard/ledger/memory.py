@@ -50,6 +50,8 @@ class MemoryTables:
         self.keys: dict[str, LedgerKey] = {}
         #: By-reference request bodies: call id -> its chunks, in order (ledger/bodystore).
         self.bodies: dict[str, list[bytes]] = {}
+        #: Ended operator-page sessions: their token's SHA-256 -> its expiry.
+        self.ended_sessions: dict[str, float] = {}
         self.generation = 0
         self.lock = threading.RLock()
 
@@ -221,6 +223,15 @@ class MemorySession:
         stored = [chunk for _, chunk in bodystore.chunks(call_id, body)]
         self._set(self.t.bodies, call_id, stored)
 
+    def put_ended_session(self, token_sha256: str, expires_at: float, purge_before: float) -> None:
+        ended = self.t.ended_sessions
+        gone = {t: e for t, e in ended.items() if e < purge_before and t != token_sha256}
+        for token in gone:
+            del ended[token]
+        self._undo.append(lambda: ended.update(gone))
+        if token_sha256 not in ended:
+            self._set(ended, token_sha256, expires_at)
+
     def next_generation(self) -> int:
         old = self.t.generation
 
@@ -348,6 +359,10 @@ class MemoryStore:
     async def events_after(self, seq: int, limit: int) -> list[StoredEvent]:
         with self.tables.lock:
             return self.tables.events[seq : seq + limit]
+
+    async def session_ended(self, token_sha256: str) -> bool:
+        with self.tables.lock:
+            return token_sha256 in self.tables.ended_sessions
 
     async def workers(self) -> list[WorkerRow]:
         with self.tables.lock:

@@ -235,6 +235,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 WHERE stage = 'reconciled_applied'""",
         ],
     ),
+    (
+        10,
+        "operator-page sessions ended by a logout, outside the hash chain",
+        [
+            # As SQLite's migration 17 (ledger/endedsessions).
+            """CREATE TABLE ended_sessions (
+                token_sha256 TEXT NOT NULL PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL)""",
+        ],
+    ),
 ]
 
 

@@ -44,7 +44,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
-from effectguard.ledger import bodystore, operations, pgfate
+from effectguard.ledger import bodystore, endedsessions, operations, pgfate
 from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.pgdeadline import WriteDeadline
@@ -87,10 +87,6 @@ __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 T = TypeVar("T")
 
 _CLOCK = f"SELECT {CLOCK_FUNCTION}()"
-_ARCHIVED_KEY = (
-    "SELECT call_id, request_hash FROM archived_keys "
-    "WHERE budget_root = %s AND idempotency_key = %s"
-)
 
 
 class PostgresSession:
@@ -337,7 +333,7 @@ class PostgresSession:
         return self._scan_call(POSTGRES.keyed_call, (root, key))
 
     def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
-        rows = self._get(_ARCHIVED_KEY, (root, key))  # written only under the batch lock
+        rows = self._get(POSTGRES.archived_key, (root, key))  # written only under the batch lock
         return (str(rows[0][0]), str(rows[0][1])) if rows else None
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
@@ -425,6 +421,10 @@ class PostgresSession:
         # failed operation's rollback_to rolls the savepoint back, chunks included.
         for seq, chunk in bodystore.chunks(call_id, body):
             self._send(POSTGRES.body.insert, (call_id, seq, chunk), savepoint=True)
+
+    def put_ended_session(self, token_sha256: str, expires_at: float, purge_before: float) -> None:
+        params = (purge_before, token_sha256, token_sha256, expires_at)
+        self._send(endedsessions.POSTGRES_END, params, savepoint=True)
 
 
 class PostgresStore(SqlReads):

@@ -182,8 +182,7 @@ class Queries:
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self._spends(index, spend, spend_from, day, newest_first)
         self._sweep_page(state)
-        self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
-        self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
+        self._keys()
         self._kinds(ev)
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0), min(created_at) "
@@ -256,6 +255,17 @@ class Queries:
             f"SELECT {state} FROM calls WHERE {UNRESOLVED_SQL} AND stage = 'effect_unknown' "
             f"AND (created_at > {m} OR (created_at = {m} AND call_id > {m})) "
             f"ORDER BY created_at, call_id LIMIT {m}"
+        )
+
+    def _keys(self) -> None:
+        """The reads of keys: a proxy key by name, every proxy key, and an idempotency key
+        an archive moved out with its call (the call id and request hash it named)."""
+        m = self.mark
+        self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
+        self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
+        self.archived_key = (
+            "SELECT call_id, request_hash FROM archived_keys "
+            f"WHERE budget_root = {m} AND idempotency_key = {m}"
         )
 
     def _writes(self, event_insert: str) -> None:

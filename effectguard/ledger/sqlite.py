@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import bodystore, operations, sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
+from effectguard.ledger.endedsessions import SQLITE_INSERT, SQLITE_PURGE
 from effectguard.ledger.groupcommit import Fate
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
@@ -69,9 +70,6 @@ JOURNAL_SIZE_LIMIT = 32 << 20
 #: Call states the writer keeps between batches (far more than are ever in flight).
 _CALL_CACHE_SIZE = 4096
 #: Statements that go one row at a time (SQLite: executemany of a one-row statement).
-_ARCHIVED_KEY = (
-    "SELECT call_id, request_hash FROM archived_keys WHERE budget_root = ? AND idempotency_key = ?"
-)
 _INSERT_EVENT = SQLITE.insert_events.rows(1)
 #: A call's row with the seq of its last event (sqliteevents: how a call's events are found).
 _UPSERT_CALL = upsert("calls", sqlitecalls.ROW_COLUMNS, "?", sqlitecalls.MUTABLE_COLUMNS).rows(1)
@@ -318,7 +316,7 @@ class SqliteSession:
         return self._one_call(SQLITE.keyed_call, (root, key))
 
     def find_archived(self, root: str, key: str) -> tuple[str, str] | None:
-        row = self.conn.execute(_ARCHIVED_KEY, (root, key)).fetchone()
+        row = self.conn.execute(SQLITE.archived_key, (root, key)).fetchone()
         return None if row is None else (str(row[0]), str(row[1]))
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
@@ -403,6 +401,10 @@ class SqliteSession:
         key = sqliteevents.call_key(call_id)
         for seq, chunk in bodystore.chunks(call_id, body):
             self.conn.execute(SQLITE.body.insert, (key, seq, chunk))
+
+    def put_ended_session(self, token_sha256: str, expires_at: float, purge_before: float) -> None:
+        self.conn.execute(SQLITE_PURGE, (purge_before, token_sha256))
+        self.conn.execute(SQLITE_INSERT, (token_sha256, expires_at))
 
 
 class SqliteStore(SqliteReads):

@@ -371,6 +371,16 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 WHERE stage = 'reconciled_applied'""",
         ],
     ),
+    (
+        17,
+        "operator-page sessions ended by a logout, outside the hash chain",
+        [
+            # ledger/endedsessions: a token's SHA-256 (never the token) and its expiry;
+            # a logout deletes the rows long expired. Older releases never read it.
+            """CREATE TABLE ended_sessions (
+                token_sha256 TEXT NOT NULL PRIMARY KEY, expires_at REAL NOT NULL)""",
+        ],
+    ),
 ]
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, BinaryIO
 
 from effectguard.errors import BodyMismatch, LedgerCorrupt
-from effectguard.ledger import bodystore
+from effectguard.ledger import bodystore, endedsessions
 from effectguard.ledger.base import CallSpend, DaySpend, SpendSums, WorkerRow
 from effectguard.ledger.queries import Queries
 from effectguard.ledger.rows import (
@@ -196,6 +196,11 @@ class SqlReads(ABC):
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key row (revoked and expired ones too), by name."""
         return [key_from_row(r) for r in await self._fetch(self.queries.all_keys)]
+
+    async def session_ended(self, token_sha256: str) -> bool:
+        """Whether the operator-page session with this token digest was ended by a logout."""
+        query = endedsessions.ended_query(self.queries.mark)
+        return bool(await self._fetch(query, (token_sha256,)))
 
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""

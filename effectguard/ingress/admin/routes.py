@@ -7,6 +7,11 @@ the login form. State changes only by POST: a cookie session's POST must also
 come from this server's own page (``Origin``/``Referer``) and carry the session's
 CSRF token, or it is refused with 403 before the ledger is touched.
 
+Logging out ends the session on every replica: the ledger records it as ended (by the
+token's SHA-256), and every request a session cookie authenticates reads that record
+after the signature check, so a copy of the cookie is refused with 401 from then on. A
+ledger that cannot answer that read makes the request a 503, never a pass.
+
 The page reads and writes only through :class:`~effectguard.ledger.Ledger`, the
 API the CLI uses, and keeps no state of its own: any replica answers any request.
 """
@@ -23,7 +28,7 @@ from effectguard.errors import CallNotFound, LedgerError, ReconcileError
 from effectguard.ingress.admin import views
 from effectguard.ingress.admin.exchange import Exchange, FormTooLarge, Receive, Scope, Send
 from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, page
-from effectguard.ingress.admin.session import Session, Sessions, same_origin
+from effectguard.ingress.admin.session import Session, Sessions, same_origin, token_sha256
 from effectguard.ingress.admin.spend import DAY_S, spend_table, top_series
 from effectguard.ingress.keyring import bearer_token
 from effectguard.ledger import Ledger
@@ -86,7 +91,7 @@ class AdminPage:
         if sub == "login" and ex.method == "POST":
             await self._login(ex)
             return
-        session = self._authenticate(ex)
+        session = await self._authenticate(ex)
         if session is None:
             login = login_page(None, _back_to(ex, sub))
             await ex.html(401, login, ((b"www-authenticate", b"Bearer"),))
@@ -98,15 +103,21 @@ class AdminPage:
         else:
             raise Refused(405, f"{ex.method} is not allowed here")
 
-    def _authenticate(self, ex: Exchange) -> Session | None:
-        """The session a request proves: a bearer admin key, else the session cookie."""
+    async def _authenticate(self, ex: Exchange) -> Session | None:
+        """The session a request proves: a bearer admin key, else the session cookie of a
+        session no logout has ended (a LedgerError if the ledger cannot say: a 503)."""
         authorization = ex.header("authorization")
         if authorization is not None:
             key = self._admin.key_for(bearer_token(authorization))
             # A bearer request is no browser's ambient credential: it needs no CSRF token.
             return None if key is None else Session(key.name, "", 0.0)
         token = ex.cookie()
-        return self.sessions.check(token, self._clock()) if token else None
+        session = self.sessions.check(token, self._clock()) if token else None
+        # Read per request, from the ledger every replica shares: a logout on any of them
+        # ends the session here at once. Only a validly signed token costs a read.
+        if session is not None and await self._ledger.session_ended(token_sha256(session.token)):
+            return None
+        return session
 
     async def _get(self, ex: Exchange, sub: str, session: Session) -> None:
         csrf = self.sessions.csrf_token(session) if session.token else ""
@@ -194,6 +205,9 @@ class AdminPage:
             if not self.sessions.csrf_ok(session, form.get("csrf", "")):
                 raise Refused(403, "this form is stale or forged (CSRF token); reload the page")
         if sub == "logout":
+            if session.token:  # recorded before the cookie is cleared: a failure is a 503
+                await self._ledger.end_session(token_sha256(session.token), session.expires)
+                log.info("operator %s logged out", session.name)
             await ex.redirect(PREFIX, (ex.set_cookie("", 0),))
         elif sub.startswith("calls/") and sub.endswith("/reconcile") and sub.count("/") == 2:
             call_id = sub.split("/")[1]

@@ -1,4 +1,4 @@
-"""Login sessions and CSRF tokens for the operator page, with no state but a secret.
+"""Login sessions and CSRF tokens for the operator page: signed tokens, and a logout list.
 
 A session is a signed token (``payload.signature``) naming the admin key's name and
 an expiry; the browser holds it in an HttpOnly, SameSite=Strict cookie. A token whose
@@ -6,8 +6,14 @@ expiry lies further ahead than a login made now would last is refused: lowering
 ``session_hours`` shortens the logins already made. The signing
 secret is derived from the configured admin keys (their names and digests) and the
 optional ``EFFECTGUARD_ADMIN_SECRET``, so every replica with the same configuration
-accepts the same cookie and none keeps a session table. Changing the admin keys
-changes the secret, which ends every session at once.
+accepts the same cookie and no replica keeps a session of its own. Changing the admin
+keys or the secret changes the signing secret, which ends every session at once.
+
+Logging out ends one session everywhere: the page records the token's SHA-256
+(:func:`token_sha256`; never the token) as ended in the ledger every replica shares
+(``effectguard.ledger.endedsessions``), and refuses a token so recorded after its
+signature checks, so a copy of the cookie taken before the logout no longer logs in.
+This module only signs and checks; the page (``routes``) does the ledger's part.
 
 The CSRF token of a session is a second HMAC over the session token: a form carries
 it in a hidden field, and only a page rendered for that session can know it.
@@ -109,6 +115,12 @@ def same_origin(origin: str | None, referer: str | None, host: str | None) -> bo
     except ValueError:
         return False
     return bool(netloc) and _same(netloc.lower(), host.lower())
+
+
+def token_sha256(token: str) -> str:
+    """The SHA-256 of a session token (hex): how the ledger names an ended session, so
+    reading the ledger gives no login."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _same(presented: str, expected: str) -> bool:
