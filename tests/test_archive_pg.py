@@ -102,6 +102,32 @@ def test_pg_archive_verifies_across_the_cut_and_an_archived_key_is_never_resent(
     assert any("follows event 0" in p for p in report["problems"]), report["problems"]
 
 
+def test_pg_archive_takes_a_keyed_call_that_had_no_effect_and_keeps_its_key(
+    tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A keyed call the provider refused (400: ``not_processed``) once held the cut until
+    its key came again. It had no effect, so it leaves with the calls around it; the table
+    verifies, and its key answers 409 archived from then on, nothing sent."""
+    key = {"Idempotency-Key": "refused-1"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", error_status=400) as fake,
+        running_proxy(
+            pg_url, upstreams={"openai": fake.url}, log_path=tmp_path / "proxy.log"
+        ) as proxy,
+    ):
+        refused = post(proxy, 0, **key)
+        assert refused.status_code == 400, refused.text
+        assert sql(pg_url, "SELECT stage FROM calls") == [("not_processed",)]
+        moved = archive(pg_url, capsys)
+        assert (moved["calls"], moved["keys"], moved.get("held_by")) == (1, 1, None), moved
+        verified(pg_url, capsys)
+        sent = len(fake.receipts())
+        again = post(proxy, 0, **key)
+        assert again.status_code == 409 and again.json()["error"]["type"] == "archived"
+        assert again.headers["effectguard-call-id"] == refused.headers["effectguard-call-id"]
+        assert len(fake.receipts()) == sent
+
+
 def test_pg_archive_never_takes_an_unresolved_call(
     tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
