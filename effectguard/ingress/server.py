@@ -207,7 +207,8 @@ class ProxyApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         # A provider's own listener (provider_ports) sends every path to that provider.
         fixed = self._routes.get((scope.get("server") or ("", 0))[1]) if self._routes else None
-        if fixed is None and await self._own(scope, receive, send):
+        if fixed is None and self._owns(scope):
+            await self._own(scope, receive, send)
             return
         if ambiguous_framing(scope["headers"]):
             # RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding is a
@@ -244,22 +245,28 @@ class ProxyApp:
                 raise
             await self._cut_off(send, provider, context.ticket)
 
-    async def _own(self, scope: Scope, receive: Receive, send: Send) -> bool:
-        """Answer the proxy's own routes (/healthz, /metrics, the operator page); whether
-        ``scope`` was one. The operator page's own checks come first on its requests."""
+    def _owns(self, scope: Scope) -> bool:
+        """Whether ``scope`` is for one of the proxy's own routes (/healthz, /metrics, the
+        operator page), checked without an await: every proxied request asks. An operator
+        page request with ambiguous framing is not: it is refused as any request is."""
+        path: str = scope["path"]
+        if path == "/healthz":
+            return True
+        if path == "/metrics":
+            return self.metrics is not None and self.settings.metrics_port is None
+        admin = self.admin
+        return admin is not None and admin.owns(path) and not ambiguous_framing(scope["headers"])
+
+    async def _own(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one of the proxy's own routes (:meth:`_owns`)."""
         path: str = scope["path"]
         if path == "/healthz":
             ok = await self.runtime.ledger.store.writable() and await self._not_fenced()
             await _json(send, 200 if ok else 503, {"ledger": "writable" if ok else "unavailable"})
-        elif path == "/metrics" and self.metrics is not None and self.settings.metrics_port is None:
+        elif path == "/metrics":
             await self._metrics(scope, send)
-        elif self.admin is not None and self.admin.owns(path):
-            if ambiguous_framing(scope["headers"]):
-                return False  # refused as any request is, below
+        elif self.admin is not None:
             await self.admin(scope, receive, send)
-        else:
-            return False
-        return True
 
     async def _cut_off(self, send: Send, provider: Provider, ticket: Ticket) -> None:
         """Answer a request cut off by the end of the drain: 504 ``effect_unknown`` if admitted.
