@@ -46,11 +46,6 @@ POSTGRES_END = (
 )
 
 
-def ended_query(mark: str) -> str:
-    """The read of whether a token's digest is among the ended (``mark``: the placeholder)."""
-    return f"SELECT 1 FROM ended_sessions WHERE token_sha256 = {mark}"
-
-
 def validate_digest(token_sha256: str) -> None:
     """Refuse anything but a SHA-256 in lowercase hex: the ledger never holds a token."""
     if len(token_sha256) != 64 or not _HEX.issuperset(token_sha256):

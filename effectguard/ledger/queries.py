@@ -258,8 +258,9 @@ class Queries:
         )
 
     def _keys(self) -> None:
-        """The reads of keys: a proxy key by name, every proxy key, and an idempotency key
-        an archive moved out with its call (the call id and request hash it named)."""
+        """The reads of keys: a proxy key by name, every proxy key, an idempotency key an
+        archive moved out with its call (the call id and request hash it named), and an
+        ended operator-page session's token digest."""
         m = self.mark
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
@@ -267,6 +268,8 @@ class Queries:
             "SELECT call_id, request_hash FROM archived_keys "
             f"WHERE budget_root = {m} AND idempotency_key = {m}"
         )
+        # An operator-page login ended by a logout (ledger/endedsessions), by its digest.
+        self.session_ended = f"SELECT 1 FROM ended_sessions WHERE token_sha256 = {m}"
 
     def _writes(self, event_insert: str) -> None:
         """The inserts and upserts (``event_insert``: the events' columns as written)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, BinaryIO
 
 from effectguard.errors import BodyMismatch, LedgerCorrupt
-from effectguard.ledger import bodystore, endedsessions
+from effectguard.ledger import bodystore
 from effectguard.ledger.base import CallSpend, DaySpend, SpendSums, WorkerRow
 from effectguard.ledger.queries import Queries
 from effectguard.ledger.rows import (
@@ -199,8 +199,7 @@ class SqlReads(ABC):
 
     async def session_ended(self, token_sha256: str) -> bool:
         """Whether the operator-page session with this token digest was ended by a logout."""
-        query = endedsessions.ended_query(self.queries.mark)
-        return bool(await self._fetch(query, (token_sha256,)))
+        return bool(await self._fetch(self.queries.session_ended, (token_sha256,)))
 
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
