@@ -26,6 +26,17 @@ NEEDS_PG = [
 ]
 
 
+def server_port() -> int:
+    """The port of the PostgreSQL server ``EFFECTGUARD_TEST_PG_DSN`` names."""
+    return int(DSN.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+
+
+def via(url: str, port: int) -> str:
+    """``url`` with its host and port replaced by 127.0.0.1:``port`` (a relay's)."""
+    host = url.split("@", 1)[1].split("/", 1)[0]
+    return url.replace(host, f"127.0.0.1:{port}", 1)
+
+
 def with_schema(dsn: str, schema: str) -> str:
     """``dsn`` with the ledger's ``schema`` parameter added."""
     return f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pgkit import DSN, NEEDS_PG, pg_url
+from pgkit import DSN, NEEDS_PG, pg_url, server_port, via
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER
@@ -281,15 +281,10 @@ def _close(sock: socket.socket) -> None:
 
 @pytest.fixture
 def relay() -> Iterator[Relay]:
-    port = int(DSN.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    port = server_port()
     relayed = Relay(port)
     yield relayed
     relayed.close()
-
-
-def _via(url: str, relay: Relay) -> str:
-    host = url.split("@", 1)[1].split("/", 1)[0]
-    return url.replace(host, f"127.0.0.1:{relay.port}", 1)
 
 
 def _chat(key: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -323,7 +318,7 @@ def provider(tmp_path: Path) -> Iterator[FakeProvider]:
 def test_a_commit_whose_answer_is_lost_is_found_out_not_guessed(
     marker: str, when: str, pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
 ) -> None:
-    url = _via(pg_url, relay)
+    url = via(pg_url, relay.port)
     log_path = tmp_path / "proxy.log"
     with running_proxy(url, upstreams={"openai": provider.url}, log_path=log_path) as proxy:
         client = httpx.Client(base_url=proxy.url, timeout=30)
@@ -351,7 +346,7 @@ def test_a_commit_whose_answer_is_lost_is_found_out_not_guessed(
 def test_a_connection_the_server_closed_while_idle_is_reopened(
     pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
 ) -> None:
-    url = _via(pg_url, relay)
+    url = via(pg_url, relay.port)
     log_path = tmp_path / "proxy.log"
     with running_proxy(url, upstreams={"openai": provider.url}, log_path=log_path) as proxy:
         client = httpx.Client(base_url=proxy.url, timeout=30)
@@ -400,7 +395,7 @@ def test_a_resend_after_the_connections_were_lost_is_judged_not_a_500(
     ``effect_unknown`` as always, and not sent. Before, the read that looks for evidence
     met the dead connection and the client got 500 ``internal_error`` with
     ``x-should-retry: false``."""
-    url = _via(pg_url, relay)
+    url = via(pg_url, relay.port)
     with running_proxy(
         url, upstreams={"openai": provider.url}, log_path=tmp_path / "p.log"
     ) as proxy:
@@ -424,7 +419,7 @@ def test_a_resend_whose_evidence_cannot_be_read_is_503_not_sent(
     for the earlier call's outcome (the database went away in between): 503
     ``ledger_unavailable`` with ``x-should-retry: true``, nothing sent. Before, 500
     ``internal_error`` with ``x-should-retry: false``, though nothing had been sent."""
-    url = _via(pg_url, relay)
+    url = via(pg_url, relay.port)
     with running_proxy(
         url, upstreams={"openai": provider.url}, log_path=tmp_path / "p.log"
     ) as proxy:
@@ -458,7 +453,7 @@ def test_a_key_revoked_while_the_key_read_hangs_is_not_accepted_for_ever(
     auth = {"Authorization": f"Bearer {made['key']}"}
     log_path = tmp_path / "proxy.log"
     with running_proxy(
-        _via(pg_url, relay), upstreams={"openai": provider.url}, log_path=log_path
+        via(pg_url, relay.port), upstreams={"openai": provider.url}, log_path=log_path
     ) as proxy:
         client = httpx.Client(base_url=proxy.url, timeout=30)
         body, _ = _chat("before")
@@ -510,7 +505,7 @@ def test_an_operators_limit_set_while_serve_seeds_the_config_is_kept(
     args = ["--config", str(config)]
     relay.stall("'budget.limit_set'")  # serve's read of the limits already set
     with running_proxy(
-        _via(pg_url, relay), args=args, log_path=tmp_path / "first.log", wait=False
+        via(pg_url, relay.port), args=args, log_path=tmp_path / "first.log", wait=False
     ) as proxy:
         _wait(lambda: relay.stalls == 1, "serve to read the limits set")
         _ledger(pg_url, "budget", "set", "team", "--limit", "1")
@@ -553,7 +548,7 @@ def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
     a = start_proxy(pg_url, upstreams=upstreams, log_path=tmp_path / "a.log")
     try:
         with running_proxy(
-            _via(pg_url, relay), upstreams=upstreams, log_path=tmp_path / "b.log"
+            via(pg_url, relay.port), upstreams=upstreams, log_path=tmp_path / "b.log"
         ) as b:
             held = [
                 threading.Thread(
@@ -599,7 +594,7 @@ def test_a_commit_whose_answer_never_comes_is_given_up_and_found_out(
     config.write_text(f"[server]\nlease_s = {WRITE_WAIT_S * 4:g}\n")
     log_path = tmp_path / "proxy.log"
     with running_proxy(
-        _via(pg_url, relay),
+        via(pg_url, relay.port),
         upstreams={"openai": provider.url},
         args=["--config", str(config)],
         log_path=log_path,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pgkit import DSN, NEEDS_PG, pg_url
+from pgkit import NEEDS_PG, pg_url, server_port, via
 
 from effectguard.ledger.pgdeadline import WRITE_WAIT_S
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
@@ -118,7 +118,7 @@ class SilentRelay:
 
 @pytest.fixture
 def relay() -> Iterator[SilentRelay]:
-    port = int(DSN.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    port = server_port()
     relayed = SilentRelay(port)
     yield relayed
     relayed.close()
@@ -128,11 +128,6 @@ def relay() -> Iterator[SilentRelay]:
 def provider(tmp_path: Path) -> Iterator[FakeProvider]:
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
         yield fake
-
-
-def _via(url: str, relay: SilentRelay) -> str:
-    host = url.split("@", 1)[1].split("/", 1)[0]
-    return url.replace(host, f"127.0.0.1:{relay.port}", 1)
 
 
 def _post(base: str, key: str, timeout: float) -> httpx.Response:
@@ -148,7 +143,7 @@ def test_a_silent_writer_connection_answers_503_then_serves_again(
     connections get through, the same keys are served, each paid once."""
     log_path = tmp_path / "proxy.log"
     with running_proxy(
-        _via(pg_url, relay), upstreams={"openai": provider.url}, log_path=log_path
+        via(pg_url, relay.port), upstreams={"openai": provider.url}, log_path=log_path
     ) as proxy:
         assert _post(proxy.url, "warm", 30).status_code == 200
         relay.freeze()
