@@ -350,7 +350,9 @@ async def test_reconcile_auto_asks_nothing_about_a_call_resent_since_it_listed_i
             providers=[declare(tmp_path / "transport", freshness=None)],
             upstreams={"payments": fake.url},
         )
-        client = httpx.AsyncClient(transport=t)
+        # The resend waits out the command's search (a second's pause) before its answer:
+        # httpx's default 5 s was too short for it on a loaded machine (a bound, not a timing).
+        client = httpx.AsyncClient(transport=t, timeout=60)
         url, key = fake.url + SEND, {"Idempotency-Key": "lost"}
         lost = await lost_send(client, url, charge(2), headers=key)
         # Newer, so listed first (the command lists the newest first).
