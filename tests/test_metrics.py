@@ -21,9 +21,10 @@ from prometheus_client import CollectorRegistry
 from effectguard import AsyncGuardTransport, GuardSettings
 from effectguard.ledger import Ledger
 from effectguard.providers import ModelPrice, load_providers
+from effectguard.rules.budgetview import Policyless
 from effectguard.rules.money import nanos_to_decimal
 from effectguard.rules.usage import Usage, cost, estimate
-from effectguard.telemetry.metrics import Metrics
+from effectguard.telemetry.metrics import OTHER_BUDGETS, Metrics, top_budgets
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.report import CallReport
 from effectguard.testing import free_port
@@ -520,6 +521,11 @@ class NodesRead:
         self.paths |= {n.path for n in nodes}
         return nodes
 
+    async def policyless(self, depth: int, limit: int) -> Policyless:
+        read: Policyless = await self._store.policyless(depth, limit)
+        self.paths |= {n.path for n in read.top}
+        return read
+
 
 async def test_a_scrape_reads_only_the_budget_nodes_it_labels(ledger: Ledger) -> None:
     """Per-user budget nodes below the labelled depth are not read at all by a scrape
@@ -533,3 +539,31 @@ async def test_a_scrape_reads_only_the_budget_nodes_it_labels(ledger: Ledger) ->
     await metrics.refresh()
     assert store.paths == {"team"}
     assert value(metrics, "effectguard_budget_reserved_usd", budget="team") is not None
+
+
+async def test_a_scrape_reads_only_the_client_made_roots_it_shows(ledger: Ledger) -> None:
+    """Roots that clients make by naming budgets (nodes with no policy) are ranked and
+    summed by the store: a scrape reads the 50 it shows, not all of them (100,000 took
+    each scrape 0.76 s of the event loop), and shows what a read of every root gives."""
+    writer = await ledgerbench.register(ledger, lease_s=60)
+    for i in range(120):
+        for _ in range(i % 7 + 1):  # money committed varies, with ties
+            await ledger.admit(writer, ledgerbench.admit_request(f"r{i:03d}"))
+    await ledger.change_policy("watched", {"limit": 10**12})  # ranked first, never charged
+    store = NodesRead(ledger.store)
+    metrics = Metrics(registry=CollectorRegistry())
+    metrics.attach(Ledger(store))
+    await metrics.refresh()
+    assert len(store.paths) == 50 and "watched" not in store.paths
+    every = top_budgets(await ledger.budgets(depth=1), 50)
+    assert every[0].path == "watched" and every[-1].path == OTHER_BUDGETS
+    for node in every:
+        reserved = value(metrics, "effectguard_budget_reserved_usd", budget=node.path)
+        assert reserved == usd(node.reserved), node.path
+    shown = [
+        s
+        for family in metrics.registry.collect()
+        if family.name == "effectguard_budget_reserved_usd"
+        for s in family.samples
+    ]
+    assert len(shown) == len(every) == 51

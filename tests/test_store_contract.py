@@ -1089,6 +1089,31 @@ async def test_budget_nodes_of_a_depth_are_the_shallow_ones_read_alone(
     assert roots == [n for n in await ledger.budgets() if "/" not in n.path]
 
 
+async def test_the_policyless_read_ranks_and_sums_as_a_read_of_every_node_would(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``policyless(depth, limit)`` gives the first ``limit`` nodes no policy names (money
+    committed, most first, then path) and all of them counted and summed, exactly as a
+    read of every node ranks them: the metrics read ``limit`` nodes however many
+    clients made. Nodes with a policy (a daily one here) are never among them."""
+    await ledger.change_policy(f"{ns}p", {"limit": 100 * R, "period": "day"})
+    charges = {f"{ns}p/u": 9, f"{ns}a": 3, f"{ns}b": 1, f"{ns}c": 3, f"{ns}d/u": 5, f"{ns}e": 2}
+    for n, (path, units) in enumerate(charges.items()):
+        await admit_ok(ledger, w1, req(ns, request_hash=f"h{n}", reserve=units * R, budget=path))
+    policies = await ledger.policies()
+    every = [n for n in await ledger.store.budget_nodes() if n.path not in policies]
+    for depth in (1, 2):
+        nodes = [n for n in every if n.path.count("/") < depth]
+        assert len(nodes) == (5 if depth == 1 else 7)
+        for limit in (0, 1, 2, 3, 10):
+            read = await ledger.store.policyless(depth, limit)
+            ranked = sorted(nodes, key=lambda n: (-n.committed, n.path))
+            assert list(read.top) == ranked[:limit]
+            assert read.count == len(nodes)
+            assert read.total.reserved == sum(n.reserved for n in nodes)
+            assert (read.total.spent, read.total.held) == (0, 0)
+
+
 class WriteBetweenReads:
     """A store wrapper that lets one write commit between verify's event scan and its counter read.
 

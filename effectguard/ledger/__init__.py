@@ -29,7 +29,7 @@ from effectguard.ledger.base import (
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
-from effectguard.rules.budgetview import budget_view, view_periods
+from effectguard.rules.budgetview import Policyless, budget_view, view_periods
 from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
@@ -412,3 +412,17 @@ class Ledger:
         wanted = view_periods(policies, when, period, on)
         counters = await self.store.budget_nodes(depth, wanted, under)
         return budget_view(policies, counters, when, period, on)
+
+    async def budget_ranking(self, depth: int, limit: int) -> tuple[list[BudgetNode], Policyless]:
+        """The nodes of paths with fewer than ``depth`` ``/`` for a ranking of ``limit``
+        (:func:`~effectguard.rules.budgetview.top_nodes`): those with a policy in their
+        current period, and of those without one, the ``limit`` first, their count and
+        sum. However many nodes clients made, it reads ``limit`` of them."""
+        # Read first: a node given its first policy before the reads below is then
+        # counted twice for one scrape (in ``_other``'s sum), never left out.
+        policyless = await self.store.policyless(depth, limit)
+        policies = {p: v for p, v in (await self.policies()).items() if p.count("/") < depth}
+        when = await self.store.clock_now()
+        wanted = view_periods(policies, when)
+        counters = await self.store.budget_nodes(depth, wanted, policied=True)
+        return budget_view(policies, counters, when), policyless

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
+from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
@@ -340,13 +341,23 @@ class LedgerStore(Protocol):
         depth: int | None = None,
         periods: Collection[str] | None = None,
         under: str | None = None,
+        *,
+        policied: bool = False,
     ) -> list[BudgetNode]:
         """Every stored ``(path, period)`` counter row (``limit`` left None), ordered by
         path and period. Given a ``depth``, only those of paths with fewer than ``depth``
         ``/`` (1: the roots), so a reader of the top of the tree reads no per-user node.
         Given ``periods``, a path that has a policy keeps only its rows of those labels
         (a view of today reads no past day); a path with no policy keeps every row. Given
-        ``under``, only that path's rows and its descendants'."""
+        ``under``, only that path's rows and its descendants'. ``policied``: only the
+        rows of paths that have a policy."""
+        ...
+
+    async def policyless(self, depth: int, limit: int) -> Policyless:
+        """Of the paths with fewer than ``depth`` ``/`` that have no policy (policies are
+        never removed, so each has one row, period ``total``): the first ``limit`` by money
+        committed (most first, then by path), and all of them counted and summed (the
+        sum's path is empty)."""
         ...
 
     async def budget_policies(self) -> list[BudgetPolicy]:

@@ -29,6 +29,7 @@ from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key, is_under
+from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
@@ -340,6 +341,8 @@ class MemoryStore:
         depth: int | None = None,
         periods: Collection[str] | None = None,
         under: str | None = None,
+        *,
+        policied: bool = False,
     ) -> list[BudgetNode]:
         with self.tables.lock:
             policies = self.tables.policies
@@ -349,8 +352,26 @@ class MemoryStore:
                 if (depth is None or n.path.count("/") < depth)
                 and (periods is None or n.period in periods or n.path not in policies)
                 and (under is None or is_under(n.path, under))
+                and (not policied or n.path in policies)
             ]
         return sorted(nodes, key=lambda n: n.key)
+
+    async def policyless(self, depth: int, limit: int) -> Policyless:
+        with self.tables.lock:
+            policies = self.tables.policies
+            nodes = [
+                n
+                for n in self.tables.nodes.values()
+                if n.path.count("/") < depth and n.path not in policies
+            ]
+        total = BudgetNode(
+            "",
+            reserved=sum(n.reserved for n in nodes),
+            spent=sum(n.spent for n in nodes),
+            held=sum(n.held for n in nodes),
+        )
+        top = sorted(nodes, key=lambda n: (-n.committed, n.path))[:limit]
+        return Policyless(tuple(top), len(nodes), total)
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         with self.tables.lock:

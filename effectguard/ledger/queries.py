@@ -57,6 +57,8 @@ IN_FLIGHT_SQL = f"stage = {stage_list(['in_flight'])}"
 # of unresolved calls (calls_unresolved) instead of every call.
 _IN_FLIGHT = f"{UNRESOLVED_SQL} AND {IN_FLIGHT_SQL}"
 #: The chain head: the last event's number and digest.
+#: How many ``/`` a budget path has (0: a root).
+_DEPTH = "length(path) - length(replace(path, '/', ''))"
 HEAD = "SELECT seq, digest FROM events ORDER BY seq DESC LIMIT 1"
 NEXT_GENERATION = "UPDATE meta SET value = value + 1 WHERE key = 'generation' RETURNING value"
 
@@ -180,6 +182,7 @@ class Queries:
         self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
         self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
+        self._policyless()
         self._spends(index, spend, spend_from, day, newest_first)
         self._sweep_page(state)
         self._keys()
@@ -222,18 +225,23 @@ class Queries:
             f"SELECT {ev} FROM events e WHERE kind = 'ledger.archived' ORDER BY e.seq"
         )
 
-    def budget_nodes(self, depth: bool, periods: int | None, under: bool) -> str:
+    def budget_nodes(
+        self, depth: bool, periods: int | None, under: bool, policied: bool = False
+    ) -> str:
         """Counter rows, by path and period, with a parameter for each filter asked for,
         in this order. ``depth``: of paths with fewer ``/`` than a parameter (a root has
         none), what the metrics label, read without the per-user nodes below them;
         ``periods``: of a path that has a policy, only the rows of that many period labels,
         so a view of one period does not read every past day of every node (a path with no
         policy keeps every row: see ``LedgerStore.budget_nodes``); ``under``: of a path and
-        its descendants (:meth:`subtree`'s parameters)."""
+        its descendants (:meth:`subtree`'s parameters); ``policied``: of paths that have a
+        policy, with no parameter."""
         m = self.mark
         where = []
         if depth:
-            where.append(f"length(path) - length(replace(path, '/', '')) < {m}")
+            where.append(f"{_DEPTH} < {m}")
+        if policied:
+            where.append("path IN (SELECT path FROM budgets)")
         if periods is not None:
             labels = ",".join([m] * periods) or "NULL"
             where.append(f"(period IN ({labels}) OR path NOT IN (SELECT path FROM budgets))")
@@ -241,6 +249,23 @@ class Queries:
             where.append(self.in_subtree("path"))
         clause = f" WHERE {' AND '.join(where)}" if where else ""
         return f"SELECT {NODE_COLUMNS} FROM budget_periods{clause} ORDER BY path, period"
+
+    def _policyless(self) -> None:
+        """The nodes no policy names, under a depth: the metrics' ranking reads the first
+        few and one sum, however many clients made (``LedgerStore.policyless``)."""
+        m = self.mark
+        policyless = (
+            f"FROM budget_periods WHERE {_DEPTH} < {m} AND period = 'total' "
+            "AND path NOT IN (SELECT path FROM budgets)"
+        )
+        self.policyless_top = (
+            f"SELECT {NODE_COLUMNS} {policyless} "
+            f"ORDER BY reserved + spent + held DESC, path LIMIT {m}"
+        )
+        self.policyless_sum = (
+            "SELECT count(*), coalesce(sum(reserved), 0), coalesce(sum(spent), 0), "
+            f"coalesce(sum(held), 0) {policyless}"
+        )
 
     def _sweep_page(self, state: str) -> None:
         """The resolver's page of unknown calls: after a (created_at, call id) cursor, in

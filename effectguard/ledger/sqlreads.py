@@ -28,6 +28,7 @@ from effectguard.ledger.rows import (
     worker_from_row,
 )
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
@@ -147,17 +148,27 @@ class SqlReads(ABC):
         depth: int | None = None,
         periods: Collection[str] | None = None,
         under: str | None = None,
+        *,
+        policied: bool = False,
     ) -> list[BudgetNode]:
         """Stored ``(path, period)`` counter rows (``limit`` left None), as
         ``LedgerStore.budget_nodes`` says."""
         labels = None if periods is None else sorted(periods)
         sql = self.queries.budget_nodes(
-            depth is not None, None if labels is None else len(labels), under is not None
+            depth is not None, None if labels is None else len(labels), under is not None, policied
         )
         params: list[Any] = [] if depth is None else [depth]
         params += labels or []
         params += [] if under is None else self.queries.subtree(under)
         return [node_from_row(r) for r in await self._fetch(sql, params)]
+
+    async def policyless(self, depth: int, limit: int) -> Policyless:
+        """The first nodes without a policy, and all of them summed
+        (``LedgerStore.policyless``)."""
+        top = await self._fetch(self.queries.policyless_top, (depth, limit))
+        ((count, reserved, spent, held),) = await self._fetch(self.queries.policyless_sum, (depth,))
+        total = BudgetNode("", reserved=int(reserved), spent=int(spent), held=int(held))
+        return Policyless(tuple(node_from_row(r) for r in top), int(count), total)
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         """Every declared budget policy."""

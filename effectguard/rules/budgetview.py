@@ -9,7 +9,7 @@ and those charged in that period under an earlier policy).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import date
 
 from effectguard.rules import periods
@@ -64,3 +64,45 @@ def budget_view(
         node = by_key.get((path, chosen)) or BudgetNode(path, period=chosen)
         out.append(replace(node, limit=policy.limit))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Policyless:
+    """Of the budget nodes that have no policy (one counter row each, period ``total``),
+    the few with the most money committed, and how many there are with what they hold.
+
+    Such nodes are what a client makes by naming a new budget (without proxy keys, one
+    per header it invents), so a reader that ranks them reads ``top`` and two aggregates,
+    never every node."""
+
+    top: tuple[BudgetNode, ...]
+    count: int
+    total: BudgetNode
+
+
+def ranking_key(node: BudgetNode) -> tuple[bool, int, str]:
+    """Budgets with a limit first (an operator set them: they are the ones watched), then
+    by money committed, most first, then by path."""
+    return (node.limit is None, -node.committed, node.path)
+
+
+def top_nodes(
+    shown: list[BudgetNode], limit: int, policyless: Policyless | None, other: str
+) -> list[BudgetNode]:
+    """The ``limit`` nodes ranked first (:func:`ranking_key`) of ``shown`` and the nodes
+    ``policyless`` counts, then the rest summed as a node named ``other``; every node, by
+    path, if there are no more than ``limit``. ``policyless.top`` must be that set's first
+    ``limit`` (or all of it): no node outside it can rank among the first ``limit``."""
+    candidates = shown + list(policyless.top if policyless else ())
+    count = len(shown) + (policyless.count if policyless else 0)
+    if count <= limit:
+        return sorted(candidates, key=lambda n: n.path)
+    kept = sorted(candidates, key=ranking_key)[:limit]
+    everything = [*shown, policyless.total] if policyless else shown
+    rest = BudgetNode(
+        other,
+        reserved=sum(n.reserved for n in everything) - sum(n.reserved for n in kept),
+        spent=sum(n.spent for n in everything) - sum(n.spent for n in kept),
+        held=sum(n.held for n in everything) - sum(n.held for n in kept),
+    )
+    return [*kept, rest]
