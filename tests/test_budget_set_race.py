@@ -16,10 +16,13 @@ from typing import Any
 
 import pytest
 from test_store_contract import (  # noqa: F401  (fixtures)
+    admit_ok,
     clock,
+    completion,
     ledger,
     ledger_url,
     ns,
+    req,
     store_kind,
     w1,
 )
@@ -114,3 +117,36 @@ async def test_a_rate_set_while_serve_seeds_leaves_the_limit_to_the_file(
     racing = Ledger(ChangedBeforeWrite(ledger.store, lambda: ledger.set_policy(rate)))
     assert await seed_limits(racing, {path: 5 * USD}, w1) == []
     assert (await ledger.policies())[path] == BudgetPolicy(path, 5 * USD, rpm=7)
+
+
+class NodesRead:
+    """A store that notes the paths of the budget nodes its reads returned."""
+
+    def __init__(self, inner: LedgerStore) -> None:
+        self._inner = inner
+        self.paths: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def budget_nodes(self, *args: Any, **kwargs: Any) -> list[Any]:
+        nodes: list[Any] = await self._inner.budget_nodes(*args, **kwargs)
+        self.paths |= {n.path for n in nodes}
+        return nodes
+
+
+async def test_seeding_reads_only_the_nodes_it_wrote(ledger: Ledger, ns: str, w1: Writer) -> None:
+    """On every store: ``serve``'s seed of ``[budgets]`` reads the nodes it wrote, not the
+    tree (a node per run makes millions), and still warns of one already spent past its
+    new limit."""
+    path = f"{ns}/team"
+    for run in range(5):
+        budget = f"{path}/run-{run}"
+        admitted = await admit_ok(ledger, w1, req(ns, request_hash=f"h{run}", budget=budget))
+        await ledger.record(w1, admitted.call_id, 1, completion(admitted.call_id, budget, 700))
+    store = NodesRead(ledger.store)
+    warnings = await seed_limits(Ledger(store), {path: 1000, f"{ns}/other": 5 * USD}, w1)
+    assert store.paths == {path}  # the other node was never charged: it has no row
+    assert len(warnings) == 1, warnings
+    assert f"budget {path!r} has already spent 0.000003500 USD" in warnings[0], warnings
+    assert warnings[0].endswith("(set from the config's [budgets])")

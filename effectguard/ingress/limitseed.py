@@ -50,11 +50,12 @@ async def seed_limits(ledger: Ledger, configured: Mapping[str, int], writer: Wri
             f"config's [budgets] {PLANS} times; their ledger limits stay"
         )
     warnings = list(plan.warnings)
-    if written:
-        now = {n.path: n for n in await ledger.budgets()}  # each node's current period
-        for path in dict.fromkeys(written):
-            if (warning := overspent(now[path])) is not None:
-                warnings.append(f"{warning} (set from the config's [budgets])")
+    for path in dict.fromkeys(written):
+        # The node alone, in its current period: a ledger with a node per run has
+        # millions, and a start must not read them.
+        (node,) = await ledger.budgets(under=path, depth=path.count("/") + 1)
+        if (warning := overspent(node)) is not None:
+            warnings.append(f"{warning} (set from the config's [budgets])")
     for warning in warnings:
         log.warning("%s", warning)
     return warnings
