@@ -40,7 +40,7 @@ from effectguard.ledger import (
 from effectguard.ledger.base import CallSpend, SpendSums, Tx, sum_spend
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
-from effectguard.rules.budget import BudgetNode
+from effectguard.rules.budget import BudgetNode, is_under
 from effectguard.rules.events import (
     GENESIS_DIGEST,
     AttemptNotSent,
@@ -1112,6 +1112,53 @@ async def test_the_policyless_read_ranks_and_sums_as_a_read_of_every_node_would(
             assert read.count == len(nodes)
             assert read.total.reserved == sum(n.reserved for n in nodes)
             assert (read.total.spent, read.total.held) == (0, 0)
+
+
+async def every_node_tree(
+    ledger: Ledger, under: str | None, depth: int, limit: int
+) -> tuple[list[BudgetNode], int]:
+    """The budget page's tree as it was read before ``Ledger.budget_tree``: every node of
+    the levels, the empty nodes on the way to a declared one, in the tree's order."""
+    nodes = await ledger.budgets(depth=depth, under=under)
+    shown, out = {n.path for n in nodes}, list(nodes)
+    for path in await ledger.policies():
+        if under is not None and not is_under(path, under):
+            continue
+        parts = path.split("/")
+        for i in range(min(len(parts), depth)):
+            ancestor = "/".join(parts[: i + 1])
+            if ancestor not in shown and (under is None or is_under(ancestor, under)):
+                shown.add(ancestor)
+                out.append(BudgetNode(ancestor))
+    ordered = sorted(out, key=lambda n: n.path.split("/"))
+    return ordered[:limit], len(ordered)
+
+
+async def test_the_budget_tree_reads_a_page_and_shows_what_a_read_of_every_node_would(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """``Ledger.budget_tree`` (the operator page) reads ``limit`` of the nodes clients made,
+    and gives the very nodes and count a read of every node gives: the tree's order (``a``,
+    ``a/b``, then ``a-c``: segment by segment, not byte by byte), periods, the empty
+    nodes on the way to a declared node (charged or not, on the page or past it)."""
+    charged = [f"{ns}/a", f"{ns}/a-b", f"{ns}/a/b", f"{ns}/a.b/c", f"{ns}-x/lim", f"{ns}.y",
+               f"{ns}0/z", f"{ns}/p/q"]  # fmt: skip
+    for n, path in enumerate(charged):
+        await admit_ok(ledger, w1, req(ns, request_hash=f"h{n}", budget=path))
+    await ledger.change_policy(f"{ns}-x/lim", {"limit": 100 * R, "period": "day"})
+    await ledger.change_policy(f"{ns}/p/q/r", {"limit": R})  # declared, never charged
+    await ledger.change_policy(f"{ns}9/never", {"limit": R})  # its ancestors have no row
+    for under in (None, ns, f"{ns}/a", f"{ns}9", f"{ns}/p", f"{ns}-nothing"):
+        base = 0 if under is None else under.count("/") + 1
+        for depth in (base + 1, base + 2, base + 3):
+            for limit in (1, 2, 3, 100):
+                want = await every_node_tree(ledger, under, depth, limit)
+                assert await ledger.budget_tree(under, depth, limit) == want, (under, depth)
+    page, count = await ledger.store.policyless_page(2, ns, 100)
+    assert [n.path for n in page] == [ns, f"{ns}/a", f"{ns}/a-b", f"{ns}/a.b", f"{ns}/p"]
+    assert count == 5 and (await ledger.store.policyless_page(2, ns, 2))[1] == 5
+    rows = await ledger.store.budget_rows([f"{ns}9", f"{ns}/a", f"{ns}/a"])
+    assert [(n.path, n.period) for n in rows] == [(f"{ns}/a", "total")]
 
 
 class WriteBetweenReads:

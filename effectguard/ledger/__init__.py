@@ -29,7 +29,13 @@ from effectguard.ledger.base import (
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
-from effectguard.rules.budgetview import Policyless, budget_view, view_periods
+from effectguard.rules.budgetview import (
+    Policyless,
+    budget_view,
+    tree_order,
+    view_periods,
+    ways_to,
+)
 from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
@@ -412,6 +418,37 @@ class Ledger:
         wanted = view_periods(policies, when, period, on)
         counters = await self.store.budget_nodes(depth, wanted, under)
         return budget_view(policies, counters, when, period, on)
+
+    async def budget_tree(
+        self, under: str | None, depth: int, limit: int
+    ) -> tuple[list[BudgetNode], int]:
+        """The budget tree's nodes at ``under`` or below it (the whole tree without it) of
+        paths with fewer than ``depth`` ``/``: the first ``limit`` in the tree's order, each
+        in its current period, and how many there are. Nodes with a policy, and those on
+        the way to one (:func:`~effectguard.rules.budgetview.ways_to`; empty where never
+        charged), are read whole: operators declared them. Of the nodes clients made by
+        naming budgets, ``limit`` are read, however many there are."""
+        page, many = await self.store.policyless_page(depth, under, limit)
+        declared = await self.policies()
+        policies = {
+            p: v
+            for p, v in declared.items()
+            if p.count("/") < depth and (under is None or is_under(p, under))
+        }
+        when = await self.store.clock_now()
+        wanted = view_periods(policies, when)
+        shown = budget_view(
+            policies, await self.store.budget_nodes(depth, wanted, under, policied=True), when
+        )
+        seen = {n.path for n in shown}
+        # A node given its first policy since the page was read is shown once.
+        page = [n for n in page if n.path not in seen]
+        seen |= {n.path for n in page}
+        ways = ways_to(declared, under, depth) - seen
+        stored = {n.path for n in await self.store.budget_rows(ways)}  # beyond the page
+        empty = [BudgetNode(path) for path in ways - stored]
+        nodes = sorted([*shown, *page, *empty], key=tree_order)[:limit]
+        return nodes, len(shown) + many + len(empty)
 
     async def budget_ranking(self, depth: int, limit: int) -> tuple[list[BudgetNode], Policyless]:
         """The nodes of paths with fewer than ``depth`` ``/`` for a ranking of ``limit``

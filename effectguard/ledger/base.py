@@ -360,6 +360,18 @@ class LedgerStore(Protocol):
         sum's path is empty)."""
         ...
 
+    async def policyless_page(
+        self, depth: int, under: str | None, limit: int
+    ) -> tuple[list[BudgetNode], int]:
+        """Of the paths with fewer than ``depth`` ``/`` that have no policy (at ``under`` or
+        below it, if given), the first ``limit`` in the tree's order (segment by segment:
+        a parent before its children, ``a/b`` before ``a-c``), and how many there are."""
+        ...
+
+    async def budget_rows(self, paths: Collection[str]) -> list[BudgetNode]:
+        """Every stored counter row of these paths (``limit`` left None), in no order."""
+        ...
+
     async def budget_policies(self) -> list[BudgetPolicy]:
         """Every declared budget policy."""
         ...

@@ -32,6 +32,7 @@ from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key, is_under
 from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
+from effectguard.rules.periods import TOTAL
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
 
@@ -362,7 +363,7 @@ class MemoryStore:
             nodes = [
                 n
                 for n in self.tables.nodes.values()
-                if n.path.count("/") < depth and n.path not in policies
+                if n.period == TOTAL and n.path.count("/") < depth and n.path not in policies
             ]
         total = BudgetNode(
             "",
@@ -372,6 +373,27 @@ class MemoryStore:
         )
         top = sorted(nodes, key=lambda n: (-n.committed, n.path))[:limit]
         return Policyless(tuple(top), len(nodes), total)
+
+    async def policyless_page(
+        self, depth: int, under: str | None, limit: int
+    ) -> tuple[list[BudgetNode], int]:
+        with self.tables.lock:
+            policies = self.tables.policies
+            nodes = [
+                n
+                for n in self.tables.nodes.values()
+                if n.period == TOTAL
+                and n.path not in policies
+                and n.path.count("/") < depth
+                and (under is None or is_under(n.path, under))
+            ]
+        nodes.sort(key=lambda n: n.path.split("/"))
+        return nodes[:limit], len(nodes)
+
+    async def budget_rows(self, paths: Collection[str]) -> list[BudgetNode]:
+        wanted = set(paths)
+        with self.tables.lock:
+            return [n for n in self.tables.nodes.values() if n.path in wanted]
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         with self.tables.lock:

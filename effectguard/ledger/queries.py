@@ -146,6 +146,7 @@ class Queries:
         spend: str = SPEND_COLUMNS,
         spend_from: str = "calls",
         day: str = "CAST(created_at / 86400 AS INTEGER)",
+        binary: str = "",
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -180,9 +181,8 @@ class Queries:
         )
         # -- scans (operators, metrics, verify)
         self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
-        self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
-        self._policyless()
+        self._budget_scans(binary)
         self._spends(index, spend, spend_from, day, newest_first)
         self._sweep_page(state)
         self._keys()
@@ -250,11 +250,14 @@ class Queries:
         clause = f" WHERE {' AND '.join(where)}" if where else ""
         return f"SELECT {NODE_COLUMNS} FROM budget_periods{clause} ORDER BY path, period"
 
-    def _policyless(self) -> None:
-        """The nodes no policy names, under a depth: the metrics' ranking reads the first
-        few and one sum, however many clients made (``LedgerStore.policyless``)."""
-        m = self.mark
-        policyless = (
+    def _budget_scans(self, binary: str) -> None:
+        """Every policy; and the nodes no policy names, under a depth: the metrics' ranking
+        reads the first few and one sum, however many clients made
+        (``LedgerStore.policyless``), the operator page a page of them. ``binary`` is what
+        makes a text column compare byte by byte."""
+        m, self.binary = self.mark, binary
+        self.all_policies = f"SELECT {POLICY_COLUMNS} FROM budgets ORDER BY path"
+        self._policyless_from = policyless = (
             f"FROM budget_periods WHERE {_DEPTH} < {m} AND period = 'total' "
             "AND path NOT IN (SELECT path FROM budgets)"
         )
@@ -266,6 +269,23 @@ class Queries:
             "SELECT count(*), coalesce(sum(reserved), 0), coalesce(sum(spent), 0), "
             f"coalesce(sum(held), 0) {policyless}"
         )
+
+    def policyless_page(self, under: bool) -> tuple[str, str]:
+        """The first nodes no policy names in the tree's order, and how many there are
+        (``LedgerStore.policyless_page``): parameters a depth, then :meth:`subtree`'s if
+        ``under``, then (the first statement) a limit. The tree's order compares paths
+        segment by segment: with ``/`` read as a space, below every character a path may
+        hold, byte order is that order."""
+        m = self.mark
+        where = self._policyless_from + (f" AND {self.in_subtree('path')}" if under else "")
+        order = f"replace(path, '/', ' '){self.binary}"
+        page = f"SELECT {NODE_COLUMNS} {where} ORDER BY {order} LIMIT {m}"
+        return page, f"SELECT count(*) {where}"
+
+    def budget_rows(self, paths: int) -> str:
+        """Every counter row of ``paths`` paths (a parameter each)."""
+        marks = ",".join([self.mark] * paths) or "NULL"
+        return f"SELECT {NODE_COLUMNS} FROM budget_periods WHERE path IN ({marks})"
 
     def _sweep_page(self, state: str) -> None:
         """The resolver's page of unknown calls: after a (created_at, call id) cursor, in
@@ -401,4 +421,7 @@ POSTGRES = Queries(
     spend_from="calls CROSS JOIN LATERAL "
     "json_to_record(calls.state::json) AS s(model text, cost bigint, held bigint)",
     day="floor(created_at / 86400)::bigint",
+    # A database's collation may order text by language (punctuation ignored); "C" is
+    # byte order, which every PostgreSQL has.
+    binary=' COLLATE "C"',
 )

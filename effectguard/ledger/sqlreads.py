@@ -40,6 +40,10 @@ def _one_event(row: Any) -> list[StoredEvent]:
     return [event_from_row(row)]
 
 
+#: Paths named in one statement: well under SQLite's and PostgreSQL's parameter limits.
+_PATHS_A_READ = 500
+
+
 class SqlReads(ABC):
     """Operator, metrics and verify reads over a SQL read connection."""
 
@@ -169,6 +173,27 @@ class SqlReads(ABC):
         ((count, reserved, spent, held),) = await self._fetch(self.queries.policyless_sum, (depth,))
         total = BudgetNode("", reserved=int(reserved), spent=int(spent), held=int(held))
         return Policyless(tuple(node_from_row(r) for r in top), int(count), total)
+
+    async def policyless_page(
+        self, depth: int, under: str | None, limit: int
+    ) -> tuple[list[BudgetNode], int]:
+        """The first nodes without a policy in the tree's order, and how many there are
+        (``LedgerStore.policyless_page``)."""
+        page, count = self.queries.policyless_page(under is not None)
+        params = [depth, *([] if under is None else self.queries.subtree(under))]
+        rows = await self._fetch(page, [*params, limit])
+        ((total,),) = await self._fetch(count, params)
+        return [node_from_row(r) for r in rows], int(total)
+
+    async def budget_rows(self, paths: Collection[str]) -> list[BudgetNode]:
+        """Every stored counter row of ``paths`` (``LedgerStore.budget_rows``)."""
+        wanted = sorted(set(paths))
+        out: list[BudgetNode] = []
+        for i in range(0, len(wanted), _PATHS_A_READ):
+            chunk = wanted[i : i + _PATHS_A_READ]
+            rows = await self._fetch(self.queries.budget_rows(len(chunk)), chunk)
+            out += [node_from_row(r) for r in rows]
+        return out
 
     async def budget_policies(self) -> list[BudgetPolicy]:
         """Every declared budget policy."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from datetime import date
 
 from effectguard.rules import periods
-from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
 
 
 def view_periods(
@@ -106,3 +106,25 @@ def top_nodes(
         held=sum(n.held for n in everything) - sum(n.held for n in kept),
     )
     return [*kept, rest]
+
+
+def tree_order(node: BudgetNode) -> list[str]:
+    """The budget tree's order: segment by segment, a parent before its children."""
+    return node.path.split("/")
+
+
+def ways_to(declared: Iterable[str], under: str | None, depth: int) -> set[str]:
+    """The paths of a tree's shown levels (fewer than ``depth`` ``/``, at ``under`` or below
+    it) on the way to a node that has a policy, that node included. A charge reaches every
+    ancestor and a policy does not: without them, a node declared but never charged could
+    not be reached from the top of the tree."""
+    out = set()
+    for path in declared:
+        if under is not None and not is_under(path, under):
+            continue
+        parts = path.split("/")
+        for i in range(min(len(parts), depth)):
+            ancestor = "/".join(parts[: i + 1])
+            if under is None or is_under(ancestor, under):
+                out.add(ancestor)
+    return out

@@ -143,9 +143,11 @@ class AdminPage:
     async def _budgets(self, under: str | None) -> str:
         # A few levels below the node opened, not the whole tree: per-run nodes
         # (team/alice/run-42) add a node with every run, and a page must not read them all.
+        # Nor every node a level holds: clients without proxy keys make a root with every
+        # budget they name, and the page reads the 500 it lists.
         depth = views.BUDGET_LEVELS + (0 if under is None else under.count("/") + 1)
-        nodes = await self._ledger.budgets(depth=depth, under=under)
-        return views.budget_tree(nodes, await self._ledger.policies(), under=under, depth=depth)
+        nodes, count = await self._ledger.budget_tree(under, depth, views.BUDGET_ROWS)
+        return views.budget_tree(nodes, await self._ledger.policies(), under=under, count=count)
 
     async def _unknown_calls(self) -> str:
         # The totals are one aggregate and the list the oldest few, read in that order by

@@ -25,7 +25,7 @@ from effectguard.ingress.admin.markup import (
 )
 from effectguard.ingress.admin.spend import SpendTable
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
-from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
+from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
@@ -270,19 +270,18 @@ def budget_tree(
     policies: Mapping[str, BudgetPolicy],
     *,
     under: str | None = None,
-    depth: int = BUDGET_LEVELS,
+    count: int | None = None,
 ) -> str:
-    """The nodes at ``under`` and below it (the whole tree's top without it), down to
-    paths of ``depth`` - 1 ``/``, parents before children, each in its current period with
-    its use against its limit; each name opens the tree below that node."""
+    """The nodes at ``under`` and below it (the whole tree's top without it), as
+    ``Ledger.budget_tree`` gives them: parents before children, each in its current period
+    with its use against its limit; each name opens the tree below that node. ``count``:
+    how many nodes those levels hold, of which ``nodes`` are the first."""
     head = f"<h1>Budgets</h1>{_trail(under)}"
-    if not nodes and not any(under is None or is_under(p, under) for p in policies):
+    if not nodes:
         empty = "No budget has been used yet." if under is None else "No budget node here."
         return f'{head}<p class="empty">{esc(empty)}</p>'
     base = 0 if under is None else under.count("/")
-    ordered = sorted(
-        _with_ancestors(nodes, policies, under, depth), key=lambda n: n.path.split("/")
-    )
+    ordered = sorted(nodes, key=lambda n: n.path.split("/"))[:BUDGET_ROWS]
     rows = [_budget_row(n, policies.get(n.path), base, n.path != under) for n in ordered]
     note = (
         '<p class="muted">A call is charged to its budget and every ancestor; use counts '
@@ -291,38 +290,14 @@ def budget_tree(
         "shown: open a node to see the nodes below it.</p>"
     )
     more = ""
-    if len(rows) > BUDGET_ROWS:
+    if (hidden := max(len(nodes), count or 0) - len(rows)) > 0:
         more = (
-            f'<p class="flash error">{len(rows) - BUDGET_ROWS} more nodes at these levels '
+            f'<p class="flash error">{hidden} more nodes at these levels '
             "are not listed: open a node to see its part of the tree.</p>"
         )
-        rows = rows[:BUDGET_ROWS]
     headings = ["budget", "period", "limit", "spent", "reserved", "held", "room"]
     headings.append("use (spent+reserved+held)")
     return f"{head}{note}{more}{table(headings, rows, (2, 3, 4, 5, 6))}"
-
-
-def _with_ancestors(
-    nodes: Sequence[BudgetNode],
-    policies: Mapping[str, BudgetPolicy],
-    under: str | None,
-    depth: int,
-) -> list[BudgetNode]:
-    """``nodes`` and, as empty nodes, the shown ancestors of deeper nodes that have a
-    policy but were never charged (a charge reaches every ancestor; a policy does not):
-    without them such a node could not be reached from the top of the tree."""
-    shown = {n.path for n in nodes}
-    out = list(nodes)
-    for path in policies:
-        if under is not None and not is_under(path, under):
-            continue
-        parts = path.split("/")
-        for i in range(min(len(parts), depth)):
-            ancestor = "/".join(parts[: i + 1])
-            if ancestor not in shown and (under is None or is_under(ancestor, under)):
-                shown.add(ancestor)
-                out.append(BudgetNode(ancestor))
-    return out
 
 
 def _budget_link(path: str, text: str) -> str:
