@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_metrics import NodesRead
 from test_store_contract import (  # noqa: F401  (fixtures)
     admit_ok,
     clock,
@@ -117,22 +118,6 @@ async def test_a_rate_set_while_serve_seeds_leaves_the_limit_to_the_file(
     racing = Ledger(ChangedBeforeWrite(ledger.store, lambda: ledger.set_policy(rate)))
     assert await seed_limits(racing, {path: 5 * USD}, w1) == []
     assert (await ledger.policies())[path] == BudgetPolicy(path, 5 * USD, rpm=7)
-
-
-class NodesRead:
-    """A store that notes the paths of the budget nodes its reads returned."""
-
-    def __init__(self, inner: LedgerStore) -> None:
-        self._inner = inner
-        self.paths: set[str] = set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    async def budget_nodes(self, *args: Any, **kwargs: Any) -> list[Any]:
-        nodes: list[Any] = await self._inner.budget_nodes(*args, **kwargs)
-        self.paths |= {n.path for n in nodes}
-        return nodes
 
 
 async def test_seeding_reads_only_the_nodes_it_wrote(ledger: Ledger, ns: str, w1: Writer) -> None:
