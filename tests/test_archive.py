@@ -140,6 +140,35 @@ def test_archive_then_verify_and_an_archived_key_answers_409_archived(
     assert any("start is not its checkpoint" in p for p in report["problems"]), report
 
 
+def test_an_archive_of_a_ledger_with_a_restricted_key_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A proxy key limited to models and providers is carried in every checkpoint's state:
+    each archive file verifies (it was reported BROKEN, its checkpoint's key read back as
+    lists and the folded key's as tuples, and an operator told to delete a ``.partial``
+    file that does not verify would have deleted the only copy of its events)."""
+    ledger = tmp_path / "ledger.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    code, made = cli(capsys, "key", "new", "--ledger", str(ledger), "--root", "team",
+                     "--models", "gpt-4o-mini", "--providers", "openai")  # fmt: skip
+    assert code == 0, made
+    headers = {"Effectguard-Key": made["key"], "Effectguard-Budget": "team/a"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(ledger, upstreams={"openai": fake.url}) as proxy,
+    ):
+        files = []
+        for n in range(2):  # the second file starts from the first checkpoint's state
+            r = httpx.post(proxy.url + CHAT, json=chat(n), headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            files.append(archive(ledger, capsys)["path"])
+    for path in files:
+        code, report = verify(capsys, "--archive", path, "--ledger", str(ledger))
+        assert code == 0, report["problems"]
+    code, report = verify(capsys, "--ledger", str(ledger))
+    assert code == 0, report["problems"]
+
+
 def test_unresolved_calls_are_never_archived(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -43,7 +43,7 @@ def export_state(v: Folded) -> dict[str, Any]:
         "top_generation": w.top_generation,
         "budgets": sorted([p, per, *node.row()] for (p, per), node in v.budgets.nodes.items()),
         "policies": sorted([path, *policy] for path, policy in v.budgets.policies.items()),
-        "keys": sorted(list(row) for row in v.keys.rows.values()),
+        "keys": sorted(_key_row(row) for row in v.keys.rows.values()),
         "rates": sorted(list(row) for row in v.rates.windows.values()),
     }
 
@@ -114,6 +114,12 @@ def check(seq: int, data: dict[str, Any]) -> list[str]:
 def _policy(values: list[Any]) -> Policy:
     limit, period, tz, rpm, tpm, concurrency = values
     return (limit, str(period), str(tz), rpm, tpm, concurrency)
+
+
+def _key_row(row: KeyRow) -> list[Any]:
+    """A key's row as JSON reads it back: its models and providers as lists (a tuple never
+    equals the list a checkpoint holds, and every restricted key's file read as broken)."""
+    return [list(value) if isinstance(value, tuple) else value for value in row]
 
 
 def _key(row: list[Any]) -> KeyRow:
