@@ -33,6 +33,7 @@ from effectguard.ledger import Ledger, LedgerStore, Writer
 from effectguard.ops.changes import cmd_budget_set
 from effectguard.ops.cli import build_parser
 from effectguard.rules.budget import BudgetPolicy
+from effectguard.rules.events import StoredEvent
 
 USD = 1_000_000_000
 
@@ -135,3 +136,42 @@ async def test_seeding_reads_only_the_nodes_it_wrote(ledger: Ledger, ns: str, w1
     assert len(warnings) == 1, warnings
     assert f"budget {path!r} has already spent 0.000003500 USD" in warnings[0], warnings
     assert warnings[0].endswith("(set from the config's [budgets])")
+
+
+class ArchivedByAnEarlierRelease:
+    """A store whose limit events an archive of a release before 2026-12-04 moved out:
+    its checkpoint's state has the policies but no ``operator_limits``."""
+
+    def __init__(self, inner: LedgerStore, policies: list[list[Any]]) -> None:
+        self._inner = inner
+        self._policies = policies
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def limit_events(self) -> list[StoredEvent]:
+        return []
+
+    async def checkpoint_events(self) -> list[StoredEvent]:
+        state = {"policies": self._policies}
+        return [
+            StoredEvent(1, "ledger.archived", None, {"state": state}, "operator", 0, 0.0, "", "")
+        ]
+
+
+async def test_a_limit_whose_setter_an_old_archive_hid_is_replaced_with_a_warning(
+    ledger: Ledger, ns: str, w1: Writer
+) -> None:
+    """On every store: where the last archive (made by an earlier release) does not say
+    who set a limit, serve applies the config's as it did, but no longer silently: the
+    warning gives the command that puts the old limit back."""
+    path = f"{ns}/team"
+    await ledger.set_policy(BudgetPolicy(path, 1 * USD))
+    old = Ledger(
+        ArchivedByAnEarlierRelease(ledger.store, [[path, USD, "total", "UTC", None, None, None]])
+    )
+    warnings = await seed_limits(old, {path: 5 * USD, f"{ns}/new": USD}, w1)
+    assert (await ledger.policies())[path].limit == 5 * USD
+    assert len(warnings) == 1, warnings
+    assert "the ledger's last archive was made by an earlier release" in warnings[0]
+    assert f"`effectguard budget set {path} --limit 1.000000000`" in warnings[0]

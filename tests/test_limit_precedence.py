@@ -7,6 +7,7 @@ configured path follows the config file.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -15,8 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from effectguard.config.precedence import operator_limits, plan_limits
+from effectguard.ops.audit.budgets import Budgets
 from effectguard.rules.events import StoredEvent
 from effectguard.testing import fake_provider, running_proxy
 
@@ -72,6 +76,47 @@ def test_an_operator_setting_only_a_rate_leaves_the_limit_to_the_file() -> None:
     assert plan.apply == {"team": 6} and plan.warnings == []
 
 
+def test_what_a_checkpoint_carries_continues_the_rule() -> None:
+    """After an archive, the paths an operator had set (``carried``) stay set; an operator's
+    rate-only change after the cut is judged against the limit at the cut, and a worker's
+    write after it does not take the path back from the operator."""
+    carried = {"ops": 7}
+    at_cut = {"ops": 80, "team": 5, "rated": 3}
+    by_operator = operator_limits(
+        [
+            limit_event(20, "team", 5, generation=0),  # a rate set by hand: same limit
+            limit_event(21, "new", 9, generation=0),
+            limit_event(22, "ops", 80, generation=4),
+        ],
+        carried,
+        at_cut,
+    )
+    assert by_operator == {"ops": 7, "new": 21}
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.sampled_from([None, 1, 2]), st.integers(0, 2)),
+        max_size=12,
+    ),
+    st.integers(0, 12),
+)
+def test_the_verifier_folds_operator_limits_as_serve_reads_them(
+    changes: list[tuple[str, int | None, int]], cut: int
+) -> None:
+    """``verify``'s fold (which writes a checkpoint's ``operator_limits``) and serve's rule
+    agree on any run of limit changes, whole or cut anywhere by an archive."""
+    events = [limit_event(n + 1, p, limit, generation=g) for n, (p, limit, g) in enumerate(changes)]
+    folded = Budgets()
+    for e in events[:cut]:
+        folded.feed(e.seq, e.kind, e.data, generation=e.generation)
+    at_cut = {path: policy[0] for path, policy in folded.policies.items()}
+    after = operator_limits(events[cut:], dict(folded.operator_set), at_cut)
+    for e in events[cut:]:
+        folded.feed(e.seq, e.kind, e.data, generation=e.generation)
+    assert after == folded.operator_set == operator_limits(events)
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``effectguard ARGS`` as a subprocess."""
     return subprocess.run(
@@ -109,6 +154,50 @@ def test_a_restart_keeps_the_operators_limit_and_warns(tmp_path: Path) -> None:
     assert "budget 'ops'" in log and "80.000000000 USD" in log and "50.000000000 USD" in log
     assert "'team'" not in log  # a config-managed path changes without a warning
     assert "budget 'ops'" not in (tmp_path / "first.log").read_text()
+
+
+@pytest.mark.slow
+def test_an_archive_does_not_hand_an_operators_limit_back_to_the_config(tmp_path: Path) -> None:
+    """The events that say an operator set a limit can leave for an archive file: the
+    checkpoint carries what they said, so the next start still keeps the operator's limit
+    and warns (it used to write the config's 50 over the operator's 80, silently)."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f'ledger = "{ledger}"\n\n[budgets]\n"ops" = "50"\n"team" = "5"\n')
+    args = ["--config", str(config)]
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as provider,
+        running_proxy(
+            ledger, upstreams={"openai": provider.url}, args=args, log_path=tmp_path / "first.log"
+        ) as first,
+    ):
+        for path, change in (("ops", ["--limit", "80"]), ("team", ["--rpm", "9"])):
+            done = cli("budget", "set", path, *change, "--config", str(config))
+            assert done.returncode == 0, done.stderr
+        # A call after them: an archive cuts after a settled call's last event.
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        sent = httpx.post(
+            first.url + "/openai/v1/chat/completions",
+            json=body,
+            headers={"effectguard-budget": "team"},
+            timeout=15,
+        )
+        assert sent.status_code == 200, sent.text
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
+    moved = cli("archive", "--before", later, "--json", "--config", str(config),
+                "--out", str(tmp_path / "a.jsonl.gz"))  # fmt: skip
+    assert moved.returncode == 0, moved.stderr
+    assert json.loads(moved.stdout)["events"] > 0
+    assert cli("verify", "--config", str(config)).returncode == 0
+    config.write_text(f'ledger = "{ledger}"\n\n[budgets]\n"ops" = "50"\n"team" = "6"\n')
+    with running_proxy(ledger, args=args, log_path=tmp_path / "second.log") as proxy:
+        pass
+    assert limits(config) == {"ops": "80.000000000", "team": "6.000000000"}
+    log = proxy.log()
+    assert "budget 'ops'" in log and "80.000000000 USD" in log and "50.000000000 USD" in log
+    assert "'team'" not in log  # a rate set by hand leaves the limit to the file
+    verified = cli("verify", "--archive", str(tmp_path / "a.jsonl.gz"), "--config", str(config))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ ends the warning.
 
 "Set by an operator" means the ledger holds a ``budget.limit_set`` for the path written
 by an operator tool (generation 0, never a worker); the limits ``serve`` seeds from the
-file are written by its worker.
+file are written by its worker. An archive moves those events out of the live ledger;
+its checkpoint carries what they said (``operator_limits`` in its state, which
+``verify`` re-derives), so the rule holds across archives.
 
 Whoever sets a limit, one below what the node has already spent in its current period
 is set all the same, with a warning (:func:`overspent`): ``budget set`` prints it,
@@ -37,20 +39,28 @@ class LimitPlan:
     warnings: list[str] = field(default_factory=list)
 
 
-def operator_limits(events: Iterable[StoredEvent]) -> dict[str, StoredEvent]:
-    """Each path's last ``budget.limit_set`` by an operator (generation 0) that changed its limit.
+def operator_limits(
+    events: Iterable[StoredEvent],
+    carried: Mapping[str, int] | None = None,
+    limits: Mapping[str, int | None] | None = None,
+) -> dict[str, int]:
+    """Each path's last ``budget.limit_set`` by an operator (generation 0) that changed its
+    limit, by sequence number.
 
     ``budget set PATH --rpm N`` writes the node's whole policy with its limit unchanged;
     that sets a rate, not the limit, so it does not take the limit away from the file.
+    After an archive, ``events`` are the live ones and the checkpoint says what came
+    before: ``carried`` (the paths an operator had set, with that event's number) and
+    ``limits`` (each path's limit at the cut).
     """
-    found: dict[str, StoredEvent] = {}
-    last: dict[str, object] = {}
+    found: dict[str, int] = dict(carried or {})
+    last: dict[str, object] = dict(limits or {})
     for stored in events:
         if stored.kind != "budget.limit_set":
             continue
         path, limit = str(stored.data["path"]), stored.data.get("limit")
         if stored.generation == 0 and (path not in last or last[path] != limit):
-            found[path] = stored
+            found[path] = stored.seq
         last[path] = limit
     return found
 
@@ -62,7 +72,7 @@ def _usd(limit: int | None) -> str:
 def plan_limits(
     configured: Mapping[str, int],
     current: Mapping[str, int | None],
-    by_operator: Mapping[str, StoredEvent],
+    by_operator: Mapping[str, int],
 ) -> LimitPlan:
     """Apply ``configured`` limits to paths no operator set; warn where one did and differs.
 
@@ -76,10 +86,10 @@ def plan_limits(
                 plan.apply[path] = limit
             continue
         if have != limit:
-            event = by_operator[path]
+            seq = by_operator[path]
             plan.warnings.append(
                 f"budget {path!r}: the config's [budgets] says {_usd(limit)}, but an operator "
-                f"set {_usd(have)} with `effectguard budget set` (ledger event {event.seq}); "
+                f"set {_usd(have)} with `effectguard budget set` (ledger event {seq}); "
                 f"the ledger's limit stays. To use the config's, run `effectguard budget set "
                 f"{path} --limit {nanos_to_usd(limit)}`; or remove {path!r} from [budgets]."
             )

@@ -80,14 +80,28 @@ class Budgets:
     def __init__(self) -> None:
         self.nodes: dict[tuple[str, str], Node] = {}
         self.policies: dict[str, Policy] = {}
+        #: Each path whose limit an operator tool (generation 0) changed last, with that
+        #: event's number: what ``serve``'s config may not override (config/precedence.py).
+        self.operator_set: dict[str, int] = {}
         self._call_periods: dict[str, Mapping[str, str]] = {}
 
     def feed(
-        self, seq: int, kind: str, data: dict[str, Any], at: float = 0.0, call: str | None = None
+        self,
+        seq: int,
+        kind: str,
+        data: dict[str, Any],
+        at: float = 0.0,
+        call: str | None = None,
+        generation: int | None = None,
     ) -> list[str]:
-        """Apply one event; returns what is wrong with the money it moves."""
+        """Apply one event; returns what is wrong with the money it moves. ``generation``:
+        its writer's, for a ``budget.limit_set`` (0: an operator tool)."""
         if kind == "budget.limit_set":
-            self.policies[str(data["path"])] = policy_from(data)
+            path, policy = str(data["path"]), policy_from(data)
+            before = self.policies.get(path)
+            if generation == 0 and (before is None or before[0] != policy[0]):
+                self.operator_set[path] = seq
+            self.policies[path] = policy
             return []
         delta = DELTAS.get(kind)
         if delta is None:

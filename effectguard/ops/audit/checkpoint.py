@@ -3,8 +3,9 @@
 A ``ledger.archived`` event says events ``first_seq..last_seq`` left the live ledger. For
 ``verify`` to start at the cut it needs what those events leave behind: the chain's last
 digest, the registered and fenced workers, the budget counters per (path, period), the
-policies, the keys and the rate windows. :func:`export_state` writes that down from a
-verifier that folded the archived events itself; :func:`seed` starts a verifier from it.
+policies and which limits an operator set, the keys and the rate windows.
+:func:`export_state` writes that down from a verifier that folded the archived events
+itself; :func:`seed` starts a verifier from it.
 The state is plain JSON, so the archive file and the checkpoint event carry it as they are.
 """
 
@@ -45,6 +46,7 @@ def export_state(v: Folded) -> dict[str, Any]:
         "policies": sorted([path, *policy] for path, policy in v.budgets.policies.items()),
         "keys": sorted(_key_row(row) for row in v.keys.rows.values()),
         "rates": sorted(list(row) for row in v.rates.windows.values()),
+        "operator_limits": sorted([path, seq] for path, seq in v.budgets.operator_set.items()),
     }
 
 
@@ -60,6 +62,7 @@ def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -
     v.budgets.nodes = {(str(p), str(per)): Node(r, s, h) for p, per, r, s, h in state["budgets"]}
     v.budgets.policies = {str(row[0]): _policy(row[1:]) for row in state["policies"]}
     v.keys.rows = {str(row[0]): _key(row) for row in state["keys"]}
+    v.budgets.operator_set = {str(p): int(seq) for p, seq in state.get("operator_limits", [])}
     if "rates" in state:
         v.rates.seed(
             {str(p): RateRow(str(p), int(m), int(r), int(t)) for p, m, r, t in state["rates"]}
@@ -86,11 +89,14 @@ def resume(v: Folded, found: dict[str, Any] | None, *, first: int) -> None:
 def same_state(v: Folded, recorded: Any) -> bool:
     """Whether a checkpoint's ``recorded`` state is what folding its events gave.
 
-    A checkpoint written before rate windows were carried has no ``rates``: it is judged
-    on the rest. One written by a release before writer format 1 may carry the windows as
-    that release counted them (:attr:`Rates.before`).
+    A checkpoint written before rate windows were carried has no ``rates``, nor, before
+    2026-12-04, ``operator_limits``: it is judged on the rest. One written by a release
+    before writer format 1 may carry the windows as that release counted them
+    (:attr:`Rates.before`).
     """
     folded = export_state(v)
+    if isinstance(recorded, dict) and "operator_limits" not in recorded:
+        folded.pop("operator_limits")
     if isinstance(recorded, dict) and "rates" not in recorded:
         folded = {k: value for k, value in folded.items() if k != "rates"}
     elif isinstance(recorded, dict):

@@ -100,7 +100,7 @@ class Verifier:
                     return [f"event {seq}: {kind} belongs to no call, yet names {stored.call_id}"]
                 if kind in KEY_KINDS:
                     return self.keys.feed(seq, kind, data, stored.at)
-                return self.budgets.feed(seq, kind, data)
+                return self.budgets.feed(seq, kind, data, generation=stored.generation)
             if kind not in table.CALL_KINDS:
                 return [f"event {seq}: unknown event kind {kind!r}"]
             if stored.call_id is None or data.get("call") != stored.call_id:
