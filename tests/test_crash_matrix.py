@@ -46,7 +46,7 @@ from observing import ledger_events
 
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.bodyref import REF_ENCODING
-from effectguard.rules.events import decode_body
+from effectguard.rules.bodytext import decode_body
 from effectguard.testing import FakeProvider, fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow

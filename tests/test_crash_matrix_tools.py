@@ -43,7 +43,7 @@ from fakes import RunningFake, running_fake
 from test_crash_matrix import KILL_TIMEOUT, Seen, _proxy_send, cli_json, ledger_events
 
 from effectguard.ops.cli import main as cli_main
-from effectguard.rules.events import decode_body
+from effectguard.rules.bodytext import decode_body
 from effectguard.testing import start_proxy
 
 pytestmark = pytest.mark.slow

@@ -40,6 +40,7 @@ from effectguard.ledger import (
 from effectguard.ledger.base import CallSpend, SpendSums, Tx, sum_spend
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
+from effectguard.rules.bodytext import decode_body
 from effectguard.rules.budget import BudgetNode, is_under
 from effectguard.rules.events import (
     GENESIS_DIGEST,
@@ -50,7 +51,6 @@ from effectguard.rules.events import (
     CallCompleted,
     Event,
     StoredEvent,
-    decode_body,
     stored_digest,
 )
 from effectguard.rules.workstate import WorkState

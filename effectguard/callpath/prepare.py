@@ -33,8 +33,8 @@ from effectguard.rules import jsonkeys, nesting, paths, percall, strictjson
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
+from effectguard.rules.bodytext import encode_body
 from effectguard.rules.counts import parse_count
-from effectguard.rules.events import encode_body
 from effectguard.rules.prices import ModelPrice
 from effectguard.rules.quickinit import quick_init
 

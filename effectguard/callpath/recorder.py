@@ -26,12 +26,12 @@ from effectguard.errors import FencedError, LedgerError, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer, attempts
 from effectguard.rules import evidence
 from effectguard.rules import usage as usages
+from effectguard.rules.bodytext import encode_body
 from effectguard.rules.events import (
     AttemptNotSent,
     AttemptObserved,
     BudgetReleased,
     Event,
-    encode_body,
 )
 from effectguard.rules.guidance import decide_unknown
 from effectguard.rules.settlement import Answer, Settlement, settle

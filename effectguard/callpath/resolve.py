@@ -44,7 +44,8 @@ from effectguard.ledger import Ledger
 from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
 from effectguard.rules.bodyref import REF_ENCODING
-from effectguard.rules.events import CallManifest, decode_body
+from effectguard.rules.bodytext import decode_body
+from effectguard.rules.events import CallManifest
 from effectguard.rules.money import MAX_CALL_NANOS, check_amount, usd_to_nanos
 from effectguard.rules.workstate import Stage, WorkState, work_state
 

@@ -15,8 +15,9 @@ from effectguard.callpath import opfields, testhooks
 from effectguard.callpath.exchange import Headers, Outbound, Reply, header_text, text_headers
 from effectguard.errors import Refusal
 from effectguard.providers import Endpoint
+from effectguard.rules.bodytext import decode_body
 from effectguard.rules.errorshape import error_body, retry_headers, shape_retry_header
-from effectguard.rules.events import AttemptObserved, CallReconciled, decode_body
+from effectguard.rules.events import AttemptObserved, CallReconciled
 
 CALL_ID_HEADER: Final = "effectguard-call-id"
 REPLAYED_HEADER: Final = "effectguard-replayed"

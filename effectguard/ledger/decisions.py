@@ -7,13 +7,13 @@ from effectguard.errors import ReconcileError
 from effectguard.ledger.base import Tx, Writer
 from effectguard.ledger.operations import append
 from effectguard.rules import evidence, workstate
+from effectguard.rules.bodytext import encode_body
 from effectguard.rules.events import (
     BudgetCorrected,
     BudgetUnheld,
     CallReconciled,
     CallResendAuthorized,
     Event,
-    encode_body,
 )
 from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
 from effectguard.rules.workstate import WorkState

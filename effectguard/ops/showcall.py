@@ -14,7 +14,8 @@ from typing import Any
 from effectguard.ops.render import age, iso, money
 from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
-from effectguard.rules.events import AttemptLateAnswer, StoredEvent, decode_body
+from effectguard.rules.bodytext import decode_body
+from effectguard.rules.events import AttemptLateAnswer, StoredEvent
 from effectguard.rules.guidance import next_command
 
 __all__ = [

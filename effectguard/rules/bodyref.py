@@ -15,7 +15,8 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 
-from effectguard.rules.events import CallManifest, decode_body
+from effectguard.rules.bodytext import decode_body
+from effectguard.rules.events import CallManifest
 
 __all__ = [
     "CHUNK_BYTES",

@@ -3,13 +3,11 @@
 An ``Event`` is a frozen value (one dataclass per kind). The store wraps it in a
 ``StoredEvent`` with a gap-free sequence number, the writer's worker id and
 fencing generation, the time it was written, its predecessor's digest and its
-own. Money is integer nano-dollars; bodies are stored as text (UTF-8, or
-base64 when they are not valid UTF-8).
+own. Money is integer nano-dollars; bodies are stored as text (rules/bodytext).
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,22 +19,6 @@ from effectguard.rules.digest import event_digest as event_digest  # re-exported
 from effectguard.rules.quickinit import quick_init
 
 GENESIS_DIGEST = "0" * 64
-
-
-def encode_body(raw: bytes) -> tuple[str, str]:
-    """Encode bytes for storage: ``(text, "utf8")`` or ``(base64, "base64")``."""
-    try:
-        return raw.decode("utf-8"), "utf8"
-    except UnicodeDecodeError:
-        return base64.b64encode(raw).decode("ascii"), "base64"
-
-
-def decode_body(text: str, encoding: str) -> bytes:
-    """Invert :func:`encode_body`."""
-    if encoding == "base64":
-        return base64.b64decode(text)
-    return text.encode("utf-8")
-
 
 _KINDS: dict[str, type[Event]] = {}
 

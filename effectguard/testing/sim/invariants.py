@@ -17,12 +17,12 @@ from typing import Any, Final
 
 from effectguard.rules import budget as budget_rules
 from effectguard.rules.bodyref import REF_ENCODING
+from effectguard.rules.bodytext import decode_body
 from effectguard.rules.budget import ancestors
 from effectguard.rules.events import (
     BudgetSettled,
     BudgetUnheld,
     StoredEvent,
-    decode_body,
     event_from_data,
 )
 from effectguard.rules.workstate import UNRESOLVED, work_state

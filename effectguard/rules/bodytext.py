@@ -1,0 +1,25 @@
+"""How a body's bytes are stored as text in an event: UTF-8 as it is, or base64. Pure.
+
+A request or response body goes into the ledger inside its event's JSON, which holds
+text: bytes that are valid UTF-8 are kept as that text (readable in ``show``, and
+smallest), any others as base64, with the encoding named beside them.
+"""
+
+from __future__ import annotations
+
+import base64
+
+
+def encode_body(raw: bytes) -> tuple[str, str]:
+    """Encode bytes for storage: ``(text, "utf8")`` or ``(base64, "base64")``."""
+    try:
+        return raw.decode("utf-8"), "utf8"
+    except UnicodeDecodeError:
+        return base64.b64encode(raw).decode("ascii"), "base64"
+
+
+def decode_body(text: str, encoding: str) -> bytes:
+    """Invert :func:`encode_body`."""
+    if encoding == "base64":
+        return base64.b64decode(text)
+    return text.encode("utf-8")
