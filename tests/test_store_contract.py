@@ -32,6 +32,7 @@ from effectguard.ledger import (
     Admitted,
     Ledger,
     Writer,
+    attempts,
     bodystore,
     endedsessions,
     open_store,
@@ -46,11 +47,15 @@ from effectguard.rules.events import (
     GENESIS_DIGEST,
     AttemptNotSent,
     AttemptObserved,
+    AttemptStarted,
     BudgetReleased,
     BudgetSettled,
     CallCompleted,
     Event,
     StoredEvent,
+    canonical_json,
+    event_digest,
+    seal,
     stored_digest,
 )
 from effectguard.rules.workstate import WorkState
@@ -250,6 +255,99 @@ async def test_admit_writes_manifest_reservation_and_attempt(
     )
     assert await node(ledger, ns) == (None, R, 0, 0)
     assert await node(ledger, f"{ns}/run") == (None, R, 0, 0)
+
+
+#: Where the bundled Stripe creates write their operation id (OpIdPlacement.label).
+OP_ID_IN = "form metadata[effectguard_op]"
+#: The data keys of every attempt.started written before op_id_in was kept.
+STARTED_KEYS = {"at", "attempt", "call", "generation", "provider_idempotency_key", "worker"}
+
+
+async def test_an_attempt_records_where_it_wrote_the_operation_id(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Where an attempt wrote the call's operation id (``op_id_in``: the admission's and an
+    automatic retry's alike) round-trips on every store: read by call and in order, typed,
+    and covered by its digest."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1", op_id_in=OP_ID_IN))
+    call_id = admitted.call_id
+    not_sent = [
+        AttemptNotSent(call=call_id, attempt=1, reason="connect error"),
+        BudgetReleased(call=call_id, budget=f"{ns}/run", amount=R),
+    ]
+    await ledger.record(w1, call_id, 1, not_sent)
+    retried = await ledger.store.write(
+        w1, lambda tx: attempts.start_attempt(tx, w1, call_id, R, None, OP_ID_IN)
+    )
+    assert (retried.action, retried.attempt) == ("attempt", 2)
+    by_call = [e for e in await ledger.events(call_id) if e.kind == "attempt.started"]
+    in_order = [
+        e for e in await all_events(ledger) if e.kind == "attempt.started" and e.call_id == call_id
+    ]
+    assert by_call == in_order and len(by_call) == 2
+    for number, started in enumerate(by_call, start=1):
+        assert started.data == {
+            "call": call_id,
+            "attempt": number,
+            "worker": w1.worker,
+            "generation": w1.generation,
+            "provider_idempotency_key": None,
+            "at": started.data["at"],
+            "op_id_in": OP_ID_IN,
+        }
+        assert started.event == AttemptStarted(
+            call=call_id,
+            attempt=number,
+            worker=w1.worker,
+            generation=w1.generation,
+            at=started.data["at"],
+            op_id_in=OP_ID_IN,
+        )
+        assert started.event.to_data() == started.data
+        assert started.digest == stored_digest(started)
+    assert_chained(await all_events(ledger))
+
+
+async def test_an_attempt_without_an_operation_id_is_stored_as_before(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """An attempt that writes no operation id stores the data every attempt.started had
+    before ``op_id_in`` was kept (no such field, not even null), its digest over exactly
+    that data, and it reads back as the same event."""
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1"))
+    (started,) = [e for e in await ledger.events(admitted.call_id) if e.kind == "attempt.started"]
+    assert started.data.keys() == STARTED_KEYS
+    as_before = {name: started.data[name] for name in sorted(STARTED_KEYS)}
+    assert started.digest == event_digest(
+        seq=started.seq,
+        kind="attempt.started",
+        call_id=admitted.call_id,
+        data_json=canonical_json(as_before),
+        worker=w1.worker,
+        generation=w1.generation,
+        at=started.at,
+        prev_digest=started.prev_digest,
+    )
+    assert started.event.op_id_in is None
+    assert started.event.to_data() == started.data
+
+
+def test_an_attempt_without_an_operation_id_seals_to_its_pinned_digest() -> None:
+    """Sealed now, an attempt.started without ``op_id_in`` gives the data JSON and the
+    digest pinned from the release before it was kept, so older ledgers verify as before."""
+    call = "call_0123456789abcdef0123456789abcdef"
+    event = AttemptStarted(call=call, attempt=2, worker="w-1", generation=7,
+                           provider_idempotency_key=call, at=1767225600.25)  # fmt: skip
+    stored, data_json = seal(
+        event, seq=42, worker="w-1", generation=7, at=1767225600.25, prev_digest="ab" * 32
+    )
+    assert data_json == (
+        '{"at":1767225600.25,"attempt":2,"call":"call_0123456789abcdef0123456789abcdef",'
+        '"generation":7,"provider_idempotency_key":"call_0123456789abcdef0123456789abcdef",'
+        '"worker":"w-1"}'
+    )
+    assert stored.digest == "ad7a62a61c20ea7535b6fc41deb02b07f35d55d4cd0f9b1a772d343da6efad4d"
+    assert stored.event == event
 
 
 async def test_record_settles_and_completes(ledger: Ledger, w1: Writer, ns: str) -> None:

@@ -176,6 +176,7 @@ def prepare(
         create_budgets=settings.create_budgets,
         spool=request.spool,
         headers=scope,
+        op_id_in=endpoint.op_id.label if endpoint.op_id is not None else None,
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
 

@@ -206,7 +206,12 @@ class Recorder:
         admitted = await self.ledger.store.write(
             writer,
             lambda tx: attempts.start_attempt(
-                tx, writer, previous.call_id, prepared.reserve, previous.provider_idempotency_key
+                tx,
+                writer,
+                previous.call_id,
+                prepared.reserve,
+                previous.provider_idempotency_key,
+                prepared.admit.op_id_in,
             ),
         )
         if admitted.refusal is not None:

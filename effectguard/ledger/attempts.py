@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from effectguard.errors import FencedError
+from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import rates, room
 from effectguard.ledger.base import Tx, Writer
 from effectguard.ledger.operations import Admitted, append, check_lease
@@ -64,12 +64,18 @@ def _history(tx: Tx, call_id: str) -> list[Event]:
 
 
 def start_attempt(
-    tx: Tx, writer: Writer, call_id: str, reserve: int, provider_key: str | None
+    tx: Tx,
+    writer: Writer,
+    call_id: str,
+    reserve: int,
+    provider_key: str | None,
+    op_id_in: str | None = None,
 ) -> Admitted:
     """Start the next attempt of a call whose last attempt proved nothing happened.
 
     Used for automatic retries (docs/contract.md §3.4): only after ``not_sent`` or a declared
-    not-processed status, with a fresh reservation checked against the budget.
+    not-processed status, with a fresh reservation checked against the budget and rates.
+    ``op_id_in``: where the attempt writes the call's operation id (rules/admission).
     """
     state = tx.get_call(call_id)
     resumes = state is not None and resend_proved_nothing(state, _history(tx, call_id))
@@ -79,9 +85,7 @@ def start_attempt(
     send_by = check_lease(tx, writer)
     # A retry of a resend that proved nothing takes over its hold, as the resend did.
     released = state.held if resumes else 0
-    policies = tx.get_policies(budgets.ancestors(state.budget))
-    refusal = rates.rate_refusal(tx, policies, state.budget, call_id, state.tokens, tx.now())
-    refusal = refusal or room.retry_refusal(tx, state, reserve - released)
+    refusal = _refusal(tx, state, reserve - released)
     if refusal is not None:
         return Admitted("refuse", call_id, writer, refusal=refusal)
     attempt = state.attempts + 1
@@ -106,6 +110,7 @@ def start_attempt(
             generation=writer.generation,
             provider_idempotency_key=provider_key,
             at=tx.now(),
+            op_id_in=op_id_in,
         ),
     ]
     states = append(tx, writer, events, {call_id: state})
@@ -118,3 +123,11 @@ def start_attempt(
         provider_idempotency_key=provider_key,
         send_by=send_by,
     )
+
+
+def _refusal(tx: Tx, state: WorkState, reserve: int) -> Refusal | None:
+    """Why the budget or a rate limit refuses a new attempt of ``state`` reserving
+    ``reserve`` (None: it may start)."""
+    policies = tx.get_policies(budgets.ancestors(state.budget))
+    refusal = rates.rate_refusal(tx, policies, state.budget, state.call_id, state.tokens, tx.now())
+    return refusal or room.retry_refusal(tx, state, reserve)

@@ -193,6 +193,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
             generation=writer.generation,
             provider_idempotency_key=provider_key,
             at=now,
+            op_id_in=req.op_id_in,
         )
     )
     states = append(tx, writer, events, {call_id: existing or WorkState()})

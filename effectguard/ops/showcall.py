@@ -92,6 +92,9 @@ def attempts(events: list[StoredEvent]) -> list[dict[str, Any]]:
                 "started_at": iso(e.at),
                 "worker": e.data.get("worker"),
                 "generation": e.data.get("generation"),
+                # Where it wrote the call's operation id (None: it wrote none, or an older
+                # release sent it, which did not record it): what a lookup's "not found" needs.
+                "op_id_in": e.data.get("op_id_in"),
                 "ended": "in flight",
             }
         elif number in found and e.kind.startswith("attempt.") and e.kind != LATE:
@@ -210,7 +213,8 @@ def render(
     ]
     lines += ["", "attempts"]
     for a in attempts(events):
-        lines.append(f"  #{a['attempt']} started {a['started_at']} on {a['worker']}")
+        carried = f", operation id in {a['op_id_in']}" if a["op_id_in"] else ""
+        lines.append(f"  #{a['attempt']} started {a['started_at']} on {a['worker']}{carried}")
         lines.append(
             f"     {'ended ' + a['ended_at'] + ': ' if 'ended_at' in a else ''}{a['ended']}"
         )

@@ -104,6 +104,12 @@ class OpIdPlacement:
     where: Placement
     name: str
 
+    @property
+    def label(self) -> str:
+        """How an attempt records this place (``attempt.started``'s ``op_id_in``): the kind
+        and the name, a header's in lower case (header names are case-insensitive)."""
+        return f"{self.where} {self.name.lower() if self.where == 'header' else self.name}"
+
 
 @dataclass(frozen=True, slots=True)
 class Lookup:

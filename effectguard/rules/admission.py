@@ -163,3 +163,6 @@ class AdmitRequest:
     #: The request's headers that scope its operation to an account (the lookup's
     #: ``scope_headers``), recorded in the manifest for the lookup to send again.
     headers: dict[str, str] = field(default_factory=dict)
+    #: Where the request carries its call's operation id upstream (the endpoint's op_id,
+    #: ``OpIdPlacement.label``), recorded in each attempt.started (None: it carries none).
+    op_id_in: str | None = None

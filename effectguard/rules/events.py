@@ -209,7 +209,13 @@ class KeyRevoked(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptStarted(CallEvent):
-    """Attempt ``attempt`` is about to be dispatched by ``worker``."""
+    """Attempt ``attempt`` is about to be dispatched by ``worker``.
+
+    ``op_id_in`` says where the attempt writes the call's operation id into its request
+    (the endpoint's ``op_id``, e.g. ``form metadata[effectguard_op]``): only then can a
+    lookup's "not found" mean "not applied". Absent from the data when None (no operation
+    id, or written before this was recorded): such an event's data is what it always was.
+    """
 
     kind: ClassVar[str] = "attempt.started"
     attempt: int
@@ -217,6 +223,13 @@ class AttemptStarted(CallEvent):
     generation: int
     provider_idempotency_key: str | None = None
     at: float = 0.0
+    op_id_in: str | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        data = Event.to_data(self)
+        if self.op_id_in is None:  # the shape of every attempt.started before it was kept
+            del data["op_id_in"]
+        return data
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -175,6 +175,9 @@ class CallFold:
                 ]
             if (data.get("worker"), data.get("generation")) != (stored.worker, stored.generation):
                 return [f"{where}: attempt.started names a worker other than its writer"]
+            # Absent where no operation id is recorded; never written empty or null.
+            if "op_id_in" in data and not (isinstance(data["op_id_in"], str) and data["op_id_in"]):
+                return [f"{where}: attempt.started records its op id in {data['op_id_in']!r}"]
         elif kind in OUTCOME_KINDS and "attempt" in data and data["attempt"] != self.attempts:
             return [
                 f"{where}: {kind} for attempt {data['attempt']}, but attempt "
