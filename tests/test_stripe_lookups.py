@@ -4,10 +4,12 @@ Stripe's ``Idempotency-Key`` saves a request's first result, a 500 included, and
 keys for at least 24 hours; past that window an unknown create of a searchable resource
 (a PaymentIntent, Customer, Charge or Invoice: each test runs on all four) is decided by
 the declared metadata search, whose "not found" proves nothing until the call's last
-attempt is an hour old (``freshness_s = 3600``). Through AsyncGuardTransport on a SQLite
-ledger whose clock the test moves (the only patch: clocks, and the sweeper's key in the
-environment); each later day is a new transport, as a restarted process would be. What
-Stripe made is counted from the fake's own receipts, never from the ledger.
+attempt is an hour old (``freshness_s = 3600``), nor for a call one of whose attempts
+the ledger does not show carrying the operation id (one an older release sent).
+Through AsyncGuardTransport on a SQLite ledger whose clock the test moves (the only
+patch: clocks, and the sweeper's key in the environment); each later day is a new
+transport, as a restarted process would be. What Stripe made is counted from the fake's
+own receipts, never from the ledger.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 import pytest
 from fakes import RunningFake, running_fake
 
+import effectguard.providers
 from effectguard import AsyncGuardTransport
 from effectguard.ledger import Ledger, open_store
 from effectguard.testing.clock import ManualClock
@@ -30,6 +33,12 @@ MakeTransport = Callable[..., AsyncGuardTransport]
 Finish = Callable[[AsyncGuardTransport], Awaitable[None]]
 
 AUTH = {"Authorization": "Bearer sk_test_fake"}
+BUNDLED = Path(effectguard.providers.__file__).parent / "bundled"
+#: Where these creates write their operation id, as each attempt.started records it.
+OP_ID_IN = "form metadata[effectguard_op]"
+#: The data keys of an attempt.started that records no operation id (as every release
+#: before op_id_in wrote them).
+STARTED_KEYS = {"at", "attempt", "call", "generation", "provider_idempotency_key", "worker"}
 DAY, HOUR = 86400.0, 3600.0
 #: How long (real seconds) the fake's search takes to show a new object.
 LAG_S = 3.0
@@ -104,6 +113,12 @@ def creates(fake: RunningFake, create: str) -> list[dict[str, Any]]:
     return [r for r in fake.effects() if r["path"] == create]
 
 
+async def carried(ledger: Ledger, call_id: str) -> list[str | None]:
+    """Where each attempt of the call recorded writing its operation id (None: nowhere)."""
+    events = await ledger.events(call_id)
+    return [e.data.get("op_id_in") for e in events if e.kind == "attempt.started"]
+
+
 def error_type(response: httpx.Response) -> str:
     return str(response.json()["error"]["type"])
 
@@ -165,7 +180,6 @@ async def test_a_500_is_replayed_inside_the_window_and_recovered_by_search_after
         await finish(later.transport)
 
 
-@pytest.mark.parametrize("create", ["/v1/payment_intents"])
 async def test_not_found_is_unknown_while_young_then_not_applied_and_sent_once(
     tmp_path: Path,
     clocked: tuple[Ledger, ManualClock],
@@ -177,13 +191,16 @@ async def test_not_found_is_unknown_while_young_then_not_applied_and_sent_once(
     Resent late in the window, it meets another 503. Just past the window its last
     attempt is younger than the search's hour of lag: the lookup's "not found" proves
     nothing and the resend is refused 409. An hour on, it proves "not applied": the
-    resend goes out as a new attempt and creates exactly one object."""
+    resend goes out as a new attempt and creates exactly one object. (Customers, Charges
+    and Invoices were found-only while the ledger did not record that an attempt carried
+    the operation id: such a call stayed unknown, and waited for a person.)"""
     ledger, clock = clocked
     with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
         day1 = Stripe(make_transport, ledger, clock, fake.url, create)
         first = await day1.pay("order-2", 700, **{"x-fake-status": "503"})
         assert first.status_code == 503, first.text
         call_id = first.headers["effectguard-call-id"]
+        assert await carried(ledger, call_id) == [OP_ID_IN]
         await day1.transport.aclose()
 
         clock.advance(DAY - 600)  # ten minutes before the window closes
@@ -397,7 +414,6 @@ async def test_the_sweeper_recovers_a_create_whose_answer_was_lost(
         await finish(later.transport)
 
 
-@pytest.mark.parametrize("create", ["/v1/payment_intents"])
 async def test_the_sweeper_decides_a_lost_create_not_applied_only_past_the_freshness(
     tmp_path: Path,
     clocked: tuple[Ledger, ManualClock],
@@ -426,12 +442,35 @@ async def test_the_sweeper_decides_a_lost_create_not_applied_only_past_the_fresh
         (decided,) = await stripe.decisions(call_id)
         assert (decided["by"], decided["applied"]) == ("lookup:stripe", False)
         assert (await ledger.call(call_id)).stage == "reconciled_not_applied"
+        assert await carried(ledger, call_id) == [OP_ID_IN, OP_ID_IN]
         assert creates(fake, create) == []
         await finish(stripe.transport)
 
 
-@pytest.mark.parametrize("create", ["/v1/customers", "/v1/charges", "/v1/invoices"])
-async def test_not_found_never_decides_a_create_that_gained_its_lookup_late(
+#: The creates that gained their op_id and lookup late (stripe.toml, 2026-12-04).
+LATE = ("/v1/customers", "/v1/charges", "/v1/invoices")
+
+
+def older_release(tmp_path: Path) -> list[str]:
+    """``providers=`` for a stripe.toml as the release before these lookups declared it:
+    the Customers, Charges and Invoices creates without ``op_id`` and ``lookup``. Their
+    requests then carry no operation id and their attempts record none: an attempt.started
+    exactly as an older release wrote it."""
+    text = (BUNDLED / "stripe.toml").read_text()
+    blocks = text.split("[[endpoints]]\n")
+    for i, block in enumerate(blocks):
+        if any(block.startswith(f'path = "{path}"\n') for path in LATE):
+            head = block.split("[endpoints.lookup]\n")[0]
+            lines = head.splitlines(keepends=True)
+            blocks[i] = "".join(line for line in lines if not line.startswith("op_id"))
+    folder = tmp_path / "older"
+    folder.mkdir()
+    (folder / "stripe.toml").write_text("[[endpoints]]\n".join(blocks))
+    return [str(folder)]
+
+
+@pytest.mark.parametrize("create", LATE)
+async def test_not_found_never_decides_a_create_an_older_release_sent(
     tmp_path: Path,
     clocked: tuple[Ledger, ManualClock],
     make_transport: MakeTransport,
@@ -439,28 +478,66 @@ async def test_not_found_never_decides_a_create_that_gained_its_lookup_late(
     create: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Customers, Charges and Invoices carry the operation id only since their lookups
-    were declared, and a call an older release left unknown carries none: "not found"
-    cannot tell it from a create that never happened. Their lookups are found-only: a
-    create that never reached Stripe stays unknown a day and an hour past the window,
-    through the sweeper and a keyed resend alike (409), and nothing is created."""
+    """A create sent by a release before it carried the operation id (its attempt.started
+    records none, its data as that release wrote it) that never reached Stripe: the search
+    cannot find what Stripe never saw, so its "not found" decides nothing. The call stays
+    unknown a day and an hour past the window, through the sweeper and a keyed resend
+    alike (409), and nothing is created."""
     monkeypatch.setenv("STRIPE_API_KEY", "sk_test_fake")
     ledger, clock = clocked
     with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
-        stripe = Stripe(make_transport, ledger, clock, fake.url, create,
-                        inner=LoseAnswers(reached=False))  # fmt: skip
-        call_id = await lose(stripe, "lost-3", 500)
+        lost, older = LoseAnswers(reached=False), older_release(tmp_path)
+        old = Stripe(make_transport, ledger, clock, fake.url, create, inner=lost, providers=older)
+        call_id = await lose(old, "lost-3", 500)
+        (started,) = [e for e in await ledger.events(call_id) if e.kind == "attempt.started"]
+        assert started.data.keys() == STARTED_KEYS  # no op_id_in: as an older release wrote
+        await old.transport.aclose()
+
         clock.advance(2 * DAY + HOUR)
+        stripe = Stripe(make_transport, ledger, clock, fake.url, create)
         assert await stripe.sweep() == []
         assert await stripe.decisions(call_id) == []
         assert (await ledger.call(call_id)).stage == "effect_unknown"
-        await finish(stripe.transport)
-        resend = Stripe(make_transport, ledger, clock, fake.url, create)
-        refused = await resend.pay("lost-3", 500)
+        refused = await stripe.pay("lost-3", 500)
         assert refused.status_code == 409, refused.text
         assert error_type(refused) == "effect_unknown"
         assert creates(fake, create) == []
-        await finish(resend.transport)
+        await finish(stripe.transport)
+
+
+@pytest.mark.parametrize("create", LATE)
+async def test_not_found_never_decides_a_call_one_of_whose_attempts_carried_no_id(
+    tmp_path: Path,
+    clocked: tuple[Ledger, ManualClock],
+    make_transport: MakeTransport,
+    finish: Finish,
+    create: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An older release sent the create without the operation id and lost its answer;
+    after the upgrade, its keyed resend inside the window (carrying the id) is lost too.
+    Stripe may have made the object on the first attempt, without our id, and answered
+    the resend from its key: "not found" for the id cannot tell, whatever the last attempt
+    carried. Past the window and the hour the call stays unknown."""
+    monkeypatch.setenv("STRIPE_API_KEY", "sk_test_fake")
+    ledger, clock = clocked
+    with running_fake("stripe_like", tmp_path / "receipts.jsonl", lag_s=LAG_S) as fake:
+        lost, older = LoseAnswers(reached=False), older_release(tmp_path)
+        old = Stripe(make_transport, ledger, clock, fake.url, create, inner=lost, providers=older)
+        call_id = await lose(old, "lost-4", 700)
+        await old.transport.aclose()
+
+        clock.advance(DAY - 600)  # inside the window: resent under Stripe's key
+        new = Stripe(make_transport, ledger, clock, fake.url, create,
+                     inner=LoseAnswers(reached=False))  # fmt: skip
+        assert await lose(new, "lost-4", 700) == call_id
+        assert await carried(ledger, call_id) == [None, OP_ID_IN]
+        clock.advance(600 + 2 * HOUR)
+        assert await new.sweep() == []
+        assert await new.decisions(call_id) == []
+        assert (await ledger.call(call_id)).stage == "effect_unknown"
+        assert creates(fake, create) == []
+        await finish(new.transport)
 
 
 @pytest.mark.parametrize(
@@ -500,15 +577,11 @@ async def test_a_search_answer_that_proves_nothing_leaves_the_create_unknown(
         assert (await ledger.call(call_id)).stage == "effect_unknown"
         assert creates(fake, create) == made
 
-        # The control: the same call, searched as Stripe answers, is decided (a found-only
-        # lookup decides only what it finds: test_not_found_never_decides_...).
+        # The control: the same call, searched as Stripe answers, is decided.
         search_answers(fake, "stripe")
         if made:
             time.sleep(max(0.0, made[0]["ts"] + LAG_S - time.time()))
-        if not made and create != "/v1/payment_intents":
-            assert await stripe.sweep() == []
-        else:
-            assert await stripe.sweep() == [call_id]
-            (decided,) = await stripe.decisions(call_id)
-            assert (decided["by"], decided["applied"]) == ("lookup:stripe", reached)
+        assert await stripe.sweep() == [call_id]
+        (decided,) = await stripe.decisions(call_id)
+        assert (decided["by"], decided["applied"]) == ("lookup:stripe", reached)
         await finish(stripe.transport)

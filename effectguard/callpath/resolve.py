@@ -79,6 +79,9 @@ class Facts:
     stage: Stage = "effect_unknown"
     #: The request's headers that scope it to an account (the lookup's scope_headers).
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: Where every attempt of the call recorded writing its operation id, if all recorded
+    #: the same place (None: one recorded none, e.g. one an older release sent).
+    op_id_in: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,9 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
     by_reference = manifest.body_encoding == REF_ENCODING
     key = started[-1].data.get("provider_idempotency_key") if started else None
     at = float(started[-1].data.get("at") or started[-1].at) if started else manifest.at
+    # Every attempt, not only the last: a resend the provider deduplicated into an
+    # earlier attempt's effect (or turned away) says nothing of what that attempt carried.
+    places = {e.data.get("op_id_in") for e in started}
     return Facts(
         call_id=call_id,
         provider=manifest.provider,
@@ -115,6 +121,7 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         attempt=int(started[-1].data.get("attempt") or len(started)) if started else 0,
         stage=work_state(e.event for e in events).stage,
         headers=dict(manifest.headers),
+        op_id_in=places.pop() if len(places) == 1 else None,
     )
 
 
@@ -235,7 +242,8 @@ class Resolver:
         if endpoint is not None and endpoint.lookup is not None and send is not None:
             provider = self.providers[facts.provider]
             credential = credential or self._credential(provider)
-            evidence = await self._look_up(provider, endpoint.lookup, facts, send, credential)
+            sent = op_sent(facts, endpoint)
+            evidence = await self._look_up(provider, endpoint.lookup, facts, send, credential, sent)
         if evidence.verdict == "unknown" and self.hook is not None:
             evidence = await self._ask_hook(facts)
         if evidence.result is not None and len(evidence.result) > MAX_ANSWER_BYTES:
@@ -251,7 +259,13 @@ class Resolver:
         return None if key is None else provider.key_format.format(key=key)
 
     async def _look_up(
-        self, provider: Provider, lookup: Lookup, facts: Facts, send: Send, credential: str | None
+        self,
+        provider: Provider,
+        lookup: Lookup,
+        facts: Facts,
+        send: Send,
+        credential: str | None,
+        sent: bool,
     ) -> Evidence:
         by = f"lookup:{provider.name}"
         op = facts.call_id if lookup.op == "call_id" else facts.provider_key
@@ -277,6 +291,7 @@ class Resolver:
             age_s=self.clock() - facts.last_attempt_at,
             retention_s=lookup.retention_s,
             results=lookup.results,
+            op_sent=sent,
         )
         note = f"lookup {shown} answered {status}: {reading.why}; evidence {lookups.digest(body)}"
         result = None if reading.found is None else json.dumps(reading.found).encode()
@@ -378,6 +393,21 @@ class Resolver:
             log.warning("could not decide call %s: %s", facts.call_id, exc)
             return False
         return evidence.verdict != "unknown"
+
+
+def op_sent(facts: Facts, endpoint: Endpoint) -> bool:
+    """Whether the provider was given what the endpoint's lookup searches for, on every
+    attempt of the call: only then may its "not found" prove "not applied".
+
+    A lookup by operation id needs each attempt to have recorded writing the id where the
+    endpoint declares it now (a call an older release sent, before the endpoint had an
+    ``op_id`` or before attempts recorded it, carries no such record). A lookup by the
+    provider's idempotency key searches for the key every attempt recorded sending.
+    """
+    lookup = endpoint.lookup
+    if lookup is not None and lookup.op == "idempotency_key":
+        return True  # the key is read from the attempts (no key: nothing to search for)
+    return endpoint.op_id is not None and facts.op_id_in == endpoint.op_id.label
 
 
 def _left_to_its_client(state: WorkState, now: float) -> bool:
