@@ -73,6 +73,12 @@ def never_in_flight(path: str) -> int:
     return 0
 
 
+def _first() -> int:
+    """A reservation's ledger position: the first event (asked only of a window started
+    mid-minute)."""
+    return 1
+
+
 def test_the_window_is_the_calendar_minute() -> None:
     """12:00:59.999 and 12:01:00 are in different windows; a new minute starts empty."""
     assert minute_of(3600 * 12 + 59.999) + 1 == minute_of(3600 * 12 + 60)
@@ -99,11 +105,11 @@ def test_tpm_counts_the_estimate_and_corrects_it_at_settlement() -> None:
     policies = {"a": BudgetPolicy("a", tpm=1000)}
     window = ratelimit.admitted(RateWindow("a"), 600.0, 800)
     assert check(policies, {"a": window}, never_in_flight, "a", 601.0, 300) is not None
-    settled = ratelimit.corrected(window, 600.0, 800, 100)
+    settled = ratelimit.corrected(window, 600.0, 800, 100, _first)
     assert settled.tokens == 100
     assert check(policies, {"a": settled}, never_in_flight, "a", 601.0, 300) is None
     later = ratelimit.admitted(window, 660.0, 10)
-    assert ratelimit.corrected(later, 600.0, 800, 100) == later
+    assert ratelimit.corrected(later, 600.0, 800, 100, _first) == later
 
 
 def test_concurrency_counts_calls_in_flight_and_ancestors_are_checked() -> None:

@@ -8,6 +8,7 @@ edited or deleted behind the ledger's back makes ``effectguard verify`` exit 1 n
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
@@ -19,7 +20,7 @@ import pytest
 from test_store_contract import completion
 from test_verify import raw, request
 
-from effectguard.ledger import Ledger, Writer, operations
+from effectguard.ledger import Ledger, Writer, operations, rates
 from effectguard.ops.audit import RateRow, Verifier, checkpoint
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.budget import BudgetPolicy
@@ -140,3 +141,98 @@ def test_a_checkpoint_without_windows_leaves_windows_it_cannot_know_unjudged() -
     assert report.problems == [
         "rate window 'team': stored minute=5 requests=3 tokens=30 but the events give no window"
     ]
+
+
+def _as_format_1_counted(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Writer, str]:
+    """A ledger a release of writer format 1 wrote, then this release migrated: that
+    release started no window at a declaration, so the settlement of a call admitted
+    before ``tpm`` was declared corrected the window the next admission started. It is
+    this release's store without the start, on the schema migration 18 found (no
+    ``since``, no migration 18). Returns the writer and the call it left in flight."""
+
+    async def write() -> tuple[Writer, str]:
+        clock = ManualClock(start=600_000.0 + 1)
+        async with Ledger.open(str(path), clock=clock) as ledger:
+            writer: Writer = await ledger.store.write(
+                Writer("boot", 0),
+                lambda tx: operations.register_worker(
+                    tx, worker="w1", host="h", pid=1, lease_s=1e6
+                ),
+            )
+            before = await ledger.admit(writer, dataclasses.replace(request("a"), tokens=800))
+            await ledger.set_policy(BudgetPolicy("team", tpm=1000))
+            flying = await ledger.admit(writer, dataclasses.replace(request("b"), tokens=800))
+            await ledger.record(writer, before.call_id, 1, _settled_at(before.call_id, 30))
+            return writer, flying.call_id
+
+    monkeypatch.setattr(rates, "fold_declared", lambda *args: None)
+    writer, flying = asyncio.run(write())
+    monkeypatch.undo()
+    with raw(path) as conn:
+        conn.execute("ALTER TABLE rate_windows DROP COLUMN since")
+        conn.execute("DELETE FROM migrations WHERE version = 18")
+    assert cli_main(["migrate", "--ledger", str(path)]) == 0
+    return writer, flying
+
+
+def test_a_window_a_format_1_release_counted_verifies_after_migration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migration 18 leaves ``since`` NULL in the windows it finds: verify judges them as
+    the release that counted them did, so the ledger verifies; the same window marked as
+    this release's (``since`` 0) is named. This release then counts on in that minute as
+    that release did, and a new minute starts a window of its own."""
+    path = tmp_path / "ledger.db"
+    _as_format_1_counted(path, monkeypatch)
+    with raw(path) as conn:
+        rows = list(conn.execute("SELECT path, minute, requests, tokens, since FROM rate_windows"))
+        assert rows == [("team", 10_000, 1, 30, None)]
+        conn.execute("UPDATE rate_windows SET since = 0")
+    code, report = verify_cli(path)
+    assert code == 1 and report["problems"][0].startswith("rate window 'team': stored "), report
+    with raw(path) as conn:
+        conn.execute("UPDATE rate_windows SET since = NULL")
+    assert verify_cli(path)[0] == 0
+
+    async def count_on() -> list[list[tuple[int, int | None]]]:
+        clock = ManualClock(start=600_000.0 + 2)
+        seen = []
+        async with Ledger.open(str(path), clock=clock) as ledger:
+            writer: Writer = await ledger.store.write(
+                Writer("boot", 0),
+                lambda tx: operations.register_worker(
+                    tx, worker="w2", host="h", pid=1, lease_s=1e6
+                ),
+            )
+            for key in ("c", "d"):
+                await ledger.admit(writer, dataclasses.replace(request(key), tokens=100))
+                seen.append([(w.tokens, w.since) for w in await ledger.store.rate_windows()])
+                clock.advance(60)
+        return seen
+
+    assert asyncio.run(count_on()) == [[(130, None)], [(100, 0)]]
+    assert verify_cli(path)[0] == 0
+
+
+def test_a_window_a_format_1_release_counted_verifies_across_an_archive_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An archive cut after migration 18 carries a window whose ``since`` is NULL without
+    it, as an older release's checkpoint did: the live ledger and the archive verify."""
+    path = tmp_path / "ledger.db"
+    writer, flying = _as_format_1_counted(path, monkeypatch)
+
+    async def settle() -> None:
+        async with Ledger.open(str(path), clock=ManualClock(start=600_000.0 + 3)) as ledger:
+            await ledger.record(writer, flying, 1, _settled_at(flying, 50))
+
+    asyncio.run(settle())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["archive", "--ledger", str(path), "--before", "2100-01-01", "--json"])
+    assert code == 0, out.getvalue()
+    moved = json.loads(out.getvalue())
+    code, report = verify_cli(path)
+    assert code == 0, report["problems"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(["verify", "--ledger", str(path), "--archive", moved["path"]]) == 0

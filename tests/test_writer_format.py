@@ -27,7 +27,7 @@ from effectguard.ledger.pgschema import Target
 _ = (pg_url,)  # fixtures
 
 #: What an older release is told (part of the message, as its logs show it).
-TOLD = "requires effectguard writer format 1 or later"
+TOLD = f"requires effectguard writer format {writerformat.WRITER_FORMAT} or later"
 
 
 def cli(command: str, ledger: str) -> None:
@@ -75,6 +75,27 @@ async def test_an_older_release_cannot_write_a_migrated_sqlite_ledger(tmp_path: 
     finally:
         old.close()
     cli("verify", path)  # nothing the refused writer tried got in
+
+
+async def test_a_format_1_release_cannot_write_a_ledger_migrated_to_format_2(
+    tmp_path: Path,
+) -> None:
+    """A release of writer format 1 neither records nor starts the rate window a
+    declaration gives a node mid-minute (rate_windows.since, contract §5.6), so its writes
+    would leave windows verify cannot re-derive: migration 18 refuses them, with the
+    message that says to upgrade."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    await new_release_writes(path)
+    old = sqlite3.connect(path, isolation_level=None)
+    old.create_function(writerformat.FUNCTION, 0, lambda: 1, deterministic=True)
+    try:
+        for statement in OLD_WRITES:
+            with pytest.raises(sqlite3.IntegrityError, match=TOLD):
+                old.execute(statement.format(false=0))
+    finally:
+        old.close()
+    cli("verify", path)
 
 
 @pytest.mark.postgres

@@ -89,6 +89,8 @@ def append(
         )
         tx.insert_event(stored, data_json)
         prev = stored.digest
+        if isinstance(event, BudgetLimitSet):
+            rates.fold_declared(tx, event, seq, now)
         if call_id is not None and state is not None:
             rates.fold_rates(tx, event, state, now)
             calls[call_id] = workstate.apply(state, event)

@@ -244,6 +244,16 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 token_sha256 TEXT NOT NULL PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL)""",
         ],
     ),
+    (
+        11,
+        "writer format 2: a rate window records where a declaration started it mid-minute "
+        "(since); releases before it may no longer write this ledger",
+        [
+            # As SQLite's migration 18: NULL in the windows an older release counted.
+            "ALTER TABLE rate_windows ADD COLUMN since BIGINT",
+            *writerformat.pg_require(2),
+        ],
+    ),
 ]
 
 

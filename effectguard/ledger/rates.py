@@ -3,8 +3,9 @@
 :func:`rate_refusal` checks a new attempt against every ``rpm``, ``tpm`` and
 ``concurrency`` limit on its budget path; :func:`fold_rates` keeps each limited node's
 minute window as budget events are appended (a reservation counts its attempt, a
-settlement corrects the token estimate), so the windows move with the events that
-caused them, in the same transaction.
+settlement corrects the token estimate of an attempt its window counted) and
+:func:`fold_declared` starts a node's window when a declaration gives it rate limits, so
+the windows move with the events that caused them, in the same transaction.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Mapping
 from effectguard.errors import Refusal
 from effectguard.ledger.base import Tx
 from effectguard.rules import ratelimit
-from effectguard.rules.budget import BudgetPolicy, ancestors
-from effectguard.rules.events import BudgetReserved, BudgetSettled, Event
+from effectguard.rules.budget import BudgetPolicy, ancestors, policy_of
+from effectguard.rules.events import BudgetLimitSet, BudgetReserved, BudgetSettled, Event
 from effectguard.rules.workstate import WorkState
 
 _WHAT = {"rpm": "requests per minute", "tpm": "tokens per minute", "concurrency": "calls in flight"}
@@ -56,10 +57,35 @@ def fold_rates(tx: Tx, event: Event, state: WorkState, now: float) -> None:
             tx.put_window(ratelimit.admitted(window, now, event.tokens))
     elif isinstance(event, BudgetSettled) and event.tokens is not None:
         limited = _limited(tx, event.budget)
+        reserved = _Reserved(tx, state.call_id)
         for window in _windows(tx, limited):
-            fixed = ratelimit.corrected(window, state.last_attempt_at, state.tokens, event.tokens)
+            fixed = ratelimit.corrected(
+                window, state.last_attempt_at, state.tokens, event.tokens, reserved
+            )
             if fixed != window:
                 tx.put_window(fixed)
+
+
+def fold_declared(tx: Tx, event: BudgetLimitSet, seq: int, now: float) -> None:
+    """A declaration (event ``seq``) that gives its node ``rpm`` or ``tpm`` starts the
+    node's window afresh: run before the new policy is stored, to see the old one."""
+    after = policy_of(event)
+    if ratelimit.gains(tx.get_policies([event.path]).get(event.path), after):
+        tx.put_window(ratelimit.started(event.path, now, seq))
+
+
+class _Reserved:
+    """The ledger position of a call's last reservation, read from its events once, and
+    only if a window started mid-minute asks (never on the common path)."""
+
+    def __init__(self, tx: Tx, call_id: str) -> None:
+        self._tx, self._call_id, self._seq = tx, call_id, -1
+
+    def __call__(self) -> int:
+        if self._seq < 0:
+            events = self._tx.events_of(self._call_id)
+            self._seq = max((e.seq for e in events if e.kind == BudgetReserved.kind), default=0)
+        return self._seq
 
 
 def _limited(tx: Tx, budget: str) -> list[str]:

@@ -40,8 +40,9 @@ MUTABLE_CALL_COLUMNS = ("stage", "idempotency_key", "worker", "state")
 NODE_COLUMNS = "path, period, reserved, spent, held"
 #: A node's declared policy (table ``budgets``, keyed by path).
 POLICY_COLUMNS = "path, limit_nanos, period, tz, rpm, tpm, concurrency"
-#: A node's rate window (table ``rate_windows``, keyed by path).
-WINDOW_COLUMNS = "path, minute, requests, tokens"
+#: A node's rate window (table ``rate_windows``, keyed by path). ``since`` is NULL in a
+#: row an older release wrote (SQLite migration 18, PostgreSQL migration 11 added it).
+WINDOW_COLUMNS = "path, minute, requests, tokens, since"
 WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
 KEY_COLUMNS = "name, sha256, budget_root, created_at, expires_at, models, providers, revoked_at"
 
@@ -205,13 +206,13 @@ def policy_from_row(row: tuple[Any, ...] | Any) -> BudgetPolicy:
 
 def window_params(window: RateWindow) -> tuple[Any, ...]:
     """Parameters for storing a rate window, in :data:`WINDOW_COLUMNS` order."""
-    return (window.path, window.minute, window.requests, window.tokens)
+    return (window.path, window.minute, window.requests, window.tokens, window.since)
 
 
 def window_from_row(row: tuple[Any, ...] | Any) -> RateWindow:
     """A rate window from a row in :data:`WINDOW_COLUMNS` order."""
-    path, minute, requests, tokens = row
-    return RateWindow(path, int(minute), int(requests), int(tokens))
+    path, minute, requests, tokens, since = row
+    return RateWindow(path, int(minute), int(requests), int(tokens), _int(since))
 
 
 def _int(value: Any) -> int | None:

@@ -381,6 +381,18 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
                 token_sha256 TEXT NOT NULL PRIMARY KEY, expires_at REAL NOT NULL)""",
         ],
     ),
+    (
+        18,
+        "writer format 2: a rate window records where a declaration started it mid-minute "
+        "(since); releases before it may no longer write this ledger",
+        [
+            # A window kept now was counted by a release that did not record it: NULL,
+            # which this release reads as "from the start of its minute", as that release
+            # counted it, and which verify judges by that release's rules (contract §5.6).
+            "ALTER TABLE rate_windows ADD COLUMN since INTEGER",
+            *writerformat.sqlite_require(2),
+        ],
+    ),
 ]
 
 

@@ -13,6 +13,13 @@ corrected from far ahead) starts the window over, as keeping it would refuse the
 until the clock caught up with the wrong time. The window is read and written in the
 admission transaction, so the count is exact across replicas.
 
+A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
+node gains them (it had neither), its window starts afresh at that declaration, in the
+declaration's minute, and records where (``since``: the declaration's ledger position). An
+attempt admitted earlier in that minute, under no limit, was counted in no window, so its
+settlement corrects nothing: a settlement corrects a window only if the window counted
+its attempt (:func:`counts`).
+
 ``concurrency`` counts calls under the node that are in flight, read from the calls
 themselves in the same transaction (so a crashed worker's calls count until the sweeper
 marks them).
@@ -40,12 +47,19 @@ def minute_of(at: float) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RateWindow:
-    """What one node admitted in one minute: attempts and tokens."""
+    """What one node admitted in one minute: attempts and tokens.
+
+    ``since`` is 0 when the window counts every attempt admitted in its minute; else the
+    ledger position (event ``seq``) of the declaration that started it mid-minute, before
+    which its minute's attempts were not counted. None: a window a release before writer
+    format 2 counted, which did not record it (read as 0, as that release did).
+    """
 
     path: str
     minute: int = 0
     requests: int = 0
     tokens: int = 0
+    since: int | None = 0
 
     def at(self, minute: int) -> RateWindow:
         """This window as seen in ``minute``: itself in its minute and in the one before
@@ -115,12 +129,45 @@ def admitted(window: RateWindow, at: float, tokens: int) -> RateWindow:
     return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
 
 
-def corrected(window: RateWindow, admitted_at: float, estimate: int, actual: int) -> RateWindow:
-    """``window`` after an attempt admitted at ``admitted_at`` settled at ``actual`` tokens.
+def gains(before: BudgetPolicy | None, after: BudgetPolicy) -> bool:
+    """Whether declaring ``after`` over ``before`` gives a node ``rpm`` or ``tpm`` it had
+    neither of (so its window starts: :func:`started`)."""
+    return _limits(after) and not (before is not None and _limits(before))
 
-    Only the minute the attempt was counted in is corrected; a window that has moved on
-    no longer counts it.
+
+def _limits(policy: BudgetPolicy) -> bool:
+    return policy.rpm is not None or policy.tpm is not None
+
+
+def started(path: str, at: float, seq: int) -> RateWindow:
+    """The window of ``path`` once a declaration at ``at`` (ledger position ``seq``) gave
+    it rate limits: it counts nothing yet, and none of its minute's earlier attempts."""
+    return RateWindow(path, minute_of(at), since=seq)
+
+
+def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) -> bool:
+    """Whether ``window`` counted the attempt admitted at ``admitted_at``, whose
+    reservation is at ledger position ``reserved()`` (asked only of a window started
+    mid-minute, in the attempt's minute).
+
+    A window that has moved on from the attempt's minute no longer counts it; one started
+    in that minute by a declaration counts only the attempts reserved after it.
     """
     if window.minute != minute_of(admitted_at):
+        return False
+    return not window.since or reserved() > window.since
+
+
+def corrected(
+    window: RateWindow,
+    admitted_at: float,
+    estimate: int,
+    actual: int,
+    reserved: Callable[[], int],
+) -> RateWindow:
+    """``window`` after an attempt admitted at ``admitted_at`` (reserved at ledger position
+    ``reserved()``) settled at ``actual`` tokens: its ``estimate`` is replaced, never below
+    0, if the window counted it (:func:`counts`)."""
+    if not counts(window, admitted_at, reserved):
         return window
     return replace(window, tokens=max(0, window.tokens + actual - estimate))

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from effectguard.ops.audit.budgets import Budgets, Node, Policy
 from effectguard.ops.audit.chain import Chain
 from effectguard.ops.audit.keys import KeyRow, Keys
-from effectguard.ops.audit.rates import RateRow, Rates
+from effectguard.ops.audit.rates import RateRow, Rates, export
 from effectguard.ops.audit.report import VerifyReport
 from effectguard.ops.audit.writers import Writers
 
@@ -45,7 +45,7 @@ def export_state(v: Folded) -> dict[str, Any]:
         "budgets": sorted([p, per, *node.row()] for (p, per), node in v.budgets.nodes.items()),
         "policies": sorted([path, *policy] for path, policy in v.budgets.policies.items()),
         "keys": sorted(_key_row(row) for row in v.keys.rows.values()),
-        "rates": sorted(list(row) for row in v.rates.windows.values()),
+        "rates": export(v.rates.windows),
         "operator_limits": sorted([path, seq] for path, seq in v.budgets.operator_set.items()),
     }
 
@@ -64,9 +64,7 @@ def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -
     v.keys.rows = {str(row[0]): _key(row) for row in state["keys"]}
     v.budgets.operator_set = {str(p): int(seq) for p, seq in state.get("operator_limits", [])}
     if "rates" in state:
-        v.rates.seed(
-            {str(p): RateRow(str(p), int(m), int(r), int(t)) for p, m, r, t in state["rates"]}
-        )
+        v.rates.seed({str(row[0]): _window(row) for row in state["rates"]})
     else:  # a checkpoint written before windows were carried: they are unknown at the cut
         v.rates.partial = True
 
@@ -90,19 +88,16 @@ def same_state(v: Folded, recorded: Any) -> bool:
     """Whether a checkpoint's ``recorded`` state is what folding its events gave.
 
     A checkpoint written before rate windows were carried has no ``rates``, nor, before
-    2026-12-04, ``operator_limits``: it is judged on the rest. One written by a release
-    before writer format 1 may carry the windows as that release counted them
-    (:attr:`Rates.before`).
+    2026-12-04, ``operator_limits``: it is judged on the rest. One written by an older
+    release may carry the windows as that release counted them (:meth:`Rates.exports`).
     """
     folded = export_state(v)
     if isinstance(recorded, dict) and "operator_limits" not in recorded:
         folded.pop("operator_limits")
     if isinstance(recorded, dict) and "rates" not in recorded:
         folded = {k: value for k, value in folded.items() if k != "rates"}
-    elif isinstance(recorded, dict):
-        before = sorted(list(row) for row in v.rates.before.values())
-        if folded == {**recorded, "rates": folded["rates"]} and recorded["rates"] == before:
-            return True
+    elif isinstance(recorded, dict) and folded == {**recorded, "rates": folded["rates"]}:
+        return recorded["rates"] in v.rates.exports()
     return bool(folded == recorded)
 
 
@@ -115,6 +110,14 @@ def check(seq: int, data: dict[str, Any]) -> list[str]:
     if int(data["events"]) != last - first + 1:
         problems.append(f"event {seq}: archives {data['events']} events of {first}..{last}")
     return problems
+
+
+def _window(row: list[Any]) -> RateRow:
+    """A window a checkpoint carried: one without ``since`` was written by a release
+    before writer format 2, which did not record it."""
+    path, minute, requests, tokens, *since = row
+    seen = int(since[0]) if since and since[0] is not None else None
+    return RateRow(str(path), int(minute), int(requests), int(tokens), seen)
 
 
 def _policy(values: list[Any]) -> Policy:

@@ -6,11 +6,23 @@ and the attempts admitted in that minute with their token estimates. Each
 ``budget.reserved`` counts one attempt and its estimate (``tokens``) in every such
 ancestor, in the minute of the event; a reservation in a later minute starts the window
 over; one in the minute before the window's (a clock stepped back) counts in the
-window's, and one further back starts the window over too. A
-``budget.settled`` that reports ``tokens`` replaces its attempt's estimate (the call's
-last reservation) with them, never below 0, in each window that still counts the
-minute its attempt started in (the call's last ``attempt.started``); a window that has
-moved on is left alone.
+window's, and one further back starts the window over too. A ``budget.limit_set`` that
+gives a node ``rpm`` or ``tpm`` it had neither of starts its window afresh in the event's
+minute, recording the event's ``seq`` (``since``): the attempts of that minute reserved
+before it were counted in no window. A ``budget.settled`` that reports ``tokens``
+replaces its attempt's estimate (the call's last reservation) with them, never below 0,
+in each window that counted that attempt: one that still counts the minute its attempt
+started in (the call's last ``attempt.started``) and, if a declaration started it in that
+minute, only for a reservation after the declaration. A window that has moved on is left
+alone.
+
+Older releases counted differently, and a stored window may be theirs (docs/operations.md,
+"Mixed versions"): before writer format 1 a reservation in the minute before its window's
+started the window over; before writer format 2 a declaration started nothing (its
+windows have ``since`` NULL). So the verifier folds the events four ways and accepts a
+window that is one of them, a window with ``since`` NULL only as those releases counted it
+(or, after an archive cut, unjudged until it starts over: the cut's checkpoint carries the
+windows as this release counts them).
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from effectguard.ops.audit.budgets import NO_POLICY, Policy, lineage
+from effectguard.ops.audit.budgets import NO_POLICY, Policy, lineage, policy_from
 
 _SECONDS = 60
 #: A reservation this many minutes before its window's minute still counts in it.
@@ -27,12 +39,15 @@ _KEPT_BACK = 1
 
 
 class RateRow(NamedTuple):
-    """A stored rate window, or one the events give: a node's minute and its counts."""
+    """A stored rate window, or one the events give: a node's minute and its counts, and
+    the ``seq`` of the declaration that started it mid-minute (0: none; None: a window a
+    release before writer format 2 counted, which did not record it)."""
 
     path: str
     minute: int
     requests: int
     tokens: int
+    since: int | None = 0
 
 
 def minute_of(at: float) -> int:
@@ -40,25 +55,79 @@ def minute_of(at: float) -> int:
     return math.floor(at) // _SECONDS
 
 
+class _Fold:
+    """The windows as one release's rules count them: with the kept-back minute (writer
+    format 1) or without, and started by a declaration (format 2) or not."""
+
+    def __init__(self, kept_back: bool, declared: bool) -> None:
+        self.kept_back, self.declared = kept_back, declared
+        self.windows: dict[str, RateRow] = {}
+
+    def reserve(self, paths: list[str], minute: int, tokens: int) -> list[str]:
+        """Count a reservation in ``minute``; returns the paths whose window started over."""
+        back = _KEPT_BACK if self.kept_back else 0
+        restarted = []
+        for path in paths:
+            window = self.windows.get(path)
+            if window is None or not window.minute - back <= minute <= window.minute:
+                window = RateRow(path, minute, 0, 0)
+                restarted.append(path)
+            self.windows[path] = window._replace(
+                requests=window.requests + 1, tokens=window.tokens + tokens
+            )
+        return restarted
+
+    def settle(self, paths: list[str], minute: int, reserved: int, change: int) -> None:
+        """Correct by ``change`` the windows that counted an attempt started in ``minute``
+        and reserved at ``reserved``."""
+        for path in paths:
+            window = self.windows.get(path)
+            if window is None or window.minute != minute:
+                continue
+            if self.declared and window.since and reserved <= window.since:
+                continue  # reserved before the declaration that started this window
+            self.windows[path] = window._replace(tokens=max(0, window.tokens + change))
+
+    def declare(self, path: str, minute: int, seq: int) -> None:
+        """A declaration at ``seq`` gave ``path`` rate limits."""
+        if self.declared:
+            self.windows[path] = RateRow(path, minute, 0, 0, seq)
+
+
 class Rates:
     """Every node's rate window, folded from the events."""
 
     def __init__(self) -> None:
-        self.windows: dict[str, RateRow] = {}
-        #: Each call's last reservation's token estimate (what its settlement corrects).
-        self.estimates: dict[str, int] = {}
+        self._now = _Fold(kept_back=True, declared=True)
+        #: As releases before writer format 1 counted a clock stepped back: the window
+        #: started over (a checkpoint or a window may carry that count).
+        self._stepless = _Fold(kept_back=False, declared=True)
+        #: As releases before writer format 2 counted (either step-back rule): a
+        #: declaration started nothing. Only windows they wrote are judged by these.
+        self._undeclared = (
+            _Fold(kept_back=True, declared=False),
+            _Fold(kept_back=False, declared=False),
+        )
+        self._folds = (self._now, self._stepless, *self._undeclared)
+        #: Each call's last reservation: its ``seq`` and its token estimate (what its
+        #: settlement corrects).
+        self.reserved: dict[str, tuple[int, int]] = {}
         #: True after a cut whose checkpoint carried no windows: a window is known only
-        #: once a reservation after the cut has started a new minute on it.
+        #: once a reservation or declaration after the cut has started it anew.
         self.partial = False
+        #: True after a cut: a checkpoint carries the windows as this release counts
+        #: them, not as an older release did.
+        self.seeded = False
         self.restarted: set[str] = set()
-        #: The same windows as releases before writer format 1 counted them: a
-        #: reservation in the minute before its window's (a clock stepped back) started
-        #: the window over. A stored window may be either (docs/operations.md, "Mixed
-        #: versions"): until this release counts in it, it is the older release's.
-        self.before: dict[str, RateRow] = {}
+
+    @property
+    def windows(self) -> dict[str, RateRow]:
+        """The windows as this release counts them."""
+        return self._now.windows
 
     def feed(
         self,
+        seq: int,
         kind: str,
         data: dict[str, Any],
         at: float,
@@ -66,27 +135,44 @@ class Rates:
         started_at: float,
         policies: Mapping[str, Policy],
     ) -> None:
-        """Apply one event of ``call`` (whose last attempt started at ``started_at``)."""
+        """Apply event ``seq`` of ``call`` (whose last attempt started at ``started_at``)."""
         if kind == "budget.reserved":
             tokens = int(data.get("tokens", 0))
-            self.estimates[call] = tokens
-            minute = minute_of(at)
-            for path in _limited(policies, str(data["budget"])):
-                if _count(self.windows, path, minute, tokens, _KEPT_BACK):
-                    self.restarted.add(path)
-                _count(self.before, path, minute, tokens, 0)
+            self.reserved[call] = (seq, tokens)
+            paths = _limited(policies, str(data["budget"]))
+            self.restarted.update(self._now.reserve(paths, minute_of(at), tokens))
+            for fold in self._folds[1:]:
+                fold.reserve(paths, minute_of(at), tokens)
         elif kind == "budget.settled" and data.get("tokens") is not None:
-            minute = minute_of(started_at)
-            change = int(data["tokens"]) - self.estimates.get(call, 0)
-            for path in _limited(policies, str(data["budget"])):
-                for windows in (self.windows, self.before):
-                    window = windows.get(path)
-                    if window is not None and window.minute == minute:
-                        windows[path] = window._replace(tokens=max(0, window.tokens + change))
+            reserved, estimate = self.reserved.get(call, (0, 0))
+            paths = _limited(policies, str(data["budget"]))
+            for fold in self._folds:
+                fold.settle(paths, minute_of(started_at), reserved, int(data["tokens"]) - estimate)
+
+    def declare(
+        self, seq: int, data: dict[str, Any], at: float, policies: Mapping[str, Policy]
+    ) -> None:
+        """Apply ``budget.limit_set`` ``seq`` (before ``policies`` take it in)."""
+        path = str(data["path"])
+        if _rated(policy_from(data)) and not _rated(policies.get(path, NO_POLICY)):
+            self.restarted.add(path)
+            for fold in self._folds:
+                fold.declare(path, minute_of(at), seq)
 
     def seed(self, windows: dict[str, RateRow]) -> None:
         """Start from the windows a checkpoint carried."""
-        self.windows, self.before = windows, dict(windows)
+        for fold in self._folds:
+            fold.windows = dict(windows)
+        self.seeded = True
+
+    def exports(self) -> list[list[list[Any]]]:
+        """The windows as a checkpoint may carry them: as this release or an older one
+        counted them, with ``since`` or (before writer format 2) without."""
+        out = []
+        for fold in self._folds:
+            out.append(export(fold.windows))
+            out.append(sorted([p, m, r, t] for p, m, r, t, _ in fold.windows.values()))
+        return out
 
     def compare(self, rows: list[RateRow]) -> list[str]:
         """What differs between the stored windows and the events' (nothing when equal)."""
@@ -95,37 +181,45 @@ class Rates:
         for path in sorted(set(stored) | set(self.windows)):
             if self.partial and path not in self.restarted:
                 continue  # its window was counted before the cut, in events no longer here
-            have, want = stored.get(path), self.windows.get(path)
-            if have != want and have != self.before.get(path):
+            have = stored.get(path)
+            if have not in self._accepted(path, have):
                 problems.append(
                     f"rate window {path!r}: stored {_counts(have)} but the events give "
-                    f"{_counts(want)}"
+                    f"{_counts(self.windows.get(path))}"
                 )
         return problems
 
+    def _accepted(self, path: str, have: RateRow | None) -> list[RateRow | None]:
+        """What a stored window of ``path`` may be: as this release counts it (or with a
+        release before format 1's step-back rule); one whose ``since`` is NULL, or none,
+        as a release before format 2 counted it too."""
+        now = [self._now.windows.get(path), self._stepless.windows.get(path)]
+        if have is not None and have.since is not None:
+            return now
+        if have is not None and self.seeded and path not in self.restarted:
+            return [have]  # an older release's count from before the cut, which left no trace
+        older = [fold.windows.get(path) for fold in self._undeclared]
+        return [*now, *(None if w is None else w._replace(since=None) for w in older)]
 
-def _count(windows: dict[str, RateRow], path: str, minute: int, tokens: int, back: int) -> bool:
-    """Count a reservation in ``minute`` in ``path``'s window, which keeps counting one
-    up to ``back`` minutes before its own; returns whether the window started over."""
-    window = windows.get(path)
-    restarted = window is None or not window.minute - back <= minute <= window.minute
-    if window is None or restarted:
-        window = RateRow(path, minute, 0, 0)
-    windows[path] = window._replace(requests=window.requests + 1, tokens=window.tokens + tokens)
-    return restarted
+
+def export(windows: Mapping[str, RateRow]) -> list[list[Any]]:
+    """Windows as a checkpoint carries them: ``[path, minute, requests, tokens, since]``,
+    without ``since`` where it is NULL (as a release before writer format 2 wrote them)."""
+    return sorted(list(row) if row.since is not None else list(row[:4]) for row in windows.values())
+
+
+def _rated(policy: Policy) -> bool:
+    _, _, _, rpm, tpm, _ = policy
+    return rpm is not None or tpm is not None
 
 
 def _limited(policies: Mapping[str, Policy], budget: str) -> list[str]:
     """``budget`` and its ancestors whose policy declares ``rpm`` or ``tpm``."""
-    out = []
-    for path in lineage(budget):
-        _, _, _, rpm, tpm, _ = policies.get(path, NO_POLICY)
-        if rpm is not None or tpm is not None:
-            out.append(path)
-    return out
+    return [path for path in lineage(budget) if _rated(policies.get(path, NO_POLICY))]
 
 
 def _counts(row: RateRow | None) -> str:
     if row is None:
         return "no window"
-    return f"minute={row.minute} requests={row.requests} tokens={row.tokens}"
+    since = f" since={row.since}" if row.since else ""
+    return f"minute={row.minute} requests={row.requests} tokens={row.tokens}{since}"

@@ -100,6 +100,8 @@ class Verifier:
                     return [f"event {seq}: {kind} belongs to no call, yet names {stored.call_id}"]
                 if kind in KEY_KINDS:
                     return self.keys.feed(seq, kind, data, stored.at)
+                if kind == "budget.limit_set":  # before the policy changes: was it rated?
+                    self.rates.declare(seq, data, stored.at, self.budgets.policies)
                 return self.budgets.feed(seq, kind, data, generation=stored.generation)
             if kind not in table.CALL_KINDS:
                 return [f"event {seq}: unknown event kind {kind!r}"]
@@ -112,7 +114,13 @@ class Verifier:
             self.bodies.feed(seq, kind, stored.call_id, data)
             problems = fold.feed(stored) + money
             self.rates.feed(
-                kind, data, stored.at, stored.call_id, fold.last_attempt_at, self.budgets.policies
+                seq,
+                kind,
+                data,
+                stored.at,
+                stored.call_id,
+                fold.last_attempt_at,
+                self.budgets.policies,
             )
             return problems
         except (KeyError, TypeError, ValueError) as exc:
