@@ -13,19 +13,26 @@ import contextlib
 import dataclasses
 import io
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pgkit import ledger_url
 from test_store_contract import completion
 from test_verify import raw, request
 
 from effectguard.ledger import Ledger, Writer, operations, rates
+from effectguard.ledger.pgschema import Target
 from effectguard.ops.audit import RateRow, Verifier, checkpoint
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.events import BudgetSettled, Event
 from effectguard.testing.clock import ManualClock
+from effectguard.testing.pgclock import set_ledger_clock
+
+_ = (ledger_url,)  # fixtures
 
 
 def _settled_at(call_id: str, tokens: int) -> list[Event]:
@@ -143,16 +150,29 @@ def test_a_checkpoint_without_windows_leaves_windows_it_cannot_know_unjudged() -
     ]
 
 
-def _as_format_1_counted(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Writer, str]:
+@contextlib.contextmanager
+def _raw_any(url: str) -> Iterator[Any]:
+    """A raw connection to a SQLite file or to a PostgreSQL ledger's schema (autocommit)."""
+    if not url.startswith("postgresql://"):
+        with raw(Path(url)) as conn:
+            yield conn
+        return
+    target = Target.parse(url)
+    with target.connect() as conn:
+        yield conn
+
+
+def _as_format_1_counted(
+    url: str, monkeypatch: pytest.MonkeyPatch, clock: ManualClock
+) -> tuple[Writer, str]:
     """A ledger a release of writer format 1 wrote, then this release migrated: that
     release started no window at a declaration, so the settlement of a call admitted
     before ``tpm`` was declared corrected the window the next admission started. It is
-    this release's store without the start, on the schema migration 18 found (no
-    ``since``, no migration 18). Returns the writer and the call it left in flight."""
+    this release's store without the start, on the schema migration 18 (PostgreSQL: 11)
+    found: no ``since``, no migration. Returns the writer and the call left in flight."""
 
     async def write() -> tuple[Writer, str]:
-        clock = ManualClock(start=600_000.0 + 1)
-        async with Ledger.open(str(path), clock=clock) as ledger:
+        async with _open(url, clock) as ledger:
             writer: Writer = await ledger.store.write(
                 Writer("boot", 0),
                 lambda tx: operations.register_worker(
@@ -168,50 +188,62 @@ def _as_format_1_counted(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[W
     monkeypatch.setattr(rates, "fold_declared", lambda *args: None)
     writer, flying = asyncio.run(write())
     monkeypatch.undo()
-    with raw(path) as conn:
+    version = 11 if url.startswith("postgresql://") else 18
+    with _raw_any(url) as conn:
         conn.execute("ALTER TABLE rate_windows DROP COLUMN since")
-        conn.execute("DELETE FROM migrations WHERE version = 18")
-    assert cli_main(["migrate", "--ledger", str(path)]) == 0
+        conn.execute(f"DELETE FROM migrations WHERE version = {version}")
+    assert cli_main(["migrate", "--ledger", url]) == 0
     return writer, flying
 
 
-def test_a_window_a_format_1_release_counted_verifies_after_migration(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Migration 18 leaves ``since`` NULL in the windows it finds: verify judges them as
-    the release that counted them did, so the ledger verifies; the same window marked as
-    this release's (``since`` 0) is named. This release then counts on in that minute as
-    that release did, and a new minute starts a window of its own."""
-    path = tmp_path / "ledger.db"
-    _as_format_1_counted(path, monkeypatch)
-    with raw(path) as conn:
-        rows = list(conn.execute("SELECT path, minute, requests, tokens, since FROM rate_windows"))
-        assert rows == [("team", 10_000, 1, 30, None)]
-        conn.execute("UPDATE rate_windows SET since = 0")
-    code, report = verify_cli(path)
-    assert code == 1 and report["problems"][0].startswith("rate window 'team': stored "), report
-    with raw(path) as conn:
-        conn.execute("UPDATE rate_windows SET since = NULL")
-    assert verify_cli(path)[0] == 0
+def _open(url: str, clock: ManualClock) -> Any:
+    """The ledger at ``url`` on ``clock`` (PostgreSQL's is the database's, moved to it)."""
+    if url.startswith("postgresql://"):
+        set_ledger_clock(url, clock())
+        return Ledger.open(url)
+    return Ledger.open(url, clock=clock)
 
-    async def count_on() -> list[list[tuple[int, int | None]]]:
-        clock = ManualClock(start=600_000.0 + 2)
-        seen = []
-        async with Ledger.open(str(path), clock=clock) as ledger:
+
+def _windows(url: str) -> list[tuple[Any, ...]]:
+    with _raw_any(url) as conn:
+        return [tuple(r) for r in conn.execute("SELECT requests, tokens, since FROM rate_windows")]
+
+
+def test_a_window_a_format_1_release_counted_verifies_after_migration(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migration 18 (PostgreSQL: 11) leaves ``since`` NULL in the windows it finds: verify
+    judges them as the release that counted them did, so the ledger verifies; the same
+    window marked as this release's (``since`` 0) is named. This release then counts on
+    in that minute as that release did, and a new minute starts a window of its own."""
+    minute = (int(time.time()) // 60 + 1) * 60
+    clock = ManualClock(start=minute + 1.0)
+    _as_format_1_counted(ledger_url, monkeypatch, clock)
+    assert _windows(ledger_url) == [(1, 30, None)]
+    with _raw_any(ledger_url) as conn:
+        conn.execute("UPDATE rate_windows SET since = 0")
+    code, report = verify_cli(ledger_url)
+    assert code == 1 and report["problems"][0].startswith("rate window 'team': stored "), report
+    with _raw_any(ledger_url) as conn:
+        conn.execute("UPDATE rate_windows SET since = NULL")
+    assert verify_cli(ledger_url)[0] == 0
+
+    async def count_on(key: str) -> None:
+        async with _open(ledger_url, clock) as ledger:
             writer: Writer = await ledger.store.write(
                 Writer("boot", 0),
                 lambda tx: operations.register_worker(
-                    tx, worker="w2", host="h", pid=1, lease_s=1e6
+                    tx, worker=f"w-{key}", host="h", pid=1, lease_s=1e6
                 ),
             )
-            for key in ("c", "d"):
-                await ledger.admit(writer, dataclasses.replace(request(key), tokens=100))
-                seen.append([(w.tokens, w.since) for w in await ledger.store.rate_windows()])
-                clock.advance(60)
-        return seen
+            await ledger.admit(writer, dataclasses.replace(request(key), tokens=100))
 
-    assert asyncio.run(count_on()) == [[(130, None)], [(100, 0)]]
-    assert verify_cli(path)[0] == 0
+    asyncio.run(count_on("c"))
+    assert _windows(ledger_url) == [(1 + 1, 130, None)]
+    clock.advance(60)
+    asyncio.run(count_on("d"))
+    assert _windows(ledger_url) == [(1, 100, 0)]
+    assert verify_cli(ledger_url)[0] == 0
 
 
 def test_a_window_a_format_1_release_counted_verifies_across_an_archive_cut(
@@ -220,7 +252,7 @@ def test_a_window_a_format_1_release_counted_verifies_across_an_archive_cut(
     """An archive cut after migration 18 carries a window whose ``since`` is NULL without
     it, as an older release's checkpoint did: the live ledger and the archive verify."""
     path = tmp_path / "ledger.db"
-    writer, flying = _as_format_1_counted(path, monkeypatch)
+    writer, flying = _as_format_1_counted(str(path), monkeypatch, ManualClock(600_000.0 + 1))
 
     async def settle() -> None:
         async with Ledger.open(str(path), clock=ManualClock(start=600_000.0 + 3)) as ledger:
