@@ -142,3 +142,21 @@ async def test_a_settlement_in_the_next_minute_corrects_only_the_calls_the_windo
     assert fresh.minute == minute_of(into_a_minute.target)
     report = await verify_ledger(ledger)
     assert report.ok, report.problems
+
+
+async def test_a_limit_declared_with_nothing_in_flight_starts_a_window_that_reads_nothing(
+    ledger: Ledger, w1: Writer, ns: str, into_a_minute: LedgerTime
+) -> None:
+    """Declared while no call under the node is in flight, ``tpm`` starts an empty window
+    that records no position: no attempt reserved before it can settle after it, so its
+    settlements correct it without reading when their attempts were reserved."""
+    done = await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, done.call_id, 30)
+    await ledger.change_policy(ns, {"tpm": 1000})
+    started = await _window(ledger, ns)
+    assert (started.requests, started.tokens, started.since) == (0, 0, 0)
+    counted = await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, counted.call_id, 100)
+    await admit_ok(ledger, w1, req(ns, tokens=900))
+    await refused_429(ledger, w1, ns, tokens=1)
+    assert await _window(ledger, ns) == dataclasses.replace(started, requests=2, tokens=1000)

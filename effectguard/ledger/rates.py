@@ -56,22 +56,33 @@ def fold_rates(tx: Tx, event: Event, state: WorkState, now: float) -> None:
         for window in _windows(tx, limited):
             tx.put_window(ratelimit.admitted(window, now, event.tokens))
     elif isinstance(event, BudgetSettled) and event.tokens is not None:
-        limited = _limited(tx, event.budget)
-        reserved = _Reserved(tx, state.call_id)
-        for window in _windows(tx, limited):
-            fixed = ratelimit.corrected(
-                window, state.last_attempt_at, state.tokens, event.tokens, reserved
-            )
-            if fixed != window:
-                tx.put_window(fixed)
+        windows = _windows(tx, _limited(tx, event.budget))
+        if windows:
+            _correct(tx, windows, state, event.tokens)
+
+
+def _correct(tx: Tx, windows: list[ratelimit.RateWindow], state: WorkState, tokens: int) -> None:
+    """Replace the estimate of ``state``'s attempt with ``tokens`` in the windows that
+    counted it."""
+    reserved = _Reserved(tx, state.call_id)
+    for window in windows:
+        fixed = ratelimit.corrected(window, state.last_attempt_at, state.tokens, tokens, reserved)
+        if fixed != window:
+            tx.put_window(fixed)
 
 
 def fold_declared(tx: Tx, event: BudgetLimitSet, seq: int, now: float) -> None:
     """A declaration (event ``seq``) that gives its node ``rpm`` or ``tpm`` starts the
-    node's window afresh: run before the new policy is stored, to see the old one."""
+    node's window afresh: run before the new policy is stored, to see the old one.
+
+    Only a call in flight under the node now can settle later having been reserved
+    before the declaration, so with none the window records no position (``since`` 0):
+    its settlements then read nothing to tell the two apart.
+    """
     after = policy_of(event)
     if ratelimit.gains(tx.get_policies([event.path]).get(event.path), after):
-        tx.put_window(ratelimit.started(event.path, now, seq))
+        since = seq if tx.count_in_flight(event.path) else 0
+        tx.put_window(ratelimit.started(event.path, now, since))
 
 
 class _Reserved:

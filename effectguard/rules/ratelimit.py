@@ -15,10 +15,10 @@ admission transaction, so the count is exact across replicas.
 
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
-declaration's minute, and records where (``since``: the declaration's ledger position). An
-attempt admitted earlier in that minute, under no limit, was counted in no window, so its
-settlement corrects nothing: a settlement corrects a window only if the window counted
-its attempt (:func:`counts`).
+declaration's minute, and records where (``since``: the declaration's ledger position, if
+a call under the node was in flight then). An attempt admitted earlier in that minute,
+under no limit, was counted in no window, so its settlement corrects nothing: a
+settlement corrects a window only if the window counted its attempt (:func:`counts`).
 
 ``concurrency`` counts calls under the node that are in flight, read from the calls
 themselves in the same transaction (so a crashed worker's calls count until the sweeper
@@ -49,10 +49,11 @@ def minute_of(at: float) -> int:
 class RateWindow:
     """What one node admitted in one minute: attempts and tokens.
 
-    ``since`` is 0 when the window counts every attempt admitted in its minute; else the
-    ledger position (event ``seq``) of the declaration that started it mid-minute, before
-    which its minute's attempts were not counted. None: a window a release before writer
-    format 2 counted, which did not record it (read as 0, as that release did).
+    ``since`` is 0 when every attempt of its minute that can still settle was counted;
+    else the ledger position (event ``seq``) of the declaration that started it
+    mid-minute while calls were in flight, before which its minute's attempts were not
+    counted. None: a window a release before writer format 2 counted, which did not
+    record it (read as 0, as that release did).
     """
 
     path: str
@@ -139,10 +140,12 @@ def _limits(policy: BudgetPolicy) -> bool:
     return policy.rpm is not None or policy.tpm is not None
 
 
-def started(path: str, at: float, seq: int) -> RateWindow:
-    """The window of ``path`` once a declaration at ``at`` (ledger position ``seq``) gave
-    it rate limits: it counts nothing yet, and none of its minute's earlier attempts."""
-    return RateWindow(path, minute_of(at), since=seq)
+def started(path: str, at: float, since: int) -> RateWindow:
+    """The window of ``path`` once a declaration at ``at`` gave it rate limits: it counts
+    nothing yet, and none of its minute's earlier attempts. ``since`` is the declaration's
+    ledger position, or 0 when no call under ``path`` was in flight (none of the earlier
+    attempts can settle after it)."""
+    return RateWindow(path, minute_of(at), since=since)
 
 
 def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) -> bool:

@@ -8,8 +8,9 @@ ancestor, in the minute of the event; a reservation in a later minute starts the
 over; one in the minute before the window's (a clock stepped back) counts in the
 window's, and one further back starts the window over too. A ``budget.limit_set`` that
 gives a node ``rpm`` or ``tpm`` it had neither of starts its window afresh in the event's
-minute, recording the event's ``seq`` (``since``): the attempts of that minute reserved
-before it were counted in no window. A ``budget.settled`` that reports ``tokens``
+minute, recording the event's ``seq`` (``since``) if a call under the node is in flight
+then (0 if none): the attempts of that minute reserved before it were counted in no
+window. A ``budget.settled`` that reports ``tokens``
 replaces its attempt's estimate (the call's last reservation) with them, never below 0,
 in each window that counted that attempt: one that still counts the minute its attempt
 started in (the call's last ``attempt.started``) and, if a declaration started it in that
@@ -34,6 +35,8 @@ from typing import Any, NamedTuple
 from effectguard.ops.audit.budgets import NO_POLICY, Policy, lineage, policy_from
 
 _SECONDS = 60
+#: The events that end an attempt in flight (its call is no longer ``in_flight``).
+_LANDED = frozenset({"attempt.observed", "attempt.not_sent", "attempt.interrupted"})
 #: A reservation this many minutes before its window's minute still counts in it.
 _KEPT_BACK = 1
 
@@ -88,10 +91,10 @@ class _Fold:
                 continue  # reserved before the declaration that started this window
             self.windows[path] = window._replace(tokens=max(0, window.tokens + change))
 
-    def declare(self, path: str, minute: int, seq: int) -> None:
-        """A declaration at ``seq`` gave ``path`` rate limits."""
+    def declare(self, path: str, minute: int, since: int) -> None:
+        """A declaration gave ``path`` rate limits (``since``: its ``seq``, or 0)."""
         if self.declared:
-            self.windows[path] = RateRow(path, minute, 0, 0, seq)
+            self.windows[path] = RateRow(path, minute, 0, 0, since)
 
 
 class Rates:
@@ -112,6 +115,8 @@ class Rates:
         #: Each call's last reservation: its ``seq`` and its token estimate (what its
         #: settlement corrects).
         self.reserved: dict[str, tuple[int, int]] = {}
+        #: The budget of each call in flight (reserved, its attempt not yet ended).
+        self.flying: dict[str, str] = {}
         #: True after a cut whose checkpoint carried no windows: a window is known only
         #: once a reservation or declaration after the cut has started it anew.
         self.partial = False
@@ -136,9 +141,12 @@ class Rates:
         policies: Mapping[str, Policy],
     ) -> None:
         """Apply event ``seq`` of ``call`` (whose last attempt started at ``started_at``)."""
-        if kind == "budget.reserved":
+        if kind in _LANDED:
+            self.flying.pop(call, None)
+        elif kind == "budget.reserved":
             tokens = int(data.get("tokens", 0))
             self.reserved[call] = (seq, tokens)
+            self.flying[call] = str(data["budget"])
             paths = _limited(policies, str(data["budget"]))
             self.restarted.update(self._now.reserve(paths, minute_of(at), tokens))
             for fold in self._folds[1:]:
@@ -155,9 +163,12 @@ class Rates:
         """Apply ``budget.limit_set`` ``seq`` (before ``policies`` take it in)."""
         path = str(data["path"])
         if _rated(policy_from(data)) and not _rated(policies.get(path, NO_POLICY)):
+            # With no call in flight under it, no earlier attempt can settle after this.
+            under = path + "/"
+            busy = any(b == path or b.startswith(under) for b in self.flying.values())
             self.restarted.add(path)
             for fold in self._folds:
-                fold.declare(path, minute_of(at), seq)
+                fold.declare(path, minute_of(at), seq if busy else 0)
 
     def seed(self, windows: dict[str, RateRow]) -> None:
         """Start from the windows a checkpoint carried."""
