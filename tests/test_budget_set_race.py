@@ -159,19 +159,20 @@ class ArchivedByAnEarlierRelease:
         ]
 
 
-async def test_a_limit_whose_setter_an_old_archive_hid_is_replaced_with_a_warning(
+async def test_a_limit_whose_setter_an_old_archive_hid_is_kept_with_a_warning(
     ledger: Ledger, ns: str, w1: Writer
 ) -> None:
-    """On every store: where the last archive (made by an earlier release) does not say
-    who set a limit, serve applies the config's as it did, but no longer silently: the
-    warning gives the command that puts the old limit back."""
+    """On every store: where the last archive (made by a release before 2026-12-04) does
+    not say who set a limit, serve keeps the ledger's limit as an operator's and warns
+    with the command that takes the config's: the file never loosens a limit it cannot
+    tell was its own. A path the checkpoint has no policy for follows the file."""
     path = f"{ns}/team"
     await ledger.set_policy(BudgetPolicy(path, 1 * USD))
-    old = Ledger(
-        ArchivedByAnEarlierRelease(ledger.store, [[path, USD, "total", "UTC", None, None, None]])
-    )
-    warnings = await seed_limits(old, {path: 5 * USD, f"{ns}/new": USD}, w1)
-    assert (await ledger.policies())[path].limit == 5 * USD
+    policies = [[path, USD, "total", "UTC", None, None, None]]
+    old = Ledger(ArchivedByAnEarlierRelease(ledger.store, policies))
+    warnings = await seed_limits(old, {path: 100 * USD, f"{ns}/new": USD}, w1)
+    assert (await ledger.policies())[path].limit == 1 * USD
+    assert (await ledger.policies())[f"{ns}/new"].limit == USD
     assert len(warnings) == 1, warnings
-    assert "the ledger's last archive was made by an earlier release" in warnings[0]
-    assert f"`effectguard budget set {path} --limit 1.000000000`" in warnings[0]
+    assert "set before an archive made by a release that did not record who set it" in warnings[0]
+    assert f"`effectguard budget set {path} --limit 100.000000000`" in warnings[0]

@@ -13,14 +13,17 @@ import subprocess
 import sys
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from effectguard.config.precedence import operator_limits, plan_limits
+from effectguard.config.precedence import carried_limits, operator_limits, plan_limits
+from effectguard.ops.audit import checkpoint
 from effectguard.ops.audit.budgets import Budgets
+from effectguard.ops.audit.verifier import Verifier
 from effectguard.rules.events import StoredEvent
 from effectguard.testing import fake_provider, running_proxy
 
@@ -115,6 +118,35 @@ def test_the_verifier_folds_operator_limits_as_serve_reads_them(
     for e in events[cut:]:
         folded.feed(e.seq, e.kind, e.data, generation=e.generation)
     assert after == folded.operator_set == operator_limits(events)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]), st.sampled_from([None, 1, 2]), st.integers(0, 2)
+        ),
+        max_size=8,
+    ),
+    st.lists(st.sampled_from(["a", "b"]), unique=True),
+)
+def test_a_checkpoint_that_does_not_say_who_set_a_limit_is_read_alike(
+    changes: list[tuple[str, int | None, int]], declared: list[str]
+) -> None:
+    """A checkpoint written before 2026-12-04 has policies but no ``operator_limits``:
+    verify's fold (seeded from it, as the archive that follows it is) and serve's reading
+    of it agree, each counting every path with a policy as set by an operator."""
+    state: dict[str, Any] = {
+        "workers": [], "registered": [], "fenced": [], "top_generation": 0, "budgets": [],
+        "keys": [], "policies": [[p, 5, "total", "UTC", None, None, None] for p in declared],
+    }  # fmt: skip
+    folded = Verifier()
+    checkpoint.seed(folded, state, next_seq=10, prev_digest="0" * 64)
+    carried, at_cut = carried_limits(state)
+    assert folded.budgets.operator_set == carried == dict.fromkeys(declared, 0)
+    events = [limit_event(n + 10, p, v, generation=g) for n, (p, v, g) in enumerate(changes)]
+    for e in events:
+        folded.budgets.feed(e.seq, e.kind, e.data, generation=e.generation)
+    assert folded.budgets.operator_set == operator_limits(events, carried, at_cut)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

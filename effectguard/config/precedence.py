@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.events import StoredEvent
@@ -65,6 +66,21 @@ def operator_limits(
     return found
 
 
+def carried_limits(state: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, int | None]]:
+    """What an archive checkpoint's ``state`` says of limits, for :func:`operator_limits`:
+    the paths an operator had set, by event number, and each path's limit at the cut.
+
+    A checkpoint written before 2026-12-04 does not say who set a limit: each path with a
+    policy then counts as set by an operator (event number 0, "not recorded"), so the
+    config file never loosens a limit it cannot tell was its own. ``verify`` folds the
+    same rule (ops/audit/checkpoint.seed), so later checkpoints carry it on.
+    """
+    limits = {str(row[0]): row[1] for row in state.get("policies", [])}
+    if "operator_limits" in state:
+        return {str(path): int(seq) for path, seq in state["operator_limits"]}, limits
+    return dict.fromkeys(limits, 0), limits
+
+
 def _usd(limit: int | None) -> str:
     return "no limit" if limit is None else f"{nanos_to_usd(limit)} USD"
 
@@ -87,9 +103,14 @@ def plan_limits(
             continue
         if have != limit:
             seq = by_operator[path]
+            who = (
+                f"an operator set {_usd(have)} with `effectguard budget set` (ledger event {seq})"
+                if seq
+                else f"the ledger's limit, {_usd(have)}, was set before an archive made by a "
+                "release that did not record who set it, so it is kept as an operator's"
+            )
             plan.warnings.append(
-                f"budget {path!r}: the config's [budgets] says {_usd(limit)}, but an operator "
-                f"set {_usd(have)} with `effectguard budget set` (ledger event {seq}); "
+                f"budget {path!r}: the config's [budgets] says {_usd(limit)}, but {who}; "
                 f"the ledger's limit stays. To use the config's, run `effectguard budget set "
                 f"{path} --limit {nanos_to_usd(limit)}`; or remove {path!r} from [budgets]."
             )

@@ -17,9 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from effectguard.config.precedence import LimitPlan, operator_limits, overspent, plan_limits
+from effectguard.config.precedence import (
+    LimitPlan,
+    carried_limits,
+    operator_limits,
+    overspent,
+    plan_limits,
+)
 from effectguard.ledger import Ledger, Writer
-from effectguard.rules.money import nanos_to_usd
 
 log = logging.getLogger("effectguard.ingress.limitseed")
 
@@ -32,10 +37,9 @@ async def seed_limits(ledger: Ledger, configured: Mapping[str, int], writer: Wri
     """Write the config's limits the ledger should follow; returns the warnings given."""
     written: list[str] = []
     plan = LimitPlan()
-    unknown: dict[str, int | None] = {}
     for _ in range(PLANS):
         policies = await ledger.policies()
-        by_operator, unknown = await _operator_limits(ledger)
+        by_operator = await _operator_limits(ledger)
         current = {path: policy.limit for path, policy in policies.items()}
         plan = plan_limits(configured, current, by_operator)
         changed = [
@@ -53,8 +57,6 @@ async def seed_limits(ledger: Ledger, configured: Mapping[str, int], writer: Wri
         )
     warnings = list(plan.warnings)
     for path in dict.fromkeys(written):
-        if path in unknown and unknown[path] != configured[path]:
-            warnings.append(_unknown_setter(path, unknown[path], configured[path]))
         # The node alone, in its current period: a ledger with a node per run has
         # millions, and a start must not read them.
         (node,) = await ledger.budgets(under=path, depth=path.count("/") + 1)
@@ -65,30 +67,9 @@ async def seed_limits(ledger: Ledger, configured: Mapping[str, int], writer: Wri
     return warnings
 
 
-async def _operator_limits(ledger: Ledger) -> tuple[dict[str, int], dict[str, int | None]]:
+async def _operator_limits(ledger: Ledger) -> dict[str, int]:
     """The paths whose limit an operator set, by the event that set it: from the live
-    events and, for those an archive moved out, what its checkpoint says they held. And,
-    where that checkpoint was made by a release that did not carry it (before
-    2026-12-04), the limits of paths no live event set since: who set them is unknown."""
+    events and, for those an archive moved out, what its checkpoint says of them."""
     cuts = await ledger.store.checkpoint_events()
-    state = cuts[-1].data.get("state", {}) if cuts else {}
-    carried = {str(path): int(seq) for path, seq in state.get("operator_limits", [])}
-    limits = {str(row[0]): row[1] for row in state.get("policies", [])}
-    events = await ledger.store.limit_events()
-    unknown: dict[str, int | None] = {}
-    if cuts and "operator_limits" not in state:
-        since = {str(e.data["path"]) for e in events}
-        unknown = {path: limit for path, limit in limits.items() if path not in since}
-    return operator_limits(events, carried, limits), unknown
-
-
-def _unknown_setter(path: str, had: int | None, limit: int) -> str:
-    """The warning for a limit the config replaced whose setter an old archive hid."""
-    before = "no limit" if had is None else f"{nanos_to_usd(had)} USD"
-    return (
-        f"budget {path!r}: the config's [budgets] replaced its limit of {before} with "
-        f"{nanos_to_usd(limit)} USD; the ledger's last archive was made by an earlier "
-        "release, which did not record who set that limit. If an operator did, restore it "
-        f"with `effectguard budget set {path} "
-        f"{'--no-limit' if had is None else '--limit ' + nanos_to_usd(had)}`."
-    )
+    carried, limits = carried_limits(cuts[-1].data.get("state", {}) if cuts else {})
+    return operator_limits(await ledger.store.limit_events(), carried, limits)

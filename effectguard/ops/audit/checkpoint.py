@@ -62,7 +62,10 @@ def seed(v: Folded, state: dict[str, Any], *, next_seq: int, prev_digest: str) -
     v.budgets.nodes = {(str(p), str(per)): Node(r, s, h) for p, per, r, s, h in state["budgets"]}
     v.budgets.policies = {str(row[0]): _policy(row[1:]) for row in state["policies"]}
     v.keys.rows = {str(row[0]): _key(row) for row in state["keys"]}
-    v.budgets.operator_set = {str(p): int(seq) for p, seq in state.get("operator_limits", [])}
+    if "operator_limits" in state:
+        v.budgets.operator_set = {str(p): int(seq) for p, seq in state["operator_limits"]}
+    else:  # written before 2026-12-04, not saying who set a limit: each as an operator's (0)
+        v.budgets.operator_set = dict.fromkeys(v.budgets.policies, 0)
     if "rates" in state:
         v.rates.seed({str(row[0]): _window(row) for row in state["rates"]})
     else:  # a checkpoint written before windows were carried: they are unknown at the cut
