@@ -89,6 +89,18 @@ def test_stopped_proxy_is_taken_over_fenced_and_recovers(tmp_path: Path) -> None
         # The late result is refused, not recorded as success.
         assert late.status_code == 502, late.text
         assert late.json()["error"]["type"] == "observe_refused"
+        assert late.json()["error"]["stage"] == "effect_unknown"
+        # Its access line names the call's stage afterwards, as `show` does, not "refused".
+        (access,) = wait_for(
+            lambda: [
+                line.split()
+                for line in first.log().splitlines()
+                if "event=access" in line and f"call_id={call_id}" in line
+            ],
+            10,
+            "the stopped proxy's access line for the held call",
+        )
+        assert "stage=effect_unknown" in access and "outcome=fenced" in access, access
         kinds = [e["kind"] for e in ledger_events(ledger) if e["call"] == call_id]
         assert "attempt.observed" not in kinds and "call.completed" not in kinds
         assert kinds.index("attempt.interrupted") > kinds.index("attempt.started")

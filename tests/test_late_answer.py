@@ -134,6 +134,8 @@ async def test_late_answer_is_kept_without_changing_the_stage(fenced_call: Fence
     refusal = await late_refusal(fenced_call)
     assert refusal.status == 502 and refusal.type == "observe_refused"
     assert "kept as evidence" in refusal.message
+    # The refusal (and so the access line) names the stage the takeover left, as `show` does.
+    assert (refusal.stage, refusal.next_operation) == ("effect_unknown", "reconcile")
 
     events = await ledger.events(fenced_call.call_id)
     late = events[-1]

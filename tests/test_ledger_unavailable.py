@@ -172,6 +172,18 @@ def test_disk_full_refuses_admission_and_never_completes_an_unrecorded_call(
             assert answer.status_code == 502, answer.text
             assert answer.json()["error"]["type"] == "observe_failed"
             call_id = answer.headers["effectguard-call-id"]
+            # Its access line names no stage (the ledger could not record one), not "refused".
+            (access,) = wait_for(
+                lambda: [
+                    line.split()
+                    for line in (tmp_path / "a.log").read_text().splitlines()
+                    if "event=access" in line and f"call_id={call_id}" in line
+                ],
+                10,
+                "the access line of the unrecorded call",
+            )
+            assert "outcome=observe_failed" in access, access
+            assert not [word for word in access if word.startswith("stage=")], access
 
             # Admission fails while the disk is full.
             refused = httpx.post(

@@ -35,6 +35,7 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.guidance import decide_unknown
 from effectguard.rules.settlement import Answer, Settlement, settle
+from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.observer import NullObserver, Observer
 from effectguard.telemetry.report import CallReport
 
@@ -148,12 +149,15 @@ class Recorder:
         except FencedError as exc:
             self.observer.request_done(provider.name, model, "fenced")
             kept = await self._keep_late_answer(prepared, admitted, settled, body, str(exc))
+            now = await self._state_now(call_id)
             raise refuse(
                 502,
                 "observe_refused",
                 f"this worker was fenced; the result of call {call_id} was not recorded as "
                 f"its outcome: {exc}; {kept}",
                 call_id=call_id,
+                stage=None if now is None else now.stage,
+                next_operation=None if now is None else now.next_operation,
             ) from exc
         except LedgerError as exc:
             self.observer.request_done(provider.name, model, "observe_failed")
@@ -168,6 +172,14 @@ class Recorder:
             ) from exc
         finally:
             self.finish(call_id)
+
+    async def _state_now(self, call_id: str) -> WorkState | None:
+        """``call_id`` as the ledger holds it now (as a takeover left it), or None if the
+        ledger cannot say: the refusal of a late answer then names no stage."""
+        try:
+            return await self.ledger.store.get_call(call_id)
+        except LedgerError:
+            return None
 
     async def _keep_late_answer(
         self, prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes, why: str

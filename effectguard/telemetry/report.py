@@ -53,7 +53,11 @@ class CallReport:
         self.error = refusal.type
         self.message = refusal.message
         self.outcome = outcome_of(refusal)
-        self.stage = refusal.stage or self.stage or "refused"
+        # "refused" only for a request answered before anything was sent: a refusal about
+        # a call that was sent names the call's stage, or none when the ledger could not
+        # tell it (an observation it failed to record), never "refused".
+        refused = self.outcome == "refused"
+        self.stage = refusal.stage or self.stage or ("refused" if refused else "")
         self.call_id = refusal.call_id or self.call_id
 
     def close(self) -> bool:
