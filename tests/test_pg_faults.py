@@ -382,6 +382,13 @@ def test_a_table_locked_by_another_session_is_503_not_a_hang(
         client.close()
     assert locked.status_code == 503, locked.text
     assert locked.json()["error"]["type"] == "ledger_unavailable"
+    # The client is told what failed in one line, without PostgreSQL's quote of the SQL;
+    # the whole text is in the proxy's log.
+    message = locked.json()["error"]["message"]
+    assert message.endswith("canceling statement due to lock timeout"), message
+    assert "\n" not in message and "LINE" not in message and "SELECT" not in message
+    logged = [line for line in log_path.read_text().splitlines() if "event=ledger_failed" in line]
+    assert logged and "LINE 1:" in logged[0], logged
     assert after.status_code == 200, after.text
     assert len(provider.effects()) == 1  # only the call after the lock
     assert "ok" in _ledger(pg_url, "verify")

@@ -363,8 +363,8 @@ class Guard:
             if answered.response is not None:
                 return answered.response
             # Nothing reached the provider, and the call is not_sent: a retry is safe.
-            raise refuse(
-                503, "ledger_unavailable", str(exc), call_id=previous.call_id, retryable=True
+            raise ledger_unavailable(
+                exc, previous.call_id, "the next attempt could not be recorded; nothing was sent"
             ) from exc
 
     async def _ready(self, prepared: Prepared, admitted: Admitted, report: CallReport) -> Outbound:

@@ -18,6 +18,7 @@ import httpx
 
 from effectguard.callpath import bodies, opfields
 from effectguard.callpath.exchange import Outbound
+from effectguard.callpath.storefault import told
 from effectguard.callpath.wire import (
     IDEMPOTENCY_HEADER,
     RETRY_OF_HEADER,
@@ -116,7 +117,8 @@ def ledger_unavailable(exc: Exception, call_id: str | None = None, what: str = "
     """503 ``ledger_unavailable`` for a request that sent nothing because the ledger
     failed (docs/contract.md §9): ``x-should-retry: true``, a retry is safe."""
     what = what or "the ledger could not record this request, so it was not sent"
-    return refuse(503, "ledger_unavailable", f"{what}: {exc}", call_id=call_id, retryable=True)
+    message = f"{what}: {told(exc, call_id)}"
+    return refuse(503, "ledger_unavailable", message, call_id=call_id, retryable=True)
 
 
 def prepare(

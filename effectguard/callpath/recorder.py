@@ -21,6 +21,7 @@ from typing import Any
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.exchange import Headers
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse
+from effectguard.callpath.storefault import told
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer, attempts
@@ -167,7 +168,7 @@ class Recorder:
                 502,
                 "observe_failed",
                 f"the response to call {call_id} could not be recorded, so its effect is "
-                f"unknown ({exc}); {decide_unknown(call_id)}",
+                f"unknown ({told(exc, call_id)}); {decide_unknown(call_id)}",
                 call_id=call_id,
             ) from exc
         finally:
