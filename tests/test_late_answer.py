@@ -179,17 +179,13 @@ async def test_show_displays_and_reconcile_accepts_the_late_answer(fenced_call: 
     assert "late answer to attempt 1: status 200 (effect applied)" in text
     assert "--accept-evidence" in text
 
-    decided = await ajson(
-        "reconcile",
-        call_id,
-        "--accept-evidence",
-        "--note",
-        "seen",
-        "--by",
-        "ops",
-        "--ledger",
-        ledger,
-    )
+    # The command offered carries --attempt like the others, and runs as printed.
+    offered = shown["next_command"].split(" | ")[0]
+    assert offered.endswith("--accept-evidence [--note TEXT] --attempt 1"), offered
+    assert offered in text
+    run = shlex.split(offered.replace("[--note TEXT]", "--note seen"))
+    assert run[:2] == ["effectguard", "reconcile"]
+    decided = await ajson(*run[1:], "--by", "ops")
     assert decided["stage"] == "reconciled_applied"
     implied = Decimal(late["cost"]) / 10**9
     assert Decimal(decided["cost_usd"]) == implied

@@ -16,7 +16,7 @@ from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.bodytext import decode_body
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
-from effectguard.rules.guidance import next_command
+from effectguard.rules.guidance import accept_evidence_command, next_command
 
 __all__ = [
     "REQUEST_PREVIEW_CHARS",
@@ -152,7 +152,7 @@ def next_commands(state: WorkState, events: list[StoredEvent], where: str = "") 
     command = next_command(state.call_id, state.stage, state.attempts or None)
     late = evidence.latest(events, state.attempts)
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
-        accept = f"effectguard reconcile {state.call_id} --accept-evidence [--note TEXT]"
+        accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept
     if command is None or not where:
         return command

@@ -28,6 +28,12 @@ def reconcile_command(call_id: str, attempt: int | None = None) -> str:
     )
 
 
+def accept_evidence_command(call_id: str, attempt: int) -> str:
+    """The command that decides an effect-unknown call by the late answer to ``attempt``,
+    its last: refused, like :func:`reconcile_command`'s, once another attempt began."""
+    return f"effectguard reconcile {call_id} --accept-evidence [--note TEXT] --attempt {attempt}"
+
+
 def decide_unknown(call_id: str) -> str:
     """The advice a refusal of an effect-unknown call ends with."""
     return (
