@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import signal
 import socket
 import threading
@@ -311,6 +312,23 @@ def test_metrics_needs_a_metrics_key_once_proxy_keys_exist(
     assert "effectguard_budget" not in tenant.text
     assert ops.status_code == 200, ops.text
     assert "effectguard_requests_total" in ops.text
+
+
+def test_the_start_line_names_the_metrics_port_it_picked(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """``--metrics-port 0`` binds a free port, and the start line names it after the
+    proxy's own URL (which stays the line's first), so a scraper can be pointed there."""
+    with running_proxy(
+        tmp_path / "l.db", upstreams={"openai": provider.url}, args=["--metrics-port", "0"]
+    ) as proxy:
+        (line,) = [x for x in proxy.log().splitlines() if "effectguard listening on" in x]
+        assert line.split("listening on ", 1)[1].startswith(proxy.url + " "), line
+        found = re.search(r"; metrics at (http://127\.0\.0\.1:(\d+)/metrics)$", line)
+        assert found is not None and found.group(2) != "0", line
+        scraped = httpx.get(found.group(1))
+    assert scraped.status_code == 200
+    assert "effectguard_requests_total" in scraped.text
 
 
 def test_metrics_on_their_own_port_only(tmp_path: Path, provider: FakeProvider) -> None:

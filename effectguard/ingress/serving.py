@@ -80,7 +80,8 @@ def serve(
         raise
     routes = {s.getsockname()[1]: name for name, s in routed.items()}
     app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock, routes=routes)
-    server = _Server(_config(settings, app), _start_line(settings, sock, routed))
+    start_line = _start_line(settings, sock, routed, metrics_sock)
+    server = _Server(_config(settings, app), start_line)
 
     def on_signal() -> None:
         server.stop()
@@ -156,11 +157,16 @@ def _config(settings: ServeSettings, app: ProxyApp) -> uvicorn.Config:
 
 
 def _start_line(
-    settings: ServeSettings, sock: socket.socket, routed: dict[str, socket.socket]
+    settings: ServeSettings,
+    sock: socket.socket,
+    routed: dict[str, socket.socket],
+    metrics: socket.socket | None = None,
 ) -> str:
     line = f"effectguard listening on {_url(sock)} (ledger {shown_ledger(settings.ledger)})"
-    # After the ledger: tools read the proxy's URL as the first URL of this line.
-    return line + "".join(f"; {name} at {_url(s)}" for name, s in routed.items())
+    # After the ledger: tools read the proxy's URL as the first URL of this line. Each
+    # other listener by its bound address, so a port 0 is found out from here.
+    line += "".join(f"; {name} at {_url(s)}" for name, s in routed.items())
+    return line + (f"; metrics at {_url(metrics)}/metrics" if metrics is not None else "")
 
 
 def _url(sock: socket.socket) -> str:
