@@ -773,6 +773,20 @@ def test_migrate_says_what_it_applied(tmp_path: Path, capsys: pytest.CaptureFixt
     assert again.strip() == f"ledger {ledger}: up to date at migration {last}; nothing applied"
 
 
+def test_a_sqlite_url_is_printed_as_the_files_absolute_path(
+    traffic: Traffic, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``migrate --ledger sqlite:///rel.db`` names the file by its absolute path, as for a
+    plain relative path (contract §8), and so do the commands ``show`` offers."""
+    absolute = Path(traffic.ledger)
+    monkeypatch.chdir(absolute.parent)
+    url = f"sqlite:///{absolute.name}"
+    code, said, _ = run(capsys, "migrate", "--ledger", url)
+    assert code == 0 and said.startswith(f"ledger {absolute}: up to date"), said
+    shown = run_json(capsys, "show", traffic.unknown[0], "--ledger", url)
+    assert f" --ledger {absolute} " in shown["next_command"], shown["next_command"]
+
+
 def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
     """``effectguard calls --json | head -c 1``: the CLI stops quietly, exit 0, no traceback."""
     ledger = tmp_path / "l.db"

@@ -85,12 +85,14 @@ def open_store(url: str, *, clock: Callable[[], float] | None = None) -> LedgerS
 
 def shown_ledger(url: str) -> str:
     """The ledger as effectguard prints it (start line, commands it suggests, ``migrate``):
-    an absolute path, so a printed command works from any directory, or a URL without
-    its password."""
+    a SQLite file's absolute path (given as a path or a ``sqlite:///`` URL), so a printed
+    command works from any directory, or a URL without its password."""
     if url.startswith(("postgresql://", "postgres://")):
         from effectguard.ledger.pgschema import redacted
 
         return redacted(url)
+    if url.startswith("sqlite:///"):  # sqlite:///rel.db is relative to the working directory
+        return os.path.abspath(url.removeprefix("sqlite:///"))
     return url if "://" in url else os.path.abspath(url)
 
 
