@@ -14,6 +14,7 @@ Effects are counted only from the fake provider's receipt log.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,9 +260,16 @@ def test_auto_reconcile_killed_after_a_decision_resumes(tmp_path: Path) -> None:
         assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
         stages = sorted(c["stage"] for c in cli("calls", "--ledger", str(ledger)))
         assert stages == ["effect_unknown", "reconciled_applied"]
-        (result,) = cli(
-            "reconcile", "--auto", "--ledger", str(ledger), "--upstream", f"send_email={fake.url}"
-        )
-        assert result["result"] == "applied"
+        (left,) = cli("calls", "--ledger", str(ledger), "--state", "effect_unknown")
+        text = subprocess.run(
+            [sys.executable, "-m", "effectguard", "reconcile", "--auto", "--ledger", str(ledger),
+             "--upstream", f"send_email={fake.url}"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        # One line a call, with what the lookup answered: an operator sees why.
+        assert re.fullmatch(
+            rf"{left['call_id']}: applied \(lookup .+ answered 200: .+; evidence sha256:\w+\)\n",
+            text,
+        ), text
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
         assert len(fake.effects()) == 2

@@ -169,7 +169,8 @@ async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger, crash: Crash
     dirs = [Path(p) for p in args.providers or ()]
     providers = load_providers(dirs, upstreams(args), name_upstream=upstream_flag)
     results = await reconcile_auto(ledger, providers, crash=crash)
-    text = "\n".join(f"{r['call_id']}: {r['result']}" for r in results)
+    # The note says what the lookup answered and why it decides, or why it does not.
+    text = "\n".join(f"{r['call_id']}: {r['result']} ({r['note']})" for r in results)
     emit(args, results, text or "no effect-unknown calls with a lookup path")
     return EXIT_OK
 
