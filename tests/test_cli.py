@@ -868,3 +868,39 @@ def test_ctrl_c_while_the_ledger_is_locked_exits_130_and_changes_nothing(tmp_pat
     assert "ledger unavailable" not in err, err
     budgets = sqlite3.connect(ledger).execute("SELECT count(*) FROM budgets").fetchone()
     assert budgets == (0,)
+
+
+#: Runs the CLI as an install without the ``postgres`` extra would: no psycopg to import.
+WITHOUT_PSYCOPG = (
+    "import sys; sys.modules['psycopg'] = None\n"
+    "from effectguard.ops.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["calls"],
+        ["migrate"],
+        ["verify", "--archived"],
+        ["archive", "--before", "1d"],
+        ["serve", "--port", "0"],
+    ],
+    ids=lambda v: v[0] if v[0] != "verify" else "verify-archived",
+)
+def test_a_postgresql_ledger_without_its_driver_says_what_to_install(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    """``pip install effectguard`` has no PostgreSQL driver (it is the ``postgres`` extra):
+    a PostgreSQL ledger is then exit 2 naming the extra, not a ModuleNotFoundError
+    traceback from deep in the ledger (an upgrade probe met one on every command)."""
+    dsn = "postgresql://postgres@127.0.0.1:1/none?schema=nodriver"
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_PSYCOPG, *verb, "--ledger", dsn],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "needs the psycopg driver" in done.stderr
+    assert "pip install 'effectguard[postgres]'" in done.stderr

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-import psycopg
+from effectguard.ledger.pgdriver import psycopg
 
 log = logging.getLogger("effectguard.ledger")
 

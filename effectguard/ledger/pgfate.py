@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import psycopg
+from effectguard.ledger.pgdriver import psycopg
 
 _DIGEST_AT = (
     "SELECT digest FROM events WHERE seq = %s "

@@ -24,9 +24,8 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import psycopg
-
 from effectguard.errors import LedgerUnavailable
+from effectguard.ledger.pgdriver import psycopg
 from effectguard.ledger.pgschema import Target
 
 #: How long one read may wait for its answer: far above any read effectguard makes (the

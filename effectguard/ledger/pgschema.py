@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-import psycopg
-from psycopg import sql
-
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import versions, writerformat
+from effectguard.ledger.pgdriver import psycopg, sql
 
 log = logging.getLogger("effectguard.ledger")
 

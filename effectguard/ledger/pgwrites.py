@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
-
 from effectguard.ledger.base import WorkerRow
+from effectguard.ledger.pgdriver import psycopg
 from effectguard.ledger.queries import POSTGRES, Upsert
 from effectguard.ledger.rows import (
     node_params,

@@ -40,14 +40,12 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
-import psycopg
-from psycopg.pq import TransactionStatus
-
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import bodystore, endedsessions, operations, pgfate
 from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
 from effectguard.ledger.groupcommit import Fate, GroupCommitter
 from effectguard.ledger.pgdeadline import WriteDeadline
+from effectguard.ledger.pgdriver import TransactionStatus, psycopg
 from effectguard.ledger.pgkept import NODES, POLICIES, WINDOWS, Kept, node_keys
 from effectguard.ledger.pgreader import PgReader
 from effectguard.ledger.pgschema import (

@@ -38,10 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import psycopg
-
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.errors import LedgerCorrupt, LedgerUnavailable
+from effectguard.ledger.pgdriver import psycopg
 from effectguard.ledger.pgschema import (
     CLOCK_FUNCTION,
     IDLE_IN_TRANSACTION_MS,
