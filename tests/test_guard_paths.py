@@ -997,6 +997,22 @@ async def test_invalid_budget_header_is_refused_400(
     await finish(t)
 
 
+async def test_an_invalid_budget_is_not_echoed_whole(
+    make_transport: MakeTransport, finish: Finish
+) -> None:
+    """A 30,000-character budget header is refused 400 naming its start, not repeated
+    whole (the answer grew with the input, up to the header-size cap)."""
+    t = make_transport()
+    with respx.mock(base_url=OPENAI, assert_all_called=False) as mock:
+        route = mock.post("/v1/chat/completions").mock(return_value=ok())
+        client = httpx.AsyncClient(transport=t)
+        r = await post(client, headers={"Effectguard-Budget": "x" * 30_000})
+    assert r.status_code == 400 and error_of(r)["type"] == "invalid_budget"
+    assert f"invalid budget path '{'x' * 80}…'" in error_of(r)["message"]
+    assert len(r.content) < 1000 and route.call_count == 0
+    await finish(t)
+
+
 # -- pass-through ---------------------------------------------------------------
 
 
