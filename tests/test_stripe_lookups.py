@@ -81,6 +81,7 @@ class Stripe:
         **kwargs: Any,
     ) -> None:
         self.transport = make(ledger=ledger, upstreams={"stripe": url}, **kwargs)
+        self.ledger = ledger
         self.clock = clock
         self.url = url
         self.create = create
@@ -469,6 +470,13 @@ def older_release(tmp_path: Path) -> list[str]:
     return [str(folder)]
 
 
+async def left_unknown(stripe: Stripe, call_id: str) -> None:
+    """The sweeper decides nothing of ``call_id``, which stays ``effect_unknown``."""
+    assert await stripe.sweep() == []
+    assert await stripe.decisions(call_id) == []
+    assert (await stripe.ledger.call(call_id)).stage == "effect_unknown"
+
+
 @pytest.mark.parametrize("create", LATE)
 async def test_not_found_never_decides_a_create_an_older_release_sent(
     tmp_path: Path,
@@ -495,9 +503,7 @@ async def test_not_found_never_decides_a_create_an_older_release_sent(
 
         clock.advance(2 * DAY + HOUR)
         stripe = Stripe(make_transport, ledger, clock, fake.url, create)
-        assert await stripe.sweep() == []
-        assert await stripe.decisions(call_id) == []
-        assert (await ledger.call(call_id)).stage == "effect_unknown"
+        await left_unknown(stripe, call_id)
         refused = await stripe.pay("lost-3", 500)
         assert refused.status_code == 409, refused.text
         assert error_type(refused) == "effect_unknown"
@@ -533,9 +539,7 @@ async def test_not_found_never_decides_a_call_one_of_whose_attempts_carried_no_i
         assert await lose(new, "lost-4", 700) == call_id
         assert await carried(ledger, call_id) == [None, OP_ID_IN]
         clock.advance(600 + 2 * HOUR)
-        assert await new.sweep() == []
-        assert await new.decisions(call_id) == []
-        assert (await ledger.call(call_id)).stage == "effect_unknown"
+        await left_unknown(new, call_id)
         assert creates(fake, create) == []
         await finish(new.transport)
 
