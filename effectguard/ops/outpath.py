@@ -84,6 +84,8 @@ def hold_new(path: Path, *, busy: str) -> Held:
         taken = True
     if taken:
         os.close(fd)
+        if not os.path.lexists(path):  # removed, not taken: no other command is running
+            raise ConfigError(f"{path} was removed as this command created it: nothing was written")
         raise ConfigError(busy)
     return Held(path, fd)
 
