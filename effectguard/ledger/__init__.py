@@ -399,6 +399,7 @@ class Ledger:
         on: date | None = None,
         depth: int | None = None,
         under: str | None = None,
+        policied: bool = False,
     ) -> list[BudgetNode]:
         """Every budget node in one period, with its limit.
 
@@ -406,11 +407,27 @@ class Ledger:
         instant, ``on`` a local date (in each node's timezone) and ``period`` a label (only
         nodes whose period has labels of that form). ``depth`` keeps the nodes of paths
         with fewer than ``depth`` ``/`` (1: the roots), ``under`` the node at that path and
-        its descendants, each read as such from the store.
+        its descendants, each read as such from the store; ``policied`` only the nodes
+        that have a policy.
         """
+        declared = await self.policies()
+        return await self._view(declared, depth, under, policied, at=at, period=period, on=on)
+
+    async def _view(
+        self,
+        declared: Mapping[str, BudgetPolicy],
+        depth: int | None,
+        under: str | None,
+        policied: bool,
+        *,
+        at: float | None = None,
+        period: str | None = None,
+        on: date | None = None,
+    ) -> list[BudgetNode]:
+        """:meth:`budgets` given the policies, read once by a caller that needs them too."""
         policies = {
             p: v
-            for p, v in (await self.policies()).items()
+            for p, v in declared.items()
             if (depth is None or p.count("/") < depth) and (under is None or is_under(p, under))
         }
         # The period admission charges now, by the store's clock (on PostgreSQL the
@@ -418,7 +435,7 @@ class Ledger:
         when = await self.store.clock_now() if at is None else at
         # Only the periods the view shows: a node with a daily period gains a row a day.
         wanted = view_periods(policies, when, period, on)
-        counters = await self.store.budget_nodes(depth, wanted, under)
+        counters = await self.store.budget_nodes(depth, wanted, under, policied=policied)
         return budget_view(policies, counters, when, period, on)
 
     async def budget_tree(
@@ -432,16 +449,7 @@ class Ledger:
         naming budgets, ``limit`` are read, however many there are."""
         page, many = await self.store.policyless_page(depth, under, limit)
         declared = await self.policies()
-        policies = {
-            p: v
-            for p, v in declared.items()
-            if p.count("/") < depth and (under is None or is_under(p, under))
-        }
-        when = await self.store.clock_now()
-        wanted = view_periods(policies, when)
-        shown = budget_view(
-            policies, await self.store.budget_nodes(depth, wanted, under, policied=True), when
-        )
+        shown = await self._view(declared, depth, under, policied=True)
         seen = {n.path for n in shown}
         # A node given its first policy since the page was read is shown once.
         page = [n for n in page if n.path not in seen]
@@ -460,8 +468,4 @@ class Ledger:
         # Read first: a node given its first policy before the reads below is then
         # counted twice for one scrape (in ``_other``'s sum), never left out.
         policyless = await self.store.policyless(depth, limit)
-        policies = {p: v for p, v in (await self.policies()).items() if p.count("/") < depth}
-        when = await self.store.clock_now()
-        wanted = view_periods(policies, when)
-        counters = await self.store.budget_nodes(depth, wanted, policied=True)
-        return budget_view(policies, counters, when), policyless
+        return await self.budgets(depth=depth, policied=True), policyless

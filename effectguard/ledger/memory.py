@@ -29,7 +29,7 @@ from effectguard.ledger.rows import state_params
 from effectguard.rules import budget as budgets
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key, is_under
-from effectguard.rules.budgetview import Policyless
+from effectguard.rules.budgetview import Policyless, tree_order
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
 from effectguard.rules.keys import LedgerKey
 from effectguard.rules.periods import TOTAL
@@ -357,14 +357,22 @@ class MemoryStore:
             ]
         return sorted(nodes, key=lambda n: n.key)
 
-    async def policyless(self, depth: int, limit: int) -> Policyless:
+    def _policyless(self, depth: int, under: str | None = None) -> list[BudgetNode]:
+        """The counter rows of paths with no policy (period ``total``), as ``policyless``
+        and ``policyless_page`` read them."""
         with self.tables.lock:
             policies = self.tables.policies
-            nodes = [
+            return [
                 n
                 for n in self.tables.nodes.values()
-                if n.period == TOTAL and n.path.count("/") < depth and n.path not in policies
+                if n.period == TOTAL
+                and n.path not in policies
+                and n.path.count("/") < depth
+                and (under is None or is_under(n.path, under))
             ]
+
+    async def policyless(self, depth: int, limit: int) -> Policyless:
+        nodes = self._policyless(depth)
         total = BudgetNode(
             "",
             reserved=sum(n.reserved for n in nodes),
@@ -377,17 +385,7 @@ class MemoryStore:
     async def policyless_page(
         self, depth: int, under: str | None, limit: int
     ) -> tuple[list[BudgetNode], int]:
-        with self.tables.lock:
-            policies = self.tables.policies
-            nodes = [
-                n
-                for n in self.tables.nodes.values()
-                if n.period == TOTAL
-                and n.path not in policies
-                and n.path.count("/") < depth
-                and (under is None or is_under(n.path, under))
-            ]
-        nodes.sort(key=lambda n: n.path.split("/"))
+        nodes = sorted(self._policyless(depth, under), key=tree_order)
         return nodes[:limit], len(nodes)
 
     async def budget_rows(self, paths: Collection[str]) -> list[BudgetNode]:

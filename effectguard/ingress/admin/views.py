@@ -26,6 +26,7 @@ from effectguard.ingress.admin.markup import (
 from effectguard.ingress.admin.spend import SpendTable
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.budgetview import tree_order
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
@@ -281,7 +282,7 @@ def budget_tree(
         empty = "No budget has been used yet." if under is None else "No budget node here."
         return f'{head}<p class="empty">{esc(empty)}</p>'
     base = 0 if under is None else under.count("/")
-    ordered = sorted(nodes, key=lambda n: n.path.split("/"))[:BUDGET_ROWS]
+    ordered = sorted(nodes, key=tree_order)[:BUDGET_ROWS]
     rows = [_budget_row(n, policies.get(n.path), base, n.path != under) for n in ordered]
     note = (
         '<p class="muted">A call is charged to its budget and every ancestor; use counts '
