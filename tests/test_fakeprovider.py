@@ -490,3 +490,13 @@ def test_the_contract_names_every_receipt_field(shared: FakeProvider) -> None:
     ).is_success
     (receipt,) = shared.receipts()[before:]
     assert set(receipt) == named, set(receipt) ^ named
+
+
+def test_receipts_leave_out_a_line_still_being_written(provider: FakeProvider) -> None:
+    """A reader can see the first part of a line the provider is appending (a write
+    crossing a page boundary lands a page at a time): that line is not a receipt yet."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(provider.url + CHAT, json=body, timeout=10).status_code == 200
+    with provider.receipts_path.open("a") as log:
+        log.write('{"seq": 2, "ta')  # what a concurrent reader saw in CI
+    assert [r["seq"] for r in provider.receipts()] == [1]

@@ -13,7 +13,6 @@ counts the effects that actually reached the provider::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -24,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from effectguard.testing.receiptfile import read_receipts
 
 __all__ = [
     "FakeProvider",
@@ -62,11 +63,7 @@ class FakeProvider:
 
     def receipts(self) -> list[dict[str, Any]]:
         """Every receipt line so far: one per POST the provider received, in order."""
-        try:
-            text = self.receipts_path.read_text()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in text.splitlines() if line]
+        return read_receipts(self.receipts_path)
 
     def effects(self) -> list[dict[str, Any]]:
         """The receipts that were not answered from the provider's dedup store.

@@ -13,7 +13,6 @@ answer is sent, so a receipt is proof the effect happened.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 
 from effectguard.testing import free_port
+from effectguard.testing.receiptfile import read_receipts
 
 HERE = Path(__file__).parent
 
@@ -40,10 +40,7 @@ class RunningFake:
 
     def effects(self) -> list[dict[str, Any]]:
         """Every effect the tool made, from its own receipt log."""
-        if not self.receipts.exists():
-            return []
-        lines = self.receipts.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        return read_receipts(self.receipts)
 
 
 @contextmanager

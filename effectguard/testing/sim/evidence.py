@@ -8,7 +8,6 @@ as its own process.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -18,9 +17,10 @@ from typing import Any
 from effectguard.ledger import Ledger
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import WorkState
+from effectguard.testing.receiptfile import read_receipts
 from effectguard.testing.sim.clients import Answer
 
-__all__ = ["Evidence", "collect", "read_receipts", "run_verify"]
+__all__ = ["Evidence", "collect", "run_verify"]
 
 _PAGE = 5000
 
@@ -38,21 +38,6 @@ class Evidence:
     #: Replicas still running after the schedule that never answered ``/healthz`` 200
     #: by themselves (:func:`effectguard.testing.sim.runner.quiesce`).
     unrecovered: list[int] = field(default_factory=list)
-
-
-def read_receipts(path: Path) -> list[dict[str, Any]]:
-    """The fake provider's receipt lines (a torn last line, from a kill, is skipped)."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def run_verify(ledger: str) -> tuple[int, str]:
