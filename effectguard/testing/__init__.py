@@ -154,11 +154,17 @@ class Proxy:
     log_path: Path
 
     def log(self) -> str:
-        """Everything the proxy printed (stdout and stderr)."""
+        """Everything the proxy printed (stdout and stderr), up to its last finished line.
+
+        A line still being written is left out, as in a receipt log
+        (:func:`~effectguard.testing.receiptfile.read_receipts`): a reader may see its
+        first part alone.
+        """
         try:
-            return self.log_path.read_text(errors="replace")
+            text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+        return text[: text.rfind("\n") + 1]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` (default SIGKILL: no cleanup)."""
