@@ -342,6 +342,11 @@ def test_upstream_errors(upstreams: dict[str, str], message: str) -> None:
         ),
         (
             'effect = "billable"',
+            'effect = "billable"\nunits = { fields = ["To"], items = 5 }',
+            "endpoints[0].units.items",
+        ),
+        (
+            'effect = "billable"',
             'effect = "read_only"\nunits = { fields = ["To"] }',
             "endpoints[0].units",
         ),

@@ -232,3 +232,44 @@ def test_a_postmark_email_is_charged_per_recipient(tmp_path: Path) -> None:
     assert (call["reserved_usd"], call["cost_usd"]) == ("0.003600000", "0.003600000")
     (node,) = [b for b in _cli("budgets", "--ledger", str(ledger)) if b["path"] == "mail"]
     assert node["spent_usd"] == "0.003600000"
+
+
+@pytest.mark.slow
+def test_every_postmark_send_is_charged_per_recipient(tmp_path: Path) -> None:
+    """However a Postmark send names its recipients, each is reserved before anything is
+    sent: ``to`` in another case, a template send, and a batch of template sends (each
+    message's recipients). Each was priced as one email, so a budget with room for three
+    emails admitted five, or 500 messages at once."""
+    ledger = tmp_path / "ledger.db"
+    subprocess.run([sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    _cli("budget", "set", "mail", "--limit", "0.0054", "--ledger", str(ledger))  # three emails
+    five = "b@example.com, c@example.com, d@example.com, e@example.com, f@example.com"
+    template = {"From": "a@example.com", "TemplateAlias": "welcome", "TemplateModel": {}}
+    over = [
+        ("/email", {"From": "a@example.com", "to": five}),
+        ("/email", {"From": "a@example.com", "To": "b@example.com", "BCC": five}),
+        ("/email/withTemplate", {**template, "To": five}),
+        (
+            "/email/batchWithTemplates",
+            {"Messages": [{**template, "To": "b@example.com, c@example.com"}] * 2},
+        ),
+    ]
+    with (
+        running_fake("email_like", tmp_path / "email.jsonl") as email,
+        running_proxy(ledger, upstreams={"postmark": email.url}) as p,
+    ):
+        headers = {"X-Postmark-Server-Token": "pm", "Effectguard-Budget": "mail"}
+        for path, body in over:
+            refused = httpx.post(p.url + "/postmark" + path, json=body, headers=headers)
+            assert refused.status_code == 402, (path, body, refused.text)
+        odd = {"Messages": {"To": "b@example.com"}}
+        bad = httpx.post(p.url + "/postmark/email/batchWithTemplates", json=odd, headers=headers)
+        assert bad.status_code == 400, bad.text
+        assert email.effects() == []
+        two = {**template, "To": "b@example.com", "cc": "c@example.com"}
+        sent = httpx.post(p.url + "/postmark/email/withTemplate", json=two, headers=headers)
+        assert sent.status_code == 200, sent.text
+        assert len(email.effects()) == 1
+    (call,) = [c for c in _cli("calls", "--ledger", str(ledger)) if c["stage"] == "completed"]
+    assert (call["reserved_usd"], call["cost_usd"]) == ("0.003600000", "0.003600000")

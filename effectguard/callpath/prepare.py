@@ -31,6 +31,7 @@ from effectguard.providers import Endpoint, Provider
 from effectguard.providers.endpoints import Units
 from effectguard.rules import budget as budgets
 from effectguard.rules import jsonkeys, nesting, paths, percall, strictjson
+from effectguard.rules import units as unitrules
 from effectguard.rules import usage as usages
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING
@@ -375,22 +376,17 @@ def _model_and_price(
 
 def _per_unit(price: ModelPrice, units: Units, parsed: dict[str, Any], kind: str) -> ModelPrice:
     """``price`` for as many units as the request names (an email's recipients): the
-    provider bills each, so one call is charged and reserved for all of them. An entry is
-    counted wherever the separator splits, so a display name holding one ("Doe, Jo"
-    <jo@example.com>) counts twice: too much, never too little."""
+    provider bills each, so one call is charged and reserved for all of them
+    (:mod:`effectguard.rules.units` counts too many rather than too few)."""
     if kind != "json":
         raise refuse(400, "invalid_request", "this endpoint's body must be a JSON object")
     if price.per_call is None:
         return price  # priced by tokens: there is no per-call price to multiply
-    count = 0
-    for name in units.fields:
-        value = parsed.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise refuse(400, "invalid_request", f"{name} must be a string", param=name)
-        count += sum(1 for entry in value.split(units.separator) if entry.strip())
-    return dataclasses.replace(price, per_call=price.per_call * max(1, count))
+    try:
+        count = unitrules.count_units(parsed, units.fields, units.separator, units.items)
+    except unitrules.BadUnits as e:
+        raise refuse(400, "invalid_request", str(e), param=e.param) from None
+    return dataclasses.replace(price, per_call=price.per_call * count)
 
 
 def _scope_headers(request: Outbound, endpoint: Endpoint) -> dict[str, str]:

@@ -162,6 +162,9 @@ class Units:
 
     fields: tuple[str, ...]
     separator: str = ","
+    #: A top-level list of messages, each naming its own ``fields``, where one request
+    #: sends many (Postmark's ``/email/batchWithTemplates``): every message counts.
+    items: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +253,11 @@ def parse_endpoint(
 
 
 def _units(value: object, where: str, fail: Fail) -> Units | None:
-    """``units = { fields = ["To", "Cc"], separator = "," }``."""
+    """``units = { fields = ["To", "Cc"], separator = ",", items = "Messages" }``."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) - {"fields", "separator"}:
-        raise fail(where, "must be a table of fields (and separator)")
+    if not isinstance(value, dict) or set(value) - {"fields", "separator", "items"}:
+        raise fail(where, "must be a table of fields (and separator, items)")
     fields = value.get("fields")
     if (
         not isinstance(fields, list)
@@ -265,7 +268,10 @@ def _units(value: object, where: str, fail: Fail) -> Units | None:
     separator = value.get("separator", ",")
     if not isinstance(separator, str) or not separator:
         raise fail(f"{where}.separator", "must be a non-empty string")
-    return Units(tuple(fields), separator)
+    items = value.get("items")
+    if items is not None and (not isinstance(items, str) or not items):
+        raise fail(f"{where}.items", "must be a JSON field name")
+    return Units(tuple(fields), separator, items)
 
 
 def _per_call(value: object, where: str, fail: Fail) -> int | None:

@@ -1,4 +1,5 @@
-"""A Postmark-like fake: ``POST /email`` and ``GET /messages/outbound``, as
+"""A Postmark-like fake: ``POST /email`` (and ``/email/withTemplate``, sent alike) and
+``GET /messages/outbound``, as
 https://postmarkapp.com/developer/api/email-api and the custom metadata FAQ describe them
 (read 2026-12-01).
 
@@ -76,6 +77,8 @@ async def outbound(request: web.Request) -> web.Response:
 def main() -> None:
     app = web.Application()
     app.router.add_post("/email", send)
+    # One message from a template: sent as /email is (the template is not rendered here).
+    app.router.add_post("/email/withTemplate", send)
     app.router.add_get("/messages/outbound", outbound)
     serve(app)
 
