@@ -191,7 +191,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             done.set_result(None)
 
     async def _handle(self, guard: Guard, request: httpx.Request) -> httpx.Response:
-        target = str(request.url.copy_with(query=None, fragment=None))
+        target = _routing_url(request.url)
         provider = provider_for(guard.providers.values(), request.method, target)
         if provider is None:
             if self.refuse_unmatched:
@@ -370,3 +370,17 @@ class GuardTransport(httpx.BaseTransport):
         with the first of them); a close made meanwhile, from another thread, waits for
         it and returns, and a later one returns at once."""
         self._portal.close(self._async.aclose())
+
+
+def _routing_url(url: httpx.URL) -> str:
+    """``url`` as it is matched against the declared base URLs: without its query, and
+    without what names the same host another way. Credentials in the URL
+    (``https://sk_test_...:@api.stripe.com``: httpx sends them as Basic auth, the way
+    Stripe takes its key) and the root's trailing dot (``api.stripe.com.``, the same
+    host to DNS) made a request for a declared provider match none, and pass on
+    unguarded: no manifest, no reservation, no deduplication. (httpx has already
+    lowered the host's case and dropped a default port.)"""
+    host = url.host
+    if host.endswith(".") and host.strip("."):
+        host = host.rstrip(".")
+    return str(url.copy_with(userinfo=b"", host=host, query=None, fragment=None))

@@ -39,6 +39,7 @@ Usage: ``python stripe_like.py RECEIPTS PORT LAG_S``.
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from typing import Any
@@ -97,7 +98,15 @@ def account(request: web.Request) -> str:
 
 
 def authorized(request: web.Request) -> bool:
-    return request.headers.get("Authorization", "").startswith("Bearer sk_")
+    """A secret key as a bearer token, or as the HTTP Basic user name with no password
+    (https://docs.stripe.com/api/authentication: both are accepted)."""
+    given = request.headers.get("Authorization", "")
+    if given.startswith("Basic "):
+        try:
+            given = "Bearer " + base64.b64decode(given[6:], validate=True).decode()
+        except ValueError:
+            return False
+    return given.startswith("Bearer sk_")
 
 
 async def create(request: web.Request) -> web.Response:
