@@ -3,7 +3,8 @@ aiohttp app run as its own process, with an fsync'd receipt log of the effects i
 
 * :mod:`stripe_like`: deduplicates on ``Idempotency-Key`` (the first result saved, 500s
   included), a metadata search that lags, Stripe's error shape.
-* :mod:`email_like`: Postmark-like ``/email``, no dedup, a metadata search that lags.
+* :mod:`email_like`: Postmark-like ``/email`` (and ``/email/withTemplate``), no dedup, a
+  metadata search that lags.
 * :mod:`chat_like`: GitHub-like issue comments, no dedup and no search.
 
 Each effect is one receipt line ``{"seq", "ts", "path", "op", "body_sha256", "id"}``
