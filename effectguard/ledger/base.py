@@ -384,6 +384,11 @@ class LedgerStore(Protocol):
         """Every registered worker."""
         ...
 
+    async def live_workers(self) -> list[WorkerRow]:
+        """The workers not fenced: what a sweep reads (the table keeps every worker ever
+        registered, one per process start, so reading it whole grows without end)."""
+        ...
+
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key row (revoked and expired ones too), by name."""
         ...

@@ -409,6 +409,10 @@ class MemoryStore:
         with self.tables.lock:
             return list(self.tables.workers.values())
 
+    async def live_workers(self) -> list[WorkerRow]:
+        with self.tables.lock:
+            return [w for w in self.tables.workers.values() if not w.fenced]
+
     async def keys(self) -> list[LedgerKey]:
         with self.tables.lock:
             return sorted(self.tables.keys.values(), key=lambda k: k.name)

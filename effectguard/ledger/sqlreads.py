@@ -217,6 +217,10 @@ class SqlReads(ABC):
         """Every registered worker."""
         return [worker_from_row(r) for r in await self._fetch(self.queries.all_workers)]
 
+    async def live_workers(self) -> list[WorkerRow]:
+        """The workers not fenced (the index ``workers_live``)."""
+        return [worker_from_row(r) for r in await self._fetch(self.queries.live_workers)]
+
     async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
         """``(provider, stage, count, held, oldest)`` for unresolved stages, for metrics
         and the operator page."""
