@@ -23,9 +23,11 @@ class Index:
     lag_s: float
     rows: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
 
-    def add(self, op: str | None, obj: dict[str, Any]) -> None:
+    def add(self, op: str | None, obj: dict[str, Any], at: float) -> None:
+        """Index ``obj`` as made at ``at``: its receipt's ``ts``, so a test that waits
+        ``lag_s`` past the receipt finds it (the fsync in between can take a while)."""
         if op is not None:
-            self.rows.append((time.time(), op, obj))
+            self.rows.append((at, op, obj))
 
     def find(self, op: str) -> list[dict[str, Any]]:
         now = time.time()
@@ -39,8 +41,8 @@ class Tool:
         self.log = ReceiptLog(receipts)
         self.index = Index(lag_s)
 
-    async def effect(self, path: str, op: str | None, body: bytes, obj_id: str) -> None:
-        """Record one effect; returns once its receipt is on disk."""
+    async def effect(self, path: str, op: str | None, body: bytes, obj_id: str) -> float:
+        """Record one effect; returns, once its receipt is on disk, the receipt's ``ts``."""
         seq = self.log.next_seq()
         record = {
             "seq": seq,
@@ -51,6 +53,7 @@ class Tool:
             "id": obj_id,
         }
         await self.log.append(seq, record)
+        return float(record["ts"])
 
 
 async def delay(request: web.Request) -> None:

@@ -48,10 +48,10 @@ async def send(request: web.Request) -> web.Response:
     metadata = message.get("Metadata") or {}
     op = metadata.get("effectguard_op") if isinstance(metadata, dict) else None
     message_id = str(uuid.uuid4())
-    await TOOL.effect(request.path, op, body, message_id)
+    at = await TOOL.effect(request.path, op, body, message_id)
     submitted = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     TOOL.index.add(op, {"MessageID": message_id, "To": message["To"], "Metadata": metadata,
-                        "Status": "Sent", "ReceivedAt": submitted})  # fmt: skip
+                        "Status": "Sent", "ReceivedAt": submitted}, at)  # fmt: skip
     return web.json_response(
         {
             "To": message["To"],

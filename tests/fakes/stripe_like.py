@@ -158,9 +158,9 @@ async def _apply(request: web.Request, body: bytes, fields: dict[str, Any]) -> t
     op = metadata.get("effectguard_op") if isinstance(metadata, dict) else None
     obj = {"id": prefix + uuid.uuid4().hex[:24], "object": kind, **_shape(kind, fields)}
     obj["metadata"] = metadata
-    await TOOL.effect(request.path, op, body, obj["id"])
+    at = await TOOL.effect(request.path, op, body, obj["id"])
     if kind in SEARCHABLE.values() and op is not None:
-        TOOL.index.add(f"{kind}/{account(request)}/{op}", obj)
+        TOOL.index.add(f"{kind}/{account(request)}/{op}", obj, at)
     if request.headers.get("x-fake-status") == "500":
         return 500, {"error": {"type": "api_error", "message": "An unknown error occurred."}}
     return 200, obj
