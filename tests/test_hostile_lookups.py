@@ -423,7 +423,7 @@ def test_the_older_lookup_reads_only_true_or_false(body: bytes, verdict: str) ->
         age_s=60,
         results=lookup.results,
         op="key-1",
-        op_sent=True,
+        blind=None,
     )
     assert reading.verdict == verdict, reading.why
 

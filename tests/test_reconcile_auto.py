@@ -174,6 +174,48 @@ def test_auto_reconcile_records_each_providers_answer(tmp_path: Path) -> None:
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
 
 
+def test_auto_reconcile_asked_elsewhere_or_in_another_account_decides_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--auto runs in its own process, with its own --upstream and keys. A lookup asked
+    where the call was not sent (another upstream than serve's) or with another credential
+    than it carried (another account) finds nothing whether it happened or not: its "not
+    found" leaves the call unknown, the note saying why. Asked where and as it was sent,
+    the same lookup decides it."""
+    ledger = tmp_path / "ledger.db"
+    monkeypatch.delenv("SEND_EMAIL_API_KEY", raising=False)
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        fake_provider(tmp_path / "elsewhere.jsonl", idempotent=True) as elsewhere,
+    ):
+        crash(ledger, fake, "after:admit", SEND, email("never@x"))  # sent with no key
+        restart_without_lookups(ledger)
+        (call,) = cli("calls", "--ledger", str(ledger), "--state", "effect_unknown")
+
+        def auto(upstream: str) -> list[dict[str, Any]]:
+            args = ("--ledger", str(ledger), "--upstream", f"send_email={upstream}")
+            return cli("reconcile", "--auto", *args)  # type: ignore[no-any-return]
+
+        (asked,) = auto(elsewhere.url)
+        assert asked["result"] == "unknown", asked
+        assert f"this lookup asks {elsewhere.url}" in asked["note"], asked
+        assert f"sent to: {fake.url}" in asked["note"], asked
+        monkeypatch.setenv("SEND_EMAIL_API_KEY", "another-accounts-key")
+        (asked,) = auto(fake.url)
+        assert asked["result"] == "unknown", asked
+        assert "another credential" in asked["note"], asked
+        assert cli("show", call["call_id"], "--ledger", str(ledger))["stage"] == "effect_unknown"
+
+        monkeypatch.delenv("SEND_EMAIL_API_KEY")
+        (asked,) = auto(fake.url)
+        assert asked["result"] == "not_applied", asked
+        shown = cli("show", call["call_id"], "--ledger", str(ledger))
+        assert shown["stage"] == "reconciled_not_applied"
+        assert [a["sent_to"] for a in shown["attempts_detail"]] == [fake.url]
+        assert fake.effects() == elsewhere.effects() == []
+        assert cli("verify", "--ledger", str(ledger))["ok"] is True
+
+
 @pytest.mark.parametrize("point", ["after:admit", "after:dispatch", "after:upstream-response"])
 def test_idempotent_provider_resend_inside_window_has_one_effect(
     tmp_path: Path, point: str

@@ -40,9 +40,11 @@ from effectguard.ledger import (
 )
 from effectguard.ledger.base import CallSpend, SpendSums, Tx, sum_spend
 from effectguard.ops.verify import verify_ledger
+from effectguard.rules.admission import Sending
 from effectguard.rules.bodyref import CHUNK_BYTES, REF_ENCODING, SpooledBody
 from effectguard.rules.bodytext import decode_body
 from effectguard.rules.budget import BudgetNode, is_under
+from effectguard.rules.digest import credential_digest
 from effectguard.rules.events import (
     GENESIS_DIGEST,
     AttemptNotSent,
@@ -259,17 +261,18 @@ async def test_admit_writes_manifest_reservation_and_attempt(
 
 #: Where the bundled Stripe creates write their operation id (OpIdPlacement.label).
 OP_ID_IN = "form metadata[effectguard_op]"
+#: How such a create goes out: its op id's place, where it is sent, its key's digest.
+SENT = Sending(OP_ID_IN, "https://api.stripe.com", credential_digest("Bearer sk_test_x"))
 #: The data keys of every attempt.started written before op_id_in was kept.
 STARTED_KEYS = {"at", "attempt", "call", "generation", "provider_idempotency_key", "worker"}
 
 
-async def test_an_attempt_records_where_it_wrote_the_operation_id(
-    ledger: Ledger, w1: Writer, ns: str
-) -> None:
-    """Where an attempt wrote the call's operation id (``op_id_in``: the admission's and an
-    automatic retry's alike) round-trips on every store: read by call and in order, typed,
+async def test_an_attempt_records_how_it_went_out(ledger: Ledger, w1: Writer, ns: str) -> None:
+    """Where an attempt wrote the call's operation id, where it was sent and its
+    credential's digest (``op_id_in``, ``sent_to``, ``key_digest``: the admission's and an
+    automatic retry's alike) round-trip on every store: read by call and in order, typed,
     and covered by its digest."""
-    admitted = await admit_ok(ledger, w1, req(ns, key="k1", op_id_in=OP_ID_IN))
+    admitted = await admit_ok(ledger, w1, req(ns, key="k1", sending=SENT))
     call_id = admitted.call_id
     not_sent = [
         AttemptNotSent(call=call_id, attempt=1, reason="connect error"),
@@ -277,7 +280,7 @@ async def test_an_attempt_records_where_it_wrote_the_operation_id(
     ]
     await ledger.record(w1, call_id, 1, not_sent)
     retried = await ledger.store.write(
-        w1, lambda tx: attempts.start_attempt(tx, w1, call_id, R, None, OP_ID_IN)
+        w1, lambda tx: attempts.start_attempt(tx, w1, call_id, R, None, SENT)
     )
     assert (retried.action, retried.attempt) == ("attempt", 2)
     by_call = [e for e in await ledger.events(call_id) if e.kind == "attempt.started"]
@@ -294,6 +297,8 @@ async def test_an_attempt_records_where_it_wrote_the_operation_id(
             "provider_idempotency_key": None,
             "at": started.data["at"],
             "op_id_in": OP_ID_IN,
+            "sent_to": SENT.sent_to,
+            "key_digest": SENT.key_digest,
         }
         assert started.event == AttemptStarted(
             call=call_id,
@@ -302,6 +307,8 @@ async def test_an_attempt_records_where_it_wrote_the_operation_id(
             generation=w1.generation,
             at=started.data["at"],
             op_id_in=OP_ID_IN,
+            sent_to=SENT.sent_to,
+            key_digest=SENT.key_digest,
         )
         assert started.event.to_data() == started.data
         assert started.digest == stored_digest(started)
@@ -328,7 +335,7 @@ async def test_an_attempt_without_an_operation_id_is_stored_as_before(
         at=started.at,
         prev_digest=started.prev_digest,
     )
-    assert started.event.op_id_in is None
+    assert started.event.op_id_in is started.event.sent_to is started.event.key_digest is None
     assert started.event.to_data() == started.data
 
 

@@ -701,6 +701,33 @@ async def test_a_decisions_kept_result_that_cannot_be_replayed_is_named(
     assert any(problem in p for p in report.problems), report.problems
 
 
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        ({"sent_to": ""}, "attempt.started records sent_to ''"),
+        ({"op_id_in": None}, "attempt.started records op_id_in None"),
+        ({"key_digest": "00" * 8}, "records key_digest without sent_to"),
+        ({"sent_to": "https://x", "key_digest": "Bearer sk"}, "not 16 hex digits"),
+    ],
+)
+async def test_an_attempts_record_of_how_it_went_out_is_checked(
+    built: Built, edit: dict[str, Any], problem: str
+) -> None:
+    """Where an attempt wrote its op id, where it was sent and its credential's digest are
+    absent where not recorded, never empty or null, and the digest is a digest beside the
+    place it was sent (resealed chain: only the verifier's own check can tell)."""
+
+    def forge(rows: list[Row]) -> list[Row]:
+        for row in rows:
+            if row.kind == "attempt.started" and row.call_id == built.completed:
+                row.data = {**row.data, **edit}
+        return rows
+
+    reseal(built.path, forge)
+    report = await verify(built.path)
+    assert any(problem in p for p in report.problems), report.problems
+
+
 @pytest.mark.parametrize("fencing", ["taken_over", "re-registered"])
 async def test_event_by_a_fenced_generation_is_named(built: Built, fencing: str) -> None:
     """A new call written by w1's generation after it was taken over (or superseded) is named."""

@@ -77,18 +77,20 @@ async def test_an_older_release_cannot_write_a_migrated_sqlite_ledger(tmp_path: 
     cli("verify", path)  # nothing the refused writer tried got in
 
 
-async def test_a_format_1_release_cannot_write_a_ledger_migrated_to_format_2(
-    tmp_path: Path,
+@pytest.mark.parametrize("declared", [1, 2])
+async def test_a_release_of_an_older_format_cannot_write_a_migrated_ledger(
+    tmp_path: Path, declared: int
 ) -> None:
     """A release of writer format 1 neither records nor starts the rate window a
     declaration gives a node mid-minute (rate_windows.since, contract §5.6), so its writes
-    would leave windows verify cannot re-derive: migration 18 refuses them, with the
-    message that says to upgrade."""
+    would leave windows verify cannot re-derive: migration 18 refuses them. A release of
+    format 2 cannot read an attempt.started that records where it was sent (sent_to,
+    key_digest): migration 19 refuses it. Each is told to upgrade."""
     path = str(tmp_path / "ledger.db")
     cli("migrate", path)
     await new_release_writes(path)
     old = sqlite3.connect(path, isolation_level=None)
-    old.create_function(writerformat.FUNCTION, 0, lambda: 1, deterministic=True)
+    old.create_function(writerformat.FUNCTION, 0, lambda: declared, deterministic=True)
     try:
         for statement in OLD_WRITES:
             with pytest.raises(sqlite3.IntegrityError, match=TOLD):

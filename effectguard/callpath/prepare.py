@@ -33,10 +33,11 @@ from effectguard.rules import budget as budgets
 from effectguard.rules import jsonkeys, nesting, paths, percall, strictjson
 from effectguard.rules import units as unitrules
 from effectguard.rules import usage as usages
-from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.admission import NOTHING_RECORDED, AdmitRequest, Sending
 from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.bodytext import encode_body
 from effectguard.rules.counts import parse_count
+from effectguard.rules.digest import credential_digest
 from effectguard.rules.prices import ModelPrice
 from effectguard.rules.quickinit import quick_init
 
@@ -179,9 +180,21 @@ def prepare(
         create_budgets=settings.create_budgets,
         spool=request.spool,
         headers=scope,
-        op_id_in=endpoint.op_id.label if endpoint.op_id is not None else None,
+        sending=_sending(provider, endpoint, request),
     )
     return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+
+
+def _sending(provider: Provider, endpoint: Endpoint, request: Outbound) -> Sending:
+    """What each attempt of the request records of how it goes out (rules/admission).
+    Where and with which credential only for an endpoint with a lookup, which is what
+    reads them: a model call's attempt stores no more than it did."""
+    op_id_in = endpoint.op_id.label if endpoint.op_id is not None else None
+    if endpoint.lookup is None:
+        return NOTHING_RECORDED if op_id_in is None else Sending(op_id_in)
+    credential = request.header(provider.key_header)
+    digest = credential_digest(credential) if credential is not None else None
+    return Sending(op_id_in, provider.base_url, digest)
 
 
 def _reservation(price: ModelPrice, bounded: dict[str, Any], dialect: str) -> tuple[int, int]:

@@ -224,7 +224,7 @@ class Recorder:
                 previous.call_id,
                 prepared.reserve,
                 previous.provider_idempotency_key,
-                prepared.admit.op_id_in,
+                prepared.admit.sending,
             ),
         )
         if admitted.refusal is not None:

@@ -43,10 +43,13 @@ from effectguard.errors import (
 from effectguard.ledger import Ledger
 from effectguard.providers import Endpoint, Lookup, Provider
 from effectguard.rules import lookups
+from effectguard.rules.admission import Sending
 from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.bodytext import decode_body
+from effectguard.rules.digest import credential_digest
 from effectguard.rules.events import CallManifest
 from effectguard.rules.money import MAX_CALL_NANOS, check_amount, usd_to_nanos
+from effectguard.rules.searched import blind_spot
 from effectguard.rules.workstate import Stage, WorkState, work_state
 
 log = logging.getLogger("effectguard.callpath.resolve")
@@ -79,9 +82,9 @@ class Facts:
     stage: Stage = "effect_unknown"
     #: The request's headers that scope it to an account (the lookup's scope_headers).
     headers: Mapping[str, str] = field(default_factory=dict)
-    #: Where every attempt of the call recorded writing its operation id, if all recorded
-    #: the same place (None: one recorded none, e.g. one an older release sent).
-    op_id_in: str | None = None
+    #: How the call's attempts went out, each distinct record once (rules/admission):
+    #: where each wrote its operation id, and where and with which credential it was sent.
+    sending: frozenset[Sending] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,10 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
     at = float(started[-1].data.get("at") or started[-1].at) if started else manifest.at
     # Every attempt, not only the last: a resend the provider deduplicated into an
     # earlier attempt's effect (or turned away) says nothing of what that attempt carried.
-    places = {e.data.get("op_id_in") for e in started}
+    sending = frozenset(
+        Sending(e.data.get("op_id_in"), e.data.get("sent_to"), e.data.get("key_digest"))
+        for e in started
+    )
     return Facts(
         call_id=call_id,
         provider=manifest.provider,
@@ -121,7 +127,7 @@ async def facts_of(ledger: Ledger, call_id: str) -> Facts | None:
         attempt=int(started[-1].data.get("attempt") or len(started)) if started else 0,
         stage=work_state(e.event for e in events).stage,
         headers=dict(manifest.headers),
-        op_id_in=places.pop() if len(places) == 1 else None,
+        sending=sending,
     )
 
 
@@ -242,8 +248,10 @@ class Resolver:
         if endpoint is not None and endpoint.lookup is not None and send is not None:
             provider = self.providers[facts.provider]
             credential = credential or self._credential(provider)
-            sent = op_sent(facts, endpoint)
-            evidence = await self._look_up(provider, endpoint.lookup, facts, send, credential, sent)
+            blind = blind_spot_of(facts, endpoint, provider.base_url, credential)
+            evidence = await self._look_up(
+                provider, endpoint.lookup, facts, send, credential, blind
+            )
         if evidence.verdict == "unknown" and self.hook is not None:
             evidence = await self._ask_hook(facts)
         if evidence.result is not None and len(evidence.result) > MAX_ANSWER_BYTES:
@@ -265,7 +273,7 @@ class Resolver:
         facts: Facts,
         send: Send,
         credential: str | None,
-        sent: bool,
+        blind: str | None,
     ) -> Evidence:
         by = f"lookup:{provider.name}"
         op = facts.call_id if lookup.op == "call_id" else facts.provider_key
@@ -291,7 +299,7 @@ class Resolver:
             age_s=self.clock() - facts.last_attempt_at,
             retention_s=lookup.retention_s,
             results=lookup.results,
-            op_sent=sent,
+            blind=blind,
         )
         note = f"lookup {shown} answered {status}: {reading.why}; evidence {lookups.digest(body)}"
         result = None if reading.found is None else json.dumps(reading.found).encode()
@@ -395,19 +403,26 @@ class Resolver:
         return evidence.verdict != "unknown"
 
 
-def op_sent(facts: Facts, endpoint: Endpoint) -> bool:
-    """Whether the provider was given what the endpoint's lookup searches for, on every
-    attempt of the call: only then may its "not found" prove "not applied".
+def blind_spot_of(
+    facts: Facts, endpoint: Endpoint, base_url: str, credential: str | None
+) -> str | None:
+    """Why the endpoint's lookup, asked at ``base_url`` with ``credential``, cannot prove
+    the call "not applied" by "not found" (None: it can; rules/searched).
 
     A lookup by operation id needs each attempt to have recorded writing the id where the
     endpoint declares it now (a call an older release sent, before the endpoint had an
     ``op_id`` or before attempts recorded it, carries no such record). A lookup by the
-    provider's idempotency key searches for the key every attempt recorded sending.
+    provider's idempotency key searches for the key every attempt recorded sending. Both
+    need every attempt sent where, and with the credential, the lookup asks.
     """
     lookup = endpoint.lookup
-    if lookup is not None and lookup.op == "idempotency_key":
-        return True  # the key is read from the attempts (no key: nothing to search for)
-    return endpoint.op_id is not None and facts.op_id_in == endpoint.op_id.label
+    return blind_spot(
+        facts.sending,
+        op_id_in=endpoint.op_id.label if endpoint.op_id is not None else None,
+        by_key=lookup is not None and lookup.op == "idempotency_key",
+        base_url=base_url,
+        key_digest=credential_digest(credential) if credential is not None else None,
+    )
 
 
 def _left_to_its_client(state: WorkState, now: float) -> bool:

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import rates, room
 from effectguard.ledger.base import Tx, Writer
-from effectguard.ledger.operations import Admitted, append, check_lease
+from effectguard.ledger.operations import Admitted, append, attempt_started, check_lease
 from effectguard.rules import budget as budgets
 from effectguard.rules import workstate
+from effectguard.rules.admission import NOTHING_RECORDED, Sending
 from effectguard.rules.events import (
-    AttemptStarted,
     BudgetReleased,
     BudgetReserved,
     BudgetUnheld,
@@ -69,13 +69,13 @@ def start_attempt(
     call_id: str,
     reserve: int,
     provider_key: str | None,
-    op_id_in: str | None = None,
+    sending: Sending = NOTHING_RECORDED,
 ) -> Admitted:
     """Start the next attempt of a call whose last attempt proved nothing happened.
 
     Used for automatic retries (docs/contract.md §3.4): only after ``not_sent`` or a declared
     not-processed status, with a fresh reservation checked against the budget and rates.
-    ``op_id_in``: where the attempt writes the call's operation id (rules/admission).
+    ``sending``: how the attempt goes out, as its event records it (rules/admission).
     """
     state = tx.get_call(call_id)
     resumes = state is not None and resend_proved_nothing(state, _history(tx, call_id))
@@ -103,15 +103,7 @@ def start_attempt(
             periods=state.periods,
             tokens=state.tokens,
         ),
-        AttemptStarted(
-            call=call_id,
-            attempt=attempt,
-            worker=writer.worker,
-            generation=writer.generation,
-            provider_idempotency_key=provider_key,
-            at=tx.now(),
-            op_id_in=op_id_in,
-        ),
+        attempt_started(call_id, attempt, writer, provider_key, tx.now(), sending),
     ]
     states = append(tx, writer, events, {call_id: state})
     return Admitted(

@@ -21,7 +21,13 @@ from effectguard.ledger.base import Tx, WorkerRow, Writer
 from effectguard.ledger.retries import retried_call
 from effectguard.rules import budget as budgets
 from effectguard.rules import evidence, keys, workstate
-from effectguard.rules.admission import AdmitRequest, Decision, decide_keyed, decide_retry
+from effectguard.rules.admission import (
+    AdmitRequest,
+    Decision,
+    Sending,
+    decide_keyed,
+    decide_retry,
+)
 from effectguard.rules.bodyref import refused_manifest
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.events import (
@@ -149,6 +155,23 @@ def check_lease(tx: Tx, writer: Writer) -> float | None:
     return time.time() + (row.lease_expires - now)
 
 
+def attempt_started(
+    call_id: str, attempt: int, writer: Writer, provider_key: str | None, at: float, how: Sending
+) -> AttemptStarted:
+    """The event that starts attempt ``attempt`` of a call, recording how it goes out."""
+    return AttemptStarted(
+        call=call_id,
+        attempt=attempt,
+        worker=writer.worker,
+        generation=writer.generation,
+        provider_idempotency_key=provider_key,
+        at=at,
+        op_id_in=how.op_id_in,
+        sent_to=how.sent_to,
+        key_digest=how.key_digest,
+    )
+
+
 def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     """docs/contract.md §3.2 in one transaction: idempotency check, budget reservation, manifest."""
     bodystore.check_spool(req.body, req.body_encoding, req.spool)
@@ -187,17 +210,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
             call=call_id, budget=budget, amount=req.reserve, periods=periods, tokens=req.tokens
         )
     )
-    events.append(
-        AttemptStarted(
-            call=call_id,
-            attempt=attempt,
-            worker=writer.worker,
-            generation=writer.generation,
-            provider_idempotency_key=provider_key,
-            at=now,
-            op_id_in=req.op_id_in,
-        )
-    )
+    events.append(attempt_started(call_id, attempt, writer, provider_key, now, req.sending))
     states = append(tx, writer, events, {call_id: existing or WorkState()})
     _store_body(tx, req, call_id, existing)
     return Admitted(

@@ -252,6 +252,13 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             *writerformat.pg_require(2),
         ],
     ),
+    (
+        12,
+        "writer format 3: an attempt records where, and with which credential, it was "
+        "sent (attempt.started's sent_to and key_digest); releases before it may no longer "
+        "write this ledger",
+        [*writerformat.pg_require(3)],
+    ),
 ]
 
 

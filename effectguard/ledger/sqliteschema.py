@@ -393,6 +393,13 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
             *writerformat.sqlite_require(2),
         ],
     ),
+    (
+        19,
+        "writer format 3: an attempt records where, and with which credential, it was "
+        "sent (attempt.started's sent_to and key_digest); releases before it may no longer "
+        "write this ledger",
+        [*writerformat.sqlite_require(3)],
+    ),
 ]
 
 

@@ -8,7 +8,9 @@ does not know, an older release would otherwise open a migrated ledger and serve
 Format 1 came with that ``budget.held``; format 2 with the rate window that records where
 a declaration started it mid-minute (``rate_windows.since``, docs/contract.md §5.6),
 which a release before it neither writes nor starts, leaving windows verify cannot
-re-derive.
+re-derive; format 3 with the ``attempt.started`` that records where, and with which
+credential, an attempt was sent (``sent_to``, ``key_digest``), which a release before it
+cannot read at all.
 
 So every writer declares the format it writes, on each connection, and the ledger refuses
 a write (an event, a worker's registration or heartbeat) from a connection that declares
@@ -26,7 +28,7 @@ from typing import Final
 
 #: The format this release writes. Raise it (with a migration calling :func:`pg_require` /
 #: :func:`sqlite_require` with it) when events change so that an older release misreads them.
-WRITER_FORMAT: Final = 2
+WRITER_FORMAT: Final = 3
 #: The PostgreSQL session setting a connection declares its format in.
 SETTING: Final = "effectguard.writer_format"
 #: The SQLite function a connection declares its format with.

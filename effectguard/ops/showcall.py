@@ -95,6 +95,10 @@ def attempts(events: list[StoredEvent]) -> list[dict[str, Any]]:
                 # Where it wrote the call's operation id (None: it wrote none, or an older
                 # release sent it, which did not record it): what a lookup's "not found" needs.
                 "op_id_in": e.data.get("op_id_in"),
+                # Where it was sent and the digest of its credential, for a call a lookup
+                # can decide (None: not recorded): a lookup asked elsewhere proves nothing.
+                "sent_to": e.data.get("sent_to"),
+                "key_digest": e.data.get("key_digest"),
                 "ended": "in flight",
             }
         elif number in found and e.kind.startswith("attempt.") and e.kind != LATE:
@@ -214,6 +218,7 @@ def render(
     lines += ["", "attempts"]
     for a in attempts(events):
         carried = f", operation id in {a['op_id_in']}" if a["op_id_in"] else ""
+        carried += f", sent to {a['sent_to']}" if a["sent_to"] else ""
         lines.append(f"  #{a['attempt']} started {a['started_at']} on {a['worker']}{carried}")
         lines.append(
             f"     {'ended ' + a['ended_at'] + ': ' if 'ended_at' in a else ''}{a['ended']}"

@@ -9,7 +9,7 @@ join it while it is in flight, or refuse.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from effectguard.errors import Refusal
 from effectguard.rules.bodyref import SpooledBody
@@ -129,6 +129,24 @@ def decide_retry(existing: WorkState | None) -> Decision:
     return Decision("admit")
 
 
+@dataclass(frozen=True, slots=True)
+class Sending:
+    """How an attempt goes out, as its ``attempt.started`` records it: where it carries the
+    call's operation id upstream (the endpoint's op_id, ``OpIdPlacement.label``; None: it
+    carries none), and, for an endpoint with a lookup, the base URL it is sent to and the
+    digest of the credential it carries (rules/digest.credential_digest; None: none). A
+    lookup's "not found" says "not applied" only of an operation it searched for where,
+    and in the account, the operation was sent (callpath/resolve)."""
+
+    op_id_in: str | None = None
+    sent_to: str | None = None
+    key_digest: str | None = None
+
+
+#: What an attempt of a request whose endpoint has neither op_id nor lookup records.
+NOTHING_RECORDED: Final = Sending()
+
+
 @quick_init
 @dataclass(frozen=True, slots=True)
 class AdmitRequest:
@@ -163,6 +181,5 @@ class AdmitRequest:
     #: The request's headers that scope its operation to an account (the lookup's
     #: ``scope_headers``), recorded in the manifest for the lookup to send again.
     headers: dict[str, str] = field(default_factory=dict)
-    #: Where the request carries its call's operation id upstream (the endpoint's op_id,
-    #: ``OpIdPlacement.label``), recorded in each attempt.started (None: it carries none).
-    op_id_in: str | None = None
+    #: How each attempt goes out, recorded in its attempt.started.
+    sending: Sending = NOTHING_RECORDED

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["event_digest"]
+__all__ = ["credential_digest", "event_digest"]
 
 
 def event_digest(
@@ -37,3 +37,10 @@ def event_digest(
 
 #: The last ``at`` digested and its repr (by identity: 0.0 and -0.0 are equal, not alike).
 _at_repr: tuple[object, str] = (object(), "")
+
+
+def credential_digest(credential: str) -> str:
+    """What an attempt records of the credential header it carried (``attempt.started``'s
+    ``key_digest``): 16 hex digits of its SHA-256, enough to tell two keys apart, and
+    nothing to sign a request with."""
+    return hashlib.sha256(credential.encode()).hexdigest()[:16]

@@ -211,10 +211,11 @@ class KeyRevoked(Event):
 class AttemptStarted(CallEvent):
     """Attempt ``attempt`` is about to be dispatched by ``worker``.
 
-    ``op_id_in`` says where the attempt writes the call's operation id into its request
-    (the endpoint's ``op_id``, e.g. ``form metadata[effectguard_op]``): only then can a
-    lookup's "not found" mean "not applied". Absent from the data when None (no operation
-    id, or written before this was recorded): such an event's data is what it always was.
+    Where the attempt writes the call's operation id (``op_id_in``, e.g. ``form
+    metadata[effectguard_op]``), and for an endpoint with a lookup where and with which
+    credential it is sent (``sent_to``, ``key_digest``: rules/digest): a lookup's "not
+    found" proves "not applied" only of what it searched for there (rules/searched). Each
+    is absent from the data when None: such an event's data is what it always was.
     """
 
     kind: ClassVar[str] = "attempt.started"
@@ -224,11 +225,15 @@ class AttemptStarted(CallEvent):
     provider_idempotency_key: str | None = None
     at: float = 0.0
     op_id_in: str | None = None
+    sent_to: str | None = None
+    key_digest: str | None = None
 
     def to_data(self) -> dict[str, Any]:
         data = Event.to_data(self)
-        if self.op_id_in is None:  # the shape of every attempt.started before it was kept
-            del data["op_id_in"]
+        # The shape of every attempt.started before these were kept: absent, not null.
+        for name in ("op_id_in", "sent_to", "key_digest"):
+            if data[name] is None:
+                del data[name]
         return data
 
 

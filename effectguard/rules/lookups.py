@@ -12,8 +12,9 @@ declaration names: not served as JSON; JSON that two readers may read differentl
 list of objects; or, where the declaration says where a found object carries its
 operation id (``match``), an object for another operation. Anything else is unknown:
 effectguard never guesses. "Not found" proves "not applied" only for an operation the
-provider was given on every attempt (``op_sent``: a search for an id it never saw finds
-nothing either way), only for one older than the freshness, since a search index may not
+provider was given on every attempt, where and in the account the lookup searched
+(``blind``: why a search finds nothing either way, :mod:`effectguard.rules.searched`),
+only for one older than the freshness, since a search index may not
 show a recent operation yet, and only for one younger than the provider's declared
 retention (``retention_s``), since a provider that forgets old operations (Postmark
 keeps messages 45 days by default, as little as 7) answers "not found" for an operation
@@ -152,13 +153,13 @@ def read_answer(
     results: str | None = None,
     match: str | None = None,
     op: str | None = None,
-    op_sent: bool,
+    blind: str | None,
 ) -> Reading:
     """Read one lookup answer for operation ``op`` whose last attempt started ``age_s``
     ago (``retention_s``: how long the provider keeps an operation findable, if it
     forgets; ``results``: the JSON path of the result collection a success must show
     empty to read "not found"; ``match``: where a found object carries its op id;
-    ``op_sent``: whether every attempt is recorded as having given the provider ``op``)."""
+    ``blind``: why "not found" cannot prove "not applied", if it cannot)."""
     success = 200 <= status < 300
     if success:
         parsed, why = parse_json(body, content_type)
@@ -185,13 +186,10 @@ def read_answer(
             return Reading("unknown", f"status {status}, and no result collection is declared")
         if not empty(at_path(parsed, results), flag=results == applied):
             return Reading("unknown", f"status {status} but {results} is not an empty collection")
-    if not op_sent:
-        # A search for an id the provider may never have been given finds nothing either way.
-        return Reading(
-            "unknown",
-            "not found, but not every attempt of the call is recorded as carrying the "
-            "operation id searched for",
-        )
+    if blind is not None:
+        # A search for an id the provider may never have been given, or made elsewhere,
+        # finds nothing either way.
+        return Reading("unknown", f"not found, but {blind}")
     return _not_found(status, freshness_s, age_s, retention_s)
 
 

@@ -58,6 +58,7 @@ _ABSENT: Final = object()
 _KEPT_AT: Final = {name: i for i, name in enumerate(MANIFEST_KEPT)}
 #: Outcomes only the worker that started the attempt may write.
 OWN_OUTCOMES: Final = frozenset({"attempt.observed", "attempt.not_sent", "budget.settled"})
+_HEX: Final = "0123456789abcdef"
 
 
 class CallFold:
@@ -175,9 +176,7 @@ class CallFold:
                 ]
             if (data.get("worker"), data.get("generation")) != (stored.worker, stored.generation):
                 return [f"{where}: attempt.started names a worker other than its writer"]
-            # Absent where no operation id is recorded; never written empty or null.
-            if "op_id_in" in data and not (isinstance(data["op_id_in"], str) and data["op_id_in"]):
-                return [f"{where}: attempt.started records its op id in {data['op_id_in']!r}"]
+            return _how_sent_problems(data, where)
         elif kind in OUTCOME_KINDS and "attempt" in data and data["attempt"] != self.attempts:
             return [
                 f"{where}: {kind} for attempt {data['attempt']}, but attempt "
@@ -335,4 +334,19 @@ def _result_problems(data: dict[str, Any], where: str) -> list[str]:
             base64.b64decode(result, validate=True)
         except (binascii.Error, ValueError):
             return [f"{where}: its result is not valid base64"]
+    return []
+
+
+def _how_sent_problems(data: dict[str, Any], where: str) -> list[str]:
+    """An attempt's record of how it went out (contract §6.1): each field absent where
+    nothing is recorded, never written empty or null; a credential's digest only beside
+    the base URL it went to, and 16 lowercase hex digits."""
+    for name in ("op_id_in", "sent_to", "key_digest"):
+        if name in data and not (isinstance(data[name], str) and data[name]):
+            return [f"{where}: attempt.started records {name} {data[name]!r}"]
+    digest = data.get("key_digest")
+    if digest is not None and "sent_to" not in data:
+        return [f"{where}: attempt.started records key_digest without sent_to"]
+    if digest is not None and not (len(digest) == 16 and set(digest) <= set(_HEX)):
+        return [f"{where}: attempt.started records key_digest {digest!r}, not 16 hex digits"]
     return []
