@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -278,8 +280,12 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 class _PortalStream(httpx.SyncByteStream):
     """The guard's async response stream, read from sync code through the portal."""
 
-    def __init__(self, portal: Portal, response: httpx.Response) -> None:
-        self._portal = portal
+    def __init__(self, owner: GuardTransport, response: httpx.Response) -> None:
+        # Held, not only its portal: a stream read after its client was dropped (a raw
+        # ``client.send(..., stream=True)``) keeps the transport from being collected,
+        # which would close it under the reader (see ``_close_dropped``).
+        self._owner = owner
+        self._portal = owner._portal
         self._response = response
 
     def __iter__(self) -> Iterator[bytes]:
@@ -336,6 +342,13 @@ class GuardTransport(httpx.BaseTransport):
             otel=otel,
             reconcile_hook=reconcile_hook,  # async: it runs on the portal's loop
         )
+        # A transport dropped unclosed (a client made per request, never closed) would
+        # keep its loop thread, the ledger's threads and connections and a live worker
+        # heartbeat until the process ends: plain httpx frees a dropped client's sockets
+        # when it is collected, so this one closes itself then. Not at exit: a program
+        # that ends unclosed exits at once (docs/contract.md §3.8), so atexit is off.
+        self._dropped = weakref.finalize(self, _close_dropped, self._portal, self._async)
+        self._dropped.atexit = False
 
     @property
     def ledger(self) -> Ledger:
@@ -354,7 +367,7 @@ class GuardTransport(httpx.BaseTransport):
         response: httpx.Response = self._portal.run(self._async.handle_async_request(async_request))
         stream = response.stream
         if not isinstance(stream, httpx.ByteStream):  # else the guard holds the whole body
-            stream = _PortalStream(self._portal, response)
+            stream = _PortalStream(self, response)
         return httpx.Response(
             response.status_code,
             headers=response.headers,
@@ -369,6 +382,7 @@ class GuardTransport(httpx.BaseTransport):
         Only the first close does this (a transport shared by several clients closes
         with the first of them); a close made meanwhile, from another thread, waits for
         it and returns, and a later one returns at once."""
+        self._dropped.detach()
         self._portal.close(self._async.aclose())
 
 
@@ -384,3 +398,14 @@ def _routing_url(url: httpx.URL) -> str:
     if host.endswith(".") and host.strip("."):
         host = host.rstrip(".")
     return str(url.copy_with(userinfo=b"", host=host, query=None, fragment=None))
+
+
+def _close_dropped(portal: Portal, transport: AsyncGuardTransport) -> None:
+    """Close a collected GuardTransport's portal and guard, on a thread of its own.
+
+    The collector runs this on whichever thread it is collecting on: the portal's own
+    (where waiting on the portal's loop would wait on itself), or a caller's thread,
+    which must not wait up to 30 s for the close to drain calls it knows nothing of."""
+    threading.Thread(
+        target=lambda: portal.close(transport.aclose()), name="effectguard-close", daemon=True
+    ).start()
