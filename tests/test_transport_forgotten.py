@@ -13,7 +13,9 @@ long-running program ran out of either.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import os
 import threading
 import time
 from collections import Counter
@@ -91,3 +93,55 @@ def test_a_stream_outliving_its_client_is_still_read_whole(
     body = b"".join(response.iter_raw())
     assert body.rstrip().endswith(b"data: [DONE]")
     response.close()
+
+
+def test_async_transports_dropped_unclosed_stop_while_their_loop_runs(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An async server that makes an ``AsyncOpenAI`` per request and never closes it: each
+    dropped transport, once collected, stops its runtime on the loop that still runs (the
+    stream read part-way is read to its end and settled), leaving no ledger thread and no
+    file descriptor behind. Each kept its heartbeat, a ledger reader thread and about six
+    descriptors until the loop ended, which for a server is never."""
+    ledger = tmp_path / "ledger.db"
+
+    async def ask_and_drop() -> None:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": provider.url}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=provider.url + "/v1",
+            api_key="sk-test",
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+        await client.chat.completions.create(**CHAT)
+        stream = await client.chat.completions.create(**CHAT, stream=True)
+        await stream.__aiter__().__anext__()
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def run() -> tuple[list[str], int]:
+        await ask_and_drop()  # the first one's imports and pools are not a leak
+        gc.collect()
+        await asyncio.sleep(0.5)
+        before_threads, before_fds = _effectguard_threads(), descriptors()
+        for _ in range(5):
+            await ask_and_drop()
+        deadline = time.monotonic() + CLOSE_BOUND_S
+        while time.monotonic() < deadline:
+            # Each SDK stream dropped part-way is closed by the loop's async-generator
+            # hook, which resurrects it until that close has run: a later collection
+            # takes it, as a busy server's collector soon would.
+            gc.collect()
+            left = _effectguard_threads() - before_threads
+            if not left and descriptors() <= before_fds:
+                break
+            await asyncio.sleep(0.05)
+        return sorted(t.name for t in left), descriptors() - before_fds
+
+    left, more_fds = asyncio.run(run())
+    assert left == [], f"threads of dropped transports still running: {left}"
+    assert more_fds <= 0, f"{more_fds} more file descriptors open"
+    assert stages_of(capsys, ledger) == Counter(completed=12)
+    assert len(provider.effects()) == 12

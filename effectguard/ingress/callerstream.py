@@ -79,9 +79,13 @@ class CallerStream(httpx.AsyncByteStream):
         read_s: float | None,
         request: httpx.Request,
         keep: Keep,
+        owner: object = None,
     ) -> None:
         """``keep`` holds a background task until it is done (the guard's recorder, so a
-        shutdown waits for it)."""
+        shutdown waits for it). ``owner`` (the transport) is held while the stream lives:
+        a transport collected unclosed closes itself, which must not happen under a
+        stream still read after its client was dropped."""
+        self._owner = owner
         self._reading = _Reading(stream, keep)
         self._read_s = read_s
         self._request = request

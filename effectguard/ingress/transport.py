@@ -14,6 +14,7 @@ a private event loop thread, so it works from plain code and from many threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
@@ -124,6 +125,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         self._closing: asyncio.Future[None] | None = None
         #: One future per call inside :meth:`handle_async_request`, done when it returns.
         self._calls: set[asyncio.Future[None]] = set()
+        #: Stops the runtime if the transport is collected unclosed (set at first use).
+        self._dropped: weakref.finalize[..., AsyncGuardTransport] | None = None
 
     async def guard(self) -> Guard:
         """The guard, started on first use (in the caller's event loop)."""
@@ -163,6 +166,14 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             ) from None
         if self._loop is None:
             self._loop, self._pid = loop, os.getpid()
+            # Dropped unclosed (a client made per request in a server, never closed), it
+            # would keep its heartbeat, ledger threads and connections for as long as the
+            # loop runs: it stops them once collected, as plain httpx frees a dropped
+            # client's sockets. Not at exit: a program ending unclosed exits at once.
+            self._dropped = weakref.finalize(
+                self, _stop_dropped, loop, self._pid, self._runtime, self.inner
+            )
+            self._dropped.atexit = False
         elif loop is not self._loop:
             # Its heartbeat, its background settlements and its connections live on the
             # loop it started on: on another one a call could be sent and never settled.
@@ -231,7 +242,9 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             stream = response.stream
             assert isinstance(stream, httpx.AsyncByteStream)
             read_limit = paced if paced is not None and paced < read_s else None
-            response.stream = CallerStream(stream, read_limit, request, guard.recorder.keep)
+            response.stream = CallerStream(
+                stream, read_limit, request, guard.recorder.keep, owner=self
+            )
         return response
 
     async def aclose(self) -> None:
@@ -253,6 +266,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             await asyncio.shield(self._closing)
             return
         self._closing = asyncio.get_running_loop().create_future()
+        if self._dropped is not None:
+            self._dropped.detach()
         try:
             await self._stop()
         finally:
@@ -275,6 +290,37 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             await self._runtime.stop(max(0.0, deadline - loop.time()))
             self._guard = None
         await self.inner.aclose()
+
+
+#: The stops of collected transports, held until done: a task only its loop refers to
+#: may be collected before it ends.
+_STOPPING: set[asyncio.Task[None]] = set()
+
+
+def _stop_dropped(
+    loop: asyncio.AbstractEventLoop, pid: int, runtime: Runtime, inner: httpx.AsyncBaseTransport
+) -> None:
+    """Stop a collected AsyncGuardTransport's runtime and inner transport on its loop.
+
+    The collector may run this on any thread: the work is handed to the loop. A loop that
+    has ended (``asyncio.run`` returned) has nothing left to run it on, and its pools'
+    threads end with them; in a child forked after the first use the runtime is the
+    parent's and is left alone, as ``aclose()`` there leaves it."""
+    if pid != os.getpid() or loop.is_closed():
+        return
+
+    async def stop() -> None:
+        if runtime.guard is not None:
+            await runtime.stop(defaults.DRAIN_TIMEOUT_S)
+        await inner.aclose()
+
+    def start() -> None:
+        task = loop.create_task(stop())
+        _STOPPING.add(task)
+        task.add_done_callback(_STOPPING.discard)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed since the check
+        loop.call_soon_threadsafe(start)
 
 
 class _PortalStream(httpx.SyncByteStream):
