@@ -152,6 +152,30 @@ def upstreams(fake: FakeProvider) -> dict[str, str]:
     return {"openai": fake.url, "anthropic": fake.url}
 
 
+def test_a_stream_is_not_shown_the_usage_chunk_its_client_did_not_ask_for(tmp_path: Path) -> None:
+    """effectguard asks an OpenAI stream for its usage to price it; the client, which did
+    not ask, is not shown that chunk (whose ``choices`` is empty), live or replayed, so the
+    SDK's own loop (``chunk.choices[0]`` of every chunk) runs to the end. The ledger keeps
+    the provider's answer whole and prices the call from its usage."""
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,
+        running_proxy(tmp_path / "ledger.db", upstreams=upstreams(fake)) as proxy,
+    ):
+        oa = openai.OpenAI(base_url=proxy.url + "/openai/v1", api_key="sk-client", max_retries=0)
+        body = chat("no usage asked for", stream=True)
+        keyed = {"Idempotency-Key": "stream-1"}
+        stream = oa.chat.completions.create(**body, extra_headers=keyed)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream).startswith("ok")
+        raw = oa.chat.completions.with_raw_response.create(**body, extra_headers=keyed)
+        assert raw.headers["effectguard-replayed"] == "true"
+        replayed = list(raw.parse())
+        assert replayed and all(c.choices and c.usage is None for c in replayed)
+        assert len(fake.effects()) == 1  # the replay reached nobody
+        shown = cli_json(tmp_path / "ledger.db", "show", raw.headers[CALL_ID])
+        (attempt,) = shown["attempts_detail"]
+        assert "usage" in attempt["ended"] and "reservation" not in attempt["ended"], attempt
+
+
 # -- the SDKs ---------------------------------------------------------------------------------
 def _sync_sdk_calls(proxy: Proxy) -> list[dict[str, Any]]:
     """Four calls through the sync SDKs; what each client saw."""
@@ -170,7 +194,10 @@ def _sync_sdk_calls(proxy: Proxy) -> list[dict[str, Any]]:
             "usage": Usage(completion.usage.prompt_tokens, completion.usage.completion_tokens),
         }
     )
-    raw = oa.chat.completions.with_raw_response.create(**chat("sync openai stream", stream=True))
+    asked = {"stream_options": {"include_usage": True}}  # asked for: the client is shown it
+    raw = oa.chat.completions.with_raw_response.create(
+        **chat("sync openai stream", stream=True, **asked)
+    )
     chunks = list(raw.parse())
     usage_chunks = [c.usage for c in chunks if c.usage is not None]
     assert len(usage_chunks) == 1
@@ -240,7 +267,7 @@ async def _async_sdk_calls(proxy: Proxy) -> list[dict[str, Any]]:
 
     async def openai_stream() -> dict[str, Any]:
         raw = await oa.chat.completions.with_raw_response.create(
-            **chat("async openai stream", stream=True)
+            **chat("async openai stream", stream=True, stream_options={"include_usage": True})
         )
         chunks = [chunk async for chunk in raw.parse()]
         usage = next(c.usage for c in chunks if c.usage is not None)

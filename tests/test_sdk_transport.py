@@ -401,10 +401,12 @@ def test_anthropic_sync_message_is_intact_and_settled_exactly(ledger_path: str) 
 
 
 @respx.mock(base_url=OPENAI)
-async def test_openai_async_stream_gets_usage_chunk_and_is_settled(
+async def test_openai_async_stream_is_priced_from_a_usage_chunk_its_client_is_not_shown(
     respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """The guard asks OpenAI for the usage chunk; the stream arrives whole and is priced exactly."""
+    """The guard asks OpenAI for the usage chunk and prices the call from it exactly; the
+    client, which did not ask for it, is not shown it, so the loop the SDK's examples
+    write (``chunk.choices[0]`` of every chunk) runs to the end."""
     route = respx_mock.post("/v1/chat/completions").mock(
         side_effect=Upstream(CHAT_STREAM, sync=False)
     )
@@ -412,10 +414,8 @@ async def test_openai_async_stream_gets_usage_chunk_and_is_settled(
     stream = await async_openai(t).chat.completions.create(
         model=GPT, messages=MESSAGES, stream=True
     )
-    chunks = [chunk async for chunk in stream]
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
     assert text == "Hello!"
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
     sent = json.loads(route.calls.last.request.content)
     assert sent["stream"] is True
     assert sent["stream_options"] == {"include_usage": True}
@@ -444,9 +444,10 @@ async def test_a_stream_sent_in_one_chunk_is_forwarded_up_to_its_held_terminal_e
             if not received:  # the first bytes arrive before the call is observed
                 assert one(await t.ledger.calls()).stage == "in_flight"
             received.append(chunk)
-    assert received[0] == whole.removesuffix(CHAT_STREAM[-1])
+    shown = b"".join(c for c in CHAT_STREAM if c != CHAT_STREAM[-2])  # no usage chunk
+    assert received[0] == shown.removesuffix(CHAT_STREAM[-1])
     assert received[-1] == CHAT_STREAM[-1] == b"data: [DONE]\n\n"
-    assert b"".join(received) == whole
+    assert b"".join(received) == shown
     call = one(await t.ledger.calls())
     assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
     await finish(t)
@@ -456,7 +457,8 @@ async def test_a_stream_sent_in_one_chunk_is_forwarded_up_to_its_held_terminal_e
 async def test_a_stream_event_with_a_hostile_type_is_passed_on_and_settled(
     respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """A usage event whose "type" is a list (not a name) is forwarded and read as usage.
+    """A usage event whose "type" is a list (not a name) is read as usage (and, as the
+    usage event the guard asked for, not shown to the client), the rest passed on.
 
     The stream reader once raised on it (an unhashable "type"), failing a call the provider
     had answered in full.
@@ -470,7 +472,7 @@ async def test_a_stream_event_with_a_hostile_type_is_passed_on_and_settled(
     client = httpx.AsyncClient(transport=t)  # not closed here: that would close the ledger
     async with client.stream("POST", OPENAI + "/v1/chat/completions", json=body) as response:
         received = b"".join([chunk async for chunk in response.aiter_raw()])
-    assert received == b"".join(stream)
+    assert received == b"".join(c for c in stream if c != hostile)
     call = one(await t.ledger.calls())
     assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
     await finish(t)
@@ -697,7 +699,8 @@ async def test_stream_ending_cleanly_before_its_terminal_event_is_effect_unknown
             async with client.stream("POST", url, json=body) as response:
                 async for chunk in response.aiter_raw():
                     seen += chunk
-    assert seen == b"".join(events[:cut_at])  # what came before the cut was forwarded
+    # What came before the cut was forwarded (but the usage chunk the guard asked for).
+    assert seen == b"".join(e for e in events[:cut_at] if e != CHAT_STREAM[-2])
     call = one(await t.ledger.calls())
     assert (call.stage, call.effect, call.cost) == ("effect_unknown", "unknown", None)
     assert (call.held, call.reserved) == (call.reserved_at_admission, 0)

@@ -38,6 +38,7 @@ from effectguard.callpath.prepare import Prepared, ledger_unavailable, prepare, 
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.replays import replay
 from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
@@ -48,7 +49,6 @@ from effectguard.callpath.wire import (
     client_headers,
     final_answer,
     recovered_response,
-    replay_response,
     timed_out,
     unobservable,
 )
@@ -198,7 +198,7 @@ class Guard:
             from_state(report, admitted.state, "replayed")
             if admitted.recovered is not None:
                 return recovered_response(admitted.call_id, admitted.recovered)
-            return replay_response(admitted.call_id, admitted.observed, provider.error_shape)
+            return replay(admitted.call_id, admitted.observed, prepared)
         try:
             if admitted.action == "join":
                 call_id = admitted.call_id

@@ -10,8 +10,8 @@ import time
 from effectguard.callpath.exchange import Reply
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse
 from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.replays import replay
 from effectguard.callpath.reports import from_state
-from effectguard.callpath.wire import replay_response
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerUnavailable
 from effectguard.rules import workstate
@@ -79,7 +79,7 @@ async def _join(
         assert last is None or isinstance(last, AttemptObserved)
         observer.request_done(prepared.provider.name, prepared.model or "", "joined")
         from_state(report, state, "joined")
-        return replay_response(call_id, last, prepared.provider.error_shape)
+        return replay(call_id, last, prepared)
     reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
     observer.refused(prepared.provider.name, reason)
     raise refuse(

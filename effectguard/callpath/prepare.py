@@ -66,6 +66,9 @@ class Prepared:
     admit: AdmitRequest
     #: The endpoint as declared (or its provider's defaults): what effectguard adds to it.
     endpoint: Endpoint
+    #: effectguard asked the stream for its usage (rules/addedusage): the client, which
+    #: did not, is not shown the usage event.
+    usage_added: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -139,18 +142,16 @@ def prepare(
     if endpoint.effect == "read_only":
         return None
     root = _budget_root(budget, budget_root)
-    raw = request.body
     content_type = request.header("content-type")
     kind = bodies.kind_of(content_type)
     parsed, hashed = _parse_body(provider, request, path, endpoint, kind, content_type or "")
     model, price = _priced(provider, endpoint, parsed, kind)
     key = _idempotency_key(request)
     _check_own_fields(endpoint, parsed, kind)
-    # A form or multipart body's fields are text, not token caps: it is priced per call, or
-    # by the model's declared output bound, times the results it asks for (``n``).
+    # Form or multipart fields are text, not token caps: priced per call or by the output bound.
     bounded = parsed if kind == "json" else percall.form_counts(parsed)
     stream = _stream(provider, parsed, kind)
-    sent = _body_to_send(provider, path, parsed, raw) if kind == "json" else raw
+    sent, added = _body_to_send(provider, path, parsed, request.body, kind)
     reserve, tokens = _reservation(price, bounded, provider.dialect)
     retry_of = request.header(RETRY_OF_HEADER)
     scope = _scope_headers(request, endpoint)
@@ -182,7 +183,9 @@ def prepare(
         headers=scope,
         sending=_sending(provider, endpoint, request),
     )
-    return Prepared(provider, request, path, model, price, sent, stream, reserve, admit, endpoint)
+    return Prepared(
+        provider, request, path, model, price, sent, stream, reserve, admit, endpoint, added
+    )
 
 
 def _sending(provider: Provider, endpoint: Endpoint, request: Outbound) -> Sending:
@@ -429,12 +432,17 @@ def _idempotency_key(request: Outbound) -> str | None:
     return key
 
 
-def _body_to_send(provider: Provider, path: str, parsed: dict[str, Any], raw: bytes) -> bytes:
-    """The body sent upstream: as received, unless a stream must ask for its usage."""
+def _body_to_send(
+    provider: Provider, path: str, parsed: dict[str, Any], raw: bytes, kind: str
+) -> tuple[bytes, bool]:
+    """The body sent upstream: as received, unless a JSON stream must ask for its usage;
+    and whether it was amended so (the client is then not shown the usage event)."""
+    if kind != "json":
+        return raw, False
     amended = usages.with_stream_usage(provider.dialect, path, parsed)
     if amended is None:
-        return raw
-    return json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode()
+        return raw, False
+    return json.dumps(amended, separators=(",", ":"), ensure_ascii=False).encode(), True
 
 
 def _sdk_retry(request: Outbound) -> bool:

@@ -33,6 +33,7 @@ from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.wire import answer_too_large
 from effectguard.errors import Refusal
 from effectguard.ledger import Admitted
+from effectguard.rules.addedusage import AddedUsage
 from effectguard.rules.streamusage import StreamUsage
 from effectguard.telemetry.report import CallReport
 
@@ -74,15 +75,22 @@ class GuardedStream:
         self._draining = False
         #: A read of the upstream is under way (a second reader must not start then).
         self._pulling = False
+        #: What the client is shown, where effectguard asked for a usage event it did not.
+        self._shown = AddedUsage() if prepared.usage_added else None
         recorder.open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        shown = self._shown
         try:
             async for chunk in self._pull():
+                if shown is not None and not (chunk := shown.feed(chunk)):
+                    continue  # inside an event: the rest of it comes in a later chunk
                 yield chunk
                 self._forwarded += 1
                 if self._forwarded == 1:
                     self._recorder.crash.hit("mid-stream")
+            if shown is not None and (rest := shown.flush()):
+                yield rest
         finally:
             self.abandon()  # stopped early, closed or dropped: settle in the background
 
