@@ -42,6 +42,10 @@ class AddedUsage:
     def feed(self, chunk: bytes) -> bytes:
         """The whole events ``chunk`` completes, the added usage event left out (may be
         empty: the chunk ends inside an event)."""
+        if not self._pending and chunk.endswith(b"\n\n"):
+            # The usual chunk: whole events, nothing held before it.
+            self._tail = chunk[-_TAIL:]
+            return without_added_usage(chunk)
         window = self._tail + chunk
         self._tail = window[-_TAIL:]
         held = len(window) - len(chunk)
