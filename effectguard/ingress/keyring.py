@@ -4,7 +4,11 @@ Keys made with ``effectguard key new`` live in the ledger (as SHA-256 digests). 
 replica keeps a copy of the ledger's key rows and reads them again every
 ``key_refresh_s`` seconds (default 2 s), so a key created or revoked on any replica
 (or by the CLI) is honoured by every replica within about that long, with no
-restart. One small read per interval keeps the request path to a dict lookup.
+restart. Each interval reads one aggregate of the key rows (rules/keys.KeysStamp), and
+the rows themselves only when it changed: a ledger keeps a row for every key name ever
+made, and reading them all every interval cost a replica 16% of a core at 100,000 names
+(and stalled its requests half a second at each read). Expiry is judged at each request,
+so an expiring key needs no read. The request path is a dict lookup.
 
 A copy that could not be read again is not trusted for long: the ledger's writes may
 go on while its reads fail or hang (the reader is a connection of its own on
@@ -33,7 +37,7 @@ from effectguard.config.settings import ProxyKey, hash_key
 from effectguard.errors import LedgerUnavailable, Refusal
 from effectguard.ledger import Ledger
 from effectguard.rules import nesting
-from effectguard.rules.keys import LedgerKey
+from effectguard.rules.keys import KeysStamp, LedgerKey
 
 log = logging.getLogger("effectguard.ingress.keyring")
 
@@ -106,7 +110,9 @@ class KeyRing:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = {k.sha256: _from_config(k) for k in config_keys}
-        self._ledger: dict[str, LedgerKey] = {}
+        #: Each digest's rows (a secret made twice under two names has two).
+        self._ledger: dict[str, tuple[LedgerKey, ...]] = {}
+        self._stamp: KeysStamp | None = None  # of the rows held
         self._ledger_ever = False
         self._refresh_s = refresh_s
         self._clock = clock
@@ -127,18 +133,21 @@ class KeyRing:
         """
         started = time.monotonic()
         try:
-            rows = await asyncio.wait_for(ledger.keys(), KEY_READ_WAIT_S)
+            async with asyncio.timeout(KEY_READ_WAIT_S):  # the stamp and the rows together
+                stamp = await ledger.keys_stamp()
+                if stamp == self._stamp:
+                    self._read_at = started  # nothing was written: the copy is current
+                    return
+                rows = await ledger.keys()
         except TimeoutError as exc:
             raise LedgerUnavailable(
                 f"reading the proxy keys took longer than {KEY_READ_WAIT_S:g} s"
             ) from exc
-        by_digest: dict[str, LedgerKey] = {}
-        now = self._clock()
+        by_digest: dict[str, tuple[LedgerKey, ...]] = {}
         for row in rows:
-            held = by_digest.get(row.sha256)
-            if held is None or (held.ended(now) and not row.ended(now)):
-                by_digest[row.sha256] = row
-        self._ledger = by_digest
+            by_digest[row.sha256] = (*by_digest.get(row.sha256, ()), row)
+        # Read before the rows: a write between the two makes the next stamp differ.
+        self._ledger, self._stamp = by_digest, stamp
         self._ledger_ever = self._ledger_ever or bool(rows)
         self._read_at = started  # the copy holds what the ledger held when the read began
 
@@ -184,10 +193,12 @@ class KeyRing:
         if grant is not None:
             return grant
         self._check_fresh()
-        row = self._ledger.get(digest)
-        if row is None:
+        rows = self._ledger.get(digest)
+        if rows is None:
             raise Refusal(401, "unknown_key", _UNKNOWN)
-        ended = row.ended(self._clock())
+        now = self._clock()
+        row = next((r for r in rows if not r.ended(now)), rows[0])
+        ended = row.ended(now)
         if ended == "expired":
             raise Refusal(401, "unknown_key", "this effectguard key has expired")
         if ended == "revoked":

@@ -37,7 +37,7 @@ from effectguard.rules.budgetview import (
     ways_to,
 )
 from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
-from effectguard.rules.keys import LedgerKey
+from effectguard.rules.keys import KeysStamp, LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
 
 log = logging.getLogger("effectguard.ledger")
@@ -293,6 +293,10 @@ class Ledger:
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key in the ledger, revoked and expired ones included."""
         return await self.store.keys()
+
+    async def keys_stamp(self) -> KeysStamp:
+        """What changes whenever a proxy key is made or revoked (rules/keys.KeysStamp)."""
+        return await self.store.keys_stamp()
 
     async def set_policy(self, policy: BudgetPolicy, writer: Writer = OPERATOR) -> None:
         """Declare budget ``policy.path``'s limit, period, timezone and rate limits."""

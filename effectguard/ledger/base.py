@@ -26,7 +26,7 @@ from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import StoredEvent
-from effectguard.rules.keys import LedgerKey
+from effectguard.rules.keys import KeysStamp, LedgerKey
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
@@ -391,6 +391,11 @@ class LedgerStore(Protocol):
 
     async def keys(self) -> list[LedgerKey]:
         """Every proxy key row (revoked and expired ones too), by name."""
+        ...
+
+    async def keys_stamp(self) -> KeysStamp:
+        """What changes whenever a proxy key row is written (rules/keys.KeysStamp): read
+        in one aggregate, so a replica re-reads every key only when one changed."""
         ...
 
     async def limit_events(self) -> list[StoredEvent]:

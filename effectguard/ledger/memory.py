@@ -31,7 +31,7 @@ from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key, is_under
 from effectguard.rules.budgetview import Policyless, tree_order
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
-from effectguard.rules.keys import LedgerKey
+from effectguard.rules.keys import KeysStamp, LedgerKey, keys_stamp_of
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
@@ -416,6 +416,10 @@ class MemoryStore:
     async def keys(self) -> list[LedgerKey]:
         with self.tables.lock:
             return sorted(self.tables.keys.values(), key=lambda k: k.name)
+
+    async def keys_stamp(self) -> KeysStamp:
+        with self.tables.lock:
+            return keys_stamp_of(list(self.tables.keys.values()))
 
     async def limit_events(self) -> list[StoredEvent]:
         with self.tables.lock:

@@ -309,6 +309,10 @@ class Queries:
         m = self.mark
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
+        self.keys_stamp = (
+            "SELECT count(*), count(revoked_at), coalesce(sum(created_at), 0), "
+            "coalesce(sum(expires_at), 0), coalesce(sum(revoked_at), 0) FROM keys"
+        )
         self.archived_key = (
             "SELECT call_id, request_hash FROM archived_keys "
             f"WHERE budget_root = {m} AND idempotency_key = {m}"

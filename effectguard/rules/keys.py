@@ -19,6 +19,13 @@ _DIGEST: Final = re.compile(r"[0-9a-f]{64}")
 #: The kinds this fold reads.
 KINDS: Final = frozenset({KeyCreated.kind, KeyRevoked.kind})
 
+#: What changes whenever a key row is written: how many rows, how many revoked, and the
+#: sums of their creation, expiry and revocation times. A new name adds a row, a revocation
+#: revokes one, and a new key under an ended key's name replaces its row with a later
+#: creation time: each moves the counts or a sum, and two writes between reads would have
+#: to cancel to the last bit of three sums of ledger times to leave all five as they were.
+KeysStamp = tuple[int, int, float, float, float]
+
 
 @dataclass(frozen=True, slots=True)
 class LedgerKey:
@@ -89,3 +96,11 @@ def key_name(event: Event) -> str | None:
     if isinstance(event, KeyCreated | KeyRevoked):
         return event.name
     return None
+
+
+def keys_stamp_of(rows: list[LedgerKey]) -> KeysStamp:
+    """The :data:`KeysStamp` of ``rows``, as the stores' aggregate reads compute it."""
+    revoked = [r.revoked_at for r in rows if r.revoked_at is not None]
+    created = sum(r.created_at for r in rows)
+    expires = sum(r.expires_at for r in rows if r.expires_at is not None)
+    return (len(rows), len(revoked), float(created), float(expires), float(sum(revoked)))

@@ -1,0 +1,83 @@
+"""A ledger with many key names: a replica's key refresh does not grow with them.
+
+The ledger keeps a row for every key name ever made (a name is never reused, so a
+revoked key stays refused), and a fleet that makes a key per job leaves hundreds of
+thousands. Each replica refreshes its copy every ``key_refresh_s``; reading every row
+each time cost, at 100,000 names, 16 % of a core of every idle replica (default 2 s) and
+stalled its requests half a second at each read. A refresh now reads one aggregate of
+the rows and the rows only when one changed, and a key made or revoked meanwhile is
+honoured as before.
+
+The old keys are written straight into the file, revoked (making 100,000 with the CLI
+would take the test minutes).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_key_replicas import cli, new_key, post, wait_for
+from test_worker_history import _cpu_s
+
+from effectguard.ledger.writerformat import FUNCTION, WRITER_FORMAT
+from effectguard.testing import fake_provider, running_proxy
+
+pytestmark = pytest.mark.slow
+
+OLD_KEYS = 100_000
+#: Refreshes often, so a refresh's cost shows within a few seconds.
+CONFIG = "[server]\nkey_refresh_s = 0.2\n"
+#: How long the idle replica is watched, and the share of one core it may use meanwhile:
+#: reading 100,000 rows five times a second kept it busy all the time; one aggregate, 2 %.
+IDLE_S = 4.0
+MAX_IDLE_CPU = 0.3
+
+
+def _old_keys(ledger: Path, count: int) -> None:
+    """Write ``count`` revoked keys of jobs long done into ``ledger``."""
+    subprocess.run(
+        [sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    conn = sqlite3.connect(ledger)
+    conn.create_function(FUNCTION, 0, lambda: WRITER_FORMAT)  # the triggers ask for it
+    with conn:
+        conn.executemany(
+            "INSERT INTO keys (name, sha256, budget_root, created_at, revoked_at) "
+            "VALUES (?, ?, 'jobs', 1.0e9, 1.0e9 + 60)",
+            ((f"job-{n}", f"{n:064x}") for n in range(count)),
+        )
+    conn.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_key_refresh_costs_one_read_until_a_key_changes(tmp_path: Path) -> None:
+    """With 100,000 old key names an idle replica stays idle, and a key made, then
+    revoked, on the CLI is honoured, then refused, within the refresh."""
+    ledger = tmp_path / "ledger.db"
+    _old_keys(ledger, OLD_KEYS)
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as provider,
+        running_proxy(
+            ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
+        ) as proxy,
+    ):
+        before = _cpu_s(proxy.process.pid)
+        time.sleep(IDLE_S)
+        share = (_cpu_s(proxy.process.pid) - before) / IDLE_S
+        assert share < MAX_IDLE_CPU, f"an idle replica used {share:.0%} of a core"
+
+        key = new_key(str(ledger), "--root", "team", "--name", "fresh")
+        wait_for(lambda: post(proxy, key).status_code == 200, "the new key to be honoured")
+        assert cli(str(ledger), "key", "revoke", "fresh").returncode == 0
+        wait_for(lambda: post(proxy, key).status_code == 401, "the revoked key to be refused")
+    assert len(provider.effects()) >= 1
