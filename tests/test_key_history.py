@@ -14,17 +14,13 @@ would take the test minutes).
 
 from __future__ import annotations
 
-import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from test_key_replicas import cli, new_key, post, wait_for
-from test_worker_history import _cpu_s
+from test_worker_history import _cpu_s, migrated
 
-from effectguard.ledger.writerformat import FUNCTION, WRITER_FORMAT
 from effectguard.testing import fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
@@ -40,14 +36,7 @@ MAX_IDLE_CPU = 0.3
 
 def _old_keys(ledger: Path, count: int) -> None:
     """Write ``count`` revoked keys of jobs long done into ``ledger``."""
-    subprocess.run(
-        [sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    conn = sqlite3.connect(ledger)
-    conn.create_function(FUNCTION, 0, lambda: WRITER_FORMAT)  # the triggers ask for it
+    conn = migrated(ledger)
     with conn:
         conn.executemany(
             "INSERT INTO keys (name, sha256, budget_root, created_at, revoked_at) "

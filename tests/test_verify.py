@@ -689,16 +689,24 @@ async def test_a_decisions_kept_result_that_cannot_be_replayed_is_named(
 ) -> None:
     """A recovered result kept with a decision is named when it is on a not-applied one,
     is not text in a body encoding, or an encoding stands without it (resealed chain)."""
+    report = await resealed_with(built, built.reconciled, "call.reconciled", edit)
+    assert any(problem in p for p in report.problems), report.problems
+
+
+async def resealed_with(
+    built: Built, call_id: str, kind: str, edit: dict[str, Any]
+) -> VerifyReport:
+    """Verify the ledger after ``edit`` is merged into the data of ``call_id``'s ``kind``
+    events and the chain resealed: only the verifier's own checks can tell."""
 
     def forge(rows: list[Row]) -> list[Row]:
         for row in rows:
-            if row.kind == "call.reconciled" and row.call_id == built.reconciled:
+            if row.kind == kind and row.call_id == call_id:
                 row.data = {**row.data, **edit}
         return rows
 
     reseal(built.path, forge)
-    report = await verify(built.path)
-    assert any(problem in p for p in report.problems), report.problems
+    return await verify(built.path)
 
 
 @pytest.mark.parametrize(
@@ -715,16 +723,8 @@ async def test_an_attempts_record_of_how_it_went_out_is_checked(
 ) -> None:
     """Where an attempt wrote its op id, where it was sent and its credential's digest are
     absent where not recorded, never empty or null, and the digest is a digest beside the
-    place it was sent (resealed chain: only the verifier's own check can tell)."""
-
-    def forge(rows: list[Row]) -> list[Row]:
-        for row in rows:
-            if row.kind == "attempt.started" and row.call_id == built.completed:
-                row.data = {**row.data, **edit}
-        return rows
-
-    reseal(built.path, forge)
-    report = await verify(built.path)
+    place it was sent (resealed chain)."""
+    report = await resealed_with(built, built.completed, "attempt.started", edit)
     assert any(problem in p for p in report.problems), report.problems
 
 

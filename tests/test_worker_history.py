@@ -46,8 +46,8 @@ IDLE_S = 4.0
 MAX_IDLE_CPU = 0.3
 
 
-def _old_workers(ledger: Path, count: int) -> None:
-    """Write ``count`` fenced workers of processes long gone into ``ledger``."""
+def migrated(ledger: Path) -> sqlite3.Connection:
+    """A new SQLite ledger, migrated by the CLI, opened to write rows straight in."""
     subprocess.run(
         [sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
         check=True,
@@ -56,6 +56,12 @@ def _old_workers(ledger: Path, count: int) -> None:
     )
     conn = sqlite3.connect(ledger)
     conn.create_function(FUNCTION, 0, lambda: WRITER_FORMAT)  # the triggers ask for it
+    return conn
+
+
+def _old_workers(ledger: Path, count: int) -> None:
+    """Write ``count`` fenced workers of processes long gone into ``ledger``."""
+    conn = migrated(ledger)
     with conn:
         conn.executemany(
             "INSERT INTO workers (worker, generation, host, pid, lease_expires, fenced) "
