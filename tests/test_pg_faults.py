@@ -544,7 +544,7 @@ def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
     that read up, reads again on a new connection, takes A over and frees the slots
     (contract §5.6). Before, B's sweeper waited for ever: every later request to the node
     was refused 429 ``concurrency`` for as long as the silence lasted."""
-    from effectguard.ledger.rows import WORKER_COLUMNS
+    from effectguard.ledger.queries import POSTGRES
     from effectguard.testing import start_proxy
 
     _ledger(pg_url, "migrate")
@@ -566,7 +566,7 @@ def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
             for thread in held:
                 thread.start()
             _wait(lambda: len(provider.effects()) == 2, "replica A to hold both slots")
-            relay.stall(f"SELECT {WORKER_COLUMNS} FROM workers", whole=True)  # B's sweeper
+            relay.stall(POSTGRES.live_workers, whole=True)  # B's sweeper's read
             _wait(lambda: relay.stalls == 1, "B's sweeper to wait on the silent connection")
             a.kill()
             answers: list[httpx.Response] = []
