@@ -216,7 +216,8 @@ def test_a_whole_stream_with_a_capitalised_type_is_streamed_and_its_usage_read(
     with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
         response = httpx.post(proxy.url + CHAT, json=_chat(True), headers=headers, timeout=30)
     assert response.status_code == 200
-    assert response.content == _EVENT + _USAGE + _DONE
+    # The usage event effectguard asked for is read, not shown (the client did not ask).
+    assert response.content == _EVENT + _DONE
     call = _call(capsys, ledger, response.headers[CALL_ID])
     assert call["stage"] == "completed"
     # Settled from the stream's usage (5 in, 1 out), far below the reservation.
@@ -355,14 +356,15 @@ def test_a_stream_whose_lines_end_in_a_lone_cr_is_whole_and_its_usage_read(
     upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An event stream with lone-CR line ends (the SSE standard allows CRLF, LF or CR) is
-    forwarded whole and settled from its usage; it was once booked as a broken stream
-    (effect unknown) and the client's stream cut off."""
+    forwarded whole (but the usage event effectguard asked for) and settled from its
+    usage; it was once booked as a broken stream (effect unknown) and the client's stream
+    cut off."""
     ledger = tmp_path / "ledger.db"
     headers = {"x-answer": "cr-stream"}
     with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
         response = httpx.post(proxy.url + CHAT, json=_chat(True), headers=headers, timeout=30)
     assert response.status_code == 200
-    assert response.content == (_EVENT + _USAGE + _DONE).replace(b"\n", b"\r")
+    assert response.content == (_EVENT + _DONE).replace(b"\n", b"\r")  # usage read, not shown
     call = _call(capsys, ledger, response.headers[CALL_ID])
     assert call["stage"] == "completed"
     assert call["cost_usd"] != call["reserved_usd"]  # from the stream's usage
