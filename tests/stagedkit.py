@@ -136,6 +136,17 @@ async def _operator_state(ledger: str, ids: dict[str, str]) -> None:
             await book.record_late_answer(writer, _late(ids[name], started, status, effect))
         (held,) = await book.calls(stage="in_flight")
         ids["in_flight"] = held.call_id
+        await _owner_lives_on(book, ledger, held.worker)
+
+
+async def _owner_lives_on(book: Ledger, ledger: str, worker: str) -> None:
+    """Make the in-flight call's worker look alive to every command: a worker of another
+    host (this one cannot see its lock) whose lease runs for years. ``reconcile`` would
+    otherwise take its call over (contract §7), and the refusal rows want it refused."""
+    (row,) = [r for r in await book.store.live_workers() if r.worker == worker]
+    owner = Writer(worker, row.generation)
+    await book.store.write(owner, lambda tx: operations.heartbeat(tx, owner, 10.0**9))
+    (Path(f"{ledger}.workers") / f"{worker}.lock").unlink()
 
 
 async def _staged(ledger: str) -> dict[str, str]:

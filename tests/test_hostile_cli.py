@@ -588,9 +588,9 @@ STAGE_ROWS = [
     *[([f"@{s}", "--accept-evidence"], "not effect_unknown") for s in [*DECIDED, "failed"]],
     *[([f"@{s}", "--applied", "--note", "n"], "nothing to reconcile") for s in SETTLED],
     *[([f"@{s}", "--not-applied", "--note", "n"], "nothing to reconcile") for s in SETTLED],
-    # An in-flight call may be one whose sender died: say how it becomes decidable.
-    (["@in_flight", "--applied", "--note", "n"], "start one if nothing serves this ledger"),
-    (["@in_flight", "--not-applied", "--note", "n"], "that worker's lease has passed"),
+    # An in-flight call whose worker lives (its lease runs): say how it becomes decidable.
+    (["@in_flight", "--applied", "--note", "n"], "Wait, then `effectguard show` it"),
+    (["@in_flight", "--not-applied", "--note", "n"], "or its lease has passed"),
     (["@unknown", "--accept-evidence"], "has no late answer recorded for attempt 1"),
     (["@unknown_late", "--accept-evidence"], "it proves nothing, so it decides nothing"),
     (["call_nothere", "--resend", "--note", "n"], "no call 'call_nothere'"),

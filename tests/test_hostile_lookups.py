@@ -641,6 +641,22 @@ REFUSED: dict[str, tuple[str, str, bytes]] = {
         b"metadata[effectguard_op][" + b"%2561" * 5000 + b"]=x"
     ),
     "the op-id field dotted": form_case(b"amount=1&metadata.effectguard_op=x"),
+    # A provider that reads a POST's query parameters could keep the client's op id.
+    "the op-id field in the query string": (
+        CHARGE + "?metadata[effectguard_op]=x",
+        FORM,
+        b"amount=1",
+    ),
+    "the op-id field percent-encoded in the query": (
+        CHARGE + "?expand=a&metadata%5BEffectguard_op%5D",
+        FORM,
+        b"amount=1",
+    ),
+    "the JSON op-id field in the query string": (
+        MAIL_SEND + "?metadata.effectguard_op=x",
+        "application/json",
+        b'{"to": "a@x"}',
+    ),
     "a form with a bad escape": form_case(b"amount=1&note=%ZZ"),
     "a form escaping bytes that are not UTF-8": form_case(b"amount=1&note=%ff"),
     "a form naming its model twice": form_case(b"model=other&amount=1&model=default"),
@@ -697,6 +713,7 @@ async def test_the_well_formed_neighbours_of_hostile_bodies_are_sent_once(
     cases = [
         form_case(b"amount=1&expand[]=a&expand[]=b"),
         form_case(b"amount=1&metadata[order]=7&metadata[effectguard]=x"),
+        (CHARGE + "?expand[]=a&metadata[order]=7", FORM, b"amount=1"),
         upload_case(whisper(field(b"language"))),
         mail_case({"Metadata": {"effectguard_op": "x", "order": "7"}}),  # x is replaced
     ]

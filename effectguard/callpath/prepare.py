@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 import httpx
 
@@ -147,7 +148,7 @@ def prepare(
     parsed, hashed = _parse_body(provider, request, path, endpoint, kind, content_type or "")
     model, price = _priced(provider, endpoint, parsed, kind)
     key = _idempotency_key(request)
-    _check_own_fields(endpoint, parsed, kind)
+    _check_own_fields(endpoint, parsed, kind, request.target)
     # Form or multipart fields are text, not token caps: priced per call or by the output bound.
     bounded = parsed if kind == "json" else percall.form_counts(parsed)
     stream = _stream(provider, parsed, kind)
@@ -242,10 +243,14 @@ def _stored_body(request: Outbound, sent: bytes) -> tuple[str, str]:
     return encode_body(sent)
 
 
-def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.BodyKind) -> None:
+def _check_own_fields(
+    endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.BodyKind, target: str
+) -> None:
     """Refuse (400) a body that has no place for a field effectguard must write into it:
     without the operation id, a lookup would never find the call, and "not found" would
-    wrongly read as "not applied"."""
+    wrongly read as "not applied". The same holds for a query string that sets the field:
+    a provider that reads a POST's query parameters (Stripe's API takes them) could keep
+    the client's value instead of effectguard's."""
     paths_: list[str] = []
     if endpoint.idempotency is not None and endpoint.idempotency.body_field is not None:
         paths_.append(endpoint.idempotency.body_field)
@@ -262,12 +267,16 @@ def _check_own_fields(endpoint: Endpoint, parsed: dict[str, Any], kind: bodies.B
             )
         if want == "json":
             paths_.append(endpoint.op_id.name)
-        if opfields.supplied(parsed, endpoint.op_id.name, want):
+        query = dict.fromkeys(k for k, _ in parse_qsl(target.partition("?")[2], True))
+        if opfields.supplied(parsed, endpoint.op_id.name, want) or (
+            query and opfields.supplied(query, endpoint.op_id.name, "form")
+        ):
             raise refuse(
                 400,
                 "invalid_request",
-                f"the request sets {endpoint.op_id.name!r} itself: that field is where "
-                "effectguard writes the call's operation id, which only effectguard may set",
+                f"the request sets {endpoint.op_id.name!r} itself (in its body or query): "
+                "that field is where effectguard writes the call's operation id, which only "
+                "effectguard may set",
             )
     if paths_ and kind != "json":
         raise refuse(400, "invalid_request", f"this endpoint's body must be {_MEDIA['json']}")

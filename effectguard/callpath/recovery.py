@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
+from effectguard.callpath.liveness import provably_dead
 from effectguard.config import defaults
 from effectguard.errors import FencedError, LedgerError
 from effectguard.ledger import Ledger, Writer, operations
-from effectguard.ledger.base import WorkerRow
 
 log = logging.getLogger("effectguard.callpath.recovery")
 
@@ -224,7 +224,7 @@ class WorkerRuntime:
         # every replica, every sweep_s, time on its event loop growing without end (200,000
         # old rows: a sixth of a core idle, requests held up 1.6 s).
         rows = await self.ledger.store.live_workers()
-        dead = frozenset(self._provably_dead(rows))
+        dead = frozenset(provably_dead(rows, self.lock_dir, self.host, self.worker_id))
         # A lease lapses by the ledger's clock, which NTP or a resumed VM may step forward
         # past every live worker's lease at once. Only a worker whose lease this sweeper saw
         # unchanged a sweep ago (no heartbeat in between) is taken over for its lease. The
@@ -283,26 +283,6 @@ class WorkerRuntime:
             elif result.stage == "effect_unknown":
                 marked.append(call.call_id)
         return marked
-
-    def _provably_dead(self, rows: list[WorkerRow]) -> set[str]:
-        """Workers on this host whose liveness lock is free: their process is gone."""
-        dead: set[str] = set()
-        if self.lock_dir is None:
-            return dead
-        for row in rows:
-            if row.fenced or row.host != self.host or row.worker == self.worker_id:
-                continue
-            path = self.lock_dir / f"{row.worker}.lock"
-            if not path.exists():
-                continue
-            with path.open("ab") as handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                fcntl.flock(handle, fcntl.LOCK_UN)
-                dead.add(row.worker)
-        return dead
 
     def _writer(self) -> Writer:
         if self.writer is None:

@@ -120,10 +120,10 @@ def _check_reconcilable(state: WorkState) -> None:
     call_id = state.call_id
     if state.stage == "in_flight":
         raise ReconcileError(
-            f"call {call_id} is in_flight: its attempt is still running, or the process "
-            "that sent it has stopped. Once that worker's lease has passed, the sweeper of "
-            "any running `effectguard serve` (or guard transport) on this ledger marks it "
-            "effect_unknown: start one if nothing serves this ledger, then reconcile it",
+            f"call {call_id} is in_flight: its worker is still working on it, or stopped "
+            "less than a lease ago. Wait, then `effectguard show` it: once that worker's "
+            "process is gone (seen at once on its host) or its lease has passed, "
+            "`effectguard reconcile` takes the call over and decides it",
             call_id=call_id,
         )
     if state.stage not in workstate.RECONCILABLE:

@@ -46,6 +46,7 @@ from effectguard.rules.events import (
     WorkerTakenOver,
     seal,
 )
+from effectguard.rules.liveness import LEASE_EXPIRED, PROCESS_GONE
 from effectguard.rules.quickinit import quick_init
 from effectguard.rules.retention import decide_archived
 from effectguard.rules.workstate import WorkState
@@ -445,7 +446,7 @@ def sweep(
             lapsed = False
         if row.worker == writer.worker or not (lapsed or row.worker in provably_dead):
             continue
-        reason = "lease expired" if lapsed else "process gone"
+        reason = LEASE_EXPIRED if lapsed else PROCESS_GONE
         tx.put_worker(
             WorkerRow(row.worker, row.generation, row.host, row.pid, row.lease_expires, fenced=True)
         )

@@ -117,6 +117,7 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
         return _usage("reconcile needs --note TEXT saying how you know")
     if args.cost is not None and not args.applied:
         return _usage("--cost goes with --applied")
+    await _take_over_gone(args, ledger)
     state = await ledger.reconcile(
         args.call_id,
         applied=args.applied,
@@ -130,6 +131,14 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     return EXIT_OK
 
 
+async def _take_over_gone(args: argparse.Namespace, ledger: Ledger) -> None:
+    """Calls in flight whose worker is gone become effect_unknown first, as the next start
+    of ``serve`` would make them: after a crash, the call to decide is still in flight."""
+    from effectguard.ops.takeover import say_taken_over, take_over_gone
+
+    say_taken_over(await take_over_gone(ledger, str(args.ledger)))
+
+
 async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:
     if args.accept_evidence or args.applied or args.not_applied or args.cost is not None:
         return _usage(
@@ -139,6 +148,7 @@ async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:
         return _usage("reconcile --resend needs CALL_ID")
     if not args.note:
         return _usage("reconcile --resend needs --note TEXT saying why the risk is accepted")
+    await _take_over_gone(args, ledger)
     state = await ledger.authorize_resend(
         args.call_id, note=args.note, by=args.by, attempt=args.attempt
     )
@@ -154,6 +164,7 @@ async def _reconcile_by_evidence(
             "reconcile --accept-evidence needs CALL_ID, and no --applied/--not-applied/--cost "
             "(the late answer decides them)"
         )
+    await _take_over_gone(args, ledger)
     state = await ledger.accept_evidence(
         args.call_id, note=args.note, by=args.by, attempt=args.attempt
     )
@@ -168,6 +179,7 @@ async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger, crash: Crash
 
     dirs = [Path(p) for p in args.providers or ()]
     providers = load_providers(dirs, upstreams(args), name_upstream=upstream_flag)
+    await _take_over_gone(args, ledger)
     results = await reconcile_auto(ledger, providers, crash=crash)
     # The note says what the lookup answered and why it decides, or why it does not.
     text = "\n".join(f"{r['call_id']}: {r['result']} ({r['note']})" for r in results)

@@ -149,11 +149,14 @@ def _evidence_lines(events: list[StoredEvent]) -> list[str]:
     return lines
 
 
-def next_commands(state: WorkState, events: list[StoredEvent], where: str = "") -> str | None:
+def next_commands(
+    state: WorkState, events: list[StoredEvent], where: str = "", owner_gone: str | None = None
+) -> str | None:
     """The exact command(s) to run next, ``|``-separated; a late answer that decides an
     effect-unknown call offers ``--accept-evidence`` first. ``where`` (`` --ledger X``)
-    follows the call id of each: copied as printed, a command reads the ledger shown."""
-    command = next_command(state.call_id, state.stage, state.attempts or None)
+    follows the call id of each: copied as printed, a command reads the ledger shown.
+    ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
+    command = next_command(state.call_id, state.stage, state.attempts or None, owner_gone)
     late = evidence.latest(events, state.attempts)
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
@@ -182,17 +185,10 @@ def decisions(events: list[StoredEvent]) -> list[str]:
     return lines
 
 
-def render(
-    state: WorkState,
-    events: list[StoredEvent],
-    *,
-    full: bool,
-    now: float,
-    stored_bytes: int | None = None,
-    where: str = "",
-) -> str:
-    """The text of ``effectguard show`` (``stored_bytes``: see :func:`request_text`;
-    ``where``: see :func:`next_commands`)."""
+def _head(
+    state: WorkState, events: list[StoredEvent], now: float, owner_gone: str | None
+) -> list[str]:
+    """The lines of ``show`` above the money: what the call is, and whose."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     lines = [
         f"call {state.call_id}",
@@ -204,10 +200,31 @@ def render(
         f"  key        {state.idempotency_key or '-'}",
         f"  created    {iso(state.created_at)} ({age(state.created_at, now)} ago)",
     ]
+    if owner_gone is not None:
+        lines.append(
+            f"  owner      worker {state.worker} is gone ({owner_gone}): "
+            "`effectguard reconcile` takes the call over, and it becomes effect_unknown"
+        )
     if state.status is not None:
         lines.append(f"  status     {state.status}")
     if state.flagged:
         lines.append(f"  flagged    {state.flagged}")
+    return lines
+
+
+def render(
+    state: WorkState,
+    events: list[StoredEvent],
+    *,
+    full: bool,
+    now: float,
+    stored_bytes: int | None = None,
+    where: str = "",
+    owner_gone: str | None = None,
+) -> str:
+    """The text of ``effectguard show`` (``stored_bytes``: see :func:`request_text`;
+    ``where`` and ``owner_gone``: see :func:`next_commands`)."""
+    lines = _head(state, events, now, owner_gone)
     lines += ["", "money (USD)"]
     lines += [
         f"  reserved at admission  {money(state.reserved_at_admission)}",
@@ -236,7 +253,7 @@ def render(
     text = request_text(events, stored_bytes)
     lines += ["", "request"]
     lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
-    command = next_commands(state, events, where)
+    command = next_commands(state, events, where, owner_gone)
     choices = command.split(" | ") if command else ["nothing to do"]
     lines += ["", "next", *(f"  {'or ' if i else ''}{c}" for i, c in enumerate(choices))]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import socket
 import sys
 import time
 from datetime import UTC, date, datetime
@@ -31,7 +32,7 @@ from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules import periods
-from effectguard.rules.workstate import STAGES
+from effectguard.rules.workstate import STAGES, WorkState
 
 CALL_COLUMNS = [
     "created",
@@ -82,13 +83,28 @@ async def cmd_calls(args: argparse.Namespace, ledger: Ledger) -> int:
     return EXIT_OK
 
 
+async def _owner_gone(args: argparse.Namespace, ledger: Ledger, state: WorkState) -> str | None:
+    """Why the worker of a call in flight will not finish it (None: it may, or the call is
+    not in flight), judged as a sweep would (:mod:`effectguard.callpath.liveness`)."""
+    from effectguard.callpath.liveness import gone_owners
+    from effectguard.callpath.recovery import lock_dir_for
+
+    if state.stage != "in_flight":
+        return None
+    lock_dir = lock_dir_for(str(args.ledger))
+    gone = await gone_owners(ledger, [state], lock_dir, socket.gethostname())
+    return gone.get(state.call_id)
+
+
 async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
     """``effectguard show CALL_ID``: the request, attempts, money and the next command."""
     state = await ledger.call(args.call_id)
     events = await ledger.events(args.call_id)
     stored = await ledger.body_size(args.call_id)
+    gone = await _owner_gone(args, ledger, state)
     payload = {
         **call_json(state),
+        "owner_gone": gone,
         "events": [
             {
                 "seq": e.seq,
@@ -103,7 +119,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
         "request": showcall.request_json(events, stored),
         "attempts_detail": showcall.attempts(events),
         "evidence": showcall.late_answers(events),
-        "next_command": showcall.next_commands(state, events, ledger_flags(args)),
+        "next_command": showcall.next_commands(state, events, ledger_flags(args), gone),
     }
     if args.json:
         emit(args, payload, "")
@@ -115,6 +131,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
             now=time.time(),
             stored_bytes=stored,
             where=ledger_flags(args),
+            owner_gone=gone,
         )
         emit(args, payload, text)
     return EXIT_OK

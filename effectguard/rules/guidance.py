@@ -47,10 +47,13 @@ def unknown_effect(call_id: str) -> str:
     return f"call {call_id}: its effect is unknown; {decide_unknown(call_id)}"
 
 
-def next_command(call_id: str, stage: str, attempt: int | None = None) -> str | None:
+def next_command(
+    call_id: str, stage: str, attempt: int | None = None, owner_gone: str | None = None
+) -> str | None:
     """The exact command an operator runs next for a call in ``stage``, its last attempt
-    being ``attempt`` (None: nothing)."""
-    if stage in DECIDED_BY_RECONCILE:
+    being ``attempt`` (None: nothing). A call in flight whose owner is gone (``owner_gone``
+    says why) is decided like an unknown one: ``reconcile`` takes it over first."""
+    if stage in DECIDED_BY_RECONCILE or (stage == "in_flight" and owner_gone is not None):
         return reconcile_command(call_id, attempt)
     if stage == "in_flight":
         return f"wait (it is in flight), then `{show_command(call_id)}`"

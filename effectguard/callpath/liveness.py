@@ -1,0 +1,75 @@
+"""Which workers' processes are gone: the proofs a sweep takes them over by (contract §7).
+
+A worker holds an OS file lock (``flock``) beside a file ledger for as long as its
+process lives; the kernel drops it when the process dies, however it dies. Only a
+process on the same host can see that lock. Elsewhere, and on PostgreSQL, a worker is
+known gone only once its lease runs out by the ledger's clock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from collections.abc import Iterable
+from pathlib import Path
+
+from effectguard.ledger import Ledger
+from effectguard.ledger.base import WorkerRow
+from effectguard.rules.liveness import owner_gone
+from effectguard.rules.workstate import WorkState
+
+
+def lock_free(lock_dir: Path, worker: str) -> bool:
+    """Whether ``worker``'s liveness lock exists and nobody holds it: its process is gone.
+
+    A missing file proves nothing (a worker of another host, or one removed by the sweep
+    that took it over), so it counts as held."""
+    path = lock_dir / f"{worker}.lock"
+    if not path.exists():
+        return False
+    with path.open("ab") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
+def provably_dead(
+    rows: Iterable[WorkerRow], lock_dir: Path | None, host: str, me: str = ""
+) -> set[str]:
+    """Workers of ``rows`` on ``host`` (other than ``me``) whose liveness lock is free."""
+    if lock_dir is None:
+        return set()
+    return {
+        row.worker
+        for row in rows
+        if not row.fenced
+        and row.host == host
+        and row.worker != me
+        and lock_free(lock_dir, row.worker)
+    }
+
+
+async def gone_owners(
+    ledger: Ledger, calls: Iterable[WorkState], lock_dir: Path | None, host: str
+) -> dict[str, str]:
+    """Of ``calls`` in flight, those whose owner will not finish them: call id -> why."""
+    calls = [c for c in calls if c.stage == "in_flight"]
+    if not calls:
+        return {}
+    rows = {row.worker: row for row in await ledger.store.live_workers()}
+    now = await ledger.store.clock_now()
+    dead = provably_dead(rows.values(), lock_dir, host)
+    gone: dict[str, str] = {}
+    for call in calls:
+        row = rows.get(call.worker)
+        reason = owner_gone(
+            live=row is not None,
+            lease_expires=0.0 if row is None else row.lease_expires,
+            now=now,
+            lock_free=call.worker in dead,
+        )
+        if reason is not None:
+            gone[call.call_id] = reason
+    return gone

@@ -1,0 +1,49 @@
+"""Before ``effectguard reconcile`` decides: take over the workers whose process is gone.
+
+After a crash with nothing restarted on the ledger, the dead process's calls stay
+``in_flight``: only a sweep marks them ``effect_unknown`` (contract §7), and a sweep runs
+in a process that writes. ``reconcile`` writes, so it is one: when a call in flight has
+an owner that will not finish it, the command registers as a worker, sweeps once as a
+``serve`` start would, and stops. With no such call it writes nothing of its own.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Final
+
+from effectguard.callpath.liveness import gone_owners
+from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.ledger import Ledger
+
+#: Calls in flight looked at (far more than are ever in flight at once).
+IN_FLIGHT_READ: Final = 100_000
+
+
+async def take_over_gone(ledger: Ledger, ledger_url: str) -> dict[str, str]:
+    """Sweep once if a call in flight has an owner that is gone; returns the calls the
+    sweep marked effect unknown, each with why its owner was given up."""
+    lock_dir = lock_dir_for(ledger_url)
+    host = socket.gethostname()
+    in_flight = await ledger.calls(stage="in_flight", limit=IN_FLIGHT_READ)
+    gone = await gone_owners(ledger, in_flight, lock_dir, host)
+    if not gone:
+        return {}
+    worker = WorkerRuntime(ledger, lock_dir=lock_dir, host=host)
+    await worker.register()
+    try:
+        marked = await worker.sweep()
+    finally:
+        await worker.stop()
+    return {call_id: gone.get(call_id, "its worker is gone") for call_id in marked}
+
+
+def say_taken_over(marked: dict[str, str]) -> None:
+    """One line on stderr per call the sweep marked (stdout stays the command's answer)."""
+    for call_id, why in marked.items():
+        print(
+            f"effectguard: call {call_id} was in flight on a worker that is gone ({why}); "
+            "taken over, it is effect_unknown now",
+            file=sys.stderr,
+        )

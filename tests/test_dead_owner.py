@@ -1,0 +1,170 @@
+"""After a crash with nothing restarted, the CLI knows a call in flight will not finish.
+
+A call stays ``in_flight`` until a sweep marks it ``attempt.interrupted`` (contract §7),
+and only a process that writes sweeps. Before, after ``serve`` was killed and not
+restarted, ``show`` said "wait (it is in flight)" for good, ``reconcile`` refused the
+call (exit 3), and ``reconcile --auto`` found nothing to ask. Now ``show`` says the
+owner is gone and why, and ``reconcile`` (every form) takes the dead worker over first,
+as the next start of ``serve`` would. A live owner's call is still refused, and nothing
+is written for it. Effects are counted from the fake provider's receipts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_reconcile_auto import SEND, crash, email, upstreams
+from toolkit import cli_json as cli
+
+from effectguard.testing import fake_provider, start_proxy
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``effectguard`` command, whatever it exits with."""
+    return subprocess.run(
+        [sys.executable, "-m", "effectguard", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def kinds(ledger: Path, call_id: str) -> list[str]:
+    """The kinds of a call's events, in order."""
+    return [e["kind"] for e in cli("show", call_id, "--ledger", str(ledger))["events"]]
+
+
+def test_a_dead_servers_call_is_shown_gone_and_reconciled_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """``show`` names the gone owner and offers ``reconcile``; ``reconcile --applied`` takes
+    the worker over (the call becomes effect_unknown, held) and decides it; nothing is
+    sent again, and ``verify`` accepts the takeover the command wrote."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash(ledger, fake, "after:dispatch", SEND, email("a@x"), {"Idempotency-Key": "a"})
+        (call,) = cli("calls", *where)
+        call_id = call["call_id"]
+        assert call["stage"] == "in_flight"
+
+        shown = cli("show", call_id, *where)
+        assert shown["owner_gone"] == "process gone", shown
+        assert shown["next_command"].startswith(f"effectguard reconcile {call_id} --ledger")
+        text = run("show", call_id, *where).stdout
+        assert f"worker {shown['events'][-1]['worker']} is gone (process gone)" in text, text
+        assert "wait (it is in flight)" not in text
+
+        decided = run("reconcile", call_id, "--applied", "--note", "receipt seen", *where)
+        assert decided.returncode == 0, decided.stderr
+        assert f"call {call_id} was in flight on a worker that is gone" in decided.stderr
+        assert "reconciled_applied" in decided.stdout
+        events = kinds(ledger, call_id)
+        assert events[3:] == [
+            "attempt.interrupted",
+            "budget.held",
+            "call.reconciled",
+            "budget.unheld",
+        ], events
+        assert cli("show", call_id, *where)["owner_gone"] is None
+        assert len(fake.effects()) == 1
+        assert cli("verify", *where)["ok"] is True
+
+
+def test_auto_reconcile_after_a_crash_asks_about_the_dead_servers_call(tmp_path: Path) -> None:
+    """``reconcile --auto`` with nothing restarted: the crashed call is taken over and its
+    lookup decides it (the provider took it: applied)."""
+    ledger = tmp_path / "ledger.db"
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash(ledger, fake, "after:dispatch", SEND, email("b@x"), {"Idempotency-Key": "b"})
+        (call,) = cli("calls", "--ledger", str(ledger))
+        assert call["stage"] == "in_flight"
+        results = cli(
+            "reconcile", "--auto", "--ledger", str(ledger), "--upstream", f"send_email={fake.url}"
+        )
+        assert results == [
+            {"call_id": call["call_id"], "result": "applied", "note": results[0]["note"]}
+        ], results
+        shown = cli("show", call["call_id"], "--ledger", str(ledger))
+        assert shown["stage"] == "reconciled_applied"
+        assert len(fake.effects()) == 1
+        assert cli("verify", "--ledger", str(ledger))["ok"] is True
+
+
+def test_a_lapsed_lease_is_gone_where_the_lock_cannot_be_seen(tmp_path: Path) -> None:
+    """An owner whose lock this host cannot see (another host's; here its lock file is
+    removed) is gone once its lease runs out by the ledger's clock, not before."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "effectguard.toml"
+    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\n")
+    args = ("--config", str(config))
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash(ledger, fake, "after:dispatch", SEND, email("c@x"), {"Idempotency-Key": "c"}, args)
+        for lock in Path(f"{ledger}.workers").glob("*.lock"):
+            lock.unlink()
+        (call,) = cli("calls", "--ledger", str(ledger))
+        shown = cli("show", call["call_id"], "--ledger", str(ledger))
+        if shown["owner_gone"] is None:  # the lease may still run: then it must run out
+            assert shown["next_command"].startswith("wait (it is in flight)")
+            time.sleep(2.5)
+            shown = cli("show", call["call_id"], "--ledger", str(ledger))
+        assert shown["owner_gone"] == "lease expired", shown
+        decided = run(
+            "reconcile", call["call_id"], "--not-applied", "--note", "n", "--ledger", str(ledger)
+        )
+        assert decided.returncode == 0, decided.stderr
+        assert "(lease expired)" in decided.stderr
+        assert cli("show", call["call_id"], "--ledger", str(ledger))["stage"] == (
+            "reconciled_not_applied"
+        )
+
+
+def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    """While ``serve`` is working on the call, ``show`` says wait, ``reconcile`` refuses
+    (exit 3) and the command writes no worker of its own."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        proxy = start_proxy(ledger, upstreams=upstreams(fake))
+        answers: list[httpx.Response] = []
+        slow = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    proxy.url + SEND,
+                    json=email("d@x"),
+                    headers={"x-fake-delay": "4"},
+                    timeout=30,
+                )
+            )
+        )
+        try:
+            slow.start()
+            deadline = time.monotonic() + 10
+            calls: list[Any] = []
+            while not calls and time.monotonic() < deadline:
+                calls = cli("calls", *where, "--state", "in_flight")
+                time.sleep(0.1)
+            (call,) = calls
+            before = cli("show", call["call_id"], *where)
+            assert before["owner_gone"] is None
+            assert before["next_command"].startswith("wait (it is in flight)")
+            refused = run("reconcile", call["call_id"], "--not-applied", "--note", "n", *where)
+            assert refused.returncode == 3, refused.stdout + refused.stderr
+            assert "taken over" not in refused.stderr
+            after = cli("show", call["call_id"], *where)
+            assert len(after["events"]) == len(before["events"])
+            slow.join(30)
+        finally:
+            proxy.stop()
+        assert answers and answers[0].status_code == 200, answers
+        assert cli("show", call["call_id"], *where)["stage"] == "completed"
+        assert len(fake.effects()) == 1
