@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+from pathlib import Path
 
 import pytest
 from test_store_contract import clock, ledger, ledger_url, ns, store_kind  # noqa: F401
@@ -15,6 +16,7 @@ from test_store_contract import clock, ledger, ledger_url, ns, store_kind  # noq
 from effectguard.errors import KeyChangeRefused
 from effectguard.ledger import Ledger
 from effectguard.ops.verify import verify_ledger
+from effectguard.rules import keys
 from effectguard.rules.events import KeyCreated
 
 
@@ -141,3 +143,46 @@ async def test_verify_refuses_a_revocation_of_a_key_never_created(tmp_path: obje
     verifier = Verifier()
     verifier.feed(events[1])  # the revocation alone: its key was never created
     assert any("not live" in p for p in verifier.report.problems), verifier.report.problems
+
+
+async def test_the_key_events_since_a_seq_fold_into_the_rows(
+    ledger: Ledger,  # noqa: F811
+    ns: str,  # noqa: F811
+) -> None:
+    """What a replica's key refresh reads after its first: the key events after a seq, in
+    ledger order, which folded over the rows read before them give the rows as the ledger
+    has them, and folded again over those rows change nothing."""
+    high = await ledger.key_events_high()
+    before = {k.name: k for k in await ledger.keys()}
+    await ledger.create_key(created(f"{ns}-r1"))
+    await ledger.set_limit(f"{ns}-other", 10)  # not a key event: not read
+    await ledger.create_key(created(f"{ns}-r2"))
+    await ledger.revoke_key(f"{ns}-r1")
+    await ledger.create_key(created(f"{ns}-r1", root="team-b"))  # a revoked name made again
+    events = await ledger.key_events_since(high)
+    assert [(e.kind, e.data["name"]) for e in events] == [
+        ("key.created", f"{ns}-r1"),
+        ("key.created", f"{ns}-r2"),
+        ("key.revoked", f"{ns}-r1"),
+        ("key.created", f"{ns}-r1"),
+    ]
+    assert [e.seq for e in events] == sorted({e.seq for e in events})
+    assert await ledger.key_events_high() == events[-1].seq
+    assert await ledger.key_events_since(events[-1].seq) == []
+    after = {k.name: k for k in await ledger.keys()}
+    assert keys.folded(before, events) == after
+    assert keys.folded(after, events) == after
+
+
+def test_the_key_events_are_read_through_their_index(tmp_path: Path) -> None:
+    """SQLite reads both key-event queries through ``events_keys`` (migration 20), not by
+    a scan of every event: the queries' list of kinds is the index's, literally."""
+    from effectguard.ledger.queries import SQLITE
+    from effectguard.ledger.sqliteschema import connect, migrate
+
+    conn = connect(str(tmp_path / "ledger.db"))
+    migrate(conn)
+    for sql, params in ((SQLITE.key_events, (0,)), (SQLITE.key_events_high, ())):
+        plan = " ".join(str(r[-1]) for r in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+        assert "INDEX events_keys" in plan, plan
+    conn.close()

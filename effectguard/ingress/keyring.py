@@ -4,11 +4,12 @@ Keys made with ``effectguard key new`` live in the ledger (as SHA-256 digests). 
 replica keeps a copy of the ledger's key rows and reads them again every
 ``key_refresh_s`` seconds (default 2 s), so a key created or revoked on any replica
 (or by the CLI) is honoured by every replica within about that long, with no
-restart. Each interval reads one aggregate of the key rows (rules/keys.KeysStamp), and
-the rows themselves only when it changed: a ledger keeps a row for every key name ever
-made, and reading them all every interval cost a replica 16% of a core at 100,000 names
-(and stalled its requests half a second at each read). Expiry is judged at each request,
-so an expiring key needs no read. The request path is a dict lookup.
+restart. The first read takes every key row; each interval after it reads only the key
+events written since the last one it folded (through an index of key events), and folds
+them into the copy: a ledger keeps a row for every key name ever made, and reading them
+all every interval cost a replica 16% of a core at 100,000 names, and half a second of
+stalled requests at each change. Expiry is judged at each request, so an expiring key
+needs no read. The request path is a dict lookup.
 
 A copy that could not be read again is not trusted for long: the ledger's writes may
 go on while its reads fail or hang (the reader is a connection of its own on
@@ -36,8 +37,8 @@ from effectguard.config.defaults import KEY_READ_WAIT_S
 from effectguard.config.settings import ProxyKey, hash_key
 from effectguard.errors import LedgerUnavailable, Refusal
 from effectguard.ledger import Ledger
-from effectguard.rules import nesting
-from effectguard.rules.keys import KeysStamp, LedgerKey
+from effectguard.rules import keys, nesting
+from effectguard.rules.keys import LedgerKey
 
 log = logging.getLogger("effectguard.ingress.keyring")
 
@@ -112,7 +113,8 @@ class KeyRing:
         self._config = {k.sha256: _from_config(k) for k in config_keys}
         #: Each digest's rows (a secret made twice under two names has two).
         self._ledger: dict[str, tuple[LedgerKey, ...]] = {}
-        self._stamp: KeysStamp | None = None  # of the rows held
+        self._rows: dict[str, LedgerKey] = {}  # the same rows, by name
+        self._seq: int | None = None  # the last key event folded in (None: none read yet)
         self._ledger_ever = False
         self._refresh_s = refresh_s
         self._clock = clock
@@ -133,22 +135,27 @@ class KeyRing:
         """
         started = time.monotonic()
         try:
-            async with asyncio.timeout(KEY_READ_WAIT_S):  # the stamp and the rows together
-                stamp = await ledger.keys_stamp()
-                if stamp == self._stamp:
-                    self._read_at = started  # nothing was written: the copy is current
-                    return
-                rows = await ledger.keys()
+            async with asyncio.timeout(KEY_READ_WAIT_S):  # every read of one refresh
+                rows, seq = self._rows, self._seq
+                if seq is None:
+                    # Key events written while the rows are read are folded again: that
+                    # leaves the rows as the ledger has them (rules/keys.folded).
+                    seq = await ledger.key_events_high()
+                    rows = {row.name: row for row in await ledger.keys()}
+                events = await ledger.key_events_since(seq)
         except TimeoutError as exc:
             raise LedgerUnavailable(
                 f"reading the proxy keys took longer than {KEY_READ_WAIT_S:g} s"
             ) from exc
-        by_digest: dict[str, tuple[LedgerKey, ...]] = {}
-        for row in rows:
-            by_digest[row.sha256] = (*by_digest.get(row.sha256, ()), row)
-        # Read before the rows: a write between the two makes the next stamp differ.
-        self._ledger, self._stamp = by_digest, stamp
-        self._ledger_ever = self._ledger_ever or bool(rows)
+        if events or self._seq is None:
+            changed = keys.folded(rows, events)
+            if self._seq is None:
+                self._ledger = keys.by_digest(changed.values())
+            else:
+                fresh = (changed[n] for n in {e.data.get("name") for e in events} if n in changed)
+                self._ledger = keys.regrouped(self._ledger, rows, fresh)
+            self._rows, self._seq = changed, events[-1].seq if events else seq
+            self._ledger_ever = self._ledger_ever or bool(changed)
         self._read_at = started  # the copy holds what the ledger held when the read began
 
     async def start(self, ledger: Ledger) -> None:

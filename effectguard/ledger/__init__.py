@@ -37,7 +37,7 @@ from effectguard.rules.budgetview import (
     ways_to,
 )
 from effectguard.rules.events import AttemptLateAnswer, Event, KeyCreated, StoredEvent
-from effectguard.rules.keys import KeysStamp, LedgerKey
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.workstate import Stage, WorkState
 
 log = logging.getLogger("effectguard.ledger")
@@ -294,9 +294,13 @@ class Ledger:
         """Every proxy key in the ledger, revoked and expired ones included."""
         return await self.store.keys()
 
-    async def keys_stamp(self) -> KeysStamp:
-        """What changes whenever a proxy key is made or revoked (rules/keys.KeysStamp)."""
-        return await self.store.keys_stamp()
+    async def key_events_since(self, seq: int) -> list[StoredEvent]:
+        """The ``key.created`` / ``key.revoked`` events after ``seq``, in ledger order."""
+        return await self.store.key_events_since(seq)
+
+    async def key_events_high(self) -> int:
+        """The seq of the last key event (0: none)."""
+        return await self.store.key_events_high()
 
     async def set_policy(self, policy: BudgetPolicy, writer: Writer = OPERATOR) -> None:
         """Declare budget ``policy.path``'s limit, period, timezone and rate limits."""

@@ -26,7 +26,7 @@ from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import StoredEvent
-from effectguard.rules.keys import KeysStamp, LedgerKey
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
@@ -393,9 +393,14 @@ class LedgerStore(Protocol):
         """Every proxy key row (revoked and expired ones too), by name."""
         ...
 
-    async def keys_stamp(self) -> KeysStamp:
-        """What changes whenever a proxy key row is written (rules/keys.KeysStamp): read
-        in one aggregate, so a replica re-reads every key only when one changed."""
+    async def key_events_since(self, seq: int) -> list[StoredEvent]:
+        """The ``key.created`` and ``key.revoked`` events after ``seq``, in ledger order:
+        what a replica's copy of the key rows lacks (read through an index of those
+        events only, so it costs what changed, not every key ever made)."""
+        ...
+
+    async def key_events_high(self) -> int:
+        """The seq of the last key event (0: none)."""
         ...
 
     async def limit_events(self) -> list[StoredEvent]:

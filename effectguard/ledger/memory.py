@@ -31,7 +31,8 @@ from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key, is_under
 from effectguard.rules.budgetview import Policyless, tree_order
 from effectguard.rules.events import GENESIS_DIGEST, BudgetLimitSet, StoredEvent
-from effectguard.rules.keys import KeysStamp, LedgerKey, keys_stamp_of
+from effectguard.rules.keys import KINDS as KEY_KINDS
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import UNRESOLVED, Stage, WorkState
@@ -417,9 +418,13 @@ class MemoryStore:
         with self.tables.lock:
             return sorted(self.tables.keys.values(), key=lambda k: k.name)
 
-    async def keys_stamp(self) -> KeysStamp:
+    async def key_events_since(self, seq: int) -> list[StoredEvent]:
         with self.tables.lock:
-            return keys_stamp_of(list(self.tables.keys.values()))
+            return [e for e in self.tables.events if e.seq > seq and e.kind in KEY_KINDS]
+
+    async def key_events_high(self) -> int:
+        with self.tables.lock:
+            return max((e.seq for e in self.tables.events if e.kind in KEY_KINDS), default=0)
 
     async def limit_events(self) -> list[StoredEvent]:
         with self.tables.lock:

@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import versions, writerformat
 from effectguard.ledger.pgdriver import psycopg, sql
+from effectguard.ledger.queries import KEY_KINDS_TEXT
 
 log = logging.getLogger("effectguard.ledger")
 
@@ -258,6 +259,14 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "sent (attempt.started's sent_to and key_digest); releases before it may no longer "
         "write this ledger",
         [*writerformat.pg_require(3)],
+    ),
+    (
+        13,
+        "an index of the key events, by seq",
+        [
+            # As SQLite's migration 20 (ingress/keyring reads the key events it lacks).
+            f"CREATE INDEX events_keys ON events(seq) WHERE kind IN ({KEY_KINDS_TEXT})",
+        ],
     ),
 ]
 

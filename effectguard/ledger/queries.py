@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from effectguard.ledger import sqlitecalls, sqliteevents
 from effectguard.ledger.rows import (
@@ -114,6 +114,15 @@ class BodyQueries:
         )
 
 
+#: The kinds of key events as a SQL list, as PostgreSQL stores them (text).
+KEY_KINDS_TEXT: Final = "'key.created', 'key.revoked'"
+#: As SQLite stores them: their code (format 4), or their text (rows of older formats).
+KEY_KINDS_SQLITE: Final = (
+    f"{sqliteevents.KIND_CODES['key.created']}, {sqliteevents.KIND_CODES['key.revoked']}, "
+    + KEY_KINDS_TEXT
+)
+
+
 class Queries:
     """Every statement both stores send, in one dialect.
 
@@ -147,6 +156,7 @@ class Queries:
         spend_from: str = "calls",
         day: str = "CAST(created_at / 86400 AS INTEGER)",
         binary: str = "",
+        key_kinds: str = KEY_KINDS_TEXT,
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -169,8 +179,7 @@ class Queries:
         )
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
-        self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {m}"
-        self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
+        self._workers(false)
         #: Per-period counters; each store adds how it matches a list of (path, period).
         self.nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods"
         #: Budget policies; each store adds how it matches a list of paths.
@@ -181,17 +190,22 @@ class Queries:
         )
         # -- scans (operators, metrics, verify)
         self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
-        self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
         self._budget_scans(binary)
         self._spends(index, spend, spend_from, day, newest_first)
         self._sweep_page(state)
         self._keys()
-        self._kinds(ev)
+        self._kinds(ev, key_kinds)
         self.stage_counts = (
             f"SELECT provider, stage, count(*), coalesce(sum({held}), 0), min(created_at) "
             f"FROM calls WHERE {UNRESOLVED_SQL} GROUP BY provider, stage"
         )
         self._writes(event_insert)
+
+    def _workers(self, false: str) -> None:
+        """The reads of workers: one by id, the live ones (what a sweep reads), and all."""
+        self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {self.mark}"
+        self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
+        self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
 
     def _spends(self, index: str, spend: str, spend_from: str, day: str, newest_first: str) -> None:
         """The reads of calls' money (rows.SPEND_COLUMNS): verify's, and the spend page's."""
@@ -213,13 +227,21 @@ class Queries:
             f"count(*), min(created_at) FROM ({self.call_spend}) AS w GROUP BY 1, 2, 3"
         )
 
-    def _kinds(self, ev: str) -> None:
+    def _kinds(self, ev: str, kinds: str) -> None:
         """Events of one kind, read without decoding the others (both kinds are stored as
         text in every format, each in a row of its own)."""
         #: Served by the partial index ``events_limits`` (the literal must match it).
         self.limit_events = (
             f"SELECT {ev} FROM events e WHERE kind = 'budget.limit_set' ORDER BY e.seq"
         )
+        #: Key events after a seq, and the last one's seq: what a replica's copy of the key
+        #: rows lacks. Served by the partial index ``events_keys`` (SQLite migration 20,
+        #: PostgreSQL 13): the list of kinds must be the index's, literally.
+        self.key_events = (
+            f"SELECT {ev} FROM events e WHERE kind IN ({kinds}) AND e.seq > {self.mark} "
+            "ORDER BY e.seq"
+        )
+        self.key_events_high = f"SELECT coalesce(max(seq), 0) FROM events WHERE kind IN ({kinds})"
         #: The archive's checkpoints: few, so a scan of the kind column, with no index.
         self.checkpoint_events = (
             f"SELECT {ev} FROM events e WHERE kind = 'ledger.archived' ORDER BY e.seq"
@@ -309,10 +331,6 @@ class Queries:
         m = self.mark
         self.key = f"SELECT {KEY_COLUMNS} FROM keys WHERE name = {m}"
         self.all_keys = f"SELECT {KEY_COLUMNS} FROM keys ORDER BY name"
-        self.keys_stamp = (
-            "SELECT count(*), count(revoked_at), coalesce(sum(created_at), 0), "
-            "coalesce(sum(expires_at), 0), coalesce(sum(revoked_at), 0) FROM keys"
-        )
         self.archived_key = (
             "SELECT call_id, request_hash FROM archived_keys "
             f"WHERE budget_root = {m} AND idempotency_key = {m}"
@@ -413,6 +431,7 @@ SQLITE = Queries(
     # in a ledger upgraded by migration 9 they list in id order, not by time. Their
     # index, calls_created, cost a b-tree page in every admission.
     newest_first="call_id DESC",
+    key_kinds=KEY_KINDS_SQLITE,
 )
 POSTGRES = Queries(
     mark="%s",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, writerformat
+from effectguard.ledger.queries import KEY_KINDS_SQLITE
 
 BUSY_TIMEOUT_MS = 5000
 
@@ -399,6 +400,16 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
         "sent (attempt.started's sent_to and key_digest); releases before it may no longer "
         "write this ledger",
         [*writerformat.sqlite_require(3)],
+    ),
+    (
+        20,
+        "an index of the key events, by seq",
+        [
+            # A replica's key refresh reads the key events after the last it folded
+            # (ingress/keyring), not every key row. Only key events enter the index: no
+            # commit of the hot path writes a page of it, and older releases keep it up.
+            f"CREATE INDEX events_keys ON events(seq) WHERE kind IN ({KEY_KINDS_SQLITE})",
+        ],
     ),
 ]
 

@@ -30,7 +30,8 @@ from effectguard.ledger.rows import (
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import Policyless
 from effectguard.rules.events import StoredEvent
-from effectguard.rules.keys import KeysStamp, LedgerKey
+from effectguard.rules.keys import KINDS as KEY_KINDS
+from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import Stage, WorkState
 
@@ -237,11 +238,15 @@ class SqlReads(ABC):
         """Every proxy key row (revoked and expired ones too), by name."""
         return [key_from_row(r) for r in await self._fetch(self.queries.all_keys)]
 
-    async def keys_stamp(self) -> KeysStamp:
-        """What changes whenever a proxy key row is written (one aggregate read)."""
-        ((count, revoked, *sums),) = await self._fetch(self.queries.keys_stamp)
-        created, expires, revoked_at = (float(s) for s in sums)
-        return (int(count), int(revoked), created, expires, revoked_at)
+    async def key_events_since(self, seq: int) -> list[StoredEvent]:
+        """The key events after ``seq``, in ledger order."""
+        rows = await self._fetch(self.queries.key_events, (seq,))
+        return [e for r in rows for e in self.decode_events(r) if e.kind in KEY_KINDS]
+
+    async def key_events_high(self) -> int:
+        """The seq of the last key event (0: none)."""
+        ((high,),) = await self._fetch(self.queries.key_events_high)
+        return int(high)
 
     async def session_ended(self, token_sha256: str) -> bool:
         """Whether the operator-page session with this token digest was ended by a logout."""

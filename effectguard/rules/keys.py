@@ -9,22 +9,16 @@ re-derives it with its own code.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
-from effectguard.rules.events import Event, KeyCreated, KeyRevoked
+from effectguard.rules.events import Event, KeyCreated, KeyRevoked, StoredEvent
 
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/@:-]{0,99}")
 _DIGEST: Final = re.compile(r"[0-9a-f]{64}")
 #: The kinds this fold reads.
 KINDS: Final = frozenset({KeyCreated.kind, KeyRevoked.kind})
-
-#: What changes whenever a key row is written: how many rows, how many revoked, and the
-#: sums of their creation, expiry and revocation times. A new name adds a row, a revocation
-#: revokes one, and a new key under an ended key's name replaces its row with a later
-#: creation time: each moves the counts or a sum, and two writes between reads would have
-#: to cancel to the last bit of three sums of ledger times to leave all five as they were.
-KeysStamp = tuple[int, int, float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +92,44 @@ def key_name(event: Event) -> str | None:
     return None
 
 
-def keys_stamp_of(rows: list[LedgerKey]) -> KeysStamp:
-    """The :data:`KeysStamp` of ``rows``, as the stores' aggregate reads compute it."""
-    revoked = [r.revoked_at for r in rows if r.revoked_at is not None]
-    created = sum(r.created_at for r in rows)
-    expires = sum(r.expires_at for r in rows if r.expires_at is not None)
-    return (len(rows), len(revoked), float(created), float(expires), float(sum(revoked)))
+def folded(rows: Mapping[str, LedgerKey], events: Iterable[StoredEvent]) -> dict[str, LedgerKey]:
+    """``rows`` (by name) with the key ``events`` folded in, in their order, as the store
+    folds them (:func:`apply`). Folding again an event the rows already hold, with every
+    later one after it, leaves them as they were: a copy read while keys were written
+    comes right by folding the events from a seq read before it."""
+    out = dict(rows)
+    for stored in events:
+        event = stored.event
+        name = key_name(event)
+        if name is None:
+            continue
+        row = apply(out.get(name), event, stored.at)
+        if row is not None:
+            out[name] = row
+    return out
+
+
+def by_digest(rows: Iterable[LedgerKey]) -> dict[str, tuple[LedgerKey, ...]]:
+    """``rows`` grouped by key digest (a secret made twice under two names has two)."""
+    grouped: dict[str, tuple[LedgerKey, ...]] = {}
+    for row in rows:
+        grouped[row.sha256] = (*grouped.get(row.sha256, ()), row)
+    return grouped
+
+
+def regrouped(
+    grouped: Mapping[str, tuple[LedgerKey, ...]],
+    before: Mapping[str, LedgerKey],
+    changed: Iterable[LedgerKey],
+) -> dict[str, tuple[LedgerKey, ...]]:
+    """:func:`by_digest` of ``before`` with the ``changed`` rows (by name) in place, from
+    ``grouped`` (:func:`by_digest` of ``before``), in time proportional to the change."""
+    out = dict(grouped)
+    for row in changed:
+        old = before.get(row.name)
+        for digest in {row.sha256, *(() if old is None else (old.sha256,))}:
+            kept = tuple(r for r in out.get(digest, ()) if r.name != row.name)
+            out[digest] = (*kept, row) if digest == row.sha256 else kept
+            if not out[digest]:
+                del out[digest]
+    return out

@@ -20,9 +20,7 @@ LEASE_EXPIRED: Final = "lease expired"
 TAKEN_OVER: Final = "taken over"
 
 
-def owner_gone(
-    *, live: bool, lease_expires: float, now: float, lock_free: bool
-) -> str | None:
+def owner_gone(*, live: bool, lease_expires: float, now: float, lock_free: bool) -> str | None:
     """Why a call's owner will not finish it (None: it may, so wait).
 
     ``live``: the owner's row is not fenced; ``lock_free``: its liveness lock was found
