@@ -16,7 +16,12 @@ would take the test minutes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -114,3 +119,43 @@ def test_keys_made_one_after_another_cost_what_changed(tmp_path: Path) -> None:
         for key in (made[0], made[-1]):
             wait_for(lambda k=key: post(proxy, k).status_code == 200, "a new key honoured")
     assert len(provider.effects()) >= 2
+
+
+def test_a_key_event_an_archive_moved_out_unread_is_still_honoured(tmp_path: Path) -> None:
+    """A key made, then revoked, each archived (its event moved out of the live ledger)
+    while the replica was paused, so before any refresh read it: the replica sees the
+    archive's mark move and reads the rows again. It then requires a key, honours this
+    one, and later refuses it."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as provider,
+        running_proxy(
+            ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
+        ) as proxy,
+    ):
+
+        @contextlib.contextmanager
+        def paused_then_archived() -> Iterator[None]:
+            """The replica stopped while the body runs, then everything archived."""
+            os.kill(proxy.process.pid, signal.SIGSTOP)
+            try:
+                yield
+                archived = cli(str(ledger), "archive", "--before", "2999-01-01", "--json")
+                assert archived.returncode == 0, archived.stderr
+                assert json.loads(archived.stdout)["last_seq"] > 0, archived.stdout
+            finally:
+                os.kill(proxy.process.pid, signal.SIGCONT)
+
+        assert post(proxy, "none yet").status_code == 200  # a call to archive with the key
+        with paused_then_archived():
+            secret = new_key(str(ledger), "--root", "team", "--name", "archived")
+        # The first key closes the proxy to requests without one: known only from its event,
+        # it would stay open.
+        wait_for(lambda: post(proxy, "eg-not-a-key").status_code == 401, "keys required")
+        assert post(proxy, secret).status_code == 200
+        with paused_then_archived():
+            assert cli(str(ledger), "key", "revoke", "archived").returncode == 0
+        wait_for(lambda: post(proxy, secret).status_code == 401, "the archived key refused")
+    assert len(provider.effects()) == 2  # the call before the key, and the key's one

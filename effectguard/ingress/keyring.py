@@ -8,8 +8,10 @@ restart. The first read takes every key row; each interval after it reads only t
 events written since the last one it folded (through an index of key events), and folds
 them into the copy: a ledger keeps a row for every key name ever made, and reading them
 all every interval cost a replica 16% of a core at 100,000 names, and half a second of
-stalled requests at each change. Expiry is judged at each request, so an expiring key
-needs no read. The request path is a dict lookup.
+stalled requests at each change. An archive step may move out key events the copy has
+not read (their rows hold them): once its mark (``meta.archived_through``) has moved, the
+next refresh reads every row again. Expiry is judged at each request, so an expiring
+key needs no read. The request path is a dict lookup.
 
 A copy that could not be read again is not trusted for long: the ledger's writes may
 go on while its reads fail or hang (the reader is a connection of its own on
@@ -38,6 +40,7 @@ from effectguard.config.settings import ProxyKey, hash_key
 from effectguard.errors import LedgerUnavailable, Refusal
 from effectguard.ledger import Ledger
 from effectguard.rules import keys, nesting
+from effectguard.rules.events import StoredEvent
 from effectguard.rules.keys import LedgerKey
 
 log = logging.getLogger("effectguard.ingress.keyring")
@@ -101,6 +104,22 @@ def _from_ledger(row: LedgerKey) -> Grant:
     return Grant(row.name, row.budget_root, False, row.models, row.providers)
 
 
+#: Whole reads of the keys tried while archive steps move events out meanwhile.
+_ARCHIVE_RACES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What one refresh read: the rows the events fold into (every row, when ``whole``),
+    the key events after ``seq``, and the archive's mark as it read them."""
+
+    rows: dict[str, LedgerKey]
+    seq: int
+    through: int
+    events: list[StoredEvent]
+    whole: bool
+
+
 class KeyRing:
     """Answers "which key is this?" from the config's keys and a cached copy of the ledger's."""
 
@@ -115,6 +134,7 @@ class KeyRing:
         self._ledger: dict[str, tuple[LedgerKey, ...]] = {}
         self._rows: dict[str, LedgerKey] = {}  # the same rows, by name
         self._seq: int | None = None  # the last key event folded in (None: none read yet)
+        self._through = 0  # the archive's mark (meta.archived_through) when they were read
         self._ledger_ever = False
         self._refresh_s = refresh_s
         self._clock = clock
@@ -136,27 +156,43 @@ class KeyRing:
         started = time.monotonic()
         try:
             async with asyncio.timeout(KEY_READ_WAIT_S):  # every read of one refresh
-                rows, seq = self._rows, self._seq
-                if seq is None:
-                    # Key events written while the rows are read are folded again: that
-                    # leaves the rows as the ledger has them (rules/keys.folded).
-                    seq = await ledger.key_events_high()
-                    rows = {row.name: row for row in await ledger.keys()}
-                events = await ledger.key_events_since(seq)
+                read = await self._read(ledger)
         except TimeoutError as exc:
             raise LedgerUnavailable(
                 f"reading the proxy keys took longer than {KEY_READ_WAIT_S:g} s"
             ) from exc
-        if events or self._seq is None:
-            changed = keys.folded(rows, events)
-            if self._seq is None:
+        if read.events or read.whole:
+            changed = keys.folded(read.rows, read.events)
+            if read.whole:
                 self._ledger = keys.by_digest(changed.values())
             else:
-                fresh = (changed[n] for n in {e.data.get("name") for e in events} if n in changed)
-                self._ledger = keys.regrouped(self._ledger, rows, fresh)
-            self._rows, self._seq = changed, events[-1].seq if events else seq
+                names = {e.data.get("name") for e in read.events}
+                fresh = (changed[n] for n in names if n in changed)
+                self._ledger = keys.regrouped(self._ledger, read.rows, fresh)
+            self._rows, self._through = changed, read.through
+            self._seq = read.events[-1].seq if read.events else read.seq
             self._ledger_ever = self._ledger_ever or bool(changed)
         self._read_at = started  # the copy holds what the ledger held when the read began
+
+    async def _read(self, ledger: Ledger) -> _Read:
+        """The key events since the copy's last, or every row when there is no copy yet or
+        an archive has moved events out since the last read (it may have taken key events
+        this copy never read: their rows hold them)."""
+        if self._seq is not None:
+            events = await ledger.key_events_since(self._seq)
+            # Read after the events: an archive that moved any out before has moved it.
+            if await ledger.archived_through() == self._through:
+                return _Read(self._rows, self._seq, self._through, events, whole=False)
+        for _ in range(_ARCHIVE_RACES):
+            through = await ledger.archived_through()
+            seq = await ledger.key_events_high()
+            rows = {row.name: row for row in await ledger.keys()}
+            # Key events written while the rows were read are folded again: that leaves
+            # the rows as the ledger has them (rules/keys.folded).
+            events = await ledger.key_events_since(seq)
+            if await ledger.archived_through() == through:
+                return _Read(rows, seq, through, events, whole=True)
+        raise LedgerUnavailable("archive steps kept moving events out while the keys were read")
 
     async def start(self, ledger: Ledger) -> None:
         """Load the keys (before the first request is served), then refresh them periodically."""

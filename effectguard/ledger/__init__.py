@@ -302,6 +302,10 @@ class Ledger:
         """The seq of the last key event (0: none)."""
         return await self.store.key_events_high()
 
+    async def archived_through(self) -> int:
+        """The last event an archive moved out of the live ledger (0: none)."""
+        return await self.store.archived_through()
+
     async def set_policy(self, policy: BudgetPolicy, writer: Writer = OPERATOR) -> None:
         """Declare budget ``policy.path``'s limit, period, timezone and rate limits."""
         await self.store.write(writer, lambda tx: operations.set_policy(tx, writer, policy))

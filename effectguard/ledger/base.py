@@ -403,6 +403,10 @@ class LedgerStore(Protocol):
         """The seq of the last key event (0: none)."""
         ...
 
+    async def archived_through(self) -> int:
+        """The last event an archive moved out of the live ledger (0: none)."""
+        ...
+
     async def limit_events(self) -> list[StoredEvent]:
         """Every ``budget.limit_set`` event, in ledger order (who set which limit)."""
         ...

@@ -426,6 +426,9 @@ class MemoryStore:
         with self.tables.lock:
             return max((e.seq for e in self.tables.events if e.kind in KEY_KINDS), default=0)
 
+    async def archived_through(self) -> int:
+        return 0  # nothing archives a memory ledger
+
     async def limit_events(self) -> list[StoredEvent]:
         with self.tables.lock:
             return [e for e in self.tables.events if e.kind == BudgetLimitSet.kind]

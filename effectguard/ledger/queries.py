@@ -242,6 +242,10 @@ class Queries:
             "ORDER BY e.seq"
         )
         self.key_events_high = f"SELECT coalesce(max(seq), 0) FROM events WHERE kind IN ({kinds})"
+        #: Events up to this seq may have been moved out by an archive (0: none).
+        self.archived_through = (
+            "SELECT coalesce(max(value), 0) FROM meta WHERE key = 'archived_through'"
+        )
         #: The archive's checkpoints: few, so a scan of the kind column, with no index.
         self.checkpoint_events = (
             f"SELECT {ev} FROM events e WHERE kind = 'ledger.archived' ORDER BY e.seq"

@@ -248,6 +248,11 @@ class SqlReads(ABC):
         ((high,),) = await self._fetch(self.queries.key_events_high)
         return int(high)
 
+    async def archived_through(self) -> int:
+        """The last event an archive moved out of the live ledger (0: none)."""
+        ((through,),) = await self._fetch(self.queries.archived_through)
+        return int(through)
+
     async def session_ended(self, token_sha256: str) -> bool:
         """Whether the operator-page session with this token digest was ended by a logout."""
         return bool(await self._fetch(self.queries.session_ended, (token_sha256,)))
