@@ -11,6 +11,7 @@ is written for it. Effects are counted from the fake provider's receipts.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pgkit import ledger_url  # noqa: F401  (fixture)
 from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 
@@ -100,32 +102,45 @@ def test_auto_reconcile_after_a_crash_asks_about_the_dead_servers_call(tmp_path:
         assert cli("verify", "--ledger", str(ledger))["ok"] is True
 
 
-def test_a_lapsed_lease_is_gone_where_the_lock_cannot_be_seen(tmp_path: Path) -> None:
-    """An owner whose lock this host cannot see (another host's; here its lock file is
-    removed) is gone once its lease runs out by the ledger's clock, not before."""
-    ledger = tmp_path / "ledger.db"
+def test_a_lapsed_lease_is_gone_where_the_lock_cannot_be_seen(
+    tmp_path: Path,
+    ledger_url: str,  # noqa: F811
+) -> None:
+    """An owner whose lock this host cannot see (on PostgreSQL, or another host's: here
+    its lock file is removed) is gone once its lease runs out by the ledger's clock, not
+    before."""
     config = tmp_path / "effectguard.toml"
     config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\n")
     args = ("--config", str(config))
+    where = ("--ledger", ledger_url)
     with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
-        crash(ledger, fake, "after:dispatch", SEND, email("c@x"), {"Idempotency-Key": "c"}, args)
-        for lock in Path(f"{ledger}.workers").glob("*.lock"):
+        proxy = start_proxy(
+            ledger_url,
+            upstreams=upstreams(fake),
+            args=args,
+            env={"EFFECTGUARD_CRASH_AT": "after:dispatch"},
+            log_path=tmp_path / "proxy.log",
+        )
+        try:
+            with pytest.raises(httpx.TransportError):
+                httpx.post(proxy.url + SEND, json=email("c@x"), timeout=30)
+            assert proxy.process.wait(15) == -signal.SIGKILL
+        finally:
+            proxy.kill()
+        for lock in Path(f"{ledger_url}.workers").glob("*.lock"):
             lock.unlink()
-        (call,) = cli("calls", "--ledger", str(ledger))
-        shown = cli("show", call["call_id"], "--ledger", str(ledger))
+        (call,) = cli("calls", *where)
+        shown = cli("show", call["call_id"], *where)
         if shown["owner_gone"] is None:  # the lease may still run: then it must run out
             assert shown["next_command"].startswith("wait (it is in flight)")
             time.sleep(2.5)
-            shown = cli("show", call["call_id"], "--ledger", str(ledger))
+            shown = cli("show", call["call_id"], *where)
         assert shown["owner_gone"] == "lease expired", shown
-        decided = run(
-            "reconcile", call["call_id"], "--not-applied", "--note", "n", "--ledger", str(ledger)
-        )
+        decided = run("reconcile", call["call_id"], "--not-applied", "--note", "n", *where)
         assert decided.returncode == 0, decided.stderr
         assert "(lease expired)" in decided.stderr
-        assert cli("show", call["call_id"], "--ledger", str(ledger))["stage"] == (
-            "reconciled_not_applied"
-        )
+        assert cli("show", call["call_id"], *where)["stage"] == "reconciled_not_applied"
+        assert cli("verify", *where)["ok"] is True
 
 
 def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
