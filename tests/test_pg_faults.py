@@ -465,7 +465,7 @@ def test_a_key_revoked_while_the_key_read_hangs_is_not_accepted_for_ever(
         client = httpx.Client(base_url=proxy.url, timeout=30)
         body, _ = _chat("before")
         assert client.post(CHAT, json=body, headers=auth).status_code == 200
-        relay.stall("FROM keys")
+        relay.stall("'key.revoked') AND e.seq >")  # a refresh's read of the key events
         _wait(lambda: relay.stalls == 1, "the key refresh to reach the stalled connection")
         _ledger(pg_url, "key", "revoke", made["name"])
         answers: list[httpx.Response] = []

@@ -26,7 +26,11 @@ def lock_free(lock_dir: Path, worker: str) -> bool:
     path = lock_dir / f"{worker}.lock"
     if not path.exists():
         return False
-    with path.open("ab") as handle:
+    try:
+        handle = path.open("ab")
+    except OSError:  # not ours to open (another user's process): nothing is proved
+        return False
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
