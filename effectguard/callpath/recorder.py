@@ -373,12 +373,20 @@ class Recorder:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def drain(self, timeout: float) -> None:
+    async def drain(self, timeout: float, cut_off: str | None = None) -> None:
         """Wait (at most ``timeout``) for the calls this process dispatches and for
         background settlements to finish, reading to its end every stream a client left
-        open (it would otherwise stay in flight)."""
+        open (it would otherwise stay in flight). ``cut_off``: the reason a stream still
+        unsettled at the end is interrupted for (effect unknown); None leaves it be."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        await self._drain_until(deadline)
+        if cut_off is not None:
+            for stream in list(self.open_streams):
+                await stream.cut_off(cut_off)
+
+    async def _drain_until(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
         while (left := deadline - loop.time()) > 0:
             for stream in list(self.open_streams):
                 stream.abandon()

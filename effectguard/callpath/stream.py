@@ -125,6 +125,8 @@ class GuardedStream:
                 raise self._broken_error(why) from exc
             finally:
                 self._pulling = False
+            if self._settled:
+                return  # cut off while it waited (cut_off): the rest is not read
             self._size += len(chunk)
             if self._size > self._limit:
                 why = answer_too_large(self._upstream.status, self._limit)
@@ -149,6 +151,8 @@ class GuardedStream:
         self._parser.feed(chunk)
 
     async def _observe_or_fail(self) -> None:
+        if self._settled:
+            return  # cut off while it waited (cut_off): recorded there
         try:
             await self._observe()
         except Refusal as exc:
@@ -180,11 +184,21 @@ class GuardedStream:
         recorder.crash.hit("after:observe")
 
     async def _broken(self, why: str) -> None:
+        await self._interrupted(f"stream broke: {why}"[:300])
+
+    async def cut_off(self, reason: str) -> None:
+        """Stop reading a stream whose end will not be waited for (a proxy's drain ended):
+        its attempt is interrupted, its effect unknown, unless it settled first."""
+        await self._interrupted(reason)
+
+    async def _interrupted(self, reason: str) -> None:
+        if self._settled:
+            return  # once: a stream cut off, then ending under its reader, is one record
         self._settle()
         await self._upstream.aclose()
         self._report.upstream_s += time.perf_counter() - self._sent_at
         try:
-            await self._recorder.interrupt_attempt(self._admitted, f"stream broke: {why}"[:300])
+            await self._recorder.interrupt_attempt(self._admitted, reason)
         finally:
             prepared = self._prepared
             model = prepared.model or ""

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import httpx
 import yarl
+from aiohttp.streams import EofStream
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from effectguard.callpath.exchange import Headers, Outbound, decoded
@@ -60,14 +61,45 @@ class AiohttpUpstream:
         self.headers: Headers = list(response.raw_headers)
         self.extensions: dict[str, Any] = {}
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        with _translated():
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return _Body(self._response.content)
 
     async def aclose(self) -> None:
         # Returns a fully read connection to the pool; closes one read only in part.
         self._response.release()
+
+
+class _Body:
+    """An answer's body, chunk by chunk as it arrives, aiohttp's failures as httpx's.
+
+    An iterator object, not an async generator: a read cancelled under it (the proxy's
+    request cancelled at the end of a SIGTERM drain while it waited for a stream's next
+    chunk) leaves it able to read on, so the guard reads the rest of that stream in the
+    background and settles it (docs/operations.md, "the SIGTERM drain"). A cancellation
+    thrown into a generator ends it: the background read then found the body ended, and a
+    stream its provider was still sending was booked broken (``effect_unknown``, "ended
+    before its terminal event") the moment the drain ended.
+    """
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except EofStream:  # as aiohttp's own iter_any() reads it: the end of the body
+            raise StopAsyncIteration from None
+        except Exception:
+            with _translated():
+                raise
+        if not chunk:  # readany's end of the body
+            raise StopAsyncIteration
+        return chunk
 
 
 class AiohttpLeg:

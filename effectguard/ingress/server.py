@@ -156,7 +156,8 @@ class ProxyApp:
         if self._metrics_server is not None:
             self._metrics_server.stop()
         await self.keyring.stop()
-        await self.runtime.stop(self.settings.drain_timeout_s)
+        # A stream still read at the end is marked effect_unknown, not left in flight.
+        await self.runtime.stop(self.settings.drain_timeout_s, self.cut_off_reason)
         if self._inner is not None:
             await self._inner.aclose()
         if self._leg is not None:
