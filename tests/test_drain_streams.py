@@ -34,6 +34,8 @@ PAUSE_S = 0.5
 #: With its usage and [DONE], ten events PAUSE_S apart: still under way when the drain
 #: ends (DRAIN_S after the signal), done well before its background phase ends (DRAIN_S more).
 CONTENT_EVENTS = 8
+#: A stream that outlasts the drain and its background phase by far.
+LONG_EVENTS = 8 * DRAIN_S * int(1 / PAUSE_S)
 
 HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -53,9 +55,9 @@ def _slow_stream(events: int) -> Script:
     return Script((HEAD, *(delta,) * events, *ending), pause_s=PAUSE_S)
 
 
-def _cut_by_the_drain(tmp_path: Path, script: Script) -> tuple[str, float]:
-    """A stream through a proxy that gets SIGTERM once the stream is under way: how its
-    client's read ended, and how long the proxy took to exit."""
+def _cut_by_the_drain(tmp_path: Path, script: Script, signals: int = 1) -> tuple[str, float, str]:
+    """A stream through a proxy that gets ``signals`` SIGTERMs once the stream is under
+    way: how its client's read ended, how long the proxy took to exit, and its log."""
     config = tmp_path / "drain.toml"
     config.write_text(f"[server]\ndrain_timeout_s = {DRAIN_S}\n")
     result: dict[str, Any] = {}
@@ -85,10 +87,12 @@ def _cut_by_the_drain(tmp_path: Path, script: Script) -> tuple[str, float]:
             client.start()
             assert first_chunk.wait(PATIENCE_S)
             started = time.monotonic()
-            proxy.kill(signal.SIGTERM)
+            for _ in range(signals):
+                proxy.kill(signal.SIGTERM)
+                time.sleep(0.2)  # the first is being handled: the drain has begun
             client.join(PATIENCE_S)
             proxy.process.wait(PATIENCE_S)
-            return result["ended"], time.monotonic() - started
+            return result["ended"], time.monotonic() - started, proxy.log()
 
 
 def _the_call(ledger: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], list[Any]]:
@@ -109,7 +113,7 @@ def test_a_stream_under_way_when_the_drain_ends_is_read_to_its_end_and_settled(
     the upstream read itself: the background read then found the stream ended, and the
     call was booked ``effect_unknown``, "stream broke: ended before its terminal event",
     the moment the drain ended.)"""
-    ended, shutdown_s = _cut_by_the_drain(tmp_path, _slow_stream(CONTENT_EVENTS))
+    ended, shutdown_s, _ = _cut_by_the_drain(tmp_path, _slow_stream(CONTENT_EVENTS))
     assert ended != "cleanly"
     assert shutdown_s > DRAIN_S, shutdown_s  # cut off by the drain, not ended before it
     call, events = _the_call(tmp_path / "l.db", capsys)
@@ -124,9 +128,25 @@ def test_a_stream_still_read_when_the_background_phase_ends_is_marked_before_exi
     """A stream that outlasts the drain and its background phase is marked
     ``effect_unknown`` before the proxy exits, for the reason a cut-off call gets ("the
     proxy's drain timeout ended"), not left in flight for the next start to find."""
-    ended, _ = _cut_by_the_drain(tmp_path, _slow_stream(4 * DRAIN_S * int(1 / PAUSE_S)))
+    ended, _, _ = _cut_by_the_drain(tmp_path, _slow_stream(LONG_EVENTS))
     assert ended != "cleanly"
     call, events = _the_call(tmp_path / "l.db", capsys)
     assert (call["stage"], call["held_usd"]) == ("effect_unknown", call["reserved_usd"])
     reasons = [e["data"]["reason"] for e in events if e["kind"] == "attempt.interrupted"]
     assert reasons == ["the proxy's drain timeout ended"], reasons
+
+
+def test_a_stream_under_way_at_a_second_signal_is_marked_before_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second SIGTERM stops the proxy at once, with no background phase: a stream
+    under way is marked ``effect_unknown`` then, for the second signal, and the exit logs
+    no error (an async generator still running when the loop closed did)."""
+    ended, shutdown_s, log = _cut_by_the_drain(tmp_path, _slow_stream(LONG_EVENTS), signals=2)
+    assert ended != "cleanly"
+    assert shutdown_s < DRAIN_S, shutdown_s
+    assert "ERROR" not in log and "Traceback" not in log, log
+    call, events = _the_call(tmp_path / "l.db", capsys)
+    assert call["stage"] == "effect_unknown"
+    reasons = [e["data"]["reason"] for e in events if e["kind"] == "attempt.interrupted"]
+    assert reasons == ["a second signal stopped the proxy without draining"], reasons

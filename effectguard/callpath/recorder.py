@@ -382,8 +382,12 @@ class Recorder:
         deadline = loop.time() + timeout
         await self._drain_until(deadline)
         if cut_off is not None:
-            for stream in list(self.open_streams):
-                await stream.cut_off(cut_off)
+            await self.cut_off_streams(cut_off)
+
+    async def cut_off_streams(self, reason: str) -> None:
+        """Interrupt every stream still being read (its effect unknown), for ``reason``."""
+        for stream in list(self.open_streams):
+            await stream.cut_off(reason)
 
     async def _drain_until(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()

@@ -82,8 +82,8 @@ class ProxyApp:
         self.metrics = metrics
         spec = settings.guard.reconcile_hook
         hook = load_hook(spec) if spec is not None else None
-        #: The upstream leg: aiohttp directly (its session opens on first use), or the
-        #: httpx transport a test passed in. Built first: the startup sweep's lookups use it.
+        #: The upstream leg: aiohttp (its session opens on first use), or a test's httpx
+        #: transport. Built first: the startup sweep's lookups use it.
         self._leg: AiohttpLeg | None = None
         self._send: UpstreamSend
         if inner is not None:
@@ -152,11 +152,10 @@ class ProxyApp:
                 self._metrics_server.start()
 
     async def shutdown(self) -> None:
-        """Let background settlements finish, then close."""
+        """Let background settlements finish (streams still read then are cut off), then close."""
         if self._metrics_server is not None:
             self._metrics_server.stop()
         await self.keyring.stop()
-        # A stream still read at the end is marked effect_unknown, not left in flight.
         await self.runtime.stop(self.settings.drain_timeout_s, self.cut_off_reason)
         if self._inner is not None:
             await self._inner.aclose()
@@ -164,9 +163,11 @@ class ProxyApp:
             await self._leg.aclose()
 
     def stopping_at_once(self) -> None:
-        """A second signal stops the server without draining: requests it cuts off
-        must not blame a drain timeout that never ended."""
+        """A second signal stops the server without draining: what it cuts off must not
+        blame a drain timeout, and streams are cut off now (no background phase follows)."""
         self.cut_off_reason = "a second signal stopped the proxy without draining"
+        if self.guard is not None:
+            self.guard.recorder.spawn(self.guard.recorder.cut_off_streams(self.cut_off_reason))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -180,9 +181,8 @@ class ProxyApp:
             try:
                 message = await receive()
             except asyncio.CancelledError:
-                # A second signal stops without draining: uvicorn then skips the lifespan
-                # shutdown and the event loop's teardown cancels this wait. That is the
-                # documented fast stop, not an error worth a traceback.
+                # A second signal stops without draining: uvicorn skips the lifespan shutdown
+                # and the loop's teardown cancels this wait. A documented stop, no traceback.
                 log.info("stopped without draining (a second signal)")
                 return
             if message["type"] == "lifespan.startup":
