@@ -23,8 +23,11 @@ from typing import Any, Final
 
 __all__ = ["AddedUsage", "without_added_usage"]
 
-#: An event boundary: a blank line, after any of the line ends SSE allows.
-_BOUNDARY: Final = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
+#: An event boundary: a blank line, after any of the line ends SSE allows, in any mix
+#: (``\n\r\n`` is an LF-ended line, then a CRLF blank line). A CR followed by LF is one
+#: line end, never two, so a blank line ended by a CR is known only from the byte after it:
+#: the event before it is shown with the next chunk (or at the stream's end).
+_BOUNDARY: Final = re.compile(rb"((?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?=[^\n])|\n))")
 #: What an added usage event carries (checked before anything is parsed).
 _EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _LINE_END: Final = re.compile(rb"\r\n|\n|\r")
@@ -49,9 +52,18 @@ class AddedUsage:
         window = self._tail + chunk
         self._tail = window[-_TAIL:]
         held = len(window) - len(chunk)
-        # The last boundary that ends in this chunk (one ending in the tail was cut at).
-        cut = max((m.end() - held for m in _BOUNDARY.finditer(window)), default=0)
-        if cut <= 0:
+        # The last boundary that ends in this chunk. One that ended in the tail was cut at,
+        # unless its last byte was a CR that ended what was fed: only this chunk's first
+        # byte says whether that CR ended a blank line or began a CRLF (see _BOUNDARY).
+        cut = max(
+            (
+                m.end() - held
+                for m in _BOUNDARY.finditer(window)
+                if m.end() > held or (m.end() == held and window.endswith(b"\r", 0, held))
+            ),
+            default=-1,
+        )
+        if cut < 0:
             self._pending.append(chunk)
             return b""
         shown = b"".join((*self._pending, chunk[:cut]))
