@@ -11,6 +11,7 @@ counted by its target, so a test can tell that a redirect was never followed.
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import threading
@@ -53,6 +54,28 @@ def answer(
 def whole(status: int, body: bytes, **kwargs: object) -> Script:
     """A script that sends one whole answer and closes."""
     return Script((answer(status, body, **kwargs),))  # type: ignore[arg-type]
+
+
+#: The head of a close-delimited event stream (no length, no chunking).
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Cache-Control: no-cache\r\nConnection: close\r\n\r\n"
+)
+#: The usage :func:`slow_chat_stream` reports.
+SLOW_USAGE = {"prompt_tokens": 11, "completion_tokens": 8, "total_tokens": 19}
+
+
+def _chunk(**fields: object) -> bytes:
+    doc = {"id": "chatcmpl-slow", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
+    return b"data: " + json.dumps(doc | fields).encode() + b"\n\n"
+
+
+def slow_chat_stream(events: int, pause_s: float) -> Script:
+    """An OpenAI chat stream sent an event at a time, ``pause_s`` apart, as a model
+    generating slowly sends it: ``events`` content events, its usage, ``[DONE]``."""
+    delta = _chunk(choices=[{"index": 0, "delta": {"content": "word "}, "finish_reason": None}])
+    ending = (_chunk(choices=[], usage=SLOW_USAGE), b"data: [DONE]\n\n")
+    return Script((STREAM_HEAD, *(delta,) * events, *ending), pause_s=pause_s)
 
 
 @dataclass

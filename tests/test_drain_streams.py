@@ -6,8 +6,8 @@ client is then cut off (an error, never a clean end), and the guard reads the re
 upstream stream in the background phase of the drain, so a provider that finishes in
 that time has its call recorded and settled from its usage, not booked ``effect_unknown``.
 
-The upstream is a scripted socket (``hostilekit``) that sends a chat stream an event at
-a time, ``PAUSE_S`` apart, as a model generating slowly does.
+The upstream is a scripted socket (``hostilekit.slow_chat_stream``) that sends a chat
+stream an event at a time, ``PAUSE_S`` apart, as a model generating slowly does.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from typing import Any
 
 import httpx
 import pytest
-from hostilekit import Script, hostile_search
+from hostilekit import Script, hostile_search, slow_chat_stream
 
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import running_proxy
 
 OPENAI_CHAT = "/openai/v1/chat/completions"
-CALL_ID = "effectguard-call-id"
 PATIENCE_S = 20.0
 DRAIN_S = 3
 PAUSE_S = 0.5
@@ -36,23 +35,6 @@ PAUSE_S = 0.5
 CONTENT_EVENTS = 8
 #: A stream that outlasts the drain and its background phase by far.
 LONG_EVENTS = 8 * DRAIN_S * int(1 / PAUSE_S)
-
-HEAD = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-    b"Cache-Control: no-cache\r\nConnection: close\r\n\r\n"
-)
-
-
-def _event(**fields: Any) -> bytes:
-    doc = {"id": "chatcmpl-slow", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
-    return b"data: " + json.dumps(doc | fields).encode() + b"\n\n"
-
-
-def _slow_stream(events: int) -> Script:
-    delta = _event(choices=[{"index": 0, "delta": {"content": "word "}, "finish_reason": None}])
-    usage = {"prompt_tokens": 11, "completion_tokens": 8, "total_tokens": 19}
-    ending = (_event(choices=[], usage=usage), b"data: [DONE]\n\n")
-    return Script((HEAD, *(delta,) * events, *ending), pause_s=PAUSE_S)
 
 
 def _cut_by_the_drain(tmp_path: Path, script: Script, signals: int = 1) -> tuple[str, float, str]:
@@ -113,7 +95,7 @@ def test_a_stream_under_way_when_the_drain_ends_is_read_to_its_end_and_settled(
     the upstream read itself: the background read then found the stream ended, and the
     call was booked ``effect_unknown``, "stream broke: ended before its terminal event",
     the moment the drain ended.)"""
-    ended, shutdown_s, _ = _cut_by_the_drain(tmp_path, _slow_stream(CONTENT_EVENTS))
+    ended, shutdown_s, _ = _cut_by_the_drain(tmp_path, slow_chat_stream(CONTENT_EVENTS, PAUSE_S))
     assert ended != "cleanly"
     assert shutdown_s > DRAIN_S, shutdown_s  # cut off by the drain, not ended before it
     call, events = _the_call(tmp_path / "l.db", capsys)
@@ -128,7 +110,7 @@ def test_a_stream_still_read_when_the_background_phase_ends_is_marked_before_exi
     """A stream that outlasts the drain and its background phase is marked
     ``effect_unknown`` before the proxy exits, for the reason a cut-off call gets ("the
     proxy's drain timeout ended"), not left in flight for the next start to find."""
-    ended, _, _ = _cut_by_the_drain(tmp_path, _slow_stream(LONG_EVENTS))
+    ended, _, _ = _cut_by_the_drain(tmp_path, slow_chat_stream(LONG_EVENTS, PAUSE_S))
     assert ended != "cleanly"
     call, events = _the_call(tmp_path / "l.db", capsys)
     assert (call["stage"], call["held_usd"]) == ("effect_unknown", call["reserved_usd"])
@@ -142,7 +124,9 @@ def test_a_stream_under_way_at_a_second_signal_is_marked_before_exit(
     """A second SIGTERM stops the proxy at once, with no background phase: a stream
     under way is marked ``effect_unknown`` then, for the second signal, and the exit logs
     no error (an async generator still running when the loop closed did)."""
-    ended, shutdown_s, log = _cut_by_the_drain(tmp_path, _slow_stream(LONG_EVENTS), signals=2)
+    ended, shutdown_s, log = _cut_by_the_drain(
+        tmp_path, slow_chat_stream(LONG_EVENTS, PAUSE_S), signals=2
+    )
     assert ended != "cleanly"
     assert shutdown_s < DRAIN_S, shutdown_s
     assert "ERROR" not in log and "Traceback" not in log, log

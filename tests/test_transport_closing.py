@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import threading
 from collections import Counter
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+from hostilekit import hostile_search, slow_chat_stream
 from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
+import effectguard.ingress.transport
+from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
@@ -207,3 +212,55 @@ def test_closing_an_unused_sync_transport_closes_its_inner_once(tmp_path: Path) 
     assert inner.closes == 1
     with pytest.raises(RuntimeError, match="closed"):
         transport.handle_request(httpx.Request("GET", "http://127.0.0.1:9/"))
+
+
+def test_a_stream_still_read_when_a_close_stops_waiting_is_marked_not_left_in_flight(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A close waits for a stream under way up to 30 s; one whose provider is still
+    sending then is marked ``effect_unknown`` (its key answers 409 ``effect_unknown``,
+    to be reconciled), not left in flight under a closed ledger, where its key answered
+    409 ``in_progress`` until another worker's sweep came by. Its reader is told so."""
+    ledger = tmp_path / "l.db"
+
+    async def scenario(upstream: str) -> str:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": upstream}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=upstream + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+        stream = await client.chat.completions.create(**CHAT, stream=True)
+        reader = asyncio.ensure_future(_read_all(stream))
+        await asyncio.sleep(1)  # under way: its first events have come
+        await transport.aclose()
+        return await reader
+
+    with hostile_search() as upstream:
+        upstream.follow(slow_chat_stream(events=120, pause_s=0.5))  # a minute of answer
+        told = asyncio.run(scenario(upstream.url))
+    assert "background" in told, told
+    assert stages_of(capsys, ledger) == Counter({"effect_unknown": 1})
+    [call] = json.loads(_cli(capsys, "calls", "--json", "--ledger", str(ledger)))
+    events = json.loads(_cli(capsys, "show", call["call_id"], "--json", "--ledger", str(ledger)))
+    reasons = [e["data"]["reason"] for e in events["events"] if e["kind"] == "attempt.interrupted"]
+    assert reasons == [effectguard.ingress.transport.CLOSED_UNDER_STREAM], reasons
+
+
+async def _read_all(stream: openai.AsyncStream[object]) -> str:
+    """Read ``stream`` to its end; what ended it."""
+    try:
+        async for _ in stream:
+            pass
+    except openai.APIError as exc:
+        return str(exc.__cause__ or exc)
+    return "a clean end"
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    capsys.readouterr()
+    assert cli_main(list(args)) == 0
+    return capsys.readouterr().out

@@ -59,6 +59,11 @@ FORKED = (
     "ledger connections and worker registration are the parent's; nothing was sent. "
     "Make a new one in this process"
 )
+#: Why a stream still read when a close stops waiting is interrupted: a closed ledger
+#: could not record its end, and left in flight its key would answer 409 in_progress.
+CLOSED_UNDER_STREAM = (
+    f"the transport closed before the stream ended (it waited {defaults.DRAIN_TIMEOUT_S:g} s)"
+)
 #: Runtimes a forked child inherited and closed: kept, never collected here, since
 #: collecting them would close the parent's ledger connections from this process.
 _INHERITED: list[Runtime] = []
@@ -287,7 +292,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # recorded: the runtime's drain knows only calls already dispatched.
             await asyncio.wait(set(self._calls), timeout=deadline - loop.time())
         if self._guard is not None:
-            await self._runtime.stop(max(0.0, deadline - loop.time()))
+            await self._runtime.stop(max(0.0, deadline - loop.time()), CLOSED_UNDER_STREAM)
             self._guard = None
         await self.inner.aclose()
 
@@ -311,7 +316,7 @@ def _stop_dropped(
 
     async def stop() -> None:
         if runtime.guard is not None:
-            await runtime.stop(defaults.DRAIN_TIMEOUT_S)
+            await runtime.stop(defaults.DRAIN_TIMEOUT_S, CLOSED_UNDER_STREAM)
         await inner.aclose()
 
     def start() -> None:
