@@ -187,7 +187,7 @@ class GuardedStream:
         await self._interrupted(f"stream broke: {why}"[:300])
 
     async def cut_off(self, reason: str) -> None:
-        """Stop reading a stream whose end will not be waited for (a proxy's drain ended):
+        """Stop reading a stream whose end will not be waited for (a drain or close ended):
         its attempt is interrupted, its effect unknown, unless it settled first."""
         await self._interrupted(reason)
 
