@@ -425,6 +425,27 @@ async def test_openai_async_stream_is_priced_from_a_usage_chunk_its_client_is_no
 
 
 @respx.mock(base_url=OPENAI)
+async def test_a_stream_whose_line_ends_mix_lf_and_crlf_is_not_shown_its_usage_chunk(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """SSE lets a data line end in LF and its blank line in CRLF: the client that did not
+    ask for the usage chunk is still not shown it, so ``chunk.choices[0]`` runs to the
+    end. (Such a mix was no event boundary to the reader that hides the chunk: the SDK
+    got the whole stream at its end, usage chunk included, and raised IndexError.)"""
+    mixed = [event.removesuffix(b"\n") + b"\r\n" for event in CHAT_STREAM]
+    respx_mock.post("/v1/chat/completions").mock(side_effect=Upstream(mixed, sync=False))
+    t = make_transport()
+    stream = await async_openai(t).chat.completions.create(
+        model=GPT, messages=MESSAGES, stream=True
+    )
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+    assert text == "Hello!"
+    call = one(await t.ledger.calls())
+    assert (call.stage, call.cost) == ("completed", price_cost("openai", GPT, CHAT_STREAM_USAGE))
+    await finish(t)
+
+
+@respx.mock(base_url=OPENAI)
 async def test_a_stream_sent_in_one_chunk_is_forwarded_up_to_its_held_terminal_event(
     respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
 ) -> None:
