@@ -706,15 +706,17 @@ async def test_not_processed_status_outside_retry_statuses_is_not_retried(
 async def test_overshoot_is_settled_at_actual_cost(
     respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
 ) -> None:
-    """Usage that costs more than the reservation is spent in full and recorded as overshoot."""
-    respx_mock.post("/v1/chat/completions").mock(return_value=ok(prompt=5, completion=1000))
+    """Usage that costs more than the reservation is spent in full and recorded as overshoot
+    (here the input: a chat's framing tokens, which its prompt's bytes do not count, and
+    twice the output cap, the most output believed)."""
+    respx_mock.post("/v1/chat/completions").mock(return_value=ok(prompt=1000, completion=2))
     t = make_transport()
     request = chat_request(max_tokens=1)
     client = httpx.AsyncClient(transport=t)
     r = await post(client, request)
     assert r.status_code == 200
     call = await only_call(t)
-    actual = expected_cost(5, 1000)
+    actual = expected_cost(1000, 2)
     assert call.reserved_at_admission == reserve_of(request)
     assert actual > call.reserved_at_admission
     assert (call.stage, call.cost, call.flagged) == ("completed", actual, None)
@@ -736,6 +738,8 @@ UNBELIEVABLE = {
         "prompt_tokens_details": {"cached_tokens": 50},
     },
     "absurd": {"prompt_tokens": 2**60, "completion_tokens": 3, "total_tokens": 2**60 + 3},
+    # max_tokens is 10: a provider stops there, so 10^12 is a miscount ($600,000 here).
+    "beyond_cap": {"prompt_tokens": 5, "completion_tokens": 10**12, "total_tokens": 10**12 + 5},
     "missing": "absent",
     "not_numbers": {"prompt_tokens": "5", "completion_tokens": 3},
 }
@@ -757,6 +761,28 @@ async def test_unbelievable_usage_is_settled_at_reservation_and_flagged(
     assert call.cost == call.reserved_at_admission == reserve_of(chat_request())
     assert call.flagged
     assert (await node(t)).spent == call.reserved_at_admission
+    await finish(t)
+
+
+async def test_output_somewhat_past_the_cap_is_charged_and_far_past_it_is_not_believed(
+    make_transport: MakeTransport, finish: Finish
+) -> None:
+    """Output up to twice the request's cap (max_tokens 10) is believed, its overshoot
+    charged in full (§5.4); past that the usage is not believed and the call is settled
+    at its reservation, flagged with why."""
+    t = make_transport()
+    usages = [(15, "charged"), (21, "not believed")]
+    with respx.mock(base_url=OPENAI) as mock:
+        client = httpx.AsyncClient(transport=t)
+        for completion, _ in usages:
+            usage = {"prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 99}
+            mock.post("/v1/chat/completions").mock(return_value=ok(usage=usage))
+            assert (await post(client)).status_code == 200
+    over, beyond = sorted(await t.ledger.calls(), key=lambda c: c.created_at)
+    assert over.flagged is None and over.cost is not None
+    assert over.cost > over.reserved_at_admission  # the overshoot, charged
+    assert beyond.cost == beyond.reserved_at_admission
+    assert beyond.flagged is not None and "beyond the request's output cap" in beyond.flagged
     await finish(t)
 
 

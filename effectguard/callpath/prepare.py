@@ -70,6 +70,8 @@ class Prepared:
     #: effectguard asked the stream for its usage (rules/addedusage): the client, which
     #: did not, is not shown the usage event.
     usage_added: bool = False
+    #: The most output tokens the request allows (rules/usage.output_cap; None: no cap).
+    output_cap: int | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -153,7 +155,7 @@ def prepare(
     bounded = parsed if kind == "json" else percall.form_counts(parsed)
     stream = _stream(provider, parsed, kind)
     sent, added = _body_to_send(provider, path, parsed, request.body, kind)
-    reserve, tokens = _reservation(price, bounded, provider.dialect)
+    reserve, tokens, cap = _reservation(price, bounded, provider.dialect)
     retry_of = request.header(RETRY_OF_HEADER)
     scope = _scope_headers(request, endpoint)
     body_text, body_encoding = _stored_body(request, sent)
@@ -185,7 +187,7 @@ def prepare(
         sending=_sending(provider, endpoint, request),
     )
     return Prepared(
-        provider, request, path, model, price, sent, stream, reserve, admit, endpoint, added
+        provider, request, path, model, price, sent, stream, reserve, admit, endpoint, added, cap
     )
 
 
@@ -201,10 +203,14 @@ def _sending(provider: Provider, endpoint: Endpoint, request: Outbound) -> Sendi
     return Sending(op_id_in, provider.base_url, digest)
 
 
-def _reservation(price: ModelPrice, bounded: dict[str, Any], dialect: str) -> tuple[int, int]:
-    """R and the token estimate (docs/contract.md §5.2); a bound out of range is 400."""
+def _reservation(
+    price: ModelPrice, bounded: dict[str, Any], dialect: str
+) -> tuple[int, int, int | None]:
+    """R, the token estimate (docs/contract.md §5.2) and the output cap the settlement
+    judges usage by (rules/settlement); a bound out of range is 400."""
     try:
-        return usages.reservation(price, bounded, dialect=dialect)
+        reserve, tokens = usages.reservation(price, bounded, dialect=dialect)
+        return reserve, tokens, usages.output_cap(bounded, dialect)
     except usages.OutOfBounds as exc:
         raise refuse(400, "invalid_request", str(exc), param=exc.field) from exc
     except (TypeError, ValueError) as exc:

@@ -115,6 +115,7 @@ class Recorder:
             answer,
             by=admitted.writer.worker,
             deferred=DEFERRED if prepared.endpoint.cost_deferred else None,
+            output_cap=prepared.output_cap,
         )
         if settled.actual is not None:
             usage = settled.usage

@@ -73,6 +73,24 @@ def _held(observed: AttemptObserved, budget: str, reserve: Nanos, by: str) -> Se
     return Settlement((observed, interrupted, held), "effect_unknown", None, None)
 
 
+def _judged(
+    result: usages.UsageResult, price: ModelPrice, output_cap: int | None
+) -> usages.UsageResult:
+    """``result``, not believed where its cost or its output cannot be (contract §3.7)."""
+    usage = result.usage
+    if not result.believed or usage is None:
+        return result
+    if output_cap and usage.output_tokens > usages.CAP_SLACK * output_cap:  # 0: no bound
+        # The provider stops at the request's cap: output far past it is a miscount
+        # (10^12 tokens for max_tokens 20 would charge millions of dollars). Some past it
+        # is charged, as any overshoot is (contract §5.4): a count is not ours to judge.
+        return usages.UsageResult(usage, usages.BEYOND_CAP)
+    if usages.cost(price, usage) > MAX_CALL_NANOS:
+        # Usage whose cost no counter should take from one call is absurd.
+        return usages.UsageResult(usage, "absurd")
+    return result
+
+
 def settle(
     call_id: str,
     attempt: int,
@@ -82,21 +100,16 @@ def settle(
     answer: Answer,
     by: str = "",
     deferred: str | None = None,
+    output_cap: int | None = None,
 ) -> Settlement:
     """The events that record ``answer`` and settle, release or hold the reservation.
 
     ``by`` names the worker, for the ``attempt.interrupted`` of an unknown effect.
     ``deferred`` flags a settlement whose real cost the provider bills later (a batch).
+    ``output_cap``: the most output tokens the request allowed (usages.output_cap).
     """
-    result = answer.result
+    result = _judged(answer.result, price, output_cap)
     ok = 200 <= answer.status < 300
-    if (
-        result.believed
-        and result.usage is not None
-        and (usages.cost(price, result.usage) > MAX_CALL_NANOS)
-    ):
-        # Usage whose cost no counter should take from one call is absurd (docs/contract.md §3.7).
-        result = usages.UsageResult(result.usage, "absurd")
     believed = result.believed and ok
     observed = AttemptObserved(
         call=call_id,

@@ -139,6 +139,12 @@ def _api(dialect: str, path: str) -> str:
     return "chat"  # chat/completions and legacy completions share the usage shape
 
 
+#: Why usage reporting far more output than the request allowed is not believed.
+BEYOND_CAP = "beyond the request's output cap"
+#: How many times its output cap a call's reported output may be and still be believed.
+CAP_SLACK = 2
+
+
 def check_usage(usage: Usage) -> str | None:
     """Why ``usage`` is not believed (docs/contract.md §3.7), or None when it is."""
     counts = (
@@ -341,6 +347,18 @@ def _output_bound(price: ModelPrice, request: Mapping[str, Any]) -> int:
         if bound is None:
             bound = value
     return (declared if bound is None else bound) * choices(request)
+
+
+def output_cap(request: Mapping[str, Any], dialect: str) -> int | None:
+    """The most output tokens the request allows (its cap times its choices), or None
+    where it states no cap (a ``flat`` tool's body has none). Read after
+    :func:`reservation`, which refused any cap or count out of its bounds."""
+    if dialect == "flat":
+        return None
+    cap = next((request[k] for k in OUTPUT_LIMIT_FIELDS if request.get(k) is not None), None)
+    if not isinstance(cap, int) or isinstance(cap, bool):
+        return None
+    return cap * choices(request)
 
 
 def choices(request: Mapping[str, Any]) -> int:
