@@ -223,3 +223,36 @@ def test_revoking_the_last_key_never_opens_the_proxy(
         assert cli(ledger, "key", "revoke", "only").returncode == 0
         wait_for(lambda: post(proxy, key).status_code == 401, "the key is revoked")
         assert post(proxy, "anything").status_code == 401
+
+
+def test_a_model_restriction_reads_the_model_of_an_upload(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A key limited to whisper-1 may send a multipart transcription naming whisper-1, held
+    in memory or spooled to a file, and is refused one naming another model, by its name:
+    the restriction reads the model the call is priced by, not only a JSON body's."""
+    ledger = str(tmp_path / "ledger.db")
+    cli(ledger, "migrate")
+    whisper = new_key(ledger, "--root", "team-a", "--models", "whisper-1")
+    config = tmp_path / "c.toml"
+    config.write_text("[server]\nspool_body_bytes = 4096\n")
+
+    def upload(proxy: Proxy, model: str, size: int) -> httpx.Response:
+        return httpx.post(
+            proxy.url + "/openai/v1/audio/transcriptions",
+            data={"model": model},
+            files={"file": ("a.wav", b"\0" * size, "audio/wav")},
+            headers={"Authorization": f"Bearer {whisper}"},
+            timeout=15,
+        )
+
+    with replica(ledger, provider, tmp_path, "r", args=["--config", str(config)]) as proxy:
+        for size in (100, 64 * 1024):  # in memory, then spooled past spool_body_bytes
+            allowed = upload(proxy, "whisper-1", size)
+            assert allowed.status_code == 200, (size, allowed.text)
+            refused = upload(proxy, "gpt-4o-transcribe", size)
+            assert refused.status_code == 403, (size, refused.text)
+            error = refused.json()["error"]
+            assert error["type"] == "model_forbidden"
+            assert "'gpt-4o-transcribe'" in error["message"], error["message"]
+        assert len(provider.receipts()) == 2  # only the allowed uploads were sent

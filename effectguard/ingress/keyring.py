@@ -35,9 +35,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from effectguard.callpath import bodies
 from effectguard.config.defaults import KEY_READ_WAIT_S
 from effectguard.config.settings import ProxyKey, hash_key
 from effectguard.errors import LedgerUnavailable, Refusal
+from effectguard.ingress.spool import Body
 from effectguard.ledger import Ledger
 from effectguard.rules import keys, nesting
 from effectguard.rules.events import StoredEvent
@@ -58,10 +60,8 @@ class Grant:
     models: tuple[str, ...] | None = None
     providers: tuple[str, ...] | None = None
 
-    def check(self, provider: str, body: bytes, *, spooled: bool = False) -> None:
-        """Refuse (403) a provider or a body's model outside this key's restrictions
-        (``spooled``: the body is a multipart upload in a file, which is no JSON and so
-        names no model, as it would in memory)."""
+    def check(self, provider: str, body: Body, content_type: str | None) -> None:
+        """Refuse (403) a provider or a body's model outside this key's restrictions."""
         if self.providers is not None and provider not in self.providers:
             raise Refusal(
                 403,
@@ -69,9 +69,10 @@ class Grant:
                 f"this key may not call provider {provider!r} "
                 f"(allowed: {', '.join(self.providers)})",
             )
-        if self.models is None or not (body or spooled):
+        spool_path = body.spool.path if body.spool is not None else None
+        if self.models is None or not (body.data or spool_path):
             return  # a bodiless request (e.g. a GET) chooses no model
-        model = None if spooled else _model_of(body)
+        model = _model_of(body.data, content_type, spool_path)
         if model not in self.models:
             named = "names no model" if model is None else f"asks for model {model!r}"
             raise Refusal(
@@ -81,7 +82,32 @@ class Grant:
             )
 
 
-def _model_of(body: bytes) -> str | None:
+def _model_of(body: bytes, content_type: str | None, spool_path: str | None) -> str | None:
+    """The ``model`` the body names as the guard reads it to price the call (a JSON
+    field, or a form or multipart field: an upload is priced by its ``model`` part, so a
+    key allowed that model must be able to send it); None when it names none, names it
+    twice (the guard refuses that anyway) or does not parse."""
+    kind = bodies.kind_of(content_type)
+    if kind == "json":
+        return _json_model(body)
+    named: list[str | None]
+    try:
+        if kind == "form":
+            named = [value for name, value in bodies.parse_form(body) if name == "model"]
+        else:
+            ctype = content_type or ""
+            parts = (
+                bodies.parse_multipart(body, ctype)
+                if spool_path is None
+                else bodies.parse_multipart_file(spool_path, ctype)
+            )
+            named = [part.value for part in parts if part.name == "model"]
+    except bodies.Malformed:
+        return None
+    return named[0] if len(named) == 1 and isinstance(named[0], str) else None
+
+
+def _json_model(body: bytes) -> str | None:
     """The ``model`` a JSON request body names (None when it names none or is not JSON)."""
     try:
         parsed = json.loads(body)

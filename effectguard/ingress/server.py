@@ -364,7 +364,7 @@ class ProxyApp:
         watch = on_client_lost(scope)
         try:
             if key is not None:
-                key.check(provider.name, body.data, spooled=body.spool is not None)
+                key.check(provider.name, body, header_value(raw_headers, "content-type"))
             request = self._outbound(scope, provider, upstream_path, raw_headers, body)
             ticket = context_of(scope).ticket
             ticket.report_later = True  # its access line waits until the answer is written
