@@ -189,6 +189,30 @@ def test_a_restart_keeps_the_operators_limit_and_warns(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_setting_the_files_value_ends_the_warning_but_keeps_the_path_the_operators(
+    tmp_path: Path,
+) -> None:
+    """budget set PATH --limit <the file's value> ends serve's warning; a later edit of the
+    file is then warned about, not applied (operations.md: no command hands a path back)."""
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "effectguard.toml"
+    config.write_text(f'ledger = "{ledger}"\n\n[budgets]\n"ops" = "50"\n')
+    args = ["--config", str(config)]
+    with running_proxy(ledger, args=args, log_path=tmp_path / "first.log"):
+        pass
+    for limit in ("80", "50"):  # the operator's own limit, then the file's value
+        assert cli("budget", "set", "ops", "--limit", limit, *args).returncode == 0
+    with running_proxy(ledger, args=args, log_path=tmp_path / "agreed.log") as proxy:
+        pass
+    assert "budget 'ops'" not in proxy.log()
+    config.write_text(f'ledger = "{ledger}"\n\n[budgets]\n"ops" = "60"\n')
+    with running_proxy(ledger, args=args, log_path=tmp_path / "edited.log") as proxy:
+        pass
+    assert limits(config) == {"ops": "50.000000000"}
+    assert "budget 'ops'" in proxy.log() and "60.000000000 USD" in proxy.log()
+
+
+@pytest.mark.slow
 def test_an_archive_does_not_hand_an_operators_limit_back_to_the_config(tmp_path: Path) -> None:
     """The events that say an operator set a limit can leave for an archive file: the
     checkpoint carries what they said, so the next start still keeps the operator's limit
