@@ -39,6 +39,13 @@ CASES = [
     ("keys = 5", "keys must be an array of tables ([[keys]])"),
     ('[keys]\nsha256 = "00"', "keys must be an array of tables ([[keys]])"),
     ('[retention]\nkeep_bodies_days = "x"', "retention.keep_bodies_days: must be"),
+    # A limit is exact, as `budget set --limit` takes it: never rounded up to a nano-dollar
+    # (it was, to 0.000000001 and 5.000000001), and digits are ASCII digits.
+    ('[budgets]\nteam = "0.0000000001"', "budgets.team: 0.0000000001 USD is finer than a"),
+    ('[budgets]\nteam = "5.0000000001"', "budgets.team: 5.0000000001 USD is finer than a"),
+    ('[budgets]\nteam = "1_000"', "budgets.team: not a USD amount: '1_000'"),
+    ('[budgets]\nteam = "\uff15"', "budgets.team: not a USD amount"),
+    ('[budgets]\nteam = "-0"', "budgets.team: amounts cannot be negative"),
 ]
 
 

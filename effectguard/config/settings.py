@@ -84,7 +84,7 @@ from effectguard.config.keysettings import hash_key as hash_key
 from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
-from effectguard.rules.money import check_amount, usd_to_nanos
+from effectguard.rules.money import typed_usd
 from effectguard.rules.retention import RetentionPolicy
 
 T = TypeVar("T")
@@ -228,11 +228,13 @@ def _budget_limits(raw: Mapping[str, Any], source: str) -> dict[str, int]:
     for path, value in _table(raw, "budgets", source).items():
         if isinstance(value, Mapping | list | bool):  # [budgets.team] is no limit
             raise ConfigError(f'{source}: budgets.{path}: a limit is USD as a string ("5.00")')
+        if isinstance(value, float):
+            raise ConfigError(f"{source}: budgets.{path}: money must not be a float: {value!r}")
         try:
             budgets.validate_path(path)
-            limits[path] = check_amount(
-                usd_to_nanos(str(value) if isinstance(value, int) else value)
-            )
+            # Exact, as `budget set --limit` takes it: a limit finer than a nano-dollar is
+            # refused, never rounded up (usd_to_nanos rounds, which suits prices only).
+            limits[path] = typed_usd(str(value))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: budgets.{path}: {exc}") from exc
     return limits
