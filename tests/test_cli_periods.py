@@ -177,3 +177,18 @@ def test_a_past_day_stays_visible_after_the_node_moves_to_months(
         "2.000000000",
         "month",
     )
+
+
+@pytest.mark.parametrize("date", ["2026-12-04", "20261204", "2026-W49-5", "2026W495"])
+def test_at_a_date_in_any_iso_form_is_each_nodes_local_date(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], date: str
+) -> None:
+    """``--at`` with a date alone, in any ISO 8601 form (basic ``20261204`` and week dates
+    too), names each node's local date: a daily node in Pago Pago (UTC-11) shows 2026-12-04,
+    not the day that holds midnight UTC (it showed 2026-12-03 for the basic form)."""
+    ledger = str(tmp_path / "l.db")
+    run(capsys, "migrate", "--ledger", ledger)
+    args = ["--period", "day", "--tz", "Pacific/Pago_Pago", "--ledger", ledger]
+    run_json(capsys, "budget", "set", "west", "--limit", "1", *args)
+    (west,) = run_json(capsys, "budgets", "--at", date, "--ledger", ledger)
+    assert west["period"] == "2026-12-04"

@@ -152,8 +152,10 @@ def _when(text: str | None) -> tuple[date | None, float | None]:
     """``--at``: a local date (each node's own calendar) or an ISO instant (UTC if naive)."""
     if text is None:
         return None, None
-    if len(text) == 10:
+    try:  # a date alone, in any ISO form (20261204 and 2026-W49-5 too): a local date
         return date.fromisoformat(text), None
+    except ValueError:
+        pass  # a date and a time: an instant
     moment = datetime.fromisoformat(text)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
