@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from effectguard.config import settings as settings_module
-from effectguard.config.settings import load_settings
+from effectguard.config.settings import hash_key, load_settings
 from effectguard.errors import ConfigError
 
 DIGEST = "ab" * 32
@@ -23,7 +23,8 @@ def reference_config() -> str:
     block = doc.split("Config file reference (every table optional)::\n", 1)[1]
     block = block.split("\nThe environment variable", 1)[0]
     text = textwrap.dedent(block)
-    text = re.sub(r'"<hex digest of [^>]*>"', f'"{DIGEST}"', text)
+    # Each placeholder its own digest: a proxy key and an admin key are never one key.
+    text = re.sub(r'"<hex digest of [^>]*>"', lambda m: f'"{hash_key(m.group(0))}"', text)
     text = text.replace('spool_dir = "/var/tmp"', 'spool_dir = "/tmp"')
     return text.replace('"app.hooks:did_it_happen"', '"hookapp:answer"')
 

@@ -39,6 +39,15 @@ CASES = [
     ("keys = 5", "keys must be an array of tables ([[keys]])"),
     ('[keys]\nsha256 = "00"', "keys must be an array of tables ([[keys]])"),
     ('[retention]\nkeep_bodies_days = "x"', "retention.keep_bodies_days: must be"),
+    # One secret is one key: a second entry with its digest silently replaced the first
+    # (its budget root lost), and an admin key that is also a proxy key could spend.
+    (f'{KEY}[[keys]]\nsha256 = "{DIGEST}"\nbudget_root = "team-b"', "keys[1].sha256: "),
+    (
+        f'[[admin.keys]]\nname = "a"\nsha256 = "{DIGEST}"\n'
+        f'[[admin.keys]]\nname = "b"\nsha256 = "{DIGEST}"',
+        "admin.keys[1].sha256: ",
+    ),
+    (f'{KEY}[[admin.keys]]\nname = "a"\nsha256 = "{DIGEST}"', "admin.keys[0].sha256: "),
     # A limit is exact, as `budget set --limit` takes it: never rounded up to a nano-dollar
     # (it was, to 0.000000001 and 5.000000001), and digits are ASCII digits.
     ('[budgets]\nteam = "0.0000000001"', "budgets.team: 0.0000000001 USD is finer than a"),

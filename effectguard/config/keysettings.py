@@ -69,13 +69,33 @@ def _digest(entry: Mapping[str, Any], where: str) -> str:
     return digest
 
 
-def admin_settings(table: Mapping[str, Any], source: str, env: Mapping[str, str]) -> AdminSettings:
+def _once(digest: str, seen: dict[str, str], where: str, label: str) -> str:
+    """``digest``, refused if an earlier entry (``seen``: digest to its label) has it: one
+    secret is one key. Two [[keys]] entries with one digest left the proxy with the last
+    (the other's budget root silently lost), and an admin key that is also a proxy key
+    could spend, where the two are meant apart."""
+    if digest in seen:
+        raise ConfigError(
+            f"{where}.sha256: the same key as {seen[digest]}; give each entry its own key "
+            "(effectguard key new)"
+        )
+    seen[digest] = label
+    return digest
+
+
+def admin_settings(
+    table: Mapping[str, Any],
+    source: str,
+    env: Mapping[str, str],
+    proxy: list[ProxyKey] | tuple[ProxyKey, ...] = (),
+) -> AdminSettings:
     """``[admin]`` (``table``): the operator page's keys (each named: the name signs
-    decisions)."""
+    decisions), none of them one of the ``proxy`` keys (an admin key cannot spend)."""
     entries = table.get("keys", [])
     if not isinstance(entries, list):
         raise ConfigError(f"{source}: admin.keys must be an array of tables")
     keys: list[AdminKey] = []
+    seen = {key.sha256: f"keys[{i}]" for i, key in enumerate(proxy)}
     for i, entry in enumerate(entries):
         where = f"{source}: admin.keys[{i}]"
         if not isinstance(entry, Mapping) or not {"name", "sha256"} <= entry.keys():
@@ -83,7 +103,7 @@ def admin_settings(table: Mapping[str, Any], source: str, env: Mapping[str, str]
         name = notes.name_text(values.text(entry, "name", where))
         if name is None:
             raise ConfigError(f"{where}.name: must be a printable, non-empty name")
-        keys.append(AdminKey(name, _digest(entry, where)))
+        keys.append(AdminKey(name, _once(_digest(entry, where), seen, where, f"admin.keys[{i}]")))
     hours = values.number(table, "session_hours", defaults.ADMIN_SESSION_S / 3600, "admin")
     # A minute at least (shorter, a login's cookie is stale before the next page), a year
     # at most (longer, the cookie's Max-Age overflows and every login fails).
@@ -100,11 +120,12 @@ def proxy_keys(raw: Mapping[str, Any], source: str) -> list[ProxyKey]:
     if not isinstance(entries, list):  # keys = 5, or [keys] where [[keys]] was meant
         raise ConfigError(f"{source}: keys must be an array of tables ([[keys]])")
     keys = []
+    seen: dict[str, str] = {}
     for i, entry in enumerate(entries):
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, Mapping) or not {"sha256", "budget_root"} <= entry.keys():
             raise ConfigError(f"{where}: needs sha256 and budget_root")
-        digest = _digest(entry, where)
+        digest = _once(_digest(entry, where), seen, where, f"keys[{i}]")
         try:
             root = budgets.validate_path(values.text(entry, "budget_root", where))
         except ValueError as exc:

@@ -305,8 +305,8 @@ def _serve_settings(
         provider_keys=keys_from_environment(providers, env),
         guard=_guard(guard),
         budget_limits=_budget_limits(raw, source),
-        keys=tuple(proxy_keys(raw, source)),
-        admin=admin_settings(_table(raw, "admin", source), source, env),
+        keys=(keys := tuple(proxy_keys(raw, source))),
+        admin=admin_settings(_table(raw, "admin", source), source, env, keys),
         max_body_bytes=values.whole(server, "max_body_bytes", d.MAX_BODY_BYTES, "server"),
         spool_body_bytes=values.whole(
             server, "spool_body_bytes", d.SPOOL_BODY_BYTES, "server", above_zero=True
