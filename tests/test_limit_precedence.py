@@ -79,6 +79,18 @@ def test_an_operator_setting_only_a_rate_leaves_the_limit_to_the_file() -> None:
     assert plan.apply == {"team": 6} and plan.warnings == []
 
 
+def test_an_operator_setting_only_a_period_is_read_as_a_rate_change_is() -> None:
+    """budget set --period on a seeded path keeps the file's limit with the file; on a path
+    with no policy yet it writes no limit, which counts as an operator's (contract §8)."""
+    seeded = operator_limits(
+        [limit_event(1, "team", 5, generation=3), limit_event(2, "team", 5, generation=0)]
+    )
+    assert plan_limits({"team": 6}, {"team": 5}, seeded).apply == {"team": 6}
+    unseeded = operator_limits([limit_event(1, "team", None, generation=0)])
+    plan = plan_limits({"team": 6}, {"team": None}, unseeded)
+    assert plan.apply == {} and "no limit" in plan.warnings[0]
+
+
 def test_what_a_checkpoint_carries_continues_the_rule() -> None:
     """After an archive, the paths an operator had set (``carried``) stay set; an operator's
     rate-only change after the cut is judged against the limit at the cut, and a worker's
