@@ -149,6 +149,35 @@ async def test_counters_follow_the_traffic(
 
 
 @respx.mock(base_url=OPENAI)
+async def test_a_streamed_call_is_timed_like_any_other(
+    respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient]
+) -> None:
+    """A completed stream counts once in the upstream and the overhead histograms, as a
+    plain answer does: the overhead histogram left every streamed call out, so a fleet
+    that streams showed no overhead at all."""
+    metrics, client = guarded
+    events = (
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+        b'"delta":{"content":"hi"}}]}\n\n'
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+        b'"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    respx_mock.post("/v1/chat/completions").mock(
+        return_value=httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=events
+        )
+    )
+    async with client.stream("POST", CHAT_URL, json={**chat(), "stream": True}) as response:
+        assert response.status_code == 200
+        await response.aread()
+    labels = {"provider": "openai", "model": MODEL, "outcome": "completed"}
+    assert value(metrics, "effectguard_requests_total", **labels) == 1
+    assert value(metrics, "effectguard_upstream_duration_seconds_count", provider="openai") == 1
+    assert value(metrics, "effectguard_overhead_duration_seconds_count") == 1
+
+
+@respx.mock(base_url=OPENAI)
 async def test_a_request_is_counted_once_by_its_final_outcome(
     respx_mock: respx.MockRouter, guarded: tuple[Metrics, httpx.AsyncClient]
 ) -> None:

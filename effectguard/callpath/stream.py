@@ -182,6 +182,11 @@ class GuardedStream:
             self._report,
         )
         recorder.crash.hit("after:observe")
+        # As for a plain answer (guard.py): admission and observation, not the stream's time.
+        report = self._report
+        recorder.observer.overhead_seconds(
+            max(0.0, time.perf_counter() - report.started - report.upstream_s)
+        )
 
     async def _broken(self, why: str) -> None:
         await self._interrupted(f"stream broke: {why}"[:300])
