@@ -181,6 +181,31 @@ def test_a_wrong_key_is_refused(stack: Stack) -> None:
     assert ledger_view(stack, call_id)[0].stage == "effect_unknown"
 
 
+def test_every_wrong_key_is_logged_as_a_warning(stack: Stack) -> None:
+    """A wrong key is logged at warning whichever way it came, as operations.md says: a
+    bearer key too (a script guessing keys that way left no trace, as a login form's did)."""
+
+    def warned() -> int:
+        return sum(
+            "WARNING effectguard.admin" in line and "wrong" in line
+            for line in stack.proxy.log().splitlines()
+        )
+
+    for attempt in (
+        lambda: httpx.get(stack.url + PAGE, headers={"authorization": "Bearer eg-guess"}),
+        lambda: httpx.post(
+            stack.url + PAGE + "login", data={"key": "eg-guess"}, headers={"origin": stack.url}
+        ),
+    ):
+        before = warned()
+        assert attempt().status_code == 401
+        deadline = time.monotonic() + 10
+        while warned() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert warned() == before + 1
+    assert "eg-guess" not in stack.proxy.log()
+
+
 def test_login_cookie_is_a_signed_httponly_strict_token(stack: Stack) -> None:
     """The session cookie is HttpOnly, SameSite=Strict, scoped to the page and not the key."""
     response = httpx.post(

@@ -109,8 +109,11 @@ class AdminPage:
         authorization = ex.header("authorization")
         if authorization is not None:
             key = self._admin.key_for(bearer_token(authorization))
+            if key is None:  # logged as a wrong login is: a guess leaves a trace either way
+                log.warning("operator page: a request with a wrong key (bearer) was refused")
+                return None
             # A bearer request is no browser's ambient credential: it needs no CSRF token.
-            return None if key is None else Session(key.name, "", 0.0)
+            return Session(key.name, "", 0.0)
         token = ex.cookie()
         session = self.sessions.check(token, self._clock()) if token else None
         # Read per request, from the ledger every replica shares: a logout on any of them
