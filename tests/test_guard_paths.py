@@ -1060,6 +1060,23 @@ async def test_read_only_endpoint_passes_through_unrecorded(
     await finish(t)
 
 
+@respx.mock(base_url=OPENAI)
+async def test_head_of_a_read_only_endpoint_passes_through_unrecorded(
+    respx_mock: respx.MockRouter, make_transport: MakeTransport, finish: Finish
+) -> None:
+    """HEAD /v1/models (a monitoring probe) is what GET of it is, without the body:
+    read-only, forwarded and not written to the ledger. It was refused 400 as billable."""
+    route = respx_mock.head("/v1/models").mock(return_value=httpx.Response(200))
+    t = make_transport()
+    client = httpx.AsyncClient(transport=t)
+    r = await client.head(OPENAI + "/v1/models")
+    assert r.status_code == 200, r.text
+    assert "effectguard-call-id" not in r.headers
+    assert route.call_count == 1
+    await _assert_nothing_recorded(t)
+    await finish(t)
+
+
 async def test_unmatched_host_passes_through_untouched(
     make_transport: MakeTransport, finish: Finish
 ) -> None:

@@ -137,6 +137,12 @@ class Provider:
         declared = self.endpoint_for(method, path)
         if declared is not None:
             return declared
+        if method.upper() == "HEAD":
+            # HEAD is GET without the body (RFC 9110 §9.3.2): a read-only GET's probe is
+            # read-only too, not a billable request refused for having no model.
+            read = self.endpoint_for("GET", path)
+            if read is not None and read.effect == "read_only":
+                return read
         return default_endpoint(path, method, self.idempotency, self.default_lookup)
 
     @property
