@@ -521,7 +521,8 @@ def test_the_budget_page_says_whose_day_a_period_is(stack: Stack) -> None:
 def test_the_budget_page_opens_the_tree_a_few_levels_at_a_time(stack: Stack) -> None:
     """Per-run nodes add a node with every run: the page shows two levels, each name opens
     the tree below it, and past 500 nodes it lists 500 and counts the rest. A path given
-    is a path, never a pattern, and is shown escaped."""
+    is a path, never a pattern: one no budget can have is refused 400 as the CLI refuses
+    it (it showed an empty node), its echo escaped."""
     import asyncio
 
     from effectguard.ledger import Ledger
@@ -549,6 +550,8 @@ def test_the_budget_page_opens_the_tree_a_few_levels_at_a_time(stack: Stack) -> 
     many = shown("wide/many")
     assert many.count('title="wide/many/u') == 499  # the node itself and 499 below it
     assert "2 more nodes at these levels are not listed" in many
-    assert "No budget node here." in shown("w%")
-    hostile = shown("<script>alert(1)</script>")
-    assert "<script>alert" not in hostile and "&lt;script&gt;" in hostile
+    assert "No budget node here." in shown("wide/none")
+    for bad in ("w%", "../wide", "<script>alert(1)</script>"):
+        got = httpx.get(stack.url + PAGE + "budgets", params={"under": bad}, headers=bearer)
+        assert got.status_code == 400, got.text
+        assert "invalid budget path" in got.text and "<script>alert" not in got.text

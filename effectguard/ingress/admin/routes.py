@@ -32,6 +32,7 @@ from effectguard.ingress.admin.session import Session, Sessions, same_origin, to
 from effectguard.ingress.admin.spend import DAY_S, spend_table, top_series
 from effectguard.ingress.keyring import bearer_token
 from effectguard.ledger import Ledger
+from effectguard.rules import budget as budgets
 from effectguard.rules import notes
 from effectguard.rules.counts import parse_count
 from effectguard.rules.money import MAX_CALL_NANOS, typed_usd
@@ -148,6 +149,11 @@ class AdminPage:
         # (team/alice/run-42) add a node with every run, and a page must not read them all.
         # Nor every node a level holds: clients without proxy keys make a root with every
         # budget they name, and the page reads the 500 it lists.
+        if under is not None:
+            try:  # refused as the CLI's --budget is: a path no budget can have shows nothing
+                budgets.validate_path(under)
+            except ValueError as exc:
+                raise Refused(400, f"under: {exc}") from exc
         depth = views.BUDGET_LEVELS + (0 if under is None else under.count("/") + 1)
         nodes, count = await self._ledger.budget_tree(under, depth, views.BUDGET_ROWS)
         return views.budget_tree(nodes, await self._ledger.policies(), under=under, count=count)
