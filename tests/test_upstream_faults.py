@@ -154,7 +154,7 @@ def test_stream_closed_cleanly_before_its_terminal_event_is_broken(
     assert seen.count(b"data: ") == 2  # the two events before the cut were forwarded
     # Cut on purpose, logged as a warning: uvicorn used to add "ASGI callable returned
     # without completing response" at ERROR for every such stream.
-    assert "stream cut off" in log and "ERROR" not in log, log
+    assert f"stream cut off (call {call_id})" in log and "ERROR" not in log, log
     assert b"[DONE]" not in seen and b"message_stop" not in seen
     assert len(cutting.effects()) == 1
     call = call_of(capsys, ledger, call_id)

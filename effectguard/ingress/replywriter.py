@@ -22,7 +22,7 @@ from typing import Final
 import httpx
 
 from effectguard.callpath.exchange import Headers, Reply
-from effectguard.callpath.wire import strip_hop_by_hop
+from effectguard.callpath.wire import CALL_ID_HEADER, strip_hop_by_hop
 from effectguard.ingress.fallback import Send
 
 log = logging.getLogger("effectguard.ingress.server")
@@ -31,6 +31,9 @@ log = logging.getLogger("effectguard.ingress.server")
 _NOT_TOKEN: Final = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")
 #: A byte that may not be in a header value: a control byte other than tab (RFC 9110 §5.5).
 _CONTROL: Final = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+_CALL_ID: Final = CALL_ID_HEADER.lower().encode()
 
 
 def writable_headers(headers: Headers) -> Headers:
@@ -80,7 +83,10 @@ async def write_reply(
     except httpx.TransportError as exc:
         # The guard ends a broken or oversized stream this way on purpose, its call
         # already recorded (contract §3.8): a provider's fault, not effectguard's.
-        log.warning("stream cut off: %s", str(exc)[:300])
+        call_id = next((v.decode("latin-1") for k, v in headers if k.lower() == _CALL_ID), None)
+        log.warning(
+            "stream cut off (call %s): %s", call_id, str(exc)[:300], extra={"call_id": call_id}
+        )
         cut()
     finally:
         if not finished:
