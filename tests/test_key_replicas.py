@@ -210,6 +210,40 @@ def test_config_keys_keep_working_beside_ledger_keys(
         assert post(proxy, "eg-nobody").status_code == 401
 
 
+def test_a_config_key_revoked_in_the_ledger_is_refused(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """One secret both in [[keys]] and made in the ledger: the config's grant applies
+    until the ledger's key is revoked, then the key is refused. (The config entry won
+    over the revocation for good: a revoked secret kept spending.)"""
+    import asyncio
+
+    from effectguard.ledger import Ledger
+    from effectguard.rules.events import KeyCreated
+
+    ledger = str(tmp_path / "ledger.db")
+    cli(ledger, "migrate")
+    secret = "eg-both-" + uuid.uuid4().hex
+
+    async def make() -> None:
+        async with Ledger.open(ledger) as book:
+            await book.create_key(
+                KeyCreated(name="both", sha256=hash_key(secret), budget_root="team-a")
+            )
+
+    asyncio.run(make())
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[[keys]]\nname = "cfg"\nsha256 = "{hash_key(secret)}"\nbudget_root = "ops"\n'
+    )
+    with replica(ledger, provider, tmp_path, "r", args=["--config", str(config)]) as proxy:
+        assert post(proxy, secret).status_code == 200
+        (call,) = json.loads(cli(ledger, "calls", "--json").stdout)
+        assert call["budget"] == "ops"  # the config's grant
+        assert cli(ledger, "key", "revoke", "both").returncode == 0
+        wait_for(lambda: post(proxy, secret).status_code == 401, "the revoked key refused")
+
+
 def test_revoking_the_last_key_never_opens_the_proxy(
     provider: FakeProvider, tmp_path: Path
 ) -> None:

@@ -259,10 +259,12 @@ class KeyRing:
             raise Refusal(401, "unknown_key", _UNKNOWN)
         digest = hash_key(presented)
         grant = self._config.get(digest)
-        if grant is not None:
-            return grant
-        self._check_fresh()
         rows = self._ledger.get(digest)
+        if rows is None and grant is not None:
+            return grant
+        # A config key that is also a ledger key (one secret in both) keeps the config's
+        # grant, but the ledger's revocation or expiry ends it: a revocation never opens.
+        self._check_fresh()
         if rows is None:
             raise Refusal(401, "unknown_key", _UNKNOWN)
         now = self._clock()
@@ -272,7 +274,7 @@ class KeyRing:
             raise Refusal(401, "unknown_key", "this effectguard key has expired")
         if ended == "revoked":
             raise Refusal(401, "unknown_key", "this effectguard key was revoked")
-        return _from_ledger(row)
+        return _from_ledger(row) if grant is None else grant
 
     def _check_fresh(self) -> None:
         """Refuse (503) to judge a ledger key by a copy too old to show a revocation in
