@@ -178,6 +178,9 @@ def test_proxy_resend_authorized_by_the_cli(tmp_path: Path) -> None:
                 str(ledger),
             )
             assert shown["stage"] == "effect_unknown"
+            offered = cli("show", call_id, "--ledger", str(ledger))["next_command"]
+            assert offered.startswith("resend the request"), offered  # then the decisions
+            assert f"effectguard reconcile {call_id}" in offered, offered
             resent, replay = post(), post()
         finally:
             proxy.stop()

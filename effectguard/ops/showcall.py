@@ -16,7 +16,11 @@ from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.bodytext import decode_body
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
-from effectguard.rules.guidance import accept_evidence_command, next_command
+from effectguard.rules.guidance import (
+    RESEND_AUTHORIZED,
+    accept_evidence_command,
+    next_command,
+)
 
 __all__ = [
     "REQUEST_PREVIEW_CHARS",
@@ -161,6 +165,8 @@ def next_commands(
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept
+    if state.stage == "effect_unknown" and state.resend_authorized:
+        command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
     if command is None or not where:
         return command
     verb = re.compile(rf"effectguard \w+ {re.escape(state.call_id)}")

@@ -28,6 +28,13 @@ def reconcile_command(call_id: str, attempt: int | None = None) -> str:
     )
 
 
+#: What to do first for an effect-unknown call an operator authorized one resend of.
+RESEND_AUTHORIZED = (
+    "resend the request (same Idempotency-Key, or Effectguard-Retry-Of: the call id): "
+    "one resend is authorized"
+)
+
+
 def accept_evidence_command(call_id: str, attempt: int) -> str:
     """The command that decides an effect-unknown call by the late answer to ``attempt``,
     its last: refused, like :func:`reconcile_command`'s, once another attempt began."""
