@@ -116,10 +116,13 @@ class BodyQueries:
 
 #: The kinds of key events as a SQL list, as PostgreSQL stores them (text).
 KEY_KINDS_TEXT: Final = "'key.created', 'key.revoked'"
-#: As SQLite stores them: their code (format 4), or their text (rows of older formats).
+#: As SQLite stores them: their code. Rows a release before storage format 4 wrote hold
+#: the kind's text, but all of them come before any row holding a code, and a replica
+#: reads key events only after its first read of every key row. Two codes, not four
+#: values: a partial index's condition is evaluated at every insert, and SQLite builds a
+#: table for a longer IN list each time (0.4 s more per 200,000 inserts, measured).
 KEY_KINDS_SQLITE: Final = (
-    f"{sqliteevents.KIND_CODES['key.created']}, {sqliteevents.KIND_CODES['key.revoked']}, "
-    + KEY_KINDS_TEXT
+    f"{sqliteevents.KIND_CODES['key.created']}, {sqliteevents.KIND_CODES['key.revoked']}"
 )
 
 
