@@ -20,6 +20,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,3 +161,46 @@ def test_a_key_event_an_archive_moved_out_unread_is_still_honoured(tmp_path: Pat
             assert cli(str(ledger), "key", "revoke", "archived").returncode == 0
         wait_for(lambda: post(proxy, secret).status_code == 401, "the archived key refused")
     assert len(provider.effects()) == 2  # the call before the key, and the key's one
+
+
+def test_ledger_keys_are_honoured_while_an_archive_cuts_in_small_steps(tmp_path: Path) -> None:
+    """An archive in many small steps, each moving the archive's mark, while a replica with
+    100,000 key names serves a ledger key: every refresh reads every row again (about half
+    a second), during which a step commits. Those reads were thrown away and retried, then
+    given up ("archive steps kept moving events out"), and 5.2 s later the replica answered
+    its ledger keys 503 for as long as the archive ran. A read begun before a step already
+    holds every key event written before it began: the key is honoured throughout."""
+    from effectguard_bench.recoverybench import build_ledger
+
+    ledger = tmp_path / "ledger.db"
+    build_ledger(ledger, 10_000, in_flight=0)  # about 60,000 events to archive
+    _old_keys(ledger, OLD_KEYS)
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    secret = new_key(str(ledger), "--root", "team", "--name", "live")
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as provider,
+        running_proxy(
+            ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
+        ) as proxy,
+    ):
+        assert post(proxy, secret).status_code == 200
+        started = time.monotonic()
+        archive = subprocess.Popen(
+            [sys.executable, "-m", "effectguard", "archive", "--ledger", str(ledger)]
+            + ["--before", "2999-01-01", "--step-events", "20", "--out", str(tmp_path / "a.gz")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        statuses: list[int] = []
+        while archive.poll() is None:
+            statuses.append(post(proxy, secret).status_code)
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        assert archive.returncode == 0, archive.stderr.read() if archive.stderr else ""
+    # The refusals began key_refresh_s + 5 s after the last good read: a shorter archive
+    # proves nothing.
+    assert took > 6.5, f"the archive took {took:.1f} s, too short to show the refusals"
+    assert set(statuses) == {200}, sorted(set(statuses))
+    assert len(provider.effects()) == len(statuses) + 1
