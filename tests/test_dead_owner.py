@@ -69,6 +69,11 @@ def test_a_dead_servers_call_is_shown_gone_and_reconciled_without_a_restart(
         decided = run("reconcile", call_id, "--applied", "--note", "receipt seen", *where)
         assert decided.returncode == 0, decided.stderr
         assert f"call {call_id} was in flight on a worker that is gone" in decided.stderr
+        # Said once, as the CLI says things: the sweep's own log line is not repeated raw.
+        assert decided.stderr.splitlines() == [
+            f"effectguard: call {call_id} was in flight on a worker that is gone (process "
+            "gone); taken over, it is effect_unknown now"
+        ], decided.stderr
         assert "reconciled_applied" in decided.stdout
         events = kinds(ledger, call_id)
         assert events[3:] == [

@@ -9,8 +9,11 @@ an owner that will not finish it, the command registers as a worker, sweeps once
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Final
 
 from effectguard.callpath.liveness import gone_owners
@@ -33,10 +36,32 @@ async def take_over_gone(ledger: Ledger, ledger_url: str) -> dict[str, str]:
     worker = WorkerRuntime(ledger, lock_dir=lock_dir, host=host)
     await worker.register()
     try:
-        marked = await worker.sweep()
+        with _sweep_lines_left_out():
+            marked = await worker.sweep()
     finally:
         await worker.stop()
     return {call_id: gone.get(call_id, "its worker is gone") for call_id in marked}
+
+
+class _LeaveOutSweepLines(logging.Filter):
+    """Drops the sweep's line for each call it marked (``event=sweep``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "event", None) != "sweep"
+
+
+@contextlib.contextmanager
+def _sweep_lines_left_out() -> Iterator[None]:
+    """While the command sweeps: a server's log line per marked call would reach the
+    terminal raw (the CLI configures no logging), beside :func:`say_taken_over`'s line for
+    the same call. Other warnings of the sweep still show."""
+    recovery_log = logging.getLogger("effectguard.callpath.recovery")
+    left_out = _LeaveOutSweepLines()
+    recovery_log.addFilter(left_out)
+    try:
+        yield
+    finally:
+        recovery_log.removeFilter(left_out)
 
 
 def say_taken_over(marked: dict[str, str]) -> None:
