@@ -187,8 +187,10 @@ def test_ledger_keys_are_honoured_while_an_archive_cuts_in_small_steps(tmp_path:
         assert post(proxy, secret).status_code == 200
         started = time.monotonic()
         archive = subprocess.Popen(
-            [sys.executable, "-m", "effectguard", "archive", "--ledger", str(ledger)]
-            + ["--before", "2999-01-01", "--step-events", "20", "--out", str(tmp_path / "a.gz")],
+            [
+                *(sys.executable, "-m", "effectguard", "archive", "--ledger", str(ledger)),
+                *("--before", "2999-01-01", "--step-events", "20", "--out", str(tmp_path / "a.gz")),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
