@@ -1,9 +1,9 @@
 """Provider declarations: what each upstream charges and which requests have effects.
 
-Providers are declared in TOML files, not coded (docs/contract.md §2). The bundled files are package
-data (``effectguard/providers/bundled/``, read with :mod:`importlib.resources`, so they are
-there from a wheel too); ``openai.toml`` documents the file shape.
-This module reads and validates them into frozen values; it does no other I/O.
+Providers are declared in TOML files, not coded (docs/contract.md §2). The bundled files are
+package data (``effectguard/providers/bundled/``, read with :mod:`importlib.resources`, so
+they are there from a wheel too); ``openai.toml`` documents the file shape. This module
+reads and validates them into frozen values; it does no other I/O.
 
 Loading order (:func:`load_providers`): the bundled files, then each ``--providers`` directory
 in order. A file whose provider name is already loaded replaces it; a file with
@@ -114,8 +114,7 @@ class Provider:
         return self.not_processed | {s for s, e in self.transient.items() if e == "none"}
 
     def answer_effect(self, status: int) -> AnswerEffect:
-        """What an answer with ``status`` means for the effect, as the provider documents it.
-
+        """What an answer with ``status`` means for the effect, as the provider documents it:
         "none" for a declared not-processed status or a transient one declared "none";
         "unknown" for a transient status declared "unknown"; else "applied" (a success, or
         an error the provider does not declare unprocessed: stage ``failed``).
@@ -125,24 +124,19 @@ class Provider:
         return self.transient.get(status, "applied")
 
     def endpoint_for(self, method: str, path: str) -> Endpoint | None:
-        """The declared endpoint for ``method path`` (path without query), or None if unknown.
-
-        The guard treats an unknown endpoint as billable.
-        """
+        """The declared endpoint for ``method path`` (path without query), or None."""
         return next((e for e in self.endpoints if e.matches(method, path)), None)
 
     def effect_for(self, method: str, path: str) -> Endpoint:
-        """The endpoint ``method path`` is treated as: its declaration, or, undeclared, a
-        billable one with the provider's default idempotency and lookup."""
+        """The endpoint ``method path`` is treated as: its declaration; undeclared, a HEAD
+        is its GET where that is read-only (a GET without the body, RFC 9110 §9.3.2), and
+        else billable, with the provider's default idempotency and lookup."""
         declared = self.endpoint_for(method, path)
+        if declared is None and method.upper() == "HEAD":
+            read = self.endpoint_for("GET", path)
+            declared = read if read is not None and read.effect == "read_only" else None
         if declared is not None:
             return declared
-        if method.upper() == "HEAD":
-            # HEAD is GET without the body (RFC 9110 §9.3.2): a read-only GET's probe is
-            # read-only too, not a billable request refused for having no model.
-            read = self.endpoint_for("GET", path)
-            if read is not None and read.effect == "read_only":
-                return read
         return default_endpoint(path, method, self.idempotency, self.default_lookup)
 
     @property
