@@ -37,6 +37,18 @@ LINE_ENDS = [b"\n", b"\r\n", b"\r"]
 MIXED_ENDS = [(a, b) for a in LINE_ENDS for b in LINE_ENDS if not (a == b"\r" and b == b"\n")]
 
 
+def fed_in_pieces(stream: bytes, cuts: list[int]) -> bytes:
+    """What an :class:`AddedUsage` shows of ``stream`` fed in pieces of the ``cuts``
+    sizes, over and over, then flushed."""
+    reader, out, at = AddedUsage(), b"", 0
+    for size in cuts * (len(stream) // sum(cuts) + 1):
+        if at >= len(stream):
+            break
+        out += reader.feed(stream[at : at + size])
+        at += size
+    return out + reader.flush()
+
+
 @given(
     end=st.sampled_from(LINE_ENDS),
     compact=st.booleans(),
@@ -49,13 +61,7 @@ def test_the_client_is_shown_every_event_but_the_usage_one(
     shown = [event(v, end, compact) for v in [*CONTENT, *alike]]
     done = b"data: [DONE]" + end + end
     stream = b"".join([*shown, event(USAGE, end, compact), done])
-    reader, out, at = AddedUsage(), b"", 0
-    for size in cuts * (len(stream) // sum(cuts) + 1):
-        if at >= len(stream):
-            break
-        out += reader.feed(stream[at : at + size])
-        at += size
-    out += reader.flush()
+    out = fed_in_pieces(stream, cuts)
     assert out == b"".join([*shown, done])
     assert without_added_usage(stream) == out
 
@@ -77,13 +83,7 @@ def test_line_ends_in_any_mix_end_events_and_the_usage_one_is_left_out(
         for v, (a, b) in zip(values, ends, strict=True)
     ]
     stream = b"".join(events)
-    reader, out, at = AddedUsage(), b"", 0
-    for size in cuts * (len(stream) // sum(cuts) + 1):
-        if at >= len(stream):
-            break
-        out += reader.feed(stream[at : at + size])
-        at += size
-    out += reader.flush()
+    out = fed_in_pieces(stream, cuts)
     assert out == b"".join(e for e, v in zip(events, values, strict=True) if v is not USAGE)
     assert without_added_usage(stream) == out
 

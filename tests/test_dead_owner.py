@@ -12,8 +12,6 @@ is written for it. Effects are counted from the fake provider's receipts.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,20 +22,11 @@ import pytest
 from pgkit import ledger_url  # noqa: F401  (fixture)
 from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
+from toolkit import cli_run as run
 
 from effectguard.testing import fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    """The real ``effectguard`` command, whatever it exits with."""
-    return subprocess.run(
-        [sys.executable, "-m", "effectguard", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def kinds(ledger: Path, call_id: str) -> list[str]:

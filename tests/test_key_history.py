@@ -33,7 +33,7 @@ from test_worker_history import _cpu_s, migrated
 from effectguard.config.settings import hash_key
 from effectguard.ledger import Ledger
 from effectguard.rules.events import KeyCreated
-from effectguard.testing import fake_provider, running_proxy
+from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +58,9 @@ def _old_keys(ledger: Path, count: int) -> None:
     conn.close()
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_a_key_refresh_costs_one_read_until_a_key_changes(tmp_path: Path) -> None:
-    """With 100,000 old key names an idle replica stays idle, and a key made, then
-    revoked, on the CLI is honoured, then refused, within the refresh."""
-    ledger = tmp_path / "ledger.db"
-    _old_keys(ledger, OLD_KEYS)
+@contextlib.contextmanager
+def replica(tmp_path: Path, ledger: Path) -> Iterator[tuple[FakeProvider, Proxy]]:
+    """A fake provider and one ``serve`` on ``ledger`` refreshing its keys every 0.2 s."""
     config = tmp_path / "serve.toml"
     config.write_text(CONFIG)
     with (
@@ -72,6 +69,16 @@ def test_a_key_refresh_costs_one_read_until_a_key_changes(tmp_path: Path) -> Non
             ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
         ) as proxy,
     ):
+        yield provider, proxy
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_key_refresh_costs_one_read_until_a_key_changes(tmp_path: Path) -> None:
+    """With 100,000 old key names an idle replica stays idle, and a key made, then
+    revoked, on the CLI is honoured, then refused, within the refresh."""
+    ledger = tmp_path / "ledger.db"
+    _old_keys(ledger, OLD_KEYS)
+    with replica(tmp_path, ledger) as (provider, proxy):
         before = _cpu_s(proxy.process.pid)
         time.sleep(IDLE_S)
         share = (_cpu_s(proxy.process.pid) - before) / IDLE_S
@@ -106,14 +113,7 @@ def test_keys_made_one_after_another_cost_what_changed(tmp_path: Path) -> None:
     is honoured."""
     ledger = tmp_path / "ledger.db"
     _old_keys(ledger, OLD_KEYS)
-    config = tmp_path / "serve.toml"
-    config.write_text(CONFIG)
-    with (
-        fake_provider(tmp_path / "receipts.jsonl") as provider,
-        running_proxy(
-            ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
-        ) as proxy,
-    ):
+    with replica(tmp_path, ledger) as (provider, proxy):
         before, started = _cpu_s(proxy.process.pid), time.monotonic()
         made = asyncio.run(_make_keys(ledger, count=16, every_s=0.25))
         share = (_cpu_s(proxy.process.pid) - before) / (time.monotonic() - started)
@@ -129,14 +129,7 @@ def test_a_key_event_an_archive_moved_out_unread_is_still_honoured(tmp_path: Pat
     archive's mark move and reads the rows again. It then requires a key, honours this
     one, and later refuses it."""
     ledger = tmp_path / "ledger.db"
-    config = tmp_path / "serve.toml"
-    config.write_text(CONFIG)
-    with (
-        fake_provider(tmp_path / "receipts.jsonl") as provider,
-        running_proxy(
-            ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
-        ) as proxy,
-    ):
+    with replica(tmp_path, ledger) as (provider, proxy):
 
         @contextlib.contextmanager
         def paused_then_archived() -> Iterator[None]:
@@ -175,15 +168,8 @@ def test_ledger_keys_are_honoured_while_an_archive_cuts_in_small_steps(tmp_path:
     ledger = tmp_path / "ledger.db"
     build_ledger(ledger, 10_000, in_flight=0)  # about 60,000 events to archive
     _old_keys(ledger, OLD_KEYS)
-    config = tmp_path / "serve.toml"
-    config.write_text(CONFIG)
     secret = new_key(str(ledger), "--root", "team", "--name", "live")
-    with (
-        fake_provider(tmp_path / "receipts.jsonl") as provider,
-        running_proxy(
-            ledger, upstreams={"openai": provider.url}, args=["--config", str(config)]
-        ) as proxy,
-    ):
+    with replica(tmp_path, ledger) as (provider, proxy):
         assert post(proxy, secret).status_code == 200
         started = time.monotonic()
         archive = subprocess.Popen(

@@ -98,13 +98,15 @@ async def lost_send(client: httpx.AsyncClient, url: str, body: Any, **kwargs: An
     return call_id
 
 
+def cli_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``effectguard`` command, whatever it exits with (bounded in time)."""
+    return subprocess.run(
+        [sys.executable, "-m", "effectguard", *args], capture_output=True, text=True, timeout=60
+    )
+
+
 def cli_json(*args: str) -> Any:
     """The real ``effectguard`` command with ``--json``: assert exit 0, parse its output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = cli_run(*args, "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)
