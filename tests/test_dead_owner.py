@@ -130,9 +130,13 @@ def test_a_lapsed_lease_is_gone_where_the_lock_cannot_be_seen(
             time.sleep(2.5)
             shown = cli("show", call["call_id"], *where)
         assert shown["owner_gone"] == "lease expired", shown
+        # Taken over, not decided: an owner only known by its lease may still answer.
+        first = run("reconcile", call["call_id"], "--not-applied", "--note", "n", *where)
+        assert first.returncode == 3, first.stdout + first.stderr
+        assert "(lease expired)" in first.stderr
+        assert cli("show", call["call_id"], *where)["stage"] == "effect_unknown"
         decided = run("reconcile", call["call_id"], "--not-applied", "--note", "n", *where)
         assert decided.returncode == 0, decided.stderr
-        assert "(lease expired)" in decided.stderr
         assert cli("show", call["call_id"], *where)["stage"] == "reconciled_not_applied"
         assert cli("verify", *where)["ok"] is True
 
@@ -177,3 +181,62 @@ def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) ->
         assert answers and answers[0].status_code == 200, answers
         assert cli("show", call["call_id"], *where)["stage"] == "completed"
         assert len(fake.effects()) == 1
+
+
+def test_a_paused_servers_call_is_taken_over_but_not_decided_before_its_late_answer(
+    tmp_path: Path,
+) -> None:
+    """A ``serve`` paused (SIGSTOP) past its lease is taken over by ``reconcile``, but the
+    call is not decided in the same command (exit 3): once the server resumes, the
+    provider's answer it receives is kept as evidence and decides the call applied. Before,
+    ``--not-applied`` was recorded at once, the late 200 arrived after it, and ``show``
+    offered a keyed resend: a second effect."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    config = tmp_path / "effectguard.toml"
+    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\n")
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        proxy = start_proxy(ledger, upstreams=upstreams(fake), args=("--config", str(config)))
+        answers: list[httpx.Response] = []
+        slow = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    proxy.url + SEND,
+                    json=email("p@x"),
+                    headers={"x-fake-delay": "2", "Idempotency-Key": "p"},
+                    timeout=60,
+                )
+            )
+        )
+        try:
+            slow.start()
+            deadline = time.monotonic() + 10
+            calls: list[Any] = []
+            while not calls and time.monotonic() < deadline:
+                calls = cli("calls", *where, "--state", "in_flight")
+                time.sleep(0.05)
+            (call,) = calls
+            call_id = call["call_id"]
+            proxy.process.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(3)  # past the 2 s lease; the provider answers meanwhile
+                assert cli("show", call_id, *where)["owner_gone"] == "lease expired"
+                refused = run("reconcile", call_id, "--not-applied", "--note", "n", *where)
+                assert refused.returncode == 3, refused.stdout + refused.stderr
+                assert "nothing was decided" in refused.stderr, refused.stderr
+                assert cli("show", call_id, *where)["stage"] == "effect_unknown"
+            finally:
+                proxy.process.send_signal(signal.SIGCONT)
+            slow.join(30)
+            assert answers and answers[0].status_code == 502, answers
+            shown = cli("show", call_id, *where)
+            assert shown["evidence"], shown
+            assert shown["next_command"].startswith(f"effectguard reconcile {call_id}")
+            assert "--accept-evidence" in shown["next_command"].split(" | ")[0]
+            accepted = run("reconcile", call_id, "--accept-evidence", *where)
+            assert accepted.returncode == 0, accepted.stderr
+        finally:
+            proxy.stop()
+        assert cli("show", call_id, *where)["stage"] == "reconciled_applied"
+        assert len(fake.effects()) == 1
+        assert cli("verify", *where)["ok"] is True

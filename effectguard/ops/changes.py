@@ -133,10 +133,14 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
 
 async def _take_over_gone(args: argparse.Namespace, ledger: Ledger) -> None:
     """Calls in flight whose worker is gone become effect_unknown first, as the next start
-    of ``serve`` would make them: after a crash, the call to decide is still in flight."""
-    from effectguard.ops.takeover import say_taken_over, take_over_gone
+    of ``serve`` would make them: after a crash, the call to decide is still in flight.
+    The call named is refused (exit 3) when its owner may still be running."""
+    from effectguard.ops.takeover import refuse_deciding_at_once, say_taken_over, take_over_gone
 
-    say_taken_over(await take_over_gone(ledger, str(args.ledger)))
+    marked = await take_over_gone(ledger, str(args.ledger))
+    say_taken_over(marked)
+    if args.call_id:
+        refuse_deciding_at_once(marked, args.call_id)
 
 
 async def _reconcile_resend(args: argparse.Namespace, ledger: Ledger) -> int:

@@ -5,6 +5,12 @@ After a crash with nothing restarted on the ledger, the dead process's calls sta
 in a process that writes. ``reconcile`` writes, so it is one: when a call in flight has
 an owner that will not finish it, the command registers as a worker, sweeps once as a
 ``serve`` start would, and stops. With no such call it writes nothing of its own.
+
+A call taken over because its owner's lease ran out is not decided in the same command:
+that owner may be alive (paused, overloaded, on another host) and still receive the
+provider's answer, kept then as evidence (operations.md, step 3). Deciding at once would
+ignore the answer by construction, and a "not applied" it contradicts frees the key for
+a second effect.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from typing import Final
 
 from effectguard.callpath.liveness import gone_owners
 from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.errors import ReconcileError
 from effectguard.ledger import Ledger
+from effectguard.rules.guidance import show_command
+from effectguard.rules.liveness import may_still_answer
 
 #: Calls in flight looked at (far more than are ever in flight at once).
 IN_FLIGHT_READ: Final = 100_000
@@ -72,3 +81,18 @@ def say_taken_over(marked: dict[str, str]) -> None:
             "taken over, it is effect_unknown now",
             file=sys.stderr,
         )
+
+
+def refuse_deciding_at_once(marked: dict[str, str], call_id: str) -> None:
+    """A :class:`ReconcileError` if ``call_id`` was just taken over from an owner that may
+    still be running: the person looks for its late answer before deciding."""
+    why = marked.get(call_id)
+    if not may_still_answer(why):
+        return
+    raise ReconcileError(
+        f"call {call_id} was taken over just now ({why}) and nothing was decided: its "
+        "worker may still be running (paused, overloaded, or on another host) and receive "
+        "the provider's answer, which is then kept as evidence. Check at the provider and "
+        f"look for a late answer with `{show_command(call_id)}`, then run this command again",
+        call_id=call_id,
+    )

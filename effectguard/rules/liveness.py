@@ -32,3 +32,11 @@ def owner_gone(*, live: bool, lease_expires: float, now: float, lock_free: bool)
     if lease_expires < now:
         return LEASE_EXPIRED
     return None
+
+
+def may_still_answer(why: str | None) -> bool:
+    """Whether an owner given up for ``why`` may still be running (paused, overloaded, on
+    another host): its lease ran out, but nothing proves its process is gone. Such a
+    worker may yet receive the provider's answer, which the ledger then keeps as evidence
+    (a late answer); a decision made before it could arrive would ignore it."""
+    return why == LEASE_EXPIRED
