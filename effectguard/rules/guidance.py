@@ -54,6 +54,17 @@ def unknown_effect(call_id: str) -> str:
     return f"call {call_id}: its effect is unknown; {decide_unknown(call_id)}"
 
 
+def contradicted_not_applied(attempt: int, status: int) -> str:
+    """What to do for a call decided not applied whose attempt's late answer, kept after
+    the decision, says the provider did apply it: the decision frees the key, and the
+    resend it usually calls for would make the effect a second time."""
+    return (
+        f"do not resend: a late answer kept for attempt {attempt} (status {status}) says the "
+        "provider applied it after it was decided not applied; a resend with the same "
+        "Idempotency-Key would make the effect again"
+    )
+
+
 def next_command(
     call_id: str, stage: str, attempt: int | None = None, owner_gone: str | None = None
 ) -> str | None:
