@@ -24,6 +24,7 @@ import pytest
 from edgekit import address, parse_answer, read_until_closed
 from observing import wait_for
 from stagedkit import serve_refusing
+from toolkit import cli_json
 
 from effectguard.config.settings import hash_key
 from effectguard.ops.cli import main as cli_main
@@ -573,6 +574,10 @@ def test_a_call_cut_off_by_a_second_signal_does_not_blame_the_drain_timeout(
     assert answer.status_code == 504, answer.text
     message = answer.json()["error"]["message"]
     assert "drain timeout" not in message and "a second signal" in message, message
+    call_id = answer.json()["error"]["call_id"]
+    shown = cli_json("show", call_id, "--ledger", str(ledger))
+    reasons = [e["data"]["reason"] for e in shown["events"] if e["kind"] == "attempt.interrupted"]
+    assert reasons == ["a second signal stopped the proxy without draining"], reasons
 
 
 def _started_at_the_provider(provider: FakeProvider, call: Callable[[], None]) -> threading.Thread:

@@ -390,7 +390,7 @@ class Guard:
         except asyncio.CancelledError:
             # The caller went away while the request may be on the wire.
             self.recorder.spawn(
-                self.recorder.interrupt_attempt(admitted, "cancelled during dispatch")
+                self.recorder.interrupt_attempt(admitted, self.recorder.cancel_reason)
             )
             raise
         self.crash.hit("after:dispatch")

@@ -75,6 +75,9 @@ class Recorder:
         #: Given a writer the store refused, a writer of this process it accepts now, to
         #: keep a late answer as evidence (the worker runtime registers anew if need be).
         self.evidence_writer: Callable[[Writer], Awaitable[Writer]] = _same_writer
+        #: Why a dispatch cancelled from now on was interrupted: its caller went away,
+        #: unless the process is stopping (then its 504 and the ledger say why alike).
+        self.cancel_reason = "cancelled during dispatch"
 
     # -- settlement ------------------------------------------------------------
     async def observe(

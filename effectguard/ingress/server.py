@@ -167,6 +167,7 @@ class ProxyApp:
         blame a drain timeout, and streams are cut off now (no background phase follows)."""
         self.cut_off_reason = "a second signal stopped the proxy without draining"
         if self.guard is not None:
+            self.guard.recorder.cancel_reason = self.cut_off_reason
             self.guard.recorder.spawn(self.guard.recorder.cut_off_streams(self.cut_off_reason))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
