@@ -163,10 +163,9 @@ class ProxyApp:
             await self._leg.aclose()
 
     def stopping_at_once(self) -> None:
-        """A second signal stops the server without draining: what it cuts off must not
-        blame a drain timeout, and streams are cut off now (no background phase follows)."""
+        """A second signal stops the server at once: nothing it cuts off blames the drain."""
         self.cut_off_reason = "a second signal stopped the proxy without draining"
-        if self.guard is not None:
+        if self.guard is not None:  # dispatches it cancels say so; streams are cut off now
             self.guard.recorder.cancel_reason = self.cut_off_reason
             self.guard.recorder.spawn(self.guard.recorder.cut_off_streams(self.cut_off_reason))
 
