@@ -217,6 +217,11 @@ def test_a_paused_servers_call_is_taken_over_but_not_decided_before_its_late_ans
                 time.sleep(0.05)
             (call,) = calls
             call_id = call["call_id"]
+            # In flight is recorded before the send: pause once the provider has the request,
+            # or the resumed worker, past its lease, rightly sends nothing at all.
+            while not fake.receipts() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert fake.receipts(), "the call never reached the provider"
             proxy.process.send_signal(signal.SIGSTOP)
             try:
                 time.sleep(3)  # past the 2 s lease; the provider answers meanwhile
