@@ -11,9 +11,12 @@ is written for it. Effects are counted from the fake provider's receipts.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,68 @@ from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 from toolkit import cli_run as run
 
-from effectguard.testing import fake_provider, start_proxy
+from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
+
+
+@dataclass
+class UnderWay:
+    """A call a ``serve`` has sent and the provider holds, its client waiting in a thread."""
+
+    proxy: Proxy
+    call_id: str
+    answers: list[httpx.Response]
+    client: threading.Thread
+
+
+@contextlib.contextmanager
+def call_under_way(
+    ledger: Path, fake: FakeProvider, to: str, headers: dict[str, str], args: tuple[str, ...] = ()
+) -> Iterator[UnderWay]:
+    """A ``serve`` on ``ledger`` (stopped on exit) and one email sent through it from a
+    thread, yielded once the provider holds the request (``headers``' ``x-fake-delay``
+    says how long it then waits): in flight is recorded before the send, and a worker
+    paused before it, resumed past its lease, rightly sends nothing at all."""
+    proxy = start_proxy(ledger, upstreams=upstreams(fake), args=args)
+    answers: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(proxy.url + SEND, json=email(to), headers=headers, timeout=60)
+        )
+    )
+    try:
+        client.start()
+        deadline = time.monotonic() + 10
+        calls: list[Any] = []
+        while not calls and time.monotonic() < deadline:
+            calls = cli("calls", "--ledger", str(ledger), "--state", "in_flight")
+            time.sleep(0.05)
+        (call,) = calls
+        while not fake.receipts() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fake.receipts(), "the call never reached the provider"
+        yield UnderWay(proxy, call["call_id"], answers, client)
+    finally:
+        proxy.stop()
+
+
+def short_lease(tmp_path: Path) -> tuple[str, ...]:
+    """``serve`` arguments for a 2 s lease (a paused worker loses it within a test)."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\n")
+    return ("--config", str(config))
+
+
+@contextlib.contextmanager
+def paused(proxy: Proxy, seconds: float = 3.0) -> Iterator[None]:
+    """``proxy`` stopped (SIGSTOP) for ``seconds``, then for the body, then resumed."""
+    proxy.process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+        yield
+    finally:
+        proxy.process.send_signal(signal.SIGCONT)
 
 
 def kinds(ledger: Path, call_id: str) -> list[str]:
@@ -146,40 +208,21 @@ def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) ->
     (exit 3) and the command writes no worker of its own."""
     ledger = tmp_path / "ledger.db"
     where = ("--ledger", str(ledger))
-    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
-        proxy = start_proxy(ledger, upstreams=upstreams(fake))
-        answers: list[httpx.Response] = []
-        slow = threading.Thread(
-            target=lambda: answers.append(
-                httpx.post(
-                    proxy.url + SEND,
-                    json=email("d@x"),
-                    headers={"x-fake-delay": "4"},
-                    timeout=30,
-                )
-            )
-        )
-        try:
-            slow.start()
-            deadline = time.monotonic() + 10
-            calls: list[Any] = []
-            while not calls and time.monotonic() < deadline:
-                calls = cli("calls", *where, "--state", "in_flight")
-                time.sleep(0.1)
-            (call,) = calls
-            before = cli("show", call["call_id"], *where)
-            assert before["owner_gone"] is None
-            assert before["next_command"].startswith("wait (it is in flight)")
-            refused = run("reconcile", call["call_id"], "--not-applied", "--note", "n", *where)
-            assert refused.returncode == 3, refused.stdout + refused.stderr
-            assert "taken over" not in refused.stderr
-            after = cli("show", call["call_id"], *where)
-            assert len(after["events"]) == len(before["events"])
-            slow.join(30)
-        finally:
-            proxy.stop()
-        assert answers and answers[0].status_code == 200, answers
-        assert cli("show", call["call_id"], *where)["stage"] == "completed"
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "d@x", {"x-fake-delay": "4"}) as call,
+    ):
+        before = cli("show", call.call_id, *where)
+        assert before["owner_gone"] is None
+        assert before["next_command"].startswith("wait (it is in flight)")
+        refused = run("reconcile", call.call_id, "--not-applied", "--note", "n", *where)
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        assert "taken over" not in refused.stderr
+        after = cli("show", call.call_id, *where)
+        assert len(after["events"]) == len(before["events"])
+        call.client.join(30)
+        assert call.answers and call.answers[0].status_code == 200, call.answers
+        assert cli("show", call.call_id, *where)["stage"] == "completed"
         assert len(fake.effects()) == 1
 
 
@@ -193,55 +236,26 @@ def test_a_paused_servers_call_is_taken_over_but_not_decided_before_its_late_ans
     offered a keyed resend: a second effect."""
     ledger = tmp_path / "ledger.db"
     where = ("--ledger", str(ledger))
-    config = tmp_path / "effectguard.toml"
-    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\n")
-    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
-        proxy = start_proxy(ledger, upstreams=upstreams(fake), args=("--config", str(config)))
-        answers: list[httpx.Response] = []
-        slow = threading.Thread(
-            target=lambda: answers.append(
-                httpx.post(
-                    proxy.url + SEND,
-                    json=email("p@x"),
-                    headers={"x-fake-delay": "2", "Idempotency-Key": "p"},
-                    timeout=60,
-                )
-            )
-        )
-        try:
-            slow.start()
-            deadline = time.monotonic() + 10
-            calls: list[Any] = []
-            while not calls and time.monotonic() < deadline:
-                calls = cli("calls", *where, "--state", "in_flight")
-                time.sleep(0.05)
-            (call,) = calls
-            call_id = call["call_id"]
-            # In flight is recorded before the send: pause once the provider has the request,
-            # or the resumed worker, past its lease, rightly sends nothing at all.
-            while not fake.receipts() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert fake.receipts(), "the call never reached the provider"
-            proxy.process.send_signal(signal.SIGSTOP)
-            try:
-                time.sleep(3)  # past the 2 s lease; the provider answers meanwhile
-                assert cli("show", call_id, *where)["owner_gone"] == "lease expired"
-                refused = run("reconcile", call_id, "--not-applied", "--note", "n", *where)
-                assert refused.returncode == 3, refused.stdout + refused.stderr
-                assert "nothing was decided" in refused.stderr, refused.stderr
-                assert cli("show", call_id, *where)["stage"] == "effect_unknown"
-            finally:
-                proxy.process.send_signal(signal.SIGCONT)
-            slow.join(30)
-            assert answers and answers[0].status_code == 502, answers
-            shown = cli("show", call_id, *where)
-            assert shown["evidence"], shown
-            assert shown["next_command"].startswith(f"effectguard reconcile {call_id}")
-            assert "--accept-evidence" in shown["next_command"].split(" | ")[0]
-            accepted = run("reconcile", call_id, "--accept-evidence", *where)
-            assert accepted.returncode == 0, accepted.stderr
-        finally:
-            proxy.stop()
+    headers = {"x-fake-delay": "2", "Idempotency-Key": "p"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "p@x", headers, short_lease(tmp_path)) as call,
+    ):
+        call_id = call.call_id
+        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
+            assert cli("show", call_id, *where)["owner_gone"] == "lease expired"
+            refused = run("reconcile", call_id, "--not-applied", "--note", "n", *where)
+            assert refused.returncode == 3, refused.stdout + refused.stderr
+            assert "nothing was decided" in refused.stderr, refused.stderr
+            assert cli("show", call_id, *where)["stage"] == "effect_unknown"
+        call.client.join(30)
+        assert call.answers and call.answers[0].status_code == 502, call.answers
+        shown = cli("show", call_id, *where)
+        assert shown["evidence"], shown
+        assert shown["next_command"].startswith(f"effectguard reconcile {call_id}")
+        assert "--accept-evidence" in shown["next_command"].split(" | ")[0]
+        accepted = run("reconcile", call_id, "--accept-evidence", *where)
+        assert accepted.returncode == 0, accepted.stderr
         assert cli("show", call_id, *where)["stage"] == "reconciled_applied"
         assert len(fake.effects()) == 1
         assert cli("verify", *where)["ok"] is True

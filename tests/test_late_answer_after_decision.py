@@ -8,19 +8,13 @@ second time. Effects are counted from the fake provider's receipts.
 
 from __future__ import annotations
 
-import signal
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
-from test_dead_owner import run
-from test_reconcile_auto import SEND, email, upstreams
+from test_dead_owner import call_under_way, paused, run, short_lease
 from toolkit import cli_json as cli
 
-from effectguard.testing import fake_provider, start_proxy
+from effectguard.testing import fake_provider
 
 pytestmark = pytest.mark.slow
 
@@ -33,47 +27,18 @@ def test_show_warns_against_a_resend_when_a_late_answer_contradicts_not_applied(
     late answer, instead of offering the resend."""
     ledger = tmp_path / "ledger.db"
     where = ("--ledger", str(ledger))
-    config = tmp_path / "effectguard.toml"
-    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\n")
-    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
-        proxy = start_proxy(ledger, upstreams=upstreams(fake), args=("--config", str(config)))
-        answers: list[httpx.Response] = []
-        slow = threading.Thread(
-            target=lambda: answers.append(
-                httpx.post(
-                    proxy.url + SEND,
-                    json=email("q@x"),
-                    headers={"x-fake-delay": "2", "Idempotency-Key": "q"},
-                    timeout=60,
-                )
-            )
-        )
-        try:
-            slow.start()
-            deadline = time.monotonic() + 10
-            calls: list[Any] = []
-            while not calls and time.monotonic() < deadline:
-                calls = cli("calls", *where, "--state", "in_flight")
-                time.sleep(0.05)
-            (call,) = calls
-            call_id = call["call_id"]
-            # In flight is recorded before the send: pause once the provider has the request,
-            # or the resumed worker, past its lease, rightly sends nothing at all.
-            while not fake.receipts() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert fake.receipts(), "the call never reached the provider"
-            proxy.process.send_signal(signal.SIGSTOP)
-            try:
-                time.sleep(3)  # past the 2 s lease; the provider answers meanwhile
-                run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
-                decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
-                assert decided.returncode == 0, decided.stdout + decided.stderr
-            finally:
-                proxy.process.send_signal(signal.SIGCONT)
-            slow.join(30)
-            assert answers and answers[0].status_code == 502, answers
-        finally:
-            proxy.stop()
+    headers = {"x-fake-delay": "2", "Idempotency-Key": "q"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "q@x", headers, short_lease(tmp_path)) as call,
+    ):
+        call_id = call.call_id
+        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
+            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
+            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
+            assert decided.returncode == 0, decided.stdout + decided.stderr
+        call.client.join(30)
+        assert call.answers and call.answers[0].status_code == 502, call.answers
         shown = cli("show", call_id, *where)
         assert shown["stage"] == "reconciled_not_applied"
         assert [e["status"] for e in shown["evidence"]] == [200], shown["evidence"]
