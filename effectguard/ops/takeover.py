@@ -19,7 +19,7 @@ import contextlib
 import logging
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 from effectguard.callpath.liveness import gone_owners
@@ -28,21 +28,28 @@ from effectguard.errors import ReconcileError
 from effectguard.ledger import Ledger
 from effectguard.rules.guidance import show_command
 from effectguard.rules.liveness import may_still_answer
+from effectguard.rules.workstate import WorkState
 
 #: Calls in flight looked at (far more than are ever in flight at once).
 IN_FLIGHT_READ: Final = 100_000
 
 
+async def gone_owners_here(
+    ledger: Ledger, ledger_url: str, calls: Iterable[WorkState]
+) -> dict[str, str]:
+    """:func:`~effectguard.callpath.liveness.gone_owners` as a process on this host judges
+    them, for the ledger at ``ledger_url``: call id -> why its owner will not finish it."""
+    return await gone_owners(ledger, calls, lock_dir_for(ledger_url), socket.gethostname())
+
+
 async def take_over_gone(ledger: Ledger, ledger_url: str) -> dict[str, str]:
     """Sweep once if a call in flight has an owner that is gone; returns the calls the
     sweep marked effect unknown, each with why its owner was given up."""
-    lock_dir = lock_dir_for(ledger_url)
-    host = socket.gethostname()
     in_flight = await ledger.calls(stage="in_flight", limit=IN_FLIGHT_READ)
-    gone = await gone_owners(ledger, in_flight, lock_dir, host)
+    gone = await gone_owners_here(ledger, ledger_url, in_flight)
     if not gone:
         return {}
-    worker = WorkerRuntime(ledger, lock_dir=lock_dir, host=host)
+    worker = WorkerRuntime(ledger, lock_dir=lock_dir_for(ledger_url))
     await worker.register()
     try:
         with _sweep_lines_left_out():

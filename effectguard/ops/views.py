@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import socket
 import sys
 import time
 from datetime import UTC, date, datetime
@@ -86,14 +85,9 @@ async def cmd_calls(args: argparse.Namespace, ledger: Ledger) -> int:
 async def _owner_gone(args: argparse.Namespace, ledger: Ledger, state: WorkState) -> str | None:
     """Why the worker of a call in flight will not finish it (None: it may, or the call is
     not in flight), judged as a sweep would (:mod:`effectguard.callpath.liveness`)."""
-    from effectguard.callpath.liveness import gone_owners
-    from effectguard.callpath.recovery import lock_dir_for
+    from effectguard.ops.takeover import gone_owners_here
 
-    if state.stage != "in_flight":
-        return None
-    lock_dir = lock_dir_for(str(args.ledger))
-    gone = await gone_owners(ledger, [state], lock_dir, socket.gethostname())
-    return gone.get(state.call_id)
+    return (await gone_owners_here(ledger, str(args.ledger), [state])).get(state.call_id)
 
 
 async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:

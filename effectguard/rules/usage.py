@@ -341,12 +341,15 @@ def _output_bound(price: ModelPrice, request: Mapping[str, Any]) -> int:
     maximum, or more choices than :data:`MAX_CHOICES`, is refused, never multiplied out.
     """
     declared = price.max_output_tokens
-    bound = None
     for key in OUTPUT_LIMIT_FIELDS:
-        value = _bounded_int(request, key, 0, declared, "the model's declared maximum")
-        if bound is None:
-            bound = value
-    return (declared if bound is None else bound) * choices(request)
+        _bounded_int(request, key, 0, declared, "the model's declared maximum")
+    cap = _stated_cap(request)
+    return (declared if cap is None else cap) * choices(request)
+
+
+def _stated_cap(request: Mapping[str, Any]) -> Any:
+    """The first output cap the request states (:data:`OUTPUT_LIMIT_FIELDS`), or None."""
+    return next((request[k] for k in OUTPUT_LIMIT_FIELDS if request.get(k) is not None), None)
 
 
 def output_cap(request: Mapping[str, Any], dialect: str) -> int | None:
@@ -355,10 +358,8 @@ def output_cap(request: Mapping[str, Any], dialect: str) -> int | None:
     :func:`reservation`, which refused any cap or count out of its bounds."""
     if dialect == "flat":
         return None
-    cap = next((request[k] for k in OUTPUT_LIMIT_FIELDS if request.get(k) is not None), None)
-    if not isinstance(cap, int) or isinstance(cap, bool):
-        return None
-    return cap * choices(request)
+    cap = _stated_cap(request)
+    return None if cap is None else int(cap) * choices(request)
 
 
 def choices(request: Mapping[str, Any]) -> int:
