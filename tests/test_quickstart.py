@@ -138,6 +138,40 @@ def test_a_signal_stops_everything_and_a_second_run_works(tmp_path: Path, sig: i
     assert [r["stage"] for r in calls(ledger)] == ["completed", "completed"]
 
 
+# Loaded at start-up by the serve process below (as ``sitecustomize``): the demo's first
+# port-0 bind gets the proxy's own port, as the kernel may hand it out once a test's
+# free_port() has let it go.
+_KERNEL_PICKS_THE_PROXYS_PORT = """
+import os
+import effectguard.ops.demo as demo
+
+_real, _picks = demo.listen_socket, [int(os.environ["DEMO_FIRST_PORT"])]
+
+
+def listen_socket(host, port):
+    return _real(host, _picks.pop() if port == 0 and _picks else port)
+
+
+demo.listen_socket = listen_socket
+"""
+
+
+def test_the_demo_never_shares_the_proxys_port(tmp_path: Path) -> None:
+    """The demo's upstream bound first, on the port the proxy was then told to use: both
+    binds succeeded (neither listened yet), and the proxy never became healthy (a CI
+    failure). The demo now moves to another port."""
+    (tmp_path / "sitecustomize.py").write_text(_KERNEL_PICKS_THE_PROXYS_PORT)
+    port = free_port()
+    env = {"PYTHONPATH": str(tmp_path), "DEMO_FIRST_PORT": str(port)}
+    with running_proxy(tmp_path / "ledger.db", args=["--demo"], port=port, env=env) as proxy:
+        upstream = demo_url(proxy)
+        answer = post(proxy.url + "/openai/v1/chat/completions", CHAT)
+    assert upstream != proxy.url, proxy.log()
+    assert answer["object"] == "chat.completion"
+    receipts = (tmp_path / "effectguard-demo-receipts.jsonl").read_text().splitlines()
+    assert len(receipts) == 1
+
+
 @pytest.mark.parametrize("demo_flag", [["--demo"], []])
 def test_a_taken_port_is_a_plain_usage_error(tmp_path: Path, demo_flag: list[str]) -> None:
     """A port in use: exit 2 with "port N on 127.0.0.1 is already in use", nothing claims to

@@ -11,7 +11,8 @@ working directory for a PostgreSQL ledger.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 from effectguard.ingress.listeners import listen_socket
@@ -32,11 +33,27 @@ def receipts_path(ledger: str) -> Path:
 class DemoUpstream:
     """The fake provider on a free loopback port, to be run in the proxy's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket | None = None) -> None:
         # Bound now, so the URL is known before the proxy's settings are built.
-        self._sock = listen_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._sock = sock or listen_socket("127.0.0.1", 0)
+        self.port: int = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self.answers_for: tuple[str, ...] = PROVIDERS
+
+    def elsewhere(self, avoid: Collection[int]) -> DemoUpstream:
+        """A new demo upstream on a port not in ``avoid``; this one's socket is closed.
+
+        Every port tried stays bound until one fits, so the kernel cannot hand the same
+        one back.
+        """
+        tried = [self._sock]
+        try:
+            while (sock := listen_socket("127.0.0.1", 0)).getsockname()[1] in avoid:
+                tried.append(sock)
+        finally:
+            for held in tried:
+                held.close()
+        return DemoUpstream(sock)
 
     def upstreams(self, explicit: dict[str, str]) -> dict[str, str]:
         """The ``--upstream`` overrides with the demo providers pointed here, except those

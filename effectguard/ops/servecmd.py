@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from effectguard.errors import ConfigError
 from effectguard.ops.command import (
@@ -18,6 +19,9 @@ from effectguard.ops.command import (
     upstreams,
 )
 
+if TYPE_CHECKING:
+    from effectguard.config.settings import ServeSettings
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``effectguard serve``: the proxy (with ``--demo``, and its offline upstream)."""
@@ -26,24 +30,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from effectguard.telemetry.metrics import Metrics
 
     overrides = upstreams(args)
-    demo = None
-    if args.demo:
-        from effectguard.ops.demo import DemoUpstream
-
-        demo = DemoUpstream()
-        overrides = demo.upstreams(overrides)  # an explicit --upstream still wins
-    settings = load_settings(
+    load = functools.partial(
+        load_settings,
         config=Path(args.config) if args.config else None,
         ledger=args.ledger,
         host=args.host,
         port=args.port,
         provider_dirs=[Path(p) for p in args.providers or ()],
-        upstreams=overrides,
         name_upstream=upstream_flag,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         provider_ports=provider_ports(args),
     )
+    demo = None
+    if args.demo:
+        from effectguard.ops.demo import DemoUpstream
+
+        demo = DemoUpstream()
+        # An explicit --upstream still wins over the demo's.
+        settings = load(upstreams=demo.upstreams(overrides))
+        if demo.port in _listen_ports(settings):
+            # The kernel may give the demo a port the proxy is about to bind: neither
+            # listens yet, so both binds succeed and the proxy never hears a request.
+            demo = demo.elsewhere(_listen_ports(settings))
+            settings = load(upstreams=demo.upstreams(overrides))
+    else:
+        settings = load(upstreams=overrides)
     settings = with_operator_flags(
         settings, log_format=args.log_format, log_level=args.log_level, otel=args.otel or None
     )
@@ -99,6 +111,14 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     _operator_arguments(p)
     p.set_defaults(run=cmd_serve)
+
+
+def _listen_ports(settings: ServeSettings) -> set[int]:
+    """The ports ``serve`` binds for itself (the proxy, /metrics, the provider ports)."""
+    ports = {settings.port, *settings.provider_ports.values()}
+    if settings.metrics_port is not None:
+        ports.add(settings.metrics_port)
+    return ports
 
 
 def provider_ports(args: argparse.Namespace) -> dict[str, int]:
