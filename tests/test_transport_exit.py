@@ -12,6 +12,7 @@ did not record it; and a thread calling after the main thread returned got
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
+from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
@@ -168,3 +170,49 @@ def test_a_thread_calling_after_the_main_thread_returned_is_served(
     assert (done.returncode, done.stdout, done.stderr) == (0, "200\n200\n", "")
     assert stages_of(capsys, ledger) == Counter(completed=2)
     assert len(provider.effects()) == 2
+
+
+ENDS_MID_STREAM = """
+import asyncio, sys
+import httpx, effectguard
+
+url, ledger = sys.argv[1:3]
+body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+async def main():
+    transport = effectguard.AsyncGuardTransport(ledger=ledger, upstreams={"openai": url})
+    client = httpx.AsyncClient(transport=transport, base_url=url)  # never closed
+    request = client.build_request(
+        "POST", "/v1/chat/completions", json=body, headers={"x-fake-behaviour": "endless"}
+    )
+    response = await client.send(request, stream=True)
+    await response.aiter_raw().__anext__()  # one chunk, then main returns
+
+asyncio.run(main())
+"""
+
+
+def test_an_async_program_ending_mid_stream_says_its_loop_ended_not_that_the_provider_did(
+    provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asyncio.run`` ending with a stream half read closes the upstream's reader under
+    the guard: its attempt was recorded as "stream broke: ended before its terminal
+    event", which blames a provider that was still sending. It now names the loop."""
+    ledger = tmp_path / "ledger.db"
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(ENDS_MID_STREAM))
+    done = subprocess.run(
+        [sys.executable, str(script), provider.url, str(ledger)],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_BOUND_S * 3,
+    )
+    assert done.returncode == 0, done.stderr
+    assert stages_of(capsys, ledger) == Counter(effect_unknown=1)
+    assert cli_main(["calls", "--json", "--ledger", str(ledger)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert cli_main(["show", "--json", "--ledger", str(ledger), row["call_id"]]) == 0
+    (attempt,) = json.loads(capsys.readouterr().out)["attempts_detail"]
+    assert "its event loop shut down (asyncio.run ended)" in attempt["ended"], attempt
+    assert "stream broke" not in attempt["ended"], attempt
+    assert len(provider.effects()) == 1

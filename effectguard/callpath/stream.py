@@ -22,6 +22,7 @@ observed and settled durably before the stream's terminal event is released.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -36,6 +37,21 @@ from effectguard.ledger import Admitted
 from effectguard.rules.addedusage import AddedUsage
 from effectguard.rules.streamusage import StreamUsage
 from effectguard.telemetry.report import CallReport
+
+#: The reason recorded for a stream dropped half read as its event loop shut down.
+LOOP_ENDED = (
+    "stream left unread: its event loop shut down (asyncio.run ended) before the end "
+    "was read; the provider may have sent it whole"
+)
+
+
+def _loop_shutting_down() -> bool:
+    """Whether the running loop is closing its async generators (``asyncio.run`` ending).
+
+    No public API says so; asyncio's and uvloop's loops both keep this flag.
+    """
+    loop = asyncio.get_running_loop()
+    return bool(getattr(loop, "_asyncgens_shutdown_called", False))
 
 
 class GuardedStream:
@@ -115,6 +131,11 @@ class GuardedStream:
                 chunk = await self._chunks.__anext__()
             except StopAsyncIteration:
                 if not self._parser.complete:
+                    if background and _loop_shutting_down():
+                        # Not the provider's doing: asyncio.run closed the upstream's
+                        # reader with the stream half read, and no end can be read now.
+                        await self._interrupted(LOOP_ENDED)
+                        raise self._broken_error(LOOP_ENDED) from None
                     await self._broken("ended before its terminal event")
                     raise self._broken_error("ended before its terminal event") from None
                 await self._observe_or_fail()
