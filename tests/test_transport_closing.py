@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -248,6 +250,63 @@ def test_a_stream_still_read_when_a_close_stops_waiting_is_marked_not_left_in_fl
     events = json.loads(_cli(capsys, "show", call["call_id"], "--json", "--ledger", str(ledger)))
     reasons = [e["data"]["reason"] for e in events["events"] if e["kind"] == "attempt.interrupted"]
     assert reasons == [effectguard.ingress.transport.CLOSED_UNDER_STREAM], reasons
+
+
+SYNC_CLOSE_UNDER_A_READER = """
+import sys, threading, time
+import httpx, effectguard
+import effectguard.config.defaults
+
+effectguard.config.defaults.DRAIN_TIMEOUT_S = 2.0  # the close's 30 s window, made short
+url, ledger = sys.argv[1:3]
+body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+transport = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": url})
+client = httpx.Client(transport=transport, base_url=url)
+started = threading.Event()
+
+def read():
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        try:
+            for _ in response.iter_raw():
+                started.set()
+        except Exception as exc:
+            print("reader:", type(exc).__name__, exc, flush=True)
+
+reader = threading.Thread(target=read)
+reader.start()
+started.wait(30)
+transport.close()
+reader.join(30)
+print("closed", flush=True)
+"""
+
+
+def test_closing_a_sync_transport_under_a_waiting_reader_prints_no_asyncio_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reader thread waiting on a stalled stream when the close stops waiting: the
+    close ended the portal's loop by closing its async generators while that read still
+    ran them, and asyncio printed "aclose(): asynchronous generator is already running"
+    twice on stderr. The read is cancelled first now; the call is marked all the same."""
+    ledger = tmp_path / "l.db"
+    program = tmp_path / "program.py"
+    program.write_text(SYNC_CLOSE_UNDER_A_READER)
+    with hostile_search() as upstream:
+        upstream.follow(slow_chat_stream(events=120, pause_s=0.5))  # a minute of answer
+        done = subprocess.run(
+            [sys.executable, str(program), upstream.url, str(ledger)],
+            capture_output=True,
+            text=True,
+            timeout=HANG_BOUND_S,
+        )
+    assert done.returncode == 0, done.stderr
+    # Its reader is told, never shown a clean end (which error depends on where its read
+    # stood when the close came).
+    told, closed = done.stdout.splitlines()
+    assert told.startswith(("reader: RuntimeError", "reader: RemoteProtocolError")), told
+    assert closed == "closed"
+    assert done.stderr == "", done.stderr
+    assert stages_of(capsys, ledger) == Counter({"effect_unknown": 1})
 
 
 async def _read_all(stream: openai.AsyncStream[object]) -> str:

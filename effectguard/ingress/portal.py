@@ -133,7 +133,8 @@ class Portal:
             # (the guard's response body, the inner transport's): their aclose() has to
             # run here, before the loop stops. Left to the collector, it is scheduled on a
             # loop that never runs again, and Python 3.13 warns it was never awaited.
-            self._wait(self._submit(loop.shutdown_asyncgens(), closing=True))
+            # A reader still waiting for a stalled stream's next chunk is cancelled first.
+            self._wait(self._submit(_end_loop_work(loop), closing=True))
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=5)
@@ -155,3 +156,21 @@ class Portal:
     def closed(self) -> bool:
         """Closing or closed, or its thread is gone (forked after its first use)."""
         return self._closing or self._thread_gone()
+
+
+#: How long the close waits for the tasks it cancelled (a bound only a task that
+#: ignores its cancellation reaches).
+CANCELLED_WAIT_S = 5.0
+
+
+async def _end_loop_work(loop: asyncio.AbstractEventLoop) -> None:
+    """End what runs on the loop as ``asyncio.run`` does: cancel the tasks left, then close
+    the async generators. In the other order, a generator a task is still running (a
+    reader waiting on a stalled stream) cannot be closed, and asyncio printed "aclose():
+    asynchronous generator is already running" for each as the transport closed."""
+    left = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=CANCELLED_WAIT_S)
+    await loop.shutdown_asyncgens()
