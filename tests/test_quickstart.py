@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import effectguard.testing
 from effectguard.testing import Proxy, free_port, running_proxy, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -170,6 +171,24 @@ def test_the_demo_never_shares_the_proxys_port(tmp_path: Path) -> None:
     assert answer["object"] == "chat.completion"
     receipts = (tmp_path / "effectguard-demo-receipts.jsonl").read_text().splitlines()
     assert len(receipts) == 1
+
+
+def test_the_harness_picks_another_port_when_one_is_taken_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start_proxy's port is free only a moment ago: another process may listen on it
+    before serve binds it (serve then exits 2). The harness picks another, so the
+    suite does not fail on that race; a port the caller names is never changed."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], free_port()])
+        monkeypatch.setattr(effectguard.testing, "free_port", lambda: next(ports))
+        with running_proxy(tmp_path / "ledger.db", args=["--demo"]) as proxy:
+            post(proxy.url + "/openai/v1/chat/completions", CHAT)
+        assert proxy.url != f"http://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match="already in use"):
+            start_proxy(tmp_path / "ledger.db", port=taken.getsockname()[1])
 
 
 @pytest.mark.parametrize("demo_flag", [["--demo"], []])

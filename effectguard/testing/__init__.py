@@ -176,6 +176,14 @@ class Proxy:
         return stop_process(self.process, timeout)
 
 
+class _PortTaken(RuntimeError):
+    """``serve`` found its port taken (exit 2) before it started."""
+
+
+#: How many free ports :func:`start_proxy` tries when it picks the port itself.
+_PORT_TRIES = 3
+
+
 def start_proxy(
     ledger: str | Path,
     *,
@@ -186,39 +194,55 @@ def start_proxy(
     port: int | None = None,
     wait: bool = True,
 ) -> Proxy:
-    """Start ``effectguard serve`` on a free loopback port; wait until ``/healthz`` answers."""
-    import urllib.request
+    """Start ``effectguard serve`` on a free loopback port; wait until ``/healthz`` answers.
 
-    port = port or free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "effectguard",
-        "serve",
-        "--ledger",
-        str(ledger),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    A port picked here (``port`` None) is only free a moment ago: another process may
+    take it before ``serve`` binds it, so with ``wait`` a taken one is picked again.
+    """
+    flags: list[str] = []  # after --port, as before, so that ``args`` may override
     for name, url in (upstreams or {}).items():
-        command += ["--upstream", f"{name}={url}"]
-    command += list(args)
-    log_path = log_path or Path(str(ledger) + f".proxy-{port}.log")
+        flags += ["--upstream", f"{name}={url}"]
+    flags += list(args)
     child_env = {**os.environ, **(env or {})}
+    for tries_left in reversed(range(_PORT_TRIES if port is None and wait else 1)):
+        chosen = port or free_port()
+        process, proxy = _launch(flags, chosen, ledger, log_path, child_env)
+        if not wait:
+            return proxy
+        try:
+            return _wait_healthy(process, proxy)
+        except _PortTaken:
+            if not tries_left:
+                raise
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _launch(
+    flags: list[str], port: int, ledger: str | Path, log_path: Path | None, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], Proxy]:
+    log_path = log_path or Path(str(ledger) + f".proxy-{port}.log")
+    command = [sys.executable, "-m", "effectguard", "serve", "--ledger", str(ledger)]
+    command += ["--host", "127.0.0.1", "--port", str(port), *flags]
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
-    proxy = Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path)
-    if not wait:
-        return proxy
+    return process, Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path)
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], proxy: Proxy) -> Proxy:
+    import urllib.request
+
     deadline = time.monotonic() + _START_TIMEOUT * 2
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(
-                f"effectguard serve exited with {process.returncode}:\n{proxy.log()}"
+            log = proxy.log()
+            taken = process.returncode == 2 and "is already in use" in log
+            raise (_PortTaken if taken else RuntimeError)(
+                f"effectguard serve exited with {process.returncode}:\n{log}"
             )
         try:
             with urllib.request.urlopen(proxy.url + "/healthz", timeout=1) as response:
