@@ -39,6 +39,7 @@ GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "effectguard.json"
 ALERTS = GRAFANA / "prometheus" / "alerts.yml"
 ALERTS_TEST = GRAFANA / "prometheus" / "alerts.test.yml"
+PROMETHEUS_YML = GRAFANA / "prometheus" / "prometheus.yml"
 CHAT = "/openai/v1/chat/completions"
 #: What the test substitutes for Grafana's built-in and template variables.
 VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
@@ -117,16 +118,25 @@ class Prometheus:
                 self.process.wait()
 
 
-def start_prometheus(tmp: Path, target: str, http: httpx.Client) -> Prometheus:
-    """Prometheus scraping ``target`` every second, with the shipped alert rules loaded."""
+def shipped_config(targets: list[str]) -> str:
+    """The shipped prometheus.yml, scraping ``targets`` every second with the shipped
+    rules: only the intervals, the rule file's path and the targets differ."""
+    config = PROMETHEUS_YML.read_text()
+    for old, new in (
+        ("scrape_interval: 15s", "scrape_interval: 1s"),
+        ("evaluation_interval: 15s", "evaluation_interval: 1s"),
+        ("  - alerts.yml", f"  - {json.dumps(str(ALERTS))}"),
+        ('["127.0.0.1:8787"]', json.dumps(targets)),
+    ):
+        assert config.count(old) == 1, old
+        config = config.replace(old, new)
+    return config
+
+
+def start_prometheus(tmp: Path, targets: list[str], http: httpx.Client) -> Prometheus:
+    """Prometheus scraping ``targets`` every second, with the shipped alert rules loaded."""
     config = tmp / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: [{json.dumps(str(ALERTS))}]\n"
-        "scrape_configs:\n"
-        "  - job_name: effectguard\n"
-        f"    static_configs: [{{targets: [{json.dumps(target)}]}}]\n"
-    )
+    config.write_text(shipped_config(targets))
     port = free_port()
     log = (tmp / "prometheus.log").open("ab")
     process = subprocess.Popen(
@@ -245,7 +255,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "the sweeper to mark the call", lambda: scrape_value(http, proxy, unknown) == 1.0
             )
             rated = drive_traffic(proxy)
-            prometheus = start_prometheus(tmp, f"127.0.0.1:{port}", http)
+            prometheus = start_prometheus(tmp, [f"127.0.0.1:{port}"], http)
             prom = prometheus
             wait_for(  # Prometheus applies new targets only after ~5 s
                 "three scrapes",
@@ -384,8 +394,13 @@ def test_the_period_panel_shows_each_budgets_use_of_its_current_period(stack: St
 
 
 def test_alert_rules_pass_promtool() -> None:
-    """`promtool check rules` accepts the rules and `promtool test rules` passes their tests."""
-    for command in (["check", "rules", str(ALERTS)], ["test", "rules", str(ALERTS_TEST)]):
+    """`promtool check config` accepts the shipped scrape config (its rule file included),
+    `promtool check rules` the rules, and `promtool test rules` passes their tests."""
+    for command in (
+        ["check", "config", str(PROMETHEUS_YML)],
+        ["check", "rules", str(ALERTS)],
+        ["test", "rules", str(ALERTS_TEST)],
+    ):
         done = subprocess.run(
             ["promtool", *command], capture_output=True, text=True, timeout=30, check=False
         )
@@ -407,13 +422,48 @@ def test_rules_evaluate_cleanly_and_unknown_effect_alert_fires(stack: Stack) -> 
         "EffectguardUnknownEffectStale",
         "EffectguardBudgetNearLimit",
         "EffectguardLedgerCommitsFailing",
+        "EffectguardLedgerUnreadable",
+        "EffectguardDown",
     }
     assert all(r["health"] == "ok" for r in loaded), loaded
+    down = next(r for r in loaded if r["name"] == "EffectguardDown")
+    assert down["state"] == "inactive" and not down["alerts"], down  # the target is scraped
     stale = next(r for r in loaded if r["name"] == "EffectguardUnknownEffectStale")
     lowered, replaced = re.subn(r">\s*[0-9.]+\s*$", "> 0", stale["query"].strip())
     assert replaced == 1, stale["query"]
     firing = prom.query(lowered)
     assert [r["metric"]["provider"] for r in firing] == ["openai"]
+
+
+def test_down_alert_for_targets_that_answer_no_scrape(tmp_path: Path, stack: Stack) -> None:
+    """With the shipped config and rules, `EffectguardDown` goes pending for each target
+    Prometheus cannot scrape: a port nobody listens on, and an effectguard with a proxy key
+    (its /metrics answers 401 to the keyless scrape) while the others' alerts are silent."""
+    ledger = tmp_path / "keyed.db"
+    effectguard("migrate", "--ledger", str(ledger))
+    effectguard("key", "new", "--root", "team-k", "--ledger", str(ledger))
+    keyed = start_proxy(ledger, upstreams={"openai": stack.provider.url})
+    stack.started.append(keyed)
+    assert stack.prometheus.http.get(keyed.url + "/metrics").status_code == 401
+    dead = f"127.0.0.1:{free_port()}"
+    targets = [dead, keyed.url.removeprefix("http://")]
+    prom = start_prometheus(tmp_path, targets, stack.prometheus.http)
+    try:
+
+        def pending() -> list[dict[str, Any]]:
+            groups = prom.http.get(prom.url + "/api/v1/rules").json()["data"]["groups"]
+            rules = {r["name"]: r for group in groups for r in group["rules"]}
+            alerts: list[dict[str, Any]] = rules["EffectguardDown"]["alerts"]
+            return alerts if len(alerts) == len(targets) else []
+
+        alerts = wait_for("EffectguardDown to be pending", pending, timeout=40)
+        assert sorted(a["labels"]["instance"] for a in alerts) == sorted(targets)
+        assert {a["labels"]["job"] for a in alerts} == {"effectguard"}
+        assert {a["state"] for a in alerts} == {"pending"}  # it fires after 2 minutes
+    finally:
+        prom.stop()
+        keyed.kill()
+        keyed.process.wait(10)
 
 
 def test_unknown_effect_gauge_survives_restart_until_reconciled(stack: Stack) -> None:
