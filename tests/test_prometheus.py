@@ -407,6 +407,50 @@ def test_alert_rules_pass_promtool() -> None:
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_budget_use_panels_divide_each_ledgers_money_by_its_own_limit(tmp_path: Path) -> None:
+    """One Prometheus scraping two ledgers (two deployments, each with a root ``team-a``):
+    the budget-use panels show the fuller ledger's ratio, never one ledger's money over
+    the other's limit (``promtool test rules`` evaluates them on synthetic series)."""
+    ledgers = {"prod": (100, 95, "1800000000"), "staging": (1000, 0, None)}
+    series = []
+    for instance, (limit, spent, period_end) in ledgers.items():
+        values = {"limit": limit, "spent": spent, "reserved": 0, "held": 0}
+        if period_end is not None:
+            values["period_end_timestamp_seconds"] = period_end
+        series += [
+            {
+                "series": f'effectguard_budget_{name}_usd{{budget="team-a", instance="{instance}"}}'
+                if name != "period_end_timestamp_seconds"
+                else f'effectguard_budget_{name}{{budget="team-a", instance="{instance}"}}',
+                "values": f"{value}x5",
+            }
+            for name, value in values.items()
+        ]
+    tests = [
+        {
+            "expr": concrete(expr),
+            "eval_time": "1m",
+            "exp_samples": [{"labels": '{budget="team-a"}', "value": 0.95}],
+        }
+        for title in ("Budget use per root", "Budget use this period")
+        for expr in panel(title)[:1]
+    ]
+    unit = tmp_path / "panels.test.yml"  # JSON is YAML
+    unit.write_text(
+        json.dumps(
+            {"tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}
+        )
+    )
+    done = subprocess.run(
+        ["promtool", "test", "rules", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_rules_evaluate_cleanly_and_unknown_effect_alert_fires(stack: Stack) -> None:
     """Prometheus evaluates every shipped rule without error; the stale-unknown-effect
     expression with its age threshold lowered to 0 fires for the crashed call."""
