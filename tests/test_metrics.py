@@ -490,10 +490,10 @@ class HeldReads:
         return figures
 
 
-def held_metrics(ledger: Ledger) -> tuple[Metrics, HeldReads]:
+def held_metrics(ledger: Ledger, refresh_timeout_s: float = 5.0) -> tuple[Metrics, HeldReads]:
     """Metrics reading ``ledger`` through a :class:`HeldReads`."""
     store = HeldReads(ledger.store)
-    metrics = Metrics(registry=CollectorRegistry())
+    metrics = Metrics(registry=CollectorRegistry(), refresh_timeout_s=refresh_timeout_s)
     metrics.attach(Ledger(store))
     return metrics, store
 
@@ -512,6 +512,26 @@ async def test_concurrent_scrapes_share_one_ledger_read(ledger: Ledger) -> None:
     store.hold.set()
     await asyncio.gather(first, *rest)
     assert store.reads == 2  # the one running when they came, then one for all of them
+
+
+async def test_a_scrape_whose_ledger_read_hangs_answers_ledger_down(ledger: Ledger) -> None:
+    """A read that hangs (a locked table, a silent database: 10 to 60 s) ends the scrape at
+    refresh_timeout_s with ledger_up 0 and no ledger gauge, so Prometheus (10 s scrape
+    timeout) still gets an answer and EffectguardLedgerUnreadable can fire; the read goes
+    on, and once the ledger answers a scrape shows the gauges again."""
+    await ledger.set_limit("team-a", 10**9)
+    metrics, store = held_metrics(ledger, refresh_timeout_s=0.05)
+    await metrics.refresh()
+    assert value(metrics, "effectguard_ledger_up") == 1
+    store.hold.clear()
+    # Without the bound this waits for the hold: the guard turns that into a failure.
+    await asyncio.wait_for(metrics.refresh(), 30)
+    assert value(metrics, "effectguard_ledger_up") == 0
+    assert ledger_samples(metrics) == {}
+    store.hold.set()
+    await metrics.refresh()
+    assert value(metrics, "effectguard_ledger_up") == 1
+    assert value(metrics, "effectguard_budget_limit_usd", budget="team-a") == 1
 
 
 @respx.mock(base_url=OPENAI)

@@ -364,9 +364,17 @@ class Metrics:
 
         Concurrent calls share one read, one that begins after each of them was called
         (:class:`~effectguard.telemetry.sharedread.SharedRead`): the gauges are never
-        older than the call, and many scrapers cost the ledger one read at a time.
+        older than the call, and many scrapers cost the ledger one read at a time. A
+        read not done within ``refresh_timeout_s`` (a locked table, a silent database)
+        goes on alone and this call reports the ledger unreadable, so the scrape still
+        answers within Prometheus' scrape timeout, with ``effectguard_ledger_up`` 0.
         """
-        await self._shared()
+        try:
+            await asyncio.wait_for(self._shared(), self.refresh_timeout_s)
+        except TimeoutError:
+            log.warning("metrics: ledger read took over %.1f s", self.refresh_timeout_s)
+            self.snapshot = LedgerSnapshot(ok=False, seconds=self.refresh_timeout_s)
+            self._fresh = True
 
     async def _read(self) -> None:
         ledger = self._ledger
@@ -458,8 +466,8 @@ class Metrics:
         else:
             return  # on a loop: the caller awaits refresh() (or render() started one)
         future = asyncio.run_coroutine_threadsafe(self.refresh(), loop)
-        try:
-            future.result(self.refresh_timeout_s)
+        try:  # refresh() gives up at refresh_timeout_s; the margin is for a busy loop
+            future.result(self.refresh_timeout_s + 1.0)
         except concurrent.futures.TimeoutError:
             future.cancel()
             log.warning("metrics: ledger read took over %.1f s", self.refresh_timeout_s)
