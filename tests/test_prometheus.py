@@ -479,20 +479,31 @@ def test_rules_evaluate_cleanly_and_unknown_effect_alert_fires(stack: Stack) -> 
     assert [r["metric"]["provider"] for r in firing] == ["openai"]
 
 
-def test_down_alert_for_targets_that_answer_no_scrape(tmp_path: Path, stack: Stack) -> None:
+def test_down_alert_and_panel_for_targets_that_answer_no_scrape(
+    tmp_path: Path, stack: Stack
+) -> None:
     """With the shipped config and rules, `EffectguardDown` goes pending for each target
-    Prometheus cannot scrape: a port nobody listens on, and an effectguard with a proxy key
-    (its /metrics answers 401 to the keyless scrape) while the others' alerts are silent."""
+    Prometheus cannot scrape: a port nobody listens on, an effectguard with a proxy key
+    (its /metrics answers 401 to the keyless scrape), and one scraped and then killed;
+    the dashboard's "Scraped, ledger readable" then shows 0 for both, not nothing (where
+    Grafana's last-value stat showed the killed one's last 1)."""
     ledger = tmp_path / "keyed.db"
     effectguard("migrate", "--ledger", str(ledger))
     effectguard("key", "new", "--root", "team-k", "--ledger", str(ledger))
-    keyed = start_proxy(ledger, upstreams={"openai": stack.provider.url})
-    stack.started.append(keyed)
+    upstreams = {"openai": stack.provider.url}
+    keyed = start_proxy(ledger, upstreams=upstreams)
+    healthy = start_proxy(tmp_path / "healthy.db", upstreams=upstreams)
+    stack.started += [keyed, healthy]
     assert stack.prometheus.http.get(keyed.url + "/metrics").status_code == 401
-    dead = f"127.0.0.1:{free_port()}"
-    targets = [dead, keyed.url.removeprefix("http://")]
+    targets = [f"127.0.0.1:{free_port()}"] + [
+        p.url.removeprefix("http://") for p in (keyed, healthy)
+    ]
     prom = start_prometheus(tmp_path, targets, stack.prometheus.http)
     try:
+        ledger_up = "min(effectguard_ledger_up)"
+        wait_for("a scrape of the healthy one", lambda: prom.value(ledger_up) == 1, timeout=40)
+        healthy.kill()
+        healthy.process.wait(10)
 
         def pending() -> list[dict[str, Any]]:
             groups = prom.http.get(prom.url + "/api/v1/rules").json()["data"]["groups"]
@@ -504,10 +515,10 @@ def test_down_alert_for_targets_that_answer_no_scrape(tmp_path: Path, stack: Sta
         assert sorted(a["labels"]["instance"] for a in alerts) == sorted(targets)
         assert {a["labels"]["job"] for a in alerts} == {"effectguard"}
         assert {a["state"] for a in alerts} == {"pending"}  # it fires after 2 minutes
+        shown = [prom.value(concrete(expr)) for expr in panel("Scraped, ledger readable")]
+        assert shown == [0, 0]
     finally:
         prom.stop()
-        keyed.kill()
-        keyed.process.wait(10)
 
 
 def test_unknown_effect_gauge_survives_restart_until_reconciled(stack: Stack) -> None:
