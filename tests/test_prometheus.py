@@ -411,21 +411,18 @@ def test_budget_use_panels_divide_each_ledgers_money_by_its_own_limit(tmp_path: 
     """One Prometheus scraping two ledgers (two deployments, each with a root ``team-a``):
     the budget-use panels show the fuller ledger's ratio, never one ledger's money over
     the other's limit (``promtool test rules`` evaluates them on synthetic series)."""
-    ledgers = {"prod": (100, 95, "1800000000"), "staging": (1000, 0, None)}
-    series = []
-    for instance, (limit, spent, period_end) in ledgers.items():
-        values = {"limit": limit, "spent": spent, "reserved": 0, "held": 0}
-        if period_end is not None:
-            values["period_end_timestamp_seconds"] = period_end
-        series += [
-            {
-                "series": f'effectguard_budget_{name}_usd{{budget="team-a", instance="{instance}"}}'
-                if name != "period_end_timestamp_seconds"
-                else f'effectguard_budget_{name}{{budget="team-a", instance="{instance}"}}',
-                "values": f"{value}x5",
-            }
-            for name, value in values.items()
-        ]
+    gauges: dict[str, dict[str, float]] = {  # instance: team-a's series there
+        "prod": {"limit_usd": 100, "spent_usd": 95, "period_end_timestamp_seconds": 2e9},
+        "staging": {"limit_usd": 1000, "spent_usd": 0},
+    }
+    series = [
+        {
+            "series": f'effectguard_budget_{name}{{budget="team-a", instance="{instance}"}}',
+            "values": f"{value}x5",
+        }
+        for instance, values in gauges.items()
+        for name, value in {**values, "reserved_usd": 0, "held_usd": 0}.items()
+    ]
     tests = [
         {
             "expr": concrete(expr),
