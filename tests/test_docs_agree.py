@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
+from effectguard.callpath.crash import POINTS
 from effectguard.config import readkeys
 from effectguard.config.settings import load_settings
 from effectguard.ledger.sqliteevents import FIELDS
 from effectguard.ops.cli import build_parser
+from effectguard.rules.workstate import STAGE_TABLE, STAGES
 from effectguard.telemetry.metrics import (
     MAX_BUDGET_SERIES,
     MAX_LABEL_VALUES,
@@ -151,3 +153,63 @@ def test_every_environment_variable_the_package_reads_is_in_the_table() -> None:
     table = _section((DOCS / "configuration.md").read_text(), "## Environment variables")
     listed = set(re.findall(r"^\| `(EFFECTGUARD_[A-Z_]+)` \|", table, re.M))
     assert used <= listed, used - listed
+
+
+#: The refusals the contract fixes by status and name (§4, §5, §9 and the second wave's
+#: §12): each needs its row in docs/contract.md §9.1, since a client matches on them.
+CONTRACT_REFUSALS = {
+    (400, "model_not_priced"),
+    (400, "invalid_request"),
+    (401, "unknown_key"),
+    (402, "budget_exceeded"),
+    (403, "budget_forbidden"),
+    (404, "unknown_provider"),
+    (409, "in_progress"),
+    (409, "effect_unknown"),
+    (409, "drift"),
+    (409, "reconciled_applied"),
+    (413, "request_too_large"),
+    (422, "idempotency_key_reused"),
+    (429, "rate_limited"),
+    (500, "internal_error"),
+    (503, "ledger_unavailable"),
+}
+
+#: The headers the contract names (§1, §4, §9).
+CONTRACT_HEADERS = {
+    "Idempotency-Key",
+    "Effectguard-Budget",
+    "Effectguard-Retry-Of",
+    "Effectguard-Call-Id",
+    "Effectguard-Replayed",
+    "x-stainless-retry-count",
+    "x-should-retry",
+}
+
+
+def test_the_stage_table_is_the_projections() -> None:
+    """docs/contract.md §6 has one row per stage, with the effect and next operation that
+    ``work_state`` gives it: the names ``calls``, ``show`` and every 409 carry."""
+    table = _section((DOCS / "contract.md").read_text(), "## §6 Work states")
+    rows = re.findall(r"^\| `([a-z_]+)` \| [^|]* \| `([a-z]+)` \| `([a-z]+)`", table, re.M)
+    assert {stage: (effect, nxt) for stage, effect, nxt in rows} == {
+        stage: STAGE_TABLE[stage] for stage in STAGES
+    }
+
+
+def test_the_crash_point_table_lists_every_point_and_only_those() -> None:
+    """docs/contract.md §11.1 names every ``EFFECTGUARD_CRASH_AT`` point the code accepts."""
+    table = _section((DOCS / "contract.md").read_text(), "### §11.1 Crash points")
+    assert set(re.findall(r"^\| `([a-z:-]+)` \|", table, re.M)) == set(POINTS)
+
+
+def test_the_contract_states_every_refusal_and_header_it_fixes() -> None:
+    """docs/contract.md §9.1 has a row for each refusal status and type the contract fixes,
+    and §9.2 one for each header it names (users read the docs, not the contract)."""
+    text = (DOCS / "contract.md").read_text()
+    statuses = _section(text, "### §9.1 Statuses and types")
+    rows = {(int(s), t) for s, t in re.findall(r"^\| (\d{3}) \| `([a-z_]+)`", statuses, re.M)}
+    assert rows >= CONTRACT_REFUSALS, CONTRACT_REFUSALS - rows
+    headers = _section(text, "### §9.2 Headers")
+    named = set(re.findall(r"^\| `([A-Za-z-]+)` \|", headers, re.M))
+    assert named >= CONTRACT_HEADERS, CONTRACT_HEADERS - named
