@@ -73,6 +73,8 @@ def test_key_list_shows_status_and_restrictions_but_no_hash(
         "providers": ["openai"],
     }
     assert rows["b"]["status"] == "revoked" and rows["b"]["revoked_at"] is not None
+    # key new --json is the key and its key list row (docs/contract.md §8), no digest.
+    assert {k: v for k, v in made.items() if k != "key"} == rows["a"]
     assert hash_key(made["key"]) not in out
     code, text, _ = run(capsys, "key", "list", "--ledger", ledger)
     assert code == 0 and "revoked" in text and "gpt-4o-mini,gpt-4o" in text
