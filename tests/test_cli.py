@@ -629,6 +629,9 @@ def test_reconcile_not_applied_releases_held(
     )
     assert state["stage"] == "reconciled_not_applied"
     assert (state["effect"], state["next_operation"]) == ("none", "resend")
+    # The call had no Idempotency-Key: show must not send the operator looking for one.
+    shown = run_json(capsys, "show", call_id, "--ledger", traffic.ledger)
+    assert "Idempotency-Key: the resend is a new call" in shown["next_command"]
     after = budgets(capsys, traffic)
     held = Decimal(reserve_usd("timeout 0"))
     for path in ("team-a", "team-a/run-2"):

@@ -161,7 +161,8 @@ def next_commands(
     effect-unknown call offers ``--accept-evidence`` first. ``where`` (`` --ledger X``)
     follows the call id of each: copied as printed, a command reads the ledger shown.
     ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
-    command = next_command(state.call_id, state.stage, state.attempts or None, owner_gone)
+    keyed = state.idempotency_key is not None
+    command = next_command(state.call_id, state.stage, state.attempts or None, owner_gone, keyed)
     late = evidence.latest(events, state.attempts)
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)

@@ -66,15 +66,22 @@ def contradicted_not_applied(attempt: int, status: int) -> str:
 
 
 def next_command(
-    call_id: str, stage: str, attempt: int | None = None, owner_gone: str | None = None
+    call_id: str,
+    stage: str,
+    attempt: int | None = None,
+    owner_gone: str | None = None,
+    keyed: bool = True,
 ) -> str | None:
     """The exact command an operator runs next for a call in ``stage``, its last attempt
     being ``attempt`` (None: nothing). A call in flight whose owner is gone (``owner_gone``
-    says why) is decided like an unknown one: ``reconcile`` takes it over first."""
+    says why) is decided like an unknown one: ``reconcile`` takes it over first. ``keyed``:
+    the call has an ``Idempotency-Key`` (a resend without one is a new call)."""
     if stage in DECIDED_BY_RECONCILE or (stage == "in_flight" and owner_gone is not None):
         return reconcile_command(call_id, attempt)
     if stage == "in_flight":
         return f"wait (it is in flight), then `{show_command(call_id)}`"
     if stage in ("not_sent", "not_processed", "reconciled_not_applied"):
-        return "resend the request with the same Idempotency-Key"
+        if keyed:
+            return "resend the request with the same Idempotency-Key"
+        return "resend the request (it carried no Idempotency-Key: the resend is a new call)"
     return None
