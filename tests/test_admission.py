@@ -171,15 +171,29 @@ def test_retry_of_effect_unknown_call_is_refused(window: float | None) -> None:
 
 
 SETTLED = ("completed", "failed")
+RESTING = ("not_sent", "not_processed")
 
 
 @pytest.mark.parametrize(
     "stage",
-    [s for s in STAGES if s not in ("in_flight", "effect_unknown", "reconciled_applied", *SETTLED)],
+    [
+        s
+        for s in STAGES
+        if s not in ("in_flight", "effect_unknown", "reconciled_applied", *SETTLED, *RESTING)
+    ],
 )
 def test_retry_of_a_resolved_call_is_new_work(stage: str) -> None:
     """A retry matching only a resolved call is independent work (admitted)."""
     assert decide_retry(state(stage)).action == "admit"
+
+
+@pytest.mark.parametrize("stage", RESTING)
+def test_retry_of_a_resting_call_its_caller_left_joins_it(stage: str) -> None:
+    """A call resting between its owner's automatic retries reaches decide_retry only as
+    the one the retry's own caller left (ledger/retries): the retry joins it, which waits
+    out the back-off (callpath/join), instead of being sent beside the owner's retry."""
+    existing = state(stage)
+    assert decide_retry(existing) == Decision("join", existing)
 
 
 def test_retry_of_a_call_decided_applied_is_refused() -> None:

@@ -21,7 +21,7 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
     """
     if req.orphan_of is not None:
         left = tx.get_call(req.orphan_of)
-        if left is not None and _same_work(left, req) and left.stage in _SETTLED:
+        if left is not None and _same_work(left, req) and left.stage in _LEFT_MATCHED:
             return left
     target = None
     if req.retry_of is not None:
@@ -38,6 +38,11 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
 #: What an orphan's retry is answered from: its outcome, or the decision that it was
 #: applied (evidence, or a person, decided it while its caller was away).
 _SETTLED: Final = frozenset({"completed", "failed", "reconciled_applied"})
+#: ... or the pause between its owner's automatic retries (contract.md §3.5): after a
+#: not-sent or not-processed attempt the call rests in that stage while this process
+#: waits to send it again. Its caller's retry joins it there; admitted as new work, it
+#: was sent beside the owner's next attempt: two effects for one SDK call.
+_LEFT_MATCHED: Final = _SETTLED | {"not_sent", "not_processed"}
 #: The stages of a call a retry repeats. A call decided applied is matched too: it was
 #: refused 409 until the decision, and the decision must not turn its retry into new
 #: work, sent again.

@@ -105,7 +105,9 @@ def decide_retry(existing: WorkState | None) -> Decision:
     if existing.stage in ("completed", "failed"):
         # Only a call whose caller left is matched settled (callpath/orphans): its answer.
         return Decision("replay", existing)
-    if existing.stage == "in_flight":
+    if existing.stage in ("in_flight", "not_sent", "not_processed"):
+        # A resting stage comes only as the call its caller left, between the owner's
+        # automatic retries (ledger/retries): joined, it is waited out (callpath/join).
         return Decision("join", existing)
     if existing.stage == "reconciled_applied":
         # Decided while its caller was away: a retry is not new work, but the same effect.
