@@ -492,6 +492,20 @@ def test_the_contract_names_every_receipt_field(shared: FakeProvider) -> None:
     assert set(receipt) == named, set(receipt) ^ named
 
 
+def test_the_contract_lists_the_routes_that_write_receipts(shared: FakeProvider) -> None:
+    """Contract §11.2 names the routes whose POSTs are receipted, and only those: a POST
+    elsewhere is answered 404 and leaves the log as it was (no effect happened)."""
+    from effectguard.testing.fakeanswers import ROUTES
+
+    contract = (Path(__file__).resolve().parent.parent / "docs" / "contract.md").read_text()
+    start = contract.index("Every POST to one of its effect routes")
+    listed = set(re.findall(r"`(/v1/[a-z/]+)`", contract[start : contract.index(")", start)]))
+    assert listed == set(ROUTES)
+    before = len(shared.receipts())
+    assert post(shared, "/v1/not-a-route", {"model": "gpt-4o-mini"}).status_code == 404
+    assert len(shared.receipts()) == before
+
+
 def test_receipts_leave_out_a_line_still_being_written(provider: FakeProvider) -> None:
     """A reader can see the first part of a line the provider is appending (a write
     crossing a page boundary lands a page at a time): that line is not a receipt yet."""
