@@ -29,10 +29,11 @@ BODY = json.dumps(
 
 
 def test_a_retry_during_the_back_off_joins_the_call_it_repeats(tmp_path: Path) -> None:
-    """429 on the first attempt, a 2 s back-off, the client gone at 0.3 s and its retry at
-    0.6 s: the provider is sent the work once (one 200), and the retry gets that answer."""
+    """429 on the first attempt, a 4 s back-off, the client gone at 1 s and its retry at
+    1.5 s: the provider is sent the work once (one 200), and the retry gets that answer.
+    (The client's timeout leaves the proxy ample time to admit and send the first try.)"""
     config = tmp_path / "c.toml"
-    config.write_text("[guard]\nretry_wait_s = 2\nmax_retries = 1\n")
+    config.write_text("[guard]\nretry_wait_s = 4\nmax_retries = 1\n")
     headers = {
         "content-type": "application/json",
         "x-fake-behaviour": "status=429;id=backoff;times=1",  # only the first attempt
@@ -45,9 +46,9 @@ def test_a_retry_during_the_back_off_joins_the_call_it_repeats(tmp_path: Path) -
     ):
         url = proxy.url + "/openai/v1/chat/completions"
         started = time.monotonic()
-        with httpx.Client(timeout=0.3) as first, contextlib.suppress(httpx.TimeoutException):
+        with httpx.Client(timeout=1.0) as first, contextlib.suppress(httpx.TimeoutException):
             first.post(url, content=BODY, headers={**headers, "x-stainless-retry-count": "0"})
-        time.sleep(max(0.0, started + 0.6 - time.monotonic()))
+        time.sleep(max(0.0, started + 1.5 - time.monotonic()))
         with httpx.Client(timeout=30) as second:
             retry = second.post(
                 url, content=BODY, headers={**headers, "x-stainless-retry-count": "1"}
