@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from effectguard.config.settings import ServeSettings
+from effectguard.ingress.fdlimit import raise_open_files
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.listeners import check_apart, listen_socket
 from effectguard.ingress.server import ProxyApp, create_app
@@ -67,6 +68,7 @@ def serve(
     be bound, or ``metrics_port`` is the proxy's own.
     """
     configure_logging(settings.log_format, settings.log_level)
+    raise_open_files(settings.front_door.max_connections)
     sockets = contextlib.ExitStack()
     sock = sockets.enter_context(listen_socket(settings.host, settings.port))
     try:
