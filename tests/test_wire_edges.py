@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from edgekit import address
+from edgekit import address, read_until_closed
 from observing import wait_for
 
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
@@ -136,3 +136,21 @@ def test_a_hard_file_limit_below_what_max_connections_needs_is_warned_about(
         assert good_calls(proxy, ["under-the-limit"]) == {200: 1}
         log = proxy.log()
     assert "the open-files limit is 256, below the 2176 that max_connections = 1024" in log
+
+
+def test_a_websocket_upgrade_is_served_as_plain_http(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    with running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy:
+        sock = socket.create_connection(address(proxy.url))
+        with sock:
+            sock.sendall(
+                b"GET /healthz HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\n\r\n"
+            )
+            answer = read_until_closed(sock, 3)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert good_calls(proxy, ["after-upgrade"]) == {200: 1}
+        log = proxy.log()
+    assert " ERROR " not in log, log

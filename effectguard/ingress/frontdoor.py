@@ -78,6 +78,11 @@ def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
         "http": protocol_for(door),
         "limit_concurrency": door.max_connections or None,
         "timeout_keep_alive": door.keep_alive_timeout_s,
+        # No WebSockets: with a WebSocket library importable (wsproto comes with some
+        # test tools) uvicorn handed an upgrade request to its WebSocket protocol, past
+        # this module's limits, and the app, which serves none, left it a 500 and an
+        # ERROR line. Without, the request is plain HTTP and its Upgrade goes unheeded.
+        "ws": "none",
     }
 
 
