@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import httpx
 import pytest
 from edgekit import address, read_until_closed
 from observing import wait_for
+from toolkit import cli_json
 
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
@@ -154,3 +156,36 @@ def test_a_websocket_upgrade_is_served_as_plain_http(
         assert good_calls(proxy, ["after-upgrade"]) == {200: 1}
         log = proxy.log()
     assert " ERROR " not in log, log
+
+
+def test_a_call_admitted_while_the_descriptor_table_is_full_is_never_effect_unknown(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    # The proxy's first call opened the upstream session's TLS trust store, a file: with
+    # no descriptor free that raised, and the call (never sent) was booked effect_unknown.
+    with limited_proxy(tmp_path, provider, 4096, 4096) as proxy:
+        import resource
+
+        resource.prlimit(proxy.process.pid, resource.RLIMIT_NOFILE, (LOW, LOW))
+        caller = socket.create_connection(address(proxy.url))
+        idle = idle_connections(proxy, LOW + 20)
+        try:
+            wait_for(lambda: open_fds(proxy) >= LOW - 1, PATIENCE_S, "the table to fill")
+            body = json.dumps(chat("table-full")).encode()
+            caller.sendall(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(body), body)
+            )
+            answer = read_until_closed(caller, PATIENCE_S)
+        finally:
+            caller.close()
+            for sock in idle:
+                sock.close()
+        assert answer.startswith(b"HTTP/1.1 502 "), answer[:300]
+        call_id = answer.split(b"effectguard-call-id: ")[1].split(b"\r\n")[0].decode()
+        (call,) = [
+            c for c in cli_json("calls", "--ledger", proxy.ledger) if c["call_id"] == call_id
+        ]
+        assert call["stage"] == "not_sent", call
+        assert provider.receipts() == []

@@ -112,12 +112,17 @@ class AiohttpLeg:
         self._timeout = aiohttp.ClientTimeout(
             sock_connect=connect_timeout_s, sock_read=read_timeout_s, connect=connect_timeout_s
         )
+        # The trust store httpx used, read now: built with the session at the first call,
+        # it opened a file then, and with every descriptor taken (a flood of idle client
+        # connections) that raised before anything was sent, and the call was booked
+        # effect_unknown. A connect that fails for want of a descriptor proves "not sent".
+        self._ssl = httpx.create_ssl_context(trust_env=False)
 
     def _open(self) -> aiohttp.ClientSession:
         connector = PoolConnector(
             limit=MAX_CONNECTIONS,
             keepalive_timeout=KEEPALIVE_S,
-            ssl=httpx.create_ssl_context(trust_env=False),  # the trust store httpx used
+            ssl=self._ssl,
         )
         session = aiohttp.ClientSession(connector=connector, trust_env=False)
         # aiohttp resends a PUT, DELETE or GET by itself, once, when a reused keep-alive
