@@ -189,3 +189,127 @@ def test_a_call_admitted_while_the_descriptor_table_is_full_is_never_effect_unkn
         ]
         assert call["stage"] == "not_sent", call
         assert provider.receipts() == []
+
+
+def _request(body: bytes, extra: bytes = b"", *, length: int | None = None) -> bytes:
+    length = len(body) if length is None else length
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+        b"Content-Length: %d\r\n\r\n%s" % (CHAT.encode(), extra, length, body)
+    )
+
+
+def _exchange(proxy: Proxy, data: bytes, *, shut: bool = False, keep: float = 5) -> bytes:
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(data)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        return read_until_closed(sock, keep)
+
+
+def _trickle(proxy: Proxy, head: bytes, drip: bytes) -> bytes:
+    """Send ``head``, then ``drip`` a byte at a time until the proxy closes."""
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(head)
+        try:
+            for byte in drip:
+                sock.sendall(bytes([byte]))
+                if got := read_until_closed(sock, 0.2):
+                    return got
+        except OSError:
+            pass
+        return read_until_closed(sock, PATIENCE_S)
+
+
+def _gone_mid_stream(proxy: Proxy) -> bytes:
+    body = json.dumps({**chat("gone-mid-stream"), "stream": True}).encode()
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(_request(body, b"x-fake-behaviour: pad=2000000\r\n"))
+        return sock.recv(4096)
+
+
+def hostile_clients(proxy: Proxy) -> dict[str, Any]:
+    """Each hostile client's name and what it got (its first line, or its bytes)."""
+    body = json.dumps(chat("hostile")).encode()
+    chunked = _request(b"", b"Transfer-Encoding: chunked\r\n", length=0).replace(
+        b"Content-Length: 0\r\n", b""
+    )
+    clients: dict[str, Any] = {
+        "slowloris": lambda: _trickle(proxy, b"POST ", b"/openai/v1/chat/completions" * 10),
+        "trickled body": lambda: _trickle(proxy, _request(b"", length=5000), b"x" * 5000),
+        "half closed": lambda: _exchange(proxy, _request(body), shut=True),
+        "gone mid upload": lambda: _exchange(proxy, _request(body[:10], length=100_000), keep=0),
+        "gone mid stream": lambda: _gone_mid_stream(proxy),
+        "http/1.0": lambda: _exchange(proxy, _request(body).replace(b"HTTP/1.1", b"HTTP/1.0")),
+        "pipelined": lambda: _exchange(
+            proxy,
+            _request(body) * 2 + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        ),
+        "expect 100": lambda: _exchange(proxy, _request(body, b"Expect: 100-continue\r\n")),
+        "bad chunk size": lambda: _exchange(proxy, chunked + b"zz\r\n" + body + b"\r\n0\r\n\r\n"),
+        "two lengths": lambda: _exchange(proxy, _request(body, b"Content-Length: 5\r\n")),
+        "length and chunked": lambda: _exchange(
+            proxy, _request(body, b"Transfer-Encoding: chunked\r\n")
+        ),
+        "1 MB header": lambda: _exchange(
+            proxy, _request(body, b"X-Big: " + b"a" * 2**20 + b"\r\n")
+        ),
+    }
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = {name: pool.submit(client) for name, client in clients.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def keep_alive_idle(proxy: Proxy, count: int) -> list[socket.socket]:
+    """``count`` connections that made one request each and now sit idle, kept alive."""
+    kept = idle_connections(proxy, count)
+    for sock in kept:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    for sock in kept:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    return kept
+
+
+def settled(proxy: Proxy) -> list[dict[str, Any]] | None:
+    """The ledger's calls once none is still in flight (else None)."""
+    calls: list[dict[str, Any]] = cli_json("calls", "--ledger", proxy.ledger, "--limit", "1000")
+    return None if any(c["stage"] == "in_flight" for c in calls) else calls
+
+
+def test_hostile_clients_beside_good_calls_leave_them_whole_and_the_proxy_as_it_was(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    (tmp_path / "config.toml").write_text("[server]\nheader_timeout_s = 1\nbody_timeout_s = 1\n")
+    with running_proxy(
+        tmp_path / "ledger.db",
+        upstreams={"openai": provider.url},
+        args=["--config", str(tmp_path / "config.toml")],
+    ) as proxy:
+        assert good_calls(proxy, ["warm"]) == {200: 1}
+        baseline = open_fds(proxy)
+        kept = keep_alive_idle(proxy, 300)
+        tags = [f"beside-hostile-{n}" for n in range(40)]
+        with ThreadPoolExecutor(2) as pool:
+            hostile = pool.submit(hostile_clients, proxy)
+            good = pool.submit(good_calls, proxy, tags)
+            answers, goods = hostile.result(), good.result()
+        for sock in kept:
+            sock.close()
+        assert goods == {200: len(tags)}
+        assert sent_once(provider, tags)
+        assert answers["slowloris"].startswith(b"HTTP/1.1 408 ")
+        assert answers["trickled body"] == b""  # closed: nothing was admitted
+        assert answers["http/1.0"].startswith(b"HTTP/1.1 200 ")
+        assert answers["pipelined"].count(b"HTTP/1.1 200 ") == 3
+        assert answers["expect 100"].startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 ")
+        for framing in ("bad chunk size", "two lengths", "length and chunked"):
+            assert answers[framing].startswith(b"HTTP/1.1 400 "), framing
+        assert answers["1 MB header"].startswith(b"HTTP/1.1 431 ")
+        # Whatever the hostile clients got admitted was sent once and settled, never
+        # left unknown: those that went away were answered (or read) without them.
+        calls = wait_for(lambda: settled(proxy), PATIENCE_S, "every call to settle")
+        assert {c["stage"] for c in calls} == {"completed"}
+        assert len(provider.receipts()) == len(calls)
+        wait_for(lambda: open_fds(proxy) <= baseline + 5, PATIENCE_S, "the fds to go")
+        assert httpx.get(proxy.url + "/healthz", timeout=PATIENCE_S).status_code == 200
+        assert " ERROR " not in proxy.log()
