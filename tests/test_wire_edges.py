@@ -313,3 +313,26 @@ def test_hostile_clients_beside_good_calls_leave_them_whole_and_the_proxy_as_it_
         wait_for(lambda: open_fds(proxy) <= baseline + 5, PATIENCE_S, "the fds to go")
         assert httpx.get(proxy.url + "/healthz", timeout=PATIENCE_S).status_code == 200
         assert " ERROR " not in proxy.log()
+
+
+def test_a_client_that_pipelines_two_calls_and_leaves_is_no_internal_error(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    # uvicorn marked only the queued request's answer as going nowhere: the running
+    # one's write met the closed socket (uvloop raises), a 500 and two ERROR tracebacks.
+    with running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy:
+        body = json.dumps(chat("pipelined-then-gone")).encode()
+        with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+            sock.sendall(
+                _request(body, b"x-fake-tag: first\r\nx-fake-behaviour: delay=2\r\n")
+                + _request(body, b"x-fake-tag: second\r\n")
+            )
+            wait_for(lambda: provider.receipts(), PATIENCE_S, "the first call upstream")
+        wait_for(lambda: " 499 " in proxy.log(), PATIENCE_S, "the first call's access line")
+        calls = wait_for(lambda: settled(proxy), PATIENCE_S, "the call to settle")
+        assert [c["stage"] for c in calls] == ["completed"]
+        assert [r.get("tag") for r in provider.receipts()] == ["first"]
+        assert good_calls(proxy, ["after-the-pipeline"]) == {200: 1}
+        log = proxy.log()
+    assert " ERROR " not in log, log
+    assert "internal_error" not in log, log

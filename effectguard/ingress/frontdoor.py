@@ -113,6 +113,9 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         }
         #: What to call when the connection is lost (its current request's watcher).
         self._lost_callback: Callable[[], None] | None = None
+        #: The request whose app is running: with requests pipelined behind it, uvicorn's
+        #: ``self.cycle`` is the last one read, still queued (see _mark_gone).
+        self._running: Any = None
 
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -134,6 +137,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
             return
         self._arm(self.door.body_timeout_s, self._body_too_slow)
         super().on_headers_complete()
+        if not self.pipeline or self.pipeline[0][0] is not self.cycle:  # started at once
+            self._running = self.cycle
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -147,6 +152,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._mark_gone()
         callback, self._lost_callback = self._lost_callback, None
         if callback is not None:
             callback()
@@ -172,6 +178,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     def _not_reading(self) -> None:
         self._stalled = None
         # Unsent bytes would never drain to a client that does not read: drop them.
+        self._mark_gone()
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
@@ -203,9 +210,21 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         # Marked disconnected now (abort's connection_lost comes a loop turn later): then
         # uvicorn logs no "returned without completing response" error for an answer
         # cut off on purpose.
-        if self.cycle is not None:
-            self.cycle.disconnected = True
+        self._mark_gone()
         self.transport.abort()
+
+    def _mark_gone(self) -> None:
+        """Mark the running request's answer, and the last one read, as going nowhere.
+
+        uvicorn marks only the last request read (``self.cycle``). With requests
+        pipelined behind the running one, that is a queued one: the running app's next
+        write, woken as the lost connection resumed writing, went to the closed socket,
+        which uvloop refuses with a RuntimeError: a 500 for a gone client and two ERROR
+        lines with tracebacks, from any client that pipelines two requests and leaves.
+        """
+        for cycle in (self._running, self.cycle):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
 
     # -- deadlines ----------------------------------------------------------------------
     def _start_headers(self) -> None:
@@ -247,7 +266,10 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         if self._close_when_answered:
             self.transport.close()
             return
+        queued = self.pipeline[-1][0] if self.pipeline else None
         super().on_response_complete()
+        if queued is not None and not (self.pipeline and self.pipeline[-1][0] is queued):
+            self._running = queued  # uvicorn started the next pipelined request
 
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()
