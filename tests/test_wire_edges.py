@@ -3,8 +3,11 @@
 Each test runs a real ``effectguard serve`` and the real fake provider. The hostile
 side is raw sockets: hundreds of idle connections against the process's open-files
 limit, a descriptor table filled to the brim while a call is admitted, a WebSocket
-upgrade. The good side is ordinary httpx calls, counted on the fake provider's receipt
-log: every one answered, each sent once.
+upgrade, a client that pipelines and leaves, and a dozen hostile clients at once
+(slowloris, a trickled body, framing tricks, half-closes, departures mid-upload and
+mid-stream). The good side is ordinary httpx calls, counted on the fake provider's
+receipt log: every one answered, each sent once; the proxy's descriptors return to
+their baseline and nothing is logged as an ERROR.
 """
 
 from __future__ import annotations
