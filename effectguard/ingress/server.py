@@ -29,7 +29,6 @@ from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
 from effectguard.callpath.wire import BUDGET_HEADER, error_headers, strip_hop_by_hop
-from effectguard.config.defaults import ADMIN_SECRET_ENV
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import EffectguardError, LedgerError, Refusal
 from effectguard.ingress import spool
@@ -41,6 +40,7 @@ from effectguard.ingress.keyring import Grant, KeyRing, bearer_token, refuse_bro
 from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
+from effectguard.ingress.openness import warn_at_start
 from effectguard.ingress.replywriter import write_reply
 from effectguard.ingress.requestchecks import ambiguous_framing, check_utf8, route_of
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
@@ -133,14 +133,7 @@ class ProxyApp:
         if self.settings.budget_limits:
             await seed_limits(self.runtime.ledger, self.settings.budget_limits, self.guard.writer)
         await self.keyring.start(self.runtime.ledger)
-        if self.admin is not None and not self.settings.admin.secret:
-            # The sessions' signing secret then comes from the config file alone: anyone
-            # who can read its [admin] digests can sign an operator's login.
-            log.warning(
-                "operator page: %s is not set, so whoever can read the config file can "
-                "forge a login; set it (the same on every replica)",
-                ADMIN_SECRET_ENV,
-            )
+        warn_at_start(self.settings, self.keyring)
         if swept := spool.sweep(self.settings.spool_dir):
             log.warning("removed %d upload spool files left by processes that died", swept)
         if self.metrics is not None:
