@@ -28,6 +28,7 @@ from effectguard.rules.events import (
     AttemptNotSent,
     AttemptStarted,
     BudgetLimitSet,
+    BudgetReleased,
     BudgetReserved,
     BudgetSettled,
     CallManifest,
@@ -41,7 +42,14 @@ from effectguard.testing.sim.command import run_schedule
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.invariants import INVARIANTS, check, overshoots
 from effectguard.testing.sim.pgcluster import unavailable_reason
-from effectguard.testing.sim.schedule import MAX_ANSWER_BYTES, Call, Fault, Schedule, generate
+from effectguard.testing.sim.schedule import (
+    BUDGETS,
+    MAX_ANSWER_BYTES,
+    Call,
+    Fault,
+    Schedule,
+    generate,
+)
 
 SEEDS = Path(__file__).parent / "sim_seeds.txt"
 PG_DSN = os.environ.get("EFFECTGUARD_TEST_PG_DSN")
@@ -145,6 +153,22 @@ def test_keyless_payments_are_drawn_only_when_asked() -> None:
     keyless = [c for c in added if c.id.startswith("q")]
     assert keyless and all(c.route == "pay" and c.key is None for c in keyless)
     assert not any(c.repeat for c in keyless) and all(c.resends >= 1 for c in keyless)
+
+
+def test_operator_limit_changes_are_drawn_only_when_asked() -> None:
+    """``--operator`` adds ``budget set`` actions (raise, lower, remove, any budget),
+    drawn apart: the calls and faults of the schedule stay as they were without it."""
+    for seed in range(5):
+        plain = generate(seed, 30.0, disk_faults=True)
+        assert plain == generate(seed, 30.0, disk_faults=True, operator=False)
+        with_operator = generate(seed, 30.0, disk_faults=True, operator=True)
+        assert with_operator.calls == plain.calls
+        assert [f for f in with_operator.faults if f.kind != "budget_set"] == list(plain.faults)
+    sets = [f for s in range(5) for f in generate(s, 30.0, operator=True).faults]
+    points = [f.point or "" for f in sets if f.kind == "budget_set"]
+    assert {p.partition("=")[0] for p in points} == set(BUDGETS)
+    assert any(p.endswith("=none") for p in points)
+    assert any(p.partition("=")[2].isdigit() for p in points)
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -280,6 +304,24 @@ def test_budget_prefix_over_limit_is_caught_and_overshoot_is_only_flagged() -> N
     evidence = _evidence(overshoot, receipts=[], answers=[])
     assert "budget_over_limit" not in _fired(evidence)
     assert len(overshoots(evidence)) == 1
+
+
+def test_limit_lowered_below_what_a_budget_holds_is_no_breach_until_an_admission() -> None:
+    """An operator's ``budget set`` below what a node holds breaks nothing, nor do the
+    releases and settlements after it (even one that overshoots); an admission that
+    commits past the lowered limit does."""
+    lowered: list[tuple[float, Event]] = [
+        (0.5, BudgetLimitSet(path="team", limit=20)),
+        (1.0, BudgetReserved(call="c1", budget="team", amount=5)),
+        (1.0, BudgetReserved(call="c2", budget="team", amount=5)),
+        (1.5, BudgetLimitSet(path="team", limit=4)),
+        (2.0, BudgetSettled(call="c1", budget="team", reserved=5, actual=7)),
+        (2.0, BudgetReleased(call="c2", budget="team", amount=5)),
+    ]
+    assert "budget_over_limit" not in _fired(_evidence(lowered, receipts=[], answers=[]))
+    admitted = [*lowered, (3.0, BudgetReserved(call="c3", budget="team", amount=1))]
+    violations = check(_evidence(admitted, receipts=[], answers=[]))
+    assert [v for v in violations if v.invariant == "budget_over_limit" and "c3" in str(v)]
 
 
 def test_ok_for_a_call_that_is_not_completed_is_caught() -> None:

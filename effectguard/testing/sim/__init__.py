@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --lookups: pay calls without a key too, whose copies are SDK retries "
         "matched by the request's hash",
     )
+    parser.add_argument(
+        "--operator",
+        action="store_true",
+        help="an operator runs `budget set` during the load, every 1-4 s: limits raised, "
+        "lowered below what a budget holds, removed",
+    )
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -232,6 +233,27 @@ class Cluster:
             return False
         self.note("read_only" if mode == "ro" else "read_write")
         return True
+
+    def budget_set(self, point: str) -> None:
+        """``effectguard budget set`` as an operator would, for ``PATH=NANOS`` or
+        ``PATH=none``; noted ``budget_set`` (or ``budget_set_failed``, e.g. on a full or
+        read-only ledger, with the command's last words)."""
+        path, _, nanos = point.partition("=")
+        limit = ["--no-limit"] if nanos == "none" else ["--limit", nanos_to_usd(int(nanos))]
+        argv = [sys.executable, "-m", "effectguard", "budget", "set", path, *limit]
+        done = subprocess.run(
+            [*argv, "--ledger", self.ledger],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode == 0:
+            self.note("budget_set", path=path, limit=nanos)
+        else:
+            error = (done.stderr or done.stdout).strip()[-300:]
+            self.note("budget_set_failed", path=path, limit=nanos, error=error)
 
     def pg_stop(self, mode: str) -> None:
         """Stop the owned PostgreSQL cluster (``fast`` or ``immediate``)."""

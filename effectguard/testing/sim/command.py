@@ -101,7 +101,7 @@ def render_schedule(schedule: Schedule) -> str:
     lines = [f"limits (nanos): {schedule.limits}"]
     for f in schedule.faults:
         extra = f.point or (f"{f.seconds:g} s" if f.seconds else "")
-        lines.append(f"  fault @{f.at:7.3f} {f.kind:9} replica {f.replica} {extra}".rstrip())
+        lines.append(f"  fault @{f.at:7.3f} {f.kind:10} replica {f.replica} {extra}".rstrip())
     for c in schedule.calls:
         lines.append(
             f"  call  @{c.at:7.3f} {c.id} {c.route}{' stream' if c.stream else ''} "
@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             answer_faults=args.answer_faults,
             lookups=args.lookups,
             keyless=args.keyless,
+            operator=args.operator,
         )
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:

@@ -205,8 +205,16 @@ def budgets_within_limits(evidence: Evidence) -> list[Violation]:
         if extra:
             for path in ancestors(path_of):
                 allowance[path] += extra
+        before = {key: node.committed for key, node in tree.nodes.items()}
         for node in tree.apply(event):
-            if node.limit is not None and node.committed > node.limit + allowance[node.path]:
+            # Only an event that raises a node's commitment, other than an allowed
+            # overshoot, can break its limit: a limit set below what a node already holds
+            # (``budget set`` during the load) must refuse the next admission, and the
+            # releases and settlements that follow are no breach.
+            raised = node.committed > before.get((node.path, node.period), 0)
+            if not raised or extra or node.limit is None:
+                continue
+            if node.committed > node.limit + allowance[node.path]:
                 out.append(
                     Violation(
                         "budget_over_limit",

@@ -21,7 +21,7 @@ import httpx
 from effectguard.ledger import Ledger
 from effectguard.testing.sim.clients import TIMEOUT, Answer, run_call, send
 from effectguard.testing.sim.cluster import Cluster, Replica
-from effectguard.testing.sim.schedule import Call, Fault
+from effectguard.testing.sim.schedule import OPERATOR_ACTIONS, Call, Fault
 
 __all__ = ["execute", "quiesce"]
 
@@ -43,8 +43,9 @@ async def execute(cluster: Cluster) -> list[Answer]:
             for replica in cluster.replicas
         ]
         supervisor = asyncio.create_task(_supervise(cluster, locks))
+        operator = asyncio.create_task(_operator(cluster, start))
         results = await asyncio.gather(*clients)
-        await asyncio.gather(*faulting)
+        await asyncio.gather(*faulting, operator)
         supervisor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor
@@ -67,13 +68,21 @@ async def _faults_of(
     replica 0's fault and takes the locks in index order, so two tasks never wait on
     each other.
     """
-    for fault in (f for f in cluster.schedule.faults if f.replica == replica.index):
+    mine = (f for f in cluster.schedule.faults if f.replica == replica.index)
+    for fault in (f for f in mine if f.kind not in OPERATOR_ACTIONS):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
         needed = sorted(locks) if fault.kind == "read_only" else [replica.index]
         async with contextlib.AsyncExitStack() as held:
             for index in needed:
                 await held.enter_async_context(locks[index])
             await _apply(cluster, replica, fault)
+
+
+async def _operator(cluster: Cluster, start: float) -> None:
+    """Apply the operator's actions (``--operator``) in order, whatever the replicas do."""
+    for fault in (f for f in cluster.schedule.faults if f.kind in OPERATOR_ACTIONS):
+        await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
+        await asyncio.to_thread(cluster.budget_set, fault.point or "")
 
 
 async def _start(cluster: Cluster, replica: Replica, crash_at: str | None = None) -> None:

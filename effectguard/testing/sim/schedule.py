@@ -22,6 +22,7 @@ __all__ = [
     "BUDGETS",
     "CRASH_POINTS",
     "LEDGER_WIDE",
+    "OPERATOR_ACTIONS",
     "PG_STOP_MODES",
     "Call",
     "Fault",
@@ -48,10 +49,15 @@ CRASH_POINTS: Final = (
     "after:observe",
     "mid-stream",
 )
-FaultKind = Literal["kill", "crash_at", "stop", "restart", "disk_full", "read_only", "pg_outage"]
+FaultKind = Literal[
+    "kill", "crash_at", "stop", "restart", "disk_full", "read_only", "pg_outage", "budget_set"
+]
 #: Faults of the ledger itself rather than of one replica: always scheduled on replica 0
 #: (a read-only remount takes every replica's lock, in index order, from there).
 LEDGER_WIDE: Final = frozenset({"read_only", "pg_outage"})
+#: ``--operator``: what an operator does to the running system, through the CLI; applied
+#: on their own (no replica's fault), whatever the replicas are going through.
+OPERATOR_ACTIONS: Final = frozenset({"budget_set"})
 #: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
 PG_STOP_MODES: Final = ("fast", "immediate")
 #: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
@@ -102,7 +108,8 @@ class Fault:
     #: kill: downtime; stop: how long stopped; disk_full, read_only, pg_outage: how long
     #: the ledger stays full, read-only or down; crash_at: -.
     seconds: float = 0.0
-    #: crash_at: the crash point; pg_outage: the ``pg_ctlcluster stop`` mode.
+    #: crash_at: the crash point; pg_outage: the ``pg_ctlcluster stop`` mode;
+    #: budget_set: ``PATH=NANOS`` (or ``PATH=none``), the limit an operator sets.
     point: str | None = None
 
 
@@ -152,6 +159,7 @@ def generate(
     answer_faults: bool = False,
     lookups: bool = False,
     keyless: bool = False,
+    operator: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -180,7 +188,8 @@ def generate(
         lease_s=lease_s,
         limits=limits,
         calls=tuple(calls),
-        faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger)),
+        faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger))
+        + (_limit_changes(random.Random(f"operator {seed}"), duration) if operator else ()),
         lookups=lookups,
         keyless=lookups and keyless,
     )
@@ -328,3 +337,16 @@ def _faults(
             faults.append(Fault(at, kind, replica))
         at = round(at + rng.uniform(2.5, 7.0), 3)
     return faults
+
+
+def _limit_changes(rng: random.Random, duration: float) -> tuple[Fault, ...]:
+    """``--operator``: ``budget set`` during the load, every 1-4 s, on any budget: a limit
+    raised, lowered (often below what the node already holds) or removed. Not a replica's
+    fault (``replica`` is 0 by convention): the runner applies them on their own."""
+    faults = []
+    at = rng.uniform(0.5, 2.0)
+    while at < duration * 0.9:
+        limit = rng.choice([None, rng.randrange(20_000, 1_000_000)])
+        faults.append(Fault(at, "budget_set", 0, point=f"{rng.choice(BUDGETS)}={limit or 'none'}"))
+        at = round(at + rng.uniform(1.0, 4.0), 3)
+    return tuple(faults)
