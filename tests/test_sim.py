@@ -156,8 +156,9 @@ def test_keyless_payments_are_drawn_only_when_asked() -> None:
 
 
 def test_operator_limit_changes_are_drawn_only_when_asked() -> None:
-    """``--operator`` adds ``budget set`` actions (raise, lower, remove, any budget),
-    drawn apart: the calls and faults of the schedule stay as they were without it."""
+    """``--operator`` adds ``budget set`` actions (raise, lower, remove, any budget) and,
+    with ``--lookups``, ``reconcile --auto``, drawn apart: the calls and faults of the
+    schedule stay as they were without it."""
     for seed in range(5):
         plain = generate(seed, 30.0, disk_faults=True)
         assert plain == generate(seed, 30.0, disk_faults=True, operator=False)
@@ -169,6 +170,9 @@ def test_operator_limit_changes_are_drawn_only_when_asked() -> None:
     assert {p.partition("=")[0] for p in points} == set(BUDGETS)
     assert any(p.endswith("=none") for p in points)
     assert any(p.partition("=")[2].isdigit() for p in points)
+    assert "reconcile_auto" not in {f.kind for f in sets}  # only with --lookups
+    looked = [f for s in range(5) for f in generate(s, 30.0, lookups=True, operator=True).faults]
+    assert {"budget_set", "reconcile_auto"} <= {f.kind for f in looked}
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------

@@ -240,20 +240,34 @@ class Cluster:
         read-only ledger, with the command's last words)."""
         path, _, nanos = point.partition("=")
         limit = ["--no-limit"] if nanos == "none" else ["--limit", nanos_to_usd(int(nanos))]
-        argv = [sys.executable, "-m", "effectguard", "budget", "set", path, *limit]
+        self._operator("budget_set", ["budget", "set", path, *limit], path=path, limit=nanos)
+
+    def reconcile_auto(self) -> None:
+        """``effectguard reconcile --auto`` with the ``payments`` declaration and the
+        search key, as an operator would; noted ``reconcile_auto`` with its decisions."""
+        providers = ["--providers", str(self.workdir / "providers")]
+        upstream = ["--upstream", f"payments={self.fake.url}"]
+        argv = ["reconcile", "--auto", "--json", *providers, *upstream]
+        self._operator("reconcile_auto", argv, {"PAYMENTS_API_KEY": PAYMENTS_KEY})
+
+    def _operator(
+        self, action: str, argv: list[str], env: dict[str, str] | None = None, **detail: Any
+    ) -> None:
+        """Run ``effectguard ARGV --ledger LEDGER``; noted ``action`` (with the output's
+        tail) or ``action_failed`` (with the error's)."""
         done = subprocess.run(
-            [*argv, "--ledger", self.ledger],
-            env=self.env,
+            [sys.executable, "-m", "effectguard", *argv, "--ledger", self.ledger],
+            env=self.env | (env or {}),
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
         if done.returncode == 0:
-            self.note("budget_set", path=path, limit=nanos)
+            self.note(action, **detail, output=done.stdout.strip()[-300:])
         else:
             error = (done.stderr or done.stdout).strip()[-300:]
-            self.note("budget_set_failed", path=path, limit=nanos, error=error)
+            self.note(f"{action}_failed", **detail, code=done.returncode, error=error)
 
     def pg_stop(self, mode: str) -> None:
         """Stop the owned PostgreSQL cluster (``fast`` or ``immediate``)."""

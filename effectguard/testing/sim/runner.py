@@ -82,7 +82,10 @@ async def _operator(cluster: Cluster, start: float) -> None:
     """Apply the operator's actions (``--operator``) in order, whatever the replicas do."""
     for fault in (f for f in cluster.schedule.faults if f.kind in OPERATOR_ACTIONS):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
-        await asyncio.to_thread(cluster.budget_set, fault.point or "")
+        if fault.kind == "budget_set":
+            await asyncio.to_thread(cluster.budget_set, fault.point or "")
+        else:
+            await asyncio.to_thread(cluster.reconcile_auto)
 
 
 async def _start(cluster: Cluster, replica: Replica, crash_at: str | None = None) -> None:

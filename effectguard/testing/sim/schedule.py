@@ -50,14 +50,22 @@ CRASH_POINTS: Final = (
     "mid-stream",
 )
 FaultKind = Literal[
-    "kill", "crash_at", "stop", "restart", "disk_full", "read_only", "pg_outage", "budget_set"
+    "kill",
+    "crash_at",
+    "stop",
+    "restart",
+    "disk_full",
+    "read_only",
+    "pg_outage",
+    "budget_set",
+    "reconcile_auto",
 ]
 #: Faults of the ledger itself rather than of one replica: always scheduled on replica 0
 #: (a read-only remount takes every replica's lock, in index order, from there).
 LEDGER_WIDE: Final = frozenset({"read_only", "pg_outage"})
 #: ``--operator``: what an operator does to the running system, through the CLI; applied
 #: on their own (no replica's fault), whatever the replicas are going through.
-OPERATOR_ACTIONS: Final = frozenset({"budget_set"})
+OPERATOR_ACTIONS: Final = frozenset({"budget_set", "reconcile_auto"})
 #: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
 PG_STOP_MODES: Final = ("fast", "immediate")
 #: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
@@ -189,7 +197,11 @@ def generate(
         limits=limits,
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger))
-        + (_limit_changes(random.Random(f"operator {seed}"), duration) if operator else ()),
+        + (
+            _operator_actions(random.Random(f"operator {seed}"), duration, lookups)
+            if operator
+            else ()
+        ),
         lookups=lookups,
         keyless=lookups and keyless,
     )
@@ -339,14 +351,20 @@ def _faults(
     return faults
 
 
-def _limit_changes(rng: random.Random, duration: float) -> tuple[Fault, ...]:
-    """``--operator``: ``budget set`` during the load, every 1-4 s, on any budget: a limit
-    raised, lowered (often below what the node already holds) or removed. Not a replica's
-    fault (``replica`` is 0 by convention): the runner applies them on their own."""
+def _operator_actions(rng: random.Random, duration: float, lookups: bool) -> tuple[Fault, ...]:
+    """``--operator``: every 1-4 s of the load, ``budget set`` on any budget (a limit
+    raised, lowered, often below what the node already holds, or removed) or, with
+    ``--lookups``, ``reconcile --auto`` racing the sweepers' lookups and the copies'
+    resends. Not a replica's fault (``replica`` is 0 by convention): the runner applies
+    them on their own."""
     faults = []
     at = rng.uniform(0.5, 2.0)
     while at < duration * 0.9:
-        limit = rng.choice([None, rng.randrange(20_000, 1_000_000)])
-        faults.append(Fault(at, "budget_set", 0, point=f"{rng.choice(BUDGETS)}={limit or 'none'}"))
+        if lookups and rng.random() < 0.4:
+            faults.append(Fault(at, "reconcile_auto", 0))
+        else:
+            limit = rng.choice([None, rng.randrange(20_000, 1_000_000)])
+            point = f"{rng.choice(BUDGETS)}={limit or 'none'}"
+            faults.append(Fault(at, "budget_set", 0, point=point))
         at = round(at + rng.uniform(1.0, 4.0), 3)
     return tuple(faults)
