@@ -477,8 +477,8 @@ def test_every_invariant_has_a_checker_test() -> None:
 
 
 def _seeds() -> list[tuple[int, str, float, frozenset[str]]]:
-    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups] [keyless]`` per line,
-    ``#`` comments."""
+    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups] [keyless] [operator]`` per
+    line, ``#`` comments."""
     out = []
     for line in SEEDS.read_text().splitlines():
         fields = line.split("#")[0].split()
@@ -498,7 +498,13 @@ def test_seed_from_the_list_keeps_every_invariant(
     replicas = 3 if ledger == "postgres" else 1
     lookups, keyless = "lookups" in options, "keyless" in options
     schedule = generate(
-        seed, duration, replicas=replicas, ledger=ledger, lookups=lookups, keyless=keyless
+        seed,
+        duration,
+        replicas=replicas,
+        ledger=ledger,
+        lookups=lookups,
+        keyless=keyless,
+        operator="operator" in options,
     )
     result = run_schedule(schedule, tmp_path / "run", pg_dsn=PG_DSN, bundle=tmp_path / "bundle")
     unexpected = [v for v in result.violations if v.invariant not in KNOWN]
