@@ -1,9 +1,10 @@
 """Run a schedule against real processes, then bring everything back and let it go quiet.
 
-Three concurrent parts: one task per client call (started at its time), one
-task per replica that applies that replica's faults in order, and a supervisor
+Four concurrent parts: one task per client call (started at its time), one
+task per replica that applies that replica's faults in order, a supervisor
 that restarts a replica that died on its own (an armed crash point) once no
-fault holds it down. After the schedule: every replica still running must answer
+fault holds it down, and the operator's actions (``--operator``: CLI commands
+against the ledger) in order. After the schedule: every replica still running must answer
 ``/healthz`` by itself in time; then every process is stopped gracefully, every
 replica is started clean, the recovery sweep is given time to
 mark the dead workers' attempts, keyed 200s are replayed, and all is stopped.
