@@ -29,6 +29,7 @@ import httpx
 import pytest
 from observing import cli_json, wait_for
 
+from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -268,6 +269,41 @@ def test_read_only_ledger_refuses_with_503_and_sends_nothing(
         assert httpx.get(proxy.url + "/healthz", timeout=30).status_code == 200
     assert len(fake.effects()) == 2
     assert_settled(ledger)
+
+
+def test_a_change_to_a_read_only_ledger_is_exit_4_not_a_traceback(
+    tmp_path: Path, fake: FakeProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a filesystem remounted read-only, with the ``-wal`` and ``-shm`` files a crashed
+    replica left, SQLite opens the ledger read-only without a word and refuses the first
+    write statement: ``budget set`` and ``key new`` exit 4, "ledger unavailable", as a full
+    disk does; reading still works; once writable, the same change is made."""
+    with small_tmpfs(tmp_path / "tmpfs", "8m") as disk:
+        ledger = disk / "db" / "ledger.db"
+        ledger.parent.mkdir()
+        proxy = start_proxy(ledger, upstreams={"openai": fake.url}, log_path=tmp_path / "a.log")
+        assert httpx.post(proxy.url + CHAT, json=chat("warm"), timeout=30).status_code == 200
+        proxy.kill(signal.SIGKILL)  # a crash leaves the -wal and -shm files behind
+        proxy.process.wait()
+        assert Path(f"{ledger}-wal").exists()
+        remount = ["mount", "-o", "remount,ro", str(disk)]
+        if subprocess.run(remount, capture_output=True).returncode != 0:
+            pytest.skip("cannot remount the tmpfs read-only here")
+        try:
+            for change in (
+                ["budget", "set", "team-a", "--limit", "1"],
+                ["key", "new", "--root", "team-a"],
+            ):
+                capsys.readouterr()
+                assert cli_main([*change, "--ledger", str(ledger)]) == 4, change
+                err = capsys.readouterr().err
+                assert "ledger unavailable" in err and "read" in err, err
+            assert cli_json("budgets", "--ledger", str(ledger)) is not None
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True)
+        set_again = cli_json("budget", "set", "team-a", "--limit", "1", "--ledger", str(ledger))
+        assert set_again is not None
+    assert len(fake.effects()) == 1
 
 
 @contextlib.contextmanager

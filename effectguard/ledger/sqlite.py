@@ -457,7 +457,11 @@ class SqliteStore(SqliteReads):
             self._writer = None
 
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
-        return await self.committer.submit(writer, op, orphaned)
+        try:
+            return await self.committer.submit(writer, op, orphaned)
+        except sqlite3.OperationalError as exc:  # raised by a statement of ``op``: the
+            # store failed (a ledger opened read-only, a full disk), not the operation
+            raise LedgerUnavailable(f"ledger transaction failed: {exc}") from exc
 
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         if self._reader is None:
