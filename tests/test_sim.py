@@ -467,6 +467,15 @@ def test_a_recovered_result_is_checked_against_the_decision() -> None:
     assert _fired(evidence) == {"ok_not_completed"}
 
 
+def test_an_operator_command_that_crashed_is_caught() -> None:
+    """An operator's command (``--operator``) that failed other than "ledger unavailable"
+    (exit 4) is a violation; the run's summary of it names the command and its words."""
+    crashed = ["budget_set_failed at 6.5 s (team-a=100) exit 1: Traceback ..."]
+    assert _fired(_evidence(_call_events(), operator_failures=crashed)) == {
+        "operator_command_failed"
+    }
+
+
 def test_every_invariant_has_a_checker_test() -> None:
     """Each named invariant is exercised by a test above (keep the list and tests in step)."""
     source = Path(__file__).read_text()

@@ -18,11 +18,14 @@ from effectguard.testing.sim.evidence import Evidence, collect
 from effectguard.testing.sim.invariants import INVARIANTS, Violation, check, overshoots
 from effectguard.testing.sim.pgcluster import unavailable_reason
 from effectguard.testing.sim.runner import execute, quiesce
-from effectguard.testing.sim.schedule import Schedule, generate
+from effectguard.testing.sim.schedule import OPERATOR_ACTIONS, Schedule, generate
 
 __all__ = ["PG_DSN_ENV", "SimResult", "render_schedule", "run", "run_schedule"]
 
 PG_DSN_ENV = "EFFECTGUARD_TEST_PG_DSN"
+#: The command line's exit code for "the ledger is unavailable" (docs/contract.md, exit
+#: codes): how an operator's command may fail while the ledger is full, read-only or down.
+EXIT_UNAVAILABLE = 4
 
 
 @dataclass
@@ -84,9 +87,9 @@ def run_schedule(
         answers += asyncio.run(quiesce(cluster, answers))
         # Collected before the cluster goes: an owned PostgreSQL cluster is dropped with it.
         unrecovered = [int(a["replica"]) for a in cluster.actions if a["action"] == "unrecovered"]
-        evidence = asyncio.run(
-            collect(cluster.ledger, workdir / "receipts.jsonl", answers, unrecovered)
-        )
+        receipts = workdir / "receipts.jsonl"
+        failed = _operator_failures(cluster.actions)
+        evidence = asyncio.run(collect(cluster.ledger, receipts, answers, unrecovered, failed))
     violations = check(evidence)
     result = SimResult(schedule, violations, evidence, overshoots(evidence), cluster.actions)
     if violations and bundle is not None:
@@ -94,6 +97,17 @@ def run_schedule(
     if not violations and schedule.ledger == "postgres" and cluster.owned_pg is None:
         reset_postgres_schema(cluster.ledger)  # a passing run leaves no schema behind
     return result
+
+
+def _operator_failures(actions: list[dict[str, object]]) -> list[str]:
+    """The operator's commands that exited other than 0 or 4 (the ledger unavailable)."""
+    failed = {f"{action}_failed" for action in OPERATOR_ACTIONS}
+    return [
+        f"{a['action']} at {a['at']} s ({a.get('path') or ''}={a.get('limit') or ''}) "
+        f"exit {a.get('code')}: {a.get('error')}"
+        for a in actions
+        if a["action"] in failed and a.get("code") != EXIT_UNAVAILABLE
+    ]
 
 
 def render_schedule(schedule: Schedule) -> str:

@@ -38,6 +38,9 @@ class Evidence:
     #: Replicas still running after the schedule that never answered ``/healthz`` 200
     #: by themselves (:func:`effectguard.testing.sim.runner.quiesce`).
     unrecovered: list[int] = field(default_factory=list)
+    #: The operator's commands (``--operator``) that exited other than 0 or 4 (the ledger
+    #: unavailable): what was run, its exit code and its last words.
+    operator_failures: list[str] = field(default_factory=list)
 
 
 def run_verify(ledger: str) -> tuple[int, str]:
@@ -63,9 +66,15 @@ async def read_ledger(ledger: str) -> tuple[list[StoredEvent], list[WorkState]]:
 
 
 async def collect(
-    ledger: str, receipts: Path, answers: list[Answer], unrecovered: list[int]
+    ledger: str,
+    receipts: Path,
+    answers: list[Answer],
+    unrecovered: list[int],
+    operator_failures: list[str] | None = None,
 ) -> Evidence:
     """Gather the evidence of a run whose processes have all stopped."""
     events, calls = await read_ledger(ledger)
     code, output = run_verify(ledger)
-    return Evidence(events, calls, read_receipts(receipts), answers, code, output, unrecovered)
+    receipts_read = read_receipts(receipts)
+    failures = operator_failures or []
+    return Evidence(events, calls, receipts_read, answers, code, output, unrecovered, failures)

@@ -37,8 +37,8 @@ INVARIANTS: Final = {
     "call_in_flight": "no call is left in_flight",
     "unobserved_not_held": "a dispatched, unobserved attempt is effect_unknown and holds its "
     "reservation",
-    "budget_over_limit": "on every prefix of the log, spent+reserved+held <= limit "
-    "(plus settlement overshoot)",
+    "budget_over_limit": "no event that raises a budget's spent+reserved+held takes it past "
+    "its limit (plus settlement overshoot)",
     "ok_not_completed": "every 200 a client received is a completed call with those bytes",
     "stream_ok_without_end": "a stream that ended cleanly for the client holds its terminal event",
     "replay_differs": "a replay returns the bytes of the first 200",
@@ -53,6 +53,8 @@ INVARIANTS: Final = {
     "decision, and a call decided not applied was not",
     "retry_applied_again": "a key-less SDK retry is not applied as new work while the call "
     "it repeats is unresolved or decided applied",
+    "operator_command_failed": "an operator's command run during the load (--operator) exits "
+    "0, or 4 when the ledger is unavailable; never a crash",
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
 
@@ -323,6 +325,12 @@ def replicas_recover(evidence: Evidence) -> list[Violation]:
     ]
 
 
+def operator_commands_exit_cleanly(evidence: Evidence) -> list[Violation]:
+    """Each operator command (``budget set``, ``reconcile --auto``) that failed, failed as
+    documented: exit 4, the ledger unavailable (full, read-only, stopped)."""
+    return [Violation("operator_command_failed", failure) for failure in evidence.operator_failures]
+
+
 def _applied_ops(evidence: Evidence) -> dict[str, list[dict[str, Any]]]:
     """The receipts the provider applied, by the operation id they carried: answered
     below 400 (a refusal applies nothing) and not replayed from its dedup store."""
@@ -416,6 +424,7 @@ CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     operations_applied_once,
     decisions_match_receipts,
     retries_not_applied_again,
+    operator_commands_exit_cleanly,
 )
 
 
