@@ -12,7 +12,10 @@ is written for it. Effects are counted from the fake provider's receipts.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -259,3 +262,53 @@ def test_a_paused_servers_call_is_taken_over_but_not_decided_before_its_late_ans
         assert cli("show", call_id, *where)["stage"] == "reconciled_applied"
         assert len(fake.effects()) == 1
         assert cli("verify", *where)["ok"] is True
+
+
+# Loaded by the ``reconcile`` process below (as ``sitecustomize``): its look at the owners
+# sees the named call's owner live (its lease ran out just after) and another call's
+# owner gone, so it sweeps, and the sweep marks the named call too.
+_OWNER_LAPSES_BETWEEN_LOOK_AND_SWEEP = """
+import os
+import effectguard.ops.takeover as takeover
+
+_look = takeover.gone_owners_here
+
+
+async def gone_owners_here(ledger, ledger_url, calls):
+    gone = await _look(ledger, ledger_url, calls)
+    gone.pop(os.environ["RACED_CALL"], None)
+    return {**gone, "call_of_another_dead_worker": "process gone"}
+
+
+takeover.gone_owners_here = gone_owners_here
+"""
+
+
+def test_a_call_whose_lease_lapses_between_the_look_and_the_sweep_is_not_decided_at_once(
+    tmp_path: Path,
+) -> None:
+    """``reconcile`` looks at the owners, then sweeps. A call its sweep marks though its
+    owner looked live a moment before (a paused worker whose lease ran out in between) was
+    labelled "its worker is gone" and decided at once, though that worker may still
+    receive the provider's answer. It is treated as its lease's lapse now: not decided."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    (tmp_path / "sitecustomize.py").write_text(_OWNER_LAPSES_BETWEEN_LOOK_AND_SWEEP)
+    headers = {"x-fake-delay": "2", "Idempotency-Key": "r"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "r@x", headers, short_lease(tmp_path)) as call,
+        paused(call.proxy),
+    ):
+        env = {"PYTHONPATH": str(tmp_path), "RACED_CALL": call.call_id}
+        command = ["reconcile", call.call_id, "--not-applied", "--note", "n", *where]
+        refused = subprocess.run(
+            [sys.executable, "-m", "effectguard", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        assert "nothing was decided" in refused.stderr, refused.stderr
+        assert cli("show", call.call_id, *where)["stage"] == "effect_unknown"

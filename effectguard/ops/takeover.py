@@ -27,7 +27,7 @@ from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.errors import ReconcileError
 from effectguard.ledger import Ledger
 from effectguard.rules.guidance import show_command
-from effectguard.rules.liveness import may_still_answer
+from effectguard.rules.liveness import LEASE_EXPIRED, may_still_answer
 from effectguard.rules.workstate import WorkState
 
 #: Calls in flight looked at (far more than are ever in flight at once).
@@ -56,7 +56,10 @@ async def take_over_gone(ledger: Ledger, ledger_url: str) -> dict[str, str]:
             marked = await worker.sweep()
     finally:
         await worker.stop()
-    return {call_id: gone.get(call_id, "its worker is gone") for call_id in marked}
+    # A call not judged above had an owner that was live a moment ago: its lease ran out
+    # between that look and the sweep (a paused worker). Said so, it is not decided in
+    # this command (refuse_deciding_at_once), as an owner given up by lease never is.
+    return {call_id: gone.get(call_id, LEASE_EXPIRED) for call_id in marked}
 
 
 class _LeaveOutSweepLines(logging.Filter):
