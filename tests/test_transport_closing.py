@@ -244,7 +244,11 @@ def test_a_stream_still_read_when_a_close_stops_waiting_is_marked_not_left_in_fl
     with hostile_search() as upstream:
         upstream.follow(slow_chat_stream(events=120, pause_s=0.5))  # a minute of answer
         told = asyncio.run(scenario(upstream.url))
-    assert "background" in told, told
+    # Told, never shown a clean end: that it is read in the background (a read that
+    # came after the close began), or, still reading when the close stopped waiting,
+    # why its stream was cut off.
+    closed = effectguard.ingress.transport.CLOSED_UNDER_STREAM
+    assert "background" in told or closed in told, told
     assert stages_of(capsys, ledger) == Counter({"effect_unknown": 1})
     [call] = json.loads(_cli(capsys, "calls", "--json", "--ledger", str(ledger)))
     events = json.loads(_cli(capsys, "show", call["call_id"], "--json", "--ledger", str(ledger)))

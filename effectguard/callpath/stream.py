@@ -89,6 +89,8 @@ class GuardedStream:
         self._forwarded = 0
         self._settled = False
         self._draining = False
+        #: Why :meth:`cut_off` stopped it, told to a reader still reading then.
+        self._cut_reason: str | None = None
         #: A read of the upstream is under way (a second reader must not start then).
         self._pulling = False
         #: What the client is shown, where effectguard asked for a usage event it did not.
@@ -141,13 +143,16 @@ class GuardedStream:
                 await self._observe_or_fail()
                 return
             except httpx.TransportError as exc:
-                why = str(exc) or type(exc).__name__  # some carry no text: say which
+                # Cut off under its reader (cut_off closed the upstream): that is the why.
+                why = self._cut_reason or str(exc) or type(exc).__name__  # some carry no text
                 await self._broken(why)
                 raise self._broken_error(why) from exc
             finally:
                 self._pulling = False
             if self._settled:
-                return  # cut off while it waited (cut_off): the rest is not read
+                if self._cut_reason is not None:  # its reader must not see a clean end
+                    raise self._broken_error(self._cut_reason)
+                return
             self._size += len(chunk)
             if self._size > self._limit:
                 why = answer_too_large(self._upstream.status, self._limit)
@@ -215,6 +220,8 @@ class GuardedStream:
     async def cut_off(self, reason: str) -> None:
         """Stop reading a stream whose end will not be waited for (a drain or close ended):
         its attempt is interrupted, its effect unknown, unless it settled first."""
+        if not self._settled:
+            self._cut_reason = reason
         await self._interrupted(reason)
 
     async def _interrupted(self, reason: str) -> None:
