@@ -473,7 +473,9 @@ class Env:
 
     def calls(self) -> dict[str, dict[str, Any]]:
         """``effectguard calls --json``, by call id."""
-        rows = cli_json("calls", "--ledger", self.proxy.ledger)
+        # Every call: `calls` lists 1,000 by default, and the good traffic alongside the
+        # corpus makes more on a slow machine (a CI run failed on a good call left out).
+        rows = cli_json("calls", "--ledger", self.proxy.ledger, "--limit", "1000000")
         return {row["call_id"]: row for row in rows}
 
 
