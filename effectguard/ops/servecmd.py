@@ -49,10 +49,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         demo = DemoUpstream()
         # An explicit --upstream still wins over the demo's.
         settings = load(upstreams=demo.upstreams(overrides))
-        if demo.port in _listen_ports(settings):
+        if demo.port in (taken := _listen_ports(settings)):
             # The kernel may give the demo a port the proxy is about to bind: neither
             # listens yet, so both binds succeed and the proxy never hears a request.
-            demo = demo.elsewhere(_listen_ports(settings))
+            demo = demo.elsewhere(taken)
             settings = load(upstreams=demo.upstreams(overrides))
     else:
         settings = load(upstreams=overrides)
