@@ -17,14 +17,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
-from pgkit import DSN, pg_url
+import respx
+from pgkit import DSN, ledger_url, pg_url
 from test_store_contract import register
 
+from effectguard import AsyncGuardTransport
 from effectguard.ledger import Ledger, open_store, writerformat
 from effectguard.ledger.pgschema import Target
 
-_ = (pg_url,)  # fixtures
+_ = (ledger_url, pg_url)  # fixtures
 
 #: What an older release is told (part of the message, as its logs show it).
 TOLD = f"requires effectguard writer format {writerformat.WRITER_FORMAT} or later"
@@ -77,7 +80,11 @@ async def test_an_older_release_cannot_write_a_migrated_sqlite_ledger(tmp_path: 
     cli("verify", path)  # nothing the refused writer tried got in
 
 
-@pytest.mark.parametrize("declared", [1, 2])
+#: The formats before this release's, each refused by the migration that raised it past it.
+OLDER_FORMATS = [1, 2, 3]
+
+
+@pytest.mark.parametrize("declared", OLDER_FORMATS)
 async def test_a_release_of_an_older_format_cannot_write_a_migrated_ledger(
     tmp_path: Path, declared: int
 ) -> None:
@@ -85,7 +92,9 @@ async def test_a_release_of_an_older_format_cannot_write_a_migrated_ledger(
     declaration gives a node mid-minute (rate_windows.since, contract §5.6), so its writes
     would leave windows verify cannot re-derive: migration 18 refuses them. A release of
     format 2 cannot read an attempt.started that records where it was sent (sent_to,
-    key_digest): migration 19 refuses it. Each is told to upgrade."""
+    key_digest): migration 19 refuses it. A release of format 3 lets a [[keys]] entry whose
+    ledger key was revoked spend, and believes usage far past a request's output cap:
+    migration 21 refuses it. Each is told to upgrade."""
     path = str(tmp_path / "ledger.db")
     cli("migrate", path)
     await new_release_writes(path)
@@ -120,6 +129,54 @@ async def test_an_older_release_cannot_write_a_migrated_postgres_ledger(pg_url: 
             with pytest.raises(psycopg.errors.RaiseException, match=TOLD):
                 old.execute(statement.format(false="false"))
     cli("verify", pg_url)
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not DSN, reason="set EFFECTGUARD_TEST_PG_DSN to run the PostgreSQL tests")
+@pytest.mark.parametrize("declared", OLDER_FORMATS)
+async def test_a_release_of_an_older_format_cannot_write_a_migrated_postgres_ledger(
+    pg_url: str, declared: int
+) -> None:
+    """As on SQLite: a connection declaring an older format (PostgreSQL migrations 11, 12
+    and 14 raised it past 1, 2 and 3) is refused each write, and told to upgrade."""
+    import psycopg
+
+    cli("migrate", pg_url)
+    await new_release_writes(pg_url)
+    target = Target.parse(pg_url)
+    with psycopg.connect(target.conninfo, autocommit=True) as old:
+        old.execute(f"SET search_path = {target.schema}")
+        old.execute(f"SET {writerformat.SETTING} = '{declared}'")
+        for statement in OLD_WRITES:
+            with pytest.raises(psycopg.errors.RaiseException, match=TOLD):
+                old.execute(statement.format(false="false"))
+    cli("verify", pg_url)
+
+
+async def test_a_format_3_transport_sends_nothing_through_a_ledger_at_format_4(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release of format 3 started beside this one served by its own rules: a
+    ``[[keys]]`` entry whose ledger key was revoked still spent there, and usage far past a
+    request's output cap was believed (migration 20 raised no format). From SQLite's
+    migration 21 (PostgreSQL's 14) it fails at start-up: this release's transport,
+    declaring format 3 as that release does, sends nothing and is told to upgrade."""
+    cli("migrate", ledger_url)
+    monkeypatch.setattr(writerformat, "WRITER_FORMAT", 3)  # every connection declares 3
+    with respx.mock(assert_all_called=False) as mock:
+        route = mock.post("https://api.openai.com/v1/chat/completions").mock(
+            return_value=httpx.Response(200, json={"choices": []})
+        )
+        transport = AsyncGuardTransport(ledger=ledger_url)
+        async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+            with pytest.raises(Exception, match=TOLD) as refused:
+                await client.post(
+                    "https://api.openai.com/v1/chat/completions",
+                    json={"model": "gpt-4o-mini", "messages": [], "max_tokens": 5},
+                )
+        assert not route.called, refused.value
+    monkeypatch.undo()
+    cli("verify", ledger_url)
 
 
 def _as_before_format_1(path: str) -> None:

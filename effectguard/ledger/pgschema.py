@@ -268,6 +268,13 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             f"CREATE INDEX events_keys ON events(seq) WHERE kind IN ({KEY_KINDS_TEXT})",
         ],
     ),
+    (
+        14,
+        "writer format 4: a [[keys]] entry whose ledger key was revoked or expired is refused, "
+        "and usage far past a request's output cap is not believed; releases before it may "
+        "no longer write this ledger",
+        [*writerformat.pg_require(4)],  # as SQLite's migration 21
+    ),
 ]
 
 

@@ -411,6 +411,15 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
             f"CREATE INDEX events_keys ON events(seq) WHERE kind IN ({KEY_KINDS_SQLITE})",
         ],
     ),
+    (
+        21,
+        "writer format 4: a [[keys]] entry whose ledger key was revoked or expired is refused, "
+        "and usage far past a request's output cap is not believed; releases before it may "
+        "no longer write this ledger",
+        # No table changes: beside this release, one of format 3 would serve by its own
+        # rules (a revoked key spending there); only the ledger can stop it (writerformat).
+        [*writerformat.sqlite_require(4)],
+    ),
 ]
 
 

@@ -10,7 +10,12 @@ a declaration started it mid-minute (``rate_windows.since``, docs/contract.md §
 which a release before it neither writes nor starts, leaving windows verify cannot
 re-derive; format 3 with the ``attempt.started`` that records where, and with which
 credential, an attempt was sent (``sent_to``, ``key_digest``), which a release before it
-cannot read at all.
+cannot read at all. Format 4 changed no event but rules a release before it breaks,
+serving the same ledger by its own: a ``[[keys]]`` entry whose secret the ledger revoked
+(or let expire) is refused, where such a release lets it spend; usage far past a
+request's output cap is not believed, where such a release charges it. Those rules came
+without a raise (SQLite's migration 20, PostgreSQL's 13, only added an index), so until
+format 4 nothing stopped such a release serving beside this one.
 
 So every writer declares the format it writes, on each connection, and the ledger refuses
 a write (an event, a worker's registration or heartbeat) from a connection that declares
@@ -27,16 +32,17 @@ import sqlite3
 from typing import Final
 
 #: The format this release writes. Raise it (with a migration calling :func:`pg_require` /
-#: :func:`sqlite_require` with it) when events change so that an older release misreads them.
-WRITER_FORMAT: Final = 3
+#: :func:`sqlite_require` with it) when events change so that an older release misreads
+#: them, or when an older release serving beside this one would break a rule it keeps.
+WRITER_FORMAT: Final = 4
 #: The PostgreSQL session setting a connection declares its format in.
 SETTING: Final = "effectguard.writer_format"
 #: The SQLite function a connection declares its format with.
 FUNCTION: Final = "effectguard_writer_format"
 
 _ADVICE = (
-    "an older effectguard would misread the events this ledger holds: upgrade this "
-    "process (docs/operations.md, Upgrades and migrations)"
+    "an older effectguard would misread the events this ledger holds, or break rules its "
+    "writers keep: upgrade this process (docs/operations.md, Upgrades and migrations)"
 )
 
 
