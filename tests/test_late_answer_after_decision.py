@@ -47,3 +47,37 @@ def test_show_warns_against_a_resend_when_a_late_answer_contradicts_not_applied(
         assert "resend the request with the same Idempotency-Key" not in text
         assert "do not resend: a late answer kept for attempt 1 (status 200)" in text
         assert len(fake.effects()) == 1
+
+
+def test_the_late_answers_502_does_not_tell_its_client_to_resend_a_contradicted_call(
+    tmp_path: Path,
+) -> None:
+    """The client of that call gets 502 ``observe_refused`` naming the stage the ledger
+    holds (``reconciled_not_applied``); its ``next_operation`` is not the ``resend`` that
+    stage usually calls for but ``none``, and its message says what ``show`` says: do
+    not resend."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    headers = {"x-fake-delay": "2", "Idempotency-Key": "r"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "r@x", headers, short_lease(tmp_path)) as call,
+    ):
+        call_id = call.call_id
+        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
+            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
+            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
+            assert decided.returncode == 0, decided.stdout + decided.stderr
+        call.client.join(30)
+        (answer,) = call.answers
+        assert answer.status_code == 502, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "observe_refused", error
+        assert error["call_id"] == call_id
+        assert error["stage"] == "reconciled_not_applied", error
+        assert error["next_operation"] == "none", error
+        assert answer.headers["x-should-retry"] == "false"
+        advice = "do not resend: a late answer kept for attempt 1 (status 200)"
+        assert advice in error["message"], error["message"]
+        assert cli("show", call_id, *where)["next_command"].startswith(advice)
+        assert len(fake.effects()) == 1

@@ -29,12 +29,13 @@ from effectguard.rules import evidence
 from effectguard.rules import usage as usages
 from effectguard.rules.bodytext import encode_body
 from effectguard.rules.events import (
+    AttemptLateAnswer,
     AttemptNotSent,
     AttemptObserved,
     BudgetReleased,
     Event,
 )
-from effectguard.rules.guidance import decide_unknown
+from effectguard.rules.guidance import contradicted_not_applied, decide_unknown
 from effectguard.rules.settlement import Answer, Settlement, settle
 from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.observer import NullObserver, Observer
@@ -153,17 +154,7 @@ class Recorder:
             await self.ledger.record(writer, call_id, admitted.attempt, list(settled.events))
         except FencedError as exc:
             self.observer.request_done(provider.name, model, "fenced")
-            kept = await self._keep_late_answer(prepared, admitted, settled, body, str(exc))
-            now = await self._state_now(call_id)
-            raise refuse(
-                502,
-                "observe_refused",
-                f"this worker was fenced; the result of call {call_id} was not recorded as "
-                f"its outcome: {exc}; {kept}",
-                call_id=call_id,
-                stage=None if now is None else now.stage,
-                next_operation=None if now is None else now.next_operation,
-            ) from exc
+            raise await self._refuse_late_answer(prepared, admitted, settled, body, exc) from exc
         except LedgerError as exc:
             self.observer.request_done(provider.name, model, "observe_failed")
             self.observer.incident("observe_failed", call_id, _describe(exc))
@@ -178,6 +169,41 @@ class Recorder:
         finally:
             self.finish(call_id)
 
+    async def _refuse_late_answer(
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        settled: Settlement,
+        body: bytes,
+        exc: FencedError,
+    ) -> Refusal:
+        """The 502 ``observe_refused`` for an answer the store refused, kept as evidence.
+
+        It names the stage the ledger holds now, and that stage's next operation, unless
+        this very answer contradicts it: a call decided not applied meanwhile, that the
+        provider says it applied, is not to be resent (what ``show`` says, contract §9).
+        """
+        call_id = admitted.call_id
+        late = _late_answer(prepared, admitted, settled, body, str(exc))
+        kept = await self._keep_late_answer(admitted, late)
+        said = f"its answer (status {late.status}) " + (
+            "is kept as evidence" if kept else "could not be kept as evidence either"
+        )
+        now = await self._state_now(call_id)
+        next_operation = None if now is None else now.next_operation
+        if now is not None and evidence.resend_contradicted(now, late):
+            next_operation = "none"
+            said += f"; {contradicted_not_applied(late.attempt, late.status, kept)}"
+        return refuse(
+            502,
+            "observe_refused",
+            f"this worker was fenced; the result of call {call_id} was not recorded as "
+            f"its outcome: {exc}; {said}",
+            call_id=call_id,
+            stage=None if now is None else now.stage,
+            next_operation=next_operation,
+        )
+
     async def _state_now(self, call_id: str) -> WorkState | None:
         """``call_id`` as the ledger holds it now (as a takeover left it), or None if the
         ledger cannot say: the refusal of a late answer then names no stage."""
@@ -186,32 +212,22 @@ class Recorder:
         except LedgerError:
             return None
 
-    async def _keep_late_answer(
-        self, prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes, why: str
-    ) -> str:
-        """Keep an answer the store refused as the attempt's outcome, as evidence; says how.
+    async def _keep_late_answer(self, admitted: Admitted, late: AttemptLateAnswer) -> bool:
+        """Keep an answer the store refused as the attempt's outcome, as evidence; whether
+        it was kept.
 
         It is written as a registration of this process the store accepts
         (:attr:`evidence_writer`), never as the fenced one. If even that fails, the answer
         is lost as before: the call stays as the takeover left it.
         """
-        status = next(e.status for e in settled.events if isinstance(e, AttemptObserved))
-        late = evidence.late_answer(
-            settled,
-            body,
-            effect=prepared.provider.answer_effect(status),
-            observed_by=admitted.writer.worker,
-            generation=admitted.writer.generation,
-            reason=why,
-        )
         try:
             writer = await self.evidence_writer(admitted.writer)
             await self.ledger.record_late_answer(writer, late)
         except (LedgerError, OSError) as exc:  # OSError: registering anew takes a lock file
             self.observer.incident("late_answer_lost", admitted.call_id, _describe(exc))
-            return f"its answer (status {status}) could not be kept as evidence either"
+            return False
         self.observer.incident("late_answer", admitted.call_id, evidence.describe(late))
-        return f"its answer (status {status}) is kept as evidence"
+        return True
 
     async def next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
         """Start the automatic retry of ``previous`` (contract.md §3.7), as the call's own writer.
@@ -408,6 +424,21 @@ class Recorder:
             await asyncio.wait(pending, timeout=min(left, 0.05), return_when=FIRST_COMPLETED)
             for waiting in dispatching:
                 waiting.cancel()
+
+
+def _late_answer(
+    prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes, why: str
+) -> AttemptLateAnswer:
+    """The evidence event for an answer the store refused as ``admitted``'s outcome."""
+    status = next(e.status for e in settled.events if isinstance(e, AttemptObserved))
+    return evidence.late_answer(
+        settled,
+        body,
+        effect=prepared.provider.answer_effect(status),
+        observed_by=admitted.writer.worker,
+        generation=admitted.writer.generation,
+        reason=why,
+    )
 
 
 async def _same_writer(writer: Writer) -> Writer:

@@ -167,8 +167,8 @@ def next_commands(
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept
-    if state.stage == "reconciled_not_applied" and late and evidence.contradicts(late, False):
-        command = contradicted_not_applied(state.attempts, late.status)
+    if late is not None and evidence.resend_contradicted(state, late):
+        command = contradicted_not_applied(late.attempt, late.status)
     if state.stage == "effect_unknown" and state.resend_authorized:
         command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
     if command is None or not where:

@@ -27,6 +27,7 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.lookups import digest
 from effectguard.rules.settlement import Settlement
+from effectguard.rules.workstate import WorkState
 
 #: Values of ``attempt.late_answer``'s ``effect`` (the provider's declaration of its status).
 EFFECTS = ("applied", "none", "unknown")
@@ -94,6 +95,19 @@ def contradicts(late: AttemptLateAnswer | None, applied: bool) -> bool:
     if late is None:
         return False
     return late.effect == ("none" if applied else "applied")
+
+
+def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> bool:
+    """Whether ``state`` was decided not applied while ``late``, an answer to the same
+    attempt, says the provider applied it. The decision freed the key, and the resend
+    that stage usually calls for (§6 ``resend``) would make the effect a second time:
+    every answer about the call says not to resend instead (docs/contract.md §8, §9)."""
+    return (
+        state.stage == "reconciled_not_applied"
+        and late is not None
+        and late.attempt == state.attempts
+        and contradicts(late, False)
+    )
 
 
 @dataclass(frozen=True, slots=True)
