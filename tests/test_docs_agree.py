@@ -168,6 +168,7 @@ CONTRACT_REFUSALS = {
     (409, "effect_unknown"),
     (409, "drift"),
     (409, "reconciled_applied"),
+    (409, "late_answer_applied"),
     (413, "request_too_large"),
     (422, "idempotency_key_reused"),
     (429, "rate_limited"),

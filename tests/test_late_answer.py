@@ -247,6 +247,36 @@ async def test_an_unprocessed_late_answer_reconciles_not_applied(fenced_call: Fe
     assert (await verify_ledger(ledger)).ok
 
 
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_a_late_200_after_a_not_applied_decision_is_never_resent(
+    fenced_call: Fenced,
+) -> None:
+    """A call decided not applied before its late 200 arrives: the 502 says
+    next_operation ``none`` (not the stage's ``resend``) with show's advice, and a keyed
+    resend is refused 409 ``late_answer_applied``, nothing sent (in every store)."""
+    ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
+    await ledger.reconcile(call_id, applied=False, note="none seen", by="ops")
+    refusal = await late_refusal(fenced_call)
+    assert (refusal.status, refusal.type) == (502, "observe_refused")
+    assert (refusal.stage, refusal.next_operation) == ("reconciled_not_applied", "none")
+    advice = "do not resend: a late answer kept for attempt 1 (status 200)"
+    assert advice in refusal.message
+    guard, upstream = fenced_call.guard, fenced_call.upstream
+    sent = upstream.sent
+    resend = httpx.Request(
+        "POST", UPSTREAM + CHAT, json=chat("held"), headers={"Idempotency-Key": "k"}
+    )
+    with pytest.raises(Refusal) as refused:
+        await guard.handle(guard.providers["openai"], resend, upstream.send)
+    assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
+    assert (refused.value.call_id, refused.value.next_operation) == (call_id, "none")
+    assert advice in refused.value.message
+    assert upstream.sent == sent
+    state = await ledger.call(call_id)
+    assert (state.stage, state.attempts) == ("reconciled_not_applied", 1)
+    assert (await verify_ledger(ledger)).ok
+
+
 @pytest.mark.parametrize("fenced_call", [500], indirect=True)
 async def test_a_late_answer_of_unknown_effect_decides_nothing(fenced_call: Fenced) -> None:
     """A late 500 (declared transient with unknown effect) is kept, but accepting it is

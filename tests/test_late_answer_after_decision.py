@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from test_dead_owner import call_under_way, paused, run, short_lease
+from test_reconcile_auto import SEND, email
 from toolkit import cli_json as cli
 
 from effectguard.testing import fake_provider
@@ -81,3 +83,36 @@ def test_the_late_answers_502_does_not_tell_its_client_to_resend_a_contradicted_
         assert advice in error["message"], error["message"]
         assert cli("show", call_id, *where)["next_command"].startswith(advice)
         assert len(fake.effects()) == 1
+
+
+def test_a_keyed_resend_of_a_contradicted_call_is_refused_not_sent(tmp_path: Path) -> None:
+    """A client that resends that call's request with its Idempotency-Key anyway is
+    refused 409 ``late_answer_applied`` (next_operation ``none``, show's advice in the
+    message), and nothing is sent: to a provider that does not deduplicate, the resend
+    the decision freed was a second effect."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    headers = {"x-fake-delay": "2", "Idempotency-Key": "s"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,  # does not deduplicate
+        call_under_way(ledger, fake, "s@x", headers, short_lease(tmp_path)) as call,
+    ):
+        call_id = call.call_id
+        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
+            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
+            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
+            assert decided.returncode == 0, decided.stdout + decided.stderr
+        call.client.join(30)
+        assert call.answers and call.answers[0].status_code == 502, call.answers
+        resent = httpx.post(
+            call.proxy.url + SEND, json=email("s@x"), headers={"Idempotency-Key": "s"}, timeout=30
+        )
+        assert resent.status_code == 409, resent.text
+        error = resent.json()["error"]
+        assert error["type"] == "late_answer_applied", error
+        assert (error["call_id"], error["stage"]) == (call_id, "reconciled_not_applied")
+        assert error["next_operation"] == "none", error
+        assert resent.headers["x-should-retry"] == "false"
+        assert "do not resend: a late answer kept for attempt 1 (status 200)" in error["message"]
+        assert len(fake.effects()) == 1
+        assert cli("show", call_id, *where)["attempts"] == 1

@@ -261,7 +261,10 @@ def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
             archived = tx.find_archived(req.budget_root, req.idempotency_key)
             if archived is not None:
                 return decide_archived(*archived, req.request_hash)
-        return decide_keyed(existing, req.request_hash, now)
+        late = None
+        if existing is not None and existing.stage == "reconciled_not_applied":
+            late = evidence.latest(tx.events_of(existing.call_id), existing.attempts)
+        return decide_keyed(existing, req.request_hash, now, late)
     if req.is_retry:
         return decide_retry(retried_call(tx, req, now))
     return Decision("admit")

@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from effectguard.errors import Refusal
+from effectguard.rules import evidence
 from effectguard.rules.bodyref import SpooledBody
-from effectguard.rules.guidance import decide_unknown, show_command, unknown_effect
+from effectguard.rules.events import AttemptLateAnswer
+from effectguard.rules.guidance import (
+    contradicted_not_applied,
+    decide_unknown,
+    show_command,
+    unknown_effect,
+)
 from effectguard.rules.quickinit import quick_init
 from effectguard.rules.workstate import WorkState
 
@@ -30,7 +37,9 @@ class Decision:
     refusal: Refusal | None = None
 
 
-def _refuse(status: int, type_: str, message: str, state: WorkState) -> Decision:
+def _refuse(
+    status: int, type_: str, message: str, state: WorkState, next_operation: str | None = None
+) -> Decision:
     return Decision(
         "refuse",
         state,
@@ -40,13 +49,22 @@ def _refuse(status: int, type_: str, message: str, state: WorkState) -> Decision
             message,
             call_id=state.call_id,
             stage=state.stage,
-            next_operation=state.next_operation,
+            next_operation=next_operation or state.next_operation,
         ),
     )
 
 
-def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> Decision:
-    """docs/contract.md §4's table for a request carrying an ``Idempotency-Key``."""
+def decide_keyed(
+    existing: WorkState | None,
+    request_hash: str,
+    now: float,
+    late: AttemptLateAnswer | None = None,
+) -> Decision:
+    """docs/contract.md §4's table for a request carrying an ``Idempotency-Key``.
+
+    ``late``: the late answer kept for the call's last attempt, if any; read only for a
+    call decided not applied, whose resend it may forbid (evidence.resend_contradicted).
+    """
     if existing is None:
         return Decision("admit")
     s = existing
@@ -81,6 +99,8 @@ def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> D
             unknown_effect(s.call_id),
             s,
         )
+    if late is not None and evidence.resend_contradicted(s, late):
+        return _refuse_contradicted(s, late)
     if s.stage in ("not_sent", "not_processed", "reconciled_not_applied"):
         return Decision("attempt", s)
     if s.stage == "reconciled_applied":
@@ -92,6 +112,21 @@ def decide_keyed(existing: WorkState | None, request_hash: str, now: float) -> D
             s,
         )
     return Decision("admit")
+
+
+def _refuse_contradicted(s: WorkState, late: AttemptLateAnswer) -> Decision:
+    """A keyed resend of a call decided not applied that ``late`` says the provider did
+    apply: the decision freed the key, but a resend would make the effect again (what
+    ``show`` says, contract §4), so there is nothing to do (``none``)."""
+    return _refuse(
+        409,
+        "late_answer_applied",
+        f"call {s.call_id} was decided not applied, so its key is free, but "
+        f"{contradicted_not_applied(late.attempt, late.status)}; it is not sent again, "
+        f"and new work needs a new Idempotency-Key (see `{show_command(s.call_id)}`)",
+        s,
+        next_operation="none",
+    )
 
 
 def decide_retry(existing: WorkState | None) -> Decision:
