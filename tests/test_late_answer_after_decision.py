@@ -8,14 +8,17 @@ second time. Effects are counted from the fake provider's receipts.
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import httpx
 import pytest
+from operatorkit import ADMIN_KEY, ADMIN_NAME, PAGE
 from test_dead_owner import call_under_way, paused, run, short_lease
 from test_reconcile_auto import SEND, email
 from toolkit import cli_json as cli
 
+from effectguard.config.keysettings import hash_key
 from effectguard.testing import fake_provider
 
 pytestmark = pytest.mark.slow
@@ -47,6 +50,8 @@ def test_show_warns_against_a_resend_when_a_late_answer_contradicts_not_applied(
         assert shown["next_command"].startswith("do not resend"), shown["next_command"]
         text = run("show", call_id, *where).stdout
         assert "resend the request with the same Idempotency-Key" not in text
+        # Its head says so too: the stage's usual next operation would be resend.
+        assert "stage      reconciled_not_applied (effect none; next: none)" in text, text
         assert "do not resend: a late answer kept for attempt 1 (status 200)" in text
         assert len(fake.effects()) == 1
 
@@ -116,3 +121,35 @@ def test_a_keyed_resend_of_a_contradicted_call_is_refused_not_sent(tmp_path: Pat
         assert "do not resend: a late answer kept for attempt 1 (status 200)" in error["message"]
         assert len(fake.effects()) == 1
         assert cli("show", call_id, *where)["attempts"] == 1
+
+
+def test_the_operator_page_does_not_offer_the_resend_either(tmp_path: Path) -> None:
+    """The operator page's call page says what ``show`` says for that call: next
+    operation none and do not resend, not the ``resend`` its stage usually calls for."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    config = tmp_path / "effectguard.toml"
+    admin = f'[[admin.keys]]\nname = "{ADMIN_NAME}"\nsha256 = "{hash_key(ADMIN_KEY)}"\n'
+    config.write_text(f"[server]\nlease_s = 2\nheartbeat_s = 0.5\n{admin}")
+    headers = {"x-fake-delay": "2", "Idempotency-Key": "t"}
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "t@x", headers, ("--config", str(config))) as call,
+    ):
+        call_id = call.call_id
+        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
+            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
+            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
+            assert decided.returncode == 0, decided.stdout + decided.stderr
+        call.client.join(30)
+        assert call.answers and call.answers[0].status_code == 502, call.answers
+        page = httpx.get(
+            f"{call.proxy.url}{PAGE}calls/{call_id}",
+            headers={"authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=30,
+        )
+        assert page.status_code == 200, page.text
+        text = html.unescape(page.text)
+        assert "do not resend: a late answer kept for attempt 1 (status 200)" in text, text
+        assert "next operation: resend" not in text
+        assert "<th>next operation</th><td>resend</td>" not in text

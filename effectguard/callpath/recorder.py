@@ -35,7 +35,7 @@ from effectguard.rules.events import (
     BudgetReleased,
     Event,
 )
-from effectguard.rules.guidance import contradicted_not_applied, decide_unknown
+from effectguard.rules.guidance import decide_unknown
 from effectguard.rules.settlement import Answer, Settlement, settle
 from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.observer import NullObserver, Observer
@@ -191,9 +191,9 @@ class Recorder:
         )
         now = await self._state_now(call_id)
         next_operation = None if now is None else now.next_operation
-        if now is not None and evidence.resend_contradicted(now, late):
-            next_operation = "none"
-            said += f"; {contradicted_not_applied(late.attempt, late.status, kept)}"
+        warning = None if now is None else evidence.resend_warning(now, late, kept)
+        if warning is not None:
+            next_operation, said = "none", f"{said}; {warning}"
         return refuse(
             502,
             "observe_refused",

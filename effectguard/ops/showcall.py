@@ -19,7 +19,6 @@ from effectguard.rules.events import AttemptLateAnswer, StoredEvent
 from effectguard.rules.guidance import (
     RESEND_AUTHORIZED,
     accept_evidence_command,
-    contradicted_not_applied,
     next_command,
 )
 
@@ -167,8 +166,7 @@ def next_commands(
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept
-    if late is not None and evidence.resend_contradicted(state, late):
-        command = contradicted_not_applied(late.attempt, late.status)
+    command = evidence.resend_warning(state, late) or command
     if state.stage == "effect_unknown" and state.resend_authorized:
         command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
     if command is None or not where:
@@ -200,9 +198,12 @@ def _head(
 ) -> list[str]:
     """The lines of ``show`` above the money: what the call is, and whose."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+    # Not the stage's resend when a late answer contradicts the decision (see "next").
+    warned = evidence.resend_warning(state, evidence.latest(events, state.attempts))
+    upcoming = state.next_operation if warned is None else "none"
     lines = [
         f"call {state.call_id}",
-        f"  stage      {state.stage} (effect {state.effect}; next: {state.next_operation})",
+        f"  stage      {state.stage} (effect {state.effect}; next: {upcoming})",
         f"  provider   {state.provider}  {manifest.get('method', '')} "
         f"{manifest.get('endpoint', '')}".rstrip(),
         f"  model      {state.model or '-'}",

@@ -16,7 +16,6 @@ from effectguard.rules import evidence
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.events import AttemptLateAnswer
 from effectguard.rules.guidance import (
-    contradicted_not_applied,
     decide_unknown,
     show_command,
     unknown_effect,
@@ -99,8 +98,9 @@ def decide_keyed(
             unknown_effect(s.call_id),
             s,
         )
-    if late is not None and evidence.resend_contradicted(s, late):
-        return _refuse_contradicted(s, late)
+    warning = evidence.resend_warning(s, late)
+    if warning is not None:
+        return _refuse_contradicted(s, warning)
     if s.stage in ("not_sent", "not_processed", "reconciled_not_applied"):
         return Decision("attempt", s)
     if s.stage == "reconciled_applied":
@@ -114,16 +114,16 @@ def decide_keyed(
     return Decision("admit")
 
 
-def _refuse_contradicted(s: WorkState, late: AttemptLateAnswer) -> Decision:
-    """A keyed resend of a call decided not applied that ``late`` says the provider did
-    apply: the decision freed the key, but a resend would make the effect again (what
-    ``show`` says, contract §4), so there is nothing to do (``none``)."""
+def _refuse_contradicted(s: WorkState, warning: str) -> Decision:
+    """A keyed resend of a call decided not applied that its late answer says the
+    provider did apply: the decision freed the key, but a resend would make the effect
+    again (``warning``, what ``show`` says, contract §4), so nothing is to be done."""
     return _refuse(
         409,
         "late_answer_applied",
-        f"call {s.call_id} was decided not applied, so its key is free, but "
-        f"{contradicted_not_applied(late.attempt, late.status)}; it is not sent again, "
-        f"and new work needs a new Idempotency-Key (see `{show_command(s.call_id)}`)",
+        f"call {s.call_id} was decided not applied, so its key is free, but {warning}; it "
+        f"is not sent again, and new work needs a new Idempotency-Key (see "
+        f"`{show_command(s.call_id)}`)",
         s,
         next_operation="none",
     )

@@ -25,6 +25,7 @@ from effectguard.rules.events import (
     CallReconciled,
     StoredEvent,
 )
+from effectguard.rules.guidance import contradicted_not_applied
 from effectguard.rules.lookups import digest
 from effectguard.rules.settlement import Settlement
 from effectguard.rules.workstate import WorkState
@@ -108,6 +109,17 @@ def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> boo
         and late.attempt == state.attempts
         and contradicts(late, False)
     )
+
+
+def resend_warning(
+    state: WorkState, late: AttemptLateAnswer | None, kept: bool = True
+) -> str | None:
+    """What every answer about ``state`` says instead of its stage's ``resend`` when
+    ``late`` contradicts the decision (:func:`resend_contradicted`); None otherwise.
+    ``kept``: ``late`` is in the ledger (False: only the 502 that brought it says so)."""
+    if late is None or not resend_contradicted(state, late):
+        return None
+    return contradicted_not_applied(late.attempt, late.status, kept)
 
 
 @dataclass(frozen=True, slots=True)

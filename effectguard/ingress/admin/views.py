@@ -24,6 +24,7 @@ from effectguard.ingress.admin.markup import (
     when,
 )
 from effectguard.ingress.admin.spend import SpendTable
+from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import tree_order
@@ -113,11 +114,11 @@ def _data(event: StoredEvent) -> str:
     return json.dumps(data, ensure_ascii=False, sort_keys=True)
 
 
-def _summary(state: WorkState, manifest: dict[str, Any], now: float) -> str:
+def _summary(state: WorkState, manifest: dict[str, Any], now: float, warning: str | None) -> str:
     fields = [
         ("stage", stage_badge(state.stage)),
         ("effect", esc(state.effect)),
-        ("next operation", esc(state.next_operation)),
+        ("next operation", esc(state.next_operation if warning is None else "none")),
         ("provider", esc(state.provider)),
         ("endpoint", esc(f"{manifest.get('method', '')} {manifest.get('endpoint', '')}")),
         ("model", esc(state.model)),
@@ -215,7 +216,13 @@ DECISIONS: dict[str, tuple[str, str]] = {
 }
 
 
-def _decide_forms(state: WorkState, csrf: str) -> str:
+def _decide_forms(state: WorkState, csrf: str, warning: str | None) -> str:
+    """The decisions open (``warning``: why the call must not be resent, if it must not)."""
+    if warning is not None:
+        return (
+            f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
+            f"but {esc(warning)}.</p>"
+        )
     if state.next_operation != "reconcile":
         return (
             f'<p class="muted">Nothing to decide: this call is {esc(state.stage)} '
@@ -249,10 +256,11 @@ def _decide_forms(state: WorkState, csrf: str) -> str:
 def call_page(state: WorkState, events: Sequence[StoredEvent], *, now: float, csrf: str) -> str:
     """One call: its state, request, attempts, evidence, events and the decisions open."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+    warning = evidence.resend_warning(state, evidence.latest(events, state.attempts))
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
-        f"{_summary(state, manifest, now)}"
-        f"<h2>Decide</h2>{_decide_forms(state, csrf)}"
+        f"{_summary(state, manifest, now, warning)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning)}"
         f"<h2>Evidence</h2>{_evidence(events)}"
         f"<h2>Attempts</h2>{_attempts(events)}"
         f"<h2>Request</h2>{_request(manifest)}"
