@@ -448,6 +448,56 @@ def test_budget_use_panels_divide_each_ledgers_money_by_its_own_limit(tmp_path: 
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_latency_panels_show_an_upstream_that_times_out(tmp_path: Path) -> None:
+    """One attempt in four answered within 0.5 s, three timed out at 10 s: the latency
+    panel's p50 and p99 show the timeouts (once only answered attempts were timed, and
+    the panel showed 0.5 s), and the attempts panel counts each ending per second
+    (``promtool test rules`` on synthetic series)."""
+    base = 'effectguard_upstream_duration_seconds_{}{{provider="openai", outcome="{}"{}}}'
+    per_step = {"answered": 15, "timeout": 45}  # a step is 15 s: 1 and 3 per second
+    within = {"answered": {"0.5", "10", "+Inf"}, "timeout": {"10", "+Inf"}}
+    series = [
+        {"series": base.format("bucket", outcome, f', le="{le}"'), "values": f"0+{n}x8"}
+        for outcome, n in per_step.items()
+        for le in ("0.5", "10", "+Inf")
+        if le in within[outcome]
+    ] + [{"series": base.format("bucket", "timeout", ', le="0.5"'), "values": "0x8"}]
+    series += [
+        {"series": base.format("count", outcome, ""), "values": f"0+{n}x8"}
+        for outcome, n in per_step.items()
+    ]
+    p50, p99 = panel("Upstream latency vs. effectguard overhead")[:2]
+    tests = [
+        {"expr": f"({concrete(e)}) > bool 3", "eval_time": "2m", "exp_samples": [{"value": 1}]}
+        for e in (p50, p99)
+    ]
+    (attempts,) = panel("Upstream attempts by ending")
+    tests.append(
+        {
+            "expr": concrete(attempts),
+            "eval_time": "2m",
+            "exp_samples": [
+                {"labels": '{outcome="answered"}', "value": 1},
+                {"labels": '{outcome="timeout"}', "value": 3},
+            ],
+        }
+    )
+    unit = tmp_path / "latency.test.yml"  # JSON is YAML
+    unit.write_text(
+        json.dumps(
+            {"tests": [{"interval": "15s", "input_series": series, "promql_expr_test": tests}]}
+        )
+    )
+    done = subprocess.run(
+        ["promtool", "test", "rules", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_rules_evaluate_cleanly_and_unknown_effect_alert_fires(stack: Stack) -> None:
     """Prometheus evaluates every shipped rule without error; the stale-unknown-effect
     expression with its age threshold lowered to 0 fires for the crashed call."""

@@ -43,6 +43,7 @@ from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
+from effectguard.callpath.timing import failed, own_time_of, waited
 from effectguard.callpath.wire import (
     answer_kind,
     classify_transport_error,
@@ -214,7 +215,8 @@ class Guard:
         self.recorder.started(admitted.call_id)
         # The dispatch runs in its own task: a caller that goes away does not cancel a
         # call the provider is already working on (docs/contract.md §3.8); it is read and settled.
-        task = asyncio.ensure_future(self._dispatch(prepared, admitted, send, report))
+        dispatch = self._dispatch(prepared, admitted, send, report)
+        task = asyncio.ensure_future(own_time_of(dispatch, self.observer, report))
         ticket.dispatch = task
         try:
             return await asyncio.shield(task)
@@ -385,39 +387,38 @@ class Guard:
         sent_at = time.perf_counter()
         try:
             response = await send(outgoing)
+            self.crash.hit("after:dispatch")
+            content_type = header_value(response.headers, "content-type")
+            coding = header_value(response.headers, "transfer-encoding")
+            kind = answer_kind(response.status, content_type, prepared.stream, coding)
+            limit = self.settings.max_answer_bytes
+            if kind == "stream":
+                stream = GuardedStream(
+                    self.recorder, prepared, admitted, response, sent_at, report, limit
+                )
+                headers = client_headers(response.headers, call_id)
+                return Reply(
+                    response.status, headers, stream=stream, extensions=response.extensions
+                )
+            try:
+                # Raw bytes: stored and forwarded exactly as received (we ask for identity).
+                body = None if kind == "not_http" else await read_body(response, limit)
+            finally:
+                await response.aclose()
         except httpx.TransportError as exc:
             return await self._transport_failed(prepared, admitted, exc, report, sent_at)
         except asyncio.CancelledError:
-            # The caller went away while the request may be on the wire.
+            # Cut off (callpath/ticket) while the request may be on the wire.
+            waited(self.observer, provider.name, report, sent_at, "timeout")
             self.recorder.spawn(
                 self.recorder.interrupt_attempt(admitted, self.recorder.cancel_reason)
             )
             raise
-        self.crash.hit("after:dispatch")
-        content_type = header_value(response.headers, "content-type")
-        coding = header_value(response.headers, "transfer-encoding")
-        kind = answer_kind(response.status, content_type, prepared.stream, coding)
-        limit = self.settings.max_answer_bytes
-        if kind == "stream":
-            stream = GuardedStream(
-                self.recorder, prepared, admitted, response, sent_at, report, limit
-            )
-            headers = client_headers(response.headers, call_id)
-            return Reply(response.status, headers, stream=stream, extensions=response.extensions)
-        try:
-            # Raw bytes: stored and forwarded exactly as received (we ask for identity).
-            body = None if kind == "not_http" else await read_body(response, limit)
-        except httpx.TransportError as exc:
-            return await self._transport_failed(prepared, admitted, exc, report, sent_at)
-        finally:
-            await response.aclose()
         if body is None:
-            report.upstream_s += time.perf_counter() - sent_at
+            waited(self.observer, provider.name, report, sent_at, "error")
             why, reason = unobservable(response.status, kind, limit, coding)
             raise await self._effect_unknown(prepared, admitted, why, reason, 502)
-        upstream = time.perf_counter() - sent_at
-        report.upstream_s += upstream
-        self.observer.upstream_seconds(provider.name, upstream)
+        waited(self.observer, provider.name, report, sent_at, "answered")
         self.crash.hit("after:upstream-response")
         result = usage_of(prepared, body)
         retried = response.status in provider.retry_statuses
@@ -425,9 +426,6 @@ class Guard:
             prepared, admitted, response.status, response.headers, body, result, report, retried
         )
         self.crash.hit("after:observe")
-        self.observer.overhead_seconds(
-            max(0.0, time.perf_counter() - report.started - report.upstream_s)
-        )
         headers = client_headers(response.headers, call_id)
         if response.status >= 400 and provider.answer_effect(response.status) != "none":
             headers = final_answer(headers, provider.error_shape)
@@ -444,7 +442,7 @@ class Guard:
         report: CallReport,
         sent_at: float,
     ) -> Reply:
-        report.upstream_s += time.perf_counter() - sent_at
+        waited(self.observer, prepared.provider.name, report, sent_at, failed(exc))
         call_id = admitted.call_id
         if classify_transport_error(exc) == "not_sent":
             await self.recorder.not_sent(prepared, admitted, _describe(exc))

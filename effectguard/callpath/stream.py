@@ -23,7 +23,6 @@ observed and settled durably before the stream's terminal event is released.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -31,6 +30,7 @@ import httpx
 from effectguard.callpath.exchange import Upstream
 from effectguard.callpath.prepare import Prepared
 from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.timing import Ending, failed, own_time, waited
 from effectguard.callpath.wire import answer_too_large
 from effectguard.errors import Refusal
 from effectguard.ledger import Admitted
@@ -145,7 +145,7 @@ class GuardedStream:
             except httpx.TransportError as exc:
                 # Cut off under its reader (cut_off closed the upstream): that is the why.
                 why = self._cut_reason or str(exc) or type(exc).__name__  # some carry no text
-                await self._broken(why)
+                await self._broken(why, failed(exc))
                 raise self._broken_error(why) from exc
             finally:
                 self._pulling = False
@@ -194,45 +194,48 @@ class GuardedStream:
         self._settle()
         await self._upstream.aclose()
         recorder = self._recorder
-        upstream_s = time.perf_counter() - self._sent_at
-        self._report.upstream_s += upstream_s
-        recorder.observer.upstream_seconds(self._prepared.provider.name, upstream_s)
+        self._waited("answered")
         recorder.crash.hit("after:upstream-response")
-        await recorder.observe(
-            self._prepared,
-            self._admitted,
-            self._upstream.status,
-            self._upstream.headers,
-            b"".join(self._received),
-            self._parser.result(),
-            self._report,
-        )
+        try:
+            await recorder.observe(
+                self._prepared,
+                self._admitted,
+                self._upstream.status,
+                self._upstream.headers,
+                b"".join(self._received),
+                self._parser.result(),
+                self._report,
+            )
+        finally:
+            # As for a plain answer: admission and observation, not the stream's time;
+            # taken also when the observation failed (observe_failed), as there.
+            own_time(recorder.observer, self._report)
         recorder.crash.hit("after:observe")
-        # As for a plain answer (guard.py): admission and observation, not the stream's time.
-        report = self._report
-        recorder.observer.overhead_seconds(
-            max(0.0, time.perf_counter() - report.started - report.upstream_s)
-        )
 
-    async def _broken(self, why: str) -> None:
-        await self._interrupted(f"stream broke: {why}"[:300])
+    def _waited(self, ending: Ending) -> None:
+        provider = self._prepared.provider.name
+        waited(self._recorder.observer, provider, self._report, self._sent_at, ending)
+
+    async def _broken(self, why: str, ending: Ending = "error") -> None:
+        await self._interrupted(f"stream broke: {why}"[:300], ending)
 
     async def cut_off(self, reason: str) -> None:
         """Stop reading a stream whose end will not be waited for (a drain or close ended):
         its attempt is interrupted, its effect unknown, unless it settled first."""
         if not self._settled:
             self._cut_reason = reason
-        await self._interrupted(reason)
+        await self._interrupted(reason, "timeout")  # effectguard stopped waiting for its end
 
-    async def _interrupted(self, reason: str) -> None:
+    async def _interrupted(self, reason: str, ending: Ending = "error") -> None:
         if self._settled:
             return  # once: a stream cut off, then ending under its reader, is one record
         self._settle()
         await self._upstream.aclose()
-        self._report.upstream_s += time.perf_counter() - self._sent_at
+        self._waited(ending)
         try:
             await self._recorder.interrupt_attempt(self._admitted, reason)
         finally:
+            own_time(self._recorder.observer, self._report)
             prepared = self._prepared
             model = prepared.model or ""
             self._recorder.observer.request_done(prepared.provider.name, model, "effect_unknown")

@@ -157,14 +157,16 @@ class MetricsObserver(NullObserver):
         )
         self.upstream = Histogram(
             "effectguard_upstream_duration_seconds",
-            "Time waiting on the upstream per attempt.",
-            ["provider"],
+            "Time waiting on the upstream per attempt sent, by how it ended "
+            "(outcome: answered, timeout or error).",
+            ["provider", "outcome"],
             buckets=UPSTREAM_BUCKETS,
             registry=registry,
         )
         self.overhead = Histogram(
             "effectguard_overhead_duration_seconds",
-            "effectguard's own time per request (total minus upstream).",
+            "effectguard's own time per dispatched request (total minus upstream), "
+            "whatever its outcome.",
             buckets=OVERHEAD_BUCKETS,
             registry=registry,
         )
@@ -210,9 +212,10 @@ class MetricsObserver(NullObserver):
         self._child(self.tokens, p, m, "output").inc(max(0, output_tokens))
         self._child(self.cost, p, m).inc(_usd(max(0, cost_nanos)))
 
-    def upstream_seconds(self, provider: str, seconds: float) -> None:
-        """Observe one attempt's upstream time."""
-        self._child(self.upstream, self._provider(provider)).observe(seconds)
+    def upstream_seconds(self, provider: str, seconds: float, outcome: str) -> None:
+        """Observe one attempt's upstream time, whatever its ``outcome`` (three values,
+        named by the call path: not capped)."""
+        self._child(self.upstream, self._provider(provider), outcome).observe(seconds)
 
     def overhead_seconds(self, seconds: float) -> None:
         """Observe the guard's own time for one request."""

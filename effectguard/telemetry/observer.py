@@ -40,11 +40,12 @@ class Observer(Protocol):
     ) -> None:
         """A call was settled with this usage and cost."""
 
-    def upstream_seconds(self, provider: str, seconds: float) -> None:
-        """Time spent waiting on the upstream for one attempt."""
+    def upstream_seconds(self, provider: str, seconds: float, outcome: str) -> None:
+        """Time spent waiting on the upstream for one attempt, whatever its ``outcome``:
+        ``answered``, ``timeout`` or ``error`` (callpath/timing)."""
 
     def overhead_seconds(self, seconds: float) -> None:
-        """The guard's own time for one request (total minus upstream)."""
+        """The guard's own time for one dispatched request (total minus upstream), once."""
 
     def internal_error(self) -> None:
         """An unexpected exception was answered with a 500 ``internal_error``."""
@@ -76,7 +77,7 @@ class NullObserver:
     ) -> None:
         pass
 
-    def upstream_seconds(self, provider: str, seconds: float) -> None:
+    def upstream_seconds(self, provider: str, seconds: float, outcome: str) -> None:
         pass
 
     def overhead_seconds(self, seconds: float) -> None:
@@ -118,9 +119,9 @@ class Observers:
         for o in self.observers:
             o.settled(provider, model, input_tokens, output_tokens, cost_nanos)
 
-    def upstream_seconds(self, provider: str, seconds: float) -> None:
+    def upstream_seconds(self, provider: str, seconds: float, outcome: str) -> None:
         for o in self.observers:
-            o.upstream_seconds(provider, seconds)
+            o.upstream_seconds(provider, seconds, outcome)
 
     def overhead_seconds(self, seconds: float) -> None:
         for o in self.observers:
