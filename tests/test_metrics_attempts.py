@@ -12,7 +12,7 @@ histograms back by ``outcome``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 import respx
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from test_metrics import CHAT_URL, FAST, MODEL, OPENAI, _Stream, chat, ok
 
@@ -37,10 +38,11 @@ def attempts(metrics: Metrics, provider: str = "openai") -> dict[str, float]:
     return _counts(metrics.registry.collect(), provider)
 
 
-def _counts(families: object, provider: str) -> dict[str, float]:
+def _counts(families: Iterable[Metric], provider: str) -> dict[str, float]:
+    """The upstream histogram's ``_count`` of ``provider`` in ``families``, by outcome."""
     return {
         s.labels.get("outcome", "<none>"): s.value
-        for family in families  # type: ignore[attr-defined]
+        for family in families
         if family.name == UPSTREAM
         for s in family.samples
         if s.name == UPSTREAM + "_count" and s.labels.get("provider") == provider and s.value
