@@ -6,7 +6,9 @@ counts what reached it) and real threads and tasks (docs/contract.md §1.2, §3.
   nothing sent, or are let finish and recorded; none hangs;
 * two threads closing one shared sync transport at once both return;
 * calls made while an async transport closes are refused, the calls under way finish
-  and are recorded, and the close does not start the transport again under itself.
+  and are recorded, and the close does not start the transport again under itself;
+* a call still under way when the close stops waiting (a stream still read, an answer
+  not come) is marked ``effect_unknown`` for the close, and a caller still waiting told.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from hostilekit import hostile_search, slow_chat_stream
+from hostilekit import HostileSearch, Script, hostile_search, slow_chat_stream
 from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
+import effectguard.config.defaults
 import effectguard.ingress.transport
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider
@@ -247,13 +250,153 @@ def test_a_stream_still_read_when_a_close_stops_waiting_is_marked_not_left_in_fl
     # Told, never shown a clean end: that it is read in the background (a read that
     # came after the close began), or, still reading when the close stopped waiting,
     # why its stream was cut off.
-    closed = effectguard.ingress.transport.CLOSED_UNDER_STREAM
+    closed = effectguard.ingress.transport.CLOSED_MID_CALL
     assert "background" in told or closed in told, told
     assert stages_of(capsys, ledger) == Counter({"effect_unknown": 1})
     [call] = json.loads(_cli(capsys, "calls", "--json", "--ledger", str(ledger)))
     events = json.loads(_cli(capsys, "show", call["call_id"], "--json", "--ledger", str(ledger)))
     reasons = [e["data"]["reason"] for e in events["events"] if e["kind"] == "attempt.interrupted"]
-    assert reasons == [effectguard.ingress.transport.CLOSED_UNDER_STREAM], reasons
+    assert reasons == [effectguard.ingress.transport.CLOSED_MID_CALL], reasons
+
+
+#: An upstream that reads the request and never answers.
+SILENT = Script((b"",), ending="hang")
+#: The close's 30 s window, made short: a bound on the test, not a claim about timing.
+SHORT_DRAIN_S = 1.0
+
+
+def _until_sent(upstream: HostileSearch) -> None:
+    """Wait (bounded) until the call has reached ``upstream``."""
+    for _ in range(int(HANG_BOUND_S / 0.02)):
+        if upstream.hits("/v1/chat/completions"):
+            return
+        threading.Event().wait(0.02)
+    raise AssertionError("the call never reached the provider")
+
+
+def _interrupt_reasons(capsys: pytest.CaptureFixture[str], ledger: Path, call_id: str) -> list[str]:
+    """The reasons of ``call_id``'s ``attempt.interrupted`` events, read through the CLI."""
+    events = json.loads(_cli(capsys, "show", call_id, "--json", "--ledger", str(ledger)))
+    return [e["data"]["reason"] for e in events["events"] if e["kind"] == "attempt.interrupted"]
+
+
+def _cut_off_as_the_close_says(
+    told: object, capsys: pytest.CaptureFixture[str], ledger: Path
+) -> None:
+    """The only call of ``ledger`` is ``effect_unknown`` for the transport's close, its
+    reservation held, and ``told`` (what its caller got) is 504 ``effect_unknown`` saying so."""
+    assert stages_of(capsys, ledger) == Counter({"effect_unknown": 1})
+    closed = effectguard.ingress.transport.CLOSED_MID_CALL
+    [call] = json.loads(_cli(capsys, "calls", "--json", "--ledger", str(ledger)))
+    assert call["held_usd"] == call["reserved_usd"] != "0.000000000", call
+    assert _interrupt_reasons(capsys, ledger, call["call_id"]) == [closed]
+    assert isinstance(told, openai.APIStatusError), repr(told)
+    assert told.status_code == 504, told
+    assert "effect_unknown" in str(told.body), told.body
+    assert call["call_id"] in told.message and closed in told.message, told.message
+
+
+def test_a_call_still_unanswered_when_a_close_stops_waiting_is_marked_and_its_caller_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close waits for a call under way up to 30 s; one whose provider has not answered
+    by then is marked ``effect_unknown`` for the close (its reservation held), and its
+    caller gets 504 ``effect_unknown`` naming the call and the close. It was left in
+    flight under the closed ledger, its key answering 409 ``in_progress`` until another
+    worker's sweep came by, and its caller got a 502 blaming the provider once the close
+    broke the provider's connection."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", SHORT_DRAIN_S)
+    ledger = tmp_path / "l.db"
+
+    async def scenario(upstream: HostileSearch) -> BaseException | None:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": upstream.url}
+        )
+        client = openai.AsyncOpenAI(
+            base_url=upstream.url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport),
+        )
+        call = asyncio.ensure_future(client.chat.completions.create(**CHAT))
+        await asyncio.to_thread(_until_sent, upstream)
+        await asyncio.wait_for(transport.aclose(), HANG_BOUND_S)
+        done, _ = await asyncio.wait({call}, timeout=HANG_BOUND_S / 3)
+        assert done, "its caller still waits on a closed transport"
+        return call.exception()
+
+    with hostile_search() as upstream:
+        upstream.follow(SILENT)
+        told = asyncio.run(scenario(upstream))
+    _cut_off_as_the_close_says(told, capsys, ledger)
+
+
+def test_a_call_its_caller_gave_up_on_is_marked_when_a_close_stops_waiting_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that goes away once its call is sent (its task cancelled, as a timeout
+    does) leaves the call to go on in the background; a close that stops waiting before
+    the provider answers marks it ``effect_unknown`` for the close, as a call whose caller
+    still waits. It was left in flight under the closed ledger."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", SHORT_DRAIN_S)
+    ledger = tmp_path / "l.db"
+
+    async def scenario(upstream: HostileSearch) -> None:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=str(ledger), upstreams={"openai": upstream.url}
+        )
+        async with httpx.AsyncClient(transport=transport) as client:
+            url = upstream.url + "/v1/chat/completions"
+            call = asyncio.ensure_future(client.post(url, json=CHAT))
+            await asyncio.to_thread(_until_sent, upstream)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        # Leaving the block closed the transport.
+
+    with hostile_search() as upstream:
+        upstream.follow(SILENT)
+        asyncio.run(scenario(upstream))
+    assert stages_of(capsys, ledger) == Counter({"effect_unknown": 1})
+    [call] = json.loads(_cli(capsys, "calls", "--json", "--ledger", str(ledger)))
+    reasons = _interrupt_reasons(capsys, ledger, call["call_id"])
+    assert reasons == [effectguard.ingress.transport.CLOSED_MID_CALL], reasons
+
+
+def test_a_call_still_unanswered_when_a_sync_close_stops_waiting_is_marked_and_its_caller_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through the sync transport, its caller in a thread of its own: it got a
+    bare ``CancelledError`` as the close ended the transport's loop, and the call stayed
+    in flight."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", SHORT_DRAIN_S)
+    ledger = tmp_path / "l.db"
+    told: list[BaseException] = []
+    with hostile_search() as upstream:
+        upstream.follow(SILENT)
+        transport = effectguard.GuardTransport(
+            ledger=str(ledger), upstreams={"openai": upstream.url}
+        )
+        client = openai.OpenAI(
+            base_url=upstream.url + "/v1",
+            api_key="sk-test",
+            max_retries=0,
+            http_client=httpx.Client(transport=transport),
+        )
+
+        def call() -> None:
+            try:
+                client.chat.completions.create(**CHAT)
+            except BaseException as exc:  # what its caller is told, whatever it is
+                told.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        _until_sent(upstream)
+        transport.close()
+        caller.join(HANG_BOUND_S / 3)
+        assert not caller.is_alive(), "its caller still waits on a closed transport"
+    _cut_off_as_the_close_says(told[0] if told else "answered", capsys, ledger)
 
 
 SYNC_CLOSE_UNDER_A_READER = """

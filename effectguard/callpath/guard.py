@@ -24,6 +24,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.dispatches import MARKING_WAIT_S, Dispatches
 from effectguard.callpath.exchange import Outbound, Reply, Send, header_value, read_body
 from effectguard.callpath.httpxshape import (
     HttpxSend,
@@ -98,6 +99,7 @@ class Guard:
         self.resolver = resolver or Resolver(ledger, self.providers)
         #: Key-less calls whose caller left before their answer, for its own retry.
         self.orphans = Orphans()
+        self.dispatches = Dispatches(ledger, self.recorder, lambda: self.writer)
 
     # -- the call path --------------------------------------------------------
     async def handle(
@@ -217,10 +219,13 @@ class Guard:
         # call the provider is already working on (docs/contract.md §3.8); it is read and settled.
         dispatch = self._dispatch(prepared, admitted, send, report)
         task = asyncio.ensure_future(own_time_of(dispatch, self.observer, report))
-        ticket.dispatch = task
+        self.dispatches.add(ticket, task)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            if ticket.cut is not None and not _cancelling():
+                # Cut off by a shutdown while its caller still waits: it is told why.
+                raise await asyncio.shield(ticket.cut) from None
             self.recorder.keep(task)
             task.add_done_callback(self._abandoned)
             raise
@@ -228,60 +233,25 @@ class Guard:
             raise
         except Exception as exc:
             # A fault of ours after admission: the call must not stay in flight for good.
-            self.recorder.spawn(self._mark_unknown(admitted.call_id, f"internal error: {exc!r}"))
+            why = f"internal error: {exc!r}"
+            self.recorder.spawn(self.dispatches.mark_unknown(admitted.call_id, why))
             raise
         except BaseException:  # SystemExit, Ctrl-C: left in flight for recovery (§3.8),
             self.recorder.finish(admitted.call_id)  # but no drain or joiner waits for it
             raise
 
     def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
-        """End a call whose caller can wait no longer (the drain timeout of a shutdown).
+        """End a call whose caller can wait no longer (:meth:`Dispatches.cut_off`)."""
+        return self.dispatches.cut_off(ticket, reason)
 
-        Its dispatch stops, and, if still in flight, the call is marked effect unknown
-        (``attempt.interrupted``) — durably, in a task the recorder keeps, so a shutdown
-        that drains the recorder waits for the marking. The task answers the refusal to
-        send the caller: 504 ``effect_unknown`` with the call id.
-        """
-        if ticket.dispatch is not None:
-            ticket.dispatch.cancel()
-        assert ticket.call_id is not None
-        owner = ticket.dispatch is not None  # a joiner leaves the call to its owner
-        task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, owner))
-        self.recorder.keep(task)
-        return task
-
-    async def _cut_off(self, call_id: str, reason: str, owner: bool) -> Refusal:
-        if owner:
-            stage = await self._mark_unknown(call_id, reason)
-        else:
-            state = await self.ledger.store.get_call(call_id)
-            stage = state.stage if state is not None else "missing"
-        if stage == "effect_unknown":
-            return refuse(
-                504,
-                "effect_unknown",
-                f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
-                f"taken effect and will not be re-sent automatically; {decide_unknown(call_id)}",
-                call_id=call_id,
-                stage=stage,
-                next_operation="reconcile",
-            )
-        return refuse(
-            503,
-            "shutting_down",
-            f"call {call_id} ended as {stage} while the proxy shut down; "
-            "resend it with the same Idempotency-Key to receive its result",
-            call_id=call_id,
-            stage=stage,
-        )
-
-    async def _mark_unknown(self, call_id: str, reason: str) -> str:
-        """Interrupt ``call_id``'s current attempt if it is still in flight; its stage after."""
-        state = await self.ledger.store.get_call(call_id)
-        if state is not None and state.stage == "in_flight":
-            await self.recorder.interrupt(self.writer, call_id, state.attempts, reason)
-            state = await self.ledger.store.get_call(call_id)
-        return state.stage if state is not None else "missing"
+    async def drain(self, timeout: float, cut_off: str | None = None) -> None:
+        """Wait (at most ``timeout``) for the calls under way and the background
+        settlements; then cut off, for ``cut_off``, the streams and dispatches still
+        under way, marked before this returns (None: they are left be)."""
+        await self.recorder.drain(timeout, cut_off)
+        if cut_off is not None and await self.dispatches.cut_off_all(cut_off):
+            # The markings their cancelled sends spawned, before the ledger closes.
+            await self.recorder.drain(MARKING_WAIT_S)
 
     def _abandoned(self, task: asyncio.Future[Reply]) -> None:
         """Settle the response of a dispatch whose caller went away."""
@@ -490,6 +460,13 @@ class Guard:
             stage="effect_unknown",
             next_operation="reconcile",
         )
+
+
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (its caller went away), rather than
+    seeing the cancellation of a task it awaits."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _unknown_resend(prepared: Prepared, admitted: Admitted) -> bool:

@@ -133,13 +133,14 @@ class Runtime:
 
     async def stop(self, drain_timeout: float = 30.0, cut_off: str | None = None) -> None:
         """Finish background settlements, stop the worker, close the ledger. ``cut_off``:
-        why a stream still being read at the end is interrupted (None: it is left be)."""
+        why a call still under way at the end (a stream still being read, a dispatch still
+        waiting for its answer) is interrupted (None: it is left be)."""
         if self._deciding is not None:
             self._deciding.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._deciding
         if self.guard is not None:
-            await self.guard.recorder.drain(drain_timeout, cut_off)
+            await self.guard.drain(drain_timeout, cut_off)
         if self.worker is not None:
             await self.worker.stop()
         if self._own_ledger:

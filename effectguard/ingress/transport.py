@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 import httpx
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.dispatches import MARKING_WAIT_S
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import ReconcileHook
 from effectguard.callpath.httpxshape import httpx_send
@@ -59,10 +60,11 @@ FORKED = (
     "ledger connections and worker registration are the parent's; nothing was sent. "
     "Make a new one in this process"
 )
-#: Why a stream still read when a close stops waiting is interrupted: a closed ledger
-#: could not record its end, and left in flight its key would answer 409 in_progress.
-CLOSED_UNDER_STREAM = (
-    f"the transport closed before the stream ended (it waited {defaults.DRAIN_TIMEOUT_S:g} s)"
+#: Why a call still under way when a close stops waiting (a stream still read, an answer
+#: still awaited) is interrupted: a closed ledger could not record its end, and left in
+#: flight its key would answer 409 in_progress.
+CLOSED_MID_CALL = (
+    f"the transport closed before the call ended; it waited {defaults.DRAIN_TIMEOUT_S:g} s"
 )
 #: Runtimes a forked child inherited and closed: kept, never collected here, since
 #: collecting them would close the parent's ledger connections from this process.
@@ -292,8 +294,12 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # recorded: the runtime's drain knows only calls already dispatched.
             await asyncio.wait(set(self._calls), timeout=deadline - loop.time())
         if self._guard is not None:
-            await self._runtime.stop(max(0.0, deadline - loop.time()), CLOSED_UNDER_STREAM)
+            await self._runtime.stop(max(0.0, deadline - loop.time()), CLOSED_MID_CALL)
             self._guard = None
+        if self._calls:
+            # Their callers, cut off by the stop, are answered before the close returns
+            # (the sync transport's close then ends its loop: it would cancel them).
+            await asyncio.wait(set(self._calls), timeout=MARKING_WAIT_S)
         await self.inner.aclose()
 
 
@@ -316,7 +322,7 @@ def _stop_dropped(
 
     async def stop() -> None:
         if runtime.guard is not None:
-            await runtime.stop(defaults.DRAIN_TIMEOUT_S, CLOSED_UNDER_STREAM)
+            await runtime.stop(defaults.DRAIN_TIMEOUT_S, CLOSED_MID_CALL)
         await inner.aclose()
 
     def start() -> None:

@@ -1,0 +1,112 @@
+"""The dispatches this process has under way, and how a shutdown cuts them off
+(docs/contract.md §3.8).
+
+A shutdown (the proxy's SIGTERM drain, a transport's ``close()``) waits for the calls
+under way up to its drain timeout. A call still waiting for its provider's answer then
+is cut off: its dispatch is cancelled and the call marked ``effect_unknown``
+(``attempt.interrupted``, the reason naming the shutdown, the reservation held) while the
+ledger still takes the marking; a caller still waiting is answered 504 ``effect_unknown``
+with the call id. Left be, such a call stayed in flight under a closed ledger (its key
+answering 409 ``in_progress`` until another worker's sweep found it), and its caller was
+answered only once the close broke the provider's connection, by an error that blamed
+the provider and a call the ledger still had in flight.
+
+A stream still being read at that point is cut off by its own
+:meth:`~effectguard.callpath.stream.GuardedStream.cut_off`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from effectguard.callpath.exchange import Reply
+from effectguard.callpath.prepare import refuse
+from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.ticket import Ticket
+from effectguard.errors import Refusal
+from effectguard.ledger import Ledger, Writer
+from effectguard.rules.guidance import decide_unknown
+
+#: How long a shutdown waits, once it has cut calls off, for their markings and for their
+#: callers to be answered: ledger writes and a few loop turns, so only a bound.
+MARKING_WAIT_S = 5.0
+
+
+class Dispatches:
+    """Each dispatch under way in this process, with its caller's :class:`Ticket`."""
+
+    def __init__(self, ledger: Ledger, recorder: Recorder, writer: Callable[[], Writer]) -> None:
+        """``writer``: the writer a marking is made as (the guard's current one)."""
+        self._ledger = ledger
+        self._recorder = recorder
+        self._writer = writer
+        self._under_way: dict[asyncio.Future[Reply], Ticket] = {}
+
+    def add(self, ticket: Ticket, task: asyncio.Future[Reply]) -> None:
+        """``task`` dispatches ``ticket``'s call: held until it is done."""
+        ticket.dispatch = task
+        self._under_way[task] = ticket
+        task.add_done_callback(self._under_way.pop)
+
+    def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
+        """End a call whose caller can wait no longer (the drain timeout of a shutdown).
+
+        Its dispatch stops, and, if still in flight, the call is marked effect unknown
+        (``attempt.interrupted``) — durably, in a task the recorder keeps, so a shutdown
+        that drains the recorder waits for the marking. The task answers the refusal to
+        send the caller (504 ``effect_unknown`` with the call id); a caller waiting for
+        the dispatch is answered it (``ticket.cut``).
+        """
+        if ticket.dispatch is not None:
+            ticket.dispatch.cancel()
+        assert ticket.call_id is not None
+        owner = ticket.dispatch is not None  # a joiner leaves the call to its owner
+        task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, owner))
+        ticket.cut = task
+        self._recorder.keep(task)
+        return task
+
+    async def cut_off_all(self, reason: str) -> bool:
+        """Cut off every dispatch still under way, for ``reason``; return once each is
+        marked. Whether there was any."""
+        # A dispatch cancelled in its send marks its attempt itself: for the same reason,
+        # so the ledger's says why whichever marking comes first.
+        self._recorder.cancel_reason = reason
+        cuts = [self.cut_off(t, reason) for d, t in list(self._under_way.items()) if not d.done()]
+        if cuts:
+            await asyncio.wait(cuts)
+        return bool(cuts)
+
+    async def _cut_off(self, call_id: str, reason: str, owner: bool) -> Refusal:
+        if owner:
+            stage = await self.mark_unknown(call_id, reason)
+        else:
+            state = await self._ledger.store.get_call(call_id)
+            stage = state.stage if state is not None else "missing"
+        if stage == "effect_unknown":
+            return refuse(
+                504,
+                "effect_unknown",
+                f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
+                f"taken effect and will not be re-sent automatically; {decide_unknown(call_id)}",
+                call_id=call_id,
+                stage=stage,
+                next_operation="reconcile",
+            )
+        return refuse(
+            503,
+            "shutting_down",
+            f"call {call_id} ended as {stage} as it was cut off ({reason}); "
+            "resend it with the same Idempotency-Key to receive its result",
+            call_id=call_id,
+            stage=stage,
+        )
+
+    async def mark_unknown(self, call_id: str, reason: str) -> str:
+        """Interrupt ``call_id``'s current attempt if it is still in flight; its stage after."""
+        state = await self._ledger.store.get_call(call_id)
+        if state is not None and state.stage == "in_flight":
+            await self._recorder.interrupt(self._writer(), call_id, state.attempts, reason)
+            state = await self._ledger.store.get_call(call_id)
+        return state.stage if state is not None else "missing"
