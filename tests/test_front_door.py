@@ -419,8 +419,10 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
 ) -> None:
     """A call still waiting when the drain timeout ends gets a provider-shaped 504
     ``effect_unknown`` with its call id and ``x-should-retry: false``, and the ledger
-    holds it ``effect_unknown`` before the process exits. Its access line says 504, as
-    the client got (it used to say 499, as if the client had left)."""
+    holds it ``effect_unknown`` before the process exits, for the reason its 504 names
+    (it could hold ``cancelled during dispatch``, as if its client had cancelled it). Its
+    access line says 504, as the client got (it used to say 499, as if the client had
+    left)."""
     config = tmp_path / "drain.toml"
     config.write_text("[server]\ndrain_timeout_s = 1\n")
     ledger = tmp_path / "l.db"
@@ -468,6 +470,7 @@ def test_drain_timeout_answers_504_effect_unknown_and_marks_the_call(
     events = json.loads(capsys.readouterr().out)["events"]
     reasons = [e["data"]["reason"] for e in events if e["kind"] == "attempt.interrupted"]
     assert len(reasons) == 1 and reasons[0] in interrupted[0]["message"], (reasons, interrupted)
+    assert reasons == ["the proxy's drain timeout ended"] and reasons[0] in error["message"]
 
 
 def test_a_stream_under_way_at_the_end_of_the_drain_is_cut_off_without_an_error_log(

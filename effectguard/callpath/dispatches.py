@@ -58,6 +58,10 @@ class Dispatches:
         send the caller (504 ``effect_unknown`` with the call id); a caller waiting for
         the dispatch is answered it (``ticket.cut``).
         """
+        # A dispatch cancelled in its send marks its attempt itself, with this reason: the
+        # ledger's then says why whichever marking comes first (it could say "cancelled
+        # during dispatch", as if its caller had cancelled it, while its 504 named this).
+        self._recorder.cancel_reason = reason
         if ticket.dispatch is not None:
             ticket.dispatch.cancel()
         assert ticket.call_id is not None
@@ -70,9 +74,6 @@ class Dispatches:
     async def cut_off_all(self, reason: str) -> bool:
         """Cut off every dispatch still under way, for ``reason``; return once each is
         marked. Whether there was any."""
-        # A dispatch cancelled in its send marks its attempt itself: for the same reason,
-        # so the ledger's says why whichever marking comes first.
-        self._recorder.cancel_reason = reason
         cuts = [self.cut_off(t, reason) for d, t in list(self._under_way.items()) if not d.done()]
         if cuts:
             await asyncio.wait(cuts)
