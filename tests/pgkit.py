@@ -73,3 +73,24 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
     with scratch_schema() as url:
         yield url
+
+
+# Loaded by a ``serve`` started with :func:`shorter_waits`' environment (as ``sitecustomize``).
+_SHORTER_WAITS = """
+import effectguard.ledger.pgdeadline as deadline
+import effectguard.ledger.pgreader as reader
+
+reader.READ_WAIT_S = {read_s!r}
+deadline.WRITE_WAIT_S = {write_s!r}
+deadline.WriteDeadline.__init__.__defaults__ = ({write_s!r},)
+"""
+
+
+def shorter_waits(folder: Path, read_s: float = 10.0, write_s: float = 10.0) -> dict[str, str]:
+    """The environment of a ``serve`` whose PostgreSQL reads and writes give up after
+    ``read_s`` and ``write_s`` (60 s and 30 s in the product), for tests that wait for
+    those bounds to pass: the same code path, at a third of the suite's time. A bound on
+    a test, not a claim about timing; ``folder`` receives the ``sitecustomize.py``."""
+    (folder / "sitecustomize.py").write_text(_SHORTER_WAITS.format(read_s=read_s, write_s=write_s))
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path}

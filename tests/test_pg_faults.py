@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pgkit import DSN, NEEDS_PG, pg_url, server_port, via
+from pgkit import DSN, NEEDS_PG, pg_url, server_port, shorter_waits, via
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER
@@ -555,7 +555,10 @@ def test_a_dead_replicas_slots_are_freed_though_the_sweepers_read_hangs(
     a = start_proxy(pg_url, upstreams=upstreams, log_path=tmp_path / "a.log")
     try:
         with running_proxy(
-            via(pg_url, relay.port), upstreams=upstreams, log_path=tmp_path / "b.log"
+            via(pg_url, relay.port),
+            upstreams=upstreams,
+            log_path=tmp_path / "b.log",
+            env=shorter_waits(tmp_path),
         ) as b:
             held = [
                 threading.Thread(
@@ -605,6 +608,7 @@ def test_a_commit_whose_answer_never_comes_is_given_up_and_found_out(
         upstreams={"openai": provider.url},
         args=["--config", str(config)],
         log_path=log_path,
+        env=shorter_waits(tmp_path),
     ) as proxy:
         client = httpx.Client(base_url=proxy.url, timeout=WRITE_WAIT_S + 60)
         warm = client.post(CHAT, json=_chat("warm")[0], headers=_chat("warm")[1])

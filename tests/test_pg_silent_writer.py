@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pgkit import NEEDS_PG, pg_url, server_port, via
+from pgkit import NEEDS_PG, pg_url, server_port, shorter_waits, via
 
 from effectguard.ledger.pgdeadline import WRITE_WAIT_S
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
@@ -143,7 +143,10 @@ def test_a_silent_writer_connection_answers_503_then_serves_again(
     connections get through, the same keys are served, each paid once."""
     log_path = tmp_path / "proxy.log"
     with running_proxy(
-        via(pg_url, relay.port), upstreams={"openai": provider.url}, log_path=log_path
+        via(pg_url, relay.port),
+        upstreams={"openai": provider.url},
+        log_path=log_path,
+        env=shorter_waits(tmp_path),
     ) as proxy:
         assert _post(proxy.url, "warm", 30).status_code == 200
         relay.freeze()

@@ -220,13 +220,14 @@ def test_closing_an_unused_sync_transport_closes_its_inner_once(tmp_path: Path) 
 
 
 def test_a_stream_still_read_when_a_close_stops_waiting_is_marked_not_left_in_flight(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A close waits for a stream under way up to 30 s; one whose provider is still
     sending then is marked ``effect_unknown`` (its key answers 409 ``effect_unknown``,
     to be reconciled), not left in flight under a closed ledger, where its key answered
     409 ``in_progress`` until another worker's sweep came by. Its reader is told so."""
     ledger = tmp_path / "l.db"
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", SHORT_DRAIN_S)
 
     async def scenario(upstream: str) -> str:
         transport = effectguard.AsyncGuardTransport(
