@@ -43,6 +43,8 @@ class UnderWay:
     call_id: str
     answers: list[httpx.Response]
     client: threading.Thread
+    #: What the client got instead of an answer (the server killed under it).
+    broken: list[httpx.TransportError]
 
 
 @contextlib.contextmanager
@@ -55,11 +57,17 @@ def call_under_way(
     paused before it, resumed past its lease, rightly sends nothing at all."""
     proxy = start_proxy(ledger, upstreams=upstreams(fake), args=args)
     answers: list[httpx.Response] = []
-    client = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(proxy.url + SEND, json=email(to), headers=headers, timeout=60)
-        )
-    )
+    broken: list[httpx.TransportError] = []
+
+    def send() -> None:
+        try:
+            answers.append(
+                httpx.post(proxy.url + SEND, json=email(to), headers=headers, timeout=60)
+            )
+        except httpx.TransportError as exc:
+            broken.append(exc)
+
+    client = threading.Thread(target=send)
     try:
         client.start()
         deadline = time.monotonic() + 10
@@ -71,7 +79,7 @@ def call_under_way(
         while not fake.receipts() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert fake.receipts(), "the call never reached the provider"
-        yield UnderWay(proxy, call["call_id"], answers, client)
+        yield UnderWay(proxy, call["call_id"], answers, client, broken)
     finally:
         proxy.stop()
 
@@ -139,6 +147,38 @@ def test_a_dead_servers_call_is_shown_gone_and_reconciled_without_a_restart(
         assert cli("show", call_id, *where)["owner_gone"] is None
         assert len(fake.effects()) == 1
         assert cli("verify", *where)["ok"] is True
+
+
+def _row(listing: str, call_id: str) -> str:
+    """The line of a ``calls`` table that lists ``call_id``."""
+    (line,) = [line for line in listing.splitlines() if call_id in line]
+    return line
+
+
+def test_calls_says_a_killed_servers_call_needs_reconcile_not_wait(tmp_path: Path) -> None:
+    """``serve`` killed (-9) while the provider holds its call: ``calls`` said next ``wait``
+    for a process that is gone, while ``show`` knew. Now ``calls --json`` names the gone
+    owner as ``show --json`` does (``next_operation`` stays the §6 projection's ``wait``),
+    and the table and ``show``'s stage line say ``reconcile``."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        call_under_way(ledger, fake, "k@x", {"x-fake-delay": "3"}) as call,
+    ):
+        call.proxy.kill()
+        assert call.proxy.process.wait(15) == -signal.SIGKILL
+        call.client.join(30)
+        assert call.broken and not call.answers, call.answers
+        (listed,) = cli("calls", *where)
+        assert listed["stage"] == "in_flight" and listed["next_operation"] == "wait"
+        assert listed["owner_gone"] == "process gone", listed
+        assert cli("show", call.call_id, *where)["owner_gone"] == listed["owner_gone"]
+        row = _row(run("calls", *where).stdout, call.call_id)
+        assert "reconcile (owner gone: process gone)" in row and "wait" not in row, row
+        shown = run("show", call.call_id, *where).stdout
+        assert "next: reconcile (owner gone: process gone)" in shown, shown
+        assert "next: wait" not in shown
 
 
 def test_auto_reconcile_after_a_crash_asks_about_the_dead_servers_call(tmp_path: Path) -> None:
@@ -217,6 +257,9 @@ def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) ->
     ):
         before = cli("show", call.call_id, *where)
         assert before["owner_gone"] is None
+        (listed,) = cli("calls", *where)
+        assert listed["owner_gone"] is None and listed["next_operation"] == "wait"
+        assert "wait" in _row(run("calls", *where).stdout, call.call_id)
         assert before["next_command"].startswith("wait (it is in flight)")
         refused = run("reconcile", call.call_id, "--not-applied", "--note", "n", *where)
         assert refused.returncode == 3, refused.stdout + refused.stderr

@@ -20,6 +20,7 @@ from effectguard.rules.guidance import (
     RESEND_AUTHORIZED,
     accept_evidence_command,
     next_command,
+    next_shown,
 )
 
 __all__ = [
@@ -200,7 +201,7 @@ def _head(
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     # Not the stage's resend when a late answer contradicts the decision (see "next").
     warned = evidence.resend_warning(state, evidence.latest(events, state.attempts))
-    upcoming = state.next_operation if warned is None else "none"
+    upcoming = next_shown(state.next_operation, owner_gone) if warned is None else "none"
     lines = [
         f"call {state.call_id}",
         f"  stage      {state.stage} (effect {state.effect}; next: {upcoming})",

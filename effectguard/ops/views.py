@@ -31,6 +31,7 @@ from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules import periods
+from effectguard.rules.guidance import next_shown
 from effectguard.rules.workstate import STAGES, WorkState
 
 CALL_COLUMNS = [
@@ -70,24 +71,35 @@ async def cmd_calls(args: argparse.Namespace, ledger: Ledger) -> int:
     calls = await ledger.calls(
         stage=args.state, budget=args.budget, limit=args.limit, provider=args.provider, since=start
     )
-    rows = [call_json(c) for c in calls]
+    gone = await _gone_owners(args, ledger, calls)
+    rows = [{**call_json(c), "owner_gone": gone.get(c.call_id)} for c in calls]
     if args.json:
         emit(args, rows, "")
         return EXIT_OK
     shown = [
-        {"created": iso(c.created_at), "age": age(c.created_at, now), **row}
+        {
+            "created": iso(c.created_at),
+            "age": age(c.created_at, now),
+            **row,
+            "next_operation": next_shown(c.next_operation, row["owner_gone"]),
+        }
         for c, row in zip(calls, rows, strict=True)
     ]
     emit(args, rows, table(shown, CALL_COLUMNS) if rows else "no calls")
     return EXIT_OK
 
 
-async def _owner_gone(args: argparse.Namespace, ledger: Ledger, state: WorkState) -> str | None:
-    """Why the worker of a call in flight will not finish it (None: it may, or the call is
-    not in flight), judged as a sweep would (:mod:`effectguard.callpath.liveness`)."""
+async def _gone_owners(
+    args: argparse.Namespace, ledger: Ledger, calls: list[WorkState]
+) -> dict[str, str]:
+    """Of ``calls`` in flight, those whose worker will not finish them: call id -> why,
+    judged as a sweep would (:mod:`effectguard.callpath.liveness`). A listing with no call
+    in flight reads nothing more (and imports no worker machinery): ``calls`` stays cheap."""
+    if not any(c.stage == "in_flight" for c in calls):
+        return {}
     from effectguard.ops.takeover import gone_owners_here
 
-    return (await gone_owners_here(ledger, str(args.ledger), [state])).get(state.call_id)
+    return await gone_owners_here(ledger, str(args.ledger), calls)
 
 
 async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
@@ -95,7 +107,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
     state = await ledger.call(args.call_id)
     events = await ledger.events(args.call_id)
     stored = await ledger.body_size(args.call_id)
-    gone = await _owner_gone(args, ledger, state)
+    gone = (await _gone_owners(args, ledger, [state])).get(state.call_id)
     payload = {
         **call_json(state),
         "owner_gone": gone,

@@ -87,3 +87,12 @@ def next_command(
             return "resend the request with the same Idempotency-Key"
         return "resend the request (it carried no Idempotency-Key: the resend is a new call)"
     return None
+
+
+def next_shown(next_operation: str, owner_gone: str | None) -> str:
+    """The next operation as ``calls``' table and ``show``'s stage line print it: the §6
+    projection's (what ``--json`` keeps), except that a call in flight whose owner is gone
+    (``owner_gone`` says why) waits for nothing: ``reconcile`` takes it over."""
+    if owner_gone is None or next_operation != "wait":
+        return next_operation
+    return f"reconcile (owner gone: {owner_gone})"
