@@ -188,6 +188,12 @@ def test_a_port_that_is_no_tcp_port_in_the_config_file_is_refused(
         ("server", "heartbeat_s = 20", "server.heartbeat_s: must be shorter than server.lease_s"),
         ("server", "lease_s = 2", "server.heartbeat_s: must be shorter than server.lease_s"),
         ("upstream", "read_timeout_s = 0", "upstream.read_timeout_s: must be above zero"),
+        ("upstream", "max_connections = 0", "upstream.max_connections: must be above zero"),
+        (
+            "upstream",
+            "max_connections = 4\nmax_connections_per_upstream = 5",
+            "upstream.max_connections_per_upstream: must be at most upstream.max_connections",
+        ),
         ("guard", "retry_wait_s = -inf", "guard.retry_wait_s: must be a non-negative"),
     ],
 )

@@ -41,6 +41,9 @@ Config file reference (every table optional)::
     [upstream]
     connect_timeout_s = 10
     read_timeout_s = 600
+    max_connections = 1000      # connections to upstreams in use at once, all together
+    max_connections_per_upstream = 500  # to one upstream origin (default: half of the
+                                # above), so one that never answers cannot take them all
 
     [budgets]                   # limits in USD (decimal strings); seeds only paths whose
     "team-a" = "50.00"          # limit no operator has set with `budget set` (that wins)
@@ -149,6 +152,11 @@ class ServeSettings:
     provider_ports: Mapping[str, int] = field(default_factory=dict)
     connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
     read_timeout_s: float = defaults.READ_TIMEOUT_S
+    #: The upstream leg's connections in use at once: all upstreams together, and to any
+    #: one upstream origin (scheme, host, port), which is what keeps a provider that never
+    #: answers from holding every connection while calls to the others wait.
+    upstream_connections: int = defaults.UPSTREAM_CONNECTIONS
+    upstream_connections_per_origin: int = defaults.UPSTREAM_CONNECTIONS // 2
     lease_s: float = defaults.LEASE_S
     heartbeat_s: float = defaults.HEARTBEAT_S
     sweep_s: float = defaults.SWEEP_S
@@ -297,6 +305,7 @@ def _serve_settings(
     """The settings the file (and environment) give, before flags override them."""
     d = defaults
     lease, heartbeat = _lease(server)
+    pool = _upstream_pool(upstream)
     return ServeSettings(
         ledger=_ledger_of(raw, source) or d.ledger_from(env),
         host=values.host(server, "host", d.HOST, "server"),
@@ -321,6 +330,8 @@ def _serve_settings(
             upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"
         ),
         read_timeout_s=values.positive(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
+        upstream_connections=pool[0],
+        upstream_connections_per_origin=pool[1],
         lease_s=lease,
         heartbeat_s=heartbeat,
         sweep_s=values.positive(server, "sweep_s", d.SWEEP_S, "server"),
@@ -384,6 +395,24 @@ def _lease(server: Mapping[str, Any]) -> tuple[float, float]:
             "lease lapses between renewals"
         )
     return lease, heartbeat
+
+
+def _upstream_pool(upstream: Mapping[str, Any]) -> tuple[int, int]:
+    """``[upstream]`` max_connections, and max_connections_per_upstream: half of it unless
+    set, so that one upstream holding its connections unanswered (up to ``read_timeout_s``
+    each) leaves the other half to every other provider."""
+    total = values.whole(
+        upstream, "max_connections", defaults.UPSTREAM_CONNECTIONS, "upstream", above_zero=True
+    )
+    per_origin = values.whole(
+        upstream, "max_connections_per_upstream", max(1, total // 2), "upstream", above_zero=True
+    )
+    if per_origin > total:
+        raise ConfigError(
+            f"upstream.max_connections_per_upstream: must be at most upstream.max_connections "
+            f"({total}), which bounds all upstreams together"
+        )
+    return total, per_origin
 
 
 def _hook_spec(guard: Mapping[str, Any]) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
@@ -28,11 +28,13 @@ from aiohttp.streams import EofStream
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from effectguard.callpath.exchange import Headers, Outbound, decoded
+from effectguard.config import defaults
 from effectguard.ingress import spool
 from effectguard.ingress.aiopool import PoolConnector
 
-#: As many connections as the old httpx limits allowed (``max_connections``).
-MAX_CONNECTIONS = 1000
+if TYPE_CHECKING:
+    from effectguard.config.settings import ServeSettings
+
 #: httpx's default keep-alive expiry, kept from the httpx-aiohttp leg.
 KEEPALIVE_S = 5.0
 _URL_CACHE_SIZE = 1024
@@ -103,12 +105,30 @@ class _Body:
 
 
 class AiohttpLeg:
-    """Sends :class:`Outbound` requests with one aiohttp session (opened on first use)."""
+    """Sends :class:`Outbound` requests with one aiohttp session (opened on first use).
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
+    At most ``connections`` requests hold a connection at once, and at most ``per_origin``
+    of them to any one upstream origin (scheme, host, port: aiohttp's ``limit_per_host``).
+    Without the second bound, one provider that accepts connections and never answers held
+    every connection until ``read_timeout_s``, and each call to every other provider waited
+    for one, then failed unsent (docs/configuration.md, ``[upstream]``). aiohttp counts
+    both in the pool it already keeps: no work per request here.
+    """
+
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        *,
+        connections: int = defaults.UPSTREAM_CONNECTIONS,
+        per_origin: int = defaults.UPSTREAM_CONNECTIONS // 2,
+    ) -> None:
+        self._limits = (connections, per_origin)
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, yarl.URL] = {}
-        # As the httpx-aiohttp leg mapped httpx's timeouts: pool -> connect.
+        # As the httpx-aiohttp leg mapped httpx's timeouts: pool -> connect. A request
+        # waiting for a pooled connection is under the connect timeout, so its timeout is
+        # a ConnectionTimeoutError: nothing was sent (callpath/wire.py).
         self._timeout = aiohttp.ClientTimeout(
             sock_connect=connect_timeout_s, sock_read=read_timeout_s, connect=connect_timeout_s
         )
@@ -118,9 +138,20 @@ class AiohttpLeg:
         # effect_unknown. A connect that fails for want of a descriptor proves "not sent".
         self._ssl = httpx.create_ssl_context(trust_env=False)
 
+    @classmethod
+    def configured(cls, settings: ServeSettings) -> AiohttpLeg:
+        """The leg ``serve``'s ``[upstream]`` settings describe."""
+        return cls(
+            settings.connect_timeout_s,
+            settings.read_timeout_s,
+            connections=settings.upstream_connections,
+            per_origin=settings.upstream_connections_per_origin,
+        )
+
     def _open(self) -> aiohttp.ClientSession:
         connector = PoolConnector(
-            limit=MAX_CONNECTIONS,
+            limit=self._limits[0],
+            limit_per_host=self._limits[1],
             keepalive_timeout=KEEPALIVE_S,
             ssl=self._ssl,
         )

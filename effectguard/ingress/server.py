@@ -89,7 +89,7 @@ class ProxyApp:
         if inner is not None:
             self._send = httpx_send(inner.handle_async_request)
         else:
-            self._leg = AiohttpLeg(settings.connect_timeout_s, settings.read_timeout_s)
+            self._leg = AiohttpLeg.configured(settings)
             self._send = self._leg.send
         self.runtime = Runtime(
             RuntimeConfig(
