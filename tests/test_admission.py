@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from effectguard.providers import load_providers
 from effectguard.rules.admission import Decision, decide_keyed, decide_retry
-from effectguard.rules.events import AttemptStarted, BudgetReserved, CallManifest
+from effectguard.rules.events import (
+    AttemptLateAnswer,
+    AttemptStarted,
+    BudgetReserved,
+    CallManifest,
+)
 from effectguard.rules.guidance import show_command
 from effectguard.rules.settlement import Answer, settle
 from effectguard.rules.usage import UsageResult
@@ -201,6 +208,53 @@ def test_retry_of_a_call_decided_applied_is_refused() -> None:
     its caller left (ledger/retries): 409 reconciled_applied, never a second effect."""
     existing = state("reconciled_applied")
     assert_refused(decide_retry(existing), 409, "reconciled_applied", existing)
+
+
+def late_200(attempt: int) -> AttemptLateAnswer:
+    """A late 200 kept for ``attempt``: the provider says it applied the call."""
+    return AttemptLateAnswer(
+        call="call_x",
+        attempt=attempt,
+        status=200,
+        effect="applied",
+        body_digest="sha256:00",
+        body_bytes=2,
+        usage=None,
+        usage_problem=None,
+        cost=None,
+        observed_by="w",
+        generation=1,
+        reason="fenced",
+    )
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_a_contradicted_not_applied_call_is_neither_resent_nor_retried(attempt: int) -> None:
+    """A call decided not applied after attempt 2, and a late 200 kept for attempt
+    ``attempt`` (the last, or an earlier one: the provider applied the call either way):
+    its keyed resend and its key-less declared retry are refused 409 late_answer_applied
+    with next_operation none. Without such an answer both are what the decision allows."""
+    existing = dataclasses.replace(state("reconciled_not_applied"), attempts=2)
+    late = late_200(attempt)
+    for decision in (
+        decide_keyed(existing, HASH, CREATED, late),
+        decide_retry(existing, late),
+    ):
+        refusal = decision.refusal
+        assert (decision.action, decision.existing) == ("refuse", existing)
+        assert refusal is not None and (refusal.status, refusal.type) == (
+            409,
+            "late_answer_applied",
+        )
+        assert (refusal.call_id, refusal.stage, refusal.next_operation) == (
+            "call_x",
+            "reconciled_not_applied",
+            "none",
+        )
+        assert f"late answer kept for attempt {attempt} (status 200)" in refusal.message
+        assert show_command("call_x") in refusal.message
+    assert decide_keyed(existing, HASH, CREATED) == Decision("attempt", existing)
+    assert decide_retry(existing) == Decision("admit")
 
 
 @pytest.mark.parametrize("stage", SETTLED)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import html
 import io
 import shlex
 import signal
@@ -45,6 +46,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileQuestion
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
+from effectguard.ingress.admin.views import call_page
 from effectguard.ledger import Writer, shown_ledger
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger
@@ -275,6 +277,52 @@ async def test_a_late_200_after_a_not_applied_decision_is_never_resent(
     state = await ledger.call(call_id)
     assert (state.stage, state.attempts) == ("reconciled_not_applied", 1)
     assert (await verify_ledger(ledger)).ok
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_a_late_200_for_an_earlier_attempt_contradicts_the_last_decision(
+    fenced_call: Fenced,
+) -> None:
+    """Attempt 1 decided not applied, resent as attempt 2 (effect unknown: a 500), that
+    decided not applied too; then attempt 1's late 200 arrives. The provider applied the
+    call, whichever attempt the decision was about: the 502 says next_operation ``none``
+    with show's advice, show says do not resend, and a keyed resend is refused 409
+    ``late_answer_applied``, nothing sent. (It warned nowhere: only a late answer for the
+    call's last attempt was read.)"""
+    ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
+    await ledger.reconcile(call_id, applied=False, note="none seen", by="ops")
+    other = make_runtime(fenced_call.ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await other.start()
+    try:
+        upstream = Upstream(500)
+        resend = httpx.Request(
+            "POST", UPSTREAM + CHAT, json=chat("held"), headers={"Idempotency-Key": "k"}
+        )
+        with contextlib.suppress(Refusal):
+            await guard.handle(guard.providers["openai"], resend, upstream.send)
+        state = await ledger.call(call_id)
+        assert (state.stage, state.attempts, upstream.sent) == ("effect_unknown", 2, 1)
+        await ledger.reconcile(call_id, applied=False, note="none seen again", by="ops")
+        refusal = await late_refusal(fenced_call)
+        assert (refusal.status, refusal.type) == (502, "observe_refused")
+        assert (refusal.stage, refusal.next_operation) == ("reconciled_not_applied", "none")
+        advice = "do not resend: a late answer kept for attempt 1 (status 200)"
+        assert advice in refusal.message
+        shown = await ajson("show", call_id, "--ledger", fenced_call.ledger_url)
+        assert shown["next_command"].startswith(advice), shown["next_command"]
+        state, events = await ledger.call(call_id), await ledger.events(call_id)
+        page = call_page(state, events, now=state.created_at, csrf="c")
+        assert html.escape(advice) in page
+        assert "<th>next operation</th><td>none</td>" in page
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], resend, upstream.send)
+        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
+        assert advice in refused.value.message
+        assert upstream.sent == 1
+        state = await ledger.call(call_id)
+        assert (state.stage, state.attempts) == ("reconciled_not_applied", 2)
+    finally:
+        await other.stop()
 
 
 @pytest.mark.parametrize("fenced_call", [500], indirect=True)

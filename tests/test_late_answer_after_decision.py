@@ -9,6 +9,7 @@ second time. Effects are counted from the fake provider's receipts.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -153,3 +154,45 @@ def test_the_operator_page_does_not_offer_the_resend_either(tmp_path: Path) -> N
         assert "do not resend: a late answer kept for attempt 1 (status 200)" in text, text
         assert "next operation: resend" not in text
         assert "<th>next operation</th><td>resend</td>" not in text
+
+
+@pytest.mark.parametrize(
+    "marks",
+    [
+        pytest.param(lambda call_id: {"Effectguard-Retry-Of": call_id}, id="retry-of"),
+        pytest.param(lambda call_id: {"x-stainless-retry-count": "1"}, id="by-hash"),
+    ],
+)
+def test_a_keyless_declared_retry_of_a_contradicted_call_is_refused_not_sent(
+    tmp_path: Path, marks: Callable[[str], dict[str, str]]
+) -> None:
+    """A key-less call decided not applied, that its late 200 says the provider applied:
+    a request that declares itself its retry (``Effectguard-Retry-Of``, or an SDK's
+    ``x-stainless-retry-count`` matched by hash) is refused 409 ``late_answer_applied``
+    as the keyed resend is, and nothing is sent. A decision not applied makes a retry
+    new work; this one was a second effect at a provider that does not deduplicate."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as fake,  # does not deduplicate
+        call_under_way(ledger, fake, "u@x", {"x-fake-delay": "2"}, short_lease(tmp_path)) as call,
+    ):
+        call_id = call.call_id
+        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
+            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
+            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
+            assert decided.returncode == 0, decided.stdout + decided.stderr
+        call.client.join(30)
+        assert call.answers and call.answers[0].status_code == 502, call.answers
+        retried = httpx.post(
+            call.proxy.url + SEND, json=email("u@x"), headers=marks(call_id), timeout=30
+        )
+        assert retried.status_code == 409, retried.text
+        error = retried.json()["error"]
+        assert error["type"] == "late_answer_applied", error
+        assert (error["call_id"], error["stage"]) == (call_id, "reconciled_not_applied")
+        assert error["next_operation"] == "none", error
+        assert retried.headers["x-should-retry"] == "false"
+        assert "do not resend: a late answer kept for attempt 1 (status 200)" in error["message"]
+        assert len(fake.effects()) == 1
+        assert [c["call_id"] for c in cli("calls", *where)] == [call_id]

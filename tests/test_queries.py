@@ -63,11 +63,15 @@ def test_lookups_by_stage_read_only_unresolved_calls(
 
 @pytest.mark.parametrize(
     ("sql", "index"),
-    [(SQLITE.unresolved_call, "calls_unresolved"), (SQLITE.decided_call, "calls_decided")],
+    [
+        (SQLITE.unresolved_call, "calls_unresolved"),
+        (SQLITE.decided_call, "calls_decided"),
+        (SQLITE.not_applied_call, "calls_not_applied"),
+    ],
 )
 def test_retry_lookups_use_their_partial_index(tmp_path: Path, sql: str, index: str) -> None:
     """SQLite answers a retry's lookups by hash (an unresolved call, a call decided
-    applied) from small partial indexes, not by a scan of every call."""
+    applied or not applied) from small partial indexes, not by a scan of every call."""
     conn = sqliteschema.connect(str(tmp_path / "l.db"))
     try:
         sqliteschema.migrate(conn)
@@ -103,7 +107,7 @@ def test_listing_calls_newest_first_walks_the_calls_key(
         i
         for i in indexes
         if i.startswith("calls_")
-        # partial: unresolved calls, keyed calls, calls decided applied; not every call
-        and i not in ("calls_unresolved", "calls_key", "calls_decided")
+        # partial: unresolved calls, keyed calls, calls decided; not every call
+        and i not in ("calls_unresolved", "calls_key", "calls_decided", "calls_not_applied")
         and not i.startswith("sqlite_")
     ], indexes

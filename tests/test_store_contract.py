@@ -47,6 +47,7 @@ from effectguard.rules.budget import BudgetNode, is_under
 from effectguard.rules.digest import credential_digest
 from effectguard.rules.events import (
     GENESIS_DIGEST,
+    AttemptLateAnswer,
     AttemptNotSent,
     AttemptObserved,
     AttemptStarted,
@@ -510,6 +511,48 @@ async def test_keyless_declared_retry_by_hash_meets_the_call_decided_applied(
     await ledger.reconcile(other.call_id, applied=False, note="n", by="ann")
     new = await ledger.admit(w1, req(ns, request_hash="hash-2", is_retry=True))
     assert new.action == "admit" and new.call_id not in (first.call_id, other.call_id)
+
+
+def late_200(call_id: str, sender: Writer, attempt: int = 1) -> AttemptLateAnswer:
+    """A late 200 kept for ``attempt`` (``sender`` sent it): the provider says it applied
+    the call."""
+    return AttemptLateAnswer(
+        call=call_id,
+        attempt=attempt,
+        status=200,
+        effect="applied",
+        body_digest="sha256:00",
+        body_bytes=2,
+        usage=None,
+        usage_problem=None,
+        cost=None,
+        observed_by=sender.worker,
+        generation=sender.generation,
+        reason="fenced",
+    )
+
+
+async def test_keyless_declared_retry_of_a_contradicted_call_is_refused(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """A call decided not applied whose late answer says the provider applied it: a
+    key-less declared retry, by hash or naming it, is refused 409 ``late_answer_applied``
+    (next_operation none), not admitted as new work; the retry of a call decided not
+    applied that nothing contradicts still is new work."""
+    first = await admit_ok(ledger, w1, req(ns))
+    await ledger.interrupt(w1, first.call_id, 1, "read timeout")
+    await ledger.reconcile(first.call_id, applied=False, note="n", by="ann")
+    await ledger.record_late_answer(w1, late_200(first.call_id, w1))
+    for retry_of in (None, first.call_id):
+        refused = await ledger.admit(w1, req(ns, is_retry=True, retry_of=retry_of))
+        assert refused.refusal is not None, refused
+        assert (refused.refusal.status, refused.refusal.type) == (409, "late_answer_applied")
+        assert (refused.call_id, refused.refusal.next_operation) == (first.call_id, "none")
+    other = await admit_ok(ledger, w1, req(ns, request_hash="hash-2"))
+    await ledger.interrupt(w1, other.call_id, 1, "read timeout")
+    await ledger.reconcile(other.call_id, applied=False, note="n", by="ann")
+    new = await ledger.admit(w1, req(ns, request_hash="hash-2", is_retry=True))
+    assert new.action == "admit" and new.call_id != other.call_id
 
 
 # -- budgets -----------------------------------------------------------------------------

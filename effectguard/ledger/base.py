@@ -161,9 +161,12 @@ class Tx(Protocol):
         """The newest in-flight or effect-unknown call with this hash created since ``since``."""
         ...
 
-    def find_decided(self, root: str, request_hash: str, since: float) -> WorkState | None:
+    def find_decided(
+        self, root: str, request_hash: str, since: float, applied: bool = True
+    ) -> WorkState | None:
         """The newest call with this hash created since ``since`` that a decision
-        (evidence or a person) recorded applied: ``reconciled_applied``."""
+        (evidence or a person) recorded applied: ``reconciled_applied`` (``applied``
+        False: ``reconciled_not_applied``)."""
         ...
 
     def in_flight_of(self, worker: str) -> list[WorkState]:

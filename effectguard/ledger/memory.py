@@ -161,8 +161,11 @@ class MemorySession:
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         return self._newest(root, request_hash, since, UNRESOLVED)
 
-    def find_decided(self, root: str, request_hash: str, since: float) -> WorkState | None:
-        return self._newest(root, request_hash, since, {"reconciled_applied"})
+    def find_decided(
+        self, root: str, request_hash: str, since: float, applied: bool = True
+    ) -> WorkState | None:
+        stage = "reconciled_applied" if applied else "reconciled_not_applied"
+        return self._newest(root, request_hash, since, {stage})
 
     def _newest(
         self, root: str, request_hash: str, since: float, stages: Collection[str]

@@ -18,7 +18,7 @@ from typing import Any
 from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import bodystore, budgetfold, rates, room
 from effectguard.ledger.base import Tx, WorkerRow, Writer
-from effectguard.ledger.retries import retried_call
+from effectguard.ledger.retries import contradiction, retried_call
 from effectguard.rules import budget as budgets
 from effectguard.rules import evidence, keys, workstate
 from effectguard.rules.admission import (
@@ -261,12 +261,10 @@ def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
             archived = tx.find_archived(req.budget_root, req.idempotency_key)
             if archived is not None:
                 return decide_archived(*archived, req.request_hash)
-        late = None
-        if existing is not None and existing.stage == "reconciled_not_applied":
-            late = evidence.latest(tx.events_of(existing.call_id), existing.attempts)
+        late = None if existing is None else contradiction(tx, existing)
         return decide_keyed(existing, req.request_hash, now, late)
     if req.is_retry:
-        return decide_retry(retried_call(tx, req, now))
+        return decide_retry(*retried_call(tx, req, now))
     return Decision("admit")
 
 

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import versions, writerformat
 from effectguard.ledger.pgdriver import psycopg, sql
-from effectguard.ledger.queries import KEY_KINDS_TEXT
+from effectguard.ledger.queries import KEY_KINDS_TEXT, NOT_APPLIED_INDEX
 
 log = logging.getLogger("effectguard.ledger")
 
@@ -275,6 +275,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "no longer write this ledger",
         [*writerformat.pg_require(4)],  # as SQLite's migration 21
     ),
+    (15, "an index of the calls decided not applied, by request hash", [NOT_APPLIED_INDEX]),
 ]
 
 

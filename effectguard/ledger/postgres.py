@@ -337,8 +337,10 @@ class PostgresSession:
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
         return self._scan_call(POSTGRES.unresolved_call, (root, request_hash, since))
 
-    def find_decided(self, root: str, request_hash: str, since: float) -> WorkState | None:
-        return self._scan_call(POSTGRES.decided_call, (root, request_hash, since))
+    def find_decided(
+        self, root: str, request_hash: str, since: float, applied: bool = True
+    ) -> WorkState | None:
+        return self._scan_call(POSTGRES.decided_by[applied], (root, request_hash, since))
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]

@@ -52,6 +52,13 @@ def stage_list(stages: Iterable[Stage]) -> str:
 
 #: Calls that may still have (or be having) an effect: in flight or effect unknown.
 UNRESOLVED_SQL = f"stage IN ({stage_list(UNRESOLVED)})"
+#: SQLite's migration 22 and PostgreSQL's 15: the calls decided not applied, by request
+#: hash, that a key-less declared retry is matched against (ledger/retries). Only such
+#: calls enter it: no commit of the hot path writes a page of it.
+NOT_APPLIED_INDEX = (
+    "CREATE INDEX calls_not_applied ON calls(budget_root, request_hash, created_at) "
+    "WHERE stage = 'reconciled_not_applied'"
+)
 IN_FLIGHT_SQL = f"stage = {stage_list(['in_flight'])}"
 # A lookup by stage names UNRESOLVED_SQL too: SQLite then reads the small partial index
 # of unresolved calls (calls_unresolved) instead of every call.
@@ -126,6 +133,15 @@ KEY_KINDS_SQLITE: Final = (
 )
 
 
+def _newest_by_hash(state: str, m: str, stage: str) -> str:
+    """The newest call of a budget root with a request hash, created since a time, whose
+    ``stage`` (an SQL term) a retry matches (ledger/retries)."""
+    return (
+        f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
+        f"AND {stage} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
+    )
+
+
 class Queries:
     """Every statement both stores send, in one dialect.
 
@@ -169,17 +185,14 @@ class Queries:
         self.keyed_call = (
             f"SELECT {state} FROM calls WHERE budget_root = {m} AND idempotency_key = {m}"
         )
-        self.unresolved_call = (
-            f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
-            f"AND {UNRESOLVED_SQL} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
-        )
-        #: Reads the partial index calls_decided (SQLite migration 16, PostgreSQL 9): the
-        #: predicate must name its stage as the index does.
-        self.decided_call = (
-            f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
-            f"AND stage = 'reconciled_applied' AND created_at >= {m} "
-            "ORDER BY created_at DESC LIMIT 1"
-        )
+        self.unresolved_call = _newest_by_hash(state, m, UNRESOLVED_SQL)
+        #: These read the partial indexes calls_decided (SQLite migration 16, PostgreSQL 9)
+        #: and calls_not_applied (SQLite 22, PostgreSQL 15): each predicate must name its
+        #: stage as its index does.
+        self.decided_call = _newest_by_hash(state, m, "stage = 'reconciled_applied'")
+        self.not_applied_call = _newest_by_hash(state, m, "stage = 'reconciled_not_applied'")
+        #: find_decided's query, by the decision (applied or not).
+        self.decided_by = {True: self.decided_call, False: self.not_applied_call}
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self._workers(false)

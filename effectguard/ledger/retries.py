@@ -1,38 +1,50 @@
 """Which call a key-less declared retry repeats (docs/contract.md §4), read in the
-admission's transaction."""
+admission's transaction; and the late answer that forbids repeating a call decided not
+applied."""
 
 from __future__ import annotations
 
 from typing import Final
 
 from effectguard.ledger.base import Tx
-from effectguard.rules import workstate
+from effectguard.rules import evidence, workstate
 from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.events import AttemptLateAnswer
 from effectguard.rules.workstate import WorkState
 
+#: A repeated call, and the late answer that says the provider applied it although it
+#: was decided not applied (None: there is none, or the call was not so decided).
+Repeated = tuple[WorkState | None, AttemptLateAnswer | None]
 
-def retried_call(tx: Tx, req: AdmitRequest, now: float) -> WorkState | None:
+
+def contradiction(tx: Tx, call: WorkState) -> AttemptLateAnswer | None:
+    """The late answer that says the provider applied ``call``, decided not applied
+    (evidence.resend_contradicted), if any. The call's events are read only for a call
+    so decided: no other admission pays for the read."""
+    if call.stage != "reconciled_not_applied":
+        return None
+    late = evidence.applied_late(tx.events_of(call.call_id))
+    return late if evidence.resend_contradicted(call, late) else None
+
+
+def retried_call(tx: Tx, req: AdmitRequest, now: float) -> Repeated:
     """The unresolved call a keyless declared retry repeats, if any (or the settled one
-    its caller left, ``orphan_of``).
+    its caller left, ``orphan_of``), with the late answer that contradicts its decision.
 
     ``Effectguard-Retry-Of`` names it (only within the same budget root and request
     hash); otherwise it is the newest call with this hash inside the retry window that
-    is unresolved or was decided applied.
+    is unresolved, was decided applied, or was decided not applied while a late answer
+    kept for it says the provider applied it.
     """
     if req.orphan_of is not None:
         left = tx.get_call(req.orphan_of)
         if left is not None and _same_work(left, req) and left.stage in _LEFT_MATCHED:
-            return left
-    target = None
+            return left, None
     if req.retry_of is not None:
         target = tx.get_call(req.retry_of)
-        if target is not None and not _same_work(target, req):
-            target = None
-    if target is None:
-        target = _newest_by_hash(tx, req, now - req.retry_window_s)
-    if target is not None and target.stage not in _MATCHED:
-        return None
-    return target
+        if target is not None and _same_work(target, req):
+            return _matched(target, contradiction(tx, target))
+    return _newest_by_hash(tx, req, now - req.retry_window_s)
 
 
 #: What an orphan's retry is answered from: its outcome, or the decision that it was
@@ -45,20 +57,37 @@ _SETTLED: Final = frozenset({"completed", "failed", "reconciled_applied"})
 _LEFT_MATCHED: Final = _SETTLED | {"not_sent", "not_processed"}
 #: The stages of a call a retry repeats. A call decided applied is matched too: it was
 #: refused 409 until the decision, and the decision must not turn its retry into new
-#: work, sent again.
+#: work, sent again. A call decided not applied is matched only with a late answer that
+#: says it was applied (:func:`contradiction`): otherwise its retry is new work.
 _MATCHED: Final = workstate.UNRESOLVED | {"reconciled_applied"}
 
 
-def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> WorkState | None:
+def _matched(target: WorkState, late: AttemptLateAnswer | None) -> Repeated:
+    if late is not None or target.stage in _MATCHED:
+        return target, late
+    return None, None
+
+
+def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> Repeated:
     """The newest call inside the window that a retry by hash repeats: unresolved, or
     decided applied since. Before the decision such a retry was refused 409
-    ``effect_unknown``; the decision must not make it new work, a second effect."""
+    ``effect_unknown``; the decision must not make it new work, a second effect. Or
+    decided not applied, and contradicted by a late answer since: its retry, new work
+    by the decision, would make the effect the provider says it made a second time."""
     root, request_hash = req.budget_root, req.request_hash
-    found = [
-        tx.find_unresolved(root, request_hash, since),
-        tx.find_decided(root, request_hash, since),
+    found: list[Repeated] = [
+        (tx.find_unresolved(root, request_hash, since), None),
+        (tx.find_decided(root, request_hash, since), None),
     ]
-    return max((s for s in found if s is not None), key=lambda s: s.created_at, default=None)
+    not_applied = tx.find_decided(root, request_hash, since, applied=False)
+    if not_applied is not None:
+        late = contradiction(tx, not_applied)
+        found.append((not_applied, late) if late is not None else (None, None))
+    newest: Repeated = (None, None)
+    for call, late in found:
+        if call is not None and (newest[0] is None or call.created_at > newest[0].created_at):
+            newest = (call, late)
+    return newest
 
 
 def _same_work(call: WorkState, req: AdmitRequest) -> bool:

@@ -323,9 +323,11 @@ class SqliteSession:
         params = (root, sqlitecalls.hash_key(request_hash), since)
         return self._one_call(SQLITE.unresolved_call, params)
 
-    def find_decided(self, root: str, request_hash: str, since: float) -> WorkState | None:
+    def find_decided(
+        self, root: str, request_hash: str, since: float, applied: bool = True
+    ) -> WorkState | None:
         params = (root, sqlitecalls.hash_key(request_hash), since)
-        return self._one_call(SQLITE.decided_call, params)
+        return self._one_call(SQLITE.decided_by[applied], params)
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         known = self._links.known_worker(worker)

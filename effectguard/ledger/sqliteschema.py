@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, writerformat
-from effectguard.ledger.queries import KEY_KINDS_SQLITE
+from effectguard.ledger.queries import KEY_KINDS_SQLITE, NOT_APPLIED_INDEX
 
 BUSY_TIMEOUT_MS = 5000
 
@@ -419,6 +419,13 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
         # No table changes: beside this release, one of format 3 would serve by its own
         # rules (a revoked key spending there); only the ledger can stop it (writerformat).
         [*writerformat.sqlite_require(4)],
+    ),
+    (
+        22,
+        "an index of the calls decided not applied, by request hash",
+        # A key-less declared retry of such a call that a late answer says was applied
+        # is refused (ledger/retries). No writer format is raised: no event changed.
+        [NOT_APPLIED_INDEX],
     ),
 ]
 

@@ -167,7 +167,7 @@ def next_commands(
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept
-    command = evidence.resend_warning(state, late) or command
+    command = evidence.resend_warning(state, evidence.applied_late(events)) or command
     if state.stage == "effect_unknown" and state.resend_authorized:
         command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
     if command is None or not where:
@@ -200,7 +200,7 @@ def _head(
     """The lines of ``show`` above the money: what the call is, and whose."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     # Not the stage's resend when a late answer contradicts the decision (see "next").
-    warned = evidence.resend_warning(state, evidence.latest(events, state.attempts))
+    warned = evidence.resend_warning(state, evidence.applied_late(events))
     upcoming = next_shown(state.next_operation, owner_gone) if warned is None else "none"
     lines = [
         f"call {state.call_id}",

@@ -61,8 +61,9 @@ def decide_keyed(
 ) -> Decision:
     """docs/contract.md §4's table for a request carrying an ``Idempotency-Key``.
 
-    ``late``: the late answer kept for the call's last attempt, if any; read only for a
-    call decided not applied, whose resend it may forbid (evidence.resend_contradicted).
+    ``late``: a late answer kept for any of the call's attempts that says the provider
+    applied it (evidence.applied_late), if any; read only for a call decided not applied,
+    whose resend it forbids (evidence.resend_contradicted).
     """
     if existing is None:
         return Decision("admit")
@@ -114,29 +115,39 @@ def decide_keyed(
     return Decision("admit")
 
 
-def _refuse_contradicted(s: WorkState, warning: str) -> Decision:
-    """A keyed resend of a call decided not applied that its late answer says the
-    provider did apply: the decision freed the key, but a resend would make the effect
-    again (``warning``, what ``show`` says, contract §4), so nothing is to be done."""
+def _refuse_contradicted(s: WorkState, warning: str, retry: bool = False) -> Decision:
+    """A keyed resend (or, ``retry``, a key-less declared retry) of a call decided not
+    applied that its late answer says the provider did apply: the decision freed the
+    call, but a resend would make the effect again (``warning``, what ``show`` says,
+    contract §4), so nothing is to be done."""
+    if retry:
+        said = f"this request retries call {s.call_id}, which was decided not applied, but"
+        new_work = "new work must not declare itself its retry"
+    else:
+        said = f"call {s.call_id} was decided not applied, so its key is free, but"
+        new_work = "new work needs a new Idempotency-Key"
     return _refuse(
         409,
         "late_answer_applied",
-        f"call {s.call_id} was decided not applied, so its key is free, but {warning}; it "
-        f"is not sent again, and new work needs a new Idempotency-Key (see "
-        f"`{show_command(s.call_id)}`)",
+        f"{said} {warning}; it is not sent again, and {new_work} (see `{show_command(s.call_id)}`)",
         s,
         next_operation="none",
     )
 
 
-def decide_retry(existing: WorkState | None) -> Decision:
+def decide_retry(existing: WorkState | None, late: AttemptLateAnswer | None = None) -> Decision:
     """docs/contract.md §4 for a key-less request that declares itself a retry.
 
     ``existing`` is the unresolved call with the same request hash in the same
-    budget scope within the retry window, if any.
+    budget scope within the retry window, if any; ``late``, for a call decided not
+    applied, the late answer that says the provider applied it (ledger/retries).
     """
     if existing is None:
         return Decision("admit")
+    warning = evidence.resend_warning(existing, late)
+    if warning is not None:
+        # Decided not applied, so its retry would be new work: the effect again.
+        return _refuse_contradicted(existing, warning, retry=True)
     if existing.stage in ("completed", "failed"):
         # Only a call whose caller left is matched settled (callpath/orphans): its answer.
         return Decision("replay", existing)

@@ -76,6 +76,18 @@ def latest(events: Iterable[StoredEvent], attempt: int) -> AttemptLateAnswer | N
     return found
 
 
+def applied_late(events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
+    """The last late answer kept for any attempt of a call that the provider declares
+    applied: whichever attempt it answers, the effect happened (:func:`resend_contradicted`)."""
+    found = None
+    for stored in events:
+        if stored.kind == AttemptLateAnswer.kind and stored.data.get("effect") == "applied":
+            event = stored.event
+            assert isinstance(event, AttemptLateAnswer)
+            found = event
+    return found
+
+
 def recovered(events: Iterable[StoredEvent]) -> CallReconciled | None:
     """The call's last decision, if it is applied and kept a result that evidence (a
     lookup or the hook) recovered: what later keyed resends replay (docs/contract.md §4.1)."""
@@ -99,14 +111,21 @@ def contradicts(late: AttemptLateAnswer | None, applied: bool) -> bool:
 
 
 def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> bool:
-    """Whether ``state`` was decided not applied while ``late``, an answer to the same
-    attempt, says the provider applied it. The decision freed the key, and the resend
-    that stage usually calls for (§6 ``resend``) would make the effect a second time:
-    every answer about the call says not to resend instead (docs/contract.md §8, §9)."""
+    """Whether ``state`` was decided not applied while ``late``, an answer to any of its
+    attempts (:func:`applied_late`), says the provider applied it. The decision freed the
+    call, and the resend (or the retry as new work) that stage usually calls for (§6
+    ``resend``) would make the effect a second time: every answer about the call says
+    not to resend instead, and a resend or a declared retry is refused (docs/contract.md
+    §4, §8, §9).
+
+    Any attempt, not only the last: a decision not applied is about the call (its stage
+    says the effect is ``none`` and frees it), and each attempt asked the provider for the
+    same effect, so the provider's word that it applied attempt 1 contradicts a decision
+    recorded after attempt 2 as much as one recorded after attempt 1."""
     return (
         state.stage == "reconciled_not_applied"
         and late is not None
-        and late.attempt == state.attempts
+        and late.attempt <= state.attempts
         and contradicts(late, False)
     )
 

@@ -256,7 +256,7 @@ def _decide_forms(state: WorkState, csrf: str, warning: str | None) -> str:
 def call_page(state: WorkState, events: Sequence[StoredEvent], *, now: float, csrf: str) -> str:
     """One call: its state, request, attempts, evidence, events and the decisions open."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
-    warning = evidence.resend_warning(state, evidence.latest(events, state.attempts))
+    warning = evidence.resend_warning(state, evidence.applied_late(events))
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
         f"{_summary(state, manifest, now, warning)}"
