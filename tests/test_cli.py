@@ -767,7 +767,9 @@ def test_migrate_says_what_it_applied(tmp_path: Path, capsys: pytest.CaptureFixt
     last = int(made.rsplit("migration ", 1)[1])
     with sqlite3.connect(ledger) as conn:  # the ledger as the release before wrote it
         conn.execute("DELETE FROM migrations WHERE version = ?", (last,))
-        conn.execute("DROP INDEX calls_not_applied")  # what the last migration (22) added
+        # What the last migration (21) added: an index, and the format-4 refusals (its
+        # statements drop and make the triggers anew, so those may stay).
+        conn.execute("DROP INDEX calls_not_applied")
     code, upgraded, _ = run(capsys, "migrate", "--ledger", ledger)
     assert code == 0
     assert upgraded.strip() == f"ledger {ledger}: migration {last} applied, now at migration {last}"

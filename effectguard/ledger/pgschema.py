@@ -271,11 +271,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (
         14,
         "writer format 4: a [[keys]] entry whose ledger key was revoked or expired is refused, "
-        "and usage far past a request's output cap is not believed; releases before it may "
-        "no longer write this ledger",
-        [*writerformat.pg_require(4)],  # as SQLite's migration 21
+        "usage far past a request's output cap is not believed, and a call a late answer "
+        "says was applied is not resent; releases before it may no longer write this ledger",
+        [NOT_APPLIED_INDEX, *writerformat.pg_require(4)],  # as SQLite's migration 21
     ),
-    (15, "an index of the calls decided not applied, by request hash", [NOT_APPLIED_INDEX]),
 ]
 
 

@@ -414,18 +414,14 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
     (
         21,
         "writer format 4: a [[keys]] entry whose ledger key was revoked or expired is refused, "
-        "and usage far past a request's output cap is not believed; releases before it may "
-        "no longer write this ledger",
-        # No table changes: beside this release, one of format 3 would serve by its own
-        # rules (a revoked key spending there); only the ledger can stop it (writerformat).
-        [*writerformat.sqlite_require(4)],
-    ),
-    (
-        22,
-        "an index of the calls decided not applied, by request hash",
-        # A key-less declared retry of such a call that a late answer says was applied
-        # is refused (ledger/retries). No writer format is raised: no event changed.
-        [NOT_APPLIED_INDEX],
+        "usage far past a request's output cap is not believed, and a call a late answer "
+        "says was applied is not resent; releases before it may no longer write this ledger",
+        # No table changes but an index: beside this release, one of format 3 would serve
+        # by its own rules (a revoked key spending there); only the ledger can stop it
+        # (writerformat). The index holds the calls decided not applied, by request hash:
+        # a key-less declared retry of one a late answer contradicts is refused
+        # (ledger/retries). Both came in one release, so no release of format 4 lacks it.
+        [NOT_APPLIED_INDEX, *writerformat.sqlite_require(4)],
     ),
 ]
 
