@@ -312,13 +312,13 @@ def test_a_paused_servers_call_is_taken_over_but_not_decided_before_its_late_ans
 # owner gone, so it sweeps, and the sweep marks the named call too.
 _OWNER_LAPSES_BETWEEN_LOOK_AND_SWEEP = """
 import os
-import effectguard.ops.takeover as takeover
+import effectguard.callpath.takeover as takeover
 
 _look = takeover.gone_owners_here
 
 
-async def gone_owners_here(ledger, ledger_url, calls):
-    gone = await _look(ledger, ledger_url, calls)
+async def gone_owners_here(ledger, lock_dir, calls):
+    gone = await _look(ledger, lock_dir, calls)
     gone.pop(os.environ["RACED_CALL"], None)
     return {**gone, "call_of_another_dead_worker": "process gone"}
 

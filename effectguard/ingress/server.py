@@ -32,7 +32,7 @@ from effectguard.callpath.wire import BUDGET_HEADER, error_headers, strip_hop_by
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import EffectguardError, LedgerError, Refusal
 from effectguard.ingress import spool
-from effectguard.ingress.admin import AdminPage
+from effectguard.ingress.admin import operator_page
 from effectguard.ingress.aioleg import AiohttpLeg
 from effectguard.ingress.fallback import InternalErrorBoundary, context_of
 from effectguard.ingress.frontdoor import client_gone, cut_off, on_client_lost
@@ -122,9 +122,7 @@ class ProxyApp:
         self._metrics_server: Any = None
         self._handle_http = InternalErrorBoundary(self._http, self._count_internal_error)
         # The operator page (ingress/admin); not mounted at all without an admin key.
-        self.admin = (
-            AdminPage(settings.admin, self.runtime.ledger) if settings.admin.enabled else None
-        )
+        self.admin = operator_page(settings.admin, self.runtime.ledger, settings.ledger)
 
     # -- lifespan -------------------------------------------------------------
     async def startup(self) -> None:

@@ -1,65 +1,41 @@
 """Before ``effectguard reconcile`` decides: take over the workers whose process is gone.
 
-After a crash with nothing restarted on the ledger, the dead process's calls stay
-``in_flight``: only a sweep marks them ``effect_unknown`` (contract §7), and a sweep runs
-in a process that writes. ``reconcile`` writes, so it is one: when a call in flight has
-an owner that will not finish it, the command registers as a worker, sweeps once as a
-``serve`` start would, and stops. With no such call it writes nothing of its own.
-
-A call taken over because its owner's lease ran out is not decided in the same command:
-that owner may be alive (paused, overloaded, on another host) and still receive the
-provider's answer, kept then as evidence (operations.md, step 3). Deciding at once would
-ignore the answer by construction, and a "not applied" it contradicts frees the key for
-a second effect.
+The takeover itself is :mod:`effectguard.callpath.takeover`, which the operator page's
+decisions share; here is what the command adds: the ledger named by its URL, the sweep's
+log lines left out of the terminal, a line per call taken over, and the refusal to
+decide at once a call whose owner may still be running.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Final
 
-from effectguard.callpath.liveness import gone_owners
-from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.callpath import takeover
+from effectguard.callpath.recovery import lock_dir_for
 from effectguard.errors import ReconcileError
 from effectguard.ledger import Ledger
-from effectguard.rules.guidance import show_command
-from effectguard.rules.liveness import LEASE_EXPIRED, may_still_answer
+from effectguard.rules.guidance import show_command, taken_over_not_decided
+from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.workstate import WorkState
-
-#: Calls in flight looked at (far more than are ever in flight at once).
-IN_FLIGHT_READ: Final = 100_000
 
 
 async def gone_owners_here(
     ledger: Ledger, ledger_url: str, calls: Iterable[WorkState]
 ) -> dict[str, str]:
-    """:func:`~effectguard.callpath.liveness.gone_owners` as a process on this host judges
-    them, for the ledger at ``ledger_url``: call id -> why its owner will not finish it."""
-    return await gone_owners(ledger, calls, lock_dir_for(ledger_url), socket.gethostname())
+    """:func:`effectguard.callpath.takeover.gone_owners_here` for the ledger at
+    ``ledger_url``: call id -> why its owner will not finish it."""
+    return await takeover.gone_owners_here(ledger, lock_dir_for(ledger_url), calls)
 
 
 async def take_over_gone(ledger: Ledger, ledger_url: str) -> dict[str, str]:
-    """Sweep once if a call in flight has an owner that is gone; returns the calls the
-    sweep marked effect unknown, each with why its owner was given up."""
-    in_flight = await ledger.calls(stage="in_flight", limit=IN_FLIGHT_READ)
-    gone = await gone_owners_here(ledger, ledger_url, in_flight)
-    if not gone:
-        return {}
-    worker = WorkerRuntime(ledger, lock_dir=lock_dir_for(ledger_url))
-    await worker.register()
-    try:
-        with _sweep_lines_left_out():
-            marked = await worker.sweep()
-    finally:
-        await worker.stop()
-    # A call not judged above had an owner that was live a moment ago: its lease ran out
-    # between that look and the sweep (a paused worker). Said so, it is not decided in
-    # this command (refuse_deciding_at_once), as an owner given up by lease never is.
-    return {call_id: gone.get(call_id, LEASE_EXPIRED) for call_id in marked}
+    """:func:`effectguard.callpath.takeover.take_over_gone` for every call in flight of
+    the ledger at ``ledger_url``, the sweep's lines left out (:func:`say_taken_over`
+    says what it did)."""
+    with _sweep_lines_left_out():
+        return await takeover.take_over_gone(ledger, lock_dir_for(ledger_url))
 
 
 class _LeaveOutSweepLines(logging.Filter):
@@ -99,10 +75,5 @@ def refuse_deciding_at_once(marked: dict[str, str], call_id: str) -> None:
     why = marked.get(call_id)
     if not may_still_answer(why):
         return
-    raise ReconcileError(
-        f"call {call_id} was taken over just now ({why}) and nothing was decided: its "
-        "worker may still be running (paused, overloaded, or on another host) and receive "
-        "the provider's answer, which is then kept as evidence. Check at the provider and "
-        f"look for a late answer with `{show_command(call_id)}`, then run this command again",
-        call_id=call_id,
-    )
+    then = f"look for a late answer with `{show_command(call_id)}`, then run this command again"
+    raise ReconcileError(taken_over_not_decided(call_id, str(why), then), call_id=call_id)

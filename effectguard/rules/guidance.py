@@ -41,6 +41,17 @@ def accept_evidence_command(call_id: str, attempt: int) -> str:
     return f"effectguard reconcile {call_id} --accept-evidence [--note TEXT] --attempt {attempt}"
 
 
+def taken_over_not_decided(call_id: str, why: str, then: str) -> str:
+    """Why a decision about ``call_id`` only took it over (its owner given up for ``why``,
+    its lease, may still be running), and what the person does ``then``."""
+    return (
+        f"call {call_id} was taken over just now ({why}) and nothing was decided: its "
+        "worker may still be running (paused, overloaded, or on another host) and receive "
+        "the provider's answer, which is then kept as evidence. Check at the provider and "
+        f"{then}"
+    )
+
+
 def decide_unknown(call_id: str) -> str:
     """The advice a refusal of an effect-unknown call ends with."""
     return (

@@ -6,6 +6,6 @@ configured (``[[admin.keys]]``); without one the proxy does not mount it at all.
 
 from __future__ import annotations
 
-from effectguard.ingress.admin.routes import AdminPage
+from effectguard.ingress.admin.routes import AdminPage, operator_page
 
-__all__ = ["AdminPage"]
+__all__ = ["AdminPage", "operator_page"]

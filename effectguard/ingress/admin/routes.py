@@ -13,7 +13,10 @@ after the signature check, so a copy of the cookie is refused with 401 from then
 ledger that cannot answer that read makes the request a 503, never a pass.
 
 The page reads and writes only through :class:`~effectguard.ledger.Ledger`, the
-API the CLI uses, and keeps no state of its own: any replica answers any request.
+API the CLI uses, and keeps no state of its own: any replica answers any request. As for
+the CLI, a call in flight whose worker is gone is judged on this host (a free liveness
+lock is seen only here, a lapsed lease anywhere), and a decision about it takes the worker
+over first (:mod:`effectguard.callpath.takeover`, which ``effectguard reconcile`` runs).
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import quote
 
+from effectguard.callpath.recovery import lock_dir_for
+from effectguard.callpath.takeover import gone_owners_here, take_over_gone
 from effectguard.config.settings import AdminSettings
 from effectguard.errors import CallNotFound, LedgerError, ReconcileError
 from effectguard.ingress.admin import views
@@ -35,6 +41,8 @@ from effectguard.ledger import Ledger
 from effectguard.rules import budget as budgets
 from effectguard.rules import notes
 from effectguard.rules.counts import parse_count
+from effectguard.rules.guidance import taken_over_not_decided
+from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.money import MAX_CALL_NANOS, typed_usd
 from effectguard.rules.workstate import STAGES
 
@@ -61,10 +69,14 @@ class AdminPage:
         admin: AdminSettings,
         ledger: Ledger,
         *,
+        lock_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._admin = admin
         self._ledger = ledger
+        #: The ledger's workers' liveness locks (``lock_dir_for``; None: none to look at):
+        #: a call in flight whose owner is gone is judged as ``effectguard show`` judges it.
+        self._lock_dir = lock_dir
         self._clock = clock
         self.sessions = Sessions(admin)
 
@@ -178,7 +190,10 @@ class AdminPage:
         except CallNotFound:
             raise Refused(404, f"there is no call {call_id!r}") from None
         events = await ledger.events(call_id)
-        return views.call_page(state, events, now=self._clock(), csrf=csrf)
+        gone = None
+        if state.stage == "in_flight":  # only then are the owners read
+            gone = (await gone_owners_here(ledger, self._lock_dir, [state])).get(call_id)
+        return views.call_page(state, events, now=self._clock(), csrf=csrf, owner_gone=gone)
 
     async def _spend(self, days_text: str | None) -> str:
         asked = parse_count(days_text or "", 366)
@@ -239,6 +254,9 @@ class AdminPage:
         problem, cost, attempt = _read_decision(decision, note, form)
         if problem is None:
             try:
+                shown = form.get("owner_gone")
+                if (problem := await self._take_over(call_id, session, shown)) is not None:
+                    raise ReconcileError(problem, call_id=call_id)
                 # The attempt the page showed (none from a script that sends no such field):
                 # a decision about it is refused once another attempt has been sent.
                 state = await self._ledger.reconcile(
@@ -264,9 +282,38 @@ class AdminPage:
         notice = flash(problem, "error")
         await ex.html(status, page("Call", body, who=session.name, csrf=csrf, notice=notice))
 
+    async def _take_over(self, call_id: str, session: Session, shown: str | None) -> str | None:
+        """A call in flight whose owner is gone is taken over first, as ``effectguard
+        reconcile`` takes it (the same sweep, the same rule for "gone"); returns why
+        nothing may be decided yet: an owner gone by its lease alone may still answer.
+        ``shown``: why the page that posted said the owner was gone (None: it did not)."""
+        state = await self._ledger.call(call_id)
+        why = None
+        if state.stage == "in_flight":
+            why = (await take_over_gone(self._ledger, self._lock_dir, [state])).get(call_id)
+            if why is not None:
+                log.info("operator %s took call %s over (%s)", session.name, call_id, why)
+        elif state.stage == "effect_unknown":
+            # Taken over since the page was shown (another decision, the sweeper): its form
+            # said a decision would only take the call over, so it decides nothing either.
+            why = shown
+        if not may_still_answer(why):
+            return None
+        then = "look for a late answer on this page (reload it), then decide again"
+        return taken_over_not_decided(call_id, str(why), then)
+
     async def _refused(self, ex: Exchange, refused: Refused) -> None:
         body = f"<h1>{refused.status}</h1><p>{esc(str(refused))}</p>"
         await ex.html(refused.status, page("Refused", body, who=None))
+
+
+def operator_page(admin: AdminSettings, ledger: Ledger, ledger_url: str) -> AdminPage | None:
+    """The operator page of a ``serve`` on the ledger at ``ledger_url`` (None without an
+    admin key: not mounted at all). It judges the owners of calls in flight by that
+    ledger's liveness locks, as ``effectguard show`` and ``reconcile`` do."""
+    if not admin.enabled:
+        return None
+    return AdminPage(admin, ledger, lock_dir=lock_dir_for(ledger_url))
 
 
 def _read_decision(

@@ -29,6 +29,8 @@ from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import tree_order
 from effectguard.rules.events import StoredEvent
+from effectguard.rules.guidance import next_shown
+from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
 
@@ -114,11 +116,15 @@ def _data(event: StoredEvent) -> str:
     return json.dumps(data, ensure_ascii=False, sort_keys=True)
 
 
-def _summary(state: WorkState, manifest: dict[str, Any], now: float, warning: str | None) -> str:
+def _summary(
+    state: WorkState, manifest: dict[str, Any], now: float, warning: str | None, gone: str | None
+) -> str:
+    # As `calls` and `show` print it: a call whose owner is gone waits for nothing.
+    shown = next_shown(state.next_operation, gone) if warning is None else "none"
     fields = [
         ("stage", stage_badge(state.stage)),
         ("effect", esc(state.effect)),
-        ("next operation", esc(state.next_operation if warning is None else "none")),
+        ("next operation", esc(shown)),
         ("provider", esc(state.provider)),
         ("endpoint", esc(f"{manifest.get('method', '')} {manifest.get('endpoint', '')}")),
         ("model", esc(state.model)),
@@ -132,6 +138,9 @@ def _summary(state: WorkState, manifest: dict[str, Any], now: float, warning: st
         ("status", esc(state.status)),
         ("flagged", esc(state.flagged)),
     ]
+    if gone is not None:
+        owner = f"worker {state.worker} is gone ({gone}): a decision below takes the call over"
+        fields.insert(3, ("owner", esc(owner + " first, and it becomes effect_unknown")))
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{v}</td></tr>" for k, v in fields)
     return f"<table>{rows}</table>"
 
@@ -216,19 +225,23 @@ DECISIONS: dict[str, tuple[str, str]] = {
 }
 
 
-def _decide_forms(state: WorkState, csrf: str, warning: str | None) -> str:
-    """The decisions open (``warning``: why the call must not be resent, if it must not)."""
+def _decide_forms(state: WorkState, csrf: str, warning: str | None, gone: str | None) -> str:
+    """The decisions open (``warning``: why the call must not be resent, if it must not;
+    ``gone``: why the owner of a call in flight will not finish it)."""
     if warning is not None:
         return (
             f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
             f"but {esc(warning)}.</p>"
         )
-    if state.next_operation != "reconcile":
+    if state.next_operation != "reconcile" and gone is None:
         return (
             f'<p class="muted">Nothing to decide: this call is {esc(state.stage)} '
             f"(next operation: {esc(state.next_operation)}).</p>"
         )
-    forms = []
+    forms = [_taking_over(gone)] if gone is not None else []
+    # What the operator was told a decision does: for an owner gone by its lease, that it
+    # records nothing else (refused still if the call was taken over since it was shown).
+    seen = "" if gone is None else f'<input type="hidden" name="owner_gone" value="{attr(gone)}">'
     for name, (label, meaning) in DECISIONS.items():
         cost = ""
         if name == "applied":
@@ -243,7 +256,7 @@ def _decide_forms(state: WorkState, csrf: str, warning: str | None) -> str:
             f'<input type="hidden" name="decision" value="{name}">'
             # What the operator saw: a decision about this attempt, refused once another
             # has been sent (the call may have been decided and resent meanwhile).
-            f'<input type="hidden" name="attempt" value="{state.attempts}">'
+            f'<input type="hidden" name="attempt" value="{state.attempts}">{seen}'
             f'<b>{esc(label)}</b> <span class="muted">{esc(meaning)}</span>{cost}'
             f'<label>Note (required: how you know) <textarea name="note" id="note-{name}" '
             f'rows="2" required></textarea></label>'
@@ -253,14 +266,38 @@ def _decide_forms(state: WorkState, csrf: str, warning: str | None) -> str:
     return "".join(forms)
 
 
-def call_page(state: WorkState, events: Sequence[StoredEvent], *, now: float, csrf: str) -> str:
-    """One call: its state, request, attempts, evidence, events and the decisions open."""
+def _taking_over(gone: str) -> str:
+    """What a decision does first for a call in flight whose owner is gone (``gone``: why),
+    as ``effectguard reconcile`` does it."""
+    if may_still_answer(gone):
+        return (
+            '<p class="flash error">Its worker is gone by its lease alone: it may still be '
+            "running (paused, overloaded, or on another host) and receive the provider's "
+            "answer. A decision takes the call over and records nothing else; look for a "
+            "late answer here (reload this page), then decide.</p>"
+        )
+    return (
+        '<p class="muted">A decision first takes the call over from its gone worker '
+        "(it becomes effect_unknown), then is recorded.</p>"
+    )
+
+
+def call_page(
+    state: WorkState,
+    events: Sequence[StoredEvent],
+    *,
+    now: float,
+    csrf: str,
+    owner_gone: str | None = None,
+) -> str:
+    """One call: its state, request, attempts, evidence, events and the decisions open.
+    ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     warning = evidence.resend_warning(state, evidence.applied_late(events))
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
-        f"{_summary(state, manifest, now, warning)}"
-        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning)}"
+        f"{_summary(state, manifest, now, warning, owner_gone)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone)}"
         f"<h2>Evidence</h2>{_evidence(events)}"
         f"<h2>Attempts</h2>{_attempts(events)}"
         f"<h2>Request</h2>{_request(manifest)}"

@@ -1,0 +1,62 @@
+"""Take over, before a person decides, the workers whose calls in flight will not finish.
+
+After a crash, a dead process's calls stay ``in_flight`` until a sweep marks them
+``effect_unknown`` (contract §7), and a running ``serve`` sweeps only every ``sweep_s``
+(a worker known gone by its lease alone: a sweep later still). A person deciding such a
+call (``effectguard reconcile``, the operator page's forms) need not wait for that: the
+decision registers as a worker, sweeps once as a ``serve`` start would, and stops. With
+no such call it writes nothing of its own.
+
+A call taken over because its owner's lease ran out is not to be decided in the same
+step: that owner may be alive (paused, overloaded, on another host) and still receive
+the provider's answer, kept then as evidence (operations.md, step 3). Deciding at once
+would ignore the answer by construction, and a "not applied" it contradicts frees the
+key for a second effect (:func:`~effectguard.rules.liveness.may_still_answer`).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final
+
+from effectguard.callpath.liveness import gone_owners
+from effectguard.callpath.recovery import WorkerRuntime
+from effectguard.ledger import Ledger
+from effectguard.rules.liveness import LEASE_EXPIRED
+from effectguard.rules.workstate import WorkState
+
+#: Calls in flight looked at (far more than are ever in flight at once).
+IN_FLIGHT_READ: Final = 100_000
+
+
+async def gone_owners_here(
+    ledger: Ledger, lock_dir: Path | None, calls: Iterable[WorkState]
+) -> dict[str, str]:
+    """:func:`~effectguard.callpath.liveness.gone_owners` as a process on this host judges
+    them (locks in ``lock_dir``, the ledger's): call id -> why its owner will not finish it."""
+    return await gone_owners(ledger, calls, lock_dir, socket.gethostname())
+
+
+async def take_over_gone(
+    ledger: Ledger, lock_dir: Path | None, calls: Iterable[WorkState] | None = None
+) -> dict[str, str]:
+    """Sweep once if a call in flight of ``calls`` (None: every call in flight) has an
+    owner that is gone; returns the calls the sweep marked effect unknown, each with why
+    its owner was given up."""
+    if calls is None:
+        calls = await ledger.calls(stage="in_flight", limit=IN_FLIGHT_READ)
+    gone = await gone_owners_here(ledger, lock_dir, calls)
+    if not gone:
+        return {}
+    worker = WorkerRuntime(ledger, lock_dir=lock_dir)
+    await worker.register()
+    try:
+        marked = await worker.sweep()
+    finally:
+        await worker.stop()
+    # A call not judged above had an owner that was live a moment ago (its lease ran out
+    # between that look and the sweep: a paused worker), or was not looked at: said so, it
+    # is not decided at once, as an owner given up by its lease never is.
+    return {call_id: gone.get(call_id, LEASE_EXPIRED) for call_id in marked}
