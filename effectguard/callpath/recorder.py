@@ -191,7 +191,7 @@ class Recorder:
         )
         now = await self._state_now(call_id)
         next_operation = None if now is None else now.next_operation
-        warning = None if now is None else evidence.resend_warning(now, late, kept)
+        warning = None if now is None else await self._resend_warning(now, late, kept)
         if warning is not None:
             next_operation, said = "none", f"{said}; {warning}"
         return refuse(
@@ -211,6 +211,22 @@ class Recorder:
             return await self.ledger.store.get_call(call_id)
         except LedgerError:
             return None
+
+    async def _resend_warning(
+        self, now: WorkState, late: AttemptLateAnswer, kept: bool
+    ) -> str | None:
+        """Show's "do not resend" for ``now``, the call this late answer is about: this
+        answer's own, else (for a call decided not applied, whose resend a late applied
+        answer to any attempt forbids) that of one kept before, read from the ledger.
+        Not the hot path: only a refused answer of a call decided not applied reads it."""
+        warning = evidence.resend_warning(now, late, kept)
+        if warning is not None or now.stage != "reconciled_not_applied":
+            return warning
+        try:
+            events = await self.ledger.events(now.call_id)
+        except LedgerError:
+            return None  # the ledger cannot say: the stage's next operation stands
+        return evidence.resend_warning(now, evidence.applied_late(events))
 
     async def _keep_late_answer(self, admitted: Admitted, late: AttemptLateAnswer) -> bool:
         """Keep an answer the store refused as the attempt's outcome, as evidence; whether

@@ -341,7 +341,8 @@ class Resolver:
         except ReconcileError as exc:
             # Another replica (or a person) decided it first: their decision stands. Or
             # another resend sent it again meanwhile: this evidence predates that attempt.
-            # Or the late answer kept for the attempt says otherwise: a person decides.
+            # Or a late answer kept says otherwise (the attempt's, or an applied one to
+            # any attempt against "not applied"): a person decides, as the note says.
             log.info("call %s: evidence not recorded: %s", facts.call_id, exc)
             return Evidence("unknown", evidence.by, f"{evidence.note}; not recorded: {exc}")
         return evidence

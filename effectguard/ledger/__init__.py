@@ -187,8 +187,8 @@ class Ledger:
         """Decide an effect-unknown or failed call: applied (with cost and, where evidence
         recovered it, the ``result`` later keyed resends replay) or not applied. Evidence
         gathered about ``attempt`` is refused once a later attempt has started, and an
-        ``automated`` decision (a lookup's, the hook's) against the late answer kept for
-        the attempt is refused too."""
+        ``automated`` decision (a lookup's, the hook's) against a late answer kept (the
+        attempt's; for "not applied", an applied one to any attempt) is refused too."""
         state: WorkState = await self.store.write(
             writer,
             lambda tx: decisions.reconcile(

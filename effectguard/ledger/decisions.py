@@ -15,6 +15,7 @@ from effectguard.rules.events import (
     CallResendAuthorized,
     Event,
 )
+from effectguard.rules.guidance import accept_evidence_command, applied_by_earlier_attempt
 from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
 from effectguard.rules.workstate import WorkState
 
@@ -41,8 +42,8 @@ def reconcile(
     §4.1): kept in the decision, in the chain, and replayed to later keyed resends.
     Evidence is about one ``attempt``: a lookup that asked before a later attempt was
     sent cannot tell whether that one took effect, so it decides nothing. An ``automated``
-    decision (a lookup's, the hook's) that a late answer kept for the attempt contradicts
-    is refused: the provider's own answer outweighs it, and a person decides.
+    decision (a lookup's, the hook's) that a late answer kept goes against is refused
+    (:func:`_check_evidence`): the provider's own answer outweighs it; a person decides.
     """
     if result is not None and not applied:
         raise ReconcileError("only an applied effect has a result to keep", call_id=call_id)
@@ -81,25 +82,30 @@ def reconcile(
     return append(tx, writer, events, {call_id: state})[call_id]
 
 
-_CONTRADICTED = (
-    "call {call}: the late answer kept for attempt {attempt} says otherwise; a person "
-    "decides it (`effectguard reconcile {call} --accept-evidence`, or by hand)"
-)
-
-
 def _check_evidence(
     tx: Tx, state: WorkState, attempt: int | None, automated_verdict: bool | None
 ) -> None:
     """A :class:`ReconcileError` for evidence gathered about ``attempt`` once a later one
-    has started, and for an automated verdict (applied or not) that the late answer kept
-    for the current attempt contradicts."""
+    has started, and for an automated verdict (applied or not) that a late answer kept
+    goes against (:func:`evidence.verdict_contradicted`: the current attempt's, or for
+    "not applied" an applied answer to any attempt)."""
     check_attempt(state, attempt)
     call_id, current = state.call_id, state.attempts
     if automated_verdict is None:
         return
-    late = evidence.latest(tx.events_of(call_id), current)
-    if evidence.contradicts(late, automated_verdict):
-        raise ReconcileError(_CONTRADICTED.format(call=call_id, attempt=current), call_id=call_id)
+    late = evidence.verdict_contradicted(tx.events_of(call_id), current, automated_verdict)
+    if late is None:
+        return
+    if late.attempt == current:
+        advice = f"`{accept_evidence_command(call_id, current)}`, or by hand"
+    else:  # --accept-evidence takes only an answer to the current attempt
+        implied = None if late.cost is None else nanos_to_usd(late.cost)
+        advice = applied_by_earlier_attempt(call_id, current, implied)
+    raise ReconcileError(
+        f"call {call_id}: the late answer kept for attempt {late.attempt} (status "
+        f"{late.status}) says otherwise; a person decides it ({advice})",
+        call_id=call_id,
+    )
 
 
 def check_attempt(state: WorkState, attempt: int | None) -> None:

@@ -110,6 +110,23 @@ def contradicts(late: AttemptLateAnswer | None, applied: bool) -> bool:
     return late.effect == ("none" if applied else "applied")
 
 
+def verdict_contradicted(
+    events: Iterable[StoredEvent], attempt: int, applied: bool
+) -> AttemptLateAnswer | None:
+    """The late answer that an automated verdict ``applied`` about ``attempt``, the call's
+    last, goes against (None: none does). First the one kept for that attempt, when it
+    says otherwise (:func:`contradicts`); then, against "not applied", one kept for any
+    attempt that the provider declares applied: "not applied" is about the call, as
+    :func:`resend_contradicted` reads it, and the provider's word that it applied attempt
+    1 denies it for attempt 2 too. An earlier attempt's unprocessed answer says nothing
+    of a later attempt, so it never denies "applied"."""
+    events = list(events)
+    late = latest(events, attempt)
+    if contradicts(late, applied):
+        return late
+    return None if applied else applied_late(events)
+
+
 def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> bool:
     """Whether ``state`` was decided not applied while ``late``, an answer to any of its
     attempts (:func:`applied_late`), says the provider applied it. The decision freed the

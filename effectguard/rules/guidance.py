@@ -52,6 +52,20 @@ def taken_over_not_decided(call_id: str, why: str, then: str) -> str:
     )
 
 
+def applied_by_earlier_attempt(call_id: str, attempt: int, implied_usd: str | None) -> str:
+    """What a person runs for an effect-unknown call, its last attempt being ``attempt``,
+    that a late answer kept for an earlier attempt says the provider applied: the call is
+    applied, whichever attempt made the effect, and ``--accept-evidence`` takes only an
+    answer to the last attempt. ``implied_usd``: what that answer would have cost."""
+    cost = "" if implied_usd is None else f"; that answer implies {implied_usd} USD"
+    return (
+        f"the provider applied the call, whichever attempt made the effect: "
+        f"`effectguard reconcile {call_id} --applied [--cost USD] --note TEXT "
+        f"--attempt {attempt}`{cost}; --accept-evidence takes only an answer to attempt "
+        f"{attempt}"
+    )
+
+
 def decide_unknown(call_id: str) -> str:
     """The advice a refusal of an effect-unknown call ends with."""
     return (
