@@ -37,6 +37,8 @@ from effectguard.ops.verify import verify_ledger
 _ = (ledger_url, fenced_call)  # fixtures
 
 ADVICE = "do not resend: a late answer kept for attempt 1 (status 200)"
+#: How that advice ends for a call that carried no Idempotency-Key.
+KEYLESS = "sending the request again (it carried no Idempotency-Key) would make the effect again"
 
 
 def resend() -> httpx.Request:
@@ -154,3 +156,41 @@ async def test_a_later_attempts_late_answer_does_not_say_resend_a_contradicted_c
         assert (await verify_ledger(ledger)).ok
     finally:
         await other.stop()
+
+
+async def test_a_keyless_calls_do_not_resend_names_no_idempotency_key(ledger_url: str) -> None:
+    """A call that carried no Idempotency-Key, decided not applied, that its late 200
+    says the provider applied: the 502, show and the 409 its declared retry gets say do
+    not resend in words that fit it (a resend is a new call), not "a resend with the same
+    Idempotency-Key", which it never had. (They said so.)"""
+    runtime = make_runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await runtime.start()
+    upstream = Upstream(200, hold=True)
+    keyless = httpx.Request("POST", UPSTREAM + CHAT, json=chat("held"))
+    try:
+        async with taken_over_mid_call(runtime, guard, keyless, upstream, interrupt_calls=True) as (
+            task,
+            _,
+        ):
+            (call,) = await runtime.ledger.calls()
+            await runtime.ledger.reconcile(call.call_id, applied=False, note="none", by="ops")
+            upstream.release.set()
+            with pytest.raises(Refusal) as late:
+                await task
+        retry = httpx.Request(
+            "POST",
+            UPSTREAM + CHAT,
+            json=chat("held"),
+            headers={"Effectguard-Retry-Of": call.call_id},
+        )
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], retry, upstream.send)
+        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
+        shown = await ajson("show", call.call_id, "--ledger", ledger_url)
+        for said in (late.value.message, refused.value.message, shown["next_command"]):
+            assert ADVICE in said, said
+            assert "Idempotency-Key would" not in said, said
+            assert KEYLESS in said, said
+        assert upstream.sent == 1
+    finally:
+        await runtime.stop()

@@ -155,7 +155,9 @@ def resend_warning(
     ``kept``: ``late`` is in the ledger (False: only the 502 that brought it says so)."""
     if late is None or not resend_contradicted(state, late):
         return None
-    return contradicted_not_applied(late.attempt, late.status, kept)
+    return contradicted_not_applied(
+        late.attempt, late.status, kept, keyed=state.idempotency_key is not None
+    )
 
 
 @dataclass(frozen=True, slots=True)

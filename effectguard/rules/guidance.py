@@ -79,16 +79,25 @@ def unknown_effect(call_id: str) -> str:
     return f"call {call_id}: its effect is unknown; {decide_unknown(call_id)}"
 
 
-def contradicted_not_applied(attempt: int, status: int, kept: bool = True) -> str:
+def contradicted_not_applied(
+    attempt: int, status: int, kept: bool = True, keyed: bool = True
+) -> str:
     """What to do for a call decided not applied whose attempt's late answer, kept after
     the decision, says the provider did apply it: the decision frees the key, and the
     resend it usually calls for would make the effect a second time. ``kept``: the answer
-    is in the ledger (False: only its client, answered 502, saw it)."""
+    is in the ledger (False: only its client, answered 502, saw it). ``keyed``: the call
+    has an ``Idempotency-Key``; one without is sent again as a new call, or as a declared
+    retry (``Effectguard-Retry-Of``, an SDK's retry count), never with a key."""
     which = "a late answer kept" if kept else "the late answer (not kept)"
+    again = (
+        "a resend with the same Idempotency-Key"
+        if keyed
+        else "sending the request again (it carried no Idempotency-Key)"
+    )
     return (
         f"do not resend: {which} for attempt {attempt} (status {status}) says the "
-        "provider applied it after it was decided not applied; a resend with the same "
-        "Idempotency-Key would make the effect again"
+        f"provider applied it after it was decided not applied; {again} would make the "
+        "effect again"
     )
 
 
