@@ -194,3 +194,53 @@ async def test_a_keyless_calls_do_not_resend_names_no_idempotency_key(ledger_url
         assert upstream.sent == 1
     finally:
         await runtime.stop()
+
+
+async def test_a_retry_by_hash_meets_an_older_contradicted_call_past_a_newer_decided_one(
+    ledger_url: str,
+) -> None:
+    """Two identical key-less calls, both decided not applied: the older one's late 200
+    says the provider applied it, the newer one nothing does. A declared retry matched by
+    hash repeats "the most recent call ... decided not applied while a late answer says
+    the provider applied it" (contract §4): the older one, so it is refused 409
+    ``late_answer_applied``, nothing sent. (Only the newest call decided not applied was
+    looked at: the retry was new work, sent.)"""
+    runtime = make_runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    other = make_runtime(ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await runtime.start()
+    held = Upstream(200, hold=True)
+    keyless = httpx.Request("POST", UPSTREAM + CHAT, json=chat("held"))
+    ledger = runtime.ledger
+    try:
+        async with taken_over_mid_call(runtime, guard, keyless, held, interrupt_calls=True) as (
+            task,
+            _,
+        ):
+            (older,) = await ledger.calls()
+            await ledger.reconcile(older.call_id, applied=False, note="none", by="ops")
+            held.release.set()
+            with pytest.raises(Refusal):
+                await task
+        guard = await other.start()  # the first runtime's worker was fenced
+        unknown = Upstream(500)
+        again = httpx.Request("POST", UPSTREAM + CHAT, json=chat("held"))
+        with contextlib.suppress(Refusal):  # the provider's 500 is passed on
+            await guard.handle(guard.providers["openai"], again, unknown.send)
+        (newer,) = [c for c in await ledger.calls() if c.call_id != older.call_id]
+        assert (newer.stage, unknown.sent) == ("effect_unknown", 1)
+        await ledger.reconcile(newer.call_id, applied=False, note="none", by="ops")
+
+        retry = httpx.Request(
+            "POST", UPSTREAM + CHAT, json=chat("held"), headers={"x-stainless-retry-count": "1"}
+        )
+        sent = Upstream(200)
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], retry, sent.send)
+        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
+        assert refused.value.call_id == older.call_id
+        assert ADVICE in refused.value.message
+        assert sent.sent == 0
+        assert len(await ledger.calls()) == 2
+    finally:
+        await other.stop()
+        await runtime.stop()

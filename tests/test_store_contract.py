@@ -555,6 +555,32 @@ async def test_keyless_declared_retry_of_a_contradicted_call_is_refused(
     assert new.action == "admit" and new.call_id != other.call_id
 
 
+async def test_keyless_retry_by_hash_finds_a_contradicted_call_behind_a_newer_decision(
+    ledger: Ledger, w1: Writer, ns: str
+) -> None:
+    """Two identical key-less calls decided not applied, the older one contradicted by a
+    late 200: a retry by hash repeats the older one (the newest call it matches, §4) and
+    is refused 409 ``late_answer_applied``; once a newer identical call is unknown, that
+    one is the newest match (409 ``effect_unknown``)."""
+    calls = []
+    for _ in range(2):
+        admitted = await admit_ok(ledger, w1, req(ns))
+        await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
+        await ledger.reconcile(admitted.call_id, applied=False, note="n", by="ann")
+        calls.append(admitted.call_id)
+    older, newer = calls
+    await ledger.record_late_answer(w1, late_200(older, w1))
+    refused = await ledger.admit(w1, req(ns, is_retry=True))
+    assert refused.refusal is not None, refused
+    assert (refused.refusal.type, refused.call_id) == ("late_answer_applied", older)
+    assert newer != older
+    unknown = await admit_ok(ledger, w1, req(ns))
+    await ledger.interrupt(w1, unknown.call_id, 1, "read timeout")
+    refused = await ledger.admit(w1, req(ns, is_retry=True))
+    assert refused.refusal is not None, refused
+    assert (refused.refusal.type, refused.call_id) == ("effect_unknown", unknown.call_id)
+
+
 # -- budgets -----------------------------------------------------------------------------
 
 

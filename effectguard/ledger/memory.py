@@ -162,13 +162,13 @@ class MemorySession:
         return self._newest(root, request_hash, since, UNRESOLVED)
 
     def find_decided(
-        self, root: str, request_hash: str, since: float, applied: bool = True
+        self, root: str, request_hash: str, since: float, applied: bool = True, skip: int = 0
     ) -> WorkState | None:
         stage = "reconciled_applied" if applied else "reconciled_not_applied"
-        return self._newest(root, request_hash, since, {stage})
+        return self._newest(root, request_hash, since, {stage}, skip)
 
     def _newest(
-        self, root: str, request_hash: str, since: float, stages: Collection[str]
+        self, root: str, request_hash: str, since: float, stages: Collection[str], skip: int = 0
     ) -> WorkState | None:
         found = [
             s
@@ -178,7 +178,8 @@ class MemorySession:
             and s.stage in stages
             and s.created_at >= since
         ]
-        return max(found, key=lambda s: s.created_at, default=None)
+        found.sort(key=lambda s: s.created_at, reverse=True)  # stable: ties keep one order
+        return found[skip] if skip < len(found) else None
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [s for s in self.t.calls.values() if s.stage == "in_flight" and s.worker == worker]

@@ -338,9 +338,9 @@ class PostgresSession:
         return self._scan_call(POSTGRES.unresolved_call, (root, request_hash, since))
 
     def find_decided(
-        self, root: str, request_hash: str, since: float, applied: bool = True
+        self, root: str, request_hash: str, since: float, applied: bool = True, skip: int = 0
     ) -> WorkState | None:
-        return self._scan_call(POSTGRES.decided_by[applied], (root, request_hash, since))
+        return self._scan_call(POSTGRES.decided_by[applied], (root, request_hash, since, skip))
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]

@@ -133,12 +133,14 @@ KEY_KINDS_SQLITE: Final = (
 )
 
 
-def _newest_by_hash(state: str, m: str, stage: str) -> str:
+def _newest_by_hash(state: str, m: str, stage: str, skip: bool = False) -> str:
     """The newest call of a budget root with a request hash, created since a time, whose
-    ``stage`` (an SQL term) a retry matches (ledger/retries)."""
+    ``stage`` (an SQL term) a retry matches (ledger/retries); with ``skip``, past a number
+    of newer ones (a last parameter: find_decided's ``skip``)."""
     return (
         f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
         f"AND {stage} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
+        + (f" OFFSET {m}" if skip else "")
     )
 
 
@@ -189,8 +191,9 @@ class Queries:
         #: These read the partial indexes calls_decided (SQLite migration 16, PostgreSQL 9)
         #: and calls_not_applied (SQLite 22, PostgreSQL 15): each predicate must name its
         #: stage as its index does.
-        self.decided_call = _newest_by_hash(state, m, "stage = 'reconciled_applied'")
-        self.not_applied_call = _newest_by_hash(state, m, "stage = 'reconciled_not_applied'")
+        applied, not_applied = "stage = 'reconciled_applied'", "stage = 'reconciled_not_applied'"
+        self.decided_call = _newest_by_hash(state, m, applied, skip=True)
+        self.not_applied_call = _newest_by_hash(state, m, not_applied, skip=True)
         #: find_decided's query, by the decision (applied or not).
         self.decided_by = {True: self.decided_call, False: self.not_applied_call}
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"

@@ -68,6 +68,13 @@ def _matched(target: WorkState, late: AttemptLateAnswer | None) -> Repeated:
     return None, None
 
 
+#: How many of the newest calls decided not applied, with a retry's hash in its window,
+#: are read for a late answer that contradicts the decision (contract.md §4): a bound on
+#: what one retry's admission reads, far above what identical key-less calls decided
+#: not applied within minutes of each other come to.
+MAX_NOT_APPLIED_READ: Final = 16
+
+
 def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> Repeated:
     """The newest call inside the window that a retry by hash repeats: unresolved, or
     decided applied since. Before the decision such a retry was refused 409
@@ -79,15 +86,31 @@ def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> Repeated:
         (tx.find_unresolved(root, request_hash, since), None),
         (tx.find_decided(root, request_hash, since), None),
     ]
-    not_applied = tx.find_decided(root, request_hash, since, applied=False)
-    if not_applied is not None:
-        late = contradiction(tx, not_applied)
-        found.append((not_applied, late) if late is not None else (None, None))
     newest: Repeated = (None, None)
     for call, late in found:
         if call is not None and (newest[0] is None or call.created_at > newest[0].created_at):
             newest = (call, late)
-    return newest
+    bound = None if newest[0] is None else newest[0].created_at
+    return _contradicted_by_hash(tx, req, since, bound) or newest
+
+
+def _contradicted_by_hash(
+    tx: Tx, req: AdmitRequest, since: float, newer_than: float | None
+) -> Repeated | None:
+    """The newest call decided not applied in the window (and newer than ``newer_than``,
+    the newest other match, if any) that a late answer contradicts. Not only the newest
+    such decision: one that nothing contradicts is no match, so an older contradicted
+    call behind it is the newest match (a retry matched by hash may be that call's: it
+    cannot be told apart), and its retry would make the effect again. Newest first, at
+    most :data:`MAX_NOT_APPLIED_READ` of them."""
+    for skip in range(MAX_NOT_APPLIED_READ):
+        call = tx.find_decided(req.budget_root, req.request_hash, since, False, skip)
+        if call is None or (newer_than is not None and call.created_at <= newer_than):
+            return None
+        late = contradiction(tx, call)
+        if late is not None:
+            return call, late
+    return None
 
 
 def _same_work(call: WorkState, req: AdmitRequest) -> bool:
