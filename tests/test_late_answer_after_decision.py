@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from operatorkit import ADMIN_KEY, ADMIN_NAME, PAGE
-from test_dead_owner import call_under_way, paused, run, short_lease
+from test_dead_owner import UnderWay, call_under_way, paused, run, short_lease
 from test_reconcile_auto import SEND, email
 from toolkit import cli_json as cli
 
@@ -23,6 +23,16 @@ from effectguard.config.keysettings import hash_key
 from effectguard.testing import fake_provider
 
 pytestmark = pytest.mark.slow
+
+
+def _decide_not_applied_while_it_waits(call: UnderWay, where: tuple[str, ...]) -> None:
+    """Pause ``call``'s ``serve`` past its 2 s lease while the provider answers, take the
+    call over and decide it not applied; then let the server resume and its client end."""
+    with paused(call.proxy):
+        run("reconcile", call.call_id, "--not-applied", "--note", "n", *where)  # takes over
+        decided = run("reconcile", call.call_id, "--not-applied", "--note", "none seen", *where)
+        assert decided.returncode == 0, decided.stdout + decided.stderr
+    call.client.join(30)
 
 
 def test_show_warns_against_a_resend_when_a_late_answer_contradicts_not_applied(
@@ -39,11 +49,7 @@ def test_show_warns_against_a_resend_when_a_late_answer_contradicts_not_applied(
         call_under_way(ledger, fake, "q@x", headers, short_lease(tmp_path)) as call,
     ):
         call_id = call.call_id
-        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
-            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
-            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
-            assert decided.returncode == 0, decided.stdout + decided.stderr
-        call.client.join(30)
+        _decide_not_applied_while_it_waits(call, where)
         assert call.answers and call.answers[0].status_code == 502, call.answers
         shown = cli("show", call_id, *where)
         assert shown["stage"] == "reconciled_not_applied"
@@ -72,11 +78,7 @@ def test_the_late_answers_502_does_not_tell_its_client_to_resend_a_contradicted_
         call_under_way(ledger, fake, "r@x", headers, short_lease(tmp_path)) as call,
     ):
         call_id = call.call_id
-        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
-            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
-            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
-            assert decided.returncode == 0, decided.stdout + decided.stderr
-        call.client.join(30)
+        _decide_not_applied_while_it_waits(call, where)
         (answer,) = call.answers
         assert answer.status_code == 502, answer.text
         error = answer.json()["error"]
@@ -104,11 +106,7 @@ def test_a_keyed_resend_of_a_contradicted_call_is_refused_not_sent(tmp_path: Pat
         call_under_way(ledger, fake, "s@x", headers, short_lease(tmp_path)) as call,
     ):
         call_id = call.call_id
-        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
-            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
-            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
-            assert decided.returncode == 0, decided.stdout + decided.stderr
-        call.client.join(30)
+        _decide_not_applied_while_it_waits(call, where)
         assert call.answers and call.answers[0].status_code == 502, call.answers
         resent = httpx.post(
             call.proxy.url + SEND, json=email("s@x"), headers={"Idempotency-Key": "s"}, timeout=30
@@ -138,11 +136,7 @@ def test_the_operator_page_does_not_offer_the_resend_either(tmp_path: Path) -> N
         call_under_way(ledger, fake, "t@x", headers, ("--config", str(config))) as call,
     ):
         call_id = call.call_id
-        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
-            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
-            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
-            assert decided.returncode == 0, decided.stdout + decided.stderr
-        call.client.join(30)
+        _decide_not_applied_while_it_waits(call, where)
         assert call.answers and call.answers[0].status_code == 502, call.answers
         page = httpx.get(
             f"{call.proxy.url}{PAGE}calls/{call_id}",
@@ -178,11 +172,7 @@ def test_a_keyless_declared_retry_of_a_contradicted_call_is_refused_not_sent(
         call_under_way(ledger, fake, "u@x", {"x-fake-delay": "2"}, short_lease(tmp_path)) as call,
     ):
         call_id = call.call_id
-        with paused(call.proxy):  # past the 2 s lease; the provider answers meanwhile
-            run("reconcile", call_id, "--not-applied", "--note", "n", *where)  # takes over
-            decided = run("reconcile", call_id, "--not-applied", "--note", "none seen", *where)
-            assert decided.returncode == 0, decided.stdout + decided.stderr
-        call.client.join(30)
+        _decide_not_applied_while_it_waits(call, where)
         assert call.answers and call.answers[0].status_code == 502, call.answers
         retried = httpx.post(
             call.proxy.url + SEND, json=email("u@x"), headers=marks(call_id), timeout=30
