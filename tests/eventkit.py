@@ -7,7 +7,13 @@ names only what it cares about (the budget, the amounts, and the answer where it
 
 from __future__ import annotations
 
-from effectguard.rules.events import AttemptObserved, BudgetSettled, CallCompleted, Event
+from effectguard.rules.events import (
+    AttemptLateAnswer,
+    AttemptObserved,
+    BudgetSettled,
+    CallCompleted,
+    Event,
+)
 
 
 def completion(
@@ -36,3 +42,24 @@ def completion(
     )
     settled = BudgetSettled(call=call, budget=budget, reserved=reserved, actual=actual)
     return [observed, settled, CallCompleted(call=call, outcome="completed")]
+
+
+def late_200(
+    call: str, attempt: int = 1, *, observed_by: str = "w", generation: int = 1
+) -> AttemptLateAnswer:
+    """A late 200 kept for ``attempt`` of ``call`` (sent by ``observed_by``, generation
+    ``generation``): the provider says it applied the call."""
+    return AttemptLateAnswer(
+        call=call,
+        attempt=attempt,
+        status=200,
+        effect="applied",
+        body_digest="sha256:00",
+        body_bytes=2,
+        usage=None,
+        usage_problem=None,
+        cost=None,
+        observed_by=observed_by,
+        generation=generation,
+        reason="fenced",
+    )

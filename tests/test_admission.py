@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from eventkit import late_200
 
 from effectguard.providers import load_providers
 from effectguard.rules.admission import Decision, decide_keyed, decide_retry
 from effectguard.rules.events import (
-    AttemptLateAnswer,
     AttemptStarted,
     BudgetReserved,
     CallManifest,
@@ -210,24 +210,6 @@ def test_retry_of_a_call_decided_applied_is_refused() -> None:
     assert_refused(decide_retry(existing), 409, "reconciled_applied", existing)
 
 
-def late_200(attempt: int) -> AttemptLateAnswer:
-    """A late 200 kept for ``attempt``: the provider says it applied the call."""
-    return AttemptLateAnswer(
-        call="call_x",
-        attempt=attempt,
-        status=200,
-        effect="applied",
-        body_digest="sha256:00",
-        body_bytes=2,
-        usage=None,
-        usage_problem=None,
-        cost=None,
-        observed_by="w",
-        generation=1,
-        reason="fenced",
-    )
-
-
 @pytest.mark.parametrize("attempt", [1, 2])
 def test_a_contradicted_not_applied_call_is_neither_resent_nor_retried(attempt: int) -> None:
     """A call decided not applied after attempt 2, and a late 200 kept for attempt
@@ -235,7 +217,7 @@ def test_a_contradicted_not_applied_call_is_neither_resent_nor_retried(attempt: 
     its keyed resend and its key-less declared retry are refused 409 late_answer_applied
     with next_operation none. Without such an answer both are what the decision allows."""
     existing = dataclasses.replace(state("reconciled_not_applied"), attempts=2)
-    late = late_200(attempt)
+    late = late_200("call_x", attempt)
     for decision in (
         decide_keyed(existing, HASH, CREATED, late),
         decide_retry(existing, late),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventkit import late_200
 
 from effectguard.errors import BodyMismatch, ConfigError, FencedError, ReconcileError
 from effectguard.ingress.admin.spend import spend_by_day, spend_table
@@ -47,7 +48,6 @@ from effectguard.rules.budget import BudgetNode, is_under
 from effectguard.rules.digest import credential_digest
 from effectguard.rules.events import (
     GENESIS_DIGEST,
-    AttemptLateAnswer,
     AttemptNotSent,
     AttemptObserved,
     AttemptStarted,
@@ -513,25 +513,6 @@ async def test_keyless_declared_retry_by_hash_meets_the_call_decided_applied(
     assert new.action == "admit" and new.call_id not in (first.call_id, other.call_id)
 
 
-def late_200(call_id: str, sender: Writer, attempt: int = 1) -> AttemptLateAnswer:
-    """A late 200 kept for ``attempt`` (``sender`` sent it): the provider says it applied
-    the call."""
-    return AttemptLateAnswer(
-        call=call_id,
-        attempt=attempt,
-        status=200,
-        effect="applied",
-        body_digest="sha256:00",
-        body_bytes=2,
-        usage=None,
-        usage_problem=None,
-        cost=None,
-        observed_by=sender.worker,
-        generation=sender.generation,
-        reason="fenced",
-    )
-
-
 async def test_keyless_declared_retry_of_a_contradicted_call_is_refused(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:
@@ -542,7 +523,9 @@ async def test_keyless_declared_retry_of_a_contradicted_call_is_refused(
     first = await admit_ok(ledger, w1, req(ns))
     await ledger.interrupt(w1, first.call_id, 1, "read timeout")
     await ledger.reconcile(first.call_id, applied=False, note="n", by="ann")
-    await ledger.record_late_answer(w1, late_200(first.call_id, w1))
+    await ledger.record_late_answer(
+        w1, late_200(first.call_id, observed_by=w1.worker, generation=w1.generation)
+    )
     for retry_of in (None, first.call_id):
         refused = await ledger.admit(w1, req(ns, is_retry=True, retry_of=retry_of))
         assert refused.refusal is not None, refused
@@ -569,7 +552,9 @@ async def test_keyless_retry_by_hash_finds_a_contradicted_call_behind_a_newer_de
         await ledger.reconcile(admitted.call_id, applied=False, note="n", by="ann")
         calls.append(admitted.call_id)
     older, newer = calls
-    await ledger.record_late_answer(w1, late_200(older, w1))
+    await ledger.record_late_answer(
+        w1, late_200(older, observed_by=w1.worker, generation=w1.generation)
+    )
     refused = await ledger.admit(w1, req(ns, is_retry=True))
     assert refused.refusal is not None, refused
     assert (refused.refusal.type, refused.call_id) == ("late_answer_applied", older)
