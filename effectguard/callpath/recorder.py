@@ -216,11 +216,12 @@ class Recorder:
         self, now: WorkState, late: AttemptLateAnswer, kept: bool
     ) -> str | None:
         """Show's "do not resend" for ``now``, the call this late answer is about: this
-        answer's own, else (for a call decided not applied, whose resend a late applied
-        answer to any attempt forbids) that of one kept before, read from the ledger.
-        Not the hot path: only a refused answer of a call decided not applied reads it."""
+        answer's own, else (for a call decided not applied, or resting after a later
+        attempt that proved nothing, whose resend a late applied answer to any attempt
+        forbids) that of one kept before, read from the ledger. Not the hot path: only a
+        refused answer of such a call reads it (evidence.may_be_contradicted)."""
         warning = evidence.resend_warning(now, late, kept)
-        if warning is not None or now.stage != "reconciled_not_applied":
+        if warning is not None or not evidence.may_be_contradicted(now):
             return warning
         try:
             events = await self.ledger.events(now.call_id)

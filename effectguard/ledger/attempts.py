@@ -16,9 +16,10 @@ from effectguard.errors import FencedError, Refusal
 from effectguard.ledger import rates, room
 from effectguard.ledger.base import Tx, Writer
 from effectguard.ledger.operations import Admitted, append, attempt_started, check_lease
+from effectguard.ledger.retries import contradiction
 from effectguard.rules import budget as budgets
-from effectguard.rules import workstate
-from effectguard.rules.admission import NOTHING_RECORDED, Sending
+from effectguard.rules import evidence, workstate
+from effectguard.rules.admission import NOTHING_RECORDED, Sending, refuse_contradicted
 from effectguard.rules.events import (
     BudgetReleased,
     BudgetReserved,
@@ -82,6 +83,9 @@ def start_attempt(
     if state is None or not (workstate.may_retry(state) or resumes):
         stage = state.stage if state else "missing"
         raise FencedError(f"call {call_id} is {stage}; no new attempt may start")
+    contradicted = _contradicted(tx, state)
+    if contradicted is not None:
+        return Admitted("refuse", call_id, writer, refusal=contradicted)
     send_by = check_lease(tx, writer)
     # A retry of a resend that proved nothing takes over its hold, as the resend did.
     released = state.held if resumes else 0
@@ -115,6 +119,15 @@ def start_attempt(
         provider_idempotency_key=provider_key,
         send_by=send_by,
     )
+
+
+def _contradicted(tx: Tx, state: WorkState) -> Refusal | None:
+    """The 409 ``late_answer_applied`` for a retry of ``state``, resting not processed or
+    not sent after a later attempt, that a late answer kept for an earlier attempt says
+    the provider applied: the retry would make the effect again (contract.md §3.4, §4).
+    The call rests as it is; show says do not resend. (A first attempt reads nothing.)"""
+    warning = evidence.resend_warning(state, contradiction(tx, state))
+    return None if warning is None else refuse_contradicted(state, warning).refusal
 
 
 def _refusal(tx: Tx, state: WorkState, reserve: int) -> Refusal | None:

@@ -18,10 +18,11 @@ Repeated = tuple[WorkState | None, AttemptLateAnswer | None]
 
 
 def contradiction(tx: Tx, call: WorkState) -> AttemptLateAnswer | None:
-    """The late answer that says the provider applied ``call``, decided not applied
-    (evidence.resend_contradicted), if any. The call's events are read only for a call
-    so decided: no other admission pays for the read."""
-    if call.stage != "reconciled_not_applied":
+    """The late answer that says the provider applied ``call``, decided not applied or
+    resting not sent / not processed after a later attempt (evidence.resend_contradicted),
+    if any. The call's events are read only for such a call (evidence.may_be_contradicted):
+    no other admission, and no first attempt's automatic retry, pays for the read."""
+    if not evidence.may_be_contradicted(call):
         return None
     late = evidence.applied_late(tx.events_of(call.call_id))
     return late if evidence.resend_contradicted(call, late) else None
@@ -39,7 +40,7 @@ def retried_call(tx: Tx, req: AdmitRequest, now: float) -> Repeated:
     if req.orphan_of is not None:
         left = tx.get_call(req.orphan_of)
         if left is not None and _same_work(left, req) and left.stage in _LEFT_MATCHED:
-            return left, None
+            return left, contradiction(tx, left)
     if req.retry_of is not None:
         target = tx.get_call(req.retry_of)
         if target is not None and _same_work(target, req):

@@ -101,7 +101,7 @@ def decide_keyed(
         )
     warning = evidence.resend_warning(s, late)
     if warning is not None:
-        return _refuse_contradicted(s, warning)
+        return refuse_contradicted(s, warning)
     if s.stage in ("not_sent", "not_processed", "reconciled_not_applied"):
         return Decision("attempt", s)
     if s.stage == "reconciled_applied":
@@ -115,16 +115,21 @@ def decide_keyed(
     return Decision("admit")
 
 
-def _refuse_contradicted(s: WorkState, warning: str, retry: bool = False) -> Decision:
-    """A keyed resend (or, ``retry``, a key-less declared retry) of a call decided not
-    applied that its late answer says the provider did apply: the decision freed the
-    call, but a resend would make the effect again (``warning``, what ``show`` says,
-    contract §4), so nothing is to be done."""
+def refuse_contradicted(s: WorkState, warning: str, retry: bool = False) -> Decision:
+    """A keyed resend, the proxy's automatic retry (or, ``retry``, a key-less declared
+    retry) of a call whose stage says it had no effect (decided not applied, or a later
+    attempt not sent or not processed) that its late answer says the provider did apply:
+    the stage calls for a resend, but a resend would make the effect again (``warning``,
+    what ``show`` says, contract §4), so nothing is to be done."""
+    if s.stage == "reconciled_not_applied":
+        why = "was decided not applied"
+    else:
+        why = f"rests {s.stage} after its last attempt"
     if retry:
-        said = f"this request retries call {s.call_id}, which was decided not applied, but"
+        said = f"this request retries call {s.call_id}, which {why}, but"
         new_work = "new work must not declare itself its retry"
     else:
-        said = f"call {s.call_id} was decided not applied, so its key is free, but"
+        said = f"call {s.call_id} {why}, so its key is free, but"
         new_work = "new work needs a new Idempotency-Key"
     return _refuse(
         409,
@@ -147,7 +152,7 @@ def decide_retry(existing: WorkState | None, late: AttemptLateAnswer | None = No
     warning = evidence.resend_warning(existing, late)
     if warning is not None:
         # Decided not applied, so its retry would be new work: the effect again.
-        return _refuse_contradicted(existing, warning, retry=True)
+        return refuse_contradicted(existing, warning, retry=True)
     if existing.stage in ("completed", "failed"):
         # Only a call whose caller left is matched settled (callpath/orphans): its answer.
         return Decision("replay", existing)

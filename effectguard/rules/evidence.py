@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from effectguard.errors import ReconcileError
 from effectguard.rules.events import (
@@ -28,7 +29,7 @@ from effectguard.rules.events import (
 from effectguard.rules.guidance import contradicted_not_applied
 from effectguard.rules.lookups import digest
 from effectguard.rules.settlement import Settlement
-from effectguard.rules.workstate import WorkState
+from effectguard.rules.workstate import STAGE_TABLE, WorkState
 
 #: Values of ``attempt.late_answer``'s ``effect`` (the provider's declaration of its status).
 EFFECTS = ("applied", "none", "unknown")
@@ -127,20 +128,40 @@ def verdict_contradicted(
     return None if applied else applied_late(events)
 
 
+#: The stages whose next operation is ``resend`` (docs/contract.md §6): each says the call
+#: had no effect, so a late answer that says the provider applied it contradicts them all.
+RESENDABLE: Final = frozenset(
+    stage for stage, (_, next_op) in STAGE_TABLE.items() if next_op == "resend"
+)
+
+
+def may_be_contradicted(state: WorkState) -> bool:
+    """Whether ``state`` is one that a late applied answer could contradict, so that its
+    events are worth reading (:func:`applied_late`): a call decided not applied, or one
+    resting ``not_sent``/``not_processed`` after a later attempt. A first attempt that
+    proved nothing recorded its own outcome, so no late answer is kept for it: the hot
+    path (a first attempt's 429, retried) reads nothing more."""
+    if state.stage == "reconciled_not_applied":
+        return True
+    return state.stage in RESENDABLE and state.attempts > 1
+
+
 def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> bool:
-    """Whether ``state`` was decided not applied while ``late``, an answer to any of its
-    attempts (:func:`applied_late`), says the provider applied it. The decision freed the
-    call, and the resend (or the retry as new work) that stage usually calls for (§6
-    ``resend``) would make the effect a second time: every answer about the call says
-    not to resend instead, and a resend or a declared retry is refused (docs/contract.md
-    §4, §8, §9).
+    """Whether ``state`` says the call had no effect, its next operation ``resend``
+    (decided not applied, or its last attempt not sent or not processed), while ``late``,
+    an answer to any of its attempts (:func:`applied_late`), says the provider applied it.
+    The resend (or the retry as new work) that stage usually calls for (§6 ``resend``)
+    would make the effect a second time: every answer about the call says not to resend
+    instead, and a resend, a declared retry or the proxy's own automatic retry is refused
+    (docs/contract.md §3.4, §4, §8, §9).
 
     Any attempt, not only the last: a decision not applied is about the call (its stage
     says the effect is ``none`` and frees it), and each attempt asked the provider for the
     same effect, so the provider's word that it applied attempt 1 contradicts a decision
-    recorded after attempt 2 as much as one recorded after attempt 1."""
+    recorded after attempt 2 as much as one recorded after attempt 1; and a later
+    attempt's 429 or not-sent says nothing of what attempt 1 did."""
     return (
-        state.stage == "reconciled_not_applied"
+        state.stage in RESENDABLE
         and late is not None
         and late.attempt <= state.attempts
         and contradicts(late, False)
@@ -156,7 +177,7 @@ def resend_warning(
     if late is None or not resend_contradicted(state, late):
         return None
     return contradicted_not_applied(
-        late.attempt, late.status, kept, keyed=state.idempotency_key is not None
+        late.attempt, late.status, kept, keyed=state.idempotency_key is not None, stage=state.stage
     )
 
 

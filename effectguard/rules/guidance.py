@@ -80,14 +80,20 @@ def unknown_effect(call_id: str) -> str:
 
 
 def contradicted_not_applied(
-    attempt: int, status: int, kept: bool = True, keyed: bool = True
+    attempt: int,
+    status: int,
+    kept: bool = True,
+    keyed: bool = True,
+    stage: str = "reconciled_not_applied",
 ) -> str:
     """What to do for a call decided not applied whose attempt's late answer, kept after
     the decision, says the provider did apply it: the decision frees the key, and the
     resend it usually calls for would make the effect a second time. ``kept``: the answer
     is in the ledger (False: only its client, answered 502, saw it). ``keyed``: the call
     has an ``Idempotency-Key``; one without is sent again as a new call, or as a declared
-    retry (``Effectguard-Retry-Of``, an SDK's retry count), never with a key."""
+    retry (``Effectguard-Retry-Of``, an SDK's retry count), never with a key. ``stage``:
+    the call's, one whose next operation is resend (a later attempt ``not_sent`` or
+    ``not_processed`` says nothing of what this attempt did)."""
     which = "a late answer kept" if kept else "the late answer (not kept)"
     again = (
         "a resend with the same Idempotency-Key"
@@ -96,9 +102,15 @@ def contradicted_not_applied(
     )
     return (
         f"do not resend: {which} for attempt {attempt} (status {status}) says the "
-        f"provider applied it after it was decided not applied; {again} would make the "
-        "effect again"
+        f"provider applied it {_despite(stage)}; {again} would make the effect again"
     )
+
+
+def _despite(stage: str) -> str:
+    """What the late answer contradicts: the decision, or the later attempt's outcome."""
+    if stage == "reconciled_not_applied":
+        return "after it was decided not applied"
+    return f"though its last attempt was {stage.replace('_', ' ')}"
 
 
 def next_command(
