@@ -247,9 +247,15 @@ class Guard:
     async def drain(self, timeout: float, cut_off: str | None = None) -> None:
         """Wait (at most ``timeout``) for the calls under way and the background
         settlements; then cut off, for ``cut_off``, the streams and dispatches still
-        under way, marked before this returns (None: they are left be)."""
+        under way, marked before this returns (None: they are left be). With ``cut_off``, no
+        attempt is sent from then on."""
         await self.recorder.drain(timeout, cut_off)
-        if cut_off is not None and await self.dispatches.cut_off_all(cut_off):
+        if cut_off is None:
+            return
+        # From here nothing more is sent: a call whose admission still commits would
+        # start its effect after the shutdown stopped, its answer left to a closed ledger.
+        self.recorder.stopped = cut_off
+        if await self.dispatches.cut_off_all(cut_off):
             # The markings their cancelled sends spawned, before the ledger closes.
             await self.recorder.drain(MARKING_WAIT_S)
 
@@ -341,7 +347,10 @@ class Guard:
 
     async def _ready(self, prepared: Prepared, admitted: Admitted, report: CallReport) -> Outbound:
         """The attempt's request, announced; never sent past the lease it was admitted
-        under (contract.md §7): a worker that stood still since may have been taken over."""
+        under (contract.md §7): a worker that stood still since may have been taken over;
+        nor once a shutdown has stopped waiting for the calls under way (contract.md §3.8)."""
+        if self.recorder.stopped is not None:
+            raise await self.recorder.stopped_before_sending(prepared, admitted)
         if past_lease(admitted):
             raise await self.recorder.lease_lapsed(prepared, admitted)
         outgoing = outgoing_request(prepared, admitted)

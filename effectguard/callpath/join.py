@@ -13,7 +13,7 @@ from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.replays import replay
 from effectguard.callpath.reports import from_state
 from effectguard.config.settings import GuardSettings
-from effectguard.errors import FencedError, LedgerUnavailable
+from effectguard.errors import FencedError, LedgerUnavailable, Refusal
 from effectguard.rules import workstate
 from effectguard.rules.events import AttemptObserved
 from effectguard.rules.guidance import decide_unknown
@@ -64,6 +64,8 @@ async def _join(
                 break
         else:
             resting_since = None
+        if recorder.stopped is not None:
+            raise _stopped_waiting(call_id, state.stage, recorder.stopped)
         local = recorder.waiter(call_id)
         if local is not None:
             with contextlib.suppress(TimeoutError):
@@ -90,4 +92,19 @@ async def _join(
         call_id=call_id,
         stage=stage,
         next_operation="reconcile" if reason == "effect_unknown" else "resend",
+    )
+
+
+def _stopped_waiting(call_id: str, stage: str, reason: str) -> Refusal:
+    """The 503 for a retry still waiting for ``call_id`` once a shutdown stopped waiting
+    for the calls under way: its own caller is told now, while the ledger is open (it
+    waited on until the ledger closed under it, then was told the ledger had failed)."""
+    return refuse(
+        503,
+        "shutting_down",
+        f"this retry stopped waiting for call {call_id}, which is {stage}, as this process "
+        f"stopped ({reason}); it sent nothing: retry it once the call has ended",
+        call_id=call_id,
+        stage=stage,
+        retryable=True,
     )

@@ -79,6 +79,9 @@ class Recorder:
         #: Why a dispatch cancelled from now on was interrupted: its caller went away,
         #: unless the process is stopping (then its 504 and the ledger say why alike).
         self.cancel_reason = "cancelled during dispatch"
+        #: Why nothing more is sent: set once a shutdown stops waiting for the calls under
+        #: way (None: sending). An attempt admitted after that is recorded not sent.
+        self.stopped: str | None = None
 
     # -- settlement ------------------------------------------------------------
     async def observe(
@@ -322,6 +325,28 @@ class Recorder:
             "ledger_unavailable",
             f"call {admitted.call_id} was not sent: {why}; a retry is safe",
             call_id=admitted.call_id,
+            retryable=True,
+        )
+
+    async def stopped_before_sending(self, prepared: Prepared, admitted: Admitted) -> Refusal:
+        """Record not sent an attempt about to go out once a shutdown stopped waiting
+        (:attr:`stopped`); the refusal for its client (503 ``shutting_down``, retryable).
+
+        Its admission was still committing (or a keyed resend still deciding its unknown
+        call) when the shutdown stopped waiting: sent now, it would start an effect after
+        the shutdown decided to stop, its answer left to a ledger about to close.
+        """
+        reason = f"admitted as the process stopped: {self.stopped}"
+        await self.not_sent(prepared, admitted, reason)  # 503 as well if it cannot be recorded
+        call_id = admitted.call_id
+        return refuse(
+            503,
+            "shutting_down",
+            f"call {call_id} was admitted as this process stopped ({self.stopped}); nothing "
+            "was sent, and a resend is safe",
+            call_id=call_id,
+            stage="not_sent",
+            next_operation="resend",
             retryable=True,
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
@@ -131,16 +131,25 @@ class Runtime:
         assert self.guard is not None
         self.guard.writer = writer
 
-    async def stop(self, drain_timeout: float = 30.0, cut_off: str | None = None) -> None:
+    async def stop(
+        self,
+        drain_timeout: float = 30.0,
+        cut_off: str | None = None,
+        settle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """Finish background settlements, stop the worker, close the ledger. ``cut_off``:
         why a call still under way at the end (a stream still being read, a dispatch still
-        waiting for its answer) is interrupted (None: it is left be)."""
+        waiting for its answer) is interrupted (None: it is left be). ``settle``: awaited
+        once nothing more is sent, before the ledger closes (the way in's calls not yet
+        dispatched then end: recorded not sent, or refused)."""
         if self._deciding is not None:
             self._deciding.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._deciding
         if self.guard is not None:
             await self.guard.drain(drain_timeout, cut_off)
+        if settle is not None:
+            await settle()
         if self.worker is not None:
             await self.worker.stop()
         if self._own_ledger:

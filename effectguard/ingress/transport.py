@@ -294,13 +294,22 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # recorded: the runtime's drain knows only calls already dispatched.
             await asyncio.wait(set(self._calls), timeout=deadline - loop.time())
         if self._guard is not None:
-            await self._runtime.stop(max(0.0, deadline - loop.time()), CLOSED_MID_CALL)
+            left = max(0.0, deadline - loop.time())
+            await self._runtime.stop(left, CLOSED_MID_CALL, self._settle_calls)
             self._guard = None
         if self._calls:
             # Their callers, cut off by the stop, are answered before the close returns
             # (the sync transport's close then ends its loop: it would cancel them).
             await asyncio.wait(set(self._calls), timeout=MARKING_WAIT_S)
         await self.inner.aclose()
+
+    async def _settle_calls(self) -> None:
+        """Once the guard sends nothing more, wait (bounded) for the calls not yet
+        dispatched when the close stopped waiting (an admission still committing, a
+        resend still deciding, a retry joining another's call) to end while the ledger is
+        open: one admitted now is recorded not sent, and its caller told so."""
+        if self._calls:
+            await asyncio.wait(set(self._calls), timeout=MARKING_WAIT_S)
 
 
 #: The stops of collected transports, held until done: a task only its loop refers to
