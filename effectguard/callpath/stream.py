@@ -127,6 +127,8 @@ class GuardedStream:
                     "the same Idempotency-Key to receive its answer"
                 )
             if self._settled:
+                if self._cut_reason is not None:  # cut off between two reads: not an end
+                    raise self._broken_error(self._cut_reason)
                 return
             self._pulling = True
             try:
