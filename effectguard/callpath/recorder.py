@@ -195,8 +195,8 @@ class Recorder:
         now = await self._state_now(call_id)
         next_operation = None if now is None else now.next_operation
         warning = None if now is None else await self._resend_warning(now, late, kept)
-        if warning is not None:
-            next_operation, said = "none", f"{said}; {warning}"
+        if warning is not None and now is not None:
+            next_operation, said = evidence.contradicted_next(now), f"{said}; {warning}"
         return refuse(
             502,
             "observe_refused",
@@ -219,10 +219,11 @@ class Recorder:
         self, now: WorkState, late: AttemptLateAnswer, kept: bool
     ) -> str | None:
         """Show's "do not resend" for ``now``, the call this late answer is about: this
-        answer's own, else (for a call decided not applied, or resting after a later
-        attempt that proved nothing, whose resend a late applied answer to any attempt
-        forbids) that of one kept before, read from the ledger. Not the hot path: only a
-        refused answer of such a call reads it (evidence.may_be_contradicted)."""
+        answer's own, else (for a call decided not applied, resting after a later attempt
+        that proved nothing, or with a resend authorized, whose resend a late applied
+        answer to any attempt forbids) that of one kept before, read from the ledger. Not
+        the hot path: only a refused answer of such a call reads it
+        (evidence.may_be_contradicted)."""
         warning = evidence.resend_warning(now, late, kept)
         if warning is not None or not evidence.may_be_contradicted(now):
             return warning

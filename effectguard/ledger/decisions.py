@@ -150,8 +150,31 @@ def authorize_resend(
     check_attempt(state, attempt)
     if state.resend_authorized:
         raise ReconcileError(f"call {call_id} already has a resend authorized", call_id=call_id)
+    _check_not_applied_late(tx, state)
     event = CallResendAuthorized(call=call_id, note=note, by=by)
     return append(tx, writer, [event], {call_id: state})[call_id]
+
+
+def _check_not_applied_late(tx: Tx, state: WorkState) -> None:
+    """A :class:`ReconcileError` when a late answer kept for any attempt of ``state`` says
+    the provider applied it: the resend would make the effect a second time (the rules
+    would void the authorization at once, evidence.resend_contradicted); the person
+    decides the call by that answer instead. Read only on this operator's path."""
+    late = evidence.applied_late(tx.events_of(state.call_id))
+    if late is None:
+        return
+    call_id, current = state.call_id, state.attempts
+    if late.attempt == current:
+        advice = f"`{accept_evidence_command(call_id, current)}`, or --applied by hand"
+    else:  # --accept-evidence takes only an answer to the current attempt
+        implied = None if late.cost is None else nanos_to_usd(late.cost)
+        advice = applied_by_earlier_attempt(call_id, current, implied)
+    raise ReconcileError(
+        f"call {call_id}: a late answer kept for attempt {late.attempt} (status "
+        f"{late.status}) says the provider applied it, so a resend would make the effect "
+        f"again and none is authorized; decide it by that answer ({advice})",
+        call_id=call_id,
+    )
 
 
 def effect_unknown_call(tx: Tx, call_id: str, why: str) -> WorkState:

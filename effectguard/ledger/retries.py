@@ -18,10 +18,11 @@ Repeated = tuple[WorkState | None, AttemptLateAnswer | None]
 
 
 def contradiction(tx: Tx, call: WorkState) -> AttemptLateAnswer | None:
-    """The late answer that says the provider applied ``call``, decided not applied or
-    resting not sent / not processed after a later attempt (evidence.resend_contradicted),
-    if any. The call's events are read only for such a call (evidence.may_be_contradicted):
-    no other admission, and no first attempt's automatic retry, pays for the read."""
+    """The late answer that says the provider applied ``call``, decided not applied,
+    resting not sent / not processed after a later attempt, or effect-unknown with a resend
+    authorized (evidence.resend_contradicted), if any. The call's events are read only
+    for such a call (evidence.may_be_contradicted): no other admission, and no first
+    attempt's automatic retry, pays for the read."""
     if not evidence.may_be_contradicted(call):
         return None
     late = evidence.applied_late(tx.events_of(call.call_id))
@@ -83,8 +84,10 @@ def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> Repeated:
     decided not applied, and contradicted by a late answer since: its retry, new work
     by the decision, would make the effect the provider says it made a second time."""
     root, request_hash = req.budget_root, req.request_hash
+    unresolved = tx.find_unresolved(root, request_hash, since)
     found: list[Repeated] = [
-        (tx.find_unresolved(root, request_hash, since), None),
+        # An effect-unknown call with a resend authorized is read for its late 2xx, too.
+        (unresolved, None if unresolved is None else contradiction(tx, unresolved)),
         (tx.find_decided(root, request_hash, since), None),
     ]
     newest: Repeated = (None, None)

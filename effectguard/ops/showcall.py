@@ -167,8 +167,13 @@ def next_commands(
     if state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept
-    command = evidence.resend_warning(state, evidence.applied_late(events)) or command
-    if state.stage == "effect_unknown" and state.resend_authorized:
+    warning = evidence.resend_warning(state, evidence.applied_late(events))
+    if warning is not None and state.stage == "effect_unknown":
+        # Its authorized resend is void; the decision it awaits is still offered.
+        command = f"{warning} | {command}" if command else warning
+    elif warning is not None:
+        command = warning
+    elif state.stage == "effect_unknown" and state.resend_authorized:
         command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
     if command is None or not where:
         return command
@@ -201,7 +206,11 @@ def _head(
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     # Not the stage's resend when a late answer contradicts the decision (see "next").
     warned = evidence.resend_warning(state, evidence.applied_late(events))
-    upcoming = next_shown(state.next_operation, owner_gone) if warned is None else "none"
+    upcoming = (
+        next_shown(state.next_operation, owner_gone)
+        if warned is None
+        else evidence.contradicted_next(state)
+    )
     lines = [
         f"call {state.call_id}",
         f"  stage      {state.stage} (effect {state.effect}; next: {upcoming})",

@@ -62,8 +62,10 @@ def decide_keyed(
     """docs/contract.md §4's table for a request carrying an ``Idempotency-Key``.
 
     ``late``: a late answer kept for any of the call's attempts that says the provider
-    applied it (evidence.applied_late), if any; read only for a call decided not applied,
-    whose resend it forbids (evidence.resend_contradicted).
+    applied it (evidence.applied_late), if any; read only for a call whose resend it
+    forbids (evidence.may_be_contradicted): decided not applied, resting after a later
+    attempt, or effect-unknown with a resend authorized. Inside the provider's own
+    idempotency window the resend carries its dedup key and replays, so it is still sent.
     """
     if existing is None:
         return Decision("admit")
@@ -87,18 +89,7 @@ def decide_keyed(
             s,
         )
     if s.stage == "effect_unknown":
-        window = s.idempotency_window_s
-        if window is not None and now - s.created_at <= window:
-            return Decision("provider_resend", s)
-        if s.resend_authorized:
-            # An operator accepted the duplicate risk: one new attempt; the hold stays.
-            return Decision("attempt", s)
-        return _refuse(
-            409,
-            "effect_unknown",
-            unknown_effect(s.call_id),
-            s,
-        )
+        return _keyed_unknown(s, now, late)
     warning = evidence.resend_warning(s, late)
     if warning is not None:
         return refuse_contradicted(s, warning)
@@ -115,28 +106,47 @@ def decide_keyed(
     return Decision("admit")
 
 
+def _keyed_unknown(s: WorkState, now: float, late: AttemptLateAnswer | None) -> Decision:
+    """A keyed resend of an effect-unknown call: on the provider's dedup key inside its
+    window; else only with a resend authorized, which a late 2xx voids (``late``)."""
+    window = s.idempotency_window_s
+    if window is not None and now - s.created_at <= window:
+        return Decision("provider_resend", s)
+    warning = evidence.resend_warning(s, late)
+    if warning is not None:
+        return refuse_contradicted(s, warning)
+    if s.resend_authorized:
+        # An operator accepted the duplicate risk: one new attempt; the hold stays.
+        return Decision("attempt", s)
+    return _refuse(409, "effect_unknown", unknown_effect(s.call_id), s)
+
+
 def refuse_contradicted(s: WorkState, warning: str, retry: bool = False) -> Decision:
     """A keyed resend, the proxy's automatic retry (or, ``retry``, a key-less declared
     retry) of a call whose stage says it had no effect (decided not applied, or a later
-    attempt not sent or not processed) that its late answer says the provider did apply:
+    attempt not sent or not processed), or whose resend an operator authorized while its
+    effect was unknown, that its late answer says the provider did apply:
     the stage calls for a resend, but a resend would make the effect again (``warning``,
     what ``show`` says, contract §4), so nothing is to be done."""
+    free = ", so its key is free"
     if s.stage == "reconciled_not_applied":
         why = "was decided not applied"
+    elif s.stage == "effect_unknown":
+        why, free = "has one resend authorized", ""
     else:
         why = f"rests {s.stage} after its last attempt"
     if retry:
         said = f"this request retries call {s.call_id}, which {why}, but"
         new_work = "new work must not declare itself its retry"
     else:
-        said = f"call {s.call_id} {why}, so its key is free, but"
+        said = f"call {s.call_id} {why}{free}, but"
         new_work = "new work needs a new Idempotency-Key"
     return _refuse(
         409,
         "late_answer_applied",
         f"{said} {warning}; it is not sent again, and {new_work} (see `{show_command(s.call_id)}`)",
         s,
-        next_operation="none",
+        next_operation=evidence.contradicted_next(s),
     )
 
 

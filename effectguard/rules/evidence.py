@@ -29,7 +29,7 @@ from effectguard.rules.events import (
 from effectguard.rules.guidance import contradicted_not_applied
 from effectguard.rules.lookups import digest
 from effectguard.rules.settlement import Settlement
-from effectguard.rules.workstate import STAGE_TABLE, WorkState
+from effectguard.rules.workstate import STAGE_TABLE, NextOperation, WorkState
 
 #: Values of ``attempt.late_answer``'s ``effect`` (the provider's declaration of its status).
 EFFECTS = ("applied", "none", "unknown")
@@ -135,25 +135,35 @@ RESENDABLE: Final = frozenset(
 )
 
 
+def authorized_resend(state: WorkState) -> bool:
+    """Whether ``state`` is an effect-unknown call an operator authorized one resend of
+    (contract.md §8): the one stage besides :data:`RESENDABLE` whose next step may be a
+    resend, and so the one more a late applied answer contradicts."""
+    return state.stage == "effect_unknown" and state.resend_authorized
+
+
 def may_be_contradicted(state: WorkState) -> bool:
     """Whether ``state`` is one that a late applied answer could contradict, so that its
-    events are worth reading (:func:`applied_late`): a call decided not applied, or one
-    resting ``not_sent``/``not_processed`` after a later attempt. A first attempt that
-    proved nothing recorded its own outcome, so no late answer is kept for it: the hot
-    path (a first attempt's 429, retried) reads nothing more."""
-    if state.stage == "reconciled_not_applied":
+    events are worth reading (:func:`applied_late`): a call decided not applied, one
+    resting ``not_sent``/``not_processed`` after a later attempt, or one with a resend
+    authorized. A first attempt that proved nothing recorded its own outcome, so no late
+    answer is kept for it: the hot path (a first attempt's 429, retried) reads nothing
+    more; nor does an effect-unknown call nobody authorized a resend of (refused anyway)."""
+    if state.stage == "reconciled_not_applied" or authorized_resend(state):
         return True
     return state.stage in RESENDABLE and state.attempts > 1
 
 
 def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> bool:
     """Whether ``state`` says the call had no effect, its next operation ``resend``
-    (decided not applied, or its last attempt not sent or not processed), while ``late``,
-    an answer to any of its attempts (:func:`applied_late`), says the provider applied it.
-    The resend (or the retry as new work) that stage usually calls for (§6 ``resend``)
-    would make the effect a second time: every answer about the call says not to resend
-    instead, and a resend, a declared retry or the proxy's own automatic retry is refused
-    (docs/contract.md §3.4, §4, §8, §9).
+    (decided not applied, or its last attempt not sent or not processed), or has a resend
+    authorized (:func:`authorized_resend`), while ``late``, an answer to any of its
+    attempts (:func:`applied_late`), says the provider applied it.
+    The resend (or the retry as new work) that stage usually calls for (§6 ``resend``),
+    or that the operator authorized, would make the effect a second time: every answer
+    about the call says not to resend instead, and a resend, a declared retry or the
+    proxy's own automatic retry is refused (docs/contract.md §3.4, §4, §8, §9). The
+    authorization stays in the stored state (the fold is unchanged); these rules void it.
 
     Any attempt, not only the last: a decision not applied is about the call (its stage
     says the effect is ``none`` and frees it), and each attempt asked the provider for the
@@ -161,11 +171,19 @@ def resend_contradicted(state: WorkState, late: AttemptLateAnswer | None) -> boo
     recorded after attempt 2 as much as one recorded after attempt 1; and a later
     attempt's 429 or not-sent says nothing of what attempt 1 did."""
     return (
-        state.stage in RESENDABLE
+        (state.stage in RESENDABLE or authorized_resend(state))
         and late is not None
         and late.attempt <= state.attempts
         and contradicts(late, False)
     )
+
+
+def contradicted_next(state: WorkState) -> NextOperation:
+    """The next operation every answer names for ``state`` once a late applied answer
+    forbids its resend (:func:`resend_contradicted`): none, the stage's resend being what
+    is forbidden; but an effect-unknown call still awaits its decision (reconcile), only
+    its authorized resend is void."""
+    return state.next_operation if state.stage == "effect_unknown" else "none"
 
 
 def resend_warning(

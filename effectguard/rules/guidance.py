@@ -93,7 +93,8 @@ def contradicted_not_applied(
     has an ``Idempotency-Key``; one without is sent again as a new call, or as a declared
     retry (``Effectguard-Retry-Of``, an SDK's retry count), never with a key. ``stage``:
     the call's, one whose next operation is resend (a later attempt ``not_sent`` or
-    ``not_processed`` says nothing of what this attempt did)."""
+    ``not_processed`` says nothing of what this attempt did), or ``effect_unknown`` with
+    a resend authorized, which the answer voids."""
     which = "a late answer kept" if kept else "the late answer (not kept)"
     again = (
         "a resend with the same Idempotency-Key"
@@ -110,6 +111,8 @@ def _despite(stage: str) -> str:
     """What the late answer contradicts: the decision, or the later attempt's outcome."""
     if stage == "reconciled_not_applied":
         return "after it was decided not applied"
+    if stage == "effect_unknown":
+        return "though one resend of it was authorized"
     return f"though its last attempt was {stage.replace('_', ' ')}"
 
 

@@ -120,7 +120,11 @@ def _summary(
     state: WorkState, manifest: dict[str, Any], now: float, warning: str | None, gone: str | None
 ) -> str:
     # As `calls` and `show` print it: a call whose owner is gone waits for nothing.
-    shown = next_shown(state.next_operation, gone) if warning is None else "none"
+    shown = (
+        next_shown(state.next_operation, gone)
+        if warning is None
+        else evidence.contradicted_next(state)
+    )
     fields = [
         ("stage", stage_badge(state.stage)),
         ("effect", esc(state.effect)),
@@ -228,7 +232,7 @@ DECISIONS: dict[str, tuple[str, str]] = {
 def _decide_forms(state: WorkState, csrf: str, warning: str | None, gone: str | None) -> str:
     """The decisions open (``warning``: why the call must not be resent, if it must not;
     ``gone``: why the owner of a call in flight will not finish it)."""
-    if warning is not None:
+    if warning is not None and state.next_operation != "reconcile":
         return (
             f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
             f"but {esc(warning)}.</p>"
@@ -239,6 +243,8 @@ def _decide_forms(state: WorkState, csrf: str, warning: str | None, gone: str | 
             f"(next operation: {esc(state.next_operation)}).</p>"
         )
     forms = [_taking_over(gone)] if gone is not None else []
+    if warning is not None:  # its authorized resend is void; the decision is still open
+        forms.append(f'<p class="flash error">{esc(warning)}; decide it below.</p>')
     # What the operator was told a decision does: for an owner gone by its lease, that it
     # records nothing else (refused still if the call was taken over since it was shown).
     seen = "" if gone is None else f'<input type="hidden" name="owner_gone" value="{attr(gone)}">'
