@@ -38,6 +38,7 @@ from effectguard.errors import ConfigError, Refusal
 from effectguard.ingress.callerstream import CallerStream
 from effectguard.ingress.clienttimeout import caller_read, caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
+from effectguard.ingress.originpools import async_pools, sync_pools
 from effectguard.ingress.portal import Portal
 from effectguard.ingress.syncinner import SyncInner
 from effectguard.ledger import Ledger
@@ -106,7 +107,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         or a ``TracerProvider``), with the ``effectguard[otel]`` extra installed.
         ``reconcile_hook``: the application's answer to "did this unknown call happen?"
         (see :mod:`effectguard.callpath.hooks`)."""
-        self.inner = inner or httpx.AsyncHTTPTransport()
+        # By default a pool per origin: one hung provider cannot hold every connection.
+        self.inner = inner or async_pools()
         self.budget = budget
         self.refuse_unmatched = refuse_unmatched
         declared = _providers(providers, upstreams)
@@ -396,7 +398,7 @@ class GuardTransport(httpx.BaseTransport):
     ) -> None:
         self._portal = Portal()
         self._async = AsyncGuardTransport(
-            SyncInner(inner or httpx.HTTPTransport()),
+            sync_pools() if inner is None else SyncInner(inner),
             ledger=ledger,
             budget=budget,
             providers=providers,
