@@ -7,7 +7,9 @@ free one until its pool timeout: recorded ``not_sent``, retried, then failed, wh
 own provider was well. Here each origin (scheme, host, port) gets a pool of its own,
 made on first use, so a hung provider can hold only its own connections, as the proxy's
 ``max_connections_per_upstream`` keeps it to its share (docs/contract.md, "Connections
-to upstreams").
+to upstreams"). Only the declared providers' origins get one: the rest of the traffic
+(requests the transport passes through) shares one pool, so a program that reaches many
+hosts through it holds one pool more, not one a host.
 
 The pools are async transports of any kind: ``httpx.AsyncHTTPTransport`` for
 :class:`~effectguard.AsyncGuardTransport`, and for :class:`~effectguard.GuardTransport` a
@@ -19,7 +21,7 @@ their threads as they hold their connections.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import httpx
 
@@ -29,20 +31,34 @@ from effectguard.ingress.syncinner import SyncInner
 Origin = tuple[bytes, bytes, int | None]
 
 
+def origin_of(url: httpx.URL) -> Origin:
+    """``url``'s origin."""
+    return (url.raw_scheme, url.raw_host, url.port)
+
+
 class OriginPools(httpx.AsyncBaseTransport):
-    """Routes each request to the pool of its URL's origin, made by ``make`` on first use.
+    """Routes each request to the pool of its URL's origin if that is one of ``origins``
+    (the declared providers'), else to the pool the other origins share; each pool is
+    made by ``make`` on first use.
 
     ``make`` takes the TLS context all the pools share: loading the CA bundle once, not
     once per origin."""
 
-    def __init__(self, make: Callable[[ssl.SSLContext], httpx.AsyncBaseTransport]) -> None:
+    def __init__(
+        self,
+        make: Callable[[ssl.SSLContext], httpx.AsyncBaseTransport],
+        origins: Iterable[Origin] = (),
+    ) -> None:
         self._make = make
+        self._own = frozenset(origins)
         self._tls: ssl.SSLContext | None = None
-        self._pools: dict[Origin, httpx.AsyncBaseTransport] = {}
+        self._pools: dict[Origin | None, httpx.AsyncBaseTransport] = {}
 
     def pool(self, url: httpx.URL) -> httpx.AsyncBaseTransport:
-        """The pool of ``url``'s origin, made now if it has none yet."""
-        origin = (url.raw_scheme, url.raw_host, url.port)
+        """The pool of ``url``'s origin (or the shared one), made now if there is none yet."""
+        origin: Origin | None = origin_of(url)
+        if origin not in self._own:
+            origin = None
         pool = self._pools.get(origin)
         if pool is None:
             if self._tls is None:
@@ -67,12 +83,13 @@ class OriginPools(httpx.AsyncBaseTransport):
             raise errors[0]
 
 
-def async_pools() -> OriginPools:
-    """The default upstream leg of :class:`~effectguard.AsyncGuardTransport`."""
-    return OriginPools(lambda tls: httpx.AsyncHTTPTransport(verify=tls))
+def async_pools(origins: Iterable[Origin]) -> OriginPools:
+    """The default upstream leg of :class:`~effectguard.AsyncGuardTransport`, a pool for
+    each of ``origins``."""
+    return OriginPools(lambda tls: httpx.AsyncHTTPTransport(verify=tls), origins)
 
 
-def sync_pools() -> OriginPools:
-    """The default upstream leg of :class:`~effectguard.GuardTransport`: each origin's
-    sync pool with threads of its own."""
-    return OriginPools(lambda tls: SyncInner(httpx.HTTPTransport(verify=tls)))
+def sync_pools(origins: Iterable[Origin]) -> OriginPools:
+    """The default upstream leg of :class:`~effectguard.GuardTransport`: each of
+    ``origins``' sync pool with threads of its own."""
+    return OriginPools(lambda tls: SyncInner(httpx.HTTPTransport(verify=tls)), origins)

@@ -38,7 +38,7 @@ from effectguard.errors import ConfigError, Refusal
 from effectguard.ingress.callerstream import CallerStream
 from effectguard.ingress.clienttimeout import caller_read, caller_wait, upstream_timeout
 from effectguard.ingress.observers import tracing
-from effectguard.ingress.originpools import async_pools, sync_pools
+from effectguard.ingress.originpools import Origin, async_pools, origin_of, sync_pools
 from effectguard.ingress.portal import Portal
 from effectguard.ingress.syncinner import SyncInner
 from effectguard.ledger import Ledger
@@ -107,11 +107,12 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         or a ``TracerProvider``), with the ``effectguard[otel]`` extra installed.
         ``reconcile_hook``: the application's answer to "did this unknown call happen?"
         (see :mod:`effectguard.callpath.hooks`)."""
-        # By default a pool per origin: one hung provider cannot hold every connection.
-        self.inner = inner or async_pools()
+        declared = _providers(providers, upstreams)
+        # By default a pool per provider's origin: one hung provider cannot hold every
+        # connection.
+        self.inner = inner or async_pools(_origins(declared))
         self.budget = budget
         self.refuse_unmatched = refuse_unmatched
-        declared = _providers(providers, upstreams)
         config = RuntimeConfig(
             ledger_url=ledger if isinstance(ledger, str) else ledger.store.url,
             providers=declared,
@@ -378,6 +379,11 @@ class _PortalStream(httpx.SyncByteStream):
             # Its transport began closing meanwhile: that close reads it to its end.
 
 
+def _origins(declared: Mapping[str, Provider]) -> list[Origin]:
+    """The origins of the declared providers: each gets a connection pool of its own."""
+    return [origin_of(httpx.URL(p.base_url)) for p in declared.values()]
+
+
 class GuardTransport(httpx.BaseTransport):
     """The synchronous transport: same guard, same ledger, usable from many threads."""
 
@@ -397,12 +403,12 @@ class GuardTransport(httpx.BaseTransport):
         reconcile_hook: ReconcileHook | None = None,
     ) -> None:
         self._portal = Portal()
+        declared = _providers(providers, upstreams)  # once: the async one takes them as is
         self._async = AsyncGuardTransport(
-            sync_pools() if inner is None else SyncInner(inner),
+            sync_pools(_origins(declared)) if inner is None else SyncInner(inner),
             ledger=ledger,
             budget=budget,
-            providers=providers,
-            upstreams=upstreams,
+            providers=declared,
             refuse_unmatched=refuse_unmatched,
             settings=settings,
             observer=observer,
