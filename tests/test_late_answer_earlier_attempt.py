@@ -7,6 +7,8 @@ whatever attempt 2 did: a decision not applied is about the call, so
 * a lookup's or the hook's "not applied" about attempt 2 is not recorded, and the note
   says what a person runs instead (``--applied``: ``--accept-evidence`` takes only an
   answer to the current attempt);
+* ``show`` and the operator page offer ``--applied`` first, and ``--not-applied`` only
+  behind a warning that the evidence says applied;
 * once a person decides it not applied anyway, attempt 2's own late answer (one that is
   not applied) is refused 502 with ``next_operation`` ``none`` and show's "do not
   resend", not ``resend``: the resend would be refused 409 ``late_answer_applied``.
@@ -15,17 +17,20 @@ whatever attempt 2 did: a decision not applied is about the call, so
 from __future__ import annotations
 
 import contextlib
+import html
 import shlex
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 from fencekit import CHAT, UPSTREAM, Upstream, chat, make_runtime, taken_over_mid_call
+from operatorkit import ADMIN_KEY, PAGE, config_text
 from pgkit import ledger_url
-from test_late_answer import Fenced, ajson, fenced_call, late_refusal
+from test_late_answer import Fenced, acli, ajson, fenced_call, late_refusal
 
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import NotApplied, ReconcileQuestion
@@ -33,12 +38,18 @@ from effectguard.callpath.resolve import facts_of
 from effectguard.callpath.runtime import Runtime
 from effectguard.errors import Refusal
 from effectguard.ops.verify import verify_ledger
+from effectguard.testing import running_proxy
 
 _ = (ledger_url, fenced_call)  # fixtures
 
 ADVICE = "do not resend: a late answer kept for attempt 1 (status 200)"
 #: How that advice ends for a call that carried no Idempotency-Key.
 KEYLESS = "sending the request again (it carried no Idempotency-Key) would make the effect again"
+
+#: How every offer of a decision the evidence contradicts begins.
+AGAINST = "only if you know the provider did not apply it"
+#: How the offer of the decision the evidence proves begins.
+APPLIED = "the provider applied the call, whichever attempt made the effect"
 
 
 def resend() -> httpx.Request:
@@ -114,6 +125,46 @@ async def test_an_automated_not_applied_never_goes_against_an_earlier_attempts_2
     assert decided["stage"] == "reconciled_applied"
     assert Decimal(decided["cost_usd"]) == implied
     assert (await verify_ledger(ledger)).ok
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_show_and_the_page_offer_applied_first_and_not_applied_behind_a_warning(
+    resent: Resent, tmp_path: Path
+) -> None:
+    """Attempt 1's late 200 is kept; the call is effect_unknown at attempt 2. ``show``
+    (text and ``--json``) and the operator page offer ``--applied`` first, as the
+    deciders' refusal advises, and ``--not-applied`` only behind a warning that the
+    evidence says applied. (They offered ``--applied | --not-applied`` as equals, the page
+    "Not applied" first: a person could free the resend of an applied call.)"""
+    call_id, url = resent.fenced.call_id, resent.fenced.ledger_url
+    shown = await ajson("show", call_id, "--ledger", url)
+    choices = shown["next_command"].split(" | ")
+    assert choices[0].startswith(APPLIED), choices
+    assert "--applied [--cost USD] --note TEXT --attempt 2`" in choices[0], choices
+    against = [c for c in choices if "--not-applied" in c]
+    assert len(against) == 1 and against[0].startswith(AGAINST), choices
+    assert "late answer kept for attempt 1 (status 200)" in against[0], choices
+    code, text = await acli("show", call_id, "--ledger", url)
+    offered = [line.strip() for line in text.split("\nnext\n")[1].splitlines()]
+    assert code == 0 and offered[0].startswith(APPLIED), offered
+    assert [o for o in offered if "--not-applied" in o] == ["or " + against[0]], offered
+
+    config = tmp_path / "effectguard.toml"
+    config.write_text(config_text())
+    log = tmp_path / "proxy.log"  # beside a file ledger by default; a DSN is none
+    with running_proxy(url, args=["--config", str(config)], log_path=log) as proxy:
+        got = httpx.get(
+            f"{proxy.url}{PAGE}calls/{call_id}", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        )
+    assert got.status_code == 200, got.text
+    page = html.unescape(got.text)
+    applied, not_applied = (
+        page.index('id="reconcile-applied"'),
+        page.index('id="reconcile-not_applied"'),
+    )
+    assert page.index(APPLIED) < applied < not_applied, page
+    form = page[not_applied : page.index("</form>", not_applied)]
+    assert AGAINST in form and "late answer kept for attempt 1 (status 200)" in form, form
 
 
 @pytest.mark.parametrize("fenced_call", [200], indirect=True)

@@ -26,8 +26,13 @@ from effectguard.rules.events import (
     CallReconciled,
     StoredEvent,
 )
-from effectguard.rules.guidance import contradicted_not_applied
+from effectguard.rules.guidance import (
+    applied_by_earlier_attempt,
+    contradicted_not_applied,
+    not_applied_against,
+)
 from effectguard.rules.lookups import digest
+from effectguard.rules.money import nanos_to_usd
 from effectguard.rules.settlement import Settlement
 from effectguard.rules.workstate import STAGE_TABLE, NextOperation, WorkState
 
@@ -87,6 +92,40 @@ def applied_late(events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
             assert isinstance(event, AttemptLateAnswer)
             found = event
     return found
+
+
+def applied_earlier(state: WorkState, events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
+    """For an effect-unknown call, the late answer kept for an attempt before its last
+    that the provider declares applied (:func:`applied_late`), unless the last attempt's
+    own late answer says applied too (``--accept-evidence`` decides the call by that one).
+    The call is applied, whichever attempt made the effect: what a person is offered first
+    (:func:`earlier_advice`), as the deciders' refusal advises (ledger/decisions.py)."""
+    if state.stage != "effect_unknown":
+        return None
+    events = list(events)
+    late = applied_late(events)
+    if late is None or late.attempt >= state.attempts:
+        return None
+    own = latest(events, state.attempts)
+    return None if own is not None and own.effect == "applied" else late
+
+
+def implied_usd(late: AttemptLateAnswer) -> str | None:
+    """What ``late`` would have cost, in USD (None: it implies no cost)."""
+    return None if late.cost is None else nanos_to_usd(late.cost)
+
+
+def earlier_advice(call_id: str, attempt: int, late: AttemptLateAnswer) -> str:
+    """The decisions offered, ``|``-separated, for an effect-unknown call whose last attempt
+    is ``attempt`` and that ``late`` (:func:`applied_earlier`) says was applied: "applied"
+    first; "not applied" still reachable (a person may know better) but only behind the
+    warning that the evidence says otherwise. ``--accept-evidence`` is not offered: it
+    takes only an answer to the last attempt (and that one's, if any, would say not
+    applied, against the evidence)."""
+    return (
+        f"{applied_by_earlier_attempt(call_id, attempt, implied_usd(late))}"
+        f" | {not_applied_against(call_id, attempt, late.attempt, late.status)}"
+    )
 
 
 def recovered(events: Iterable[StoredEvent]) -> CallReconciled | None:

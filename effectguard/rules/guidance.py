@@ -66,6 +66,26 @@ def applied_by_earlier_attempt(call_id: str, attempt: int, implied_usd: str | No
     )
 
 
+def against_applied(late_attempt: int, status: int) -> str:
+    """The warning before the offer of "not applied" for a call that a late answer kept
+    for ``late_attempt`` (with ``status``) says the provider applied: a person may know
+    better, but the decision frees a resend that the evidence says repeats the effect."""
+    return (
+        f"only if you know the provider did not apply it (the late answer kept for attempt "
+        f"{late_attempt} (status {status}) says it did, and a decision not applied frees a "
+        "resend that would make the effect again)"
+    )
+
+
+def not_applied_against(call_id: str, attempt: int, late_attempt: int, status: int) -> str:
+    """The offer of ``--not-applied`` for such a call (:func:`against_applied`), its last
+    attempt being ``attempt``: after its warning, never beside ``--applied`` as an equal."""
+    return (
+        f"{against_applied(late_attempt, status)}: "
+        f"`effectguard reconcile {call_id} --not-applied --note TEXT --attempt {attempt}`"
+    )
+
+
 def decide_unknown(call_id: str) -> str:
     """The advice a refusal of an effect-unknown call ends with."""
     return (

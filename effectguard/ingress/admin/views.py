@@ -28,8 +28,8 @@ from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import tree_order
-from effectguard.rules.events import StoredEvent
-from effectguard.rules.guidance import next_shown
+from effectguard.rules.events import AttemptLateAnswer, StoredEvent
+from effectguard.rules.guidance import against_applied, applied_by_earlier_attempt, next_shown
 from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
@@ -229,9 +229,17 @@ DECISIONS: dict[str, tuple[str, str]] = {
 }
 
 
-def _decide_forms(state: WorkState, csrf: str, warning: str | None, gone: str | None) -> str:
+def _decide_forms(
+    state: WorkState,
+    csrf: str,
+    warning: str | None,
+    gone: str | None,
+    earlier: AttemptLateAnswer | None = None,
+) -> str:
     """The decisions open (``warning``: why the call must not be resent, if it must not;
-    ``gone``: why the owner of a call in flight will not finish it)."""
+    ``gone``: why the owner of a call in flight will not finish it; ``earlier``: a late
+    answer to an earlier attempt that says the provider applied the call, which puts
+    "Applied" first and "Not applied" behind a warning, as ``show`` offers them)."""
     if warning is not None and state.next_operation != "reconcile":
         return (
             f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
@@ -245,31 +253,49 @@ def _decide_forms(state: WorkState, csrf: str, warning: str | None, gone: str | 
     forms = [_taking_over(gone)] if gone is not None else []
     if warning is not None:  # its authorized resend is void; the decision is still open
         forms.append(f'<p class="flash error">{esc(warning)}; decide it below.</p>')
+    names = list(DECISIONS)
+    if earlier is not None:
+        advice = applied_by_earlier_attempt(
+            state.call_id, state.attempts, evidence.implied_usd(earlier)
+        )
+        forms.append(f'<p class="flash error">{esc(advice)}.</p>')
+        names.reverse()  # "Applied" first
     # What the operator was told a decision does: for an owner gone by its lease, that it
     # records nothing else (refused still if the call was taken over since it was shown).
     seen = "" if gone is None else f'<input type="hidden" name="owner_gone" value="{attr(gone)}">'
-    for name, (label, meaning) in DECISIONS.items():
-        cost = ""
-        if name == "applied":
-            cost = (
-                "<label>Cost in USD (empty: the held amount, "
-                f'{usd(state.held)}) <input type="text" name="cost" id="cost-{name}" '
-                'inputmode="decimal" placeholder="0.0123"></label>'
-            )
-        forms.append(
-            f'<form class="decide" method="post" id="reconcile-{name}" '
-            f'action="{PREFIX}calls/{attr(state.call_id)}/reconcile">{csrf_field(csrf)}'
-            f'<input type="hidden" name="decision" value="{name}">'
-            # What the operator saw: a decision about this attempt, refused once another
-            # has been sent (the call may have been decided and resent meanwhile).
-            f'<input type="hidden" name="attempt" value="{state.attempts}">{seen}'
-            f'<b>{esc(label)}</b> <span class="muted">{esc(meaning)}</span>{cost}'
-            f'<label>Note (required: how you know) <textarea name="note" id="note-{name}" '
-            f'rows="2" required></textarea></label>'
-            f'<button class="primary" type="submit" id="submit-{name}">'
-            f"Record: {esc(label.lower())}</button></form>"
-        )
+    for name in names:
+        against = None
+        if name == "not_applied" and earlier is not None:
+            against = against_applied(earlier.attempt, earlier.status)
+        forms.append(_decision_form(state, csrf, name, seen, against))
     return "".join(forms)
+
+
+def _decision_form(state: WorkState, csrf: str, name: str, seen: str, against: str | None) -> str:
+    """One decision's form (``seen``: the hidden owner-gone field; ``against``: the
+    warning that the evidence says otherwise, shown first in the form)."""
+    label, meaning = DECISIONS[name]
+    cost = ""
+    if name == "applied":
+        cost = (
+            "<label>Cost in USD (empty: the held amount, "
+            f'{usd(state.held)}) <input type="text" name="cost" id="cost-{name}" '
+            'inputmode="decimal" placeholder="0.0123"></label>'
+        )
+    warned = "" if against is None else f'<p class="flash error">{esc(against)}.</p>'
+    return (
+        f'<form class="decide" method="post" id="reconcile-{name}" '
+        f'action="{PREFIX}calls/{attr(state.call_id)}/reconcile">{csrf_field(csrf)}{warned}'
+        f'<input type="hidden" name="decision" value="{name}">'
+        # What the operator saw: a decision about this attempt, refused once another
+        # has been sent (the call may have been decided and resent meanwhile).
+        f'<input type="hidden" name="attempt" value="{state.attempts}">{seen}'
+        f'<b>{esc(label)}</b> <span class="muted">{esc(meaning)}</span>{cost}'
+        f'<label>Note (required: how you know) <textarea name="note" id="note-{name}" '
+        f'rows="2" required></textarea></label>'
+        f'<button class="primary" type="submit" id="submit-{name}">'
+        f"Record: {esc(label.lower())}</button></form>"
+    )
 
 
 def _taking_over(gone: str) -> str:
@@ -300,10 +326,11 @@ def call_page(
     ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     warning = evidence.resend_warning(state, evidence.applied_late(events))
+    earlier = evidence.applied_earlier(state, events)
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
         f"{_summary(state, manifest, now, warning, owner_gone)}"
-        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, earlier)}"
         f"<h2>Evidence</h2>{_evidence(events)}"
         f"<h2>Attempts</h2>{_attempts(events)}"
         f"<h2>Request</h2>{_request(manifest)}"
