@@ -167,3 +167,34 @@ def test_a_live_owners_call_is_not_taken_over_from_the_page(tmp_path: Path) -> N
         assert call.answers and call.answers[0].status_code == 200, call.answers
         assert cli("show", call.call_id, *where)["stage"] == "completed"
         assert len(fake.effects()) == 1
+
+
+def test_the_start_page_lists_calls_whose_worker_is_gone_but_not_a_live_ones(
+    tmp_path: Path,
+) -> None:
+    """A dead replica's call in flight is on the start page, with why its owner is gone and
+    a link to its page, before any sweep; a call a live ``serve`` is working on is not."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        page_serve(tmp_path, fake) as proxy,
+    ):
+        # The live call first: a replica started later would take the dead one over.
+        with call_under_way(ledger, fake, "f@x", {"x-fake-delay": "4"}) as live:
+            crash(ledger, fake, "after:dispatch", SEND, email("e@x"), {"Idempotency-Key": "e"})
+            (dead,) = [
+                c
+                for c in cli("calls", *where, "--state", "in_flight")
+                if c["call_id"] != live.call_id
+            ]
+            response = httpx.get(f"{proxy.url}{PAGE}", headers=BEARER)
+            assert response.status_code == 200, response.text
+            start = html.unescape(response.text)
+            live.client.join(30)
+        assert "In flight, worker gone" in start, start
+        row = re.search(rf'<tr>(?:(?!</tr>).)*calls/{dead["call_id"]}".*?</tr>', start, re.S)
+        assert row, start
+        assert "process gone" in row[0]
+        assert live.call_id not in start
+        assert cli("show", dead["call_id"], *where)["stage"] == "in_flight"  # only listed

@@ -21,14 +21,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
-from effectguard.callpath.liveness import gone_owners
+from effectguard.callpath.liveness import gone_owners, provably_dead
 from effectguard.callpath.recovery import WorkerRuntime
 from effectguard.ledger import Ledger
-from effectguard.rules.liveness import LEASE_EXPIRED
+from effectguard.rules.liveness import LEASE_EXPIRED, owner_gone
 from effectguard.rules.workstate import WorkState
 
 #: Calls in flight looked at (far more than are ever in flight at once).
 IN_FLIGHT_READ: Final = 100_000
+#: Gone workers whose calls in flight :func:`gone_in_flight` reads, one query each.
+GONE_WORKERS_READ: Final = 20
 
 
 async def gone_owners_here(
@@ -37,6 +39,35 @@ async def gone_owners_here(
     """:func:`~effectguard.callpath.liveness.gone_owners` as a process on this host judges
     them (locks in ``lock_dir``, the ledger's): call id -> why its owner will not finish it."""
     return await gone_owners(ledger, calls, lock_dir, socket.gethostname())
+
+
+async def gone_in_flight(
+    ledger: Ledger, lock_dir: Path | None, limit: int
+) -> tuple[list[tuple[WorkState, str]], bool]:
+    """Up to ``limit`` calls in flight whose owner is gone, each with why, and whether
+    there may be more. Not every call in flight is read: the live workers are, and the
+    calls of those gone (by lock or lease) through the index of stage and worker; each
+    call is then judged by :func:`gone_owners_here`, the rule ``show`` and a decision use.
+    A fenced worker's call still in flight (a sweep that could not mark it) is not found
+    here: the next sweep marks it."""
+    rows = await ledger.store.live_workers()
+    now = await ledger.store.clock_now()
+    dead = provably_dead(rows, lock_dir, socket.gethostname())
+    workers = [
+        row.worker
+        for row in rows
+        if owner_gone(
+            live=True, lease_expires=row.lease_expires, now=now, lock_free=row.worker in dead
+        )
+    ]
+    calls: list[WorkState] = []
+    for worker in workers[:GONE_WORKERS_READ]:
+        calls += await ledger.in_flight_of(worker, limit + 1 - len(calls))
+        if len(calls) > limit:
+            break
+    gone = await gone_owners_here(ledger, lock_dir, calls)
+    found = [(call, gone[call.call_id]) for call in calls if call.call_id in gone]
+    return found[:limit], len(calls) > limit or len(workers) > GONE_WORKERS_READ
 
 
 async def take_over_gone(

@@ -374,6 +374,11 @@ class Ledger:
             stage, budget, limit, provider=provider, since=since, oldest_first=oldest_first
         )
 
+    async def in_flight_of(self, worker: str, limit: int = 1000) -> list[WorkState]:
+        """Up to ``limit`` calls in flight whose current attempt ``worker`` started, read
+        by the calls' index of stage and worker (not every call in flight)."""
+        return await self.store.in_flight_of(worker, limit)
+
     async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
         """``(provider, stage, count, held, oldest)`` of the unresolved calls: aggregates
         the store answers without reading any call, however many there are."""

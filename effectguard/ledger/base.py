@@ -317,6 +317,12 @@ class LedgerStore(Protocol):
         it, never reading more than a page however many there are."""
         ...
 
+    async def in_flight_of(self, worker: str, limit: int) -> list[WorkState]:
+        """Up to ``limit`` calls in flight whose current attempt ``worker`` started (none
+        for a name never written), read by the index ``calls_stage(stage, worker)``: the
+        operator page's look at a gone worker's calls, not at every call in flight."""
+        ...
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         """The spend of up to ``limit`` calls created at or after ``since``, newest first
         (the calls, in the order, that ``list_calls(limit=limit, since=since)`` lists)."""

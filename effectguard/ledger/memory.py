@@ -336,6 +336,15 @@ class MemoryStore:
         calls.sort(key=lambda s: (s.created_at, s.call_id))
         return calls[:limit]
 
+    async def in_flight_of(self, worker: str, limit: int) -> list[WorkState]:
+        with self.tables.lock:
+            calls = [
+                s
+                for s in self.tables.calls.values()
+                if s.stage == "in_flight" and s.worker == worker
+            ]
+        return calls[:limit]
+
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:
         return [CallSpend.of(s) for s in await self.list_calls(limit=limit, since=since)]
 

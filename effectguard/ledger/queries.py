@@ -159,7 +159,8 @@ class Queries:
     state decoded (PostgreSQL: from its state's JSON, decoded once a row by a lateral
     ``json_to_record``); ``day`` is a call's UTC day as whole days since the epoch (the
     dialect's floor of ``created_at / 86400``). Parameters that name a call, a request
-    hash or a worker are the store's own forms of them (SQLite: bytes and ids, ledger/sqlitecalls).
+    hash or a worker are the store's own forms of them (SQLite: bytes and ids, ledger/sqlitecalls);
+    ``worker_named`` turns a worker's name into that form in SQL (default: the name itself).
     """
 
     def __init__(
@@ -178,6 +179,7 @@ class Queries:
         day: str = "CAST(created_at / 86400 AS INTEGER)",
         binary: str = "",
         key_kinds: str = KEY_KINDS_TEXT,
+        worker_named: str = "",
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -198,7 +200,7 @@ class Queries:
         self.decided_by = {True: self.decided_call, False: self.not_applied_call}
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
-        self._workers(false)
+        self._workers(false, state, worker_named or m)
         #: Per-period counters; each store adds how it matches a list of (path, period).
         self.nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods"
         #: Budget policies; each store adds how it matches a list of paths.
@@ -220,8 +222,13 @@ class Queries:
         )
         self._writes(event_insert)
 
-    def _workers(self, false: str) -> None:
-        """The reads of workers: one by id, the live ones (what a sweep reads), and all."""
+    def _workers(self, false: str, state: str, named: str) -> None:
+        """The reads of workers: one by id, the live ones (what a sweep reads), and all;
+        and a reader's page of one worker's calls in flight, the worker by its name
+        (``named``: the store's column value for a name)."""
+        self.in_flight_page = (
+            f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {named} LIMIT {self.mark}"
+        )
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {self.mark}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
@@ -455,6 +462,8 @@ SQLITE = Queries(
     # index, calls_created, cost a b-tree page in every admission.
     newest_first="call_id DESC",
     key_kinds=KEY_KINDS_SQLITE,
+    # A row's worker is its name's id (migration 11); a name never written matches none.
+    worker_named="(SELECT id FROM worker_names WHERE name = ?)",
 )
 POSTGRES = Queries(
     mark="%s",

@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from effectguard.callpath.recovery import lock_dir_for
-from effectguard.callpath.takeover import gone_owners_here, take_over_gone
+from effectguard.callpath.takeover import gone_in_flight, gone_owners_here, take_over_gone
 from effectguard.config.settings import AdminSettings
 from effectguard.errors import CallNotFound, LedgerError, ReconcileError
 from effectguard.ingress.admin import views
@@ -50,6 +50,8 @@ log = logging.getLogger("effectguard.admin")
 
 #: Most effect-unknown calls listed (the oldest); most calls read for the spend chart.
 UNKNOWN_SHOWN = 500
+#: Most calls in flight with a gone worker listed.
+GONE_SHOWN = 50
 SPEND_CALLS = 50_000
 
 
@@ -179,9 +181,14 @@ class AdminPage:
         calls = await self._ledger.calls(
             stage="effect_unknown", limit=UNKNOWN_SHOWN, oldest_first=True
         )
-        return views.unknown_calls(
-            calls, now=self._clock(), total=max(total, len(calls)), held=held
-        )
+        now = self._clock()
+        unknown = views.unknown_calls(calls, now=now, total=max(total, len(calls)), held=held)
+        # The calls in flight of gone workers only (the live workers, then each gone one's
+        # calls by index), and only when the counts say a call is in flight at all.
+        if not any(stage == "in_flight" for _, stage, n, _, _ in stages if n):
+            return unknown
+        gone, more = await gone_in_flight(self._ledger, self._lock_dir, GONE_SHOWN)
+        return unknown + views.gone_owner_calls(gone, now=now, more=more)
 
     async def _call(self, call_id: str, csrf: str) -> str:
         ledger = self._ledger

@@ -97,6 +97,39 @@ def unknown_calls(calls: Sequence[WorkState], *, now: float, total: int, held: i
     return f"<h1>Unknown-effect calls</h1>{intro}{table(headings, rows, (1, 3, 8))}{more}"
 
 
+def gone_owner_calls(calls: Sequence[tuple[WorkState, str]], *, now: float, more: bool) -> str:
+    """Calls in flight whose worker is gone, each with why: nothing waits for them but a
+    sweep, and a decision on the call's page takes the worker over first."""
+    if not calls:
+        return ""
+    rows = [
+        [
+            call_link(c.call_id),
+            esc(why),
+            f"<code>{esc(c.worker)}</code>",
+            age(now - c.created_at),
+            esc(c.budget),
+            esc(c.provider),
+            esc(c.model),
+            esc(c.idempotency_key),
+        ]
+        for c, why in calls
+    ]
+    headings = ["call", "owner gone", "worker", "age", "budget", "provider", "model", "key"]
+    intro = (
+        f"<p>{len(calls)} call(s) in flight whose worker will not finish them. A sweep "
+        "marks them effect unknown; a decision on a call's page takes its worker over first.</p>"
+    )
+    shown = (
+        f'<p class="muted">Only {len(calls)} are shown; <code>effectguard calls --state '
+        "in_flight</code> lists every call in flight, <code>effectguard show</code> names "
+        "a call's gone owner.</p>"
+        if more
+        else ""
+    )
+    return f"<h1>In flight, worker gone</h1>{intro}{table(headings, rows, (3,))}{shown}"
+
+
 def _pretty(text: str, encoding: str) -> str:
     """A stored body for reading: JSON pretty-printed, cut at :data:`BODY_SHOWN`."""
     if encoding == REF_ENCODING:  # an upload kept in the body store: named, not shown
