@@ -8,7 +8,10 @@ whatever attempt 2 did: a decision not applied is about the call, so
   says what a person runs instead (``--applied``: ``--accept-evidence`` takes only an
   answer to the current attempt);
 * ``show`` and the operator page offer ``--applied`` first, and ``--not-applied`` only
-  behind a warning that the evidence says applied;
+  behind a warning that the evidence says applied (so they do, ``--accept-evidence``
+  first, for a call its CURRENT attempt's late 200 says applied);
+* ``reconcile --accept-evidence`` refuses to decide "not applied" by the current
+  attempt's unprocessed answer while an earlier attempt's kept 200 says applied;
 * once a person decides it not applied anyway, attempt 2's own late answer (one that is
   not applied) is refused 502 with ``next_operation`` ``none`` and show's "do not
   resend", not ``resend``: the resend would be refused 409 ``late_answer_applied``.
@@ -36,7 +39,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import NotApplied, ReconcileQuestion
 from effectguard.callpath.resolve import facts_of
 from effectguard.callpath.runtime import Runtime
-from effectguard.errors import Refusal
+from effectguard.errors import ReconcileError, Refusal
 from effectguard.ops.verify import verify_ledger
 from effectguard.testing import running_proxy
 
@@ -149,15 +152,7 @@ async def test_show_and_the_page_offer_applied_first_and_not_applied_behind_a_wa
     assert code == 0 and offered[0].startswith(APPLIED), offered
     assert [o for o in offered if "--not-applied" in o] == ["or " + against[0]], offered
 
-    config = tmp_path / "effectguard.toml"
-    config.write_text(config_text())
-    log = tmp_path / "proxy.log"  # beside a file ledger by default; a DSN is none
-    with running_proxy(url, args=["--config", str(config)], log_path=log) as proxy:
-        got = httpx.get(
-            f"{proxy.url}{PAGE}calls/{call_id}", headers={"authorization": f"Bearer {ADMIN_KEY}"}
-        )
-    assert got.status_code == 200, got.text
-    page = html.unescape(got.text)
+    page = operator_page(url, call_id, tmp_path)
     applied, not_applied = (
         page.index('id="reconcile-applied"'),
         page.index('id="reconcile-not_applied"'),
@@ -295,3 +290,113 @@ async def test_a_retry_by_hash_meets_an_older_contradicted_call_past_a_newer_dec
     finally:
         await other.stop()
         await runtime.stop()
+
+
+def operator_page(url: str, call_id: str, tmp_path: Path) -> str:
+    """The call's operator page, served by a proxy on ``url``, unescaped."""
+    config = tmp_path / "effectguard.toml"
+    config.write_text(config_text())
+    log = tmp_path / "proxy.log"  # beside a file ledger by default; a DSN is none
+    with running_proxy(url, args=["--config", str(config)], log_path=log) as proxy:
+        got = httpx.get(
+            f"{proxy.url}{PAGE}calls/{call_id}", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        )
+    assert got.status_code == 200, got.text
+    return html.unescape(got.text)
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_the_current_attempts_200_puts_not_applied_behind_the_same_warning(
+    fenced_call: Fenced, tmp_path: Path
+) -> None:
+    """The call's own (current) attempt's late 200 is kept. ``show`` offers
+    ``--accept-evidence`` first (it decides by that answer), ``--applied`` next, and
+    ``--not-applied`` only behind the warning an earlier attempt's 200 gets; the page puts
+    "Applied" first and that warning in the "Not applied" form. (They offered
+    ``--applied | --not-applied`` as equals, the page "Not applied" first.)"""
+    await late_refusal(fenced_call)
+    await fenced_call.runtime.stop()
+    call_id, url = fenced_call.call_id, fenced_call.ledger_url
+    shown = await ajson("show", call_id, "--ledger", url)
+    choices = shown["next_command"].split(" | ")
+    assert "--accept-evidence [--note TEXT] --attempt 1" in choices[0], choices
+    against = [c for c in choices if "--not-applied" in c]
+    assert len(against) == 1 and against[0].startswith(AGAINST), choices
+    assert "late answer kept for attempt 1 (status 200)" in against[0], choices
+    assert choices.index(against[0]) == len(choices) - 1, choices
+    code, text = await acli("show", call_id, "--ledger", url)
+    offered = [line.strip() for line in text.split("\nnext\n")[1].splitlines()]
+    assert code == 0 and "--accept-evidence" in offered[0], offered
+    assert [o for o in offered if "--not-applied" in o] == ["or " + against[0]], offered
+
+    page = operator_page(url, call_id, tmp_path)
+    applied, not_applied = (
+        page.index('id="reconcile-applied"'),
+        page.index('id="reconcile-not_applied"'),
+    )
+    assert page.index("--accept-evidence") < applied < not_applied, page
+    form = page[not_applied : page.index("</form>", not_applied)]
+    assert AGAINST in form and "late answer kept for attempt 1 (status 200)" in form, form
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_accept_evidence_refuses_not_applied_against_an_earlier_attempts_200(
+    fenced_call: Fenced,
+) -> None:
+    """Attempt 1 decided not applied; its keyed resend, attempt 2, fenced on the wire;
+    attempt 1's late 200 kept; then attempt 2's late 429 (not processed) kept, the call
+    still effect_unknown. ``reconcile --accept-evidence`` decides by the evidence, which as
+    a whole says applied: refused, exit 3, naming attempt 1's answer and the ``--applied``
+    command; nothing recorded. A person can still decide ``--not-applied`` by hand. (It
+    decided "not applied" by attempt 2's 429, with no warning.)"""
+    ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
+    await ledger.reconcile(call_id, applied=False, note="none seen", by="ops")
+    other = make_runtime(fenced_call.ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await other.start()
+    upstream = Upstream(429, hold=True)
+    try:
+        async with taken_over_mid_call(other, guard, resend(), upstream, interrupt_calls=True) as (
+            task,
+            _,
+        ):
+            await late_refusal(fenced_call)
+            upstream.release.set()
+            with pytest.raises(Refusal):
+                await task
+        (late,) = [
+            e.data
+            for e in await ledger.events(call_id)
+            if e.data.get("attempt") == 2 and e.kind == "attempt.late_answer"
+        ]
+        assert (late["status"], late["effect"]) == (429, "none")
+        state = await ledger.call(call_id)
+        assert (state.stage, state.attempts) == ("effect_unknown", 2)
+    finally:
+        await other.stop()
+
+    url = fenced_call.ledger_url
+    code, out = await acli(
+        "reconcile", call_id, "--accept-evidence", "--attempt", "2", "--ledger", url
+    )
+    assert code == 3, out
+    with pytest.raises(ReconcileError) as refused:
+        await ledger.accept_evidence(call_id, note=None, by="ops", attempt=2)
+    said = str(refused.value)
+    assert "late answer kept for attempt 1 (status 200)" in said, said
+    assert APPLIED in said and f"reconcile {call_id} --applied" in said, said
+    assert "--attempt 2" in said, said
+    state = await ledger.call(call_id)
+    assert state.stage == "effect_unknown"
+    decided = await ajson(
+        "reconcile",
+        call_id,
+        "--not-applied",
+        "--note",
+        "reversed at the provider",
+        "--attempt",
+        "2",
+        "--ledger",
+        url,
+    )
+    assert decided["stage"] == "reconciled_not_applied"
+    assert (await verify_ledger(ledger)).ok

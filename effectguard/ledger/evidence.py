@@ -37,8 +37,10 @@ def accept_evidence(
     while ``attempt`` (if given: the one a person examined) is still its last."""
     state = effect_unknown_call(tx, call_id, "evidence decides only an unknown effect")
     check_attempt(state, attempt)
-    found = evidence.latest(tx.events_of(call_id), state.attempts)
-    decided = evidence.accept(call_id, found, state.attempts, note)
+    events = list(tx.events_of(call_id))
+    found = evidence.latest(events, state.attempts)
+    applied = evidence.applied_late(events)  # an answer to any attempt may deny "not applied"
+    decided = evidence.accept(call_id, found, state.attempts, note, applied)
     return reconcile(
         tx, writer, call_id, applied=decided.applied, cost=decided.cost, note=decided.note, by=by
     )

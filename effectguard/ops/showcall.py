@@ -158,16 +158,17 @@ def next_commands(
     state: WorkState, events: list[StoredEvent], where: str = "", owner_gone: str | None = None
 ) -> str | None:
     """The exact command(s) to run next, ``|``-separated; a late answer that decides an
-    effect-unknown call offers ``--accept-evidence`` first, and an applied one to an
-    earlier attempt ``--applied`` (:func:`evidence.earlier_advice`). ``where`` (`` --ledger X``)
-    follows the call id of each: copied as printed, a command reads the ledger shown.
+    effect-unknown call offers ``--accept-evidence`` first, and one that says applied
+    puts ``--not-applied`` behind a warning (:func:`evidence.applied_advice`). ``where``
+    (`` --ledger X``) follows the call id of each: copied as printed, a command reads the
+    ledger shown.
     ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
     keyed = state.idempotency_key is not None
     command = next_command(state.call_id, state.stage, state.attempts or None, owner_gone, keyed)
     late = evidence.latest(events, state.attempts)
-    earlier = evidence.applied_earlier(state, events)
-    if earlier is not None:  # applied first; not applied only behind a warning
-        command = evidence.earlier_advice(state.call_id, state.attempts, earlier)
+    applied = evidence.applied_unknown(state, events)
+    if applied is not None:  # applied first; not applied only behind a warning
+        command = evidence.applied_advice(state.call_id, state.attempts, applied)
     elif state.stage == "effect_unknown" and late is not None and late.effect != "unknown":
         accept = accept_evidence_command(state.call_id, state.attempts)
         command = f"{accept} | {command}" if command else accept

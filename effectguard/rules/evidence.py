@@ -27,7 +27,9 @@ from effectguard.rules.events import (
     StoredEvent,
 )
 from effectguard.rules.guidance import (
+    accept_evidence_command,
     applied_by_earlier_attempt,
+    applied_command,
     contradicted_not_applied,
     not_applied_against,
 )
@@ -94,20 +96,18 @@ def applied_late(events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
     return found
 
 
-def applied_earlier(state: WorkState, events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
-    """For an effect-unknown call, the late answer kept for an attempt before its last
-    that the provider declares applied (:func:`applied_late`), unless the last attempt's
-    own late answer says applied too (``--accept-evidence`` decides the call by that one).
-    The call is applied, whichever attempt made the effect: what a person is offered first
-    (:func:`earlier_advice`), as the deciders' refusal advises (ledger/decisions.py)."""
+def applied_unknown(state: WorkState, events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
+    """For an effect-unknown call, the late answer kept that says the provider applied it:
+    its last attempt's own, which ``--accept-evidence`` decides the call by; else one kept
+    for an earlier attempt (:func:`applied_late`): the call is applied, whichever attempt
+    made the effect. Either way what a person is offered first is "applied", and "not
+    applied" only behind a warning (:func:`applied_advice`), as the deciders' refusals
+    advise (ledger/decisions.py)."""
     if state.stage != "effect_unknown":
         return None
     events = list(events)
-    late = applied_late(events)
-    if late is None or late.attempt >= state.attempts:
-        return None
     own = latest(events, state.attempts)
-    return None if own is not None and own.effect == "applied" else late
+    return own if own is not None and own.effect == "applied" else applied_late(events)
 
 
 def implied_usd(late: AttemptLateAnswer) -> str | None:
@@ -115,17 +115,23 @@ def implied_usd(late: AttemptLateAnswer) -> str | None:
     return None if late.cost is None else nanos_to_usd(late.cost)
 
 
-def earlier_advice(call_id: str, attempt: int, late: AttemptLateAnswer) -> str:
-    """The decisions offered, ``|``-separated, for an effect-unknown call whose last attempt
-    is ``attempt`` and that ``late`` (:func:`applied_earlier`) says was applied: "applied"
-    first; "not applied" still reachable (a person may know better) but only behind the
-    warning that the evidence says otherwise. ``--accept-evidence`` is not offered: it
-    takes only an answer to the last attempt (and that one's, if any, would say not
-    applied, against the evidence)."""
-    return (
-        f"{applied_by_earlier_attempt(call_id, attempt, implied_usd(late))}"
-        f" | {not_applied_against(call_id, attempt, late.attempt, late.status)}"
-    )
+def applied_first(call_id: str, attempt: int, late: AttemptLateAnswer) -> list[str]:
+    """The decisions "applied" offered first for an effect-unknown call whose last attempt
+    is ``attempt`` and that ``late`` (:func:`applied_unknown`) says was applied:
+    ``--accept-evidence`` for an answer to ``attempt``, which it takes, then ``--applied``;
+    for an earlier attempt's, ``--applied`` (``--accept-evidence`` takes only an answer to
+    the last attempt, and refuses one that says not applied against this one)."""
+    if late.attempt == attempt:
+        return [accept_evidence_command(call_id, attempt), applied_command(call_id, attempt)]
+    return [applied_by_earlier_attempt(call_id, attempt, implied_usd(late))]
+
+
+def applied_advice(call_id: str, attempt: int, late: AttemptLateAnswer) -> str:
+    """The decisions offered, ``|``-separated, for such a call: "applied" first
+    (:func:`applied_first`); "not applied" still reachable (a person may know better) but
+    only behind the warning that the evidence says otherwise."""
+    against = not_applied_against(call_id, attempt, late.attempt, late.status)
+    return " | ".join([*applied_first(call_id, attempt, late), against])
 
 
 def recovered(events: Iterable[StoredEvent]) -> CallReconciled | None:
@@ -262,12 +268,20 @@ def describe(evidence: AttemptLateAnswer) -> str:
 
 
 def accept(
-    call_id: str, evidence: AttemptLateAnswer | None, attempt: int, note: str | None
+    call_id: str,
+    evidence: AttemptLateAnswer | None,
+    attempt: int,
+    note: str | None,
+    applied: AttemptLateAnswer | None = None,
 ) -> Acceptance:
     """The decision a late answer to the call's current ``attempt`` proves.
 
     Refused (:class:`ReconcileError`) when there is no such answer, or when the provider
-    declares its status of unknown effect: then it proves nothing either way.
+    declares its status of unknown effect: then it proves nothing either way; and when it
+    says not applied while ``applied``, the late answer kept for any attempt that the
+    provider declares applied (:func:`applied_late`), says otherwise: the evidence as a
+    whole says the call was applied (:func:`verdict_contradicted`), so accepting it cannot
+    decide "not applied"; a person may, by hand (:func:`not_applied_against`).
     """
     if evidence is None:
         raise ReconcileError(
@@ -278,6 +292,16 @@ def accept(
     said = f"accepted {describe(evidence)}" + (f"; {note}" if note else "")
     if evidence.effect == "applied":
         return Acceptance(True, evidence.cost, said)
+    if evidence.effect == "none" and applied is not None:
+        raise ReconcileError(
+            f"call {call_id}: the late answer kept for attempt {attempt} (status "
+            f"{evidence.status}) says not applied, but the late answer kept for attempt "
+            f"{applied.attempt} (status {applied.status}) says the provider applied it, so "
+            "the evidence does not decide it not applied; a person decides it ("
+            f"{applied_by_earlier_attempt(call_id, attempt, implied_usd(applied))}; or "
+            f"{not_applied_against(call_id, attempt, applied.attempt, applied.status)})",
+            call_id=call_id,
+        )
     if evidence.effect == "none":
         return Acceptance(False, None, said)
     raise ReconcileError(

@@ -23,9 +23,15 @@ def reconcile_command(call_id: str, attempt: int | None = None) -> str:
     nobody examined."""
     only = "" if attempt is None else f" --attempt {attempt}"
     return (
-        f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT{only}"
+        f"{applied_command(call_id, attempt)}"
         f" | effectguard reconcile {call_id} --not-applied --note TEXT{only}"
     )
+
+
+def applied_command(call_id: str, attempt: int | None = None) -> str:
+    """The command that decides an effect-unknown call applied (:func:`reconcile_command`)."""
+    only = "" if attempt is None else f" --attempt {attempt}"
+    return f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT{only}"
 
 
 #: What to do first for an effect-unknown call an operator authorized one resend of.

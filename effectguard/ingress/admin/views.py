@@ -29,7 +29,7 @@ from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import tree_order
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
-from effectguard.rules.guidance import against_applied, applied_by_earlier_attempt, next_shown
+from effectguard.rules.guidance import against_applied, next_shown
 from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
@@ -267,12 +267,12 @@ def _decide_forms(
     csrf: str,
     warning: str | None,
     gone: str | None,
-    earlier: AttemptLateAnswer | None = None,
+    applied: AttemptLateAnswer | None = None,
 ) -> str:
     """The decisions open (``warning``: why the call must not be resent, if it must not;
-    ``gone``: why the owner of a call in flight will not finish it; ``earlier``: a late
-    answer to an earlier attempt that says the provider applied the call, which puts
-    "Applied" first and "Not applied" behind a warning, as ``show`` offers them)."""
+    ``gone``: why the owner of a call in flight will not finish it; ``applied``: a late
+    answer that says the provider applied the call (evidence.applied_unknown), which
+    puts "Applied" first and "Not applied" behind a warning, as ``show`` offers them)."""
     if warning is not None and state.next_operation != "reconcile":
         return (
             f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
@@ -287,19 +287,22 @@ def _decide_forms(
     if warning is not None:  # its authorized resend is void; the decision is still open
         forms.append(f'<p class="flash error">{esc(warning)}; decide it below.</p>')
     names = list(DECISIONS)
-    if earlier is not None:
-        advice = applied_by_earlier_attempt(
-            state.call_id, state.attempts, evidence.implied_usd(earlier)
-        )
-        forms.append(f'<p class="flash error">{esc(advice)}.</p>')
+    if applied is not None:
+        first = ", or ".join(evidence.applied_first(state.call_id, state.attempts, applied))
+        if applied.attempt == state.attempts:  # bare commands: say why they come first
+            first = (
+                f"the late answer kept for attempt {applied.attempt} (status "
+                f"{applied.status}) says the provider applied the call: {first}"
+            )
+        forms.append(f'<p class="flash error">{esc(first)}.</p>')
         names.reverse()  # "Applied" first
     # What the operator was told a decision does: for an owner gone by its lease, that it
     # records nothing else (refused still if the call was taken over since it was shown).
     seen = "" if gone is None else f'<input type="hidden" name="owner_gone" value="{attr(gone)}">'
     for name in names:
         against = None
-        if name == "not_applied" and earlier is not None:
-            against = against_applied(earlier.attempt, earlier.status)
+        if name == "not_applied" and applied is not None:
+            against = against_applied(applied.attempt, applied.status)
         forms.append(_decision_form(state, csrf, name, seen, against))
     return "".join(forms)
 
@@ -359,11 +362,11 @@ def call_page(
     ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     warning = evidence.resend_warning(state, evidence.applied_late(events))
-    earlier = evidence.applied_earlier(state, events)
+    applied = evidence.applied_unknown(state, events)
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
         f"{_summary(state, manifest, now, warning, owner_gone)}"
-        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, earlier)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, applied)}"
         f"<h2>Evidence</h2>{_evidence(events)}"
         f"<h2>Attempts</h2>{_attempts(events)}"
         f"<h2>Request</h2>{_request(manifest)}"
