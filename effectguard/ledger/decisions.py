@@ -9,6 +9,7 @@ from effectguard.ledger.operations import append
 from effectguard.rules import evidence, workstate
 from effectguard.rules.bodytext import encode_body
 from effectguard.rules.events import (
+    AttemptLateAnswer,
     BudgetCorrected,
     BudgetUnheld,
     CallReconciled,
@@ -96,11 +97,7 @@ def _check_evidence(
     late = evidence.verdict_contradicted(tx.events_of(call_id), current, automated_verdict)
     if late is None:
         return
-    if late.attempt == current:
-        advice = f"`{accept_evidence_command(call_id, current)}`, or by hand"
-    else:  # --accept-evidence takes only an answer to the current attempt
-        implied = None if late.cost is None else nanos_to_usd(late.cost)
-        advice = applied_by_earlier_attempt(call_id, current, implied)
+    advice = _decide_by(late, call_id, current, "by hand")
     raise ReconcileError(
         f"call {call_id}: the late answer kept for attempt {late.attempt} (status "
         f"{late.status}) says otherwise; a person decides it ({advice})",
@@ -164,11 +161,7 @@ def _check_not_applied_late(tx: Tx, state: WorkState) -> None:
     if late is None:
         return
     call_id, current = state.call_id, state.attempts
-    if late.attempt == current:
-        advice = f"`{accept_evidence_command(call_id, current)}`, or --applied by hand"
-    else:  # --accept-evidence takes only an answer to the current attempt
-        implied = None if late.cost is None else nanos_to_usd(late.cost)
-        advice = applied_by_earlier_attempt(call_id, current, implied)
+    advice = _decide_by(late, call_id, current, "--applied by hand")
     raise ReconcileError(
         f"call {call_id}: a late answer kept for attempt {late.attempt} (status "
         f"{late.status}) says the provider applied it, so a resend would make the effect "
@@ -188,3 +181,13 @@ def effect_unknown_call(tx: Tx, call_id: str, why: str) -> WorkState:
             f"call {call_id} is {state.stage}, not effect_unknown; {why}", call_id=call_id
         )
     return state
+
+
+def _decide_by(late: AttemptLateAnswer, call_id: str, current: int, by_hand: str) -> str:
+    """The command that decides ``call_id`` (its last attempt ``current``) by ``late``:
+    ``--accept-evidence`` for an answer to the last attempt (or ``by_hand``), else the
+    ``--applied`` one, since ``--accept-evidence`` takes only an answer to the last."""
+    if late.attempt == current:
+        return f"`{accept_evidence_command(call_id, current)}`, or {by_hand}"
+    implied = None if late.cost is None else nanos_to_usd(late.cost)
+    return applied_by_earlier_attempt(call_id, current, implied)
