@@ -143,6 +143,57 @@ def test_a_hard_file_limit_below_what_max_connections_needs_is_warned_about(
     assert "the open-files limit is 256, below the 2176 that max_connections = 1024" in log
 
 
+def _raw_answer(proxy: Proxy, request: bytes) -> bytes:
+    """The answer to one raw ``request`` (sent with ``Connection: close``)."""
+    with socket.create_connection(address(proxy.url), timeout=PATIENCE_S) as sock:
+        sock.sendall(request)
+        return read_until_closed(sock, PATIENCE_S)
+
+
+def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    # Silent connections count toward max_connections until header_timeout_s closes
+    # them: a flood of them made /healthz a plain 503, so a liveness probe restarted a
+    # proxy whose ledger was fine. The probe is now let past the cap (a few at most).
+    def call(tag: str) -> bytes:
+        body = json.dumps(chat(tag)).encode()
+        return _raw_answer(
+            proxy, _request(body, b"x-fake-tag: %s\r\nConnection: close\r\n" % tag.encode())
+        )
+
+    probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with limited_proxy(tmp_path, provider, 4096, 4096, "max_connections = 16\n") as proxy:
+        assert good_calls(proxy, ["under-the-cap"]) == {200: 1}
+        idle = idle_connections(proxy, 16)
+        try:
+            wait_for(
+                lambda: call("at-the-cap").startswith(b"HTTP/1.1 503 "),
+                PATIENCE_S,
+                "the silent connections to fill the cap",
+            )
+            healthz = _raw_answer(proxy, probe)
+            assert healthz.startswith(b"HTTP/1.1 200 "), healthz[:300]
+            assert json.loads(healthz.partition(b"\r\n\r\n")[2]) == {"ledger": "writable"}
+            # Only GET /healthz passes; the cap still holds for everything else.
+            refused = call("still-at-the-cap")
+            assert refused.startswith(b"HTTP/1.1 503 "), refused[:300]
+            assert b"content-type: text/plain" in refused.lower()
+            other = _raw_answer(proxy, probe.replace(b"GET", b"POST"))
+            assert other.startswith(b"HTTP/1.1 503 "), other[:300]
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_for(
+            lambda: _raw_answer(proxy, probe.replace(b"GET", b"POST")).startswith(b"HTTP/1.1 200 "),
+            PATIENCE_S,
+            "the cap to free once the silent connections close",
+        )
+        assert good_calls(proxy, ["after-the-flood"]) == {200: 1}
+    tags = [r.get("tag") for r in provider.receipts()]
+    assert "still-at-the-cap" not in tags
+
+
 def test_a_websocket_upgrade_is_served_as_plain_http(
     tmp_path: Path, provider: FakeProvider
 ) -> None:

@@ -18,6 +18,9 @@ uvicorn's httptools protocol with three more limits:
   for ``send_timeout_s`` is cut off: to the app it has gone, and a stream it was sent
   is read to its end and settled without it, rather than held in flight for as long
   as the client holds the connection open.
+
+And one exception to uvicorn's connection cap: ``GET /healthz`` read while it is
+reached is served, a few at a time (:mod:`effectguard.ingress.probepass`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from effectguard.config.settings import FrontDoor
+from effectguard.ingress.probepass import ProbePass, is_probe
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 #: The scope extension, a callable, that tells the app whether its client has gone:
@@ -88,11 +92,13 @@ def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
 
 def protocol_for(door: FrontDoor) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, with ``door``'s deadlines and header cap."""
-    return type("FrontDoorProtocol", (_FrontDoorProtocol,), {"door": door})
+    return type("FrontDoorProtocol", (_FrontDoorProtocol,), {"door": door, "probes": ProbePass()})
 
 
 class _FrontDoorProtocol(HttpToolsProtocol):
     door: FrontDoor
+    #: The health probes let past the connection cap: one for the server's connections.
+    probes: ProbePass
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,9 +142,23 @@ class _FrontDoorProtocol(HttpToolsProtocol):
             self._refuse(431, f"headers are limited to {self.door.max_header_bytes} bytes")
             return
         self._arm(self.door.body_timeout_s, self._body_too_slow)
-        super().on_headers_complete()
+        self._headers_read()
         if not self.pipeline or self.pipeline[0][0] is not self.cycle:  # started at once
             self._running = self.cycle
+
+    def _headers_read(self) -> None:
+        """uvicorn's start of the request; a health probe at the cap past it, counted."""
+        limit, app = self.limit_concurrency, self.app
+        at_cap = limit is not None and max(len(self.connections), len(self.tasks)) >= limit
+        if not (at_cap and is_probe(self.parser.get_method(), self.url)):
+            super().on_headers_complete()
+            return
+        # uvicorn picks the app it runs (or its own plain 503) from these two, here only.
+        self.limit_concurrency, self.app = None, self.probes.through(app)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.limit_concurrency, self.app = limit, app
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
