@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import socket
+import sqlite3
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -192,6 +193,38 @@ def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
         assert good_calls(proxy, ["after-the-flood"]) == {200: 1}
     tags = [r.get("tag") for r in provider.receipts()]
     assert "still-at-the-cap" not in tags
+
+
+def test_probes_past_max_connections_are_bounded(tmp_path: Path, provider: FakeProvider) -> None:
+    # Each probe past the cap is held in flight by the ledger's write lock, taken here
+    # (the proxy waits for it, then answers 503 "unavailable"): of 12 sent at once, at
+    # most 8 are let past the cap; the others get its plain 503 without waiting.
+    probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with limited_proxy(tmp_path, provider, 4096, 4096, "max_connections = 16\n") as proxy:
+        idle = idle_connections(proxy, 16)
+        lock = sqlite3.connect(proxy.ledger, isolation_level=None)
+        probes: list[socket.socket] = []
+        try:
+            wait_for(
+                lambda: _raw_answer(proxy, probe.replace(b"GET", b"POST")).startswith(
+                    b"HTTP/1.1 503 Service Unavailable"
+                ),
+                PATIENCE_S,
+                "the silent connections to fill the cap",
+            )
+            lock.execute("BEGIN IMMEDIATE")
+            probes += [socket.create_connection(address(proxy.url)) for _ in range(12)]
+            for sock in probes:
+                sock.sendall(probe)
+            answers = [read_until_closed(sock, PATIENCE_S) for sock in probes]
+        finally:
+            lock.close()
+            for sock in idle + probes:
+                sock.close()
+    past = [a for a in answers if b'"ledger"' in a]
+    refused = [a for a in answers if a.endswith(b"\r\n\r\nService Unavailable")]
+    assert len(past) + len(refused) == 12, answers
+    assert 1 <= len(past) <= 8, answers
 
 
 def test_a_websocket_upgrade_is_served_as_plain_http(
