@@ -29,7 +29,7 @@ from edgekit import address, read_until_closed
 from observing import wait_for
 from toolkit import cli_json
 
-from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
+from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,9 @@ def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
         )
 
     probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    with limited_proxy(tmp_path, provider, 4096, 4096, "max_connections = 16\n") as proxy:
+    routed = free_port()
+    config = f"max_connections = 16\nprovider_ports = {{ openai = {routed} }}\n"
+    with limited_proxy(tmp_path, provider, 4096, 4096, config) as proxy:
         assert good_calls(proxy, ["under-the-cap"]) == {200: 1}
         idle = idle_connections(proxy, 16)
         try:
@@ -182,6 +184,11 @@ def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
             assert b"content-type: text/plain" in refused.lower()
             other = _raw_answer(proxy, probe.replace(b"GET", b"POST"))
             assert other.startswith(b"HTTP/1.1 503 "), other[:300]
+            # On a provider's own port /healthz is the provider's path: not let through.
+            with socket.create_connection(("127.0.0.1", routed), timeout=PATIENCE_S) as sock:
+                sock.sendall(probe)
+                theirs = read_until_closed(sock, PATIENCE_S)
+            assert theirs.startswith(b"HTTP/1.1 503 Service Unavailable"), theirs[:300]
         finally:
             for sock in idle:
                 sock.close()

@@ -76,10 +76,13 @@ def _never(callback: Callable[[], None] | None) -> None:
     """Under a server that cannot tell: the answer's write finds out instead."""
 
 
-def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
-    """The ``uvicorn.Config`` options for the limits uvicorn enforces itself."""
+def uvicorn_options(
+    door: FrontDoor, provider_ports: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """The ``uvicorn.Config`` options for the limits uvicorn enforces itself.
+    ``provider_ports``: the local ports where ``/healthz`` is a provider's path."""
     return {
-        "http": protocol_for(door),
+        "http": protocol_for(door, provider_ports),
         "limit_concurrency": door.max_connections or None,
         "timeout_keep_alive": door.keep_alive_timeout_s,
         # No WebSockets: with a WebSocket library importable (wsproto comes with some
@@ -90,15 +93,20 @@ def uvicorn_options(door: FrontDoor) -> dict[str, Any]:
     }
 
 
-def protocol_for(door: FrontDoor) -> type[HttpToolsProtocol]:
+def protocol_for(
+    door: FrontDoor, provider_ports: frozenset[int] = frozenset()
+) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, with ``door``'s deadlines and header cap."""
-    return type("FrontDoorProtocol", (_FrontDoorProtocol,), {"door": door, "probes": ProbePass()})
+    own = {"door": door, "probes": ProbePass(), "provider_ports": provider_ports}
+    return type("FrontDoorProtocol", (_FrontDoorProtocol,), own)
 
 
 class _FrontDoorProtocol(HttpToolsProtocol):
     door: FrontDoor
     #: The health probes let past the connection cap: one for the server's connections.
     probes: ProbePass
+    #: Local ports (provider_ports) where /healthz is the provider's: no probe passes there.
+    provider_ports: frozenset[int]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -150,7 +158,9 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         """uvicorn's start of the request; a health probe at the cap past it, counted."""
         limit, app = self.limit_concurrency, self.app
         at_cap = limit is not None and max(len(self.connections), len(self.tasks)) >= limit
-        if not (at_cap and is_probe(self.parser.get_method(), self.url)):
+        port = self.server[1] if self.server else None
+        ours = port not in self.provider_ports
+        if not (at_cap and ours and is_probe(self.parser.get_method(), self.url)):
             super().on_headers_complete()
             return
         # uvicorn picks the app it runs (or its own plain 503) from these two, here only.

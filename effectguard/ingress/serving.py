@@ -83,7 +83,7 @@ def serve(
     routes = {s.getsockname()[1]: name for name, s in routed.items()}
     app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock, routes=routes)
     start_line = _start_line(settings, sock, routed, metrics_sock)
-    server = _Server(_config(settings, app), start_line)
+    server = _Server(_config(settings, app, frozenset(routes)), start_line)
 
     def on_signal() -> None:
         server.stop()
@@ -141,7 +141,9 @@ def _metrics_socket(settings: ServeSettings, proxy: socket.socket) -> socket.soc
     return sock
 
 
-def _config(settings: ServeSettings, app: ProxyApp) -> uvicorn.Config:
+def _config(
+    settings: ServeSettings, app: ProxyApp, provider_ports: frozenset[int]
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         lifespan="on",
@@ -154,7 +156,7 @@ def _config(settings: ServeSettings, app: ProxyApp) -> uvicorn.Config:
         # When it ends, requests still running are cancelled and each answers 504
         # effect_unknown for its call (ProxyApp._cut_off).
         timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
-        **uvicorn_options(settings.front_door),
+        **uvicorn_options(settings.front_door, provider_ports),
     )
 
 
