@@ -157,10 +157,13 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     def _headers_read(self) -> None:
         """uvicorn's start of the request; a health probe at the cap past it, counted."""
         limit, app = self.limit_concurrency, self.app
-        at_cap = limit is not None and max(len(self.connections), len(self.tasks)) >= limit
-        port = self.server[1] if self.server else None
-        ours = port not in self.provider_ports
-        if not (at_cap and ours and is_probe(self.parser.get_method(), self.url)):
+        # Below the cap (every request but a flood's), one comparison more than uvicorn's.
+        if (
+            limit is None
+            or max(len(self.connections), len(self.tasks)) < limit
+            or not is_probe(self.parser.get_method(), self.url)
+            or (self.server[1] if self.server else None) in self.provider_ports
+        ):
             super().on_headers_complete()
             return
         # uvicorn picks the app it runs (or its own plain 503) from these two, here only.
