@@ -13,13 +13,14 @@ is kept. (The resend was sent, and show offered it.)
 
 from __future__ import annotations
 
+import html
+
 import httpx
 import pytest
 from fencekit import (
     CHAT,
     UPSTREAM,
     Upstream,
-    answer_body,
     chat,
     make_runtime,
     taken_over_mid_call,
@@ -29,6 +30,7 @@ from test_late_answer import Fenced, acli, ajson, fenced_call, late_refusal
 from test_late_answer_not_processed import retry_meets_late_200
 
 from effectguard.errors import ReconcileError, Refusal
+from effectguard.ingress.admin.views import call_page
 from effectguard.ops.verify import verify_ledger
 
 _ = (ledger_url, fenced_call)  # fixtures
@@ -56,7 +58,39 @@ async def test_an_authorized_keyed_resend_meets_an_earlier_attempts_late_200(
     say do not resend, offer the decision and no resend; the keyed resend is refused."""
     ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
     await ledger.authorize_resend(call_id, note="risk accepted", by="ops")
-    assert await retry_meets_late_200(fenced_call, ADVICE) == "effect_unknown"
+    other = make_runtime(fenced_call.ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await other.start()
+    try:
+        limited = Upstream(429)
+        answered = await guard.handle(guard.providers["openai"], resend(), limited.send)
+        assert answered.status_code == 429
+        late = await late_refusal(fenced_call)
+        assert (late.status, late.type) == (502, "observe_refused")
+        assert (late.stage, late.next_operation) == ("effect_unknown", "reconcile")
+        assert ADVICE in late.message, late.message
+        state, events = await ledger.call(call_id), await ledger.events(call_id)
+        # The stored state is what it was: the rules, not the fold, void the authorization.
+        assert (state.stage, state.resend_authorized) == ("effect_unknown", True)
+        shown = await ajson("show", call_id, "--ledger", fenced_call.ledger_url)
+        assert ADVICE in shown["next_command"], shown
+        assert OFFERED not in shown["next_command"], shown
+        assert f"effectguard reconcile {call_id}" in shown["next_command"]
+        assert "--applied" in shown["next_command"]
+        page = call_page(state, events, now=state.created_at, csrf="c")
+        assert html.escape(ADVICE) in page
+        assert "<th>next operation</th><td>reconcile</td>" in page
+        assert 'id="reconcile-applied"' in page
+
+        sent = Upstream(200)
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], resend(), sent.send)
+        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
+        assert refused.value.next_operation == "reconcile"
+        assert ADVICE in refused.value.message, refused.value.message
+        assert sent.sent == 0
+        assert (await verify_ledger(ledger)).ok
+    finally:
+        await other.stop()
 
 
 @pytest.mark.parametrize("fenced_call", [200], indirect=True)
@@ -67,33 +101,7 @@ async def test_the_proxys_automatic_retry_of_an_authorized_resend_stops_at_a_lat
     proxy's automatic retry of that 429 would be the effect again. It is not sent."""
     ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
     await ledger.authorize_resend(call_id, note="risk accepted", by="ops")
-    other = make_runtime(fenced_call.ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
-    guard = await other.start()
-    sent: list[int] = []
-
-    async def limited_then_ok(request: httpx.Request) -> httpx.Response:
-        status = 429 if not sent else 200
-        sent.append(status)
-        if status == 429:
-            await late_refusal(fenced_call)  # attempt 1's 200 arrives meanwhile
-        return httpx.Response(
-            status,
-            headers={"content-type": "application/json"},
-            stream=httpx.ByteStream(answer_body(status)),
-            request=request,
-        )
-
-    try:
-        with pytest.raises(Refusal) as refused:
-            await guard.handle(guard.providers["openai"], resend(), limited_then_ok)
-        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
-        assert ADVICE in refused.value.message, refused.value.message
-        assert sent == [429]
-        state = await ledger.call(call_id)
-        assert (state.stage, state.attempts) == ("effect_unknown", 2)
-        assert (await verify_ledger(ledger)).ok
-    finally:
-        await other.stop()
+    assert await retry_meets_late_200(fenced_call, ADVICE) == "effect_unknown"
 
 
 @pytest.mark.parametrize("fenced_call", [200], indirect=True)

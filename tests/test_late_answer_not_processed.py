@@ -13,13 +13,16 @@ read for that evidence.)
 
 from __future__ import annotations
 
+import html
+
 import httpx
 import pytest
-from fencekit import CHAT, UPSTREAM, answer_body, chat, make_runtime
+from fencekit import CHAT, UPSTREAM, Upstream, answer_body, chat, make_runtime
 from pgkit import ledger_url
-from test_late_answer import Fenced, fenced_call, late_refusal
+from test_late_answer import Fenced, ajson, fenced_call, late_refusal
 
 from effectguard.errors import Refusal
+from effectguard.ingress.admin.views import call_page
 from effectguard.ops.verify import verify_ledger
 
 _ = (ledger_url, fenced_call)  # fixtures
@@ -34,6 +37,44 @@ def resend() -> httpx.Request:
     return httpx.Request(
         "POST", UPSTREAM + CHAT, json=chat("held"), headers={"Idempotency-Key": "k"}
     )
+
+
+@pytest.mark.parametrize("fenced_call", [200], indirect=True)
+async def test_a_keyed_resend_of_a_not_processed_call_meets_an_earlier_attempts_200(
+    fenced_call: Fenced,
+) -> None:
+    """The resend ends not_processed (429, retried to the end); then attempt
+    1's late 200 is kept. The client's keyed resend is refused, nothing sent."""
+    ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
+    await ledger.reconcile(call_id, applied=False, note="none seen", by="ops")
+    other = make_runtime(fenced_call.ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
+    guard = await other.start()
+    try:
+        limited = Upstream(429)
+        answered = await guard.handle(guard.providers["openai"], resend(), limited.send)
+        assert answered.status_code == 429
+        late = await late_refusal(fenced_call)
+        assert (late.status, late.type, late.next_operation) == (502, "observe_refused", "none")
+        assert ADVICE + SAYS in late.message, late.message
+        state, events = await ledger.call(call_id), await ledger.events(call_id)
+        assert state.stage == "not_processed"
+        shown = await ajson("show", call_id, "--ledger", fenced_call.ledger_url)
+        assert ADVICE + SAYS in shown["next_command"], shown
+        page = call_page(state, events, now=state.created_at, csrf="c")
+        assert html.escape(ADVICE + SAYS) in page
+        assert "<th>next operation</th><td>none</td>" in page
+
+        sent = Upstream(200)
+        with pytest.raises(Refusal) as refused:
+            await guard.handle(guard.providers["openai"], resend(), sent.send)
+        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
+        assert refused.value.next_operation == "none"
+        assert f"call {call_id} rests not_processed after its last attempt" in refused.value.message
+        assert ADVICE in refused.value.message, refused.value.message
+        assert sent.sent == 0
+        assert (await verify_ledger(ledger)).ok
+    finally:
+        await other.stop()
 
 
 async def retry_meets_late_200(fenced_call: Fenced, advice: str) -> str:
@@ -73,17 +114,6 @@ async def retry_meets_late_200(fenced_call: Fenced, advice: str) -> str:
 
 
 @pytest.mark.parametrize("fenced_call", [200], indirect=True)
-async def test_a_keyed_resend_of_a_not_processed_call_meets_an_earlier_attempts_200(
-    fenced_call: Fenced,
-) -> None:
-    """The resend ends not_processed (429, retried to the end); then attempt
-    1's late 200 is kept. The client's keyed resend is refused, nothing sent."""
-    ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
-    await ledger.reconcile(call_id, applied=False, note="none seen", by="ops")
-    assert await retry_meets_late_200(fenced_call, ADVICE) == "not_processed"
-
-
-@pytest.mark.parametrize("fenced_call", [200], indirect=True)
 async def test_the_proxys_automatic_retry_stops_at_an_earlier_attempts_200(
     fenced_call: Fenced,
 ) -> None:
@@ -92,30 +122,4 @@ async def test_the_proxys_automatic_retry_stops_at_an_earlier_attempts_200(
     client is answered 409 ``late_answer_applied``."""
     ledger, call_id = fenced_call.runtime.ledger, fenced_call.call_id
     await ledger.reconcile(call_id, applied=False, note="none seen", by="ops")
-    other = make_runtime(fenced_call.ledger_url, lease_s=60, heartbeat_s=3600, sweep_s=3600)
-    guard = await other.start()
-    sent: list[int] = []
-
-    async def limited_then_ok(request: httpx.Request) -> httpx.Response:
-        status = 429 if not sent else 200
-        sent.append(status)
-        if status == 429:
-            await late_refusal(fenced_call)  # attempt 1's 200 arrives meanwhile
-        return httpx.Response(
-            status,
-            headers={"content-type": "application/json"},
-            stream=httpx.ByteStream(answer_body(status)),
-            request=request,
-        )
-
-    try:
-        with pytest.raises(Refusal) as refused:
-            await guard.handle(guard.providers["openai"], resend(), limited_then_ok)
-        assert (refused.value.status, refused.value.type) == (409, "late_answer_applied")
-        assert ADVICE in refused.value.message, refused.value.message
-        assert sent == [429]
-        state = await ledger.call(call_id)
-        assert (state.stage, state.attempts) == ("not_processed", 2)
-        assert (await verify_ledger(ledger)).ok
-    finally:
-        await other.stop()
+    assert await retry_meets_late_200(fenced_call, ADVICE) == "not_processed"
