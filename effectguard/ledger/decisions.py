@@ -189,5 +189,4 @@ def _decide_by(late: AttemptLateAnswer, call_id: str, current: int, by_hand: str
     ``--applied`` one, since ``--accept-evidence`` takes only an answer to the last."""
     if late.attempt == current:
         return f"`{accept_evidence_command(call_id, current)}`, or {by_hand}"
-    implied = None if late.cost is None else nanos_to_usd(late.cost)
-    return applied_by_earlier_attempt(call_id, current, implied)
+    return applied_by_earlier_attempt(call_id, current, evidence.implied_usd(late))

@@ -20,7 +20,6 @@ from effectguard.rules.guidance import (
     RESEND_AUTHORIZED,
     accept_evidence_command,
     next_command,
-    next_shown,
 )
 
 __all__ = [
@@ -211,11 +210,7 @@ def _head(
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     # Not the stage's resend when a late answer contradicts the decision (see "next").
     warned = evidence.resend_warning(state, evidence.applied_late(events))
-    upcoming = (
-        next_shown(state.next_operation, owner_gone)
-        if warned is None
-        else evidence.contradicted_next(state)
-    )
+    upcoming = evidence.shown_next(state, warned, owner_gone)
     lines = [
         f"call {state.call_id}",
         f"  stage      {state.stage} (effect {state.effect}; next: {upcoming})",

@@ -31,6 +31,7 @@ from effectguard.rules.guidance import (
     applied_by_earlier_attempt,
     applied_command,
     contradicted_not_applied,
+    next_shown,
     not_applied_against,
 )
 from effectguard.rules.lookups import digest
@@ -75,21 +76,22 @@ def late_answer(
 
 def latest(events: Iterable[StoredEvent], attempt: int) -> AttemptLateAnswer | None:
     """The last late answer recorded for ``attempt`` among a call's events."""
-    found = None
-    for stored in events:
-        if stored.kind == AttemptLateAnswer.kind and stored.data.get("attempt") == attempt:
-            event = stored.event
-            assert isinstance(event, AttemptLateAnswer)
-            found = event
-    return found
+    return _last_late(events, "attempt", attempt)
 
 
 def applied_late(events: Iterable[StoredEvent]) -> AttemptLateAnswer | None:
     """The last late answer kept for any attempt of a call that the provider declares
     applied: whichever attempt it answers, the effect happened (:func:`resend_contradicted`)."""
+    return _last_late(events, "effect", "applied")
+
+
+def _last_late(
+    events: Iterable[StoredEvent], field: str, value: object
+) -> AttemptLateAnswer | None:
+    """The last late answer among a call's events whose ``field`` is ``value``."""
     found = None
     for stored in events:
-        if stored.kind == AttemptLateAnswer.kind and stored.data.get("effect") == "applied":
+        if stored.kind == AttemptLateAnswer.kind and stored.data.get(field) == value:
             event = stored.event
             assert isinstance(event, AttemptLateAnswer)
             found = event
@@ -229,6 +231,15 @@ def contradicted_next(state: WorkState) -> NextOperation:
     is forbidden; but an effect-unknown call still awaits its decision (reconcile), only
     its authorized resend is void."""
     return state.next_operation if state.stage == "effect_unknown" else "none"
+
+
+def shown_next(state: WorkState, warning: str | None, owner_gone: str | None) -> str:
+    """The next operation ``show``'s stage line and the operator page print for ``state``:
+    :func:`~effectguard.rules.guidance.next_shown`'s, unless ``warning`` (its
+    :func:`resend_warning`) forbids the resend its stage calls for (:func:`contradicted_next`)."""
+    if warning is None:
+        return next_shown(state.next_operation, owner_gone)
+    return contradicted_next(state)
 
 
 def resend_warning(

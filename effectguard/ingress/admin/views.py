@@ -29,7 +29,7 @@ from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
 from effectguard.rules.budgetview import tree_order
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
-from effectguard.rules.guidance import against_applied, next_shown
+from effectguard.rules.guidance import against_applied
 from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.periods import TOTAL
 from effectguard.rules.workstate import WorkState
@@ -153,11 +153,7 @@ def _summary(
     state: WorkState, manifest: dict[str, Any], now: float, warning: str | None, gone: str | None
 ) -> str:
     # As `calls` and `show` print it: a call whose owner is gone waits for nothing.
-    shown = (
-        next_shown(state.next_operation, gone)
-        if warning is None
-        else evidence.contradicted_next(state)
-    )
+    shown = evidence.shown_next(state, warning, gone)
     fields = [
         ("stage", stage_badge(state.stage)),
         ("effect", esc(state.effect)),
