@@ -27,7 +27,7 @@ from fencekit import (
 )
 from pgkit import ledger_url
 from test_late_answer import Fenced, acli, ajson, fenced_call, late_refusal
-from test_late_answer_not_processed import retry_meets_late_200
+from test_late_answer_not_processed import resend, retry_meets_late_200
 
 from effectguard.errors import ReconcileError, Refusal
 from effectguard.ingress.admin.views import call_page
@@ -40,13 +40,6 @@ ADVICE = (
     "applied it though one resend of it was authorized"
 )
 OFFERED = "one resend is authorized"
-
-
-def resend() -> httpx.Request:
-    """The fenced call's keyed resend."""
-    return httpx.Request(
-        "POST", UPSTREAM + CHAT, json=chat("held"), headers={"Idempotency-Key": "k"}
-    )
 
 
 @pytest.mark.parametrize("fenced_call", [200], indirect=True)
