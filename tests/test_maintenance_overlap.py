@@ -10,6 +10,7 @@ operator's Ctrl-Z, a stalled disk), so that the overlap does not depend on timin
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import sqlite3
@@ -72,13 +73,9 @@ def paused_while_writing(args: list[str], partial: str, tmp_path: Path) -> Itera
     paused is run again, on a new name (``{n}`` in ``args`` and ``partial``)."""
     for n in range(TRIES):
         process = start(*(a.replace("{n}", str(n)) for a in args))
-        found: list[Path] = []
-        while process.poll() is None and not found:
-            found = sorted(tmp_path.glob(partial.replace("{n}", str(n))))
-        if found:
-            process.send_signal(signal.SIGSTOP)
-        if found and found[0].exists():
-            paused = Paused(found[0])
+        held = _stop_once_held(process, tmp_path, partial.replace("{n}", str(n)))
+        if held is not None:
+            paused = Paused(held)
             try:
                 yield paused
             finally:
@@ -90,6 +87,37 @@ def paused_while_writing(args: list[str], partial: str, tmp_path: Path) -> Itera
         process.communicate()
         time.sleep(0.01)
     pytest.fail(f"{args[0]} finished every time before it could be paused")
+
+
+def _stop_once_held(process: subprocess.Popen[str], tmp_path: Path, pattern: str) -> Path | None:
+    """SIGSTOP ``process`` once the file it writes (glob ``pattern``) is there and locked;
+    None if it finished first. A command creates its file, then locks it: stopped between
+    the two (microseconds apart), it would look like one that died there, which is not
+    the overlap these tests are about, so it is resumed and stopped again later."""
+    while process.poll() is None:
+        found = sorted(tmp_path.glob(pattern))
+        if not found:
+            continue
+        process.send_signal(signal.SIGSTOP)
+        if _locked(found[0]):
+            return found[0]
+        process.send_signal(signal.SIGCONT)
+    return None
+
+
+def _locked(path: Path) -> bool:
+    """Whether a process holds ``path`` with an exclusive ``flock`` (False once it is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def test_a_second_backup_to_the_same_name_is_refused_while_the_first_is_writing(

@@ -8,7 +8,10 @@ A command writes its file as ``.FILE.partial`` first (:func:`partial_of`) and ho
 (:class:`Held`) with an exclusive ``flock`` until it is done: the kernel drops the lock
 when the process dies, so a partial file nobody holds was left by a command that
 stopped, and one that is held belongs to a command running now (:func:`in_use`), which
-a second command must neither remove nor reuse.
+a second command must neither remove nor reuse. For the moment between its creation and
+its lock (microseconds, unless the command is stopped right there) a file looks left over;
+a second command's advice then (verify it, else delete it) loses nothing, because a
+command whose file was removed before it committed writes nothing (:meth:`Held.in_place`).
 """
 
 from __future__ import annotations
