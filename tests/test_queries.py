@@ -66,8 +66,8 @@ def test_lookups_by_stage_read_only_unresolved_calls(
     ("sql", "index"),
     [
         (SQLITE.unresolved_call, "calls_unresolved"),
-        (SQLITE.decided_call, "calls_decided"),
-        (SQLITE.not_applied_call, "calls_not_applied"),
+        (SQLITE.decided_calls, "calls_decided"),
+        (SQLITE.not_applied_calls, "calls_not_applied"),
     ],
 )
 def test_retry_lookups_use_their_partial_index(tmp_path: Path, sql: str, index: str) -> None:
@@ -76,8 +76,8 @@ def test_retry_lookups_use_their_partial_index(tmp_path: Path, sql: str, index: 
     conn = sqliteschema.connect(str(tmp_path / "l.db"))
     try:
         sqliteschema.migrate(conn)
-        skip = (0,) if sql.endswith("OFFSET ?") else ()  # find_decided's skip
-        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, ("r", "h", 0.0, *skip))
+        limit = (16,) if sql.endswith("LIMIT ?") else ()  # find_decided's limit
+        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, ("r", "h", 0.0, *limit))
         details = " ".join(str(row[-1]) for row in plan)
     finally:
         conn.close()

@@ -566,6 +566,42 @@ async def test_keyless_retry_by_hash_finds_a_contradicted_call_behind_a_newer_de
     assert (refused.refusal.type, refused.call_id) == ("effect_unknown", unknown.call_id)
 
 
+async def test_find_decided_reads_the_newest_decided_calls_by_hash_in_one_list(
+    ledger: Ledger, w1: Writer, ns: str, clock: ManualClock | None
+) -> None:
+    """``Tx.find_decided`` lists, newest first and at most ``limit`` of them, the calls of
+    a budget root with a request hash created since a time that were decided applied (or,
+    ``applied`` False, not applied): what a retry matched by hash reads in one query."""
+    decided: dict[bool, list[str]] = {True: [], False: []}
+    for n, applied in enumerate((False, True, False, False)):
+        if clock is not None:
+            clock.advance(1)  # PostgreSQL's own clock moves between transactions
+        admitted = await admit_ok(ledger, w1, req(ns))
+        await ledger.interrupt(w1, admitted.call_id, 1, "read timeout")
+        await ledger.reconcile(admitted.call_id, applied=applied, note=f"n{n}", by="ann")
+        decided[applied].insert(0, admitted.call_id)
+    other = await admit_ok(ledger, w1, req(ns, request_hash="hash-2"))
+    await ledger.interrupt(w1, other.call_id, 1, "read timeout")
+    await ledger.reconcile(other.call_id, applied=False, note="n", by="ann")
+
+    async def read(
+        request_hash: str, since: float, applied: bool, limit: int, root: str = ns
+    ) -> list[str]:
+        def find(tx: Tx) -> list[str]:
+            return [c.call_id for c in tx.find_decided(root, request_hash, since, applied, limit)]
+
+        return await ledger.store.write(w1, find)
+
+    assert await read("hash-1", 0.0, False, 16) == decided[False]
+    assert await read("hash-1", 0.0, False, 2) == decided[False][:2]
+    assert await read("hash-1", 0.0, True, 16) == decided[True]
+    assert await read("hash-2", 0.0, False, 16) == [other.call_id]
+    assert await read("hash-3", 0.0, False, 16) == []
+    newest = next(c for c in await ledger.calls() if c.call_id == decided[False][0])
+    assert await read("hash-1", newest.created_at, False, 16) == decided[False][:1]
+    assert await read("hash-1", 0.0, False, 16, root=f"{ns}x") == []
+
+
 # -- budgets -----------------------------------------------------------------------------
 
 

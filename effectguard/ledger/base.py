@@ -162,12 +162,12 @@ class Tx(Protocol):
         ...
 
     def find_decided(
-        self, root: str, request_hash: str, since: float, applied: bool = True, skip: int = 0
-    ) -> WorkState | None:
-        """The newest call with this hash created since ``since`` that a decision
-        (evidence or a person) recorded applied: ``reconciled_applied`` (``applied``
-        False: ``reconciled_not_applied``); with ``skip``, the newest but that many (in
-        one transaction, the same order every time)."""
+        self, root: str, request_hash: str, since: float, applied: bool, limit: int
+    ) -> list[WorkState]:
+        """The newest ``limit`` calls with this hash created since ``since`` that a
+        decision (evidence or a person) recorded applied: ``reconciled_applied``
+        (``applied`` False: ``reconciled_not_applied``), newest first, in one read
+        (calls created at the same moment in the store's order, the same every time)."""
         ...
 
     def in_flight_of(self, worker: str) -> list[WorkState]:

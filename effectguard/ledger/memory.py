@@ -159,17 +159,18 @@ class MemorySession:
         return None  # nothing is archived from memory
 
     def find_unresolved(self, root: str, request_hash: str, since: float) -> WorkState | None:
-        return self._newest(root, request_hash, since, UNRESOLVED)
+        return next(iter(self._newest(root, request_hash, since, UNRESOLVED)), None)
 
     def find_decided(
-        self, root: str, request_hash: str, since: float, applied: bool = True, skip: int = 0
-    ) -> WorkState | None:
+        self, root: str, request_hash: str, since: float, applied: bool, limit: int
+    ) -> list[WorkState]:
         stage = "reconciled_applied" if applied else "reconciled_not_applied"
-        return self._newest(root, request_hash, since, {stage}, skip)
+        return self._newest(root, request_hash, since, {stage})[:limit]
 
     def _newest(
-        self, root: str, request_hash: str, since: float, stages: Collection[str], skip: int = 0
-    ) -> WorkState | None:
+        self, root: str, request_hash: str, since: float, stages: Collection[str]
+    ) -> list[WorkState]:
+        """The calls with this hash in ``stages`` created since ``since``, newest first."""
         found = [
             s
             for s in self.t.calls.values()
@@ -179,7 +180,7 @@ class MemorySession:
             and s.created_at >= since
         ]
         found.sort(key=lambda s: s.created_at, reverse=True)  # stable: ties keep one order
-        return found[skip] if skip < len(found) else None
+        return found
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [s for s in self.t.calls.values() if s.stage == "in_flight" and s.worker == worker]

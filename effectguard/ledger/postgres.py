@@ -338,9 +338,10 @@ class PostgresSession:
         return self._scan_call(POSTGRES.unresolved_call, (root, request_hash, since))
 
     def find_decided(
-        self, root: str, request_hash: str, since: float, applied: bool = True, skip: int = 0
-    ) -> WorkState | None:
-        return self._scan_call(POSTGRES.decided_by[applied], (root, request_hash, since, skip))
+        self, root: str, request_hash: str, since: float, applied: bool, limit: int
+    ) -> list[WorkState]:
+        rows = self._scan(POSTGRES.decided_by[applied], (root, request_hash, since, limit))
+        return [state_from_json(r[0]) for r in rows]
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]
@@ -394,8 +395,7 @@ class PostgresSession:
         self._kept.put(self._kept.windows, window.path, window)
 
     def count_in_flight(self, path: str) -> int:
-        rows = self._scan(POSTGRES.in_flight_under, POSTGRES.subtree(path))
-        return int(rows[0][0])
+        return int(self._scan(POSTGRES.in_flight_under, POSTGRES.subtree(path))[0][0])
 
     def get_worker(self, worker: str) -> WorkerRow | None:
         kept = self._kept.workers

@@ -52,7 +52,7 @@ def stage_list(stages: Iterable[Stage]) -> str:
 
 #: Calls that may still have (or be having) an effect: in flight or effect unknown.
 UNRESOLVED_SQL = f"stage IN ({stage_list(UNRESOLVED)})"
-#: SQLite's migration 22 and PostgreSQL's 15: the calls decided not applied, by request
+#: SQLite's migration 21 and PostgreSQL's 14: the calls decided not applied, by request
 #: hash, that a key-less declared retry is matched against (ledger/retries). Only such
 #: calls enter it: no commit of the hot path writes a page of it.
 NOT_APPLIED_INDEX = (
@@ -133,14 +133,13 @@ KEY_KINDS_SQLITE: Final = (
 )
 
 
-def _newest_by_hash(state: str, m: str, stage: str, skip: bool = False) -> str:
+def _newest_by_hash(state: str, m: str, stage: str, many: bool = False) -> str:
     """The newest call of a budget root with a request hash, created since a time, whose
-    ``stage`` (an SQL term) a retry matches (ledger/retries); with ``skip``, past a number
-    of newer ones (a last parameter: find_decided's ``skip``)."""
+    ``stage`` (an SQL term) a retry matches (ledger/retries); with ``many``, the newest
+    ones, as many as a last parameter (find_decided's ``limit``), in one read."""
     return (
         f"SELECT {state} FROM calls WHERE budget_root = {m} AND request_hash = {m} "
-        f"AND {stage} AND created_at >= {m} ORDER BY created_at DESC LIMIT 1"
-        + (f" OFFSET {m}" if skip else "")
+        f"AND {stage} AND created_at >= {m} ORDER BY created_at DESC LIMIT " + (m if many else "1")
     )
 
 
@@ -191,13 +190,13 @@ class Queries:
         )
         self.unresolved_call = _newest_by_hash(state, m, UNRESOLVED_SQL)
         #: These read the partial indexes calls_decided (SQLite migration 16, PostgreSQL 9)
-        #: and calls_not_applied (SQLite 22, PostgreSQL 15): each predicate must name its
+        #: and calls_not_applied (SQLite 21, PostgreSQL 14): each predicate must name its
         #: stage as its index does.
         applied, not_applied = "stage = 'reconciled_applied'", "stage = 'reconciled_not_applied'"
-        self.decided_call = _newest_by_hash(state, m, applied, skip=True)
-        self.not_applied_call = _newest_by_hash(state, m, not_applied, skip=True)
+        self.decided_calls = _newest_by_hash(state, m, applied, many=True)
+        self.not_applied_calls = _newest_by_hash(state, m, not_applied, many=True)
         #: find_decided's query, by the decision (applied or not).
-        self.decided_by = {True: self.decided_call, False: self.not_applied_call}
+        self.decided_by = {True: self.decided_calls, False: self.not_applied_calls}
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self._workers(false, state, worker_named or m)

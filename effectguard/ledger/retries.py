@@ -4,6 +4,7 @@ applied."""
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 from effectguard.ledger.base import Tx
@@ -88,7 +89,7 @@ def _newest_by_hash(tx: Tx, req: AdmitRequest, since: float) -> Repeated:
     found: list[Repeated] = [
         # An effect-unknown call with a resend authorized is read for its late 2xx, too.
         (unresolved, None if unresolved is None else contradiction(tx, unresolved)),
-        (tx.find_decided(root, request_hash, since), None),
+        *((decided, None) for decided in tx.find_decided(root, request_hash, since, True, 1)),
     ]
     newest: Repeated = (None, None)
     for call, late in found:
@@ -106,11 +107,12 @@ def _contradicted_by_hash(
     such decision: one that nothing contradicts is no match, so an older contradicted
     call behind it is the newest match (a retry matched by hash may be that call's: it
     cannot be told apart), and its retry would make the effect again. Newest first, at
-    most :data:`MAX_NOT_APPLIED_READ` of them."""
-    for skip in range(MAX_NOT_APPLIED_READ):
-        call = tx.find_decided(req.budget_root, req.request_hash, since, False, skip)
-        if call is None or (newer_than is not None and call.created_at <= newer_than):
-            return None
+    most :data:`MAX_NOT_APPLIED_READ` of them, read in one query (``since``, raised to
+    just past ``newer_than``: a float's next value, so exactly the calls newer than it)."""
+    if newer_than is not None:
+        since = max(since, math.nextafter(newer_than, math.inf))
+    root, request_hash = req.budget_root, req.request_hash
+    for call in tx.find_decided(root, request_hash, since, False, MAX_NOT_APPLIED_READ):
         late = contradiction(tx, call)
         if late is not None:
             return call, late

@@ -324,10 +324,10 @@ class SqliteSession:
         return self._one_call(SQLITE.unresolved_call, params)
 
     def find_decided(
-        self, root: str, request_hash: str, since: float, applied: bool = True, skip: int = 0
-    ) -> WorkState | None:
-        params = (root, sqlitecalls.hash_key(request_hash), since, skip)
-        return self._one_call(SQLITE.decided_by[applied], params)
+        self, root: str, request_hash: str, since: float, applied: bool, limit: int
+    ) -> list[WorkState]:
+        params = (root, sqlitecalls.hash_key(request_hash), since, limit)
+        return [self._state(r) for r in self.conn.execute(SQLITE.decided_by[applied], params)]
 
     def in_flight_of(self, worker: str) -> list[WorkState]:
         known = self._links.known_worker(worker)
