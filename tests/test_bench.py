@@ -20,7 +20,7 @@ from effectguard.ledger import Ledger
 from effectguard.ledger.sqliteevents import ROW_EVENTS
 from effectguard.ops.cli import main
 from effectguard.ops.verify import verify_ledger
-from effectguard_bench import floorbench, spendbench
+from effectguard_bench import floorbench, gonebench, spendbench
 from effectguard_bench.recoverybench import build_ledger
 
 pytestmark = pytest.mark.slow
@@ -292,3 +292,19 @@ async def test_spendbench_times_the_chart_over_every_call_it_filled(tmp_path: Pa
     assert len(spends) == 30 and all(s.cost for s in spends)
     times, loop_cpu = await spendbench.time_spend(url, 2)
     assert len(times) == len(loop_cpu) == 2 and all(t > 0 for t in times)
+
+
+async def test_gonebench_builds_unknown_and_gone_calls_and_times_the_start_page(
+    tmp_path: Path,
+) -> None:
+    """The gone-workers bench builds a ledger that verifies, with the calls unknown and
+    the gone workers' calls in flight it was asked for, and times the start page on it."""
+    path = tmp_path / "gone.db"
+    gonebench.build(path, calls=40, unknown=10, gone=3, per_gone=2)
+    async with Ledger.open(str(path)) as ledger:
+        counts = {stage: n for _, stage, n, _, _ in await ledger.stage_counts()}
+        assert counts == {"effect_unknown": 10, "in_flight": 6}
+        assert (await verify_ledger(ledger)).ok
+    assert any("calls_unresolved" in step for step in gonebench.plan(path, 3))
+    times = await gonebench.time_page(path, 2)
+    assert all(len(t) == 2 and all(s > 0 for s in t) for t in times.values())

@@ -679,21 +679,29 @@ async def test_interrupt_moves_the_reservation_to_held(ledger: Ledger, w1: Write
     ]
 
 
-async def test_in_flight_of_a_worker_lists_only_its_calls_in_flight(
+async def test_in_flight_of_workers_lists_only_their_calls_in_flight(
     ledger: Ledger, w1: Writer, ns: str
 ) -> None:
-    """``in_flight_of`` reads one worker's calls in flight, at most ``limit`` of them:
-    not another worker's, not its own that left ``in_flight``, nothing for an unknown name."""
-    other = await register(ledger, f"{ns}-other")
+    """``in_flight_of`` reads the calls in flight of the workers named, at most ``limit``
+    of them, in one read: not another worker's, not theirs that left ``in_flight``,
+    nothing for an unknown name."""
+    other, third = [await register(ledger, f"{ns}-{name}") for name in ("other", "third")]
     mine = [await admit_ok(ledger, w1, req(ns, request_hash=f"h-{n}")) for n in range(3)]
     theirs = await admit_ok(ledger, other, req(ns, request_hash="h-other"))
+    await admit_ok(ledger, third, req(ns, request_hash="h-third"))
     await ledger.interrupt(w1, mine[2].call_id, 1, "read timeout")
-    found = await ledger.in_flight_of(w1.worker, limit=10)
+    found = await ledger.in_flight_of([w1.worker], limit=10)
     assert sorted(c.call_id for c in found) == sorted(c.call_id for c in mine[:2])
     assert all(c.stage == "in_flight" and c.worker == w1.worker for c in found)
-    assert len(await ledger.in_flight_of(w1.worker, limit=1)) == 1
-    assert [c.call_id for c in await ledger.in_flight_of(other.worker)] == [theirs.call_id]
-    assert await ledger.in_flight_of(f"{ns}-never-registered") == []
+    assert len(await ledger.in_flight_of([w1.worker], limit=1)) == 1
+    assert [c.call_id for c in await ledger.in_flight_of([other.worker])] == [theirs.call_id]
+    both = await ledger.in_flight_of([w1.worker, f"{ns}-never-registered", other.worker])
+    assert sorted(c.call_id for c in both) == sorted(
+        [*(c.call_id for c in mine[:2]), theirs.call_id]
+    )
+    assert len(await ledger.in_flight_of([w1.worker, other.worker], limit=2)) == 2
+    assert await ledger.in_flight_of([f"{ns}-never-registered"]) == []
+    assert await ledger.in_flight_of([]) == []
 
 
 async def test_unknown_calls_list_oldest_first_when_asked(

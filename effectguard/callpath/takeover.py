@@ -29,7 +29,7 @@ from effectguard.rules.workstate import WorkState
 
 #: Calls in flight looked at (far more than are ever in flight at once).
 IN_FLIGHT_READ: Final = 100_000
-#: Gone workers whose calls in flight :func:`gone_in_flight` reads, one query each.
+#: Gone workers whose calls in flight :func:`gone_in_flight` reads (in one query).
 GONE_WORKERS_READ: Final = 20
 
 
@@ -45,9 +45,10 @@ async def gone_in_flight(
     ledger: Ledger, lock_dir: Path | None, limit: int
 ) -> tuple[list[tuple[WorkState, str]], bool]:
     """Up to ``limit`` calls in flight whose owner is gone, each with why, and whether
-    there may be more. Not every call in flight is read: the live workers are, and the
-    calls of those gone (by lock or lease) through the index of stage and worker; each
-    call is then judged by :func:`gone_owners_here`, the rule ``show`` and a decision use.
+    there may be more. Not every call in flight is read: the live workers are, then the
+    calls in flight of those gone (by lock or lease), all in one read (on SQLite one walk
+    of its unresolved calls, ``Ledger.in_flight_of``); each call is then judged by
+    :func:`gone_owners_here`, the rule ``show`` and a decision use.
     A fenced worker's call still in flight (a sweep that could not mark it) is not found
     here: the next sweep marks it."""
     rows = await ledger.store.live_workers()
@@ -60,11 +61,7 @@ async def gone_in_flight(
             live=True, lease_expires=row.lease_expires, now=now, lock_free=row.worker in dead
         )
     ]
-    calls: list[WorkState] = []
-    for worker in workers[:GONE_WORKERS_READ]:
-        calls += await ledger.in_flight_of(worker, limit + 1 - len(calls))
-        if len(calls) > limit:
-            break
+    calls = await ledger.in_flight_of(workers[:GONE_WORKERS_READ], limit + 1) if workers else []
     gone = await gone_owners_here(ledger, lock_dir, calls)
     found = [(call, gone[call.call_id]) for call in calls if call.call_id in gone]
     return found[:limit], len(calls) > limit or len(workers) > GONE_WORKERS_READ

@@ -317,10 +317,12 @@ class LedgerStore(Protocol):
         it, never reading more than a page however many there are."""
         ...
 
-    async def in_flight_of(self, worker: str, limit: int) -> list[WorkState]:
-        """Up to ``limit`` calls in flight whose current attempt ``worker`` started (none
-        for a name never written), read by the index ``calls_stage(stage, worker)``: the
-        operator page's look at a gone worker's calls, not at every call in flight."""
+    async def in_flight_of(self, workers: Sequence[str], limit: int) -> list[WorkState]:
+        """Up to ``limit`` calls in flight whose current attempt one of ``workers`` started
+        (none for a name never written), in one read: the operator page's look at gone
+        workers' calls. PostgreSQL reads them by its index ``calls_stage(stage, worker)``;
+        SQLite has no index of workers, and walks its partial index of unresolved calls
+        once for all of ``workers`` (a cost that grows with the calls effect unknown)."""
         ...
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:

@@ -159,7 +159,8 @@ class Queries:
     ``json_to_record``); ``day`` is a call's UTC day as whole days since the epoch (the
     dialect's floor of ``created_at / 86400``). Parameters that name a call, a request
     hash or a worker are the store's own forms of them (SQLite: bytes and ids, ledger/sqlitecalls);
-    ``worker_named`` turns a worker's name into that form in SQL (default: the name itself).
+    ``workers_named`` turns a list of workers' names (``{}``: their placeholders) into a
+    list of that form in SQL (default: the names themselves).
     """
 
     def __init__(
@@ -178,7 +179,7 @@ class Queries:
         day: str = "CAST(created_at / 86400 AS INTEGER)",
         binary: str = "",
         key_kinds: str = KEY_KINDS_TEXT,
-        worker_named: str = "",
+        workers_named: str = "({})",
     ) -> None:
         m = self.mark = mark
         self.newest_first, self.state, self.body = newest_first, state, BodyQueries.for_mark(m)
@@ -199,7 +200,7 @@ class Queries:
         self.decided_by = {True: self.decided_calls, False: self.not_applied_calls}
         self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
-        self._workers(false, state, worker_named or m)
+        self._workers(false, workers_named)
         #: Per-period counters; each store adds how it matches a list of (path, period).
         self.nodes = f"SELECT {NODE_COLUMNS} FROM budget_periods"
         #: Budget policies; each store adds how it matches a list of paths.
@@ -221,16 +222,22 @@ class Queries:
         )
         self._writes(event_insert)
 
-    def _workers(self, false: str, state: str, named: str) -> None:
-        """The reads of workers: one by id, the live ones (what a sweep reads), and all;
-        and a reader's page of one worker's calls in flight, the worker by its name
-        (``named``: the store's column value for a name)."""
-        self.in_flight_page = (
-            f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {named} LIMIT {self.mark}"
-        )
+    def _workers(self, false: str, named: str) -> None:
+        """The reads of workers: one by id, the live ones (what a sweep reads), and all
+        (``named``: :meth:`in_flight_page`'s list of workers by name, ``{}`` their marks)."""
+        self._workers_named = named
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {self.mark}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
+
+    def in_flight_page(self, workers: int) -> str:
+        """A reader's page of the calls in flight of ``workers`` workers, by name (a
+        parameter each, then a limit), in one read: on SQLite, one walk of the partial
+        index of unresolved calls for all of them (no index has the worker), not one each."""
+        marks = ",".join([self.mark] * workers) or "NULL"
+        named = self._workers_named.format(marks)
+        where = f"{_IN_FLIGHT} AND worker IN {named}"
+        return f"SELECT {self.state} FROM calls WHERE {where} LIMIT {self.mark}"
 
     def _spends(self, index: str, spend: str, spend_from: str, day: str, newest_first: str) -> None:
         """The reads of calls' money (rows.SPEND_COLUMNS): verify's, and the spend page's."""
@@ -462,7 +469,7 @@ SQLITE = Queries(
     newest_first="call_id DESC",
     key_kinds=KEY_KINDS_SQLITE,
     # A row's worker is its name's id (migration 11); a name never written matches none.
-    worker_named="(SELECT id FROM worker_names WHERE name = ?)",
+    workers_named="(SELECT id FROM worker_names WHERE name IN ({}))",
 )
 POSTGRES = Queries(
     mark="%s",

@@ -1,0 +1,79 @@
+"""The start page's look at calls in flight whose worker is gone reads them in one query.
+
+On SQLite no index has a call's worker: each read of one worker's calls in flight walked
+every unresolved call (the partial index ``calls_unresolved``). The page read one gone
+worker at a time, up to 20 of them, so with 20,000 calls effect unknown and 20 gone
+workers a start page took about half a second (effectguard_bench.gonebench). Now the
+calls in flight of every gone worker are one read: one walk, however many are gone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from effectguard.callpath.takeover import gone_in_flight
+from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
+from effectguard.rules.liveness import LEASE_EXPIRED
+from effectguard.testing.clock import ManualClock
+
+
+def _request(n: int) -> AdmitRequest:
+    return AdmitRequest(
+        request_hash=f"hash-{n}",
+        provider="openai",
+        endpoint="/v1/chat/completions",
+        method="POST",
+        model="gpt-x",
+        idempotency_key=None,
+        budget="team/run",
+        budget_root="team",
+        effect_kind="billable",
+        body="{}",
+        body_encoding="utf8",
+        stream=False,
+        reserve=1_000,
+    )
+
+
+async def _register(ledger: Ledger, worker: str, lease_s: float) -> Writer:
+    return await ledger.store.write(
+        Writer("boot", 0),
+        lambda tx: operations.register_worker(tx, worker=worker, host="h", pid=1, lease_s=lease_s),
+    )
+
+
+@pytest.mark.parametrize("url", ["memory://", "sqlite"])
+async def test_the_calls_of_every_gone_worker_are_read_in_one_query(
+    tmp_path: Path, url: str
+) -> None:
+    """Three workers gone by their lease, two calls in flight each, a live worker's call
+    and a call effect unknown: the six are listed as gone, read by one in_flight_of."""
+    clock = ManualClock()
+    location = str(tmp_path / "ledger.db") if url == "sqlite" else url
+    async with Ledger.open(location, clock=clock) as ledger:
+        gone = [await _register(ledger, f"gone-{i}", lease_s=1) for i in range(3)]
+        expected = []
+        for i, writer in enumerate(gone):
+            for j in range(2):
+                admitted = await ledger.admit(writer, _request(10 * i + j))
+                expected.append(admitted.call_id)
+        unknown = await ledger.admit(gone[0], _request(99))
+        await ledger.interrupt(gone[0], unknown.call_id, 1, "read timeout")
+        clock.advance(5)
+        live = await _register(ledger, "live", lease_s=60)
+        await ledger.admit(live, _request(100))
+        reads: list[Any] = []
+        store_read = ledger.store.in_flight_of
+
+        async def counted(*args: Any) -> Any:
+            reads.append(args)
+            return await store_read(*args)
+
+        ledger.store.in_flight_of = counted  # type: ignore[method-assign]
+        found, more = await gone_in_flight(ledger, None, limit=50)
+    assert sorted(call.call_id for call, _ in found) == sorted(expected)
+    assert {why for _, why in found} == {LEASE_EXPIRED} and not more
+    assert len(reads) == 1, reads
