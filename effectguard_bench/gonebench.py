@@ -8,7 +8,8 @@ write session, as :mod:`effectguard_bench.recoverybench` does: ``--calls`` calls
 lease has lapsed, each with ``--per-gone`` calls still in flight. It prints SQLite's plan
 for the read of gone workers' calls in flight, then times the start page's calls sections
 (``AdminPage._unknown_calls``: the unknown calls, and the calls in flight whose worker is
-gone) and that look alone. The build is not timed. For a before/after pair, run this
+gone) and that look alone, and a sweep taking every gone worker over in its write
+transaction (rolled back). The build is not timed. For a before/after pair, run this
 file with another tree first on ``PYTHONPATH``.
 """
 
@@ -88,6 +89,25 @@ def plan(path: Path, workers: int) -> list[str]:
         conn.close()
 
 
+def time_sweep(path: Path) -> tuple[float, int]:
+    """Seconds a sweep takes, inside its write transaction, to take over the gone workers
+    and mark their calls (rolled back: the ledger is left as it was), and the calls marked."""
+    session = SqliteSession(str(path))
+    try:
+        session.begin()
+        try:
+            sweeper = operations.register_worker(
+                session, worker="bench-sweeper", host="bench", pid=0, lease_s=60
+            )
+            began = time.perf_counter()
+            marked = operations.sweep(session, sweeper)
+            return time.perf_counter() - began, len(marked)
+        finally:
+            session.rollback()
+    finally:
+        session.close()
+
+
 async def _timed(work: Callable[[], Awaitable[object]], repeats: int) -> list[float]:
     await work()  # warm: the first read loads the pages
     times = []
@@ -131,6 +151,8 @@ def main() -> None:
         for name, times in asyncio.run(time_page(path, args.repeats)).items():
             shown = ", ".join(f"{t * 1000:.1f}" for t in times)
             print(f"{name}: median {statistics.median(times) * 1000:.1f} ms ({shown} ms)")
+        took, marked = time_sweep(path)
+        print(f"sweep taking the gone workers over: {took * 1000:.0f} ms ({marked} calls marked)")
 
 
 if __name__ == "__main__":

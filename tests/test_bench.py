@@ -308,3 +308,5 @@ async def test_gonebench_builds_unknown_and_gone_calls_and_times_the_start_page(
     assert any("calls_unresolved" in step for step in gonebench.plan(path, 3))
     times = await gonebench.time_page(path, 2)
     assert all(len(t) == 2 and all(s > 0 for s in t) for t in times.values())
+    assert gonebench.time_sweep(path)[1] == 6
+    assert gonebench.time_sweep(path)[1] == 6  # rolled back: the same calls again

@@ -203,7 +203,7 @@ async def test_failed_operation_undoes_only_its_own_writes(pg_url: str) -> None:
         session.begin()
         assert _run_op(session, limit("a", 5)) is None
         # Writes sent early (a scan must see them), then the operation fails.
-        early = _raise_after(limit("b", 7), lambda tx: tx.in_flight_of("nobody"))
+        early = _raise_after(limit("b", 7), lambda tx: tx.in_flight_of(["nobody"]))
         assert isinstance(_run_op(session, early), RuntimeError)
         # Writes still buffered, then the operation fails.
         assert isinstance(_run_op(session, _raise_after(limit("c", 9))), RuntimeError)

@@ -39,7 +39,7 @@ def test_migrations_index_the_stage_list_the_queries_use(schema: object) -> None
 @pytest.mark.parametrize(
     ("sql", "params"),
     [
-        (SQLITE.in_flight_of, ("w1",)),
+        (SQLITE.in_flight_of(2), (1, 2)),
         (SQLITE.in_flight_page(2), ("w1", "w2", 10)),
         (SQLITE.in_flight_under, SQLITE.subtree("team")),
         (SQLITE.list_calls("effect_unknown", None, 10)[0], ("effect_unknown", 10)),

@@ -170,8 +170,8 @@ class Tx(Protocol):
         (calls created at the same moment in the store's order, the same every time)."""
         ...
 
-    def in_flight_of(self, worker: str) -> list[WorkState]:
-        """Calls in flight whose current attempt ``worker`` started."""
+    def in_flight_of(self, workers: Sequence[str]) -> list[WorkState]:
+        """Calls in flight whose current attempt one of ``workers`` started, in one read."""
         ...
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:

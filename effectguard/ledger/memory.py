@@ -182,8 +182,8 @@ class MemorySession:
         found.sort(key=lambda s: s.created_at, reverse=True)  # stable: ties keep one order
         return found
 
-    def in_flight_of(self, worker: str) -> list[WorkState]:
-        return [s for s in self.t.calls.values() if s.stage == "in_flight" and s.worker == worker]
+    def in_flight_of(self, workers: Sequence[str]) -> list[WorkState]:
+        return [s for s in self.t.calls.values() if s.stage == "in_flight" and s.worker in workers]
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
         return {p: self.t.policies[p] for p in paths if p in self.t.policies}

@@ -440,14 +440,20 @@ def sweep(
     ``interrupt_calls`` the workers are only fenced: each call is then marked in a
     transaction of its own, so one call that cannot commit blocks no other."""
     now = tx.now()
-    interrupted: list[str] = []
+    taken: list[tuple[WorkerRow, str]] = []
     for row in tx.live_workers():
         lapsed = row.lease_expires < now
         if held_still is not None and held_still.get(row.worker) != row.lease_expires:
             lapsed = False
-        if row.worker == writer.worker or not (lapsed or row.worker in provably_dead):
-            continue
-        reason = LEASE_EXPIRED if lapsed else PROCESS_GONE
+        if row.worker != writer.worker and (lapsed or row.worker in provably_dead):
+            taken.append((row, LEASE_EXPIRED if lapsed else PROCESS_GONE))
+    # One read for every worker taken over: on SQLite each read walks every unresolved
+    # call (no index has the worker), inside the transaction every writer waits on.
+    calls: dict[str, list[WorkState]] = {row.worker: [] for row, _ in taken}
+    for state in tx.in_flight_of(list(calls)) if interrupt_calls and calls else ():
+        calls[state.worker].append(state)
+    interrupted: list[str] = []
+    for row, reason in taken:
         tx.put_worker(
             WorkerRow(row.worker, row.generation, row.host, row.pid, row.lease_expires, fenced=True)
         )
@@ -460,7 +466,7 @@ def sweep(
                 )
             ],
         )
-        for state in tx.in_flight_of(row.worker) if interrupt_calls else ():
+        for state in calls[row.worker]:
             interrupt(tx, writer, state, f"worker {row.worker} {reason}")
             interrupted.append(state.call_id)
     return interrupted

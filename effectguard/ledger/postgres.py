@@ -343,8 +343,9 @@ class PostgresSession:
         rows = self._scan(POSTGRES.decided_by[applied], (root, request_hash, since, limit))
         return [state_from_json(r[0]) for r in rows]
 
-    def in_flight_of(self, worker: str) -> list[WorkState]:
-        return [state_from_json(r[0]) for r in self._scan(POSTGRES.in_flight_of, (worker,))]
+    def in_flight_of(self, workers: Sequence[str]) -> list[WorkState]:
+        rows = self._scan(POSTGRES.in_flight_of(len(workers)), workers)
+        return [state_from_json(r[0]) for r in rows]
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
         kept = self._kept.policies
@@ -412,8 +413,7 @@ class PostgresSession:
         return [worker_from_row(r) for r in self._scan(POSTGRES.live_workers, ())]
 
     def next_generation(self) -> int:
-        rows = self._send(NEXT_GENERATION, savepoint=True)
-        return int(rows[0][0])
+        return int(self._send(NEXT_GENERATION, savepoint=True)[0][0])
 
     def put_body(self, call_id: str, body: SpooledBody) -> None:
         # Sent chunk by chunk inside the operation's savepoint (opened by the first),

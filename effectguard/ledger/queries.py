@@ -198,7 +198,6 @@ class Queries:
         self.not_applied_calls = _newest_by_hash(state, m, not_applied, many=True)
         #: find_decided's query, by the decision (applied or not).
         self.decided_by = {True: self.decided_calls, False: self.not_applied_calls}
-        self.in_flight_of = f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND worker = {m}"
         self.call_events = f"SELECT {ev} FROM events e WHERE e.call_id = {m} ORDER BY e.seq"
         self._workers(false, workers_named)
         #: Per-period counters; each store adds how it matches a list of (path, period).
@@ -229,6 +228,12 @@ class Queries:
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {self.mark}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
         self.all_workers = f"SELECT {WORKER_COLUMNS} FROM workers"
+
+    def in_flight_of(self, workers: int) -> str:
+        """The calls in flight of ``workers`` workers, each a parameter in the store's form
+        of a worker (a sweep's read of the workers it takes over, in one walk)."""
+        marks = ",".join([self.mark] * workers) or "NULL"
+        return f"SELECT {self.state} FROM calls WHERE {_IN_FLIGHT} AND worker IN ({marks})"
 
     def in_flight_page(self, workers: int) -> str:
         """A reader's page of the calls in flight of ``workers`` workers, by name (a

@@ -329,11 +329,12 @@ class SqliteSession:
         params = (root, sqlitecalls.hash_key(request_hash), since, limit)
         return [self._state(r) for r in self.conn.execute(SQLITE.decided_by[applied], params)]
 
-    def in_flight_of(self, worker: str) -> list[WorkState]:
-        known = self._links.known_worker(worker)
-        if known is None:
+    def in_flight_of(self, workers: Sequence[str]) -> list[WorkState]:
+        known = [k for w in workers if (k := self._links.known_worker(w)) is not None]
+        if not known:
             return []
-        return [self._state(r) for r in self.conn.execute(SQLITE.in_flight_of, (known,)).fetchall()]
+        rows = self.conn.execute(SQLITE.in_flight_of(len(known)), known).fetchall()
+        return [self._state(r) for r in rows]
 
     def get_policies(self, paths: Sequence[str]) -> dict[str, BudgetPolicy]:
         missing = [p for p in paths if p not in self._policies]
