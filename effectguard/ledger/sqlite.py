@@ -327,7 +327,9 @@ class SqliteSession:
         self, root: str, request_hash: str, since: float, applied: bool, limit: int
     ) -> list[WorkState]:
         params = (root, sqlitecalls.hash_key(request_hash), since, limit)
-        return [self._state(r) for r in self.conn.execute(SQLITE.decided_by[applied], params)]
+        # Every row first: folding a row's state reads (and flushes) events on this connection.
+        rows = self.conn.execute(SQLITE.decided_by[applied], params).fetchall()
+        return [self._state(r) for r in rows]
 
     def in_flight_of(self, workers: Sequence[str]) -> list[WorkState]:
         known = [k for w in workers if (k := self._links.known_worker(w)) is not None]
