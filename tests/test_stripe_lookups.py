@@ -585,7 +585,9 @@ async def test_a_search_answer_that_proves_nothing_leaves_the_create_unknown(
         search_answers(fake, "stripe")
         if made:
             time.sleep(max(0.0, made[0]["ts"] + LAG_S - time.time()))
-        assert await stripe.sweep() == [call_id]
+        # Decided by this sweep, or by the one the transport's runtime made as it started
+        # again for it: that sweeper reads the same ledger clock.
+        assert await stripe.sweep() in ([call_id], [])
         (decided,) = await stripe.decisions(call_id)
         assert (decided["by"], decided["applied"]) == ("lookup:stripe", reached)
         await finish(stripe.transport)

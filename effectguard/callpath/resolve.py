@@ -22,7 +22,6 @@ import hashlib
 import io
 import json
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,7 +191,7 @@ class Resolver:
         hook: ReconcileHook | None = None,
         hook_timeout_s: float = 5.0,
         send: Send | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.ledger = ledger
         self.providers = providers
@@ -202,10 +201,20 @@ class Resolver:
         self.hook_timeout_s = hook_timeout_s
         #: How lookups of the sweeper go out (the proxy and transports set their inner one).
         self.send = send
+        #: How old a call is, and whether its provider's window is open, is read on the
+        #: ledger's clock, the one that timed its attempts (on PostgreSQL the database's:
+        #: a host running ahead read a fresh call as past its provider's search lag, and
+        #: its "not found" decided it not applied). A test may set a clock of its own.
         self.clock = clock
         #: The last unknown call the sweeper looked at, as ``(created_at, call_id)``: the
         #: next sweep reads the page after it (None: start from the oldest).
         self._cursor: tuple[float, str] | None = None
+
+    async def now(self) -> float:
+        """The ledger's clock (or the test's, if it set one)."""
+        if self.clock is not None:
+            return self.clock()
+        return await self.ledger.store.clock_now()
 
     def endpoint(self, facts: Facts) -> Endpoint | None:
         """The declared endpoint of a call (None: its provider is no longer declared)."""
@@ -296,7 +305,7 @@ class Resolver:
             applied=lookup.applied,
             not_found=lookup.not_found,
             freshness_s=lookup.freshness_s,
-            age_s=self.clock() - facts.last_attempt_at,
+            age_s=await self.now() - facts.last_attempt_at,
             retention_s=lookup.retention_s,
             results=lookup.results,
             blind=blind,
@@ -369,7 +378,7 @@ class Resolver:
         if not self.can_sweep():
             return []
         decided: list[str] = []
-        now = self.clock()
+        now = await self.now()
         for state in await self._next_page(limit):
             self._cursor = (state.created_at, state.call_id)
             if _left_to_its_client(state, now):
