@@ -39,13 +39,17 @@ def request(budget: str) -> AdmitRequest:
 
 
 async def spend(
-    path: str, usd: int, at: float | None = None, period: periods.PeriodKind = "month"
+    path: str,
+    usd: int,
+    at: float | None = None,
+    period: periods.PeriodKind = "month",
+    tz: str = "UTC",
 ) -> None:
-    """Admit and settle one call of ``usd`` on ``team`` (resetting every ``period``) at
-    ``at`` (default: now)."""
+    """Admit and settle one call of ``usd`` on ``team`` (resetting every ``period`` in
+    ``tz``) at ``at`` (default: now)."""
     clock = None if at is None else ManualClock(at)
     async with Ledger.open(path, clock=clock) as ledger:
-        await ledger.set_policy(BudgetPolicy("team", 10 * USD, period, "UTC"))
+        await ledger.set_policy(BudgetPolicy("team", 10 * USD, period, tz))
         writer: Writer = await ledger.store.write(
             Writer("boot", 0),
             lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=60),
@@ -192,3 +196,25 @@ def test_at_a_date_in_any_iso_form_is_each_nodes_local_date(
     run_json(capsys, "budget", "set", "west", "--limit", "1", *args)
     (west,) = run_json(capsys, "budgets", "--at", date, "--ledger", ledger)
     assert west["period"] == "2026-12-04"
+
+
+def test_moving_a_nodes_zone_warns_of_the_labels_it_shares_with_the_old_zone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Counters are kept per label, not per zone (contract §5.5). Moving a daily node that
+    spent 2 USD today in Tokyo to Los Angeles (17 hours behind: Tokyo's today is Los
+    Angeles' today or tomorrow) warns that the Los Angeles day of that label counts those
+    2 USD, charged in another day's hours. Moving it between zones whose days are the same
+    hours (Paris and Berlin) shares nothing and says nothing."""
+    path = str(tmp_path / "l.db")
+    asyncio.run(spend(path, 2, period="day", tz="Asia/Tokyo"))
+    label = periods.label("day", "Asia/Tokyo", time.time())
+    code, out, err = run(
+        capsys, "budget", "set", "team", "--tz", "America/Los_Angeles", "--ledger", path
+    )
+    assert code == 0 and "America/Los_Angeles" in out
+    assert "warning" in err and label in err and "2.000000000" in err, err
+    assert "Asia/Tokyo" in err
+    asyncio.run(spend(path, 1, period="day", tz="Europe/Paris"))
+    code, _, err = run(capsys, "budget", "set", "team", "--tz", "Europe/Berlin", "--ledger", path)
+    assert code == 0 and err == ""

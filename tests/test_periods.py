@@ -265,3 +265,17 @@ def test_a_named_period_shows_a_node_charged_in_it_under_an_earlier_policy() -> 
     now = datetime(2026, 12, 5, tzinfo=UTC).timestamp()
     past = budget_view(tree.policies, tree.nodes.values(), now, label="2026-12-03")
     assert [(n.path, n.period, n.reserved) for n in past] == [("team", "2026-12-03", 7)]
+
+
+def test_a_moved_zone_shares_the_labels_the_old_zone_has_begun() -> None:
+    """Tokyo to Los Angeles on Los Angeles' 5 December evening: Tokyo has begun both the
+    5th and the 6th, which Los Angeles has still to count. Back the other way, Los Angeles
+    has begun neither of Tokyo's days to come; zones whose days are the same hours share
+    nothing (their periods are the same)."""
+    at = datetime(2026, 12, 5, 17, tzinfo=ZoneInfo("America/Los_Angeles")).timestamp()
+    tokyo, la = "Asia/Tokyo", "America/Los_Angeles"
+    assert periods.shared_labels("day", tokyo, la, at) == ["2026-12-05", "2026-12-06"]
+    assert periods.shared_labels("day", la, tokyo, at) == []
+    assert periods.shared_labels("month", tokyo, la, at) == ["2026-12"]
+    assert periods.shared_labels("day", "Europe/Paris", "Europe/Berlin", at) == []
+    assert periods.shared_labels("total", tokyo, la, at) == []

@@ -35,7 +35,8 @@ from effectguard.ops.command import (
 from effectguard.ops.render import budget_json, call_json, emit, money
 from effectguard.rules import notes
 from effectguard.rules.budget import BudgetPolicy, validate_policy
-from effectguard.rules.periods import PERIOD_KINDS, TOTAL, validate_zone
+from effectguard.rules.money import nanos_to_usd
+from effectguard.rules.periods import PERIOD_KINDS, TOTAL, shared_labels, validate_zone
 
 if TYPE_CHECKING:
     from effectguard.callpath.crash import CrashPoints
@@ -203,16 +204,41 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
         validate_policy(dataclasses.replace(BudgetPolicy(path), **changes))
     except ValueError as exc:
         return _usage(str(exc))
+    before = (await ledger.policies()).get(path)
     # Only the fields given are written, onto the policy as the write's own transaction
     # reads it: another operator's change to another field, made since, is kept.
     policy = await ledger.change_policy(path, changes)
     # The node alone: its subtree down to its own depth.
     (node,) = await ledger.budgets(under=path, depth=path.count("/") + 1)
-    if (warning := overspent(node)) is not None:
-        print(f"effectguard: warning: {warning}", file=sys.stderr)
+    warnings = [overspent(node), *await _zone_moved(ledger, before, policy)]
+    for warning in warnings:
+        if warning is not None:
+            print(f"effectguard: warning: {warning}", file=sys.stderr)
     payload = budget_json(node, policy)
     emit(args, payload, _policy_line(path, money(node.limit), policy))
     return EXIT_OK
+
+
+async def _zone_moved(
+    ledger: Ledger, before: BudgetPolicy | None, after: BudgetPolicy
+) -> list[str]:
+    """The warnings for a node moved to another zone: each period of the new zone, not
+    yet over, that already holds what the old zone charged under its label."""
+    if before is None or before.period != after.period:
+        return []
+    now = await ledger.store.clock_now()
+    out = []
+    for label in shared_labels(after.period, before.tz, after.tz, now):
+        depth = after.path.count("/") + 1
+        for node in await ledger.budgets(period=label, under=after.path, depth=depth):
+            if node.path == after.path and node.committed:
+                out.append(
+                    f"budget {after.path!r} moves from {before.tz} to {after.tz}: counters "
+                    f"are kept per period label, so its {label} in {after.tz} counts the "
+                    f"{nanos_to_usd(node.committed)} USD (spent, reserved and held) charged "
+                    f"to {label} in {before.tz}, whose {label} runs at other hours"
+                )
+    return out
 
 
 def _policy_line(path: str, limit: str | None, policy: BudgetPolicy) -> str:

@@ -161,3 +161,21 @@ def bounds(text: str, tz: str) -> tuple[float, float] | None:
     if text == TOTAL:
         return None
     return _midnight(first_day(text), tz), _midnight(next_first_day(text), tz)
+
+
+def shared_labels(kind: PeriodKind, old_tz: str, new_tz: str, at: float) -> list[str]:
+    """The periods of ``new_tz`` not yet over at ``at`` (the current one and the next)
+    whose label ``old_tz`` may already have charged, at other hours than ``new_tz`` puts
+    that period. Counters are kept per label, not per zone, so a node moved from
+    ``old_tz`` to ``new_tz`` at ``at`` counts in each such period what it was charged
+    under that label before the move (docs/contract.md §5.5)."""
+    if kind == "total" or old_tz == new_tz:
+        return []
+    current = label(kind, new_tz, at)
+    following = label(kind, new_tz, _midnight(next_first_day(current), new_tz))
+    out = []
+    for text in dict.fromkeys((current, following)):
+        old = bounds(text, old_tz)
+        if old is not None and old[0] <= at and old != bounds(text, new_tz):
+            out.append(text)
+    return out
