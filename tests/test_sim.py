@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,13 @@ from effectguard.testing.sim.clients import Answer
 from effectguard.testing.sim.command import run_schedule
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.invariants import INVARIANTS, check, overshoots
+from effectguard.testing.sim.operatorchecks import HARD_BOUND_S, late_keys
 from effectguard.testing.sim.pgcluster import unavailable_reason
 from effectguard.testing.sim.schedule import (
     BUDGETS,
+    KEY_ROOTS,
     MAX_ANSWER_BYTES,
+    OPERATOR_ACTIONS,
     Call,
     Fault,
     Schedule,
@@ -164,7 +168,8 @@ def test_operator_limit_changes_are_drawn_only_when_asked() -> None:
         assert plain == generate(seed, 30.0, disk_faults=True, operator=False)
         with_operator = generate(seed, 30.0, disk_faults=True, operator=True)
         assert with_operator.calls == plain.calls
-        assert [f for f in with_operator.faults if f.kind != "budget_set"] == list(plain.faults)
+        ours = [f for f in with_operator.faults if f.kind not in OPERATOR_ACTIONS]
+        assert ours == list(plain.faults)
     sets = [f for s in range(5) for f in generate(s, 30.0, operator=True).faults]
     points = [f.point or "" for f in sets if f.kind == "budget_set"]
     assert {p.partition("=")[0] for p in points} == set(BUDGETS)
@@ -173,6 +178,42 @@ def test_operator_limit_changes_are_drawn_only_when_asked() -> None:
     assert "reconcile_auto" not in {f.kind for f in sets}  # only with --lookups
     looked = [f for s in range(5) for f in generate(s, 30.0, lookups=True, operator=True).faults]
     assert {"budget_set", "reconcile_auto"} <= {f.kind for f in looked}
+
+
+def test_operator_key_rotations_and_rate_limits_are_drawn_apart() -> None:
+    """``--operator`` also rotates keys (each root's ``ROOT.N`` revoked, ``ROOT.N+1`` made
+    before, soon after or long after) and sets ``rpm``/``concurrency``, from a generator
+    of its own: the ``budget set`` actions stay as they were drawn before, and the whole
+    operator's list is in time order."""
+    kinds = ("key_revoke", "key_new", "rate_set")
+    before = generate(2, 30.0, operator=True)  # the list's `2 sqlite 4 operator`, longer
+    sets = [f for f in before.faults if f.kind == "budget_set"]
+    assert sets and all(f.point and "=" in f.point for f in sets)
+    drawn = [f for s in range(6) for f in generate(s, 30.0, operator=True).faults]
+    assert {f.kind for f in drawn} >= set(kinds)
+    for seed in range(6):
+        actions = [f for f in generate(seed, 30.0, operator=True).faults if f.kind in kinds]
+        assert actions == sorted(actions, key=lambda f: f.at)
+        names = [(f.kind, f.point or "") for f in actions if f.kind != "rate_set"]
+        for root in KEY_ROOTS:  # revoked ROOT.0, made ROOT.1, revoked ROOT.1, ...
+            mine = [(k, n) for k, n in names if n.rpartition(".")[0] == root]
+            revoked = [int(n.rpartition(".")[2]) for k, n in mine if k == "key_revoke"]
+            made = [int(n.rpartition(".")[2]) for k, n in mine if k == "key_new"]
+            assert revoked == list(range(len(revoked))) and made == [r + 1 for r in revoked]
+            for n in revoked[1:]:  # a key is revoked only after it was made
+                assert mine.index(("key_new", f"{root}.{n}")) < mine.index(
+                    ("key_revoke", f"{root}.{n}")
+                )
+    gaps = [
+        new.at - old.at
+        for s in range(20)
+        for old, new in itertools.pairwise(
+            f for f in generate(s, 60.0, operator=True).faults if f.kind.startswith("key_")
+        )
+        if old.kind == "key_revoke" and new.kind == "key_new"
+    ]
+    assert max(gaps) > HARD_BOUND_S  # some revoked keys are sent past the hard bound
+    assert "reconcile_auto" not in {f.kind for f in drawn}
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -474,6 +515,86 @@ def test_an_operator_command_that_crashed_is_caught() -> None:
     assert _fired(_evidence(_call_events(), operator_failures=crashed)) == {
         "operator_command_failed"
     }
+
+
+def _keyed(status: int | None, sent_at: float, **changes: Any) -> Answer:
+    """A request of scheduled call c0001 with key ``team.0``."""
+    fields = {"status": status, "sent_at": sent_at, "proxy_key": "team.0", "tag": "c0001.0"}
+    return _answer(**({"call": "c0001", "call_id": None} | fields | changes))
+
+
+def _key_action(action: str, returned: float) -> dict[str, Any]:
+    return {"action": action, "name": "team.0", "began": returned - 0.5, "returned": returned}
+
+
+def test_a_revoked_key_admitted_past_the_bound_is_caught() -> None:
+    """Past ``key_refresh_s`` + 5 s after ``key revoke`` returned, a request with the key
+    answered anything but 401 (or 503 ``ledger_unavailable``), or reaching the provider
+    (its tag in a receipt), or a scheduled call whose every request was such that still
+    has a manifest, breaks ``revoked_key_admitted``; within the bound it is only flagged."""
+    revoked = [_key_action("key_revoke", 100.0)]
+    late = 100.0 + HARD_BOUND_S + 0.5
+    refused = _evidence(_call_events(), key_actions=revoked, answers=[_keyed(401, late)])
+    assert check(refused) == []
+    admitted = dataclasses.replace(refused, answers=[_keyed(200, late)])
+    assert _fired(admitted) == {"revoked_key_admitted", "ok_not_completed"}
+    lost = dataclasses.replace(refused, answers=[_keyed(None, late, transport_error="reset")])
+    receipt = lost.receipts[0] | {"tag": "c0001.0"}
+    assert _fired(dataclasses.replace(lost, receipts=[receipt])) == {"revoked_key_admitted"}
+    named = _call_events()
+    named[0] = (1.0, dataclasses.replace(_manifest("c1"), body='{"x": "sim 7 c0001: alpha"}'))
+    assert "revoked_key_admitted" in _fired(dataclasses.replace(lost, events=_stored(named)))
+    soon = dataclasses.replace(refused, answers=[_keyed(200, 101.5, call_id="c1")])
+    assert "revoked_key_admitted" not in _fired(soon)
+    assert late_keys(soon) == ["c0001.0: revoked key team.0 answered 200, 1.50 s after"]
+
+
+def test_a_new_key_refused_past_the_bound_is_caught() -> None:
+    """Past the bound after ``key new`` returned, a 401 for the key breaks
+    ``new_key_refused``; not once its revocation has begun."""
+    made = [_key_action("key_new", 100.0)]
+    late = 100.0 + HARD_BOUND_S + 0.5
+    refused = _evidence(_call_events(), key_actions=made, answers=[_keyed(401, late)])
+    assert _fired(refused) == {"new_key_refused"}
+    ended = [*made, _key_action("key_revoke", late - 1)]
+    assert check(dataclasses.replace(refused, key_actions=ended)) == []
+    assert check(dataclasses.replace(refused, answers=[_keyed(401, 101.0)])) == []
+
+
+def _reserved(call: str, at: float) -> list[tuple[float, Event]]:
+    """A call admitted under ``team`` at ``at`` (and left in flight)."""
+    return [
+        (at, _manifest(call)),
+        (at, BudgetReserved(call=call, budget="team", amount=5)),
+        (at, AttemptStarted(call=call, attempt=1, worker="w", generation=1)),
+    ]
+
+
+def test_an_admission_past_a_rate_limit_is_caught() -> None:
+    """An attempt admitted past the ``rpm`` in force (counted from the declaration that
+    gave the node rates, in its calendar minute) or past ``concurrency`` (the node's
+    other calls in flight) breaks ``rate_limit_exceeded``; a new minute starts empty, and
+    attempts admitted before the declaration count for nothing."""
+
+    def fired(*events: tuple[float, Event]) -> set[str]:
+        return {v.invariant for v in check(_evidence(list(events), answers=[], receipts=[]))}
+
+    rpm = (600.0, BudgetLimitSet(path="team", limit=None, rpm=1))
+    assert "rate_limit_exceeded" in fired(rpm, *_reserved("a", 601.0), *_reserved("b", 602.0))
+    assert "rate_limit_exceeded" not in fired(
+        *_reserved("z", 600.0), rpm, *_reserved("a", 601.0), *_reserved("b", 661.0)
+    )
+    lowered = (602.0, BudgetLimitSet(path="team", limit=None, rpm=1))
+    raised = (600.0, BudgetLimitSet(path="team", limit=None, rpm=5))
+    assert "rate_limit_exceeded" in fired(
+        raised, *_reserved("a", 601.0), lowered, *_reserved("b", 603.0)
+    )
+    one = (600.0, BudgetLimitSet(path="team", limit=None, concurrency=1))
+    assert "rate_limit_exceeded" in fired(one, *_reserved("a", 601.0), *_reserved("b", 602.0))
+    done = [(601.5, e) for e in completion("a", budget="team", reserved=5, actual=4, body="{}")]
+    assert "rate_limit_exceeded" not in fired(
+        one, *_reserved("a", 601.0), *done, *_reserved("b", 602.0)
+    )
 
 
 def test_every_invariant_has_a_checker_test() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import httpx
 
 from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER, TAG_HEADER
+from effectguard.testing.sim.proxykeys import ClientKeys
 from effectguard.testing.sim.schedule import FRESHNESS_S, ROUTES, Call
 
 __all__ = ["Answer", "Kind", "body_of", "run_call", "send"]
@@ -49,6 +51,10 @@ class Answer:
     error_type: str | None = None
     body_b64: str = ""
     transport_error: str | None = None
+    #: The proxy key sent (``--operator``: its name, ``ROOT.N``; None: none).
+    proxy_key: str | None = None
+    #: When the request was sent (``time.time()``: the clock of the operator's notes).
+    sent_at: float = 0.0
 
     @property
     def body(self) -> bytes:
@@ -103,18 +109,21 @@ async def send(
     tag: str,
     replica: int,
     retry_count: int,
+    keys: ClientKeys | None = None,
 ) -> Answer:
     """Send one request of ``call`` to ``base_url`` and record what came back."""
     provider, path, _, _ = ROUTES[call.route]
     answer = Answer(call.id, kind, tag, replica, call.stream, call.key)
     received = bytearray()
     content = json.dumps(body_of(call)).encode()
+    headers = _headers(call, tag, retry_count, kind)
+    held = keys.of(call.budget) if keys is not None else None
+    if held is not None:
+        answer.proxy_key, headers["effectguard-key"] = held
+    answer.sent_at = time.time()
     try:
         async with client.stream(
-            "POST",
-            f"{base_url}/{provider}{path}",
-            content=content,
-            headers=_headers(call, tag, retry_count, kind),
+            "POST", f"{base_url}/{provider}{path}", content=content, headers=headers
         ) as response:
             answer.status = response.status_code
             answer.call_id = response.headers.get("effectguard-call-id")
@@ -150,7 +159,10 @@ def _sdk_would_retry(answer: Answer) -> bool:
 
 
 async def run_call(
-    client: httpx.AsyncClient, url_of: Callable[[int], str], call: Call
+    client: httpx.AsyncClient,
+    url_of: Callable[[int], str],
+    call: Call,
+    keys: ClientKeys | None = None,
 ) -> list[Answer]:
     """Send ``call`` with SDK-style retries (and its repeat); every answer, in order."""
     answers: list[Answer] = []
@@ -165,6 +177,7 @@ async def run_call(
             tag=f"{call.id}.{n}",
             replica=replica,
             retry_count=n,
+            keys=keys,
         )
         answers.append(answer)
         if not _sdk_would_retry(answer):
@@ -181,15 +194,20 @@ async def run_call(
                 tag=f"{call.id}.r",
                 replica=replica,
                 retry_count=1,
+                keys=keys,
             )
         )
     if call.resends:
-        answers += await _resend_rounds(client, url_of, call, answers[-1].clean_ok)
+        answers += await _resend_rounds(client, url_of, call, answers[-1].clean_ok, keys)
     return answers
 
 
 async def _resend_rounds(
-    client: httpx.AsyncClient, url_of: Callable[[int], str], call: Call, done: bool
+    client: httpx.AsyncClient,
+    url_of: Callable[[int], str],
+    call: Call,
+    done: bool,
+    keys: ClientKeys | None,
 ) -> list[Answer]:
     """Short of a 200, ``call.resends`` keyed resends at once, each round once the
     lookup's freshness has passed: they race one another's lookups, the sweeper's, and
@@ -211,6 +229,7 @@ async def _resend_rounds(
                     tag=f"{call.id}.s{round_}.{n}",
                     replica=replica,
                     retry_count=0 if call.key else 1,
+                    keys=keys,
                 )
                 for n, replica in enumerate(replicas)
             )

@@ -10,6 +10,7 @@ not the schedule, is what a failing run's bundle shows as "what was done".
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,8 +26,11 @@ from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 from effectguard.testing.payments import declaration
 from effectguard.testing.sim.pgcluster import OwnedPostgres, owned_postgres
+from effectguard.testing.sim.proxykeys import ClientKeys
 from effectguard.testing.sim.schedule import (
     FRESHNESS_S,
+    KEY_REFRESH_S,
+    KEY_ROOTS,
     MAX_ANSWER_BYTES,
     SEARCH_LAG_S,
     Schedule,
@@ -36,6 +40,7 @@ __all__ = ["Cluster", "Replica", "ledger_url", "running_cluster"]
 
 _CONFIG = """\
 [server]
+key_refresh_s = {key_refresh}
 lease_s = {lease}
 heartbeat_s = {heartbeat}
 sweep_s = {sweep}
@@ -113,6 +118,8 @@ class Cluster:
     disk: Path | None = None
     #: The PostgreSQL cluster the run owns and may stop (``--ledger-faults`` on PostgreSQL).
     owned_pg: OwnedPostgres | None = None
+    #: The proxy keys the clients hold (``--operator``: the schedule rotates keys).
+    keys: ClientKeys | None = None
 
     def note(self, action: str, replica: int | None = None, **detail: Any) -> None:
         """Record that ``action`` happened now."""
@@ -138,6 +145,7 @@ class Cluster:
             sweep=lease / 2,
             budgets=budgets,
             max_answer=MAX_ANSWER_BYTES,
+            key_refresh=KEY_REFRESH_S,
         )
         self.config.write_text(text)
         if self.schedule.lookups:
@@ -242,6 +250,38 @@ class Cluster:
         limit = ["--no-limit"] if nanos == "none" else ["--limit", nanos_to_usd(int(nanos))]
         self._operator("budget_set", ["budget", "set", path, *limit], path=path, limit=nanos)
 
+    def rate_set(self, point: str) -> None:
+        """``effectguard budget set PATH --rpm N --concurrency N`` for ``PATH rpm=N
+        concurrency=N`` (``none`` removes one; ``-`` leaves it out); noted ``rate_set``."""
+        path, *pairs = point.split()
+        argv = ["budget", "set", path]
+        for name, _, value in (pair.partition("=") for pair in pairs):
+            if value != "-":
+                argv += [f"--{name}", value]
+        self._operator("rate_set", argv, path=path, limit=" ".join(pairs))
+
+    def make_first_keys(self) -> None:
+        """Make each root's first key (``ROOT.0``) before any replica starts, so every
+        request of the run carries one (once a ledger key exists, every request needs
+        one). The ledger is created first: no replica has made it yet."""
+        self.keys = ClientKeys()
+        self._operator("migrate", ["migrate"])
+        for root in KEY_ROOTS:
+            self.key_new(f"{root}.0")
+
+    def key_new(self, name: str) -> None:
+        """``effectguard key new --root ROOT --name NAME``; once it returns, the root's
+        clients send the new key. Noted ``key_new`` with the times it ran (wall clock)."""
+        argv = ["key", "new", "--root", name.rpartition(".")[0], "--name", name, "--json"]
+        done = self._operator("key_new", argv, name=name)
+        if done.returncode == 0 and self.keys is not None:
+            self.keys.give(name, json.loads(done.stdout)["key"])
+
+    def key_revoke(self, name: str) -> None:
+        """``effectguard key revoke NAME``; the clients go on sending it until a new key
+        is made. Noted ``key_revoke`` with the times it ran (wall clock)."""
+        self._operator("key_revoke", ["key", "revoke", name], name=name)
+
     def reconcile_auto(self) -> None:
         """``effectguard reconcile --auto`` with the ``payments`` declaration and the
         search key, as an operator would; noted ``reconcile_auto`` with its decisions."""
@@ -252,9 +292,11 @@ class Cluster:
 
     def _operator(
         self, action: str, argv: list[str], env: dict[str, str] | None = None, **detail: Any
-    ) -> None:
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``effectguard ARGV --ledger LEDGER``; noted ``action`` (with the output's
-        tail) or ``action_failed`` (with the error's)."""
+        tail) or ``action_failed`` (with the error's), with ``began`` and ``returned``
+        (``time.time()``: a revocation's delay counts from the command's return)."""
+        detail["began"] = time.time()
         done = subprocess.run(
             [sys.executable, "-m", "effectguard", *argv, "--ledger", self.ledger],
             env=self.env | (env or {}),
@@ -263,11 +305,14 @@ class Cluster:
             timeout=60,
             check=False,
         )
+        detail["returned"] = time.time()
         if done.returncode == 0:
-            self.note(action, **detail, output=done.stdout.strip()[-300:])
+            output = "" if action == "key_new" else done.stdout.strip()[-300:]  # the secret
+            self.note(action, **detail, output=output)
         else:
             error = (done.stderr or done.stdout).strip()[-300:]
             self.note(f"{action}_failed", **detail, code=done.returncode, error=error)
+        return done
 
     def pg_stop(self, mode: str) -> None:
         """Stop the owned PostgreSQL cluster (``fast`` or ``immediate``)."""
@@ -328,6 +373,8 @@ def running_cluster(
         cluster = stack.enter_context(_processes(schedule, workdir, url, env))
         cluster.disk = ledger_dir if mounted else None
         cluster.owned_pg = owned
+        if any(f.kind == "key_new" for f in schedule.faults):
+            cluster.make_first_keys()
         for replica in cluster.replicas:
             cluster.start(replica)
         yield cluster

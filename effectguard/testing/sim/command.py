@@ -16,6 +16,7 @@ from effectguard.testing.sim.bundle import write_bundle
 from effectguard.testing.sim.cluster import reset_postgres_schema, running_cluster
 from effectguard.testing.sim.evidence import Evidence, collect
 from effectguard.testing.sim.invariants import INVARIANTS, Violation, check, overshoots
+from effectguard.testing.sim.operatorchecks import key_summary, late_keys
 from effectguard.testing.sim.pgcluster import unavailable_reason
 from effectguard.testing.sim.runner import execute, quiesce
 from effectguard.testing.sim.schedule import OPERATOR_ACTIONS, Schedule, generate
@@ -58,7 +59,9 @@ class SimResult:
             "  process actions: " + _counts(done),
             "  client statuses: " + _counts(statuses),
             "  call stages: " + _counts(stages),
-            f"  invariants checked: {len(INVARIANTS)}; overshoots flagged: {len(self.flags)}",
+            *(["  keys: " + key_summary(self.evidence)] if self.evidence.key_actions else []),
+            f"  invariants checked: {len(INVARIANTS)}; overshoots and late keys flagged: "
+            f"{len(self.flags)}",
             f"  result: {'ok' if self.ok else f'{len(self.violations)} VIOLATION(S)'}",
         ]
         return "\n".join(lines)
@@ -89,9 +92,13 @@ def run_schedule(
         unrecovered = [int(a["replica"]) for a in cluster.actions if a["action"] == "unrecovered"]
         receipts = workdir / "receipts.jsonl"
         failed = _operator_failures(cluster.actions)
-        evidence = asyncio.run(collect(cluster.ledger, receipts, answers, unrecovered, failed))
+        keys = [a for a in cluster.actions if a["action"] in ("key_new", "key_revoke")]
+        evidence = asyncio.run(
+            collect(cluster.ledger, receipts, answers, unrecovered, failed, keys)
+        )
     violations = check(evidence)
-    result = SimResult(schedule, violations, evidence, overshoots(evidence), cluster.actions)
+    flags = overshoots(evidence) + late_keys(evidence)
+    result = SimResult(schedule, violations, evidence, flags, cluster.actions)
     if violations and bundle is not None:
         result.bundle = write_bundle(bundle, workdir, cluster, evidence, violations)
     if not violations and schedule.ledger == "postgres" and cluster.owned_pg is None:
@@ -103,7 +110,8 @@ def _operator_failures(actions: list[dict[str, object]]) -> list[str]:
     """The operator's commands that exited other than 0 or 4 (the ledger unavailable)."""
     failed = {f"{action}_failed" for action in OPERATOR_ACTIONS}
     return [
-        f"{a['action']} at {a['at']} s ({a.get('path') or ''}={a.get('limit') or ''}) "
+        f"{a['action']} at {a['at']} s ({a.get('name') or a.get('path') or ''}"
+        f"{'=' if a.get('path') else ''}{a.get('limit') or ''}) "
         f"exit {a.get('code')}: {a.get('error')}"
         for a in actions
         if a["action"] in failed and a.get("code") != EXIT_UNAVAILABLE

@@ -41,6 +41,9 @@ class Evidence:
     #: The operator's commands (``--operator``) that exited other than 0 or 4 (the ledger
     #: unavailable): what was run, its exit code and its last words.
     operator_failures: list[str] = field(default_factory=list)
+    #: The operator's key commands that exited 0 (``--operator``): ``action``
+    #: (``key_new``, ``key_revoke``), ``name``, and ``began``/``returned`` (wall clock).
+    key_actions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_verify(ledger: str) -> tuple[int, str]:
@@ -71,10 +74,21 @@ async def collect(
     answers: list[Answer],
     unrecovered: list[int],
     operator_failures: list[str] | None = None,
+    key_actions: list[dict[str, Any]] | None = None,
 ) -> Evidence:
     """Gather the evidence of a run whose processes have all stopped."""
     events, calls = await read_ledger(ledger)
     code, output = run_verify(ledger)
     receipts_read = read_receipts(receipts)
     failures = operator_failures or []
-    return Evidence(events, calls, receipts_read, answers, code, output, unrecovered, failures)
+    return Evidence(
+        events,
+        calls,
+        receipts_read,
+        answers,
+        code,
+        output,
+        unrecovered,
+        failures,
+        key_actions or [],
+    )

@@ -12,7 +12,6 @@ import hashlib
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final
 
 from effectguard.rules import budget as budget_rules
@@ -27,6 +26,13 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.workstate import UNRESOLVED, work_state
 from effectguard.testing.sim.evidence import Evidence
+from effectguard.testing.sim.operatorchecks import (
+    KEY_INVARIANTS,
+    new_keys_accepted,
+    rate_limits_held,
+    revoked_keys_refused,
+)
+from effectguard.testing.sim.violation import Violation
 
 __all__ = ["CHECKS", "INVARIANTS", "Violation", "check", "overshoots"]
 
@@ -55,19 +61,9 @@ INVARIANTS: Final = {
     "it repeats is unresolved or decided applied",
     "operator_command_failed": "an operator's command run during the load (--operator) exits "
     "0, or 4 when the ledger is unavailable; never a crash",
+    **KEY_INVARIANTS,
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
-
-
-@dataclass(frozen=True, slots=True)
-class Violation:
-    """One broken invariant, with enough detail to find the call."""
-
-    invariant: str
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.invariant}: {self.detail}"
 
 
 def _sha_by_call(evidence: Evidence) -> dict[str, str]:
@@ -425,6 +421,9 @@ CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     decisions_match_receipts,
     retries_not_applied_again,
     operator_commands_exit_cleanly,
+    revoked_keys_refused,
+    new_keys_accepted,
+    rate_limits_held,
 )
 
 

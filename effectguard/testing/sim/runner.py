@@ -22,11 +22,18 @@ import httpx
 from effectguard.ledger import Ledger
 from effectguard.testing.sim.clients import TIMEOUT, Answer, run_call, send
 from effectguard.testing.sim.cluster import Cluster, Replica
-from effectguard.testing.sim.schedule import OPERATOR_ACTIONS, Call, Fault
+from effectguard.testing.sim.schedule import KEY_ROOTS, OPERATOR_ACTIONS, Call, Fault
 
 __all__ = ["execute", "quiesce"]
 
 _SUPERVISE_EVERY = 0.2
+#: The operator's actions that take the fault's ``point`` (all but ``reconcile_auto``).
+_OPERATOR = {
+    "budget_set": Cluster.budget_set,
+    "rate_set": Cluster.rate_set,
+    "key_new": Cluster.key_new,
+    "key_revoke": Cluster.key_revoke,
+}
 
 
 async def execute(cluster: Cluster) -> list[Answer]:
@@ -57,7 +64,7 @@ async def _call_at(
     client: httpx.AsyncClient, cluster: Cluster, call: Call, start: float
 ) -> list[Answer]:
     await asyncio.sleep(max(0.0, start + call.at - time.monotonic()))
-    return await run_call(client, lambda i: cluster.replicas[i].url, call)
+    return await run_call(client, lambda i: cluster.replicas[i].url, call, cluster.keys)
 
 
 async def _faults_of(
@@ -83,10 +90,10 @@ async def _operator(cluster: Cluster, start: float) -> None:
     """Apply the operator's actions (``--operator``) in order, whatever the replicas do."""
     for fault in (f for f in cluster.schedule.faults if f.kind in OPERATOR_ACTIONS):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
-        if fault.kind == "budget_set":
-            await asyncio.to_thread(cluster.budget_set, fault.point or "")
-        else:
+        if fault.kind == "reconcile_auto":
             await asyncio.to_thread(cluster.reconcile_auto)
+        else:
+            await asyncio.to_thread(_OPERATOR[fault.kind], cluster, fault.point or "")
 
 
 async def _start(cluster: Cluster, replica: Replica, crash_at: str | None = None) -> None:
@@ -167,6 +174,9 @@ async def quiesce(cluster: Cluster, answers: list[Answer]) -> list[Answer]:
     for replica in cluster.replicas:
         await asyncio.to_thread(cluster.stop, replica)
         cluster.kill(replica)
+    if cluster.keys is not None:  # the replays need a key no one has revoked
+        for root in KEY_ROOTS:
+            await asyncio.to_thread(cluster.key_new, f"{root}.end")
     for replica in cluster.replicas:
         await asyncio.to_thread(cluster.start, replica)
     await _wait_recovered(cluster)
@@ -226,6 +236,7 @@ async def _replay_keyed(cluster: Cluster, answers: list[Answer]) -> list[Answer]
                     tag=f"{call.id}.replay",
                     replica=replica.index,
                     retry_count=0,
+                    keys=cluster.keys,
                 )
             )
     return replays

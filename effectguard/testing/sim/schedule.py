@@ -21,6 +21,8 @@ from effectguard.testing.fakebehaviour import Behaviour
 __all__ = [
     "BUDGETS",
     "CRASH_POINTS",
+    "KEY_REFRESH_S",
+    "KEY_ROOTS",
     "LEDGER_WIDE",
     "OPERATOR_ACTIONS",
     "PG_STOP_MODES",
@@ -29,6 +31,7 @@ __all__ = [
     "Route",
     "Schedule",
     "generate",
+    "key_root",
 ]
 
 #: name -> (provider, path, model, streams possible)
@@ -59,13 +62,24 @@ FaultKind = Literal[
     "pg_outage",
     "budget_set",
     "reconcile_auto",
+    "key_revoke",
+    "key_new",
+    "rate_set",
 ]
 #: Faults of the ledger itself rather than of one replica: always scheduled on replica 0
 #: (a read-only remount takes every replica's lock, in index order, from there).
 LEDGER_WIDE: Final = frozenset({"read_only", "pg_outage"})
 #: ``--operator``: what an operator does to the running system, through the CLI; applied
 #: on their own (no replica's fault), whatever the replicas are going through.
-OPERATOR_ACTIONS: Final = frozenset({"budget_set", "reconcile_auto"})
+OPERATOR_ACTIONS: Final = frozenset(
+    {"budget_set", "reconcile_auto", "key_revoke", "key_new", "rate_set"}
+)
+#: ``--operator``: the budget roots whose clients use proxy keys (``ROOT.N``, N the key's
+#: generation: ``ROOT.0`` is made before the replicas start, each rotation the next).
+KEY_ROOTS: Final = ("default", "team-a", "team-b")
+#: The run's ``[server] key_refresh_s``: how soon every replica honours a key made or
+#: revoked (contract, ``key revoke``); short, so a short run sees revocations land.
+KEY_REFRESH_S: Final = 1.0
 #: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
 PG_STOP_MODES: Final = ("fast", "immediate")
 #: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
@@ -117,7 +131,9 @@ class Fault:
     #: the ledger stays full, read-only or down; crash_at: -.
     seconds: float = 0.0
     #: crash_at: the crash point; pg_outage: the ``pg_ctlcluster stop`` mode;
-    #: budget_set: ``PATH=NANOS`` (or ``PATH=none``), the limit an operator sets.
+    #: budget_set: ``PATH=NANOS`` (or ``PATH=none``), the limit an operator sets;
+    #: key_revoke, key_new: the key's name (``ROOT.N``); rate_set: ``PATH rpm=N
+    #: concurrency=N`` (``none`` removes one, ``-`` leaves it as it is).
     point: str | None = None
 
 
@@ -197,11 +213,7 @@ def generate(
         limits=limits,
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger))
-        + (
-            _operator_actions(random.Random(f"operator {seed}"), duration, lookups)
-            if operator
-            else ()
-        ),
+        + (_operator(seed, duration, lookups) if operator else ()),
         lookups=lookups,
         keyless=lookups and keyless,
     )
@@ -349,6 +361,50 @@ def _faults(
             faults.append(Fault(at, kind, replica))
         at = round(at + rng.uniform(2.5, 7.0), 3)
     return faults
+
+
+def _operator(seed: int, duration: float, lookups: bool) -> tuple[Fault, ...]:
+    """``--operator``: limits and reconciles (as drawn before keys and rates were added),
+    then key rotations and rate limits from a generator of their own, in time order."""
+    limits = _operator_actions(random.Random(f"operator {seed}"), duration, lookups)
+    keys = _key_and_rate_actions(random.Random(f"keys {seed}"), duration)
+    return tuple(sorted(limits + keys, key=lambda f: f.at))
+
+
+def key_root(name: str) -> str:
+    """The budget root of the simulator's key ``ROOT.N``."""
+    return name.rpartition(".")[0]
+
+
+def _key_and_rate_actions(rng: random.Random, duration: float) -> tuple[Fault, ...]:
+    """Every 1.5-5 s: a key rotation (the key a root's clients use is revoked, and a new
+    one made, up to 1.5 s before or 4 s after: clients meet 401s meanwhile, and go on
+    with the new key once made) or ``budget set PATH --rpm --concurrency`` (raised,
+    lowered, to 0, removed). A root is rotated again only once its last new key exists."""
+    faults: list[Fault] = []
+    generation = dict.fromkeys(KEY_ROOTS, 0)
+    busy_until = dict.fromkeys(KEY_ROOTS, 0.0)
+    at = round(rng.uniform(1.0, 3.0), 3)
+    while at < duration * 0.85:
+        free = [r for r in KEY_ROOTS if busy_until[r] < at]
+        if free and rng.random() < 0.5:
+            root = rng.choice(free)
+            # The new key first (a rotation), soon after, or long after: only then do
+            # requests with the revoked key outlast the bound the contract gives even a
+            # replica that cannot read the keys.
+            gap = rng.choice([rng.uniform(-1.5, 0.0), rng.uniform(1.0, 4.0), rng.uniform(7, 10)])
+            made = round(max(0.2, busy_until[root] + 0.1, at + gap), 3)
+            faults.append(Fault(at, "key_revoke", 0, point=f"{root}.{generation[root]}"))
+            generation[root] += 1
+            faults.append(Fault(made, "key_new", 0, point=f"{root}.{generation[root]}"))
+            busy_until[root] = max(at, made)
+        else:
+            rpm = rng.choice(["-", "none", "0", *map(str, range(2, 40, 3))])
+            concurrency = rng.choice(["-", "-", "none", "1", "2", "3"])
+            point = f"{rng.choice(BUDGETS)} rpm={rpm} concurrency={concurrency}"
+            faults.append(Fault(at, "rate_set", 0, point=point))
+        at = round(at + rng.uniform(1.5, 5.0), 3)
+    return tuple(faults)
 
 
 def _operator_actions(rng: random.Random, duration: float, lookups: bool) -> tuple[Fault, ...]:

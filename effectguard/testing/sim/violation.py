@@ -1,0 +1,18 @@
+"""What an invariant's checker reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Violation"]
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant, with enough detail to find the call."""
+
+    invariant: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.detail}"
