@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--operator",
         action="store_true",
-        help="an operator runs `budget set` during the load, every 1-4 s: limits raised, "
-        "lowered below what a budget holds, removed",
+        help="an operator changes limits (`budget set`), rotates the clients' proxy keys "
+        "(`key revoke`, `key new`) and sets rate limits (--rpm, --concurrency) during the load",
     )
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")

@@ -27,7 +27,7 @@ from effectguard.config.defaults import KEY_READ_WAIT_S
 from effectguard.rules.budget import ancestors
 from effectguard.rules.events import StoredEvent, event_from_data
 from effectguard.rules.ratelimit import minute_of
-from effectguard.rules.workstate import work_state
+from effectguard.rules.workstate import WorkState, apply
 from effectguard.testing.sim.clients import Answer
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.schedule import KEY_REFRESH_S
@@ -185,8 +185,7 @@ def rate_limits_held(evidence: Evidence) -> list[Violation]:
     flight (other than this one) leave room for it."""
     policies: dict[str, tuple[Any, Any, Any]] = {}  # path -> rpm, tpm, concurrency
     windows: dict[str, tuple[int, int]] = {}  # path -> minute, attempts counted
-    events_of: dict[str, list[Any]] = defaultdict(list)
-    stage: dict[str, str] = {}
+    states: dict[str, WorkState] = defaultdict(WorkState)
     budget_of: dict[str, str] = {}
     out: list[Violation] = []
     for e in evidence.events:
@@ -195,13 +194,12 @@ def rate_limits_held(evidence: Evidence) -> list[Violation]:
         elif e.kind == "call.manifest" and e.call_id is not None:
             budget_of[e.call_id] = str(e.data["budget"])
         elif e.kind == "budget.reserved" and e.call_id is not None:
-            in_flight = [c for c, s in stage.items() if s == "in_flight" and c != e.call_id]
+            in_flight = [c for c, s in states.items() if s.stage == "in_flight" and c != e.call_id]
             for path in ancestors(str(e.data["budget"])):
                 under = sum(1 for c in in_flight if path in ancestors(budget_of.get(c, "")))
                 out += _admitted(policies, windows, path, e, under)
-        if e.call_id is not None and e.kind.startswith(("call.", "attempt.", "budget.")):
-            events_of[e.call_id].append(event_from_data(e.kind, e.data))
-            stage[e.call_id] = str(work_state(events_of[e.call_id]).stage)
+        if e.call_id is not None:
+            states[e.call_id] = apply(states[e.call_id], event_from_data(e.kind, e.data))
     return out
 
 
