@@ -34,6 +34,7 @@ from effectguard.testing.sim.schedule import (
     MAX_ANSWER_BYTES,
     SEARCH_LAG_S,
     Schedule,
+    key_root,
 )
 
 __all__ = ["Cluster", "Replica", "ledger_url", "running_cluster"]
@@ -272,15 +273,21 @@ class Cluster:
     def key_new(self, name: str) -> None:
         """``effectguard key new --root ROOT --name NAME``; once it returns, the root's
         clients send the new key. Noted ``key_new`` with the times it ran (wall clock)."""
-        argv = ["key", "new", "--root", name.rpartition(".")[0], "--name", name, "--json"]
+        argv = ["key", "new", "--root", key_root(name), "--name", name, "--json"]
         done = self._operator("key_new", argv, name=name)
         if done.returncode == 0 and self.keys is not None:
             self.keys.give(name, json.loads(done.stdout)["key"])
 
-    def key_revoke(self, name: str) -> None:
-        """``effectguard key revoke NAME``; the clients go on sending it until a new key
-        is made. Noted ``key_revoke`` with the times it ran (wall clock)."""
-        self._operator("key_revoke", ["key", "revoke", name], name=name)
+    def key_revoke(self, point: str) -> None:
+        """``effectguard key revoke NAME`` on the key the root of ``point`` (``ROOT.N``)
+        has its clients send: ``ROOT.N`` unless a ``key new`` failed (the ledger was
+        down). The clients go on sending it until a new key is made. Noted ``key_revoke``
+        with the times it ran (wall clock), or ``key_revoke_skipped``."""
+        name = self.keys.to_revoke(key_root(point)) if self.keys is not None else None
+        if name is None:
+            self.note("key_revoke_skipped", name=point)
+        else:
+            self._operator("key_revoke", ["key", "revoke", name], name=name)
 
     def reconcile_auto(self) -> None:
         """``effectguard reconcile --auto`` with the ``payments`` declaration and the

@@ -22,12 +22,25 @@ class ClientKeys:
     and the operator's thread, hence the lock)."""
 
     current: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Keys the operator has tried to revoke (whether or not the command succeeded).
+    revoking: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def give(self, name: str, secret: str) -> None:
         """The operator made key ``name`` (``ROOT.N``): its root's clients use it now."""
         with self._lock:
             self.current[key_root(name)] = (name, secret)
+
+    def to_revoke(self, root: str) -> str | None:
+        """The key ``root``'s clients send, to revoke now; None when the operator already
+        tried (a ``key new`` that failed, on a ledger that was down, left it in use: a
+        second revocation that the first committed unseen would exit 3)."""
+        with self._lock:
+            name = self.current.get(root, ("", ""))[0]
+            if not name or name in self.revoking:
+                return None
+            self.revoking.add(name)
+            return name
 
     def of(self, budget: str) -> tuple[str, str] | None:
         """The key a client spending from ``budget`` sends: its root's (None: no keys)."""
