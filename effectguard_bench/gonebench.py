@@ -4,19 +4,24 @@
 
 Builds a SQLite ledger (unless ``--ledger`` names one already built) straight through a
 write session, as :mod:`effectguard_bench.recoverybench` does: ``--calls`` calls, of which
-``--unknown`` are effect unknown and the rest completed, then ``--gone`` workers whose
-lease has lapsed, each with ``--per-gone`` calls still in flight. It prints SQLite's plan
-for the read of gone workers' calls in flight, then times the start page's calls sections
-(``AdminPage._unknown_calls``: the unknown calls, and the calls in flight whose worker is
-gone) and that look alone, and a sweep taking every gone worker over in its write
-transaction (rolled back). The build is not timed. For a before/after pair, run this
-file with another tree first on ``PYTHONPATH``.
+``--unknown`` are effect unknown and the rest completed, written by a worker whose lease
+runs a day (alive), with ``--alive-calls`` calls still in flight; then ``--gone`` workers
+whose lease has lapsed and ``--fenced`` workers taken over by a sweep that could not mark
+their calls, each with ``--per-gone`` calls still in flight. It prints SQLite's plan
+for the read of calls in flight whose worker is not alive, then times the start page's
+calls sections (``AdminPage._unknown_calls``: the unknown calls, and the calls in flight
+whose worker is gone) and that look alone, and a sweep taking every gone worker over in
+its write transaction (rolled back). The build is not timed. For a before/after pair,
+run this file with another tree first on ``PYTHONPATH``. ``--ledger`` may name a
+PostgreSQL ledger (``postgresql://…?schema=NAME``, built if it holds no call): the page
+is timed there, the plan and the sweep (SQLite's) are not.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import sqlite3
 import statistics
 import tempfile
@@ -28,8 +33,11 @@ from typing import Any
 
 from effectguard.callpath.takeover import gone_in_flight
 from effectguard.config.settings import AdminSettings
-from effectguard.ingress.admin.routes import GONE_SHOWN, AdminPage
+from effectguard.ingress.admin.routes import GONE_SHOWN, UNKNOWN_SHOWN, AdminPage
 from effectguard.ledger import Ledger, Writer, operations
+from effectguard.ledger.base import Tx
+from effectguard.ledger.pgschema import Target
+from effectguard.ledger.postgres import PostgresSession
 from effectguard.ledger.queries import SQLITE
 from effectguard.ledger.sqlite import SqliteSession
 from effectguard_bench.ledgerbench import outcome_events
@@ -38,19 +46,39 @@ from effectguard_bench.recoverybench import _BUDGET, _RESERVE, _started_events
 _BATCH = 20_000
 
 
-def _register(session: SqliteSession, name: str) -> Writer:
+def _session(where: str) -> SqliteSession | PostgresSession:
+    """A write session on the ledger at ``where`` (a path, or a PostgreSQL URL)."""
+    if where.startswith(("postgresql://", "postgres://")):
+        return PostgresSession(Target.parse(where))
+    return SqliteSession(where)
+
+
+def _register(session: Tx, name: str, lease_s: float = 0) -> Writer:
     # Lease 0 on a host that is not this one: gone by its lease, never by a lock here.
-    return operations.register_worker(session, worker=name, host="bench-gone", pid=0, lease_s=0)
+    return operations.register_worker(
+        session, worker=name, host="bench-gone", pid=0, lease_s=lease_s
+    )
 
 
-def build(path: Path, calls: int, unknown: int, gone: int, per_gone: int) -> None:
-    """Write ``calls`` calls (``unknown`` of them effect unknown, the rest completed), then
-    ``per_gone`` calls in flight of each of ``gone`` workers whose lease has lapsed."""
-    session = SqliteSession(str(path))
+def build(
+    path: Path | str,
+    calls: int,
+    unknown: int,
+    gone: int,
+    per_gone: int,
+    fenced: int = 0,
+    alive: int = 0,
+) -> None:
+    """Write ``calls`` calls (``unknown`` of them effect unknown, the rest completed) and
+    ``alive`` calls in flight by a worker alive for a day, then ``per_gone`` calls in
+    flight of each of ``gone`` workers whose lease has lapsed and of each of ``fenced``
+    workers fenced by a sweep that left their calls in flight."""
+    session = _session(str(path))
     try:
         session.begin()
-        loader = _register(session, "bench-loader")
+        loader = _register(session, "bench-loader", lease_s=86_400)
         workers = [_register(session, f"bench-gone-{n}") for n in range(gone)]
+        fencing = [_register(session, f"bench-fenced-{n}") for n in range(fenced)]
         session.commit()
         for start in range(0, calls, _BATCH):
             session.begin()
@@ -66,21 +94,37 @@ def build(path: Path, calls: int, unknown: int, gone: int, per_gone: int) -> Non
                 operations.append(session, loader, events)
             session.commit()
         session.begin()
-        for writer in workers:
-            for _ in range(per_gone):
+        for writer, n in [*((w, per_gone) for w in workers + fencing), (loader, alive)]:
+            for _ in range(n):
                 call_id = "call_" + uuid.uuid4().hex
                 operations.append(session, writer, _started_events(call_id, writer, session.now()))
+        _fence(session, loader, fencing)
         session.commit()
     finally:
         session.close()
 
 
+def _fence(session: Tx, sweeper: Writer, workers: list[Writer]) -> None:
+    """Take ``workers`` over as a sweep that could not mark their calls does: fenced, each
+    call left in flight (only a lease seen unchanged before lapses: theirs alone)."""
+    leases = {}
+    for writer in workers:
+        row = session.get_worker(writer.worker)
+        assert row is not None
+        leases[writer.worker] = row.lease_expires
+    if leases:
+        operations.sweep(session, sweeper, interrupt_calls=False, held_still=leases)
+
+
 def plan(path: Path, workers: int) -> list[str]:
-    """SQLite's plan for the read of ``workers`` gone workers' calls in flight (a tree
-    before 2026-12-05 read them one worker a query: that query's plan)."""
-    names = [f"bench-gone-{n}" for n in range(workers)]
-    page: Any = SQLITE.in_flight_page
-    sql, params = (page(len(names)), names) if callable(page) else (page, names[:1])
+    """SQLite's plan for the read of the calls in flight of workers not alive (a tree
+    before 2026-12-05 read those of ``workers`` gone workers by name: that query's plan)."""
+    if hasattr(SQLITE, "in_flight_except"):
+        sql, params = SQLITE.in_flight_except(1), ["bench-loader"]
+    else:
+        page: Any = getattr(SQLITE, "in_flight_page")  # noqa: B009 (an older tree's)
+        params = [f"bench-gone-{n}" for n in range(workers)]
+        sql = page(len(params))
     conn = sqlite3.connect(str(path))
     try:
         rows = conn.execute("EXPLAIN QUERY PLAN " + sql, (*params, GONE_SHOWN + 1))
@@ -118,17 +162,36 @@ async def _timed(work: Callable[[], Awaitable[object]], repeats: int) -> list[fl
     return times
 
 
-async def time_page(path: Path, repeats: int) -> dict[str, list[float]]:
+async def time_page(path: Path | str, repeats: int) -> dict[str, list[float]]:
     """Seconds each of ``repeats`` renderings of the start page's calls sections took, and
-    each look at the calls in flight whose worker is gone alone (``gone_in_flight``)."""
+    each of their reads alone: the unknown calls' totals (``stage_counts``), the oldest
+    unknown calls it lists, and the look at calls in flight whose worker is gone."""
     async with Ledger.open(str(path)) as ledger:
         page = AdminPage(AdminSettings(), ledger)
         return {
             "start page calls sections": await _timed(page._unknown_calls, repeats),
+            "stage_counts": await _timed(ledger.stage_counts, repeats),
+            f"oldest {UNKNOWN_SHOWN} unknown": await _timed(
+                lambda: ledger.calls("effect_unknown", limit=UNKNOWN_SHOWN, oldest_first=True),
+                repeats,
+            ),
             "gone_in_flight": await _timed(
                 lambda: gone_in_flight(ledger, None, GONE_SHOWN), repeats
             ),
         }
+
+
+async def _empty(where: str) -> bool:
+    """Whether the ledger at ``where`` (a PostgreSQL URL) holds no call yet."""
+    async with Ledger.open(where) as ledger:
+        return not await ledger.calls(limit=1)
+
+
+async def listed(path: Path | str) -> dict[str, int]:
+    """How many calls the look lists, by why their worker is gone."""
+    async with Ledger.open(str(path)) as ledger:
+        found, _ = await gone_in_flight(ledger, None, GONE_SHOWN)
+    return dict(collections.Counter(why for _, why in found))
 
 
 def main() -> None:
@@ -137,21 +200,36 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100_000)
     parser.add_argument("--unknown", type=int, default=20_000)
     parser.add_argument("--gone", type=int, default=20)
+    parser.add_argument("--fenced", type=int, default=5)
     parser.add_argument("--per-gone", type=int, default=3)
+    parser.add_argument("--alive-calls", type=int, default=20)
     parser.add_argument("--ledger", help="a SQLite ledger to time (kept; built if new)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        path = Path(args.ledger or Path(scratch) / "gone.db")
-        if not path.exists():
+        pg = str(args.ledger or "").startswith(("postgresql://", "postgres://"))
+        path: Path | str = args.ledger if pg else Path(args.ledger or Path(scratch) / "gone.db")
+        if asyncio.run(_empty(str(path))) if pg else not Path(path).exists():
             began = time.perf_counter()
-            build(path, args.calls, args.unknown, args.gone, args.per_gone)
+            build(
+                path,
+                args.calls,
+                args.unknown,
+                args.gone,
+                args.per_gone,
+                fenced=args.fenced,
+                alive=args.alive_calls,
+            )
             print(f"built {args.calls} calls in {time.perf_counter() - began:.1f} s")
-        print("plan: " + "; ".join(plan(path, min(args.gone, 20))))
+        if not pg:
+            print("plan: " + "; ".join(plan(Path(path), min(args.gone, 20))))
         for name, times in asyncio.run(time_page(path, args.repeats)).items():
             shown = ", ".join(f"{t * 1000:.1f}" for t in times)
             print(f"{name}: median {statistics.median(times) * 1000:.1f} ms ({shown} ms)")
-        took, marked = time_sweep(path)
+        print(f"gone_in_flight lists: {asyncio.run(listed(path))}")
+        if pg:
+            return
+        took, marked = time_sweep(Path(path))
         print(f"sweep taking the gone workers over: {took * 1000:.0f} ms ({marked} calls marked)")
 
 

@@ -20,6 +20,7 @@ from effectguard.ledger import Ledger
 from effectguard.ledger.sqliteevents import ROW_EVENTS
 from effectguard.ops.cli import main
 from effectguard.ops.verify import verify_ledger
+from effectguard.rules.liveness import LEASE_EXPIRED, TAKEN_OVER
 from effectguard_bench import floorbench, gonebench, spendbench
 from effectguard_bench.recoverybench import build_ledger
 
@@ -298,14 +299,16 @@ async def test_gonebench_builds_unknown_and_gone_calls_and_times_the_start_page(
     tmp_path: Path,
 ) -> None:
     """The gone-workers bench builds a ledger that verifies, with the calls unknown and
-    the gone workers' calls in flight it was asked for, and times the start page on it."""
+    the calls in flight (gone, fenced and alive workers') it was asked for, and times the
+    start page on it, which lists the gone and fenced workers' calls."""
     path = tmp_path / "gone.db"
-    gonebench.build(path, calls=40, unknown=10, gone=3, per_gone=2)
+    gonebench.build(path, calls=40, unknown=10, gone=3, per_gone=2, fenced=2, alive=4)
     async with Ledger.open(str(path)) as ledger:
         counts = {stage: n for _, stage, n, _, _ in await ledger.stage_counts()}
-        assert counts == {"effect_unknown": 10, "in_flight": 6}
+        assert counts == {"effect_unknown": 10, "in_flight": 14}
         assert (await verify_ledger(ledger)).ok
     assert any("calls_unresolved" in step for step in gonebench.plan(path, 3))
+    assert await gonebench.listed(path) == {LEASE_EXPIRED: 6, TAKEN_OVER: 4}
     times = await gonebench.time_page(path, 2)
     assert all(len(t) == 2 and all(s > 0 for s in t) for t in times.values())
     assert gonebench.time_sweep(path)[1] == 6

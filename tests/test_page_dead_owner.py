@@ -14,6 +14,7 @@ Here the page's ``serve`` sweeps once an hour, so only the page can take the wor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import html
@@ -29,6 +30,7 @@ from test_dead_owner import call_under_way
 from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 
+from effectguard.ledger import Ledger, Writer, operations
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
@@ -198,3 +200,58 @@ def test_the_start_page_lists_calls_whose_worker_is_gone_but_not_a_live_ones(
         assert "process gone" in row[0]
         assert live.call_id not in start
         assert cli("show", dead["call_id"], *where)["stage"] == "in_flight"  # only listed
+
+
+async def _fence_only(ledger: Path, worker: str) -> None:
+    """Take ``worker`` over as a sweep whose one transaction failed, and then each call's
+    own marking too, leaves it: fenced (``worker.taken_over``), its calls still in flight."""
+    async with Ledger.open(str(ledger)) as opened:
+        fencer = await opened.store.write(
+            Writer("boot", 0),
+            lambda tx: operations.register_worker(
+                tx, worker="test-fencer", host="elsewhere", pid=1, lease_s=3600
+            ),
+        )
+        await opened.store.write(
+            fencer,
+            lambda tx: operations.sweep(tx, fencer, frozenset({worker}), interrupt_calls=False),
+        )
+
+
+def test_a_fenced_workers_call_left_in_flight_is_listed_and_decided_from_the_page(
+    tmp_path: Path,
+) -> None:
+    """A dead replica taken over by a sweep that could not mark its call (fenced, the call
+    still in flight, no sweep since): the start page lists the call (owner ``taken
+    over``), its page offers the decision, and the decision takes the call over and is
+    recorded. Before, the start page read only the workers not fenced: the call was not
+    listed anywhere an operator looks until a sweep, up to ``sweep_s`` later."""
+    ledger = tmp_path / "ledger.db"
+    where = ("--ledger", str(ledger))
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        page_serve(tmp_path, fake) as proxy,
+    ):
+        crash(ledger, fake, "after:dispatch", SEND, email("g@x"), {"Idempotency-Key": "g"})
+        (call,) = cli("calls", *where, "--state", "in_flight")
+        call_id = call["call_id"]
+        events = cli("show", call_id, *where)["events"]
+        (owner,) = [e["data"]["worker"] for e in events if e["kind"] == "attempt.started"]
+        asyncio.run(_fence_only(ledger, owner))
+        assert cli("show", call_id, *where)["stage"] == "in_flight"
+        response = httpx.get(f"{proxy.url}{PAGE}", headers=BEARER)
+        assert response.status_code == 200, response.text
+        start = html.unescape(response.text)
+        assert "In flight, worker gone" in start, start
+        row = re.search(rf'<tr>(?:(?!</tr>).)*calls/{call_id}".*?</tr>', start, re.S)
+        assert row and "taken over" in row[0], start
+        page = call_page(proxy, call_id)
+        assert "reconcile (owner gone: taken over)" in page, page
+        decided = decide(proxy, call_id, page)
+        assert decided.status_code == 303, decided.text
+        shown = cli("show", call_id, *where)
+        assert shown["stage"] == "reconciled_not_applied", shown
+        kinds = [e["kind"] for e in shown["events"]]
+        assert kinds.index("attempt.interrupted") < kinds.index("call.reconciled"), kinds
+        assert len(fake.effects()) == 1  # decided, never sent again
+        assert cli("verify", *where)["ok"] is True

@@ -40,7 +40,8 @@ def test_migrations_index_the_stage_list_the_queries_use(schema: object) -> None
     ("sql", "params"),
     [
         (SQLITE.in_flight_of(2), (1, 2)),
-        (SQLITE.in_flight_page(2), ("w1", "w2", 10)),
+        (SQLITE.in_flight_except(2), ("w1", "w2", 10)),
+        (SQLITE.in_flight_except(0), (10,)),
         (SQLITE.in_flight_under, SQLITE.subtree("team")),
         (SQLITE.list_calls("effect_unknown", None, 10)[0], ("effect_unknown", 10)),
         (SQLITE.list_calls("in_flight", "team", 10)[0], ("in_flight", *SQLITE.subtree("team"), 10)),

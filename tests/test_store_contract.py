@@ -679,29 +679,33 @@ async def test_interrupt_moves_the_reservation_to_held(ledger: Ledger, w1: Write
     ]
 
 
-async def test_in_flight_of_workers_lists_only_their_calls_in_flight(
-    ledger: Ledger, w1: Writer, ns: str
+async def test_in_flight_except_workers_lists_every_other_workers_calls_in_flight(
+    ledger: Ledger, w1: Writer, ns: str, lapse: Callable[[float], Awaitable[None]]
 ) -> None:
-    """``in_flight_of`` reads the calls in flight of the workers named, at most ``limit``
-    of them, in one read: not another worker's, not theirs that left ``in_flight``,
-    nothing for an unknown name."""
-    other, third = [await register(ledger, f"{ns}-{name}") for name in ("other", "third")]
+    """``in_flight_except`` reads the calls in flight of every worker but those named, at
+    most ``limit`` of them, in one read: a fenced worker's call left in flight (a sweep
+    that could only fence) and a call of a worker with no live row are among them; the
+    named workers' calls and calls that left ``in_flight`` are not."""
+    other = await register(ledger, f"{ns}-other")
+    fenced = await register(ledger, f"{ns}-fenced", lease_s=0.5)
     mine = [await admit_ok(ledger, w1, req(ns, request_hash=f"h-{n}")) for n in range(3)]
     theirs = await admit_ok(ledger, other, req(ns, request_hash="h-other"))
-    await admit_ok(ledger, third, req(ns, request_hash="h-third"))
+    stranded = await admit_ok(ledger, fenced, req(ns, request_hash="h-fenced"))
     await ledger.interrupt(w1, mine[2].call_id, 1, "read timeout")
-    found = await ledger.in_flight_of([w1.worker], limit=10)
-    assert sorted(c.call_id for c in found) == sorted(c.call_id for c in mine[:2])
-    assert all(c.stage == "in_flight" and c.worker == w1.worker for c in found)
-    assert len(await ledger.in_flight_of([w1.worker], limit=1)) == 1
-    assert [c.call_id for c in await ledger.in_flight_of([other.worker])] == [theirs.call_id]
-    both = await ledger.in_flight_of([w1.worker, f"{ns}-never-registered", other.worker])
-    assert sorted(c.call_id for c in both) == sorted(
-        [*(c.call_id for c in mine[:2]), theirs.call_id]
-    )
-    assert len(await ledger.in_flight_of([w1.worker, other.worker], limit=2)) == 2
-    assert await ledger.in_flight_of([f"{ns}-never-registered"]) == []
-    assert await ledger.in_flight_of([]) == []
+    await lapse(1)  # the fenced worker's lease, not the others'
+    # A sweep that could only fence (its one transaction failed): the call stays in flight.
+    await ledger.store.write(w1, lambda tx: operations.sweep(tx, w1, interrupt_calls=False))
+    assert (await ledger.call(stranded.call_id)).stage == "in_flight"
+    names = [w1.worker, other.worker]
+    assert [c.call_id for c in await ledger.in_flight_except(names)] == [stranded.call_id]
+    found = await ledger.in_flight_except([other.worker, f"{ns}-never-registered"], limit=10)
+    expected = [*(c.call_id for c in mine[:2]), stranded.call_id]
+    assert sorted(c.call_id for c in found) == sorted(expected)
+    assert all(c.stage == "in_flight" for c in found)
+    assert len(await ledger.in_flight_except([other.worker], limit=1)) == 1
+    everyone = await ledger.in_flight_except([])
+    assert sorted(c.call_id for c in everyone) == sorted([*expected, theirs.call_id])
+    assert await ledger.in_flight_except([*names, fenced.worker]) == []
 
 
 async def test_unknown_calls_list_oldest_first_when_asked(

@@ -29,8 +29,10 @@ from effectguard.rules.workstate import WorkState
 
 #: Calls in flight looked at (far more than are ever in flight at once).
 IN_FLIGHT_READ: Final = 100_000
-#: Gone workers whose calls in flight :func:`gone_in_flight` reads (in one query).
-GONE_WORKERS_READ: Final = 20
+#: Workers judged alive whose calls :func:`gone_in_flight` leaves out of its read by
+#: name (far more processes than share a ledger; past that, their calls are read and
+#: dropped by the judgment of each call, and may take room in the read).
+ALIVE_NAMED: Final = 1000
 
 
 async def gone_owners_here(
@@ -45,26 +47,27 @@ async def gone_in_flight(
     ledger: Ledger, lock_dir: Path | None, limit: int
 ) -> tuple[list[tuple[WorkState, str]], bool]:
     """Up to ``limit`` calls in flight whose owner is gone, each with why, and whether
-    there may be more. Not every call in flight is read: the live workers are, then the
-    calls in flight of those gone (by lock or lease), all in one read (on SQLite one walk
-    of its unresolved calls, ``Ledger.in_flight_of``); each call is then judged by
-    :func:`gone_owners_here`, the rule ``show`` and a decision use.
-    A fenced worker's call still in flight (a sweep that could not mark it) is not found
-    here: the next sweep marks it."""
+    there may be more. Not every call in flight is read: the live workers are, then, in
+    one read (``Ledger.in_flight_except``), the calls in flight of every worker not
+    judged alive: gone by its lock or lease, fenced with its call not yet marked (a sweep
+    that could not mark it), or with no row at all. Each call read is then judged by
+    :func:`gone_owners_here`, the rule ``show`` and a decision use, on a fresh read of
+    the workers: a worker registered since the first read is alive, its call dropped."""
     rows = await ledger.store.live_workers()
     now = await ledger.store.clock_now()
     dead = provably_dead(rows, lock_dir, socket.gethostname())
-    workers = [
+    alive = [
         row.worker
         for row in rows
         if owner_gone(
             live=True, lease_expires=row.lease_expires, now=now, lock_free=row.worker in dead
         )
+        is None
     ]
-    calls = await ledger.in_flight_of(workers[:GONE_WORKERS_READ], limit + 1) if workers else []
+    calls = await ledger.in_flight_except(alive[:ALIVE_NAMED], limit + 1)
     gone = await gone_owners_here(ledger, lock_dir, calls)
     found = [(call, gone[call.call_id]) for call in calls if call.call_id in gone]
-    return found[:limit], len(calls) > limit or len(workers) > GONE_WORKERS_READ
+    return found[:limit], len(calls) > limit
 
 
 async def take_over_gone(

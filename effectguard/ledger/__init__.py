@@ -374,10 +374,10 @@ class Ledger:
             stage, budget, limit, provider=provider, since=since, oldest_first=oldest_first
         )
 
-    async def in_flight_of(self, workers: Sequence[str], limit: int = 1000) -> list[WorkState]:
-        """Up to ``limit`` calls in flight whose current attempt one of ``workers`` started,
-        in one read (``ReadStore.in_flight_of``)."""
-        return await self.store.in_flight_of(workers, limit)
+    async def in_flight_except(self, workers: Sequence[str], limit: int = 1000) -> list[WorkState]:
+        """Up to ``limit`` calls in flight whose current attempt none of ``workers``
+        started, in one read (``ReadStore.in_flight_except``)."""
+        return await self.store.in_flight_except(workers, limit)
 
     async def stage_counts(self) -> list[tuple[str, str, int, int, float]]:
         """``(provider, stage, count, held, oldest)`` of the unresolved calls: aggregates

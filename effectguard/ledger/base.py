@@ -317,12 +317,14 @@ class LedgerStore(Protocol):
         it, never reading more than a page however many there are."""
         ...
 
-    async def in_flight_of(self, workers: Sequence[str], limit: int) -> list[WorkState]:
-        """Up to ``limit`` calls in flight whose current attempt one of ``workers`` started
-        (none for a name never written), in one read: the operator page's look at gone
-        workers' calls. PostgreSQL reads them by its index ``calls_stage(stage, worker)``;
-        SQLite has no index of workers, and walks its partial index of unresolved calls
-        once for all of ``workers`` (a cost that grows with the calls effect unknown)."""
+    async def in_flight_except(self, workers: Sequence[str], limit: int) -> list[WorkState]:
+        """Up to ``limit`` calls in flight whose current attempt none of ``workers``
+        started, in one read: the operator page's look for calls whose owner is gone,
+        given the workers it judged alive (a fenced worker's call not yet marked, or one
+        whose worker has no row, is found too). PostgreSQL walks the calls in flight in
+        its index ``calls_stage(stage, worker)``; SQLite has no index of workers, and walks
+        its partial index of unresolved calls once (a cost that grows with the calls
+        effect unknown)."""
         ...
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:

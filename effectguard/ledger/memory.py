@@ -337,12 +337,12 @@ class MemoryStore:
         calls.sort(key=lambda s: (s.created_at, s.call_id))
         return calls[:limit]
 
-    async def in_flight_of(self, workers: Sequence[str], limit: int) -> list[WorkState]:
+    async def in_flight_except(self, workers: Sequence[str], limit: int) -> list[WorkState]:
         with self.tables.lock:
             calls = [
                 s
                 for s in self.tables.calls.values()
-                if s.stage == "in_flight" and s.worker in workers
+                if s.stage == "in_flight" and s.worker not in workers
             ]
         return calls[:limit]
 

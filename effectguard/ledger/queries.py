@@ -223,7 +223,7 @@ class Queries:
 
     def _workers(self, false: str, named: str) -> None:
         """The reads of workers: one by id, the live ones (what a sweep reads), and all
-        (``named``: :meth:`in_flight_page`'s list of workers by name, ``{}`` their marks)."""
+        (``named``: :meth:`in_flight_except`'s list of workers by name, ``{}`` their marks)."""
         self._workers_named = named
         self.worker = f"SELECT {WORKER_COLUMNS} FROM workers WHERE worker = {self.mark}"
         self.live_workers = f"SELECT {WORKER_COLUMNS} FROM workers WHERE fenced = {false}"
@@ -235,13 +235,16 @@ class Queries:
         marks = ",".join([self.mark] * workers) or "NULL"
         return f"SELECT {self.state} FROM calls WHERE {_IN_FLIGHT} AND worker IN ({marks})"
 
-    def in_flight_page(self, workers: int) -> str:
-        """A reader's page of the calls in flight of ``workers`` workers, by name (a
-        parameter each, then a limit), in one read: on SQLite, one walk of the partial
-        index of unresolved calls for all of them (no index has the worker), not one each."""
-        marks = ",".join([self.mark] * workers) or "NULL"
-        named = self._workers_named.format(marks)
-        where = f"{_IN_FLIGHT} AND worker IN {named}"
+    def in_flight_except(self, workers: int) -> str:
+        """A reader's page of the calls in flight of every worker but ``workers``, by name
+        (a parameter each, then a limit), in one read: the operator page's look for calls
+        whose owner is gone, fenced or never registered, given the workers it judged alive.
+        On SQLite one walk of the partial index of unresolved calls (no index has the
+        worker); on PostgreSQL a walk of the calls in flight in ``calls_stage``."""
+        where = _IN_FLIGHT
+        if workers:  # ``NOT IN (NULL)`` is never true: no names, no such condition
+            marks = ",".join([self.mark] * workers)
+            where += f" AND worker NOT IN {self._workers_named.format(marks)}"
         return f"SELECT {self.state} FROM calls WHERE {where} LIMIT {self.mark}"
 
     def _spends(self, index: str, spend: str, spend_from: str, day: str, newest_first: str) -> None:

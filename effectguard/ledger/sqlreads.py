@@ -131,9 +131,9 @@ class SqlReads(ABC):
         params = (at, at, key, limit_param(limit))
         return await self._states(await self._fetch(self.queries.unknown_after, params))
 
-    async def in_flight_of(self, workers: Sequence[str], limit: int) -> list[WorkState]:
-        """Up to ``limit`` of ``workers``' calls in flight, in one query."""
-        sql = self.queries.in_flight_page(len(workers))
+    async def in_flight_except(self, workers: Sequence[str], limit: int) -> list[WorkState]:
+        """Up to ``limit`` calls in flight of workers not in ``workers``, in one query."""
+        sql = self.queries.in_flight_except(len(workers))
         return await self._states(await self._fetch(sql, (*workers, limit_param(limit))))
 
     async def call_spend(self, since: float, limit: int) -> list[CallSpend]:

@@ -183,8 +183,8 @@ class AdminPage:
         )
         now = self._clock()
         unknown = views.unknown_calls(calls, now=now, total=max(total, len(calls)), held=held)
-        # The calls in flight of gone workers only (the live workers, then each gone one's
-        # calls by index), and only when the counts say a call is in flight at all.
+        # The calls in flight of workers not alive only (the live workers, then the others'
+        # calls in one read), and only when the counts say a call is in flight at all.
         if not any(stage == "in_flight" for _, stage, n, _, _ in stages if n):
             return unknown
         gone, more = await gone_in_flight(self._ledger, self._lock_dir, GONE_SHOWN)
