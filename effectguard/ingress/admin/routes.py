@@ -173,8 +173,9 @@ class AdminPage:
         return views.budget_tree(nodes, await self._ledger.policies(), under=under, count=count)
 
     async def _unknown_calls(self) -> str:
-        # The totals are one aggregate and the list the oldest few, read in that order by
-        # the ledger: a page costs the same with 30 or 300,000 unknown calls.
+        # The totals are one aggregate and the list the oldest few, never every call; each
+        # still looks at every unknown call (no index gives either): the page's cost grows
+        # with them (operations.md, "What it shows").
         stages = await self._ledger.stage_counts()
         total = sum(n for _, stage, n, _, _ in stages if stage == "effect_unknown")
         held = sum(h for _, stage, _, h, _ in stages if stage == "effect_unknown")
