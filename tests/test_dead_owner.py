@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 from pgkit import ledger_url  # noqa: F401  (fixture)
+from test_ledger_unavailable import small_tmpfs
 from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 from toolkit import cli_run as run
@@ -147,6 +148,32 @@ def test_a_dead_servers_call_is_shown_gone_and_reconciled_without_a_restart(
         assert cli("show", call_id, *where)["owner_gone"] is None
         assert len(fake.effects()) == 1
         assert cli("verify", *where)["ok"] is True
+
+
+def test_a_dead_servers_call_is_shown_gone_on_a_read_only_ledger(tmp_path: Path) -> None:
+    """On a filesystem remounted read-only after ``serve`` died mid-call, ``show`` still
+    names the gone owner: its lock file, which nobody holds, can be locked through a
+    read-only descriptor. It was opened for appending, which the read-only filesystem
+    refused, and the dead worker looked alive ("wait (it is in flight)")."""
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
+        small_tmpfs(tmp_path / "tmpfs", "16m") as disk,
+    ):
+        ledger = disk / "ledger.db"
+        where = ("--ledger", str(ledger))
+        crash(ledger, fake, "after:dispatch", SEND, email("ro@x"), {"Idempotency-Key": "ro"})
+        remount = ["mount", "-o", "remount,ro", str(disk)]
+        if subprocess.run(remount, capture_output=True).returncode != 0:
+            pytest.skip("cannot remount the tmpfs read-only here")
+        try:
+            (call,) = cli("calls", *where)
+            shown = cli("show", call["call_id"], *where)
+            assert shown["owner_gone"] == "process gone", shown
+            text = run("show", call["call_id"], *where).stdout
+            assert "next: reconcile (owner gone: process gone)" in text, text
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True)
+        assert len(fake.effects()) == 1
 
 
 def _row(listing: str, call_id: str) -> str:

@@ -27,7 +27,9 @@ def lock_free(lock_dir: Path, worker: str) -> bool:
     if not path.exists():
         return False
     try:
-        handle = path.open("ab")
+        # Read-only: flock needs no write access, and a ledger on a filesystem remounted
+        # read-only after a crash must still show its dead workers as gone.
+        handle = path.open("rb")
     except OSError:  # not ours to open (another user's process): nothing is proved
         return False
     with handle:
