@@ -306,6 +306,66 @@ def test_a_change_to_a_read_only_ledger_is_exit_4_not_a_traceback(
     assert len(fake.effects()) == 1
 
 
+def test_a_reconcile_that_takes_over_a_gone_worker_on_a_read_only_ledger_is_exit_4(
+    tmp_path: Path, fake: FakeProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``reconcile`` sweeps first when a call is in flight on a worker that is gone
+    (contract §7), registering as a worker whose lock file lives beside the ledger. On a
+    filesystem remounted read-only that lock cannot be made: a decision and an authorized
+    resend of a call whose owner's lease lapsed exit 4, "ledger unavailable", never a
+    traceback (found by ``effectguard sim --maintenance --ledger-faults``, seed 7); once
+    writable, the call is taken over and decided as ever."""
+    with small_tmpfs(tmp_path / "tmpfs", "8m") as disk:
+        ledger = disk / "db" / "ledger.db"
+        ledger.parent.mkdir()
+        config = tmp_path / "lease.toml"  # a short lease: its owner is soon gone by it
+        config.write_text("[server]\nlease_s = 1\nheartbeat_s = 0.25\nsweep_s = 0.5\n")
+        proxy = start_proxy(
+            ledger,
+            upstreams={"openai": fake.url},
+            args=["--config", str(config)],
+            log_path=tmp_path / "a.log",
+        )
+        held = {"x-fake-behaviour": "delay=5"}  # the provider has it; the answer comes late
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(
+                httpx.post, proxy.url + CHAT, json=chat("held"), headers=held, timeout=30
+            )
+            (call,) = wait_for(
+                lambda: cli_json("calls", "--ledger", str(ledger), "--state", "in_flight"),
+                20,
+                "the call in flight",
+            )
+            wait_for(lambda: fake.receipts(), 20, "the provider's receipt")
+            proxy.kill(signal.SIGSTOP)  # its lease lapses while it holds the ledger open
+            show = ["show", call["call_id"], "--ledger", str(ledger)]
+            wait_for(lambda: cli_json(*show)["owner_gone"], 20, "its owner's lease to lapse")
+            proxy.kill(signal.SIGKILL)  # it leaves the -wal and -shm files, as in the sim
+            proxy.process.wait()
+            with pytest.raises(httpx.HTTPError):
+                sent.result()
+        assert Path(f"{ledger}-wal").exists()
+        remount = ["mount", "-o", "remount,ro", str(disk)]
+        if subprocess.run(remount, capture_output=True).returncode != 0:
+            pytest.skip("cannot remount the tmpfs read-only here")
+        decide = ["reconcile", call["call_id"], "--not-applied", "--note", "n", "--by", "op"]
+        try:
+            for argv in (decide, ["reconcile", call["call_id"], "--resend", "--note", "n"]):
+                capsys.readouterr()
+                assert cli_main([*argv, "--ledger", str(ledger)]) == 4, argv
+                err = capsys.readouterr().err
+                assert "ledger unavailable" in err and "Traceback" not in err, err
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True)
+        # Writable, its lock shows the process gone: taken over and decided (contract §7).
+        capsys.readouterr()
+        assert cli_main([*decide, "--ledger", str(ledger)]) == 0
+        assert "taken over" in capsys.readouterr().err
+        (after,) = cli_json("calls", "--ledger", str(ledger))
+        assert after["stage"] == "reconciled_not_applied"
+    assert len(fake.receipts()) == 1
+
+
 @contextlib.contextmanager
 def unanswered_connects() -> Iterator[str]:
     """A loopback URL whose connects hang until they time out: its one-slot accept

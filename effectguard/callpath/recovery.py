@@ -25,11 +25,11 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
 from effectguard.callpath.liveness import provably_dead
 from effectguard.config import defaults
-from effectguard.errors import FencedError, LedgerError
+from effectguard.errors import FencedError, LedgerError, LedgerUnavailable
 from effectguard.ledger import Ledger, Writer, operations
 
 log = logging.getLogger("effectguard.callpath.recovery")
@@ -62,6 +62,21 @@ def _drop_inherited_locks() -> None:
     """
     for worker in list(_LOCK_HOLDERS):
         worker.forget_lock()
+
+
+def _new_lock(path: Path) -> BinaryIO:
+    """Create the worker's lock file beside the ledger, owner-only like the ledger.
+
+    It lives on the ledger's filesystem, so a filesystem that refuses it (read-only, full)
+    is the ledger unavailable, as a write the ledger refuses is: ``reconcile``, which
+    registers to take over a gone worker, exits 4 then, not with a traceback."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Close-on-exec (also Python's default), so no program it runs holds it either.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        return os.fdopen(os.open(path, flags, 0o600), "wb")
+    except OSError as exc:
+        raise LedgerUnavailable(f"cannot make the worker lock {path}: {exc.strerror}") from exc
 
 
 class WorkerRuntime:
@@ -120,12 +135,7 @@ class WorkerRuntime:
         """Take a fresh worker id, its liveness lock, and a new fencing generation."""
         self.worker_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if self.lock_dir is not None:
-            # Owner-only, like the ledger beside it.
-            self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path = self.lock_dir / f"{self.worker_id}.lock"
-            # Close-on-exec (also Python's default), so no program it runs holds it either.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            handle = os.fdopen(os.open(path, flags, 0o600), "wb")
+            handle = _new_lock(self.lock_dir / f"{self.worker_id}.lock")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._lock_file = handle
             _LOCK_HOLDERS.add(self)
