@@ -28,12 +28,14 @@ from effectguard.rules.events import (
     AttemptInterrupted,
     AttemptNotSent,
     AttemptStarted,
+    BudgetHeld,
     BudgetLimitSet,
     BudgetReleased,
     BudgetReserved,
     BudgetSettled,
     CallManifest,
     CallReconciled,
+    CallResendAuthorized,
     Event,
     StoredEvent,
 )
@@ -42,6 +44,7 @@ from effectguard.testing.sim.clients import Answer
 from effectguard.testing.sim.command import run_schedule
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.invariants import INVARIANTS, check, overshoots
+from effectguard.testing.sim.maintevidence import maintenance_failures
 from effectguard.testing.sim.operatorchecks import HARD_BOUND_S, late_keys
 from effectguard.testing.sim.pgcluster import unavailable_reason
 from effectguard.testing.sim.schedule import (
@@ -214,6 +217,21 @@ def test_operator_key_rotations_and_rate_limits_are_drawn_apart() -> None:
     ]
     assert max(gaps) > HARD_BOUND_S  # some revoked keys are sent past the hard bound
     assert "reconcile_auto" not in {f.kind for f in drawn}
+
+
+def test_maintenance_is_drawn_only_when_asked() -> None:
+    """``--maintenance`` adds backups, archives (in steps of several sizes) and authorized
+    resends, drawn apart: the calls and faults of the schedule stay as they were."""
+    kinds = {"backup", "archive", "resend"}
+    for seed in range(5):
+        plain = generate(seed, 30.0, disk_faults=True, operator=True)
+        assert plain == generate(seed, 30.0, disk_faults=True, operator=True, maintenance=False)
+        with_maintenance = generate(seed, 30.0, disk_faults=True, operator=True, maintenance=True)
+        assert with_maintenance.calls == plain.calls
+        assert [f for f in with_maintenance.faults if f.kind not in kinds] == list(plain.faults)
+    drawn = [f for s in range(5) for f in generate(s, 30.0, maintenance=True).faults]
+    assert kinds <= {f.kind for f in drawn}
+    assert len({f.point for f in drawn if f.kind == "archive"}) > 1
 
 
 # -- the checkers, on fabricated evidence --------------------------------------------
@@ -597,6 +615,108 @@ def test_an_admission_past_a_rate_limit_is_caught() -> None:
     )
 
 
+def test_a_backup_that_does_not_verify_is_caught() -> None:
+    """A backup that exited 0 and whose copy ``verify`` refuses; a verified one is quiet."""
+    good = ("backups/backup-000.db", 0, "ok: 12 events")
+    bad = ("backups/backup-001.db", 1, "BROKEN at event 7: ...")
+    assert _fired(_evidence(_call_events(), backup_checks=[good])) == set()
+    assert _fired(_evidence(_call_events(), backup_checks=[good, bad])) == {"backup_unverified"}
+
+
+def test_an_archive_file_that_does_not_verify_or_is_missing_is_caught() -> None:
+    """An archive file ``verify --archive`` refuses, or one an archive that exited 0 named
+    and that is not there (code -1)."""
+    good = ("ledger/ledger-archive-1-40.jsonl.gz", 0, "ok")
+    for bad in [
+        ("ledger/ledger-archive-41-90.jsonl.gz", 1, "BROKEN at event 60"),
+        ("ledger/ledger-archive-91-99.jsonl.gz", -1, "named by an archive; not there"),
+    ]:
+        evidence = _evidence(_call_events(), archive_checks=[good, bad])
+        assert _fired(evidence) == {"archive_unverified"}
+    assert _fired(_evidence(_call_events(), archive_checks=[good])) == set()
+
+
+def test_an_event_lost_or_held_twice_is_caught() -> None:
+    """A gap in the numbers of the events held (archives and live ledger together), an
+    event held twice, or a call a client got a 200 for that is nowhere."""
+    evidence = _evidence(_call_events())
+    gap = dataclasses.replace(evidence, events=[e for e in evidence.events if e.seq != 2])
+    assert "event_lost" in _fired(gap)
+    twice = dataclasses.replace(evidence, events=[evidence.events[0], *evidence.events])
+    assert "event_lost" in _fired(twice)
+    head = dataclasses.replace(evidence, events=[e for e in evidence.events if e.seq != 1])
+    assert "event_lost" in _fired(head)  # the first events gone (an archive file lost)
+    stranger = dataclasses.replace(evidence, answers=[*evidence.answers, _answer(call_id="c9")])
+    assert "event_lost" in _fired(stranger)
+
+
+def _authorized(*more: tuple[float, Event]) -> list[tuple[float, Event]]:
+    """c1 lost (effect unknown, held 5) and its resend authorized at t=3, then ``more``."""
+    auth = CallResendAuthorized(call="c1", note="n", by="sim-operator")
+    return [*_unknown(), (2.5, BudgetHeld(call="c1", budget="team", amount=5)), (3.0, auth), *more]
+
+
+def test_a_resend_beyond_its_authorization_is_caught() -> None:
+    """After an authorization, two provider effects of the call fire; one effect, a second
+    request the provider declares did nothing (429) or answered from its dedup store, or
+    a second effect after another authorization or a decision "not applied", is quiet.
+    The receipt before the authorization (the lost first attempt) never counts."""
+    again = (5.0, CallResendAuthorized(call="c1", note="n", by="o"))
+    not_applied = (5.0, CallReconciled(call="c1", applied=False, cost=0, note="n", by="p"))
+    for events, second, fired in [
+        (_authorized(), _paid(3, 6.0), True),
+        (_authorized(), None, False),
+        (_authorized(), _paid(3, 6.0, 429), False),
+        (_authorized(), _paid(3, 6.0) | {"deduped": True}, False),
+        (_authorized(again), _paid(3, 6.0), False),
+        (_authorized(not_applied), _paid(3, 6.0), False),
+    ]:
+        receipts = [_paid(1, 2.0), _paid(2, 4.0)] + ([second] if second else [])
+        evidence = _evidence(events, receipts=receipts, answers=[])
+        evidence.no_effect = {"openai": frozenset({429})}
+        assert ("resend_beyond_authorized" in _fired(evidence)) == fired, (events[-1], second)
+        if second is None:  # an authorized resend applies the operation once more, allowed
+            assert "operation_applied_twice" not in _fired(evidence)
+
+
+def test_an_authorized_resend_lost_in_turn_holds_both_reservations() -> None:
+    """contract §8 ``--resend``: a resend whose effect is unknown in turn holds its own
+    reservation on top of the first attempt's hold; holding only its own is caught."""
+    resent = [
+        (4.0, BudgetReserved(call="c1", budget="team", amount=5)),
+        (4.0, AttemptStarted(call="c1", attempt=2, worker="w", generation=1)),
+        (4.5, AttemptInterrupted(call="c1", attempt=2, reason="reset", by="w")),
+        (4.5, BudgetHeld(call="c1", budget="team", amount=5)),
+    ]
+    evidence = _evidence(_authorized(*resent), receipts=[], answers=[])
+    (state,) = evidence.calls
+    assert state.held == 10 and _fired(evidence) == set()
+    evidence.calls = [replace(state, held=5)]
+    assert _fired(evidence) == {"unobserved_not_held"}
+
+
+def test_a_maintenance_command_that_crashed_is_caught() -> None:
+    """A maintenance command that exited with a code not documented for it, or printed a
+    traceback whatever its code, is a violation; a documented refusal is not."""
+    actions: list[dict[str, Any]] = [
+        {"at": 1.0, "action": "backup", "code": 0, "path": "b"},
+        {"at": 2.0, "action": "backup_failed", "code": 4, "error": "ledger unavailable"},
+        {"at": 3.0, "action": "archive_failed", "code": 3, "error": "run archive again"},
+        {"at": 4.0, "action": "resend_failed", "code": 3, "error": "not effect_unknown"},
+        {"at": 5.0, "action": "budget_set_failed", "code": 1, "error": "not maintenance"},
+    ]
+    assert maintenance_failures(actions) == []
+    crashed = [
+        {"at": 6.0, "action": "archive_failed", "code": 1, "error": "Traceback ..."},
+        {"at": 7.0, "action": "backup_failed", "code": 4, "error": "...", "crashed": True},
+        {"at": 8.0, "action": "resend_failed", "code": 2, "error": "usage"},
+    ]
+    failures = maintenance_failures(actions + crashed)
+    assert [f.split(" at ")[0] for f in failures] == ["archive", "backup", "resend"]
+    evidence = _evidence(_call_events(), maintenance_failures=failures)
+    assert _fired(evidence) == {"maintenance_command_failed"}
+
+
 def test_every_invariant_has_a_checker_test() -> None:
     """Each named invariant is exercised by a test above (keep the list and tests in step)."""
     source = Path(__file__).read_text()
@@ -607,7 +727,8 @@ def test_every_invariant_has_a_checker_test() -> None:
 
 
 def _seeds() -> list[tuple[int, str, float, frozenset[str]]]:
-    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups] [keyless] [operator]`` per
+    """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups] [keyless] [operator]
+    [maintenance] [ledger-faults]`` per
     line, ``#`` comments."""
     out = []
     for line in SEEDS.read_text().splitlines():
@@ -625,6 +746,9 @@ def test_seed_from_the_list_keeps_every_invariant(
     """A listed seed runs against real processes and every invariant holds."""
     if ledger == "postgres" and not PG_DSN:
         pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
+    ledger_faults = "ledger-faults" in options
+    if ledger_faults and (ledger != "sqlite" or os.geteuid() != 0):
+        pytest.skip("ledger-faults: a SQLite ledger remounted read-only needs root")
     replicas = 3 if ledger == "postgres" else 1
     lookups, keyless = "lookups" in options, "keyless" in options
     schedule = generate(
@@ -632,11 +756,19 @@ def test_seed_from_the_list_keeps_every_invariant(
         duration,
         replicas=replicas,
         ledger=ledger,
+        ledger_faults=ledger_faults,
         lookups=lookups,
         keyless=keyless,
         operator="operator" in options,
+        maintenance="maintenance" in options,
     )
-    result = run_schedule(schedule, tmp_path / "run", pg_dsn=PG_DSN, bundle=tmp_path / "bundle")
+    result = run_schedule(
+        schedule,
+        tmp_path / "run",
+        pg_dsn=PG_DSN,
+        ledger_faults=ledger_faults,
+        bundle=tmp_path / "bundle",
+    )
     unexpected = [v for v in result.violations if v.invariant not in KNOWN]
     assert not unexpected, f"{result.summary()}\n" + "\n".join(map(str, unexpected))
     known = {v.invariant for v in result.violations}

@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SQLite: remount the ledger's tmpfs read-only at times; PostgreSQL: run on a "
         "cluster of the run's own and stop it at times (needs root)",
     )
+    _load_options(parser)
+    parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
+    parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
+
+
+def _load_options(parser: argparse.ArgumentParser) -> None:
+    """The options that add load or operators' work to the schedule, each drawn apart."""
     parser.add_argument(
         "--answer-faults",
         action="store_true",
@@ -73,8 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an operator changes limits (`budget set`), rotates the clients' proxy keys "
         "(`key revoke`, `key new`) and sets rate limits (--rpm, --concurrency) during the load",
     )
-    parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
-    parser.add_argument("--keep", type=Path, help="keep the run's working directory here")
+    parser.add_argument(
+        "--maintenance",
+        action="store_true",
+        help="SQLite: an operator runs `backup`, `archive` and `reconcile --resend` of an "
+        "unknown call (then its resends) during the load, every 1-3 s",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ def write_bundle(
     for name in ("receipts.jsonl", "effectguard.toml"):
         if (workdir / name).exists():
             shutil.copy2(workdir / name, target / name)
-    for name in ("logs", "ledger"):
+    for name in ("logs", "ledger", "backups"):
         if (workdir / name).is_dir():
             shutil.copytree(workdir / name, target / name, dirs_exist_ok=True)
     return target

@@ -31,6 +31,7 @@ from effectguard.testing.sim.schedule import (
     FRESHNESS_S,
     KEY_REFRESH_S,
     KEY_ROOTS,
+    MAINTENANCE_ACTIONS,
     MAX_ANSWER_BYTES,
     SEARCH_LAG_S,
     Schedule,
@@ -58,6 +59,17 @@ read_timeout_s = 20
 {budgets}
 """
 
+
+#: ``--maintenance``: ``send_email``'s idempotency window, 24 h as bundled, cut to 3 s. An
+#: archive keeps every call inside its window live, and everything after it: with the
+#: bundled window, the first keyed email of a run would hold every archive's cut.
+_SHORT_WINDOW = """\
+extends = "send_email"
+
+[idempotency]
+header = "Idempotency-Key"
+window_seconds = 3
+"""
 
 #: The key the fake provider's search asks for, and the replicas' sweepers send.
 PAYMENTS_KEY = "sk-sim-payments"
@@ -121,6 +133,14 @@ class Cluster:
     owned_pg: OwnedPostgres | None = None
     #: The proxy keys the clients hold (``--operator``: the schedule rotates keys).
     keys: ClientKeys | None = None
+    #: Each call id a client was given (``Effectguard-Call-Id``) -> its scheduled call's id,
+    #: once the client is done with it: how the operator finds a call's receipts.
+    seen: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def maintenance(self) -> bool:
+        """Whether the schedule runs maintenance commands (``--maintenance``)."""
+        return any(f.kind in MAINTENANCE_ACTIONS for f in self.schedule.faults)
 
     def note(self, action: str, replica: int | None = None, **detail: Any) -> None:
         """Record that ``action`` happened now."""
@@ -149,6 +169,9 @@ class Cluster:
             key_refresh=KEY_REFRESH_S,
         )
         self.config.write_text(text)
+        if self.maintenance:
+            (self.workdir / "providers").mkdir(exist_ok=True)
+            (self.workdir / "providers" / "send_email.toml").write_text(_SHORT_WINDOW)
         if self.schedule.lookups:
             (self.workdir / "providers").mkdir(exist_ok=True)
             # Priced low: its calls spend from the same small budgets as the model calls.
@@ -163,7 +186,7 @@ class Cluster:
         names = ("openai", "anthropic", "send_email", "payments")
         upstreams = {name: self.fake.url for name in names[: 4 if self.schedule.lookups else 3]}
         args = ["--config", str(self.config)]
-        if self.schedule.lookups:
+        if self.schedule.lookups or self.maintenance:
             args += ["--providers", str(self.workdir / "providers")]
             env["PAYMENTS_API_KEY"] = PAYMENTS_KEY
         log = self.workdir / "logs" / f"replica-{replica.index}.log"

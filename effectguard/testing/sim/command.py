@@ -16,6 +16,7 @@ from effectguard.testing.sim.bundle import write_bundle
 from effectguard.testing.sim.cluster import reset_postgres_schema, running_cluster
 from effectguard.testing.sim.evidence import Evidence, collect
 from effectguard.testing.sim.invariants import INVARIANTS, Violation, check, overshoots
+from effectguard.testing.sim.maintevidence import add_maintenance
 from effectguard.testing.sim.operatorchecks import key_summary, late_keys
 from effectguard.testing.sim.pgcluster import unavailable_reason
 from effectguard.testing.sim.runner import execute, quiesce
@@ -96,6 +97,7 @@ def run_schedule(
         evidence = asyncio.run(
             collect(cluster.ledger, receipts, answers, unrecovered, failed, keys)
         )
+        evidence = add_maintenance(evidence, cluster)
     violations = check(evidence)
     flags = overshoots(evidence) + late_keys(evidence)
     result = SimResult(schedule, violations, evidence, flags, cluster.actions)
@@ -143,28 +145,36 @@ def _ledger_faults_refused(schedule: Schedule) -> str | None:
     return None
 
 
+def _schedule_of(args: argparse.Namespace) -> Schedule:
+    """The saved schedule ``--schedule`` names, or the one the seed and options draw."""
+    if args.schedule is not None:
+        return Schedule.from_json(args.schedule.read_text())
+    return generate(
+        args.seed,
+        args.duration,
+        replicas=args.replicas or (3 if args.ledger == "postgres" else 1),
+        ledger=args.ledger,
+        lease_s=args.lease,
+        disk_faults=args.disk_faults,
+        ledger_faults=args.ledger_faults,
+        answer_faults=args.answer_faults,
+        lookups=args.lookups,
+        keyless=args.keyless,
+        operator=args.operator,
+        maintenance=args.maintenance,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one seed; 0 when every invariant held, 1 when one broke (bundle written)."""
     if args.keyless and not args.lookups:
         print("effectguard sim: --keyless goes with --lookups", file=sys.stderr)
         return 2
-    if args.schedule is not None:
-        schedule = Schedule.from_json(args.schedule.read_text())
-    else:
-        replicas = args.replicas or (3 if args.ledger == "postgres" else 1)
-        schedule = generate(
-            args.seed,
-            args.duration,
-            replicas=replicas,
-            ledger=args.ledger,
-            lease_s=args.lease,
-            disk_faults=args.disk_faults,
-            ledger_faults=args.ledger_faults,
-            answer_faults=args.answer_faults,
-            lookups=args.lookups,
-            keyless=args.keyless,
-            operator=args.operator,
-        )
+    if args.maintenance and args.ledger != "sqlite":
+        # backup is SQLite's, and a PostgreSQL archive's table is not read back yet
+        print("effectguard sim: --maintenance runs on SQLite only", file=sys.stderr)
+        return 2
+    schedule = _schedule_of(args)
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:
         print(f"effectguard sim: --ledger-faults: {reason}", file=sys.stderr)

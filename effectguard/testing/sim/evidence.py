@@ -44,12 +44,27 @@ class Evidence:
     #: The operator's key commands that exited 0 (``--operator``): ``action``
     #: (``key_new``, ``key_revoke``), ``name``, and ``began``/``returned`` (wall clock).
     key_actions: list[dict[str, Any]] = field(default_factory=list)
+    #: ``--maintenance``: the calls whose events an archive moved out of the live ledger
+    #: (their events are in :attr:`events`, read back from the archive files).
+    archived_calls: frozenset[str] = frozenset()
+    #: ``effectguard verify`` of each backup that exited 0: (copy, exit code, output).
+    backup_checks: list[tuple[str, int, str]] = field(default_factory=list)
+    #: ``effectguard verify --archive FILE --ledger L`` of each archive file: (file, exit
+    #: code, output); a file an archive that exited 0 named and is not there has code -1.
+    archive_checks: list[tuple[str, int, str]] = field(default_factory=list)
+    #: The maintenance commands that exited with a code their command does not document
+    #: for it, or printed a traceback: what was run, its exit code and its last words.
+    maintenance_failures: list[str] = field(default_factory=list)
+    #: Provider name -> the statuses that prove a request did nothing (declared not
+    #: processed, or transient "none"): an authorized resend answered so is spent on nothing.
+    no_effect: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
-def run_verify(ledger: str) -> tuple[int, str]:
-    """``python -m effectguard verify --ledger L`` as its own process: exit code, output."""
+def run_verify(ledger: str, *more: str) -> tuple[int, str]:
+    """``python -m effectguard verify --ledger L [MORE]`` as its own process: exit code,
+    output."""
     done = subprocess.run(
-        [sys.executable, "-m", "effectguard", "verify", "--ledger", ledger],
+        [sys.executable, "-m", "effectguard", "verify", "--ledger", ledger, *more],
         capture_output=True,
         text=True,
         timeout=300,

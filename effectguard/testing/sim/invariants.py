@@ -8,14 +8,12 @@ effects, client answers prove what was promised.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 from effectguard.rules import budget as budget_rules
-from effectguard.rules.bodyref import REF_ENCODING
 from effectguard.rules.bodytext import decode_body
 from effectguard.rules.budget import ancestors
 from effectguard.rules.events import (
@@ -26,6 +24,8 @@ from effectguard.rules.events import (
 )
 from effectguard.rules.workstate import UNRESOLVED, work_state
 from effectguard.testing.sim.evidence import Evidence
+from effectguard.testing.sim.evidenceindex import applied_ops, authorizations, sha_by_call
+from effectguard.testing.sim.maintchecks import MAINTENANCE_CHECKS, MAINTENANCE_INVARIANTS
 from effectguard.testing.sim.operatorchecks import (
     KEY_INVARIANTS,
     new_keys_accepted,
@@ -62,27 +62,14 @@ INVARIANTS: Final = {
     "operator_command_failed": "an operator's command run during the load (--operator) exits "
     "0, or 4 when the ledger is unavailable; never a crash",
     **KEY_INVARIANTS,
+    **MAINTENANCE_INVARIANTS,
 }
 _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
 
 
-def _sha_by_call(evidence: Evidence) -> dict[str, str]:
-    """Each call's request body as sent upstream (the manifest's) -> its SHA-256."""
-    out = {}
-    for e in evidence.events:
-        if e.kind == "call.manifest" and e.call_id is not None:
-            encoding = e.data.get("body_encoding", "utf8")
-            if encoding == REF_ENCODING:  # stored apart: the manifest holds its digest
-                out[e.call_id] = str(e.data["body"]).lower()
-                continue
-            body = decode_body(e.data["body"], encoding)
-            out[e.call_id] = hashlib.sha256(body).hexdigest()
-    return out
-
-
 def receipts_have_attempts(evidence: Evidence) -> list[Violation]:
     """The n-th receipt of a body needs n attempt.started of calls with that body before it."""
-    sha_of = _sha_by_call(evidence)
+    sha_of = sha_by_call(evidence)
     starts: dict[str, list[float]] = defaultdict(list)
     for e in evidence.events:
         if e.kind == "attempt.started" and e.call_id in sha_of:
@@ -107,7 +94,7 @@ def receipts_have_attempts(evidence: Evidence) -> list[Violation]:
 
 def effects_within_attempts(evidence: Evidence) -> list[Violation]:
     """Effects (after the provider's dedup) <= attempts not booked as not sent, per body."""
-    sha_of = _sha_by_call(evidence)
+    sha_of = sha_by_call(evidence)
     authorized: dict[str, int] = defaultdict(int)
     calls: dict[str, set[str]] = defaultdict(set)
     for e in evidence.events:
@@ -145,28 +132,36 @@ def nothing_in_flight(evidence: Evidence) -> list[Violation]:
 
 
 def unobserved_attempts_held(evidence: Evidence) -> list[Violation]:
-    """A call whose last attempt started and was never observed is effect_unknown, held."""
+    """A call whose last attempt started and was never observed is effect_unknown and
+    holds its reservation, on top of any hold still standing when that attempt was
+    reserved (a resend an operator authorized leaves the first attempt's hold: §8)."""
     last: dict[str, str] = {}
-    reserved: dict[str, int] = {}
+    due: dict[str, int] = {}
+    standing: dict[str, int] = defaultdict(int)
     for e in evidence.events:
         if e.call_id is None:
             continue
         if e.kind in ("attempt.started", "attempt.observed", "attempt.not_sent"):
             last[e.call_id] = e.kind
         if e.kind == "budget.reserved":
-            reserved[e.call_id] = int(e.data["amount"])
+            due[e.call_id] = standing[e.call_id] + int(e.data["amount"])
+        elif e.kind == "budget.held":
+            standing[e.call_id] += int(e.data["amount"])
+        elif e.kind == "budget.unheld":
+            standing[e.call_id] -= int(e.data["amount"])
     out = []
     for c in evidence.calls:
         if last.get(c.call_id) != "attempt.started" or c.stage == "in_flight":
             continue  # observed or not sent; in flight has its own invariant
         if c.stage.startswith("reconciled_"):
             continue
-        if c.stage != "effect_unknown" or c.held != reserved.get(c.call_id, 0) or c.held <= 0:
+        if c.stage != "effect_unknown" or c.held != due.get(c.call_id, 0) or c.held <= 0:
             out.append(
                 Violation(
                     "unobserved_not_held",
                     f"call {c.call_id} was dispatched and never observed but is {c.stage} "
-                    f"holding {c.held} of its reservation {reserved.get(c.call_id, 0)}",
+                    f"holding {c.held} of its reservation and earlier holds "
+                    f"{due.get(c.call_id, 0)}",
                 )
             )
     return out
@@ -267,10 +262,15 @@ def answers_match_ledger(evidence: Evidence) -> list[Violation]:
 
 
 def replays_match(evidence: Evidence) -> list[Violation]:
-    """The keyed resend of a 200 is a replay of exactly the bytes of the call's first 200."""
+    """The keyed resend of a 200 is a replay of exactly the bytes of the call's first 200,
+    or 409 ``archived`` once the call was archived (``--maintenance``: never replayed from
+    the archive, contract §4)."""
     first: dict[str, bytes] = {}
     out = []
     for a in evidence.answers:
+        archived = a.status == 409 and a.error_type == "archived"
+        if archived and a.call_id in evidence.archived_calls:
+            continue
         if a.kind == "replay" and not (a.clean_ok and a.replayed):
             shown = a.transport_error or f"{a.status} {a.error_type or ''}".strip()
             out.append(Violation("replay_differs", f"request {a.tag} was not replayed: {shown}"))
@@ -327,28 +327,18 @@ def operator_commands_exit_cleanly(evidence: Evidence) -> list[Violation]:
     return [Violation("operator_command_failed", failure) for failure in evidence.operator_failures]
 
 
-def _applied_ops(evidence: Evidence) -> dict[str, list[dict[str, Any]]]:
-    """The receipts the provider applied, by the operation id they carried: answered
-    below 400 (a refusal applies nothing) and not replayed from its dedup store."""
-    applied: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for receipt in evidence.receipts:
-        status = receipt.get("status")
-        op = receipt.get("op")
-        if op and not receipt.get("deduped") and isinstance(status, int) and status < 400:
-            applied[op].append(receipt)
-    return applied
-
-
 def operations_applied_once(evidence: Evidence) -> list[Violation]:
-    """No operation id reaches the provider's books twice (the sim authorizes no resend)."""
+    """No operation id reaches the provider's books twice, but for a resend an operator
+    authorized (``--maintenance``): each authorization allows one more."""
+    authorized = authorizations(evidence)
     return [
         Violation(
             "operation_applied_twice",
             f"operation {op} was applied {len(receipts)} times "
             f"(receipts {[r['seq'] for r in receipts]}, tags {[r.get('tag') for r in receipts]})",
         )
-        for op, receipts in sorted(_applied_ops(evidence).items())
-        if len(receipts) > 1
+        for op, receipts in sorted(applied_ops(evidence).items())
+        if len(receipts) > 1 + len(authorized.get(op, ()))
     ]
 
 
@@ -356,7 +346,7 @@ def decisions_match_receipts(evidence: Evidence) -> list[Violation]:
     """A decision on a call that carried an operation id agrees with the provider's books
     as they stood when it was made: "applied" needs an applied receipt before it, "not
     applied" none (the id is the call id)."""
-    applied = _applied_ops(evidence)
+    applied = applied_ops(evidence)
     ops = {r.get("op") for r in evidence.receipts}
     out = []
     for e in evidence.events:
@@ -381,7 +371,7 @@ def retries_not_applied_again(evidence: Evidence) -> list[Violation]:
     earlier one had ended (completed, failed, or decided not applied). While it was in
     flight or unknown, or after it was decided applied, its retry repeats it (contract §4).
     Keyed calls keep one call id, so this sees the key-less ones."""
-    applied = _applied_ops(evidence)
+    applied = applied_ops(evidence)
     by_request: dict[str, set[str]] = defaultdict(set)
     for op, receipts in applied.items():
         for r in receipts:
@@ -424,6 +414,7 @@ CHECKS: Final[tuple[Callable[[Evidence], list[Violation]], ...]] = (
     revoked_keys_refused,
     new_keys_accepted,
     rate_limits_held,
+    *MAINTENANCE_CHECKS,
 )
 
 

@@ -1,10 +1,12 @@
 """Run a schedule against real processes, then bring everything back and let it go quiet.
 
-Four concurrent parts: one task per client call (started at its time), one
+Five concurrent parts: one task per client call (started at its time), one
 task per replica that applies that replica's faults in order, a supervisor
 that restarts a replica that died on its own (an armed crash point) once no
-fault holds it down, and the operator's actions (``--operator``: CLI commands
-against the ledger) in order. After the schedule: every replica still running must answer
+fault holds it down, the operator's actions (``--operator``: CLI commands
+against the ledger) in order, and the maintenance commands (``--maintenance``:
+backups, archives, authorized resends; :mod:`effectguard.testing.sim.maintenance`).
+After the schedule: every replica still running must answer
 ``/healthz`` by itself in time; then every process is stopped gracefully, every
 replica is started clean, the recovery sweep is given time to
 mark the dead workers' attempts, keyed 200s are replayed, and all is stopped.
@@ -22,7 +24,14 @@ import httpx
 from effectguard.ledger import Ledger
 from effectguard.testing.sim.clients import TIMEOUT, Answer, run_call, send
 from effectguard.testing.sim.cluster import Cluster, Replica
-from effectguard.testing.sim.schedule import KEY_ROOTS, OPERATOR_ACTIONS, Call, Fault
+from effectguard.testing.sim.maintenance import maintain
+from effectguard.testing.sim.schedule import (
+    KEY_ROOTS,
+    MAINTENANCE_ACTIONS,
+    OPERATOR_ACTIONS,
+    Call,
+    Fault,
+)
 
 __all__ = ["execute", "quiesce"]
 
@@ -52,7 +61,8 @@ async def execute(cluster: Cluster) -> list[Answer]:
         ]
         supervisor = asyncio.create_task(_supervise(cluster, locks))
         operator = asyncio.create_task(_operator(cluster, start))
-        results = await asyncio.gather(*clients)
+        maintenance = asyncio.create_task(maintain(cluster, client, start))
+        results = await asyncio.gather(*clients, maintenance)
         await asyncio.gather(*faulting, operator)
         supervisor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -64,7 +74,9 @@ async def _call_at(
     client: httpx.AsyncClient, cluster: Cluster, call: Call, start: float
 ) -> list[Answer]:
     await asyncio.sleep(max(0.0, start + call.at - time.monotonic()))
-    return await run_call(client, lambda i: cluster.replicas[i].url, call, cluster.keys)
+    answers = await run_call(client, lambda i: cluster.replicas[i].url, call, cluster.keys)
+    cluster.seen.update((a.call_id, call.id) for a in answers if a.call_id)
+    return answers
 
 
 async def _faults_of(
@@ -77,7 +89,7 @@ async def _faults_of(
     each other.
     """
     mine = (f for f in cluster.schedule.faults if f.replica == replica.index)
-    for fault in (f for f in mine if f.kind not in OPERATOR_ACTIONS):
+    for fault in (f for f in mine if f.kind not in OPERATOR_ACTIONS | MAINTENANCE_ACTIONS):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
         needed = sorted(locks) if fault.kind == "read_only" else [replica.index]
         async with contextlib.AsyncExitStack() as held:

@@ -24,6 +24,7 @@ __all__ = [
     "KEY_REFRESH_S",
     "KEY_ROOTS",
     "LEDGER_WIDE",
+    "MAINTENANCE_ACTIONS",
     "OPERATOR_ACTIONS",
     "PG_STOP_MODES",
     "Call",
@@ -65,6 +66,9 @@ FaultKind = Literal[
     "key_revoke",
     "key_new",
     "rate_set",
+    "backup",
+    "archive",
+    "resend",
 ]
 #: Faults of the ledger itself rather than of one replica: always scheduled on replica 0
 #: (a read-only remount takes every replica's lock, in index order, from there).
@@ -80,6 +84,9 @@ KEY_ROOTS: Final = ("default", "team-a", "team-b")
 #: The run's ``[server] key_refresh_s``: how soon every replica honours a key made or
 #: revoked (contract, ``key revoke``); short, so a short run sees revocations land.
 KEY_REFRESH_S: Final = 1.0
+#: ``--maintenance``: an operator's maintenance commands against the live ledger (a
+#: backup, an archive, an authorized resend of an unknown call), applied on their own too.
+MAINTENANCE_ACTIONS: Final = frozenset({"backup", "archive", "resend"})
 #: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
 PG_STOP_MODES: Final = ("fast", "immediate")
 #: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
@@ -133,7 +140,9 @@ class Fault:
     #: crash_at: the crash point; pg_outage: the ``pg_ctlcluster stop`` mode;
     #: budget_set: ``PATH=NANOS`` (or ``PATH=none``), the limit an operator sets;
     #: key_revoke, key_new: the key's name (``ROOT.N``); rate_set: ``PATH rpm=N
-    #: concurrency=N`` (``none`` removes one, ``-`` leaves it as it is).
+    #: concurrency=N`` (``none`` removes one, ``-`` leaves it as it is);
+    #: archive: ``--step-events``; resend: ``COPIES:PICK`` (how many copies of the resend
+    #: go at once, and which of the unknown keyed calls listed then is chosen, modulo).
     point: str | None = None
 
 
@@ -184,6 +193,7 @@ def generate(
     lookups: bool = False,
     keyless: bool = False,
     operator: bool = False,
+    maintenance: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -213,7 +223,8 @@ def generate(
         limits=limits,
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger))
-        + (_operator(seed, duration, lookups) if operator else ()),
+        + (_operator(seed, duration, lookups) if operator else ())
+        + (_maintenance(random.Random(f"maintenance {seed}"), duration) if maintenance else ()),
         lookups=lookups,
         keyless=lookups and keyless,
     )
@@ -423,4 +434,24 @@ def _operator_actions(rng: random.Random, duration: float, lookups: bool) -> tup
             point = f"{rng.choice(BUDGETS)}={limit or 'none'}"
             faults.append(Fault(at, "budget_set", 0, point=point))
         at = round(at + rng.uniform(1.0, 4.0), 3)
+    return tuple(faults)
+
+
+def _maintenance(rng: random.Random, duration: float) -> tuple[Fault, ...]:
+    """``--maintenance``: every 1-3 s of the load, ``backup``, ``archive`` (in steps of a
+    few hundred events or the default) or an authorized ``reconcile --resend`` of an
+    unknown keyed call, then 1-3 copies of its resend at once. Not a replica's fault
+    (``replica`` is 0): the runner applies them on their own, whatever the replicas do."""
+    faults = []
+    at = rng.uniform(1.0, 2.5)
+    while at < duration * 0.9:
+        kind: FaultKind = rng.choice(["backup", "archive", "resend"])
+        if kind == "archive":
+            faults.append(Fault(at, kind, 0, point=str(rng.choice([100, 500, 50_000]))))
+        elif kind == "resend":
+            point = f"{rng.randint(1, 3)}:{rng.randrange(1000)}"
+            faults.append(Fault(at, kind, 0, point=point))
+        else:
+            faults.append(Fault(at, kind, 0))
+        at = round(at + rng.uniform(1.0, 3.0), 3)
     return tuple(faults)

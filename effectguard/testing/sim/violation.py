@@ -1,4 +1,5 @@
-"""What an invariant's checker reports."""
+"""One broken invariant: what every checker returns (:mod:`.invariants`,
+:mod:`.operatorchecks`, :mod:`.maintchecks`)."""
 
 from __future__ import annotations
 
