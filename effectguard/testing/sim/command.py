@@ -61,11 +61,25 @@ class SimResult:
             "  client statuses: " + _counts(statuses),
             "  call stages: " + _counts(stages),
             *(["  keys: " + key_summary(self.evidence)] if self.evidence.key_actions else []),
+            *self._maintenance_line(),
             f"  invariants checked: {len(INVARIANTS)}; overshoots and late keys flagged: "
             f"{len(self.flags)}",
             f"  result: {'ok' if self.ok else f'{len(self.violations)} VIOLATION(S)'}",
         ]
         return "\n".join(lines)
+
+    def _maintenance_line(self) -> list[str]:
+        """``--maintenance``: what the copies, the archives and the authorizations came to."""
+        e = self.evidence
+        if not (e.backup_checks or e.archive_checks or e.archived_calls):
+            return []
+        authorized = sum(1 for x in e.events if x.kind == "call.resend_authorized")
+        archived = sum(1 for x in e.events if x.call_id in e.archived_calls)
+        return [
+            f"  maintenance: {len(e.backup_checks)} backups checked, "
+            f"{len(e.archive_checks)} archive files checked ({len(e.archived_calls)} calls, "
+            f"{archived} of their events), {authorized} resends authorized"
+        ]
 
 
 def _counts(counter: Counter[str]) -> str:

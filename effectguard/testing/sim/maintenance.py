@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -50,6 +51,8 @@ ALLOWED_EXITS: Final = {
     "decide": frozenset({0, 3, 4}),
     "shown": frozenset({0, 3, 4}),
 }
+#: A maintenance command still running after this long is ended, and noted failed.
+_TIMEOUT_S = 120
 #: Who the operator's reconciles name (``--by``).
 _BY = "sim-operator"
 #: Before an archive, the operator decides at most this many of the oldest unknown calls,
@@ -85,25 +88,37 @@ async def maintain(cluster: Cluster, client: httpx.AsyncClient, start: float) ->
     return answers
 
 
-def _cli(cluster: Cluster, action: str, argv: list[str], **detail: Any) -> dict[str, Any] | None:
-    """Run ``effectguard ARGV --ledger L``; note ``action`` (exit 0) or ``action_failed``
-    with its exit code and last words; the JSON it printed on exit 0."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *argv, "--ledger", cluster.ledger],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def _cli(
+    cluster: Cluster,
+    action: str,
+    argv: list[str],
+    noted: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    **detail: Any,
+) -> dict[str, Any] | None:
+    """Run ``effectguard ARGV --ledger L``; note ``action`` (exit 0, with what ``noted``
+    picks from its JSON) or ``action_failed`` with its exit code and last words (a command
+    still running after two minutes is ended: exit None); the JSON it printed on exit 0."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "effectguard", *argv, "--ledger", cluster.ledger],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        cluster.note(f"{action}_failed", **detail, code=None, error=f"ran past {_TIMEOUT_S} s")
+        return None
     traceback = "Traceback (most recent call last)" in done.stderr
     if done.returncode == 0 and not traceback:
         try:
             out = json.loads(done.stdout)
         except ValueError:
             out = {"output": done.stdout.strip()[-300:]}
-        cluster.note(action, **detail, code=0)
-        return out if isinstance(out, dict) else {"items": out}
+        out = out if isinstance(out, dict) else {"items": out}
+        cluster.note(action, **detail, **(noted(out) if noted else {}), code=0)
+        return out
     error = (done.stderr or done.stdout).strip()[-300:]
     cluster.note(f"{action}_failed", **detail, code=done.returncode, error=error, crashed=traceback)
     return None
@@ -128,11 +143,14 @@ async def _archive(cluster: Cluster, step_events: str) -> None:
 
     await asyncio.gather(*(decide(item) for item in unknown[:_DECISIONS]))
     argv = ["archive", "--before", "2999-01-01", "--step-events", step_events, "--json"]
-    out = await asyncio.to_thread(_cli, cluster, "archive", argv)
-    if out is not None:  # the files it says it wrote, which must verify; what held its cut
-        files = [str(f) for f in out.get("files", [])]
-        cluster.actions[-1].update(files=files, events=out.get("events"))
-        cluster.actions[-1].update(held_by=out.get("held_by"), why=out.get("held_because"))
+    await asyncio.to_thread(_cli, cluster, "archive", argv, _archived)
+
+
+def _archived(out: dict[str, Any]) -> dict[str, Any]:
+    """What an archive's note keeps: the files it says it wrote (which must verify), how
+    many events it moved, and what held its cut."""
+    files = [str(f) for f in out.get("files", [])]
+    return {"files": files, "events": out.get("events"), "held_by": out.get("held_by")}
 
 
 def _decide(cluster: Cluster, item: dict[str, Any]) -> None:
