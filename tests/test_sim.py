@@ -882,3 +882,14 @@ def test_a_postgres_run_without_a_dsn_is_refused_before_it_starts(
     )
     assert code == 2 and not keep.exists()
     assert "--ledger postgres needs EFFECTGUARD_TEST_PG_DSN" in capsys.readouterr().err
+
+
+def test_maintenance_on_postgres_is_refused_before_it_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--maintenance`` runs on SQLite only (``backup`` refuses PostgreSQL, and an
+    archive's table is not read back): exit 2 before anything starts."""
+    keep = tmp_path / "work"
+    argv = ["sim", "--seed", "3", "--ledger", "postgres", "--maintenance", "--keep", str(keep)]
+    assert main(argv) == 2 and not keep.exists()
+    assert "--maintenance runs on SQLite only" in capsys.readouterr().err
