@@ -259,6 +259,14 @@ class Guard:
             # The markings their cancelled sends spawned, before the ledger closes.
             await self.recorder.drain(MARKING_WAIT_S)
 
+    def stop_at_once(self, reason: str) -> None:
+        """Stop without draining, for ``reason`` (a second signal): nothing is sent from
+        now on, as after :meth:`drain` (an admission committing now would start its effect
+        after the process was told to stop at once), a dispatch cancelled as the process
+        ends is interrupted for ``reason``, and the streams under way are cut off now."""
+        self.recorder.stopped = self.recorder.cancel_reason = reason
+        self.recorder.spawn(self.recorder.cut_off_streams(reason))
+
     def _abandoned(self, task: asyncio.Future[Reply]) -> None:
         """Settle the response of a dispatch whose caller went away."""
         if task.cancelled() or task.exception() is not None:

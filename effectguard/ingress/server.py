@@ -156,9 +156,8 @@ class ProxyApp:
     def stopping_at_once(self) -> None:
         """A second signal stops the server at once: nothing it cuts off blames the drain."""
         self.cut_off_reason = "a second signal stopped the proxy without draining"
-        if self.guard is not None:  # dispatches it cancels say so; streams are cut off now
-            self.guard.recorder.cancel_reason = self.cut_off_reason
-            self.guard.recorder.spawn(self.guard.recorder.cut_off_streams(self.cut_off_reason))
+        if self.guard is not None:
+            self.guard.stop_at_once(self.cut_off_reason)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
