@@ -15,9 +15,11 @@ import contextlib
 import getpass
 import json
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -844,27 +846,24 @@ def test_ctrl_c_while_the_ledger_is_locked_exits_130_and_changes_nothing(tmp_pat
     """Ctrl-C during a command that waits for SQLite's write lock (a backup tool holding
     it) is exit 130, as contract §8 lists: it was reported as 'ledger unavailable:
     database is locked', exit 4, sending the operator after a lock they had just
-    chosen to stop waiting for."""
-    import signal
-    import time
+    chosen to stop waiting for.
 
+    The Ctrl-C reaches the child while it waits, whatever the load: it is sent only once
+    the child has the ledger open (never on a deadline, which once signalled a child still
+    starting), and to the child frozen there, so its 5 s wait cannot run out meanwhile."""
     ledger = tmp_path / "l.db"
     assert main(["migrate", "--ledger", str(ledger)]) == 0
     holder = sqlite3.connect(ledger, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        command = [sys.executable, "-m", "effectguard", "budget", "set", "team", "--limit", "5"]
-        process = subprocess.Popen(
-            [*command, "--ledger", str(ledger)], stderr=subprocess.PIPE, text=True
-        )
-        fds = Path(f"/proc/{process.pid}/fd")
-        deadline = time.monotonic() + 60  # a bound on a hang, not a timing assertion
-        while process.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):  # the descriptors move while we read them
-                if any(f.resolve() == ledger.resolve() for f in fds.iterdir()):
-                    break  # it has the ledger open: it waits for the lock now
-            time.sleep(0.01)
-        process.send_signal(signal.SIGINT)
+        for _ in range(3):  # a run whose child gave up before it was frozen tested nothing
+            process = _frozen_waiting_for_the_lock(ledger)
+            if process is not None:
+                break
+        else:
+            pytest.fail("each child gave up waiting for the lock before it could be frozen")
+        process.send_signal(signal.SIGINT)  # delivered as it goes on, inside the wait
+        process.send_signal(signal.SIGCONT)
         _, err = process.communicate(timeout=60)
     finally:
         holder.execute("ROLLBACK")
@@ -873,6 +872,47 @@ def test_ctrl_c_while_the_ledger_is_locked_exits_130_and_changes_nothing(tmp_pat
     assert "ledger unavailable" not in err, err
     budgets = sqlite3.connect(ledger).execute("SELECT count(*) FROM budgets").fetchone()
     assert budgets == (0,)
+
+
+def _frozen_waiting_for_the_lock(ledger: Path) -> subprocess.Popen[str] | None:
+    """``budget set`` on ``ledger`` in a child, frozen (SIGSTOP) as it waits for the write
+    lock this test holds; None if it ended first (this process stood still for the whole
+    of the child's 5 s wait).
+
+    The child is ready once it has the ledger open: it waits for the lock from then on, or
+    is about to, and a Ctrl-C is handled the same either way. Frozen, it cannot give up:
+    SQLite's busy wait counts the sleeps it asked for, not the time that passed."""
+    command = [sys.executable, "-m", "effectguard", "budget", "set", "team", "--limit", "5"]
+    process = subprocess.Popen(
+        [*command, "--ledger", str(ledger)], stderr=subprocess.PIPE, text=True
+    )
+    proc = Path(f"/proc/{process.pid}")
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing assertion
+    while not _has_open(proc, ledger):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"it never opened the ledger: {process.communicate()[1]}")
+        time.sleep(0.01)
+    process.send_signal(signal.SIGSTOP)
+    while _process_state(proc) not in ("T", "Z"):  # stopped, or ended before the signal
+        time.sleep(0.01)
+    if _process_state(proc) == "T" and _has_open(proc, ledger):
+        return process
+    process.send_signal(signal.SIGCONT)
+    process.communicate(timeout=60)
+    return None
+
+
+def _has_open(proc: Path, path: Path) -> bool:
+    """Whether the process at ``proc`` (its /proc directory) has ``path`` open."""
+    with contextlib.suppress(OSError):  # the descriptors move while we read them
+        return any(fd.resolve() == path.resolve() for fd in (proc / "fd").iterdir())
+    return False
+
+
+def _process_state(proc: Path) -> str:
+    """The state letter of the process at ``proc`` (``T`` stopped, ``Z`` ended)."""
+    return (proc / "stat").read_text().rpartition(")")[2].split()[0]
 
 
 #: Runs the CLI as an install without the ``postgres`` extra would: no psycopg to import.
