@@ -3,8 +3,9 @@
 gone to the provider by then goes there afterwards.
 
 Real processes throughout: the proxy, the fake provider (whose receipt log counts what
-reached it) and this test, which holds SQLite's write lock on the ledger (as a backup
-tool does) to keep requests in their admission. For those admissions to commit just as
+reached it) and this test, which holds the ledger's write lock (SQLite's, as a backup
+tool does; PostgreSQL's batch lock, as a wedged replica does) to keep requests in their
+admission. For those admissions to commit just as
 the second signal arrives, the proxy is frozen (SIGSTOP), sent the signal, the lock is
 let go, and the proxy let go (SIGCONT): the signal and the free lock then meet it at
 the same instant, as they may on a loaded host.
@@ -18,19 +19,23 @@ import signal
 import socket
 import sqlite3
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from edgekit import address, parse_answer, read_until_closed
 from observing import cli_json, wait_for
+from pgkit import DSN, ledger_url
 
 from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
 OPENAI_CHAT = "/openai/v1/chat/completions"
-#: A bound on a hang (an exit, an answer, a sweep), never a timing claim.
+#: A bound on a hang (an exit, an answer), never a timing claim.
 PATIENCE_S = 20.0
+#: The same for the sweep that takes over what the stopped proxy left (on PostgreSQL,
+#: once its lease has expired).
+SWEEP_PATIENCE_S = 90.0
 #: Requests kept in their admission by the locked ledger when the second signal comes.
 HELD = 3
 
@@ -45,18 +50,35 @@ def provider(tmp_path: Path) -> Iterator[FakeProvider]:
         yield fake
 
 
+_ = (ledger_url,)  # fixtures
+
+
 @contextlib.contextmanager
-def _write_lock(ledger: Path) -> Iterator[sqlite3.Connection]:
-    """SQLite's write lock on ``ledger``, held here until the block ends or the caller
-    rolls back."""
-    holder = sqlite3.connect(ledger, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")
-    try:
-        yield holder
-    finally:
-        if holder.in_transaction:
+def _write_lock(ledger: str) -> Iterator[Callable[[], None]]:
+    """The write lock of ``ledger`` (SQLite's, or a PostgreSQL ledger's batch lock), held
+    here until the block ends or the function it yields lets it go."""
+    if "://" not in ledger:
+        holder = sqlite3.connect(ledger, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+
+        def release() -> None:
             holder.execute("ROLLBACK")
-        holder.close()
+
+        try:
+            yield release
+        finally:
+            if holder.in_transaction:
+                holder.execute("ROLLBACK")
+            holder.close()
+        return
+    import psycopg
+
+    from effectguard.ledger.pgschema import lock_key
+
+    schema = ledger.rpartition("schema=")[2]
+    with psycopg.connect(DSN, options=f"-c search_path={schema}") as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(conn, "batch"),))
+        yield conn.rollback
 
 
 def _request(proxy: Proxy, text: str, headers: str = "") -> socket.socket:
@@ -99,15 +121,15 @@ def _refusing(proxy: Proxy) -> bool:
     return False
 
 
-def _stages(ledger: Path) -> Counter[str] | None:
+def _stages(ledger: str) -> Counter[str] | None:
     """The ledger's calls by stage, once none is in flight (else None)."""
-    stages = Counter(c["stage"] for c in cli_json("calls", "--ledger", str(ledger)))
+    stages = Counter(c["stage"] for c in cli_json("calls", "--ledger", ledger))
     return None if stages["in_flight"] else stages
 
 
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_nothing_reaches_the_provider_after_a_second_signal(
-    tmp_path: Path, provider: FakeProvider, second: signal.Signals
+    ledger_url: str, provider: FakeProvider, second: signal.Signals, tmp_path: Path
 ) -> None:
     """A second SIGTERM (or a Ctrl-C) during the drain, just as requests held in their
     admission commit: none of them is sent. Each is answered 503 ``shutting_down`` and
@@ -115,12 +137,16 @@ def test_nothing_reaches_the_provider_after_a_second_signal(
     still waiting for its provider is ``effect_unknown``; the exit status is 0, and the
     next start leaves no call in flight. (The second signal used to leave sending on:
     an admission committing before the process ended was sent, its effect begun after
-    the proxy was told to stop at once.)"""
-    ledger = tmp_path / "l.db"
-    with running_proxy(ledger, upstreams={"openai": provider.url}) as proxy:
+    the proxy was told to stop at once. And on SQLite, a batch still waiting for the
+    write lock as the loop's teardown cancelled it left a transaction open on the
+    writer's connection: every later write failed, "cannot start a transaction within a
+    transaction", and the call cut off was left unmarked, its client answered 503.)"""
+    ledger = ledger_url
+    upstreams = {"openai": provider.url}
+    with running_proxy(ledger, upstreams=upstreams, log_path=tmp_path / "proxy.log") as proxy:
         waiting = _request(proxy, "slow", "x-fake-delay: 30\r\n")
         wait_for(lambda: len(provider.receipts()) == 1, PATIENCE_S, "the slow call's receipt")
-        with _write_lock(ledger) as holder:
+        with _write_lock(ledger) as release:
             held = [_request(proxy, f"held {n}") for n in range(HELD)]
             proxy.kill(signal.SIGTERM)
             wait_for(lambda: _refusing(proxy), PATIENCE_S, "the drain to close the listener")
@@ -129,7 +155,7 @@ def test_nothing_reaches_the_provider_after_a_second_signal(
             proxy.kill(signal.SIGSTOP)
             sent_before = provider.receipts()
             proxy.kill(second)
-            holder.execute("ROLLBACK")
+            release()
             proxy.kill(signal.SIGCONT)
             code = proxy.process.wait(PATIENCE_S)
         answers = [_answer(sock) for sock in held]
@@ -139,11 +165,11 @@ def test_nothing_reaches_the_provider_after_a_second_signal(
     assert "stopped without draining (a second signal)" in log, log
     assert len(sent_before) == 1, sent_before
     assert provider.receipts() == sent_before, (answers, log)
-    assert cut_off in (None, (504, "effect_unknown")), cut_off
+    assert cut_off in (None, (504, "effect_unknown")), (cut_off, log)
     assert all(a in (None, (503, "shutting_down")) for a in answers), answers
     # The next start takes over what the stopped process could not mark.
-    with running_proxy(ledger, upstreams={"openai": provider.url}):
-        stages = wait_for(lambda: _stages(ledger), PATIENCE_S, "no call in flight")
+    with running_proxy(ledger, upstreams=upstreams, log_path=tmp_path / "next.log"):
+        stages = wait_for(lambda: _stages(ledger), SWEEP_PATIENCE_S, "no call in flight")
     assert stages["effect_unknown"] >= 1, stages  # the slow call, sent and never answered
     assert set(stages) <= {"effect_unknown", "not_sent"}, stages
     assert stages.total() <= 1 + HELD, stages

@@ -223,13 +223,21 @@ class InlineCommitter(Generic[S]):
             await asyncio.get_running_loop().run_in_executor(self._io, session.maintain)
 
     async def _run_locked(self, session: S, batch: list[Job]) -> bool:
-        loop = asyncio.get_running_loop()
         try:
             if not session.begin_nowait():  # another process writes: wait off the loop
-                await loop.run_in_executor(self._io, session.begin)
+                await self._off_loop(session.begin)
         except Exception as exc:  # the ledger itself refuses: no operation is to blame
             fail_all(batch, exc)
             return False
+        except BaseException:
+            # Cancelled while the thread waits for the lock (the loop's teardown cancels
+            # this task): the thread may still begin. Left open, that transaction made
+            # every later batch fail ("cannot start a transaction within a transaction"),
+            # the markings of the calls a second signal cuts off among them.
+            self._wait_for_thread()
+            with contextlib.suppress(Exception):
+                session.rollback()
+            raise
         try:
             reset(batch)
             # A bulky operation (an upload's chunks) runs off the loop, like an fsync.
