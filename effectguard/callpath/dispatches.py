@@ -24,7 +24,7 @@ from effectguard.callpath.exchange import Reply
 from effectguard.callpath.prepare import refuse
 from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.ticket import Ticket
-from effectguard.errors import Refusal
+from effectguard.errors import LedgerError, Refusal
 from effectguard.ledger import Ledger, Writer
 from effectguard.rules.guidance import decide_unknown
 
@@ -80,17 +80,24 @@ class Dispatches:
         return bool(cuts)
 
     async def _cut_off(self, call_id: str, reason: str, owner: bool) -> Refusal:
-        if owner:
-            stage = await self.mark_unknown(call_id, reason)
-        else:
-            state = await self._ledger.store.get_call(call_id)
-            stage = state.stage if state is not None else "missing"
-        if stage == "effect_unknown":
+        try:
+            if owner:
+                stage = await self.mark_unknown(call_id, reason)
+            else:
+                state = await self._ledger.store.get_call(call_id)
+                stage = state.stage if state is not None else "missing"
+        except LedgerError:  # it closed, or refuses: the call stays as it was
+            stage = "in_flight"
+        if stage == "effect_unknown" or (owner and stage == "in_flight"):
+            # Still in flight: the ledger refused the marking (a later sweep makes it).
+            # Its request went out all the same: it may have taken effect.
+            later = "" if stage == "effect_unknown" else "once a later start has marked it, "
             return refuse(
                 504,
                 "effect_unknown",
                 f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
-                f"taken effect and will not be re-sent automatically; {decide_unknown(call_id)}",
+                f"taken effect and will not be re-sent automatically; {later}"
+                f"{decide_unknown(call_id)}",
                 call_id=call_id,
                 stage=stage,
                 next_operation="reconcile",
