@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from observing import wait_for
-from test_second_signal import PATIENCE_S, _answer, _request, _stages, _write_lock
+from shutdownkit import PATIENCE_S, answer_on, request_under_way, settled_stages, write_lock
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
@@ -41,16 +41,16 @@ def test_a_call_cut_off_unmarked_is_answered_effect_unknown(
     flags = ["--config", str(config)]
     log_path = tmp_path / "proxy.log"
     with running_proxy(ledger, upstreams=upstreams, args=flags, log_path=log_path) as proxy:
-        waiting = _request(proxy, "slow", "x-fake-delay: 30\r\n")
+        waiting = request_under_way(proxy, "slow", "x-fake-delay: 30\r\n")
         wait_for(lambda: len(provider.receipts()) == 1, PATIENCE_S, "the call's receipt")
-        with _write_lock(ledger):
+        with write_lock(ledger):
             proxy.kill(signal.SIGTERM)
-            answer = _answer(waiting)  # given while the lock is still held
+            answer = answer_on(waiting)  # given while the lock is still held
         proxy.process.wait(PATIENCE_S)
         log = proxy.log()
     assert "interrupt_failed" in log, log  # the marking was refused, as this test meant
     assert answer == (504, "effect_unknown"), (answer, log)
     with running_proxy(ledger, upstreams=upstreams, log_path=tmp_path / "next.log"):
-        stages = wait_for(lambda: _stages(ledger), PATIENCE_S, "no call in flight")
+        stages = wait_for(lambda: settled_stages(ledger), PATIENCE_S, "no call in flight")
     assert stages == {"effect_unknown": 1}, stages
     assert len(provider.receipts()) == 1

@@ -1,0 +1,99 @@
+"""Shutdown tests' tools: requests held in the proxy, the ledger's write lock held from
+outside, and what the proxy answered on a raw connection."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sqlite3
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from edgekit import address, parse_answer, read_until_closed
+from observing import cli_json
+from pgkit import DSN
+
+from effectguard.testing import Proxy
+
+OPENAI_CHAT = "/openai/v1/chat/completions"
+#: A bound on a hang (an exit, an answer), never a timing claim.
+PATIENCE_S = 20.0
+
+
+def chat(text: str) -> str:
+    return json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": text}]})
+
+
+@contextlib.contextmanager
+def write_lock(ledger: str) -> Iterator[Callable[[], None]]:
+    """The write lock of ``ledger`` (SQLite's, or a PostgreSQL ledger's batch lock), held
+    here until the block ends or the function it yields lets it go."""
+    if "://" not in ledger:
+        holder = sqlite3.connect(ledger, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+
+        def release() -> None:
+            holder.execute("ROLLBACK")
+
+        try:
+            yield release
+        finally:
+            if holder.in_transaction:
+                holder.execute("ROLLBACK")
+            holder.close()
+        return
+    import psycopg
+
+    from effectguard.ledger.pgschema import lock_key
+
+    schema = ledger.rpartition("schema=")[2]
+    with psycopg.connect(DSN, options=f"-c search_path={schema}") as conn:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(conn, "batch"),))
+        yield conn.rollback
+
+
+def request_under_way(proxy: Proxy, text: str, headers: str = "") -> socket.socket:
+    """A chat request under way in the proxy: its headers taken and its body being read
+    (the proxy's ``100 Continue`` says so), then its body sent. The drain waits for it."""
+    body = chat(text).encode()
+    sock = socket.create_connection(address(proxy.url), timeout=PATIENCE_S)
+    head = (
+        f"POST {OPENAI_CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n{headers}"
+        "Connection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode())
+    interim = b""
+    while b"\r\n\r\n" not in interim:
+        chunk = sock.recv(1)
+        assert chunk, f"the proxy closed the connection: {interim!r}"
+        interim += chunk
+    assert interim.startswith(b"HTTP/1.1 100 "), interim
+    sock.sendall(body)
+    return sock
+
+
+def answer_on(sock: socket.socket) -> tuple[int, str] | None:
+    """The status and error type the proxy answered on ``sock`` (None: it closed first)."""
+    with sock:
+        data = read_until_closed(sock, PATIENCE_S)
+    if not data:
+        return None
+    answer = parse_answer(data)
+    return answer.status, answer.json()["error"]["type"] if answer.status != 200 else "ok"
+
+
+def refusing(proxy: Proxy) -> bool:
+    """Whether the proxy's listener refuses connections: its drain has begun."""
+    try:
+        socket.create_connection(address(proxy.url), timeout=PATIENCE_S).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def settled_stages(ledger: str) -> Counter[str] | None:
+    """The ledger's calls by stage, once none is in flight (else None)."""
+    stages = Counter(c["stage"] for c in cli_json("calls", "--ledger", ledger))
+    return None if stages["in_flight"] else stages
