@@ -10,7 +10,7 @@ import sqlite3
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from edgekit import address, parse_answer, read_until_closed
+from edgekit import RawAnswer, address, parse_answer, read_until_closed
 from observing import cli_json
 from pgkit import DSN
 
@@ -76,12 +76,17 @@ def request_under_way(proxy: Proxy, text: str, headers: str = "") -> socket.sock
 
 def answer_on(sock: socket.socket) -> tuple[int, str] | None:
     """The status and error type the proxy answered on ``sock`` (None: it closed first)."""
+    answer = whole_answer_on(sock)
+    if answer is None:
+        return None
+    return answer.status, answer.json()["error"]["type"] if answer.status != 200 else "ok"
+
+
+def whole_answer_on(sock: socket.socket) -> RawAnswer | None:
+    """What the proxy answered on ``sock`` (None: it closed first)."""
     with sock:
         data = read_until_closed(sock, PATIENCE_S)
-    if not data:
-        return None
-    answer = parse_answer(data)
-    return answer.status, answer.json()["error"]["type"] if answer.status != 200 else "ok"
+    return parse_answer(data) if data else None
 
 
 def refusing(proxy: Proxy) -> bool:

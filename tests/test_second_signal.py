@@ -29,6 +29,7 @@ from shutdownkit import (
     refusing,
     request_under_way,
     settled_stages,
+    whole_answer_on,
     write_lock,
 )
 
@@ -81,15 +82,21 @@ def test_nothing_reaches_the_provider_after_a_second_signal(
             release()
             proxy.kill(signal.SIGCONT)
             code = proxy.process.wait(PATIENCE_S)
-        answers = [answer_on(sock) for sock in held]
+        whole = [whole_answer_on(sock) for sock in held]
         cut_off = answer_on(waiting)
         log = proxy.log()
+    answers = [None if a is None else (a.status, a.json()["error"]["type"]) for a in whole]
     assert code == 0, log
     assert "stopped without draining (a second signal)" in log, log
     assert len(sent_before) == 1, sent_before
     assert provider.receipts() == sent_before, (answers, log)
     assert cut_off in (None, (504, "effect_unknown")), (cut_off, log)
     assert all(a in (None, (503, "shutting_down")) for a in answers), answers
+    for answer in filter(None, whole):  # key-less, not sent: a resend is safe, and new work
+        advice = answer.json()["error"]["message"]
+        assert answer.headers["x-should-retry"] == "true", (advice, answer.headers)
+        unsent = ("nothing was sent", "before this request was sent")
+        assert any(u in advice for u in unsent) and "same Idempotency-Key" not in advice, advice
     # The next start takes over what the stopped process could not mark.
     with running_proxy(ledger, upstreams=upstreams, log_path=tmp_path / "next.log"):
         stages = wait_for(lambda: settled_stages(ledger), SWEEP_PATIENCE_S, "no call in flight")

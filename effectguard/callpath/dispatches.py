@@ -26,7 +26,8 @@ from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.ticket import Ticket
 from effectguard.errors import LedgerError, Refusal
 from effectguard.ledger import Ledger, Writer
-from effectguard.rules.guidance import decide_unknown
+from effectguard.rules.guidance import after_cut_off, decide_unknown
+from effectguard.rules.workstate import WorkState
 
 #: How long a shutdown waits, once it has cut calls off, for their markings and for their
 #: callers to be answered: ledger writes and a few loop turns, so only a bound.
@@ -80,12 +81,13 @@ class Dispatches:
         return bool(cuts)
 
     async def _cut_off(self, call_id: str, reason: str, owner: bool) -> Refusal:
+        state: WorkState | None = None
         try:
             if owner:
-                stage = await self.mark_unknown(call_id, reason)
+                state = await self.mark_unknown(call_id, reason)
             else:
                 state = await self._ledger.store.get_call(call_id)
-                stage = state.stage if state is not None else "missing"
+            stage = state.stage if state is not None else "missing"
         except LedgerError:  # it closed, or refuses: the call stays as it was
             stage = "in_flight"
         if stage == "effect_unknown" or (owner and stage == "in_flight"):
@@ -102,19 +104,22 @@ class Dispatches:
                 stage=stage,
                 next_operation="reconcile",
             )
+        # Unread (the ledger refused): advise as for a keyed call, which resends nothing new.
+        keyed = state is None or state.idempotency_key is not None
+        advice, safe = after_cut_off(call_id, stage, keyed)
         return refuse(
             503,
             "shutting_down",
-            f"call {call_id} ended as {stage} as it was cut off ({reason}); "
-            "resend it with the same Idempotency-Key to receive its result",
+            f"call {call_id} ended as {stage} as it was cut off ({reason}); {advice}",
             call_id=call_id,
             stage=stage,
+            retryable=safe,
         )
 
-    async def mark_unknown(self, call_id: str, reason: str) -> str:
-        """Interrupt ``call_id``'s current attempt if it is still in flight; its stage after."""
+    async def mark_unknown(self, call_id: str, reason: str) -> WorkState | None:
+        """Interrupt ``call_id``'s current attempt if it is still in flight; its state after."""
         state = await self._ledger.store.get_call(call_id)
         if state is not None and state.stage == "in_flight":
             await self._recorder.interrupt(self._writer(), call_id, state.attempts, reason)
             state = await self._ledger.store.get_call(call_id)
-        return state.stage if state is not None else "missing"
+        return state

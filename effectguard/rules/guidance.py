@@ -171,3 +171,25 @@ def next_shown(next_operation: str, owner_gone: str | None) -> str:
     if owner_gone is None or next_operation != "wait":
         return next_operation
     return f"reconcile (owner gone: {owner_gone})"
+
+
+#: The stages in which nothing a call sent took effect: a resend is safe.
+NOTHING_TOOK_EFFECT = {
+    "not_sent": "nothing was sent",
+    "not_processed": "the provider did not process it",
+}
+
+
+def after_cut_off(call_id: str, stage: str, keyed: bool) -> tuple[str, bool]:
+    """What the caller of a call a shutdown cut off (not in flight, not effect unknown)
+    is told to do, and whether a resend is safe (``x-should-retry``). A call without an
+    ``Idempotency-Key`` cannot be resent for its recorded result: that resend is a new call."""
+    if stage in NOTHING_TOOK_EFFECT:
+        return f"{NOTHING_TOOK_EFFECT[stage]}: {next_command(call_id, stage, keyed=keyed)}", True
+    if keyed:
+        return "resend it with the same Idempotency-Key to receive its result", False
+    return (
+        "it carried no Idempotency-Key, so a resend would be a new call; "
+        f"`{show_command(call_id)}` shows its result",
+        False,
+    )
