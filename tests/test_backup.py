@@ -8,20 +8,27 @@ the sweeper (docs/contract.md §7): nothing is resent and nothing answered is fo
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 import sqlite3
+import subprocess
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from observing import call_stages, wait_for
+from observing import call_stages, cli_json, wait_for
+from test_ledger_unavailable import small_tmpfs
 
 from effectguard.ops.backup import backup_sqlite
 from effectguard.ops.cli import main
 from effectguard.testing import fake_provider, running_proxy
+from effectguard_bench.recoverybench import build_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -175,3 +182,83 @@ def test_backup_prints_what_the_contract_lists(
     assert str(again) in said and f"{made['events']} events" in said, said
     assert f"event {made['head_seq']}" in said and made["head_digest"] in said, said
     assert f"{made['bytes']} bytes" in said, said
+
+
+@contextlib.contextmanager
+def read_only(disk: Path) -> Iterator[None]:
+    """``disk`` (a tmpfs) remounted read-only for the block (skips where that is refused)."""
+    done = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only here: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True)
+
+
+def cli_fails(*args: str) -> tuple[int, str]:
+    """An ``effectguard`` command's exit code and what it said on stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(list(args))
+    return code, err.getvalue()
+
+
+def test_a_backup_on_read_only_media_is_read_where_it_lies(tmp_path: Path) -> None:
+    """A backup is one WAL-mode file with nothing beside it. On a read-only filesystem
+    SQLite could not open it (it makes the ``-shm`` index first), so ``verify``,
+    ``calls``, ``show`` and ``budgets`` all said "ledger unavailable" (exit 4). The main
+    file holds every commit, so they now read it exactly as they read the original;
+    a change is still refused with exit 4, and ``backup`` copies it back to writable
+    storage."""
+    ledger = tmp_path / "ledger.db"
+    build_ledger(ledger, 40, in_flight=3)
+    expected = {
+        verb: cli_json(verb, "--ledger", str(ledger)) for verb in ("calls", "budgets", "verify")
+    }
+    some_call = next(c["call_id"] for c in expected["calls"] if c["stage"] == "in_flight")
+    shown = cli_json("show", some_call, "--ledger", str(ledger))
+    with small_tmpfs(tmp_path / "media", "16m") as disk:
+        copy = disk / "copy.db"
+        made = cli_json("backup", str(copy), "--ledger", str(ledger))
+        assert sorted(p.name for p in disk.iterdir()) == ["copy.db"]
+        with read_only(disk):
+            for verb, out in expected.items():
+                assert cli_json(verb, "--ledger", str(copy)) == out, verb
+            # A call in flight shows the command that would decide it, naming the ledger.
+            shown_copy = json.loads(json.dumps(shown).replace(str(ledger), str(copy)))
+            assert cli_json("show", some_call, "--ledger", str(copy)) == shown_copy
+            for change in (["budget", "set", "bench", "--limit", "1"], ["migrate"]):
+                code, err = cli_fails(*change, "--ledger", str(copy))
+                assert code == 4 and "ledger unavailable" in err and "read" in err, (change, err)
+            assert sorted(p.name for p in disk.iterdir()) == ["copy.db"]
+            # Restoring it is a backup of the backup, to writable storage.
+            back = cli_json("backup", str(tmp_path / "restored.db"), "--ledger", str(copy))
+            assert {**back, "path": made["path"]} == made
+    assert expected["verify"]["ok"] is True
+
+
+def test_a_wal_without_its_index_on_read_only_media_is_refused_saying_why(
+    tmp_path: Path,
+) -> None:
+    """A ledger copied with its ``-wal`` file but not its ``-shm`` index, onto read-only
+    media: the last commits are only in the ``-wal``, which SQLite cannot read there, and
+    reading the main file alone would silently leave them out. Exit 4, saying so and
+    what to do, rather than a partial ledger that verifies."""
+    ledger = tmp_path / "ledger.db"
+    assert main(["migrate", "--ledger", str(ledger)]) == 0
+    holder = sqlite3.connect(ledger)  # open, so the -wal outlives the change below
+    try:
+        holder.execute("SELECT 1 FROM events LIMIT 1").fetchall()
+        assert main(["budget", "set", "team", "--limit", "5", "--ledger", str(ledger)]) == 0
+        with small_tmpfs(tmp_path / "media", "16m") as disk:
+            for name in ("ledger.db", "ledger.db-wal"):
+                shutil.copy(tmp_path / name, disk / name)
+            holder.close()
+            with read_only(disk):
+                for verb in ("verify", "budgets", "calls"):
+                    code, err = cli_fails(verb, "--ledger", str(disk / "ledger.db"))
+                    assert code == 4 and "ledger unavailable" in err, (verb, err)
+                    assert "-wal" in err and "writable" in err, (verb, err)
+    finally:
+        holder.close()

@@ -19,10 +19,9 @@ import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
-from effectguard.errors import ConfigError, LedgerUnavailable
+from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import bodystore, operations, sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.base import Operation, Orphaned, WorkerRow, Writer, probe
 from effectguard.ledger.endedsessions import SQLITE_INSERT, SQLITE_PURGE
@@ -42,6 +41,7 @@ from effectguard.ledger.rows import (
     worker_params,
 )
 from effectguard.ledger.sqlitefile import create_owner_only, file_identity, sqlite_path
+from effectguard.ledger.sqlitefrozen import connect_frozen, open_or_frozen
 from effectguard.ledger.sqlitereader import SqliteReader
 from effectguard.ledger.sqlitereads import SqliteReads
 from effectguard.ledger.sqliterecords import events_from_row
@@ -93,9 +93,12 @@ class SqliteSession:
     test injects one.
     """
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: str, clock: Callable[[], float] = time.time, frozen: str | None = None
+    ) -> None:
         self.path = path
-        self.conn = connect(path)
+        # ``frozen``: the URI reading a ledger on read-only storage as it lies (sqlitefrozen).
+        self.conn = connect(path) if frozen is None else connect_frozen(frozen)
         self._clock = clock
         migrate(self.conn)
         # The file this connection writes. If it is deleted or replaced while we run,
@@ -437,21 +440,18 @@ class SqliteStore(SqliteReads):
         return self._clock()
 
     async def open(self) -> None:
-        parent = Path(self.path).parent
-        if not parent.exists():
-            raise ConfigError(f"ledger directory {parent} does not exist")
         create_owner_only(self.path)
-        writer = InlineCommitter(
-            lambda: SqliteSession(self.path, self._clock), operations.check_writer
-        )
-        try:
-            writer.start()
-        except sqlite3.Error as exc:
-            raise LedgerUnavailable(f"cannot open ledger {self.path}: {exc}") from exc
-        self._writer = writer
-        reader = SqliteReader(self.path, BUSY_TIMEOUT_MS)
+        self._writer, frozen = open_or_frozen(self.path, self._start_writer)
+        reader = SqliteReader(self.path, BUSY_TIMEOUT_MS, frozen)
         await reader.open()
         self._reader = reader
+
+    def _start_writer(self, frozen: str | None) -> InlineCommitter[SqliteSession]:
+        writer = InlineCommitter(
+            lambda: SqliteSession(self.path, self._clock, frozen), operations.check_writer
+        )
+        writer.start()
+        return writer
 
     async def close(self) -> None:
         if self._reader is not None:

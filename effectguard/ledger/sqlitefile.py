@@ -6,9 +6,10 @@ import contextlib
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from effectguard.errors import ConfigError, LedgerUnavailable
-from effectguard.ledger import versions
+from effectguard.ledger import sqlitefrozen, versions
 
 
 def file_identity(path: str) -> tuple[int, int]:
@@ -28,11 +29,15 @@ def sqlite_path(url: str) -> str:
 
 
 def create_owner_only(path: str) -> None:
-    """Create the ledger file readable by its owner only (it holds prompts and responses).
+    """Create the ledger file readable by its owner only (it holds prompts and responses),
+    in a directory that must exist (``ConfigError`` otherwise).
 
     SQLite gives the ``-wal`` and ``-shm`` files the main file's permissions. An existing
     file is left as its owner set it.
     """
+    parent = Path(path).parent
+    if not parent.exists():
+        raise ConfigError(f"ledger directory {parent} does not exist")
     if path == ":memory:" or path.startswith("file:"):
         return
     with contextlib.suppress(FileExistsError):
@@ -53,7 +58,8 @@ def check_ledger_place(path: str) -> None:
     empty database; but its directory must exist, and an existing file must be a SQLite
     database that is a ledger or holds no tables yet. Another program's database (tables,
     none of them ours) is refused rather than given a ledger's tables beside its own.
-    Read only, through a read-only connection.
+    Read only, through a read-only connection. A ledger on a read-only filesystem, which
+    neither could write, is ``LedgerUnavailable``.
     """
     file = Path(path)
     if path == ":memory:" or path.startswith("file:"):
@@ -69,6 +75,9 @@ def check_ledger_place(path: str) -> None:
         return
     if not file.is_file():
         raise ConfigError(f"ledger {path} is not a file (name the ledger's file, not a directory)")
+    if sqlitefrozen.on_read_only_storage(path):
+        # It can still be read (sqlitefrozen), which is no reason to serve or migrate it.
+        raise LedgerUnavailable(f"cannot write ledger {path}: it is on a read-only filesystem")
     tables = _tables(path)
     if tables and "migrations" not in tables:
         shown = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
@@ -81,11 +90,7 @@ def check_ledger_place(path: str) -> None:
 def _tables(path: str) -> set[str]:
     """The tables of the SQLite database at ``path`` (refused if it is none)."""
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
-        try:
-            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
-        finally:
-            conn.close()
+        rows = _read(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
     except sqlite3.OperationalError as exc:  # locked, unreadable: it may be a ledger
         raise LedgerUnavailable(f"cannot read ledger {path}: {exc}") from exc
     except sqlite3.DatabaseError as exc:
@@ -133,10 +138,27 @@ def applied_versions(path: str) -> list[int]:
 def _applied(path: str) -> list[int]:
     """The migrations applied to the ledger at ``path``, read through a read-only connection."""
     try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
-        try:
-            return [int(row[0]) for row in conn.execute("SELECT version FROM migrations")]
-        finally:
-            conn.close()
+        return [int(row[0]) for row in _read(path, "SELECT version FROM migrations")]
     except sqlite3.Error as exc:  # locked, unreadable: it may be a ledger
         raise LedgerUnavailable(f"cannot read ledger {path}: {exc}") from exc
+
+
+def _read(path: str, sql: str) -> list[Any]:
+    """The rows of ``sql`` on the database at ``path``, through a read-only connection
+    (on read-only storage, one that reads the main file alone where that is exact:
+    :mod:`~effectguard.ledger.sqlitefrozen`)."""
+    try:
+        return _rows(f"{Path(path).resolve().as_uri()}?mode=ro", sql)
+    except sqlite3.OperationalError:
+        frozen = sqlitefrozen.frozen_uri(path)
+        if frozen is None:
+            raise
+        return _rows(frozen, sql)
+
+
+def _rows(uri: str, sql: str) -> list[Any]:
+    conn = sqlite3.connect(uri, uri=True, timeout=5.0)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from effectguard.ledger.daemonthreads import DaemonThreads
+from effectguard.ledger.sqlitefrozen import connect_frozen
 
 T = TypeVar("T")
 
@@ -22,8 +23,10 @@ T = TypeVar("T")
 class SqliteReader:
     """One read-only-by-use ``sqlite3`` connection, used from one worker thread."""
 
-    def __init__(self, path: str, busy_timeout_ms: int) -> None:
+    def __init__(self, path: str, busy_timeout_ms: int, frozen: str | None = None) -> None:
         self.path = path
+        # The URI reading a ledger on read-only storage as it lies (sqlitefrozen), if so.
+        self._frozen = frozen
         self._busy_timeout_ms = busy_timeout_ms
         self._pool: DaemonThreads | None = None
         self._conn: sqlite3.Connection | None = None
@@ -36,6 +39,8 @@ class SqliteReader:
     def _connect(self) -> sqlite3.Connection:
         # One worker means one thread; check_same_thread would only guard against a
         # second worker that the pool never starts.
+        if self._frozen is not None:
+            return connect_frozen(self._frozen)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
         return conn

@@ -25,6 +25,7 @@ from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
 from effectguard.ledger.sqlitefile import COMPANIONS, check_ledger_file
+from effectguard.ledger.sqlitefrozen import connect_frozen, frozen_uri
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ops.outpath import Held, hold_new, new_file, partial_of, remove_left_over
 
@@ -98,7 +99,17 @@ def _put_in_place(held: Held, target: Path, busy: str) -> None:
 
 
 def _copy(source: Path, partial: Path) -> None:
-    src = sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000)
+    try:
+        _copy_from(sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000), partial)
+    except sqlite3.OperationalError:
+        # A backup on read-only media, copied back to writable storage (sqlitefrozen).
+        frozen = frozen_uri(str(source))
+        if frozen is None:
+            raise
+        _copy_from(connect_frozen(frozen), partial)
+
+
+def _copy_from(src: sqlite3.Connection, partial: Path) -> None:
     dst = sqlite3.connect(partial)
     try:
         src.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
