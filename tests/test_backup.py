@@ -13,17 +13,15 @@ import io
 import json
 import shutil
 import sqlite3
-import subprocess
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from mountkit import read_only, small_tmpfs
 from observing import call_stages, cli_json, wait_for
-from test_ledger_unavailable import small_tmpfs
 
 from effectguard.ops.backup import backup_sqlite
 from effectguard.ops.cli import main
@@ -182,18 +180,6 @@ def test_backup_prints_what_the_contract_lists(
     assert str(again) in said and f"{made['events']} events" in said, said
     assert f"event {made['head_seq']}" in said and made["head_digest"] in said, said
     assert f"{made['bytes']} bytes" in said, said
-
-
-@contextlib.contextmanager
-def read_only(disk: Path) -> Iterator[None]:
-    """``disk`` (a tmpfs) remounted read-only for the block (skips where that is refused)."""
-    done = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot remount the tmpfs read-only here: {done.stderr.decode().strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True)
 
 
 def cli_fails(*args: str) -> tuple[int, str]:

@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
+from mountkit import small_tmpfs
 from pgkit import ledger_url  # noqa: F401  (fixture)
-from test_ledger_unavailable import small_tmpfs
 from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 from toolkit import cli_run as run

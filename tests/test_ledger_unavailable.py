@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+from mountkit import small_tmpfs
 from observing import cli_json, wait_for
 
 from effectguard.ops.cli import main as cli_main
@@ -109,23 +110,6 @@ def test_locked_ledger_refuses_with_503_and_sends_nothing(
         assert len(fake.effects()) == 2
     assert [c["stage"] for c in cli_json("calls", "--ledger", str(ledger))] == ["completed"] * 2
     assert_settled(ledger)
-
-
-@contextlib.contextmanager
-def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A tiny tmpfs mounted at ``where`` (skips the test where mounting is not allowed)."""
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def fill(path: Path) -> None:
