@@ -100,6 +100,9 @@ class Guard:
         #: Key-less calls whose caller left before their answer, for its own retry.
         self.orphans = Orphans()
         self.dispatches = Dispatches(ledger, self.recorder, lambda: self.writer)
+        #: An admission's caller was cancelled while it committed (it commits on, its end
+        #: told to ``Recorder.unsent``): a stop waits for it (``runtime.settle_admissions``).
+        self.admissions_cut = False
 
     # -- the call path --------------------------------------------------------
     async def handle(
@@ -295,6 +298,9 @@ class Guard:
             )
         except (LedgerUnavailable, FencedError) as exc:
             raise ledger_unavailable(exc) from exc
+        except asyncio.CancelledError:
+            self.admissions_cut = True
+            raise
 
     async def _dispatch(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport

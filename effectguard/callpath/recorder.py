@@ -352,10 +352,12 @@ class Recorder:
         )
 
     def unsent(self, prepared: Prepared, admitted: Admitted) -> None:
-        """The caller of an admission went away while it committed: an attempt it started
-        is never sent, and is recorded so."""
+        """The caller of an admission went away (or a stop cut it off) while it committed:
+        an attempt it started is never sent, and is recorded so."""
         if admitted.action not in ("refuse", "replay", "recover", "join"):
             why = "its caller went away before it was sent"
+            if self.stopped is not None:  # its caller was cut off by the stop
+                why = f"admitted as the process stopped: {self.stopped}"
             self.spawn(self._record_not_sent(prepared, admitted, why))
 
     async def _record_not_sent(

@@ -3,7 +3,8 @@
 Both ways in (the transports and the proxy) start and stop a :class:`Runtime`
 the same way, so the order is right everywhere: open the ledger, register as a
 worker, build the guard, sweep (deciding what evidence can decide), then serve;
-on stop, let background settlements finish, then stop the worker and close the ledger.
+on stop, let background settlements finish and the admissions whose callers were cut
+off end, then stop the worker and close the ledger.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
+from effectguard.callpath.dispatches import MARKING_WAIT_S
 from effectguard.callpath.exchange import Send
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import ReconcileHook
@@ -22,7 +24,9 @@ from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
 from effectguard.callpath.resolve import Resolver
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings
+from effectguard.errors import LedgerError
 from effectguard.ledger import Ledger, Writer, open_store
+from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.telemetry.observer import Observer
 
@@ -150,7 +154,27 @@ class Runtime:
             await self.guard.drain(drain_timeout, cut_off)
         if settle is not None:
             await settle()
+        if self.guard is not None:
+            await settle_admissions(self.guard)
         if self.worker is not None:
             await self.worker.stop()
         if self._own_ledger:
             await self.ledger.store.close()
+
+
+async def settle_admissions(guard: Guard, timeout: float = MARKING_WAIT_S) -> None:
+    """Wait (at most ``timeout``) for the admissions whose callers were cancelled while
+    they committed (the proxy's drain cancels the requests still waiting at its end), and
+    for the ``not_sent`` records their commits lead to (``Recorder.unsent``). Closed
+    before them, the ledger would refuse those records: such a call would be left in
+    flight, its reservation held, though nothing was sent."""
+    if not guard.admissions_cut:
+        return  # no such admission: nothing to wait for (a stop with the ledger down too)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    # A store commits writes in the order they came: once a write queued now has ended,
+    # each of those admissions has committed (or failed) and told its caller's stand-in.
+    with contextlib.suppress(LedgerError, TimeoutError):
+        async with asyncio.timeout(timeout):
+            await guard.ledger.store.write(guard.writer, probe)
+    await guard.recorder.drain(max(0.0, deadline - loop.time()))
