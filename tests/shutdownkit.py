@@ -28,9 +28,9 @@ def chat(text: str) -> str:
 @contextlib.contextmanager
 def write_lock(ledger: str) -> Iterator[Callable[[], None]]:
     """The write lock of ``ledger`` (SQLite's, or a PostgreSQL ledger's batch lock), held
-    here until the block ends or the function it yields lets it go."""
+    here until the block ends or the function it yields lets it go (from any thread)."""
     if "://" not in ledger:
-        holder = sqlite3.connect(ledger, isolation_level=None)
+        holder = sqlite3.connect(ledger, isolation_level=None, check_same_thread=False)
         holder.execute("BEGIN IMMEDIATE")
 
         def release() -> None:
