@@ -141,11 +141,12 @@ class Runtime:
         cut_off: str | None = None,
         settle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Finish background settlements, stop the worker, close the ledger. ``cut_off``:
-        why a call still under way at the end (a stream still being read, a dispatch still
-        waiting for its answer) is interrupted (None: it is left be). ``settle``: awaited
-        once nothing more is sent, before the ledger closes (the way in's calls not yet
-        dispatched then end: recorded not sent, or refused)."""
+        """Finish background settlements (then :func:`settle_admissions`), stop the worker,
+        close the ledger. ``cut_off``: why a call still under way at the end (a stream
+        still being read, a dispatch still waiting for its answer) is interrupted (None:
+        it is left be). ``settle``: awaited once nothing more is sent, before the ledger
+        closes (the way in's calls not yet dispatched then end: recorded not sent, or
+        refused)."""
         if self._deciding is not None:
             self._deciding.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
