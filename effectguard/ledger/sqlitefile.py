@@ -147,13 +147,8 @@ def _read(path: str, sql: str) -> list[Any]:
     """The rows of ``sql`` on the database at ``path``, through a read-only connection
     (on read-only storage, one that reads the main file alone where that is exact:
     :mod:`~effectguard.ledger.sqlitefrozen`)."""
-    try:
-        return _rows(f"{Path(path).resolve().as_uri()}?mode=ro", sql)
-    except sqlite3.OperationalError:
-        frozen = sqlitefrozen.frozen_uri(path)
-        if frozen is None:
-            raise
-        return _rows(frozen, sql)
+    read_only = f"{Path(path).resolve().as_uri()}?mode=ro"
+    return sqlitefrozen.or_frozen(path, lambda frozen: _rows(frozen or read_only, sql))
 
 
 def _rows(uri: str, sql: str) -> list[Any]:

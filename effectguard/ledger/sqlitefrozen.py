@@ -28,19 +28,25 @@ from effectguard.errors import LedgerUnavailable
 T = TypeVar("T")
 
 
-def open_or_frozen(path: str, start: Callable[[str | None], T]) -> tuple[T, str | None]:
-    """``start(None)``, the normal open of the ledger at ``path``; where that fails on
-    read-only storage and reading the main file alone is exact, ``start`` with the URI
-    that does (:func:`frozen_uri`). Returns what ``start`` returned and the URI it was
-    given. A ``sqlite3.Error`` either raises is ``LedgerUnavailable``."""
+def or_frozen(path: str, attempt: Callable[[str | None], T]) -> T:
+    """``attempt(None)``, the normal way to the ledger at ``path``; where that fails
+    (``sqlite3.OperationalError``) on read-only storage and reading the main file alone
+    is exact, ``attempt`` with the URI that does (:func:`frozen_uri`). Anywhere else the
+    first error is raised as it was."""
     try:
-        return start(None), None
-    except sqlite3.Error as exc:
+        return attempt(None)
+    except sqlite3.OperationalError:
         frozen = frozen_uri(path)
         if frozen is None:
-            raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
+            raise
+    return attempt(frozen)
+
+
+def open_or_frozen(path: str, start: Callable[[str | None], T]) -> tuple[T, str | None]:
+    """:func:`or_frozen` for the store's open: what ``start`` returned and the URI it was
+    given (None: the normal open). A ``sqlite3.Error`` is ``LedgerUnavailable``."""
     try:
-        return start(frozen), frozen
+        return or_frozen(path, lambda frozen: (start(frozen), frozen))
     except sqlite3.Error as exc:
         raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
 

@@ -25,7 +25,7 @@ from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
 from effectguard.ledger.sqlitefile import COMPANIONS, check_ledger_file
-from effectguard.ledger.sqlitefrozen import connect_frozen, frozen_uri
+from effectguard.ledger.sqlitefrozen import connect_frozen, or_frozen
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ops.outpath import Held, hold_new, new_file, partial_of, remove_left_over
 
@@ -99,14 +99,13 @@ def _put_in_place(held: Held, target: Path, busy: str) -> None:
 
 
 def _copy(source: Path, partial: Path) -> None:
-    try:
-        _copy_from(sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000), partial)
-    except sqlite3.OperationalError:
-        # A backup on read-only media, copied back to writable storage (sqlitefrozen).
-        frozen = frozen_uri(str(source))
-        if frozen is None:
-            raise
-        _copy_from(connect_frozen(frozen), partial)
+    def copy(frozen: str | None) -> None:
+        # Frozen: a backup on read-only media, copied back to writable storage.
+        if frozen is not None:
+            return _copy_from(connect_frozen(frozen), partial)
+        return _copy_from(sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000), partial)
+
+    or_frozen(str(source), copy)
 
 
 def _copy_from(src: sqlite3.Connection, partial: Path) -> None:
