@@ -39,7 +39,7 @@ from effectguard.ledger.base import Tx
 from effectguard.ledger.pgschema import Target
 from effectguard.ledger.postgres import PostgresSession
 from effectguard.ledger.queries import SQLITE
-from effectguard.ledger.sqlite import SqliteSession
+from effectguard.ledger.sqlitesession import SqliteSession
 from effectguard_bench.ledgerbench import outcome_events
 from effectguard_bench.recoverybench import _BUDGET, _RESERVE, _started_events
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.ledger import Ledger, Writer, operations
-from effectguard.ledger.sqlite import SqliteSession
+from effectguard.ledger.sqlitesession import SqliteSession
 from effectguard.rules.events import AttemptStarted, BudgetReserved, CallManifest, Event
 from effectguard.testing import free_port
 from effectguard_bench.ledgerbench import outcome_events

@@ -20,7 +20,7 @@ import httpx
 
 from effectguard.config.settings import hash_key
 from effectguard.ledger import Ledger, Writer, operations
-from effectguard.ledger.sqlite import SqliteSession
+from effectguard.ledger.sqlitesession import SqliteSession
 from effectguard.rules.events import (
     AttemptStarted,
     BudgetReserved,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from effectguard.errors import FencedError
-from effectguard.ledger import AdmitRequest, Ledger, Writer, inlinecommit, operations, sqlite
+from effectguard.ledger import AdmitRequest, Ledger, Writer, inlinecommit, operations, sqlitesession
 
 R = 1_000
 
@@ -58,10 +58,10 @@ async def test_the_writers_checkpoint_lets_the_wal_start_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Checkpointing after every batch: each transaction reuses the WAL from its start.
-    monkeypatch.setattr(sqlite, "CHECKPOINT_EVERY_S", 0.0)
+    monkeypatch.setattr(sqlitesession, "CHECKPOINT_EVERY_S", 0.0)
     bounded = await _wal_after_admissions(tmp_path / "on.db", 150)
     # The control: with no checkpoint, the same writes pile up in the WAL.
-    monkeypatch.setattr(sqlite, "CHECKPOINT_EVERY_S", 1e9)
+    monkeypatch.setattr(sqlitesession, "CHECKPOINT_EVERY_S", 1e9)
     growing = await _wal_after_admissions(tmp_path / "off.db", 150)
     assert growing > 150 * 4096  # at least a page per admission
     assert bounded < growing / 10
@@ -73,8 +73,8 @@ async def test_the_wal_shrinks_back_once_a_long_reader_lets_go(
     """A WAL grown while a long reader (verify, a backup) held checkpoints back shrinks
     to the journal size limit once the reader ends and the writer starts it over, rather
     than staying at its largest until the process stops."""
-    monkeypatch.setattr(sqlite, "CHECKPOINT_EVERY_S", 0.0)
-    monkeypatch.setattr(sqlite, "JOURNAL_SIZE_LIMIT", 64 << 10)
+    monkeypatch.setattr(sqlitesession, "CHECKPOINT_EVERY_S", 0.0)
+    monkeypatch.setattr(sqlitesession, "JOURNAL_SIZE_LIMIT", 64 << 10)
     path = tmp_path / "reader.db"
     async with Ledger.open(str(path)) as ledger:
         writer = await _writer(ledger, "w")

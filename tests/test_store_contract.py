@@ -1641,7 +1641,7 @@ async def test_an_upload_alone_in_its_batch_commits_off_the_event_loop_thread(
 ) -> None:
     """SQLite commits a lone small operation inline (a thread hop would only add
     latency), but the commit of a lone upload fsyncs its pages: that leaves the loop."""
-    from effectguard.ledger.sqlite import SqliteSession
+    from effectguard.ledger.sqlitesession import SqliteSession
 
     committers: list[int] = []
     real = SqliteSession.commit
