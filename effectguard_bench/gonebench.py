@@ -37,7 +37,7 @@ from effectguard.ingress.admin.routes import GONE_SHOWN, UNKNOWN_SHOWN, AdminPag
 from effectguard.ledger import Ledger, Writer, operations
 from effectguard.ledger.base import Tx
 from effectguard.ledger.pgschema import Target
-from effectguard.ledger.postgres import PostgresSession
+from effectguard.ledger.pgsession import PostgresSession
 from effectguard.ledger.queries import SQLITE
 from effectguard.ledger.sqlitesession import SqliteSession
 from effectguard_bench.ledgerbench import outcome_events

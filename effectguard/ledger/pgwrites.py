@@ -2,7 +2,7 @@
 
 A batch's writes go to the server as one multi-row statement per table, in the same
 pipeline as the ``COMMIT`` (or the query that must see them), so writing costs no
-round trip of its own (see :class:`effectguard.ledger.postgres.PostgresSession`).
+round trip of its own (see :class:`effectguard.ledger.pgsession.PostgresSession`).
 """
 
 from __future__ import annotations
