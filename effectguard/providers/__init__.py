@@ -2,16 +2,13 @@
 validates them, with users' overrides, into frozen :class:`Provider` values."""
 
 from effectguard.providers.declaration import (
-    Dialect,
-    Endpoint,
-    IdempotencyGuarantee,
-    Provider,
     bundled_dir,
     load_provider,
     load_providers,
     upstream_argument,
 )
-from effectguard.providers.endpoints import Lookup, OpIdPlacement
+from effectguard.providers.endpoints import Endpoint, IdempotencyGuarantee, Lookup, OpIdPlacement
+from effectguard.providers.provider import Dialect, Provider
 from effectguard.providers.routing import provider_for
 from effectguard.rules.prices import ModelPrice
 

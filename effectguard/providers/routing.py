@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from effectguard.providers.declaration import Provider
+from effectguard.providers.provider import Provider
 
 
 def provider_for(providers: Iterable[Provider], method: str, url: str) -> Provider | None:
