@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.ledger import Ledger, sqlitecalls, writerformat
-from effectguard.ledger.queries import SQLITE, upsert
+from effectguard.ledger.queries import SQLITE
 from effectguard.ledger.rows import NODE_COLUMNS
 from effectguard.ledger.sqliteevents import ALL_EVENTS, INSERT_COLUMNS
 from effectguard.ledger.sqliterecords import events_from_row
+from effectguard.ledger.sqlparts import upsert
 from effectguard.rules.events import stored_digest
 from effectguard_bench import ledgerbench, storagebench
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from effectguard.ledger import pgschema, sqliteschema
-from effectguard.ledger.queries import SQLITE, UNRESOLVED_SQL, stage_list
+from effectguard.ledger.queries import SQLITE
+from effectguard.ledger.sqlparts import UNRESOLVED_SQL, stage_list
 from effectguard.rules.workstate import UNRESOLVED
 
 

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import versions, writerformat
 from effectguard.ledger.pgdriver import psycopg, sql
-from effectguard.ledger.queries import KEY_KINDS_TEXT, NOT_APPLIED_INDEX
+from effectguard.ledger.sqlparts import KEY_KINDS_TEXT, NOT_APPLIED_INDEX
 
 log = logging.getLogger("effectguard.ledger")
 

@@ -29,7 +29,7 @@ from effectguard.ledger.pgschema import (
     migrate_on,
 )
 from effectguard.ledger.pgwrites import Writes
-from effectguard.ledger.queries import HEAD, NEXT_GENERATION, POSTGRES
+from effectguard.ledger.queries import POSTGRES
 from effectguard.ledger.rows import (
     event_from_row,
     event_params,
@@ -41,6 +41,7 @@ from effectguard.ledger.rows import (
     window_from_row,
     worker_from_row,
 )
+from effectguard.ledger.sqlparts import HEAD, NEXT_GENERATION
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent

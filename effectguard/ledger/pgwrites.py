@@ -14,7 +14,7 @@ from typing import Any
 
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.pgdriver import psycopg
-from effectguard.ledger.queries import POSTGRES, Upsert
+from effectguard.ledger.queries import POSTGRES
 from effectguard.ledger.rows import (
     node_params,
     policy_params,
@@ -22,6 +22,7 @@ from effectguard.ledger.rows import (
     window_params,
     worker_params,
 )
+from effectguard.ledger.sqlparts import Upsert
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from effectguard.ledger import sqliteevents, sqliterecords
-from effectguard.ledger.queries import UNRESOLVED_SQL
+from effectguard.ledger.sqlparts import UNRESOLVED_SQL
 from effectguard.rules.events import StoredEvent
 
 _LAST_SEQ = "SELECT last_seq FROM calls WHERE call_id = ?"

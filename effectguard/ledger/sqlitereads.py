@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from effectguard.ledger import sqlitecalls, sqliteevents, sqlitelinks
-from effectguard.ledger.queries import HEAD, SQLITE
+from effectguard.ledger.queries import SQLITE
 from effectguard.ledger.sqliterecords import events_from_row, kinds_and_data
+from effectguard.ledger.sqlparts import HEAD
 from effectguard.ledger.sqlreads import SqlReads
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import WorkState

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, writerformat
-from effectguard.ledger.queries import KEY_KINDS_SQLITE, NOT_APPLIED_INDEX
+from effectguard.ledger.sqlparts import KEY_KINDS_SQLITE, NOT_APPLIED_INDEX
 
 BUSY_TIMEOUT_MS = 5000
 

@@ -18,7 +18,7 @@ from effectguard.ledger import bodystore, sqlitecalls, sqliteevents, sqlitelinks
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.endedsessions import SQLITE_INSERT, SQLITE_PURGE
 from effectguard.ledger.groupcommit import Fate
-from effectguard.ledger.queries import HEAD, NEXT_GENERATION, SQLITE, upsert
+from effectguard.ledger.queries import SQLITE
 from effectguard.ledger.rows import (
     key_from_row,
     key_params,
@@ -35,6 +35,7 @@ from effectguard.ledger.sqlitefile import file_identity
 from effectguard.ledger.sqlitefrozen import connect_frozen
 from effectguard.ledger.sqliterecords import events_from_row
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
+from effectguard.ledger.sqlparts import HEAD, NEXT_GENERATION, upsert
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key
 from effectguard.rules.events import GENESIS_DIGEST, StoredEvent
