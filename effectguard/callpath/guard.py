@@ -11,21 +11,23 @@ same over httpx objects, for the transports):
    provably did nothing (not sent, or a declared not-processed status);
 4. *observe* — one durable transaction before the response is released
    (streams: at their end, see :mod:`effectguard.callpath.stream`).
+
+Steps 3 and 4 are :class:`~effectguard.callpath.attempts.Attempts`, which ``Guard``
+extends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Mapping
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from effectguard.callpath.attempts import Attempts
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.dispatches import MARKING_WAIT_S, Dispatches
-from effectguard.callpath.exchange import Outbound, Reply, Send, header_value, read_body
+from effectguard.callpath.exchange import Outbound, Reply, Send
 from effectguard.callpath.httpxshape import (
     HttpxSend,
     httpx_response,
@@ -34,8 +36,7 @@ from effectguard.callpath.httpxshape import (
 )
 from effectguard.callpath.join import join_call
 from effectguard.callpath.orphans import Orphans
-from effectguard.callpath.outgoing import outgoing_request, past_lease
-from effectguard.callpath.prepare import Prepared, ledger_unavailable, prepare, refuse, usage_of
+from effectguard.callpath.prepare import Prepared, ledger_unavailable, prepare
 from effectguard.callpath.readonly import describe as _describe
 from effectguard.callpath.readonly import forward_read_only
 from effectguard.callpath.recorder import Recorder
@@ -44,36 +45,18 @@ from effectguard.callpath.reports import from_state, open_report
 from effectguard.callpath.resolve import Resolver
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
-from effectguard.callpath.timing import failed, own_time_of, waited
-from effectguard.callpath.wire import (
-    answer_kind,
-    classify_transport_error,
-    client_headers,
-    final_answer,
-    recovered_response,
-    timed_out,
-    unobservable,
-)
+from effectguard.callpath.timing import own_time_of
+from effectguard.callpath.wire import recovered_response
 from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules.guidance import decide_unknown
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
 
 
-class _RetryAttempt(Exception):
-    """This attempt provably did nothing; a retry may start (carries the last answer)."""
-
-    def __init__(self, response: Reply | None, refusal: Refusal | None) -> None:
-        super().__init__("retryable attempt")
-        self.response = response
-        self.refusal = refusal
-
-
-class Guard:
+class Guard(Attempts):
     """Admits, dispatches, observes and settles every billable request."""
 
     def __init__(
@@ -301,188 +284,6 @@ class Guard:
         except asyncio.CancelledError:
             self.admissions_cut = True
             raise
-
-    async def _dispatch(
-        self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
-    ) -> Reply:
-        s = self.settings
-        current = admitted
-        try:
-            # The first attempt runs outside tenacity: most calls need no retry, and
-            # building the retry machinery costs ~5% of the proxy's CPU per request.
-            try:
-                return await self._attempt(prepared, current, send, report)
-            except _RetryAttempt as first:
-                if s.max_retries < 1:
-                    raise
-                previous = first
-                await asyncio.sleep(s.retry_wait_s)  # tenacity backs off from here on
-            retrying = AsyncRetrying(
-                stop=stop_after_attempt(s.max_retries),
-                wait=wait_exponential(multiplier=s.retry_wait_s, max=s.retry_wait_max_s),
-                retry=retry_if_exception_type(_RetryAttempt),
-                reraise=True,
-            )
-            async for attempt in retrying:
-                with attempt:
-                    nxt = await self._next_attempt(prepared, current, previous)
-                    if isinstance(nxt, Reply):  # the last answer stands: its outcome counts
-                        self._count(prepared, report.outcome)
-                        return nxt
-                    current = nxt
-                    try:
-                        return await self._attempt(prepared, current, send, report)
-                    except _RetryAttempt as again:
-                        previous = again
-                        raise
-        except _RetryAttempt as last:
-            # Counted here, once: the attempts retried before it were not the outcome.
-            self._count(prepared, "not_sent" if last.refusal is not None else report.outcome)
-            if last.refusal is not None:
-                raise last.refusal from None
-            assert last.response is not None
-            return last.response
-        raise AssertionError("unreachable: tenacity either returns or re-raises")
-
-    async def _next_attempt(
-        self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
-    ) -> Admitted | Reply:
-        """The next attempt; if the ledger will not start it, the provider's last answer,
-        if there was one: a 503 ``ledger_unavailable`` says nothing was sent (contract.md §9)."""
-        try:
-            return await self.recorder.next_attempt(prepared, previous)
-        except (LedgerError, FencedError) as exc:
-            if answered.response is not None:
-                return answered.response
-            # Nothing reached the provider, and the call is not_sent: a retry is safe.
-            raise ledger_unavailable(
-                exc, previous.call_id, "the next attempt could not be recorded; nothing was sent"
-            ) from exc
-
-    async def _ready(self, prepared: Prepared, admitted: Admitted, report: CallReport) -> Outbound:
-        """The attempt's request, announced; never sent past the lease it was admitted
-        under (contract.md §7): a worker that stood still since may have been taken over;
-        nor once a shutdown has stopped waiting for the calls under way (contract.md §3.8)."""
-        if self.recorder.stopped is not None:
-            raise await self.recorder.stopped_before_sending(prepared, admitted)
-        if past_lease(admitted):
-            raise await self.recorder.lease_lapsed(prepared, admitted)
-        outgoing = outgoing_request(prepared, admitted)
-        report.attempts = admitted.attempt
-        self.observer.dispatching(report, outgoing)
-        return outgoing
-
-    async def _attempt(
-        self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
-    ) -> Reply:
-        provider, call_id = prepared.provider, admitted.call_id
-        outgoing = await self._ready(prepared, admitted, report)
-        sent_at = time.perf_counter()
-        try:
-            response = await send(outgoing)
-            self.crash.hit("after:dispatch")
-            content_type = header_value(response.headers, "content-type")
-            coding = header_value(response.headers, "transfer-encoding")
-            kind = answer_kind(response.status, content_type, prepared.stream, coding)
-            limit = self.settings.max_answer_bytes
-            if kind == "stream":
-                stream = GuardedStream(
-                    self.recorder, prepared, admitted, response, sent_at, report, limit
-                )
-                headers = client_headers(response.headers, call_id)
-                return Reply(
-                    response.status, headers, stream=stream, extensions=response.extensions
-                )
-            try:
-                # Raw bytes: stored and forwarded exactly as received (we ask for identity).
-                body = None if kind == "not_http" else await read_body(response, limit)
-            finally:
-                await response.aclose()
-        except httpx.TransportError as exc:
-            return await self._transport_failed(prepared, admitted, exc, report, sent_at)
-        except asyncio.CancelledError:
-            # Cut off (callpath/ticket) while the request may be on the wire.
-            waited(self.observer, provider.name, report, sent_at, "timeout")
-            self.recorder.spawn(
-                self.recorder.interrupt_attempt(admitted, self.recorder.cancel_reason)
-            )
-            raise
-        if body is None:
-            waited(self.observer, provider.name, report, sent_at, "error")
-            why, reason = unobservable(response.status, kind, limit, coding)
-            raise await self._effect_unknown(prepared, admitted, why, reason, 502)
-        waited(self.observer, provider.name, report, sent_at, "answered")
-        self.crash.hit("after:upstream-response")
-        result = usage_of(prepared, body)
-        retried = response.status in provider.retry_statuses
-        await self.recorder.observe(
-            prepared, admitted, response.status, response.headers, body, result, report, retried
-        )
-        self.crash.hit("after:observe")
-        headers = client_headers(response.headers, call_id)
-        if response.status >= 400 and provider.answer_effect(response.status) != "none":
-            headers = final_answer(headers, provider.error_shape)
-        answer = Reply(response.status, headers, body=body, extensions=response.extensions)
-        if retried:
-            raise _RetryAttempt(answer, None)
-        return answer
-
-    async def _transport_failed(
-        self,
-        prepared: Prepared,
-        admitted: Admitted,
-        exc: httpx.TransportError,
-        report: CallReport,
-        sent_at: float,
-    ) -> Reply:
-        waited(self.observer, prepared.provider.name, report, sent_at, failed(exc))
-        call_id = admitted.call_id
-        if classify_transport_error(exc) == "not_sent":
-            await self.recorder.not_sent(prepared, admitted, _describe(exc))
-            raise _RetryAttempt(
-                None,
-                refuse(
-                    502,
-                    "upstream_unreachable",
-                    f"could not connect to {prepared.provider.name}; nothing was sent: "
-                    f"{_describe(exc)}",
-                    call_id=call_id,
-                    stage="not_sent",
-                    next_operation="resend",
-                    retryable=True,
-                ),
-            )
-        timeout = timed_out(exc)
-        why = f"the upstream {'timed out' if timeout else 'failed'} after the request was sent"
-        raise await self._effect_unknown(
-            prepared, admitted, why, _describe(exc), 504 if timeout else 502
-        ) from exc
-
-    def _count(self, prepared: Prepared, outcome: str) -> None:
-        self.observer.request_done(prepared.provider.name, prepared.model or "", outcome)
-
-    async def _effect_unknown(
-        self,
-        prepared: Prepared,
-        admitted: Admitted,
-        why: str,
-        reason: str,
-        status: int,
-    ) -> Refusal:
-        """Interrupt a dispatched attempt whose answer was not observed (``reason`` is
-        recorded as the attempt's), and the refusal that tells the client so."""
-        call_id = admitted.call_id
-        await self.recorder.interrupt_attempt(admitted, reason)
-        self._count(prepared, "effect_unknown")
-        return refuse(
-            status,
-            "effect_unknown",
-            f"{why}; call {call_id} may have taken effect and will not be re-sent "
-            f"automatically ({reason}); {decide_unknown(call_id)}",
-            call_id=call_id,
-            stage="effect_unknown",
-            next_operation="reconcile",
-        )
 
 
 def _cancelling() -> bool:
