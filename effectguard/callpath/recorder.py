@@ -4,7 +4,8 @@ the background work that outlives a caller (docs/contract.md §3.6, §3.6).
 Both the guard and its guarded streams write through one :class:`Recorder`, so the
 rules for what a failed write means live in one place:
 
-* a fenced worker's observation is refused (502 ``observe_refused``);
+* a fenced worker's observation is refused (502 ``observe_refused``) and kept as
+  evidence (:mod:`effectguard.callpath.lateanswers`);
 * an observation the ledger could not commit makes the call ``effect_unknown``
   (502 ``observe_failed``), marked now or, if the ledger still refuses, on a later sweep;
 * background tasks (abandoned dispatches, drained streams, late markings) are kept
@@ -20,24 +21,18 @@ from typing import Any
 
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.exchange import Headers
+from effectguard.callpath.lateanswers import LateAnswers
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse
+from effectguard.callpath.storefault import brief as _describe
 from effectguard.callpath.storefault import told
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer, attempts
-from effectguard.rules import evidence
 from effectguard.rules import usage as usages
 from effectguard.rules.bodytext import encode_body
-from effectguard.rules.events import (
-    AttemptLateAnswer,
-    AttemptNotSent,
-    AttemptObserved,
-    BudgetReleased,
-    Event,
-)
+from effectguard.rules.events import AttemptNotSent, BudgetReleased, Event
 from effectguard.rules.guidance import decide_unknown
 from effectguard.rules.settlement import Answer, Settlement, settle
-from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.observer import NullObserver, Observer
 from effectguard.telemetry.report import CallReport
 
@@ -46,7 +41,7 @@ from effectguard.telemetry.report import CallReport
 DEFERRED = "cost deferred: billed later by the provider, not tracked by effectguard"
 
 
-class Recorder:
+class Recorder(LateAnswers):
     """Writes a call's outcome to the ledger, and owns background work.
 
     An attempt's outcome is written as the writer that started it (``Admitted.writer``),
@@ -171,84 +166,6 @@ class Recorder:
             ) from exc
         finally:
             self.finish(call_id)
-
-    async def _refuse_late_answer(
-        self,
-        prepared: Prepared,
-        admitted: Admitted,
-        settled: Settlement,
-        body: bytes,
-        exc: FencedError,
-    ) -> Refusal:
-        """The 502 ``observe_refused`` for an answer the store refused, kept as evidence.
-
-        It names the stage the ledger holds now, and that stage's next operation, unless
-        this very answer contradicts it: a call decided not applied meanwhile, that the
-        provider says it applied, is not to be resent (what ``show`` says, contract §9).
-        """
-        call_id = admitted.call_id
-        late = _late_answer(prepared, admitted, settled, body, str(exc))
-        kept = await self._keep_late_answer(admitted, late)
-        said = f"its answer (status {late.status}) " + (
-            "is kept as evidence" if kept else "could not be kept as evidence either"
-        )
-        now = await self._state_now(call_id)
-        next_operation = None if now is None else now.next_operation
-        warning = None if now is None else await self._resend_warning(now, late, kept)
-        if warning is not None and now is not None:
-            next_operation, said = evidence.contradicted_next(now), f"{said}; {warning}"
-        return refuse(
-            502,
-            "observe_refused",
-            f"this worker was fenced; the result of call {call_id} was not recorded as "
-            f"its outcome: {exc}; {said}",
-            call_id=call_id,
-            stage=None if now is None else now.stage,
-            next_operation=next_operation,
-        )
-
-    async def _state_now(self, call_id: str) -> WorkState | None:
-        """``call_id`` as the ledger holds it now (as a takeover left it), or None if the
-        ledger cannot say: the refusal of a late answer then names no stage."""
-        try:
-            return await self.ledger.store.get_call(call_id)
-        except LedgerError:
-            return None
-
-    async def _resend_warning(
-        self, now: WorkState, late: AttemptLateAnswer, kept: bool
-    ) -> str | None:
-        """Show's "do not resend" for ``now``, the call this late answer is about: this
-        answer's own, else (for a call decided not applied, resting after a later attempt
-        that proved nothing, or with a resend authorized, whose resend a late applied
-        answer to any attempt forbids) that of one kept before, read from the ledger. Not
-        the hot path: only a refused answer of such a call reads it
-        (evidence.may_be_contradicted)."""
-        warning = evidence.resend_warning(now, late, kept)
-        if warning is not None or not evidence.may_be_contradicted(now):
-            return warning
-        try:
-            events = await self.ledger.events(now.call_id)
-        except LedgerError:
-            return None  # the ledger cannot say: the stage's next operation stands
-        return evidence.resend_warning(now, evidence.applied_late(events))
-
-    async def _keep_late_answer(self, admitted: Admitted, late: AttemptLateAnswer) -> bool:
-        """Keep an answer the store refused as the attempt's outcome, as evidence; whether
-        it was kept.
-
-        It is written as a registration of this process the store accepts
-        (:attr:`evidence_writer`), never as the fenced one. If even that fails, the answer
-        is lost as before: the call stays as the takeover left it.
-        """
-        try:
-            writer = await self.evidence_writer(admitted.writer)
-            await self.ledger.record_late_answer(writer, late)
-        except (LedgerError, OSError) as exc:  # OSError: registering anew takes a lock file
-            self.observer.incident("late_answer_lost", admitted.call_id, _describe(exc))
-            return False
-        self.observer.incident("late_answer", admitted.call_id, evidence.describe(late))
-        return True
 
     async def next_attempt(self, prepared: Prepared, previous: Admitted) -> Admitted:
         """Start the automatic retry of ``previous`` (contract.md §3.7), as the call's own writer.
@@ -471,25 +388,6 @@ class Recorder:
                 waiting.cancel()
 
 
-def _late_answer(
-    prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes, why: str
-) -> AttemptLateAnswer:
-    """The evidence event for an answer the store refused as ``admitted``'s outcome."""
-    status = next(e.status for e in settled.events if isinstance(e, AttemptObserved))
-    return evidence.late_answer(
-        settled,
-        body,
-        effect=prepared.provider.answer_effect(status),
-        observed_by=admitted.writer.worker,
-        generation=admitted.writer.generation,
-        reason=why,
-    )
-
-
 async def _same_writer(writer: Writer) -> Writer:
     """Without a worker runtime, only ``writer`` itself (enough when it was not fenced)."""
     return writer
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300]

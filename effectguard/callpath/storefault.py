@@ -26,3 +26,9 @@ def told(exc: BaseException, call_id: str | None = None) -> str:
         fields = {"event": "ledger_failed"} | ({"call_id": call_id} if call_id else {})
         log.warning("ledger failed: %s", text, extra=fields)
     return short
+
+
+def brief(exc: BaseException) -> str:
+    """``exc`` in one line for an incident (the log's): its type and message, at most
+    300 characters."""
+    return f"{type(exc).__name__}: {exc}"[:300]
