@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
+from admitkit import admit_request
+
 from effectguard.ledger import AdmitRequest
 from effectguard.rules.bodyref import REF_ENCODING, SpooledBody
 
@@ -25,20 +27,8 @@ def upload_request(
 ) -> AdmitRequest:
     """An admission of a ``/v1/files`` upload to ``budget``: its body by reference when
     ``body`` is given, else a small inline one."""
-    inline = AdmitRequest(
-        request_hash=request_hash,
-        provider="openai",
-        endpoint="/v1/files",
-        method="POST",
-        model=None,
-        idempotency_key=None,
-        budget=budget,
-        budget_root=budget.split("/")[0],
-        effect_kind="billable",
-        body="{}",
-        body_encoding="utf8",
-        stream=False,
-        reserve=RESERVE,
+    inline = admit_request(
+        budget, endpoint="/v1/files", model=None, request_hash=request_hash, reserve=RESERVE
     )
     if body is None:
         return inline

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from admitkit import admit_request
 from pgkit import ledger_url
 from test_archive import archive, cli
 from test_store_contract import completion
@@ -30,20 +31,14 @@ UPLOAD = os.urandom(600 * 1024)
 
 def _request(n: int, spool: SpooledBody | None, budget: str = "team/run") -> AdmitRequest:
     inline = spool is None
-    return AdmitRequest(
-        request_hash=f"h{n}",
-        provider="openai",
+    return admit_request(
+        budget,
         endpoint="/v1/files",
-        method="POST",
         model=None,
-        idempotency_key=f"k{n}",
-        budget=budget,
-        budget_root=budget.split("/")[0],
-        effect_kind="billable",
+        request_hash=f"h{n}",
+        key=f"k{n}",
         body="{}" if inline else spool.sha256,
         body_encoding="utf8" if inline else REF_ENCODING,
-        stream=False,
-        reserve=1_000,
         spool=spool,
     )
 

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from admitkit import admit_request
 from eventkit import completion
 from test_cli import run, run_json
 
@@ -21,21 +22,7 @@ USD = 1_000_000_000
 
 def request(budget: str) -> AdmitRequest:
     """A request charged to ``budget`` reserving 3 USD."""
-    return AdmitRequest(
-        request_hash="h",
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-4o-mini",
-        idempotency_key=None,
-        budget=budget,
-        budget_root=budget.split("/")[0],
-        effect_kind="billable",
-        body="{}",
-        body_encoding="utf8",
-        stream=False,
-        reserve=3 * USD,
-    )
+    return admit_request(budget, model="gpt-4o-mini", reserve=3 * USD)
 
 
 async def spend(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from admitkit import admit_request
 
 from effectguard.callpath.takeover import gone_in_flight
 from effectguard.ledger import AdmitRequest, Ledger, Writer, operations
@@ -27,21 +28,7 @@ from effectguard.testing.clock import ManualClock
 
 
 def _request(n: int) -> AdmitRequest:
-    return AdmitRequest(
-        request_hash=f"hash-{n}",
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=None,
-        budget="team/run",
-        budget_root="team",
-        effect_kind="billable",
-        body="{}",
-        body_encoding="utf8",
-        stream=False,
-        reserve=1_000,
-    )
+    return admit_request(request_hash=f"hash-{n}")
 
 
 async def _register(ledger: Ledger, worker: str, lease_s: float) -> Writer:

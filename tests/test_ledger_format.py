@@ -10,6 +10,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import admitkit
 import pytest
 from eventkit import completion
 from hypothesis import given
@@ -251,21 +252,8 @@ def _calls_before_14(
 
 def admit_request(n: int) -> AdmitRequest:
     """A keyed chat admission whose body needs escaping (an accent, quotes)."""
-    return AdmitRequest(
-        request_hash=f"h{n}",
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=f"k{n}",
-        budget="team/run",
-        budget_root="team",
-        effect_kind="billable",
-        body='{"messages": [{"content": "é \\"quoted\\""}]}',
-        body_encoding="utf8",
-        stream=False,
-        reserve=1000,
-    )
+    body = '{"messages": [{"content": "é \\"quoted\\""}]}'
+    return admitkit.admit_request(request_hash=f"h{n}", key=f"k{n}", body=body, reserve=1000)
 
 
 async def _calls(ledger: Ledger, writer: Writer, numbers: range) -> None:

@@ -16,6 +16,7 @@ import prometheus_client
 import pytest
 import pytest_asyncio
 import respx
+from admitkit import admit_request
 from prometheus_client import CollectorRegistry
 
 from effectguard import AsyncGuardTransport, GuardSettings
@@ -440,7 +441,6 @@ async def test_budget_gauges_show_the_current_period() -> None:
 
     from effectguard.ledger import operations
     from effectguard.ledger.base import Writer
-    from effectguard.rules.admission import AdmitRequest
     from effectguard.rules.budget import BudgetPolicy
     from effectguard.testing.clock import ManualClock
 
@@ -451,12 +451,7 @@ async def test_budget_gauges_show_the_current_period() -> None:
             Writer("boot", 0),
             lambda tx: operations.register_worker(tx, worker="w", host="h", pid=1, lease_s=1e6),
         )
-        request = AdmitRequest(
-            request_hash="h", provider="openai", endpoint="/v1/chat/completions",
-            method="POST", model=MODEL, idempotency_key=None, budget="team",
-            budget_root="team", effect_kind="billable", body="{}", body_encoding="utf8",
-            stream=False, reserve=7_000,
-        )  # fmt: skip
+        request = admit_request("team", model=MODEL, reserve=7_000)
         assert (await ledger.admit(writer, request)).action == "admit"
         metrics = Metrics()
         metrics.attach(ledger)

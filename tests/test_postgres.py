@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from admitkit import admit_request
 from pgkit import DSN, NEEDS_PG, pg_url
 
 from effectguard.errors import FencedError, LedgerCorrupt
@@ -48,20 +49,8 @@ def _reservation() -> int:
 
 
 def _admit_request(key: str | None, reserve: int, budget: str = "fleet") -> operations.AdmitRequest:
-    return operations.AdmitRequest(
-        request_hash="h" * 64,
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model=GPT,
-        idempotency_key=key,
-        budget=budget,
-        budget_root=budget,
-        effect_kind="billable",
-        body="{}",
-        body_encoding="utf8",
-        stream=False,
-        reserve=reserve,
+    return admit_request(
+        budget, budget_root=budget, request_hash="h" * 64, model=GPT, key=key, reserve=reserve
     )
 
 

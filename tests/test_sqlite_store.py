@@ -13,6 +13,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from admitkit import admit_request
 
 from effectguard.errors import FencedError
 from effectguard.ledger import AdmitRequest, Ledger, Writer, inlinecommit, operations, sqlitesession
@@ -21,21 +22,8 @@ R = 1_000
 
 
 def _req(n: int, root: str = "wal") -> AdmitRequest:
-    return AdmitRequest(
-        request_hash=f"hash-{n}",
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=None,
-        budget=f"{root}/run",
-        budget_root=root,
-        effect_kind="billable",
-        body='{"messages": [{"role": "user", "content": "' + "x" * 400 + '"}]}',
-        body_encoding="utf8",
-        stream=False,
-        reserve=R,
-    )
+    body = '{"messages": [{"role": "user", "content": "' + "x" * 400 + '"}]}'
+    return admit_request(f"{root}/run", request_hash=f"hash-{n}", body=body, reserve=R)
 
 
 async def _writer(ledger: Ledger, name: str) -> Writer:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from admitkit import admit_request
 from eventkit import late_200
 
 from effectguard.errors import BodyMismatch, ConfigError, FencedError, ReconcileError
@@ -159,21 +160,14 @@ def req(
     **kw: object,
 ) -> AdmitRequest:
     """An admit request charged to ``{ns}/run`` unless ``budget`` says otherwise."""
-    return AdmitRequest(
-        request_hash=request_hash,
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=key,
-        budget=budget or f"{ns}/run",
+    return admit_request(
+        budget or f"{ns}/run",
         budget_root=ns,
-        effect_kind="billable",
+        request_hash=request_hash,
+        key=key,
         body='{"messages": []}',
-        body_encoding="utf8",
-        stream=False,
         reserve=reserve,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from admitkit import admit_request
 from eventkit import completion
 
 from effectguard.errors import LedgerCorrupt
@@ -61,21 +62,8 @@ class Built:
 
 def request(key: str) -> AdmitRequest:
     """An admit request charged to team/run."""
-    return AdmitRequest(
-        request_hash=f"hash-{key}",
-        provider="openai",
-        endpoint="/v1/chat/completions",
-        method="POST",
-        model="gpt-x",
-        idempotency_key=key,
-        budget="team/run",
-        budget_root="team",
-        effect_kind="billable",
-        body='{"messages": [{"role": "user", "content": "hi"}]}',
-        body_encoding="utf8",
-        stream=False,
-        reserve=R,
-    )
+    body = '{"messages": [{"role": "user", "content": "hi"}]}'
+    return admit_request(request_hash=f"hash-{key}", key=key, body=body, reserve=R)
 
 
 @pytest.fixture
