@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.errors import ConfigError
+from effectguard.providers.endpoints import path_shape
 from effectguard.providers.provider import Provider
 from effectguard.providers.validation import build_provider, check_url
 
@@ -132,7 +133,7 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 def _endpoint_key(entry: object) -> tuple[str, str]:
     if not isinstance(entry, dict):
         return ("", repr(entry))
-    return (str(entry.get("method", "POST")).upper(), str(entry.get("path")))
+    return (str(entry.get("method", "POST")).upper(), path_shape(str(entry.get("path"))))
 
 
 def _stem(path: Traversable) -> str:

@@ -17,36 +17,45 @@ This module parses and validates those entries into frozen values; it does no I/
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 from effectguard.errors import ConfigError
-from effectguard.rules.money import usd_to_nanos
+from effectguard.providers.lookupspec import (
+    HEADER_NAME,
+    JSON_FIELD,
+    METHOD,
+    Lookup,
+    legacy_lookup,
+    parse_lookup,
+)
+from effectguard.providers.templates import MAX_WINDOW_S
+from effectguard.rules.money import MAX_CALL_NANOS, usd_to_nanos
 
 __all__ = [
+    "HEADER_NAME",
     "Effect",
     "Endpoint",
     "IdempotencyGuarantee",
     "Lookup",
     "OpIdPlacement",
     "Units",
+    "legacy_lookup",
+    "most_specific",
     "parse_endpoint",
     "parse_idempotency",
     "parse_lookup",
+    "path_shape",
+    "usd_price",
 ]
 
 Effect = Literal["read_only", "at_most_once", "idempotent"]
-OpSource = Literal["call_id", "idempotency_key"]
 Placement = Literal["header", "json", "form"]
 
 _EFFECTS = ("read_only", "at_most_once", "idempotent", "billable")
-#: An HTTP header name (RFC 9110 token); declarations name headers with it.
-HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
-_METHOD = re.compile(r"[A-Z]+")
-_FIELD = re.compile(r"[A-Za-z0-9_\-\[\]]+(\.[A-Za-z0-9_\-\[\]]+)*")
 _ENDPOINT_KEYS = frozenset(
     {
         "path",
@@ -58,23 +67,6 @@ _ENDPOINT_KEYS = frozenset(
         "per_call",
         "cost_deferred",
         "units",
-    }
-)
-_LOOKUP_KEYS = frozenset(
-    {
-        "method",
-        "url",
-        "query",
-        "form",
-        "applied",
-        "results",
-        "match",
-        "not_found",
-        "freshness_s",
-        "retention_s",
-        "op",
-        "timeout_s",
-        "scope_headers",
     }
 )
 
@@ -109,49 +101,6 @@ class OpIdPlacement:
         """How an attempt records this place (``attempt.started``'s ``op_id_in``): the kind
         and the name, a header's in lower case (header names are case-insensitive)."""
         return f"{self.where} {self.name.lower() if self.where == 'header' else self.name}"
-
-
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """A request that asks the provider "was operation ``{op}`` applied?", and its reading.
-
-    ``url`` may use ``{base_url}`` and ``{op}``; ``query`` and ``form`` values may use
-    ``{op}`` (``form`` fields go form-encoded in the body of a POST). An answer
-    in which the JSON path ``applied`` is present (and not null, false or empty) means
-    applied, and its value is the recovered object where it is a JSON object; otherwise a
-    status in ``not_found`` means "not found", but a success status only when its body is
-    JSON whose result collection (the path ``results``) is present and empty (an HTML
-    error page answered 200 proves nothing); anything else is unknown. "Not found"
-    proves "not applied" only once the call's last attempt is older than ``freshness_s``
-    (search indexes lag); before that it is unknown too, and so it is again once the call
-    is older than ``retention_s`` (None: the provider never forgets an operation). A
-    success that is not strictly the declared shape reads unknown (rules/lookups).
-    """
-
-    url: str
-    applied: str
-    not_found: frozenset[int]
-    freshness_s: float
-    method: str = "GET"
-    query: tuple[tuple[str, str], ...] = ()
-    op: OpSource = "call_id"
-    timeout_s: float = 5.0
-    retention_s: float | None = None
-    #: The JSON path of the answer's result collection (``data``): a success reads "not
-    #: found" only when it is there and empty. Required where a success is ``not_found``.
-    results: str | None = None
-    #: Form fields sent form-encoded as the request's body (a POST search); values may
-    #: use ``{op}``.
-    form: tuple[tuple[str, str], ...] = ()
-    #: The JSON path, inside the found object, of the operation id it carries
-    #: (``metadata.effectguard_op``): an object whose value there is not the op looked
-    #: for is another operation's, and proves nothing. None: the search is trusted to
-    #: answer only for the op it was asked about.
-    match: str | None = None
-    #: Request headers (lowercase) that name the account an operation acts in (Stripe's
-    #: ``Stripe-Account``): recorded with the call and sent with its lookup, which would
-    #: otherwise search another account and find nothing.
-    scope_headers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +147,29 @@ class Endpoint:
         )
 
 
+def _is_param(segment: str) -> bool:
+    return segment.startswith("{") and segment.endswith("}")
+
+
+def path_shape(path: str) -> str:
+    """The requests a declared path matches, whatever its parameters are called:
+    ``/v1/customers/{customer}`` and ``/v1/customers/{id}`` are one endpoint."""
+    return "/".join("{}" if _is_param(s) else s for s in path.split("/"))
+
+
+def most_specific(endpoints: Sequence[Endpoint], method: str, path: str) -> Endpoint | None:
+    """The declared endpoint a request ``method path`` is for: of those that match, the
+    one whose first parameter comes last (a literal segment beats a parameter at the
+    first place they differ), whatever the order they were declared in. First-declared
+    used to win: ``/v1/messages/{id}`` declared ``read_only`` before
+    ``/v1/messages/send`` made every send pass through unguarded, and an override's
+    endpoints come after the bundled ones they refine."""
+    found = [e for e in endpoints if e.matches(method, path)]
+    if not found:
+        return None
+    return min(found, key=lambda e: [_is_param(s) for s in e.path.split("/")])
+
+
 def default_endpoint(
     path: str, method: str, idempotency: IdempotencyGuarantee | None, lookup: Lookup | None
 ) -> Endpoint:
@@ -224,7 +196,7 @@ def parse_endpoint(
     if not isinstance(path, str) or not path.startswith("/") or "?" in path or "#" in path:
         raise fail(f"{where}.path", "must start with '/' and carry no query")
     method = entry.get("method", "POST")
-    if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
+    if not isinstance(method, str) or not METHOD.fullmatch(method.upper()):
         raise fail(f"{where}.method", "must be an HTTP method")
     declared = entry.get("effect")
     if declared not in _EFFECTS:
@@ -275,10 +247,19 @@ def _units(value: object, where: str, fail: Fail) -> Units | None:
 
 
 def _per_call(value: object, where: str, fail: Fail) -> int | None:
-    """A USD decimal string as nanos (a TOML float is not exact, so it is refused)."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
+    return None if value is None else usd_price(value, where, fail)
+
+
+def usd_price(value: object, where: str, fail: Fail) -> int:
+    """A price: a decimal USD string (or an integer) as nanos, from 0 to the most one call
+    may reserve (:data:`MAX_CALL_NANOS`, about 9 million USD). A TOML float is refused (it
+    is not exact); so is a price above that bound, at which no call could ever be
+    admitted (each was refused 400 when it came, instead of the file when it loaded)."""
+    if isinstance(value, float):
+        raise fail(
+            where, f'must be a decimal USD string such as "{value}" (TOML floats are not exact)'
+        )
+    if isinstance(value, bool) or not isinstance(value, str | int):
         raise fail(where, 'must be a decimal USD string such as "0.01"')
     try:
         amount = Decimal(value)
@@ -286,6 +267,8 @@ def _per_call(value: object, where: str, fail: Fail) -> int | None:
         raise fail(where, f"must be a decimal USD string, got {value!r}") from exc
     if not amount.is_finite() or amount < 0:
         raise fail(where, f"must be a non-negative decimal USD string, got {value!r}")
+    if amount > Decimal(MAX_CALL_NANOS) / 10**9:
+        raise fail(where, f"{value!r} USD is more than one call may cost (9007199.254740992)")
     return usd_to_nanos(amount)
 
 
@@ -323,12 +306,18 @@ def parse_idempotency(table: object, where: str, fail: Fail) -> IdempotencyGuara
     if header is not None and (not isinstance(header, str) or not HEADER_NAME.fullmatch(header)):
         raise fail(f"{where}.header", "must be an HTTP header name")
     if body_field is not None and (
-        not isinstance(body_field, str) or not _FIELD.fullmatch(body_field)
+        not isinstance(body_field, str) or not JSON_FIELD.fullmatch(body_field)
     ):
         raise fail(f"{where}.body_field", "must be a JSON field path such as a.b")
     window = table.get("window_seconds")
     if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
         raise fail(f"{where}.window_seconds", "must be a number of seconds > 0")
+    if not math.isfinite(window) or window > MAX_WINDOW_S:
+        raise fail(
+            f"{where}.window_seconds",
+            f"must be finite and at most {MAX_WINDOW_S} (366 days; no provider we know of "
+            "documents more than 30): is it in milliseconds?",
+        )
     return IdempotencyGuarantee(header, float(window), body_field)
 
 
@@ -341,142 +330,7 @@ def _op_id(table: object, where: str, fail: Fail) -> OpIdPlacement | None:
     ((kind, name),) = table.items()
     if kind not in ("header", "json", "form"):
         raise fail(f"{where}.{kind}", "must be header, json or form")
-    pattern = HEADER_NAME if kind == "header" else _FIELD
+    pattern = HEADER_NAME if kind == "header" else JSON_FIELD
     if not isinstance(name, str) or not pattern.fullmatch(name):
         raise fail(f"{where}.{kind}", "must be a header name or a field path")
     return OpIdPlacement(cast(Placement, kind), name)
-
-
-def parse_lookup(table: object, where: str, fail: Fail, has_op_id: bool) -> Lookup:
-    """A ``lookup`` table (see :class:`Lookup`)."""
-    if not isinstance(table, dict):
-        raise fail(where, "must be a table")
-    unknown = sorted(set(table) - _LOOKUP_KEYS)
-    if unknown:
-        raise fail(f"{where}.{unknown[0]}", "unknown field")
-    url, method, query, form = _lookup_request(table, where, fail)
-    op = table.get("op", "call_id" if has_op_id else "idempotency_key")
-    if op not in ("call_id", "idempotency_key"):
-        raise fail(f"{where}.op", "must be call_id or idempotency_key")
-    if op == "call_id" and not has_op_id:
-        raise fail(f"{where}.op", "call_id needs the endpoint's op_id (where the id is written)")
-    applied, not_found, results = _lookup_reading(table, where, fail)
-    match = table.get("match")
-    if match is not None and (not isinstance(match, str) or not _FIELD.fullmatch(match)):
-        raise fail(f"{where}.match", "must be a JSON path such as metadata.effectguard_op")
-    return Lookup(
-        url=url,
-        applied=applied,
-        not_found=not_found,
-        freshness_s=_seconds(table, "freshness_s", where, fail, required=True),
-        method=method,
-        query=query,
-        op=cast(OpSource, op),
-        timeout_s=_seconds(table, "timeout_s", where, fail, default=5.0),
-        retention_s=(
-            _seconds(table, "retention_s", where, fail) if "retention_s" in table else None
-        ),
-        results=results,
-        form=form,
-        match=match,
-        scope_headers=_scope_headers(
-            table.get("scope_headers", []), f"{where}.scope_headers", fail
-        ),
-    )
-
-
-def _scope_headers(value: object, where: str, fail: Fail) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(h, str) and HEADER_NAME.fullmatch(h) for h in value
-    ):
-        raise fail(where, "must be a list of header names")
-    return tuple(h.lower() for h in value)
-
-
-Fields = tuple[tuple[str, str], ...]
-
-
-def _lookup_request(
-    table: Mapping[str, Any], where: str, fail: Fail
-) -> tuple[str, str, Fields, Fields]:
-    """The lookup request's URL template, method, query fields and form fields."""
-    url = table.get("url")
-    if not isinstance(url, str) or not url.startswith(("{base_url}", "http://", "https://")):
-        raise fail(f"{where}.url", "must be a URL template starting with {base_url} or http(s)")
-    method = table.get("method", "GET")
-    if not isinstance(method, str) or not _METHOD.fullmatch(method.upper()):
-        raise fail(f"{where}.method", "must be an HTTP method")
-    fields: dict[str, Fields] = {}
-    for key in ("query", "form"):
-        given = table.get(key, {})
-        if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
-            raise fail(f"{where}.{key}", "must be a table of strings")
-        for text in given.values():
-            _check_template(text, f"{where}.{key}", fail)
-        fields[key] = tuple((str(k), v) for k, v in given.items())
-    _check_template(url, f"{where}.url", fail)
-    if fields["form"] and method.upper() in ("GET", "HEAD"):
-        raise fail(f"{where}.form", 'form fields are a request body: declare method = "POST"')
-    if "{op}" not in url + "".join(v for _, v in fields["query"] + fields["form"]):
-        raise fail(f"{where}.url", "the url, a query field or a form field must contain {op}")
-    return url, method.upper(), fields["query"], fields["form"]
-
-
-def _lookup_reading(
-    table: Mapping[str, Any], where: str, fail: Fail
-) -> tuple[str, frozenset[int], str | None]:
-    """How the answer reads: the applied path, the not-found statuses, the result list."""
-    applied = table.get("applied")
-    if not isinstance(applied, str) or not _FIELD.fullmatch(applied):
-        raise fail(f"{where}.applied", "must be a JSON path such as data[0]")
-    not_found = table.get("not_found", [404])
-    if not isinstance(not_found, list) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and 100 <= s <= 599 for s in not_found
-    ):
-        raise fail(f"{where}.not_found", "must be a list of HTTP statuses")
-    results = table.get("results")
-    if results is not None and (not isinstance(results, str) or not _FIELD.fullmatch(results)):
-        raise fail(f"{where}.results", "must be a JSON path such as data")
-    if results is None and any(200 <= s < 300 for s in not_found):
-        # Else any 200 (an HTML error page, JSON of another shape) would read "not found".
-        raise fail(f"{where}.results", "a success status in not_found needs the result "
-                   "collection's JSON path, which must be there and empty")  # fmt: skip
-    return applied, frozenset(not_found), results
-
-
-def legacy_lookup(template: str) -> Lookup:
-    """The older provider-level ``lookup = "{base_url}/ops/{key}"``: asks by the provider
-    idempotency key; ``{"applied": true}`` means applied, ``{"applied": false}`` not
-    applied, and any other answer is unknown."""
-    return Lookup(
-        url=template.replace("{key}", "{op}"),
-        applied="applied",
-        results="applied",
-        not_found=frozenset({200}),
-        freshness_s=0.0,
-        op="idempotency_key",
-    )
-
-
-def _check_template(text: str, where: str, fail: Fail) -> None:
-    try:
-        text.format(base_url="", op="")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise fail(where, "only {base_url} and {op} may be used") from exc
-
-
-def _seconds(
-    table: Mapping[str, Any],
-    key: str,
-    where: str,
-    fail: Fail,
-    *,
-    required: bool = False,
-    default: float = 0.0,
-) -> float:
-    value = table.get(key)
-    if value is None and not required:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise fail(f"{where}.{key}", "must be a number of seconds >= 0")
-    return float(value)

@@ -18,6 +18,7 @@ from effectguard.providers.endpoints import (
     Lookup,
     default_endpoint,
     legacy_lookup,
+    most_specific,
 )
 from effectguard.rules.errorshape import ErrorShape
 from effectguard.rules.prices import ModelPrice
@@ -72,7 +73,7 @@ class Provider:
 
     def endpoint_for(self, method: str, path: str) -> Endpoint | None:
         """The declared endpoint for ``method path`` (path without query), or None."""
-        return next((e for e in self.endpoints if e.matches(method, path)), None)
+        return most_specific(self.endpoints, method, path)
 
     def effect_for(self, method: str, path: str) -> Endpoint:
         """The endpoint ``method path`` is treated as: its declaration; undeclared, a HEAD

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from datetime import date
-from decimal import Decimal, InvalidOperation
 from types import MappingProxyType
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -22,11 +21,14 @@ from effectguard.providers.endpoints import (
     legacy_lookup,
     parse_endpoint,
     parse_idempotency,
+    path_shape,
+    usd_price,
 )
 from effectguard.providers.provider import Dialect, Provider, TransientEffect
+from effectguard.providers.templates import fields_error, lookup_url_error
 from effectguard.rules.counts import parse_count
 from effectguard.rules.errorshape import ERROR_SHAPES, ErrorShape, shape_of_dialect
-from effectguard.rules.money import Nanos, usd_to_nanos
+from effectguard.rules.money import Nanos
 from effectguard.rules.prices import ModelPrice
 
 _DIALECTS = ("openai", "anthropic", "flat")
@@ -76,8 +78,8 @@ def build_provider(raw: Mapping[str, Any], source: str, default_name: str) -> Pr
     if not HEADER_NAME.fullmatch(key_header):
         raise fail("key_header", "must be an HTTP header name")
     key_format = _str(raw, "key_format", fail, default=_KEY_FORMATS.get(key_header, "{key}"))
-    if "{key}" not in key_format:
-        raise fail("key_format", "must contain {key}")
+    if (why := fields_error(key_format, ("key",), "key")) is not None:
+        raise fail("key_format", why)
     not_processed = _statuses(raw, "not_processed", fail)
     transient = _transient(raw, fail)
     both = sorted(not_processed & set(transient))
@@ -122,12 +124,9 @@ def _lookup_template(raw: Mapping[str, Any], fail: _Fail) -> str | None:
     """The provider-level ``lookup`` URL template (by provider idempotency key), if any."""
     lookup: str | None = _str(raw, "lookup", fail, default=None)
     if lookup is not None:
-        try:
-            lookup.format(base_url="", key="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise fail("lookup", "only {base_url} and {key} may be used") from exc
-        if "{key}" not in lookup:
-            raise fail("lookup", "must contain {key}")
+        why = fields_error(lookup, ("base_url", "key"), "key") or lookup_url_error(lookup, "key")
+        if why is not None:
+            raise fail("lookup", why)
     return lookup
 
 
@@ -196,19 +195,7 @@ def _prices_taken(raw: Mapping[str, Any], fail: _Fail) -> str:
 
 
 def _usd(value: object, where: str, fail: _Fail) -> Nanos:
-    if isinstance(value, float):
-        raise fail(
-            where, f'must be a decimal USD string such as "{value}" (TOML floats are not exact)'
-        )
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise fail(where, "must be a decimal USD string")
-    try:
-        amount = Decimal(value)
-    except InvalidOperation as exc:
-        raise fail(where, f"must be a decimal USD string, got {value!r}") from exc
-    if not amount.is_finite() or amount < 0:
-        raise fail(where, f"must be a non-negative decimal USD string, got {value!r}")
-    return usd_to_nanos(amount)
+    return usd_price(value, where, fail)
 
 
 def _models(raw: Mapping[str, Any], fail: _Fail) -> dict[str, ModelPrice]:
@@ -263,7 +250,8 @@ def _endpoints(
     for i, entry in enumerate(entries):
         where = f"endpoints[{i}]"
         endpoint = parse_endpoint(entry, where, fail, idempotency, default_lookup)
-        if any(e.method == endpoint.method and e.path == endpoint.path for e in result):
+        shape = path_shape(endpoint.path)
+        if any(e.method == endpoint.method and path_shape(e.path) == shape for e in result):
             raise fail(f"{where}.path", f"{endpoint.method} {endpoint.path} declared twice")
         result.append(endpoint)
     return tuple(result)
