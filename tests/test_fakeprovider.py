@@ -279,6 +279,23 @@ def test_idempotent_replays_first_answer(idempotent: FakeProvider) -> None:
     assert len(idempotent.effects()) == 1
 
 
+@pytest.mark.parametrize("status", [409, 429])
+def test_idempotent_does_not_save_a_429_or_409(idempotent: FakeProvider, status: int) -> None:
+    """A 429 or 409 is not saved under its key (Stripe saves neither): the repeat is worked
+    on. It was replayed from the store, so a retry after a rate limit never went through."""
+    once = {"x-fake-behaviour": f"status={status};id=s;times=1", "Idempotency-Key": "k"}
+    assert post(idempotent, "/v1/send", {"to": "a"}, **once).status_code == status
+    assert post(idempotent, "/v1/send", {"to": "a"}, **once).status_code == 200
+    again = post(idempotent, "/v1/send", {"to": "a"}, **{"Idempotency-Key": "k"})
+    assert again.status_code == 200
+    receipts = idempotent.receipts()
+    assert [(r["status"], r["deduped"]) for r in receipts] == [
+        (status, False),
+        (200, False),
+        (200, True),
+    ]
+
+
 def test_idempotent_key_reuse_with_other_body_is_422(idempotent: FakeProvider) -> None:
     """With --idempotent the same key with a different body is refused with 422."""
     post(idempotent, "/v1/send", {"to": "a"}, **{"Idempotency-Key": "k"})

@@ -36,7 +36,9 @@ flag                 header                  effect
 A receipt line is ``{"seq", "ts", "method", "path", "idempotency_key",
 "body_sha256", "deduped", "model", "status"}``. With ``--idempotent`` a repeated
 key with the same path and body replays the first answer byte for byte (a
-``deduped`` receipt); with another body it is refused with 422. A non-stream
+``deduped`` receipt); with another body it is refused with 422. A 409 or 429 answer is
+not saved under its key (Stripe's rate limiter answers before its idempotency layer, and
+a 409 for a key still executing is not saved either), so a repeat is worked on. A non-stream
 answer is one chunk, so ``break-after 0`` sends only its headers.
 
 ``GET /ops/{key}`` is a lookup read path: ``applied`` is true iff a request with
@@ -85,6 +87,12 @@ from effectguard.testing.fakebehaviour import (
 )
 
 __all__ = ["FakeSettings", "ReceiptLog", "add_arguments", "create_app", "main", "run"]
+
+#: Answers a Stripe-like idempotency layer does not save under the key: a 429 (its rate
+#: limiters run first) and a 409 (a request with the key still executing), both
+#: https://docs.stripe.com/error-low-level and /idempotency (read 2026-12-01). Saved, a
+#: 429 was replayed to every retry under the key, which then never went through.
+UNSAVED = frozenset({409, 429})
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +205,7 @@ class _Provider:
                 self._ops[op] = (time.monotonic(), json.loads(b"".join(reply.chunks)))
             if key is not None:
                 self._applied.add(key)
-                if self.settings.idempotent:
+                if self.settings.idempotent and reply.status not in UNSAVED:
                     self._stored[key] = (f"{path} {digest}", reply)
         if self.log is not None:
             record = {
