@@ -7,6 +7,8 @@ were not answered from its dedup store), and under which provider key.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,14 @@ def payments(provider: FakeProvider) -> list[dict[str, Any]]:
     return [r for r in provider.effects() if r["path"] == "/v1/charges" and r["status"] == 200]
 
 
+def show(proxy: Proxy, call_id: str) -> str:
+    """``effectguard show CALL`` (the real command), its text."""
+    command = [sys.executable, "-m", "effectguard", "show", call_id, "--ledger", proxy.ledger]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 def pay(http: httpx.Client, body: bytes, key: str, **headers: str) -> httpx.Response:
     return http.post(URL, content=body, headers={**FORM, "Idempotency-Key": key, **headers})
 
@@ -111,10 +121,20 @@ def test_a_500_then_the_clients_retry_goes_out_under_the_same_provider_key(env: 
     burnt: the client's retry with the same key is resent under the call's provider key,
     inside the window, and the provider (which saved its 500 under that key, as Stripe
     does) answers it from its store: no second payment, and the call stays unknown."""
-    http, provider, _ = env
+    http, provider, proxy = env
     failed = pay(http, b"amount=800&currency=usd", "order-5xx", **{"x-fake-status": "500"})
     assert failed.status_code == 500, failed.text
     call_id = failed.headers["effectguard-call-id"]
+    # show names the key the provider saw, and offers the safe next step first: inside
+    # the window a keyed resend goes out under it (it offered only a decision by hand,
+    # --applied or --not-applied, with nothing to decide it by).
+    shown = show(proxy, call_id)
+    assert f"provider key {call_id}" in shown, shown
+    first_choice = shown.split("\nnext\n")[1].splitlines()[0]
+    assert first_choice.strip().startswith(
+        "resend the request with the same Idempotency-Key before "
+    ), shown
+    assert f"under the provider key {call_id}" in first_choice, shown
     again = pay(http, b"amount=800&currency=usd", "order-5xx")
     receipts = [r for r in provider.receipts() if r["path"] == "/v1/charges"]
     assert [r["idempotency_key"] for r in receipts] == [call_id, call_id]

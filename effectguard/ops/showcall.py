@@ -20,6 +20,7 @@ from effectguard.rules.guidance import (
     RESEND_AUTHORIZED,
     accept_evidence_command,
     next_command,
+    provider_resend_advice,
 )
 
 __all__ = [
@@ -103,6 +104,8 @@ def attempts(events: list[StoredEvent]) -> list[dict[str, Any]]:
                 # can decide (None: not recorded): a lookup asked elsewhere proves nothing.
                 "sent_to": e.data.get("sent_to"),
                 "key_digest": e.data.get("key_digest"),
+                # The idempotency key the provider saw (None: the endpoint declares none).
+                "provider_key": e.data.get("provider_idempotency_key"),
                 "ended": "in flight",
             }
         elif number in found and e.kind.startswith("attempt.") and e.kind != LATE:
@@ -154,14 +157,20 @@ def _evidence_lines(events: list[StoredEvent]) -> list[str]:
 
 
 def next_commands(
-    state: WorkState, events: list[StoredEvent], where: str = "", owner_gone: str | None = None
+    state: WorkState,
+    events: list[StoredEvent],
+    where: str = "",
+    owner_gone: str | None = None,
+    now: float | None = None,
 ) -> str | None:
     """The exact command(s) to run next, ``|``-separated; a late answer that decides an
     effect-unknown call offers ``--accept-evidence`` first, and one that says applied
     puts ``--not-applied`` behind a warning (:func:`evidence.applied_advice`). ``where``
     (`` --ledger X``) follows the call id of each: copied as printed, a command reads the
     ledger shown.
-    ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
+    ``owner_gone``: why the worker of a call in flight will not finish it (None: it may).
+    ``now``: where given, a keyed effect-unknown call still inside its provider's window
+    is offered its keyed resend first (:func:`_inside_window`)."""
     keyed = state.idempotency_key is not None
     command = next_command(state.call_id, state.stage, state.attempts or None, owner_gone, keyed)
     late = evidence.latest(events, state.attempts)
@@ -179,10 +188,26 @@ def next_commands(
         command = warning
     elif state.stage == "effect_unknown" and state.resend_authorized:
         command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
+    elif applied is None and (late is None or late.effect == "unknown"):
+        resend = _inside_window(state, events, now)
+        command = f"{resend} | {command}" if resend and command else resend or command
     if command is None or not where:
         return command
     verb = re.compile(rf"effectguard \w+ {re.escape(state.call_id)}")
     return verb.sub(lambda m: m.group(0) + where, command)
+
+
+def _inside_window(state: WorkState, events: list[StoredEvent], now: float | None) -> str | None:
+    """The keyed resend of an effect-unknown call admitted within its provider's
+    idempotency window (the rule of rules/admission: ``now - created_at <= window``), or
+    None. A key-less call's retry is not resent (contract §4), so it is not offered."""
+    window = state.idempotency_window_s
+    if now is None or state.stage != "effect_unknown" or state.idempotency_key is None:
+        return None
+    if window is None or now - state.created_at > window:
+        return None
+    keys = [a["provider_key"] for a in attempts(events) if a["provider_key"]]
+    return provider_resend_advice(iso(state.created_at + window), keys[-1] if keys else None)
 
 
 def decisions(events: list[StoredEvent]) -> list[str]:
@@ -255,7 +280,8 @@ def render(
     ]
     lines += ["", "attempts"]
     for a in attempts(events):
-        carried = f", operation id in {a['op_id_in']}" if a["op_id_in"] else ""
+        carried = f", provider key {a['provider_key']}" if a["provider_key"] else ""
+        carried += f", operation id in {a['op_id_in']}" if a["op_id_in"] else ""
         carried += f", sent to {a['sent_to']}" if a["sent_to"] else ""
         lines.append(f"  #{a['attempt']} started {a['started_at']} on {a['worker']}{carried}")
         lines.append(
@@ -274,7 +300,7 @@ def render(
     text = request_text(events, stored_bytes)
     lines += ["", "request"]
     lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
-    command = next_commands(state, events, where, owner_gone)
+    command = next_commands(state, events, where, owner_gone, now)
     choices = command.split(" | ") if command else ["nothing to do"]
     lines += ["", "next", *(f"  {'or ' if i else ''}{c}" for i, c in enumerate(choices))]
     return "\n".join(lines)

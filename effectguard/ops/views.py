@@ -125,7 +125,9 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
         "request": showcall.request_json(events, stored),
         "attempts_detail": showcall.attempts(events),
         "evidence": showcall.late_answers(events),
-        "next_command": showcall.next_commands(state, events, ledger_flags(args), gone),
+        "next_command": showcall.next_commands(
+            state, events, ledger_flags(args), gone, time.time()
+        ),
     }
     if args.json:
         emit(args, payload, "")

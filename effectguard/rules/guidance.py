@@ -34,6 +34,19 @@ def applied_command(call_id: str, attempt: int | None = None) -> str:
     return f"effectguard reconcile {call_id} --applied [--cost USD] --note TEXT{only}"
 
 
+def provider_resend_advice(deadline_iso: str, provider_key: str | None) -> str:
+    """What to do first for a keyed effect-unknown call still inside its provider's
+    idempotency window (until ``deadline_iso``): a keyed resend goes out under the
+    provider key the call's attempts carried, which the provider deduplicates (contract
+    §4), so it settles the call without a guess; a decision by hand risks either a second
+    effect or none."""
+    under = f"under the provider key {provider_key}" if provider_key else "under its provider key"
+    return (
+        f"resend the request with the same Idempotency-Key before {deadline_iso}: it goes out "
+        f"{under}, which the provider deduplicates"
+    )
+
+
 #: What to do first for an effect-unknown call an operator authorized one resend of.
 RESEND_AUTHORIZED = (
     "resend the request (same Idempotency-Key, or Effectguard-Retry-Of: the call id): "
