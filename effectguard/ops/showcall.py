@@ -206,8 +206,11 @@ def _inside_window(state: WorkState, events: list[StoredEvent], now: float | Non
         return None
     if window is None or now - state.created_at > window:
         return None
+    deadline = iso(state.created_at + window)
+    if deadline is None:  # a time no date can show: no deadline to offer
+        return None
     keys = [a["provider_key"] for a in attempts(events) if a["provider_key"]]
-    return provider_resend_advice(iso(state.created_at + window), keys[-1] if keys else None)
+    return provider_resend_advice(deadline, keys[-1] if keys else None)
 
 
 def decisions(events: list[StoredEvent]) -> list[str]:
