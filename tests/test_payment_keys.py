@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,19 @@ FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 URL = "/payments/v1/charges"
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[tuple[httpx.Client, FakeProvider, Proxy]]:
+@contextmanager
+def running(
+    tmp_path: Path, *, idempotent: bool
+) -> Iterator[tuple[httpx.Client, FakeProvider, Proxy]]:
+    """serve, with PAYMENTS declared, in front of the fake provider (deduplicating keys as
+    Stripe does with ``idempotent``; ignoring them without)."""
     declarations = tmp_path / "providers"
     declarations.mkdir()
     (declarations / "payments.toml").write_text(PAYMENTS)
     config = tmp_path / "config.toml"
     config.write_text("[guard]\nretry_wait_s = 0\nmax_retries = 2\n")
     with (
-        fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as provider,
+        fake_provider(tmp_path / "receipts.jsonl", idempotent=idempotent) as provider,
         running_proxy(
             tmp_path / "ledger.db",
             upstreams={"payments": provider.url},
@@ -62,6 +67,12 @@ def env(tmp_path: Path) -> Iterator[tuple[httpx.Client, FakeProvider, Proxy]]:
         httpx.Client(base_url=proxy.url, timeout=30) as http,
     ):
         yield http, provider, proxy
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[httpx.Client, FakeProvider, Proxy]]:
+    with running(tmp_path, idempotent=True) as started:
+        yield started
 
 
 def payments(provider: FakeProvider) -> list[dict[str, Any]]:
@@ -142,3 +153,24 @@ def test_a_500_then_the_clients_retry_goes_out_under_the_same_provider_key(env: 
     assert payments(provider) == []
     assert again.status_code == 500, again.text
     assert again.headers["effectguard-call-id"] == call_id
+
+
+def test_a_provider_that_ignores_the_key_pays_twice_as_the_contract_warns(
+    tmp_path: Path,
+) -> None:
+    """effectguard's "resent inside the window" is only as true as the declaration: a
+    provider declared idempotent that ignores the key executes the resend (contract §2.2
+    says so). Here the provider worked on the resend as a new request: had its 500 hidden
+    a payment, that was a second one. What effectguard guarantees still holds: the resend
+    carried the call's provider key, the same as the first attempt's."""
+    with running(tmp_path, idempotent=False) as (http, provider, _):
+        body = b"amount=900&currency=usd"
+        failed = pay(http, body, "order-liar", **{"x-fake-status": "500"})
+        assert failed.status_code == 500
+        call_id = failed.headers["effectguard-call-id"]
+        assert pay(http, body, "order-liar").status_code == 200
+        receipts = [r for r in provider.receipts() if r["path"] == "/v1/charges"]
+        assert [(r["status"], r["idempotency_key"]) for r in receipts] == [
+            (500, call_id),
+            (200, call_id),
+        ]
