@@ -274,6 +274,37 @@ def test_a_provider_key_with_a_line_break_stops_serve_naming_the_variable_only(
     assert not ledger.exists()
 
 
+#: Upstream URLs holding a credential (a gateway's user and password): aiohttp sends it as
+#: Basic auth and refuses it beside the provider key's Authorization (every call a 500,
+#: held as unknown), and the ledger recorded the URL as where an attempt went (sent_to).
+CREDENTIAL_URLS = [
+    "http://gw:canary-pw@127.0.0.1:9",
+    "http://canary-user@127.0.0.1:9/v1",
+    "https://gw:canary-pw@[::1]:9",
+    "ftp://gw:canary-pw@127.0.0.1:9",
+]
+
+
+@pytest.mark.parametrize("url", CREDENTIAL_URLS)
+def test_an_upstream_url_with_a_credential_is_refused_without_it(tmp_path: Path, url: str) -> None:
+    """serve --upstream NAME=URL, or a declaration's base_url, with a user or password in
+    the URL stops serve at start (exit 2) naming where, never the credential, before it
+    opens a ledger: a credential goes in the provider key (api_key_env, key_header)."""
+    ledger = tmp_path / "ledger.db"
+    done = serve_refusing("--ledger", str(ledger), "--port", "0", "--upstream", f"openai={url}")
+    assert done.code == 2, done
+    assert "--upstream openai" in done.err.strip().splitlines()[-1], done.err
+    assert "canary" not in done.err + done.out and "Traceback" not in done.err
+    folder = tmp_path / "providers"
+    folder.mkdir()
+    (folder / "gateway.toml").write_text(f'extends = "openai"\nbase_url = "{url}"\n')
+    done = serve_refusing("--ledger", str(ledger), "--port", "0", "--providers", str(folder))
+    assert done.code == 2, done
+    assert "gateway.toml: base_url" in done.err.strip().splitlines()[-1], done.err
+    assert "canary" not in done.err + done.out and "Traceback" not in done.err
+    assert not ledger.exists()
+
+
 SEGMENT = "s" * 64
 BAD_PATHS = ["", "a//b", "/a", "a/", "a=b", "a\nb", "é", "s" * 65, "/".join("abcdefghi"), ".a"]
 

@@ -142,6 +142,21 @@ def test_transport_errors_name_the_transport_argument(
     assert "--upstream" not in str(caught.value)
 
 
+@pytest.mark.parametrize("declared", [False, True], ids=["loaded", "given"])
+def test_an_upstream_with_a_credential_is_refused_without_it(
+    declared: bool, tmp_path: Path
+) -> None:
+    """A user and password in an ``upstreams`` URL is refused, whether the transport loads
+    the declarations or is given them, and the message never quotes it: the ledger would
+    record the URL as where an attempt went."""
+    upstreams = {"openai": "http://gw:canary-pw@127.0.0.1:9"}
+    providers = load_providers() if declared else None
+    with pytest.raises(ConfigError, match="must not hold a user name or password") as caught:
+        AsyncGuardTransport(ledger=str(tmp_path / "l.db"), providers=providers, upstreams=upstreams)
+    assert "upstreams={'openai': ...}" in str(caught.value)
+    assert "canary" not in str(caught.value)
+
+
 def test_transport_with_declared_providers_names_the_argument(tmp_path: Path) -> None:
     """With ``providers=`` given as declarations, an unknown ``upstreams`` name is a
     ConfigError naming the argument (not a bare KeyError)."""

@@ -43,6 +43,7 @@ from effectguard.ingress.portal import Portal
 from effectguard.ingress.syncinner import SyncInner
 from effectguard.ledger import Ledger
 from effectguard.providers import Provider, load_providers, provider_for, upstream_argument
+from effectguard.providers.baseurl import checked_base_url
 from effectguard.telemetry.observer import Observer, combine
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ def _providers(providers: ProvidersArg, upstreams: Mapping[str, str] | None) -> 
         if name not in out:
             known = ", ".join(sorted(out))
             raise ConfigError(f"{upstream_argument(name)}: unknown provider (known: {known})")
-        out[name] = dataclasses.replace(out[name], base_url=url.rstrip("/"))
+        checked = checked_base_url(url, upstream_argument(name))
+        out[name] = dataclasses.replace(out[name], base_url=checked)
     return out
 
 

@@ -27,7 +27,8 @@ from typing import Any
 from effectguard.errors import ConfigError
 from effectguard.providers.endpoints import path_shape
 from effectguard.providers.provider import Provider
-from effectguard.providers.validation import build_provider, check_url
+from effectguard.providers.baseurl import checked_base_url
+from effectguard.providers.validation import build_provider
 
 __all__ = [
     "bundled_dir",
@@ -91,7 +92,7 @@ def load_providers(
         if name not in loaded:
             known = ", ".join(sorted(loaded))
             raise ConfigError(f"{name_upstream(name)}: unknown provider (known: {known})")
-        loaded[name] = replace(loaded[name], base_url=check_url(url, name_upstream(name)))
+        loaded[name] = replace(loaded[name], base_url=checked_base_url(url, name_upstream(name)))
     return loaded
 
 

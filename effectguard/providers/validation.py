@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from datetime import date
 from types import MappingProxyType
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 from effectguard.errors import ConfigError
+from effectguard.providers.baseurl import checked_base_url
 from effectguard.providers.endpoints import (
     HEADER_NAME,
     Endpoint,
@@ -95,7 +95,7 @@ def build_provider(raw: Mapping[str, Any], source: str, default_name: str) -> Pr
     idempotency = parse_idempotency(raw.get("idempotency"), "idempotency", fail)
     return Provider(
         name=name,
-        base_url=check_url(_str(raw, "base_url", fail), f"{source}: base_url"),
+        base_url=checked_base_url(_str(raw, "base_url", fail), f"{source}: base_url"),
         dialect=cast(Dialect, dialect),
         api_key_env=api_key_env,
         key_header=key_header,
@@ -137,22 +137,6 @@ def _str(raw: Mapping[str, Any], key: str, fail: _Fail, default: Any = _MISSING)
     if value is not None and not isinstance(value, str):
         raise fail(key, "must be a string")
     return value
-
-
-def check_url(url: object, where: str) -> str:
-    """``url`` as a base URL (http or https, no query or fragment, no trailing slash);
-    an error names ``where``."""
-    if not isinstance(url, str):
-        raise ConfigError(f"{where}: must be a string")
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-        raise ConfigError(f"{where}: must be an http(s) URL, got {url!r} ({exc})") from exc
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{where}: must be an http(s) URL, got {url!r}")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"{where}: must not have a query or fragment")
-    return url.rstrip("/")
 
 
 def _statuses(raw: Mapping[str, Any], key: str, fail: _Fail) -> frozenset[int]:
