@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pgkit import DSN, with_schema
 from stagedkit import Ran, run, serve_refusing, snapshot, staged_ledger
 
 from effectguard.ledger import Ledger
@@ -257,6 +258,20 @@ def test_a_ledger_url_that_cannot_be_read_is_refused_without_its_password(
         served = serve_refusing("--ledger", url, "--port", "0")
         assert served.code == 3 and needle in served.err, served
         assert "canary" not in served.err + served.out, served.err
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not DSN, reason="needs EFFECTGUARD_TEST_PG_DSN")
+@pytest.mark.parametrize("secret", ["password", "sslpassword"])
+def test_a_secret_in_a_ledger_urls_query_is_never_printed(secret: str) -> None:
+    """A ledger URL's query may carry a secret libpq reads (``password``, and
+    ``sslpassword``, which unlocks the client's TLS key): the messages that name the
+    ledger show ``***`` in its place."""
+    url = f"{with_schema(DSN, 'eg_operator_no_such_schema')}&{secret}=canary-secret"
+    done = run("calls", "--ledger", url)
+    assert done.code != 0 and "no_such_schema" in done.err, done
+    assert "canary" not in done.err + done.out, done.err
+    assert f"{secret}=***" in done.err, done.err
 
 
 def test_a_provider_key_with_a_line_break_stops_serve_naming_the_variable_only(

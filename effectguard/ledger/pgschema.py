@@ -343,13 +343,18 @@ class Target:
         return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
 
 
+#: The query parameters of a ledger URL that libpq reads as secrets: the password, and
+#: the passphrase of the client's TLS key.
+SECRET_PARAMS = frozenset({"password", "sslpassword"})
+
+
 def _unreachable(exc: psycopg.Error, conninfo: str) -> LedgerUnavailable:
     """The error of a failed connection, without the password: libpq quotes the piece of
     a connection string it cannot read (``unexpected spaces found in "..."``), and that
     piece may be the password. The message goes to stderr and to serve's log."""
     message = str(exc)
     parts = urlsplit(conninfo)
-    hidden = [v for k, v in parse_qsl(parts.query) if k == "password"]
+    hidden = [v for k, v in parse_qsl(parts.query) if k in SECRET_PARAMS]
     if parts.password:
         hidden += [parts.password, unquote(parts.password)]
     for secret in sorted(filter(None, hidden), key=len, reverse=True):
@@ -358,9 +363,10 @@ def _unreachable(exc: psycopg.Error, conninfo: str) -> LedgerUnavailable:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password (for logs and error messages)."""
+    """``url`` without its secrets (:data:`SECRET_PARAMS`, the password) for logs and
+    error messages."""
     parts = urlsplit(url)
-    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)]
+    query = [(k, "***" if k in SECRET_PARAMS else v) for k, v in parse_qsl(parts.query)]
     netloc = parts.netloc
     if parts.password is not None:
         netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
