@@ -455,10 +455,30 @@ def test_a_direction_override_from_a_client_is_shown_as_its_escape(stack: Stack)
     assert "status: \\u202edeliaf\\x9b" in page_of(stack, call_id)
 
 
-def page_of(stack: Stack, call_id: str) -> str:
-    """A call's page, as the admin."""
+def test_a_link_cannot_say_a_decision_was_recorded(stack: Stack) -> None:
+    """The "Recorded" notice after a decision comes from the link's ``done`` parameter: a
+    link someone sends the operator, or a tab reloaded after another tab decided
+    otherwise, claims nothing the ledger does not hold. It is shown only while the call
+    is in that stage."""
+    call_id = unknown_call(stack, fresh_key())
     bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
-    return httpx.get(f"{stack.url}{PAGE}calls/{call_id}", headers=bearer).text
+    url = f"{stack.url}{PAGE}calls/{call_id}"
+    lie = httpx.get(url, params={"done": "reconciled_not_applied"}, headers=bearer)
+    assert lie.status_code == 200
+    assert "Recorded" not in lie.text
+    decided = httpx.post(
+        f"{url}/reconcile", data={"decision": "applied", "note": "seen"}, headers=bearer
+    )
+    assert decided.status_code == 303, decided.text
+    assert "Recorded: reconciled_applied." in page_of(stack, call_id, decided.headers["location"])
+    stale = httpx.get(url, params={"done": "reconciled_not_applied"}, headers=bearer)
+    assert "Recorded" not in stale.text
+
+
+def page_of(stack: Stack, call_id: str, location: str | None = None) -> str:
+    """A call's page (or the page at ``location``, a redirect's), as the admin."""
+    bearer = {"authorization": f"Bearer {ADMIN_KEY}"}
+    return httpx.get(stack.url + (location or f"{PAGE}calls/{call_id}"), headers=bearer).text
 
 
 def test_budgets_and_spend_show_the_ledger(stack: Stack) -> None:

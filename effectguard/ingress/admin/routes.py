@@ -142,9 +142,11 @@ class AdminPage:
         if sub == "":
             body = await self._unknown_calls()
         elif sub.startswith("calls/") and sub.count("/") == 1:
-            body = await self._call(sub.removeprefix("calls/"), csrf)
+            stage, body = await self._call(sub.removeprefix("calls/"), csrf)
+            # The link's word only where the ledger agrees: a link sent to the operator,
+            # or a tab reloaded after another decided otherwise, claims nothing else.
             done = ex.param("done")
-            notice = flash(f"Recorded: {done}.") if done in STAGES else ""
+            notice = flash(f"Recorded: {done}.") if done in STAGES and done == stage else ""
             await ex.html(200, page("Call", body, who=session.name, csrf=csrf, notice=notice))
             return
         elif sub == "budgets":
@@ -191,7 +193,8 @@ class AdminPage:
         gone, more = await gone_in_flight(self._ledger, self._lock_dir, GONE_SHOWN)
         return unknown + views.gone_owner_calls(gone, now=now, more=more)
 
-    async def _call(self, call_id: str, csrf: str) -> str:
+    async def _call(self, call_id: str, csrf: str) -> tuple[str, str]:
+        """The call's stage as read, and its page."""
         ledger = self._ledger
         try:
             state = await ledger.call(call_id)
@@ -201,7 +204,8 @@ class AdminPage:
         gone = None
         if state.stage == "in_flight":  # only then are the owners read
             gone = (await gone_owners_here(ledger, self._lock_dir, [state])).get(call_id)
-        return views.call_page(state, events, now=self._clock(), csrf=csrf, owner_gone=gone)
+        page = views.call_page(state, events, now=self._clock(), csrf=csrf, owner_gone=gone)
+        return state.stage, page
 
     async def _spend(self, days_text: str | None) -> str:
         asked = parse_count(days_text or "", 366)
@@ -286,7 +290,7 @@ class AdminPage:
         else:
             status = 400
         csrf = self.sessions.csrf_token(session) if session.token else ""
-        body = await self._call(call_id, csrf)
+        _, body = await self._call(call_id, csrf)
         notice = flash(problem, "error")
         await ex.html(status, page("Call", body, who=session.name, csrf=csrf, notice=notice))
 
