@@ -790,6 +790,31 @@ def test_a_backup_to_a_new_file_is_a_ledger(own: Group) -> None:
     assert snapshot(own.ledger.parent / "copy.db")["verify"] == own.baseline["verify"]
 
 
+#: A right-to-left override (what follows it reads backwards) and a C1 control (a
+#: terminal's CSI) in a file name: pasted paths carry them, and they would reorder or
+#: recolour the rest of the line, digest included, on the operator's terminal.
+HOSTILE_NAME = "b\u202ekab\x9b.db"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["backup", f"%/{HOSTILE_NAME}"],
+        ["archive", "--before", "2100-01-01", "--out", f"%/{HOSTILE_NAME}"],
+        ["backup", "%/new.db", "--ledger", f"%/{HOSTILE_NAME}"],
+    ],
+    ids=["backup", "archive", "error"],
+)
+def test_a_path_is_printed_as_its_escapes(own: Group, args: list[str]) -> None:
+    """backup, archive and the one-line refusals print a path holding a direction override
+    or a control character with those characters as escapes (``\\u202e``, ``\\x9b``), as
+    ``show`` prints a ledger's text; never raw."""
+    done = run(*own.argv(args))
+    printed = done.out + done.err
+    assert "\u202e" not in printed and "\x9b" not in printed, done
+    assert "b\\u202ekab\\x9b.db" in printed, done
+
+
 def test_an_archive_before_a_future_date_takes_what_now_allows(own: Group) -> None:
     """archive --before a date in the future archives what a cut-off of now would: the
     final calls before the first one that is not (documented in §8)."""

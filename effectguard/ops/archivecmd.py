@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from effectguard.callpath.crash import from_environment
 from effectguard.errors import ConfigError
+from effectguard.ops.render import say
 from effectguard.rules.counts import parse_count
 from effectguard.rules.guidance import show_command
 from effectguard.rules.retention import remedy
@@ -65,7 +66,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
 
 
 def _say(step: Step) -> None:
-    print(
+    say(
         f"archive {step.path}: events {step.first_seq}..{step.last_seq} "
         f"({step.events} events, {step.calls} calls, {step.keys} keys kept); "
         f"checkpoint event {step.checkpoint_seq}",
@@ -75,15 +76,15 @@ def _say(step: Step) -> None:
 
 def _summary(result: ArchiveResult) -> None:
     if result.events == 0:
-        print("archive: nothing to archive yet (see the retention rules)")
+        say("archive: nothing to archive yet (see the retention rules)")
     elif result.steps > 1:
-        print(
+        say(
             f"archive: {result.steps} steps, events {result.first_seq}..{result.last_seq} "
             f"({result.events} events, {result.calls} calls, {result.keys} keys kept)"
         )
     if result.held_by is not None:
         # The archive is a prefix of the chain: this call holds back every call after it.
-        print(
+        say(
             f"archive: the cut stops at call {result.held_by} ({result.held_because}); "
             f"{remedy(result.held_because or '')} (`{show_command(result.held_by)}`)"
         )

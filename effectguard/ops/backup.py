@@ -28,6 +28,7 @@ from effectguard.ledger.sqlitefile import COMPANIONS, check_ledger_file
 from effectguard.ledger.sqlitefrozen import connect_frozen, or_frozen
 from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ops.outpath import Held, hold_new, new_file, partial_of, remove_left_over
+from effectguard.ops.render import say
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +167,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(asdict(result), indent=2))
     else:
-        print(
+        say(
             f"backup {result.path}: {result.events} events up to event {result.head_seq} "
             f"(digest {result.head_digest}), {result.bytes} bytes"
         )

@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import dataclasses
 import getpass
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ from effectguard.ops.command import (
     upstreams,
     usd,
 )
-from effectguard.ops.render import budget_json, call_json, emit, money
+from effectguard.ops.render import budget_json, call_json, emit, money, say
 from effectguard.rules import notes
 from effectguard.rules.budget import BudgetPolicy, validate_policy
 from effectguard.rules.money import nanos_to_usd
@@ -83,7 +82,7 @@ def one_line(what: str) -> Callable[[str], str]:
 
 
 def _usage(message: str) -> int:
-    print(f"effectguard: {message}", file=sys.stderr)
+    say(f"effectguard: {message}", err=True)
     return EXIT_USAGE
 
 
@@ -213,7 +212,7 @@ async def cmd_budget_set(args: argparse.Namespace, ledger: Ledger) -> int:
     warnings = [overspent(node), *await _zone_moved(ledger, before, policy)]
     for warning in warnings:
         if warning is not None:
-            print(f"effectguard: warning: {warning}", file=sys.stderr)
+            say(f"effectguard: warning: {warning}", err=True)
     payload = budget_json(node, policy)
     emit(args, payload, _policy_line(path, money(node.limit), policy))
     return EXIT_OK
@@ -294,7 +293,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     asyncio.run(job())
     after = applied_versions(args.ledger)
-    print(f"ledger {shown_ledger(args.ledger)}: {migrated(before, after)}")
+    say(f"ledger {shown_ledger(args.ledger)}: {migrated(before, after)}")
     return EXIT_OK
 
 

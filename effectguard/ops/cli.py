@@ -43,7 +43,7 @@ from effectguard.ops.command import (
     check_ledger,
     resolve_ledger,
 )
-from effectguard.ops.render import budget_json, call_json
+from effectguard.ops.render import budget_json, call_json, say
 
 __all__ = [
     "EXIT_FAILED",
@@ -140,7 +140,7 @@ async def _with_ledger(
 
 def _say(message: object) -> None:
     # One line: a driver's message (psycopg's "Is the server running...") spans several.
-    print("effectguard: " + re.sub(r"\s*\n\s*", " ", str(message).strip()), file=sys.stderr)
+    say("effectguard: " + re.sub(r"\s*\n\s*", " ", str(message).strip()), err=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

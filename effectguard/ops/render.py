@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,13 @@ def table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def say(text: str, *, err: bool = False, flush: bool = False) -> None:
+    """Print ``text`` (to stderr with ``err``) as a person's terminal should get it: a path
+    or name holding a direction override or a control character (pasted, or a ledger's)
+    shows those as escapes, never reordering or recolouring the rest of the line."""
+    print(notes.terminal_safe(text), file=sys.stderr if err else sys.stdout, flush=flush)
 
 
 def emit(args: argparse.Namespace, payload: Any, text: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import sys
 import time
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -27,7 +26,7 @@ from effectguard.ops.command import (
     ledger_option,
     path_arg,
 )
-from effectguard.ops.render import age, budget_json, call_json, emit, iso, table
+from effectguard.ops.render import age, budget_json, call_json, emit, iso, say, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
 from effectguard.rules import periods
@@ -213,20 +212,20 @@ def cmd_verify_entry(args: argparse.Namespace) -> int:
         check_ledger(ledger_url)
     if args.archived:
         if not ledger_url.startswith(("postgresql://", "postgres://")):
-            print(
+            say(
                 "effectguard: --archived verifies a PostgreSQL ledger's archive table; "
                 "a SQLite ledger's archives are files (--archive FILE)",
-                file=sys.stderr,
+                err=True,
             )
             return EXIT_USAGE
         from effectguard.ops.pgarchive import verify_archived
 
         return _report(args, verify_archived(ledger_url))
     if args.archive is None and not has_ledger:
-        print(
+        say(
             f"effectguard: no ledger at {ledger_url} (use --ledger; `effectguard serve` or "
             "`effectguard migrate` creates one)",
-            file=sys.stderr,
+            err=True,
         )
         return EXIT_USAGE
 
