@@ -352,6 +352,29 @@ def test_a_note_is_kept_on_one_printable_line(stack: Stack, note: str, kept: str
         assert decision["note"] == kept
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"decision=not_applied&note=checked%FF%FE", b"decision=not_applied&note=checked\xff"],
+    ids=["escaped", "raw"],
+)
+def test_a_form_that_is_not_utf8_is_refused(stack: Stack, body: bytes) -> None:
+    """A note whose bytes are no UTF-8 (a browser always sends UTF-8: a script's mistake)
+    is refused with 400 and nothing is recorded, as ``reconcile --note`` refuses such an
+    argument; it is never recorded as replacement characters."""
+    call_id = unknown_call(stack, fresh_key())
+    answer = httpx.post(
+        f"{stack.url}{PAGE}calls/{call_id}/reconcile",
+        content=body,
+        headers={
+            "authorization": f"Bearer {ADMIN_KEY}",
+            "content-type": "application/x-www-form-urlencoded",
+        },
+    )
+    assert answer.status_code == 400, answer.text
+    assert "UTF-8" in answer.text
+    assert reconciliations(stack, call_id) == []
+
+
 def test_applied_with_a_cost_is_recorded_by_the_admin_name(stack: Stack) -> None:
     """Applied with a cost writes call.reconciled (applied, that cost, by the key's name)."""
     call_id = unknown_call(stack, fresh_key())

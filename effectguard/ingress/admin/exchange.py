@@ -27,6 +27,10 @@ class FormTooLarge(Exception):
     """The form body is over :data:`MAX_FORM_BYTES`."""
 
 
+class FormNotUtf8(Exception):
+    """The form's bytes, raw or %-escaped, are no UTF-8 (a browser always sends UTF-8)."""
+
+
 class Exchange:
     """A request to the page and its response."""
 
@@ -75,8 +79,14 @@ class Exchange:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        text = b"".join(chunks).decode("utf-8", errors="replace")
-        return {k: v[0] for k, v in parse_qs(text, keep_blank_values=True).items()}
+        # Strict, raw and %-escaped alike: a note would otherwise be recorded holding
+        # replacement characters, where `reconcile --note` refuses such bytes.
+        try:
+            text = b"".join(chunks).decode("utf-8")
+            fields = parse_qs(text, keep_blank_values=True, errors="strict")
+        except UnicodeDecodeError:
+            raise FormNotUtf8 from None
+        return {k: v[0] for k, v in fields.items()}
 
     async def html(
         self, status: int, body: str, extra: tuple[tuple[bytes, bytes], ...] = ()

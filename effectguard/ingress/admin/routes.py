@@ -32,7 +32,14 @@ from effectguard.callpath.takeover import gone_in_flight, gone_owners_here, take
 from effectguard.config.settings import AdminSettings
 from effectguard.errors import CallNotFound, LedgerError, ReconcileError
 from effectguard.ingress.admin import views
-from effectguard.ingress.admin.exchange import Exchange, FormTooLarge, Receive, Scope, Send
+from effectguard.ingress.admin.exchange import (
+    Exchange,
+    FormNotUtf8,
+    FormTooLarge,
+    Receive,
+    Scope,
+    Send,
+)
 from effectguard.ingress.admin.markup import PREFIX, esc, flash, login_page, page
 from effectguard.ingress.admin.session import Session, Sessions, same_origin, token_sha256
 from effectguard.ingress.admin.spend import DAY_S, spend_table, top_series
@@ -98,6 +105,8 @@ class AdminPage:
             await self._refused(ex, refused)
         except FormTooLarge:
             await self._refused(ex, Refused(413, "that form is too large"))
+        except FormNotUtf8:
+            await self._refused(ex, Refused(400, "that form is not UTF-8; nothing was recorded"))
         except LedgerError as exc:
             log.warning("operator page: the ledger failed: %s", exc)
             await self._refused(ex, Refused(503, "the ledger is unavailable; try again"))
