@@ -693,6 +693,30 @@ def test_a_reconcile_that_does_not_say_what_is_refused(
     refused(shared, ["reconcile", *args], 2, needle)
 
 
+#: A byte of another encoding (a Latin-1 terminal's "é", a pasted id): Python reads it
+#: as a lone surrogate, which no UTF-8 ledger can hold or look up.
+NOT_UTF8 = "x\udcff"
+NOT_UTF8_ROWS = [
+    (["show", NOT_UTF8], "not UTF-8 text"),
+    (["reconcile", NOT_UTF8, "--not-applied", "--note", "n"], "not UTF-8 text"),
+    (["reconcile", "@unknown", "--not-applied", "--note", f"checked {NOT_UTF8}"], "printable"),
+    (["reconcile", "@unknown", "--not-applied", "--note", "n", "--by", NOT_UTF8], "printable"),
+    (["calls", "--provider", NOT_UTF8], "not UTF-8 text"),
+    (["key", "revoke", NOT_UTF8], "not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"), NOT_UTF8_ROWS, ids=[" ".join(a[:2]) for a, _ in NOT_UTF8_ROWS]
+)
+def test_an_argument_that_is_not_utf8_is_refused(
+    shared: Group, args: list[str], needle: str
+) -> None:
+    """A call id, name, provider or note holding a byte that is no UTF-8 is exit 2 with
+    one line saying so, nothing written, never a traceback from the ledger's encoder."""
+    refused(shared, args, 2, needle)
+
+
 TWICE = [
     (["@unknown", "--resend", "--note", "n"], "already has a resend authorized"),
     (["@unknown", "--applied", "--note", "n"], "is reconciled_applied, not effect_unknown"),

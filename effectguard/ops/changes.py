@@ -27,6 +27,7 @@ from effectguard.ops.command import (
     path_arg,
     provider_options,
     set_check,
+    text_arg,
     upstream_flag,
     upstreams,
     usd,
@@ -299,7 +300,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def _reconcile_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
-    p.add_argument("call_id", nargs="?", help="the call id")
+    p.add_argument("call_id", nargs="?", type=text_arg, help="the call id")
     p.add_argument("--applied", action="store_true", help="the effect happened")
     p.add_argument("--not-applied", action="store_true", help="the effect did not happen")
     p.add_argument("--cost", type=call_usd, help="actual cost in USD (with --applied)")

@@ -73,6 +73,16 @@ def path_arg(value: str) -> str:
     return value
 
 
+def text_arg(value: str) -> str:
+    """An argparse type: text the ledger can hold and look up (a call id, a name).
+
+    A byte that is no UTF-8 (typed in a Latin-1 terminal, pasted) reaches Python as a
+    lone surrogate, which the ledger's UTF-8 encoder refuses with a traceback."""
+    if any("\ud800" <= c <= "\udfff" for c in value):
+        raise argparse.ArgumentTypeError(f"not UTF-8 text: {value!r}")
+    return value
+
+
 def port_arg(value: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535.
 

@@ -20,7 +20,14 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 from effectguard.ledger import Ledger
-from effectguard.ops.command import EXIT_OK, EXIT_USAGE, Command, ledger_option, set_check
+from effectguard.ops.command import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Command,
+    ledger_option,
+    set_check,
+    text_arg,
+)
 from effectguard.ops.render import emit, iso, table
 from effectguard.rules import budget as budgets
 from effectguard.rules import keys, notes
@@ -254,7 +261,7 @@ def _key_arguments(p: argparse.ArgumentParser) -> None:
         "revoke", help="revoke a key", description="Revoke a proxy key in the ledger by name."
     )
     ledger_option(q)
-    q.add_argument("name", help="the key's name (see key list)")
+    q.add_argument("name", type=text_arg, help="the key's name (see key list)")
     q.set_defaults(run_ledger=cmd_key_revoke)
 
 

@@ -25,6 +25,7 @@ from effectguard.ops.command import (
     ledger_flags,
     ledger_option,
     path_arg,
+    text_arg,
 )
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, say, table
 from effectguard.ops.timeargs import since, since_argument
@@ -269,7 +270,7 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
     p.add_argument("--state", choices=STAGES, help="only calls in this stage")
     p.add_argument("--budget", type=budget_path, help="only calls under this budget path")
-    p.add_argument("--provider", help="only calls to this provider")
+    p.add_argument("--provider", type=text_arg, help="only calls to this provider")
     p.add_argument(
         "--since",
         type=since_argument,
@@ -283,7 +284,7 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
-    p.add_argument("call_id", help="the call id (Effectguard-Call-Id)")
+    p.add_argument("call_id", type=text_arg, help="the call id (Effectguard-Call-Id)")
     p.add_argument(
         "--full",
         action="store_true",

@@ -6,12 +6,13 @@ from __future__ import annotations
 import unicodedata
 
 #: Control characters (newlines and terminal escapes among them, which ``show`` would print
-#: as they are), line and paragraph separators.
-_UNPRINTABLE = frozenset({"Cc", "Zl", "Zp"})
+#: as they are), line and paragraph separators, and halves of surrogate pairs (a byte that
+#: was no UTF-8, as Python reads a command's argument: no ledger can hold one).
+_UNPRINTABLE = frozenset({"Cc", "Zl", "Zp", "Cs"})
 #: The bidirectional overrides and isolates, which make text read other than it is.
 _BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
-#: What :func:`terminal_safe` escapes: the above, and halves of surrogate pairs.
-_ESCAPED = _UNPRINTABLE | {"Cs"}
+#: What :func:`terminal_safe` escapes: the above.
+_ESCAPED = _UNPRINTABLE
 
 
 def unprintable(text: str) -> str | None:
