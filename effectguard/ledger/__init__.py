@@ -339,6 +339,10 @@ class Ledger:
 
     async def call(self, call_id: str) -> WorkState:
         """One call's state; raises :class:`CallNotFound`."""
+        if "\x00" in call_id:
+            # No call has one, and PostgreSQL's text refuses it: asked, the store would fail
+            # (the operator page's crafted link: "the ledger is unavailable").
+            raise CallNotFound(call_id)
         state = await self.store.get_call(call_id)
         if state is None:
             raise CallNotFound(call_id)
