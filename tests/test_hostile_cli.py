@@ -274,6 +274,29 @@ def test_a_secret_in_a_ledger_urls_query_is_never_printed(secret: str) -> None:
     assert f"{secret}=***" in done.err, done.err
 
 
+#: Ledger URLs of no scheme effectguard reads (SQLAlchemy's driver suffix, another
+#: database, a typo), each with a password holding "canary".
+FOREIGN_DSNS = [
+    "postgresql+psycopg://eg:canary-pw@127.0.0.1:1/db",
+    "mysql://eg:canary-pw@127.0.0.1/db",
+    "postgressql://eg@127.0.0.1/db?password=canary-pw",
+]
+
+
+@pytest.mark.parametrize("url", FOREIGN_DSNS)
+def test_a_ledger_url_of_another_scheme_is_refused_without_its_password(url: str) -> None:
+    """A ledger command and serve refuse a URL that names no ledger effectguard reads with
+    one line (exit 2) naming it with its password as ``***``: serve's refusal goes to
+    its log, which log shippers carry off."""
+    done = run("calls", "--ledger", url)
+    assert done.code == 2, done
+    assert "not a SQLite ledger" in done.err and "***" in done.err, done.err
+    assert "canary" not in done.err + done.out, done.err
+    served = serve_refusing("--ledger", url, "--port", "0")
+    assert served.code == 2 and "not a SQLite ledger" in served.err, served
+    assert "canary" not in served.err + served.out, served.err
+
+
 def test_a_provider_key_with_a_line_break_stops_serve_naming_the_variable_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

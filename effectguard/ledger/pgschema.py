@@ -21,6 +21,10 @@ from effectguard.ledger import versions, writerformat
 from effectguard.ledger.pgdriver import psycopg, sql
 from effectguard.ledger.sqlparts import KEY_KINDS_TEXT, NOT_APPLIED_INDEX
 
+# Re-exported: postgres.py names ledger URLs through this module.
+from effectguard.ledger.urltext import SECRET_PARAMS
+from effectguard.ledger.urltext import redacted as redacted
+
 log = logging.getLogger("effectguard.ledger")
 
 #: A writer connection idle inside a transaction this long is ended by the server, so
@@ -289,7 +293,7 @@ class Target:
     def parse(cls, url: str) -> Target:
         """Split ``?schema=NAME`` (ours) from the libpq URL."""
         if not url.startswith(("postgresql://", "postgres://")):
-            raise ConfigError(f"not a PostgreSQL ledger: {url!r}")
+            raise ConfigError(f"not a PostgreSQL ledger: {redacted(url)!r}")
         try:
             parts = urlsplit(url)
         except ValueError as exc:  # an unclosed IPv6 bracket; the URL may hold a password
@@ -343,11 +347,6 @@ class Target:
         return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
 
 
-#: The query parameters of a ledger URL that libpq reads as secrets: the password, and
-#: the passphrase of the client's TLS key.
-SECRET_PARAMS = frozenset({"password", "sslpassword"})
-
-
 def _unreachable(exc: psycopg.Error, conninfo: str) -> LedgerUnavailable:
     """The error of a failed connection, without the password: libpq quotes the piece of
     a connection string it cannot read (``unexpected spaces found in "..."``), and that
@@ -360,17 +359,6 @@ def _unreachable(exc: psycopg.Error, conninfo: str) -> LedgerUnavailable:
     for secret in sorted(filter(None, hidden), key=len, reverse=True):
         message = message.replace(secret, "***")
     return LedgerUnavailable(f"cannot connect to the ledger database: {message}")
-
-
-def redacted(url: str) -> str:
-    """``url`` without its secrets (:data:`SECRET_PARAMS`, the password) for logs and
-    error messages."""
-    parts = urlsplit(url)
-    query = [(k, "***" if k in SECRET_PARAMS else v) for k, v in parse_qsl(parts.query)]
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
 
 
 def lock_key(conn: psycopg.Connection[Any], purpose: str) -> int:

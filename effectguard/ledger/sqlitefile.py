@@ -10,6 +10,7 @@ from typing import Any
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import sqlitefrozen, versions
+from effectguard.ledger.urltext import redacted
 
 
 def file_identity(path: str) -> tuple[int, int]:
@@ -24,7 +25,7 @@ def sqlite_path(url: str) -> str:
         # sqlite:///relative/path, sqlite:////absolute/path (as SQLAlchemy reads them).
         return url[len("sqlite:///") :]
     if "://" in url:
-        raise ConfigError(f"not a SQLite ledger: {url!r}")
+        raise ConfigError(f"not a SQLite ledger: {redacted(url)!r}")
     return url
 
 
