@@ -740,6 +740,18 @@ def test_an_argument_that_is_not_utf8_is_refused(
     refused(shared, args, 2, needle)
 
 
+@pytest.mark.parametrize("login", ["ana\x1b[31m", "x\udcff", "a\u202eb"], ids=repr)
+def test_a_login_name_that_is_no_name_is_refused_as_the_default_of_by(
+    shared: Group, login: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --by, reconcile records the login name ($LOGNAME, $USER): one that --by
+    would refuse (a terminal escape, a byte that is no UTF-8, a direction override) is
+    exit 2 asking for --by, nothing written; never recorded, never a traceback."""
+    for name in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+        monkeypatch.setenv(name, login)
+    refused(shared, ["reconcile", "@unknown", "--not-applied", "--note", "n"], 2, "--by")
+
+
 TWICE = [
     (["@unknown", "--resend", "--note", "n"], "already has a resend authorized"),
     (["@unknown", "--applied", "--note", "n"], "is reconciled_applied, not effect_unknown"),

@@ -105,7 +105,9 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
                 "flags: it decides each unknown call by its provider's lookup"
             )
         return await _reconcile_auto(args, ledger, crash)
-    args.by = args.by or getpass.getuser()
+    args.by = args.by or _login_name()
+    if args.by is None:
+        return _usage("your login name is no name --by would take; give --by NAME")
     if args.resend:
         return await _reconcile_resend(args, ledger)
     if args.accept_evidence:
@@ -130,6 +132,15 @@ async def cmd_reconcile(args: argparse.Namespace, ledger: Ledger) -> int:
     crash.hit("after:reconcile")
     emit(args, call_json(state), f"{state.call_id}: {state.stage}")
     return EXIT_OK
+
+
+def _login_name() -> str | None:
+    """The default of ``--by``: the login name, if ``--by`` would take it (None if not: it
+    comes from $LOGNAME or $USER, and may hold anything, a byte no ledger can hold too)."""
+    try:
+        return one_line("a name")(getpass.getuser())
+    except (argparse.ArgumentTypeError, OSError):
+        return None
 
 
 async def _take_over_gone(args: argparse.Namespace, ledger: Ledger) -> None:
