@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.errors import ConfigError
+from effectguard.providers.baseurl import checked_base_url
 from effectguard.providers.endpoints import path_shape
 from effectguard.providers.provider import Provider
-from effectguard.providers.baseurl import checked_base_url
 from effectguard.providers.validation import build_provider
 
 __all__ = [
