@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -171,7 +172,7 @@ def test_no_window_admits_more_than_rpm_whichever_way_the_clock_moves(
     admitted: Counter[int] = Counter()
     for now in times:
         if ratelimit.check(policies, {"a": window}, lambda _: 0, "a", now, 0) is None:
-            moved = ratelimit.admitted(window, now, 0)
+            moved = ratelimit.admitted(window, now, 0, 1)
             if moved.minute < window.minute:
                 assert window.minute - moved.minute > ratelimit.KEPT_BACK
             if moved.requests == 1:
@@ -179,6 +180,13 @@ def test_no_window_admits_more_than_rpm_whichever_way_the_clock_moves(
             window = moved
             admitted[windows] += 1
     assert all(n <= rpm for n in admitted.values())
+
+
+def _admitted_unmarked(window: RateWindow, at: float, tokens: int, position: int) -> RateWindow:
+    """:func:`ratelimit.admitted` as releases up to writer format 4 counted: a step back
+    recorded no position."""
+    current = window.at(ratelimit.minute_of(at))
+    return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
 
 
 def test_a_step_back_booked_as_releases_before_writer_format_1_did_still_verifies(
@@ -190,7 +198,8 @@ def test_a_step_back_booked_as_releases_before_writer_format_1_did_still_verifie
     honest, and verify by this release says so (it reported it BROKEN: "names periods
     {...2027-01-15} but the call was admitted in {...2027-01-16}", and a rate window the
     events did not give). The previous release's admission is this one's without the two
-    rules, which the test takes out while the calls are made."""
+    rules (nor the position a step back records), which the test takes out while the calls
+    are made."""
     ledger = str(tmp_path / "l.db")
     assert cli_main(["migrate", "--ledger", ledger]) == 0
     midnight = 1_800_057_600.0  # 2027-01-16T00:00:00Z
@@ -202,6 +211,7 @@ def test_a_step_back_booked_as_releases_before_writer_format_1_did_still_verifie
     )
     monkeypatch.setattr(room.budgets, "labels_ahead", lambda *args: {})
     monkeypatch.setattr(ratelimit, "KEPT_BACK", 0)
+    monkeypatch.setattr(ratelimit, "admitted", _admitted_unmarked)
 
     async def run() -> list[int]:
         body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
@@ -221,6 +231,7 @@ def test_a_step_back_booked_as_releases_before_writer_format_1_did_still_verifie
     assert asyncio.run(run()) == [200, 200]
     # Its archive's checkpoint carries the rate window as that release counted it.
     monkeypatch.setattr(audit_rates, "_KEPT_BACK", 0)
+    monkeypatch.setattr(audit_rates, "_MARKS", False)
     archive = str(tmp_path / "archive.jsonl")
     assert (
         cli_main(["archive", "--ledger", ledger, "--before", "2027-02-01", "--out", archive]) == 0

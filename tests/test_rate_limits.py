@@ -93,7 +93,7 @@ def test_rpm_refuses_the_next_request_until_the_next_minute() -> None:
     window = RateWindow("a")
     for now in (600.0, 600.5):
         assert check(policies, {"a": window}, never_in_flight, "a", now, 0) is None
-        window = ratelimit.admitted(window, now, 0)
+        window = ratelimit.admitted(window, now, 0, 1)
     refused = check(policies, {"a": window}, never_in_flight, "a", 615.2, 0)
     assert refused == ratelimit.RateExceeded("a", "rpm", 2, 45)
     assert check(policies, {"a": window}, never_in_flight, "a", 660.0, 0) is None
@@ -103,12 +103,12 @@ def test_tpm_counts_the_estimate_and_corrects_it_at_settlement() -> None:
     """An estimate of 800 tokens fills a tpm of 1000 for a 300-token request; settling at
     100 tokens frees the difference in the same minute, not in a later one."""
     policies = {"a": BudgetPolicy("a", tpm=1000)}
-    window = ratelimit.admitted(RateWindow("a"), 600.0, 800)
+    window = ratelimit.admitted(RateWindow("a"), 600.0, 800, 1)
     assert check(policies, {"a": window}, never_in_flight, "a", 601.0, 300) is not None
     settled = ratelimit.corrected(window, 600.0, 800, 100, _first)
     assert settled.tokens == 100
     assert check(policies, {"a": settled}, never_in_flight, "a", 601.0, 300) is None
-    later = ratelimit.admitted(window, 660.0, 10)
+    later = ratelimit.admitted(window, 660.0, 10, 2)
     assert ratelimit.corrected(later, 600.0, 800, 100, _first) == later
 
 
@@ -133,7 +133,7 @@ def test_no_minute_admits_more_than_rpm(times: list[float], rpm: int) -> None:
     for now in sorted(times):
         arrivals[minute_of(now)] += 1
         if check(policies, {"a": window}, never_in_flight, "a", now, 0) is None:
-            window = ratelimit.admitted(window, now, 0)
+            window = ratelimit.admitted(window, now, 0, 1)
             admitted[minute_of(now)] += 1
     assert all(admitted[m] == min(rpm, arrivals[m]) for m in arrivals)
 

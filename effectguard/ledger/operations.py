@@ -99,7 +99,7 @@ def append(
         if isinstance(event, BudgetLimitSet):
             rates.fold_declared(tx, event, seq, now)
         if call_id is not None and state is not None:
-            rates.fold_rates(tx, event, state, now)
+            rates.fold_rates(tx, event, seq, state, now)
             calls[call_id] = workstate.apply(state, event)
             touched.add(call_id)
         name = keys.key_name(event)

@@ -49,12 +49,13 @@ def rate_refusal(
     )
 
 
-def fold_rates(tx: Tx, event: Event, state: WorkState, now: float) -> None:
-    """Count a reservation in its nodes' windows; correct them when it settles."""
+def fold_rates(tx: Tx, event: Event, seq: int, state: WorkState, now: float) -> None:
+    """Count a reservation (event ``seq``) in its nodes' windows; correct them when it
+    settles."""
     if isinstance(event, BudgetReserved):
         limited = _limited(tx, event.budget)
         for window in _windows(tx, limited):
-            tx.put_window(ratelimit.admitted(window, now, event.tokens))
+            tx.put_window(ratelimit.admitted(window, now, event.tokens, seq))
     elif isinstance(event, BudgetSettled) and event.tokens is not None:
         windows = _windows(tx, _limited(tx, event.budget))
         if windows:
@@ -87,7 +88,8 @@ def fold_declared(tx: Tx, event: BudgetLimitSet, seq: int, now: float) -> None:
 
 class _Reserved:
     """The ledger position of a call's last reservation, read from its events once, and
-    only if a window started mid-minute asks (never on the common path)."""
+    only if a window that records a position asks (one a declaration started mid-minute,
+    or a step back of the clock touched: never on the common path)."""
 
     def __init__(self, tx: Tx, call_id: str) -> None:
         self._tx, self._call_id, self._seq = tx, call_id, -1

@@ -13,6 +13,16 @@ corrected from far ahead) starts the window over, as keeping it would refuse the
 until the clock caught up with the wrong time. The window is read and written in the
 admission transaction, so the count is exact across replicas.
 
+A step back makes a window's minute no longer tell which attempts it counted: after a
+small one it counts attempts of the minute before, which a window in its minute
+otherwise never does; after a far one it starts over in a minute whose earlier attempts
+an older window counted. So either records where it happened (``since``: the ledger
+position before the reservation that stepped back), and from then the window corrects
+exactly the attempts reserved after it, of its minute or the one before (:func:`counts`).
+A call in flight when a small step back came, admitted in the window's own minute, was
+counted before that position: its settlement then gives nothing back (its estimate stays
+counted until the minute ends, which refuses early, never admits too much).
+
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
 declaration's minute, and records where (``since``: the declaration's ledger position, if
@@ -124,9 +134,14 @@ def check(
     return None
 
 
-def admitted(window: RateWindow, at: float, tokens: int) -> RateWindow:
-    """``window`` after an attempt of ``tokens`` was admitted at ``at``."""
-    current = window.at(minute_of(at))
+def admitted(window: RateWindow, at: float, tokens: int, position: int) -> RateWindow:
+    """``window`` after an attempt of ``tokens`` was admitted at ``at``, its reservation at
+    ledger position ``position``."""
+    minute = minute_of(at)
+    current = window.at(minute)
+    if minute < window.minute and current.since == 0:
+        # Stepped back: counted in a later minute, or starting over in an earlier one.
+        current = replace(current, since=position - 1)
     return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
 
 
@@ -153,12 +168,15 @@ def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) 
     reservation is at ledger position ``reserved()`` (asked only of a window started
     mid-minute, in the attempt's minute).
 
-    A window that has moved on from the attempt's minute no longer counts it; one started
-    in that minute by a declaration counts only the attempts reserved after it.
+    A window that has moved on from the attempt's minute no longer counts it. One that
+    records a position (a declaration or a step back of the clock started it there)
+    counts exactly the attempts reserved after it, in its minute or, stepped back, the
+    one before; any other counts every attempt of its minute and none of another.
     """
-    if window.minute != minute_of(admitted_at):
-        return False
-    return not window.since or reserved() > window.since
+    minute = minute_of(admitted_at)
+    if not window.since:
+        return window.minute == minute
+    return window.minute - KEPT_BACK <= minute <= window.minute and reserved() > window.since
 
 
 def corrected(

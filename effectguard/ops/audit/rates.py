@@ -15,15 +15,19 @@ replaces its attempt's estimate (the call's last reservation) with them, never b
 in each window that counted that attempt: one that still counts the minute its attempt
 started in (the call's last ``attempt.started``) and, if a declaration started it in that
 minute, only for a reservation after the declaration. A window that has moved on is left
-alone.
+alone. A step back of the clock (a reservation in a minute before its window's, counted
+in it or starting it over) records the position before it (``since``) in a window that
+recorded none: from then the window counts exactly the reservations after ``since``, of
+its minute or the one before.
 
 Older releases counted differently, and a stored window may be theirs (docs/operations.md,
 "Mixed versions"): before writer format 1 a reservation in the minute before its window's
 started the window over; before writer format 2 a declaration started nothing (its
-windows have ``since`` NULL). So the verifier folds the events four ways and accepts a
-window that is one of them, a window with ``since`` NULL only as those releases counted it
-(or, after an archive cut, unjudged until it starts over: the cut's checkpoint carries the
-windows as this release counts them).
+windows have ``since`` NULL); up to writer format 4 a step back recorded no position.
+So the verifier folds the events five ways and accepts a window that is one of them, a
+window with ``since`` NULL only as those releases counted it (or, after an archive cut,
+unjudged until it starts over: the cut's checkpoint carries the windows as this release
+counts them).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ _SECONDS = 60
 _LANDED = frozenset({"attempt.observed", "attempt.not_sent", "attempt.interrupted"})
 #: A reservation this many minutes before its window's minute still counts in it.
 _KEPT_BACK = 1
+#: Whether a step back of the clock records its position in the window (this release).
+_MARKS = True
 
 
 class RateRow(NamedTuple):
@@ -60,21 +66,26 @@ def minute_of(at: float) -> int:
 
 class _Fold:
     """The windows as one release's rules count them: with the kept-back minute (writer
-    format 1) or without, and started by a declaration (format 2) or not."""
+    format 1) or without, started by a declaration (format 2) or not, and recording
+    where the clock stepped back (this release) or not."""
 
-    def __init__(self, kept_back: bool, declared: bool) -> None:
-        self.kept_back, self.declared = kept_back, declared
+    def __init__(self, kept_back: bool, declared: bool, marks: bool = False) -> None:
+        self.kept_back, self.declared, self.marks = kept_back, declared, marks
         self.windows: dict[str, RateRow] = {}
 
-    def reserve(self, paths: list[str], minute: int, tokens: int) -> list[str]:
-        """Count a reservation in ``minute``; returns the paths whose window started over."""
+    def reserve(self, paths: list[str], minute: int, tokens: int, seq: int) -> list[str]:
+        """Count reservation ``seq`` in ``minute``; returns the paths whose window started
+        over."""
         back = _KEPT_BACK if self.kept_back else 0
         restarted = []
         for path in paths:
             window = self.windows.get(path)
+            earlier = window is not None and minute < window.minute
             if window is None or not window.minute - back <= minute <= window.minute:
                 window = RateRow(path, minute, 0, 0)
                 restarted.append(path)
+            if self.marks and earlier and window.since == 0:
+                window = window._replace(since=seq - 1)
             self.windows[path] = window._replace(
                 requests=window.requests + 1, tokens=window.tokens + tokens
             )
@@ -85,11 +96,16 @@ class _Fold:
         and reserved at ``reserved``."""
         for path in paths:
             window = self.windows.get(path)
-            if window is None or window.minute != minute:
-                continue
-            if self.declared and window.since and reserved <= window.since:
-                continue  # reserved before the declaration that started this window
-            self.windows[path] = window._replace(tokens=max(0, window.tokens + change))
+            if window is not None and self._counted(window, minute, reserved):
+                self.windows[path] = window._replace(tokens=max(0, window.tokens + change))
+
+    def _counted(self, window: RateRow, minute: int, reserved: int) -> bool:
+        if not (self.declared and window.since):
+            return window.minute == minute
+        if self.marks:
+            return window.minute - _KEPT_BACK <= minute <= window.minute and reserved > window.since
+        # Reserved after the declaration that started this window, in its minute.
+        return window.minute == minute and reserved > window.since
 
     def declare(self, path: str, minute: int, since: int) -> None:
         """A declaration gave ``path`` rate limits (``since``: its ``seq``, or 0)."""
@@ -101,7 +117,10 @@ class Rates:
     """Every node's rate window, folded from the events."""
 
     def __init__(self) -> None:
-        self._now = _Fold(kept_back=True, declared=True)
+        self._now = _Fold(kept_back=True, declared=True, marks=_MARKS)
+        #: As releases up to writer format 4 counted a clock stepped back: no position
+        #: recorded (a window one of them wrote beside this release may carry that count).
+        self._unmarked = _Fold(kept_back=True, declared=True)
         #: As releases before writer format 1 counted a clock stepped back: the window
         #: started over (a checkpoint or a window may carry that count).
         self._stepless = _Fold(kept_back=False, declared=True)
@@ -111,7 +130,7 @@ class Rates:
             _Fold(kept_back=True, declared=False),
             _Fold(kept_back=False, declared=False),
         )
-        self._folds = (self._now, self._stepless, *self._undeclared)
+        self._folds = (self._now, self._unmarked, self._stepless, *self._undeclared)
         #: Each call's last reservation: its ``seq`` and its token estimate (what its
         #: settlement corrects).
         self.reserved: dict[str, tuple[int, int]] = {}
@@ -148,9 +167,9 @@ class Rates:
             self.reserved[call] = (seq, tokens)
             self.flying[call] = str(data["budget"])
             paths = _limited(policies, str(data["budget"]))
-            self.restarted.update(self._now.reserve(paths, minute_of(at), tokens))
+            self.restarted.update(self._now.reserve(paths, minute_of(at), tokens, seq))
             for fold in self._folds[1:]:
-                fold.reserve(paths, minute_of(at), tokens)
+                fold.reserve(paths, minute_of(at), tokens, seq)
         elif kind == "budget.settled" and data.get("tokens") is not None:
             reserved, estimate = self.reserved.get(call, (0, 0))
             paths = _limited(policies, str(data["budget"]))
@@ -204,7 +223,7 @@ class Rates:
         """What a stored window of ``path`` may be: as this release counts it (or with a
         release before format 1's step-back rule); one whose ``since`` is NULL, or none,
         as a release before format 2 counted it too."""
-        now = [self._now.windows.get(path), self._stepless.windows.get(path)]
+        now = [fold.windows.get(path) for fold in (self._now, self._unmarked, self._stepless)]
         if have is not None and have.since is not None:
             return now
         if have is not None and self.seeded and path not in self.restarted:

@@ -1,0 +1,124 @@
+"""Token-per-minute windows under a clock that NTP steps (docs/contract.md §5.6), on every
+store: the manual clock on memory and SQLite, the database's clock on PostgreSQL (moved by
+:func:`effectguard.testing.pgclock.set_ledger_clock`, which runs on by a few milliseconds
+between moves: every step here leaves seconds to the next minute).
+
+A settlement corrects the window that counted its attempt, and only that one: a call
+admitted after a step back (counted in the minute the window had reached) gives its
+estimate back when it settles, and a call counted in a window that a far step back
+started over gives nothing back to the new one. Every ledger is verified when its test
+ends (the ``ledger`` fixture).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_rate_limits import _with_tokens, completion, refused_429
+from test_store_contract import admit_ok, ledger, ledger_url, ns, register, req, store_kind
+
+from effectguard.ledger import Ledger, Writer
+from effectguard.rules.budget import BudgetPolicy
+from effectguard.testing.clock import ManualClock
+
+_ = (ledger, ledger_url, ns, store_kind)  # fixtures
+
+
+class SteppedClock(ManualClock):
+    """A manual clock that NTP may also set back."""
+
+    def set(self, at: float) -> None:
+        with self._lock:
+            self._now = at
+
+
+class Moves:
+    """Sets the ledger's clock: the stepped clock, or the database's on PostgreSQL."""
+
+    def __init__(self, clock: SteppedClock | None, url: str) -> None:
+        self._clock, self._url = clock, url
+
+    def now(self) -> float:
+        if self._clock is not None:
+            return self._clock()
+        from effectguard.testing.pgclock import ledger_clock
+
+        return ledger_clock(self._url)
+
+    def set(self, at: float) -> None:
+        if self._clock is not None:
+            self._clock.set(at)
+            return
+        from effectguard.testing.pgclock import set_ledger_clock
+
+        set_ledger_clock(self._url, at)
+
+
+@pytest.fixture
+def clock(store_kind: str) -> SteppedClock | None:
+    """The ledger's clock (overrides the store contract's: this one steps back too)."""
+    return None if store_kind == "postgres" else SteppedClock()
+
+
+@pytest.fixture
+def moves(clock: SteppedClock | None, ledger_url: str) -> Moves:
+    return Moves(clock, ledger_url)
+
+
+@pytest.fixture
+async def w1(ledger: Ledger, ns: str) -> Writer:
+    """A worker whose lease outlasts every step of the clock here."""
+    return await register(ledger, f"{ns}-w1", lease_s=10**9)
+
+
+async def _settle(ledger: Ledger, w1: Writer, ns: str, call_id: str, tokens: int) -> None:
+    """Complete ``call_id``'s first attempt; its settlement reports ``tokens``."""
+    events = completion(call_id, f"{ns}/run", 500)
+    events[1] = _with_tokens(events[1], tokens)
+    await ledger.record(w1, call_id, 1, events)
+
+
+def _thirty_into_a_minute(moves: Moves) -> float:
+    """Thirty seconds into the next minute (the step back lands in the minute before)."""
+    now = moves.now()
+    return now - now % 60 + 60 + 30
+
+
+async def test_a_call_admitted_after_a_step_back_gives_its_estimate_back(
+    ledger: Ledger, w1: Writer, ns: str, moves: Moves
+) -> None:
+    """tpm 1000, 30 s into minute m: a call estimated at 800 settles at 30. NTP steps the
+    clock back 45 s (into minute m-1, counted in m); a second call estimated at 800 settles
+    at 30 too. The window holds 60 tokens, so a call of 300 fits. (The settlement of a call
+    admitted after the step back was not corrected: its 800 stayed counted and the call of
+    300 was refused 429 with a retry-after of 75 s.)"""
+    start = _thirty_into_a_minute(moves)
+    moves.set(start)
+    await ledger.set_policy(BudgetPolicy(ns, tpm=1000))
+    first = await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, first.call_id, 30)
+    moves.set(start - 45)
+    second = await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, second.call_id, 30)
+    await admit_ok(ledger, w1, req(ns, tokens=300))
+
+
+async def test_a_far_step_back_starts_a_window_its_older_calls_take_nothing_from(
+    ledger: Ledger, w1: Writer, ns: str, moves: Moves
+) -> None:
+    """tpm 1000: a call estimated at 800 is admitted 30 s into minute m; the clock runs five
+    minutes ahead (a call there starts the window in m+5), then NTP steps it back to minute
+    m, where a second call of 800 starts the window over. The first call settling at 30
+    gives nothing back to that window, which never counted it: a third call of 300 is
+    refused. (Its settlement took 770 off the new window's 800, and the third call was
+    admitted: 1100 tokens under way in the minute.)"""
+    start = _thirty_into_a_minute(moves)
+    moves.set(start)
+    await ledger.set_policy(BudgetPolicy(ns, tpm=1000))
+    first = await admit_ok(ledger, w1, req(ns, tokens=800))
+    moves.set(start + 300)
+    ahead = await admit_ok(ledger, w1, req(ns, tokens=10))
+    await _settle(ledger, w1, ns, ahead.call_id, 10)
+    moves.set(start + 5)
+    await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, first.call_id, 30)
+    await refused_429(ledger, w1, ns, tokens=300)
