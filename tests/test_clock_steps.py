@@ -51,12 +51,15 @@ class SteppedClock:
             self._at = at
 
 
-def _calls(tmp_path: Path, times: list[float]) -> tuple[list[httpx.Response], list[float]]:
-    """One chat call to budget ``team`` (rpm 2) at each ledger time in ``times``, through
-    the transport; the answers, and the ledger times at which the provider was called."""
+def _calls(
+    tmp_path: Path, times: list[float], limits: tuple[str, ...] = ("--rpm", "2"), **body: object
+) -> tuple[list[httpx.Response], list[float]]:
+    """One chat call to budget ``team`` (rpm 2 unless ``limits`` say otherwise) at each
+    ledger time in ``times``, through the transport; the answers, and the ledger times at
+    which the provider was called. ``body`` adds to each request's body."""
     ledger = str(tmp_path / "l.db")
     assert cli_main(["migrate", "--ledger", ledger]) == 0
-    assert cli_main(["budget", "set", "team", "--rpm", "2", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", *limits, "--ledger", ledger]) == 0
     clock = SteppedClock(times[0])
     sent: list[float] = []
 
@@ -67,7 +70,7 @@ def _calls(tmp_path: Path, times: list[float]) -> tuple[list[httpx.Response], li
         )
 
     async def run() -> list[httpx.Response]:
-        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        sent_body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
         async with Ledger.open(ledger, clock=clock) as led:
             transport = AsyncGuardTransport(httpx.MockTransport(reply), ledger=led)
             async with httpx.AsyncClient(transport=transport) as client:
@@ -75,7 +78,9 @@ def _calls(tmp_path: Path, times: list[float]) -> tuple[list[httpx.Response], li
                 for at in times:
                     clock.set(at)
                     headers = {"Effectguard-Budget": "team"}
-                    out.append(await client.post(CHAT_URL, json=body, headers=headers))
+                    out.append(
+                        await client.post(CHAT_URL, json={**sent_body, **body}, headers=headers)
+                    )
                 return out
 
     return asyncio.run(run()), sent
@@ -90,6 +95,17 @@ def test_a_clock_stepped_back_reopens_no_minute(tmp_path: Path) -> None:
     assert Counter(int(at) // 60 for at in sent) == {int(T0) // 60: 2}
     # Stepped back to 45 s into minute m-1, the window (minute m) ends 75 s later.
     assert answers[2].headers["retry-after"] == "75"
+    assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
+
+
+def test_calls_admitted_after_a_step_back_give_their_estimates_back(tmp_path: Path) -> None:
+    """tpm 3000, each call estimated at over 1000 tokens (max_tokens 1000) and reporting 2:
+    one call in minute m, then the clock steps back 45 s and three more are made. Each
+    settles at 2 tokens, so all four are sent. (Before, the calls after the step back kept
+    their estimates in the window: the fourth was refused 429 with 8 tokens spent.)"""
+    answers, sent = _calls(tmp_path, [T0] + [T0 - 45] * 3, ("--tpm", "3000"), max_tokens=1000)
+    assert [a.status_code for a in answers] == [200] * 4
+    assert len(sent) == 4
     assert cli_main(["verify", "--ledger", str(tmp_path / "l.db")]) == 0
 
 
