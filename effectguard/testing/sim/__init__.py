@@ -78,7 +78,8 @@ def _load_options(parser: argparse.ArgumentParser) -> None:
         "--operator",
         action="store_true",
         help="an operator changes limits (`budget set`), rotates the clients' proxy keys "
-        "(`key revoke`, `key new`) and sets rate limits (--rpm, --concurrency) during the load",
+        "(`key revoke`, `key new`) and sets rate limits (--rpm, --tpm, --concurrency) during "
+        "the load",
     )
     parser.add_argument(
         "--maintenance",

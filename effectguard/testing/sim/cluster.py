@@ -275,8 +275,9 @@ class Cluster:
         self._operator("budget_set", ["budget", "set", path, *limit], path=path, limit=nanos)
 
     def rate_set(self, point: str) -> None:
-        """``effectguard budget set PATH --rpm N --concurrency N`` for ``PATH rpm=N
-        concurrency=N`` (``none`` removes one; ``-`` leaves it out); noted ``rate_set``."""
+        """``effectguard budget set PATH --rpm N --tpm N --concurrency N`` for ``PATH
+        rpm=N tpm=N concurrency=N`` (``none`` removes one; ``-`` leaves it out); noted
+        ``rate_set``."""
         path, *pairs = point.split()
         argv = ["budget", "set", path]
         for name, _, value in (pair.partition("=") for pair in pairs):

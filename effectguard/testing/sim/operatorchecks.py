@@ -10,8 +10,10 @@ What the contract promises (``key revoke``, ``key new``, §5.6):
   which a paused replica (SIGSTOP past the lease) must keep too, and flag (as settlement
   overshoots are) what got past the first;
 - a key made with ``key new`` is accepted within the same delays;
-- ``rpm`` and ``concurrency`` hold exactly, across replicas, from the declaration that
-  set them: read from the event log, as the admission transaction reads them.
+- ``rpm``, ``tpm`` and ``concurrency`` hold exactly, across replicas, from the
+  declaration that set them: read from the event log, as the admission transaction reads
+  them (a window's tokens are the estimates of the attempts it counted, each replaced by
+  its call's reported tokens once it settles).
 
 Times: a client's ``sent_at`` and the commands' ``began``/``returned`` are one host's
 wall clock (``time.time()``), as the ledger's event times are.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from effectguard.config.defaults import KEY_READ_WAIT_S
@@ -48,8 +51,8 @@ KEY_INVARIANTS: Final = {
     "neither the ledger nor the provider",
     "new_key_refused": "a request sent with a new key more than key_refresh_s + 5 s after "
     "`key new` returned (and before its revocation began) is not refused 401",
-    "rate_limit_exceeded": "no admission takes a node past the rpm or concurrency in force "
-    "(rpm counted from the declaration that gave the node rate limits)",
+    "rate_limit_exceeded": "no admission takes a node past the rpm, tpm or concurrency in "
+    "force (rpm and tpm counted from the declaration that gave the node rate limits)",
 }
 #: The documented bound on a key change reaching every replica, whatever the ledger's
 #: reads do (contract, ``key revoke``): past it a stale copy is refused 503.
@@ -179,12 +182,23 @@ def late_keys(evidence: Evidence) -> list[str]:
     return flags
 
 
+@dataclass
+class _Window:
+    """A node's minute: the attempts counted in it, and their tokens (each call's last
+    estimate counted here, until its settlement replaces it with the reported tokens)."""
+
+    minute: int
+    attempts: int = 0
+    tokens: int = 0
+    counted: dict[str, int] = field(default_factory=dict)
+
+
 def rate_limits_held(evidence: Evidence) -> list[Violation]:
     """Fold the log: at each reservation (an attempt admitted), every ancestor's ``rpm``
-    window (its minute's attempts since the node gained rate limits) and its calls in
-    flight (other than this one) leave room for it."""
+    and ``tpm`` window (its minute's attempts and their tokens since the node gained rate
+    limits) and its calls in flight (other than this one) leave room for it."""
     policies: dict[str, tuple[Any, Any, Any]] = {}  # path -> rpm, tpm, concurrency
-    windows: dict[str, tuple[int, int]] = {}  # path -> minute, attempts counted
+    windows: dict[str, _Window] = {}
     states: dict[str, WorkState] = defaultdict(WorkState)
     budget_of: dict[str, str] = {}
     out: list[Violation] = []
@@ -198,6 +212,9 @@ def rate_limits_held(evidence: Evidence) -> list[Violation]:
             for path in ancestors(str(e.data["budget"])):
                 under = sum(1 for c in in_flight if path in ancestors(budget_of.get(c, "")))
                 out += _admitted(policies, windows, path, e, under)
+        elif e.kind == "budget.settled" and e.data.get("tokens") is not None:
+            for path in ancestors(str(e.data["budget"])):
+                _settled(windows.get(path), str(e.call_id), int(e.data["tokens"]))
         if e.call_id is not None:
             states[e.call_id] = apply(states[e.call_id], event_from_data(e.kind, e.data))
     return out
@@ -205,7 +222,7 @@ def rate_limits_held(evidence: Evidence) -> list[Violation]:
 
 def _declared(
     policies: dict[str, tuple[Any, Any, Any]],
-    windows: dict[str, tuple[int, int]],
+    windows: dict[str, _Window],
     e: StoredEvent,
 ) -> None:
     """A node's rates declared: gaining ``rpm`` or ``tpm`` starts its window afresh;
@@ -215,35 +232,53 @@ def _declared(
     before = policies.get(path, (None, None, None))
     had, has = before[:2] != (None, None), rates[:2] != (None, None)
     if has and not had:
-        windows[path] = (minute_of(e.at), 0)
+        windows[path] = _Window(minute_of(e.at))
     elif not has:
         windows.pop(path, None)
     policies[path] = rates
 
 
+def _settled(window: _Window | None, call_id: str, tokens: int) -> None:
+    """A call settled at ``tokens``: its estimate replaced, where its window counted it."""
+    if window is not None and call_id in window.counted:
+        window.tokens = max(0, window.tokens + tokens - window.counted.pop(call_id))
+
+
 def _admitted(
     policies: dict[str, tuple[Any, Any, Any]],
-    windows: dict[str, tuple[int, int]],
+    windows: dict[str, _Window],
     path: str,
     e: StoredEvent,
     in_flight: int,
 ) -> list[Violation]:
     """One attempt admitted under ``path`` at event ``e``: counted in its window, and
-    checked against its ``rpm`` and ``concurrency``."""
-    rpm, _, concurrency = policies.get(path, (None, None, None))
+    checked against its ``rpm``, ``tpm`` and ``concurrency``."""
+    rpm, tpm, concurrency = policies.get(path, (None, None, None))
     out = []
-    if path in windows:
-        minute, count = windows[path]
-        count = count if minute >= minute_of(e.at) else 0
-        if rpm is not None and count + 1 > rpm:
+    window = windows.get(path)
+    if window is not None:
+        if window.minute < minute_of(e.at):
+            window = windows[path] = _Window(minute_of(e.at))
+        tokens = int(e.data.get("tokens", 0))
+        if rpm is not None and window.attempts + 1 > rpm:
             out.append(
                 Violation(
                     "rate_limit_exceeded",
-                    f"call {e.call_id} admitted at event {e.seq} as attempt {count + 1} of "
-                    f"its minute under {path!r}, whose rpm is {rpm}",
+                    f"call {e.call_id} admitted at event {e.seq} as attempt "
+                    f"{window.attempts + 1} of its minute under {path!r}, whose rpm is {rpm}",
                 )
             )
-        windows[path] = (max(minute, minute_of(e.at)), count + 1)
+        if tpm is not None and window.tokens + tokens > tpm:
+            out.append(
+                Violation(
+                    "rate_limit_exceeded",
+                    f"call {e.call_id} admitted at event {e.seq} with {tokens} tokens, after "
+                    f"{window.tokens} in its minute under {path!r}, whose tpm is {tpm}",
+                )
+            )
+        window.attempts += 1
+        window.tokens += tokens
+        window.counted[str(e.call_id)] = tokens
     if concurrency is not None and in_flight + 1 > concurrency:
         out.append(
             Violation(

@@ -139,7 +139,7 @@ class Fault:
     seconds: float = 0.0
     #: crash_at: the crash point; pg_outage: the ``pg_ctlcluster stop`` mode;
     #: budget_set: ``PATH=NANOS`` (or ``PATH=none``), the limit an operator sets;
-    #: key_revoke, key_new: the key's name (``ROOT.N``); rate_set: ``PATH rpm=N
+    #: key_revoke, key_new: the key's name (``ROOT.N``); rate_set: ``PATH rpm=N tpm=N
     #: concurrency=N`` (``none`` removes one, ``-`` leaves it as it is);
     #: archive: ``--step-events``; resend: ``COPIES:PICK`` (how many copies of the resend
     #: go at once, and which of the unknown keyed calls listed then is chosen, modulo).
@@ -378,7 +378,10 @@ def _operator(seed: int, duration: float, lookups: bool) -> tuple[Fault, ...]:
     """``--operator``: limits and reconciles (as drawn before keys and rates were added),
     then key rotations and rate limits from a generator of their own, in time order."""
     limits = _operator_actions(random.Random(f"operator {seed}"), duration, lookups)
-    keys = _key_and_rate_actions(random.Random(f"keys {seed}"), duration)
+    # tpm from a generator of its own: the rest of a schedule is drawn as before it came.
+    keys = _key_and_rate_actions(
+        random.Random(f"keys {seed}"), random.Random(f"tpm {seed}"), duration
+    )
     return tuple(sorted(limits + keys, key=lambda f: f.at))
 
 
@@ -387,11 +390,14 @@ def key_root(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _key_and_rate_actions(rng: random.Random, duration: float) -> tuple[Fault, ...]:
+def _key_and_rate_actions(
+    rng: random.Random, tpms: random.Random, duration: float
+) -> tuple[Fault, ...]:
     """Every 1.5-5 s: a key rotation (the key a root's clients use is revoked, and a new
     one made, up to 1.5 s before or 4 s after: clients meet 401s meanwhile, and go on
-    with the new key once made) or ``budget set PATH --rpm --concurrency`` (raised,
-    lowered, to 0, removed). A root is rotated again only once its last new key exists."""
+    with the new key once made) or ``budget set PATH --rpm --tpm --concurrency`` (raised,
+    lowered, to 0, removed; ``tpm`` drawn from ``tpms``). A root is rotated again only
+    once its last new key exists."""
     faults: list[Fault] = []
     generation = dict.fromkeys(KEY_ROOTS, 0)
     busy_until = dict.fromkeys(KEY_ROOTS, 0.0)
@@ -412,7 +418,9 @@ def _key_and_rate_actions(rng: random.Random, duration: float) -> tuple[Fault, .
         else:
             rpm = rng.choice(["-", "none", "0", *map(str, range(2, 40, 3))])
             concurrency = rng.choice(["-", "-", "none", "1", "2", "3"])
-            point = f"{rng.choice(BUDGETS)} rpm={rpm} concurrency={concurrency}"
+            # A call's estimate (prompt bytes and max_tokens) is 20-200 tokens here.
+            tpm = tpms.choice(["-", "-", "none", "0", "150", "400", "1000", "2500", "6000"])
+            point = f"{rng.choice(BUDGETS)} rpm={rpm} tpm={tpm} concurrency={concurrency}"
             faults.append(Fault(at, "rate_set", 0, point=point))
         at = round(at + rng.uniform(1.5, 5.0), 3)
     return tuple(faults)
