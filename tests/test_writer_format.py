@@ -81,7 +81,7 @@ async def test_an_older_release_cannot_write_a_migrated_sqlite_ledger(tmp_path: 
 
 
 #: The formats before this release's, each refused by the migration that raised it past it.
-OLDER_FORMATS = [1, 2, 3]
+OLDER_FORMATS = [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("declared", OLDER_FORMATS)
@@ -94,7 +94,9 @@ async def test_a_release_of_an_older_format_cannot_write_a_migrated_ledger(
     format 2 cannot read an attempt.started that records where it was sent (sent_to,
     key_digest): migration 19 refuses it. A release of format 3 lets a [[keys]] entry whose
     ledger key was revoked spend, and believes usage far past a request's output cap:
-    migration 21 refuses it. Each is told to upgrade."""
+    migration 21 refuses it. A release of format 4 counts a step back of the clock in a
+    rate window without recording where (contract §5.6): migration 22 refuses it. Each is
+    told to upgrade."""
     path = str(tmp_path / "ledger.db")
     cli("migrate", path)
     await new_release_writes(path)
@@ -137,8 +139,8 @@ async def test_an_older_release_cannot_write_a_migrated_postgres_ledger(pg_url: 
 async def test_a_release_of_an_older_format_cannot_write_a_migrated_postgres_ledger(
     pg_url: str, declared: int
 ) -> None:
-    """As on SQLite: a connection declaring an older format (PostgreSQL migrations 11, 12
-    and 14 raised it past 1, 2 and 3) is refused each write, and told to upgrade."""
+    """As on SQLite: a connection declaring an older format (PostgreSQL migrations 11, 12,
+    14 and 15 raised it past 1, 2, 3 and 4) is refused each write, and told to upgrade."""
     import psycopg
 
     cli("migrate", pg_url)

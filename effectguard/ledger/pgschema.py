@@ -279,6 +279,12 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "says was applied is not resent; releases before it may no longer write this ledger",
         [NOT_APPLIED_INDEX, *writerformat.pg_require(4)],  # as SQLite's migration 21
     ),
+    (
+        15,
+        "writer format 5: a rate window records where the clock stepped back (since); "
+        "releases before it may no longer write this ledger",
+        writerformat.pg_require(5),  # as SQLite's migration 22
+    ),
 ]
 
 

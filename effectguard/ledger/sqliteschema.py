@@ -423,6 +423,14 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
         # (ledger/retries). Both came in one release, so no release of format 4 lacks it.
         [NOT_APPLIED_INDEX, *writerformat.sqlite_require(4)],
     ),
+    (
+        22,
+        "writer format 5: a rate window records where the clock stepped back (since); "
+        "releases before it may no longer write this ledger",
+        # No table changes: one of format 4 beside this release would count a step back
+        # without recording it, leaving windows verify cannot re-derive (contract §5.6).
+        [*writerformat.sqlite_require(5)],
+    ),
 ]
 
 
