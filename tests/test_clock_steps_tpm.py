@@ -13,11 +13,15 @@ ends (the ``ledger`` fixture).
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_rate_limits import _with_tokens, completion, refused_429
 from test_store_contract import admit_ok, ledger, ledger_url, ns, register, req, store_kind
 
 from effectguard.ledger import Ledger, Writer
+from effectguard.rules import ratelimit
 from effectguard.rules.budget import BudgetPolicy
+from effectguard.rules.ratelimit import RateWindow
 from effectguard.testing.clock import ManualClock
 
 _ = (ledger, ledger_url, ns, store_kind)  # fixtures
@@ -122,3 +126,61 @@ async def test_a_far_step_back_starts_a_window_its_older_calls_take_nothing_from
     await admit_ok(ledger, w1, req(ns, tokens=800))
     await _settle(ledger, w1, ns, first.call_id, 30)
     await refused_429(ledger, w1, ns, tokens=300)
+
+
+async def test_a_call_in_flight_across_a_step_back_settles_in_its_window(
+    ledger: Ledger, w1: Writer, ns: str, moves: Moves
+) -> None:
+    """tpm 1000: calls A (estimated 400) and B (500) are admitted 30 s into minute m; NTP
+    steps the clock back 45 s; B settles at 30, then C (100) is admitted (counted in m),
+    then A, in flight all along, settles at 700 tokens, more than its estimate. The window
+    holds 830: a call of 300 is refused, one of 100 fits. (A's settlement, after C had
+    stepped back, was not corrected: the window held 530 and admitted the call of 300,
+    1130 tokens in the minute.)"""
+    start = _thirty_into_a_minute(moves)
+    moves.set(start)
+    await ledger.set_policy(BudgetPolicy(ns, tpm=1000))
+    a = await admit_ok(ledger, w1, req(ns, tokens=400))
+    b = await admit_ok(ledger, w1, req(ns, tokens=500, request_hash="hash-2"))
+    moves.set(start - 45)
+    await _settle(ledger, w1, ns, b.call_id, 30)
+    await admit_ok(ledger, w1, req(ns, tokens=100, request_hash="hash-3"))
+    await _settle(ledger, w1, ns, a.call_id, 700)
+    await refused_429(ledger, w1, ns, tokens=300)
+    await admit_ok(ledger, w1, req(ns, tokens=100, request_hash="hash-4"))
+
+
+@given(
+    steps=st.lists(
+        st.tuples(st.floats(-59, 40, allow_nan=False), st.integers(0, 400), st.booleans()),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_a_clock_never_a_minute_behind_itself_keeps_the_window_exact(
+    steps: list[tuple[float, int, bool]],
+) -> None:
+    """Pure rules: admissions and settlements at a clock that moves forward or back, never
+    more than 59 s behind the latest time it showed. After each, the window's tokens are
+    exactly those of the attempts it counted: each one's estimate, or its reported tokens
+    once settled (tracked here by which window instance counted which call)."""
+    window, latest, at, position = RateWindow("a"), 600.0, 600.0, 1
+    counted: dict[int, int] = {}  # call (its reservation position) -> tokens counted
+    flying: dict[int, tuple[float, int]] = {}  # call -> admitted at, estimate
+    for move, tokens, settle in steps:
+        at = max(at + move, latest - 59)
+        latest = max(latest, at)
+        position += 1
+        if settle and flying:
+            call = sorted(flying)[tokens % len(flying)]
+            started, estimate = flying.pop(call)
+            window = ratelimit.corrected(window, started, estimate, tokens, lambda c=call: c)
+            if call in counted:
+                counted[call] = tokens
+        else:
+            window = ratelimit.admitted(window, at, tokens, position)
+            if window.requests == 1:
+                counted = {}  # the window started over
+            counted[position] = tokens
+            flying[position] = (at, tokens)
+        assert window.tokens == sum(counted.values())

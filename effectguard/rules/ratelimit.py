@@ -16,12 +16,15 @@ admission transaction, so the count is exact across replicas.
 A step back makes a window's minute no longer tell which attempts it counted: after a
 small one it counts attempts of the minute before, which a window in its minute
 otherwise never does; after a far one it starts over in a minute whose earlier attempts
-an older window counted. So either records where it happened (``since``: the ledger
-position before the reservation that stepped back), and from then the window corrects
-exactly the attempts reserved after it, of its minute or the one before (:func:`counts`).
-A call in flight when a small step back came, admitted in the window's own minute, was
-counted before that position: its settlement then gives nothing back (its estimate stays
-counted until the minute ends, which refuses early, never admits too much).
+an older window counted. So either records where it happened, ``p`` (the ledger position
+before the reservation that stepped back), and a settlement corrects exactly the
+attempts the window counted (:func:`counts`). Kept back, the window still counts every
+attempt of its own minute, and those of the minute before reserved after ``p``: it
+records ``since = -p``. Started over, it counts the attempts reserved after ``p``, in its
+minute (or, stepped back again, the one before): ``since = p``, as a declaration records.
+Not exact: a clock stepped back far and then forward again into the minute it had left,
+while an attempt of that minute from before the first step is in flight (the window the
+second step starts counts its minute whole, that attempt included).
 
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
@@ -59,11 +62,15 @@ def minute_of(at: float) -> int:
 class RateWindow:
     """What one node admitted in one minute: attempts and tokens.
 
-    ``since`` is 0 when every attempt of its minute that can still settle was counted;
-    else the ledger position (event ``seq``) of the declaration that started it
-    mid-minute while calls were in flight, before which its minute's attempts were not
-    counted. None: a window a release before writer format 2 counted, which did not
-    record it (read as 0, as that release did).
+    ``since`` is 0 when every attempt of its minute that can still settle was counted,
+    and none of another minute. Positive, a ledger position (event ``seq``): the window
+    counted exactly the attempts reserved after it (those of its minute, or of the one
+    before after a step back); a declaration that started it mid-minute while calls were
+    in flight records one, and so does a step back that started it over. Negative, ``-p``:
+    the window counted every attempt of its minute that can still settle, and those of
+    the minute before reserved after position ``p`` (a step back it kept). None: a window
+    a release before writer format 2 counted, which did not record it (read as 0, as that
+    release did).
     """
 
     path: str
@@ -140,8 +147,9 @@ def admitted(window: RateWindow, at: float, tokens: int, position: int) -> RateW
     minute = minute_of(at)
     current = window.at(minute)
     if minute < window.minute and current.since == 0:
-        # Stepped back: counted in a later minute, or starting over in an earlier one.
-        current = replace(current, since=position - 1)
+        # Stepped back: kept in the later minute, or starting over in an earlier one. A
+        # reservation always follows the declaration that gave it limits: position > 1.
+        current = replace(current, since=1 - position if current is window else position - 1)
     return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
 
 
@@ -168,15 +176,16 @@ def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) 
     reservation is at ledger position ``reserved()`` (asked only of a window started
     mid-minute, in the attempt's minute).
 
-    A window that has moved on from the attempt's minute no longer counts it. One that
-    records a position (a declaration or a step back of the clock started it there)
-    counts exactly the attempts reserved after it, in its minute or, stepped back, the
-    one before; any other counts every attempt of its minute and none of another.
+    A window that has moved on from the attempt's minute no longer counts it. Otherwise
+    as its ``since`` says (:class:`RateWindow`): every attempt of its minute, the attempts
+    reserved after a position, or both, the second only in the minute before.
     """
-    minute = minute_of(admitted_at)
-    if not window.since:
+    minute, since = minute_of(admitted_at), window.since
+    if not since:
         return window.minute == minute
-    return window.minute - KEPT_BACK <= minute <= window.minute and reserved() > window.since
+    if since < 0 and minute == window.minute:
+        return True
+    return window.minute - KEPT_BACK <= minute <= window.minute and reserved() > abs(since)
 
 
 def corrected(

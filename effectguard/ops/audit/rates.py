@@ -15,10 +15,11 @@ replaces its attempt's estimate (the call's last reservation) with them, never b
 in each window that counted that attempt: one that still counts the minute its attempt
 started in (the call's last ``attempt.started``) and, if a declaration started it in that
 minute, only for a reservation after the declaration. A window that has moved on is left
-alone. A step back of the clock (a reservation in a minute before its window's, counted
-in it or starting it over) records the position before it (``since``) in a window that
-recorded none: from then the window counts exactly the reservations after ``since``, of
-its minute or the one before.
+alone. A step back of the clock (a reservation in a minute before its window's) records
+``p``, the position before it, in a window that recorded none: counted in the window,
+``since = -p`` (the window counts its minute whole, and the reservations of the minute
+before after ``p``); starting it over, ``since = p`` (it counts exactly the reservations
+after ``p``, of its minute or the one before, as after a declaration).
 
 Older releases counted differently, and a stored window may be theirs (docs/operations.md,
 "Mixed versions"): before writer format 1 a reservation in the minute before its window's
@@ -49,8 +50,9 @@ _MARKS = True
 
 class RateRow(NamedTuple):
     """A stored rate window, or one the events give: a node's minute and its counts, and
-    the ``seq`` of the declaration that started it mid-minute (0: none; None: a window a
-    release before writer format 2 counted, which did not record it)."""
+    ``since``: the ``seq`` of the declaration that started it mid-minute, or where a step
+    back of the clock came (negative if the window kept counting; 0: neither; None: a
+    window a release before writer format 2 counted, which did not record it)."""
 
     path: str
     minute: int
@@ -81,11 +83,12 @@ class _Fold:
         for path in paths:
             window = self.windows.get(path)
             earlier = window is not None and minute < window.minute
-            if window is None or not window.minute - back <= minute <= window.minute:
+            kept = window is not None and window.minute - back <= minute <= window.minute
+            if window is None or not kept:
                 window = RateRow(path, minute, 0, 0)
                 restarted.append(path)
             if self.marks and earlier and window.since == 0:
-                window = window._replace(since=seq - 1)
+                window = window._replace(since=1 - seq if kept else seq - 1)
             self.windows[path] = window._replace(
                 requests=window.requests + 1, tokens=window.tokens + tokens
             )
@@ -103,7 +106,10 @@ class _Fold:
         if not (self.declared and window.since):
             return window.minute == minute
         if self.marks:
-            return window.minute - _KEPT_BACK <= minute <= window.minute and reserved > window.since
+            since = window.since
+            if since < 0 and minute == window.minute:
+                return True  # a step back kept it counting its minute whole
+            return window.minute - _KEPT_BACK <= minute <= window.minute and reserved > abs(since)
         # Reserved after the declaration that started this window, in its minute.
         return window.minute == minute and reserved > window.since
 
