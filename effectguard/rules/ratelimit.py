@@ -22,9 +22,9 @@ attempts the window counted (:func:`counts`). Kept back, the window still counts
 attempt of its own minute, and those of the minute before reserved after ``p``: it
 records ``since = -p``. Started over, it counts the attempts reserved after ``p``, in its
 minute (or, stepped back again, the one before): ``since = p``, as a declaration records.
-Not exact: a clock stepped back far and then forward again into the minute it had left,
-while an attempt of that minute from before the first step is in flight (the window the
-second step starts counts its minute whole, that attempt included).
+Not exact: a clock stepped back far and then forward again into a minute an earlier
+window counted, while an attempt that window counted in that minute is in flight (the
+window the forward step starts counts its minute whole, that attempt included).
 
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
@@ -173,8 +173,8 @@ def started(path: str, at: float, since: int) -> RateWindow:
 
 def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) -> bool:
     """Whether ``window`` counted the attempt admitted at ``admitted_at``, whose
-    reservation is at ledger position ``reserved()`` (asked only of a window started
-    mid-minute, in the attempt's minute).
+    reservation is at ledger position ``reserved()`` (asked only of a window that records
+    a position, and only where its minute does not answer).
 
     A window that has moved on from the attempt's minute no longer counts it. Otherwise
     as its ``since`` says (:class:`RateWindow`): every attempt of its minute, the attempts
