@@ -7,8 +7,10 @@ verify``.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -255,3 +257,91 @@ def test_a_step_back_booked_as_releases_before_writer_format_1_did_still_verifie
     monkeypatch.undo()
     assert cli_main(["verify", "--ledger", ledger]) == 0
     assert cli_main(["verify", "--ledger", ledger, "--archive", archive]) == 0
+
+
+def _sse(*objects: dict[str, object]) -> bytes:
+    return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objects)
+
+
+CHUNK = _sse(
+    {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "delta": {"content": "hello"}}],
+    }
+)
+USAGE = (
+    _sse(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "model": "gpt-4o-mini",
+            "choices": [],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
+    + b"data: [DONE]\n\n"
+)
+
+
+class GatedStream(httpx.AsyncByteStream):
+    """A provider's stream: its first chunk at once, the rest (with the usage) once the
+    test opens the gate."""
+
+    def __init__(self, gate: asyncio.Event) -> None:
+        self._gate = gate
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield CHUNK
+        await self._gate.wait()
+        yield USAGE
+
+
+def test_a_stream_in_flight_across_a_step_back_gives_its_estimate_back(tmp_path: Path) -> None:
+    """tpm 1500, every call reporting 2 tokens: a stream (max_tokens 500, so an estimate
+    over 500) is opened in minute m and is still streaming when NTP steps the clock back
+    45 s and a second call of max_tokens 500 is made; then the stream ends. Both gave
+    their estimates back, so calls of max_tokens 1000 fit in the minute. (Before, the
+    call made after the step kept its estimate, and the first of them was refused 429;
+    with the first fix, which counted only the calls reserved after the step, the stream
+    kept its estimate instead, with the same 429.)"""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", "--tpm", "1500", "--ledger", ledger]) == 0
+    clock = SteppedClock(T0)
+
+    async def run() -> list[int]:
+        gate = asyncio.Event()
+
+        def reply(request: httpx.Request) -> httpx.Response:
+            if json.loads(request.content).get("stream") is True:
+                stream: httpx.AsyncByteStream = GatedStream(gate)
+                return httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, stream=stream
+                )
+            return httpx.Response(
+                200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(ANSWER)
+            )
+
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        body["max_tokens"] = 500
+        headers = {"Effectguard-Budget": "team"}
+        async with Ledger.open(ledger, clock=clock) as led:
+            transport = AsyncGuardTransport(httpx.MockTransport(reply), ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+                streamed = {**body, "stream": True}
+                async with client.stream("POST", CHAT_URL, json=streamed, headers=headers) as r:
+                    chunks = r.aiter_bytes()
+                    await anext(chunks)
+                    clock.set(T0 - 45)
+                    stepped = await client.post(CHAT_URL, json=body, headers=headers)
+                    gate.set()
+                    async for _ in chunks:
+                        pass
+                body["max_tokens"] = 1000
+                later = [await client.post(CHAT_URL, json=body, headers=headers) for _ in "abc"]
+                return [r.status_code, stepped.status_code, *(a.status_code for a in later)]
+
+    assert asyncio.run(run()) == [200] * 5
+    assert cli_main(["verify", "--ledger", ledger]) == 0
