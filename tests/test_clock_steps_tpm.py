@@ -12,9 +12,12 @@ ends (the ``ledger`` fixture).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_clock_steps import SteppedClock
 from test_rate_limits import _with_tokens, completion, refused_429
 from test_store_contract import admit_ok, ledger, ledger_url, ns, register, req, store_kind
 
@@ -22,17 +25,8 @@ from effectguard.ledger import Ledger, Writer
 from effectguard.rules import ratelimit
 from effectguard.rules.budget import BudgetPolicy
 from effectguard.rules.ratelimit import RateWindow
-from effectguard.testing.clock import ManualClock
 
 _ = (ledger, ledger_url, ns, store_kind)  # fixtures
-
-
-class SteppedClock(ManualClock):
-    """A manual clock that NTP may also set back."""
-
-    def set(self, at: float) -> None:
-        with self._lock:
-            self._now = at
 
 
 class Moves:
@@ -60,7 +54,7 @@ class Moves:
 @pytest.fixture
 def clock(store_kind: str) -> SteppedClock | None:
     """The ledger's clock (overrides the store contract's: this one steps back too)."""
-    return None if store_kind == "postgres" else SteppedClock()
+    return None if store_kind == "postgres" else SteppedClock(time.time())
 
 
 @pytest.fixture
