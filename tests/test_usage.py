@@ -496,6 +496,37 @@ def test_events_after_the_terminal_event_do_not_move_it() -> None:
     assert parser.terminal_at == 0
 
 
+_AFTER_THE_END = {
+    "/v1/chat/completions": sse(
+        chat_chunk(None, {"prompt_tokens": 900_000, "completion_tokens": 1})
+    ),
+    "/v1/responses": sse(
+        {
+            "type": "response.completed",
+            "response": {"usage": {"input_tokens": 9, "output_tokens": 9}},
+        }
+    ),
+    "/v1/messages": sse(
+        {"type": "message_delta", "usage": {"output_tokens": 900_000}}, {"type": "message_stop"}
+    ),
+}
+
+
+@pytest.mark.parametrize(("dialect", "path", "stream", "expected"), STREAMS)
+def test_events_after_the_terminal_event_change_nothing_wherever_the_network_split_them(
+    dialect: str, path: str, stream: bytes, expected: UsageResult
+) -> None:
+    """A usage event an upstream sends after the terminal event is not read, whether it
+    arrives with the terminal event or in a later read. The observation is written at the
+    terminal event: a late usage event in the same read as ``[DONE]`` once set the cost,
+    and the same bytes split one packet later did not (contract.md §12, "Streams")."""
+    late = _AFTER_THE_END[path]
+    together = feed_all(dialect, path, [stream + late])
+    apart = feed_all(dialect, path, [stream, late])
+    assert together.result() == apart.result() == expected
+    assert together.finished and together.terminal_at == apart.terminal_at
+
+
 @pytest.mark.parametrize(
     "path", ["/v1/responses?stream=true", "/v1/responses/", "/v1/responses?a=?b"]
 )

@@ -230,6 +230,11 @@ class StreamUsage:
             self._decode(data)
 
     def _decode(self, data: bytes) -> None:
+        if self._finished:
+            # Past the terminal event nothing counts: the observation is written there, so
+            # a usage event behind it would count only when the network delivered it in the
+            # same read, and the same bytes would be charged two ways.
+            return
         if data == b"[DONE]":
             self._finished = "[DONE]" in _TERMINAL[self._api]
             return
