@@ -89,6 +89,13 @@ ANSWERS: dict[str, bytes] = {
     b"Connection: close\r\n\r\n{}",
     "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: odd\r\nConnection: upgrade\r\n\r\n"
     b"{}",
+    "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
+    "130-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(130))),
+    "bad-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n10\r\n" + _BODY[:16] + b"\r\nzz\r\n",
+    "body-short-of-length": _whole(b"", _BODY, b"application/json").replace(
+        b"Content-Length: %d" % len(_BODY), b"Content-Length: %d" % (len(_BODY) + 50)
+    ),
     "gzip-transfer-coded": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
     b"Transfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n"
     + f"{len(_GZIPPED):x}\r\n".encode()
@@ -114,7 +121,9 @@ class InterimUpstream(ScriptedUpstream):
     """A :class:`ScriptedUpstream` serving each connection in its own thread, which also
     floods interim answers (``interim-flood``: 20,000 ``103``, as fast as they go, then
     the answer) or drips them (``interim-drip``: a ``100 Continue`` every 0.25 s, twelve
-    of them, then the answer), until the answer or until the proxy hangs up."""
+    of them, then the answer), until the answer or until the proxy hangs up; or breaks
+    its chunked framing after the first chunk, in a later write (``bad-chunk-later``,
+    ``bad-chunk-later-stream``), and closes."""
 
     concurrent = True
 
@@ -132,6 +141,19 @@ class InterimUpstream(ScriptedUpstream):
                     conn.sendall(_CONTINUE)
                     time.sleep(0.25)
                 conn.sendall(_whole(b""))
+            elif name.startswith("bad-chunk-later"):
+                self.received.append(name)
+                media, first = (
+                    (b"text/event-stream", _EVENT)
+                    if name.endswith("stream")
+                    else (b"application/json", _BODY[:16])
+                )
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: " + media + b"\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(first) + first + b"\r\n"
+                )
+                time.sleep(0.2)  # so the bad chunk size comes in a read of its own
+                conn.sendall(b"zz\r\n" + _EVENT + b"\r\n")
             else:
                 super().answer(conn, request)
         except OSError:
@@ -258,6 +280,46 @@ def test_an_answer_that_cannot_be_read_as_http_is_effect_unknown(
     call = _call(capsys, ledger, first.headers[CALL_ID])
     assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
     assert errors == 0, log
+    assert _verified(capsys, ledger)
+
+
+@pytest.mark.parametrize(
+    ("answer", "told"),
+    [
+        ("nul-header", "Invalid HTTP header"),
+        ("130-headers", "Too many headers received"),
+        ("bad-chunk-size", "Invalid character in chunk size"),
+        ("body-short-of-length", "Not enough data to satisfy content length header"),
+    ],
+)
+def test_an_answer_the_leg_cannot_parse_is_not_told_as_a_status_the_provider_sent(
+    answer: str,
+    told: str,
+    upstream: ScriptedUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An answer aiohttp cannot parse is ``effect_unknown``, and its text names what could not
+    be read. aiohttp puts the status 400 on every such answer (``ClientResponseError: 400,
+    message=...``, ``<ContentLengthError: 400, ...>``), a status the provider never sent; in
+    the client's message and the interrupt's reason it read as the provider's 400, which
+    proves nothing was done: an operator reconciling by it would free the key of a call the
+    provider may have made. The upstream's address was quoted too."""
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        first = httpx.post(proxy.url + CHAT, json=_chat(False), headers={"x-answer": answer})
+    assert first.status_code == 502, first.text
+    message = first.json()["error"]["message"]
+    assert first.json()["error"]["type"] == "effect_unknown"
+    assert upstream.received.count(answer) == 1
+    call_id = first.headers[CALL_ID]
+    events = _cli_json(capsys, ledger, "show", call_id)["events"]
+    reason = next(e["data"]["reason"] for e in events if e["kind"] == "attempt.interrupted")
+    for text in (message, reason):
+        assert told in text, text
+        assert "400" not in text.replace(call_id, ""), text
+        assert upstream.url.removeprefix("http://") not in text, text
+    assert _call(capsys, ledger, call_id)["stage"] == "effect_unknown"
     assert _verified(capsys, ledger)
 
 
@@ -455,4 +517,46 @@ def test_interim_answers_do_not_restart_the_read_timeout(
     assert answer.json()["error"]["type"] == "effect_unknown"
     call = _call(capsys, ledger, answer.headers[CALL_ID])
     assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
+    assert _verified(capsys, ledger)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_chunked_framing_broken_mid_body_ends_the_call_and_others_go_on(
+    stream: bool,
+    interim_upstream: InterimUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A chunk size that is not hex (``zz``), in a read after the answer began: the call is
+    ``effect_unknown`` (502, or a stream cut off with an error), its reservation held, and
+    calls beside it complete. aiohttp's C parser put that failure on the connection but
+    not on the body being read, and stopped the read timeout: the call stayed ``in_flight``,
+    its client waiting and its key answering 409, for as long as the proxy ran."""
+    name = "bad-chunk-later-stream" if stream else "bad-chunk-later"
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": interim_upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=10)
+        headers = {"x-answer": name, "idempotency-key": f"k-{name}"}
+        with client.stream("POST", CHAT, json=_chat(stream), headers=headers) as response:
+            call_id = response.headers[CALL_ID]
+            if stream:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    response.read()
+            else:
+                assert response.status_code == 502, response.read()
+                error = json.loads(response.read())["error"]
+                assert error["type"] == "effect_unknown"
+                assert "Invalid character in chunk size" in error["message"]
+        beside = client.post(CHAT, json=_chat(False), headers={"x-answer": "good"})
+        resend = client.post(CHAT, json=_chat(stream), headers=headers)
+        errors = _internal_errors(proxy.url)
+        client.close()
+        log = proxy.log()
+    assert beside.status_code == 200
+    assert resend.status_code == 409 and resend.json()["error"]["type"] == "effect_unknown"
+    assert interim_upstream.received.count(name) == 1
+    call = _call(capsys, ledger, call_id)
+    assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
+    assert call["held_usd"] == call["reserved_usd"]
+    assert errors == 0, log
     assert _verified(capsys, ledger)

@@ -79,5 +79,29 @@ def describe(exc: BaseException) -> str:
         # The proxy's aiohttp leg reraises as httpx's classes, some misnamed (a server
         # that hangs up after the request is ``ConnectTimeout``): name what happened.
         exc = cause
-    text = _QUERY.sub(r"\1?…", str(exc) or type(exc).__name__)
+    text = _QUERY.sub(r"\1?…", _unparsed(exc) or str(exc) or type(exc).__name__)
     return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _unparsed(exc: BaseException) -> str | None:
+    """What aiohttp could not read of an answer, if that is what ``exc`` reports: the
+    parser's own error (from ``aiohttp.http_exceptions``, at the end of its causes) by
+    name and message, on one line.
+
+    aiohttp's text for such an answer (``ClientResponseError: 400, message=..., url=...``,
+    ``... <ContentLengthError: 400, message=...>``) carries the status 400 its parser puts
+    on every answer it cannot read, a status the provider never sent: read as the
+    provider's, it says nothing was done, and an operator reconciling by it would free the
+    key of a call the provider may have made. It quoted the upstream's address too."""
+    causes = []
+    cause = exc.__cause__
+    while cause is not None and type(cause).__module__ == "aiohttp.http_exceptions":
+        causes.append(cause)
+        cause = cause.__cause__
+    if not causes:
+        return None
+    parser = causes[-1]  # the most specific: aiohttp wraps it in a plain one on the way
+    said = f"{type(parser).__name__}: {' '.join(str(getattr(parser, 'message', '')).split())}"
+    if hasattr(exc, "request_info"):  # ClientResponseError: its text is all the parser's
+        return said
+    return str(exc).replace(repr(causes[0]), said)
