@@ -12,7 +12,11 @@ provider's fault is not counted as effectguard's own (``effectguard_internal_err
 * a final status outside 200-599 (999, or 101 to a POST) is not an HTTP answer, nor is
   one coded with a transfer coding nobody asked for (``gzip, chunked``: its body
   arrives still coded): the effect is unknown, and a keyed resend is refused, not
-  replayed.
+  replayed;
+* an answer the leg cannot parse (a NUL in a header, 130 headers, a bad chunk size, a
+  body short of its length) is told by what could not be read, never as a 400;
+* chunked framing that breaks after the answer began ends the call at once;
+* a usage event behind the terminal event is not charged.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ ANSWERS: dict[str, bytes] = {
     b"Connection: close\r\n\r\n{}",
     "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: odd\r\nConnection: upgrade\r\n\r\n"
     b"{}",
+    "usage-after-done": _whole(b"", _EVENT + _DONE + _USAGE, b"text/event-stream"),
     "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
     "130-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(130))),
     "bad-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -280,6 +285,32 @@ def test_an_answer_that_cannot_be_read_as_http_is_effect_unknown(
     call = _call(capsys, ledger, first.headers[CALL_ID])
     assert (call["stage"], call["effect"]) == ("effect_unknown", "unknown")
     assert errors == 0, log
+    assert _verified(capsys, ledger)
+
+
+def test_a_usage_event_behind_the_terminal_event_is_not_charged(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A usage event after ``[DONE]``, in the same write: the call completes at its
+    reservation, flagged, as one whose usage never came. It was read and charged when the
+    network delivered it with ``[DONE]``, and not when one read later: the same answer had
+    two costs."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": "usage-after-done"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        response = httpx.post(proxy.url + CHAT, json=_chat(True), headers=headers, timeout=30)
+    assert response.status_code == 200
+    assert response.content.startswith(_EVENT + _DONE)
+    call_id = response.headers[CALL_ID]
+    call = _call(capsys, ledger, call_id)
+    assert (call["stage"], call["cost_usd"]) == ("completed", call["reserved_usd"])
+    settled = [
+        e["data"]
+        for e in _cli_json(capsys, ledger, "show", call_id)["events"]
+        if e["kind"] == "budget.settled"
+    ]
+    assert "usage missing" in json.dumps(settled), settled
+    assert upstream.received.count("usage-after-done") == 1
     assert _verified(capsys, ledger)
 
 
