@@ -6,6 +6,8 @@
 * Bytes an upstream writes behind a complete answer (a second, forged answer in the
   same write) never answer the next call on that connection: the connection is
   dropped, and the next call gets its own answer and its own cost.
+* A usage event an upstream sends after ``[DONE]`` is not charged (it was when it came
+  in the same read as ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -44,10 +46,20 @@ def _http(body: bytes, *fields: str) -> bytes:
     ).encode() + body
 
 
+#: A chat stream whose only usage event comes after ``[DONE]``, in the same write.
+_LATE_USAGE_STREAM = (
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'
+    b'"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}\n\n'
+)
+
+
 class KeepAliveUpstream:
     """Answers each request on a connection kept open, by its ``x-answer``: ``gzip``
-    (a gzip-coded answer), ``smuggle`` (an answer and a forged one behind it, in one
-    write) or anything else (a plain answer naming the request's ``x-call``)."""
+    (a gzip-coded answer), ``late-usage`` (a stream whose usage follows ``[DONE]``),
+    ``smuggle`` (an answer and a forged one behind it, in one write) or anything else (a
+    plain answer naming the request's ``x-call``)."""
 
     def __init__(self) -> None:
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -74,6 +86,11 @@ class KeepAliveUpstream:
                 self.received.append(call)
                 if kind == "gzip":
                     conn.sendall(_http(gzip.compress(_answer(call, 5)), "Content-Encoding: gzip"))
+                elif kind == "late-usage":
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(_LATE_USAGE_STREAM) + _LATE_USAGE_STREAM
+                    )
                 elif kind == "smuggle":
                     conn.sendall(_http(_answer(call, 5)) + _http(_answer("FORGED", 900_000)))
                 else:
@@ -151,3 +168,29 @@ async def test_bytes_behind_an_answer_never_answer_the_next_call(
     assert upstream.received == ["c1", "c2"]
     costs = await _costs(ledger)
     assert len(costs) == 2 and len(set(costs.values())) == 1  # both the same 5-token cost
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+async def test_a_usage_event_behind_done_is_not_charged(
+    upstream: KeepAliveUpstream, tmp_path: Path, sync: bool
+) -> None:
+    """The usage after ``[DONE]`` is not read: the call is settled at its reservation,
+    as one whose usage never came, not at the late event's cost (which it was when the
+    event arrived in the same read as ``[DONE]``)."""
+    ledger = tmp_path / "l.db"
+    body = {**BODY, "stream": True}
+    settings = {"ledger": str(ledger), "upstreams": {"openai": upstream.url}}
+    if sync:
+        with httpx.Client(transport=GuardTransport(**settings), base_url=upstream.url) as client:  # type: ignore[arg-type]
+            answer = client.post(CHAT, json=body, headers=_headers("c1", "late-usage"))
+    else:
+        async with httpx.AsyncClient(
+            transport=AsyncGuardTransport(**settings),  # type: ignore[arg-type]
+            base_url=upstream.url,
+        ) as client:
+            answer = await client.post(CHAT, json=body, headers=_headers("c1", "late-usage"))
+    assert answer.status_code == 200 and b"[DONE]" in answer.content
+    assert upstream.received == ["c1"]
+    async with Ledger.open(str(ledger)) as opened:
+        (call,) = await opened.calls(limit=10)
+    assert (call.stage, call.cost) == ("completed", call.reserved_at_admission)
