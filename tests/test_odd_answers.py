@@ -14,7 +14,7 @@ provider's fault is not counted as effectguard's own (``effectguard_internal_err
   arrives still coded): the effect is unknown, and a keyed resend is refused, not
   replayed;
 * an answer the leg cannot parse (a NUL in a header, 130 headers, a bad chunk size, a
-  body short of its length) is told by what could not be read, never as a 400;
+  body short of its length or past it) is told by what could not be read, never as a 400;
 * chunked framing that breaks after the answer began ends the call at once;
 * a usage event behind the terminal event is not charged.
 """
@@ -93,6 +93,9 @@ ANSWERS: dict[str, bytes] = {
     b"Connection: close\r\n\r\n{}",
     "status-101": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: odd\r\nConnection: upgrade\r\n\r\n"
     b"{}",
+    "body-past-its-length": _whole(b"", _BODY, b"application/json").replace(
+        b"Content-Length: %d" % len(_BODY), b"Content-Length: %d" % (len(_BODY) - 20)
+    ),
     "usage-after-done": _whole(b"", _EVENT + _DONE + _USAGE, b"text/event-stream"),
     "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
     "130-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(130))),
@@ -321,6 +324,7 @@ def test_a_usage_event_behind_the_terminal_event_is_not_charged(
         ("130-headers", "Too many headers received"),
         ("bad-chunk-size", "Invalid character in chunk size"),
         ("body-short-of-length", "Not enough data to satisfy content length header"),
+        ("body-past-its-length", "Data after `Connection: close`"),
     ],
 )
 def test_an_answer_the_leg_cannot_parse_is_not_told_as_a_status_the_provider_sent(

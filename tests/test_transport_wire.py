@@ -58,6 +58,7 @@ _LATE_USAGE_STREAM = (
 class KeepAliveUpstream:
     """Answers each request on a connection kept open, by its ``x-answer``: ``gzip``
     (a gzip-coded answer), ``late-usage`` (a stream whose usage follows ``[DONE]``),
+    ``short-length`` (a ``Content-Length`` 20 bytes short of the body it sends),
     ``smuggle`` (an answer and a forged one behind it, in one write) or anything else (a
     plain answer naming the request's ``x-call``)."""
 
@@ -90,6 +91,13 @@ class KeepAliveUpstream:
                     conn.sendall(
                         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                         b"Content-Length: %d\r\n\r\n" % len(_LATE_USAGE_STREAM) + _LATE_USAGE_STREAM
+                    )
+                elif kind == "short-length":  # its Content-Length 20 bytes short
+                    body = _answer(call, 5)
+                    head = _http(body)[: -len(body)]
+                    length = b"Content-Length: %d" % len(body)
+                    conn.sendall(
+                        head.replace(length, b"Content-Length: %d" % (len(body) - 20)) + body
                     )
                 elif kind == "smuggle":
                     conn.sendall(_http(_answer(call, 5)) + _http(_answer("FORGED", 900_000)))
@@ -194,3 +202,32 @@ async def test_a_usage_event_behind_done_is_not_charged(
     async with Ledger.open(str(ledger)) as opened:
         (call,) = await opened.calls(limit=10)
     assert (call.stage, call.cost) == ("completed", call.reserved_at_admission)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+async def test_an_answer_past_its_content_length_is_settled_at_the_reservation(
+    upstream: KeepAliveUpstream, tmp_path: Path, sync: bool
+) -> None:
+    """``Content-Length`` 20 bytes short: the answer is its first ``Content-Length`` bytes
+    (JSON cut short, so no usage: settled at the reservation), the rest is bytes behind it,
+    and the next call on the connection gets its own answer and cost (contract.md §12)."""
+    ledger = tmp_path / "l.db"
+    settings = {"ledger": str(ledger), "upstreams": {"openai": upstream.url}}
+    if sync:
+        with httpx.Client(transport=GuardTransport(**settings), base_url=upstream.url) as client:  # type: ignore[arg-type]
+            short = client.post(CHAT, json=BODY, headers=_headers("c1", "short-length"))
+            after = client.post(CHAT, json=BODY, headers=_headers("c2"))
+    else:
+        async with httpx.AsyncClient(
+            transport=AsyncGuardTransport(**settings),  # type: ignore[arg-type]
+            base_url=upstream.url,
+        ) as client:
+            short = await client.post(CHAT, json=BODY, headers=_headers("c1", "short-length"))
+            after = await client.post(CHAT, json=BODY, headers=_headers("c2"))
+    assert short.status_code == 200 and short.content == _answer("c1", 5)[:-20]
+    assert after.json()["id"] == "c2"
+    assert upstream.received == ["c1", "c2"]
+    async with Ledger.open(str(ledger)) as opened:
+        calls = {c.call_id: c for c in await opened.calls(limit=10)}
+    costs = sorted((c.cost == c.reserved_at_admission, c.stage) for c in calls.values())
+    assert costs == [(False, "completed"), (True, "completed")]
