@@ -93,11 +93,12 @@ def _unparsed(exc: BaseException) -> str | None:
     on every answer it cannot read, a status the provider never sent: read as the
     provider's, it says nothing was done, and an operator reconciling by it would free the
     key of a call the provider may have made. It quoted the upstream's address too."""
-    causes = []
+    causes: list[BaseException] = []
     cause = exc.__cause__
+    # Bounded: a chain of causes can loop, and this runs on an error path only.
     while cause is not None and type(cause).__module__ == "aiohttp.http_exceptions":
         causes.append(cause)
-        cause = cause.__cause__
+        cause = cause.__cause__ if len(causes) < 8 else None
     if not causes:
         return None
     parser = causes[-1]  # the most specific: aiohttp wraps it in a plain one on the way
