@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -163,3 +164,52 @@ def test_a_keyed_sdk_stream_retried_after_its_timeout_is_read_whole_through_the_
     chunks = asyncio.run(run())
     assert chunks and all(c.choices for c in chunks)
     assert_one_effect(fake, ledger, "s-1")
+
+
+class _Seen(httpx.BaseTransport):
+    """Passes requests on; keeps each try's retry count and each answer's status, error
+    type and ``x-should-retry``."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+        self.answers: list[tuple[int, str | None, str | None]] = []
+        self.tries: list[str | None] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.tries.append(request.headers.get("x-stainless-retry-count"))
+        response = self.inner.handle_request(request)
+        response.read()
+        kind = response.json().get("error", {}).get("type") if response.content else None
+        self.answers.append((response.status_code, kind, response.headers.get("x-should-retry")))
+        return response
+
+
+def test_a_retry_that_waited_for_a_call_never_sent_is_retried_by_the_sdk(tmp_path: Path) -> None:
+    """The provider cannot be reached (connection refused) and the SDK's timeout is shorter
+    than effectguard's own retries of the connection: the SDK's retry waits for the call,
+    which ends ``not_sent``, and is answered 409 ``retry_failed``. Nothing was sent, so the
+    SDK may retry, as it does after the owner's own 502 ``upstream_unreachable``. The 409
+    said ``x-should-retry: false``: the SDK stopped and raised ``ConflictError`` after one
+    retry where, with a longer timeout, it kept retrying."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there: every connection is refused
+    transport = GuardTransport(ledger=str(tmp_path / "ledger.db"), upstreams={"openai": url})
+    seen = _Seen(transport)
+    oa = openai.OpenAI(
+        base_url=url + "/v1",
+        api_key="k",
+        timeout=0.3,
+        max_retries=2,
+        http_client=httpx.Client(transport=seen),
+    )
+    try:
+        with pytest.raises(openai.APIError):
+            oa.chat.completions.create(**chat("unreachable"))
+    finally:
+        transport.close()
+    failed = [a for a in seen.answers if a[1] == "retry_failed"]
+    assert failed, seen.answers  # the premise: a retry waited for the call
+    assert all(should_retry == "true" for _, _, should_retry in failed), seen.answers
+    assert seen.tries == ["0", "1", "2"]  # the SDK's retries, all made
