@@ -22,6 +22,7 @@ import httpx
 import httpx2
 import openai
 import pytest
+from pgkit import ledger_url  # noqa: F401  (a fixture)
 
 from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.ingress.httpx2 import Httpx2Transport
@@ -50,7 +51,7 @@ def message(content: str) -> dict[str, Any]:
     }
 
 
-def calls(ledger: Path) -> list[dict[str, Any]]:
+def calls(ledger: Path | str) -> list[dict[str, Any]]:
     """``effectguard calls --json``, run as the operator would."""
     out = subprocess.run(
         [sys.executable, "-m", "effectguard", "calls", "--json", "--ledger", str(ledger)],
@@ -101,10 +102,12 @@ def test_a_keyed_sdk_retry_after_its_timeout_gets_the_answer_through_the_proxy(
 
 
 def test_a_keyed_sdk_retry_after_its_timeout_gets_the_answer_through_the_sync_transport(
-    tmp_path: Path, fake: FakeProvider
+    ledger_url: str,  # noqa: F811
+    fake: FakeProvider,
 ) -> None:
-    """The same through ``GuardTransport`` (and the Anthropic SDK's httpx2 adapter)."""
-    ledger = tmp_path / "ledger.db"
+    """The same through ``GuardTransport`` (and the Anthropic SDK's httpx2 adapter), on
+    either ledger: the join reads the call from the ledger, as another replica's would."""
+    ledger = ledger_url
     transport = GuardTransport(
         ledger=str(ledger), upstreams={"openai": fake.url, "anthropic": fake.url}
     )
