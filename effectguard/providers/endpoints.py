@@ -18,7 +18,7 @@ This module parses and validates those entries into frozen values; it does no I/
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Literal, cast
@@ -39,12 +39,12 @@ __all__ = [
     "HEADER_NAME",
     "Effect",
     "Endpoint",
+    "EndpointIndex",
     "IdempotencyGuarantee",
     "Lookup",
     "OpIdPlacement",
     "Units",
     "legacy_lookup",
-    "most_specific",
     "parse_endpoint",
     "parse_idempotency",
     "parse_lookup",
@@ -157,17 +157,40 @@ def path_shape(path: str) -> str:
     return "/".join("{}" if _is_param(s) else s for s in path.split("/"))
 
 
-def most_specific(endpoints: Sequence[Endpoint], method: str, path: str) -> Endpoint | None:
-    """The declared endpoint a request ``method path`` is for: of those that match, the
-    one whose first parameter comes last (a literal segment beats a parameter at the
-    first place they differ), whatever the order they were declared in. First-declared
-    used to win: ``/v1/messages/{id}`` declared ``read_only`` before
-    ``/v1/messages/send`` made every send pass through unguarded, and an override's
-    endpoints come after the bundled ones they refine."""
-    found = [e for e in endpoints if e.matches(method, path)]
-    if not found:
+@dataclass(frozen=True, slots=True)
+class EndpointIndex:
+    """A provider's declared endpoints by method and number of path segments, the most
+    specific first in each: a literal segment before a parameter at the first place two
+    paths differ, else in the order declared.
+
+    A request's endpoint is the first there that matches, whatever the order the file
+    declares them in. First-declared used to win: ``/v1/messages/{id}`` declared
+    ``read_only`` before ``/v1/messages/send`` made every send pass through unguarded,
+    and an override's endpoints come after the bundled ones they refine. Built once per
+    declaration, it keeps that rule off the request's path: a request reads the few
+    endpoints of its own shape, not every one declared (OpenAI's are 51)."""
+
+    by_shape: Mapping[tuple[str, int], tuple[Endpoint, ...]]
+
+    @classmethod
+    def of(cls, endpoints: Sequence[Endpoint]) -> EndpointIndex:
+        """The index of ``endpoints`` (a declaration's, in its order)."""
+        shapes: dict[tuple[str, int], list[Endpoint]] = {}
+        for endpoint in endpoints:
+            shapes.setdefault((endpoint.method, endpoint.path.count("/")), []).append(endpoint)
+        return cls(
+            {
+                shape: tuple(sorted(found, key=lambda e: [_is_param(s) for s in e.path.split("/")]))
+                for shape, found in shapes.items()
+            }
+        )
+
+    def find(self, method: str, path: str) -> Endpoint | None:
+        """The declared endpoint a request ``method path`` (no query string) is for."""
+        for endpoint in self.by_shape.get((method.upper(), path.count("/")), ()):
+            if endpoint.matches(method, path):
+                return endpoint
         return None
-    return min(found, key=lambda e: [_is_param(s) for s in e.path.split("/")])
 
 
 def default_endpoint(

@@ -14,11 +14,11 @@ from typing import Literal
 
 from effectguard.providers.endpoints import (
     Endpoint,
+    EndpointIndex,
     IdempotencyGuarantee,
     Lookup,
     default_endpoint,
     legacy_lookup,
-    most_specific,
 )
 from effectguard.rules.errorshape import ErrorShape
 from effectguard.rules.prices import ModelPrice
@@ -55,6 +55,11 @@ class Provider:
     transient: Mapping[int, TransientEffect] = field(default_factory=lambda: MappingProxyType({}))
     #: How refusals on this provider's routes are shaped (default: its dialect's; contract §9).
     error_shape: ErrorShape = "openai"
+    #: ``endpoints`` indexed for :meth:`endpoint_for`, built with the value.
+    _index: EndpointIndex = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", EndpointIndex.of(self.endpoints))
 
     @property
     def no_effect_statuses(self) -> frozenset[int]:
@@ -73,7 +78,7 @@ class Provider:
 
     def endpoint_for(self, method: str, path: str) -> Endpoint | None:
         """The declared endpoint for ``method path`` (path without query), or None."""
-        return most_specific(self.endpoints, method, path)
+        return self._index.find(method, path)
 
     def effect_for(self, method: str, path: str) -> Endpoint:
         """The endpoint ``method path`` is treated as: its declaration; undeclared, a HEAD
