@@ -15,6 +15,7 @@ directory, plain declarations load before extensions. Last, ``upstreams`` overri
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from effectguard.errors import ConfigError
+from effectguard.providers.advice import undeclared_5xx_warning
 from effectguard.providers.baseurl import checked_base_url
 from effectguard.providers.endpoints import path_shape
 from effectguard.providers.provider import Provider
@@ -37,6 +39,8 @@ __all__ = [
     "upstream_argument",
 ]
 
+log = logging.getLogger("effectguard.providers")
+
 
 def bundled_dir() -> Traversable:
     """The bundled declarations, as package data of :mod:`effectguard.providers`."""
@@ -48,7 +52,7 @@ def load_provider(path: Path) -> Provider:
     raw = _read(path)
     if "extends" in raw:
         raise ConfigError(f"{path}: extends: only allowed in a --providers directory")
-    return build_provider(raw, str(path), _stem(path))
+    return _advised(build_provider(raw, str(path), _stem(path)))
 
 
 def upstream_argument(name: str) -> str:
@@ -81,7 +85,7 @@ def load_providers(
         # Plain declarations first, so an extension may build on a file of the same directory.
         for path, raw in sorted(files, key=lambda item: "extends" in item[1]):
             full = _resolve(path, raw, raws)
-            provider = build_provider(full, str(path), _stem(path))
+            provider = _advised(build_provider(full, str(path), _stem(path)))
             if "extends" not in raw and provider.name in seen:
                 other = seen[provider.name]
                 raise ConfigError(f"{path}: name: {provider.name!r} also declared by {other}")
@@ -94,6 +98,13 @@ def load_providers(
             raise ConfigError(f"{name_upstream(name)}: unknown provider (known: {known})")
         loaded[name] = replace(loaded[name], base_url=checked_base_url(url, name_upstream(name)))
     return loaded
+
+
+def _advised(provider: Provider) -> Provider:
+    """``provider``, once any load-time advice on it is logged (a warning, not an error)."""
+    if (warning := undeclared_5xx_warning(provider)) is not None:
+        log.warning("%s", warning)
+    return provider
 
 
 def _resolve(
