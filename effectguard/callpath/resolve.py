@@ -41,6 +41,7 @@ from effectguard.errors import (
 )
 from effectguard.ledger import Ledger
 from effectguard.providers import Endpoint, Lookup, Provider
+from effectguard.providers.templates import url_segment
 from effectguard.rules import lookups
 from effectguard.rules.admission import Sending
 from effectguard.rules.bodyref import REF_ENCODING
@@ -160,7 +161,9 @@ def lookup_request(
     ``scope``, the call's recorded ``scope_headers`` (Stripe's ``Stripe-Account``)."""
     params = {name: value.format(op=op) for name, value in lookup.query}
     # Merged into any query the declared URL has, as httpx.Request(params=...) does.
-    url = httpx.URL(lookup.url.format(base_url=provider.base_url, op=op))
+    # The op in the URL is one encoded segment (templates.url_segment); the query's
+    # params are encoded by httpx.
+    url = httpx.URL(lookup.url.format(base_url=provider.base_url, op=url_segment(op)))
     url = url.copy_merge_params(params)
     headers = [(b"accept", b"application/json"), (b"accept-encoding", b"identity")]
     if credential is not None:

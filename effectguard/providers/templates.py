@@ -11,13 +11,14 @@ decided every unknown call "not applied" (and had it sent again). Pure; no I/O.
 from __future__ import annotations
 
 from string import Formatter
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 __all__ = [
     "MAX_LOOKUP_TIMEOUT_S",
     "MAX_WINDOW_S",
     "fields_error",
     "lookup_url_error",
+    "url_segment",
     "uses_field",
 ]
 
@@ -84,3 +85,16 @@ def lookup_url_error(url: str, op_field: str) -> str | None:
     if any(unquote(unquote(s)) in (".", "..") for s in path.split("/")):
         return "its path may have no '.' or '..' segment: it must stay under the base URL"
     return None
+
+
+def url_segment(value: str) -> str:
+    """``value`` percent-encoded to stay one segment where a lookup URL places it.
+
+    Every character but the unreserved ones is encoded ('/', '?', '#', '&', '%' too): a
+    call an older release sent under the client's own key is looked up by that key, and
+    ``../x`` or ``a/b?c`` placed raw left the base path or added a query. A value of dots
+    alone is a dot segment even so: its dots are encoded too, so no client resolves it.
+    """
+    if value.strip(".") == "":
+        return "%2E" * len(value)
+    return quote(value, safe="")
