@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from effectguard.config import defaults, values
@@ -44,7 +44,7 @@ class AdminSettings:
 
     keys: tuple[AdminKey, ...] = ()
     session_s: float = defaults.ADMIN_SESSION_S
-    secret: str = ""
+    secret: str = field(default="", repr=False)  # a repr ends up in logs and tracebacks
 
     @property
     def enabled(self) -> bool:

@@ -89,6 +89,7 @@ from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
 from effectguard.rules.money import typed_usd
 from effectguard.rules.retention import RetentionPolicy
+from effectguard.rules.urltext import redacted
 
 T = TypeVar("T")
 
@@ -164,6 +165,14 @@ class ServeSettings:
     log_format: str = defaults.LOG_FORMAT
     log_level: str = defaults.LOG_LEVEL
     otel: bool = defaults.OTEL
+
+    def __repr__(self) -> str:
+        """Every field, but the ledger URL's password and the provider keys as ``***``: a
+        repr ends up in logs, tracebacks and bug reports."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown["ledger"] = redacted(self.ledger)
+        shown["provider_keys"] = {name: "***" for name in self.provider_keys}
+        return f"ServeSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def key_root(self, presented: str) -> ProxyKey | None:
         """The config-file proxy key matching ``presented``, if any."""

@@ -88,7 +88,7 @@ def shown_ledger(url: str) -> str:
     a SQLite file's absolute path (given as a path or a ``sqlite:///`` URL), so a printed
     command works from any directory, or a URL without its password."""
     if url.startswith(("postgresql://", "postgres://")):
-        from effectguard.ledger.urltext import redacted
+        from effectguard.rules.urltext import redacted
 
         return redacted(url)
     if url.startswith("sqlite:///"):  # sqlite:///rel.db is relative to the working directory

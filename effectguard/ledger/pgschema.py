@@ -22,8 +22,8 @@ from effectguard.ledger.pgdriver import psycopg, sql
 from effectguard.ledger.sqlparts import KEY_KINDS_TEXT, NOT_APPLIED_INDEX
 
 # Re-exported: postgres.py names ledger URLs through this module.
-from effectguard.ledger.urltext import SECRET_PARAMS
-from effectguard.ledger.urltext import redacted as redacted
+from effectguard.rules.urltext import SECRET_PARAMS
+from effectguard.rules.urltext import redacted as redacted
 
 log = logging.getLogger("effectguard.ledger")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import sqlitefrozen, versions
-from effectguard.ledger.urltext import redacted
+from effectguard.rules.urltext import redacted
 
 
 def file_identity(path: str) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import base64
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from effectguard.config.settings import AdminKey, AdminSettings
@@ -40,7 +40,7 @@ class Session:
     """A logged-in operator: the admin key's name and the token that proves it."""
 
     name: str
-    token: str
+    token: str = field(repr=False)  # a bearer secret: never in a repr
     expires: float
 
 
