@@ -196,7 +196,7 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest) -> Admitted:
     periods = room.admission_periods(tx, policies, budget, now, existing)
     refusal = rates.rate_refusal(tx, policies, budget, call_id, req.tokens, now)
     refusal = refusal or room.budget_refusal(
-        tx, req, policies, budget, periods, call_id, req.reserve - released
+        tx, req, policies, budget, periods, call_id, req.reserve - released, now
     )
     if refusal is not None:
         return _refused(tx, writer, events, call_id, refusal)

@@ -10,8 +10,9 @@ from effectguard.ledger.base import Tx
 from effectguard.rules import budget as budgets
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.budget import BudgetNode, BudgetPolicy
+from effectguard.rules.guidance import ended_period_way_out
 from effectguard.rules.money import nanos_to_usd
-from effectguard.rules.periods import TOTAL
+from effectguard.rules.periods import TOTAL, bounds
 from effectguard.rules.workstate import WorkState
 
 
@@ -57,8 +58,10 @@ def budget_refusal(
     periods: dict[str, str],
     call_id: str,
     amount: int,
+    now: float,
 ) -> Refusal | None:
-    """Why ``budget`` cannot take ``amount`` more in its periods (docs/contract.md §5), or None."""
+    """Why ``budget`` cannot take ``amount`` more in its periods (docs/contract.md §5), or
+    None. A later attempt refused in a period that has ended at ``now`` is told so."""
     nodes = period_nodes(tx, budget, periods, policies)
     if not req.create_budgets and budget not in policies and nodes[budget].committed == 0:
         return Refusal(
@@ -67,7 +70,11 @@ def budget_refusal(
     exceeded = budgets.check_admission(nodes, budget, amount)
     if exceeded is None:
         return None
-    return _exceeded(exceeded, periods, "; this call reserves", call_id)
+    label, policy = periods.get(exceeded.path), policies.get(exceeded.path)
+    span = None if label is None or policy is None else bounds(label, policy.tz)
+    ended = span is not None and now >= span[1]
+    tail = ended_period_way_out(exceeded.path, label) if ended and label else ""
+    return _exceeded(exceeded, periods, "; this call reserves", call_id, tail=tail)
 
 
 def _exceeded(
@@ -76,15 +83,17 @@ def _exceeded(
     what: str,
     call_id: str,
     state: WorkState | None = None,
+    tail: str = "",
 ) -> Refusal:
-    """402 ``budget_exceeded``, naming the node, its room (in its period) and the amount."""
+    """402 ``budget_exceeded``, naming the node, its room (in its period) and the amount
+    (then ``tail``, what else the client should know)."""
     label = periods.get(exceeded.path)
     return Refusal(
         402,
         "budget_exceeded",
         f"budget {exceeded.path!r} has {nanos_to_usd(exceeded.room)} USD of room"
         f"{'' if label is None else f' in period {label}'}{what} "
-        f"{nanos_to_usd(exceeded.amount)} USD",
+        f"{nanos_to_usd(exceeded.amount)} USD{tail}",
         call_id=call_id,
         stage=None if state is None else state.stage,
         next_operation=None if state is None else state.next_operation,

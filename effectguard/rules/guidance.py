@@ -206,3 +206,15 @@ def after_cut_off(call_id: str, stage: str, keyed: bool) -> tuple[str, bool]:
         f"`{show_command(call_id)}` shows its result",
         False,
     )
+
+
+def ended_period_way_out(path: str, label: str) -> str:
+    """Why a later attempt's 402 will not pass on its own, and the ways out: the call was
+    admitted in ``label``, which has ended, and its later attempts are charged there
+    (contract §5.5), so no later period brings room back to it."""
+    return (
+        f"; the call was admitted in period {label}, which has ended, and its later attempts "
+        "are charged there: new work needs a new Idempotency-Key (a new call, charged to the "
+        f"current period), or an operator can raise the limit (effectguard budget set {path} "
+        "--limit USD)"
+    )
