@@ -842,6 +842,42 @@ def test_show_prints_what_a_client_chose_with_its_controls_escaped(
     assert key in json.dumps(shown, ensure_ascii=False)
 
 
+#: Direction marks (U+200E, U+200F) and zero-width characters (U+200B-U+200D, U+2060,
+#: U+FEFF): invisible, and a mark reorders the neutral text around it.
+INVISIBLE = "\u200e\u200f\u200b\u200c\u200d\u2060\ufeff"
+
+
+def test_show_and_calls_escape_direction_marks_and_zero_width_characters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As they escape overrides and isolates, ``show`` and ``calls`` print a direction mark
+    or a zero-width character in what a client chose as its escape: two keys that differ
+    only by one printed alike, and a mark made a key read other than it is."""
+    ledger = str(tmp_path / "l.db")
+    key = "k-" + "-".join(INVISIBLE)
+
+    async def call() -> str:
+        with respx.mock() as mock:
+            mock.post(CHAT_URL).mock(side_effect=_answer)
+            transport = AsyncGuardTransport(ledger=ledger)
+            async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+                response = await client.post(
+                    CHAT_URL,
+                    json=chat_request("body " + INVISIBLE),
+                    headers={"Idempotency-Key": key.encode()},
+                )
+        assert response.status_code == 200, response.text
+        return response.headers["effectguard-call-id"]
+
+    call_id = asyncio.run(call())
+    for argv in (("show", call_id, "--full"), ("calls",)):
+        code, out, _ = run(capsys, *argv, "--ledger", ledger)
+        assert code == 0
+        assert not any(c in out for c in INVISIBLE), (argv, repr(out))
+    code, out, _ = run(capsys, "show", call_id, "--ledger", ledger)
+    assert "\\u200e" in out and "\\ufeff" in out, out
+
+
 def test_ctrl_c_while_the_ledger_is_locked_exits_130_and_changes_nothing(tmp_path: Path) -> None:
     """Ctrl-C during a command that waits for SQLite's write lock (a backup tool holding
     it) is exit 130, as contract §8 lists: it was reported as 'ledger unavailable:

@@ -9,8 +9,13 @@ import unicodedata
 #: as they are), line and paragraph separators, and halves of surrogate pairs (a byte that
 #: was no UTF-8, as Python reads a command's argument: no ledger can hold one).
 _UNPRINTABLE = frozenset({"Cc", "Zl", "Zp", "Cs"})
-#: The bidirectional overrides and isolates, which make text read other than it is.
-_BIDI = frozenset(chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A)))
+#: The bidirectional overrides and isolates, which make text read other than it is; and
+#: the direction marks (U+200E, U+200F), which reorder the neutral text around them, and
+#: the zero-width characters (U+200B-U+200D, U+2060, U+FEFF), which print as nothing: two
+#: keys that differ only by one would read alike.
+_BIDI = frozenset(
+    chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), *range(0x200B, 0x2010), 0x2060)
+) | {"\ufeff"}
 #: What :func:`terminal_safe` escapes: the above.
 _ESCAPED = _UNPRINTABLE
 
@@ -35,9 +40,10 @@ def one_line(text: str) -> str:
 
 def terminal_safe(text: str, keep: str = "\n\t") -> str:
     """``text`` for a terminal: each character a note may not hold (a control, a
-    separator, a direction override), other than those in ``keep``, written as its
-    escape (``\\x9b``, ``\\u202e``). Clients choose much of what ``show`` prints (keys,
-    bodies); a terminal acts on some controls, and an override reorders what follows.
+    separator, a direction override or mark, a zero-width character), other than those
+    in ``keep``, written as its escape (``\\x9b``, ``\\u202e``). Clients choose much of
+    what ``show`` prints (keys, bodies); a terminal acts on some controls, an override or
+    a mark reorders what follows, and a zero-width character makes two keys read alike.
     A log line keeps nothing (``keep=""``): one record stays one line."""
     if text.isprintable():
         return text
