@@ -234,6 +234,23 @@ def test_maintenance_is_drawn_only_when_asked() -> None:
     assert len({f.point for f in drawn if f.kind == "archive"}) > 1
 
 
+def test_maintenance_on_postgres_draws_no_backup() -> None:
+    """On PostgreSQL (backed up with its own tools, not ``effectguard backup``)
+    ``--maintenance`` draws archives and authorized resends only, and the schedule's
+    calls and other faults stay as they were without it."""
+    drawn = []
+    for seed in range(5):
+        plain = generate(seed, 30.0, replicas=3, ledger="postgres", ledger_faults=True)
+        with_maintenance = generate(
+            seed, 30.0, replicas=3, ledger="postgres", ledger_faults=True, maintenance=True
+        )
+        assert with_maintenance.calls == plain.calls
+        mine = [f for f in with_maintenance.faults if f.kind in {"backup", "archive", "resend"}]
+        assert [f for f in with_maintenance.faults if f not in mine] == list(plain.faults)
+        drawn += mine
+    assert {f.kind for f in drawn} == {"archive", "resend"}
+
+
 # -- the checkers, on fabricated evidence --------------------------------------------
 
 BODY = b'{"model":"gpt-4o-mini","messages":[]}'
@@ -882,14 +899,3 @@ def test_a_postgres_run_without_a_dsn_is_refused_before_it_starts(
     )
     assert code == 2 and not keep.exists()
     assert "--ledger postgres needs EFFECTGUARD_TEST_PG_DSN" in capsys.readouterr().err
-
-
-def test_maintenance_on_postgres_is_refused_before_it_starts(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """``--maintenance`` runs on SQLite only (``backup`` refuses PostgreSQL, and an
-    archive's table is not read back): exit 2 before anything starts."""
-    keep = tmp_path / "work"
-    argv = ["sim", "--seed", "3", "--ledger", "postgres", "--maintenance", "--keep", str(keep)]
-    assert main(argv) == 2 and not keep.exists()
-    assert "--maintenance runs on SQLite only" in capsys.readouterr().err

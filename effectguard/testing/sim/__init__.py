@@ -84,8 +84,8 @@ def _load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--maintenance",
         action="store_true",
-        help="SQLite: an operator runs `backup`, `archive` and `reconcile --resend` of an "
-        "unknown call (then its resends) during the load, every 1-3 s",
+        help="an operator runs `backup` (SQLite only), `archive` and `reconcile --resend` of "
+        "an unknown call (then its resends) during the load, every 1-3 s",
     )
 
 

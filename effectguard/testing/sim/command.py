@@ -184,10 +184,6 @@ def run(args: argparse.Namespace) -> int:
     if args.keyless and not args.lookups:
         print("effectguard sim: --keyless goes with --lookups", file=sys.stderr)
         return 2
-    if args.maintenance and args.ledger != "sqlite":
-        # backup is SQLite's, and a PostgreSQL archive's table is not read back yet
-        print("effectguard sim: --maintenance runs on SQLite only", file=sys.stderr)
-        return 2
     schedule = _schedule_of(args)
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:

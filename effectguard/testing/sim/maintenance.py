@@ -1,8 +1,11 @@
-"""``--maintenance``: an operator's maintenance commands against the live SQLite ledger.
+"""``--maintenance``: an operator's maintenance commands against the live ledger.
 
 While the replicas serve and go through their faults, an operator runs, as separate
-processes: ``effectguard backup`` (each copy to a new file outside the ledger's
-directory), ``effectguard archive`` (into files beside the ledger, the default names) and
+processes: ``effectguard backup`` (SQLite: each copy to a new file outside the ledger's
+directory; a PostgreSQL ledger is backed up with PostgreSQL's own tools, outside
+effectguard, so a schedule on one draws none), ``effectguard archive`` (SQLite: into
+files beside the ledger, the default names; PostgreSQL: into the ledger's
+``archived_events`` table) and
 ``effectguard reconcile CALL --resend`` of an ``effect_unknown`` keyed call, after which
 its client sends 1-3 copies of the call at once through any replicas. Before an archive
 the operator decides the oldest unknown calls by the provider's records (``reconcile
@@ -79,7 +82,9 @@ async def maintain(cluster: Cluster, client: httpx.AsyncClient, start: float) ->
     mine = [f for f in cluster.schedule.faults if f.kind in MAINTENANCE_ACTIONS]
     for n, fault in enumerate(mine):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
-        if fault.kind == "backup":
+        if fault.kind == "backup" and cluster.schedule.ledger != "sqlite":
+            cluster.note("backup_skipped", reason="PostgreSQL is backed up with its own tools")
+        elif fault.kind == "backup":
             await asyncio.to_thread(_backup, cluster, n)
         elif fault.kind == "archive":
             await _archive(cluster, fault.point or "50000")

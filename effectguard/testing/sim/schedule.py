@@ -224,7 +224,7 @@ def generate(
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger))
         + (_operator(seed, duration, lookups) if operator else ())
-        + (_maintenance(random.Random(f"maintenance {seed}"), duration) if maintenance else ()),
+        + (_maintenance(seed, duration, ledger) if maintenance else ()),
         lookups=lookups,
         keyless=lookups and keyless,
     )
@@ -445,15 +445,20 @@ def _operator_actions(rng: random.Random, duration: float, lookups: bool) -> tup
     return tuple(faults)
 
 
-def _maintenance(rng: random.Random, duration: float) -> tuple[Fault, ...]:
-    """``--maintenance``: every 1-3 s of the load, ``backup``, ``archive`` (in steps of a
-    few hundred events or the default) or an authorized ``reconcile --resend`` of an
-    unknown keyed call, then 1-3 copies of its resend at once. Not a replica's fault
-    (``replica`` is 0): the runner applies them on their own, whatever the replicas do."""
+def _maintenance(seed: int, duration: float, ledger: str) -> tuple[Fault, ...]:
+    """``--maintenance``: every 1-3 s of the load, ``backup`` (SQLite only: PostgreSQL is
+    backed up with its own tools), ``archive`` (in steps of a few hundred events or the
+    default) or an authorized ``reconcile --resend`` of an unknown keyed call, then 1-3
+    copies of its resend at once. Not a replica's fault (``replica`` is 0): the runner
+    applies them on their own, whatever the replicas do."""
+    rng = random.Random(f"maintenance {seed}")
+    kinds: list[FaultKind] = ["backup", "archive", "resend"]
+    if ledger != "sqlite":
+        kinds.remove("backup")
     faults = []
     at = rng.uniform(1.0, 2.5)
     while at < duration * 0.9:
-        kind: FaultKind = rng.choice(["backup", "archive", "resend"])
+        kind: FaultKind = rng.choice(kinds)
         if kind == "archive":
             faults.append(Fault(at, kind, 0, point=str(rng.choice([100, 500, 50_000]))))
         elif kind == "resend":
