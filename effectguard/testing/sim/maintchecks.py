@@ -21,7 +21,8 @@ __all__ = ["MAINTENANCE_CHECKS", "MAINTENANCE_INVARIANTS"]
 MAINTENANCE_INVARIANTS: Final = {
     "backup_unverified": "each backup that exited 0 passes `effectguard verify --ledger COPY`",
     "archive_unverified": "each archive file an archive left passes `effectguard verify "
-    "--archive FILE --ledger L` (and an archive that exited 0 left every file it named)",
+    "--archive FILE --ledger L` (and an archive that exited 0 left every file it named); "
+    "on PostgreSQL `verify --archived --ledger L` accepts the archive tables",
     "event_lost": "the archives and the live ledger hold every event once, from event 1 on, "
     "and every call a client got a 200 for",
     "resend_beyond_authorized": "after an operator authorized a resend, the provider applied "

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from effectguard.ledger.pgschema import Target
+from effectguard.ledger.pgtarget import Target
 from effectguard.ledger.rows import EVENT_COLUMNS, event_from_row
 from effectguard.rules.events import StoredEvent
 from effectguard.rules.workstate import work_state
@@ -82,7 +82,7 @@ def add_maintenance(evidence: Evidence, cluster: Cluster) -> Evidence:
         calls=calls + evidence.calls,
         archived_calls=frozenset(by_call),
         backup_checks=_backups(cluster),
-        archive_checks=_archives(cluster, files) if sqlite else _archive_table(cluster),
+        archive_checks=_archives(cluster, files) if sqlite else _archive_table(cluster, archived),
         maintenance_failures=maintenance_failures(cluster.actions),
         no_effect=no_effect_statuses(cluster.workdir),
     )
@@ -100,10 +100,11 @@ def _archives(cluster: Cluster, files: list[Path]) -> list[tuple[str, int, str]]
     return out + [(f, -1, "named by an archive that exited 0; not there") for f in named - found]
 
 
-def _archive_table(cluster: Cluster) -> list[tuple[str, int, str]]:
-    """``verify --archived`` of a PostgreSQL ledger's archive tables, once any archive
-    exited 0 (each range checked as a file would be, tied to the live chain)."""
-    if not any(a["action"] == "archive" for a in cluster.actions):
+def _archive_table(cluster: Cluster, archived: list[StoredEvent]) -> list[tuple[str, int, str]]:
+    """``verify --archived`` of a PostgreSQL ledger's archive tables (each range checked
+    as a file would be, tied to the live chain), once they hold events or an archive
+    exited 0 (one that failed keeps the steps it committed before)."""
+    if not archived and not any(a["action"] == "archive" for a in cluster.actions):
         return []
     return [(ARCHIVE_TABLE, *run_verify(cluster.ledger, "--archived"))]
 
