@@ -820,26 +820,27 @@ def test_show_prints_what_a_client_chose_with_its_controls_escaped(
     ledger = str(tmp_path / "l.db")
     key = "k-\u009b2J-\u202etxt"
 
-    async def call() -> str:
-        with respx.mock() as mock:
-            mock.post(CHAT_URL).mock(side_effect=_answer)
-            transport = AsyncGuardTransport(ledger=ledger)
-            async with httpx.AsyncClient(transport=transport, timeout=10) as client:
-                response = await client.post(
-                    CHAT_URL,
-                    json=chat_request("body \u009d0;title\u0007 \u2066x"),
-                    headers={"Idempotency-Key": key.encode()},
-                )
-        assert response.status_code == 200, response.text
-        return response.headers["effectguard-call-id"]
-
-    call_id = asyncio.run(call())
+    call_id = asyncio.run(_keyed_call(ledger, key, "body \u009d0;title\u0007 \u2066x"))
     code, out, _ = run(capsys, "show", call_id, "--full", "--ledger", ledger)
     assert code == 0
     assert not any(c in out for c in "\u009b\u202e\u009d\u0007\u2066"), repr(out)
     assert "\\x9b" in out and "\\u202e" in out
     shown = run_json(capsys, "show", call_id, "--ledger", ledger)  # JSON: the text as stored
     assert key in json.dumps(shown, ensure_ascii=False)
+
+
+async def _keyed_call(ledger: str, key: str, content: str) -> str:
+    """The id of a chat call of ``content`` sent under Idempotency-Key ``key`` (its bytes
+    as they are) through the transport, the provider mocked, answered 200."""
+    with respx.mock() as mock:
+        mock.post(CHAT_URL).mock(side_effect=_answer)
+        transport = AsyncGuardTransport(ledger=ledger)
+        async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+            response = await client.post(
+                CHAT_URL, json=chat_request(content), headers={"Idempotency-Key": key.encode()}
+            )
+    assert response.status_code == 200, response.text
+    return response.headers["effectguard-call-id"]
 
 
 #: Direction marks (U+200E, U+200F) and zero-width characters (U+200B-U+200D, U+2060,
@@ -856,20 +857,7 @@ def test_show_and_calls_escape_direction_marks_and_zero_width_characters(
     ledger = str(tmp_path / "l.db")
     key = "k-" + "-".join(INVISIBLE)
 
-    async def call() -> str:
-        with respx.mock() as mock:
-            mock.post(CHAT_URL).mock(side_effect=_answer)
-            transport = AsyncGuardTransport(ledger=ledger)
-            async with httpx.AsyncClient(transport=transport, timeout=10) as client:
-                response = await client.post(
-                    CHAT_URL,
-                    json=chat_request("body " + INVISIBLE),
-                    headers={"Idempotency-Key": key.encode()},
-                )
-        assert response.status_code == 200, response.text
-        return response.headers["effectguard-call-id"]
-
-    call_id = asyncio.run(call())
+    call_id = asyncio.run(_keyed_call(ledger, key, "body " + INVISIBLE))
     for argv in (("show", call_id, "--full"), ("calls",)):
         code, out, _ = run(capsys, *argv, "--ledger", ledger)
         assert code == 0
