@@ -280,7 +280,7 @@ def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) ->
     where = ("--ledger", str(ledger))
     with (
         fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake,
-        call_under_way(ledger, fake, "d@x", {"x-fake-delay": "4"}) as call,
+        call_under_way(ledger, fake, "d@x", {"x-fake-delay": "8"}) as call,
     ):
         before = cli("show", call.call_id, *where)
         assert before["owner_gone"] is None
@@ -292,7 +292,11 @@ def test_a_live_owners_call_is_refused_and_nothing_is_written(tmp_path: Path) ->
         assert refused.returncode == 3, refused.stdout + refused.stderr
         assert "taken over" not in refused.stderr
         after = cli("show", call.call_id, *where)
-        assert len(after["events"]) == len(before["events"])
+        # Only the owner writes: on a loaded machine its answer may land meanwhile.
+        assert after["events"][: len(before["events"])] == before["events"]
+        owner = {e["worker"] for e in before["events"]}
+        assert {e["worker"] for e in after["events"]} == owner, after["events"]
+        assert not {e["kind"] for e in after["events"]} & {"attempt.interrupted", "call.reconciled"}
         call.client.join(30)
         assert call.answers and call.answers[0].status_code == 200, call.answers
         assert cli("show", call.call_id, *where)["stage"] == "completed"
