@@ -1,4 +1,4 @@
-"""The sockets ``serve`` listens on, bound before anything else happens.
+"""The sockets ``serve`` listens on, bound and listening before anything else happens.
 
 A port that is taken, or a host that names no address, is a :class:`ConfigError`
 (exit 2, one line) while nothing has been opened or written yet: binding in the
@@ -13,6 +13,7 @@ import errno
 import ipaddress
 import socket
 import threading
+from collections.abc import Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler
 
@@ -39,6 +40,27 @@ def listen_socket(host: str, port: int) -> socket.socket:
             raise ConfigError(f"port {port} on {host} is already in use") from exc
         raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror}") from exc
     return sock
+
+
+def start_listening(socks: Iterable[socket.socket]) -> None:
+    """Listen on every socket :func:`listen_socket` bound, before the ledger is opened;
+    a port another server took meanwhile is a :class:`ConfigError`.
+
+    Bound is not yet held: every server binds with ``SO_REUSEADDR``, and the kernel lets a
+    second one bind the same port until one of them listens. Listening only once the
+    startup was done left the port to any server that started meanwhile (it took the port,
+    clients talked to it, and this one wrote its ledger, then died at ``listen``).
+    Connections that arrive while the startup runs wait in the kernel's queue, and are
+    answered once it is done.
+    """
+    for sock in socks:
+        host, port = sock.getsockname()[:2]
+        try:
+            sock.listen()  # uvicorn listens again, with its own backlog: that only resizes
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {host} is already in use") from exc
+            raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror}") from exc
 
 
 def check_apart(proxy: socket.socket, metrics: socket.socket) -> None:

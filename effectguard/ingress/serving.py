@@ -1,7 +1,7 @@
 """Running the proxy app under uvicorn: the listening socket, the start line, signals.
 
-:func:`serve` binds the listening socket itself before anything else happens,
-so a port that is taken is reported plainly (a :class:`ConfigError`, the CLI's
+:func:`serve` binds the listening socket itself, and listens, before anything else
+happens, so a port that is taken is reported plainly (a :class:`ConfigError`, the CLI's
 usage/configuration exit code) before the ledger is opened and before anything
 claims to be listening. It owns SIGINT and SIGTERM: either one drains in-flight
 calls, stops whatever runs ``alongside`` the proxy in the same event loop (the
@@ -28,7 +28,7 @@ import uvicorn
 from effectguard.config.settings import ServeSettings
 from effectguard.ingress.fdlimit import raise_open_files
 from effectguard.ingress.frontdoor import uvicorn_options
-from effectguard.ingress.listeners import check_apart, listen_socket
+from effectguard.ingress.listeners import check_apart, listen_socket, start_listening
 from effectguard.ingress.server import ProxyApp, create_app
 from effectguard.ledger import shown_ledger
 from effectguard.telemetry.logs import configure_logging
@@ -69,17 +69,7 @@ def serve(
     """
     configure_logging(settings.log_format, settings.log_level)
     raise_open_files(settings.front_door.max_connections)
-    sockets = contextlib.ExitStack()
-    sock = sockets.enter_context(listen_socket(settings.host, settings.port))
-    try:
-        routed = {
-            name: sockets.enter_context(listen_socket(settings.host, port))
-            for name, port in settings.provider_ports.items()
-        }
-        metrics_sock = _metrics_socket(settings, sock) if metrics is not None else None
-    except BaseException:
-        sockets.close()
-        raise
+    sockets, sock, routed, metrics_sock = _listeners(settings, metrics is not None)
     routes = {s.getsockname()[1]: name for name, s in routed.items()}
     app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock, routes=routes)
     start_line = _start_line(settings, sock, routed, metrics_sock)
@@ -112,6 +102,31 @@ def serve(
     finally:
         if not server.started:
             _exit_startup_failed()
+
+
+def _listeners(
+    settings: ServeSettings, with_metrics: bool
+) -> tuple[contextlib.ExitStack, socket.socket, dict[str, socket.socket], socket.socket | None]:
+    """The proxy's socket, each provider port's and the ``metrics_port`` one, bound and
+    listening before the ledger is opened (see ``start_listening``); the stack closes all
+    but the metrics one, which the app's metrics listener owns."""
+    sockets = contextlib.ExitStack()
+    metrics_sock = None
+    try:
+        sock = sockets.enter_context(listen_socket(settings.host, settings.port))
+        routed = {
+            name: sockets.enter_context(listen_socket(settings.host, port))
+            for name, port in settings.provider_ports.items()
+        }
+        metrics_sock = _metrics_socket(settings, sock) if with_metrics else None
+        # Listened on once all are bound: check_apart compares them before any listens.
+        start_listening([sock, *routed.values(), *([metrics_sock] if metrics_sock else [])])
+    except BaseException:
+        sockets.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
+        raise
+    return sockets, sock, routed, metrics_sock
 
 
 def _exit_startup_failed() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -152,6 +153,8 @@ class Proxy:
     ledger: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    #: Where this run's output begins in ``log_path`` (a log may be appended to by runs).
+    log_start: int = 0
 
     def log(self) -> str:
         """Everything the proxy printed (stdout and stderr), up to its last finished line.
@@ -224,16 +227,36 @@ def _launch(
     command = [sys.executable, "-m", "effectguard", "serve", "--ledger", str(ledger)]
     command += ["--host", "127.0.0.1", "--port", str(port), *flags]
     with log_path.open("ab") as log_file:
+        started_at = log_file.tell()
         process = subprocess.Popen(
             command,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
         )
-    return process, Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path)
+    return process, Proxy(f"http://127.0.0.1:{port}", str(ledger), process, log_path, started_at)
+
+
+def _says_listening(proxy: Proxy) -> bool:
+    """Whether this run of ``serve`` (its part of the log) said it listens on its port
+    (on whichever host its arguments name)."""
+    port = proxy.url.rsplit(":", 1)[1]
+    line = re.compile(rb"^effectguard listening on http://\S+:" + port.encode() + rb" ", re.M)
+    with contextlib.suppress(FileNotFoundError), proxy.log_path.open("rb") as log:
+        log.seek(proxy.log_start)
+        return line.search(log.read()) is not None
+    return False
 
 
 def _wait_healthy(process: subprocess.Popen[bytes], proxy: Proxy) -> Proxy:
+    """Wait until this ``serve`` says it listens on its port, and ``/healthz`` answers.
+
+    Its own start line first: the port was free when it was picked, but another server
+    may take it before ``serve`` binds it (this one then exits 2), and that server's
+    ``/healthz`` answered before the exit; a test then talked to another proxy, with
+    another ledger. ``serve`` prints the line once it listens, and a port listened on is
+    its alone.
+    """
     import urllib.request
 
     deadline = time.monotonic() + _START_TIMEOUT * 2
@@ -244,6 +267,9 @@ def _wait_healthy(process: subprocess.Popen[bytes], proxy: Proxy) -> Proxy:
             raise (_PortTaken if taken else RuntimeError)(
                 f"effectguard serve exited with {process.returncode}:\n{log}"
             )
+        if not _says_listening(proxy):
+            time.sleep(0.05)
+            continue
         try:
             with urllib.request.urlopen(proxy.url + "/healthz", timeout=1) as response:
                 if response.status == 200:
