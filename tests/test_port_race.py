@@ -5,8 +5,9 @@ written). Bound is not yet listening, though: with ``SO_REUSEADDR`` (which every
 sets, so a restart can bind beside its last run's TIME_WAIT connections) the kernel lets a
 second socket bind the same port until one of them listens. A ``serve`` that listened
 only once its startup was done left the port open to another server for that whole
-startup; the other one took it, and the first wrote its ledger and then died at
-``listen``. A client (and the test kit's ``start_proxy``, polling ``/healthz``) talked
+startup; the other one took it, and the first wrote its ledger and then failed at
+``listen`` (under uvloop silently: it printed its start line and ran on, serving
+nothing). A client (and the test kit's ``start_proxy``, polling ``/healthz``) talked
 to the other server meanwhile: a tenant test once got 200 from a foreign proxy and then
 found no budget of its own in its own ledger.
 """

@@ -49,7 +49,8 @@ def start_listening(socks: Iterable[socket.socket]) -> None:
     Bound is not yet held: every server binds with ``SO_REUSEADDR``, and the kernel lets a
     second one bind the same port until one of them listens. Listening only once the
     startup was done left the port to any server that started meanwhile (it took the port,
-    clients talked to it, and this one wrote its ledger, then died at ``listen``).
+    clients talked to it, and this one wrote its ledger, then failed at ``listen``: under
+    uvloop silently, so it printed its start line and ran on, registered and serving nothing).
     Connections that arrive while the startup runs wait in the kernel's queue, and are
     answered once it is done.
     """
