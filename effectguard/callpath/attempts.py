@@ -33,6 +33,7 @@ from effectguard.config.settings import GuardSettings
 from effectguard.errors import FencedError, LedgerError, Refusal
 from effectguard.ledger import Admitted
 from effectguard.rules.guidance import decide_unknown
+from effectguard.rules.keymask import key_of, mask_key
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
 
@@ -165,6 +166,8 @@ class Attempts:
             raise await self._effect_unknown(prepared, admitted, why, reason, 502)
         waited(self.observer, provider.name, report, sent_at, "answered")
         self.crash.hit("after:upstream-response")
+        if not 200 <= response.status < 300:  # a success is never searched (rules/keymask)
+            body = mask_key(body, key_of(outgoing.header(provider.key_header), provider.key_format))
         result = usage_of(prepared, body)
         retried = response.status in provider.retry_statuses
         await self.recorder.observe(

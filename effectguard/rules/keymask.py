@@ -1,0 +1,52 @@
+"""The provider key masked out of an upstream's error answer. Pure.
+
+Some providers quote the key a request carried in their refusal of it ("Incorrect API
+key provided: sk-..."). Where effectguard holds the key for its tenants, such an answer
+would hand it to the tenant, and the ledger, ``show`` and the logs would keep it. So an
+answer that is not a success has each whole occurrence of the key replaced by
+:data:`MASK` before anything stores, logs or forwards it (docs/contract.md, "Secrets").
+
+Only whole occurrences: a provider's partial echo (OpenAI's ``sk-abc***...wxyz``, a few
+characters at each end) is left as the provider wrote it, since matching fragments of a
+key would rewrite ordinary text. A 2xx answer is never searched: no provider echoes a key
+it accepted, and a success's body is the hot path's and can be large.
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["MASK", "key_of", "mask_key"]
+
+#: What stands in an answer where the provider key was.
+MASK = b"[provider key masked]"
+
+#: A shorter "key" is no secret worth the risk of rewriting ordinary words of the answer.
+MIN_KEY_LENGTH = 8
+
+
+def key_of(credential: str | None, key_format: str) -> str | None:
+    """The key inside the ``credential`` header value a request carried (``Bearer sk-..``
+    for a ``key_format`` of ``Bearer {key}``); the whole value if it does not have the
+    declared form (a client's own credential, written its own way)."""
+    if credential is None:
+        return None
+    around = key_format.format(key="\x00").split("\x00")
+    if len(around) == 2:
+        before, after = around
+        end = len(credential) - len(after)
+        if credential.startswith(before) and credential.endswith(after) and end > len(before):
+            return credential[len(before) : end]
+    return credential
+
+
+def mask_key(body: bytes, key: str | None) -> bytes:
+    """``body`` with every whole occurrence of ``key`` replaced by :data:`MASK`, as the
+    raw text and as a JSON string writes it (a ``/`` may be written ``\\/``)."""
+    if key is None or len(key) < MIN_KEY_LENGTH:
+        return body
+    forms = {key.encode(), json.dumps(key)[1:-1].encode(), key.replace("/", "\\/").encode()}
+    for form in forms:
+        if form in body:
+            body = body.replace(form, MASK)
+    return body

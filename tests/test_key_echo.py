@@ -1,0 +1,132 @@
+"""A provider error that quotes the provider key: the key reaches no client, ledger,
+``show`` or log (docs/contract.md, "Secrets").
+
+Some APIs echo a bad key in their 401 message ("Incorrect API key provided: sk-...").
+effectguard holds that key for its tenants, who must never learn it; before the mask, the
+error body went whole into the ledger, ``show`` and the tenant's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from effectguard import AsyncGuardTransport
+from effectguard.ops.cli import main as cli_main
+from effectguard.testing import running_proxy
+
+URL = "https://api.openai.com/v1/chat/completions"
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+MASK = "[provider key masked]"
+
+
+def _refusal(key: str) -> bytes:
+    """OpenAI's 401 for a bad key, quoting it whole (twice, once JSON-escaped alike)."""
+    message = f"Incorrect API key provided: {key}. You passed {key}."
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode()
+
+
+def _shown(call_id: str, ledger: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """``show --json`` (the answer's body included) of ``call_id``."""
+    capsys.readouterr()
+    assert cli_main(["show", call_id, "--json", "--ledger", ledger]) == 0
+    return capsys.readouterr().out
+
+
+def _ledger_bytes(ledger: str) -> bytes:
+    files = (Path(ledger), Path(f"{ledger}-wal"))
+    return b"".join(p.read_bytes() for p in files if p.exists())
+
+
+async def test_an_error_quoting_the_key_is_masked_in_process(
+    make_transport: Callable[..., AsyncGuardTransport],
+    finish: Callable[[AsyncGuardTransport], Awaitable[None]],
+    ledger_path: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In process, the key is the one the application's request carries: its error answer,
+    the ledger and ``show`` hold the mask in its place; the rest of the message stays."""
+    key = "sk-canary-" + secrets.token_hex(12)
+    transport = make_transport()
+    client = httpx.AsyncClient(transport=transport)
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post(URL).respond(401, content=_refusal(key), content_type="application/json")
+        answer = await client.post(URL, json=CHAT, headers={"authorization": f"Bearer {key}"})
+    assert answer.status_code == 401
+    assert key not in answer.text
+    assert answer.json()["error"]["message"] == (
+        f"Incorrect API key provided: {MASK}. You passed {MASK}."
+    )
+    call_id = answer.headers["effectguard-call-id"]
+    await finish(transport)
+    shown = await asyncio.to_thread(_shown, call_id, ledger_path, capsys)
+    assert key not in shown
+    assert key.encode() not in _ledger_bytes(ledger_path)
+
+
+@contextlib.contextmanager
+def key_quoting_upstream() -> Iterator[str]:
+    """An upstream that refuses every request with a 401 quoting its bearer key."""
+
+    class Refuse(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", "0")))
+            key = (self.headers.get("authorization") or "").removeprefix("Bearer ")
+            body = _refusal(key)
+            self.send_response(401)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Quiet."""
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.slow
+def test_the_proxy_never_tells_its_tenant_the_provider_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the proxy, which injects ``$OPENAI_API_KEY``: the provider's 401 quoting it
+    reaches the tenant, ``show``, the ledger file and the debug log masked."""
+    key = "sk-canary-" + secrets.token_hex(12)
+    args = ["--log-level", "debug"]
+    with (
+        key_quoting_upstream() as url,
+        running_proxy(
+            tmp_path / "ledger.db",
+            upstreams={"openai": url},
+            args=args,
+            env={"OPENAI_API_KEY": key},
+        ) as proxy,
+    ):
+        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, timeout=10)
+        assert answer.status_code == 401, answer.text
+        call_id = answer.headers["effectguard-call-id"]
+        shown = _shown(call_id, proxy.ledger, capsys)
+        ledger_bytes = _ledger_bytes(proxy.ledger)
+    assert MASK in answer.text and key not in answer.text
+    assert key not in shown
+    assert key.encode() not in ledger_bytes
+    assert call_id in proxy.log() and key not in proxy.log()
