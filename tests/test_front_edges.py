@@ -9,8 +9,10 @@ the receipt log, the recorder and the ledger prove that nothing was dispatched.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -452,6 +454,46 @@ async def test_an_unexpected_exception_is_a_provider_shaped_500_with_the_call_id
     assert all(len(r.getMessage()) < 1000 for r in records)
     assert metrics.registry.get_sample_value("effectguard_internal_errors_total") == 1
     assert stages == {call_id: "effect_unknown"}
+
+
+async def test_an_internal_errors_traceback_stays_on_its_text_log_line(tmp_path: Path) -> None:
+    """``serve --log-format text --log-level debug``: the traceback logged for a 500
+    ``internal_error`` is a field of its record's one line (docs/logs-and-traces.md: a
+    record is always one line), not lines of its own that no reader can tell apart."""
+    from effectguard.config.settings import load_settings
+    from effectguard.ingress.server import create_app
+    from effectguard.telemetry.logs import configure_logging
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug\nsecond line of its text")
+
+    root = logging.getLogger()
+    kept = (list(root.handlers), root.level, logging.getLogger("effectguard").level)
+    out = io.StringIO()
+    configure_logging("text", "debug", stream=out)
+    settings = load_settings(ledger=str(tmp_path / "l.db"), upstreams={"openai": "http://up"})
+    app = create_app(settings, inner=httpx.MockTransport(broken))
+    await app.startup()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        ) as client:
+            response = await client.post(OPENAI_CHAT, json=chat("boom"))
+    finally:
+        await app.shutdown()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in kept[0]:
+            root.addHandler(handler)
+        root.setLevel(kept[1])
+        logging.getLogger("effectguard").setLevel(kept[2])
+    assert response.status_code == 500, response.text
+    lines = out.getvalue().splitlines()
+    record = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) ")
+    assert all(record.match(line) for line in lines), [ln for ln in lines if not record.match(ln)]
+    (traceback,) = [ln for ln in lines if "internal error traceback" in ln]
+    assert "Traceback (most recent call last)" in traceback
+    assert "RuntimeError: a bug\\nsecond line of its text" in traceback
 
 
 async def test_an_unexpected_exception_on_a_tool_route_is_in_the_tools_shape(

@@ -117,7 +117,9 @@ class TextFormatter(logging.Formatter):
         if fields:
             line = f"{line} {fields}"
         if record.exc_info:
-            line = f"{line}\n{self.formatException(record.exc_info)}"
+            # The JSON line's ``exception``, JSON-quoted: its line breaks stay escapes,
+            # so the traceback is a field of this record and never lines of its own.
+            line = f"{line} exception={_text(self.formatException(record.exc_info))}"
         return line
 
 
