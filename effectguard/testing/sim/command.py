@@ -75,9 +75,15 @@ class SimResult:
             return []
         authorized = sum(1 for x in e.events if x.kind == "call.resend_authorized")
         archived = sum(1 for x in e.events if x.call_id in e.archived_calls)
+        # On PostgreSQL an archive moves events into the ledger's archive tables, all
+        # verified by one `verify --archived`; on SQLite each archive is a file of its own.
+        if self.schedule.ledger == "sqlite":
+            archives = f"{len(e.archive_checks)} archive files checked"
+        else:
+            archives = "archive tables " + ("checked" if e.archive_checks else "not checked")
         return [
             f"  maintenance: {len(e.backup_checks)} backups checked, "
-            f"{len(e.archive_checks)} archive files checked ({len(e.archived_calls)} calls, "
+            f"{archives} ({len(e.archived_calls)} calls, "
             f"{archived} of their events), {authorized} resends authorized"
         ]
 
