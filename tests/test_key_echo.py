@@ -13,7 +13,7 @@ import contextlib
 import json
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -75,11 +75,41 @@ async def test_an_error_quoting_the_key_is_masked_in_process(
     assert key.encode() not in _ledger_bytes(ledger_path)
 
 
+class _ByteByByte(httpx.AsyncByteStream):
+    """A body sent one byte per chunk: every occurrence of the key is cut by chunk ends."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for n in range(len(self.body)):
+            yield self.body[n : n + 1]
+
+
+async def test_a_read_whose_error_comes_in_pieces_has_the_key_masked_in_process(
+    make_transport: Callable[..., AsyncGuardTransport],
+) -> None:
+    """A read is forwarded as it streams in: a key cut across chunks is still masked, and
+    every other byte arrives, in order."""
+    key = "sk-canary-" + secrets.token_hex(12)
+    client = httpx.AsyncClient(transport=make_transport())
+    models = "https://api.openai.com/v1/models"
+    with respx.mock(assert_all_called=True) as mock:
+        mock.get(models).respond(401, stream=_ByteByByte(b"x" + _refusal(key) + b"y"))
+        answer = await client.get(models, headers={"authorization": f"Bearer {key}"})
+    assert answer.status_code == 401
+    masked = _refusal(key).replace(key.encode(), MASK.encode())
+    assert answer.content == b"x" + masked + b"y"
+
+
 @contextlib.contextmanager
 def key_quoting_upstream() -> Iterator[str]:
     """An upstream that refuses every request with a 401 quoting its bearer key."""
 
     class Refuse(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.do_POST()
+
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("content-length", "0")))
             key = (self.headers.get("authorization") or "").removeprefix("Bearer ")
@@ -130,3 +160,21 @@ def test_the_proxy_never_tells_its_tenant_the_provider_key(
     assert key not in shown
     assert key.encode() not in ledger_bytes
     assert call_id in proxy.log() and key not in proxy.log()
+
+
+@pytest.mark.slow
+def test_a_read_forwarded_untouched_still_has_the_key_masked(tmp_path: Path) -> None:
+    """A read (``GET /v1/models``) is forwarded as a stream with nothing recorded: its
+    401 quoting the provider key reaches the tenant masked too."""
+    key = "sk-canary-" + secrets.token_hex(12)
+    with (
+        key_quoting_upstream() as url,
+        running_proxy(
+            tmp_path / "ledger.db", upstreams={"openai": url}, env={"OPENAI_API_KEY": key}
+        ) as proxy,
+    ):
+        answer = httpx.get(proxy.url + "/openai/v1/models", timeout=10)
+    assert answer.status_code == 401, answer.text
+    assert answer.json()["error"]["message"] == (
+        f"Incorrect API key provided: {MASK}. You passed {MASK}."
+    )

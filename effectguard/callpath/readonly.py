@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 
-from effectguard.callpath.exchange import Outbound, Reply, Send, Upstream, UpstreamBody
+from effectguard.callpath.exchange import (
+    Outbound,
+    Reply,
+    ReplyStream,
+    Send,
+    Upstream,
+    UpstreamBody,
+)
 from effectguard.callpath.prepare import refuse
 from effectguard.callpath.wire import (
     classify_transport_error,
@@ -17,6 +25,7 @@ from effectguard.callpath.wire import (
     upstream_request,
 )
 from effectguard.providers import Provider
+from effectguard.rules.keymask import key_forms, key_of, mask_forms
 from effectguard.telemetry.observer import Observer
 from effectguard.telemetry.report import CallReport
 
@@ -43,12 +52,40 @@ async def forward_read_only(
         ) from exc
     finally:
         report.upstream_s += time.perf_counter() - sent_at
+    body: ReplyStream = UpstreamBody(response)
+    if not 200 <= response.status < 300:  # a success is never searched (rules/keymask)
+        credential = outgoing.header(provider.key_header)
+        forms = key_forms(key_of(credential, provider.key_format))
+        body = MaskedBody(response, forms) if forms else body
     return Reply(
         response.status,
         client_headers(response.headers, None),
-        stream=UpstreamBody(response),
+        stream=body,
         extensions=response.extensions,
     )
+
+
+class MaskedBody(UpstreamBody):
+    """An upstream answer's body forwarded with the provider key masked (rules/keymask),
+    chunk by chunk: the bytes that could begin a key cut by a chunk's end are held back
+    until the next chunk (or the end) shows whether they do."""
+
+    def __init__(self, upstream: Upstream, forms: tuple[bytes, ...]) -> None:
+        super().__init__(upstream)
+        self._forms = forms
+        self._hold = max(len(form) for form in forms) - 1
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        held = b""
+        async for chunk in self._upstream.aiter_raw():
+            data = mask_forms(held + chunk, self._forms)
+            # Any occurrence that starts before the held tail ends inside ``data``.
+            cut = max(len(data) - self._hold, 0)
+            held = data[cut:]
+            if cut:
+                yield data[:cut]
+        if held:
+            yield held
 
 
 async def _send_read(send: Send, outgoing: Outbound) -> Upstream:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["MASK", "key_of", "mask_key"]
+__all__ = ["MASK", "key_forms", "key_of", "mask_forms", "mask_key"]
 
 #: What stands in an answer where the provider key was.
 MASK = b"[provider key masked]"
@@ -40,12 +40,23 @@ def key_of(credential: str | None, key_format: str) -> str | None:
     return credential
 
 
-def mask_key(body: bytes, key: str | None) -> bytes:
-    """``body`` with every whole occurrence of ``key`` replaced by :data:`MASK`, as the
-    raw text and as a JSON string writes it (a ``/`` may be written ``\\/``)."""
+def key_forms(key: str | None) -> tuple[bytes, ...]:
+    """The byte strings ``key`` may be written as in an answer: as it is, and as a JSON
+    string writes it (a ``/`` may be written ``\\/``); none for a key too short to mask."""
     if key is None or len(key) < MIN_KEY_LENGTH:
-        return body
+        return ()
     forms = {key.encode(), json.dumps(key)[1:-1].encode(), key.replace("/", "\\/").encode()}
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
+def mask_key(body: bytes, key: str | None) -> bytes:
+    """``body`` with every whole occurrence of ``key`` (:func:`key_forms`) replaced by
+    :data:`MASK`."""
+    return mask_forms(body, key_forms(key))
+
+
+def mask_forms(body: bytes, forms: tuple[bytes, ...]) -> bytes:
+    """``body`` with every occurrence of each of ``forms`` replaced by :data:`MASK`."""
     for form in forms:
         if form in body:
             body = body.replace(form, MASK)
