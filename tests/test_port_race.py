@@ -18,6 +18,7 @@ import contextlib
 import http.server
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def _holds_open(pid: int, path: Path) -> bool:
     return False
 
 
+def _accepts(port: int) -> bool:
+    """Whether something listens on 127.0.0.1 ``port`` (a connection is queued, then
+    closed: the server, still starting, never reads it)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def _serve(ledger: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "effectguard", "serve", "--ledger", str(ledger)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
@@ -64,8 +75,14 @@ def test_a_starting_serve_keeps_its_port_from_a_second_serve(tmp_path: Path) -> 
     lock.execute("BEGIN IMMEDIATE")  # the first serve's startup waits on its first write
     first = _serve(first_ledger, port, tmp_path / "first.log")
     try:
-        wait_for(lambda: _holds_open(first.pid, first_ledger), 60, "the first serve's ledger")
-        first.send_signal(signal.SIGSTOP)  # frozen in its startup, past its bind
+        # Its ledger held open alone is not enough: serve reads the file once before it
+        # binds (check_ledger_place), and a freeze there left the port free (CI, loaded).
+        wait_for(
+            lambda: _holds_open(first.pid, first_ledger) and _accepts(port),
+            60,
+            "the first serve listening with its ledger open",
+        )
+        first.send_signal(signal.SIGSTOP)  # frozen in its startup, past its listen
         lock.execute("ROLLBACK")
         second = serve_refusing("--ledger", str(second_ledger), "--port", str(port))
         assert second.code == 2, second
