@@ -95,15 +95,6 @@ def test_in_flight_is_refused_in_progress() -> None:
     assert decision.refusal is not None and decision.refusal.next_operation == "wait"
 
 
-def test_a_declared_retry_under_the_key_of_a_call_in_flight_joins_it() -> None:
-    """The SDK's own retry (its timeout came first) under the agent's key joins the call
-    in flight, as a key-less declared retry does; another hash is still 422."""
-    existing = state("in_flight")
-    assert decide_keyed(existing, HASH, CREATED, is_retry=True) == Decision("join", existing)
-    other = decide_keyed(existing, OTHER, CREATED, is_retry=True)
-    assert_refused(other, 422, "idempotency_key_reused", existing)
-
-
 @pytest.mark.parametrize("now", [CREATED, CREATED + 10**6])
 def test_effect_unknown_without_provider_idempotency_is_refused(now: float) -> None:
     """Effect unknown and no declared provider idempotency: 409 effect_unknown, never resent."""

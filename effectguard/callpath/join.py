@@ -92,10 +92,6 @@ async def _join(
         call_id=call_id,
         stage=stage,
         next_operation="reconcile" if reason == "effect_unknown" else "resend",
-        # Nothing was sent, as the owner's own 502 upstream_unreachable says: the SDK's next
-        # retry is safe (with the key, a new attempt of the call; without, new work). Told
-        # not to, the SDK stopped with ConflictError where its owner's client would retry.
-        retryable=reason == "retry_failed",
     )
 
 

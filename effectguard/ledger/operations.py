@@ -262,7 +262,7 @@ def _decide(tx: Tx, req: AdmitRequest, now: float) -> Decision:
             if archived is not None:
                 return decide_archived(*archived, req.request_hash)
         late = None if existing is None else contradiction(tx, existing)
-        return decide_keyed(existing, req.request_hash, now, late, req.is_retry)
+        return decide_keyed(existing, req.request_hash, now, late)
     if req.is_retry:
         return decide_retry(*retried_call(tx, req, now))
     return Decision("admit")

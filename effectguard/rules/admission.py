@@ -58,15 +58,8 @@ def decide_keyed(
     request_hash: str,
     now: float,
     late: AttemptLateAnswer | None = None,
-    is_retry: bool = False,
 ) -> Decision:
     """docs/contract.md §4's table for a request carrying an ``Idempotency-Key``.
-
-    ``is_retry``: the request declares itself a retry (an SDK's ``x-stainless-retry-count``
-    of 1 or more, or ``Effectguard-Retry-Of``). Meeting its key's call in flight, it joins
-    that call, as a key-less declared retry does: refused 409 ``in_progress`` (which tells
-    the SDK not to retry), the agent that named its work got an error where one that named
-    none got the answer.
 
     ``late``: a late answer kept for any of the call's attempts that says the provider
     applied it (evidence.applied_late), if any; read only for a call whose resend it
@@ -87,8 +80,6 @@ def decide_keyed(
         )
     if s.stage in ("completed", "failed"):
         return Decision("replay", s)
-    if s.stage == "in_flight" and is_retry:
-        return Decision("join", s)
     if s.stage == "in_flight":
         return _refuse(
             409,
