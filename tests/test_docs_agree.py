@@ -19,6 +19,7 @@ from effectguard.config import readkeys
 from effectguard.config.settings import load_settings
 from effectguard.ledger.sqliteevents import FIELDS
 from effectguard.ops.cli import build_parser
+from effectguard.providers import load_providers
 from effectguard.rules.workstate import STAGE_TABLE, STAGES
 from effectguard.telemetry.metrics import (
     MAX_BUDGET_SERIES,
@@ -214,3 +215,104 @@ def test_the_contract_states_every_refusal_and_header_it_fixes() -> None:
     headers = _section(text, "### §9.2 Headers")
     named = set(re.findall(r"^\| `([A-Za-z-]+)` \|", headers, re.M))
     assert named >= CONTRACT_HEADERS, CONTRACT_HEADERS - named
+
+
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+#: Options every ledger command has, stated once at the top of docs/contract.md §8.
+_COMMON_OPTIONS = {"-h", "--help", "--ledger", "--config", "--json"}
+#: Commands whose §8 heading is ``...``: their synopsis is the ``sh`` block under this heading.
+_SYNOPSIS_ELSEWHERE = {
+    "serve": "### §1.1 The proxy",
+    "fake-provider": "### §11.2 The fake provider",
+}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for action in parser._actions for o in action.option_strings}
+
+
+def _command_of(words: list[str], verbs: dict[str, Any]) -> str | None:
+    """The longest command (``key new`` before ``key``) that ``words`` begins with."""
+    for n in (2, 1):
+        if words[:n] and " ".join(words[:n]) in verbs:
+            return " ".join(words[:n])
+    return None
+
+
+def test_each_command_synopsis_in_the_contract_lists_its_options() -> None:
+    """Each synopsis of docs/contract.md §8 (``### `effectguard VERB [--flag ...]` ``, and
+    for ``serve`` and ``fake-provider`` the block their ``...`` points to) names only
+    options its command has, and every option its command has but the shared ones: a user
+    reads the heading as the command's usage, so one it leaves out is one they never find
+    (``verify --archive`` was missing)."""
+    verbs = _verbs(build_parser())
+    text = (DOCS / "contract.md").read_text()
+    named: dict[str, set[str]] = {}
+    chapter = text[text.index("## §8 The command line") : text.index("## §9 ")]
+    for heading in re.findall(r"^### `effectguard ([^`]*)`", chapter, re.M):
+        command = _command_of(heading.split(), verbs)
+        assert command is not None, heading
+        named.setdefault(command, set()).update(_FLAG.findall(heading))
+    for command, where in _SYNOPSIS_ELSEWHERE.items():
+        block = re.search(r"```sh\n(.*?)```", _section(text, where), re.S)
+        assert block is not None, where
+        named[command] |= set(_FLAG.findall(block.group(1)))
+    wrong = {c: sorted(flags - _options(verbs[c])) for c, flags in named.items()}
+    assert not {c: f for c, f in wrong.items() if f}
+    missing = {
+        c: sorted(_options(verbs[c]) - _COMMON_OPTIONS - flags)
+        for c, flags in named.items()
+        if c != "bench"  # measured, not operated: its options are in performance.md
+    }
+    assert not {c: f for c, f in missing.items() if f}
+
+
+def test_every_command_line_in_the_docs_names_options_its_command_has() -> None:
+    """Wherever README.md or docs/ write ``effectguard VERB ... --flag`` (in code, up to a
+    ``#`` comment or the end of the line), the command exists and has that option."""
+    verbs = _verbs(build_parser())
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    unknown = []
+    for page in pages:
+        for line in page.read_text().splitlines():
+            for match in re.finditer(r"effectguard ((?:[a-z][a-z-]* ?){1,2})([^`#|;)]*)", line):
+                command = _command_of(match.group(1).split(), verbs)
+                if command is None:
+                    continue
+                rest = " ".join(match.group(1).split()[len(command.split()) :]) + match.group(2)
+                unknown += [
+                    (page.name, command, flag)
+                    for flag in _FLAG.findall(rest)
+                    if flag not in _options(verbs[command])
+                ]
+    assert not unknown
+
+
+def _statuses(cell: str) -> set[int]:
+    return {int(s) for s in re.findall(r"\b[1-5]\d\d\b", cell)}
+
+
+def test_the_bundled_declarations_table_is_the_bundled_files() -> None:
+    """docs/contract.md §2.4 has one row per bundled provider with its dialect, key
+    variable, ``not_processed``, ``retry_statuses`` and ``[transient]`` statuses as its
+    file declares them: a user reads there which errors effectguard retries by itself (the
+    row of OpenAI once listed its 503 under ``retry_statuses``, which it never retries)."""
+    table = _section((DOCS / "contract.md").read_text(), "### §2.4 The bundled declarations")
+    header = next(line for line in table.splitlines() if line.startswith("| provider |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == len(columns):
+            rows[cells[0].strip("`")] = dict(zip(columns, cells, strict=True))
+    bundled = load_providers()
+    assert set(rows) == set(bundled)
+    for name, row in rows.items():
+        declared = bundled[name]
+        assert row["dialect"] == f"`{declared.dialect}`", name
+        assert row["key variable"].startswith(f"`{declared.api_key_env}`"), name
+        assert _statuses(row["`not_processed`"]) == set(declared.not_processed), name
+        assert _statuses(row["`retry_statuses`"]) == set(declared.retry_statuses), name
+        pairs = re.findall(r'`(\d{3}) = "(none|unknown)"`', row["`[transient]`"])
+        transient = {int(status): kind for status, kind in pairs}
+        assert transient == dict(declared.transient), name
