@@ -316,3 +316,13 @@ def test_the_bundled_declarations_table_is_the_bundled_files() -> None:
         pairs = re.findall(r'`(\d{3}) = "(none|unknown)"`', row["`[transient]`"])
         transient = {int(status): kind for status, kind in pairs}
         assert transient == dict(declared.transient), name
+
+
+def test_the_precedence_list_names_every_flag_of_serve() -> None:
+    """docs/configuration.md's precedence list names each ``serve`` flag that sets what the
+    config file would (all but ``--config`` and ``--demo``): an operator who finds a value
+    differs from the file looks there for what overrode it."""
+    section = _section((DOCS / "configuration.md").read_text(), "## Precedence")
+    serve = _verbs(build_parser())["serve"]
+    flags = _options(serve) - {"-h", "--help", "--config", "--demo"}
+    assert flags <= set(_FLAG.findall(section)), flags - set(_FLAG.findall(section))
