@@ -326,3 +326,19 @@ def test_the_precedence_list_names_every_flag_of_serve() -> None:
     serve = _verbs(build_parser())["serve"]
     flags = _options(serve) - {"-h", "--help", "--config", "--demo"}
     assert flags <= set(_FLAG.findall(section)), flags - set(_FLAG.findall(section))
+
+
+def test_every_log_event_the_package_writes_is_in_the_logs_page() -> None:
+    """docs/logs-and-traces.md has a row for each ``event`` value a log line can carry (the
+    ``extra={"event": ...}`` of a record, and each incident kind): a log shipper's alert
+    matches on it, so an event missing from the page is one nobody knows to watch."""
+    package = Path(__file__).resolve().parent.parent / "effectguard"
+    written = set()
+    for source in package.rglob("*.py"):
+        text = source.read_text()
+        written |= set(re.findall(r'"event": "([a-z_]+)"', text))
+        written |= set(re.findall(r'\.incident\(\s*"([a-z_]+)"', text))
+    page = (DOCS / "logs-and-traces.md").read_text()
+    listed = set(re.findall(r"^\| `([a-z_]+)` \| `effectguard[.a-z]*` \|", page, re.M))
+    listed |= {"access"} if '`"event": "access"`' in page else set()
+    assert written <= listed, written - listed
