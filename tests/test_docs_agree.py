@@ -177,8 +177,9 @@ CONTRACT_REFUSALS = {
     (503, "ledger_unavailable"),
 }
 
-#: The headers the contract names (§1, §4, §9).
+#: The headers the contract names (§1, §4, §9 and the second wave's rate limits).
 CONTRACT_HEADERS = {
+    "retry-after",
     "Idempotency-Key",
     "Effectguard-Budget",
     "Effectguard-Retry-Of",
