@@ -394,6 +394,12 @@ CASES = [
         400,
         closes=True,
     ),
+    case(
+        "content-length-not-a-number",
+        smuggle([("Content-Length", "12abc")], FRAMED),
+        400,
+        closes=True,
+    ),
     # -- the front door (finding 8) --
     case("slowloris", slowloris(CHAT, pause_s=0.3), 408, None, closes=True),
     case("header-30mb", huge_header(CHAT, megabytes=30), 431, None, closes=True),
