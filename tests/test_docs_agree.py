@@ -7,6 +7,7 @@ software does not keep."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
+from effectguard import GuardSettings
 from effectguard.callpath.crash import POINTS
 from effectguard.config import readkeys
 from effectguard.config.settings import load_settings
@@ -343,3 +345,15 @@ def test_every_log_event_the_package_writes_is_in_the_logs_page() -> None:
     listed = set(re.findall(r"^\| `([a-z_]+)` \| `effectguard[.a-z]*` \|", page, re.M))
     listed |= {"access"} if '`"event": "access"`' in page else set()
     assert written <= listed, written - listed
+
+
+def test_the_transport_section_lists_every_guard_setting() -> None:
+    """docs/contract.md §1.2 names each field of ``effectguard.GuardSettings`` with its
+    default: the transports take the class (``settings=``), so a transport user has no
+    config-file table to look its fields up in."""
+    text = (DOCS / "contract.md").read_text()
+    section = text[text.index("### §1.2 The in-process") : text.index("### §1.3 ")]
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| `([^`]*)`", section, re.M))
+    defaults = {f.name: f.default for f in dataclasses.fields(GuardSettings)}
+    assert set(rows) == set(defaults)
+    assert rows == {name: repr(default) for name, default in defaults.items()}
