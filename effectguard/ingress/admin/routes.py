@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from effectguard.callpath.recovery import lock_dir_for
 from effectguard.callpath.takeover import gone_in_flight, gone_owners_here, take_over_gone
@@ -117,7 +117,7 @@ class AdminPage:
             return
         session = await self._authenticate(ex)
         if session is None:
-            login = login_page(None, _back_to(ex, sub))
+            login = login_page(None, _local(_back_to(ex, sub)))
             await ex.html(401, login, ((b"www-authenticate", b"Bearer"),))
             return
         if ex.method == "POST":
@@ -370,7 +370,8 @@ def _back_to(ex: Exchange, sub: str) -> str:
     the form, since the POST's own path is no page."""
     if ex.method in ("GET", "HEAD"):
         query = ex.scope.get("query_string", b"").decode("latin-1")
-        return f"{ex.path}?{query}" if query else ex.path
+        path = quote(ex.path)  # decoded by the server: written as a URL again
+        return f"{path}?{query}" if query else path
     parts = sub.split("/")
     if len(parts) == 3 and parts[0] == "calls" and parts[2] == "reconcile":
         return f"{PREFIX}calls/{quote(parts[1])}"
@@ -378,8 +379,22 @@ def _back_to(ex: Exchange, sub: str) -> str:
 
 
 def _local(target: str) -> str:
-    """A redirect target only if it is a path of the page (no open redirect)."""
-    clean = target.isprintable()  # a line break would reach the Location header
-    if clean and target.startswith(PREFIX) and "//" not in target and "\\" not in target:
-        return target
-    return PREFIX
+    """``target`` if it is a plain path of the page, else the page's root.
+
+    Not an open redirect either way (a path on this host), but a browser resolves the
+    ``Location`` before it asks: a dot segment (``..``, ``.%2e``: WHATWG URLs decode
+    ``%2e`` there) would lead to the proxy's own paths, a second slash or a backslash (as
+    such or percent-encoded) to another host, a control character is stripped by the
+    browser or breaks the header. Such a ``next`` is refused whole, not repaired."""
+    path = target.partition("?")[0].partition("#")[0]
+    decoded = unquote(path)
+    plain = (
+        target.isascii()
+        and target.isprintable()  # also no tab, line break, NUL or DEL
+        and target.startswith(PREFIX)
+        and "//" not in target
+        and "//" not in decoded
+        and "\\" not in decoded
+        and not {".", ".."} & set(decoded.split("/"))
+    )
+    return target if plain else PREFIX
