@@ -91,6 +91,8 @@ class JsonFormatter(logging.Formatter):
         payload.update(_extras(record))
         if record.exc_info:
             payload["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:  # logged with stack_info=True: who logged it
+            payload["stack"] = self.formatStack(record.stack_info)
         line = json.dumps(payload, default=str, ensure_ascii=False)
         # json escapes only C0 controls; a client's C1 control (U+009B, a terminal's CSI),
         # line separator or direction override would reach `tail -f` and line splitters
@@ -120,6 +122,8 @@ class TextFormatter(logging.Formatter):
             # The JSON line's ``exception``, JSON-quoted: its line breaks stay escapes,
             # so the traceback is a field of this record and never lines of its own.
             line = f"{line} exception={_text(self.formatException(record.exc_info))}"
+        if record.stack_info:  # quoted as the traceback is: its line breaks stay escapes
+            line = f"{line} stack={_text(self.formatStack(record.stack_info))}"
         return line
 
 
