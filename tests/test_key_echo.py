@@ -37,6 +37,12 @@ def _refusal(key: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode()
 
 
+def _escaping_refusal(key: str) -> bytes:
+    """The same 401 written as PHP's ``json_encode`` writes JSON: ``"`` as ``\\"`` and ``/``
+    as ``\\/`` both, so a key holding both is quoted in neither single-escape form."""
+    return _refusal(key).replace(b"/", b"\\/")
+
+
 def _shown(call_id: str, ledger: str, capsys: pytest.CaptureFixture[str]) -> str:
     """``show --json`` (the answer's body included) of ``call_id``."""
     capsys.readouterr()
@@ -103,8 +109,9 @@ async def test_a_read_whose_error_comes_in_pieces_has_the_key_masked_in_process(
 
 
 @contextlib.contextmanager
-def key_quoting_upstream() -> Iterator[str]:
-    """An upstream that refuses every request with a 401 quoting its bearer key."""
+def key_quoting_upstream(refusal: Callable[[str], bytes] = _refusal) -> Iterator[str]:
+    """An upstream that refuses every request with a 401 quoting its bearer key, the
+    body written by ``refusal``."""
 
     class Refuse(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -113,7 +120,7 @@ def key_quoting_upstream() -> Iterator[str]:
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("content-length", "0")))
             key = (self.headers.get("authorization") or "").removeprefix("Bearer ")
-            body = _refusal(key)
+            body = refusal(key)
             self.send_response(401)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body)))
@@ -178,3 +185,33 @@ def test_a_read_forwarded_untouched_still_has_the_key_masked(tmp_path: Path) -> 
     assert answer.json()["error"]["message"] == (
         f"Incorrect API key provided: {MASK}. You passed {MASK}."
     )
+
+
+@pytest.mark.slow
+def test_a_key_holding_a_slash_and_a_quote_is_masked_when_both_are_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A provider that writes JSON as PHP does (``\\"`` and ``\\/`` together) quotes a key
+    holding ``/`` and ``"`` in a form that is neither the plain JSON escape nor the ``\\/``
+    one: the proxy's tenant, ``show`` and the ledger get the mask there too, for a call and
+    for a read forwarded as it streams."""
+    key = "sk-canary/" + secrets.token_hex(12) + '"/q'
+    combined = json.dumps(key)[1:-1].replace("/", "\\/")
+    with (
+        key_quoting_upstream(_escaping_refusal) as url,
+        running_proxy(
+            tmp_path / "ledger.db", upstreams={"openai": url}, env={"OPENAI_API_KEY": key}
+        ) as proxy,
+    ):
+        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, timeout=10)
+        read = httpx.get(proxy.url + "/openai/v1/models", timeout=10)
+        call_id = answer.headers["effectguard-call-id"]
+        shown = _shown(call_id, proxy.ledger, capsys)
+        ledger_bytes = _ledger_bytes(proxy.ledger)
+    expected = f"Incorrect API key provided: {MASK}. You passed {MASK}."
+    for response in (answer, read):
+        assert response.status_code == 401, response.text
+        assert combined not in response.text
+        assert response.json()["error"]["message"] == expected
+    assert combined not in shown and "canary" not in shown
+    assert combined.encode() not in ledger_bytes and b"canary" not in ledger_bytes

@@ -42,10 +42,13 @@ def key_of(credential: str | None, key_format: str) -> str | None:
 
 def key_forms(key: str | None) -> tuple[bytes, ...]:
     """The byte strings ``key`` may be written as in an answer: as it is, and as a JSON
-    string writes it (a ``/`` may be written ``\\/``); none for a key too short to mask."""
+    string writes it, each also with ``/`` written ``\\/`` (PHP's ``json_encode`` escapes
+    ``"`` and ``/`` together); none for a key too short to mask."""
     if key is None or len(key) < MIN_KEY_LENGTH:
         return ()
-    forms = {key.encode(), json.dumps(key)[1:-1].encode(), key.replace("/", "\\/").encode()}
+    written = {key, json.dumps(key)[1:-1]}
+    forms = {form.encode() for text in written for form in (text, text.replace("/", "\\/"))}
+    # Longest first: a shorter form inside a longer one must not break the longer's match.
     return tuple(sorted(forms, key=len, reverse=True))
 
 
