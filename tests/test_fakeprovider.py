@@ -457,6 +457,23 @@ def test_behaviour_times_applies_to_the_first_requests_of_an_id(provider: FakePr
     assert [r["behaviour"] for r in provider.receipts()] == ["status=429;id=a;times=1", "", ""]
 
 
+def test_behaviour_moved_answers_a_redirect_with_an_absolute_location(
+    provider: FakeProvider,
+) -> None:
+    """moved=T answers 307 (or ``status``) with ``Location`` T, a path made absolute on the
+    fake's own origin; the request is receipted as any POST is."""
+    moved = post(provider, CHAT, {"model": "m"}, **{"x-fake-behaviour": "moved=/v1/x?a=1"})
+    assert moved.status_code == 307
+    assert moved.headers["location"] == provider.url + "/v1/x?a=1"
+    away = {"x-fake-behaviour": "status=302;moved=https://elsewhere.example/y"}
+    elsewhere = post(provider, CHAT, {"model": "m"}, **away)
+    assert elsewhere.status_code == 302
+    assert elsewhere.headers["location"] == "https://elsewhere.example/y"
+    receipts = provider.receipts()
+    assert [r["status"] for r in receipts] == [307, 302]
+    assert receipts[0]["behaviour"] == "moved=/v1/x?a=1"
+
+
 def test_behaviour_pad_makes_answers_larger_and_still_well_formed(provider: FakeProvider) -> None:
     """pad=N: a JSON body N bytes longer (trailing whitespace), a stream with its first event
     repeated; both still parse and still end with their usage."""

@@ -41,6 +41,7 @@ from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
 from effectguard.ingress.openness import warn_at_start
+from effectguard.ingress.redirects import guarded_redirect
 from effectguard.ingress.replywriter import write_reply
 from effectguard.ingress.requestchecks import ambiguous_framing, check_utf8, route_of
 from effectguard.ingress.spool import Body, TooLarge, read_body, spools
@@ -222,7 +223,8 @@ class ProxyApp:
             return
         context_of(scope).error_shape = provider.error_shape
         try:
-            await self._proxy(scope, receive, send, provider, upstream_path)
+            mount = "" if fixed is not None else f"/{name}"  # the proxy's path for it
+            await self._proxy(scope, receive, send, provider, upstream_path, mount)
         except Refusal as refusal:
             if refusal.status in (401, 403, 413):  # the guard counts its own refusals
                 self._count_refusal(provider.name, refusal)
@@ -345,7 +347,7 @@ class ProxyApp:
         return budget, key.budget_root, key
 
     async def _proxy(
-        self, scope: Scope, receive: Receive, send: Send, provider: Provider, upstream_path: str
+        self, scope: Scope, receive: Receive, send: Send, provider: Provider, path: str, mount: str
     ) -> None:
         assert self.guard is not None
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
@@ -355,7 +357,7 @@ class ProxyApp:
         try:
             if key is not None:
                 key.check(provider.name, body, header_value(raw_headers, "content-type"))
-            request = self._outbound(scope, provider, upstream_path, raw_headers, body)
+            request = self._outbound(scope, provider, path, raw_headers, body)
             ticket = context_of(scope).ticket
             ticket.report_later = True  # its access line waits until the answer is written
             orphans = self.guard.orphans
@@ -363,6 +365,8 @@ class ProxyApp:
             reply = await self.guard.serve(
                 provider, request, self._send, budget=budget, budget_root=root, ticket=ticket
             )
+            if 300 <= reply.status < 400:  # an SDK that follows it must come back through us
+                guarded_redirect(reply, request.url, provider.base_url, mount)
 
             def gone() -> bool:
                 if self._orphaned(scope, ticket):

@@ -39,6 +39,7 @@ class Reply:
     content_type: str
     chunks: tuple[bytes, ...]
     stream: bool
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 REUSED = "Keys for idempotent requests can only be used with the same parameters."
@@ -73,6 +74,13 @@ def error_reply(path: str, status: int, code: str, message: str) -> Reply:
     else:
         obj = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return Reply(status, "application/json", (_json(obj),), False)
+
+
+def moved_reply(status: int, location: str) -> Reply:
+    """A redirect (``status``, a 3xx) to ``location``, as a provider moving an endpoint
+    sends it."""
+    body = _json({"moved_to": location})
+    return Reply(status, "application/json", (body,), False, (("Location", location),))
 
 
 def _counts(body: dict[str, Any], size: int, *fields: str) -> tuple[int, int]:

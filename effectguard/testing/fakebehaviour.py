@@ -19,6 +19,8 @@ SPEC is ``;``-separated ``name=value`` items (a bare name means ``name=1``):
 ``pad=N``       make the answer about N bytes larger (a JSON body: trailing
                 whitespace; a stream: its first event repeated), then end it
                 as usual
+``moved=T``     answer ``status`` (default 307) with ``Location: T``, a path
+                made absolute on the fake's own origin as providers write it
 ``id=X``        with ``times=N``: the behaviour applies to the first N requests
 ``times=N``     carrying ``id=X``; later ones get a plain answer, so a retry
                 after a 429 or a 5xx can succeed
@@ -72,6 +74,7 @@ class Behaviour:
     id: str | None = None
     times: int | None = None
     pad: int = 0
+    moved: str | None = None
 
     def render(self) -> str:
         """The header value that :func:`parse` turns back into this behaviour."""
@@ -90,6 +93,8 @@ class Behaviour:
             items.append(f"times={self.times}")
         if self.pad:
             items.append(f"pad={self.pad}")
+        if self.moved is not None:
+            items.append(f"moved={self.moved}")
         return ";".join(items)
 
 
@@ -100,7 +105,19 @@ def parse(text: str) -> Behaviour:
         name, _, value = item.strip().partition("=")
         if name:
             fields[name] = value or "1"
-    known = {"delay", "status", "drop", "cut", "reset", "close", "id", "times", "endless", "pad"}
+    known = {
+        "delay",
+        "status",
+        "drop",
+        "cut",
+        "reset",
+        "close",
+        "id",
+        "times",
+        "endless",
+        "pad",
+        "moved",
+    }
     unknown = fields.keys() - known
     if unknown:
         raise ValueError(f"unknown behaviour items: {sorted(unknown)}")
@@ -122,6 +139,7 @@ def parse(text: str) -> Behaviour:
         id=fields.get("id"),
         times=int(fields["times"]) if "times" in fields else None,
         pad=int(fields.get("pad", "0")),
+        moved=fields.get("moved"),
     )
 
 
@@ -180,7 +198,10 @@ async def _send(
     if ending == "whole" or after >= len(chunks):
         if not reply.stream:
             return web.Response(
-                status=reply.status, body=chunks[0], content_type=reply.content_type
+                status=reply.status,
+                body=chunks[0],
+                content_type=reply.content_type,
+                headers=dict(reply.headers),
             )
         response = web.StreamResponse(status=reply.status)
         response.content_type = reply.content_type

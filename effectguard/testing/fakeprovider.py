@@ -75,7 +75,7 @@ from urllib.parse import parse_qsl
 
 from aiohttp import web
 
-from effectguard.testing.fakeanswers import REUSED, ROUTES, Reply, error_reply
+from effectguard.testing.fakeanswers import REUSED, ROUTES, Reply, error_reply, moved_reply
 from effectguard.testing.fakebehaviour import (
     BEHAVIOUR_HEADER,
     TAG_HEADER,
@@ -196,7 +196,12 @@ class _Provider:
                 reply = error_reply(path, 422, "idempotency_key_reused", REUSED)
         else:
             status = behaviour.status
-            if status is not None and status >= 400:
+            if behaviour.moved is not None:
+                target = behaviour.moved
+                if target.startswith("/"):
+                    target = f"{request.scheme}://{request.host}{target}"
+                reply = moved_reply(status or 307, target)
+            elif status is not None and status >= 400:
                 reply = error_reply(path, status, "fake_error", f"fake provider answered {status}")
             else:
                 reply = ROUTES[path](seq, body, len(raw), headers.get("x-fake-usage") != "missing")
