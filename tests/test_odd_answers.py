@@ -13,7 +13,7 @@ provider's fault is not counted as effectguard's own (``effectguard_internal_err
   one coded with a transfer coding nobody asked for (``gzip, chunked``: its body
   arrives still coded): the effect is unknown, and a keyed resend is refused, not
   replayed;
-* an answer the leg cannot parse (a NUL in a header, 130 headers, a bad chunk size, a
+* an answer the leg cannot parse (a NUL in a header, 4,097 headers, a bad chunk size, a
   body short of its length or past it) is told by what could not be read, never as a 400;
 * chunked framing that breaks after the answer began ends the call at once;
 * a usage event behind the terminal event is not charged.
@@ -98,7 +98,7 @@ ANSWERS: dict[str, bytes] = {
     ),
     "usage-after-done": _whole(b"", _EVENT + _DONE + _USAGE, b"text/event-stream"),
     "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
-    "130-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(130))),
+    "4097-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(4097))),
     "bad-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n10\r\n" + _BODY[:16] + b"\r\nzz\r\n",
     "body-short-of-length": _whole(b"", _BODY, b"application/json").replace(
@@ -321,7 +321,7 @@ def test_a_usage_event_behind_the_terminal_event_is_not_charged(
     ("answer", "told"),
     [
         ("nul-header", "Invalid HTTP header"),
-        ("130-headers", "Too many headers received"),
+        ("4097-headers", "Too many headers received"),
         ("bad-chunk-size", "Invalid character in chunk size"),
         ("body-short-of-length", "Not enough data to satisfy content length header"),
         ("body-past-its-length", "Data after `Connection: close`"),

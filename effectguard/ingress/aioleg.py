@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 #: httpx's default keep-alive expiry, kept from the httpx-aiohttp leg.
 KEEPALIVE_S = 5.0
 _URL_CACHE_SIZE = 1024
+#: Header fields an upstream answer may carry. aiohttp's default (128) refused answers
+#: the transports take (h11 bounds only the head, at 100 KiB), as effect_unknown. With
+#: aiohttp's 8190-byte bound per field this keeps one answer's head under 32 MiB, half
+#: the default ``max_answer_bytes``; more fields than this is no provider's answer.
+MAX_ANSWER_FIELDS = 4096
 
 
 @contextmanager
@@ -155,7 +160,9 @@ class AiohttpLeg:
             keepalive_timeout=KEEPALIVE_S,
             ssl=self._ssl,
         )
-        session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        session = aiohttp.ClientSession(
+            connector=connector, trust_env=False, max_headers=MAX_ANSWER_FIELDS
+        )
         # aiohttp resends a PUT, DELETE or GET by itself, once, when a reused keep-alive
         # connection fails (RFC 9112 §9.3.1.1): a second send the ledger never records,
         # and a PUT or DELETE may be an effect. Every attempt is the guard's to make.
