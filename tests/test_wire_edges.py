@@ -109,6 +109,15 @@ def idle_connections(proxy: Proxy, count: int) -> list[socket.socket]:
     return [socket.create_connection(address(proxy.url), timeout=PATIENCE_S) for _ in range(count)]
 
 
+def uploads_under_way(proxy: Proxy, count: int) -> list[socket.socket]:
+    """``count`` connections whose request head was sent and whose body never ends: each
+    has a request in progress, so it keeps its place at the cap."""
+    uploads = idle_connections(proxy, count)
+    for sock in uploads:
+        sock.sendall(_request(b"{", length=100))
+    return uploads
+
+
 def sent_once(provider: FakeProvider, tags: list[str]) -> bool:
     """Whether each tag reached the provider exactly once."""
     seen = collections.Counter(r.get("tag") for r in provider.receipts())
@@ -151,12 +160,13 @@ def _raw_answer(proxy: Proxy, request: bytes) -> bytes:
         return read_until_closed(sock, PATIENCE_S)
 
 
-def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
+def test_healthz_tells_the_truth_while_requests_under_way_fill_max_connections(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
-    # Silent connections count toward max_connections until header_timeout_s closes
-    # them: a flood of them made /healthz a plain 503, so a liveness probe restarted a
-    # proxy whose ledger was fine. The probe is now let past the cap (a few at most).
+    # Requests under way (here uploads that have not ended) fill max_connections: a
+    # flood of them made /healthz a plain 503, so a liveness probe restarted a proxy
+    # whose ledger was fine. The probe is now let past the cap (a few at most). (Silent
+    # connections filled it too, until they gave way to requests: test_front_door_cap.)
     def call(tag: str) -> bytes:
         body = json.dumps(chat(tag)).encode()
         return _raw_answer(
@@ -168,12 +178,12 @@ def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
     config = f"max_connections = 16\nprovider_ports = {{ openai = {routed} }}\n"
     with limited_proxy(tmp_path, provider, 4096, 4096, config) as proxy:
         assert good_calls(proxy, ["under-the-cap"]) == {200: 1}
-        idle = idle_connections(proxy, 16)
+        idle = uploads_under_way(proxy, 16)
         try:
             wait_for(
                 lambda: call("at-the-cap").startswith(b"HTTP/1.1 503 "),
                 PATIENCE_S,
-                "the silent connections to fill the cap",
+                "the uploads to fill the cap",
             )
             healthz = _raw_answer(proxy, probe)
             assert healthz.startswith(b"HTTP/1.1 200 "), healthz[:300]
@@ -195,7 +205,7 @@ def test_healthz_tells_the_truth_while_silent_connections_fill_max_connections(
         wait_for(
             lambda: _raw_answer(proxy, probe.replace(b"GET", b"POST")).startswith(b"HTTP/1.1 200 "),
             PATIENCE_S,
-            "the cap to free once the silent connections close",
+            "the cap to free once the uploads are abandoned",
         )
         assert good_calls(proxy, ["after-the-flood"]) == {200: 1}
     tags = [r.get("tag") for r in provider.receipts()]
@@ -208,7 +218,7 @@ def test_probes_past_max_connections_are_bounded(tmp_path: Path, provider: FakeP
     # most 8 are let past the cap; the others get its plain 503 without waiting.
     probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     with limited_proxy(tmp_path, provider, 4096, 4096, "max_connections = 16\n") as proxy:
-        idle = idle_connections(proxy, 16)
+        idle = uploads_under_way(proxy, 16)
         lock = sqlite3.connect(proxy.ledger, isolation_level=None)
         probes: list[socket.socket] = []
         try:
@@ -217,7 +227,7 @@ def test_probes_past_max_connections_are_bounded(tmp_path: Path, provider: FakeP
                     b"HTTP/1.1 503 Service Unavailable"
                 ),
                 PATIENCE_S,
-                "the silent connections to fill the cap",
+                "the uploads to fill the cap",
             )
             lock.execute("BEGIN IMMEDIATE")
             probes += [socket.create_connection(address(proxy.url)) for _ in range(12)]

@@ -19,8 +19,10 @@ uvicorn's httptools protocol with three more limits:
   is read to its end and settled without it, rather than held in flight for as long
   as the client holds the connection open.
 
-And one exception to uvicorn's connection cap: ``GET /healthz`` read while it is
-reached is served, a few at a time (:mod:`effectguard.ingress.probepass`).
+And two changes to uvicorn's connection cap: a request read while it is reached takes
+the place of the connection idle longest (:mod:`effectguard.ingress.roomcap`), and when
+every connection has a request, ``GET /healthz`` is served past it, a few at a time
+(:mod:`effectguard.ingress.probepass`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from effectguard.config.settings import FrontDoor
 from effectguard.ingress.probepass import ProbePass, is_probe
+from effectguard.ingress.roomcap import IdleConnections
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 #: The scope extension, a callable, that tells the app whether its client has gone:
@@ -97,7 +100,12 @@ def protocol_for(
     door: FrontDoor, provider_ports: frozenset[int] = frozenset()
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, with ``door``'s deadlines and header cap."""
-    own = {"door": door, "probes": ProbePass(), "provider_ports": provider_ports}
+    own = {
+        "door": door,
+        "probes": ProbePass(),
+        "room": IdleConnections(),
+        "provider_ports": provider_ports,
+    }
     return type("FrontDoorProtocol", (_FrontDoorProtocol,), own)
 
 
@@ -105,6 +113,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     door: FrontDoor
     #: The health probes let past the connection cap: one for the server's connections.
     probes: ProbePass
+    #: The server's connections with no request in progress: closed for room at the cap.
+    room: IdleConnections
     #: Local ports (provider_ports) where /healthz is the provider's: no probe passes there.
     provider_ports: frozenset[int]
 
@@ -134,6 +144,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     # -- phases ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.room.idle(self)
         self._start_headers()
 
     def on_message_begin(self) -> None:
@@ -155,23 +166,39 @@ class _FrontDoorProtocol(HttpToolsProtocol):
             self._running = self.cycle
 
     def _headers_read(self) -> None:
-        """uvicorn's start of the request; a health probe at the cap past it, counted."""
-        limit, app = self.limit_concurrency, self.app
+        """uvicorn's start of the request; at the cap, room made or a health probe let
+        past it."""
+        self.room.busy(self)
+        limit = self.limit_concurrency
         # Below the cap (every request but a flood's), one comparison more than uvicorn's.
-        if (
-            limit is None
-            or max(len(self.connections), len(self.tasks)) < limit
-            or not is_probe(self.parser.get_method(), self.url)
-            or (self.server[1] if self.server else None) in self.provider_ports
-        ):
+        if limit is None or max(len(self.connections), len(self.tasks)) < limit:
             super().on_headers_complete()
             return
+        places = self.room.open_places(len(self.connections))
+        if len(self.tasks) < limit and self.room.make_room(places - limit + 1):
+            # The closed ones are still in uvicorn's count until their close is seen.
+            self._past_the_cap(self.app)
+        elif (
+            is_probe(self.parser.get_method(), self.url)
+            and (self.server[1] if self.server else None) not in self.provider_ports
+        ):
+            self._past_the_cap(self.probes.through(self.app))
+        else:
+            super().on_headers_complete()
+
+    def _past_the_cap(self, app: Any) -> None:
         # uvicorn picks the app it runs (or its own plain 503) from these two, here only.
-        self.limit_concurrency, self.app = None, self.probes.through(app)
+        limit, own = self.limit_concurrency, self.app
+        self.limit_concurrency, self.app = None, app
         try:
             super().on_headers_complete()
         finally:
-            self.limit_concurrency, self.app = limit, app
+            self.limit_concurrency, self.app = limit, own
+
+    def close_for_room(self) -> None:
+        """Close this connection, which has no request in progress, to make room."""
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -185,6 +212,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self.room.gone(self)
         self._mark_gone()
         callback, self._lost_callback = self._lost_callback, None
         if callback is not None:
@@ -303,6 +331,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if queued is not None and not (self.pipeline and self.pipeline[-1][0] is queued):
             self._running = queued  # uvicorn started the next pipelined request
+        elif self.cycle.response_complete and not self.transport.is_closing():
+            self.room.idle(self)  # kept alive, no request read yet
 
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()

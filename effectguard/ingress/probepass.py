@@ -1,9 +1,10 @@
 """``GET /healthz`` past ``[server] max_connections``, a few at a time.
 
-uvicorn counts every open connection toward the cap, silent ones included (until
-``header_timeout_s`` closes each), and answers any request read while it is reached
-with a plain 503. The health probe asks about the ledger, not about load: a flood of
-silent connections failed it on a proxy that was otherwise well, so a liveness probe
+uvicorn answers any request read while the cap is reached with a plain 503; a
+connection with no request in progress gives its place up first
+(:mod:`effectguard.ingress.roomcap`), so this is a cap full of requests under way. The
+health probe asks about the ledger, not about load: a full cap (then of silent
+connections too) failed it on a proxy that was otherwise well, so a liveness probe
 restarted it and a readiness probe took every replica out of rotation. A probe read at
 the cap is let through instead, with at most :data:`SPARE` of them in flight past it at
 once, so a flood of probes is itself bounded; beyond that it gets the same 503.
