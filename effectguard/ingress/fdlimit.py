@@ -9,11 +9,23 @@ new connection (the client sees a reset, and no line is logged), and a call alre
 admitted cannot connect upstream. :func:`raise_open_files` lifts the soft limit to the
 hard one at start, as Go's runtime does for every program, and warns when even the hard
 limit is below what ``max_connections`` needs.
+
+Should the limit be reached all the same, the loop turns connections away in C (libuv
+accepts each and closes it, and tells no one), so there is nothing to catch: while it
+serves, :func:`watch_open_files` checks once a second whether a file can still be
+opened, and logs a warning when it cannot (again at most every
+:data:`WARN_EVERY_S` while that lasts) and a line when it can again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("effectguard.ingress.fdlimit")
 
@@ -60,3 +72,80 @@ def raise_open_files(max_connections: int) -> int:
             max_connections,
         )
     return int(soft)
+
+
+#: How often a serving proxy checks that it can still open a file (one open and close).
+CHECK_EVERY_S = 1.0
+#: While the limit stays reached, its warning is repeated at most this often.
+WARN_EVERY_S = 60.0
+
+
+def table_full() -> bool:
+    """Whether this process can open no more files (EMFILE; ENFILE: the system's table)."""
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
+    os.close(fd)
+    return False
+
+
+@dataclass
+class LimitReached:
+    """What the checks have found: since when the limit is reached (None: it is not),
+    and when that was last said."""
+
+    since: float | None = None
+    said: float = 0.0
+
+    def step(self, now: float, full: bool) -> str | None:
+        """A check at ``now``: ``"reached"``, ``"still"`` or ``"free"`` when a line is
+        due, else None."""
+        if not full:
+            if self.since is None:
+                return None
+            self.since = None
+            return "free"
+        if self.since is None:
+            self.since = self.said = now
+            return "reached"
+        if now - self.said >= WARN_EVERY_S:
+            self.said = now
+            return "still"
+        return None
+
+
+async def watch_open_files(connections: Callable[[], tuple[int, int]]) -> None:
+    """Check every :data:`CHECK_EVERY_S` that a file can be opened; log when it cannot
+    and when it can again. ``connections``: the client connections open now, and how many
+    of them have no request in progress (a flood of silent ones shows there)."""
+    state = LimitReached()
+    while True:
+        await asyncio.sleep(CHECK_EVERY_S)
+        now = time.monotonic()
+        since = state.since
+        said = state.step(now, table_full())
+        if said is None:
+            continue
+        if said == "free":
+            log.info("open files are free again, after %.0f s at the limit", now - (since or now))
+            continue
+        open_now, idle = connections()
+        log.warning(
+            "the open-files limit (%s) is reached%s: new connections are closed without "
+            "an answer and calls cannot reach their provider; %d client connections are "
+            "open, %d of them with no request in progress; raise the hard limit (ulimit "
+            "-Hn, LimitNOFILE=) or lower max_connections",
+            _soft_limit(),
+            "" if said == "reached" else f", for {now - (since or now):.0f} s",
+            open_now,
+            idle,
+        )
+
+
+def _soft_limit() -> str:
+    try:
+        import resource
+    except ImportError:  # not on a POSIX system
+        return "unknown"
+    return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])

@@ -80,12 +80,15 @@ def _never(callback: Callable[[], None] | None) -> None:
 
 
 def uvicorn_options(
-    door: FrontDoor, provider_ports: frozenset[int] = frozenset()
+    door: FrontDoor,
+    provider_ports: frozenset[int] = frozenset(),
+    room: IdleConnections | None = None,
 ) -> dict[str, Any]:
     """The ``uvicorn.Config`` options for the limits uvicorn enforces itself.
-    ``provider_ports``: the local ports where ``/healthz`` is a provider's path."""
+    ``provider_ports``: the local ports where ``/healthz`` is a provider's path; ``room``:
+    where the server's idle connections are kept (a new registry if None)."""
     return {
-        "http": protocol_for(door, provider_ports),
+        "http": protocol_for(door, provider_ports, room),
         "limit_concurrency": door.max_connections or None,
         "timeout_keep_alive": door.keep_alive_timeout_s,
         # No WebSockets: with a WebSocket library importable (wsproto comes with some
@@ -97,13 +100,15 @@ def uvicorn_options(
 
 
 def protocol_for(
-    door: FrontDoor, provider_ports: frozenset[int] = frozenset()
+    door: FrontDoor,
+    provider_ports: frozenset[int] = frozenset(),
+    room: IdleConnections | None = None,
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, with ``door``'s deadlines and header cap."""
     own = {
         "door": door,
         "probes": ProbePass(),
-        "room": IdleConnections(),
+        "room": IdleConnections() if room is None else room,
         "provider_ports": provider_ports,
     }
     return type("FrontDoorProtocol", (_FrontDoorProtocol,), own)

@@ -37,6 +37,9 @@ class IdleConnections:
         #: seen a loop turn later): they hold no place any more.
         self._leaving: set[Closable] = set()
 
+    def __len__(self) -> int:
+        return len(self._idle)
+
     def idle(self, conn: Closable) -> None:
         """``conn`` has no request in progress from now on (the newest idle one)."""
         self._idle[conn] = None

@@ -26,9 +26,10 @@ from typing import Any
 import uvicorn
 
 from effectguard.config.settings import ServeSettings
-from effectguard.ingress.fdlimit import raise_open_files
+from effectguard.ingress.fdlimit import raise_open_files, watch_open_files
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.listeners import check_apart, listen_socket, start_listening
+from effectguard.ingress.roomcap import IdleConnections
 from effectguard.ingress.server import ProxyApp, create_app
 from effectguard.ledger import shown_ledger
 from effectguard.telemetry.logs import configure_logging
@@ -73,7 +74,11 @@ def serve(
     routes = {s.getsockname()[1]: name for name, s in routed.items()}
     app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock, routes=routes)
     start_line = _start_line(settings, sock, routed, metrics_sock)
-    server = _Server(_config(settings, app, frozenset(routes)), start_line)
+    room = IdleConnections()
+    server = _Server(_config(settings, app, frozenset(routes), room), start_line)
+
+    def connections() -> tuple[int, int]:
+        return len(server.server_state.connections), len(room)
 
     def on_signal() -> None:
         server.stop()
@@ -84,10 +89,12 @@ def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        watch = loop.create_task(watch_open_files(connections))
         try:
             async with alongside() if alongside is not None else contextlib.nullcontext():
                 await server.serve(sockets=[sock, *routed.values()])
         finally:
+            watch.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
@@ -157,7 +164,10 @@ def _metrics_socket(settings: ServeSettings, proxy: socket.socket) -> socket.soc
 
 
 def _config(
-    settings: ServeSettings, app: ProxyApp, provider_ports: frozenset[int]
+    settings: ServeSettings,
+    app: ProxyApp,
+    provider_ports: frozenset[int],
+    room: IdleConnections | None = None,
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,
@@ -171,7 +181,7 @@ def _config(
         # When it ends, requests still running are cancelled and each answers 504
         # effect_unknown for its call (ProxyApp._cut_off).
         timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
-        **uvicorn_options(settings.front_door, provider_ports),
+        **uvicorn_options(settings.front_door, provider_ports, room),
     )
 
 
