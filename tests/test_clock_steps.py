@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import respx
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -344,4 +345,72 @@ def test_a_stream_in_flight_across_a_step_back_gives_its_estimate_back(tmp_path:
                 return [r.status_code, stepped.status_code, *(a.status_code for a in later)]
 
     assert asyncio.run(run()) == [200] * 5
+    assert cli_main(["verify", "--ledger", ledger]) == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the ledger stores no rate_windows.reached yet (ratelimit.RateWindow.reached)",
+)
+def test_a_stream_of_a_minute_a_forward_step_reenters_gives_nothing_to_the_new_window(
+    tmp_path: Path,
+) -> None:
+    """tpm 1500, every call reporting 2 tokens: stream A (max_tokens 500) is opened 30 s into
+    minute m; NTP steps the clock back three minutes (a call there starts the window over),
+    then forward again into m, where stream D (max_tokens 500) starts the window over once
+    more. A ends: the new window never counted it, so it still holds D's estimate, and a
+    call of max_tokens 1000 does not fit (429, never sent). (The window counted minute m
+    whole: A's settlement took its estimate off D's, and that call was sent, about 1500
+    tokens under way in the minute.)"""
+    ledger = str(tmp_path / "l.db")
+    assert cli_main(["migrate", "--ledger", ledger]) == 0
+    assert cli_main(["budget", "set", "team", "--tpm", "1500", "--ledger", ledger]) == 0
+    clock = SteppedClock(T0)
+
+    async def run() -> tuple[list[int], int]:
+        gates = [asyncio.Event(), asyncio.Event()]
+        streams = iter(gates)
+
+        def reply(request: httpx.Request) -> httpx.Response:
+            if json.loads(request.content).get("stream") is True:
+                stream = GatedStream(next(streams))
+                return httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, stream=stream
+                )
+            return httpx.Response(200, headers={"content-type": "application/json"}, content=ANSWER)
+
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+        body["max_tokens"] = 500
+        streamed = {**body, "stream": True}
+        headers = {"Effectguard-Budget": "team"}
+        async with Ledger.open(ledger, clock=clock) as led, respx.mock() as upstream:
+            route = upstream.post(CHAT_URL).mock(side_effect=reply)
+            transport = AsyncGuardTransport(httpx.AsyncHTTPTransport(), ledger=led)
+            async with httpx.AsyncClient(transport=transport) as client:
+                async with client.stream("POST", CHAT_URL, json=streamed, headers=headers) as a:
+                    a_chunks = a.aiter_bytes()
+                    await anext(a_chunks)
+                    clock.set(T0 - 180)
+                    back = await client.post(
+                        CHAT_URL, json={**body, "max_tokens": 10}, headers=headers
+                    )
+                    clock.set(T0 + 10)
+                    async with client.stream("POST", CHAT_URL, json=streamed, headers=headers) as d:
+                        d_chunks = d.aiter_bytes()
+                        await anext(d_chunks)
+                        gates[0].set()
+                        async for _ in a_chunks:
+                            pass
+                        late = await client.post(
+                            CHAT_URL, json={**body, "max_tokens": 1000}, headers=headers
+                        )
+                        gates[1].set()
+                        async for _ in d_chunks:
+                            pass
+                statuses = [a.status_code, back.status_code, d.status_code, late.status_code]
+                return statuses, route.call_count
+
+    statuses, sent = asyncio.run(run())
+    assert statuses == [200, 200, 200, 429]
+    assert sent == 3
     assert cli_main(["verify", "--ledger", ledger]) == 0

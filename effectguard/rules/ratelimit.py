@@ -22,9 +22,14 @@ attempts the window counted (:func:`counts`). Kept back, the window still counts
 attempt of its own minute, and those of the minute before reserved after ``p``: it
 records ``since = -p``. Started over, it counts the attempts reserved after ``p``, in its
 minute (or, stepped back again, the one before): ``since = p``, as a declaration records.
-Not exact: a clock stepped back far and then forward again into a minute an earlier
-window counted, while an attempt that window counted in that minute is in flight (the
-window the forward step starts counts its minute whole, that attempt included).
+
+A clock stepped back far and then forward again starts a window over in a minute an
+earlier window counted, whose attempts may still be in flight: counting its minute whole,
+that window would take their corrections. A window that records ``reached``, the highest
+minute its node's windows have counted in, knows it: starting over forward into a minute
+up to ``reached``, it records ``since = p`` as a far step back does. Without ``reached``
+(None: what the ledger keeps today, see :class:`RateWindow`) that case is not exact: the
+window the forward step starts counts its minute whole, that attempt included.
 
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
@@ -71,6 +76,11 @@ class RateWindow:
     the minute before reserved after position ``p`` (a step back it kept). None: a window
     a release before writer format 2 counted, which did not record it (read as 0, as that
     release did).
+
+    ``reached`` is the highest minute this node's windows have counted in, carried from
+    each window to the next; None where it is not recorded, and then not tracked (a step
+    forward into a minute an earlier window counted records nothing; the ledger stores no
+    ``reached`` yet, so each of its windows has None).
     """
 
     path: str
@@ -78,13 +88,14 @@ class RateWindow:
     requests: int = 0
     tokens: int = 0
     since: int | None = 0
+    reached: int | None = None
 
     def at(self, minute: int) -> RateWindow:
         """This window as seen in ``minute``: itself in its minute and in the one before
-        (a clock stepped back reopens no minute), else empty."""
+        (a clock stepped back reopens no minute), else empty (with the same ``reached``)."""
         if self.minute - KEPT_BACK <= minute <= self.minute:
             return self
-        return RateWindow(self.path, minute)
+        return RateWindow(self.path, minute, reached=self.reached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +161,12 @@ def admitted(window: RateWindow, at: float, tokens: int, position: int) -> RateW
         # Stepped back: kept in the later minute, or starting over in an earlier one. A
         # reservation always follows the declaration that gave it limits: position > 1.
         current = replace(current, since=1 - position if current is window else position - 1)
+    elif current is not window and window.reached is not None and minute <= window.reached:
+        # Stepped forward into a minute an earlier window counted: its attempts of this
+        # minute may still be in flight, and this window counts none of them.
+        current = replace(current, since=position - 1)
+    if window.reached is not None and minute > window.reached:
+        current = replace(current, reached=minute)
     return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
 
 
