@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from test_clock_steps import SteppedClock
 from test_rate_limits import _with_tokens, completion, refused_429
@@ -144,6 +144,28 @@ async def test_a_call_in_flight_across_a_step_back_settles_in_its_window(
     await admit_ok(ledger, w1, req(ns, tokens=100, request_hash="hash-4"))
 
 
+async def test_a_forward_step_into_a_counted_minute_starts_a_window_older_calls_leave_alone(
+    ledger: Ledger, w1: Writer, ns: str, moves: Moves
+) -> None:
+    """tpm 1000: a call estimated at 800 is admitted 30 s into minute m; NTP steps the clock
+    back three minutes (a call there starts the window over), then forward into m again,
+    where a second call of 800 starts the window over once more. The first call settling
+    at 30 gives nothing back to that window, which never counted it: a call of 300 is
+    refused. (The window counted minute m whole: the settlement took 770 off the second
+    call's 800, and the call of 300 was admitted, 1100 tokens under way in the minute.)"""
+    start = _thirty_into_a_minute(moves)
+    moves.set(start)
+    await ledger.set_policy(BudgetPolicy(ns, tpm=1000))
+    first = await admit_ok(ledger, w1, req(ns, tokens=800))
+    moves.set(start - 180)
+    back = await admit_ok(ledger, w1, req(ns, tokens=10))
+    await _settle(ledger, w1, ns, back.call_id, 10)
+    moves.set(start + 10)
+    await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, first.call_id, 30)
+    await refused_429(ledger, w1, ns, tokens=300)
+
+
 @given(
     steps=st.lists(
         st.tuples(st.floats(-59, 40, allow_nan=False), st.integers(0, 400), st.booleans()),
@@ -182,29 +204,36 @@ def test_a_clock_never_a_minute_behind_itself_keeps_the_window_exact(
 
 @given(
     steps=st.lists(
-        st.tuples(st.floats(-400, 400, allow_nan=False), st.integers(0, 400), st.booleans()),
+        st.tuples(
+            # Steps of a few minutes either way, and a few that land near a boundary.
+            st.one_of(st.sampled_from([0, -180, 180, -61, 61]), st.floats(-400, 400)),
+            st.integers(0, 400),
+            st.one_of(st.none(), st.integers(0, 3)),
+        ),
         min_size=1,
         max_size=60,
     )
 )
+# The case the contract once called inexact: a call at 600 s, a far step back to 420 s, a
+# forward step to 600 s, and the first call settling at 1 token after its estimate of 0.
+@example(steps=[(0, 0, None), (-180, 0, None), (180, 0, None), (0, 1, 0)])
 def test_a_clock_stepped_any_way_keeps_a_window_that_records_its_highest_minute_exact(
-    steps: list[tuple[float, int, bool]],
+    steps: list[tuple[float, int, int | None]],
 ) -> None:
     """Pure rules: as above, but the clock steps back and forward by up to almost seven
     minutes, so a far step back and a forward step into a minute an earlier window counted
     happen with calls of that minute in flight. A window that records the highest minute
-    it reached holds exactly the tokens of the attempts it counted. (Without it, a window
-    started by that forward step took the correction of an attempt of that minute the
-    earlier window counted: calls at 600, 600, 539, 600, then the second settling at 1
-    token left 1 token in a window whose only call had an estimate of 0.)"""
-    window, at, position = RateWindow("a", reached=0), 600.0, 1
+    it reached holds exactly the tokens of the attempts it counted. (Without it, the window
+    started by that forward step took the correction of a call of that minute the earlier
+    window counted: in the example, 1 token in a window whose only call estimated 0.)"""
+    window, at, position = ratelimit.first("a"), 600.0, 1
     counted: dict[int, int] = {}
     flying: dict[int, tuple[float, int]] = {}
-    for move, tokens, settle in steps:
+    for move, tokens, settles in steps:
         at = max(at + move, 0.0)
         position += 1
-        if settle and flying:
-            call = sorted(flying)[tokens % len(flying)]
+        if settles is not None and flying:
+            call = sorted(flying)[min(settles, len(flying) - 1)]  # the oldest, most often
             started, estimate = flying.pop(call)
             window = ratelimit.corrected(window, started, estimate, tokens, lambda c=call: c)
             if call in counted:

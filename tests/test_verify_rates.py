@@ -95,6 +95,7 @@ def test_verify_agrees_with_the_windows_the_store_kept(ledger_path: Path) -> Non
         ("team", "UPDATE rate_windows SET requests = requests + 1 WHERE path = ?"),
         ("team/run", "UPDATE rate_windows SET tokens = tokens + 150 WHERE path = ?"),
         ("team/run", "UPDATE rate_windows SET minute = minute - 1 WHERE path = ?"),
+        ("team/run", "UPDATE rate_windows SET reached = reached + 1 WHERE path = ?"),
         ("team", "DELETE FROM rate_windows WHERE path = ?"),
         (
             "team/other",
@@ -169,7 +170,8 @@ def _as_format_1_counted(
     release started no window at a declaration, so the settlement of a call admitted
     before ``tpm`` was declared corrected the window the next admission started. It is
     this release's store without the start, on the schema migration 18 (PostgreSQL: 11)
-    found: no ``since``, no migration. Returns the writer and the call left in flight."""
+    found: no ``since`` (nor ``reached``, migration 23, PostgreSQL: 16), no migration.
+    Returns the writer and the call left in flight."""
 
     async def write() -> tuple[Writer, str]:
         async with _open(url, clock) as ledger:
@@ -188,10 +190,11 @@ def _as_format_1_counted(
     monkeypatch.setattr(rates, "fold_declared", lambda *args: None)
     writer, flying = asyncio.run(write())
     monkeypatch.undo()
-    version = 11 if url.startswith("postgresql://") else 18
+    versions = (11, 16) if url.startswith("postgresql://") else (18, 23)
     with _raw_any(url) as conn:
         conn.execute("ALTER TABLE rate_windows DROP COLUMN since")
-        conn.execute(f"DELETE FROM migrations WHERE version = {version}")
+        conn.execute("ALTER TABLE rate_windows DROP COLUMN reached")
+        conn.execute(f"DELETE FROM migrations WHERE version IN {versions}")
     assert cli_main(["migrate", "--ledger", url]) == 0
     return writer, flying
 

@@ -81,7 +81,7 @@ async def test_an_older_release_cannot_write_a_migrated_sqlite_ledger(tmp_path: 
 
 
 #: The formats before this release's, each refused by the migration that raised it past it.
-OLDER_FORMATS = [1, 2, 3, 4]
+OLDER_FORMATS = [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("declared", OLDER_FORMATS)
@@ -95,8 +95,10 @@ async def test_a_release_of_an_older_format_cannot_write_a_migrated_ledger(
     key_digest): migration 19 refuses it. A release of format 3 lets a [[keys]] entry whose
     ledger key was revoked spend, and believes usage far past a request's output cap:
     migration 21 refuses it. A release of format 4 counts a step back of the clock in a
-    rate window without recording where (contract §5.6): migration 22 refuses it. Each is
-    told to upgrade."""
+    rate window without recording where (contract §5.6): migration 22 refuses it. A release
+    of format 5 neither writes nor tracks the highest minute a rate window reached, so a
+    window it starts over beside this one would not be the events' fold: migration 23
+    refuses it. Each is told to upgrade."""
     path = str(tmp_path / "ledger.db")
     cli("migrate", path)
     await new_release_writes(path)
@@ -140,7 +142,8 @@ async def test_a_release_of_an_older_format_cannot_write_a_migrated_postgres_led
     pg_url: str, declared: int
 ) -> None:
     """As on SQLite: a connection declaring an older format (PostgreSQL migrations 11, 12,
-    14 and 15 raised it past 1, 2, 3 and 4) is refused each write, and told to upgrade."""
+    14, 15 and 16 raised it past 1, 2, 3, 4 and 5) is refused each write, and told to
+    upgrade."""
     import psycopg
 
     cli("migrate", pg_url)

@@ -272,6 +272,13 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "releases before it may no longer write this ledger",
         writerformat.pg_require(5),  # as SQLite's migration 22
     ),
+    (
+        16,
+        "writer format 6: a rate window records the highest minute it reached (reached); "
+        "releases before it may no longer write this ledger",
+        # As SQLite's migration 23: NULL in the windows kept now (not tracked).
+        ["ALTER TABLE rate_windows ADD COLUMN reached BIGINT", *writerformat.pg_require(6)],
+    ),
 ]
 
 

@@ -109,4 +109,4 @@ def _windows(tx: Tx, paths: list[str]) -> list[ratelimit.RateWindow]:
     if not paths:
         return []
     kept = tx.get_windows(paths)
-    return [kept.get(p) or ratelimit.RateWindow(p) for p in paths]
+    return [kept.get(p) or ratelimit.first(p) for p in paths]

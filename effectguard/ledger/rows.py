@@ -41,8 +41,10 @@ NODE_COLUMNS = "path, period, reserved, spent, held"
 #: A node's declared policy (table ``budgets``, keyed by path).
 POLICY_COLUMNS = "path, limit_nanos, period, tz, rpm, tpm, concurrency"
 #: A node's rate window (table ``rate_windows``, keyed by path). ``since`` is NULL in a
-#: row an older release wrote (SQLite migration 18, PostgreSQL migration 11 added it).
-WINDOW_COLUMNS = "path, minute, requests, tokens, since"
+#: row an older release wrote (SQLite migration 18, PostgreSQL migration 11 added it);
+#: ``reached`` in a row a release before writer format 6 wrote (SQLite migration 23,
+#: PostgreSQL migration 16), and in every window of its lineage after (not tracked).
+WINDOW_COLUMNS = "path, minute, requests, tokens, since, reached"
 WORKER_COLUMNS = "worker, generation, host, pid, lease_expires, fenced"
 KEY_COLUMNS = "name, sha256, budget_root, created_at, expires_at, models, providers, revoked_at"
 
@@ -206,13 +208,14 @@ def policy_from_row(row: tuple[Any, ...] | Any) -> BudgetPolicy:
 
 def window_params(window: RateWindow) -> tuple[Any, ...]:
     """Parameters for storing a rate window, in :data:`WINDOW_COLUMNS` order."""
-    return (window.path, window.minute, window.requests, window.tokens, window.since)
+    w = window
+    return (w.path, w.minute, w.requests, w.tokens, w.since, w.reached)
 
 
 def window_from_row(row: tuple[Any, ...] | Any) -> RateWindow:
     """A rate window from a row in :data:`WINDOW_COLUMNS` order."""
-    path, minute, requests, tokens, since = row
-    return RateWindow(path, int(minute), int(requests), int(tokens), _int(since))
+    path, minute, requests, tokens, since, reached = row
+    return RateWindow(path, int(minute), int(requests), int(tokens), _int(since), _int(reached))
 
 
 def _int(value: Any) -> int | None:

@@ -431,6 +431,14 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
         # without recording it, leaving windows verify cannot re-derive (contract §5.6).
         [*writerformat.sqlite_require(5)],
     ),
+    (
+        23,
+        "writer format 6: a rate window records the highest minute it reached (reached); "
+        "releases before it may no longer write this ledger",
+        # NULL in the windows kept now: their lineage is not tracked (contract §5.6), as
+        # the release that counted them did not; a declaration that starts one tracks it.
+        ["ALTER TABLE rate_windows ADD COLUMN reached INTEGER", *writerformat.sqlite_require(6)],
+    ),
 ]
 
 

@@ -17,7 +17,10 @@ request's output cap is not believed, where such a release charges it. Those rul
 without a raise (SQLite's migration 20, PostgreSQL's 13, only added an index), so until
 format 4 nothing stopped such a release serving beside this one. Format 5 changed no
 event either: a rate window records where the clock stepped back (``since``), which a
-release before it does not, leaving windows verify cannot re-derive.
+release before it does not, leaving windows verify cannot re-derive. Format 6 neither:
+a rate window records the highest minute it reached (``reached``), so that a clock
+stepped back far and then forward into a minute an earlier window counted starts the
+window over exactly; a release before it would keep the column as it found it.
 
 So every writer declares the format it writes, on each connection, and the ledger refuses
 a write (an event, a worker's registration or heartbeat) from a connection that declares
@@ -36,7 +39,7 @@ from typing import Final
 #: The format this release writes. Raise it (with a migration calling :func:`pg_require` /
 #: :func:`sqlite_require` with it) when events change so that an older release misreads
 #: them, or when an older release serving beside this one would break a rule it keeps.
-WRITER_FORMAT: Final = 5
+WRITER_FORMAT: Final = 6
 #: The PostgreSQL session setting a connection declares its format in.
 SETTING: Final = "effectguard.writer_format"
 #: The SQLite function a connection declares its format with.

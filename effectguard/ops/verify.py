@@ -71,7 +71,9 @@ async def verify_ledger(ledger: Ledger, page: int = 1000) -> VerifyReport:
         )
         for k in keys
     ]
-    rate_rows = [RateRow(w.path, w.minute, w.requests, w.tokens, w.since) for w in windows]
+    rate_rows = [
+        RateRow(w.path, w.minute, w.requests, w.tokens, w.since, w.reached) for w in windows
+    ]
     report = verifier.finish(
         budget_rows, (), (), worker_rows, key_rows, policy_rows, rate_rows, bodies
     )

@@ -27,9 +27,12 @@ A clock stepped back far and then forward again starts a window over in a minute
 earlier window counted, whose attempts may still be in flight: counting its minute whole,
 that window would take their corrections. A window that records ``reached``, the highest
 minute its node's windows have counted in, knows it: starting over forward into a minute
-up to ``reached``, it records ``since = p`` as a far step back does. Without ``reached``
-(None: what the ledger keeps today, see :class:`RateWindow`) that case is not exact: the
-window the forward step starts counts its minute whole, that attempt included.
+up to ``reached``, it records ``since = p`` as a far step back does. A node's first
+window tracks it (:func:`first`), and so does a window a declaration starts; a window a
+release before writer format 6 counted does not (None), nor do the windows after it until
+a declaration starts one: there that case is not exact (the window the forward step starts
+counts its minute whole, that attempt included). Nor is it for an attempt admitted before
+the declaration, in a later minute than the declaration's (:func:`started`).
 
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
@@ -78,9 +81,9 @@ class RateWindow:
     release did).
 
     ``reached`` is the highest minute this node's windows have counted in, carried from
-    each window to the next; None where it is not recorded, and then not tracked (a step
-    forward into a minute an earlier window counted records nothing; the ledger stores no
-    ``reached`` yet, so each of its windows has None).
+    each window to the next. None: not tracked (a window a release before writer format 6
+    counted, and those after it until a declaration starts one; a step forward into a
+    minute an earlier window counted records nothing there, as that release did).
     """
 
     path: str
@@ -96,6 +99,11 @@ class RateWindow:
         if self.minute - KEPT_BACK <= minute <= self.minute:
             return self
         return RateWindow(self.path, minute, reached=self.reached)
+
+
+def first(path: str) -> RateWindow:
+    """The window of ``path`` before its first admission (none kept yet)."""
+    return RateWindow(path, reached=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +192,11 @@ def started(path: str, at: float, since: int) -> RateWindow:
     """The window of ``path`` once a declaration at ``at`` gave it rate limits: it counts
     nothing yet, and none of its minute's earlier attempts. ``since`` is the declaration's
     ledger position, or 0 when no call under ``path`` was in flight (none of the earlier
-    attempts can settle after it)."""
-    return RateWindow(path, minute_of(at), since=since)
+    attempts can settle after it). Its ``reached`` starts at its minute: the minutes of
+    the attempts still in flight from before it are not read (a declaration after a far
+    step back, with one of a later minute in flight, is the one case left inexact)."""
+    minute = minute_of(at)
+    return RateWindow(path, minute, since=since, reached=minute)
 
 
 def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) -> bool:

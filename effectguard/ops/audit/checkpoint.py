@@ -117,10 +117,11 @@ def check(seq: int, data: dict[str, Any]) -> list[str]:
 
 def _window(row: list[Any]) -> RateRow:
     """A window a checkpoint carried: one without ``since`` was written by a release
-    before writer format 2, which did not record it."""
-    path, minute, requests, tokens, *since = row
-    seen = int(since[0]) if since and since[0] is not None else None
-    return RateRow(str(path), int(minute), int(requests), int(tokens), seen)
+    before writer format 2, which did not record it; one without ``reached`` before
+    format 6."""
+    path, minute, requests, tokens, *rest = row
+    since, reached = (*(None if v is None else int(v) for v in rest), None, None)[:2]
+    return RateRow(str(path), int(minute), int(requests), int(tokens), since, reached)
 
 
 def _policy(values: list[Any]) -> Policy:

@@ -19,14 +19,21 @@ alone. A step back of the clock (a reservation in a minute before its window's) 
 ``p``, the position before it, in a window that recorded none: counted in the window,
 ``since = -p`` (the window counts its minute whole, and the reservations of the minute
 before after ``p``); starting it over, ``since = p`` (it counts exactly the reservations
-after ``p``, of its minute or the one before, as after a declaration).
+after ``p``, of its minute or the one before, as after a declaration). A window records
+``reached``, the highest minute its node's windows counted in (from its first window, or
+the declaration that started the window's lineage), and one that starts over in a later
+minute up to ``reached`` (a clock stepped back far, then forward) records ``since = p``
+too: attempts an earlier window counted in that minute may settle after it.
 
 Older releases counted differently, and a stored window may be theirs (docs/operations.md,
 "Mixed versions"): before writer format 1 a reservation in the minute before its window's
 started the window over; before writer format 2 a declaration started nothing (its
-windows have ``since`` NULL); up to writer format 4 a step back recorded no position.
-So the verifier folds the events five ways and accepts a window that is one of them, a
-window with ``since`` NULL only as those releases counted it (or, after an archive cut,
+windows have ``since`` NULL); up to writer format 4 a step back recorded no position;
+up to writer format 5 a window recorded no ``reached`` (NULL), and this release tracks
+none in the windows after it until a declaration starts one.
+So the verifier folds the events six ways and accepts a window that is one of them: one
+with ``reached`` only as this release counts it, one with ``since`` NULL only as the
+releases before format 2 counted it (either, without ``reached``, after an archive cut
 unjudged until it starts over: the cut's checkpoint carries the windows as this release
 counts them).
 """
@@ -46,19 +53,24 @@ _LANDED = frozenset({"attempt.observed", "attempt.not_sent", "attempt.interrupte
 _KEPT_BACK = 1
 #: Whether a step back of the clock records its position in the window (this release).
 _MARKS = True
+#: Whether a window records the highest minute it reached (this release).
+_TRACKS = True
 
 
 class RateRow(NamedTuple):
     """A stored rate window, or one the events give: a node's minute and its counts, and
     ``since``: the ``seq`` of the declaration that started it mid-minute, or where a step
     back of the clock came (negative if the window kept counting; 0: neither; None: a
-    window a release before writer format 2 counted, which did not record it)."""
+    window a release before writer format 2 counted, which did not record it). ``reached``:
+    the highest minute the node's windows counted in (None: not tracked, as before writer
+    format 6)."""
 
     path: str
     minute: int
     requests: int
     tokens: int
     since: int | None = 0
+    reached: int | None = None
 
 
 def minute_of(at: float) -> int:
@@ -69,10 +81,14 @@ def minute_of(at: float) -> int:
 class _Fold:
     """The windows as one release's rules count them: with the kept-back minute (writer
     format 1) or without, started by a declaration (format 2) or not, and recording
-    where the clock stepped back (this release) or not."""
+    where the clock stepped back (format 5) or not, tracking ``reached`` (this release)
+    or not."""
 
-    def __init__(self, kept_back: bool, declared: bool, marks: bool = False) -> None:
+    def __init__(
+        self, kept_back: bool, declared: bool, marks: bool = False, tracks: bool = False
+    ) -> None:
         self.kept_back, self.declared, self.marks = kept_back, declared, marks
+        self.tracks = tracks
         self.windows: dict[str, RateRow] = {}
 
     def reserve(self, paths: list[str], minute: int, tokens: int, seq: int) -> list[str]:
@@ -84,11 +100,18 @@ class _Fold:
             window = self.windows.get(path)
             earlier = window is not None and minute < window.minute
             kept = window is not None and window.minute - back <= minute <= window.minute
+            reached = (0 if self.tracks else None) if window is None else window.reached
             if window is None or not kept:
-                window = RateRow(path, minute, 0, 0)
+                window = RateRow(path, minute, 0, 0, reached=reached)
                 restarted.append(path)
+                if not earlier and reached is not None and minute <= reached:
+                    # Forward into a minute an earlier window counted (a clock stepped
+                    # back far, then forward): its attempts may settle after this.
+                    window = window._replace(since=seq - 1)
             if self.marks and earlier and window.since == 0:
                 window = window._replace(since=1 - seq if kept else seq - 1)
+            if reached is not None and minute > reached:
+                window = window._replace(reached=minute)
             self.windows[path] = window._replace(
                 requests=window.requests + 1, tokens=window.tokens + tokens
             )
@@ -116,14 +139,17 @@ class _Fold:
     def declare(self, path: str, minute: int, since: int) -> None:
         """A declaration gave ``path`` rate limits (``since``: its ``seq``, or 0)."""
         if self.declared:
-            self.windows[path] = RateRow(path, minute, 0, 0, since)
+            self.windows[path] = RateRow(path, minute, 0, 0, since, minute if self.tracks else None)
 
 
 class Rates:
     """Every node's rate window, folded from the events."""
 
     def __init__(self) -> None:
-        self._now = _Fold(kept_back=True, declared=True, marks=_MARKS)
+        self._now = _Fold(kept_back=True, declared=True, marks=_MARKS, tracks=_TRACKS)
+        #: As releases of writer format 5 counted, and this one counts a window whose
+        #: lineage they started (``reached`` NULL): no highest minute tracked.
+        self._unreached = _Fold(kept_back=True, declared=True, marks=_MARKS)
         #: As releases up to writer format 4 counted a clock stepped back: no position
         #: recorded (a window one of them wrote beside this release may carry that count).
         self._unmarked = _Fold(kept_back=True, declared=True)
@@ -136,7 +162,13 @@ class Rates:
             _Fold(kept_back=True, declared=False),
             _Fold(kept_back=False, declared=False),
         )
-        self._folds = (self._now, self._unmarked, self._stepless, *self._undeclared)
+        self._folds = (
+            self._now,
+            self._unreached,
+            self._unmarked,
+            self._stepless,
+            *self._undeclared,
+        )
         #: Each call's last reservation: its ``seq`` and its token estimate (what its
         #: settlement corrects).
         self.reserved: dict[str, tuple[int, int]] = {}
@@ -198,7 +230,8 @@ class Rates:
     def seed(self, windows: dict[str, RateRow]) -> None:
         """Start from the windows a checkpoint carried."""
         for fold in self._folds:
-            fold.windows = dict(windows)
+            untracked = {p: w._replace(reached=None) for p, w in windows.items()}
+            fold.windows = dict(windows) if fold.tracks else untracked
         self.seeded = True
 
     def exports(self) -> list[list[list[Any]]]:
@@ -207,7 +240,7 @@ class Rates:
         out = []
         for fold in self._folds:
             out.append(export(fold.windows))
-            out.append(sorted([p, m, r, t] for p, m, r, t, _ in fold.windows.values()))
+            out.append(sorted(list(row[:4]) for row in fold.windows.values()))
         return out
 
     def compare(self, rows: list[RateRow]) -> list[str]:
@@ -226,11 +259,20 @@ class Rates:
         return problems
 
     def _accepted(self, path: str, have: RateRow | None) -> list[RateRow | None]:
-        """What a stored window of ``path`` may be: as this release counts it (or with a
-        release before format 1's step-back rule); one whose ``since`` is NULL, or none,
-        as a release before format 2 counted it too."""
-        now = [fold.windows.get(path) for fold in (self._now, self._unmarked, self._stepless)]
+        """What a stored window of ``path`` may be: one with ``reached`` as this release
+        counts it; one without, as this release counts a lineage it does not track (or
+        with a release before format 5's, or format 1's, step-back rule); one whose
+        ``since`` is NULL, or none, as a release before format 2 counted it too."""
+        if have is not None and have.reached is not None:
+            return [self._now.windows.get(path)]
+        folds = (self._now, self._unreached, self._unmarked, self._stepless)
+        now = [fold.windows.get(path) for fold in folds]
         if have is not None and have.since is not None:
+            carried = now[0]
+            if self.seeded and path not in self.restarted and carried and carried.reached:
+                # Counted before the cut in a lineage this release does not track, which
+                # the cut's checkpoint carries as tracked: how, nothing left says.
+                return [have]
             return now
         if have is not None and self.seeded and path not in self.restarted:
             return [have]  # an older release's count from before the cut, which left no trace
@@ -239,9 +281,14 @@ class Rates:
 
 
 def export(windows: Mapping[str, RateRow]) -> list[list[Any]]:
-    """Windows as a checkpoint carries them: ``[path, minute, requests, tokens, since]``,
-    without ``since`` where it is NULL (as a release before writer format 2 wrote them)."""
-    return sorted(list(row) if row.since is not None else list(row[:4]) for row in windows.values())
+    """Windows as a checkpoint carries them: ``[path, minute, requests, tokens, since,
+    reached]``, without ``reached`` where it is NULL (as a release before writer format 6
+    wrote them) and without ``since`` too where that is (before format 2)."""
+    return sorted(list(row[: _carried(row)]) for row in windows.values())
+
+
+def _carried(row: RateRow) -> int:
+    return 4 if row.since is None else 5 if row.reached is None else 6
 
 
 def _rated(policy: Policy) -> bool:
@@ -258,4 +305,5 @@ def _counts(row: RateRow | None) -> str:
     if row is None:
         return "no window"
     since = f" since={row.since}" if row.since else ""
-    return f"minute={row.minute} requests={row.requests} tokens={row.tokens}{since}"
+    reached = f" reached={row.reached}" if row.reached is not None else ""
+    return f"minute={row.minute} requests={row.requests} tokens={row.tokens}{since}{reached}"
