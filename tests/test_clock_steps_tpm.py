@@ -166,6 +166,29 @@ async def test_a_forward_step_into_a_counted_minute_starts_a_window_older_calls_
     await refused_429(ledger, w1, ns, tokens=300)
 
 
+async def test_a_call_in_flight_across_a_declaration_in_an_earlier_minute_is_left_alone(
+    ledger: Ledger, w1: Writer, ns: str, moves: Moves
+) -> None:
+    """A call estimated at 800 is admitted 30 s into minute m while the node has no rate
+    limit; NTP steps the clock back three minutes, where ``tpm 1000`` is declared (the
+    call still in flight) and a call of 10 is admitted; the clock steps forward into m,
+    where a call of 800 starts the window over. The first call settling at 30 gives
+    nothing back to that window, which never counted it: a call of 300 is refused. (The
+    window's highest minute started at the declaration's, so the forward step counted
+    minute m whole: the settlement took 770 off, and the call of 300 was admitted.)"""
+    start = _thirty_into_a_minute(moves)
+    moves.set(start)
+    first = await admit_ok(ledger, w1, req(ns, tokens=800))
+    moves.set(start - 180)
+    await ledger.set_policy(BudgetPolicy(ns, tpm=1000))
+    back = await admit_ok(ledger, w1, req(ns, tokens=10))
+    await _settle(ledger, w1, ns, back.call_id, 10)
+    moves.set(start + 10)
+    await admit_ok(ledger, w1, req(ns, tokens=800))
+    await _settle(ledger, w1, ns, first.call_id, 30)
+    await refused_429(ledger, w1, ns, tokens=300)
+
+
 @given(
     steps=st.lists(
         st.tuples(st.floats(-59, 40, allow_nan=False), st.integers(0, 400), st.booleans()),

@@ -121,7 +121,7 @@ def test_a_window_a_format_5_release_counted_is_counted_and_verified_as_it_did(
     monkeypatch.setattr(
         ratelimit,
         "started",
-        lambda p, at, since: RateWindow(p, ratelimit.minute_of(at), since=since),
+        lambda p, at, since, flying=(): RateWindow(p, ratelimit.minute_of(at), since=since),
     )
     first, again = asyncio.run(as_format_5())
     monkeypatch.undo()

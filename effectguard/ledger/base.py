@@ -210,6 +210,11 @@ class Tx(Protocol):
         """How many calls under ``path`` (it or a descendant) are in flight."""
         ...
 
+    def flying_under(self, path: str) -> list[WorkState]:
+        """The calls under ``path`` (it or a descendant) in flight, in one read (a
+        declaration's: never on a request's path)."""
+        ...
+
     def get_worker(self, worker: str) -> WorkerRow | None:
         """A worker's row."""
         ...

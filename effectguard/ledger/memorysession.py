@@ -192,6 +192,13 @@ class MemorySession:
     def put_window(self, window: RateWindow) -> None:
         self._set(self.t.windows, window.path, window)
 
+    def flying_under(self, path: str) -> list[WorkState]:
+        return [
+            s
+            for s in self.t.calls.values()
+            if s.stage == "in_flight" and budgets.is_under(s.budget, path)
+        ]
+
     def count_in_flight(self, path: str) -> int:
         return sum(
             1

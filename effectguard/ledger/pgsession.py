@@ -361,6 +361,11 @@ class PostgresSession:
         self._op.windows[window.path] = window
         self._kept.put(self._kept.windows, window.path, window)
 
+    def flying_under(self, path: str) -> list[WorkState]:
+        return [
+            state_from_json(r[0]) for r in self._scan(POSTGRES.flying_under, POSTGRES.subtree(path))
+        ]
+
     def count_in_flight(self, path: str) -> int:
         return int(self._scan(POSTGRES.in_flight_under, POSTGRES.subtree(path))[0][0])
 

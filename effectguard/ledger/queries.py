@@ -122,6 +122,9 @@ class Queries:
         self.in_flight_under = (
             f"SELECT count(*) FROM calls WHERE {_IN_FLIGHT} AND {self.in_subtree('budget')}"
         )
+        self.flying_under = (
+            f"SELECT {state} FROM calls WHERE {_IN_FLIGHT} AND {self.in_subtree('budget')}"
+        )
         # -- scans (operators, metrics, verify)
         self.events_after = f"SELECT {ev} FROM events e WHERE e.seq > {m} ORDER BY e.seq LIMIT {m}"
         self._budget_scans(binary)

@@ -78,12 +78,14 @@ def fold_declared(tx: Tx, event: BudgetLimitSet, seq: int, now: float) -> None:
 
     Only a call in flight under the node now can settle later having been reserved
     before the declaration, so with none the window records no position (``since`` 0):
-    its settlements then read nothing to tell the two apart.
+    its settlements then read nothing to tell the two apart. The window's ``reached``
+    covers the minutes those calls' attempts started in (one may be later than now,
+    after a far step back of the clock).
     """
     after = policy_of(event)
     if ratelimit.gains(tx.get_policies([event.path]).get(event.path), after):
-        since = seq if tx.count_in_flight(event.path) else 0
-        tx.put_window(ratelimit.started(event.path, now, since))
+        flying = [s.last_attempt_at for s in tx.flying_under(event.path)]
+        tx.put_window(ratelimit.started(event.path, now, seq if flying else 0, flying))
 
 
 class _Reserved:

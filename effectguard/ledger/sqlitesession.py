@@ -368,6 +368,10 @@ class SqliteSession:
     def put_window(self, window: RateWindow) -> None:
         self.conn.execute(_UPSERT_WINDOW, window_params(window))
 
+    def flying_under(self, path: str) -> list[WorkState]:
+        rows = self.conn.execute(SQLITE.flying_under, SQLITE.subtree(path)).fetchall()
+        return [self._state(r) for r in rows]
+
     def count_in_flight(self, path: str) -> int:
         row = self.conn.execute(SQLITE.in_flight_under, SQLITE.subtree(path)).fetchone()
         return int(row[0])

@@ -31,8 +31,7 @@ up to ``reached``, it records ``since = p`` as a far step back does. A node's fi
 window tracks it (:func:`first`), and so does a window a declaration starts; a window a
 release before writer format 6 counted does not (None), nor do the windows after it until
 a declaration starts one: there that case is not exact (the window the forward step starts
-counts its minute whole, that attempt included). Nor is it for an attempt admitted before
-the declaration, in a later minute than the declaration's (:func:`started`).
+counts its minute whole, that attempt included).
 
 A window counts the attempts admitted **while its node declares** ``rpm`` or ``tpm``. When a
 node gains them (it had neither), its window starts afresh at that declaration, in the
@@ -49,7 +48,7 @@ marks them).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final, Literal
 
@@ -188,15 +187,16 @@ def _limits(policy: BudgetPolicy) -> bool:
     return policy.rpm is not None or policy.tpm is not None
 
 
-def started(path: str, at: float, since: int) -> RateWindow:
+def started(path: str, at: float, since: int, flying: Sequence[float] = ()) -> RateWindow:
     """The window of ``path`` once a declaration at ``at`` gave it rate limits: it counts
     nothing yet, and none of its minute's earlier attempts. ``since`` is the declaration's
     ledger position, or 0 when no call under ``path`` was in flight (none of the earlier
-    attempts can settle after it). Its ``reached`` starts at its minute: the minutes of
-    the attempts still in flight from before it are not read (a declaration after a far
-    step back, with one of a later minute in flight, is the one case left inexact)."""
+    attempts can settle after it). ``flying``: when the attempts in flight under ``path``
+    started; ``reached`` covers their minutes too, since a clock stepped back far before
+    the declaration leaves them later than its own, and a window started forward in one
+    of them must not count them."""
     minute = minute_of(at)
-    return RateWindow(path, minute, since=since, reached=minute)
+    return RateWindow(path, minute, since=since, reached=max([minute, *map(minute_of, flying)]))
 
 
 def counts(window: RateWindow, admitted_at: float, reserved: Callable[[], int]) -> bool:

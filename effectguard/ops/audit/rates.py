@@ -21,7 +21,8 @@ alone. A step back of the clock (a reservation in a minute before its window's) 
 before after ``p``); starting it over, ``since = p`` (it counts exactly the reservations
 after ``p``, of its minute or the one before, as after a declaration). A window records
 ``reached``, the highest minute its node's windows counted in (from its first window, or
-the declaration that started the window's lineage), and one that starts over in a later
+the declaration that started the window's lineage, with the minutes the attempts then in
+flight under the node started in), and one that starts over in a later
 minute up to ``reached`` (a clock stepped back far, then forward) records ``since = p``
 too: attempts an earlier window counted in that minute may settle after it.
 
@@ -136,10 +137,13 @@ class _Fold:
         # Reserved after the declaration that started this window, in its minute.
         return window.minute == minute and reserved > window.since
 
-    def declare(self, path: str, minute: int, since: int) -> None:
-        """A declaration gave ``path`` rate limits (``since``: its ``seq``, or 0)."""
+    def declare(self, path: str, minute: int, since: int, reached: int) -> None:
+        """A declaration gave ``path`` rate limits (``since``: its ``seq``, or 0;
+        ``reached``: the latest minute of it and of the attempts in flight under it)."""
         if self.declared:
-            self.windows[path] = RateRow(path, minute, 0, 0, since, minute if self.tracks else None)
+            self.windows[path] = RateRow(
+                path, minute, 0, 0, since, reached if self.tracks else None
+            )
 
 
 class Rates:
@@ -172,8 +176,10 @@ class Rates:
         #: Each call's last reservation: its ``seq`` and its token estimate (what its
         #: settlement corrects).
         self.reserved: dict[str, tuple[int, int]] = {}
-        #: The budget of each call in flight (reserved, its attempt not yet ended).
+        #: The budget of each call in flight (reserved, its attempt not yet ended), and
+        #: when its last attempt started.
         self.flying: dict[str, str] = {}
+        self.flying_at: dict[str, float] = {}
         #: True after a cut whose checkpoint carried no windows: a window is known only
         #: once a reservation or declaration after the cut has started it anew.
         self.partial = False
@@ -200,6 +206,7 @@ class Rates:
         """Apply event ``seq`` of ``call`` (whose last attempt started at ``started_at``)."""
         if kind in _LANDED:
             self.flying.pop(call, None)
+            self.flying_at.pop(call, None)
         elif kind == "budget.reserved":
             tokens = int(data.get("tokens", 0))
             self.reserved[call] = (seq, tokens)
@@ -213,6 +220,8 @@ class Rates:
             paths = _limited(policies, str(data["budget"]))
             for fold in self._folds:
                 fold.settle(paths, minute_of(started_at), reserved, int(data["tokens"]) - estimate)
+        if call in self.flying:
+            self.flying_at[call] = started_at  # as the call's state has it (last_attempt_at)
 
     def declare(
         self, seq: int, data: dict[str, Any], at: float, policies: Mapping[str, Policy]
@@ -222,10 +231,14 @@ class Rates:
         if _rated(policy_from(data)) and not _rated(policies.get(path, NO_POLICY)):
             # With no call in flight under it, no earlier attempt can settle after this.
             under = path + "/"
-            busy = any(b == path or b.startswith(under) for b in self.flying.values())
+            busy = [
+                minute_of(self.flying_at.get(call, at))
+                for call, b in self.flying.items()
+                if b == path or b.startswith(under)
+            ]
             self.restarted.add(path)
             for fold in self._folds:
-                fold.declare(path, minute_of(at), seq if busy else 0)
+                fold.declare(path, minute_of(at), seq if busy else 0, max([minute_of(at), *busy]))
 
     def seed(self, windows: dict[str, RateRow]) -> None:
         """Start from the windows a checkpoint carried."""
