@@ -172,9 +172,12 @@ def admitted(window: RateWindow, at: float, tokens: int, position: int) -> RateW
         # Stepped forward into a minute an earlier window counted: its attempts of this
         # minute may still be in flight, and this window counts none of them.
         current = replace(current, since=position - 1)
-    if window.reached is not None and minute > window.reached:
-        current = replace(current, reached=minute)
-    return replace(current, requests=current.requests + 1, tokens=current.tokens + tokens)
+    reached = window.reached
+    if reached is not None and minute > reached:
+        reached = minute
+    # Built directly, not by replace(): this runs on every admission under rpm or tpm.
+    c = current
+    return RateWindow(c.path, c.minute, c.requests + 1, c.tokens + tokens, c.since, reached)
 
 
 def gains(before: BudgetPolicy | None, after: BudgetPolicy) -> bool:
