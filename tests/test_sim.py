@@ -40,6 +40,7 @@ from effectguard.rules.events import (
     StoredEvent,
 )
 from effectguard.rules.workstate import replace, work_state
+from effectguard.testing.sim import faketime
 from effectguard.testing.sim.clients import Answer
 from effectguard.testing.sim.command import run_schedule
 from effectguard.testing.sim.evidence import Evidence
@@ -745,8 +746,7 @@ def test_every_invariant_has_a_checker_test() -> None:
 
 def _seeds() -> list[tuple[int, str, float, frozenset[str]]]:
     """``tests/sim_seeds.txt``: ``SEED LEDGER DURATION [lookups] [keyless] [operator]
-    [maintenance] [ledger-faults]`` per
-    line, ``#`` comments."""
+    [maintenance] [ledger-faults] [clock-steps]`` per line, ``#`` comments."""
     out = []
     for line in SEEDS.read_text().splitlines():
         fields = line.split("#")[0].split()
@@ -766,6 +766,8 @@ def test_seed_from_the_list_keeps_every_invariant(
     ledger_faults = "ledger-faults" in options
     if ledger_faults and (ledger != "sqlite" or os.geteuid() != 0):
         pytest.skip("ledger-faults: a SQLite ledger remounted read-only needs root")
+    if "clock-steps" in options and (reason := faketime.unavailable_reason()) is not None:
+        pytest.skip(f"clock-steps: {reason}")
     replicas = 3 if ledger == "postgres" else 1
     lookups, keyless = "lookups" in options, "keyless" in options
     schedule = generate(
@@ -778,6 +780,7 @@ def test_seed_from_the_list_keeps_every_invariant(
         keyless=keyless,
         operator="operator" in options,
         maintenance="maintenance" in options,
+        clock_steps="clock-steps" in options,
     )
     result = run_schedule(
         schedule,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from effectguard.ledger.pgschema import CLOCK_FUNCTION, Target, migrate
 
-__all__ = ["ledger_clock", "set_ledger_clock"]
+__all__ = ["ledger_clock", "set_ledger_clock", "step_ledger_clock"]
 
 
 def ledger_clock(url: str) -> float:
@@ -42,6 +42,17 @@ def set_ledger_clock(url: str, at: float | None) -> float:
             "UPDATE clock_offset SET seconds = "
             "coalesce(%s - extract(epoch FROM clock_timestamp())::float8, 0) RETURNING seconds",
             (at,),
+        ).fetchone()
+    assert row is not None
+    return float(row[0])
+
+
+def step_ledger_clock(url: str, seconds: float) -> float:
+    """Step the ledger's clock by ``seconds`` (back when negative), as NTP steps a
+    database host's clock; returns the offset now in force."""
+    with Target.parse(url).connect() as conn:
+        row = conn.execute(
+            "UPDATE clock_offset SET seconds = seconds + %s RETURNING seconds", (seconds,)
         ).fetchone()
     assert row is not None
     return float(row[0])

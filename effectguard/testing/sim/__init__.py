@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SQLite: remount the ledger's tmpfs read-only at times; PostgreSQL: run on a "
         "cluster of the run's own and stop it at times (needs root)",
     )
+    parser.add_argument(
+        "--clock-steps",
+        action="store_true",
+        help="step wall clocks back and forward during the load, as NTP does: SQLite the "
+        "host's (every process writing the ledger), PostgreSQL the database's or one "
+        "replica's host's (needs libfaketime)",
+    )
     _load_options(parser)
     parser.add_argument("--lease", type=float, default=2.0, help="worker lease seconds")
     parser.add_argument("--keep", type=Path, help="keep the run's working directory here")

@@ -25,6 +25,8 @@ from typing import Any
 from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 from effectguard.testing.payments import declaration
+from effectguard.testing.sim import clocksteps
+from effectguard.testing.sim.faketime import FakeClocks, fake_clocks
 from effectguard.testing.sim.pgcluster import OwnedPostgres, owned_postgres
 from effectguard.testing.sim.proxykeys import ClientKeys
 from effectguard.testing.sim.schedule import (
@@ -136,6 +138,8 @@ class Cluster:
     #: Each call id a client was given (``Effectguard-Call-Id``) -> its scheduled call's id,
     #: once the client is done with it: how the operator finds a call's receipts.
     seen: dict[str, str] = field(default_factory=dict)
+    #: ``--clock-steps``: the hosts' clocks the run steps (libfaketime).
+    clocks: FakeClocks | None = None
 
     @property
     def maintenance(self) -> bool:
@@ -183,6 +187,8 @@ class Cluster:
         env = dict(self.env)
         if crash_at:
             env["EFFECTGUARD_CRASH_AT"] = crash_at
+        if self.clocks is not None and self.schedule.ledger != "sqlite":
+            env |= self.clocks.env(f"replica-{replica.index}")  # each on a host of its own
         names = ("openai", "anthropic", "send_email", "payments")
         upstreams = {name: self.fake.url for name in names[: 4 if self.schedule.lookups else 3]}
         args = ["--config", str(self.config)]
@@ -345,6 +351,51 @@ class Cluster:
             self.note(f"{action}_failed", **detail, code=done.returncode, error=error)
         return done
 
+    def step_clock(self, replica: int, point: str) -> None:
+        """Step a clock as ``point`` (``TARGET SPEC``, :mod:`~effectguard.testing.sim.clocksteps`)
+        says; noted ``clock_step`` with the step, the clock's offset since the run began, the
+        real time before and after it, and whether it is the ledger's clock (``ledger``)."""
+        target, spec = point.split()
+        began = time.time()
+        if target == "db":
+            import psycopg  # PostgreSQL's driver, only when used
+
+            from effectguard.testing import pgclock
+
+            try:
+                step = clocksteps.delta(spec, pgclock.ledger_clock(self.ledger))
+                offset = pgclock.step_ledger_clock(self.ledger, step)
+            except psycopg.Error as exc:  # a stopped database (--ledger-faults)
+                self.note("clock_step_failed", target=target, error=str(exc)[-300:])
+                return
+            returned = time.time()
+        elif self.clocks is not None:
+            host = "host" if target == "host" else f"replica-{replica}"
+            step = clocksteps.delta(spec, self.clocks.now(host))
+            began, returned, offset = self.clocks.step(host, step)
+        else:
+            return
+        self.note(
+            "clock_step",
+            replica if target == "replica" else None,
+            target=target,
+            step=round(step, 6),
+            offset=round(offset, 6),
+            began=began,
+            returned=returned,
+            ledger=target != "replica",
+        )
+
+    def restore_clock(self) -> None:
+        """Step the ledger's clock forward to the furthest it was ahead during the run, once
+        every replica is stopped: a step back delays the takeover of a dead worker's lease
+        by that much (docs/operations.md, "Clocks"), longer than the quiet period waits."""
+        steps = [a for a in self.actions if a["action"] == "clock_step" and a["ledger"]]
+        if steps:
+            ahead = max(0.0, *(float(a["offset"]) for a in steps)) - float(steps[-1]["offset"])
+            if ahead > 0:
+                self.step_clock(0, f"{steps[-1]['target']} +{ahead:.6f}")
+
     def pg_stop(self, mode: str) -> None:
         """Stop the owned PostgreSQL cluster (``fast`` or ``immediate``)."""
         if self.owned_pg is not None:
@@ -401,9 +452,15 @@ def running_cluster(
             reset_postgres_schema(url)
         if mounted:
             stack.callback(_unmount, ledger_dir, workdir / "ledger-copy")
+        stepped = any(f.kind == "clock_step" for f in schedule.faults)
+        # Entered first, left last: the clocks' shared memory outlives every process.
+        clocks = stack.enter_context(fake_clocks(workdir / "clocks")) if stepped else None
         cluster = stack.enter_context(_processes(schedule, workdir, url, env))
         cluster.disk = ledger_dir if mounted else None
         cluster.owned_pg = owned
+        cluster.clocks = clocks
+        if clocks is not None and schedule.ledger == "sqlite":
+            cluster.env = cluster.env | clocks.env("host")  # every process writing the ledger
         if any(f.kind == "key_new" for f in schedule.faults):
             cluster.make_first_keys()
         for replica in cluster.replicas:

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from effectguard.testing.sim import faketime
 from effectguard.testing.sim.bundle import write_bundle
 from effectguard.testing.sim.cluster import reset_postgres_schema, running_cluster
 from effectguard.testing.sim.evidence import Evidence, collect
@@ -118,6 +119,9 @@ def run_schedule(
             collect(cluster.ledger, receipts, answers, unrecovered, failed, keys)
         )
         evidence = add_maintenance(evidence, cluster)
+        evidence.clock_steps = [
+            a for a in cluster.actions if a["action"] == "clock_step" and a["ledger"]
+        ]
     violations = check(evidence)
     flags = overshoots(evidence) + late_keys(evidence)
     result = SimResult(schedule, violations, evidence, flags, cluster.actions)
@@ -182,6 +186,7 @@ def _schedule_of(args: argparse.Namespace) -> Schedule:
         keyless=args.keyless,
         operator=args.operator,
         maintenance=args.maintenance,
+        clock_steps=args.clock_steps,
     )
 
 
@@ -194,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     reason = _ledger_faults_refused(schedule) if args.ledger_faults else None
     if reason is not None:
         print(f"effectguard sim: --ledger-faults: {reason}", file=sys.stderr)
+        return 2
+    stepped = any(f.kind == "clock_step" for f in schedule.faults)
+    if stepped and (reason := faketime.unavailable_reason()) is not None:
+        print(f"effectguard sim: --clock-steps {reason}", file=sys.stderr)
         return 2
     if schedule.ledger == "postgres" and not os.environ.get(PG_DSN_ENV):
         # Checked before anything starts: a traceback from deep in the run said less.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from effectguard.rules.bodyref import REF_ENCODING
@@ -39,10 +40,19 @@ def applied_ops(evidence: Evidence) -> dict[str, list[dict[str, Any]]]:
     return applied
 
 
-def authorizations(evidence: Evidence) -> dict[str, list[float]]:
-    """When an operator authorized a resend of each call (``call.resend_authorized``)."""
+def authorizations(
+    evidence: Evidence, real: Mapping[int, tuple[float, float]] | None = None
+) -> dict[str, list[float]]:
+    """When an operator authorized a resend of each call (``call.resend_authorized``).
+
+    ``real``: the events' real times (:func:`~effectguard.testing.sim.clockmap.real_times`);
+    a call with an authorization a clock step left without one real time is left out."""
     out: dict[str, list[float]] = defaultdict(list)
+    unsure: set[str] = set()
     for e in evidence.events:
         if e.kind == "call.resend_authorized" and e.call_id is not None:
-            out[e.call_id].append(e.at)
-    return out
+            earliest, latest = real[e.seq] if real is not None else (e.at, e.at)
+            out[e.call_id].append(earliest)
+            if latest != earliest:
+                unsure.add(e.call_id)
+    return {call_id: ats for call_id, ats in out.items() if call_id not in unsure}

@@ -23,6 +23,7 @@ from effectguard.rules.events import (
     event_from_data,
 )
 from effectguard.rules.workstate import UNRESOLVED, work_state
+from effectguard.testing.sim.clockmap import real_times
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.evidenceindex import applied_ops, authorizations, sha_by_call
 from effectguard.testing.sim.maintchecks import MAINTENANCE_CHECKS, MAINTENANCE_INVARIANTS
@@ -68,12 +69,14 @@ _TERMINAL: Final = (b"data: [DONE]", b"event: message_stop")
 
 
 def receipts_have_attempts(evidence: Evidence) -> list[Violation]:
-    """The n-th receipt of a body needs n attempt.started of calls with that body before it."""
+    """The n-th receipt of a body needs n attempt.started of calls with that body before it
+    (in real time: a ledger clock's steps taken back out, :mod:`.clockmap`)."""
     sha_of = sha_by_call(evidence)
+    real = real_times(evidence.events, evidence.clock_steps)
     starts: dict[str, list[float]] = defaultdict(list)
     for e in evidence.events:
         if e.kind == "attempt.started" and e.call_id in sha_of:
-            starts[sha_of[e.call_id]].append(e.at)
+            starts[sha_of[e.call_id]].append(real[e.seq][0])  # the earliest a step allows
     seen: dict[str, int] = defaultdict(int)
     out = []
     for receipt in sorted(evidence.receipts, key=lambda r: r["ts"]):
@@ -348,17 +351,20 @@ def decisions_match_receipts(evidence: Evidence) -> list[Violation]:
     applied" none (the id is the call id)."""
     applied = applied_ops(evidence)
     ops = {r.get("op") for r in evidence.receipts}
+    real = real_times(evidence.events, evidence.clock_steps)
     out = []
     for e in evidence.events:
         if e.kind != "call.reconciled" or e.call_id is None or e.call_id not in ops:
             continue
-        before = [r for r in applied.get(e.call_id, ()) if r["ts"] <= e.at]
+        # After a step of the ledger's clock, the side of its real time that spares it.
+        at = real[e.seq][1] if e.data.get("applied") else real[e.seq][0]
+        before = [r for r in applied.get(e.call_id, ()) if r["ts"] <= at]
         if bool(e.data.get("applied")) != bool(before):
             said = "applied" if e.data.get("applied") else "not applied"
             out.append(
                 Violation(
                     "decision_contradicts_receipts",
-                    f"call {e.call_id} was decided {said} by {e.data.get('by')} at {e.at:.3f}; "
+                    f"call {e.call_id} was decided {said} by {e.data.get('by')} at {at:.3f}; "
                     f"the provider had applied it {len(before)} times by then",
                 )
             )
@@ -382,15 +388,16 @@ def retries_not_applied_again(evidence: Evidence) -> list[Violation]:
             events[e.call_id].append(e)
     out = []
     for request, ops in sorted(by_request.items()):
-        admitted = sorted((events[op][0].at, op) for op in ops if events.get(op))
-        for (_, earlier), (at, later) in itertools.combinations(admitted, 2):
-            stage = work_state(e.event for e in events[earlier] if e.at <= at).stage
+        # The ledger's order, not its clock's times, which a step can turn round.
+        admitted = sorted((events[op][0].seq, op) for op in ops if events.get(op))
+        for (_, earlier), (seq, later) in itertools.combinations(admitted, 2):
+            stage = work_state(e.event for e in events[earlier] if e.seq <= seq).stage
             if stage in UNRESOLVED or stage == "reconciled_applied":
                 out.append(
                     Violation(
                         "retry_applied_again",
                         f"request {request}: call {later} was admitted and applied at "
-                        f"{at:.3f} while call {earlier}, also applied, was {stage}",
+                        f"event {seq} while call {earlier}, also applied, was {stage}",
                     )
                 )
     return out

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Final
 
+from effectguard.testing.sim.clockmap import real_times
 from effectguard.testing.sim.evidence import Evidence
 from effectguard.testing.sim.evidenceindex import authorizations, sha_by_call
 from effectguard.testing.sim.violation import Violation
@@ -76,17 +77,20 @@ def resends_within_authorizations(evidence: Evidence) -> list[Violation]:
     """From an operator's first authorization of a call on, each stretch up to the next
     authorization (or decision "not applied", after which a resend is new work) holds at
     most one provider effect of the call: a receipt of its body not answered from the
-    provider's dedup store and not with a status its provider declares did nothing."""
+    provider's dedup store and not with a status its provider declares did nothing. A
+    call whose authorization a step of the ledger's clock left without one real time is
+    left out (:func:`~effectguard.testing.sim.evidenceindex.authorizations`)."""
     sha_of = sha_by_call(evidence)
     provider = {
         e.call_id: str(e.data.get("provider")) for e in evidence.events if e.kind == "call.manifest"
     }
+    real = real_times(evidence.events, evidence.clock_steps)
     not_applied: dict[str, list[float]] = defaultdict(list)
     for e in evidence.events:
         if e.kind == "call.reconciled" and e.call_id and not e.data.get("applied"):
-            not_applied[e.call_id].append(e.at)
+            not_applied[e.call_id].append(real[e.seq][0])
     out = []
-    for call_id, ats in sorted(authorizations(evidence).items()):
+    for call_id, ats in sorted(authorizations(evidence, real).items()):
         first = min(ats)
         bounds = sorted(ats + [t for t in not_applied.get(call_id, ()) if t > first])
         nothing = evidence.no_effect.get(provider.get(call_id, ""), frozenset())

@@ -13,7 +13,9 @@ What the contract promises (``key revoke``, ``key new``, §5.6):
 - ``rpm``, ``tpm`` and ``concurrency`` hold exactly, across replicas, from the
   declaration that set them: read from the event log, as the admission transaction reads
   them (a window's tokens are the estimates of the attempts it counted, each replaced by
-  its call's reported tokens once it settles).
+  its call's reported tokens once it settles). The window is the ledger clock's minute:
+  after a step back into the minute before, it keeps counting; further back, it starts
+  over (``--clock-steps`` steps that clock).
 
 Times: a client's ``sent_at`` and the commands' ``began``/``returned`` are one host's
 wall clock (``time.time()``), as the ledger's event times are.
@@ -29,7 +31,7 @@ from typing import Any, Final
 from effectguard.config.defaults import KEY_READ_WAIT_S
 from effectguard.rules.budget import ancestors
 from effectguard.rules.events import StoredEvent, event_from_data
-from effectguard.rules.ratelimit import minute_of
+from effectguard.rules.ratelimit import KEPT_BACK, minute_of
 from effectguard.rules.workstate import WorkState, apply
 from effectguard.testing.sim.clients import Answer
 from effectguard.testing.sim.evidence import Evidence
@@ -257,8 +259,11 @@ def _admitted(
     out = []
     window = windows.get(path)
     if window is not None:
-        if window.minute < minute_of(e.at):
-            window = windows[path] = _Window(minute_of(e.at))
+        minute = minute_of(e.at)
+        # A later minute starts empty; so does one further back than the minute before
+        # (a clock corrected after running ahead, §5.6), which the window stops counting.
+        if not window.minute - KEPT_BACK <= minute <= window.minute:
+            window = windows[path] = _Window(minute)
         tokens = int(e.data.get("tokens", 0))
         if rpm is not None and window.attempts + 1 > rpm:
             out.append(

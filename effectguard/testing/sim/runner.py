@@ -1,15 +1,17 @@
 """Run a schedule against real processes, then bring everything back and let it go quiet.
 
-Five concurrent parts: one task per client call (started at its time), one
+Six concurrent parts: one task per client call (started at its time), one
 task per replica that applies that replica's faults in order, a supervisor
 that restarts a replica that died on its own (an armed crash point) once no
 fault holds it down, the operator's actions (``--operator``: CLI commands
 against the ledger) in order, and the maintenance commands (``--maintenance``:
-backups, archives, authorized resends; :mod:`effectguard.testing.sim.maintenance`).
-After the schedule: every replica still running must answer
-``/healthz`` by itself in time; then every process is stopped gracefully, every
-replica is started clean, the recovery sweep is given time to
-mark the dead workers' attempts, keyed 200s are replayed, and all is stopped.
+backups, archives, authorized resends; :mod:`effectguard.testing.sim.maintenance`),
+and the wall-clock steps (``--clock-steps``). After the schedule: every replica still
+running must answer ``/healthz`` by itself in time; then every process is stopped
+gracefully, the ledger's clock is stepped forward to the furthest it ran ahead (a step
+back would delay the takeover of the dead workers' leases), every replica is started
+clean, the recovery sweep is given time to mark the dead workers' attempts, keyed 200s
+are replayed, and all is stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from effectguard.testing.sim.clients import TIMEOUT, Answer, run_call, send
 from effectguard.testing.sim.cluster import Cluster, Replica
 from effectguard.testing.sim.maintenance import maintain
 from effectguard.testing.sim.schedule import (
+    CLOCK_ACTIONS,
     KEY_ROOTS,
     MAINTENANCE_ACTIONS,
     OPERATOR_ACTIONS,
@@ -61,9 +64,10 @@ async def execute(cluster: Cluster) -> list[Answer]:
         ]
         supervisor = asyncio.create_task(_supervise(cluster, locks))
         operator = asyncio.create_task(_operator(cluster, start))
+        clocks = asyncio.create_task(_clock_steps(cluster, start))
         maintenance = asyncio.create_task(maintain(cluster, client, start))
         results = await asyncio.gather(*clients, maintenance)
-        await asyncio.gather(*faulting, operator)
+        await asyncio.gather(*faulting, operator, clocks)
         supervisor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor
@@ -89,7 +93,8 @@ async def _faults_of(
     each other.
     """
     mine = (f for f in cluster.schedule.faults if f.replica == replica.index)
-    for fault in (f for f in mine if f.kind not in OPERATOR_ACTIONS | MAINTENANCE_ACTIONS):
+    apart = OPERATOR_ACTIONS | MAINTENANCE_ACTIONS | CLOCK_ACTIONS
+    for fault in (f for f in mine if f.kind not in apart):
         await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
         needed = sorted(locks) if fault.kind == "read_only" else [replica.index]
         async with contextlib.AsyncExitStack() as held:
@@ -106,6 +111,13 @@ async def _operator(cluster: Cluster, start: float) -> None:
             await asyncio.to_thread(cluster.reconcile_auto)
         else:
             await asyncio.to_thread(_OPERATOR[fault.kind], cluster, fault.point or "")
+
+
+async def _clock_steps(cluster: Cluster, start: float) -> None:
+    """Step the clocks (``--clock-steps``) in order, whatever the replicas go through."""
+    for fault in (f for f in cluster.schedule.faults if f.kind in CLOCK_ACTIONS):
+        await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
+        await asyncio.to_thread(cluster.step_clock, fault.replica, fault.point or "")
 
 
 async def _start(cluster: Cluster, replica: Replica, crash_at: str | None = None) -> None:
@@ -186,6 +198,7 @@ async def quiesce(cluster: Cluster, answers: list[Answer]) -> list[Answer]:
     for replica in cluster.replicas:
         await asyncio.to_thread(cluster.stop, replica)
         cluster.kill(replica)
+    await asyncio.to_thread(cluster.restore_clock)
     if cluster.keys is not None:  # the replays need a key no one has revoked
         for root in KEY_ROOTS:
             await asyncio.to_thread(cluster.key_new, f"{root}.end")

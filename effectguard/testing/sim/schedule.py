@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from effectguard.testing.fakebehaviour import Behaviour
+from effectguard.testing.sim import clocksteps
 
 __all__ = [
     "BUDGETS",
+    "CLOCK_ACTIONS",
     "CRASH_POINTS",
     "KEY_REFRESH_S",
     "KEY_ROOTS",
@@ -69,6 +71,7 @@ FaultKind = Literal[
     "backup",
     "archive",
     "resend",
+    "clock_step",
 ]
 #: Faults of the ledger itself rather than of one replica: always scheduled on replica 0
 #: (a read-only remount takes every replica's lock, in index order, from there).
@@ -87,6 +90,9 @@ KEY_REFRESH_S: Final = 1.0
 #: ``--maintenance``: an operator's maintenance commands against the live ledger (a
 #: backup, an archive, an authorized resend of an unknown call), applied on their own too.
 MAINTENANCE_ACTIONS: Final = frozenset({"backup", "archive", "resend"})
+#: ``--clock-steps``: wall-clock steps (:mod:`effectguard.testing.sim.clocksteps`), applied
+#: on their own too.
+CLOCK_ACTIONS: Final = frozenset({"clock_step"})
 #: ``pg_ctlcluster stop`` modes: ``fast`` ends sessions cleanly, ``immediate`` like a crash.
 PG_STOP_MODES: Final = ("fast", "immediate")
 #: The run's ``[guard] max_answer_bytes``: small, so an endless answer is cut off soon.
@@ -142,7 +148,8 @@ class Fault:
     #: key_revoke, key_new: the key's name (``ROOT.N``); rate_set: ``PATH rpm=N tpm=N
     #: concurrency=N`` (``none`` removes one, ``-`` leaves it as it is);
     #: archive: ``--step-events``; resend: ``COPIES:PICK`` (how many copies of the resend
-    #: go at once, and which of the unknown keyed calls listed then is chosen, modulo).
+    #: go at once, and which of the unknown keyed calls listed then is chosen, modulo);
+    #: clock_step: ``TARGET SPEC`` (:mod:`effectguard.testing.sim.clocksteps`).
     point: str | None = None
 
 
@@ -194,6 +201,7 @@ def generate(
     keyless: bool = False,
     operator: bool = False,
     maintenance: bool = False,
+    clock_steps: bool = False,
 ) -> Schedule:
     """The schedule for ``seed``: a deterministic function of its arguments."""
     rng = random.Random(seed)
@@ -224,7 +232,8 @@ def generate(
         calls=tuple(calls),
         faults=tuple(_faults(rng, duration, replicas, lease_s, disk_faults, ledger_faults, ledger))
         + (_operator(seed, duration, lookups) if operator else ())
-        + (_maintenance(seed, duration, ledger) if maintenance else ()),
+        + (_maintenance(seed, duration, ledger) if maintenance else ())
+        + (_clock_steps(seed, duration, replicas, ledger) if clock_steps else ()),
         lookups=lookups,
         keyless=lookups and keyless,
     )
@@ -468,3 +477,10 @@ def _maintenance(seed: int, duration: float, ledger: str) -> tuple[Fault, ...]:
             faults.append(Fault(at, kind, 0))
         at = round(at + rng.uniform(1.0, 3.0), 3)
     return tuple(faults)
+
+
+def _clock_steps(seed: int, duration: float, replicas: int, ledger: str) -> tuple[Fault, ...]:
+    """``--clock-steps``: wall-clock steps from a generator of their own (not a replica's
+    fault but for a PostgreSQL replica's own host clock: applied on their own)."""
+    draws = clocksteps.draw(seed, duration, replicas, ledger)
+    return tuple(Fault(at, "clock_step", replica, point=point) for at, replica, point in draws)
