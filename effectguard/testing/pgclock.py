@@ -52,7 +52,10 @@ def step_ledger_clock(url: str, seconds: float) -> float:
     database host's clock; returns the offset now in force."""
     with Target.parse(url).connect() as conn:
         row = conn.execute(
-            "UPDATE clock_offset SET seconds = seconds + %s RETURNING seconds", (seconds,)
+            # Rounded to the microsecond: steps that add up to none leave exactly 0.
+            "UPDATE clock_offset SET seconds = round((seconds + %s)::numeric, 6)::float8 "
+            "RETURNING seconds",
+            (seconds,),
         ).fetchone()
     assert row is not None
     return float(row[0])

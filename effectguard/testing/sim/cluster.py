@@ -354,7 +354,8 @@ class Cluster:
     def step_clock(self, replica: int, point: str) -> None:
         """Step a clock as ``point`` (``TARGET SPEC``, :mod:`~effectguard.testing.sim.clocksteps`)
         says; noted ``clock_step`` with the step, the clock's offset since the run began, the
-        real time before and after it, and whether it is the ledger's clock (``ledger``)."""
+        real time before it (``began``) and by which every process reads it (``returned``),
+        and whether it is the ledger's clock (``ledger``)."""
         target, spec = point.split()
         began = time.time()
         if target == "db":
@@ -372,7 +373,7 @@ class Cluster:
         elif self.clocks is not None:
             host = "host" if target == "host" else f"replica-{replica}"
             step = clocksteps.delta(spec, self.clocks.now(host))
-            began, returned, offset = self.clocks.step(host, step)
+            began, returned, offset = self.clocks.step(host, step)  # returned: seen by all
         else:
             return
         self.note(

@@ -63,11 +63,23 @@ class SimResult:
             "  call stages: " + _counts(stages),
             *(["  keys: " + key_summary(self.evidence)] if self.evidence.key_actions else []),
             *self._maintenance_line(),
+            *self._clock_line(),
             f"  invariants checked: {len(INVARIANTS)}; overshoots and late keys flagged: "
             f"{len(self.flags)}",
             f"  result: {'ok' if self.ok else f'{len(self.violations)} VIOLATION(S)'}",
         ]
         return "\n".join(lines)
+
+    def _clock_line(self) -> list[str]:
+        """``--clock-steps``: each step made, in order (``db``/``host``: the ledger's clock)."""
+        steps = [a for a in self.actions if a["action"] == "clock_step"]
+        if not steps:
+            return []
+        shown = [
+            f"{a['target']}{'' if a['replica'] is None else a['replica']} {a['step']:+.1f}"
+            for a in steps
+        ]
+        return [f"  clock steps (s): {', '.join(shown)}"]
 
     def _maintenance_line(self) -> list[str]:
         """``--maintenance``: what the copies, the archives and the authorizations came to."""

@@ -59,7 +59,8 @@ class Evidence:
     #: processed, or transient "none"): an authorized resend answered so is spent on nothing.
     no_effect: dict[str, frozenset[int]] = field(default_factory=dict)
     #: ``--clock-steps``: each step of the ledger's clock (SQLite: the host's; PostgreSQL:
-    #: the database's), in order: ``began``/``returned`` (real time around the step) and
+    #: the database's), in order: ``began``/``returned`` (real time before the step, and by
+    #: which every process reads it: libfaketime caches an offset for a second) and
     #: ``offset`` (the clock's offset after it); a replica host's steps are not here.
     clock_steps: list[dict[str, Any]] = field(default_factory=list)
 
