@@ -90,7 +90,9 @@ def test_ledger_times_map_back_to_real_time_in_the_ledger_order() -> None:
     times = real_times(events, [_step(10.5, -30.0)])
     assert times[1] == (10.0, 10.0)
     assert times[4] == pytest.approx((11.0, 11.0))
-    assert real_times(events, []) == {e.seq: (e.at, e.at) for e in events}
+    unmoved = {e.seq: (e.at, e.at) for e in events}
+    assert real_times(events, []) == unmoved
+    assert real_times(events, [_step(10.5, -30.0) | {"ledger": False}]) == unmoved
 
 
 def test_a_receipt_is_judged_in_real_time_across_a_forward_step() -> None:

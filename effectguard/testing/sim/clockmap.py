@@ -31,7 +31,10 @@ _JITTER: Final = 0.005
 def real_times(
     events: Sequence[StoredEvent], steps: Sequence[Mapping[str, Any]]
 ) -> dict[int, tuple[float, float]]:
-    """``seq`` -> (earliest, latest) real time each event may have been stamped at."""
+    """``seq`` -> (earliest, latest) real time each event may have been stamped at, given
+    the run's clock ``steps`` (those of a replica host's clock, ``ledger`` false, moved no
+    ledger time)."""
+    steps = [s for s in steps if s.get("ledger", True)]
     if not steps:
         return {e.seq: (e.at, e.at) for e in events}
     # Segment k: offset, from (real time) - to; each step's before/after bounds both sides.

@@ -131,9 +131,7 @@ def run_schedule(
             collect(cluster.ledger, receipts, answers, unrecovered, failed, keys)
         )
         evidence = add_maintenance(evidence, cluster)
-        evidence.clock_steps = [
-            a for a in cluster.actions if a["action"] == "clock_step" and a["ledger"]
-        ]
+        evidence.clock_steps = [a for a in cluster.actions if a["action"] == "clock_step"]
     violations = check(evidence)
     flags = overshoots(evidence) + late_keys(evidence)
     result = SimResult(schedule, violations, evidence, flags, cluster.actions)

@@ -58,10 +58,11 @@ class Evidence:
     #: Provider name -> the statuses that prove a request did nothing (declared not
     #: processed, or transient "none"): an authorized resend answered so is spent on nothing.
     no_effect: dict[str, frozenset[int]] = field(default_factory=dict)
-    #: ``--clock-steps``: each step of the ledger's clock (SQLite: the host's; PostgreSQL:
-    #: the database's), in order: ``began``/``returned`` (real time before the step, and by
-    #: which every process reads it: libfaketime caches an offset for a second) and
-    #: ``offset`` (the clock's offset after it); a replica host's steps are not here.
+    #: ``--clock-steps``: each clock step, in order: ``target`` (``host``, ``db`` or
+    #: ``replica`` with ``replica``), ``step``, ``offset`` (the clock's offset after it),
+    #: ``began``/``returned`` (real time before the step, and by which every process reads
+    #: it: libfaketime caches an offset for a second), and ``ledger``: whether the ledger's
+    #: clock moved (SQLite: the host's; PostgreSQL: the database's, not a replica host's).
     clock_steps: list[dict[str, Any]] = field(default_factory=list)
 
 
