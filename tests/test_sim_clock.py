@@ -4,6 +4,7 @@ invariants judging a run whose ledger clock was stepped (fabricated evidence).""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from effectguard.rules.events import (
 from effectguard.rules.workstate import replace
 from effectguard.testing.sim import clocksteps
 from effectguard.testing.sim.clockmap import real_times
+from effectguard.testing.sim.cluster import Cluster
 from effectguard.testing.sim.invariants import check
 from effectguard.testing.sim.schedule import generate
 
@@ -136,3 +138,13 @@ def test_a_far_step_back_starts_the_rate_window_over() -> None:
     assert "rate_limit_exceeded" in _fired(
         rpm, *_reserved("a", 661.0), *_reserved("b", 590.0), *_reserved("c", 591.0)
     )
+
+
+def test_a_database_clock_step_while_the_database_is_down_is_noted(tmp_path: Path) -> None:
+    """A step of the database's clock while it is stopped (``--ledger-faults``) is noted
+    ``clock_step_failed``, and the run goes on (it ended the whole run, exit 4)."""
+    schedule = generate(316, 10.0, replicas=2, ledger="postgres", clock_steps=True)
+    down = "postgresql://postgres@127.0.0.1:1/test?schema=sim_down"  # nothing listens
+    cluster = Cluster(schedule, tmp_path, down, fake=None, env={})  # type: ignore[arg-type]
+    cluster.step_clock(0, "db -5")
+    assert [a["action"] for a in cluster.actions] == ["clock_step_failed"]

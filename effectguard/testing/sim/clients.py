@@ -55,6 +55,8 @@ class Answer:
     proxy_key: str | None = None
     #: When the request was sent (``time.time()``: the clock of the operator's notes).
     sent_at: float = 0.0
+    #: When the answer's status arrived (``time.time()``; 0: none did, or an older run's).
+    answered_at: float = 0.0
 
     @property
     def body(self) -> bytes:
@@ -126,6 +128,7 @@ async def send(
             "POST", f"{base_url}/{provider}{path}", content=content, headers=headers
         ) as response:
             answer.status = response.status_code
+            answer.answered_at = time.time()
             answer.call_id = response.headers.get("effectguard-call-id")
             answer.replayed = response.headers.get("effectguard-replayed") == "true"
             answer.recovered = response.headers.get("effectguard-recovered")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from effectguard.errors import LedgerError
 from effectguard.rules.money import nanos_to_usd
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 from effectguard.testing.payments import declaration
@@ -366,7 +367,7 @@ class Cluster:
             try:
                 step = clocksteps.delta(spec, pgclock.ledger_clock(self.ledger))
                 offset = pgclock.step_ledger_clock(self.ledger, step)
-            except psycopg.Error as exc:  # a stopped database (--ledger-faults)
+            except (psycopg.Error, LedgerError) as exc:  # stopped (--ledger-faults)
                 self.note("clock_step_failed", target=target, error=str(exc)[-300:])
                 return
             returned = time.time()

@@ -52,7 +52,7 @@ KEY_INVARIANTS: Final = {
     "its revocation returned is refused (401, or 503 ledger_unavailable) and reaches "
     "neither the ledger nor the provider",
     "new_key_refused": "a request sent with a new key more than key_refresh_s + 5 s after "
-    "`key new` returned (and before its revocation began) is not refused 401",
+    "`key new` returned (and answered before its revocation began) is not refused 401",
     "rate_limit_exceeded": "no admission takes a node past the rpm, tpm or concurrency in "
     "force (rpm and tpm counted from the declaration that gave the node rate limits)",
 }
@@ -128,9 +128,15 @@ def _manifests(events: list[StoredEvent]) -> list[tuple[str, str]]:
     return out
 
 
+def _answered(answer: Answer) -> float:
+    """When the answer came back (its send time where none is known): a request sent to a
+    paused replica before a revocation is judged after it."""
+    return max(answer.sent_at, answer.answered_at)
+
+
 def new_keys_accepted(evidence: Evidence) -> list[Violation]:
-    """Past the hard bound after ``key new`` returned, and before its revocation began, the
-    key is not refused 401."""
+    """Past the hard bound after ``key new`` returned, and answered before its revocation
+    began, the key is not refused 401."""
     made = _done(evidence, "key_new")
     revoking = _done(evidence, "key_revoke", "began")
     return [
@@ -143,7 +149,7 @@ def new_keys_accepted(evidence: Evidence) -> list[Violation]:
         for a in evidence.answers
         if a.status == 401
         and _past(a, made, HARD_BOUND_S)
-        and a.sent_at < revoking.get(a.proxy_key or "", float("inf"))
+        and _answered(a) < revoking.get(a.proxy_key or "", float("inf"))
     ]
 
 
@@ -177,7 +183,7 @@ def late_keys(evidence: Evidence) -> list[str]:
         elif (
             _past(a, made, KEY_REFRESH_S)
             and a.status == 401
-            and a.sent_at < revoking.get(key, float("inf"))
+            and _answered(a) < revoking.get(key, float("inf"))
         ):
             gap = a.sent_at - made[key]
             flags.append(f"{a.tag}: new key {key} refused 401, {gap:.2f} s after `key new`")
