@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -23,150 +20,28 @@ from typing import Any
 
 import httpx
 import pytest
+from promkit import (
+    ALERTS,
+    ALERTS_TEST,
+    CHAT,
+    DASHBOARD,
+    NEEDS_PROMETHEUS,
+    PROMETHEUS_YML,
+    Prometheus,
+    chat,
+    concrete,
+    dashboard_queries,
+    effectguard,
+    panel,
+    scrape_value,
+    start_prometheus,
+    wait_for,
+)
 
 from effectguard.rules import periods
 from effectguard.testing import FakeProvider, Proxy, fake_provider, free_port, start_proxy
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("prometheus") is None or shutil.which("promtool") is None,
-        reason="needs prometheus and promtool (Debian package `prometheus`; .ci/run installs it)",
-    ),
-]
-
-GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
-DASHBOARD = GRAFANA / "dashboards" / "effectguard.json"
-ALERTS = GRAFANA / "prometheus" / "alerts.yml"
-ALERTS_TEST = GRAFANA / "prometheus" / "alerts.test.yml"
-PROMETHEUS_YML = GRAFANA / "prometheus" / "prometheus.yml"
-CHAT = "/openai/v1/chat/completions"
-#: What the test substitutes for Grafana's built-in and template variables.
-VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
-TEMPLATE_DEFAULT = ".*"
-
-
-def chat(content: str, model: str = "gpt-4o-mini") -> dict[str, Any]:
-    """A small chat completion request."""
-    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 5}
-
-
-def effectguard(*args: str) -> str:
-    """Run the effectguard CLI; its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Poll ``check`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.25)
-
-
-def scrape_value(http: httpx.Client, proxy: Proxy, sample: str) -> float | None:
-    """One sample's value from the proxy's ``/metrics`` (exact series text)."""
-    text = http.get(proxy.url + "/metrics").text
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name == sample:
-            return float(value)
-    return None
-
-
-@dataclass
-class Prometheus:
-    """A Prometheus process on loopback and its HTTP API."""
-
-    url: str
-    process: subprocess.Popen[bytes]
-    http: httpx.Client
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """An instant query's result vector (raises on a query error)."""
-        response = self.http.get(self.url + "/api/v1/query", params={"query": expr})
-        body = response.json()
-        assert body["status"] == "success", f"{expr}: {body.get('error')}"
-        result: list[dict[str, Any]] = body["data"]["result"]
-        return result
-
-    def value(self, expr: str) -> float | None:
-        """The single value of a one-series query, or None if it has no data."""
-        result = self.query(expr)
-        return float(result[0]["value"][1]) if result else None
-
-    def stop(self) -> None:
-        """Terminate, then kill."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def shipped_config(targets: list[str]) -> str:
-    """The shipped prometheus.yml, scraping ``targets`` every second with the shipped
-    rules: only the intervals, the rule file's path and the targets differ."""
-    config = PROMETHEUS_YML.read_text()
-    for old, new in (
-        ("scrape_interval: 15s", "scrape_interval: 1s"),
-        ("evaluation_interval: 15s", "evaluation_interval: 1s"),
-        ("  - alerts.yml", f"  - {json.dumps(str(ALERTS))}"),
-        ('["127.0.0.1:8787"]', json.dumps(targets)),
-    ):
-        assert config.count(old) == 1, old
-        config = config.replace(old, new)
-    return config
-
-
-def start_prometheus(tmp: Path, targets: list[str], http: httpx.Client) -> Prometheus:
-    """Prometheus scraping ``targets`` every second, with the shipped alert rules loaded."""
-    config = tmp / "prometheus.yml"
-    config.write_text(shipped_config(targets))
-    port = free_port()
-    log = (tmp / "prometheus.log").open("ab")
-    process = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    prom = Prometheus(f"http://127.0.0.1:{port}", process, http)
-
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"prometheus exited:\n{(tmp / 'prometheus.log').read_text()}")
-        try:
-            return http.get(prom.url + "/-/ready").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for("prometheus to be ready", ready)
-    except BaseException:
-        prom.stop()
-        raise
-    return prom
+pytestmark = NEEDS_PROMETHEUS
 
 
 @dataclass
@@ -272,29 +147,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             http.close()
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
-    """(panel title, expr) for every target of every panel, rows included."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    found: list[tuple[str, str]] = []
-
-    def walk(panels: list[dict[str, Any]]) -> None:
-        for panel in panels:
-            found.extend((panel["title"], t["expr"]) for t in panel.get("targets", []))
-            walk(panel.get("panels", []))
-
-    walk(dashboard["panels"])
-    return found
-
-
-def concrete(expr: str) -> str:
-    """``expr`` with Grafana's variables replaced by values Prometheus accepts."""
-    for name, value in VARIABLES.items():
-        expr = expr.replace(name, value)
-    expr = re.sub(r"\$\{?(\w+)\}?", TEMPLATE_DEFAULT, expr)
-    assert "$" not in expr, expr
-    return expr
-
-
 def test_every_dashboard_query_returns_data(stack: Stack) -> None:
     """Every expr of every dashboard panel returns a non-empty result from real Prometheus."""
     queries = dashboard_queries()
@@ -308,11 +160,12 @@ def test_every_dashboard_query_returns_data(stack: Stack) -> None:
 
 
 def test_template_variables_find_values(stack: Stack) -> None:
-    """The dashboard's provider and budget variables list the values the stack produced."""
+    """The dashboard's provider, budget and deployment (job) variables list the values the
+    stack produced."""
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["query"] == "prometheus"
-    expected = {"provider": "openai", "budget": "capped"}
+    expected = {"provider": "openai", "budget": "capped", "job": "effectguard"}
     for name, value in expected.items():
         match = re.fullmatch(r"label_values\((\w+), (\w+)\)", variables[name]["definition"])
         assert match is not None, variables[name]
@@ -340,13 +193,6 @@ def test_panel_values_match_the_traffic(stack: Stack) -> None:
     reasons = {r["metric"]["reason"] for r in prom.query("effectguard_refusals_total")}
     assert {"budget_exceeded", "effect_unknown", "rate_limited"} <= reasons
     assert prom.value("sum(effectguard_replays_total)") == 1
-
-
-def panel(title: str) -> list[str]:
-    """The exprs of the dashboard panel titled ``title``, in target order."""
-    exprs = [expr for name, expr in dashboard_queries() if name == title]
-    assert exprs, f"no panel {title!r}"
-    return exprs
 
 
 def test_the_rate_limit_panel_counts_the_429s_sent(stack: Stack) -> None:
@@ -408,29 +254,34 @@ def test_alert_rules_pass_promtool() -> None:
 
 
 def test_budget_use_panels_divide_each_ledgers_money_by_its_own_limit(tmp_path: Path) -> None:
-    """One Prometheus scraping two ledgers (two deployments, each with a root ``team-a``):
-    the budget-use panels show the fuller ledger's ratio, never one ledger's money over
-    the other's limit (``promtool test rules`` evaluates them on synthetic series)."""
-    gauges: dict[str, dict[str, float]] = {  # instance: team-a's series there
-        "prod": {"limit_usd": 100, "spent_usd": 95, "period_end_timestamp_seconds": 2e9},
-        "staging": {"limit_usd": 1000, "spent_usd": 0},
+    """One Prometheus scraping two ledgers (two deployments, each its own scrape job, each
+    with a root ``team-a``): the budget-use panels show each ledger's own ratio, never one
+    ledger's money over the other's limit, and the period panel only the root with a
+    period (``promtool test rules`` evaluates them on synthetic series)."""
+    gauges: dict[str, dict[str, float]] = {  # job: team-a's series there
+        "effectguard": {"limit_usd": 100, "spent_usd": 95, "period_end_timestamp_seconds": 2e9},
+        "effectguard-staging": {"limit_usd": 1000, "spent_usd": 10},
     }
     series = [
         {
-            "series": f'effectguard_budget_{name}{{budget="team-a", instance="{instance}"}}',
+            "series": f'effectguard_budget_{name}{{budget="team-a", instance="{job}:1", '
+            f'job="{job}"}}',
             "values": f"{value}x5",
         }
-        for instance, values in gauges.items()
+        for job, values in gauges.items()
         for name, value in {**values, "reserved_usd": 0, "held_usd": 0}.items()
     ]
+    prod, staging = (f'{{budget="team-a", job="{job}"}}' for job in gauges)
+    expected = {
+        "Budget use per root": [
+            {"labels": prod, "value": 0.95},
+            {"labels": staging, "value": 0.01},
+        ],
+        "Budget use this period": [{"labels": prod, "value": 0.95}],
+    }
     tests = [
-        {
-            "expr": concrete(expr),
-            "eval_time": "1m",
-            "exp_samples": [{"labels": '{budget="team-a"}', "value": 0.95}],
-        }
-        for title in ("Budget use per root", "Budget use this period")
-        for expr in panel(title)[:1]
+        {"expr": concrete(panel(title)[0]), "eval_time": "1m", "exp_samples": samples}
+        for title, samples in expected.items()
     ]
     unit = tmp_path / "panels.test.yml"  # JSON is YAML
     unit.write_text(
