@@ -60,6 +60,31 @@ def test_the_metrics_table_lists_every_metric_and_only_those() -> None:
     assert documented == exposed
 
 
+def test_every_metric_is_on_the_dashboard_or_says_it_is_not() -> None:
+    """Each metric of docs/metrics.md's table is read by a query of the shipped Grafana
+    dashboard, or its row says "not on the dashboard": an operator looking for a number
+    the table promises finds it on the dashboard or knows to query it by hand."""
+    import json
+
+    dashboard = json.loads(
+        (DOCS.parent / "grafana" / "dashboards" / "effectguard.json").read_text()
+    )
+    exprs: list[str] = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            exprs.extend(target["expr"] for target in panel.get("targets", []))
+            walk(panel.get("panels", []))
+
+    walk(dashboard["panels"])
+    read = set(re.findall(r"\b(effectguard_\w+?)(?:_bucket|_count|_sum)?\b", " ".join(exprs)))
+    table = _section((DOCS / "metrics.md").read_text(), "## The metrics")
+    rows = dict(re.findall(r"^\| `(effectguard_\w+)` \|(.*)$", table, re.M))
+    assert rows
+    missing = [n for n, row in rows.items() if n not in read and "not on the dashboard" not in row]
+    assert not missing, f"neither on the dashboard nor said to be missing from it: {missing}"
+
+
 def test_the_metrics_page_states_every_label_cap() -> None:
     """docs/metrics.md gives the bounds that keep a client from adding series without end
     (models and providers per label, budget series), with the series the rest go to: a
