@@ -87,17 +87,19 @@ class Prometheus:
     process: subprocess.Popen[bytes]
     http: httpx.Client
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """An instant query's result vector (raises on a query error)."""
-        response = self.http.get(self.url + "/api/v1/query", params={"query": expr})
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query's result vector, now or ``at`` (Unix time); raises on a
+        query error."""
+        params = {"query": expr} | ({} if at is None else {"time": f"{at:.3f}"})
+        response = self.http.get(self.url + "/api/v1/query", params=params)
         body = response.json()
         assert body["status"] == "success", f"{expr}: {body.get('error')}"
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
 
-    def value(self, expr: str) -> float | None:
+    def value(self, expr: str, at: float | None = None) -> float | None:
         """The single value of a one-series query, or None if it has no data."""
-        result = self.query(expr)
+        result = self.query(expr, at)
         return float(result[0]["value"][1]) if result else None
 
     def stop(self) -> None:
