@@ -85,6 +85,16 @@ def test_every_metric_is_on_the_dashboard_or_says_it_is_not() -> None:
     assert not missing, f"neither on the dashboard nor said to be missing from it: {missing}"
 
 
+def test_every_documented_outcome_starts_at_zero() -> None:
+    """The request outcomes docs/metrics.md lists are those a model's first count makes at
+    0 (firstseries): an outcome left out would miss its first count in every rate."""
+    from effectguard.telemetry.firstseries import OUTCOMES
+
+    text = (DOCS / "metrics.md").read_text()
+    listed = text[text.index("- `outcome`: ") : text.index("`replayed` and `joined` are also")]
+    assert re.findall(r"`([a-z_]+)`", listed)[1:] == list(OUTCOMES)
+
+
 def test_the_metrics_page_states_every_label_cap() -> None:
     """docs/metrics.md gives the bounds that keep a client from adding series without end
     (models and providers per label, budget series), with the series the rest go to: a

@@ -400,6 +400,29 @@ def test_label_values_are_capped() -> None:
                  outcome="completed") == 50  # fmt: skip
 
 
+def test_a_first_count_makes_its_siblings_at_zero_for_rate() -> None:
+    """A provider's and a model's first count makes their other series at 0, so that
+    Prometheus, which cannot rate a series' first sample, counts their own first counts
+    (docs/metrics.md); a request with no provider makes none."""
+    metrics = Metrics()
+    metrics.observer.refused("", "not_found")
+    assert value(metrics, "effectguard_replays_total", provider="") is None
+    metrics.observer.request_done("openai", "gpt-4o-mini", "completed")
+    for outcome in ("effect_unknown", "failed", "not_processed", "replayed"):
+        assert value(metrics, "effectguard_requests_total", provider="openai",
+                     model="gpt-4o-mini", outcome=outcome) == 0  # fmt: skip
+    assert value(metrics, "effectguard_cost_usd_total", provider="openai",
+                 model="gpt-4o-mini") == 0  # fmt: skip
+    for reason in ("rate_limited", "budget_exceeded"):
+        assert value(metrics, "effectguard_refusals_total", provider="openai", reason=reason) == 0
+    for ending in ("answered", "timeout", "error"):
+        assert value(metrics, "effectguard_upstream_duration_seconds_count",
+                     provider="openai", outcome=ending) == 0  # fmt: skip
+    metrics.observer.request_done("openai", "gpt-4o-mini", "effect_unknown")
+    assert value(metrics, "effectguard_requests_total", provider="openai",
+                 model="gpt-4o-mini", outcome="effect_unknown") == 1  # fmt: skip
+
+
 async def test_an_unreadable_ledger_reports_down_not_stale_gauges(ledger_path: str) -> None:
     """If the ledger cannot be read, ledger_up is 0 and no ledger gauge shows old values."""
     metrics = Metrics()

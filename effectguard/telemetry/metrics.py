@@ -50,6 +50,7 @@ from effectguard.errors import EffectguardError
 from effectguard.rules.budget import BudgetNode
 from effectguard.rules.budgetview import Policyless, top_nodes
 from effectguard.rules.money import nanos_to_decimal
+from effectguard.telemetry import firstseries
 from effectguard.telemetry.budgetgauges import budget_gauges, period_ends
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.sharedread import SharedRead
@@ -125,6 +126,7 @@ class MetricsObserver(NullObserver):
     def __init__(self, registry: CollectorRegistry, capped: _Capped) -> None:
         self._cap = capped
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._at_zero: set[tuple[str, ...]] = set()  # providers and (provider, model)s
         self.requests = Counter(
             "effectguard_requests",
             "Requests finished, by outcome.",
@@ -175,15 +177,29 @@ class MetricsObserver(NullObserver):
             "Unexpected exceptions answered with a 500 internal_error.",
             registry=registry,
         )
+        self._by_model = (self.requests, self.tokens, self.cost)
 
     def _child(self, metric: Any, *values: str) -> Any:
         # labels() validates and locks on every call; a request makes five of them.
         # Values are capped before they get here, so this cache is bounded too.
         key = (metric, *values)
         child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*values)
+        if child is None:  # a first count: its provider's and model's series at 0 first
+            self._zero(values[0], values[1] if metric in self._by_model else None)
+            child = self._children.setdefault(key, metric.labels(*values))
         return child
+
+    def _zero(self, provider: str, model: str | None) -> None:
+        """Make, once, the series :mod:`firstseries` names for ``provider`` (and ``model``)."""
+        if provider in ("", "other"):  # no provider, or past the cap: nothing to watch
+            return
+        scopes = [(provider,)] + ([(provider, model)] if model is not None else [])
+        for scope in (s for s in scopes if s not in self._at_zero):
+            self._at_zero.add(scope)
+            of = firstseries.of_provider if len(scope) == 1 else firstseries.of_model
+            for family, values in of(*scope):
+                metric = getattr(self, family)  # firstseries names these attributes
+                self._children.setdefault((metric, *values), metric.labels(*values))
 
     def _provider(self, provider: str) -> str:
         return self._cap("provider", provider)

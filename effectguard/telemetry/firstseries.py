@@ -1,0 +1,57 @@
+"""The counter series a process exposes at 0 before it first counts them (docs/metrics.md).
+
+Prometheus takes a series' first sample as where it starts: a counter first exposed at 1
+adds nothing to ``rate()`` or ``increase()``. Each provider, model and outcome's first
+request after a process started was missing from every rate panel, a rare outcome's only
+occurrence included, and so were the first refusals by a watched reason and the first
+timeout. So when a provider or one of its models is first counted, the other series
+named here for it are made at 0: their own first counts then show. The count that made
+them (most often a model's first completed request after a start) is still born at 1;
+making every declared model's series at a start instead cost an idle scrape 20 times
+the lines. Pure: which series, not how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Final
+
+#: Every ``outcome`` of ``effectguard_requests_total`` (docs/metrics.md, Label values).
+OUTCOMES: Final = (
+    "completed",
+    "failed",
+    "not_processed",
+    "not_sent",
+    "effect_unknown",
+    "observe_failed",
+    "fenced",
+    "replayed",
+    "joined",
+)
+DIRECTIONS: Final = ("input", "output")
+#: How an attempt ended (``effectguard_upstream_duration_seconds``' ``outcome``).
+ENDINGS: Final = ("answered", "timeout", "error")
+#: The refusal reasons the shipped panels and alerts single out; others start at 1.
+WATCHED_REASONS: Final = ("budget_exceeded", "rate_limited")
+
+#: (family, label values) of one series; the family is the name of its counter's
+#: attribute on :class:`~effectguard.telemetry.metrics.MetricsObserver`.
+Series = tuple[str, tuple[str, ...]]
+
+
+def of_model(provider: str, model: str) -> Iterator[Series]:
+    """A provider's model's series: requests by every outcome, tokens, cost."""
+    for outcome in OUTCOMES:
+        yield "requests", (provider, model, outcome)
+    for direction in DIRECTIONS:
+        yield "tokens", (provider, model, direction)
+    yield "cost", (provider, model)
+
+
+def of_provider(provider: str) -> Iterator[Series]:
+    """A provider's series: replays, attempts by every ending, the watched refusals."""
+    yield "replays", (provider,)
+    for ending in ENDINGS:
+        yield "upstream", (provider, ending)
+    for reason in WATCHED_REASONS:
+        yield "refusals", (provider, reason)
