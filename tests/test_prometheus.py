@@ -302,7 +302,7 @@ def test_budget_use_panels_divide_each_ledgers_money_by_its_own_limit(tmp_path: 
 def test_latency_panels_show_an_upstream_that_times_out(tmp_path: Path) -> None:
     """One attempt in four answered within 0.5 s, three timed out at 10 s: the latency
     panel's p50 and p99 show the timeouts (once only answered attempts were timed, and
-    the panel showed 0.5 s), and the attempts panel counts each ending per second
+    the panel showed 0.5 s), and the attempts panel counts each ending per second, by provider
     (``promtool test rules`` on synthetic series)."""
     base = 'effectguard_upstream_duration_seconds_{}{{provider="openai", outcome="{}"{}}}'
     per_step = {"answered": 15, "timeout": 45}  # a step is 15 s: 1 and 3 per second
@@ -328,8 +328,8 @@ def test_latency_panels_show_an_upstream_that_times_out(tmp_path: Path) -> None:
             "expr": concrete(attempts),
             "eval_time": "2m",
             "exp_samples": [
-                {"labels": '{outcome="answered"}', "value": 1},
-                {"labels": '{outcome="timeout"}', "value": 3},
+                {"labels": '{outcome="answered", provider="openai"}', "value": 1},
+                {"labels": '{outcome="timeout", provider="openai"}', "value": 3},
             ],
         }
     )
