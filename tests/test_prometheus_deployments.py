@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -117,7 +118,7 @@ def deployments(
     http = httpx.Client(timeout=10)
     with (
         fake_provider(tmp / "receipts.jsonl") as provider,
-        scratch_schema("eg_dash_") if DSN else _sqlite(tmp / "prod.db") as prod,
+        scratch_schema("eg_dash_") if DSN else nullcontext(str(tmp / "prod.db")) as prod,
     ):
         upstreams = {"openai": provider.url}
         try:
@@ -144,19 +145,6 @@ def deployments(
                 proxy.kill()
                 proxy.process.wait(10)
             http.close()
-
-
-class _sqlite:
-    """A SQLite ledger standing in for the PostgreSQL one on a machine without a server."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __enter__(self) -> str:
-        return self.path
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def by_job(prom: Prometheus, expr: str, *labels: str) -> dict[tuple[str, ...], float]:
