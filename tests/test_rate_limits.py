@@ -32,7 +32,7 @@ from test_store_contract import (
     store_kind,
 )
 
-from effectguard import AsyncGuardTransport
+from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.ledger import Ledger, Writer
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules import ratelimit
@@ -118,6 +118,23 @@ def test_concurrency_counts_calls_in_flight_and_ancestors_are_checked() -> None:
     in_flight = {"a": 2, "a/b": 0}
     refused = check(policies, {}, in_flight.__getitem__, "a/b", 0.0, 0)
     assert refused == ratelimit.RateExceeded("a", "concurrency", 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("policy", "tokens", "limit", "allowed"),
+    [
+        (BudgetPolicy("a", rpm=0), 0, "rpm", 0),
+        (BudgetPolicy("a", tpm=100), 101, "tpm", 100),
+        (BudgetPolicy("a", concurrency=0), 0, "concurrency", 0),
+    ],
+)
+def test_an_attempt_no_wait_lets_fit_waits_a_minute_for_an_operator(
+    policy: BudgetPolicy, tokens: int, limit: ratelimit.Limit, allowed: int
+) -> None:
+    """A limit of 0, or a tpm below the attempt's own tokens: the attempt does not fit until
+    an operator raises the limit; retry-after is a minute, wherever in the minute it is."""
+    refused = check({"a": policy}, {}, never_in_flight, "a", 615.2, tokens)
+    assert refused == ratelimit.RateExceeded("a", limit, allowed, 60, fits=False)
 
 
 @given(
@@ -226,9 +243,12 @@ def _with_tokens(event: object, tokens: int) -> object:
 CHAT_URL = "https://api.openai.com/v1/chat/completions"
 
 
-def _responses(tmp_path: Path, limits: list[str], calls: int) -> list[httpx.Response]:
-    """``calls`` requests through the in-process transport to budget ``team`` after
-    ``budget set team LIMITS`` (the upstream answers 200; nothing past a refusal matters)."""
+def _responses(
+    tmp_path: Path, limits: list[str], calls: int, *, sync: bool = False
+) -> list[httpx.Response]:
+    """``calls`` requests through the in-process transport (the async one, or the sync one)
+    to budget ``team`` after ``budget set team LIMITS`` (the upstream answers 200; nothing
+    past a refusal matters)."""
     ledger = str(tmp_path / "l.db")
     assert cli_main(["migrate", "--ledger", ledger]) == 0
     assert cli_main(["budget", "set", "team", *limits, "--ledger", ledger]) == 0
@@ -250,26 +270,43 @@ def _responses(tmp_path: Path, limits: list[str], calls: int) -> list[httpx.Resp
                 for _ in range(calls)
             ]
 
+    if sync:
+        with httpx.Client(
+            transport=GuardTransport(httpx.MockTransport(reply), ledger=ledger)
+        ) as client:
+            return [
+                client.post(CHAT_URL, json=body, headers={"Effectguard-Budget": "team"})
+                for _ in range(calls)
+            ]
     return asyncio.run(send())
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize(
     "limits", [["--rpm", "0"], ["--tpm", "0"], ["--tpm", "5"], ["--concurrency", "0"]]
 )
-def test_a_limit_no_wait_can_meet_is_not_worth_retrying(tmp_path: Path, limits: list[str]) -> None:
-    """rpm or concurrency 0, or a tpm below the request's own tokens, can never admit it:
-    429 with x-should-retry false and no retry-after, so an SDK does not retry forever."""
-    (refused,) = _responses(tmp_path, limits, 1)
+def test_a_limit_the_request_does_not_fit_is_refused_as_any_rate_limit(
+    tmp_path: Path, limits: list[str], sync: bool
+) -> None:
+    """rpm or concurrency 0, or a tpm below the request's own tokens, admits it only once
+    an operator raises the limit (``budget set``, read at every admission): SPEC's 429
+    ``rate_limited`` with ``retry-after`` (60, a minute for the operator) and
+    ``x-should-retry: true``, the message saying the limit must be raised. The SDKs retry a
+    bounded number of times (``max_retries``), so they do not retry forever."""
+    (refused,) = _responses(tmp_path, limits, 1, sync=sync)
     assert refused.status_code == 429, refused.text
-    assert refused.headers["x-should-retry"] == "false"
-    assert "retry-after" not in refused.headers
-    assert "never fits" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["type"] == "rate_limited"
+    assert refused.headers["x-should-retry"] == "true"
+    assert refused.headers["retry-after"] == "60"
+    message = refused.json()["error"]["message"]
+    assert "does not fit" in message and "an operator must raise" in message, message
 
 
-def test_a_full_minute_is_worth_retrying(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_a_full_minute_is_worth_retrying(tmp_path: Path, sync: bool) -> None:
     """rpm 1, second request: 429 with x-should-retry true and retry-after (the window
     turns)."""
-    _, refused = _responses(tmp_path, ["--rpm", "1"], 2)
+    _, refused = _responses(tmp_path, ["--rpm", "1"], 2, sync=sync)
     assert refused.status_code == 429, refused.text
     assert refused.headers["x-should-retry"] == "true"
     assert 1 <= int(refused.headers["retry-after"]) <= 60

@@ -37,15 +37,24 @@ def rate_refusal(
     exceeded = ratelimit.check(policies, windows, tx.count_in_flight, budget, now, tokens)
     if exceeded is None:
         return None
-    never = exceeded.retry_after is None  # no wait helps: an SDK must not retry forever
     return Refusal(
         429,
         "rate_limited",
-        f"budget {exceeded.path!r} allows {exceeded.allowed} {_WHAT[exceeded.limit]}; "
-        + ("this request never fits" if never else f"retry in {exceeded.retry_after} s"),
+        _message(exceeded),
         call_id=call_id,
-        retryable=not never,
+        retryable=True,  # every one (contract §5.6): the SDKs retry a bounded number of times
         retry_after=exceeded.retry_after,
+    )
+
+
+def _message(exceeded: ratelimit.RateExceeded) -> str:
+    said = f"budget {exceeded.path!r} allows {exceeded.allowed} {_WHAT[exceeded.limit]}; "
+    if exceeded.fits:
+        return said + f"retry in {exceeded.retry_after} s"
+    return said + (
+        "this request does not fit that limit as it is set now: an operator must raise it "
+        f"(effectguard budget set {exceeded.path} --{exceeded.limit} N) before a retry "
+        f"(in {exceeded.retry_after} s) can pass"
     )
 
 

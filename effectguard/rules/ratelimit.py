@@ -55,6 +55,12 @@ from typing import Final, Literal
 from effectguard.rules.budget import BudgetPolicy, ancestors
 
 WINDOW_S: Final = 60
+#: ``retry-after`` of a refusal no wait helps (a limit of 0, a ``tpm`` below the attempt's
+#: own tokens): only an operator raising the limit does (``budget set``, read at every
+#: admission on every replica). A minute, the limits' own period, leaves them time between
+#: the SDKs' bounded retries, and the OpenAI and Anthropic SDKs all wait it (their 1.x
+#: releases a wait of at most 60 s; openai-python 3 up to 120 s, past which it stops).
+UNTIL_RAISED_S: Final = 60
 #: How many minutes back a window keeps counting a clock that was stepped back.
 KEPT_BACK: Final = 1
 Limit = Literal["rpm", "tpm", "concurrency"]
@@ -108,13 +114,15 @@ def first(path: str) -> RateWindow:
 @dataclass(frozen=True, slots=True)
 class RateExceeded:
     """Admission refused: ``path``'s ``limit`` has no room; ``retry_after`` seconds until it
-    may, or None where no wait helps (a limit of 0, or a ``tpm`` below this attempt's own
-    tokens): a client told to retry would retry forever."""
+    may. ``fits`` is False where no wait helps (a limit of 0, or a ``tpm`` below this
+    attempt's own tokens): the attempt fits only once an operator raises the limit, and
+    ``retry_after`` is then :data:`UNTIL_RAISED_S`."""
 
     path: str
     limit: Limit
     allowed: int
-    retry_after: int | None
+    retry_after: int
+    fits: bool = True
 
 
 def limited(policies: Mapping[str, BudgetPolicy], path: str) -> list[str]:
@@ -149,14 +157,18 @@ def check(
         # Until the window's minute ends: after a step back, later than this clock's minute.
         next_minute = max(1, math.ceil((window.minute + 1) * WINDOW_S - at))
         if policy.rpm is not None and window.requests + 1 > policy.rpm:
-            return RateExceeded(p, "rpm", policy.rpm, next_minute if policy.rpm else None)
+            return _exceeded(p, "rpm", policy.rpm, next_minute, policy.rpm > 0)
         if policy.tpm is not None and window.tokens + tokens > policy.tpm:
-            return RateExceeded(p, "tpm", policy.tpm, next_minute if tokens <= policy.tpm else None)
+            return _exceeded(p, "tpm", policy.tpm, next_minute, tokens <= policy.tpm)
         if policy.concurrency is not None and in_flight(p) + 1 > policy.concurrency:
-            return RateExceeded(
-                p, "concurrency", policy.concurrency, 1 if policy.concurrency else None
-            )
+            return _exceeded(p, "concurrency", policy.concurrency, 1, policy.concurrency > 0)
     return None
+
+
+def _exceeded(path: str, limit: Limit, allowed: int, room_in: int, fits: bool) -> RateExceeded:
+    """The refusal of a full ``limit`` that has room in ``room_in`` seconds, or, where the
+    attempt does not ``fit`` it at all, once an operator raises it."""
+    return RateExceeded(path, limit, allowed, room_in if fits else UNTIL_RAISED_S, fits)
 
 
 def admitted(window: RateWindow, at: float, tokens: int, position: int) -> RateWindow:
