@@ -4,7 +4,8 @@
   lease, the other takes it over; after SIGCONT the first one's late result
   is refused by the store, and it registers anew and serves new calls.
 * A worker whose lease lapsed starts no new dispatch; if it lapses during the
-  guard's own retries after a declared 429, the client gets that 429, and a
+  guard's own retries after a declared 429 (before the retry is recorded or
+  before it is sent), the client gets that 429, and a
   503 ``ledger_unavailable`` only when nothing reached the provider.
 * A worker fenced while a call is on the wire registers anew; the call's late
   result is still refused.
@@ -447,14 +448,17 @@ async def test_fenced_worker_registers_anew_and_its_old_calls_stay_refused(tmp_p
 class LapsingUpstream:
     """Answers each request as told, letting the worker's lease lapse after the first."""
 
-    def __init__(self, clock: ManualClock, first: httpx.Response | Exception) -> None:
+    def __init__(
+        self, clock: ManualClock, first: httpx.Response | Exception, by: float = 61
+    ) -> None:
         self.clock = clock
         self.first = first
+        self.by = by
         self.sent = 0
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         self.sent += 1
-        self.clock.advance(61)  # past the lease: no later attempt may start
+        self.clock.advance(self.by)  # past the lease (61): no later attempt may start
         if isinstance(self.first, Exception):
             raise self.first
         return self.first
@@ -483,6 +487,46 @@ async def test_lease_lapsing_between_retries_answers_the_providers_429(tmp_path:
         (call,) = await runtime.ledger.calls()
         assert answer.headers["effectguard-call-id"] == call.call_id
         assert (call.stage, call.attempts, call.reserved) == ("not_processed", 1, 0)
+        assert (await verify_ledger(runtime.ledger)).ok
+    finally:
+        await runtime.stop()
+
+
+def _limited() -> tuple[httpx.Response, dict[str, object]]:
+    body: dict[str, object] = {"error": {"type": "rate_limit_exceeded", "message": "slow down"}}
+    limited = httpx.Response(
+        429,
+        headers={"content-type": "application/json"},
+        stream=httpx.ByteStream(json.dumps(body).encode()),
+    )
+    return limited, body
+
+
+async def test_lease_lapsing_before_the_retry_is_sent_answers_the_providers_429(
+    tmp_path: Path,
+) -> None:
+    """A retry after a declared 429 that is recorded but not sent because the lease lapsed
+    just then answers that 429 (the provider was reached), never 503 ledger_unavailable."""
+    clock = ManualClock()
+    runtime = make_runtime(
+        tmp_path / "l.db", lease_s=60, heartbeat_s=3600, sweep_s=3600, clock=clock
+    )
+    guard = await runtime.start()
+    limited, body = _limited()
+    # To the lease's last instant: the ledger still starts the retry (its lease has not
+    # run out), with no time left to send it in.
+    upstream = LapsingUpstream(clock, limited, by=60)
+    try:
+        answer = await guard.handle(guard.providers["openai"], _request("limited"), upstream.send)
+        await answer.aread()
+        assert answer.status_code == 429 and answer.json() == body
+        assert upstream.sent == 1
+        (call,) = await runtime.ledger.calls()
+        assert answer.headers["effectguard-call-id"] == call.call_id
+        assert (call.stage, call.attempts, call.reserved) == ("not_sent", 2, 0)
+        events = [e for e in ledger_events(tmp_path / "l.db") if e["call"] == call.call_id]
+        assert [e["kind"] for e in events][-2:] == ["attempt.not_sent", "budget.released"]
+        assert "lease lapsed" in events[-2]["data"]["reason"]
         assert (await verify_ledger(runtime.ledger)).ok
     finally:
         await runtime.stop()

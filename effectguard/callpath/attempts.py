@@ -84,7 +84,7 @@ class Attempts:
                         return nxt
                     current = nxt
                     try:
-                        return await self._attempt(prepared, current, send, report)
+                        return await self._attempt(prepared, current, send, report, previous)
                     except _RetryAttempt as again:
                         previous = again
                         raise
@@ -126,10 +126,18 @@ class Attempts:
         return outgoing
 
     async def _attempt(
-        self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        send: Send,
+        report: CallReport,
+        answered: _RetryAttempt | None = None,
     ) -> Reply:
         provider, call_id = prepared.provider, admitted.call_id
-        outgoing = await self._ready(prepared, admitted, report)
+        try:
+            outgoing = await self._ready(prepared, admitted, report)
+        except Refusal as refusal:
+            return self._unsent_retry(prepared, report, refusal, answered)
         sent_at = time.perf_counter()
         try:
             response = await send(outgoing)
@@ -154,11 +162,7 @@ class Attempts:
         except httpx.TransportError as exc:
             return await self._transport_failed(prepared, admitted, exc, report, sent_at)
         except asyncio.CancelledError:
-            # Cut off (callpath/ticket) while the request may be on the wire.
-            waited(self.observer, provider.name, report, sent_at, "timeout")
-            self.recorder.spawn(
-                self.recorder.interrupt_attempt(admitted, self.recorder.cancel_reason)
-            )
+            self._cut_off(prepared, admitted, report, sent_at)
             raise
         if body is None:
             waited(self.observer, provider.name, report, sent_at, "error")
@@ -212,6 +216,34 @@ class Attempts:
         raise await self._effect_unknown(
             prepared, admitted, why, _describe(exc), 504 if timeout else 502
         ) from exc
+
+    def _cut_off(
+        self, prepared: Prepared, admitted: Admitted, report: CallReport, sent_at: float
+    ) -> None:
+        """Cut off (callpath/ticket) while the request may be on the wire: its attempt is
+        interrupted, in the background (the caller is leaving)."""
+        waited(self.observer, prepared.provider.name, report, sent_at, "timeout")
+        self.recorder.spawn(self.recorder.interrupt_attempt(admitted, self.recorder.cancel_reason))
+
+    def _unsent_retry(
+        self,
+        prepared: Prepared,
+        report: CallReport,
+        refusal: Refusal,
+        answered: _RetryAttempt | None,
+    ) -> Reply:
+        """The answer for an attempt :meth:`_ready` would not send: the provider's answer
+        to the attempt it retries (``answered``), if there was one, else ``refusal`` raised.
+
+        A 503 ``ledger_unavailable`` (the lease lapsed before it went out) says nothing
+        was sent, but the provider was reached and its answer is the truth (contract.md
+        §3.5), as when the retry cannot even be started (:meth:`_next_attempt`).
+        """
+        last = answered.response if answered is not None else None
+        if last is None or refusal.type != "ledger_unavailable":
+            raise refusal
+        self._count(prepared, report.outcome)
+        return last
 
     def _count(self, prepared: Prepared, outcome: str) -> None:
         self.observer.request_done(prepared.provider.name, prepared.model or "", outcome)
