@@ -61,7 +61,7 @@ def call_json(state: WorkState) -> dict[str, Any]:
         "model": state.model,
         "attempts": state.attempts,
         "reserved_usd": nanos_to_usd(state.reserved_at_admission),
-        "cost_usd": money(state.cost),
+        "cost_usd": money(state.settled_cost),
         "held_usd": nanos_to_usd(state.held),
         "status": state.status,
         "flagged": state.flagged,

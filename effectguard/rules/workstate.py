@@ -90,6 +90,10 @@ UNRESOLVED: Final[frozenset[Stage]] = frozenset({"in_flight", "effect_unknown"})
 #: Stages a person (or a provider lookup) may correct with ``call.reconciled``: an unknown
 #: effect, and an error answer booked as applied that may have done nothing (docs/contract.md §12).
 RECONCILABLE: Final[frozenset[Stage]] = frozenset({"effect_unknown", "failed"})
+#: Stages in which the call's cost is settled (from usage) or decided (by ``reconcile``).
+SETTLED: Final[frozenset[Stage]] = frozenset(
+    {"completed", "failed", "reconciled_applied", "reconciled_not_applied"}
+)
 
 
 @quick_init
@@ -132,6 +136,18 @@ class WorkState:
     def next_operation(self) -> NextOperation:
         """The next safe operation (docs/contract.md §6)."""
         return STAGE_TABLE[self.stage][1]
+
+    @property
+    def settled_cost(self) -> int | None:
+        """What the call cost once settled or decided (``cost_usd``, docs/contract.md §8);
+        None in any other stage.
+
+        ``cost`` folds every round of the call, and a decision or hold release that spends
+        nothing makes it 0 (``reconcile --not-applied``; a keyed resend taking over a
+        hold). A resend after that starts from the 0, which settles nothing of its own
+        attempt: outside :data:`SETTLED` ``cost`` is only ever None or such a 0.
+        """
+        return self.cost if self.stage in SETTLED else None
 
 
 _FIELDS: Final = tuple(f.name for f in dataclasses.fields(WorkState))

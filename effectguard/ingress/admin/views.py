@@ -167,7 +167,7 @@ def _summary(
         ("attempts", str(state.attempts)),
         ("reserved at admission", usd(state.reserved_at_admission)),
         ("held", usd(state.held)),
-        ("cost", usd(state.cost)),
+        ("cost", usd(state.settled_cost)),
         ("status", esc(state.status)),
         ("flagged", esc(state.flagged)),
     ]
