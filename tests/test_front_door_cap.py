@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import re
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,9 @@ pytestmark = pytest.mark.slow
 CHAT = "/openai/v1/chat/completions"
 PATIENCE_S = 30.0
 CAP = 16
+CLOSED = re.compile(
+    r'^effectguard_connections_closed_for_room_total\{reason="max_connections"\} (\S+)$', re.M
+)
 
 
 def chat(content: str) -> bytes:
@@ -130,7 +134,12 @@ def test_silent_connections_at_the_cap_make_room_for_real_calls(
         assert uploaded.startswith(b"HTTP/1.1 200 "), uploaded[:300]
         assert flown.startswith(b"HTTP/1.1 200 "), flown[:300]
         assert good_calls(proxy, ["after-the-flood"], 1) == {200: 1}
+        metrics = httpx.get(proxy.url + "/metrics", timeout=PATIENCE_S).text
         log = proxy.log()
     seen = collections.Counter(r.get("tag") for r in provider.receipts())
     assert all(seen[tag] == 1 for tag in [*tags, "in-flight", "uploading", "after-the-flood"])
     assert " ERROR " not in log, log
+    # Counted, and said once for the three rounds (at most a line a minute).
+    closed = CLOSED.search(metrics)
+    assert closed is not None and float(closed.group(1)) >= 3, metrics
+    assert log.count("idle connections closed to make room (max_connections)") == 1, log

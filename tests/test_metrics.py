@@ -367,6 +367,7 @@ async def test_exposition_names_types_and_labels_follow_prometheus_conventions(
         "effectguard_replays_total": "counter",
         "effectguard_internal_errors_total": "counter",
         "effectguard_ledger_commits_total": "counter",
+        "effectguard_connections_closed_for_room_total": "counter",
         "effectguard_upstream_duration_seconds": "histogram",
         "effectguard_overhead_duration_seconds": "histogram",
         "effectguard_ledger_commit_duration_seconds": "histogram",

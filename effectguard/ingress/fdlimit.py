@@ -14,7 +14,10 @@ Should the limit be reached all the same, the loop turns connections away in C (
 accepts each and closes it, and tells no one), so there is nothing to catch: while it
 serves, :func:`watch_open_files` checks once a second whether a file can still be
 opened, and logs a warning when it cannot (again at most every
-:data:`WARN_EVERY_S` while that lasts) and a line when it can again.
+:data:`WARN_EVERY_S` while that lasts) and a line when it can again. While it cannot,
+it closes the client connections idle longest (never one with a request in progress),
+as nginx closes idle kept-alive connections when accept meets EMFILE: a flood of silent
+connections larger than the limit gave way to nobody until its sockets closed.
 """
 
 from __future__ import annotations
@@ -76,8 +79,20 @@ def raise_open_files(max_connections: int) -> int:
 
 #: How often a serving proxy checks that it can still open a file (one open and close).
 CHECK_EVERY_S = 1.0
+#: ... and while it cannot: each check that finds the table full closes idle connections.
+FULL_CHECK_EVERY_S = 0.1
 #: While the limit stays reached, its warning is repeated at most this often.
 WARN_EVERY_S = 60.0
+#: The limit is said to be free again only once no check has found it reached for this
+#: long: closing idle connections frees files that a flood takes again, and each turn
+#: would otherwise be a warning and an all-clear.
+FREE_AFTER_S = 10.0
+
+
+def files_to_free(limit: int) -> int:
+    """How many idle connections one check that finds the table full closes: enough for
+    a few calls (each takes a client's file and an upstream one), not the whole flood."""
+    return max(8, limit // 16)
 
 
 def table_full() -> bool:
@@ -97,15 +112,22 @@ class LimitReached:
 
     since: float | None = None
     said: float = 0.0
+    #: Since when the checks have found files free while the limit was reached.
+    free_since: float | None = None
 
     def step(self, now: float, full: bool) -> str | None:
-        """A check at ``now``: ``"reached"``, ``"still"`` or ``"free"`` when a line is
-        due, else None."""
+        """A check at ``now``: ``"reached"``, ``"still"`` or ``"free"`` (once no check has
+        found the limit reached for :data:`FREE_AFTER_S`) when a line is due, else None."""
         if not full:
             if self.since is None:
                 return None
-            self.since = None
+            if self.free_since is None:
+                self.free_since = now
+            if now - self.free_since < FREE_AFTER_S:
+                return None
+            self.since = self.free_since = None
             return "free"
+        self.free_since = None
         if self.since is None:
             self.since = self.said = now
             return "reached"
@@ -115,16 +137,24 @@ class LimitReached:
         return None
 
 
-async def watch_open_files(connections: Callable[[], tuple[int, int]]) -> None:
+async def watch_open_files(
+    connections: Callable[[], tuple[int, int]],
+    make_room: Callable[[int], int] | None = None,
+) -> None:
     """Check every :data:`CHECK_EVERY_S` that a file can be opened; log when it cannot
     and when it can again. ``connections``: the client connections open now, and how many
-    of them have no request in progress (a flood of silent ones shows there)."""
+    of them have no request in progress (a flood of silent ones shows there);
+    ``make_room``: closes up to that many idle connections, idle longest first."""
     state = LimitReached()
+    full = False
     while True:
-        await asyncio.sleep(CHECK_EVERY_S)
+        await asyncio.sleep(FULL_CHECK_EVERY_S if full else CHECK_EVERY_S)
         now = time.monotonic()
         since = state.since
-        said = state.step(now, table_full())
+        full = table_full()
+        if full and make_room is not None:
+            make_room(files_to_free(_soft_limit_number()))
+        said = state.step(now, full)
         if said is None:
             continue
         if said == "free":
@@ -144,8 +174,15 @@ async def watch_open_files(connections: Callable[[], tuple[int, int]]) -> None:
 
 
 def _soft_limit() -> str:
+    limit = _soft_limit_number()
+    return str(limit) if limit else "unknown"
+
+
+def _soft_limit_number() -> int:
+    """The soft open-files limit now (``prlimit`` may change it while serving); 0 if
+    the platform has none."""
     try:
         import resource
     except ImportError:  # not on a POSIX system
-        return "unknown"
-    return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        return 0
+    return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])

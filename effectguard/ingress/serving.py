@@ -74,7 +74,7 @@ def serve(
     routes = {s.getsockname()[1]: name for name, s in routed.items()}
     app = create_app(settings, metrics=metrics, metrics_socket=metrics_sock, routes=routes)
     start_line = _start_line(settings, sock, routed, metrics_sock)
-    room = IdleConnections()
+    room = IdleConnections(None if metrics is None else metrics.closed_for_room)
     server = _Server(_config(settings, app, frozenset(routes), room), start_line)
 
     def connections() -> tuple[int, int]:
@@ -89,7 +89,7 @@ def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        watch = loop.create_task(watch_open_files(connections))
+        watch = loop.create_task(watch_open_files(connections, room.close_idlest))
         try:
             async with alongside() if alongside is not None else contextlib.nullcontext():
                 await server.serve(sockets=[sock, *routed.values()])

@@ -53,6 +53,7 @@ from effectguard.rules.money import nanos_to_decimal
 from effectguard.telemetry import firstseries
 from effectguard.telemetry.budgetgauges import budget_gauges, period_ends
 from effectguard.telemetry.observer import NullObserver
+from effectguard.telemetry.roomclosings import RoomClosings
 from effectguard.telemetry.sharedread import SharedRead
 
 if TYPE_CHECKING:
@@ -356,6 +357,8 @@ class Metrics:
         # Both children made now, once: labels() costs more than the increment, and
         # at one client every request commits twice.
         self._commits = {True: self.commits.labels("ok"), False: self.commits.labels("failed")}
+        #: Called by the proxy's front door with each closing for room.
+        self.closed_for_room = RoomClosings(self.registry)
         self.snapshot = LedgerSnapshot()
         self._ledger: Ledger | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
