@@ -2,8 +2,9 @@
 
 ``Target`` parses the DSN (our own ``?schema=NAME`` parameter included) and opens
 connections that declare the writer format, the ledger's schema as ``search_path`` and
-the timeouts; a server that cannot be reached, or that closes the connection while it
-is being set up, is :class:`~effectguard.errors.LedgerUnavailable`.
+the timeouts (``statement_timeout`` off, whatever the role's or database's default); a
+server that cannot be reached, or that closes the connection while it is being set up,
+is :class:`~effectguard.errors.LedgerUnavailable`.
 """
 
 from __future__ import annotations
@@ -105,7 +106,14 @@ class Target:
 
     def _settings(self, extra: dict[str, str]) -> Iterable[tuple[sql.Literal, sql.Literal]]:
         # Declared on every connection: the ledger refuses writes from older releases.
-        pairs = {writerformat.SETTING: str(writerformat.WRITER_FORMAT), **extra}
+        # statement_timeout off: a role's or database's default (common on managed
+        # servers) would cut short the waits we bound ourselves (lock_timeout, the
+        # reader's and writer's deadlines, migrations that may take minutes).
+        pairs = {
+            writerformat.SETTING: str(writerformat.WRITER_FORMAT),
+            "statement_timeout": "0",
+            **extra,
+        }
         if self.schema is not None:
             pairs["search_path"] = self.schema
         return [(sql.Literal(k), sql.Literal(v)) for k, v in pairs.items()]
