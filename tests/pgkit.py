@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -53,6 +54,35 @@ def scratch_schema(prefix: str = "eg_test_") -> Iterator[str]:
     finally:
         with psycopg.connect(DSN, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@contextmanager
+def scratch_role(options: str = "", *settings: str) -> Iterator[str]:
+    """A ledger URL in a fresh schema, reached as a login role of its own created with
+    ``options`` (``CONNECTION LIMIT 2``) and ``settings`` as its defaults
+    (``statement_timeout = '200ms'``), as a DBA sets them; skipped where the test user
+    cannot create roles. Schema and role are dropped on exit."""
+    import psycopg
+
+    role = f"eg_role_{uuid.uuid4().hex[:12]}"
+    password = uuid.uuid4().hex
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        try:
+            conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}' {options}")
+        except psycopg.errors.InsufficientPrivilege:
+            pytest.skip("EFFECTGUARD_TEST_PG_DSN's user cannot create roles")
+        conn.execute(f'GRANT CREATE ON DATABASE "{conn.info.dbname}" TO {role}')
+        for setting in settings:
+            conn.execute(f"ALTER ROLE {role} SET {setting}")
+    try:
+        with scratch_schema("eg_role_") as url:
+            parts = urlsplit(url)
+            netloc = f"{role}:{password}@{parts.netloc.rsplit('@', 1)[-1]}"
+            yield urlunsplit(parts._replace(netloc=netloc))
+    finally:
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
 
 
 @pytest.fixture

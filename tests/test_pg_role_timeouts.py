@@ -14,15 +14,13 @@ role of its own with that default, waiting behind a lock held a little longer th
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
-from pgkit import DSN, NEEDS_PG, scratch_schema
+from pgkit import DSN, NEEDS_PG, scratch_role
 from stagedkit import run
 
 from effectguard.testing import fake_provider, running_proxy
@@ -37,27 +35,8 @@ CHAT = "/openai/v1/chat/completions"
 @pytest.fixture
 def role_url() -> Iterator[str]:
     """A fresh ledger reached as a role whose default ``statement_timeout`` is 200 ms."""
-    import psycopg
-
-    role = f"eg_role_{uuid.uuid4().hex[:12]}"
-    password = uuid.uuid4().hex
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        try:
-            conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
-        except psycopg.errors.InsufficientPrivilege:
-            pytest.skip("EFFECTGUARD_TEST_PG_DSN's user cannot create roles")
-        database = conn.info.dbname
-        conn.execute(f'GRANT CREATE ON DATABASE "{database}" TO {role}')
-        conn.execute(f"ALTER ROLE {role} SET statement_timeout = '200ms'")
-    try:
-        with scratch_schema("eg_roletimeout_") as url:
-            parts = urlsplit(url)
-            netloc = f"{role}:{password}@{parts.netloc.rsplit('@', 1)[-1]}"
-            yield urlunsplit(parts._replace(netloc=netloc))
-    finally:
-        with psycopg.connect(DSN, autocommit=True) as conn:
-            conn.execute(f"DROP OWNED BY {role}")
-            conn.execute(f"DROP ROLE {role}")
+    with scratch_role("", "statement_timeout = '200ms'") as url:
+        yield url
 
 
 def _schema(url: str) -> str:

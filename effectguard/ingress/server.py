@@ -81,6 +81,7 @@ class ProxyApp:
         self._metrics_socket = metrics_socket  # bound by serve(); else bound at startup
         self._inner = inner
         self.metrics = metrics
+        self.startup_error: Exception | None = None  # what stopped the start (its exit code)
         spec = settings.guard.reconcile_hook
         hook = load_hook(spec) if spec is not None else None
         #: The upstream leg: aiohttp (its session opens on first use), or a test's httpx
@@ -180,6 +181,7 @@ class ProxyApp:
                 try:
                     await self.startup()
                 except Exception as exc:
+                    self.startup_error = exc
                     if isinstance(exc, (EffectguardError, OSError)):
                         # A known cause (the ledger unreachable, a lock file): one line.
                         log.error("startup failed: %s", exc)

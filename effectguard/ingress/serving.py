@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from effectguard.config.settings import ServeSettings
+from effectguard.errors import LedgerUnavailable
 from effectguard.ingress.fdlimit import raise_open_files, watch_open_files
 from effectguard.ingress.frontdoor import uvicorn_options
 from effectguard.ingress.listeners import check_apart, listen_socket, start_listening
@@ -37,6 +38,9 @@ from effectguard.telemetry.logs import configure_logging
 Alongside = Callable[[], AbstractAsyncContextManager[object]]
 #: Exit status of a proxy whose startup failed (uvicorn's own).
 STARTUP_FAILED = 3
+#: ... because the ledger could not be reached: "the ledger is unavailable", as for every
+#: command (an orchestrator can tell a database to wait for from a start to fix).
+STARTUP_LEDGER_UNAVAILABLE = 4
 #: The collector's youngest-generation threshold in a serving proxy (Python's: 700).
 GC_YOUNG_THRESHOLD = 10_000
 
@@ -108,7 +112,8 @@ def serve(
             runner.run(main())
     finally:
         if not server.started:
-            _exit_startup_failed()
+            unavailable = isinstance(app.startup_error, LedgerUnavailable)
+            _exit_startup_failed(STARTUP_LEDGER_UNAVAILABLE if unavailable else STARTUP_FAILED)
 
 
 def _listeners(
@@ -136,7 +141,7 @@ def _listeners(
     return sockets, sock, routed, metrics_sock
 
 
-def _exit_startup_failed() -> None:
+def _exit_startup_failed(code: int) -> None:
     """Exit non-zero now: a failed startup must never leave the process waiting.
 
     uvicorn reports the failure and raises ``SystemExit``, but the interpreter then waits
@@ -147,7 +152,7 @@ def _exit_startup_failed() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(STARTUP_FAILED)
+    os._exit(code)
 
 
 def _metrics_socket(settings: ServeSettings, proxy: socket.socket) -> socket.socket | None:
