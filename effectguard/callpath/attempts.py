@@ -8,7 +8,10 @@ after admission, steps 3 and 4 of its call path (dispatch and observe).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -47,6 +50,19 @@ class _RetryAttempt(Exception):
         self.refusal = refusal
 
 
+T = TypeVar("T")
+
+
+class CutBetweenAttempts(Exception):
+    """A shutdown cut the call off between two of its attempts (contract.md §3.5, §3.8):
+    none was on its way, and the provider's answer to the last one, a status it declares
+    not processed, is the caller's answer (``answer``), as when the retries run out."""
+
+    def __init__(self, answer: Reply) -> None:
+        super().__init__("cut off between attempts")
+        self.answer = answer
+
+
 class Attempts:
     """Dispatches an admitted call's attempts and observes each (a part of ``Guard``)."""
 
@@ -69,16 +85,18 @@ class Attempts:
                 if s.max_retries < 1:
                     raise
                 previous = first
-                await asyncio.sleep(s.retry_wait_s)  # tenacity backs off from here on
+                # tenacity backs off from here on
+                await self._resting(prepared, report, previous, asyncio.sleep(s.retry_wait_s))
             retrying = AsyncRetrying(
                 stop=stop_after_attempt(s.max_retries),
                 wait=wait_exponential(multiplier=s.retry_wait_s, max=s.retry_wait_max_s),
                 retry=retry_if_exception_type(_RetryAttempt),
                 reraise=True,
+                sleep=lambda wait: self._resting(prepared, report, previous, asyncio.sleep(wait)),
             )
             async for attempt in retrying:
                 with attempt:
-                    nxt = await self._next_attempt(prepared, current, previous)
+                    nxt = await self._next_attempt(prepared, current, previous, report)
                     if isinstance(nxt, Reply):  # the last answer stands: its outcome counts
                         self._count(prepared, report.outcome)
                         return nxt
@@ -98,12 +116,25 @@ class Attempts:
         raise AssertionError("unreachable: tenacity either returns or re-raises")
 
     async def _next_attempt(
-        self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt
+        self, prepared: Prepared, previous: Admitted, answered: _RetryAttempt, report: CallReport
     ) -> Admitted | Reply:
         """The next attempt; if the ledger will not start it, the provider's last answer,
         if there was one: a 503 ``ledger_unavailable`` says nothing was sent (contract.md §9)."""
+        # Shielded: a commit is never stopped, and a retry started as a shutdown cuts the
+        # call off must be recorded not sent, not left in flight for a cut-off to mark
+        # effect unknown (or a later start to find).
+        starting = asyncio.ensure_future(self.recorder.next_attempt(prepared, previous))
         try:
-            return await self.recorder.next_attempt(prepared, previous)
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            await asyncio.wait({starting})
+            if not starting.cancelled() and starting.exception() is None:
+                why = f"admitted as the process stopped: {self.recorder.cancel_reason}"
+                with contextlib.suppress(Refusal):  # kept and retried on every sweep
+                    await self.recorder.not_sent(prepared, starting.result(), why)
+            if answered.response is None:
+                raise
+            raise self._cut_between(prepared, report, answered.response) from None
         except (LedgerError, FencedError) as exc:
             if answered.response is not None:
                 return answered.response
@@ -136,8 +167,8 @@ class Attempts:
         provider, call_id = prepared.provider, admitted.call_id
         try:
             outgoing = await self._ready(prepared, admitted, report)
-        except Refusal as refusal:
-            return self._unsent_retry(prepared, report, refusal, answered)
+        except (Refusal, asyncio.CancelledError) as unsent:
+            return self._unsent_retry(prepared, report, unsent, answered)
         sent_at = time.perf_counter()
         try:
             response = await send(outgoing)
@@ -229,21 +260,45 @@ class Attempts:
         self,
         prepared: Prepared,
         report: CallReport,
-        refusal: Refusal,
+        unsent: Refusal | asyncio.CancelledError,
         answered: _RetryAttempt | None,
     ) -> Reply:
-        """The answer for an attempt :meth:`_ready` would not send: the provider's answer
-        to the attempt it retries (``answered``), if there was one, else ``refusal`` raised.
+        """The answer for an attempt :meth:`_ready` would not send (``unsent``: its
+        refusal, or a shutdown's cut-off while it refused): the provider's answer to the
+        attempt it retries (``answered``), if there was one, else ``unsent`` raised.
 
-        A 503 ``ledger_unavailable`` (the lease lapsed before it went out) says nothing
-        was sent, but the provider was reached and its answer is the truth (contract.md
-        §3.5), as when the retry cannot even be started (:meth:`_next_attempt`).
+        Its refusals say nothing was sent: a 503 ``ledger_unavailable`` (the lease lapsed
+        before it went out), a 503 ``shutting_down`` (a shutdown stopped sending). But the
+        provider was reached and its answer is the truth (contract.md §3.5), as when the
+        retry cannot even be started (:meth:`_next_attempt`).
         """
         last = answered.response if answered is not None else None
-        if last is None or refusal.type != "ledger_unavailable":
-            raise refusal
+        if last is None:
+            raise unsent
+        if isinstance(unsent, asyncio.CancelledError):
+            raise self._cut_between(prepared, report, last) from None
         self._count(prepared, report.outcome)
         return last
+
+    async def _resting(
+        self, prepared: Prepared, report: CallReport, answered: _RetryAttempt, wait: Awaitable[T]
+    ) -> T:
+        """``wait``, a back-off between attempts; cut off meanwhile by a shutdown, the call
+        ends with the provider's answer to the attempt before (:meth:`_cut_between`)."""
+        try:
+            return await wait
+        except asyncio.CancelledError:
+            if answered.response is None:  # nothing reached the provider: the cut's 503 says so
+                raise
+            raise self._cut_between(prepared, report, answered.response) from None
+
+    def _cut_between(
+        self, prepared: Prepared, report: CallReport, answer: Reply
+    ) -> CutBetweenAttempts:
+        """What a dispatch cut off between attempts raises instead of its cancellation:
+        the provider's ``answer`` to the attempt before, its outcome counted."""
+        self._count(prepared, report.outcome)
+        return CutBetweenAttempts(answer)
 
     def _count(self, prepared: Prepared, outcome: str) -> None:
         self.observer.request_done(prepared.provider.name, prepared.model or "", outcome)

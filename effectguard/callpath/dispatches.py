@@ -11,6 +11,10 @@ answering 409 ``in_progress`` until another worker's sweep found it), and its ca
 answered only once the close broke the provider's connection, by an error that blamed
 the provider and a call the ledger still had in flight.
 
+A call cut off while it waits to retry a status its provider declares not processed
+(contract.md §3.5) has no request on its way: it ends with the provider's answer to the
+attempt before, which its caller gets, as when the retries run out.
+
 A stream still being read at that point is cut off by its own
 :meth:`~effectguard.callpath.stream.GuardedStream.cut_off`.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from effectguard.callpath.attempts import CutBetweenAttempts
 from effectguard.callpath.exchange import Reply
 from effectguard.callpath.prepare import refuse
 from effectguard.callpath.recorder import Recorder
@@ -50,7 +55,7 @@ class Dispatches:
         self._under_way[task] = ticket
         task.add_done_callback(self._under_way.pop)
 
-    def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
+    def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal | Reply]:
         """End a call whose caller can wait no longer (the drain timeout of a shutdown).
 
         Its dispatch stops, and, if still in flight, the call is marked effect unknown
@@ -66,8 +71,8 @@ class Dispatches:
         if ticket.dispatch is not None:
             ticket.dispatch.cancel()
         assert ticket.call_id is not None
-        owner = ticket.dispatch is not None  # a joiner leaves the call to its owner
-        task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, owner))
+        # A joiner leaves the call to its owner.
+        task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, ticket.dispatch))
         ticket.cut = task
         self._recorder.keep(task)
         return task
@@ -80,7 +85,17 @@ class Dispatches:
             await asyncio.wait(cuts)
         return bool(cuts)
 
-    async def _cut_off(self, call_id: str, reason: str, owner: bool) -> Refusal:
+    async def _cut_off(
+        self, call_id: str, reason: str, dispatch: asyncio.Future[Reply] | None
+    ) -> Refusal | Reply:
+        owner = dispatch is not None
+        if dispatch is not None:
+            # Its end first: one waiting between attempts has its answer (and a retry it
+            # was starting is recorded not sent before the call is read).
+            await asyncio.wait({dispatch}, timeout=MARKING_WAIT_S)
+            ended = dispatch.done() and not dispatch.cancelled()
+            if ended and isinstance(cut := dispatch.exception(), CutBetweenAttempts):
+                return cut.answer
         state: WorkState | None = None
         try:
             if owner:

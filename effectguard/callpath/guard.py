@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from effectguard.callpath.attempts import Attempts
+from effectguard.callpath.attempts import Attempts, CutBetweenAttempts
 from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.callpath.dispatches import MARKING_WAIT_S, Dispatches
 from effectguard.callpath.exchange import Outbound, Reply, Send
@@ -211,10 +211,15 @@ class Guard(Attempts):
         except asyncio.CancelledError:
             if ticket.cut is not None and not _cancelling():
                 # Cut off by a shutdown while its caller still waits: it is told why.
-                raise await asyncio.shield(ticket.cut) from None
+                cut = await asyncio.shield(ticket.cut)
+                if isinstance(cut, Reply):
+                    return cut
+                raise cut from None
             self.recorder.keep(task)
             task.add_done_callback(self._abandoned)
             raise
+        except CutBetweenAttempts as cut:  # the provider's last answer stands (§3.5)
+            return cut.answer
         except (Refusal, LedgerError):
             raise
         except Exception as exc:
@@ -226,7 +231,7 @@ class Guard(Attempts):
             self.recorder.finish(admitted.call_id)  # but no drain or joiner waits for it
             raise
 
-    def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal]:
+    def cut_off(self, ticket: Ticket, reason: str) -> asyncio.Task[Refusal | Reply]:
         """End a call whose caller can wait no longer (:meth:`Dispatches.cut_off`)."""
         return self.dispatches.cut_off(ticket, reason)
 

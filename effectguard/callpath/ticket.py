@@ -22,8 +22,9 @@ class Ticket:
 
     call_id: str | None = None
     dispatch: asyncio.Future[Reply] | None = field(default=None, repr=False)
-    #: Set when a shutdown cuts the call off: the refusal its caller is answered.
-    cut: asyncio.Future[Refusal] | None = field(default=None, repr=False)
+    #: Set when a shutdown cuts the call off: the refusal its caller is answered (or the
+    #: provider's last answer, the call cut off between attempts).
+    cut: asyncio.Future[Refusal | Reply] | None = field(default=None, repr=False)
     #: How a key-less request's retry would match it (callpath/orphans); None if keyed.
     retry_key: RetryKey | None = None
     #: With ``report_later`` (the proxy asks for it), the request's report, left for the

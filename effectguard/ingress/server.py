@@ -20,7 +20,7 @@ import httpx
 
 from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
-from effectguard.callpath.exchange import Outbound, header_value
+from effectguard.callpath.exchange import Outbound, Reply, header_value
 from effectguard.callpath.exchange import Send as UpstreamSend
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import load_hook
@@ -264,22 +264,26 @@ class ProxyApp:
             await self.admin(scope, receive, send)
 
     async def _cut_off(self, send: Send, provider: Provider, ticket: Ticket) -> None:
-        """Answer a request cut off by the end of the drain: 504 ``effect_unknown`` if admitted.
-
-        The response is complete when this returns, so the cancellation ends here: the
-        client has its answer and the call its ``attempt.interrupted``.
-        """
+        """Answer a request cut off by the end of the drain: 504 ``effect_unknown`` if admitted
+        (between two attempts: the provider's last answer, contract.md §3.5). The response is
+        complete when this returns, so the cancellation ends here: the client has its answer."""
         assert self.guard is not None
         if ticket.call_id is None:
             why = "the proxy shut down before this request was sent"
-            refusal = Refusal(503, "shutting_down", why, retryable=True)
+            answer: Refusal | Reply = Refusal(503, "shutting_down", why, retryable=True)
         else:
-            refusal = await self.guard.cut_off(ticket, self.cut_off_reason)
+            answer = await self.guard.cut_off(ticket, self.cut_off_reason)
         try:
-            await _refusal(send, provider.error_shape, refusal)
+            if isinstance(answer, Reply):  # cut off between attempts: the provider's answer
+                await write_reply(send, answer, lambda: False, lambda: False)
+            else:
+                await _refusal(send, provider.error_shape, answer)
         finally:
-            if ticket.report is not None:
-                ticket.report.refused(refusal)  # what the client got, not "it left"
+            if ticket.report is not None:  # what the client got, not "it left"
+                if isinstance(answer, Reply):
+                    ticket.report.status = answer.status
+                else:
+                    ticket.report.refused(answer)
             self._report(ticket)
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
