@@ -4,9 +4,11 @@ answer, never 503 ``shutting_down`` ("nothing was sent").
 
 The provider answers 429 (declared not processed, a retry status); the guard backs off
 ``retry_wait_s`` (60 s here, far longer than the drain) before its retry. The shutdown
-(``serve``'s SIGTERM drain, a transport's ``aclose()``) ends while it waits. Until
-2026-12-05 the client got 503 ``shutting_down`` saying the call had not been processed,
-and its SDK sent the work again. Effects are counted with the fake provider's receipts.
+(``serve``'s SIGTERM drain, a transport's ``aclose()`` or ``close()``) ends while it
+waits. Until 2026-12-05 the client got 503 ``shutting_down`` saying the call had not been
+processed, and its SDK sent the work again. A retry started just as the shutdown cuts the
+call off, or refused by a second signal before it is sent, is recorded ``not_sent`` and
+answers the 429 too. Effects are counted with the fake provider's receipts.
 """
 
 from __future__ import annotations
@@ -131,6 +133,41 @@ def test_a_transport_closing_during_the_back_off_answers_the_providers_429(
     answer = asyncio.run(scenario())
     assert answer.status_code == 429, answer.text
     assert answer.json()["error"]["type"] == "rate_limit_error", answer.text
+    assert [r["status"] for r in provider.receipts()] == [429]
+    _resting_after_the_429(ledger, answer.headers["effectguard-call-id"])
+
+
+def test_a_sync_transport_closing_during_the_back_off_answers_the_providers_429(
+    tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through the sync transport, its caller in a thread of its own."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
+    ledger = str(tmp_path / "l.db")
+    url = provider.url + "/v1/chat/completions"
+    transport = effectguard.GuardTransport(
+        ledger=ledger,
+        upstreams={"openai": provider.url},
+        settings=GuardSettings(retry_wait_s=BACK_OFF_S),
+    )
+    client = httpx.Client(transport=transport, timeout=PATIENCE_S)
+    told: list[object] = []
+
+    def call() -> None:
+        headers = {"content-type": "application/json", "x-fake-behaviour": LIMITED}
+        try:
+            told.append(client.post(url, content=chat("limited"), headers=headers))
+        except Exception as exc:  # what its caller is told, whatever it is
+            told.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    wait_for(lambda: _observed(ledger), PATIENCE_S, "the 429 recorded: the guard waits")
+    transport.close()
+    caller.join(PATIENCE_S)
+    assert not caller.is_alive(), "its caller still waits on a closed transport"
+    (answer,) = told
+    assert isinstance(answer, httpx.Response), answer
+    assert answer.status_code == 429, answer.text
     assert [r["status"] for r in provider.receipts()] == [429]
     _resting_after_the_429(ledger, answer.headers["effectguard-call-id"])
 
