@@ -30,6 +30,7 @@ from effectguard.ops.command import (
 from effectguard.ops.render import age, budget_json, call_json, emit, iso, say, table
 from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
+from effectguard.ops.verifycopy import migrated_copy, pending_migrations
 from effectguard.rules import periods
 from effectguard.rules.guidance import next_shown
 from effectguard.rules.workstate import STAGES, WorkState
@@ -209,7 +210,10 @@ def cmd_verify_entry(args: argparse.Namespace) -> int:
     has_ledger = "://" in ledger_url or Path(ledger_url).exists()
     if args.archive is not None and not Path(args.archive).is_file():
         raise ConfigError(f"no archive file at {args.archive}")
-    if has_ledger:
+    # A SQLite ledger behind this release (a backup taken before an upgrade) is verified
+    # through a migrated copy, not refused: migrating it would lose the rollback copy.
+    pending = pending_migrations(ledger_url) if has_ledger else []
+    if has_ledger and not pending:
         check_ledger(ledger_url)
     if args.archived:
         if not ledger_url.startswith(("postgresql://", "postgres://")):
@@ -233,6 +237,10 @@ def cmd_verify_entry(args: argparse.Namespace) -> int:
     async def run() -> int:
         if not has_ledger:
             return _report(args, verify_archive(Path(args.archive)))
+        if pending:
+            with migrated_copy(ledger_url, pending) as copy:
+                async with Ledger.open(copy) as ledger:
+                    return await cmd_verify(args, ledger)
         async with Ledger.open(ledger_url) as ledger:
             return await cmd_verify(args, ledger)
 

@@ -1,0 +1,90 @@
+"""``verify`` of a SQLite ledger an older release left: the backup taken before an upgrade.
+
+Step 1 of an upgrade is a backup with the release that serves (docs/operations.md,
+"Upgrades and migrations"), and rolling back means restoring it. After the upgrade the
+new release's ``verify`` refused that backup (exit 2, "is behind this release ... run
+effectguard migrate"), and following that advice would migrate the backup, after which
+the release it was taken for refuses it: the rollback copy would be gone. ``verify``
+checks a migrated copy instead, in a temporary directory, and leaves the file as it is.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from effectguard.ledger import writerformat
+
+#: SQLite's migration 23 (writer format 6): the first this release has and format 5 lacks.
+LAST = 23
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "effectguard", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _as_format_5(path: Path) -> None:
+    """What a release of writer format 5 left: no ``reached``, no migration 23, and the
+    triggers of format 5."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for statement in writerformat.sqlite_require(5):
+            conn.execute(statement)
+        conn.execute("ALTER TABLE rate_windows DROP COLUMN reached")
+        conn.execute(f"DELETE FROM migrations WHERE version = {LAST}")
+    finally:
+        conn.close()
+
+
+def _versions(path: Path) -> set[int]:
+    conn = sqlite3.connect(path)
+    try:
+        return {row[0] for row in conn.execute("SELECT version FROM migrations")}
+    finally:
+        conn.close()
+
+
+def test_verify_checks_a_backup_an_older_release_took_and_leaves_it_as_it_was(
+    tmp_path: Path,
+) -> None:
+    ledger, backup = tmp_path / "ledger.db", tmp_path / "backup.db"
+    assert _run("migrate", "--ledger", str(ledger)).returncode == 0
+    done = _run("budget", "set", "team", "--limit", "5", "--rpm", "10", "--ledger", str(ledger))
+    assert done.returncode == 0, done.stderr
+    _as_format_5(ledger)
+    assert _run("backup", "--ledger", str(ledger), str(backup)).returncode == 0
+    before = backup.read_bytes()
+
+    done = _run("verify", "--ledger", str(backup))
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("ok: "), done.stdout
+    assert f"migration {LAST} pending" in done.stderr and "not changed" in done.stderr
+    assert backup.read_bytes() == before and LAST not in _versions(backup)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backup.db", "ledger.db"]
+
+
+def test_verify_still_names_a_broken_older_ledger(tmp_path: Path) -> None:
+    """The copy is the file's: a ledger an older release left that is damaged is BROKEN."""
+    ledger = tmp_path / "ledger.db"
+    assert _run("migrate", "--ledger", str(ledger)).returncode == 0
+    done = _run("budget", "set", "team", "--limit", "5", "--ledger", str(ledger))
+    assert done.returncode == 0, done.stderr
+    _as_format_5(ledger)
+    conn = sqlite3.connect(ledger, isolation_level=None)
+    try:
+        conn.execute("UPDATE budgets SET limit_nanos = limit_nanos + 1")
+    finally:
+        conn.close()
+
+    done = _run("verify", "--ledger", str(ledger))
+
+    assert done.returncode == 1 and "BROKEN" in done.stdout, done.stdout + done.stderr
+    assert LAST not in _versions(ledger)
