@@ -261,3 +261,40 @@ def test_the_backup_before_an_upgrade_copies_the_older_ledger(tmp_path: Path) ->
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert 15 not in _versions(str(copy)) and 15 not in _versions(path)
+
+
+@pytest.mark.parametrize("command", [["migrate"], ["serve", "--port", "0"]])
+def test_serve_and_migrate_refuse_a_ledger_a_newer_release_migrated(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """A rollback: this release started on a ledger a later one migrated. `migrate` said
+    `up to date at migration 99; nothing applied` (exit 0) and `serve` listened and wrote
+    beside the later release's rules wherever that migration raised no writer format (and
+    failed with a traceback, exit 3, where it did). Both refuse it, exit 2, writing nothing."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("INSERT INTO migrations VALUES (99, 'a later release', 0)")
+        before = conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "effectguard", *command, "--ledger", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 2, out + err
+    assert "newer effectguard" in err and "migration 99" in err, err
+    conn = sqlite3.connect(path)
+    try:
+        after = conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+    assert after == before

@@ -21,18 +21,25 @@ def check_current(shown: str, applied: Iterable[int], known: Iterable[int]) -> N
     """Refuse (``ConfigError``) the ledger ``shown`` unless its ``applied`` migrations are
     exactly the ``known`` ones of this release."""
     done, ours = set(applied), set(known)
-    newer = sorted(done - ours)
-    if newer:
-        raise ConfigError(
-            f"ledger {shown} was migrated by a newer effectguard (migration "
-            f"{', '.join(map(str, newer))} is not this release's): use that release or a later one"
-        )
+    check_not_newer(shown, done, ours)
     pending = sorted(ours - done)
     if pending:
         raise ConfigError(
             f"ledger {shown} is behind this release (migration {', '.join(map(str, pending))} "
             f"pending): stop its older replicas, then run `effectguard migrate --ledger "
             f"{shown}` (docs/operations.md, Upgrades and migrations)"
+        )
+
+
+def check_not_newer(shown: str, applied: Iterable[int], known: Iterable[int]) -> None:
+    """Refuse (``ConfigError``) the ledger ``shown`` if a newer release migrated it: the
+    rule ``serve`` and ``migrate`` apply too, so that a rollback is refused before anything
+    is written, whether or not that release's migration raised the writer format."""
+    newer = sorted(set(applied) - set(known))
+    if newer:
+        raise ConfigError(
+            f"ledger {shown} was migrated by a newer effectguard (migration "
+            f"{', '.join(map(str, newer))} is not this release's): use that release or a later one"
         )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from effectguard.config import defaults
-from effectguard.errors import ConfigError
+from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.rules.budget import validate_path
 from effectguard.rules.counts import parse_count
 from effectguard.rules.money import MAX_CALL_NANOS, MAX_NANOS, typed_usd
@@ -178,12 +178,31 @@ def check_ledger_place(url: str) -> None:
     """Refuse (``ConfigError``) a SQLite ledger path where ``serve`` or ``migrate`` could
     not make or open a ledger (a directory, a missing directory, a file that is not a
     SQLite database, another program's database), before either starts anything. A
-    PostgreSQL schema is created if missing; a server that does not answer is exit 4."""
-    if url.startswith(("memory://", "postgresql://", "postgres://")):
+    PostgreSQL schema is created if missing; a server that does not answer is exit 4.
+    A ledger a newer release migrated is refused too: a rollback that started this release
+    on it would write beside that release's rules, or fail only in the lifespan."""
+    if url.startswith("memory://"):
         return
-    from effectguard.ledger import sqlitefile
+    postgres = url.startswith(("postgresql://", "postgres://"))
+    if not postgres:
+        from effectguard.ledger import sqlitefile
 
-    sqlitefile.check_ledger_place(sqlitefile.sqlite_path(url))
+        sqlitefile.check_ledger_place(sqlitefile.sqlite_path(url))
+    from effectguard.ledger import shown_ledger, versions
+
+    try:
+        applied = applied_versions(url)
+    except LedgerUnavailable:
+        return  # unreachable or locked now: opening the store reports it, as it did
+    if postgres:
+        from effectguard.ledger import pgschema
+
+        ours = [m[0] for m in pgschema.MIGRATIONS]
+    else:
+        from effectguard.ledger import sqliteschema
+
+        ours = [m[0] for m in sqliteschema.MIGRATIONS]
+    versions.check_not_newer(shown_ledger(url), applied, ours)
 
 
 def provider_options(parser: argparse.ArgumentParser, *, long_help: bool = True) -> None:
