@@ -88,3 +88,31 @@ def test_verify_still_names_a_broken_older_ledger(tmp_path: Path) -> None:
 
     assert done.returncode == 1 and "BROKEN" in done.stdout, done.stdout + done.stderr
     assert LAST not in _versions(ledger)
+
+
+def test_serve_says_which_migrations_it_applied_to_an_older_ledger(tmp_path: Path) -> None:
+    """`serve` applies pending migrations as it opens the ledger (operations.md); one that
+    raises the writer format locks every replica of the older release out. It did so
+    without a word in its log: the log names each migration it applied."""
+    ledger = tmp_path / "ledger.db"
+    assert _run("migrate", "--ledger", str(ledger)).returncode == 0
+    _as_format_5(ledger)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "effectguard", "serve", "--ledger", str(ledger), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "listening on" in line:
+                break
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    told = [line for line in lines if f"migration {LAST} applied" in line]
+    assert told and "writer format 6" in told[0], "".join(lines)
+    assert LAST in _versions(ledger)

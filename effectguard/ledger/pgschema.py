@@ -384,6 +384,7 @@ def clock_offset(conn: psycopg.Connection[Any]) -> float:
 
 def migrate_on(conn: psycopg.Connection[Any], target: Target) -> list[int]:
     applied: list[int] = []
+    done: set[int] = set()
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(conn, "migrate"),))
         if target.schema is not None:
@@ -406,4 +407,7 @@ def migrate_on(conn: psycopg.Connection[Any], target: Target) -> list[int]:
                 (version, name),
             )
             applied.append(version)
+    if done:  # not a new ledger's creation: an upgrade
+        names = {m[0]: m[1] for m in MIGRATIONS}
+        versions.announce((v, names[v]) for v in applied)
     return applied

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from effectguard.errors import LedgerCorrupt
-from effectguard.ledger import sqlitecalls, sqliteevents, writerformat
+from effectguard.ledger import sqlitecalls, sqliteevents, versions, writerformat
 from effectguard.ledger.sqlparts import KEY_KINDS_SQLITE, NOT_APPLIED_INDEX
 
 BUSY_TIMEOUT_MS = 5000
@@ -470,6 +470,7 @@ def migrate(conn: sqlite3.Connection) -> None:
             "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
         )
         done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
+        applied: list[tuple[int, str]] = []
         for version, name, statements in MIGRATIONS:
             if version in done:
                 continue
@@ -482,7 +483,10 @@ def migrate(conn: sqlite3.Connection) -> None:
                 "INSERT INTO migrations(version, name, applied_at) VALUES (?, ?, ?)",
                 (version, name, time.time()),
             )
+            applied.append((version, name))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    if done:  # not a new ledger's creation: an upgrade
+        versions.announce(applied)

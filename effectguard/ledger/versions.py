@@ -12,9 +12,12 @@ release migrated (it could misread what that release writes).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from effectguard.errors import ConfigError
+
+log = logging.getLogger("effectguard.ledger")
 
 
 def check_current(shown: str, applied: Iterable[int], known: Iterable[int]) -> None:
@@ -53,3 +56,15 @@ def migrated(before: Iterable[int], after: Iterable[int]) -> str:
     if not was:
         return f"created: {len(done)} migrations applied, now at {at}"
     return f"migration {', '.join(map(str, done))} applied, now at {at}"
+
+
+def announce(applied: Iterable[tuple[int, str]]) -> None:
+    """Log each migration (version, name) applied to a ledger an earlier release made: one
+    that raises the writer format locks that release's replicas out, so ``serve`` says so."""
+    for version, name in applied:
+        log.info(
+            "ledger migration %d applied: %s",
+            version,
+            name,
+            extra={"event": "ledger_migrated", "migration": version},
+        )
