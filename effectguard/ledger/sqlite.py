@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from effectguard.errors import LedgerUnavailable
-from effectguard.ledger import operations
+from effectguard.ledger import operations, sqlitefork
 from effectguard.ledger.base import Operation, Orphaned, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
 from effectguard.ledger.sqlitefile import create_owner_only, sqlite_path
@@ -50,6 +50,7 @@ class SqliteStore(SqliteReads):
         self._writer: InlineCommitter[SqliteSession] | None = None
         self._reader: SqliteReader | None = None
         self._snapshot_lock = asyncio.Lock()
+        self._open_here: sqlitefork.Opened | None = None
 
     @property
     def committer(self) -> InlineCommitter[SqliteSession]:
@@ -62,6 +63,8 @@ class SqliteStore(SqliteReads):
         return self._clock()
 
     async def open(self) -> None:
+        sqlitefork.refuse_if_forked_open(self.path)  # before SQLite is called at all
+        self._open_here = sqlitefork.opened(self.path)
         create_owner_only(self.path)
         self._writer, frozen = open_or_frozen(self.path, self._start_writer)
         reader = SqliteReader(self.path, BUSY_TIMEOUT_MS, frozen)
@@ -82,6 +85,9 @@ class SqliteStore(SqliteReads):
         if self._writer is not None:
             await self._writer.aclose()
             self._writer = None
+        if self._open_here is not None:
+            sqlitefork.closed(self._open_here)
+            self._open_here = None
 
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         try:
