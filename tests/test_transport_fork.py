@@ -6,7 +6,11 @@ what reached it) and real processes (docs/contract.md §3.8, §7):
   error naming the fork, nothing sent, and its ``aclose()`` there returns at once;
 * a long-lived child forked from a program using a transport does not keep the
   program's worker lock: after the program is killed, a restart takes its calls over
-  at start-up.
+  at start-up;
+* a child forked while the parent has a SQLite ledger open is refused, at its first call,
+  a transport of its own on it (SQLite's locks do not survive a fork), every time; one
+  forked from a parent that made its transport but had not used it yet (gunicorn
+  ``--preload``), or had closed it, works.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import pytest
 from transportkit import provider, stages_of  # noqa: F401  (a fixture, used by name)
 
 import effectguard
+from effectguard.ops.cli import main as cli_main
 from effectguard.testing import FakeProvider
 
 pytestmark = pytest.mark.slow
@@ -155,3 +160,90 @@ def test_a_forked_helper_does_not_keep_a_killed_programs_worker_lock(
         with contextlib.suppress(ProcessLookupError):
             os.kill(helper, signal.SIGKILL)
     assert stages == Counter(completed=2, effect_unknown=1)
+
+
+CHILD_OWN_TRANSPORT = """
+import multiprocessing, os, sys
+import httpx, effectguard
+
+url, ledger, parent = sys.argv[1], sys.argv[2], sys.argv[3]
+chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+# Made at import, as a web app or a Celery app module does.
+transport = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": url})
+client = httpx.Client(transport=transport, base_url=url, timeout=30)
+
+
+def own_call(_: int) -> str:
+    \"\"\"In the child: a transport of its own on the same ledger, one call.\"\"\"
+    mine = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": url})
+    try:
+        with httpx.Client(transport=mine, base_url=url, timeout=30) as own:
+            return str(own.post("/v1/chat/completions", json=chat).status_code)
+    except effectguard.LedgerUnavailable as exc:
+        return "refused-forked" if "forked" in str(exc) else f"refused: {exc}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def module_call(_: int) -> str:
+    \"\"\"In the child: the client made at import.\"\"\"
+    try:
+        return str(client.post("/v1/chat/completions", json=chat).status_code)
+    except RuntimeError as exc:
+        return "said-closed" if "closed" in str(exc) else "said-forked"
+
+
+if __name__ == "__main__":
+    if parent in ("used", "closed", "used-module"):
+        client.post("/v1/chat/completions", json=chat)
+    if parent == "closed":
+        transport.close()
+    work = module_call if parent in ("unused", "used-module") else own_call
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        print(" ".join(pool.map(work, range(4))), flush=True)
+    if parent != "closed":
+        transport.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("parent", "children"),
+    [
+        ("used", ["refused-forked"] * 4),
+        ("closed", ["200"] * 4),
+        ("unused", ["200"] * 4),
+        ("used-module", ["said-forked"] * 4),
+    ],
+)
+def test_a_child_forked_with_the_sqlite_ledger_open_is_refused_it(
+    provider: FakeProvider,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    parent: str,
+    children: list[str],
+) -> None:
+    """A program whose transport has used a SQLite ledger and is still open forks a pool:
+    each child's own transport on that ledger is refused at its first call, with an error
+    naming the fork, nothing sent. The child used to open it anyway: it worked when no
+    thread of the parent was inside SQLite at the fork, and otherwise found the ledger
+    locked for ever or hung. Forked after the parent closed its transport, or from a
+    parent that made one at import without using it (gunicorn ``--preload``), it works.
+    The client made at import and used in the parent is refused in the children with an
+    error that says they were forked (it said "closed, or ... forked")."""
+    ledger = tmp_path / "ledger.db"
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(CHILD_OWN_TRANSPORT))
+    done = subprocess.run(
+        [sys.executable, str(script), provider.url, str(ledger), parent],
+        capture_output=True,
+        text=True,
+        timeout=HANG_BOUND_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == children
+    sent = (0 if parent == "unused" else 1) + children.count("200")
+    assert len(provider.effects()) == sent
+    assert stages_of(capsys, ledger) == Counter(completed=sent)
+    capsys.readouterr()
+    assert cli_main(["verify", "--ledger", str(ledger)]) == 0

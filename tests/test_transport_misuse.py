@@ -241,19 +241,29 @@ def test_a_caller_cancelled_during_admission_leaves_its_call_not_sent(
 def test_an_async_transport_refuses_a_second_event_loop(
     provider: FakeProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Its heartbeat and background settlements live on the loop it started on: a call
-    from another loop (a second ``asyncio.run``) is refused before anything is recorded
-    or sent, with a message naming the cause. After ``aclose()`` it may be used again."""
+    """Its heartbeat and background settlements live on the loop it started on: while
+    that loop runs (on another thread), a call from another loop is refused before
+    anything is recorded or sent, with a message naming the cause. After ``aclose()`` it
+    may be used again. (A loop that has ended, a script's earlier ``asyncio.run``, does
+    not hold it: tests/test_transport_loops.py.)"""
     ledger = tmp_path / "ledger.db"
-    _, first_client = _async_client(ledger, provider)
+    first, first_client = _async_client(ledger, provider)
     closing, closing_client = _async_client(ledger, provider)
 
     async def call(client: openai.AsyncOpenAI, n: int) -> Any:
         return await client.chat.completions.create(model="gpt-4o-mini", messages=_message(n))
 
-    asyncio.run(call(first_client, 0))
-    with pytest.raises(RuntimeError, match="another event loop"):
-        asyncio.run(call(first_client, 1))
+    running = asyncio.new_event_loop()
+    thread = threading.Thread(target=running.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(call(first_client, 0), running).result(SETTLE_BOUND_S)
+        with pytest.raises(RuntimeError, match="another running event loop"):
+            asyncio.run(call(first_client, 1))
+        asyncio.run_coroutine_threadsafe(first.aclose(), running).result(SETTLE_BOUND_S)
+    finally:
+        running.call_soon_threadsafe(running.stop)
+        thread.join(SETTLE_BOUND_S)
 
     async def call_then_close(n: int) -> None:  # closed in the loop that used it
         await call(closing_client, n)

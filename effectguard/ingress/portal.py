@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future, InvalidStateError
@@ -31,8 +32,14 @@ from typing import Any
 #: How long a second close waits for the first (which drains calls for up to 30 s).
 SECOND_CLOSE_WAIT_S = 60.0
 
-CLOSED = (
-    "this GuardTransport is closed, or was first used before this process forked: make a new one"
+CLOSED = "this GuardTransport is closed: make a new one"
+FORKED = (
+    "this GuardTransport was first used before this process forked: its loop thread, "
+    "ledger connections and worker registration are the parent's; nothing was sent. Make "
+    "the client in each process after it starts (a multiprocessing Pool's initializer, "
+    "Celery's worker_process_init, gunicorn's post_fork), or make it at import and use it "
+    "first in the worker; a SQLite ledger the parent still has open cannot be opened here "
+    "(docs/contract.md §3.8)"
 )
 
 
@@ -46,6 +53,8 @@ class Portal:
         self._lock = threading.RLock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        #: The process its thread started in: read only to word a refusal.
+        self._pid: int | None = None
         #: Set when the first close begins: from then on nothing new is taken.
         self._closing = False
         self._closed = threading.Event()
@@ -61,8 +70,10 @@ class Portal:
                 # After close() began, or in a child process forked after the first use
                 # (the portal's thread did not come along): waiting would wait for ever.
                 coro.close()
-                raise RuntimeError(CLOSED)
+                forked = not self._closing and self._pid != os.getpid()
+                raise RuntimeError(FORKED if forked else CLOSED)
             if self._loop is None:
+                self._pid = os.getpid()
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
                     target=self._loop.run_forever, name="effectguard-portal", daemon=True

@@ -60,7 +60,8 @@ CLOSING = (
 FORKED = (
     "this AsyncGuardTransport was first used before this process forked: its threads, "
     "ledger connections and worker registration are the parent's; nothing was sent. "
-    "Make a new one in this process"
+    "Make a new one in this process (a SQLite ledger the parent still has open cannot be "
+    "opened here: docs/contract.md §3.8)"
 )
 #: Why a call still under way when a close stops waiting (a stream still read, an answer
 #: still awaited) is interrupted: a closed ledger could not record its end, and left in
@@ -142,6 +143,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 
     async def guard(self) -> Guard:
         """The guard, started on first use (in the caller's event loop)."""
+        if self._loop is not None and self._loop.is_closed() and self._pid == os.getpid():
+            # Its loop ended with it open (a second ``asyncio.run``), cancelling its calls
+            # (each recorded how far it got) and heartbeat: closed, it starts again here.
+            await self.aclose()
         self._bind()
         if self._guard is not None:
             return self._guard
@@ -190,9 +195,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # Its heartbeat, its background settlements and its connections live on the
             # loop it started on: on another one a call could be sent and never settled.
             raise RuntimeError(
-                "an AsyncGuardTransport runs on the event loop it was first used on until "
-                "it is closed: close it (aclose) before using it from another event loop "
-                "(each asyncio.run), make one per loop, or use GuardTransport"
+                "an AsyncGuardTransport runs on the event loop it was first used on while "
+                "that loop runs, until it is closed: close it (aclose) before using it from "
+                "another running event loop (another thread's), make one per loop, or use "
+                "GuardTransport (one that an ended asyncio.run left open starts again here)"
             )
 
     def _started(self, starting: asyncio.Task[Guard]) -> None:
@@ -298,6 +304,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # Calls taken before the close began finish first, so their answers are
             # recorded: the runtime's drain knows only calls already dispatched.
             await asyncio.wait(set(self._calls), timeout=deadline - loop.time())
+        ended = self._loop is not None and self._loop.is_closed()
         if self._guard is not None:
             left = max(0.0, deadline - loop.time())
             await self._runtime.stop(left, CLOSED_MID_CALL, self._settle_calls)
@@ -306,7 +313,13 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # Their callers, cut off by the stop, are answered before the close returns
             # (the sync transport's close then ends its loop: it would cancel them).
             await asyncio.wait(set(self._calls), timeout=MARKING_WAIT_S)
-        await self.inner.aclose()
+        try:
+            await self.inner.aclose()
+        except RuntimeError:
+            if not ended:
+                raise
+            # Its kept-alive connections belong to the ended loop, which closing one needs
+            # ("Event loop is closed"): dropped with the pools, closed when collected.
 
     async def _settle_calls(self) -> None:
         """Once the guard sends nothing more, wait (bounded) for the calls not yet
