@@ -247,3 +247,60 @@ def test_a_child_forked_with_the_sqlite_ledger_open_is_refused_it(
     assert stages_of(capsys, ledger) == Counter(completed=sent)
     capsys.readouterr()
     assert cli_main(["verify", "--ledger", str(ledger)]) == 0
+
+
+PASSES_ITS_LEDGER = """
+import asyncio, os, signal, sys
+import httpx, effectguard
+from effectguard.ledger import open_store
+
+url, path = sys.argv[1], sys.argv[2]
+chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+loop = asyncio.new_event_loop()
+ledger = effectguard.Ledger(open_store(path))  # opened once, passed to transports
+loop.run_until_complete(ledger.store.open())
+
+
+async def child() -> str:
+    transport = effectguard.AsyncGuardTransport(ledger=ledger, upstreams={"openai": url})
+    client = httpx.AsyncClient(transport=transport, base_url=url)
+    try:
+        return str((await client.post("/v1/chat/completions", json=chat)).status_code)
+    except effectguard.LedgerUnavailable as exc:
+        return "refused-forked" if "forked" in str(exc) else f"refused: {exc}"
+    finally:
+        await transport.aclose()
+
+
+read_end, write_end = os.pipe()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)  # a bound on a hang
+    os.write(write_end, asyncio.run(child()).encode())
+    os._exit(0)
+os.close(write_end)
+print(os.fdopen(read_end).read() or "hung", flush=True)
+os.waitpid(pid, 0)
+loop.run_until_complete(ledger.store.close())
+"""
+
+
+def test_a_sqlite_ledger_opened_before_a_fork_is_refused_in_the_child(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A program opens a SQLite ``effectguard.Ledger`` once and passes it to its
+    transports (``ledger=`` takes an open one), then forks: a transport the child makes
+    with it is refused at its first call, with an error naming the fork, nothing sent.
+    The child used to go on with the parent's connections and threads, and hung."""
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(PASSES_ITS_LEDGER))
+    done = subprocess.run(
+        [sys.executable, str(script), provider.url, str(tmp_path / "ledger.db")],
+        capture_output=True,
+        text=True,
+        timeout=HANG_BOUND_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["refused-forked"]
+    assert provider.effects() == []

@@ -57,6 +57,8 @@ class SqliteStore(SqliteReads):
         """The group committer (for commit statistics)."""
         if self._writer is None:
             raise LedgerUnavailable(f"ledger {self.url} is not open")
+        if self._open_here is not None and self._open_here.forked:
+            raise sqlitefork.forked_open(f"ledger {self.url} cannot be used in this process")
         return self._writer
 
     async def clock_now(self) -> float:
@@ -79,6 +81,10 @@ class SqliteStore(SqliteReads):
         return writer
 
     async def close(self) -> None:
+        if self._open_here is not None and self._open_here.forked:
+            # The parent's: closing would wait on its threads, which did not come along.
+            self._reader = self._writer = self._open_here = None
+            return
         if self._reader is not None:
             await self._reader.close()
             self._reader = None
@@ -99,6 +105,8 @@ class SqliteStore(SqliteReads):
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         if self._reader is None:
             raise LedgerUnavailable(f"ledger {self.url} is not open")
+        if self._open_here is not None and self._open_here.forked:
+            raise sqlitefork.forked_open(f"ledger {self.url} cannot be used in this process")
         try:
             return await self._reader.fetch(sql, params)
         except sqlite3.Error as exc:

@@ -7,7 +7,8 @@ transport open in the parent renews its lease, checkpoints and commits on thread
 own, so at any instant one may be inside SQLite: a child that then opened the ledger found
 it "database is locked" for ever about half the time (measured: 19 of 40 forks from a
 parent with three threads calling), and could hang. It is refused at open instead, every
-time, before any SQLite call, with what to do.
+time, before any SQLite call, with what to do; a store opened before the fork and used in
+the child (an open ``Ledger`` passed to its transports) is refused at its first use.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ _AT_FORK: list[bool] = []  # registered once, at the first open (no work at impo
 class Opened:
     """One open SQLite store, as this module tracks it."""
 
-    __slots__ = ("__weakref__", "path")
+    __slots__ = ("__weakref__", "forked", "path")
 
     def __init__(self, path: str) -> None:
         self.path = path
+        #: Set in a child forked while it was open: its connections and threads are the
+        #: parent's (the threads did not come along: a read waited on one for ever).
+        self.forked = False
 
 
 def opened(path: str) -> Opened:
@@ -52,6 +56,7 @@ def closed(token: Opened) -> None:
 def _forked() -> None:
     """In a child just forked: remember which ledgers the parent had open."""
     for token in list(_OPEN):
+        token.forked = True
         if token.path not in _FORKED_WITH:
             _FORKED_WITH.append(token.path)
     _OPEN.clear()
@@ -59,13 +64,18 @@ def _forked() -> None:
 
 def refuse_if_forked_open(path: str) -> None:
     """Refuse to open ``path`` in a process forked while a SQLite ledger was open."""
-    if not _FORKED_WITH:
-        return
-    raise LedgerUnavailable(
-        f"cannot open ledger {path} in this process: it was forked while a SQLite ledger "
+    if _FORKED_WITH:
+        raise forked_open(f"cannot open ledger {path} in this process")
+
+
+def forked_open(what: str) -> LedgerUnavailable:
+    """The refusal of ``what`` in a process forked while a SQLite ledger was open (a store
+    opened before the fork, used in the child, is refused with it too)."""
+    return LedgerUnavailable(
+        f"{what}: it was forked while a SQLite ledger "
         f"was open in its parent ({', '.join(_FORKED_WITH)}), and SQLite's locks and "
-        "mutexes do not survive a fork (opened here, the ledger could stay locked for ever, "
-        "or hang); nothing was sent. Start worker processes with spawn or forkserver "
+        "mutexes do not survive a fork (opened or used here, the ledger could stay locked "
+        "for ever, or hang); nothing was sent. Start worker processes with spawn or forkserver "
         '(multiprocessing.get_context("spawn")), make the first call in each worker '
         "(gunicorn --preload, Celery prefork: a transport made at import but not used "
         "before the fork is fine), or close the parent's transport before forking. A "
