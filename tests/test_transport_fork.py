@@ -200,7 +200,7 @@ if __name__ == "__main__":
         transport.close()
     work = module_call if parent in ("unused", "used-module") else own_call
     with multiprocessing.get_context("fork").Pool(2) as pool:
-        print(" ".join(pool.map(work, range(4))), flush=True)
+        print(" ".join(pool.map(work, range(2))), flush=True)
     if parent != "closed":
         transport.close()
 """
@@ -209,10 +209,10 @@ if __name__ == "__main__":
 @pytest.mark.parametrize(
     ("parent", "children"),
     [
-        ("used", ["refused-forked"] * 4),
-        ("closed", ["200"] * 4),
-        ("unused", ["200"] * 4),
-        ("used-module", ["said-forked"] * 4),
+        ("used", ["refused-forked"] * 2),
+        ("closed", ["200"] * 2),
+        ("unused", ["200"] * 2),
+        ("used-module", ["said-forked"] * 2),
     ],
 )
 def test_a_child_forked_with_the_sqlite_ledger_open_is_refused_it(

@@ -20,8 +20,8 @@ from effectguard.errors import LedgerUnavailable
 
 #: The SQLite stores open in this process (held weakly: one collected closed its files).
 _OPEN: weakref.WeakSet[Opened] = weakref.WeakSet()
-#: The ledgers open in this process or an ancestor when it was forked (kept for good:
-#: the copied state stays in this process's memory, and a grandchild's).
+#: The ledgers (real paths) open in this process or an ancestor when it was forked (kept
+#: for good: the copied state stays in this process's memory, and a grandchild's).
 _FORKED_WITH: list[str] = []
 _AT_FORK: list[bool] = []  # registered once, at the first open (no work at import)
 
@@ -43,7 +43,7 @@ def opened(path: str) -> Opened:
     if not _AT_FORK:
         os.register_at_fork(after_in_child=_forked)
         _AT_FORK.append(True)
-    token = Opened(path)
+    token = Opened(os.path.realpath(path))
     _OPEN.add(token)
     return token
 
@@ -63,8 +63,10 @@ def _forked() -> None:
 
 
 def refuse_if_forked_open(path: str) -> None:
-    """Refuse to open ``path`` in a process forked while a SQLite ledger was open."""
-    if _FORKED_WITH:
+    """Refuse to open ``path`` in a process forked while it was open (here, or in an
+    ancestor). Another file is let be: the locks SQLite keeps are per file, and a test
+    suite that forks would otherwise be refused for a ledger an earlier test left open."""
+    if os.path.realpath(path) in _FORKED_WITH:
         raise forked_open(f"cannot open ledger {path} in this process")
 
 
@@ -72,8 +74,8 @@ def forked_open(what: str) -> LedgerUnavailable:
     """The refusal of ``what`` in a process forked while a SQLite ledger was open (a store
     opened before the fork, used in the child, is refused with it too)."""
     return LedgerUnavailable(
-        f"{what}: it was forked while a SQLite ledger "
-        f"was open in its parent ({', '.join(_FORKED_WITH)}), and SQLite's locks and "
+        f"{what}: it was forked while its parent had that SQLite ledger open, "
+        "and SQLite's locks and "
         "mutexes do not survive a fork (opened or used here, the ledger could stay locked "
         "for ever, or hang); nothing was sent. Start worker processes with spawn or forkserver "
         '(multiprocessing.get_context("spawn")), make the first call in each worker '
