@@ -10,7 +10,9 @@ what reached it) and real processes (docs/contract.md §3.8, §7):
 * a child forked while the parent has a SQLite ledger open is refused, at its first call,
   a transport of its own on it (SQLite's locks do not survive a fork), every time; one
   forked from a parent that made its transport but had not used it yet (gunicorn
-  ``--preload``), or had closed it, works.
+  ``--preload``), or had closed it, works;
+* an open SQLite ``Ledger`` the parent passes to its transports is refused in a child
+  (it hung there, on the parent's reader thread).
 """
 
 from __future__ import annotations
