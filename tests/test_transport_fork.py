@@ -164,6 +164,25 @@ def test_a_forked_helper_does_not_keep_a_killed_programs_worker_lock(
     assert stages == Counter(completed=2, effect_unknown=1)
 
 
+def _run_program(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a Python program that forks, bounded: on a hang its children (a pool's
+    workers, which a timeout's kill of the program alone leaves running) end with it."""
+    program = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = program.communicate(timeout=HANG_BOUND_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(program.pid, signal.SIGKILL)
+        program.wait()
+    return subprocess.CompletedProcess(args, program.returncode, out, err)
+
+
 CHILD_OWN_TRANSPORT = """
 import multiprocessing, os, sys
 import httpx, effectguard
@@ -235,13 +254,7 @@ def test_a_child_forked_with_the_sqlite_ledger_open_is_refused_it(
     ledger = tmp_path / "ledger.db"
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(CHILD_OWN_TRANSPORT))
-    done = subprocess.run(
-        [sys.executable, str(script), provider.url, str(ledger), parent],
-        capture_output=True,
-        text=True,
-        timeout=HANG_BOUND_S,
-        check=False,
-    )
+    done = _run_program([str(script), provider.url, str(ledger), parent])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == children
     sent = (0 if parent == "unused" else 1) + children.count("200")
@@ -296,13 +309,7 @@ def test_a_sqlite_ledger_opened_before_a_fork_is_refused_in_the_child(
     The child used to go on with the parent's connections and threads, and hung."""
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(PASSES_ITS_LEDGER))
-    done = subprocess.run(
-        [sys.executable, str(script), provider.url, str(tmp_path / "ledger.db")],
-        capture_output=True,
-        text=True,
-        timeout=HANG_BOUND_S,
-        check=False,
-    )
+    done = _run_program([str(script), provider.url, str(tmp_path / "ledger.db")])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["refused-forked"]
     assert provider.effects() == []
