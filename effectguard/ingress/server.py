@@ -20,7 +20,7 @@ import httpx
 
 from effectguard.callpath.crash import CrashPoints
 from effectguard.callpath.crash import from_environment as crash_from_environment
-from effectguard.callpath.exchange import Outbound, Reply, header_value
+from effectguard.callpath.exchange import Reply, header_value
 from effectguard.callpath.exchange import Send as UpstreamSend
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import load_hook
@@ -28,7 +28,7 @@ from effectguard.callpath.httpxshape import httpx_send
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.callpath.stream import GuardedStream
 from effectguard.callpath.ticket import Ticket
-from effectguard.callpath.wire import BUDGET_HEADER, error_headers, strip_hop_by_hop
+from effectguard.callpath.wire import BUDGET_HEADER, error_headers
 from effectguard.config.settings import ServeSettings
 from effectguard.errors import EffectguardError, LedgerError, Refusal
 from effectguard.ingress import spool
@@ -41,14 +41,13 @@ from effectguard.ingress.limitseed import seed_limits
 from effectguard.ingress.listeners import MetricsListener, listen_socket
 from effectguard.ingress.observers import proxy_observer
 from effectguard.ingress.openness import warn_at_start
+from effectguard.ingress.outbound import OutboundRequests
 from effectguard.ingress.redirects import guarded_redirect
 from effectguard.ingress.replywriter import write_reply
-from effectguard.ingress.requestchecks import ambiguous_framing, check_utf8, route_of
-from effectguard.ingress.spool import Body, TooLarge, read_body, spools
+from effectguard.ingress.requestchecks import ambiguous_framing, route_of
 from effectguard.ledger.base import probe
 from effectguard.providers import Provider
 from effectguard.rules import budget as budgets
-from effectguard.rules.counts import parse_count
 from effectguard.rules.errorshape import error_body
 
 Scope = MutableMapping[str, Any]
@@ -57,10 +56,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("effectguard.ingress.server")
-
-_URL_CACHE_SIZE = 1024
-#: Client credentials that must never reach the provider when effectguard holds the key.
-CLIENT_CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"effectguard-key")
 
 
 class ProxyApp:
@@ -114,13 +109,7 @@ class ProxyApp:
         #: a second signal stopped it at once (:meth:`stopping_at_once`).
         self.cut_off_reason = "the proxy's drain timeout ended"
         self.keyring = KeyRing(settings.keys, settings.key_refresh_s)
-        self._timeout = {
-            "connect": settings.connect_timeout_s,
-            "pool": settings.connect_timeout_s,
-            "read": settings.read_timeout_s,
-            "write": settings.read_timeout_s,
-        }
-        self._urls: dict[tuple[str, bytes], tuple[str, str, str]] = {}
+        self.outbound = OutboundRequests(settings, self.keyring)
         self._metrics_server: Any = None
         self._handle_http = InternalErrorBoundary(self._http, self._count_internal_error)
         # The operator page (ingress/admin); not mounted at all without an admin key.
@@ -358,12 +347,12 @@ class ProxyApp:
         assert self.guard is not None
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         budget, root, key = self._authorize(provider, raw_headers)
-        body = await self._body(receive, raw_headers)
+        body = await self.outbound.body(receive, raw_headers)
         watch = on_client_lost(scope)
         try:
             if key is not None:
                 key.check(provider.name, body, header_value(raw_headers, "content-type"))
-            request = self._outbound(scope, provider, path, raw_headers, body)
+            request = self.outbound.request(scope, provider, path, raw_headers, body)
             ticket = context_of(scope).ticket
             ticket.report_later = True  # its access line waits until the answer is written
             orphans = self.guard.orphans
@@ -394,79 +383,6 @@ class ProxyApp:
         """Hand on a report once its answer is written (499 already, if its client left)."""
         if ticket.report is not None and self.guard is not None:
             self.guard.recorder.report(ticket.report)
-
-    async def _body(self, receive: Receive, raw_headers: list[tuple[bytes, bytes]]) -> Body:
-        """The request body, at most ``max_body_bytes`` (else 413); a large upload spooled."""
-        declared = header_value(raw_headers, "content-length")
-        limit = self.settings.max_body_bytes
-        length = None if declared is None else parse_count(declared, limit)
-        if declared is not None and length is None:
-            raise Refusal(400, "invalid_request", "Content-Length is not a number")
-        too_large = Refusal(
-            413, "request_too_large", f"request bodies are limited to {limit} bytes"
-        )
-        if length is not None and length > limit:
-            raise too_large
-        spool_over = None
-        if spools(header_value(raw_headers, "content-type")):
-            spool_over = self.settings.spool_body_bytes
-        try:
-            return await read_body(
-                receive, limit, spool_over=spool_over, spool_dir=self.settings.spool_dir
-            )
-        except TooLarge:
-            raise too_large from None
-
-    def _outbound(
-        self,
-        scope: Scope,
-        provider: Provider,
-        upstream_path: str,
-        raw_headers: list[tuple[bytes, bytes]],
-        body: Body,
-    ) -> Outbound:
-        """The client's request as it goes to the guard: credentials swapped, URL resolved."""
-        # Wire bytes throughout: a UTF-8 header value goes upstream exactly as it came.
-        check_utf8(raw_headers)
-        out_headers = strip_hop_by_hop(raw_headers)
-        provider_key = self.settings.provider_keys.get(provider.name)
-        if provider_key is not None or self.keyring.required:
-            # The provider's own credential header too (postmark's x-postmark-server-token):
-            # a tenant's SDK sends its proxy key there, and _authorize reads it from there.
-            drop = (*CLIENT_CREDENTIALS, provider.key_header.lower().encode())
-            out_headers = [(k, v) for k, v in out_headers if k.lower() not in drop]
-            if provider_key is not None:
-                credential = provider.key_format.format(key=provider_key)
-                out_headers.append((provider.key_header.encode(), credential.encode()))
-        url, path, target = self._url(
-            provider.base_url + upstream_path, scope.get("query_string", b"")
-        )
-        return Outbound(
-            scope["method"],
-            url,
-            path,
-            target,
-            out_headers,
-            body.data,
-            self._timeout,
-            {},
-            body.spool,
-        )
-
-    def _url(self, target: str, query: bytes) -> tuple[str, str, str]:
-        """The upstream URL, its decoded path and its still-encoded path and query."""
-        # Parsing a URL is a measurable share of a request; clients use few distinct ones.
-        key = (target, query)
-        parts = self._urls.get(key)
-        if parts is None:
-            try:
-                url = httpx.URL(target, query=query or None)
-            except httpx.InvalidURL as exc:
-                raise Refusal(400, "invalid_request", f"invalid request URL: {exc}") from exc
-            if len(self._urls) >= _URL_CACHE_SIZE:
-                self._urls.clear()
-            parts = self._urls[key] = (str(url), url.path, url.raw_path.decode("ascii"))
-        return parts
 
     def _orphaned(self, scope: Scope, ticket: Ticket) -> bool:
         """Before the end of an answer or a stream's next chunk: whether its client has
