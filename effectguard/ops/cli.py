@@ -43,6 +43,7 @@ from effectguard.ops.command import (
     check_ledger,
     resolve_ledger,
 )
+from effectguard.ops.release import VersionAction
 from effectguard.ops.render import budget_json, call_json, say
 
 __all__ = [
@@ -107,6 +108,7 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
         prog="effectguard",
         description="A durable ledger between AI agents and the providers they pay for.",
     )
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in commands():
         p = sub.add_parser(command.name, help=command.help, description=command.description)
