@@ -97,6 +97,7 @@ ANSWERS: dict[str, bytes] = {
         b"Content-Length: %d" % len(_BODY), b"Content-Length: %d" % (len(_BODY) - 20)
     ),
     "usage-after-done": _whole(b"", _EVENT + _DONE + _USAGE, b"text/event-stream"),
+    "event-after-done": _whole(b"", _EVENT + _USAGE + _DONE + _EVENT, b"text/event-stream"),
     "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
     "4097-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(4097))),
     "bad-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -314,6 +315,32 @@ def test_a_usage_event_behind_the_terminal_event_is_not_charged(
     ]
     assert "usage missing" in json.dumps(settled), settled
     assert upstream.received.count("usage-after-done") == 1
+    assert _verified(capsys, ledger)
+
+
+def test_bytes_behind_the_terminal_event_are_neither_forwarded_nor_stored(
+    upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An event after ``[DONE]`` in the same write as it. The stream ends at its terminal
+    event: what follows is not the client's, live or replayed, nor the ledger's. It was
+    forwarded and stored when the network delivered it in the same read as ``[DONE]``, and
+    not when one read later (the upstream is closed at the terminal event): an SDK that
+    yields every event (Anthropic's, a second ``message_delta`` after ``message_stop``)
+    showed its caller an answer that depended on where the network cut it."""
+    ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": "event-after-done", "idempotency-key": "k-event-after-done"}
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        client = httpx.Client(base_url=proxy.url, timeout=30)
+        live = client.post(CHAT, json=_chat(True), headers=headers)
+        replay = client.post(CHAT, json=_chat(True), headers=headers)
+        client.close()
+    assert live.status_code == replay.status_code == 200
+    assert replay.headers.get("effectguard-replayed") == "true"
+    assert live.content == _EVENT + _DONE  # the usage event is effectguard's, not shown
+    assert replay.content == live.content  # the replay is the stored answer: stored so
+    call = _call(capsys, ledger, live.headers[CALL_ID])
+    assert call["stage"] == "completed" and call["cost_usd"] != call["reserved_usd"]
+    assert upstream.received.count("event-after-done") == 1
     assert _verified(capsys, ledger)
 
 

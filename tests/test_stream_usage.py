@@ -266,6 +266,17 @@ def test_any_sse_line_end_and_any_cut_read_as_the_same_lines_ended_in_lf(
     )
     expected = reference.terminal_at
     assert parser.terminal_at == (None if expected is None else offset[expected])
+    # The terminal event ends at its blank line: the first empty line after its first line.
+    if expected is None:
+        assert parser.terminal_end is None
+    else:
+        first = list(itertools.accumulate((len(line) + 1 for line in lines), initial=0))
+        n = first.index(expected)
+        blank = next(k for k in range(n + 1, len(lines)) if not lines[k])
+        end = offset[first[blank + 1]]
+        if ends[blank] == b"\r\n" and end - 1 in cuts:
+            end -= 1  # a CR that ends what was fed ends its line: the LF is read later
+        assert parser.terminal_end == end
 
 
 def test_a_stream_of_lone_cr_line_ends_finishes_and_its_usage_is_read() -> None:

@@ -163,6 +163,7 @@ class GuardedStream:
             offset = self._parser.fed
             self._take(chunk)
             if self._parser.finished:
+                chunk = self._up_to_the_end(chunk, offset)
                 # Hold the terminal event back until the observation is durable; what
                 # came before it in the same chunk goes to the client now (a fast
                 # upstream often sends a whole stream in one chunk).
@@ -173,6 +174,17 @@ class GuardedStream:
                     chunk = chunk[cut:]
                 await self._observe_or_fail()
             yield chunk
+
+    def _up_to_the_end(self, chunk: bytes, offset: int) -> bytes:
+        """``chunk`` (the last taken, at stream ``offset``), up to the end of the terminal
+        event in it. Once per stream: the bytes behind it in the same read are neither the
+        client's nor the ledger's, as they are not when they come a read later (the
+        upstream is closed at the terminal event), contract.md §12."""
+        end = self._parser.terminal_end
+        if end is None or end - offset >= len(chunk):
+            return chunk
+        chunk = self._received[-1] = chunk[: max(end - offset, 0)]
+        return chunk
 
     def _take(self, chunk: bytes) -> None:
         self._received.append(chunk)

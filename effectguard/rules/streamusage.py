@@ -114,6 +114,7 @@ class StreamUsage:
         self._fed = 0  # bytes fed so far
         self._event_at: int | None = None  # stream offset where the current event began
         self._terminal_at: int | None = None
+        self._terminal_end: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -139,6 +140,14 @@ class StreamUsage:
     def terminal_at(self) -> int | None:
         """The stream offset where the terminal event begins (once :attr:`finished`)."""
         return self._terminal_at
+
+    @property
+    def terminal_end(self) -> int | None:
+        """The stream offset just past the blank line that ends the terminal event (once
+        :attr:`finished`): whatever follows it is behind the end of the stream. A CRLF
+        cut in two after its CR ends there, as its line does (the LF comes in a later
+        chunk)."""
+        return self._terminal_end
 
     def feed(self, chunk: bytes) -> None:
         """Consume the next raw chunk of the stream."""
@@ -177,7 +186,7 @@ class StreamUsage:
             line = raw[:-1] if raw.endswith(b"\r") else raw
             if not line:
                 if data and not spoiled:
-                    self._dispatch(b"\n".join(data))
+                    self._dispatch(b"\n".join(data), at + len(raw) + 1)
                 data, size, spoiled = [], 0, False
                 self._event_at = None
             elif not spoiled:
@@ -219,11 +228,12 @@ class StreamUsage:
             return self._anthropic_result()
         return UsageResult(self._usage, self._problem)
 
-    def _dispatch(self, data: bytes) -> None:
+    def _dispatch(self, data: bytes, end: int) -> None:
+        """Handle the event ``data``, whose blank line ends at stream offset ``end``."""
         was_finished = self._finished
         self._event(data)
         if self._finished and not was_finished:
-            self._terminal_at = self._event_at
+            self._terminal_at, self._terminal_end = self._event_at, end
 
     def _event(self, data: bytes) -> None:
         if _may_matter(self._api, data):
