@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from edgekit import RawRequest, SocketUpstream
 
@@ -98,6 +99,14 @@ ANSWERS: dict[str, bytes] = {
     ),
     "usage-after-done": _whole(b"", _EVENT + _DONE + _USAGE, b"text/event-stream"),
     "event-after-done": _whole(b"", _EVENT + _USAGE + _DONE + _EVENT, b"text/event-stream"),
+    "usage-choices-null": _whole(
+        b"",
+        _EVENT + _USAGE.replace(b'"choices":[]', b'"choices":null') + _DONE,
+        b"text/event-stream",
+    ),
+    "usage-empty": _whole(
+        b"", _EVENT + b'data: {"id":"c1","choices":[],"usage":{}}\n\n' + _DONE, b"text/event-stream"
+    ),
     "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
     "4097-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(4097))),
     "bad-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -341,6 +350,30 @@ def test_bytes_behind_the_terminal_event_are_neither_forwarded_nor_stored(
     call = _call(capsys, ledger, live.headers[CALL_ID])
     assert call["stage"] == "completed" and call["cost_usd"] != call["reserved_usd"]
     assert upstream.received.count("event-after-done") == 1
+    assert _verified(capsys, ledger)
+
+
+@pytest.mark.parametrize("answer", ["usage-choices-null", "usage-empty"])
+def test_a_misshapen_usage_event_effectguard_asked_for_is_not_shown_to_a_client_that_did_not(
+    answer: str, upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The usage event effectguard asked for, as an OpenAI-compatible server may shape it
+    (``choices`` null rather than empty, or ``usage`` an empty object), is kept from a
+    client that never asked for usage, as the well-formed one is: the SDK's loop
+    (``chunk.choices[0]`` of every chunk) runs to the end. It was shown, and the loop
+    raised (``TypeError`` on null choices, ``IndexError`` on empty ones) at the end of a
+    call that was answered and paid for."""
+    ledger = tmp_path / "ledger.db"
+    with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
+        oa = openai.OpenAI(base_url=proxy.url + "/openai/v1", api_key="sk-client", max_retries=0)
+        stream = oa.chat.completions.with_raw_response.create(
+            **_chat(True), extra_headers={"x-answer": answer}
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream.parse())
+        oa.close()
+    assert text == "hi"
+    assert _call(capsys, ledger, stream.headers[CALL_ID])["stage"] == "completed"
+    assert upstream.received.count(answer) == 1
     assert _verified(capsys, ledger)
 
 

@@ -3,7 +3,8 @@
 To settle a streamed OpenAI completion from the provider's own usage, effectguard asks for
 it (``stream_options.include_usage``, :func:`effectguard.rules.usage.with_stream_usage`)
 when the client did not. The provider then sends one more event before ``data: [DONE]``,
-whose ``choices`` is empty and whose ``usage`` is set. The SDKs yield it as one more chunk,
+whose ``choices`` is empty (null from some OpenAI-compatible servers) and whose ``usage``
+is set. The SDKs yield it as one more chunk,
 and a client that did not ask for it reads ``chunk.choices[0]`` of every chunk (the loop
 the SDKs' own examples write) and fails with ``IndexError`` at the end of a call that was
 answered and paid for; one that retries on that error pays again. So the client's stream,
@@ -28,8 +29,10 @@ __all__ = ["AddedUsage", "without_added_usage"]
 #: line end, never two, so a blank line ended by a CR is known only from the byte after it:
 #: the event before it is shown with the next chunk (or at the stream's end).
 _BOUNDARY: Final = re.compile(rb"((?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?=[^\n])|\n))")
-#: What an added usage event carries (checked before anything is parsed).
-_EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+#: What an added usage event carries (checked before anything is parsed): ``choices``
+#: empty, or null as some OpenAI-compatible servers send it. The same single search of
+#: each chunk as for empty choices alone: both begin with the literal ``"choices"``.
+_EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*(?:\[\s*\]|null)')
 _LINE_END: Final = re.compile(rb"\r\n|\n|\r")
 #: The longest boundary, less one: how much of a chunk's end may begin one.
 _TAIL: Final = 3
@@ -91,7 +94,9 @@ def without_added_usage(stream: bytes) -> bytes:
 
 
 def _usage_only(event: bytes) -> bool:
-    """Whether ``event`` is the usage chunk: a JSON object, ``choices`` empty, ``usage`` set."""
+    """Whether ``event`` is the usage chunk: a JSON object, ``choices`` empty (or null),
+    ``usage`` an object (even an empty one: a usage event misshapen, the client's loop
+    fails on it all the same)."""
     if not _EMPTY_CHOICES.search(event):
         return False
     data = [
@@ -103,4 +108,8 @@ def _usage_only(event: bytes) -> bool:
         parsed: Any = json.loads(b"\n".join(data))
     except (ValueError, RecursionError):
         return False
-    return isinstance(parsed, dict) and parsed.get("choices") == [] and bool(parsed.get("usage"))
+    return (
+        isinstance(parsed, dict)
+        and parsed.get("choices", 0) in ([], None)
+        and isinstance(parsed.get("usage"), dict)
+    )
