@@ -29,6 +29,8 @@ from collections.abc import Coroutine
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+from effectguard.ledger.daemonthreads import END_WAIT_S, warn_left
+
 #: How long a second close waits for the first (which drains calls for up to 30 s).
 SECOND_CLOSE_WAIT_S = 60.0
 
@@ -148,8 +150,12 @@ class Portal:
             self._wait(self._submit(_end_loop_work(loop), closing=True))
         finally:
             loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            if not thread.is_alive():
+            # Bounded, and named if it does not end: close() promises a program may fork
+            # after it returns (docs/contract.md §1.2), which a thread still running denies.
+            thread.join(timeout=END_WAIT_S)
+            if thread.is_alive():
+                warn_left([thread], END_WAIT_S)
+            else:
                 loop.close()
             # Handed in before the close began but never run (or cut off by the stop):
             # their threads would wait for ever on a loop that is gone.
@@ -185,3 +191,7 @@ async def _end_loop_work(loop: asyncio.AbstractEventLoop) -> None:
     if left:
         await asyncio.wait(left, timeout=CANCELLED_WAIT_S)
     await loop.shutdown_asyncgens()
+    # Anything run with asyncio.to_thread on this loop (a spooled body's reads) started
+    # the loop's default executor: its threads are the transport's too (§1.2).
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(loop.shutdown_default_executor(), END_WAIT_S)

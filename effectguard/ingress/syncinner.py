@@ -84,6 +84,9 @@ class SyncInner(httpx.AsyncBaseTransport):
             await asyncio.get_running_loop().run_in_executor(closer, self.inner.close)
         finally:
             closer.shutdown(wait=False)
-        # Threads still reading (abandoned streams) end with their upstream; not waited for.
-        self._sends.shutdown(wait=False)
-        self._reads.shutdown(wait=False)
+            # Threads still reading (abandoned streams) end with their upstream, which
+            # the inner's close just closed: waited for, bounded (docs/contract.md §1.2).
+            self._sends.shutdown(wait=False)
+            self._reads.shutdown(wait=False)
+            for pool in (closer, self._sends, self._reads):
+                await pool.ended()

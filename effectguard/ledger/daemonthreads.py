@@ -29,14 +29,23 @@ reasons, but it is one loop that owns its connection and batches, not a pool.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("effectguard.ledger.daemonthreads")
+
+#: How long a close waits for a pool's threads to end after :meth:`DaemonThreads.shutdown`
+#: (a bound only a thread stuck in a blocking call reaches: it is then named in a warning).
+END_WAIT_S = 10.0
 
 #: A queued call: the future it answers, and what to call.
 _Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -96,6 +105,22 @@ class DaemonThreads(Executor):
                 if thread is not threading.current_thread():
                     thread.join()
 
+    async def ended(self, timeout: float = END_WAIT_S) -> None:
+        """After :meth:`shutdown`: wait, without blocking the loop, until every thread has
+        ended, for at most ``timeout``; warn naming each one still running then.
+
+        A transport's close returns only once its threads have ended: a program may fork
+        after it (docs/contract.md §1.2), and a thread still running then may hold a lock
+        (OpenSSL's, the allocator's) that the child inherits held, and hangs on."""
+        deadline = time.monotonic() + timeout
+        while (left := self._alive()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        warn_left(left, timeout)
+
+    def _alive(self) -> list[threading.Thread]:
+        me = threading.current_thread()
+        return [t for t in self._threads if t.is_alive() and t is not me]
+
     def _cancel_queued(self) -> None:
         while True:
             try:
@@ -104,6 +129,17 @@ class DaemonThreads(Executor):
                 return
             if job is not None:
                 job[0].cancel()
+
+
+def warn_left(threads: list[threading.Thread], timeout: float) -> None:
+    """Name the threads a close left running after waiting ``timeout`` for them."""
+    for thread in threads:
+        log.warning(
+            "thread %s had not ended %.0f s after the close began; it ends when its "
+            "blocking call returns (do not fork until then: docs/contract.md §1.2)",
+            thread.name,
+            timeout,
+        )
 
 
 def _work(

@@ -302,7 +302,9 @@ class InlineCommitter(Generic[S]):
             with contextlib.suppress(Exception):
                 self._session.close()
             self._session = None
-        self._io.shutdown(wait=True)
+        # Not shutdown(wait=True): that join is unbounded, and blocks this loop.
+        self._io.shutdown(wait=False)
+        await self._io.ended()
 
 
 def _resolve(job: Job) -> None:

@@ -58,8 +58,9 @@ class SqliteReader:
         if conn is not None:
             await self._run(conn.close)
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=False)
+            await pool.ended()
 
     async def _run(self, job: Callable[[], T]) -> T:
         assert self._pool is not None
