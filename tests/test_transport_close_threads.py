@@ -18,6 +18,7 @@ import pytest
 from transportkit import provider  # noqa: F401  (a fixture, used by name)
 
 import effectguard
+import effectguard.config.defaults
 from effectguard.testing import FakeProvider
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
@@ -101,8 +102,10 @@ class _StallingInner(httpx.BaseTransport):
 
 
 def test_sync_close_waits_for_a_sync_inner_read_it_abandoned(
-    tmp_path: Path, provider: FakeProvider
+    tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The close first waits this long for the call in flight (30 s by default).
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
     before = set(threading.enumerate())
     transport = effectguard.GuardTransport(
         ledger=str(tmp_path / "ledger.db"),
