@@ -28,6 +28,7 @@ from effectguard.ledger.base import (
 )
 from effectguard.ledger.operations import Admitted
 from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.bodytext import carries_bulk
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
 from effectguard.rules.budgetview import (
     Policyless,
@@ -136,10 +137,14 @@ class Ledger:
     async def record(
         self, writer: Writer, call_id: str, attempt: int, events: Sequence[Event]
     ) -> WorkState:
-        """Record an attempt's outcome (refused if the attempt is no longer in flight)."""
-        return await self.store.write(
-            writer, lambda tx: attempts.record(tx, writer, call_id, attempt, events)
+        """Record an attempt's outcome (refused if the attempt is no longer in flight).
+
+        A large answer's observation (a stream of many MiB) is bulky work, done off the
+        event loop as an upload's chunks are: inline it stalled every other request."""
+        op: Operation[WorkState] = lambda tx: attempts.record(  # noqa: E731
+            tx, writer, call_id, attempt, events
         )
+        return await self.store.write(writer, bulky(op) if carries_bulk(events) else op)
 
     async def interrupt(self, writer: Writer, call_id: str, attempt: int, reason: str) -> WorkState:
         """Mark ``attempt`` interrupted: effect unknown, reservation held."""
