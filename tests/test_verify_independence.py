@@ -181,6 +181,23 @@ def test_event_digest_matches_its_pinned_vectors() -> None:
     assert ledger == "ee7bc77c67c496ab0f4ff9f207eec3bb59b7d8e5c8bff924db7a6fbdbc563893"
 
 
+def test_a_large_events_digest_matches_its_pinned_vector() -> None:
+    """Data JSON over 1 MiB (a large answer's) is digested in parts to save memory: the
+    digest is the one pinned from digesting it whole (non-ASCII text included)."""
+    data_json = '{"body":"' + "x\u00fc\u20ac" * (1 << 19) + '"}'
+    digest = event_digest(
+        seq=9,
+        kind="attempt.observed",
+        call_id="call_big",
+        data_json=data_json,
+        worker="w1",
+        generation=2,
+        at=1700000001.5,
+        prev_digest="cd" * 32,
+    )
+    assert digest == "ee80ff86f5f6632e28f60d4b5712ab8caa6cbaa1acd6919481c3780bc5e08885"
+
+
 #: One stored row exactly as the events table holds it (columns of rows.EVENT_COLUMNS).
 ROW = (
     1,

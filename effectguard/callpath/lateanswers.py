@@ -14,6 +14,7 @@ from effectguard.callpath.storefault import brief as _describe
 from effectguard.errors import FencedError, LedgerError, Refusal
 from effectguard.ledger import Admitted, Ledger, Writer
 from effectguard.rules import evidence
+from effectguard.rules.bodytext import decode_body
 from effectguard.rules.events import AttemptLateAnswer, AttemptObserved
 from effectguard.rules.settlement import Settlement
 from effectguard.rules.workstate import WorkState
@@ -32,7 +33,6 @@ class LateAnswers:
         prepared: Prepared,
         admitted: Admitted,
         settled: Settlement,
-        body: bytes,
         exc: FencedError,
     ) -> Refusal:
         """The 502 ``observe_refused`` for an answer the store refused, kept as evidence.
@@ -42,7 +42,7 @@ class LateAnswers:
         provider says it applied, is not to be resent (what ``show`` says, contract §9).
         """
         call_id = admitted.call_id
-        late = _late_answer(prepared, admitted, settled, body, str(exc))
+        late = _late_answer(prepared, admitted, settled, str(exc))
         kept = await self._keep_late_answer(admitted, late)
         said = f"its answer (status {late.status}) " + (
             "is kept as evidence" if kept else "could not be kept as evidence either"
@@ -107,14 +107,14 @@ class LateAnswers:
 
 
 def _late_answer(
-    prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes, why: str
+    prepared: Prepared, admitted: Admitted, settled: Settlement, why: str
 ) -> AttemptLateAnswer:
     """The evidence event for an answer the store refused as ``admitted``'s outcome."""
-    status = next(e.status for e in settled.events if isinstance(e, AttemptObserved))
+    observed = next(e for e in settled.events if isinstance(e, AttemptObserved))
     return evidence.late_answer(
         settled,
-        body,
-        effect=prepared.provider.answer_effect(status),
+        decode_body(observed.body, observed.body_encoding),
+        effect=prepared.provider.answer_effect(observed.status),
         observed_by=admitted.writer.worker,
         generation=admitted.writer.generation,
         reason=why,

@@ -98,6 +98,7 @@ class Recorder(LateAnswers):
         """
         provider = prepared.provider
         text, encoding = encode_body(body)
+        del body  # its text stands for it now (a late answer decodes it): one copy less
         effect = provider.answer_effect(status)
         answer = Answer(
             status=status,
@@ -128,7 +129,7 @@ class Recorder(LateAnswers):
                 usage.output_tokens if usage else 0,
                 settled.actual,
             )
-        await self._record_observation(prepared, admitted, settled, body)
+        await self._record_observation(prepared, admitted, settled)
         if not retried:
             self.observer.request_done(provider.name, prepared.model or "", settled.outcome)
         if report is not None:
@@ -139,7 +140,7 @@ class Recorder(LateAnswers):
                 report.output_tokens = settled.usage.output_tokens
 
     async def _record_observation(
-        self, prepared: Prepared, admitted: Admitted, settled: Settlement, body: bytes
+        self, prepared: Prepared, admitted: Admitted, settled: Settlement
     ) -> None:
         """Commit the observation; a write that fails becomes a refusal naming the call.
 
@@ -152,7 +153,7 @@ class Recorder(LateAnswers):
             await self.ledger.record(writer, call_id, admitted.attempt, list(settled.events))
         except FencedError as exc:
             self.observer.request_done(provider.name, model, "fenced")
-            raise await self._refuse_late_answer(prepared, admitted, settled, body, exc) from exc
+            raise await self._refuse_late_answer(prepared, admitted, settled, exc) from exc
         except LedgerError as exc:
             self.observer.request_done(provider.name, model, "observe_failed")
             self.observer.incident("observe_failed", call_id, _describe(exc))

@@ -216,7 +216,7 @@ class GuardedStream:
                 self._admitted,
                 self._upstream.status,
                 self._upstream.headers,
-                b"".join(self._received),
+                self._joined(),
                 self._parser.result(),
                 self._report,
             )
@@ -225,6 +225,12 @@ class GuardedStream:
             # taken also when the observation failed (observe_failed), as there.
             own_time(recorder.observer, self._report)
         recorder.crash.hit("after:observe")
+
+    def _joined(self) -> bytes:
+        """The answer's bytes, once: the chunks are let go as they are joined, so a large
+        stream is not held twice while it is recorded (docs/configuration.md)."""
+        received, self._received = self._received, []
+        return b"".join(received)
 
     def _waited(self, ending: Ending) -> None:
         provider = self._prepared.provider.name

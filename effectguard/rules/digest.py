@@ -30,9 +30,19 @@ def event_digest(
         if type(at) is float:  # immutable, and held here, so its id is not reused
             _at_repr = (at, at_text)
     text = f"{seq}\x1f{kind}\x1f{call_id or ''}\x1f{worker}\x1f{generation}\x1f{at_text}\x1f"
-    return hashlib.sha256(
-        prev_digest.encode("ascii") + (text + data_json).encode("utf-8")
-    ).hexdigest()
+    if len(data_json) < _LARGE:
+        return hashlib.sha256(
+            prev_digest.encode("ascii") + (text + data_json).encode("utf-8")
+        ).hexdigest()
+    # The same bytes in three updates: a large answer's JSON is then encoded once, not
+    # also concatenated as text and as bytes (two more copies of it at once).
+    digest = hashlib.sha256(prev_digest.encode("ascii") + text.encode("utf-8"))
+    digest.update(data_json.encode("utf-8"))
+    return digest.hexdigest()
+
+
+#: Data JSON this long is digested without concatenating it (1 MiB: far above any usual event).
+_LARGE = 1 << 20
 
 
 #: The last ``at`` digested and its repr (by identity: 0.0 and -0.0 are equal, not alike).
