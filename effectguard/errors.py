@@ -100,6 +100,7 @@ class Refusal(EffectguardError):
         retryable: bool = False,
         param: str | None = None,
         retry_after: int | None = None,
+        model: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -113,6 +114,9 @@ class Refusal(EffectguardError):
         self.param = param
         #: Seconds until a retry may succeed (the ``retry-after`` header), if known.
         self.retry_after = retry_after
+        #: The model the request named, for the access line of a refusal made before the
+        #: request was admitted (``model_not_priced``); never sent on the wire.
+        self.model = model
 
 
 class ReconcileError(EffectguardError):

@@ -358,6 +358,11 @@ def test_archive_refuses_memory_and_needs_a_cutoff(
     assert "archived_events" in capsys.readouterr().err
     assert main(["verify", "--archived", "--ledger", str(tmp_path / "x.db")]) == 2
     assert "--archive FILE" in capsys.readouterr().err
+    # The two are one choice (`--archive FILE | --archived`), refused together on any store.
+    (tmp_path / "a.jsonl.gz").write_bytes(b"x")
+    with pytest.raises(SystemExit) as both:
+        main(["verify", "--archive", str(tmp_path / "a.jsonl.gz"), "--archived"])
+    assert both.value.code == 2 and "not allowed with" in capsys.readouterr().err
     ledger = tmp_path / "ledger.db"
     assert main(["migrate", "--ledger", str(ledger)]) == 0
     assert main(["archive", "--ledger", str(ledger)]) == 2

@@ -378,3 +378,19 @@ def test_pg_events_refuse_a_delete_outside_an_archive(pg_url: str) -> None:
     sql(pg_url, "DELETE FROM meta WHERE key = 'archived_through'")
     with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
         sql(pg_url, "DELETE FROM events WHERE seq = 1")
+
+
+def test_pg_verify_refuses_archive_file_and_archived_together(
+    tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify --archive FILE --archived`` on PostgreSQL is refused with exit 2 naming
+    both options, as on SQLite, rather than proving the table and ignoring the file."""
+    assert main(["migrate", "--ledger", pg_url]) == 0
+    file = tmp_path / "a.jsonl.gz"
+    file.write_bytes(b"not an archive")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(["verify", "--archive", str(file), "--archived", "--ledger", pg_url])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--archived" in err and "--archive" in err.replace("--archived", "")

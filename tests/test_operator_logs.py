@@ -218,3 +218,22 @@ def test_sdk_conflict_error_names_the_call_and_the_command(
     assert f"effectguard show {call_id}" in text
     refused = [line for line in json_lines(proxy.log()) if line.get("status") == 409]
     assert [(r["call_id"], r["error"]) for r in refused] == [(call_id, "effect_unknown")]
+
+
+def test_a_model_not_priced_refusal_logs_the_model_it_named(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """The access line of a 400 model_not_priced names the model the request named (cut
+    to 300 characters, as other client-chosen fields are), not null; nothing is sent."""
+    args = [*_config(tmp_path), "--log-format", "json"]
+    long_name = "gpt-unpriced-" + "x" * 400
+    upstreams = {"openai": provider.url}
+    with running_proxy(tmp_path / "ledger.db", upstreams=upstreams, args=args) as proxy:
+        short = httpx.post(proxy.url + OPENAI_CHAT, json=chat(model="gpt-unpriced-9000"))
+        long = httpx.post(proxy.url + OPENAI_CHAT, json=chat(model=long_name))
+    assert (short.status_code, long.status_code) == (400, 400)
+    access = [line for line in json_lines(proxy.log()) if line.get("event") == "access"]
+    assert [line["error"] for line in access] == ["model_not_priced"] * 2
+    assert access[0]["model"] == "gpt-unpriced-9000"
+    assert len(access[1]["model"]) == 300 and long_name.startswith(access[1]["model"][:-1])
+    assert provider.receipts() == []

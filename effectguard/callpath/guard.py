@@ -168,6 +168,7 @@ class Guard(Attempts):
             prepared = self._adopting(prepared, ticket)
             admitted = await self._admit(prepared)
         except Refusal as refusal:
+            report.model = report.model or refusal.model or ""
             self.observer.refused(provider.name, refusal.type)
             raise
         report.call_id = ticket.admitted(admitted.call_id, self.orphans)

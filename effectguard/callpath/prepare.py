@@ -401,6 +401,7 @@ def _model_and_price(
             "model_not_priced",
             f"model {model!r} has no declared price for provider {provider.name!r}; "
             "declare it with --providers DIR",
+            model=model,
         )
     return model, price
 

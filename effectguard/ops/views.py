@@ -329,14 +329,16 @@ def _budgets_arguments(p: argparse.ArgumentParser) -> None:
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
     ledger_option(p)
-    p.add_argument(
+    # One choice, as the usage line says: a file or the table, never both silently.
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--archive",
         type=path_arg,
         metavar="FILE",
         help="verify an archive file on its own (and against the ledger's checkpoint, "
         "when the ledger exists)",
     )
-    p.add_argument(
+    which.add_argument(
         "--archived",
         action="store_true",
         help="verify a PostgreSQL ledger's archive table on its own, range by range, "

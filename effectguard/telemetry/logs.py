@@ -183,9 +183,9 @@ def access_fields(report: CallReport) -> dict[str, Any]:
     fields |= {
         "provider": report.provider,
         "method": report.method,
-        # The client chose these (a refused budget is logged as sent): a line stays short.
+        # The client chose these (a refused budget or model is logged as sent): a line stays short.
         "endpoint": _short(report.endpoint),
-        "model": report.model or None,
+        "model": _short(report.model) or None,
         "budget": _short(report.budget),
         "status": report.status,
         "stage": report.stage or None,
