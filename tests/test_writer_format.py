@@ -23,7 +23,8 @@ import respx
 from pgkit import DSN, ledger_url, pg_url
 from test_store_contract import register
 
-from effectguard import AsyncGuardTransport
+from effectguard import AsyncGuardTransport, GuardTransport
+from effectguard.errors import ConfigError
 from effectguard.ledger import Ledger, open_store, writerformat
 from effectguard.ledger.pgschema import Target
 
@@ -293,6 +294,92 @@ def test_serve_and_migrate_refuse_a_ledger_a_newer_release_migrated(
     assert proc.returncode == 2, out + err
     assert "newer effectguard" in err and "migration 99" in err, err
     conn = sqlite3.connect(path)
+    try:
+        after = conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+    assert after == before
+
+
+def _as_migrated_by_a_newer_release(path: str) -> tuple[int, int]:
+    """Mark a migrated SQLite ledger as a later release left it (migration 99); its events'
+    count and last seq, to show later that nothing was written."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("INSERT INTO migrations VALUES (99, 'a later release', 0)")
+        return conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+
+
+def _events(path: str) -> tuple[int, int]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+
+
+CHAT = "https://api.openai.com/v1/chat/completions"
+CHAT_BODY = {"model": "gpt-4o-mini", "messages": [], "max_tokens": 5}
+NEWER = r"was migrated by a newer effectguard \(migration 99 "
+
+
+async def test_the_async_transport_refuses_a_ledger_a_newer_release_migrated(
+    tmp_path: Path,
+) -> None:
+    """A rollback in-process: the transport's first call on a ledger a later release
+    migrated raises ConfigError naming the newer release, as serve and migrate refuse it;
+    nothing is sent, nothing written, and the ledger keeps the later release's migrations."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    before = _as_migrated_by_a_newer_release(path)
+    with respx.mock(assert_all_called=False) as mock:
+        route = mock.post(CHAT).mock(return_value=httpx.Response(200, json={"choices": []}))
+        transport = AsyncGuardTransport(ledger=path)
+        async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+            with pytest.raises(ConfigError, match=NEWER):
+                await client.post(CHAT, json=CHAT_BODY)
+        assert not route.called
+    assert _events(path) == before and 99 in _versions(path)
+
+
+def test_the_sync_transport_refuses_a_ledger_a_newer_release_migrated(tmp_path: Path) -> None:
+    """The same through GuardTransport (its own loop and threads)."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    before = _as_migrated_by_a_newer_release(path)
+    with respx.mock(assert_all_called=False) as mock:
+        route = mock.post(CHAT).mock(return_value=httpx.Response(200, json={"choices": []}))
+        with (
+            httpx.Client(transport=GuardTransport(ledger=path), timeout=30) as client,
+            pytest.raises(ConfigError, match=NEWER),
+        ):
+            client.post(CHAT, json=CHAT_BODY)
+        assert not route.called
+    assert _events(path) == before and 99 in _versions(path)
+
+
+async def test_the_transport_refuses_a_postgres_ledger_a_newer_release_migrated(
+    pg_url: str,
+) -> None:
+    """PostgreSQL's store refuses it the same way at the transport's first call."""
+    cli("migrate", pg_url)
+    conn = Target.parse(pg_url).connect()
+    try:
+        conn.execute("INSERT INTO migrations VALUES (99, 'a later release', 0)")
+        conn.commit()
+        before = conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+    with respx.mock(assert_all_called=False) as mock:
+        route = mock.post(CHAT).mock(return_value=httpx.Response(200, json={"choices": []}))
+        transport = AsyncGuardTransport(ledger=pg_url)
+        async with httpx.AsyncClient(transport=transport, timeout=30) as client:
+            with pytest.raises(ConfigError, match=NEWER):
+                await client.post(CHAT, json=CHAT_BODY)
+        assert not route.called
+    conn = Target.parse(pg_url).connect()
     try:
         after = conn.execute("SELECT count(*), coalesce(max(seq), 0) FROM events").fetchone()
     finally:

@@ -382,7 +382,11 @@ def clock_offset(conn: psycopg.Connection[Any]) -> float:
     return seconds
 
 
-def migrate_on(conn: psycopg.Connection[Any], target: Target) -> list[int]:
+def migrate_on(
+    conn: psycopg.Connection[Any], target: Target, *, refuse_newer: bool = True
+) -> list[int]:
+    """Apply pending migrations on ``conn``; with ``refuse_newer``, refuse (``ConfigError``,
+    nothing written) a ledger a newer release migrated, as ``serve`` and ``migrate`` do."""
     applied: list[int] = []
     done: set[int] = set()
     with conn.transaction():
@@ -396,6 +400,10 @@ def migrate_on(conn: psycopg.Connection[Any], target: Target) -> list[int]:
             "name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
         )
         done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
+        if refuse_newer:
+            schema = f" schema {target.schema}" if target.schema else ""
+            shown = redacted(target.conninfo) + schema
+            versions.check_not_newer(shown, done, (m[0] for m in MIGRATIONS))
         for version, name, statements in MIGRATIONS:
             if version in done:
                 continue

@@ -78,7 +78,7 @@ class PostgresSession:
         self._target = target
         self._deadline = WriteDeadline()  # unarmed here: migrations may take minutes
         try:
-            self.conn = self._open()
+            self.conn = self._open(first=True)
         except BaseException:
             self._deadline.close()
             raise
@@ -96,7 +96,7 @@ class PostgresSession:
         self._lost_head: tuple[int, str] | None = None
         self._begun_at: tuple[int, str] | None = None  # the head this transaction began on
 
-    def _open(self) -> psycopg.Connection[Any]:
+    def _open(self, first: bool = False) -> psycopg.Connection[Any]:
         conn = self._target.connect(
             self._deadline.watch,
             idle_in_transaction_session_timeout=str(IDLE_IN_TRANSACTION_MS),
@@ -104,7 +104,9 @@ class PostgresSession:
             synchronous_commit="on",
         )
         try:
-            migrate_on(conn, self._target)
+            # Refused at the first open only: a reconnect mid-run keeps the errors the
+            # write path knows (a later release's writer format still refuses its writes).
+            migrate_on(conn, self._target, refuse_newer=first)
             clock_offset(conn)
         except BaseException:
             conn.close()

@@ -462,7 +462,8 @@ def connect(path: str) -> sqlite3.Connection:
 
 
 def migrate(conn: sqlite3.Connection) -> None:
-    """Apply pending migrations, each recorded in the transaction that applies it."""
+    """Apply pending migrations, each recorded in the transaction that applies it; refuse
+    (``ConfigError``, nothing written) a ledger a newer release migrated."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute(
@@ -470,6 +471,12 @@ def migrate(conn: sqlite3.Connection) -> None:
             "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
         )
         done = {row[0] for row in conn.execute("SELECT version FROM migrations")}
+        # Every opener (a transport's first call too) refuses what serve and migrate refuse
+        # up front: writing beside a later release's rules, which this one would misread.
+        known = {m[0] for m in MIGRATIONS}
+        if not done <= known:  # the message names the file conn has open
+            file = str(conn.execute("PRAGMA database_list").fetchone()[2])
+            versions.check_not_newer(file, done, known)
         applied: list[tuple[int, str]] = []
         for version, name, statements in MIGRATIONS:
             if version in done:

@@ -86,7 +86,11 @@ class SqliteSession:
         # ``frozen``: the URI reading a ledger on read-only storage as it lies (sqlitefrozen).
         self.conn = connect(path) if frozen is None else connect_frozen(frozen)
         self._clock = clock
-        migrate(self.conn)
+        try:
+            migrate(self.conn)
+        except BaseException:
+            self.conn.close()
+            raise
         # The file this connection writes. If it is deleted or replaced while we run,
         # our commits would go to a file nobody will ever read again.
         self._identity = file_identity(path)
