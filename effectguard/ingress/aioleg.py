@@ -11,7 +11,7 @@ Failures are mapped to the httpx exceptions httpx-aiohttp raised, with aiohttp's
 own exception as their cause, so the guard tells "never sent" from "effect
 unknown" exactly as before (:func:`effectguard.callpath.wire.classify_transport_error`).
 An aiohttp error httpx-aiohttp leaves unmapped (an answer aiohttp cannot parse: not
-HTTP, a head past its bound) is ``httpx.RemoteProtocolError``, as httpx itself
+HTTP, a header line past its limit) is ``httpx.RemoteProtocolError``, as httpx itself
 raises for such an answer: the request was sent, so its effect is unknown.
 """
 
@@ -31,7 +31,6 @@ from effectguard.callpath.exchange import Headers, Outbound, decoded
 from effectguard.config import defaults
 from effectguard.ingress import spool
 from effectguard.ingress.aiopool import PoolConnector
-from effectguard.ingress.headbound import MAX_HEAD_BYTES
 
 if TYPE_CHECKING:
     from effectguard.config.settings import ServeSettings
@@ -40,9 +39,9 @@ if TYPE_CHECKING:
 KEEPALIVE_S = 5.0
 _URL_CACHE_SIZE = 1024
 #: Header fields an upstream answer may carry. aiohttp's default (128) refused answers
-#: the transports take (h11 bounds only the head, at 100 KiB), as effect_unknown. The
-#: head is bounded whole, at 100 KiB (headbound); more fields than this is no provider's
-#: answer.
+#: the transports take (h11 bounds only the head, at 100 KiB), as effect_unknown. With
+#: aiohttp's 8190-byte bound per field this keeps one answer's head under 32 MiB, half
+#: the default ``max_answer_bytes``; more fields than this is no provider's answer.
 MAX_ANSWER_FIELDS = 4096
 
 
@@ -162,13 +161,7 @@ class AiohttpLeg:
             ssl=self._ssl,
         )
         session = aiohttp.ClientSession(
-            connector=connector,
-            trust_env=False,
-            max_headers=MAX_ANSWER_FIELDS,
-            # Lines as long as the whole head may be: the head is bounded whole
-            # (headbound), as the transports bound it, not line by line at 8,190 bytes.
-            max_line_size=MAX_HEAD_BYTES,
-            max_field_size=MAX_HEAD_BYTES,
+            connector=connector, trust_env=False, max_headers=MAX_ANSWER_FIELDS
         )
         # aiohttp resends a PUT, DELETE or GET by itself, once, when a reused keep-alive
         # connection fails (RFC 9112 §9.3.1.1): a second send the ledger never records,

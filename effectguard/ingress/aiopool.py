@@ -29,18 +29,16 @@ from typing import Any
 import aiohttp
 
 from effectguard.ingress.brokenbody import BrokenBody
-from effectguard.ingress.headbound import HeadBound
 from effectguard.ingress.interim import InterimBound
 
 #: No parser: what a connection that was never pooled holds as its idle parser.
 _NEVER = object()
 
 
-class _Handler(HeadBound, InterimBound, BrokenBody):
+class _Handler(InterimBound, BrokenBody):
     """aiohttp's response parser, which refuses bytes that arrive while it is pooled (and
-    bounds each answer's head, :mod:`effectguard.ingress.headbound`, and its interim
-    answers, :mod:`effectguard.ingress.interim`, and fails a body whose framing breaks
-    part-way, :mod:`effectguard.ingress.brokenbody`)."""
+    bounds each answer's interim answers, :mod:`effectguard.ingress.interim`, and fails a
+    body whose framing breaks part-way, :mod:`effectguard.ingress.brokenbody`)."""
 
     #: The parser of the answer it held when it went back to the pool. Every request
     #: sent on the connection gets a new parser (``set_response_params``), so while this
