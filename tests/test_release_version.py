@@ -49,3 +49,18 @@ def test_version_needs_no_command_and_writes_no_ledger(tmp_path: Path) -> None:
     shown = _cli("--version", cwd=tmp_path)
     assert shown.returncode == 0 and shown.stdout.count("\n") == 1, shown
     assert not list(tmp_path.iterdir())  # no ./effectguard.db made
+
+
+def test_version_without_the_postgres_driver_still_names_the_sqlite_release() -> None:
+    """An install without the ``postgres`` extra (no psycopg) prints its release too."""
+    hide = (
+        "import sys; sys.modules['psycopg'] = None; "
+        "from effectguard.ops.cli import main; main(['--version'])"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert shown.returncode == 0, shown.stderr
+    line = shown.stdout.strip()
+    assert re.search(r"writer format \d+; migrations: SQLite \d+", line), line
+    assert "PostgreSQL: needs the postgres extra" in line, line

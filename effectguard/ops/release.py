@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from effectguard.errors import ConfigError
+
 
 def release_line() -> str:
     """``effectguard VERSION (writer format F; migrations: SQLite N, PostgreSQL M)``."""
-    from effectguard.ledger.pgschema import MIGRATIONS as PG_MIGRATIONS
     from effectguard.ledger.sqliteschema import MIGRATIONS as SQLITE_MIGRATIONS
     from effectguard.ledger.writerformat import WRITER_FORMAT
 
@@ -27,8 +28,18 @@ def release_line() -> str:
         number = "(not installed)"
     return (
         f"effectguard {number} (writer format {WRITER_FORMAT}; migrations: "
-        f"SQLite {SQLITE_MIGRATIONS[-1][0]}, PostgreSQL {PG_MIGRATIONS[-1][0]})"
+        f"SQLite {SQLITE_MIGRATIONS[-1][0]}, {_postgres()})"
     )
+
+
+def _postgres() -> str:
+    """The last PostgreSQL migration, or why it cannot be read: the schema module needs
+    the driver, which only the ``postgres`` extra installs."""
+    try:
+        from effectguard.ledger.pgschema import MIGRATIONS
+    except ConfigError:
+        return "PostgreSQL: needs the postgres extra"
+    return f"PostgreSQL {MIGRATIONS[-1][0]}"
 
 
 class VersionAction(argparse.Action):
