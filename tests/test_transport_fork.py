@@ -254,6 +254,16 @@ def test_a_child_forked_with_the_sqlite_ledger_open_is_refused_it(
     ledger = tmp_path / "ledger.db"
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(CHILD_OWN_TRANSPORT))
+    # Made first: two children creating a fresh file at the same instant can meet SQLite's
+    # "database is locked" on switching it to WAL, which is no fork's doing.
+    made = subprocess.run(
+        [sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
     done = _run_program([str(script), provider.url, str(ledger), parent])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == children
