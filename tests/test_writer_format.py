@@ -204,15 +204,23 @@ def _versions(path: str) -> set[int]:
         conn.close()
 
 
-# Not verify: it checks a migrated copy of such a ledger (tests/test_verify_older_ledger.py).
-@pytest.mark.parametrize("command", [["calls"], ["budgets"], ["show", "call_x"]])
+# Not the commands that only read (verify, calls, show, budgets): they read a migrated
+# copy of such a ledger (tests/test_verify_older_ledger.py, tests/test_read_older_ledger.py).
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["budget", "set", "team", "--limit", "5"],
+        ["reconcile", "call_x", "--not-applied", "--note", "checked"],
+    ],
+)
 def test_a_command_does_not_migrate_a_ledger_on_the_side(
     tmp_path: Path, command: list[str]
 ) -> None:
     """An operator tries this release's CLI on the ledger an older fleet still serves. It
     used to migrate it (every command opens a store, and opening one migrates), which now
-    locks every older replica out at once. It is refused, exit 2, naming `migrate`, and the
-    ledger is left as it was; after `effectguard migrate` the command runs."""
+    locks every older replica out at once. A command that changes the ledger is refused,
+    exit 2, naming `migrate`, and the ledger is left as it was; after `effectguard migrate`
+    the command runs."""
     path = str(tmp_path / "ledger.db")
     cli("migrate", path)
     _as_before_format_1(path)
@@ -227,6 +235,26 @@ def test_a_command_does_not_migrate_a_ledger_on_the_side(
     assert 15 not in _versions(path)
     cli("migrate", path)
     cli("verify", path)
+
+
+@pytest.mark.parametrize("command", [["calls"], ["budgets"], ["show", "call_x"]])
+def test_a_command_that_only_reads_leaves_an_older_ledger_as_it_was(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """The same ledger read by a command that only reads: it reads a migrated copy, and
+    the ledger the older fleet serves keeps its migrations (exit 3 for `show`: no such call)."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    _as_before_format_1(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "effectguard", *command, "--ledger", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == (3 if command[0] == "show" else 0), done.stdout + done.stderr
+    assert "migration 15" in done.stderr and "reading a copy" in done.stderr, done.stderr
+    assert 15 not in _versions(path)
 
 
 def test_a_ledger_a_newer_release_migrated_is_refused_by_commands(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from effectguard.ops.command import (
 )
 from effectguard.ops.release import VersionAction
 from effectguard.ops.render import budget_json, call_json, say
+from effectguard.ops.verifycopy import migrated_copy, pending_migrations
 
 __all__ = [
     "EXIT_FAILED",
@@ -126,8 +127,16 @@ async def _with_ledger(
     args: argparse.Namespace, job: Callable[[Ledger], Coroutine[Any, Any, int]]
 ) -> int:
     ledger_url: str = args.ledger
-    check_ledger(ledger_url)
+    # A command that only reads reads a SQLite ledger behind this release (the backup an
+    # upgrade's step 1 took) through a migrated copy: migrating the file would lose it.
+    pending = pending_migrations(ledger_url) if getattr(args, "reads_only", False) else []
+    if not pending:
+        check_ledger(ledger_url)
     try:
+        if pending:
+            with migrated_copy(ledger_url, pending, "reading") as copy:
+                async with Ledger.open(copy) as ledger:
+                    return await job(ledger)
         async with Ledger.open(ledger_url) as ledger:
             return await job(ledger)
     except LedgerUnavailable:

@@ -3,7 +3,9 @@
 Each command module lists :class:`Command` records; :mod:`effectguard.ops.cli`
 assembles the parser from them. A command's ``arguments`` function adds its
 options and sets ``run`` (``run(args) -> int``) or ``run_ledger`` (``async
-run_ledger(args, ledger) -> int``, given an open ledger) as parser defaults; it
+run_ledger(args, ledger) -> int``, given an open ledger) as parser defaults, and
+``reads_only=True`` beside ``run_ledger`` if it never writes (then a SQLite ledger behind
+this release is read through a migrated copy, :mod:`~effectguard.ops.verifycopy`); it
 may import what it needs lazily, and the parser only calls it for the command
 being run, so ``effectguard calls`` never imports the server.
 

@@ -287,7 +287,7 @@ def _calls_arguments(p: argparse.ArgumentParser) -> None:
         "or a duration back from now (90s, 30m, 2h, 7d, 2w)",
     )
     p.add_argument("--limit", type=count, default=1000, help="at most this many (default 1000)")
-    p.set_defaults(run_ledger=cmd_calls)
+    p.set_defaults(run_ledger=cmd_calls, reads_only=True)
 
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
@@ -299,7 +299,7 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
         help="print the whole request "
         f"(else its first {showcall.REQUEST_PREVIEW_CHARS} characters)",
     )
-    p.set_defaults(run_ledger=cmd_show)
+    p.set_defaults(run_ledger=cmd_show, reads_only=True)
 
 
 def _budgets_arguments(p: argparse.ArgumentParser) -> None:
@@ -324,7 +324,7 @@ def _budgets_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="only the node at PATH and the nodes below it (a path, not a pattern)",
     )
-    p.set_defaults(run_ledger=cmd_budgets)
+    p.set_defaults(run_ledger=cmd_budgets, reads_only=True)
 
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
