@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import secrets
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -215,3 +216,62 @@ def test_a_key_holding_a_slash_and_a_quote_is_masked_when_both_are_escaped(
         assert response.json()["error"]["message"] == expected
     assert combined not in shown and "canary" not in shown
     assert combined.encode() not in ledger_bytes and b"canary" not in ledger_bytes
+
+
+def _utf8(key: str) -> str:
+    """The key a Latin-1 reading (``http.server``'s, Node's) of its UTF-8 bytes gave."""
+    return key.encode("latin-1").decode("utf-8")
+
+
+def _upper_escapes(body: bytes) -> bytes:
+    r"""JSON with ``\u00e9`` escapes written in capitals, as Jackson writes them."""
+    return re.sub(rb"\\u([0-9a-f]{4})", lambda m: b"\\u" + m.group(1).upper(), body)
+
+
+#: How providers quote a key holding non-ASCII characters, sent as UTF-8 bytes: read as
+#: Latin-1 (HTTP's old charset) and written as raw UTF-8 text or as ASCII escapes of that
+#: reading, or read as UTF-8 and escaped in capitals.
+_NON_ASCII_QUOTES: dict[str, Callable[[str], bytes]] = {
+    "latin1-read-utf8-written": lambda key: json.dumps(
+        {"error": {"message": f"Incorrect API key provided: {key}."}}, ensure_ascii=False
+    ).encode(),
+    "latin1-read-escaped": lambda key: json.dumps(
+        {"error": {"message": f"Incorrect API key provided: {key}."}}
+    ).encode(),
+    "utf8-read-escaped-in-capitals": lambda key: _upper_escapes(
+        json.dumps({"error": {"message": f"Incorrect API key provided: {_utf8(key)}."}}).encode()
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quote", sorted(_NON_ASCII_QUOTES))
+def test_a_key_holding_non_ascii_characters_is_masked_as_providers_quote_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], quote: str
+) -> None:
+    """A provider key with non-ASCII characters goes upstream as UTF-8 bytes; a provider
+    that reads header bytes as Latin-1 quotes it as that reading (``sk-tÃ©st``), which
+    gives the key back to whoever reverses it. The tenant, ``show``, the ledger and the
+    log get the mask there too."""
+    key = "sk-canary-tést-ünï-" + secrets.token_hex(8)
+    with (
+        key_quoting_upstream(_NON_ASCII_QUOTES[quote]) as url,
+        running_proxy(
+            tmp_path / "ledger.db",
+            upstreams={"openai": url},
+            args=["--log-level", "debug"],
+            env={"OPENAI_API_KEY": key},
+        ) as proxy,
+    ):
+        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, timeout=10)
+        read = httpx.get(proxy.url + "/openai/v1/models", timeout=10)
+        call_id = answer.headers["effectguard-call-id"]
+        shown = _shown(call_id, proxy.ledger, capsys)
+        ledger_bytes = _ledger_bytes(proxy.ledger)
+        log = proxy.log()
+    expected = f"Incorrect API key provided: {MASK}."
+    for response in (answer, read):
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["message"] == expected, response.text
+    assert "canary" not in shown and b"canary" not in ledger_bytes
+    assert call_id in log and "canary" not in log

@@ -15,6 +15,7 @@ it accepted, and a success's body is the hot path's and can be large.
 from __future__ import annotations
 
 import json
+import re
 
 __all__ = ["MASK", "key_forms", "key_of", "mask_forms", "mask_key"]
 
@@ -42,14 +43,31 @@ def key_of(credential: str | None, key_format: str) -> str | None:
 
 def key_forms(key: str | None) -> tuple[bytes, ...]:
     """The byte strings ``key`` may be written as in an answer: as it is, and as a JSON
-    string writes it, each also with ``/`` written ``\\/`` (PHP's ``json_encode`` escapes
-    ``"`` and ``/`` together); none for a key too short to mask."""
+    string writes it (``\\u00e9`` escapes in small letters or, as Jackson writes them, in
+    capitals), each also with ``/`` written ``\\/`` (PHP's ``json_encode`` escapes ``"``
+    and ``/`` together); none for a key too short to mask.
+
+    A key holding non-ASCII characters is sent as UTF-8 bytes, and a provider that reads
+    header bytes as Latin-1 (HTTP's old charset: Node, Python's ``http.server``) quotes
+    that reading (``sk-tÃ©st`` for ``sk-tést``), from which anyone gets the key back: it
+    is searched for in the same forms."""
     if key is None or len(key) < MIN_KEY_LENGTH:
         return ()
-    written = {key, json.dumps(key)[1:-1]}
+    readings = {key, key.encode().decode("latin-1")}
+    written = {form for text in readings for form in _json_forms(text)}
     forms = {form.encode() for text in written for form in (text, text.replace("/", "\\/"))}
     # Longest first: a shorter form inside a longer one must not break the longer's match.
     return tuple(sorted(forms, key=len, reverse=True))
+
+
+def _json_forms(text: str) -> tuple[str, ...]:
+    """``text`` as it is, and as a JSON string's inside, its escapes in either case."""
+    escaped = json.dumps(text)[1:-1]
+    return text, escaped, _ESCAPE.sub(lambda m: "\\u" + m.group(1).upper(), escaped)
+
+
+#: A JSON ``\\uXXXX`` escape as Python's ``json`` writes it (small letters).
+_ESCAPE = re.compile(r"\\u([0-9a-f]{4})")
 
 
 def mask_key(body: bytes, key: str | None) -> bytes:
