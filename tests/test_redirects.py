@@ -99,6 +99,29 @@ def test_a_location_on_the_provider_is_written_as_the_proxys_path(tmp_path: Path
     assert answer.headers["location"] == "/openai/v1/chat/completions2?x=1"
 
 
+def test_a_prefix_header_from_a_reverse_proxy_is_not_read(tmp_path: Path) -> None:
+    """effectguard has no setting for a path prefix a reverse proxy serves it under and
+    reads no header naming one (docs/operations.md, "Behind a reverse proxy"): the
+    Location is the proxy's own path, even from the trusted loopback address with
+    ``X-Forwarded-Prefix``. The docs tell the reverse proxy to add its prefix; a change
+    that read the header would change that advice."""
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as provider,
+        running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy,
+    ):
+        answer = httpx.post(
+            proxy.url + "/openai/v1/chat/completions",
+            json=CHAT,
+            headers={
+                "x-fake-behaviour": "status=308;moved=/v1/chat/completions2",
+                "x-forwarded-prefix": "/llm",
+                "x-forwarded-proto": "https",
+            },
+        )
+    assert answer.status_code == 308
+    assert answer.headers["location"] == "/openai/v1/chat/completions2"
+
+
 def test_on_a_providers_own_port_the_location_is_the_whole_path(tmp_path: Path) -> None:
     """On a ``--provider-port`` listener every path is the provider's: the Location is the
     path below the base URL alone, and the openai SDK following it comes back there."""
