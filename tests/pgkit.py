@@ -87,7 +87,10 @@ def scratch_role(options: str = "", *settings: str) -> Iterator[str]:
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    """A ledger URL in a fresh schema of the test database, dropped after the test."""
+    """A ledger URL in a fresh schema of the test database, dropped after the test
+    (skipped without ``EFFECTGUARD_TEST_PG_DSN``)."""
+    if not DSN:
+        pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
     with scratch_schema() as url:
         yield url
 
