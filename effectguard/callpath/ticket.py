@@ -35,14 +35,26 @@ class Ticket:
     #: The caller's client has gone (the proxy learns it when the connection is lost):
     #: the call's retry is to get its answer, however soon it comes (callpath/orphans).
     left: bool = False
+    #: The caller's client closed its sending side after its whole request: waiting for
+    #: the answer (a half-close) or gone (a close), the wire does not say. It is admitted
+    #: and answered all the same, and its call's retry gets the answer too.
+    may_have_left: bool = False
 
     def admitted(self, call_id: str, orphans: Orphans) -> str:
         """The request is call ``call_id`` (admitted, replayed or joined); if its client
-        has left already, the call's retry is to get its answer."""
+        has left already, or may have, the call's retry is to get its answer."""
         self.call_id = call_id
-        if self.left:
+        if self.left or self.may_have_left:
             orphans.left(self.retry_key, call_id)
         return call_id
+
+    def sending_closed(self, orphans: Orphans) -> None:
+        """The client closed its sending side after its whole request: still answered,
+        but once the request is a call, its retry gets its answer, as if it had left
+        (a timed-out SDK's close looks the same)."""
+        self.may_have_left = True
+        if self.call_id is not None:
+            orphans.left(self.retry_key, self.call_id)
 
     def leave(self, orphans: Orphans) -> None:
         """The client has gone before its answer was written: once the request is a

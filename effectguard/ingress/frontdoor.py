@@ -17,7 +17,9 @@ uvicorn's httptools protocol with three more limits:
 * a client that stops reading its answer (the socket's buffers full, writing paused)
   for ``send_timeout_s`` is cut off: to the app it has gone, and a stream it was sent
   is read to its end and settled without it, rather than held in flight for as long
-  as the client holds the connection open.
+  as the client holds the connection open;
+* a client that closes its sending side once its request is whole (a half-close) is
+  answered, then the connection closes (uvicorn closed it at once: the answer was lost).
 
 And two changes to uvicorn's connection cap: a request read while it is reached takes
 the place of the connection idle longest (:mod:`effectguard.ingress.roomcap`), and when
@@ -50,6 +52,9 @@ CUT_OFF = "effectguard.cut_off"
 #: The scope extension, a callable, that sets what to call once the client's connection
 #: is lost (at once if it is lost already; None: nothing). A key-less call's client that
 #: timed out must be known as gone before its retry comes, not when its answer is written.
+#: It is called with True when the connection is lost, and with False when the client
+#: closed its sending side after its whole request: a half-close, which the wire cannot
+#: tell from a close (a timed-out SDK's); its answer is still written.
 ON_CLIENT_LOST = "effectguard.on_client_lost"
 
 
@@ -68,14 +73,14 @@ def cut_off(scope: Any) -> bool:
     return True
 
 
-def on_client_lost(scope: Any) -> Callable[[Callable[[], None] | None], None]:
+def on_client_lost(scope: Any) -> Callable[[Callable[[bool], None] | None], None]:
     """How to be told that the client of ``scope``'s request has gone (a no-op setter
     under a server that cannot tell)."""
     watch = scope.get("extensions", {}).get(ON_CLIENT_LOST)
     return _never if watch is None else watch
 
 
-def _never(callback: Callable[[], None] | None) -> None:
+def _never(callback: Callable[[bool], None] | None) -> None:
     """Under a server that cannot tell: the answer's write finds out instead."""
 
 
@@ -130,6 +135,8 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._refused = False
         self._lost = False
+        #: The client closed its sending side after its whole request (see eof_received).
+        self._ended = False
         #: A pipelined request was refused: close once the answer before it is sent.
         self._close_when_answered = False
         #: Set while writing is paused: when the client is cut off for not reading.
@@ -141,7 +148,7 @@ class _FrontDoorProtocol(HttpToolsProtocol):
             ON_CLIENT_LOST: self._on_lost,
         }
         #: What to call when the connection is lost (its current request's watcher).
-        self._lost_callback: Callable[[], None] | None = None
+        self._lost_callback: Callable[[bool], None] | None = None
         #: The request whose app is running: with requests pipelined behind it, uvicorn's
         #: ``self.cycle`` is the last one read, still queued (see _mark_gone).
         self._running: Any = None
@@ -221,10 +228,28 @@ class _FrontDoorProtocol(HttpToolsProtocol):
         self._mark_gone()
         callback, self._lost_callback = self._lost_callback, None
         if callback is not None:
-            callback()
+            callback(True)
         self._disarm()
         self._reading_again()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio allows it
+        """The client closed its sending side. With a whole request still to be answered
+        it may be waiting for the answer (HTTP allows a half-close): the connection stays
+        open to write it, then closes. Else nothing can come of it: closed at once."""
+        running = self._running if self.pipeline else self.cycle
+        if running is None or running.response_complete or running.more_body:
+            return None  # idle, or a request cut short: asyncio closes the transport
+        # Requests queued behind it were sent by a client that may have left: never
+        # served, as when its connection is lost. A next one begun has no end to wait for.
+        self.pipeline.clear()
+        self._in_headers = False
+        self._disarm()
+        running.keep_alive = False  # answered with "connection: close", then closed
+        self._ended = True
+        if self._lost_callback is not None:
+            self._lost_callback(False)  # kept: a loss after this is told too
+        return True
 
     # -- a client that stops reading ---------------------------------------------------
     def pause_writing(self) -> None:
@@ -266,11 +291,13 @@ class _FrontDoorProtocol(HttpToolsProtocol):
     def _client_gone(self) -> bool:
         return self._lost
 
-    def _on_lost(self, callback: Callable[[], None] | None) -> None:
+    def _on_lost(self, callback: Callable[[bool], None] | None) -> None:
         if callback is not None and self._lost:
-            callback()
-        else:
-            self._lost_callback = callback
+            callback(True)
+            return
+        self._lost_callback = callback
+        if callback is not None and self._ended:
+            callback(False)
 
     def _cut_off(self) -> None:
         # Marked disconnected now (abort's connection_lost comes a loop turn later): then

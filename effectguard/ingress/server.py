@@ -356,7 +356,7 @@ class ProxyApp:
             ticket = context_of(scope).ticket
             ticket.report_later = True  # its access line waits until the answer is written
             orphans = self.guard.orphans
-            watch(lambda: ticket.leave(orphans))
+            watch(lambda lost: (ticket.leave if lost else ticket.sending_closed)(orphans))
             reply = await self.guard.serve(
                 provider, request, self._send, budget=budget, budget_root=root, ticket=ticket
             )
