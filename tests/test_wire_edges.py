@@ -404,6 +404,7 @@ def test_hostile_clients_beside_good_calls_leave_them_whole_and_the_proxy_as_it_
         assert answers["slowloris"].startswith(b"HTTP/1.1 408 ")
         assert answers["trickled body"] == b""  # closed: nothing was admitted
         assert answers["http/1.0"].startswith(b"HTTP/1.1 200 ")
+        assert answers["half closed"].startswith(b"HTTP/1.1 200 ")  # 2026-12-05: was b""
         assert answers["pipelined"].count(b"HTTP/1.1 200 ") == 3
         assert answers["expect 100"].startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 ")
         for framing in ("bad chunk size", "two lengths", "length and chunked"):
