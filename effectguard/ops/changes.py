@@ -190,13 +190,21 @@ async def _reconcile_by_evidence(
 
 
 async def _reconcile_auto(args: argparse.Namespace, ledger: Ledger, crash: CrashPoints) -> int:
-    from effectguard.ops.reconcile import reconcile_auto
+    from effectguard.ops.reconcile import reconcile_auto, undeclared_providers
     from effectguard.providers import load_providers
 
     dirs = [Path(p) for p in args.providers or ()]
     providers = load_providers(dirs, upstreams(args), name_upstream=upstream_flag)
     await _take_over_gone(args, ledger)
     results = await reconcile_auto(ledger, providers, crash=crash)
+    for name, passed in sorted((await undeclared_providers(ledger, providers)).items()):
+        # Else "no effect-unknown calls with a lookup path" reads as nothing to look up.
+        say(
+            f"effectguard: {passed} effect-unknown call(s) of provider {name!r} not looked up: "
+            "no declaration of it is loaded here; give `reconcile --auto` the --providers "
+            "DIR (and --upstream NAME=URL) that `serve` runs with",
+            err=True,
+        )
     # The note says what the lookup answered and why it decides, or why it does not.
     text = "\n".join(f"{r['call_id']}: {r['result']} ({r['note']})" for r in results)
     emit(args, results, text or "no effect-unknown calls with a lookup path")

@@ -52,3 +52,16 @@ async def reconcile_auto(
                 {"call_id": state.call_id, "result": evidence.verdict, "note": evidence.note}
             )
     return results
+
+
+async def undeclared_providers(ledger: Ledger, providers: Mapping[str, Provider]) -> dict[str, int]:
+    """Effect-unknown calls whose provider no loaded declaration names: provider -> count.
+
+    :func:`reconcile_auto` cannot tell whether such a call's endpoint declares a lookup,
+    so it passes over it; the command says so, since a provider declared only in
+    ``serve``'s ``--providers`` is exactly the one this command was run without."""
+    counts: dict[str, int] = {}
+    for state in await ledger.calls(stage="effect_unknown", limit=100_000):
+        if state.provider not in providers:
+            counts[state.provider] = counts.get(state.provider, 0) + 1
+    return counts

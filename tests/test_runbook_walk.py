@@ -1,0 +1,123 @@
+"""The operator's night, as docs/operations.md tells it: what the commands say.
+
+A proxy crashes with calls in flight (``EFFECTGUARD_CRASH_AT``); the operator follows
+"Reconciling an unknown call, step by step" with the CLI alone. These tests hold the
+commands to telling that operator what happened and what to do next. Effects are counted
+from the fake provider's receipt log only.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from toolkit import cli_json, cli_run
+
+from effectguard.testing import FakeProvider, fake_provider, start_proxy
+
+pytestmark = pytest.mark.slow
+
+#: A tool provider of the operator's own, declared idempotent (docs/contract.md §2), with
+#: the provider-wide lookup ``reconcile --auto`` asks.
+MAILER = """
+name = "mailer"
+base_url = "http://127.0.0.1:9"
+dialect = "flat"
+prices_taken = "2026-12-01"
+not_processed = [400, 429]
+lookup = "{base_url}/ops/{key}"
+
+[transient]
+500 = "unknown"
+502 = "unknown"
+503 = "unknown"
+504 = "unknown"
+
+[[endpoints]]
+path = "/v1/send"
+effect = "idempotent"
+idempotency = { header = "Idempotency-Key", window_seconds = 86400 }
+
+[models.default]
+per_call = "0.002"
+max_output_tokens = 0
+"""
+
+
+def declare_mailer(tmp_path: Path) -> Path:
+    """A ``--providers`` directory holding the mailer's declaration."""
+    folder = tmp_path / "providers"
+    folder.mkdir()
+    (folder / "mailer.toml").write_text(MAILER)
+    return folder
+
+
+def crash_mid_send(ledger: Path, fake: FakeProvider, providers: Path, key: str) -> None:
+    """One keyed email through a proxy that dies once the provider has answered."""
+    proxy = start_proxy(
+        ledger,
+        upstreams={"mailer": fake.url},
+        args=("--providers", str(providers)),
+        env={"EFFECTGUARD_CRASH_AT": "after:dispatch"},
+    )
+    try:
+        with pytest.raises(httpx.TransportError):
+            httpx.post(
+                proxy.url + "/mailer/v1/send",
+                json={"to": "a@example.com", "subject": "night"},
+                headers={"Idempotency-Key": key},
+                timeout=30,
+            )
+        assert proxy.process.wait(15) == -signal.SIGKILL
+    finally:
+        proxy.kill()
+
+
+def unknown_calls(ledger: Path) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = cli_json(
+        "calls", "--ledger", str(ledger), "--state", "effect_unknown"
+    )
+    return calls
+
+
+def test_auto_without_the_providers_flag_says_which_calls_it_could_not_ask(
+    tmp_path: Path,
+) -> None:
+    """README step 5 is `effectguard reconcile --auto`. Run so, without the `--providers`
+    that declares the call's provider, it used to answer "no effect-unknown calls with a
+    lookup path" and exit 0, while a call of a provider that declares one waited: the
+    operator concluded there was nothing to look up. It must name the provider it does not
+    know and the flag that loads it; with the flag, the lookup decides the call."""
+    ledger = tmp_path / "ledger.db"
+    providers = declare_mailer(tmp_path)
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash_mid_send(ledger, fake, providers, "night-1")
+        assert len(fake.effects()) == 1
+
+        bare = cli_run("reconcile", "--auto", "--ledger", str(ledger))
+        assert bare.returncode == 0, bare.stderr
+        assert "mailer" in bare.stderr and "--providers" in bare.stderr, (
+            f"reconcile --auto skipped a call of an undeclared provider in silence: "
+            f"stdout {bare.stdout!r}, stderr {bare.stderr!r}"
+        )
+        (call,) = unknown_calls(ledger)  # nothing was decided, and it says so
+        assert call["provider"] == "mailer"
+        as_json = cli_run("reconcile", "--auto", "--ledger", str(ledger), "--json")
+        assert as_json.stdout.strip() == "[]" and "mailer" in as_json.stderr
+
+        results = cli_json(
+            "reconcile",
+            "--auto",
+            "--ledger",
+            str(ledger),
+            "--providers",
+            str(providers),
+            "--upstream",
+            f"mailer={fake.url}",
+        )
+        assert [(r["call_id"], r["result"]) for r in results] == [(call["call_id"], "applied")]
+        assert unknown_calls(ledger) == []
+        assert len(fake.effects()) == 1
