@@ -121,3 +121,38 @@ def test_auto_without_the_providers_flag_says_which_calls_it_could_not_ask(
         assert [(r["call_id"], r["result"]) for r in results] == [(call["call_id"], "applied")]
         assert unknown_calls(ledger) == []
         assert len(fake.effects()) == 1
+
+
+def test_a_decision_about_an_older_attempt_says_nothing_was_decided_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """The operator ran `show` (attempt 1), then the client's keyed resend inside the
+    window went out as attempt 2 and was cut off too. The `reconcile ... --attempt 1`
+    `show` printed is refused, rightly; its message used to be "this evidence is about
+    attempt 1 of call C; the call's last attempt is 2": neither that nothing was
+    recorded, nor what to do. It must say both, naming the attempt to look at."""
+    ledger = tmp_path / "ledger.db"
+    providers = declare_mailer(tmp_path)
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash_mid_send(ledger, fake, providers, "night-2")
+        crash_mid_send(ledger, fake, providers, "night-2")  # the keyed resend, attempt 2
+        assert len(fake.effects()) == 1  # the provider deduplicated the resend
+        (call,) = cli_json("calls", "--ledger", str(ledger))
+        assert (call["stage"], call["attempts"]) == ("in_flight", 2), call
+        refused = cli_run(
+            "reconcile",
+            call["call_id"],
+            "--ledger",
+            str(ledger),
+            "--not-applied",
+            "--note",
+            "no such email",
+            "--attempt",
+            "1",
+        )
+        assert refused.returncode == 3, refused.stderr
+        message = refused.stderr
+        assert "nothing was decided" in message and "attempt 2" in message, message
+        assert f"effectguard show {call['call_id']}" in message, message
+        (still,) = unknown_calls(ledger)
+        assert still["stage"] == "effect_unknown"

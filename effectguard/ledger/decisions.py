@@ -16,7 +16,11 @@ from effectguard.rules.events import (
     CallResendAuthorized,
     Event,
 )
-from effectguard.rules.guidance import accept_evidence_command, applied_by_earlier_attempt
+from effectguard.rules.guidance import (
+    accept_evidence_command,
+    applied_by_earlier_attempt,
+    show_command,
+)
 from effectguard.rules.money import MAX_CALL_NANOS, nanos_to_usd
 from effectguard.rules.workstate import WorkState
 
@@ -111,9 +115,13 @@ def check_attempt(state: WorkState, attempt: int | None) -> None:
     about the newer one."""
     call_id, current = state.call_id, state.attempts
     if attempt is not None and current != attempt:
+        # Say what was not done and what to do: the person examined an attempt that a
+        # resend has since followed, and must look at the newer one before deciding.
         raise ReconcileError(
-            f"this evidence is about attempt {attempt} of call {call_id}; the call's last "
-            f"attempt is {current}",
+            f"call {call_id}: this decision is about attempt {attempt}, but attempt "
+            f"{current} began since, so nothing was decided (what was checked says nothing "
+            f"of attempt {current}); look at it with `{show_command(call_id)}`, then "
+            "decide anew about that attempt",
             call_id=call_id,
         )
 
