@@ -156,3 +156,41 @@ def test_a_decision_about_an_older_attempt_says_nothing_was_decided_and_what_to_
         assert f"effectguard show {call['call_id']}" in message, message
         (still,) = unknown_calls(ledger)
         assert still["stage"] == "effect_unknown"
+
+
+def _stale_alert_description() -> str:
+    """The shipped `EffectguardUnknownEffectStale` rule's description, as written."""
+    rules = (Path(__file__).parent.parent / "grafana" / "prometheus" / "alerts.yml").read_text()
+    rule = rules.split("alert: EffectguardUnknownEffectStale", 1)[1].split("- alert:", 1)[0]
+    (line,) = [x for x in rule.splitlines() if x.strip().startswith("description:")]
+    return line.split("description:", 1)[1].strip().strip('"')
+
+
+def test_the_pages_description_names_commands_that_run_in_the_runbooks_order(
+    tmp_path: Path,
+) -> None:
+    """The page an operator wakes to is the alert's description. It said `effectguard
+    reconcile CALL --applied|--not-applied --note TEXT` (a command no shell runs as
+    written) and never `show`, the step that finds a late answer before a decision
+    (docs/operations.md, step 3). Every command it names must run as written, with CALL
+    replaced by the unknown call's id and the provider label filled in, and `show` must
+    come before any decision."""
+    ledger = tmp_path / "ledger.db"
+    providers = declare_mailer(tmp_path)
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash_mid_send(ledger, fake, providers, "night-3")
+    cli_run("reconcile", "--auto", "--ledger", str(ledger))  # takes the dead worker over
+    (call,) = unknown_calls(ledger)
+    described = _stale_alert_description().replace("{{ $labels.provider }}", "mailer")
+    commands = [c for c in described.split("`")[1::2] if c.startswith("effectguard ")]
+    assert any(c.startswith("effectguard show ") for c in commands), described
+    for command in commands:
+        argv = command.replace("CALL", call["call_id"]).split()[1:]
+        done = cli_run(*argv, "--ledger", str(ledger))
+        assert done.returncode == 0, f"{command!r} from the alert: {done.stderr}"
+        if argv[0] == "calls":
+            assert call["call_id"] in done.stdout, done.stdout
+        if argv[0] == "show":
+            assert f"effectguard reconcile {call['call_id']}" in done.stdout
+    (still,) = unknown_calls(ledger)  # what the page names decides nothing by itself
+    assert still["call_id"] == call["call_id"]
