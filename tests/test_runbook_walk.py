@@ -194,3 +194,22 @@ def test_the_pages_description_names_commands_that_run_in_the_runbooks_order(
             assert f"effectguard reconcile {call['call_id']}" in done.stdout
     (still,) = unknown_calls(ledger)  # what the page names decides nothing by itself
     assert still["call_id"] == call["call_id"]
+
+
+def test_a_lookup_that_reaches_nothing_says_where_the_call_went(tmp_path: Path) -> None:
+    """`reconcile --auto` with `serve`'s `--providers` but not its `--upstream`: the
+    lookup goes to the declaration's base URL, where nothing listens. Its note used to be
+    "lookup GET URL/ops/C failed: ConnectError", nothing more: the operator could not
+    tell that the call had gone elsewhere, nor which `--upstream` to give. The note must
+    name where the call's attempts were sent."""
+    ledger = tmp_path / "ledger.db"
+    providers = declare_mailer(tmp_path)
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash_mid_send(ledger, fake, providers, "night-4")
+        (result,) = cli_json(
+            "reconcile", "--auto", "--ledger", str(ledger), "--providers", str(providers)
+        )
+        assert result["result"] == "unknown"
+        assert "failed" in result["note"] and fake.url in result["note"], result["note"]
+        (call,) = unknown_calls(ledger)
+        assert call["call_id"] == result["call_id"]

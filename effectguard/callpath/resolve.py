@@ -298,7 +298,10 @@ class Resolver:
                 _fetch(send, request), lookup.timeout_s
             )
         except (httpx.HTTPError, TimeoutError) as exc:
-            return Evidence("unknown", by, f"lookup {shown} failed: {type(exc).__name__}")
+            # Where the lookup asked elsewhere than the call went (a `reconcile --auto`
+            # without serve's --upstream), that is most likely why it reached nothing.
+            aside = "" if blind is None else f"; {blind}"
+            return Evidence("unknown", by, f"lookup {shown} failed: {type(exc).__name__}{aside}")
         reading = lookups.read_answer(
             status,
             body,
