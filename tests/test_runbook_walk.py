@@ -8,6 +8,7 @@ from the fake provider's receipt log only.
 
 from __future__ import annotations
 
+import html
 import signal
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,35 @@ def test_a_lookup_that_reaches_nothing_says_where_the_call_went(tmp_path: Path) 
         assert "failed" in result["note"] and fake.url in result["note"], result["note"]
         (call,) = unknown_calls(ledger)
         assert call["call_id"] == result["call_id"]
+
+
+def test_the_page_offers_the_keyed_resend_show_offers_first(tmp_path: Path) -> None:
+    """A keyed call of a provider with an idempotency window, left unknown by a crash:
+    `show` offers first "resend the request with the same Idempotency-Key before T ...,
+    which the provider deduplicates", the way to settle it without a guess. The operator
+    page offered only "Not applied" and "Applied", so the operator working from the page
+    decided by guess. The page must say what `show` says first."""
+    from operatorkit import ADMIN_KEY, PAGE, config_text
+    from test_reconcile_auto import SEND, crash, email, upstreams
+
+    from effectguard.testing import running_proxy
+
+    ledger = tmp_path / "ledger.db"
+    config = tmp_path / "page.toml"
+    config.write_text(config_text())
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash(ledger, fake, "after:dispatch", SEND, email("a@x"), {"Idempotency-Key": "a"})
+        with running_proxy(ledger, upstreams=upstreams(fake), args=["--config", str(config)]) as p:
+            (call,) = unknown_calls(ledger)
+            shown = cli_json("show", call["call_id"], "--ledger", str(ledger))
+            first = shown["next_command"].split(" | ")[0]
+            assert first.startswith("resend the request with the same Idempotency-Key"), first
+            page = httpx.get(
+                f"{p.url}{PAGE}calls/{call['call_id']}",
+                headers={"authorization": f"Bearer {ADMIN_KEY}"},
+            )
+            assert page.status_code == 200, page.text
+            text = html.unescape(page.text)
+            assert first in text, f"the page does not offer {first!r}"
+            assert text.index(first) < text.index('id="reconcile-not_applied"')
+        assert len(fake.effects()) == 1

@@ -20,8 +20,8 @@ from effectguard.rules.guidance import (
     RESEND_AUTHORIZED,
     accept_evidence_command,
     next_command,
-    provider_resend_advice,
 )
+from effectguard.rules.resendfirst import resend_first
 
 __all__ = [
     "REQUEST_PREVIEW_CHARS",
@@ -198,19 +198,10 @@ def next_commands(
 
 
 def _inside_window(state: WorkState, events: list[StoredEvent], now: float | None) -> str | None:
-    """The keyed resend of an effect-unknown call admitted within its provider's
-    idempotency window (the rule of rules/admission: ``now - created_at <= window``), or
-    None. A key-less call's retry is not resent (contract §4), so it is not offered."""
-    window = state.idempotency_window_s
-    if now is None or state.stage != "effect_unknown" or state.idempotency_key is None:
-        return None
-    if window is None or now - state.created_at > window:
-        return None
-    deadline = iso(state.created_at + window)
-    if deadline is None:  # a time no date can show: no deadline to offer
-        return None
-    keys = [a["provider_key"] for a in attempts(events) if a["provider_key"]]
-    return provider_resend_advice(deadline, keys[-1] if keys else None)
+    """The keyed resend of an effect-unknown call inside its provider's idempotency
+    window (:func:`effectguard.rules.resendfirst.resend_first`, which the operator page
+    offers too), or None. A key-less call's retry is not resent (contract §4)."""
+    return None if now is None else resend_first(state, events, now, iso)
 
 
 def decisions(events: list[StoredEvent]) -> list[str]:

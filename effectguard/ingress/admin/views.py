@@ -32,6 +32,7 @@ from effectguard.rules.events import AttemptLateAnswer, StoredEvent
 from effectguard.rules.guidance import against_applied
 from effectguard.rules.liveness import may_still_answer
 from effectguard.rules.periods import TOTAL
+from effectguard.rules.resendfirst import resend_first
 from effectguard.rules.workstate import WorkState
 
 #: Longest request or response body shown on a call's page (the rest is cut, and said so).
@@ -264,11 +265,14 @@ def _decide_forms(
     warning: str | None,
     gone: str | None,
     applied: AttemptLateAnswer | None = None,
+    resend: str | None = None,
 ) -> str:
     """The decisions open (``warning``: why the call must not be resent, if it must not;
     ``gone``: why the owner of a call in flight will not finish it; ``applied``: a late
     answer that says the provider applied the call (evidence.applied_unknown), which
-    puts "Applied" first and "Not applied" behind a warning, as ``show`` offers them)."""
+    puts "Applied" first and "Not applied" behind a warning, as ``show`` offers them;
+    ``resend``: the keyed resend inside the provider's window, offered first, as ``show``
+    offers it)."""
     if warning is not None and state.next_operation != "reconcile":
         return (
             f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
@@ -280,6 +284,11 @@ def _decide_forms(
             f"(next operation: {esc(state.next_operation)}).</p>"
         )
     forms = [_taking_over(gone)] if gone is not None else []
+    if resend is not None:  # settles the call without a guess, where the client can
+        forms.append(
+            f'<p class="flash">First: {esc(resend)}. Decide below only if that client '
+            "cannot resend.</p>"
+        )
     if warning is not None:  # its authorized resend is void; the decision is still open
         forms.append(f'<p class="flash error">{esc(warning)}; decide it below.</p>')
     names = list(DECISIONS)
@@ -346,6 +355,13 @@ def _taking_over(gone: str) -> str:
     )
 
 
+def _when_shown(at: float) -> str | None:
+    """:func:`when`, or None for a time no date can show."""
+    with contextlib.suppress(ValueError, OverflowError, OSError):
+        return when(at)
+    return None
+
+
 def call_page(
     state: WorkState,
     events: Sequence[StoredEvent],
@@ -359,10 +375,11 @@ def call_page(
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     warning = evidence.resend_warning(state, evidence.applied_late(events))
     applied = evidence.applied_unknown(state, events)
+    resend = resend_first(state, events, now, _when_shown)
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
         f"{_summary(state, manifest, now, warning, owner_gone)}"
-        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, applied)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, applied, resend)}"
         f"<h2>Evidence</h2>{_evidence(events)}"
         f"<h2>Attempts</h2>{_attempts(events)}"
         f"<h2>Request</h2>{_request(manifest)}"
