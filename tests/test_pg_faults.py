@@ -598,8 +598,9 @@ def test_a_commit_whose_answer_never_comes_is_given_up_and_found_out(
     every request of the replica with it."""
     from effectguard.ledger.pgdeadline import WRITE_WAIT_S
 
-    # A lease that outlasts the silence: with the default (15 s) it lapses meanwhile, and
-    # the rerun batch is refused 503 (a lapsed worker starts no new dispatch).
+    # A lease that outlasts the silence, so this is about the writer alone: while
+    # heartbeats queued in the writer, the default lease (15 s) lapsed meanwhile and the
+    # rerun batch was refused 503 (a lapsed worker starts no new dispatch).
     config = tmp_path / "effectguard.toml"
     config.write_text(f"[server]\nlease_s = {WRITE_WAIT_S * 4:g}\n")
     log_path = tmp_path / "proxy.log"
@@ -632,3 +633,51 @@ def _post_quietly(url: str, body: dict[str, Any], headers: dict[str, str]) -> No
     """POST and ignore the outcome (the replica it went to is killed under it)."""
     with contextlib.suppress(httpx.HTTPError):
         httpx.post(url + CHAT, json=body, headers=headers, timeout=600)
+
+
+def _taken_over(url: str) -> list[Any]:
+    """The ``worker.taken_over`` events of the ledger at ``url``."""
+    import psycopg
+
+    schema = url.rpartition("schema=")[2]
+    with psycopg.connect(DSN) as conn:
+        query = f"SELECT data FROM {schema}.events WHERE kind = 'worker.taken_over'"
+        return [row[0] for row in conn.execute(query).fetchall()]
+
+
+def test_a_writer_slow_to_commit_does_not_cost_the_replica_its_lease(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A replica's writer waits for a commit's answer (as behind a batch of large answers
+    being recorded) for longer than the lease, while another replica sweeps. Before, the
+    heartbeat queued behind that write, the lease lapsed and the other replica took the
+    healthy replica over (``worker.taken_over``: its calls in flight ``effect_unknown``,
+    their answers refused). Now the lease is renewed beside the writer and nothing is
+    taken over; once the answer comes, the replica serves on, each call sent once."""
+    config = tmp_path / "lease.toml"
+    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\nsweep_s = 0.5\n")
+    flags = ["--config", str(config)]
+    upstreams = {"openai": provider.url}
+    with (
+        running_proxy(
+            via(pg_url, relay.port), upstreams=upstreams, args=flags, log_path=tmp_path / "a.log"
+        ) as busy,
+        running_proxy(pg_url, upstreams=upstreams, args=flags, log_path=tmp_path / "b.log"),
+        httpx.Client(base_url=busy.url, timeout=60) as client,
+    ):
+        body, headers = _chat("warm")
+        assert client.post(CHAT, json=body, headers=headers).status_code == 200
+        relay.stall("COMMIT", whole=True)  # the next commit of the busy replica's writer
+        _wait(lambda: relay.stalls == 1, "a commit of the busy replica's writer")
+        # Three leases: the other replica's sweeper takes a lapsed lease over within one
+        # lease and two sweeps. A bound to wait out, not a timing claim.
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline and not _taken_over(pg_url):
+            time.sleep(0.5)
+        taken = _taken_over(pg_url)
+        relay.release()
+        assert not taken, f"the busy replica was taken over: {taken}\n{busy.log()}"
+        body, headers = _chat("after")
+        answer = client.post(CHAT, json=body, headers=headers)
+        assert answer.status_code == 200, (answer.text, busy.log())
+    assert len(provider.effects()) == 2

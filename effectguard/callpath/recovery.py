@@ -214,10 +214,7 @@ class WorkerRuntime:
 
     async def heartbeat(self) -> None:
         """Renew the lease (the store refuses a fenced worker)."""
-        writer = self._writer()
-        await self.ledger.store.write(
-            writer, lambda tx: operations.heartbeat(tx, writer, self.lease_s)
-        )
+        await self.ledger.store.renew_lease(self._writer(), self.lease_s)
 
     async def sweep(self) -> list[str]:
         """Take over dead workers; returns the calls marked interrupted.

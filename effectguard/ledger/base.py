@@ -289,6 +289,11 @@ class LedgerStore(Protocol):
         result (a cancelled caller never stops a commit)."""
         ...
 
+    async def renew_lease(self, writer: Writer, lease_s: float) -> float:
+        """Renew ``writer``'s lease for ``lease_s`` from now (ledger clock); the new expiry.
+        :class:`~effectguard.errors.FencedError` if the store refuses the registration."""
+        ...
+
     async def clock_now(self) -> float:
         """The ledger's clock now: what admission would read (PostgreSQL: the database's)."""
         ...

@@ -69,6 +69,9 @@ class MemoryStore:
             raise LedgerUnavailable(f"ledger {self.url} is not open")
         return self._writer
 
+    async def renew_lease(self, writer: Writer, lease_s: float) -> float:
+        return await self.write(writer, lambda tx: operations.heartbeat(tx, writer, lease_s))
+
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         return await self.committer.submit(writer, op, orphaned)
 

@@ -25,7 +25,10 @@ give a worker's calls two owners. ``effectguard_now()`` adds the ledger's
 warning.
 
 Reads use a separate :class:`psycopg.AsyncConnection` in autocommit mode, so
-operator queries and metrics scrapes never queue behind writes.
+operator queries and metrics scrapes never queue behind writes. Lease renewals use a
+third, opened at the first heartbeat, so a heartbeat never waits behind the writer's
+queue (:mod:`effectguard.ledger.pglease`); where it cannot be opened or used (no
+connection slot left), the renewal goes through the writer as before.
 
 Schema: ``postgresql://…/db?schema=NAME`` keeps the ledger in schema ``NAME``
 (created by the migrations); without it the connection's ``search_path``
@@ -37,6 +40,7 @@ against each other.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -45,6 +49,7 @@ from effectguard.ledger import operations
 from effectguard.ledger.base import Operation, Orphaned, Writer, probe
 from effectguard.ledger.groupcommit import GroupCommitter
 from effectguard.ledger.pgdriver import psycopg
+from effectguard.ledger.pglease import LeaseConnection
 from effectguard.ledger.pgreader import PgReader
 from effectguard.ledger.pgschema import Target, migrate, redacted
 from effectguard.ledger.pgsession import CLOCK, PostgresSession
@@ -54,6 +59,8 @@ from effectguard.ledger.sqlreads import SqlReads
 __all__ = ["PostgresSession", "PostgresStore", "Target", "migrate", "redacted"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("effectguard.ledger")
 
 
 class PostgresStore(SqlReads):
@@ -66,6 +73,8 @@ class PostgresStore(SqlReads):
         self.target = Target.parse(url)
         self._writer: GroupCommitter[PostgresSession] | None = None
         self._reader: PgReader | None = None
+        self._lease = LeaseConnection(self.target)
+        self._lease_failing = False  # its failure was logged: not again until it works
 
     @property
     def committer(self) -> GroupCommitter[PostgresSession]:
@@ -93,6 +102,7 @@ class PostgresStore(SqlReads):
             raise
 
     async def close(self) -> None:
+        await self._lease.close()
         if self._reader is not None:
             await self._reader.close()
             self._reader = None
@@ -102,6 +112,22 @@ class PostgresStore(SqlReads):
 
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         return await self.committer.submit(writer, op, orphaned)
+
+    async def renew_lease(self, writer: Writer, lease_s: float) -> float:
+        try:
+            expires = await self._lease.renew(writer, lease_s)
+        except LedgerUnavailable as exc:
+            if not self._lease_failing:
+                log.warning(
+                    "lease renewal could not use its own connection (%s); renewing through "
+                    "the writer, behind its queued writes",
+                    exc,
+                    extra={"event": "lease_connection_failed"},
+                )
+                self._lease_failing = True
+            return await self.write(writer, lambda tx: operations.heartbeat(tx, writer, lease_s))
+        self._lease_failing = False
+        return expires
 
     async def clock_now(self) -> float:
         return float((await self._fetch(CLOCK))[0][0])

@@ -95,6 +95,9 @@ class SqliteStore(SqliteReads):
             sqlitefork.closed(self._open_here)
             self._open_here = None
 
+    async def renew_lease(self, writer: Writer, lease_s: float) -> float:
+        return await self.write(writer, lambda tx: operations.heartbeat(tx, writer, lease_s))
+
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         try:
             return await self.committer.submit(writer, op, orphaned)
