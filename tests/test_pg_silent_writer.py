@@ -13,6 +13,7 @@ connections again, the replica serves again, and nothing is paid twice.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -25,8 +26,9 @@ import httpx
 import pytest
 from pgkit import NEEDS_PG, pg_url, server_port, shorter_waits, via
 
+from effectguard.ledger.daemonthreads import END_WAIT_S
 from effectguard.ledger.pgdeadline import WRITE_WAIT_S
-from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing import FakeProvider, fake_provider, running_proxy, start_proxy
 
 _ = (pg_url,)  # fixtures
 
@@ -202,3 +204,45 @@ def _verify(url: str) -> str:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
+
+
+def test_serve_stops_within_its_bound_when_the_ledger_path_goes_silent(
+    pg_url: str, relay: SilentRelay, provider: FakeProvider, tmp_path: Path
+) -> None:
+    """SIGTERM while the ledger's path is silent, a request waiting in its admission:
+    ``serve`` exits within its drain bound (twice ``drain_timeout_s``, the 5 s waits for
+    markings and admissions, and the close's 10 s wait for the writer thread). Before,
+    closing the ledger joined the writer thread with no bound: it waited for the silent
+    round trip to be given up (30 s) and for reconnects to fail, past any orchestrator's
+    stop timeout, and an orchestrator had to SIGKILL it."""
+    drain_s = 1.0
+    config = tmp_path / "drain.toml"
+    config.write_text(f"[server]\ndrain_timeout_s = {drain_s:g}\n")
+    bound_s = 2 * drain_s + 15 + END_WAIT_S + 10  # the documented bound, and a margin
+    proxy = start_proxy(
+        via(pg_url, relay.port),
+        upstreams={"openai": provider.url},
+        args=["--config", str(config)],
+        log_path=tmp_path / "proxy.log",
+    )
+    try:
+        assert _post(proxy.url, "warm", 30).status_code == 200
+        relay.freeze()
+        asker = threading.Thread(target=_ask_quietly, args=(proxy.url, "stuck"), daemon=True)
+        asker.start()
+        asker.join(1.0)  # in its admission, on the silent path (or just about to be)
+        proxy.kill(signal.SIGTERM)
+        try:
+            code = proxy.process.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve had not exited {bound_s:g} s after SIGTERM:\n{proxy.log()}")
+    finally:
+        proxy.kill()
+        proxy.process.wait(timeout=30)
+    assert code == 0, proxy.log()
+    assert len(provider.effects()) == 1  # the warm-up; the stuck request was never sent
+
+
+def _ask_quietly(base: str, key: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        _post(base, key, ANSWER_BOUND_S)

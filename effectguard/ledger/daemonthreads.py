@@ -112,14 +112,7 @@ class DaemonThreads(Executor):
         A transport's close returns only once its threads have ended: a program may fork
         after it (docs/contract.md §1.2), and a thread still running then may hold a lock
         (OpenSSL's, the allocator's) that the child inherits held, and hangs on."""
-        deadline = time.monotonic() + timeout
-        while (left := self._alive()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        warn_left(left, timeout)
-
-    def _alive(self) -> list[threading.Thread]:
-        me = threading.current_thread()
-        return [t for t in self._threads if t.is_alive() and t is not me]
+        await threads_ended(self._threads, timeout)
 
     def _cancel_queued(self) -> None:
         while True:
@@ -129,6 +122,28 @@ class DaemonThreads(Executor):
                 return
             if job is not None:
                 job[0].cancel()
+
+
+async def threads_ended(threads: list[threading.Thread], timeout: float = END_WAIT_S) -> None:
+    """Wait, without blocking the loop, until each of ``threads`` (told to end) has ended,
+    for at most ``timeout``; warn naming each one still running then."""
+    deadline = time.monotonic() + timeout
+    while (left := _alive(threads)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    warn_left(left, timeout)
+
+
+def join_ended(threads: list[threading.Thread], timeout: float = END_WAIT_S) -> None:
+    """:func:`threads_ended` for a caller with no event loop to keep going (it blocks)."""
+    deadline = time.monotonic() + timeout
+    for thread in _alive(threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    warn_left(_alive(threads), timeout)
+
+
+def _alive(threads: list[threading.Thread]) -> list[threading.Thread]:
+    me = threading.current_thread()
+    return [t for t in threads if t.is_alive() and t is not me]
 
 
 def warn_left(threads: list[threading.Thread], timeout: float) -> None:

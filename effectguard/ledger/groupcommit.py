@@ -34,6 +34,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from effectguard.errors import LedgerUnavailable
 from effectguard.ledger.base import Operation, Orphaned, Tx, Writer, probe
+from effectguard.ledger.daemonthreads import join_ended, threads_ended
 
 T = TypeVar("T")
 S = TypeVar("S", bound="Session")
@@ -163,10 +164,21 @@ class GroupCommitter(Generic[S]):
         return result
 
     def stop(self) -> None:
-        """Finish queued work and close the session."""
+        """Finish queued work and close the session; wait for that at most
+        :data:`~effectguard.ledger.daemonthreads.END_WAIT_S` (blocking)."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join()
+            join_ended([self._thread])
+
+    async def aclose(self) -> None:
+        """:meth:`stop` without blocking the loop. A writer stuck in a round trip with a
+        database that stopped answering is left to end when that call returns (it is a
+        daemon: the process may exit first, as after a crash, and the next sweeper settles
+        what it was committing); a close waiting for it with no bound hung shutdown past
+        any orchestrator's stop timeout."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            await threads_ended([self._thread])
 
     # -- the writer thread -------------------------------------------------
     def _run(self) -> None:

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+from effectguard.ledger.daemonthreads import join_ended
 from effectguard.ledger.pgdriver import psycopg
 
 log = logging.getLogger("effectguard.ledger")
@@ -83,7 +84,7 @@ class WriteDeadline:
     def close(self) -> None:
         """End the watchdog and let go of the socket."""
         self._stopped.set()
-        self._thread.join()
+        join_ended([self._thread])  # it wakes within a second, unless a log handler hangs
         if self._socket is not None:
             self._socket.close()
 

@@ -107,8 +107,8 @@ class PostgresStore(SqlReads):
             await self._reader.close()
             self._reader = None
         if self._writer is not None:
-            self._writer.stop()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            await writer.aclose()
 
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         return await self.committer.submit(writer, op, orphaned)
