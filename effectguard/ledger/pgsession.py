@@ -9,10 +9,11 @@ rows it keeps between batches (:mod:`effectguard.ledger.pgkept`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-from effectguard.errors import LedgerCorrupt, LedgerUnavailable
+from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import bodystore, endedsessions, pgfate
 from effectguard.ledger.base import WorkerRow
 from effectguard.ledger.groupcommit import Fate
@@ -49,6 +50,8 @@ from effectguard.rules.keys import LedgerKey
 from effectguard.rules.ratelimit import RateWindow
 from effectguard.rules.workstate import WorkState
 
+log = logging.getLogger("effectguard.ledger")
+
 #: Reads the ledger's clock (the writer's ``now`` and the store's ``clock_now``).
 CLOCK = f"SELECT {CLOCK_FUNCTION}()"
 
@@ -76,6 +79,7 @@ class PostgresSession:
 
     def __init__(self, target: Target) -> None:
         self._target = target
+        self._refused_newer = False  # a reconnect found a newer release's ledger: logged
         self._deadline = WriteDeadline()  # unarmed here: migrations may take minutes
         try:
             self.conn = self._open(first=True)
@@ -104,10 +108,25 @@ class PostgresSession:
             synchronous_commit="on",
         )
         try:
-            # Refused at the first open only: a reconnect mid-run keeps the errors the
-            # write path knows (a later release's writer format still refuses its writes).
-            migrate_on(conn, self._target, refuse_newer=first)
+            # A reconnect (a failover, a restarted server) checks as the start does: a
+            # newer release may have migrated the ledger meanwhile, and this one would
+            # write beside its rules whether or not it raised the writer format.
+            migrate_on(conn, self._target)
             clock_offset(conn)
+        except ConfigError as exc:
+            conn.close()
+            if first:
+                raise  # serve's start refuses the ledger (exit 2)
+            # Every batch reconnects and is refused so (503 ledger_unavailable, nothing
+            # sent) until this process is replaced; the writer thread carries on.
+            if not self._refused_newer:
+                log.error(
+                    "%s; this process writes nothing more to it",
+                    exc,
+                    extra={"event": "ledger_newer"},
+                )
+                self._refused_newer = True
+            raise LedgerUnavailable(str(exc)) from exc
         except BaseException:
             conn.close()
             raise
