@@ -359,6 +359,11 @@ def test_a_connection_the_server_closed_while_idle_is_reopened(
     assert answers == [200, 200, 200]
     assert len(provider.effects()) == 3
     assert "ok" in _ledger(pg_url, "verify")
+    # psycopg warns of the lost connection (a Pipeline error ignored); the log must say
+    # what came of it, or an operator reads a failure that did not happen.
+    log = log_path.read_text()
+    reconnected = "ledger writer reconnected: the server had closed its connection while idle"
+    assert log.count(reconnected) == 3, log
 
 
 def test_a_table_locked_by_another_session_is_503_not_a_hang(

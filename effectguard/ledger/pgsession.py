@@ -141,22 +141,25 @@ class PostgresSession:
     def begin(self) -> None:
         try:
             self._begin()
-        except psycopg.OperationalError:
+        except psycopg.OperationalError as exc:
             if not self.conn.closed:
                 raise
             # The server ended the session while it sat idle (a restart, a failover, an
             # idle timeout): nothing of this batch was sent, so begin it once more.
-            self._begin()
+            self._begin(f"the server had closed its connection while idle ({_first_line(exc)})")
 
-    def _reconnect(self) -> None:
+    def _reconnect(self, why: str) -> None:
         self._kept.forget()
         self.conn = self._open()
+        # psycopg's own warning about the lost connection (``error ignored terminating
+        # <psycopg.Pipeline [BAD]>``) says nothing of what came after: this line does.
+        log.warning("ledger writer reconnected: %s", why, extra={"event": "ledger_reconnected"})
 
-    def _begin(self) -> None:
+    def _begin(self, why: str = "its connection had been lost") -> None:
         self._deadline.arm()  # disarmed by commit or rollback (below, if this fails)
         try:
             if self.conn.closed:  # the server ended the session: reconnect for this batch
-                self._reconnect()
+                self._reconnect(why)
             self._reset()
             with self.conn.pipeline():
                 self.conn.execute("BEGIN")
@@ -204,7 +207,7 @@ class PostgresSession:
             return "unknown"  # it wrote no event to recognise it by
         self._deadline.arm()  # a path that went silent may be silent still
         try:
-            self._reconnect()
+            self._reconnect("to find out whether the batch its lost connection ran committed")
             return "committed" if pgfate.committed(self.conn, self._batch_key, lost) else "lost"
         except (psycopg.Error, LedgerUnavailable):
             return "unknown"
@@ -417,3 +420,8 @@ class PostgresSession:
     def put_ended_session(self, token_sha256: str, expires_at: float, purge_before: float) -> None:
         params = (purge_before, token_sha256, token_sha256, expires_at)
         self._send(endedsessions.POSTGRES_END, params, savepoint=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line (psycopg's messages may go on with hints and details)."""
+    return str(exc).strip().split("\n", 1)[0]
