@@ -108,7 +108,19 @@ def parse_form(raw: bytes) -> list[tuple[str, str]]:
             errors="strict",
         )
     except (UnicodeDecodeError, ValueError) as exc:
-        raise Malformed(f"request body is not a valid form: {exc}") from exc
+        raise Malformed(f"request body is not a valid form: {_form_fault(exc, raw)}") from exc
+
+
+def _form_fault(exc: ValueError, raw: bytes) -> str:
+    """Why a form did not parse, in a bounded line: the parser's own message quotes the
+    whole offending field, which for a JSON body sent as a form (``curl -d`` without a
+    ``Content-Type``) is the whole prompt."""
+    reason = str(exc)
+    if reason.startswith("bad query field"):
+        reason = "a field has no '=' (name=value)"
+    if raw.lstrip()[:1] in (b"{", b"["):
+        reason += "; it reads as JSON: send JSON with Content-Type: application/json"
+    return reason
 
 
 def boundary_of(content_type: str) -> bytes:

@@ -72,13 +72,22 @@ class Grant:
         spool_path = body.spool.path if body.spool is not None else None
         if self.models is None or not (body.data or spool_path):
             return  # a bodiless request (e.g. a GET) chooses no model
-        model = _model_of(body.data, content_type, spool_path)
+        allowed = ", ".join(self.models)
+        try:
+            model = _model_of(body.data, content_type, spool_path)
+        except bodies.Malformed as exc:  # say why, rather than "names no model"
+            raise Refusal(
+                403,
+                "model_forbidden",
+                f"this key may only call {allowed}, and this request names no model "
+                f"it could read: {exc}",
+            ) from exc
         if model not in self.models:
             named = "names no model" if model is None else f"asks for model {model!r}"
             raise Refusal(
                 403,
                 "model_forbidden",
-                f"this request {named}; this key may only call {', '.join(self.models)}",
+                f"this request {named}; this key may only call {allowed}",
             )
 
 
@@ -86,24 +95,22 @@ def _model_of(body: bytes, content_type: str | None, spool_path: str | None) -> 
     """The ``model`` the body names as the guard reads it to price the call (a JSON
     field, or a form or multipart field: an upload is priced by its ``model`` part, so a
     key allowed that model must be able to send it); None when it names none, names it
-    twice (the guard refuses that anyway) or does not parse."""
+    twice (the guard refuses that anyway) or is not JSON; :class:`bodies.Malformed` when
+    a form or multipart body does not parse as one."""
     kind = bodies.kind_of(content_type)
     if kind == "json":
         return _json_model(body)
     named: list[str | None]
-    try:
-        if kind == "form":
-            named = [value for name, value in bodies.parse_form(body) if name == "model"]
-        else:
-            ctype = content_type or ""
-            parts = (
-                bodies.parse_multipart(body, ctype)
-                if spool_path is None
-                else bodies.parse_multipart_file(spool_path, ctype)
-            )
-            named = [part.value for part in parts if part.name == "model"]
-    except bodies.Malformed:
-        return None
+    if kind == "form":
+        named = [value for name, value in bodies.parse_form(body) if name == "model"]
+    else:
+        ctype = content_type or ""
+        parts = (
+            bodies.parse_multipart(body, ctype)
+            if spool_path is None
+            else bodies.parse_multipart_file(spool_path, ctype)
+        )
+        named = [part.value for part in parts if part.name == "model"]
     return named[0] if len(named) == 1 and isinstance(named[0], str) else None
 
 
