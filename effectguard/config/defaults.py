@@ -40,6 +40,11 @@ READ_TIMEOUT_S = 600.0
 #: The upstream leg's connections in use at once, all upstreams together (as many as the
 #: old httpx limits allowed). A request past it waits, unsent, up to ``connect_timeout_s``.
 UPSTREAM_CONNECTIONS = 1000
+#: How long the upstream legs (the proxy's and the transports' own pools) keep an idle
+#: connection for reuse: under the most common upstream keep-alive timeout, 5 s (uvicorn,
+#: so vLLM; Node; Apache). At 5 s, as both legs had it, a call sent just before the
+#: upstream's close crossed it on the wire, was lost unread and booked effect_unknown.
+UPSTREAM_KEEPALIVE_S = 4.0
 #: How often each replica re-reads the ledger's proxy keys: a key created or revoked
 #: anywhere is honoured by every replica within about this long.
 KEY_REFRESH_S = 2.0

@@ -30,14 +30,16 @@ from httpx_aiohttp.transport import map_aiohttp_exceptions
 from effectguard.callpath.exchange import Headers, Outbound, decoded
 from effectguard.config import defaults
 from effectguard.ingress import spool
-from effectguard.ingress.aiopool import PoolConnector
+from effectguard.ingress.aiopool import PoolConnector, PooledRequest, StaleConnection
 
 if TYPE_CHECKING:
     from effectguard.config.settings import ServeSettings
 
-#: httpx's default keep-alive expiry, kept from the httpx-aiohttp leg.
-KEEPALIVE_S = 5.0
 _URL_CACHE_SIZE = 1024
+#: Connections a request may find closed by the upstream before one carries it: every
+#: pooled connection to an upstream that restarted can be dead at once, though aiohttp
+#: drops most of them itself once it has read their close.
+STALE_TRIES = 4
 #: Header fields an upstream answer may carry. aiohttp's default (128) refused answers
 #: the transports take (h11 bounds only the head, at 100 KiB), as effect_unknown. With
 #: aiohttp's 8190-byte bound per field this keeps one answer's head under 32 MiB, half
@@ -157,11 +159,14 @@ class AiohttpLeg:
         connector = PoolConnector(
             limit=self._limits[0],
             limit_per_host=self._limits[1],
-            keepalive_timeout=KEEPALIVE_S,
+            keepalive_timeout=defaults.UPSTREAM_KEEPALIVE_S,
             ssl=self._ssl,
         )
         session = aiohttp.ClientSession(
-            connector=connector, trust_env=False, max_headers=MAX_ANSWER_FIELDS
+            connector=connector,
+            trust_env=False,
+            max_headers=MAX_ANSWER_FIELDS,
+            request_class=PooledRequest,
         )
         # aiohttp resends a PUT, DELETE or GET by itself, once, when a reused keep-alive
         # connection fails (RFC 9112 §9.3.1.1): a second send the ledger never records,
@@ -172,15 +177,35 @@ class AiohttpLeg:
         return session
 
     async def send(self, request: Outbound) -> AiohttpUpstream:
-        """Send ``request``; its answer with the body still to read."""
+        """Send ``request``; its answer with the body still to read.
+
+        A connection the upstream closed before anything was written on it
+        (:class:`~effectguard.ingress.aiopool.StaleConnection`) carried nothing: the request
+        goes on the next one, a fresh one once the pool's are used up. After
+        ``STALE_TRIES`` such connections it is not sent (``httpx.ConnectError``)."""
         session = self._session or self._open()
         headers = decoded(request.headers)
+        if request.spool is not None:
+            headers.append(("content-length", str(request.spool.size)))
+        for tries_left in range(STALE_TRIES - 1, -1, -1):
+            try:
+                return await self._send_once(session, request, headers)
+            except httpx.TransportError as exc:
+                stale = exc.__cause__
+                if not isinstance(stale, StaleConnection):
+                    raise
+                if not tries_left:
+                    raise httpx.ConnectError(f"{type(stale).__name__}: {stale}") from stale
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _send_once(
+        self, session: aiohttp.ClientSession, request: Outbound, headers: list[tuple[str, str]]
+    ) -> AiohttpUpstream:
         data: Any = request.body or None
         if request.spool is not None:
             # Opened here, so a file gone before the send is "not sent"; from then on
             # aiohttp's body writer owns it, however early the upstream answers.
             data = spool.SpoolReader.open(request.spool)
-            headers.append(("content-length", str(request.spool.size)))
         try:
             with _translated():
                 response = await session.request(

@@ -16,6 +16,11 @@ The pools are async transports of any kind: ``httpx.AsyncHTTPTransport`` for
 sync ``httpx.HTTPTransport`` run on its own threads
 (:class:`~effectguard.ingress.syncinner.SyncInner`), since a hung provider's calls hold
 their threads as they hold their connections.
+
+Each pool keeps an idle connection for ``UPSTREAM_KEEPALIVE_S`` (4 s), not httpx's 5 s:
+an upstream whose own keep-alive timeout is 5 s closed a connection just as the next
+call, 4.9 s after the last, was sent on it, and that call was lost unread and booked
+``effect_unknown`` (docs/contract.md, "Kept-alive connections").
 """
 
 from __future__ import annotations
@@ -25,7 +30,15 @@ from collections.abc import Callable, Iterable
 
 import httpx
 
+from effectguard.config import defaults
 from effectguard.ingress.syncinner import SyncInner
+
+#: httpx's default limits, but for how long an idle connection is kept.
+LIMITS = httpx.Limits(
+    max_connections=100,
+    max_keepalive_connections=20,
+    keepalive_expiry=defaults.UPSTREAM_KEEPALIVE_S,
+)
 
 #: An origin as httpx reads a URL: scheme, host (lowered) and port (None: the default).
 Origin = tuple[bytes, bytes, int | None]
@@ -86,10 +99,12 @@ class OriginPools(httpx.AsyncBaseTransport):
 def async_pools(origins: Iterable[Origin]) -> OriginPools:
     """The default upstream leg of :class:`~effectguard.AsyncGuardTransport`, a pool for
     each of ``origins``."""
-    return OriginPools(lambda tls: httpx.AsyncHTTPTransport(verify=tls), origins)
+    return OriginPools(lambda tls: httpx.AsyncHTTPTransport(verify=tls, limits=LIMITS), origins)
 
 
 def sync_pools(origins: Iterable[Origin]) -> OriginPools:
     """The default upstream leg of :class:`~effectguard.GuardTransport`: each of
     ``origins``' sync pool with threads of its own."""
-    return OriginPools(lambda tls: SyncInner(httpx.HTTPTransport(verify=tls)), origins)
+    return OriginPools(
+        lambda tls: SyncInner(httpx.HTTPTransport(verify=tls, limits=LIMITS)), origins
+    )
