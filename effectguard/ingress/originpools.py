@@ -20,7 +20,7 @@ their threads as they hold their connections.
 Each pool keeps an idle connection for ``UPSTREAM_KEEPALIVE_S`` (4 s), not httpx's 5 s:
 an upstream whose own keep-alive timeout is 5 s closed a connection just as the next
 call, 4.9 s after the last, was sent on it, and that call was lost unread and booked
-``effect_unknown`` (docs/contract.md, "Kept-alive connections").
+``effect_unknown`` (docs/contract.md §12, "Kept-alive connections the upstream closes").
 """
 
 from __future__ import annotations
