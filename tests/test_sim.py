@@ -770,7 +770,9 @@ def test_seed_from_the_list_keeps_every_invariant(
     if ledger == "postgres" and not PG_DSN:
         pytest.skip("needs EFFECTGUARD_TEST_PG_DSN")
     ledger_faults = "ledger-faults" in options
-    if ledger_faults and (ledger != "sqlite" or os.geteuid() != 0):
+    if ledger_faults and ledger == "postgres" and (reason := unavailable_reason()) is not None:
+        pytest.skip(f"ledger-faults: {reason}")
+    if ledger_faults and ledger == "sqlite" and os.geteuid() != 0:
         pytest.skip("ledger-faults: a SQLite ledger remounted read-only needs root")
     if "clock-steps" in options and (reason := faketime.unavailable_reason()) is not None:
         pytest.skip(f"clock-steps: {reason}")
