@@ -666,8 +666,8 @@ STAGE_ROWS = [
     *[([f"@{s}", "--applied", "--note", "n"], "nothing to reconcile") for s in SETTLED],
     *[([f"@{s}", "--not-applied", "--note", "n"], "nothing to reconcile") for s in SETTLED],
     # An in-flight call whose worker lives (its lease runs): say how it becomes decidable.
-    (["@in_flight", "--applied", "--note", "n"], "Wait, then `effectguard show` it"),
-    (["@in_flight", "--not-applied", "--note", "n"], "or its lease has passed"),
+    (["@in_flight", "--applied", "--note", "n"], "decided. Wait, then `effectguard show "),
+    (["@in_flight", "--not-applied", "--note", "n"], "else once its lease has run out"),
     (["@unknown", "--accept-evidence"], "has no late answer recorded for attempt 1"),
     (["@unknown_late", "--accept-evidence"], "it proves nothing, so it decides nothing"),
     (["call_nothere", "--resend", "--note", "n"], "no call 'call_nothere'"),
