@@ -178,7 +178,8 @@ def test_the_key_events_are_read_through_their_index(tmp_path: Path) -> None:
     """SQLite reads both key-event queries through ``events_keys`` (migration 20), not by
     a scan of every event: the queries' list of kinds is the index's, literally."""
     from effectguard.ledger.queries import SQLITE
-    from effectguard.ledger.sqliteschema import connect, migrate
+    from effectguard.ledger.sqliteconnect import connect
+    from effectguard.ledger.sqliteschema import migrate
 
     conn = connect(str(tmp_path / "ledger.db"))
     migrate(conn)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from effectguard.ledger import pgschema, sqliteschema
+from effectguard.ledger import pgschema, sqliteconnect, sqliteschema
 from effectguard.ledger.queries import SQLITE
 from effectguard.ledger.sqlparts import UNRESOLVED_SQL, stage_list
 from effectguard.rules.workstate import UNRESOLVED
@@ -54,7 +54,7 @@ def test_lookups_by_stage_read_only_unresolved_calls(
 ) -> None:
     """Every lookup of calls by stage reads the partial index of unresolved calls, not
     every call (there is no index of all calls by stage)."""
-    conn = sqliteschema.connect(str(tmp_path / "l.db"))
+    conn = sqliteconnect.connect(str(tmp_path / "l.db"))
     try:
         sqliteschema.migrate(conn)
         plan = conn.execute("EXPLAIN QUERY PLAN " + sql, params)
@@ -75,7 +75,7 @@ def test_lookups_by_stage_read_only_unresolved_calls(
 def test_retry_lookups_use_their_partial_index(tmp_path: Path, sql: str, index: str) -> None:
     """SQLite answers a retry's lookups by hash (an unresolved call, a call decided
     applied or not applied) from small partial indexes, not by a scan of every call."""
-    conn = sqliteschema.connect(str(tmp_path / "l.db"))
+    conn = sqliteconnect.connect(str(tmp_path / "l.db"))
     try:
         sqliteschema.migrate(conn)
         limit = (16,) if sql.endswith("LIMIT ?") else ()  # find_decided's limit
@@ -98,7 +98,7 @@ def test_listing_calls_newest_first_walks_the_calls_key(
 ) -> None:
     """Calls list newest first by walking the calls table's own key (call ids start with
     their time) backwards: no sort of every call, and no index of every call to write."""
-    conn = sqliteschema.connect(str(tmp_path / "l.db"))
+    conn = sqliteconnect.connect(str(tmp_path / "l.db"))
     try:
         sqliteschema.migrate(conn)
         plan = conn.execute("EXPLAIN QUERY PLAN " + sql, params)

@@ -25,11 +25,11 @@ from effectguard.errors import LedgerUnavailable
 from effectguard.ledger import operations, sqlitefork
 from effectguard.ledger.base import Operation, Orphaned, Writer, probe
 from effectguard.ledger.inlinecommit import InlineCommitter
+from effectguard.ledger.sqliteconnect import BUSY_TIMEOUT_MS
 from effectguard.ledger.sqlitefile import create_owner_only, sqlite_path
 from effectguard.ledger.sqlitefrozen import open_or_frozen
 from effectguard.ledger.sqlitereader import SqliteReader
 from effectguard.ledger.sqlitereads import SqliteReads
-from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ledger.sqlitesession import SqliteSession
 
 __all__ = ["SqliteSession", "SqliteStore", "sqlite_path"]

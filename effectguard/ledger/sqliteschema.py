@@ -1,7 +1,7 @@
-"""How a SQLite ledger file is opened and how its tables are made (migrations).
+"""How a SQLite ledger's tables are made (migrations).
 
-``connect`` refuses to run without WAL and ``synchronous=FULL``; ``migrate``
-applies pending migrations, each recorded in the transaction that applies it.
+``migrate`` applies pending migrations, each recorded in the transaction that applies it
+(a connection to the file: :func:`~effectguard.ledger.sqliteconnect.connect`).
 """
 
 from __future__ import annotations
@@ -10,11 +10,8 @@ import sqlite3
 import time
 from collections.abc import Callable
 
-from effectguard.errors import LedgerCorrupt
 from effectguard.ledger import sqlitecalls, sqliteevents, versions, writerformat
 from effectguard.ledger.sqlparts import KEY_KINDS_SQLITE, NOT_APPLIED_INDEX
-
-BUSY_TIMEOUT_MS = 5000
 
 #: A migration step: SQL text, or a function of the connection (inside the migration's
 #: transaction) where rows must be rewritten in Python.
@@ -440,25 +437,6 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
         ["ALTER TABLE rate_windows ADD COLUMN reached INTEGER", *writerformat.sqlite_require(6)],
     ),
 ]
-
-
-def connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(
-        path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000
-    )
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    writerformat.declare_sqlite(conn)  # the ledger refuses writes from older releases
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = FULL")
-    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-    sync = conn.execute("PRAGMA synchronous").fetchone()[0]
-    if str(mode).lower() != "wal" or int(sync) != 2:
-        conn.close()
-        raise LedgerCorrupt(
-            f"{path}: refusing to run without WAL and synchronous=FULL "
-            f"(got journal_mode={mode}, synchronous={sync})"
-        )
-    return conn
 
 
 def migrate(conn: sqlite3.Connection) -> None:

@@ -31,10 +31,11 @@ from effectguard.ledger.rows import (
     worker_from_row,
     worker_params,
 )
+from effectguard.ledger.sqliteconnect import BUSY_TIMEOUT_MS, connect
 from effectguard.ledger.sqlitefile import file_identity
 from effectguard.ledger.sqlitefrozen import connect_frozen
 from effectguard.ledger.sqliterecords import events_from_row
-from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS, connect, migrate
+from effectguard.ledger.sqliteschema import migrate
 from effectguard.ledger.sqlparts import HEAD, NEXT_GENERATION, upsert
 from effectguard.rules.bodyref import SpooledBody
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, Key

@@ -45,8 +45,9 @@ from effectguard.callpath.crash import NO_CRASH, CrashPoints
 from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
 from effectguard.ledger import sqlitecalls, sqliteevents, sqliterecords
 from effectguard.ledger.sqlite import sqlite_path
+from effectguard.ledger.sqliteconnect import connect
 from effectguard.ledger.sqlitefile import check_ledger_file
-from effectguard.ledger.sqliteschema import connect, migrate
+from effectguard.ledger.sqliteschema import migrate
 from effectguard.ops import archivefile, archivenames
 from effectguard.ops.archiveplan import (
     ArchiveResult,

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger.sqlite import sqlite_path
+from effectguard.ledger.sqliteconnect import BUSY_TIMEOUT_MS
 from effectguard.ledger.sqliteevents import ROW_EVENTS, hex_digest
 from effectguard.ledger.sqlitefile import COMPANIONS, check_ledger_file
 from effectguard.ledger.sqlitefrozen import connect_frozen, or_frozen
-from effectguard.ledger.sqliteschema import BUSY_TIMEOUT_MS
 from effectguard.ops.outpath import Held, hold_new, new_file, partial_of, remove_left_over
 from effectguard.ops.render import say
 
