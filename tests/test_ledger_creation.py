@@ -40,7 +40,7 @@ START_AHEAD_S = 0.05
 #: The bound on one round's jobs (a ledger's creation takes milliseconds).
 ROUND_BOUND_S = 30.0
 #: The bound on a test's rounds: it stops there, however many it ran.
-ROUNDS_BOUND_S = 30.0
+ROUNDS_BOUND_S = 20.0
 
 
 class Users:
@@ -150,3 +150,34 @@ def test_two_serve_replicas_started_together_on_a_new_ledger_both_serve(tmp_path
                 proxy.stop()
         assert len(provider.effects()) == 2
     assert cli_main(["verify", "--ledger", str(ledger)]) == 0
+
+
+#: What a command that creates no ledger may say of a path where none was yet: "no ledger".
+NONE_YET = "no ledger at "
+
+
+def test_commands_run_while_a_program_creates_the_ledger_say_what_is_there(
+    tmp_path: Path,
+) -> None:
+    """A program starts a transport on a new path while, at the same moment, ``migrate``,
+    ``calls`` and ``verify`` run on it, round after round: the program and ``migrate``
+    succeed, and ``calls`` and ``verify`` either find no ledger yet (exit 2, "no ledger
+    at") or read the one made, never a file half made."""
+    wrong: list[dict[str, Any]] = []
+    paths: list[Path] = []
+    with users(4) as children:
+        for path in rounds(tmp_path, 40):
+            answers = children.run(["open", "migrate", "calls", "verify"], path)
+            paths.append(path)
+            for answer in answers:
+                creates = answer["action"] in ("open", "migrate")
+                none_yet = answer["code"] == 2 and answer["said"].startswith(
+                    f"effectguard: {NONE_YET}"
+                )
+                if answer["code"] != 0 and (creates or not none_yet):
+                    wrong.append(answer)
+            if wrong:
+                break
+    assert not wrong, f"round {len(paths)}: {wrong}"
+    assert len(paths) >= 10  # enough rounds ran for the meeting to happen
+    assert cli_main(["verify", "--ledger", str(paths[-1])]) == 0

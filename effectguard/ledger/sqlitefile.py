@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
 from effectguard.errors import ConfigError, LedgerUnavailable
 from effectguard.ledger import sqlitefrozen, versions
+from effectguard.ledger.sqliteconnect import BUSY_TIMEOUT_MS
 from effectguard.rules.urltext import redacted
 
 
@@ -44,6 +46,14 @@ def create_owner_only(path: str) -> None:
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
+
+#: How long a command waits at most for the tables of a ledger another program is creating.
+CREATING_S = BUSY_TIMEOUT_MS / 1000
+#: How recently that program must have written the file (or its ``-wal``) for the command
+#: to wait: a creation writes every few milliseconds until its tables are made.
+_CREATING_QUIET_S = 2.0
+#: How often the command looks again meanwhile.
+_CREATING_POLL_S = 0.02
 
 #: The files SQLite keeps beside a database ``F``: ``F-wal`` and ``F-shm`` in WAL mode,
 #: ``F-journal`` in rollback mode. SQLite overwrites, truncates or deletes them as it sees
@@ -99,6 +109,34 @@ def _tables(path: str) -> set[str]:
     return {row[0] for row in rows}
 
 
+def _tables_made(path: str) -> set[str]:
+    """The tables of the SQLite database at ``path``, once another program that is creating
+    a ledger there has made them.
+
+    ``serve``, ``migrate`` and a transport create a ledger as an empty file, then give it
+    its tables in one transaction, so a command run at that moment found the file without
+    them, and said it was "not an effectguard ledger" (tests/test_ledger_creation). A file
+    without tables is read again while it (or its ``-wal``) was written in the last
+    :data:`_CREATING_QUIET_S`, for up to :data:`CREATING_S`; one left alone longer (an
+    empty file its owner made) is what it is.
+    """
+    deadline = time.monotonic() + CREATING_S
+    while True:
+        tables = _tables(path)
+        if tables or time.monotonic() >= deadline or not _just_written(path):
+            return tables
+        time.sleep(_CREATING_POLL_S)
+
+
+def _just_written(path: str) -> bool:
+    """Whether the file at ``path`` or its ``-wal`` was written in the last moments."""
+    latest = 0.0
+    for name in (path, path + "-wal"):
+        with contextlib.suppress(FileNotFoundError):
+            latest = max(latest, os.stat(name).st_mtime)
+    return abs(time.time() - latest) < _CREATING_QUIET_S
+
+
 def check_ledger_file(path: str, *, current: bool = True) -> None:
     """Refuse (``ConfigError``) a ``path`` that is not an effectguard SQLite ledger.
 
@@ -117,7 +155,7 @@ def check_ledger_file(path: str, *, current: bool = True) -> None:
         )
     if not file.is_file():
         raise ConfigError(f"{path} is not a file: no ledger there (use --ledger)")
-    if "migrations" not in _tables(path):
+    if "migrations" not in _tables_made(path):
         raise ConfigError(
             f"{path} is not an effectguard ledger (effectguard migrate --ledger PATH makes one)"
         )
