@@ -40,7 +40,7 @@ START_AHEAD_S = 0.05
 #: The bound on one round's jobs (a ledger's creation takes milliseconds).
 ROUND_BOUND_S = 30.0
 #: The bound on a test's rounds: it stops there, however many it ran.
-ROUNDS_BOUND_S = 20.0
+ROUNDS_BOUND_S = 40.0
 
 
 class Users:
@@ -110,24 +110,21 @@ def rounds(tmp: Path, count: int) -> Iterator[Path]:
         yield folder / "ledger.db"
 
 
-@pytest.mark.parametrize("made", [False, True], ids=["no-file", "empty-file"])
-def test_programs_creating_one_ledger_at_once_all_start(tmp_path: Path, made: bool) -> None:
+def test_programs_creating_one_ledger_at_once_all_start(tmp_path: Path) -> None:
     """Four programs start a guarded transport on one new ledger at the same moment, round
-    after round: every one starts, and the ledger they made verifies. The same where the
-    path is an empty file its owner made (``touch``), which they make a ledger in place."""
+    after round: every one starts, and the ledger they made verifies. (An empty file its
+    owner made, ``touch``, is the same case: each program finds an empty file there.)"""
     failed: list[dict[str, Any]] = []
     paths: list[Path] = []
     with users(4) as children:
-        for path in rounds(tmp_path, 100):
-            if made:
-                path.touch(mode=0o600)
+        for path in rounds(tmp_path, 160):
             answers = children.run(["open"] * 4, path)
             paths.append(path)
             failed += [a for a in answers if a["code"] != 0]
             if failed:
                 break
     assert not failed, f"round {len(paths)}: {failed}"
-    assert len(paths) >= 10  # enough rounds ran for the meeting to happen
+    assert len(paths) >= 20  # enough rounds ran for the meeting to happen (1 in 5 to 40)
     assert cli_main(["verify", "--ledger", str(paths[-1])]) == 0
 
 

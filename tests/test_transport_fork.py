@@ -254,8 +254,9 @@ def test_a_child_forked_with_the_sqlite_ledger_open_is_refused_it(
     ledger = tmp_path / "ledger.db"
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(CHILD_OWN_TRANSPORT))
-    # Made first: two children creating a fresh file at the same instant can meet SQLite's
-    # "database is locked" on switching it to WAL, which is no fork's doing.
+    # Made first, so that only forks are tested here: two children creating a fresh file
+    # at the same instant is test_ledger_creation's (it met SQLite's "database is locked"
+    # on the switch to WAL until 2026-12-05).
     made = subprocess.run(
         [sys.executable, "-m", "effectguard", "migrate", "--ledger", str(ledger)],
         capture_output=True,
