@@ -29,6 +29,7 @@ import httpx
 import pytest
 from operatorkit import CHAT, chat_body
 
+from effectguard.ledger.sqliteschema import MIGRATIONS
 from effectguard.ops.cli import main as cli_main
 from effectguard.testing import fake_provider, start_proxy
 
@@ -178,3 +179,22 @@ def test_commands_run_while_a_program_creates_the_ledger_say_what_is_there(
     assert not wrong, f"round {len(paths)}: {wrong}"
     assert len(paths) >= 10  # enough rounds ran for the meeting to happen
     assert cli_main(["verify", "--ledger", str(paths[-1])]) == 0
+
+
+def test_of_two_migrates_at_once_on_a_new_path_one_says_it_created_the_ledger(
+    tmp_path: Path,
+) -> None:
+    """Two ``effectguard migrate`` run at the same moment on a path with no ledger: one says
+    it created the ledger, the other that it found it up to date (both said "created")."""
+    said: list[list[str]] = []
+    with users(2) as children:
+        for path in rounds(tmp_path, 10):
+            answers = children.run(["migrate", "migrate"], path)
+            assert [a["code"] for a in answers] == [0, 0], answers
+            said.append(sorted(a["out"].split(": ", 1)[1] for a in answers))
+    last = len(MIGRATIONS)
+    expected = [
+        f"created: {last} migrations applied, now at migration {last}",
+        f"up to date at migration {last}; nothing applied",
+    ]
+    assert said == [expected] * len(said)

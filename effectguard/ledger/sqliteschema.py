@@ -439,9 +439,10 @@ MIGRATIONS: list[tuple[int, str, list[Step]]] = [
 ]
 
 
-def migrate(conn: sqlite3.Connection) -> None:
+def migrate(conn: sqlite3.Connection) -> list[int]:
     """Apply pending migrations, each recorded in the transaction that applies it; refuse
-    (``ConfigError``, nothing written) a ledger a newer release migrated."""
+    (``ConfigError``, nothing written) a ledger a newer release migrated. Returns the
+    versions this call applied (none where another connection applied them first)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute(
@@ -475,3 +476,4 @@ def migrate(conn: sqlite3.Connection) -> None:
         raise
     if done:  # not a new ledger's creation: an upgrade
         versions.announce(applied)
+    return [version for version, _ in applied]

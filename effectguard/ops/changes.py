@@ -24,6 +24,7 @@ from effectguard.ops.command import (
     check_ledger_place,
     count,
     ledger_option,
+    migrate_ledger,
     path_arg,
     provider_options,
     set_check,
@@ -305,14 +306,17 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     """``effectguard migrate``: create or upgrade the ledger's tables."""
     check_ledger_place(args.ledger)  # a directory or a foreign file: exit 2, not a migration
 
-    before = applied_versions(args.ledger)
+    # What this process applied: another starting at the same moment (a replica, a second
+    # migrate) may apply them first. Read before and after, both said "created".
+    applied = migrate_ledger(args.ledger)
 
     async def job() -> None:
         async with Ledger.open(args.ledger):
-            pass  # opening a store applies its pending migrations, each in its own transaction
+            pass  # the store opens as serve's does (nothing left to apply)
 
     asyncio.run(job())
     after = applied_versions(args.ledger)
+    before = [version for version in after if version not in applied]
     say(f"ledger {shown_ledger(args.ledger)}: {migrated(before, after)}")
     return EXIT_OK
 

@@ -160,6 +160,32 @@ def applied_versions(url: str) -> list[int]:
     return sqlitefile.applied_versions(sqlitefile.sqlite_path(url))
 
 
+def migrate_ledger(url: str) -> list[int]:
+    """Apply the pending migrations to the ledger at ``url`` (a SQLite one is created, owner
+    only, where no file is); the versions this process applied, not those another process
+    opening the ledger at the same moment applied."""
+    if url.startswith("memory://"):
+        return []
+    if url.startswith(("postgresql://", "postgres://")):
+        from effectguard.ledger import pgschema
+
+        return pgschema.migrate(url)
+    import sqlite3
+
+    from effectguard.ledger import sqliteconnect, sqlitefile, sqliteschema
+
+    path = sqlitefile.sqlite_path(url)
+    sqlitefile.create_owner_only(path)
+    try:
+        conn = sqliteconnect.connect(path)
+        try:
+            return sqliteschema.migrate(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:  # as the store's open says it
+        raise LedgerUnavailable(f"cannot open ledger {path}: {exc}") from exc
+
+
 def check_ledger(url: str) -> None:
     """Refuse (``ConfigError``) a ledger URL or path that names no ledger (a SQLite file,
     a PostgreSQL schema): a command that is not ``migrate`` or ``serve`` must not create

@@ -7,10 +7,10 @@ Usage::
 Started once (its imports take far longer than the work), it then reads one job a line
 from stdin, ``INSTANT ACTION PATH``, does it at ``INSTANT`` (``time.monotonic``, the same
 clock in every process), and prints one JSON line,
-``{"action", "code", "said"}``: ``code`` 0 for a success, else the exit status the
-command gave (or 1 for an exception), and ``said`` what it printed on stderr or the
-exception. Its parent gives the same instant to several children, so they meet on the
-path as programs started at one moment do.
+``{"action", "code", "said", "out"}``: ``code`` 0 for a success, else the exit status
+the command gave (or 1 for an exception), ``said`` what it printed on stderr or the
+exception, ``out`` what it printed on stdout. Its parent gives the same instant to
+several children, so they meet on the path as programs started at one moment do.
 
 Actions: ``open`` starts an ``AsyncGuardTransport`` on the ledger (its ``guard()``) and
 closes it; any other word is an ``effectguard`` command run with ``--ledger PATH``
@@ -50,23 +50,23 @@ def wait_until(instant: float) -> None:
         pass
 
 
-def run(action: str, path: str, instant: float) -> tuple[int, str]:
-    """Do one job at ``instant``: its exit code and what it said."""
+def run(action: str, path: str, instant: float) -> tuple[int, str, str]:
+    """Do one job at ``instant``: its exit code, what it said on stderr and on stdout."""
     if action == "open":
         try:
             asyncio.run(open_transport(path, instant))
         except Exception as exc:
-            return 1, f"{type(exc).__name__}: {exc}"
-        return 0, ""
-    err = io.StringIO()
+            return 1, f"{type(exc).__name__}: {exc}", ""
+        return 0, "", ""
+    err, out = io.StringIO(), io.StringIO()
     wait_until(instant)
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = cli_main([action, "--ledger", path])
-    return code, err.getvalue().strip()
+    return code, err.getvalue().strip(), out.getvalue().strip()
 
 
 if __name__ == "__main__":
     for line in sys.stdin:
         instant, action, path = line.rstrip("\n").split(" ", 2)
-        code, said = run(action, path, float(instant))
-        print(json.dumps({"action": action, "code": code, "said": said}), flush=True)
+        code, said, out = run(action, path, float(instant))
+        print(json.dumps({"action": action, "code": code, "said": said, "out": out}), flush=True)
