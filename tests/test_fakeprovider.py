@@ -474,6 +474,21 @@ def test_behaviour_moved_answers_a_redirect_with_an_absolute_location(
     assert receipts[0]["behaviour"] == "moved=/v1/x?a=1"
 
 
+def test_behaviour_trickle_sends_the_whole_answer_a_byte_at_a_time(
+    provider: FakeProvider,
+) -> None:
+    """trickle=S: the headers at once, then every byte of the answer as its own write, S
+    seconds apart; the answer is whole, and the receipt names the behaviour."""
+    trickled = {"x-fake-behaviour": "trickle=0.001"}
+    with httpx.stream("POST", provider.url + CHAT, json={"model": "m"}, headers=trickled) as r:
+        assert r.status_code == 200
+        reads = list(r.iter_raw())
+    body = b"".join(reads)
+    assert json.loads(body)["usage"]["total_tokens"] > 0
+    assert len(reads) > len(body) // 4  # read as it trickled, never in one piece
+    assert provider.receipts()[0]["behaviour"] == "trickle=0.001"
+
+
 def test_behaviour_pad_makes_answers_larger_and_still_well_formed(provider: FakeProvider) -> None:
     """pad=N: a JSON body N bytes longer (trailing whitespace), a stream with its first event
     repeated; both still parse and still end with their usage."""

@@ -16,6 +16,9 @@ SPEC is ``;``-separated ``name=value`` items (a bare name means ``name=1``):
 ``reset=K``     send K chunks, then reset the connection (TCP RST)
 ``endless``     never end the answer: a JSON body is followed by whitespace, a
                 stream's first event is repeated, until the client goes away
+``trickle=S``   send the headers at once, then the answer one byte every S
+                seconds, to its end (or until the client goes away): an
+                upstream that is never silent for long, yet never done
 ``pad=N``       make the answer about N bytes larger (a JSON body: trailing
                 whitespace; a stream: its first event repeated), then end it
                 as usual
@@ -75,6 +78,8 @@ class Behaviour:
     times: int | None = None
     pad: int = 0
     moved: str | None = None
+    #: Seconds between the answer's bytes (None: sent as fast as the connection takes).
+    trickle: float | None = None
 
     def render(self) -> str:
         """The header value that :func:`parse` turns back into this behaviour."""
@@ -95,6 +100,8 @@ class Behaviour:
             items.append(f"pad={self.pad}")
         if self.moved is not None:
             items.append(f"moved={self.moved}")
+        if self.trickle is not None:
+            items.append(f"trickle={self.trickle:g}")
         return ";".join(items)
 
 
@@ -117,6 +124,7 @@ def parse(text: str) -> Behaviour:
         "endless",
         "pad",
         "moved",
+        "trickle",
     }
     unknown = fields.keys() - known
     if unknown:
@@ -140,6 +148,7 @@ def parse(text: str) -> Behaviour:
         times=int(fields["times"]) if "times" in fields else None,
         pad=int(fields.get("pad", "0")),
         moved=fields.get("moved"),
+        trickle=float(fields["trickle"]) if "trickle" in fields else None,
     )
 
 
@@ -171,17 +180,36 @@ def padded(reply: Reply, pad: int) -> Reply:
 
 
 async def send_answer(
-    request: web.Request, reply: Reply, ending: Ending, after: int
+    request: web.Request, reply: Reply, behaviour: Behaviour
 ) -> web.StreamResponse:
-    """Send ``reply`` and end it as ``ending`` says (after ``after`` chunks).
+    """Send ``reply`` as ``behaviour`` says: padded, then ended as its ``ending`` says
+    (after ``after`` chunks), or with ``trickle``, whole, a byte every ``trickle`` seconds.
 
     A peer that went away first (a killed proxy) is not an error here: aiohttp
     ignores the connection error it meets on the unsent response returned then.
     """
+    reply = padded(reply, behaviour.pad)
     try:
-        return await _send(request, reply, ending, after)
+        if behaviour.trickle is not None:
+            return await _send_trickled(request, reply, behaviour.trickle)
+        return await _send(request, reply, behaviour.ending, behaviour.after)
     except ConnectionError:
         return web.StreamResponse()
+
+
+async def _send_trickled(request: web.Request, reply: Reply, every: float) -> web.StreamResponse:
+    """The headers now (a body's length declared), then the answer a byte at a time."""
+    response = web.StreamResponse(status=reply.status, headers=dict(reply.headers))
+    response.content_type = reply.content_type
+    body = b"".join(reply.chunks)
+    if not reply.stream:
+        response.content_length = len(body)
+    await response.prepare(request)
+    for i in range(len(body)):
+        await response.write(body[i : i + 1])
+        await asyncio.sleep(every)
+    await response.write_eof()
+    return response
 
 
 async def _send(

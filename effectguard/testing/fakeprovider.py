@@ -81,7 +81,6 @@ from effectguard.testing.fakebehaviour import (
     TAG_HEADER,
     Behaviour,
     UseCounter,
-    padded,
     parse,
     send_answer,
 )
@@ -230,8 +229,7 @@ class _Provider:
             await self.log.append(seq, record)
         if behaviour.delay:
             await asyncio.sleep(behaviour.delay)
-        reply = padded(reply, behaviour.pad)
-        return await send_answer(request, reply, behaviour.ending, behaviour.after)
+        return await send_answer(request, reply, behaviour)
 
     async def lookup(self, request: web.Request) -> web.Response:
         """``GET /ops/{key}``: was an operation with this idempotency key applied?"""
