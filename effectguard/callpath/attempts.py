@@ -17,7 +17,14 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from effectguard.callpath.crash import CrashPoints
-from effectguard.callpath.exchange import Outbound, Reply, Send, header_value, read_body
+from effectguard.callpath.exchange import (
+    Outbound,
+    Reply,
+    Send,
+    Upstream,
+    header_value,
+    read_body,
+)
 from effectguard.callpath.outgoing import outgoing_request, past_lease
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, refuse, usage_of
 from effectguard.callpath.readonly import describe as _describe
@@ -176,18 +183,12 @@ class Attempts:
             content_type = header_value(response.headers, "content-type")
             coding = header_value(response.headers, "transfer-encoding")
             kind = answer_kind(response.status, content_type, prepared.stream, coding)
-            limit = self.settings.max_answer_bytes
             if kind == "stream":
-                stream = GuardedStream(
-                    self.recorder, prepared, admitted, response, sent_at, report, limit
-                )
-                headers = client_headers(response.headers, call_id)
-                return Reply(
-                    response.status, headers, stream=stream, extensions=response.extensions
-                )
+                return self._streamed(prepared, admitted, response, sent_at, report)
+            limit, within = self.settings.max_answer_bytes, self.settings.upstream_read_timeout_s
             try:
                 # Raw bytes: stored and forwarded exactly as received (we ask for identity).
-                body = None if kind == "not_http" else await read_body(response, limit)
+                body = None if kind == "not_http" else await read_body(response, limit, within)
             finally:
                 await response.aclose()
         except httpx.TransportError as exc:
@@ -216,6 +217,25 @@ class Attempts:
         if retried:
             raise _RetryAttempt(answer, None)
         return answer
+
+    def _streamed(
+        self,
+        prepared: Prepared,
+        admitted: Admitted,
+        response: Upstream,
+        sent_at: float,
+        report: CallReport,
+    ) -> Reply:
+        """An event stream's answer: forwarded as it arrives and observed at its end
+        (callpath/stream), cut off unless it ends ``upstream_stream_timeout_s`` after its
+        headers."""
+        s = self.settings
+        stream = GuardedStream(
+            self.recorder, prepared, admitted, response, sent_at, report, s.max_answer_bytes
+        )
+        stream.end_within(s.upstream_stream_timeout_s)
+        headers = client_headers(response.headers, admitted.call_id)
+        return Reply(response.status, headers, stream=stream, extensions=response.extensions)
 
     async def _transport_failed(
         self,

@@ -15,10 +15,13 @@ subclasses by every ``Send``, whatever client it uses: that is the vocabulary
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import httpx
 
 from effectguard.rules.bodyref import SpooledBody
 
@@ -122,8 +125,26 @@ class Upstream(Protocol):
 Send = Callable[[Outbound], Awaitable[Upstream]]
 
 
-async def read_body(upstream: Upstream, limit: int) -> bytes | None:
-    """The answer's raw bytes, or None once they grow past ``limit`` (read no further)."""
+async def read_body(upstream: Upstream, limit: int, within: float) -> bytes | None:
+    """The answer's raw bytes, or None once they grow past ``limit`` (read no further).
+
+    The whole body must arrive ``within`` seconds: an upstream that trickles it, never
+    silent for its read timeout, is otherwise read for as long as it keeps sending. Past
+    it, ``httpx.ReadTimeout``, as a read timeout after sending is (effect unknown)."""
+    try:
+        async with asyncio.timeout(within):  # one timer for the whole body
+            return await _chunks_up_to(upstream, limit)
+    except TimeoutError:
+        raise httpx.ReadTimeout(answer_too_slow("read_timeout_s", within)) from None
+
+
+def answer_too_slow(setting: str, seconds: float) -> str:
+    """Why an answer that did not arrive whole within ``setting`` (``seconds``) of its
+    headers was cut off, as a read timeout is: its upstream kept sending, never ending."""
+    return f"the answer did not end within {setting} ({seconds:g} s) of its headers"
+
+
+async def _chunks_up_to(upstream: Upstream, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size = 0
     async for chunk in upstream.aiter_raw():

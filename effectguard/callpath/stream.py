@@ -10,6 +10,10 @@ observed and settled durably before the stream's terminal event is released.
   to HTTP, and only the event stream itself knows it is incomplete (docs/contract.md §12).
 * A stream larger than ``max_answer_bytes`` is broken off there, as above: the whole
   of it is kept for the ledger, so an endless stream must not be read forever.
+* So is a stream that has not ended ``stream_timeout_s`` after its headers, as a read
+  timeout breaks it: an upstream that trickles, never silent for its read timeout, would
+  otherwise hold the call (its reservation, its connections, its client) for as long as
+  it kept sending. One timer per stream, cancelled when it settles.
 * A client that goes away (``aclose`` before the end) does not cancel the
   call: the upstream is read to its end in the background, then recorded and
   settled (docs/contract.md §3.8).
@@ -27,7 +31,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from effectguard.callpath.exchange import Upstream
+from effectguard.callpath.exchange import Upstream, answer_too_slow
 from effectguard.callpath.prepare import Prepared
 from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.timing import Ending, failed, own_time, waited
@@ -95,7 +99,26 @@ class GuardedStream:
         self._pulling = False
         #: What the client is shown, where effectguard asked for a usage event it did not.
         self._shown = AddedUsage() if prepared.usage_added else None
+        #: The end of ``stream_timeout_s`` (see :meth:`end_within`), until it settles.
+        self._deadline: asyncio.TimerHandle | None = None
         recorder.open_streams.add(self)
+
+    def end_within(self, seconds: float) -> None:
+        """Cut the stream off, as a read timeout would, unless it has settled ``seconds``
+        from now (0: no bound)."""
+        if seconds > 0:
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(seconds, self._too_slow, seconds)
+
+    def _too_slow(self, seconds: float) -> None:
+        """``stream_timeout_s`` is over: the stream is broken off where it stands, with the
+        read under way, if any, told why (:meth:`cut_off` does the same for a drain)."""
+        self._deadline = None
+        if self._settled or self._parser.finished:
+            return  # settled, or its end came in time and is being recorded now
+        why = answer_too_slow("stream_timeout_s", seconds)
+        self._cut_reason = why
+        self._recorder.spawn(self._broken(why, "timeout"))
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         shown = self._shown
@@ -115,6 +138,9 @@ class GuardedStream:
     def _settle(self) -> None:
         self._settled = True
         self._recorder.open_streams.discard(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     async def _pull(self, background: bool = False) -> AsyncIterator[bytes]:
         while True:

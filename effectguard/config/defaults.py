@@ -37,6 +37,9 @@ MAX_CONNECTIONS = 1024
 #: How long an idle kept-alive connection stays open.
 KEEP_ALIVE_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0
+#: The whole of an event stream, from its headers to its end (0: no bound). Generous: a
+#: long generation streams for minutes; a stream trickled without end must still stop.
+STREAM_TIMEOUT_S = 3600.0
 #: The upstream leg's connections in use at once, all upstreams together (as many as the
 #: old httpx limits allowed). A request past it waits, unsent, up to ``connect_timeout_s``.
 UPSTREAM_CONNECTIONS = 1000

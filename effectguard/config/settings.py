@@ -40,7 +40,8 @@ Config file reference (every table optional)::
 
     [upstream]
     connect_timeout_s = 10
-    read_timeout_s = 600
+    read_timeout_s = 600        # each wait for the next bytes; a plain answer's whole body
+    stream_timeout_s = 3600     # a whole event stream, from its headers (0: no bound)
     max_connections = 1000      # connections to upstreams in use at once, all together
     max_connections_per_upstream = 500  # to one upstream origin (default: half of the
                                 # above), so one that never answers cannot take them all
@@ -84,6 +85,7 @@ from effectguard.config.keysettings import AdminSettings as AdminSettings
 from effectguard.config.keysettings import ProxyKey as ProxyKey
 from effectguard.config.keysettings import admin_settings, proxy_keys
 from effectguard.config.keysettings import hash_key as hash_key
+from effectguard.config.upstreamtable import upstream_table
 from effectguard.errors import ConfigError
 from effectguard.providers import Provider, load_providers, upstream_argument
 from effectguard.rules import budget as budgets
@@ -112,9 +114,13 @@ class GuardSettings:
     #: A billable answer (body or event stream) is read to at most this many bytes; past
     #: it the attempt is interrupted (effect unknown), never held whole in memory.
     max_answer_bytes: int = defaults.MAX_ANSWER_BYTES
-    #: The transports' upstream read and write timeout (the proxy's is ``[upstream]
-    #: read_timeout_s``); a caller's own httpx timeout bounds only its own wait.
+    #: The upstream read and write timeout (``[upstream] read_timeout_s``): each wait for
+    #: the next bytes, and a plain answer's whole body from its headers. A transport
+    #: caller's own httpx timeout bounds only its own wait.
     upstream_read_timeout_s: float = defaults.READ_TIMEOUT_S
+    #: An event stream's whole answer, from its headers (``[upstream] stream_timeout_s``;
+    #: 0: no bound): past it the stream is cut off as a read timeout is.
+    upstream_stream_timeout_s: float = defaults.STREAM_TIMEOUT_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,14 +320,18 @@ def _serve_settings(
     """The settings the file (and environment) give, before flags override them."""
     d = defaults
     lease, heartbeat = _lease(server)
-    pool = _upstream_pool(upstream)
+    up = upstream_table(upstream)
     return ServeSettings(
         ledger=_ledger_of(raw, source) or d.ledger_from(env),
         host=values.host(server, "host", d.HOST, "server"),
         port=values.listen_port(server),
         providers=providers,
         provider_keys=keys_from_environment(providers, env),
-        guard=_guard(guard),
+        guard=dataclasses.replace(
+            _guard(guard),
+            upstream_read_timeout_s=up.read_timeout_s,
+            upstream_stream_timeout_s=up.stream_timeout_s,
+        ),
         budget_limits=_budget_limits(raw, source),
         keys=(keys := tuple(proxy_keys(raw, source))),
         admin=admin_settings(_table(raw, "admin", source), source, env, keys),
@@ -335,12 +345,10 @@ def _serve_settings(
         metrics_host=values.host(server, "metrics_host", d.HOST, "server"),
         metrics_port=values.port(server, "metrics_port"),
         provider_ports=values.ports(server, "provider_ports"),
-        connect_timeout_s=values.positive(
-            upstream, "connect_timeout_s", d.CONNECT_TIMEOUT_S, "upstream"
-        ),
-        read_timeout_s=values.positive(upstream, "read_timeout_s", d.READ_TIMEOUT_S, "upstream"),
-        upstream_connections=pool[0],
-        upstream_connections_per_origin=pool[1],
+        connect_timeout_s=up.connect_timeout_s,
+        read_timeout_s=up.read_timeout_s,
+        upstream_connections=up.connections,
+        upstream_connections_per_origin=up.connections_per_origin,
         lease_s=lease,
         heartbeat_s=heartbeat,
         sweep_s=values.positive(server, "sweep_s", d.SWEEP_S, "server"),
@@ -404,24 +412,6 @@ def _lease(server: Mapping[str, Any]) -> tuple[float, float]:
             "lease lapses between renewals"
         )
     return lease, heartbeat
-
-
-def _upstream_pool(upstream: Mapping[str, Any]) -> tuple[int, int]:
-    """``[upstream]`` max_connections, and max_connections_per_upstream: half of it unless
-    set, so that one upstream holding its connections unanswered (up to ``read_timeout_s``
-    each) leaves the other half to every other provider."""
-    total = values.whole(
-        upstream, "max_connections", defaults.UPSTREAM_CONNECTIONS, "upstream", above_zero=True
-    )
-    per_origin = values.whole(
-        upstream, "max_connections_per_upstream", max(1, total // 2), "upstream", above_zero=True
-    )
-    if per_origin > total:
-        raise ConfigError(
-            f"upstream.max_connections_per_upstream: must be at most upstream.max_connections "
-            f"({total}), which bounds all upstreams together"
-        )
-    return total, per_origin
 
 
 def _hook_spec(guard: Mapping[str, Any]) -> str | None:
