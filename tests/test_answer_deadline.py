@@ -19,18 +19,21 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import respx
 from conftest import FAST
 
 from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.config.settings import GuardSettings, load_settings
 from effectguard.errors import ConfigError
+from effectguard.ledger import Ledger
 from effectguard.ops.cli import main as cli_main
+from effectguard.rules.events import AttemptInterrupted
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
 CHAT = "/v1/chat/completions"
@@ -222,3 +225,87 @@ def test_stream_timeout_is_read_from_the_upstream_table(tmp_path: Path) -> None:
         config.write_text(f"[upstream]\nstream_timeout_s = {bad}\n")
         with pytest.raises(ConfigError, match=r"upstream\.stream_timeout_s"):
             load_settings(config=config)
+
+
+# -- in process: what the bounds leave alone, and a stream nobody reads -------------------
+
+OPENAI = "https://api.openai.com/v1/chat/completions"
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"y"}}]}\n\n'
+END = b'data: {"choices":[],"usage":' + json.dumps(USAGE).encode() + b"}\n\ndata: [DONE]\n\n"
+
+
+class Paced(httpx.AsyncByteStream):
+    """An event stream sent an event every ``pause`` seconds: ``events`` of them and its
+    end, or without end (``events`` None); counts what it was asked for."""
+
+    def __init__(self, pause: float, events: int | None) -> None:
+        self.pause, self.events, self.sent = pause, events, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while self.events is None or self.sent < self.events:
+            await asyncio.sleep(self.pause)
+            self.sent += 1
+            yield EVENT
+        yield END
+
+
+async def _interrupted(ledger: Ledger, call_id: str) -> list[str]:
+    return [
+        e.event.reason
+        for e in await ledger.events(call_id)
+        if isinstance(e.event, AttemptInterrupted)
+    ]
+
+
+async def test_a_stream_outlasting_the_read_timeout_completes_with_no_stream_bound(
+    make_transport: Callable[..., AsyncGuardTransport],
+    finish: Callable[[AsyncGuardTransport], Awaitable[None]],
+) -> None:
+    """``read_timeout_s`` bounds a plain answer's body, never a stream's; and
+    ``stream_timeout_s = 0`` is no bound: a stream of six events 0.1 s apart, under a
+    0.2 s read timeout, is forwarded whole and the call completes."""
+    settings = dataclasses.replace(FAST, upstream_read_timeout_s=0.2, upstream_stream_timeout_s=0)
+    transport = make_transport(settings=settings)
+    client = httpx.AsyncClient(transport=transport)
+    with respx.mock(assert_all_called=True) as mock:
+        stream = Paced(0.1, events=6)
+        mock.post(OPENAI).respond(200, stream=stream, headers={"content-type": "text/event-stream"})
+        async with client.stream("POST", OPENAI, json=chat(stream=True)) as response:
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
+    assert body.endswith(b"data: [DONE]\n\n")
+    call = await transport.ledger.call(response.headers[CALL_ID])
+    assert (call.stage, call.held) == ("completed", 0)
+    await finish(transport)
+
+
+async def test_a_stream_its_client_left_is_cut_off_at_its_bound(
+    make_transport: Callable[..., AsyncGuardTransport],
+    finish: Callable[[AsyncGuardTransport], Awaitable[None]],
+) -> None:
+    """A stream whose client went away is read in the background (contract §3.8); one that
+    never ends is cut off at ``stream_timeout_s`` there too, and no longer read."""
+    settings = dataclasses.replace(FAST, upstream_stream_timeout_s=0.5)
+    transport = make_transport(settings=settings)
+    client = httpx.AsyncClient(transport=transport)
+    with respx.mock(assert_all_called=True) as mock:
+        endless = Paced(0.02, events=None)
+        mock.post(OPENAI).respond(
+            200, stream=endless, headers={"content-type": "text/event-stream"}
+        )
+        async with client.stream("POST", OPENAI, json=chat(stream=True)) as response:
+            call_id = response.headers[CALL_ID]
+            async for _ in response.aiter_raw():
+                break
+        for _ in range(500):
+            if (await transport.ledger.call(call_id)).stage != "in_flight":
+                break
+            await asyncio.sleep(0.01)
+        call = await transport.ledger.call(call_id)
+        assert (call.stage, call.held) == ("effect_unknown", call.reserved_at_admission)
+        reasons = await _interrupted(transport.ledger, call_id)
+        assert len(reasons) == 1 and "stream_timeout_s (0.5 s)" in reasons[0], reasons
+        sent = endless.sent
+        await asyncio.sleep(0.2)
+        assert endless.sent <= sent + 1  # no longer read (but for a read under way)
+    await finish(transport)
