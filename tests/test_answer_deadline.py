@@ -139,6 +139,9 @@ def _check_receipts(fake: FakeProvider) -> None:
 def test_the_proxy_cuts_off_trickled_answers_while_good_calls_complete(
     tmp_path: Path, fake: FakeProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Through the proxy: the trickled plain call is answered 504 effect_unknown, the
+    trickled stream's connection is cut (the log says why), each call was sent once, and
+    five good calls alongside complete."""
     config = tmp_path / "c.toml"
     config.write_text(f"[upstream]\nread_timeout_s = {READ_S}\nstream_timeout_s = {STREAM_S}\n")
     ledger = tmp_path / "ledger.db"
@@ -165,6 +168,7 @@ def test_the_proxy_cuts_off_trickled_answers_while_good_calls_complete(
 def test_the_async_transport_cuts_off_trickled_answers(
     tmp_path: Path, fake: FakeProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The same through AsyncGuardTransport, whose stream's caller is told why."""
     ledger = tmp_path / "ledger.db"
 
     async def run() -> tuple[list[httpx.Response], list[str]]:
@@ -184,6 +188,7 @@ def test_the_async_transport_cuts_off_trickled_answers(
 def test_the_sync_transport_cuts_off_trickled_answers(
     tmp_path: Path, fake: FakeProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The same through GuardTransport (its upstream read on worker threads)."""
     ledger = tmp_path / "ledger.db"
     url = fake.url + CHAT
     transport = GuardTransport(ledger=str(ledger), settings=BOUNDED, upstreams={"openai": fake.url})
