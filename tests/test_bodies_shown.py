@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from bodykit import upload_request
 
-from effectguard.ingress.admin import views
+from effectguard.ingress.admin import callpage
 from effectguard.ledger import Ledger, Writer, operations
 from effectguard.ops.cli import main as cli_main
 from effectguard.rules.bodyref import REF_ENCODING, SpooledBody
@@ -86,7 +86,7 @@ def test_the_operator_page_names_an_upload(uploads: tuple[str, str, str]) -> Non
         async with Ledger.open(ledger_path) as ledger:
             state = await ledger.call(admitted)
             events = await ledger.events(admitted)
-        return views.call_page(state, events, now=state.created_at, csrf="x")
+        return callpage.call_page(state, events, now=state.created_at, csrf="x")
 
     html = asyncio.run(page())
     assert f"body stored by reference: sha256 {DIGEST}" in html

@@ -46,7 +46,7 @@ from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import Applied, NotApplied, ReconcileQuestion
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.errors import Refusal
-from effectguard.ingress.admin.views import call_page
+from effectguard.ingress.admin.callpage import call_page
 from effectguard.ledger import Writer, shown_ledger
 from effectguard.ops.cli import main as cli_main
 from effectguard.ops.verify import verify_ledger

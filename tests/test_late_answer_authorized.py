@@ -30,7 +30,7 @@ from test_late_answer import Fenced, acli, ajson, fenced_call, late_refusal
 from test_late_answer_not_processed import resend, retry_meets_late_200
 
 from effectguard.errors import ReconcileError, Refusal
-from effectguard.ingress.admin.views import call_page
+from effectguard.ingress.admin.callpage import call_page
 from effectguard.ops.verify import verify_ledger
 
 _ = (ledger_url, fenced_call)  # fixtures

@@ -22,7 +22,7 @@ from pgkit import ledger_url
 from test_late_answer import Fenced, ajson, fenced_call, late_refusal
 
 from effectguard.errors import Refusal
-from effectguard.ingress.admin.views import call_page
+from effectguard.ingress.admin.callpage import call_page
 from effectguard.ops.verify import verify_ledger
 
 _ = (ledger_url, fenced_call)  # fixtures

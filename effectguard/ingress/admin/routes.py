@@ -31,7 +31,7 @@ from effectguard.callpath.recovery import lock_dir_for
 from effectguard.callpath.takeover import gone_in_flight, gone_owners_here, take_over_gone
 from effectguard.config.settings import AdminSettings
 from effectguard.errors import CallNotFound, LedgerError, ReconcileError
-from effectguard.ingress.admin import views
+from effectguard.ingress.admin import budgetpage, callpage, spendpage, worklist
 from effectguard.ingress.admin.exchange import (
     Exchange,
     FormNotUtf8,
@@ -179,9 +179,11 @@ class AdminPage:
                 budgets.validate_path(under)
             except ValueError as exc:
                 raise Refused(400, f"under: {exc}") from exc
-        depth = views.BUDGET_LEVELS + (0 if under is None else under.count("/") + 1)
-        nodes, count = await self._ledger.budget_tree(under, depth, views.BUDGET_ROWS)
-        return views.budget_tree(nodes, await self._ledger.policies(), under=under, count=count)
+        depth = budgetpage.BUDGET_LEVELS + (0 if under is None else under.count("/") + 1)
+        nodes, count = await self._ledger.budget_tree(under, depth, budgetpage.BUDGET_ROWS)
+        return budgetpage.budget_tree(
+            nodes, await self._ledger.policies(), under=under, count=count
+        )
 
     async def _unknown_calls(self) -> str:
         # The totals are one aggregate and the list the oldest few, never every call; each
@@ -194,13 +196,13 @@ class AdminPage:
             stage="effect_unknown", limit=UNKNOWN_SHOWN, oldest_first=True
         )
         now = self._clock()
-        unknown = views.unknown_calls(calls, now=now, total=max(total, len(calls)), held=held)
+        unknown = worklist.unknown_calls(calls, now=now, total=max(total, len(calls)), held=held)
         # The calls in flight of workers not alive only (the live workers, then the others'
         # calls in one read), and only when the counts say a call is in flight at all.
         if not any(stage == "in_flight" for _, stage, n, _, _ in stages if n):
             return unknown
         gone, more = await gone_in_flight(self._ledger, self._lock_dir, GONE_SHOWN)
-        return unknown + views.gone_owner_calls(gone, now=now, more=more)
+        return unknown + worklist.gone_owner_calls(gone, now=now, more=more)
 
     async def _call(self, call_id: str, csrf: str) -> tuple[str, str]:
         """The call's stage as read, and its page."""
@@ -213,7 +215,7 @@ class AdminPage:
         gone = None
         if state.stage == "in_flight":  # only then are the owners read
             gone = (await gone_owners_here(ledger, self._lock_dir, [state])).get(call_id)
-        page = views.call_page(state, events, now=self._clock(), csrf=csrf, owner_gone=gone)
+        page = callpage.call_page(state, events, now=self._clock(), csrf=csrf, owner_gone=gone)
         return state.stage, page
 
     async def _spend(self, days_text: str | None) -> str:
@@ -228,7 +230,7 @@ class AdminPage:
         if sums.calls >= SPEND_CALLS and sums.oldest is not None and sums.oldest > since:
             partial = sums.oldest  # the window reaches past the calls read
         table = top_series(spend_table(sums.days, now=now, days=days))
-        return views.spend(table, days=days, partial_from=partial)
+        return spendpage.spend(table, days=days, partial_from=partial)
 
     # -- state changes ----------------------------------------------------------
     async def _login(self, ex: Exchange) -> None:
@@ -344,7 +346,7 @@ def _read_decision(
     page showed (None from a script that sends no ``attempt``)."""
     cost_text = form.get("cost", "").strip()
     attempt_text = form.get("attempt", "")
-    if decision not in views.DECISIONS:
+    if decision not in callpage.DECISIONS:
         return "choose a decision: applied or not applied", None, None
     if not note:
         return "a note is required: say how you know", None, None

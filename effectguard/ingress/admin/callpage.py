@@ -1,18 +1,16 @@
-"""The operator page's pages: unknown calls, one call, the budget tree, spend.
+"""The operator page's page for one call: its state, evidence, and the decisions open.
 
-Each function takes values read from the ledger and returns a page body (markup);
-none reads the ledger, a clock or a request itself.
+Takes values read from the ledger and returns a page body (markup); it reads neither
+the ledger, a clock nor a request itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
-from urllib.parse import quote
 
-from effectguard.ingress.admin import charts
 from effectguard.ingress.admin.markup import (
     PREFIX,
     age,
@@ -23,15 +21,11 @@ from effectguard.ingress.admin.markup import (
     usd,
     when,
 )
-from effectguard.ingress.admin.spend import SpendTable
 from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
-from effectguard.rules.budget import BudgetNode, BudgetPolicy
-from effectguard.rules.budgetview import tree_order
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
 from effectguard.rules.guidance import against_applied
 from effectguard.rules.liveness import may_still_answer
-from effectguard.rules.periods import TOTAL
 from effectguard.rules.resendfirst import resend_first
 from effectguard.rules.workstate import WorkState
 
@@ -53,82 +47,9 @@ _ROUTINE = {
 }
 
 
-def call_link(call_id: str) -> str:
-    """A link to a call's page."""
-    return f'<a href="{PREFIX}calls/{attr(call_id)}"><code>{esc(call_id)}</code></a>'
-
-
 def stage_badge(stage: str) -> str:
     """A call's stage as a coloured label."""
     return f'<span class="stage {attr(stage)}">{esc(stage)}</span>'
-
-
-def unknown_calls(calls: Sequence[WorkState], *, now: float, total: int, held: int) -> str:
-    """Effect-unknown calls, oldest first, with their age and the money they hold;
-    ``total`` and ``held`` count every unknown call, ``calls`` may be only the oldest."""
-    intro = (
-        f"<p>{total} call(s) whose effect is unknown, holding {usd(held)}. "
-        "Each waits for a decision: open it, look at the evidence, and reconcile it.</p>"
-    )
-    if not calls:
-        return (
-            '<h1>Unknown-effect calls</h1><p class="empty">No call is waiting for a decision.</p>'
-        )
-    rows = [
-        [
-            call_link(c.call_id),
-            age(now - c.created_at),
-            f'<span title="{attr(when(c.created_at))}">{esc(when(c.created_at))}</span>',
-            usd(c.held),
-            esc(c.budget),
-            esc(c.provider),
-            esc(c.model),
-            esc(c.idempotency_key),
-            str(c.attempts),
-        ]
-        for c in calls
-    ]
-    headings = ["call", "age", "admitted", "held", "budget", "provider", "model", "key", "attempts"]
-    more = (
-        f'<p class="muted">Only the oldest {len(calls)} are shown; '
-        "<code>effectguard calls --state effect_unknown</code> lists more.</p>"
-        if total > len(calls)
-        else ""
-    )
-    return f"<h1>Unknown-effect calls</h1>{intro}{table(headings, rows, (1, 3, 8))}{more}"
-
-
-def gone_owner_calls(calls: Sequence[tuple[WorkState, str]], *, now: float, more: bool) -> str:
-    """Calls in flight whose worker is gone, each with why: nothing waits for them but a
-    sweep, and a decision on the call's page takes the worker over first."""
-    if not calls:
-        return ""
-    rows = [
-        [
-            call_link(c.call_id),
-            esc(why),
-            f"<code>{esc(c.worker)}</code>",
-            age(now - c.created_at),
-            esc(c.budget),
-            esc(c.provider),
-            esc(c.model),
-            esc(c.idempotency_key),
-        ]
-        for c, why in calls
-    ]
-    headings = ["call", "owner gone", "worker", "age", "budget", "provider", "model", "key"]
-    intro = (
-        f"<p>{len(calls)} call(s) in flight whose worker will not finish them. A sweep "
-        "marks them effect unknown; a decision on a call's page takes its worker over first.</p>"
-    )
-    shown = (
-        f'<p class="muted">Only {len(calls)} are shown; <code>effectguard calls --state '
-        "in_flight</code> lists every call in flight, <code>effectguard show</code> names "
-        "a call's gone owner.</p>"
-        if more
-        else ""
-    )
-    return f"<h1>In flight, worker gone</h1>{intro}{table(headings, rows, (3,))}{shown}"
 
 
 def _pretty(text: str, encoding: str) -> str:
@@ -385,114 +306,3 @@ def call_page(
         f"<h2>Request</h2>{_request(manifest)}"
         f"<h2>Events</h2>{_events(events)}"
     )
-
-
-#: Levels of the budget tree a page shows below the node it opens (the roots at the top).
-BUDGET_LEVELS = 2
-#: Most nodes a budget page lists; the rest are counted, and reached by opening a node.
-BUDGET_ROWS = 500
-
-
-def budget_tree(
-    nodes: Sequence[BudgetNode],
-    policies: Mapping[str, BudgetPolicy],
-    *,
-    under: str | None = None,
-    count: int | None = None,
-) -> str:
-    """The nodes at ``under`` and below it (the whole tree's top without it), as
-    ``Ledger.budget_tree`` gives them: parents before children, each in its current period
-    with its use against its limit; each name opens the tree below that node. ``count``:
-    how many nodes those levels hold, of which ``nodes`` are the first."""
-    head = f"<h1>Budgets</h1>{_trail(under)}"
-    if not nodes:
-        empty = "No budget has been used yet." if under is None else "No budget node here."
-        return f'{head}<p class="empty">{esc(empty)}</p>'
-    base = 0 if under is None else under.count("/")
-    ordered = sorted(nodes, key=tree_order)[:BUDGET_ROWS]
-    rows = [_budget_row(n, policies.get(n.path), base, n.path != under) for n in ordered]
-    note = (
-        '<p class="muted">A call is charged to its budget and every ancestor; use counts '
-        "spent, reserved and held money against the node's limit, in the node's current "
-        f"period (a day, week or month of its own time zone). {BUDGET_LEVELS} levels are "
-        "shown: open a node to see the nodes below it.</p>"
-    )
-    more = ""
-    if (hidden := max(len(nodes), count or 0) - len(rows)) > 0:
-        more = (
-            f'<p class="flash error">{hidden} more nodes at these levels '
-            "are not listed: open a node to see its part of the tree.</p>"
-        )
-    headings = ["budget", "period", "limit", "spent", "reserved", "held", "room"]
-    headings.append("use (spent+reserved+held)")
-    return f"{head}{note}{more}{table(headings, rows, (2, 3, 4, 5, 6))}"
-
-
-def _budget_link(path: str, text: str) -> str:
-    return f'<a href="{PREFIX}budgets?under={attr(quote(path, safe="/"))}">{esc(text)}</a>'
-
-
-def _trail(under: str | None) -> str:
-    """Where the page stands in the tree: the top, then each ancestor of ``under``."""
-    if under is None:
-        return ""
-    parts = under.split("/")
-    steps = [f'<a href="{PREFIX}budgets">all budgets</a>']
-    steps += [_budget_link("/".join(parts[: i + 1]), p) for i, p in enumerate(parts[:-1])]
-    steps.append(esc(parts[-1]))
-    return f"<p>{' / '.join(steps)}</p>"
-
-
-def _budget_row(node: BudgetNode, policy: BudgetPolicy | None, base: int, link: bool) -> list[str]:
-    name = node.path.rsplit("/", 1)[-1]
-    shown = _budget_link(node.path, name) if link else esc(name)
-    indent = (node.path.count("/") - base) * 18
-    return [
-        f'<span style="padding-left:{indent}px" title="{attr(node.path)}">{shown}</span>',
-        esc(_period(node, policy)),
-        usd(node.limit),
-        usd(node.spent),
-        usd(node.reserved),
-        usd(node.held),
-        usd(node.room),
-        charts.use_bar(node.committed, node.limit),
-    ]
-
-
-def _period(node: BudgetNode, policy: BudgetPolicy | None) -> str:
-    # A label alone ("2026-12-04") does not say whose day it is: a node in
-    # Australia/Lord_Howe is a day ahead of one in UTC for half of every day.
-    if node.period == TOTAL or policy is None:
-        return node.period
-    return f"{node.period} ({policy.tz})"
-
-
-def spend(spending: SpendTable, *, days: int, partial_from: float | None) -> str:
-    """Spend per day by provider and model, as a chart and a table of totals."""
-    names = spending.series()
-    choose = " · ".join(f'<a href="{PREFIX}spend?days={d}">{d} days</a>' for d in (7, 14, 30, 90))
-    head = f"<h1>Spend, last {days} days (UTC)</h1><p>{choose}</p>"
-    if partial_from is not None:
-        head += (
-            '<p class="flash error">Only calls admitted since '
-            f"{esc(when(partial_from))} were read; older days may show less.</p>"
-        )
-    if not names:
-        return head + '<p class="empty">No money was spent or held in this window.</p>'
-    labels = [d.strftime("%m-%d") for d in spending.days]
-    chart = charts.stacked_bars(
-        labels,
-        {n: spending.spent.get(n, [0] * len(labels)) for n in names},  # legend order = colours
-        title="spend per day",
-    )
-    rows = [
-        [
-            f'<span style="color:{charts.colour(i)}">■</span> {esc(name)}',
-            str(spending.calls.get(name, 0)),
-            usd(spending.total(name)),
-            usd(spending.held.get(name, 0)),
-        ]
-        for i, name in enumerate(names)
-    ]
-    totals = table(["provider/model", "calls", "spent", "held now"], rows, (1, 2, 3))
-    return f"{head}<figure>{chart}</figure>{totals}"
