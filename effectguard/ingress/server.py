@@ -113,7 +113,9 @@ class ProxyApp:
         self._metrics_server: Any = None
         self._handle_http = InternalErrorBoundary(self._http, self._count_internal_error)
         # The operator page (ingress/admin); not mounted at all without an admin key.
-        self.admin = operator_page(settings.admin, self.runtime.ledger, settings.ledger)
+        self.admin = operator_page(
+            settings.admin, self.runtime.ledger, settings.ledger, settings.providers
+        )
 
     # -- lifespan -------------------------------------------------------------
     async def startup(self) -> None:

@@ -17,10 +17,12 @@ from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.bodytext import decode_body
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
 from effectguard.rules.guidance import (
+    AUTO_COMMAND,
     RESEND_AUTHORIZED,
     accept_evidence_command,
     next_command,
 )
+from effectguard.rules.lookupfirst import lookup_first
 from effectguard.rules.resendfirst import resend_first
 
 __all__ = [
@@ -162,6 +164,7 @@ def next_commands(
     where: str = "",
     owner_gone: str | None = None,
     now: float | None = None,
+    lookup_s: float | None = None,
 ) -> str | None:
     """The exact command(s) to run next, ``|``-separated; a late answer that decides an
     effect-unknown call offers ``--accept-evidence`` first, and one that says applied
@@ -170,7 +173,9 @@ def next_commands(
     ledger shown.
     ``owner_gone``: why the worker of a call in flight will not finish it (None: it may).
     ``now``: where given, a keyed effect-unknown call still inside its provider's window
-    is offered its keyed resend first (:func:`_inside_window`)."""
+    is offered its keyed resend first (:func:`_inside_window`), and one whose endpoint
+    declares a lookup (``lookup_s``: its search lag) ``reconcile --auto`` before the
+    decisions by hand (:func:`effectguard.rules.lookupfirst.lookup_first`)."""
     keyed = state.idempotency_key is not None
     command = next_command(state.call_id, state.stage, state.attempts or None, owner_gone, keyed)
     late = evidence.latest(events, state.attempts)
@@ -189,11 +194,12 @@ def next_commands(
     elif state.stage == "effect_unknown" and state.resend_authorized:
         command = f"{RESEND_AUTHORIZED} | {command}" if command else RESEND_AUTHORIZED
     elif applied is None and (late is None or late.effect == "unknown"):
-        resend = _inside_window(state, events, now)
-        command = f"{resend} | {command}" if resend and command else resend or command
+        asks = [_inside_window(state, events, now), _ask_lookup(state, events, now, lookup_s)]
+        command = " | ".join([a for a in asks if a] + ([command] if command else [])) or None
     if command is None or not where:
         return command
     verb = re.compile(rf"effectguard \w+ {re.escape(state.call_id)}")
+    command = command.replace(f"`{AUTO_COMMAND}`", f"`{AUTO_COMMAND}{where}`")
     return verb.sub(lambda m: m.group(0) + where, command)
 
 
@@ -202,6 +208,14 @@ def _inside_window(state: WorkState, events: list[StoredEvent], now: float | Non
     window (:func:`effectguard.rules.resendfirst.resend_first`, which the operator page
     offers too), or None. A key-less call's retry is not resent (contract §4)."""
     return None if now is None else resend_first(state, events, now, iso)
+
+
+def _ask_lookup(
+    state: WorkState, events: list[StoredEvent], now: float | None, lookup_s: float | None
+) -> str | None:
+    """``reconcile --auto`` for an effect-unknown call whose endpoint declares a lookup
+    (:func:`effectguard.rules.lookupfirst.lookup_first`, which the page offers too)."""
+    return None if now is None else lookup_first(state, events, lookup_s, now, iso)
 
 
 def decisions(events: list[StoredEvent]) -> list[str]:
@@ -261,9 +275,10 @@ def render(
     stored_bytes: int | None = None,
     where: str = "",
     owner_gone: str | None = None,
+    lookup_s: float | None = None,
 ) -> str:
     """The text of ``effectguard show`` (``stored_bytes``: see :func:`request_text`;
-    ``where`` and ``owner_gone``: see :func:`next_commands`)."""
+    ``where``, ``owner_gone`` and ``lookup_s``: see :func:`next_commands`)."""
     lines = _head(state, events, now, owner_gone)
     lines += ["", "money (USD)"]
     lines += [
@@ -294,7 +309,7 @@ def render(
     text = request_text(events, stored_bytes)
     lines += ["", "request"]
     lines += [f"  {line}" for line in truncated(text or "-", full).splitlines()]
-    command = next_commands(state, events, where, owner_gone, now)
+    command = next_commands(state, events, where, owner_gone, now, lookup_s)
     choices = command.split(" | ") if command else ["nothing to do"]
     lines += ["", "next", *(f"  {'or ' if i else ''}{c}" for i, c in enumerate(choices))]
     return "\n".join(lines)

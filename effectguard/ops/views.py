@@ -32,6 +32,7 @@ from effectguard.ops.timeargs import since, since_argument
 from effectguard.ops.verify import verify_ledger
 from effectguard.ops.verifycopy import migrated_copy, pending_migrations
 from effectguard.rules import periods
+from effectguard.rules.events import StoredEvent
 from effectguard.rules.guidance import next_shown
 from effectguard.rules.workstate import STAGES, WorkState
 
@@ -109,6 +110,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
     events = await ledger.events(args.call_id)
     stored = await ledger.body_size(args.call_id)
     gone = (await _gone_owners(args, ledger, [state])).get(state.call_id)
+    lag = _lookup_lag(args, state, events)
     payload = {
         **call_json(state),
         "owner_gone": gone,
@@ -127,7 +129,7 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
         "attempts_detail": showcall.attempts(events),
         "evidence": showcall.late_answers(events),
         "next_command": showcall.next_commands(
-            state, events, ledger_flags(args), gone, time.time()
+            state, events, ledger_flags(args), gone, time.time(), lag
         ),
     }
     if args.json:
@@ -141,9 +143,27 @@ async def cmd_show(args: argparse.Namespace, ledger: Ledger) -> int:
             stored_bytes=stored,
             where=ledger_flags(args),
             owner_gone=gone,
+            lookup_s=lag,
         )
         emit(args, payload, text)
     return EXIT_OK
+
+
+def _lookup_lag(
+    args: argparse.Namespace, state: WorkState, events: list[StoredEvent]
+) -> float | None:
+    """The search lag of the lookup that could decide an effect-unknown call (None: none
+    is declared here, or the call is not effect-unknown), read from the bundled
+    declarations and ``--providers``, as ``reconcile --auto`` reads them. Only such a call
+    loads them: ``show`` of any other stays a read of the ledger alone."""
+    if state.stage != "effect_unknown":
+        return None
+    from effectguard.providers import load_providers, lookup_lag
+
+    manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+    providers = load_providers([Path(p) for p in args.providers or ()])
+    method, path = str(manifest.get("method", "POST")), str(manifest.get("endpoint", ""))
+    return lookup_lag(providers, state.provider, method, path)
 
 
 async def cmd_budgets(args: argparse.Namespace, ledger: Ledger) -> int:
@@ -298,6 +318,14 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the whole request "
         f"(else its first {showcall.REQUEST_PREVIEW_CHARS} characters)",
+    )
+    p.add_argument(
+        "--providers",
+        action="append",
+        type=path_arg,
+        metavar="DIR",
+        help="extra provider declarations (repeatable), as serve and reconcile --auto "
+        "take them: an effect-unknown call whose lookup is declared there is offered it",
     )
     p.set_defaults(run_ledger=cmd_show, reads_only=True)
 

@@ -8,7 +8,7 @@ from effectguard.providers.declaration import (
     upstream_argument,
 )
 from effectguard.providers.endpoints import Endpoint, IdempotencyGuarantee, Lookup, OpIdPlacement
-from effectguard.providers.provider import Dialect, Provider
+from effectguard.providers.provider import Dialect, Provider, lookup_lag
 from effectguard.providers.routing import provider_for
 from effectguard.rules.prices import ModelPrice
 
@@ -23,6 +23,7 @@ __all__ = [
     "bundled_dir",
     "load_provider",
     "load_providers",
+    "lookup_lag",
     "provider_for",
     "upstream_argument",
 ]

@@ -115,3 +115,16 @@ class Provider:
         ]
         best = max(snapshots, key=len, default=None)
         return None if best is None else self.models[best]
+
+
+def lookup_lag(
+    providers: Mapping[str, Provider], provider: str, method: str, path: str
+) -> float | None:
+    """The search lag (``freshness_s``) of the lookup a call of ``provider`` to ``method
+    path`` would be asked by, as ``reconcile --auto`` picks it (None: no lookup is
+    declared for it, or no declaration of ``provider`` is loaded)."""
+    declared = providers.get(provider)
+    if declared is None:
+        return None
+    lookup = declared.effect_for(method, path).lookup
+    return None if lookup is None else lookup.freshness_s

@@ -47,6 +47,25 @@ def provider_resend_advice(deadline_iso: str, provider_key: str | None) -> str:
     )
 
 
+#: The command that asks every effect-unknown call's declared lookup (contract §8).
+AUTO_COMMAND = "effectguard reconcile --auto"
+
+
+def lookup_advice(provider: str, ready_iso: str | None) -> str:
+    """What to do before deciding by hand an effect-unknown call whose endpoint declares a
+    lookup: ask it. ``reconcile --auto`` records only what the provider's answer proves
+    (applied, or not applied), so it cannot guess wrong; ``ready_iso``: when the lookup's
+    search lag has passed for the call's last attempt (None: it has), before which a "not
+    found" proves nothing. The command asks from its own process, so it needs ``serve``'s
+    declarations and upstreams to ask where the call went."""
+    after = "" if ready_iso is None else f" after {ready_iso} (its search lags behind)"
+    return (
+        f"ask {provider}'s lookup whether it applied the call{after}: `{AUTO_COMMAND}` "
+        "(it asks every effect-unknown call's lookup and records only what the answer "
+        "proves; give it the --providers DIR and --upstream NAME=URL that serve runs with)"
+    )
+
+
 #: What to do first for an effect-unknown call an operator authorized one resend of.
 RESEND_AUTHORIZED = (
     "resend the request (same Idempotency-Key, or Effectguard-Retry-Of: the call id): "

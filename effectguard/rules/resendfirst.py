@@ -16,7 +16,7 @@ from effectguard.rules.events import StoredEvent
 from effectguard.rules.guidance import provider_resend_advice
 from effectguard.rules.workstate import WorkState
 
-__all__ = ["resend_first", "window_open_until"]
+__all__ = ["evidence_silent", "resend_first", "window_open_until"]
 
 
 def window_open_until(
@@ -33,6 +33,19 @@ def window_open_until(
     return created_at + window_s
 
 
+def evidence_silent(state: WorkState, events: Sequence[StoredEvent]) -> bool:
+    """Whether nothing recorded yet tells an operator what to do with ``state``: no resend
+    was authorized, and no late answer decides the call, says the provider applied it, or
+    voids a decision. Only then is a step that asks the provider (a keyed resend, a
+    lookup) offered before a decision by hand."""
+    if state.resend_authorized or evidence.applied_unknown(state, events) is not None:
+        return False
+    if evidence.resend_warning(state, evidence.applied_late(events)) is not None:
+        return False
+    late = evidence.latest(events, state.attempts)
+    return late is None or late.effect == "unknown"
+
+
 def resend_first(
     state: WorkState,
     events: Sequence[StoredEvent],
@@ -41,12 +54,7 @@ def resend_first(
 ) -> str | None:
     """What to do first for ``state`` when that is its keyed resend (else None), its
     deadline written by ``show_time`` (None: a time no date can show, nothing offered)."""
-    if state.resend_authorized or evidence.applied_unknown(state, events) is not None:
-        return None
-    if evidence.resend_warning(state, evidence.applied_late(events)) is not None:
-        return None
-    late = evidence.latest(events, state.attempts)
-    if late is not None and late.effect != "unknown":
+    if not evidence_silent(state, events):
         return None
     until = window_open_until(
         state.stage, state.idempotency_key, state.idempotency_window_s, state.created_at, now

@@ -26,6 +26,7 @@ from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.events import AttemptLateAnswer, StoredEvent
 from effectguard.rules.guidance import against_applied
 from effectguard.rules.liveness import may_still_answer
+from effectguard.rules.lookupfirst import lookup_first
 from effectguard.rules.resendfirst import resend_first
 from effectguard.rules.workstate import WorkState
 
@@ -187,13 +188,15 @@ def _decide_forms(
     gone: str | None,
     applied: AttemptLateAnswer | None = None,
     resend: str | None = None,
+    lookup: str | None = None,
 ) -> str:
     """The decisions open (``warning``: why the call must not be resent, if it must not;
     ``gone``: why the owner of a call in flight will not finish it; ``applied``: a late
     answer that says the provider applied the call (evidence.applied_unknown), which
     puts "Applied" first and "Not applied" behind a warning, as ``show`` offers them;
     ``resend``: the keyed resend inside the provider's window, offered first, as ``show``
-    offers it)."""
+    offers it; ``lookup``: asking the provider's lookup, offered before the decisions,
+    as ``show`` offers it)."""
     if warning is not None and state.next_operation != "reconcile":
         return (
             f'<p class="flash error">Nothing to decide: this call is {esc(state.stage)}, '
@@ -209,6 +212,12 @@ def _decide_forms(
         forms.append(
             f'<p class="flash">First: {esc(resend)}. Decide below only if that client '
             "cannot resend.</p>"
+        )
+    if lookup is not None:  # decides the call by the provider's word, where it can tell
+        then = "Or" if resend is not None else "First"
+        forms.append(
+            f'<p class="flash">{then}: {esc(lookup)}. Decide below only if the lookup '
+            "cannot tell.</p>"
         )
     if warning is not None:  # its authorized resend is void; the decision is still open
         forms.append(f'<p class="flash error">{esc(warning)}; decide it below.</p>')
@@ -290,17 +299,20 @@ def call_page(
     now: float,
     csrf: str,
     owner_gone: str | None = None,
+    lookup_s: float | None = None,
 ) -> str:
     """One call: its state, request, attempts, evidence, events and the decisions open.
-    ``owner_gone``: why the worker of a call in flight will not finish it (None: it may)."""
+    ``owner_gone``: why the worker of a call in flight will not finish it (None: it may);
+    ``lookup_s``: the search lag of the lookup declared for it (None: none is)."""
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     warning = evidence.resend_warning(state, evidence.applied_late(events))
     applied = evidence.applied_unknown(state, events)
     resend = resend_first(state, events, now, _when_shown)
+    lookup = lookup_first(state, events, lookup_s, now, _when_shown)
     return (
         f"<h1>Call <code>{esc(state.call_id)}</code> {stage_badge(state.stage)}</h1>"
         f"{_summary(state, manifest, now, warning, owner_gone)}"
-        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, applied, resend)}"
+        f"<h2>Decide</h2>{_decide_forms(state, csrf, warning, owner_gone, applied, resend, lookup)}"
         f"<h2>Evidence</h2>{_evidence(events)}"
         f"<h2>Attempts</h2>{_attempts(events)}"
         f"<h2>Request</h2>{_request(manifest)}"

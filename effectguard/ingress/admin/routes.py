@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -45,6 +45,7 @@ from effectguard.ingress.admin.session import Session, Sessions, same_origin, to
 from effectguard.ingress.admin.spend import DAY_S, spend_table, top_series
 from effectguard.ingress.keyring import bearer_token
 from effectguard.ledger import Ledger
+from effectguard.providers import Provider, lookup_lag
 from effectguard.rules import budget as budgets
 from effectguard.rules import notes
 from effectguard.rules.counts import parse_count
@@ -80,9 +81,13 @@ class AdminPage:
         *,
         lock_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
+        providers: Mapping[str, Provider] | None = None,
     ) -> None:
         self._admin = admin
         self._ledger = ledger
+        #: The declarations ``serve`` runs with: a call whose endpoint declares a lookup
+        #: is offered ``reconcile --auto`` before the decisions by hand.
+        self._providers: Mapping[str, Provider] = providers or {}
         #: The ledger's workers' liveness locks (``lock_dir_for``; None: none to look at):
         #: a call in flight whose owner is gone is judged as ``effectguard show`` judges it.
         self._lock_dir = lock_dir
@@ -215,7 +220,12 @@ class AdminPage:
         gone = None
         if state.stage == "in_flight":  # only then are the owners read
             gone = (await gone_owners_here(ledger, self._lock_dir, [state])).get(call_id)
-        page = callpage.call_page(state, events, now=self._clock(), csrf=csrf, owner_gone=gone)
+        manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
+        method, path = str(manifest.get("method", "POST")), str(manifest.get("endpoint", ""))
+        lag = lookup_lag(self._providers, state.provider, method, path)
+        page = callpage.call_page(
+            state, events, now=self._clock(), csrf=csrf, owner_gone=gone, lookup_s=lag
+        )
         return state.stage, page
 
     async def _spend(self, days_text: str | None) -> str:
@@ -330,13 +340,19 @@ class AdminPage:
         await ex.html(refused.status, page("Refused", body, who=None))
 
 
-def operator_page(admin: AdminSettings, ledger: Ledger, ledger_url: str) -> AdminPage | None:
+def operator_page(
+    admin: AdminSettings,
+    ledger: Ledger,
+    ledger_url: str,
+    providers: Mapping[str, Provider] | None = None,
+) -> AdminPage | None:
     """The operator page of a ``serve`` on the ledger at ``ledger_url`` (None without an
     admin key: not mounted at all). It judges the owners of calls in flight by that
-    ledger's liveness locks, as ``effectguard show`` and ``reconcile`` do."""
+    ledger's liveness locks, as ``effectguard show`` and ``reconcile`` do, and the calls'
+    lookups by ``serve``'s ``providers``."""
     if not admin.enabled:
         return None
-    return AdminPage(admin, ledger, lock_dir=lock_dir_for(ledger_url))
+    return AdminPage(admin, ledger, lock_dir=lock_dir_for(ledger_url), providers=providers)
 
 
 def _read_decision(
