@@ -248,3 +248,33 @@ def test_key_new_config_lines_as_json(
     else:
         assert (shown["name"], shown["budget_root"]) == ("team-a", "team-a")
         assert [k.budget_root for k in settings.keys] == ["team-a"]
+
+
+def test_key_new_text_says_what_the_key_may_do(
+    ledger: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """key new's text names the key's budget root, models, providers and expiry, so the
+    operator can check what was made before handing it over; the key is shown once."""
+    argv = ["key", "new", "--root", "team-a", "--name", "ci", "--ledger", ledger]
+    code, out, _ = run(
+        capsys,
+        *argv,
+        "--models",
+        "gpt-4o-mini,gpt-4o",
+        "--providers",
+        "openai",
+        "--expires",
+        "2099-01-31",
+    )
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "team-a" in lines.get("budget_root", ""), out
+    assert "gpt-4o-mini, gpt-4o" in lines.get("models", ""), out
+    assert "openai" in lines.get("providers", ""), out
+    assert "2099-01-31T00:00:00Z" in lines.get("expires_at", ""), out
+    assert len(KEY.findall(out)) == 1
+    code, out, _ = run(capsys, "key", "new", "--root", "team-b", "--ledger", ledger)
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "any model" in lines.get("models", ""), out
+    assert "any provider" in lines.get("providers", ""), out
+    assert "never" in lines.get("expires_at", ""), out

@@ -126,13 +126,27 @@ async def cmd_key_new(args: argparse.Namespace, ledger: Ledger) -> int:
         providers=args.providers,
     )
     row = await ledger.create_key(event)
-    payload = {"key": key, **key_json(row, time.time())}
+    made = key_json(row, time.time())
     text = (
         f"key {row.name} for budget root {row.budget_root!r} is in the ledger; every replica "
-        f"accepts it within seconds.\nkey (shown once, not stored; give it to the tenant): {key}"
+        f"accepts it within seconds.\n{_restrictions(made)}\n"
+        f"key (shown once, not stored; give it to the tenant): {key}"
     )
-    emit(args, payload, text)
+    emit(args, {"key": key, **made}, text)
     return EXIT_OK
+
+
+def _restrictions(made: dict[str, Any]) -> str:
+    """What a new key may do, as the ledger recorded it (``key_json``'s fields): a typo in
+    ``--models`` or an expiry in the wrong year is seen before the key is handed over, and
+    a key with no restriction says so rather than leaving it to be inferred."""
+    rows = [
+        ("budget_root", made["budget_root"]),
+        ("models", ", ".join(made["models"]) if made["models"] else "any model"),
+        ("providers", ", ".join(made["providers"]) if made["providers"] else "any provider"),
+        ("expires_at", made["expires_at"] or "never"),
+    ]
+    return "\n".join(f"  {field:<12} {value}" for field, value in rows)
 
 
 def print_config(args: argparse.Namespace) -> int:
