@@ -38,8 +38,26 @@ _BEFORE_THE_CALENDAR = "before 0001-01-01T00:00:00Z"
 
 
 def age(at: float, now: float) -> str:
-    """How long ago ``at`` was, in the two largest units (``45s``, ``3m12s``, ``2d4h``)."""
-    seconds = max(0, int(now - at))
+    """How long ago ``at`` was, in the two largest units (``45s``, ``3m12s``, ``2d4h``);
+    negative (``-2m30s``) for a time ahead of this host's clock: written by a replica
+    whose clock is ahead, or here before the clock was stepped back. Shown as ``0s``, such
+    a call would read as admitted just now, whatever it waits for."""
+    seconds = int(now - at)  # toward zero: less than a second either way is 0s
+    if seconds < 0:
+        return "-" + _span(-seconds)
+    return _span(seconds)
+
+
+def ago(at: float, now: float) -> str:
+    """:func:`age` in words: ``3m12s ago``, or ``2m30s ahead of this host's clock``."""
+    shown = age(at, now)
+    if shown.startswith("-"):
+        return f"{shown[1:]} ahead of this host's clock"
+    return f"{shown} ago"
+
+
+def _span(seconds: int) -> str:
+    """A non-negative number of seconds in the two largest units."""
     parts: list[str] = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size or (unit == "s" and not parts):

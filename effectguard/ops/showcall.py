@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from effectguard.ops.render import age, iso, money
+from effectguard.ops.render import ago, iso, money
 from effectguard.rules import evidence
 from effectguard.rules.bodyref import REF_ENCODING, describe_ref
 from effectguard.rules.bodytext import decode_body
@@ -252,7 +252,7 @@ def _head(
         f"  model      {state.model or '-'}",
         f"  budget     {state.budget}",
         f"  key        {state.idempotency_key or '-'}",
-        f"  created    {iso(state.created_at)} ({age(state.created_at, now)} ago)",
+        f"  created    {iso(state.created_at)} ({ago(state.created_at, now)})",
     ]
     if owner_gone is not None:
         lines.append(

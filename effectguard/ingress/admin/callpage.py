@@ -13,7 +13,7 @@ from typing import Any
 
 from effectguard.ingress.admin.markup import (
     PREFIX,
-    age,
+    ago,
     attr,
     csrf_field,
     esc,
@@ -86,7 +86,7 @@ def _summary(
         ("model", esc(state.model)),
         ("budget", esc(state.budget)),
         ("idempotency key", esc(state.idempotency_key)),
-        ("admitted", f"{esc(when(state.created_at))} ({age(now - state.created_at)} ago)"),
+        ("admitted", f"{esc(when(state.created_at))} ({ago(now - state.created_at)})"),
         ("attempts", str(state.attempts)),
         ("reserved at admission", usd(state.reserved_at_admission)),
         ("held", usd(state.held)),

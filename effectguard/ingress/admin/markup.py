@@ -122,8 +122,24 @@ def when(at: float) -> str:
 
 
 def age(seconds: float) -> str:
-    """A duration the way a person says it: ``42 s``, ``7 min``, ``3 h 5 min``, ``2 d 4 h``."""
-    s = max(0, int(seconds))
+    """A duration the way a person says it: ``42 s``, ``7 min``, ``3 h 5 min``, ``2 d 4 h``;
+    a negative one (a time ahead of this host's clock: written by a replica whose clock
+    is ahead, or before this one's was stepped back) as ``2 min ahead``, not ``0 s``."""
+    if int(seconds) < 0:
+        return f"{_span(-int(seconds))} ahead"
+    return _span(int(seconds))
+
+
+def ago(seconds: float) -> str:
+    """How long ago something was, ``seconds`` before now: ``7 min ago``, or ``2 min
+    ahead of this host's clock``."""
+    if int(seconds) < 0:
+        return f"{_span(-int(seconds))} ahead of this host's clock"
+    return f"{_span(int(seconds))} ago"
+
+
+def _span(s: int) -> str:
+    """A non-negative number of seconds as :func:`age` says it."""
     if s < 60:
         return f"{s} s"
     if s < 3600:
