@@ -107,6 +107,10 @@ ANSWERS: dict[str, bytes] = {
     "usage-empty": _whole(
         b"", _EVENT + b'data: {"id":"c1","choices":[],"usage":{}}\n\n' + _DONE, b"text/event-stream"
     ),
+    "usage-no-choices": _whole(
+        b"", _EVENT + _USAGE.replace(b'"choices":[],', b"") + _DONE, b"text/event-stream"
+    ),
+    "usage-not-json": _whole(b"", _EVENT + _USAGE[:60] + b"\n\n" + _DONE, b"text/event-stream"),
     "nul-header": _whole(b"X-Odd: a\x00b\r\n"),
     "4097-headers": _whole(b"".join(b"X-H%d: v\r\n" % n for n in range(4097))),
     "bad-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -353,26 +357,47 @@ def test_bytes_behind_the_terminal_event_are_neither_forwarded_nor_stored(
     assert _verified(capsys, ledger)
 
 
-@pytest.mark.parametrize("answer", ["usage-choices-null", "usage-empty"])
+@pytest.mark.parametrize(
+    ("answer", "read"),
+    [
+        ("usage-choices-null", True),
+        ("usage-empty", False),
+        ("usage-no-choices", True),
+        ("usage-not-json", False),
+    ],
+)
 def test_a_misshapen_usage_event_effectguard_asked_for_is_not_shown_to_a_client_that_did_not(
-    answer: str, upstream: ScriptedUpstream, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    answer: str,
+    read: bool,
+    upstream: ScriptedUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The usage event effectguard asked for, as an OpenAI-compatible server may shape it
-    (``choices`` null rather than empty, or ``usage`` an empty object), is kept from a
-    client that never asked for usage, as the well-formed one is: the SDK's loop
-    (``chunk.choices[0]`` of every chunk) runs to the end. It was shown, and the loop
-    raised (``TypeError`` on null choices, ``IndexError`` on empty ones) at the end of a
-    call that was answered and paid for."""
+    (``choices`` null rather than empty, or no ``choices`` key at all, ``usage`` an empty
+    object, or data that is not JSON), is kept from a client that never asked for usage,
+    live and replayed, as the well-formed one is: the SDK's loop (``chunk.choices[0]`` of
+    every chunk) runs to the end. It was shown, and the loop raised (``TypeError`` on null
+    or absent choices, ``IndexError`` on empty ones, the SDK's JSON error on data that is
+    not JSON) at the end of a call that was answered and paid for. The call is
+    settled from the usage where it can be read, else at its reservation."""
     ledger = tmp_path / "ledger.db"
+    headers = {"x-answer": answer, "idempotency-key": f"k-{answer}"}
     with running_proxy(ledger, upstreams={"openai": upstream.url}) as proxy:
         oa = openai.OpenAI(base_url=proxy.url + "/openai/v1", api_key="sk-client", max_retries=0)
-        stream = oa.chat.completions.with_raw_response.create(
-            **_chat(True), extra_headers={"x-answer": answer}
-        )
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream.parse())
+        texts, ids = [], []
+        for _ in range(2):  # the answer, then its replay
+            stream = oa.chat.completions.with_raw_response.create(
+                **_chat(True), extra_headers=headers
+            )
+            texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream.parse()))
+            ids.append(stream.headers[CALL_ID])
         oa.close()
-    assert text == "hi"
-    assert _call(capsys, ledger, stream.headers[CALL_ID])["stage"] == "completed"
+    assert texts == ["hi", "hi"]
+    assert ids[0] == ids[1]
+    call = _call(capsys, ledger, ids[0])
+    assert call["stage"] == "completed"
+    assert (call["cost_usd"] != call["reserved_usd"]) is read, call
     assert upstream.received.count(answer) == 1
     assert _verified(capsys, ledger)
 
