@@ -160,6 +160,11 @@ KNOWN = [
     b'{"type":"response.output_text.delta","delta":"x"}',
     b'{"type":"response.completed","response":{"usage":{"input_tokens":4,"output_tokens":2}}}',
     b'{"type":"[DONE]"}',
+    # Found by no other byte than their backslash-u: a key and a type spelt with escapes.
+    b'{"\\u0075sage":{"prompt_tokens":4,"completion_tokens":1}}',
+    b'{"type":"message_\\u0073tart","message":{"usage":{"input_tokens":5,"output_tokens":1}}}',
+    b'{"type":"response.complet\\u0065d","response":{"usage":{"input_tokens":4}}}',
+    b'{"type":"message_delt\\u0061","usage":{"output_tokens":7}}',
 ]
 
 
