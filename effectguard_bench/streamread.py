@@ -77,21 +77,28 @@ def _baseline(chunks: list[bytes]) -> None:
         chunk.count(b"\n")
 
 
-def _reader(chunks: list[bytes]) -> None:
+def _reader(chunks: list[bytes]) -> StreamUsage:
     reader = StreamUsage("openai", "/v1/chat/completions")
     for chunk in chunks:
         reader.feed(chunk)
-    assert reader.finished and reader.result().problem is None
+    return reader
 
 
-def _filter(chunks: list[bytes]) -> None:
+def _filter(chunks: list[bytes]) -> list[bytes]:
     shown = AddedUsage()
     out = [shown.feed(chunk) for chunk in chunks]
     out.append(shown.flush())
-    assert _USAGE not in b"".join(out)
+    return out
 
 
-_READERS: dict[str, Callable[[list[bytes]], None]] = {
+def _check(chunks: list[bytes]) -> None:
+    """Each reader reads the stream as it should (once, untimed)."""
+    reader = _reader(chunks)
+    assert reader.finished and reader.result().problem is None
+    assert b"".join(_filter(chunks)) == b"".join(chunks).replace(_USAGE, b"")
+
+
+_READERS: dict[str, Callable[[list[bytes]], object]] = {
     "baseline": _baseline,
     "streamusage": _reader,
     "addedusage": _filter,
@@ -100,6 +107,7 @@ _READERS: dict[str, Callable[[list[bytes]], None]] = {
 
 def measure(name: str, chunks: list[bytes], repeat: int) -> str:
     """One line: per stream and per chunk, each reader's best time and its ratio."""
+    _check(chunks)
     base = _best(lambda: _baseline(chunks), repeat)
     cells = [f"{name:9} chunks={len(chunks):5} bytes={sum(map(len, chunks)):9}"]
     cells.append(f"baseline {base * 1e6:8.1f} us")

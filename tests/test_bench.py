@@ -252,6 +252,24 @@ def test_edges_prints_each_hostile_and_ordinary_figure() -> None:
     assert all(float(line.split(": ")[1].split()[0]) > 0 for line in lines)
 
 
+def test_streamread_prints_both_readers_for_each_stream_shape() -> None:
+    """The stream-reading benchmark feeds each shape to both readers and prints a time
+    and a ratio to its baseline for each (their worth is not asserted)."""
+    command = [sys.executable, "-m", "effectguard_bench.streamread", "--events", "20"]
+    done = subprocess.run(
+        [*command, "--big-events", "2", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["small", "one-read", "big"]
+    for line in lines:
+        assert line.count(" us") == 3 and "streamusage" in line and "addedusage" in line
+        assert line.count(", x") == 2
+
+
 def test_instructions_sums_callgrind_lines_by_shared_object() -> None:
     """The by-object split reads callgrind_annotate's lines, with or without an object
     named, and leaves out the program total."""
