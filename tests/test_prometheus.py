@@ -204,8 +204,8 @@ def test_the_rate_limit_panel_counts_the_429s_sent(stack: Stack) -> None:
     counted = {
         r["metric"]["provider"]: float(r["value"][1])
         for r in stack.prometheus.query(concrete(counter))
-    }
-    assert counted == {"openai": stack.rated.count(429)}
+    }  # every declared provider is there, the others at 0 (docs/metrics.md)
+    assert {p: n for p, n in counted.items() if n} == {"openai": stack.rated.count(429)}
     assert stack.rated.count(429) >= 1
 
 

@@ -128,6 +128,8 @@ class ProxyApp:
         if swept := spool.sweep(self.settings.spool_dir):
             log.warning("removed %d upload spool files left by processes that died", swept)
         if self.metrics is not None:
+            # Before the first request: a declared model's first call shows in the rates.
+            self.metrics.declare((p.name, p.models) for p in self.settings.providers.values())
             self.metrics.attach(self.runtime.ledger)
             if (port := self.settings.metrics_port) is not None:
                 # /metrics on its own listener (e.g. an internal interface), in a thread.

@@ -1,14 +1,12 @@
 """The counter series a process exposes at 0 before it first counts them (docs/metrics.md).
 
 Prometheus takes a series' first sample as where it starts: a counter first exposed at 1
-adds nothing to ``rate()`` or ``increase()``. Each provider, model and outcome's first
-request after a process started was missing from every rate panel, a rare outcome's only
-occurrence included, and so were the first refusals by a watched reason and the first
-timeout. So when a provider or one of its models is first counted, the other series
-named here for it are made at 0: their own first counts then show. The count that made
-them (most often a model's first completed request after a start) is still born at 1;
-making every declared model's series at a start instead cost an idle scrape 20 times
-the lines. Pure: which series, not how.
+adds nothing to ``rate()`` or ``increase()``. So ``serve`` makes these series at 0 for
+every declared provider and priced model before its first request
+(:meth:`~effectguard.telemetry.metrics.Metrics.declare`), and the first count of a
+provider or model not declared (a dated snapshot's name) makes the others named here for
+it: their own first counts then show. That count itself is still born at 1. Pure: which
+series, not how.
 """
 
 from __future__ import annotations

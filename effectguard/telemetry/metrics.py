@@ -31,9 +31,8 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -52,6 +51,7 @@ from effectguard.rules.budgetview import Policyless, top_nodes
 from effectguard.rules.money import nanos_to_decimal
 from effectguard.telemetry import firstseries
 from effectguard.telemetry.budgetgauges import budget_gauges, period_ends
+from effectguard.telemetry.capped import MAX_LABEL_VALUES, Capped
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.roomclosings import RoomClosings
 from effectguard.telemetry.sharedread import SharedRead
@@ -59,12 +59,10 @@ from effectguard.telemetry.sharedread import SharedRead
 if TYPE_CHECKING:
     from effectguard.ledger import Ledger
 
-__all__ = ["LedgerSnapshot", "Metrics", "MetricsObserver"]
+__all__ = ["MAX_LABEL_VALUES", "LedgerSnapshot", "Metrics", "MetricsObserver"]
 
 log = logging.getLogger("effectguard.telemetry.metrics")
 
-#: Distinct values one label may take before further ones are counted as ``other``.
-MAX_LABEL_VALUES = 100
 #: Budget nodes exported one by one; the rest are summed into one ``other`` series
 #: (without proxy keys any client can create budget roots, one new series each).
 MAX_BUDGET_SERIES = 50
@@ -94,37 +92,13 @@ def _usd(nanos: int) -> float:
     return float(nanos_to_decimal(nanos))
 
 
-class _Capped:
-    """Admits at most ``limit`` distinct values per scope; later ones become ``other``."""
-
-    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
-        self._limit = limit
-        self._seen: dict[str, set[str]] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, scope: str, value: str) -> str:
-        seen = self._seen.get(scope)
-        if seen is not None and value in seen:  # the hot path: no lock
-            return value
-        with self._lock:
-            seen = self._seen.setdefault(scope, set())
-            if value in seen or len(seen) < self._limit:
-                seen.add(value)
-                return value
-        return "other"
-
-    def values(self, scope: str) -> list[str]:
-        with self._lock:
-            return sorted(self._seen.get(scope, ()))
-
-
 class MetricsObserver(NullObserver):
     """The guard's :class:`~effectguard.telemetry.observer.Observer`, as Prometheus counters.
 
     Per-request reports (call ids) are no metric labels: those hooks stay no-ops.
     """
 
-    def __init__(self, registry: CollectorRegistry, capped: _Capped) -> None:
+    def __init__(self, registry: CollectorRegistry, capped: Capped) -> None:
         self._cap = capped
         self._children: dict[tuple[Any, ...], Any] = {}
         self._at_zero: set[tuple[str, ...]] = set()  # providers and (provider, model)s
@@ -201,6 +175,15 @@ class MetricsObserver(NullObserver):
             for family, values in of(*scope):
                 metric = getattr(self, family)  # firstseries names these attributes
                 self._children.setdefault((metric, *values), metric.labels(*values))
+
+    def declare(self, provider: str, models: Iterable[str]) -> None:
+        """Make the series of ``provider`` and of each of its ``models`` at 0 now: the
+        first call of a declared model after a start then shows in every rate, as the
+        first count of a series born at 1 cannot (:mod:`firstseries`)."""
+        p = self._provider(provider)
+        self._zero(p, None)
+        for model in models:
+            self._zero(p, self._model(p, model))
 
     def _provider(self, provider: str) -> str:
         return self._cap("provider", provider)
@@ -334,7 +317,7 @@ class Metrics:
         self.budget_depth = budget_depth
         self.max_budget_series = max_budget_series
         self.refresh_timeout_s = refresh_timeout_s
-        self._cap = _Capped()
+        self._cap = Capped()
         self.observer = MetricsObserver(self.registry, self._cap)
         self.commit_duration = Histogram(
             "effectguard_ledger_commit_duration_seconds",
@@ -367,6 +350,12 @@ class Metrics:
         self._fresh = False
         self._pending: asyncio.Task[None] | None = None
         self._shared = SharedRead(self._read)
+
+    def declare(self, providers: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """Show each (provider, its model names)'s counters at 0 from the first scrape
+        (:meth:`MetricsObserver.declare`); call before the first request."""
+        for provider, models in providers:
+            self.observer.declare(provider, models)
 
     def attach(self, ledger: Ledger) -> None:
         """Read gauges from ``ledger`` and time its commits (call in the ledger's loop)."""
