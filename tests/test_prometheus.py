@@ -365,11 +365,14 @@ def test_rules_evaluate_cleanly_and_unknown_effect_alert_fires(stack: Stack) -> 
         "EffectguardBudgetNearLimit",
         "EffectguardLedgerCommitsFailing",
         "EffectguardLedgerUnreadable",
+        "EffectguardJobMixesLedgers",
         "EffectguardDown",
     }
     assert all(r["health"] == "ok" for r in loaded), loaded
     down = next(r for r in loaded if r["name"] == "EffectguardDown")
     assert down["state"] == "inactive" and not down["alerts"], down  # the target is scraped
+    mixed = next(r for r in loaded if r["name"] == "EffectguardJobMixesLedgers")
+    assert mixed["state"] == "inactive" and not mixed["alerts"], mixed  # one ledger
     stale = next(r for r in loaded if r["name"] == "EffectguardUnknownEffectStale")
     lowered, replaced = re.subn(r">\s*[0-9.]+\s*$", "> 0", stale["query"].strip())
     assert replaced == 1, stale["query"]

@@ -243,3 +243,26 @@ def test_counter_panels_show_each_deployment_apart(
     assert by_job(prom, f"({counter_of(requests)}) > 0", "outcome") == {
         (j, "completed"): plan[2] for j, plan in PLAN.items()
     }
+
+
+def test_each_deployment_names_its_ledger(
+    deployments: tuple[Prometheus, list[Deployment]],
+) -> None:
+    """``effectguard_ledger_info`` names each replica's ledger (its store, and a hash of
+    where it is, never the URL): the replicas of one deployment agree, the deployments
+    differ, so the query docs/metrics.md gives finds a job that mixes ledgers."""
+    prom, found = deployments
+    info = prom.query("effectguard_ledger_info")
+    assert len(info) == sum(len(d.replicas) for d in found), info
+    ledgers = {(r["metric"]["job"], r["metric"]["ledger"], r["metric"]["store"]) for r in info}
+    assert {job for job, _, _ in ledgers} == set(PLAN)
+    assert len(ledgers) == len(PLAN), ledgers  # one per job, none shared
+    stores = {job: store for job, _, store in ledgers}
+    assert stores == {JOB: "postgresql" if DSN else "sqlite"} | {
+        job: "sqlite" for job in PLAN if job != JOB
+    }
+    assert not any("postgres" in r["metric"]["ledger"] for r in info)
+    mixed = "count by (job) (count by (job, ledger) (effectguard_ledger_info)) > 1"
+    assert prom.query(mixed) == []
+    merged = "count(count by (ledger) (effectguard_ledger_info))"
+    assert prom.value(merged) == len(PLAN)

@@ -130,7 +130,7 @@ class ProxyApp:
         if self.metrics is not None:
             # Before the first request: a declared model's first call shows in the rates.
             self.metrics.declare((p.name, p.models) for p in self.settings.providers.values())
-            self.metrics.attach(self.runtime.ledger)
+            self.metrics.attach(self.runtime.ledger, self.settings.ledger)
             if (port := self.settings.metrics_port) is not None:
                 # /metrics on its own listener (e.g. an internal interface), in a thread.
                 sock = self._metrics_socket or listen_socket(self.settings.metrics_host, port)

@@ -52,6 +52,7 @@ from effectguard.rules.money import nanos_to_decimal
 from effectguard.telemetry import firstseries
 from effectguard.telemetry.budgetgauges import budget_gauges, period_ends
 from effectguard.telemetry.capped import MAX_LABEL_VALUES, Capped
+from effectguard.telemetry.ledgerinfo import ledger_info
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.roomclosings import RoomClosings
 from effectguard.telemetry.sharedread import SharedRead
@@ -254,6 +255,8 @@ class _LedgerCollector:
         self._metrics._refresh_from_other_thread()
         m = self._metrics
         yield from _gauges(m.snapshot, m._cap.values("provider"))
+        if m._info is not None:
+            yield m._info
 
 
 def _gauges(snap: LedgerSnapshot, providers: list[str]) -> Iterator[Metric]:
@@ -344,6 +347,7 @@ class Metrics:
         self.closed_for_room = RoomClosings(self.registry)
         self.snapshot = LedgerSnapshot()
         self._ledger: Ledger | None = None
+        self._info: Metric | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hooked: object = None
         self._collector: _LedgerCollector | None = None
@@ -357,9 +361,11 @@ class Metrics:
         for provider, models in providers:
             self.observer.declare(provider, models)
 
-    def attach(self, ledger: Ledger) -> None:
-        """Read gauges from ``ledger`` and time its commits (call in the ledger's loop)."""
+    def attach(self, ledger: Ledger, url: str | None = None) -> None:
+        """Read gauges from ``ledger`` and time its commits (call in the ledger's loop);
+        with its ``url``, name it in ``effectguard_ledger_info`` (:mod:`ledgerinfo`)."""
         self._ledger = ledger
+        self._info = None if url is None else ledger_info(url)
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
