@@ -29,8 +29,18 @@ OUTCOMES: Final = (
 DIRECTIONS: Final = ("input", "output")
 #: How an attempt ended (``effectguard_upstream_duration_seconds``' ``outcome``).
 ENDINGS: Final = ("answered", "timeout", "error")
-#: The refusal reasons the shipped panels and alerts single out; others start at 1.
-WATCHED_REASONS: Final = ("budget_exceeded", "rate_limited")
+#: The refusal reasons shown at 0: those the shipped panels single out, and admission's
+#: answers about a call already made (a key's call in flight, reused for another request,
+#: or decided). Others (malformed requests, forbidden budgets) start at 1.
+WATCHED_REASONS: Final = (
+    "budget_exceeded",
+    "rate_limited",
+    "effect_unknown",
+    "in_progress",
+    "idempotency_key_reused",
+    "reconciled_applied",
+    "late_answer_applied",
+)
 
 #: (family, label values) of one series; the family is the name of its counter's
 #: attribute on :class:`~effectguard.telemetry.metrics.MetricsObserver`.
