@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +31,7 @@ from effectguard.rules.usage import Usage, cost, estimate
 from effectguard.telemetry.metrics import OTHER_BUDGETS, Metrics, top_budgets
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.report import CallReport
-from effectguard.testing import free_port
+from effectguard.testing import free_port, start_proxy
 from effectguard_bench import ledgerbench
 
 OPENAI = "https://api.openai.com"
@@ -637,3 +640,29 @@ async def test_a_scrape_reads_only_the_client_made_roots_it_shows(ledger: Ledger
         for s in family.samples
     ]
     assert len(shown) == len(every) == 51
+
+
+def test_serve_shows_declared_models_at_zero_before_any_request(tmp_path: Path) -> None:
+    """``serve``'s first scrape already has each declared provider's and priced model's
+    counters at 0, so a replica's first call of a model shows in ``rate()``
+    (test_prometheus_first_call.py shows it with a real Prometheus)."""
+    ledger = str(tmp_path / "ledger.db")
+    subprocess.run(
+        [sys.executable, "-m", "effectguard", "migrate", "--ledger", ledger],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    proxy = start_proxy(ledger)
+    try:
+        lines = set(httpx.get(proxy.url + "/metrics", timeout=10).text.splitlines())
+    finally:
+        proxy.stop()
+    for sample in (
+        'effectguard_requests_total{model="gpt-4o-mini",outcome="completed",provider="openai"}',
+        'effectguard_cost_usd_total{model="gpt-4o-mini",provider="openai"}',
+        'effectguard_tokens_total{direction="input",model="gpt-4o-mini",provider="openai"}',
+        'effectguard_upstream_duration_seconds_count{outcome="answered",provider="openai"}',
+        'effectguard_refusals_total{provider="openai",reason="idempotency_key_reused"}',
+    ):
+        assert f"{sample} 0.0" in lines, sample
