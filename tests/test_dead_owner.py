@@ -31,6 +31,7 @@ from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 from toolkit import cli_run as run
 
+from effectguard.callpath.recovery import lock_dir_for
 from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
 
 pytestmark = pytest.mark.slow
@@ -232,7 +233,7 @@ def test_a_lapsed_lease_is_gone_where_the_lock_cannot_be_seen(
     tmp_path: Path,
     ledger_url: str,  # noqa: F811
 ) -> None:
-    """An owner whose lock this host cannot see (on PostgreSQL, or another host's: here
+    """An owner whose lock this host cannot see (another host's, another OS user's: here
     its lock file is removed) is gone once its lease runs out by the ledger's clock, not
     before."""
     config = tmp_path / "effectguard.toml"
@@ -253,9 +254,12 @@ def test_a_lapsed_lease_is_gone_where_the_lock_cannot_be_seen(
             assert proxy.process.wait(15) == -signal.SIGKILL
         finally:
             proxy.kill()
-        for lock in Path(f"{ledger_url}.workers").glob("*.lock"):
-            lock.unlink()
         (call,) = cli("calls", *where)
+        owners = {e["worker"] for e in cli("show", call["call_id"], *where)["events"]}
+        locks = lock_dir_for(ledger_url)
+        assert locks is not None
+        for owner in owners:  # only the killed one's: on PostgreSQL others share the folder
+            (locks / f"{owner}.lock").unlink()
         shown = cli("show", call["call_id"], *where)
         if shown["owner_gone"] is None:  # the lease may still run: then it must run out
             assert shown["next_command"].startswith("wait (it is in flight)")

@@ -1,9 +1,11 @@
 """Which workers' processes are gone: the proofs a sweep takes them over by (contract §7).
 
-A worker holds an OS file lock (``flock``) beside a file ledger for as long as its
-process lives; the kernel drops it when the process dies, however it dies. Only a
-process on the same host can see that lock. Elsewhere, and on PostgreSQL, a worker is
-known gone only once its lease runs out by the ledger's clock.
+A worker holds an OS file lock (``flock``) for as long as its process lives, beside a
+file ledger or, for PostgreSQL, in a directory of its host
+(:mod:`~effectguard.callpath.hostlocks`); the kernel drops it when the process dies,
+however it dies. Only a process on the same host can see that lock (for PostgreSQL, of
+the same OS user too). Elsewhere a worker is known gone only once its lease runs out by
+the ledger's clock.
 """
 
 from __future__ import annotations

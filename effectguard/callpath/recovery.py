@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from effectguard.callpath.hostlocks import pg_lock_dir
 from effectguard.callpath.liveness import provably_dead
 from effectguard.config import defaults
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable
@@ -36,7 +37,11 @@ log = logging.getLogger("effectguard.callpath.recovery")
 
 
 def lock_dir_for(ledger_url: str) -> Path | None:
-    """Where workers of a file ledger keep their liveness locks (None: no such dir)."""
+    """Where workers of the ledger at ``ledger_url`` keep their liveness locks (None: none
+    here): beside a file ledger; for PostgreSQL, in a directory of this host
+    (:mod:`effectguard.callpath.hostlocks`)."""
+    if ledger_url.startswith(("postgresql://", "postgres://")):
+        return pg_lock_dir()
     if ledger_url.startswith("sqlite:///"):
         from effectguard.ledger.sqlite import sqlite_path
 
@@ -65,13 +70,17 @@ def _drop_inherited_locks() -> None:
 
 
 def _new_lock(path: Path) -> BinaryIO:
-    """Create the worker's lock file beside the ledger, owner-only like the ledger.
+    """Create the worker's lock file (beside a file ledger), owner-only like the ledger.
 
     It lives on the ledger's filesystem, so a filesystem that refuses it (read-only, full)
     is the ledger unavailable, as a write the ledger refuses is: ``reconcile``, which
     registers to take over a gone worker, exits 4 then, not with a traceback."""
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Each directory made owner-only (``parents=True`` would make all but the last
+        # with the umask's mode): a PostgreSQL ledger's per-boot one is two levels deep.
+        for folder in reversed([path.parent, *path.parent.parents]):
+            if not folder.exists():
+                folder.mkdir(mode=0o700, exist_ok=True)
         # Close-on-exec (also Python's default), so no program it runs holds it either.
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         return os.fdopen(os.open(path, flags, 0o600), "wb")

@@ -130,17 +130,17 @@ def _check_reconcilable(state: WorkState) -> None:
     """A :class:`ReconcileError` unless ``state`` is a stage a decision applies to."""
     call_id = state.call_id
     if state.stage == "in_flight":
-        # Only a SQLite ledger's file lock proves a process gone at once, and only on its
-        # host: on PostgreSQL a replica killed on this very host waits for its lease, and
-        # a call taken over for its lease alone is decided by a second run (§7).
+        # A worker's file lock proves its process gone at once, but only to a process on
+        # its host (on PostgreSQL, of its OS user too): elsewhere the lease does, and a
+        # call taken over for its lease alone is decided by a second run (§7).
         raise ReconcileError(
             f"call {call_id} is in_flight: its worker is still working on it, or stopped "
             "less than a lease ago; nothing was decided. Wait, then "
             f"`{show_command(call_id)}`: `effectguard reconcile` takes the call over once "
-            "its worker is known gone: where its process is gone from this host with a "
-            "SQLite ledger, at once, and decides it; else once its lease has run out "
-            "(`lease_s`, 15 s by default; on PostgreSQL always so), and then a second run "
-            "decides it, once you have looked for a late answer",
+            "its worker is known gone: run on the worker's host (on PostgreSQL, as its OS "
+            "user), at once when its process is gone, and decides it; else once its lease "
+            "has run out (`lease_s`, 15 s by default), and then a second run decides it, "
+            "once you have looked for a late answer",
             call_id=call_id,
         )
     if state.stage not in workstate.RECONCILABLE:
