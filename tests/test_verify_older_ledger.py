@@ -15,79 +15,41 @@ import subprocess
 import sys
 from pathlib import Path
 
-from effectguard.ledger import writerformat
-
-#: SQLite's migration 23 (writer format 6): the first this release has and format 5 lacks.
-LAST = 23
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "effectguard", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def _as_format_5(path: Path) -> None:
-    """What a release of writer format 5 left: no ``reached``, no migration 23, and the
-    triggers of format 5."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        for statement in writerformat.sqlite_require(5):
-            conn.execute(statement)
-        conn.execute("ALTER TABLE rate_windows DROP COLUMN reached")
-        conn.execute(f"DELETE FROM migrations WHERE version = {LAST}")
-    finally:
-        conn.close()
-
-
-def _versions(path: Path) -> set[int]:
-    conn = sqlite3.connect(path)
-    try:
-        return {row[0] for row in conn.execute("SELECT version FROM migrations")}
-    finally:
-        conn.close()
+from olderkit import LAST, as_format_5, older_backup, run_cli, versions
 
 
 def test_verify_checks_a_backup_an_older_release_took_and_leaves_it_as_it_was(
     tmp_path: Path,
 ) -> None:
-    ledger, backup = tmp_path / "ledger.db", tmp_path / "backup.db"
-    assert _run("migrate", "--ledger", str(ledger)).returncode == 0
-    done = _run("budget", "set", "team", "--limit", "5", "--rpm", "10", "--ledger", str(ledger))
-    assert done.returncode == 0, done.stderr
-    _as_format_5(ledger)
-    assert _run("backup", "--ledger", str(ledger), str(backup)).returncode == 0
+    backup = older_backup(tmp_path, "--limit", "5", "--rpm", "10")
     before = backup.read_bytes()
 
-    done = _run("verify", "--ledger", str(backup))
+    done = run_cli("verify", "--ledger", str(backup))
 
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("ok: "), done.stdout
     assert f"migration {LAST} pending" in done.stderr and "not changed" in done.stderr
-    assert backup.read_bytes() == before and LAST not in _versions(backup)
+    assert backup.read_bytes() == before and LAST not in versions(backup)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["backup.db", "ledger.db"]
 
 
 def test_verify_still_names_a_broken_older_ledger(tmp_path: Path) -> None:
     """The copy is the file's: a ledger an older release left that is damaged is BROKEN."""
     ledger = tmp_path / "ledger.db"
-    assert _run("migrate", "--ledger", str(ledger)).returncode == 0
-    done = _run("budget", "set", "team", "--limit", "5", "--ledger", str(ledger))
+    assert run_cli("migrate", "--ledger", str(ledger)).returncode == 0
+    done = run_cli("budget", "set", "team", "--limit", "5", "--ledger", str(ledger))
     assert done.returncode == 0, done.stderr
-    _as_format_5(ledger)
+    as_format_5(ledger)
     conn = sqlite3.connect(ledger, isolation_level=None)
     try:
         conn.execute("UPDATE budgets SET limit_nanos = limit_nanos + 1")
     finally:
         conn.close()
 
-    done = _run("verify", "--ledger", str(ledger))
+    done = run_cli("verify", "--ledger", str(ledger))
 
     assert done.returncode == 1 and "BROKEN" in done.stdout, done.stdout + done.stderr
-    assert LAST not in _versions(ledger)
+    assert LAST not in versions(ledger)
 
 
 def test_serve_says_which_migrations_it_applied_to_an_older_ledger(tmp_path: Path) -> None:
@@ -95,8 +57,8 @@ def test_serve_says_which_migrations_it_applied_to_an_older_ledger(tmp_path: Pat
     raises the writer format locks every replica of the older release out. It did so
     without a word in its log: the log names each migration it applied."""
     ledger = tmp_path / "ledger.db"
-    assert _run("migrate", "--ledger", str(ledger)).returncode == 0
-    _as_format_5(ledger)
+    assert run_cli("migrate", "--ledger", str(ledger)).returncode == 0
+    as_format_5(ledger)
     proc = subprocess.Popen(
         [sys.executable, "-m", "effectguard", "serve", "--ledger", str(ledger), "--port", "0"],
         stdout=subprocess.PIPE,
@@ -115,4 +77,4 @@ def test_serve_says_which_migrations_it_applied_to_an_older_ledger(tmp_path: Pat
         proc.communicate(timeout=60)
     told = [line for line in lines if f"migration {LAST} applied" in line]
     assert told and "writer format 6" in told[0], "".join(lines)
-    assert LAST in _versions(ledger)
+    assert LAST in versions(ledger)
