@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+from asgikit import asgi_call
+from keepalivekit import chat_answer
 
 from effectguard.config.settings import load_settings
 from effectguard.ingress.server import create_app
@@ -34,37 +36,6 @@ def _body(stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-async def _call(
-    app: Any, body: bytes, method: str = "POST", path: str = CHAT
-) -> tuple[int, dict[bytes, bytes], bytes]:
-    """One request through the ASGI app: its status, headers and whole body."""
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-    }
-    messages: list[dict[str, Any]] = []
-    received = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal received
-        if received:
-            await asyncio.Event().wait()
-        received = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        messages.append(message)
-
-    await app(scope, receive, send)
-    start = messages[0]
-    content = b"".join(m.get("body", b"") for m in messages[1:])
-    return start["status"], dict(start["headers"]), content
-
-
 def _forbidden(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("an httpx object was built on the proxy's path")
 
@@ -82,7 +53,10 @@ def test_the_proxy_path_builds_no_httpx_objects(
                 with monkeypatch.context() as patched:
                     patched.setattr(httpx.Request, "__init__", _forbidden)
                     patched.setattr(httpx.Response, "__init__", _forbidden)
-                    return [await _call(app, _body(False)), await _call(app, _body(True))]
+                    return [
+                        (await asgi_call(app, CHAT, _body(False))),
+                        (await asgi_call(app, CHAT, _body(True))),
+                    ]
             finally:
                 await app.shutdown()
 
@@ -174,7 +148,9 @@ def test_a_read_only_request_lost_on_a_stale_connection_is_sent_again(tmp_path: 
         app = create_app(load_settings(ledger=str(tmp_path / "ledger.db"), upstreams=upstreams))
         await app.startup()
         try:
-            statuses = [(await _call(app, b"", "GET", "/openai/v1/models"))[0] for _ in range(2)]
+            statuses = [
+                (await asgi_call(app, "/openai/v1/models", b"", "GET"))[0] for _ in range(2)
+            ]
         finally:
             await app.shutdown()
             server.close()
@@ -203,30 +179,16 @@ async def _speak_unasked(seen: list[bytes]) -> tuple[asyncio.Server, int]:
                 )
                 body = await reader.readexactly(length)
                 seen.append(body)
-                writer.write(_chat_answer(json.loads(body)["messages"][0]["content"]))
+                writer.write(chat_answer(json.loads(body)["messages"][0]["content"]))
                 await writer.drain()
                 if not forged:
                     forged = True
                     await asyncio.sleep(0.05)
-                    writer.write(_chat_answer("FORGED"))
+                    writer.write(chat_answer("FORGED"))
                     await writer.drain()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
-
-
-def _chat_answer(content: str) -> bytes:
-    body = json.dumps(
-        {
-            "id": "chatcmpl-1",
-            "object": "chat.completion",
-            "model": "gpt-4o-mini",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        }
-    ).encode()
-    head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
-    return head.encode() + b"\r\n\r\n" + body
 
 
 def test_an_answer_nobody_asked_for_is_never_taken_for_the_next_calls(tmp_path: Path) -> None:
@@ -250,7 +212,7 @@ def test_an_answer_nobody_asked_for_is_never_taken_for_the_next_calls(tmp_path: 
                         "messages": [{"role": "user", "content": f"call-{n}"}],
                     }
                 ).encode()
-                status, _, content = await _call(app, body)
+                status, _, content = await asgi_call(app, CHAT, body)
                 answers.append((status, json.loads(content)["choices"][0]["message"]["content"]))
                 await asyncio.sleep(0.2)  # the forged answer arrives while the pool holds it
         finally:

@@ -22,9 +22,9 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
+from asgikit import asgi_call
 from keepalivekit import KeepAliveUpstream
 
 from effectguard import AsyncGuardTransport, GuardTransport
@@ -49,41 +49,14 @@ def _chat(content: str) -> bytes:
     ).encode()
 
 
-async def _through_app(app: Any, body: bytes) -> int:
-    """One chat call through the proxy's ASGI app; its status."""
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/openai" + CHAT,
-        "raw_path": ("/openai" + CHAT).encode(),
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-    }
-    sent: list[dict[str, Any]] = []
-    received = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal received
-        if received:
-            await asyncio.Event().wait()
-        received = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    return int(sent[0]["status"])
-
-
 async def _proxy_calls(upstream: KeepAliveUpstream, ledger: Path) -> list[int]:
     settings = load_settings(ledger=str(ledger), upstreams={"openai": upstream.url})
     app = create_app(settings)
     await app.startup()
     try:
-        first = await _through_app(app, _chat("proxy-0"))
+        first = (await asgi_call(app, "/openai" + CHAT, _chat("proxy-0")))[0]
         await asyncio.sleep(PAST_THE_BOUND_S)
-        return [first, await _through_app(app, _chat("proxy-1"))]
+        return [first, (await asgi_call(app, "/openai" + CHAT, _chat("proxy-1")))[0]]
     finally:
         await app.shutdown()
 
