@@ -392,7 +392,14 @@ class ProxyApp:
         """Before the end of an answer or a stream's next chunk: whether its client has
         gone. If so its access line says 499 (a stream's report is made at its end, by
         whoever reads the stream to it). Its retry was handed the call when the connection
-        was lost (``ticket.leave``, watched in :meth:`_proxy`): the same signal."""
+        was lost (``ticket.leave``, watched in :meth:`_proxy`): the same signal.
+
+        A client that closed its sending side first (a half-close, or a close: the wire
+        does not say which) is still written its answer, and logged 499, as nginx logs a
+        client that closed before its answer: a timed-out SDK's close is by far the more
+        common, and a 200 would read as a delivery the proxy cannot know of."""
+        if ticket.report is not None and ticket.may_have_left:
+            ticket.report.status = 499
         if not client_gone(scope):
             return False
         if ticket.report is not None:
