@@ -163,7 +163,9 @@ class Guard(Attempts):
             )
             if prepared is None:  # read-only: nothing to guard
                 report.outcome = report.stage = "read_only"
-                return await forward_read_only(provider, request, send, report, self.observer)
+                return await forward_read_only(
+                    provider, request, send, report, self.observer, self.settings
+                )
             report.model, report.budget = prepared.model or "", prepared.admit.budget
             prepared = self._adopting(prepared, ticket)
             admitted = await self._admit(prepared)

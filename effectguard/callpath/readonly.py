@@ -15,15 +15,18 @@ from effectguard.callpath.exchange import (
     ReplyStream,
     Send,
     Upstream,
-    UpstreamBody,
+    header_value,
 )
 from effectguard.callpath.prepare import refuse
+from effectguard.callpath.readbound import bounded_stream, held_plain
 from effectguard.callpath.wire import (
+    answer_kind,
     classify_transport_error,
     client_headers,
     timed_out,
     upstream_request,
 )
+from effectguard.config.settings import GuardSettings
 from effectguard.providers import Provider
 from effectguard.rules.keymask import key_forms, key_of, mask_forms
 from effectguard.telemetry.observer import Observer
@@ -31,14 +34,21 @@ from effectguard.telemetry.report import CallReport
 
 
 async def forward_read_only(
-    provider: Provider, request: Outbound, send: Send, report: CallReport, observer: Observer
+    provider: Provider,
+    request: Outbound,
+    send: Send,
+    report: CallReport,
+    observer: Observer,
+    settings: GuardSettings,
 ) -> Reply:
-    """Forward a read-only request: nothing to record, but errors still get clear answers."""
+    """Forward a read-only request: nothing to record, but errors still get clear answers.
+    Its answer is bounded as a whole as a guarded call's is (callpath/readbound)."""
     outgoing = upstream_request(request, request.body, None, None)
     observer.dispatching(report, outgoing)
     sent_at = time.perf_counter()
     try:
         response = await _send_read(send, outgoing)
+        body = await _bounded(response, request.method, settings)
     except httpx.TransportError as exc:
         not_sent = classify_transport_error(exc) == "not_sent"
         kind = "upstream_unreachable" if not_sent else "upstream_failed"
@@ -52,32 +62,52 @@ async def forward_read_only(
         ) from exc
     finally:
         report.upstream_s += time.perf_counter() - sent_at
-    body: ReplyStream = UpstreamBody(response)
     if not 200 <= response.status < 300:  # a success is never searched (rules/keymask)
         credential = outgoing.header(provider.key_header)
         forms = key_forms(key_of(credential, provider.key_format))
-        body = MaskedBody(response, forms) if forms else body
-    return Reply(
-        response.status,
-        client_headers(response.headers, None),
-        stream=body,
-        extensions=response.extensions,
-    )
+        if forms:
+            body = mask_forms(body, forms) if isinstance(body, bytes) else MaskedBody(body, forms)
+    headers = client_headers(response.headers, None)
+    if isinstance(body, bytes):
+        return Reply(response.status, headers, body=body, extensions=response.extensions)
+    return Reply(response.status, headers, stream=body, extensions=response.extensions)
 
 
-class MaskedBody(UpstreamBody):
-    """An upstream answer's body forwarded with the provider key masked (rules/keymask),
-    chunk by chunk: the bytes that could begin a key cut by a chunk's end are held back
-    until the next chunk (or the end) shows whether they do."""
+async def _bounded(response: Upstream, method: str, settings: GuardSettings) -> bytes | ReplyStream:
+    """The answer's body, whole or to forward as it comes, bounded (callpath/readbound).
+    A ``HEAD``'s answer has no body, but its headers describe the ``GET``'s: it is
+    forwarded as it comes, so that no length is written for it."""
+    content_type = header_value(response.headers, "content-type")
+    if answer_kind(response.status, content_type, False) == "stream":
+        return bounded_stream(response, settings.upstream_stream_timeout_s)
+    if method == "HEAD":
+        return bounded_stream(response, settings.upstream_read_timeout_s)
+    try:
+        body = await held_plain(response, settings.upstream_read_timeout_s)
+    except BaseException:
+        await response.aclose()
+        raise
+    if isinstance(body, bytes):
+        await response.aclose()  # read whole: its connection goes back to the pool
+    return body
 
-    def __init__(self, upstream: Upstream, forms: tuple[bytes, ...]) -> None:
-        super().__init__(upstream)
+
+class MaskedBody:
+    """An answer's body forwarded with the provider key masked (rules/keymask), chunk by
+    chunk: the bytes that could begin a key cut by a chunk's end are held back until the
+    next chunk (or the end) shows whether they do."""
+
+    def __init__(self, source: ReplyStream, forms: tuple[bytes, ...]) -> None:
+        self._source = source
         self._forms = forms
         self._hold = max(len(form) for form in forms) - 1
 
+    async def aclose(self) -> None:
+        await self._source.aclose()
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         held = b""
-        async for chunk in self._upstream.aiter_raw():
+        async for chunk in self._source:
             data = mask_forms(held + chunk, self._forms)
             # Any occurrence that starts before the held tail ends inside ``data``.
             cut = max(len(data) - self._hold, 0)

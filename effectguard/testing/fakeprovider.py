@@ -48,7 +48,7 @@ missing field is 400) is a Stripe-like search by operation id: a request that ca
 ``x-effectguard-op: ID`` (or ``metadata.effectguard_op`` in its JSON body) and was answered
 with a success is found, as ``{"data": [<the answer's JSON object>]}``, once it is older
 than the search lag; until then, and for unknown ids, ``{"data": []}``. Receipts add
-``"op"``. ``GET /v1/models`` is read-only. The answers themselves are built in
+``"op"``. ``GET /v1/models`` is read-only (it honours ``trickle`` alone). The answers themselves are built in
 :mod:`effectguard.testing.fakeanswers`, and sent (whole, cut, reset or not at all)
 by :mod:`effectguard.testing.fakebehaviour`. Per request, ``x-fake-behaviour``
 chooses delay, status and how the answer ends in one header; its receipts add
@@ -263,12 +263,23 @@ class _Provider:
             return web.json_response({"object": "search_result", "data": []})
         return web.json_response({"object": "search_result", "data": [found[1]]})
 
-    async def models(self, request: web.Request) -> web.Response:
-        """``GET /v1/models``: one model, in a shape both SDKs can parse."""
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models``: one model, in a shape both SDKs can parse. Only ``trickle``
+        of ``x-fake-behaviour`` applies (a read has no receipt); with ``?stream=true`` the
+        page is sent as an event stream (one event, then ``[DONE]``)."""
         model = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "effectguard"}
         model |= {"type": "model", "display_name": "Fake", "created_at": "1970-01-01T00:00:00Z"}
         page = {"object": "list", "data": [model], "has_more": False}
-        return web.json_response(page | {"first_id": "fake-model", "last_id": "fake-model"})
+        page |= {"first_id": "fake-model", "last_id": "fake-model"}
+        trickle = _behaviour(request.headers, self.settings).trickle
+        if trickle is None:
+            return web.json_response(page)
+        body = json.dumps(page).encode()
+        if request.query.get("stream") == "true":
+            reply = Reply(200, "text/event-stream", (b"data: " + body + b"\n\n",), True)
+        else:
+            reply = Reply(200, "application/json", (body,), False)
+        return await send_answer(request, reply, Behaviour(trickle=trickle))
 
 
 def _parse(raw: bytes, headers: Any) -> dict[str, Any]:
