@@ -48,9 +48,9 @@ missing field is 400) is a Stripe-like search by operation id: a request that ca
 ``x-effectguard-op: ID`` (or ``metadata.effectguard_op`` in its JSON body) and was answered
 with a success is found, as ``{"data": [<the answer's JSON object>]}``, once it is older
 than the search lag; until then, and for unknown ids, ``{"data": []}``. Receipts add
-``"op"``. ``GET /v1/models`` is read-only (it honours ``trickle`` alone). The answers themselves are built in
-:mod:`effectguard.testing.fakeanswers`, and sent (whole, cut, reset or not at all)
-by :mod:`effectguard.testing.fakebehaviour`. Per request, ``x-fake-behaviour``
+``"op"``. ``GET /v1/models`` is read-only (it honours ``trickle`` alone). The answers
+themselves are built in :mod:`effectguard.testing.fakeanswers`, and sent (whole, cut,
+reset or not at all) by :mod:`effectguard.testing.fakebehaviour`. Per request, ``x-fake-behaviour``
 chooses delay, status and how the answer ends in one header; its receipts add
 ``"behaviour"`` (what was applied, ``""`` for a plain answer) and ``"tag"`` (the
 ``x-fake-tag`` header). None of these modules imports anything else from effectguard.
