@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from effectguard.errors import ConfigError, LedgerCorrupt, LedgerUnavailable
@@ -77,9 +77,11 @@ class PostgresSession:
     had to be sent early). Any error while sending writes abandons the whole batch.
     """
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, on_newer: Callable[[str], None] | None = None) -> None:
         self._target = target
         self._refused_newer = False  # a reconnect found a newer release's ledger: logged
+        #: Told (on the writer thread) why, once a reconnect refuses the ledger.
+        self._on_newer = on_newer
         self._deadline = WriteDeadline()  # unarmed here: migrations may take minutes
         try:
             self.conn = self._open(first=True)
@@ -126,6 +128,8 @@ class PostgresSession:
                     extra={"event": "ledger_newer"},
                 )
                 self._refused_newer = True
+                if self._on_newer is not None:
+                    self._on_newer(str(exc))
             raise LedgerUnavailable(str(exc)) from exc
         except BaseException:
             conn.close()

@@ -75,6 +75,9 @@ class PostgresStore(SqlReads):
         self._reader: PgReader | None = None
         self._lease = LeaseConnection(self.target)
         self._lease_failing = False  # its failure was logged: not again until it works
+        #: Why the writer refuses the ledger (a newer release migrated it), once it does:
+        #: the lease is no longer renewed (:meth:`renew_lease`). Set on the writer thread.
+        self._refused: str | None = None
 
     @property
     def committer(self) -> GroupCommitter[PostgresSession]:
@@ -85,7 +88,7 @@ class PostgresStore(SqlReads):
 
     async def open(self) -> None:
         writer = GroupCommitter(
-            lambda: PostgresSession(self.target),
+            lambda: PostgresSession(self.target, on_newer=self._refuse),
             operations.check_writer,
             name="effectguard-pg-writer",
         )
@@ -113,7 +116,16 @@ class PostgresStore(SqlReads):
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         return await self.committer.submit(writer, op, orphaned)
 
+    def _refuse(self, why: str) -> None:
+        self._refused = why
+
     async def renew_lease(self, writer: Writer, lease_s: float) -> float:
+        if self._refused is not None:
+            # This process writes nothing more: its calls in flight can never be recorded
+            # by it. Left to lapse, its lease lets another replica's sweeper take them
+            # over (effect_unknown), as it would a dead replica's, instead of their
+            # staying in flight, renewed on the lease's own connection, until it stops.
+            raise LedgerUnavailable(f"lease not renewed: {self._refused}")
         try:
             expires = await self._lease.renew(writer, lease_s)
         except LedgerUnavailable as exc:
