@@ -185,3 +185,24 @@ async def test_a_large_read_only_answer_is_forwarded_as_it_comes_within_its_boun
                 async for _ in response.aiter_raw():
                     pass
     await finish(transport)
+
+
+async def test_a_read_only_stream_outlasting_the_read_timeout_completes_with_no_stream_bound(
+    make_transport: Callable[..., AsyncGuardTransport],
+    finish: Callable[[AsyncGuardTransport], Awaitable[None]],
+) -> None:
+    """``read_timeout_s`` bounds a plain read-only answer, never a stream's whole; and
+    ``stream_timeout_s = 0`` is no bound: six events 0.1 s apart, under a 0.2 s read
+    timeout, are forwarded whole."""
+    settings = dataclasses.replace(FAST, upstream_read_timeout_s=0.2, upstream_stream_timeout_s=0)
+    transport = make_transport(settings=settings)
+    client = httpx.AsyncClient(transport=transport)
+    with respx.mock(assert_all_called=True) as mock:
+        events = Slow(8, 6, 0.1)
+        mock.get(MODELS_URL).respond(
+            200, stream=events, headers={"content-type": "text/event-stream"}
+        )
+        async with client.stream("GET", MODELS_URL) as response:
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
+    assert body == b" " * 48
+    await finish(transport)

@@ -33,7 +33,11 @@ HELD_BYTES = 1 << 20
 class BoundedBody(UpstreamBody):
     """An upstream answer's body forwarded as it comes (after any ``held`` chunks), cut off
     with ``httpx.ReadTimeout`` if it has not ended by ``deadline`` (the loop's clock; None:
-    no bound). ``why`` is the timeout's message."""
+    no bound). ``why`` is the timeout's message.
+
+    One timer for the whole body, as a guarded stream has (nothing per chunk): at the
+    deadline it cancels the read under way, if any, which then raises ``why``; a read not
+    under way then (the client being written to) raises it when it is next asked for."""
 
     def __init__(
         self,
@@ -46,13 +50,45 @@ class BoundedBody(UpstreamBody):
         super().__init__(upstream)
         self._deadline, self._why, self._held = deadline, why, held
         self._chunks = chunks
+        self._expired = False
+        #: The task awaiting the upstream's next chunk, while it does.
+        self._reader: asyncio.Task[object] | None = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for held in self._held:
             yield held
         chunks = self._chunks or aiter(self._upstream.aiter_raw())
-        while (chunk := await _next(chunks, self._deadline, self._why)) is not None:
-            yield chunk
+        timer = None
+        if self._deadline is not None:
+            timer = asyncio.get_running_loop().call_at(self._deadline, self._expire)
+        try:
+            while (chunk := await self._next(chunks)) is not None:
+                yield chunk
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def _next(self, chunks: AsyncIterator[bytes]) -> bytes | None:
+        if self._expired:
+            raise httpx.ReadTimeout(self._why)
+        self._reader = reader = asyncio.current_task()
+        try:
+            return await anext(chunks)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            # The deadline's cancel alone becomes the timeout (as asyncio.timeout does);
+            # one from elsewhere as well (the client gone, a shutdown) stays a cancel.
+            if self._expired and reader is not None and reader.uncancel() == 0:
+                raise httpx.ReadTimeout(self._why) from None
+            raise
+        finally:
+            self._reader = None
 
 
 def bounded_stream(upstream: Upstream, seconds: float) -> BoundedBody:
@@ -70,23 +106,16 @@ async def held_plain(upstream: Upstream, seconds: float) -> bytes | BoundedBody:
     chunks = aiter(upstream.aiter_raw())
     held: list[bytes] = []
     size = 0
-    while (chunk := await _next(chunks, deadline, why)) is not None:
-        held.append(chunk)
-        size += len(chunk)
-        if size > HELD_BYTES:
-            return BoundedBody(upstream, deadline, why, tuple(held), chunks)
-    return b"".join(held)
-
-
-async def _next(chunks: AsyncIterator[bytes], deadline: float | None, why: str) -> bytes | None:
-    """The next chunk, None at the end; past ``deadline``, ``httpx.ReadTimeout(why)``."""
-    bound = asyncio.timeout_at(deadline)
+    bound = asyncio.timeout_at(deadline)  # one timer while the body is held
     try:
         async with bound:
-            return await anext(chunks)
-    except StopAsyncIteration:
-        return None
+            async for chunk in chunks:
+                held.append(chunk)
+                size += len(chunk)
+                if size > HELD_BYTES:
+                    return BoundedBody(upstream, deadline, why, tuple(held), chunks)
     except TimeoutError:
         if not bound.expired():
             raise  # not the bound's: another timeout, under it
         raise httpx.ReadTimeout(why) from None
+    return b"".join(held)
