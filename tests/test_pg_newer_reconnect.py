@@ -112,6 +112,22 @@ def test_a_replica_refusing_a_newer_ledger_lets_another_take_its_calls_over(
             time.sleep(0.2)
         stage, taken = _stage(pg_url, "slow"), _taken_over(pg_url)
         log = refusing.log()
-    assert stage == "effect_unknown", (stage, log)
-    assert len(taken) == 1, taken
-    assert len(provider.effects()) == 2  # nothing sent after the refusal
+        assert stage == "effect_unknown", (stage, log)
+        assert len(taken) == 1, taken
+        assert len(provider.effects()) == 2  # nothing sent after the refusal
+        # The newer migration undone (an operator's rollback): the next reconnect takes the
+        # ledger again, and the replica, fenced meanwhile, registers anew and serves.
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(f"DELETE FROM {schema}.migrations WHERE version = 9999")
+        relay.cut_idle()
+        body, headers = _chat("again")
+        _wait(
+            lambda: client.post(CHAT, json=body, headers=headers).status_code == 200,
+            "the replica serving again",
+            bound_s=20,
+        )
+        # Its new registration's lease is renewed again: three leases later nothing more
+        # was taken over (a bound to wait out, not a timing claim).
+        time.sleep(6.0)
+        assert len(_taken_over(pg_url)) == 1, refusing.log()
+    assert len(provider.effects()) == 3

@@ -77,10 +77,13 @@ class PostgresSession:
     had to be sent early). Any error while sending writes abandons the whole batch.
     """
 
-    def __init__(self, target: Target, on_newer: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, target: Target, on_newer: Callable[[str | None], None] | None = None
+    ) -> None:
         self._target = target
         self._refused_newer = False  # a reconnect found a newer release's ledger: logged
-        #: Told (on the writer thread) why, once a reconnect refuses the ledger.
+        #: Told (on the writer thread) why, once a reconnect refuses the ledger; None if a
+        #: later reconnect takes it again.
         self._on_newer = on_newer
         self._deadline = WriteDeadline()  # unarmed here: migrations may take minutes
         try:
@@ -134,6 +137,10 @@ class PostgresSession:
         except BaseException:
             conn.close()
             raise
+        if self._refused_newer:  # the newer migration was undone: writing again
+            self._refused_newer = False
+            if self._on_newer is not None:
+                self._on_newer(None)
         return conn
 
     def _reset(self) -> None:

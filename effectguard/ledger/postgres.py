@@ -116,7 +116,7 @@ class PostgresStore(SqlReads):
     async def write(self, writer: Writer, op: Operation[T], orphaned: Orphaned | None = None) -> T:
         return await self.committer.submit(writer, op, orphaned)
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str | None) -> None:
         self._refused = why
 
     async def renew_lease(self, writer: Writer, lease_s: float) -> float:
