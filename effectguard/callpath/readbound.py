@@ -91,10 +91,11 @@ class BoundedBody(UpstreamBody):
             self._reader = None
 
 
-def bounded_stream(upstream: Upstream, seconds: float) -> BoundedBody:
-    """An event stream's body, cut off ``seconds`` after now (0: never)."""
+def bounded(upstream: Upstream, seconds: float, setting: str) -> BoundedBody:
+    """A body forwarded as it comes, cut off ``seconds`` after now (0: never), past
+    ``setting`` (the name the timeout's message gives)."""
     deadline = asyncio.get_running_loop().time() + seconds if seconds > 0 else None
-    return BoundedBody(upstream, deadline, answer_too_slow("stream_timeout_s", seconds))
+    return BoundedBody(upstream, deadline, answer_too_slow(setting, seconds))
 
 
 async def held_plain(upstream: Upstream, seconds: float) -> bytes | BoundedBody:

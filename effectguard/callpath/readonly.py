@@ -18,7 +18,7 @@ from effectguard.callpath.exchange import (
     header_value,
 )
 from effectguard.callpath.prepare import refuse
-from effectguard.callpath.readbound import bounded_stream, held_plain
+from effectguard.callpath.readbound import bounded, held_plain
 from effectguard.callpath.wire import (
     answer_kind,
     classify_transport_error,
@@ -73,15 +73,19 @@ async def forward_read_only(
     return Reply(response.status, headers, stream=body, extensions=response.extensions)
 
 
+#: Statuses whose answer has no body (RFC 9110 §15.3.5, §15.4.5), forwarded as they come.
+_BODILESS = frozenset({204, 304})
+
+
 async def _bounded(response: Upstream, method: str, settings: GuardSettings) -> bytes | ReplyStream:
     """The answer's body, whole or to forward as it comes, bounded (callpath/readbound).
-    A ``HEAD``'s answer has no body, but its headers describe the ``GET``'s: it is
-    forwarded as it comes, so that no length is written for it."""
+    An answer that has no body but whose headers may describe another's (to a ``HEAD``,
+    a ``304``) is forwarded as it comes, so that no length of 0 is written for it."""
     content_type = header_value(response.headers, "content-type")
     if answer_kind(response.status, content_type, False) == "stream":
-        return bounded_stream(response, settings.upstream_stream_timeout_s)
-    if method == "HEAD":
-        return bounded_stream(response, settings.upstream_read_timeout_s)
+        return bounded(response, settings.upstream_stream_timeout_s, "stream_timeout_s")
+    if method == "HEAD" or response.status in _BODILESS:
+        return bounded(response, settings.upstream_read_timeout_s, "read_timeout_s")
     try:
         body = await held_plain(response, settings.upstream_read_timeout_s)
     except BaseException:
