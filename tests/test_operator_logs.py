@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from leavekit import leave_with_reset
 from observing import wait_for
 
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
@@ -123,7 +124,8 @@ def test_json_access_lines_name_every_call_and_hold_no_secret(
 def test_a_client_that_left_before_its_answer_is_logged_499(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
-    """A client that gives up after 0.3 s on an answer that takes 1 s: its access line says
+    """A client that gives up after 0.3 s on an answer that takes 1 s, its connection reset
+    (a plain close is answered as a half-close, contract §3.8): its access line says
     499 (the call is completed, and logged so), once the answer would have been written.
     A client that stayed gets 200 in its line. The line used to be written before the
     answer was, and said 200 for a client that had left."""
@@ -134,8 +136,7 @@ def test_a_client_that_left_before_its_answer_is_logged_499(
     with running_proxy(tmp_path / "ledger.db", upstreams=upstreams, args=args) as proxy:
         slow = {"x-fake-delay": "1"}
         url = proxy.url + OPENAI_CHAT
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json=chat("left"), headers=slow, timeout=0.3)
+        leave_with_reset(proxy.url, OPENAI_CHAT, chat("left"), slow, 0.3)
         stayed = httpx.post(url, json=chat("stayed"), headers=slow, timeout=10)
         assert stayed.status_code == 200
 
@@ -153,7 +154,8 @@ def test_a_client_that_left_before_its_answer_is_logged_499(
 def test_a_stream_whose_client_left_is_logged_499_when_it_settles(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
-    """A streaming client that gives up before the stream's first byte: the proxy stops
+    """A streaming client that gives up before the stream's first byte, its connection
+    reset (a plain close is answered as a half-close, contract §3.8): the proxy stops
     forwarding, reads the stream to its end itself, and the access line (written when
     the call settles) says 499 and completed. It used to say 200."""
     path = tmp_path / "config.toml"
@@ -161,14 +163,7 @@ def test_a_stream_whose_client_left_is_logged_499_when_it_settles(
     args = ["--config", str(path), "--log-format", "json"]
     upstreams = {"openai": provider.url}
     with running_proxy(tmp_path / "ledger.db", upstreams=upstreams, args=args) as proxy:
-        url = proxy.url + OPENAI_CHAT
-        with (
-            pytest.raises(httpx.ReadTimeout),
-            httpx.stream(
-                "POST", url, json=chat(stream=True), headers={"x-fake-delay": "1"}, timeout=0.3
-            ) as left,
-        ):
-            left.read()
+        leave_with_reset(proxy.url, OPENAI_CHAT, chat(stream=True), {"x-fake-delay": "1"}, 0.3)
 
         def settled() -> list[dict[str, Any]]:
             return [x for x in json_lines(proxy.log()) if x.get("event") == "access"]

@@ -118,6 +118,8 @@ class Guard(Attempts):
         known (a guarded stream reports at its end).
         """
         report = open_report(provider, request, budget)
+        if ticket is not None:
+            report.key = ticket.key
         self.observer.call_started(report)
         try:
             response = await self._handle(
@@ -125,7 +127,10 @@ class Guard(Attempts):
             )
         except Refusal as refusal:
             report.refused(refusal)
-            self.recorder.report(report)
+            if ticket is not None and ticket.report_later:
+                ticket.report = report  # written once its refusal is (499 if its client left)
+            else:
+                self.recorder.report(report)
             raise
         except asyncio.CancelledError:
             # The caller went away; a dispatched call still settles in the background.

@@ -32,6 +32,8 @@ class Ticket:
     #: (a guarded stream still reports itself at its end).
     report: CallReport | None = None
     report_later: bool = False
+    #: The name of the proxy key the request presented (its access line names it).
+    key: str | None = None
     #: The caller's client has gone (the proxy learns it when the connection is lost):
     #: the call's retry is to get its answer, however soon it comes (callpath/orphans).
     left: bool = False

@@ -223,7 +223,12 @@ class ProxyApp:
         except Refusal as refusal:
             if refusal.status in (401, 403, 413):  # the guard counts its own refusals
                 self._count_refusal(provider.name, refusal)
-            await _refusal(send, provider.error_shape, refusal)
+            ticket = context_of(scope).ticket
+            self._orphaned(scope, ticket)  # a client gone before its refusal: 499, as any answer
+            try:
+                await _refusal(send, provider.error_shape, refusal)
+            finally:
+                self._report(ticket)
         except asyncio.CancelledError:
             # uvicorn cancels requests still running when the drain timeout ends (SIGTERM).
             context = context_of(scope)
@@ -358,6 +363,7 @@ class ProxyApp:
                 key.check(provider.name, body, header_value(raw_headers, "content-type"))
             request = self.outbound.request(scope, provider, path, raw_headers, body)
             ticket = context_of(scope).ticket
+            ticket.key = key.name if key is not None else None
             ticket.report_later = True  # its access line waits until the answer is written
             orphans = self.guard.orphans
             watch(lambda lost: (ticket.leave if lost else ticket.sending_closed)(orphans))

@@ -200,6 +200,8 @@ def access_fields(report: CallReport) -> dict[str, Any]:
         fields["cost_usd"] = nanos_to_usd(report.cost_nanos)
     if report.error is not None:
         fields["error"] = report.error
+    if report.key is not None:  # who spent: absent where no proxy keys are configured
+        fields["key"] = report.key
     return fields
 
 

@@ -44,6 +44,8 @@ class CallReport:
     overhead_s: float = 0.0
     error: str | None = None
     message: str | None = None
+    #: The proxy key's name (``[[keys]]`` or ``effectguard key new``), if one was presented.
+    key: str | None = None
     finished: bool = False
     trace: Any = field(default=None, repr=False)
 

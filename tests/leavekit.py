@@ -1,0 +1,32 @@
+"""A proxy client that leaves for good: its connection reset, not half-closed.
+
+A client that closes its socket after its whole request (an SDK's timeout) sends a FIN,
+which the proxy cannot tell from a half-close: it answers, and logs the status written
+(contract §3.8). A reset (SO_LINGER 0) loses the connection: the proxy knows its client
+has gone, and its access line says 499.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from typing import Any
+
+
+def leave_with_reset(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str], after_s: float
+) -> None:
+    """POST ``body`` as JSON to ``url`` + ``path`` on a raw socket and reset the connection
+    ``after_s`` seconds later, reading nothing."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append(f"Content-Length: {len(data)}")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + data)
+        time.sleep(after_s)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
