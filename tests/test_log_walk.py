@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ import pytest
 from leavekit import leave_with_reset
 from observing import wait_for
 
-from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing import FakeProvider, fake_provider, running_proxy, start_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +117,65 @@ def test_a_client_that_left_before_its_refusal_is_logged_499(
         "effect_unknown",
         "effect_unknown",
     ), left
+
+
+def _raw_request(url: str, request: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request)
+        return sock.recv(65536)
+
+
+def test_requests_refused_at_the_front_door_get_no_access_line(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """logs-and-traces.md lists what is refused before the guard and gets no access line:
+    a path refused as it came (an encoded line break), a header value that is not UTF-8,
+    a web browser's request to a proxy without keys, an unknown provider, and a request
+    the HTTP parser rejects, which gets one `uvicorn.error` warning line instead (a JSON
+    line like any other). Only the one request through the guard has an access line."""
+    args = ["--log-format", "json"]
+    with running_proxy(tmp_path / "l.db", upstreams={"openai": provider.url}, args=args) as proxy:
+        assert httpx.get(proxy.url + "/openai/v1/x%0aforged", timeout=5).status_code == 400
+        browser = {"Origin": "http://example.com"}
+        assert httpx.post(proxy.url + OPENAI_CHAT, json=chat(), headers=browser).status_code == 403
+        assert httpx.get(proxy.url + "/nope/v1/models", timeout=5).status_code == 404
+        head = b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        latin = _raw_request(proxy.url, head + b"X-Note: caf\xe9\r\nContent-Length: 2\r\n\r\n{}")
+        assert latin.startswith(b"HTTP/1.1 400"), latin
+        bad = _raw_request(proxy.url, b"GET /openai/v1/a\x1bb HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert bad.startswith(b"HTTP/1.1 400"), bad
+        assert httpx.post(proxy.url + OPENAI_CHAT, json=chat(), timeout=10).status_code == 200
+    lines = [json.loads(line) for line in proxy.log().splitlines() if line.startswith("{")]
+    assert [line["status"] for line in lines if line.get("event") == "access"] == [200]
+    parser = [line for line in lines if line["logger"] == "uvicorn.error"]
+    assert [(line["level"], line["message"]) for line in parser] == [
+        ("warning", "Invalid HTTP request received.")
+    ], parser
+
+
+def test_an_appended_log_rotates_by_copytruncate_and_sighup_ends_serve(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """logs-and-traces.md, "Volume, destination and rotation": with stderr appended to a
+    file, a copytruncate leaves the file starting with the next whole line; SIGHUP is no
+    reopen signal, it ends the process at once (no drain)."""
+    log_path = tmp_path / "serve.log"
+    args = ["--log-format", "json"]
+    upstreams = {"openai": provider.url}
+    proxy = start_proxy(tmp_path / "l.db", upstreams=upstreams, args=args, log_path=log_path)
+    try:
+        assert httpx.post(proxy.url + OPENAI_CHAT, json=chat(), timeout=10).status_code == 200
+        wait_for(lambda: access_lines(log_path.read_text()), 10, "the first access line")
+        rotated = tmp_path / "serve.log.1"
+        rotated.write_bytes(log_path.read_bytes())
+        os.truncate(log_path, 0)
+        assert httpx.post(proxy.url + OPENAI_CHAT, json=chat(), timeout=10).status_code == 200
+        text = wait_for(lambda: log_path.read_text(), 10, "a line after the truncation")
+        assert text.startswith('{"time": '), text[:40]
+        assert [line["status"] for line in access_lines(text)] == [200]
+        assert len(access_lines(rotated.read_text())) == 1
+        proxy.process.send_signal(signal.SIGHUP)
+        assert proxy.process.wait(timeout=10) == -signal.SIGHUP
+    finally:
+        proxy.kill()
