@@ -179,3 +179,34 @@ def test_an_appended_log_rotates_by_copytruncate_and_sighup_ends_serve(
         assert proxy.process.wait(timeout=10) == -signal.SIGHUP
     finally:
         proxy.kill()
+
+
+def test_a_broken_stream_is_logged_by_effectguard_alone(tmp_path: Path) -> None:
+    """logs-and-traces.md: a stream the provider broke has its `interrupted` line, a
+    `stream cut off` warning and an access line (200, effect_unknown, stream_broken),
+    each naming the call, and no line of uvicorn's (the docs said one followed)."""
+    args = ["--log-format", "json"]
+    with (
+        fake_provider(tmp_path / "receipts.jsonl", break_after=2) as breaking,
+        running_proxy(tmp_path / "l.db", upstreams={"openai": breaking.url}, args=args) as proxy,
+    ):
+        body = {**chat(), "stream": True}
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            httpx.stream("POST", proxy.url + OPENAI_CHAT, json=body, timeout=10) as response,
+        ):
+            call_id = response.headers[CALL_ID]
+            response.read()
+        wait_for(lambda: access_lines(proxy.log()), 10, "the stream's access line")
+    # Read once serve has stopped: a line written after the access line is in it too.
+    lines = [json.loads(x) for x in proxy.log().splitlines() if x.startswith("{")]
+    named = {(line["logger"], line.get("event")): line for line in lines}
+    access = named[("effectguard.access", "access")]
+    assert (access["status"], access["stage"], access["error"]) == (
+        200,
+        "effect_unknown",
+        "stream_broken",
+    )
+    assert named[("effectguard.events", "interrupted")]["call_id"] == call_id
+    assert named[("effectguard.ingress.server", None)]["call_id"] == call_id
+    assert not [line for line in lines if line["logger"].startswith("uvicorn")], lines
