@@ -7,6 +7,7 @@ freezes the process there instead, once (a pause, a suspended machine), until SI
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -52,6 +53,8 @@ class CrashPoints:
     def hit(self, point: str) -> None:
         """Signal this process if ``point`` is the configured crash point."""
         if point == self.point:
+            for handler in logging.getLogger().handlers:  # serve's lines wait in a queue
+                handler.flush()
             sys.stderr.flush()
             if self.sig == signal.SIGSTOP:
                 self.point = None  # once: continued, the process goes on as if paused

@@ -27,6 +27,7 @@ from typing import IO, Any
 from effectguard.config.settings import LOG_FORMATS
 from effectguard.rules import notes
 from effectguard.rules.money import nanos_to_usd
+from effectguard.telemetry.logwriter import QueuedStreamHandler
 from effectguard.telemetry.observer import NullObserver
 from effectguard.telemetry.report import CallReport
 
@@ -138,8 +139,9 @@ def _text(value: Any) -> str:
 def configure_logging(
     log_format: str = "text", level: str = "info", stream: IO[str] | None = None
 ) -> logging.Handler:
-    """Send every log record to ``stream`` (stderr) in ``log_format``; effectguard's own
-    loggers at ``level``, other libraries' at warning and above.
+    """Send every log record to ``stream`` (stderr, through a writer thread) in
+    ``log_format``; effectguard's own loggers at ``level``, other libraries' at warning
+    and above.
 
     Other libraries stay at warning because some log request URLs at info level, and a
     URL may carry a credential in its query string.
@@ -149,11 +151,17 @@ def configure_logging(
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
-    handler = logging.StreamHandler(stream or sys.stderr)
+    # The process's stderr may be a pipe whose reader stalls: its lines are written by a
+    # thread (logwriter), never by the event loop. A stream given here is written at once.
+    handler: logging.Handler = (
+        QueuedStreamHandler(sys.stderr) if stream is None else logging.StreamHandler(stream)
+    )
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
+        if isinstance(old, QueuedStreamHandler):
+            old.close()  # its lines written, its thread ended
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.getLogger("effectguard").setLevel(numeric)
