@@ -210,3 +210,35 @@ def test_a_broken_stream_is_logged_by_effectguard_alone(tmp_path: Path) -> None:
     assert named[("effectguard.events", "interrupted")]["call_id"] == call_id
     assert named[("effectguard.ingress.server", None)]["call_id"] == call_id
     assert not [line for line in lines if line["logger"].startswith("uvicorn")], lines
+
+
+def test_a_python_warning_is_a_log_line_too(tmp_path: Path) -> None:
+    """logs-and-traces.md: with `json`, every line is one JSON object. A warning a library
+    raises inside serve (here a reconcile hook's module, at import) used to be written by
+    Python's `warnings` as three raw lines of text among the JSON; it is now a record of
+    logger `py.warnings`, one line in the configured format."""
+    modules = tmp_path / "mods"
+    modules.mkdir()
+    (modules / "warnhook.py").write_text(
+        "import warnings\n"
+        'warnings.warn("old library\\nsecond line", FutureWarning)\n'
+        "def did_it_happen(call):\n"
+        "    return None\n"
+    )
+    config = tmp_path / "hook.toml"
+    config.write_text('[guard]\nreconcile_hook = "warnhook:did_it_happen"\n')
+    for log_format in ("json", "text"):
+        args = ["--config", str(config), "--log-format", log_format]
+        env = {"PYTHONPATH": str(modules)}
+        with running_proxy(tmp_path / f"{log_format}.db", args=args, env=env) as proxy:
+            pass
+        lines = [x for x in proxy.log().splitlines() if not x.startswith("effectguard listening")]
+        warned = [line for line in lines if "FutureWarning" in line]
+        assert len(warned) == 1, lines
+        if log_format == "json":
+            record = json.loads(warned[0])
+            assert record["logger"] == "py.warnings" and record["level"] == "warning"
+            assert "old library\nsecond line" in record["message"]
+            assert all(json.loads(line) for line in lines)
+        else:
+            assert " WARNING py.warnings: " in warned[0], warned

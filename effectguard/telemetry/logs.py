@@ -164,6 +164,9 @@ def configure_logging(
             old.close()  # its lines written, its thread ended
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
+    # A library's warnings.warn (a hook's, a driver's) would be written raw by Python,
+    # lines of text among JSON lines: as records of ``py.warnings`` each is one line.
+    logging.captureWarnings(True)
     logging.getLogger("effectguard").setLevel(numeric)
     return handler
 
