@@ -242,3 +242,33 @@ def test_a_python_warning_is_a_log_line_too(tmp_path: Path) -> None:
             assert all(json.loads(line) for line in lines)
         else:
             assert " WARNING py.warnings: " in warned[0], warned
+
+
+def test_a_thread_that_dies_inside_serve_is_one_log_line(tmp_path: Path) -> None:
+    """A thread a library starts inside serve (here a reconcile hook's module) that dies
+    with an exception: Python wrote its traceback raw, many lines among the JSON; it is
+    now one error line of logger `effectguard.threads` with the traceback as `exception`."""
+    modules = tmp_path / "mods"
+    modules.mkdir()
+    (modules / "threadhook.py").write_text(
+        "import threading\n"
+        "def _die():\n"
+        '    raise RuntimeError("a library thread died")\n'
+        "_thread = threading.Thread(target=_die, name='lib-worker')\n"
+        "_thread.start()\n"
+        "_thread.join()\n"
+        "def did_it_happen(call):\n"
+        "    return None\n"
+    )
+    config = tmp_path / "hook.toml"
+    config.write_text('[guard]\nreconcile_hook = "threadhook:did_it_happen"\n')
+    args = ["--config", str(config), "--log-format", "json"]
+    env = {"PYTHONPATH": str(modules)}
+    with running_proxy(tmp_path / "l.db", args=args, env=env) as proxy:
+        pass
+    lines = [x for x in proxy.log().splitlines() if not x.startswith("effectguard listening")]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(records) == len(lines), lines
+    (died,) = [r for r in records if "a library thread died" in r.get("exception", "")]
+    assert (died["logger"], died["level"]) == ("effectguard.threads", "error"), died
+    assert "lib-worker" in died["message"]

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from typing import IO, Any
 
@@ -41,6 +42,7 @@ __all__ = [
 
 ACCESS = logging.getLogger("effectguard.access")
 EVENTS = logging.getLogger("effectguard.events")
+THREADS = logging.getLogger("effectguard.threads")
 
 #: The source file a record names when logging does not look its caller up.
 _NO_SOURCE = "(unknown file)"
@@ -167,8 +169,19 @@ def configure_logging(
     # A library's warnings.warn (a hook's, a driver's) would be written raw by Python,
     # lines of text among JSON lines: as records of ``py.warnings`` each is one line.
     logging.captureWarnings(True)
+    threading.excepthook = _log_thread_death  # likewise a thread's uncaught traceback
     logging.getLogger("effectguard").setLevel(numeric)
     return handler
+
+
+def _log_thread_death(args: threading.ExceptHookArgs) -> None:
+    """A thread that died of an exception: one error record, its traceback the field
+    ``exception``, where Python would write the traceback raw to stderr."""
+    if args.exc_type is SystemExit:  # a thread's sys.exit(): not an error (as Python's)
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    exc_info = (args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
+    THREADS.error("thread %s died: %s", name, args.exc_type.__name__, exc_info=exc_info)
 
 
 #: Characters of a detail (an exception's text, a refusal's message) a line may carry.
