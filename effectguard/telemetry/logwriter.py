@@ -3,7 +3,9 @@
 ``serve`` logs from its event loop. Its stderr is often a pipe (a log shipper, a
 container runtime, systemd): when the reader stalls, the pipe fills (64 KiB on Linux)
 and a write to it blocks, which froze every request, ``/healthz`` too. Here a line is
-formatted by its caller, as before, and handed to a thread that writes it. Lines wait
+formatted by its caller, as before, and written at once when nothing is waiting and the
+stream can take it without blocking (a file, a pipe with room): then it is out before the
+caller goes on, as before. Otherwise it is handed to a thread that writes it. Lines wait
 in a bounded queue; when it is full they are dropped and counted, and a warning says how
 many once there is room again, so a reader that never comes back costs bounded memory.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
 import threading
 import time
 from typing import IO
@@ -24,17 +27,22 @@ MAX_WAITING = 10_000
 #: How long the process's exit waits for lines still queued (a reader that never reads).
 EXIT_WAIT_S = 5.0
 
+#: A line at most this long is written whole or not at all to a pipe that has room.
+_ATOMIC = 4096
+
 _STOP = object()
 
 
 class QueuedStreamHandler(logging.Handler):
-    """Formats each record in the caller's thread; a daemon thread writes the lines."""
+    """Formats each record in the caller's thread and writes it there when that cannot
+    block; else a daemon thread writes it."""
 
     def __init__(self, stream: IO[str], max_waiting: int = MAX_WAITING) -> None:
         super().__init__()
         self.stream = stream
         self._lines: queue.Queue[object] = queue.Queue(max_waiting)
         self._dropped = 0  # lines dropped since the last that could be queued
+        self._busy = threading.Lock()  # held while a line is being written
         self._writer = threading.Thread(target=self._write, name="effectguard-log", daemon=True)
         self._writer.start()
 
@@ -45,6 +53,8 @@ class QueuedStreamHandler(logging.Handler):
             self.handleError(record)
             return
         # Called under the handler's lock (Handler.handle): the count needs no other.
+        if not self._dropped and self._wrote_at_once(line):
+            return
         try:
             if self._dropped:
                 self._lines.put_nowait(self._dropped_line(record))
@@ -52,6 +62,32 @@ class QueuedStreamHandler(logging.Handler):
             self._lines.put_nowait(line)
         except queue.Full:
             self._dropped += 1
+
+    def _wrote_at_once(self, line: str) -> bool:
+        """Write ``line`` now if no line is queued or being written (the order stays) and
+        the stream can take it without blocking; False if it must be queued."""
+        if len(line) * 4 >= _ATOMIC and len(line.encode(errors="replace")) >= _ATOMIC:
+            return False  # a long line (a traceback) might go out in part: the writer's
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            if self._lines.unfinished_tasks or not self._has_room():
+                return False
+            with contextlib.suppress(Exception):  # a closed or broken stream: lose it
+                self.stream.write(f"{line}\n")
+                self.stream.flush()
+            return True
+        finally:
+            self._busy.release()
+
+    def _has_room(self) -> bool:
+        """Whether a short line can be written to the stream without blocking."""
+        try:
+            poll = select.poll()
+            poll.register(self.stream.fileno(), select.POLLOUT)
+            return bool(poll.poll(0))
+        except (OSError, ValueError, AttributeError):  # no descriptor (an in-memory stream)
+            return False
 
     def _dropped_line(self, after: logging.LogRecord) -> str:
         """The warning that says how many lines were dropped (queued before ``after``)."""
@@ -76,10 +112,9 @@ class QueuedStreamHandler(logging.Handler):
             try:
                 if line is _STOP:
                     return
-                with contextlib.suppress(Exception):  # a closed or broken stream: lose it
+                with self._busy, contextlib.suppress(Exception):  # a broken stream: lose it
                     self.stream.write(f"{line}\n")
-                    if self._lines.empty():
-                        self.stream.flush()
+                    self.stream.flush()
             finally:
                 self._lines.task_done()
 
