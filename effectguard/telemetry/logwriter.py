@@ -33,6 +33,17 @@ _ATOMIC = 4096
 _STOP = object()
 
 
+def _poll_for_room(stream: IO[str]) -> select.poll | None:
+    """A poll of ``stream``'s descriptor for room to write; None where it has none (an
+    in-memory stream), whose lines the writer thread always takes."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return poll
+
+
 class QueuedStreamHandler(logging.Handler):
     """Formats each record in the caller's thread and writes it there when that cannot
     block; else a daemon thread writes it."""
@@ -43,6 +54,7 @@ class QueuedStreamHandler(logging.Handler):
         self._lines: queue.Queue[object] = queue.Queue(max_waiting)
         self._dropped = 0  # lines dropped since the last that could be queued
         self._busy = threading.Lock()  # held while a line is being written
+        self._poll = _poll_for_room(stream)
         self._writer = threading.Thread(target=self._write, name="effectguard-log", daemon=True)
         self._writer.start()
 
@@ -82,12 +94,7 @@ class QueuedStreamHandler(logging.Handler):
 
     def _has_room(self) -> bool:
         """Whether a short line can be written to the stream without blocking."""
-        try:
-            poll = select.poll()
-            poll.register(self.stream.fileno(), select.POLLOUT)
-            return bool(poll.poll(0))
-        except (OSError, ValueError, AttributeError):  # no descriptor (an in-memory stream)
-            return False
+        return self._poll is not None and bool(self._poll.poll(0))
 
     def _dropped_line(self, after: logging.LogRecord) -> str:
         """The warning that says how many lines were dropped (queued before ``after``)."""
