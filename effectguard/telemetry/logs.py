@@ -163,7 +163,8 @@ def configure_logging(
     for old in list(root.handlers):
         root.removeHandler(old)
         if isinstance(old, QueuedStreamHandler):
-            old.close()  # its lines written, its thread ended
+            old.flush()  # its lines written, then its thread ended
+            old.close()
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     # A library's warnings.warn (a hook's, a driver's) would be written raw by Python,

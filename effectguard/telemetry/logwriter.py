@@ -132,7 +132,8 @@ class QueuedStreamHandler(logging.Handler):
             time.sleep(0.005)
 
     def close(self) -> None:
-        self.flush()
+        """End the writer once it has written what is queued (not waited for here: the
+        process's exit, logging.shutdown, has flushed first, and waited once is enough)."""
         with contextlib.suppress(queue.Full):
             self._lines.put_nowait(_STOP)
         super().close()
