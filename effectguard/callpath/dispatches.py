@@ -15,6 +15,11 @@ A call cut off while it waits to retry a status its provider declares not proces
 (contract.md §3.5) has no request on its way: it ends with the provider's answer to the
 attempt before, which its caller gets, as when the retries run out.
 
+A retry that joined a call (contract.md §4) and is still waiting for it then gets what
+the call's own caller gets, once the call has ended here: the provider's last answer, or
+504 ``effect_unknown``. Until 2026-12-05 it got 503 ``shutting_down`` while the caller got
+the provider's 429.
+
 A stream still being read at that point is cut off by its own
 :meth:`~effectguard.callpath.stream.GuardedStream.cut_off`.
 """
@@ -22,17 +27,20 @@ A stream still being read at that point is cut off by its own
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from effectguard.callpath.attempts import CutBetweenAttempts
 from effectguard.callpath.exchange import Reply
-from effectguard.callpath.prepare import refuse
+from effectguard.callpath.join import joined_result, last_observed, stopped_waiting
+from effectguard.callpath.prepare import Prepared, refuse
 from effectguard.callpath.recorder import Recorder
+from effectguard.callpath.replays import replay
 from effectguard.callpath.ticket import Ticket
 from effectguard.errors import LedgerError, Refusal
 from effectguard.ledger import Ledger, Writer
 from effectguard.rules.guidance import after_cut_off, decide_unknown
 from effectguard.rules.workstate import WorkState
+from effectguard.telemetry.report import CallReport
 
 #: How long a shutdown waits, once it has cut calls off, for their markings and for their
 #: callers to be answered: ledger writes and a few loop turns, so only a bound.
@@ -71,8 +79,11 @@ class Dispatches:
         if ticket.dispatch is not None:
             ticket.dispatch.cancel()
         assert ticket.call_id is not None
-        # A joiner leaves the call to its owner.
-        task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, ticket.dispatch))
+        if ticket.joining is not None:  # a joined retry: the call's end, as its caller's
+            joined = self.joined_end(ticket.call_id, ticket.joining, None, reason)
+            task = asyncio.ensure_future(_answer_of(joined))
+        else:
+            task = asyncio.ensure_future(self._cut_off(ticket.call_id, reason, ticket.dispatch))
         ticket.cut = task
         self._recorder.keep(task)
         return task
@@ -106,19 +117,7 @@ class Dispatches:
         except LedgerError:  # it closed, or refuses: the call stays as it was
             stage = "in_flight"
         if stage == "effect_unknown" or (owner and stage == "in_flight"):
-            # Still in flight: the ledger refused the marking (a later sweep makes it).
-            # Its request went out all the same: it may have taken effect.
-            later = "" if stage == "effect_unknown" else "once a later start has marked it, "
-            return refuse(
-                504,
-                "effect_unknown",
-                f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
-                f"taken effect and will not be re-sent automatically; {later}"
-                f"{decide_unknown(call_id)}",
-                call_id=call_id,
-                stage=stage,
-                next_operation="reconcile",
-            )
+            return _cut_unknown(call_id, reason, stage)
         # Unread (the ledger refused): advise as for a keyed call, which resends nothing new.
         keyed = state is None or state.idempotency_key is not None
         advice, safe = after_cut_off(call_id, stage, keyed)
@@ -131,6 +130,45 @@ class Dispatches:
             retryable=safe,
         )
 
+    async def joined_end(
+        self, call_id: str, prepared: Prepared, report: CallReport | None, reason: str
+    ) -> Reply:
+        """The answer of a retry that joined ``call_id`` and can wait no longer (a
+        shutdown, for ``reason``): once the call has ended here, what its own caller got
+        (the provider's last answer, or 504 ``effect_unknown``); else 503
+        ``shutting_down``, the call not ended (another worker's, or one still settling
+        here in the background, its own caller gone)."""
+        under_way = self._dispatch_of(call_id)
+        if under_way is not None and not (under_way[1].left or under_way[1].may_have_left):
+            # Its caller's cut-off (or the stop's) ends it now: its end, then its marking.
+            dispatch, owner = under_way
+            await asyncio.wait({dispatch}, timeout=MARKING_WAIT_S)
+            if owner.cut is not None:
+                await asyncio.wait({owner.cut}, timeout=MARKING_WAIT_S)
+        try:
+            state = await self._ledger.store.get_call(call_id)
+        except LedgerError:  # closed, or refuses: not known to have ended
+            state = None
+        ended = state is not None and state.worker == self._writer().worker
+        if state is None or not ended or self._dispatch_of(call_id) is not None:
+            raise stopped_waiting(call_id, state.stage if state else "in_flight", reason)
+        if state.stage in ("effect_unknown", "in_flight"):  # in flight: the marking refused
+            raise _cut_unknown(call_id, reason, state.stage)
+        if state.stage != "not_sent":
+            return await joined_result(self._recorder, call_id, state, prepared, report)
+        # A retry started as it was cut off (recorded not sent): the answer before it.
+        last = await last_observed(self._recorder, call_id)
+        if last is None:  # nothing reached the provider
+            raise stopped_waiting(call_id, state.stage, reason)
+        return replay(call_id, last, prepared)
+
+    def _dispatch_of(self, call_id: str) -> tuple[asyncio.Future[Reply], Ticket] | None:
+        """The dispatch of ``call_id`` under way in this process, with its caller's ticket."""
+        for dispatch, ticket in self._under_way.items():
+            if ticket.call_id == call_id and not dispatch.done():
+                return dispatch, ticket
+        return None
+
     async def mark_unknown(self, call_id: str, reason: str) -> WorkState | None:
         """Interrupt ``call_id``'s current attempt if it is still in flight; its state after."""
         state = await self._ledger.store.get_call(call_id)
@@ -138,3 +176,28 @@ class Dispatches:
             await self._recorder.interrupt(self._writer(), call_id, state.attempts, reason)
             state = await self._ledger.store.get_call(call_id)
         return state
+
+
+def _cut_unknown(call_id: str, reason: str, stage: str) -> Refusal:
+    """504 ``effect_unknown`` for a call cut off after it was sent: ``stage`` is
+    ``in_flight`` when the ledger refused its marking (a later sweep makes it). Its request
+    went out all the same: it may have taken effect."""
+    later = "" if stage == "effect_unknown" else "once a later start has marked it, "
+    return refuse(
+        504,
+        "effect_unknown",
+        f"call {call_id} was cut off ({reason}) after it was admitted; it may have "
+        f"taken effect and will not be re-sent automatically; {later}"
+        f"{decide_unknown(call_id)}",
+        call_id=call_id,
+        stage=stage,
+        next_operation="reconcile",
+    )
+
+
+async def _answer_of(joined: Awaitable[Reply]) -> Refusal | Reply:
+    """``joined``'s answer, its refusal returned rather than raised (as a cut's task)."""
+    try:
+        return await joined
+    except Refusal as refusal:
+        return refusal

@@ -34,7 +34,7 @@ from effectguard.callpath.httpxshape import (
     httpx_send,
     outbound_from_httpx,
 )
-from effectguard.callpath.join import join_call
+from effectguard.callpath.join import StoppedWaiting, join_call
 from effectguard.callpath.orphans import Orphans
 from effectguard.callpath.prepare import Prepared, ledger_unavailable, prepare
 from effectguard.callpath.readonly import describe as _describe
@@ -198,12 +198,22 @@ class Guard(Attempts):
             return replay(admitted.call_id, admitted.observed, prepared)
         try:
             if admitted.action == "join":
-                call_id = admitted.call_id
-                return await join_call(self.recorder, self.settings, call_id, prepared, report)
+                return await self._joined(prepared, admitted.call_id, report, ticket)
             return await self._dispatched(prepared, admitted, send, report, ticket)
         except asyncio.CancelledError:  # the caller left: its retry gets the answer
             self.orphans.left(ticket.retry_key, admitted.call_id)
             raise
+
+    async def _joined(
+        self, prepared: Prepared, call_id: str, report: CallReport, ticket: Ticket
+    ) -> Reply:
+        """Wait for ``call_id``, which this request retries (callpath/join); stopped by a
+        shutdown, answered as the call ends here (``Dispatches.joined_end``)."""
+        ticket.joining = prepared
+        try:
+            return await join_call(self.recorder, self.settings, call_id, prepared, report)
+        except StoppedWaiting as stop:
+            return await self.dispatches.joined_end(call_id, prepared, report, stop.reason)
 
     async def _dispatched(
         self, prepared: Prepared, admitted: Admitted, send: Send, report: CallReport, ticket: Ticket

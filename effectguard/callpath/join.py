@@ -17,7 +17,18 @@ from effectguard.errors import FencedError, LedgerUnavailable, Refusal
 from effectguard.rules import workstate
 from effectguard.rules.events import AttemptObserved
 from effectguard.rules.guidance import decide_unknown
+from effectguard.rules.workstate import WorkState
 from effectguard.telemetry.report import CallReport
+
+
+class StoppedWaiting(Exception):
+    """A shutdown stopped sending while this retry waited for ``call_id`` (last seen at
+    ``stage``): what it is answered depends on how the call ends in this process
+    (:meth:`~effectguard.callpath.dispatches.Dispatches.joined_end`)."""
+
+    def __init__(self, call_id: str, stage: str, reason: str) -> None:
+        super().__init__(f"stopped waiting for call {call_id} ({reason})")
+        self.call_id, self.stage, self.reason = call_id, stage, reason
 
 
 async def join_call(
@@ -65,23 +76,32 @@ async def _join(
         else:
             resting_since = None
         if recorder.stopped is not None:
-            raise _stopped_waiting(call_id, state.stage, recorder.stopped)
+            raise StoppedWaiting(call_id, state.stage, recorder.stopped)
         local = recorder.waiter(call_id)
         if local is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(local.wait(), timeout=settings.join_poll_s * 20)
         else:
             await asyncio.sleep(settings.join_poll_s)
+    return await joined_result(recorder, call_id, state, prepared, report)
+
+
+async def joined_result(
+    recorder: Recorder,
+    call_id: str,
+    state: WorkState | None,
+    prepared: Prepared,
+    report: CallReport | None,
+) -> Reply:
+    """What a retry that joined ``call_id`` gets once it stops waiting, the call at
+    ``state``: its recorded answer, or 409 if it ended without one."""
     stage = state.stage if state else "missing"
     observer = recorder.observer
     if stage in ("completed", "failed", "not_processed"):
-        events = await ledger.events(call_id)
-        observed = [e.event for e in events if e.kind == AttemptObserved.kind]
-        last = observed[-1] if observed else None
-        assert last is None or isinstance(last, AttemptObserved)
         observer.request_done(prepared.provider.name, prepared.model or "", "joined")
-        from_state(report, state, "joined")
-        return replay(call_id, last, prepared)
+        if report is not None:
+            from_state(report, state, "joined")
+        return replay(call_id, await last_observed(recorder, call_id), prepared)
     reason = "effect_unknown" if stage in ("effect_unknown", "in_flight") else "retry_failed"
     observer.refused(prepared.provider.name, reason)
     raise refuse(
@@ -95,10 +115,21 @@ async def _join(
     )
 
 
-def _stopped_waiting(call_id: str, stage: str, reason: str) -> Refusal:
+async def last_observed(recorder: Recorder, call_id: str) -> AttemptObserved | None:
+    """The provider's answer to the call's last observed attempt (None: none answered)."""
+    events = await recorder.ledger.events(call_id)
+    observed = [e.event for e in events if e.kind == AttemptObserved.kind]
+    last = observed[-1] if observed else None
+    assert last is None or isinstance(last, AttemptObserved)
+    return last
+
+
+def stopped_waiting(call_id: str, stage: str, reason: str) -> Refusal:
     """The 503 for a retry still waiting for ``call_id`` once a shutdown stopped waiting
-    for the calls under way: its own caller is told now, while the ledger is open (it
-    waited on until the ledger closed under it, then was told the ledger had failed)."""
+    for the calls under way, the call not ended in this process (another worker's, or
+    one still settling here, its own caller gone): its own caller is told now, while the
+    ledger is open (it waited on until the ledger closed under it, then was told the
+    ledger had failed)."""
     return refuse(
         503,
         "shutting_down",

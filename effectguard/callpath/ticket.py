@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from effectguard.callpath.exchange import Reply
 from effectguard.callpath.orphans import Orphans, RetryKey
+from effectguard.callpath.prepare import Prepared
 from effectguard.errors import Refusal
 from effectguard.telemetry.report import CallReport
 
@@ -25,6 +26,9 @@ class Ticket:
     #: Set when a shutdown cuts the call off: the refusal its caller is answered (or the
     #: provider's last answer, the call cut off between attempts).
     cut: asyncio.Future[Refusal | Reply] | None = field(default=None, repr=False)
+    #: Set when this request is a retry that joined the call (``call_id``) and waits for
+    #: it: a shutdown's cut-off answers it as the call ends (``Dispatches.joined_end``).
+    joining: Prepared | None = field(default=None, repr=False)
     #: How a key-less request's retry would match it (callpath/orphans); None if keyed.
     retry_key: RetryKey | None = None
     #: With ``report_later`` (the proxy asks for it), the request's report, left for the
