@@ -176,3 +176,36 @@ def test_a_sync_transport_closing_during_the_back_off_answers_the_joined_retry_t
     assert all(isinstance(a, httpx.Response) for a in answers), answers
     assert [r["status"] for r in provider.receipts()] == [429]
     _both_got_the_429([_told(a) for a in answers if isinstance(a, httpx.Response)], ledger)
+
+
+def test_a_transport_closing_on_a_joined_call_in_flight_answers_both_504(
+    tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aclose()`` while the joined call still waits for its provider's answer: the close
+    cuts it off, effect unknown, and its caller and the joined retry both get 504
+    ``effect_unknown`` naming it (the retry got 503 ``shutting_down`` until 2026-12-05)."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
+    ledger = str(tmp_path / "l.db")
+    url = provider.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json", "x-fake-behaviour": "delay=60"}
+
+    async def scenario() -> list[httpx.Response]:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=ledger, upstreams={"openai": provider.url}
+        )
+        client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S * 3)
+        first = asyncio.ensure_future(client.post(url, content=chat("j"), headers=headers))
+        while not provider.receipts():
+            await asyncio.sleep(0.02)
+        retried = {**headers, **RETRY}
+        retry = asyncio.ensure_future(client.post(url, content=chat("j"), headers=retried))
+        await asyncio.wait_for(transport.aclose(), PATIENCE_S * 3)
+        return [await asyncio.wait_for(c, PATIENCE_S) for c in (first, retry)]
+
+    answers = asyncio.run(scenario())
+    assert len(provider.receipts()) == 1
+    (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
+    assert call["stage"] == "effect_unknown", call
+    expected = (504, "effect_unknown", call["call_id"])
+    assert [_told(a) for a in answers] == [expected, expected], [a.text for a in answers]
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
