@@ -53,11 +53,11 @@ def held_admission(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]
     stopped, committing = threading.Event(), threading.Event()
     admit, cut_off_all = Ledger.admit, Dispatches.cut_off_all
 
-    async def held(self: Ledger, writer: Any, request: Any, orphaned: Any = None) -> Any:
+    async def held(self: Ledger, writer: Any, request: Any, *rest: Any) -> Any:
         if request.idempotency_key != LATE:
-            return await admit(self, writer, request, orphaned)
+            return await admit(self, writer, request, *rest)
         await asyncio.to_thread(stopped.wait, HANG_BOUND_S)
-        admission = asyncio.ensure_future(admit(self, writer, request, orphaned))
+        admission = asyncio.ensure_future(admit(self, writer, request, *rest))
         await asyncio.sleep(0)  # its first step has run: it is in the commit queue
         committing.set()
         return await admission
@@ -156,10 +156,10 @@ from effectguard.ledger import Ledger
 
 _admit = Ledger.admit
 
-async def admit(self, writer, request, orphaned=None):
+async def admit(self, writer, request, *rest):
     if request.idempotency_key == {LATE!r}:
         open(os.environ["EFFECTGUARD_TEST_ADMITTING"], "w").close()
-    return await _admit(self, writer, request, orphaned)
+    return await _admit(self, writer, request, *rest)
 
 Ledger.admit = admit
 """

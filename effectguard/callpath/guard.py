@@ -299,8 +299,13 @@ class Guard(Attempts):
         # never stops a commit): an attempt it started is then recorded as never sent. Left
         # alone, it would sit in flight until a restart marked it effect_unknown.
         try:
+            # Read in the admission's transaction: one that waited for the ledger past the
+            # stop records its attempt not sent there (ledger/stopadmit).
             return await self.ledger.admit(
-                self.writer, prepared.admit, lambda a: self.recorder.unsent(prepared, a)
+                self.writer,
+                prepared.admit,
+                lambda a: self.recorder.unsent(prepared, a),
+                lambda: self.recorder.stopped,
             )
         except (LedgerUnavailable, FencedError) as exc:
             raise ledger_unavailable(exc) from exc

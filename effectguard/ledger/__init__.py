@@ -27,6 +27,7 @@ from effectguard.ledger.base import (
     bulky,
 )
 from effectguard.ledger.operations import Admitted
+from effectguard.ledger.stopadmit import admit as admit_now
 from effectguard.rules.admission import AdmitRequest
 from effectguard.rules.bodytext import carries_bulk
 from effectguard.rules.budget import BudgetNode, BudgetPolicy, is_under
@@ -127,10 +128,12 @@ class Ledger:
         writer: Writer,
         request: AdmitRequest,
         orphaned: Callable[[Admitted], None] | None = None,
+        stopped: Callable[[], str | None] = lambda: None,
     ) -> Admitted:
         """Admission (docs/contract.md §3.2) in one durable transaction. If the caller is
-        cancelled meanwhile and it commits, ``orphaned`` is told what it decided."""
-        op: Operation[Admitted] = lambda tx: operations.admit(tx, writer, request)  # noqa: E731
+        cancelled meanwhile and it commits, ``orphaned`` is told what it decided; once
+        ``stopped()`` says why nothing is sent, its attempt is not sent (ledger/stopadmit)."""
+        op: Operation[Admitted] = lambda tx: admit_now(tx, writer, request, stopped)  # noqa: E731
         chosen = bulky(op) if request.spool is not None else op
         return await self.store.write(writer, chosen, orphaned)
 

@@ -1,0 +1,169 @@
+"""An admission slower than a stop's whole wait: it commits only as the ledger closes
+(docs/operations.md "Shutting down: the SIGTERM drain"; a transport's close,
+docs/contract.md §3.8).
+
+The ledger's write lock (SQLite's, as a backup tool holds it; PostgreSQL's batch lock, as
+a wedged replica holds it) is held from outside while a request waits in its admission;
+the transport is closed, and the lock let go only once the close has stopped waiting for
+its callers and is closing the ledger, which takes no new write from then on. Nothing may
+be sent (the close stopped sending long before); the caller is told so (503
+``shutting_down``, ``x-should-retry: true``); and the call is recorded ``not_sent``, its
+reservation released. Until 2026-12-05 its ``not_sent`` record came after the admission,
+was refused by the closing ledger (its caller got 503 ``ledger_unavailable``), and the
+call was left ``in_flight``, its reservation held (then ``effect_unknown`` at the next
+start), though nothing had been sent. Effects are counted with the fake provider's receipts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from observing import cli_json, wait_for
+from pgkit import ledger_url
+from shutdownkit import PATIENCE_S, answer_on, chat, request_under_way, write_lock
+
+import effectguard
+import effectguard.config.defaults
+import effectguard.ingress.transport
+from effectguard.errors import LedgerUnavailable
+from effectguard.testing import FakeProvider, fake_provider, running_proxy
+
+_ = (ledger_url,)  # fixtures
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[FakeProvider]:
+    with fake_provider(tmp_path / "receipts.jsonl") as fake:
+        yield fake
+
+
+def test_an_admission_committing_as_the_ledger_closes_is_recorded_not_sent(
+    ledger_url: str, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close's waits made short (well inside the lock's 5 s timeout), the lock let go
+    as the ledger closes: the admission commits then. Its caller gets 503, nothing is
+    sent, and the call is ``not_sent``, nothing reserved or held; ``verify`` passes."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(effectguard.ingress.transport, "MARKING_WAIT_S", 0.3)
+    ledger = ledger_url
+    url = provider.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+
+    async def scenario() -> httpx.Response | Exception:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=ledger, upstreams={"openai": provider.url}
+        )
+        client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S)
+        warm = await client.post(url, content=chat("started"), headers=headers)
+        assert warm.status_code == 200, warm.text  # the runtime started, the ledger made
+        store: Any = transport.ledger.store
+        with write_lock(ledger) as release:
+            closing_store = store.close
+
+            async def refused(*_: object) -> None:
+                raise LedgerUnavailable(f"ledger {ledger} is not open")
+
+            async def close() -> None:
+                # The ledger takes no new write from here (as once it has closed); the
+                # lock let go, the admission queued long before commits as it closes.
+                store.write = refused
+                release()
+                await closing_store()
+
+            store.close = close
+            call = asyncio.ensure_future(client.post(url, content=chat("held"), headers=headers))
+            await asyncio.sleep(0.1)  # its admission waits for the lock
+            await asyncio.wait_for(transport.aclose(), PATIENCE_S * 2)
+            try:
+                return await asyncio.wait_for(call, PATIENCE_S)
+            except Exception as exc:  # what its caller is told, whatever it is
+                return exc
+
+    answer = asyncio.run(scenario())
+    assert len(provider.receipts()) == 1  # the warm-up's: nothing sent after the stop
+    assert isinstance(answer, httpx.Response), answer
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "shutting_down", answer.text
+    assert answer.headers["x-should-retry"] == "true", answer.headers
+    calls = cli_json("calls", "--ledger", ledger)
+    held = [c for c in calls if c["stage"] != "completed"]
+    assert [(c["stage"], c["held_usd"]) for c in held] == [("not_sent", "0.000000000")], calls
+    (node,) = [b for b in cli_json("budgets", "--ledger", ledger) if b["path"] == "default"]
+    assert (node["reserved_usd"], node["held_usd"]) == ("0.000000000", "0.000000000"), node
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+#: Run in ``serve``: its wait for admissions (5 s) made short, so the ledger closes well
+#: inside the lock's 5 s timeout; the closing ledger takes no new write, and says when it
+#: begins to close (a file), so the test lets the lock go only then.
+CLOSING = """
+import os
+import pathlib
+
+import effectguard.callpath.runtime as runtime
+from effectguard.errors import LedgerUnavailable
+from effectguard.ledger.sqlite import SqliteStore
+
+runtime.settle_admissions.__defaults__ = (0.2,)
+_close = SqliteStore.close
+
+
+async def close(self):
+    async def refused(*_):
+        raise LedgerUnavailable(f"ledger {self.path} is not open")
+
+    self.write = refused
+    pathlib.Path(os.environ["EFFECTGUARD_TEST_CLOSING"]).touch()
+    await _close(self)
+
+
+SqliteStore.close = close
+"""
+
+
+def test_serves_admission_committing_as_the_ledger_closes_is_recorded_not_sent(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """SIGTERM while a request waits for the write lock (held here, as another process
+    would): the drain's end answers it 503 ``shutting_down``; the lock is let go only as
+    the proxy closes its ledger. The admission commits then: recorded ``not_sent``, never
+    sent, nothing reserved or held."""
+    site, closing = tmp_path / "site", tmp_path / "closing"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CLOSING)
+    (tmp_path / "c.toml").write_text("[server]\ndrain_timeout_s = 1\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "EFFECTGUARD_TEST_CLOSING": str(closing)}
+    ledger = str(tmp_path / "l.db")
+    args = ["--config", str(tmp_path / "c.toml")]
+    upstreams = {"openai": provider.url}
+    with running_proxy(ledger, upstreams=upstreams, args=args, env=env) as proxy:
+        url = proxy.url + "/openai/v1/chat/completions"
+        warm = httpx.post(url, content=chat("started"), timeout=PATIENCE_S)
+        assert warm.status_code == 200, warm.text
+        with write_lock(ledger) as release:
+            held = request_under_way(proxy, "held")
+            proxy.kill(signal.SIGTERM)
+            answer = answer_on(held)  # the drain's end cut it off, the lock still held
+            wait_for(closing.exists, PATIENCE_S, "the proxy closing its ledger")
+            release()  # its admission commits now, as the ledger closes
+            code = proxy.process.wait(PATIENCE_S)
+        log = proxy.log()
+    assert answer == (503, "shutting_down"), (answer, log)
+    assert code == 0, log
+    assert len(provider.receipts()) == 1, log  # the warm-up's
+    calls = cli_json("calls", "--ledger", ledger)
+    held_calls = [c for c in calls if c["stage"] != "completed"]
+    stages = [(c["stage"], c["held_usd"]) for c in held_calls]
+    assert stages == [("not_sent", "0.000000000")], (calls, log)
+    assert "not_sent_failed" not in log, log
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
