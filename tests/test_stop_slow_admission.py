@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,60 @@ def test_an_admission_committing_as_the_ledger_closes_is_recorded_not_sent(
     (node,) = [b for b in cli_json("budgets", "--ledger", ledger) if b["path"] == "default"]
     assert (node["reserved_usd"], node["held_usd"]) == ("0.000000000", "0.000000000"), node
     assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+def test_a_sync_transports_admission_committing_as_the_ledger_closes_is_not_sent(
+    tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through the sync transport, its caller in a thread of its own: answered
+    (not left waiting on a closed transport), 503, nothing sent, the call ``not_sent``."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(effectguard.ingress.transport, "MARKING_WAIT_S", 0.3)
+    ledger = str(tmp_path / "l.db")
+    url = provider.url + "/v1/chat/completions"
+    transport = effectguard.GuardTransport(ledger=ledger, upstreams={"openai": provider.url})
+    client = httpx.Client(transport=transport, timeout=PATIENCE_S)
+    assert client.post(url, content=chat("started")).status_code == 200
+    store: Any = transport.ledger.store
+    told: list[object] = []
+
+    def call() -> None:
+        try:
+            told.append(client.post(url, content=chat("held")))
+        except Exception as exc:  # what its caller is told, whatever it is
+            told.append(exc)
+
+    with write_lock(ledger) as release:
+        closing_store = store.close
+
+        async def refused(*_: object) -> None:
+            raise LedgerUnavailable(f"ledger {ledger} is not open")
+
+        async def close() -> None:
+            store.write = refused
+            release()
+            await closing_store()
+
+        store.close = close
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        wait_for(lambda: not caller.is_alive() or _admitting(transport), PATIENCE_S, "admitting")
+        transport.close()
+        caller.join(PATIENCE_S)
+    assert not caller.is_alive(), "its caller still waits on a closed transport"
+    (answer,) = told
+    assert isinstance(answer, httpx.Response), answer
+    assert (answer.status_code, answer.json()["error"]["type"]) == (503, "shutting_down")
+    assert len(provider.receipts()) == 1
+    calls = cli_json("calls", "--ledger", ledger)
+    held = [(c["stage"], c["held_usd"]) for c in calls if c["stage"] != "completed"]
+    assert held == [("not_sent", "0.000000000")], calls
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+def _admitting(transport: effectguard.GuardTransport) -> bool:
+    """Whether a call is under way in ``transport`` (its admission waits for the lock)."""
+    return bool(transport._async._calls)
 
 
 #: Run in ``serve``: its wait for admissions (5 s) made short, so the ledger closes well
