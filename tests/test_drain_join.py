@@ -102,6 +102,38 @@ def test_a_drain_ending_during_the_back_off_answers_the_joined_retry_the_429(
     _both_got_the_429(answers, ledger)
 
 
+def test_a_drain_ending_on_a_joined_call_in_flight_answers_both_504(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """SIGTERM while the joined call still waits for its provider's answer: the drain's end
+    cuts it off, effect unknown, and its caller and the joined retry both get 504
+    ``effect_unknown`` naming it. (Serve had this right already, its caller cut off
+    first; held here, as the joined retry now waits for that cut-off.)"""
+    ledger = str(tmp_path / "l.db")
+    config = tmp_path / "c.toml"
+    config.write_text("[server]\ndrain_timeout_s = 1\n")
+    behaviour = "x-fake-behaviour: delay=60\r\n"
+    with running_proxy(
+        ledger,
+        upstreams={"openai": provider.url},
+        args=["--config", str(config)],
+        log_path=tmp_path / "p.log",
+    ) as proxy:
+        first = request_under_way(proxy, "joined", behaviour)
+        wait_for(lambda: provider.receipts(), PATIENCE_S, "the first attempt's receipt")
+        retry = request_under_way(proxy, "joined", behaviour + "x-stainless-retry-count: 1\r\n")
+        proxy.kill(signal.SIGTERM)
+        answers = [_raw(first), _raw(retry)]
+        assert proxy.process.wait(PATIENCE_S) == 0
+        log = proxy.log()
+    assert len(provider.receipts()) == 1, log
+    (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
+    assert call["stage"] == "effect_unknown", call
+    expected = (504, "effect_unknown", call["call_id"])
+    assert answers == [expected, expected], (answers, log)
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
 def _raw(sock: socket.socket) -> tuple[int, str, str]:
     answer = whole_answer_on(sock)
     assert answer is not None, "the proxy closed the connection without an answer"
