@@ -20,6 +20,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +29,8 @@ from shutdownkit import PATIENCE_S, chat, request_under_way, whole_answer_on
 
 import effectguard
 import effectguard.config.defaults
+from effectguard.callpath.dispatches import Dispatches
+from effectguard.callpath.recorder import Recorder
 from effectguard.config.settings import GuardSettings
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
@@ -239,5 +242,54 @@ def test_a_transport_closing_on_a_joined_call_in_flight_answers_both_504(
     (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
     assert call["stage"] == "effect_unknown", call
     expected = (504, "effect_unknown", call["call_id"])
+    assert [_told(a) for a in answers] == [expected, expected], [a.text for a in answers]
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+def test_a_joined_retry_of_a_retry_starting_as_a_close_cuts_it_off_gets_the_429(
+    tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close stops waiting just as the guard's own retry is being started: that retry
+    is recorded ``not_sent`` (the call ``not_sent``), and the joined retry gets the 429
+    before it, as the call's caller does. The retry's start is held until the close cuts
+    the call off, then let commit."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
+    starting, cutting = threading.Event(), threading.Event()
+    next_attempt, cut_off_all = Recorder.next_attempt, Dispatches.cut_off_all
+
+    async def held(self: Recorder, prepared: Any, previous: Any) -> Any:
+        starting.set()
+        await asyncio.to_thread(cutting.wait, PATIENCE_S)
+        return await next_attempt(self, prepared, previous)
+
+    async def cut(self: Dispatches, reason: str) -> bool:
+        cutting.set()
+        return await cut_off_all(self, reason)
+
+    monkeypatch.setattr(Recorder, "next_attempt", held)
+    monkeypatch.setattr(Dispatches, "cut_off_all", cut)
+    ledger = str(tmp_path / "l.db")
+    url = provider.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json", "x-fake-behaviour": SLOW_429}
+
+    async def scenario() -> list[httpx.Response]:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=ledger, upstreams={"openai": provider.url}
+        )
+        client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S)
+        first = asyncio.ensure_future(client.post(url, content=chat("j"), headers=headers))
+        while not provider.receipts():
+            await asyncio.sleep(0.02)
+        retried = {**headers, **RETRY}
+        retry = asyncio.ensure_future(client.post(url, content=chat("j"), headers=retried))
+        assert await asyncio.to_thread(starting.wait, PATIENCE_S), "the retry's start"
+        await asyncio.wait_for(transport.aclose(), PATIENCE_S * 3)
+        return [await asyncio.wait_for(c, PATIENCE_S) for c in (first, retry)]
+
+    answers = asyncio.run(scenario())
+    assert [r["status"] for r in provider.receipts()] == [429]
+    (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
+    assert (call["stage"], call["attempts"]) == ("not_sent", 2), call
+    expected = (429, "rate_limit_error", call["call_id"])
     assert [_told(a) for a in answers] == [expected, expected], [a.text for a in answers]
     assert cli_json("verify", "--ledger", ledger)["ok"] is True

@@ -135,9 +135,10 @@ class Dispatches:
     ) -> Reply:
         """The answer of a retry that joined ``call_id`` and can wait no longer (a
         shutdown, for ``reason``): once the call has ended here, what its own caller got
-        (the provider's last answer, or 504 ``effect_unknown``); else 503
-        ``shutting_down``, the call not ended (another worker's, or one still settling
-        here in the background, its own caller gone)."""
+        (the provider's last answer, or 504 ``effect_unknown``); a call another worker
+        ended, its answer as §4 gives it; else 503 ``shutting_down``, the call not ended
+        (another worker's, or one still settling here in the background, its own caller
+        gone)."""
         under_way = self._dispatch_of(call_id)
         if under_way is not None and not (under_way[1].left or under_way[1].may_have_left):
             # Its caller's cut-off (or the stop's) ends it now: its end, then its marking.
@@ -149,9 +150,12 @@ class Dispatches:
             state = await self._ledger.store.get_call(call_id)
         except LedgerError:  # closed, or refuses: not known to have ended
             state = None
-        ended = state is not None and state.worker == self._writer().worker
-        if state is None or not ended or self._dispatch_of(call_id) is not None:
+        if state is None or self._dispatch_of(call_id) is not None:
             raise stopped_waiting(call_id, state.stage if state else "in_flight", reason)
+        if state.worker != self._writer().worker:  # another worker's: ended, or not known to
+            if state.stage in ("in_flight", "not_sent", "not_processed"):
+                raise stopped_waiting(call_id, state.stage, reason)
+            return await joined_result(self._recorder, call_id, state, prepared, report)
         if state.stage in ("effect_unknown", "in_flight"):  # in flight: the marking refused
             raise _cut_unknown(call_id, reason, state.stage)
         if state.stage != "not_sent":
@@ -160,6 +164,7 @@ class Dispatches:
         last = await last_observed(self._recorder, call_id)
         if last is None:  # nothing reached the provider
             raise stopped_waiting(call_id, state.stage, reason)
+        self._recorder.observer.request_done(prepared.provider.name, prepared.model or "", "joined")
         return replay(call_id, last, prepared)
 
     def _dispatch_of(self, call_id: str) -> tuple[asyncio.Future[Reply], Ticket] | None:

@@ -64,6 +64,8 @@ async def _join(
         now = time.monotonic()
         if state is None or now > deadline:
             break
+        if recorder.stopped is not None:  # however the call stands: as its caller is told
+            raise StoppedWaiting(call_id, state.stage, recorder.stopped)
         if state.stage != "in_flight":
             # A resting stage an automatic retry may follow (not_sent, not_processed) may
             # be a pause between the owner's retries (contract.md §3.5), not the call's
@@ -75,8 +77,6 @@ async def _join(
                 break
         else:
             resting_since = None
-        if recorder.stopped is not None:
-            raise StoppedWaiting(call_id, state.stage, recorder.stopped)
         local = recorder.waiter(call_id)
         if local is not None:
             with contextlib.suppress(TimeoutError):
