@@ -147,9 +147,14 @@ class Dispatches:
             if owner.cut is not None:
                 await asyncio.wait({owner.cut}, timeout=MARKING_WAIT_S)
         try:
-            state = await self._ledger.store.get_call(call_id)
+            return await self._joined_end(call_id, prepared, report, reason)
         except LedgerError:  # closed, or refuses: not known to have ended
-            state = None
+            raise stopped_waiting(call_id, "in_flight", reason) from None
+
+    async def _joined_end(
+        self, call_id: str, prepared: Prepared, report: CallReport | None, reason: str
+    ) -> Reply:
+        state = await self._ledger.store.get_call(call_id)
         if state is None or self._dispatch_of(call_id) is not None:
             raise stopped_waiting(call_id, state.stage if state else "in_flight", reason)
         if state.worker != self._writer().worker:  # another worker's: ended, or not known to
