@@ -18,6 +18,7 @@ import signal
 import socket
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,42 @@ def test_a_drain_ending_on_a_joined_call_in_flight_answers_both_504(
     assert call["stage"] == "effect_unknown", call
     expected = (504, "effect_unknown", call["call_id"])
     assert answers == [expected, expected], (answers, log)
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+def test_a_drain_ending_answers_the_429_to_the_retry_of_a_call_its_caller_left(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """The call's caller leaves during the back-off after the provider's 429 (its SDK's
+    timeout), and its SDK's retry joins the call (contract.md §4). SIGTERM: at the drain's
+    end the retry is the call's only waiter. It gets the 429, and the call sends no retry
+    in the drain's background phase: it got 503 ``shutting_down`` ("retry once the call
+    has ended") while the call's own retry could still go out, answered to nobody."""
+    ledger = str(tmp_path / "l.db")
+    config = tmp_path / "c.toml"
+    config.write_text(
+        "[server]\ndrain_timeout_s = 1\n[guard]\nretry_wait_s = 1.5\nmax_retries = 2\n"
+    )
+    behaviour = "x-fake-behaviour: status=429;id=left;times=1\r\n"
+    with running_proxy(
+        ledger,
+        upstreams={"openai": provider.url},
+        args=["--config", str(config)],
+        log_path=tmp_path / "p.log",
+    ) as proxy:
+        first = request_under_way(proxy, "left", behaviour)
+        wait_for(lambda: _observed(ledger), PATIENCE_S, "the 429 recorded: the guard waits")
+        first.close()  # its caller leaves
+        time.sleep(0.3)  # the proxy learns it (as test_retry_backoff's client leaves)
+        retry = request_under_way(proxy, "left", behaviour + "x-stainless-retry-count: 1\r\n")
+        proxy.kill(signal.SIGTERM)
+        answer = _raw(retry)
+        assert proxy.process.wait(PATIENCE_S) == 0
+        log = proxy.log()
+    assert [r["status"] for r in provider.receipts()] == [429], log  # no retry went out
+    (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
+    assert (call["stage"], call["attempts"]) == ("not_processed", 1), call
+    assert answer == (429, "rate_limit_error", call["call_id"]), (answer, log)
     assert cli_json("verify", "--ledger", ledger)["ok"] is True
 
 

@@ -140,8 +140,9 @@ class Dispatches:
         (another worker's, or one still settling here in the background, its own caller
         gone)."""
         under_way = self._dispatch_of(call_id)
-        if under_way is not None and not (under_way[1].left or under_way[1].may_have_left):
-            # Its caller's cut-off (or the stop's) ends it now: its end, then its marking.
+        if under_way is not None:
+            # Its caller's cut-off (or the stop's) ends it now, its caller there or gone
+            # (the proxy cuts off every request still running): its end, then its marking.
             dispatch, owner = under_way
             await asyncio.wait({dispatch}, timeout=MARKING_WAIT_S)
             if owner.cut is not None:
