@@ -43,6 +43,29 @@ def lock_free(lock_dir: Path, worker: str) -> bool:
         return True
 
 
+def remove_if_free(lock_dir: Path, worker: str) -> bool:
+    """Remove ``worker``'s lock file if nobody holds it; whether it was removed.
+
+    Unlinked only while this process holds the lock: a file its worker still holds (a
+    live process, or one that locked it after another looked) is never removed from
+    under it. A worker re-checks after locking that its file is still the one in the
+    directory (:func:`effectguard.callpath.recovery.take_lock`)."""
+    try:
+        handle = (lock_dir / f"{worker}.lock").open("rb")
+    except OSError:  # gone already (another sweeper), or not ours
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            (lock_dir / f"{worker}.lock").unlink()
+        except OSError:
+            return False
+        return True
+
+
 def provably_dead(
     rows: Iterable[WorkerRow], lock_dir: Path | None, host: str, me: str = ""
 ) -> set[str]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from effectguard.callpath.hostlocks import pg_lock_dir
-from effectguard.callpath.liveness import provably_dead
+from effectguard.callpath.liveness import provably_dead, remove_if_free
 from effectguard.config import defaults
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable
 from effectguard.ledger import Ledger, Writer, operations
@@ -51,6 +51,18 @@ def lock_dir_for(ledger_url: str) -> Path | None:
     return Path(ledger_url + ".workers")
 
 
+def lock_required(ledger_url: str) -> bool:
+    """Whether a worker of the ledger at ``ledger_url`` must hold its liveness lock to
+    start. Beside a file ledger, yes: a filesystem that refuses it refuses the ledger too.
+    On PostgreSQL, no: the lock only spares a restart on this host the wait for the
+    lease, so a directory that refuses it leaves the lease alone to tell (one warning)."""
+    return not ledger_url.startswith(("postgresql://", "postgres://"))
+
+
+#: How long a clean stop waits for the ledger to tell whether its worker left calls in
+#: flight (its lock file is then kept for the next sweeper, see WorkerRuntime.stop).
+STOP_READ_S = 5.0
+
 #: The workers of this process holding a liveness lock, for :func:`_drop_inherited_locks`.
 _LOCK_HOLDERS: weakref.WeakSet[WorkerRuntime] = weakref.WeakSet()
 _AT_FORK: list[bool] = []  # registered once, at the first lock (no work at import)
@@ -67,6 +79,23 @@ def _drop_inherited_locks() -> None:
     """
     for worker in list(_LOCK_HOLDERS):
         worker.forget_lock()
+
+
+def take_lock(path: Path) -> BinaryIO:
+    """Make the worker's lock file and lock it: the handle that holds it.
+
+    A sweeper removes a lock file only while it holds it (``remove_if_free``), so a file
+    removed between its making and its locking would leave this process holding a lock
+    nobody can see: locked, it is checked to be still the file of its name, else made
+    again."""
+    for _ in range(3):
+        handle = _new_lock(path)
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                return handle
+        handle.close()
+    raise LedgerUnavailable(f"the worker lock {path} was removed as it was made")
 
 
 def _new_lock(path: Path) -> BinaryIO:
@@ -100,9 +129,12 @@ class WorkerRuntime:
         heartbeat_s: float = defaults.HEARTBEAT_S,
         sweep_s: float = defaults.SWEEP_S,
         host: str | None = None,
+        lock_required: bool = True,
     ) -> None:
         self.ledger = ledger
         self.lock_dir = lock_dir
+        #: False (PostgreSQL): a lock that cannot be made is done without (lease only).
+        self.lock_required = lock_required
         self.lease_s = lease_s
         self.heartbeat_s = heartbeat_s
         self.sweep_s = sweep_s
@@ -143,22 +175,41 @@ class WorkerRuntime:
     async def _register(self) -> Writer:
         """Take a fresh worker id, its liveness lock, and a new fencing generation."""
         self.worker_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        if self.lock_dir is not None:
-            handle = _new_lock(self.lock_dir / f"{self.worker_id}.lock")
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._lock_file = handle
-            _LOCK_HOLDERS.add(self)
-            if not _AT_FORK:
-                os.register_at_fork(after_in_child=_drop_inherited_locks)
-                _AT_FORK.append(True)
+        self._lock()
         boot = Writer(self.worker_id, 0)
-        self.writer = await self.ledger.store.write(
-            boot,
-            lambda tx: operations.register_worker(
-                tx, worker=self.worker_id, host=self.host, pid=os.getpid(), lease_s=self.lease_s
-            ),
-        )
+        try:
+            self.writer = await self.ledger.store.write(
+                boot,
+                lambda tx: operations.register_worker(
+                    tx, worker=self.worker_id, host=self.host, pid=os.getpid(), lease_s=self.lease_s
+                ),
+            )
+        except BaseException:
+            self._release_lock(unlink=True)  # no row names it: no sweeper would remove it
+            raise
         return self.writer
+
+    def _lock(self) -> None:
+        """Take this registration's liveness lock, or (a lock not required) go without."""
+        if self.lock_dir is None:
+            return
+        try:
+            handle = take_lock(self.lock_dir / f"{self.worker_id}.lock")
+        except LedgerUnavailable as exc:
+            if self.lock_required:
+                raise
+            log.warning(
+                "%s; workers here are known gone by their lease alone",
+                exc,
+                extra={"event": "host_lock_unavailable", "worker": self.worker_id},
+            )
+            self.lock_dir = None  # for good: one warning, and no file looked for again
+            return
+        self._lock_file = handle
+        _LOCK_HOLDERS.add(self)
+        if not _AT_FORK:
+            os.register_at_fork(after_in_child=_drop_inherited_locks)
+            _AT_FORK.append(True)
 
     async def _every(self, seconds: float, job: Callable[[], Awaitable[object]]) -> None:
         while True:
@@ -266,8 +317,7 @@ class WorkerRuntime:
         interrupted += await self._mark_stranded(writer)
         for worker in dead:
             if self.lock_dir is not None:
-                with contextlib.suppress(OSError):
-                    (self.lock_dir / f"{worker}.lock").unlink()
+                remove_if_free(self.lock_dir, worker)
         for hook in self.after_sweep:
             await hook()
         _log_sweep(dead, interrupted)
@@ -313,9 +363,24 @@ class WorkerRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        # The file stays: the next sweeper finds it free, takes this worker over at
-        # once instead of waiting for the lease, and removes it.
-        self._release_lock(unlink=False)
+        # A worker that leaves calls in flight (a drain cut short) keeps its file: the
+        # next sweeper on this host finds it free, takes those calls over at once
+        # instead of waiting for the lease, and removes it. One that leaves none removes
+        # it (nothing waits on its lease), else a file stayed per start for good.
+        self._release_lock(unlink=await self._left_nothing())
+
+    async def _left_nothing(self) -> bool:
+        """Whether the ledger says, in time, that no call of this worker is in flight."""
+        if self._lock_file is None or self.writer is None:
+            return False
+        limit = 1000
+        try:
+            calls = await asyncio.wait_for(
+                self.ledger.calls(stage="in_flight", limit=limit), STOP_READ_S
+            )
+        except (LedgerError, TimeoutError):
+            return False  # unsure: kept, as before
+        return len(calls) < limit and all(c.worker != self.worker_id for c in calls)
 
     def forget_lock(self) -> None:
         """Close this process's handle on the lock without unlocking it: in a forked

@@ -20,7 +20,7 @@ from effectguard.callpath.dispatches import MARKING_WAIT_S
 from effectguard.callpath.exchange import Send
 from effectguard.callpath.guard import Guard
 from effectguard.callpath.hooks import ReconcileHook
-from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for
+from effectguard.callpath.recovery import WorkerRuntime, lock_dir_for, lock_required
 from effectguard.callpath.resolve import Resolver
 from effectguard.config import defaults
 from effectguard.config.settings import GuardSettings
@@ -83,6 +83,7 @@ class Runtime:
         self.worker = WorkerRuntime(
             self.ledger,
             lock_dir=lock_dir_for(c.ledger_url),
+            lock_required=lock_required(c.ledger_url),
             lease_s=c.lease_s,
             heartbeat_s=c.heartbeat_s,
             sweep_s=c.sweep_s,

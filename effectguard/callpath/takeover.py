@@ -71,7 +71,11 @@ async def gone_in_flight(
 
 
 async def take_over_gone(
-    ledger: Ledger, lock_dir: Path | None, calls: Iterable[WorkState] | None = None
+    ledger: Ledger,
+    lock_dir: Path | None,
+    calls: Iterable[WorkState] | None = None,
+    *,
+    lock_required: bool = True,
 ) -> dict[str, str]:
     """Sweep once if a call in flight of ``calls`` (None: every call in flight) has an
     owner that is gone; returns the calls the sweep marked effect unknown, each with why
@@ -81,7 +85,7 @@ async def take_over_gone(
     gone = await gone_owners_here(ledger, lock_dir, calls)
     if not gone:
         return {}
-    worker = WorkerRuntime(ledger, lock_dir=lock_dir)
+    worker = WorkerRuntime(ledger, lock_dir=lock_dir, lock_required=lock_required)
     await worker.register()
     try:
         marked = await worker.sweep()

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from effectguard.callpath import takeover
-from effectguard.callpath.recovery import lock_dir_for
+from effectguard.callpath.recovery import lock_dir_for, lock_required
 from effectguard.errors import ReconcileError
 from effectguard.ledger import Ledger
 from effectguard.rules.guidance import show_command, taken_over_not_decided
@@ -35,7 +35,9 @@ async def take_over_gone(ledger: Ledger, ledger_url: str) -> dict[str, str]:
     the ledger at ``ledger_url``, the sweep's lines left out (:func:`say_taken_over`
     says what it did)."""
     with _sweep_lines_left_out():
-        return await takeover.take_over_gone(ledger, lock_dir_for(ledger_url))
+        return await takeover.take_over_gone(
+            ledger, lock_dir_for(ledger_url), lock_required=lock_required(ledger_url)
+        )
 
 
 class _LeaveOutSweepLines(logging.Filter):
