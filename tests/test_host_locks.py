@@ -8,6 +8,7 @@ the user's alone is not used: workers are then known gone by their lease only.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from effectguard.callpath import hostlocks
+from effectguard.callpath.liveness import remove_if_free
 from effectguard.callpath.recovery import lock_dir_for
 
 PG = "postgresql://u@127.0.0.1:5432/db?schema=s"
@@ -72,3 +74,16 @@ def test_the_boot_names_the_subdirectory(temp_dir: Path, monkeypatch: pytest.Mon
     boot.write_text("../../etc\n")  # never a path out of the directory
     found = lock_dir_for(PG)
     assert found is not None and found.name == "pg-unknown"
+
+
+def test_a_lock_file_is_removed_only_while_nobody_holds_it(tmp_path: Path) -> None:
+    """The sweeper removes a taken-over worker's file only holding its lock: a file its
+    worker still holds is never removed from under it."""
+    path = tmp_path / "w1.lock"
+    with path.open("wb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert not remove_if_free(tmp_path, "w1")
+        assert path.exists()
+    assert remove_if_free(tmp_path, "w1")
+    assert not path.exists()
+    assert not remove_if_free(tmp_path, "w1")  # gone already: nothing to do

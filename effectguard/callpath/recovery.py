@@ -378,8 +378,8 @@ class WorkerRuntime:
             calls = await asyncio.wait_for(
                 self.ledger.calls(stage="in_flight", limit=limit), STOP_READ_S
             )
-        except (LedgerError, TimeoutError):
-            return False  # unsure: kept, as before
+        except Exception:  # unavailable, slow, closed: unsure, so kept (a stop never fails)
+            return False
         return len(calls) < limit and all(c.worker != self.worker_id for c in calls)
 
     def forget_lock(self) -> None:
@@ -402,8 +402,8 @@ class WorkerRuntime:
 def _log_sweep(dead: frozenset[str], interrupted: list[str]) -> None:
     """One line per worker taken over, one per call the sweep marked effect unknown."""
     for worker in sorted(dead):
-        # Info, not a warning: a worker that stopped cleanly is taken over the same way at
-        # the next start. What a crash costs is the calls below, each its own warning.
+        # Info, not a warning: a worker whose clean stop left calls in flight is taken over
+        # the same way at the next start. What a crash costs is the calls below.
         log.info(
             "took over worker %s: its process is gone",
             worker,
