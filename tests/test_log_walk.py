@@ -154,7 +154,7 @@ def test_requests_refused_at_the_front_door_get_no_access_line(
     ], parser
 
 
-def test_an_appended_log_rotates_by_copytruncate_and_sighup_ends_serve(
+def test_an_appended_log_rotates_by_copytruncate_and_sighup_stops_serve(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
     """logs-and-traces.md, "Volume, destination and rotation": with stderr appended to a
@@ -176,7 +176,10 @@ def test_an_appended_log_rotates_by_copytruncate_and_sighup_ends_serve(
         assert [line["status"] for line in access_lines(text)] == [200]
         assert len(access_lines(rotated.read_text())) == 1
         proxy.process.send_signal(signal.SIGHUP)
-        assert proxy.process.wait(timeout=10) == -signal.SIGHUP
+        assert proxy.process.wait(timeout=10) == 0
+        lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+        hup = [line for line in lines if "SIGHUP" in line["message"]]
+        assert [line["level"] for line in hup] == ["warning"], hup
     finally:
         proxy.kill()
 

@@ -3,7 +3,7 @@
 :func:`serve` binds the listening socket itself, and listens, before anything else
 happens, so a port that is taken is reported plainly (a :class:`ConfigError`, the CLI's
 usage/configuration exit code) before the ledger is opened and before anything
-claims to be listening. It owns SIGINT and SIGTERM: either one drains in-flight
+claims to be listening. It owns SIGINT, SIGTERM and SIGHUP: each one drains in-flight
 calls, stops whatever runs ``alongside`` the proxy in the same event loop (the
 demo upstream of ``serve --demo``), and returns normally.
 """
@@ -43,6 +43,10 @@ STARTUP_FAILED = 3
 STARTUP_LEDGER_UNAVAILABLE = 4
 #: The collector's youngest-generation threshold in a serving proxy (Python's: 700).
 GC_YOUNG_THRESHOLD = 10_000
+#: Each one drains and stops; any second one during the drain stops at once.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+log = logging.getLogger(__name__)
 
 
 def settle_gc() -> None:
@@ -66,7 +70,7 @@ def settle_gc() -> None:
 def serve(
     settings: ServeSettings, metrics: Any = None, *, alongside: Alongside | None = None
 ) -> None:
-    """Run the proxy until SIGINT or SIGTERM (graceful: in-flight calls drain).
+    """Run the proxy until SIGINT, SIGTERM or SIGHUP (graceful: in-flight calls drain).
 
     ``alongside`` is entered in the proxy's event loop before it starts and left
     after it stops. Raises :class:`ConfigError` if the port (or ``metrics_port``) cannot
@@ -84,22 +88,27 @@ def serve(
     def connections() -> tuple[int, int]:
         return len(server.server_state.connections), len(room)
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGHUP and not server.should_exit:
+            # A hangup, a logrotate postrotate or a process manager's reload: serve has
+            # nothing to reload or reopen, and ending at once would leave every call in
+            # flight effect_unknown. So it drains as on SIGTERM, and says so.
+            log.warning("SIGHUP: draining and stopping, as on SIGTERM (serve reloads nothing)")
         server.stop()
         if server.force_exit:
             app.stopping_at_once()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
         watch = loop.create_task(watch_open_files(connections, room.close_idlest))
         try:
             async with alongside() if alongside is not None else contextlib.nullcontext():
                 await server.serve(sockets=[sock, *routed.values()])
         finally:
             watch.cancel()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in _STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
 
     loop_factory = None
