@@ -17,10 +17,11 @@ start), though nothing had been sent. Effects are counted with the fake provider
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,11 @@ from pgkit import ledger_url
 from shutdownkit import PATIENCE_S, answer_on, chat, request_under_way, write_lock
 
 import effectguard
+import effectguard.callpath.dispatches
+import effectguard.callpath.guard
 import effectguard.config.defaults
 import effectguard.ingress.transport
+from effectguard.callpath.recorder import Recorder
 from effectguard.errors import LedgerUnavailable
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
@@ -221,4 +225,73 @@ def test_serves_admission_committing_as_the_ledger_closes_is_recorded_not_sent(
     stages = [(c["stage"], c["held_usd"]) for c in held_calls]
     assert stages == [("not_sent", "0.000000000")], (calls, log)
     assert "not_sent_failed" not in log, log
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+def test_a_retry_starting_as_the_ledger_closes_is_recorded_not_sent(
+    tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's own retry after the provider's 429: its attempt start waits for the
+    write lock (held here from just before it is queued) past the close's waits (made
+    short), and commits only as the ledger closes, taking no new write. Nothing more is
+    sent, and the retry is recorded ``not_sent`` in the start's own transaction, nothing
+    reserved or held. Until 2026-12-05 its ``not_sent`` record came in a write of its
+    own, refused by the closing ledger: the call was left ``in_flight``, its reservation
+    held (``effect_unknown`` at the next start), though the retry was never sent."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(effectguard.ingress.transport, "MARKING_WAIT_S", 0.3)
+    # The cut-off's wait for the dispatch, and for the markings, too.
+    monkeypatch.setattr(effectguard.callpath.dispatches, "MARKING_WAIT_S", 0.3)
+    monkeypatch.setattr(effectguard.callpath.guard, "MARKING_WAIT_S", 0.3)
+    ledger = str(tmp_path / "l.db")
+    url = provider.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json", "x-fake-behaviour": "status=429"}
+    next_attempt = Recorder.next_attempt
+
+    async def scenario() -> httpx.Response | Exception:
+        transport = effectguard.AsyncGuardTransport(
+            ledger=ledger, upstreams={"openai": provider.url}
+        )
+        client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S)
+        store: Any = transport.ledger.store
+        with contextlib.ExitStack() as stack:
+            starting = asyncio.Event()
+            releases: list[Callable[[], None]] = []
+
+            async def held(self: Recorder, prepared: Any, previous: Any) -> Any:
+                # The lock taken before the retry's start is queued: it waits for it.
+                releases.append(stack.enter_context(write_lock(ledger)))
+                starting.set()
+                return await next_attempt(self, prepared, previous)
+
+            monkeypatch.setattr(Recorder, "next_attempt", held)
+            closing_store = store.close
+
+            async def refused(*_: object) -> None:
+                raise LedgerUnavailable(f"ledger {ledger} is not open")
+
+            async def close() -> None:
+                store.write = refused  # no new write from here; the queued start commits
+                releases[0]()
+                await closing_store()
+
+            store.close = close
+            call = asyncio.ensure_future(client.post(url, content=chat("limited"), headers=headers))
+            await asyncio.wait_for(starting.wait(), PATIENCE_S)
+            await asyncio.sleep(0.1)  # the retry's start waits for the lock
+            await asyncio.wait_for(transport.aclose(), PATIENCE_S * 2)
+            try:
+                return await asyncio.wait_for(call, PATIENCE_S)
+            except Exception as exc:  # what its caller is told, whatever it is
+                return exc
+
+    answer = asyncio.run(scenario())
+    assert [r["status"] for r in provider.receipts()] == [429]  # the retry never went out
+    assert isinstance(answer, httpx.Response), answer
+    calls = cli_json("calls", "--ledger", ledger)
+    assert [(c["stage"], c["attempts"], c["held_usd"]) for c in calls] == [
+        ("not_sent", 2, "0.000000000")
+    ], (calls, answer.status_code, answer.text)
+    (node,) = [b for b in cli_json("budgets", "--ledger", ledger) if b["path"] == "default"]
+    assert (node["reserved_usd"], node["held_usd"]) == ("0.000000000", "0.000000000"), node
     assert cli_json("verify", "--ledger", ledger)["ok"] is True

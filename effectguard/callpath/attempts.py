@@ -142,6 +142,12 @@ class Attempts:
             if answered.response is None:
                 raise
             raise self._cut_between(prepared, report, answered.response) from None
+        except Refusal as refusal:
+            # A retry whose start committed once a shutdown stopped sending is recorded
+            # not sent; the provider's answer to the attempt before stands (§3.5).
+            if refusal.type == "shutting_down" and answered.response is not None:
+                return answered.response
+            raise
         except (LedgerError, FencedError) as exc:
             if answered.response is not None:
                 return answered.response

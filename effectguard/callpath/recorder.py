@@ -27,7 +27,7 @@ from effectguard.callpath.storefault import brief as _describe
 from effectguard.callpath.storefault import told
 from effectguard.callpath.wire import storable_headers
 from effectguard.errors import FencedError, LedgerError, Refusal
-from effectguard.ledger import Admitted, Ledger, Writer, attempts
+from effectguard.ledger import Admitted, Ledger, Writer, stopadmit
 from effectguard.rules import usage as usages
 from effectguard.rules.bodytext import encode_body
 from effectguard.rules.events import AttemptNotSent, BudgetReleased, Event
@@ -172,18 +172,22 @@ class Recorder(LateAnswers):
         """Start the automatic retry of ``previous`` (contract.md §3.7), as the call's own writer.
 
         So a fenced worker starts no new attempt of its calls, even once it has
-        registered anew. A retry the budget cannot take raises its 402 refusal.
+        registered anew. A retry the budget cannot take raises its 402 refusal; one whose
+        start commits once a shutdown stopped sending (:attr:`stopped`, read in its
+        transaction) is recorded not sent there and raises 503 ``shutting_down``: recorded
+        in a write of its own, a closing ledger could refuse it and leave the call in flight.
         """
         writer = previous.writer
         admitted = await self.ledger.store.write(
             writer,
-            lambda tx: attempts.start_attempt(
+            lambda tx: stopadmit.start_retry(
                 tx,
                 writer,
                 previous.call_id,
                 prepared.reserve,
                 previous.provider_idempotency_key,
                 prepared.admit.sending,
+                lambda: self.stopped,
             ),
         )
         if admitted.refusal is not None:

@@ -1,7 +1,8 @@
-"""An admission whose transaction runs once this process has stopped sending (a drain's
-end, a second signal, a transport's close: docs/operations.md "Shutting down").
+"""An admission, or the start of a guard's own retry, whose transaction runs once this
+process has stopped sending (a drain's end, a second signal, a transport's close:
+docs/operations.md "Shutting down").
 
-Such an admission was waiting for the ledger (its write lock held elsewhere, a slow
+Such an admission (or retry) was waiting for the ledger (its write lock held elsewhere, a slow
 writer) past the moment after which nothing is sent. Its attempt is recorded not sent in
 the admission's own transaction, its reservation released, and its caller refused 503
 ``shutting_down``. Recorded afterwards, in a write of its own, the record could come as
@@ -17,7 +18,7 @@ from effectguard.errors import Refusal
 from effectguard.ledger import attempts, operations
 from effectguard.ledger.base import Tx, Writer
 from effectguard.ledger.operations import Admitted
-from effectguard.rules.admission import AdmitRequest
+from effectguard.rules.admission import AdmitRequest, Sending
 from effectguard.rules.events import AttemptNotSent, BudgetReleased
 
 #: The admissions that start an attempt (the others answer from the ledger or refuse).
@@ -32,10 +33,36 @@ def admit(tx: Tx, writer: Writer, req: AdmitRequest, stopped: Callable[[], str |
     reason = stopped()
     if reason is None or admitted.action not in _STARTING or admitted.state is None:
         return admitted
+    return _not_sent(tx, writer, admitted, req.reserve, reason)
+
+
+def start_retry(
+    tx: Tx,
+    writer: Writer,
+    call_id: str,
+    reserve: int,
+    provider_key: str | None,
+    sending: Sending,
+    stopped: Callable[[], str | None],
+) -> Admitted:
+    """:func:`attempts.start_attempt` (the guard's automatic retry); if ``stopped()``
+    (read now, inside the transaction) says why this process sends nothing more, the
+    attempt is recorded not sent here, as an admission's is (:func:`admit`)."""
+    started = attempts.start_attempt(tx, writer, call_id, reserve, provider_key, sending)
+    reason = stopped()
+    if reason is None or started.refusal is not None or started.state is None:
+        return started
+    return _not_sent(tx, writer, started, reserve, reason)
+
+
+def _not_sent(tx: Tx, writer: Writer, admitted: Admitted, reserve: int, reason: str) -> Admitted:
+    """``admitted``'s new attempt recorded not sent (the process stopped for ``reason``),
+    its ``reserve`` released; the 503 ``shutting_down`` that says so."""
+    assert admitted.state is not None
     call_id, why = admitted.call_id, f"admitted as the process stopped: {reason}"
     events = [
         AttemptNotSent(call=call_id, attempt=admitted.attempt, reason=why),
-        BudgetReleased(call=call_id, budget=admitted.state.budget, amount=req.reserve),
+        BudgetReleased(call=call_id, budget=admitted.state.budget, amount=reserve),
     ]
     state = attempts.record(tx, writer, call_id, admitted.attempt, events)
     refusal = Refusal(
