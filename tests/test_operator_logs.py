@@ -232,3 +232,23 @@ def test_a_model_not_priced_refusal_logs_the_model_it_named(
     assert access[0]["model"] == "gpt-unpriced-9000"
     assert len(access[1]["model"]) == 300 and long_name.startswith(access[1]["model"][:-1])
     assert provider.receipts() == []
+
+
+def test_an_effect_unknown_whose_client_left_is_still_a_warning(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """At ``log_level = "warning"``, a call whose answer was never observed (504
+    effect_unknown: money may be spent, an operator is needed) keeps its access line even
+    when its client left first and the line says 499. The level used to follow the status
+    alone: the line was info, and vanished at warning."""
+    args = _config(tmp_path, '[server]\nlog_format = "json"\nlog_level = "warning"\n')
+    with running_proxy(tmp_path / "l.db", upstreams={"openai": provider.url}, args=args) as proxy:
+        leave_with_reset(proxy.url, OPENAI_CHAT, chat("left"), {"x-fake-delay": "1.5"}, 0.2)
+
+        def access() -> list[dict[str, Any]]:
+            return [x for x in json_lines(proxy.log()) if x.get("event") == "access"]
+
+        lines = wait_for(access, 10, "the effect_unknown call's access line at warning")
+    assert [(x["level"], x["status"], x["outcome"]) for x in lines] == [
+        ("warning", 499, "effect_unknown")
+    ], lines

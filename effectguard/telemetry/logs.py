@@ -230,6 +230,20 @@ def access_fields(report: CallReport) -> dict[str, Any]:
     return fields
 
 
+#: Outcomes an operator must see whatever status the line shows: a client that left
+#: first makes a 504 ``effect_unknown`` a 499, a broken stream's line says the 200 it had.
+WARNING_OUTCOMES: frozenset[str] = frozenset(
+    {"effect_unknown", "observe_failed", "fenced", "error"}
+)
+
+
+def access_level(report: CallReport) -> int:
+    """An access line's level: warning for a 5xx, or an outcome worse than its status."""
+    if report.status >= 500 or report.outcome in WARNING_OUTCOMES:
+        return logging.WARNING
+    return logging.INFO
+
+
 class LogObserver(NullObserver):
     """Writes the access line of every request and one line per incident."""
 
@@ -241,7 +255,7 @@ class LogObserver(NullObserver):
         # A refusal at 5xx is an operator's business (the ledger, the upstream, a fault of
         # ours), so its access line is a warning that carries the refusal's message.
         serious = report.status >= 500
-        level = logging.WARNING if serious else logging.INFO
+        level = access_level(report)
         if not self.access.isEnabledFor(level):
             return
         fields = access_fields(report)
