@@ -79,7 +79,8 @@ def test_a_replica_refusing_a_newer_ledger_lets_another_take_its_calls_over(
     flight can never be recorded by it. Its lease used to be renewed all the same (on the
     heartbeat's own connection), and the call stayed ``in_flight`` until the replica was
     stopped. Now it stops renewing: its lease lapses, and the other replica's sweeper
-    takes it over (``worker.taken_over``), the call ``effect_unknown`` (contract §7)."""
+    takes it over (``worker.taken_over``), the call ``effect_unknown`` (contract §7). The
+    refused heartbeat is logged once when it starts and once when it ends."""
     config = tmp_path / "lease.toml"
     config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\nsweep_s = 0.5\n")
     flags = ["--config", str(config)]
@@ -115,6 +116,9 @@ def test_a_replica_refusing_a_newer_ledger_lets_another_take_its_calls_over(
         assert stage == "effect_unknown", (stage, log)
         assert len(taken) == 1, taken
         assert len(provider.effects()) == 2  # nothing sent after the refusal
+        # Seconds of refused heartbeats (every 0.5 s) are one line, not one each: it
+        # used to be written at every heartbeat.
+        assert log.count("ledger busy in heartbeat") == 1, log
         # The newer migration undone (an operator's rollback): the next reconnect takes the
         # ledger again, and the replica, fenced meanwhile, registers anew and serves.
         with psycopg.connect(DSN, autocommit=True) as conn:
@@ -129,5 +133,8 @@ def test_a_replica_refusing_a_newer_ledger_lets_another_take_its_calls_over(
         # Its new registration's lease is renewed again: three leases later nothing more
         # was taken over (a bound to wait out, not a timing claim).
         time.sleep(6.0)
-        assert len(_taken_over(pg_url)) == 1, refusing.log()
+        log = refusing.log()
+        assert len(_taken_over(pg_url)) == 1, log
+        # ... and its end is said once too.
+        assert log.count("ledger answers heartbeat again") == 1, log
     assert len(provider.effects()) == 3

@@ -21,6 +21,7 @@ import fcntl
 import logging
 import os
 import socket
+import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,7 @@ from typing import IO, BinaryIO
 
 from effectguard.callpath.hostlocks import pg_lock_dir
 from effectguard.callpath.liveness import provably_dead, remove_if_free
+from effectguard.callpath.repeating import Repeating
 from effectguard.config import defaults
 from effectguard.errors import FencedError, LedgerError, LedgerUnavailable
 from effectguard.ledger import Ledger, Writer, operations
@@ -212,6 +214,11 @@ class WorkerRuntime:
             _AT_FORK.append(True)
 
     async def _every(self, seconds: float, job: Callable[[], Awaitable[object]]) -> None:
+        name = getattr(job, "__name__", str(job))
+        # A refusal that lasts (a ledger a newer release migrated refuses every heartbeat
+        # until the process is replaced) is said when it starts, at most once a minute, and
+        # when it ends: not at every turn, which buried every other line.
+        busy = Repeating()
         while True:
             await asyncio.sleep(seconds)
             writer = self.writer
@@ -222,8 +229,19 @@ class WorkerRuntime:
                     await self._rejoin(writer, exc)
                 except LedgerError as again:
                     log.warning("worker could not register anew (%s); retrying", again)
+                continue
             except LedgerError as exc:
-                log.warning("ledger busy in %s: %s", getattr(job, "__name__", job), exc)
+                now = time.monotonic()
+                if busy.failed(now):
+                    held = busy.lasted(now)
+                    still = f" (still, for {held:.0f} s)" if held else ""
+                    extra = {"event": "ledger_busy", "job": name}
+                    log.warning("ledger busy in %s: %s%s", name, exc, still, extra=extra)
+                continue
+            lasted = busy.worked(time.monotonic())
+            if lasted is not None:
+                extra = {"event": "ledger_busy_ended", "job": name}
+                log.warning("ledger answers %s again, after %.0f s", name, lasted, extra=extra)
 
     async def _rejoin(self, fenced: Writer | None, exc: FencedError) -> None:
         """Register anew if ``fenced`` (the writer the store refused) is still ours.
@@ -306,13 +324,15 @@ class WorkerRuntime:
         except FencedError:
             raise
         except LedgerError as exc:
-            log.warning("sweep could not commit as one transaction (%s); call by call", exc)
+            # Said once the fallback worked: when it fails too (a ledger refusing every
+            # write), the sweeper's own line says so, once, not this one every sweep.
             await self.ledger.store.write(
                 writer,
                 lambda tx: operations.sweep(
                     tx, writer, dead, interrupt_calls=False, held_still=still
                 ),
             )
+            log.warning("sweep could not commit as one transaction (%s); call by call", exc)
             interrupted = []
         interrupted += await self._mark_stranded(writer)
         for worker in dead:
