@@ -29,7 +29,14 @@ import httpx
 import pytest
 from observing import cli_json, wait_for
 from pgkit import ledger_url
-from shutdownkit import PATIENCE_S, answer_on, chat, request_under_way, write_lock
+from shutdownkit import (
+    PATIENCE_S,
+    answer_on,
+    chat,
+    request_under_way,
+    whole_answer_on,
+    write_lock,
+)
 
 import effectguard
 import effectguard.callpath.dispatches
@@ -288,10 +295,89 @@ def test_a_retry_starting_as_the_ledger_closes_is_recorded_not_sent(
     answer = asyncio.run(scenario())
     assert [r["status"] for r in provider.receipts()] == [429]  # the retry never went out
     assert isinstance(answer, httpx.Response), answer
+    assert answer.status_code == 429, (answer.status_code, answer.text)
     calls = cli_json("calls", "--ledger", ledger)
     assert [(c["stage"], c["attempts"], c["held_usd"]) for c in calls] == [
         ("not_sent", 2, "0.000000000")
     ], (calls, answer.status_code, answer.text)
     (node,) = [b for b in cli_json("budgets", "--ledger", ledger) if b["path"] == "default"]
     assert (node["reserved_usd"], node["held_usd"]) == ("0.000000000", "0.000000000"), node
+    assert cli_json("verify", "--ledger", ledger)["ok"] is True
+
+
+#: Run in ``serve``: the guard's retry start waits, once under way (a file says so), until
+#: the ledger begins to close (a file), as a start waiting for the write lock would; the
+#: cut-off's wait for a dispatch made short, and the dispatch's own wait for the start
+#: shorter still (the bound under test).
+SLOW_RETRY = """
+import asyncio
+import os
+import pathlib
+
+import effectguard.callpath.attempts as attempts
+import effectguard.callpath.dispatches as dispatches
+from effectguard.callpath.recorder import Recorder
+from effectguard.ledger.sqlite import SqliteStore
+
+dispatches.MARKING_WAIT_S = 1.0
+attempts.RETRY_START_WAIT_S = 0.2
+_next_attempt = Recorder.next_attempt
+_close = SqliteStore.close
+closing = pathlib.Path(os.environ["EFFECTGUARD_TEST_CLOSING"])
+
+
+async def next_attempt(self, prepared, previous):
+    pathlib.Path(os.environ["EFFECTGUARD_TEST_STARTING"]).touch()
+    while not closing.exists():
+        await asyncio.sleep(0.02)
+    return await _next_attempt(self, prepared, previous)
+
+
+async def close(self):
+    closing.touch()
+    await asyncio.sleep(0.3)  # the retry's start commits as the ledger closes
+    await _close(self)
+
+
+Recorder.next_attempt = next_attempt
+SqliteStore.close = close
+"""
+
+
+def test_a_retry_start_slower_than_the_cut_off_still_answers_the_providers_429(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """SIGTERM while the guard's own retry after the provider's 429 is starting, its start
+    slower than the cut-off's whole wait for the dispatch (it commits only as the ledger
+    closes). The client is still answered the provider's 429 (contract.md §3.5), and the
+    retry, never sent, is recorded ``not_sent``. Until 2026-12-05 the dispatch waited for
+    the start without bound, the cut-off stopped waiting for it first, and the client got
+    503 ``shutting_down`` instead."""
+    site, closing, starting = tmp_path / "site", tmp_path / "closing", tmp_path / "starting"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_RETRY)
+    (tmp_path / "c.toml").write_text("[server]\ndrain_timeout_s = 1\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    env = {
+        "PYTHONPATH": path,
+        "EFFECTGUARD_TEST_CLOSING": str(closing),
+        "EFFECTGUARD_TEST_STARTING": str(starting),
+    }
+    ledger = str(tmp_path / "l.db")
+    args = ["--config", str(tmp_path / "c.toml")]
+    with running_proxy(ledger, upstreams={"openai": provider.url}, args=args, env=env) as proxy:
+        limited = request_under_way(proxy, "limited", "x-fake-behaviour: status=429\r\n")
+        wait_for(starting.exists, PATIENCE_S, "the guard starting its retry")
+        proxy.kill(signal.SIGTERM)
+        answer = whole_answer_on(limited)
+        code = proxy.process.wait(PATIENCE_S)
+        log = proxy.log()
+    assert answer is not None, log
+    assert answer.status == 429, (answer.status, answer.body, log)
+    assert code == 0, log
+    assert [r["status"] for r in provider.receipts()] == [429], log  # the retry never went out
+    calls = cli_json("calls", "--ledger", ledger)
+    assert [(c["stage"], c["attempts"], c["held_usd"]) for c in calls] == [
+        ("not_sent", 2, "0.000000000")
+    ], (calls, log)
     assert cli_json("verify", "--ledger", ledger)["ok"] is True

@@ -60,6 +60,12 @@ class _RetryAttempt(Exception):
 T = TypeVar("T")
 
 
+#: How long a dispatch cut off while its retry is starting waits for that start to commit:
+#: well within the cut-off's own wait for the dispatch (``dispatches.MARKING_WAIT_S``, 5 s),
+#: so the cut-off has the provider's last answer, not a 503, whatever the start's pace.
+RETRY_START_WAIT_S = 2.0
+
+
 class CutBetweenAttempts(Exception):
     """A shutdown cut the call off between two of its attempts (contract.md §3.5, §3.8):
     none was on its way, and the provider's answer to the last one, a status it declares
@@ -134,11 +140,15 @@ class Attempts:
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
-            await asyncio.wait({starting})
-            if not starting.cancelled() and starting.exception() is None:
-                why = f"admitted as the process stopped: {self.recorder.cancel_reason}"
-                with contextlib.suppress(Refusal):  # kept and retried on every sweep
-                    await self.recorder.not_sent(prepared, starting.result(), why)
+            # Bounded, within the cut-off's wait for this dispatch (dispatches.MARKING_WAIT_S):
+            # a start still slow then would have the cut-off answer 503 shutting_down for
+            # a call the provider answered. It is recorded not sent once it commits.
+            await asyncio.wait({starting}, timeout=RETRY_START_WAIT_S)
+            unsent = self._unsent_start(prepared, starting)
+            if starting.done():
+                await unsent
+            else:
+                self.recorder.spawn(unsent)
             if answered.response is None:
                 raise
             raise self._cut_between(prepared, report, answered.response) from None
@@ -155,6 +165,15 @@ class Attempts:
             raise ledger_unavailable(
                 exc, previous.call_id, "the next attempt could not be recorded; nothing was sent"
             ) from exc
+
+    async def _unsent_start(self, prepared: Prepared, starting: asyncio.Future[Admitted]) -> None:
+        """A retry whose start (``starting``) committed as its dispatch was cut off,
+        recorded not sent (one committing once the guard stopped sending is already)."""
+        await asyncio.wait({starting})
+        if not starting.cancelled() and starting.exception() is None:
+            why = f"admitted as the process stopped: {self.recorder.cancel_reason}"
+            with contextlib.suppress(Refusal):  # kept and retried on every sweep
+                await self.recorder.not_sent(prepared, starting.result(), why)
 
     async def _ready(self, prepared: Prepared, admitted: Admitted, report: CallReport) -> Outbound:
         """The attempt's request, announced; never sent past the lease it was admitted
