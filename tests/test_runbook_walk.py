@@ -246,3 +246,39 @@ def test_the_page_offers_the_keyed_resend_show_offers_first(tmp_path: Path) -> N
             assert first in text, f"the page does not offer {first!r}"
             assert text.index(first) < text.index('id="reconcile-not_applied"')
         assert len(fake.effects()) == 1
+
+
+def test_show_without_the_providers_flag_says_the_calls_provider_is_not_declared_here(
+    tmp_path: Path,
+) -> None:
+    """`effectguard show CALL` offers `reconcile --auto` for an effect-unknown call only
+    when it reads the declaration of the call's provider. Run without the `--providers`
+    that declares it (as `serve` was run with), it used to offer nothing and say nothing:
+    the operator could not tell "no lookup" from "not known here". It must say on stderr
+    that the provider is not declared here and which flag shows its lookup; with the
+    flag, it offers `reconcile --auto` and says nothing of the kind."""
+    ledger = tmp_path / "ledger.db"
+    providers = declare_mailer(tmp_path)
+    with fake_provider(tmp_path / "receipts.jsonl", idempotent=True) as fake:
+        crash_mid_send(ledger, fake, providers, "night-2")
+    # The crashed proxy's call taken over (marked effect unknown), nothing decided.
+    assert cli_run("reconcile", "--auto", "--ledger", str(ledger)).returncode == 0
+    (call,) = unknown_calls(ledger)
+
+    bare = cli_run("show", call["call_id"], "--ledger", str(ledger))
+    assert bare.returncode == 0, bare.stderr
+    notes = [line for line in bare.stderr.splitlines() if "mailer" in line]
+    assert len(notes) == 1 and "--providers" in notes[0], (
+        f"show offered no lookup for an undeclared provider in silence: "
+        f"stdout {bare.stdout!r}, stderr {bare.stderr!r}"
+    )
+    assert "reconcile --auto" not in bare.stdout, bare.stdout
+    as_json = cli_run("show", call["call_id"], "--ledger", str(ledger), "--json")
+    assert as_json.returncode == 0 and "mailer" in as_json.stderr, as_json.stderr
+
+    flagged = cli_run(
+        "show", call["call_id"], "--ledger", str(ledger), "--providers", str(providers)
+    )
+    assert flagged.returncode == 0, flagged.stderr
+    assert "reconcile --auto" in flagged.stdout, flagged.stdout
+    assert "not declared" not in flagged.stderr, flagged.stderr

@@ -162,6 +162,13 @@ def _lookup_lag(
 
     manifest = next((e.data for e in events if e.kind == "call.manifest"), {})
     providers = load_providers([Path(p) for p in args.providers or ()])
+    if state.provider not in providers:
+        # Else no lookup offered reads as none declared (as reconcile --auto says too).
+        say(
+            f"effectguard: provider {state.provider!r} is not declared here: pass "
+            "--providers DIR as serve does, to see its lookup",
+            err=True,
+        )
     method, path = str(manifest.get("method", "POST")), str(manifest.get("endpoint", ""))
     return lookup_lag(providers, state.provider, method, path)
 
