@@ -319,7 +319,7 @@ import effectguard.callpath.dispatches as dispatches
 from effectguard.callpath.recorder import Recorder
 from effectguard.ledger.sqlite import SqliteStore
 
-dispatches.MARKING_WAIT_S = 1.0
+dispatches.MARKING_WAIT_S = 2.0  # margin over the bound below on a loaded host
 attempts.RETRY_START_WAIT_S = 0.2
 _next_attempt = Recorder.next_attempt
 _close = SqliteStore.close
