@@ -22,6 +22,7 @@ import pytest
 import respx
 from pgkit import DSN, ledger_url, pg_url
 from test_store_contract import register
+from toolkit import cli_run as run
 
 from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.errors import ConfigError
@@ -36,12 +37,7 @@ TOLD = f"requires effectguard writer format {writerformat.WRITER_FORMAT} or late
 
 def cli(command: str, ledger: str) -> None:
     """``effectguard COMMAND --ledger LEDGER``, as an operator runs it; it must exit 0."""
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", command, "--ledger", ledger],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run(command, "--ledger", ledger)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -196,6 +192,14 @@ def _as_before_format_1(path: str) -> None:
         conn.close()
 
 
+def _older_ledger(tmp_path: Path) -> str:
+    """A SQLite ledger under ``tmp_path`` as the previous release left it migrated."""
+    path = str(tmp_path / "ledger.db")
+    cli("migrate", path)
+    _as_before_format_1(path)
+    return path
+
+
 def _versions(path: str) -> set[int]:
     conn = sqlite3.connect(path)
     try:
@@ -221,15 +225,8 @@ def test_a_command_does_not_migrate_a_ledger_on_the_side(
     locks every older replica out at once. A command that changes the ledger is refused,
     exit 2, naming `migrate`, and the ledger is left as it was; after `effectguard migrate`
     the command runs."""
-    path = str(tmp_path / "ledger.db")
-    cli("migrate", path)
-    _as_before_format_1(path)
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *command, "--ledger", path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    path = _older_ledger(tmp_path)
+    done = run(*command, "--ledger", path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "migration 15 pending" in done.stderr and "effectguard migrate" in done.stderr
     assert 15 not in _versions(path)
@@ -243,15 +240,8 @@ def test_a_command_that_only_reads_leaves_an_older_ledger_as_it_was(
 ) -> None:
     """The same ledger read by a command that only reads: it reads a migrated copy, and
     the ledger the older fleet serves keeps its migrations (exit 3 for `show`: no such call)."""
-    path = str(tmp_path / "ledger.db")
-    cli("migrate", path)
-    _as_before_format_1(path)
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", *command, "--ledger", path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    path = _older_ledger(tmp_path)
+    done = run(*command, "--ledger", path)
     assert done.returncode == (3 if command[0] == "show" else 0), done.stdout + done.stderr
     assert "migration 15" in done.stderr and "reading a copy" in done.stderr, done.stderr
     assert 15 not in _versions(path)
@@ -266,28 +256,16 @@ def test_a_ledger_a_newer_release_migrated_is_refused_by_commands(tmp_path: Path
         conn.execute("INSERT INTO migrations VALUES (99, 'a later release', 0)")
     finally:
         conn.close()
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", "calls", "--ledger", path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run("calls", "--ledger", path)
     assert done.returncode == 2 and "newer effectguard" in done.stderr, done.stderr
 
 
 def test_the_backup_before_an_upgrade_copies_the_older_ledger(tmp_path: Path) -> None:
     """Step 1 of an upgrade, with the new release installed: `backup` copies the older
     ledger as it is (it migrates nothing, so it is not refused as the others are)."""
-    path = str(tmp_path / "ledger.db")
-    cli("migrate", path)
-    _as_before_format_1(path)
+    path = _older_ledger(tmp_path)
     copy = tmp_path / "copy.db"
-    done = subprocess.run(
-        [sys.executable, "-m", "effectguard", "backup", "--ledger", path, str(copy)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run("backup", "--ledger", path, str(copy))
     assert done.returncode == 0, done.stdout + done.stderr
     assert 15 not in _versions(str(copy)) and 15 not in _versions(path)
 
