@@ -37,6 +37,17 @@ def calls_of(ledger: str) -> list[WorkState]:
     return asyncio.run(read())
 
 
+def post_chat(tmp_path: Path, headers: dict[str, str]) -> tuple[httpx.Response, str]:
+    """One chat call with ``headers`` through a proxy before the fake provider; its
+    answer and the proxy's log."""
+    with (
+        fake_provider(tmp_path / "receipts.jsonl") as provider,
+        running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy,
+    ):
+        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, headers=headers)
+        return answer, proxy.log()
+
+
 def test_an_sdk_following_a_307_to_the_provider_comes_back_through_the_guard(
     tmp_path: Path,
 ) -> None:
@@ -65,16 +76,7 @@ def test_a_location_elsewhere_is_passed_on_as_it_came_and_logged(tmp_path: Path)
     """A 307 to another origin keeps its Location byte for byte (the proxy cannot guard
     it); the proxy logs it, with the call's id and without the Location's query."""
     elsewhere = "https://elsewhere.example/v2/chat?token=s3cret-token"
-    with (
-        fake_provider(tmp_path / "receipts.jsonl") as provider,
-        running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy,
-    ):
-        answer = httpx.post(
-            proxy.url + "/openai/v1/chat/completions",
-            json=CHAT,
-            headers={"x-fake-behaviour": f"moved={elsewhere}"},
-        )
-        log = proxy.log()
+    answer, log = post_chat(tmp_path, {"x-fake-behaviour": f"moved={elsewhere}"})
     assert answer.status_code == 307
     assert answer.headers["location"] == elsewhere
     call_id = answer.headers["effectguard-call-id"]
@@ -86,15 +88,9 @@ def test_a_location_elsewhere_is_passed_on_as_it_came_and_logged(tmp_path: Path)
 def test_a_location_on_the_provider_is_written_as_the_proxys_path(tmp_path: Path) -> None:
     """Without following: the Location of a 3xx on the provider's origin (a path, a query)
     comes back as the proxy's path for that provider, on a call and on a read alike."""
-    with (
-        fake_provider(tmp_path / "receipts.jsonl") as provider,
-        running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy,
-    ):
-        answer = httpx.post(
-            proxy.url + "/openai/v1/chat/completions",
-            json=CHAT,
-            headers={"x-fake-behaviour": "status=308;moved=/v1/chat/completions2?x=1"},
-        )
+    answer, _ = post_chat(
+        tmp_path, {"x-fake-behaviour": "status=308;moved=/v1/chat/completions2?x=1"}
+    )
     assert answer.status_code == 308
     assert answer.headers["location"] == "/openai/v1/chat/completions2?x=1"
 
@@ -105,19 +101,14 @@ def test_a_prefix_header_from_a_reverse_proxy_is_not_read(tmp_path: Path) -> Non
     Location is the proxy's own path, even from the trusted loopback address with
     ``X-Forwarded-Prefix``. The docs tell the reverse proxy to add its prefix; a change
     that read the header would change that advice."""
-    with (
-        fake_provider(tmp_path / "receipts.jsonl") as provider,
-        running_proxy(tmp_path / "ledger.db", upstreams={"openai": provider.url}) as proxy,
-    ):
-        answer = httpx.post(
-            proxy.url + "/openai/v1/chat/completions",
-            json=CHAT,
-            headers={
-                "x-fake-behaviour": "status=308;moved=/v1/chat/completions2",
-                "x-forwarded-prefix": "/llm",
-                "x-forwarded-proto": "https",
-            },
-        )
+    answer, _ = post_chat(
+        tmp_path,
+        {
+            "x-fake-behaviour": "status=308;moved=/v1/chat/completions2",
+            "x-forwarded-prefix": "/llm",
+            "x-forwarded-proto": "https",
+        },
+    )
     assert answer.status_code == 308
     assert answer.headers["location"] == "/openai/v1/chat/completions2"
 
