@@ -14,7 +14,7 @@ import json
 import re
 import secrets
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -188,6 +188,32 @@ def test_a_read_forwarded_untouched_still_has_the_key_masked(tmp_path: Path) -> 
     )
 
 
+def _call_and_read(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    refusal: Callable[[str], bytes],
+    key: str,
+    args: Sequence[str] = (),
+) -> tuple[httpx.Response, httpx.Response, str, str, bytes, str]:
+    """A call and a read through the proxy holding ``key``, the upstream refusing both
+    with ``refusal``: the two answers, the call's id, its ``show``, the ledger's bytes
+    and the proxy's log."""
+    with (
+        key_quoting_upstream(refusal) as url,
+        running_proxy(
+            tmp_path / "ledger.db",
+            upstreams={"openai": url},
+            args=args,
+            env={"OPENAI_API_KEY": key},
+        ) as proxy,
+    ):
+        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, timeout=10)
+        read = httpx.get(proxy.url + "/openai/v1/models", timeout=10)
+        call_id = answer.headers["effectguard-call-id"]
+        shown = _shown(call_id, proxy.ledger, capsys)
+        return answer, read, call_id, shown, _ledger_bytes(proxy.ledger), proxy.log()
+
+
 @pytest.mark.slow
 def test_a_key_holding_a_slash_and_a_quote_is_masked_when_both_are_escaped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -198,17 +224,9 @@ def test_a_key_holding_a_slash_and_a_quote_is_masked_when_both_are_escaped(
     for a read forwarded as it streams."""
     key = "sk-canary/" + secrets.token_hex(12) + '"/q'
     combined = json.dumps(key)[1:-1].replace("/", "\\/")
-    with (
-        key_quoting_upstream(_escaping_refusal) as url,
-        running_proxy(
-            tmp_path / "ledger.db", upstreams={"openai": url}, env={"OPENAI_API_KEY": key}
-        ) as proxy,
-    ):
-        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, timeout=10)
-        read = httpx.get(proxy.url + "/openai/v1/models", timeout=10)
-        call_id = answer.headers["effectguard-call-id"]
-        shown = _shown(call_id, proxy.ledger, capsys)
-        ledger_bytes = _ledger_bytes(proxy.ledger)
+    answer, read, _, shown, ledger_bytes, _ = _call_and_read(
+        tmp_path, capsys, _escaping_refusal, key
+    )
     expected = f"Incorrect API key provided: {MASK}. You passed {MASK}."
     for response in (answer, read):
         assert response.status_code == 401, response.text
@@ -254,21 +272,9 @@ def test_a_key_holding_non_ascii_characters_is_masked_as_providers_quote_it(
     gives the key back to whoever reverses it. The tenant, ``show``, the ledger and the
     log get the mask there too."""
     key = "sk-canary-tést-ünï-" + secrets.token_hex(8)
-    with (
-        key_quoting_upstream(_NON_ASCII_QUOTES[quote]) as url,
-        running_proxy(
-            tmp_path / "ledger.db",
-            upstreams={"openai": url},
-            args=["--log-level", "debug"],
-            env={"OPENAI_API_KEY": key},
-        ) as proxy,
-    ):
-        answer = httpx.post(proxy.url + "/openai/v1/chat/completions", json=CHAT, timeout=10)
-        read = httpx.get(proxy.url + "/openai/v1/models", timeout=10)
-        call_id = answer.headers["effectguard-call-id"]
-        shown = _shown(call_id, proxy.ledger, capsys)
-        ledger_bytes = _ledger_bytes(proxy.ledger)
-        log = proxy.log()
+    answer, read, call_id, shown, ledger_bytes, log = _call_and_read(
+        tmp_path, capsys, _NON_ASCII_QUOTES[quote], key, ["--log-level", "debug"]
+    )
     expected = f"Incorrect API key provided: {MASK}."
     for response in (answer, read):
         assert response.status_code == 401, response.text
