@@ -27,6 +27,7 @@ import httpx
 import pytest
 import respx
 from conftest import FAST
+from leavekit import leave_a_stream
 
 from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.config.settings import GuardSettings, load_settings
@@ -298,14 +299,7 @@ async def test_a_stream_its_client_left_is_cut_off_at_its_bound(
         mock.post(OPENAI).respond(
             200, stream=endless, headers={"content-type": "text/event-stream"}
         )
-        async with client.stream("POST", OPENAI, json=chat(stream=True)) as response:
-            call_id = response.headers[CALL_ID]
-            async for _ in response.aiter_raw():
-                break
-        for _ in range(500):
-            if (await transport.ledger.call(call_id)).stage != "in_flight":
-                break
-            await asyncio.sleep(0.01)
+        call_id = await leave_a_stream(client, transport, OPENAI, chat(stream=True))
         call = await transport.ledger.call(call_id)
         assert (call.stage, call.held) == ("effect_unknown", call.reserved_at_admission)
         reasons = await _interrupted(transport.ledger, call_id)

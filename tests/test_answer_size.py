@@ -25,6 +25,7 @@ import httpx
 import pytest
 import respx
 from conftest import FAST
+from leavekit import leave_a_stream
 
 from effectguard import AsyncGuardTransport
 from effectguard.config.settings import GuardSettings, load_settings
@@ -167,14 +168,7 @@ async def test_an_endless_stream_its_client_left_is_not_read_forever(
     endless = Endless()
     with respx.mock(assert_all_called=True) as mock:
         mock.post(URL).respond(200, stream=endless, headers={"content-type": "text/event-stream"})
-        async with client.stream("POST", URL, json=chat(stream=True)) as response:
-            call_id = response.headers[CALL_ID]
-            async for _ in response.aiter_raw():
-                break
-        for _ in range(500):
-            if (await transport.ledger.call(call_id)).stage != "in_flight":
-                break
-            await asyncio.sleep(0.01)
+        call_id = await leave_a_stream(client, transport, URL, chat(stream=True))
     assert (await transport.ledger.call(call_id)).stage == "effect_unknown"
     assert LIMIT < endless.sent <= LIMIT + len(DELTA)
     await finish(transport)
