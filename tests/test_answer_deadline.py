@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,16 @@ import pytest
 import respx
 from conftest import FAST
 from leavekit import leave_a_stream
+from tricklekit import (
+    BOUNDED,
+    OUTLASTED,
+    PATIENCE_S,
+    READ_S,
+    STREAM_S,
+    TRICKLE,
+    how_it_ended,
+    how_it_ended_sync,
+)
 
 from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.config.settings import GuardSettings, load_settings
@@ -39,17 +48,6 @@ from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
 CHAT = "/v1/chat/completions"
 CALL_ID = "effectguard-call-id"
-READ_S = 1
-STREAM_S = 2
-#: A byte every TRICKLE_S: never silent for READ_S, and hundreds of seconds to the end.
-TRICKLE = {"x-fake-behaviour": "trickle=0.2"}
-#: How long a client waits for the whole of any answer here: far past both bounds, far
-#: short of a trickled answer's end, so the test fails in bounded time without them.
-PATIENCE_S = 15.0
-OUTLASTED = "still running when the client's patience ran out"
-BOUNDED = dataclasses.replace(
-    FAST, upstream_read_timeout_s=READ_S, upstream_stream_timeout_s=STREAM_S
-)
 
 
 def chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
@@ -66,15 +64,7 @@ async def _stream(client: httpx.AsyncClient, url: str, headers: dict[str, str]) 
     """How a streamed call's read ended: ``cleanly``, or the error that ended it."""
     async with client.stream("POST", url, json=chat(stream=True), headers=headers) as r:
         assert r.status_code == 200
-        try:
-            async with asyncio.timeout(PATIENCE_S):
-                async for _ in r.aiter_raw():
-                    pass
-        except TimeoutError:
-            return OUTLASTED
-        except httpx.TransportError as exc:
-            return f"{r.headers[CALL_ID]} {type(exc).__name__}: {exc}"
-        return "cleanly"
+        return await how_it_ended(r, f"{r.headers[CALL_ID]} ")
 
 
 async def _traffic(client: httpx.AsyncClient, url: str) -> tuple[list[httpx.Response], list[str]]:
@@ -205,14 +195,7 @@ def test_the_sync_transport_cuts_off_trickled_answers(
 def _sync_stream(client: httpx.Client, url: str, headers: dict[str, str]) -> str:
     with client.stream("POST", url, json=chat(stream=True), headers=headers) as r:
         assert r.status_code == 200
-        began = time.monotonic()
-        try:
-            for _ in r.iter_raw():
-                if time.monotonic() - began > PATIENCE_S:
-                    return OUTLASTED
-        except httpx.TransportError as exc:
-            return f"{r.headers[CALL_ID]} {type(exc).__name__}: {exc}"
-        return "cleanly"
+        return how_it_ended_sync(r, f"{r.headers[CALL_ID]} ")
 
 
 # -- the setting ---------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -25,21 +24,21 @@ import httpx
 import pytest
 import respx
 from conftest import FAST
+from tricklekit import (
+    BOUNDED,
+    OUTLASTED,
+    PATIENCE_S,
+    READ_S,
+    STREAM_S,
+    TRICKLE,
+    how_it_ended,
+    how_it_ended_sync,
+)
 
 from effectguard import AsyncGuardTransport, GuardTransport
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
 MODELS = "/v1/models"
-READ_S = 1
-STREAM_S = 2
-#: A byte every 0.2 s: never silent for READ_S, and about a minute to the end.
-TRICKLE = {"x-fake-behaviour": "trickle=0.2"}
-#: Far past both bounds, far short of a trickled answer's end.
-PATIENCE_S = 15.0
-OUTLASTED = "still running when the client's patience ran out"
-BOUNDED = dataclasses.replace(
-    FAST, upstream_read_timeout_s=READ_S, upstream_stream_timeout_s=STREAM_S
-)
 
 
 @pytest.fixture
@@ -52,15 +51,7 @@ async def _stream(client: httpx.AsyncClient, url: str, headers: dict[str, str]) 
     """How a streamed read ended: ``cleanly``, or the error that ended it."""
     async with client.stream("GET", url + "?stream=true", headers=headers) as r:
         assert r.status_code == 200
-        try:
-            async with asyncio.timeout(PATIENCE_S):
-                async for _ in r.aiter_raw():
-                    pass
-        except TimeoutError:
-            return OUTLASTED
-        except httpx.TransportError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "cleanly"
+        return await how_it_ended(r)
 
 
 async def _reads(client: httpx.AsyncClient, url: str) -> tuple[list[httpx.Response], list[str]]:
@@ -140,14 +131,7 @@ def test_the_sync_transport_cuts_off_trickled_reads(tmp_path: Path, fake: FakePr
 def _sync_stream(client: httpx.Client, url: str, headers: dict[str, str]) -> str:
     with client.stream("GET", url + "?stream=true", headers=headers) as r:
         assert r.status_code == 200
-        began = time.monotonic()
-        try:
-            for _ in r.iter_raw():
-                if time.monotonic() - began > PATIENCE_S:
-                    return OUTLASTED
-        except httpx.TransportError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "cleanly"
+        return how_it_ended_sync(r)
 
 
 # -- in process: a read-only answer too large to hold --------------------------------------
