@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +29,7 @@ from pgkit import ledger_url  # noqa: F401  (fixture)
 from test_reconcile_auto import SEND, crash, email, upstreams
 from toolkit import cli_json as cli
 from toolkit import cli_run as run
+from toolkit import held_in_flight
 
 from effectguard.callpath.recovery import lock_dir_for
 from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
@@ -72,16 +72,7 @@ def call_under_way(
     client = threading.Thread(target=send)
     try:
         client.start()
-        deadline = time.monotonic() + 10
-        calls: list[Any] = []
-        while not calls and time.monotonic() < deadline:
-            calls = cli("calls", "--ledger", str(ledger), "--state", "in_flight")
-            time.sleep(0.05)
-        (call,) = calls
-        while not fake.receipts() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert fake.receipts(), "the call never reached the provider"
-        yield UnderWay(proxy, call["call_id"], answers, client, broken)
+        yield UnderWay(proxy, held_in_flight(str(ledger), fake), answers, client, broken)
     finally:
         proxy.stop()
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +29,7 @@ from pgkit import NEEDS_PG, pg_url
 from test_reconcile_auto import SEND, email, upstreams
 from toolkit import cli_json as cli
 from toolkit import cli_run as run
+from toolkit import held_in_flight
 
 from effectguard.testing import FakeProvider, Proxy, fake_provider, start_proxy
 
@@ -88,16 +88,7 @@ def call_under_way(url: str, fake: FakeProvider, tmp_path: Path, delay: str) -> 
     client = threading.Thread(target=send)
     try:
         client.start()
-        deadline = time.monotonic() + 10
-        calls: list[Any] = []
-        while not calls and time.monotonic() < deadline:
-            calls = cli("calls", "--ledger", url, "--state", "in_flight")
-            time.sleep(0.05)
-        (call,) = calls
-        while not fake.receipts() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert fake.receipts(), "the call never reached the provider"
-        yield UnderWay(proxy, call["call_id"], answers, client)
+        yield UnderWay(proxy, held_in_flight(url, fake), answers, client)
     finally:
         with contextlib.suppress(ProcessLookupError):
             proxy.process.send_signal(signal.SIGCONT)

@@ -1,13 +1,15 @@
 """Shared pieces of the tool-effect tests: a Stripe-like ``payments`` declaration whose
 ``/v1/send`` endpoint is at-most-once, carries the call id in a header and is looked up
 through the fake provider's lagging, key-checked ``/v1/search``; and a guard transport
-whose first send is lost on the way, leaving that call ``effect_unknown``."""
+whose first send is lost on the way, leaving that call ``effect_unknown``; the real CLI,
+and waiting for a call the provider holds while it is in flight."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,3 +112,19 @@ def cli_json(*args: str) -> Any:
     done = cli_run(*args, "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)
+
+
+def held_in_flight(ledger: str, fake: FakeProvider) -> str:
+    """Wait (10 s at most) until ``ledger`` holds one call in flight and ``fake`` has
+    received it; that call's id."""
+    deadline = time.monotonic() + 10
+    calls: list[Any] = []
+    while not calls and time.monotonic() < deadline:
+        calls = cli_json("calls", "--ledger", ledger, "--state", "in_flight")
+        time.sleep(0.05)
+    (call,) = calls
+    while not fake.receipts() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fake.receipts(), "the call never reached the provider"
+    call_id: str = call["call_id"]
+    return call_id
