@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 #: Headers the recording upstream adds to its answers, as a misbehaving provider might.
 UPSTREAM_OWN_HEADERS = {"effectguard-replayed": "true", "effectguard-call-id": "upstream-lie"}
@@ -185,7 +185,40 @@ def read_request(conn: socket.socket, timeout: float = 10.0) -> RawRequest | Non
     return RawRequest(line, fields, body)
 
 
-class SocketUpstream:
+class LoopbackServer:
+    """A listener on a loopback port that accepts from a thread of its own while it is
+    entered, handing each connection to :meth:`accepted`."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # shutdown wakes the thread blocked in accept(); close alone does not (Linux).
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+        self._thread.join(timeout=5)
+
+    def accepted(self, conn: socket.socket) -> None:
+        """Serve ``conn``, just accepted (on the accepting thread)."""
+        raise NotImplementedError
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed by __exit__
+            self.accepted(conn)
+
+
+class SocketUpstream(LoopbackServer):
     """An upstream a test plays on a raw loopback socket: each connection's one request
     is read whole and handed to :meth:`answer`; the connection is closed after it.
     Connections are served one after another, or each in a thread of its own when
@@ -194,32 +227,14 @@ class SocketUpstream:
     #: Whether each connection is served in a thread of its own.
     concurrent = False
 
-    def __init__(self) -> None:
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    def __enter__(self) -> Any:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.close()
-        self._thread.join(timeout=5)
-
     def answer(self, conn: socket.socket, request: RawRequest) -> None:
         """Write what this upstream answers ``request`` with (nothing, by default)."""
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed by __exit__
-            if self.concurrent:
-                threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
-            else:
-                self._serve_one(conn)
+    def accepted(self, conn: socket.socket) -> None:
+        if self.concurrent:
+            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+        else:
+            self._serve_one(conn)
 
     def _serve_one(self, conn: socket.socket) -> None:
         with conn:

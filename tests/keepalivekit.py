@@ -11,15 +11,13 @@ receipts): a request it never read is not among them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import select
 import socket
 import threading
 import time
-from typing import Any
 
-from edgekit import read_request
+from edgekit import LoopbackServer, read_request
 
 
 def chat_answer(content: str) -> bytes:
@@ -37,7 +35,7 @@ def chat_answer(content: str) -> bytes:
     return head.encode() + b"\r\n\r\n" + body
 
 
-class KeepAliveUpstream:
+class KeepAliveUpstream(LoopbackServer):
     """The upstream; a context manager that serves while it is entered."""
 
     def __init__(self, *, idle_close_s: float = 60.0, close_after_s: float | None = None):
@@ -46,30 +44,12 @@ class KeepAliveUpstream:
         self.connections = 0
         self.receipts: list[bytes] = []
         self._lock = threading.Lock()
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
+        super().__init__()
 
-    def __enter__(self) -> KeepAliveUpstream:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        # shutdown wakes the thread blocked in accept(); close alone does not (Linux).
-        with contextlib.suppress(OSError):
-            self._server.shutdown(socket.SHUT_RDWR)
-        self._server.close()
-        self._thread.join(timeout=5)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed by __exit__
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+    def accepted(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+        threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
 
     def _serve_one(self, conn: socket.socket) -> None:
         with conn:
