@@ -1,19 +1,27 @@
 """Shutdown tests' tools: requests held in the proxy, the ledger's write lock held from
-outside, and what the proxy answered on a raw connection."""
+outside, what the proxy answered on a raw connection, and a guard's retry held until a
+close cuts its call off."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import sqlite3
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
 from edgekit import RawAnswer, address, parse_answer, read_until_closed
 from observing import cli_json
 from pgkit import DSN
 
+import effectguard.config.defaults
+from effectguard.callpath.dispatches import Dispatches
+from effectguard.callpath.recorder import Recorder
 from effectguard.testing import Proxy
 
 OPENAI_CHAT = "/openai/v1/chat/completions"
@@ -102,3 +110,26 @@ def settled_stages(ledger: str) -> Counter[str] | None:
     """The ledger's calls by stage, once none is in flight (else None)."""
     stages = Counter(c["stage"] for c in cli_json("calls", "--ledger", ledger))
     return None if stages["in_flight"] else stages
+
+
+def retry_held_until_the_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event]:
+    """A close that stops waiting after 1 s, and the guard's retry held as it starts until
+    that close cuts its call off, then let commit: (the retry is starting, the cut is made)."""
+    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
+    starting, cutting = threading.Event(), threading.Event()
+    next_attempt, cut_off_all = Recorder.next_attempt, Dispatches.cut_off_all
+
+    async def held(self: Recorder, prepared: Any, previous: Any) -> Any:
+        starting.set()
+        await asyncio.to_thread(cutting.wait, PATIENCE_S)
+        return await next_attempt(self, prepared, previous)
+
+    async def cut(self: Dispatches, reason: str) -> bool:
+        cutting.set()
+        return await cut_off_all(self, reason)
+
+    monkeypatch.setattr(Recorder, "next_attempt", held)
+    monkeypatch.setattr(Dispatches, "cut_off_all", cut)
+    return starting, cutting

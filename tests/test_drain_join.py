@@ -21,17 +21,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from observing import cli_json, ledger_events, wait_for
-from shutdownkit import PATIENCE_S, chat, request_under_way, whole_answer_on
+from shutdownkit import (
+    PATIENCE_S,
+    chat,
+    request_under_way,
+    retry_held_until_the_cut,
+    whole_answer_on,
+)
 
 import effectguard
 import effectguard.config.defaults
-from effectguard.callpath.dispatches import Dispatches
-from effectguard.callpath.recorder import Recorder
 from effectguard.config.settings import GuardSettings
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
@@ -290,21 +293,7 @@ def test_a_joined_retry_of_a_retry_starting_as_a_close_cuts_it_off_gets_the_429(
     is recorded ``not_sent`` (the call ``not_sent``), and the joined retry gets the 429
     before it, as the call's caller does. The retry's start is held until the close cuts
     the call off, then let commit."""
-    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
-    starting, cutting = threading.Event(), threading.Event()
-    next_attempt, cut_off_all = Recorder.next_attempt, Dispatches.cut_off_all
-
-    async def held(self: Recorder, prepared: Any, previous: Any) -> Any:
-        starting.set()
-        await asyncio.to_thread(cutting.wait, PATIENCE_S)
-        return await next_attempt(self, prepared, previous)
-
-    async def cut(self: Dispatches, reason: str) -> bool:
-        cutting.set()
-        return await cut_off_all(self, reason)
-
-    monkeypatch.setattr(Recorder, "next_attempt", held)
-    monkeypatch.setattr(Dispatches, "cut_off_all", cut)
+    starting, _ = retry_held_until_the_cut(monkeypatch)
     ledger = str(tmp_path / "l.db")
     url = provider.url + "/v1/chat/completions"
     headers = {"content-type": "application/json", "x-fake-behaviour": SLOW_429}

@@ -19,17 +19,20 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from observing import cli_json, ledger_events, wait_for
-from shutdownkit import PATIENCE_S, chat, request_under_way, whole_answer_on
+from shutdownkit import (
+    PATIENCE_S,
+    chat,
+    request_under_way,
+    retry_held_until_the_cut,
+    whole_answer_on,
+)
 
 import effectguard
 import effectguard.config.defaults
-from effectguard.callpath.dispatches import Dispatches
-from effectguard.callpath.recorder import Recorder
 from effectguard.callpath.runtime import Runtime, RuntimeConfig
 from effectguard.config.settings import GuardSettings
 from effectguard.ingress.transport import CLOSED_MID_CALL
@@ -192,21 +195,7 @@ def test_a_retry_starting_as_a_close_cuts_it_off_is_not_sent_and_answers_the_429
     recorded ``not_sent`` (it was never sent), not left in flight for the cut-off to mark
     effect unknown, and the caller gets the provider's 429. The retry's start is held
     until the close cuts the call off, then let commit."""
-    monkeypatch.setattr(effectguard.config.defaults, "DRAIN_TIMEOUT_S", 1.0)
-    starting, cutting = threading.Event(), threading.Event()
-    next_attempt, cut_off_all = Recorder.next_attempt, Dispatches.cut_off_all
-
-    async def held(self: Recorder, prepared: Any, previous: Any) -> Any:
-        starting.set()
-        await asyncio.to_thread(cutting.wait, PATIENCE_S)
-        return await next_attempt(self, prepared, previous)
-
-    async def cut(self: Dispatches, reason: str) -> bool:
-        cutting.set()
-        return await cut_off_all(self, reason)
-
-    monkeypatch.setattr(Recorder, "next_attempt", held)
-    monkeypatch.setattr(Dispatches, "cut_off_all", cut)
+    starting, cutting = retry_held_until_the_cut(monkeypatch)
     ledger = str(tmp_path / "l.db")
     url = provider.url + "/v1/chat/completions"
 
