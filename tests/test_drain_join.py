@@ -14,6 +14,7 @@ call's answer. Effects are counted with the fake provider's receipts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import sqlite3
@@ -36,7 +37,7 @@ from shutdownkit import (
 import effectguard
 import effectguard.config.defaults
 from effectguard.config.settings import GuardSettings
-from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -80,31 +81,55 @@ def _told(answer: httpx.Response) -> tuple[int, str, str]:
     )
 
 
-def test_a_drain_ending_during_the_back_off_answers_the_joined_retry_the_429(
-    tmp_path: Path, provider: FakeProvider
-) -> None:
-    """SIGTERM while the guard waits to retry the 429, the drain (1 s) ending first: the
-    joined retry gets the 429 its call's caller gets, not 503 ``shutting_down``."""
-    ledger = str(tmp_path / "l.db")
+#: The header line an SDK's retry of a request carries.
+RETRY_COUNT = "x-stainless-retry-count: 1\r\n"
+
+
+@contextlib.contextmanager
+def _draining(
+    ledger: str, tmp_path: Path, provider: FakeProvider, settings: str = ""
+) -> Iterator[Proxy]:
+    """A ``serve`` on ``ledger`` whose drain lasts 1 s (``settings``: more of its config)."""
     config = tmp_path / "c.toml"
-    config.write_text(
-        f"[server]\ndrain_timeout_s = 1\n[guard]\nretry_wait_s = {BACK_OFF_S}\nmax_retries = 2\n"
-    )
-    behaviour = f"x-fake-behaviour: {SLOW_429}\r\n"
+    config.write_text("[server]\ndrain_timeout_s = 1\n" + settings)
     with running_proxy(
         ledger,
         upstreams={"openai": provider.url},
         args=["--config", str(config)],
         log_path=tmp_path / "p.log",
     ) as proxy:
-        first = request_under_way(proxy, "joined", behaviour)
-        wait_for(lambda: provider.receipts(), PATIENCE_S, "the first attempt's receipt")
-        retry = request_under_way(proxy, "joined", behaviour + "x-stainless-retry-count: 1\r\n")
+        yield proxy
+
+
+def _call_and_joined_retry(
+    proxy: Proxy, provider: FakeProvider, behaviour: str
+) -> tuple[socket.socket, socket.socket]:
+    """A call under way (the provider has it) and an SDK's retry of it, joining it."""
+    first = request_under_way(proxy, "joined", behaviour)
+    wait_for(lambda: provider.receipts(), PATIENCE_S, "the first attempt's receipt")
+    return first, request_under_way(proxy, "joined", behaviour + RETRY_COUNT)
+
+
+def _terminated(proxy: Proxy, *under_way: socket.socket) -> tuple[list[tuple[int, str, str]], str]:
+    """SIGTERM ``proxy``: what each request ``under_way`` was answered, once it exited 0,
+    and its log."""
+    proxy.kill(signal.SIGTERM)
+    answers = [_raw(sock) for sock in under_way]
+    assert proxy.process.wait(PATIENCE_S) == 0
+    return answers, proxy.log()
+
+
+def test_a_drain_ending_during_the_back_off_answers_the_joined_retry_the_429(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """SIGTERM while the guard waits to retry the 429, the drain (1 s) ending first: the
+    joined retry gets the 429 its call's caller gets, not 503 ``shutting_down``."""
+    ledger = str(tmp_path / "l.db")
+    settings = f"[guard]\nretry_wait_s = {BACK_OFF_S}\nmax_retries = 2\n"
+    with _draining(ledger, tmp_path, provider, settings) as proxy:
+        under_way = _call_and_joined_retry(proxy, provider, f"x-fake-behaviour: {SLOW_429}\r\n")
         wait_for(lambda: _observed(ledger), PATIENCE_S, "the 429 recorded: the guard waits")
-        proxy.kill(signal.SIGTERM)
-        answers = [_raw(first), _raw(retry)]
-        assert proxy.process.wait(PATIENCE_S) == 0
-        log = proxy.log()
+        answers, log = _terminated(proxy, *under_way)
     assert [r["status"] for r in provider.receipts()] == [429], log  # no retry went out
     _both_got_the_429(answers, ledger)
 
@@ -117,22 +142,9 @@ def test_a_drain_ending_on_a_joined_call_in_flight_answers_both_504(
     ``effect_unknown`` naming it. (Serve had this right already, its caller cut off
     first; held here, as the joined retry now waits for that cut-off.)"""
     ledger = str(tmp_path / "l.db")
-    config = tmp_path / "c.toml"
-    config.write_text("[server]\ndrain_timeout_s = 1\n")
-    behaviour = "x-fake-behaviour: delay=60\r\n"
-    with running_proxy(
-        ledger,
-        upstreams={"openai": provider.url},
-        args=["--config", str(config)],
-        log_path=tmp_path / "p.log",
-    ) as proxy:
-        first = request_under_way(proxy, "joined", behaviour)
-        wait_for(lambda: provider.receipts(), PATIENCE_S, "the first attempt's receipt")
-        retry = request_under_way(proxy, "joined", behaviour + "x-stainless-retry-count: 1\r\n")
-        proxy.kill(signal.SIGTERM)
-        answers = [_raw(first), _raw(retry)]
-        assert proxy.process.wait(PATIENCE_S) == 0
-        log = proxy.log()
+    with _draining(ledger, tmp_path, provider) as proxy:
+        under_way = _call_and_joined_retry(proxy, provider, "x-fake-behaviour: delay=60\r\n")
+        answers, log = _terminated(proxy, *under_way)
     assert len(provider.receipts()) == 1, log
     (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
     assert call["stage"] == "effect_unknown", call
@@ -150,26 +162,16 @@ def test_a_drain_ending_answers_the_429_to_the_retry_of_a_call_its_caller_left(
     in the drain's background phase: it got 503 ``shutting_down`` ("retry once the call
     has ended") while the call's own retry could still go out, answered to nobody."""
     ledger = str(tmp_path / "l.db")
-    config = tmp_path / "c.toml"
-    config.write_text(
-        "[server]\ndrain_timeout_s = 1\n[guard]\nretry_wait_s = 1.5\nmax_retries = 2\n"
-    )
     behaviour = "x-fake-behaviour: status=429;id=left;times=1\r\n"
-    with running_proxy(
-        ledger,
-        upstreams={"openai": provider.url},
-        args=["--config", str(config)],
-        log_path=tmp_path / "p.log",
+    with _draining(
+        ledger, tmp_path, provider, "[guard]\nretry_wait_s = 1.5\nmax_retries = 2\n"
     ) as proxy:
         first = request_under_way(proxy, "left", behaviour)
         wait_for(lambda: _observed(ledger), PATIENCE_S, "the 429 recorded: the guard waits")
         first.close()  # its caller leaves
         time.sleep(0.3)  # the proxy learns it (as test_retry_backoff's client leaves)
-        retry = request_under_way(proxy, "left", behaviour + "x-stainless-retry-count: 1\r\n")
-        proxy.kill(signal.SIGTERM)
-        answer = _raw(retry)
-        assert proxy.process.wait(PATIENCE_S) == 0
-        log = proxy.log()
+        retry = request_under_way(proxy, "left", behaviour + RETRY_COUNT)
+        (answer,), log = _terminated(proxy, retry)
     assert [r["status"] for r in provider.receipts()] == [429], log  # no retry went out
     (call,) = cli_json("calls", "--ledger", ledger)  # the retry joined: no second call
     assert (call["stage"], call["attempts"]) == ("not_processed", 1), call
