@@ -22,6 +22,7 @@ from pgkit import DSN
 import effectguard.config.defaults
 from effectguard.callpath.dispatches import Dispatches
 from effectguard.callpath.recorder import Recorder
+from effectguard.errors import LedgerUnavailable
 from effectguard.testing import Proxy
 
 OPENAI_CHAT = "/openai/v1/chat/completions"
@@ -133,3 +134,20 @@ def retry_held_until_the_cut(
     monkeypatch.setattr(Recorder, "next_attempt", held)
     monkeypatch.setattr(Dispatches, "cut_off_all", cut)
     return starting, cutting
+
+
+def closing_lets_the_lock_go(store: Any, ledger: str, release: Callable[[], None]) -> None:
+    """Make ``store``'s close take no new write from then on (as once it has closed), then
+    let the ledger's write lock go (``release``) and close: an admission queued long
+    before commits as the ledger closes."""
+    closing_store = store.close
+
+    async def refused(*_: object) -> None:
+        raise LedgerUnavailable(f"ledger {ledger} is not open")
+
+    async def close() -> None:
+        store.write = refused
+        release()
+        await closing_store()
+
+    store.close = close

@@ -33,6 +33,7 @@ from shutdownkit import (
     PATIENCE_S,
     answer_on,
     chat,
+    closing_lets_the_lock_go,
     request_under_way,
     whole_answer_on,
     write_lock,
@@ -79,19 +80,7 @@ def test_an_admission_committing_as_the_ledger_closes_is_recorded_not_sent(
         assert warm.status_code == 200, warm.text  # the runtime started, the ledger made
         store: Any = transport.ledger.store
         with write_lock(ledger) as release:
-            closing_store = store.close
-
-            async def refused(*_: object) -> None:
-                raise LedgerUnavailable(f"ledger {ledger} is not open")
-
-            async def close() -> None:
-                # The ledger takes no new write from here (as once it has closed); the
-                # lock let go, the admission queued long before commits as it closes.
-                store.write = refused
-                release()
-                await closing_store()
-
-            store.close = close
+            closing_lets_the_lock_go(store, ledger, release)
             call = asyncio.ensure_future(client.post(url, content=chat("held"), headers=headers))
             await asyncio.sleep(0.1)  # its admission waits for the lock
             await asyncio.wait_for(transport.aclose(), PATIENCE_S * 2)
@@ -136,17 +125,7 @@ def test_a_sync_transports_admission_committing_as_the_ledger_closes_is_not_sent
             told.append(exc)
 
     with write_lock(ledger) as release:
-        closing_store = store.close
-
-        async def refused(*_: object) -> None:
-            raise LedgerUnavailable(f"ledger {ledger} is not open")
-
-        async def close() -> None:
-            store.write = refused
-            release()
-            await closing_store()
-
-        store.close = close
+        closing_lets_the_lock_go(store, ledger, release)
         caller = threading.Thread(target=call, daemon=True)
         caller.start()
         wait_for(lambda: not caller.is_alive() or _admitting(transport), PATIENCE_S, "admitting")
