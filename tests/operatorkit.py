@@ -129,14 +129,20 @@ def write_unknown_calls(path: Path, count: int, *, first_at: float, rest_at: flo
             now[0] = first_at if n == 0 else rest_at
             call_id = operations.new_call_id()
             ids.append(call_id)
-            operations.append(session, writer, _admitted(call_id, writer, now[0], n))
-            state = session.get_call(call_id)
-            assert state is not None
-            operations.interrupt(session, writer, state, "the test's worker is gone")
+            interrupted(session, writer, call_id, _admitted(call_id, writer, now[0], n))
         session.commit()
     finally:
         session.close()
     return ids
+
+
+def interrupted(session: SqliteSession, writer: Writer, call_id: str, events: list[Event]) -> None:
+    """Append ``call_id``'s admission ``events`` and mark its attempt interrupted, as a
+    sweep does once its worker is gone."""
+    operations.append(session, writer, events)
+    state = session.get_call(call_id)
+    assert state is not None
+    operations.interrupt(session, writer, state, "the test's worker is gone")
 
 
 def _admitted(call_id: str, writer: Writer, at: float, n: int) -> list[Event]:

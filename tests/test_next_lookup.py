@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from operatorkit import ADMIN_KEY, PAGE, config_text
+from operatorkit import ADMIN_KEY, PAGE, config_text, interrupted
 
 from effectguard.ledger import operations
 from effectguard.ledger.sqlitesession import SqliteSession
@@ -61,10 +61,7 @@ def write_unknown(
             provider_idempotency_key=provider_key,
         )
         reserved = BudgetReserved(call=call_id, budget="ops", amount=1_000_000)
-        operations.append(session, writer, [manifest, reserved, started])
-        state = session.get_call(call_id)
-        assert state is not None
-        operations.interrupt(session, writer, state, "the test's worker is gone")
+        interrupted(session, writer, call_id, [manifest, reserved, started])
         session.commit()
     finally:
         session.close()
