@@ -9,7 +9,9 @@ Real processes: the proxy and the fake provider, which holds the call (``x-fake-
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 from observing import cli_json, wait_for
 from shutdownkit import PATIENCE_S, refusing, request_under_way, whole_answer_on
 
-from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 
 
 @pytest.fixture
@@ -26,15 +28,25 @@ def provider(tmp_path: Path) -> Iterator[FakeProvider]:
         yield fake
 
 
-def test_sighup_drains_the_call_in_flight(tmp_path: Path, provider: FakeProvider) -> None:
-    ledger = str(tmp_path / "l.db")
+@contextlib.contextmanager
+def _draining_on_sighup(
+    ledger: str, tmp_path: Path, provider: FakeProvider, delay_s: int
+) -> Iterator[tuple[Proxy, socket.socket]]:
+    """A ``serve`` on ``ledger`` draining on SIGHUP, and the raw connection of its call in
+    flight, which the provider holds for ``delay_s``."""
     upstreams = {"openai": provider.url}
     log_path = tmp_path / "proxy.log"
     with running_proxy(ledger, upstreams=upstreams, log_path=log_path) as proxy:
-        waiting = request_under_way(proxy, "slow", "x-fake-delay: 2\r\n")
+        waiting = request_under_way(proxy, "slow", f"x-fake-delay: {delay_s}\r\n")
         wait_for(lambda: len(provider.receipts()) == 1, PATIENCE_S, "the call's receipt")
         proxy.kill(signal.SIGHUP)
         wait_for(lambda: refusing(proxy), PATIENCE_S, "the drain to begin")
+        yield proxy, waiting
+
+
+def test_sighup_drains_the_call_in_flight(tmp_path: Path, provider: FakeProvider) -> None:
+    ledger = str(tmp_path / "l.db")
+    with _draining_on_sighup(ledger, tmp_path, provider, 2) as (proxy, waiting):
         answer = whole_answer_on(waiting)
         status = proxy.process.wait(PATIENCE_S)
         log = proxy.log()
@@ -52,13 +64,7 @@ def test_a_second_sighup_stops_at_once(tmp_path: Path, provider: FakeProvider) -
     """A second signal during a SIGHUP's drain stops the process at once, as a second
     SIGTERM does: exit 0, the documented log line, the call cut off ``effect_unknown``."""
     ledger = str(tmp_path / "l.db")
-    upstreams = {"openai": provider.url}
-    log_path = tmp_path / "proxy.log"
-    with running_proxy(ledger, upstreams=upstreams, log_path=log_path) as proxy:
-        waiting = request_under_way(proxy, "slow", "x-fake-delay: 30\r\n")
-        wait_for(lambda: len(provider.receipts()) == 1, PATIENCE_S, "the call's receipt")
-        proxy.kill(signal.SIGHUP)
-        wait_for(lambda: refusing(proxy), PATIENCE_S, "the drain to begin")
+    with _draining_on_sighup(ledger, tmp_path, provider, 30) as (proxy, waiting):
         proxy.kill(signal.SIGHUP)
         answer = whole_answer_on(waiting)
         status = proxy.process.wait(PATIENCE_S)
