@@ -45,7 +45,6 @@ import effectguard.callpath.guard
 import effectguard.config.defaults
 import effectguard.ingress.transport
 from effectguard.callpath.recorder import Recorder
-from effectguard.errors import LedgerUnavailable
 from effectguard.testing import FakeProvider, fake_provider, running_proxy
 
 _ = (ledger_url,)  # fixtures
@@ -251,17 +250,8 @@ def test_a_retry_starting_as_the_ledger_closes_is_recorded_not_sent(
                 return await next_attempt(self, prepared, previous)
 
             monkeypatch.setattr(Recorder, "next_attempt", held)
-            closing_store = store.close
-
-            async def refused(*_: object) -> None:
-                raise LedgerUnavailable(f"ledger {ledger} is not open")
-
-            async def close() -> None:
-                store.write = refused  # no new write from here; the queued start commits
-                releases[0]()
-                await closing_store()
-
-            store.close = close
+            # No new write once it closes; the queued start commits (the lock taken by then).
+            closing_lets_the_lock_go(store, ledger, lambda: releases[0]())
             call = asyncio.ensure_future(client.post(url, content=chat("limited"), headers=headers))
             await asyncio.wait_for(starting.wait(), PATIENCE_S)
             await asyncio.sleep(0.1)  # the retry's start waits for the lock
