@@ -185,6 +185,18 @@ def _raw(sock: socket.socket) -> tuple[int, str, str]:
     return answer.status, answer.json()["error"]["type"], answer.headers["effectguard-call-id"]
 
 
+async def _posted_and_joined(
+    client: httpx.AsyncClient, provider: FakeProvider, url: str, headers: dict[str, str]
+) -> tuple[asyncio.Future[httpx.Response], asyncio.Future[httpx.Response]]:
+    """A call posted through ``client`` (the provider has it), and an SDK's retry of it
+    posted after it, joining it: both under way."""
+    first = asyncio.ensure_future(client.post(url, content=chat("j"), headers=headers))
+    while not provider.receipts():
+        await asyncio.sleep(0.02)
+    retried = {**headers, **RETRY}
+    return first, asyncio.ensure_future(client.post(url, content=chat("j"), headers=retried))
+
+
 def test_an_async_transport_closing_during_the_back_off_answers_the_joined_retry_the_429(
     tmp_path: Path, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,11 +214,7 @@ def test_an_async_transport_closing_during_the_back_off_answers_the_joined_retry
             settings=GuardSettings(retry_wait_s=BACK_OFF_S),
         )
         client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S)
-        first = asyncio.ensure_future(client.post(url, content=chat("j"), headers=headers))
-        while not provider.receipts():
-            await asyncio.sleep(0.02)
-        retried = {**headers, **RETRY}
-        retry = asyncio.ensure_future(client.post(url, content=chat("j"), headers=retried))
+        first, retry = await _posted_and_joined(client, provider, url, headers)
         while not _observed(ledger):
             await asyncio.sleep(0.02)
         await asyncio.wait_for(transport.aclose(), PATIENCE_S * 3)
@@ -271,11 +279,7 @@ def test_a_transport_closing_on_a_joined_call_in_flight_answers_both_504(
             ledger=ledger, upstreams={"openai": provider.url}
         )
         client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S * 3)
-        first = asyncio.ensure_future(client.post(url, content=chat("j"), headers=headers))
-        while not provider.receipts():
-            await asyncio.sleep(0.02)
-        retried = {**headers, **RETRY}
-        retry = asyncio.ensure_future(client.post(url, content=chat("j"), headers=retried))
+        first, retry = await _posted_and_joined(client, provider, url, headers)
         await asyncio.wait_for(transport.aclose(), PATIENCE_S * 3)
         return [await asyncio.wait_for(c, PATIENCE_S) for c in (first, retry)]
 
@@ -305,11 +309,7 @@ def test_a_joined_retry_of_a_retry_starting_as_a_close_cuts_it_off_gets_the_429(
             ledger=ledger, upstreams={"openai": provider.url}
         )
         client = httpx.AsyncClient(transport=transport, timeout=PATIENCE_S)
-        first = asyncio.ensure_future(client.post(url, content=chat("j"), headers=headers))
-        while not provider.receipts():
-            await asyncio.sleep(0.02)
-        retried = {**headers, **RETRY}
-        retry = asyncio.ensure_future(client.post(url, content=chat("j"), headers=retried))
+        first, retry = await _posted_and_joined(client, provider, url, headers)
         assert await asyncio.to_thread(starting.wait, PATIENCE_S), "the retry's start"
         await asyncio.wait_for(transport.aclose(), PATIENCE_S * 3)
         return [await asyncio.wait_for(c, PATIENCE_S) for c in (first, retry)]
