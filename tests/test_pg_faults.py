@@ -39,7 +39,7 @@ import httpx
 import pytest
 from pgkit import DSN, NEEDS_PG, pg_url, server_port, shorter_waits, via
 
-from effectguard.testing import FakeProvider, fake_provider, running_proxy
+from effectguard.testing import FakeProvider, Proxy, fake_provider, running_proxy
 from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER
 
 _ = (pg_url,)  # fixtures
@@ -308,6 +308,27 @@ def _ledger(url: str, *args: str) -> Any:
 def provider(tmp_path: Path) -> Iterator[FakeProvider]:
     with fake_provider(tmp_path / "receipts.jsonl") as fake:
         yield fake
+
+
+@contextlib.contextmanager
+def relayed_beside_a_sweeper(
+    pg_url: str, relay: Relay, provider: FakeProvider, tmp_path: Path
+) -> Iterator[tuple[Proxy, httpx.Client]]:
+    """Two replicas of ``pg_url`` on a 2 s lease, each sweeping every 0.5 s: one reached
+    through ``relay`` (its log ``a.log``), one direct (``b.log``). The first, and a client
+    of it."""
+    config = tmp_path / "lease.toml"
+    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\nsweep_s = 0.5\n")
+    flags = ["--config", str(config)]
+    upstreams = {"openai": provider.url}
+    with (
+        running_proxy(
+            via(pg_url, relay.port), upstreams=upstreams, args=flags, log_path=tmp_path / "a.log"
+        ) as relayed,
+        running_proxy(pg_url, upstreams=upstreams, args=flags, log_path=tmp_path / "b.log"),
+        httpx.Client(base_url=relayed.url, timeout=60) as client,
+    ):
+        yield relayed, client
 
 
 @pytest.mark.parametrize(
@@ -659,17 +680,7 @@ def test_a_writer_slow_to_commit_does_not_cost_the_replica_its_lease(
     healthy replica over (``worker.taken_over``: its calls in flight ``effect_unknown``,
     their answers refused). Now the lease is renewed beside the writer and nothing is
     taken over; once the answer comes, the replica serves on, each call sent once."""
-    config = tmp_path / "lease.toml"
-    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\nsweep_s = 0.5\n")
-    flags = ["--config", str(config)]
-    upstreams = {"openai": provider.url}
-    with (
-        running_proxy(
-            via(pg_url, relay.port), upstreams=upstreams, args=flags, log_path=tmp_path / "a.log"
-        ) as busy,
-        running_proxy(pg_url, upstreams=upstreams, args=flags, log_path=tmp_path / "b.log"),
-        httpx.Client(base_url=busy.url, timeout=60) as client,
-    ):
+    with relayed_beside_a_sweeper(pg_url, relay, provider, tmp_path) as (busy, client):
         body, headers = _chat("warm")
         assert client.post(CHAT, json=body, headers=headers).status_code == 200
         relay.stall("COMMIT", whole=True)  # the next commit of the busy replica's writer

@@ -20,7 +20,16 @@ from typing import Any
 import httpx
 import psycopg
 from pgkit import DSN, NEEDS_PG, pg_url, via
-from test_pg_faults import CHAT, Relay, _chat, _taken_over, _wait, provider, relay
+from test_pg_faults import (
+    CHAT,
+    Relay,
+    _chat,
+    _taken_over,
+    _wait,
+    provider,
+    relay,
+    relayed_beside_a_sweeper,
+)
 
 from effectguard.testing import FakeProvider, running_proxy
 from effectguard.testing.fakebehaviour import BEHAVIOUR_HEADER
@@ -81,17 +90,7 @@ def test_a_replica_refusing_a_newer_ledger_lets_another_take_its_calls_over(
     stopped. Now it stops renewing: its lease lapses, and the other replica's sweeper
     takes it over (``worker.taken_over``), the call ``effect_unknown`` (contract §7). The
     refused heartbeat is logged once when it starts and once when it ends."""
-    config = tmp_path / "lease.toml"
-    config.write_text("[server]\nlease_s = 2\nheartbeat_s = 0.5\nsweep_s = 0.5\n")
-    flags = ["--config", str(config)]
-    upstreams = {"openai": provider.url}
-    with (
-        running_proxy(
-            via(pg_url, relay.port), upstreams=upstreams, args=flags, log_path=tmp_path / "a.log"
-        ) as refusing,
-        running_proxy(pg_url, upstreams=upstreams, args=flags, log_path=tmp_path / "b.log"),
-        httpx.Client(base_url=refusing.url, timeout=60) as client,
-    ):
+    with relayed_beside_a_sweeper(pg_url, relay, provider, tmp_path) as (refusing, client):
         body, headers = _chat("before")
         assert client.post(CHAT, json=body, headers=headers).status_code == 200
         body, headers = _chat("slow")
